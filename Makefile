@@ -1,0 +1,54 @@
+# kvtier — everything a fresh machine needs is installed from here.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= dev,plot,redis,mooncake,metrics
+STAMP := $(VENV)/.kvtier-installed
+
+.PHONY: venv test test-fast serve demo bench lint typecheck clean sysdeps
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[$(EXTRAS)]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+# Debian packages the integration tests use (Redis server, libibverbs for Mooncake).
+sysdeps:
+	@if ! command -v redis-server >/dev/null 2>&1 || ! ldconfig -p | grep -q libibverbs.so.1; then \
+		if command -v apt-get >/dev/null 2>&1; then \
+			SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+			$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server libibverbs1 >/dev/null; \
+		else echo "sysdeps: apt-get not found; install redis-server and libibverbs1 by hand"; fi; \
+	fi
+
+test: venv sysdeps
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+test-fast: venv
+	$(PY) -m pytest -q -p no:cacheprovider tests/unit $(PYTEST_ARGS)
+
+serve: venv
+	$(VENV)/bin/kvtierd $(ARGS)
+
+demo: venv
+	$(VENV)/bin/kvtier demo $(ARGS)
+
+bench: venv sysdeps
+	$(VENV)/bin/kvtier bench l2 --json bench/results/l2.json
+	$(VENV)/bin/kvtier bench e2e --json bench/results/e2e.json
+	$(VENV)/bin/kvtier bench l3 --backend file --json bench/results/l3_file.json
+
+lint: venv
+	$(VENV)/bin/ruff check .
+
+typecheck: venv
+	$(VENV)/bin/mypy config ipc daemon client kernels
+
+clean:
+	rm -rf $(VENV) build *.egg-info

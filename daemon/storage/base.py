@@ -1,0 +1,116 @@
+"""The L3 storage backend interface.
+
+Every backend moves whole pages between the daemon's host pool (one shared-memory
+arena) and a store, zero-copy where the store allows it. Pages are addressed in the
+arena by byte offset; a batch always belongs to one namespace.
+
+::
+
+    arena (HostArena)   ┌────────┬────────┬────────┬─────
+                        │ slot 0 │ slot 1 │ slot 2 │ ...
+                        └────────┴────────┴────────┴─────
+    get_into(keys=[k0, k1], offsets=[o1, o0], length=L) fills arena[o1:o1+L], arena[o0:o0+L]
+
+Objects in a store are self-describing (see :mod:`kvtier.daemon.storage.objects`):
+a read whose header or checksum does not verify is a miss, never data.
+
+Backends are async. Blocking client libraries run their calls in a worker thread
+(``asyncio.to_thread``) so the daemon's event loop keeps answering.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class HostArena:
+    """The host pool's memory as a backend sees it.
+
+    Attributes:
+        view: a writable memoryview (format ``B``) over the whole arena.
+        address: the arena's base virtual address in this process (for libraries
+            that take raw pointers, e.g. Mooncake's ``register_buffer``).
+        size: the arena's size in bytes.
+    """
+
+    view: memoryview
+    address: int
+    size: int
+
+
+@dataclass(slots=True)
+class BackendStats:
+    """Counters every backend keeps; the daemon exports them as metrics.
+
+    Attributes:
+        puts / put_bytes: objects and payload bytes written.
+        gets / get_bytes: objects and payload bytes read and verified.
+        misses: keys asked for and not found.
+        corrupt: objects found whose header or checksum did not verify (counted as misses too).
+        errors: operations that failed on the backend's side (I/O error, connection lost).
+    """
+
+    puts: int = 0
+    put_bytes: int = 0
+    gets: int = 0
+    get_bytes: int = 0
+    misses: int = 0
+    corrupt: int = 0
+    errors: int = 0
+
+
+class StorageBackend(abc.ABC):
+    """An L3 store of pages named by (namespace fingerprint, page key).
+
+    Lifecycle: construct with the parsed extra config, ``await open(arena)`` once,
+    use, ``await close()``. All batch methods take one namespace fingerprint
+    (32 bytes) and keys of 32 bytes each. Methods never raise for a miss or for a
+    backend fault: a fault counts in ``stats.errors`` and reads as a miss
+    (``False`` / a shorter run).
+    """
+
+    name: str = "abstract"
+
+    def __init__(self, extra_config: dict[str, Any]) -> None:
+        self.extra_config = dict(extra_config)
+        self.stats = BackendStats()
+
+    @abc.abstractmethod
+    async def open(self, arena: HostArena) -> None:
+        """Connect, register the arena where the store supports zero-copy, load indexes."""
+
+    @abc.abstractmethod
+    async def exists(self, ns: bytes, keys: Sequence[bytes]) -> int:
+        """Return the length of the leading run of ``keys`` present in the store."""
+
+    @abc.abstractmethod
+    async def get_into(
+        self, ns: bytes, keys: Sequence[bytes], offsets: Sequence[int], length: int
+    ) -> list[bool]:
+        """Read each key's payload (``length`` bytes) into ``arena[offset:offset+length]``.
+
+        Returns one flag per key: ``True`` only when the object was found, its header
+        matched (namespace, key, length) and its checksum verified. A ``False`` slot's
+        bytes are unspecified; the caller discards them.
+        """
+
+    @abc.abstractmethod
+    async def put_from(
+        self, ns: bytes, keys: Sequence[bytes], offsets: Sequence[int], length: int
+    ) -> list[bool]:
+        """Write each page ``arena[offset:offset+length]`` under its key; one flag per key."""
+
+    @abc.abstractmethod
+    async def delete(self, ns: bytes, keys: Sequence[bytes]) -> int:
+        """Delete the keys; return how many were present."""
+
+    @abc.abstractmethod
+    async def health(self) -> bool:
+        """Return True when the store answers."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Flush and release everything; idempotent."""
