@@ -1,0 +1,87 @@
+"""A small synchronous client for the daemon's unauthenticated-or-admin requests:
+HEALTH and STATS (and, with the admin credential, the admin operations)."""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from kvtier.config import KvtierError
+from kvtier.ipc import protocol as P
+from kvtier.ipc.sockets import ipc_endpoint, make_zmq_socket
+
+
+class AdminError(KvtierError):
+    """The daemon refused an admin request or did not answer."""
+
+
+class AdminClient:
+    """Talks to kvtierd over its control socket without registering an engine.
+
+    Args:
+        endpoint: ``ipc://...`` endpoint, or a socket file path.
+        timeout_s: how long to wait for each reply.
+        admin_token: the admin credential, for requests that need it.
+    """
+
+    def __init__(self, endpoint: str | Path, timeout_s: float = 2.0, admin_token: str = "") -> None:
+        ep = str(endpoint)
+        self.endpoint = ep if "://" in ep else ipc_endpoint(ep)
+        self.timeout_s = timeout_s
+        self.admin_token = admin_token
+        self._ctx = zmq.Context()
+        self._sock = make_zmq_socket(self._ctx, self.endpoint, zmq.DEALER, bind=False,
+                                     identity=b"admin-" + secrets.token_hex(6).encode())
+        self._ids = itertools.count(1)
+
+    def call(self, msg: P.Request) -> P.Reply:
+        """Send one request and return its reply.
+
+        Raises:
+            AdminError: no reply within ``timeout_s``.
+        """
+        msg.req_id = next(self._ids)
+        try:
+            self._sock.send(P.encode(msg), flags=zmq.NOBLOCK)
+        except zmq.Again as err:
+            raise AdminError(f"kvtierd is not reachable at {self.endpoint}") from err
+        deadline_ms = int(self.timeout_s * 1000)
+        while self._sock.poll(deadline_ms):
+            try:
+                rep = P.decode_reply(self._sock.recv())
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+            if rep.req_id == msg.req_id:
+                return rep
+        raise AdminError(f"kvtierd at {self.endpoint} did not answer within {self.timeout_s}s")
+
+    def health(self) -> P.HealthReply:
+        """Return the HEALTH reply (raises AdminError when the daemon does not answer)."""
+        rep = self.call(P.Health(req_id=0))
+        if not isinstance(rep, P.HealthReply):
+            raise AdminError(f"unexpected reply to HEALTH: {rep!r}")
+        return rep
+
+    def stats(self) -> dict[str, object]:
+        """Return the daemon's STATS dict."""
+        rep = self.call(P.Stats(req_id=0, admin_token=self.admin_token))
+        if isinstance(rep, P.ErrorReply):
+            raise AdminError(rep.message)
+        assert isinstance(rep, P.StatsReply)
+        return rep.stats
+
+    def close(self) -> None:
+        """Close the socket; idempotent."""
+        if not self._sock.closed:
+            self._sock.close(linger=0)
+            self._ctx.term()
+
+    def __enter__(self) -> "AdminClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,103 @@
+"""``kvtier``: the command line — serve, demo, bench, and the admin commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Callable
+
+
+def _serve(argv: list[str]) -> int:
+    # The daemon is its own program: exec it so ``kvtier serve`` and ``kvtierd`` are one thing.
+    os.execv(sys.executable, [sys.executable, "-m", "kvtier.daemon", *argv])
+    return 0  # not reached
+
+
+def _bench(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="kvtier bench", description="Measure kvtier against baselines.")
+    sub = p.add_subparsers(dest="what", required=True)
+    l2 = sub.add_parser("l2", help="host pool load/store bandwidth and lookup latency")
+    l2.add_argument("--json", metavar="PATH", help="write the results here")
+    l2.add_argument("--mib", type=int, default=256, help="MiB moved per measurement (>= 256)")
+    e2e = sub.add_parser("e2e", help="TTFT with an L2 hit vs recompute, and the miss overhead")
+    e2e.add_argument("--json", metavar="PATH")
+    e2e.add_argument("--runs", type=int, default=5)
+    l3 = sub.add_parser("l3", help="L3 backend bandwidth against its raw baseline")
+    l3.add_argument("--backend", choices=["file", "redis", "mooncake"], default="file")
+    l3.add_argument("--json", metavar="PATH")
+    l3.add_argument("--path", help="directory for the file backend (default: a temp dir)")
+    rs = sub.add_parser("restart", help="how fast a restarted daemon adopts its host pool")
+    rs.add_argument("--json", metavar="PATH")
+    rs.add_argument("--mib", type=int, default=1024)
+    args = p.parse_args(argv)
+    result: dict
+    if args.what == "l2":
+        from kvtier.bench import l2 as mod
+
+        result = mod.run_l2_bench(mib=args.mib)
+    elif args.what == "e2e":
+        from kvtier.bench import e2e as mod  # type: ignore[no-redef]
+
+        result = mod.run_e2e_bench(runs=args.runs)
+    elif args.what == "restart":
+        from kvtier.bench import restart as mod  # type: ignore[no-redef]
+
+        result = mod.run_restart_bench(mib=args.mib)
+    elif args.backend == "file":
+        import tempfile
+
+        from kvtier.bench import l3 as mod  # type: ignore[no-redef]
+
+        with tempfile.TemporaryDirectory(prefix="kvtier-l3-", dir=args.path) as d:
+            result = mod.run_file_bench(d)
+    else:
+        from kvtier.bench import l3_cluster as mod  # type: ignore[no-redef]
+
+        result = mod.run_cluster_bench(args.backend)
+    mod.print_table(result)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=2)
+    return 0
+
+
+def _demo(argv: list[str]) -> int:
+    from kvtier.client.demo import main as demo_main
+
+    return demo_main(argv)
+
+
+def _admin(argv: list[str]) -> int:
+    from kvtier.client.admin_cli import main as admin_main
+
+    return admin_main(argv)
+
+
+COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
+    "serve": (_serve, "run kvtierd in the foreground (same flags as kvtierd)"),
+    "demo": (_demo, "multi-turn workload on the reference engine, with an engine restart"),
+    "bench": (_bench, "benchmarks: l2, l3, e2e, restart"),
+    "stats": (_admin, "pool use, sessions, hit rates, bytes moved"),
+    "sessions": (_admin, "registered engine sessions"),
+    "flush": (_admin, "drop cached pages (admin)"),
+    "health": (_admin, "exit 0 when the daemon is healthy"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``kvtier``."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print("usage: kvtier COMMAND [ARGS]\n\ncommands:")
+        for name, (_, text) in COMMANDS.items():
+            print(f"  {name:<10} {text}")
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    fn, _ = COMMANDS[argv[0]]
+    return fn(argv if fn is _admin else argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,444 @@
+"""The engine's synchronous connection to kvtierd.
+
+Engines are mostly synchronous, so this API is too: ``lookup``, ``store`` and ``load``
+return at once (a load returns a handle whose ``wait_layer(i)`` the forward pass calls
+before layer ``i``). Page bytes never cross the socket: the daemon copies them through
+shared memory and signals each layer in the session's completion block.
+
+Failure is never fatal for the engine: when the daemon is gone or late past
+``request_timeout_s``, lookups report 0, loads report a miss and stores are dropped; the
+engine recomputes. A reply from a new daemon epoch (a restarted daemon) makes the
+connection re-register by itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import secrets
+import threading
+import time
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import Sequence
+
+import msgspec
+import zmq
+
+from kvtier.config import ClientConfig, KvtierError, runtime_dir, socket_path
+from kvtier.client.kv_pool import SharedKVPool
+from kvtier.client.page_keys import page_keys
+from kvtier.ipc import protocol as P
+from kvtier.ipc.completion import CompletionBlock, CompletionTimeout, TransferStatus
+from kvtier.ipc.sockets import ipc_endpoint, make_zmq_socket
+
+log = logging.getLogger("kvtier.client")
+
+
+class DaemonError(KvtierError):
+    """The daemon refused a request; ``code`` is the :class:`ErrorCode`."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(f"{P.ErrorCode(code).name}: {message}" if code in P.ErrorCode._value2member_map_
+                         else message)
+        self.code = code
+
+
+class DaemonUnavailable(KvtierError):
+    """The daemon did not answer in time (or is not running)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LookupReply:
+    """How many leading keys are in L2, and how many after those are in L3."""
+
+    l2: int
+    l3: int = 0
+
+
+class TransferHandle:
+    """A STORE or LOAD in flight.
+
+    Attributes:
+        count: for a load, the leading pages being loaded (0: a miss, nothing runs); for a
+            store, the leading keys now in L2 or being written (the rest were dropped).
+        writing: pages actually being copied (0: nothing to wait for).
+    """
+
+    __slots__ = ("_conn", "_block", "slot", "seq", "count", "writing", "num_layers", "_status",
+                 "_layers_ok")
+
+    def __init__(self, conn: "Connection | None", block: CompletionBlock | None, slot: int,
+                 seq: int, count: int, writing: int, num_layers: int) -> None:
+        self._conn = conn
+        self._block = block
+        self.slot = slot
+        self.seq = seq
+        self.count = count
+        self.writing = writing
+        self.num_layers = num_layers
+        self._status: TransferStatus | None = None if writing else TransferStatus.DONE
+        self._layers_ok = num_layers if not writing else 0
+
+    @property
+    def done(self) -> bool:
+        """True once the transfer has ended (whatever the outcome)."""
+        return self._status is not None
+
+    @property
+    def ok(self) -> bool:
+        """True when every layer completed."""
+        return self._status is TransferStatus.DONE
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> bool:
+        """Block until layer ``layer`` of this transfer is in place.
+
+        Returns:
+            True when it is; False when the transfer failed, was cancelled or timed out
+            (the engine must then treat the whole transfer as a miss and recompute).
+        """
+        if self._layers_ok > layer:
+            return True
+        if self._status is not None:
+            return self._status is TransferStatus.DONE
+        assert self._conn is not None and self._block is not None
+        conn = self._conn
+        try:
+            st = self._block.wait(self.slot, self.seq, layer + 1,
+                                  conn.config.load_timeout_s if timeout is None else timeout,
+                                  alive=conn.daemon_alive)
+        except CompletionTimeout:
+            st = TransferStatus.FAILED
+            conn._abandon(self)
+        except (TypeError, ValueError):  # the block was closed under us (re-registration)
+            st = TransferStatus.FAILED
+        if st is TransferStatus.RUNNING:
+            self._layers_ok = layer + 1
+            return True
+        self._end(st)
+        return st is TransferStatus.DONE
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the whole transfer ends; True when it succeeded."""
+        if self._status is None:
+            if self.wait_layer(self.num_layers - 1, timeout) and self._status is None:
+                # all layers landed; wait for the final status
+                try:
+                    assert self._block is not None and self._conn is not None
+                    st = self._block.wait(self.slot, self.seq, self.num_layers,
+                                          self._conn.config.load_timeout_s, alive=self._conn.daemon_alive)
+                    while st is TransferStatus.RUNNING:
+                        time.sleep(0.0001)
+                        _, _, raw = self._block.read(self.slot)
+                        st = TransferStatus(raw)
+                except (CompletionTimeout, TypeError, ValueError):
+                    st = TransferStatus.FAILED
+                self._end(st)
+        return self._status is TransferStatus.DONE
+
+    def _end(self, st: TransferStatus) -> None:
+        if self._status is None:
+            self._status = st
+            if st is TransferStatus.DONE:
+                self._layers_ok = self.num_layers
+            if self._conn is not None:
+                self._conn._slot_done(self.slot, self.seq, st)
+
+
+class Connection:
+    """A registered engine (one TP rank) talking to kvtierd.
+
+    Args:
+        pool: the engine's KV pool in shared memory (exported once at registration).
+        model_id / revision: identify the model; with the geometry they form the namespace.
+        config: client settings (timeouts, tenant); default from ``ClientConfig()``.
+        tp_rank / tp_size: tensor-parallel position.
+        register: connect and register now (else call :meth:`register`).
+    """
+
+    def __init__(self, pool: SharedKVPool, model_id: str, revision: str = "",
+                 config: ClientConfig | None = None, tp_rank: int = 0, tp_size: int = 1,
+                 register: bool = True) -> None:
+        self.config = config or ClientConfig()
+        self.pool = pool
+        self.geometry = pool.geometry
+        self.namespace = P.NamespaceSpec(model_id=model_id, revision=revision,
+                                         cache_salt=self.config.cache_salt)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.endpoint = self.config.endpoint or ipc_endpoint(
+            socket_path(runtime_dir(self.config.runtime_dir)))
+        self._lock = threading.RLock()
+        self._ctx = zmq.Context()
+        self._sock: zmq.Socket | None = None
+        self._req_ids = itertools.count(1)
+        self._seqs = itertools.count(1)
+        self._free_slots: list[int] = []
+        self._limbo: dict[int, int] = {}  # slot -> seq of an abandoned transfer
+        self.session_id = 0
+        self.epoch = 0
+        self.ns_fingerprint = b""
+        self.daemon_pid = 0
+        self._block: CompletionBlock | None = None
+        self._down_until = 0.0
+        self._closed = False
+        self._hb_stop = threading.Event()
+        self._hb: threading.Thread | None = None
+        self._finalizer = weakref.finalize(self, _leaked, self._ctx, self.endpoint)
+        if register:
+            self.register()
+
+    # ------------------------------------------------------------------ session
+    def register(self) -> None:
+        """Connect (if needed), register with the daemon and start heartbeats.
+
+        Raises:
+            DaemonError: the daemon refused the registration (bad token, geometry, ...).
+            DaemonUnavailable: no daemon answered within ``request_timeout_s``.
+        """
+        with self._lock:
+            if self._sock is None:
+                identity = f"{os.getpid()}-{secrets.token_hex(6)}".encode()
+                self._sock = make_zmq_socket(self._ctx, self.endpoint, zmq.DEALER, bind=False,
+                                             identity=identity)
+            token = self.config.token.get_secret_value() if self.config.token else ""
+            msg = P.Register(req_id=0, protocol_version=P.PROTOCOL_VERSION, namespace=self.namespace,
+                             geometry=self.geometry, memory=self.pool.export(), tp_rank=self.tp_rank,
+                             tp_size=self.tp_size, pid=os.getpid(), tenant=self.config.tenant,
+                             token=token)
+            rep = self._call(msg, raw=True)
+            if isinstance(rep, P.ErrorReply):
+                raise DaemonError(rep.code, rep.message)
+            assert isinstance(rep, P.Registered)
+            if self._block is not None:
+                self._block.close()
+            self._block = CompletionBlock.open(rep.completion_name, rep.completion_slots)
+            self.session_id, self.epoch = rep.session_id, rep.epoch
+            self.ns_fingerprint, self.daemon_pid = rep.ns_fingerprint, rep.daemon_pid
+            self._free_slots = list(range(rep.completion_slots - 1, -1, -1))
+            self._limbo.clear()
+            self._down_until = 0.0
+        if self._hb is None:
+            self._hb = threading.Thread(target=self._heartbeat_loop, name="kvtier-heartbeat", daemon=True)
+            self._hb.start()
+
+    def _heartbeat_loop(self) -> None:
+        while not self._hb_stop.wait(self.config.heartbeat_interval_s):
+            try:
+                self._session_call(lambda sid: P.Heartbeat(req_id=0, session_id=sid))
+            except (DaemonUnavailable, DaemonError) as err:
+                log.debug("heartbeat: %s", err)
+
+    def daemon_alive(self) -> bool:
+        """False when the daemon's process is known to be gone."""
+        if self.daemon_pid <= 0:
+            return True
+        try:
+            os.kill(self.daemon_pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    # ------------------------------------------------------------------ requests
+    def _call(self, msg: P.Request, raw: bool = False) -> P.Reply:
+        """Send ``msg`` and wait for its reply (lock held by the caller or taken here)."""
+        with self._lock:
+            if self._closed or self._sock is None:
+                raise DaemonUnavailable("connection is closed")
+            if time.monotonic() < self._down_until and not raw:
+                raise DaemonUnavailable("daemon recently unreachable")
+            req_id = next(self._req_ids)
+            msg.req_id = req_id
+            try:
+                self._sock.send(P.encode(msg), flags=zmq.NOBLOCK)
+            except zmq.Again as err:
+                self._down_until = time.monotonic() + min(1.0, self.config.request_timeout_s)
+                raise DaemonUnavailable(f"cannot reach kvtierd at {self.endpoint}") from err
+            deadline = time.monotonic() + self.config.request_timeout_s
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._sock.poll(int(left * 1000) + 1):
+                    if time.monotonic() >= deadline:
+                        self._down_until = time.monotonic() + min(1.0, self.config.request_timeout_s)
+                        raise DaemonUnavailable(
+                            f"kvtierd did not answer within {self.config.request_timeout_s}s")
+                    continue
+                data = self._sock.recv()
+                try:
+                    rep = P.decode_reply(data)
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    log.warning("undecodable reply from kvtierd ignored")
+                    continue
+                if rep.req_id == req_id:
+                    return rep
+                # a late reply to a request that timed out earlier: drop it
+
+    def _session_call(self, make: "callable") -> P.Reply:
+        """Call with the current session id; re-register once if the daemon forgot us."""
+        with self._lock:
+            for attempt in (0, 1):
+                if self.session_id == 0:
+                    self.register()
+                rep = self._call(make(self.session_id))
+                if isinstance(rep, P.ErrorReply):
+                    if rep.code == P.ErrorCode.UNKNOWN_SESSION and attempt == 0:
+                        log.info("kvtierd epoch %x does not know session %d; re-registering",
+                                 rep.epoch, self.session_id)
+                        self.session_id = 0
+                        continue
+                    raise DaemonError(rep.code, rep.message)
+                return rep
+            raise AssertionError("unreachable")
+
+    def page_keys(self, tokens: Sequence[int], parent: bytes | None = None) -> list[bytes]:
+        """Keys of the full pages of ``tokens`` (a chain from ``parent`` or the namespace)."""
+        return page_keys(parent or self.ns_fingerprint, tokens, self.geometry.page_size)
+
+    def lookup(self, keys: Sequence[bytes]) -> LookupReply:
+        """Leading run of ``keys`` in L2 (and L3); ``LookupReply(0, 0)`` if the daemon is away."""
+        if not keys:
+            return LookupReply(0, 0)
+        try:
+            rep = self._session_call(lambda sid: P.Lookup(req_id=0, session_id=sid, keys=list(keys)))
+        except (DaemonUnavailable, DaemonError) as err:
+            log.debug("lookup treated as a miss: %s", err)
+            return LookupReply(0, 0)
+        assert isinstance(rep, P.LookupResult)
+        return LookupReply(rep.l2, rep.l3)
+
+    def store(self, keys: Sequence[bytes], pages: Sequence[int],
+              parent_key: bytes | None = None) -> TransferHandle:
+        """Copy engine pages into L2 under ``keys`` (those L2 lacks).
+
+        Reuse ``pages`` only after ``handle.wait()`` returned. If the daemon is away the
+        store is dropped (``count == 0``).
+        """
+        return self._transfer(P.Store, keys, pages, parent_key)
+
+    def load(self, keys: Sequence[bytes], pages: Sequence[int]) -> TransferHandle:
+        """Load the leading L2 run of ``keys`` into engine ``pages`` layer by layer.
+
+        ``handle.count`` pages are being loaded (0: a miss). Call ``wait_layer(i)`` before
+        layer ``i`` reads them; a False result means recompute.
+        """
+        return self._transfer(P.Load, keys, pages, None)
+
+    def _transfer(self, kind: type, keys: Sequence[bytes], pages: Sequence[int],
+                  parent_key: bytes | None) -> TransferHandle:
+        n_layers = self.geometry.num_layers
+        if not keys:
+            return TransferHandle(None, None, -1, 0, 0, 0, n_layers)
+        with self._lock:
+            slot = self._take_slot()
+            if slot is None:
+                return TransferHandle(None, None, -1, 0, 0, 0, n_layers)
+            seq = next(self._seqs)
+
+            def make(sid: int) -> P.Request:
+                if kind is P.Store:
+                    return P.Store(req_id=0, session_id=sid, keys=list(keys), pages=list(pages),
+                                   parent_key=parent_key, slot=slot, seq=seq)
+                return P.Load(req_id=0, session_id=sid, keys=list(keys), pages=list(pages),
+                              slot=slot, seq=seq)
+
+            epoch = self.epoch
+            try:
+                rep = self._session_call(make)
+            except (DaemonUnavailable, DaemonError) as err:
+                log.debug("%s treated as a miss: %s", kind.__name__, err)
+                if self.epoch == epoch:
+                    self._limbo[slot] = seq  # the daemon may still run it
+                return TransferHandle(None, None, -1, 0, 0, 0, n_layers)
+            if self.epoch != epoch:  # re-registered: slots were reset
+                self._free_slots.remove(slot) if slot in self._free_slots else None
+            if isinstance(rep, P.LoadAccepted):
+                count, writing = rep.count, rep.count
+            else:
+                assert isinstance(rep, P.StoreAccepted)
+                count, writing = rep.count, rep.writing
+            if writing == 0:
+                self._free_slots.append(slot)
+                return TransferHandle(None, None, -1, 0, count, 0, n_layers)
+            return TransferHandle(self, self._block, slot, seq, count, writing, n_layers)
+
+    def _take_slot(self) -> int | None:
+        if not self._free_slots and self._limbo and self._block is not None:
+            for slot, seq in list(self._limbo.items()):
+                s, _, status = self._block.read(slot)
+                if s != seq or status != TransferStatus.RUNNING:
+                    del self._limbo[slot]
+                    self._free_slots.append(slot)
+        return self._free_slots.pop() if self._free_slots else None
+
+    def _slot_done(self, slot: int, seq: int, status: TransferStatus) -> None:
+        with self._lock:
+            if slot in self._limbo or slot in self._free_slots:
+                return
+            if status is TransferStatus.RUNNING:
+                self._limbo[slot] = seq
+            else:
+                self._free_slots.append(slot)
+
+    def _abandon(self, h: TransferHandle) -> None:
+        """A transfer timed out: ask the daemon to cancel it; its slot waits in limbo."""
+        with self._lock:
+            self._limbo[h.slot] = h.seq
+            try:
+                self._session_call(lambda sid: P.Release(req_id=0, session_id=sid, slots=[h.slot]))
+            except (DaemonUnavailable, DaemonError):
+                pass
+
+    def release(self, handles: Sequence[TransferHandle]) -> None:
+        """Cancel transfers that are still running (their pins drop when they stop)."""
+        slots = [h.slot for h in handles if not h.done and h.slot >= 0]
+        if not slots:
+            return
+        try:
+            self._session_call(lambda sid: P.Release(req_id=0, session_id=sid, slots=slots))
+        except (DaemonUnavailable, DaemonError) as err:
+            log.debug("release: %s", err)
+
+    def stats(self) -> dict[str, object]:
+        """The daemon's STATS reply."""
+        rep = self._call(P.Stats(req_id=0))
+        if isinstance(rep, P.ErrorReply):
+            raise DaemonError(rep.code, rep.message)
+        assert isinstance(rep, P.StatsReply)
+        return rep.stats
+
+    def close(self) -> None:
+        """Unregister (best effort), stop heartbeats, close the socket. Idempotent."""
+        if self._closed:
+            return
+        self._hb_stop.set()
+        if self._hb is not None and self._hb is not threading.current_thread():
+            self._hb.join(timeout=self.config.request_timeout_s + 1)
+        with self._lock:
+            if self.session_id and self._sock is not None:
+                try:
+                    self._call(P.Unregister(req_id=0, session_id=self.session_id))
+                except (DaemonUnavailable, DaemonError):
+                    pass
+            self._closed = True
+            if self._block is not None:
+                self._block.close()
+                self._block = None
+            if self._sock is not None:
+                self._sock.close(linger=0)
+                self._sock = None
+            self._finalizer.detach()
+            self._ctx.term()
+
+    def __enter__(self) -> "Connection":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _leaked(ctx: zmq.Context, endpoint: str) -> None:
+    warnings.warn(f"kvtier Connection to {endpoint} was not closed", ResourceWarning, stacklevel=1)
+    ctx.destroy(linger=0)

@@ -1,0 +1,123 @@
+"""Start and stop a ``kvtierd`` process (used by the demo, the benchmarks and the tests)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from kvtier.client.admin import AdminClient, AdminError
+from kvtier.config import KvtierError, socket_path
+from kvtier.config.loader import pool_path
+
+
+class DaemonStartError(KvtierError):
+    """kvtierd exited or did not become healthy in time (the message has its log tail)."""
+
+
+class DaemonProcess:
+    """A ``kvtierd`` subprocess with its own runtime directory.
+
+    Args:
+        runtime_dir: the daemon's runtime directory (socket, completion blocks).
+        args: extra ``kvtierd`` flags, e.g. ``["--hicache-size", "256MiB"]``.
+        env: extra environment variables.
+        log_path: where its stderr goes (default: ``<runtime_dir>/kvtierd.log``).
+    """
+
+    def __init__(self, runtime_dir: str | Path, args: Sequence[str] = (),
+                 env: dict[str, str] | None = None, log_path: str | Path | None = None) -> None:
+        self.runtime_dir = Path(runtime_dir)
+        self.args = list(args)
+        self.env = dict(env or {})
+        self.log_path = Path(log_path) if log_path else self.runtime_dir / "kvtierd.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def socket(self) -> Path:
+        """The control socket's path."""
+        return socket_path(self.runtime_dir)
+
+    @property
+    def endpoint(self) -> str:
+        """The control socket's ZeroMQ endpoint."""
+        return f"ipc://{self.socket}"
+
+    @property
+    def pid(self) -> int:
+        """The process id (0 when not running)."""
+        return self.proc.pid if self.proc else 0
+
+    def start(self, timeout: float = 30.0) -> "DaemonProcess":
+        """Start the daemon and wait until it answers HEALTH."""
+        self.runtime_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **self.env, "KVTIER_RUNTIME_DIR": str(self.runtime_dir)}
+        env.pop("NOTIFY_SOCKET", None) if "NOTIFY_SOCKET" not in self.env else None
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvtier.daemon", *self.args],
+                                     stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log,
+                                     env=env)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise DaemonStartError(f"kvtierd exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if self.socket.exists():
+                try:
+                    with AdminClient(self.endpoint, timeout_s=0.5) as admin:
+                        if admin.health().status == "ok":
+                            return self
+                except AdminError:
+                    pass
+            time.sleep(0.05)
+        self.kill()
+        raise DaemonStartError(f"kvtierd not healthy after {timeout}s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The last lines the daemon logged."""
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return ""
+
+    def stop(self, timeout: float = 20.0) -> int:
+        """SIGTERM and wait; SIGKILL if it does not exit in time. Returns the exit code."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self._reap()
+
+    def kill(self) -> int:
+        """SIGKILL now and reap."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        return self._reap()
+
+    def remove_pool(self, pool_dir: str | Path = "/dev/shm") -> None:
+        """Remove the host pool file a killed daemon left behind."""
+        pool_path(Path(pool_dir), self.runtime_dir).unlink(missing_ok=True)
+
+    def _reap(self) -> int:
+        assert self.proc is not None
+        code = self.proc.returncode
+        self._log.close()
+        self.proc = None
+        return code
+
+    def __enter__(self) -> "DaemonProcess":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

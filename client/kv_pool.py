@@ -1,0 +1,80 @@
+"""An engine's paged KV pool in shared memory, for machines without a GPU.
+
+The engine computes in these tensors as it would in GPU memory; the daemon maps the same
+memory (by file name, once, at registration) and copies pages in and out of it. Layout
+"layer_first": for each layer, K and V (MHA) or one latent (MLA), each
+``[num_pages, page_size, kv_heads, head_dim]``, all in one segment::
+
+    segment: | L0.K | L0.V | L1.K | L1.V | ... |     each buffer = num_pages × chunk_bytes
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+import torch
+
+from kvtier.ipc.protocol import Geometry, KVMemory, MemorySegment
+from kvtier.ipc.shm import SharedMemorySegment
+
+TORCH_DTYPES = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "uint8": torch.uint8,
+    "int8": torch.int8,
+}
+SHM_DIR = Path("/dev/shm")
+
+
+class SharedKVPool:
+    """Per-layer KV buffers in one shared-memory segment.
+
+    Attributes:
+        geometry: the page geometry.
+        num_pages: pages per buffer.
+        k / v: per-layer tensors ``[num_pages, page_size, kv_heads, head_dim]`` (MHA);
+            for MLA ``k`` holds the latent and ``v`` is empty.
+    """
+
+    def __init__(self, geometry: Geometry, num_pages: int, prefault: bool = True) -> None:
+        geometry.validate()
+        if num_pages <= 0:
+            raise ValueError(f"num_pages must be > 0, got {num_pages!r}")
+        self.geometry = geometry
+        self.num_pages = num_pages
+        g = geometry
+        self._buf_bytes = num_pages * g.chunk_bytes
+        n_buf = g.num_layers * g.components
+        name = SHM_DIR / f"kvtier-engine-{os.getpid()}-{secrets.token_hex(6)}"
+        self.segment = SharedMemorySegment.create(name, n_buf * self._buf_bytes, prefault=prefault,
+                                                  mode=0o660)
+        dtype = TORCH_DTYPES[g.dtype]
+        shape = (num_pages, g.page_size, g.kv_heads, g.head_dim)
+        bufs = [self.segment.tensor(i * self._buf_bytes, self._buf_bytes).view(dtype).view(shape)
+                for i in range(n_buf)]
+        self.k: list[torch.Tensor] = bufs[:: g.components]
+        self.v: list[torch.Tensor] = bufs[1:: g.components] if g.components == 2 else []
+
+    def export(self) -> KVMemory:
+        """Describe the pool for REGISTER (the daemon maps the segment by name)."""
+        g = self.geometry
+        n_buf = g.num_layers * g.components
+        return KVMemory(
+            kind="shm", num_pages=self.num_pages,
+            segments=[MemorySegment(name=self.segment.path, size=self.segment.size)],
+            buffer_segments=[0] * n_buf,
+            buffer_offsets=[i * self._buf_bytes for i in range(n_buf)],
+        )
+
+    def close(self) -> None:
+        """Drop the tensors, unmap and remove the segment."""
+        self.k = []
+        self.v = []
+        self.segment.close()
+
+    def __enter__(self) -> "SharedKVPool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

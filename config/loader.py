@@ -1,0 +1,183 @@
+"""Load a config model from its three sources into one frozen object.
+
+Precedence, lowest first: the model's defaults, a TOML file, ``KVTIER_<FIELD>`` environment
+variables, CLI flags (``--field-name``). This module is the only place that reads the
+environment for configuration. Every error is a :class:`ConfigError` naming the key, the
+source and the bad value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Mapping, TypeVar, get_args, get_origin
+
+from pydantic import BaseModel, ValidationError
+
+from kvtier.config.errors import ConfigError
+from kvtier.config.models import ClientConfig, DaemonConfig
+
+M = TypeVar("M", bound=BaseModel)
+ENV_PREFIX = "KVTIER_"
+# Variables that are read elsewhere on purpose and are not config fields of either model.
+_OTHER_ENV = {"KVTIER_CONFIG"}
+
+
+def runtime_dir(configured: Path | None = None, env: Mapping[str, str] | None = None) -> Path:
+    """Return the runtime directory (socket, completion blocks).
+
+    Args:
+        configured: a directory set in the config; wins when given.
+        env: the environment (default ``os.environ``).
+
+    Returns:
+        ``configured``, else ``$KVTIER_RUNTIME_DIR``, else ``$XDG_RUNTIME_DIR/kvtier``,
+        else ``/tmp/kvtier-<uid>``.
+    """
+    env = os.environ if env is None else env
+    if configured is not None:
+        return Path(configured)
+    if env.get("KVTIER_RUNTIME_DIR"):
+        return Path(env["KVTIER_RUNTIME_DIR"])
+    if env.get("XDG_RUNTIME_DIR"):
+        return Path(env["XDG_RUNTIME_DIR"]) / "kvtier"
+    return Path(f"/tmp/kvtier-{os.getuid()}")
+
+
+def socket_path(rdir: Path) -> Path:
+    """Return the daemon's control socket path inside runtime directory ``rdir``."""
+    return rdir / "kvtierd.sock"
+
+
+def pool_path(pool_dir: Path, rdir: Path) -> Path:
+    """Return the host pool's shared-memory file: one per runtime directory, stable across
+    restarts of the daemon (so a restarted daemon finds its pool)."""
+    import hashlib
+
+    tag = hashlib.sha256(str(Path(rdir).resolve()).encode()).hexdigest()[:16]
+    return Path(pool_dir) / f"kvtier-pool-{tag}"
+
+
+def _is_structured(model: type[BaseModel], name: str) -> bool:
+    ann = model.model_fields[name].annotation
+    origin = get_origin(ann)
+    if origin in (dict, list):
+        return True
+    return any(get_origin(a) in (dict, list) for a in get_args(ann))
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError as err:
+        raise ConfigError(f"config file {str(path)!r} does not exist") from err
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {err}") from err
+
+
+def _from_env(model: type[BaseModel], env: Mapping[str, str]) -> dict[str, Any]:
+    known = set(DaemonConfig.model_fields) | set(ClientConfig.model_fields)
+    out: dict[str, Any] = {}
+    for var, raw in env.items():
+        if not var.startswith(ENV_PREFIX) or var in _OTHER_ENV:
+            continue
+        name = var[len(ENV_PREFIX):].lower()
+        if name not in known:
+            raise ConfigError(f"unknown environment variable {var}={raw!r} (no such config key {name!r})")
+        if name not in model.model_fields:
+            continue
+        out[name] = _parse_structured(model, name, raw, f"environment variable {var}")
+    return out
+
+
+def _parse_structured(model: type[BaseModel], name: str, raw: Any, source: str) -> Any:
+    if isinstance(raw, str) and _is_structured(model, name):
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{name} = {raw!r} from {source}: not valid JSON ({err})") from err
+    return raw
+
+
+def load_config(
+    model: type[M],
+    file: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    cli: Mapping[str, Any] | None = None,
+) -> M:
+    """Build a frozen config from defaults, a TOML file, the environment and CLI values.
+
+    Args:
+        model: :class:`DaemonConfig` or :class:`ClientConfig`.
+        file: a TOML file with top-level keys named like the fields (tables for dict fields).
+        env: the environment to read ``KVTIER_*`` from (default ``os.environ``).
+        cli: values from CLI flags, keyed by field name; ``None`` values are ignored.
+
+    Returns:
+        The validated, frozen model.
+
+    Raises:
+        ConfigError: an unknown key or a bad value; the message names the key, its source
+            and the value.
+    """
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    if file is not None:
+        for key, val in _read_toml(Path(file)).items():
+            if key not in model.model_fields:
+                raise ConfigError(f"unknown key {key!r} (value {val!r}) in config file {str(file)!r}")
+            values[key], sources[key] = val, f"config file {str(file)!r}"
+    for key, val in _from_env(model, env).items():
+        values[key], sources[key] = val, f"environment variable {ENV_PREFIX}{key.upper()}"
+    for key, val in (cli or {}).items():
+        if val is None:
+            continue
+        if key not in model.model_fields:
+            raise ConfigError(f"unknown option --{key.replace('_', '-')} (value {val!r})")
+        values[key] = _parse_structured(model, key, val, "the command line")
+        sources[key] = f"flag --{key.replace('_', '-')}"
+    try:
+        return model.model_validate(values)
+    except ValidationError as err:
+        raise ConfigError(_describe(err, values, sources)) from err
+
+
+def _describe(err: ValidationError, values: Mapping[str, Any], sources: Mapping[str, str]) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(config)"
+        top = str(e["loc"][0]) if e["loc"] else ""
+        value = e.get("input", values.get(top))
+        if isinstance(value, dict) and top in values and len(e["loc"]) == 1:
+            value = values[top]
+        src = sources.get(top, "defaults")
+        msg = e["msg"].removeprefix("Value error, ")
+        lines.append(f"{loc} = {_redact(loc, value)!r} (from {src}): {msg}")
+    return "invalid configuration: " + "; ".join(lines)
+
+
+def _redact(loc: str, value: Any) -> Any:
+    return "<redacted>" if "token" in loc else value
+
+
+def add_config_flags(parser: argparse.ArgumentParser, model: type[BaseModel]) -> None:
+    """Add one ``--field-name VALUE`` flag per field of ``model`` (all strings, default None).
+
+    Values are validated by the model, so ``--hicache-size 4GiB`` works like the TOML key.
+    """
+    group = parser.add_argument_group("configuration (also TOML keys and KVTIER_* variables)")
+    for name, field in model.model_fields.items():
+        group.add_argument(
+            f"--{name.replace('_', '-')}", dest=f"cfg_{name}", default=None, metavar="VALUE",
+            help=field.description,
+        )
+
+
+def flags_to_dict(ns: argparse.Namespace, model: type[BaseModel]) -> dict[str, Any]:
+    """Collect the values of the flags :func:`add_config_flags` added, keyed by field name."""
+    return {name: getattr(ns, f"cfg_{name}", None) for name in model.model_fields}

@@ -1,0 +1,143 @@
+"""Frozen configuration models for the daemon and the client.
+
+One model per program; the TOML file, ``KVTIER_*`` environment variables and CLI flags all
+feed the same model (see :mod:`kvtier.config.loader`). Where a knob means what a SGLang
+``--hicache-*`` flag means, it keeps that name.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+
+from kvtier.config.sizes import ByteSize
+
+WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
+PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
+StorageBackendName = Literal["none", "file", "mooncake", "redis", "dynamic"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+
+class TenantConfig(_Frozen):
+    """One tenant: engines that present its token share its pages and nobody else's."""
+
+    token: SecretStr = Field(description="Secret the tenant's engines send at registration.")
+    quota_pages: Optional[int] = Field(
+        default=None, ge=1, description="Most L2 pages the tenant may hold (None: no quota)."
+    )
+
+
+class DaemonConfig(_Frozen):
+    """Everything ``kvtierd`` reads at start.
+
+    Sizes accept ``"4GiB"``-style strings. Paths left unset are derived at start
+    (see :func:`kvtier.config.loader.runtime_dir`).
+    """
+
+    runtime_dir: Optional[Path] = Field(
+        default=None,
+        description="Socket and completion blocks. Default: $KVTIER_RUNTIME_DIR, "
+        "else $XDG_RUNTIME_DIR/kvtier, else /tmp/kvtier-<uid>.",
+    )
+    state_dir: Optional[Path] = Field(
+        default=None, description="Default location of the file L3 store. Default: <runtime_dir>/state."
+    )
+    hicache_size: ByteSize = Field(default=1 << 30, gt=0, description="Bytes of the L2 host pool.")
+    extent_size: ByteSize = Field(
+        default=32 << 20, gt=0, description="Pool extent: the unit handed to one page size class."
+    )
+    pool_dir: Path = Field(
+        default=Path("/dev/shm"), description="Directory of the host pool's shared-memory file."
+    )
+    prefault: bool = Field(default=True, description="Touch every pool page at start.")
+    copy_threads: int = Field(default=2, ge=1, le=64, description="Worker threads that copy pages.")
+    lease_s: float = Field(default=30.0, gt=0, description="Session lease; heartbeats renew it.")
+    max_sessions: int = Field(default=256, ge=1, description="Most engine sessions at once.")
+    max_message_bytes: ByteSize = Field(
+        default=16 << 20, ge=4096, description="Largest control message accepted."
+    )
+    max_keys_per_request: int = Field(default=65536, ge=1, description="Keys in one request.")
+    shutdown_timeout_s: float = Field(
+        default=10.0, ge=0, description="How long a stop waits for in-flight transfers."
+    )
+    log_level: LogLevel = Field(default="info", description="Log verbosity.")
+    hicache_storage_backend: StorageBackendName = Field(
+        default="none", description="L3 backend: none, file, mooncake, redis or dynamic."
+    )
+    hicache_storage_backend_extra_config: Optional[str] = Field(
+        default=None, description="Backend settings as JSON, or @path to a JSON/TOML file."
+    )
+    hicache_storage_prefetch_policy: PrefetchPolicy = Field(
+        default="timeout", description="How CLAIM ends a prefetch."
+    )
+    hicache_write_policy: Literal["write_through", "write_back"] = Field(
+        default="write_through", description="When L2 pages are written to L3."
+    )
+    prefetch_threshold: int = Field(
+        default=256, ge=0, description="Tokens an L3 run must reach before it is prefetched."
+    )
+    prefetch_timeout_base: float = Field(default=2.0, ge=0, description="Seconds, timeout policy.")
+    prefetch_timeout_per_ki_token: float = Field(
+        default=0.1, ge=0, description="Extra seconds per 1024 tokens, timeout policy."
+    )
+    prefetch_timeout_max: float = Field(default=30.0, gt=0, description="Upper bound, seconds.")
+    prefetch_concurrency: int = Field(default=4, ge=1, description="L3 reads in flight at once.")
+    write_back_queue: int = Field(default=4096, ge=1, description="Pages queued for L3 at most.")
+    metrics_port: Optional[int] = Field(
+        default=None, ge=1, le=65535, description="Prometheus port on 127.0.0.1 (off when unset)."
+    )
+    metrics_host: str = Field(default="127.0.0.1", description="Metrics bind address.")
+    admin_token: Optional[SecretStr] = Field(
+        default=None, description="Credential for admin requests (flush); None: local socket access."
+    )
+    tenants: dict[str, TenantConfig] = Field(
+        default_factory=dict, description="Tenant name → token and quota. Empty: one default tenant."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> "DaemonConfig":
+        if self.extent_size > self.hicache_size:
+            raise ValueError(
+                f"extent_size ({self.extent_size}) must not exceed hicache_size ({self.hicache_size})"
+            )
+        return self
+
+
+class ClientConfig(_Frozen):
+    """What an engine's kvtier client reads: where the daemon is, timeouts, policies."""
+
+    runtime_dir: Optional[Path] = Field(
+        default=None, description="Where the daemon's socket is (same default as the daemon)."
+    )
+    endpoint: Optional[str] = Field(
+        default=None, description="ZeroMQ endpoint; overrides runtime_dir (ipc://... or tcp://...)."
+    )
+    request_timeout_s: float = Field(
+        default=2.0, gt=0, description="A control request not answered by then counts as a miss."
+    )
+    load_timeout_s: float = Field(
+        default=10.0, gt=0, description="Longest wait for one layer of a load before it fails."
+    )
+    heartbeat_interval_s: float = Field(default=5.0, gt=0, description="Heartbeat period.")
+    hicache_write_policy: WritePolicy = Field(
+        default="write_through", description="When L1 pages are backed up to L2."
+    )
+    write_through_threshold: int = Field(
+        default=2, ge=1, description="Hits before write_through_selective backs a page up."
+    )
+    hicache_storage_prefetch_policy: PrefetchPolicy = Field(
+        default="timeout", description="How a claim ends a prefetch."
+    )
+    prefetch_threshold: int = Field(default=256, ge=0, description="Tokens before L3 is prefetched.")
+    hicache_mem_layout: Literal["layer_first"] = Field(
+        default="layer_first", description="Engine KV layout (per layer K and V)."
+    )
+    tenant: str = Field(default="default", description="Tenant name sent at registration.")
+    token: Optional[SecretStr] = Field(default=None, description="Tenant token.")
+    cache_salt: str = Field(default="", description="Extra salt entering the namespace.")

@@ -1,0 +1,64 @@
+"""``kvtierd``: run the daemon in the foreground (also ``kvtier serve``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+from kvtier.config import ConfigError, DaemonConfig, KvtierError
+from kvtier.config.loader import add_config_flags, flags_to_dict, load_config
+
+
+def build_parser(prog: str = "kvtierd") -> argparse.ArgumentParser:
+    """Return the argument parser of ``kvtierd`` / ``kvtier serve``."""
+    p = argparse.ArgumentParser(prog=prog, description="kvtier daemon: the node's shared KV cache (L2/L3).")
+    p.add_argument("--config", "-c", default=os.environ.get("KVTIER_CONFIG"),
+                   help="TOML config file (default: $KVTIER_CONFIG)")
+    add_config_flags(p, DaemonConfig)
+    return p
+
+
+def configure_logging(level: str) -> None:
+    """Log one line per event to stderr (journald adds timestamps under systemd)."""
+    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    if os.environ.get("INVOCATION_ID"):  # under systemd
+        fmt = "%(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=level.upper(), format=fmt, stream=sys.stderr, force=True)
+
+
+def run(cfg: DaemonConfig) -> int:
+    """Run a daemon with ``cfg`` until SIGTERM/SIGINT; return the exit code."""
+    import uvloop
+
+    from kvtier.daemon.server import Daemon, install_signal_handlers
+
+    async def main() -> None:
+        daemon = Daemon(cfg)
+        install_signal_handlers(daemon)
+        await daemon.run()
+
+    uvloop.run(main())
+    return 0
+
+
+def main(argv: list[str] | None = None, prog: str = "kvtierd") -> int:
+    """Entry point of ``kvtierd``."""
+    args = build_parser(prog).parse_args(argv)
+    try:
+        cfg = load_config(DaemonConfig, file=args.config, cli=flags_to_dict(args, DaemonConfig))
+    except ConfigError as err:
+        print(f"{prog}: {err}", file=sys.stderr)
+        return 2
+    configure_logging(cfg.log_level)
+    try:
+        return run(cfg)
+    except KvtierError as err:
+        logging.getLogger("kvtier.daemon").error("%s", err)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,455 @@
+"""kvtierd's server: the ZeroMQ ROUTER loop, request dispatch, sessions and transfers.
+
+Shutdown order (as uvicorn does it): stop accepting → cancel running transfers and wait
+for them with a deadline → close sessions → close the socket → unmap the pool. Resources
+live in an ``AsyncExitStack``, entered in order and closed in reverse.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import logging
+import os
+import secrets
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+import msgspec
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from kvtier.config import DaemonConfig, KvtierError, format_size, runtime_dir, socket_path
+from kvtier.config.loader import pool_path
+from kvtier.daemon.engine_memory import EngineMemory, EngineMemoryError
+from kvtier.daemon.host_pool import HostPool
+from kvtier.daemon.sessions import Session, SessionState, SessionTable
+from kvtier.daemon.stats import Counters
+from kvtier.daemon.transfers import Direction, Transfer, run_transfer
+from kvtier.ipc import protocol as P
+from kvtier.ipc.completion import CompletionBlock, TransferStatus
+from kvtier.ipc.namespace import namespace_fingerprint
+from kvtier.ipc.shm import SharedMemorySegment
+from kvtier.ipc.sockets import ipc_endpoint, make_zmq_socket
+
+log = logging.getLogger("kvtier.daemon")
+COMPLETION_SLOTS = 64
+DEFAULT_TENANT = "default"
+
+
+class RequestError(KvtierError):
+    """A request refused with an error code; nothing was changed."""
+
+    def __init__(self, code: P.ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Daemon:
+    """One kvtierd instance. ``await run()`` serves until :meth:`request_stop`."""
+
+    def __init__(self, cfg: DaemonConfig) -> None:
+        self.cfg = cfg
+        self.rdir = runtime_dir(cfg.runtime_dir)
+        self.endpoint = ipc_endpoint(socket_path(self.rdir))
+        self.epoch = secrets.randbits(62) | 1
+        self.sessions = SessionTable()
+        self.pool = HostPool(cfg.hicache_size, cfg.extent_size)
+        self.counters = Counters()
+        self.started = time.time()
+        self._stop = asyncio.Event()
+        self._stopping = False
+        self._ns_ids: dict[bytes, int] = {}
+        self._owners = {name: i + 1 for i, name in enumerate(sorted(cfg.tenants))} or {DEFAULT_TENANT: 1}
+        for name, t in cfg.tenants.items():
+            if t.quota_pages is not None:
+                self.pool.set_quota(self._owners[name], t.quota_pages)
+        self._inflight: set[asyncio.Future] = set()
+        self._arena_seg: SharedMemorySegment | None = None
+        self._arena = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._handlers: dict[type, Callable] = {
+            P.Register: self._register, P.Heartbeat: self._heartbeat, P.Lookup: self._lookup,
+            P.Store: self._store, P.Load: self._load, P.Release: self._release,
+            P.Unregister: self._unregister, P.Stats: self._stats, P.Health: self._health,
+        }
+
+    # ------------------------------------------------------------------ lifecycle
+    def request_stop(self) -> None:
+        """Begin a graceful stop (safe to call from a signal handler)."""
+        self._stop.set()
+
+    async def run(self, on_ready: Callable[["Daemon"], None] | None = None) -> None:
+        """Set everything up, serve until stopped, then shut down in order."""
+        async with contextlib.AsyncExitStack() as stack:
+            self.rdir.mkdir(parents=True, exist_ok=True, mode=0o750)
+            ppath = pool_path(self.cfg.pool_dir, self.rdir)
+            self._arena_seg = SharedMemorySegment.create(
+                ppath, self.cfg.hicache_size, prefault=self.cfg.prefault, mode=0o600, exist_ok=True)
+            stack.callback(self._arena_seg.close)
+            self._arena = self._arena_seg.tensor()
+            stack.callback(setattr, self, "_arena", None)
+            self._executor = ThreadPoolExecutor(self.cfg.copy_threads, thread_name_prefix="kvtier-copy")
+            stack.callback(self._executor.shutdown, wait=True, cancel_futures=True)
+            ctx = zmq.asyncio.Context()
+            stack.callback(ctx.term)
+            self._sock = make_zmq_socket(ctx, self.endpoint, zmq.ROUTER, bind=True)
+            stack.callback(self._close_socket)
+            log.info("kvtierd ready: %s, pool %s at %s, epoch %x, pid %d", self.endpoint,
+                     format_size(self.cfg.hicache_size), ppath, self.epoch, os.getpid())
+            if on_ready is not None:
+                on_ready(self)
+            async with asyncio.TaskGroup() as tg:
+                recv = tg.create_task(self._recv_loop(), name="kvtier-recv")
+                lease = tg.create_task(self._lease_loop(), name="kvtier-lease")
+                await self._stop.wait()
+                self._stopping = True
+                recv.cancel()
+                lease.cancel()
+            await self._drain()
+
+    def _close_socket(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        with contextlib.suppress(FileNotFoundError):
+            socket_path(self.rdir).unlink()
+
+    async def _drain(self) -> None:
+        for s in self.sessions:
+            self._close_session(s, "daemon stopping")
+        if self._inflight:
+            done, pending = await asyncio.wait(set(self._inflight), timeout=self.cfg.shutdown_timeout_s)
+            if pending:
+                log.warning("%d transfers still running after %.1fs; abandoning them",
+                            len(pending), self.cfg.shutdown_timeout_s)
+        for s in self.sessions:
+            self._finalize_session(s)
+
+    # ------------------------------------------------------------------ loops
+    async def _recv_loop(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        while True:
+            frames = await sock.recv_multipart(copy=True)
+            if len(frames) == 2 and frames[1] == b"":
+                self._on_peer_event(frames[0])
+                continue
+            reply = self._handle(frames)
+            if reply is not None and len(frames) >= 1:
+                await sock.send_multipart([frames[0], P.encode(reply)])
+
+    async def _lease_loop(self) -> None:
+        period = min(1.0, self.cfg.lease_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for s in self.sessions:
+                if s.state is SessionState.OPEN and s.deadline < now:
+                    self.counters.sessions_expired += 1
+                    self._close_session(s, "lease expired")
+
+    def _on_peer_event(self, identity: bytes) -> None:
+        # ROUTER_NOTIFY sends the same empty frame on connect and on disconnect; a peer that
+        # already holds sessions can only be disconnecting (identities are unique while connected).
+        for s in self.sessions.of_identity(identity):
+            self._close_session(s, "engine disconnected")
+
+    # ------------------------------------------------------------------ dispatch
+    def _handle(self, frames: list[bytes]) -> P.Reply | None:
+        self.counters.requests += 1
+        if len(frames) != 2:
+            return self._error(0, P.ErrorCode.BAD_MESSAGE, f"expected 2 frames, got {len(frames)}")
+        body = frames[1]
+        if len(body) > self.cfg.max_message_bytes:
+            return self._error(P.peek_req_id(body[:64]), P.ErrorCode.BAD_MESSAGE,
+                               f"message of {len(body)} bytes exceeds max_message_bytes "
+                               f"({self.cfg.max_message_bytes})")
+        try:
+            msg = P.decode_request(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as err:
+            return self._error(P.peek_req_id(body), P.ErrorCode.BAD_MESSAGE, f"bad message: {err}")
+        if self._stopping and not isinstance(msg, (P.Health, P.Stats, P.Unregister)):
+            return self._error(msg.req_id, P.ErrorCode.SHUTTING_DOWN, "kvtierd is stopping")
+        try:
+            return self._handlers[type(msg)](frames[0], msg)
+        except RequestError as err:
+            return self._error(msg.req_id, err.code, str(err))
+        except Exception as err:  # request boundary: report, keep serving everyone else
+            log.exception("internal error handling %s", type(msg).__name__)
+            return self._error(msg.req_id, P.ErrorCode.INTERNAL, f"internal error: {err!r}")
+
+    def _error(self, req_id: int, code: P.ErrorCode, message: str) -> P.ErrorReply:
+        self.counters.errors += 1
+        self.counters.errors_by_code[code.name] = self.counters.errors_by_code.get(code.name, 0) + 1
+        log.debug("request %d refused: %s %s", req_id, code.name, message)
+        return P.ErrorReply(req_id=req_id, epoch=self.epoch, code=int(code), message=message)
+
+    def _session(self, identity: bytes, session_id: int) -> Session:
+        s = self.sessions.get(session_id)
+        if s is None or s.identity != identity or s.state is not SessionState.OPEN:
+            raise RequestError(P.ErrorCode.UNKNOWN_SESSION,
+                               f"session_id = {session_id!r} is not an open session of this "
+                               f"connection (daemon epoch {self.epoch:x})")
+        s.renew(time.monotonic())
+        return s
+
+    def _check_keys(self, keys: list[bytes], pages: list[int] | None = None,
+                    num_pages: int = 0) -> None:
+        if len(keys) > self.cfg.max_keys_per_request:
+            raise RequestError(P.ErrorCode.BAD_MESSAGE, f"{len(keys)} keys exceed "
+                               f"max_keys_per_request ({self.cfg.max_keys_per_request})")
+        for i, k in enumerate(keys):
+            if len(k) != P.KEY_BYTES:
+                raise RequestError(P.ErrorCode.BAD_MESSAGE,
+                                   f"keys[{i}] has {len(k)} bytes, expected {P.KEY_BYTES}")
+        if pages is None:
+            return
+        if len(pages) != len(keys):
+            raise RequestError(P.ErrorCode.BAD_MESSAGE,
+                               f"{len(keys)} keys but {len(pages)} pages")
+        for i, p in enumerate(pages):
+            if not 0 <= p < num_pages:
+                raise RequestError(P.ErrorCode.OUT_OF_RANGE,
+                                   f"pages[{i}] = {p!r} is outside the engine's {num_pages} pages")
+        if len(set(pages)) != len(pages):
+            raise RequestError(P.ErrorCode.BAD_MESSAGE, "pages contains the same page twice")
+
+    def _check_slot(self, s: Session, slot: int) -> None:
+        if not 0 <= slot < s.completion.slots:
+            raise RequestError(P.ErrorCode.OUT_OF_RANGE,
+                               f"slot = {slot!r} is outside [0, {s.completion.slots})")
+        if slot in s.transfers:
+            raise RequestError(P.ErrorCode.BUSY, f"slot = {slot!r} has a transfer running")
+
+    # ------------------------------------------------------------------ handlers
+    def _register(self, identity: bytes, m: P.Register) -> P.Reply:
+        if m.protocol_version != P.PROTOCOL_VERSION:
+            raise RequestError(P.ErrorCode.PROTOCOL_VERSION,
+                               f"protocol_version = {m.protocol_version!r}; this daemon speaks "
+                               f"{P.PROTOCOL_VERSION}")
+        if len(self.sessions) >= self.cfg.max_sessions:
+            raise RequestError(P.ErrorCode.BUSY, f"max_sessions ({self.cfg.max_sessions}) reached")
+        tenant = self._authenticate(m)
+        g = m.geometry
+        try:
+            g.validate()
+        except ValueError as err:
+            raise RequestError(P.ErrorCode.GEOMETRY_MISMATCH, str(err)) from err
+        if not (1 <= m.tp_size <= 1024 and 0 <= m.tp_rank < m.tp_size):
+            raise RequestError(P.ErrorCode.GEOMETRY_MISMATCH,
+                               f"tp_rank = {m.tp_rank!r} / tp_size = {m.tp_size!r} are inconsistent")
+        if g.page_bytes > self.cfg.extent_size:
+            raise RequestError(P.ErrorCode.GEOMETRY_MISMATCH,
+                               f"a page of {g.page_bytes} bytes does not fit the pool's "
+                               f"extent_size ({self.cfg.extent_size})")
+        try:
+            memory = EngineMemory(g, m.memory)
+        except EngineMemoryError as err:
+            raise RequestError(P.ErrorCode.BAD_MEMORY, str(err)) from err
+        try:
+            fp = namespace_fingerprint(m.namespace, g, m.tp_rank, m.tp_size, tenant)
+            ns_id = self._ns_ids.setdefault(fp, len(self._ns_ids) + 1)
+            sid = self.sessions.new_id()
+            block = CompletionBlock.create(self.rdir / f"completion-{self.epoch:x}-{sid}",
+                                           COMPLETION_SLOTS)
+        except BaseException:
+            memory.close()
+            raise
+        s = Session(session_id=sid, identity=identity, tenant=tenant, owner=self._owners[tenant],
+                    ns_id=ns_id, ns_fingerprint=fp, geometry=g,
+                    class_id=self.pool.register_class(g.page_bytes), memory=memory,
+                    completion=block, pid=m.pid, tp_rank=m.tp_rank, tp_size=m.tp_size,
+                    lease_s=self.cfg.lease_s)
+        s.renew(time.monotonic())
+        self.sessions.add(s)
+        self.counters.sessions_opened += 1
+        log.info("session %d registered: tenant %s, model %s, pid %d, rank %d/%d, %d pages of %s",
+                 sid, tenant, m.namespace.model_id, m.pid, m.tp_rank, m.tp_size,
+                 m.memory.num_pages, format_size(g.page_bytes))
+        return P.Registered(req_id=m.req_id, epoch=self.epoch, session_id=sid,
+                            lease_s=self.cfg.lease_s, ns_fingerprint=fp,
+                            completion_name=str(block.segment.path),
+                            completion_slots=block.slots, daemon_pid=os.getpid())
+
+    def _authenticate(self, m: P.Register) -> str:
+        if not self.cfg.tenants:
+            return DEFAULT_TENANT
+        t = self.cfg.tenants.get(m.tenant)
+        ok = t is not None and hmac.compare_digest(
+            t.token.get_secret_value().encode(), m.token.encode())
+        if not ok:
+            log.warning("registration refused: tenant %r from pid %d presented a %s token",
+                        m.tenant, m.pid, "missing" if not m.token else "wrong")
+            raise RequestError(P.ErrorCode.UNAUTHORIZED,
+                               f"tenant = {m.tenant!r}: missing or wrong token")
+        return m.tenant
+
+    def _heartbeat(self, identity: bytes, m: P.Heartbeat) -> P.Reply:
+        self._session(identity, m.session_id)
+        return P.Ack(req_id=m.req_id, epoch=self.epoch)
+
+    def _lookup(self, identity: bytes, m: P.Lookup) -> P.Reply:
+        s = self._session(identity, m.session_id)
+        self._check_keys(m.keys)
+        n = self.pool.lookup(s.ns_id, m.keys)
+        c = self.counters
+        c.lookups += 1
+        c.lookup_keys += len(m.keys)
+        c.lookup_hit_keys += n
+        c.lookup_hits += n > 0
+        return P.LookupResult(req_id=m.req_id, epoch=self.epoch, l2=n, l3=0)
+
+    def _store(self, identity: bytes, m: P.Store) -> P.Reply:
+        s = self._session(identity, m.session_id)
+        self._check_keys(m.keys, m.pages, s.memory.num_pages)
+        self._check_slot(s, m.slot)
+        if m.parent_key is not None and len(m.parent_key) != P.KEY_BYTES:
+            raise RequestError(P.ErrorCode.BAD_MESSAGE, f"parent_key has {len(m.parent_key)} bytes")
+        self.counters.stores += 1
+        allocated = self.pool.allocate(s.ns_id, s.owner, s.class_id, m.keys, m.parent_key)
+        count = self.pool.resident_run(s.ns_id, m.keys)
+        self.counters.store_skipped_pages += count - len(allocated)
+        self.counters.store_failed_pages += len(m.keys) - count
+        if not allocated:
+            return P.StoreAccepted(req_id=m.req_id, epoch=self.epoch, count=count, writing=0)
+        idx = [i for i, _ in allocated]
+        host = [slot for _, slot in allocated]
+        self._start(s, Direction.STORE, m.slot, m.seq, host, [m.pages[i] for i in idx])
+        return P.StoreAccepted(req_id=m.req_id, epoch=self.epoch, count=count, writing=len(host))
+
+    def _load(self, identity: bytes, m: P.Load) -> P.Reply:
+        s = self._session(identity, m.session_id)
+        self._check_keys(m.keys, m.pages, s.memory.num_pages)
+        self._check_slot(s, m.slot)
+        self.counters.loads += 1
+        host = self.pool.pin(s.ns_id, m.keys)
+        if host:
+            self._start(s, Direction.LOAD, m.slot, m.seq, host, m.pages[: len(host)])
+        return P.LoadAccepted(req_id=m.req_id, epoch=self.epoch, count=len(host))
+
+    def _release(self, identity: bytes, m: P.Release) -> P.Reply:
+        s = self._session(identity, m.session_id)
+        for slot in m.slots:
+            t = s.transfers.get(slot)
+            if t is not None:
+                t.cancelled = True
+        return P.Ack(req_id=m.req_id, epoch=self.epoch)
+
+    def _unregister(self, identity: bytes, m: P.Unregister) -> P.Reply:
+        s = self._session(identity, m.session_id)
+        self._close_session(s, "unregistered")
+        return P.Ack(req_id=m.req_id, epoch=self.epoch)
+
+    def _stats(self, identity: bytes, m: P.Stats) -> P.Reply:
+        return P.StatsReply(req_id=m.req_id, epoch=self.epoch, stats=self.snapshot())
+
+    def _health(self, identity: bytes, m: P.Health) -> P.Reply:
+        status = "stopping" if self._stopping else "ok"
+        return P.HealthReply(req_id=m.req_id, epoch=self.epoch, status=status,
+                             sessions=len(self.sessions))
+
+    def snapshot(self) -> dict[str, object]:
+        """Return counters, pool use and sessions as a plain dict (the STATS reply)."""
+        ps = self.pool.stats()
+        return {
+            "epoch": f"{self.epoch:x}",
+            "uptime_s": round(time.time() - self.started, 3),
+            "pool": dataclasses.asdict(ps),
+            "counters": self.counters.as_dict(),
+            "sessions": [
+                {"session_id": s.session_id, "tenant": s.tenant, "pid": s.pid,
+                 "tp_rank": s.tp_rank, "tp_size": s.tp_size, "state": s.state.value,
+                 "page_bytes": s.geometry.page_bytes, "num_pages": s.memory.num_pages,
+                 "transfers": len(s.transfers)}
+                for s in self.sessions
+            ],
+        }
+
+    # ------------------------------------------------------------------ transfers
+    def _start(self, s: Session, direction: Direction, slot: int, seq: int, host: list[int],
+               pages: list[int]) -> None:
+        offsets = np.fromiter((self.pool.slot_offset(h) for h in host), dtype=np.int64, count=len(host))
+        t = Transfer(direction=direction, session_id=s.session_id, slot=slot, seq=seq,
+                     host_slots=host, page_ids=np.asarray(pages, dtype=np.int64), offsets=offsets,
+                     nbytes=len(host) * s.geometry.page_bytes, started=time.monotonic())
+        s.completion.begin(slot, seq, s.geometry.num_layers)
+        s.transfers[slot] = t
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(self._executor, run_transfer, t, self._arena, s.memory.buffers,
+                                   s.geometry.chunk_bytes, s.completion)
+        self._inflight.add(fut)
+        fut.add_done_callback(lambda f: self._finish(s, t, f))
+
+    def _finish(self, s: Session, t: Transfer, fut: asyncio.Future) -> None:
+        self._inflight.discard(fut)
+        ok = not fut.cancelled() and fut.exception() is None and t.status is TransferStatus.DONE
+        n = len(t.host_slots)
+        c = self.counters
+        if t.direction is Direction.STORE:
+            if ok and s.state is SessionState.OPEN:
+                self.pool.commit(t.host_slots)
+                c.store_pages += n
+                c.bytes_to_host += t.nbytes
+            else:
+                self.pool.abort(t.host_slots)
+                c.store_failed_pages += n
+        else:
+            self.pool.unpin(t.host_slots)
+            if ok:
+                c.load_pages += n
+                c.bytes_to_engine += t.nbytes
+            else:
+                c.load_failed_pages += n
+        s.transfers.pop(t.slot, None)
+        if s.state is SessionState.CLOSING and not s.transfers:
+            self._finalize_session(s)
+
+    # ------------------------------------------------------------------ sessions
+    def _close_session(self, s: Session, reason: str) -> None:
+        if s.state is not SessionState.OPEN:
+            return
+        s.transition(SessionState.CLOSING)
+        log.info("session %d closing: %s", s.session_id, reason)
+        for t in s.transfers.values():
+            t.cancelled = True
+        if not s.transfers:
+            self._finalize_session(s)
+
+    def _finalize_session(self, s: Session) -> None:
+        if s.state is SessionState.CLOSED:
+            return
+        if s.state is SessionState.OPEN:
+            s.transition(SessionState.CLOSING)
+        self.sessions.remove(s)
+        alive = s.engine_alive()
+        s.memory.close()
+        if not alive:
+            s.memory.unlink_segments()  # the engine died without removing its KV segments
+        s.completion.close()
+        s.transition(SessionState.CLOSED)
+        self.counters.sessions_closed += 1
+
+
+def install_signal_handlers(daemon: Daemon) -> None:
+    """SIGTERM/SIGINT stop gracefully; a second one exits at once."""
+    loop = asyncio.get_running_loop()
+    state = {"count": 0}
+
+    def on_signal(signum: int) -> None:
+        state["count"] += 1
+        if state["count"] > 1:
+            log.warning("second %s: exiting now", signal.Signals(signum).name)
+            os._exit(1)
+        log.info("%s: stopping", signal.Signals(signum).name)
+        daemon.request_stop()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)

@@ -1,0 +1,122 @@
+"""Engine sessions: one per registered engine connection (one TP rank).
+
+A session moves through OPEN → CLOSING → CLOSED. It closes on UNREGISTER, on disconnect
+(ZeroMQ notifies the daemon), on lease expiry, or at daemon shutdown. While CLOSING it
+accepts no request; its running transfers are cancelled, and once the last one has
+finished its pins are gone, its memory is unmapped and its completion block removed.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvtier.ipc.completion import CompletionBlock
+from kvtier.ipc.protocol import Geometry
+
+if TYPE_CHECKING:
+    from kvtier.daemon.engine_memory import EngineMemory
+    from kvtier.daemon.transfers import Transfer
+
+
+class SessionState(enum.Enum):
+    """Lifecycle of a session."""
+
+    OPEN = "open"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+
+@dataclass(slots=True, eq=False)
+class Session:
+    """One registered engine (one TP rank)."""
+
+    session_id: int
+    identity: bytes
+    tenant: str
+    owner: int
+    ns_id: int
+    ns_fingerprint: bytes
+    geometry: Geometry
+    class_id: int
+    memory: "EngineMemory"
+    completion: CompletionBlock
+    pid: int
+    tp_rank: int
+    tp_size: int
+    lease_s: float
+    deadline: float = 0.0
+    state: SessionState = SessionState.OPEN
+    transfers: dict[int, "Transfer"] = field(default_factory=dict)  # by completion slot
+    created: float = field(default_factory=time.time)
+
+    def renew(self, now: float) -> None:
+        """Extend the lease from ``now``."""
+        self.deadline = now + self.lease_s
+
+    def engine_alive(self) -> bool:
+        """Whether the engine's process still exists (False when unknown pid is dead)."""
+        if self.pid <= 0:
+            return True
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def transition(self, new: SessionState) -> None:
+        """Move to ``new``; only forward moves are allowed."""
+        order = [SessionState.OPEN, SessionState.CLOSING, SessionState.CLOSED]
+        if order.index(new) <= order.index(self.state):
+            raise AssertionError(f"session {self.session_id}: {self.state.value} -> {new.value}")
+        self.state = new
+
+
+class SessionTable:
+    """Sessions by id and by connection identity; ids come from a per-table counter."""
+
+    __slots__ = ("_by_id", "_by_identity", "_next_id")
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, Session] = {}
+        self._by_identity: dict[bytes, set[int]] = {}
+        self._next_id = 1
+
+    def new_id(self) -> int:
+        """Return a fresh session id."""
+        sid = self._next_id
+        self._next_id += 1
+        return sid
+
+    def add(self, s: Session) -> None:
+        """Track ``s``."""
+        self._by_id[s.session_id] = s
+        self._by_identity.setdefault(s.identity, set()).add(s.session_id)
+
+    def get(self, session_id: int) -> Session | None:
+        """Return the session with that id, or None."""
+        return self._by_id.get(session_id)
+
+    def of_identity(self, identity: bytes) -> list[Session]:
+        """Return the sessions registered over one connection."""
+        return [self._by_id[i] for i in self._by_identity.get(identity, ())]
+
+    def remove(self, s: Session) -> None:
+        """Forget ``s``."""
+        self._by_id.pop(s.session_id, None)
+        ids = self._by_identity.get(s.identity)
+        if ids is not None:
+            ids.discard(s.session_id)
+            if not ids:
+                del self._by_identity[s.identity]
+
+    def __iter__(self):
+        return iter(list(self._by_id.values()))
+
+    def __len__(self) -> int:
+        return len(self._by_id)

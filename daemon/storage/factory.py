@@ -1,0 +1,238 @@
+"""Build an L3 backend by name from its extra config.
+
+The daemon's ``hicache_storage_backend`` names a backend and
+``hicache_storage_backend_extra_config`` carries its settings, as in SGLang HiCache::
+
+    "redis"     {"url": "redis://10.0.0.7:6379/0", "ttl_s": 86400}
+    "mooncake"  {"master_server_address": "10.0.0.7:50051", ...}
+    "dynamic"   {"backend_name": "mine", "module_path": "pkg.mod", "class_name": "MyBackend", ...}
+
+The extra config arrives as JSON text, as ``@path`` to a ``.json`` or ``.toml`` file, or as
+an already parsed mapping (:func:`parse_extra_config`). Every backend validates its own keys
+with a frozen pydantic model through :func:`validate_options`, so an unknown or bad key
+fails at start with a :class:`ConfigError` that names the key and the value.
+
+Backends are imported lazily: a daemon that uses the file backend never imports redis-py
+or Mooncake.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+from typing import Any, Mapping, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from kvtier.config.errors import ConfigError, KvtierError, StorageError
+from kvtier.daemon.storage.base import StorageBackend
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+__all__ = [
+    "BACKEND_NAMES", "DYNAMIC_KEYS", "EXTRA_CONFIG_FIELD", "create_backend", "parse_extra_config",
+    "validate_options",
+]
+
+EXTRA_CONFIG_FIELD = "hicache_storage_backend_extra_config"
+"""The configuration field every extra-config error names."""
+
+BACKEND_FIELD = "hicache_storage_backend"
+"""The configuration field that names the backend."""
+
+BACKEND_NAMES = ("file", "redis", "mooncake", "dynamic")
+"""Backends :func:`create_backend` can build."""
+
+DYNAMIC_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
+"""Extra-config keys the ``dynamic`` backend consumes; the rest go to the plug-in class."""
+
+_Options = TypeVar("_Options", bound=BaseModel)
+
+
+def parse_extra_config(value: str | Mapping[str, Any] | None) -> dict[str, Any]:
+    """Parse a backend's extra config.
+
+    Args:
+        value: ``None`` or ``""`` (no settings); a mapping (copied); JSON text holding an
+            object; or ``@path`` to a ``.json`` or ``.toml`` file (``~`` expanded).
+
+    Returns:
+        A new dict of settings.
+
+    Raises:
+        ConfigError: the JSON or TOML does not parse, does not hold an object / table,
+            the file is missing or unreadable, or its extension is neither .json nor .toml.
+            The message names ``hicache_storage_backend_extra_config`` and quotes the value.
+    """
+    if value is None:
+        return {}
+    if isinstance(value, Mapping):
+        return _string_keys(dict(value), repr(value))
+    if not isinstance(value, str):
+        raise ConfigError(
+            f"{EXTRA_CONFIG_FIELD}: expected JSON text, '@file' or a mapping, got {value!r}"
+        )
+    text = value.strip()
+    if not text:
+        return {}
+    if text.startswith("@"):
+        return _load_file(text[1:].strip(), value)
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ConfigError(
+            f"{EXTRA_CONFIG_FIELD}: invalid JSON ({err.msg} at line {err.lineno} column "
+            f"{err.colno}) in {value!r}"
+        ) from err
+    if not isinstance(parsed, dict):
+        raise ConfigError(f"{EXTRA_CONFIG_FIELD}: expected a JSON object, got {value!r}")
+    return _string_keys(parsed, repr(value))
+
+
+def _load_file(path_text: str, value: str) -> dict[str, Any]:
+    """Read ``@path``: JSON or TOML by extension."""
+    if not path_text:
+        raise ConfigError(f"{EXTRA_CONFIG_FIELD}: '@' must be followed by a file path, got {value!r}")
+    path = Path(path_text).expanduser()
+    suffix = path.suffix.lower()
+    if suffix not in (".json", ".toml"):
+        raise ConfigError(
+            f"{EXTRA_CONFIG_FIELD}: {value!r}: the file must end in .json or .toml"
+        )
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise ConfigError(
+            f"{EXTRA_CONFIG_FIELD}: cannot read {value!r}: {err.strerror or err}"
+        ) from err
+    if suffix == ".toml":
+        try:
+            parsed: Any = tomllib.loads(data.decode("utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+            raise ConfigError(f"{EXTRA_CONFIG_FIELD}: invalid TOML in {value!r}: {err}") from err
+    else:
+        try:
+            parsed = json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ConfigError(f"{EXTRA_CONFIG_FIELD}: invalid JSON in {value!r}: {err}") from err
+        if not isinstance(parsed, dict):
+            raise ConfigError(f"{EXTRA_CONFIG_FIELD}: {value!r} must hold a JSON object")
+    return _string_keys(parsed, repr(value))
+
+
+def _string_keys(parsed: dict[Any, Any], where: str) -> dict[str, Any]:
+    for key in parsed:
+        if not isinstance(key, str):
+            raise ConfigError(f"{EXTRA_CONFIG_FIELD}: key {key!r} in {where} is not a string")
+    return parsed
+
+
+def validate_options(model: type[_Options], extra_config: Mapping[str, Any], backend: str) -> _Options:
+    """Validate a backend's extra config against its options model.
+
+    Args:
+        model: a frozen pydantic model with ``extra="forbid"``; one field per accepted key.
+        extra_config: the parsed extra config.
+        backend: the backend's name, for messages.
+
+    Returns:
+        The validated options.
+
+    Raises:
+        ConfigError: one line per bad key, each naming the key and the value it was given;
+            unknown keys also list the accepted ones.
+    """
+    try:
+        return model.model_validate(dict(extra_config))
+    except ValidationError as err:
+        lines = []
+        for problem in err.errors():
+            key = ".".join(str(part) for part in problem["loc"]) or "(config)"
+            if problem["type"] == "extra_forbidden":
+                accepted = ", ".join(model.model_fields)
+                lines.append(f"unknown key {key!r} = {problem['input']!r} (accepted: {accepted})")
+            else:
+                lines.append(f"{key!r} = {problem['input']!r}: {problem['msg']}")
+        raise ConfigError(f"{EXTRA_CONFIG_FIELD} for {backend!r}: " + "; ".join(lines)) from err
+
+
+def create_backend(name: str, extra_config: Mapping[str, Any] | None = None) -> StorageBackend:
+    """Construct (but do not open) the backend ``name``.
+
+    Args:
+        name: ``file``, ``redis``, ``mooncake`` or ``dynamic``.
+        extra_config: parsed settings (see :func:`parse_extra_config`). For ``dynamic``:
+            ``module_path`` and ``class_name`` (required) name a :class:`StorageBackend`
+            subclass; ``backend_name`` (optional) becomes the instance's ``name``;
+            ``interface_v1`` is accepted for SGLang compatibility and ignored; every other
+            key is passed to the class.
+
+    Returns:
+        The backend, ready for ``await backend.open(arena)``.
+
+    Raises:
+        ConfigError: unknown backend, bad or missing keys, a plug-in that cannot be
+            imported or is not a ``StorageBackend``.
+        StorageError: a plug-in's constructor failed for another reason.
+    """
+    extra = dict(extra_config or {})
+    if name == "file":
+        from kvtier.daemon.storage.file import FileBackend
+
+        return FileBackend(extra)
+    if name == "redis":
+        from kvtier.daemon.storage.redis_backend import RedisBackend
+
+        return RedisBackend(extra)
+    if name == "mooncake":
+        from kvtier.daemon.storage.mooncake_backend import MooncakeBackend
+
+        return MooncakeBackend(extra)
+    if name == "dynamic":
+        return _create_dynamic(extra)
+    raise ConfigError(
+        f"{BACKEND_FIELD}: unknown backend {name!r} (choose one of {', '.join(BACKEND_NAMES)})"
+    )
+
+
+def _create_dynamic(extra: dict[str, Any]) -> StorageBackend:
+    """Import ``module_path``, check ``class_name`` and construct it with the other keys."""
+    where = f"{EXTRA_CONFIG_FIELD} for 'dynamic'"
+    for key in ("module_path", "class_name"):
+        if not isinstance(extra.get(key), str) or not extra[key]:
+            raise ConfigError(f"{where}: {key!r} must be a non-empty string, got {extra.get(key)!r}")
+    backend_name = extra.get("backend_name")
+    if backend_name is not None and (not isinstance(backend_name, str) or not backend_name):
+        raise ConfigError(f"{where}: 'backend_name' must be a non-empty string, got {backend_name!r}")
+    module_path, class_name = extra["module_path"], extra["class_name"]
+    try:
+        module = importlib.import_module(module_path)
+    except ImportError as err:
+        raise ConfigError(f"{where}: 'module_path' = {module_path!r} cannot be imported: {err}") from err
+    cls = getattr(module, class_name, None)
+    if cls is None:
+        raise ConfigError(f"{where}: 'class_name' = {class_name!r} is not defined in {module_path!r}")
+    if not (isinstance(cls, type) and issubclass(cls, StorageBackend)):
+        raise ConfigError(
+            f"{where}: 'class_name' = {class_name!r} in {module_path!r} is not a StorageBackend subclass"
+        )
+    if getattr(cls, "__abstractmethods__", None):
+        missing = ", ".join(sorted(cls.__abstractmethods__))
+        raise ConfigError(
+            f"{where}: 'class_name' = {class_name!r} does not implement {missing}"
+        )
+    rest = {key: value for key, value in extra.items() if key not in DYNAMIC_KEYS}
+    try:
+        backend = cls(rest)
+    except KvtierError:
+        raise
+    except Exception as err:  # a plug-in's own failure, wrapped with its cause
+        raise StorageError(f"dynamic backend {module_path}.{class_name} failed to initialise: {err}") from err
+    if backend_name is not None:
+        backend.name = backend_name
+    return backend

@@ -1,0 +1,411 @@
+"""L3 backend on Redis or Valkey: one string value per page, shared by every daemon that points at it.
+
+Each page is one key holding the self-describing object (96-byte header ‖ payload)::
+
+    key    <prefix>:<namespace fingerprint hex>:<page key hex>
+    value  header (magic, version, ns, key, length, xxh3 of payload, xxh3 of header) ‖ payload
+
+Every batch is one pipeline, so one round trip: ``SET`` (with ``PX`` when ``ttl_s`` is set),
+``GET`` (``GETEX PX`` with a TTL, so pages that keep being read keep living), ``EXISTS`` per
+key for the leading run, one multi-key ``DEL``. Only plain commands are used, so Valkey and
+Redis-compatible servers work too.
+
+Reads verify the header and the payload checksum before copying the payload into the arena
+slot; a value that does not verify is a miss and counts in ``stats.corrupt``. Hashing and
+copying large batches runs in a worker thread, so the event loop keeps answering.
+
+Faults never raise into the daemon: a refused connection, a timeout or a server error makes
+the batch a miss (``False`` / a run of 0), counts once in ``stats.errors`` and is logged on
+the first failure after a healthy spell. redis-py reconnects on the next call, and a stale
+pooled connection (the server restarted) is retried once, so the backend comes back by
+itself when the server does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import functools
+import logging
+from typing import Any, Callable, Sequence, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kvtier.config.errors import ConfigError, StorageError
+from kvtier.daemon.storage.base import HostArena, StorageBackend
+from kvtier.daemon.storage.factory import validate_options
+from kvtier.daemon.storage.objects import HEADER_SIZE, encode_header, verify_object
+
+__all__ = ["RedisBackend", "RedisOptions"]
+
+_log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+_INLINE_BYTES = 1 << 20
+"""Batches up to this many payload bytes are hashed and copied on the event loop (cheaper
+than a thread hop); larger ones go to a worker thread."""
+
+
+class RedisOptions(BaseModel):
+    """Extra-config keys of the ``redis`` backend."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    url: str = Field(default="redis://127.0.0.1:6379/0")
+    """Server URL (``redis://``, ``rediss://`` or ``unix://``); may carry user, password and db."""
+    host: str | None = Field(default=None, min_length=1)
+    """Server host; with ``port`` and ``db``, an alternative to ``url``."""
+    port: int = Field(default=6379, ge=1, le=65535)
+    """Server port when ``host`` is given."""
+    db: int = Field(default=0, ge=0)
+    """Database number when ``host`` is given."""
+    prefix: str = Field(default="kvtier", min_length=1, max_length=128, pattern=r"^\S+$")
+    """First component of every key; lets several kvtier deployments share a server."""
+    timeout_s: float = Field(default=2.0, gt=0, le=3600)
+    """Bound on each connect, each socket read or write and each wait for a pooled connection."""
+    ttl_s: float | None = Field(default=None, gt=0)
+    """Optional expiry of pages, refreshed by every read (sliding); ``None`` keeps them until
+    the server evicts them (configure ``maxmemory-policy allkeys-lru`` on the server)."""
+    max_connections: int = Field(default=16, ge=1, le=4096)
+    """Connections in the pool; concurrent batches beyond it wait up to ``timeout_s``."""
+
+    @model_validator(mode="after")
+    def _one_address(self) -> RedisOptions:
+        if self.host is not None and "url" in self.model_fields_set:
+            raise ValueError("give 'url' or 'host'/'port'/'db', not both")
+        if self.host is None and {"port", "db"} & self.model_fields_set:
+            raise ValueError("'port' and 'db' need 'host' (or put them in 'url')")
+        if not self.url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"'url' must start with redis://, rediss:// or unix://, got {self.url!r}")
+        return self
+
+    @property
+    def address(self) -> str:
+        """The URL the client connects to."""
+        if self.host is not None:
+            host = f"[{self.host}]" if ":" in self.host else self.host
+            return f"redis://{host}:{self.port}/{self.db}"
+        return self.url
+
+
+class _State(enum.Enum):
+    NEW = "new"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+class RedisBackend(StorageBackend):
+    """Pages as Redis/Valkey string values; see the module docstring for the layout.
+
+    Args:
+        extra_config: keys of :class:`RedisOptions`.
+
+    Raises:
+        ConfigError: a key is unknown or its value is invalid.
+    """
+
+    name = "redis"
+
+    def __init__(self, extra_config: dict[str, Any]) -> None:
+        super().__init__(extra_config)
+        self.options = validate_options(RedisOptions, extra_config, self.name)
+        """The validated extra config."""
+        self._state = _State.NEW
+        self._client: Any = None  # redis.asyncio.Redis, imported lazily
+        self._errors: tuple[type[BaseException], ...] = (OSError, asyncio.TimeoutError)
+        self._arena: HostArena | None = None
+        self._prefix = self.options.prefix.encode()
+        self._ttl_ms = None if self.options.ttl_s is None else max(1, int(self.options.ttl_s * 1000))
+        self._failing = False
+
+    @property
+    def client(self) -> Any:
+        """The ``redis.asyncio.Redis`` client (for benchmarks and tests); ``None`` unless open."""
+        return self._client
+
+    def key_name(self, ns: bytes, key: bytes) -> bytes:
+        """Return the Redis key of page ``key`` in namespace ``ns``: ``<prefix>:<ns hex>:<key hex>``."""
+        return b"%s:%s:%s" % (self._prefix, ns.hex().encode(), key.hex().encode())
+
+    async def open(self, arena: HostArena) -> None:
+        """Connect and check the server answers ``PING``.
+
+        Raises:
+            StorageError: redis-py is not installed, the backend was opened before, or the
+                server does not answer within ``timeout_s``.
+        """
+        if self._state is not _State.NEW:
+            raise StorageError(f"redis backend: open() called in state {self._state.value}")
+        try:
+            import redis.asyncio as redis_asyncio
+            from redis.asyncio.retry import Retry
+            from redis.backoff import NoBackoff
+            from redis.exceptions import ConnectionError as RedisConnectionError
+            from redis.exceptions import RedisError
+        except ImportError as err:
+            raise StorageError("redis backend needs redis-py: pip install 'kvtier[redis]'") from err
+        opts = self.options
+        try:
+            pool = redis_asyncio.BlockingConnectionPool.from_url(
+                opts.address,
+                max_connections=opts.max_connections,
+                timeout=opts.timeout_s,
+                socket_timeout=opts.timeout_s,
+                socket_connect_timeout=opts.timeout_s,
+                # one immediate retry on a broken connection: after a server restart every
+                # pooled connection is stale and the retry reconnects; timeouts are not retried
+                retry=Retry(NoBackoff(), 1, (RedisConnectionError,)),
+            )
+        except ValueError as err:
+            raise ConfigError(f"redis extra config: 'url' = {opts.address!r}: {err}") from err
+        self._client = redis_asyncio.Redis.from_pool(pool)
+        self._errors = (RedisError, OSError, asyncio.TimeoutError)
+        self._arena = arena
+        self._state = _State.OPEN
+        if not await self.health():
+            await self.close()
+            raise StorageError(f"redis backend: no answer from {_redact(opts.address)!r} within {opts.timeout_s} s")
+
+    async def exists(self, ns: bytes, keys: Sequence[bytes]) -> int:
+        """Return how many of ``keys``, from the first, are stored (one pipeline of ``EXISTS``)."""
+        self._check_open()
+        if not keys:
+            return 0
+        names = [self.key_name(ns, key) for key in keys]
+        replies = await self._pipeline(lambda pipe: [pipe.exists(name) for name in names])
+        run = 0
+        for reply in replies or ():
+            if reply != 1:
+                if isinstance(reply, BaseException):
+                    self._failed(reply)
+                break
+            run += 1
+        return run
+
+    async def get_into(
+        self, ns: bytes, keys: Sequence[bytes], offsets: Sequence[int], length: int
+    ) -> list[bool]:
+        """Read, verify and copy each page into ``arena[offset:offset+length]``.
+
+        One pipeline of ``GET`` (``GETEX`` with a TTL). A missing key, a value of the wrong
+        size, a header naming another namespace or key, or a checksum mismatch reads ``False``
+        (the last three count in ``stats.corrupt``); a fault reads all ``False``.
+        """
+        arena = self._check_batch(keys, offsets, length)
+        if not keys:
+            return []
+        names = [self.key_name(ns, key) for key in keys]
+        ttl = self._ttl_ms
+        if ttl is None:
+            values = await self._pipeline(lambda pipe: [pipe.get(name) for name in names])
+        else:
+            values = await self._pipeline(lambda pipe: [pipe.getex(name, px=ttl) for name in names])
+        if values is None:
+            self.stats.misses += len(keys)
+            return [False] * len(keys)
+        land = functools.partial(_land, arena.view, ns, keys, offsets, length, values)
+        if length * len(keys) <= _INLINE_BYTES:
+            flags, missing, corrupt, faults = land()
+        else:
+            flags, missing, corrupt, faults = await _run_to_completion(land)
+        found = sum(flags)
+        self.stats.gets += found
+        self.stats.get_bytes += found * length
+        self.stats.misses += missing + corrupt + len(faults)
+        self.stats.corrupt += corrupt
+        if faults:
+            self._failed(faults[0])
+        return flags
+
+    async def put_from(
+        self, ns: bytes, keys: Sequence[bytes], offsets: Sequence[int], length: int
+    ) -> list[bool]:
+        """Write each page ``arena[offset:offset+length]`` as header ‖ payload (one pipeline of ``SET``).
+
+        An existing value is overwritten, which also repairs a corrupt one.
+        """
+        arena = self._check_batch(keys, offsets, length)
+        if not keys:
+            return []
+        build = functools.partial(_encode_values, arena.view, ns, keys, offsets, length)
+        values = build() if length * len(keys) <= _INLINE_BYTES else await _run_to_completion(build)
+        names = [self.key_name(ns, key) for key in keys]
+        ttl = self._ttl_ms
+        replies = await self._pipeline(
+            lambda pipe: [pipe.set(name, value, px=ttl) for name, value in zip(names, values)]
+        )
+        del values
+        if replies is None:
+            return [False] * len(keys)
+        flags = [reply is True for reply in replies]
+        fault = next((reply for reply in replies if isinstance(reply, BaseException)), None)
+        if fault is not None:
+            self._failed(fault)
+        self.stats.puts += sum(flags)
+        self.stats.put_bytes += sum(flags) * length
+        return flags
+
+    async def delete(self, ns: bytes, keys: Sequence[bytes]) -> int:
+        """Delete the pages with one ``DEL``; return how many existed (0 on a fault)."""
+        self._check_open()
+        if not keys:
+            return 0
+        names = [self.key_name(ns, key) for key in keys]
+        replies = await self._pipeline(lambda pipe: [pipe.delete(*names)])
+        if not replies or not isinstance(replies[0], int):
+            if replies:
+                self._failed(replies[0])
+            return 0
+        return int(replies[0])
+
+    async def health(self) -> bool:
+        """Return True when the server answers ``PING`` within ``timeout_s``."""
+        if self._state is not _State.OPEN:
+            return False
+        try:
+            await asyncio.wait_for(self._client.ping(), self.options.timeout_s)
+        except self._errors as err:
+            self._note_down(err)
+            return False
+        self._note_up()
+        return True
+
+    async def close(self) -> None:
+        """Close every pooled connection; idempotent."""
+        if self._state is _State.CLOSED:
+            return
+        self._state = _State.CLOSED
+        client, self._client = self._client, None
+        self._arena = None
+        if client is not None:
+            try:
+                await client.aclose()
+            except self._errors as err:  # closing a dead connection: nothing left to release
+                _log.debug("redis backend: close: %s", err)
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _check_open(self) -> HostArena:
+        if self._state is not _State.OPEN or self._arena is None:
+            raise StorageError(f"redis backend: used in state {self._state.value}")
+        return self._arena
+
+    def _check_batch(self, keys: Sequence[bytes], offsets: Sequence[int], length: int) -> HostArena:
+        arena = self._check_open()
+        assert len(keys) == len(offsets), "one offset per key"
+        assert all(0 <= off and off + length <= arena.size for off in offsets), "offset out of arena"
+        return arena
+
+    async def _pipeline(self, build: Callable[[Any], object]) -> list[Any] | None:
+        """Run the commands ``build`` queues as one pipeline; ``None`` (and one error) on a fault.
+
+        Per-command server errors come back as exception objects in the reply list.
+        """
+        try:
+            async with self._client.pipeline(transaction=False) as pipe:
+                build(pipe)
+                replies: list[Any] = await pipe.execute(raise_on_error=False)
+        except self._errors as err:
+            self._failed(err)
+            return None
+        self._note_up()
+        return replies
+
+    def _failed(self, err: BaseException) -> None:
+        self.stats.errors += 1
+        self._note_down(err)
+
+    def _note_down(self, err: BaseException) -> None:
+        if not self._failing:
+            self._failing = True
+            _log.warning(
+                "redis backend: %s unreachable or failing (%s: %s); L3 reads miss until it answers",
+                _redact(self.options.address), type(err).__name__, err,
+            )
+
+    def _note_up(self) -> None:
+        if self._failing:
+            self._failing = False
+            _log.info("redis backend: %s answers again", _redact(self.options.address))
+
+
+def _encode_values(
+    view: memoryview, ns: bytes, keys: Sequence[bytes], offsets: Sequence[int], length: int
+) -> list[bytes]:
+    """Return header ‖ payload for each page (hashes and copies; runs in a worker for big batches)."""
+    values = []
+    for key, off in zip(keys, offsets):
+        payload = view[off : off + length]
+        values.append(b"".join((encode_header(ns, key, payload), payload)))
+    return values
+
+
+def _land(
+    view: memoryview,
+    ns: bytes,
+    keys: Sequence[bytes],
+    offsets: Sequence[int],
+    length: int,
+    values: Sequence[Any],
+) -> tuple[list[bool], int, int, list[BaseException]]:
+    """Verify each value and copy its payload into the arena.
+
+    Returns:
+        (flags, missing, corrupt, faults): one flag per key, how many keys were absent,
+        how many values did not verify, and the per-command errors the server sent.
+        Counters go back to the caller, which owns ``stats`` on the event loop.
+    """
+    flags: list[bool] = []
+    missing = corrupt = 0
+    faults: list[BaseException] = []
+    size = HEADER_SIZE + length
+    for key, off, value in zip(keys, offsets, values):
+        if value is None:
+            missing += 1
+            flags.append(False)
+            continue
+        if isinstance(value, BaseException):
+            faults.append(value)
+            flags.append(False)
+            continue
+        data = memoryview(value)
+        if len(data) != size or not verify_object(data[:HEADER_SIZE], data[HEADER_SIZE:], ns, key):
+            corrupt += 1
+            flags.append(False)
+            continue
+        view[off : off + length] = data[HEADER_SIZE:]
+        flags.append(True)
+    return flags, missing, corrupt, faults
+
+
+async def _run_to_completion(fn: Callable[[], _T]) -> _T:
+    """Run ``fn`` in the loop's default executor and wait for it even when cancelled.
+
+    The worker reads or writes arena slots that the caller may reuse as soon as this
+    coroutine ends, so it never ends before the worker does; a cancellation that arrives
+    meanwhile is re-raised once the worker has finished.
+    """
+    future = asyncio.get_running_loop().run_in_executor(None, fn)
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(future)
+            break
+        except asyncio.CancelledError:
+            if future.done():
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return result
+
+
+def _redact(url: str) -> str:
+    """Drop a password from a URL before it reaches a log line or an error."""
+    scheme, sep, rest = url.partition("://")
+    if sep and "@" in rest:
+        creds, _, host = rest.rpartition("@")
+        user = creds.split(":", 1)[0]
+        return f"{scheme}://{user}:***@{host}" if ":" in creds else f"{scheme}://{user}@{host}"
+    return url
+

@@ -1,0 +1,135 @@
+"""Per-session completion blocks: how the daemon tells an engine that a layer has landed.
+
+The daemon creates one block per session in its runtime directory; the engine maps it
+read-only. A block is an array of transfer slots, one cache line each::
+
+    slot i:  [ seq | layers_done | status | num_layers | pad ... ]   (8 × int64)
+
+For a transfer the client picks a free slot and a new ``seq`` and sends them with the
+request. The daemon writes ``layers_done``, ``status`` and ``num_layers`` first and ``seq``
+last, then bumps ``layers_done`` after each layer's bytes are in place and finally sets
+``status``. The client trusts a slot only once ``seq`` equals its own, so a stale slot is
+never mistaken for progress. Each field is one aligned 8-byte store (atomic on the
+platforms kvtier runs on; on x86-64 stores are not reordered with earlier stores, so the
+page bytes are visible before the counter that announces them).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from kvtier.ipc.shm import SharedMemorySegment
+
+SLOT_WORDS = 8
+SEQ, LAYERS_DONE, STATUS, NUM_LAYERS = 0, 1, 2, 3
+
+
+class TransferStatus(enum.IntEnum):
+    """The state of one transfer slot."""
+
+    IDLE = 0
+    RUNNING = 1
+    DONE = 2
+    FAILED = 3
+    CANCELLED = 4
+
+
+class CompletionTimeout(TimeoutError):
+    """A layer did not complete within the deadline."""
+
+
+class CompletionBlock:
+    """A mapped completion block (daemon: writable owner; client: read-only peer)."""
+
+    __slots__ = ("segment", "slots", "_a")
+
+    def __init__(self, segment: SharedMemorySegment, slots: int) -> None:
+        self.segment = segment
+        self.slots = slots
+        self._a = segment.array(np.int64, count=slots * SLOT_WORDS).reshape(slots, SLOT_WORDS)
+
+    @classmethod
+    def create(cls, path: str | Path, slots: int) -> "CompletionBlock":
+        """Create a block with ``slots`` transfer slots (daemon side)."""
+        seg = SharedMemorySegment.create(path, slots * SLOT_WORDS * 8, prefault=True, mode=0o660,
+                                         exist_ok=True)
+        return cls(seg, slots)
+
+    @classmethod
+    def open(cls, path: str | Path, slots: int) -> "CompletionBlock":
+        """Map an existing block read-only (client side)."""
+        seg = SharedMemorySegment.open(path, slots * SLOT_WORDS * 8, writable=False)
+        return cls(seg, slots)
+
+    # -- daemon side ---------------------------------------------------------------------
+    def begin(self, slot: int, seq: int, num_layers: int) -> None:
+        """Start a transfer in ``slot``; ``seq`` is written last."""
+        row = self._a[slot]
+        row[LAYERS_DONE] = 0
+        row[STATUS] = TransferStatus.RUNNING
+        row[NUM_LAYERS] = num_layers
+        row[SEQ] = seq
+
+    def layer_done(self, slot: int, layers_done: int) -> None:
+        """Announce that layers ``[0, layers_done)`` are complete."""
+        self._a[slot, LAYERS_DONE] = layers_done
+
+    def finish(self, slot: int, status: TransferStatus) -> None:
+        """Set the final status of the transfer in ``slot``."""
+        self._a[slot, STATUS] = status
+
+    # -- client side ---------------------------------------------------------------------
+    def read(self, slot: int) -> tuple[int, int, int]:
+        """Return (seq, layers_done, status) of ``slot``."""
+        row = self._a[slot]
+        seq = int(row[SEQ])
+        return seq, int(row[LAYERS_DONE]), int(row[STATUS])
+
+    def wait(self, slot: int, seq: int, layers: int, timeout: float,
+             alive: Callable[[], bool] | None = None) -> TransferStatus:
+        """Wait until ``layers`` layers of transfer ``seq`` are done, or it ends.
+
+        Args:
+            slot / seq: the transfer.
+            layers: how many leading layers must be complete.
+            timeout: seconds before :class:`CompletionTimeout`.
+            alive: called now and then; returning False ends the wait early as FAILED
+                (e.g. the daemon process is gone).
+
+        Returns:
+            RUNNING when the layers are done but the transfer is not finished, DONE,
+            FAILED or CANCELLED.
+        """
+        row = self._a[slot]
+        deadline = time.monotonic() + timeout
+        spins = 0
+        while True:
+            if int(row[SEQ]) == seq:
+                status = int(row[STATUS])
+                if status != TransferStatus.RUNNING:
+                    if status == TransferStatus.DONE and int(row[LAYERS_DONE]) < layers:
+                        return TransferStatus.FAILED
+                    return TransferStatus(status)
+                if int(row[LAYERS_DONE]) >= layers:
+                    return TransferStatus.RUNNING
+            spins += 1
+            if spins < 64:
+                os.sched_yield()
+                continue
+            now = time.monotonic()
+            if now >= deadline:
+                raise CompletionTimeout(f"slot {slot} seq {seq}: {layers} layers not done in {timeout}s")
+            if spins % 256 == 0 and alive is not None and not alive():
+                return TransferStatus.FAILED
+            time.sleep(0.00005 if spins < 4096 else 0.0005)
+
+    def close(self) -> None:
+        """Unmap; the daemon (owner) also removes the file."""
+        self._a = None  # type: ignore[assignment]
+        self.segment.close()

@@ -1,0 +1,328 @@
+"""The kvtier wire protocol: every control message, error code and the protocol version.
+
+Nothing else in kvtier builds frames by hand. Messages are msgspec structs encoded with
+MessagePack; each request carries a request id that its reply echoes, and each reply
+carries the daemon's epoch (new per boot) so a client notices a restarted daemon.
+
+Frames on the wire (client DEALER → daemon ROUTER)::
+
+    client sends:   [body]                  body = msgpack(Request)
+    daemon sees:    [identity, body]
+    daemon replies: [identity, body]        body = msgpack(Reply)
+
+Page bytes never travel here: STORE and LOAD name pages by index; the daemon copies them
+through shared memory (or CUDA IPC) and signals completion in a per-session completion
+block (:mod:`kvtier.ipc.completion`).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Optional, Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+KEY_BYTES = 32
+
+
+class ErrorCode(enum.IntEnum):
+    """Why a request was refused. Every error reply carries one."""
+
+    BAD_MESSAGE = 1  # not decodable, wrong field types, oversized
+    PROTOCOL_VERSION = 2  # REGISTER with another protocol version
+    UNKNOWN_SESSION = 3  # session id not (or no longer) registered by this daemon epoch
+    OUT_OF_RANGE = 4  # page index or transfer slot outside the registered memory
+    GEOMETRY_MISMATCH = 5  # geometry / memory description inconsistent
+    UNAUTHORIZED = 6  # missing or wrong tenant token / admin credential
+    BAD_MEMORY = 7  # exported memory cannot be opened or has the wrong size
+    BUSY = 8  # a limit was reached (sessions, transfer slot in use)
+    SHUTTING_DOWN = 9  # the daemon is stopping
+    INTERNAL = 10  # a bug in the daemon; the request had no effect
+
+
+class Geometry(msgspec.Struct, frozen=True):
+    """The shape of one engine's KV pages (one TP rank).
+
+    Attributes:
+        num_layers: transformer layers.
+        page_size: tokens per page.
+        kv_heads: KV heads on this rank (MHA); 1 for MLA.
+        head_dim: head dimension (MHA) or latent width (MLA).
+        dtype: element type name, e.g. ``float16``, ``bfloat16``, ``float32``, ``fp8_e4m3``.
+        attention: ``mha`` (K and V per layer) or ``mla`` (one latent per token).
+        layout: engine memory layout; only ``layer_first`` is defined.
+    """
+
+    num_layers: int
+    page_size: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    attention: str = "mha"
+    layout: str = "layer_first"
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element of ``dtype``."""
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def components(self) -> int:
+        """Buffers per layer: 2 (K, V) for MHA, 1 for MLA."""
+        return 2 if self.attention == "mha" else 1
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes of one page of one (layer, component) buffer."""
+        return self.page_size * self.kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one whole page, every layer and component (one host-pool slot)."""
+        return self.num_layers * self.components * self.chunk_bytes
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first field that is out of range."""
+        for name in ("num_layers", "page_size", "kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not 1 <= value <= 1 << 20:
+                raise ValueError(f"geometry.{name} = {value!r} is out of range [1, 1048576]")
+        if self.dtype not in DTYPE_SIZES:
+            raise ValueError(f"geometry.dtype = {self.dtype!r} is not one of {sorted(DTYPE_SIZES)}")
+        if self.attention not in ("mha", "mla"):
+            raise ValueError(f"geometry.attention = {self.attention!r} is not 'mha' or 'mla'")
+        if self.layout != "layer_first":
+            raise ValueError(f"geometry.layout = {self.layout!r} is not 'layer_first'")
+        if self.attention == "mla" and self.kv_heads != 1:
+            raise ValueError(f"geometry.kv_heads = {self.kv_heads!r} must be 1 for MLA")
+
+
+DTYPE_SIZES = {
+    "float32": 4, "float16": 2, "bfloat16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1, "uint8": 1, "int8": 1,
+}
+
+
+class NamespaceSpec(msgspec.Struct, frozen=True):
+    """What, beside the geometry, makes KV bytes interchangeable (ARCHITECTURE §4)."""
+
+    model_id: str
+    revision: str = ""
+    cache_salt: str = ""
+
+
+class MemorySegment(msgspec.Struct, frozen=True):
+    """One exported allocation.
+
+    Attributes:
+        name: for ``shm``, the shared-memory file's path (under /dev/shm, named ``kvtier-*``).
+        size: bytes of the allocation.
+        handle: for ``cuda_ipc``, the CUDA IPC memory handle bytes.
+        device_uuid: for ``cuda_ipc``, the GPU's UUID (ordinals differ between processes).
+    """
+
+    name: str
+    size: int
+    handle: bytes = b""
+    device_uuid: str = ""
+
+
+class KVMemory(msgspec.Struct, frozen=True):
+    """An engine's KV pool as exported to the daemon once, at registration.
+
+    ``buffer_offsets[l * components + c]`` is where layer ``l``, component ``c`` starts in
+    ``segments[buffer_segments[...]]``; each buffer holds ``num_pages`` pages of
+    ``geometry.chunk_bytes`` bytes, contiguous.
+    """
+
+    kind: str  # "shm" | "cuda_ipc"
+    num_pages: int
+    segments: list[MemorySegment]
+    buffer_segments: list[int]
+    buffer_offsets: list[int]
+
+
+class _Req(msgspec.Struct, tag_field="op", kw_only=True):
+    req_id: int
+
+
+class Register(_Req, tag="register", kw_only=True):
+    """Start a session: geometry, namespace and exported memory; answered by :class:`Registered`."""
+
+    protocol_version: int
+    namespace: NamespaceSpec
+    geometry: Geometry
+    memory: KVMemory
+    tp_rank: int = 0
+    tp_size: int = 1
+    pid: int = 0
+    tenant: str = "default"
+    token: str = ""
+
+
+class Heartbeat(_Req, tag="heartbeat", kw_only=True):
+    """Renew the session's lease."""
+
+    session_id: int
+
+
+class Lookup(_Req, tag="lookup", kw_only=True):
+    """How long is the leading run of ``keys`` in L2 (and then in L3)?"""
+
+    session_id: int
+    keys: list[bytes]
+
+
+class Store(_Req, tag="store", kw_only=True):
+    """Copy engine pages ``pages[i]`` into L2 under ``keys[i]`` where L2 lacks them.
+
+    ``parent_key`` is the key before ``keys[0]`` in its chain (None for a chain start).
+    The daemon signals completion in transfer slot ``slot`` tagged with ``seq``.
+    """
+
+    session_id: int
+    keys: list[bytes]
+    pages: list[int]
+    parent_key: Optional[bytes] = None
+    slot: int
+    seq: int
+
+
+class Load(_Req, tag="load", kw_only=True):
+    """Pin the leading L2 run of ``keys`` and copy it into engine pages, layer by layer."""
+
+    session_id: int
+    keys: list[bytes]
+    pages: list[int]
+    slot: int
+    seq: int
+
+
+class Release(_Req, tag="release", kw_only=True):
+    """Cancel the transfers in ``slots`` (if still running) and drop their pins."""
+
+    session_id: int
+    slots: list[int]
+
+
+class Unregister(_Req, tag="unregister", kw_only=True):
+    """End the session now (also happens on disconnect or lease expiry)."""
+
+    session_id: int
+
+
+class Stats(_Req, tag="stats", kw_only=True):
+    """Ask for the daemon's counters (pool, sessions, hits, bytes)."""
+
+    admin_token: str = ""
+
+
+class Health(_Req, tag="health", kw_only=True):
+    """Is the daemon serving? Answered by :class:`HealthReply`."""
+
+
+Request = Union[Register, Heartbeat, Lookup, Store, Load, Release, Unregister, Stats, Health]
+
+
+class _Rep(msgspec.Struct, tag_field="op", kw_only=True):
+    req_id: int
+    epoch: int
+
+
+class Registered(_Rep, tag="registered", kw_only=True):
+    """Session accepted. ``ns_fingerprint`` seeds the page-key chain (tenant included)."""
+
+    session_id: int
+    lease_s: float
+    ns_fingerprint: bytes
+    completion_name: str
+    completion_slots: int
+    daemon_pid: int
+
+
+class Ack(_Rep, tag="ack", kw_only=True):
+    """A request that returns nothing but success (heartbeat, release, unregister)."""
+
+
+class LookupResult(_Rep, tag="lookup_result", kw_only=True):
+    """``l2`` leading keys are in L2; the next ``l3`` keys are in L3."""
+
+    l2: int
+    l3: int = 0
+
+
+class StoreAccepted(_Rep, tag="store_accepted", kw_only=True):
+    """``keys[:count]`` are in L2 or being written; ``writing`` of them are copied now.
+
+    When ``writing`` is 0 no transfer runs and the slot is not signalled.
+    """
+
+    count: int
+    writing: int
+
+
+class LoadAccepted(_Rep, tag="load_accepted", kw_only=True):
+    """``keys[:count]`` are pinned and being copied; 0 means nothing runs (a miss)."""
+
+    count: int
+
+
+class StatsReply(_Rep, tag="stats_reply", kw_only=True):
+    """Counters as a plain dict (documented in docs/protocol.md)."""
+
+    stats: dict[str, object]
+
+
+class HealthReply(_Rep, tag="health_reply", kw_only=True):
+    """The daemon is serving; ``status`` is ``ok`` or ``degraded`` with a reason."""
+
+    status: str
+    sessions: int
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class ErrorReply(_Rep, tag="error", kw_only=True):
+    """A refused request: nothing was changed."""
+
+    code: int
+    message: str
+
+
+Reply = Union[
+    Registered, Ack, LookupResult, StoreAccepted, LoadAccepted, StatsReply, HealthReply, ErrorReply
+]
+
+_encoder = msgspec.msgpack.Encoder()
+_req_decoder = msgspec.msgpack.Decoder(Request)
+_rep_decoder = msgspec.msgpack.Decoder(Reply)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    """Encode a request or reply to bytes."""
+    return _encoder.encode(msg)
+
+
+def decode_request(data: bytes | memoryview) -> Request:
+    """Decode a request.
+
+    Raises:
+        msgspec.DecodeError / msgspec.ValidationError: not a valid request (the daemon
+            answers :attr:`ErrorCode.BAD_MESSAGE`).
+    """
+    return _req_decoder.decode(data)
+
+
+def decode_reply(data: bytes | memoryview) -> Reply:
+    """Decode a reply; raises msgspec errors when it is not one."""
+    return _rep_decoder.decode(data)
+
+
+def peek_req_id(data: bytes | memoryview) -> int:
+    """Best-effort request id of an undecodable message (0 when none can be found)."""
+    try:
+        raw = msgspec.msgpack.decode(data)
+    except (msgspec.DecodeError, ValueError):
+        return 0
+    if isinstance(raw, dict) and isinstance(raw.get("req_id"), int):
+        return int(raw["req_id"])
+    return 0

@@ -1,0 +1,60 @@
+"""The one place ZeroMQ sockets are made, so every socket gets the same options."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import zmq
+
+
+def make_zmq_socket(ctx: zmq.Context, endpoint: str, socket_type: int, bind: bool,
+                    identity: bytes | None = None, hwm: int = 0) -> zmq.Socket:
+    """Create, configure and bind or connect a socket.
+
+    Args:
+        ctx: a ``zmq.Context`` or ``zmq.asyncio.Context``.
+        endpoint: ``ipc://path`` (default deployment) or ``tcp://127.0.0.1:port``.
+        socket_type: ``zmq.ROUTER`` (daemon) or ``zmq.DEALER`` (client).
+        bind: bind (daemon) or connect (client).
+        identity: routing id for a DEALER (unique per connection).
+        hwm: send/receive high-water marks (0: unlimited).
+
+    Returns:
+        The socket, with linger 0 (closing never blocks on unsent messages). A bound ipc
+        socket's file gets mode 0660 so engine users in the daemon's group can connect.
+    """
+    sock = ctx.socket(socket_type)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    if socket_type == zmq.ROUTER:
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        sock.setsockopt(zmq.ROUTER_NOTIFY, zmq.NOTIFY_CONNECT | zmq.NOTIFY_DISCONNECT)
+    if socket_type == zmq.DEALER:
+        sock.setsockopt(zmq.RECONNECT_IVL, 50)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+    if bind:
+        if endpoint.startswith("ipc://"):
+            path = Path(endpoint[len("ipc://"):])
+            if path.exists() or path.is_symlink():
+                path.unlink()
+            old = os.umask(0o117)
+            try:
+                sock.bind(endpoint)
+            finally:
+                os.umask(old)
+            os.chmod(path, 0o660)
+        else:
+            sock.bind(endpoint)
+    else:
+        sock.connect(endpoint)
+    return sock
+
+
+def ipc_endpoint(path: str | Path) -> str:
+    """Return the ``ipc://`` endpoint of a socket file path."""
+    return f"ipc://{path}"

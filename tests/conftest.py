@@ -1,0 +1,48 @@
+"""Shared fixtures: a real kvtierd subprocess per test on ipc:// in a short temp path."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from kvtier.client.daemon_process import DaemonProcess
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A temp dir with a short path (ipc:// socket paths are limited to ~100 bytes)."""
+    d = Path(tempfile.mkdtemp(prefix="kvt-", dir="/tmp"))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon_factory(short_tmp: Path) -> Iterator:
+    """Start kvtierd processes: ``daemon_factory(*flags, name="d0")``; all stopped at teardown."""
+    started: list[DaemonProcess] = []
+
+    def make(*args: str, name: str = "d0", env: dict[str, str] | None = None,
+             start: bool = True) -> DaemonProcess:
+        flags = ["--hicache-size", "64MiB", "--extent-size", "4MiB", "--log-level", "info",
+                 "--lease-s", "5", *args]
+        d = DaemonProcess(short_tmp / name, flags, env=env)
+        started.append(d)
+        return d.start() if start else d
+
+    yield make
+    for d in started:
+        if d.proc is not None:
+            d.stop()
+        d.remove_pool()
+
+
+@pytest.fixture
+def daemon(daemon_factory) -> DaemonProcess:
+    """One running kvtierd with a 64 MiB pool."""
+    return daemon_factory()

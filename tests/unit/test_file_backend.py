@@ -1,0 +1,353 @@
+"""Unit tests of the ``file`` L3 backend against a real directory and an mmap arena."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import hashlib
+import mmap
+import os
+import random
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtier.config.errors import ConfigError, StorageError
+from kvtier.daemon.storage.base import HostArena
+from kvtier.daemon.storage.file import FileBackend, FileBackendConfig, slot_size
+from kvtier.daemon.storage.objects import HEADER_SIZE
+
+pytestmark = pytest.mark.timeout(30)
+
+NS = hashlib.sha256(b"namespace").digest()
+OTHER_NS = hashlib.sha256(b"other namespace").digest()
+PAGE = 8192 - HEADER_SIZE  # one page fills one 8 KiB slot exactly
+ARENA_PAGES = 64
+
+
+def key(name: str) -> bytes:
+    return hashlib.sha256(name.encode()).digest()
+
+
+@pytest.fixture
+def arena() -> Iterator[HostArena]:
+    mm = mmap.mmap(-1, ARENA_PAGES * 65536)
+    anchor = ctypes.c_char.from_buffer(mm)
+    address = ctypes.addressof(anchor)
+    del anchor  # a live ctypes export would keep the mmap from closing
+    view = memoryview(mm)
+    yield HostArena(view=view, address=address, size=len(mm))
+    view.release()
+    mm.close()
+
+
+@pytest.fixture
+async def store(tmp_path: Path, arena: HostArena) -> AsyncIterator[FileBackend]:
+    backend = await opened(tmp_path / "l3", arena)
+    yield backend
+    await backend.close()
+
+
+async def opened(path: Path, arena: HostArena, **extra: object) -> FileBackend:
+    backend = FileBackend({"path": str(path), **extra})
+    await backend.open(arena)
+    return backend
+
+
+def fill(arena: HostArena, offsets: list[int], length: int, seed: int = 0) -> list[bytes]:
+    """Write a random payload at each offset; return the payloads."""
+    rng = random.Random(seed)
+    payloads = []
+    for off in offsets:
+        data = rng.randbytes(length)
+        arena.view[off:off + length] = data
+        payloads.append(data)
+    return payloads
+
+
+def clear(arena: HostArena, offsets: list[int], length: int) -> None:
+    for off in offsets:
+        arena.view[off:off + length] = bytes(length)
+
+
+def segment_files(path: Path) -> list[Path]:
+    return sorted(path.glob("seg-*.kvt"))
+
+
+async def test_put_then_get_returns_identical_bytes(store: FileBackend, arena: HostArena) -> None:
+    keys = [key(f"k{i}") for i in range(8)]
+    src = [i * PAGE for i in range(8)]
+    dst = [(i + 16) * PAGE for i in range(8)]
+    payloads = fill(arena, src, PAGE)
+    assert await store.put_from(NS, keys, src, PAGE) == [True] * 8
+    assert await store.get_into(NS, keys, dst, PAGE) == [True] * 8
+    assert [bytes(arena.view[o:o + PAGE]) for o in dst] == payloads
+    assert (store.stats.puts, store.stats.put_bytes) == (8, 8 * PAGE)
+    assert (store.stats.gets, store.stats.misses, store.stats.corrupt) == (8, 0, 0)
+
+
+async def test_exists_is_the_leading_run(store: FileBackend, arena: HostArena) -> None:
+    keys = [key(f"k{i}") for i in range(3)]
+    fill(arena, [0, PAGE, 2 * PAGE], PAGE)
+    await store.put_from(NS, keys, [0, PAGE, 2 * PAGE], PAGE)
+    assert await store.exists(NS, keys) == 3
+    assert await store.exists(NS, [keys[0], keys[1], key("absent"), keys[2]]) == 2
+    assert await store.exists(NS, [key("absent"), *keys]) == 0
+    assert await store.exists(OTHER_NS, keys) == 0
+    assert await store.exists(NS, []) == 0
+
+
+async def test_wrong_namespace_key_or_length_is_a_miss(store: FileBackend, arena: HostArena) -> None:
+    fill(arena, [0], PAGE)
+    await store.put_from(NS, [key("a")], [0], PAGE)
+    assert await store.get_into(OTHER_NS, [key("a")], [PAGE], PAGE) == [False]
+    assert await store.get_into(NS, [key("b")], [PAGE], PAGE) == [False]
+    assert await store.get_into(NS, [key("a")], [PAGE], PAGE - 1) == [False]
+    assert (store.stats.misses, store.stats.corrupt) == (3, 0)
+    assert await store.get_into(NS, [key("a")], [PAGE], PAGE) == [True]
+
+
+async def test_flipped_payload_byte_is_a_corrupt_miss(
+    tmp_path: Path, store: FileBackend, arena: HostArena
+) -> None:
+    keys = [key("a"), key("b")]
+    fill(arena, [0, PAGE], PAGE)
+    await store.put_from(NS, keys, [0, PAGE], PAGE)
+    (seg,) = segment_files(tmp_path / "l3")
+    with open(seg, "r+b") as f:  # slot 0 holds keys[0]: the free list hands out slot 0 first
+        f.seek(HEADER_SIZE + 1234)
+        byte = f.read(1)[0]
+        f.seek(HEADER_SIZE + 1234)
+        f.write(bytes([byte ^ 0x40]))
+    assert await store.get_into(NS, keys, [2 * PAGE, 3 * PAGE], PAGE) == [False, True]
+    assert (store.stats.corrupt, store.stats.misses, store.stats.gets) == (1, 1, 1)
+    assert await store.exists(NS, keys) == 0  # the damaged object left the index
+    assert await store.get_into(NS, keys[:1], [2 * PAGE], PAGE) == [False]
+    assert store.stats.corrupt == 1
+    await store.close()
+    reopened = await opened(tmp_path / "l3", arena)  # its header was wiped: gone for good
+    assert [e[1] for e in reopened.entries()] == [keys[1]]
+    await reopened.close()
+
+
+async def test_flipped_header_byte_is_a_corrupt_miss(
+    tmp_path: Path, store: FileBackend, arena: HostArena
+) -> None:
+    fill(arena, [0], PAGE)
+    await store.put_from(NS, [key("a")], [0], PAGE)
+    (seg,) = segment_files(tmp_path / "l3")
+    with open(seg, "r+b") as f:
+        f.seek(72)  # the payload length field
+        f.write(b"\x01")
+    assert await store.get_into(NS, [key("a")], [PAGE], PAGE) == [False]
+    assert store.stats.corrupt == 1
+
+
+async def test_truncated_segment_is_a_miss(tmp_path: Path, store: FileBackend, arena: HostArena) -> None:
+    keys = [key(f"k{i}") for i in range(3)]
+    offsets = [0, PAGE, 2 * PAGE]
+    payloads = fill(arena, offsets, PAGE)
+    await store.put_from(NS, keys, offsets, PAGE)
+    (seg,) = segment_files(tmp_path / "l3")
+    os.truncate(seg, slot_size(PAGE) + 1000)  # slot 0 whole, slot 1 torn, slot 2 gone
+    clear(arena, offsets, PAGE)
+    assert await store.get_into(NS, keys, offsets, PAGE) == [True, False, False]
+    assert bytes(arena.view[0:PAGE]) == payloads[0]
+    assert store.stats.corrupt == 2
+    await store.close()
+    os.truncate(seg, slot_size(PAGE) + 1000)  # the wipe wrote headers back: tear it again
+    reopened = await opened(tmp_path / "l3", arena)
+    assert await reopened.exists(NS, keys) == 1
+    assert await reopened.get_into(NS, keys, offsets, PAGE) == [True, False, False]
+    await reopened.close()
+
+
+async def test_reopen_rebuilds_the_index(tmp_path: Path, arena: HostArena) -> None:
+    backend = await opened(tmp_path / "l3", arena)
+    keys = [key(f"k{i}") for i in range(20)]
+    offsets = [i * PAGE for i in range(20)]
+    payloads = fill(arena, offsets, PAGE, seed=7)
+    assert all(await backend.put_from(NS, keys, offsets, PAGE))
+    await backend.close()
+    clear(arena, offsets, PAGE)
+    reopened = await opened(tmp_path / "l3", arena)
+    assert await reopened.exists(NS, keys) == 20
+    assert all(await reopened.get_into(NS, keys, offsets, PAGE))
+    assert [bytes(arena.view[o:o + PAGE]) for o in offsets] == payloads
+    assert reopened.rebuild_seconds > 0
+    assert reopened.allocated_bytes == backend.allocated_bytes
+    await reopened.close()
+
+
+async def test_second_open_of_the_same_directory_is_refused(
+    tmp_path: Path, store: FileBackend, arena: HostArena
+) -> None:
+    with pytest.raises(StorageError, match="in use"):
+        await opened(tmp_path / "l3", arena)
+
+
+async def test_lru_evicts_tail_first(tmp_path: Path, arena: HostArena) -> None:
+    store = await opened(tmp_path / "l3", arena, capacity=4 * 8192, segment_bytes=4 * 8192)
+    offsets = [i * PAGE for i in range(4)]
+    fill(arena, offsets, PAGE)
+    a = [key(f"a{i}") for i in range(3)]
+    b = [key(f"b{i}") for i in range(2)]
+    assert await store.put_from(NS, a, offsets[:3], PAGE) == [True] * 3
+    assert await store.put_from(NS, b, offsets[:2], PAGE) == [True] * 2  # evicts a2, the tail
+    assert {e[1] for e in store.entries()} == {a[0], a[1], b[0], b[1]}
+    assert await store.put_from(NS, [key("c0")], offsets[:1], PAGE) == [True]  # evicts a1
+    assert {e[1] for e in store.entries()} == {a[0], b[0], b[1], key("c0")}
+    assert await store.get_into(NS, [a[0]], offsets[:1], PAGE) == [True]  # a0 is now newest
+    assert await store.put_from(NS, [key("d0"), key("d1")], offsets[:2], PAGE) == [True, True]
+    assert {e[1] for e in store.entries()} == {a[0], key("c0"), key("d0"), key("d1")}
+    assert store.evictions == 4
+    assert store.allocated_bytes == 4 * 8192
+    await store.close()
+
+
+async def test_put_of_a_stored_prefix_protects_it(tmp_path: Path, arena: HostArena) -> None:
+    store = await opened(tmp_path / "l3", arena, capacity=4 * 8192, segment_bytes=8192)
+    fill(arena, [i * PAGE for i in range(6)], PAGE)
+    chain = [key(f"k{i}") for i in range(6)]
+    assert await store.put_from(NS, chain[:2], [0, PAGE], PAGE) == [True, True]
+    assert await store.put_from(NS, [key("x"), key("y")], [0, PAGE], PAGE) == [True, True]
+    # k0, k1 are stored: touched, not rewritten; x and y make room; k4, k5 would evict k0..k3
+    result = await store.put_from(NS, chain, [i * PAGE for i in range(6)], PAGE)
+    assert result == [True, True, True, True, False, False]
+    assert await store.exists(NS, chain) == 4
+    assert store.stats.puts == 6
+    assert len(segment_files(tmp_path / "l3")) == 4  # one slot per segment, created lazily
+
+
+async def test_several_payload_lengths_coexist(tmp_path: Path, store: FileBackend, arena: HostArena) -> None:
+    lengths = [4000, PAGE, 65536]
+    payloads = {}
+    for n, length in enumerate(lengths):
+        offsets = [i * 65536 for i in range(3)]
+        payloads[length] = fill(arena, offsets, length, seed=n)
+        keys = [key(f"{length}-{i}") for i in range(3)]
+        assert await store.put_from(NS, keys, offsets, length) == [True] * 3
+    for length in lengths:
+        keys = [key(f"{length}-{i}") for i in range(3)]
+        offsets = [(i + 10) * 65536 for i in range(3)]
+        assert await store.get_into(NS, keys, offsets, length) == [True] * 3
+        assert [bytes(arena.view[o:o + length]) for o in offsets] == payloads[length]
+    assert len(segment_files(tmp_path / "l3")) == 3
+
+
+async def test_delete_removes_for_good(tmp_path: Path, store: FileBackend, arena: HostArena) -> None:
+    keys = [key("a"), key("b")]
+    fill(arena, [0, PAGE], PAGE)
+    await store.put_from(NS, keys, [0, PAGE], PAGE)
+    assert await store.delete(NS, [keys[0], key("absent"), keys[0]]) == 1
+    assert await store.exists(NS, keys[1:]) == 1
+    assert await store.get_into(NS, keys[:1], [0], PAGE) == [False]
+    await store.close()
+    reopened = await opened(tmp_path / "l3", arena)
+    assert [e[1] for e in reopened.entries()] == [keys[1]]
+    await reopened.close()
+
+
+async def test_concurrent_put_batches_stay_consistent(tmp_path: Path, arena: HostArena) -> None:
+    # 12 slots for 3 x 8 distinct keys written by 6 overlapping batches: eviction runs meanwhile
+    store = await opened(tmp_path / "l3", arena, capacity=12 * 8192, segment_bytes=4 * 8192)
+    names = [f"k{i}" for i in range(24)]
+    offsets = {name: i * PAGE for i, name in enumerate(names)}
+    payloads = dict(zip(names, fill(arena, list(offsets.values()), PAGE, seed=3)))
+    batches = [names[0:8], names[0:8], names[8:16], names[8:16], names[16:24], names[4:12]]
+    results = await asyncio.gather(*(
+        store.put_from(NS, [key(n) for n in batch], [offsets[n] for n in batch], PAGE)
+        for batch in batches
+    ))
+    assert all(len(r) == 8 for r in results)
+    stored = [(ns, k) for ns, k, _ in store.entries()]
+    assert len(stored) == len(set(stored)) <= 12
+    by_key = {key(n): n for n in names}
+    readback = [(40 + i) * PAGE for i in range(len(stored))]
+    gets = await asyncio.gather(*(store.get_into(NS, [k], [o], PAGE) for (_, k), o in zip(stored, readback)))
+    assert all(g == [True] for g in gets)
+    for (_, k), o in zip(stored, readback):
+        assert bytes(arena.view[o:o + PAGE]) == payloads[by_key[k]]
+    assert store.stats.corrupt == 0
+    await store.close()
+
+
+async def test_concurrent_reads_and_evicting_writes_never_return_wrong_bytes(
+    tmp_path: Path, arena: HostArena
+) -> None:
+    store = await opened(tmp_path / "l3", arena, capacity=8 * 8192, segment_bytes=8 * 8192)
+    names = [f"k{i}" for i in range(16)]
+    payloads = fill(arena, [i * PAGE for i in range(16)], PAGE, seed=5)
+
+    async def writer(round_: int) -> None:
+        batch = list(range(round_ % 16, round_ % 16 + 4))
+        batch = [i % 16 for i in batch]
+        await store.put_from(NS, [key(names[i]) for i in batch], [i * PAGE for i in batch], PAGE)
+
+    async def reader(slot: int) -> None:
+        for r in range(30):
+            i = (r * 7 + slot) % 16
+            dst = (20 + slot) * PAGE
+            if (await store.get_into(NS, [key(names[i])], [dst], PAGE))[0]:
+                assert bytes(arena.view[dst:dst + PAGE]) == payloads[i]
+
+    await asyncio.gather(*(writer(r) for r in range(40)), *(reader(s) for s in range(6)))
+    await store.close()
+
+
+async def test_close_is_idempotent_and_later_calls_miss(store: FileBackend, arena: HostArena) -> None:
+    fill(arena, [0], PAGE)
+    await store.put_from(NS, [key("a")], [0], PAGE)
+    assert await store.health()
+    await store.close()
+    await store.close()
+    assert not await store.health()
+    assert await store.exists(NS, [key("a")]) == 0
+    assert await store.get_into(NS, [key("a")], [0], PAGE) == [False]
+    assert await store.put_from(NS, [key("b")], [0], PAGE) == [False]
+    assert await store.delete(NS, [key("a")]) == 0
+
+
+async def test_malformed_batches_raise(store: FileBackend, arena: HostArena) -> None:
+    with pytest.raises(ValueError):
+        await store.put_from(NS, [b"short"], [0], PAGE)
+    with pytest.raises(ValueError):
+        await store.get_into(NS, [key("a")], [arena.size - PAGE + 1], PAGE)
+    with pytest.raises(ValueError):
+        await store.put_from(NS[:16], [key("a")], [0], PAGE)
+    with pytest.raises(ValueError):
+        await store.put_from(NS, [key("a")], [0, PAGE], PAGE)
+
+
+async def test_use_before_open_raises(tmp_path: Path) -> None:
+    with pytest.raises(StorageError, match="before open"):
+        await FileBackend({"path": str(tmp_path)}).put_from(NS, [key("a")], [0], PAGE)
+
+
+def test_extra_config_is_validated(tmp_path: Path) -> None:
+    config = FileBackendConfig.from_extra(
+        {"path": str(tmp_path), "capacity": "2GiB", "segment_bytes": "64 MiB", "fsync": "batch"}
+    )
+    assert (config.capacity, config.segment_bytes, config.fsync) == (2 * 2**30, 64 * 2**20, "batch")
+    assert FileBackendConfig.from_extra({"path": tmp_path}).capacity == 16 * 2**30
+    bad = [
+        ({"path": str(tmp_path), "bogus": 17}, "'bogus'.*17"),
+        ({"capacity": 1}, "path=None"),
+        ({"path": str(tmp_path), "capacity": "16XB"}, "capacity='16XB'"),
+        ({"path": str(tmp_path), "capacity": True}, "capacity=True"),
+        ({"path": str(tmp_path), "segment_bytes": 100}, "segment_bytes=100"),
+        ({"path": str(tmp_path), "fsync": "always"}, "fsync='always'"),
+    ]
+    for extra, match in bad:
+        with pytest.raises(ConfigError, match=match):
+            FileBackend(extra)
+
+
+async def test_fsync_batch_mode_round_trips(tmp_path: Path, arena: HostArena) -> None:
+    store = await opened(tmp_path / "l3", arena, fsync="batch", segment_bytes="1MiB")
+    payloads = fill(arena, [0, PAGE], PAGE)
+    assert await store.put_from(NS, [key("a"), key("b")], [0, PAGE], PAGE) == [True, True]
+    assert await store.get_into(NS, [key("a"), key("b")], [2 * PAGE, 3 * PAGE], PAGE) == [True, True]
+    assert bytes(arena.view[2 * PAGE:3 * PAGE]) == payloads[0]
+    await store.close()
