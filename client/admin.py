@@ -46,6 +46,8 @@ class AdminClient:
         """
         msg.req_id = next(self._ids)
         try:
+            if not self._sock.poll(int(self.timeout_s * 1000), zmq.POLLOUT):
+                raise zmq.Again()
             self._sock.send(P.encode(msg), flags=zmq.NOBLOCK)
         except zmq.Again as err:
             raise AdminError(f"kvtierd is not reachable at {self.endpoint}") from err

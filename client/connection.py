@@ -253,6 +253,9 @@ class Connection:
             req_id = next(self._req_ids)
             msg.req_id = req_id
             try:
+                # not connected (yet, or any more): wait for the connection up to the timeout
+                if not self._sock.poll(int(self.config.request_timeout_s * 1000), zmq.POLLOUT):
+                    raise zmq.Again()
                 self._sock.send(P.encode(msg), flags=zmq.NOBLOCK)
             except zmq.Again as err:
                 self._down_until = time.monotonic() + min(1.0, self.config.request_timeout_s)

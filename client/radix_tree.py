@@ -391,7 +391,7 @@ class RadixTree:
             cut = -1
             for i, key in enumerate(node.keys):
                 if key in wanted and flags[i] != in_l2:
-                    pass
+                    flags[i] = in_l2
                     changed += 1
                     if cut < 0 and i >= node.n_device and not in_l2:
                         cut = i

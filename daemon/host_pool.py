@@ -392,6 +392,26 @@ class HostPool:
             n += 1
         return n
 
+    def resident_run(self, ns_id: int, keys: Sequence[bytes]) -> int:
+        """Return the length of the leading run of ``keys`` resident in ``ns_id``,
+        READY or WRITING (what a store leaves stored or being stored).
+
+        Args:
+            ns_id: the caller's namespace.
+            keys: page keys in chain order.
+
+        Returns:
+            How many leading keys are READY or WRITING.
+        """
+        index, ns = self._index, self._ns
+        n = 0
+        for key in keys:
+            s = index.get(key)
+            if s is None or ns[s] != ns_id:
+                break
+            n += 1
+        return n
+
     def allocate(
         self,
         ns_id: int,

@@ -71,6 +71,7 @@ class Daemon:
             if t.quota_pages is not None:
                 self.pool.set_quota(self._owners[name], t.quota_pages)
         self._inflight: set[asyncio.Future] = set()
+        self._tasks: set[asyncio.Task] = set()
         self._arena_seg: SharedMemorySegment | None = None
         self._arena = None
         self._executor: ThreadPoolExecutor | None = None
@@ -109,10 +110,11 @@ class Daemon:
             async with asyncio.TaskGroup() as tg:
                 recv = tg.create_task(self._recv_loop(), name="kvtier-recv")
                 lease = tg.create_task(self._lease_loop(), name="kvtier-lease")
+                monitor = tg.create_task(self._monitor_loop(), name="kvtier-monitor")
                 await self._stop.wait()
                 self._stopping = True
-                recv.cancel()
-                lease.cancel()
+                for task in (recv, lease, monitor):
+                    task.cancel()
             await self._drain()
 
     def _close_socket(self) -> None:
@@ -139,28 +141,55 @@ class Daemon:
         assert sock is not None
         while True:
             frames = await sock.recv_multipart(copy=True)
-            if len(frames) == 2 and frames[1] == b"":
-                self._on_peer_event(frames[0])
-                continue
             reply = self._handle(frames)
-            if reply is not None and len(frames) >= 1:
+            if asyncio.iscoroutine(reply):
+                # a handler that waits (L3 I/O, a claim): answer from its own task
+                task = asyncio.create_task(self._reply_later(frames[0], reply))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            elif reply is not None:
                 await sock.send_multipart([frames[0], P.encode(reply)])
+
+    async def _reply_later(self, identity: bytes, pending) -> None:
+        reply = await pending
+        if self._sock is not None:
+            await self._sock.send_multipart([identity, P.encode(reply)])
 
     async def _lease_loop(self) -> None:
         period = min(1.0, self.cfg.lease_s / 4)
         while True:
             await asyncio.sleep(period)
-            now = time.monotonic()
-            for s in self.sessions:
-                if s.state is SessionState.OPEN and s.deadline < now:
-                    self.counters.sessions_expired += 1
-                    self._close_session(s, "lease expired")
+            self._reap_sessions()
 
-    def _on_peer_event(self, identity: bytes) -> None:
-        # ROUTER_NOTIFY sends the same empty frame on connect and on disconnect; a peer that
-        # already holds sessions can only be disconnecting (identities are unique while connected).
-        for s in self.sessions.of_identity(identity):
-            self._close_session(s, "engine disconnected")
+    async def _monitor_loop(self) -> None:
+        """React to a peer disconnecting at once instead of at the next lease check.
+
+        ZeroMQ's monitor names the connection, not the routing identity, so a disconnect
+        triggers a liveness check of every session's engine process.
+        """
+        from zmq.utils.monitor import recv_monitor_message
+
+        assert self._sock is not None
+        mon = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                await recv_monitor_message(mon)
+                await asyncio.sleep(0.01)  # let the dead process finish exiting
+                self._reap_sessions()
+        finally:
+            self._sock.disable_monitor()
+            mon.close(linger=0)
+
+    def _reap_sessions(self) -> None:
+        now = time.monotonic()
+        for s in self.sessions:
+            if s.state is not SessionState.OPEN:
+                continue
+            if not s.engine_alive():
+                self._close_session(s, f"engine process {s.pid} is gone")
+            elif s.deadline < now:
+                self.counters.sessions_expired += 1
+                self._close_session(s, "lease expired")
 
     # ------------------------------------------------------------------ dispatch
     def _handle(self, frames: list[bytes]) -> P.Reply | None:
@@ -169,7 +198,7 @@ class Daemon:
             return self._error(0, P.ErrorCode.BAD_MESSAGE, f"expected 2 frames, got {len(frames)}")
         body = frames[1]
         if len(body) > self.cfg.max_message_bytes:
-            return self._error(P.peek_req_id(body[:64]), P.ErrorCode.BAD_MESSAGE,
+            return self._error(P.peek_req_id(body), P.ErrorCode.BAD_MESSAGE,
                                f"message of {len(body)} bytes exceeds max_message_bytes "
                                f"({self.cfg.max_message_bytes})")
         try:
@@ -179,12 +208,24 @@ class Daemon:
         if self._stopping and not isinstance(msg, (P.Health, P.Stats, P.Unregister)):
             return self._error(msg.req_id, P.ErrorCode.SHUTTING_DOWN, "kvtierd is stopping")
         try:
-            return self._handlers[type(msg)](frames[0], msg)
+            reply = self._handlers[type(msg)](frames[0], msg)
+            if asyncio.iscoroutine(reply):
+                return self._guard(msg.req_id, reply)
+            return reply
         except RequestError as err:
             return self._error(msg.req_id, err.code, str(err))
         except Exception as err:  # request boundary: report, keep serving everyone else
             log.exception("internal error handling %s", type(msg).__name__)
             return self._error(msg.req_id, P.ErrorCode.INTERNAL, f"internal error: {err!r}")
+
+    async def _guard(self, req_id: int, pending) -> P.Reply:
+        try:
+            return await pending
+        except RequestError as err:
+            return self._error(req_id, err.code, str(err))
+        except Exception as err:  # request boundary: report, keep serving everyone else
+            log.exception("internal error in a deferred reply")
+            return self._error(req_id, P.ErrorCode.INTERNAL, f"internal error: {err!r}")
 
     def _error(self, req_id: int, code: P.ErrorCode, message: str) -> P.ErrorReply:
         self.counters.errors += 1
@@ -408,6 +449,9 @@ class Daemon:
                 c.bytes_to_engine += t.nbytes
             else:
                 c.load_failed_pages += n
+        if s.state is not SessionState.CLOSED:
+            s.completion.finish(t.slot, TransferStatus.DONE if ok else (
+                t.status if t.status is not TransferStatus.RUNNING else TransferStatus.FAILED))
         s.transfers.pop(t.slot, None)
         if s.state is SessionState.CLOSING and not s.transfers:
             self._finalize_session(s)

@@ -67,7 +67,11 @@ class Session:
             return False
         except PermissionError:
             return True
-        return True
+        try:  # a zombie is dead for our purposes
+            with open(f"/proc/{self.pid}/stat", "rb") as fh:
+                return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+        except (OSError, IndexError):
+            return True
 
     def transition(self, new: SessionState) -> None:
         """Move to ``new``; only forward moves are allowed."""

@@ -72,12 +72,14 @@ def run_transfer(t: Transfer, arena: torch.Tensor, buffers: list[list[torch.Tens
         block: the session's completion block.
 
     Returns:
-        The final status (also written to the block).
+        The final status. The event loop writes it to the block once the pages are
+        committed (a store) or unpinned (a load), so DONE means "visible in L2".
     """
     status = TransferStatus.DONE
     try:
-        plan = CopyPlan(t.page_ids, t.offsets, chunk_bytes)
         n_comp = len(buffers[0]) if buffers else 0
+        plan = CopyPlan.build(t.page_ids, t.offsets, chunk_bytes,
+                              slot_bytes=len(buffers) * n_comp * chunk_bytes)
         for layer, row in enumerate(buffers):
             if t.cancelled:
                 status = TransferStatus.CANCELLED
@@ -93,5 +95,4 @@ def run_transfer(t: Transfer, arena: torch.Tensor, buffers: list[list[torch.Tens
         log.exception("transfer session=%d slot=%d failed", t.session_id, t.slot)
         status = TransferStatus.FAILED
     t.status = status
-    block.finish(t.slot, status)
     return status

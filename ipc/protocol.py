@@ -221,7 +221,41 @@ class Health(_Req, tag="health", kw_only=True):
     """Is the daemon serving? Answered by :class:`HealthReply`."""
 
 
-Request = Union[Register, Heartbeat, Lookup, Store, Load, Release, Unregister, Stats, Health]
+class Flush(_Req, tag="flush", kw_only=True):
+    """Drop cached pages (admin, or a session for its own namespace).
+
+    ``tier``: ``l2``, ``l3`` or ``all``; ``namespace``: a fingerprint (hex) to limit the
+    flush to, or empty for every namespace of the caller's tenant (admin: of everyone).
+    """
+
+    admin_token: str = ""
+    session_id: int = 0
+    tier: str = "l2"
+    namespace: str = ""
+
+
+class Prefetch(_Req, tag="prefetch", kw_only=True):
+    """Start filling L2 from L3 for ``keys[skip:]`` (``skip`` leading keys are in L2)."""
+
+    session_id: int
+    keys: list[bytes]
+    skip: int = 0
+    request_id: str = ""
+
+
+class Claim(_Req, tag="claim", kw_only=True):
+    """End a prefetch per the policy; answered with the L2 run now usable (pinned = False)."""
+
+    session_id: int
+    keys: list[bytes]
+    request_id: str = ""
+    policy: str = ""
+
+
+Request = Union[
+    Register, Heartbeat, Lookup, Store, Load, Release, Unregister, Stats, Health, Flush, Prefetch,
+    Claim,
+]
 
 
 class _Rep(msgspec.Struct, tag_field="op", kw_only=True):
@@ -281,6 +315,25 @@ class HealthReply(_Rep, tag="health_reply", kw_only=True):
     protocol_version: int = PROTOCOL_VERSION
 
 
+class FlushReply(_Rep, tag="flush_reply", kw_only=True):
+    """How many pages a FLUSH dropped per tier."""
+
+    l2_pages: int
+    l3_pages: int = 0
+
+
+class PrefetchReply(_Rep, tag="prefetch_reply", kw_only=True):
+    """``started`` pages are being fetched from L3 into L2."""
+
+    started: int
+
+
+class ClaimReply(_Rep, tag="claim_reply", kw_only=True):
+    """``l2`` leading keys are now in L2 (the prefetch for them is over)."""
+
+    l2: int
+
+
 class ErrorReply(_Rep, tag="error", kw_only=True):
     """A refused request: nothing was changed."""
 
@@ -289,7 +342,8 @@ class ErrorReply(_Rep, tag="error", kw_only=True):
 
 
 Reply = Union[
-    Registered, Ack, LookupResult, StoreAccepted, LoadAccepted, StatsReply, HealthReply, ErrorReply
+    Registered, Ack, LookupResult, StoreAccepted, LoadAccepted, StatsReply, HealthReply, FlushReply,
+    PrefetchReply, ClaimReply, ErrorReply,
 ]
 
 _encoder = msgspec.msgpack.Encoder()
@@ -318,11 +372,23 @@ def decode_reply(data: bytes | memoryview) -> Reply:
 
 
 def peek_req_id(data: bytes | memoryview) -> int:
-    """Best-effort request id of an undecodable message (0 when none can be found)."""
-    try:
-        raw = msgspec.msgpack.decode(data)
-    except (msgspec.DecodeError, ValueError):
+    """Best-effort request id of a message that is not decoded whole (0 if none is found).
+
+    Looks for the ``req_id`` entry near the start of the MessagePack map, so an oversized
+    or truncated message can still be answered with its request id.
+    """
+    head = bytes(data[:128])
+    at = head.find(b"\xa6req_id")
+    if at < 0:
         return 0
-    if isinstance(raw, dict) and isinstance(raw.get("req_id"), int):
-        return int(raw["req_id"])
-    return 0
+    i = at + 7
+    if i >= len(head):
+        return 0
+    b = head[i]
+    if b < 0x80:
+        return b
+    sizes = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}
+    n = sizes.get(b)
+    if n is None or i + 1 + n > len(head):
+        return 0
+    return int.from_bytes(head[i + 1:i + 1 + n], "big")

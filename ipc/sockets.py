@@ -32,7 +32,6 @@ def make_zmq_socket(ctx: zmq.Context, endpoint: str, socket_type: int, bind: boo
         sock.setsockopt(zmq.IDENTITY, identity)
     if socket_type == zmq.ROUTER:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        sock.setsockopt(zmq.ROUTER_NOTIFY, zmq.NOTIFY_CONNECT | zmq.NOTIFY_DISCONNECT)
     if socket_type == zmq.DEALER:
         sock.setsockopt(zmq.RECONNECT_IVL, 50)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)

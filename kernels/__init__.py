@@ -1,1 +1,30 @@
-"""kvtier package."""
+"""Page copy operations between an engine's KV buffers and the daemon's host arena.
+
+``kvtier.kernels.page_copy`` is the CPU implementation (numpy strided copies and ``memmove``);
+``kvtier.kernels.cuda_copy`` has the same signatures for CUDA engine buffers and imports cupy only
+when used.
+"""
+
+from kvtier.kernels.page_copy import (
+    CopyPlan,
+    IndexArray,
+    PageCopyError,
+    copy_layer_from_host,
+    copy_layer_kv_from_host,
+    copy_layer_kv_to_host,
+    copy_layer_to_host,
+    copy_layers_from_host,
+    copy_layers_to_host,
+)
+
+__all__ = [
+    "CopyPlan",
+    "IndexArray",
+    "PageCopyError",
+    "copy_layer_from_host",
+    "copy_layer_kv_from_host",
+    "copy_layer_kv_to_host",
+    "copy_layer_to_host",
+    "copy_layers_from_host",
+    "copy_layers_to_host",
+]

@@ -31,7 +31,8 @@ import pytest
 
 __all__ = [
     "MooncakeMaster", "RedisServer", "find_binary", "free_port", "mooncake_master",
-    "redis_server", "start_mooncake_master", "start_redis",
+    "redis_server", "running_mooncake_master", "running_redis", "start_mooncake_master",
+    "start_redis",
 ]
 
 LOOPBACK = "127.0.0.1"
@@ -152,6 +153,16 @@ class RedisServer:
         """Kill the server (SIGKILL)."""
         self._process.kill()
 
+    def pause(self) -> None:
+        """Freeze the server (SIGSTOP): connections stay open and nothing answers."""
+        assert self._process.proc is not None
+        self._process.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Let a paused server run again (SIGCONT)."""
+        assert self._process.proc is not None
+        self._process.proc.send_signal(signal.SIGCONT)
+
     def restart(self, deadline_s: float = READY_DEADLINE_S) -> None:
         """Start the server again on the same port (empty, as nothing is persisted)."""
         self._process.stop()
@@ -203,13 +214,24 @@ class MooncakeMaster:
         """Kill the master (SIGKILL)."""
         self._process.kill()
 
+    def restart(self, deadline_s: float = READY_DEADLINE_S) -> None:
+        """Start the master again on the same ports (it comes back empty)."""
+        self._process.stop()
+        self._process.spawn()
+        self._process.wait_ready(
+            lambda: _port_open(self.rpc_port) and _port_open(self.http_port), "mooncake_master", deadline_s
+        )
+
     def stop(self) -> None:
         """Stop the master and remove its working directory."""
         self._process.remove()
 
 
-def start_redis(deadline_s: float = READY_DEADLINE_S) -> RedisServer:
+def start_redis(*extra_args: str, deadline_s: float = READY_DEADLINE_S) -> RedisServer:
     """Start ``redis-server --bind 127.0.0.1 --port <free> --save '' --appendonly no``.
+
+    Args:
+        extra_args: more ``--directive value`` arguments (e.g. ``--rename-command EVAL ""``).
 
     Raises:
         FileNotFoundError: redis-server is not installed.
@@ -222,7 +244,7 @@ def start_redis(deadline_s: float = READY_DEADLINE_S) -> RedisServer:
     log_dir = Path(tempfile.mkdtemp(prefix="kvtier-redis-"))
     argv = [
         binary, "--bind", LOOPBACK, "--port", str(port), "--save", "", "--appendonly", "no",
-        "--protected-mode", "yes", "--dir", str(log_dir), "--daemonize", "no",
+        "--protected-mode", "yes", "--dir", str(log_dir), "--daemonize", "no", *extra_args,
     ]
     process = _Process(argv, log_dir / "redis.log")
     process.spawn()

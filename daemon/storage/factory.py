@@ -186,8 +186,10 @@ def create_backend(name: str, extra_config: Mapping[str, Any] | None = None) -> 
 
         return FileBackend(extra)
     if name == "redis":
-        from kvtier.daemon.storage.redis_backend import RedisBackend
-
+        try:
+            from kvtier.daemon.storage.redis_backend import RedisBackend
+        except ImportError as err:
+            raise StorageError(f"the redis backend needs redis-py: pip install 'kvtier[redis]' ({err})") from err
         return RedisBackend(extra)
     if name == "mooncake":
         from kvtier.daemon.storage.mooncake_backend import MooncakeBackend

@@ -6,9 +6,15 @@ Each page is one key holding the self-describing object (96-byte header ‖ payl
     value  header (magic, version, ns, key, length, xxh3 of payload, xxh3 of header) ‖ payload
 
 Every batch is one pipeline, so one round trip: ``SET`` (with ``PX`` when ``ttl_s`` is set),
-``GET`` (``GETEX PX`` with a TTL, so pages that keep being read keep living), ``EXISTS`` per
-key for the leading run, one multi-key ``DEL``. Only plain commands are used, so Valkey and
-Redis-compatible servers work too.
+``GET`` (``GETEX PX`` with a TTL, so pages that keep being read keep living), one multi-key
+``DEL``; the leading run is one ``EVALSHA`` of a five-line script (pipelined ``EXISTS`` where
+scripting is disabled). Only plain commands are used, so Valkey and Redis-compatible servers
+work too.
+
+Commands are RESP-encoded here and written on a pooled redis-py connection; replies are
+parsed by hiredis. This skips redis-py's per-command pipeline bookkeeping (tens of µs per
+command) and lets each page's payload go to the socket as a view of the arena slot, right
+after its header: a put copies nothing in Python.
 
 Reads verify the header and the payload checksum before copying the payload into the arena
 slot; a value that does not verify is a miss and counts in ``stats.corrupt``. Hashing and
@@ -26,10 +32,17 @@ from __future__ import annotations
 import asyncio
 import enum
 import functools
+import hashlib
 import logging
 from typing import Any, Callable, Sequence, TypeVar
 
+import redis.asyncio as redis_asyncio
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as _ConnectionError
+from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import ResponseError as _ResponseError
 
 from kvtier.config.errors import ConfigError, StorageError
 from kvtier.daemon.storage.base import HostArena, StorageBackend
@@ -44,6 +57,21 @@ _T = TypeVar("_T")
 _INLINE_BYTES = 1 << 20
 """Batches up to this many payload bytes are hashed and copied on the event loop (cheaper
 than a thread hop); larger ones go to a worker thread."""
+
+_READ_SIZE = 1 << 20
+"""Socket read size: values are large, so read them in big chunks."""
+
+_EXISTS_SCRIPT = b"""
+local n = 0
+for i, k in ipairs(KEYS) do
+  if redis.call('EXISTS', k) == 0 then break end
+  n = i
+end
+return n
+"""
+"""Server-side leading run: one round trip and ~3 µs per key, against ~15 µs per pipelined EXISTS."""
+_EXISTS_SHA = hashlib.sha1(_EXISTS_SCRIPT).hexdigest().encode()
+_ERRORS: tuple[type[BaseException], ...] = (RedisError, OSError, asyncio.TimeoutError)
 
 
 class RedisOptions(BaseModel):
@@ -111,15 +139,17 @@ class RedisBackend(StorageBackend):
         self.options = validate_options(RedisOptions, extra_config, self.name)
         """The validated extra config."""
         self._state = _State.NEW
-        self._client: Any = None  # redis.asyncio.Redis, imported lazily
-        self._errors: tuple[type[BaseException], ...] = (OSError, asyncio.TimeoutError)
+        self._client: redis_asyncio.Redis | None = None
+        self._errors = _ERRORS
         self._arena: HostArena | None = None
         self._prefix = self.options.prefix.encode()
-        self._ttl_ms = None if self.options.ttl_s is None else max(1, int(self.options.ttl_s * 1000))
+        ttl_s = self.options.ttl_s
+        self._ttl_arg = None if ttl_s is None else b"%d" % max(1, int(ttl_s * 1000))
+        self._script_sha: bytes | None = _EXISTS_SHA
         self._failing = False
 
     @property
-    def client(self) -> Any:
+    def client(self) -> redis_asyncio.Redis | None:
         """The ``redis.asyncio.Redis`` client (for benchmarks and tests); ``None`` unless open."""
         return self._client
 
@@ -136,14 +166,6 @@ class RedisBackend(StorageBackend):
         """
         if self._state is not _State.NEW:
             raise StorageError(f"redis backend: open() called in state {self._state.value}")
-        try:
-            import redis.asyncio as redis_asyncio
-            from redis.asyncio.retry import Retry
-            from redis.backoff import NoBackoff
-            from redis.exceptions import ConnectionError as RedisConnectionError
-            from redis.exceptions import RedisError
-        except ImportError as err:
-            raise StorageError("redis backend needs redis-py: pip install 'kvtier[redis]'") from err
         opts = self.options
         try:
             pool = redis_asyncio.BlockingConnectionPool.from_url(
@@ -152,14 +174,14 @@ class RedisBackend(StorageBackend):
                 timeout=opts.timeout_s,
                 socket_timeout=opts.timeout_s,
                 socket_connect_timeout=opts.timeout_s,
+                socket_read_size=_READ_SIZE,
                 # one immediate retry on a broken connection: after a server restart every
                 # pooled connection is stale and the retry reconnects; timeouts are not retried
-                retry=Retry(NoBackoff(), 1, (RedisConnectionError,)),
+                retry=Retry(NoBackoff(), 1, (_ConnectionError,)),
             )
         except ValueError as err:
-            raise ConfigError(f"redis extra config: 'url' = {opts.address!r}: {err}") from err
+            raise ConfigError(f"redis extra config: 'url' = {_redact(opts.address)!r}: {err}") from err
         self._client = redis_asyncio.Redis.from_pool(pool)
-        self._errors = (RedisError, OSError, asyncio.TimeoutError)
         self._arena = arena
         self._state = _State.OPEN
         if not await self.health():
@@ -167,12 +189,20 @@ class RedisBackend(StorageBackend):
             raise StorageError(f"redis backend: no answer from {_redact(opts.address)!r} within {opts.timeout_s} s")
 
     async def exists(self, ns: bytes, keys: Sequence[bytes]) -> int:
-        """Return how many of ``keys``, from the first, are stored (one pipeline of ``EXISTS``)."""
+        """Return how many of ``keys``, from the first, are stored.
+
+        One ``EVALSHA`` of a script that walks the keys and stops at the first absent one;
+        where scripting is unavailable, one pipeline of ``EXISTS``.
+        """
         self._check_open()
         if not keys:
             return 0
         names = [self.key_name(ns, key) for key in keys]
-        replies = await self._pipeline(lambda pipe: [pipe.exists(name) for name in names])
+        if self._script_sha is not None:
+            run = await self._exists_script(names)
+            if run is not None:
+                return run
+        replies = await self._roundtrip([b"".join(_command(b"EXISTS", name) for name in names)], len(names))
         run = 0
         for reply in replies or ():
             if reply != 1:
@@ -194,12 +224,13 @@ class RedisBackend(StorageBackend):
         arena = self._check_batch(keys, offsets, length)
         if not keys:
             return []
-        names = [self.key_name(ns, key) for key in keys]
-        ttl = self._ttl_ms
-        if ttl is None:
-            values = await self._pipeline(lambda pipe: [pipe.get(name) for name in names])
+        if self._ttl_arg is None:
+            frames = b"".join(_command(b"GET", self.key_name(ns, key)) for key in keys)
         else:
-            values = await self._pipeline(lambda pipe: [pipe.getex(name, px=ttl) for name in names])
+            frames = b"".join(
+                _command(b"GETEX", self.key_name(ns, key), b"PX", self._ttl_arg) for key in keys
+            )
+        values = await self._roundtrip([frames], len(keys))
         if values is None:
             self.stats.misses += len(keys)
             return [False] * len(keys)
@@ -208,6 +239,7 @@ class RedisBackend(StorageBackend):
             flags, missing, corrupt, faults = land()
         else:
             flags, missing, corrupt, faults = await _run_to_completion(land)
+        del values
         found = sum(flags)
         self.stats.gets += found
         self.stats.get_bytes += found * length
@@ -222,22 +254,19 @@ class RedisBackend(StorageBackend):
     ) -> list[bool]:
         """Write each page ``arena[offset:offset+length]`` as header ‖ payload (one pipeline of ``SET``).
 
-        An existing value is overwritten, which also repairs a corrupt one.
+        The payload goes to the socket straight from the arena (no copy); only the 96-byte
+        header is built. An existing value is overwritten, which also repairs a corrupt one.
         """
         arena = self._check_batch(keys, offsets, length)
         if not keys:
             return []
-        build = functools.partial(_encode_values, arena.view, ns, keys, offsets, length)
-        values = build() if length * len(keys) <= _INLINE_BYTES else await _run_to_completion(build)
-        names = [self.key_name(ns, key) for key in keys]
-        ttl = self._ttl_ms
-        replies = await self._pipeline(
-            lambda pipe: [pipe.set(name, value, px=ttl) for name, value in zip(names, values)]
-        )
-        del values
+        build = functools.partial(self._set_frames, arena.view, ns, keys, offsets, length)
+        chunks = build() if length * len(keys) <= _INLINE_BYTES else await _run_to_completion(build)
+        replies = await self._roundtrip(chunks, len(keys))
+        del chunks
         if replies is None:
             return [False] * len(keys)
-        flags = [reply is True for reply in replies]
+        flags = [reply == b"OK" for reply in replies]
         fault = next((reply for reply in replies if isinstance(reply, BaseException)), None)
         if fault is not None:
             self._failed(fault)
@@ -250,8 +279,7 @@ class RedisBackend(StorageBackend):
         self._check_open()
         if not keys:
             return 0
-        names = [self.key_name(ns, key) for key in keys]
-        replies = await self._pipeline(lambda pipe: [pipe.delete(*names)])
+        replies = await self._roundtrip([_command(b"DEL", *(self.key_name(ns, key) for key in keys))], 1)
         if not replies or not isinstance(replies[0], int):
             if replies:
                 self._failed(replies[0])
@@ -260,10 +288,11 @@ class RedisBackend(StorageBackend):
 
     async def health(self) -> bool:
         """Return True when the server answers ``PING`` within ``timeout_s``."""
-        if self._state is not _State.OPEN:
+        client = self._client
+        if self._state is not _State.OPEN or client is None:
             return False
         try:
-            await asyncio.wait_for(self._client.ping(), self.options.timeout_s)
+            await asyncio.wait_for(client.ping(), self.options.timeout_s)
         except self._errors as err:
             self._note_down(err)
             return False
@@ -296,20 +325,80 @@ class RedisBackend(StorageBackend):
         assert all(0 <= off and off + length <= arena.size for off in offsets), "offset out of arena"
         return arena
 
-    async def _pipeline(self, build: Callable[[Any], object]) -> list[Any] | None:
-        """Run the commands ``build`` queues as one pipeline; ``None`` (and one error) on a fault.
+    def _set_frames(
+        self, view: memoryview, ns: bytes, keys: Sequence[bytes], offsets: Sequence[int], length: int
+    ) -> list[bytes | memoryview]:
+        """Encode ``SET name <header ‖ payload> [PX ttl]`` per page; payloads stay views of the arena."""
+        chunks: list[bytes | memoryview] = []
+        value_head = b"$%d\r\n" % (HEADER_SIZE + length)
+        if self._ttl_arg is None:
+            head, tail = b"*3\r\n$3\r\nSET\r\n", b"\r\n"
+        else:
+            head, tail = b"*5\r\n$3\r\nSET\r\n", b"\r\n" + _bulk(b"PX") + _bulk(self._ttl_arg)
+        for key, off in zip(keys, offsets):
+            payload = view[off : off + length]
+            chunks.append(head + _bulk(self.key_name(ns, key)) + value_head + encode_header(ns, key, payload))
+            chunks.append(payload)
+            chunks.append(tail)
+        return chunks
 
-        Per-command server errors come back as exception objects in the reply list.
+    async def _exists_script(self, names: list[bytes]) -> int | None:
+        """Leading run by the server-side script; ``None`` when scripting is unavailable."""
+        assert self._script_sha is not None
+        replies = await self._roundtrip([_command(b"EVALSHA", self._script_sha, b"%d" % len(names), *names)], 1)
+        if replies is None:
+            return 0
+        reply = replies[0]
+        if isinstance(reply, NoScriptError):  # first use on this server: load it by EVAL
+            replies = await self._roundtrip([_command(b"EVAL", _EXISTS_SCRIPT, b"%d" % len(names), *names)], 1)
+            if replies is None:
+                return 0
+            reply = replies[0]
+        if isinstance(reply, int):
+            return reply
+        _log.info("redis backend: scripting unavailable (%s); exists uses pipelined EXISTS", reply)
+        self._script_sha = None
+        return None
+
+    async def _roundtrip(self, chunks: list[bytes | memoryview], count: int) -> list[Any] | None:
+        """Send pre-encoded commands on one pooled connection and read ``count`` replies.
+
+        This is a pipeline without redis-py's per-command bookkeeping: large payloads are
+        written as they are, replies are parsed by hiredis. Server error replies come back
+        as exception objects in the list. A connection that turns out to be broken (the
+        server restarted) is dropped and the batch is sent once more on a fresh one; any
+        other fault returns ``None`` and counts one error.
         """
-        try:
-            async with self._client.pipeline(transaction=False) as pipe:
-                build(pipe)
-                replies: list[Any] = await pipe.execute(raise_on_error=False)
-        except self._errors as err:
-            self._failed(err)
-            return None
-        self._note_up()
-        return replies
+        assert self._client is not None
+        pool = self._client.connection_pool
+        for attempt in (1, 2):
+            try:
+                conn = await pool.get_connection()
+            except self._errors as err:
+                self._failed(err)
+                return None
+            try:
+                await conn.send_packed_command(chunks, check_health=False)
+                replies: list[Any] = []
+                for _ in range(count):
+                    try:
+                        replies.append(await conn.read_response(disable_decoding=True))
+                    except _ResponseError as err:
+                        replies.append(err)
+            except BaseException as err:
+                # unread replies would answer the next user of this connection
+                await conn.disconnect(nowait=True)
+                if attempt == 1 and isinstance(err, _ConnectionError):
+                    continue
+                if isinstance(err, self._errors):
+                    self._failed(err)
+                    return None
+                raise
+            finally:
+                await pool.release(conn)
+            self._note_up()
+            return replies
+        raise AssertionError("unreachable")
 
     def _failed(self, err: BaseException) -> None:
         self.stats.errors += 1
@@ -329,15 +418,14 @@ class RedisBackend(StorageBackend):
             _log.info("redis backend: %s answers again", _redact(self.options.address))
 
 
-def _encode_values(
-    view: memoryview, ns: bytes, keys: Sequence[bytes], offsets: Sequence[int], length: int
-) -> list[bytes]:
-    """Return header ‖ payload for each page (hashes and copies; runs in a worker for big batches)."""
-    values = []
-    for key, off in zip(keys, offsets):
-        payload = view[off : off + length]
-        values.append(b"".join((encode_header(ns, key, payload), payload)))
-    return values
+def _bulk(arg: bytes) -> bytes:
+    """One RESP bulk string."""
+    return b"$%d\r\n%s\r\n" % (len(arg), arg)
+
+
+def _command(*args: bytes) -> bytes:
+    """One RESP command (an array of bulk strings)."""
+    return b"*%d\r\n" % len(args) + b"".join(_bulk(arg) for arg in args)
 
 
 def _land(

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import mmap
-import os
 import random
 import signal
 import subprocess
@@ -20,16 +19,16 @@ import time
 from pathlib import Path
 
 import pytest
-
 from kvtier.daemon.storage.base import HostArena
-from kvtier.daemon.storage.file import FileBackend, slot_size
-from kvtier.daemon.storage.objects import HEADER_SIZE, encode_header
+from kvtier.daemon.storage.file import FileBackend, table_bytes
+from kvtier.daemon.storage.objects import encode_header
 
 pytestmark = pytest.mark.timeout(120)
 
 NS = hashlib.sha256(b"crash namespace").digest()
-PAGE = 64 * 1024 - HEADER_SIZE  # one page per 64 KiB slot
-EXTRA = {"capacity": 32 * 64 * 1024, "segment_bytes": 8 * 64 * 1024}  # 4 segments of 8 slots
+PAGE = 64 * 1024  # one page per payload slot
+SEGMENT = table_bytes(8) + 8 * PAGE
+EXTRA = {"capacity": 4 * SEGMENT, "segment_bytes": SEGMENT}  # 4 segments of 8 slots: evictions
 
 CHILD = r"""
 import asyncio, hashlib, mmap, os, sys, time
@@ -67,6 +66,12 @@ def expected(key: bytes, length: int) -> bytes:
     return hashlib.shake_256(key).digest(length)
 
 
+def patch(segment: Path, pos: int, data: bytes) -> None:
+    with open(segment, "r+b") as f:
+        f.seek(pos)
+        f.write(data)
+
+
 def logged_keys(log: Path) -> set[bytes]:
     if not log.exists():
         return set()
@@ -76,7 +81,7 @@ def logged_keys(log: Path) -> set[bytes]:
 
 async def verify_store(path: Path, claimed: set[bytes]) -> tuple[int, int]:
     """Read every claimed and every indexed key; return (hits, misses). Fails on wrong bytes."""
-    mm = mmap.mmap(-1, slot_size(PAGE))
+    mm = mmap.mmap(-1, PAGE)
     view = memoryview(mm)
     backend = FileBackend({"path": str(path), **EXTRA})
     try:
@@ -128,32 +133,39 @@ async def test_kill_9_mid_writes_never_yields_wrong_bytes(tmp_path: Path) -> Non
     assert total_hits >= 5
 
 
-async def test_torn_overwrite_is_a_miss_after_restart(tmp_path: Path) -> None:
-    """Emulate a crash in the middle of overwriting a slot: new header, half the new payload."""
+async def test_torn_objects_are_misses_after_restart(tmp_path: Path) -> None:
+    """What a power loss can leave (the page cache writes pages back in any order).
+
+    Slot 0: a new header over half of its new payload. Slot 1: an old header over a
+    payload that was half overwritten by the next object.
+    """
     store = tmp_path / "l3"
-    mm = mmap.mmap(-1, 2 * slot_size(PAGE))
+    mm = mmap.mmap(-1, 2 * PAGE)
     view = memoryview(mm)
-    old, new = hashlib.sha256(b"old").digest(), hashlib.sha256(b"new").digest()
+    keys = [hashlib.sha256(name).digest() for name in (b"a", b"b", b"new")]
     backend = FileBackend({"path": str(store), **EXTRA})
     await backend.open(HostArena(view, 0, len(mm)))
-    view[:PAGE] = expected(old, PAGE)
-    assert await backend.put_from(NS, [old], [0], PAGE) == [True]
+    view[:PAGE], view[PAGE:] = expected(keys[0], PAGE), expected(keys[1], PAGE)
+    assert await backend.put_from(NS, keys[:2], [0, PAGE], PAGE) == [True, True]
     await backend.close()
 
     (segment,) = store.glob("seg-*.kvt")
-    payload = expected(new, PAGE)
-    with open(segment, "r+b") as f:  # slot 0: what a kill inside pwritev can leave behind
-        f.write(encode_header(NS, new, payload) + payload[: PAGE // 2])
+    new = expected(keys[2], PAGE)
+    base = table_bytes(8)
+    patch(segment, 0, encode_header(NS, keys[2], new))  # slot 0's header
+    patch(segment, base, new[: PAGE // 2])  # slot 0's payload
+    patch(segment, base + PAGE, new[: PAGE // 2])  # slot 1's payload
 
     backend = FileBackend({"path": str(store), **EXTRA})
     await backend.open(HostArena(view, 0, len(mm)))
-    assert await backend.get_into(NS, [new, old], [0, slot_size(PAGE)], PAGE) == [False, False]
-    assert backend.stats.corrupt == 1  # the torn object; the old one is simply gone
-    assert backend.entries() == []
-    view[:PAGE] = payload
-    assert await backend.put_from(NS, [new], [0], PAGE) == [True]  # the slot is usable again
-    assert await backend.get_into(NS, [new], [slot_size(PAGE)], PAGE) == [True]
-    assert bytes(view[slot_size(PAGE):slot_size(PAGE) + PAGE]) == payload
+    assert {key for _, key, _ in backend.entries()} == {keys[2], keys[1]}  # headers verify
+    assert await backend.get_into(NS, [keys[2], keys[1]], [0, PAGE], PAGE) == [False, False]
+    assert await backend.get_into(NS, [keys[0]], [0], PAGE) == [False]
+    assert (backend.stats.corrupt, backend.entries()) == (2, [])
+    view[:PAGE] = new
+    assert await backend.put_from(NS, [keys[2]], [0], PAGE) == [True]  # slots usable again
+    assert await backend.get_into(NS, [keys[2]], [PAGE], PAGE) == [True]
+    assert bytes(view[PAGE:]) == new
     await backend.close()
     view.release()
     mm.close()

@@ -12,17 +12,20 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-
 from kvtier.config.errors import ConfigError, StorageError
 from kvtier.daemon.storage.base import HostArena
-from kvtier.daemon.storage.file import FileBackend, FileBackendConfig, slot_size
+from kvtier.daemon.storage.file import (
+    HEADER_STRIDE,
+    FileBackend,
+    table_bytes,
+)
 from kvtier.daemon.storage.objects import HEADER_SIZE
 
 pytestmark = pytest.mark.timeout(30)
 
 NS = hashlib.sha256(b"namespace").digest()
 OTHER_NS = hashlib.sha256(b"other namespace").digest()
-PAGE = 8192 - HEADER_SIZE  # one page fills one 8 KiB slot exactly
+PAGE = 8192  # one page fills one payload slot exactly
 ARENA_PAGES = 64
 
 
@@ -61,18 +64,37 @@ def fill(arena: HostArena, offsets: list[int], length: int, seed: int = 0) -> li
     payloads = []
     for off in offsets:
         data = rng.randbytes(length)
-        arena.view[off:off + length] = data
+        arena.view[off : off + length] = data
         payloads.append(data)
     return payloads
 
 
 def clear(arena: HostArena, offsets: list[int], length: int) -> None:
     for off in offsets:
-        arena.view[off:off + length] = bytes(length)
+        arena.view[off : off + length] = bytes(length)
 
 
 def segment_files(path: Path) -> list[Path]:
     return sorted(path.glob("seg-*.kvt"))
+
+
+def segment_size(slots: int, slot: int = PAGE) -> int:
+    """Bytes of a segment of ``slots`` slots: header table, then payloads."""
+    return table_bytes(slots) + slots * slot
+
+
+def payload_pos(segment: Path, index: int) -> int:
+    """File offset of slot ``index``'s payload in a segment named seg-<slot>x<slots>-<seq>.kvt."""
+    slot, slots = (int(x) for x in segment.name[4:].split("-")[0].split("x"))
+    return table_bytes(slots) + index * slot
+
+
+def flip(segment: Path, pos: int) -> None:
+    with open(segment, "r+b") as f:
+        f.seek(pos)
+        byte = f.read(1)[0]
+        f.seek(pos)
+        f.write(bytes([byte ^ 0x40]))
 
 
 async def test_put_then_get_returns_identical_bytes(store: FileBackend, arena: HostArena) -> None:
@@ -82,7 +104,7 @@ async def test_put_then_get_returns_identical_bytes(store: FileBackend, arena: H
     payloads = fill(arena, src, PAGE)
     assert await store.put_from(NS, keys, src, PAGE) == [True] * 8
     assert await store.get_into(NS, keys, dst, PAGE) == [True] * 8
-    assert [bytes(arena.view[o:o + PAGE]) for o in dst] == payloads
+    assert [bytes(arena.view[o : o + PAGE]) for o in dst] == payloads
     assert (store.stats.puts, store.stats.put_bytes) == (8, 8 * PAGE)
     assert (store.stats.gets, store.stats.misses, store.stats.corrupt) == (8, 0, 0)
 
@@ -98,7 +120,9 @@ async def test_exists_is_the_leading_run(store: FileBackend, arena: HostArena) -
     assert await store.exists(NS, []) == 0
 
 
-async def test_wrong_namespace_key_or_length_is_a_miss(store: FileBackend, arena: HostArena) -> None:
+async def test_wrong_namespace_key_or_length_is_a_miss(
+    store: FileBackend, arena: HostArena
+) -> None:
     fill(arena, [0], PAGE)
     await store.put_from(NS, [key("a")], [0], PAGE)
     assert await store.get_into(OTHER_NS, [key("a")], [PAGE], PAGE) == [False]
@@ -115,11 +139,7 @@ async def test_flipped_payload_byte_is_a_corrupt_miss(
     fill(arena, [0, PAGE], PAGE)
     await store.put_from(NS, keys, [0, PAGE], PAGE)
     (seg,) = segment_files(tmp_path / "l3")
-    with open(seg, "r+b") as f:  # slot 0 holds keys[0]: the free list hands out slot 0 first
-        f.seek(HEADER_SIZE + 1234)
-        byte = f.read(1)[0]
-        f.seek(HEADER_SIZE + 1234)
-        f.write(bytes([byte ^ 0x40]))
+    flip(seg, payload_pos(seg, 0) + 1234)  # slot 0 holds keys[0]: the free list starts there
     assert await store.get_into(NS, keys, [2 * PAGE, 3 * PAGE], PAGE) == [False, True]
     assert (store.stats.corrupt, store.stats.misses, store.stats.gets) == (1, 1, 1)
     assert await store.exists(NS, keys) == 0  # the damaged object left the index
@@ -137,29 +157,42 @@ async def test_flipped_header_byte_is_a_corrupt_miss(
     fill(arena, [0], PAGE)
     await store.put_from(NS, [key("a")], [0], PAGE)
     (seg,) = segment_files(tmp_path / "l3")
-    with open(seg, "r+b") as f:
-        f.seek(72)  # the payload length field
-        f.write(b"\x01")
+    flip(seg, 0 * HEADER_STRIDE + 72)  # slot 0's header, payload length field
     assert await store.get_into(NS, [key("a")], [PAGE], PAGE) == [False]
     assert store.stats.corrupt == 1
+    assert HEADER_SIZE <= HEADER_STRIDE
 
 
-async def test_truncated_segment_is_a_miss(tmp_path: Path, store: FileBackend, arena: HostArena) -> None:
+async def test_truncated_segment_is_a_miss(
+    tmp_path: Path, store: FileBackend, arena: HostArena
+) -> None:
     keys = [key(f"k{i}") for i in range(3)]
     offsets = [0, PAGE, 2 * PAGE]
     payloads = fill(arena, offsets, PAGE)
     await store.put_from(NS, keys, offsets, PAGE)
     (seg,) = segment_files(tmp_path / "l3")
-    os.truncate(seg, slot_size(PAGE) + 1000)  # slot 0 whole, slot 1 torn, slot 2 gone
+    os.truncate(seg, payload_pos(seg, 1) + 1000)  # slot 0 whole, slot 1 torn, slot 2 gone
     clear(arena, offsets, PAGE)
     assert await store.get_into(NS, keys, offsets, PAGE) == [True, False, False]
     assert bytes(arena.view[0:PAGE]) == payloads[0]
-    assert store.stats.corrupt == 2
+    assert (store.stats.corrupt, await store.exists(NS, keys)) == (2, 1)
+
+
+async def test_segment_truncated_while_closed_reads_as_misses(
+    tmp_path: Path, arena: HostArena
+) -> None:
+    store = await opened(tmp_path / "l3", arena)
+    keys = [key(f"k{i}") for i in range(3)]
+    offsets = [0, PAGE, 2 * PAGE]
+    fill(arena, offsets, PAGE)
+    await store.put_from(NS, keys, offsets, PAGE)
     await store.close()
-    os.truncate(seg, slot_size(PAGE) + 1000)  # the wipe wrote headers back: tear it again
-    reopened = await opened(tmp_path / "l3", arena)
-    assert await reopened.exists(NS, keys) == 1
+    (seg,) = segment_files(tmp_path / "l3")
+    os.truncate(seg, payload_pos(seg, 1) + 1000)
+    reopened = await opened(tmp_path / "l3", arena)  # headers intact: indexed, payloads lost
     assert await reopened.get_into(NS, keys, offsets, PAGE) == [True, False, False]
+    assert (reopened.stats.corrupt, await reopened.exists(NS, keys)) == (2, 1)
+    assert os.path.getsize(seg) >= payload_pos(seg, 3)  # its size was restored at open
     await reopened.close()
 
 
@@ -174,7 +207,7 @@ async def test_reopen_rebuilds_the_index(tmp_path: Path, arena: HostArena) -> No
     reopened = await opened(tmp_path / "l3", arena)
     assert await reopened.exists(NS, keys) == 20
     assert all(await reopened.get_into(NS, keys, offsets, PAGE))
-    assert [bytes(arena.view[o:o + PAGE]) for o in offsets] == payloads
+    assert [bytes(arena.view[o : o + PAGE]) for o in offsets] == payloads
     assert reopened.rebuild_seconds > 0
     assert reopened.allocated_bytes == backend.allocated_bytes
     await reopened.close()
@@ -188,7 +221,9 @@ async def test_second_open_of_the_same_directory_is_refused(
 
 
 async def test_lru_evicts_tail_first(tmp_path: Path, arena: HostArena) -> None:
-    store = await opened(tmp_path / "l3", arena, capacity=4 * 8192, segment_bytes=4 * 8192)
+    store = await opened(
+        tmp_path / "l3", arena, capacity=segment_size(4), segment_bytes=segment_size(4)
+    )
     offsets = [i * PAGE for i in range(4)]
     fill(arena, offsets, PAGE)
     a = [key(f"a{i}") for i in range(3)]
@@ -202,12 +237,14 @@ async def test_lru_evicts_tail_first(tmp_path: Path, arena: HostArena) -> None:
     assert await store.put_from(NS, [key("d0"), key("d1")], offsets[:2], PAGE) == [True, True]
     assert {e[1] for e in store.entries()} == {a[0], key("c0"), key("d0"), key("d1")}
     assert store.evictions == 4
-    assert store.allocated_bytes == 4 * 8192
+    assert store.allocated_bytes == segment_size(4)
     await store.close()
 
 
 async def test_put_of_a_stored_prefix_protects_it(tmp_path: Path, arena: HostArena) -> None:
-    store = await opened(tmp_path / "l3", arena, capacity=4 * 8192, segment_bytes=8192)
+    store = await opened(
+        tmp_path / "l3", arena, capacity=4 * segment_size(1), segment_bytes=segment_size(1)
+    )
     fill(arena, [i * PAGE for i in range(6)], PAGE)
     chain = [key(f"k{i}") for i in range(6)]
     assert await store.put_from(NS, chain[:2], [0, PAGE], PAGE) == [True, True]
@@ -220,8 +257,30 @@ async def test_put_of_a_stored_prefix_protects_it(tmp_path: Path, arena: HostAre
     assert len(segment_files(tmp_path / "l3")) == 4  # one slot per segment, created lazily
 
 
-async def test_several_payload_lengths_coexist(tmp_path: Path, store: FileBackend, arena: HostArena) -> None:
-    lengths = [4000, PAGE, 65536]
+async def test_batches_across_segments_in_any_order(tmp_path: Path, arena: HostArena) -> None:
+    store = await opened(tmp_path / "l3", arena, segment_bytes=segment_size(3))
+    names = [f"k{i}" for i in range(10)]
+    payloads = fill(arena, [i * PAGE for i in range(10)], PAGE, seed=11)
+    assert all(
+        await store.put_from(NS, [key(n) for n in names], [i * PAGE for i in range(10)], PAGE)
+    )
+    assert len(segment_files(tmp_path / "l3")) == 4
+    order = [7, 2, 9, 0, 5, 3, 8, 1, 6, 4]
+    dst = [(20 + j) * PAGE for j in range(10)]
+    assert all(await store.get_into(NS, [key(names[i]) for i in order], dst, PAGE))
+    assert [bytes(arena.view[o : o + PAGE]) for o in dst] == [payloads[i] for i in order]
+    await store.delete(NS, [key(names[i]) for i in (4, 5)])  # gaps in the runs
+    assert await store.get_into(NS, [key(n) for n in names], dst, PAGE) == [
+        i not in (4, 5) for i in range(10)
+    ]
+    assert store.stats.corrupt == 0
+    await store.close()
+
+
+async def test_several_payload_lengths_coexist(
+    tmp_path: Path, store: FileBackend, arena: HostArena
+) -> None:
+    lengths = [3000, 4000, PAGE, 65536]  # 3000 and 4000 share the 4 KiB payload slot size
     payloads = {}
     for n, length in enumerate(lengths):
         offsets = [i * 65536 for i in range(3)]
@@ -232,11 +291,15 @@ async def test_several_payload_lengths_coexist(tmp_path: Path, store: FileBacken
         keys = [key(f"{length}-{i}") for i in range(3)]
         offsets = [(i + 10) * 65536 for i in range(3)]
         assert await store.get_into(NS, keys, offsets, length) == [True] * 3
-        assert [bytes(arena.view[o:o + length]) for o in offsets] == payloads[length]
+        assert [bytes(arena.view[o : o + length]) for o in offsets] == payloads[length]
+    assert await store.get_into(NS, [key("3000-0")], [0], 4000) == [False]  # wrong length
+    assert store.stats.corrupt == 0
     assert len(segment_files(tmp_path / "l3")) == 3
 
 
-async def test_delete_removes_for_good(tmp_path: Path, store: FileBackend, arena: HostArena) -> None:
+async def test_delete_removes_for_good(
+    tmp_path: Path, store: FileBackend, arena: HostArena
+) -> None:
     keys = [key("a"), key("b")]
     fill(arena, [0, PAGE], PAGE)
     await store.put_from(NS, keys, [0, PAGE], PAGE)
@@ -251,24 +314,30 @@ async def test_delete_removes_for_good(tmp_path: Path, store: FileBackend, arena
 
 async def test_concurrent_put_batches_stay_consistent(tmp_path: Path, arena: HostArena) -> None:
     # 12 slots for 3 x 8 distinct keys written by 6 overlapping batches: eviction runs meanwhile
-    store = await opened(tmp_path / "l3", arena, capacity=12 * 8192, segment_bytes=4 * 8192)
+    store = await opened(
+        tmp_path / "l3", arena, capacity=3 * segment_size(4), segment_bytes=segment_size(4)
+    )
     names = [f"k{i}" for i in range(24)]
     offsets = {name: i * PAGE for i, name in enumerate(names)}
     payloads = dict(zip(names, fill(arena, list(offsets.values()), PAGE, seed=3)))
     batches = [names[0:8], names[0:8], names[8:16], names[8:16], names[16:24], names[4:12]]
-    results = await asyncio.gather(*(
-        store.put_from(NS, [key(n) for n in batch], [offsets[n] for n in batch], PAGE)
-        for batch in batches
-    ))
+    results = await asyncio.gather(
+        *(
+            store.put_from(NS, [key(n) for n in batch], [offsets[n] for n in batch], PAGE)
+            for batch in batches
+        )
+    )
     assert all(len(r) == 8 for r in results)
     stored = [(ns, k) for ns, k, _ in store.entries()]
     assert len(stored) == len(set(stored)) <= 12
     by_key = {key(n): n for n in names}
     readback = [(40 + i) * PAGE for i in range(len(stored))]
-    gets = await asyncio.gather(*(store.get_into(NS, [k], [o], PAGE) for (_, k), o in zip(stored, readback)))
+    gets = await asyncio.gather(
+        *(store.get_into(NS, [k], [o], PAGE) for (_, k), o in zip(stored, readback))
+    )
     assert all(g == [True] for g in gets)
     for (_, k), o in zip(stored, readback):
-        assert bytes(arena.view[o:o + PAGE]) == payloads[by_key[k]]
+        assert bytes(arena.view[o : o + PAGE]) == payloads[by_key[k]]
     assert store.stats.corrupt == 0
     await store.close()
 
@@ -276,7 +345,9 @@ async def test_concurrent_put_batches_stay_consistent(tmp_path: Path, arena: Hos
 async def test_concurrent_reads_and_evicting_writes_never_return_wrong_bytes(
     tmp_path: Path, arena: HostArena
 ) -> None:
-    store = await opened(tmp_path / "l3", arena, capacity=8 * 8192, segment_bytes=8 * 8192)
+    store = await opened(
+        tmp_path / "l3", arena, capacity=segment_size(8), segment_bytes=segment_size(8)
+    )
     names = [f"k{i}" for i in range(16)]
     payloads = fill(arena, [i * PAGE for i in range(16)], PAGE, seed=5)
 
@@ -290,13 +361,15 @@ async def test_concurrent_reads_and_evicting_writes_never_return_wrong_bytes(
             i = (r * 7 + slot) % 16
             dst = (20 + slot) * PAGE
             if (await store.get_into(NS, [key(names[i])], [dst], PAGE))[0]:
-                assert bytes(arena.view[dst:dst + PAGE]) == payloads[i]
+                assert bytes(arena.view[dst : dst + PAGE]) == payloads[i]
 
     await asyncio.gather(*(writer(r) for r in range(40)), *(reader(s) for s in range(6)))
     await store.close()
 
 
-async def test_close_is_idempotent_and_later_calls_miss(store: FileBackend, arena: HostArena) -> None:
+async def test_close_is_idempotent_and_later_calls_miss(
+    store: FileBackend, arena: HostArena
+) -> None:
     fill(arena, [0], PAGE)
     await store.put_from(NS, [key("a")], [0], PAGE)
     assert await store.health()
@@ -326,28 +399,31 @@ async def test_use_before_open_raises(tmp_path: Path) -> None:
 
 
 def test_extra_config_is_validated(tmp_path: Path) -> None:
-    config = FileBackendConfig.from_extra(
-        {"path": str(tmp_path), "capacity": "2GiB", "segment_bytes": "64 MiB", "fsync": "batch"}
-    )
+    extra = {"path": str(tmp_path), "capacity": "2GiB", "segment_bytes": "64 MiB", "fsync": "batch"}
+    config = FileBackend(extra).config
     assert (config.capacity, config.segment_bytes, config.fsync) == (2 * 2**30, 64 * 2**20, "batch")
-    assert FileBackendConfig.from_extra({"path": tmp_path}).capacity == 16 * 2**30
-    bad = [
-        ({"path": str(tmp_path), "bogus": 17}, "'bogus'.*17"),
-        ({"capacity": 1}, "path=None"),
-        ({"path": str(tmp_path), "capacity": "16XB"}, "capacity='16XB'"),
-        ({"path": str(tmp_path), "capacity": True}, "capacity=True"),
-        ({"path": str(tmp_path), "segment_bytes": 100}, "segment_bytes=100"),
-        ({"path": str(tmp_path), "fsync": "always"}, "fsync='always'"),
+    assert (FileBackend({"path": tmp_path}).config.capacity, config.path) == (16 * 2**30, tmp_path)
+    bad: list[tuple[dict[str, object], str]] = [
+        ({"path": str(tmp_path), "bogus": 17}, "'bogus' = 17"),
+        ({"capacity": 2**20}, "'path'"),
+        ({"path": ""}, "'path' = ''"),
+        ({"path": str(tmp_path), "capacity": "16XB"}, "'capacity' = '16XB'"),
+        ({"path": str(tmp_path), "capacity": True}, "'capacity' = True"),
+        ({"path": str(tmp_path), "segment_bytes": 100}, "'segment_bytes' = 100"),
+        ({"path": str(tmp_path), "fsync": "always"}, "'fsync' = 'always'"),
     ]
-    for extra, match in bad:
+    for bad_extra, match in bad:
         with pytest.raises(ConfigError, match=match):
-            FileBackend(extra)
+            FileBackend(bad_extra)
 
 
 async def test_fsync_batch_mode_round_trips(tmp_path: Path, arena: HostArena) -> None:
     store = await opened(tmp_path / "l3", arena, fsync="batch", segment_bytes="1MiB")
     payloads = fill(arena, [0, PAGE], PAGE)
     assert await store.put_from(NS, [key("a"), key("b")], [0, PAGE], PAGE) == [True, True]
-    assert await store.get_into(NS, [key("a"), key("b")], [2 * PAGE, 3 * PAGE], PAGE) == [True, True]
-    assert bytes(arena.view[2 * PAGE:3 * PAGE]) == payloads[0]
+    assert await store.get_into(NS, [key("a"), key("b")], [2 * PAGE, 3 * PAGE], PAGE) == [
+        True,
+        True,
+    ]
+    assert bytes(arena.view[2 * PAGE : 3 * PAGE]) == payloads[0]
     await store.close()

@@ -42,7 +42,12 @@ def pool_of(extents: int, **kw: int) -> HostPool:
 
 
 def store(
-    pool: HostPool, keys: list[bytes], cls: int, ns: int = NS, owner: int = A, parent=None
+    pool: HostPool,
+    keys: list[bytes],
+    cls: int,
+    ns: int = NS,
+    owner: int = A,
+    parent: bytes | None = None,
 ) -> list[int]:
     """Allocate and commit ``keys``; return the new slots."""
     slots = [s for _, s in pool.allocate(ns, owner, cls, keys, parent)]
@@ -165,6 +170,8 @@ def test_lookup_stops_at_first_missing_or_writing_key() -> None:
     assert pool.lookup(NS, [keys[0], k("zz"), keys[1]]) == 1
     assert pool.pin(NS, keys) == slots[:2]
     assert pool.lookup(NS, []) == 0
+    assert pool.resident_run(NS, keys + [k("zz"), keys[0]]) == 4  # WRITING counts here
+    assert pool.resident_run(NS2, keys) == 0
 
 
 def test_allocate_skips_present_keys_and_links_parents() -> None:
@@ -227,7 +234,8 @@ def test_wrong_transitions_raise_and_change_nothing() -> None:
         pool.commit([w[1], w[0]])
     assert pool.describe(w[1]).state is PageState.WRITING  # validated before any change
     with pytest.raises(PageStateError, match="cannot abort slot 0: it is READY"):
-        pool.abort([w[0]])
+        pool.abort([w[0], w[1]])
+    assert pool.describe(w[1]).state is PageState.WRITING
     with pytest.raises(PageStateError, match="cannot commit slot 3: it is FREE"):
         pool.commit([3])
     with pytest.raises(PageStateError, match="cannot unpin slot 0: it is READY with no pins"):
@@ -265,6 +273,8 @@ def test_lru_evicts_chains_tail_to_head() -> None:
     x = store(pool, chain("x", 3), small)
     y = store(pool, chain("y", 3), small)
     store(pool, chain("z", 2), small)
+    stamps = [pool.describe(s).last_access for s in x]
+    assert stamps[2] < stamps[1] < stamps[0]  # commit touches the tail first
     assert pool.evictable_slots() == [x[2], y[2], 7]
     got = pool.allocate(NS, A, small, chain("w", 4))
     assert evicted_keys(pool) == [k("x2"), k("x1"), k("x0"), k("y2")]
@@ -389,6 +399,19 @@ def test_quota_owner_evicts_only_its_own_pages() -> None:
     assert evicted_keys(pool) == [k("b3")]
 
 
+def test_quota_owner_needing_another_class_still_evicts_only_its_own() -> None:
+    pool = pool_of(2)
+    small, big = pool.register_class(4000), pool.register_class(5000)
+    store(pool, chain("b", 2), small, owner=B)  # coldest of all
+    store(pool, chain("a", 2), small, owner=A)
+    x = store(pool, chain("x", 2), big, owner=A)
+    pool.set_quota(A, 4)
+    assert pool.allocate(NS, A, big, [k("n")]) == [(0, x[1])]
+    # a1 and a0 free small slots (extent 0 keeps B's pages), so A's own big x1 goes
+    assert evicted_keys(pool) == [k("a1"), k("a0"), k("x1")]
+    assert pool.lookup(NS, chain("b", 2)) == 2
+
+
 def test_zero_quota_blocks_allocation() -> None:
     pool = pool_of(1)
     small = pool.register_class(4000)
@@ -480,12 +503,13 @@ class PoolMachine(RuleBasedStateMachine):
         pk = k(f"c{chain_id}.{start - 1}") if with_parent and start > 0 else None
         before = {key: kns for key, kns in self.live.values()}
         got = self.pool.allocate(ns, owner, self.cls[cls], keys, pk)
-        self._absorb_evictions()
+        self._absorb_evictions()  # may include later keys of this very call
+        resident = {key for key, _ in self.live.values()}
         idx = [i for i, _ in got]
         assert idx == sorted(set(idx))
         assert len({s for _, s in got}) == len(got)
         for i, s in got:
-            assert s not in self.live and keys[i] not in before  # never double-allocated
+            assert s not in self.live and keys[i] not in resident  # never double-allocated
             if i > 0:
                 parent: bytes | None = keys[i - 1]
             else:
@@ -536,8 +560,8 @@ class PoolMachine(RuleBasedStateMachine):
         assert len(gone) == n
         for s in gone:
             assert s in self.ready and self.pins.get(s, 0) == 0
-            info_ns = self.live[s][1]
-            assert ns is None or info_ns == ns
+            assert ns is None or self.live[s][1] == ns
+            assert owner is None or self.pool.describe(s).owner == owner  # stale but kept
             self._forget(s)
         for s in self.live:  # nothing matching is left evictable
             d = self.pool.describe(s)

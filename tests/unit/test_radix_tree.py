@@ -377,9 +377,13 @@ class TreeMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.seen)
     @rule(data=st.data(), flag=st.booleans())
     def set_in_l2(self, data: st.DataObject, flag: bool) -> None:
-        keys = chain(data.draw(st.sampled_from(self.seen)), PAGE)
+        tokens = data.draw(st.sampled_from(self.seen))
+        keys = chain(tokens, PAGE)
         chosen = data.draw(st.lists(st.sampled_from(keys), unique=True)) if keys else []
         self.tree.set_in_l2(chosen, flag)
+        m = self.tree.match_prefix(tokens)
+        flags = dict(zip(m.keys, m.in_l2))
+        assert all(flags[k] == flag for k in chosen if k in flags)
 
     @invariant()
     def consistent(self) -> None:

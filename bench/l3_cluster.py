@@ -1,0 +1,438 @@
+"""Throughput of the cluster L3 backends against their client library used directly.
+
+For ``redis`` and ``mooncake`` the bench starts its own server on loopback (redis-server,
+or mooncake_master with its HTTP metadata server), opens the kvtier backend on an arena of
+``2 × pages × page_bytes`` (sources, then destinations) and times, per repeat:
+
+    direct put   the same library, same batches, payload only   (redis: pipelined SET of
+    kvtier put   backend.put_from: header + checksum + payload    the slot bytes; mooncake:
+    direct get   the same library, same batches                  batch_put_from /
+    kvtier get   backend.get_into: verify + land in the arena     batch_get_into)
+
+The store is emptied between repeats so no put finds its key already there. Throughput is
+payload bytes / wall time in GB/s (1e9); the result holds the medians and the ratios
+``put_over_direct`` / ``get_over_direct`` (the price of self-describing, verified objects).
+
+Mooncake runs in one of two placements (``mooncake_segment``):
+
+- ``"remote"`` (default): a separate holder process mounts the store's memory and the
+  daemon contributes none, so every page crosses loopback TCP, as it crosses the network
+  between nodes in a cluster;
+- ``"local"``: the daemon's own segment holds the pages and Mooncake moves them with a
+  memcpy inside the process. The direct path is then a bare memcpy, and verification has
+  to read every byte once more, so the ratio is bounded by memcpy / (memcpy + xxh3).
+
+Run: ``python -m kvtier.bench.l3_cluster --backend redis`` (or ``mooncake``, ``all``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import hashlib
+import json
+import mmap
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Literal, Mapping
+
+from kvtier.daemon.storage.base import HostArena, StorageBackend
+from kvtier.daemon.storage.factory import create_backend
+
+__all__ = ["main", "print_table", "run_cluster_bench"]
+
+LOOPBACK = "127.0.0.1"
+_READY_DEADLINE_S = 15.0
+
+
+def run_cluster_bench(
+    backend: str,
+    pages: int = 1000,
+    page_bytes: int = 256 * 1024,
+    batch: int = 64,
+    repeats: int = 5,
+    options: Mapping[str, Any] | None = None,
+    mooncake_segment: Literal["remote", "local"] = "remote",
+) -> dict[str, Any]:
+    """Measure ``backend`` ("redis" or "mooncake") against its client library used directly.
+
+    Args:
+        backend: which cluster backend; its server is started on loopback and stopped after.
+        pages: pages per pass; page_bytes: payload bytes per page; batch: keys per call.
+        repeats: timed passes (after one warm-up pass); medians are reported.
+        options: extra-config overrides for the backend (e.g. ``{"sub_batch_keys": 32}``).
+        mooncake_segment: where Mooncake keeps the pages (see the module docstring).
+
+    Returns:
+        ``backend``, ``placement``, ``pages``, ``page_bytes``, ``batch``, ``repeats``, ``put_gbps``,
+        ``get_gbps``, ``direct_put_gbps``, ``direct_get_gbps``, ``put_over_direct``,
+        ``get_over_direct``, ``exists_us_per_key`` and ``samples`` (every pass, GB/s).
+
+    Raises:
+        ValueError: unknown backend or non-positive sizes.
+        RuntimeError: the server could not be started, or a pass lost or corrupted a page.
+    """
+    if backend not in ("redis", "mooncake"):
+        raise ValueError(f"backend must be 'redis' or 'mooncake', got {backend!r}")
+    if min(pages, page_bytes, batch, repeats) <= 0:
+        raise ValueError("pages, page_bytes, batch and repeats must be positive")
+    if mooncake_segment not in ("remote", "local"):
+        raise ValueError(f"mooncake_segment must be 'remote' or 'local', got {mooncake_segment!r}")
+    placement = "server" if backend == "redis" else f"{mooncake_segment} segment"
+    result = _run(_bench(backend, pages, page_bytes, batch, repeats, dict(options or {}), placement))
+    return result
+
+
+def print_table(result: dict[str, Any]) -> None:
+    """Print one bench result as a rich table (GB/s, and kvtier / direct)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    title = (
+        f"L3 {result['backend']} ({result['placement']}): {result['pages']} pages × "
+        f"{result['page_bytes'] // 1024} KiB, batch {result['batch']}, median of {result['repeats']}"
+    )
+    table = Table(title=title)
+    table.add_column("op")
+    table.add_column("kvtier GB/s", justify="right")
+    table.add_column("direct GB/s", justify="right")
+    table.add_column("kvtier / direct", justify="right")
+    for op in ("put", "get"):
+        ratio = result[f"{op}_over_direct"]
+        style = "green" if ratio >= 0.8 else "red"
+        table.add_row(
+            op, f"{result[f'{op}_gbps']:.2f}", f"{result[f'direct_{op}_gbps']:.2f}",
+            f"[{style}]{ratio:.2f}[/{style}]",
+        )
+    table.caption = f"exists: {result['exists_us_per_key']:.1f} µs per key"
+    Console().print(table)
+
+
+# -- the passes ------------------------------------------------------------------------
+
+
+async def _bench(
+    backend: str, pages: int, page_bytes: int, batch: int, repeats: int, options: dict[str, Any],
+    placement: str,
+) -> dict[str, Any]:
+    size = 2 * pages * page_bytes
+    memory = mmap.mmap(-1, size)
+    anchor = ctypes.c_char.from_buffer(memory)
+    view = memoryview(memory)
+    try:
+        view[: pages * page_bytes] = os.urandom(pages * page_bytes)
+        view[pages * page_bytes :] = bytes(pages * page_bytes)  # pre-fault the destinations
+        arena = HostArena(view, ctypes.addressof(anchor), size)
+        async with _server_backend(backend, pages * (page_bytes + 4096), options, placement) as store:
+            await store.open(arena)
+            try:
+                result = await _passes(backend, store, arena, pages, page_bytes, batch, repeats)
+                return {"backend": backend, "placement": placement, **result}
+            finally:
+                await store.close()
+    finally:
+        del anchor
+        view.release()
+        memory.close()
+
+
+async def _passes(
+    backend: str, store: StorageBackend, arena: HostArena, pages: int, page_bytes: int,
+    batch: int, repeats: int,
+) -> dict[str, Any]:
+    src = [i * page_bytes for i in range(pages)]
+    dst = [(pages + i) * page_bytes for i in range(pages)]
+    spans = [(a, min(a + batch, pages)) for a in range(0, pages, batch)]
+    direct = _direct_ops(backend, store, arena, page_bytes)
+    samples: dict[str, list[float]] = {k: [] for k in ("put", "get", "direct_put", "direct_get")}
+    exists_us: list[float] = []
+    total = pages * page_bytes
+    for rep in range(repeats + 1):  # pass 0 warms the server's memory and is not counted
+        ns = hashlib.sha256(f"kvtier-bench-{rep}".encode()).digest()
+        keys = [hashlib.sha256(ns + i.to_bytes(4, "little")).digest() for i in range(pages)]
+
+        async def ours_put() -> None:
+            for a, b in spans:
+                if not all(await store.put_from(ns, keys[a:b], src[a:b], page_bytes)):
+                    raise RuntimeError(f"{backend}: kvtier put failed")
+
+        async def ours_get() -> None:
+            for a, b in spans:
+                if not all(await store.get_into(ns, keys[a:b], dst[a:b], page_bytes)):
+                    raise RuntimeError(f"{backend}: kvtier get missed: {store.stats}")
+
+        async def direct_put() -> None:
+            for a, b in spans:
+                await direct.put(keys[a:b], src[a:b])
+
+        async def direct_get() -> None:
+            for a, b in spans:
+                await direct.get(keys[a:b], dst[a:b])
+
+        order: list[tuple[str, Callable[[], Awaitable[None]]]] = [
+            ("direct_put", direct_put), ("put", ours_put), ("direct_get", direct_get), ("get", ours_get),
+        ]
+        if rep % 2:  # alternate who goes first, so drift does not favour one side
+            order = [order[1], order[0], order[3], order[2]]
+        for label, op in order:
+            if label == "get":
+                arena.view[pages * page_bytes :] = bytes(pages * page_bytes)
+            start = time.perf_counter()
+            await op()
+            elapsed = time.perf_counter() - start
+            if rep:
+                samples[label].append(total / elapsed / 1e9)
+        if arena.view[pages * page_bytes :] != arena.view[: pages * page_bytes]:
+            raise RuntimeError(f"{backend}: pages read back differ from pages written")
+        start = time.perf_counter()
+        run = await store.exists(ns, keys)
+        if rep:
+            exists_us.append((time.perf_counter() - start) / pages * 1e6)
+        if run != pages:
+            raise RuntimeError(f"{backend}: exists saw {run} of {pages} pages")
+        await direct.clear(ns, keys)
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    return {
+        "pages": pages, "page_bytes": page_bytes, "batch": batch,
+        "repeats": repeats,
+        "put_gbps": med["put"], "get_gbps": med["get"],
+        "direct_put_gbps": med["direct_put"], "direct_get_gbps": med["direct_get"],
+        "put_over_direct": med["put"] / med["direct_put"],
+        "get_over_direct": med["get"] / med["direct_get"],
+        "exists_us_per_key": statistics.median(exists_us),
+        "samples": samples,
+    }
+
+
+class _Direct:
+    """The backend's client library driven without kvtier, on the same buffers and batches."""
+
+    def __init__(
+        self,
+        put: Callable[[list[bytes], list[int]], Awaitable[None]],
+        get: Callable[[list[bytes], list[int]], Awaitable[None]],
+        clear: Callable[[bytes, list[bytes]], Awaitable[None]],
+    ) -> None:
+        self.put, self.get, self.clear = put, get, clear
+
+
+def _direct_ops(backend: str, store: StorageBackend, arena: HostArena, page_bytes: int) -> _Direct:
+    view, base = arena.view, arena.address
+    if backend == "redis":
+        client = store.client  # type: ignore[attr-defined]
+
+        async def rput(keys: list[bytes], offsets: list[int]) -> None:
+            async with client.pipeline(transaction=False) as pipe:
+                for key, off in zip(keys, offsets):
+                    pipe.set(b"direct:" + key.hex().encode(), view[off : off + page_bytes])
+                replies = await pipe.execute()
+            if not all(reply is True for reply in replies):
+                raise RuntimeError("redis: direct SET failed")
+
+        async def rget(keys: list[bytes], offsets: list[int]) -> None:
+            async with client.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.get(b"direct:" + key.hex().encode())
+                values = await pipe.execute()
+            if not all(value is not None and len(value) == page_bytes for value in values):
+                raise RuntimeError("redis: direct GET missed")
+
+        async def rclear(ns: bytes, keys: list[bytes]) -> None:
+            await client.flushdb()
+
+        return _Direct(rput, rget, rclear)
+
+    mc = store.store  # type: ignore[attr-defined]
+
+    def names(keys: list[bytes]) -> list[str]:
+        return ["direct:" + key.hex() for key in keys]
+
+    async def mput(keys: list[bytes], offsets: list[int]) -> None:
+        codes = mc.batch_put_from(names(keys), [base + off for off in offsets], [page_bytes] * len(keys))
+        if any(code != 0 for code in codes):
+            raise RuntimeError(f"mooncake: direct batch_put_from failed: {codes}")
+
+    async def mget(keys: list[bytes], offsets: list[int]) -> None:
+        codes = mc.batch_get_into(names(keys), [base + off for off in offsets], [page_bytes] * len(keys))
+        if any(code != page_bytes for code in codes):
+            raise RuntimeError(f"mooncake: direct batch_get_into failed: {codes}")
+
+    async def mclear(ns: bytes, keys: list[bytes]) -> None:
+        await store.delete(ns, keys)
+        mc.batch_remove(names(keys), True)
+
+    return _Direct(mput, mget, mclear)
+
+
+# -- servers ---------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def _server_backend(
+    backend: str, data_bytes: int, options: dict[str, Any], placement: str
+) -> AsyncIterator[StorageBackend]:
+    """Start the server (and a segment holder) on loopback; yield an unopened backend pointed at it."""
+    workdir = Path(tempfile.mkdtemp(prefix=f"kvtier-bench-{backend}-"))
+    try:
+        if backend == "redis":
+            port = _free_port()
+            argv = [
+                _binary("redis-server"), "--bind", LOOPBACK, "--port", str(port), "--save", "",
+                "--appendonly", "no", "--dir", str(workdir),
+            ]
+            with _process(argv, workdir, lambda: _redis_pong(port), "redis-server"):
+                yield create_backend("redis", {"url": f"redis://{LOOPBACK}:{port}/0", "timeout_s": 30, **options})
+        else:
+            rpc, http, metrics = _free_port(), _free_port(), _free_port()
+            argv = [
+                _binary("mooncake_master"), f"--rpc_address={LOOPBACK}", f"--rpc_port={rpc}",
+                "--enable_http_metadata_server=true", f"--http_metadata_server_host={LOOPBACK}",
+                f"--http_metadata_server_port={http}", f"--metrics_host={LOOPBACK}",
+                f"--metrics_port={metrics}",
+            ]
+            ready = lambda: _port_open(rpc) and _port_open(http)  # noqa: E731
+            config: dict[str, Any] = {
+                "master_server_address": f"{LOOPBACK}:{rpc}",
+                "metadata_server": f"http://{LOOPBACK}:{http}/metadata",
+                "global_segment_size": 2 * data_bytes + (64 << 20),
+            }
+            with _process(argv, workdir, ready, "mooncake_master"):
+                if placement == "local segment":
+                    yield create_backend("mooncake", {**config, **options})
+                    return
+                flag = workdir / "holder.ready"
+                holder = [sys.executable, "-c", _HOLDER, json.dumps(config), str(flag)]
+                with _process(holder, workdir, flag.exists, "segment-holder"):
+                    yield create_backend("mooncake", {**config, "global_segment_size": 0, **options})
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+_HOLDER = """
+import json, os, signal, sys, time
+os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+from mooncake.store import MooncakeDistributedStore
+config = json.loads(sys.argv[1])
+store = MooncakeDistributedStore()
+rc = store.setup("127.0.0.1", config["metadata_server"], config["global_segment_size"], 16 << 20,
+                 "tcp", "", config["master_server_address"])
+if rc != 0:
+    sys.exit(f"segment holder: setup failed ({rc})")
+open(sys.argv[2], "w").close()
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+while True:
+    time.sleep(3600)
+"""
+"""A process that only mounts memory into the store: the 'other node' pages live on."""
+
+
+@contextlib.contextmanager
+def _process(argv: list[str], workdir: Path, ready: Callable[[], bool], what: str) -> Iterator[None]:
+    log_path = workdir / f"{what}.log"
+    env = {**os.environ, "MC_TCP_BIND_ADDRESS": os.environ.get("MC_TCP_BIND_ADDRESS", LOOPBACK)}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=workdir, env=env
+        )
+    try:
+        deadline = time.monotonic() + _READY_DEADLINE_S
+        while not ready():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                tail = log_path.read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"{what} did not start: {tail}")
+            time.sleep(0.02)
+        yield
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _binary(name: str) -> str:
+    candidate = Path(sys.prefix) / "bin" / name
+    found = str(candidate) if candidate.is_file() else shutil.which(name)
+    if found is None:
+        raise RuntimeError(f"{name} not found (make sysdeps / pip install 'kvtier[redis,mooncake]')")
+    return found
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((LOOPBACK, 0))
+        return int(sock.getsockname()[1])
+
+
+def _port_open(port: int) -> bool:
+    try:
+        with socket.create_connection((LOOPBACK, port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+def _redis_pong(port: int) -> bool:
+    try:
+        with socket.create_connection((LOOPBACK, port), timeout=0.5) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def _run(coro: Awaitable[dict[str, Any]]) -> dict[str, Any]:
+    """Run on uvloop when it is installed, as the daemon does."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)  # type: ignore[arg-type]
+    return uvloop.run(coro)  # type: ignore[arg-type]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: run the bench for one or both backends, print tables, optionally save JSON."""
+    parser = argparse.ArgumentParser(prog="python -m kvtier.bench.l3_cluster", description=__doc__.split("\n")[0])
+    parser.add_argument("--backend", choices=("redis", "mooncake", "all"), default="all")
+    parser.add_argument("--pages", type=int, default=1000)
+    parser.add_argument("--page-bytes", type=int, default=256 * 1024)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--mooncake-segment", choices=("remote", "local", "both"), default="both",
+        help="where Mooncake keeps the pages: a separate holder process, this process, or both runs",
+    )
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    args = parser.parse_args(argv)
+    runs: list[tuple[str, Literal["remote", "local"]]] = []
+    for backend in ("redis", "mooncake") if args.backend == "all" else (args.backend,):
+        if backend == "mooncake" and args.mooncake_segment == "both":
+            runs += [(backend, "remote"), (backend, "local")]
+        else:
+            runs.append((backend, "local" if args.mooncake_segment == "local" else "remote"))
+    results = []
+    for backend, segment in runs:
+        result = run_cluster_bench(
+            backend, args.pages, args.page_bytes, args.batch, args.repeats, mooncake_segment=segment
+        )
+        print_table(result)
+        results.append(result)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
