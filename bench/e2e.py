@@ -22,9 +22,8 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-
 from kvtier.client.daemon_process import DaemonProcess
-from kvtier.client.engine.engine import GenerationResult, ReferenceEngine
+from kvtier.client.engine.engine import EngineMode, GenerationResult, ReferenceEngine
 from kvtier.client.engine.model import ModelConfig, TinyLlama
 from kvtier.config import ClientConfig
 
@@ -66,8 +65,8 @@ def run_e2e_bench(runs: int = 5) -> dict:
         client = ClientConfig(runtime_dir=tmp)
         pages = PROMPT_TOKENS // PAGE_SIZE + 8
 
-        def make(mode: str) -> ReferenceEngine:
-            engines.append(ReferenceEngine(mode=mode, page_size=PAGE_SIZE, num_pages=pages,  # type: ignore[arg-type]
+        def make(mode: EngineMode) -> ReferenceEngine:
+            engines.append(ReferenceEngine(mode=mode, page_size=PAGE_SIZE, num_pages=pages,
                                            client_config=client, model=model))
             return engines[-1]
 
@@ -104,7 +103,10 @@ def run_e2e_bench(runs: int = 5) -> dict:
     med = {k: statistics.median(v) for k, v in samples.items()}
     hit_ratio = med["hit"] / med["recompute"]
     miss = med["cold_on"] / med["cold_off"]
-    paired = lambda a, b: statistics.median(x / y for x, y in zip(samples[a], samples[b]))  # noqa: E731
+
+    def paired(a: str, b: str) -> float:
+        return statistics.median(x / y for x, y in zip(samples[a], samples[b]))
+
     return {
         "model": "default", "page_size": PAGE_SIZE, "prompt_tokens": PROMPT_TOKENS,
         "l2_prefix_tokens": CACHED_TOKENS, "runs": runs,

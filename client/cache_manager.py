@@ -154,7 +154,7 @@ class LoadHandle:
             ``page_ids`` and frees them once no late write can land.
     """
 
-    __slots__ = ("_manager", "_match", "_transfer", "_ok", "page_ids", "pages", "quarantined")
+    __slots__ = ("_manager", "_match", "_ok", "_transfer", "page_ids", "pages", "quarantined")
 
     def __init__(self, manager: CacheManager, match: MatchResult, transfer: TransferHandle | None,
                  page_ids: Sequence[int]) -> None:
@@ -249,8 +249,8 @@ class CacheManager:
         KvtierError: no page size, or a connection that is not registered.
     """
 
-    __slots__ = ("_alloc", "_conn", "_cfg", "_page_size", "_seed", "_tree", "_unbacked", "_pending",
-                 "_page_stores", "_storing", "_quarantine", "_quarantined", "counters")
+    __slots__ = ("_alloc", "_cfg", "_conn", "_page_size", "_page_stores", "_pending", "_quarantine",
+                 "_quarantined", "_seed", "_storing", "_tree", "_unbacked", "counters")
 
     def __init__(self, allocator: DeviceAllocator, connection: Connection | None = None,
                  config: ClientConfig | None = None, page_size: int | None = None,
@@ -291,6 +291,11 @@ class CacheManager:
         return self._cfg.hicache_write_policy
 
     @property
+    def quarantined_pages(self) -> int:
+        """Device pages held back after failed loads (a live daemon might still write them)."""
+        return len(self._quarantined)
+
+    @property
     def pending_stores(self) -> int:
         """STOREs issued and not yet reaped."""
         return len(self._pending)
@@ -317,7 +322,11 @@ class CacheManager:
         l2 = l3 = 0
         rest = keys[l1:usable]
         if self._conn is not None and rest:
-            rep = self._conn.lookup(rest)
+            try:
+                rep = self._conn.lookup(rest)
+            except BaseException:
+                self._tree.unlock(pm.last_node)
+                raise
             l2 = min(rep.l2, len(rest))
             l3 = min(rep.l3, len(rest) - l2)
             self._tree.mark_in_l2(rest[:l2])

@@ -202,6 +202,7 @@ class Connection:
                 identity = f"{os.getpid()}-{secrets.token_hex(6)}".encode()
                 self._sock = make_zmq_socket(self._ctx, self.endpoint, zmq.DEALER, bind=False,
                                              identity=identity)
+                self._sock.setsockopt(zmq.RCVTIMEO, max(1, int(self.config.request_timeout_s * 1000)))
             token = self.config.token.get_secret_value() if self.config.token else ""
             msg = P.Register(req_id=0, protocol_version=P.PROTOCOL_VERSION, namespace=self.namespace,
                              geometry=self.geometry, memory=self.pool.export(), tp_rank=self.tp_rank,
@@ -252,24 +253,29 @@ class Connection:
                 raise DaemonUnavailable("daemon recently unreachable")
             req_id = next(self._req_ids)
             msg.req_id = req_id
+            body = P.encode(msg)
             try:
-                # not connected (yet, or any more): wait for the connection up to the timeout
-                if not self._sock.poll(int(self.config.request_timeout_s * 1000), zmq.POLLOUT):
-                    raise zmq.Again()
-                self._sock.send(P.encode(msg), flags=zmq.NOBLOCK)
+                try:
+                    self._sock.send(body, flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    # not connected (yet, or any more): wait for the connection up to the timeout
+                    if not self._sock.poll(int(self.config.request_timeout_s * 1000), zmq.POLLOUT):
+                        raise
+                    self._sock.send(body, flags=zmq.NOBLOCK)
             except zmq.Again as err:
                 self._down_until = time.monotonic() + min(1.0, self.config.request_timeout_s)
                 raise DaemonUnavailable(f"cannot reach kvtierd at {self.endpoint}") from err
             deadline = time.monotonic() + self.config.request_timeout_s
             while True:
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._sock.poll(int(left * 1000) + 1):
-                    if time.monotonic() >= deadline:
+                try:
+                    data = self._sock.recv()  # bounded by RCVTIMEO = request_timeout_s
+                except zmq.Again:
+                    data = None
+                if data is None or time.monotonic() > deadline:
+                    if data is None or rep_is_late(data, req_id):
                         self._down_until = time.monotonic() + min(1.0, self.config.request_timeout_s)
                         raise DaemonUnavailable(
                             f"kvtierd did not answer within {self.config.request_timeout_s}s")
-                    continue
-                data = self._sock.recv()
                 try:
                     rep = P.decode_reply(data)
                 except (msgspec.DecodeError, msgspec.ValidationError):
@@ -440,6 +446,14 @@ class Connection:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def rep_is_late(data: bytes, req_id: int) -> bool:
+    """True unless ``data`` is the reply to ``req_id`` (then it is used even past the deadline)."""
+    try:
+        return P.decode_reply(data).req_id != req_id
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return True
 
 
 def _leaked(ctx: zmq.Context, endpoint: str) -> None:

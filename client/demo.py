@@ -30,9 +30,9 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-
 from kvtier.client.admin import AdminClient, AdminError
 from kvtier.client.daemon_process import DaemonProcess
 from kvtier.client.engine.worker import MODELS, model_config
@@ -85,12 +85,17 @@ class _Worker:
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=None, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self._buf = b""
-        ready = self._read()
-        if not ready.get("ready"):
-            raise KvtierError(f"engine worker did not start: {ready}")
+        try:
+            ready = self._read()
+            if not ready.get("ready"):
+                raise KvtierError(f"engine worker did not start: {ready}")
+        except BaseException:
+            self.kill()
+            raise
         self.pid = int(ready["pid"])
 
-    def call(self, req: dict[str, object]) -> dict[str, object]:
+    def call(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Send one request and return its reply; KvtierError when the worker reports one."""
         assert self.proc.stdin is not None
         self.proc.stdin.write((json.dumps(req) + "\n").encode())
         self.proc.stdin.flush()
@@ -99,7 +104,7 @@ class _Worker:
             raise KvtierError(f"engine worker: {rep.get('error')}")
         return rep
 
-    def _read(self) -> dict[str, object]:
+    def _read(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
         fd = self.proc.stdout.fileno()
         deadline = time.monotonic() + _REPLY_TIMEOUT_S
@@ -124,6 +129,7 @@ class _Worker:
         self._close_pipes()
 
     def quit(self) -> None:
+        """Ask the worker to exit (it closes its engines); kill it if it does not."""
         if self.proc.poll() is None:
             try:
                 self.call({"op": "quit"})
@@ -150,7 +156,7 @@ def _default_daemon_healthy() -> Path | None:
         return None
 
 
-def run_demo(cfg: DemoConfig, log: bool = True) -> dict[str, object]:
+def run_demo(cfg: DemoConfig, log: bool = True) -> dict[str, Any]:
     """Run the workload and return the per-turn rows and the restart reuse ratio.
 
     Args:
@@ -179,7 +185,7 @@ def run_demo(cfg: DemoConfig, log: bool = True) -> dict[str, object]:
     rdir = external or tmp
     assert rdir is not None
     t0 = time.monotonic()
-    rows: list[dict[str, object]] = []
+    rows: list[dict[str, Any]] = []
     worker: _Worker | None = None
     try:
         worker = _Worker(cfg, rdir, num_pages)
@@ -207,7 +213,7 @@ def run_demo(cfg: DemoConfig, log: bool = True) -> dict[str, object]:
                           f"L1 {row['cached_l1']} L2 {row['cached_l2']} computed "
                           f"{row['computed']}, TTFT {row['ttft_ms']:.1f} ms", file=sys.stderr)
                 if turn + 1 < cfg.turns:
-                    history[conv] = prompt + list(rep["tokens"]) + users[conv][turn + 1]  # type: ignore[arg-type]
+                    history[conv] = prompt + list(rep["tokens"]) + users[conv][turn + 1]
         worker.quit()
         worker = None
     finally:
@@ -221,15 +227,15 @@ def run_demo(cfg: DemoConfig, log: bool = True) -> dict[str, object]:
     return _summarize(cfg, rows, time.monotonic() - t0, external)
 
 
-def _summarize(cfg: DemoConfig, rows: list[dict[str, object]], elapsed: float,
-               external: Path | None) -> dict[str, object]:
+def _summarize(cfg: DemoConfig, rows: list[dict[str, Any]], elapsed: float,
+               external: Path | None) -> dict[str, Any]:
     first = next((r for r in rows if r["first_after_restart"]), None)
     ratio = stored = reused = None
     if first is not None:
         before = [r for r in rows if r["conversation"] == first["conversation"]
-                  and r["turn"] == int(first["turn"]) - 1]  # type: ignore[call-overload]
-        stored = int(before[-1]["stored_tokens"]) if before else 0  # type: ignore[call-overload]
-        reused = int(first["cached_l2"])  # type: ignore[call-overload]
+                  and r["turn"] == int(first["turn"]) - 1]
+        stored = int(before[-1]["stored_tokens"]) if before else 0
+        reused = int(first["cached_l2"])
         ratio = reused / stored if stored else None
     return {"model": cfg.model, "page_size": cfg.page_size, "restart": cfg.restart,
             "daemon": str(external) if external else "private", "turns": rows,
@@ -239,7 +245,7 @@ def _summarize(cfg: DemoConfig, rows: list[dict[str, object]], elapsed: float,
             "elapsed_s": round(elapsed, 2)}
 
 
-def print_table(result: dict[str, object]) -> None:
+def print_table(result: dict[str, Any]) -> None:
     """Print the per-turn table and the summary.
 
     Args:
@@ -252,7 +258,7 @@ def print_table(result: dict[str, object]) -> None:
     for col in ("conv", "turn", "engine", "prompt", "L1", "L2", "L3", "computed", "TTFT ms",
                 "uncached ms", "= uncached"):
         table.add_column(col, justify="right")
-    for r in result["turns"]:  # type: ignore[attr-defined]
+    for r in result["turns"]:
         style = "bold" if r["first_after_restart"] else None
         table.add_row(str(r["conversation"]), str(r["turn"]), str(r["engine"]),
                       str(r["prompt_tokens"]), str(r["cached_l1"]), str(r["cached_l2"]),
@@ -268,7 +274,7 @@ def print_table(result: dict[str, object]) -> None:
                   f"all turns match uncached: {result['all_match']}; {result['elapsed_s']} s")
 
 
-def write_plot(result: dict[str, object], path: str) -> None:
+def write_plot(result: dict[str, Any], path: str) -> None:
     """Write a PNG of TTFT and tokens per tier, turn by turn.
 
     Args:
@@ -280,9 +286,12 @@ def write_plot(result: dict[str, object], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = result["turns"]
-    x = np.arange(len(rows))  # type: ignore[arg-type]
-    get = lambda k: np.array([float(r[k]) for r in rows])  # type: ignore[attr-defined]  # noqa: E731
+    rows: list[dict[str, Any]] = result["turns"]
+    x = np.arange(len(rows))
+
+    def get(key: str) -> np.ndarray:
+        return np.array([float(r[key]) for r in rows])
+
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
     ax1.plot(x, get("ttft_ms"), "o-", label="kvtier on")
     ax1.plot(x, get("uncached_ttft_ms"), "s--", label="kvtier off")
@@ -296,7 +305,7 @@ def write_plot(result: dict[str, object], path: str) -> None:
     ax2.set_ylabel("prompt tokens")
     ax2.set_xlabel("turn (all conversations, in order)")
     ax2.legend()
-    for i, r in enumerate(rows):  # type: ignore[arg-type]
+    for i, r in enumerate(rows):
         if r["first_after_restart"]:
             for ax in (ax1, ax2):
                 ax.axvline(i - 0.5, color="red", linestyle=":")
@@ -349,7 +358,7 @@ def main(argv: list[str]) -> int:
     if args.plot:
         write_plot(result, args.plot)
     ratio = result["restart_reuse_ratio"]
-    ok = bool(result["all_match"]) and (ratio is None or float(ratio) >= 0.99)  # type: ignore[arg-type]
+    ok = bool(result["all_match"]) and (ratio is None or float(ratio) >= 0.99)
     if not ok:
         print("kvtier demo: targets not met (every turn equal to uncached, reuse ratio >= 0.99)"
               + (" - kvtierd does not keep its pool across restarts yet"

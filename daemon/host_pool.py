@@ -311,6 +311,8 @@ class HostPool:
         self._evict_budget = 1
         self._scan_limit = MIN_SCAN
         self._index: dict[bytes, int] = {}
+        # key -> ns_id of READY pages only: lookups run over it at C speed (the LOOKUP hot path)
+        self._ready_ns: dict[bytes, int] = {}
         self._ends = [NIL, NIL]  # global evictable list: [cold end, hot end]
         self._own_ends: dict[int, list[int]] = {}  # per owner, created on first use
         self._owned: dict[int, int] = {}
@@ -383,14 +385,13 @@ class HostPool:
         Returns:
             How many leading keys are READY.
         """
-        index, state, ns = self._index, self._state, self._ns
-        n = 0
-        for key in keys:
-            s = index.get(key)
-            if s is None or state[s] != PageState.READY or ns[s] != ns_id:
-                break
-            n += 1
-        return n
+        found = list(map(self._ready_ns.get, keys))
+        if found.count(ns_id) == len(found):
+            return len(found)
+        for n, v in enumerate(found):
+            if v != ns_id:
+                return n
+        raise AssertionError("unreachable")
 
     def resident_run(self, ns_id: int, keys: Sequence[bytes]) -> int:
         """Return the length of the leading run of ``keys`` resident in ``ns_id``,
@@ -500,6 +501,7 @@ class HostPool:
             s = slots[j]
             self._expect(s, PageState.WRITING, "commit")
             self._state[s] = PageState.READY
+            self._ready_ns[self._key[s]] = self._ns[s]
             cls = self._classes[self._ext_class[s // self._per_extent]]
             cls.writing -= 1
             cls.ready += 1
@@ -795,6 +797,7 @@ class HostPool:
         cls = self._classes[self._ext_class[e]]
         if self._state[s] == PageState.READY:
             cls.ready -= 1
+            del self._ready_ns[key]
         else:
             cls.writing -= 1
         self._state[s] = PageState.FREE

@@ -247,19 +247,19 @@ class Daemon:
         if len(keys) > self.cfg.max_keys_per_request:
             raise RequestError(P.ErrorCode.BAD_MESSAGE, f"{len(keys)} keys exceed "
                                f"max_keys_per_request ({self.cfg.max_keys_per_request})")
-        for i, k in enumerate(keys):
-            if len(k) != P.KEY_BYTES:
-                raise RequestError(P.ErrorCode.BAD_MESSAGE,
-                                   f"keys[{i}] has {len(k)} bytes, expected {P.KEY_BYTES}")
+        if keys and (min(map(len, keys)) != P.KEY_BYTES or max(map(len, keys)) != P.KEY_BYTES):
+            i = next(i for i, k in enumerate(keys) if len(k) != P.KEY_BYTES)
+            raise RequestError(P.ErrorCode.BAD_MESSAGE,
+                               f"keys[{i}] has {len(keys[i])} bytes, expected {P.KEY_BYTES}")
         if pages is None:
             return
         if len(pages) != len(keys):
             raise RequestError(P.ErrorCode.BAD_MESSAGE,
                                f"{len(keys)} keys but {len(pages)} pages")
-        for i, p in enumerate(pages):
-            if not 0 <= p < num_pages:
-                raise RequestError(P.ErrorCode.OUT_OF_RANGE,
-                                   f"pages[{i}] = {p!r} is outside the engine's {num_pages} pages")
+        if pages and (min(pages) < 0 or max(pages) >= num_pages):
+            i, p = next((i, p) for i, p in enumerate(pages) if not 0 <= p < num_pages)
+            raise RequestError(P.ErrorCode.OUT_OF_RANGE,
+                               f"pages[{i}] = {p!r} is outside the engine's {num_pages} pages")
         if len(set(pages)) != len(pages):
             raise RequestError(P.ErrorCode.BAD_MESSAGE, "pages contains the same page twice")
 

@@ -1,15 +1,19 @@
 """Real servers for integration tests: redis-server and mooncake_master on loopback.
 
 Each server runs as a subprocess bound to 127.0.0.1 on free ports, is ready when its ports
-answer (bounded by a deadline), and is stopped with SIGTERM, then SIGKILL. Tests use either
-the context managers or the fixtures; a test module imports the fixtures it wants::
+answer (bounded by a deadline), and is stopped (redis-server: SIGTERM, then SIGKILL;
+mooncake_master, which persists nothing: SIGKILL). Tests use the ``start_*`` functions, the
+``running_*`` context managers, or fixtures. A test module declares its fixture from a
+generator body, so no imported fixture name is shadowed by test parameters::
 
-    from tests.servers import redis_server  # noqa: F401  (pytest fixture)
+    @pytest.fixture
+    def redis_server() -> Iterator[RedisServer]:
+        yield from serve_redis()
 
-    def test_something(redis_server: RedisServer) -> None: ...
-
-A fixture skips its test, with the reason, only when the binary is not installed
-(``make sysdeps`` installs redis-server; the venv carries mooncake_master).
+(``redis_server`` / ``mooncake_master`` are also importable as ready-made fixtures, or a
+conftest can list this module in ``pytest_plugins``.) A fixture skips its test, with the
+reason, only when the binary is not installed (``make sysdeps`` installs redis-server; the
+venv carries mooncake_master).
 """
 
 from __future__ import annotations
@@ -23,15 +27,22 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 
 __all__ = [
-    "MooncakeMaster", "RedisServer", "find_binary", "free_port", "mooncake_master",
-    "redis_server", "running_mooncake_master", "running_redis", "start_mooncake_master",
+    "MooncakeMaster",
+    "RedisServer",
+    "find_binary",
+    "free_port",
+    "mooncake_master",
+    "redis_server",
+    "running_mooncake_master",
+    "running_redis",
+    "start_mooncake_master",
     "start_redis",
 ]
 
@@ -83,8 +94,12 @@ class _Process:
         assert self.proc is None or self.proc.poll() is not None, "already running"
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                cwd=self.log_path.parent, start_new_session=True,
+                self.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=self.log_path.parent,
+                start_new_session=True,
             )
 
     def wait_ready(self, ready: Callable[[], bool], what: str, deadline_s: float) -> None:
@@ -219,11 +234,15 @@ class MooncakeMaster:
         self._process.stop()
         self._process.spawn()
         self._process.wait_ready(
-            lambda: _port_open(self.rpc_port) and _port_open(self.http_port), "mooncake_master", deadline_s
+            lambda: _port_open(self.rpc_port) and _port_open(self.http_port),
+            "mooncake_master",
+            deadline_s,
         )
 
     def stop(self) -> None:
-        """Stop the master and remove its working directory."""
+        """Stop the master (SIGKILL: it persists nothing, and SIGTERM costs a second) and
+        remove its working directory."""
+        self._process.kill()
         self._process.remove()
 
 
@@ -243,8 +262,22 @@ def start_redis(*extra_args: str, deadline_s: float = READY_DEADLINE_S) -> Redis
     port = free_port()
     log_dir = Path(tempfile.mkdtemp(prefix="kvtier-redis-"))
     argv = [
-        binary, "--bind", LOOPBACK, "--port", str(port), "--save", "", "--appendonly", "no",
-        "--protected-mode", "yes", "--dir", str(log_dir), "--daemonize", "no", *extra_args,
+        binary,
+        "--bind",
+        LOOPBACK,
+        "--port",
+        str(port),
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--protected-mode",
+        "yes",
+        "--dir",
+        str(log_dir),
+        "--daemonize",
+        "no",
+        *extra_args,
     ]
     process = _Process(argv, log_dir / "redis.log")
     process.spawn()
@@ -261,13 +294,19 @@ def start_mooncake_master(deadline_s: float = READY_DEADLINE_S) -> MooncakeMaste
     """
     binary = find_binary("mooncake_master")
     if binary is None:
-        raise FileNotFoundError("mooncake_master not found (pip install mooncake-transfer-engine-non-cuda)")
+        raise FileNotFoundError(
+            "mooncake_master not found (pip install mooncake-transfer-engine-non-cuda)"
+        )
     rpc, http, metrics = free_port(), free_port(), free_port()
     log_dir = Path(tempfile.mkdtemp(prefix="kvtier-mooncake-"))
     argv = [
-        binary, f"--rpc_address={LOOPBACK}", f"--rpc_port={rpc}",
-        "--enable_http_metadata_server=true", f"--http_metadata_server_host={LOOPBACK}",
-        f"--http_metadata_server_port={http}", f"--metrics_host={LOOPBACK}",
+        binary,
+        f"--rpc_address={LOOPBACK}",
+        f"--rpc_port={rpc}",
+        "--enable_http_metadata_server=true",
+        f"--http_metadata_server_host={LOOPBACK}",
+        f"--http_metadata_server_port={http}",
+        f"--metrics_host={LOOPBACK}",
         f"--metrics_port={metrics}",
     ]
     process = _Process(argv, log_dir / "master.log")
@@ -296,11 +335,17 @@ def running_mooncake_master() -> Iterator[MooncakeMaster]:
         master.stop()
 
 
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    """A fresh redis-server per test (skips the test when the binary is missing)."""
+def serve_redis(*extra_args: str) -> Generator[RedisServer, None, None]:
+    """Fixture body: a fresh redis-server, stopped afterwards; skips when the binary is missing.
+
+    A test module declares its own fixture with it (no imported fixture names to shadow)::
+
+        @pytest.fixture
+        def redis_server() -> Iterator[RedisServer]:
+            yield from serve_redis()
+    """
     try:
-        server = start_redis()
+        server = start_redis(*extra_args)
     except FileNotFoundError as err:
         pytest.skip(str(err))
     try:
@@ -309,9 +354,8 @@ def redis_server() -> Iterator[RedisServer]:
         server.stop()
 
 
-@pytest.fixture
-def mooncake_master() -> Iterator[MooncakeMaster]:
-    """A fresh mooncake_master per test (skips the test when the binary is missing)."""
+def serve_mooncake_master() -> Generator[MooncakeMaster, None, None]:
+    """Fixture body: a fresh mooncake_master, stopped afterwards; skips when it is missing."""
     try:
         master = start_mooncake_master()
     except FileNotFoundError as err:
@@ -320,3 +364,10 @@ def mooncake_master() -> Iterator[MooncakeMaster]:
         yield master
     finally:
         master.stop()
+
+
+redis_server = pytest.fixture(serve_redis, name="redis_server")
+"""The same as an importable fixture: ``from tests.servers import redis_server``."""
+
+mooncake_master = pytest.fixture(serve_mooncake_master, name="mooncake_master")
+"""The same as an importable fixture: ``from tests.servers import mooncake_master``."""

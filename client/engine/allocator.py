@@ -30,7 +30,7 @@ class PageAllocator:
         PageAllocatorError: ``num_pages`` is below 1.
     """
 
-    __slots__ = ("_free", "_used", "_num_pages")
+    __slots__ = ("_free", "_num_pages", "_used")
 
     def __init__(self, num_pages: int) -> None:
         if num_pages < 1:

@@ -31,9 +31,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from kvtier.config.errors import ConfigError, KvtierError
+from torch import nn
 
 __all__ = [
     "EngineInputError",
@@ -110,9 +109,10 @@ class ModelConfig:
         """The reference engine's model: compute-bound enough that KV reuse shows.
 
         Sized so that a 4096-token prefill with no cache takes a little over a second on two
-        CPU cores (float32, AVX-512): about 40 % attention and 60 % projection and MLP matmuls,
-        so compute dominates and a cached prefix saves it, as on a GPU. Eight layers give a
-        per-layer load something to overlap with.
+        CPU cores (float32, AVX-512; measured 1.3-1.4 s, 0.85 s with half of it cached, and
+        10-15 ms per decode step at position 4096). About half of it is attention, the rest
+        projection and MLP matmuls, so compute dominates and a cached prefix saves it, as on
+        a GPU. Eight layers give a per-layer load something to overlap with.
 
         Returns:
             8 layers, hidden 256, 4 query heads and 2 KV heads of width 64, SwiGLU 1024,
@@ -400,7 +400,7 @@ class TinyLlama(nn.Module):
         for i, block in enumerate(self.blocks):
             assert isinstance(block, _Block)
             h = _rms_norm(x, block.attn_norm, cfg.norm_eps)
-            q, k, v = F.linear(h, block.wqkv).split((q_out, kv_out, kv_out), dim=-1)
+            q, k, v = torch.split(F.linear(h, block.wqkv), [q_out, kv_out, kv_out], dim=-1)
             q = _apply_rope(q.view(n, n_heads, hd), cos, sin)
             k = _apply_rope(k.view(n, n_kv, hd), cos, sin)
             v = v.view(n, n_kv, hd)

@@ -30,7 +30,7 @@ import logging
 import os
 import sys
 from dataclasses import asdict
-from typing import IO
+from typing import IO, Any
 
 from kvtier.client.engine.engine import ReferenceEngine
 from kvtier.client.engine.model import ModelConfig, TinyLlama
@@ -81,11 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _generate(engine: ReferenceEngine, reference: ReferenceEngine | None,
-              req: dict[str, object]) -> dict[str, object]:
-    tokens = [int(t) for t in req["tokens"]]  # type: ignore[union-attr]
-    max_new = int(req.get("max_new_tokens", 16))  # type: ignore[arg-type]
+              req: dict[str, Any]) -> dict[str, Any]:
+    tokens = [int(t) for t in req["tokens"]]
+    max_new = int(req.get("max_new_tokens", 16))
     res = engine.generate(tokens, max_new)
-    out: dict[str, object] = {"ok": True, **res.summary()}
+    out: dict[str, Any] = {"ok": True, **res.summary()}
     if req.get("compare"):
         if reference is None:
             raise KvtierError("this worker runs without an uncached engine (--no-compare)")
@@ -114,6 +114,7 @@ def serve(engine: ReferenceEngine, reference: ReferenceEngine | None, stdin: IO[
     for line in stdin:
         if not line.strip():
             continue
+        reply: dict[str, Any]
         try:
             req = json.loads(line)
             op = req.get("op")
@@ -155,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                              client_config=cfg, model=model)
     reference = None
     try:
+        engine.warm_up()
         if not args.no_compare:
             reference = ReferenceEngine(mode="off", page_size=args.page_size,
                                         num_pages=args.num_pages, model=model)

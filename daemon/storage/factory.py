@@ -21,13 +21,13 @@ from __future__ import annotations
 import importlib
 import json
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, TypeVar
-
-from pydantic import BaseModel, ValidationError
+from typing import Any, TypeVar
 
 from kvtier.config.errors import ConfigError, KvtierError, StorageError
 from kvtier.daemon.storage.base import StorageBackend
+from pydantic import BaseModel, ValidationError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -35,7 +35,11 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 __all__ = [
-    "BACKEND_NAMES", "DYNAMIC_KEYS", "EXTRA_CONFIG_FIELD", "create_backend", "parse_extra_config",
+    "BACKEND_NAMES",
+    "DYNAMIC_KEYS",
+    "EXTRA_CONFIG_FIELD",
+    "create_backend",
+    "parse_extra_config",
     "validate_options",
 ]
 
@@ -97,13 +101,13 @@ def parse_extra_config(value: str | Mapping[str, Any] | None) -> dict[str, Any]:
 def _load_file(path_text: str, value: str) -> dict[str, Any]:
     """Read ``@path``: JSON or TOML by extension."""
     if not path_text:
-        raise ConfigError(f"{EXTRA_CONFIG_FIELD}: '@' must be followed by a file path, got {value!r}")
+        raise ConfigError(
+            f"{EXTRA_CONFIG_FIELD}: '@' must be followed by a file path, got {value!r}"
+        )
     path = Path(path_text).expanduser()
     suffix = path.suffix.lower()
     if suffix not in (".json", ".toml"):
-        raise ConfigError(
-            f"{EXTRA_CONFIG_FIELD}: {value!r}: the file must end in .json or .toml"
-        )
+        raise ConfigError(f"{EXTRA_CONFIG_FIELD}: {value!r}: the file must end in .json or .toml")
     try:
         data = path.read_bytes()
     except OSError as err:
@@ -132,7 +136,9 @@ def _string_keys(parsed: dict[Any, Any], where: str) -> dict[str, Any]:
     return parsed
 
 
-def validate_options(model: type[_Options], extra_config: Mapping[str, Any], backend: str) -> _Options:
+def validate_options(
+    model: type[_Options], extra_config: Mapping[str, Any], backend: str
+) -> _Options:
     """Validate a backend's extra config against its options model.
 
     Args:
@@ -189,7 +195,9 @@ def create_backend(name: str, extra_config: Mapping[str, Any] | None = None) -> 
         try:
             from kvtier.daemon.storage.redis_backend import RedisBackend
         except ImportError as err:
-            raise StorageError(f"the redis backend needs redis-py: pip install 'kvtier[redis]' ({err})") from err
+            raise StorageError(
+                f"the redis backend needs redis-py: pip install 'kvtier[redis]' ({err})"
+            ) from err
         return RedisBackend(extra)
     if name == "mooncake":
         from kvtier.daemon.storage.mooncake_backend import MooncakeBackend
@@ -207,34 +215,44 @@ def _create_dynamic(extra: dict[str, Any]) -> StorageBackend:
     where = f"{EXTRA_CONFIG_FIELD} for 'dynamic'"
     for key in ("module_path", "class_name"):
         if not isinstance(extra.get(key), str) or not extra[key]:
-            raise ConfigError(f"{where}: {key!r} must be a non-empty string, got {extra.get(key)!r}")
+            raise ConfigError(
+                f"{where}: {key!r} must be a non-empty string, got {extra.get(key)!r}"
+            )
     backend_name = extra.get("backend_name")
     if backend_name is not None and (not isinstance(backend_name, str) or not backend_name):
-        raise ConfigError(f"{where}: 'backend_name' must be a non-empty string, got {backend_name!r}")
+        raise ConfigError(
+            f"{where}: 'backend_name' must be a non-empty string, got {backend_name!r}"
+        )
     module_path, class_name = extra["module_path"], extra["class_name"]
     try:
         module = importlib.import_module(module_path)
     except ImportError as err:
-        raise ConfigError(f"{where}: 'module_path' = {module_path!r} cannot be imported: {err}") from err
+        raise ConfigError(
+            f"{where}: 'module_path' = {module_path!r} cannot be imported: {err}"
+        ) from err
     cls = getattr(module, class_name, None)
     if cls is None:
-        raise ConfigError(f"{where}: 'class_name' = {class_name!r} is not defined in {module_path!r}")
+        raise ConfigError(
+            f"{where}: 'class_name' = {class_name!r} is not defined in {module_path!r}"
+        )
     if not (isinstance(cls, type) and issubclass(cls, StorageBackend)):
         raise ConfigError(
-            f"{where}: 'class_name' = {class_name!r} in {module_path!r} is not a StorageBackend subclass"
+            f"{where}: 'class_name' = {class_name!r} in {module_path!r} "
+            "is not a StorageBackend subclass"
         )
-    if getattr(cls, "__abstractmethods__", None):
-        missing = ", ".join(sorted(cls.__abstractmethods__))
-        raise ConfigError(
-            f"{where}: 'class_name' = {class_name!r} does not implement {missing}"
-        )
+    abstract: frozenset[str] = getattr(cls, "__abstractmethods__", frozenset())
+    if abstract:
+        missing = ", ".join(sorted(abstract))
+        raise ConfigError(f"{where}: 'class_name' = {class_name!r} does not implement {missing}")
     rest = {key: value for key, value in extra.items() if key not in DYNAMIC_KEYS}
     try:
         backend = cls(rest)
     except KvtierError:
         raise
     except Exception as err:  # a plug-in's own failure, wrapped with its cause
-        raise StorageError(f"dynamic backend {module_path}.{class_name} failed to initialise: {err}") from err
+        raise StorageError(
+            f"dynamic backend {module_path}.{class_name} failed to initialise: {err}"
+        ) from err
     if backend_name is not None:
         backend.name = backend_name
     return backend

@@ -44,18 +44,24 @@ import mmap
 import os
 import struct
 import time
+import urllib.parse
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Literal, Sequence, TypeVar
-
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any, Literal, TypeVar
 
 from kvtier.config.errors import StorageError
 from kvtier.config.sizes import ByteSize
 from kvtier.daemon.storage.base import HostArena, StorageBackend
 from kvtier.daemon.storage.factory import validate_options
 from kvtier.daemon.storage.objects import (
-    FORMAT_VERSION, HEADER_SIZE, MAGIC, check_header, encode_header, payload_checksum,
+    FORMAT_VERSION,
+    HEADER_SIZE,
+    MAGIC,
+    check_header,
+    encode_header,
+    payload_checksum,
 )
+from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = ["MooncakeBackend", "MooncakeOptions"]
 
@@ -72,7 +78,7 @@ _MISS_CODES = frozenset((OBJECT_NOT_FOUND, REPLICA_NOT_READY, LEASE_EXPIRED))
 
 
 class MooncakeOptions(BaseModel):
-    """Extra-config keys of the ``mooncake`` backend (the first six as in SGLang's Mooncake config)."""
+    """Extra-config keys of the ``mooncake`` backend (the first six as SGLang's Mooncake config)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -99,6 +105,9 @@ class MooncakeOptions(BaseModel):
     """Most keys in one Mooncake call; a larger batch is split into calls that run concurrently.
     Concurrent transfers to one peer over TCP slow each other down (measured: a 64-key batch
     as 4 concurrent calls moved ~40 % less than as one), so a typical batch stays one call."""
+    timeout_s: float = Field(default=5.0, gt=0, le=3600)
+    """Bound on reaching the master and the HTTP metadata server at open (checked before
+    Mooncake's own setup, which retries for about 90 s against an address that refuses)."""
     retry_interval_s: float = Field(default=1.0, gt=0, le=3600)
     """After a fault, operations fail fast (as misses) for this long, then one is let through
     to try the store again; calls to an unreachable master can otherwise block for seconds."""
@@ -162,7 +171,7 @@ class MooncakeBackend(StorageBackend):
         return self._store
 
     def key_name(self, ns: bytes, key: bytes) -> str:
-        """Return the object key of page ``key`` in namespace ``ns``: ``<prefix>:<ns hex>:<key hex>``."""
+        """Return the object key of page ``key`` in ``ns``: ``<prefix>:<ns hex>:<key hex>``."""
         return f"{self._prefix}:{ns.hex()}:{key.hex()}"
 
     async def open(self, arena: HostArena) -> None:
@@ -182,6 +191,15 @@ class MooncakeBackend(StorageBackend):
                 f"Debian also needs libibverbs1): {err}"
             ) from err
         opts = self.options
+        for what, address in (
+            ("master_server_address", opts.master_server_address),
+            ("metadata_server", opts.metadata_server),
+        ):
+            problem = await _unreachable(address, opts.timeout_s)
+            if problem is not None:
+                raise StorageError(
+                    f"mooncake backend: {what} = {address!r} is unreachable: {problem}"
+                )
         # The transfer engine reads its bind address from the environment; without it a TCP
         # segment is advertised on whatever interface it picks.
         if _is_ip(opts.local_hostname):
@@ -194,8 +212,14 @@ class MooncakeBackend(StorageBackend):
         self._state = _State.OPEN
         try:
             rc = await self._call(
-                store.setup, opts.local_hostname, opts.metadata_server, opts.global_segment_size,
-                opts.local_buffer_size, opts.protocol, opts.device_name, opts.master_server_address,
+                store.setup,
+                opts.local_hostname,
+                opts.metadata_server,
+                opts.global_segment_size,
+                opts.local_buffer_size,
+                opts.protocol,
+                opts.device_name,
+                opts.master_server_address,
             )
             if rc != 0:
                 raise StorageError(
@@ -208,7 +232,9 @@ class MooncakeBackend(StorageBackend):
             ):
                 rc = await self._call(store.register_buffer, address, size)
                 if rc != 0:
-                    raise StorageError(f"mooncake backend: register_buffer of the {what} ({size} bytes) failed ({rc})")
+                    raise StorageError(
+                        f"mooncake backend: register_buffer of the {what} ({size} B) failed ({rc})"
+                    )
         except BaseException:
             await self.close()
             raise
@@ -269,7 +295,10 @@ class MooncakeBackend(StorageBackend):
         elif found:
             self._note_up()
         if corrupt_names:
-            _log.warning("mooncake backend: %d object(s) failed verification; removing them", len(corrupt_names))
+            _log.warning(
+                "mooncake backend: %d object(s) failed verification; removing them",
+                len(corrupt_names),
+            )
             await self._call(self._store.batch_remove, corrupt_names, True)
         return flags
 
@@ -360,8 +389,13 @@ class MooncakeBackend(StorageBackend):
     # -- jobs (worker threads) -------------------------------------------------------
 
     def _put_job(
-        self, names: Sequence[str], ns: bytes, keys: Sequence[bytes], offsets: Sequence[int],
-        length: int, block: int,
+        self,
+        names: Sequence[str],
+        ns: bytes,
+        keys: Sequence[bytes],
+        offsets: Sequence[int],
+        length: int,
+        block: int,
     ) -> list[tuple[int, bool]]:
         """Hash each slot into a scratch header, then one multi-buffer put."""
         arena, scratch = self._arena, self._scratch
@@ -370,14 +404,23 @@ class MooncakeBackend(StorageBackend):
         ptrs = []
         for i, (key, off) in enumerate(zip(keys, offsets)):
             at = block + i * HEADER_SIZE
-            sview[at : at + HEADER_SIZE] = _header(ns, key, arena.address + off, length, view[off : off + length])
+            sview[at : at + HEADER_SIZE] = _header(
+                ns, key, arena.address + off, length, view[off : off + length]
+            )
             ptrs.append([scratch.address + at, arena.address + off])
-        codes = self._store.batch_put_from_multi_buffers(list(names), ptrs, [[HEADER_SIZE, length]] * len(names))
+        codes = self._store.batch_put_from_multi_buffers(
+            list(names), ptrs, [[HEADER_SIZE, length]] * len(names)
+        )
         return [(int(code), code == 0) for code in codes]
 
     def _get_job(
-        self, names: Sequence[str], ns: bytes, keys: Sequence[bytes], offsets: Sequence[int],
-        length: int, block: int,
+        self,
+        names: Sequence[str],
+        ns: bytes,
+        keys: Sequence[bytes],
+        offsets: Sequence[int],
+        length: int,
+        block: int,
     ) -> list[tuple[int, bool]]:
         """One multi-buffer get into scratch headers and arena slots, then verify each."""
         arena, scratch = self._arena, self._scratch
@@ -387,14 +430,19 @@ class MooncakeBackend(StorageBackend):
             [scratch.address + block + i * HEADER_SIZE, arena.address + off]
             for i, off in enumerate(offsets)
         ]
-        codes = self._store.batch_get_into_multi_buffers(list(names), ptrs, [[HEADER_SIZE, length]] * len(names))
+        codes = self._store.batch_get_into_multi_buffers(
+            list(names), ptrs, [[HEADER_SIZE, length]] * len(names)
+        )
         results = []
         for i, (key, off, code) in enumerate(zip(keys, offsets, codes)):
             ok = False
             if code == HEADER_SIZE + length:
                 at = block + i * HEADER_SIZE
                 expected = check_header(sview[at : at + HEADER_SIZE], ns, key, length)
-                ok = expected is not None and _checksum(arena.address + off, view[off : off + length]) == expected
+                ok = (
+                    expected is not None
+                    and _checksum(arena.address + off, view[off : off + length]) == expected
+                )
             results.append((int(code), ok))
         return results
 
@@ -403,7 +451,11 @@ class MooncakeBackend(StorageBackend):
     async def _sub_batches(
         self,
         job: Callable[..., list[tuple[int, bool]]],
-        names: Sequence[str], ns: bytes, keys: Sequence[bytes], offsets: Sequence[int], length: int,
+        names: Sequence[str],
+        ns: bytes,
+        keys: Sequence[bytes],
+        offsets: Sequence[int],
+        length: int,
     ) -> list[tuple[int, bool]]:
         """Run ``job`` over sub-batches concurrently; results in key order."""
         step = self.options.sub_batch_keys
@@ -425,8 +477,13 @@ class MooncakeBackend(StorageBackend):
         return results
 
     async def _with_block(
-        self, job: Callable[..., list[tuple[int, bool]]],
-        names: Sequence[str], ns: bytes, keys: Sequence[bytes], offsets: Sequence[int], length: int,
+        self,
+        job: Callable[..., list[tuple[int, bool]]],
+        names: Sequence[str],
+        ns: bytes,
+        keys: Sequence[bytes],
+        offsets: Sequence[int],
+        length: int,
     ) -> list[tuple[int, bool]]:
         scratch = self._scratch
         assert scratch is not None
@@ -447,7 +504,9 @@ class MooncakeBackend(StorageBackend):
     def _check_batch(self, keys: Sequence[bytes], offsets: Sequence[int], length: int) -> None:
         arena = self._check_open()
         assert len(keys) == len(offsets), "one offset per key"
-        assert all(0 <= off and off + length <= arena.size for off in offsets), "offset out of arena"
+        assert all(0 <= off and off + length <= arena.size for off in offsets), (
+            "offset out of arena"
+        )
 
     def _admit(self, count: bool = True) -> bool:
         """Whether an operation may reach the store now (a circuit breaker).
@@ -477,25 +536,28 @@ class MooncakeBackend(StorageBackend):
         if not self._failing:
             self._failing = True
             _log.warning(
-                "mooncake backend: master %s unreachable or failing (%s); L3 reads miss until it answers",
-                self.options.master_server_address, why,
+                "mooncake backend: master %s unreachable or failing (%s); L3 reads miss meanwhile",
+                self.options.master_server_address,
+                why,
             )
 
     def _note_up(self) -> None:
         if self._failing:
             self._failing = False
             self._retry_at = 0.0
-            _log.info("mooncake backend: master %s answers again", self.options.master_server_address)
+            _log.info(
+                "mooncake backend: master %s answers again", self.options.master_server_address
+            )
 
 
 def _load_xxh3() -> Any:
     """``XXH3_64bits(ptr, len)`` through ctypes, which releases the GIL while it hashes.
 
-    python-xxhash holds the GIL for the whole hash, so worker threads hashing pages would
-    take turns; the wheel's extension module exports the C function, and calling it through
-    ctypes lets several sub-batches hash at once and overlap Mooncake's transfers. Checked
-    against :func:`payload_checksum` on a probe; ``None`` (use python-xxhash) when missing
-    or different.
+    python-xxhash holds the GIL for the whole hash (about a millisecond per 16 MiB batch),
+    which would stall the event loop and the other workers; the wheel's extension module
+    exports the C function, and ctypes drops the GIL around foreign calls. Checked against
+    :func:`payload_checksum` on a probe; ``None`` (use python-xxhash) when missing or
+    different. :func:`_header_from_sum` is likewise checked against :func:`encode_header`.
     """
     try:
         import xxhash._xxhash as extension
@@ -530,7 +592,7 @@ def _header_from_sum(ns: bytes, key: bytes, length: int, checksum: int) -> bytes
 
 
 def _header(ns: bytes, key: bytes, address: int, length: int, payload: memoryview) -> bytes:
-    """The object header of ``payload`` (at ``address``): :func:`encode_header`, hashing off the GIL."""
+    """The header of ``payload`` (at ``address``): :func:`encode_header`, hashing off the GIL."""
     if _FAST_HEADER:
         return _header_from_sum(ns, key, length, _checksum(address, payload))
     return encode_header(ns, key, payload)
@@ -542,10 +604,41 @@ def _fast_header_matches() -> bool:
         return False
     payload = bytes(range(200)) * 3
     ns, key = bytes(range(32)), bytes(range(32, 64))
-    return _header_from_sum(ns, key, len(payload), payload_checksum(payload)) == encode_header(ns, key, payload)
+    return _header_from_sum(ns, key, len(payload), payload_checksum(payload)) == encode_header(
+        ns, key, payload
+    )
 
 
 _FAST_HEADER = _fast_header_matches()
+
+
+async def _unreachable(address: str, timeout_s: float) -> str | None:
+    """Why a TCP connection to ``address`` (``host:port`` or an http URL) fails; ``None`` if it
+    connects or the address has another form (etcd lists, ``P2PHANDSHAKE``: setup decides)."""
+    if address.startswith(("http://", "https://")):
+        parts = urllib.parse.urlsplit(address)
+        host = parts.hostname
+        try:
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+        except ValueError as err:
+            return str(err)
+    else:
+        host_text, _, port_text = address.rpartition(":")
+        if not host_text or not port_text.isdigit() or "://" in address:
+            return None
+        host, port = host_text.strip("[]"), int(port_text)
+    if not host:
+        return None
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+    except (OSError, asyncio.TimeoutError) as err:
+        return f"{type(err).__name__}: {err}" if str(err) else f"no connection within {timeout_s} s"
+    writer.close()
+    try:
+        await writer.wait_closed()
+    except OSError:  # the peer reset first: it answered, which is all this checks
+        pass
+    return None
 
 
 def _is_ip(host: str) -> bool:

@@ -8,6 +8,7 @@ with a dense reference written independently here (no pages, explicit softmax).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -299,8 +300,7 @@ def test_generate_zero_tokens_returns_first_logits(model: TinyLlama) -> None:
 
 
 def test_bfloat16_cache(cfg: ModelConfig) -> None:
-    bcfg = ModelConfig(**{**{f: getattr(cfg, f) for f in cfg.__dataclass_fields__},
-                          "dtype": torch.bfloat16})
+    bcfg = dataclasses.replace(cfg, dtype=torch.bfloat16)
     m = TinyLlama(bcfg)
     k, v = new_kv_cache(bcfg, 4, 4)
     assert k[0].dtype == torch.bfloat16
@@ -313,8 +313,7 @@ def test_bfloat16_cache(cfg: ModelConfig) -> None:
 
 def test_same_seed_same_model_other_seed_differs(cfg: ModelConfig) -> None:
     a, b = TinyLlama(cfg), TinyLlama(cfg)
-    c = TinyLlama(ModelConfig(**{**{f: getattr(cfg, f) for f in cfg.__dataclass_fields__},
-                                 "seed": cfg.seed + 1}))
+    c = TinyLlama(dataclasses.replace(cfg, seed=cfg.seed + 1))
     tokens = prompt(15)
     la, lb, lc = (full_logits(m, tokens, 4) for m in (a, b, c))
     assert torch.equal(la, lb)
@@ -364,9 +363,8 @@ def test_generate_page_table_bound_is_exact(model: TinyLlama) -> None:
 @pytest.mark.parametrize(("field", "value"), [("n_kv_heads", 3), ("head_dim", 15),
                                                ("n_layers", 0), ("norm_eps", 0.0)])
 def test_config_validation(field: str, value: object) -> None:
-    fields = {f: getattr(ModelConfig.tiny(), f) for f in ModelConfig.__dataclass_fields__}
     with pytest.raises(ConfigError, match=field):
-        ModelConfig(**{**fields, field: value})
+        dataclasses.replace(ModelConfig.tiny(), **{field: value})
 
 
 def test_config_helpers() -> None:

@@ -1,0 +1,295 @@
+"""The ``redis`` L3 backend against a real redis-server on loopback (no mocks)."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import hashlib
+import mmap
+import os
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+import redis
+from kvtier.config.errors import StorageError
+from kvtier.daemon.storage.base import HostArena
+from kvtier.daemon.storage.objects import HEADER_SIZE
+from kvtier.daemon.storage.redis_backend import RedisBackend
+
+from tests.servers import RedisServer, free_port, serve_redis
+
+pytestmark = pytest.mark.timeout(60)
+
+NS = hashlib.sha256(b"namespace").digest()
+OTHER_NS = hashlib.sha256(b"other namespace").digest()
+PAGE = 64 * 1024
+SLOTS = 64
+
+
+def key(i: int) -> bytes:
+    return hashlib.sha256(b"page %d" % i).digest()
+
+
+def make_arena() -> tuple[HostArena, mmap.mmap]:
+    memory = mmap.mmap(-1, SLOTS * PAGE)
+    anchor = ctypes.c_char.from_buffer(memory)
+    address = ctypes.addressof(anchor)
+    del anchor  # a live ctypes export would keep the mmap from closing
+    return HostArena(view=memoryview(memory), address=address, size=len(memory)), memory
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    yield from serve_redis()
+
+
+@pytest.fixture
+def arena() -> Iterator[HostArena]:
+    arena, memory = make_arena()
+    yield arena
+    arena.view.release()
+    memory.close()
+
+
+def fill(arena: HostArena, slot: int) -> bytes:
+    data = os.urandom(PAGE)
+    arena.view[slot * PAGE : (slot + 1) * PAGE] = data
+    return data
+
+
+def page(arena: HostArena, slot: int) -> bytes:
+    return bytes(arena.view[slot * PAGE : (slot + 1) * PAGE])
+
+
+def offsets(slots: range | list[int]) -> list[int]:
+    return [s * PAGE for s in slots]
+
+
+async def opened(server: RedisServer, arena: HostArena, **extra: Any) -> RedisBackend:
+    backend = RedisBackend({"url": server.url, "timeout_s": 1.0, **extra})
+    await backend.open(arena)
+    return backend
+
+
+@pytest.fixture
+async def store(redis_server: RedisServer, arena: HostArena) -> AsyncIterator[RedisBackend]:
+    backend = await opened(redis_server, arena)
+    yield backend
+    await backend.close()
+
+
+async def test_put_then_get_returns_identical_bytes(store: RedisBackend, arena: HostArena) -> None:
+    # 20 pages = 1.25 MiB: hashed and landed in a worker thread; 2 pages: on the event loop
+    for count in (2, 20):
+        keys = [key(1000 * count + i) for i in range(count)]
+        written = [fill(arena, s) for s in range(count)]
+        assert await store.put_from(NS, keys, offsets(range(count)), PAGE) == [True] * count
+        dst = list(range(32, 32 + count))
+        assert await store.get_into(NS, keys, offsets(dst), PAGE) == [True] * count
+        assert [page(arena, s) for s in dst] == written
+    assert (store.stats.puts, store.stats.gets) == (22, 22)
+    assert store.stats.put_bytes == store.stats.get_bytes == 22 * PAGE
+    assert (store.stats.misses, store.stats.corrupt, store.stats.errors) == (0, 0, 0)
+
+
+async def test_exists_is_the_leading_run(store: RedisBackend, arena: HostArena) -> None:
+    keys = [key(i) for i in range(5)]
+    fill(arena, 0)
+    assert (
+        await store.put_from(NS, [keys[0], keys[1], keys[3]], offsets([0, 0, 0]), PAGE)
+        == [True] * 3
+    )
+    assert await store.exists(NS, keys) == 2
+    assert await store.exists(NS, keys[3:]) == 1
+    assert await store.exists(NS, keys[2:]) == 0
+    assert await store.exists(NS, []) == 0
+
+
+async def test_exists_without_scripting_falls_back_to_pipelined_exists(arena: HostArena) -> None:
+    serving = serve_redis("--rename-command", "EVAL", "", "--rename-command", "EVALSHA", "")
+    server = next(serving)
+    try:
+        backend = await opened(server, arena)
+        keys = [key(i) for i in range(4)]
+        fill(arena, 0)
+        await backend.put_from(NS, keys[:3], offsets([0, 0, 0]), PAGE)
+        assert await backend.exists(NS, keys) == 3
+        assert await backend.exists(NS, keys[1:]) == 2
+        assert backend.stats.errors == 0
+        await backend.close()
+    finally:
+        serving.close()
+
+
+async def test_wrong_namespace_or_missing_key_is_a_miss(
+    store: RedisBackend, arena: HostArena
+) -> None:
+    fill(arena, 0)
+    assert await store.put_from(NS, [key(1)], [0], PAGE) == [True]
+    assert await store.get_into(OTHER_NS, [key(1)], [PAGE], PAGE) == [False]
+    assert await store.exists(OTHER_NS, [key(1)]) == 0
+    assert await store.get_into(NS, [key(2), key(1)], offsets([1, 2]), PAGE) == [False, True]
+    assert store.stats.misses == 2 and store.stats.corrupt == 0
+
+
+async def test_corrupt_values_are_misses_and_counted(
+    store: RedisBackend, arena: HostArena, redis_server: RedisServer
+) -> None:
+    keys = [key(i) for i in range(4)]
+    for s in range(4):
+        fill(arena, s)
+    assert await store.put_from(NS, keys, offsets(range(4)), PAGE) == [True] * 4
+    names = [store.key_name(NS, k) for k in keys]
+    with redis.Redis.from_url(redis_server.url) as plain:
+        flipped = bytearray(plain.get(names[0]))
+        flipped[HEADER_SIZE + 1000] ^= 0xFF  # a payload byte
+        plain.set(names[0], bytes(flipped))
+        header_hit = bytearray(plain.get(names[1]))
+        header_hit[50] ^= 0x01  # inside the page key field of the header
+        plain.set(names[1], bytes(header_hit))
+        plain.set(names[2], plain.get(names[2])[:-1])  # truncated
+        plain.set(names[3], plain.get(store.key_name(NS, keys[0])))  # another page's object
+    dst = list(range(10, 14))
+    assert await store.get_into(NS, keys, offsets(dst), PAGE) == [False] * 4
+    assert store.stats.corrupt == 4 and store.stats.misses == 4 and store.stats.errors == 0
+    # a put overwrites, which repairs the object
+    assert await store.put_from(NS, keys[:1], [0], PAGE) == [True]
+    assert await store.get_into(NS, keys[:1], [10 * PAGE], PAGE) == [True]
+    assert page(arena, 10) == page(arena, 0)
+
+
+async def test_two_daemons_share_pages(redis_server: RedisServer) -> None:
+    arena_a, memory_a = make_arena()
+    arena_b, memory_b = make_arena()
+    a = await opened(redis_server, arena_a)
+    b = await opened(redis_server, arena_b)
+    try:
+        keys = [key(i) for i in range(6)]
+        written = [fill(arena_a, s) for s in range(6)]
+        assert await a.put_from(NS, keys, offsets(range(6)), PAGE) == [True] * 6
+        assert await b.exists(NS, keys) == 6
+        assert await b.get_into(NS, keys, offsets(range(20, 26)), PAGE) == [True] * 6
+        assert [page(arena_b, s) for s in range(20, 26)] == written
+        assert await b.delete(NS, keys[:2]) == 2
+        assert await a.exists(NS, keys) == 0
+    finally:
+        await a.close()
+        await b.close()
+        for arena, memory in ((arena_a, memory_a), (arena_b, memory_b)):
+            arena.view.release()
+            memory.close()
+
+
+async def test_prefixes_keep_deployments_apart(redis_server: RedisServer, arena: HostArena) -> None:
+    blue = await opened(redis_server, arena, prefix="blue")
+    green = await opened(redis_server, arena, prefix="green")
+    try:
+        fill(arena, 0)
+        assert await blue.put_from(NS, [key(1)], [0], PAGE) == [True]
+        assert await green.exists(NS, [key(1)]) == 0
+        assert await blue.exists(NS, [key(1)]) == 1
+    finally:
+        await blue.close()
+        await green.close()
+
+
+async def test_delete_counts_present_keys(store: RedisBackend, arena: HostArena) -> None:
+    fill(arena, 0)
+    await store.put_from(NS, [key(1), key(2)], [0, 0], PAGE)
+    assert await store.delete(NS, [key(1), key(2), key(3)]) == 2
+    assert await store.exists(NS, [key(1)]) == 0
+    assert await store.delete(NS, []) == 0
+
+
+async def test_ttl_expires_pages(redis_server: RedisServer, arena: HostArena) -> None:
+    backend = await opened(redis_server, arena, ttl_s=0.3)
+    try:
+        fill(arena, 0)
+        assert await backend.put_from(NS, [key(1)], [0], PAGE) == [True]
+        assert await backend.get_into(NS, [key(1)], [PAGE], PAGE) == [True]
+        await asyncio.sleep(0.6)
+        assert await backend.exists(NS, [key(1)]) == 0
+    finally:
+        await backend.close()
+
+
+async def test_server_killed_then_restarted(redis_server: RedisServer, arena: HostArena) -> None:
+    backend = await opened(redis_server, arena)
+    try:
+        keys = [key(i) for i in range(3)]
+        fill(arena, 0)
+        assert await backend.put_from(NS, keys, [0, 0, 0], PAGE) == [True] * 3
+        assert await backend.health()
+        redis_server.kill()
+        start = time.monotonic()
+        assert await backend.exists(NS, keys) == 0
+        assert await backend.get_into(NS, keys, offsets([1, 2, 3]), PAGE) == [False] * 3
+        assert await backend.put_from(NS, keys, [0, 0, 0], PAGE) == [False] * 3
+        assert await backend.delete(NS, keys) == 0
+        assert not await backend.health()
+        assert time.monotonic() - start < 5
+        assert backend.stats.errors >= 4
+        # the server comes back (empty: nothing is persisted); so does the backend
+        redis_server.restart()
+        assert await backend.health()
+        assert await backend.exists(NS, keys) == 0
+        written = fill(arena, 5)
+        assert await backend.put_from(NS, keys[:1], [5 * PAGE], PAGE) == [True]
+        assert await backend.get_into(NS, keys[:1], [6 * PAGE], PAGE) == [True]
+        assert page(arena, 6) == written
+    finally:
+        await backend.close()
+
+
+async def test_a_frozen_server_times_out_and_recovers(
+    redis_server: RedisServer, arena: HostArena
+) -> None:
+    backend = await opened(redis_server, arena, timeout_s=0.5)
+    try:
+        fill(arena, 0)
+        assert await backend.put_from(NS, [key(1)], [0], PAGE) == [True]
+        redis_server.pause()
+        try:
+            start = time.monotonic()
+            assert await backend.get_into(NS, [key(1)], [PAGE], PAGE) == [False]
+            assert await backend.exists(NS, [key(1)]) == 0
+            assert time.monotonic() - start < 3
+            assert backend.stats.errors >= 2
+        finally:
+            redis_server.resume()
+        assert await backend.get_into(NS, [key(1)], [PAGE], PAGE) == [True]
+        assert page(arena, 1) == page(arena, 0)
+    finally:
+        await backend.close()
+
+
+async def test_a_cancelled_get_leaves_no_stale_replies(
+    store: RedisBackend, arena: HostArena
+) -> None:
+    keys = [key(i) for i in range(32)]
+    for s in range(32):
+        fill(arena, s)
+    assert await store.put_from(NS, keys, offsets(range(32)), PAGE) == [True] * 32
+    for delay in (0.0, 0.0005, 0.002):
+        task = asyncio.create_task(store.get_into(NS, keys, offsets(range(32, 64)), PAGE))
+        await asyncio.sleep(delay)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        # the next requests on the pool read their own replies, not the cancelled ones
+        assert await store.exists(NS, keys[:3]) == 3
+        assert await store.get_into(NS, keys[5:6], [40 * PAGE], PAGE) == [True]
+        assert page(arena, 40) == page(arena, 5)
+
+
+async def test_open_against_nothing_is_a_storage_error(arena: HostArena) -> None:
+    backend = RedisBackend({"host": "127.0.0.1", "port": free_port(), "timeout_s": 0.5})
+    start = time.monotonic()
+    with pytest.raises(StorageError, match="no answer"):
+        await backend.open(arena)
+    assert time.monotonic() - start < 5
+    await backend.close()
