@@ -29,14 +29,19 @@ def configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format=fmt, stream=sys.stderr, force=True)
 
 
-def run(cfg: DaemonConfig) -> int:
-    """Run a daemon with ``cfg`` until SIGTERM/SIGINT; return the exit code."""
+def run(cfg: DaemonConfig, reload=None) -> int:
+    """Run a daemon with ``cfg`` until SIGTERM/SIGINT; return the exit code.
+
+    Args:
+        cfg: the configuration.
+        reload: re-reads the configuration from the same sources (SIGHUP).
+    """
     import uvloop
 
     from kvtier.daemon.server import Daemon, install_signal_handlers
 
     async def main() -> None:
-        daemon = Daemon(cfg)
+        daemon = Daemon(cfg, reload=reload)
         install_signal_handlers(daemon)
         await daemon.run()
 
@@ -47,14 +52,19 @@ def run(cfg: DaemonConfig) -> int:
 def main(argv: list[str] | None = None, prog: str = "kvtierd") -> int:
     """Entry point of ``kvtierd``."""
     args = build_parser(prog).parse_args(argv)
+    cli = flags_to_dict(args, DaemonConfig)
+
+    def load() -> DaemonConfig:
+        return load_config(DaemonConfig, file=args.config, cli=cli)
+
     try:
-        cfg = load_config(DaemonConfig, file=args.config, cli=flags_to_dict(args, DaemonConfig))
+        cfg = load()
     except ConfigError as err:
         print(f"{prog}: {err}", file=sys.stderr)
         return 2
     configure_logging(cfg.log_level)
     try:
-        return run(cfg)
+        return run(cfg, reload=load)
     except KvtierError as err:
         logging.getLogger("kvtier.daemon").error("%s", err)
         return 1

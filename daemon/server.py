@@ -29,6 +29,7 @@ from kvtier.config import DaemonConfig, KvtierError, format_size, runtime_dir, s
 from kvtier.config.loader import pool_path
 from kvtier.daemon.engine_memory import EngineMemory, EngineMemoryError
 from kvtier.daemon.host_pool import HostPool
+from kvtier.daemon.sdnotify import SystemdNotifier, watchdog_loop
 from kvtier.daemon.sessions import Session, SessionState, SessionTable
 from kvtier.daemon.stats import Counters
 from kvtier.daemon.transfers import Direction, Transfer, run_transfer
@@ -40,6 +41,13 @@ from kvtier.ipc.sockets import ipc_endpoint, make_zmq_socket
 
 log = logging.getLogger("kvtier.daemon")
 COMPLETION_SLOTS = 64
+# Fields SIGHUP may change without a restart; anything else is refused with a log line.
+LIVE_FIELDS = frozenset({
+    "log_level", "lease_s", "shutdown_timeout_s", "max_keys_per_request", "max_message_bytes",
+    "hicache_storage_prefetch_policy", "prefetch_threshold", "prefetch_timeout_base",
+    "prefetch_timeout_per_ki_token", "prefetch_timeout_max", "prefetch_concurrency",
+    "write_back_queue", "hicache_write_policy",
+})
 DEFAULT_TENANT = "default"
 
 
@@ -54,8 +62,12 @@ class RequestError(KvtierError):
 class Daemon:
     """One kvtierd instance. ``await run()`` serves until :meth:`request_stop`."""
 
-    def __init__(self, cfg: DaemonConfig) -> None:
+    def __init__(self, cfg: DaemonConfig, reload: Callable[[], DaemonConfig] | None = None,
+                 notifier: SystemdNotifier | None = None) -> None:
         self.cfg = cfg
+        self._reload_source = reload
+        self.notifier = notifier or SystemdNotifier()
+        self.metrics = None  # a DaemonMetrics when metrics_port is set
         self.rdir = runtime_dir(cfg.runtime_dir)
         self.endpoint = ipc_endpoint(socket_path(self.rdir))
         self.epoch = secrets.randbits(62) | 1
@@ -80,6 +92,7 @@ class Daemon:
             P.Register: self._register, P.Heartbeat: self._heartbeat, P.Lookup: self._lookup,
             P.Store: self._store, P.Load: self._load, P.Release: self._release,
             P.Unregister: self._unregister, P.Stats: self._stats, P.Health: self._health,
+            P.Flush: self._flush,
         }
 
     # ------------------------------------------------------------------ lifecycle
@@ -103,17 +116,32 @@ class Daemon:
             stack.callback(ctx.term)
             self._sock = make_zmq_socket(ctx, self.endpoint, zmq.ROUTER, bind=True)
             stack.callback(self._close_socket)
+            if self.cfg.metrics_port is not None:
+                from kvtier.daemon.metrics import DaemonMetrics
+
+                self.metrics = DaemonMetrics(self.snapshot)
+                self.metrics.start(self.cfg.metrics_host, self.cfg.metrics_port)
+                stack.callback(self.metrics.close)
             log.info("kvtierd ready: %s, pool %s at %s, epoch %x, pid %d", self.endpoint,
                      format_size(self.cfg.hicache_size), ppath, self.epoch, os.getpid())
+            self.notifier.ready()
+            self._update_status()
             if on_ready is not None:
                 on_ready(self)
             async with asyncio.TaskGroup() as tg:
-                recv = tg.create_task(self._recv_loop(), name="kvtier-recv")
-                lease = tg.create_task(self._lease_loop(), name="kvtier-lease")
-                monitor = tg.create_task(self._monitor_loop(), name="kvtier-monitor")
+                loops = [tg.create_task(self._recv_loop(), name="kvtier-recv"),
+                         tg.create_task(self._lease_loop(), name="kvtier-lease"),
+                         tg.create_task(self._monitor_loop(), name="kvtier-monitor")]
+                interval = self.notifier.watchdog_interval()
+                if interval is not None:
+                    loops.append(tg.create_task(watchdog_loop(self.notifier, interval),
+                                                name="kvtier-watchdog"))
                 await self._stop.wait()
                 self._stopping = True
-                for task in (recv, lease, monitor):
+                self.notifier.stopping()
+                log.info("stopping: %d sessions, %d transfers in flight", len(self.sessions),
+                         len(self._inflight))
+                for task in loops:
                     task.cancel()
             await self._drain()
 
@@ -157,9 +185,41 @@ class Daemon:
 
     async def _lease_loop(self) -> None:
         period = min(1.0, self.cfg.lease_s / 4)
+        ticks = 0
         while True:
             await asyncio.sleep(period)
             self._reap_sessions()
+            ticks += 1
+            if ticks % max(1, int(5 / period)) == 0:
+                self._update_status()
+
+    def _update_status(self) -> None:
+        ps = self.pool.stats()
+        self.notifier.status(f"{len(self.sessions)} sessions, pool {format_size(ps.used_bytes)} of "
+                             f"{format_size(ps.capacity_bytes)} used, {ps.pages_ready} pages")
+
+    def reload(self) -> None:
+        """Re-read the configuration (SIGHUP) and apply the fields that can change live."""
+        if self._reload_source is None:
+            log.warning("reload: no configuration source to re-read")
+            return
+        self.notifier.reloading()
+        try:
+            new = self._reload_source()
+        except KvtierError as err:
+            log.error("reload rejected, configuration unchanged: %s", err)
+            self.notifier.ready()
+            return
+        changed = {k for k in DaemonConfig.model_fields if getattr(new, k) != getattr(self.cfg, k)}
+        fixed = sorted(changed - LIVE_FIELDS)
+        if fixed:
+            log.error("reload: %s cannot change while running (restart kvtierd to apply); "
+                      "nothing was changed", ", ".join(fixed))
+        else:
+            self.cfg = new
+            logging.getLogger("kvtier").setLevel(new.log_level.upper())
+            log.info("reload: applied %s", ", ".join(sorted(changed)) or "no changes")
+        self.notifier.ready()
 
     async def _monitor_loop(self) -> None:
         """React to a peer disconnecting at once instead of at the next lease check.
@@ -342,6 +402,8 @@ class Daemon:
         self._check_keys(m.keys)
         n = self.pool.lookup(s.ns_id, m.keys)
         c = self.counters
+        c.lookup_tokens += len(m.keys) * s.geometry.page_size
+        c.lookup_hit_tokens += n * s.geometry.page_size
         c.lookups += 1
         c.lookup_keys += len(m.keys)
         c.lookup_hit_keys += n
@@ -389,8 +451,37 @@ class Daemon:
         self._close_session(s, "unregistered")
         return P.Ack(req_id=m.req_id, epoch=self.epoch)
 
+    def _check_admin(self, token: str) -> None:
+        want = self.cfg.admin_token
+        if want is not None and not hmac.compare_digest(want.get_secret_value().encode(),
+                                                        token.encode()):
+            log.warning("admin request refused: %s admin token", "missing" if not token else "wrong")
+            raise RequestError(P.ErrorCode.UNAUTHORIZED, "admin_token: missing or wrong")
+
     def _stats(self, identity: bytes, m: P.Stats) -> P.Reply:
+        self._check_admin(m.admin_token)
         return P.StatsReply(req_id=m.req_id, epoch=self.epoch, stats=self.snapshot())
+
+    def _flush(self, identity: bytes, m: P.Flush) -> P.Reply:
+        if m.tier not in ("l2", "l3", "all"):
+            raise RequestError(P.ErrorCode.BAD_MESSAGE, f"tier = {m.tier!r} is not l2, l3 or all")
+        ns_id = owner = None
+        if m.session_id:  # a session may flush only its own tenant's pages
+            s = self._session(identity, m.session_id)
+            owner = s.owner
+        else:
+            self._check_admin(m.admin_token)
+        if m.namespace:
+            try:
+                fp = bytes.fromhex(m.namespace)
+            except ValueError as err:
+                raise RequestError(P.ErrorCode.BAD_MESSAGE,
+                                   f"namespace = {m.namespace!r} is not hex") from err
+            ns_id = self._ns_ids.get(fp, -1)
+        l2 = self.pool.flush(ns_id=ns_id, owner=owner) if m.tier in ("l2", "all") else 0
+        log.info("flush tier=%s namespace=%s owner=%s: %d L2 pages dropped", m.tier,
+                 m.namespace or "*", owner if owner is not None else "*", l2)
+        return P.FlushReply(req_id=m.req_id, epoch=self.epoch, l2_pages=l2, l3_pages=0)
 
     def _health(self, identity: bytes, m: P.Health) -> P.Reply:
         status = "stopping" if self._stopping else "ok"
@@ -446,7 +537,10 @@ class Daemon:
             self.pool.unpin(t.host_slots)
             if ok:
                 c.load_pages += n
+                c.loaded_tokens += n * s.geometry.page_size
                 c.bytes_to_engine += t.nbytes
+                if self.metrics is not None:
+                    self.metrics.observe_load(time.monotonic() - t.started)
             else:
                 c.load_failed_pages += n
         if s.state is not SessionState.CLOSED:
@@ -497,3 +591,4 @@ def install_signal_handlers(daemon: Daemon) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
+    loop.add_signal_handler(signal.SIGHUP, daemon.reload)

@@ -16,6 +16,9 @@ class Counters:
     lookup_hit_keys: int = 0
     lookup_hits: int = 0  # lookups with at least one key in L2
     lookup_l3_keys: int = 0
+    lookup_tokens: int = 0
+    lookup_hit_tokens: int = 0
+    loaded_tokens: int = 0  # tokens whose KV an engine got from L2 instead of computing
     stores: int = 0
     store_pages: int = 0  # pages copied engine → host
     store_skipped_pages: int = 0  # already present
