@@ -18,13 +18,16 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-# Debian packages the integration tests use (Redis server, libibverbs for Mooncake).
+# Debian packages the integration tests use (Redis server, libibverbs for Mooncake,
+# systemd-analyze to verify the unit).
 sysdeps:
-	@if ! command -v redis-server >/dev/null 2>&1 || ! ldconfig -p | grep -q libibverbs.so.1; then \
+	@if ! command -v redis-server >/dev/null 2>&1 || ! ldconfig -p | grep -q libibverbs.so.1 \
+			|| ! command -v systemd-analyze >/dev/null 2>&1; then \
 		if command -v apt-get >/dev/null 2>&1; then \
 			SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-			$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server libibverbs1 >/dev/null; \
-		else echo "sysdeps: apt-get not found; install redis-server and libibverbs1 by hand"; fi; \
+			$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
+				--no-install-recommends redis-server libibverbs1 systemd >/dev/null; \
+		else echo "sysdeps: apt-get not found; install redis-server, libibverbs1, systemd by hand"; fi; \
 	fi
 
 test: venv sysdeps
