@@ -89,6 +89,14 @@ class DaemonConfig(_Frozen):
     prefetch_timeout_max: float = Field(default=30.0, gt=0, description="Upper bound, seconds.")
     prefetch_concurrency: int = Field(default=4, ge=1, description="L3 reads in flight at once.")
     write_back_queue: int = Field(default=4096, ge=1, description="Pages queued for L3 at most.")
+    storage_timeout_s: float = Field(
+        default=0.5, gt=0, description="Longest L3 existence check inside LOOKUP or PREFETCH; "
+        "past it the check is a miss and L3 is skipped until a health check passes."
+    )
+    tp_group_timeout_s: float = Field(
+        default=1.0, gt=0, description="How long LOOKUP/CLAIM of a tensor-parallel rank waits "
+        "for the other ranks of its engine; a rank that never asks makes the answer 0."
+    )
     metrics_port: Optional[int] = Field(
         default=None, ge=1, le=65535, description="Prometheus port on 127.0.0.1 (off when unset)."
     )
@@ -137,6 +145,14 @@ class ClientConfig(_Frozen):
     prefetch_threshold: int = Field(default=256, ge=0, description="Tokens before L3 is prefetched.")
     hicache_mem_layout: Literal["layer_first"] = Field(
         default="layer_first", description="Engine KV layout (per layer K and V)."
+    )
+    claim_timeout_s: float = Field(
+        default=35.0, gt=0, description="Longest wait for a CLAIM reply (it may wait for its "
+        "prefetch up to the daemon's prefetch_timeout_max, then for the other TP ranks)."
+    )
+    tp_group: str = Field(
+        default="", description="Names this engine's tensor-parallel rank group; engines of the "
+        "same model and tp_size on one node must use distinct names."
     )
     tenant: str = Field(default="default", description="Tenant name sent at registration.")
     token: Optional[SecretStr] = Field(default=None, description="Tenant token.")

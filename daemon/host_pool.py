@@ -1,32 +1,24 @@
-"""Host pool bookkeeping (L2): a slot allocator over one arena plus the L2 page index.
+"""Host pool bookkeeping (L2): the page index and eviction over one arena's slots.
 
 Pure and synchronous (no I/O, no mapping, no locks, no ``await``): the arena is mapped
-elsewhere; this module hands out byte offsets into it and keeps every page's state.
+elsewhere; this module hands out byte offsets into it and keeps every page's state. Slot
+geometry (extents, page classes, free lists) is :mod:`kvtier.daemon.host_arena`; the
+persistent metadata is :mod:`kvtier.daemon.pool_meta`.
 
-The arena is cut into ``n_extents = capacity_bytes // extent_bytes`` extents (the
-remainder is unused). An extent is free or belongs to one page class, which cuts it
-into slots of its stride (``page_bytes`` rounded up to ``align``). Every extent
-reserves ``M = extent_bytes // min_stride`` global slot ids::
-
-      extent 0: class 0 (stride 8K)   extent 1: free       extent 2: class 1 (stride 12K)
-    +------+------+------+-----+   +-----------------+   +--------+--------+-----+---+
-    | s 0  | s 1  | s 2  | ... |   |                 |   | s 2M   | s 2M+1 | ... |pad|
-    +------+------+------+-----+   +-----------------+   +--------+--------+-----+---+
-    ^0     ^8K    ^16K             ^E                    ^2E      ^2E+12K
-
-    slot id = extent * M + i          offset = extent * extent_bytes + i * stride
-
-Page metadata lives in flat per-slot arrays created once, at construction (a slot's
-class is kept per extent). Intrusive doubly linked lists thread through them and
-allocate nothing: a free list per class, the global evictable list and one evictable
-list per owner (both in recency order, cold end first), and each page's list of
-resident children. A FREE slot is only on a free list and an evictable page only on
-the evictable lists, so those two share one pair of link arrays.
+Page metadata lives in flat per-slot arrays created once. What must survive a restart
+(state, key, namespace, owner, payload length, parent, last access, in-L3 flag, checksum,
+seal) is a column of the metadata buffer, for a daemon the start of the pool's
+shared-memory file, so every change persists as it is made. Pins, child lists and links
+are private arrays, rebuilt by :meth:`HostPool.open`. Intrusive doubly linked lists
+allocate nothing: a free list per class, the global evictable list and one per owner
+(recency order, cold end first), and each page's list of resident children.
 
 Life cycle (:class:`PageState`): FREE -allocate-> WRITING -commit-> READY
 -evict/flush-> FREE, and WRITING -abort-> FREE. WRITING pages are invisible to
 lookups and never evicted; a READY page is evictable when it has no pins and no
-resident children (pages that extend it).
+resident children (pages that extend it). Write order makes a crash at any instant
+safe: a row is completed while WRITING and its state flips to READY last; freeing
+flips the state first.
 
 Eviction policy, LRU and tail first:
 
@@ -36,10 +28,9 @@ Eviction policy, LRU and tail first:
   dropped) goes to the cold end if it is not more recent than the current cold end,
   else to the hot end.
 - A slot of class ``c`` comes from, in order: the free list of ``c``; a fresh slot of
-  the extent ``c`` is cutting (ascending offsets, so consecutive allocations are
-  contiguous); a free extent; eviction from the cold end of the global list, any
-  class (a victim of ``c`` frees a slot of ``c``; one of another class frees its slot
-  and, when that empties its extent, the extent is free for ``c``), at most
+  the extent ``c`` is cutting; a free extent; eviction from the cold end of the global
+  list, any class (a victim of ``c`` frees a slot of ``c``; one of another class frees
+  its slot and, when that empties its extent, the extent is free for ``c``), at most
   ``EVICT_FACTOR`` x the largest slots-per-extent victims; then the coldest page of
   ``c`` itself (bounded scan). Otherwise the allocation fails (a shortfall).
 - An owner at its quota evicts only its own pages, coldest first, same bounds.
@@ -48,20 +39,49 @@ Write-back hook: with :attr:`HostPool.evict_requires_l3` set, eviction skips pag
 marked in L3 (within the bounded scan), so no slot is reused before its page reached
 L3. A write-back task pins cold pages, copies them to L3, calls
 :meth:`HostPool.mark_in_l3` and unpins them.
+
+Restart (:meth:`HostPool.open`): READY pages that verify come back with their keys,
+namespaces, owners, offsets and in-L3 flags; WRITING pages and pins are dropped; the
+rest is rebuilt (the evictable lists by last-access stamp). Hot paths: lookup is a dict
+probe per key at C speed (``_ready_ns``); commit adds one xxh3 of the key (the seal).
 """
 
 from __future__ import annotations
 
-from array import array
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import IntEnum
-from typing import NamedTuple
+from typing import Any
 
-from kvtier.config.errors import KvtierError
+import numpy as np
+from kvtier.daemon.host_arena import (
+    ClassStats,
+    HostArena,
+    PageClass,
+    RecencyLists,
+    filled,
+    link_children,
+)
+from kvtier.daemon.pool_meta import (
+    HAS_CHECKSUM,
+    KEY_BYTES,
+    NIL,
+    AdoptResult,
+    EvictedPage,
+    HostPoolError,
+    IdTable,
+    PageInfo,
+    PageState,
+    PoolLayout,
+    PoolMeta,
+    tenant_digest,
+)
+from xxhash import xxh3_64_intdigest
 
-NIL = -1
-"""The null slot / extent id in every intrusive link."""
+__all__ = [
+    "EVICT_FACTOR", "MIN_SCAN", "NIL", "AdoptResult", "ClassStats", "EvictedPage", "HostPool",
+    "HostPoolError", "HostPoolStats", "PageInfo", "PageState", "PageStateError", "PoolLayout",
+]  # fmt: skip
 
 EVICT_FACTOR = 2
 """Victims per slot allocation: at most EVICT_FACTOR x the largest slots-per-extent."""
@@ -69,60 +89,11 @@ EVICT_FACTOR = 2
 MIN_SCAN = 256
 """Lower bound of the scan length when a victim must match a filter."""
 
-
-class HostPoolError(KvtierError):
-    """Misuse of the host pool: bad geometry, unknown class or slot id."""
+_MAX_U64 = (1 << 64) - 1
 
 
 class PageStateError(HostPoolError):
     """A page state transition was asked of a page in the wrong state."""
-
-
-class PageState(IntEnum):
-    """State of one host page (slot)."""
-
-    FREE = 0
-    WRITING = 1
-    READY = 2
-
-
-class EvictedPage(NamedTuple):
-    """One eviction, as :meth:`HostPool.drain_evicted` reports it.
-
-    Attributes:
-        key: the page key.
-        ns_id: the page's namespace.
-        slot: the slot it occupied (free now, maybe reused).
-        in_l3: whether the page was marked as present in L3.
-    """
-
-    key: bytes
-    ns_id: int
-    slot: int
-    in_l3: bool
-
-
-@dataclass(frozen=True, slots=True)
-class ClassStats:
-    """Counters of one page class.
-
-    Attributes:
-        class_id: id from :meth:`HostPool.register_class`.
-        page_bytes: page size the class was registered with.
-        stride: slot size (``page_bytes`` rounded up to the alignment).
-        slots_per_extent: slots the class cuts from one extent.
-        extents: extents the class holds.
-        pages_ready: READY pages of the class.
-        pages_writing: WRITING pages of the class.
-    """
-
-    class_id: int
-    page_bytes: int
-    stride: int
-    slots_per_extent: int
-    extents: int
-    pages_ready: int
-    pages_writing: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +105,7 @@ class HostPoolStats:
         used_bytes: bytes of READY and WRITING slots (pages x stride).
         pages_ready / pages_writing: pages in each state.
         pages_pinned: pages with at least one pin.
-        evictions: pages evicted since construction (flushes not counted).
+        evictions: pages evicted since construction or adoption (flushes not counted).
         evicted_unlogged: evictions left out of the full eviction log.
         extents_free / extents_total: extents owned by no class / in the arena.
         classes: per-class counters, by class id.
@@ -152,99 +123,20 @@ class HostPoolStats:
     classes: tuple[ClassStats, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class PageInfo:
-    """What the pool records about one slot (admin views, tests).
-
-    Attributes:
-        slot: the slot id.
-        state: its page state.
-        key: the page key, None when FREE.
-        ns_id / owner: namespace and tenant (stale when FREE).
-        class_id / offset: class and arena offset, -1 when the extent is free.
-        pins: pin count.
-        parent: slot of the resident page this page extends, or -1.
-        children: resident pages that extend this page.
-        in_l3: whether the page is marked as present in L3.
-        last_access: recency stamp (larger is more recent).
-        evictable: READY with no pins and no resident children.
-    """
-
-    slot: int
-    state: PageState
-    key: bytes | None
-    ns_id: int
-    owner: int
-    class_id: int
-    offset: int
-    pins: int
-    parent: int
-    children: int
-    in_l3: bool
-    last_access: int
-    evictable: bool
-
-
-@dataclass(slots=True)
-class _PageClass:
-    page_bytes: int
-    stride: int
-    n: int  # slots per extent
-    free: int = NIL  # free list head
-    bump: int = NIL  # extent being cut into fresh slots, in ascending order
-    extents: int = 0
-    ready: int = 0
-    writing: int = 0
-
-
-def _filled(typecode: str, value: int, n: int) -> array[int]:
-    return array(typecode, [value]) * n
-
-
-def _round_up(n: int, align: int) -> int:
-    return (n + align - 1) // align * align
-
-
-def _push(prev: array[int], nxt: array[int], ends: list[int], stamp: array[int], s: int) -> None:
-    """Link ``s`` into the list ``ends = [cold, hot]``: at the cold end if it is not
-    more recent than the current cold end, else at the hot end."""
-    cold, hot = ends
-    if cold == NIL:
-        prev[s] = nxt[s] = NIL
-        ends[0] = ends[1] = s
-    elif stamp[s] <= stamp[cold]:
-        prev[s], nxt[s], prev[cold] = NIL, cold, s
-        ends[0] = s
-    else:
-        prev[s], nxt[s], nxt[hot] = hot, NIL, s
-        ends[1] = s
-
-
-def _unlink(prev: array[int], nxt: array[int], ends: list[int], s: int) -> None:
-    """Unlink ``s`` from the list ``ends = [cold, hot]``."""
-    p, n = prev[s], nxt[s]
-    if p == NIL:
-        ends[0] = n
-    else:
-        nxt[p] = n
-    if n == NIL:
-        ends[1] = p
-    else:
-        prev[n] = p
-    prev[s] = nxt[s] = NIL
-
-
 class HostPool:
     """Slot allocator and L2 index over one host arena (see the module docstring).
+
+    The constructor builds an empty pool whose metadata lives in private memory (nothing
+    persists); :meth:`open` builds one over a persistent metadata buffer and adopts it.
 
     Args:
         capacity_bytes: arena size; ``capacity_bytes // extent_bytes`` extents are used.
         extent_bytes: size of one extent, a multiple of ``align``.
         align: slot alignment, a power of two; strides are multiples of it.
-        min_page_bytes: smallest page size expected. Metadata (about 74 bytes per id)
-            is sized for ``extent_bytes // round_up(min_page_bytes, align)`` slots per
-            extent; None means pages of ``align`` bytes. A class with smaller pages
-            still works but uses only that many slots of each extent.
+        min_page_bytes: smallest page size expected. Metadata (about 88 persistent and
+            44 private bytes per id) is sized for ``extent_bytes // round_up(min_page_bytes,
+            align)`` slots per extent; None means pages of ``align`` bytes. A class with
+            smaller pages still works but uses only that many slots of each extent.
         max_evicted_log: evictions kept for :meth:`drain_evicted`; more are counted only.
 
     Raises:
@@ -260,66 +152,142 @@ class HostPool:
         min_page_bytes: int | None = None,
         max_evicted_log: int = 65536,
     ) -> None:
-        if align <= 0 or align & (align - 1):
-            raise HostPoolError(f"align must be a power of two, got {align}")
-        if extent_bytes <= 0 or extent_bytes % align:
-            raise HostPoolError(f"extent_bytes={extent_bytes} is not a multiple of {align}")
-        n_extents = capacity_bytes // extent_bytes
-        if n_extents < 1:
-            raise HostPoolError(f"capacity_bytes={capacity_bytes} holds no {extent_bytes}B extent")
-        min_stride = _round_up(max(1, min_page_bytes or align), align)
-        if min_stride > extent_bytes:
-            raise HostPoolError(f"min_page_bytes={min_page_bytes} exceeds extent_bytes")
-        per_extent = extent_bytes // min_stride
-        n_slots = n_extents * per_extent
-        if n_slots >= 2**31:
-            raise HostPoolError(f"{n_slots} slot ids exceed 2**31; raise min_page_bytes")
+        layout = PoolLayout.plan(capacity_bytes, extent_bytes, align, min_page_bytes)
+        meta = PoolMeta(bytearray(layout.meta_bytes), layout)
+        meta.format(zero=False)
+        self._setup(meta, max_evicted_log)
 
-        self.capacity_bytes = capacity_bytes
-        self.extent_bytes = extent_bytes
-        self.align = align
-        self.n_extents = n_extents
+    @classmethod
+    def open(
+        cls,
+        meta: Any,
+        layout: PoolLayout,
+        *,
+        arena: Any | None = None,
+        cold_start: bool | str = False,
+        max_evicted_log: int = 65536,
+    ) -> tuple[HostPool, AdoptResult]:
+        """Build a pool over persistent metadata: adopt what it holds, or start empty.
+
+        When the header matches ``layout`` (magic, format version, checksum, geometry),
+        the generation is incremented and READY pages that verify are adopted; WRITING
+        pages and all pins are dropped (whoever held them is gone). Otherwise, or with
+        ``cold_start``, the metadata is formatted: an empty pool, generation 1.
+
+        Args:
+            meta: writable buffer of at least ``layout.meta_bytes`` (the first bytes of
+                the pool file's mapping).
+            layout: from :meth:`PoolLayout.plan` with the current config.
+            arena: the arena (``layout.capacity_bytes`` bytes from ``layout.arena_offset``)
+                to verify each READY page's payload against its checksum; pages committed
+                without a checksum are then dropped. None adopts payloads unverified
+                (seals are checked either way).
+            cold_start: discard on purpose; a string is the reason to report.
+            max_evicted_log: as for the constructor.
+
+        Returns:
+            ``(pool, result)``; ``result.summary`` is the line to log.
+
+        Raises:
+            HostPoolError: the buffer is read-only or too small, or the arena too small.
+        """
+        t0 = time.perf_counter()
+        pm = PoolMeta(meta, layout)
+        reason = pm.mismatch() if not cold_start else (
+            cold_start if isinstance(cold_start, str) else "cold start requested")
+        pool = cls.__new__(cls)
+        if reason is not None:
+            pm.format()
+            pool._setup(pm, max_evicted_log)
+            return pool, AdoptResult(False, reason, 0, 0, 0, time.perf_counter() - t0, 1)
+        gen = pm.bump_generation()
+        pool._setup(pm, max_evicted_log)
+        scan = pm.adopt_rows(pool._arena.usable_per_extent(), arena)
+        pool._adopt(scan.slots, scan.keys, scan.parents)
+        return pool, AdoptResult(True, "metadata matches the config", len(scan.keys),
+                                 scan.dropped, scan.payload_bytes, time.perf_counter() - t0,
+                                 gen)  # fmt: skip
+
+    def _setup(self, meta: PoolMeta, max_evicted_log: int) -> None:
+        """Bind the metadata columns and create the private arrays (an empty pool)."""
+        layout = meta.layout
+        n_slots = layout.n_slots
+        self.capacity_bytes = layout.capacity_bytes
+        self.extent_bytes = layout.extent_bytes
+        self.align = layout.align
+        self.n_extents = layout.n_extents
         self.n_slots = n_slots
         self.evict_requires_l3 = False  # write-back hook: evict only pages marked in L3
-        self._per_extent = per_extent
+        self._per_extent = layout.per_extent
         self._max_log = max_evicted_log
+        self._meta = meta
+        self._arena = arena = HostArena(layout, meta.ext_bytes)
+        self._classes: list[PageClass] = arena.classes
+        self._ext_class = arena.ext_class
 
-        self._state = _filled("b", PageState.FREE, n_slots)
-        self._in_l3 = _filled("b", 0, n_slots)
-        self._pins = _filled("i", 0, n_slots)
-        self._parent = _filled("i", NIL, n_slots)
-        self._children = _filled("i", 0, n_slots)
-        self._first_child = _filled("i", NIL, n_slots)
-        self._sib_prev = _filled("i", NIL, n_slots)
-        self._sib_next = _filled("i", NIL, n_slots)
-        self._prev = _filled("i", NIL, n_slots)  # free list or global evictable list
-        self._next = _filled("i", NIL, n_slots)
-        self._oprev = _filled("i", NIL, n_slots)  # owner's evictable list
-        self._onext = _filled("i", NIL, n_slots)
-        self._ns = _filled("q", 0, n_slots)
-        self._owner = _filled("q", 0, n_slots)
-        self._stamp = _filled("q", 0, n_slots)
+        # persistent columns (shared memory for a daemon's pool)
+        self._state = meta.state
+        self._in_l3 = meta.in_l3
+        self._ns = meta.ns
+        self._owner = meta.owner
+        self._stamp = meta.stamp
+        self._parent = meta.parent
+        # private arrays
+        self._pins = filled("i", 0, n_slots)
+        self._children = filled("i", 0, n_slots)
+        self._first_child = filled("i", NIL, n_slots)
+        self._sib_prev = filled("i", NIL, n_slots)
+        self._sib_next = filled("i", NIL, n_slots)
         self._key: list[bytes | None] = [None] * n_slots
 
-        self._ext_class = _filled("i", NIL, n_extents)
-        self._ext_used = _filled("i", 0, n_extents)  # non-FREE slots
-        self._ext_bump = _filled("i", 0, n_extents)  # slots handed out since assigned
-        self._free_extents = list(range(n_extents - 1, -1, -1))  # pop() -> lowest first
-
-        self._classes: list[_PageClass] = []
-        self._class_of_bytes: dict[int, int] = {}
         self._evict_budget = 1
         self._scan_limit = MIN_SCAN
         self._index: dict[bytes, int] = {}
         # key -> ns_id of READY pages only: lookups run over it at C speed (the LOOKUP hot path)
         self._ready_ns: dict[bytes, int] = {}
-        self._ends = [NIL, NIL]  # global evictable list: [cold end, hot end]
-        self._own_ends: dict[int, list[int]] = {}  # per owner, created on first use
+        self._lru = RecencyLists(arena, meta.stamp)  # the evictable pages
         self._owned: dict[int, int] = {}
         self._quota: dict[int, int] = {}
         self._clock = 0
         self._n_pinned = self._evictions = self._unlogged = 0
         self._evicted: list[EvictedPage] = []
+        self._ns_ids = meta.ids(IdTable.NAMESPACES)
+        self._owner_digests = meta.ids(IdTable.OWNERS)
+
+    def _adopt(self, slots: np.ndarray, keys: list[bytes], parents: np.ndarray) -> None:
+        """Rebuild the private state of an empty pool from adopted READY rows."""
+        meta = self._meta
+        self._arena.rebuild(slots)
+        sl = slots.tolist()
+        for s, key in zip(sl, keys):
+            self._key[s] = key
+        self._index = dict(zip(keys, sl))
+        self._ready_ns = dict(zip(keys, meta.array("ns")[slots].tolist()))
+        cids = np.frombuffer(self._ext_class, dtype=np.int32)[slots // self._per_extent]
+        for cid, count in zip(*np.unique(cids, return_counts=True)):
+            self._classes[int(cid)].ready = int(count)
+        for cls in self._classes:
+            self._evict_budget = max(self._evict_budget, EVICT_FACTOR * cls.n)
+        self._scan_limit = max(MIN_SCAN, self._evict_budget)
+        owners = meta.array("owner")[slots]
+        for o, count in zip(*np.unique(owners, return_counts=True)):
+            self._owned[int(o)] = int(count)
+        link_children(self._first_child, self._sib_prev, self._sib_next, self._children,
+                      slots, parents)  # fmt: skip
+        # evictable lists: childless pages by last access, cold end first
+        stamps = meta.array("stamp")[slots]
+        ev = np.frombuffer(self._children, dtype=np.int32)[slots] == 0
+        order = np.lexsort((slots[ev], stamps[ev]))
+        self._lru.rebuild(slots[ev][order], owners[ev][order])
+        self._clock = int(stamps.max()) if len(stamps) else 0
+
+    def close(self) -> None:
+        """Release the views of the metadata buffer, so its mapping can close.
+
+        The pool is unusable afterwards. Nothing is written: the metadata already holds
+        everything (closing is not needed for a restart to adopt the pool).
+        """
+        self._meta.release()
 
     # ------------------------------------------------------------- geometry
 
@@ -330,32 +298,20 @@ class HostPool:
             page_bytes: bytes of one page of an engine's model.
 
         Returns:
-            The class id (0, 1, ... in registration order).
+            The class id (0, 1, ... in registration order; an adopted pool registers its
+            extents' page sizes first, smallest first).
 
         Raises:
             HostPoolError: ``page_bytes`` is not positive or its stride exceeds an extent.
         """
-        cid = self._class_of_bytes.get(page_bytes)
-        if cid is not None:
-            return cid
-        if page_bytes <= 0:
-            raise HostPoolError(f"page_bytes must be positive, got {page_bytes}")
-        stride = _round_up(page_bytes, self.align)
-        if stride > self.extent_bytes:
-            raise HostPoolError(
-                f"page_bytes={page_bytes} (stride {stride}) exceeds extent_bytes={self.extent_bytes}"
-            )
-        n = min(self.extent_bytes // stride, self._per_extent)
-        cid = len(self._classes)
-        self._classes.append(_PageClass(page_bytes, stride, n))
-        self._class_of_bytes[page_bytes] = cid
-        self._evict_budget = max(self._evict_budget, EVICT_FACTOR * n)
+        cid = self._arena.register_class(page_bytes)
+        self._evict_budget = max(self._evict_budget, EVICT_FACTOR * self._classes[cid].n)
         self._scan_limit = max(MIN_SCAN, self._evict_budget)
         return cid
 
     def class_stride(self, class_id: int) -> int:
         """Return the slot stride in bytes of ``class_id`` (HostPoolError if unknown)."""
-        self._check_class(class_id)
+        self._arena.check_class(class_id)
         return self._classes[class_id].stride
 
     def slot_offset(self, slot: int) -> int:
@@ -364,12 +320,45 @@ class HostPool:
         Raises:
             HostPoolError: the slot id is out of range or its extent has no class.
         """
-        self._check_slot(slot)
-        e = slot // self._per_extent
-        cid = self._ext_class[e]
-        if cid == NIL:
-            raise HostPoolError(f"slot {slot} lies in extent {e}, which is not allocated")
-        return e * self.extent_bytes + (slot - e * self._per_extent) * self._classes[cid].stride
+        return self._arena.slot_offset(slot)
+
+    # ------------------------------------------------------- persistent ids
+
+    def namespace_id(self, fingerprint: bytes) -> int:
+        """Return the namespace id of ``fingerprint``, registering it if new.
+
+        Ids are 1, 2, ... in registration order and persist with the pool: an adopted
+        pool gives every fingerprint the id its pages were stored under.
+
+        Args:
+            fingerprint: the namespace fingerprint (32 bytes).
+
+        Raises:
+            HostPoolError: the fingerprint is not 32 bytes or the table is full.
+        """
+        nid = self._ns_ids.get(fingerprint)
+        if nid is None:
+            nid = self._ns_ids[fingerprint] = self._meta.add_id(IdTable.NAMESPACES, fingerprint)
+        return nid
+
+    def namespaces(self) -> dict[bytes, int]:
+        """Return a copy of the persistent ``fingerprint -> namespace id`` table."""
+        return dict(self._ns_ids)
+
+    def owner_id(self, tenant: str) -> int:
+        """Return the owner id of tenant ``tenant``, registering it if new.
+
+        Ids are 1, 2, ... in registration order and persist with the pool (the table
+        stores a SHA-256 of the name), so adopted pages stay charged to their tenant.
+
+        Raises:
+            HostPoolError: the table is full.
+        """
+        digest = tenant_digest(tenant)
+        oid = self._owner_digests.get(digest)
+        if oid is None:
+            oid = self._owner_digests[digest] = self._meta.add_id(IdTable.OWNERS, digest)
+        return oid
 
     # ------------------------------------------------------------ page index
 
@@ -433,7 +422,7 @@ class HostPool:
             ns_id: namespace of the pages.
             owner: tenant charged for the pages (see :meth:`set_quota`).
             class_id: page class from :meth:`register_class`.
-            keys: page keys in chain order.
+            keys: page keys in chain order, at most 32 bytes each.
             parent_key: key of the page ``keys[0]`` extends, if any.
 
         Returns:
@@ -441,11 +430,16 @@ class HostPool:
             shows as missing pairs, never as an exception.
 
         Raises:
-            HostPoolError: unknown class id.
+            HostPoolError: unknown class id, or a key longer than 32 bytes.
         """
-        self._check_class(class_id)
+        self._arena.check_class(class_id)
+        if keys and max(map(len, keys)) > KEY_BYTES:
+            raise HostPoolError(f"page keys must have at most {KEY_BYTES} bytes")
         cls = self._classes[class_id]
         index = self._index
+        meta = self._meta
+        pack_key, key_col, key_len, length = meta.pack_key, meta.key, meta.key_len, meta.length
+        state, stamp, ns, owners = self._state, self._stamp, self._ns, self._owner
         out: list[tuple[int, int]] = []
         prev = NIL
         if parent_key is not None:
@@ -466,46 +460,69 @@ class HostPool:
                 if prev != NIL:
                     self._drop_child_ref(prev)
                 break
-            self._state[s] = PageState.WRITING
-            self._key[s] = key
-            self._ns[s] = ns_id
-            self._owner[s] = owner
-            self._stamp[s] = self._tick()
+            pack_key(key_col, s * KEY_BYTES, key)  # the row first, the state byte last
+            key_len[s] = len(key)
+            ns[s] = ns_id
+            owners[s] = owner
+            length[s] = cls.page_bytes
             self._parent[s] = prev
+            stamp[s] = self._tick()
+            state[s] = PageState.WRITING
+            self._key[s] = key
             if prev != NIL:
                 self._link_child(prev, s)
             index[key] = s
-            self._ext_used[s // self._per_extent] += 1
             cls.writing += 1
             self._owned[owner] = self._owned.get(owner, 0) + 1
             out.append((i, s))
             prev = s
         return out
 
-    def commit(self, slots: Sequence[int]) -> None:
+    def commit(self, slots: Sequence[int], checksums: Sequence[int] | None = None) -> None:
         """Mark filled pages READY (visible) and touch them, the last slot first.
 
-        A page with no resident children becomes evictable.
+        A page with no resident children becomes evictable. Each row is sealed (its
+        key, namespace and checksum bound by one xxh3) before its state flips.
 
         Args:
             slots: WRITING slots, in chain order (the tail ends up coldest).
+            checksums: the payload checksum of each slot (:func:`page_checksum` of its
+                page bytes, computed once they landed), same order; None records none
+                (such pages are not adopted by a verifying :meth:`open`).
 
         Raises:
             PageStateError: a slot is not WRITING. Checked before any change, except a
                 slot listed twice, which fails at its second occurrence.
-            HostPoolError: a slot id is out of range.
+            HostPoolError: a slot id is out of range, or ``checksums`` does not match
+                ``slots`` (length, or a value outside 64 bits).
         """
         for s in slots:
             self._expect(s, PageState.WRITING, "commit")
+        if checksums is not None and len(checksums) != len(slots) or checksums and (
+            min(checksums) < 0 or max(checksums) > _MAX_U64
+        ):
+            raise HostPoolError(f"need one 64-bit checksum per slot ({len(slots)})")
+        meta, state, ready_ns, keys = self._meta, self._state, self._ready_ns, self._key
+        checksum, flags, seal, stamp = meta.checksum, meta.flags, meta.seal, self._stamp
+        digest = xxh3_64_intdigest
         for j in range(len(slots) - 1, -1, -1):
             s = slots[j]
             self._expect(s, PageState.WRITING, "commit")
-            self._state[s] = PageState.READY
-            self._ready_ns[self._key[s]] = self._ns[s]
+            key = keys[s]
+            assert key is not None
+            ns = self._ns[s]
+            if checksums is None:
+                csum = flags[s] = 0
+            else:
+                csum = checksum[s] = checksums[j]
+                flags[s] = HAS_CHECKSUM
+            seal[s] = digest(key, (csum ^ ns) & _MAX_U64)  # = seal_of(key, ns, csum)
+            stamp[s] = self._tick()
+            state[s] = PageState.READY  # last: the row is complete
+            ready_ns[key] = ns
             cls = self._classes[self._ext_class[s // self._per_extent]]
             cls.writing -= 1
             cls.ready += 1
-            self._stamp[s] = self._tick()
             if self._children[s] == 0:
                 self._enqueue(s)
 
@@ -629,9 +646,9 @@ class HostPool:
             The number of pages dropped.
         """
         dropped = 0
-        s = self._ends[0]
+        s, links = self._lru.start(None)
         while s != NIL:
-            nxt = self._next[s]  # dropping s only enqueues its parent, never removes nxt
+            nxt = links[s]  # dropping s only enqueues its parent, never removes nxt
             while (
                 s != NIL
                 and (ns_id is None or self._ns[s] == ns_id)
@@ -666,7 +683,7 @@ class HostPool:
             pages_pinned=self._n_pinned,
             evictions=self._evictions,
             evicted_unlogged=self._unlogged,
-            extents_free=len(self._free_extents),
+            extents_free=len(self._arena.free_extents),
             extents_total=self.n_extents,
             classes=classes,
         )
@@ -685,12 +702,7 @@ class HostPool:
     def evictable_slots(self, owner: int | None = None) -> list[int]:
         """Return the evictable slots, cold end first, walking the global list or
         ``owner``'s list. O(pages): for admin views and tests."""
-        out: list[int] = []
-        s, nxt = self._list_start(owner)
-        while s != NIL:
-            out.append(s)
-            s = nxt[s]
-        return out
+        return self._lru.walk(owner)
 
     # ------------------------------------------------------- slot allocation
 
@@ -706,7 +718,7 @@ class HostPool:
                     return NIL
                 self._evict(v)
                 budget -= 1
-        s = self._take_free(cid)
+        s = self._arena.take(cid)
         return s if s != NIL else self._reclaim(cid, scope)
 
     def _reclaim(self, cid: int, owner: int | None) -> int:
@@ -718,41 +730,19 @@ class HostPool:
                 break
             self._evict(v)
             budget -= 1
-            s = self._take_free(cid)
+            s = self._arena.take(cid)
             if s != NIL:
                 return s
         v = self._coldest(owner, cid)  # fall back to the class's own pages
         if v == NIL:
             return NIL
         self._evict(v)
-        return self._take_free(cid)
-
-    def _take_free(self, cid: int) -> int:
-        """Pop a free slot of ``cid``: free list, fresh slot, free extent; or NIL."""
-        cls = self._classes[cid]
-        s = cls.free
-        if s != NIL:
-            self._free_unlink(cls, s)
-            return s
-        e = cls.bump
-        if e == NIL:
-            if not self._free_extents:
-                return NIL
-            e = self._free_extents.pop()
-            self._ext_class[e] = cid
-            self._ext_bump[e] = 0
-            cls.extents += 1
-            cls.bump = e
-        i = self._ext_bump[e]
-        self._ext_bump[e] = i + 1
-        if i + 1 == cls.n:
-            cls.bump = NIL
-        return e * self._per_extent + i
+        return self._arena.take(cid)
 
     def _coldest(self, owner: int | None, cid: int) -> int:
         """Coldest page eviction may take from the global (or ``owner``'s) list, of
         class ``cid`` unless NIL; NIL if none within the scan limit."""
-        s, nxt = self._list_start(owner)
+        s, nxt = self._lru.start(owner)
         need_l3 = self.evict_requires_l3
         steps = self._scan_limit
         while s != NIL and steps > 0:
@@ -780,6 +770,9 @@ class HostPool:
         assert self._pins[s] == 0
         key = self._key[s]
         assert key is not None
+        was_ready = self._state[s] == PageState.READY
+        self._state[s] = PageState.FREE  # first: from here on a crash leaves the slot free
+        self._in_l3[s] = 0
         del self._index[key]
         self._key[s] = None
         p = self._parent[s]
@@ -793,72 +786,25 @@ class HostPool:
             c = nxt
         self._first_child[s] = NIL
         self._children[s] = 0
-        e = s // self._per_extent
-        cls = self._classes[self._ext_class[e]]
-        if self._state[s] == PageState.READY:
+        cls = self._classes[self._ext_class[s // self._per_extent]]
+        if was_ready:
             cls.ready -= 1
             del self._ready_ns[key]
         else:
             cls.writing -= 1
-        self._state[s] = PageState.FREE
-        self._in_l3[s] = 0
         self._owned[self._owner[s]] -= 1
-        self._ext_used[e] -= 1
-        if self._ext_used[e] > 0:
-            self._free_push(cls, s)
-            return
-        # The extent is empty: pull its other slots off the free list and give it back.
-        base = e * self._per_extent
-        for t in range(base, base + self._ext_bump[e]):
-            if t != s:
-                self._free_unlink(cls, t)
-        if cls.bump == e:
-            cls.bump = NIL
-        self._ext_class[e] = NIL
-        self._ext_bump[e] = 0
-        cls.extents -= 1
-        self._free_extents.append(e)
+        self._arena.give_back(s)
 
     # ------------------------------------------------------ intrusive lists
-
-    def _list_start(self, owner: int | None) -> tuple[int, array[int]]:
-        if owner is None:
-            return self._ends[0], self._next
-        ends = self._own_ends.get(owner)
-        return (NIL if ends is None else ends[0]), self._onext
-
-    def _free_push(self, cls: _PageClass, s: int) -> None:
-        head = cls.free
-        self._prev[s], self._next[s] = NIL, head
-        if head != NIL:
-            self._prev[head] = s
-        cls.free = s
-
-    def _free_unlink(self, cls: _PageClass, s: int) -> None:
-        p, n = self._prev[s], self._next[s]
-        if p == NIL:
-            cls.free = n
-        else:
-            self._next[p] = n
-        if n != NIL:
-            self._prev[n] = p
-        self._prev[s] = self._next[s] = NIL
 
     def _is_evictable(self, s: int) -> bool:
         return self._state[s] == PageState.READY and self._pins[s] == 0 and self._children[s] == 0
 
     def _enqueue(self, s: int) -> None:
-        """Put ``s`` on the global and its owner's evictable lists."""
-        _push(self._prev, self._next, self._ends, self._stamp, s)
-        ends = self._own_ends.get(self._owner[s])
-        if ends is None:
-            ends = self._own_ends[self._owner[s]] = [NIL, NIL]
-        _push(self._oprev, self._onext, ends, self._stamp, s)
+        self._lru.enqueue(s, self._owner[s])
 
     def _dequeue(self, s: int) -> None:
-        """Take ``s`` off the global and its owner's evictable lists."""
-        _unlink(self._prev, self._next, self._ends, s)
-        _unlink(self._oprev, self._onext, self._own_ends[self._owner[s]], s)
+        self._lru.dequeue(s, self._owner[s])
 
     def _add_child_ref(self, p: int) -> None:
         if self._is_evictable(p):
@@ -893,10 +839,6 @@ class HostPool:
     def _tick(self) -> int:
         self._clock += 1
         return self._clock
-
-    def _check_class(self, class_id: int) -> None:
-        if not 0 <= class_id < len(self._classes):
-            raise HostPoolError(f"unknown page class {class_id}")
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.n_slots:

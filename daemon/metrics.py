@@ -35,7 +35,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from kvtier.config import KvtierError
@@ -57,10 +57,10 @@ else:
 
 __all__ = [
     "CLAIM_BUCKETS",
-    "DaemonMetrics",
     "LOOKUP_BUCKETS",
-    "MetricsError",
     "TRANSFER_BUCKETS",
+    "DaemonMetrics",
+    "MetricsError",
 ]
 
 log = logging.getLogger("kvtier.daemon.metrics")
@@ -102,12 +102,13 @@ _COUNTER_SPECS: tuple[_Spec, ...] = (
      "Tokens whose KV an engine loaded from the cache instead of computing (completed loads).",
      (), (((), "loaded_tokens"),)),
     ("kvtier_prefetch_unused_pages",
-     "Pages fetched from L3 into L2 for a request that never loaded them.",
-     (), (((), "prefetch_unused_pages"),)),
+     ("Pages read from L3 into L2 that no LOAD used: evicted or flushed before any load, "
+      "or read and then discarded at a CLAIM."),
+     (), (((), "l3_prefetch_unused_pages"),)),
     ("kvtier_stores", "STORE requests accepted.", (), (((), "stores"),)),
     ("kvtier_store_pages",
-     "Pages named by STORE requests, by result: copied to L2, skipped (already there), "
-     "failed (no room, cancelled, engine gone).",
+     ("Pages named by STORE requests, by result: copied to L2, skipped (already there), "
+      "failed (no room, cancelled, engine gone)."),
      ("result",), ((("copied",), "store_pages"), (("skipped",), "store_skipped_pages"),
                    (("failed",), "store_failed_pages"))),
     ("kvtier_loads", "LOAD requests accepted (misses included).", (), (((), "loads"),)),
@@ -117,6 +118,38 @@ _COUNTER_SPECS: tuple[_Spec, ...] = (
     ("kvtier_sessions_closed", "Engine sessions ended (any reason).", (), (((), "sessions_closed"),)),
     ("kvtier_sessions_expired", "Engine sessions ended because their lease expired.",
      (), (((), "sessions_expired"),)),
+    ("kvtier_l3_lookups", "LOOKUP requests that asked L3 (the L2 run was not the whole chain).",
+     (), (((), "l3_lookups"),)),
+    ("kvtier_prefetches", "PREFETCH requests accepted.", (), (((), "prefetches"),)),
+    ("kvtier_claims", "CLAIM requests answered.", (), (((), "claims"),)),
+    ("kvtier_claim_pages", "Pages of the L2 runs CLAIM answered.", (), (((), "claim_pages"),)),
+    ("kvtier_l3_prefetch_pages",
+     ("Pages a PREFETCH read from L3, by result: started (slot allocated), completed "
+      "(verified and READY in L2), cancelled (a CLAIM or the session ended first), failed "
+      "(the read did not verify; the rest of the chain included)."),
+     ("result",), ((("started",), "l3_prefetch_started_pages"),
+                   (("completed",), "l3_prefetch_completed_pages"),
+                   (("cancelled",), "l3_prefetch_cancelled_pages"),
+                   (("failed",), "l3_prefetch_failed_pages"))),
+    ("kvtier_l3_write_pages",
+     ("Pages on their way from L2 to L3, by result: queued, written, skipped (already in "
+      "L3), failed (given up after retries), dropped (queue full, or evicted first)."),
+     ("result",), ((("queued",), "l3_write_queued_pages"),
+                   (("written",), "l3_write_written_pages"),
+                   (("skipped",), "l3_write_skipped_pages"),
+                   (("failed",), "l3_write_failed_pages"),
+                   (("dropped",), "l3_write_dropped_pages"))),
+    ("kvtier_l3_write_retries", "L3 write batches tried again after a failure.",
+     (), (((), "l3_write_retries"),)),
+    ("kvtier_l3_flushed_pages", "Pages FLUSH deleted from L3.", (), (((), "l3_flushed_pages"),)),
+    ("kvtier_l3_backend_errors",
+     "L3 backend calls that raised or timed out, as the daemon saw them (each read as a miss).",
+     (), (((), "l3_backend_errors"),)),
+    ("kvtier_tp_rounds", "Tensor-parallel rank-group agreements (CLAIM answered to all ranks).",
+     (), (((), "tp_rounds"),)),
+    ("kvtier_tp_round_timeouts",
+     "Rank-group agreements a missing rank ended with a 0 answer.",
+     (), (((), "tp_round_timeouts"),)),
 )
 # Bytes per direction: (direction label, counter key, fallback key in snapshot["l3"]).
 _BYTE_SPECS: tuple[tuple[str, str, str | None], ...] = (
@@ -127,7 +160,8 @@ _BYTE_SPECS: tuple[tuple[str, str, str | None], ...] = (
 )
 # L3 backend counters read from snapshot["l3"]: (metric name without _total, help, key).
 _L3_SPECS: tuple[tuple[str, str, str], ...] = (
-    ("kvtier_l3_errors", "L3 operations that failed on the backend's side (I/O, connection).",
+    ("kvtier_l3_errors",
+     "L3 operations that failed inside the backend (I/O error, connection lost), per backend.",
      "errors"),
     ("kvtier_l3_corrupt_objects",
      "L3 objects whose header or checksum did not verify (read as misses).", "corrupt"),
@@ -276,16 +310,17 @@ def _byte_families(counters: Mapping[str, Any], l3: Mapping[str, Any]) -> Iterat
 
 
 def _l3_families(l3: Mapping[str, Any]) -> Iterator[Metric]:
-    """L3 health and backend counters, labelled with the backend's name."""
-    if not l3:
-        return
+    """L3 health and backend counters, labelled with the backend's name.
+
+    No section, or one naming backend ``none``, means no L3: no series at all.
+    """
     backend = str(l3.get("backend", ""))
+    if not l3 or backend == "none":
+        return
     healthy = l3.get("healthy")
     if isinstance(healthy, (bool, int)):
-        yield GaugeMetricFamily("kvtier_l3_healthy", "1 when the L3 backend answers, else 0.",
-                                labels=["backend"]).add_metric([backend], float(bool(healthy))) \
-            or _gauge("kvtier_l3_healthy", "1 when the L3 backend answers, else 0.",
-                      "backend", backend, float(bool(healthy)))
+        yield _gauge("kvtier_l3_healthy", "1 when the L3 backend answers, else 0.", "backend",
+                     backend, float(bool(healthy)))
     for name, text, key in _L3_SPECS:
         value = _number(l3.get(key))
         if value is not None:
@@ -437,7 +472,7 @@ class DaemonMetrics:
         if thread is not None:
             thread.join(timeout=5.0)
 
-    def __enter__(self) -> "DaemonMetrics":
+    def __enter__(self) -> DaemonMetrics:  # noqa: PYI034
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -445,16 +480,16 @@ class DaemonMetrics:
 
     # ------------------------------------------------------------------ snapshots
     def _take_snapshot(self) -> Mapping[str, Any] | None:
-        """Take the daemon's snapshot on its event loop thread; None on failure."""
+        """Take the daemon's snapshot on its event loop thread; None on failure (counted)."""
         loop = self._loop
         try:
             if loop is None or threading.get_ident() == self._loop_thread:
                 return self._snapshot()
             return self._on_loop(loop)
-        except Exception:  # scrape boundary: serve what can be served, count the failure
-            log.warning("metrics scrape: snapshot failed", exc_info=True)
-        self._failures.inc()
-        return None
+        except Exception:  # scrape boundary: serve the histograms, count the failure
+            log.warning("metrics scrape: taking the snapshot failed", exc_info=True)
+            self._failures.inc()
+            return None
 
     def _on_loop(self, loop: asyncio.AbstractEventLoop) -> Mapping[str, Any] | None:
         """Run ``snapshot()`` on ``loop`` and wait for it; None on timeout or closed loop."""
@@ -465,7 +500,7 @@ class DaemonMetrics:
                 return
             try:
                 fut.set_result(self._snapshot())
-            except BaseException as err:  # handed to the waiting scrape thread
+            except Exception as err:  # noqa: BLE001 -- re-raised in the scrape thread by fut.result()
                 fut.set_exception(err)
 
         try:
@@ -482,7 +517,3 @@ class DaemonMetrics:
             self._failures.inc()
             return None
 
-
-def families(snapshot: Mapping[str, Any]) -> Iterable[Metric]:
-    """The metric families of one snapshot, without histograms (for tools and tests)."""
-    return _SnapshotCollector(lambda: snapshot).collect()

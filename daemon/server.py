@@ -1,8 +1,14 @@
 """kvtierd's server: the ZeroMQ ROUTER loop, request dispatch, sessions and transfers.
 
+The L3 tier (backend, prefetch and claim, writes to L3, tensor-parallel rank groups) is
+:class:`~kvtier.daemon.tier_store.TierStore`; the handlers here validate requests and call
+into it. A handler that must wait (L3 I/O, a claim, the other ranks of a group) returns a
+coroutine, answered from its own task while the loop keeps serving everyone else.
+
 Shutdown order (as uvicorn does it): stop accepting → cancel running transfers and wait
-for them with a deadline → close sessions → close the socket → unmap the pool. Resources
-live in an ``AsyncExitStack``, entered in order and closed in reverse.
+for them with a deadline → close sessions → give prefetches up and write to L3 what the
+write policy asks for (same deadline) → close the L3 backend → close the socket → unmap
+the pool. Resources live in an ``AsyncExitStack``, entered in order and closed in reverse.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Coroutine
 
 import msgspec
 import numpy as np
@@ -29,9 +35,12 @@ from kvtier.config import DaemonConfig, KvtierError, format_size, runtime_dir, s
 from kvtier.config.loader import pool_path
 from kvtier.daemon.engine_memory import EngineMemory, EngineMemoryError
 from kvtier.daemon.host_pool import HostPool
+from kvtier.daemon.rank_groups import GroupKey
 from kvtier.daemon.sdnotify import SystemdNotifier, watchdog_loop
 from kvtier.daemon.sessions import Session, SessionState, SessionTable
 from kvtier.daemon.stats import Counters
+from kvtier.daemon.storage.base import HostArena
+from kvtier.daemon.tier_store import TierStore
 from kvtier.daemon.transfers import Direction, Transfer, run_transfer
 from kvtier.ipc import protocol as P
 from kvtier.ipc.completion import CompletionBlock, TransferStatus
@@ -46,8 +55,9 @@ LIVE_FIELDS = frozenset({
     "log_level", "lease_s", "shutdown_timeout_s", "max_keys_per_request", "max_message_bytes",
     "hicache_storage_prefetch_policy", "prefetch_threshold", "prefetch_timeout_base",
     "prefetch_timeout_per_ki_token", "prefetch_timeout_max", "prefetch_concurrency",
-    "write_back_queue", "hicache_write_policy",
+    "write_back_queue", "hicache_write_policy", "storage_timeout_s", "tp_group_timeout_s",
 })
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 DEFAULT_TENANT = "default"
 
 
@@ -74,6 +84,7 @@ class Daemon:
         self.sessions = SessionTable()
         self.pool = HostPool(cfg.hicache_size, cfg.extent_size)
         self.counters = Counters()
+        self.tier = TierStore(cfg, self.pool, self.counters, self.rdir)
         self.started = time.time()
         self._stop = asyncio.Event()
         self._stopping = False
@@ -92,7 +103,7 @@ class Daemon:
             P.Register: self._register, P.Heartbeat: self._heartbeat, P.Lookup: self._lookup,
             P.Store: self._store, P.Load: self._load, P.Release: self._release,
             P.Unregister: self._unregister, P.Stats: self._stats, P.Health: self._health,
-            P.Flush: self._flush,
+            P.Flush: self._flush, P.Prefetch: self._prefetch, P.Claim: self._claim,
         }
 
     # ------------------------------------------------------------------ lifecycle
@@ -110,6 +121,9 @@ class Daemon:
             stack.callback(self._arena_seg.close)
             self._arena = self._arena_seg.tensor()
             stack.callback(setattr, self, "_arena", None)
+            seg = self._arena_seg
+            await self.tier.open(HostArena(view=seg.view, address=seg.address, size=seg.size))
+            stack.push_async_callback(self.tier.close)
             self._executor = ThreadPoolExecutor(self.cfg.copy_threads, thread_name_prefix="kvtier-copy")
             stack.callback(self._executor.shutdown, wait=True, cancel_futures=True)
             ctx = zmq.asyncio.Context()
@@ -131,7 +145,8 @@ class Daemon:
             async with asyncio.TaskGroup() as tg:
                 loops = [tg.create_task(self._recv_loop(), name="kvtier-recv"),
                          tg.create_task(self._lease_loop(), name="kvtier-lease"),
-                         tg.create_task(self._monitor_loop(), name="kvtier-monitor")]
+                         tg.create_task(self._monitor_loop(), name="kvtier-monitor"),
+                         tg.create_task(self.tier.run(), name="kvtier-l3")]
                 interval = self.notifier.watchdog_interval()
                 if interval is not None:
                     loops.append(tg.create_task(watchdog_loop(self.notifier, interval),
@@ -153,6 +168,7 @@ class Daemon:
             socket_path(self.rdir).unlink()
 
     async def _drain(self) -> None:
+        deadline = time.monotonic() + self.cfg.shutdown_timeout_s
         for s in self.sessions:
             self._close_session(s, "daemon stopping")
         if self._inflight:
@@ -160,6 +176,7 @@ class Daemon:
             if pending:
                 log.warning("%d transfers still running after %.1fs; abandoning them",
                             len(pending), self.cfg.shutdown_timeout_s)
+        await self.tier.drain(max(0.0, deadline - time.monotonic()))
         for s in self.sessions:
             self._finalize_session(s)
 
@@ -217,6 +234,7 @@ class Daemon:
                       "nothing was changed", ", ".join(fixed))
         else:
             self.cfg = new
+            self.tier.reconfigure(new)
             logging.getLogger("kvtier").setLevel(new.log_level.upper())
             log.info("reload: applied %s", ", ".join(sorted(changed)) or "no changes")
         self.notifier.ready()
@@ -247,7 +265,7 @@ class Daemon:
                 continue
             if not s.engine_alive():
                 self._close_session(s, f"engine process {s.pid} is gone")
-            elif s.deadline < now:
+            elif s.expired(now):
                 self.counters.sessions_expired += 1
                 self._close_session(s, "lease expired")
 

@@ -2,8 +2,13 @@
 
 A session moves through OPEN → CLOSING → CLOSED. It closes on UNREGISTER, on disconnect
 (ZeroMQ notifies the daemon), on lease expiry, or at daemon shutdown. While CLOSING it
-accepts no request; its running transfers are cancelled, and once the last one has
-finished its pins are gone, its memory is unmapped and its completion block removed.
+accepts no request; its running transfers are cancelled, its prefetches are given up and
+it leaves its tensor-parallel rank group; once the last transfer has finished its pins
+are gone, its memory is unmapped and its completion block removed.
+
+A session whose request is waiting inside the daemon (a CLAIM waiting for its prefetch, a
+rank waiting for the rest of its group) does not expire meanwhile: ``waiting`` counts such
+requests, and the lease restarts when each of them is answered.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from kvtier.ipc.protocol import Geometry
 
 if TYPE_CHECKING:
     from kvtier.daemon.engine_memory import EngineMemory
+    from kvtier.daemon.prefetch import PrefetchJob
+    from kvtier.daemon.rank_groups import Member
     from kvtier.daemon.transfers import Transfer
 
 
@@ -32,7 +39,22 @@ class SessionState(enum.Enum):
 
 @dataclass(slots=True, eq=False)
 class Session:
-    """One registered engine (one TP rank)."""
+    """One registered engine (one TP rank).
+
+    Attributes:
+        session_id / identity: the session and the ZeroMQ identity of its connection.
+        tenant / owner: the tenant it authenticated as and its pool owner id.
+        ns_id / ns_fingerprint: its namespace (pool id, and the fingerprint that names
+            its pages in L3).
+        geometry / class_id: page shape and host-pool page class.
+        memory / completion: the engine's mapped KV memory and completion block.
+        pid / tp_rank / tp_size: the engine process and its tensor-parallel position.
+        lease_s / deadline: lease length and expiry (monotonic).
+        transfers: running transfers by completion slot.
+        prefetches: unclaimed prefetches, by request id (or a chain's last key).
+        member: its place in a TP rank group (None when ``tp_size`` is 1).
+        waiting: requests of this session being answered later (a claim, a group round).
+    """
 
     session_id: int
     identity: bytes
@@ -51,7 +73,18 @@ class Session:
     deadline: float = 0.0
     state: SessionState = SessionState.OPEN
     transfers: dict[int, "Transfer"] = field(default_factory=dict)  # by completion slot
+    prefetches: dict[str | bytes, "PrefetchJob"] = field(default_factory=dict)
+    member: "Member | None" = None
+    waiting: int = 0
     created: float = field(default_factory=time.time)
+
+    def is_open(self) -> bool:
+        """Whether the session still accepts requests."""
+        return self.state is SessionState.OPEN
+
+    def expired(self, now: float) -> bool:
+        """Whether the lease ran out (never while a request of it is being answered)."""
+        return self.waiting == 0 and self.deadline < now
 
     def renew(self, now: float) -> None:
         """Extend the lease from ``now``."""

@@ -1,4 +1,9 @@
-"""The daemon's counters: what ``STATS``, ``kvtier stats`` and the metrics endpoint report."""
+"""The daemon's counters: what ``STATS``, ``kvtier stats`` and the metrics endpoint report.
+
+Every field is a monotonic count since the daemon started, except ``errors_by_code``
+(a count per error code name). Field names are part of the ``STATS`` reply and of the
+metric names derived from it: add fields, never rename them.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,26 @@ from dataclasses import asdict, dataclass, field
 
 @dataclass(slots=True)
 class Counters:
-    """Monotonic counters since the daemon started (pages and bytes, per direction)."""
+    """Monotonic counters since the daemon started (pages and bytes, per direction).
+
+    L2 (host pool) counters come first, then L3 (storage) and tensor-parallel groups:
+
+    - ``lookup_l3_keys`` / ``lookup_l3_tokens``: keys (tokens) LOOKUP found in L3 right
+      after the L2 run; ``lookup_l3_hits``: LOOKUPs that found at least one;
+      ``l3_lookups``: LOOKUPs that asked L3 at all (the L2 run was not the whole chain).
+    - ``l3_prefetch_*_pages``: pages a PREFETCH allocated (``started``), committed to L2
+      after a verified read (``completed``), gave up because a CLAIM or the session ended
+      first (``cancelled``), or lost to a read that did not verify, the chain after it
+      included (``failed``). ``l3_prefetch_unused_pages``: pages read from L3 that no LOAD
+      used: evicted or flushed before any load, or read and then discarded at a claim.
+    - ``l3_write_*_pages``: pages queued for L3 (``queued``), written (``written``), found
+      there already (``skipped``), given up after retries (``failed``), not queued because
+      the queue was full or gone from L2 before their turn (``dropped``);
+      ``l3_write_retries``: batches tried again after a failure.
+    - ``l3_backend_errors``: backend calls that raised or timed out (each read as a miss).
+    - ``tp_rounds`` / ``tp_round_timeouts``: rank-group agreements, and those a missing
+      rank ended with a 0 answer.
+    """
 
     requests: int = 0
     errors: int = 0
@@ -31,6 +55,29 @@ class Counters:
     sessions_opened: int = 0
     sessions_closed: int = 0
     sessions_expired: int = 0
+    l3_lookups: int = 0
+    lookup_l3_hits: int = 0
+    lookup_l3_tokens: int = 0
+    prefetches: int = 0
+    claims: int = 0
+    claim_pages: int = 0  # L2 run answered to claims
+    l3_prefetch_started_pages: int = 0
+    l3_prefetch_completed_pages: int = 0
+    l3_prefetch_cancelled_pages: int = 0
+    l3_prefetch_failed_pages: int = 0
+    l3_prefetch_unused_pages: int = 0
+    bytes_from_l3: int = 0
+    l3_write_queued_pages: int = 0
+    l3_write_written_pages: int = 0
+    l3_write_skipped_pages: int = 0
+    l3_write_failed_pages: int = 0
+    l3_write_dropped_pages: int = 0
+    l3_write_retries: int = 0
+    bytes_to_l3: int = 0
+    l3_flushed_pages: int = 0
+    l3_backend_errors: int = 0
+    tp_rounds: int = 0
+    tp_round_timeouts: int = 0
     errors_by_code: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:

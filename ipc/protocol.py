@@ -147,7 +147,13 @@ class _Req(msgspec.Struct, tag_field="op", kw_only=True):
 
 
 class Register(_Req, tag="register", kw_only=True):
-    """Start a session: geometry, namespace and exported memory; answered by :class:`Registered`."""
+    """Start a session: geometry, namespace and exported memory; answered by :class:`Registered`.
+
+    The ranks of one tensor-parallel engine (``tp_size`` > 1) form a group: same tenant,
+    model id, revision, cache salt, attention kind, ``tp_size`` and ``tp_group``. LOOKUP
+    and CLAIM answer every rank of a group with the minimum over its ranks. ``tp_group``
+    tells apart engines that share everything else on one node (empty by default).
+    """
 
     protocol_version: int
     namespace: NamespaceSpec
@@ -158,6 +164,7 @@ class Register(_Req, tag="register", kw_only=True):
     pid: int = 0
     tenant: str = "default"
     token: str = ""
+    tp_group: str = ""
 
 
 class Heartbeat(_Req, tag="heartbeat", kw_only=True):

@@ -21,8 +21,13 @@ Backends are async. Blocking client libraries run their calls in a worker thread
 from __future__ import annotations
 
 import abc
+import asyncio
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, TypeVar
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,3 +119,25 @@ class StorageBackend(abc.ABC):
     @abc.abstractmethod
     async def close(self) -> None:
         """Flush and release everything; idempotent."""
+
+
+async def run_to_completion(fn: Callable[[], _T], executor: Executor | None = None) -> _T:
+    """Run ``fn`` in ``executor`` (default: the loop's) and wait for it even when cancelled.
+
+    A worker that reads or writes arena slots must finish before the caller can reuse those
+    slots, so this coroutine never ends before the worker does; a cancellation that arrives
+    meanwhile is re-raised once the worker has finished.
+    """
+    future = asyncio.get_running_loop().run_in_executor(executor, fn)
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(future)
+            break
+        except asyncio.CancelledError:
+            if future.done():
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return result

@@ -51,7 +51,7 @@ from typing import Any, Literal, TypeVar
 
 from kvtier.config.errors import StorageError
 from kvtier.config.sizes import ByteSize
-from kvtier.daemon.storage.base import HostArena, StorageBackend
+from kvtier.daemon.storage.base import HostArena, StorageBackend, run_to_completion
 from kvtier.daemon.storage.factory import validate_options
 from kvtier.daemon.storage.objects import (
     FORMAT_VERSION,
@@ -382,7 +382,7 @@ class MooncakeBackend(StorageBackend):
 
         if pool is not None:
             # earlier jobs finish first: shutdown waits for them, and teardown runs after
-            await _run_to_completion(functools.partial(_shutdown_then, pool, teardown), None)
+            await run_to_completion(functools.partial(_shutdown_then, pool, teardown), None)
         if scratch is not None:
             scratch.release()
 
@@ -494,7 +494,7 @@ class MooncakeBackend(StorageBackend):
             scratch.free.put_nowait(block)
 
     async def _call(self, fn: Callable[..., _T], *args: Any) -> _T:
-        return await _run_to_completion(functools.partial(fn, *args), self._pool)
+        return await run_to_completion(functools.partial(fn, *args), self._pool)
 
     def _check_open(self) -> HostArena:
         if self._state is not _State.OPEN or self._arena is None:
@@ -654,23 +654,3 @@ def _shutdown_then(pool: ThreadPoolExecutor, then: Callable[[], None]) -> None:
     then()
 
 
-async def _run_to_completion(fn: Callable[[], _T], executor: ThreadPoolExecutor | None) -> _T:
-    """Run ``fn`` in ``executor`` and wait for it even when cancelled.
-
-    Mooncake reads or writes arena slots until the call returns, and the caller may reuse
-    those slots as soon as this coroutine ends, so it never ends before the worker does; a
-    cancellation that arrives meanwhile is re-raised once the worker has finished.
-    """
-    future = asyncio.get_running_loop().run_in_executor(executor, fn)
-    cancelled = False
-    while True:
-        try:
-            result = await asyncio.shield(future)
-            break
-        except asyncio.CancelledError:
-            if future.done():
-                raise
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
-    return result

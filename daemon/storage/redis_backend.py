@@ -34,12 +34,12 @@ import enum
 import functools
 import hashlib
 import logging
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 import redis.asyncio as redis_asyncio
 from kvtier.config.errors import ConfigError, StorageError
-from kvtier.daemon.storage.base import HostArena, StorageBackend
+from kvtier.daemon.storage.base import HostArena, StorageBackend, run_to_completion
 from kvtier.daemon.storage.factory import validate_options
 from kvtier.daemon.storage.objects import HEADER_SIZE, encode_header, verify_object
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -52,7 +52,6 @@ from redis.exceptions import ResponseError as _ResponseError
 __all__ = ["RedisBackend", "RedisOptions"]
 
 _log = logging.getLogger(__name__)
-_T = TypeVar("_T")
 
 _INLINE_BYTES = 1 << 20
 """Batches up to this many payload bytes are hashed and copied on the event loop (cheaper
@@ -246,7 +245,7 @@ class RedisBackend(StorageBackend):
         if length * len(keys) <= _INLINE_BYTES:
             flags, missing, corrupt, faults = land()
         else:
-            flags, missing, corrupt, faults = await _run_to_completion(land)
+            flags, missing, corrupt, faults = await run_to_completion(land)
         del values
         found = sum(flags)
         self.stats.gets += found
@@ -269,7 +268,7 @@ class RedisBackend(StorageBackend):
         if not keys:
             return []
         build = functools.partial(self._set_frames, arena.view, ns, keys, offsets, length)
-        chunks = build() if length * len(keys) <= _INLINE_BYTES else await _run_to_completion(build)
+        chunks = build() if length * len(keys) <= _INLINE_BYTES else await run_to_completion(build)
         replies = await self._roundtrip(chunks, len(keys))
         del chunks
         if replies is None:
@@ -491,26 +490,6 @@ def _land(
     return flags, missing, corrupt, faults
 
 
-async def _run_to_completion(fn: Callable[[], _T]) -> _T:
-    """Run ``fn`` in the loop's default executor and wait for it even when cancelled.
-
-    The worker reads or writes arena slots that the caller may reuse as soon as this
-    coroutine ends, so it never ends before the worker does; a cancellation that arrives
-    meanwhile is re-raised once the worker has finished.
-    """
-    future = asyncio.get_running_loop().run_in_executor(None, fn)
-    cancelled = False
-    while True:
-        try:
-            result = await asyncio.shield(future)
-            break
-        except asyncio.CancelledError:
-            if future.done():
-                raise
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
-    return result
 
 
 def _redact(url: str) -> str:

@@ -1,0 +1,353 @@
+"""kvtierd's GPU state: an engine's KV pool opened from CUDA IPC handles, and the pinned arena.
+
+The CPU path maps an engine's shared-memory segments (:mod:`kvtier.daemon.engine_memory`); on a
+GPU the engine exports CUDA IPC handles instead, and this module opens them::
+
+    CudaRuntime (one per daemon, touches no GPU until the first CUDA registration)
+      ├─ GPUs by UUID ──▶ ordinal in this process; one CUDA context per GPU (the primary
+      │                   context, created by the first call on that GPU)
+      ├─ IPC mappings: (ordinal, handle) ──▶ [device pointer, references]
+      │                   a handle is opened once per process and GPU, closed with its last user
+      └─ host arena: the shared-memory pool, pinned with cudaHostRegister (portable, mapped)
+                     once, unpinned at close; the copy kernels read and write it directly, so
+                     there is no staging buffer at all
+
+    CudaEngineMemory (one per session): ``buffers[layer][component]`` are uint8 CUDA tensors
+      ``[num_pages, chunk_bytes]`` over the mapped engine memory, as EngineMemory's are over
+      shared memory.
+
+Checks before anything is opened (:func:`check_cuda_export`, pure, tested without a GPU): kind,
+page count, buffer count, 64-byte handles, one GPU per registration, every buffer inside its
+segment. After opening, the daemon asks the driver for the mapped size, so an engine cannot make
+it write past an allocation by declaring a larger one.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.daemon.engine_memory import MAX_PAGES, EngineMemoryError
+from kvtier.ipc import cuda_ipc
+from kvtier.ipc.cuda_ipc import CudaIpcError
+from kvtier.ipc.protocol import Geometry, KVMemory
+
+__all__ = ["CudaEngineMemory", "CudaMemoryError", "CudaRuntime", "check_cuda_export"]
+
+log = logging.getLogger("kvtier.daemon.cuda")
+
+_HOST_REGISTER_PORTABLE = 0x01
+_HOST_REGISTER_MAPPED = 0x02
+_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
+
+
+class CudaMemoryError(EngineMemoryError):
+    """A CUDA IPC export cannot be opened, or the daemon has no usable GPU (BAD_MEMORY)."""
+
+
+def check_cuda_export(geometry: Geometry, memory: KVMemory) -> str:
+    """Check a ``cuda_ipc`` export against the geometry before anything is opened.
+
+    Args:
+        geometry: the registration's (validated) geometry.
+        memory: the export.
+
+    Returns:
+        The UUID of the one GPU every segment is on.
+
+    Raises:
+        CudaMemoryError: naming the first field that is wrong.
+    """
+    g = geometry
+    if memory.kind != "cuda_ipc":
+        raise CudaMemoryError(f"memory.kind = {memory.kind!r}: CudaEngineMemory opens 'cuda_ipc'")
+    if not 1 <= memory.num_pages <= MAX_PAGES:
+        raise CudaMemoryError(f"memory.num_pages = {memory.num_pages!r} is out of range")
+    n_buf = g.num_layers * g.components
+    if len(memory.buffer_offsets) != n_buf or len(memory.buffer_segments) != n_buf:
+        raise CudaMemoryError(
+            f"memory declares {len(memory.buffer_offsets)} buffers; geometry needs "
+            f"{n_buf} ({g.num_layers} layers x {g.components} components)"
+        )
+    if not 1 <= len(memory.segments) <= n_buf:
+        raise CudaMemoryError(f"memory.segments has {len(memory.segments)} entries")
+    uuid: bytes | None = None
+    for i, seg in enumerate(memory.segments):
+        try:
+            cuda_ipc.check_ipc_handle(seg.handle, f"memory.segments[{i}].handle")
+            this = cuda_ipc.parse_device_uuid(seg.device_uuid)
+        except CudaIpcError as err:
+            raise CudaMemoryError(str(err)) from err
+        if seg.size <= 0:
+            raise CudaMemoryError(f"memory.segments[{i}].size = {seg.size!r} must be > 0")
+        if uuid is not None and this != uuid:
+            raise CudaMemoryError(f"memory.segments[{i}] is on GPU {seg.device_uuid}, segment 0 "
+                                  f"on {memory.segments[0].device_uuid}: one registration, one GPU")
+        uuid = this
+    buf_bytes = memory.num_pages * g.chunk_bytes
+    for i, (s_idx, off) in enumerate(zip(memory.buffer_segments, memory.buffer_offsets)):
+        if not 0 <= s_idx < len(memory.segments):
+            raise CudaMemoryError(f"memory.buffer_segments[{i}] = {s_idx!r} is out of range")
+        size = memory.segments[s_idx].size
+        if off < 0 or off + buf_bytes > size:
+            raise CudaMemoryError(f"memory.buffer_offsets[{i}] = {off!r}: {buf_bytes} bytes do "
+                                  f"not fit in segment {s_idx} of {size} bytes")
+    assert uuid is not None
+    return cuda_ipc.format_device_uuid(uuid)
+
+
+@dataclass(slots=True)
+class _Mapping:
+    """One opened IPC allocation and how many sessions use it."""
+
+    ptr: int
+    size: int
+    refs: int
+
+
+class CudaRuntime:
+    """kvtierd's CUDA state: GPUs by UUID, shared IPC mappings, the pinned host arena.
+
+    Creating it touches no GPU. Thread-safe: registrations open memory from worker threads.
+    Close it after every session's memory is closed and before the arena is unmapped.
+    """
+
+    __slots__ = ("_lock", "_ordinals", "_mappings", "_pinned", "_pinned_here", "_closed")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ordinals: dict[str, int] = {}
+        self._mappings: dict[tuple[int, bytes], _Mapping] = {}
+        self._pinned: tuple[int, int] | None = None  # (address, bytes)
+        self._pinned_here = False
+        self._closed = False
+
+    @staticmethod
+    def unavailable_reason() -> str | None:
+        """Why this daemon cannot serve CUDA engines (no GPU, no cupy), or None."""
+        return cuda_ipc.cuda_unavailable_reason()
+
+    def require(self) -> None:
+        """Raise :class:`CudaMemoryError` unless CUDA engines can be served."""
+        reason = self.unavailable_reason()
+        if reason is not None:
+            raise CudaMemoryError(f"memory.kind = 'cuda_ipc': kvtierd {reason}")
+        if self._closed:
+            raise CudaMemoryError("kvtierd's CUDA runtime is closed (the daemon is stopping)")
+
+    def ordinal_of(self, uuid: str) -> int:
+        """The ordinal, in the daemon, of the GPU named ``uuid`` (looked up once).
+
+        Raises:
+            CudaMemoryError: malformed UUID, or the GPU is not visible to the daemon.
+        """
+        self.require()
+        with self._lock:
+            if uuid not in self._ordinals:
+                try:
+                    self._ordinals[uuid] = cuda_ipc.device_ordinal(uuid)
+                except CudaIpcError as err:
+                    raise CudaMemoryError(str(err)) from err
+            return self._ordinals[uuid]
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the host arena is pinned."""
+        return self._pinned is not None
+
+    def pin_arena(self, arena: torch.Tensor, ordinal: int = 0) -> None:
+        """Pin the host pool with ``cudaHostRegister`` (portable, mapped); idempotent.
+
+        Pinning touches every page of the pool (seconds for hundreds of GiB): call it from a
+        worker thread, or at start.
+
+        Args:
+            arena: the pool as a flat uint8 CPU tensor over shared memory.
+            ordinal: the GPU whose context performs the call (portable: every GPU sees it).
+
+        Raises:
+            CudaMemoryError: the driver refused (the message has the RLIMIT_MEMLOCK limits).
+        """
+        self.require()
+        if arena.device.type != "cpu" or arena.dtype != torch.uint8 or arena.dim() != 1:
+            raise CudaMemoryError(f"the arena must be a flat uint8 CPU tensor, got {arena.dtype} "
+                                  f"{tuple(arena.shape)} on {arena.device}")
+        ptr, nbytes = arena.data_ptr(), arena.numel()
+        cupy = cuda_ipc.cupy_module()
+        with self._lock:
+            if self._pinned is not None:
+                if self._pinned != (ptr, nbytes):
+                    raise CudaMemoryError("a different host arena is already pinned")
+                return
+            try:
+                with cupy.cuda.Device(ordinal):
+                    cupy.cuda.runtime.hostRegister(
+                        ptr, nbytes, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED)
+                self._pinned_here = True
+            except cupy.cuda.runtime.CUDARuntimeError as err:
+                if getattr(err, "status", None) != _ERROR_HOST_MEMORY_ALREADY_REGISTERED:
+                    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+                    raise CudaMemoryError(
+                        f"cannot pin the host pool ({nbytes} bytes) with cudaHostRegister: {err} "
+                        f"(RLIMIT_MEMLOCK soft={soft} hard={hard}; run kvtierd with "
+                        "LimitMEMLOCK=infinity)") from err
+                self._pinned_here = False  # pinned by someone else in this process: keep it
+            self._pinned = (ptr, nbytes)
+            log.info("host pool pinned for CUDA: %d bytes at %#x", nbytes, ptr)
+
+    def acquire(self, ordinal: int, handle: bytes) -> tuple[int, int | None]:
+        """Open ``handle`` on GPU ``ordinal`` (or share the mapping a session already has).
+
+        Returns:
+            The mapped base address and the mapped size the driver reports (None if unknown).
+
+        Raises:
+            CudaMemoryError: the handle cannot be opened.
+        """
+        key = (ordinal, handle)
+        with self._lock:
+            m = self._mappings.get(key)
+            if m is None:
+                try:
+                    ptr = cuda_ipc.open_mem_handle(handle, ordinal)
+                except CudaIpcError as err:
+                    raise CudaMemoryError(str(err)) from err
+                rng = cuda_ipc.mapped_range(ptr)
+                m = _Mapping(ptr, rng.size if rng is not None else -1, 0)
+                self._mappings[key] = m
+            m.refs += 1
+            return m.ptr, (m.size if m.size >= 0 else None)
+
+    def release(self, ordinal: int, handle: bytes) -> None:
+        """Drop one user of a mapping; the last one closes it (``cudaIpcCloseMemHandle``)."""
+        key = (ordinal, handle)
+        with self._lock:
+            m = self._mappings.get(key)
+            assert m is not None and m.refs > 0, "release of a mapping that is not open"
+            m.refs -= 1
+            if m.refs:
+                return
+            del self._mappings[key]
+        try:
+            cuda_ipc.close_mem_handle(m.ptr, ordinal)
+        except CudaIpcError as err:  # the mapping is gone either way; the daemon keeps serving
+            log.warning("%s", err)
+
+    def open_memory(self, geometry: Geometry, memory: KVMemory) -> CudaEngineMemory:
+        """Open an engine's ``cuda_ipc`` export (see :class:`CudaEngineMemory`)."""
+        return CudaEngineMemory(geometry, memory, self)
+
+    @property
+    def mappings(self) -> int:
+        """How many IPC allocations are open."""
+        return len(self._mappings)
+
+    def close(self) -> None:
+        """Unpin the arena (if this runtime pinned it). Idempotent.
+
+        Sessions must be closed first; mappings still open then belong to transfers that never
+        finished on the GPU and are left open on purpose (see ``CudaEngineMemory.stuck``).
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pinned, self._pinned = self._pinned, None
+            left = len(self._mappings)
+        if left:
+            log.warning("closing the CUDA runtime with %d IPC mappings still open", left)
+        if pinned is not None and self._pinned_here:
+            cupy = cuda_ipc.cupy_module()
+            try:
+                cupy.cuda.runtime.hostUnregister(pinned[0])
+            except cupy.cuda.runtime.CUDARuntimeError as err:
+                log.warning("cudaHostUnregister of the host pool failed: %s", err)
+
+
+class CudaEngineMemory:
+    """An engine's KV pool as the daemon sees it on a GPU: opened CUDA IPC allocations.
+
+    Same surface as :class:`~kvtier.daemon.engine_memory.EngineMemory`: ``buffers[layer]
+    [component]`` are uint8 CUDA tensors ``[num_pages, chunk_bytes]``; :meth:`close` and
+    :meth:`unlink_segments`.
+
+    Attributes:
+        geometry / num_pages: as registered.
+        device: the GPU, in the daemon's numbering.
+        device_uuid: the GPU's UUID.
+        buffers: ``[layer][component]`` tensors over the engine's memory.
+        paths: always empty (nothing of the engine's lives on disk).
+        stuck: set by the CUDA executor when a copy never finished on the GPU; then
+            :meth:`close` keeps the mappings open, so that the late copy cannot fault.
+
+    Raises:
+        CudaMemoryError: the export is invalid, the GPU is not visible, or a handle cannot be
+            opened (nothing stays open then).
+    """
+
+    __slots__ = ("geometry", "num_pages", "device", "device_uuid", "buffers", "paths", "stuck",
+                 "_runtime", "_opened")
+
+    def __init__(self, geometry: Geometry, memory: KVMemory, runtime: CudaRuntime) -> None:
+        self.geometry = geometry
+        self.num_pages = memory.num_pages
+        self.device_uuid = check_cuda_export(geometry, memory)
+        self.buffers: list[list[torch.Tensor]] = []
+        self.paths: list[str] = []
+        self.stuck = False
+        self._runtime = runtime
+        self._opened: list[tuple[int, bytes]] = []
+        ordinal = runtime.ordinal_of(self.device_uuid)
+        self.device = torch.device("cuda", ordinal)
+        try:
+            self._open(memory, ordinal)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, memory: KVMemory, ordinal: int) -> None:
+        g = self.geometry
+        whole: list[torch.Tensor] = []
+        for i, seg in enumerate(memory.segments):
+            handle = bytes(seg.handle)
+            ptr, mapped = self._runtime.acquire(ordinal, handle)
+            self._opened.append((ordinal, handle))
+            if mapped is not None and mapped < seg.size:
+                raise CudaMemoryError(f"memory.segments[{i}].size = {seg.size} but the driver "
+                                      f"mapped {mapped} bytes")
+            try:
+                whole.append(cuda_ipc.device_tensor(ptr, seg.size, self.device))
+            except CudaIpcError as err:
+                raise CudaMemoryError(str(err)) from err
+        buf_bytes = memory.num_pages * g.chunk_bytes
+        for layer in range(g.num_layers):
+            row = []
+            for comp in range(g.components):
+                i = layer * g.components + comp
+                seg_t, off = whole[memory.buffer_segments[i]], memory.buffer_offsets[i]
+                row.append(seg_t[off:off + buf_bytes].view(memory.num_pages, g.chunk_bytes))
+            self.buffers.append(row)
+
+    def close(self) -> None:
+        """Drop the tensors and release the mappings (the engine owns the memory). Idempotent.
+
+        When :attr:`stuck` is set the mappings stay open for the life of the daemon: a copy
+        the GPU never finished must not find its memory unmapped.
+        """
+        self.buffers = []
+        if self.stuck:
+            if self._opened:
+                log.error("engine memory on %s left mapped: a copy on it never finished",
+                          self.device_uuid)
+            self._opened = []
+            return
+        opened, self._opened = self._opened, []
+        for ordinal, handle in opened:
+            self._runtime.release(ordinal, handle)
+
+    def unlink_segments(self) -> None:
+        """Nothing to remove: an engine's CUDA memory goes with the engine's process."""

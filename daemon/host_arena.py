@@ -1,0 +1,401 @@
+"""Slot geometry of the host arena: extents, page classes, free lists, intrusive links.
+
+Pure and synchronous bookkeeping under :class:`kvtier.daemon.host_pool.HostPool`: which
+extent belongs to which page class, which slots of a class are free, and where a slot
+lies in the arena. The arena is cut into ``n_extents`` extents; an extent is free or
+belongs to one page class, which cuts it into slots of its stride (``page_bytes``
+rounded up to ``align``). Every extent reserves ``per_extent`` global slot ids::
+
+      extent 0: class 0 (stride 8K)   extent 1: free       extent 2: class 1 (stride 12K)
+    +------+------+------+-----+   +-----------------+   +--------+--------+-----+---+
+    | s 0  | s 1  | s 2  | ... |   |                 |   | s 2M   | s 2M+1 | ... |pad|
+    +------+------+------+-----+   +-----------------+   +--------+--------+-----+---+
+    ^0     ^8K    ^16K             ^E                    ^2E      ^2E+12K
+
+    slot id = extent * M + i          offset = extent * extent_bytes + i * stride
+
+A free slot of a class is taken from, in order: the class's free list (an intrusive
+doubly linked list through :attr:`HostArena.prev` / :attr:`HostArena.next`), a fresh slot
+of the extent the class is cutting (ascending offsets, so consecutive allocations are
+contiguous), a free extent (lowest first). A slot given back goes to its class's free
+list; the last slot of an extent gives the whole extent back.
+
+The pool threads its evictable list through the same two link arrays: a FREE slot is
+only on a free list and an evictable page only on the evictable list. Each extent's page
+size is mirrored into the persistent extent table (0 = free): written before the
+extent's first slot is handed out, cleared after its last slot is FREE.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+
+import numpy as np
+from kvtier.daemon.pool_meta import NIL, HostPoolError, PoolLayout
+
+
+@dataclass(slots=True)
+class PageClass:
+    """One page size and its free slots.
+
+    Attributes:
+        page_bytes: page size the class was registered with.
+        stride: slot size (``page_bytes`` rounded up to the alignment).
+        n: slots the class cuts from one extent.
+        free: head of the free list (lowest slot first after a rebuild), or NIL.
+        bump: extent being cut into fresh slots in ascending order, or NIL.
+        extents: extents the class holds.
+        ready / writing: pages of the class in each state (kept by the pool).
+    """
+
+    page_bytes: int
+    stride: int
+    n: int
+    free: int = NIL
+    bump: int = NIL
+    extents: int = 0
+    ready: int = 0
+    writing: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ClassStats:
+    """Counters of one page class.
+
+    Attributes:
+        class_id: id from :meth:`HostArena.register_class`.
+        page_bytes: page size the class was registered with.
+        stride: slot size (``page_bytes`` rounded up to the alignment).
+        slots_per_extent: slots the class cuts from one extent.
+        extents: extents the class holds.
+        pages_ready: READY pages of the class.
+        pages_writing: WRITING pages of the class.
+    """
+
+    class_id: int
+    page_bytes: int
+    stride: int
+    slots_per_extent: int
+    extents: int
+    pages_ready: int
+    pages_writing: int
+
+
+def filled(typecode: str, value: int, n: int) -> array[int]:
+    """Return an ``array(typecode)`` of ``n`` copies of ``value``."""
+    return array(typecode, [value]) * n
+
+
+def round_up(n: int, align: int) -> int:
+    """Round ``n`` up to a multiple of ``align``."""
+    return (n + align - 1) // align * align
+
+
+def push(prev: array[int], nxt: array[int], ends: list[int], stamp: memoryview, s: int) -> None:
+    """Link ``s`` into the list ``ends = [cold, hot]``: at the cold end if it is not
+    more recent than the current cold end, else at the hot end."""
+    cold, hot = ends
+    if cold == NIL:
+        prev[s] = nxt[s] = NIL
+        ends[0] = ends[1] = s
+    elif stamp[s] <= stamp[cold]:
+        prev[s], nxt[s], prev[cold] = NIL, cold, s
+        ends[0] = s
+    else:
+        prev[s], nxt[s], nxt[hot] = hot, NIL, s
+        ends[1] = s
+
+
+def unlink(prev: array[int], nxt: array[int], ends: list[int], s: int) -> None:
+    """Unlink ``s`` from the list ``ends = [cold, hot]``."""
+    p, n = prev[s], nxt[s]
+    if p == NIL:
+        ends[0] = n
+    else:
+        nxt[p] = n
+    if n == NIL:
+        ends[1] = p
+    else:
+        prev[n] = p
+    prev[s] = nxt[s] = NIL
+
+
+def link_in_order(prev: array[int], nxt: array[int], order: np.ndarray) -> list[int]:
+    """Link the slots of ``order`` into one list, in that order, at C speed.
+
+    Args:
+        prev / nxt: the link arrays (slots not in ``order`` are left alone).
+        order: slot ids, first (cold end or head) to last.
+
+    Returns:
+        ``[first, last]``, both NIL when ``order`` is empty.
+    """
+    if len(order) == 0:
+        return [NIL, NIL]
+    p = np.frombuffer(prev, dtype=np.int32)
+    n = np.frombuffer(nxt, dtype=np.int32)
+    p[order[1:]] = order[:-1]
+    n[order[:-1]] = order[1:]
+    p[order[0]] = n[order[-1]] = NIL
+    del p, n
+    return [int(order[0]), int(order[-1])]
+
+
+def link_children(
+    first: array[int], sib_prev: array[int], sib_next: array[int], children: array[int],
+    slots: np.ndarray, parents: np.ndarray,
+) -> None:  # fmt: skip
+    """Build every page's list of children at once (adoption), at C speed.
+
+    Args:
+        first / sib_prev / sib_next / children: the pool's child-list arrays, all NIL
+            (``children`` all 0) before the call.
+        slots: the pages, and ``parents`` their parent slots (NIL: none), same order.
+    """
+    has = parents != NIL
+    kids, ps = slots[has], parents[has]
+    order = np.lexsort((kids, ps))
+    kids, ps = kids[order], ps[order]
+    np.frombuffer(children, dtype=np.int32)[:] = np.bincount(ps, minlength=len(children))
+    head = np.ones(len(ps), dtype=bool)
+    head[1:] = ps[1:] != ps[:-1]
+    np.frombuffer(first, dtype=np.int32)[ps[head]] = kids[head]
+    same = ~head[1:]
+    np.frombuffer(sib_next, dtype=np.int32)[kids[:-1][same]] = kids[1:][same]
+    np.frombuffer(sib_prev, dtype=np.int32)[kids[1:][same]] = kids[:-1][same]
+
+
+class HostArena:
+    """Extents, page classes and free lists of one arena (see the module docstring).
+
+    Args:
+        layout: the pool's geometry.
+        ext_bytes: the persistent extent table (int64 page bytes per extent, 0 = free),
+            kept in step with :attr:`ext_class`.
+    """
+
+    def __init__(self, layout: PoolLayout, ext_bytes: memoryview) -> None:
+        self.extent_bytes = layout.extent_bytes
+        self.align = layout.align
+        self.per_extent = layout.per_extent
+        self.n_extents = layout.n_extents
+        self.n_slots = layout.n_slots
+        self.prev = filled("i", NIL, layout.n_slots)  # free list, or the pool's evictable list
+        self.next = filled("i", NIL, layout.n_slots)
+        self.ext_class = filled("i", NIL, layout.n_extents)
+        self.ext_used = filled("i", 0, layout.n_extents)  # slots handed out and not given back
+        self.ext_bump = filled("i", 0, layout.n_extents)  # slots cut since the extent was assigned
+        self.free_extents = list(range(layout.n_extents - 1, -1, -1))  # pop() -> lowest first
+        self.classes: list[PageClass] = []
+        self.class_of_bytes: dict[int, int] = {}
+        self._ext_bytes = ext_bytes
+
+    def register_class(self, page_bytes: int) -> int:
+        """Register a page size; the same size always gets the same class id.
+
+        Raises:
+            HostPoolError: ``page_bytes`` is not positive or its stride exceeds an extent.
+        """
+        cid = self.class_of_bytes.get(page_bytes)
+        if cid is not None:
+            return cid
+        if page_bytes <= 0:
+            raise HostPoolError(f"page_bytes must be positive, got {page_bytes}")
+        stride = round_up(page_bytes, self.align)
+        if stride > self.extent_bytes:
+            raise HostPoolError(
+                f"page_bytes={page_bytes} (stride {stride}) exceeds extent_bytes={self.extent_bytes}"
+            )
+        cid = len(self.classes)
+        self.classes.append(PageClass(page_bytes, stride, min(self.extent_bytes // stride,
+                                                              self.per_extent)))  # fmt: skip
+        self.class_of_bytes[page_bytes] = cid
+        return cid
+
+    def check_class(self, class_id: int) -> None:
+        """Raise HostPoolError unless ``class_id`` is registered."""
+        if not 0 <= class_id < len(self.classes):
+            raise HostPoolError(f"unknown page class {class_id}")
+
+    def slot_offset(self, slot: int) -> int:
+        """Return the byte offset of ``slot`` in the arena.
+
+        Raises:
+            HostPoolError: the slot id is out of range or its extent has no class.
+        """
+        if not 0 <= slot < self.n_slots:
+            raise HostPoolError(f"slot {slot} out of range [0, {self.n_slots})")
+        e = slot // self.per_extent
+        cid = self.ext_class[e]
+        if cid == NIL:
+            raise HostPoolError(f"slot {slot} lies in extent {e}, which is not allocated")
+        return e * self.extent_bytes + (slot - e * self.per_extent) * self.classes[cid].stride
+
+    def class_of(self, slot: int) -> int:
+        """Return the class of ``slot``'s extent (NIL when the extent is free)."""
+        return self.ext_class[slot // self.per_extent]
+
+    def take(self, cid: int) -> int:
+        """Hand out a free slot of ``cid`` (free list, fresh slot, free extent), or NIL."""
+        cls = self.classes[cid]
+        s = cls.free
+        if s != NIL:
+            self.free_unlink(cls, s)
+            self.ext_used[s // self.per_extent] += 1
+            return s
+        e = cls.bump
+        if e == NIL:
+            if not self.free_extents:
+                return NIL
+            e = self.free_extents.pop()
+            self._ext_bytes[e] = cls.page_bytes  # persisted before any slot of it is used
+            self.ext_class[e] = cid
+            self.ext_bump[e] = 0
+            cls.extents += 1
+            cls.bump = e
+        i = self.ext_bump[e]
+        self.ext_bump[e] = i + 1
+        if i + 1 == cls.n:
+            cls.bump = NIL
+        self.ext_used[e] += 1
+        return e * self.per_extent + i
+
+    def give_back(self, s: int) -> None:
+        """Return the slot ``s`` (already FREE) to its class; an emptied extent is freed."""
+        e = s // self.per_extent
+        cls = self.classes[self.ext_class[e]]
+        self.ext_used[e] -= 1
+        if self.ext_used[e] > 0:
+            self._free_push(cls, s)
+            return
+        # The extent is empty: pull its other slots off the free list and give it back.
+        base = e * self.per_extent
+        for t in range(base, base + self.ext_bump[e]):
+            if t != s:
+                self.free_unlink(cls, t)
+        if cls.bump == e:
+            cls.bump = NIL
+        self.ext_class[e] = NIL
+        self.ext_bump[e] = 0
+        self._ext_bytes[e] = 0  # after every slot of it is FREE
+        cls.extents -= 1
+        self.free_extents.append(e)
+
+    def usable_per_extent(self) -> np.ndarray:
+        """Register the class of every extent the persistent table names (smallest page
+        size first) and return, per extent, how many slots its class cuts (0 for a free
+        extent or one whose page size cannot be a class). For adoption."""
+        pbs = np.frombuffer(self._ext_bytes, dtype=np.int64)
+        usable = np.zeros(self.n_extents, dtype=np.int64)
+        for pb in sorted(set(pbs[pbs > 0].tolist())):
+            if round_up(pb, self.align) <= self.extent_bytes:
+                usable[pbs == pb] = self.classes[self.register_class(pb)].n
+        del pbs
+        return usable
+
+    def rebuild(self, used: np.ndarray) -> None:
+        """Rebuild extents and free lists from the sorted slot ids ``used`` (adoption).
+
+        Extents holding a used slot keep their class and are cut whole (their unused
+        slots go to the free list, lowest first); every other extent becomes free.
+        :meth:`usable_per_extent` registered the classes before.
+        """
+        pbs = np.frombuffer(self._ext_bytes, dtype=np.int64)
+        counts = np.bincount(used // self.per_extent, minlength=self.n_extents)
+        self.free_extents = [e for e in range(self.n_extents - 1, -1, -1) if counts[e] == 0]
+        pbs[counts == 0] = 0
+        in_use = np.zeros(self.n_slots, dtype=bool)
+        in_use[used] = True
+        free_by_class: dict[int, list[np.ndarray]] = {}
+        for e in np.flatnonzero(counts).tolist():
+            cid = self.class_of_bytes[int(pbs[e])]
+            cls = self.classes[cid]
+            self.ext_class[e], self.ext_used[e], self.ext_bump[e] = cid, int(counts[e]), cls.n
+            cls.extents += 1
+            ids = np.arange(e * self.per_extent, e * self.per_extent + cls.n)
+            free_by_class.setdefault(cid, []).append(ids[~in_use[ids]])
+        del pbs
+        for cid, parts in free_by_class.items():
+            self.classes[cid].free = link_in_order(self.prev, self.next, np.concatenate(parts))[0]
+
+    def _free_push(self, cls: PageClass, s: int) -> None:
+        head = cls.free
+        self.prev[s], self.next[s] = NIL, head
+        if head != NIL:
+            self.prev[head] = s
+        cls.free = s
+
+    def free_unlink(self, cls: PageClass, s: int) -> None:
+        """Take the free slot ``s`` off the free list of ``cls``."""
+        p, n = self.prev[s], self.next[s]
+        if p == NIL:
+            cls.free = n
+        else:
+            self.next[p] = n
+        if n != NIL:
+            self.prev[n] = p
+        self.prev[s] = self.next[s] = NIL
+
+
+class RecencyLists:
+    """The evictable pages in recency order: one global list and one per owner.
+
+    Both are intrusive doubly linked lists, cold end first; the global one threads
+    through the arena's link pair (:attr:`HostArena.prev` / :attr:`HostArena.next`),
+    which a FREE slot uses for its free list instead. A page is placed by
+    :func:`push`: at the cold end if not more recent than it, else at the hot end.
+
+    Args:
+        arena: the arena whose link pair the global list shares.
+        stamp: the last-access column (larger is more recent).
+    """
+
+    def __init__(self, arena: HostArena, stamp: memoryview) -> None:
+        self.prev, self.next = arena.prev, arena.next
+        self.oprev = filled("i", NIL, arena.n_slots)
+        self.onext = filled("i", NIL, arena.n_slots)
+        self.ends = [NIL, NIL]  # global list: [cold end, hot end]
+        self.own_ends: dict[int, list[int]] = {}  # per owner, created on first use
+        self._stamp = stamp
+
+    def enqueue(self, s: int, owner: int) -> None:
+        """Put ``s`` on the global list and on ``owner``'s."""
+        push(self.prev, self.next, self.ends, self._stamp, s)
+        ends = self.own_ends.get(owner)
+        if ends is None:
+            ends = self.own_ends[owner] = [NIL, NIL]
+        push(self.oprev, self.onext, ends, self._stamp, s)
+
+    def dequeue(self, s: int, owner: int) -> None:
+        """Take ``s`` off the global list and off ``owner``'s."""
+        unlink(self.prev, self.next, self.ends, s)
+        unlink(self.oprev, self.onext, self.own_ends[owner], s)
+
+    def start(self, owner: int | None) -> tuple[int, array[int]]:
+        """Return the cold end of the global list (or ``owner``'s) and its next links."""
+        if owner is None:
+            return self.ends[0], self.next
+        ends = self.own_ends.get(owner)
+        return (NIL if ends is None else ends[0]), self.onext
+
+    def walk(self, owner: int | None) -> list[int]:
+        """Return the slots of the global list (or ``owner``'s), cold end first. O(n)."""
+        out: list[int] = []
+        s, nxt = self.start(owner)
+        while s != NIL:
+            out.append(s)
+            s = nxt[s]
+        return out
+
+    def rebuild(self, cold_first: np.ndarray, owners: np.ndarray) -> None:
+        """Link empty lists from the evictable slots ``cold_first`` (adoption).
+
+        Args:
+            cold_first: slot ids, coldest first.
+            owners: the owner of each, same order.
+        """
+        self.ends = link_in_order(self.prev, self.next, cold_first)
+        for o in np.unique(owners).tolist():
+            self.own_ends[o] = link_in_order(self.oprev, self.onext, cold_first[owners == o])
+

@@ -1,0 +1,332 @@
+"""Writing L2 pages to L3: the write-through queue and the write-back reserve.
+
+Two policies, as SGLang HiCache has them (``hicache_write_policy``):
+
+- ``write_through``: a page is queued as soon as its STORE commits. A batch pins its
+  pages (so no slot is reused under the write), skips those L3 already holds, writes the
+  rest and marks them in L3.
+- ``write_back``: a page goes to L3 only when L2 needs its slot. The pool is told
+  (:attr:`HostPool.evict_requires_l3`) to evict only pages marked in L3, and this writer
+  keeps a reserve of such pages at the cold end of the eviction order: when the pool is
+  nearly full (or an allocation fell short), the coldest :data:`WRITE_BACK_WINDOW`
+  evictable pages that are not in L3 are written. Those pages are not pinned (a pin would
+  make them the hottest); they cannot be evicted meanwhile, as they are not in L3 yet,
+  and a FLUSH pins them for its duration (:meth:`L3Writer.flush_guard`).
+
+Backpressure: at most ``write_back_queue`` pages wait; a page that does not fit is dropped
+and counted, and L2 never waits for L3. A failed write is retried :data:`MAX_RETRIES`
+times with exponential backoff, then counted as failed and given up; under write-back a
+given-up page is marked as if in L3, so L2 can still evict it (the cache loses that page's
+L3 copy, never its L2 slot).
+
+At shutdown :meth:`L3Writer.drain` writes what is queued (write-through) or every page not
+yet in L3 (write-back), within a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvtier.daemon.host_pool import HostPool, PageState
+from kvtier.daemon.stats import Counters
+
+if TYPE_CHECKING:
+    from kvtier.daemon.tier_store import TierStore
+
+log = logging.getLogger("kvtier.daemon.l3_writer")
+
+WRITE_BATCH = 64
+"""Pages per backend ``put_from`` call."""
+
+WRITE_CONCURRENCY = 2
+"""Write batches in flight at once."""
+
+MAX_RETRIES = 3
+"""Attempts after the first before a page is given up."""
+
+RETRY_BACKOFF_S = 0.05
+"""First retry delay; doubled at every further attempt."""
+
+WRITE_BACK_HIGH = 0.9
+"""Write-back starts once the pool's used bytes pass this share of its capacity."""
+
+WRITE_BACK_WINDOW = 512
+"""Coldest evictable pages kept in L3 under write-back (eviction scans at least 256)."""
+
+WRITE_BACK_PERIOD_S = 0.25
+"""How often write-back looks at the pool while it is nearly full."""
+
+
+@dataclass(slots=True)
+class _Item:
+    ns: bytes
+    ns_id: int
+    key: bytes
+    page_bytes: int
+    pinned: bool  # write-through pins while writing; write-back relies on evict_requires_l3
+    slot: int = -1  # write-back: the slot it was found in
+    attempts: int = 0
+    due: float = 0.0
+
+
+class L3Writer:
+    """The queue of pages bound for L3 and the tasks that write them.
+
+    Args:
+        tier: the L3 tier (backend calls, namespaces, policy, health).
+        pool: the host pool.
+        counters: the daemon's counters.
+    """
+
+    def __init__(self, tier: "TierStore", pool: HostPool, counters: Counters) -> None:
+        self.tier = tier
+        self.pool = pool
+        self.counters = counters
+        self._queue: deque[_Item] = deque()
+        self._retry: list[_Item] = []
+        self._queued: set[bytes] = set()  # keys queued, retrying or being written
+        self._writing: dict[bytes, _Item] = {}  # unpinned (write-back) pages being written
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._wake = asyncio.Event()
+        self._urgent = False
+        self._last_scan = 0.0
+
+    @property
+    def queued(self) -> int:
+        """Pages waiting, retrying or being written."""
+        return len(self._queued)
+
+    @property
+    def write_back(self) -> bool:
+        """Whether the write-back policy is in force."""
+        return self.tier.cfg.hicache_write_policy == "write_back"
+
+    # ------------------------------------------------------------------ producers
+    def committed(self, ns: bytes, ns_id: int, keys: list[bytes], page_bytes: int) -> None:
+        """A STORE committed these pages: under write-through, queue them for L3."""
+        if self.write_back or not self.tier.available:
+            return
+        self._enqueue(ns, ns_id, keys, page_bytes, pinned=True)
+
+    def shortfall(self) -> None:
+        """An allocation fell short: under write-back, make evictable pages now."""
+        if self.write_back:
+            self._urgent = True
+            self._wake.set()
+
+    def _enqueue(self, ns: bytes, ns_id: int, keys: list[bytes], page_bytes: int,
+                 pinned: bool, bound: bool = True, slots: list[int] | None = None) -> int:
+        limit = self.tier.cfg.write_back_queue if bound else 1 << 62
+        added = dropped = 0
+        for j, key in enumerate(keys):
+            if key in self._queued:
+                continue
+            if len(self._queued) >= limit:
+                dropped += 1
+                continue
+            self._queued.add(key)
+            self._queue.append(_Item(ns, ns_id, key, page_bytes, pinned,
+                                     slots[j] if slots is not None else -1))
+            added += 1
+        self.counters.l3_write_queued_pages += added
+        self.counters.l3_write_dropped_pages += dropped
+        if added:
+            self._wake.set()
+        return added
+
+    def _select_cold(self, window: int | None) -> int:
+        """Queue the coldest evictable pages not in L3 (the first ``window``, or all)."""
+        self._last_scan = time.monotonic()
+        slots = self.pool.evictable_slots()
+        picked: dict[tuple[bytes, int, int], list[tuple[bytes, int]]] = {}
+        for slot in slots if window is None else slots[:window]:
+            info = self.pool.describe(slot)
+            if info.in_l3 or info.key is None or info.key in self._queued:
+                continue
+            ns = self.tier.namespace_of(info.ns_id)
+            if ns is None:  # a page no session of this daemon has named: it cannot be written
+                self.pool.mark_in_l3([slot])
+                continue
+            page_bytes = self.tier.page_bytes_of(info.class_id)
+            picked.setdefault((ns, info.ns_id, page_bytes), []).append((info.key, slot))
+        return sum(self._enqueue(ns, ns_id, [k for k, _ in pages], pb, pinned=False,
+                                 bound=window is not None, slots=[s for _, s in pages])
+                   for (ns, ns_id, pb), pages in picked.items())
+
+    def _pressure(self) -> bool:
+        st = self.pool.stats()
+        return st.used_bytes >= WRITE_BACK_HIGH * st.capacity_bytes
+
+    # ------------------------------------------------------------------ the loop
+    async def run(self) -> None:
+        """Write queued pages until cancelled (owned by the daemon's task group)."""
+        while True:
+            timeout = self._next_wakeup()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
+            self._wake.clear()
+            self._step()
+
+    def _step(self) -> None:
+        now = time.monotonic()
+        if self._retry:
+            due = [it for it in self._retry if it.due <= now]
+            if due:
+                self._retry = [it for it in self._retry if it.due > now]
+                self._queue.extendleft(reversed(due))
+        if self.write_back and self.tier.available and (
+                self._urgent or (now - self._last_scan >= WRITE_BACK_PERIOD_S and self._pressure())):
+            self._urgent = False
+            self._select_cold(WRITE_BACK_WINDOW)
+        while self._queue and len(self._tasks) < WRITE_CONCURRENCY:
+            batch = self._take_batch()
+            task = asyncio.get_running_loop().create_task(self._write(batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._batch_done)
+
+    def _next_wakeup(self) -> float | None:
+        waits = []
+        if self._retry:
+            waits.append(max(0.0, min(it.due for it in self._retry) - time.monotonic()))
+        if self.write_back:
+            waits.append(WRITE_BACK_PERIOD_S)
+        return min(waits) if waits else None
+
+    def _take_batch(self) -> list[_Item]:
+        first = self._queue.popleft()
+        batch = [first]
+        while self._queue and len(batch) < WRITE_BATCH:
+            it = self._queue[0]
+            if (it.ns, it.page_bytes, it.pinned) != (first.ns, first.page_bytes, first.pinned):
+                break
+            batch.append(self._queue.popleft())
+        return batch
+
+    def _batch_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("an L3 write batch failed", exc_info=task.exception())
+        self.tier.apply_write_policy()
+        self._wake.set()
+
+    # ------------------------------------------------------------------ one batch
+    async def _write(self, batch: list[_Item]) -> None:
+        pool, c = self.pool, self.counters
+        items: list[_Item] = []
+        slots: list[int] = []
+        pins: list[int] = []
+        try:
+            for it in batch:
+                slot = self._hold(it)
+                if slot is None:  # gone from L2 before its turn
+                    self._queued.discard(it.key)
+                    c.l3_write_dropped_pages += 1
+                    continue
+                if it.pinned:
+                    pins.append(slot)
+                if pool.describe(slot).in_l3:
+                    self._finish(it)
+                    c.l3_write_skipped_pages += 1
+                    continue
+                items.append(it)
+                slots.append(slot)
+            if not items:
+                return
+            ns, length = items[0].ns, items[0].page_bytes
+            keys = [it.key for it in items]
+            present = await self.tier.l3_run(ns, keys) if self.tier.available else 0
+            if present:
+                pool.mark_in_l3(slots[:present])
+                c.l3_write_skipped_pages += present
+                for it in items[:present]:
+                    self._finish(it)
+            rest, rest_slots = items[present:], slots[present:]
+            if not rest:
+                return
+            flags = await self.tier.put(ns, [it.key for it in rest],
+                                        [pool.slot_offset(s) for s in rest_slots], length)
+            ok = [s for s, f in zip(rest_slots, flags) if f]
+            if ok:
+                pool.mark_in_l3(ok)
+            c.l3_write_written_pages += len(ok)
+            c.bytes_to_l3 += len(ok) * length
+            for it, slot, f in zip(rest, rest_slots, flags):
+                if f:
+                    self._finish(it)
+                else:
+                    self._failed(it, slot)
+        finally:
+            for it in batch:
+                self._writing.pop(it.key, None)
+            if pins:
+                pool.unpin(pins)
+
+    def _hold(self, it: _Item) -> int | None:
+        """Keep the page's slot from being reused during the write; its slot, or None."""
+        if it.pinned:
+            got = self.pool.pin(it.ns_id, [it.key])
+            return got[0] if got else None
+        # write-back: not in L3, so not evictable; a flush pins it (flush_guard)
+        if not self._holds(it):
+            return None
+        self._writing[it.key] = it
+        return it.slot
+
+    def _holds(self, it: _Item) -> bool:
+        info = self.pool.describe(it.slot)
+        return info.state == PageState.READY and info.key == it.key and info.ns_id == it.ns_id
+
+    def _finish(self, it: _Item) -> None:
+        self._queued.discard(it.key)
+
+    def _failed(self, it: _Item, slot: int) -> None:
+        it.attempts += 1
+        if it.attempts <= MAX_RETRIES and self.tier.healthy:
+            it.due = time.monotonic() + RETRY_BACKOFF_S * (2 ** (it.attempts - 1))
+            self._retry.append(it)
+            self.counters.l3_write_retries += 1
+            return
+        self._queued.discard(it.key)
+        self.counters.l3_write_failed_pages += 1
+        if not it.pinned and self._holds(it):
+            self.pool.mark_in_l3([slot])  # give up the L3 copy, never the L2 slot
+
+    # ------------------------------------------------------------------ flush and shutdown
+    @contextlib.contextmanager
+    def flush_guard(self) -> Iterator[None]:
+        """Pin the unpinned pages being written back for the duration of an L2 flush."""
+        held = [(it.ns_id, it.key) for it in self._writing.values()]
+        pins = [s for ns_id, key in held for s in self.pool.pin(ns_id, [key])]
+        try:
+            yield
+        finally:
+            if pins:
+                self.pool.unpin(pins)
+
+    async def drain(self, deadline: float) -> None:
+        """Write what the policy asks for before a shutdown, until ``deadline`` (monotonic)."""
+        if not self.tier.available:
+            return
+        if self.write_back:
+            self._select_cold(None)
+        while (self._queue or self._retry or self._tasks) and time.monotonic() < deadline:
+            self._step()
+            waits = list(self._tasks)
+            timeout = max(0.0, deadline - time.monotonic())
+            if waits:
+                await asyncio.wait(waits, timeout=min(timeout, 0.1))
+            elif self._retry:
+                await asyncio.sleep(min(timeout, self._next_wakeup() or 0.0))
+        left = len(self._queue) + len(self._retry)
+        if left:
+            log.warning("shutdown: %d pages were not written to L3 in time", left)
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=max(0.0, deadline - time.monotonic()))

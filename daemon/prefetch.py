@@ -1,0 +1,297 @@
+"""Prefetch: L3 → L2 fills into WRITING slots, with bounded concurrency.
+
+A PREFETCH allocates host slots for the run of a chain that L3 holds (WRITING: invisible
+to lookups, never evicted) and reads the pages into them in batches of
+:data:`READ_BATCH` pages, at most ``prefetch_concurrency`` batches in flight daemon-wide.
+Pages become READY in chain order, as soon as every page before them has verified::
+
+    fill   k3  k4  k5  k6  k7  k8  k9  k10        (WRITING slots, one chain)
+    fate   C   C   C   V   R   R   P   P          C committed (READY)  V verified
+                       ▲ waits for k7             R reading  P pending  X aborted
+
+A read that does not verify (missing, corrupt, backend down) is a miss: that page and
+every page after it are aborted (freed), since a page is useless without its prefix;
+the verified leading run stays committed. A cancelled fill (its CLAIM ended it, or its
+session closed) commits the verified leading run it has and aborts the rest.
+
+A slot is never freed while a backend read may still write into it: pages being read
+are aborted only when their read returns (a backend's worker thread finishes its batch
+even when the caller gives up). So "abort" waits, but never blocks the event loop.
+
+Accounting (:class:`~kvtier.daemon.stats.Counters`): every started page ends exactly once,
+as completed, cancelled or failed. Pages read but never loaded (evicted or flushed first,
+or read and then discarded by a cancellation) also count as unused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvtier.daemon.host_pool import HostPool
+from kvtier.daemon.stats import Counters
+
+log = logging.getLogger("kvtier.daemon.prefetch")
+
+READ_BATCH = 16
+"""Pages per backend ``get_into`` call of a fill."""
+
+MAX_TRACKED = 1 << 18
+"""Prefetched pages remembered until their first load (to count the unused ones)."""
+
+ReadFn = Callable[[bytes, list[bytes], list[int], int], Awaitable[list[bool]]]
+
+
+class Fate(enum.IntEnum):
+    """Where one page of a fill stands."""
+
+    PENDING = 0  # allocated, not read yet
+    READING = 1  # a backend read into its slot is in flight
+    VERIFIED = 2  # read and verified, waiting for the pages before it
+    BAD = 3  # the read did not verify
+    COMMITTED = 4  # READY in L2
+    ABORTED = 5  # slot freed
+
+
+_OPEN = (Fate.PENDING, Fate.VERIFIED, Fate.BAD)  # abortable now (not READING, not ended)
+
+
+@dataclass(eq=False, slots=True)
+class Fill:
+    """The L3 → L2 reads of one chain run of one namespace.
+
+    Attributes:
+        ns / ns_id: namespace fingerprint (names objects in L3) and pool namespace id.
+        page_bytes: bytes per page.
+        keys / slots / offsets: the pages, their WRITING slots and arena offsets, in
+            chain order.
+        fate: per page, a :class:`Fate`.
+        committed: leading pages committed so far.
+        cut: pages at and after ``cut`` are given up (a failed read, a cancellation).
+        cancelled: ended by a claim or its session rather than by a failed read.
+        done: resolved once every page is committed or aborted.
+    """
+
+    ns: bytes
+    ns_id: int
+    page_bytes: int
+    keys: list[bytes]
+    slots: list[int]
+    offsets: list[int]
+    fate: list[Fate]
+    done: asyncio.Future[None]
+    committed: int = 0
+    cut: int = 0
+    cancelled: bool = False
+    ended: int = 0
+
+    @property
+    def pages(self) -> int:
+        """Pages in the fill."""
+        return len(self.keys)
+
+
+@dataclass(eq=False, slots=True)
+class PrefetchJob:
+    """One PREFETCH of one session, until its CLAIM.
+
+    Attributes:
+        ns_id: the session's namespace.
+        fill: the fill this prefetch started (None when L3 had too little, or when every
+            page was already being filled by another prefetch).
+        deps: fills of other prefetches that hold pages of this chain.
+        pages: pages the claim may wait for (own and dependencies').
+        started: loop time of the PREFETCH (the ``timeout`` policy counts from it).
+    """
+
+    ns_id: int
+    fill: Fill | None
+    deps: list[Fill] = field(default_factory=list)
+    pages: int = 0
+    started: float = 0.0
+
+    @property
+    def fills(self) -> list[Fill]:
+        """Every fill the claim waits for."""
+        return self.deps + ([self.fill] if self.fill is not None else [])
+
+
+class Prefetcher:
+    """Runs fills and remembers prefetched pages until they are loaded.
+
+    Args:
+        pool: the host pool (slots are allocated, committed and aborted here).
+        counters: the daemon's counters.
+        read: reads pages from L3 into arena offsets, one flag per page; never raises for
+            a miss or a backend fault.
+        concurrency: backend reads in flight at once, across every fill.
+    """
+
+    def __init__(self, pool: HostPool, counters: Counters, read: ReadFn, concurrency: int) -> None:
+        self.pool = pool
+        self.counters = counters
+        self._read_fn = read
+        self._sem = asyncio.Semaphore(concurrency)
+        self._filling: dict[bytes, Fill] = {}  # key -> the fill writing it
+        self._fills: set[Fill] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._fetched: OrderedDict[bytes, int] = OrderedDict()  # key -> ns_id, not loaded yet
+
+    @property
+    def active(self) -> int:
+        """Fills not finished yet."""
+        return len(self._fills)
+
+    def set_concurrency(self, n: int) -> None:
+        """Change the read concurrency for reads that start from now on."""
+        self._sem = asyncio.Semaphore(n)
+
+    def dependencies(self, keys: Sequence[bytes]) -> list[Fill]:
+        """Return the running fills that hold any of ``keys`` (each once)."""
+        if not self._filling:
+            return []
+        found = {id(f): f for k in keys if (f := self._filling.get(k)) is not None}
+        return list(found.values())
+
+    def start(self, ns: bytes, ns_id: int, owner: int, class_id: int, page_bytes: int,
+              keys: Sequence[bytes], parent_key: bytes | None) -> Fill | None:
+        """Allocate WRITING slots for the keys L2 lacks and start reading them.
+
+        Args:
+            ns / ns_id: namespace fingerprint and pool id.
+            owner / class_id: tenant charged and page class.
+            page_bytes: bytes per page.
+            keys: the chain run to fetch (L3 holds it).
+            parent_key: the key before ``keys[0]``, if any.
+
+        Returns:
+            The fill, or None when nothing could be allocated.
+        """
+        pairs = self.pool.allocate(ns_id, owner, class_id, keys, parent_key)
+        if not pairs:
+            return None
+        loop = asyncio.get_running_loop()
+        slots = [s for _, s in pairs]
+        fill = Fill(ns=ns, ns_id=ns_id, page_bytes=page_bytes, keys=[keys[i] for i, _ in pairs],
+                    slots=slots, offsets=[self.pool.slot_offset(s) for s in slots],
+                    fate=[Fate.PENDING] * len(pairs), done=loop.create_future(), cut=len(pairs))
+        self.counters.l3_prefetch_started_pages += fill.pages
+        self._fills.add(fill)
+        for k in fill.keys:
+            self._filling[k] = fill
+        for a in range(0, fill.pages, READ_BATCH):
+            task = loop.create_task(self._read(fill, a, min(a + READ_BATCH, fill.pages)))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return fill
+
+    def cancel(self, fill: Fill | None) -> None:
+        """Keep the verified leading run of ``fill``; give up the rest (idempotent)."""
+        if fill is None or fill.done.done():
+            return
+        fill.cancelled = True
+        self._settle(fill)  # commit what verified, so the cut keeps it
+        fill.cut = min(fill.cut, fill.committed)
+        self._settle(fill)
+
+    async def wait(self, fills: Sequence[Fill], timeout: float) -> None:
+        """Wait until every fill is done or ``timeout`` seconds have passed."""
+        pending = [f.done for f in fills if not f.done.done()]
+        if pending and timeout > 0:
+            await asyncio.wait(pending, timeout=timeout)
+
+    async def close(self, timeout: float) -> None:
+        """Give every fill up and wait (at most ``timeout``) for the reads in flight."""
+        for fill in list(self._fills):
+            self.cancel(fill)
+        if self._tasks:
+            _, pending = await asyncio.wait(set(self._tasks), timeout=timeout)
+            if pending:
+                log.warning("%d L3 reads still running at shutdown; abandoning them", len(pending))
+
+    # ------------------------------------------------------------------ loads and evictions
+    def loaded(self, keys: Sequence[bytes]) -> None:
+        """Pages of ``keys`` were loaded by an engine: they were used."""
+        if self._fetched:
+            pop = self._fetched.pop
+            for k in keys:
+                pop(k, None)
+
+    def evicted(self, keys: Sequence[bytes]) -> None:
+        """Pages of ``keys`` left L2: those prefetched and never loaded count as unused."""
+        if self._fetched:
+            pop = self._fetched.pop
+            self.counters.l3_prefetch_unused_pages += sum(pop(k, None) is not None for k in keys)
+
+    def sweep(self) -> None:
+        """Count prefetched pages no longer in L2 (after a flush) as unused."""
+        gone = [k for k, ns_id in self._fetched.items() if not self.pool.resident_run(ns_id, [k])]
+        self.evicted(gone)
+
+    # ------------------------------------------------------------------ fills
+    async def _read(self, fill: Fill, a: int, b: int) -> None:
+        async with self._sem:
+            b = min(b, fill.cut)
+            if a < b:
+                for i in range(a, b):
+                    fill.fate[i] = Fate.READING
+                # Cancelled (only at shutdown): the pages stay READING, so nothing frees a
+                # slot a backend thread may still be writing into.
+                flags = await self._read_fn(fill.ns, fill.keys[a:b], fill.offsets[a:b],
+                                            fill.page_bytes)
+                for i, ok in enumerate(flags, a):
+                    fill.fate[i] = Fate.VERIFIED if ok else Fate.BAD
+                    if not ok:
+                        fill.cut = min(fill.cut, i)
+        self._settle(fill)
+
+    def _settle(self, fill: Fill) -> None:
+        """Commit the verified leading run; abort what lies past the cut and is not being
+        read; resolve ``done`` when every page has ended."""
+        fate, c = fill.fate, fill.committed
+        j = c
+        while j < fill.cut and fate[j] is Fate.VERIFIED:
+            j += 1
+        if j > c:
+            slots = fill.slots[c:j]
+            self.pool.commit(slots)
+            self.pool.mark_in_l3(slots)
+            for i in range(c, j):
+                fate[i] = Fate.COMMITTED
+                self._release_key(fill, i)
+                self._remember(fill.keys[i], fill.ns_id)
+            fill.committed = j
+            fill.ended += j - c
+            self.counters.l3_prefetch_completed_pages += j - c
+            self.counters.bytes_from_l3 += (j - c) * fill.page_bytes
+        if fill.cut < fill.pages:
+            gone = [i for i in range(fill.cut, fill.pages) if fate[i] in _OPEN]
+            if gone:
+                self.pool.abort([fill.slots[i] for i in gone])
+                c = self.counters
+                for i in gone:
+                    if fate[i] is Fate.VERIFIED:
+                        c.l3_prefetch_unused_pages += 1  # read, then discarded
+                    if fill.cancelled and fate[i] is not Fate.BAD:
+                        c.l3_prefetch_cancelled_pages += 1
+                    else:
+                        c.l3_prefetch_failed_pages += 1
+                    fate[i] = Fate.ABORTED
+                    self._release_key(fill, i)
+                fill.ended += len(gone)
+        if fill.ended == fill.pages and not fill.done.done():
+            fill.done.set_result(None)
+            self._fills.discard(fill)
+
+    def _release_key(self, fill: Fill, i: int) -> None:
+        if self._filling.get(fill.keys[i]) is fill:
+            del self._filling[fill.keys[i]]
+
+    def _remember(self, key: bytes, ns_id: int) -> None:
+        self._fetched[key] = ns_id
+        if len(self._fetched) > MAX_TRACKED:
+            self._fetched.popitem(last=False)

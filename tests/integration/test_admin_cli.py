@@ -1,0 +1,205 @@
+"""``kvtier stats | sessions | flush | health``: the installed console script against real daemons."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.engines import OTHER, SMALL, engine, fill_page, tokens
+from tests.servers import find_binary
+
+pytestmark = pytest.mark.timeout(120)
+
+KVTIER = find_binary("kvtier")
+
+
+def kvtier(*args: str, env: dict[str, str] | None = None,
+           timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """Run the ``kvtier`` console script with a clean ``KVTIER_*`` environment plus ``env``."""
+    if KVTIER is None:
+        pytest.fail(f"the kvtier console script is not installed next to {sys.executable}")
+    base = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    base.update(env or {})
+    base["COLUMNS"] = "120"  # rich wraps at the terminal width; keep rows on one line
+    return subprocess.run([KVTIER, *args], env=base, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+def one_line(text: str) -> str:
+    """The only line of ``text`` (fails when there are more or none)."""
+    lines = text.strip().splitlines()
+    assert len(lines) == 1, f"expected one line, got {lines!r}"
+    return lines[0]
+
+
+def stored(rdir: Path, n: int = 4, model: str = "m", geometry=SMALL, salt: int = 0):
+    """A registered engine that stored ``n`` pages; returns (pool, conn, keys)."""
+    pool, conn = engine(rdir, geometry, model=model)
+    keys = conn.page_keys(tokens(n * geometry.page_size, salt=salt))
+    for p in range(n):
+        fill_page(pool, p, seed=p + 1)
+    assert conn.store(keys, list(range(n))).wait()
+    assert conn.lookup(keys).l2 == n
+    return pool, conn, keys
+
+
+# ---------------------------------------------------------------------------- health
+def test_health_exits_0_when_serving_and_1_once_the_daemon_is_gone(daemon):
+    r = kvtier("health", "--runtime-dir", str(daemon.runtime_dir))
+    assert r.returncode == 0, r.stderr
+    line = one_line(r.stdout)
+    assert line.startswith("ok: ") and str(daemon.socket) in line and "0 sessions" in line
+    # the endpoint found through the environment, as engines find it
+    r = kvtier("health", env={"KVTIER_RUNTIME_DIR": str(daemon.runtime_dir)})
+    assert r.returncode == 0 and r.stdout.startswith("ok: ")
+    assert kvtier("health", "--endpoint", daemon.endpoint).returncode == 0
+    assert kvtier("health", "--endpoint", str(daemon.socket)).returncode == 0
+    assert daemon.stop() == 0
+    r = kvtier("health", "--runtime-dir", str(daemon.runtime_dir), "--timeout", "1")
+    assert r.returncode == 1
+    assert one_line(r.stdout).startswith("unhealthy: kvtierd is not running")
+
+
+def test_health_exits_1_when_a_killed_daemon_left_its_socket_behind(daemon):
+    daemon.kill()
+    assert daemon.socket.exists()  # kill -9: nobody removed it, so the client must time out
+    r = kvtier("health", "--runtime-dir", str(daemon.runtime_dir), "--timeout", "0.5")
+    assert r.returncode == 1
+    assert one_line(r.stdout).startswith("unhealthy: ")
+    assert "did not answer" in r.stdout or "not reachable" in r.stdout
+
+
+# ---------------------------------------------------------------------------- stats
+def test_stats_table_and_json_show_pool_sessions_hits_and_bytes(daemon):
+    pool, conn, keys = stored(daemon.runtime_dir, n=3)
+    try:
+        assert conn.load(keys, [10, 11, 12]).wait()
+        r = kvtier("stats", "--runtime-dir", str(daemon.runtime_dir))
+        assert r.returncode == 0, r.stderr
+        out = r.stdout
+        for text in ("L2 host pool", "Hit rates", "Bytes moved", "L3 storage", "sessions    1",
+                     "of 64.0 MiB", "3 of 3 (100.0%)", "engine → L2", "L2 → engine",
+                     f"{3 * SMALL.page_size:,} tokens loaded"):
+            assert text in out, f"{text!r} missing from:\n{out}"
+        r = kvtier("stats", "--json", "--runtime-dir", str(daemon.runtime_dir))
+        assert r.returncode == 0, r.stderr
+        snap = json.loads(r.stdout)
+        assert snap["pool"]["pages_ready"] == 3
+        assert snap["counters"]["store_pages"] == 3
+        assert snap["counters"]["bytes_to_engine"] == 3 * SMALL.page_bytes
+        assert [s["pid"] for s in snap["sessions"]] == [os.getpid()]
+    finally:
+        conn.close()
+        pool.close()
+
+
+def test_stats_watch_refreshes_a_bounded_number_of_times(daemon):
+    rdir = str(daemon.runtime_dir)
+    r = kvtier("stats", "--runtime-dir", rdir, "--watch", "0.1", "--count", "3")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("L2 host pool") == 3
+    r = kvtier("stats", "--runtime-dir", rdir, "--watch", "0.1", "--count", "3", "--json")
+    assert r.returncode == 0, r.stderr
+    frames = [json.loads(line) for line in r.stdout.splitlines()]
+    assert len(frames) == 3
+    assert frames[0]["uptime_s"] < frames[1]["uptime_s"] < frames[2]["uptime_s"]
+    # a daemon that goes away: each refresh reports it, and the last one sets the status
+    assert daemon.stop() == 0
+    r = kvtier("stats", "--runtime-dir", rdir, "--watch", "0.1", "--count", "2", "--json")
+    assert r.returncode == 1
+    assert [json.loads(line).keys() for line in r.stdout.splitlines()] == [{"error"}, {"error"}]
+
+
+def test_sessions_table_and_json(daemon):
+    r = kvtier("sessions", "--runtime-dir", str(daemon.runtime_dir))
+    assert r.returncode == 0 and one_line(r.stdout) == "no sessions"
+    pa, ca, _ = stored(daemon.runtime_dir, n=1, model="a")
+    pb, cb, _ = stored(daemon.runtime_dir, n=1, model="b", geometry=OTHER)
+    try:
+        r = kvtier("sessions", "--runtime-dir", str(daemon.runtime_dir))
+        assert r.returncode == 0, r.stderr
+        assert "2 sessions" in r.stdout
+        assert r.stdout.count(str(os.getpid())) == 2
+        assert "16.0 KiB" in r.stdout and "3.0 KiB" in r.stdout  # both page sizes
+        r = kvtier("sessions", "--json", "--runtime-dir", str(daemon.runtime_dir))
+        sessions = json.loads(r.stdout)
+        assert sorted(s["session_id"] for s in sessions) == sorted([ca.session_id, cb.session_id])
+        assert {s["tenant"] for s in sessions} == {"default"}
+        assert {s["page_bytes"] for s in sessions} == {SMALL.page_bytes, OTHER.page_bytes}
+    finally:
+        for c, p in ((ca, pa), (cb, pb)):
+            c.close()
+            p.close()
+
+
+# ---------------------------------------------------------------------------- flush and admin
+def test_flush_and_stats_need_the_admin_token_when_one_is_configured(daemon_factory):
+    d = daemon_factory("--admin-token", "s3cret")
+    rdir = str(d.runtime_dir)
+    pool, conn, keys = stored(d.runtime_dir, n=4)
+    try:
+        for args, env in ((("flush",), None),
+                          (("flush", "--admin-token", "wrong-token"), None),
+                          (("flush",), {"KVTIER_ADMIN_TOKEN": "wrong-token"}),
+                          (("stats",), None)):
+            r = kvtier(*args, "--runtime-dir", rdir, env=env)
+            assert r.returncode == 1, (args, r.stdout, r.stderr)
+            assert "UNAUTHORIZED" in one_line(r.stderr)
+            assert "wrong-token" not in r.stderr + r.stdout
+        assert conn.lookup(keys).l2 == 4  # nothing was dropped
+        r = kvtier("flush", "--runtime-dir", rdir, env={"KVTIER_ADMIN_TOKEN": "s3cret"})
+        assert r.returncode == 0, r.stderr
+        assert one_line(r.stdout).startswith("flushed 4 L2 pages")
+        assert conn.lookup(keys).l2 == 0
+        r = kvtier("stats", "--json", "--runtime-dir", rdir, "--admin-token", "s3cret")
+        assert r.returncode == 0 and json.loads(r.stdout)["pool"]["pages_ready"] == 0
+    finally:
+        conn.close()
+        pool.close()
+
+
+def test_flush_one_namespace_leaves_the_others(daemon):
+    pa, ca, ka = stored(daemon.runtime_dir, n=4, model="a")
+    pb, cb, kb = stored(daemon.runtime_dir, n=3, model="b")
+    try:
+        r = kvtier("flush", "--runtime-dir", str(daemon.runtime_dir), "--tier", "l2",
+                   "--namespace", ca.ns_fingerprint.hex())
+        assert r.returncode == 0, r.stderr
+        assert one_line(r.stdout).startswith("flushed 4 L2 pages")
+        assert ca.lookup(ka).l2 == 0
+        assert cb.lookup(kb).l2 == 3
+    finally:
+        for c, p in ((ca, pa), (cb, pb)):
+            c.close()
+            p.close()
+
+
+@pytest.mark.parametrize("args", [
+    ("flush", "--tier", "l4"),
+    ("flush", "--namespace", "zz"),
+    ("flush", "--namespace", "ab" * 31),
+    ("stats", "--watch", "0"),
+    ("stats", "--watch", "nan"),
+    ("stats", "--count", "2"),
+    ("stats", "--bogus"),
+    ("health", "--timeout", "-1"),
+    ("health", "--runtime-dir", "/tmp/x", "--endpoint", "ipc:///tmp/x/s"),
+])
+def test_usage_errors_exit_2_with_one_line_and_send_nothing(daemon, args):
+    r = kvtier(*args[:1], "--runtime-dir", str(daemon.runtime_dir), *args[1:]) \
+        if "--runtime-dir" not in args else kvtier(*args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    line = one_line(r.stderr)
+    assert line.startswith(f"kvtier {args[0]}: ") and "--help" in line
+    assert r.stdout == ""
+
+
+def test_bad_environment_is_a_usage_error():
+    r = kvtier("health", env={"KVTIER_REQUEST_TIMEOUT_S": "soon"})
+    assert r.returncode == 2
+    assert "KVTIER_REQUEST_TIMEOUT_S" in one_line(r.stderr)
