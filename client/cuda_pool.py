@@ -29,7 +29,6 @@ from collections.abc import Mapping
 from typing import Literal
 
 import torch
-
 from kvtier.client.kv_pool import TORCH_DTYPES
 from kvtier.ipc import cuda_ipc
 from kvtier.ipc.cuda_ipc import AllocationRange, CudaExport, CudaIpcError
@@ -158,7 +157,7 @@ class CudaKVPool:
         self._flat = None
         self._export = None
 
-    def __enter__(self) -> CudaKVPool:
+    def __enter__(self) -> CudaKVPool:  # noqa: PYI034 (the class is not subclassed)
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-
 from kvtier.ipc import cuda_ipc
 from kvtier.ipc.cuda_ipc import CudaIpcError
 
@@ -45,7 +44,7 @@ class CudaLayerWaiter:
         CudaUnavailable: no GPU.
     """
 
-    __slots__ = ("device", "_layers", "_ready")
+    __slots__ = ("_layers", "_ready", "device")
 
     def __init__(self, device: torch.device | int | str, event_handles: Sequence[bytes],
                  ready_handle: bytes) -> None:

@@ -34,8 +34,7 @@ import threading
 import time
 
 import torch
-
-from kvtier.daemon.cuda_memory import CudaEngineMemory
+from kvtier.daemon.cuda_memory import CudaEngineMemory, CudaMemoryError
 from kvtier.daemon.transfers import Direction, Transfer
 from kvtier.ipc import cuda_ipc
 from kvtier.ipc.completion import CompletionBlock, TransferStatus
@@ -66,8 +65,8 @@ class CudaSessionCopier:
         stuck: a copy never finished on the GPU; the stream is then never destroyed.
     """
 
-    __slots__ = ("device", "stream", "layer_events", "ready_event", "event_handles",
-                 "ready_handle", "lock", "stuck", "_raw_stream")
+    __slots__ = ("_raw_stream", "device", "event_handles", "layer_events", "lock", "ready_event",
+                 "ready_handle", "stream", "stuck")
 
     def __init__(self, device: torch.device, raw_stream: int, layer_events: list[torch.cuda.Event],
                  event_handles: list[bytes], ready_event: torch.cuda.Event,
@@ -87,7 +86,8 @@ class CudaSessionCopier:
         """Make the stream and ``num_layers + 1`` events for a session on ``memory.device``.
 
         Raises:
-            CudaIpcError: the stream or an event cannot be created.
+            CudaMemoryError: the stream or an event cannot be created (the daemon answers
+                BAD_MEMORY, as for memory it cannot open).
         """
         cupy = cuda_ipc.cupy_module()
         device = memory.device
@@ -96,14 +96,16 @@ class CudaSessionCopier:
             with cupy.cuda.Device(ordinal):
                 raw = int(cupy.cuda.runtime.streamCreateWithFlags(_STREAM_NON_BLOCKING))
         except cupy.cuda.runtime.CUDARuntimeError as err:
-            raise cuda_ipc.CudaIpcError(f"cannot create a CUDA stream on cuda:{ordinal}: {err}") \
-                from err
+            raise CudaMemoryError(f"cannot create a CUDA stream on cuda:{ordinal}: {err}") from err
         try:
             made = [cuda_ipc.create_ipc_event(device)
                     for _ in range(memory.geometry.num_layers + 1)]
-        except BaseException:
+        except BaseException as err:
             with cupy.cuda.Device(ordinal):
                 cupy.cuda.runtime.streamDestroy(raw)
+            if isinstance(err, (cuda_ipc.CudaIpcError, RuntimeError)):
+                raise CudaMemoryError(f"cannot create interprocess events on cuda:{ordinal}: "
+                                      f"{err}") from err
             raise
         (ready, ready_handle), layers = made[-1], made[:-1]
         return cls(device, raw, [e for e, _ in layers], [h for _, h in layers], ready,
@@ -146,7 +148,7 @@ def _wait_gpu(event: torch.cuda.Event, deadline: float) -> bool:
         if time.monotonic() >= deadline:
             return False
         time.sleep(delay)
-        delay = min(delay * 2, 1e-3)
+        delay = min(delay * 2, 200e-6)
     return True
 
 

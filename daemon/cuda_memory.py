@@ -30,7 +30,6 @@ import threading
 from dataclasses import dataclass
 
 import torch
-
 from kvtier.daemon.engine_memory import MAX_PAGES, EngineMemoryError
 from kvtier.ipc import cuda_ipc
 from kvtier.ipc.cuda_ipc import CudaIpcError
@@ -116,13 +115,13 @@ class CudaRuntime:
     Close it after every session's memory is closed and before the arena is unmapped.
     """
 
-    __slots__ = ("_lock", "_ordinals", "_mappings", "_pinned", "_pinned_here", "_closed")
+    __slots__ = ("_closed", "_lock", "_mappings", "_ordinals", "_pinned", "_pinned_here")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._ordinals: dict[str, int] = {}
         self._mappings: dict[tuple[int, bytes], _Mapping] = {}
-        self._pinned: tuple[int, int] | None = None  # (address, bytes)
+        self._pinned: tuple[int, int, int] | None = None  # (address, bytes, ordinal)
         self._pinned_here = False
         self._closed = False
 
@@ -180,7 +179,7 @@ class CudaRuntime:
         cupy = cuda_ipc.cupy_module()
         with self._lock:
             if self._pinned is not None:
-                if self._pinned != (ptr, nbytes):
+                if self._pinned[:2] != (ptr, nbytes):
                     raise CudaMemoryError("a different host arena is already pinned")
                 return
             try:
@@ -196,7 +195,7 @@ class CudaRuntime:
                         f"(RLIMIT_MEMLOCK soft={soft} hard={hard}; run kvtierd with "
                         "LimitMEMLOCK=infinity)") from err
                 self._pinned_here = False  # pinned by someone else in this process: keep it
-            self._pinned = (ptr, nbytes)
+            self._pinned = (ptr, nbytes, ordinal)
             log.info("host pool pinned for CUDA: %d bytes at %#x", nbytes, ptr)
 
     def acquire(self, ordinal: int, handle: bytes) -> tuple[int, int | None]:
@@ -263,7 +262,8 @@ class CudaRuntime:
         if pinned is not None and self._pinned_here:
             cupy = cuda_ipc.cupy_module()
             try:
-                cupy.cuda.runtime.hostUnregister(pinned[0])
+                with cupy.cuda.Device(pinned[2]):
+                    cupy.cuda.runtime.hostUnregister(pinned[0])
             except cupy.cuda.runtime.CUDARuntimeError as err:
                 log.warning("cudaHostUnregister of the host pool failed: %s", err)
 
@@ -289,8 +289,8 @@ class CudaEngineMemory:
             opened (nothing stays open then).
     """
 
-    __slots__ = ("geometry", "num_pages", "device", "device_uuid", "buffers", "paths", "stuck",
-                 "_runtime", "_opened")
+    __slots__ = ("_opened", "_runtime", "buffers", "device", "device_uuid", "geometry",
+                 "num_pages", "paths", "stuck")
 
     def __init__(self, geometry: Geometry, memory: KVMemory, runtime: CudaRuntime) -> None:
         self.geometry = geometry

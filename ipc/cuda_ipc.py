@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
 from kvtier.config.errors import KvtierError
 from kvtier.ipc.protocol import KVMemory, MemorySegment
 
@@ -322,12 +321,12 @@ def allocation_range(ptr: int, ordinal: int,
     for rng in known:
         if ptr in rng:
             return rng
-    rng = mapped_range(ptr)
-    if rng is not None:
-        return rng
-    rng = range_from_snapshot(torch.cuda.memory_snapshot(), ptr, ordinal)
-    if rng is not None:
-        return rng
+    from_driver = mapped_range(ptr)
+    if from_driver is not None:
+        return from_driver
+    from_torch = range_from_snapshot(torch.cuda.memory_snapshot(), ptr, ordinal)
+    if from_torch is not None:
+        return from_torch
     raise CudaIpcError(f"cannot find the allocation holding {ptr:#x} on cuda:{ordinal} (the "
                        "CUDA driver could not be asked and torch's caching allocator does not "
                        "own it)")
@@ -450,7 +449,7 @@ def export_tensors(tensors: Sequence[torch.Tensor],
 class _CudaMallocBlock:
     """Owns one ``cudaMalloc`` allocation; frees it when garbage collected."""
 
-    __slots__ = ("ptr", "nbytes", "ordinal", "_finalizer", "__weakref__")
+    __slots__ = ("__weakref__", "_finalizer", "nbytes", "ordinal", "ptr")
 
     def __init__(self, ptr: int, nbytes: int, ordinal: int) -> None:
         self.ptr, self.nbytes, self.ordinal = ptr, nbytes, ordinal
@@ -472,7 +471,7 @@ class _DeviceBytes:
     Holds ``owner`` (or nothing) alive for as long as any tensor over the bytes lives.
     """
 
-    __slots__ = ("ptr", "nbytes", "owner")
+    __slots__ = ("nbytes", "owner", "ptr")
 
     def __init__(self, ptr: int, nbytes: int, owner: object) -> None:
         self.ptr, self.nbytes, self.owner = ptr, nbytes, owner
