@@ -61,6 +61,9 @@ class DemoConfig:
         restart: ``engine`` (SIGKILL the engine half-way) or ``daemon`` (restart both).
         own_daemon: always start a private daemon.
         seed: seed of the token streams.
+        threads: the engine's torch compute threads (one by default: on a small shared machine
+            two threads that other processes preempt stall at every operator, which makes
+            short prefills look far slower than they are).
     """
 
     model: str = "default"
@@ -73,6 +76,7 @@ class DemoConfig:
     restart: str = "engine"
     own_daemon: bool = False
     seed: int = 0
+    threads: int = 1
 
 
 class _Worker:
@@ -81,7 +85,7 @@ class _Worker:
     def __init__(self, cfg: DemoConfig, rdir: Path, num_pages: int) -> None:
         cmd = [sys.executable, "-m", "kvtier.client.engine.worker", "--model", cfg.model,
                "--page-size", str(cfg.page_size), "--num-pages", str(num_pages),
-               "--runtime-dir", str(rdir)]
+               "--runtime-dir", str(rdir), "--threads", str(cfg.threads)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=None, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self._buf = b""
@@ -335,6 +339,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--user-tokens", type=int)
     p.add_argument("--reply-tokens", type=int)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="engine compute threads")
     p.add_argument("--own-daemon", action="store_true", help="always start a private daemon")
     p.add_argument("--json", metavar="PATH", help="write the results here")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of TTFT and hits per turn")
@@ -344,7 +349,7 @@ def main(argv: list[str]) -> int:
                      conversations=args.conversations, turns=args.turns,
                      system_tokens=args.system_tokens or system, user_tokens=args.user_tokens or user,
                      reply_tokens=args.reply_tokens or reply, restart=args.restart,
-                     own_daemon=args.own_daemon, seed=args.seed)
+                     own_daemon=args.own_daemon, seed=args.seed, threads=args.threads)
     try:
         result = run_demo(cfg)
     except KvtierError as err:

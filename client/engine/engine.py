@@ -1,4 +1,4 @@
-"""The reference engine: a :class:`TinyLlama` over a paged KV pool in shared memory, with kvtier.
+"""The reference engine: a :class:`TinyLlama` over a paged KV pool, with kvtier on, L1-only or off.
 
 It serves one request at a time, the way an inference engine's scheduler would drive kvtier::
 
@@ -135,7 +135,10 @@ class _LayerGate:
 
 
 class ReferenceEngine:
-    """A single-request engine over a shared-memory KV pool, with kvtier on, L1-only or off.
+    """A single-request engine over a paged KV pool, with kvtier on, L1-only or off.
+
+    With kvtier on the pool is a :class:`SharedKVPool` (the daemon maps it); otherwise it is
+    process-private memory of the same layout.
 
     Args:
         model_config: the model (default :meth:`ModelConfig.default`); ignored when ``model``
@@ -164,13 +167,19 @@ class ReferenceEngine:
         self.page_size = page_size
         self.client_config = client_config or ClientConfig()
         self.geometry = geometry_for(self.model.cfg, page_size)
-        self.pool = SharedKVPool(self.geometry, num_pages)
+        # Only a daemon needs to map the KV: other modes keep it private, so a killed process
+        # leaves nothing behind in /dev/shm (the daemon removes a dead engine's segment).
+        self.pool = SharedKVPool(self.geometry, num_pages) if mode == "on" else None
+        if self.pool is not None:
+            self.k_cache, self.v_cache = self.pool.k, self.pool.v
+        else:
+            self.k_cache, self.v_cache = new_kv_cache(self.model.cfg, num_pages, page_size)
         self.allocator = PageAllocator(num_pages)
         self.connection: Connection | None = None
         self.cache: CacheManager | None = None
         self._closed = False
         try:
-            if mode == "on":
+            if self.pool is not None:
                 self.connection = Connection(self.pool, model_id or model_id_for(self.model.cfg),
                                              config=self.client_config)
             if mode != "off":
@@ -249,7 +258,9 @@ class ReferenceEngine:
         finally:
             if self.connection is not None:
                 self.connection.close()
-            self.pool.close()
+            if self.pool is not None:
+                self.pool.close()
+            self.k_cache, self.v_cache = [], []
 
     def __enter__(self) -> ReferenceEngine:  # noqa: PYI034 (the class is not subclassed)
         return self
@@ -269,7 +280,7 @@ class ReferenceEngine:
         if pages is None:
             raise DevicePoolExhausted(f"{n_pages} pages needed, {self.allocator.free_count} free")
         try:
-            logits = self.model.prefill(toks, 0, pages, self.pool.k, self.pool.v)
+            logits = self.model.prefill(toks, 0, pages, self.k_cache, self.v_cache)
             ttft = time.perf_counter() - t0
             out = self._decode(toks, logits, pages, max_new)
         finally:
@@ -312,7 +323,7 @@ class ReferenceEngine:
         """Prefill over the cached prefix; None when the load failed (nothing may be used)."""
         gate = _LayerGate(load) if load.pages else None
         try:
-            logits = self.model.prefill(toks, cached_len, table, self.pool.k, self.pool.v,
+            logits = self.model.prefill(toks, cached_len, table, self.k_cache, self.v_cache,
                                         layer_wait=gate)
         except _LoadFailed:
             load.finish()
@@ -328,7 +339,7 @@ class ReferenceEngine:
             old = set(load.page_ids)
             owned[:] = [p for p in owned if p not in old] + fresh
         table[l1: l1 + len(fresh)] = fresh
-        return self.model.prefill(toks, l1 * self.page_size, table, self.pool.k, self.pool.v)
+        return self.model.prefill(toks, l1 * self.page_size, table, self.k_cache, self.v_cache)
 
     def _decode(self, toks: list[int], logits: torch.Tensor, table: list[int],
                 max_new: int) -> list[int]:
@@ -336,6 +347,6 @@ class ReferenceEngine:
         for step in range(max_new):
             out.append(int(logits.argmax()))
             if step + 1 < max_new:
-                logits = self.model.decode(out[-1], len(toks) + step, table, self.pool.k,
-                                           self.pool.v)
+                logits = self.model.decode(out[-1], len(toks) + step, table, self.k_cache,
+                                           self.v_cache)
         return out

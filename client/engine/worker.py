@@ -75,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--endpoint", help="the daemon's ZeroMQ endpoint (overrides --runtime-dir)")
     p.add_argument("--write-policy", default="write_through",
                    choices=("write_through", "write_through_selective", "write_back"))
+    p.add_argument("--threads", type=int, help="torch compute threads (default: torch's choice)")
     p.add_argument("--no-compare", action="store_true",
                    help="no uncached engine (requests asking to compare fail)")
     return p
@@ -149,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     """
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     cfg = ClientConfig(runtime_dir=args.runtime_dir, endpoint=args.endpoint,
                        hicache_write_policy=args.write_policy)
     model = TinyLlama(model_config(args.model))
