@@ -15,15 +15,18 @@ rounded up to ``align``). Every extent reserves ``per_extent`` global slot ids::
     slot id = extent * M + i          offset = extent * extent_bytes + i * stride
 
 A free slot of a class is taken from, in order: the class's free list (an intrusive
-doubly linked list through :attr:`HostArena.prev` / :attr:`HostArena.next`), a fresh slot
+doubly linked list through :attr:`SlotAllocator.prev` / ``next``), a fresh slot
 of the extent the class is cutting (ascending offsets, so consecutive allocations are
 contiguous), a free extent (lowest first). A slot given back goes to its class's free
 list; the last slot of an extent gives the whole extent back.
 
-The pool threads its evictable list through the same two link arrays: a FREE slot is
-only on a free list and an evictable page only on the evictable list. Each extent's page
-size is mirrored into the persistent extent table (0 = free): written before the
-extent's first slot is handed out, cleared after its last slot is FREE.
+Each extent's page size is mirrored into the persistent extent table (0 = free):
+written before the extent's first slot is handed out, cleared after its last slot is
+FREE. Also here, the other intrusive lists the pool threads through slot ids, all
+allocation-free: :class:`RecencyLists` (the evictable pages, LRU; its global list shares
+the free lists' link arrays, since a FREE slot is never evictable) and
+:class:`ChildLists` (each page's resident children). The ``rebuild`` methods relink
+everything at once with numpy when a pool is adopted.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from array import array
 from dataclasses import dataclass
 
 import numpy as np
-from kvtier.daemon.pool_meta import NIL, HostPoolError, PoolLayout
+from kvtier.daemon.pool_meta import NIL, HostPoolError, PoolLayout, round_up
 
 
 @dataclass(slots=True)
@@ -59,37 +62,9 @@ class PageClass:
     writing: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class ClassStats:
-    """Counters of one page class.
-
-    Attributes:
-        class_id: id from :meth:`HostArena.register_class`.
-        page_bytes: page size the class was registered with.
-        stride: slot size (``page_bytes`` rounded up to the alignment).
-        slots_per_extent: slots the class cuts from one extent.
-        extents: extents the class holds.
-        pages_ready: READY pages of the class.
-        pages_writing: WRITING pages of the class.
-    """
-
-    class_id: int
-    page_bytes: int
-    stride: int
-    slots_per_extent: int
-    extents: int
-    pages_ready: int
-    pages_writing: int
-
-
 def filled(typecode: str, value: int, n: int) -> array[int]:
     """Return an ``array(typecode)`` of ``n`` copies of ``value``."""
     return array(typecode, [value]) * n
-
-
-def round_up(n: int, align: int) -> int:
-    """Round ``n`` up to a multiple of ``align``."""
-    return (n + align - 1) // align * align
 
 
 def push(prev: array[int], nxt: array[int], ends: list[int], stamp: memoryview, s: int) -> None:
@@ -142,31 +117,7 @@ def link_in_order(prev: array[int], nxt: array[int], order: np.ndarray) -> list[
     return [int(order[0]), int(order[-1])]
 
 
-def link_children(
-    first: array[int], sib_prev: array[int], sib_next: array[int], children: array[int],
-    slots: np.ndarray, parents: np.ndarray,
-) -> None:  # fmt: skip
-    """Build every page's list of children at once (adoption), at C speed.
-
-    Args:
-        first / sib_prev / sib_next / children: the pool's child-list arrays, all NIL
-            (``children`` all 0) before the call.
-        slots: the pages, and ``parents`` their parent slots (NIL: none), same order.
-    """
-    has = parents != NIL
-    kids, ps = slots[has], parents[has]
-    order = np.lexsort((kids, ps))
-    kids, ps = kids[order], ps[order]
-    np.frombuffer(children, dtype=np.int32)[:] = np.bincount(ps, minlength=len(children))
-    head = np.ones(len(ps), dtype=bool)
-    head[1:] = ps[1:] != ps[:-1]
-    np.frombuffer(first, dtype=np.int32)[ps[head]] = kids[head]
-    same = ~head[1:]
-    np.frombuffer(sib_next, dtype=np.int32)[kids[:-1][same]] = kids[1:][same]
-    np.frombuffer(sib_prev, dtype=np.int32)[kids[1:][same]] = kids[:-1][same]
-
-
-class HostArena:
+class SlotAllocator:
     """Extents, page classes and free lists of one arena (see the module docstring).
 
     Args:
@@ -231,10 +182,6 @@ class HostArena:
         if cid == NIL:
             raise HostPoolError(f"slot {slot} lies in extent {e}, which is not allocated")
         return e * self.extent_bytes + (slot - e * self.per_extent) * self.classes[cid].stride
-
-    def class_of(self, slot: int) -> int:
-        """Return the class of ``slot``'s extent (NIL when the extent is free)."""
-        return self.ext_class[slot // self.per_extent]
 
     def take(self, cid: int) -> int:
         """Hand out a free slot of ``cid`` (free list, fresh slot, free extent), or NIL."""
@@ -342,19 +289,19 @@ class RecencyLists:
     """The evictable pages in recency order: one global list and one per owner.
 
     Both are intrusive doubly linked lists, cold end first; the global one threads
-    through the arena's link pair (:attr:`HostArena.prev` / :attr:`HostArena.next`),
+    through the allocator's link pair (:attr:`SlotAllocator.prev` / ``next``),
     which a FREE slot uses for its free list instead. A page is placed by
     :func:`push`: at the cold end if not more recent than it, else at the hot end.
 
     Args:
-        arena: the arena whose link pair the global list shares.
+        slots: the allocator whose link pair the global list shares.
         stamp: the last-access column (larger is more recent).
     """
 
-    def __init__(self, arena: HostArena, stamp: memoryview) -> None:
-        self.prev, self.next = arena.prev, arena.next
-        self.oprev = filled("i", NIL, arena.n_slots)
-        self.onext = filled("i", NIL, arena.n_slots)
+    def __init__(self, slots: SlotAllocator, stamp: memoryview) -> None:
+        self.prev, self.next = slots.prev, slots.next
+        self.oprev = filled("i", NIL, slots.n_slots)
+        self.onext = filled("i", NIL, slots.n_slots)
         self.ends = [NIL, NIL]  # global list: [cold end, hot end]
         self.own_ends: dict[int, list[int]] = {}  # per owner, created on first use
         self._stamp = stamp
@@ -398,4 +345,71 @@ class RecencyLists:
         self.ends = link_in_order(self.prev, self.next, cold_first)
         for o in np.unique(owners).tolist():
             self.own_ends[o] = link_in_order(self.oprev, self.onext, cold_first[owners == o])
+
+
+class ChildLists:
+    """Each page's resident children: a count and an intrusive sibling list per parent.
+
+    The parent links themselves are the pool's persistent parent column; these lists
+    are private and rebuilt from it on adoption.
+
+    Args:
+        n_slots: slot ids of the pool.
+        parent: the parent column (NIL: none), cleared here when a child is unlinked.
+    """
+
+    def __init__(self, n_slots: int, parent: memoryview) -> None:
+        self.count = filled("i", 0, n_slots)
+        self.first = filled("i", NIL, n_slots)
+        self.sib_prev = filled("i", NIL, n_slots)
+        self.sib_next = filled("i", NIL, n_slots)
+        self._parent = parent
+
+    def link(self, p: int, c: int) -> None:
+        """Put ``c`` (whose parent column already says ``p``) on ``p``'s list."""
+        head = self.first[p]
+        self.sib_prev[c], self.sib_next[c] = NIL, head
+        if head != NIL:
+            self.sib_prev[head] = c
+        self.first[p] = c
+
+    def unlink(self, p: int, c: int) -> None:
+        """Take ``c`` off ``p``'s list and clear its parent link (the count is the
+        caller's)."""
+        sp, sn = self.sib_prev[c], self.sib_next[c]
+        if sp == NIL:
+            self.first[p] = sn
+        else:
+            self.sib_next[sp] = sn
+        if sn != NIL:
+            self.sib_prev[sn] = sp
+        self._parent[c] = self.sib_prev[c] = self.sib_next[c] = NIL
+
+    def orphan_all(self, p: int) -> None:
+        """Clear the parent link of every child of ``p`` and empty its list."""
+        c = self.first[p]
+        while c != NIL:
+            nxt = self.sib_next[c]
+            self._parent[c] = self.sib_prev[c] = self.sib_next[c] = NIL
+            c = nxt
+        self.first[p] = NIL
+        self.count[p] = 0
+
+    def rebuild(self, slots: np.ndarray, parents: np.ndarray) -> None:
+        """Build every list of empty child lists at once, at C speed (adoption).
+
+        Args:
+            slots: the pages, and ``parents`` their parent slots (NIL: none), same order.
+        """
+        has = parents != NIL
+        kids, ps = slots[has], parents[has]
+        order = np.lexsort((kids, ps))
+        kids, ps = kids[order], ps[order]
+        np.frombuffer(self.count, dtype=np.int32)[:] = np.bincount(ps, minlength=len(self.count))
+        head = np.ones(len(ps), dtype=bool)
+        head[1:] = ps[1:] != ps[:-1]
+        np.frombuffer(self.first, dtype=np.int32)[ps[head]] = kids[head]
+        same = ~head[1:]
+        np.frombuffer(self.sib_next, dtype=np.int32)[kids[:-1][same]] = kids[1:][same]
+        np.frombuffer(self.sib_prev, dtype=np.int32)[kids[1:][same]] = kids[:-1][same]
 

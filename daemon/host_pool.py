@@ -9,7 +9,7 @@ Page metadata lives in flat per-slot arrays created once. What must survive a re
 (state, key, namespace, owner, payload length, parent, last access, in-L3 flag, checksum,
 seal) is a column of the metadata buffer, for a daemon the start of the pool's
 shared-memory file, so every change persists as it is made. Pins, child lists and links
-are private arrays, rebuilt by :meth:`HostPool.open`. Intrusive doubly linked lists
+are private arrays, rebuilt by :meth:`HostPool.adopt`. Intrusive doubly linked lists
 allocate nothing: a free list per class, the global evictable list and one per owner
 (recency order, cold end first), and each page's list of resident children.
 
@@ -40,7 +40,7 @@ marked in L3 (within the bounded scan), so no slot is reused before its page rea
 L3. A write-back task pins cold pages, copies them to L3, calls
 :meth:`HostPool.mark_in_l3` and unpins them.
 
-Restart (:meth:`HostPool.open`): READY pages that verify come back with their keys,
+Restart (:meth:`HostPool.adopt`): READY pages that verify come back with their keys,
 namespaces, owners, offsets and in-L3 flags; WRITING pages and pins are dropped; the
 rest is rebuilt (the evictable lists by last-access stamp). Hot paths: lookup is a dict
 probe per key at C speed (``_ready_ns``); commit adds one xxh3 of the key (the seal).
@@ -50,25 +50,25 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from kvtier.daemon.host_arena import (
-    ClassStats,
-    HostArena,
+    ChildLists,
     PageClass,
     RecencyLists,
+    SlotAllocator,
     filled,
-    link_children,
 )
 from kvtier.daemon.pool_meta import (
     HAS_CHECKSUM,
     KEY_BYTES,
     NIL,
     AdoptResult,
+    ClassStats,
     EvictedPage,
     HostPoolError,
+    HostPoolStats,
     IdTable,
     PageInfo,
     PageState,
@@ -96,38 +96,11 @@ class PageStateError(HostPoolError):
     """A page state transition was asked of a page in the wrong state."""
 
 
-@dataclass(frozen=True, slots=True)
-class HostPoolStats:
-    """A snapshot of the pool's counters.
-
-    Attributes:
-        capacity_bytes: the arena size the pool was built with.
-        used_bytes: bytes of READY and WRITING slots (pages x stride).
-        pages_ready / pages_writing: pages in each state.
-        pages_pinned: pages with at least one pin.
-        evictions: pages evicted since construction or adoption (flushes not counted).
-        evicted_unlogged: evictions left out of the full eviction log.
-        extents_free / extents_total: extents owned by no class / in the arena.
-        classes: per-class counters, by class id.
-    """
-
-    capacity_bytes: int
-    used_bytes: int
-    pages_ready: int
-    pages_writing: int
-    pages_pinned: int
-    evictions: int
-    evicted_unlogged: int
-    extents_free: int
-    extents_total: int
-    classes: tuple[ClassStats, ...]
-
-
 class HostPool:
     """Slot allocator and L2 index over one host arena (see the module docstring).
 
     The constructor builds an empty pool whose metadata lives in private memory (nothing
-    persists); :meth:`open` builds one over a persistent metadata buffer and adopts it.
+    persists); :meth:`adopt` moves it onto persistent metadata and adopts what it holds.
 
     Args:
         capacity_bytes: arena size; ``capacity_bytes // extent_bytes`` extents are used.
@@ -155,109 +128,111 @@ class HostPool:
         layout = PoolLayout.plan(capacity_bytes, extent_bytes, align, min_page_bytes)
         meta = PoolMeta(bytearray(layout.meta_bytes), layout)
         meta.format(zero=False)
-        self._setup(meta, max_evicted_log)
+        self.evict_requires_l3 = False  # write-back hook: evict only pages marked in L3
+        self._max_log = max_evicted_log
+        self._quota: dict[int, int] = {}
+        self._setup(meta)
 
-    @classmethod
-    def open(
-        cls,
-        meta: Any,
-        layout: PoolLayout,
-        *,
-        arena: Any | None = None,
-        cold_start: bool | str = False,
-        max_evicted_log: int = 65536,
-    ) -> tuple[HostPool, AdoptResult]:
-        """Build a pool over persistent metadata: adopt what it holds, or start empty.
+    def adopt(self, meta: Any, *, arena: Any | None = None,
+              cold_start: bool | str | None = False) -> AdoptResult:  # fmt: skip
+        """Move this pool, still empty, onto persistent metadata and adopt what it holds.
 
-        When the header matches ``layout`` (magic, format version, checksum, geometry),
-        the generation is incremented and READY pages that verify are adopted; WRITING
-        pages and all pins are dropped (whoever held them is gone). Otherwise, or with
-        ``cold_start``, the metadata is formatted: an empty pool, generation 1.
+        When the stored header matches :attr:`layout` (magic, format version, checksum,
+        geometry), the generation is incremented and READY pages that verify come back;
+        WRITING pages and all pins are dropped (whoever held them is gone). Otherwise, or
+        with ``cold_start``, the metadata is formatted: an empty pool, generation 1.
+        Quotas, :attr:`evict_requires_l3` and registered classes (with their ids) are
+        kept; the eviction counters restart; namespace and owner ids come from the
+        adopted tables, so ask for them (:meth:`namespace_id`, :meth:`owner_id`) after.
 
         Args:
-            meta: writable buffer of at least ``layout.meta_bytes`` (the first bytes of
-                the pool file's mapping).
-            layout: from :meth:`PoolLayout.plan` with the current config.
-            arena: the arena (``layout.capacity_bytes`` bytes from ``layout.arena_offset``)
-                to verify each READY page's payload against its checksum; pages committed
-                without a checksum are then dropped. None adopts payloads unverified
-                (seals are checked either way).
-            cold_start: discard on purpose; a string is the reason to report.
-            max_evicted_log: as for the constructor.
+            meta: writable buffer of at least ``layout.meta_bytes`` bytes (the first bytes
+                of the pool file's mapping); the pool keeps views of it until :meth:`close`.
+            arena: the arena (``capacity_bytes`` from ``layout.arena_offset``), to verify
+                each READY page's payload against its checksum; pages committed without
+                one are then dropped. None adopts payloads unverified (row seals are
+                checked either way).
+            cold_start: discard on purpose; a string is the reason to report (such as
+                the ``why_new`` of :func:`map_pool_file`); None or False adopts.
 
         Returns:
-            ``(pool, result)``; ``result.summary`` is the line to log.
+            What was adopted or why nothing was; ``summary`` is the line to log.
 
         Raises:
-            HostPoolError: the buffer is read-only or too small, or the arena too small.
+            HostPoolError: the pool holds pages, the buffer is read-only or too small, or
+                the arena is too small. The pool is unchanged.
         """
+        if self._index:
+            raise HostPoolError(f"adopt needs an empty pool; {len(self._index)} pages are resident")
+        old = self._meta
+        result = self._bind(PoolMeta(meta, old.layout), arena, cold_start,
+                            [c.page_bytes for c in self._classes])  # fmt: skip
+        old.release()
+        return result
+
+    @property
+    def layout(self) -> PoolLayout:
+        """The pool's geometry and metadata layout (what :func:`map_pool_file` needs)."""
+        return self._meta.layout
+
+    def _bind(self, pm: PoolMeta, arena: Any | None, cold_start: bool | str | None,
+              classes: Sequence[int]) -> AdoptResult:  # fmt: skip
+        """Check, then format or adopt ``pm``, and rebuild this pool over it."""
         t0 = time.perf_counter()
-        pm = PoolMeta(meta, layout)
+        need = pm.layout.n_extents * pm.layout.extent_bytes
+        if arena is not None:
+            with memoryview(arena) as view:
+                nbytes = view.nbytes
+            if nbytes < need:
+                pm.release()
+                raise HostPoolError(f"the arena has {nbytes} bytes, the pool needs {need}")
         reason = pm.mismatch() if not cold_start else (
             cold_start if isinstance(cold_start, str) else "cold start requested")
-        pool = cls.__new__(cls)
         if reason is not None:
             pm.format()
-            pool._setup(pm, max_evicted_log)
-            return pool, AdoptResult(False, reason, 0, 0, 0, time.perf_counter() - t0, 1)
-        gen = pm.bump_generation()
-        pool._setup(pm, max_evicted_log)
-        scan = pm.adopt_rows(pool._arena.usable_per_extent(), arena)
-        pool._adopt(scan.slots, scan.keys, scan.parents)
-        return pool, AdoptResult(True, "metadata matches the config", len(scan.keys),
-                                 scan.dropped, scan.payload_bytes, time.perf_counter() - t0,
-                                 gen)  # fmt: skip
+        gen = 1 if reason is not None else pm.bump_generation()
+        self._setup(pm)
+        for page_bytes in classes:
+            self.register_class(page_bytes)
+        if reason is not None:
+            return AdoptResult(False, reason, 0, 0, 0, time.perf_counter() - t0, gen)
+        scan = pm.adopt_rows(self._slots.usable_per_extent(), arena)
+        self._adopt(scan.slots, scan.keys, scan.parents)
+        return AdoptResult(True, "metadata matches the config", len(scan.keys), scan.dropped,
+                           scan.payload_bytes, time.perf_counter() - t0, gen)  # fmt: skip
 
-    def _setup(self, meta: PoolMeta, max_evicted_log: int) -> None:
+    def _setup(self, meta: PoolMeta) -> None:
         """Bind the metadata columns and create the private arrays (an empty pool)."""
         layout = meta.layout
-        n_slots = layout.n_slots
-        self.capacity_bytes = layout.capacity_bytes
-        self.extent_bytes = layout.extent_bytes
-        self.align = layout.align
-        self.n_extents = layout.n_extents
-        self.n_slots = n_slots
-        self.evict_requires_l3 = False  # write-back hook: evict only pages marked in L3
+        self.capacity_bytes, self.extent_bytes = layout.capacity_bytes, layout.extent_bytes
+        self.align, self.n_extents, self.n_slots = layout.align, layout.n_extents, layout.n_slots
         self._per_extent = layout.per_extent
-        self._max_log = max_evicted_log
         self._meta = meta
-        self._arena = arena = HostArena(layout, meta.ext_bytes)
-        self._classes: list[PageClass] = arena.classes
-        self._ext_class = arena.ext_class
-
-        # persistent columns (shared memory for a daemon's pool)
-        self._state = meta.state
-        self._in_l3 = meta.in_l3
-        self._ns = meta.ns
-        self._owner = meta.owner
-        self._stamp = meta.stamp
-        self._parent = meta.parent
-        # private arrays
-        self._pins = filled("i", 0, n_slots)
-        self._children = filled("i", 0, n_slots)
-        self._first_child = filled("i", NIL, n_slots)
-        self._sib_prev = filled("i", NIL, n_slots)
-        self._sib_next = filled("i", NIL, n_slots)
-        self._key: list[bytes | None] = [None] * n_slots
-
+        self._slots = slots = SlotAllocator(layout, meta.ext_bytes)
+        self._classes: list[PageClass] = slots.classes
+        self._ext_class = slots.ext_class
+        # persistent columns (shared memory for a daemon's pool), then private arrays
+        self._state, self._in_l3, self._stamp = meta.state, meta.in_l3, meta.stamp
+        self._ns, self._owner, self._parent = meta.ns, meta.owner, meta.parent
+        self._pins = filled("i", 0, self.n_slots)
+        self._kids = ChildLists(self.n_slots, meta.parent)  # resident children per page
+        self._children = self._kids.count
+        self._key: list[bytes | None] = [None] * self.n_slots
         self._evict_budget = 1
         self._scan_limit = MIN_SCAN
         self._index: dict[bytes, int] = {}
         # key -> ns_id of READY pages only: lookups run over it at C speed (the LOOKUP hot path)
         self._ready_ns: dict[bytes, int] = {}
-        self._lru = RecencyLists(arena, meta.stamp)  # the evictable pages
+        self._lru = RecencyLists(slots, meta.stamp)  # the evictable pages
         self._owned: dict[int, int] = {}
-        self._quota: dict[int, int] = {}
         self._clock = 0
         self._n_pinned = self._evictions = self._unlogged = 0
         self._evicted: list[EvictedPage] = []
-        self._ns_ids = meta.ids(IdTable.NAMESPACES)
-        self._owner_digests = meta.ids(IdTable.OWNERS)
 
     def _adopt(self, slots: np.ndarray, keys: list[bytes], parents: np.ndarray) -> None:
         """Rebuild the private state of an empty pool from adopted READY rows."""
         meta = self._meta
-        self._arena.rebuild(slots)
+        self._slots.rebuild(slots)
         sl = slots.tolist()
         for s, key in zip(sl, keys):
             self._key[s] = key
@@ -272,8 +247,7 @@ class HostPool:
         owners = meta.array("owner")[slots]
         for o, count in zip(*np.unique(owners, return_counts=True)):
             self._owned[int(o)] = int(count)
-        link_children(self._first_child, self._sib_prev, self._sib_next, self._children,
-                      slots, parents)  # fmt: skip
+        self._kids.rebuild(slots, parents)
         # evictable lists: childless pages by last access, cold end first
         stamps = meta.array("stamp")[slots]
         ev = np.frombuffer(self._children, dtype=np.int32)[slots] == 0
@@ -298,20 +272,20 @@ class HostPool:
             page_bytes: bytes of one page of an engine's model.
 
         Returns:
-            The class id (0, 1, ... in registration order; an adopted pool registers its
-            extents' page sizes first, smallest first).
+            The class id (0, 1, ... in registration order; :meth:`adopt` keeps the ids
+            given before it, then registers its extents' page sizes, smallest first).
 
         Raises:
             HostPoolError: ``page_bytes`` is not positive or its stride exceeds an extent.
         """
-        cid = self._arena.register_class(page_bytes)
+        cid = self._slots.register_class(page_bytes)
         self._evict_budget = max(self._evict_budget, EVICT_FACTOR * self._classes[cid].n)
         self._scan_limit = max(MIN_SCAN, self._evict_budget)
         return cid
 
     def class_stride(self, class_id: int) -> int:
         """Return the slot stride in bytes of ``class_id`` (HostPoolError if unknown)."""
-        self._arena.check_class(class_id)
+        self._slots.check_class(class_id)
         return self._classes[class_id].stride
 
     def slot_offset(self, slot: int) -> int:
@@ -320,45 +294,30 @@ class HostPool:
         Raises:
             HostPoolError: the slot id is out of range or its extent has no class.
         """
-        return self._arena.slot_offset(slot)
+        return self._slots.slot_offset(slot)
 
     # ------------------------------------------------------- persistent ids
 
     def namespace_id(self, fingerprint: bytes) -> int:
-        """Return the namespace id of ``fingerprint``, registering it if new.
+        """Return the id of a namespace fingerprint (32 bytes), registering it if new.
 
         Ids are 1, 2, ... in registration order and persist with the pool: an adopted
         pool gives every fingerprint the id its pages were stored under.
 
-        Args:
-            fingerprint: the namespace fingerprint (32 bytes).
-
         Raises:
             HostPoolError: the fingerprint is not 32 bytes or the table is full.
         """
-        nid = self._ns_ids.get(fingerprint)
-        if nid is None:
-            nid = self._ns_ids[fingerprint] = self._meta.add_id(IdTable.NAMESPACES, fingerprint)
-        return nid
+        return self._meta.id_of(IdTable.NAMESPACES, fingerprint)
 
     def namespaces(self) -> dict[bytes, int]:
         """Return a copy of the persistent ``fingerprint -> namespace id`` table."""
-        return dict(self._ns_ids)
+        return self._meta.ids(IdTable.NAMESPACES)
 
     def owner_id(self, tenant: str) -> int:
-        """Return the owner id of tenant ``tenant``, registering it if new.
-
-        Ids are 1, 2, ... in registration order and persist with the pool (the table
-        stores a SHA-256 of the name), so adopted pages stay charged to their tenant.
-
-        Raises:
-            HostPoolError: the table is full.
-        """
-        digest = tenant_digest(tenant)
-        oid = self._owner_digests.get(digest)
-        if oid is None:
-            oid = self._owner_digests[digest] = self._meta.add_id(IdTable.OWNERS, digest)
-        return oid
+        """Return the owner id of ``tenant``, registering it if new: 1, 2, ... in
+        registration order, persistent like :meth:`namespace_id` (the table holds a
+        SHA-256 of the name). Raises HostPoolError when the table is full."""
+        return self._meta.id_of(IdTable.OWNERS, tenant_digest(tenant))
 
     # ------------------------------------------------------------ page index
 
@@ -432,7 +391,7 @@ class HostPool:
         Raises:
             HostPoolError: unknown class id, or a key longer than 32 bytes.
         """
-        self._arena.check_class(class_id)
+        self._slots.check_class(class_id)
         if keys and max(map(len, keys)) > KEY_BYTES:
             raise HostPoolError(f"page keys must have at most {KEY_BYTES} bytes")
         cls = self._classes[class_id]
@@ -470,7 +429,7 @@ class HostPool:
             state[s] = PageState.WRITING
             self._key[s] = key
             if prev != NIL:
-                self._link_child(prev, s)
+                self._kids.link(prev, s)
             index[key] = s
             cls.writing += 1
             self._owned[owner] = self._owned.get(owner, 0) + 1
@@ -488,7 +447,7 @@ class HostPool:
             slots: WRITING slots, in chain order (the tail ends up coldest).
             checksums: the payload checksum of each slot (:func:`page_checksum` of its
                 page bytes, computed once they landed), same order; None records none
-                (such pages are not adopted by a verifying :meth:`open`).
+                (such pages are not adopted by a verifying :meth:`adopt`).
 
         Raises:
             PageStateError: a slot is not WRITING. Checked before any change, except a
@@ -498,9 +457,8 @@ class HostPool:
         """
         for s in slots:
             self._expect(s, PageState.WRITING, "commit")
-        if checksums is not None and len(checksums) != len(slots) or checksums and (
-            min(checksums) < 0 or max(checksums) > _MAX_U64
-        ):
+        if checksums is not None and (len(checksums) != len(slots) or (
+                checksums and (min(checksums) < 0 or max(checksums) > _MAX_U64))):  # fmt: skip
             raise HostPoolError(f"need one 64-bit checksum per slot ({len(slots)})")
         meta, state, ready_ns, keys = self._meta, self._state, self._ready_ns, self._key
         checksum, flags, seal, stamp = meta.checksum, meta.flags, meta.seal, self._stamp
@@ -524,7 +482,7 @@ class HostPool:
             cls.writing -= 1
             cls.ready += 1
             if self._children[s] == 0:
-                self._enqueue(s)
+                self._lru.enqueue(s, self._owner[s])
 
     def abort(self, slots: Sequence[int]) -> None:
         """Free pages whose fill failed (WRITING -> FREE, keys leave the index).
@@ -564,7 +522,7 @@ class HostPool:
             if pins[s] == 0:
                 self._n_pinned += 1
                 if self._children[s] == 0:
-                    self._dequeue(s)
+                    self._lru.dequeue(s, self._owner[s])
             pins[s] += 1
             self._stamp[s] = self._tick()
         return out
@@ -589,7 +547,7 @@ class HostPool:
             if pins[s] == 0:
                 self._n_pinned -= 1
                 if self._children[s] == 0:
-                    self._enqueue(s)
+                    self._lru.enqueue(s, self._owner[s])
 
     def set_quota(self, owner: int, max_pages: int | None) -> None:
         """Limit the resident (READY + WRITING) pages of ``owner``.
@@ -655,7 +613,7 @@ class HostPool:
                 and (owner is None or self._owner[s] == owner)
             ):
                 parent = self._parent[s]
-                self._dequeue(s)
+                self._lru.dequeue(s, self._owner[s])
                 self._release(s)
                 dropped += 1
                 s = parent if parent != NIL and self._is_evictable(parent) else NIL
@@ -683,7 +641,7 @@ class HostPool:
             pages_pinned=self._n_pinned,
             evictions=self._evictions,
             evicted_unlogged=self._unlogged,
-            extents_free=len(self._arena.free_extents),
+            extents_free=len(self._slots.free_extents),
             extents_total=self.n_extents,
             classes=classes,
         )
@@ -692,11 +650,13 @@ class HostPool:
         """Return what the pool records about ``slot`` (HostPoolError if out of range)."""
         self._check_slot(slot)
         cid = self._ext_class[slot // self._per_extent]
+        meta, ready = self._meta, self._state[slot] == PageState.READY
         return PageInfo(
             slot, PageState(self._state[slot]), self._key[slot], self._ns[slot],
             self._owner[slot], cid, self.slot_offset(slot) if cid != NIL else NIL,
             self._pins[slot], self._parent[slot], self._children[slot],
             bool(self._in_l3[slot]), self._stamp[slot], self._is_evictable(slot),
+            meta.checksum[slot] if ready and meta.flags[slot] & HAS_CHECKSUM else None,
         )  # fmt: skip
 
     def evictable_slots(self, owner: int | None = None) -> list[int]:
@@ -718,7 +678,7 @@ class HostPool:
                     return NIL
                 self._evict(v)
                 budget -= 1
-        s = self._arena.take(cid)
+        s = self._slots.take(cid)
         return s if s != NIL else self._reclaim(cid, scope)
 
     def _reclaim(self, cid: int, owner: int | None) -> int:
@@ -730,14 +690,14 @@ class HostPool:
                 break
             self._evict(v)
             budget -= 1
-            s = self._arena.take(cid)
+            s = self._slots.take(cid)
             if s != NIL:
                 return s
         v = self._coldest(owner, cid)  # fall back to the class's own pages
         if v == NIL:
             return NIL
         self._evict(v)
-        return self._arena.take(cid)
+        return self._slots.take(cid)
 
     def _coldest(self, owner: int | None, cid: int) -> int:
         """Coldest page eviction may take from the global (or ``owner``'s) list, of
@@ -762,7 +722,7 @@ class HostPool:
             self._evicted.append(EvictedPage(key, self._ns[s], s, bool(self._in_l3[s])))
         else:
             self._unlogged += 1
-        self._dequeue(s)
+        self._lru.dequeue(s, self._owner[s])
         self._release(s)
 
     def _release(self, s: int) -> None:
@@ -777,15 +737,9 @@ class HostPool:
         self._key[s] = None
         p = self._parent[s]
         if p != NIL:
-            self._unlink_child(p, s)
+            self._kids.unlink(p, s)
             self._drop_child_ref(p)
-        c = self._first_child[s]
-        while c != NIL:  # only an aborted page can still have children: orphan them
-            nxt = self._sib_next[c]
-            self._parent[c] = self._sib_prev[c] = self._sib_next[c] = NIL
-            c = nxt
-        self._first_child[s] = NIL
-        self._children[s] = 0
+        self._kids.orphan_all(s)  # only an aborted page can still have children
         cls = self._classes[self._ext_class[s // self._per_extent]]
         if was_ready:
             cls.ready -= 1
@@ -793,46 +747,23 @@ class HostPool:
         else:
             cls.writing -= 1
         self._owned[self._owner[s]] -= 1
-        self._arena.give_back(s)
+        self._slots.give_back(s)
 
     # ------------------------------------------------------ intrusive lists
 
     def _is_evictable(self, s: int) -> bool:
         return self._state[s] == PageState.READY and self._pins[s] == 0 and self._children[s] == 0
 
-    def _enqueue(self, s: int) -> None:
-        self._lru.enqueue(s, self._owner[s])
-
-    def _dequeue(self, s: int) -> None:
-        self._lru.dequeue(s, self._owner[s])
-
     def _add_child_ref(self, p: int) -> None:
         if self._is_evictable(p):
-            self._dequeue(p)
+            self._lru.dequeue(p, self._owner[p])
         self._children[p] += 1
 
     def _drop_child_ref(self, p: int) -> None:
         self._children[p] -= 1
         assert self._children[p] >= 0
         if self._is_evictable(p):
-            self._enqueue(p)
-
-    def _link_child(self, p: int, c: int) -> None:
-        head = self._first_child[p]
-        self._sib_prev[c], self._sib_next[c] = NIL, head
-        if head != NIL:
-            self._sib_prev[head] = c
-        self._first_child[p] = c
-
-    def _unlink_child(self, p: int, c: int) -> None:
-        sp, sn = self._sib_prev[c], self._sib_next[c]
-        if sp == NIL:
-            self._first_child[p] = sn
-        else:
-            self._sib_next[sp] = sn
-        if sn != NIL:
-            self._sib_prev[sn] = sp
-        self._parent[c] = self._sib_prev[c] = self._sib_next[c] = NIL
+            self._lru.enqueue(p, self._owner[p])
 
     # ---------------------------------------------------------------- checks
 

@@ -24,13 +24,15 @@ Crash safety comes from write order alone, since a killed process loses no store
 already made to shared memory: a page's key, namespace, owner, length, parent, payload
 checksum and seal are written while it is FREE or WRITING, and its state byte flips to
 READY last; freeing flips the state byte first. A page is adopted only when READY and
-its seal, ``xxh3_64(key, seed=f(checksum, ns))``, matches: a torn or stray write to a
+its seal, ``xxh3_64(key, seed=checksum ^ ns)``, matches: a torn or stray write to a
 row is a drop, never a page served under the wrong key. With the arena at hand the
 payload is verified as well (xxh3-64, about 0.1 s per GiB).
 
 Namespace fingerprints and tenant names are persisted in two id tables (an id is the
 entry index + 1; an entry's digest is written before its used flag), because ids are
-what the per-slot columns store.
+what the per-slot columns store. The records the pool reports (:class:`PageInfo`,
+:class:`EvictedPage`, :class:`HostPoolStats`, :class:`AdoptResult`) live here too, so
+that the pool and its persistence share them.
 """
 
 from __future__ import annotations
@@ -115,7 +117,8 @@ class IdTable(IntEnum):
     OWNERS = 1
 
 
-def _round_up(n: int, align: int) -> int:
+def round_up(n: int, align: int) -> int:
+    """Round ``n`` up to a multiple of ``align``."""
     return (n + align - 1) // align * align
 
 
@@ -222,7 +225,7 @@ class PoolLayout:
         n_extents = capacity_bytes // extent_bytes
         if n_extents < 1:
             raise HostPoolError(f"capacity_bytes={capacity_bytes} holds no {extent_bytes}B extent")
-        min_stride = _round_up(max(1, min_page_bytes or align), align)
+        min_stride = round_up(max(1, min_page_bytes or align), align)
         if min_stride > extent_bytes:
             raise HostPoolError(f"min_page_bytes={min_page_bytes} exceeds extent_bytes")
         if id_capacity < 1:
@@ -232,13 +235,13 @@ class PoolLayout:
         if n_slots >= 2**31:
             raise HostPoolError(f"{n_slots} slot ids exceed 2**31; raise min_page_bytes")
         ids_off = HEADER_REGION
-        ext_off = _round_up(ids_off + 2 * id_capacity * (DIGEST_BYTES + 1), 64)
-        off = _round_up(ext_off + 8 * n_extents, 64)
+        ext_off = round_up(ids_off + 2 * id_capacity * (DIGEST_BYTES + 1), 64)
+        off = round_up(ext_off + 8 * n_extents, 64)
         columns = []
         for name, fmt, size in _COLUMNS:
             columns.append((name, fmt, off))
-            off = _round_up(off + size * n_slots, 64)
-        meta_bytes = _round_up(off, max(META_ROUND, align))
+            off = round_up(off + size * n_slots, 64)
+        meta_bytes = round_up(off, max(META_ROUND, align))
         return cls(capacity_bytes, extent_bytes, align, per_extent, n_extents, n_slots,
                    id_capacity, ids_off, ext_off, tuple(columns), meta_bytes)  # fmt: skip
 
@@ -270,6 +273,8 @@ class PoolLayout:
         if not any(raw):
             return "no pool metadata (new pool file)"
         fields = _HEADER.unpack_from(raw)
+        if not any(fields[0]):
+            return "pool metadata incomplete (a format was interrupted)"
         if fields[0] != MAGIC:
             return f"not a kvtier pool header (magic {fields[0]!r})"
         if fields[1] != FORMAT_VERSION:
@@ -317,6 +322,8 @@ class PageInfo:
         in_l3: whether the page is marked as present in L3.
         last_access: recency stamp (larger is more recent).
         evictable: READY with no pins and no resident children.
+        checksum: the payload's xxh3-64 recorded at commit, None when none was (or the
+            page is not READY); the same value an L3 object of the page records.
     """
 
     slot: int
@@ -332,6 +339,57 @@ class PageInfo:
     in_l3: bool
     last_access: int
     evictable: bool
+    checksum: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ClassStats:
+    """Counters of one page class.
+
+    Attributes:
+        class_id: id from :meth:`HostPool.register_class`.
+        page_bytes: page size the class was registered with.
+        stride: slot size (``page_bytes`` rounded up to the alignment).
+        slots_per_extent: slots the class cuts from one extent.
+        extents: extents the class holds.
+        pages_ready: READY pages of the class.
+        pages_writing: WRITING pages of the class.
+    """
+
+    class_id: int
+    page_bytes: int
+    stride: int
+    slots_per_extent: int
+    extents: int
+    pages_ready: int
+    pages_writing: int
+
+
+@dataclass(frozen=True, slots=True)
+class HostPoolStats:
+    """A snapshot of the pool's counters.
+
+    Attributes:
+        capacity_bytes: the arena size the pool was built with.
+        used_bytes: bytes of READY and WRITING slots (pages x stride).
+        pages_ready / pages_writing: pages in each state.
+        pages_pinned: pages with at least one pin.
+        evictions: pages evicted since construction or adoption (flushes not counted).
+        evicted_unlogged: evictions left out of the full eviction log.
+        extents_free / extents_total: extents owned by no class / in the arena.
+        classes: per-class counters, by class id.
+    """
+
+    capacity_bytes: int
+    used_bytes: int
+    pages_ready: int
+    pages_writing: int
+    pages_pinned: int
+    evictions: int
+    evicted_unlogged: int
+    extents_free: int
+    extents_total: int
+    classes: tuple[ClassStats, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -355,7 +413,7 @@ class AdoptScan:
 
 @dataclass(frozen=True, slots=True)
 class AdoptResult:
-    """What :meth:`HostPool.open` did with the metadata it found.
+    """What :meth:`HostPool.adopt` did with the metadata it found.
 
     Attributes:
         adopted: True when the pages were adopted, False when everything was discarded.
@@ -363,7 +421,7 @@ class AdoptResult:
         pages_adopted: READY pages visible again.
         pages_dropped: pages found but not adopted (WRITING, failed checks); 0 on a discard.
         bytes_adopted: payload bytes of the adopted pages.
-        seconds: time :meth:`HostPool.open` took (header, scan, verification, rebuild).
+        seconds: time :meth:`HostPool.adopt` took (header, scan, verification, rebuild).
         generation: the pool's generation now (1 after a discard, +1 per adoption).
     """
 
@@ -426,12 +484,13 @@ class PoolMeta:
         self.ext_bytes = self._raw[layout.ext_off : layout.ext_off + 8 * layout.n_extents].cast("q")
         cols: dict[str, memoryview] = {}
         for (name, fmt, off), (_, _, size) in zip(layout.columns, _COLUMNS):
-            cols[name] = self._raw[off : off + size * n].cast(fmt)
+            cols[name] = self._raw[off : off + size * n].cast(fmt)  # type: ignore[call-overload]
         self.stamp, self.checksum, self.seal = cols["stamp"], cols["checksum"], cols["seal"]
         self.ns, self.owner, self.length = cols["ns"], cols["owner"], cols["length"]
         self.parent, self.key, self.state = cols["parent"], cols["key"], cols["state"]
         self.in_l3, self.key_len, self.flags = cols["in_l3"], cols["key_len"], cols["flags"]
         self._views = [self._raw, self.ext_bytes, *self._digests, *self._used, *cols.values()]
+        self._id_cache = [self._read_ids(t) for t in IdTable]
         self.pack_key = struct.Struct(f"{KEY_BYTES}s").pack_into
 
     # ------------------------------------------------------------------ header
@@ -469,6 +528,7 @@ class PoolMeta:
         head = self.layout.header(1)
         self._raw[len(MAGIC) : len(head)] = head[len(MAGIC) :]
         self._raw[: len(MAGIC)] = MAGIC
+        self._id_cache = [self._read_ids(t) for t in IdTable]
 
     # --------------------------------------------------------------- page keys
 
@@ -488,22 +548,20 @@ class PoolMeta:
     # --------------------------------------------------------------- id tables
 
     def ids(self, table: IdTable) -> dict[bytes, int]:
-        """Return ``digest -> id`` for every used entry of ``table`` (ids are 1-based)."""
-        used, digests = self._used[table], self._digests[table]
-        return {
-            bytes(digests[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES]): i + 1
-            for i in range(self.layout.id_capacity)
-            if used[i]
-        }
+        """Return a copy of ``digest -> id`` of ``table`` (ids are 1-based)."""
+        return dict(self._id_cache[table])
 
-    def add_id(self, table: IdTable, digest: bytes) -> int:
-        """Append ``digest`` to ``table`` and return its id (digest first, flag last).
-
-        The caller checks the digest is not already there (:meth:`ids`).
+    def id_of(self, table: IdTable, digest: bytes) -> int:
+        """Return the id of ``digest`` in ``table``, appending it if new (digest bytes
+        first, used flag last, so a crash never leaves a half-written entry in use).
 
         Raises:
             HostPoolError: the digest is not :data:`DIGEST_BYTES` long or the table is full.
         """
+        known = self._id_cache[table]
+        got = known.get(digest)
+        if got is not None:
+            return got
         if len(digest) != DIGEST_BYTES:
             raise HostPoolError(f"an id digest must have {DIGEST_BYTES} bytes, got {len(digest)}")
         used = self._used[table]
@@ -514,7 +572,13 @@ class PoolMeta:
             )
         self._digests[table][i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES] = digest
         used[i] = 1
+        known[digest] = i + 1
         return i + 1
+
+    def _read_ids(self, table: IdTable) -> dict[bytes, int]:
+        digests = self._digests[table]
+        used = np.flatnonzero(np.frombuffer(self._used[table], dtype=np.uint8)).tolist()
+        return {bytes(digests[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES]): i + 1 for i in used}
 
     # ---------------------------------------------------------------- adoption
 
@@ -531,7 +595,7 @@ class PoolMeta:
 
         Args:
             usable: per extent, the slots its class cuts (0: free or unusable), from
-                :meth:`HostArena.usable_per_extent`.
+                :meth:`SlotAllocator.usable_per_extent`.
             arena: the arena (``capacity_bytes`` from the arena offset), to verify
                 payloads; None trusts them.
 
@@ -555,7 +619,8 @@ class PoolMeta:
         if arena is not None:
             ok &= (flags & HAS_CHECKSUM) != 0
         cand, e, length, flags = cand[ok], e[ok], length[ok], flags[ok]
-        offsets = e * lay.extent_bytes + (cand - e * per) * ((pbs[e] + lay.align - 1) // lay.align * lay.align)
+        strides = (pbs[e] + lay.align - 1) // lay.align * lay.align
+        offsets = e * lay.extent_bytes + (cand - e * per) * strides
         del pbs
         view = None if arena is None else memoryview(arena).cast("B")
         try:
@@ -566,31 +631,47 @@ class PoolMeta:
         finally:
             if view is not None:
                 view.release()
-        slots = np.array(sorted(by_key.values()), dtype=np.int64)
-        keys = [self.get_key(s) for s in slots.tolist()]
+        pairs = sorted((s, key) for key, s in by_key.items())
+        slots = np.array([s for s, _ in pairs], dtype=np.int64)
+        keys = [key for _, key in pairs]
         gone = np.setdiff1d(live, slots)
         state[gone] = PageState.FREE  # first: the rows are free from here on
+        in_l3 = self.array("in_l3")  # allocate leaves it alone: no FREE row may keep it
+        kept = in_l3[slots]
+        in_l3[:] = 0
+        in_l3[slots] = kept
         parents = self._clean_parents(slots)
-        del state
+        del state, in_l3
         return AdoptScan(slots, keys, parents, len(gone), int(self.array("length")[slots].sum()))
 
     def _verify(self, cand: np.ndarray, offsets: np.ndarray, length: np.ndarray,
                 flags: np.ndarray, view: memoryview | None) -> dict[bytes, int]:  # fmt: skip
-        """Seal (and payload) checks of candidate READY rows; return key -> slot."""
-        by_key: dict[bytes, int] = {}
-        checksum, seal, ns, stamp = self.checksum, self.seal, self.ns, self.stamp
+        """Seal (and payload) checks of candidate READY rows; return key -> slot.
+
+        The columns are gathered with numpy first, so the per-row loop only slices a key,
+        hashes it (and the payload) and fills a dict.
+        """
+        n = len(cand)
+        blob = self.array("key").reshape(-1, KEY_BYTES)[cand].tobytes()
+        key_len = self.array("key_len")[cand].tolist()
+        has = (flags & HAS_CHECKSUM) != 0
+        sums = np.where(has, self.array("checksum")[cand], 0).tolist()
+        seeds = ((self.array("checksum")[cand] * has) ^ self.array("ns")[cand].view(np.uint64))
+        seals = self.array("seal")[cand].tolist()
+        stamps = self.array("stamp")[cand].tolist()
         digest = xxhash.xxh3_64_intdigest
-        rows = zip(cand.tolist(), offsets.tolist(), length.tolist(), flags.tolist())
-        for s, off, nbytes, fl in rows:
-            key = self.get_key(s)
-            csum = checksum[s] if fl & HAS_CHECKSUM else 0
-            if seal_of(key, ns[s], csum) != seal[s]:
+        by_key: dict[bytes, int] = {}
+        best: dict[bytes, int] = {}  # key -> stamp of the row holding it
+        rows = zip(range(n), cand.tolist(), seeds.tolist(), seals, key_len, stamps,
+                   offsets.tolist(), length.tolist(), sums)  # fmt: skip
+        for j, s, seed, seal, kl, stamp, off, nbytes, csum in rows:
+            key = blob[j * KEY_BYTES : j * KEY_BYTES + kl]
+            if digest(key, seed) != seal:
                 continue
             if view is not None and digest(view[off : off + nbytes]) != csum:
                 continue
-            other = by_key.get(key)
-            if other is None or stamp[other] < stamp[s]:
-                by_key[key] = s
+            if best.get(key, -1) < stamp:
+                by_key[key], best[key] = s, stamp
         return by_key
 
     def _clean_parents(self, slots: np.ndarray) -> np.ndarray:
@@ -662,7 +743,7 @@ def map_pool_file(
 
     Returns:
         ``(segment, why_new)``: ``why_new`` is None when an existing file was mapped,
-        else why a new one was created (pass it as ``cold_start`` to :meth:`HostPool.open`).
+        else why a new one was created (pass it as ``cold_start`` to :meth:`HostPool.adopt`).
 
     Raises:
         SharedMemoryError: the file can be neither opened nor created.

@@ -467,12 +467,20 @@ class PoolMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.pool = pool_of(3)
+        self.pool = self.make_pool()
         self.cls = [self.pool.register_class(b) for b in CLASS_BYTES]
         self.live: dict[int, tuple[bytes, int]] = {}  # slot -> (key, ns)
         self.ready: set[int] = set()
         self.pins: dict[int, int] = {}
         self.parent_key: dict[int, bytes | None] = {}
+
+    def make_pool(self) -> HostPool:
+        """The pool under test (a subclass may back it with persistent metadata)."""
+        return pool_of(3)
+
+    def commit(self, slots: list[int]) -> None:
+        """Commit ``slots`` (a subclass may fill their payloads and pass checksums)."""
+        self.pool.commit(slots)
 
     def _forget(self, slot: int, aborted: bool = False) -> None:
         key, _ = self.live.pop(slot)
@@ -524,7 +532,7 @@ class PoolMachine(RuleBasedStateMachine):
             return
         chosen = data.draw(st.lists(st.sampled_from(writing), unique=True, max_size=4))
         if data.draw(st.booleans()):
-            self.pool.commit(chosen)
+            self.commit(chosen)
             self.ready.update(chosen)
         else:
             self.pool.abort(chosen)
