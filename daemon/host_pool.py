@@ -43,7 +43,7 @@ L3. A write-back task pins cold pages, copies them to L3, calls
 Restart (:meth:`HostPool.adopt`): READY pages that verify come back with their keys,
 namespaces, owners, offsets and in-L3 flags; WRITING pages and pins are dropped; the
 rest is rebuilt (the evictable lists by last-access stamp). Hot paths: lookup is a dict
-probe per key at C speed (``_ready_ns``); commit adds one xxh3 of the key (the seal).
+probe per key at C speed (``_ready``: the READY keys of each namespace); commit adds one xxh3 of the key (the seal).
 """
 
 from __future__ import annotations
@@ -220,9 +220,11 @@ class HostPool:
         self._key: list[bytes | None] = [None] * self.n_slots
         self._evict_budget = 1
         self._scan_limit = MIN_SCAN
+        # (namespace, key) -> slot of every resident page; a key is only ever seen from
+        # its own namespace, so one tenant cannot even probe another's keys
         self._index: dict[bytes, int] = {}
-        # key -> ns_id of READY pages only: lookups run over it at C speed (the LOOKUP hot path)
-        self._ready_ns: dict[bytes, int] = {}
+        # ns_id -> keys of its READY pages: lookups run over it at C speed (the LOOKUP hot path)
+        self._ready: dict[int, set[bytes]] = {}
         self._lru = RecencyLists(slots, meta.stamp)  # the evictable pages
         self._owned: dict[int, int] = {}
         self._clock = 0
@@ -236,8 +238,11 @@ class HostPool:
         sl = slots.tolist()
         for s, key in zip(sl, keys):
             self._key[s] = key
-        self._index = dict(zip(keys, sl))
-        self._ready_ns = dict(zip(keys, meta.array("ns")[slots].tolist()))
+        nss = meta.array("ns")[slots].tolist()
+        self._index = {_ik(n, k): s for n, k, s in zip(nss, keys, sl)}
+        self._ready = {}
+        for n, k in zip(nss, keys):
+            self._ready.setdefault(n, set()).add(k)
         cids = np.frombuffer(self._ext_class, dtype=np.int32)[slots // self._per_extent]
         for cid, count in zip(*np.unique(cids, return_counts=True)):
             self._classes[int(cid)].ready = int(count)
@@ -333,13 +338,11 @@ class HostPool:
         Returns:
             How many leading keys are READY.
         """
-        found = list(map(self._ready_ns.get, keys))
-        if found.count(ns_id) == len(found):
-            return len(found)
-        for n, v in enumerate(found):
-            if v != ns_id:
-                return n
-        raise AssertionError("unreachable")
+        ready = self._ready.get(ns_id)
+        if not ready:
+            return 0
+        found = list(map(ready.__contains__, keys))
+        return len(found) if all(found) else found.index(False)
 
     def resident_run(self, ns_id: int, keys: Sequence[bytes]) -> int:
         """Return the length of the leading run of ``keys`` resident in ``ns_id``,
@@ -352,11 +355,10 @@ class HostPool:
         Returns:
             How many leading keys are READY or WRITING.
         """
-        index, ns = self._index, self._ns
+        index = self._index
         n = 0
         for key in keys:
-            s = index.get(key)
-            if s is None or ns[s] != ns_id:
+            if _ik(ns_id, key) not in index:
                 break
             n += 1
         return n
@@ -402,14 +404,12 @@ class HostPool:
         out: list[tuple[int, int]] = []
         prev = NIL
         if parent_key is not None:
-            p = index.get(parent_key)
-            if p is not None and self._ns[p] == ns_id:
+            p = index.get(_ik(ns_id, parent_key))
+            if p is not None:
                 prev = p
         for i, key in enumerate(keys):
-            s = index.get(key)
+            s = index.get(_ik(ns_id, key))
             if s is not None:
-                if self._ns[s] != ns_id:
-                    break
                 prev = s
                 continue
             if prev != NIL:
@@ -430,7 +430,7 @@ class HostPool:
             self._key[s] = key
             if prev != NIL:
                 self._kids.link(prev, s)
-            index[key] = s
+            index[_ik(ns_id, key)] = s
             cls.writing += 1
             self._owned[owner] = self._owned.get(owner, 0) + 1
             out.append((i, s))
@@ -460,7 +460,7 @@ class HostPool:
         if checksums is not None and (len(checksums) != len(slots) or (
                 checksums and (min(checksums) < 0 or max(checksums) > _MAX_U64))):  # fmt: skip
             raise HostPoolError(f"need one 64-bit checksum per slot ({len(slots)})")
-        meta, state, ready_ns, keys = self._meta, self._state, self._ready_ns, self._key
+        meta, state, ready, keys = self._meta, self._state, self._ready, self._key
         checksum, flags, seal, stamp = meta.checksum, meta.flags, meta.seal, self._stamp
         digest = xxh3_64_intdigest
         for j in range(len(slots) - 1, -1, -1):
@@ -477,7 +477,7 @@ class HostPool:
             seal[s] = digest(key, (csum ^ ns) & _MAX_U64)  # = seal_of(key, ns, csum)
             stamp[s] = self._tick()
             state[s] = PageState.READY  # last: the row is complete
-            ready_ns[key] = ns
+            ready.setdefault(ns, set()).add(key)
             cls = self._classes[self._ext_class[s // self._per_extent]]
             cls.writing -= 1
             cls.ready += 1
@@ -515,7 +515,7 @@ class HostPool:
         Returns:
             The pinned slots, one per key of the leading READY run.
         """
-        out = [self._index[key] for key in keys[: self.lookup(ns_id, keys)]]
+        out = [self._index[_ik(ns_id, key)] for key in keys[: self.lookup(ns_id, keys)]]
         pins = self._pins
         for j in range(len(out) - 1, -1, -1):
             s = out[j]
@@ -733,7 +733,7 @@ class HostPool:
         was_ready = self._state[s] == PageState.READY
         self._state[s] = PageState.FREE  # first: from here on a crash leaves the slot free
         self._in_l3[s] = 0
-        del self._index[key]
+        del self._index[_ik(self._ns[s], key)]
         self._key[s] = None
         p = self._parent[s]
         if p != NIL:
@@ -743,7 +743,7 @@ class HostPool:
         cls = self._classes[self._ext_class[s // self._per_extent]]
         if was_ready:
             cls.ready -= 1
-            del self._ready_ns[key]
+            self._ready[self._ns[s]].discard(key)
         else:
             cls.writing -= 1
         self._owned[self._owner[s]] -= 1
@@ -784,3 +784,8 @@ class HostPool:
             )
         if op == "unpin" and self._pins[s] == 0:
             raise PageStateError(f"cannot unpin slot {s}: it is READY with no pins")
+
+
+def _ik(ns_id: int, key: bytes) -> bytes:
+    """The index key of ``key`` in namespace ``ns_id``."""
+    return ns_id.to_bytes(4, "little") + key

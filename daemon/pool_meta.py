@@ -588,7 +588,8 @@ class PoolMeta:
         A row is adopted when it is READY; its extent's class cuts its slot (``usable``)
         and matches its payload length; its key fits; its seal matches its key,
         namespace and checksum; with ``arena``, it has a checksum and its payload still
-        hashes to it; and no more recent READY row holds the same key. Every other
+        hashes to it; and no more recent READY row holds the same key in the same
+        namespace. Every other
         non-FREE row (WRITING, failed, duplicate) is set FREE, state byte first. Parent
         links are kept only to an adopted page of the same namespace, and cut on any
         cycle (which only corruption could make); the cleaned links are written back.
@@ -631,7 +632,7 @@ class PoolMeta:
         finally:
             if view is not None:
                 view.release()
-        pairs = sorted((s, key) for key, s in by_key.items())
+        pairs = sorted((s, key) for (_, key), s in by_key.items())
         slots = np.array([s for s, _ in pairs], dtype=np.int64)
         keys = [key for _, key in pairs]
         gone = np.setdiff1d(live, slots)
@@ -645,8 +646,8 @@ class PoolMeta:
         return AdoptScan(slots, keys, parents, len(gone), int(self.array("length")[slots].sum()))
 
     def _verify(self, cand: np.ndarray, offsets: np.ndarray, length: np.ndarray,
-                flags: np.ndarray, view: memoryview | None) -> dict[bytes, int]:  # fmt: skip
-        """Seal (and payload) checks of candidate READY rows; return key -> slot.
+                flags: np.ndarray, view: memoryview | None) -> dict[tuple[int, bytes], int]:  # fmt: skip
+        """Seal (and payload) checks of candidate READY rows; return (ns, key) -> slot.
 
         The columns are gathered with numpy first, so the per-row loop only slices a key,
         hashes it (and the payload) and fills a dict.
@@ -660,18 +661,19 @@ class PoolMeta:
         seals = self.array("seal")[cand].tolist()
         stamps = self.array("stamp")[cand].tolist()
         digest = xxhash.xxh3_64_intdigest
-        by_key: dict[bytes, int] = {}
-        best: dict[bytes, int] = {}  # key -> stamp of the row holding it
+        by_key: dict[tuple[int, bytes], int] = {}
+        best: dict[tuple[int, bytes], int] = {}  # (ns, key) -> stamp of the row holding it
+        nss = self.array("ns")[cand].tolist()
         rows = zip(range(n), cand.tolist(), seeds.tolist(), seals, key_len, stamps,
-                   offsets.tolist(), length.tolist(), sums)  # fmt: skip
-        for j, s, seed, seal, kl, stamp, off, nbytes, csum in rows:
+                   offsets.tolist(), length.tolist(), sums, nss)  # fmt: skip
+        for j, s, seed, seal, kl, stamp, off, nbytes, csum, ns in rows:
             key = blob[j * KEY_BYTES : j * KEY_BYTES + kl]
             if digest(key, seed) != seal:
                 continue
             if view is not None and digest(view[off : off + nbytes]) != csum:
                 continue
-            if best.get(key, -1) < stamp:
-                by_key[key], best[key] = s, stamp
+            if best.get((ns, key), -1) < stamp:
+                by_key[(ns, key)], best[(ns, key)] = s, stamp
         return by_key
 
     def _clean_parents(self, slots: np.ndarray) -> np.ndarray:

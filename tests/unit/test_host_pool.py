@@ -253,15 +253,24 @@ def test_wrong_transitions_raise_and_change_nothing() -> None:
 
 
 def test_namespace_isolation() -> None:
-    pool = pool_of(1)
+    pool = pool_of(2)
     small = pool.register_class(4000)
     slots = store(pool, chain("a", 2), small, ns=NS)
     assert pool.lookup(NS2, chain("a", 2)) == 0
     assert pool.pin(NS2, chain("a", 2)) == []
-    assert pool.allocate(NS2, A, small, [k("a0"), k("z")]) == []  # held by NS: stop there
+    # the same key in another namespace is another page: NS2 gets its own slots, so a
+    # store reveals nothing about what NS holds, and NS's pages are untouched
+    own = pool.allocate(NS2, A, small, [k("a0"), k("z")])
+    assert [i for i, _ in own] == [0, 1] and not set(slots) & {s for _, s in own}
+    assert pool.resident_run(NS2, [k("a0"), k("z")]) == 2
+    pool.commit([s for _, s in own])
+    assert pool.lookup(NS2, [k("a0"), k("a1")]) == 1
     got = pool.allocate(NS2, A, small, [k("b0")], parent_key=k("a1"))
     assert pool.describe(got[0][1]).parent == NIL  # no link across namespaces
     assert pool.describe(slots[0]).ns_id == NS and pool.lookup(NS, chain("a", 2)) == 2
+    pool.abort([s for _, s in got])
+    pool.flush(ns_id=NS2)
+    assert pool.lookup(NS, chain("a", 2)) == 2
 
 
 # ------------------------------------------------------------------ eviction
@@ -483,12 +492,12 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool.commit(slots)
 
     def _forget(self, slot: int, aborted: bool = False) -> None:
-        key, _ = self.live.pop(slot)
+        key, ns = self.live.pop(slot)
         self.ready.discard(slot)
         self.parent_key.pop(slot)
         if aborted:  # only an aborted page may leave while pages extending it stay
             for child, pk in self.parent_key.items():
-                if pk == key:
+                if pk == key and self.live[child][1] == ns:
                     self.parent_key[child] = None
 
     def _absorb_evictions(self) -> None:
@@ -509,19 +518,19 @@ class PoolMachine(RuleBasedStateMachine):
     def allocate(self, ns, owner, cls, chain_id, start, n, with_parent) -> None:
         keys = [k(f"c{chain_id}.{i}") for i in range(start, start + n)]
         pk = k(f"c{chain_id}.{start - 1}") if with_parent and start > 0 else None
-        before = {key: kns for key, kns in self.live.values()}
+        before = set(self.live.values())  # (key, ns): a key is a page only within its namespace
         got = self.pool.allocate(ns, owner, self.cls[cls], keys, pk)
         self._absorb_evictions()  # may include later keys of this very call
-        resident = {key for key, _ in self.live.values()}
+        resident = set(self.live.values())
         idx = [i for i, _ in got]
         assert idx == sorted(set(idx))
         assert len({s for _, s in got}) == len(got)
         for i, s in got:
-            assert s not in self.live and keys[i] not in resident  # never double-allocated
+            assert s not in self.live and (keys[i], ns) not in resident  # never double-allocated
             if i > 0:
                 parent: bytes | None = keys[i - 1]
             else:
-                parent = pk if pk is not None and before.get(pk) == ns else None
+                parent = pk if pk is not None and (pk, ns) in before else None
             self.live[s] = (keys[i], ns)
             self.parent_key[s] = parent
 
@@ -543,10 +552,10 @@ class PoolMachine(RuleBasedStateMachine):
     def pin(self, ns, chain_id, start) -> None:
         keys = [k(f"c{chain_id}.{i}") for i in range(start, start + 4)]
         expect = 0
-        by_key = {key: (s, kns) for s, (key, kns) in self.live.items()}
+        by_key = {(key, kns): s for s, (key, kns) in self.live.items()}
         for key in keys:
-            hit = by_key.get(key)
-            if hit is None or hit[0] not in self.ready or hit[1] != ns:
+            hit = by_key.get((key, ns))
+            if hit is None or hit not in self.ready:
                 break
             expect += 1
         assert self.pool.lookup(ns, keys) == expect
@@ -591,7 +600,7 @@ class PoolMachine(RuleBasedStateMachine):
         infos = [pool.describe(s) for s in range(pool.n_slots)]
         live = [d for d in infos if d.state is not PageState.FREE]
         assert {d.slot for d in live} == set(self.live)
-        assert len({d.key for d in live}) == len(live)
+        assert len({(d.key, d.ns_id) for d in live}) == len(live)
         spans = []
         for d in live:
             assert (d.key, d.ns_id) == self.live[d.slot]
