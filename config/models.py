@@ -56,6 +56,15 @@ class DaemonConfig(_Frozen):
         default=Path("/dev/shm"), description="Directory of the host pool's shared-memory file."
     )
     prefault: bool = Field(default=True, description="Touch every pool page at start.")
+    cold_start: bool = Field(
+        default=False, description="Discard the pool a previous kvtierd left instead of adopting it."
+    )
+    verify_on_adopt: bool = Field(
+        default=True, description="Check every adopted page's checksum (about 0.1 s per GiB here)."
+    )
+    keep_pool_on_stop: bool = Field(
+        default=True, description="Leave the pool file in place at a planned stop, for the next start."
+    )
     copy_threads: int = Field(default=2, ge=1, le=64, description="Worker threads that copy pages.")
     lease_s: float = Field(default=30.0, gt=0, description="Session lease; heartbeats renew it.")
     max_sessions: int = Field(default=256, ge=1, description="Most engine sessions at once.")
