@@ -169,12 +169,14 @@ def add_config_flags(parser: argparse.ArgumentParser, model: type[BaseModel]) ->
     """Add one ``--field-name VALUE`` flag per field of ``model`` (all strings, default None).
 
     Values are validated by the model, so ``--hicache-size 4GiB`` works like the TOML key.
+    A boolean flag given without a value means true (``--cold-start``).
     """
     group = parser.add_argument_group("configuration (also TOML keys and KVTIER_* variables)")
     for name, field in model.model_fields.items():
+        extra = {"nargs": "?", "const": "true"} if field.annotation is bool else {}
         group.add_argument(
             f"--{name.replace('_', '-')}", dest=f"cfg_{name}", default=None, metavar="VALUE",
-            help=field.description,
+            help=field.description, **extra,
         )
 
 

@@ -128,3 +128,13 @@ def test_runtime_dir_resolution():
     assert runtime_dir(None, {"XDG_RUNTIME_DIR": "/run/user/5"}) == Path("/run/user/5/kvtier")
     assert str(runtime_dir(None, {})).startswith("/tmp/kvtier-")
     assert runtime_dir(Path("/cfg"), {"KVTIER_RUNTIME_DIR": "/x"}) == Path("/cfg")
+
+
+def test_boolean_flag_without_value_means_true():
+    p = argparse.ArgumentParser()
+    add_config_flags(p, DaemonConfig)
+    cfg = load_config(DaemonConfig, env={}, cli=flags_to_dict(p.parse_args(["--cold-start"]), DaemonConfig))
+    assert cfg.cold_start is True
+    cfg = load_config(DaemonConfig, env={},
+                      cli=flags_to_dict(p.parse_args(["--prefault", "false"]), DaemonConfig))
+    assert cfg.prefault is False
