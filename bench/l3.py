@@ -1,34 +1,55 @@
-"""L3 benchmark: the ``file`` backend against raw positional I/O on the same disk, same run.
+"""L3 benchmark: the ``file`` tier through kvtierd, and the backend alone, against raw
+positional I/O on the same disk, same run.
 
-What one run measures (payload bytes only, page cache used throughout, nothing dropped)::
+Through the daemon (``put_gbps``, ``get_gbps``; payload bytes, page cache used throughout)::
+
+    put  : an engine STOREs the pages into L2 (batches of 64) with write_through; timed from
+           the first STORE until the daemon's counters show every page written to L3
+    get  : the L2 pool flushed, one PREFETCH of the whole chain, then CLAIM(wait_complete);
+           timed from the PREFETCH until the CLAIM answers with every page in L2
+    raw write / raw read : os.pwrite / os.preadv of as many bytes, page by page, into / from
+           one preallocated file in the same directory, from / into a /dev/shm arena
+
+``put`` includes the engine → L2 copies, which share the CPU with the L3 writes; the L2 →
+L3 stage alone is ``l2_to_l3_gbps``: the pages stored into L2 under write_back (untimed),
+then the policy switched to write_through by SIGHUP, which queues every L2 page not in L3;
+timed from the signal until the counters show every page written.
+
+The backend alone (``backend_put_gbps``, ``backend_get_gbps``)::
 
     put  : FileBackend.put_from   arena (/dev/shm mmap) -> segment files, batches of 64 pages
     get  : FileBackend.get_into   segment files -> arena, verified
-    raw write : os.pwrite  of the same pages into one preallocated file in the same directory
-    raw read  : os.preadv  of the same pages back into the arena
+    raw write / raw read : as above, batch by batch alternating with the backend
 
-Each measurement runs ``repeats`` times after one warm-up. Within a repetition the two
-sides alternate batch by batch (raw batch, backend batch, backend batch, raw batch, ...) so
-that the noise of a shared machine and the kernel's writeback hit both alike; each repetition
-starts with no dirty pages (fsync, untimed). Medians over the repetitions are reported. The
-ratios ``put_over_raw_write`` and ``get_over_raw_read`` are what to compare across machines.
+Each measurement runs ``repeats`` times after one warm-up. Within a repetition the
+backend-alone sides alternate batch by batch (raw batch, backend batch, backend batch, raw
+batch, ...) and the daemon sides alternate run by run, so that the noise of a shared machine
+and the kernel's writeback hit both alike; each repetition starts with no dirty pages
+(fsync, untimed). Medians over the repetitions are reported. The ratios
+``put_over_raw_write`` and ``get_over_raw_read`` (through the daemon) and
+``backend_put_over_raw_write`` / ``backend_get_over_raw_read`` are what to compare across
+machines.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import mmap
 import os
 import shutil
+import signal
 import statistics
 import tempfile
 import time
 from collections.abc import Callable, Coroutine, Mapping
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from kvtier.daemon.storage.base import HostArena
 from kvtier.daemon.storage.file import FileBackend
 
@@ -136,15 +157,191 @@ async def _bench(
         "batch": batch,
         "repeats": repeats,
         "extra_config": dict(extra),
-        **{f"{name}_gbps": _median_gbps(t, total) for name, t in times.items()},
+        **{f"backend_{name}_gbps": _median_gbps(t, total) for name, t in times.items()},
         "rebuild_s": rebuild_s,
         "rebuild_objects": rebuilt,
     }
-    result["put_over_raw_write"] = result["put_gbps"] / result["raw_write_gbps"]
-    result["get_over_raw_read"] = result["get_gbps"] / result["raw_read_gbps"]
+    b = "backend_"
+    result[f"{b}put_over_raw_write"] = result[f"{b}put_gbps"] / result[f"{b}raw_write_gbps"]
+    result[f"{b}get_over_raw_read"] = result[f"{b}get_gbps"] / result[f"{b}raw_read_gbps"]
     median = statistics.median
-    result["put_cpu_over_raw_write"] = median(cpu["raw_write"]) / median(cpu["put"])
-    result["get_cpu_over_raw_read"] = median(cpu["raw_read"]) / median(cpu["get"])
+    result[f"{b}put_cpu_over_raw_write"] = median(cpu["raw_write"]) / median(cpu["put"])
+    result[f"{b}get_cpu_over_raw_read"] = median(cpu["raw_read"]) / median(cpu["get"])
+    return result
+
+
+DAEMON_BATCH = 64
+"""Pages per STORE of the through-the-daemon measurement."""
+
+
+def _geometry_for(page_bytes: int) -> Any:
+    """An MHA float16 geometry of 8 layers x K/V whose pages are ``page_bytes`` bytes."""
+    from kvtier.ipc.protocol import Geometry
+
+    per_token = 8 * 2 * 8 * 2  # layers x (K, V) x heads x bytes per element, per head_dim unit
+    head_dim, rest = divmod(page_bytes, 16 * per_token)
+    if rest or head_dim < 1:
+        raise ValueError(f"page_bytes = {page_bytes} is not a multiple of {16 * per_token}")
+    return Geometry(num_layers=8, page_size=16, kv_heads=8, head_dim=head_dim, dtype="float16")
+
+
+def _daemon_bench(path: Path, pages: int, page_bytes: int, repeats: int) -> dict[str, Any]:
+    """Time L2 → L3 (write-through) and L3 → L2 (prefetch + claim) through a real kvtierd,
+    against raw pwrite / preadv of as many bytes in the same directory."""
+    from kvtier.client.admin import AdminClient
+    from kvtier.client.connection import Connection
+    from kvtier.client.daemon_process import DaemonProcess
+    from kvtier.client.kv_pool import SharedKVPool
+    from kvtier.config import ClientConfig
+    from kvtier.ipc import protocol as P
+
+    geometry = _geometry_for(page_bytes)
+    total = pages * page_bytes
+    extent = 32 << 20
+    pool_bytes = (total * 5 // 4 // extent + 2) * extent
+    store_dir, raw_path = path / "daemon-l3", path / "daemon-raw.bin"
+    rdir = Path(tempfile.mkdtemp(prefix="kvtb-", dir="/tmp"))  # ipc:// paths must be short
+    conf = rdir / "kvtierd.toml"  # the write policy lives here: SIGHUP switches it
+    conf.write_text('hicache_write_policy = "write_through"\n')
+    daemon = DaemonProcess(rdir, ["--config", str(conf),
+        "--hicache-size", str(pool_bytes), "--extent-size", str(extent), "--log-level", "warning",
+        "--hicache-storage-backend", "file",
+        "--hicache-storage-backend-extra-config", json.dumps({"path": str(store_dir)}),
+        "--prefetch-threshold", "0", "--write-back-queue", str(2 * pages)])
+    times: dict[str, list[float]] = {"put": [], "get": [], "raw_write": [], "raw_read": [],
+                                     "l2_to_l3": []}
+    stored: list[float] = []  # the put's first part: until every STORE completed (L2)
+    with ExitStack() as stack:
+        mm, arena = _shm_arena(total)
+        stack.callback(mm.close)
+        stack.callback(arena.view.release)
+        raw = os.open(raw_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        stack.callback(raw_path.unlink, missing_ok=True)
+        stack.callback(os.close, raw)
+        os.posix_fallocate(raw, 0, total)
+        stack.callback(shutil.rmtree, rdir, ignore_errors=True)
+        stack.callback(shutil.rmtree, store_dir, ignore_errors=True)
+        stack.callback(daemon.remove_pool)
+        stack.enter_context(daemon)
+        kv = SharedKVPool(geometry, pages)
+        stack.callback(kv.close)
+        for buf in kv.k + kv.v:  # page contents: noise
+            buf.view(-1).copy_(torch.randn(buf.numel()).to(buf.dtype))
+        conn = Connection(kv, "kvtier-bench-l3", config=ClientConfig(
+            runtime_dir=rdir, request_timeout_s=30.0, claim_timeout_s=120.0))
+        stack.callback(conn.close)
+        admin = stack.enter_context(AdminClient(daemon.endpoint, timeout_s=30.0))
+        keys = conn.page_keys(list(range(pages * geometry.page_size)))
+        view = arena.view
+
+        def written() -> int:
+            return int(admin.stats()["counters"]["l3_write_written_pages"])  # type: ignore[index]
+
+        def wait_until(done: Callable[[], bool], what: str, timeout: float = 120.0) -> None:
+            deadline = time.monotonic() + timeout
+            while not done():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{what}: not done after {timeout}s ({admin.stats()})")
+                time.sleep(0.002)  # each STATS costs the daemon's loop a little: not too often
+
+        def flush(tier: str) -> None:
+            rep = admin.call(P.Flush(req_id=0, tier=tier))
+            refused = rep.message if isinstance(rep, P.ErrorReply) else None
+            if refused is not None:
+                raise RuntimeError(f"flush {tier} refused: {refused}")
+
+        def settle() -> None:  # no side starts behind the other's dirty pages
+            os.fsync(raw)
+            for segment in store_dir.glob("seg-*.kvt"):
+                fd = os.open(segment, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+
+        def put() -> float:
+            flush("all")  # puts must write, as raw writes do
+            settle()
+            start, base = time.perf_counter(), written()
+            handles = []
+            for i in range(0, pages, DAEMON_BATCH):
+                handles.append(conn.store(keys[i:i + DAEMON_BATCH],
+                                          list(range(i, min(i + DAEMON_BATCH, pages))),
+                                          parent_key=keys[i - 1] if i else None))
+            if not all(h.wait() and h.count == len(keys[i:i + DAEMON_BATCH])
+                       for i, h in zip(range(0, pages, DAEMON_BATCH), handles)):
+                raise RuntimeError("a STORE failed")
+            stored.append(time.perf_counter() - start)
+            wait_until(lambda: written() >= base + pages, "write-through")
+            return time.perf_counter() - start
+
+        def set_policy(policy: str) -> None:
+            conf.write_text(f'hicache_write_policy = "{policy}"\n')
+            assert daemon.proc is not None
+            daemon.proc.send_signal(signal.SIGHUP)
+            wait_until(lambda: admin.stats()["l3"]["write_policy"] == policy,  # type: ignore[index]
+                       f"reload to {policy}", timeout=30.0)
+
+        def l2_to_l3() -> float:
+            flush("all")
+            settle()
+            set_policy("write_back")
+            handles = [conn.store(keys[i:i + DAEMON_BATCH],
+                                  list(range(i, min(i + DAEMON_BATCH, pages))),
+                                  parent_key=keys[i - 1] if i else None)
+                       for i in range(0, pages, DAEMON_BATCH)]
+            if not all(h.wait() for h in handles):
+                raise RuntimeError("a STORE failed")
+            base = written()
+            start = time.perf_counter()
+            set_policy("write_through")
+            wait_until(lambda: written() >= base + pages, "back-up of L2")
+            return time.perf_counter() - start
+
+        def get() -> float:
+            flush("l2")
+            start = time.perf_counter()
+            conn.prefetch(keys)
+            got = conn.claim(keys, policy="wait_complete")
+            elapsed = time.perf_counter() - start
+            if got != pages:
+                raise RuntimeError(f"CLAIM answered {got} of {pages} pages")
+            return elapsed
+
+        def raw_write() -> float:
+            settle()
+            start = time.perf_counter()
+            for off in range(0, total, page_bytes):
+                os.pwrite(raw, view[off: off + page_bytes], off)
+            return time.perf_counter() - start
+
+        def raw_read() -> float:
+            start = time.perf_counter()
+            for off in range(0, total, page_bytes):
+                os.preadv(raw, [view[off: off + page_bytes]], off)
+            return time.perf_counter() - start
+
+        for rep in range(repeats + 1):  # rep 0 warms files, pool and page cache up
+            order = [("raw_write", raw_write), ("put", put)]
+            for name, step in order if rep % 2 else order[::-1]:
+                seconds = step()
+                if rep:
+                    times[name].append(seconds)
+            order = [("raw_write", raw_write), ("l2_to_l3", l2_to_l3)]
+            for name, step in order if rep % 2 else order[::-1]:
+                seconds = step()
+                if rep:
+                    times[name].append(seconds)
+            order = [("raw_read", raw_read), ("get", get)]
+            for name, step in order if rep % 2 else order[::-1]:
+                seconds = step()
+                if rep:
+                    times[name].append(seconds)
+    result: dict[str, Any] = {f"{name}_gbps": _median_gbps(t, total) for name, t in times.items()}
+    result["l2_store_gbps"] = _median_gbps(stored[-repeats:], total)
+    result["put_over_raw_write"] = result["put_gbps"] / result["raw_write_gbps"]
+    result["l2_to_l3_over_raw_write"] = result["l2_to_l3_gbps"] / result["raw_write_gbps"]
+    result["get_over_raw_read"] = result["get_gbps"] / result["raw_read_gbps"]
     return result
 
 
@@ -155,8 +352,9 @@ def run_file_bench(
     batch: int = 64,
     repeats: int = 6,
     extra_config: Mapping[str, Any] | None = None,
+    through_daemon: bool = True,
 ) -> dict[str, Any]:
-    """Measure the ``file`` backend against raw pwrite/pread in one run.
+    """Measure the ``file`` tier through kvtierd, and the backend alone, against raw I/O.
 
     Args:
         path: a scratch directory on the disk to measure (created if missing); the store
@@ -165,52 +363,76 @@ def run_file_bench(
         page_bytes: payload bytes per page.
         batch: pages per ``put_from`` / ``get_into`` call, as the daemon sends them.
         repeats: timed repetitions per measurement (after one warm-up); medians are kept.
-        extra_config: the backend's extra config (``path`` is set to a directory in ``path``).
+        extra_config: the backend's extra config for the backend-alone part (``path`` is
+            set to a directory in ``path``).
+        through_daemon: also measure through a kvtierd (the headline figures).
 
     Returns:
-        ``put_gbps``, ``get_gbps``, ``raw_write_gbps``, ``raw_read_gbps`` (payload GB/s),
-        ``put_over_raw_write``, ``get_over_raw_read`` (wall-clock ratios), the same ratios
-        in CPU seconds of the whole process (``put_cpu_over_raw_write``,
-        ``get_cpu_over_raw_read``: raw CPU / backend CPU, steadier on a busy machine),
-        ``rebuild_s`` (index rebuild at reopen of the ``rebuild_objects`` pages written),
-        and the parameters.
+        Through the daemon: ``put_gbps``, ``get_gbps``, ``raw_write_gbps``,
+        ``raw_read_gbps`` (payload GB/s), ``put_over_raw_write``, ``get_over_raw_read``,
+        ``l2_to_l3_gbps`` and ``l2_to_l3_over_raw_write`` (the L2 → L3 stage alone), and
+        ``l2_store_gbps`` (the put's engine → L2 part alone: until every STORE
+        completed, the L3 writes overlapping it).
+        The backend alone: the same names prefixed ``backend_``, the same ratios in CPU
+        seconds of the whole process (``backend_put_cpu_over_raw_write``,
+        ``backend_get_cpu_over_raw_read``: raw CPU / backend CPU, steadier on a busy
+        machine), ``rebuild_s`` (index rebuild at reopen of the ``rebuild_objects`` pages
+        written), and the parameters.
     """
     scratch = Path(path)
     scratch.mkdir(parents=True, exist_ok=True)
-    return asyncio.run(_bench(scratch, pages, page_bytes, batch, repeats, extra_config or {}))
+    result = asyncio.run(_bench(scratch, pages, page_bytes, batch, repeats, extra_config or {}))
+    if through_daemon:
+        result.update(_daemon_bench(scratch, pages, page_bytes, repeats))
+    return result
 
 
 def print_table(result: dict[str, Any]) -> None:
-    """Print ``result`` of :func:`run_file_bench` as a table."""
+    """Print ``result`` of :func:`run_file_bench` as tables (through the daemon, backend alone)."""
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(
-        title=f"L3 file backend: {result['pages']} pages of {result['page_bytes'] // 1024} KiB, "
-        f"batches of {result['batch']}, median of {result['repeats']}"
-    )
+    console = Console()
+    size = f"{result['pages']} pages of {result['page_bytes'] // 1024} KiB"
+    if "put_gbps" in result:
+        table = Table(title=f"L3 file tier through kvtierd: {size}, median of {result['repeats']}")
+        for column in ("direction", "kvtierd GB/s", "raw GB/s", "kvtierd / raw"):
+            table.add_column(column, justify="right" if column != "direction" else "left")
+        for label, side, raw_side in (
+            ("engine -> L2 -> L3 (write-through)", "put", "raw_write"),
+            ("L2 -> L3 alone (queued by SIGHUP)", "l2_to_l3", "raw_write"),
+            ("L3 -> L2 (prefetch + claim)", "get", "raw_read"),
+        ):
+            table.add_row(label, f"{result[f'{side}_gbps']:.2f}",
+                          f"{result[f'{raw_side}_gbps']:.2f}",
+                          f"{result[f'{side}_over_{raw_side}']:.2f}")
+        console.print(table)
+        console.print(f"of which engine -> L2 (every STORE completed): "
+                      f"{result['l2_store_gbps']:.2f} GB/s, the L3 writes overlapping it")
+    table = Table(title=f"L3 file backend alone: {size}, batches of {result['batch']}, "
+                  f"median of {result['repeats']}")
     for column in ("direction", "file backend GB/s", "raw GB/s", "backend / raw", "same, CPU time"):
         table.add_column(column, justify="right" if column != "direction" else "left")
+    b = "backend_"
     for label, side, raw_side in (
         ("write (put)", "put", "raw_write"),
         ("read (get)", "get", "raw_read"),
     ):
         table.add_row(
             label,
-            f"{result[f'{side}_gbps']:.2f}",
-            f"{result[f'{raw_side}_gbps']:.2f}",
-            f"{result[f'{side}_over_{raw_side}']:.2f}",
-            f"{result[f'{side}_cpu_over_{raw_side}']:.2f}",
+            f"{result[f'{b}{side}_gbps']:.2f}",
+            f"{result[f'{b}{raw_side}_gbps']:.2f}",
+            f"{result[f'{b}{side}_over_{raw_side}']:.2f}",
+            f"{result[f'{b}{side}_cpu_over_{raw_side}']:.2f}",
         )
-    Console().print(table)
-    Console().print(
+    console.print(table)
+    console.print(
         f"index rebuild at reopen: {result['rebuild_s'] * 1e3:.1f} ms "
         f"for {result['rebuild_objects']} objects"
     )
 
 
 if __name__ == "__main__":
-    import json
     import sys
 
     # python -m kvtier.bench.l3 [SCRATCH_PARENT [EXTRA_CONFIG_JSON]]

@@ -354,9 +354,6 @@ def render_stats(snap: Mapping[str, Any], endpoint: str = "",
                _ratio(_num(c, "lookup_l3_keys"), pages), _ratio(_num(c, "lookup_l3_tokens"), toks))
     saved = _num(c, "loaded_tokens")
     ht.add_row("saved", "", "", f"{int(saved):,} tokens loaded" if saved is not None else "—")
-    unused = _num(c, "l3_prefetch_unused_pages")
-    if unused is not None:
-        ht.add_row("unused", "", f"{int(unused):,} prefetched", "")
 
     bt = Table(title="Bytes moved", title_justify="left")
     bt.add_column("direction", style="bold")
@@ -385,17 +382,26 @@ def render_stats(snap: Mapping[str, Any], endpoint: str = "",
     lt = Table(title="L3 storage", show_header=False, title_justify="left")
     lt.add_column(style="bold")
     lt.add_column(justify="right")
-    if not l3:
+    if not l3 or l3.get("backend") == "none":
         lt.add_row("backend", "none")
     else:
         healthy = l3.get("healthy")
         lt.add_row("backend", str(l3.get("backend", "—")))
         lt.add_row("health", "—" if healthy is None else ("[green]ok[/]" if healthy
                                                           else "[red]failing[/]"))
-        for key in ("errors", "corrupt", "misses"):
+        for label, key in (("write policy", "write_policy"),
+                           ("prefetch policy", "prefetch_policy")):
+            if key in l3:
+                lt.add_row(label, str(l3[key]))
+        for label, key in (("write queue", "write_queue"), ("prefetching", "prefetching"),
+                           ("errors", "errors"), ("corrupt objects", "corrupt"),
+                           ("misses", "misses")):
             value = _num(l3, key)
             if value is not None:
-                lt.add_row(key, f"{int(value):,}")
+                lt.add_row(label, f"{int(value):,}")
+        unused = _num(c, "l3_prefetch_unused_pages")
+        if unused is not None:
+            lt.add_row("prefetched, unused", f"{int(unused):,} pages")
     return Group(head, pt, ht, bt, lt)
 
 

@@ -5,6 +5,13 @@ return at once (a load returns a handle whose ``wait_layer(i)`` the forward pass
 before layer ``i``). Page bytes never cross the socket: the daemon copies them through
 shared memory and signals each layer in the session's completion block.
 
+Pages in L3 come back in two steps, as in SGLang HiCache: ``prefetch`` (when a request
+arrives) starts filling L2 from L3 in the daemon; ``claim`` (when the scheduler is about
+to run the request) ends it per the prefetch policy and answers how many leading pages
+are in L2 now; the engine then ``load``s them as usual. The ranks of a tensor-parallel
+engine get the same ``lookup`` and ``claim`` answers (the minimum over the ranks), so each
+rank must issue the same sequence of those calls.
+
 Failure is never fatal for the engine: when the daemon is gone or late past
 ``request_timeout_s``, lookups report 0, loads report a miss and stores are dropped; the
 engine recomputes. A reply from a new daemon epoch (a restarted daemon) makes the
@@ -21,15 +28,14 @@ import threading
 import time
 import warnings
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import msgspec
 import zmq
-
-from kvtier.config import ClientConfig, KvtierError, runtime_dir, socket_path
 from kvtier.client.kv_pool import SharedKVPool
 from kvtier.client.page_keys import page_keys
+from kvtier.config import ClientConfig, KvtierError, runtime_dir, socket_path
 from kvtier.ipc import protocol as P
 from kvtier.ipc.completion import CompletionBlock, CompletionTimeout, TransferStatus
 from kvtier.ipc.sockets import ipc_endpoint, make_zmq_socket
@@ -67,10 +73,19 @@ class TransferHandle:
         writing: pages actually being copied (0: nothing to wait for).
     """
 
-    __slots__ = ("_conn", "_block", "slot", "seq", "count", "writing", "num_layers", "_status",
-                 "_layers_ok")
+    __slots__ = (
+        "_block",
+        "_conn",
+        "_layers_ok",
+        "_status",
+        "count",
+        "num_layers",
+        "seq",
+        "slot",
+        "writing",
+    )
 
-    def __init__(self, conn: "Connection | None", block: CompletionBlock | None, slot: int,
+    def __init__(self, conn: Connection | None, block: CompletionBlock | None, slot: int,
                  seq: int, count: int, writing: int, num_layers: int) -> None:
         self._conn = conn
         self._block = block
@@ -160,7 +175,7 @@ class Connection:
 
     def __init__(self, pool: SharedKVPool, model_id: str, revision: str = "",
                  config: ClientConfig | None = None, tp_rank: int = 0, tp_size: int = 1,
-                 register: bool = True) -> None:
+                 register: bool = True) -> None:  # tp_group comes from config.tp_group
         self.config = config or ClientConfig()
         self.pool = pool
         self.geometry = pool.geometry
@@ -207,7 +222,7 @@ class Connection:
             msg = P.Register(req_id=0, protocol_version=P.PROTOCOL_VERSION, namespace=self.namespace,
                              geometry=self.geometry, memory=self.pool.export(), tp_rank=self.tp_rank,
                              tp_size=self.tp_size, pid=os.getpid(), tenant=self.config.tenant,
-                             token=token)
+                             token=token, tp_group=self.config.tp_group)
             rep = self._call(msg, raw=True)
             if isinstance(rep, P.ErrorReply):
                 raise DaemonError(rep.code, rep.message)
@@ -244,8 +259,12 @@ class Connection:
         return True
 
     # ------------------------------------------------------------------ requests
-    def _call(self, msg: P.Request, raw: bool = False) -> P.Reply:
-        """Send ``msg`` and wait for its reply (lock held by the caller or taken here)."""
+    def _call(self, msg: P.Request, raw: bool = False, timeout: float | None = None) -> P.Reply:
+        """Send ``msg`` and wait for its reply (lock held by the caller or taken here).
+
+        ``timeout`` (default ``request_timeout_s``) bounds the wait for the reply.
+        """
+        wait_s = self.config.request_timeout_s if timeout is None else timeout
         with self._lock:
             if self._closed or self._sock is None:
                 raise DaemonUnavailable("connection is closed")
@@ -265,17 +284,18 @@ class Connection:
             except zmq.Again as err:
                 self._down_until = time.monotonic() + min(1.0, self.config.request_timeout_s)
                 raise DaemonUnavailable(f"cannot reach kvtierd at {self.endpoint}") from err
-            deadline = time.monotonic() + self.config.request_timeout_s
+            deadline = time.monotonic() + wait_s
             while True:
                 try:
+                    if timeout is not None and not self._sock.poll(
+                            max(1, int((deadline - time.monotonic()) * 1000)), zmq.POLLIN):
+                        raise zmq.Again()
                     data = self._sock.recv()  # bounded by RCVTIMEO = request_timeout_s
                 except zmq.Again:
                     data = None
-                if data is None or time.monotonic() > deadline:
-                    if data is None or rep_is_late(data, req_id):
-                        self._down_until = time.monotonic() + min(1.0, self.config.request_timeout_s)
-                        raise DaemonUnavailable(
-                            f"kvtierd did not answer within {self.config.request_timeout_s}s")
+                if data is None or (time.monotonic() > deadline and rep_is_late(data, req_id)):
+                    self._down_until = time.monotonic() + min(1.0, self.config.request_timeout_s)
+                    raise DaemonUnavailable(f"kvtierd did not answer within {wait_s}s")
                 try:
                     rep = P.decode_reply(data)
                 except (msgspec.DecodeError, msgspec.ValidationError):
@@ -285,13 +305,14 @@ class Connection:
                     return rep
                 # a late reply to a request that timed out earlier: drop it
 
-    def _session_call(self, make: "callable") -> P.Reply:
+    def _session_call(self, make: Callable[[int], P.Request],
+                      timeout: float | None = None) -> P.Reply:
         """Call with the current session id; re-register once if the daemon forgot us."""
         with self._lock:
             for attempt in (0, 1):
                 if self.session_id == 0:
                     self.register()
-                rep = self._call(make(self.session_id))
+                rep = self._call(make(self.session_id), timeout=timeout)
                 if isinstance(rep, P.ErrorReply):
                     if rep.code == P.ErrorCode.UNKNOWN_SESSION and attempt == 0:
                         log.info("kvtierd epoch %x does not know session %d; re-registering",
@@ -317,6 +338,63 @@ class Connection:
             return LookupReply(0, 0)
         assert isinstance(rep, P.LookupResult)
         return LookupReply(rep.l2, rep.l3)
+
+    def prefetch(self, keys: Sequence[bytes], skip: int = 0, request_id: str = "") -> int:
+        """Start filling L2 from L3 with the run of ``keys`` that follows the L2 run.
+
+        Call when a request arrives (after :meth:`lookup` reported ``l3`` pages); the
+        daemon reads only when L3 holds at least its ``prefetch_threshold`` tokens there.
+
+        Args:
+            keys: the request's page keys in chain order (the L1 hits may be left out).
+            skip: how many leading keys the caller knows to be in L2 already.
+            request_id: names the prefetch for :meth:`claim` (default: the chain's last
+                key names it, so claim with the same keys).
+
+        Returns:
+            Pages whose reads started (0 if none, or if the daemon is away).
+        """
+        if not keys:
+            return 0
+        try:
+            rep = self._session_call(lambda sid: P.Prefetch(
+                req_id=0, session_id=sid, keys=list(keys), skip=skip, request_id=request_id))
+        except (DaemonUnavailable, DaemonError) as err:
+            log.debug("prefetch not started: %s", err)
+            return 0
+        assert isinstance(rep, P.PrefetchReply)
+        return rep.started
+
+    def claim(self, keys: Sequence[bytes], policy: str | None = None, request_id: str = "",
+              timeout: float | None = None) -> int:
+        """End the prefetch of ``keys`` and return the leading run now in L2.
+
+        ``best_effort`` answers with what is ready now, ``wait_complete`` waits for the
+        whole prefetch, ``timeout`` waits up to the daemon's prefetch deadline; the rest is
+        cancelled. Then :meth:`load` the run. Without a prefetch this is the L2 run.
+
+        Args:
+            keys: the same keys as the prefetch (or name it with ``request_id``).
+            policy: one of the three, or None for the daemon's
+                ``hicache_storage_prefetch_policy``.
+            request_id: the prefetch's request id, if it was given one.
+            timeout: longest wait for the reply (default ``claim_timeout_s``).
+
+        Returns:
+            Leading keys in L2 (0 when the daemon is away: recompute).
+        """
+        if not keys:
+            return 0
+        wait_s = self.config.claim_timeout_s if timeout is None else timeout
+        try:
+            rep = self._session_call(lambda sid: P.Claim(
+                req_id=0, session_id=sid, keys=list(keys), request_id=request_id,
+                policy=policy or ""), timeout=wait_s)
+        except (DaemonUnavailable, DaemonError) as err:
+            log.debug("claim treated as a miss: %s", err)
+            return 0
+        assert isinstance(rep, P.ClaimReply)
+        return rep.l2
 
     def store(self, keys: Sequence[bytes], pages: Sequence[int],
               parent_key: bytes | None = None) -> TransferHandle:
@@ -441,7 +519,7 @@ class Connection:
             self._finalizer.detach()
             self._ctx.term()
 
-    def __enter__(self) -> "Connection":
+    def __enter__(self) -> Connection:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvtier.daemon.host_pool import HostPool, PageState
+from kvtier.daemon.host_pool import HostPool, PageInfo, PageState
 from kvtier.daemon.stats import Counters
 
 if TYPE_CHECKING:
@@ -85,14 +85,14 @@ class L3Writer:
         counters: the daemon's counters.
     """
 
-    def __init__(self, tier: "TierStore", pool: HostPool, counters: Counters) -> None:
+    def __init__(self, tier: TierStore, pool: HostPool, counters: Counters) -> None:
         self.tier = tier
         self.pool = pool
         self.counters = counters
         self._queue: deque[_Item] = deque()
         self._retry: list[_Item] = []
-        self._queued: set[bytes] = set()  # keys queued, retrying or being written
-        self._writing: dict[bytes, _Item] = {}  # unpinned (write-back) pages being written
+        self._queued: set[tuple[int, bytes]] = set()  # (ns_id, key): queued, retrying, writing
+        self._writing: dict[tuple[int, bytes], _Item] = {}  # write-back pages being written
         self._tasks: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
         self._urgent = False
@@ -102,6 +102,11 @@ class L3Writer:
     def queued(self) -> int:
         """Pages waiting, retrying or being written."""
         return len(self._queued)
+
+    @property
+    def writing_unpinned(self) -> bool:
+        """Whether write-back pages are being written (they rely on ``evict_requires_l3``)."""
+        return bool(self._writing)
 
     @property
     def write_back(self) -> bool:
@@ -115,6 +120,10 @@ class L3Writer:
             return
         self._enqueue(ns, ns_id, keys, page_bytes, pinned=True)
 
+    def poke(self) -> None:
+        """Look at the queue and the policy again now (after a reload)."""
+        self._wake.set()
+
     def shortfall(self) -> None:
         """An allocation fell short: under write-back, make evictable pages now."""
         if self.write_back:
@@ -126,12 +135,12 @@ class L3Writer:
         limit = self.tier.cfg.write_back_queue if bound else 1 << 62
         added = dropped = 0
         for j, key in enumerate(keys):
-            if key in self._queued:
+            if (ns_id, key) in self._queued:
                 continue
             if len(self._queued) >= limit:
                 dropped += 1
                 continue
-            self._queued.add(key)
+            self._queued.add((ns_id, key))
             self._queue.append(_Item(ns, ns_id, key, page_bytes, pinned,
                                      slots[j] if slots is not None else -1))
             added += 1
@@ -141,22 +150,44 @@ class L3Writer:
             self._wake.set()
         return added
 
-    def _select_cold(self, window: int | None) -> int:
-        """Queue the coldest evictable pages not in L3 (the first ``window``, or all)."""
+    def back_up_all(self) -> int:
+        """Queue every L2 page not in L3 yet, pinned while written (the policy changed
+        from write-back to write-through: L2 is backed up as it stands). Walks the whole
+        pool on the event loop: for a policy switch, not for a hot path."""
+        return self._select_cold(None, pinned=True)
+
+    def _select_cold(self, window: int | None, pinned: bool = False) -> int:
+        """Queue pages not in L3, coldest chains first: from each evictable page (a chain's
+        tail) up through its ancestors until one is in L3. At most ``window`` pages, or all.
+
+        Write-back queues them tail first, the order eviction takes them in; a back-up
+        (``pinned``) queues each chain head first.
+        """
         self._last_scan = time.monotonic()
-        slots = self.pool.evictable_slots()
+        budget = self.pool.n_slots if window is None else window
         picked: dict[tuple[bytes, int, int], list[tuple[bytes, int]]] = {}
-        for slot in slots if window is None else slots[:window]:
-            info = self.pool.describe(slot)
-            if info.in_l3 or info.key is None or info.key in self._queued:
-                continue
-            ns = self.tier.namespace_of(info.ns_id)
-            if ns is None:  # a page no session of this daemon has named: it cannot be written
-                self.pool.mark_in_l3([slot])
-                continue
-            page_bytes = self.tier.page_bytes_of(info.class_id)
-            picked.setdefault((ns, info.ns_id, page_bytes), []).append((info.key, slot))
-        return sum(self._enqueue(ns, ns_id, [k for k, _ in pages], pb, pinned=False,
+        seen: set[int] = set()
+        for leaf in self.pool.evictable_slots():
+            if budget <= 0:
+                break
+            chain: list[tuple[int, PageInfo]] = []
+            slot = leaf
+            while slot >= 0 and slot not in seen and len(chain) < budget:
+                seen.add(slot)
+                info = self.pool.describe(slot)
+                if info.in_l3 or info.key is None or (info.ns_id, info.key) in self._queued:
+                    break
+                chain.append((slot, info))
+                slot = info.parent
+            budget -= len(chain)
+            for slot, info in reversed(chain) if pinned else chain:
+                ns = self.tier.namespace_of(info.ns_id)
+                if ns is None:  # a page no session has named here: it cannot be written
+                    self.pool.mark_in_l3([slot])
+                    continue
+                page_bytes = self.tier.page_bytes_of(info.class_id)
+                picked.setdefault((ns, info.ns_id, page_bytes), []).append((info.key, slot))
+        return sum(self._enqueue(ns, ns_id, [k for k, _ in pages], pb, pinned=pinned,
                                  bound=window is not None, slots=[s for _, s in pages])
                    for (ns, ns_id, pb), pages in picked.items())
 
@@ -227,15 +258,11 @@ class L3Writer:
             for it in batch:
                 slot = self._hold(it)
                 if slot is None:  # gone from L2 before its turn
-                    self._queued.discard(it.key)
+                    self._queued.discard((it.ns_id, it.key))
                     c.l3_write_dropped_pages += 1
                     continue
-                if it.pinned:
-                    pins.append(slot)
-                if pool.describe(slot).in_l3:
-                    self._finish(it)
-                    c.l3_write_skipped_pages += 1
-                    continue
+                if it.pinned:  # a write-through page is new in L2; the exists check below
+                    pins.append(slot)  # finds those another daemon wrote meanwhile
                 items.append(it)
                 slots.append(slot)
             if not items:
@@ -265,7 +292,7 @@ class L3Writer:
                     self._failed(it, slot)
         finally:
             for it in batch:
-                self._writing.pop(it.key, None)
+                self._writing.pop((it.ns_id, it.key), None)
             if pins:
                 pool.unpin(pins)
 
@@ -277,7 +304,8 @@ class L3Writer:
         # write-back: not in L3, so not evictable; a flush pins it (flush_guard)
         if not self._holds(it):
             return None
-        self._writing[it.key] = it
+        self._writing[(it.ns_id, it.key)] = it
+        self.pool.evict_requires_l3 = True  # until the batch is done (apply_write_policy)
         return it.slot
 
     def _holds(self, it: _Item) -> bool:
@@ -285,7 +313,7 @@ class L3Writer:
         return info.state == PageState.READY and info.key == it.key and info.ns_id == it.ns_id
 
     def _finish(self, it: _Item) -> None:
-        self._queued.discard(it.key)
+        self._queued.discard((it.ns_id, it.key))
 
     def _failed(self, it: _Item, slot: int) -> None:
         it.attempts += 1
@@ -294,7 +322,7 @@ class L3Writer:
             self._retry.append(it)
             self.counters.l3_write_retries += 1
             return
-        self._queued.discard(it.key)
+        self._queued.discard((it.ns_id, it.key))
         self.counters.l3_write_failed_pages += 1
         if not it.pinned and self._holds(it):
             self.pool.mark_in_l3([slot])  # give up the L3 copy, never the L2 slot

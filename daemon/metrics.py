@@ -16,8 +16,9 @@ changes to sessions, counters and the pool; a loop that does not answer within
 served and ``kvtier_metrics_snapshot_failures_total`` counts the failure).
 
 Keys the snapshot lacks are skipped, series by series: a daemon without an ``l3``
-section has no ``kvtier_l3_*`` series, and a counter that a daemon version does not
-keep is simply absent. Every name, type and label is documented in ``docs/metrics.md``.
+section (or with backend ``none``) has no backend series (``kvtier_l3_healthy`` and the
+others labelled ``backend``), and a counter that a daemon version does not keep is simply
+absent. Every name, type and label is documented in ``docs/metrics.md``.
 
 Typical use in the daemon::
 
@@ -157,6 +158,12 @@ _BYTE_SPECS: tuple[tuple[str, str, str | None], ...] = (
     ("to_engine", "bytes_to_engine", None),
     ("to_l3", "bytes_to_l3", "put_bytes"),
     ("from_l3", "bytes_from_l3", "get_bytes"),
+)
+# L3 gauges read from snapshot["l3"]: (metric name, help, key).
+_L3_GAUGE_SPECS: tuple[tuple[str, str, str], ...] = (
+    ("kvtier_l3_write_queue_pages", "Pages waiting, retrying or being written to L3 now.",
+     "write_queue"),
+    ("kvtier_l3_prefetch_fills", "L3 to L2 prefetch fills not finished yet.", "prefetching"),
 )
 # L3 backend counters read from snapshot["l3"]: (metric name without _total, help, key).
 _L3_SPECS: tuple[tuple[str, str, str], ...] = (
@@ -310,13 +317,22 @@ def _byte_families(counters: Mapping[str, Any], l3: Mapping[str, Any]) -> Iterat
 
 
 def _l3_families(l3: Mapping[str, Any]) -> Iterator[Metric]:
-    """L3 health and backend counters, labelled with the backend's name.
+    """L3 health, queues and backend counters, labelled with the backend's name.
 
-    No section, or one naming backend ``none``, means no L3: no series at all.
+    No section, or one naming backend ``none``, means no L3: no backend series (the
+    tensor-parallel group count, which the section also carries, is emitted either way).
     """
+    groups = _number(l3.get("tp_groups"))
+    if groups is not None:
+        yield GaugeMetricFamily("kvtier_tp_groups", "Tensor-parallel rank groups registered now.",
+                                value=groups)
     backend = str(l3.get("backend", ""))
     if not l3 or backend == "none":
         return
+    for name, text, key in _L3_GAUGE_SPECS:
+        value = _number(l3.get(key))
+        if value is not None:
+            yield _gauge(name, text, "backend", backend, value)
     healthy = l3.get("healthy")
     if isinstance(healthy, (bool, int)):
         yield _gauge("kvtier_l3_healthy", "1 when the L3 backend answers, else 0.", "backend",

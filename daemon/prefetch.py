@@ -1,9 +1,11 @@
 """Prefetch: L3 → L2 fills into WRITING slots, with bounded concurrency.
 
 A PREFETCH allocates host slots for the run of a chain that L3 holds (WRITING: invisible
-to lookups, never evicted) and reads the pages into them in batches of
-:data:`READ_BATCH` pages, at most ``prefetch_concurrency`` batches in flight daemon-wide.
-Pages become READY in chain order, as soon as every page before them has verified::
+to lookups, never evicted) and reads the pages into them in batches (:func:`read_batch`
+pages: 16 to 64), at most ``prefetch_concurrency`` batches in flight daemon-wide.
+Slots are allocated batch by batch and each batch's read starts as soon as its slots
+exist, so the first reads overlap the allocation of the rest. Pages become READY in chain
+order, as soon as every page before them has verified::
 
     fill   k3  k4  k5  k6  k7  k8  k9  k10        (WRITING slots, one chain)
     fate   C   C   C   V   R   R   P   P          C committed (READY)  V verified
@@ -37,11 +39,27 @@ from kvtier.daemon.stats import Counters
 
 log = logging.getLogger("kvtier.daemon.prefetch")
 
-READ_BATCH = 16
-"""Pages per backend ``get_into`` call of a fill."""
+MIN_READ_BATCH = 16
+"""Fewest pages per backend ``get_into`` call (pages become READY a batch at a time)."""
+
+MAX_READ_BATCH = 64
+"""Most pages per backend ``get_into`` call (fewer, larger calls cost less per page)."""
+
+
+def read_batch(pages: int, concurrency: int) -> int:
+    """Pages per backend read of a fill of ``pages`` pages.
+
+    Large enough that per-call costs do not dominate, small enough that the fill makes
+    about two batches per read slot (so ``concurrency`` reads overlap), within
+    [:data:`MIN_READ_BATCH`, :data:`MAX_READ_BATCH`].
+    """
+    return max(MIN_READ_BATCH, min(MAX_READ_BATCH, -(-pages // (2 * max(1, concurrency)))))
 
 MAX_TRACKED = 1 << 18
 """Prefetched pages remembered until their first load (to count the unused ones)."""
+
+NO_CUT = 1 << 62
+"""``Fill.cut`` while no page has been given up."""
 
 ReadFn = Callable[[bytes, list[bytes], list[int], int], Awaitable[list[bool]]]
 
@@ -71,9 +89,11 @@ class Fill:
             chain order.
         fate: per page, a :class:`Fate`.
         committed: leading pages committed so far.
-        cut: pages at and after ``cut`` are given up (a failed read, a cancellation).
+        cut: pages at and after ``cut`` are given up (a failed read, a cancellation);
+            :data:`NO_CUT` while none is.
         cancelled: ended by a claim or its session rather than by a failed read.
-        done: resolved once every page is committed or aborted.
+        allocating: more pages may still be added (the fill is not done before).
+        done: resolved once allocation is over and every page is committed or aborted.
     """
 
     ns: bytes
@@ -87,6 +107,7 @@ class Fill:
     committed: int = 0
     cut: int = 0
     cancelled: bool = False
+    allocating: bool = False
     ended: int = 0
 
     @property
@@ -136,10 +157,11 @@ class Prefetcher:
         self.counters = counters
         self._read_fn = read
         self._sem = asyncio.Semaphore(concurrency)
-        self._filling: dict[bytes, Fill] = {}  # key -> the fill writing it
+        self._concurrency = concurrency
+        self._filling: dict[tuple[int, bytes], Fill] = {}  # (ns_id, key) -> its fill
         self._fills: set[Fill] = set()
         self._tasks: set[asyncio.Task[None]] = set()
-        self._fetched: OrderedDict[bytes, int] = OrderedDict()  # key -> ns_id, not loaded yet
+        self._fetched: OrderedDict[tuple[int, bytes], None] = OrderedDict()  # not loaded yet
 
     @property
     def active(self) -> int:
@@ -149,45 +171,70 @@ class Prefetcher:
     def set_concurrency(self, n: int) -> None:
         """Change the read concurrency for reads that start from now on."""
         self._sem = asyncio.Semaphore(n)
+        self._concurrency = n
 
-    def dependencies(self, keys: Sequence[bytes]) -> list[Fill]:
-        """Return the running fills that hold any of ``keys`` (each once)."""
+    def dependencies(self, ns_id: int, keys: Sequence[bytes]) -> list[Fill]:
+        """Return the running fills that hold any of ``keys`` of ``ns_id`` (each once)."""
         if not self._filling:
             return []
-        found = {id(f): f for k in keys if (f := self._filling.get(k)) is not None}
+        get = self._filling.get
+        found = {id(f): f for k in keys if (f := get((ns_id, k))) is not None}
         return list(found.values())
 
-    def start(self, ns: bytes, ns_id: int, owner: int, class_id: int, page_bytes: int,
-              keys: Sequence[bytes], parent_key: bytes | None) -> Fill | None:
-        """Allocate WRITING slots for the keys L2 lacks and start reading them.
+    def new_fill(self, ns: bytes, ns_id: int, page_bytes: int) -> Fill:
+        """An empty fill for :meth:`fill` to allocate into (tracked from now on)."""
+        fill = Fill(ns=ns, ns_id=ns_id, page_bytes=page_bytes, keys=[], slots=[], offsets=[],
+                    fate=[], done=asyncio.get_running_loop().create_future(), cut=NO_CUT,
+                    allocating=True)
+        self._fills.add(fill)
+        return fill
+
+    async def fill(self, fill: Fill, owner: int, class_id: int, keys: Sequence[bytes],
+                   parent_key: bytes | None) -> int:
+        """Allocate WRITING slots for the keys L2 lacks, batch by batch, reading each batch
+        as soon as its slots exist.
+
+        Stops early at a shortfall (the pool is full), at a key another namespace holds,
+        or when the fill is cancelled meanwhile.
 
         Args:
-            ns / ns_id: namespace fingerprint and pool id.
+            fill: from :meth:`new_fill`.
             owner / class_id: tenant charged and page class.
-            page_bytes: bytes per page.
             keys: the chain run to fetch (L3 holds it).
             parent_key: the key before ``keys[0]``, if any.
 
         Returns:
-            The fill, or None when nothing could be allocated.
+            Pages allocated (and being read).
         """
-        pairs = self.pool.allocate(ns_id, owner, class_id, keys, parent_key)
-        if not pairs:
-            return None
         loop = asyncio.get_running_loop()
-        slots = [s for _, s in pairs]
-        fill = Fill(ns=ns, ns_id=ns_id, page_bytes=page_bytes, keys=[keys[i] for i, _ in pairs],
-                    slots=slots, offsets=[self.pool.slot_offset(s) for s in slots],
-                    fate=[Fate.PENDING] * len(pairs), done=loop.create_future(), cut=len(pairs))
-        self.counters.l3_prefetch_started_pages += fill.pages
-        self._fills.add(fill)
-        for k in fill.keys:
-            self._filling[k] = fill
-        for a in range(0, fill.pages, READ_BATCH):
-            task = loop.create_task(self._read(fill, a, min(a + READ_BATCH, fill.pages)))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-        return fill
+        parent = parent_key
+        size = read_batch(len(keys), self._concurrency)
+        try:
+            for a in range(0, len(keys), size):
+                if fill.cut != NO_CUT:
+                    break
+                batch = keys[a:a + size]
+                pairs = self.pool.allocate(fill.ns_id, owner, class_id, batch, parent)
+                first = fill.pages
+                for i, slot in pairs:
+                    fill.keys.append(batch[i])
+                    fill.slots.append(slot)
+                    fill.offsets.append(self.pool.slot_offset(slot))
+                    fill.fate.append(Fate.PENDING)
+                    self._filling[(fill.ns_id, batch[i])] = fill
+                self.counters.l3_prefetch_started_pages += len(pairs)
+                if pairs:
+                    task = loop.create_task(self._read(fill, first, fill.pages))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
+                if not self.pool.resident_run(fill.ns_id, batch[-1:]):
+                    break  # the allocation fell short: the rest would have no prefix
+                parent = batch[-1]
+                await asyncio.sleep(0)  # let the batch's read start before the next allocation
+        finally:
+            fill.allocating = False
+            self._settle(fill)
+        return fill.pages
 
     def cancel(self, fill: Fill | None) -> None:
         """Keep the verified leading run of ``fill``; give up the rest (idempotent)."""
@@ -214,23 +261,24 @@ class Prefetcher:
                 log.warning("%d L3 reads still running at shutdown; abandoning them", len(pending))
 
     # ------------------------------------------------------------------ loads and evictions
-    def loaded(self, keys: Sequence[bytes]) -> None:
-        """Pages of ``keys`` were loaded by an engine: they were used."""
+    def loaded(self, ns_id: int, keys: Sequence[bytes]) -> None:
+        """Pages of ``keys`` (namespace ``ns_id``) were loaded by an engine: they were used."""
         if self._fetched:
             pop = self._fetched.pop
             for k in keys:
-                pop(k, None)
+                pop((ns_id, k), 0)
 
-    def evicted(self, keys: Sequence[bytes]) -> None:
-        """Pages of ``keys`` left L2: those prefetched and never loaded count as unused."""
+    def evicted(self, pages: Sequence[tuple[int, bytes]]) -> None:
+        """Pages ``(ns_id, key)`` left L2: those prefetched and never loaded count as unused."""
         if self._fetched:
-            pop = self._fetched.pop
-            self.counters.l3_prefetch_unused_pages += sum(pop(k, None) is not None for k in keys)
+            pop, missing = self._fetched.pop, object()
+            self.counters.l3_prefetch_unused_pages += sum(pop(p, missing) is not missing
+                                                          for p in pages)
 
     def sweep(self) -> None:
         """Count prefetched pages no longer in L2 (after a flush) as unused."""
-        gone = [k for k, ns_id in self._fetched.items() if not self.pool.resident_run(ns_id, [k])]
-        self.evicted(gone)
+        self.evicted([(ns_id, k) for ns_id, k in self._fetched
+                      if not self.pool.resident_run(ns_id, [k])])
 
     # ------------------------------------------------------------------ fills
     async def _read(self, fill: Fill, a: int, b: int) -> None:
@@ -253,8 +301,9 @@ class Prefetcher:
         """Commit the verified leading run; abort what lies past the cut and is not being
         read; resolve ``done`` when every page has ended."""
         fate, c = fill.fate, fill.committed
+        cut = min(fill.cut, fill.pages)
         j = c
-        while j < fill.cut and fate[j] is Fate.VERIFIED:
+        while j < cut and fate[j] is Fate.VERIFIED:
             j += 1
         if j > c:
             slots = fill.slots[c:j]
@@ -263,13 +312,13 @@ class Prefetcher:
             for i in range(c, j):
                 fate[i] = Fate.COMMITTED
                 self._release_key(fill, i)
-                self._remember(fill.keys[i], fill.ns_id)
+                self._remember((fill.ns_id, fill.keys[i]))
             fill.committed = j
             fill.ended += j - c
             self.counters.l3_prefetch_completed_pages += j - c
             self.counters.bytes_from_l3 += (j - c) * fill.page_bytes
-        if fill.cut < fill.pages:
-            gone = [i for i in range(fill.cut, fill.pages) if fate[i] in _OPEN]
+        if cut < fill.pages:
+            gone = [i for i in range(cut, fill.pages) if fate[i] in _OPEN]
             if gone:
                 self.pool.abort([fill.slots[i] for i in gone])
                 c = self.counters
@@ -283,15 +332,15 @@ class Prefetcher:
                     fate[i] = Fate.ABORTED
                     self._release_key(fill, i)
                 fill.ended += len(gone)
-        if fill.ended == fill.pages and not fill.done.done():
+        if fill.ended == fill.pages and not fill.allocating and not fill.done.done():
             fill.done.set_result(None)
             self._fills.discard(fill)
 
     def _release_key(self, fill: Fill, i: int) -> None:
-        if self._filling.get(fill.keys[i]) is fill:
-            del self._filling[fill.keys[i]]
+        if self._filling.get((fill.ns_id, fill.keys[i])) is fill:
+            del self._filling[(fill.ns_id, fill.keys[i])]
 
-    def _remember(self, key: bytes, ns_id: int) -> None:
-        self._fetched[key] = ns_id
+    def _remember(self, page: tuple[int, bytes]) -> None:
+        self._fetched[page] = None
         if len(self._fetched) > MAX_TRACKED:
             self._fetched.popitem(last=False)

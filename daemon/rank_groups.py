@@ -83,7 +83,7 @@ class Member:
         seq: rounds entered so far, per operation.
     """
 
-    group: "RankGroup"
+    group: RankGroup
     rank: int
     session_id: int
     seq: dict[str, int] = field(default_factory=dict)

@@ -22,19 +22,20 @@ import os
 import secrets
 import signal
 import time
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Coroutine
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
 import zmq
 import zmq.asyncio
-
 from kvtier.config import DaemonConfig, KvtierError, format_size, runtime_dir, socket_path
 from kvtier.config.loader import pool_path
 from kvtier.daemon.engine_memory import EngineMemory, EngineMemoryError
-from kvtier.daemon.host_pool import HostPool
+from kvtier.daemon.host_pool import HostPool, HostPoolError
+from kvtier.daemon.pool_meta import AdoptResult, map_pool_file
 from kvtier.daemon.rank_groups import GroupKey
 from kvtier.daemon.sdnotify import SystemdNotifier, watchdog_loop
 from kvtier.daemon.sessions import Session, SessionState, SessionTable
@@ -47,6 +48,9 @@ from kvtier.ipc.completion import CompletionBlock, TransferStatus
 from kvtier.ipc.namespace import namespace_fingerprint
 from kvtier.ipc.shm import SharedMemorySegment
 from kvtier.ipc.sockets import ipc_endpoint, make_zmq_socket
+
+if TYPE_CHECKING:
+    from kvtier.daemon.metrics import DaemonMetrics
 
 log = logging.getLogger("kvtier.daemon")
 COMPLETION_SLOTS = 64
@@ -77,7 +81,7 @@ class Daemon:
         self.cfg = cfg
         self._reload_source = reload
         self.notifier = notifier or SystemdNotifier()
-        self.metrics = None  # a DaemonMetrics when metrics_port is set
+        self.metrics: DaemonMetrics | None = None  # set when metrics_port is
         self.rdir = runtime_dir(cfg.runtime_dir)
         self.endpoint = ipc_endpoint(socket_path(self.rdir))
         self.epoch = secrets.randbits(62) | 1
@@ -88,11 +92,7 @@ class Daemon:
         self.started = time.time()
         self._stop = asyncio.Event()
         self._stopping = False
-        self._ns_ids: dict[bytes, int] = {}
-        self._owners = {name: i + 1 for i, name in enumerate(sorted(cfg.tenants))} or {DEFAULT_TENANT: 1}
-        for name, t in cfg.tenants.items():
-            if t.quota_pages is not None:
-                self.pool.set_quota(self._owners[name], t.quota_pages)
+        self.adopt: AdoptResult | None = None  # what the start made of the pool file it found
         self._inflight: set[asyncio.Future] = set()
         self._tasks: set[asyncio.Task] = set()
         self._arena_seg: SharedMemorySegment | None = None
@@ -111,20 +111,22 @@ class Daemon:
         """Begin a graceful stop (safe to call from a signal handler)."""
         self._stop.set()
 
-    async def run(self, on_ready: Callable[["Daemon"], None] | None = None) -> None:
+    async def run(self, on_ready: Callable[[Daemon], None] | None = None) -> None:
         """Set everything up, serve until stopped, then shut down in order."""
         async with contextlib.AsyncExitStack() as stack:
             self.rdir.mkdir(parents=True, exist_ok=True, mode=0o750)
             ppath = pool_path(self.cfg.pool_dir, self.rdir)
-            self._arena_seg = SharedMemorySegment.create(
-                ppath, self.cfg.hicache_size, prefault=self.cfg.prefault, mode=0o600, exist_ok=True)
-            stack.callback(self._arena_seg.close)
-            self._arena = self._arena_seg.tensor()
-            stack.callback(setattr, self, "_arena", None)
+            arena_view = self._open_pool(ppath, stack)
+            layout = self.pool.layout
+            assert self._arena_seg is not None
             seg = self._arena_seg
-            await self.tier.open(HostArena(view=seg.view, address=seg.address, size=seg.size))
+            self._arena = seg.tensor(layout.arena_offset, layout.capacity_bytes)
+            stack.callback(setattr, self, "_arena", None)
+            await self.tier.open(HostArena(view=arena_view, size=layout.capacity_bytes,
+                                           address=seg.address + layout.arena_offset))
             stack.push_async_callback(self.tier.close)
             self._executor = ThreadPoolExecutor(self.cfg.copy_threads, thread_name_prefix="kvtier-copy")
+            stack.callback(self._finalize_remaining)  # runs once the copy threads have ended
             stack.callback(self._executor.shutdown, wait=True, cancel_futures=True)
             ctx = zmq.asyncio.Context()
             stack.callback(ctx.term)
@@ -160,6 +162,28 @@ class Daemon:
                     task.cancel()
             await self._drain()
 
+    def _open_pool(self, ppath: Path, stack: contextlib.AsyncExitStack) -> memoryview:
+        """Map the pool file and adopt the pages a previous kvtierd left in it (unless it
+        does not fit this configuration, or ``cold_start``); return the arena's view.
+
+        The file outlives the daemon unless ``keep_pool_on_stop`` is off.
+        """
+        layout = self.pool.layout
+        seg, why_new = map_pool_file(ppath, layout, prefault=self.cfg.prefault)
+        self._arena_seg = seg
+        stack.callback(lambda: seg.close(unlink=not self.cfg.keep_pool_on_stop))
+        arena_view = seg.view[layout.arena_offset:layout.arena_offset + layout.capacity_bytes]
+        stack.callback(arena_view.release)
+        cold = "cold start requested (cold_start)" if self.cfg.cold_start else why_new
+        self.adopt = self.pool.adopt(seg.view[:layout.meta_bytes], cold_start=cold,
+                                     arena=arena_view if self.cfg.verify_on_adopt else None)
+        stack.callback(self.pool.close)  # its views of the metadata go before the mapping
+        log.info("%s", self.adopt.summary)
+        for name, t in self.cfg.tenants.items():  # owner ids come from the adopted table
+            if t.quota_pages is not None:
+                self.pool.set_quota(self.pool.owner_id(name), t.quota_pages)
+        return arena_view
+
     def _close_socket(self) -> None:
         if self._sock is not None:
             self._sock.close(linger=0)
@@ -172,11 +196,18 @@ class Daemon:
         for s in self.sessions:
             self._close_session(s, "daemon stopping")
         if self._inflight:
-            done, pending = await asyncio.wait(set(self._inflight), timeout=self.cfg.shutdown_timeout_s)
+            _, pending = await asyncio.wait(set(self._inflight), timeout=self.cfg.shutdown_timeout_s)
             if pending:
                 log.warning("%d transfers still running after %.1fs; abandoning them",
                             len(pending), self.cfg.shutdown_timeout_s)
         await self.tier.drain(max(0.0, deadline - time.monotonic()))
+        for s in self.sessions:
+            if not s.transfers:  # else a copy thread may still touch its memory: see below
+                self._finalize_session(s)
+
+    def _finalize_remaining(self) -> None:
+        """Finalize the sessions whose transfers outlived the drain, after the copy threads
+        are gone (unmapping an engine's memory under a running copy would crash the daemon)."""
         for s in self.sessions:
             self._finalize_session(s)
 
@@ -375,19 +406,27 @@ class Daemon:
             raise RequestError(P.ErrorCode.BAD_MEMORY, str(err)) from err
         try:
             fp = namespace_fingerprint(m.namespace, g, m.tp_rank, m.tp_size, tenant)
-            ns_id = self._ns_ids.setdefault(fp, len(self._ns_ids) + 1)
+            try:
+                ns_id, owner = self.pool.namespace_id(fp), self.pool.owner_id(tenant)
+            except HostPoolError as err:
+                raise RequestError(P.ErrorCode.BUSY, str(err)) from err
             sid = self.sessions.new_id()
             block = CompletionBlock.create(self.rdir / f"completion-{self.epoch:x}-{sid}",
                                            COMPLETION_SLOTS)
         except BaseException:
             memory.close()
             raise
-        s = Session(session_id=sid, identity=identity, tenant=tenant, owner=self._owners[tenant],
+        s = Session(session_id=sid, identity=identity, tenant=tenant, owner=owner,
                     ns_id=ns_id, ns_fingerprint=fp, geometry=g,
                     class_id=self.pool.register_class(g.page_bytes), memory=memory,
                     completion=block, pid=m.pid, tp_rank=m.tp_rank, tp_size=m.tp_size,
                     lease_s=self.cfg.lease_s)
         s.renew(time.monotonic())
+        self.tier.register(ns_id, fp, tenant, s.class_id, g.page_bytes)
+        s.member = self.tier.groups.join(GroupKey(
+            tenant=tenant, model_id=m.namespace.model_id, revision=m.namespace.revision,
+            cache_salt=m.namespace.cache_salt, attention=g.attention, tp_size=m.tp_size,
+            tp_group=m.tp_group), m.tp_rank, sid)
         self.sessions.add(s)
         self.counters.sessions_opened += 1
         log.info("session %d registered: tenant %s, model %s, pid %d, rank %d/%d, %d pages of %s",
@@ -426,7 +465,22 @@ class Daemon:
         c.lookup_keys += len(m.keys)
         c.lookup_hit_keys += n
         c.lookup_hits += n > 0
-        return P.LookupResult(req_id=m.req_id, epoch=self.epoch, l2=n, l3=0)
+        if s.member is None and (n == len(m.keys) or not self.tier.available):
+            return P.LookupResult(req_id=m.req_id, epoch=self.epoch, l2=n, l3=0)
+        return self._later(s, self._lookup_more(s, m, n))
+
+    async def _lookup_more(self, s: Session, m: P.Lookup, n: int) -> P.Reply:
+        l2, l3 = await self.tier.lookup_l3(s, m.keys, n)
+        return P.LookupResult(req_id=m.req_id, epoch=self.epoch, l2=l2, l3=l3)
+
+    async def _later(self, s: Session, pending: Coroutine[Any, Any, P.Reply]) -> P.Reply:
+        """Answer ``pending`` for ``s``; its lease does not run out meanwhile."""
+        s.waiting += 1
+        try:
+            return await pending
+        finally:
+            s.waiting -= 1
+            s.renew(time.monotonic())
 
     def _store(self, identity: bytes, m: P.Store) -> P.Reply:
         s = self._session(identity, m.session_id)
@@ -435,15 +489,20 @@ class Daemon:
         if m.parent_key is not None and len(m.parent_key) != P.KEY_BYTES:
             raise RequestError(P.ErrorCode.BAD_MESSAGE, f"parent_key has {len(m.parent_key)} bytes")
         self.counters.stores += 1
+        if s.geometry.attention == "mla" and s.tp_rank > 0:
+            # MLA pages are the same on every rank: rank 0 stores them for all
+            return P.StoreAccepted(req_id=m.req_id, epoch=self.epoch, count=len(m.keys), writing=0)
         allocated = self.pool.allocate(s.ns_id, s.owner, s.class_id, m.keys, m.parent_key)
         count = self.pool.resident_run(s.ns_id, m.keys)
         self.counters.store_skipped_pages += count - len(allocated)
         self.counters.store_failed_pages += len(m.keys) - count
+        self.tier.allocated(len(m.keys), count)
         if not allocated:
             return P.StoreAccepted(req_id=m.req_id, epoch=self.epoch, count=count, writing=0)
         idx = [i for i, _ in allocated]
         host = [slot for _, slot in allocated]
-        self._start(s, Direction.STORE, m.slot, m.seq, host, [m.pages[i] for i in idx])
+        self._start(s, Direction.STORE, m.slot, m.seq, host, [m.pages[i] for i in idx],
+                    [m.keys[i] for i in idx])
         return P.StoreAccepted(req_id=m.req_id, epoch=self.epoch, count=count, writing=len(host))
 
     def _load(self, identity: bytes, m: P.Load) -> P.Reply:
@@ -453,7 +512,8 @@ class Daemon:
         self.counters.loads += 1
         host = self.pool.pin(s.ns_id, m.keys)
         if host:
-            self._start(s, Direction.LOAD, m.slot, m.seq, host, m.pages[: len(host)])
+            self._start(s, Direction.LOAD, m.slot, m.seq, host, m.pages[: len(host)],
+                        m.keys[: len(host)])
         return P.LoadAccepted(req_id=m.req_id, epoch=self.epoch, count=len(host))
 
     def _release(self, identity: bytes, m: P.Release) -> P.Reply:
@@ -484,22 +544,68 @@ class Daemon:
         if m.tier not in ("l2", "l3", "all"):
             raise RequestError(P.ErrorCode.BAD_MESSAGE, f"tier = {m.tier!r} is not l2, l3 or all")
         ns_id = owner = None
+        tenant: str | None = None
         if m.session_id:  # a session may flush only its own tenant's pages
             s = self._session(identity, m.session_id)
-            owner = s.owner
+            owner, tenant = s.owner, s.tenant
         else:
             self._check_admin(m.admin_token)
+        fps: list[bytes] | None = None if tenant is None else self.tier.tenant_namespaces(tenant)
         if m.namespace:
             try:
                 fp = bytes.fromhex(m.namespace)
             except ValueError as err:
                 raise RequestError(P.ErrorCode.BAD_MESSAGE,
                                    f"namespace = {m.namespace!r} is not hex") from err
-            ns_id = self._ns_ids.get(fp, -1)
-        l2 = self.pool.flush(ns_id=ns_id, owner=owner) if m.tier in ("l2", "all") else 0
+            ns_id = self.pool.namespaces().get(fp, -1)
+            fps = [fp] if fps is None or fp in fps else []
+        l2 = 0
+        if m.tier in ("l2", "all"):
+            with self.tier.writer.flush_guard():
+                l2 = self.pool.flush(ns_id=ns_id, owner=owner)
+            self.tier.prefetcher.sweep()
         log.info("flush tier=%s namespace=%s owner=%s: %d L2 pages dropped", m.tier,
                  m.namespace or "*", owner if owner is not None else "*", l2)
-        return P.FlushReply(req_id=m.req_id, epoch=self.epoch, l2_pages=l2, l3_pages=0)
+        if m.tier == "l2" or not self.tier.available:
+            return P.FlushReply(req_id=m.req_id, epoch=self.epoch, l2_pages=l2, l3_pages=0)
+        return self._flush_l3(m, l2, fps)
+
+    async def _flush_l3(self, m: P.Flush, l2: int, fps: list[bytes] | None) -> P.Reply:
+        l3 = await self.tier.flush(fps)
+        log.info("flush tier=%s namespace=%s: %d L3 pages deleted", m.tier, m.namespace or "*", l3)
+        return P.FlushReply(req_id=m.req_id, epoch=self.epoch, l2_pages=l2, l3_pages=l3)
+
+    def _prefetch(self, identity: bytes, m: P.Prefetch) -> P.Reply:
+        s = self._session(identity, m.session_id)
+        self._check_keys(m.keys)
+        if not 0 <= m.skip <= len(m.keys):
+            raise RequestError(P.ErrorCode.BAD_MESSAGE,
+                               f"skip = {m.skip!r} is outside [0, {len(m.keys)}]")
+        if not m.keys or not self.tier.available:
+            self.counters.prefetches += 1
+            return P.PrefetchReply(req_id=m.req_id, epoch=self.epoch, started=0)
+        return self._later(s, self._prefetch_async(s, m))
+
+    async def _prefetch_async(self, s: Session, m: P.Prefetch) -> P.Reply:
+        started = await self.tier.prefetch(s, m.keys, m.request_id)
+        return P.PrefetchReply(req_id=m.req_id, epoch=self.epoch, started=started)
+
+    def _claim(self, identity: bytes, m: P.Claim) -> P.Reply:
+        s = self._session(identity, m.session_id)
+        self._check_keys(m.keys)
+        if m.policy and m.policy not in PREFETCH_POLICIES:
+            raise RequestError(P.ErrorCode.BAD_MESSAGE, f"policy = {m.policy!r} is not one of "
+                               f"{', '.join(PREFETCH_POLICIES)} (or empty for the daemon's)")
+        if s.member is None and not s.prefetches:  # nothing to wait for: answer now
+            n = self.pool.lookup(s.ns_id, m.keys)
+            self.counters.claims += 1
+            self.counters.claim_pages += n
+            return P.ClaimReply(req_id=m.req_id, epoch=self.epoch, l2=n)
+        return self._later(s, self._claim_async(s, m))
+
+    async def _claim_async(self, s: Session, m: P.Claim) -> P.Reply:
+        n = await self.tier.claim(s, m.keys, m.request_id, m.policy)
+        return P.ClaimReply(req_id=m.req_id, epoch=self.epoch, l2=n)
 
     def _health(self, identity: bytes, m: P.Health) -> P.Reply:
         status = "stopping" if self._stopping else "ok"
@@ -514,6 +620,8 @@ class Daemon:
             "uptime_s": round(time.time() - self.started, 3),
             "pool": dataclasses.asdict(ps),
             "counters": self.counters.as_dict(),
+            "l3": self.tier.snapshot(),
+            "adopt": dataclasses.asdict(self.adopt) if self.adopt is not None else {},
             "sessions": [
                 {"session_id": s.session_id, "tenant": s.tenant, "pid": s.pid,
                  "tp_rank": s.tp_rank, "tp_size": s.tp_size, "state": s.state.value,
@@ -525,11 +633,12 @@ class Daemon:
 
     # ------------------------------------------------------------------ transfers
     def _start(self, s: Session, direction: Direction, slot: int, seq: int, host: list[int],
-               pages: list[int]) -> None:
+               pages: list[int], keys: list[bytes]) -> None:
         offsets = np.fromiter((self.pool.slot_offset(h) for h in host), dtype=np.int64, count=len(host))
         t = Transfer(direction=direction, session_id=s.session_id, slot=slot, seq=seq,
                      host_slots=host, page_ids=np.asarray(pages, dtype=np.int64), offsets=offsets,
-                     nbytes=len(host) * s.geometry.page_bytes, started=time.monotonic())
+                     nbytes=len(host) * s.geometry.page_bytes, started=time.monotonic(),
+                     keys=keys)
         s.completion.begin(slot, seq, s.geometry.num_layers)
         s.transfers[slot] = t
         loop = asyncio.get_running_loop()
@@ -545,9 +654,10 @@ class Daemon:
         c = self.counters
         if t.direction is Direction.STORE:
             if ok and s.state is SessionState.OPEN:
-                self.pool.commit(t.host_slots)
+                self.pool.commit(t.host_slots, checksums=t.checksums)
                 c.store_pages += n
                 c.bytes_to_host += t.nbytes
+                self.tier.stored(s, t.keys)
             else:
                 self.pool.abort(t.host_slots)
                 c.store_failed_pages += n
@@ -556,6 +666,7 @@ class Daemon:
             if ok:
                 c.load_pages += n
                 c.loaded_tokens += n * s.geometry.page_size
+                self.tier.loaded(s, t.keys)
                 c.bytes_to_engine += t.nbytes
                 if self.metrics is not None:
                     self.metrics.observe_load(time.monotonic() - t.started)
@@ -574,6 +685,7 @@ class Daemon:
             return
         s.transition(SessionState.CLOSING)
         log.info("session %d closing: %s", s.session_id, reason)
+        self.tier.session_closed(s)
         for t in s.transfers.values():
             t.cancelled = True
         if not s.transfers:
@@ -585,6 +697,7 @@ class Daemon:
         if s.state is SessionState.OPEN:
             s.transition(SessionState.CLOSING)
         self.sessions.remove(s)
+        self.tier.session_closed(s)
         alive = s.engine_alive()
         s.memory.close()
         if not alive:

@@ -64,7 +64,7 @@ class Session:
     ns_fingerprint: bytes
     geometry: Geometry
     class_id: int
-    memory: "EngineMemory"
+    memory: EngineMemory
     completion: CompletionBlock
     pid: int
     tp_rank: int
@@ -72,9 +72,9 @@ class Session:
     lease_s: float
     deadline: float = 0.0
     state: SessionState = SessionState.OPEN
-    transfers: dict[int, "Transfer"] = field(default_factory=dict)  # by completion slot
-    prefetches: dict[str | bytes, "PrefetchJob"] = field(default_factory=dict)
-    member: "Member | None" = None
+    transfers: dict[int, Transfer] = field(default_factory=dict)  # by completion slot
+    prefetches: dict[str | bytes, PrefetchJob] = field(default_factory=dict)
+    member: Member | None = None
     waiting: int = 0
     created: float = field(default_factory=time.time)
 

@@ -119,10 +119,11 @@ class TierStore:
             (Exception,) if self.name == "dynamic" else (KvtierError, OSError))
         self._check_now = asyncio.Event()
         self._last_check = 0.0
+        self._open_failures = 0
         self._ns: dict[int, bytes] = {}
         self._ns_tenant: dict[bytes, str] = {}
         self._class_bytes: dict[int, int] = {}
-        self._known: dict[bytes, bytes] = {}  # key -> ns, for backends that cannot list
+        self._known: dict[tuple[bytes, bytes], None] = {}  # (ns, key), for backends that cannot list
         self.prefetcher = Prefetcher(pool, counters, self.get, cfg.prefetch_concurrency)
         self.writer = L3Writer(self, pool, counters)
         self.groups = RankGroups(cfg.tp_group_timeout_s, on_round=self._on_round)
@@ -156,12 +157,17 @@ class TierStore:
         except ConfigError:
             raise
         except self._faults as err:
-            log.error("L3 backend %s could not open (%s); serving L2 only, retrying every %.0fs",
-                      self.name, err, DOWN_PERIOD_S)
+            self._open_failures += 1
+            if self._open_failures == 1:
+                log.error("L3 backend %s could not open (%s); serving L2 only, retrying every "
+                          "%.0fs", self.name, err, DOWN_PERIOD_S)
+            else:
+                log.debug("L3 backend %s still cannot open: %s", self.name, err)
             return
         self.backend, self.healthy = backend, True
-        log.info("L3 backend %s open (%s, prefetch policy %s)", self.name,
-                 self.cfg.hicache_write_policy, self.cfg.hicache_storage_prefetch_policy)
+        log.info("L3 backend %s open (%s, prefetch policy %s)%s", self.name,
+                 self.cfg.hicache_write_policy, self.cfg.hicache_storage_prefetch_policy,
+                 f" after {self._open_failures} failed tries" if self._open_failures else "")
 
     async def run(self) -> None:
         """Keep the backend's health and run the writer until cancelled."""
@@ -184,18 +190,28 @@ class TierStore:
             await backend.close()
 
     def reconfigure(self, cfg: DaemonConfig) -> None:
-        """Apply a reloaded configuration's live fields."""
+        """Apply a reloaded configuration's live fields.
+
+        Switching from ``write_back`` to ``write_through`` queues every L2 page not yet in
+        L3, so that L2 is backed up as it stands.
+        """
         if cfg.prefetch_concurrency != self.cfg.prefetch_concurrency:
             self.prefetcher.set_concurrency(cfg.prefetch_concurrency)
+        to_through = (self.cfg.hicache_write_policy, cfg.hicache_write_policy) == (
+            "write_back", "write_through")
         self.cfg = cfg
+        if to_through and self.available:
+            log.info("write policy now write_through: %d L2 pages queued for L3",
+                     self.writer.back_up_all())
         self.groups.timeout_s = cfg.tp_group_timeout_s
         self.apply_write_policy()
+        self.writer.poke()
 
     def apply_write_policy(self) -> None:
         """Make the pool evict only pages in L3 while write-back is in force (and while
         pages written back unpinned are still in flight)."""
         wb = self.writer.write_back and self.available
-        self.pool.evict_requires_l3 = wb or bool(self.writer._writing)
+        self.pool.evict_requires_l3 = wb or self.writer.writing_unpinned
 
     async def _health_loop(self) -> None:
         while True:
@@ -292,18 +308,26 @@ class TierStore:
         self._class_bytes[class_id] = page_bytes
 
     def namespace_of(self, ns_id: int) -> bytes | None:
-        """The fingerprint of pool namespace ``ns_id`` (None if no session named it)."""
-        return self._ns.get(ns_id)
+        """The fingerprint of pool namespace ``ns_id`` (None if nobody named it)."""
+        fp = self._ns.get(ns_id)
+        if fp is None:  # a page adopted from before a restart: the pool's own table
+            fp = next((f for f, i in self.pool.namespaces().items() if i == ns_id), None)
+            if fp is not None:
+                self._ns[ns_id] = fp
+        return fp
 
     def page_bytes_of(self, class_id: int) -> int:
         """Page bytes of pool page class ``class_id``."""
-        return self._class_bytes[class_id]
+        pb = self._class_bytes.get(class_id)
+        if pb is None:  # a class an adopted pool registered before any session did
+            pb = self._class_bytes[class_id] = self.pool.stats().classes[class_id].page_bytes
+        return pb
 
     def tenant_namespaces(self, tenant: str | None) -> list[bytes]:
         """Fingerprints registered here by ``tenant`` (None: by anyone)."""
         return [fp for fp, t in self._ns_tenant.items() if tenant is None or t == tenant]
 
-    def session_closed(self, s: "Session") -> None:
+    def session_closed(self, s: Session) -> None:
         """Cancel the session's prefetches and take it out of its rank group."""
         for job in s.prefetches.values():
             self.prefetcher.cancel(job.fill)
@@ -312,25 +336,25 @@ class TierStore:
             self.groups.leave(s.member)
             s.member = None
 
-    def stored(self, s: "Session", keys: list[bytes]) -> None:
+    def stored(self, s: Session, keys: list[bytes]) -> None:
         """A STORE of ``s`` committed ``keys`` (write-through queues them)."""
         if self.backend is not None:
             self.writer.committed(s.ns_fingerprint, s.ns_id, keys, s.geometry.page_bytes)
 
-    def loaded(self, keys: Sequence[bytes]) -> None:
-        """An engine loaded these pages (prefetched pages were used)."""
-        self.prefetcher.loaded(keys)
+    def loaded(self, s: Session, keys: Sequence[bytes]) -> None:
+        """An engine of ``s`` loaded these pages (prefetched pages were used)."""
+        self.prefetcher.loaded(s.ns_id, keys)
 
     def allocated(self, wanted: int, got: int) -> None:
         """After an allocation: count evictions of prefetched pages; signal a shortfall."""
         evicted = self.pool.drain_evicted()
         if evicted:
-            self.prefetcher.evicted([e.key for e in evicted])
+            self.prefetcher.evicted([(e.ns_id, e.key) for e in evicted])
         if got < wanted:
             self.writer.shortfall()
 
     # ------------------------------------------------------------------ prefetch and claim
-    async def prefetch(self, s: "Session", keys: list[bytes], request_id: str) -> int:
+    async def prefetch(self, s: Session, keys: list[bytes], request_id: str) -> int:
         """Start fetching the L3 run after the L2-resident run of ``keys``.
 
         Returns:
@@ -345,28 +369,34 @@ class TierStore:
         loop = asyncio.get_running_loop()
         start = self.pool.resident_run(s.ns_id, keys)
         job = PrefetchJob(ns_id=s.ns_id, fill=None, started=loop.time())
-        job.deps = self.prefetcher.dependencies(keys[:start])
+        job.deps = self.prefetcher.dependencies(s.ns_id, keys[:start])
         n3 = await self.l3_run(s.ns_fingerprint, keys[start:]) if start < len(keys) else 0
         if n3 and n3 * s.geometry.page_size >= self.setting("prefetch_threshold") \
                 and s.is_open():
             run = keys[start:start + n3]
-            job.fill = self.prefetcher.start(s.ns_fingerprint, s.ns_id, s.owner, s.class_id,
-                                             s.geometry.page_bytes, run,
+            job.fill = self.prefetcher.new_fill(s.ns_fingerprint, s.ns_id, s.geometry.page_bytes)
+            job.pages = n3 + sum(f.pages for f in job.deps)
+            self._track(s, name, job)  # a claim may come while the slots are allocated
+            got = await self.prefetcher.fill(job.fill, s.owner, s.class_id, run,
                                              keys[start - 1] if start else None)
-            got = job.fill.pages if job.fill is not None else 0
             self.allocated(len(run), got)
-            mine = set(job.fill.keys) if job.fill is not None else set()
-            job.deps += [f for f in self.prefetcher.dependencies([k for k in run if k not in mine])
-                         if f not in job.deps]
+            mine = set(job.fill.keys)
+            job.deps += [f for f in self.prefetcher.dependencies(
+                s.ns_id, [k for k in run if k not in mine]) if f not in job.deps]
         job.pages = sum(f.pages for f in job.fills)
-        if job.fills:
-            s.prefetches[name] = job
-            while len(s.prefetches) > MAX_JOBS_PER_SESSION:
-                stale = s.prefetches.pop(next(iter(s.prefetches)))
-                self.prefetcher.cancel(stale.fill)
+        if job.fill is None and job.pages and s.is_open():  # waits on other prefetches only
+            self._track(s, name, job)
+        elif not job.pages and s.prefetches.get(name) is job:
+            del s.prefetches[name]
         return job.fill.pages if job.fill is not None else 0
 
-    def claim_deadline(self, s: "Session", job: PrefetchJob | None, policy: str) -> float:
+    def _track(self, s: Session, name: str | bytes, job: PrefetchJob) -> None:
+        s.prefetches[name] = job
+        while len(s.prefetches) > MAX_JOBS_PER_SESSION:
+            stale = s.prefetches.pop(next(iter(s.prefetches)))
+            self.prefetcher.cancel(stale.fill)
+
+    def claim_deadline(self, s: Session, job: PrefetchJob | None, policy: str) -> float:
         """Loop time at which a claim under ``policy`` stops waiting for ``job``.
 
         ``best_effort``: now. ``timeout``: the prefetch's start plus
@@ -384,7 +414,7 @@ class TierStore:
         return job.started + min(cap, self.setting("prefetch_timeout_base")
                                  + self.setting("prefetch_timeout_per_ki_token") * tokens / 1024)
 
-    async def claim(self, s: "Session", keys: list[bytes], request_id: str, policy: str) -> int:
+    async def claim(self, s: Session, keys: list[bytes], request_id: str, policy: str) -> int:
         """End the session's prefetch of ``keys`` per ``policy``; return the L2 run now.
 
         For a rank of a TP group the answer is the minimum over the group's ranks.
@@ -410,7 +440,7 @@ class TierStore:
         self.counters.claim_pages += n
         return n
 
-    async def lookup_l3(self, s: "Session", keys: list[bytes], l2: int) -> tuple[int, int]:
+    async def lookup_l3(self, s: Session, keys: list[bytes], l2: int) -> tuple[int, int]:
         """``(l2, l3)`` for a LOOKUP whose L2 run is ``l2``; the group minimum for TP ranks."""
 
         async def mine() -> tuple[int, int]:
@@ -456,7 +486,7 @@ class TierStore:
                     self._fault("delete failed", err)
                     return deleted
             for k in keys:
-                self._known.pop(k, None)
+                self._known.pop((ns, k), None)
         self.counters.l3_flushed_pages += deleted
         return deleted
 
@@ -469,8 +499,8 @@ class TierStore:
         options = getattr(backend, "options", None)
         if self.name == "redis" and client is not None and options is not None:
             out = []
-            pattern = f"{options.prefix}:*" if wanted is None else None
-            patterns = [pattern] if pattern else [f"{options.prefix}:{ns.hex()}:*" for ns in wanted]
+            patterns = ([f"{options.prefix}:*"] if wanted is None
+                        else [f"{options.prefix}:{ns.hex()}:*" for ns in wanted])
             try:
                 for pat in patterns:
                     async for name in client.scan_iter(match=pat, count=1000):
@@ -479,11 +509,11 @@ class TierStore:
             except self._faults as err:
                 self._fault("listing keys failed", err)
             return out
-        return [(ns, key) for key, ns in self._known.items() if wanted is None or ns in wanted]
+        return [(ns, key) for ns, key in self._known if wanted is None or ns in wanted]
 
     def _note_known(self, ns: bytes, keys: list[bytes]) -> None:
         for k in keys:
-            self._known[k] = ns
+            self._known[(ns, k)] = None
         while len(self._known) > 1 << 18:
             del self._known[next(iter(self._known))]
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-
+from kvtier.daemon.pool_meta import page_checksums
 from kvtier.ipc.completion import CompletionBlock, TransferStatus
 from kvtier.kernels.page_copy import CopyPlan
 
@@ -43,7 +43,14 @@ class Transfer:
         host_slots: host-pool slot ids (pinned for a load, WRITING for a store).
         page_ids: engine page ids, same order.
         offsets: byte offsets of the host slots in the arena.
+        nbytes: bytes moved (pages x page bytes).
         cancelled: set by the event loop; the worker stops before the next layer.
+        status: the outcome, set by the worker.
+        started: monotonic start time (load latency).
+        keys: the page keys of ``host_slots``, same order (write-through after a store,
+            prefetched-page accounting after a load).
+        checksums: a finished store's page checksums (the pool records them, so a restart
+            can verify the pages it adopts); None otherwise.
     """
 
     direction: Direction
@@ -57,6 +64,8 @@ class Transfer:
     cancelled: bool = False
     status: TransferStatus = TransferStatus.RUNNING
     started: float = 0.0
+    keys: list[bytes] = field(default_factory=list)
+    checksums: list[int] | None = None
     extra: dict[str, object] = field(default_factory=dict)
 
 
@@ -91,6 +100,10 @@ def run_transfer(t: Transfer, arena: torch.Tensor, buffers: list[list[torch.Tens
                 else:
                     plan.from_host(arena, buf, chunk_offset)
             block.layer_done(t.slot, layer + 1)
+        if status is TransferStatus.DONE and t.direction is Direction.STORE and t.host_slots:
+            # checksummed here, in the copy thread, while the bytes are hot in cache
+            t.checksums = page_checksums(arena.numpy(), t.offsets.tolist(),
+                                         t.nbytes // len(t.host_slots))
     except Exception:  # a bug or a vanished mapping: the transfer fails, the daemon stays up
         log.exception("transfer session=%d slot=%d failed", t.session_id, t.slot)
         status = TransferStatus.FAILED

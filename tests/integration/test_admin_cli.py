@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.config import format_size
 from tests.engines import OTHER, SMALL, engine, fill_page, tokens
 from tests.servers import find_binary
 
@@ -125,7 +126,7 @@ def test_sessions_table_and_json(daemon):
         assert r.returncode == 0, r.stderr
         assert "2 sessions" in r.stdout
         assert r.stdout.count(str(os.getpid())) == 2
-        assert "16.0 KiB" in r.stdout and "3.0 KiB" in r.stdout  # both page sizes
+        assert format_size(SMALL.page_bytes) in r.stdout and format_size(OTHER.page_bytes) in r.stdout
         r = kvtier("sessions", "--json", "--runtime-dir", str(daemon.runtime_dir))
         sessions = json.loads(r.stdout)
         assert sorted(s["session_id"] for s in sessions) == sorted([ca.session_id, cb.session_id])

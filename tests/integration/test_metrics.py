@@ -175,7 +175,8 @@ FULL: dict[str, Any] = {
                  "errors_by_code": {"BUSY": 1}},
     "sessions": [{"transfers": 2}, {"transfers": 1}],
     "l3": {"backend": "file", "healthy": False, "errors": 4, "corrupt": 1, "misses": 8,
-           "put_bytes": 1, "get_bytes": 999},
+           "put_bytes": 1, "get_bytes": 999, "write_queue": 12, "prefetching": 2,
+           "tp_groups": 1},
 }
 
 
@@ -213,6 +214,9 @@ def test_every_snapshot_section_maps_to_its_series(metrics_for):
     assert value(s, "kvtier_l3_errors_total", backend="file") == 4
     assert value(s, "kvtier_l3_corrupt_objects_total", backend="file") == 1
     assert value(s, "kvtier_l3_misses_total", backend="file") == 8
+    assert value(s, "kvtier_l3_write_queue_pages", backend="file") == 12
+    assert value(s, "kvtier_l3_prefetch_fills", backend="file") == 2
+    assert value(s, "kvtier_tp_groups") == 1
     assert value(s, "kvtier_pool_pinned_pages") == 2
     assert value(s, "kvtier_evictions_total") == 9
     assert value(s, "kvtier_pool_free_extents") == 3
@@ -234,8 +238,11 @@ def test_missing_sections_and_keys_omit_their_series(metrics_for):
         assert absent not in present
     # the histograms do not depend on the snapshot
     assert value(s, "kvtier_lookup_duration_seconds_count") == 0
-    none_backend = metrics_for({"l3": {"backend": "none", "healthy": True}})
-    assert not {n for n in names(scrape(none_backend.port)) if n.startswith("kvtier_l3_")}
+    none_backend = metrics_for({"l3": {"backend": "none", "healthy": False, "errors": 0,
+                                       "write_queue": 0, "tp_groups": 0}})
+    s = scrape(none_backend.port)
+    assert not {n for n in names(s) if n.startswith("kvtier_l3_")}
+    assert value(s, "kvtier_tp_groups") == 0
 
 
 def test_observations_land_in_their_histograms(metrics_for):
@@ -256,7 +263,7 @@ def test_observations_land_in_their_histograms(metrics_for):
 
 
 def test_two_instances_share_no_state():
-    a, b = DaemonMetrics(lambda: {}), DaemonMetrics(lambda: {})
+    a, b = DaemonMetrics(dict), DaemonMetrics(dict)
     a.observe_load(1.0)
     assert value(parse(a.render().decode()), "kvtier_load_duration_seconds_count") == 1
     assert value(parse(b.render().decode()), "kvtier_load_duration_seconds_count") == 0
@@ -315,7 +322,7 @@ def test_a_failing_snapshot_is_counted_not_fatal(metrics_for):
 
 
 def test_close_frees_the_port_and_is_idempotent():
-    m = DaemonMetrics(lambda: {})
+    m = DaemonMetrics(dict)
     port = m.start("127.0.0.1", 0)
     assert port > 0 and m.port == port
     scrape(port)
