@@ -638,7 +638,8 @@ class Daemon:
         t = Transfer(direction=direction, session_id=s.session_id, slot=slot, seq=seq,
                      host_slots=host, page_ids=np.asarray(pages, dtype=np.int64), offsets=offsets,
                      nbytes=len(host) * s.geometry.page_bytes, started=time.monotonic(),
-                     keys=keys)
+                     keys=keys,
+                     checksum=direction is Direction.STORE and self.cfg.verify_on_adopt)
         s.completion.begin(slot, seq, s.geometry.num_layers)
         s.transfers[slot] = t
         loop = asyncio.get_running_loop()

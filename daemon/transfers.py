@@ -65,6 +65,7 @@ class Transfer:
     status: TransferStatus = TransferStatus.RUNNING
     started: float = 0.0
     keys: list[bytes] = field(default_factory=list)
+    checksum: bool = False  # a store records its pages' checksums (verify_on_adopt)
     checksums: list[int] | None = None
     extra: dict[str, object] = field(default_factory=dict)
 
@@ -100,7 +101,7 @@ def run_transfer(t: Transfer, arena: torch.Tensor, buffers: list[list[torch.Tens
                 else:
                     plan.from_host(arena, buf, chunk_offset)
             block.layer_done(t.slot, layer + 1)
-        if status is TransferStatus.DONE and t.direction is Direction.STORE and t.host_slots:
+        if status is TransferStatus.DONE and t.checksum and t.host_slots:
             # checksummed here, in the copy thread, while the bytes are hot in cache
             t.checksums = page_checksums(arena.numpy(), t.offsets.tolist(),
                                          t.nbytes // len(t.host_slots))

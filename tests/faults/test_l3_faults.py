@@ -99,7 +99,7 @@ def test_corrupt_and_truncated_objects_are_misses(daemon_factory, short_tmp):
 
 
 @pytest.mark.timeout(120)
-def test_redis_going_down_makes_misses_and_l2_keeps_serving(daemon_factory, redis_server):
+def test_redis_going_down_makes_misses_and_l2_keeps_serving(redis_server, daemon_factory):
     d = daemon_factory(*l3_flags("redis", {"url": redis_server.url, "timeout_s": 1.0},
                                  prefetch_threshold="0", storage_timeout_s="0.3"))
     pool, conn = engine(d.runtime_dir, num_pages=96)
@@ -134,7 +134,7 @@ def test_redis_going_down_makes_misses_and_l2_keeps_serving(daemon_factory, redi
 
 
 @pytest.mark.timeout(90)
-def test_a_frozen_redis_delays_no_lookup_past_the_storage_timeout(daemon_factory, redis_server):
+def test_a_frozen_redis_delays_no_lookup_past_the_storage_timeout(redis_server, daemon_factory):
     timeout_s = 0.3
     d = daemon_factory(*l3_flags("redis", {"url": redis_server.url, "timeout_s": 1.0},
                                  prefetch_threshold="0", storage_timeout_s=str(timeout_s)))
@@ -160,7 +160,7 @@ def test_a_frozen_redis_delays_no_lookup_past_the_storage_timeout(daemon_factory
 
 
 @pytest.mark.timeout(90)
-def test_a_backend_down_at_start_is_opened_once_it_answers(daemon_factory, redis_server):
+def test_a_backend_down_at_start_is_opened_once_it_answers(redis_server, daemon_factory):
     redis_server.kill()
     d = daemon_factory(*l3_flags("redis", {"url": redis_server.url, "timeout_s": 0.5},
                                  prefetch_threshold="0"))

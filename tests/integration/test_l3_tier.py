@@ -409,13 +409,15 @@ def _shared_store_roundtrip(a, b, flush_lists: bool = True) -> None:
 
 
 @pytest.mark.timeout(90)
-def test_two_daemons_share_pages_through_redis(daemon_factory, redis_server):
+def test_two_daemons_share_pages_through_redis(redis_server, daemon_factory):
+    # the server fixture comes first, so it is torn down after the daemons
     flags = l3_flags("redis", {"url": redis_server.url}, prefetch_threshold="0")
     _shared_store_roundtrip(daemon_factory(*flags, name="a"), daemon_factory(*flags, name="b"))
 
 
 @pytest.mark.timeout(120)
-def test_two_daemons_share_pages_through_mooncake(daemon_factory, mooncake_master):
+def test_two_daemons_share_pages_through_mooncake(mooncake_master, daemon_factory):
+    # the master fixture comes first, so it is torn down after the daemons
     env = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
     flags = l3_flags("mooncake", mooncake_master.extra_config(), prefetch_threshold="0")
     a = daemon_factory(*flags, name="a", env=env)
@@ -423,6 +425,7 @@ def test_two_daemons_share_pages_through_mooncake(daemon_factory, mooncake_maste
     _shared_store_roundtrip(a, b, flush_lists=False)  # Mooncake cannot list its objects
 
 
+@pytest.mark.timeout(60)
 def test_extra_config_prefetch_keys_override_the_daemon_fields(daemon_factory, short_tmp):
     extra = {"path": str(short_tmp / "l3x"), "prefetch_threshold": 10 * SMALL.page_size}
     d = daemon_factory(*l3_flags("file", extra, prefetch_threshold="0"))
@@ -438,6 +441,42 @@ def test_extra_config_prefetch_keys_override_the_daemon_fields(daemon_factory, s
         pool.close()
 
 
+@pytest.mark.timeout(60)
+def test_a_bad_prefetch_key_in_the_extra_config_stops_the_start(daemon_factory, short_tmp):
+    from kvtier.client.daemon_process import DaemonStartError
+
+    d = daemon_factory(*l3_flags("file", {"path": str(short_tmp / "l3"),
+                                          "prefetch_timeout_max": "soon"}), start=False)
+    with pytest.raises(DaemonStartError, match="prefetch_timeout_max"):
+        d.start()
+
+
+@pytest.mark.timeout(60)
+def test_switching_write_back_to_write_through_backs_l2_up(daemon_factory, short_tmp):
+    import signal
+
+    conf = short_tmp / "kvtierd.toml"
+    conf.write_text('hicache_write_policy = "write_back"\n')
+    d = daemon_factory("--config", str(conf), *l3_flags("file", prefetch_threshold="0"))
+    pool, conn = engine(d.runtime_dir)
+    try:
+        keys, expected = store_pages(pool, conn, 6)
+        time.sleep(0.3)  # write-back writes nothing while L2 has room
+        assert counters(d)["l3_write_queued_pages"] == 0
+        conf.write_text('hicache_write_policy = "write_through"\n')
+        assert d.proc is not None
+        d.proc.send_signal(signal.SIGHUP)
+        wait_written(d, 6)
+        assert stats(d)["l3"]["write_policy"] == "write_through"
+        flush(d, "l2")
+        assert fetch_back(conn, keys) == 6
+        load_and_compare(pool, conn, keys, expected)
+    finally:
+        conn.close()
+        pool.close()
+
+
+@pytest.mark.timeout(60)
 def test_default_file_path_is_under_the_state_dir(daemon_factory, short_tmp):
     d = daemon_factory(*l3_flags("file"))
     assert (d.runtime_dir / "state" / "l3").is_dir()

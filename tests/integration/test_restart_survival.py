@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kvtier.client.admin import AdminClient
 from tests.engine_child import BIG, CHAIN_PAGES, chain_tokens, seed_of
 from tests.engines import SMALL, engine, fill_page, page_bytes, tokens
@@ -38,13 +40,14 @@ def check_loads(pool, conn, keys, expected, first_page=32):
     assert [page_bytes(pool, p) for p in dst] == expected
 
 
-def test_sigkill_then_restart_serves_the_pages_from_l2(daemon_factory):
-    d = daemon_factory()
+@pytest.mark.parametrize("flags", [(), ("--verify-on-adopt",)], ids=["trusted", "verified"])
+def test_sigkill_then_restart_serves_the_pages_from_l2(daemon_factory, flags):
+    d = daemon_factory(*flags)
     pool, conn, keys, expected = stored_pages(d)
     try:
         epoch = conn.epoch
         d.kill()
-        d2 = daemon_factory()
+        d2 = daemon_factory(*flags)
         # the engine's connection notices the new epoch and registers again by itself
         assert conn.lookup(keys).l2 == len(keys)
         assert conn.epoch != epoch
@@ -100,8 +103,9 @@ def test_cold_start_discards_on_purpose(daemon_factory):
         pool.close()
 
 
-def test_sigkill_in_the_middle_of_stores_never_adopts_a_bad_page(daemon_factory):
-    d = daemon_factory("--hicache-size", "64MiB", "--extent-size", "16MiB")
+@pytest.mark.parametrize("flags", [(), ("--verify-on-adopt",)], ids=["trusted", "verified"])
+def test_sigkill_in_the_middle_of_stores_never_adopts_a_bad_page(daemon_factory, flags):
+    d = daemon_factory("--hicache-size", "64MiB", "--extent-size", "16MiB", *flags)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     child = subprocess.Popen([sys.executable, "-m", "tests.engine_child", "store", str(d.runtime_dir),
                               "6"], stdout=subprocess.PIPE, text=True, cwd=REPO, env=env)
@@ -116,7 +120,7 @@ def test_sigkill_in_the_middle_of_stores_never_adopts_a_bad_page(daemon_factory)
         child.send_signal(signal.SIGKILL)
         child.wait(10)
         completed = {int(x.split()[1]) for x in lines if x.startswith("stored ")}
-        d2 = daemon_factory("--hicache-size", "64MiB", "--extent-size", "16MiB")
+        d2 = daemon_factory("--hicache-size", "64MiB", "--extent-size", "16MiB", *flags)
         assert adopt_info(d2)["adopted"]
         pool, conn = engine(d2.runtime_dir, BIG, num_pages=CHAIN_PAGES + 1, model="fault")
         try:

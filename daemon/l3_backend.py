@@ -1,0 +1,307 @@
+"""The daemon's L3 backend: its lifecycle and health, and calls that never fail.
+
+:class:`L3Backend` builds the storage backend named by ``hicache_storage_backend`` from its
+extra config (SGLang's ``prefetch_*`` keys in that JSON are taken out first: they override
+the daemon's own fields), opens it over the host arena, and retries one that could not
+open at start, so a daemon whose L3 is away still serves L2 and picks L3 up later.
+
+Its :meth:`~L3Backend.exists`, :meth:`~L3Backend.get` and :meth:`~L3Backend.put` never
+raise: a backend that raises (a third-party plug-in may), times out (an existence check
+is bounded by ``storage_timeout_s``) or is down reads as a miss, counts in
+``l3_backend_errors`` and marks L3 unhealthy until a health check passes; meanwhile
+calls answer at once (``0``, all ``False``) and L2 keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvtier.config import ConfigError, DaemonConfig, KvtierError
+from kvtier.daemon.stats import Counters
+from kvtier.daemon.storage.base import BackendStats, HostArena, StorageBackend
+from kvtier.daemon.storage.factory import EXTRA_CONFIG_FIELD, create_backend, parse_extra_config
+
+log = logging.getLogger("kvtier.daemon.l3")
+
+PREFETCH_KEYS = ("prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
+                 "prefetch_timeout_max")
+"""SGLang puts these in the backend's extra config; they override the daemon's fields."""
+
+HEALTH_PERIOD_S = 5.0
+"""Health check period while the backend is healthy."""
+
+DOWN_PERIOD_S = 1.0
+"""Health check (or open retry) period while it is not."""
+
+DELETE_BATCH = 1024
+"""Keys per backend ``delete`` call of a flush."""
+
+
+def storage_settings(cfg: DaemonConfig, rdir: Path) -> tuple[dict[str, Any], dict[str, float]]:
+    """Split the backend's extra config into its own keys and the prefetch overrides.
+
+    Args:
+        cfg: the daemon's configuration.
+        rdir: the runtime directory (the ``file`` backend's default path derives from it).
+
+    Returns:
+        ``(backend keys, overrides)``. For ``file`` without a ``path``, the path is
+        ``<state_dir or <runtime_dir>/state>/l3``.
+
+    Raises:
+        ConfigError: the extra config does not parse, or an override is not a number >= 0.
+    """
+    extra = parse_extra_config(cfg.hicache_storage_backend_extra_config)
+    overrides: dict[str, float] = {}
+    for key in PREFETCH_KEYS:
+        if key in extra:
+            value = extra.pop(key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ConfigError(f"{EXTRA_CONFIG_FIELD}: {key!r} = {value!r} must be a number >= 0")
+            if key == "prefetch_timeout_max" and value == 0:
+                raise ConfigError(f"{EXTRA_CONFIG_FIELD}: {key!r} = {value!r} must be > 0")
+            overrides[key] = value
+    if cfg.hicache_storage_backend == "file" and "path" not in extra:
+        extra["path"] = str(Path(cfg.state_dir or Path(rdir) / "state") / "l3")
+    return extra, overrides
+
+
+MAX_KNOWN = 1 << 18
+"""Keys remembered per daemon for a FLUSH of a backend that cannot list its objects."""
+
+
+class L3Backend:
+    """One daemon's storage backend, guarded (see the module docstring).
+
+    Args:
+        cfg: the daemon's configuration (``cfg`` is swapped on reload).
+        counters: the daemon's counters.
+        rdir: the runtime directory (the ``file`` backend's default path derives from it).
+
+    Attributes:
+        name: the backend's name (``none`` when L3 is off).
+        backend: the open backend, None before it opened (or when L3 is off).
+        healthy: whether calls go to the backend (False while it is down).
+        on_open: called when a backend that could not open at start opens later.
+
+    Raises:
+        ConfigError: the backend's extra config is invalid.
+    """
+
+    def __init__(self, cfg: DaemonConfig, counters: Counters, rdir: Path) -> None:
+        self.cfg = cfg
+        self.counters = counters
+        self.name = cfg.hicache_storage_backend
+        self.extra, self.overrides = storage_settings(cfg, rdir)
+        self.backend: StorageBackend | None = None
+        self.healthy = False
+        self.on_open: Callable[[], None] | None = None
+        self._arena: HostArena | None = None
+        self._faults: tuple[type[BaseException], ...] = (
+            (Exception,) if self.name == "dynamic" else (KvtierError, OSError))
+        self._check_now = asyncio.Event()
+        self._last_check = 0.0
+        self._open_failures = 0
+        self._known: dict[tuple[bytes, bytes], None] = {}  # (ns, key) written, if unlistable
+
+    @property
+    def available(self) -> bool:
+        """Whether a backend is open (it may still be unhealthy)."""
+        return self.backend is not None
+
+    async def open(self, arena: HostArena) -> None:
+        """Build and open the backend; one that cannot open now is retried by :meth:`run`.
+
+        Raises:
+            ConfigError: the backend's name or extra config is invalid (fatal at start).
+        """
+        self._arena = arena
+        if self.name != "none":
+            await self._open_backend()
+
+    async def _open_backend(self) -> None:
+        assert self._arena is not None
+        backend = create_backend(self.name, self.extra)
+        try:
+            await backend.open(self._arena)
+        except ConfigError:
+            raise
+        except self._faults as err:
+            self._open_failures += 1
+            if self._open_failures == 1:
+                log.error("L3 backend %s could not open (%s); serving L2 only, retrying every "
+                          "%.0fs", self.name, err, DOWN_PERIOD_S)
+            else:
+                log.debug("L3 backend %s still cannot open: %s", self.name, err)
+            return
+        self.backend, self.healthy = backend, True
+        log.info("L3 backend %s open (%s, prefetch policy %s)%s", self.name,
+                 self.cfg.hicache_write_policy, self.cfg.hicache_storage_prefetch_policy,
+                 f" after {self._open_failures} failed tries" if self._open_failures else "")
+
+    async def close(self) -> None:
+        """Close the backend (idempotent)."""
+        backend, self.backend, self.healthy = self.backend, None, False
+        if backend is not None:
+            await backend.close()
+
+    async def run(self) -> None:
+        """Check the backend's health (and open one that could not open at start) until
+        cancelled: every :data:`HEALTH_PERIOD_S` while healthy, every :data:`DOWN_PERIOD_S`
+        while not, and soon after a fault."""
+        if self.name == "none":
+            return
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(HEALTH_PERIOD_S if self.healthy else DOWN_PERIOD_S):
+                    await self._check_now.wait()
+            self._check_now.clear()
+            await asyncio.sleep(max(0.0, self._last_check + 0.2 - time.monotonic()))
+            self._last_check = time.monotonic()
+            if self.backend is None:
+                await self._open_backend()
+                if self.backend is not None and self.on_open is not None:
+                    self.on_open()
+                continue
+            try:
+                async with asyncio.timeout(self.cfg.storage_timeout_s * 4):
+                    ok = await self.backend.health()
+            except TimeoutError:
+                ok = False
+            except self._faults as err:
+                log.debug("L3 health check: %r", err)
+                ok = False
+            if ok != self.healthy:
+                log.log(logging.INFO if ok else logging.WARNING, "L3 backend %s is %s", self.name,
+                        "healthy again" if ok else "down: reads are misses, L2 keeps serving")
+            self.healthy = ok
+
+    def _fault(self, what: str, err: BaseException | None = None) -> None:
+        self.counters.l3_backend_errors += 1
+        if self.healthy:
+            log.warning("L3 backend %s: %s%s; skipping it until a health check passes",
+                        self.name, what, f" ({err!r})" if err is not None else "")
+        self.healthy = False
+        self._check_now.set()
+
+    def _watch(self, backend: StorageBackend, errors_before: int) -> None:
+        if backend.stats.errors > errors_before:
+            self._check_now.set()  # the backend saw a fault: check its health soon
+
+    # ------------------------------------------------------------------ backend calls
+    async def exists(self, ns: bytes, keys: Sequence[bytes]) -> int:
+        """Length of the leading run of ``keys`` in L3 (0 when down, slow or failing)."""
+        backend = self.backend
+        if backend is None or not self.healthy or not keys:
+            return 0
+        before = backend.stats.errors
+        try:
+            async with asyncio.timeout(self.cfg.storage_timeout_s):
+                n = await backend.exists(ns, keys)
+        except TimeoutError as err:
+            self._fault("exists timed out", err)
+            return 0
+        except self._faults as err:
+            self._fault("exists failed", err)
+            return 0
+        self._watch(backend, before)
+        return n
+
+    async def get(self, ns: bytes, keys: list[bytes], offsets: list[int], length: int) -> list[bool]:
+        """Read pages into arena offsets; one flag per page (all False on a fault)."""
+        backend = self.backend
+        if backend is None or not self.healthy:
+            return [False] * len(keys)
+        before = backend.stats.errors
+        try:
+            flags = await backend.get_into(ns, keys, offsets, length)
+        except self._faults as err:  # a plug-in that broke the no-raise contract: a miss
+            self._fault("get_into failed", err)
+            return [False] * len(keys)
+        self._watch(backend, before)
+        return flags
+
+    async def put(self, ns: bytes, keys: list[bytes], offsets: list[int], length: int) -> list[bool]:
+        """Write pages from arena offsets; one flag per page (all False on a fault)."""
+        backend = self.backend
+        if backend is None or not self.healthy:
+            return [False] * len(keys)
+        before = backend.stats.errors
+        try:
+            flags = await backend.put_from(ns, keys, offsets, length)
+        except self._faults as err:
+            self._fault("put_from failed", err)
+            return [False] * len(keys)
+        self._watch(backend, before)
+        if self.name not in ("file", "redis"):
+            self._note_known(ns, [k for k, f in zip(keys, flags) if f])
+        return flags
+
+    # ------------------------------------------------------------------ flush
+    async def flush(self, namespaces: list[bytes] | None) -> int:
+        """Delete from L3 every page of ``namespaces`` (None: of every namespace).
+
+        The ``file`` and ``redis`` backends list their objects; for other backends only
+        the pages this daemon wrote are known and deleted.
+        """
+        backend = self.backend
+        if backend is None:
+            return 0
+        wanted = None if namespaces is None else set(namespaces)
+        by_ns: dict[bytes, list[bytes]] = {}
+        for ns, key in await self._list(backend, wanted):
+            by_ns.setdefault(ns, []).append(key)
+        deleted = 0
+        for ns, keys in by_ns.items():
+            for i in range(0, len(keys), DELETE_BATCH):
+                try:
+                    deleted += await backend.delete(ns, keys[i:i + DELETE_BATCH])
+                except self._faults as err:
+                    self._fault("delete failed", err)
+                    return deleted
+            for k in keys:
+                self._known.pop((ns, k), None)
+        self.counters.l3_flushed_pages += deleted
+        return deleted
+
+    async def _list(self, backend: StorageBackend,
+                    wanted: set[bytes] | None) -> list[tuple[bytes, bytes]]:
+        entries = getattr(backend, "entries", None)
+        if callable(entries):  # the file backend keeps its index in memory
+            return [(ns, key) for ns, key, _ in entries() if wanted is None or ns in wanted]
+        client = getattr(backend, "client", None)
+        options = getattr(backend, "options", None)
+        if self.name == "redis" and client is not None and options is not None:
+            out = []
+            patterns = ([f"{options.prefix}:*"] if wanted is None
+                        else [f"{options.prefix}:{ns.hex()}:*" for ns in wanted])
+            try:
+                for pat in patterns:
+                    async for name in client.scan_iter(match=pat, count=1000):
+                        parts = name.decode().rsplit(":", 2)
+                        out.append((bytes.fromhex(parts[1]), bytes.fromhex(parts[2])))
+            except self._faults as err:
+                self._fault("listing keys failed", err)
+            return out
+        return [(ns, key) for ns, key in self._known if wanted is None or ns in wanted]
+
+    def _note_known(self, ns: bytes, keys: list[bytes]) -> None:
+        for k in keys:
+            self._known[(ns, k)] = None
+        while len(self._known) > MAX_KNOWN:
+            del self._known[next(iter(self._known))]
+
+    # ------------------------------------------------------------------ stats
+    def snapshot(self) -> dict[str, object]:
+        """``backend``, ``healthy`` and the backend's own counters (stable keys)."""
+        backend = self.backend
+        stats = backend.stats if backend is not None else BackendStats()
+        return {"backend": self.name, "healthy": bool(backend is not None and self.healthy),
+                **dataclasses.asdict(stats)}
