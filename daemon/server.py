@@ -127,7 +127,9 @@ class Daemon:
             stack.push_async_callback(self.tier.close)
             self._executor = ThreadPoolExecutor(self.cfg.copy_threads, thread_name_prefix="kvtier-copy")
             stack.callback(self._finalize_remaining)  # runs once the copy threads have ended
-            stack.callback(self._executor.shutdown, wait=True, cancel_futures=True)
+            # waited for off the loop, so a second SIGTERM can still end the process at once
+            stack.push_async_callback(asyncio.to_thread, self._executor.shutdown, wait=True,
+                                      cancel_futures=True)
             ctx = zmq.asyncio.Context()
             stack.callback(ctx.term)
             self._sock = make_zmq_socket(ctx, self.endpoint, zmq.ROUTER, bind=True)

@@ -291,10 +291,6 @@ def test_a_transfer_that_outlives_the_shutdown_timeout_does_not_crash_the_stop(
         pool.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "after the drain gives up, the exit stack waits for the copy threads with "
-    "ThreadPoolExecutor.shutdown(wait=True) on the event loop thread, so the second "
-    "SIGTERM's handler (loop.add_signal_handler) only runs once the copy has ended"))
 def test_a_second_sigterm_after_the_drain_gave_up_exits_at_once(daemon_factory, short_tmp):
     d = daemon_factory(*SLOW_FLAGS, "--shutdown-timeout-s", "0", name="u")
     pool, conn, h = slow_store(d)
