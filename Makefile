@@ -46,6 +46,7 @@ bench: venv sysdeps
 	$(VENV)/bin/kvtier bench l2 --json bench/results/l2.json
 	$(VENV)/bin/kvtier bench e2e --json bench/results/e2e.json
 	$(VENV)/bin/kvtier bench l3 --backend file --json bench/results/l3_file.json
+	$(VENV)/bin/kvtier bench restart --json bench/results/restart.json
 
 lint: venv
 	$(VENV)/bin/ruff check .
