@@ -303,7 +303,7 @@ async def _server_backend(
     workdir = Path(tempfile.mkdtemp(prefix=f"kvtier-bench-{backend}-"))
     try:
         if backend == "redis":
-            port = _free_port()
+            port = free_port()
             argv = [
                 _binary("redis-server"),
                 "--bind",
@@ -317,12 +317,12 @@ async def _server_backend(
                 "--dir",
                 str(workdir),
             ]
-            with _process(argv, workdir, lambda: _redis_pong(port), "redis-server"):
+            with _process(argv, workdir, lambda: redis_pong(port), "redis-server"):
                 yield create_backend(
                     "redis", {"url": f"redis://{LOOPBACK}:{port}/0", "timeout_s": 30, **options}
                 )
         else:
-            rpc, http, metrics = _free_port(), _free_port(), _free_port()
+            rpc, http, metrics = free_port(), free_port(), free_port()
             argv = [
                 _binary("mooncake_master"),
                 f"--rpc_address={LOOPBACK}",
@@ -333,7 +333,7 @@ async def _server_backend(
                 f"--metrics_host={LOOPBACK}",
                 f"--metrics_port={metrics}",
             ]
-            ready = lambda: _port_open(rpc) and _port_open(http)
+            ready = lambda: port_open(rpc) and port_open(http)
             config: dict[str, Any] = {
                 "master_server_address": f"{LOOPBACK}:{rpc}",
                 "metadata_server": f"http://{LOOPBACK}:{http}/metadata",
@@ -414,13 +414,15 @@ def _binary(name: str) -> str:
     return found
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """Return a free TCP port on the loopback address."""
     with socket.socket() as sock:
         sock.bind((LOOPBACK, 0))
         return int(sock.getsockname()[1])
 
 
-def _port_open(port: int) -> bool:
+def port_open(port: int) -> bool:
+    """True when something accepts TCP connections on the loopback ``port``."""
     try:
         with socket.create_connection((LOOPBACK, port), timeout=0.2):
             return True
@@ -428,7 +430,8 @@ def _port_open(port: int) -> bool:
         return False
 
 
-def _redis_pong(port: int) -> bool:
+def redis_pong(port: int) -> bool:
+    """True when a Redis-protocol server on the loopback ``port`` answers PING."""
     try:
         with socket.create_connection((LOOPBACK, port), timeout=0.5) as sock:
             sock.sendall(b"PING\r\n")

@@ -22,7 +22,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from kvtier.bench.l3_cluster import free_port, port_open, redis_pong
 
 __all__ = [
     "MooncakeMaster",
@@ -50,11 +51,6 @@ LOOPBACK = "127.0.0.1"
 READY_DEADLINE_S = 15.0
 
 
-def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((LOOPBACK, 0))
-        return int(sock.getsockname()[1])
 
 
 def find_binary(name: str) -> str | None:
@@ -65,21 +61,6 @@ def find_binary(name: str) -> str | None:
     return shutil.which(name)
 
 
-def _port_open(port: int) -> bool:
-    try:
-        with socket.create_connection((LOOPBACK, port), timeout=0.2):
-            return True
-    except OSError:
-        return False
-
-
-def _redis_pong(port: int) -> bool:
-    try:
-        with socket.create_connection((LOOPBACK, port), timeout=0.5) as sock:
-            sock.sendall(b"PING\r\n")
-            return sock.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False
 
 
 @dataclass
@@ -182,7 +163,7 @@ class RedisServer:
         """Start the server again on the same port (empty, as nothing is persisted)."""
         self._process.stop()
         self._process.spawn()
-        self._process.wait_ready(lambda: _redis_pong(self.port), "redis-server", deadline_s)
+        self._process.wait_ready(lambda: redis_pong(self.port), "redis-server", deadline_s)
 
     def stop(self) -> None:
         """Stop the server and remove its working directory."""
@@ -234,7 +215,7 @@ class MooncakeMaster:
         self._process.stop()
         self._process.spawn()
         self._process.wait_ready(
-            lambda: _port_open(self.rpc_port) and _port_open(self.http_port),
+            lambda: port_open(self.rpc_port) and port_open(self.http_port),
             "mooncake_master",
             deadline_s,
         )
@@ -281,7 +262,7 @@ def start_redis(*extra_args: str, deadline_s: float = READY_DEADLINE_S) -> Redis
     ]
     process = _Process(argv, log_dir / "redis.log")
     process.spawn()
-    process.wait_ready(lambda: _redis_pong(port), "redis-server", deadline_s)
+    process.wait_ready(lambda: redis_pong(port), "redis-server", deadline_s)
     return RedisServer(port, process)
 
 
@@ -311,7 +292,7 @@ def start_mooncake_master(deadline_s: float = READY_DEADLINE_S) -> MooncakeMaste
     ]
     process = _Process(argv, log_dir / "master.log")
     process.spawn()
-    process.wait_ready(lambda: _port_open(rpc) and _port_open(http), "mooncake_master", deadline_s)
+    process.wait_ready(lambda: port_open(rpc) and port_open(http), "mooncake_master", deadline_s)
     return MooncakeMaster(rpc, http, metrics, process)
 
 
