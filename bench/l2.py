@@ -129,6 +129,7 @@ def run_l2_bench(mib: int = 256, rtt_samples: int = 2000) -> dict:
             echo_p50 = measure_echo(rdir, payload, rtt_samples)
         finally:
             daemon.stop()
+            daemon.remove_pool()  # a benchmark's pool is not kept for a next start
     memcpy = measure_memcpy(nbytes)
     store = _gbps(nbytes, statistics.median(store_t))
     load = _gbps(nbytes, statistics.median(load_t))
