@@ -145,3 +145,6 @@ def test_sigkill_in_the_middle_of_stores_never_adopts_a_bad_page(daemon_factory,
         if child.poll() is None:
             child.kill()
             child.wait()
+        # the engine died while no daemon knew it: nobody else will remove its KV segment
+        for leftover in Path("/dev/shm").glob(f"kvtier-engine-{child.pid}-*"):
+            leftover.unlink(missing_ok=True)
