@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import hashlib
-import mmap
-import os
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -18,53 +14,14 @@ from kvtier.daemon.storage.base import HostArena
 from kvtier.daemon.storage.objects import HEADER_SIZE
 from kvtier.daemon.storage.redis_backend import RedisBackend
 
+from tests.arenas import NS, OTHER_NS, PAGE, SLOTS, arena, fill, key, make_arena, offsets, page  # noqa: F401
 from tests.servers import RedisServer, free_port, serve_redis
 
 pytestmark = pytest.mark.timeout(60)
 
-NS = hashlib.sha256(b"namespace").digest()
-OTHER_NS = hashlib.sha256(b"other namespace").digest()
-PAGE = 64 * 1024
-SLOTS = 64
-
-
-def key(i: int) -> bytes:
-    return hashlib.sha256(b"page %d" % i).digest()
-
-
-def make_arena() -> tuple[HostArena, mmap.mmap]:
-    memory = mmap.mmap(-1, SLOTS * PAGE)
-    anchor = ctypes.c_char.from_buffer(memory)
-    address = ctypes.addressof(anchor)
-    del anchor  # a live ctypes export would keep the mmap from closing
-    return HostArena(view=memoryview(memory), address=address, size=len(memory)), memory
-
-
 @pytest.fixture
 def redis_server() -> Iterator[RedisServer]:
     yield from serve_redis()
-
-
-@pytest.fixture
-def arena() -> Iterator[HostArena]:
-    arena, memory = make_arena()
-    yield arena
-    arena.view.release()
-    memory.close()
-
-
-def fill(arena: HostArena, slot: int) -> bytes:
-    data = os.urandom(PAGE)
-    arena.view[slot * PAGE : (slot + 1) * PAGE] = data
-    return data
-
-
-def page(arena: HostArena, slot: int) -> bytes:
-    return bytes(arena.view[slot * PAGE : (slot + 1) * PAGE])
-
-
-def offsets(slots: range | list[int]) -> list[int]:
-    return [s * PAGE for s in slots]
 
 
 async def opened(server: RedisServer, arena: HostArena, **extra: Any) -> RedisBackend:
