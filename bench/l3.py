@@ -3,17 +3,18 @@ positional I/O on the same disk, same run.
 
 Through the daemon (``put_gbps``, ``get_gbps``; payload bytes, page cache used throughout)::
 
-    put  : an engine STOREs the pages into L2 (batches of 64) with write_through; timed from
-           the first STORE until the daemon's counters show every page written to L3
-    get  : the L2 pool flushed, one PREFETCH of the whole chain, then CLAIM(wait_complete);
-           timed from the PREFETCH until the CLAIM answers with every page in L2
+    put  : L2 -> L3. An engine STOREs the pages into L2 under write_back (untimed: L2 has
+           room, so nothing is written yet); timed from one SYNC request until its answer,
+           which comes once every page is in L3
+    get  : L3 -> L2. The L2 pool flushed, one PREFETCH of the whole chain, then
+           CLAIM(wait_complete); timed from the PREFETCH until the CLAIM answers with
+           every page in L2
     raw write / raw read : os.pwrite / os.preadv of as many bytes, page by page, into / from
            one preallocated file in the same directory, from / into a /dev/shm arena
 
-``put`` includes the engine → L2 copies, which share the CPU with the L3 writes; the L2 →
-L3 stage alone is ``l2_to_l3_gbps``: the pages stored into L2 under write_back (untimed),
-then the policy switched to write_through by SIGHUP, which queues every L2 page not in L3;
-timed from the signal until the counters show every page written.
+``store_put_gbps`` adds the engine side: under write_through, from the first STORE (batches
+of 64) until a SYNC sent after the last STORE answers; the engine -> L2 copies share the
+CPU with the L3 writes.
 
 The backend alone (``backend_put_gbps``, ``backend_get_gbps``)::
 
@@ -186,8 +187,8 @@ def _geometry_for(page_bytes: int) -> Any:
 
 
 def _daemon_bench(path: Path, pages: int, page_bytes: int, repeats: int) -> dict[str, Any]:
-    """Time L2 → L3 (write-through) and L3 → L2 (prefetch + claim) through a real kvtierd,
-    against raw pwrite / preadv of as many bytes in the same directory."""
+    """Time L2 → L3 (SYNC) and L3 → L2 (prefetch + claim) through a real kvtierd, against
+    raw pwrite / preadv of as many bytes in the same directory."""
     from kvtier.client.admin import AdminClient
     from kvtier.client.connection import Connection
     from kvtier.client.daemon_process import DaemonProcess
@@ -202,15 +203,14 @@ def _daemon_bench(path: Path, pages: int, page_bytes: int, repeats: int) -> dict
     store_dir, raw_path = path / "daemon-l3", path / "daemon-raw.bin"
     rdir = Path(tempfile.mkdtemp(prefix="kvtb-", dir="/tmp"))  # ipc:// paths must be short
     conf = rdir / "kvtierd.toml"  # the write policy lives here: SIGHUP switches it
-    conf.write_text('hicache_write_policy = "write_through"\n')
+    conf.write_text('hicache_write_policy = "write_back"\n')
     daemon = DaemonProcess(rdir, ["--config", str(conf),
         "--hicache-size", str(pool_bytes), "--extent-size", str(extent), "--log-level", "warning",
         "--hicache-storage-backend", "file",
         "--hicache-storage-backend-extra-config", json.dumps({"path": str(store_dir)}),
         "--prefetch-threshold", "0", "--write-back-queue", str(2 * pages)])
     times: dict[str, list[float]] = {"put": [], "get": [], "raw_write": [], "raw_read": [],
-                                     "l2_to_l3": []}
-    stored: list[float] = []  # the put's first part: until every STORE completed (L2)
+                                     "store_put": []}
     with ExitStack() as stack:
         mm, arena = _shm_arena(total)
         stack.callback(mm.close)
@@ -234,16 +234,6 @@ def _daemon_bench(path: Path, pages: int, page_bytes: int, repeats: int) -> dict
         keys = conn.page_keys(list(range(pages * geometry.page_size)))
         view = arena.view
 
-        def written() -> int:
-            return int(admin.stats()["counters"]["l3_write_written_pages"])  # type: ignore[index]
-
-        def wait_until(done: Callable[[], bool], what: str, timeout: float = 120.0) -> None:
-            deadline = time.monotonic() + timeout
-            while not done():
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{what}: not done after {timeout}s ({admin.stats()})")
-                time.sleep(0.002)  # each STATS costs the daemon's loop a little: not too often
-
         def flush(tier: str) -> None:
             rep = admin.call(P.Flush(req_id=0, tier=tier))
             refused = rep.message if isinstance(rep, P.ErrorReply) else None
@@ -259,46 +249,57 @@ def _daemon_bench(path: Path, pages: int, page_bytes: int, repeats: int) -> dict
                 finally:
                     os.close(fd)
 
-        def put() -> float:
-            flush("all")  # puts must write, as raw writes do
-            settle()
-            start, base = time.perf_counter(), written()
-            handles = []
-            for i in range(0, pages, DAEMON_BATCH):
-                handles.append(conn.store(keys[i:i + DAEMON_BATCH],
-                                          list(range(i, min(i + DAEMON_BATCH, pages))),
-                                          parent_key=keys[i - 1] if i else None))
-            if not all(h.wait() and h.count == len(keys[i:i + DAEMON_BATCH])
-                       for i, h in zip(range(0, pages, DAEMON_BATCH), handles)):
-                raise RuntimeError("a STORE failed")
-            stored.append(time.perf_counter() - start)
-            wait_until(lambda: written() >= base + pages, "write-through")
-            return time.perf_counter() - start
-
-        def set_policy(policy: str) -> None:
-            conf.write_text(f'hicache_write_policy = "{policy}"\n')
-            assert daemon.proc is not None
-            daemon.proc.send_signal(signal.SIGHUP)
-            wait_until(lambda: admin.stats()["l3"]["write_policy"] == policy,  # type: ignore[index]
-                       f"reload to {policy}", timeout=30.0)
-
-        def l2_to_l3() -> float:
-            flush("all")
-            settle()
-            set_policy("write_back")
+        def store_all() -> None:
             handles = [conn.store(keys[i:i + DAEMON_BATCH],
                                   list(range(i, min(i + DAEMON_BATCH, pages))),
                                   parent_key=keys[i - 1] if i else None)
                        for i in range(0, pages, DAEMON_BATCH)]
-            if not all(h.wait() for h in handles):
+            if not all(h.wait() and h.count == len(keys[i:i + DAEMON_BATCH])
+                       for i, h in zip(range(0, pages, DAEMON_BATCH), handles)):
                 raise RuntimeError("a STORE failed")
-            base = written()
+
+        def written() -> int:
+            return int(admin.stats()["counters"]["l3_write_written_pages"])  # type: ignore[index]
+
+        def sync_all(expect: int) -> None:
+            rep = admin.sync(120.0)
+            if (rep.written, rep.failed, rep.left) != (expect, 0, 0):
+                raise RuntimeError(f"SYNC wrote {rep.written} of {expect} pages "
+                                   f"({rep.failed} not written, {rep.left} left)")
+
+        def set_policy(policy: str) -> None:  # untimed
+            conf.write_text(f'hicache_write_policy = "{policy}"\n')
+            assert daemon.proc is not None
+            daemon.proc.send_signal(signal.SIGHUP)
+            deadline = time.monotonic() + 30.0
+            while admin.stats()["l3"]["write_policy"] != policy:  # type: ignore[index]
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the daemon did not reload to {policy} in 30 s")
+                time.sleep(0.01)
+
+        def put() -> float:  # L2 -> L3: the pages stored under write-back, then one SYNC
+            flush("all")  # puts must write, as raw writes do
+            store_all()
+            settle()
             start = time.perf_counter()
-            set_policy("write_through")
-            wait_until(lambda: written() >= base + pages, "back-up of L2")
+            sync_all(pages)
             return time.perf_counter() - start
 
-        def get() -> float:
+        def store_put() -> float:  # engine -> L2 -> L3 under write-through, until SYNC answers
+            flush("all")
+            set_policy("write_through")
+            settle()
+            base = written()
+            start = time.perf_counter()
+            store_all()
+            rep = admin.sync(120.0)  # waits for the pages still queued at that moment
+            elapsed = time.perf_counter() - start
+            if rep.failed or rep.left or written() != base + pages:
+                raise RuntimeError(f"write-through wrote {written() - base} of {pages} pages")
+            set_policy("write_back")
+            return elapsed
+
+        def get() -> float:  # L3 -> L2: one PREFETCH of the chain, CLAIM(wait_complete)
             flush("l2")
             start = time.perf_counter()
             conn.prefetch(keys)
@@ -322,25 +323,16 @@ def _daemon_bench(path: Path, pages: int, page_bytes: int, repeats: int) -> dict
             return time.perf_counter() - start
 
         for rep in range(repeats + 1):  # rep 0 warms files, pool and page cache up
-            order = [("raw_write", raw_write), ("put", put)]
-            for name, step in order if rep % 2 else order[::-1]:
-                seconds = step()
-                if rep:
-                    times[name].append(seconds)
-            order = [("raw_write", raw_write), ("l2_to_l3", l2_to_l3)]
-            for name, step in order if rep % 2 else order[::-1]:
-                seconds = step()
-                if rep:
-                    times[name].append(seconds)
-            order = [("raw_read", raw_read), ("get", get)]
-            for name, step in order if rep % 2 else order[::-1]:
-                seconds = step()
-                if rep:
-                    times[name].append(seconds)
+            for pair in ((("raw_write", raw_write), ("put", put)),
+                         (("raw_write", raw_write), ("store_put", store_put)),
+                         (("raw_read", raw_read), ("get", get))):
+                for name, step in pair if rep % 2 else pair[::-1]:
+                    seconds = step()
+                    if rep:
+                        times[name].append(seconds)
     result: dict[str, Any] = {f"{name}_gbps": _median_gbps(t, total) for name, t in times.items()}
-    result["l2_store_gbps"] = _median_gbps(stored[-repeats:], total)
     result["put_over_raw_write"] = result["put_gbps"] / result["raw_write_gbps"]
-    result["l2_to_l3_over_raw_write"] = result["l2_to_l3_gbps"] / result["raw_write_gbps"]
+    result["store_put_over_raw_write"] = result["store_put_gbps"] / result["raw_write_gbps"]
     result["get_over_raw_read"] = result["get_gbps"] / result["raw_read_gbps"]
     return result
 
@@ -369,10 +361,10 @@ def run_file_bench(
 
     Returns:
         Through the daemon: ``put_gbps``, ``get_gbps``, ``raw_write_gbps``,
-        ``raw_read_gbps`` (payload GB/s), ``put_over_raw_write``, ``get_over_raw_read``,
-        ``l2_to_l3_gbps`` and ``l2_to_l3_over_raw_write`` (the L2 → L3 stage alone), and
-        ``l2_store_gbps`` (the put's engine → L2 part alone: until every STORE
-        completed, the L3 writes overlapping it).
+        ``raw_read_gbps`` (payload GB/s), ``put_over_raw_write``, ``get_over_raw_read``
+        (put: L2 → L3 by SYNC; get: L3 → L2 by PREFETCH + CLAIM), and
+        ``store_put_gbps`` / ``store_put_over_raw_write`` (engine → L2 → L3 under
+        write-through).
         The backend alone: the same names prefixed ``backend_``, the same ratios in CPU
         seconds of the whole process (``backend_put_cpu_over_raw_write``,
         ``backend_get_cpu_over_raw_read``: raw CPU / backend CPU, steadier on a busy
@@ -399,16 +391,14 @@ def print_table(result: dict[str, Any]) -> None:
         for column in ("direction", "kvtierd GB/s", "raw GB/s", "kvtierd / raw"):
             table.add_column(column, justify="right" if column != "direction" else "left")
         for label, side, raw_side in (
-            ("engine -> L2 -> L3 (write-through)", "put", "raw_write"),
-            ("L2 -> L3 alone (queued by SIGHUP)", "l2_to_l3", "raw_write"),
+            ("L2 -> L3 (SYNC)", "put", "raw_write"),
             ("L3 -> L2 (prefetch + claim)", "get", "raw_read"),
+            ("engine -> L2 -> L3 (write-through)", "store_put", "raw_write"),
         ):
             table.add_row(label, f"{result[f'{side}_gbps']:.2f}",
                           f"{result[f'{raw_side}_gbps']:.2f}",
                           f"{result[f'{side}_over_{raw_side}']:.2f}")
         console.print(table)
-        console.print(f"of which engine -> L2 (every STORE completed): "
-                      f"{result['l2_store_gbps']:.2f} GB/s, the L3 writes overlapping it")
     table = Table(title=f"L3 file backend alone: {size}, batches of {result['batch']}, "
                   f"median of {result['repeats']}")
     for column in ("direction", "file backend GB/s", "raw GB/s", "backend / raw", "same, CPU time"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
+import time
 from pathlib import Path
 
 import msgspec
@@ -38,11 +39,15 @@ class AdminClient:
                                      identity=b"admin-" + secrets.token_hex(6).encode())
         self._ids = itertools.count(1)
 
-    def call(self, msg: P.Request) -> P.Reply:
+    def call(self, msg: P.Request, wait_s: float | None = None) -> P.Reply:
         """Send one request and return its reply.
 
+        Args:
+            msg: the request (its ``req_id`` is set here).
+            wait_s: how long to wait for the reply (default: ``timeout_s``).
+
         Raises:
-            AdminError: no reply within ``timeout_s``.
+            AdminError: no reply in time.
         """
         msg.req_id = next(self._ids)
         try:
@@ -51,15 +56,16 @@ class AdminClient:
             self._sock.send(P.encode(msg), flags=zmq.NOBLOCK)
         except zmq.Again as err:
             raise AdminError(f"kvtierd is not reachable at {self.endpoint}") from err
-        deadline_ms = int(self.timeout_s * 1000)
-        while self._sock.poll(deadline_ms):
+        wait = self.timeout_s if wait_s is None else wait_s
+        deadline = time.monotonic() + wait
+        while self._sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
             try:
                 rep = P.decode_reply(self._sock.recv())
             except (msgspec.DecodeError, msgspec.ValidationError):
                 continue
             if rep.req_id == msg.req_id:
                 return rep
-        raise AdminError(f"kvtierd at {self.endpoint} did not answer within {self.timeout_s}s")
+        raise AdminError(f"kvtierd at {self.endpoint} did not answer within {wait:g}s")
 
     def health(self) -> P.HealthReply:
         """Return the HEALTH reply (raises AdminError when the daemon does not answer)."""
@@ -75,6 +81,21 @@ class AdminClient:
             raise AdminError(rep.message)
         assert isinstance(rep, P.StatsReply)
         return rep.stats
+
+    def sync(self, timeout_s: float = 60.0) -> P.SyncReply:
+        """Write every L2 page not in L3 yet to L3; return when done or after ``timeout_s``.
+
+        Raises:
+            AdminError: the daemon refused (no L3 backend, wrong admin token) or did not
+                answer within ``timeout_s`` plus this client's ``timeout_s``.
+        """
+        rep = self.call(P.Sync(req_id=0, admin_token=self.admin_token, timeout_s=timeout_s),
+                        wait_s=timeout_s + self.timeout_s)
+        if isinstance(rep, P.ErrorReply):
+            raise AdminError(rep.message)
+        if not isinstance(rep, P.SyncReply):
+            raise AdminError(f"unexpected reply to SYNC: {rep!r}")
+        return rep
 
     def close(self) -> None:
         """Close the socket; idempotent."""

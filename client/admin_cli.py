@@ -1,8 +1,9 @@
-"""``kvtier stats | sessions | flush | health``: the operator's view of a running kvtierd.
+"""``kvtier stats | sessions | flush | sync | health``: the operator's view of a running
+kvtierd.
 
 Each command opens an :class:`~kvtier.client.admin.AdminClient` on the daemon's control
-socket, sends one request (``STATS``, ``FLUSH`` or ``HEALTH``), prints the answer and
-exits. Nothing here registers an engine or touches shared memory.
+socket, sends one request (``STATS``, ``FLUSH``, ``SYNC`` or ``HEALTH``), prints the answer
+and exits. Nothing here registers an engine or touches shared memory.
 
 Where the daemon is, lowest precedence first: the default runtime directory, then
 ``KVTIER_RUNTIME_DIR`` / ``KVTIER_ENDPOINT`` (read by the config loader, as engines read
@@ -48,7 +49,7 @@ from kvtier.ipc.sockets import ipc_endpoint
 
 __all__ = ["COMMANDS", "CliError", "build_parser", "main", "render_sessions", "render_stats"]
 
-COMMANDS = ("stats", "sessions", "flush", "health")
+COMMANDS = ("stats", "sessions", "flush", "sync", "health")
 WATCH_MIN_S = 0.1  # refresh no faster than this: a STATS reply walks every session
 WATCH_MAX_S = 3600.0
 ADMIN_TOKEN_ENV = "KVTIER_ADMIN_TOKEN"
@@ -128,6 +129,8 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         "stats": "Pool use, sessions, hit rates per tier, bytes moved and L3 health.",
         "sessions": "Engine sessions registered with the daemon.",
         "flush": "Drop cached pages (needs the admin token when the daemon has one).",
+        "sync": "Write every L2 page not yet in L3 to L3 and wait until written (before a "
+                "reboot or maintenance: L2 lives in memory, L3 on disk or in a cluster).",
         "health": "Print one line and exit 0 when kvtierd is healthy, 1 otherwise (probes).",
     }
     if command not in texts:
@@ -160,6 +163,10 @@ def build_parser(command: str) -> argparse.ArgumentParser:
                        help="which tier to drop pages from (default: l2)")
         p.add_argument("--namespace", metavar="HEX", type=_namespace_hex, default=None,
                        help="only this namespace fingerprint (64 hex digits; default: all)")
+    if command == "sync":
+        p.add_argument("--wait", metavar="SECONDS", type=_sync_seconds, default=600.0,
+                       help="answer after at most this long, writes still pending or not "
+                            "(default 600, at most 3600); exit 1 if pages were left or failed")
     if command == "health":
         p.add_argument("--strict", action="store_true",
                        help="treat a degraded daemon (L2 serving, L3 failing) as unhealthy")
@@ -524,6 +531,27 @@ def _cmd_flush(args: argparse.Namespace, endpoint: str, timeout_s: float) -> int
     return 0
 
 
+def _sync_seconds(text: str) -> float:
+    value = _positive_seconds(text)
+    if value > 3600:
+        raise argparse.ArgumentTypeError(f"{text!r} is more than 3600 seconds")
+    return value
+
+
+def _cmd_sync(args: argparse.Namespace, endpoint: str, timeout_s: float) -> int:
+    """``kvtier sync``: write L2 to L3; 1 when pages were left pending or not written."""
+    start = time.monotonic()
+    with _open(endpoint, timeout_s, args.admin_token) as client:
+        try:
+            rep = client.sync(args.wait)
+        except AdminError as err:
+            raise CliError(1, str(err)) from err
+    took = time.monotonic() - start
+    print(f"{rep.written} of {rep.pages} pages written to L3 in {took:.2f} s"
+          f" ({rep.failed} not written, {rep.left} still pending)")
+    return 0 if rep.failed == 0 and rep.left == 0 else 1
+
+
 def _cmd_health(args: argparse.Namespace, endpoint: str, timeout_s: float) -> int:
     """``kvtier health``: one line; 0 when healthy (degraded counts unless ``--strict``)."""
     try:
@@ -544,7 +572,8 @@ def _cmd_health(args: argparse.Namespace, endpoint: str, timeout_s: float) -> in
 
 
 _HANDLERS: dict[str, Callable[[argparse.Namespace, str, float], int]] = {
-    "stats": _cmd_stats, "sessions": _cmd_sessions, "flush": _cmd_flush, "health": _cmd_health,
+    "stats": _cmd_stats, "sessions": _cmd_sessions, "flush": _cmd_flush, "sync": _cmd_sync,
+    "health": _cmd_health,
 }
 
 

@@ -83,6 +83,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "stats": (_admin, "pool use, sessions, hit rates, bytes moved"),
     "sessions": (_admin, "registered engine sessions"),
     "flush": (_admin, "drop cached pages (admin)"),
+    "sync": (_admin, "write L2 pages to L3 and wait (admin)"),
     "health": (_admin, "exit 0 when the daemon is healthy"),
 }
 

@@ -659,6 +659,13 @@ class HostPool:
             meta.checksum[slot] if ready and meta.flags[slot] & HAS_CHECKSUM else None,
         )  # fmt: skip
 
+    def chain_link(self, slot: int) -> tuple[bytes | None, int, int, bool, int]:
+        """Return (key, namespace id, parent slot, in L3, class id) of ``slot``: the
+        few fields a walk up a chain needs, without building a :class:`PageInfo`."""
+        self._check_slot(slot)
+        return (self._key[slot], self._ns[slot], self._parent[slot], bool(self._in_l3[slot]),
+                self._ext_class[slot // self._per_extent])
+
     def evictable_slots(self, owner: int | None = None) -> list[int]:
         """Return the evictable slots, cold end first, walking the global list or
         ``owner``'s list. O(pages): for admin views and tests."""

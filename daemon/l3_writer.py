@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvtier.daemon.host_pool import HostPool, PageInfo, PageState
+from kvtier.daemon.host_pool import HostPool, PageState
 from kvtier.daemon.stats import Counters
 
 if TYPE_CHECKING:
@@ -62,6 +62,16 @@ WRITE_BACK_WINDOW = 512
 
 WRITE_BACK_PERIOD_S = 0.25
 """How often write-back looks at the pool while it is nearly full."""
+
+
+@dataclass(eq=False, slots=True)
+class _SyncWait:
+    """One SYNC in progress: the pages it waits for, and how they ended."""
+
+    pending: set[tuple[int, bytes]]
+    done: asyncio.Event
+    written: int = 0
+    failed: int = 0
 
 
 @dataclass(slots=True)
@@ -97,6 +107,7 @@ class L3Writer:
         self._wake = asyncio.Event()
         self._urgent = False
         self._last_scan = 0.0
+        self._syncs: list[_SyncWait] = []
 
     @property
     def queued(self) -> int:
@@ -167,26 +178,27 @@ class L3Writer:
         budget = self.pool.n_slots if window is None else window
         picked: dict[tuple[bytes, int, int], list[tuple[bytes, int]]] = {}
         seen: set[int] = set()
+        link, queued = self.pool.chain_link, self._queued
         for leaf in self.pool.evictable_slots():
             if budget <= 0:
                 break
-            chain: list[tuple[int, PageInfo]] = []
+            chain: list[tuple[int, bytes, int, int]] = []  # (slot, key, ns_id, class_id)
             slot = leaf
             while slot >= 0 and slot not in seen and len(chain) < budget:
                 seen.add(slot)
-                info = self.pool.describe(slot)
-                if info.in_l3 or info.key is None or (info.ns_id, info.key) in self._queued:
+                key, ns_id, parent, in_l3, class_id = link(slot)
+                if in_l3 or key is None or (ns_id, key) in queued:
                     break
-                chain.append((slot, info))
-                slot = info.parent
+                chain.append((slot, key, ns_id, class_id))
+                slot = parent
             budget -= len(chain)
-            for slot, info in reversed(chain) if pinned else chain:
-                ns = self.tier.namespace_of(info.ns_id)
+            for slot, key, ns_id, class_id in reversed(chain) if pinned else chain:
+                ns = self.tier.namespace_of(ns_id)
                 if ns is None:  # a page no session has named here: it cannot be written
                     self.pool.mark_in_l3([slot])
                     continue
-                page_bytes = self.tier.page_bytes_of(info.class_id)
-                picked.setdefault((ns, info.ns_id, page_bytes), []).append((info.key, slot))
+                page_bytes = self.tier.page_bytes_of(class_id)
+                picked.setdefault((ns, ns_id, page_bytes), []).append((key, slot))
         return sum(self._enqueue(ns, ns_id, [k for k, _ in pages], pb, pinned=pinned,
                                  bound=window is not None, slots=[s for _, s in pages])
                    for (ns, ns_id, pb), pages in picked.items())
@@ -258,7 +270,7 @@ class L3Writer:
             for it in batch:
                 slot = self._hold(it)
                 if slot is None:  # gone from L2 before its turn
-                    self._queued.discard((it.ns_id, it.key))
+                    self._settle(it, written=False)
                     c.l3_write_dropped_pages += 1
                     continue
                 if it.pinned:  # a write-through page is new in L2; the exists check below
@@ -313,7 +325,7 @@ class L3Writer:
         return info.state == PageState.READY and info.key == it.key and info.ns_id == it.ns_id
 
     def _finish(self, it: _Item) -> None:
-        self._queued.discard((it.ns_id, it.key))
+        self._settle(it, written=True)
 
     def _failed(self, it: _Item, slot: int) -> None:
         it.attempts += 1
@@ -322,10 +334,45 @@ class L3Writer:
             self._retry.append(it)
             self.counters.l3_write_retries += 1
             return
-        self._queued.discard((it.ns_id, it.key))
+        self._settle(it, written=False)
         self.counters.l3_write_failed_pages += 1
         if not it.pinned and self._holds(it):
             self.pool.mark_in_l3([slot])  # give up the L3 copy, never the L2 slot
+
+    def _settle(self, it: _Item, written: bool) -> None:
+        """The page is off the queue for good: written (or found in L3), or given up."""
+        ident = (it.ns_id, it.key)
+        self._queued.discard(ident)
+        for wait in self._syncs:
+            if ident in wait.pending:
+                wait.pending.discard(ident)
+                if written:
+                    wait.written += 1
+                else:
+                    wait.failed += 1
+                if not wait.pending:
+                    wait.done.set()
+
+    async def sync(self, timeout: float) -> tuple[int, int, int, int]:
+        """Queue every L2 page not in L3 (as :meth:`back_up_all`) and wait until those and
+        the pages queued before are written or given up, or ``timeout`` seconds pass.
+
+        Returns:
+            (pages waited for, written or found in L3, given up, still pending).
+        """
+        self.back_up_all()
+        wait = _SyncWait(set(self._queued), asyncio.Event())
+        pages = len(wait.pending)
+        if not pages:
+            return 0, 0, 0, 0
+        self._syncs.append(wait)
+        try:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await wait.done.wait()
+        finally:
+            self._syncs.remove(wait)
+        return pages, wait.written, wait.failed, len(wait.pending)
 
     # ------------------------------------------------------------------ flush and shutdown
     @contextlib.contextmanager

@@ -62,6 +62,8 @@ LIVE_FIELDS = frozenset({
     "write_back_queue", "hicache_write_policy", "storage_timeout_s", "tp_group_timeout_s",
 })
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+MAX_SYNC_TIMEOUT_S = 3600.0
+"""Longest a SYNC may ask the daemon to wait."""
 DEFAULT_TENANT = "default"
 
 
@@ -104,6 +106,7 @@ class Daemon:
             P.Store: self._store, P.Load: self._load, P.Release: self._release,
             P.Unregister: self._unregister, P.Stats: self._stats, P.Health: self._health,
             P.Flush: self._flush, P.Prefetch: self._prefetch, P.Claim: self._claim,
+            P.Sync: self._sync,
         }
 
     # ------------------------------------------------------------------ lifecycle
@@ -576,6 +579,27 @@ class Daemon:
         l3 = await self.tier.flush(fps)
         log.info("flush tier=%s namespace=%s: %d L3 pages deleted", m.tier, m.namespace or "*", l3)
         return P.FlushReply(req_id=m.req_id, epoch=self.epoch, l2_pages=l2, l3_pages=l3)
+
+    def _sync(self, identity: bytes, m: P.Sync) -> P.Reply:
+        self._check_admin(m.admin_token)
+        if not (0 < m.timeout_s <= MAX_SYNC_TIMEOUT_S):
+            raise RequestError(P.ErrorCode.BAD_MESSAGE, f"timeout_s = {m.timeout_s!r} is not in "
+                               f"(0, {MAX_SYNC_TIMEOUT_S:g}] seconds")
+        if self.tier.l3.name == "none":
+            raise RequestError(P.ErrorCode.BAD_MESSAGE,
+                               "sync: no L3 backend (hicache_storage_backend = 'none')")
+        if not self.tier.available:  # down: nothing can be written now; say how much waits
+            return P.SyncReply(req_id=m.req_id, epoch=self.epoch, pages=self.tier.writer.queued,
+                               written=0, failed=0, left=self.tier.writer.queued)
+        return self._sync_async(m)
+
+    async def _sync_async(self, m: P.Sync) -> P.Reply:
+        start = time.perf_counter()
+        pages, written, failed, left = await self.tier.writer.sync(m.timeout_s)
+        log.info("sync: %d pages, %d written, %d not written, %d left, in %.3f s", pages, written,
+                 failed, left, time.perf_counter() - start)
+        return P.SyncReply(req_id=m.req_id, epoch=self.epoch, pages=pages, written=written,
+                           failed=failed, left=left)
 
     def _prefetch(self, identity: bytes, m: P.Prefetch) -> P.Reply:
         s = self._session(identity, m.session_id)

@@ -241,6 +241,18 @@ class Flush(_Req, tag="flush", kw_only=True):
     namespace: str = ""
 
 
+class Sync(_Req, tag="sync", kw_only=True):
+    """Write every L2 page not yet in L3 to L3 and answer when they are written (admin).
+
+    Pages already queued for L3 are waited for too. The reply comes when every one of
+    them is written or given up, or after ``timeout_s`` seconds (``left`` > 0 then; the
+    writes go on). Refused with ``BAD_MESSAGE`` when the daemon has no L3 backend.
+    """
+
+    admin_token: str = ""
+    timeout_s: float = 60.0
+
+
 class Prefetch(_Req, tag="prefetch", kw_only=True):
     """Start filling L2 from L3 for ``keys[skip:]`` (``skip`` leading keys are in L2)."""
 
@@ -261,7 +273,7 @@ class Claim(_Req, tag="claim", kw_only=True):
 
 Request = Union[
     Register, Heartbeat, Lookup, Store, Load, Release, Unregister, Stats, Health, Flush, Prefetch,
-    Claim,
+    Claim, Sync,
 ]
 
 
@@ -329,6 +341,18 @@ class FlushReply(_Rep, tag="flush_reply", kw_only=True):
     l3_pages: int = 0
 
 
+class SyncReply(_Rep, tag="sync_reply", kw_only=True):
+    """What a SYNC waited for: ``pages`` (the L2 pages not in L3 when it arrived, queued
+    then or before), of which ``written`` reached L3 (or were found there), ``failed`` were
+    not written (given up after their retries, or gone from L2 before their turn), and
+    ``left`` were still pending at the deadline."""
+
+    pages: int
+    written: int
+    failed: int
+    left: int
+
+
 class PrefetchReply(_Rep, tag="prefetch_reply", kw_only=True):
     """``started`` pages are being fetched from L3 into L2."""
 
@@ -350,7 +374,7 @@ class ErrorReply(_Rep, tag="error", kw_only=True):
 
 Reply = Union[
     Registered, Ack, LookupResult, StoreAccepted, LoadAccepted, StatsReply, HealthReply, FlushReply,
-    PrefetchReply, ClaimReply, ErrorReply,
+    PrefetchReply, ClaimReply, SyncReply, ErrorReply,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

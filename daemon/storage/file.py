@@ -145,8 +145,28 @@ class _Slot:
 
 @dataclass(eq=False, slots=True)
 class _SizeClass:
-    free: list[_Slot] = field(default_factory=list)
+    free: dict[_Segment, list[_Slot]] = field(default_factory=dict)  # per segment, top last
     lru: OrderedDict[_Slot, None] = field(default_factory=OrderedDict)  # oldest first
+    writers: dict[_Segment, int] = field(default_factory=dict)  # put batches writing there
+
+    def release(self, slot: _Slot) -> None:
+        """Give a slot back to its segment's free stack (reused first)."""
+        self.free.setdefault(slot.seg, []).append(slot)
+
+    def take(self, mine: _Segment | None, shared: bool) -> _Slot | None:
+        """Pop a free slot: from ``mine`` (the batch's current segment) first, then from a
+        segment no other batch writes to (two batches writing one file serialize on its
+        inode lock); with ``shared``, from any segment. None if none. Only segments with
+        free slots are kept, so a full store answers at once."""
+        seg = mine if mine is not None and mine in self.free else next(
+            (seg for seg in self.free if shared or not self.writers.get(seg)), None)
+        if seg is None:
+            return None
+        stack = self.free[seg]
+        slot = stack.pop()
+        if not stack:
+            del self.free[seg]
+        return slot
 
 
 def _runs(items: list[tuple[int, _Slot]]) -> list[list[tuple[int, _Slot]]]:
@@ -307,7 +327,7 @@ class FileBackend(StorageBackend):
                     cls.lru[slot] = None
                 else:  # free, or a second copy of an object already indexed
                     slot.ident, slot.ready = None, False
-                    cls.free.append(slot)
+                    cls.release(slot)
 
     def _reserve_segment(self, slot: int) -> tuple[int, int] | None:
         """Under the lock: reserve capacity for one more segment; (seq, slots) or None."""
@@ -410,6 +430,8 @@ class FileBackend(StorageBackend):
                     done[i] = True
         pending = [i for i in range(len(keys)) if not done[i]][::-1]  # popped from the end
         may_grow = True
+        mine: _Segment | None = None  # the segment this batch writes to now
+        touched: list[_Segment] = []  # segments this batch counts itself a writer of
         while pending:
             reservation = None
             with self._lock:
@@ -419,10 +441,14 @@ class FileBackend(StorageBackend):
                     if other is not None:  # stored meanwhile, or being written by another batch
                         done[pending.pop()] = other.ready and other.length == length
                         continue
-                    if cls.free:
-                        slot = cls.free.pop()
-                    elif may_grow and (reservation := self._reserve_segment(size)):
+                    slot = cls.take(mine, shared=False)
+                    if slot is None and may_grow and (
+                            reservation := self._reserve_segment(size)):
                         break
+                    if slot is None:
+                        slot = cls.take(mine, shared=True)
+                    if slot is not None:
+                        pass
                     elif cls.lru and next(iter(cls.lru)).ident not in batch:
                         slot, _ = cls.lru.popitem(last=False)
                         del self._index[slot.ident]  # type: ignore[arg-type]
@@ -430,6 +456,10 @@ class FileBackend(StorageBackend):
                     else:
                         pending.clear()  # full: refuse the tail rather than evict its prefix
                         break
+                    if slot.seg is not mine:
+                        mine = slot.seg
+                        touched.append(mine)
+                        cls.writers[mine] = cls.writers.get(mine, 0) + 1
                     slot.ident, slot.length, slot.ready = ident, length, False
                     slot.gen += 1
                     self._index[ident] = slot
@@ -437,10 +467,14 @@ class FileBackend(StorageBackend):
             if reservation is not None:
                 may_grow = self._grow(size, reservation)
         written = self._write(arena, ns, keys, offsets, length, plan)
-        mine = dict(plan)
+        planned = dict(plan)
         with self._lock:
+            for seg in touched:
+                cls.writers[seg] -= 1
+                if not cls.writers[seg]:
+                    del cls.writers[seg]
             for i in range(len(keys) - 1, -1, -1):  # k0 ends most recent: the tail goes first
-                slot = mine.get(i)
+                slot = planned.get(i)
                 if slot is not None and written[i]:
                     slot.ready = done[i] = True
                     cls.lru[slot] = None
@@ -449,7 +483,7 @@ class FileBackend(StorageBackend):
                 elif slot is not None:
                     del self._index[slot.ident]  # type: ignore[arg-type]
                     slot.ident = None
-                    cls.free.append(slot)
+                    cls.release(slot)
                     self.stats.errors += 1
                 elif done[i] and (slot := self._index.get((ns, keys[i]))) and slot.ready:
                     cls.lru.move_to_end(slot)
@@ -575,7 +609,7 @@ class FileBackend(StorageBackend):
             self.stats.errors += errors
             for slot in slots:
                 slot.ident = None
-                self._classes[slot.seg.payload_slot].free.append(slot)
+                self._classes[slot.seg.payload_slot].release(slot)
 
     # -- introspection ---------------------------------------------------------------------
     @property
