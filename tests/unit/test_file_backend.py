@@ -8,8 +8,10 @@ import hashlib
 import mmap
 import os
 import random
+import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kvtier.config.errors import ConfigError, StorageError
@@ -339,6 +341,62 @@ async def test_concurrent_put_batches_stay_consistent(tmp_path: Path, arena: Hos
     for (_, k), o in zip(stored, readback):
         assert bytes(arena.view[o : o + PAGE]) == payloads[by_key[k]]
     assert store.stats.corrupt == 0
+    await store.close()
+
+
+class _HeldFileBackend(FileBackend):
+    """Stops the first put batch inside its writes until ``release`` is set."""
+
+    def __init__(self, extra: dict[str, object]) -> None:
+        super().__init__(extra)
+        self.writing = threading.Event()
+        self.release = threading.Event()
+
+    def _write(self, *args: Any) -> dict[int, bool]:
+        if not self.writing.is_set():
+            self.writing.set()
+            assert self.release.wait(10)
+        return super()._write(*args)
+
+
+async def test_a_put_batch_writes_another_segment_than_one_in_flight(
+    tmp_path: Path, arena: HostArena
+) -> None:
+    # two batches writing one file would serialize on its inode lock
+    store = _HeldFileBackend({"path": str(tmp_path / "l3"), "capacity": 4 * segment_size(4),
+                              "segment_bytes": segment_size(4)})
+    await store.open(arena)
+    fill(arena, [i * PAGE for i in range(6)], PAGE, seed=5)
+    first = asyncio.ensure_future(store.put_from(NS, [key("a0"), key("a1")], [0, PAGE], PAGE))
+    assert await asyncio.to_thread(store.writing.wait, 10)
+    second = await store.put_from(NS, [key("b0"), key("b1")], [2 * PAGE, 3 * PAGE], PAGE)
+    store.release.set()
+    assert second == [True, True] and await first == [True, True]
+    assert len(segment_files(tmp_path / "l3")) == 2  # the second batch grew its own segment
+    third = await store.put_from(NS, [key("c0"), key("c1")], [4 * PAGE, 5 * PAGE], PAGE)
+    assert third == [True, True]
+    assert len(segment_files(tmp_path / "l3")) == 2  # nothing in flight: the free slots serve
+    got = await store.get_into(NS, [key(n) for n in ("a0", "a1", "b0", "b1", "c0", "c1")],
+                               [(10 + i) * PAGE for i in range(6)], PAGE)
+    assert got == [True] * 6
+    assert [bytes(arena.view[(10 + i) * PAGE:(11 + i) * PAGE]) for i in range(6)] == [
+        bytes(arena.view[i * PAGE:(i + 1) * PAGE]) for i in range(6)]
+    await store.close()
+
+
+async def test_a_put_batch_shares_a_segment_when_no_other_can_grow(
+    tmp_path: Path, arena: HostArena
+) -> None:
+    store = _HeldFileBackend({"path": str(tmp_path / "l3"), "capacity": segment_size(4),
+                              "segment_bytes": segment_size(4)})
+    await store.open(arena)
+    fill(arena, [i * PAGE for i in range(4)], PAGE, seed=6)
+    first = asyncio.ensure_future(store.put_from(NS, [key("a0"), key("a1")], [0, PAGE], PAGE))
+    assert await asyncio.to_thread(store.writing.wait, 10)
+    second = await store.put_from(NS, [key("b0"), key("b1")], [2 * PAGE, 3 * PAGE], PAGE)
+    store.release.set()
+    assert second == [True, True] and await first == [True, True]
+    assert len(segment_files(tmp_path / "l3")) == 1
     await store.close()
 
 
