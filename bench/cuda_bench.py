@@ -295,7 +295,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"cuda_bench on {results['device']} (torch {results['torch']}, CUDA {results['cuda']})",
           flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="kvt-cb-", dir="/tmp"))
-    daemon = DaemonProcess(tmp / "d", ["--hicache-size", args.pool, "--extent-size", "64MiB",
+    daemon = DaemonProcess(tmp / "d", ["--hicache-storage-backend", "none",
+                                       "--hicache-size", args.pool, "--extent-size", "64MiB",
                                        "--log-level", "warning"])
     errors: list[str] = []
     t_start = time.monotonic()

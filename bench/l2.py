@@ -9,6 +9,10 @@ figures on a shared machine are noise:
   request until the completion block says the last layer landed.
 - ``zmq_echo_rtt_us_p50``: a DEALER → ROUTER echo over ipc:// to a uvloop server, with the
   payload of a 64-key LOOKUP; ``lookup_rtt_us_p50``: a real 64-key LOOKUP.
+
+The daemon runs with L3 off (``--hicache-storage-backend none``, not the default ``file``):
+this measures the host pool alone, without write-through to disk competing for the copies
+(``kvtier bench l3`` measures that tier).
 """
 
 from __future__ import annotations
@@ -89,7 +93,8 @@ def run_l2_bench(mib: int = 256, rtt_samples: int = 2000) -> dict:
     with tempfile.TemporaryDirectory(prefix="kvb-", dir="/tmp") as tmp:
         rdir = Path(tmp)
         daemon = DaemonProcess(rdir, ["--hicache-size", str(pool_bytes), "--log-level", "warning",
-                                      "--extent-size", str(64 << 20)])
+                                      "--extent-size", str(64 << 20),
+                                      "--hicache-storage-backend", "none"])  # L2 alone
         daemon.start(timeout=120)
         try:
             kv = SharedKVPool(g, pages)

@@ -5,6 +5,8 @@ the daemon is killed with SIGKILL, a new daemon is started on the same runtime d
 and the benchmark reports what the new daemon says about adopting the pool (pages adopted
 and the seconds adoption took, every page's checksum verified), the time from starting the
 process until it answered HEALTH, and how many of the stored pages a LOOKUP then finds in L2.
+Both daemons run with L3 off (``--hicache-storage-backend none``, not the default ``file``):
+what is measured is the adoption of the host pool, and no page may come back from disk instead.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def run_restart_bench(mib: int = 1024) -> dict:
     with tempfile.TemporaryDirectory(prefix="kvr-", dir="/tmp") as tmp:
         rdir = Path(tmp)
         flags = ["--hicache-size", str(pool_bytes), "--log-level", "warning", "--extent-size",
-                 str(32 << 20)]
+                 str(32 << 20), "--hicache-storage-backend", "none"]  # the pool's adoption alone
         first = DaemonProcess(rdir, flags)
         first.start(timeout=300)
         second = DaemonProcess(rdir, flags)

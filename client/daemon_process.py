@@ -20,18 +20,28 @@ class DaemonStartError(KvtierError):
 
 
 class DaemonProcess:
-    """A ``kvtierd`` subprocess with its own runtime directory.
+    """A ``kvtierd`` subprocess with its own runtime directory and its own state directory.
+
+    The state directory is where the default ``file`` L3 store lives (``<state_dir>/l3``).
+    A daemon started here never shares the user's (``~/.local/state/kvtier``, or a service's
+    ``$STATE_DIRECTORY``): it gets ``state_dir`` as ``$STATE_DIRECTORY``, the lowest-ranked
+    source, so ``--state-dir``, a ``state_dir`` key of a ``--config`` file and
+    ``$KVTIER_STATE_DIR`` still win (like systemd, this helper only offers a directory).
 
     Args:
         runtime_dir: the daemon's runtime directory (socket, completion blocks).
         args: extra ``kvtierd`` flags, e.g. ``["--hicache-size", "256MiB"]``.
-        env: extra environment variables.
+        env: extra environment variables (a ``STATE_DIRECTORY`` here replaces ``state_dir``).
         log_path: where its stderr goes (default: ``<runtime_dir>/kvtierd.log``).
+        state_dir: the state directory offered to the daemon (default:
+            ``<runtime_dir>/state``: private to it, and gone with its runtime directory).
     """
 
     def __init__(self, runtime_dir: str | Path, args: Sequence[str] = (),
-                 env: dict[str, str] | None = None, log_path: str | Path | None = None) -> None:
+                 env: dict[str, str] | None = None, log_path: str | Path | None = None,
+                 state_dir: str | Path | None = None) -> None:
         self.runtime_dir = Path(runtime_dir)
+        self.state_dir = Path(state_dir) if state_dir else self.runtime_dir / "state"
         self.args = list(args)
         self.env = dict(env or {})
         self.log_path = Path(log_path) if log_path else self.runtime_dir / "kvtierd.log"
@@ -55,7 +65,8 @@ class DaemonProcess:
     def start(self, timeout: float = 30.0) -> "DaemonProcess":
         """Start the daemon and wait until it answers HEALTH."""
         self.runtime_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **self.env, "KVTIER_RUNTIME_DIR": str(self.runtime_dir)}
+        env = {**os.environ, "STATE_DIRECTORY": str(self.state_dir), **self.env,
+               "KVTIER_RUNTIME_DIR": str(self.runtime_dir)}
         env.pop("NOTIFY_SOCKET", None) if "NOTIFY_SOCKET" not in self.env else None
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "kvtier.daemon", *self.args],

@@ -8,7 +8,10 @@ kvtier off, to check that the generated tokens are the same.
 
 The daemon: with ``--own-daemon``, or when no daemon answers at the default runtime directory
 (what ``kvtier health`` checks), the demo starts a private one in a runtime directory of its
-own under /tmp and stops it at the end; otherwise it uses the running one.
+own under /tmp and stops it at the end; otherwise it uses the running one. The private daemon
+runs with L3 off (``--hicache-storage-backend none``, not kvtierd's default ``file`` store):
+the demo shows what L2 keeps across a restart, and it leaves nothing behind, neither in the
+user's state directory (``~/.local/state/kvtier``) nor anywhere else.
 
 ``restart_reuse_ratio`` = tokens the first turn after the restart loaded from L2 / tokens of
 that conversation's prefix that L2 held before the restart (1.0: nothing was lost).
@@ -44,7 +47,8 @@ _DEFAULTS = {  # model -> (page_size, system, user, reply tokens)
     "default": (64, 1024, 96, 24),
     "tiny": (16, 256, 40, 12),
 }
-_DAEMON_FLAGS = ["--hicache-size", "256MiB", "--lease-s", "10"]
+# L3 off: the demo is about L2, and a private daemon writes nothing to disk (see the docstring).
+_DAEMON_FLAGS = ["--hicache-size", "256MiB", "--lease-s", "10", "--hicache-storage-backend", "none"]
 _REPLY_TIMEOUT_S = 300.0
 
 
@@ -329,7 +333,12 @@ def main(argv: list[str]) -> int:
         0 when every turn matched the uncached run and the restart reuse ratio is at least
         0.99, else 1.
     """
-    p = argparse.ArgumentParser(prog="kvtier demo", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="kvtier demo", description=__doc__.splitlines()[0],
+        epilog="The demo uses the kvtierd running at the default runtime directory; with "
+        "--own-daemon, or when none answers, it starts a private one under /tmp with a 256 MiB "
+        "pool and L3 off (--hicache-storage-backend none): it shows L2 reuse and leaves no "
+        "files behind (nothing in ~/.local/state/kvtier).")
     p.add_argument("--model", choices=MODELS, default="default")
     p.add_argument("--restart", choices=("engine", "daemon"), default="engine")
     p.add_argument("--conversations", type=int, default=3)
@@ -340,7 +349,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--reply-tokens", type=int)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="engine compute threads")
-    p.add_argument("--own-daemon", action="store_true", help="always start a private daemon")
+    p.add_argument("--own-daemon", action="store_true",
+                   help="always start a private daemon (L2 only, removed at the end)")
     p.add_argument("--json", metavar="PATH", help="write the results here")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of TTFT and hits per turn")
     args = p.parse_args(argv)

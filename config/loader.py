@@ -47,6 +47,53 @@ def runtime_dir(configured: Path | None = None, env: Mapping[str, str] | None = 
     return Path(f"/tmp/kvtier-{os.getuid()}")
 
 
+def state_dir(configured: Path | None = None, env: Mapping[str, str] | None = None) -> Path:
+    """Return the state directory: what must outlive the daemon and a reboot (the ``file``
+    L3 store lives in ``<state_dir>/l3``).
+
+    Not derived from the runtime directory: that is usually a tmpfs (``/run/user/<uid>``,
+    ``/tmp``), which a reboot empties and whose files take memory.
+
+    Args:
+        configured: a directory set in the config (``state_dir`` from the TOML file,
+            ``$KVTIER_STATE_DIR`` or ``--state-dir``); wins when given.
+        env: the environment (default ``os.environ``).
+
+    Returns:
+        ``configured``, else ``$KVTIER_STATE_DIR``, else the first path of
+        ``$STATE_DIRECTORY`` (set by systemd's ``StateDirectory=``; colon-separated when the
+        unit names several), else ``$XDG_STATE_HOME/kvtier``, else ``~/.local/state/kvtier``.
+        An empty variable counts as unset, and so does a relative ``$XDG_STATE_HOME`` (the
+        XDG base directory spec says to ignore it).
+
+    Raises:
+        ConfigError: none of these is set and the user has no home directory.
+    """
+    env = os.environ if env is None else env
+    if configured is not None:
+        return Path(configured)
+    if env.get("KVTIER_STATE_DIR"):
+        return Path(env["KVTIER_STATE_DIR"])
+    first = env.get("STATE_DIRECTORY", "").split(":")[0]
+    if first:
+        return Path(first)
+    xdg = env.get("XDG_STATE_HOME", "")
+    if os.path.isabs(xdg):
+        return Path(xdg) / "kvtier"
+    home = env.get("HOME")
+    if not home:
+        import pwd
+
+        try:
+            home = pwd.getpwuid(os.getuid()).pw_dir
+        except KeyError:
+            home = ""
+    if not home:
+        raise ConfigError(f"no state directory: uid {os.getuid()} has no home directory and "
+                          "none of state_dir, $STATE_DIRECTORY, $XDG_STATE_HOME is set")
+    return Path(home) / ".local" / "state" / "kvtier"
+
+
 def socket_path(rdir: Path) -> Path:
     """Return the daemon's control socket path inside runtime directory ``rdir``."""
     return rdir / "kvtierd.sock"

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from kvtier.config.sizes import ByteSize
 
@@ -36,8 +36,9 @@ class TenantConfig(_Frozen):
 class DaemonConfig(_Frozen):
     """Everything ``kvtierd`` reads at start.
 
-    Sizes accept ``"4GiB"``-style strings. Paths left unset are derived at start
-    (see :func:`kvtier.config.loader.runtime_dir`).
+    Sizes accept ``"4GiB"``-style strings. Paths left unset (or set to an empty string) are
+    derived at start (see :func:`kvtier.config.loader.runtime_dir` and
+    :func:`~kvtier.config.loader.state_dir`).
     """
 
     runtime_dir: Optional[Path] = Field(
@@ -46,7 +47,11 @@ class DaemonConfig(_Frozen):
         "else $XDG_RUNTIME_DIR/kvtier, else /tmp/kvtier-<uid>.",
     )
     state_dir: Optional[Path] = Field(
-        default=None, description="Default location of the file L3 store. Default: <runtime_dir>/state."
+        default=None,
+        description="Persistent state: the file L3 store lives in <state_dir>/l3 unless its "
+        "extra config names a path. Default: $KVTIER_STATE_DIR, else $STATE_DIRECTORY "
+        "(systemd's StateDirectory=, its first path), else $XDG_STATE_HOME/kvtier, else "
+        "~/.local/state/kvtier.",
     )
     hicache_size: ByteSize = Field(default=1 << 30, gt=0, description="Bytes of the L2 host pool.")
     extent_size: ByteSize = Field(
@@ -80,7 +85,9 @@ class DaemonConfig(_Frozen):
     )
     log_level: LogLevel = Field(default="info", description="Log verbosity.")
     hicache_storage_backend: StorageBackendName = Field(
-        default="none", description="L3 backend: none, file, mooncake, redis or dynamic."
+        default="file",
+        description="L3 backend: file (the default: a disk store in <state_dir>/l3 that survives "
+        "restarts and reboots), none (L2 only), mooncake, redis or dynamic.",
     )
     hicache_storage_backend_extra_config: Optional[str] = Field(
         default=None, description="Backend settings as JSON, or @path to a JSON/TOML file."
@@ -119,6 +126,13 @@ class DaemonConfig(_Frozen):
     tenants: dict[str, TenantConfig] = Field(
         default_factory=dict, description="Tenant name → token and quota. Empty: one default tenant."
     )
+
+    @field_validator("runtime_dir", "state_dir", mode="before")
+    @classmethod
+    def _empty_path_is_unset(cls, value: object) -> object:
+        # KVTIER_STATE_DIR= (or a unit's Environment=KVTIER_STATE_DIR=) means "not set", not
+        # Path("") == the daemon's working directory.
+        return None if isinstance(value, str) and not value.strip() else value
 
     @model_validator(mode="after")
     def _check(self) -> "DaemonConfig":

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.config import ConfigError, DaemonConfig, KvtierError
+from kvtier.config.loader import state_dir
 from kvtier.daemon.stats import Counters
 from kvtier.daemon.storage.base import BackendStats, HostArena, StorageBackend
 from kvtier.daemon.storage.factory import EXTRA_CONFIG_FIELD, create_backend, parse_extra_config
@@ -49,14 +50,17 @@ def storage_settings(cfg: DaemonConfig, rdir: Path) -> tuple[dict[str, Any], dic
 
     Args:
         cfg: the daemon's configuration.
-        rdir: the runtime directory (the ``file`` backend's default path derives from it).
+        rdir: the runtime directory (unused: the store is kept out of it, as it is usually a
+            tmpfs; kept for the callers' signature).
 
     Returns:
         ``(backend keys, overrides)``. For ``file`` without a ``path``, the path is
-        ``<state_dir or <runtime_dir>/state>/l3``.
+        ``<state_dir>/l3``, the state directory resolved by
+        :func:`kvtier.config.loader.state_dir` (persistent, never the runtime directory).
 
     Raises:
-        ConfigError: the extra config does not parse, or an override is not a number >= 0.
+        ConfigError: the extra config does not parse, an override is not a number >= 0, or
+            no state directory can be found.
     """
     extra = parse_extra_config(cfg.hicache_storage_backend_extra_config)
     overrides: dict[str, float] = {}
@@ -69,7 +73,8 @@ def storage_settings(cfg: DaemonConfig, rdir: Path) -> tuple[dict[str, Any], dic
                 raise ConfigError(f"{EXTRA_CONFIG_FIELD}: {key!r} = {value!r} must be > 0")
             overrides[key] = value
     if cfg.hicache_storage_backend == "file" and "path" not in extra:
-        extra["path"] = str(Path(cfg.state_dir or Path(rdir) / "state") / "l3")
+        extra["path"] = str(state_dir(cfg.state_dir) / "l3")
+        log.info("file L3 store in %s (the default under the state directory)", extra["path"])
     return extra, overrides
 
 
@@ -83,7 +88,7 @@ class L3Backend:
     Args:
         cfg: the daemon's configuration (``cfg`` is swapped on reload).
         counters: the daemon's counters.
-        rdir: the runtime directory (the ``file`` backend's default path derives from it).
+        rdir: the runtime directory (passed to :func:`storage_settings`).
 
     Attributes:
         name: the backend's name (``none`` when L3 is off).

@@ -8,7 +8,9 @@
 #             kvtier.sysusers.conf -> /etc/sysusers.d/kvtier.conf
 #             kvtier.tmpfiles.conf -> /etc/tmpfiles.d/kvtier.conf
 #   2. creates user and group kvtier (systemd-sysusers)
-#   3. creates /run/kvtier and /var/lib/kvtier (systemd-tmpfiles --create)
+#   3. creates /run/kvtier and /var/lib/kvtier, the state directory where the
+#      default L3 backend keeps its disk store (/var/lib/kvtier/l3), with
+#      systemd-tmpfiles --create (an existing /var/lib/kvtier is set to mode 0700)
 #   4. copies kvtierd.toml.example -> /etc/kvtier/kvtierd.toml, only if that file
 #      does not exist yet (an existing configuration is never touched)
 #   5. with --kvtierd PATH: writes the drop-in
@@ -34,7 +36,7 @@ ENABLE_NOW=0
 ADD_USERS=()
 
 usage() {
-    sed -n '2,22s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"
+    sed -n '2,24s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"
 }
 
 die() {
@@ -204,5 +206,7 @@ Installed. Edit $CONFIG_PATH, then start kvtierd now and at every boot with:
     systemctl enable --now $UNIT_NAME
 Add engine users to group kvtier:  usermod -aG kvtier USER
 Follow its log:                    journalctl -u $UNIT_NAME -f
+L3 (the default "file" backend) is kept on disk in /var/lib/kvtier/l3, up to 16 GiB;
+set hicache_storage_backend_extra_config in $CONFIG_PATH to size or move it.
 EOF
 fi

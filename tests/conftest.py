@@ -24,12 +24,21 @@ def short_tmp() -> Iterator[Path]:
 
 @pytest.fixture
 def daemon_factory(short_tmp: Path) -> Iterator:
-    """Start kvtierd processes: ``daemon_factory(*flags, name="d0")``; all stopped at teardown."""
+    """Start kvtierd processes: ``daemon_factory(*flags, name="d0")``; all stopped at teardown.
+
+    Each daemon runs in ``<short_tmp>/<name>`` with L3 off (``--hicache-storage-backend
+    none``: most tests are about L2) and ``--state-dir <short_tmp>/<name>/state``, never the
+    user's own state directory. ``flags`` come after these, and a later flag wins, so a test
+    about L3 passes its own ``--hicache-storage-backend`` (and ``--state-dir``). Both are
+    flags, so they also win over a ``--config`` file's keys.
+    """
     started: list[DaemonProcess] = []
 
     def make(*args: str, name: str = "d0", env: dict[str, str] | None = None,
              start: bool = True) -> DaemonProcess:
-        flags = ["--hicache-size", "64MiB", "--extent-size", "4MiB", "--log-level", "info",
+        flags = ["--hicache-storage-backend", "none",
+                 "--state-dir", str(short_tmp / name / "state"),
+                 "--hicache-size", "64MiB", "--extent-size", "4MiB", "--log-level", "info",
                  "--lease-s", "5", *args]
         d = DaemonProcess(short_tmp / name, flags, env=env)
         started.append(d)

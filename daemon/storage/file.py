@@ -240,7 +240,7 @@ class FileBackend(StorageBackend):
     def _open_sync(self) -> None:
         start, path = time.perf_counter(), self.config.path
         try:
-            path.mkdir(parents=True, exist_ok=True)
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)  # tenants' pages: owner only
             self._fds.append(os.open(path / _LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC))
             fcntl.flock(self._fds[0], fcntl.LOCK_EX | fcntl.LOCK_NB)
             for name in sorted(os.listdir(path)):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -478,9 +477,42 @@ def test_switching_write_back_to_write_through_backs_l2_up(daemon_factory, short
 
 @pytest.mark.timeout(60)
 def test_default_file_path_is_under_the_state_dir(daemon_factory, short_tmp):
-    d = daemon_factory(*l3_flags("file"))
-    assert (d.runtime_dir / "state" / "l3").is_dir()
     tmp = Path(tempfile.mkdtemp(prefix="kvt-st-", dir=short_tmp))
     e = daemon_factory(*l3_flags("file", state_dir=str(tmp)), name="e")
-    assert (tmp / "l3").is_dir() and stats(e)["l3"]["healthy"]
-    assert os.path.isdir(tmp / "l3")
+    assert (tmp / "l3" / "kvtier-file.lock").is_file() and stats(e)["l3"]["healthy"]
+    assert not (e.runtime_dir / "state").exists()  # not the runtime dir, usually a tmpfs
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", ["helper", "systemd", "xdg", "home"])
+def test_a_daemon_without_l3_flags_keeps_a_file_store_in_its_state_dir(case, short_tmp,
+                                                                       monkeypatch):
+    """No backend and no state flags: L3 is the file store in ``<state_dir>/l3``, the state dir
+    resolved as at a real start (``DaemonProcess`` offers ``<runtime_dir>/state`` as
+    ``$STATE_DIRECTORY``, systemd offers its StateDirectory= the same way)."""
+    from kvtier.client.daemon_process import DaemonProcess
+
+    for var in ("KVTIER_STATE_DIR", "KVTIER_HICACHE_STORAGE_BACKEND",
+                "KVTIER_HICACHE_STORAGE_BACKEND_EXTRA_CONFIG", "KVTIER_CONFIG"):
+        monkeypatch.delenv(var, raising=False)
+    rdir, other = short_tmp / "d", short_tmp / "other"
+    env, store = {
+        "helper": ({}, rdir / "state" / "l3"),
+        "systemd": ({"STATE_DIRECTORY": f"{short_tmp / 'sd'}:{other}"}, short_tmp / "sd" / "l3"),
+        "xdg": ({"STATE_DIRECTORY": "", "XDG_STATE_HOME": str(short_tmp / "xdg")},
+                short_tmp / "xdg" / "kvtier" / "l3"),
+        "home": ({"STATE_DIRECTORY": "", "XDG_STATE_HOME": "", "HOME": str(short_tmp / "h")},
+                 short_tmp / "h" / ".local" / "state" / "kvtier" / "l3"),
+    }[case]
+    d = DaemonProcess(rdir, ["--hicache-size", "64MiB", "--extent-size", "4MiB"], env=env)
+    try:
+        d.start()
+        l3 = stats(d)["l3"]
+        assert (l3["backend"], l3["healthy"]) == ("file", True)
+        assert (store / "kvtier-file.lock").is_file()
+        assert not other.exists()  # only the first of several systemd state directories
+        if case != "helper":
+            assert not (rdir / "state").exists()
+    finally:
+        d.stop()
+        d.remove_pool()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import pydantic
@@ -16,7 +17,7 @@ from kvtier.config import (
     parse_size,
     runtime_dir,
 )
-from kvtier.config.loader import add_config_flags, flags_to_dict
+from kvtier.config.loader import add_config_flags, flags_to_dict, state_dir
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -128,6 +129,77 @@ def test_runtime_dir_resolution():
     assert runtime_dir(None, {"XDG_RUNTIME_DIR": "/run/user/5"}) == Path("/run/user/5/kvtier")
     assert str(runtime_dir(None, {})).startswith("/tmp/kvtier-")
     assert runtime_dir(Path("/cfg"), {"KVTIER_RUNTIME_DIR": "/x"}) == Path("/cfg")
+
+
+@pytest.mark.parametrize("env,expect", [
+    ({"KVTIER_STATE_DIR": "/k", "STATE_DIRECTORY": "/s", "XDG_STATE_HOME": "/x", "HOME": "/h"},
+     "/k"),
+    ({"STATE_DIRECTORY": "/var/lib/kvtier", "XDG_STATE_HOME": "/x", "HOME": "/h"},
+     "/var/lib/kvtier"),
+    ({"STATE_DIRECTORY": "/var/lib/kvtier:/var/lib/other"}, "/var/lib/kvtier"),  # several: first
+    ({"XDG_STATE_HOME": "/x", "HOME": "/h"}, "/x/kvtier"),
+    ({"HOME": "/h"}, "/h/.local/state/kvtier"),
+    # empty means unset; a relative XDG_STATE_HOME is ignored, as the XDG spec says
+    ({"KVTIER_STATE_DIR": "", "STATE_DIRECTORY": "", "XDG_STATE_HOME": "", "HOME": "/h"},
+     "/h/.local/state/kvtier"),
+    ({"XDG_STATE_HOME": "rel/state", "HOME": "/h"}, "/h/.local/state/kvtier"),
+], ids=["kvtier-var", "systemd", "systemd-several", "xdg", "home", "empty-vars", "xdg-relative"])
+def test_state_dir_resolution(env, expect):
+    assert state_dir(None, env) == Path(expect)
+
+
+def test_state_dir_configured_wins_and_never_follows_the_runtime_dir():
+    env = {"KVTIER_STATE_DIR": "/k", "STATE_DIRECTORY": "/s", "XDG_RUNTIME_DIR": "/run/user/5"}
+    assert state_dir(Path("/cfg"), env) == Path("/cfg")
+    assert state_dir(None, {"XDG_RUNTIME_DIR": "/run/user/5", "KVTIER_RUNTIME_DIR": "/r",
+                            "HOME": "/h"}) == Path("/h/.local/state/kvtier")
+
+
+def test_state_dir_without_a_home_uses_the_password_database():
+    import pwd
+
+    try:
+        home = pwd.getpwuid(os.getuid()).pw_dir
+    except KeyError:
+        pytest.skip(f"uid {os.getuid()} has no password database entry")
+    assert state_dir(None, {}) == Path(home) / ".local/state/kvtier"
+
+
+def test_the_default_l3_backend_is_the_file_store_in_the_state_dir(monkeypatch, tmp_path):
+    from kvtier.daemon.l3_backend import storage_settings
+
+    cfg = load_config(DaemonConfig, env={})
+    assert cfg.hicache_storage_backend == "file" and cfg.state_dir is None
+    for var in ("KVTIER_STATE_DIR", "XDG_STATE_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("STATE_DIRECTORY", str(tmp_path / "st"))
+    extra, _ = storage_settings(cfg, tmp_path / "run")
+    assert extra == {"path": str(tmp_path / "st" / "l3")}
+    cfg = load_config(DaemonConfig, env={"KVTIER_STATE_DIR": str(tmp_path / "k")})
+    assert storage_settings(cfg, tmp_path / "run")[0] == {"path": str(tmp_path / "k" / "l3")}
+    # a path in the extra config, or another backend, takes nothing from the state dir
+    cfg = load_config(DaemonConfig, env={}, cli={
+        "hicache_storage_backend_extra_config": '{"path": "/elsewhere"}'})
+    assert storage_settings(cfg, tmp_path / "run")[0] == {"path": "/elsewhere"}
+    cfg = load_config(DaemonConfig, env={}, cli={"hicache_storage_backend": "none"})
+    assert storage_settings(cfg, tmp_path / "run")[0] == {}
+
+
+def test_an_empty_state_or_runtime_dir_means_unset():
+    cfg = load_config(DaemonConfig, env={"KVTIER_STATE_DIR": "", "KVTIER_RUNTIME_DIR": " "})
+    assert cfg.state_dir is None and cfg.runtime_dir is None
+    assert load_config(DaemonConfig, env={}, cli={"state_dir": "/s"}).state_dir == Path("/s")
+
+
+def test_a_later_flag_wins():
+    """Test fixtures put their defaults first (``--hicache-storage-backend none``) and let a
+    test's own flags override them."""
+    p = argparse.ArgumentParser()
+    add_config_flags(p, DaemonConfig)
+    ns = p.parse_args(["--hicache-storage-backend", "none", "--state-dir", "/a",
+                       "--hicache-storage-backend", "file", "--state-dir", "/b"])
+    cfg = load_config(DaemonConfig, env={}, cli=flags_to_dict(ns, DaemonConfig))
+    assert (cfg.hicache_storage_backend, cfg.state_dir) == ("file", Path("/b"))
 
 
 def test_boolean_flag_without_value_means_true():

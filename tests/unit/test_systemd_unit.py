@@ -104,6 +104,21 @@ def test_runtime_directory_survives_restarts(unit: Unit) -> None:
     assert value(unit, "Service", "StateDirectory") == "kvtier"
 
 
+def test_state_directory_holds_the_default_l3_store_for_kvtierd_alone(unit: Unit) -> None:
+    # systemd passes /var/lib/kvtier as $STATE_DIRECTORY: the file store's default home.
+    assert value(unit, "Service", "StateDirectory") == "kvtier"
+    # Every tenant's pages are in it; engine users (group kvtier) must not read them.
+    assert value(unit, "Service", "StateDirectoryMode") == "0700"
+    # Writable under ProtectSystem=strict (systemd mounts StateDirectory= read-write) as
+    # long as nothing hides it again or pins the state dir elsewhere.
+    svc = dict(unit["Service"])
+    for key in ("ReadOnlyPaths", "InaccessiblePaths", "TemporaryFileSystem"):
+        assert "/var/lib" not in " ".join(values(unit, "Service", key)), key
+    env = " ".join(values(unit, "Service", "Environment"))
+    assert "KVTIER_STATE_DIR" not in env and "STATE_DIRECTORY" not in env
+    assert svc.get("ProtectSystem") == "strict"
+
+
 def test_sandbox_keeps_shared_memory_and_cuda_working(unit: Unit) -> None:
     svc = dict(unit["Service"])  # last value wins, as in systemd
     # The host pool outlives the daemon and is shared with other users.
@@ -321,9 +336,23 @@ def test_sysusers_and_tmpfiles_apply_to_an_empty_root(tmp_path: Path) -> None:
     }
     uid, gid = int(passwd["kvtier"][2]), int(passwd["kvtier"][3])
     assert gid == int(groups["kvtier"][2])
-    for rel in ("run/kvtier", "var/lib/kvtier"):
+    for rel, mode in (("run/kvtier", 0o750), ("var/lib/kvtier", 0o700)):
         st = (tmp_path / rel).stat()
-        assert (st.st_mode & 0o7777, st.st_uid, st.st_gid) == (0o750, uid, gid), rel
+        assert (st.st_mode & 0o7777, st.st_uid, st.st_gid) == (mode, uid, gid), rel
+
+
+@needs_root_and_tools
+def test_tmpfiles_tightens_a_state_directory_an_older_install_left(tmp_path: Path) -> None:
+    """An upgrade from the 0750 /var/lib/kvtier of earlier versions ends at 0700."""
+    (tmp_path / "etc").mkdir()
+    old = tmp_path / "var/lib/kvtier"
+    old.mkdir(parents=True)
+    old.chmod(0o750)
+    subprocess.run(["systemd-sysusers", f"--root={tmp_path}", str(SYSUSERS)],
+                   check=True, capture_output=True, timeout=30)
+    subprocess.run(["systemd-tmpfiles", f"--root={tmp_path}", "--create", str(TMPFILES)],
+                   check=True, capture_output=True, timeout=30)
+    assert old.stat().st_mode & 0o7777 == 0o700
 
 
 # ---- install.sh -----------------------------------------------------------------
