@@ -7,9 +7,10 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev,plot,redis,mooncake,metrics
 STAMP := $(VENV)/.kvtier-installed
 
-.PHONY: venv test test-fast serve demo bench lint typecheck clean sysdeps
+.PHONY: venv test test-fast serve demo bench lint typecheck clean sysdeps builddeps
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py kernels/_fileio.c
+	@$(MAKE) --no-print-directory builddeps
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
@@ -17,6 +18,17 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# What the C extension kvtier.kernels._fileio (the file L3 backend's batch I/O) builds with:
+# a C compiler and the xxHash header. Without them kvtier still installs and runs, slower.
+builddeps:
+	@if ! command -v cc >/dev/null 2>&1 || [ ! -f /usr/include/xxhash.h ]; then \
+		if command -v apt-get >/dev/null 2>&1; then \
+			SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+			$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
+				--no-install-recommends gcc libc6-dev libxxhash-dev >/dev/null; \
+		else echo "builddeps: apt-get not found; install a C compiler and xxhash.h by hand"; fi; \
+	fi
 
 # Debian packages the integration tests use (Redis server, libibverbs for Mooncake,
 # systemd-analyze to verify the unit).
@@ -55,4 +67,4 @@ typecheck: venv
 	$(VENV)/bin/mypy config ipc daemon client kernels
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info kernels/*.so

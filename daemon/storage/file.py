@@ -63,13 +63,8 @@ from typing import Any, Literal, TypeVar
 from kvtier.config.errors import StorageError
 from kvtier.daemon.storage.base import HostArena, StorageBackend
 from kvtier.daemon.storage.factory import validate_options
-from kvtier.daemon.storage.objects import (
-    HEADER_SIZE,
-    MAGIC,
-    check_header,
-    encode_header,
-    payload_checksum,
-)
+from kvtier.daemon.storage.objects import HEADER_SIZE, MAGIC, check_header, header_for
+from kvtier.kernels.file_io import read_pages, write_pages
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator
 
 _T = TypeVar("_T")
@@ -500,13 +495,14 @@ class FileBackend(StorageBackend):
             try:
                 if any(slot.dirty for _, slot in run):
                     os.pwrite(fd, table, first)
-                for k, (i, slot) in enumerate(run):
+                for _, slot in run:
                     slot.dirty = False
-                    payload = arena.view[offsets[i] : offsets[i] + length]
-                    if os.pwrite(fd, payload, slot.dpos) == length:  # then checksum it while hot
-                        table[k * HEADER_STRIDE : k * HEADER_STRIDE + HEADER_SIZE] = encode_header(
-                            ns, keys[i], payload
-                        )
+                sums = write_pages(fd, arena.view, [offsets[i] for i, _ in run], length,
+                                   [slot.dpos for _, slot in run])
+                for k, ((i, slot), checksum) in enumerate(zip(run, sums)):
+                    if checksum is not None:
+                        at = k * HEADER_STRIDE
+                        table[at:at + HEADER_SIZE] = header_for(ns, keys[i], length, checksum)
                         written[i] = slot.dirty = True
                 if os.pwrite(fd, table, first) != len(table):
                     raise OSError("short write")
@@ -546,15 +542,19 @@ class FileBackend(StorageBackend):
             fd, first = run[0][1].seg.fd, run[0][1].hpos
             try:
                 table = memoryview(os.pread(fd, len(run) * HEADER_STRIDE, first))
-                for k, (i, slot) in enumerate(run):
-                    header = table[k * HEADER_STRIDE : k * HEADER_STRIDE + HEADER_SIZE]
-                    expected = check_header(header, ns, keys[i], length)
-                    dst = arena.view[offsets[i] : offsets[i] + length]
-                    if expected is not None and os.preadv(fd, [dst], slot.dpos) == length:
-                        found[i] = payload_checksum(dst) == expected  # hot: just copied
             except OSError:
                 errors += len(run)
                 continue
+            wanted = []  # (key index, slot, payload checksum its header records)
+            for k, (i, slot) in enumerate(run):
+                header = table[k * HEADER_STRIDE : k * HEADER_STRIDE + HEADER_SIZE]
+                expected = check_header(header, ns, keys[i], length)
+                if expected is not None:
+                    wanted.append((i, slot, expected))
+            sums = read_pages(fd, arena.view, [offsets[i] for i, _, _ in wanted], length,
+                              [slot.dpos for _, slot, _ in wanted])
+            for (i, _, expected), checksum in zip(wanted, sums):
+                found[i] = checksum == expected
             bad.extend((slot, gens[i]) for i, slot in run if not found[i])
         with self._lock:
             for i, slot, gen in reversed(plan):

@@ -37,7 +37,13 @@ def payload_checksum(payload: memoryview | bytes) -> int:
 
 def encode_header(ns: bytes, key: bytes, payload: memoryview | bytes) -> bytes:
     """Return the 96-byte header for ``payload`` stored under (``ns``, ``key``)."""
-    head = _HEAD.pack(MAGIC, FORMAT_VERSION, 0, ns, key, len(payload), payload_checksum(payload))
+    return header_for(ns, key, len(payload), payload_checksum(payload))
+
+
+def header_for(ns: bytes, key: bytes, length: int, checksum: int) -> bytes:
+    """Return the 96-byte header of a ``length``-byte payload whose xxh3-64 is ``checksum``
+    (computed by the caller, e.g. while copying the payload)."""
+    head = _HEAD.pack(MAGIC, FORMAT_VERSION, 0, ns, key, length, checksum)
     return head + _U64.pack(xxhash.xxh3_64_intdigest(head))
 
 

@@ -1,0 +1,141 @@
+"""``kvtier.kernels.file_io``: checksummed page I/O, native (C, GIL released per batch) and
+pure Python, against each other and against the Python xxhash."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sysconfig
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xxhash
+from kvtier.kernels import file_io
+
+try:
+    from kvtier.kernels import _fileio  # type: ignore[attr-defined]
+except ImportError:  # the optional extension was not built
+    _fileio = None
+
+needs_native = pytest.mark.skipif(
+    _fileio is None, reason="kvtier.kernels._fileio was not built (no C compiler or no "
+    "xxhash.h when kvtier was installed; `make venv` installs libxxhash-dev)")
+
+IMPLS: list[tuple[str, Callable, Callable]] = [
+    ("python", file_io.py_write_pages, file_io.py_read_pages)]
+if _fileio is not None:
+    IMPLS.append(("native", _fileio.write_pages, _fileio.read_pages))
+
+
+@pytest.fixture
+def fd(tmp_path: Path) -> Iterator[int]:
+    f = os.open(tmp_path / "pages.bin", os.O_RDWR | os.O_CREAT, 0o600)
+    yield f
+    os.close(f)
+
+
+def noise(n: int, seed: int = 0) -> bytearray:
+    return bytearray(np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes())
+
+
+@pytest.mark.parametrize("length", [1, 7, 4096, 65537, 256 * 1024])
+@pytest.mark.parametrize("name,write,read", IMPLS, ids=[i[0] for i in IMPLS])
+def test_round_trip_checksums_equal_python_xxhash(fd: int, name: str, write: Callable,
+                                                  read: Callable, length: int) -> None:
+    src = noise(3 * length + 100, seed=length)
+    offsets = [0, 100, 2 * length + 100]
+    positions = [5 * length, 0, 9 * length + 3]
+    expected = [xxhash.xxh3_64_intdigest(bytes(src[o:o + length])) for o in offsets]
+    assert write(fd, src, offsets, length, positions) == expected
+    dst = bytearray(len(src))
+    assert read(fd, dst, offsets, length, positions) == expected
+    assert [dst[o:o + length] for o in offsets] == [src[o:o + length] for o in offsets]
+
+
+@needs_native
+def test_native_and_python_agree_on_the_same_file(fd: int) -> None:
+    src, length = noise(1 << 20, seed=7), 1 << 16
+    offsets = list(range(0, 1 << 20, length))
+    positions = [i * length for i in reversed(range(len(offsets)))]
+    assert _fileio.write_pages(fd, src, offsets, length, positions) == \
+        file_io.py_write_pages(fd, src, offsets, length, positions)
+    a, b = bytearray(len(src)), bytearray(len(src))
+    assert _fileio.read_pages(fd, a, offsets, length, positions) == \
+        file_io.py_read_pages(fd, b, offsets, length, positions)
+    assert a == b == src
+
+
+@pytest.mark.parametrize("name,write,read", IMPLS, ids=[i[0] for i in IMPLS])
+def test_a_short_read_past_the_end_is_none(fd: int, name: str, write: Callable,
+                                          read: Callable) -> None:
+    src = noise(8192)
+    assert write(fd, src, [0], 4096, [0])[0] is not None
+    dst = bytearray(8192)
+    assert read(fd, dst, [0, 4096], 4096, [0, 2048]) == [
+        xxhash.xxh3_64_intdigest(bytes(src[:4096])), None]  # only 2048 bytes left at 2048
+
+
+@pytest.mark.parametrize("name,write,read", IMPLS, ids=[i[0] for i in IMPLS])
+def test_a_closed_descriptor_fails_each_page(tmp_path: Path, name: str, write: Callable,
+                                            read: Callable) -> None:
+    f = os.open(tmp_path / "x", os.O_RDWR | os.O_CREAT, 0o600)
+    os.close(f)
+    assert write(f, bytearray(8192), [0, 4096], 4096, [0, 4096]) == [None, None]
+    assert read(f, bytearray(8192), [0], 4096, [0]) == [None]
+
+
+@pytest.mark.parametrize("name,write,read", IMPLS, ids=[i[0] for i in IMPLS])
+@pytest.mark.parametrize("offsets,length,positions,match", [
+    ([4097], 4096, [0], "offsets\\[0\\] = 4097"),
+    ([-1], 16, [0], "offsets\\[0\\] = -1"),
+    ([0], 16, [-5], "positions\\[0\\] = -5"),
+    ([0, 16], 16, [0], "2 offsets but 1 positions"),
+    ([0], 0, [0], "length = 0"),
+])
+def test_bad_arguments_raise_before_any_io(fd: int, name: str, write: Callable,
+                                           read: Callable, offsets: list[int], length: int,
+                                           positions: list[int], match: str) -> None:
+    buf = bytearray(8192)
+    for fn in (write, read):
+        with pytest.raises(ValueError, match=match):
+            fn(fd, buf, offsets, length, positions)
+    assert os.fstat(fd).st_size == 0  # nothing was written
+
+
+@needs_native
+def test_native_batch_runs_without_the_gil(fd: int) -> None:
+    # while one thread reads 256 MiB, this thread keeps running Python
+    length, n = 1 << 20, 256
+    src = bytearray(length)
+    for i in range(n):
+        os.pwrite(fd, src, i * length)
+    dst = bytearray(n * length)
+    done = threading.Event()
+    ticks = 0
+
+    def read() -> None:
+        _fileio.read_pages(fd, dst, [i * length for i in range(n)], length,
+                           [i * length for i in range(n)])
+        done.set()
+
+    t = threading.Thread(target=read)
+    t.start()
+    start = time.perf_counter()
+    while not done.is_set():
+        ticks += 1
+    elapsed = time.perf_counter() - start
+    t.join()
+    # a batch that held the GIL would leave this loop a tick per switch interval at most
+    assert ticks > 50 * max(1.0, elapsed / 0.005), (ticks, elapsed)
+
+
+def test_native_io_is_built_where_its_build_dependencies_are() -> None:
+    include = Path("/usr/include/xxhash.h")
+    if not include.exists() or shutil.which(sysconfig.get_config_var("CC").split()[0]) is None:
+        pytest.skip("no xxhash.h or no C compiler here: the pure-Python path is the one in use")
+    assert _fileio is not None, "kvtier.kernels._fileio should have been built: reinstall kvtier"
+    assert file_io.NATIVE == (os.environ.get("KVTIER_PURE_PYTHON_IO", "") in ("", "0"))
