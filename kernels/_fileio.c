@@ -30,6 +30,18 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
+/* XXH3-64 of the build's baseline vector unit (SSE2 on x86-64), or the AVX-512 / AVX2 build
+   (_xxh3_avx512.c, _xxh3_avx2.c) the CPU supports: the same function, two to three times
+   as fast on cached data. */
+typedef uint64_t (*hash_fn)(const void *, size_t);
+static uint64_t xxh3_base(const void *p, size_t n) { return (uint64_t)XXH3_64bits(p, n); }
+#if defined(__x86_64__) && defined(__GNUC__)
+uint64_t kvtier_xxh3_avx2(const void *p, size_t n);
+uint64_t kvtier_xxh3_avx512(const void *p, size_t n);
+#endif
+static hash_fn xxh3 = xxh3_base;
+static const char *xxh3_impl = "baseline";
+
 typedef struct {
     Py_ssize_t n;
     Py_ssize_t *offsets;
@@ -163,7 +175,7 @@ static PyObject *pages_io(PyObject *args, int writing) {
     for (Py_ssize_t i = 0; i < b.n; i++) {
         char *p = base + b.offsets[i];
         if (full_io(fd, p, (size_t)length, (off_t)b.positions[i], writing)) {
-            b.sums[i] = (uint64_t)XXH3_64bits(p, (size_t)length);
+            b.sums[i] = xxh3(p, (size_t)length);
             b.ok[i] = 1;
         }
     }
@@ -191,7 +203,7 @@ static PyObject *checksum(PyObject *self, PyObject *args) {
         return NULL;
     uint64_t h;
     Py_BEGIN_ALLOW_THREADS
-    h = (uint64_t)XXH3_64bits(view.buf, (size_t)view.len);
+    h = xxh3(view.buf, (size_t)view.len);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
     return PyLong_FromUnsignedLongLong((unsigned long long)h);
@@ -214,4 +226,21 @@ static struct PyModuleDef module = {
     methods,
 };
 
-PyMODINIT_FUNC PyInit__fileio(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__fileio(void) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) {
+        xxh3 = kvtier_xxh3_avx512;
+        xxh3_impl = "avx512";
+    } else if (__builtin_cpu_supports("avx2")) {
+        xxh3 = kvtier_xxh3_avx2;
+        xxh3_impl = "avx2";
+    }
+#endif
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddStringConstant(m, "HASH_IMPL", xxh3_impl) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
