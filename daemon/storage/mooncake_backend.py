@@ -174,6 +174,11 @@ class MooncakeBackend(StorageBackend):
         """Return the object key of page ``key`` in ``ns``: ``<prefix>:<ns hex>:<key hex>``."""
         return f"{self._prefix}:{ns.hex()}:{key.hex()}"
 
+    def _names(self, ns: bytes, keys: Sequence[bytes]) -> list[str]:
+        """:meth:`key_name` of each key (the namespace part built once)."""
+        head = f"{self._prefix}:{ns.hex()}:"
+        return [head + key.hex() for key in keys]
+
     async def open(self, arena: HostArena) -> None:
         """Set up the client, mount this daemon's segment and register the arena for zero-copy.
 
@@ -244,7 +249,7 @@ class MooncakeBackend(StorageBackend):
         self._check_open()
         if not keys or not self._admit():
             return 0
-        names = [self.key_name(ns, key) for key in keys]
+        names = self._names(ns, keys)
         answers: list[int] = await self._call(self._store.batch_is_exist, names)
         run = 0
         for answer in answers:
@@ -272,7 +277,7 @@ class MooncakeBackend(StorageBackend):
         if not self._admit():
             self.stats.misses += len(keys)
             return [False] * len(keys)
-        names = [self.key_name(ns, key) for key in keys]
+        names = self._names(ns, keys)
         results = await self._sub_batches(self._get_job, names, ns, keys, offsets, length)
         flags: list[bool] = []
         corrupt_names: list[str] = []
@@ -315,7 +320,7 @@ class MooncakeBackend(StorageBackend):
             return []
         if not self._admit():
             return [False] * len(keys)
-        names = [self.key_name(ns, key) for key in keys]
+        names = self._names(ns, keys)
         results = await self._sub_batches(self._put_job, names, ns, keys, offsets, length)
         flags: list[bool] = []
         fault = 0
@@ -337,7 +342,7 @@ class MooncakeBackend(StorageBackend):
         self._check_open()
         if not keys or not self._admit():
             return 0
-        names = [self.key_name(ns, key) for key in keys]
+        names = self._names(ns, keys)
         codes: list[int] = await self._call(self._store.batch_remove, names, True)
         fault = next((c for c in codes if c < 0 and c != OBJECT_NOT_FOUND), 0)
         if fault:
@@ -390,7 +395,7 @@ class MooncakeBackend(StorageBackend):
 
     def _put_job(
         self,
-        names: Sequence[str],
+        names: list[str],
         ns: bytes,
         keys: Sequence[bytes],
         offsets: Sequence[int],
@@ -400,22 +405,25 @@ class MooncakeBackend(StorageBackend):
         """Hash each slot into a scratch header, then one multi-buffer put."""
         arena, scratch = self._arena, self._scratch
         assert arena is not None and scratch is not None
-        view, sview = arena.view, scratch.view
+        base, sbase, sview = arena.address, scratch.address, scratch.view
         ptrs = []
-        for i, (key, off) in enumerate(zip(keys, offsets)):
-            at = block + i * HEADER_SIZE
-            sview[at : at + HEADER_SIZE] = _header(
-                ns, key, arena.address + off, length, view[off : off + length]
-            )
-            ptrs.append([scratch.address + at, arena.address + off])
+        at = block
+        for key, off in zip(keys, offsets):
+            if _FAST_HEADER:
+                _write_header(sview, at, ns, key, length, _checksum(arena, off, length))
+            else:
+                payload = arena.view[off : off + length]
+                sview[at : at + HEADER_SIZE] = encode_header(ns, key, payload)
+            ptrs.append([sbase + at, base + off])
+            at += HEADER_SIZE
         codes = self._store.batch_put_from_multi_buffers(
-            list(names), ptrs, [[HEADER_SIZE, length]] * len(names)
+            names, ptrs, [[HEADER_SIZE, length]] * len(ptrs)
         )
         return [(int(code), code == 0) for code in codes]
 
     def _get_job(
         self,
-        names: Sequence[str],
+        names: list[str],
         ns: bytes,
         keys: Sequence[bytes],
         offsets: Sequence[int],
@@ -425,25 +433,21 @@ class MooncakeBackend(StorageBackend):
         """One multi-buffer get into scratch headers and arena slots, then verify each."""
         arena, scratch = self._arena, self._scratch
         assert arena is not None and scratch is not None
-        view, sview = arena.view, scratch.view
-        ptrs = [
-            [scratch.address + block + i * HEADER_SIZE, arena.address + off]
-            for i, off in enumerate(offsets)
-        ]
+        base, sbase, sview = arena.address, scratch.address, scratch.view
+        ptrs = [[sbase + block + i * HEADER_SIZE, base + off] for i, off in enumerate(offsets)]
         codes = self._store.batch_get_into_multi_buffers(
-            list(names), ptrs, [[HEADER_SIZE, length]] * len(names)
+            names, ptrs, [[HEADER_SIZE, length]] * len(ptrs)
         )
+        whole = HEADER_SIZE + length
         results = []
-        for i, (key, off, code) in enumerate(zip(keys, offsets, codes)):
+        at = block
+        for key, off, code in zip(keys, offsets, codes):
             ok = False
-            if code == HEADER_SIZE + length:
-                at = block + i * HEADER_SIZE
+            if code == whole:
                 expected = check_header(sview[at : at + HEADER_SIZE], ns, key, length)
-                ok = (
-                    expected is not None
-                    and _checksum(arena.address + off, view[off : off + length]) == expected
-                )
+                ok = expected is not None and _checksum(arena, off, length) == expected
             results.append((int(code), ok))
+            at += HEADER_SIZE
         return results
 
     # -- internals ---------------------------------------------------------------------
@@ -557,7 +561,7 @@ def _load_xxh3() -> Any:
     which would stall the event loop and the other workers; the wheel's extension module
     exports the C function, and ctypes drops the GIL around foreign calls. Checked against
     :func:`payload_checksum` on a probe; ``None`` (use python-xxhash) when missing or
-    different. :func:`_header_from_sum` is likewise checked against :func:`encode_header`.
+    different. :func:`_write_header` is likewise checked against :func:`encode_header`.
     """
     try:
         import xxhash._xxhash as extension
@@ -579,34 +583,29 @@ _HEAD = struct.Struct("<4sHH32s32sQQ")
 _U64 = struct.Struct("<Q")
 
 
-def _checksum(address: int, payload: memoryview) -> int:
-    """xxh3-64 of the payload at ``address`` (GIL released when the ctypes path loaded)."""
+def _checksum(arena: HostArena, off: int, length: int) -> int:
+    """xxh3-64 of ``arena[off : off + length]`` (GIL released when the ctypes path loaded)."""
     if _XXH3 is not None:
-        return int(_XXH3(address, len(payload)))
-    return payload_checksum(payload)
+        return int(_XXH3(arena.address + off, length))
+    return payload_checksum(arena.view[off : off + length])
 
 
-def _header_from_sum(ns: bytes, key: bytes, length: int, checksum: int) -> bytes:
-    head = _HEAD.pack(MAGIC, FORMAT_VERSION, 0, ns, key, length, checksum)
-    return head + _U64.pack(payload_checksum(head))
-
-
-def _header(ns: bytes, key: bytes, address: int, length: int, payload: memoryview) -> bytes:
-    """The header of ``payload`` (at ``address``): :func:`encode_header`, hashing off the GIL."""
-    if _FAST_HEADER:
-        return _header_from_sum(ns, key, length, _checksum(address, payload))
-    return encode_header(ns, key, payload)
+def _write_header(
+    scratch: memoryview, at: int, ns: bytes, key: bytes, length: int, checksum: int
+) -> None:
+    """Write the header of a ``length``-byte payload with ``checksum`` at ``scratch[at:]``:
+    :func:`encode_header` without hashing the payload again or building bytes objects."""
+    _HEAD.pack_into(scratch, at, MAGIC, FORMAT_VERSION, 0, ns, key, length, checksum)
+    _U64.pack_into(scratch, at + _HEAD.size, payload_checksum(scratch[at : at + _HEAD.size]))
 
 
 def _fast_header_matches() -> bool:
-    """Whether :func:`_header_from_sum` still builds exactly what :func:`encode_header` does."""
-    if _XXH3 is None:
-        return False
+    """Whether :func:`_write_header` still writes exactly what :func:`encode_header` builds."""
     payload = bytes(range(200)) * 3
     ns, key = bytes(range(32)), bytes(range(32, 64))
-    return _header_from_sum(ns, key, len(payload), payload_checksum(payload)) == encode_header(
-        ns, key, payload
-    )
+    scratch = memoryview(bytearray(HEADER_SIZE + 8))
+    _write_header(scratch, 8, ns, key, len(payload), payload_checksum(payload))
+    return bytes(scratch[8:]) == encode_header(ns, key, payload)
 
 
 _FAST_HEADER = _fast_header_matches()
@@ -652,5 +651,3 @@ def _is_ip(host: str) -> bool:
 def _shutdown_then(pool: ThreadPoolExecutor, then: Callable[[], None]) -> None:
     pool.shutdown(wait=True)
     then()
-
-

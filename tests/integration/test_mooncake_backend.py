@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from kvtier.config.errors import StorageError
+from kvtier.daemon.storage import mooncake_backend
 from kvtier.daemon.storage.base import HostArena
 from kvtier.daemon.storage.mooncake_backend import MooncakeBackend
 from kvtier.daemon.storage.objects import HEADER_SIZE, encode_header
@@ -274,3 +275,31 @@ async def test_object_layout_is_header_then_payload(
         raw.close()
     assert len(value) == HEADER_SIZE + PAGE
     assert value[:HEADER_SIZE] == encode_header(NS, key(7), data) and value[HEADER_SIZE:] == data
+
+
+async def test_objects_match_without_the_ctypes_hash(
+    monkeypatch: pytest.MonkeyPatch,
+    mooncake_master: MooncakeMaster,
+    store: MooncakeBackend,
+    arena: HostArena,
+) -> None:
+    """The python-xxhash and encode_header fallbacks write and verify the same objects."""
+    keys = [key(i) for i in range(4)]
+    written = [fill(arena, s) for s in range(4)]
+    monkeypatch.setattr(mooncake_backend, "_XXH3", None)
+    monkeypatch.setattr(mooncake_backend, "_FAST_HEADER", False)
+    assert await store.put_from(NS, keys[:1], [0], PAGE) == [True]
+    monkeypatch.setattr(mooncake_backend, "_FAST_HEADER", True)
+    assert await store.put_from(NS, keys[1:2], offsets([1]), PAGE) == [True]
+    assert await store.get_into(NS, keys[:2], offsets(range(10, 12)), PAGE) == [True] * 2
+    monkeypatch.undo()
+    assert await store.put_from(NS, keys[2:], offsets(range(2, 4)), PAGE) == [True] * 2
+    assert await store.get_into(NS, keys, offsets(range(20, 24)), PAGE) == [True] * 4
+    assert [page(arena, s) for s in range(20, 24)] == written
+    raw = RawClient(mooncake_master)
+    try:
+        values = [raw.store.get(store.key_name(NS, k)) for k in keys[:3]]
+    finally:
+        raw.close()
+    assert values == [encode_header(NS, k, d) + d for k, d in zip(keys[:3], written[:3])]
+    assert store.stats.corrupt == 0 and store.stats.errors == 0
