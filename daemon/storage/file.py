@@ -75,6 +75,10 @@ _LOCK_NAME = "kvtier-file.lock"
 _SEGMENT_RE = re.compile(r"seg-(\d+)x(\d+)-(\d+)\.kvt")
 _U64 = struct.Struct("<Q")
 _ZERO_HEADER = bytes(HEADER_SIZE)
+STRIPES = 2
+"""Segments with free slots a size class grows to so that concurrent put batches write
+different files; past that, a batch shares a segment another batch is writing rather than
+create one (a fresh segment's first writes cost far more than rewrites)."""
 
 
 def payload_slot(length: int) -> int:
@@ -437,7 +441,7 @@ class FileBackend(StorageBackend):
                         done[pending.pop()] = other.ready and other.length == length
                         continue
                     slot = cls.take(mine, shared=False)
-                    if slot is None and may_grow and (
+                    if slot is None and may_grow and len(cls.free) < STRIPES and (
                             reservation := self._reserve_segment(size)):
                         break
                     if slot is None:
