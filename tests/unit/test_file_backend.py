@@ -111,6 +111,31 @@ async def test_put_then_get_returns_identical_bytes(store: FileBackend, arena: H
     assert (store.stats.gets, store.stats.misses, store.stats.corrupt) == (8, 0, 0)
 
 
+@pytest.mark.parametrize("writer", ["python", "default"])
+async def test_objects_are_the_same_with_the_pure_python_io(
+    tmp_path: Path, arena: HostArena, monkeypatch: pytest.MonkeyPatch, writer: str
+) -> None:
+    # written by one implementation of the page I/O, read by the other: same objects
+    import kvtier.daemon.storage.file as file_module
+    from kvtier.kernels import file_io
+
+    keys = [key(f"k{i}") for i in range(4)]
+    src, dst = [i * PAGE for i in range(4)], [(i + 16) * PAGE for i in range(4)]
+    payloads = fill(arena, src, PAGE, seed=9)
+    if writer == "python":
+        monkeypatch.setattr(file_module, "write_pages", file_io.py_write_pages)
+    store = await opened(tmp_path / "l3", arena)
+    assert await store.put_from(NS, keys, src, PAGE) == [True] * 4
+    await store.close()
+    monkeypatch.setattr(file_module, "write_pages", file_io.write_pages)
+    if writer == "default":
+        monkeypatch.setattr(file_module, "read_pages", file_io.py_read_pages)
+    store = await opened(tmp_path / "l3", arena)
+    assert await store.get_into(NS, keys, dst, PAGE) == [True] * 4
+    assert [bytes(arena.view[o : o + PAGE]) for o in dst] == payloads
+    await store.close()
+
+
 async def test_exists_is_the_leading_run(store: FileBackend, arena: HostArena) -> None:
     keys = [key(f"k{i}") for i in range(3)]
     fill(arena, [0, PAGE, 2 * PAGE], PAGE)
