@@ -179,6 +179,7 @@ class L3Writer:
         picked: dict[tuple[bytes, int, int], list[tuple[bytes, int]]] = {}
         seen: set[int] = set()
         link, queued = self.pool.chain_link, self._queued
+        groups: dict[tuple[int, int], list[tuple[bytes, int]] | None] = {}  # by (ns_id, class)
         for leaf in self.pool.evictable_slots():
             if budget <= 0:
                 break
@@ -193,12 +194,15 @@ class L3Writer:
                 slot = parent
             budget -= len(chain)
             for slot, key, ns_id, class_id in reversed(chain) if pinned else chain:
-                ns = self.tier.namespace_of(ns_id)
-                if ns is None:  # a page no session has named here: it cannot be written
+                group = groups.get((ns_id, class_id))
+                if group is None:
+                    ns = self.tier.namespace_of(ns_id)
+                    group = groups[(ns_id, class_id)] = None if ns is None else \
+                        picked.setdefault((ns, ns_id, self.tier.page_bytes_of(class_id)), [])
+                if group is None:  # a page no session has named here: it cannot be written
                     self.pool.mark_in_l3([slot])
                     continue
-                page_bytes = self.tier.page_bytes_of(class_id)
-                picked.setdefault((ns, ns_id, page_bytes), []).append((key, slot))
+                group.append((key, slot))
         return sum(self._enqueue(ns, ns_id, [k for k, _ in pages], pb, pinned=pinned,
                                  bound=window is not None, slots=[s for _, s in pages])
                    for (ns, ns_id, pb), pages in picked.items())
