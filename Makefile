@@ -58,6 +58,8 @@ bench: venv sysdeps
 	$(VENV)/bin/kvtier bench l2 --json bench/results/l2.json
 	$(VENV)/bin/kvtier bench e2e --json bench/results/e2e.json
 	$(VENV)/bin/kvtier bench l3 --backend file --json bench/results/l3_file.json
+	$(VENV)/bin/kvtier bench l3 --backend redis --json bench/results/l3_redis.json
+	$(VENV)/bin/kvtier bench l3 --backend mooncake --json bench/results/l3_mooncake.json
 	$(VENV)/bin/kvtier bench restart --json bench/results/restart.json
 
 lint: venv
