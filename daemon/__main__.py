@@ -11,12 +11,6 @@ import sys
 from kvtier.config import ConfigError, DaemonConfig, KvtierError
 from kvtier.config.loader import add_config_flags, flags_to_dict, load_config
 
-GIL_SWITCH_INTERVAL_S = 0.0002
-"""How long a thread that wants the GIL waits before the holder is asked to let go (Python's
-default: 5 ms). The copy and L3 I/O threads hold the GIL only to start and finish a batch
-(the copies run without it); with the default they could wait up to 5 ms behind the event
-loop at each end of every batch, which left the I/O threads idle much of the time."""
-
 
 def build_parser(prog: str = "kvtierd") -> argparse.ArgumentParser:
     """Return the argument parser of ``kvtierd`` / ``kvtier serve``."""
@@ -45,8 +39,6 @@ def run(cfg: DaemonConfig, reload=None) -> int:
     import uvloop
 
     from kvtier.daemon.server import Daemon, install_signal_handlers
-
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
 
     async def main() -> None:
         daemon = Daemon(cfg, reload=reload)
