@@ -391,15 +391,19 @@ class FileBackend(StorageBackend):
         return await asyncio.to_thread(guarded)
 
     async def exists(self, ns: bytes, keys: Sequence[bytes]) -> int:
-        """Return the length of the leading run of ``keys`` in the index (no I/O)."""
-        with self._lock:
-            if self._closed:
-                return 0
-            for run, key in enumerate(keys):
-                slot = self._index.get((ns, key))
-                if slot is None or not slot.ready:
-                    return run
-            return len(keys)
+        """Return the length of the leading run of ``keys`` in the index (no I/O).
+
+        Runs on the event loop without the lock, which a put batch's thread holds while it
+        plans: single dict look-ups are atomic, and an object a batch is writing meanwhile
+        is not ready yet, so it reads as absent, as it would a moment earlier."""
+        if self._closed:
+            return 0
+        index = self._index
+        for run, key in enumerate(keys):
+            slot = index.get((ns, key))
+            if slot is None or not slot.ready:
+                return run
+        return len(keys)
 
     async def put_from(
         self, ns: bytes, keys: Sequence[bytes], offsets: Sequence[int], length: int
