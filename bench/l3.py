@@ -69,6 +69,17 @@ def _shm_arena(size: int) -> tuple[mmap.mmap, HostArena]:
     return mm, HostArena(view=memoryview(mm), address=0, size=size)
 
 
+def _settle(raw: int, store: Path) -> None:
+    """Flush the raw file and the store's segment files to disk (untimed, between rounds)."""
+    os.fsync(raw)
+    for segment in store.glob("seg-*.kvt"):
+        fd = os.open(segment, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def _median_gbps(seconds: list[float], nbytes: int) -> float:
     return nbytes / statistics.median(seconds) / 1e9
 
@@ -108,13 +119,7 @@ async def _bench(
                 raise RuntimeError(f"get_into missed pages (stats: {backend.stats})")
 
         def settle() -> None:  # neither side starts behind dirty pages of the previous round
-            os.fsync(raw)
-            for segment in store_path.glob("seg-*.kvt"):
-                fd = os.open(segment, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+            _settle(raw, store_path)
 
         Step = Callable[[list[bytes], list[int]], Coroutine[Any, Any, None]]
 
@@ -241,13 +246,7 @@ def _daemon_bench(path: Path, pages: int, page_bytes: int, repeats: int) -> dict
                 raise RuntimeError(f"flush {tier} refused: {refused}")
 
         def settle() -> None:  # no side starts behind the other's dirty pages
-            os.fsync(raw)
-            for segment in store_dir.glob("seg-*.kvt"):
-                fd = os.open(segment, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+            _settle(raw, store_dir)
 
         def store_all() -> None:
             handles = [conn.store(keys[i:i + DAEMON_BATCH],

@@ -60,30 +60,27 @@ def _full(fn: Callable[[memoryview, int], int], page: memoryview, pos: int) -> b
     return True
 
 
-def py_write_pages(fd: int, buf: Buffer, offsets: Sequence[int], length: int,
-                   positions: Sequence[int]) -> list[int | None]:
-    """The pure-Python :func:`write_pages` (same results, the GIL taken page by page)."""
+def _pages(fd: int, buf: Buffer, offsets: Sequence[int], length: int,
+           positions: Sequence[int], io: Callable[[memoryview, int], int]) -> list[int | None]:
     _check(buf, offsets, length, positions)
     view = memoryview(buf).cast("B")
     sums: list[int | None] = []
     for off, pos in zip(offsets, positions):
         page = view[off:off + length]
-        ok = _full(lambda b, p: os.pwrite(fd, b, p), page, pos)
-        sums.append(xxhash.xxh3_64_intdigest(page) if ok else None)
+        sums.append(xxhash.xxh3_64_intdigest(page) if _full(io, page, pos) else None)
     return sums
+
+
+def py_write_pages(fd: int, buf: Buffer, offsets: Sequence[int], length: int,
+                   positions: Sequence[int]) -> list[int | None]:
+    """The pure-Python :func:`write_pages` (same results, the GIL taken page by page)."""
+    return _pages(fd, buf, offsets, length, positions, lambda b, p: os.pwrite(fd, b, p))
 
 
 def py_read_pages(fd: int, buf: Buffer, offsets: Sequence[int], length: int,
                   positions: Sequence[int]) -> list[int | None]:
     """The pure-Python :func:`read_pages` (same results, the GIL taken page by page)."""
-    _check(buf, offsets, length, positions)
-    view = memoryview(buf).cast("B")
-    sums: list[int | None] = []
-    for off, pos in zip(offsets, positions):
-        page = view[off:off + length]
-        ok = _full(lambda b, p: os.preadv(fd, [b], p), page, pos)
-        sums.append(xxhash.xxh3_64_intdigest(page) if ok else None)
-    return sums
+    return _pages(fd, buf, offsets, length, positions, lambda b, p: os.preadv(fd, [b], p))
 
 
 def _native() -> tuple[PagesIO, PagesIO] | None:

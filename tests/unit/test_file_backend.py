@@ -384,19 +384,27 @@ class _HeldFileBackend(FileBackend):
         return super()._write(*args)
 
 
-async def test_a_put_batch_writes_another_segment_than_one_in_flight(
-    tmp_path: Path, arena: HostArena
-) -> None:
-    # two batches writing one file would serialize on its inode lock
-    store = _HeldFileBackend({"path": str(tmp_path / "l3"), "capacity": 4 * segment_size(4),
+async def _second_batch_while_the_first_writes(path: Path, arena: HostArena,
+                                                capacity: int) -> _HeldFileBackend:
+    """Open a store of ``capacity`` (segments of 4 slots); put a0, a1 and, while that batch
+    is held inside its writes, b0, b1; both must succeed."""
+    store = _HeldFileBackend({"path": str(path), "capacity": capacity,
                               "segment_bytes": segment_size(4)})
     await store.open(arena)
-    fill(arena, [i * PAGE for i in range(6)], PAGE, seed=5)
     first = asyncio.ensure_future(store.put_from(NS, [key("a0"), key("a1")], [0, PAGE], PAGE))
     assert await asyncio.to_thread(store.writing.wait, 10)
     second = await store.put_from(NS, [key("b0"), key("b1")], [2 * PAGE, 3 * PAGE], PAGE)
     store.release.set()
     assert second == [True, True] and await first == [True, True]
+    return store
+
+
+async def test_a_put_batch_writes_another_segment_than_one_in_flight(
+    tmp_path: Path, arena: HostArena
+) -> None:
+    # two batches writing one file would serialize on its inode lock
+    fill(arena, [i * PAGE for i in range(6)], PAGE, seed=5)
+    store = await _second_batch_while_the_first_writes(tmp_path / "l3", arena, 4 * segment_size(4))
     assert len(segment_files(tmp_path / "l3")) == 2  # the second batch grew its own segment
     third = await store.put_from(NS, [key("c0"), key("c1")], [4 * PAGE, 5 * PAGE], PAGE)
     assert third == [True, True]
@@ -412,15 +420,8 @@ async def test_a_put_batch_writes_another_segment_than_one_in_flight(
 async def test_a_put_batch_shares_a_segment_when_no_other_can_grow(
     tmp_path: Path, arena: HostArena
 ) -> None:
-    store = _HeldFileBackend({"path": str(tmp_path / "l3"), "capacity": segment_size(4),
-                              "segment_bytes": segment_size(4)})
-    await store.open(arena)
     fill(arena, [i * PAGE for i in range(4)], PAGE, seed=6)
-    first = asyncio.ensure_future(store.put_from(NS, [key("a0"), key("a1")], [0, PAGE], PAGE))
-    assert await asyncio.to_thread(store.writing.wait, 10)
-    second = await store.put_from(NS, [key("b0"), key("b1")], [2 * PAGE, 3 * PAGE], PAGE)
-    store.release.set()
-    assert second == [True, True] and await first == [True, True]
+    store = await _second_batch_while_the_first_writes(tmp_path / "l3", arena, segment_size(4))
     assert len(segment_files(tmp_path / "l3")) == 1
     await store.close()
 
