@@ -194,11 +194,11 @@ class L3Writer:
                 slot = parent
             budget -= len(chain)
             for slot, key, ns_id, class_id in reversed(chain) if pinned else chain:
-                group = groups.get((ns_id, class_id))
-                if group is None:
+                if (ns_id, class_id) not in groups:
                     ns = self.tier.namespace_of(ns_id)
-                    group = groups[(ns_id, class_id)] = None if ns is None else \
-                        picked.setdefault((ns, ns_id, self.tier.page_bytes_of(class_id)), [])
+                    groups[(ns_id, class_id)] = None if ns is None else picked.setdefault(
+                        (ns, ns_id, self.tier.page_bytes_of(class_id)), [])
+                group = groups[(ns_id, class_id)]
                 if group is None:  # a page no session has named here: it cannot be written
                     self.pool.mark_in_l3([slot])
                     continue
