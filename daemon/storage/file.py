@@ -448,15 +448,8 @@ class FileBackend(StorageBackend):
                     if slot is None and may_grow and len(cls.free) < STRIPES and (
                             reservation := self._reserve_segment(size)):
                         break
+                    slot = slot or cls.take(mine, shared=True) or self._evict(cls, batch)
                     if slot is None:
-                        slot = cls.take(mine, shared=True)
-                    if slot is not None:
-                        pass
-                    elif cls.lru and next(iter(cls.lru)).ident not in batch:
-                        slot, _ = cls.lru.popitem(last=False)
-                        del self._index[slot.ident]  # type: ignore[arg-type]
-                        self.evictions += 1
-                    else:
                         pending.clear()  # full: refuse the tail rather than evict its prefix
                         break
                     if slot.seg is not mine:
@@ -491,6 +484,16 @@ class FileBackend(StorageBackend):
                 elif done[i] and (slot := self._index.get((ns, keys[i]))) and slot.ready:
                     cls.lru.move_to_end(slot)
         return done
+
+    def _evict(self, cls: _SizeClass, batch: set[tuple[bytes, bytes]]) -> _Slot | None:
+        """Under the lock: free the coldest object of ``cls`` and return its slot; None when
+        there is none, or when it belongs to ``batch`` (a batch never evicts its own keys)."""
+        if not cls.lru or next(iter(cls.lru)).ident in batch:
+            return None
+        slot, _ = cls.lru.popitem(last=False)
+        del self._index[slot.ident]  # type: ignore[arg-type]
+        self.evictions += 1
+        return slot
 
     def _write(self, arena: HostArena, ns: bytes, keys: Sequence[bytes], offsets: Sequence[int],
                length: int, plan: list[tuple[int, _Slot]]) -> dict[int, bool]:
