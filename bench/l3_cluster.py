@@ -2,7 +2,8 @@
 
 For ``redis`` and ``mooncake`` the bench starts its own server on loopback (redis-server,
 or mooncake_master with its HTTP metadata server), opens the kvtier backend on an arena of
-``2 × pages × page_bytes`` (sources, then destinations) and times, per repeat:
+``2 × pages`` slots laid out as kvtierd's host pool lays them out (each page preceded by the
+slot's headroom; sources, then destinations) and times, per repeat:
 
     direct put   the same library, same batches, payload only
     kvtier put   backend.put_from: header + checksum + payload
@@ -51,8 +52,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mappin
 from pathlib import Path
 from typing import Any, Literal
 
+from kvtier.daemon.pool_meta import HEADROOM_ALIGN, round_up
 from kvtier.daemon.storage.base import HostArena, StorageBackend
-from kvtier.daemon.storage.factory import create_backend
+from kvtier.daemon.storage.factory import create_backend, slot_headroom
 
 __all__ = ["main", "print_table", "run_cluster_bench"]
 
@@ -140,14 +142,15 @@ async def _bench(
     options: dict[str, Any],
     placement: str,
 ) -> dict[str, Any]:
-    size = 2 * pages * page_bytes
+    stride, headroom = _slot_stride(backend, page_bytes)
+    size = 2 * pages * stride
     memory = mmap.mmap(-1, size)
     anchor = ctypes.c_char.from_buffer(memory)
     view = memoryview(memory)
     try:
-        view[: pages * page_bytes] = os.urandom(pages * page_bytes)
-        view[pages * page_bytes :] = bytes(pages * page_bytes)  # pre-fault the destinations
-        arena = HostArena(view, ctypes.addressof(anchor), size)
+        view[: pages * stride] = os.urandom(pages * stride)
+        view[pages * stride :] = bytes(pages * stride)  # pre-fault the destinations
+        arena = HostArena(view, ctypes.addressof(anchor), size, headroom=headroom)
         async with _server_backend(
             backend, pages * (page_bytes + 4096), options, placement
         ) as store:
@@ -163,6 +166,13 @@ async def _bench(
         memory.close()
 
 
+def _slot_stride(backend: str, page_bytes: int) -> tuple[int, int]:
+    """``(stride, headroom)`` of one arena slot as the host pool of a kvtierd configured
+    with ``backend`` lays it out: the slot's headroom (if any), then the page."""
+    headroom = slot_headroom(backend)
+    return headroom + round_up(page_bytes, HEADROOM_ALIGN if headroom else 4096), headroom
+
+
 async def _passes(
     backend: str,
     store: StorageBackend,
@@ -172,8 +182,9 @@ async def _passes(
     batch: int,
     repeats: int,
 ) -> dict[str, Any]:
-    src = [i * page_bytes for i in range(pages)]
-    dst = [(pages + i) * page_bytes for i in range(pages)]
+    stride, _ = _slot_stride(backend, page_bytes)
+    src = [i * stride + arena.headroom for i in range(pages)]
+    dst = [(pages + i) * stride + arena.headroom for i in range(pages)]
     spans = [(a, min(a + batch, pages)) for a in range(0, pages, batch)]
     direct = _direct_ops(backend, store, arena, page_bytes)
     samples: dict[str, list[float]] = {k: [] for k in ("put", "get", "direct_put", "direct_get")}
@@ -201,13 +212,14 @@ async def _passes(
             order = [order[1], order[0], order[3], order[2]]
         for label in order:
             if label == "get":
-                arena.view[pages * page_bytes :] = bytes(pages * page_bytes)
+                arena.view[pages * stride :] = bytes(pages * stride)
             start = time.perf_counter()
             await run_op(label, ns, keys)
             elapsed = time.perf_counter() - start
             if rep:
                 samples[label].append(total / elapsed / 1e9)
-        if arena.view[pages * page_bytes :] != arena.view[: pages * page_bytes]:
+        if any(arena.view[d : d + page_bytes] != arena.view[o : o + page_bytes]
+               for o, d in zip(src, dst)):
             raise RuntimeError(f"{backend}: pages read back differ from pages written")
         start = time.perf_counter()
         run = await store.exists(ns, keys)

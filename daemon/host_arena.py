@@ -14,6 +14,12 @@ rounded up to ``align``). Every extent reserves ``per_extent`` global slot ids::
 
     slot id = extent * M + i          offset = extent * extent_bytes + i * stride
 
+In a pool with slot headroom (``H`` bytes, see :class:`~kvtier.daemon.pool_meta.PoolLayout`),
+each slot is ``H`` bytes of headroom then the payload, and extents lie ``span =
+extent_bytes + M * H`` apart, so a class cuts as many slots from an extent as without::
+
+    offset = extent * span + i * (H + round_up(page_bytes, align)) + H
+
 A free slot of a class is taken from, in order: the class's free list (an intrusive
 doubly linked list through :attr:`SlotAllocator.prev` / ``next``), a fresh slot
 of the extent the class is cutting (ascending offsets, so consecutive allocations are
@@ -44,7 +50,7 @@ class PageClass:
 
     Attributes:
         page_bytes: page size the class was registered with.
-        stride: slot size (``page_bytes`` rounded up to the alignment).
+        stride: slot size (the headroom, then ``page_bytes`` rounded up to the alignment).
         n: slots the class cuts from one extent.
         free: head of the free list (lowest slot first after a rebuild), or NIL.
         bump: extent being cut into fresh slots in ascending order, or NIL.
@@ -127,7 +133,10 @@ class SlotAllocator:
     """
 
     def __init__(self, layout: PoolLayout, ext_bytes: memoryview) -> None:
+        self.layout = layout
         self.extent_bytes = layout.extent_bytes
+        self.span = layout.span
+        self.headroom = layout.headroom
         self.align = layout.align
         self.per_extent = layout.per_extent
         self.n_extents = layout.n_extents
@@ -153,14 +162,15 @@ class SlotAllocator:
             return cid
         if page_bytes <= 0:
             raise HostPoolError(f"page_bytes must be positive, got {page_bytes}")
-        stride = round_up(page_bytes, self.align)
-        if stride > self.extent_bytes:
+        payload = round_up(page_bytes, self.align)
+        if payload > self.extent_bytes:
             raise HostPoolError(
-                f"page_bytes={page_bytes} (stride {stride}) exceeds extent_bytes={self.extent_bytes}"
+                f"page_bytes={page_bytes} (rounded up to {payload}) exceeds "
+                f"extent_bytes={self.extent_bytes}"
             )
         cid = len(self.classes)
-        self.classes.append(PageClass(page_bytes, stride, min(self.extent_bytes // stride,
-                                                              self.per_extent)))  # fmt: skip
+        self.classes.append(PageClass(page_bytes, self.layout.stride_of(page_bytes),
+                                      min(self.extent_bytes // payload, self.per_extent)))
         self.class_of_bytes[page_bytes] = cid
         return cid
 
@@ -170,7 +180,8 @@ class SlotAllocator:
             raise HostPoolError(f"unknown page class {class_id}")
 
     def slot_offset(self, slot: int) -> int:
-        """Return the byte offset of ``slot`` in the arena.
+        """Return the byte offset of ``slot``'s payload in the arena (in a pool with
+        headroom, the slot's ``headroom`` bytes lie right before it).
 
         Raises:
             HostPoolError: the slot id is out of range or its extent has no class.
@@ -181,7 +192,8 @@ class SlotAllocator:
         cid = self.ext_class[e]
         if cid == NIL:
             raise HostPoolError(f"slot {slot} lies in extent {e}, which is not allocated")
-        return e * self.extent_bytes + (slot - e * self.per_extent) * self.classes[cid].stride
+        return (e * self.span + (slot - e * self.per_extent) * self.classes[cid].stride
+                + self.headroom)
 
     def take(self, cid: int) -> int:
         """Hand out a free slot of ``cid`` (free list, fresh slot, free extent), or NIL."""

@@ -103,13 +103,18 @@ class HostPool:
     persists); :meth:`adopt` moves it onto persistent metadata and adopts what it holds.
 
     Args:
-        capacity_bytes: arena size; ``capacity_bytes // extent_bytes`` extents are used.
-        extent_bytes: size of one extent, a multiple of ``align``.
+        capacity_bytes: arena size; ``capacity_bytes // layout.span`` extents are used
+            (``span`` is ``extent_bytes`` without headroom).
+        extent_bytes: payload bytes of one extent, a multiple of ``align``.
         align: slot alignment, a power of two; strides are multiples of it.
         min_page_bytes: smallest page size expected. Metadata (about 88 persistent and
             44 private bytes per id) is sized for ``extent_bytes // round_up(min_page_bytes,
             align)`` slots per extent; None means pages of ``align`` bytes. A class with
             smaller pages still works but uses only that many slots of each extent.
+        headroom: bytes every slot keeps before its payload, for an L3 backend's object
+            header (0: none; else a multiple of ``align`` of at least ``SLOT_HEADROOM``).
+            Extents grow by ``headroom`` per slot id, so a class cuts as many pages from
+            one as without (see :class:`PoolLayout`).
         max_evicted_log: evictions kept for :meth:`drain_evicted`; more are counted only.
 
     Raises:
@@ -124,8 +129,10 @@ class HostPool:
         *,
         min_page_bytes: int | None = None,
         max_evicted_log: int = 65536,
+        headroom: int = 0,
     ) -> None:
-        layout = PoolLayout.plan(capacity_bytes, extent_bytes, align, min_page_bytes)
+        layout = PoolLayout.plan(capacity_bytes, extent_bytes, align, min_page_bytes,
+                                 headroom=headroom)
         meta = PoolMeta(bytearray(layout.meta_bytes), layout)
         meta.format(zero=False)
         self.evict_requires_l3 = False  # write-back hook: evict only pages marked in L3
@@ -179,7 +186,7 @@ class HostPool:
               classes: Sequence[int]) -> AdoptResult:  # fmt: skip
         """Check, then format or adopt ``pm``, and rebuild this pool over it."""
         t0 = time.perf_counter()
-        need = pm.layout.n_extents * pm.layout.extent_bytes
+        need = pm.layout.n_extents * pm.layout.span
         if arena is not None:
             with memoryview(arena) as view:
                 nbytes = view.nbytes
@@ -294,7 +301,9 @@ class HostPool:
         return self._classes[class_id].stride
 
     def slot_offset(self, slot: int) -> int:
-        """Return the byte offset of ``slot`` in the arena.
+        """Return the byte offset of ``slot``'s payload in the arena (a multiple of
+        ``align``; in a pool with headroom, the ``layout.headroom`` bytes before it belong
+        to the slot too).
 
         Raises:
             HostPoolError: the slot id is out of range or its extent has no class.

@@ -8,7 +8,7 @@ the bytes it describes cannot get out of step (removed, resized or replaced sepa
     0        4 KiB             ext_off        slot columns (64-byte aligned)    meta_bytes
     +--------+-----------------+--------------+---------------------------------+---------- - -
     | header | id tables       | extent table | stamp checksum seal ns owner    | arena:
-    | 96 B   | ns: cap x 32 B  | n_extents x  | length (8 B each), parent (4),  | capacity_bytes;
+    | 104 B  | ns: cap x 32 B  | n_extents x  | length (8 B each), parent (4),  | capacity_bytes;
     |        | owners: cap x 32| page bytes   | key (32), state in_l3 key_len   | slot offsets are
     |        | + used flags    | (0 = free)   | flags (1 each) = 88 B per slot  | relative to here
     +--------+-----------------+--------------+---------------------------------+---------- - -
@@ -16,8 +16,8 @@ the bytes it describes cannot get out of step (removed, resized or replaced sepa
 ``meta_bytes`` is rounded up to 2 MiB (or to ``align`` when larger), so the arena keeps
 every alignment the allocator promises. The header holds a magic, the format version,
 the geometry (capacity, extent size, alignment, slot ids per extent, extents, slots, key
-bytes, id-table capacity, metadata size), an xxh3 checksum of those, and a generation
-counter that each adoption increments (outside the checksum, so bumping it can never
+bytes, id-table capacity, metadata size, slot headroom), an xxh3 checksum of those, and
+a generation counter that each adoption increments (outside the checksum, so bumping it can never
 corrupt the header).
 
 Crash safety comes from write order alone, since a killed process loses no store it
@@ -54,8 +54,9 @@ from kvtier.ipc.shm import SharedMemorySegment
 MAGIC = b"KVTPOOL\x00"
 """First eight bytes of every pool file."""
 
-FORMAT_VERSION = 1
-"""Version of this layout; any other version is discarded, never read."""
+FORMAT_VERSION = 2
+"""Version of this layout; any other version is discarded, never read (version 2 added
+the slot headroom to the header)."""
 
 KEY_BYTES = 32
 """Bytes reserved per page key (keys are SHA-256 digests; shorter keys are allowed)."""
@@ -69,6 +70,20 @@ ID_CAPACITY = 4096
 HEADER_REGION = 4096
 """Bytes reserved for the header at the start of the file."""
 
+SLOT_HEADROOM = 128
+"""Headroom of a slot in a pool built with headroom: the bytes right before each page's
+payload that belong to the slot (see :class:`PoolLayout`). Nothing but the slot's holder
+touches them; an L3 backend may write the page's object header (96 bytes) there while it
+holds the page, so that header and payload move as one contiguous buffer."""
+
+HEADROOM_ALIGN = SLOT_HEADROOM
+"""Slot alignment of a daemon pool with headroom: payloads start on 128-byte boundaries
+(whole cache lines), so a headroom costs 128 bytes a slot rather than a 4 KiB page."""
+
+HEADROOM_MIN_PAGE_BYTES = 4096
+"""Smallest page a daemon pool with headroom sizes its slot ids (and so its extents'
+slack) for: ``extent_bytes // 4096`` ids per extent, as a pool without headroom has."""
+
 META_ROUND = 2 << 20
 """The metadata region is rounded up to this (or to ``align`` when larger)."""
 
@@ -81,8 +96,9 @@ NIL = -1
 _MASK64 = (1 << 64) - 1
 
 # magic, version, header size, capacity, extent, align, slot ids per extent, extents,
-# slots, key bytes, id capacity, meta bytes; then the checksum of those; then generation.
-_HEADER = struct.Struct("<8sIIQQQQQQIIQ")
+# slots, key bytes, id capacity, meta bytes, headroom; then the checksum of those; then
+# the generation.
+_HEADER = struct.Struct("<8sIIQQQQQQIIQQ")
 _SUM = struct.Struct("<Q")
 _SUM_OFF = _HEADER.size
 _GEN_OFF = _SUM_OFF + 8
@@ -170,10 +186,23 @@ class PoolLayout:
 
     Build with :meth:`plan`. All offsets are from the start of the file.
 
+    A pool with ``headroom`` gives every slot that many bytes before its payload. So
+    that the headroom never costs a page (a 2 MiB page would no longer fit an extent
+    twice), extents are spaced :attr:`span` apart: ``extent_bytes`` for the payloads plus
+    ``per_extent * headroom`` of slack for the headrooms::
+
+        extent e (span = extent_bytes + per_extent * headroom)
+        | h | page 0 | pad | h | page 1 | pad | ... | h | page n-1 | pad | (unused slack)
+        ^ e * span  ^ slot_offset(slot 0) = e * span + h, a multiple of align
+
+    A slot of a ``page_bytes`` class is :meth:`stride_of` bytes; a class still cuts
+    ``extent_bytes // round_up(page_bytes, align)`` slots from an extent (at most
+    ``per_extent``), headroom or not.
+
     Attributes:
-        capacity_bytes: arena size asked for; ``n_extents * extent_bytes`` of it is used.
-        extent_bytes: size of one extent.
-        align: slot alignment (a power of two).
+        capacity_bytes: arena size asked for; ``n_extents * span`` of it is used.
+        extent_bytes: payload bytes of one extent.
+        align: slot alignment (a power of two); every payload offset is a multiple of it.
         per_extent: slot ids every extent reserves.
         n_extents / n_slots: extents and slot ids of the arena.
         id_capacity: entries of each id table.
@@ -181,6 +210,8 @@ class PoolLayout:
         ext_off: start of the extent table (int64 page bytes per extent).
         columns: ``(name, format, offset)`` of each per-slot column.
         meta_bytes: size of the metadata region; the arena starts here.
+        headroom: bytes of each slot before its payload (0: none, else a multiple of
+            ``align`` of at least :data:`SLOT_HEADROOM`).
     """
 
     capacity_bytes: int
@@ -194,6 +225,7 @@ class PoolLayout:
     ext_off: int
     columns: tuple[tuple[str, str, int], ...]
     meta_bytes: int
+    headroom: int = 0
 
     @classmethod
     def plan(
@@ -203,17 +235,20 @@ class PoolLayout:
         align: int = 4096,
         min_page_bytes: int | None = None,
         id_capacity: int = ID_CAPACITY,
+        headroom: int = 0,
     ) -> PoolLayout:
         """Check a geometry and lay its metadata out.
 
         Args:
-            capacity_bytes: arena size; ``capacity_bytes // extent_bytes`` extents are used.
-            extent_bytes: size of one extent, a multiple of ``align``.
+            capacity_bytes: arena size; ``capacity_bytes // span`` extents are used.
+            extent_bytes: payload bytes of one extent, a multiple of ``align``.
             align: slot alignment, a power of two.
             min_page_bytes: smallest page size expected; sizes the slot id space
                 (``extent_bytes // round_up(min_page_bytes, align)`` ids per extent).
                 None means pages of ``align`` bytes.
             id_capacity: entries of each id table (namespaces, owners).
+            headroom: bytes each slot keeps before its payload: 0, or a multiple of
+                ``align`` of at least :data:`SLOT_HEADROOM`.
 
         Raises:
             HostPoolError: the geometry is invalid or the arena holds no extent.
@@ -222,15 +257,20 @@ class PoolLayout:
             raise HostPoolError(f"align must be a power of two, got {align}")
         if extent_bytes <= 0 or extent_bytes % align:
             raise HostPoolError(f"extent_bytes={extent_bytes} is not a multiple of {align}")
-        n_extents = capacity_bytes // extent_bytes
-        if n_extents < 1:
-            raise HostPoolError(f"capacity_bytes={capacity_bytes} holds no {extent_bytes}B extent")
+        if headroom and (headroom < SLOT_HEADROOM or headroom % align):
+            raise HostPoolError(f"headroom must be 0 or a multiple of align={align} of at "
+                                f"least {SLOT_HEADROOM}, got {headroom}")  # fmt: skip
         min_stride = round_up(max(1, min_page_bytes or align), align)
         if min_stride > extent_bytes:
             raise HostPoolError(f"min_page_bytes={min_page_bytes} exceeds extent_bytes")
         if id_capacity < 1:
             raise HostPoolError(f"id_capacity must be >= 1, got {id_capacity}")
         per_extent = extent_bytes // min_stride
+        span = extent_bytes + per_extent * headroom
+        n_extents = capacity_bytes // span
+        if n_extents < 1:
+            raise HostPoolError(f"capacity_bytes={capacity_bytes} holds no {extent_bytes}B extent"
+                                + (f" ({span}B with its slots' headroom)" if headroom else ""))
         n_slots = n_extents * per_extent
         if n_slots >= 2**31:
             raise HostPoolError(f"{n_slots} slot ids exceed 2**31; raise min_page_bytes")
@@ -243,7 +283,19 @@ class PoolLayout:
             off = round_up(off + size * n_slots, 64)
         meta_bytes = round_up(off, max(META_ROUND, align))
         return cls(capacity_bytes, extent_bytes, align, per_extent, n_extents, n_slots,
-                   id_capacity, ids_off, ext_off, tuple(columns), meta_bytes)  # fmt: skip
+                   id_capacity, ids_off, ext_off, tuple(columns), meta_bytes,
+                   headroom)  # fmt: skip
+
+    @property
+    def span(self) -> int:
+        """Distance between the starts of two extents: ``extent_bytes`` plus the slack
+        for ``per_extent`` headrooms."""
+        return self.extent_bytes + self.per_extent * self.headroom
+
+    def stride_of(self, page_bytes: int) -> int:
+        """Slot size of ``page_bytes`` pages: the headroom, then the payload rounded up
+        to ``align``."""
+        return self.headroom + round_up(page_bytes, self.align)
 
     @property
     def arena_offset(self) -> int:
@@ -260,7 +312,7 @@ class PoolLayout:
         fixed = _HEADER.pack(
             MAGIC, FORMAT_VERSION, HEADER_BYTES, self.capacity_bytes, self.extent_bytes,
             self.align, self.per_extent, self.n_extents, self.n_slots, KEY_BYTES,
-            self.id_capacity, self.meta_bytes,
+            self.id_capacity, self.meta_bytes, self.headroom,
         )  # fmt: skip
         return fixed + _SUM.pack(xxhash.xxh3_64_intdigest(fixed)) + _SUM.pack(generation)
 
@@ -285,7 +337,7 @@ class PoolLayout:
         ours = _HEADER.unpack_from(self.header(0))
         names = ("magic", "version", "header_bytes", "capacity_bytes", "extent_bytes",
                  "align", "slot ids per extent", "extents", "slots", "key_bytes",
-                 "id_capacity", "meta_bytes")  # fmt: skip
+                 "id_capacity", "meta_bytes", "headroom")  # fmt: skip
         diffs = [f"{n} {old} -> {new}" for n, old, new in zip(names, fields, ours) if old != new]
         return "geometry changed: " + ", ".join(diffs) if diffs else None
 
@@ -349,7 +401,8 @@ class ClassStats:
     Attributes:
         class_id: id from :meth:`HostPool.register_class`.
         page_bytes: page size the class was registered with.
-        stride: slot size (``page_bytes`` rounded up to the alignment).
+        stride: slot size (the slot headroom, if any, then ``page_bytes`` rounded up to the
+            alignment).
         slots_per_extent: slots the class cuts from one extent.
         extents: extents the class holds.
         pages_ready: READY pages of the class.
@@ -620,14 +673,14 @@ class PoolMeta:
         if arena is not None:
             ok &= (flags & HAS_CHECKSUM) != 0
         cand, e, length, flags = cand[ok], e[ok], length[ok], flags[ok]
-        strides = (pbs[e] + lay.align - 1) // lay.align * lay.align
-        offsets = e * lay.extent_bytes + (cand - e * per) * strides
+        strides = lay.headroom + (pbs[e] + lay.align - 1) // lay.align * lay.align
+        offsets = e * lay.span + (cand - e * per) * strides + lay.headroom
         del pbs
         view = None if arena is None else memoryview(arena).cast("B")
         try:
-            if view is not None and view.nbytes < lay.n_extents * lay.extent_bytes:
+            if view is not None and view.nbytes < lay.n_extents * lay.span:
                 raise HostPoolError(f"the arena has {view.nbytes} bytes, the pool needs "
-                                    f"{lay.n_extents * lay.extent_bytes}")  # fmt: skip
+                                    f"{lay.n_extents * lay.span}")  # fmt: skip
             by_key = self._verify(cand, offsets, length, flags, view)
         finally:
             if view is not None:

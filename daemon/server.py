@@ -32,15 +32,22 @@ import numpy as np
 import zmq
 import zmq.asyncio
 from kvtier.config import DaemonConfig, KvtierError, format_size, runtime_dir, socket_path
+from kvtier.config.errors import ConfigError
 from kvtier.config.loader import pool_path
 from kvtier.daemon.engine_memory import EngineMemory, EngineMemoryError
 from kvtier.daemon.host_pool import HostPool, HostPoolError
-from kvtier.daemon.pool_meta import AdoptResult, map_pool_file
+from kvtier.daemon.pool_meta import (
+    HEADROOM_ALIGN,
+    HEADROOM_MIN_PAGE_BYTES,
+    AdoptResult,
+    map_pool_file,
+)
 from kvtier.daemon.rank_groups import GroupKey
 from kvtier.daemon.sdnotify import SystemdNotifier, watchdog_loop
 from kvtier.daemon.sessions import Session, SessionState, SessionTable
 from kvtier.daemon.stats import Counters
 from kvtier.daemon.storage.base import HostArena
+from kvtier.daemon.storage.factory import slot_headroom
 from kvtier.daemon.tier_store import TierStore
 from kvtier.daemon.transfers import Direction, Transfer, run_transfer
 from kvtier.ipc import protocol as P
@@ -75,6 +82,24 @@ class RequestError(KvtierError):
         self.code = code
 
 
+def _new_pool(cfg: DaemonConfig) -> HostPool:
+    """The daemon's empty host pool: 4 KiB-aligned slots, or, for an L3 backend that moves
+    a page with its header in one buffer (:func:`slot_headroom`), slots with 128 bytes of
+    headroom and 128-byte-aligned payloads, the slot ids of 4 KiB pages per extent."""
+    headroom = slot_headroom(cfg.hicache_storage_backend)
+    if not headroom:
+        return HostPool(cfg.hicache_size, cfg.extent_size)
+    span = cfg.extent_size + cfg.extent_size // HEADROOM_MIN_PAGE_BYTES * headroom
+    if cfg.hicache_size < span:
+        raise ConfigError(
+            f"hicache_size ({cfg.hicache_size}) must hold at least one extent_size "
+            f"({cfg.extent_size}) extent with its slots' headroom ({span} bytes in all) "
+            f"when hicache_storage_backend is {cfg.hicache_storage_backend!r}"
+        )
+    return HostPool(cfg.hicache_size, cfg.extent_size, HEADROOM_ALIGN,
+                    min_page_bytes=HEADROOM_MIN_PAGE_BYTES, headroom=headroom)
+
+
 class Daemon:
     """One kvtierd instance. ``await run()`` serves until :meth:`request_stop`."""
 
@@ -88,7 +113,7 @@ class Daemon:
         self.endpoint = ipc_endpoint(socket_path(self.rdir))
         self.epoch = secrets.randbits(62) | 1
         self.sessions = SessionTable()
-        self.pool = HostPool(cfg.hicache_size, cfg.extent_size)
+        self.pool = _new_pool(cfg)
         self.counters = Counters()
         self.tier = TierStore(cfg, self.pool, self.counters, self.rdir)
         self.started = time.time()
@@ -126,7 +151,8 @@ class Daemon:
             self._arena = seg.tensor(layout.arena_offset, layout.capacity_bytes)
             stack.callback(setattr, self, "_arena", None)
             await self.tier.open(HostArena(view=arena_view, size=layout.capacity_bytes,
-                                           address=seg.address + layout.arena_offset))
+                                           address=seg.address + layout.arena_offset,
+                                           headroom=layout.headroom))
             stack.push_async_callback(self.tier.close)
             self._executor = ThreadPoolExecutor(self.cfg.copy_threads, thread_name_prefix="kvtier-copy")
             stack.callback(self._finalize_remaining)  # runs once the copy threads have ended

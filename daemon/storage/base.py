@@ -39,11 +39,17 @@ class HostArena:
         address: the arena's base virtual address in this process (for libraries
             that take raw pointers, e.g. Mooncake's ``register_buffer``).
         size: the arena's size in bytes.
+        headroom: bytes right before every page offset a backend is given that belong to
+            that page's slot (the host pool's slot headroom; 0: none). While a backend
+            holds a page (writing it, or filling a slot it was given) it may use
+            ``arena[offset - headroom : offset]`` as scratch, e.g. to move an object
+            header and the payload as one contiguous buffer.
     """
 
     view: memoryview
     address: int
     size: int
+    headroom: int = 0
 
 
 @dataclass(slots=True)

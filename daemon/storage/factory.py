@@ -40,6 +40,7 @@ __all__ = [
     "EXTRA_CONFIG_FIELD",
     "create_backend",
     "parse_extra_config",
+    "slot_headroom",
     "validate_options",
 ]
 
@@ -55,7 +56,22 @@ BACKEND_NAMES = ("file", "redis", "mooncake", "dynamic")
 DYNAMIC_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
 """Extra-config keys the ``dynamic`` backend consumes; the rest go to the plug-in class."""
 
+HEADROOM_BACKENDS = frozenset({"mooncake"})
+"""Backends that move a page and its object header as one buffer when the host pool's
+slots have headroom for the header (Mooncake: over its TCP transport every buffer of an
+object is a separate round trip)."""
+
 _Options = TypeVar("_Options", bound=BaseModel)
+
+
+def slot_headroom(name: str) -> int:
+    """Bytes of headroom the daemon's host pool gives each slot for backend ``name``:
+    :data:`~kvtier.daemon.pool_meta.SLOT_HEADROOM` for the backends in
+    :data:`HEADROOM_BACKENDS`, 0 for the others (whose pools keep their whole capacity
+    for pages; headroom costs about 3% of it, see ``PoolLayout``)."""
+    from kvtier.daemon.pool_meta import SLOT_HEADROOM
+
+    return SLOT_HEADROOM if name in HEADROOM_BACKENDS else 0
 
 
 def parse_extra_config(value: str | Mapping[str, Any] | None) -> dict[str, Any]:

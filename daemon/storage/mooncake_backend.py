@@ -1,22 +1,34 @@
 """L3 backend on Mooncake Store: pages move zero-copy between the arena and the cluster's segments.
 
-One page is ONE Mooncake object, assembled from two registered buffers in one transfer::
+One page is ONE Mooncake object: its 96-byte header, then its payload::
 
-    object <prefix>:<ns hex>:<key hex>  =  header (96 B)          ‖  payload (length B)
-                                            from a scratch slot      straight from / into
-                                            (registered at open)     the arena slot (registered)
+    object <prefix>:<ns hex>:<key hex>  =  header (96 B)  ‖  payload (length B)
 
-    put: encode_header() into a scratch slot → batch_put_from_multi_buffers(keys, [[hdr, slot]])
-    get: batch_get_into_multi_buffers(keys, [[hdr, slot]]) → check header, xxh3 of the slot
+When the arena gives every slot headroom (``HostArena.headroom >= 96``: kvtierd's host pool
+does when this backend is configured), the header is written into the slot's own headroom,
+right before the payload, and the page moves as ONE contiguous registered buffer::
 
-Why one object of two buffers rather than two objects (``<key>.h`` and ``<key>``): it is one
-key per page in the master (half the metadata and lookups), the header and payload are
-written and evicted together (a store that evicts silently can never leave a header without
-its payload or pair an old header with a new payload), and it costs no copy: the payload is
-read from and written to the arena slot directly, the header to a 96-byte scratch slot.
+    arena   ... | headroom ... | header | payload (offset .. offset + length) | ...
+                               ^ offset - 96: one buffer of 96 + length bytes
 
-A batch is one Mooncake call (batches beyond ``sub_batch_keys`` are split into concurrent
-calls), run in the backend's own pool of ``max_inflight`` threads, never on the event loop.
+    put: header into arena[offset - 96 : offset] → batch_put_from(keys, [ptr], [96 + length])
+    get: batch_get_into(keys, [ptr], [96 + length]) → check header, xxh3 of the payload
+
+Without headroom (or when one batch names a slot twice) the header goes to a registered
+scratch slot and the object is assembled from two buffers in one transfer
+(``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers`` with ``[[hdr, slot]]``).
+The object's bytes are the same either way, so a store written by one path reads with the
+other. One buffer is worth the headroom over TCP: there every buffer is a separate
+acknowledged request, so a separate header costs a round trip per page.
+
+Why one object rather than two (``<key>.h`` and ``<key>``): it is one key per page in the
+master (half the metadata and lookups), the header and payload are written and evicted
+together (a store that evicts silently can never leave a header without its payload or
+pair an old header with a new payload), and it costs no copy: the payload is read from and
+written to the arena slot directly.
+
+A batch is one job (batches beyond ``sub_batch_keys`` are split into concurrent jobs), run in
+the backend's own pool of ``max_inflight`` threads, never on the event loop.
 The xxh3 of each page is computed through ctypes with the GIL released, so hashing in one
 worker does not stall the event loop or the other workers.
 
@@ -265,7 +277,8 @@ class MooncakeBackend(StorageBackend):
     async def get_into(
         self, ns: bytes, keys: Sequence[bytes], offsets: Sequence[int], length: int
     ) -> list[bool]:
-        """Read each page's object into its arena slot (header into scratch) and verify it.
+        """Read each page's object into its arena slot (header into the slot's headroom,
+        or into scratch) and verify it.
 
         ``True`` only when the object had the expected size, its header names this namespace,
         key and length and the slot's xxh3 matches the header. Objects that do not verify
@@ -310,7 +323,7 @@ class MooncakeBackend(StorageBackend):
     async def put_from(
         self, ns: bytes, keys: Sequence[bytes], offsets: Sequence[int], length: int
     ) -> list[bool]:
-        """Write each page as one object (scratch header ‖ arena slot); one flag per key.
+        """Write each page as one object (header ‖ arena slot); one flag per key.
 
         A key already in the store reads ``True`` and keeps its object; no space (``-200``)
         reads ``False`` without counting an error.
@@ -402,9 +415,12 @@ class MooncakeBackend(StorageBackend):
         length: int,
         block: int,
     ) -> list[tuple[int, bool]]:
-        """Hash each slot into a scratch header, then one multi-buffer put."""
+        """Hash each slot into its header, then one put: of one buffer per page (header in
+        the slot's headroom, see the module docstring) or of two (header in scratch)."""
         arena, scratch = self._arena, self._scratch
         assert arena is not None and scratch is not None
+        if _one_buffer(arena, offsets):
+            return self._put_in_place(names, ns, keys, offsets, length)
         base, sbase, sview = arena.address, scratch.address, scratch.view
         ptrs = []
         at = block
@@ -430,15 +446,18 @@ class MooncakeBackend(StorageBackend):
         length: int,
         block: int,
     ) -> list[tuple[int, bool]]:
-        """One multi-buffer get into scratch headers and arena slots, then verify each."""
+        """One get of each object into its slot (header into the slot's headroom) or into
+        a scratch header and the slot; then verify each."""
         arena, scratch = self._arena, self._scratch
         assert arena is not None and scratch is not None
+        whole = HEADER_SIZE + length
+        if _one_buffer(arena, offsets):
+            return self._get_in_place(names, ns, keys, offsets, length)
         base, sbase, sview = arena.address, scratch.address, scratch.view
         ptrs = [[sbase + block + i * HEADER_SIZE, base + off] for i, off in enumerate(offsets)]
         codes = self._store.batch_get_into_multi_buffers(
             names, ptrs, [[HEADER_SIZE, length]] * len(ptrs)
         )
-        whole = HEADER_SIZE + length
         results = []
         at = block
         for key, off, code in zip(keys, offsets, codes):
@@ -448,6 +467,57 @@ class MooncakeBackend(StorageBackend):
                 ok = expected is not None and _checksum(arena, off, length) == expected
             results.append((int(code), ok))
             at += HEADER_SIZE
+        return results
+
+    def _put_in_place(
+        self,
+        names: list[str],
+        ns: bytes,
+        keys: Sequence[bytes],
+        offsets: Sequence[int],
+        length: int,
+    ) -> list[tuple[int, bool]]:
+        """One-buffer put: hash each page into its header in the slot's headroom, then one
+        ``batch_put_from`` of header ‖ payload per page."""
+        arena = self._arena
+        assert arena is not None
+        base, view = arena.address, arena.view
+        for key, off in zip(keys, offsets):
+            at = off - HEADER_SIZE
+            if _FAST_HEADER:
+                _write_header(view, at, ns, key, length, _checksum(arena, off, length))
+            else:
+                view[at:off] = encode_header(ns, key, view[off : off + length])
+        codes = self._store.batch_put_from(
+            names, [base + off - HEADER_SIZE for off in offsets],
+            [HEADER_SIZE + length] * len(offsets),
+        )  # fmt: skip
+        return [(int(code), code == 0) for code in codes]
+
+    def _get_in_place(
+        self,
+        names: list[str],
+        ns: bytes,
+        keys: Sequence[bytes],
+        offsets: Sequence[int],
+        length: int,
+    ) -> list[tuple[int, bool]]:
+        """One-buffer get: one ``batch_get_into`` of each object into its slot (header into
+        the headroom), then check each header and hash each payload."""
+        arena = self._arena
+        assert arena is not None
+        base, view = arena.address, arena.view
+        whole = HEADER_SIZE + length
+        codes = self._store.batch_get_into(
+            names, [base + off - HEADER_SIZE for off in offsets], [whole] * len(offsets)
+        )
+        results = []
+        for key, off, code in zip(keys, offsets, codes):
+            ok = False
+            if code == whole:
+                expected = check_header(view[off - HEADER_SIZE : off], ns, key, length)
+                ok = expected is not None and _checksum(arena, off, length) == expected
+            results.append((int(code), ok))
         return results
 
     # -- internals ---------------------------------------------------------------------
@@ -508,7 +578,8 @@ class MooncakeBackend(StorageBackend):
     def _check_batch(self, keys: Sequence[bytes], offsets: Sequence[int], length: int) -> None:
         arena = self._check_open()
         assert len(keys) == len(offsets), "one offset per key"
-        assert all(0 <= off and off + length <= arena.size for off in offsets), (
+        low = HEADER_SIZE if arena.headroom >= HEADER_SIZE else 0  # the header's room
+        assert all(low <= off and off + length <= arena.size for off in offsets), (
             "offset out of arena"
         )
 
@@ -581,6 +652,12 @@ def _load_xxh3() -> Any:
 _XXH3 = _load_xxh3()
 _HEAD = struct.Struct("<4sHH32s32sQQ")
 _U64 = struct.Struct("<Q")
+
+
+def _one_buffer(arena: HostArena, offsets: Sequence[int]) -> bool:
+    """Whether a batch's headers can go in its slots' headroom: the arena has room for one
+    and no slot appears twice (two headers in one headroom would overwrite each other)."""
+    return arena.headroom >= HEADER_SIZE and len(set(offsets)) == len(offsets)
 
 
 def _checksum(arena: HostArena, off: int, length: int) -> int:
