@@ -9,7 +9,7 @@ STAMP := $(VENV)/.kvtier-installed
 
 .PHONY: venv test test-fast serve demo bench lint typecheck clean sysdeps builddeps
 
-$(STAMP): pyproject.toml setup.py kernels/_fileio.c kernels/_xxh3_avx2.c kernels/_xxh3_avx512.c
+$(STAMP): pyproject.toml setup.py kernels/_fileio.c kernels/_xxh3_avx2.c
 	@$(MAKE) --no-print-directory builddeps
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip

@@ -9,8 +9,7 @@ setup(
     ext_modules=[
         Extension(
             "kvtier.kernels._fileio",
-            sources=["kernels/_fileio.c", "kernels/_xxh3_avx2.c",
-                     "kernels/_xxh3_avx512.c"],
+            sources=["kernels/_fileio.c", "kernels/_xxh3_avx2.c"],
             extra_compile_args=["-O3", "-std=c11", "-D_GNU_SOURCE"],
             optional=True,
         )
