@@ -67,7 +67,7 @@ def run_cluster_bench(
     pages: int = 1000,
     page_bytes: int = 256 * 1024,
     batch: int = 64,
-    repeats: int = 5,
+    repeats: int = 9,
     options: Mapping[str, Any] | None = None,
     mooncake_segment: Literal["remote", "local"] = "remote",
 ) -> dict[str, Any]:
@@ -470,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pages", type=int, default=1000)
     parser.add_argument("--page-bytes", type=int, default=256 * 1024)
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument(
         "--mooncake-segment",
         choices=("remote", "local", "both"),
