@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from kvtier.client.connection import Connection
 from kvtier.client.daemon_process import DaemonProcess
 from kvtier.client.kv_pool import SharedKVPool

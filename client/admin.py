@@ -7,13 +7,16 @@ import itertools
 import secrets
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
-
 from kvtier.config import KvtierError
 from kvtier.ipc import protocol as P
 from kvtier.ipc.sockets import ipc_endpoint, make_zmq_socket
+
+if TYPE_CHECKING:
+    from typing import Self
 
 
 class AdminError(KvtierError):
@@ -103,7 +106,7 @@ class AdminClient:
             self._sock.close(linger=0)
             self._ctx.term()
 
-    def __enter__(self) -> "AdminClient":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

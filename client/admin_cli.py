@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import zmq
-
 from kvtier.client.admin import AdminClient, AdminError
 from kvtier.config import (
     ClientConfig,

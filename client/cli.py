@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 
 def _serve(argv: list[str]) -> int:

@@ -30,6 +30,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
@@ -39,6 +40,9 @@ from kvtier.config import ClientConfig, KvtierError, runtime_dir, socket_path
 from kvtier.ipc import protocol as P
 from kvtier.ipc.completion import CompletionBlock, CompletionTimeout, TransferStatus
 from kvtier.ipc.sockets import ipc_endpoint, make_zmq_socket
+
+if TYPE_CHECKING:
+    from typing import Self
 
 log = logging.getLogger("kvtier.client")
 
@@ -137,20 +141,21 @@ class TransferHandle:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the whole transfer ends; True when it succeeded."""
-        if self._status is None:
-            if self.wait_layer(self.num_layers - 1, timeout) and self._status is None:
-                # all layers landed; wait for the final status
-                try:
-                    assert self._block is not None and self._conn is not None
-                    st = self._block.wait(self.slot, self.seq, self.num_layers,
-                                          self._conn.config.load_timeout_s, alive=self._conn.daemon_alive)
-                    while st is TransferStatus.RUNNING:
-                        time.sleep(0.0001)
-                        _, _, raw = self._block.read(self.slot)
-                        st = TransferStatus(raw)
-                except (CompletionTimeout, TypeError, ValueError):
-                    st = TransferStatus.FAILED
-                self._end(st)
+        if (self._status is None and self.wait_layer(self.num_layers - 1, timeout)
+                and self._status is None):
+            # all layers landed; wait for the final status
+            try:
+                assert self._block is not None and self._conn is not None
+                st = self._block.wait(self.slot, self.seq, self.num_layers,
+                                      self._conn.config.load_timeout_s,
+                                      alive=self._conn.daemon_alive)
+                while st is TransferStatus.RUNNING:
+                    time.sleep(0.0001)
+                    _, _, raw = self._block.read(self.slot)
+                    st = TransferStatus(raw)
+            except (CompletionTimeout, TypeError, ValueError):
+                st = TransferStatus.FAILED
+            self._end(st)
         return self._status is TransferStatus.DONE
 
     def _end(self, st: TransferStatus) -> None:
@@ -519,7 +524,7 @@ class Connection:
             self._finalizer.detach()
             self._ctx.term()
 
-    def __enter__(self) -> Connection:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

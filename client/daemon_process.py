@@ -7,12 +7,16 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING
 
 from kvtier.client.admin import AdminClient, AdminError
 from kvtier.config import KvtierError, socket_path
 from kvtier.config.loader import pool_path
+
+if TYPE_CHECKING:
+    from typing import Self
 
 
 class DaemonStartError(KvtierError):
@@ -62,13 +66,14 @@ class DaemonProcess:
         """The process id (0 when not running)."""
         return self.proc.pid if self.proc else 0
 
-    def start(self, timeout: float = 30.0) -> "DaemonProcess":
+    def start(self, timeout: float = 30.0) -> Self:
         """Start the daemon and wait until it answers HEALTH."""
         self.runtime_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "STATE_DIRECTORY": str(self.state_dir), **self.env,
                "KVTIER_RUNTIME_DIR": str(self.runtime_dir)}
         env.pop("NOTIFY_SOCKET", None) if "NOTIFY_SOCKET" not in self.env else None
-        self._log = open(self.log_path, "ab")
+        # stays open while the daemon runs (its stdout and stderr); _reap closes it
+        self._log = open(self.log_path, "ab")  # noqa: SIM115
         self.proc = subprocess.Popen([sys.executable, "-m", "kvtier.daemon", *self.args],
                                      stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log,
                                      env=env)
@@ -127,7 +132,7 @@ class DaemonProcess:
         self.proc = None
         return code
 
-    def __enter__(self) -> "DaemonProcess":
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

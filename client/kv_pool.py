@@ -13,11 +13,14 @@ from __future__ import annotations
 import os
 import secrets
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-
 from kvtier.ipc.protocol import Geometry, KVMemory, MemorySegment
 from kvtier.ipc.shm import SharedMemorySegment
+
+if TYPE_CHECKING:
+    from typing import Self
 
 TORCH_DTYPES = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -73,7 +76,7 @@ class SharedKVPool:
         self.v = []
         self.segment.close()
 
-    def __enter__(self) -> "SharedKVPool":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -8,7 +8,7 @@ every process, rank and restart computes the same keys.
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -11,14 +11,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tomllib
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, TypeVar, get_args, get_origin
+from typing import Any, TypeVar, get_args, get_origin
 
-from pydantic import BaseModel, ValidationError
-
+import tomllib
 from kvtier.config.errors import ConfigError
 from kvtier.config.models import ClientConfig, DaemonConfig
+from pydantic import BaseModel, ValidationError
 
 M = TypeVar("M", bound=BaseModel)
 ENV_PREFIX = "KVTIER_"

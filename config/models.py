@@ -8,11 +8,10 @@ feed the same model (see :mod:`kvtier.config.loader`). Where a knob means what a
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Optional
-
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from typing import Literal
 
 from kvtier.config.sizes import ByteSize
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
 PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
@@ -28,7 +27,7 @@ class TenantConfig(_Frozen):
     """One tenant: engines that present its token share its pages and nobody else's."""
 
     token: SecretStr = Field(description="Secret the tenant's engines send at registration.")
-    quota_pages: Optional[int] = Field(
+    quota_pages: int | None = Field(
         default=None, ge=1, description="Most L2 pages the tenant may hold (None: no quota)."
     )
 
@@ -41,12 +40,12 @@ class DaemonConfig(_Frozen):
     :func:`~kvtier.config.loader.state_dir`).
     """
 
-    runtime_dir: Optional[Path] = Field(
+    runtime_dir: Path | None = Field(
         default=None,
         description="Socket and completion blocks. Default: $KVTIER_RUNTIME_DIR, "
         "else $XDG_RUNTIME_DIR/kvtier, else /tmp/kvtier-<uid>.",
     )
-    state_dir: Optional[Path] = Field(
+    state_dir: Path | None = Field(
         default=None,
         description="Persistent state: the file L3 store lives in <state_dir>/l3 unless its "
         "extra config names a path. Default: $KVTIER_STATE_DIR, else $STATE_DIRECTORY "
@@ -89,7 +88,7 @@ class DaemonConfig(_Frozen):
         description="L3 backend: file (the default: a disk store in <state_dir>/l3 that survives "
         "restarts and reboots), none (L2 only), mooncake, redis or dynamic.",
     )
-    hicache_storage_backend_extra_config: Optional[str] = Field(
+    hicache_storage_backend_extra_config: str | None = Field(
         default=None, description="Backend settings as JSON, or @path to a JSON/TOML file."
     )
     hicache_storage_prefetch_policy: PrefetchPolicy = Field(
@@ -116,11 +115,11 @@ class DaemonConfig(_Frozen):
         default=1.0, gt=0, description="How long LOOKUP/CLAIM of a tensor-parallel rank waits "
         "for the other ranks of its engine; a rank that never asks makes the answer 0."
     )
-    metrics_port: Optional[int] = Field(
+    metrics_port: int | None = Field(
         default=None, ge=1, le=65535, description="Prometheus port on 127.0.0.1 (off when unset)."
     )
     metrics_host: str = Field(default="127.0.0.1", description="Metrics bind address.")
-    admin_token: Optional[SecretStr] = Field(
+    admin_token: SecretStr | None = Field(
         default=None, description="Credential for admin requests (flush); None: local socket access."
     )
     tenants: dict[str, TenantConfig] = Field(
@@ -135,7 +134,7 @@ class DaemonConfig(_Frozen):
         return None if isinstance(value, str) and not value.strip() else value
 
     @model_validator(mode="after")
-    def _check(self) -> "DaemonConfig":
+    def _check(self) -> DaemonConfig:
         if self.extent_size > self.hicache_size:
             raise ValueError(
                 f"extent_size ({self.extent_size}) must not exceed hicache_size ({self.hicache_size})"
@@ -146,10 +145,10 @@ class DaemonConfig(_Frozen):
 class ClientConfig(_Frozen):
     """What an engine's kvtier client reads: where the daemon is, timeouts, policies."""
 
-    runtime_dir: Optional[Path] = Field(
+    runtime_dir: Path | None = Field(
         default=None, description="Where the daemon's socket is (same default as the daemon)."
     )
-    endpoint: Optional[str] = Field(
+    endpoint: str | None = Field(
         default=None, description="ZeroMQ endpoint; overrides runtime_dir (ipc://... or tcp://...)."
     )
     request_timeout_s: float = Field(
@@ -181,5 +180,5 @@ class ClientConfig(_Frozen):
         "same model and tp_size on one node must use distinct names."
     )
     tenant: str = Field(default="default", description="Tenant name sent at registration.")
-    token: Optional[SecretStr] = Field(default=None, description="Tenant token.")
+    token: SecretStr | None = Field(default=None, description="Tenant token.")
     cache_salt: str = Field(default="", description="Extra salt entering the namespace.")

@@ -32,7 +32,8 @@ def parse_size(value: Any) -> int:
         ValueError: the value is not a size (the message quotes it).
     """
     if isinstance(value, bool):
-        raise ValueError(f"expected a size like '4GiB', got {value!r}")
+        # ValueError on purpose: pydantic wraps it in a ValidationError (a TypeError escapes)
+        raise ValueError(f"expected a size like '4GiB', got {value!r}")  # noqa: TRY004
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"size must be >= 0, got {value!r}")

@@ -11,7 +11,6 @@ import os
 from pathlib import Path
 
 import torch
-
 from kvtier.config.errors import KvtierError
 from kvtier.ipc.protocol import Geometry, KVMemory
 from kvtier.ipc.shm import SharedMemoryError, SharedMemorySegment
@@ -29,7 +28,7 @@ class EngineMemory:
     """An engine's KV pool as the daemon sees it: one uint8 ``[num_pages, chunk_bytes]``
     tensor per (layer, component), indexed ``buffers[layer][component]``."""
 
-    __slots__ = ("geometry", "num_pages", "segments", "buffers", "paths")
+    __slots__ = ("buffers", "geometry", "num_pages", "paths", "segments")
 
     def __init__(self, geometry: Geometry, memory: KVMemory, shm_dir: Path = SHM_DIR) -> None:
         self.geometry = geometry

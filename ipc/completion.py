@@ -19,11 +19,10 @@ from __future__ import annotations
 import enum
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
-
 from kvtier.ipc.shm import SharedMemorySegment
 
 SLOT_WORDS = 8
@@ -47,7 +46,7 @@ class CompletionTimeout(TimeoutError):
 class CompletionBlock:
     """A mapped completion block (daemon: writable owner; client: read-only peer)."""
 
-    __slots__ = ("segment", "slots", "_a")
+    __slots__ = ("_a", "segment", "slots")
 
     def __init__(self, segment: SharedMemorySegment, slots: int) -> None:
         self.segment = segment
@@ -55,14 +54,14 @@ class CompletionBlock:
         self._a = segment.array(np.int64, count=slots * SLOT_WORDS).reshape(slots, SLOT_WORDS)
 
     @classmethod
-    def create(cls, path: str | Path, slots: int) -> "CompletionBlock":
+    def create(cls, path: str | Path, slots: int) -> CompletionBlock:
         """Create a block with ``slots`` transfer slots (daemon side)."""
         seg = SharedMemorySegment.create(path, slots * SLOT_WORDS * 8, prefault=True, mode=0o660,
                                          exist_ok=True)
         return cls(seg, slots)
 
     @classmethod
-    def open(cls, path: str | Path, slots: int) -> "CompletionBlock":
+    def open(cls, path: str | Path, slots: int) -> CompletionBlock:
         """Map an existing block read-only (client side)."""
         seg = SharedMemorySegment.open(path, slots * SLOT_WORDS * 8, writable=False)
         return cls(seg, slots)

@@ -18,7 +18,6 @@ block (:mod:`kvtier.ipc.completion`).
 from __future__ import annotations
 
 import enum
-from typing import Optional, Union
 
 import msgspec
 
@@ -190,7 +189,7 @@ class Store(_Req, tag="store", kw_only=True):
     session_id: int
     keys: list[bytes]
     pages: list[int]
-    parent_key: Optional[bytes] = None
+    parent_key: bytes | None = None
     slot: int
     seq: int
 
@@ -271,10 +270,10 @@ class Claim(_Req, tag="claim", kw_only=True):
     policy: str = ""
 
 
-Request = Union[
-    Register, Heartbeat, Lookup, Store, Load, Release, Unregister, Stats, Health, Flush, Prefetch,
-    Claim, Sync,
-]
+Request = (
+    Register | Heartbeat | Lookup | Store | Load | Release | Unregister | Stats | Health | Flush
+    | Prefetch | Claim | Sync
+)
 
 
 class _Rep(msgspec.Struct, tag_field="op", kw_only=True):
@@ -372,10 +371,10 @@ class ErrorReply(_Rep, tag="error", kw_only=True):
     message: str
 
 
-Reply = Union[
-    Registered, Ack, LookupResult, StoreAccepted, LoadAccepted, StatsReply, HealthReply, FlushReply,
-    PrefetchReply, ClaimReply, SyncReply, ErrorReply,
-]
+Reply = (
+    Registered | Ack | LookupResult | StoreAccepted | LoadAccepted | StatsReply | HealthReply
+    | FlushReply | PrefetchReply | ClaimReply | SyncReply | ErrorReply
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _req_decoder = msgspec.msgpack.Decoder(Request)

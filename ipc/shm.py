@@ -14,10 +14,13 @@ import stat
 import warnings
 import weakref
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-
 from kvtier.config.errors import KvtierError
+
+if TYPE_CHECKING:
+    from typing import Self
 
 
 class SharedMemoryError(KvtierError):
@@ -40,7 +43,7 @@ class SharedMemorySegment:
     collection / interpreter exit if the user forgets (with a ``ResourceWarning``).
     """
 
-    __slots__ = ("path", "size", "owner", "_mm", "view", "address", "_finalizer", "__weakref__")
+    __slots__ = ("__weakref__", "_finalizer", "_mm", "address", "owner", "path", "size", "view")
 
     def __init__(self, path: str, size: int, mm: mmap.mmap, owner: bool, writable: bool) -> None:
         self.path = path
@@ -56,7 +59,7 @@ class SharedMemorySegment:
 
     @classmethod
     def create(cls, path: str | Path, size: int, prefault: bool = True, mode: int = 0o660,
-               exist_ok: bool = False) -> "SharedMemorySegment":
+               exist_ok: bool = False) -> SharedMemorySegment:
         """Create a segment of ``size`` bytes at ``path`` and map it.
 
         Args:
@@ -92,7 +95,7 @@ class SharedMemorySegment:
 
     @classmethod
     def open(cls, path: str | Path, size: int | None = None, writable: bool = True,
-             populate: bool = False) -> "SharedMemorySegment":
+             populate: bool = False) -> SharedMemorySegment:
         """Map an existing segment.
 
         Args:
@@ -164,7 +167,7 @@ class SharedMemorySegment:
         if self.owner if unlink is None else unlink:
             _unlink_quietly(self.path)
 
-    def __enter__(self) -> "SharedMemorySegment":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -9,7 +9,6 @@ import os
 from collections.abc import Iterator
 
 import pytest
-
 from kvtier.daemon.storage.base import HostArena
 
 NS = hashlib.sha256(b"namespace").digest()

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
-
 from kvtier.client.daemon_process import DaemonProcess
 
 

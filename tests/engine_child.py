@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from kvtier.ipc import protocol as P
+
 from tests.engines import engine, fill_page, tokens
 
 BIG = P.Geometry(num_layers=8, page_size=64, kv_heads=4, head_dim=64, dtype="float32")  # 64 KiB chunks

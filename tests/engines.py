@@ -6,7 +6,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from kvtier.client.connection import Connection
 from kvtier.client.kv_pool import SharedKVPool
 from kvtier.config import ClientConfig
@@ -18,7 +17,8 @@ OTHER = P.Geometry(num_layers=3, page_size=8, kv_heads=4, head_dim=16, dtype="fl
 
 def client_config(rdir: Path, **kw: object) -> ClientConfig:
     """A client config pointing at the daemon in ``rdir`` with test-friendly timeouts."""
-    base = dict(runtime_dir=rdir, request_timeout_s=3.0, load_timeout_s=10.0, heartbeat_interval_s=0.5)
+    base = {"runtime_dir": rdir, "request_timeout_s": 3.0, "load_timeout_s": 10.0,
+            "heartbeat_interval_s": 0.5}
     base.update(kw)
     return ClientConfig(**base)
 

@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
 from kvtier.bench.l3_cluster import free_port, port_open, redis_pong
 
 __all__ = [

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from kvtier.config import format_size
+
 from tests.engines import OTHER, SMALL, engine, fill_page, tokens
 from tests.servers import find_binary
 

@@ -7,9 +7,9 @@ import os
 import msgspec
 import pytest
 import zmq
-
 from kvtier.client.kv_pool import SharedKVPool
 from kvtier.ipc import protocol as P
+
 from tests.engines import SMALL, engine, fill_page, page_bytes, tokens
 
 
@@ -55,8 +55,9 @@ def still_serving(pool, conn, keys) -> None:
 
 
 def register_msg(pool: SharedKVPool, **over) -> P.Register:
-    fields = dict(req_id=7, protocol_version=P.PROTOCOL_VERSION, namespace=P.NamespaceSpec("x"),
-                  geometry=pool.geometry, memory=pool.export(), pid=os.getpid())
+    fields = {"req_id": 7, "protocol_version": P.PROTOCOL_VERSION,
+              "namespace": P.NamespaceSpec("x"), "geometry": pool.geometry,
+              "memory": pool.export(), "pid": os.getpid()}
     fields.update(over)
     return P.Register(**fields)
 
@@ -126,15 +127,15 @@ def test_page_index_out_of_range_and_bad_keys(world):
 
 
 @pytest.mark.parametrize("change,code,word", [
-    (dict(geometry=P.Geometry(num_layers=0, page_size=16, kv_heads=2, head_dim=32, dtype="float32")),
+    ({"geometry": P.Geometry(num_layers=0, page_size=16, kv_heads=2, head_dim=32, dtype="float32")},
      P.ErrorCode.GEOMETRY_MISMATCH, "num_layers"),
-    (dict(geometry=P.Geometry(num_layers=4, page_size=16, kv_heads=2, head_dim=32, dtype="float64")),
+    ({"geometry": P.Geometry(num_layers=4, page_size=16, kv_heads=2, head_dim=32, dtype="float64")},
      P.ErrorCode.GEOMETRY_MISMATCH, "dtype"),
-    (dict(geometry=P.Geometry(num_layers=5, page_size=16, kv_heads=2, head_dim=32, dtype="float32")),
+    ({"geometry": P.Geometry(num_layers=5, page_size=16, kv_heads=2, head_dim=32, dtype="float32")},
      P.ErrorCode.BAD_MEMORY, "buffers"),
-    (dict(geometry=P.Geometry(num_layers=4, page_size=32, kv_heads=2, head_dim=32, dtype="float32")),
+    ({"geometry": P.Geometry(num_layers=4, page_size=32, kv_heads=2, head_dim=32, dtype="float32")},
      P.ErrorCode.BAD_MEMORY, "do not fit"),
-    (dict(tp_rank=2, tp_size=2), P.ErrorCode.GEOMETRY_MISMATCH, "tp_rank"),
+    ({"tp_rank": 2, "tp_size": 2}, P.ErrorCode.GEOMETRY_MISMATCH, "tp_rank"),
 ])
 def test_geometry_mismatch(world, change, code, word):
     pool, conn, keys, raw = world

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
-
 from kvtier.client.admin import AdminClient
+
 from tests.engines import OTHER, SMALL, engine, fill_page, page_bytes, tokens
 
 

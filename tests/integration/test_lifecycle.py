@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from kvtier.client.admin import AdminClient
 from kvtier.client.connection import Connection, TransferHandle
 from kvtier.client.daemon_process import DaemonProcess
@@ -23,6 +22,7 @@ from kvtier.client.kv_pool import SharedKVPool
 from kvtier.config import socket_path
 from kvtier.ipc import protocol as P
 from kvtier.ipc.completion import TransferStatus
+
 from tests.engines import client_config
 
 pytestmark = pytest.mark.timeout(120)

@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from kvtier.client.daemon_process import DaemonStartError
 from kvtier.daemon.metrics import DaemonMetrics
+from prometheus_client.parser import text_string_to_metric_families
+
 from tests.engines import SMALL, engine, fill_page, tokens
 from tests.servers import free_port
 

@@ -14,10 +14,12 @@ from kvtier.daemon.storage.base import HostArena
 from kvtier.daemon.storage.objects import HEADER_SIZE
 from kvtier.daemon.storage.redis_backend import RedisBackend
 
-from tests.arenas import NS, OTHER_NS, PAGE, SLOTS, arena, fill, key, make_arena, offsets, page  # noqa: F401
+from tests import arenas
+from tests.arenas import NS, OTHER_NS, PAGE, SLOTS, fill, key, make_arena, offsets, page  # noqa: F401
 from tests.servers import RedisServer, free_port, serve_redis
 
 pytestmark = pytest.mark.timeout(60)
+arena = arenas.arena  # the shared fixture, bound here so the tests below can request it by name
 
 @pytest.fixture
 def redis_server() -> Iterator[RedisServer]:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from kvtier.client.admin import AdminClient
 from kvtier.client.connection import Connection, DaemonError
 from kvtier.client.kv_pool import SharedKVPool
 from kvtier.client.page_keys import page_keys
 from kvtier.ipc import protocol as P
 from kvtier.ipc.namespace import namespace_fingerprint
+
 from tests.engines import SMALL, client_config, engine, fill_page, page_bytes, tokens
 
 pytestmark = pytest.mark.timeout(120)

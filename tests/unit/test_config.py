@@ -75,14 +75,14 @@ def test_client_variables_are_not_daemon_errors():
 
 
 @pytest.mark.parametrize("source,expect", [
-    (dict(env={"KVTIER_HICACHE_SIZE": "lots"}),
+    ({"env": {"KVTIER_HICACHE_SIZE": "lots"}},
      r"hicache_size = 'lots' \(from environment variable KVTIER_HICACHE_SIZE\)"),
-    (dict(cli={"copy_threads": "0"}), r"copy_threads = '0' \(from flag --copy-threads\)"),
-    (dict(cli={"hicache_storage_prefetch_policy": "sometimes"}),
+    ({"cli": {"copy_threads": "0"}}, r"copy_threads = '0' \(from flag --copy-threads\)"),
+    ({"cli": {"hicache_storage_prefetch_policy": "sometimes"}},
      r"hicache_storage_prefetch_policy = 'sometimes'"),
-    (dict(cli={"tenants": '{"a": {"token": "x", "quota_pages": 0}}'}), r"tenants.a.quota_pages = 0"),
-    (dict(cli={"tenants": "{not json"}), r"tenants = '\{not json' from the command line: not valid JSON"),
-    (dict(cli={"extent_size": "2GiB", "hicache_size": "1GiB"}), r"extent_size .* must not exceed"),
+    ({"cli": {"tenants": '{"a": {"token": "x", "quota_pages": 0}}'}}, r"tenants.a.quota_pages = 0"),
+    ({"cli": {"tenants": "{not json"}}, r"tenants = '\{not json' from the command line: not valid JSON"),
+    ({"cli": {"extent_size": "2GiB", "hicache_size": "1GiB"}}, r"extent_size .* must not exceed"),
 ])
 def test_bad_values_name_key_source_and_value(source, expect):
     with pytest.raises(ConfigError, match=expect):
