@@ -20,6 +20,7 @@ from kvtier.client.connection import Connection, TransferHandle
 from kvtier.client.daemon_process import DaemonProcess
 from kvtier.client.kv_pool import SharedKVPool
 from kvtier.config import socket_path
+from kvtier.config.loader import pool_path
 from kvtier.ipc import protocol as P
 from kvtier.ipc.completion import TransferStatus
 
@@ -217,8 +218,20 @@ BIG = P.Geometry(num_layers=1, page_size=16, kv_heads=32, head_dim=512, dtype="f
 BIG_POOL = 1 << 30
 
 
+def host_pool_blocks(d: DaemonProcess) -> int:
+    """Blocks allocated to ``d``'s host pool file (not pre-faulted: it grows as pages land)."""
+    return pool_path(Path("/dev/shm"), d.runtime_dir).stat().st_blocks
+
+
 def slow_store(d: DaemonProcess) -> tuple[SharedKVPool, Connection, TransferHandle]:
-    """Start a store of 1 GiB (one layer) and return (pool, conn, handle) while it runs."""
+    """Start a store of 1 GiB (one layer) and return (pool, conn, handle) once its copy runs.
+
+    The daemon checks cancellation before every layer, the first one included: a stop that
+    comes before the copy thread has entered the layer (a busy machine may take that long to
+    run the thread) cancels the store at once, CANCELLED with no layer done, and the stop is
+    not slow. So wait until the copy writes into the host pool, which it does only past that
+    check; the caller skips if the store ended first (``still_copying``).
+    """
     n = BIG_POOL // BIG.page_bytes
     pool = SharedKVPool(BIG, n, prefault=False)
     try:
@@ -226,15 +239,28 @@ def slow_store(d: DaemonProcess) -> tuple[SharedKVPool, Connection, TransferHand
     except BaseException:
         pool.close()
         raise
-    keys = conn.page_keys(np.arange(n * BIG.page_size) % 32000)
-    h = conn.store(keys, list(range(n)))
-    assert h.writing == n
+    try:
+        keys = conn.page_keys(np.arange(n * BIG.page_size) % 32000)
+        h = conn.store(keys, list(range(n)))
+        assert h.writing == n
+        # the pages were allocated before the reply: from now on only the copy grows the file
+        blocks = host_pool_blocks(d)
+        deadline = time.monotonic() + 30.0
+        while still_copying(h) and host_pool_blocks(d) <= blocks:
+            assert time.monotonic() < deadline, "the store's copy did not begin within 30 s"
+            time.sleep(0.005)
+    except BaseException:
+        conn.close()
+        pool.close()
+        raise
     return pool, conn, h
 
 
 def still_copying(h: TransferHandle) -> bool:
-    """Whether the store's single layer is still being copied (its completion slot says so).
+    """Whether the store's single layer has not ended (its completion slot says so).
 
+    True also before the copy thread has begun it, when a stop would still cancel it at
+    once: :func:`slow_store` returns only once the copy has begun.
     STATS cannot tell once a stop has begun: the daemon stops answering requests then.
     """
     assert h._block is not None
