@@ -417,24 +417,24 @@ class MooncakeBackend(StorageBackend):
     ) -> list[tuple[int, bool]]:
         """Hash each slot into its header, then one put: of one buffer per page (header in
         the slot's headroom, see the module docstring) or of two (header in scratch)."""
-        arena, scratch = self._arena, self._scratch
-        assert arena is not None and scratch is not None
-        if _one_buffer(arena, offsets):
-            return self._put_in_place(names, ns, keys, offsets, length)
-        base, sbase, sview = arena.address, scratch.address, scratch.view
-        ptrs = []
-        at = block
-        for key, off in zip(keys, offsets):
+        arena = self._arena
+        assert arena is not None
+        in_place, hview, hbase, hpos = self._header_room(offsets, block)
+        for key, off, at in zip(keys, offsets, hpos):
             if _FAST_HEADER:
-                _write_header(sview, at, ns, key, length, _checksum(arena, off, length))
+                _write_header(hview, at, ns, key, length, _checksum(arena, off, length))
             else:
                 payload = arena.view[off : off + length]
-                sview[at : at + HEADER_SIZE] = encode_header(ns, key, payload)
-            ptrs.append([sbase + at, base + off])
-            at += HEADER_SIZE
-        codes = self._store.batch_put_from_multi_buffers(
-            names, ptrs, [[HEADER_SIZE, length]] * len(ptrs)
-        )
+                hview[at : at + HEADER_SIZE] = encode_header(ns, key, payload)
+        if in_place:
+            codes = self._store.batch_put_from(
+                names, [hbase + at for at in hpos], [HEADER_SIZE + length] * len(hpos)
+            )
+        else:
+            codes = self._store.batch_put_from_multi_buffers(
+                names, [[hbase + at, arena.address + off] for at, off in zip(hpos, offsets)],
+                [[HEADER_SIZE, length]] * len(hpos),
+            )  # fmt: skip
         return [(int(code), code == 0) for code in codes]
 
     def _get_job(
@@ -448,77 +448,40 @@ class MooncakeBackend(StorageBackend):
     ) -> list[tuple[int, bool]]:
         """One get of each object into its slot (header into the slot's headroom) or into
         a scratch header and the slot; then verify each."""
+        arena = self._arena
+        assert arena is not None
+        whole = HEADER_SIZE + length
+        in_place, hview, hbase, hpos = self._header_room(offsets, block)
+        if in_place:
+            codes = self._store.batch_get_into(
+                names, [hbase + at for at in hpos], [whole] * len(hpos)
+            )
+        else:
+            codes = self._store.batch_get_into_multi_buffers(
+                names, [[hbase + at, arena.address + off] for at, off in zip(hpos, offsets)],
+                [[HEADER_SIZE, length]] * len(hpos),
+            )  # fmt: skip
+        results = []
+        for key, off, at, code in zip(keys, offsets, hpos, codes):
+            ok = False
+            if code == whole:
+                expected = check_header(hview[at : at + HEADER_SIZE], ns, key, length)
+                ok = expected is not None and _checksum(arena, off, length) == expected
+            results.append((int(code), ok))
+        return results
+
+    def _header_room(
+        self, offsets: Sequence[int], block: int
+    ) -> tuple[bool, memoryview, int, list[int]]:
+        """Where a batch's headers go: ``(in_place, view, base address, positions)``, in
+        the slots' headroom right before each payload when :func:`_one_buffer` allows,
+        else in the scratch ``block``, one after another."""
         arena, scratch = self._arena, self._scratch
         assert arena is not None and scratch is not None
-        whole = HEADER_SIZE + length
         if _one_buffer(arena, offsets):
-            return self._get_in_place(names, ns, keys, offsets, length)
-        base, sbase, sview = arena.address, scratch.address, scratch.view
-        ptrs = [[sbase + block + i * HEADER_SIZE, base + off] for i, off in enumerate(offsets)]
-        codes = self._store.batch_get_into_multi_buffers(
-            names, ptrs, [[HEADER_SIZE, length]] * len(ptrs)
-        )
-        results = []
-        at = block
-        for key, off, code in zip(keys, offsets, codes):
-            ok = False
-            if code == whole:
-                expected = check_header(sview[at : at + HEADER_SIZE], ns, key, length)
-                ok = expected is not None and _checksum(arena, off, length) == expected
-            results.append((int(code), ok))
-            at += HEADER_SIZE
-        return results
-
-    def _put_in_place(
-        self,
-        names: list[str],
-        ns: bytes,
-        keys: Sequence[bytes],
-        offsets: Sequence[int],
-        length: int,
-    ) -> list[tuple[int, bool]]:
-        """One-buffer put: hash each page into its header in the slot's headroom, then one
-        ``batch_put_from`` of header ‖ payload per page."""
-        arena = self._arena
-        assert arena is not None
-        base, view = arena.address, arena.view
-        for key, off in zip(keys, offsets):
-            at = off - HEADER_SIZE
-            if _FAST_HEADER:
-                _write_header(view, at, ns, key, length, _checksum(arena, off, length))
-            else:
-                view[at:off] = encode_header(ns, key, view[off : off + length])
-        codes = self._store.batch_put_from(
-            names, [base + off - HEADER_SIZE for off in offsets],
-            [HEADER_SIZE + length] * len(offsets),
-        )  # fmt: skip
-        return [(int(code), code == 0) for code in codes]
-
-    def _get_in_place(
-        self,
-        names: list[str],
-        ns: bytes,
-        keys: Sequence[bytes],
-        offsets: Sequence[int],
-        length: int,
-    ) -> list[tuple[int, bool]]:
-        """One-buffer get: one ``batch_get_into`` of each object into its slot (header into
-        the headroom), then check each header and hash each payload."""
-        arena = self._arena
-        assert arena is not None
-        base, view = arena.address, arena.view
-        whole = HEADER_SIZE + length
-        codes = self._store.batch_get_into(
-            names, [base + off - HEADER_SIZE for off in offsets], [whole] * len(offsets)
-        )
-        results = []
-        for key, off, code in zip(keys, offsets, codes):
-            ok = False
-            if code == whole:
-                expected = check_header(view[off - HEADER_SIZE : off], ns, key, length)
-                ok = expected is not None and _checksum(arena, off, length) == expected
-            results.append((int(code), ok))
-        return results
+            return True, arena.view, arena.address, [off - HEADER_SIZE for off in offsets]
+        positions = [block + i * HEADER_SIZE for i in range(len(offsets))]
+        return False, scratch.view, scratch.address, positions
 
     # -- internals ---------------------------------------------------------------------
 
