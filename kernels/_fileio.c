@@ -16,15 +16,27 @@
    not take turns with it page by page. Arguments are checked before any I/O: a bad one
    raises ValueError/TypeError/OverflowError and nothing is read or written.
 
+   seal_headers(hbuf, headers, pbuf, payloads, length, ns, keys) -> None
+       For each i: the xxh3-64 of pbuf[payloads[i] : payloads[i] + length], then the 96-byte
+       object header of kvtier.daemon.storage.objects (magic, format version, namespace, key,
+       length, that checksum, the header's own checksum) written at hbuf[headers[i]:].
+
+   check_headers(hbuf, headers, pbuf, payloads, length, ns, keys) -> list[bool]
+       For each i: True when the header at hbuf[headers[i]:] verifies (its checksum, magic,
+       format version, namespace, key and length) and the payload's xxh3-64 is the one it
+       records. hbuf and pbuf may be the same buffer (headers in the slots' headroom).
+
    The checksum is XXH3_64bits with seed 0, identical to the Python `xxhash.xxh3_64_intdigest`
    (the XXH3 output is frozen since xxHash 0.8.0; a unit test compares the two). */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <endian.h>
 #include <errno.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 
 #define XXH_INLINE_ALL
@@ -209,7 +221,203 @@ static PyObject *checksum(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLongLong((unsigned long long)h);
 }
 
+/* ---- object headers (the layout of kvtier.daemon.storage.objects) ------------------------ */
+
+#define HDR_SIZE 96
+#define HDR_SUMMED 88 /* bytes covered by the header checksum */
+#define HDR_VERSION 1
+#define ID_BYTES 32
+
+typedef struct {
+    Py_ssize_t n;
+    Py_ssize_t *headers, *payloads;
+    const char *keys; /* n * 32 bytes, copied so that the GIL can be released */
+    char ns[ID_BYTES];
+} objects_t;
+
+static void objects_free(objects_t *o) {
+    PyMem_Free(o->headers);
+    PyMem_Free(o->payloads);
+    PyMem_Free((void *)o->keys);
+}
+
+/* Offsets of name (a sequence of n ints) into out, each in [0, buflen - span]. */
+static int parse_offsets(PyObject *seq, const char *name, Py_ssize_t n, Py_ssize_t span,
+                         Py_ssize_t buflen, Py_ssize_t *out) {
+    PyObject *fast = PySequence_Fast(seq, "offsets must be a sequence of ints");
+    if (fast == NULL)
+        return -1;
+    if (PySequence_Fast_GET_SIZE(fast) != n) {
+        PyErr_Format(PyExc_ValueError, "%zd keys but %zd %s", n, PySequence_Fast_GET_SIZE(fast),
+                     name);
+        Py_DECREF(fast);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t off = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(fast, i));
+        if (off == -1 && PyErr_Occurred()) {
+            Py_DECREF(fast);
+            return -1;
+        }
+        if (off < 0 || off > buflen - span) {
+            PyErr_Format(PyExc_ValueError, "%s[%zd] = %zd: %zd bytes there do not fit in the "
+                         "buffer of %zd bytes", name, i, off, span, buflen);
+            Py_DECREF(fast);
+            return -1;
+        }
+        out[i] = off;
+    }
+    Py_DECREF(fast);
+    return 0;
+}
+
+static int objects_parse(objects_t *o, PyObject *headers, Py_ssize_t hlen, PyObject *payloads,
+                         Py_ssize_t plen, Py_ssize_t length, Py_buffer *ns, PyObject *keys) {
+    memset(o, 0, sizeof(*o));
+    if (length <= 0) {
+        PyErr_Format(PyExc_ValueError, "length = %zd must be > 0", length);
+        return -1;
+    }
+    if (ns->len != ID_BYTES) {
+        PyErr_Format(PyExc_ValueError, "ns has %zd bytes, not %d", ns->len, ID_BYTES);
+        return -1;
+    }
+    memcpy(o->ns, ns->buf, ID_BYTES);
+    PyObject *kf = PySequence_Fast(keys, "keys must be a sequence of bytes");
+    if (kf == NULL)
+        return -1;
+    Py_ssize_t n = o->n = PySequence_Fast_GET_SIZE(kf);
+    o->headers = PyMem_Calloc(n ? n : 1, sizeof(Py_ssize_t));
+    o->payloads = PyMem_Calloc(n ? n : 1, sizeof(Py_ssize_t));
+    char *kb = PyMem_Malloc(n ? (size_t)n * ID_BYTES : 1);
+    o->keys = kb;
+    if (!o->headers || !o->payloads || !kb) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *k = PySequence_Fast_GET_ITEM(kf, i);
+        if (!PyBytes_Check(k) || PyBytes_GET_SIZE(k) != ID_BYTES) {
+            PyErr_Format(PyExc_ValueError, "keys[%zd] must be %d bytes", i, ID_BYTES);
+            goto fail;
+        }
+        memcpy(kb + i * ID_BYTES, PyBytes_AS_STRING(k), ID_BYTES);
+    }
+    if (parse_offsets(headers, "headers", n, HDR_SIZE, hlen, o->headers) < 0 ||
+        parse_offsets(payloads, "payloads", n, length, plen, o->payloads) < 0)
+        goto fail;
+    Py_DECREF(kf);
+    return 0;
+fail:
+    Py_DECREF(kf);
+    objects_free(o);
+    return -1;
+}
+
+static void put_le64(char *p, uint64_t v) {
+    v = htole64(v);
+    memcpy(p, &v, 8);
+}
+
+static uint64_t get_le64(const char *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return le64toh(v);
+}
+
+static void seal_one(char *h, const char *ns, const char *key, uint64_t length, uint64_t sum) {
+    uint16_t version = htole16(HDR_VERSION), reserved = 0;
+    memcpy(h, "KVTP", 4);
+    memcpy(h + 4, &version, 2);
+    memcpy(h + 6, &reserved, 2);
+    memcpy(h + 8, ns, ID_BYTES);
+    memcpy(h + 40, key, ID_BYTES);
+    put_le64(h + 72, length);
+    put_le64(h + 80, sum);
+    put_le64(h + 88, XXH3_64bits(h, HDR_SUMMED));
+}
+
+/* The payload checksum a header records, when everything else in it verifies. */
+static int check_one(const char *h, const char *ns, const char *key, uint64_t length,
+                     uint64_t *sum) {
+    uint16_t version;
+    memcpy(&version, h + 4, 2);
+    if (XXH3_64bits(h, HDR_SUMMED) != get_le64(h + 88) || memcmp(h, "KVTP", 4) != 0 ||
+        le16toh(version) != HDR_VERSION || memcmp(h + 8, ns, ID_BYTES) != 0 ||
+        memcmp(h + 40, key, ID_BYTES) != 0 || get_le64(h + 72) != length)
+        return 0;
+    *sum = get_le64(h + 80);
+    return 1;
+}
+
+static PyObject *headers_io(PyObject *args, int sealing) {
+    Py_buffer hbuf, pbuf, ns;
+    PyObject *headers, *payloads, *keys;
+    Py_ssize_t length;
+    if (!PyArg_ParseTuple(args, sealing ? "w*Oy*Ony*O:seal_headers" : "y*Oy*Ony*O:check_headers",
+                          &hbuf, &headers, &pbuf, &payloads, &length, &ns, &keys))
+        return NULL;
+    PyObject *out = NULL;
+    objects_t o;
+    int *ok = NULL;
+    if (objects_parse(&o, headers, hbuf.len, payloads, pbuf.len, length, &ns, keys) < 0)
+        goto done;
+    ok = PyMem_Calloc(o.n ? o.n : 1, sizeof(int));
+    if (ok == NULL) {
+        PyErr_NoMemory();
+        objects_free(&o);
+        goto done;
+    }
+    char *hb = (char *)hbuf.buf;
+    const char *pb = (const char *)pbuf.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < o.n; i++) {
+        char *h = hb + o.headers[i];
+        const char *key = o.keys + i * ID_BYTES;
+        uint64_t recorded;
+        if (sealing)
+            seal_one(h, o.ns, key, (uint64_t)length, xxh3(pb + o.payloads[i], (size_t)length));
+        else
+            ok[i] = check_one(h, o.ns, key, (uint64_t)length, &recorded) &&
+                    xxh3(pb + o.payloads[i], (size_t)length) == recorded;
+    }
+    Py_END_ALLOW_THREADS
+    if (sealing) {
+        out = Py_None;
+        Py_INCREF(out);
+    } else if ((out = PyList_New(o.n)) != NULL) {
+        for (Py_ssize_t i = 0; i < o.n; i++) {
+            PyObject *flag = ok[i] ? Py_True : Py_False;
+            Py_INCREF(flag);
+            PyList_SET_ITEM(out, i, flag);
+        }
+    }
+    PyMem_Free(ok);
+    objects_free(&o);
+done:
+    PyBuffer_Release(&hbuf);
+    PyBuffer_Release(&pbuf);
+    PyBuffer_Release(&ns);
+    return out;
+}
+
+static PyObject *seal_headers(PyObject *self, PyObject *args) {
+    (void)self;
+    return headers_io(args, 1);
+}
+
+static PyObject *check_headers(PyObject *self, PyObject *args) {
+    (void)self;
+    return headers_io(args, 0);
+}
+
 static PyMethodDef methods[] = {
+    {"seal_headers", seal_headers, METH_VARARGS,
+     "seal_headers(hbuf, headers, pbuf, payloads, length, ns, keys) -> None: hash each payload "
+     "of pbuf and write its 96-byte object header at its offset in hbuf."},
+    {"check_headers", check_headers, METH_VARARGS,
+     "check_headers(hbuf, headers, pbuf, payloads, length, ns, keys) -> list[bool]: whether "
+     "each header verifies and records its payload's xxh3-64."},
     {"write_pages", write_pages, METH_VARARGS,
      "write_pages(fd, buf, offsets, length, positions) -> list[int | None]: pwrite each page "
      "of buf to its file position, then its xxh3-64 checksum (None: the write failed)."},

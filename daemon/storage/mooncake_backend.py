@@ -28,9 +28,13 @@ pair an old header with a new payload), and it costs no copy: the payload is rea
 written to the arena slot directly.
 
 A batch is one job (batches beyond ``sub_batch_keys`` are split into concurrent jobs), run in
-the backend's own pool of ``max_inflight`` threads, never on the event loop.
-The xxh3 of each page is computed through ctypes with the GIL released, so hashing in one
-worker does not stall the event loop or the other workers.
+the backend's own pool of ``max_inflight`` threads, never on the event loop. A job seals (put)
+or checks (get) all its headers in one call of :func:`~kvtier.daemon.storage.objects.seal_headers`
+/ :func:`~kvtier.daemon.storage.objects.check_headers`, which hash with the GIL released, so
+hashing in one worker does not stall the event loop or the other workers. Mooncake's batch
+calls busy-poll their calling thread until the transfer is done, so the workers run at a
+lower priority (``worker_nice``): on a node whose cores are all busy the poll then gives way
+to the threads that move the bytes.
 
 Store semantics this relies on (Mooncake 0.3.13): ``put`` of an existing key keeps the old
 object and reports success, which is right for content-named pages; a full store evicts
@@ -54,7 +58,7 @@ import ipaddress
 import logging
 import mmap
 import os
-import struct
+import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Sequence
@@ -65,14 +69,7 @@ from kvtier.config.errors import StorageError
 from kvtier.config.sizes import ByteSize
 from kvtier.daemon.storage.base import HostArena, StorageBackend, run_to_completion
 from kvtier.daemon.storage.factory import validate_options
-from kvtier.daemon.storage.objects import (
-    FORMAT_VERSION,
-    HEADER_SIZE,
-    MAGIC,
-    check_header,
-    encode_header,
-    payload_checksum,
-)
+from kvtier.daemon.storage.objects import HEADER_SIZE, check_headers, seal_headers
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = ["MooncakeBackend", "MooncakeOptions"]
@@ -123,6 +120,12 @@ class MooncakeOptions(BaseModel):
     retry_interval_s: float = Field(default=1.0, gt=0, le=3600)
     """After a fault, operations fail fast (as misses) for this long, then one is let through
     to try the store again; calls to an unreachable master can otherwise block for seconds."""
+    worker_nice: int = Field(default=10, ge=0, le=19)
+    """How much lower than the daemon's the priority (nice value) of this backend's worker
+    threads is. A Mooncake batch call busy-polls in its calling thread until the transfer
+    completes; at a lower priority that poll gives way to the transfer's own threads (and to
+    the rest of the daemon) when the CPUs are all busy, instead of taking a core from them.
+    Mooncake's own threads keep the daemon's priority. 0 leaves the workers as they are."""
 
 
 class _State(enum.Enum):
@@ -221,14 +224,19 @@ class MooncakeBackend(StorageBackend):
         # segment is advertised on whatever interface it picks.
         if _is_ip(opts.local_hostname):
             os.environ.setdefault("MC_TCP_BIND_ADDRESS", opts.local_hostname)
-        self._pool = ThreadPoolExecutor(opts.max_inflight + 1, thread_name_prefix="kvtier-mooncake")
+        self._pool = ThreadPoolExecutor(
+            opts.max_inflight + 1, thread_name_prefix="kvtier-mooncake",
+            initializer=_lower_priority, initargs=(opts.worker_nice,),
+        )  # fmt: skip
         self._scratch = _Scratch(opts.max_inflight, opts.sub_batch_keys)
         self._arena = arena
         store = MooncakeDistributedStore()
         self._store = store
         self._state = _State.OPEN
         try:
-            rc = await self._call(
+            # Setup and registration run on the loop's executor, not on the lowered workers:
+            # the threads Mooncake starts here inherit the priority of the one that starts them.
+            rc = await self._setup_call(
                 store.setup,
                 opts.local_hostname,
                 opts.metadata_server,
@@ -247,7 +255,7 @@ class MooncakeBackend(StorageBackend):
                 ("arena", arena.address, arena.size),
                 ("header scratch", self._scratch.address, self._scratch.size),
             ):
-                rc = await self._call(store.register_buffer, address, size)
+                rc = await self._setup_call(store.register_buffer, address, size)
                 if rc != 0:
                     raise StorageError(
                         f"mooncake backend: register_buffer of the {what} ({size} B) failed ({rc})"
@@ -420,12 +428,7 @@ class MooncakeBackend(StorageBackend):
         arena = self._arena
         assert arena is not None
         in_place, hview, hbase, hpos = self._header_room(offsets, block)
-        for key, off, at in zip(keys, offsets, hpos):
-            if _FAST_HEADER:
-                _write_header(hview, at, ns, key, length, _checksum(arena, off, length))
-            else:
-                payload = arena.view[off : off + length]
-                hview[at : at + HEADER_SIZE] = encode_header(ns, key, payload)
+        seal_headers(hview, hpos, arena.view, offsets, length, ns, keys)
         if in_place:
             codes = self._store.batch_put_from(
                 names, [hbase + at for at in hpos], [HEADER_SIZE + length] * len(hpos)
@@ -461,14 +464,15 @@ class MooncakeBackend(StorageBackend):
                 names, [[hbase + at, arena.address + off] for at, off in zip(hpos, offsets)],
                 [[HEADER_SIZE, length]] * len(hpos),
             )  # fmt: skip
-        results = []
-        for key, off, at, code in zip(keys, offsets, hpos, codes):
-            ok = False
-            if code == whole:
-                expected = check_header(hview[at : at + HEADER_SIZE], ns, key, length)
-                ok = expected is not None and _checksum(arena, off, length) == expected
-            results.append((int(code), ok))
-        return results
+        landed = [i for i, code in enumerate(codes) if code == whole]
+        verified = check_headers(
+            hview, [hpos[i] for i in landed], arena.view, [offsets[i] for i in landed], length,
+            ns, [keys[i] for i in landed],
+        )  # fmt: skip
+        ok = [False] * len(codes)
+        for i, good in zip(landed, verified):
+            ok[i] = good
+        return [(int(code), flag) for code, flag in zip(codes, ok)]
 
     def _header_room(
         self, offsets: Sequence[int], block: int
@@ -533,6 +537,9 @@ class MooncakeBackend(StorageBackend):
     async def _call(self, fn: Callable[..., _T], *args: Any) -> _T:
         return await run_to_completion(functools.partial(fn, *args), self._pool)
 
+    async def _setup_call(self, fn: Callable[..., _T], *args: Any) -> _T:
+        return await run_to_completion(functools.partial(fn, *args), None)
+
     def _check_open(self) -> HostArena:
         if self._state is not _State.OPEN or self._arena is None:
             raise StorageError(f"mooncake backend: used in state {self._state.value}")
@@ -588,67 +595,22 @@ class MooncakeBackend(StorageBackend):
             )
 
 
-def _load_xxh3() -> Any:
-    """``XXH3_64bits(ptr, len)`` through ctypes, which releases the GIL while it hashes.
-
-    python-xxhash holds the GIL for the whole hash (about a millisecond per 16 MiB batch),
-    which would stall the event loop and the other workers; the wheel's extension module
-    exports the C function, and ctypes drops the GIL around foreign calls. Checked against
-    :func:`payload_checksum` on a probe; ``None`` (use python-xxhash) when missing or
-    different. :func:`_write_header` is likewise checked against :func:`encode_header`.
-    """
+def _lower_priority(nice: int) -> None:
+    """Initializer of the worker threads: raise this thread's nice value by ``nice`` (Linux
+    gives each thread its own); a refusal is logged and the thread runs as it is."""
+    if nice <= 0:
+        return
+    tid = threading.get_native_id()
     try:
-        import xxhash._xxhash as extension
-
-        function = ctypes.CDLL(extension.__file__).XXH3_64bits
-    except (ImportError, OSError, AttributeError):
-        return None
-    function.restype = ctypes.c_uint64
-    function.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
-    probe = bytes(range(256)) * 17
-    buffer = ctypes.create_string_buffer(probe, len(probe))
-    if function(ctypes.addressof(buffer), len(probe)) != payload_checksum(probe):
-        return None
-    return function
-
-
-_XXH3 = _load_xxh3()
-_HEAD = struct.Struct("<4sHH32s32sQQ")
-_U64 = struct.Struct("<Q")
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError as err:
+        _log.warning("mooncake backend: could not lower a worker's priority: %s", err)
 
 
 def _one_buffer(arena: HostArena, offsets: Sequence[int]) -> bool:
     """Whether a batch's headers can go in its slots' headroom: the arena has room for one
     and no slot appears twice (two headers in one headroom would overwrite each other)."""
     return arena.headroom >= HEADER_SIZE and len(set(offsets)) == len(offsets)
-
-
-def _checksum(arena: HostArena, off: int, length: int) -> int:
-    """xxh3-64 of ``arena[off : off + length]`` (GIL released when the ctypes path loaded)."""
-    if _XXH3 is not None:
-        return int(_XXH3(arena.address + off, length))
-    return payload_checksum(arena.view[off : off + length])
-
-
-def _write_header(
-    scratch: memoryview, at: int, ns: bytes, key: bytes, length: int, checksum: int
-) -> None:
-    """Write the header of a ``length``-byte payload with ``checksum`` at ``scratch[at:]``:
-    :func:`encode_header` without hashing the payload again or building bytes objects."""
-    _HEAD.pack_into(scratch, at, MAGIC, FORMAT_VERSION, 0, ns, key, length, checksum)
-    _U64.pack_into(scratch, at + _HEAD.size, payload_checksum(scratch[at : at + _HEAD.size]))
-
-
-def _fast_header_matches() -> bool:
-    """Whether :func:`_write_header` still writes exactly what :func:`encode_header` builds."""
-    payload = bytes(range(200)) * 3
-    ns, key = bytes(range(32)), bytes(range(32, 64))
-    scratch = memoryview(bytearray(HEADER_SIZE + 8))
-    _write_header(scratch, 8, ns, key, len(payload), payload_checksum(payload))
-    return bytes(scratch[8:]) == encode_header(ns, key, payload)
-
-
-_FAST_HEADER = _fast_header_matches()
 
 
 async def _unreachable(address: str, timeout_s: float) -> str | None:

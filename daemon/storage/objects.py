@@ -15,11 +15,20 @@ One object is one page::
 
 A reader verifies magic, version, namespace, key, length and both checksums; any
 mismatch means the object is a miss (and is counted as corrupt), never data.
+
+Backends that keep header and payload in separate places (a header in a slot's headroom or
+in scratch, the payload in its arena slot) seal and check whole batches with
+:func:`seal_headers` / :func:`check_headers`: one C call per batch (the GIL released, XXH3's
+AVX2 build where the CPU has it) when :mod:`kvtier.kernels._fileio` is built, else the same
+in Python page by page (:data:`NATIVE_HEADERS` says which).
 """
 
 from __future__ import annotations
 
+import os
 import struct
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import xxhash
 
@@ -72,3 +81,80 @@ def verify_object(header: memoryview | bytes, payload: memoryview | bytes, ns: b
     """Return True when ``header`` describes ``payload`` under (``ns``, ``key``) and it verifies."""
     expected = check_header(header, ns, key, len(payload))
     return expected is not None and payload_checksum(payload) == expected
+
+
+Buffer = Any  # a buffer-protocol object: memoryview, bytearray, mmap
+HeadersIO = Callable[[Buffer, Sequence[int], Buffer, Sequence[int], int, bytes, Sequence[bytes]], Any]
+
+
+def _check_batch(hbuf: Buffer, headers: Sequence[int], pbuf: Buffer, payloads: Sequence[int],
+                 length: int, ns: bytes, keys: Sequence[bytes]) -> tuple[memoryview, memoryview]:
+    """The arguments of a batch call checked (the same errors as the C functions)."""
+    if length <= 0:
+        raise ValueError(f"length = {length} must be > 0")
+    if len(ns) != 32:
+        raise ValueError(f"ns has {len(ns)} bytes, not 32")
+    for i, k in enumerate(keys):
+        if not isinstance(k, bytes) or len(k) != 32:
+            raise ValueError(f"keys[{i}] must be 32 bytes")
+    hv, pv = memoryview(hbuf).cast("B"), memoryview(pbuf).cast("B")
+    for name, offs, span, size in (("headers", headers, HEADER_SIZE, hv.nbytes),
+                                   ("payloads", payloads, length, pv.nbytes)):
+        if len(offs) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(offs)} {name}")
+        for i, off in enumerate(offs):
+            if off < 0 or off > size - span:
+                raise ValueError(f"{name}[{i}] = {off}: {span} bytes there do not fit in the "
+                                 f"buffer of {size} bytes")
+    return hv, pv
+
+
+def py_seal_headers(hbuf: Buffer, headers: Sequence[int], pbuf: Buffer, payloads: Sequence[int],
+                    length: int, ns: bytes, keys: Sequence[bytes]) -> None:
+    """The pure-Python :func:`seal_headers` (same bytes, page by page)."""
+    hv, pv = _check_batch(hbuf, headers, pbuf, payloads, length, ns, keys)
+    for h, p, key in zip(headers, payloads, keys):
+        hv[h : h + HEADER_SIZE] = header_for(ns, key, length, payload_checksum(pv[p : p + length]))
+
+
+def py_check_headers(hbuf: Buffer, headers: Sequence[int], pbuf: Buffer, payloads: Sequence[int],
+                     length: int, ns: bytes, keys: Sequence[bytes]) -> list[bool]:
+    """The pure-Python :func:`check_headers` (same answers, page by page)."""
+    hv, pv = _check_batch(hbuf, headers, pbuf, payloads, length, ns, keys)
+    return [verify_object(hv[h : h + HEADER_SIZE], pv[p : p + length], ns, key)
+            for h, p, key in zip(headers, payloads, keys)]
+
+
+def _native_headers() -> tuple[HeadersIO, HeadersIO] | None:
+    """The C batch functions when built and writing exactly :func:`header_for`'s bytes."""
+    if os.environ.get("KVTIER_PURE_PYTHON_IO", "") not in ("", "0"):
+        return None
+    try:
+        from kvtier.kernels import _fileio  # type: ignore[attr-defined]
+
+        seal, check = _fileio.seal_headers, _fileio.check_headers
+    except (ImportError, AttributeError):
+        return None
+    payload = bytes(range(251)) * 5
+    ns, key = bytes(range(32)), bytes(range(32, 64))
+    out = bytearray(HEADER_SIZE)
+    seal(out, [0], payload, [0], len(payload), ns, [key])
+    if bytes(out) != encode_header(ns, key, payload) or check(
+            out, [0], payload, [0], len(payload), ns, [key]) != [True]:  # fmt: skip
+        return None
+    return seal, check
+
+
+_headers_impl = _native_headers()
+NATIVE_HEADERS: bool = _headers_impl is not None
+"""Whether :func:`seal_headers` / :func:`check_headers` run in C (the GIL released per batch)."""
+
+seal_headers: HeadersIO = _headers_impl[0] if _headers_impl else py_seal_headers
+"""``seal_headers(hbuf, headers, pbuf, payloads, length, ns, keys)``: for each page, hash
+``pbuf[payloads[i] : payloads[i] + length]`` and write its header at ``hbuf[headers[i]:]``.
+A bad argument raises ValueError before anything is written."""
+
+check_headers: HeadersIO = _headers_impl[1] if _headers_impl else py_check_headers
+"""``check_headers(hbuf, headers, pbuf, payloads, length, ns, keys) -> list[bool]``: for
+each page, whether the header at ``hbuf[headers[i]:]`` names ``ns``, ``keys[i]`` and
+``length``, verifies, and records the xxh3-64 of the payload at ``pbuf[payloads[i]:]``."""

@@ -41,7 +41,7 @@ import redis.asyncio as redis_asyncio
 from kvtier.config.errors import ConfigError, StorageError
 from kvtier.daemon.storage.base import HostArena, StorageBackend, run_to_completion
 from kvtier.daemon.storage.factory import validate_options
-from kvtier.daemon.storage.objects import HEADER_SIZE, encode_header, verify_object
+from kvtier.daemon.storage.objects import HEADER_SIZE, seal_headers, verify_object
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -351,12 +351,14 @@ class RedisBackend(StorageBackend):
             head, tail = b"*3\r\n$3\r\nSET\r\n", b"\r\n"
         else:
             head, tail = b"*5\r\n$3\r\nSET\r\n", b"\r\n" + _bulk(b"PX") + _bulk(self._ttl_arg)
-        for key, off in zip(keys, offsets):
-            payload = view[off : off + length]
+        headers = bytearray(HEADER_SIZE * len(keys))
+        at = range(0, len(headers), HEADER_SIZE)
+        seal_headers(headers, at, view, offsets, length, ns, keys)  # one call, GIL released
+        for key, off, h in zip(keys, offsets, at):
             chunks.append(
-                head + _bulk(self.key_name(ns, key)) + value_head + encode_header(ns, key, payload)
+                head + _bulk(self.key_name(ns, key)) + value_head + headers[h : h + HEADER_SIZE]
             )
-            chunks.append(payload)
+            chunks.append(view[off : off + length])
             chunks.append(tail)
         return chunks
 

@@ -8,17 +8,20 @@ right before the payload) and over one without (header in scratch, two buffers).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import mmap
 import os
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from kvtier.config.errors import StorageError
 from kvtier.daemon.pool_meta import SLOT_HEADROOM
-from kvtier.daemon.storage import mooncake_backend
+from kvtier.daemon.storage import mooncake_backend, objects
 from kvtier.daemon.storage.base import HostArena
 from kvtier.daemon.storage.mooncake_backend import MooncakeBackend
 from kvtier.daemon.storage.objects import HEADER_SIZE, encode_header
@@ -333,24 +336,26 @@ async def test_object_layout_is_header_then_payload(
     assert value[:HEADER_SIZE] == encode_header(NS, key(7), data) and value[HEADER_SIZE:] == data
 
 
-async def test_objects_match_without_the_ctypes_hash(
+async def test_objects_match_without_the_c_header_functions(
     monkeypatch: pytest.MonkeyPatch,
     mooncake_master: MooncakeMaster,
     store: MooncakeBackend,
     arena: HostArena,
 ) -> None:
-    """The python-xxhash and encode_header fallbacks write and verify the same objects."""
+    """The pure-Python header functions write and verify the same objects as the C ones:
+    pages put by one are read by the other, both ways."""
     keys = [key(i) for i in range(4)]
     written = [fill(arena, s) for s in range(4)]
-    monkeypatch.setattr(mooncake_backend, "_XXH3", None)
-    monkeypatch.setattr(mooncake_backend, "_FAST_HEADER", False)
-    assert await store.put_from(NS, keys[:1], offsets(arena, [0]), PAGE) == [True]
-    monkeypatch.setattr(mooncake_backend, "_FAST_HEADER", True)
-    assert await store.put_from(NS, keys[1:2], offsets(arena, [1]), PAGE) == [True]
-    assert await store.get_into(NS, keys[:2], offsets(arena, range(10, 12)), PAGE) == [True] * 2
+    assert objects.NATIVE_HEADERS, "the C extension is built by `make venv`"
+    monkeypatch.setattr(mooncake_backend, "seal_headers", objects.py_seal_headers)
+    assert await store.put_from(NS, keys[:2], offsets(arena, [0, 1]), PAGE) == [True] * 2
     monkeypatch.undo()
     assert await store.put_from(NS, keys[2:], offsets(arena, range(2, 4)), PAGE) == [True] * 2
+    monkeypatch.setattr(mooncake_backend, "check_headers", objects.py_check_headers)
+    assert await store.get_into(NS, keys, offsets(arena, range(10, 14)), PAGE) == [True] * 4
+    monkeypatch.undo()
     assert await store.get_into(NS, keys, offsets(arena, range(20, 24)), PAGE) == [True] * 4
+    assert [page(arena, s) for s in range(10, 14)] == written
     assert [page(arena, s) for s in range(20, 24)] == written
     raw = RawClient(mooncake_master)
     try:
@@ -359,6 +364,45 @@ async def test_objects_match_without_the_ctypes_hash(
         raw.close()
     assert values == [encode_header(NS, k, d) + d for k, d in zip(keys[:3], written[:3])]
     assert store.stats.corrupt == 0 and store.stats.errors == 0
+
+
+def _nice_of_threads() -> dict[int, int]:
+    """Nice value of each thread of this process, by native thread id (from /proc)."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+            out[int(tid)] = int(stat.rsplit(")", 1)[1].split()[16])  # field 19: nice
+    return out
+
+
+async def test_workers_poll_at_a_lower_priority_than_mooncakes_own_threads(
+    mooncake_master: MooncakeMaster,
+) -> None:
+    """The threads that call (and busy-poll) Mooncake run ``worker_nice`` below the daemon;
+    the threads Mooncake starts, which move the bytes, keep the daemon's priority, also
+    after transfers have run."""
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    arena, memory = make_arena(LEAD)
+    before = set(_nice_of_threads())
+    store = await opened(mooncake_master, arena, worker_nice=7)
+    try:
+        keys = [key(i) for i in range(8)]
+        assert await store.put_from(NS, keys, offsets(arena, range(8)), PAGE) == [True] * 8
+        assert await store.get_into(NS, keys, offsets(arena, range(8, 16)), PAGE) == [True] * 8
+        pool = store._pool
+        assert pool is not None
+        workers = {t.native_id for t in pool._threads}  # type: ignore[attr-defined]
+        nice = _nice_of_threads()
+        assert workers and all(nice[w] == min(19, base + 7) for w in workers), (nice, workers)
+        python = {t.native_id for t in threading.enumerate()}
+        native = set(nice) - before - workers - python
+        assert native, "Mooncake started no threads of its own"
+        assert all(nice[t] == base for t in native), {t: nice[t] for t in native}
+    finally:
+        await store.close()
+        arena.view.release()
+        memory.close()
 
 
 async def test_with_headroom_a_page_moves_with_its_header_in_front(

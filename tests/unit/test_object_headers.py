@@ -1,0 +1,140 @@
+"""Batch sealing and checking of object headers: the C functions and the pure-Python ones
+write the same bytes as :func:`encode_header` and refuse the same objects."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+from kvtier.daemon.storage import objects
+from kvtier.daemon.storage.objects import HEADER_SIZE, encode_header
+
+IMPLS = [
+    pytest.param((objects.py_seal_headers, objects.py_check_headers), id="python"),
+    pytest.param(
+        (objects.seal_headers, objects.check_headers),
+        id="native",
+        marks=pytest.mark.skipif(
+            not objects.NATIVE_HEADERS, reason="kvtier.kernels._fileio is not built"
+        ),
+    ),
+]
+
+NS = bytes(range(32))
+
+
+def ids(n: int, seed: int = 1) -> list[bytes]:
+    rng = random.Random(seed)
+    return [rng.randbytes(32) for _ in range(n)]
+
+
+def test_the_c_functions_are_built() -> None:
+    """`make venv` builds the extension; without it the batch functions run in Python."""
+    assert objects.NATIVE_HEADERS
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("length", [1, 95, 96, 4097, 256 * 1024])
+def test_sealed_headers_are_encode_header_in_place(impl: tuple, length: int) -> None:
+    """Headers in each slot's headroom (one buffer) match encode_header byte for byte, and
+    nothing outside the headers changes."""
+    seal, check = impl
+    n, stride = 5, 128 + length
+    buf = bytearray(os.urandom(n * stride))
+    keys = ids(n)
+    payloads = [i * stride + 128 for i in range(n)]
+    headers = [p - HEADER_SIZE for p in payloads]
+    before = bytes(buf)
+    seal(buf, headers, buf, payloads, length, NS, keys)
+    for i, (h, p) in enumerate(zip(headers, payloads)):
+        assert bytes(buf[h:p]) == encode_header(NS, keys[i], bytes(buf[p : p + length]))
+        assert buf[i * stride : h] == before[i * stride : h]
+        assert buf[p : p + length] == before[p : p + length]
+    assert check(buf, headers, buf, payloads, length, NS, keys) == [True] * n
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_headers_in_another_buffer(impl: tuple) -> None:
+    """Headers in scratch, payloads in the arena; the order of slots is free."""
+    seal, check = impl
+    length, n = 4096, 4
+    arena = bytearray(os.urandom(length * n))
+    scratch = bytearray(HEADER_SIZE * n)
+    keys, payloads = ids(n), [3 * length, 0, 2 * length, length]
+    headers = [i * HEADER_SIZE for i in range(n)]
+    seal(scratch, headers, arena, payloads, length, NS, keys)
+    for i, p in enumerate(payloads):
+        want = encode_header(NS, keys[i], bytes(arena[p : p + length]))
+        assert scratch[i * HEADER_SIZE : (i + 1) * HEADER_SIZE] == want
+    assert check(scratch, headers, arena, payloads, length, NS, keys) == [True] * n
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_any_change_makes_a_miss(impl: tuple) -> None:
+    """A flipped byte anywhere in a header or payload, or a reader that expects another
+    namespace, key or length, fails only the page concerned."""
+    seal, check = impl
+    length, n = 512, 3
+    buf = bytearray(os.urandom(n * (HEADER_SIZE + length)))
+    keys = ids(n)
+    headers = [i * (HEADER_SIZE + length) for i in range(n)]
+    payloads = [h + HEADER_SIZE for h in headers]
+    seal(buf, headers, buf, payloads, length, NS, keys)
+    good = bytes(buf)
+    for pos in [0, 3, 4, 6, 7, 8, 39, 40, 71, 72, 79, 80, 87, 88, 95, 96, 300, 96 + length - 1]:
+        buf[headers[1] + pos] ^= 0x01
+        assert check(buf, headers, buf, payloads, length, NS, keys) == [True, False, True], pos
+        buf[:] = good
+    assert check(buf, headers, buf, payloads, length, bytes(32), keys) == [False] * n
+    assert check(buf, headers, buf, payloads, length, NS, keys[::-1]) == [False, True, False]
+    assert check(buf, headers, buf, payloads, length - 1, NS, keys) == [False] * n
+    assert check(buf, headers, buf, payloads, length, NS, keys) == [True] * n
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_python_and_c_read_each_others_objects(impl: tuple) -> None:
+    """Objects sealed by one implementation verify with the other."""
+    seal, _ = impl
+    length, n = 1000, 4
+    buf = bytearray(os.urandom(n * (HEADER_SIZE + length)))
+    keys = ids(n, seed=7)
+    headers = [i * (HEADER_SIZE + length) for i in range(n)]
+    payloads = [h + HEADER_SIZE for h in headers]
+    seal(buf, headers, buf, payloads, length, NS, keys)
+    for check in (objects.py_check_headers, objects.check_headers):
+        assert check(buf, headers, buf, payloads, length, NS, keys) == [True] * n
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"length": 0}, "length = 0"),
+        ({"ns": b"x" * 31}, "ns has 31 bytes"),
+        ({"keys": [b"k" * 32, b"k" * 33]}, r"keys\[1\] must be 32 bytes"),
+        ({"keys": [b"k" * 32, "k" * 32]}, r"keys\[1\] must be 32 bytes"),
+        ({"keys": [b"k" * 32]}, "1 keys but 2 headers"),
+        ({"headers": [0, 4001]}, r"headers\[1\] = 4001: 96 bytes there do not fit"),
+        ({"headers": [-1, 96]}, r"headers\[0\] = -1"),
+        ({"payloads": [0, 3585]}, r"payloads\[1\] = 3585: 512 bytes there do not fit"),
+    ],
+)
+def test_bad_arguments_raise_before_anything_is_written(
+    impl: tuple, change: dict, message: str
+) -> None:
+    seal, check = impl
+    args = {"headers": [0, 96], "payloads": [0, 512], "length": 512, "ns": NS,
+            "keys": [b"k" * 32, b"l" * 32]}  # fmt: skip
+    args.update(change)
+    hbuf, pbuf = bytearray(4096), bytearray(os.urandom(4096))
+    for fn in (seal, check):
+        with pytest.raises(ValueError, match=message):
+            fn(hbuf, args["headers"], pbuf, args["payloads"], args["length"], args["ns"],
+               args["keys"])  # fmt: skip
+        assert hbuf == bytes(4096)
+
+
+def test_sealing_needs_a_writable_header_buffer() -> None:
+    with pytest.raises(TypeError):
+        objects.seal_headers(bytes(96), [0], bytes(64), [0], 64, NS, [b"k" * 32])
