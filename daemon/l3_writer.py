@@ -45,8 +45,10 @@ log = logging.getLogger("kvtier.daemon.l3_writer")
 WRITE_BATCH = 64
 """Pages per backend ``put_from`` call."""
 
-WRITE_CONCURRENCY = 2
-"""Write batches in flight at once."""
+WRITE_CONCURRENCY = 4
+"""Write batches in flight at once. The file backend measured 0.47-0.51 of raw write
+speed through the daemon with one batch in flight, 0.65-0.77 with two, 0.70-0.80 with four
+(2-core machine): each batch leaves its thread idle while the event loop settles it."""
 
 MAX_RETRIES = 3
 """Attempts after the first before a page is given up."""

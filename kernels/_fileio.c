@@ -21,6 +21,12 @@
        object header of kvtier.daemon.storage.objects (magic, format version, namespace, key,
        length, that checksum, the header's own checksum) written at hbuf[headers[i]:].
 
+   write_headers(hbuf, headers, length, ns, keys, checksums) -> None
+       The same headers, recording checksums the caller computed (e.g. while copying).
+
+   recorded_checksums(hbuf, headers, length, ns, keys) -> list[int | None]
+       The payload checksum each header records; None where the header does not verify.
+
    check_headers(hbuf, headers, pbuf, payloads, length, ns, keys) -> list[bool]
        For each i: True when the header at hbuf[headers[i]:] verifies (its checksum, magic,
        format version, namespace, key and length) and the payload's xxh3-64 is the one it
@@ -304,7 +310,8 @@ static int objects_parse(objects_t *o, PyObject *headers, Py_ssize_t hlen, PyObj
         memcpy(kb + i * ID_BYTES, PyBytes_AS_STRING(k), ID_BYTES);
     }
     if (parse_offsets(headers, "headers", n, HDR_SIZE, hlen, o->headers) < 0 ||
-        parse_offsets(payloads, "payloads", n, length, plen, o->payloads) < 0)
+        (payloads != NULL &&
+         parse_offsets(payloads, "payloads", n, length, plen, o->payloads) < 0))
         goto fail;
     Py_DECREF(kf);
     return 0;
@@ -411,7 +418,100 @@ static PyObject *check_headers(PyObject *self, PyObject *args) {
     return headers_io(args, 0);
 }
 
+/* Write headers recording the given payload checksums (the caller hashed the payloads). */
+static PyObject *write_headers(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer hbuf, ns;
+    PyObject *headers, *keys, *checksums;
+    Py_ssize_t length;
+    if (!PyArg_ParseTuple(args, "w*Ony*OO:write_headers", &hbuf, &headers, &length, &ns, &keys,
+                          &checksums))
+        return NULL;
+    PyObject *out = NULL, *sums = NULL;
+    uint64_t *values = NULL;
+    objects_t o;
+    if (objects_parse(&o, headers, hbuf.len, NULL, 0, length, &ns, keys) < 0)
+        goto done;
+    sums = PySequence_Fast(checksums, "checksums must be a sequence of ints");
+    if (sums == NULL)
+        goto parsed;
+    if (PySequence_Fast_GET_SIZE(sums) != o.n) {
+        PyErr_Format(PyExc_ValueError, "%zd keys but %zd checksums", o.n,
+                     PySequence_Fast_GET_SIZE(sums));
+        goto parsed;
+    }
+    values = PyMem_Calloc(o.n ? o.n : 1, sizeof(uint64_t));
+    if (values == NULL) {
+        PyErr_NoMemory();
+        goto parsed;
+    }
+    for (Py_ssize_t i = 0; i < o.n; i++) {
+        values[i] = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(sums, i));
+        if (PyErr_Occurred()) {
+            PyErr_Format(PyExc_ValueError, "checksums[%zd] must be an int of 64 bits", i);
+            goto parsed;
+        }
+    }
+    for (Py_ssize_t i = 0; i < o.n; i++)
+        seal_one((char *)hbuf.buf + o.headers[i], o.ns, o.keys + i * ID_BYTES, (uint64_t)length,
+                 values[i]);
+    out = Py_None;
+    Py_INCREF(out);
+parsed:
+    PyMem_Free(values);
+    Py_XDECREF(sums);
+    objects_free(&o);
+done:
+    PyBuffer_Release(&hbuf);
+    PyBuffer_Release(&ns);
+    return out;
+}
+
+/* The payload checksum each header records, or None where the header does not verify. */
+static PyObject *recorded_checksums(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer hbuf, ns;
+    PyObject *headers, *keys;
+    Py_ssize_t length;
+    if (!PyArg_ParseTuple(args, "y*Ony*O:recorded_checksums", &hbuf, &headers, &length, &ns,
+                          &keys))
+        return NULL;
+    PyObject *out = NULL;
+    objects_t o;
+    if (objects_parse(&o, headers, hbuf.len, NULL, 0, length, &ns, keys) < 0)
+        goto done;
+    if ((out = PyList_New(o.n)) == NULL)
+        goto parsed;
+    for (Py_ssize_t i = 0; i < o.n; i++) {
+        uint64_t sum;
+        PyObject *item;
+        if (check_one((const char *)hbuf.buf + o.headers[i], o.ns, o.keys + i * ID_BYTES,
+                      (uint64_t)length, &sum)) {
+            if ((item = PyLong_FromUnsignedLongLong((unsigned long long)sum)) == NULL) {
+                Py_CLEAR(out);
+                goto parsed;
+            }
+        } else {
+            item = Py_None;
+            Py_INCREF(item);
+        }
+        PyList_SET_ITEM(out, i, item);
+    }
+parsed:
+    objects_free(&o);
+done:
+    PyBuffer_Release(&hbuf);
+    PyBuffer_Release(&ns);
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"write_headers", write_headers, METH_VARARGS,
+     "write_headers(hbuf, headers, length, ns, keys, checksums) -> None: write the object "
+     "header recording each given payload checksum at its offset in hbuf."},
+    {"recorded_checksums", recorded_checksums, METH_VARARGS,
+     "recorded_checksums(hbuf, headers, length, ns, keys) -> list[int | None]: the payload "
+     "checksum each header records, None where it does not verify."},
     {"seal_headers", seal_headers, METH_VARARGS,
      "seal_headers(hbuf, headers, pbuf, payloads, length, ns, keys) -> None: hash each payload "
      "of pbuf and write its 96-byte object header at its offset in hbuf."},

@@ -63,7 +63,13 @@ from typing import Any, Literal, TypeVar
 from kvtier.config.errors import StorageError
 from kvtier.daemon.storage.base import HostArena, StorageBackend
 from kvtier.daemon.storage.factory import validate_options
-from kvtier.daemon.storage.objects import HEADER_SIZE, MAGIC, check_header, header_for
+from kvtier.daemon.storage.objects import (
+    HEADER_SIZE,
+    MAGIC,
+    check_header,
+    recorded_checksums,
+    write_headers,
+)
 from kvtier.kernels.file_io import read_pages, write_pages
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator
 
@@ -510,11 +516,13 @@ class FileBackend(StorageBackend):
                     slot.dirty = False
                 sums = write_pages(fd, arena.view, [offsets[i] for i, _ in run], length,
                                    [slot.dpos for _, slot in run])
-                for k, ((i, slot), checksum) in enumerate(zip(run, sums)):
-                    if checksum is not None:
-                        at = k * HEADER_STRIDE
-                        table[at:at + HEADER_SIZE] = header_for(ns, keys[i], length, checksum)
-                        written[i] = slot.dirty = True
+                done = [(k, i, slot, checksum)
+                        for k, ((i, slot), checksum) in enumerate(zip(run, sums))
+                        if checksum is not None]
+                write_headers(table, [k * HEADER_STRIDE for k, _, _, _ in done], length, ns,
+                              [keys[i] for _, i, _, _ in done], [c for _, _, _, c in done])
+                for _, i, slot, _ in done:
+                    written[i] = slot.dirty = True
                 if os.pwrite(fd, table, first) != len(table):
                     raise OSError("short write")
             except OSError:
@@ -556,12 +564,12 @@ class FileBackend(StorageBackend):
             except OSError:
                 errors += len(run)
                 continue
-            wanted = []  # (key index, slot, payload checksum its header records)
-            for k, (i, slot) in enumerate(run):
-                header = table[k * HEADER_STRIDE : k * HEADER_STRIDE + HEADER_SIZE]
-                expected = check_header(header, ns, keys[i], length)
-                if expected is not None:
-                    wanted.append((i, slot, expected))
+            whole = run[: max(0, (len(table) - HEADER_SIZE) // HEADER_STRIDE + 1)]  # not cut short
+            recorded = recorded_checksums(table, range(0, len(whole) * HEADER_STRIDE, HEADER_STRIDE),
+                                          length, ns, [keys[i] for i, _ in whole])
+            # (key index, slot, payload checksum its header records)
+            wanted = [(i, slot, expected)
+                      for (i, slot), expected in zip(whole, recorded) if expected is not None]
             sums = read_pages(fd, arena.view, [offsets[i] for i, _, _ in wanted], length,
                               [slot.dpos for _, slot, _ in wanted])
             for (i, _, expected), checksum in zip(wanted, sums):

@@ -125,24 +125,50 @@ def py_check_headers(hbuf: Buffer, headers: Sequence[int], pbuf: Buffer, payload
             for h, p, key in zip(headers, payloads, keys)]
 
 
-def _native_headers() -> tuple[HeadersIO, HeadersIO] | None:
+def py_write_headers(hbuf: Buffer, headers: Sequence[int], length: int, ns: bytes,
+                     keys: Sequence[bytes], checksums: Sequence[int]) -> None:
+    """The pure-Python :func:`write_headers`."""
+    hv, _ = _check_batch(hbuf, headers, b"\0" * length, [0] * len(keys), length, ns, keys)
+    if len(checksums) != len(keys):
+        raise ValueError(f"{len(keys)} keys but {len(checksums)} checksums")
+    for i, c in enumerate(checksums):
+        if not isinstance(c, int) or not 0 <= c < 1 << 64:
+            raise ValueError(f"checksums[{i}] must be an int of 64 bits")
+    for h, key, checksum in zip(headers, keys, checksums):
+        hv[h : h + HEADER_SIZE] = header_for(ns, key, length, checksum)
+
+
+def py_recorded_checksums(hbuf: Buffer, headers: Sequence[int], length: int, ns: bytes,
+                          keys: Sequence[bytes]) -> list[int | None]:
+    """The pure-Python :func:`recorded_checksums`."""
+    hv, _ = _check_batch(hbuf, headers, b"\0" * length, [0] * len(keys), length, ns, keys)
+    return [check_header(hv[h : h + HEADER_SIZE], ns, key, length)
+            for h, key in zip(headers, keys)]
+
+
+def _native_headers() -> tuple[Any, Any, Any, Any] | None:
     """The C batch functions when built and writing exactly :func:`header_for`'s bytes."""
     if os.environ.get("KVTIER_PURE_PYTHON_IO", "") not in ("", "0"):
         return None
     try:
         from kvtier.kernels import _fileio  # type: ignore[attr-defined]
 
-        seal, check = _fileio.seal_headers, _fileio.check_headers
+        fns = (_fileio.seal_headers, _fileio.check_headers, _fileio.write_headers,
+               _fileio.recorded_checksums)  # fmt: skip
     except (ImportError, AttributeError):
         return None
+    seal, check, write, recorded = fns
     payload = bytes(range(251)) * 5
     ns, key = bytes(range(32)), bytes(range(32, 64))
-    out = bytearray(HEADER_SIZE)
-    seal(out, [0], payload, [0], len(payload), ns, [key])
-    if bytes(out) != encode_header(ns, key, payload) or check(
-            out, [0], payload, [0], len(payload), ns, [key]) != [True]:  # fmt: skip
+    want = encode_header(ns, key, payload)
+    sealed, written = bytearray(HEADER_SIZE), bytearray(HEADER_SIZE)
+    seal(sealed, [0], payload, [0], len(payload), ns, [key])
+    write(written, [0], len(payload), ns, [key], [payload_checksum(payload)])
+    if (bytes(sealed) != want or bytes(written) != want
+            or check(want, [0], payload, [0], len(payload), ns, [key]) != [True]
+            or recorded(want, [0], len(payload), ns, [key]) != [payload_checksum(payload)]):
         return None
-    return seal, check
+    return fns
 
 
 _headers_impl = _native_headers()
@@ -153,6 +179,18 @@ seal_headers: HeadersIO = _headers_impl[0] if _headers_impl else py_seal_headers
 """``seal_headers(hbuf, headers, pbuf, payloads, length, ns, keys)``: for each page, hash
 ``pbuf[payloads[i] : payloads[i] + length]`` and write its header at ``hbuf[headers[i]:]``.
 A bad argument raises ValueError before anything is written."""
+
+write_headers: Callable[..., None] = _headers_impl[2] if _headers_impl else py_write_headers
+"""``write_headers(hbuf, headers, length, ns, keys, checksums)``: :func:`seal_headers` for
+payloads the caller already hashed (e.g. while copying them): the header of ``keys[i]``
+recording ``checksums[i]`` at ``hbuf[headers[i]:]``."""
+
+recorded_checksums: Callable[..., list[int | None]] = (
+    _headers_impl[3] if _headers_impl else py_recorded_checksums
+)
+"""``recorded_checksums(hbuf, headers, length, ns, keys) -> list[int | None]``: for each
+header, the payload checksum it records when it verifies and names ``ns``, ``keys[i]`` and
+``length`` (:func:`check_header` for a batch); None otherwise."""
 
 check_headers: HeadersIO = _headers_impl[1] if _headers_impl else py_check_headers
 """``check_headers(hbuf, headers, pbuf, payloads, length, ns, keys) -> list[bool]``: for

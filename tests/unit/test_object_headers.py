@@ -138,3 +138,51 @@ def test_bad_arguments_raise_before_anything_is_written(
 def test_sealing_needs_a_writable_header_buffer() -> None:
     with pytest.raises(TypeError):
         objects.seal_headers(bytes(96), [0], bytes(64), [0], 64, NS, [b"k" * 32])
+
+
+RECORD_IMPLS = [
+    pytest.param((objects.py_write_headers, objects.py_recorded_checksums), id="python"),
+    pytest.param(
+        (objects.write_headers, objects.recorded_checksums),
+        id="native",
+        marks=pytest.mark.skipif(
+            not objects.NATIVE_HEADERS, reason="kvtier.kernels._fileio is not built"
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize("impl", RECORD_IMPLS)
+def test_headers_with_known_checksums_and_reading_them_back(impl: tuple) -> None:
+    """write_headers writes header_for's bytes at a stride; recorded_checksums gives back
+    each recorded checksum, None for a header that is damaged, of another key or length."""
+    write, recorded = impl
+    n, stride, length = 4, 128, 1 << 18
+    table = bytearray(n * stride)
+    keys, sums = ids(n, seed=3), [0, 1, (1 << 64) - 1, 0x1234_5678_9ABC_DEF0]
+    at = list(range(0, n * stride, stride))
+    write(table, at, length, NS, keys, sums)
+    for h, k, c in zip(at, keys, sums):
+        assert table[h : h + HEADER_SIZE] == objects.header_for(NS, k, length, c)
+        assert table[h + HEADER_SIZE : h + stride] == bytes(stride - HEADER_SIZE)
+    assert recorded(table, at, length, NS, keys) == sums
+    table[at[2] + 50] ^= 0x80
+    assert recorded(table, at, length, NS, keys) == [sums[0], sums[1], None, sums[3]]
+    assert recorded(table, at, length, NS, [keys[0], keys[0], keys[2], keys[3]]) == [
+        sums[0], None, None, sums[3]]  # fmt: skip
+    assert recorded(table, at, length + 1, NS, keys) == [None] * n
+    assert recorded(bytes(n * stride), at, length, NS, keys) == [None] * n
+
+
+@pytest.mark.parametrize("impl", RECORD_IMPLS)
+@pytest.mark.parametrize(
+    ("sums", "message"),
+    [([1], "2 keys but 1 checksums"), ([1, -1], r"checksums\[1\]"),
+     ([1, 1 << 64], r"checksums\[1\]"), ([None, 1], r"checksums\[0\]")],  # fmt: skip
+)
+def test_write_headers_refuses_bad_checksums(impl: tuple, sums: list, message: str) -> None:
+    write, _ = impl
+    table = bytearray(256)
+    with pytest.raises(ValueError, match=message):
+        write(table, [0, 128], 4096, NS, ids(2), sums)
+    assert table == bytes(256)
