@@ -3,12 +3,17 @@
 For ``redis`` and ``mooncake`` the bench starts its own server on loopback (redis-server,
 or mooncake_master with its HTTP metadata server), opens the kvtier backend on an arena of
 ``2 × pages`` slots laid out as kvtierd's host pool lays them out (each page preceded by the
-slot's headroom; sources, then destinations) and times, per repeat:
+slot's headroom; sources, then destinations) and times, per repeat (one pass over all pages):
 
     direct put   the same library, same batches, payload only
     kvtier put   backend.put_from: header + checksum + payload
     direct get   the same library, same batches (redis: the values stay Python bytes)
     kvtier get   backend.get_into: verify + copy into the arena slots
+
+The two sides of an operation alternate batch by batch (direct, kvtier, kvtier, direct, ...),
+so that both see the same moments of a noisy machine; each side's time in a pass is the sum
+of its batches. Before every get, both sides' destination slots are zeroed (untimed), and the
+bytes kvtier read back are compared with the bytes written.
 
 Direct means: for redis, redis-py's pipeline object sending ``SET key <slot view>`` and
 ``GET key`` (hiredis parser); for mooncake, ``batch_put_from`` / ``batch_get_into`` of the
@@ -16,8 +21,9 @@ same arena slots. The kvtier redis backend sends pre-encoded frames on redis-py'
 connections, which skips the pipeline object's per-command work, so its ratio can pass 1.
 
 The store is emptied between repeats so no put finds its key already there. Throughput is
-payload bytes / wall time in GB/s (1e9); the result holds the medians and the ratios
-``put_over_direct`` / ``get_over_direct`` (the price of self-describing, verified objects).
+payload bytes / time in GB/s (1e9); the result holds each side's median over the repeats and
+the ratios ``put_over_direct`` / ``get_over_direct``: the median over the repeats of
+direct time / kvtier time in the same pass (the price of self-describing, verified objects).
 
 Mooncake runs in one of two placements (``mooncake_segment``):
 
@@ -191,36 +197,45 @@ async def _passes(
     exists_us: list[float] = []
     total = pages * page_bytes
 
-    async def run_op(label: str, ns: bytes, keys: list[bytes]) -> None:
-        for a, b in spans:
-            if label == "put":
-                ok = all(await store.put_from(ns, keys[a:b], src[a:b], page_bytes))
-            elif label == "get":
-                ok = all(await store.get_into(ns, keys[a:b], dst[a:b], page_bytes))
-            elif label == "direct_put":
-                ok = await direct.put(keys[a:b], src[a:b])
-            else:
-                ok = await direct.get(keys[a:b], dst[a:b])
-            if not ok:
-                raise RuntimeError(f"{backend}: {label} failed ({store.stats})")
+    async def run_op(
+        label: str, ns: bytes, keys: list[bytes], src: list[int], dst: list[int]
+    ) -> None:
+        if label == "put":
+            ok = all(await store.put_from(ns, keys, src, page_bytes))
+        elif label == "get":
+            ok = all(await store.get_into(ns, keys, dst, page_bytes))
+        elif label == "direct_put":
+            ok = await direct.put(keys, src)
+        else:
+            ok = await direct.get(keys, dst)
+        if not ok:
+            raise RuntimeError(f"{backend}: {label} failed ({store.stats})")
 
+    ratios: dict[str, list[float]] = {"put": [], "get": []}
     for rep in range(repeats + 1):  # pass 0 warms the server's memory and is not counted
         ns = hashlib.sha256(f"kvtier-bench-{rep}".encode()).digest()
         keys = [hashlib.sha256(ns + i.to_bytes(4, "little")).digest() for i in range(pages)]
-        order = ["direct_put", "put", "direct_get", "get"]
-        if rep % 2:  # alternate who goes first, so drift does not favour one side
-            order = [order[1], order[0], order[3], order[2]]
-        for label in order:
-            if label == "get":
-                arena.view[pages * stride :] = bytes(pages * stride)
-            start = time.perf_counter()
-            await run_op(label, ns, keys)
-            elapsed = time.perf_counter() - start
-            if rep:
-                samples[label].append(total / elapsed / 1e9)
-        if any(arena.view[d : d + page_bytes] != arena.view[o : o + page_bytes]
-               for o, d in zip(src, dst)):
-            raise RuntimeError(f"{backend}: pages read back differ from pages written")
+        spent = dict.fromkeys(samples, 0.0)
+        for op in ("put", "get"):
+            for n, (a, b) in enumerate(spans):  # batch by batch, who goes first alternating
+                pair = [f"direct_{op}", op] if (n + rep) % 2 else [op, f"direct_{op}"]
+                for label in pair:
+                    lo, hi = dst[a] - arena.headroom, dst[b - 1] + page_bytes
+                    if op == "get":  # both sides read into zeroed slots (untimed)
+                        arena.view[lo:hi] = bytes(hi - lo)
+                    start = time.perf_counter()
+                    await run_op(label, ns, keys[a:b], src[a:b], dst[a:b])
+                    spent[label] += time.perf_counter() - start
+                    if label == "get" and any(
+                        arena.view[d : d + page_bytes] != arena.view[o : o + page_bytes]
+                        for o, d in zip(src[a:b], dst[a:b])
+                    ):
+                        raise RuntimeError(f"{backend}: pages read back differ from pages written")
+        if rep:
+            for label, seconds in spent.items():
+                samples[label].append(total / seconds / 1e9)
+            for op, series in ratios.items():
+                series.append(spent[f"direct_{op}"] / spent[op])
         start = time.perf_counter()
         run = await store.exists(ns, keys)
         if rep:
@@ -238,8 +253,9 @@ async def _passes(
         "get_gbps": med["get"],
         "direct_put_gbps": med["direct_put"],
         "direct_get_gbps": med["direct_get"],
-        "put_over_direct": med["put"] / med["direct_put"],
-        "get_over_direct": med["get"] / med["direct_get"],
+        "put_over_direct": statistics.median(ratios["put"]),
+        "get_over_direct": statistics.median(ratios["get"]),
+        "ratios": ratios,
         "exists_us_per_key": statistics.median(exists_us),
         "samples": samples,
     }
