@@ -220,7 +220,7 @@ def add_config_flags(parser: argparse.ArgumentParser, model: type[BaseModel]) ->
     """
     group = parser.add_argument_group("configuration (also TOML keys and KVTIER_* variables)")
     for name, field in model.model_fields.items():
-        extra = {"nargs": "?", "const": "true"} if field.annotation is bool else {}
+        extra: dict[str, Any] = {"nargs": "?", "const": "true"} if field.annotation is bool else {}
         group.add_argument(
             f"--{name.replace('_', '-')}", dest=f"cfg_{name}", default=None, metavar="VALUE",
             help=field.description, **extra,
