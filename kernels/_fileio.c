@@ -38,7 +38,6 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#include <endian.h>
 #include <errno.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -321,22 +320,24 @@ fail:
     return -1;
 }
 
+/* Little-endian fields, whatever the host's byte order. */
 static void put_le64(char *p, uint64_t v) {
-    v = htole64(v);
-    memcpy(p, &v, 8);
+    for (int i = 0; i < 8; i++)
+        p[i] = (char)(v >> (8 * i));
 }
 
 static uint64_t get_le64(const char *p) {
-    uint64_t v;
-    memcpy(&v, p, 8);
-    return le64toh(v);
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++)
+        v |= (uint64_t)(unsigned char)p[i] << (8 * i);
+    return v;
 }
 
 static void seal_one(char *h, const char *ns, const char *key, uint64_t length, uint64_t sum) {
-    uint16_t version = htole16(HDR_VERSION), reserved = 0;
     memcpy(h, "KVTP", 4);
-    memcpy(h + 4, &version, 2);
-    memcpy(h + 6, &reserved, 2);
+    h[4] = (char)(HDR_VERSION & 0xff);
+    h[5] = (char)(HDR_VERSION >> 8);
+    h[6] = h[7] = 0; /* reserved */
     memcpy(h + 8, ns, ID_BYTES);
     memcpy(h + 40, key, ID_BYTES);
     put_le64(h + 72, length);
@@ -347,10 +348,9 @@ static void seal_one(char *h, const char *ns, const char *key, uint64_t length, 
 /* The payload checksum a header records, when everything else in it verifies. */
 static int check_one(const char *h, const char *ns, const char *key, uint64_t length,
                      uint64_t *sum) {
-    uint16_t version;
-    memcpy(&version, h + 4, 2);
+    unsigned version = (unsigned char)h[4] | (unsigned)(unsigned char)h[5] << 8;
     if (XXH3_64bits(h, HDR_SUMMED) != get_le64(h + 88) || memcmp(h, "KVTP", 4) != 0 ||
-        le16toh(version) != HDR_VERSION || memcmp(h + 8, ns, ID_BYTES) != 0 ||
+        version != HDR_VERSION || memcmp(h + 8, ns, ID_BYTES) != 0 ||
         memcmp(h + 40, key, ID_BYTES) != 0 || get_le64(h + 72) != length)
         return 0;
     *sum = get_le64(h + 80);
