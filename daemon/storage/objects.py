@@ -87,9 +87,11 @@ Buffer = Any  # a buffer-protocol object: memoryview, bytearray, mmap
 HeadersIO = Callable[[Buffer, Sequence[int], Buffer, Sequence[int], int, bytes, Sequence[bytes]], Any]
 
 
-def _check_batch(hbuf: Buffer, headers: Sequence[int], pbuf: Buffer, payloads: Sequence[int],
-                 length: int, ns: bytes, keys: Sequence[bytes]) -> tuple[memoryview, memoryview]:
-    """The arguments of a batch call checked (the same errors as the C functions)."""
+def _check_batch(hbuf: Buffer, headers: Sequence[int], pbuf: Buffer | None,
+                 payloads: Sequence[int], length: int, ns: bytes,
+                 keys: Sequence[bytes]) -> tuple[memoryview, memoryview]:
+    """The arguments of a batch call checked (the same errors as the C functions); no
+    payloads to check when ``pbuf`` is None."""
     if length <= 0:
         raise ValueError(f"length = {length} must be > 0")
     if len(ns) != 32:
@@ -97,9 +99,11 @@ def _check_batch(hbuf: Buffer, headers: Sequence[int], pbuf: Buffer, payloads: S
     for i, k in enumerate(keys):
         if not isinstance(k, bytes) or len(k) != 32:
             raise ValueError(f"keys[{i}] must be 32 bytes")
-    hv, pv = memoryview(hbuf).cast("B"), memoryview(pbuf).cast("B")
-    for name, offs, span, size in (("headers", headers, HEADER_SIZE, hv.nbytes),
-                                   ("payloads", payloads, length, pv.nbytes)):
+    hv, pv = memoryview(hbuf).cast("B"), memoryview(b"" if pbuf is None else pbuf).cast("B")
+    checks = [("headers", headers, HEADER_SIZE, hv.nbytes)]
+    if pbuf is not None:
+        checks.append(("payloads", payloads, length, pv.nbytes))
+    for name, offs, span, size in checks:
         if len(offs) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(offs)} {name}")
         for i, off in enumerate(offs):
@@ -128,7 +132,7 @@ def py_check_headers(hbuf: Buffer, headers: Sequence[int], pbuf: Buffer, payload
 def py_write_headers(hbuf: Buffer, headers: Sequence[int], length: int, ns: bytes,
                      keys: Sequence[bytes], checksums: Sequence[int]) -> None:
     """The pure-Python :func:`write_headers`."""
-    hv, _ = _check_batch(hbuf, headers, b"\0" * length, [0] * len(keys), length, ns, keys)
+    hv, _ = _check_batch(hbuf, headers, None, (), length, ns, keys)
     if len(checksums) != len(keys):
         raise ValueError(f"{len(keys)} keys but {len(checksums)} checksums")
     for i, c in enumerate(checksums):
@@ -141,7 +145,7 @@ def py_write_headers(hbuf: Buffer, headers: Sequence[int], length: int, ns: byte
 def py_recorded_checksums(hbuf: Buffer, headers: Sequence[int], length: int, ns: bytes,
                           keys: Sequence[bytes]) -> list[int | None]:
     """The pure-Python :func:`recorded_checksums`."""
-    hv, _ = _check_batch(hbuf, headers, b"\0" * length, [0] * len(keys), length, ns, keys)
+    hv, _ = _check_batch(hbuf, headers, None, (), length, ns, keys)
     return [check_header(hv[h : h + HEADER_SIZE], ns, key, length)
             for h, key in zip(headers, keys)]
 

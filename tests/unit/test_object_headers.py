@@ -10,16 +10,15 @@ import pytest
 from kvtier.daemon.storage import objects
 from kvtier.daemon.storage.objects import HEADER_SIZE, encode_header
 
-IMPLS = [
-    pytest.param((objects.py_seal_headers, objects.py_check_headers), id="python"),
-    pytest.param(
-        (objects.seal_headers, objects.check_headers),
-        id="native",
-        marks=pytest.mark.skipif(
-            not objects.NATIVE_HEADERS, reason="kvtier.kernels._fileio is not built"
-        ),
-    ),
-]
+
+def _impls(python: tuple, native: tuple) -> list:
+    """The pure-Python and the C implementation of a pair of functions, as test params."""
+    skip = pytest.mark.skipif(not objects.NATIVE_HEADERS, reason="kvtier.kernels._fileio is not built")
+    return [pytest.param(python, id="python"), pytest.param(native, id="native", marks=skip)]
+
+
+IMPLS = _impls((objects.py_seal_headers, objects.py_check_headers),
+               (objects.seal_headers, objects.check_headers))  # fmt: skip
 
 NS = bytes(range(32))
 
@@ -140,16 +139,8 @@ def test_sealing_needs_a_writable_header_buffer() -> None:
         objects.seal_headers(bytes(96), [0], bytes(64), [0], 64, NS, [b"k" * 32])
 
 
-RECORD_IMPLS = [
-    pytest.param((objects.py_write_headers, objects.py_recorded_checksums), id="python"),
-    pytest.param(
-        (objects.write_headers, objects.recorded_checksums),
-        id="native",
-        marks=pytest.mark.skipif(
-            not objects.NATIVE_HEADERS, reason="kvtier.kernels._fileio is not built"
-        ),
-    ),
-]
+RECORD_IMPLS = _impls((objects.py_write_headers, objects.py_recorded_checksums),
+                      (objects.write_headers, objects.recorded_checksums))  # fmt: skip
 
 
 @pytest.mark.parametrize("impl", RECORD_IMPLS)
@@ -178,7 +169,7 @@ def test_headers_with_known_checksums_and_reading_them_back(impl: tuple) -> None
 @pytest.mark.parametrize(
     ("sums", "message"),
     [([1], "2 keys but 1 checksums"), ([1, -1], r"checksums\[1\]"),
-     ([1, 1 << 64], r"checksums\[1\]"), ([None, 1], r"checksums\[0\]")],  # fmt: skip
+     ([1, 1 << 64], r"checksums\[1\]"), ([None, 1], r"checksums\[0\]")],
 )
 def test_write_headers_refuses_bad_checksums(impl: tuple, sums: list, message: str) -> None:
     write, _ = impl
