@@ -64,6 +64,7 @@ bench: venv sysdeps
 
 lint: venv
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 
 typecheck: venv
 	$(VENV)/bin/mypy config ipc daemon client kernels

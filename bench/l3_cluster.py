@@ -58,9 +58,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mappin
 from pathlib import Path
 from typing import Any, Literal
 
-from kvtier.daemon.pool_meta import HEADROOM_ALIGN, round_up
+from kvtier.daemon.pool.layout import HEADROOM_ALIGN, round_up
 from kvtier.daemon.storage.base import HostArena, StorageBackend
-from kvtier.daemon.storage.factory import create_backend, slot_headroom
+from kvtier.daemon.storage.registry import create_backend, slot_headroom
 
 __all__ = ["main", "print_table", "run_cluster_bench"]
 

@@ -3,7 +3,7 @@
 kvtierd creates, per session, one interprocess CUDA event per layer and one ``ready`` event, and
 sends their handles in the registration reply. A :class:`CudaLayerWaiter` opens them in the
 engine and does the two things the engine's streams need (see
-:mod:`kvtier.daemon.cuda_executor` for the daemon's half)::
+:mod:`kvtier.daemon.transfer.cuda.executor` for the daemon's half)::
 
     before STORE / LOAD:   record_ready()  ─▶ the daemon's copies start after the engine's
                                               earlier work on its pages (no CPU sync)

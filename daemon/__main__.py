@@ -36,7 +36,7 @@ def run(cfg: DaemonConfig, reload=None) -> int:
         reload: re-reads the configuration from the same sources (SIGHUP).
     """
     import uvloop
-    from kvtier.daemon.server import Daemon, install_signal_handlers
+    from kvtier.daemon.service.server import Daemon, install_signal_handlers
 
     async def main() -> None:
         daemon = Daemon(cfg, reload=reload)

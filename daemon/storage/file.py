@@ -62,7 +62,6 @@ from typing import Any, Literal, TypeVar
 
 from kvtier.config.errors import StorageError
 from kvtier.daemon.storage.base import HostArena, StorageBackend
-from kvtier.daemon.storage.factory import validate_options
 from kvtier.daemon.storage.objects import (
     HEADER_SIZE,
     MAGIC,
@@ -70,6 +69,7 @@ from kvtier.daemon.storage.objects import (
     recorded_checksums,
     write_headers,
 )
+from kvtier.daemon.storage.registry import validate_options
 from kvtier.kernels.file_io import read_pages, write_pages
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator
 

@@ -35,6 +35,10 @@ import xxhash
 MAGIC = b"KVTP"
 FORMAT_VERSION = 1
 HEADER_SIZE = 96
+HEADROOM_BYTES = 128
+"""Headroom a backend that moves header and payload as one buffer asks of each host-pool
+slot: :data:`HEADER_SIZE` rounded up to whole 64-byte cache lines, and a multiple of the
+pool's 128-byte slot alignment."""
 _HEAD = struct.Struct("<4sHH32s32sQQ")  # 88 bytes
 _U64 = struct.Struct("<Q")
 

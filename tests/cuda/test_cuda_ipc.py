@@ -33,8 +33,8 @@ import torch
 from kvtier.client.admin import AdminClient
 from kvtier.client.cuda_pool import CudaKVPool, unexportable_allocator_requested
 from kvtier.client.cuda_wait import CudaLayerWaiter
-from kvtier.daemon.cuda_memory import CudaMemoryError, CudaRuntime, check_cuda_export
-from kvtier.daemon.engine_memory import EngineMemoryError
+from kvtier.daemon.transfer.cuda.memory import CudaMemoryError, CudaRuntime, check_cuda_export
+from kvtier.daemon.transfer.engine_memory import EngineMemoryError
 from kvtier.ipc import cuda_ipc
 from kvtier.ipc import protocol as P
 from kvtier.ipc.cuda_ipc import CudaIpcError, CudaUnavailable
@@ -196,7 +196,7 @@ def test_modules_import_without_cupy() -> None:
     code = (
         "import sys; sys.modules['cupy'] = None\n"  # makes `import cupy` raise ImportError
         "import kvtier.ipc.cuda_ipc as c, kvtier.client.cuda_pool, kvtier.client.cuda_wait\n"
-        "import kvtier.daemon.cuda_memory, kvtier.daemon.cuda_executor, kvtier.bench.cuda_bench\n"
+        "import kvtier.daemon.transfer.cuda.memory, kvtier.daemon.transfer.cuda.executor, kvtier.bench.cuda_bench\n"
         "try:\n"
         "    c.cupy_module()\n"
         "except c.CudaUnavailable as err:\n"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from kvtier.bench.l3_cluster import run_cluster_bench
-from kvtier.daemon.storage.factory import slot_headroom
+from kvtier.daemon.storage.registry import slot_headroom
 
 from tests.servers import find_binary
 

@@ -13,7 +13,7 @@ import pytest
 @pytest.mark.timeout(300)
 def test_demo_with_engine_restart(short_tmp: Path):
     out, png = short_tmp / "demo.json", short_tmp / "demo.png"
-    cmd = [sys.executable, "-m", "kvtier.client.cli", "demo", "--model", "tiny", "--own-daemon",
+    cmd = [sys.executable, "-m", "kvtier.cli.main", "demo", "--model", "tiny", "--own-daemon",
            "--conversations", "2", "--turns", "4", "--json", str(out), "--plot", str(png)]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -39,7 +39,7 @@ def test_demo_with_daemon_restart_reuses_l2(short_tmp: Path):
     """kvtierd is SIGKILLed half-way and restarted: the reference engine's next turn is
     served from the adopted host pool (L2, not L3) and every output equals the uncached run."""
     out = short_tmp / "demo.json"
-    cmd = [sys.executable, "-m", "kvtier.client.cli", "demo", "--model", "tiny", "--own-daemon",
+    cmd = [sys.executable, "-m", "kvtier.cli.main", "demo", "--model", "tiny", "--own-daemon",
            "--restart", "daemon", "--conversations", "2", "--turns", "4", "--json", str(out)]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

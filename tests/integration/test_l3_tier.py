@@ -17,8 +17,8 @@ import pytest
 from kvtier.client.admin import AdminClient
 from kvtier.client.connection import Connection
 from kvtier.client.kv_pool import SharedKVPool
-from kvtier.daemon.prefetch import read_batch
 from kvtier.daemon.storage.file import FileBackend
+from kvtier.daemon.tier.prefetch import read_batch
 from kvtier.ipc import protocol as P
 
 from tests.engines import SMALL, engine, fill_page, page_bytes, tokens

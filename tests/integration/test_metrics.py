@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from kvtier.client.daemon_process import DaemonStartError
-from kvtier.daemon.metrics import DaemonMetrics
+from kvtier.daemon.service.metrics import DaemonMetrics
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.engines import SMALL, engine, fill_page, tokens

@@ -20,10 +20,11 @@ from typing import Any
 
 import pytest
 from kvtier.config.errors import StorageError
-from kvtier.daemon.pool_meta import SLOT_HEADROOM
-from kvtier.daemon.storage import mooncake_backend, objects
+from kvtier.daemon.pool.layout import SLOT_HEADROOM
+from kvtier.daemon.storage import mooncake as mooncake_backend
+from kvtier.daemon.storage import objects
 from kvtier.daemon.storage.base import HostArena
-from kvtier.daemon.storage.mooncake_backend import MooncakeBackend
+from kvtier.daemon.storage.mooncake import MooncakeBackend
 from kvtier.daemon.storage.objects import HEADER_SIZE, encode_header
 
 from tests.arenas import NS, OTHER_NS, PAGE, SLOTS, key

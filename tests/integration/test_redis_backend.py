@@ -12,7 +12,7 @@ import redis
 from kvtier.config.errors import StorageError
 from kvtier.daemon.storage.base import HostArena
 from kvtier.daemon.storage.objects import HEADER_SIZE
-from kvtier.daemon.storage.redis_backend import RedisBackend
+from kvtier.daemon.storage.redis import RedisBackend
 
 from tests import arenas
 from tests.arenas import NS, OTHER_NS, PAGE, SLOTS, fill, key, make_arena, offsets, page  # noqa: F401

@@ -166,7 +166,7 @@ def test_state_dir_without_a_home_uses_the_password_database():
 
 
 def test_the_default_l3_backend_is_the_file_store_in_the_state_dir(monkeypatch, tmp_path):
-    from kvtier.daemon.l3_backend import storage_settings
+    from kvtier.daemon.tier.guard import storage_settings
 
     cfg = load_config(DaemonConfig, env={})
     assert cfg.hicache_storage_backend == "file" and cfg.state_dir is None

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from kvtier.config.errors import KvtierError
-from kvtier.daemon.host_pool import (
+from kvtier.daemon.pool.index import (
     NIL,
     EvictedPage,
     HostPool,

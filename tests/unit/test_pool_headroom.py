@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 from kvtier.config import DaemonConfig
-from kvtier.daemon.host_pool import AdoptResult, HostPool, HostPoolError, PageState
-from kvtier.daemon.pool_meta import (
+from kvtier.daemon.pool.index import AdoptResult, HostPool, HostPoolError, PageState
+from kvtier.daemon.pool.layout import (
     FORMAT_VERSION,
     HEADROOM_ALIGN,
     HEADROOM_MIN_PAGE_BYTES,
@@ -34,7 +34,7 @@ from kvtier.daemon.pool_meta import (
     page_checksum,
     page_checksums,
 )
-from kvtier.daemon.storage.factory import slot_headroom
+from kvtier.daemon.storage.registry import slot_headroom
 from kvtier.ipc.shm import SharedMemorySegment
 
 KIB = 1024
@@ -413,15 +413,14 @@ def test_slot_headroom_per_backend(backend: str, headroom: int) -> None:
 def test_the_daemon_pool_has_headroom_for_mooncake_only(
     backend: str, headroom: int, align: int, n_extents: int
 ) -> None:
-    """``_new_pool`` builds a pool with 128 bytes of headroom and 128-byte alignment,
+    """``HostPool.from_config`` builds a pool with 128 bytes of headroom and 128-byte alignment,
     slot ids sized for 4 KiB pages, for Mooncake, and the plain 4 KiB-aligned pool for
     the others; 1 MiB holds three 256 KiB extents with their headroom, four without."""
-    from kvtier.daemon.server import _new_pool
-
+    
     assert (HEADROOM_ALIGN, HEADROOM_MIN_PAGE_BYTES) == (128, 4096)
     cfg = DaemonConfig(hicache_size=1 << 20, extent_size=256 * KIB,
                        hicache_storage_backend=backend)  # fmt: skip
-    pool = _new_pool(cfg)
+    pool = HostPool.from_config(cfg, slot_headroom(cfg.hicache_storage_backend))
     lay = pool.layout
     assert (lay.headroom, lay.align, lay.per_extent) == (headroom, align, 64)
     assert (lay.span, lay.n_extents) == (256 * KIB + 64 * headroom, n_extents)
@@ -437,16 +436,15 @@ def test_a_pool_too_small_for_one_extent_with_headroom_is_a_config_error() -> No
     the one extent no longer fits: the start fails with a ConfigError naming both
     fields and the bytes needed; the file backend's pool keeps working with it."""
     from kvtier.config.errors import ConfigError
-    from kvtier.daemon.server import _new_pool
-
+    
     cfg = DaemonConfig(hicache_size=256 * KIB, extent_size=256 * KIB,
                        hicache_storage_backend="mooncake")  # fmt: skip
     with pytest.raises(ConfigError, match=r"hicache_size \(262144\).*extent_size \(262144\)"
                                           r".*270336 bytes"):  # fmt: skip
-        _new_pool(cfg)
+        HostPool.from_config(cfg, slot_headroom(cfg.hicache_storage_backend))
     ok = DaemonConfig(hicache_size=256 * KIB + 64 * 128, extent_size=256 * KIB,
                       hicache_storage_backend="mooncake")  # fmt: skip
-    assert _new_pool(ok).layout.n_extents == 1
+    assert HostPool.from_config(ok, slot_headroom(ok.hicache_storage_backend)).layout.n_extents == 1
     plain = DaemonConfig(hicache_size=256 * KIB, extent_size=256 * KIB,
                          hicache_storage_backend="file")  # fmt: skip
-    assert _new_pool(plain).layout.n_extents == 1
+    assert HostPool.from_config(plain, slot_headroom(plain.hicache_storage_backend)).layout.n_extents == 1

@@ -25,8 +25,8 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
-from kvtier.daemon.host_pool import NIL, AdoptResult, HostPool, HostPoolError, PageState
-from kvtier.daemon.pool_meta import (
+from kvtier.daemon.pool.index import NIL, AdoptResult, HostPool, HostPoolError, PageState
+from kvtier.daemon.pool.layout import (
     FORMAT_VERSION,
     HAS_CHECKSUM,
     KEY_BYTES,

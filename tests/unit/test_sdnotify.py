@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from kvtier.daemon.sdnotify import SystemdNotifier, watchdog_loop
+from kvtier.daemon.service.sdnotify import SystemdNotifier, watchdog_loop
 
 pytestmark = pytest.mark.timeout(30)
 
-LOGGER = "kvtier.daemon.sdnotify"
+LOGGER = "kvtier.daemon.service.sdnotify"
 
 
 @dataclass

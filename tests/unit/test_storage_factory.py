@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from kvtier.config.errors import ConfigError, StorageError
 from kvtier.daemon.storage.base import HostArena, StorageBackend
-from kvtier.daemon.storage.factory import create_backend, parse_extra_config
+from kvtier.daemon.storage.registry import create_backend, parse_extra_config
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -160,7 +160,7 @@ def test_unknown_backend_names_the_value_and_the_choices() -> None:
 
 
 def test_redis_backend_is_built_with_validated_options() -> None:
-    from kvtier.daemon.storage.redis_backend import RedisBackend
+    from kvtier.daemon.storage.redis import RedisBackend
 
     backend = create_backend(
         "redis", {"host": "10.0.0.7", "port": 6380, "ttl_s": 60, "prefix": "prod"}
@@ -192,7 +192,7 @@ def test_redis_config_errors_name_the_key_and_the_value(
 
 
 def test_mooncake_backend_is_built_without_touching_the_network() -> None:
-    from kvtier.daemon.storage.mooncake_backend import MooncakeBackend
+    from kvtier.daemon.storage.mooncake import MooncakeBackend
 
     backend = create_backend(
         "mooncake",

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from kvtier.daemon.pool_meta import page_checksums
+from kvtier.daemon.pool.layout import page_checksums
 from kvtier.ipc.completion import CompletionBlock, TransferStatus
 from kvtier.kernels.page_copy import CopyPlan
 
-log = logging.getLogger("kvtier.daemon.transfers")
+log = logging.getLogger("kvtier.daemon.transfer.transfer")
 
 
 class Direction(enum.Enum):

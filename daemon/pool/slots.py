@@ -1,6 +1,6 @@
 """Slot geometry of the host arena: extents, page classes, free lists, intrusive links.
 
-Pure and synchronous bookkeeping under :class:`kvtier.daemon.host_pool.HostPool`: which
+Pure and synchronous bookkeeping under :class:`kvtier.daemon.pool.index.HostPool`: which
 extent belongs to which page class, which slots of a class are free, and where a slot
 lies in the arena. The arena is cut into ``n_extents`` extents; an extent is free or
 belongs to one page class, which cuts it into slots of its stride (``page_bytes``
@@ -14,7 +14,7 @@ rounded up to ``align``). Every extent reserves ``per_extent`` global slot ids::
 
     slot id = extent * M + i          offset = extent * extent_bytes + i * stride
 
-In a pool with slot headroom (``H`` bytes, see :class:`~kvtier.daemon.pool_meta.PoolLayout`),
+In a pool with slot headroom (``H`` bytes, see :class:`~kvtier.daemon.pool.layout.PoolLayout`),
 each slot is ``H`` bytes of headroom then the payload, and extents lie ``span =
 extent_bytes + M * H`` apart, so a class cuts as many slots from an extent as without::
 
@@ -41,7 +41,7 @@ from array import array
 from dataclasses import dataclass
 
 import numpy as np
-from kvtier.daemon.pool_meta import NIL, HostPoolError, PoolLayout, round_up
+from kvtier.daemon.pool.layout import NIL, HostPoolError, PoolLayout, round_up
 
 
 @dataclass(slots=True)

@@ -1,7 +1,7 @@
 """kvtierd's server: the ZeroMQ ROUTER loop, request dispatch, sessions and transfers.
 
 The L3 tier (backend, prefetch and claim, writes to L3, tensor-parallel rank groups) is
-:class:`~kvtier.daemon.tier_store.TierStore`; the handlers here validate requests and call
+:class:`~kvtier.daemon.tier.tier.TierStore`; the handlers here validate requests and call
 into it. A handler that must wait (L3 I/O, a claim, the other ranks of a group) returns a
 coroutine, answered from its own task while the loop keeps serving everyone else.
 
@@ -32,24 +32,21 @@ import numpy as np
 import zmq
 import zmq.asyncio
 from kvtier.config import DaemonConfig, KvtierError, format_size, runtime_dir, socket_path
-from kvtier.config.errors import ConfigError
 from kvtier.config.loader import pool_path
-from kvtier.daemon.engine_memory import EngineMemory, EngineMemoryError
-from kvtier.daemon.host_pool import HostPool, HostPoolError
-from kvtier.daemon.pool_meta import (
-    HEADROOM_ALIGN,
-    HEADROOM_MIN_PAGE_BYTES,
+from kvtier.daemon.counters import Counters
+from kvtier.daemon.pool.index import HostPool, HostPoolError
+from kvtier.daemon.pool.layout import (
     AdoptResult,
     map_pool_file,
 )
-from kvtier.daemon.rank_groups import GroupKey
-from kvtier.daemon.sdnotify import SystemdNotifier, watchdog_loop
-from kvtier.daemon.sessions import Session, SessionState, SessionTable
-from kvtier.daemon.stats import Counters
+from kvtier.daemon.service.sdnotify import SystemdNotifier, watchdog_loop
+from kvtier.daemon.service.sessions import Session, SessionState, SessionTable
 from kvtier.daemon.storage.base import HostArena
-from kvtier.daemon.storage.factory import slot_headroom
-from kvtier.daemon.tier_store import TierStore
-from kvtier.daemon.transfers import Direction, Transfer, run_transfer
+from kvtier.daemon.storage.registry import slot_headroom
+from kvtier.daemon.tier.rank_groups import GroupKey
+from kvtier.daemon.tier.tier import TierStore
+from kvtier.daemon.transfer.engine_memory import EngineMemory, EngineMemoryError
+from kvtier.daemon.transfer.transfer import Direction, Transfer, run_transfer
 from kvtier.ipc import protocol as P
 from kvtier.ipc.completion import CompletionBlock, TransferStatus
 from kvtier.ipc.namespace import namespace_fingerprint
@@ -57,7 +54,7 @@ from kvtier.ipc.shm import SharedMemorySegment
 from kvtier.ipc.sockets import ipc_endpoint, make_zmq_socket
 
 if TYPE_CHECKING:
-    from kvtier.daemon.metrics import DaemonMetrics
+    from kvtier.daemon.service.metrics import DaemonMetrics
 
 log = logging.getLogger("kvtier.daemon")
 COMPLETION_SLOTS = 64
@@ -82,24 +79,6 @@ class RequestError(KvtierError):
         self.code = code
 
 
-def _new_pool(cfg: DaemonConfig) -> HostPool:
-    """The daemon's empty host pool: 4 KiB-aligned slots, or, for an L3 backend that moves
-    a page with its header in one buffer (:func:`slot_headroom`), slots with 128 bytes of
-    headroom and 128-byte-aligned payloads, the slot ids of 4 KiB pages per extent."""
-    headroom = slot_headroom(cfg.hicache_storage_backend)
-    if not headroom:
-        return HostPool(cfg.hicache_size, cfg.extent_size)
-    span = cfg.extent_size + cfg.extent_size // HEADROOM_MIN_PAGE_BYTES * headroom
-    if cfg.hicache_size < span:
-        raise ConfigError(
-            f"hicache_size ({cfg.hicache_size}) must hold at least one extent_size "
-            f"({cfg.extent_size}) extent with its slots' headroom ({span} bytes in all) "
-            f"when hicache_storage_backend is {cfg.hicache_storage_backend!r}"
-        )
-    return HostPool(cfg.hicache_size, cfg.extent_size, HEADROOM_ALIGN,
-                    min_page_bytes=HEADROOM_MIN_PAGE_BYTES, headroom=headroom)
-
-
 class Daemon:
     """One kvtierd instance. ``await run()`` serves until :meth:`request_stop`."""
 
@@ -113,7 +92,7 @@ class Daemon:
         self.endpoint = ipc_endpoint(socket_path(self.rdir))
         self.epoch = secrets.randbits(62) | 1
         self.sessions = SessionTable()
-        self.pool = _new_pool(cfg)
+        self.pool = HostPool.from_config(cfg, slot_headroom(cfg.hicache_storage_backend))
         self.counters = Counters()
         self.tier = TierStore(cfg, self.pool, self.counters, self.rdir)
         self.started = time.time()
@@ -164,7 +143,7 @@ class Daemon:
             self._sock = make_zmq_socket(ctx, self.endpoint, zmq.ROUTER, bind=True)
             stack.callback(self._close_socket)
             if self.cfg.metrics_port is not None:
-                from kvtier.daemon.metrics import DaemonMetrics
+                from kvtier.daemon.service.metrics import DaemonMetrics
 
                 self.metrics = DaemonMetrics(self.snapshot)
                 self.metrics.start(self.cfg.metrics_host, self.cfg.metrics_port)

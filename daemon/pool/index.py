@@ -2,8 +2,8 @@
 
 Pure and synchronous (no I/O, no mapping, no locks, no ``await``): the arena is mapped
 elsewhere; this module hands out byte offsets into it and keeps every page's state. Slot
-geometry (extents, page classes, free lists) is :mod:`kvtier.daemon.host_arena`; the
-persistent metadata is :mod:`kvtier.daemon.pool_meta`.
+geometry (extents, page classes, free lists) is :mod:`kvtier.daemon.pool.slots`; the
+persistent metadata is :mod:`kvtier.daemon.pool.layout`.
 
 Page metadata lives in flat per-slot arrays created once. What must survive a restart
 (state, key, namespace, owner, payload length, parent, last access, in-L3 flag, checksum,
@@ -50,18 +50,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from kvtier.daemon.host_arena import (
-    ChildLists,
-    PageClass,
-    RecencyLists,
-    SlotAllocator,
-    filled,
-)
-from kvtier.daemon.pool_meta import (
+from kvtier.config.errors import ConfigError
+from kvtier.daemon.pool.layout import (
     HAS_CHECKSUM,
+    HEADROOM_ALIGN,
+    HEADROOM_MIN_PAGE_BYTES,
     KEY_BYTES,
     NIL,
     AdoptResult,
@@ -76,7 +72,17 @@ from kvtier.daemon.pool_meta import (
     PoolMeta,
     tenant_digest,
 )
+from kvtier.daemon.pool.slots import (
+    ChildLists,
+    PageClass,
+    RecencyLists,
+    SlotAllocator,
+    filled,
+)
 from xxhash import xxh3_64_intdigest
+
+if TYPE_CHECKING:
+    from kvtier.config import DaemonConfig
 
 __all__ = [
     "EVICT_FACTOR", "MIN_SCAN", "NIL", "AdoptResult", "ClassStats", "EvictedPage", "HostPool",
@@ -120,6 +126,31 @@ class HostPool:
     Raises:
         HostPoolError: the geometry is invalid or the arena holds no extent.
     """
+
+    @classmethod
+    def from_config(cls, cfg: DaemonConfig, headroom: int = 0) -> HostPool:
+        """The daemon's empty host pool for ``cfg``.
+
+        Args:
+            cfg: the daemon's configuration (``hicache_size``, ``extent_size``).
+            headroom: bytes before each payload that the L3 backend writes its object
+                header into (0: none). Without headroom slots are 4 KiB-aligned; with it,
+                payloads are 128-byte-aligned and extents keep the slot ids of 4 KiB pages.
+
+        Raises:
+            ConfigError: ``hicache_size`` cannot hold one extent with its headroom.
+        """
+        if not headroom:
+            return cls(cfg.hicache_size, cfg.extent_size)
+        span = cfg.extent_size + cfg.extent_size // HEADROOM_MIN_PAGE_BYTES * headroom
+        if cfg.hicache_size < span:
+            raise ConfigError(
+                f"hicache_size ({cfg.hicache_size}) must hold at least one extent_size "
+                f"({cfg.extent_size}) extent with its slots' headroom ({span} bytes in all) "
+                f"when hicache_storage_backend is {cfg.hicache_storage_backend!r}"
+            )
+        return cls(cfg.hicache_size, cfg.extent_size, HEADROOM_ALIGN,
+                   min_page_bytes=HEADROOM_MIN_PAGE_BYTES, headroom=headroom)
 
     def __init__(
         self,

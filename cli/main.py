@@ -65,13 +65,13 @@ def _bench(argv: list[str]) -> int:
 
 
 def _demo(argv: list[str]) -> int:
-    from kvtier.client.demo import main as demo_main
+    from kvtier.cli.demo import main as demo_main
 
     return demo_main(argv)
 
 
 def _admin(argv: list[str]) -> int:
-    from kvtier.client.admin_cli import main as admin_main
+    from kvtier.cli.admin import main as admin_main
 
     return admin_main(argv)
 

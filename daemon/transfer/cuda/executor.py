@@ -1,6 +1,6 @@
 """Page transfers on a GPU: the daemon's copy stream, per-layer interprocess events, and waits.
 
-The CUDA counterpart of :func:`kvtier.daemon.transfers.run_transfer`. Each session has a
+The CUDA counterpart of :func:`kvtier.daemon.transfer.transfer.run_transfer`. Each session has a
 :class:`CudaSessionCopier`, made once at registration: its own CUDA stream and interprocess
 events that the engine opens from the handles in its registration reply::
 
@@ -34,8 +34,8 @@ import threading
 import time
 
 import torch
-from kvtier.daemon.cuda_memory import CudaEngineMemory, CudaMemoryError
-from kvtier.daemon.transfers import Direction, Transfer
+from kvtier.daemon.transfer.cuda.memory import CudaEngineMemory, CudaMemoryError
+from kvtier.daemon.transfer.transfer import Direction, Transfer
 from kvtier.ipc import cuda_ipc
 from kvtier.ipc.completion import CompletionBlock, TransferStatus
 from kvtier.kernels.cuda_copy import CudaCopyPlan
@@ -157,7 +157,7 @@ def run_cuda_transfer(t: Transfer, arena: torch.Tensor, memory: CudaEngineMemory
                       *, gpu_timeout_s: float = GPU_TIMEOUT_S) -> TransferStatus:
     """Enqueue every layer of ``t`` on the session's stream, record its events, wait for the GPU.
 
-    Runs in a worker thread, like :func:`~kvtier.daemon.transfers.run_transfer`. Layer ``i``'s
+    Runs in a worker thread, like :func:`~kvtier.daemon.transfer.transfer.run_transfer`. Layer ``i``'s
     copies are launched, ``copier.layer_events[i]`` recorded after them, and then
     ``layers_done = i + 1`` is written to the completion block (see the module docstring).
     Cancellation is checked between layers. The function returns only when the GPU has finished

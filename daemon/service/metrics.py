@@ -1,7 +1,7 @@
 """Prometheus metrics of kvtierd, served over HTTP on 127.0.0.1 (``metrics_port``).
 
 Counters live in one place, the daemon: this module keeps no copy of them. At each
-scrape a collector asks the daemon for its :meth:`~kvtier.daemon.server.Daemon.snapshot`
+scrape a collector asks the daemon for its :meth:`~kvtier.daemon.service.server.Daemon.snapshot`
 (the same dict ``STATS`` and ``kvtier stats`` report) and turns it into metric families.
 The only state kept here is the latency histograms, which a snapshot cannot carry::
 
@@ -64,7 +64,7 @@ __all__ = [
     "MetricsError",
 ]
 
-log = logging.getLogger("kvtier.daemon.metrics")
+log = logging.getLogger("kvtier.daemon.service.metrics")
 
 # Bucket upper bounds in seconds. A LOOKUP is answered in microseconds from the L2 index
 # (longer when L3 is asked too); a LOAD or STORE copies pages (milliseconds to seconds); a

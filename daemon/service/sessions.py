@@ -23,10 +23,10 @@ from kvtier.ipc.completion import CompletionBlock
 from kvtier.ipc.protocol import Geometry
 
 if TYPE_CHECKING:
-    from kvtier.daemon.engine_memory import EngineMemory
-    from kvtier.daemon.prefetch import PrefetchJob
-    from kvtier.daemon.rank_groups import Member
-    from kvtier.daemon.transfers import Transfer
+    from kvtier.daemon.tier.prefetch import PrefetchJob
+    from kvtier.daemon.tier.rank_groups import Member
+    from kvtier.daemon.transfer.engine_memory import EngineMemory
+    from kvtier.daemon.transfer.transfer import Transfer
 
 
 class SessionState(enum.Enum):

@@ -40,8 +40,8 @@ from typing import Any
 import redis.asyncio as redis_asyncio
 from kvtier.config.errors import ConfigError, StorageError
 from kvtier.daemon.storage.base import HostArena, StorageBackend, run_to_completion
-from kvtier.daemon.storage.factory import validate_options
 from kvtier.daemon.storage.objects import HEADER_SIZE, seal_headers, verify_object
+from kvtier.daemon.storage.registry import validate_options
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff

@@ -25,9 +25,9 @@ from typing import Any
 
 from kvtier.config import ConfigError, DaemonConfig, KvtierError
 from kvtier.config.loader import state_dir
-from kvtier.daemon.stats import Counters
+from kvtier.daemon.counters import Counters
 from kvtier.daemon.storage.base import BackendStats, HostArena, StorageBackend
-from kvtier.daemon.storage.factory import EXTRA_CONFIG_FIELD, create_backend, parse_extra_config
+from kvtier.daemon.storage.registry import EXTRA_CONFIG_FIELD, create_backend, parse_extra_config
 
 log = logging.getLogger("kvtier.daemon.l3")
 

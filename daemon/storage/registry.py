@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 from kvtier.config.errors import ConfigError, KvtierError, StorageError
 from kvtier.daemon.storage.base import StorageBackend
+from kvtier.daemon.storage.objects import HEADROOM_BYTES
 from pydantic import BaseModel, ValidationError
 
 if sys.version_info >= (3, 11):
@@ -66,12 +67,10 @@ _Options = TypeVar("_Options", bound=BaseModel)
 
 def slot_headroom(name: str) -> int:
     """Bytes of headroom the daemon's host pool gives each slot for backend ``name``:
-    :data:`~kvtier.daemon.pool_meta.SLOT_HEADROOM` for the backends in
-    :data:`HEADROOM_BACKENDS`, 0 for the others (whose pools keep their whole capacity
-    for pages; headroom costs about 3% of it, see ``PoolLayout``)."""
-    from kvtier.daemon.pool_meta import SLOT_HEADROOM
-
-    return SLOT_HEADROOM if name in HEADROOM_BACKENDS else 0
+    :data:`~kvtier.daemon.storage.objects.HEADROOM_BYTES` (the object header, rounded up
+    to whole cache lines) for the backends in :data:`HEADROOM_BACKENDS`, 0 for the others
+    (whose pools keep their whole capacity for pages; headroom costs about 3% of it)."""
+    return HEADROOM_BYTES if name in HEADROOM_BACKENDS else 0
 
 
 def parse_extra_config(value: str | Mapping[str, Any] | None) -> dict[str, Any]:
@@ -209,14 +208,14 @@ def create_backend(name: str, extra_config: Mapping[str, Any] | None = None) -> 
         return FileBackend(extra)
     if name == "redis":
         try:
-            from kvtier.daemon.storage.redis_backend import RedisBackend
+            from kvtier.daemon.storage.redis import RedisBackend
         except ImportError as err:
             raise StorageError(
                 f"the redis backend needs redis-py: pip install 'kvtier[redis]' ({err})"
             ) from err
         return RedisBackend(extra)
     if name == "mooncake":
-        from kvtier.daemon.storage.mooncake_backend import MooncakeBackend
+        from kvtier.daemon.storage.mooncake import MooncakeBackend
 
         return MooncakeBackend(extra)
     if name == "dynamic":

@@ -34,13 +34,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvtier.daemon.host_pool import HostPool, PageState
-from kvtier.daemon.stats import Counters
+from kvtier.daemon.counters import Counters
+from kvtier.daemon.pool.index import HostPool, PageState
 
 if TYPE_CHECKING:
-    from kvtier.daemon.tier_store import TierStore
+    from kvtier.daemon.tier.tier import TierStore
 
-log = logging.getLogger("kvtier.daemon.l3_writer")
+log = logging.getLogger("kvtier.daemon.tier.writer")
 
 WRITE_BATCH = 64
 """Pages per backend ``put_from`` call."""

@@ -1,6 +1,6 @@
 """kvtierd's GPU state: an engine's KV pool opened from CUDA IPC handles, and the pinned arena.
 
-The CPU path maps an engine's shared-memory segments (:mod:`kvtier.daemon.engine_memory`); on a
+The CPU path maps an engine's shared-memory segments (:mod:`kvtier.daemon.transfer.engine_memory`); on a
 GPU the engine exports CUDA IPC handles instead, and this module opens them::
 
     CudaRuntime (one per daemon, touches no GPU until the first CUDA registration)
@@ -30,7 +30,7 @@ import threading
 from dataclasses import dataclass
 
 import torch
-from kvtier.daemon.engine_memory import MAX_PAGES, EngineMemoryError
+from kvtier.daemon.transfer.engine_memory import MAX_PAGES, EngineMemoryError
 from kvtier.ipc import cuda_ipc
 from kvtier.ipc.cuda_ipc import CudaIpcError
 from kvtier.ipc.protocol import Geometry, KVMemory
@@ -271,7 +271,7 @@ class CudaRuntime:
 class CudaEngineMemory:
     """An engine's KV pool as the daemon sees it on a GPU: opened CUDA IPC allocations.
 
-    Same surface as :class:`~kvtier.daemon.engine_memory.EngineMemory`: ``buffers[layer]
+    Same surface as :class:`~kvtier.daemon.transfer.engine_memory.EngineMemory`: ``buffers[layer]
     [component]`` are uint8 CUDA tensors ``[num_pages, chunk_bytes]``; :meth:`close` and
     :meth:`unlink_segments`.
 

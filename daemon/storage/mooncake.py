@@ -68,8 +68,8 @@ from typing import Any, Literal, TypeVar
 from kvtier.config.errors import StorageError
 from kvtier.config.sizes import ByteSize
 from kvtier.daemon.storage.base import HostArena, StorageBackend, run_to_completion
-from kvtier.daemon.storage.factory import validate_options
 from kvtier.daemon.storage.objects import HEADER_SIZE, check_headers, seal_headers
+from kvtier.daemon.storage.registry import validate_options
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = ["MooncakeBackend", "MooncakeOptions"]

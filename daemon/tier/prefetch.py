@@ -20,7 +20,7 @@ A slot is never freed while a backend read may still write into it: pages being 
 are aborted only when their read returns (a backend's worker thread finishes its batch
 even when the caller gives up). So "abort" waits, but never blocks the event loop.
 
-Accounting (:class:`~kvtier.daemon.stats.Counters`): every started page ends exactly once,
+Accounting (:class:`~kvtier.daemon.counters.Counters`): every started page ends exactly once,
 as completed, cancelled or failed. Pages read but never loaded (evicted or flushed first,
 or read and then discarded by a cancellation) also count as unused.
 """
@@ -34,10 +34,10 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvtier.daemon.host_pool import HostPool
-from kvtier.daemon.stats import Counters
+from kvtier.daemon.counters import Counters
+from kvtier.daemon.pool.index import HostPool
 
-log = logging.getLogger("kvtier.daemon.prefetch")
+log = logging.getLogger("kvtier.daemon.tier.prefetch")
 
 MIN_READ_BATCH = 16
 """Fewest pages per backend ``get_into`` call (pages become READY a batch at a time)."""

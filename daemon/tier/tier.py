@@ -1,7 +1,7 @@
 """The daemon's L3 tier: lookups after L2, prefetch and claim, writes to L3, rank groups.
 
 One :class:`TierStore` per daemon sits between the request handlers and the storage
-backend (:class:`~kvtier.daemon.l3_backend.L3Backend`, which never raises)::
+backend (:class:`~kvtier.daemon.tier.guard.L3Backend`, which never raises)::
 
     LOOKUP  ── L2 run (host pool) ──▶ lookup_l3(): exists on the keys after it
     PREFETCH ─ L3 run ≥ threshold ──▶ Prefetcher: WRITING slots ← get_into
@@ -10,7 +10,7 @@ backend (:class:`~kvtier.daemon.l3_backend.L3Backend`, which never raises)::
     L2 nearly full ─ write_back ────▶ L3Writer: coldest pages not in L3
 
 For a rank of a tensor-parallel engine, LOOKUP and CLAIM answer the minimum over its
-group's ranks (:class:`~kvtier.daemon.rank_groups.RankGroups`).
+group's ranks (:class:`~kvtier.daemon.tier.rank_groups.RankGroups`).
 
 Lifecycle: :meth:`TierStore.open` opens the backend over the host arena; :meth:`run`
 keeps its health and runs the writer; :meth:`drain` gives prefetches up and writes what
@@ -27,16 +27,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvtier.config import DaemonConfig
-from kvtier.daemon.host_pool import HostPool
-from kvtier.daemon.l3_backend import L3Backend
-from kvtier.daemon.l3_writer import L3Writer
-from kvtier.daemon.prefetch import Prefetcher, PrefetchJob
-from kvtier.daemon.rank_groups import RankGroups
-from kvtier.daemon.stats import Counters
+from kvtier.daemon.counters import Counters
+from kvtier.daemon.pool.index import HostPool
 from kvtier.daemon.storage.base import HostArena
+from kvtier.daemon.tier.guard import L3Backend
+from kvtier.daemon.tier.prefetch import Prefetcher, PrefetchJob
+from kvtier.daemon.tier.rank_groups import RankGroups
+from kvtier.daemon.tier.writer import L3Writer
 
 if TYPE_CHECKING:
-    from kvtier.daemon.sessions import Session
+    from kvtier.daemon.service.sessions import Session
 
 log = logging.getLogger("kvtier.daemon.l3")
 

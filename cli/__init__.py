@@ -1,0 +1,1 @@
+"""The ``kvtier`` command line: admin commands, the demo and the bench runner."""

@@ -1,0 +1,1 @@
+"""The L2 host pool: index, slots, on-disk layout, adoption (pure; no asyncio)."""

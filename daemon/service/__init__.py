@@ -1,0 +1,1 @@
+"""The daemon's service: lifecycle, request handlers, sessions, admin, metrics."""

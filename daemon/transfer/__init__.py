@@ -1,0 +1,1 @@
+"""Page transfers between engine memory and the host pool (CPU and CUDA)."""

@@ -1,0 +1,1 @@
+"""The GPU side of transfers: CUDA IPC memory and the copy executor."""
