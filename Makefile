@@ -5,19 +5,42 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev,plot,redis,mooncake,metrics
+DEMO_EXTRAS ?= plot
 STAMP := $(VENV)/.kvtier-installed
+DEMO_STAMP := $(VENV)/.kvtier-demo-installed
+SOURCES := pyproject.toml setup.py kernels/_fileio.c kernels/_xxh3_avx2.c
 
-.PHONY: venv test test-fast serve demo bench lint typecheck clean sysdeps builddeps
+.PHONY: venv venv-demo test test-fast serve demo bench lint typecheck clean sysdeps builddeps
 
-$(STAMP): pyproject.toml setup.py kernels/_fileio.c kernels/_xxh3_avx2.c
-	@$(MAKE) --no-print-directory builddeps
+# Install kvtier into $(VENV) with extras $(1). torch is the long step (about 1 GB to download
+# on a fresh machine): its progress bar stays on; the rest is quiet.
+define install_kvtier
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "==> upgrading pip in $(VENV)"
 	$(PIP) install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[$(EXTRAS)]"
-	touch $(STAMP)
+	@$(PY) -c "import torch" 2>/dev/null || { \
+		echo "==> installing $(TORCH_SPEC): a large download, this step takes minutes"; \
+		$(PIP) install --progress-bar on "$(TORCH_SPEC)"; }
+	@echo "==> installing kvtier (editable) with extras [$(1)]"
+	$(PIP) install -q -e ".[$(1)]"
+endef
+
+# Everything: what the tests, the benchmarks and the linters need (a C compiler and the xxHash
+# header too, for the file L3 backend's C extension; see builddeps).
+$(STAMP): $(SOURCES)
+	@$(MAKE) --no-print-directory builddeps
+	$(call install_kvtier,$(EXTRAS))
+	touch $(STAMP) $(DEMO_STAMP)
+
+# What `make demo` needs: kvtier, torch and matplotlib (the plot). No test tools, no system
+# packages (the demo runs L2 only: no C extension needed), never sudo.
+$(DEMO_STAMP): $(SOURCES)
+	$(call install_kvtier,$(DEMO_EXTRAS))
+	touch $(DEMO_STAMP)
 
 venv: $(STAMP)
+
+venv-demo: $(DEMO_STAMP)
 
 # What the C extension kvtier.kernels._fileio (the file L3 backend's batch I/O) builds with:
 # a C compiler and the xxHash header. Without them kvtier still installs and runs, slower.
@@ -25,6 +48,8 @@ builddeps:
 	@if ! command -v cc >/dev/null 2>&1 || [ ! -f /usr/include/xxhash.h ]; then \
 		if command -v apt-get >/dev/null 2>&1; then \
 			SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+			echo "==> builddeps: installing gcc libc6-dev libxxhash-dev with $${SUDO:+sudo }apt-get" \
+				"(the file L3 backend's C extension; without them kvtier installs and runs, slower)"; \
 			$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
 				--no-install-recommends gcc libc6-dev libxxhash-dev >/dev/null; \
 		else echo "builddeps: apt-get not found; install a C compiler and xxhash.h by hand"; fi; \
@@ -51,7 +76,7 @@ test-fast: venv
 serve: venv
 	$(VENV)/bin/kvtierd $(ARGS)
 
-demo: venv
+demo: venv-demo
 	$(VENV)/bin/kvtier demo $(ARGS)
 
 bench: venv sysdeps

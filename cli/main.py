@@ -78,11 +78,11 @@ def _admin(argv: list[str]) -> int:
 
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "serve": (_serve, "run kvtierd in the foreground (same flags as kvtierd)"),
-    "demo": (_demo, "multi-turn workload on the reference engine, with an engine restart"),
+    "demo": (_demo, "multi-turn workload on the reference engine, private kvtierd, a restart"),
     "bench": (_bench, "benchmarks: l2, l3, e2e, restart"),
     "stats": (_admin, "pool use, sessions, hit rates, bytes moved"),
     "sessions": (_admin, "registered engine sessions"),
-    "flush": (_admin, "drop cached pages (admin)"),
+    "flush": (_admin, "drop cached pages, from L2 unless --tier l3|all (admin)"),
     "sync": (_admin, "write L2 pages to L3 and wait (admin)"),
     "health": (_admin, "exit 0 when the daemon is healthy"),
 }
@@ -91,8 +91,14 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``kvtier``."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--version":
+        from kvtier.config.loader import package_version
+
+        print(f"kvtier {package_version()}")
+        return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: kvtier COMMAND [ARGS]\n\ncommands:")
+        print("usage: kvtier COMMAND [ARGS]   (kvtier COMMAND --help: its options; "
+              "kvtier --version)\n\ncommands:")
         for name, (_, text) in COMMANDS.items():
             print(f"  {name:<10} {text}")
         return 0 if argv and argv[0] in ("-h", "--help") else 2

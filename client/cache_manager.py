@@ -24,6 +24,11 @@ a LOAD might still write it (a failed load's pages are quarantined while the dae
 
 Not thread-safe: call it from the engine's scheduler thread. A prompt's last token is always
 computed (as SGLang matches ``tokens[:-1]``), so at most ``(len - 1) // page_size`` pages hit.
+
+The manager keeps the request path, eviction and the quarantine of failed loads; a request's
+state (:class:`MatchResult`, :class:`LoadHandle`) is in :mod:`kvtier.client.cache_request`, the
+STORE bookkeeping of the write policies in :mod:`kvtier.client.store_tracker`, the counters in
+:mod:`kvtier.client.cache_counters`. Those names are imported here for the manager's users.
 """
 
 from __future__ import annotations
@@ -34,9 +39,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvtier.client.connection import Connection, TransferHandle
+from kvtier.client.cache_counters import CacheCounters
+from kvtier.client.cache_request import LoadHandle, MatchResult
+from kvtier.client.connection import Connection
 from kvtier.client.page_keys import page_keys
-from kvtier.client.radix_tree import RadixTree, TreeNode
+from kvtier.client.radix_tree import RadixTree
+from kvtier.client.store_tracker import StoreTracker
 from kvtier.config import ClientConfig, KvtierError
 
 __all__ = ["CacheCounters", "CacheManager", "DeviceAllocator", "DevicePoolExhausted", "LoadHandle",
@@ -67,167 +75,6 @@ class DeviceAllocator(Protocol):
 
 
 @dataclass(slots=True)
-class CacheCounters:
-    """Monotonic counters of one manager (tokens unless named pages).
-
-    Attributes:
-        requests / prompt_tokens: matches made and the prompt tokens they covered.
-        l1_hit_tokens / l2_hit_tokens / l3_hit_tokens: usable prefix found per tier at match.
-        loaded_tokens: tokens whose L2 load completed (used by the prefill).
-        load_failures: loads that failed part-way (the engine recomputed).
-        computed_tokens: prompt tokens the engine computed (:meth:`CacheManager.record_computed`).
-        stores_issued / pages_stored / store_failures: STOREs sent, pages copied by successful
-            ones, and STOREs that failed.
-        store_dropped_pages: pages a STORE could not place (daemon away, L2 full and pinned).
-        evicted_pages / written_back_pages: L1 evictions, and pages stored by them (write_back).
-    """
-
-    requests: int = 0
-    prompt_tokens: int = 0
-    l1_hit_tokens: int = 0
-    l2_hit_tokens: int = 0
-    l3_hit_tokens: int = 0
-    loaded_tokens: int = 0
-    load_failures: int = 0
-    computed_tokens: int = 0
-    stores_issued: int = 0
-    pages_stored: int = 0
-    store_failures: int = 0
-    store_dropped_pages: int = 0
-    evicted_pages: int = 0
-    written_back_pages: int = 0
-
-
-@dataclass(slots=True, eq=False)
-class MatchResult:
-    """One request's view of the cache, from :meth:`CacheManager.match` to its release.
-
-    Attributes:
-        tokens: the prompt.
-        keys: the key of every full page of the prompt (the chain from the namespace).
-        page_size: tokens per page.
-        l1_pages: device pages of the L1 hit, in order; locked until release.
-        l1_in_l2: per L1 page, whether the tree knows L2 holds it.
-        l2_pages: pages right after the L1 hit that L2 holds (usable: the last token is kept).
-        l3_pages: pages right after those that L3 holds (reported; loading them needs a prefetch).
-        node: the tree node locked for the request (moved by :meth:`CacheManager.insert`).
-        load: the load started for the request, if any.
-        loaded_pages: pages whose load completed (set when the load finishes).
-        released: True once :meth:`CacheManager.release` ran.
-    """
-
-    tokens: list[int]
-    keys: list[bytes]
-    page_size: int
-    l1_pages: list[int]
-    l1_in_l2: list[bool]
-    l2_pages: int
-    l3_pages: int
-    node: TreeNode | None
-    load: LoadHandle | None = None
-    loaded_pages: int = 0
-    released: bool = False
-
-    @property
-    def l1_tokens(self) -> int:
-        """Tokens of the L1 hit."""
-        return len(self.l1_pages) * self.page_size
-
-    @property
-    def l2_tokens(self) -> int:
-        """Tokens L2 holds after the L1 hit."""
-        return self.l2_pages * self.page_size
-
-    @property
-    def l3_tokens(self) -> int:
-        """Tokens L3 holds after the L2 run."""
-        return self.l3_pages * self.page_size
-
-
-class LoadHandle:
-    """An L2 → device load for one request, waited on layer by layer.
-
-    Attributes:
-        pages: leading pages being loaded (0: nothing to load; then every wait succeeds).
-        page_ids: the device pages being written, ``pages`` of them.
-        quarantined: the load failed while the daemon lived; the manager now owns
-            ``page_ids`` and frees them once no late write can land.
-    """
-
-    __slots__ = ("_manager", "_match", "_ok", "_transfer", "page_ids", "pages", "quarantined")
-
-    def __init__(self, manager: CacheManager, match: MatchResult, transfer: TransferHandle | None,
-                 page_ids: Sequence[int]) -> None:
-        self._manager = manager
-        self._match = match
-        self._transfer = transfer
-        self.pages = transfer.count if transfer is not None else 0
-        self.page_ids = list(page_ids[: self.pages])
-        self._ok: bool | None = None if self.pages else True
-        self.quarantined = False
-
-    @property
-    def tokens(self) -> int:
-        """Tokens being loaded."""
-        return self.pages * self._match.page_size
-
-    @property
-    def failed(self) -> bool:
-        """True once a wait reported a failure (the pages must not be used)."""
-        return self._ok is False
-
-    def wait_layer(self, layer: int) -> bool:
-        """Block until layer ``layer`` of every loaded page is in place.
-
-        Args:
-            layer: layer index, called in order by the forward pass.
-
-        Returns:
-            True when it is; False when the load failed (daemon gone, timeout): the engine must
-            then recompute everything after the L1 hit and never read these pages.
-        """
-        if self._ok is not None:
-            return self._ok
-        assert self._transfer is not None
-        if not self._transfer.wait_layer(layer):
-            self._settle(False)
-            return False
-        return True
-
-    def finish(self) -> bool:
-        """Wait for the whole load to end and record its outcome; idempotent.
-
-        Returns:
-            True when every page is in place (or nothing was loaded), else False.
-        """
-        if self._ok is None:
-            assert self._transfer is not None
-            self._settle(self._transfer.wait())
-        return bool(self._ok)
-
-    def _settle(self, ok: bool) -> None:
-        self._ok = ok
-        self._manager._load_settled(self, self._match, ok)
-
-
-@dataclass(slots=True)
-class _Unbacked:
-    """A device page L2 is not known to hold: its chain parent and the requests that used it."""
-
-    parent: bytes | None
-    uses: int = 0
-
-
-@dataclass(slots=True, eq=False)
-class _Store:
-    """A STORE in flight: its handle and the keys and device pages it reads."""
-
-    handle: TransferHandle
-    keys: list[bytes]
-    pages: list[int]
-
-
-@dataclass(slots=True)
 class _Quarantine:
     """Pages of a failed load kept out of use until ``deadline`` (or the daemon's death)."""
 
@@ -249,8 +96,8 @@ class CacheManager:
         KvtierError: no page size, or a connection that is not registered.
     """
 
-    __slots__ = ("_alloc", "_cfg", "_conn", "_page_size", "_page_stores", "_pending", "_quarantine",
-                 "_quarantined", "_seed", "_storing", "_tree", "_unbacked", "counters")
+    __slots__ = ("_alloc", "_cfg", "_conn", "_page_size", "_quarantine", "_quarantined", "_seed",
+                 "_stores", "_tree", "counters")
 
     def __init__(self, allocator: DeviceAllocator, connection: Connection | None = None,
                  config: ClientConfig | None = None, page_size: int | None = None,
@@ -267,13 +114,13 @@ class CacheManager:
         self._page_size = page_size
         self._seed = connection.ns_fingerprint if connection is not None else (key_seed or _LOCAL_SEED)
         self._tree = RadixTree(page_size)
-        self._unbacked: dict[bytes, _Unbacked] = {}
-        self._pending: dict[_Store, None] = {}
-        self._page_stores: dict[int, _Store] = {}
-        self._storing: set[bytes] = set()
         self._quarantine: list[_Quarantine] = []
         self._quarantined: set[int] = set()
         self.counters = CacheCounters()
+        policy = self._cfg.hicache_write_policy
+        threshold = (1 if policy == "write_through" else
+                     self._cfg.write_through_threshold if policy == "write_through_selective" else 0)
+        self._stores = StoreTracker(connection, self._tree, self.counters, threshold)
 
     @property
     def tree(self) -> RadixTree:
@@ -298,7 +145,7 @@ class CacheManager:
     @property
     def pending_stores(self) -> int:
         """STOREs issued and not yet reaped."""
-        return len(self._pending)
+        return self._stores.pending
 
     # ------------------------------------------------------------------ request path
     def match(self, tokens: Sequence[int]) -> MatchResult:
@@ -380,7 +227,7 @@ class CacheManager:
         if n and self._conn is not None:
             l1 = len(match.l1_pages)
             transfer = self._conn.load(match.keys[l1: l1 + n], list(device_pages[:n]))
-        handle = LoadHandle(self, match, transfer, device_pages)
+        handle = LoadHandle(match, transfer, device_pages, self._load_settled)
         match.load = handle
         return handle
 
@@ -434,23 +281,7 @@ class CacheManager:
         l1, loaded = len(match.l1_pages), match.loaded_pages
         if loaded:
             self._tree.mark_in_l2(keys[l1: l1 + loaded])
-        policy = self._cfg.hicache_write_policy
-        threshold = (1 if policy == "write_through" else
-                     self._cfg.write_through_threshold if policy == "write_through_selective" else 0)
-        todo: list[int] = []
-        unbacked = self._unbacked
-        for i, key in enumerate(keys):
-            if (i < l1 and match.l1_in_l2[i]) or l1 <= i < l1 + loaded:
-                unbacked.pop(key, None)
-                continue
-            rec = unbacked.get(key)
-            if rec is None:
-                rec = unbacked[key] = _Unbacked(keys[i - 1] if i else None)
-            rec.uses += 1
-            if threshold and rec.uses >= threshold and key not in self._storing:
-                todo.append(i)
-        if todo and self._conn is not None:
-            self._store_runs(keys, pages, todo)
+        self._stores.inserted(keys, pages, l1, match.l1_in_l2, loaded)
         return res.duplicate_page_ids
 
     def release(self, match: MatchResult) -> None:
@@ -480,15 +311,13 @@ class CacheManager:
             pages: pages from :meth:`alloc` that the tree did not take.
         """
         pages = [p for p in pages if p not in self._quarantined]
-        for st in {self._page_stores[p] for p in pages if p in self._page_stores}:
-            self._reap(st)
+        self._stores.reap_pages(pages)
         self._alloc.free(pages)
 
     # ------------------------------------------------------------------ maintenance
     def sync(self) -> None:
         """Wait for every STORE in flight and record what L2 now holds."""
-        for st in list(self._pending):
-            self._reap(st)
+        self._stores.sync()
 
     def flush_l1(self) -> int:
         """Evict every unlocked L1 page (write_back stores them first): a cold L1.
@@ -518,49 +347,6 @@ class CacheManager:
         self._drain_quarantine()
 
     # ------------------------------------------------------------------ internals
-    def _store_runs(self, keys: list[bytes], pages: list[int], todo: list[int]) -> None:
-        """STORE each run of consecutive page indexes in ``todo``, chained to its parent."""
-        assert self._conn is not None
-        start = 0
-        while start < len(todo):
-            end = start + 1
-            while end < len(todo) and todo[end] == todo[end - 1] + 1:
-                end += 1
-            a, b = todo[start], todo[end - 1] + 1
-            self._issue(keys[a:b], pages[a:b], keys[a - 1] if a else None)
-            start = end
-
-    def _issue(self, keys: list[bytes], pages: list[int], parent: bytes | None) -> _Store:
-        assert self._conn is not None
-        st = _Store(self._conn.store(keys, pages, parent_key=parent), keys, pages)
-        self.counters.stores_issued += 1
-        self._pending[st] = None
-        self._storing.update(keys)
-        for p in pages:
-            self._page_stores[p] = st
-        return st
-
-    def _reap(self, st: _Store) -> bool:
-        """Wait for ``st``, record the pages L2 now holds; True when it succeeded."""
-        if st not in self._pending:
-            return st.handle.ok
-        ok = st.handle.wait()
-        del self._pending[st]
-        self._storing.difference_update(st.keys)
-        for p in st.pages:
-            if self._page_stores.get(p) is st:
-                del self._page_stores[p]
-        if ok:
-            done = st.keys[: st.handle.count]
-            self._tree.mark_in_l2(done)
-            for key in done:
-                self._unbacked.pop(key, None)
-            self.counters.pages_stored += st.handle.writing
-            self.counters.store_dropped_pages += len(st.keys) - st.handle.count
-        else:
-            self.counters.store_failures += 1
-        return ok
-
     def _evict(self, n: int) -> int:
         """Free up to ``n`` unlocked L1 pages; under write_back, STORE those L2 lacks first."""
         if n <= 0:
@@ -569,39 +355,17 @@ class CacheManager:
         evicted = self._tree.evict(n)
         backup = []
         for e in evicted:
-            rec = self._unbacked.pop(e.key, None)
+            parent = self._stores.forget(e.key)
             if not e.in_l2:
-                backup.append((e.key, e.page_id, rec.parent if rec is not None else None))
-        if backup and self._conn is not None and self._cfg.hicache_write_policy == "write_back":
-            self._write_back(backup)
+                backup.append((e.key, e.page_id, parent))
+        if backup and self._cfg.hicache_write_policy == "write_back":
+            self._stores.write_back(backup)
         self._alloc.free(e.page_id for e in evicted)
         self.counters.evicted_pages += len(evicted)
         return len(evicted)
 
-    def _write_back(self, backup: list[tuple[bytes, int, bytes | None]]) -> None:
-        """STORE evicted pages as chains, parent first, and wait before their pages are reused.
-
-        Eviction runs leaf first and tail first, so the reversed list has every parent before
-        its children; consecutive pages whose parent is the page before form one STORE.
-        """
-        stores = []
-        run_keys: list[bytes] = []
-        run_pages: list[int] = []
-        run_parent: bytes | None = None
-        for key, page, parent in reversed(backup):
-            if run_keys and parent == run_keys[-1]:
-                run_keys.append(key)
-                run_pages.append(page)
-                continue
-            if run_keys:
-                stores.append(self._issue(run_keys, run_pages, run_parent))
-            run_keys, run_pages, run_parent = [key], [page], parent
-        stores.append(self._issue(run_keys, run_pages, run_parent))
-        for st in stores:
-            if self._reap(st):
-                self.counters.written_back_pages += st.handle.writing
-
     def _load_settled(self, load: LoadHandle, match: MatchResult, ok: bool) -> None:
+        """Record a load's outcome; quarantine its pages if a live daemon might still write them."""
         if ok:
             match.loaded_pages = load.pages
             self.counters.loaded_tokens += load.tokens

@@ -36,13 +36,17 @@ import msgspec
 import zmq
 from kvtier.client.kv_pool import SharedKVPool
 from kvtier.client.page_keys import page_keys
+from kvtier.client.transfer_handle import TransferHandle
 from kvtier.config import ClientConfig, KvtierError, runtime_dir, socket_path
 from kvtier.ipc import protocol as P
-from kvtier.ipc.completion import CompletionBlock, CompletionTimeout, TransferStatus
+from kvtier.ipc.completion import CompletionBlock, TransferStatus
 from kvtier.ipc.sockets import ipc_endpoint, make_zmq_socket
 
 if TYPE_CHECKING:
     from typing import Self
+
+__all__ = ["Connection", "DaemonError", "DaemonUnavailable", "LookupReply", "TransferHandle",
+           "rep_is_late"]
 
 log = logging.getLogger("kvtier.client")
 
@@ -66,105 +70,6 @@ class LookupReply:
 
     l2: int
     l3: int = 0
-
-
-class TransferHandle:
-    """A STORE or LOAD in flight.
-
-    Attributes:
-        count: for a load, the leading pages being loaded (0: a miss, nothing runs); for a
-            store, the leading keys now in L2 or being written (the rest were dropped).
-        writing: pages actually being copied (0: nothing to wait for).
-    """
-
-    __slots__ = (
-        "_block",
-        "_conn",
-        "_layers_ok",
-        "_status",
-        "count",
-        "num_layers",
-        "seq",
-        "slot",
-        "writing",
-    )
-
-    def __init__(self, conn: Connection | None, block: CompletionBlock | None, slot: int,
-                 seq: int, count: int, writing: int, num_layers: int) -> None:
-        self._conn = conn
-        self._block = block
-        self.slot = slot
-        self.seq = seq
-        self.count = count
-        self.writing = writing
-        self.num_layers = num_layers
-        self._status: TransferStatus | None = None if writing else TransferStatus.DONE
-        self._layers_ok = num_layers if not writing else 0
-
-    @property
-    def done(self) -> bool:
-        """True once the transfer has ended (whatever the outcome)."""
-        return self._status is not None
-
-    @property
-    def ok(self) -> bool:
-        """True when every layer completed."""
-        return self._status is TransferStatus.DONE
-
-    def wait_layer(self, layer: int, timeout: float | None = None) -> bool:
-        """Block until layer ``layer`` of this transfer is in place.
-
-        Returns:
-            True when it is; False when the transfer failed, was cancelled or timed out
-            (the engine must then treat the whole transfer as a miss and recompute).
-        """
-        if self._layers_ok > layer:
-            return True
-        if self._status is not None:
-            return self._status is TransferStatus.DONE
-        assert self._conn is not None and self._block is not None
-        conn = self._conn
-        try:
-            st = self._block.wait(self.slot, self.seq, layer + 1,
-                                  conn.config.load_timeout_s if timeout is None else timeout,
-                                  alive=conn.daemon_alive)
-        except CompletionTimeout:
-            st = TransferStatus.FAILED
-            conn._abandon(self)
-        except (TypeError, ValueError):  # the block was closed under us (re-registration)
-            st = TransferStatus.FAILED
-        if st is TransferStatus.RUNNING:
-            self._layers_ok = layer + 1
-            return True
-        self._end(st)
-        return st is TransferStatus.DONE
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until the whole transfer ends; True when it succeeded."""
-        if (self._status is None and self.wait_layer(self.num_layers - 1, timeout)
-                and self._status is None):
-            # all layers landed; wait for the final status
-            try:
-                assert self._block is not None and self._conn is not None
-                st = self._block.wait(self.slot, self.seq, self.num_layers,
-                                      self._conn.config.load_timeout_s,
-                                      alive=self._conn.daemon_alive)
-                while st is TransferStatus.RUNNING:
-                    time.sleep(0.0001)
-                    _, _, raw = self._block.read(self.slot)
-                    st = TransferStatus(raw)
-            except (CompletionTimeout, TypeError, ValueError):
-                st = TransferStatus.FAILED
-            self._end(st)
-        return self._status is TransferStatus.DONE
-
-    def _end(self, st: TransferStatus) -> None:
-        if self._status is None:
-            self._status = st
-            if st is TransferStatus.DONE:
-                self._layers_ok = self.num_layers
-            if self._conn is not None:
-                self._conn._slot_done(self.slot, self.seq, st)
 
 
 class Connection:
@@ -215,9 +120,12 @@ class Connection:
 
         Raises:
             DaemonError: the daemon refused the registration (bad token, geometry, ...).
-            DaemonUnavailable: no daemon answered within ``request_timeout_s``.
+            DaemonUnavailable: at once when the daemon's ``ipc://`` socket file does not
+                exist (no kvtierd is running there); else when no daemon answered within
+                ``request_timeout_s``.
         """
         with self._lock:
+            self._check_socket_file()
             if self._sock is None:
                 identity = f"{os.getpid()}-{secrets.token_hex(6)}".encode()
                 self._sock = make_zmq_socket(self._ctx, self.endpoint, zmq.DEALER, bind=False,
@@ -243,6 +151,18 @@ class Connection:
         if self._hb is None:
             self._hb = threading.Thread(target=self._heartbeat_loop, name="kvtier-heartbeat", daemon=True)
             self._hb.start()
+
+    def _check_socket_file(self) -> None:
+        """Fail fast, with a hint, when the endpoint is a socket file that does not exist."""
+        if not self.endpoint.startswith("ipc://"):
+            return
+        path = self.endpoint[len("ipc://"):]
+        if not os.path.exists(path):
+            raise DaemonUnavailable(
+                f"kvtierd is not running: no socket at {path}; start one with `kvtier serve` "
+                "(or `make serve`), or point runtime_dir / endpoint ($KVTIER_RUNTIME_DIR, "
+                "$KVTIER_ENDPOINT) at a running one"
+            )
 
     def _heartbeat_loop(self) -> None:
         while not self._hb_stop.wait(self.config.heartbeat_interval_s):

@@ -39,16 +39,20 @@ class DaemonProcess:
         log_path: where its stderr goes (default: ``<runtime_dir>/kvtierd.log``).
         state_dir: the state directory offered to the daemon (default:
             ``<runtime_dir>/state``: private to it, and gone with its runtime directory).
+        isolated: configure the daemon by ``args`` (and ``env``) only: the caller's
+            ``KVTIER_*`` variables, ``$KVTIER_CONFIG`` included, are not passed on (the demo
+            uses this so that a user's settings cannot point its daemon at their files).
     """
 
     def __init__(self, runtime_dir: str | Path, args: Sequence[str] = (),
                  env: dict[str, str] | None = None, log_path: str | Path | None = None,
-                 state_dir: str | Path | None = None) -> None:
+                 state_dir: str | Path | None = None, isolated: bool = False) -> None:
         self.runtime_dir = Path(runtime_dir)
         self.state_dir = Path(state_dir) if state_dir else self.runtime_dir / "state"
         self.args = list(args)
         self.env = dict(env or {})
         self.log_path = Path(log_path) if log_path else self.runtime_dir / "kvtierd.log"
+        self.isolated = isolated
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -69,7 +73,9 @@ class DaemonProcess:
     def start(self, timeout: float = 30.0) -> Self:
         """Start the daemon and wait until it answers HEALTH."""
         self.runtime_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "STATE_DIRECTORY": str(self.state_dir), **self.env,
+        inherited = {k: v for k, v in os.environ.items()
+                     if not (self.isolated and k.startswith("KVTIER_"))}
+        env = {**inherited, "STATE_DIRECTORY": str(self.state_dir), **self.env,
                "KVTIER_RUNTIME_DIR": str(self.runtime_dir)}
         env.pop("NOTIFY_SOCKET", None) if "NOTIFY_SOCKET" not in self.env else None
         # stays open while the daemon runs (its stdout and stderr); _reap closes it

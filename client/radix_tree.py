@@ -19,123 +19,26 @@ Invariants (checked by :meth:`RadixTree.check_invariants`):
 
 Eviction frees device pages leaf first (a page leaves the device only when no page extending it
 holds one), least recently used first, tail pages of a node before its head pages.
+
+The node type and its page-wise comparison live in :mod:`kvtier.client.radix_node`, the result
+records in :mod:`kvtier.client.radix_results` and the full invariant check in
+:mod:`kvtier.client.radix_invariants`; this module keeps the tree and its bookkeeping.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from itertools import repeat
 
+from kvtier.client.radix_invariants import check_tree_invariants
+from kvtier.client.radix_node import TreeNode, common_pages
+from kvtier.client.radix_results import EvictedPage, InsertResult, PrefixMatch
 from kvtier.config.errors import KvtierError
 
+# The node and result types are defined beside the tree and re-exported here, where callers
+# import them from.
 __all__ = ["EvictedPage", "InsertResult", "PrefixMatch", "RadixTree", "TreeNode"]
-
-
-@dataclass(slots=True, eq=False)
-class TreeNode:
-    """A run of whole pages in the tree; identity-hashed.
-
-    Args:
-        node_id: Id from the tree's own counter (breaks LRU ties deterministically).
-        parent: The node above; ``None`` for the root. Kept on nodes dropped from the tree so an
-            outstanding :meth:`RadixTree.unlock` still reaches the ancestors.
-        tokens: The run's tokens, ``page_size * n_pages`` of them.
-        device: Per page, the device page id, or ``None`` once evicted from the device.
-        keys: Per page, the 32-byte page key.
-        in_l2: Per page, whether L2 holds the page.
-        n_device: How many leading pages hold a device page.
-        children: Child nodes by the tokens of their first page.
-        lock_ref: Locks taken on this node or on any node below it.
-        hit_count: Prefix matches that reached this node.
-        last_access: Logical clock of the last match or insert that reached this node.
-    """
-
-    node_id: int
-    parent: TreeNode | None
-    tokens: list[int]
-    device: list[int | None]
-    keys: list[bytes]
-    in_l2: list[bool]
-    n_device: int = 0
-    children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict)
-    lock_ref: int = 0
-    hit_count: int = 0
-    last_access: int = 0
-
-    @property
-    def n_pages(self) -> int:
-        """The number of pages in the run."""
-        return len(self.keys)
-
-
-@dataclass(slots=True)
-class PrefixMatch:
-    """The whole pages of a token sequence found in the tree, in order.
-
-    Args:
-        page_ids: Per matched page, its device page id, or ``None`` when evicted from the device.
-        keys: Per matched page, its key; ``keys[-1]`` continues the key chain.
-        in_l2: Per matched page, whether L2 holds it.
-        device_pages: Length of the leading run of pages on the device (the L1 hit).
-        matched_tokens: ``len(page_ids) * page_size``.
-        last_node: The node of the last matched page (the root when nothing matched); pass it to
-            :meth:`RadixTree.lock` and :meth:`RadixTree.unlock`.
-    """
-
-    page_ids: list[int | None]
-    keys: list[bytes]
-    in_l2: list[bool]
-    device_pages: int
-    matched_tokens: int
-    last_node: TreeNode
-
-    @property
-    def n_pages(self) -> int:
-        """The number of matched pages."""
-        return len(self.keys)
-
-    @property
-    def device_page_ids(self) -> list[int]:
-        """The device page ids of the leading run on the device."""
-        return self.page_ids[: self.device_pages]  # type: ignore[return-value]
-
-
-@dataclass(slots=True)
-class InsertResult:
-    """What :meth:`RadixTree.insert` did.
-
-    Args:
-        duplicate_page_ids: Device page ids passed for pages that already hold a different
-            device page; the tree did not take them and the caller must free them.
-        last_node: The node of the last inserted page (the root when there were no full pages).
-        new_pages: Pages added to the tree.
-        refilled_pages: Pages that were in the tree without a device page and took one.
-    """
-
-    duplicate_page_ids: list[int]
-    last_node: TreeNode
-    new_pages: int
-    refilled_pages: int
-
-
-@dataclass(slots=True)
-class EvictedPage:
-    """A page freed from the device by :meth:`RadixTree.evict`.
-
-    Args:
-        page_id: The device page id, now free for the caller to reuse.
-        key: The page key.
-        in_l2: Whether L2 holds the page; if so it stays in the tree without a device page,
-            otherwise it left the tree (together with every page after it).
-        tokens: The page's tokens.
-    """
-
-    page_id: int
-    key: bytes
-    in_l2: bool
-    tokens: tuple[int, ...]
 
 
 class RadixTree:
@@ -225,7 +128,7 @@ class RadixTree:
             child = node.children.get(tuple(toks[start : start + size]))
             if child is None:
                 break
-            k = self._common_pages(child, toks, start)
+            k = common_pages(child, toks, start, size)
             if k < child.n_pages:
                 child = self._split(child, k)
             child.hit_count += 1
@@ -279,7 +182,7 @@ class RadixTree:
                 self._device_leaves.discard(node)
                 node = child
                 break
-            k = self._common_pages(child, toks, start)
+            k = common_pages(child, toks, start, size)
             if k < child.n_pages:
                 child = self._split(child, k)
             assert child.keys == list(keys[page : page + k]), "page keys disagree with the tree"
@@ -408,65 +311,18 @@ class RadixTree:
         Raises:
             AssertionError: An invariant does not hold; the message names it.
         """
-
-        def require(ok: bool, what: str) -> None:
-            if not ok:
-                raise AssertionError(what)
-
-        size = self._page_size
-        seen_keys: dict[bytes, TreeNode] = {}
-        seen_ids: set[int] = set()
-        device = evictable = 0
-        leaves: set[TreeNode] = set()
-        stack = [self._root]
-        while stack:
-            node = stack.pop()
-            n = node.n_pages
-            require(node is self._root or n > 0, "empty node")
-            require(len(node.tokens) == n * size, "tokens not page-aligned")
-            require(len(node.device) == n == len(node.in_l2), "page lists differ in length")
-            require(all(d is not None for d in node.device[: node.n_device]), "n_device")
-            require(all(d is None for d in node.device[node.n_device :]), "device not prefix")
-            require(all(d is not None or f for d, f in zip(node.device, node.in_l2)), "dead page")
-            kids = list(node.children.values())
-            require(node.n_device == n or all(c.n_device == 0 for c in kids), "device gap")
-            locks = sum(c.lock_ref for c in kids)
-            require(node is self._root or node.lock_ref >= locks, "lock_ref below children")
-            for first, child in node.children.items():
-                require(child.parent is node, "parent pointer")
-                require(first == tuple(child.tokens[:size]), "child key")
-            for key in node.keys:
-                require(key not in seen_keys, "key twice")
-                seen_keys[key] = node
-            ids = node.device[: node.n_device]
-            require(seen_ids.isdisjoint(ids) and len(set(ids)) == len(ids), "device id twice")
-            seen_ids.update(ids)  # type: ignore[arg-type]
-            device += node.n_device
-            evictable += node.n_device if node.lock_ref == 0 else 0
-            if node.n_device and (node.n_device < n or not any(c.n_device for c in kids)):
-                leaves.add(node)
-            stack.extend(kids)
-        require(seen_keys == self._by_key, "key map")
-        require(device == self._device_count, "device_page_count")
-        require(evictable == self._evictable_count, "evictable_page_count")
-        require(leaves == self._device_leaves, "device leaf set")
+        check_tree_invariants(
+            self._root,
+            self._page_size,
+            self._by_key,
+            self._device_count,
+            self._evictable_count,
+            self._device_leaves,
+        )
 
     def _tick(self) -> int:
         self._clock += 1
         return self._clock
-
-    def _common_pages(self, node: TreeNode, toks: list[int], start: int) -> int:
-        """Count the leading whole pages of ``node`` equal to ``toks[start:]``; the first is."""
-        run = node.tokens
-        end = start + len(run)
-        if end <= len(toks) and toks[start:end] == run:
-            return node.n_pages
-        size = self._page_size
-        limit = min(len(run), len(toks) - start)
-        k = size
-        while k < limit and toks[start + k : start + k + size] == run[k : k + size]:
-            k += size
-        return k // size
 
     def _add_node(
         self,

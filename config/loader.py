@@ -13,11 +13,12 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeVar, get_args, get_origin
+from typing import Any, Literal, TypeVar, get_args, get_origin
 
 import tomllib
 from kvtier.config.errors import ConfigError
 from kvtier.config.models import ClientConfig, DaemonConfig
+from kvtier.config.sizes import format_size, parse_size
 from pydantic import BaseModel, ValidationError
 
 M = TypeVar("M", bound=BaseModel)
@@ -212,19 +213,121 @@ def _redact(loc: str, value: Any) -> Any:
     return "<redacted>" if "token" in loc else value
 
 
+# Help for fields whose description (in models.py) does not say how to write the value or
+# what it is for; shown by ``kvtierd --help`` in place of / after the description.
+_HELP_REPLACED = {
+    "admin_token": "Credential the admin requests must carry: kvtier stats, sessions, flush and "
+                   "sync (health needs none). Unset: anyone who can reach the socket may use "
+                   "them. The admin commands send it from --admin-token or $KVTIER_ADMIN_TOKEN.",
+}
+_HELP_NOTES = {
+    "tenants": 'Format: a JSON object {"NAME": {"token": "SECRET", "quota_pages": N}, ...} '
+               "(quota_pages optional: no quota); in TOML, one [tenants.NAME] table each. "
+               "Engines register with ClientConfig tenant and token.",
+    "hicache_storage_backend_extra_config": 'E.g. \'{"path": "/data/kvtier", "capacity": '
+                                            '"64GiB"}\' for file; the keys of each backend are '
+                                            "in the README (Configuration).",
+}
+
+
+def _default_text(field: Any) -> str:
+    """How ``--help`` shows a field's default: sizes as ``1.0 GiB``, booleans as true/false."""
+    if field.default_factory is not None:
+        value = field.default_factory()
+        return "none" if not value else repr(value)
+    value = field.default
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if any(getattr(m, "func", None) is parse_size for m in field.metadata):
+        return format_size(int(value))
+    return str(value)
+
+
+def _bounds_text(field: Any) -> str:
+    """The field's numeric bounds as ``>= 1, <= 64`` (empty when it has none)."""
+    parts = []
+    for m in field.metadata:
+        for attr, sign in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
+            if getattr(m, attr, None) is not None:
+                parts.append(f"{sign} {getattr(m, attr)}")
+    return ", ".join(parts)
+
+
+def _metavar(model: type[BaseModel], name: str, field: Any) -> str:
+    """The placeholder ``--help`` shows for a field's value: its choices, SIZE, JSON, ..."""
+    if get_origin(field.annotation) is Literal:
+        return "{" + ",".join(str(a) for a in get_args(field.annotation)) + "}"
+    if field.annotation is bool:
+        return "BOOL"
+    if any(getattr(m, "func", None) is parse_size for m in field.metadata):
+        return "SIZE"
+    if _is_structured(model, name):
+        return "JSON"
+    return "VALUE"
+
+
+def flag_help(name: str, field: Any) -> str:
+    """The ``--help`` text of one config field: what it is, its choices, bounds and default.
+
+    Args:
+        name: the field's name.
+        field: its pydantic ``FieldInfo``.
+
+    Returns:
+        One paragraph (argparse wraps it); ``%`` is escaped for argparse.
+    """
+    parts = [_HELP_REPLACED.get(name, field.description or "")]
+    if name in _HELP_NOTES:
+        parts.append(_HELP_NOTES[name])
+    choices = [a for a in get_args(field.annotation) if isinstance(a, str)]
+    if get_origin(field.annotation) is Literal and choices:
+        parts.append(f"Choices: {', '.join(choices)}.")
+    if field.annotation is bool:
+        parts.append("true or false; the bare flag means true.")
+    bounds = _bounds_text(field)
+    if bounds:
+        parts.append(f"Range: {bounds}.")
+    if any(getattr(m, "func", None) is parse_size for m in field.metadata):
+        parts.append("Bytes, or a size such as 512MiB, 4GiB.")
+    if "Default:" not in parts[0]:  # else the description says how the default is derived
+        parts.append(f"Default: {_default_text(field)}.")
+    return " ".join(p for p in parts if p).replace("%", "%%")
+
+
 def add_config_flags(parser: argparse.ArgumentParser, model: type[BaseModel]) -> None:
     """Add one ``--field-name VALUE`` flag per field of ``model`` (all strings, default None).
 
     Values are validated by the model, so ``--hicache-size 4GiB`` works like the TOML key.
-    A boolean flag given without a value means true (``--cold-start``).
+    A boolean flag given without a value means true (``--cold-start``). Each flag's help
+    names the field's choices, bounds and default (:func:`flag_help`).
     """
-    group = parser.add_argument_group("configuration (also TOML keys and KVTIER_* variables)")
+    group = parser.add_argument_group(
+        "configuration (each flag is also a TOML key and a KVTIER_<KEY> variable; flags win "
+        "over variables, variables over the file)")
     for name, field in model.model_fields.items():
         extra: dict[str, Any] = {"nargs": "?", "const": "true"} if field.annotation is bool else {}
         group.add_argument(
-            f"--{name.replace('_', '-')}", dest=f"cfg_{name}", default=None, metavar="VALUE",
-            help=field.description, **extra,
+            f"--{name.replace('_', '-')}", dest=f"cfg_{name}", default=None,
+            metavar=_metavar(model, name, field),
+            help=flag_help(name, field), **extra,
         )
+
+
+def package_version() -> str:
+    """kvtier's version, from the installed package's metadata."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvtier")
+    except PackageNotFoundError:
+        return "unknown (kvtier is not installed: pip install -e .)"
+
+
+def add_version_flag(parser: argparse.ArgumentParser, prog: str) -> None:
+    """Add ``--version``: print ``<prog> <version>`` (from package metadata) and exit 0."""
+    parser.add_argument("--version", action="version", version=f"{prog} {package_version()}")
 
 
 def flags_to_dict(ns: argparse.Namespace, model: type[BaseModel]) -> dict[str, Any]:

@@ -76,7 +76,9 @@ class DaemonConfig(_Frozen):
     lease_s: float = Field(default=30.0, gt=0, description="Session lease; heartbeats renew it.")
     max_sessions: int = Field(default=256, ge=1, description="Most engine sessions at once.")
     max_message_bytes: ByteSize = Field(
-        default=16 << 20, ge=4096, description="Largest control message accepted."
+        default=16 << 20, ge=4096, le=32 << 20,
+        description="Largest control message accepted (at most 32 MiB: the socket's own frame "
+        "limit, ZeroMQ MAXMSGSIZE, drops larger frames before they are read).",
     )
     max_keys_per_request: int = Field(default=65536, ge=1, description="Keys in one request.")
     shutdown_timeout_s: float = Field(
@@ -120,7 +122,8 @@ class DaemonConfig(_Frozen):
     )
     metrics_host: str = Field(default="127.0.0.1", description="Metrics bind address.")
     admin_token: SecretStr | None = Field(
-        default=None, description="Credential for admin requests (flush); None: local socket access."
+        default=None, description="Credential the admin requests must carry (kvtier stats, sessions, "
+        "flush and sync; health needs none); unset: anyone who can reach the socket."
     )
     tenants: dict[str, TenantConfig] = Field(
         default_factory=dict, description="Tenant name → token and quota. Empty: one default tenant."

@@ -8,14 +8,27 @@ import os
 import sys
 
 from kvtier.config import ConfigError, DaemonConfig, KvtierError
-from kvtier.config.loader import add_config_flags, flags_to_dict, load_config
+from kvtier.config.loader import add_config_flags, add_version_flag, flags_to_dict, load_config
+
+_EPILOG = """\
+Where it listens: ipc://<runtime_dir>/kvtierd.sock. With the defaults it keeps a 1 GiB host
+pool in /dev/shm and an L3 disk store in <state_dir>/l3 (up to 16 GiB); use
+--hicache-storage-backend none to keep to L2. Engines, and the admin commands (kvtier stats,
+sessions, flush, sync, health), find it through the same runtime directory."""
 
 
 def build_parser(prog: str = "kvtierd") -> argparse.ArgumentParser:
-    """Return the argument parser of ``kvtierd`` / ``kvtier serve``."""
-    p = argparse.ArgumentParser(prog=prog, description="kvtier daemon: the node's shared KV cache (L2/L3).")
+    """Return the argument parser of ``kvtierd`` / ``kvtier serve``.
+
+    Args:
+        prog: the program name shown in usage and ``--version``.
+    """
+    p = argparse.ArgumentParser(prog=prog, description="kvtier daemon: the node's shared KV cache (L2/L3).",
+                                epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", "-c", default=os.environ.get("KVTIER_CONFIG"),
-                   help="TOML config file (default: $KVTIER_CONFIG)")
+                   help="TOML config file with keys named like the flags below (default: "
+                        "$KVTIER_CONFIG, else none)")
+    add_version_flag(p, prog)
     add_config_flags(p, DaemonConfig)
     return p
 

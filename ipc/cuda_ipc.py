@@ -21,7 +21,13 @@ stream-ordered allocator (``backend:cudaMallocAsync``) has no legacy IPC handle;
 raises :class:`CudaIpcError` saying so, instead of failing later in the daemon.
 
 Device identity: ordinals depend on each process's ``CUDA_VISIBLE_DEVICES``, so segments name
-their GPU by UUID, written as ``nvidia-smi -L`` prints it (``GPU-8-4-4-4-12`` hex digits).
+their GPU by UUID (:mod:`kvtier.ipc.cuda_device`).
+
+This module holds the handles: exporting tensors, opening and closing memory handles, and the
+interprocess events. What it builds on lives next to it and is imported here, so every name of
+the CUDA IPC API can still be imported from ``kvtier.ipc.cuda_ipc``: availability, cupy and
+errors in :mod:`kvtier.ipc.cuda_runtime`, device UUIDs in :mod:`kvtier.ipc.cuda_device`,
+allocation lookup and raw device memory in :mod:`kvtier.ipc.cuda_alloc`.
 
 cupy (the ``cuda`` extra) is imported on first use and torch's CUDA state is touched only by the
 functions that need it, so this module imports on machines with neither cupy nor a GPU; a call
@@ -30,23 +36,42 @@ there raises :class:`CudaUnavailable` with the reason.
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import importlib.util
 import os
-import re
-import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-from kvtier.config.errors import KvtierError
+from kvtier.ipc.cuda_alloc import (
+    AllocationRange,
+    allocation_range,
+    device_tensor,
+    empty_ipc_capable,
+    mapped_range,
+    range_from_snapshot,
+)
+from kvtier.ipc.cuda_device import (
+    UUID_BYTES,
+    device_ordinal,
+    device_uuid,
+    format_device_uuid,
+    parse_device_uuid,
+)
+from kvtier.ipc.cuda_runtime import (
+    NEEDS_GPU,
+    CudaIpcError,
+    CudaUnavailable,
+    cuda_error_types,
+    cuda_unavailable_reason,
+    cupy_module,
+    ordinal_of,
+    require_cuda,
+)
 from kvtier.ipc.protocol import KVMemory, MemorySegment
 
 __all__ = [
     "IPC_HANDLE_BYTES",
     "NEEDS_GPU",
+    "UUID_BYTES",
     "AllocationRange",
     "CudaExport",
     "CudaIpcError",
@@ -74,277 +99,7 @@ __all__ = [
 
 IPC_HANDLE_BYTES = 64
 """Bytes of a ``cudaIpcMemHandle_t`` and of a ``cudaIpcEventHandle_t``."""
-UUID_BYTES = 16
-NEEDS_GPU = "needs an NVIDIA GPU with cupy (pip install -e .[cuda])"
-"""The reason every CUDA-only entry point (and test) gives on a machine without one."""
-
-# CUpointer_attribute values (cuda.h, stable since CUDA 10.2).
-_ATTR_IS_LEGACY_CUDA_IPC_CAPABLE = 10
-_ATTR_RANGE_START_ADDR = 11
-_ATTR_RANGE_SIZE = 12
 _ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
-_UUID_RE = re.compile(r"^(?:gpu-|mig-)?([0-9a-f]{8})-?([0-9a-f]{4})-?([0-9a-f]{4})-?([0-9a-f]{4})"
-                      r"-?([0-9a-f]{12})$")
-
-
-class CudaIpcError(KvtierError):
-    """CUDA memory or an event could not be exported or opened; the message says why."""
-
-
-class CudaUnavailable(CudaIpcError, RuntimeError):
-    """A CUDA-only operation was called where there is no GPU or no cupy."""
-
-
-# -- availability -------------------------------------------------------------------------------
-
-
-def cuda_unavailable_reason() -> str | None:
-    """Why the GPU path cannot run here, or None when it can.
-
-    Returns:
-        None when torch sees a CUDA device and cupy is installed; otherwise a sentence that
-        starts with :data:`NEEDS_GPU`. Does not create a CUDA context.
-    """
-    if not torch.cuda.is_available():
-        build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
-        return f"{NEEDS_GPU}: torch {torch.__version__} ({build}) sees no CUDA device"
-    if importlib.util.find_spec("cupy") is None:
-        return f"{NEEDS_GPU}: cupy is not installed"
-    return None
-
-
-def require_cuda(what: str) -> None:
-    """Raise :class:`CudaUnavailable` naming ``what`` unless the GPU path can run here.
-
-    Args:
-        what: the operation, e.g. ``"CudaKVPool"``, used as the message's subject.
-    """
-    reason = cuda_unavailable_reason()
-    if reason is not None:
-        raise CudaUnavailable(f"{what} {reason}")
-
-
-def cupy_module() -> Any:
-    """Import and return cupy.
-
-    Raises:
-        CudaUnavailable: cupy is missing, or installed but does not load (e.g. built for
-            another CUDA major version than the driver's).
-    """
-    try:
-        import cupy
-    except ImportError as err:
-        raise CudaUnavailable(f"{NEEDS_GPU}: cupy does not import: {err}") from err
-    return cupy
-
-
-def _cuda_error_types() -> tuple[type[BaseException], ...]:
-    """The exception types cupy's runtime wrappers raise."""
-    cupy = cupy_module()
-    return (cupy.cuda.runtime.CUDARuntimeError,)
-
-
-def ordinal_of(device: torch.device | int | str) -> int:
-    """The CUDA ordinal (in this process) of ``device``; ``"cuda"`` means the current device.
-
-    Raises:
-        CudaIpcError: ``device`` is not a CUDA device.
-    """
-    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    if dev.type != "cuda":
-        raise CudaIpcError(f"device must be a CUDA device, got {dev}")
-    return torch.cuda.current_device() if dev.index is None else int(dev.index)
-
-
-# -- device identity ----------------------------------------------------------------------------
-
-
-def format_device_uuid(raw: bytes) -> str:
-    """Write a 16-byte device UUID as ``nvidia-smi -L`` does: ``GPU-xxxxxxxx-xxxx-...``.
-
-    Raises:
-        CudaIpcError: ``raw`` is not 16 bytes.
-    """
-    if not isinstance(raw, (bytes, bytearray)) or len(raw) != UUID_BYTES:
-        raise CudaIpcError(f"a device UUID has {UUID_BYTES} bytes, got {raw!r}")
-    h = bytes(raw).hex()
-    return f"GPU-{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
-
-
-def parse_device_uuid(text: str) -> bytes:
-    """The 16 bytes of a device UUID written as :func:`format_device_uuid` (or torch) writes it.
-
-    Accepts an optional ``GPU-`` / ``MIG-`` prefix, any case, with or without dashes.
-
-    Raises:
-        CudaIpcError: ``text`` is not a device UUID.
-    """
-    m = _UUID_RE.match(text.strip().lower()) if isinstance(text, str) else None
-    if m is None:
-        raise CudaIpcError(f"device_uuid = {text!r} is not a GPU UUID (GPU-xxxxxxxx-xxxx-xxxx-"
-                           "xxxx-xxxxxxxxxxxx)")
-    return bytes.fromhex("".join(m.groups()))
-
-
-def device_uuid(device: torch.device | int | str) -> str:
-    """The UUID of a visible GPU, formatted by :func:`format_device_uuid`.
-
-    Asks torch first (its ``_CudaDeviceProperties.uuid``), then cupy (whose property dictionary
-    loses UUIDs with a zero byte, so only a 16-byte answer is used).
-
-    Raises:
-        CudaUnavailable: no GPU.
-        CudaIpcError: neither torch nor cupy reports the UUID.
-    """
-    require_cuda("device_uuid")
-    ordinal = ordinal_of(device)
-    uuid = getattr(torch.cuda.get_device_properties(ordinal), "uuid", None)
-    if uuid is not None:
-        raw = getattr(uuid, "bytes", None)
-        if raw is not None and len(raw) == UUID_BYTES:
-            return format_device_uuid(bytes(raw))
-        return format_device_uuid(parse_device_uuid(str(uuid)))
-    raw = cupy_module().cuda.runtime.getDeviceProperties(ordinal).get("uuid", b"")
-    if isinstance(raw, bytes) and len(raw) == UUID_BYTES:
-        return format_device_uuid(raw)
-    raise CudaIpcError(f"cannot read the UUID of cuda:{ordinal} from torch or cupy")
-
-
-def device_ordinal(uuid: str) -> int:
-    """The ordinal, in this process, of the GPU with ``uuid``.
-
-    Raises:
-        CudaIpcError: ``uuid`` is malformed, or no visible GPU has it (the message lists the
-            visible ones and ``CUDA_VISIBLE_DEVICES``).
-    """
-    want = parse_device_uuid(uuid)
-    require_cuda("device_ordinal")
-    seen = [device_uuid(i) for i in range(torch.cuda.device_count())]
-    for i, u in enumerate(seen):
-        if parse_device_uuid(u) == want:
-            return i
-    raise CudaIpcError(
-        f"GPU {uuid} is not visible to this process (it sees {seen}; CUDA_VISIBLE_DEVICES="
-        f"{os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')!r}); the engine and kvtierd must "
-        "run on the same node and see the same GPU"
-    )
-
-
-# -- allocations --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class AllocationRange:
-    """One device allocation.
-
-    Attributes:
-        base: its first address (what ``cudaIpcGetMemHandle`` names).
-        size: its size in bytes.
-        ipc_capable: whether it has a legacy CUDA IPC handle (False for the virtual memory API
-            and stream-ordered pools; None when unknown).
-    """
-
-    base: int
-    size: int
-    ipc_capable: bool | None = None
-
-    def __contains__(self, ptr: object) -> bool:
-        return isinstance(ptr, int) and self.base <= ptr < self.base + self.size
-
-
-@functools.cache
-def _libcuda() -> Any | None:
-    """The CUDA driver library loaded by ctypes, or None where it is missing."""
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return None
-    fn = lib.cuPointerGetAttribute
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
-    fn.restype = ctypes.c_int
-    return lib
-
-
-def _pointer_attribute(lib: Any, attribute: int, ptr: int) -> int | None:
-    """``cuPointerGetAttribute`` as an integer, or None when the driver refuses."""
-    # 8 zeroed bytes: integer attributes fill the low bytes (little-endian), pointers all 8
-    value = ctypes.c_uint64(0)
-    rc = lib.cuPointerGetAttribute(ctypes.byref(value), attribute, ctypes.c_uint64(ptr))
-    return int(value.value) if rc == 0 else None
-
-
-def range_from_snapshot(snapshot: Iterable[Mapping[str, Any]], ptr: int,
-                        ordinal: int) -> AllocationRange | None:
-    """Find the allocation holding ``ptr`` in ``torch.cuda.memory_snapshot()`` segments.
-
-    Args:
-        snapshot: segment dictionaries (``device``, ``address``, ``total_size``,
-            ``is_expandable`` where torch reports it).
-        ptr: a device address.
-        ordinal: the device the address is on.
-
-    Returns:
-        The segment's range, or None when no segment of the caching allocator holds ``ptr``.
-    """
-    for seg in snapshot:
-        base, size = int(seg.get("address", 0)), int(seg.get("total_size", 0))
-        if int(seg.get("device", -1)) == ordinal and base <= ptr < base + size:
-            return AllocationRange(base, size, not bool(seg.get("is_expandable", False)))
-    return None
-
-
-def mapped_range(ptr: int) -> AllocationRange | None:
-    """The allocation or mapping holding device address ``ptr``, from the CUDA driver.
-
-    Returns:
-        Its range and IPC capability, or None where the driver cannot be asked (no
-        ``libcuda.so.1`` for ctypes) or does not know the address.
-    """
-    lib = _libcuda()
-    if lib is None:
-        return None
-    base = _pointer_attribute(lib, _ATTR_RANGE_START_ADDR, ptr)
-    size = _pointer_attribute(lib, _ATTR_RANGE_SIZE, ptr)
-    if base is None or size is None or size == 0:
-        return None
-    capable = _pointer_attribute(lib, _ATTR_IS_LEGACY_CUDA_IPC_CAPABLE, ptr)
-    return AllocationRange(base, size, None if capable is None else bool(capable))
-
-
-def allocation_range(ptr: int, ordinal: int,
-                     known: Sequence[AllocationRange] = ()) -> AllocationRange:
-    """The allocation holding ``ptr``: from ``known``, the CUDA driver, or torch's allocator.
-
-    Raises:
-        CudaIpcError: none of them knows the address.
-    """
-    for rng in known:
-        if ptr in rng:
-            return rng
-    from_driver = mapped_range(ptr)
-    if from_driver is not None:
-        return from_driver
-    from_torch = range_from_snapshot(torch.cuda.memory_snapshot(), ptr, ordinal)
-    if from_torch is not None:
-        return from_torch
-    raise CudaIpcError(f"cannot find the allocation holding {ptr:#x} on cuda:{ordinal} (the "
-                       "CUDA driver could not be asked and torch's caching allocator does not "
-                       "own it)")
-
-
-def _alloc_conf() -> str:
-    return ";".join(f"{v}={os.environ[v]!r}" for v in _ALLOC_CONF_VARS if v in os.environ) or \
-        "PYTORCH_CUDA_ALLOC_CONF unset"
-
-
-def _not_exportable(ptr: int, ordinal: int, detail: str) -> CudaIpcError:
-    return CudaIpcError(
-        f"CUDA memory at {ptr:#x} on cuda:{ordinal} cannot be exported by CUDA IPC ({detail}): "
-        "only plain cudaMalloc allocations have IPC handles. PyTorch allocates otherwise when "
-        "PYTORCH_CUDA_ALLOC_CONF holds expandable_segments:True or backend:cudaMallocAsync "
-        f"(here: {_alloc_conf()}); unset that for the engine process, or allocate the KV pool "
-        "with CudaKVPool(..., allocator='cudamalloc')"
-    )
 
 
 # -- export (engine side) -----------------------------------------------------------------------
@@ -416,7 +171,7 @@ def export_tensors(tensors: Sequence[torch.Tensor],
     device = _checked_tensors(tensors)
     require_cuda("CUDA IPC export")
     cupy = cupy_module()
-    errors = _cuda_error_types()
+    errors = cuda_error_types()
     ordinal = ordinal_of(device)
     uuid = device_uuid(ordinal)
     segments: list[MemorySegment] = []
@@ -446,91 +201,21 @@ def export_tensors(tensors: Sequence[torch.Tensor],
     return CudaExport(segments, seg_of, offsets)
 
 
-class _CudaMallocBlock:
-    """Owns one ``cudaMalloc`` allocation; frees it when garbage collected."""
-
-    __slots__ = ("__weakref__", "_finalizer", "nbytes", "ordinal", "ptr")
-
-    def __init__(self, ptr: int, nbytes: int, ordinal: int) -> None:
-        self.ptr, self.nbytes, self.ordinal = ptr, nbytes, ordinal
-        self._finalizer = weakref.finalize(self, _cuda_free, ptr, ordinal)
+def _alloc_conf() -> str:
+    """The allocator settings of this process, as the export error quotes them."""
+    return ";".join(f"{v}={os.environ[v]!r}" for v in _ALLOC_CONF_VARS if v in os.environ) or \
+        "PYTORCH_CUDA_ALLOC_CONF unset"
 
 
-def _cuda_free(ptr: int, ordinal: int) -> None:
-    cupy = cupy_module()
-    try:
-        with cupy.cuda.Device(ordinal):
-            cupy.cuda.runtime.free(ptr)  # synchronises the device: no copy still uses it
-    except cupy.cuda.runtime.CUDARuntimeError:
-        pass  # the CUDA runtime is already shut down at interpreter exit: the driver frees it
-
-
-class _DeviceBytes:
-    """Device bytes described by ``__cuda_array_interface__`` (v2), so torch can wrap them.
-
-    Holds ``owner`` (or nothing) alive for as long as any tensor over the bytes lives.
-    """
-
-    __slots__ = ("nbytes", "owner", "ptr")
-
-    def __init__(self, ptr: int, nbytes: int, owner: object) -> None:
-        self.ptr, self.nbytes, self.owner = ptr, nbytes, owner
-
-    @property
-    def __cuda_array_interface__(self) -> dict[str, object]:
-        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False),
-                "strides": None, "version": 2}
-
-
-def device_tensor(ptr: int, nbytes: int, device: torch.device | int | str,
-                  owner: object = None) -> torch.Tensor:
-    """A 1-D uint8 CUDA tensor over ``nbytes`` of device memory at ``ptr`` (no copy).
-
-    Args:
-        ptr: device address (e.g. from :func:`open_mem_handle`).
-        nbytes: length in bytes (> 0).
-        device: the GPU the address belongs to.
-        owner: kept alive while any tensor over the bytes lives (None: the caller owns them).
-
-    Raises:
-        CudaIpcError: torch copied the memory instead of wrapping it (it must never do so).
-    """
-    require_cuda("device_tensor")
-    ordinal = ordinal_of(device)
-    if nbytes <= 0:
-        raise CudaIpcError(f"nbytes must be > 0, got {nbytes!r}")
-    with torch.cuda.device(ordinal):
-        t = torch.as_tensor(_DeviceBytes(ptr, nbytes, owner), device=torch.device("cuda", ordinal))
-    if t.data_ptr() != ptr:
-        raise CudaIpcError(f"torch copied the memory at {ptr:#x} instead of wrapping it")
-    return t
-
-
-def empty_ipc_capable(nbytes: int, device: torch.device | int | str) -> tuple[torch.Tensor,
-                                                                              AllocationRange]:
-    """Allocate ``nbytes`` with ``cudaMalloc`` itself, bypassing torch's caching allocator.
-
-    The memory is IPC capable whatever ``PYTORCH_CUDA_ALLOC_CONF`` says, and is freed when the
-    last tensor over it is garbage collected.
-
-    Returns:
-        A 1-D uint8 tensor over the allocation (uninitialised), and the allocation's range
-        (pass it to :func:`export_tensors` as ``known``).
-
-    Raises:
-        CudaUnavailable: no GPU or no cupy.
-        CudaIpcError: ``cudaMalloc`` failed (the message has the CUDA error).
-    """
-    require_cuda("empty_ipc_capable")
-    cupy = cupy_module()
-    ordinal = ordinal_of(device)
-    try:
-        with cupy.cuda.Device(ordinal):
-            ptr = int(cupy.cuda.runtime.malloc(nbytes))
-    except _cuda_error_types() as err:
-        raise CudaIpcError(f"cudaMalloc of {nbytes} bytes on cuda:{ordinal} failed: {err}") from err
-    block = _CudaMallocBlock(ptr, nbytes, ordinal)
-    return device_tensor(ptr, nbytes, ordinal, owner=block), AllocationRange(ptr, nbytes, True)
+def _not_exportable(ptr: int, ordinal: int, detail: str) -> CudaIpcError:
+    """The error for memory without an IPC handle, naming the usual cause and the fixes."""
+    return CudaIpcError(
+        f"CUDA memory at {ptr:#x} on cuda:{ordinal} cannot be exported by CUDA IPC ({detail}): "
+        "only plain cudaMalloc allocations have IPC handles. PyTorch allocates otherwise when "
+        "PYTORCH_CUDA_ALLOC_CONF holds expandable_segments:True or backend:cudaMallocAsync "
+        f"(here: {_alloc_conf()}); unset that for the engine process, or allocate the KV pool "
+        "with CudaKVPool(..., allocator='cudamalloc')"
+    )
 
 
 # -- open (daemon side) -------------------------------------------------------------------------
@@ -562,7 +247,7 @@ def open_mem_handle(handle: bytes, ordinal: int) -> int:
     try:
         with cupy.cuda.Device(ordinal):
             return int(cupy.cuda.runtime.ipcOpenMemHandle(handle))
-    except _cuda_error_types() as err:
+    except cuda_error_types() as err:
         raise CudaIpcError(
             f"cudaIpcOpenMemHandle on cuda:{ordinal} failed: {err}. The exporting process must "
             "be alive, on this node, another process than this one, and share the IPC namespace "
@@ -580,7 +265,7 @@ def close_mem_handle(ptr: int, ordinal: int) -> None:
     try:
         with cupy.cuda.Device(ordinal):
             cupy.cuda.runtime.ipcCloseMemHandle(ptr)
-    except _cuda_error_types() as err:
+    except cuda_error_types() as err:
         raise CudaIpcError(f"cudaIpcCloseMemHandle({ptr:#x}) on cuda:{ordinal} failed: {err}") from err
 
 

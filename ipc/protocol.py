@@ -13,22 +13,64 @@ Frames on the wire (client DEALER → daemon ROUTER)::
 Page bytes never travel here: STORE and LOAD name pages by index; the daemon copies them
 through shared memory (or CUDA IPC) and signals completion in a per-session completion
 block (:mod:`kvtier.ipc.completion`).
+
+Every request field is typed with its wire bounds (:mod:`kvtier.ipc.limits`): choices are
+``Literal``, numbers and lengths carry ``msgspec.Meta`` ranges, keys are 32 bytes, strings
+hold no NUL. :func:`decode_request` refuses a value outside them, naming the field, before
+the daemon acts on the request. Structs built in Python are not checked (msgspec checks at
+decode), so a client can still build, and a test still send, a request the daemon refuses.
 """
 
 from __future__ import annotations
 
 import enum
+import typing
+from typing import Annotated
 
 import msgspec
+from kvtier.ipc.limits import (
+    KEY_BYTES,  # noqa: F401  (re-exported: P.KEY_BYTES)
+    MAX_BUFFERS,
+    MAX_ERROR_CHARS,
+    U63,
+    Attention,
+    ClaimPolicy,
+    Dim,
+    DType,
+    Fingerprint,
+    FlushTier,
+    Handle,
+    Key,
+    Keys,
+    Layers,
+    Layout,
+    MemoryKind,
+    Name,
+    Offsets,
+    PageCount,
+    Pages,
+    Pid,
+    ProtocolVersion,
+    SegmentBytes,
+    SegmentIndices,
+    SegmentName,
+    Skip,
+    Slot,
+    Slots,
+    SyncTimeout,
+    Text,
+    TpRank,
+    TpSize,
+)
+from msgspec import Meta
 
 PROTOCOL_VERSION = 1
-KEY_BYTES = 32
 
 
 class ErrorCode(enum.IntEnum):
     """Why a request was refused. Every error reply carries one."""
 
-    BAD_MESSAGE = 1  # not decodable, wrong field types, oversized
+    BAD_MESSAGE = 1  # not decodable, wrong types, a field out of its bounds, oversized
     PROTOCOL_VERSION = 2  # REGISTER with another protocol version
     UNKNOWN_SESSION = 3  # session id not (or no longer) registered by this daemon epoch
     OUT_OF_RANGE = 4  # page index or transfer slot outside the registered memory
@@ -53,13 +95,13 @@ class Geometry(msgspec.Struct, frozen=True):
         layout: engine memory layout; only ``layer_first`` is defined.
     """
 
-    num_layers: int
-    page_size: int
-    kv_heads: int
-    head_dim: int
-    dtype: str
-    attention: str = "mha"
-    layout: str = "layer_first"
+    num_layers: Layers
+    page_size: Dim
+    kv_heads: Dim
+    head_dim: Dim
+    dtype: DType
+    attention: Attention = "mha"
+    layout: Layout = "layer_first"
 
     @property
     def itemsize(self) -> int:
@@ -82,17 +124,15 @@ class Geometry(msgspec.Struct, frozen=True):
         return self.num_layers * self.components * self.chunk_bytes
 
     def validate(self) -> None:
-        """Raise ValueError naming the first field that is out of range."""
-        for name in ("num_layers", "page_size", "kv_heads", "head_dim"):
-            value = getattr(self, name)
-            if not 1 <= value <= 1 << 20:
-                raise ValueError(f"geometry.{name} = {value!r} is out of range [1, 1048576]")
-        if self.dtype not in DTYPE_SIZES:
-            raise ValueError(f"geometry.dtype = {self.dtype!r} is not one of {sorted(DTYPE_SIZES)}")
-        if self.attention not in ("mha", "mla"):
-            raise ValueError(f"geometry.attention = {self.attention!r} is not 'mha' or 'mla'")
-        if self.layout != "layer_first":
-            raise ValueError(f"geometry.layout = {self.layout!r} is not 'layer_first'")
+        """Raise ValueError naming the first field that is out of range.
+
+        A decoded geometry is within its field bounds already; this checks one built in
+        Python against the same bounds, and the MLA rule that spans two fields.
+        """
+        try:
+            msgspec.convert(msgspec.structs.asdict(self), Geometry)
+        except msgspec.ValidationError as err:
+            raise ValueError(f"geometry: {err}") from err
         if self.attention == "mla" and self.kv_heads != 1:
             raise ValueError(f"geometry.kv_heads = {self.kv_heads!r} must be 1 for MLA")
 
@@ -100,14 +140,15 @@ class Geometry(msgspec.Struct, frozen=True):
 DTYPE_SIZES = {
     "float32": 4, "float16": 2, "bfloat16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1, "uint8": 1, "int8": 1,
 }
+assert set(DTYPE_SIZES) == set(typing.get_args(DType)), "DType and DTYPE_SIZES disagree"
 
 
 class NamespaceSpec(msgspec.Struct, frozen=True):
     """What, beside the geometry, makes KV bytes interchangeable (ARCHITECTURE §4)."""
 
-    model_id: str
-    revision: str = ""
-    cache_salt: str = ""
+    model_id: Text
+    revision: Name = ""
+    cache_salt: Text = ""
 
 
 class MemorySegment(msgspec.Struct, frozen=True):
@@ -120,10 +161,10 @@ class MemorySegment(msgspec.Struct, frozen=True):
         device_uuid: for ``cuda_ipc``, the GPU's UUID (ordinals differ between processes).
     """
 
-    name: str
-    size: int
-    handle: bytes = b""
-    device_uuid: str = ""
+    name: SegmentName
+    size: SegmentBytes
+    handle: Handle = b""
+    device_uuid: Name = ""
 
 
 class KVMemory(msgspec.Struct, frozen=True):
@@ -134,15 +175,15 @@ class KVMemory(msgspec.Struct, frozen=True):
     ``geometry.chunk_bytes`` bytes, contiguous.
     """
 
-    kind: str  # "shm" | "cuda_ipc"
-    num_pages: int
-    segments: list[MemorySegment]
-    buffer_segments: list[int]
-    buffer_offsets: list[int]
+    kind: MemoryKind
+    num_pages: PageCount
+    segments: Annotated[list[MemorySegment], Meta(min_length=1, max_length=MAX_BUFFERS)]
+    buffer_segments: SegmentIndices
+    buffer_offsets: Offsets
 
 
 class _Req(msgspec.Struct, tag_field="op", kw_only=True):
-    req_id: int
+    req_id: U63
 
 
 class Register(_Req, tag="register", kw_only=True):
@@ -154,29 +195,29 @@ class Register(_Req, tag="register", kw_only=True):
     tells apart engines that share everything else on one node (empty by default).
     """
 
-    protocol_version: int
+    protocol_version: ProtocolVersion
     namespace: NamespaceSpec
     geometry: Geometry
     memory: KVMemory
-    tp_rank: int = 0
-    tp_size: int = 1
-    pid: int = 0
-    tenant: str = "default"
-    token: str = ""
-    tp_group: str = ""
+    tp_rank: TpRank = 0
+    tp_size: TpSize = 1
+    pid: Pid = 0
+    tenant: Name = "default"
+    token: Text = ""
+    tp_group: Name = ""
 
 
 class Heartbeat(_Req, tag="heartbeat", kw_only=True):
     """Renew the session's lease."""
 
-    session_id: int
+    session_id: U63
 
 
 class Lookup(_Req, tag="lookup", kw_only=True):
     """How long is the leading run of ``keys`` in L2 (and then in L3)?"""
 
-    session_id: int
-    keys: list[bytes]
+    session_id: U63
+    keys: Keys
 
 
 class Store(_Req, tag="store", kw_only=True):
@@ -186,41 +227,41 @@ class Store(_Req, tag="store", kw_only=True):
     The daemon signals completion in transfer slot ``slot`` tagged with ``seq``.
     """
 
-    session_id: int
-    keys: list[bytes]
-    pages: list[int]
-    parent_key: bytes | None = None
-    slot: int
-    seq: int
+    session_id: U63
+    keys: Keys
+    pages: Pages
+    parent_key: Key | None = None
+    slot: Slot
+    seq: U63
 
 
 class Load(_Req, tag="load", kw_only=True):
     """Pin the leading L2 run of ``keys`` and copy it into engine pages, layer by layer."""
 
-    session_id: int
-    keys: list[bytes]
-    pages: list[int]
-    slot: int
-    seq: int
+    session_id: U63
+    keys: Keys
+    pages: Pages
+    slot: Slot
+    seq: U63
 
 
 class Release(_Req, tag="release", kw_only=True):
     """Cancel the transfers in ``slots`` (if still running) and drop their pins."""
 
-    session_id: int
-    slots: list[int]
+    session_id: U63
+    slots: Slots
 
 
 class Unregister(_Req, tag="unregister", kw_only=True):
     """End the session now (also happens on disconnect or lease expiry)."""
 
-    session_id: int
+    session_id: U63
 
 
 class Stats(_Req, tag="stats", kw_only=True):
     """Ask for the daemon's counters (pool, sessions, hits, bytes)."""
 
-    admin_token: str = ""
+    admin_token: Text = ""
 
 
 class Health(_Req, tag="health", kw_only=True):
@@ -234,10 +275,10 @@ class Flush(_Req, tag="flush", kw_only=True):
     flush to, or empty for every namespace of the caller's tenant (admin: of everyone).
     """
 
-    admin_token: str = ""
-    session_id: int = 0
-    tier: str = "l2"
-    namespace: str = ""
+    admin_token: Text = ""
+    session_id: U63 = 0
+    tier: FlushTier = "l2"
+    namespace: Fingerprint = ""
 
 
 class Sync(_Req, tag="sync", kw_only=True):
@@ -248,26 +289,26 @@ class Sync(_Req, tag="sync", kw_only=True):
     writes go on). Refused with ``BAD_MESSAGE`` when the daemon has no L3 backend.
     """
 
-    admin_token: str = ""
-    timeout_s: float = 60.0
+    admin_token: Text = ""
+    timeout_s: SyncTimeout = 60.0
 
 
 class Prefetch(_Req, tag="prefetch", kw_only=True):
     """Start filling L2 from L3 for ``keys[skip:]`` (``skip`` leading keys are in L2)."""
 
-    session_id: int
-    keys: list[bytes]
-    skip: int = 0
-    request_id: str = ""
+    session_id: U63
+    keys: Keys
+    skip: Skip = 0
+    request_id: Name = ""
 
 
 class Claim(_Req, tag="claim", kw_only=True):
     """End a prefetch per the policy; answered with the L2 run now usable (pinned = False)."""
 
-    session_id: int
-    keys: list[bytes]
-    request_id: str = ""
-    policy: str = ""
+    session_id: U63
+    keys: Keys
+    request_id: Name = ""
+    policy: ClaimPolicy = ""
 
 
 Request = (
@@ -284,7 +325,7 @@ class _Rep(msgspec.Struct, tag_field="op", kw_only=True):
 class Registered(_Rep, tag="registered", kw_only=True):
     """Session accepted. ``ns_fingerprint`` seeds the page-key chain (tenant included)."""
 
-    session_id: int
+    session_id: U63
     lease_s: float
     ns_fingerprint: bytes
     completion_name: str
@@ -387,13 +428,28 @@ def encode(msg: msgspec.Struct) -> bytes:
 
 
 def decode_request(data: bytes | memoryview) -> Request:
-    """Decode a request.
+    """Decode a request, every field within its wire bounds.
 
     Raises:
-        msgspec.DecodeError / msgspec.ValidationError: not a valid request (the daemon
-            answers :attr:`ErrorCode.BAD_MESSAGE`).
+        msgspec.DecodeError / msgspec.ValidationError: not a valid request; the message
+            names the field (``- at `$.geometry.num_layers```) and is at most
+            :data:`MAX_ERROR_CHARS` long, whatever the value was (the daemon answers
+            :attr:`ErrorCode.BAD_MESSAGE` with it).
     """
-    return _req_decoder.decode(data)
+    try:
+        return _req_decoder.decode(data)
+    except msgspec.ValidationError as err:
+        if len(str(err)) <= MAX_ERROR_CHARS:
+            raise
+        raise msgspec.ValidationError(_shorten(str(err))) from None
+
+
+def _shorten(text: str) -> str:
+    head, at, path = text.rpartition(" - at `")
+    if not at:  # no field path: keep the start
+        return text[:MAX_ERROR_CHARS - 1] + "…"
+    tail = at + path[:MAX_ERROR_CHARS // 2]
+    return head[:MAX_ERROR_CHARS - len(tail) - 1] + "…" + tail
 
 
 def decode_reply(data: bytes | memoryview) -> Reply:

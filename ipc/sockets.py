@@ -6,10 +6,12 @@ import os
 from pathlib import Path
 
 import zmq
+from kvtier.ipc.limits import MAX_MESSAGE_BYTES
 
 
 def make_zmq_socket(ctx: zmq.Context, endpoint: str, socket_type: int, bind: bool,
-                    identity: bytes | None = None, hwm: int = 0) -> zmq.Socket:
+                    identity: bytes | None = None, hwm: int = 0,
+                    max_msg_bytes: int | None = None) -> zmq.Socket:
     """Create, configure and bind or connect a socket.
 
     Args:
@@ -19,6 +21,11 @@ def make_zmq_socket(ctx: zmq.Context, endpoint: str, socket_type: int, bind: boo
         bind: bind (daemon) or connect (client).
         identity: routing id for a DEALER (unique per connection).
         hwm: send/receive high-water marks (0: unlimited).
+        max_msg_bytes: largest frame the socket accepts (ZeroMQ ``MAXMSGSIZE``); a peer
+            that sends a bigger one is disconnected before the frame is buffered. Default:
+            :data:`~kvtier.ipc.limits.MAX_MESSAGE_BYTES` for a ROUTER (the daemon's socket,
+            which any local process can reach), no limit otherwise (a client's replies
+            come from the daemon).
 
     Returns:
         The socket, with linger 0 (closing never blocks on unsent messages). A bound ipc
@@ -30,6 +37,9 @@ def make_zmq_socket(ctx: zmq.Context, endpoint: str, socket_type: int, bind: boo
     sock.setsockopt(zmq.RCVHWM, hwm)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
+    if max_msg_bytes is None:
+        max_msg_bytes = MAX_MESSAGE_BYTES if socket_type == zmq.ROUTER else -1
+    sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
     if socket_type == zmq.ROUTER:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
     if socket_type == zmq.DEALER:

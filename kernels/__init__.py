@@ -1,8 +1,9 @@
 """Page copy operations between an engine's KV buffers and the daemon's host arena.
 
-``kvtier.kernels.page_copy`` is the CPU implementation (numpy strided copies and ``memmove``);
-``kvtier.kernels.cuda_copy`` has the same signatures for CUDA engine buffers and imports cupy only
-when used.
+``kvtier.kernels.plan`` checks and coalesces a transfer's page and slot pairs once (both back ends
+start from it); ``kvtier.kernels.page_copy`` is the CPU implementation (numpy strided copies and
+``memmove``); ``kvtier.kernels.cuda_copy`` has the same signatures for CUDA engine buffers (plan in
+``cuda_plan``, kernel in ``cuda_kernel``) and imports cupy only when used.
 """
 
 from kvtier.kernels.page_copy import (

@@ -1,52 +1,26 @@
-"""Page copies between an engine's layer-first KV buffers and the host arena (CPU).
+"""CPU page copies between an engine's layer-first KV buffers and the host arena.
 
-Layouts::
+:class:`CopyPlan` is a :class:`~kvtier.kernels.plan.PagePlan` (the checked, coalesced page and
+slot pairs of one transfer; layouts there) that moves the bytes with the CPU; the ``copy_*``
+functions plan and copy in one call. *Store* copies engine pages into slots (``*_to_host``);
+*load* copies slots into engine pages (``*_from_host``).
 
-    engine: one buffer per (layer l, component c)      host arena: one flat uint8 tensor
-    (c in {0: K, 1: V} for MHA; only c = 0 for MLA)
+How the copies run: a run of the plan (``MIN_STRIDED_RUN`` pages or more whose slots are one
+stride apart) is one numpy strided copy (engine rows contiguous, host rows ``stride`` bytes
+apart); every other page is one ``memmove`` through ctypes. Of the approaches measured these
+two came closest to a plain single-threaded memcpy of the same bytes; numpy ``take`` plus a
+fancy store, ``process_vm_readv`` on the own process, and torch's per-page ``copy_``,
+``_foreach_copy_`` or ``index_select``/``index_copy_`` were all clearly slower.
+``python -m kvtier.bench.kernels_bench`` measures the chosen path on the machine at hand.
 
-            ┌──────── chunk_bytes ────────┐           slot at slot_offset (page-major)
-    page 0  │ [page_size, kv_heads, dim]  │           ┌──────┬──────┬──────┬──────┬─────┐
-    page 1  │                             │           │ l0c0 │ l0c1 │ l1c0 │ l1c1 │ ... │
-      ...   │                             │           └──────┴──────┴──────┴──────┴─────┘
-            └─────────────────────────────┘           chunk_offset = (l * C + c) * chunk_bytes
-
-A transfer moves ``n`` pages given as two index arrays of the same length: ``page_ids`` (engine
-page ids) and ``slot_offsets`` (byte offsets of host slots in the arena). *Store* copies engine
-pages into slots (``*_to_host``); *load* copies slots into engine pages (``*_from_host``).
-
-How the copies run. A :class:`CopyPlan` is built once per transfer (vectorised numpy, no Python
-loop per page) and reused for every layer and component, since the index arrays are the same for
-all of them. Planning sorts the pairs by page id and coalesces them into *runs*: pages
-``p, p+1, ...`` whose slots are ``o, o+stride, ...``. A run of three pages or more is copied by
-one numpy strided copy (engine rows contiguous, host rows ``stride`` bytes apart); every other
-page is one ``memmove`` through ctypes. Both release the GIL while bytes move, so other threads
-and the daemon's event loop keep running. Choices measured on the 2-core build machine against a
-single-threaded numpy memcpy of the same 256 MiB (128 KiB chunks, 8 layers x 2 components; ratios
-from one run each, the machine is noisy):
-
-============================================  ===========  ===========
-approach                                       consecutive  random
-============================================  ===========  ===========
-this module, as the daemon runs it (bench)     0.85-1.07    0.83-0.95
-strided numpy copy per run (chosen for runs)   0.95-1.1     n/a
-ctypes ``memmove`` per chunk (chosen else)     0.84-0.94    0.81-0.92
-numpy ``take`` + fancy store via a cache-sized
-temporary                                      0.4-0.7      0.55-0.71
-``process_vm_readv`` on the own process        0.57-0.66    0.52-0.60
-torch ``_foreach_copy_`` over split views      0.06-0.5     0.1-0.3
-torch ``copy_`` per page view                  0.24-0.26    0.34-0.39
-torch ``index_select(out=)`` + ``index_copy_``
-(int64 view)                                   0.01-0.14    0.01-0.25
-============================================  ===========  ===========
-
-The GIL is needed between two copies, once per run or per single page. Next to a thread that
-waits (an event loop, a loop sleeping 1 ms) copies keep about 97% of their speed here; next to a
-thread that spins in Python without ever blocking they fall to about a third (3 GB/s), because
-each hand-off may wait out the interpreter's switch interval.
+Both release the GIL while bytes move, so other threads and the daemon's event loop keep
+running. The GIL is needed between two copies, once per run or per single page: next to a thread
+that waits (an event loop) copies keep nearly their full speed, next to a thread that spins in
+Python without ever blocking they slow down a lot, because each hand-off may wait out the
+interpreter's switch interval.
 
 Input checks (dtypes, lengths, duplicates, bounds) run before the first byte moves, so a call
-that raises writes nothing. ``python -m kvtier.bench.kernels_bench`` measures the chosen path.
+that raises writes nothing.
 """
 
 from __future__ import annotations
@@ -57,12 +31,17 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import repeat
-from typing import TypeAlias
 
 import numpy as np
 import numpy.typing as npt
 import torch
-from kvtier.config.errors import KvtierError
+from kvtier.kernels.plan import (
+    IndexArray,
+    PageCopyError,
+    PagePlan,
+    positive_int,
+    select_layers,
+)
 
 __all__ = [
     "CopyPlan",
@@ -76,18 +55,8 @@ __all__ = [
     "copy_layers_to_host",
 ]
 
-IndexArray: TypeAlias = npt.NDArray[np.int64] | torch.Tensor
-"""A 1-D int64 index array: a numpy array or a CPU torch tensor."""
-
-_MIN_STRIDED_RUN = 3
-"""Runs at least this long are copied by one strided numpy copy rather than one memmove each:
-building the two views costs about as much as two or three ctypes calls."""
-
-_MAX_INDEX = 1 << 62
-"""Ids and offsets above this are rejected so that byte arithmetic on them cannot overflow int64."""
-
 # libc memmove as a CFUNCTYPE foreign function, so ctypes releases the GIL around each call; no
-# return value to convert (about 10% less call overhead than ``ctypes.memmove`` here).
+# return value to convert (less call overhead than ``ctypes.memmove``).
 _MEMMOVE_ADDRESS = ctypes.cast(ctypes.memmove, ctypes.c_void_p).value
 assert _MEMMOVE_ADDRESS is not None
 _memmove = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)(
@@ -95,140 +64,16 @@ _memmove = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_siz
 )
 
 
-class PageCopyError(KvtierError, ValueError):
-    """A page copy was asked with bad arguments; the message names the argument and the value.
+class CopyPlan(PagePlan):
+    """A :class:`~kvtier.kernels.plan.PagePlan` that copies with the CPU.
 
-    Raised before any byte is written.
+    Build it with :meth:`~kvtier.kernels.plan.PagePlan.build`; then call :meth:`to_host` /
+    :meth:`from_host` per (layer, component) buffer, :meth:`layer_to_host` /
+    :meth:`layer_from_host` per layer, or :meth:`layers_to_host` / :meth:`layers_from_host` for
+    all layers. Immutable; may be used from several threads at once (on disjoint buffers).
     """
 
-
-@dataclass(frozen=True, slots=True, eq=False)
-class CopyPlan:
-    """The page copies of one transfer, validated and coalesced once, reused for every layer.
-
-    Build it with :meth:`build`; then call :meth:`to_host` / :meth:`from_host` per (layer,
-    component) buffer, :meth:`layer_to_host` / :meth:`layer_from_host` per layer, or
-    :meth:`layers_to_host` / :meth:`layers_from_host` for all layers. A plan is immutable and may
-    be used from several threads at once (on disjoint buffers).
-
-    Slot ``i`` owns the arena bytes ``[slot_offsets[i], slot_offsets[i] + slot_bytes)``; the plan
-    guarantees that those ranges do not overlap and that no engine page appears twice, so no copy
-    of the transfer writes a byte another copy of it writes.
-
-    Attributes:
-        page_ids: Engine page ids, int64, in the caller's order (a private, read-only copy).
-        slot_offsets: Arena byte offsets of the slots, int64, in the caller's order (a private,
-            read-only copy).
-        chunk_bytes: Bytes of one page of one (layer, component) buffer.
-        slot_bytes: Bytes each slot owns from its offset on (at least ``chunk_bytes``).
-        stride: Arena distance between the slots of consecutive pages within a run (0: no runs).
-        runs: ``(first_page_id, first_slot_offset, length)`` of each run copied as one strided copy.
-        single_page_ids: Page ids copied one chunk at a time, ascending.
-        single_slot_offsets: Their slot offsets, aligned with ``single_page_ids``.
-        max_page_id: The largest page id (-1 when the plan is empty).
-        max_slot_offset: The largest slot offset (-1 when the plan is empty).
-    """
-
-    page_ids: npt.NDArray[np.int64]
-    slot_offsets: npt.NDArray[np.int64]
-    chunk_bytes: int
-    slot_bytes: int
-    stride: int
-    runs: tuple[tuple[int, int, int], ...]
-    single_page_ids: npt.NDArray[np.int64]
-    single_slot_offsets: npt.NDArray[np.int64]
-    max_page_id: int
-    max_slot_offset: int
-
-    @classmethod
-    def build(
-        cls,
-        page_ids: IndexArray,
-        slot_offsets: IndexArray,
-        chunk_bytes: int,
-        *,
-        slot_bytes: int | None = None,
-    ) -> CopyPlan:
-        """Validate a transfer's index arrays and plan its copies.
-
-        Args:
-            page_ids: Engine page ids, 1-D int64 (numpy array or CPU tensor); each at most once.
-            slot_offsets: Arena byte offsets of the host slots, 1-D int64, same length.
-            chunk_bytes: Bytes of one page of one (layer, component) buffer.
-            slot_bytes: Bytes each slot owns (``n_layers * n_components * chunk_bytes`` for a full
-                host page); defaults to ``chunk_bytes``. Slots closer than this are rejected.
-
-        Returns:
-            The plan. Bounds against a particular engine buffer and arena are checked per copy.
-
-        Raises:
-            PageCopyError: Wrong type, dtype or shape; lengths differ; a negative or huge id or
-                offset; a page id given twice; two slots closer than ``slot_bytes``.
-        """
-        pids = _index_array(page_ids, "page_ids")
-        offs = _index_array(slot_offsets, "slot_offsets")
-        if pids.shape != offs.shape:
-            raise PageCopyError(
-                f"page_ids and slot_offsets must have the same length, got {pids.size} and "
-                f"{offs.size}"
-            )
-        chunk = _positive_int(chunk_bytes, "chunk_bytes")
-        extent = chunk if slot_bytes is None else _positive_int(slot_bytes, "slot_bytes")
-        if extent < chunk:
-            raise PageCopyError(
-                f"slot_bytes = {extent} is smaller than chunk_bytes = {chunk}"
-            )
-        if pids.size == 0:
-            empty = np.empty(0, dtype=np.int64)
-            return cls(pids, offs, chunk, extent, 0, (), empty, empty, -1, -1)
-
-        _check_range(pids, "page_ids", _MAX_INDEX // chunk)
-        _check_range(offs, "slot_offsets", _MAX_INDEX - extent)
-
-        order = np.argsort(pids, kind="stable")
-        sorted_pids = pids[order]
-        sorted_offs = offs[order]
-        dup = np.flatnonzero(sorted_pids[1:] == sorted_pids[:-1])
-        if dup.size:
-            raise PageCopyError(f"page_ids holds page id {int(sorted_pids[dup[0]])} twice")
-        by_offset = np.sort(offs)
-        close = np.flatnonzero(np.diff(by_offset) < extent)
-        if close.size:
-            a, b = int(by_offset[close[0]]), int(by_offset[close[0] + 1])
-            raise PageCopyError(
-                f"slot_offsets {a} and {b} are closer than slot_bytes = {extent}: the slots overlap"
-            )
-
-        stride, runs, singles = _coalesce(sorted_pids, sorted_offs)
-        single_pids, single_offs = sorted_pids[singles], sorted_offs[singles]
-        for array in (pids, offs, single_pids, single_offs):
-            array.flags.writeable = False
-        return cls(
-            page_ids=pids,
-            slot_offsets=offs,
-            chunk_bytes=chunk,
-            slot_bytes=extent,
-            stride=stride,
-            runs=runs,
-            single_page_ids=single_pids,
-            single_slot_offsets=single_offs,
-            max_page_id=int(sorted_pids[-1]),
-            max_slot_offset=int(by_offset[-1]),
-        )
-
-    def __len__(self) -> int:
-        """Number of pages the transfer moves."""
-        return int(self.page_ids.size)
-
-    @property
-    def num_runs(self) -> int:
-        """Number of runs copied as one strided copy each."""
-        return len(self.runs)
-
-    @property
-    def num_singles(self) -> int:
-        """Number of pages copied one chunk at a time."""
-        return int(self.single_page_ids.size)
+    __slots__ = ()
 
     # -- one (layer, component) buffer -----------------------------------------------------------
 
@@ -299,7 +144,7 @@ class CopyPlan:
         Raises:
             PageCopyError: As for :meth:`to_host`, for any buffer (nothing is written then).
         """
-        self._run_layers(arena, *_select_layers(engine_bufs, layers), to_host=True)
+        self._run_layers(arena, *select_layers(engine_bufs, layers), to_host=True)
 
     def layers_from_host(
         self,
@@ -308,7 +153,7 @@ class CopyPlan:
         layers: Sequence[int] | None = None,
     ) -> None:
         """Load several layers (all by default); arguments as for :meth:`layers_to_host`."""
-        self._run_layers(arena, *_select_layers(engine_bufs, layers), to_host=False)
+        self._run_layers(arena, *select_layers(engine_bufs, layers), to_host=False)
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -336,51 +181,6 @@ class CopyPlan:
                 jobs.append((self._checked(arena_view, buf, name, chunk_offset), chunk_offset))
         for engine_view, chunk_offset in jobs:
             self._copy(arena_view, engine_view, chunk_offset, to_host=to_host)
-
-    def check_copy(
-        self, *, arena_nbytes: int, num_pages: int, row_bytes: int, chunk_offset: int, name: str
-    ) -> None:
-        """Check one (layer, component) copy of this plan against a buffer and an arena.
-
-        Used by every copy before it moves a byte, on CPU and CUDA alike.
-
-        Args:
-            arena_nbytes: Size of the host arena in bytes.
-            num_pages: Pages in the engine buffer.
-            row_bytes: Bytes per page of the engine buffer.
-            chunk_offset: Where the buffer's chunk sits inside each slot.
-            name: How the buffer is named in error messages.
-
-        Raises:
-            PageCopyError: The buffer's page size differs from ``chunk_bytes``; the chunk does not
-                fit in a slot; a page id or slot is out of bounds.
-        """
-        if row_bytes != self.chunk_bytes:
-            raise PageCopyError(
-                f"{name} holds {row_bytes} bytes per page, the plan copies chunks of "
-                f"{self.chunk_bytes}"
-            )
-        if isinstance(chunk_offset, bool) or not isinstance(chunk_offset, int):
-            raise PageCopyError(f"chunk_offset must be an int, got {chunk_offset!r}")
-        if chunk_offset < 0 or chunk_offset + self.chunk_bytes > self.slot_bytes:
-            raise PageCopyError(
-                f"chunk_offset = {chunk_offset} puts a {self.chunk_bytes}-byte chunk outside a "
-                f"{self.slot_bytes}-byte slot"
-            )
-        if self.max_page_id >= num_pages:
-            i = int(np.flatnonzero(self.page_ids >= num_pages)[0])
-            raise PageCopyError(
-                f"page_ids[{i}] = {int(self.page_ids[i])} is out of range for {name} with "
-                f"{num_pages} pages"
-            )
-        limit = arena_nbytes - chunk_offset - self.chunk_bytes
-        if self.max_slot_offset > limit:
-            i = int(np.flatnonzero(self.slot_offsets > limit)[0])
-            raise PageCopyError(
-                f"slot_offsets[{i}] = {int(self.slot_offsets[i])} puts chunk_offset "
-                f"{chunk_offset} + {self.chunk_bytes} bytes past the end of a {arena_nbytes}-byte "
-                "arena"
-            )
 
     def _checked(
         self, arena: _ArenaView, engine_buf: torch.Tensor, name: str, chunk_offset: int
@@ -480,105 +280,6 @@ class _EngineView:
         """The buffer as a ``[num_pages, row_bytes]`` uint8 numpy array sharing its memory."""
         flat = self.tensor.detach().reshape(-1).view(torch.uint8)
         return flat.numpy().reshape(self.num_pages, self.row_bytes)
-
-
-def _index_array(values: IndexArray, name: str) -> npt.NDArray[np.int64]:
-    """Return a private 1-D int64 numpy copy of an index array, or raise naming ``name``."""
-    if isinstance(values, torch.Tensor):
-        if values.device.type != "cpu":
-            raise PageCopyError(f"{name} must be on the CPU, got device {values.device}")
-        if values.dtype != torch.int64:
-            raise PageCopyError(f"{name} must have dtype int64, got {values.dtype}")
-        array = values.detach().numpy()
-    elif isinstance(values, np.ndarray):
-        if values.dtype != np.int64:
-            raise PageCopyError(f"{name} must have dtype int64, got {values.dtype}")
-        array = values
-    else:
-        raise PageCopyError(
-            f"{name} must be a numpy array or a torch tensor, got {type(values).__name__}"
-        )
-    if array.ndim != 1:
-        raise PageCopyError(f"{name} must be 1-D, got shape {array.shape}")
-    return np.array(array, dtype=np.int64, copy=True)
-
-
-def _positive_int(value: int, name: str) -> int:
-    """Return ``value`` if it is a positive int, else raise naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value <= 0:
-        raise PageCopyError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
-
-
-def _check_range(values: npt.NDArray[np.int64], name: str, upper: int) -> None:
-    """Raise naming the first entry of ``values`` outside ``[0, upper]``."""
-    bad = np.flatnonzero((values < 0) | (values > upper))
-    if bad.size:
-        i = int(bad[0])
-        raise PageCopyError(f"{name}[{i}] = {int(values[i])} is out of range")
-
-
-def _coalesce(
-    pids: npt.NDArray[np.int64], offs: npt.NDArray[np.int64]
-) -> tuple[int, tuple[tuple[int, int, int], ...], npt.NDArray[np.bool_]]:
-    """Split pairs sorted by page id into strided runs and single pages.
-
-    Two neighbours belong to one run when their page ids differ by one and their slots by the
-    plan's stride: the most common slot distance between pages whose ids differ by one.
-
-    Returns:
-        ``(stride, runs, singles)``: runs as ``(first_page, first_offset, length)``, and a mask
-        over the sorted pairs of those copied one at a time.
-    """
-    n = pids.size
-    page_step = np.diff(pids) == 1
-    slot_step = np.diff(offs)
-    candidates = slot_step[page_step]
-    if candidates.size == 0:
-        return 0, (), np.ones(n, dtype=np.bool_)
-    values, counts = np.unique(candidates, return_counts=True)
-    stride = int(values[np.argmax(counts)])
-    linked = page_step & (slot_step == stride)
-    starts = np.flatnonzero(np.concatenate(([True], ~linked)))
-    lengths = np.diff(np.append(starts, n))
-    long_runs = lengths >= _MIN_STRIDED_RUN
-    runs = tuple(
-        zip(
-            pids[starts[long_runs]].tolist(),
-            offs[starts[long_runs]].tolist(),
-            lengths[long_runs].tolist(),
-        )
-    )
-    singles = ~np.repeat(long_runs, lengths)
-    return stride, runs, singles
-
-
-def _select_layers(
-    engine_bufs: Sequence[Sequence[torch.Tensor]], layers: Sequence[int] | None
-) -> tuple[list[tuple[int, Sequence[torch.Tensor]]], int]:
-    """Pick ``(layer, buffers)`` pairs and the common component count, checking indices."""
-    if len(engine_bufs) == 0:
-        raise PageCopyError("engine_bufs is empty")
-    n_components = len(engine_bufs[0])
-    if n_components == 0:
-        raise PageCopyError("engine_bufs[0] has no components")
-    for layer, bufs in enumerate(engine_bufs):
-        if len(bufs) != n_components:
-            raise PageCopyError(
-                f"engine_bufs[{layer}] has {len(bufs)} components, engine_bufs[0] has "
-                f"{n_components}"
-            )
-    chosen = range(len(engine_bufs)) if layers is None else layers
-    selected: list[tuple[int, Sequence[torch.Tensor]]] = []
-    for layer in chosen:
-        if isinstance(layer, bool) or not isinstance(layer, int):
-            raise PageCopyError(f"layers must hold ints, got {layer!r}")
-        if not 0 <= layer < len(engine_bufs):
-            raise PageCopyError(
-                f"layer {layer} is out of range for engine_bufs with {len(engine_bufs)} layers"
-            )
-        selected.append((layer, engine_bufs[layer]))
-    return selected, n_components
 
 
 # -- one-shot functions: plan and copy in one call ----------------------------------------------
@@ -702,7 +403,7 @@ def _plan_for_layers(
     """Plan a copy of one layer's components; each slot owns a full host page."""
     if len(layer_bufs) == 0:
         raise PageCopyError("layer_bufs is empty")
-    n_layers = _positive_int(n_layers, "n_layers")
+    n_layers = positive_int(n_layers, "n_layers")
     chunk = _EngineView.of(layer_bufs[0], "layer_bufs[0]").row_bytes
     slot_bytes = n_layers * len(layer_bufs) * chunk
     return CopyPlan.build(page_ids, slot_offsets, chunk, slot_bytes=slot_bytes)

@@ -21,6 +21,13 @@ def short_tmp() -> Iterator[Path]:
         shutil.rmtree(d, ignore_errors=True)
 
 
+def _daemon_flags(root: Path, name: str, *args: str) -> list[str]:
+    """The fixtures' kvtierd flags (see :func:`daemon_factory`), then ``args``."""
+    return ["--hicache-storage-backend", "none", "--state-dir", str(root / name / "state"),
+            "--hicache-size", "64MiB", "--extent-size", "4MiB", "--log-level", "info",
+            "--lease-s", "5", *args]
+
+
 @pytest.fixture
 def daemon_factory(short_tmp: Path) -> Iterator:
     """Start kvtierd processes: ``daemon_factory(*flags, name="d0")``; all stopped at teardown.
@@ -35,11 +42,7 @@ def daemon_factory(short_tmp: Path) -> Iterator:
 
     def make(*args: str, name: str = "d0", env: dict[str, str] | None = None,
              start: bool = True) -> DaemonProcess:
-        flags = ["--hicache-storage-backend", "none",
-                 "--state-dir", str(short_tmp / name / "state"),
-                 "--hicache-size", "64MiB", "--extent-size", "4MiB", "--log-level", "info",
-                 "--lease-s", "5", *args]
-        d = DaemonProcess(short_tmp / name, flags, env=env)
+        d = DaemonProcess(short_tmp / name, _daemon_flags(short_tmp, name, *args), env=env)
         started.append(d)
         return d.start() if start else d
 
@@ -54,3 +57,21 @@ def daemon_factory(short_tmp: Path) -> Iterator:
 def daemon(daemon_factory) -> DaemonProcess:
     """One running kvtierd with a 64 MiB pool."""
     return daemon_factory()
+
+
+@pytest.fixture(scope="module")
+def module_daemon() -> Iterator[DaemonProcess]:
+    """One kvtierd for a whole test module, as :func:`daemon` starts it.
+
+    For modules whose tests only add pages, each in a namespace of its own (e.g. a model id
+    per test), so that no test sees another's pages: a daemon start costs seconds.
+    """
+    root = Path(tempfile.mkdtemp(prefix="kvt-", dir="/tmp"))
+    d = DaemonProcess(root / "d0", _daemon_flags(root, "d0"))
+    try:
+        yield d.start()
+    finally:
+        if d.proc is not None:
+            d.stop()
+        d.remove_pool()
+        shutil.rmtree(root, ignore_errors=True)

@@ -7,12 +7,45 @@ from pathlib import Path
 import numpy as np
 import torch
 from kvtier.client.connection import Connection
-from kvtier.client.kv_pool import SharedKVPool
+from kvtier.client.kv_pool import TORCH_DTYPES, SharedKVPool
 from kvtier.config import ClientConfig
 from kvtier.ipc import protocol as P
 
 SMALL = P.Geometry(num_layers=4, page_size=16, kv_heads=2, head_dim=32, dtype="float32")  # 16 KiB pages
 OTHER = P.Geometry(num_layers=3, page_size=8, kv_heads=4, head_dim=16, dtype="float16")  # 3 KiB pages
+MLA = P.Geometry(num_layers=3, page_size=16, kv_heads=1, head_dim=64, dtype="float16",
+                 attention="mla")  # 6 KiB pages, one latent per layer
+
+
+class ScrambledKVPool(SharedKVPool):
+    """A KV pool whose segment holds the buffers in another order than :class:`SharedKVPool`:
+    layers last to first, V before K. Its export says so, as the protocol allows (each
+    buffer's offset is declared), so the daemon must follow ``buffer_offsets``::
+
+        segment: | L(n-1).V | L(n-1).K | ... | L0.V | L0.K |
+    """
+
+    def __init__(self, geometry: P.Geometry, num_pages: int) -> None:
+        super().__init__(geometry, num_pages)
+        g = geometry
+        buf_bytes = num_pages * g.chunk_bytes
+        self._offsets = [((g.num_layers - 1 - layer) * g.components + (g.components - 1 - comp))
+                         * buf_bytes
+                         for layer in range(g.num_layers) for comp in range(g.components)]
+        shape = (num_pages, g.page_size, g.kv_heads, g.head_dim)
+
+        def buf(layer: int, comp: int) -> torch.Tensor:
+            off = self._offsets[layer * g.components + comp]
+            return self.segment.tensor(off, buf_bytes).view(TORCH_DTYPES[g.dtype]).view(shape)
+
+        self.k = [buf(layer, 0) for layer in range(g.num_layers)]
+        self.v = [buf(layer, 1) for layer in range(g.num_layers)] if g.components == 2 else []
+
+    def export(self) -> P.KVMemory:
+        """The standard export with this pool's buffer offsets."""
+        base = super().export()
+        return P.KVMemory(kind=base.kind, num_pages=base.num_pages, segments=base.segments,
+                          buffer_segments=base.buffer_segments, buffer_offsets=list(self._offsets))
 
 
 def client_config(rdir: Path, **kw: object) -> ClientConfig:
@@ -24,9 +57,10 @@ def client_config(rdir: Path, **kw: object) -> ClientConfig:
 
 
 def engine(rdir: Path, geometry: P.Geometry = SMALL, num_pages: int = 64, model: str = "m",
+           pool_class: type[SharedKVPool] = SharedKVPool,
            **cfg: object) -> tuple[SharedKVPool, Connection]:
-    """A KV pool in shared memory and a registered connection."""
-    pool = SharedKVPool(geometry, num_pages)
+    """A KV pool in shared memory (of ``pool_class``) and a registered connection."""
+    pool = pool_class(geometry, num_pages)
     try:
         conn = Connection(pool, model_id=model, config=client_config(rdir, **cfg))
     except BaseException:

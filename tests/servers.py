@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from kvtier.bench.l3_cluster import free_port, port_open, redis_pong
+from kvtier.bench.local_servers import free_port, port_open, redis_pong
 
 __all__ = [
     "MooncakeMaster",

@@ -19,6 +19,11 @@ is only ever written in place. Layout ``layer_first``::
 Keys are stored after the rotary embedding, so a cached page is position-dependent but
 otherwise self-contained: copying a page to another page id, or to another process, keeps it
 valid as long as it is placed at the same position of a request's page table.
+
+The configuration (:class:`ModelConfig`, :func:`new_kv_cache`) is in
+:mod:`kvtier.client.engine.model_config` and the tensor operations in
+:mod:`kvtier.client.engine.ops`; both names are imported here for the model's users.
+``python -m kvtier.client.engine.model`` times the default model on this machine.
 """
 
 from __future__ import annotations
@@ -27,11 +32,12 @@ import argparse
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from kvtier.config.errors import ConfigError, KvtierError
+from kvtier.client.engine.model_config import ModelConfig, new_kv_cache
+from kvtier.client.engine.ops import apply_rope, attention, offset_masks, rms_norm
+from kvtier.config.errors import KvtierError
 from torch import nn
 
 __all__ = [
@@ -45,135 +51,12 @@ __all__ = [
 LayerWait = Callable[[int], None]
 """Called with a layer index just before that layer touches the KV cache."""
 
-# Queries are attended in chunks of this many tokens when a cached prefix is present, so the
-# explicit offset mask wastes at most half a chunk per query instead of half the prompt.
-_ATTN_CHUNK = 1024
-
-_SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
-
-
 class EngineInputError(KvtierError, ValueError):
     """A model call got bad input: tokens, positions, page table or KV cache geometry."""
 
 
-@dataclass(frozen=True, slots=True)
-class ModelConfig:
-    """Shape and numerics of a :class:`TinyLlama`.
-
-    Attributes:
-        vocab_size: Number of token ids; valid ids are ``[0, vocab_size)``.
-        hidden_size: Width of the residual stream.
-        n_layers: Number of decoder layers (and of K/V cache tensors per side).
-        n_heads: Query heads per layer.
-        n_kv_heads: Key/value heads per layer; divides ``n_heads`` (grouped-query attention).
-        head_dim: Width of one head; even (rotary embedding rotates pairs).
-        ffn_size: Inner width of the SwiGLU MLP.
-        rope_theta: Base of the rotary embedding frequencies.
-        norm_eps: Epsilon of RMSNorm.
-        seed: Seed of the weight initialisation; equal configs give equal weights.
-        dtype: Dtype of weights, activations and the KV cache. Logits are returned as float32.
-    """
-
-    vocab_size: int
-    hidden_size: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    ffn_size: int
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    seed: int = 0
-    dtype: torch.dtype = torch.float32
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads",
-                     "head_dim", "ffn_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"ModelConfig.{name} must be a positive int, got {value!r}")
-        if self.n_heads % self.n_kv_heads:
-            raise ConfigError(f"ModelConfig.n_kv_heads={self.n_kv_heads} must divide "
-                              f"n_heads={self.n_heads}")
-        if self.head_dim % 2:
-            raise ConfigError(f"ModelConfig.head_dim must be even, got {self.head_dim}")
-        if not self.rope_theta > 1.0:
-            raise ConfigError(f"ModelConfig.rope_theta must be > 1, got {self.rope_theta!r}")
-        if not self.norm_eps > 0.0:
-            raise ConfigError(f"ModelConfig.norm_eps must be > 0, got {self.norm_eps!r}")
-        if not self.dtype.is_floating_point:
-            raise ConfigError(f"ModelConfig.dtype must be a floating dtype, got {self.dtype}")
-
-    @classmethod
-    def default(cls) -> ModelConfig:
-        """The reference engine's model: compute-bound enough that KV reuse shows.
-
-        Sized so that a 4096-token prefill with no cache takes a little over a second on two
-        CPU cores (float32, AVX-512; measured 1.3-1.4 s, 0.85 s with half of it cached, and
-        10-15 ms per decode step at position 4096). About half of it is attention, the rest
-        projection and MLP matmuls, so compute dominates and a cached prefix saves it, as on
-        a GPU. Eight layers give a per-layer load something to overlap with.
-
-        Returns:
-            8 layers, hidden 256, 4 query heads and 2 KV heads of width 64, SwiGLU 1024,
-            vocabulary 8192. K plus V take 8 KiB per token (1 KiB per layer).
-        """
-        return cls(vocab_size=8192, hidden_size=256, n_layers=8, n_heads=4, n_kv_heads=2,
-                   head_dim=64, ffn_size=1024)
-
-    @classmethod
-    def tiny(cls) -> ModelConfig:
-        """A model small enough for fast unit tests.
-
-        Returns:
-            2 layers, hidden 64, 4 query heads and 2 KV heads of width 16, vocabulary 256.
-        """
-        return cls(vocab_size=256, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                   head_dim=16, ffn_size=128)
-
-    def kv_page_shape(self, page_size: int) -> tuple[int, int, int]:
-        """Shape of one page of one layer's K (or V) cache.
-
-        Args:
-            page_size: Tokens per page.
-
-        Returns:
-            ``(page_size, n_kv_heads, head_dim)``.
-        """
-        return (page_size, self.n_kv_heads, self.head_dim)
-
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K plus V that one token occupies, over all layers.
-
-        Returns:
-            ``2 * n_layers * n_kv_heads * head_dim * itemsize(dtype)``.
-        """
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * itemsize
-
-
-def new_kv_cache(cfg: ModelConfig, num_pages: int,
-                 page_size: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Allocate a zeroed, process-private paged KV cache in the ``layer_first`` layout.
-
-    The engine allocates its cache in shared memory instead; this is for tests and local use.
-
-    Args:
-        cfg: The model the cache is for.
-        num_pages: Pages per layer.
-        page_size: Tokens per page.
-
-    Returns:
-        ``(k_cache, v_cache)``: one ``[num_pages, page_size, n_kv_heads, head_dim]`` tensor per
-        layer on each side.
-    """
-    shape = (num_pages, *cfg.kv_page_shape(page_size))
-    k_cache = [torch.zeros(shape, dtype=cfg.dtype) for _ in range(cfg.n_layers)]
-    v_cache = [torch.zeros(shape, dtype=cfg.dtype) for _ in range(cfg.n_layers)]
-    return k_cache, v_cache
-
-
 def _frozen(t: torch.Tensor) -> nn.Parameter:
+    """A weight that never takes a gradient (the model is inference only)."""
     return nn.Parameter(t, requires_grad=False)
 
 
@@ -394,15 +277,15 @@ class TinyLlama(nn.Module):
         positions = torch.arange(start, end)
         cos, sin = self._rope_tables(positions)
         slot_pages, slot_offsets = pages[positions // page_size], positions % page_size
-        masks = _offset_masks(start, n)
+        masks = offset_masks(start, n)
 
         x = self.embed[ids]
         for i, block in enumerate(self.blocks):
             assert isinstance(block, _Block)
-            h = _rms_norm(x, block.attn_norm, cfg.norm_eps)
+            h = rms_norm(x, block.attn_norm, cfg.norm_eps)
             q, k, v = torch.split(F.linear(h, block.wqkv), [q_out, kv_out, kv_out], dim=-1)
-            q = _apply_rope(q.view(n, n_heads, hd), cos, sin)
-            k = _apply_rope(k.view(n, n_kv, hd), cos, sin)
+            q = apply_rope(q.view(n, n_heads, hd), cos, sin)
+            k = apply_rope(k.view(n, n_kv, hd), cos, sin)
             v = v.view(n, n_kv, hd)
 
             if layer_wait is not None:
@@ -415,15 +298,15 @@ class TinyLlama(nn.Module):
                 k = kc.index_select(0, pages).flatten(0, 1)[:end]
                 v = vc.index_select(0, pages).flatten(0, 1)[:end]
 
-            attn = _attention(q, k, v, start, masks)
+            attn = attention(q, k, v, start, masks)
             x = x + F.linear(attn, block.wo)
-            h = _rms_norm(x, block.mlp_norm, cfg.norm_eps)
+            h = rms_norm(x, block.mlp_norm, cfg.norm_eps)
             gate, up = F.linear(h, block.w_gate_up).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, block.w_down)
 
         if not all_logits:
             x = x[-1:]
-        return F.linear(_rms_norm(x, self.final_norm, cfg.norm_eps), self.lm_head).float()
+        return F.linear(rms_norm(x, self.final_norm, cfg.norm_eps), self.lm_head).float()
 
     def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of shape ``[n, 1, head_dim]`` for absolute ``positions`` (angles in float64)."""
@@ -431,79 +314,6 @@ class TinyLlama(nn.Module):
         angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
         angles = torch.cat((angles, angles), dim=-1)[:, None, :]
         return angles.cos().to(self.cfg.dtype), angles.sin().to(self.cfg.dtype)
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return xf.to(x.dtype) * weight
-
-
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, rotate-half convention: ``x * cos + rotate_half(x) * sin``."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-def _offset_masks(start: int, n: int) -> list[torch.Tensor]:
-    """Boolean masks for queries at ``[start, start + n)`` in chunks of ``_ATTN_CHUNK``.
-
-    Chunk ``c`` covers queries ``[s, e)`` (relative to ``start``) and keys ``[0, start + e)``;
-    query ``start + j`` may see key ``t`` iff ``t <= start + j``. Empty when no mask is needed
-    (no cached prefix, where ``is_causal`` is exact, or a single query, which sees every key).
-    """
-    if start == 0 or n == 1:
-        return []
-    masks = []
-    for s in range(0, n, _ATTN_CHUNK):
-        e = min(n, s + _ATTN_CHUNK)
-        keys = torch.arange(start + e)
-        masks.append(keys[None, :] <= (start + torch.arange(s, e))[:, None])
-    return masks
-
-
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
-               masks: list[torch.Tensor]) -> torch.Tensor:
-    """Causal grouped-query attention of queries ``[start, start+n)`` over keys ``[0, start+n)``.
-
-    Args:
-        q: ``[n, n_heads, head_dim]``.
-        k: ``[start + n, n_kv_heads, head_dim]``.
-        v: Same as ``k``.
-        start: Absolute position of the first query.
-        masks: From :func:`_offset_masks` for ``(start, n)``.
-
-    Returns:
-        ``[n, n_heads * head_dim]``.
-    """
-    n, n_heads, hd = q.shape
-    # SDPA wants [batch, heads, tokens, dim]; 4-D inputs take the fast fused CPU kernel.
-    q4 = q.transpose(0, 1).unsqueeze(0)
-    k4 = k.transpose(0, 1).unsqueeze(0)
-    v4 = v.transpose(0, 1).unsqueeze(0)
-    if not masks:
-        out = _sdpa(q4, k4, v4, None, is_causal=n > 1)
-    else:
-        out = torch.empty_like(q4)
-        for idx, mask in enumerate(masks):
-            s = idx * _ATTN_CHUNK
-            e = s + mask.shape[0]
-            kv_end = mask.shape[1]
-            out[:, :, s:e] = _sdpa(q4[:, :, s:e], k4[:, :, :kv_end], v4[:, :, :kv_end], mask,
-                                   is_causal=False)
-    return out.squeeze(0).transpose(0, 1).reshape(n, n_heads * hd)
-
-
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-          is_causal: bool) -> torch.Tensor:
-    if _SDPA_HAS_GQA:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
-                                              enable_gqa=True)
-    group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
 
 
 def _main() -> None:

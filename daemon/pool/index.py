@@ -1,49 +1,27 @@
-"""Host pool bookkeeping (L2): the page index and eviction over one arena's slots.
+"""The L2 host pool: :class:`HostPool`, an index and slot allocator over one host arena.
 
-Pure and synchronous (no I/O, no mapping, no locks, no ``await``): the arena is mapped
-elsewhere; this module hands out byte offsets into it and keeps every page's state. Slot
-geometry (extents, page classes, free lists) is :mod:`kvtier.daemon.pool.slots`; the
-persistent metadata is :mod:`kvtier.daemon.pool.layout`.
+Pure and synchronous (no I/O, no mapping, no locks, no ``await``): the arena and its
+metadata are mapped elsewhere (:func:`~kvtier.daemon.pool.layout.map_pool_file`); the pool
+hands out byte offsets into the arena and keeps every page's state. It is assembled from
+one module per concept::
 
-Page metadata lives in flat per-slot arrays created once. What must survive a restart
-(state, key, namespace, owner, payload length, parent, last access, in-L3 flag, checksum,
-seal) is a column of the metadata buffer, for a daemon the start of the pool's
-shared-memory file, so every change persists as it is made. Pins, child lists and links
-are private arrays, rebuilt by :meth:`HostPool.adopt`. Intrusive doubly linked lists
-allocate nothing: a free list per class, the global evictable list and one per owner
-(recency order, cold end first), and each page's list of resident children.
-
-Life cycle (:class:`PageState`): FREE -allocate-> WRITING -commit-> READY
--evict/flush-> FREE, and WRITING -abort-> FREE. WRITING pages are invisible to
-lookups and never evicted; a READY page is evictable when it has no pins and no
-resident children (pages that extend it). Write order makes a crash at any instant
-safe: a row is completed while WRITING and its state flips to READY last; freeing
-flips the state first.
-
-Eviction policy, LRU and tail first:
-
-- A page with a resident child is never evicted, so a chain goes tail to head.
-  Touching a chain ``k0..kn`` (commit, pin) stamps it in reverse, so its tail is the
-  colder end. A page that becomes evictable (its last child left, its last pin
-  dropped) goes to the cold end if it is not more recent than the current cold end,
-  else to the hot end.
-- A slot of class ``c`` comes from, in order: the free list of ``c``; a fresh slot of
-  the extent ``c`` is cutting; a free extent; eviction from the cold end of the global
-  list, any class (a victim of ``c`` frees a slot of ``c``; one of another class frees
-  its slot and, when that empties its extent, the extent is free for ``c``), at most
-  ``EVICT_FACTOR`` x the largest slots-per-extent victims; then the coldest page of
-  ``c`` itself (bounded scan). Otherwise the allocation fails (a shortfall).
-- An owner at its quota evicts only its own pages, coldest first, same bounds.
-
-Write-back hook: with :attr:`HostPool.evict_requires_l3` set, eviction skips pages not
-marked in L3 (within the bounded scan), so no slot is reused before its page reached
-L3. A write-back task pins cold pages, copies them to L3, calls
-:meth:`HostPool.mark_in_l3` and unpins them.
+    index      HostPool: construction, adoption, ids, geometry, quotas, introspection
+    pages      PageTable: the index and page state machine (lookup, allocate, commit,
+               abort, pin, unpin, flush)
+    eviction   Evictor: victim choice (LRU, tail first), quotas, the write-back hook
+    slots      SlotAllocator: extents, page classes, free lists
+    links      the intrusive lists: evictable pages (LRU), each page's children
+    layout     the pool file's format: header, id tables, columns; mapping the file
+    meta       PoolMeta: the metadata region, mapped as typed column views
+    adopt      the adoption scan: which rows survive a restart
+    records    page states, the records the pool reports, its errors
 
 Restart (:meth:`HostPool.adopt`): READY pages that verify come back with their keys,
 namespaces, owners, offsets and in-L3 flags; WRITING pages and pins are dropped; the
-rest is rebuilt (the evictable lists by last-access stamp). Hot paths: lookup is a dict
-probe per key at C speed (``_ready``: the READY keys of each namespace); commit adds one xxh3 of the key (the seal).
+rest is rebuilt (the evictable lists by last-access stamp).
+
+The names other modules import from here (records, the eviction constants,
+:class:`PoolLayout`) are re-exported from their homes and listed in ``__all__``.
 """
 
 from __future__ import annotations
@@ -52,61 +30,49 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from kvtier.config.errors import ConfigError
+from kvtier.daemon.pool.adopt import scan_rows
+from kvtier.daemon.pool.eviction import EVICT_FACTOR, MIN_SCAN
 from kvtier.daemon.pool.layout import (
     HAS_CHECKSUM,
     HEADROOM_ALIGN,
     HEADROOM_MIN_PAGE_BYTES,
-    KEY_BYTES,
     NIL,
+    IdTable,
+    PoolLayout,
+)
+from kvtier.daemon.pool.meta import PoolMeta, tenant_digest
+from kvtier.daemon.pool.pages import PageTable
+from kvtier.daemon.pool.records import (
     AdoptResult,
     ClassStats,
     EvictedPage,
     HostPoolError,
     HostPoolStats,
-    IdTable,
     PageInfo,
     PageState,
-    PoolLayout,
-    PoolMeta,
-    tenant_digest,
+    PageStateError,
 )
-from kvtier.daemon.pool.slots import (
-    ChildLists,
-    PageClass,
-    RecencyLists,
-    SlotAllocator,
-    filled,
-)
-from xxhash import xxh3_64_intdigest
 
 if TYPE_CHECKING:
     from kvtier.config import DaemonConfig
 
+# HostPool, and names re-exported from their homes (eviction, layout, records) for the
+# modules that import them from here
 __all__ = [
     "EVICT_FACTOR", "MIN_SCAN", "NIL", "AdoptResult", "ClassStats", "EvictedPage", "HostPool",
     "HostPoolError", "HostPoolStats", "PageInfo", "PageState", "PageStateError", "PoolLayout",
 ]  # fmt: skip
 
-EVICT_FACTOR = 2
-"""Victims per slot allocation: at most EVICT_FACTOR x the largest slots-per-extent."""
 
-MIN_SCAN = 256
-"""Lower bound of the scan length when a victim must match a filter."""
-
-_MAX_U64 = (1 << 64) - 1
-
-
-class PageStateError(HostPoolError):
-    """A page state transition was asked of a page in the wrong state."""
-
-
-class HostPool:
+class HostPool(PageTable):
     """Slot allocator and L2 index over one host arena (see the module docstring).
 
     The constructor builds an empty pool whose metadata lives in private memory (nothing
     persists); :meth:`adopt` moves it onto persistent metadata and adopts what it holds.
+    The page operations (:meth:`lookup`, :meth:`allocate`, :meth:`commit`, :meth:`abort`,
+    :meth:`pin`, :meth:`unpin`, :meth:`mark_in_l3`, :meth:`flush`) are
+    :class:`~kvtier.daemon.pool.pages.PageTable`'s.
 
     Args:
         capacity_bytes: arena size; ``capacity_bytes // layout.span`` extents are used
@@ -166,10 +132,7 @@ class HostPool:
                                  headroom=headroom)
         meta = PoolMeta(bytearray(layout.meta_bytes), layout)
         meta.format(zero=False)
-        self.evict_requires_l3 = False  # write-back hook: evict only pages marked in L3
-        self._max_log = max_evicted_log
-        self._quota: dict[int, int] = {}
-        self._setup(meta)
+        self._setup(meta, max_log=max_evicted_log, quota={}, requires_l3=False)
 
     def adopt(self, meta: Any, *, arena: Any | None = None,
               cold_start: bool | str | None = False) -> AdoptResult:  # fmt: skip
@@ -229,74 +192,16 @@ class HostPool:
         if reason is not None:
             pm.format()
         gen = 1 if reason is not None else pm.bump_generation()
-        self._setup(pm)
+        ev = self._ev
+        self._setup(pm, max_log=ev.max_log, quota=ev.quota, requires_l3=ev.requires_l3)
         for page_bytes in classes:
             self.register_class(page_bytes)
         if reason is not None:
             return AdoptResult(False, reason, 0, 0, 0, time.perf_counter() - t0, gen)
-        scan = pm.adopt_rows(self._slots.usable_per_extent(), arena)
-        self._adopt(scan.slots, scan.keys, scan.parents)
+        scan = scan_rows(pm, self._slots.usable_per_extent(), arena)
+        self._rebuild(scan.slots, scan.keys, scan.parents)
         return AdoptResult(True, "metadata matches the config", len(scan.keys), scan.dropped,
                            scan.payload_bytes, time.perf_counter() - t0, gen)  # fmt: skip
-
-    def _setup(self, meta: PoolMeta) -> None:
-        """Bind the metadata columns and create the private arrays (an empty pool)."""
-        layout = meta.layout
-        self.capacity_bytes, self.extent_bytes = layout.capacity_bytes, layout.extent_bytes
-        self.align, self.n_extents, self.n_slots = layout.align, layout.n_extents, layout.n_slots
-        self._per_extent = layout.per_extent
-        self._meta = meta
-        self._slots = slots = SlotAllocator(layout, meta.ext_bytes)
-        self._classes: list[PageClass] = slots.classes
-        self._ext_class = slots.ext_class
-        # persistent columns (shared memory for a daemon's pool), then private arrays
-        self._state, self._in_l3, self._stamp = meta.state, meta.in_l3, meta.stamp
-        self._ns, self._owner, self._parent = meta.ns, meta.owner, meta.parent
-        self._pins = filled("i", 0, self.n_slots)
-        self._kids = ChildLists(self.n_slots, meta.parent)  # resident children per page
-        self._children = self._kids.count
-        self._key: list[bytes | None] = [None] * self.n_slots
-        self._evict_budget = 1
-        self._scan_limit = MIN_SCAN
-        # (namespace, key) -> slot of every resident page; a key is only ever seen from
-        # its own namespace, so one tenant cannot even probe another's keys
-        self._index: dict[bytes, int] = {}
-        # ns_id -> keys of its READY pages: lookups run over it at C speed (the LOOKUP hot path)
-        self._ready: dict[int, set[bytes]] = {}
-        self._lru = RecencyLists(slots, meta.stamp)  # the evictable pages
-        self._owned: dict[int, int] = {}
-        self._clock = 0
-        self._n_pinned = self._evictions = self._unlogged = 0
-        self._evicted: list[EvictedPage] = []
-
-    def _adopt(self, slots: np.ndarray, keys: list[bytes], parents: np.ndarray) -> None:
-        """Rebuild the private state of an empty pool from adopted READY rows."""
-        meta = self._meta
-        self._slots.rebuild(slots)
-        sl = slots.tolist()
-        for s, key in zip(sl, keys):
-            self._key[s] = key
-        nss = meta.array("ns")[slots].tolist()
-        self._index = {_ik(n, k): s for n, k, s in zip(nss, keys, sl)}
-        self._ready = {}
-        for n, k in zip(nss, keys):
-            self._ready.setdefault(n, set()).add(k)
-        cids = np.frombuffer(self._ext_class, dtype=np.int32)[slots // self._per_extent]
-        for cid, count in zip(*np.unique(cids, return_counts=True)):
-            self._classes[int(cid)].ready = int(count)
-        for cls in self._classes:
-            self._evict_budget = max(self._evict_budget, EVICT_FACTOR * cls.n)
-        self._scan_limit = max(MIN_SCAN, self._evict_budget)
-        owners = meta.array("owner")[slots]
-        for o, count in zip(*np.unique(owners, return_counts=True)):
-            self._owned[int(o)] = int(count)
-        self._kids.rebuild(slots, parents)
-        # evictable lists: childless pages by last access, cold end first
-        stamps = meta.array("stamp")[slots]
-        ev = np.frombuffer(self._children, dtype=np.int32)[slots] == 0
-        order = np.lexsort((slots[ev], stamps[ev]))
-        self._lru.rebuild(slots[ev][order], owners[ev][order])
-        self._clock = int(stamps.max()) if len(stamps) else 0
 
     def close(self) -> None:
         """Release the views of the metadata buffer, so its mapping can close.
@@ -322,8 +227,7 @@ class HostPool:
             HostPoolError: ``page_bytes`` is not positive or its stride exceeds an extent.
         """
         cid = self._slots.register_class(page_bytes)
-        self._evict_budget = max(self._evict_budget, EVICT_FACTOR * self._classes[cid].n)
-        self._scan_limit = max(MIN_SCAN, self._evict_budget)
+        self._ev.fit_class(self._classes[cid].n)
         return cid
 
     def class_stride(self, class_id: int) -> int:
@@ -364,230 +268,17 @@ class HostPool:
         SHA-256 of the name). Raises HostPoolError when the table is full."""
         return self._meta.id_of(IdTable.OWNERS, tenant_digest(tenant))
 
-    # ------------------------------------------------------------ page index
+    # ------------------------------------------------------------- eviction
 
-    def lookup(self, ns_id: int, keys: Sequence[bytes]) -> int:
-        """Return the length of the leading run of ``keys`` READY in ``ns_id``.
+    @property
+    def evict_requires_l3(self) -> bool:
+        """The write-back hook: when True, eviction takes only pages marked in L3
+        (:meth:`mark_in_l3`). Kept across :meth:`adopt`."""
+        return self._ev.requires_l3
 
-        Pages of other namespaces are never seen. Recency is not touched.
-
-        Args:
-            ns_id: the caller's namespace.
-            keys: page keys in chain order.
-
-        Returns:
-            How many leading keys are READY.
-        """
-        ready = self._ready.get(ns_id)
-        if not ready:
-            return 0
-        found = list(map(ready.__contains__, keys))
-        return len(found) if all(found) else found.index(False)
-
-    def resident_run(self, ns_id: int, keys: Sequence[bytes]) -> int:
-        """Return the length of the leading run of ``keys`` resident in ``ns_id``,
-        READY or WRITING (what a store leaves stored or being stored).
-
-        Args:
-            ns_id: the caller's namespace.
-            keys: page keys in chain order.
-
-        Returns:
-            How many leading keys are READY or WRITING.
-        """
-        index = self._index
-        n = 0
-        for key in keys:
-            if _ik(ns_id, key) not in index:
-                break
-            n += 1
-        return n
-
-    def allocate(
-        self,
-        ns_id: int,
-        owner: int,
-        class_id: int,
-        keys: Sequence[bytes],
-        parent_key: bytes | None = None,
-    ) -> list[tuple[int, int]]:
-        """Allocate WRITING slots for the keys the pool lacks (the store path).
-
-        Present keys (READY or WRITING) are skipped but parent the next key. A new
-        page's parent is the previous key's page, or for ``keys[0]`` the page of
-        ``parent_key`` when resident in ``ns_id``. Stops at the first key that cannot
-        be allocated (pool full, nothing evictable, quota) or that another namespace
-        holds: later pages are useless without it.
-
-        Args:
-            ns_id: namespace of the pages.
-            owner: tenant charged for the pages (see :meth:`set_quota`).
-            class_id: page class from :meth:`register_class`.
-            keys: page keys in chain order, at most 32 bytes each.
-            parent_key: key of the page ``keys[0]`` extends, if any.
-
-        Returns:
-            ``(index into keys, slot)`` per page allocated, in key order; a shortfall
-            shows as missing pairs, never as an exception.
-
-        Raises:
-            HostPoolError: unknown class id, or a key longer than 32 bytes.
-        """
-        self._slots.check_class(class_id)
-        if keys and max(map(len, keys)) > KEY_BYTES:
-            raise HostPoolError(f"page keys must have at most {KEY_BYTES} bytes")
-        cls = self._classes[class_id]
-        index = self._index
-        meta = self._meta
-        pack_key, key_col, key_len, length = meta.pack_key, meta.key, meta.key_len, meta.length
-        state, stamp, ns, owners = self._state, self._stamp, self._ns, self._owner
-        out: list[tuple[int, int]] = []
-        prev = NIL
-        if parent_key is not None:
-            p = index.get(_ik(ns_id, parent_key))
-            if p is not None:
-                prev = p
-        for i, key in enumerate(keys):
-            s = index.get(_ik(ns_id, key))
-            if s is not None:
-                prev = s
-                continue
-            if prev != NIL:
-                self._add_child_ref(prev)  # shields prev from the evictions below
-            s = self._take_slot(class_id, owner)
-            if s == NIL:
-                if prev != NIL:
-                    self._drop_child_ref(prev)
-                break
-            pack_key(key_col, s * KEY_BYTES, key)  # the row first, the state byte last
-            key_len[s] = len(key)
-            ns[s] = ns_id
-            owners[s] = owner
-            length[s] = cls.page_bytes
-            self._parent[s] = prev
-            stamp[s] = self._tick()
-            state[s] = PageState.WRITING
-            self._key[s] = key
-            if prev != NIL:
-                self._kids.link(prev, s)
-            index[_ik(ns_id, key)] = s
-            cls.writing += 1
-            self._owned[owner] = self._owned.get(owner, 0) + 1
-            out.append((i, s))
-            prev = s
-        return out
-
-    def commit(self, slots: Sequence[int], checksums: Sequence[int] | None = None) -> None:
-        """Mark filled pages READY (visible) and touch them, the last slot first.
-
-        A page with no resident children becomes evictable. Each row is sealed (its
-        key, namespace and checksum bound by one xxh3) before its state flips.
-
-        Args:
-            slots: WRITING slots, in chain order (the tail ends up coldest).
-            checksums: the payload checksum of each slot (:func:`page_checksum` of its
-                page bytes, computed once they landed), same order; None records none
-                (such pages are not adopted by a verifying :meth:`adopt`).
-
-        Raises:
-            PageStateError: a slot is not WRITING. Checked before any change, except a
-                slot listed twice, which fails at its second occurrence.
-            HostPoolError: a slot id is out of range, or ``checksums`` does not match
-                ``slots`` (length, or a value outside 64 bits).
-        """
-        for s in slots:
-            self._expect(s, PageState.WRITING, "commit")
-        if checksums is not None and (len(checksums) != len(slots) or (
-                checksums and (min(checksums) < 0 or max(checksums) > _MAX_U64))):  # fmt: skip
-            raise HostPoolError(f"need one 64-bit checksum per slot ({len(slots)})")
-        meta, state, ready, keys = self._meta, self._state, self._ready, self._key
-        checksum, flags, seal, stamp = meta.checksum, meta.flags, meta.seal, self._stamp
-        digest = xxh3_64_intdigest
-        for j in range(len(slots) - 1, -1, -1):
-            s = slots[j]
-            self._expect(s, PageState.WRITING, "commit")
-            key = keys[s]
-            assert key is not None
-            ns = self._ns[s]
-            if checksums is None:
-                csum = flags[s] = 0
-            else:
-                csum = checksum[s] = checksums[j]
-                flags[s] = HAS_CHECKSUM
-            seal[s] = digest(key, (csum ^ ns) & _MAX_U64)  # = seal_of(key, ns, csum)
-            stamp[s] = self._tick()
-            state[s] = PageState.READY  # last: the row is complete
-            ready.setdefault(ns, set()).add(key)
-            cls = self._classes[self._ext_class[s // self._per_extent]]
-            cls.writing -= 1
-            cls.ready += 1
-            if self._children[s] == 0:
-                self._lru.enqueue(s, self._owner[s])
-
-    def abort(self, slots: Sequence[int]) -> None:
-        """Free pages whose fill failed (WRITING -> FREE, keys leave the index).
-
-        Parents lose a resident child; resident children lose their parent link.
-
-        Args:
-            slots: WRITING slots.
-
-        Raises:
-            PageStateError: as for :meth:`commit`.
-            HostPoolError: a slot id is out of range.
-        """
-        for s in slots:
-            self._expect(s, PageState.WRITING, "abort")
-        for j in range(len(slots) - 1, -1, -1):
-            self._expect(slots[j], PageState.WRITING, "abort")
-            self._release(slots[j])
-
-    def pin(self, ns_id: int, keys: Sequence[bytes]) -> list[int]:
-        """Pin the leading READY run of ``keys`` and touch it, the last key first.
-
-        Pinned pages are not evictable. The caller keeps the returned slots and hands
-        them to :meth:`unpin` once.
-
-        Args:
-            ns_id: the caller's namespace.
-            keys: page keys in chain order.
-
-        Returns:
-            The pinned slots, one per key of the leading READY run.
-        """
-        out = [self._index[_ik(ns_id, key)] for key in keys[: self.lookup(ns_id, keys)]]
-        pins = self._pins
-        for j in range(len(out) - 1, -1, -1):
-            s = out[j]
-            if pins[s] == 0:
-                self._n_pinned += 1
-                if self._children[s] == 0:
-                    self._lru.dequeue(s, self._owner[s])
-            pins[s] += 1
-            self._stamp[s] = self._tick()
-        return out
-
-    def unpin(self, slots: Sequence[int]) -> None:
-        """Drop one pin per slot; pages left unpinned and childless become evictable.
-
-        Args:
-            slots: slots returned by :meth:`pin`.
-
-        Raises:
-            PageStateError: a slot is not a pinned READY page. Checked before any
-                change, except a slot listed more often than pinned.
-            HostPoolError: a slot id is out of range.
-        """
-        for s in slots:
-            self._expect(s, PageState.READY, "unpin")
-        pins = self._pins
-        for s in slots:
-            self._expect(s, PageState.READY, "unpin")
-            pins[s] -= 1
-            if pins[s] == 0:
-                self._n_pinned -= 1
-                if self._children[s] == 0:
-                    self._lru.enqueue(s, self._owner[s])
+    @evict_requires_l3.setter
+    def evict_requires_l3(self, value: bool) -> None:
+        self._ev.requires_l3 = value
 
     def set_quota(self, owner: int, max_pages: int | None) -> None:
         """Limit the resident (READY + WRITING) pages of ``owner``.
@@ -602,68 +293,15 @@ class HostPool:
         Raises:
             HostPoolError: ``max_pages`` is negative.
         """
-        if max_pages is None:
-            self._quota.pop(owner, None)
-        elif max_pages < 0:
-            raise HostPoolError(f"max_pages must be >= 0 or None, got {max_pages}")
-        else:
-            self._quota[owner] = max_pages
+        self._ev.set_quota(owner, max_pages)
 
     def owned_pages(self, owner: int) -> int:
         """Return the resident (READY + WRITING) pages charged to ``owner``."""
         return self._owned.get(owner, 0)
 
-    def mark_in_l3(self, slots: Sequence[int]) -> None:
-        """Record that these pages are in L3 (evictable under ``evict_requires_l3``).
-
-        Args:
-            slots: READY or WRITING slots.
-
-        Raises:
-            PageStateError: a slot is FREE (checked before any change).
-            HostPoolError: a slot id is out of range.
-        """
-        for s in slots:
-            self._check_slot(s)
-            if self._state[s] == PageState.FREE:
-                raise PageStateError(f"cannot mark slot {s} in L3: it is FREE")
-        for s in slots:
-            self._in_l3[s] = 1
-
-    def flush(self, ns_id: int | None = None, owner: int | None = None) -> int:
-        """Drop every evictable page, optionally only of one namespace and/or owner.
-
-        Chains go tail to head; pinned and WRITING pages (and their ancestors) stay.
-        Dropped pages are neither counted as evictions nor logged.
-
-        Args:
-            ns_id: only pages of this namespace, if given.
-            owner: only pages of this owner, if given.
-
-        Returns:
-            The number of pages dropped.
-        """
-        dropped = 0
-        s, links = self._lru.start(None)
-        while s != NIL:
-            nxt = links[s]  # dropping s only enqueues its parent, never removes nxt
-            while (
-                s != NIL
-                and (ns_id is None or self._ns[s] == ns_id)
-                and (owner is None or self._owner[s] == owner)
-            ):
-                parent = self._parent[s]
-                self._lru.dequeue(s, self._owner[s])
-                self._release(s)
-                dropped += 1
-                s = parent if parent != NIL and self._is_evictable(parent) else NIL
-            s = nxt
-        return dropped
-
     def drain_evicted(self) -> list[EvictedPage]:
         """Return the evictions logged since the last drain and clear the log."""
-        out, self._evicted = self._evicted, []
-        return out
+        return self._ev.drain()
 
     # --------------------------------------------------------- introspection
 
@@ -679,8 +317,8 @@ class HostPool:
             pages_ready=sum(c.pages_ready for c in classes),
             pages_writing=sum(c.pages_writing for c in classes),
             pages_pinned=self._n_pinned,
-            evictions=self._evictions,
-            evicted_unlogged=self._unlogged,
+            evictions=self._ev.evictions,
+            evicted_unlogged=self._ev.unlogged,
             extents_free=len(self._slots.free_extents),
             extents_total=self.n_extents,
             classes=classes,
@@ -710,129 +348,3 @@ class HostPool:
         """Return the evictable slots, cold end first, walking the global list or
         ``owner``'s list. O(pages): for admin views and tests."""
         return self._lru.walk(owner)
-
-    # ------------------------------------------------------- slot allocation
-
-    def _take_slot(self, cid: int, owner: int) -> int:
-        """Return a slot of class ``cid`` for ``owner``, evicting if needed, or NIL."""
-        quota = self._quota.get(owner)
-        scope: int | None = None  # whose pages may be evicted; None: anyone's
-        if quota is not None and self._owned.get(owner, 0) >= quota:
-            scope, budget = owner, self._evict_budget
-            while self._owned.get(owner, 0) >= quota:  # replace own pages first
-                v = self._coldest(owner, NIL)
-                if v == NIL or budget == 0:
-                    return NIL
-                self._evict(v)
-                budget -= 1
-        s = self._slots.take(cid)
-        return s if s != NIL else self._reclaim(cid, scope)
-
-    def _reclaim(self, cid: int, owner: int | None) -> int:
-        """Evict (anyone's, or only ``owner``'s pages) until a slot of ``cid`` frees."""
-        budget = self._evict_budget
-        while budget > 0:
-            v = self._coldest(owner, NIL)
-            if v == NIL:
-                break
-            self._evict(v)
-            budget -= 1
-            s = self._slots.take(cid)
-            if s != NIL:
-                return s
-        v = self._coldest(owner, cid)  # fall back to the class's own pages
-        if v == NIL:
-            return NIL
-        self._evict(v)
-        return self._slots.take(cid)
-
-    def _coldest(self, owner: int | None, cid: int) -> int:
-        """Coldest page eviction may take from the global (or ``owner``'s) list, of
-        class ``cid`` unless NIL; NIL if none within the scan limit."""
-        s, nxt = self._lru.start(owner)
-        need_l3 = self.evict_requires_l3
-        steps = self._scan_limit
-        while s != NIL and steps > 0:
-            if (not need_l3 or self._in_l3[s]) and (
-                cid == NIL or self._ext_class[s // self._per_extent] == cid
-            ):
-                return s
-            s = nxt[s]
-            steps -= 1
-        return NIL
-
-    def _evict(self, s: int) -> None:
-        self._evictions += 1
-        if len(self._evicted) < self._max_log:
-            key = self._key[s]
-            assert key is not None
-            self._evicted.append(EvictedPage(key, self._ns[s], s, bool(self._in_l3[s])))
-        else:
-            self._unlogged += 1
-        self._lru.dequeue(s, self._owner[s])
-        self._release(s)
-
-    def _release(self, s: int) -> None:
-        """Turn the READY or WRITING page ``s``, off the evictable lists, FREE."""
-        assert self._pins[s] == 0
-        key = self._key[s]
-        assert key is not None
-        was_ready = self._state[s] == PageState.READY
-        self._state[s] = PageState.FREE  # first: from here on a crash leaves the slot free
-        self._in_l3[s] = 0
-        del self._index[_ik(self._ns[s], key)]
-        self._key[s] = None
-        p = self._parent[s]
-        if p != NIL:
-            self._kids.unlink(p, s)
-            self._drop_child_ref(p)
-        self._kids.orphan_all(s)  # only an aborted page can still have children
-        cls = self._classes[self._ext_class[s // self._per_extent]]
-        if was_ready:
-            cls.ready -= 1
-            self._ready[self._ns[s]].discard(key)
-        else:
-            cls.writing -= 1
-        self._owned[self._owner[s]] -= 1
-        self._slots.give_back(s)
-
-    # ------------------------------------------------------ intrusive lists
-
-    def _is_evictable(self, s: int) -> bool:
-        return self._state[s] == PageState.READY and self._pins[s] == 0 and self._children[s] == 0
-
-    def _add_child_ref(self, p: int) -> None:
-        if self._is_evictable(p):
-            self._lru.dequeue(p, self._owner[p])
-        self._children[p] += 1
-
-    def _drop_child_ref(self, p: int) -> None:
-        self._children[p] -= 1
-        assert self._children[p] >= 0
-        if self._is_evictable(p):
-            self._lru.enqueue(p, self._owner[p])
-
-    # ---------------------------------------------------------------- checks
-
-    def _tick(self) -> int:
-        self._clock += 1
-        return self._clock
-
-    def _check_slot(self, slot: int) -> None:
-        if not 0 <= slot < self.n_slots:
-            raise HostPoolError(f"slot {slot} out of range [0, {self.n_slots})")
-
-    def _expect(self, s: int, want: PageState, op: str) -> None:
-        self._check_slot(s)
-        state = self._state[s]
-        if state != want:
-            raise PageStateError(
-                f"cannot {op} slot {s}: it is {PageState(state).name}, not {want.name}"
-            )
-        if op == "unpin" and self._pins[s] == 0:
-            raise PageStateError(f"cannot unpin slot {s}: it is READY with no pins")
-
-
-def _ik(ns_id: int, key: bytes) -> bytes:
-    """The index key of ``key`` in namespace ``ns_id``."""
-    return ns_id.to_bytes(4, "little") + key

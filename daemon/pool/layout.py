@@ -26,30 +26,53 @@ checksum and seal are written while it is FREE or WRITING, and its state byte fl
 READY last; freeing flips the state byte first. A page is adopted only when READY and
 its seal, ``xxh3_64(key, seed=checksum ^ ns)``, matches: a torn or stray write to a
 row is a drop, never a page served under the wrong key. With the arena at hand the
-payload is verified as well (xxh3-64, about 0.1 s per GiB).
+payload is verified as well (xxh3-64).
 
 Namespace fingerprints and tenant names are persisted in two id tables (an id is the
 entry index + 1; an entry's digest is written before its used flag), because ids are
-what the per-slot columns store. The records the pool reports (:class:`PageInfo`,
-:class:`EvictedPage`, :class:`HostPoolStats`, :class:`AdoptResult`) live here too, so
-that the pool and its persistence share them.
+what the per-slot columns store.
+
+This module is the format and the file: the constants, :class:`PoolLayout` (geometry,
+header), the hashes rows and payloads are checked with, and :func:`map_pool_file`. The
+mapped columns are :class:`~kvtier.daemon.pool.meta.PoolMeta`; the adoption scan is
+:mod:`~kvtier.daemon.pool.adopt`; the records the pool reports are
+:mod:`~kvtier.daemon.pool.records` (re-exported here, where they used to live).
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
-import numpy as np
 import xxhash
-from kvtier.config.errors import KvtierError
+from kvtier.daemon.pool.records import (
+    AdoptResult,
+    ClassStats,
+    EvictedPage,
+    HostPoolError,
+    HostPoolStats,
+    PageInfo,
+    PageState,
+)
 from kvtier.ipc.shm import SharedMemorySegment
+
+# The format, and the records re-exported from kvtier.daemon.pool.records (defined here
+# before the split): AdoptResult, ClassStats, EvictedPage, HostPoolError, HostPoolStats,
+# PageInfo, PageState.
+__all__ = [
+    "COLUMNS", "DIGEST_BYTES", "FORMAT_VERSION", "GENERATION_OFFSET", "HAS_CHECKSUM",
+    "HEADER_BYTES", "HEADER_REGION", "HEADROOM_ALIGN", "HEADROOM_MIN_PAGE_BYTES",
+    "ID_CAPACITY", "KEY_BYTES", "MAGIC", "META_ROUND", "NIL", "SLOT_HEADROOM",
+    "SLOT_META_BYTES", "AdoptResult", "ClassStats", "EvictedPage", "HostPoolError",
+    "HostPoolStats", "IdTable", "PageInfo", "PageState", "PoolLayout", "map_pool_file",
+    "page_checksum", "page_checksums", "round_up", "seal_of",
+]  # fmt: skip
+
 
 MAGIC = b"KVTPOOL\x00"
 """First eight bytes of every pool file."""
@@ -101,29 +124,22 @@ _MASK64 = (1 << 64) - 1
 _HEADER = struct.Struct("<8sIIQQQQQQIIQQ")
 _SUM = struct.Struct("<Q")
 _SUM_OFF = _HEADER.size
-_GEN_OFF = _SUM_OFF + 8
-HEADER_BYTES = _GEN_OFF + 8
+GENERATION_OFFSET = _SUM_OFF + 8
+"""Offset in the header of the generation counter (uint64, outside the checksum)."""
 
-# Slot columns: (name, memoryview format, bytes per slot), widest first.
-_COLUMNS = (
+HEADER_BYTES = GENERATION_OFFSET + 8
+"""Bytes of the header proper (the rest of :data:`HEADER_REGION` is zeros)."""
+
+COLUMNS = (
     ("stamp", "q", 8), ("checksum", "Q", 8), ("seal", "Q", 8), ("ns", "q", 8),
     ("owner", "q", 8), ("length", "q", 8), ("parent", "i", 4), ("key", "B", KEY_BYTES),
     ("state", "b", 1), ("in_l3", "b", 1), ("key_len", "B", 1), ("flags", "B", 1),
 )  # fmt: skip
-SLOT_META_BYTES = sum(size for _, _, size in _COLUMNS)
+"""The per-slot columns, in file order: ``(name, memoryview format, bytes per slot)``,
+widest first (so each stays aligned to its width)."""
+
+SLOT_META_BYTES = sum(size for _, _, size in COLUMNS)
 """Bytes of persistent metadata per slot id."""
-
-
-class HostPoolError(KvtierError):
-    """Misuse of the host pool: bad geometry, unknown class or slot id, bad key or id."""
-
-
-class PageState(IntEnum):
-    """State of one host page (slot), as stored in the state column."""
-
-    FREE = 0
-    WRITING = 1
-    READY = 2
 
 
 class IdTable(IntEnum):
@@ -278,7 +294,7 @@ class PoolLayout:
         ext_off = round_up(ids_off + 2 * id_capacity * (DIGEST_BYTES + 1), 64)
         off = round_up(ext_off + 8 * n_extents, 64)
         columns = []
-        for name, fmt, size in _COLUMNS:
+        for name, fmt, size in COLUMNS:
             columns.append((name, fmt, off))
             off = round_up(off + size * n_slots, 64)
         meta_bytes = round_up(off, max(META_ROUND, align))
@@ -342,442 +358,6 @@ class PoolLayout:
         return "geometry changed: " + ", ".join(diffs) if diffs else None
 
 
-class EvictedPage(NamedTuple):
-    """One eviction, as :meth:`HostPool.drain_evicted` reports it.
-
-    Attributes:
-        key: the page key.
-        ns_id: the page's namespace.
-        slot: the slot it occupied (free now, maybe reused).
-        in_l3: whether the page was marked as present in L3.
-    """
-
-    key: bytes
-    ns_id: int
-    slot: int
-    in_l3: bool
-
-
-@dataclass(frozen=True, slots=True)
-class PageInfo:
-    """What the pool records about one slot (admin views, tests).
-
-    Attributes:
-        slot: the slot id.
-        state: its page state.
-        key: the page key, None when FREE.
-        ns_id / owner: namespace and tenant (stale when FREE).
-        class_id / offset: class and arena offset, -1 when the extent is free.
-        pins: pin count.
-        parent: slot of the resident page this page extends, or -1.
-        children: resident pages that extend this page.
-        in_l3: whether the page is marked as present in L3.
-        last_access: recency stamp (larger is more recent).
-        evictable: READY with no pins and no resident children.
-        checksum: the payload's xxh3-64 recorded at commit, None when none was (or the
-            page is not READY); the same value an L3 object of the page records.
-    """
-
-    slot: int
-    state: PageState
-    key: bytes | None
-    ns_id: int
-    owner: int
-    class_id: int
-    offset: int
-    pins: int
-    parent: int
-    children: int
-    in_l3: bool
-    last_access: int
-    evictable: bool
-    checksum: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class ClassStats:
-    """Counters of one page class.
-
-    Attributes:
-        class_id: id from :meth:`HostPool.register_class`.
-        page_bytes: page size the class was registered with.
-        stride: slot size (the slot headroom, if any, then ``page_bytes`` rounded up to the
-            alignment).
-        slots_per_extent: slots the class cuts from one extent.
-        extents: extents the class holds.
-        pages_ready: READY pages of the class.
-        pages_writing: WRITING pages of the class.
-    """
-
-    class_id: int
-    page_bytes: int
-    stride: int
-    slots_per_extent: int
-    extents: int
-    pages_ready: int
-    pages_writing: int
-
-
-@dataclass(frozen=True, slots=True)
-class HostPoolStats:
-    """A snapshot of the pool's counters.
-
-    Attributes:
-        capacity_bytes: the arena size the pool was built with.
-        used_bytes: bytes of READY and WRITING slots (pages x stride).
-        pages_ready / pages_writing: pages in each state.
-        pages_pinned: pages with at least one pin.
-        evictions: pages evicted since construction or adoption (flushes not counted).
-        evicted_unlogged: evictions left out of the full eviction log.
-        extents_free / extents_total: extents owned by no class / in the arena.
-        classes: per-class counters, by class id.
-    """
-
-    capacity_bytes: int
-    used_bytes: int
-    pages_ready: int
-    pages_writing: int
-    pages_pinned: int
-    evictions: int
-    evicted_unlogged: int
-    extents_free: int
-    extents_total: int
-    classes: tuple[ClassStats, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class AdoptScan:
-    """The rows an adoption keeps (from :meth:`PoolMeta.adopt_rows`).
-
-    Attributes:
-        slots: adopted slot ids, ascending (int64).
-        keys: their keys, same order.
-        parents: their parent slot ids after cleaning (NIL: none), same order.
-        dropped: rows that were not FREE and are FREE now.
-        payload_bytes: sum of the adopted pages' payload lengths.
-    """
-
-    slots: np.ndarray
-    keys: list[bytes]
-    parents: np.ndarray
-    dropped: int
-    payload_bytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class AdoptResult:
-    """What :meth:`HostPool.adopt` did with the metadata it found.
-
-    Attributes:
-        adopted: True when the pages were adopted, False when everything was discarded.
-        reason: why it was discarded (one phrase), or that the metadata matched.
-        pages_adopted: READY pages visible again.
-        pages_dropped: pages found but not adopted (WRITING, failed checks); 0 on a discard.
-        bytes_adopted: payload bytes of the adopted pages.
-        seconds: time :meth:`HostPool.adopt` took (header, scan, verification, rebuild).
-        generation: the pool's generation now (1 after a discard, +1 per adoption).
-    """
-
-    adopted: bool
-    reason: str
-    pages_adopted: int
-    pages_dropped: int
-    bytes_adopted: int
-    seconds: float
-    generation: int
-
-    @property
-    def summary(self) -> str:
-        """One log line: what was adopted, or what was discarded and why."""
-        if not self.adopted:
-            return f"host pool started empty (generation 1): {self.reason}"
-        return (f"host pool adopted (generation {self.generation}): {self.pages_adopted} pages, "
-                f"{self.bytes_adopted / 2**20:.1f} MiB, {self.pages_dropped} dropped, "
-                f"in {self.seconds * 1e3:.0f} ms")  # fmt: skip
-
-
-class PoolMeta:
-    """The metadata region of one pool, mapped: typed views over a writable buffer.
-
-    Every attribute named after a column (``stamp``, ``checksum``, ``seal``, ``ns``,
-    ``owner``, ``length``, ``parent``, ``key``, ``state``, ``in_l3``, ``key_len``,
-    ``flags``) is a memoryview indexed by slot id (``key`` by byte: slot ``s`` owns
-    ``key[32 s : 32 s + 32]``); ``ext_bytes`` holds the page bytes of each extent's class
-    (0: free). Writes through them are the persistence: there is no separate flush.
-
-    Args:
-        buf: a writable buffer of at least ``layout.meta_bytes`` bytes (the start of the
-            pool file's mapping, or a bytearray for a pool that need not persist).
-        layout: the layout the caller expects.
-
-    Raises:
-        HostPoolError: the buffer is read-only or too small.
-    """
-
-    def __init__(self, buf: Any, layout: PoolLayout) -> None:
-        view = memoryview(buf)
-        if view.readonly:
-            view.release()
-            raise HostPoolError("the pool metadata buffer is read-only")
-        if view.nbytes < layout.meta_bytes:
-            n = view.nbytes
-            view.release()
-            raise HostPoolError(f"the pool metadata buffer has {n} bytes, needs {layout.meta_bytes}")
-        self.layout = layout
-        self._raw = view.cast("B")[: layout.meta_bytes]
-        view.release()
-        cap, n = layout.id_capacity, layout.n_slots
-        ids = layout.ids_off
-        self._digests = [
-            self._raw[ids + t * cap * DIGEST_BYTES : ids + (t + 1) * cap * DIGEST_BYTES]
-            for t in IdTable
-        ]
-        used = ids + 2 * cap * DIGEST_BYTES
-        self._used = [self._raw[used + t * cap : used + (t + 1) * cap] for t in IdTable]
-        self.ext_bytes = self._raw[layout.ext_off : layout.ext_off + 8 * layout.n_extents].cast("q")
-        cols: dict[str, memoryview] = {}
-        for (name, fmt, off), (_, _, size) in zip(layout.columns, _COLUMNS):
-            cols[name] = self._raw[off : off + size * n].cast(fmt)  # type: ignore[call-overload]
-        self.stamp, self.checksum, self.seal = cols["stamp"], cols["checksum"], cols["seal"]
-        self.ns, self.owner, self.length = cols["ns"], cols["owner"], cols["length"]
-        self.parent, self.key, self.state = cols["parent"], cols["key"], cols["state"]
-        self.in_l3, self.key_len, self.flags = cols["in_l3"], cols["key_len"], cols["flags"]
-        self._views = [self._raw, self.ext_bytes, *self._digests, *self._used, *cols.values()]
-        self._id_cache = [self._read_ids(t) for t in IdTable]
-        self.pack_key = struct.Struct(f"{KEY_BYTES}s").pack_into
-
-    # ------------------------------------------------------------------ header
-
-    def mismatch(self) -> str | None:
-        """Return why the stored header does not describe :attr:`layout` (None: it does)."""
-        return self.layout.mismatch(self._raw[:HEADER_BYTES])
-
-    @property
-    def generation(self) -> int:
-        """The generation counter stored in the header."""
-        return int(_SUM.unpack_from(self._raw, _GEN_OFF)[0])
-
-    def bump_generation(self) -> int:
-        """Increment the stored generation (one 8-byte store) and return the new value."""
-        gen = (self.generation + 1) & _MASK64
-        _SUM.pack_into(self._raw, _GEN_OFF, gen)
-        return gen
-
-    def format(self, *, zero: bool = True) -> None:
-        """Discard everything: an empty pool of :attr:`layout`, generation 1.
-
-        The magic is cleared first and written last, so a crash while formatting leaves
-        a header that is discarded again, never half-trusted.
-
-        Args:
-            zero: clear the id tables, extent table and slot columns (False only when
-                the buffer is known to be all zeros, e.g. a fresh bytearray).
-        """
-        self._raw[: len(MAGIC)] = bytes(len(MAGIC))
-        if zero:
-            body = np.frombuffer(self._raw, dtype=np.uint8)
-            body[HEADER_REGION:] = 0
-            del body
-        head = self.layout.header(1)
-        self._raw[len(MAGIC) : len(head)] = head[len(MAGIC) :]
-        self._raw[: len(MAGIC)] = MAGIC
-        self._id_cache = [self._read_ids(t) for t in IdTable]
-
-    # --------------------------------------------------------------- page keys
-
-    def put_key(self, slot: int, key: bytes) -> None:
-        """Write ``key`` (at most :data:`KEY_BYTES`) into the row of ``slot``.
-
-        The hot path inlines it: ``pack_key(key, slot * KEY_BYTES, k)`` then ``key_len``.
-        """
-        self.pack_key(self.key, slot * KEY_BYTES, key)
-        self.key_len[slot] = len(key)
-
-    def get_key(self, slot: int) -> bytes:
-        """Return the key stored in the row of ``slot`` (its stored length, capped)."""
-        off = slot * KEY_BYTES
-        return bytes(self.key[off : off + min(self.key_len[slot], KEY_BYTES)])
-
-    # --------------------------------------------------------------- id tables
-
-    def ids(self, table: IdTable) -> dict[bytes, int]:
-        """Return a copy of ``digest -> id`` of ``table`` (ids are 1-based)."""
-        return dict(self._id_cache[table])
-
-    def id_of(self, table: IdTable, digest: bytes) -> int:
-        """Return the id of ``digest`` in ``table``, appending it if new (digest bytes
-        first, used flag last, so a crash never leaves a half-written entry in use).
-
-        Raises:
-            HostPoolError: the digest is not :data:`DIGEST_BYTES` long or the table is full.
-        """
-        known = self._id_cache[table]
-        got = known.get(digest)
-        if got is not None:
-            return got
-        if len(digest) != DIGEST_BYTES:
-            raise HostPoolError(f"an id digest must have {DIGEST_BYTES} bytes, got {len(digest)}")
-        used = self._used[table]
-        i = used.tobytes().find(b"\x00")
-        if i < 0:
-            raise HostPoolError(
-                f"the {table.name.lower()} table is full ({self.layout.id_capacity} entries)"
-            )
-        self._digests[table][i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES] = digest
-        used[i] = 1
-        known[digest] = i + 1
-        return i + 1
-
-    def _read_ids(self, table: IdTable) -> dict[bytes, int]:
-        digests = self._digests[table]
-        used = np.flatnonzero(np.frombuffer(self._used[table], dtype=np.uint8)).tolist()
-        return {bytes(digests[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES]): i + 1 for i in used}
-
-    # ---------------------------------------------------------------- adoption
-
-    def adopt_rows(self, usable: np.ndarray, arena: Any | None = None) -> AdoptScan:
-        """Decide which rows survive an adoption, and leave only those non-FREE.
-
-        A row is adopted when it is READY; its extent's class cuts its slot (``usable``)
-        and matches its payload length; its key fits; its seal matches its key,
-        namespace and checksum; with ``arena``, it has a checksum and its payload still
-        hashes to it; and no more recent READY row holds the same key in the same
-        namespace. Every other
-        non-FREE row (WRITING, failed, duplicate) is set FREE, state byte first. Parent
-        links are kept only to an adopted page of the same namespace, and cut on any
-        cycle (which only corruption could make); the cleaned links are written back.
-
-        Args:
-            usable: per extent, the slots its class cuts (0: free or unusable), from
-                :meth:`SlotAllocator.usable_per_extent`.
-            arena: the arena (``capacity_bytes`` from the arena offset), to verify
-                payloads; None trusts them.
-
-        Returns:
-            The adopted rows, in ascending slot order.
-
-        Raises:
-            HostPoolError: ``arena`` is smaller than the extents it must hold.
-        """
-        lay = self.layout
-        per = lay.per_extent
-        state = self.array("state")
-        live = np.flatnonzero(state != PageState.FREE)
-        cand = live[state[live] == PageState.READY]
-        pbs = self.array("ext_bytes")
-        e = cand // per
-        length = self.array("length")[cand]
-        flags = self.array("flags")[cand]
-        ok = (cand - e * per < usable[e]) & (length == pbs[e])
-        ok &= self.array("key_len")[cand] <= KEY_BYTES
-        if arena is not None:
-            ok &= (flags & HAS_CHECKSUM) != 0
-        cand, e, length, flags = cand[ok], e[ok], length[ok], flags[ok]
-        strides = lay.headroom + (pbs[e] + lay.align - 1) // lay.align * lay.align
-        offsets = e * lay.span + (cand - e * per) * strides + lay.headroom
-        del pbs
-        view = None if arena is None else memoryview(arena).cast("B")
-        try:
-            if view is not None and view.nbytes < lay.n_extents * lay.span:
-                raise HostPoolError(f"the arena has {view.nbytes} bytes, the pool needs "
-                                    f"{lay.n_extents * lay.span}")  # fmt: skip
-            by_key = self._verify(cand, offsets, length, flags, view)
-        finally:
-            if view is not None:
-                view.release()
-        pairs = sorted((s, key) for (_, key), s in by_key.items())
-        slots = np.array([s for s, _ in pairs], dtype=np.int64)
-        keys = [key for _, key in pairs]
-        gone = np.setdiff1d(live, slots)
-        state[gone] = PageState.FREE  # first: the rows are free from here on
-        in_l3 = self.array("in_l3")  # allocate leaves it alone: no FREE row may keep it
-        kept = in_l3[slots]
-        in_l3[:] = 0
-        in_l3[slots] = kept
-        parents = self._clean_parents(slots)
-        del state, in_l3
-        return AdoptScan(slots, keys, parents, len(gone), int(self.array("length")[slots].sum()))
-
-    def _verify(self, cand: np.ndarray, offsets: np.ndarray, length: np.ndarray,
-                flags: np.ndarray, view: memoryview | None) -> dict[tuple[int, bytes], int]:  # fmt: skip
-        """Seal (and payload) checks of candidate READY rows; return (ns, key) -> slot.
-
-        The columns are gathered with numpy first, so the per-row loop only slices a key,
-        hashes it (and the payload) and fills a dict.
-        """
-        n = len(cand)
-        blob = self.array("key").reshape(-1, KEY_BYTES)[cand].tobytes()
-        key_len = self.array("key_len")[cand].tolist()
-        has = (flags & HAS_CHECKSUM) != 0
-        sums = np.where(has, self.array("checksum")[cand], 0).tolist()
-        seeds = ((self.array("checksum")[cand] * has) ^ self.array("ns")[cand].view(np.uint64))
-        seals = self.array("seal")[cand].tolist()
-        stamps = self.array("stamp")[cand].tolist()
-        digest = xxhash.xxh3_64_intdigest
-        by_key: dict[tuple[int, bytes], int] = {}
-        best: dict[tuple[int, bytes], int] = {}  # (ns, key) -> stamp of the row holding it
-        nss = self.array("ns")[cand].tolist()
-        rows = zip(range(n), cand.tolist(), seeds.tolist(), seals, key_len, stamps,
-                   offsets.tolist(), length.tolist(), sums, nss)  # fmt: skip
-        for j, s, seed, seal, kl, stamp, off, nbytes, csum, ns in rows:
-            key = blob[j * KEY_BYTES : j * KEY_BYTES + kl]
-            if digest(key, seed) != seal:
-                continue
-            if view is not None and digest(view[off : off + nbytes]) != csum:
-                continue
-            if best.get((ns, key), -1) < stamp:
-                by_key[(ns, key)], best[(ns, key)] = s, stamp
-        return by_key
-
-    def _clean_parents(self, slots: np.ndarray) -> np.ndarray:
-        """Keep parent links to adopted pages of the same namespace, cut cycles, write
-        the result back (NIL for every other row) and return it, one per slot."""
-        n, m = self.layout.n_slots, len(slots)
-        col = self.array("parent")
-        ns = self.array("ns")
-        par = col[slots].astype(np.int64)
-        pos = np.searchsorted(slots, np.clip(par, 0, n - 1)) if m else par
-        pos = np.minimum(pos, max(m - 1, 0))
-        ok = (par >= 0) & (par < n) & (par != slots)
-        if m:
-            ok &= slots[pos] == par
-            ok &= ns[slots[pos]] == ns[slots]
-        par[~ok] = NIL
-        # A forest reaches the sentinel m within m steps: 2**bit_length(m) > m jumps.
-        jump = np.full(m + 1, m, dtype=np.int64)
-        jump[:m] = np.where(ok, pos, m)
-        for _ in range(max(1, m.bit_length())):
-            jump = jump[jump]
-        par[jump[:m] != m] = NIL
-        col[:] = NIL
-        col[slots] = par
-        del col, ns
-        return par
-
-    # ------------------------------------------------------------- bulk access
-
-    def array(self, name: str) -> np.ndarray:
-        """Return a numpy view of column ``name`` (or ``"ext_bytes"``) for bulk scans.
-
-        The view holds an export of the buffer: delete it when done.
-        """
-        if name == "ext_bytes":
-            return np.frombuffer(self.ext_bytes, dtype=np.int64)
-        view = getattr(self, name)
-        dtype = np.uint8 if name == "key" else np.dtype(view.format)
-        return np.frombuffer(view, dtype=dtype)
-
-    def release(self) -> None:
-        """Release every view of the buffer (the object is unusable afterwards)."""
-        for view in reversed(self._views):
-            view.release()
-        self._views = []
-
-
-def tenant_digest(name: str) -> bytes:
-    """Return the owner-table digest of tenant ``name`` (SHA-256 of its UTF-8)."""
-    return hashlib.sha256(name.encode()).digest()
-
 
 def map_pool_file(
     path: str | Path, layout: PoolLayout, *, prefault: bool = True, mode: int = 0o600
@@ -829,4 +409,3 @@ def _size_mismatch(path: str, size: int, layout: PoolLayout) -> str:
     if why is None or why.startswith("no pool metadata"):
         why = f"pool file has {size} bytes, expected {layout.file_bytes}"
     return why
-

@@ -28,20 +28,21 @@ list; the last slot of an extent gives the whole extent back.
 
 Each extent's page size is mirrored into the persistent extent table (0 = free):
 written before the extent's first slot is handed out, cleared after its last slot is
-FREE. Also here, the other intrusive lists the pool threads through slot ids, all
-allocation-free: :class:`RecencyLists` (the evictable pages, LRU; its global list shares
-the free lists' link arrays, since a FREE slot is never evictable) and
-:class:`ChildLists` (each page's resident children). The ``rebuild`` methods relink
-everything at once with numpy when a pool is adopted.
+FREE. :meth:`SlotAllocator.rebuild` relinks everything at once with numpy when a pool is
+adopted. The other intrusive lists through slot ids (LRU, children) are
+:mod:`kvtier.daemon.pool.links`.
 """
 
 from __future__ import annotations
 
-from array import array
 from dataclasses import dataclass
 
 import numpy as np
-from kvtier.daemon.pool.layout import NIL, HostPoolError, PoolLayout, round_up
+from kvtier.daemon.pool.layout import NIL, PoolLayout, round_up
+from kvtier.daemon.pool.links import filled, link_in_order
+from kvtier.daemon.pool.records import HostPoolError
+
+__all__ = ["PageClass", "SlotAllocator"]
 
 
 @dataclass(slots=True)
@@ -67,60 +68,6 @@ class PageClass:
     ready: int = 0
     writing: int = 0
 
-
-def filled(typecode: str, value: int, n: int) -> array[int]:
-    """Return an ``array(typecode)`` of ``n`` copies of ``value``."""
-    return array(typecode, [value]) * n
-
-
-def push(prev: array[int], nxt: array[int], ends: list[int], stamp: memoryview, s: int) -> None:
-    """Link ``s`` into the list ``ends = [cold, hot]``: at the cold end if it is not
-    more recent than the current cold end, else at the hot end."""
-    cold, hot = ends
-    if cold == NIL:
-        prev[s] = nxt[s] = NIL
-        ends[0] = ends[1] = s
-    elif stamp[s] <= stamp[cold]:
-        prev[s], nxt[s], prev[cold] = NIL, cold, s
-        ends[0] = s
-    else:
-        prev[s], nxt[s], nxt[hot] = hot, NIL, s
-        ends[1] = s
-
-
-def unlink(prev: array[int], nxt: array[int], ends: list[int], s: int) -> None:
-    """Unlink ``s`` from the list ``ends = [cold, hot]``."""
-    p, n = prev[s], nxt[s]
-    if p == NIL:
-        ends[0] = n
-    else:
-        nxt[p] = n
-    if n == NIL:
-        ends[1] = p
-    else:
-        prev[n] = p
-    prev[s] = nxt[s] = NIL
-
-
-def link_in_order(prev: array[int], nxt: array[int], order: np.ndarray) -> list[int]:
-    """Link the slots of ``order`` into one list, in that order, at C speed.
-
-    Args:
-        prev / nxt: the link arrays (slots not in ``order`` are left alone).
-        order: slot ids, first (cold end or head) to last.
-
-    Returns:
-        ``[first, last]``, both NIL when ``order`` is empty.
-    """
-    if len(order) == 0:
-        return [NIL, NIL]
-    p = np.frombuffer(prev, dtype=np.int32)
-    n = np.frombuffer(nxt, dtype=np.int32)
-    p[order[1:]] = order[:-1]
-    n[order[:-1]] = order[1:]
-    p[order[0]] = n[order[-1]] = NIL
-    del p, n
-    return [int(order[0]), int(order[-1])]
 
 
 class SlotAllocator:
@@ -295,133 +242,3 @@ class SlotAllocator:
         if n != NIL:
             self.prev[n] = p
         self.prev[s] = self.next[s] = NIL
-
-
-class RecencyLists:
-    """The evictable pages in recency order: one global list and one per owner.
-
-    Both are intrusive doubly linked lists, cold end first; the global one threads
-    through the allocator's link pair (:attr:`SlotAllocator.prev` / ``next``),
-    which a FREE slot uses for its free list instead. A page is placed by
-    :func:`push`: at the cold end if not more recent than it, else at the hot end.
-
-    Args:
-        slots: the allocator whose link pair the global list shares.
-        stamp: the last-access column (larger is more recent).
-    """
-
-    def __init__(self, slots: SlotAllocator, stamp: memoryview) -> None:
-        self.prev, self.next = slots.prev, slots.next
-        self.oprev = filled("i", NIL, slots.n_slots)
-        self.onext = filled("i", NIL, slots.n_slots)
-        self.ends = [NIL, NIL]  # global list: [cold end, hot end]
-        self.own_ends: dict[int, list[int]] = {}  # per owner, created on first use
-        self._stamp = stamp
-
-    def enqueue(self, s: int, owner: int) -> None:
-        """Put ``s`` on the global list and on ``owner``'s."""
-        push(self.prev, self.next, self.ends, self._stamp, s)
-        ends = self.own_ends.get(owner)
-        if ends is None:
-            ends = self.own_ends[owner] = [NIL, NIL]
-        push(self.oprev, self.onext, ends, self._stamp, s)
-
-    def dequeue(self, s: int, owner: int) -> None:
-        """Take ``s`` off the global list and off ``owner``'s."""
-        unlink(self.prev, self.next, self.ends, s)
-        unlink(self.oprev, self.onext, self.own_ends[owner], s)
-
-    def start(self, owner: int | None) -> tuple[int, array[int]]:
-        """Return the cold end of the global list (or ``owner``'s) and its next links."""
-        if owner is None:
-            return self.ends[0], self.next
-        ends = self.own_ends.get(owner)
-        return (NIL if ends is None else ends[0]), self.onext
-
-    def walk(self, owner: int | None) -> list[int]:
-        """Return the slots of the global list (or ``owner``'s), cold end first. O(n)."""
-        out: list[int] = []
-        s, nxt = self.start(owner)
-        while s != NIL:
-            out.append(s)
-            s = nxt[s]
-        return out
-
-    def rebuild(self, cold_first: np.ndarray, owners: np.ndarray) -> None:
-        """Link empty lists from the evictable slots ``cold_first`` (adoption).
-
-        Args:
-            cold_first: slot ids, coldest first.
-            owners: the owner of each, same order.
-        """
-        self.ends = link_in_order(self.prev, self.next, cold_first)
-        for o in np.unique(owners).tolist():
-            self.own_ends[o] = link_in_order(self.oprev, self.onext, cold_first[owners == o])
-
-
-class ChildLists:
-    """Each page's resident children: a count and an intrusive sibling list per parent.
-
-    The parent links themselves are the pool's persistent parent column; these lists
-    are private and rebuilt from it on adoption.
-
-    Args:
-        n_slots: slot ids of the pool.
-        parent: the parent column (NIL: none), cleared here when a child is unlinked.
-    """
-
-    def __init__(self, n_slots: int, parent: memoryview) -> None:
-        self.count = filled("i", 0, n_slots)
-        self.first = filled("i", NIL, n_slots)
-        self.sib_prev = filled("i", NIL, n_slots)
-        self.sib_next = filled("i", NIL, n_slots)
-        self._parent = parent
-
-    def link(self, p: int, c: int) -> None:
-        """Put ``c`` (whose parent column already says ``p``) on ``p``'s list."""
-        head = self.first[p]
-        self.sib_prev[c], self.sib_next[c] = NIL, head
-        if head != NIL:
-            self.sib_prev[head] = c
-        self.first[p] = c
-
-    def unlink(self, p: int, c: int) -> None:
-        """Take ``c`` off ``p``'s list and clear its parent link (the count is the
-        caller's)."""
-        sp, sn = self.sib_prev[c], self.sib_next[c]
-        if sp == NIL:
-            self.first[p] = sn
-        else:
-            self.sib_next[sp] = sn
-        if sn != NIL:
-            self.sib_prev[sn] = sp
-        self._parent[c] = self.sib_prev[c] = self.sib_next[c] = NIL
-
-    def orphan_all(self, p: int) -> None:
-        """Clear the parent link of every child of ``p`` and empty its list."""
-        c = self.first[p]
-        while c != NIL:
-            nxt = self.sib_next[c]
-            self._parent[c] = self.sib_prev[c] = self.sib_next[c] = NIL
-            c = nxt
-        self.first[p] = NIL
-        self.count[p] = 0
-
-    def rebuild(self, slots: np.ndarray, parents: np.ndarray) -> None:
-        """Build every list of empty child lists at once, at C speed (adoption).
-
-        Args:
-            slots: the pages, and ``parents`` their parent slots (NIL: none), same order.
-        """
-        has = parents != NIL
-        kids, ps = slots[has], parents[has]
-        order = np.lexsort((kids, ps))
-        kids, ps = kids[order], ps[order]
-        np.frombuffer(self.count, dtype=np.int32)[:] = np.bincount(ps, minlength=len(self.count))
-        head = np.ones(len(ps), dtype=bool)
-        head[1:] = ps[1:] != ps[:-1]
-        np.frombuffer(self.first, dtype=np.int32)[ps[head]] = kids[head]
-        same = ~head[1:]
-        np.frombuffer(self.sib_next, dtype=np.int32)[kids[:-1][same]] = kids[1:][same]
-        np.frombuffer(self.sib_prev, dtype=np.int32)[kids[1:][same]] = kids[:-1][same]
-

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvtier.ipc.completion import CompletionBlock
+from kvtier.ipc.limits import MAX_PID
 from kvtier.ipc.protocol import Geometry
 
 if TYPE_CHECKING:
@@ -91,15 +92,22 @@ class Session:
         self.deadline = now + self.lease_s
 
     def engine_alive(self) -> bool:
-        """Whether the engine's process still exists (False when unknown pid is dead)."""
+        """Whether the engine's process still exists; never raises.
+
+        An unknown pid (0 or less) counts as alive: only the lease can end such a session.
+        A pid no process can have (above ``MAX_PID``) counts as dead, as does any pid
+        ``os.kill`` refuses for a reason other than permission.
+        """
         if self.pid <= 0:
             return True
+        if self.pid > MAX_PID:
+            return False
         try:
             os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
+        except PermissionError:  # someone else's process: it exists
             return True
+        except (OSError, OverflowError):  # ProcessLookupError (gone) included
+            return False
         try:  # a zombie is dead for our purposes
             with open(f"/proc/{self.pid}/stat", "rb") as fh:
                 return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"

@@ -23,9 +23,12 @@ from __future__ import annotations
 import abc
 import asyncio
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, TypeVar
+
+from kvtier.config.errors import StorageError
 
 _T = TypeVar("_T")
 
@@ -118,6 +121,17 @@ class StorageBackend(abc.ABC):
     async def delete(self, ns: bytes, keys: Sequence[bytes]) -> int:
         """Delete the keys; return how many were present."""
 
+    async def list_keys(
+        self, namespaces: AbstractSet[bytes] | None = None
+    ) -> list[tuple[bytes, bytes]] | None:
+        """Every ``(namespace, key)`` the store holds, of ``namespaces`` (None: of all).
+
+        Returns:
+            The pairs, in no particular order; ``None`` when the store cannot list its
+            objects (the caller then knows only what it wrote itself).
+        """
+        return None
+
     @abc.abstractmethod
     async def health(self) -> bool:
         """Return True when the store answers."""
@@ -125,6 +139,42 @@ class StorageBackend(abc.ABC):
     @abc.abstractmethod
     async def close(self) -> None:
         """Flush and release everything; idempotent."""
+
+
+def check_pages(
+    backend: str,
+    arena: HostArena,
+    keys: Sequence[bytes],
+    offsets: Sequence[int],
+    length: int,
+    low: int = 0,
+) -> None:
+    """Check that a batch names one arena page per key, each inside the arena.
+
+    Backends that hand raw pointers to a library (or slice the arena) call this before
+    touching memory: it holds under ``python -O`` too, unlike an ``assert``.
+
+    Args:
+        backend: the backend's name, for the message.
+        arena: the arena the offsets point into.
+        keys, offsets, length: the batch.
+        low: the lowest offset a page may start at (e.g. room for a header before it).
+
+    Raises:
+        StorageError: the counts differ, ``length`` is negative, or a page
+            ``[offset, offset + length)`` starts below ``low`` or ends past ``arena.size``;
+            the message names the values.
+    """
+    if len(keys) != len(offsets):
+        raise StorageError(f"{backend} backend: {len(keys)} keys but {len(offsets)} offsets")
+    if length < 0:
+        raise StorageError(f"{backend} backend: page length {length} is negative")
+    for off in offsets:
+        if off < low or off + length > arena.size:
+            raise StorageError(
+                f"{backend} backend: page at arena offset {off} of {length} bytes is outside "
+                f"the arena [{low}, {arena.size})"
+            )
 
 
 async def run_to_completion(fn: Callable[[], _T], executor: Executor | None = None) -> _T:

@@ -115,6 +115,7 @@ class L3Backend:
         self._last_check = 0.0
         self._open_failures = 0
         self._known: dict[tuple[bytes, bytes], None] = {}  # (ns, key) written, if unlistable
+        self._lists = False  # whether the open backend implements list_keys
 
     @property
     def available(self) -> bool:
@@ -147,6 +148,7 @@ class L3Backend:
                 log.debug("L3 backend %s still cannot open: %s", self.name, err)
             return
         self.backend, self.healthy = backend, True
+        self._lists = type(backend).list_keys is not StorageBackend.list_keys
         log.info("L3 backend %s open (%s, prefetch policy %s)%s", self.name,
                  self.cfg.hicache_write_policy, self.cfg.hicache_storage_prefetch_policy,
                  f" after {self._open_failures} failed tries" if self._open_failures else "")
@@ -245,7 +247,7 @@ class L3Backend:
             self._fault("put_from failed", err)
             return [False] * len(keys)
         self._watch(backend, before)
-        if self.name not in ("file", "redis"):
+        if not self._lists:
             self._note_known(ns, [k for k, f in zip(keys, flags) if f])
         return flags
 
@@ -253,8 +255,9 @@ class L3Backend:
     async def flush(self, namespaces: list[bytes] | None) -> int:
         """Delete from L3 every page of ``namespaces`` (None: of every namespace).
 
-        The ``file`` and ``redis`` backends list their objects; for other backends only
-        the pages this daemon wrote are known and deleted.
+        A backend that implements :meth:`~kvtier.daemon.storage.base.StorageBackend.list_keys`
+        (``file``, ``redis``) lists its objects; for the others only the pages this daemon
+        wrote are known and deleted (the last :data:`MAX_KNOWN`).
         """
         backend = self.backend
         if backend is None:
@@ -278,23 +281,18 @@ class L3Backend:
 
     async def _list(self, backend: StorageBackend,
                     wanted: set[bytes] | None) -> list[tuple[bytes, bytes]]:
-        entries = getattr(backend, "entries", None)
-        if callable(entries):  # the file backend keeps its index in memory
-            return [(ns, key) for ns, key, _ in entries() if wanted is None or ns in wanted]
-        client = getattr(backend, "client", None)
-        options = getattr(backend, "options", None)
-        if self.name == "redis" and client is not None and options is not None:
-            out = []
-            patterns = ([f"{options.prefix}:*"] if wanted is None
-                        else [f"{options.prefix}:{ns.hex()}:*" for ns in wanted])
-            try:
-                for pat in patterns:
-                    async for name in client.scan_iter(match=pat, count=1000):
-                        parts = name.decode().rsplit(":", 2)
-                        out.append((bytes.fromhex(parts[1]), bytes.fromhex(parts[2])))
-            except self._faults as err:
-                self._fault("listing keys failed", err)
-            return out
+        """``(ns, key)`` of the store's pages of ``wanted`` (None: all): the store's own
+        listing, else the keys this daemon wrote (remembered only for a backend without
+        ``list_keys``: one with it that answers None, a fault, lists nothing)."""
+        before = backend.stats.errors
+        try:
+            listed = await backend.list_keys(wanted)
+        except self._faults as err:
+            self._fault("listing keys failed", err)
+            return []
+        self._watch(backend, before)
+        if listed is not None:
+            return listed
         return [(ns, key) for ns, key in self._known if wanted is None or ns in wanted]
 
     def _note_known(self, ns: bytes, keys: list[bytes]) -> None:

@@ -24,7 +24,6 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from kvtier.config import DaemonConfig
 from kvtier.daemon.counters import Counters
@@ -33,10 +32,8 @@ from kvtier.daemon.storage.base import HostArena
 from kvtier.daemon.tier.guard import L3Backend
 from kvtier.daemon.tier.prefetch import Prefetcher, PrefetchJob
 from kvtier.daemon.tier.rank_groups import RankGroups
+from kvtier.daemon.tier.session import TierSession
 from kvtier.daemon.tier.writer import L3Writer
-
-if TYPE_CHECKING:
-    from kvtier.daemon.service.sessions import Session
 
 log = logging.getLogger("kvtier.daemon.l3")
 
@@ -71,7 +68,7 @@ class TierStore:
         self._ns_tenant: dict[bytes, str] = {}
         self._class_bytes: dict[int, int] = {}
         self.prefetcher = Prefetcher(pool, counters, self.l3.get, cfg.prefetch_concurrency)
-        self.writer = L3Writer(self, pool, counters)
+        self.writer = L3Writer(cfg, self.l3, self, pool, counters)
         self.groups = RankGroups(cfg.tp_group_timeout_s, on_round=self._on_round)
 
     # ------------------------------------------------------------------ lifecycle
@@ -134,7 +131,7 @@ class TierStore:
             self.prefetcher.set_concurrency(cfg.prefetch_concurrency)
         to_through = (self.cfg.hicache_write_policy, cfg.hicache_write_policy) == (
             "write_back", "write_through")
-        self.cfg = self.l3.cfg = cfg
+        self.cfg = self.l3.cfg = self.writer.cfg = cfg
         if to_through and self.available:
             log.info("write policy now write_through: %d L2 pages queued for L3",
                      self.writer.back_up_all())
@@ -145,8 +142,7 @@ class TierStore:
     def apply_write_policy(self) -> None:
         """Make the pool evict only pages in L3 while write-back is in force (and while
         pages written back unpinned are still in flight)."""
-        wb = self.writer.write_back and self.available
-        self.pool.evict_requires_l3 = wb or self.writer.writing_unpinned
+        self.writer.apply_policy()
 
     # ------------------------------------------------------------------ sessions
     def register(self, ns_id: int, fingerprint: bytes, tenant: str, class_id: int,
@@ -176,7 +172,7 @@ class TierStore:
         """Fingerprints registered here by ``tenant`` (None: by anyone)."""
         return [fp for fp, t in self._ns_tenant.items() if tenant is None or t == tenant]
 
-    def session_closed(self, s: Session) -> None:
+    def session_closed(self, s: TierSession) -> None:
         """Cancel the session's prefetches and take it out of its rank group."""
         for job in s.prefetches.values():
             self.prefetcher.cancel(job.fill)
@@ -185,12 +181,12 @@ class TierStore:
             self.groups.leave(s.member)
             s.member = None
 
-    def stored(self, s: Session, keys: list[bytes]) -> None:
+    def stored(self, s: TierSession, keys: list[bytes]) -> None:
         """A STORE of ``s`` committed ``keys`` (write-through queues them)."""
         if self.available:
             self.writer.committed(s.ns_fingerprint, s.ns_id, keys, s.geometry.page_bytes)
 
-    def loaded(self, s: Session, keys: Sequence[bytes]) -> None:
+    def loaded(self, s: TierSession, keys: Sequence[bytes]) -> None:
         """An engine of ``s`` loaded these pages (prefetched pages were used)."""
         self.prefetcher.loaded(s.ns_id, keys)
 
@@ -203,8 +199,17 @@ class TierStore:
             self.writer.shortfall()
 
     # ------------------------------------------------------------------ prefetch and claim
-    async def prefetch(self, s: Session, keys: list[bytes], request_id: str) -> int:
-        """Start fetching the L3 run after the L2-resident run of ``keys``.
+    async def prefetch(self, s: TierSession, keys: list[bytes], request_id: str,
+                       skip: int = 0) -> int:
+        """Start fetching the L3 run after the L2-resident run of ``keys[skip:]``.
+
+        Args:
+            s: the asking session.
+            keys: the request's page keys in chain order.
+            request_id: names the prefetch for its claim (empty: the chain's last key).
+            skip: leading keys the caller knows to be in L2 (``PREFETCH.skip``, checked by
+                the service to lie in ``[0, len(keys)]``): neither looked up in L2 nor
+                fetched, even if they have left L2 meanwhile.
 
         Returns:
             Pages whose reads started (0: L3 holds less than ``prefetch_threshold`` tokens,
@@ -216,7 +221,8 @@ class TierStore:
         if old is not None:
             self.prefetcher.cancel(old.fill)
         loop = asyncio.get_running_loop()
-        start = self.pool.resident_run(s.ns_id, keys)
+        assert 0 <= skip <= len(keys), "the service checks PREFETCH.skip"
+        start = skip + self.pool.resident_run(s.ns_id, keys[skip:])
         job = PrefetchJob(ns_id=s.ns_id, fill=None, started=loop.time())
         job.deps = self.prefetcher.dependencies(s.ns_id, keys[:start])
         n3 = await self.l3_run(s.ns_fingerprint, keys[start:]) if start < len(keys) else 0
@@ -239,13 +245,13 @@ class TierStore:
             del s.prefetches[name]
         return job.fill.pages if job.fill is not None else 0
 
-    def _track(self, s: Session, name: str | bytes, job: PrefetchJob) -> None:
+    def _track(self, s: TierSession, name: str | bytes, job: PrefetchJob) -> None:
         s.prefetches[name] = job
         while len(s.prefetches) > MAX_JOBS_PER_SESSION:
             stale = s.prefetches.pop(next(iter(s.prefetches)))
             self.prefetcher.cancel(stale.fill)
 
-    def claim_deadline(self, s: Session, job: PrefetchJob | None, policy: str) -> float:
+    def claim_deadline(self, s: TierSession, job: PrefetchJob | None, policy: str) -> float:
         """Loop time at which a claim under ``policy`` stops waiting for ``job``.
 
         ``best_effort``: now. ``timeout``: the prefetch's start plus
@@ -263,7 +269,7 @@ class TierStore:
         return job.started + min(cap, self.setting("prefetch_timeout_base")
                                  + self.setting("prefetch_timeout_per_ki_token") * tokens / 1024)
 
-    async def claim(self, s: Session, keys: list[bytes], request_id: str, policy: str) -> int:
+    async def claim(self, s: TierSession, keys: list[bytes], request_id: str, policy: str) -> int:
         """End the session's prefetch of ``keys`` per ``policy``; return the L2 run now.
 
         For a rank of a TP group the answer is the minimum over the group's ranks.
@@ -289,7 +295,7 @@ class TierStore:
         self.counters.claim_pages += n
         return n
 
-    async def lookup_l3(self, s: Session, keys: list[bytes], l2: int) -> tuple[int, int]:
+    async def lookup_l3(self, s: TierSession, keys: list[bytes], l2: int) -> tuple[int, int]:
         """``(l2, l3)`` for a LOOKUP whose L2 run is ``l2``; the group minimum for TP ranks."""
 
         async def mine() -> tuple[int, int]:
@@ -319,11 +325,14 @@ class TierStore:
     # ------------------------------------------------------------------ stats
     def snapshot(self) -> dict[str, object]:
         """The ``l3`` section of the daemon's STATS reply (stable keys): ``backend``,
-        ``healthy``, the policies, ``write_queue``, ``prefetching``, ``tp_groups`` and the
+        ``healthy``, the policies, ``write_queue``, ``write_back_checks`` (how often
+        write-back looked at the pool's fill), ``prefetching``, ``tp_groups`` and the
         backend's own counters (``puts``, ``gets``, ``misses``, ``corrupt``, ``errors``, ...)."""
         out = self.l3.snapshot()
         out.update(write_policy=self.cfg.hicache_write_policy,
                    prefetch_policy=self.cfg.hicache_storage_prefetch_policy,
-                   write_queue=self.writer.queued, prefetching=self.prefetcher.active,
+                   write_queue=self.writer.queued,
+                   write_back_checks=self.writer.write_back_checks,
+                   prefetching=self.prefetcher.active,
                    tp_groups=len(self.groups))
         return out

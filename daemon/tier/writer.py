@@ -17,7 +17,12 @@ Backpressure: at most ``write_back_queue`` pages wait; a page that does not fit 
 and counted, and L2 never waits for L3. A failed write is retried :data:`MAX_RETRIES`
 times with exponential backoff, then counted as failed and given up; under write-back a
 given-up page is marked as if in L3, so L2 can still evict it (the cache loses that page's
-L3 copy, never its L2 slot).
+L3 copy, never its L2 slot). A batch that raises (a bug, never a backend fault: the
+backend calls do not raise for those) fails every page it had not settled, by the same rule.
+
+The writer depends on two narrow interfaces, not on the tier that owns it: an
+:class:`L3Store` (the guarded backend) and :class:`PageNames` (namespace fingerprints and
+page sizes of pool ids).
 
 At shutdown :meth:`L3Writer.drain` writes what is queued (write-through) or every page not
 yet in L3 (write-back), within a deadline.
@@ -30,15 +35,13 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from kvtier.config import DaemonConfig
 from kvtier.daemon.counters import Counters
 from kvtier.daemon.pool.index import HostPool, PageState
-
-if TYPE_CHECKING:
-    from kvtier.daemon.tier.tier import TierStore
 
 log = logging.getLogger("kvtier.daemon.tier.writer")
 
@@ -66,6 +69,42 @@ WRITE_BACK_PERIOD_S = 0.25
 """How often write-back looks at the pool while it is nearly full."""
 
 
+class L3Store(Protocol):
+    """The L3 backend as the writer uses it (:class:`~kvtier.daemon.tier.guard.L3Backend`
+    is one): calls that answer a fault with a miss instead of raising."""
+
+    @property
+    def available(self) -> bool:
+        """Whether a backend is open (it may still be unhealthy)."""
+        ...
+
+    @property
+    def healthy(self) -> bool:
+        """Whether calls go to the backend (False while it is down)."""
+        ...
+
+    async def exists(self, ns: bytes, keys: Sequence[bytes]) -> int:
+        """Length of the leading run of ``keys`` in L3 (0 when down)."""
+        ...
+
+    async def put(self, ns: bytes, keys: list[bytes], offsets: list[int],
+                  length: int) -> list[bool]:
+        """Write pages from arena offsets; one flag per page (all False on a fault)."""
+        ...
+
+
+class PageNames(Protocol):
+    """How a pool page is named in L3 (:class:`~kvtier.daemon.tier.tier.TierStore` is one)."""
+
+    def namespace_of(self, ns_id: int) -> bytes | None:
+        """The fingerprint of pool namespace ``ns_id`` (None if nobody named it)."""
+        ...
+
+    def page_bytes_of(self, class_id: int) -> int:
+        """Page bytes of pool page class ``class_id``."""
+        ...
+
+
 @dataclass(eq=False, slots=True)
 class _SyncWait:
     """One SYNC in progress: the pages it waits for, and how they ended."""
@@ -76,7 +115,7 @@ class _SyncWait:
     failed: int = 0
 
 
-@dataclass(slots=True)
+@dataclass(eq=False, slots=True)
 class _Item:
     ns: bytes
     ns_id: int
@@ -92,24 +131,37 @@ class L3Writer:
     """The queue of pages bound for L3 and the tasks that write them.
 
     Args:
-        tier: the L3 tier (backend calls, namespaces, policy, health).
+        cfg: the daemon's configuration (the write policy, ``write_back_queue``); the
+            owner swaps :attr:`cfg` on a reload.
+        l3: the backend pages are written to.
+        names: namespace fingerprints and page sizes of pool ids (for write-back, which
+            finds its pages in the pool).
         pool: the host pool.
         counters: the daemon's counters.
+
+    Attributes:
+        write_back_checks: times write-back looked at the pool's fill (or was urged to by
+            a shortfall); tests and STATS use it to know a look has happened.
     """
 
-    def __init__(self, tier: TierStore, pool: HostPool, counters: Counters) -> None:
-        self.tier = tier
+    def __init__(self, cfg: DaemonConfig, l3: L3Store, names: PageNames, pool: HostPool,
+                 counters: Counters) -> None:
+        self.cfg = cfg
+        self.l3 = l3
+        self.names = names
         self.pool = pool
         self.counters = counters
         self._queue: deque[_Item] = deque()
         self._retry: list[_Item] = []
-        self._queued: set[tuple[int, bytes]] = set()  # (ns_id, key): queued, retrying, writing
+        # (ns_id, key) -> its item: queued, retrying or being written
+        self._queued: dict[tuple[int, bytes], _Item] = {}
         self._writing: dict[tuple[int, bytes], _Item] = {}  # write-back pages being written
         self._tasks: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
         self._urgent = False
         self._last_scan = 0.0
         self._syncs: list[_SyncWait] = []
+        self.write_back_checks = 0
 
     @property
     def queued(self) -> int:
@@ -124,12 +176,18 @@ class L3Writer:
     @property
     def write_back(self) -> bool:
         """Whether the write-back policy is in force."""
-        return self.tier.cfg.hicache_write_policy == "write_back"
+        return self.cfg.hicache_write_policy == "write_back"
+
+    def apply_policy(self) -> None:
+        """Make the pool evict only pages in L3 while write-back is in force (and while
+        pages written back unpinned are still in flight)."""
+        wb = self.write_back and self.l3.available
+        self.pool.evict_requires_l3 = wb or self.writing_unpinned
 
     # ------------------------------------------------------------------ producers
     def committed(self, ns: bytes, ns_id: int, keys: list[bytes], page_bytes: int) -> None:
         """A STORE committed these pages: under write-through, queue them for L3."""
-        if self.write_back or not self.tier.available:
+        if self.write_back or not self.l3.available:
             return
         self._enqueue(ns, ns_id, keys, page_bytes, pinned=True)
 
@@ -145,7 +203,7 @@ class L3Writer:
 
     def _enqueue(self, ns: bytes, ns_id: int, keys: list[bytes], page_bytes: int,
                  pinned: bool, bound: bool = True, slots: list[int] | None = None) -> int:
-        limit = self.tier.cfg.write_back_queue if bound else 1 << 62
+        limit = self.cfg.write_back_queue if bound else 1 << 62
         added = dropped = 0
         for j, key in enumerate(keys):
             if (ns_id, key) in self._queued:
@@ -153,9 +211,9 @@ class L3Writer:
             if len(self._queued) >= limit:
                 dropped += 1
                 continue
-            self._queued.add((ns_id, key))
-            self._queue.append(_Item(ns, ns_id, key, page_bytes, pinned,
-                                     slots[j] if slots is not None else -1))
+            it = _Item(ns, ns_id, key, page_bytes, pinned, slots[j] if slots is not None else -1)
+            self._queued[(ns_id, key)] = it
+            self._queue.append(it)
             added += 1
         self.counters.l3_write_queued_pages += added
         self.counters.l3_write_dropped_pages += dropped
@@ -197,9 +255,9 @@ class L3Writer:
             budget -= len(chain)
             for slot, key, ns_id, class_id in reversed(chain) if pinned else chain:
                 if (ns_id, class_id) not in groups:
-                    ns = self.tier.namespace_of(ns_id)
+                    ns = self.names.namespace_of(ns_id)
                     groups[(ns_id, class_id)] = None if ns is None else picked.setdefault(
-                        (ns, ns_id, self.tier.page_bytes_of(class_id)), [])
+                        (ns, ns_id, self.names.page_bytes_of(class_id)), [])
                 group = groups[(ns_id, class_id)]
                 if group is None:  # a page no session has named here: it cannot be written
                     self.pool.mark_in_l3([slot])
@@ -231,10 +289,12 @@ class L3Writer:
             if due:
                 self._retry = [it for it in self._retry if it.due > now]
                 self._queue.extendleft(reversed(due))
-        if self.write_back and self.tier.available and (
-                self._urgent or (now - self._last_scan >= WRITE_BACK_PERIOD_S and self._pressure())):
-            self._urgent = False
-            self._select_cold(WRITE_BACK_WINDOW)
+        if self.write_back and self.l3.available and (
+                self._urgent or now - self._last_scan >= WRITE_BACK_PERIOD_S):
+            self.write_back_checks += 1
+            if self._urgent or self._pressure():
+                self._urgent = False
+                self._select_cold(WRITE_BACK_WINDOW)
         while self._queue and len(self._tasks) < WRITE_CONCURRENCY:
             batch = self._take_batch()
             task = asyncio.get_running_loop().create_task(self._write(batch))
@@ -262,12 +322,24 @@ class L3Writer:
     def _batch_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
+            # its pages were failed already (_write); this is the bug's only trace
             log.error("an L3 write batch failed", exc_info=task.exception())
-        self.tier.apply_write_policy()
+        self.apply_policy()
         self._wake.set()
 
     # ------------------------------------------------------------------ one batch
     async def _write(self, batch: list[_Item]) -> None:
+        """Write one batch; if it raises, fail every page it had not settled (each is
+        retried or given up by :meth:`_failed`), then let the error end the task."""
+        try:
+            await self._write_batch(batch)
+        except Exception:
+            for it in batch:
+                if self._queued.get((it.ns_id, it.key)) is it and it not in self._retry:
+                    self._failed(it, it.slot)
+            raise
+
+    async def _write_batch(self, batch: list[_Item]) -> None:
         pool, c = self.pool, self.counters
         items: list[_Item] = []
         slots: list[int] = []
@@ -287,7 +359,7 @@ class L3Writer:
                 return
             ns, length = items[0].ns, items[0].page_bytes
             keys = [it.key for it in items]
-            present = await self.tier.l3_run(ns, keys) if self.tier.available else 0
+            present = await self.l3.exists(ns, keys) if self.l3.available else 0
             if present:
                 pool.mark_in_l3(slots[:present])
                 c.l3_write_skipped_pages += present
@@ -296,7 +368,7 @@ class L3Writer:
             rest, rest_slots = items[present:], slots[present:]
             if not rest:
                 return
-            flags = await self.tier.put(ns, [it.key for it in rest],
+            flags = await self.l3.put(ns, [it.key for it in rest],
                                         [pool.slot_offset(s) for s in rest_slots], length)
             ok = [s for s, f in zip(rest_slots, flags) if f]
             if ok:
@@ -335,7 +407,7 @@ class L3Writer:
 
     def _failed(self, it: _Item, slot: int) -> None:
         it.attempts += 1
-        if it.attempts <= MAX_RETRIES and self.tier.healthy:
+        if it.attempts <= MAX_RETRIES and self.l3.healthy:
             it.due = time.monotonic() + RETRY_BACKOFF_S * (2 ** (it.attempts - 1))
             self._retry.append(it)
             self.counters.l3_write_retries += 1
@@ -348,7 +420,8 @@ class L3Writer:
     def _settle(self, it: _Item, written: bool) -> None:
         """The page is off the queue for good: written (or found in L3), or given up."""
         ident = (it.ns_id, it.key)
-        self._queued.discard(ident)
+        if self._queued.get(ident) is it:
+            del self._queued[ident]
         for wait in self._syncs:
             if ident in wait.pending:
                 wait.pending.discard(ident)
@@ -394,7 +467,7 @@ class L3Writer:
 
     async def drain(self, deadline: float) -> None:
         """Write what the policy asks for before a shutdown, until ``deadline`` (monotonic)."""
-        if not self.tier.available:
+        if not self.l3.available:
             return
         if self.write_back:
             self._select_cold(None)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -48,6 +47,15 @@ def wait_quiet(endpoint: str, deadline_s: float = 20.0) -> dict:
             time.sleep(0.05)
 
 
+def wait_pinned(endpoint: str, deadline_s: float = 20.0) -> None:
+    """Poll STATS until some page is pinned: a load is being copied right now."""
+    end = time.monotonic() + deadline_s
+    with AdminClient(endpoint) as admin:
+        while admin.stats()["pool"]["pages_pinned"] == 0:
+            assert time.monotonic() < end, "no load was ever seen in flight"
+            time.sleep(0.001)
+
+
 def expected_page(pool, chain: int, page: int, scratch: int) -> bytes:
     fill_page(pool, scratch, seed_of(chain, page))
     return page_bytes(pool, scratch)
@@ -59,7 +67,7 @@ def test_engine_killed_mid_load_leaves_no_pins(daemon_factory):
     try:
         wait_line(proc, "loading")
         wait_line(proc, "loading")
-        time.sleep(random.uniform(0.0, 0.05))
+        wait_pinned(d.endpoint)  # the engine dies with a load in flight, not between loads
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         wait_quiet(d.endpoint)

@@ -64,6 +64,7 @@ def test_health_exits_0_when_serving_and_1_once_the_daemon_is_gone(daemon):
     r = kvtier("health", "--runtime-dir", str(daemon.runtime_dir), "--timeout", "1")
     assert r.returncode == 1
     assert one_line(r.stdout).startswith("unhealthy: kvtierd is not running")
+    assert "kvtier serve" in r.stdout  # how to start one
 
 
 def test_health_exits_1_when_a_killed_daemon_left_its_socket_behind(daemon):
@@ -84,6 +85,7 @@ def test_stats_table_and_json_show_pool_sessions_hits_and_bytes(daemon):
         assert r.returncode == 0, r.stderr
         out = r.stdout
         for text in ("L2 host pool", "Hit rates", "Bytes moved", "L3 storage", "sessions    1",
+                     "adopted at start", "started empty (no pool file",
                      "of 64.0 MiB", "3 of 3 (100.0%)", "engine → L2", "L2 → engine",
                      f"{3 * SMALL.page_size:,} tokens loaded"):
             assert text in out, f"{text!r} missing from:\n{out}"
@@ -147,10 +149,14 @@ def test_flush_and_stats_need_the_admin_token_when_one_is_configured(daemon_fact
         for args, env in ((("flush",), None),
                           (("flush", "--admin-token", "wrong-token"), None),
                           (("flush",), {"KVTIER_ADMIN_TOKEN": "wrong-token"}),
-                          (("stats",), None)):
+                          (("stats",), None),
+                          (("sync", "--wait", "1"), None)):
             r = kvtier(*args, "--runtime-dir", rdir, env=env)
             assert r.returncode == 1, (args, r.stdout, r.stderr)
-            assert "UNAUTHORIZED" in one_line(r.stderr)
+            line = one_line(r.stderr)
+            assert "UNAUTHORIZED" in line
+            # the hint: where this command takes the token from, where the daemon's comes from
+            assert "--admin-token or $KVTIER_ADMIN_TOKEN" in line and "admin_token" in line
             assert "wrong-token" not in r.stderr + r.stdout
         assert conn.lookup(keys).l2 == 4  # nothing was dropped
         r = kvtier("flush", "--runtime-dir", rdir, env={"KVTIER_ADMIN_TOKEN": "s3cret"})

@@ -115,9 +115,9 @@ def test_page_index_out_of_range_and_bad_keys(world):
         rep = raw.ask(P.encode(P.Load(req_id=1, session_id=sid, keys=keys[:2], pages=[0, 4], slot=0, seq=1)))
         expect_error(rep, P.ErrorCode.OUT_OF_RANGE, "pages[1] = 4")
         rep = raw.ask(P.encode(P.Store(req_id=2, session_id=sid, keys=keys[:1], pages=[-1], slot=0, seq=1)))
-        expect_error(rep, P.ErrorCode.OUT_OF_RANGE, "pages[0] = -1")
+        expect_error(rep, P.ErrorCode.BAD_MESSAGE, "$.pages[0]")
         rep = raw.ask(P.encode(P.Store(req_id=3, session_id=sid, keys=[b"short"], pages=[0], slot=0, seq=1)))
-        expect_error(rep, P.ErrorCode.BAD_MESSAGE, "keys[0] has 5 bytes")
+        expect_error(rep, P.ErrorCode.BAD_MESSAGE, "$.keys[0]")
         rep = raw.ask(P.encode(P.Store(req_id=4, session_id=sid, keys=keys[:1], pages=[0], slot=999, seq=1)))
         expect_error(rep, P.ErrorCode.OUT_OF_RANGE, "slot = 999")
         rep = raw.ask(P.encode(P.Load(req_id=5, session_id=sid, keys=keys[:2], pages=[1, 1], slot=0, seq=1)))
@@ -128,9 +128,12 @@ def test_page_index_out_of_range_and_bad_keys(world):
 
 @pytest.mark.parametrize("change,code,word", [
     ({"geometry": P.Geometry(num_layers=0, page_size=16, kv_heads=2, head_dim=32, dtype="float32")},
-     P.ErrorCode.GEOMETRY_MISMATCH, "num_layers"),
+     P.ErrorCode.BAD_MESSAGE, "$.geometry.num_layers"),
     ({"geometry": P.Geometry(num_layers=4, page_size=16, kv_heads=2, head_dim=32, dtype="float64")},
-     P.ErrorCode.GEOMETRY_MISMATCH, "dtype"),
+     P.ErrorCode.BAD_MESSAGE, "$.geometry.dtype"),
+    ({"geometry": P.Geometry(num_layers=4, page_size=16, kv_heads=2, head_dim=32, dtype="float32",
+                             attention="mla")},
+     P.ErrorCode.GEOMETRY_MISMATCH, "kv_heads"),
     ({"geometry": P.Geometry(num_layers=5, page_size=16, kv_heads=2, head_dim=32, dtype="float32")},
      P.ErrorCode.BAD_MEMORY, "buffers"),
     ({"geometry": P.Geometry(num_layers=4, page_size=32, kv_heads=2, head_dim=32, dtype="float32")},

@@ -459,9 +459,11 @@ def test_switching_write_back_to_write_through_backs_l2_up(daemon_factory, short
     d = daemon_factory("--config", str(conf), *l3_flags("file", prefetch_threshold="0"))
     pool, conn = engine(d.runtime_dir)
     try:
-        keys, expected = store_pages(pool, conn, 6)
-        time.sleep(0.3)  # write-back writes nothing while L2 has room
-        assert counters(d)["l3_write_queued_pages"] == 0
+        keys, expected = store_pages(pool, conn, 6)  # committed before the STORE is done
+        checks = stats(d)["l3"]["write_back_checks"]
+        wait_for(lambda: stats(d)["l3"]["write_back_checks"] > checks,
+                 what="write-back to look at the pool after the store")
+        assert counters(d)["l3_write_queued_pages"] == 0  # L2 has room: nothing written back
         conf.write_text('hicache_write_policy = "write_through"\n')
         assert d.proc is not None
         d.proc.send_signal(signal.SIGHUP)
@@ -516,3 +518,20 @@ def test_a_daemon_without_l3_flags_keeps_a_file_store_in_its_state_dir(case, sho
     finally:
         d.stop()
         d.remove_pool()
+
+
+@pytest.mark.timeout(60)
+def test_prefetch_skip_leaves_the_leading_keys_to_the_caller(daemon_factory):
+    """PREFETCH ``skip``: the first keys are the caller's; neither looked up nor fetched."""
+    d = daemon_factory(*l3_flags("file", prefetch_threshold="0"))
+    pool, conn = engine(d.runtime_dir)
+    try:
+        keys, _ = store_pages(pool, conn, 8)
+        wait_written(d, 8)
+        flush(d, "l2")
+        assert conn.prefetch(keys, skip=3) == 5
+        conn.claim(keys, policy="wait_complete")
+        assert runs(conn, keys[3:]) == (5, 0) and runs(conn, keys) == (0, 8)
+    finally:
+        conn.close()
+        pool.close()

@@ -6,8 +6,10 @@ subprocess. No test asserts an absolute time: orderings and states only.
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,10 +23,12 @@ from kvtier.client.daemon_process import DaemonProcess
 from kvtier.client.kv_pool import SharedKVPool
 from kvtier.config import socket_path
 from kvtier.config.loader import pool_path
+from kvtier.daemon.service.sessions import Session
 from kvtier.ipc import protocol as P
 from kvtier.ipc.completion import TransferStatus
+from kvtier.ipc.limits import MAX_PID
 
-from tests.engines import client_config
+from tests.engines import SMALL, client_config, engine, tokens
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -127,6 +131,15 @@ def refused_heartbeat(d: DaemonProcess) -> None:
     assert isinstance(rep, P.ErrorReply) and rep.code == P.ErrorCode.UNKNOWN_SESSION
 
 
+def logged_flush(d: DaemonProcess) -> int:
+    """Send an admin FLUSH of L2, which kvtierd logs at info level; return the log's length
+    before it (where to look for its line)."""
+    before = len(d.log_path.read_text(errors="replace"))
+    with AdminClient(d.endpoint, timeout_s=5.0) as admin:
+        assert isinstance(admin.call(P.Flush(req_id=0, tier="l2")), P.FlushReply)
+    return before
+
+
 # ---------------------------------------------------------------------------- notifications
 def test_ready_after_the_socket_exists_then_status_watchdog_stopping_and_exit_0(
         daemon_factory, notify, short_tmp):
@@ -171,10 +184,12 @@ def test_sighup_applies_a_live_field_and_refuses_a_fixed_one(short_tmp, notify):
     try:
         d.start()
         first_ready = listener.wait_for(lambda f: f.get("READY") == "1")
-        refused_heartbeat(d)
         mark = wait_log(d, "kvtierd ready")
-        time.sleep(0.2)  # let a debug line, if any were logged, reach the file
-        assert "UNKNOWN_SESSION" not in d.log_path.read_text()[mark:]
+        refused_heartbeat(d)
+        # an info line logged after the refusal: once it is in the file, a debug line
+        # about the refusal would be there before it
+        flushed = wait_log(d, "flush tier=l2", start=logged_flush(d))
+        assert "UNKNOWN_SESSION" not in d.log_path.read_text()[mark:flushed]
 
         # a live field: applied
         write_config(cfg, **base, log_level="debug")
@@ -334,3 +349,49 @@ def test_a_second_sigterm_after_the_drain_gave_up_exits_at_once(daemon_factory, 
     finally:
         conn.close()
         pool.close()
+
+
+# ---------------------------------------------------------------------------- impossible pids
+@pytest.mark.parametrize("pid", [2**31, 2**40, -1])
+def test_register_with_an_impossible_pid_is_refused_and_the_daemon_keeps_serving(daemon, pid):
+    """Regression: a pid of 2**31 or more was accepted, and os.kill(pid, 0) in the reaper
+    then raised OverflowError and ended the daemon. The refusal names the field."""
+    with SharedKVPool(SMALL, 4) as other, AdminClient(daemon.endpoint, timeout_s=5.0) as admin:
+        rep = admin.call(P.Register(req_id=5, protocol_version=P.PROTOCOL_VERSION,
+                                    namespace=P.NamespaceSpec("x"), geometry=other.geometry,
+                                    memory=other.export(), pid=pid))
+    assert isinstance(rep, P.ErrorReply), rep
+    assert rep.code == P.ErrorCode.BAD_MESSAGE and "pid" in rep.message, rep
+    # the daemon is alive and serves a well-formed engine
+    pool, conn = engine(daemon.runtime_dir)
+    try:
+        keys = conn.page_keys(tokens(2 * SMALL.page_size))
+        assert conn.store(keys, [0, 1]).wait()
+        with AdminClient(daemon.endpoint, timeout_s=5.0) as admin:
+            assert admin.health().status == "ok"
+            assert [s["pid"] for s in admin.stats()["sessions"]] == [os.getpid()]
+        assert conn.lookup(keys).l2 == 2
+    finally:
+        conn.close()
+        pool.close()
+    assert daemon.proc.poll() is None
+
+
+@pytest.mark.parametrize("pid", [2**31, 2**40, 2**64 + 1, MAX_PID + 1])
+def test_engine_alive_never_raises_and_an_impossible_pid_is_dead(pid):
+    assert session_with_pid(pid).engine_alive() is False
+
+
+def test_engine_alive_of_real_pids():
+    assert session_with_pid(os.getpid()).engine_alive() is True
+    assert session_with_pid(0).engine_alive() is True  # unknown: only the lease ends it
+    child = subprocess.Popen(["true"])
+    child.wait()  # reaped: its pid names no process now
+    assert session_with_pid(child.pid).engine_alive() is False
+
+
+def session_with_pid(pid: int) -> Session:
+    """A session with only its pid filled in (``engine_alive`` reads nothing else)."""
+    return Session(session_id=1, identity=b"x", tenant="default", owner=0, ns_id=0,
+                   ns_fingerprint=b"", geometry=SMALL, class_id=0, memory=None,
+                   completion=None, pid=pid, tp_rank=0, tp_size=1, lease_s=5.0)

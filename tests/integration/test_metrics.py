@@ -5,15 +5,18 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
+from kvtier.client.admin import AdminClient
 from kvtier.client.daemon_process import DaemonStartError
 from kvtier.daemon.service.metrics import DaemonMetrics
+from kvtier.ipc import protocol as P
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.engines import SMALL, engine, fill_page, tokens
@@ -53,6 +56,15 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 def names(samples: Samples) -> set[str]:
     """The sample names present."""
     return {name for name, _ in samples}
+
+
+def wait_until(pred: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    """Poll ``pred`` until it is true; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
 
 
 def listen_addresses(port: int) -> set[str]:
@@ -119,6 +131,51 @@ def test_scrape_counts_lookups_hits_saved_tokens_and_bytes(daemon_factory):
     assert not {n for n, labels in after if dict(labels).get("backend")}
     assert "kvtier_l3_healthy" not in names(after)
     assert after.get(("kvtier_transfer_bytes_total", frozenset({("direction", "to_l3")})), 0) == 0
+
+
+HISTOGRAMS = ("lookup", "claim", "store", "load")
+
+
+def test_each_latency_histogram_is_fed_by_its_own_requests(daemon_factory):
+    """Regression: only the load histogram was fed; lookup, claim and store stayed at 0."""
+    port = free_port()
+    d = daemon_factory("--metrics-port", str(port), "--hicache-storage-backend", "file",
+                       "--prefetch-threshold", "0")
+
+    def count(name: str) -> float:
+        return value(scrape(port), f"kvtier_{name}_duration_seconds_count")
+
+    def grew(name: str, since: dict[str, float]) -> None:
+        """Wait until histogram ``name`` has more samples than in ``since``; the others not."""
+        wait_until(lambda: count(name) > since[name], f"kvtier_{name}_duration_seconds to grow")
+        now = {h: count(h) for h in HISTOGRAMS}
+        assert {h for h in HISTOGRAMS if now[h] != since[h]} == {name}, (since, now)
+        since.update(now)
+
+    seen = {h: count(h) for h in HISTOGRAMS}
+    assert seen == dict.fromkeys(HISTOGRAMS, 0)
+    pool, conn = engine(d.runtime_dir)
+    try:
+        keys = conn.page_keys(tokens(4 * SMALL.page_size))
+        for p in range(4):
+            fill_page(pool, p, seed=p + 3)
+        assert conn.lookup(keys).l2 == 0  # L2 empty: L3 is asked too
+        grew("lookup", seen)
+        assert conn.store(keys, [0, 1, 2, 3]).wait()
+        grew("store", seen)
+        with AdminClient(d.endpoint, timeout_s=10.0) as admin:
+            assert admin.sync(timeout_s=10.0).left == 0
+            rep = admin.call(P.Flush(req_id=0, tier="l2"))
+            assert isinstance(rep, P.FlushReply) and rep.l2_pages == 4
+        assert conn.prefetch(keys) == 4
+        assert conn.claim(keys, policy="wait_complete") == 4  # waits for the prefetch
+        grew("claim", seen)
+        h = conn.load(keys, [10, 11, 12, 13])
+        assert h.count == 4 and h.wait()
+        grew("load", seen)
+    finally:
+        conn.close()
+        pool.close()
 
 
 def test_refused_requests_are_counted_by_code(daemon_factory):
@@ -245,7 +302,8 @@ def test_missing_sections_and_keys_omit_their_series(metrics_for):
     assert value(s, "kvtier_tp_groups") == 0
 
 
-def test_observations_land_in_their_histograms(metrics_for):
+def test_observations_land_in_their_buckets(metrics_for):
+    """Bucket placement of each histogram (the daemon feeding them: the live test above)."""
     m = metrics_for({})
     m.observe_lookup(20e-6)
     m.observe_claim(0.3)

@@ -21,10 +21,10 @@ from typing import Any
 import pytest
 from kvtier.config.errors import StorageError
 from kvtier.daemon.pool.layout import SLOT_HEADROOM
-from kvtier.daemon.storage import mooncake as mooncake_backend
 from kvtier.daemon.storage import objects
 from kvtier.daemon.storage.base import HostArena
 from kvtier.daemon.storage.mooncake import MooncakeBackend
+from kvtier.daemon.storage.mooncake import jobs as mooncake_jobs
 from kvtier.daemon.storage.objects import HEADER_SIZE, encode_header
 
 from tests.arenas import NS, OTHER_NS, PAGE, SLOTS, key
@@ -348,11 +348,11 @@ async def test_objects_match_without_the_c_header_functions(
     keys = [key(i) for i in range(4)]
     written = [fill(arena, s) for s in range(4)]
     assert objects.NATIVE_HEADERS, "the C extension is built by `make venv`"
-    monkeypatch.setattr(mooncake_backend, "seal_headers", objects.py_seal_headers)
+    monkeypatch.setattr(mooncake_jobs, "seal_headers", objects.py_seal_headers)
     assert await store.put_from(NS, keys[:2], offsets(arena, [0, 1]), PAGE) == [True] * 2
     monkeypatch.undo()
     assert await store.put_from(NS, keys[2:], offsets(arena, range(2, 4)), PAGE) == [True] * 2
-    monkeypatch.setattr(mooncake_backend, "check_headers", objects.py_check_headers)
+    monkeypatch.setattr(mooncake_jobs, "check_headers", objects.py_check_headers)
     assert await store.get_into(NS, keys, offsets(arena, range(10, 14)), PAGE) == [True] * 4
     monkeypatch.undo()
     assert await store.get_into(NS, keys, offsets(arena, range(20, 24)), PAGE) == [True] * 4
@@ -480,3 +480,46 @@ async def test_each_page_of_a_batch_gets_its_own_result(
             assert page(arena, s) == pages[i]
     assert store.stats.corrupt == len(corrupt)
     assert store.stats.misses == len(corrupt) + len(absent)
+
+
+async def test_opening_leaves_the_process_environment_as_it_was(
+    monkeypatch: pytest.MonkeyPatch, mooncake_master: MooncakeMaster, arena: HostArena
+) -> None:
+    # the transfer engine reads its TCP bind address from the environment during setup;
+    # the backend must not leave it (or anything else) behind for the rest of the process
+    monkeypatch.delenv("MC_TCP_BIND_ADDRESS", raising=False)
+    before = dict(os.environ)
+    backend = MooncakeBackend(mooncake_master.extra_config(retry_interval_s=0.2))
+    assert dict(os.environ) == before
+    await backend.open(arena)
+    try:
+        assert dict(os.environ) == before
+        written = fill(arena, 0)
+        assert await backend.put_from(NS, [key(1)], offsets(arena, [0]), PAGE) == [True]
+        assert await backend.get_into(NS, [key(1)], offsets(arena, [5]), PAGE) == [True]
+        assert page(arena, 5) == written
+    finally:
+        await backend.close()
+    assert dict(os.environ) == before
+
+
+async def test_pages_outside_the_arena_are_a_storage_error(
+    store: MooncakeBackend, arena: HostArena
+) -> None:
+    # raw pointers go to Mooncake: checked always, not by an assert that python -O removes
+    low = HEADER_SIZE if arena.headroom else 0  # a page's header goes right before it
+    past_end = arena.size - PAGE + 1
+    with pytest.raises(StorageError, match=f"offset {past_end} of {PAGE} bytes .*{arena.size}"):
+        await store.put_from(NS, [key(1)], [past_end], PAGE)
+    with pytest.raises(StorageError, match=f"offset {low - 1} .*\\[{low}, "):
+        await store.get_into(NS, [key(1)], [low - 1], PAGE)
+    with pytest.raises(StorageError, match="2 keys but 1 offsets"):
+        await store.put_from(NS, [key(1), key(2)], offsets(arena, [0]), PAGE)
+    assert store.stats.errors == 0
+
+
+async def test_mooncake_cannot_list_its_objects(store: MooncakeBackend, arena: HostArena) -> None:
+    fill(arena, 0)
+    assert await store.put_from(NS, [key(1)], offsets(arena, [0]), PAGE) == [True]
+    assert await store.list_keys() is None
+    assert await store.list_keys({NS}) is None

@@ -252,3 +252,59 @@ async def test_open_against_nothing_is_a_storage_error(arena: HostArena) -> None
         await backend.open(arena)
     assert time.monotonic() - start < 5
     await backend.close()
+
+
+async def test_list_keys_scans_this_prefix(redis_server: RedisServer, arena: HostArena) -> None:
+    # a prefix with glob characters must match only itself: "k*" would also match "kv:..."
+    mine = await opened(redis_server, arena, prefix="k*[1]")
+    other = await opened(redis_server, arena, prefix="kx[1]")
+    try:
+        fill(arena, 0)
+        small = 256  # bytes per page: 1500 pages in one pipeline
+        ns_keys = [key(i) for i in range(1500)]  # more than one SCAN step
+        assert await mine.put_from(NS, ns_keys, [0] * len(ns_keys), small) == [True] * 1500
+        assert await mine.put_from(OTHER_NS, [key(7)], [0], small) == [True]
+        assert await other.put_from(NS, [key(8)], [0], small) == [True]
+        with redis.Redis.from_url(redis_server.url) as plain:
+            plain.set(b"k*[1]:not-a-page", b"x")  # under the prefix, not a page name
+        everything = {(NS, k) for k in ns_keys} | {(OTHER_NS, key(7))}
+        listed = await mine.list_keys()
+        assert listed is not None and len(listed) == len(everything)
+        assert set(listed) == everything
+        assert set(await mine.list_keys({OTHER_NS}) or ()) == {(OTHER_NS, key(7))}
+        assert set(await mine.list_keys({NS, OTHER_NS}) or ()) == everything
+        assert await mine.list_keys(set()) == []
+        assert await other.list_keys() == [(NS, key(8))]
+        assert await mine.delete(NS, ns_keys[:1000]) == 1000
+        assert len(await mine.list_keys({NS}) or ()) == 500
+        assert mine.stats.errors == 0
+    finally:
+        await mine.close()
+        await other.close()
+
+
+async def test_list_keys_on_a_fault_is_none_and_counted(
+    redis_server: RedisServer, arena: HostArena
+) -> None:
+    backend = await opened(redis_server, arena, timeout_s=0.5)
+    try:
+        fill(arena, 0)
+        assert await backend.put_from(NS, [key(1)], [0], PAGE) == [True]
+        redis_server.stop()
+        assert await backend.list_keys() is None
+        assert backend.stats.errors == 1
+    finally:
+        await backend.close()
+
+
+async def test_pages_outside_the_arena_are_a_storage_error(
+    store: RedisBackend, arena: HostArena
+) -> None:
+    # checked always, not by an assert that python -O removes
+    with pytest.raises(StorageError, match=f"offset {arena.size - PAGE + 1} .*{arena.size}"):
+        await store.put_from(NS, [key(1)], [arena.size - PAGE + 1], PAGE)
+    with pytest.raises(StorageError, match="offset -1"):
+        await store.get_into(NS, [key(1)], [-1], PAGE)
+    with pytest.raises(StorageError, match="2 keys but 1 offsets"):
+        await store.put_from(NS, [key(1), key(2)], [0], PAGE)
+    assert store.stats.errors == 0

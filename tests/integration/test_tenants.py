@@ -8,11 +8,10 @@ import pytest
 from kvtier.client.admin import AdminClient
 from kvtier.client.connection import Connection, DaemonError
 from kvtier.client.kv_pool import SharedKVPool
-from kvtier.client.page_keys import page_keys
 from kvtier.ipc import protocol as P
-from kvtier.ipc.namespace import namespace_fingerprint
 
 from tests.engines import SMALL, client_config, engine, fill_page, page_bytes, tokens
+from tests.key_chain import spec_fingerprint, spec_page_keys
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -47,7 +46,8 @@ def two_tenants(daemon_factory):
     pb, cb = engine(d.runtime_dir, model="m", tenant="b", token=TOKEN_B)
     try:
         toks = tokens(4 * SMALL.page_size)
-        kb = cb.page_keys(toks)
+        kb = spec_page_keys(spec_fingerprint(SMALL, model_id="m", tenant="b"), toks,
+                            SMALL.page_size)
         for p in range(4):
             fill_page(pb, p, seed=p + 30)
         h = cb.store(kb, [0, 1, 2, 3])
@@ -62,8 +62,10 @@ def two_tenants(daemon_factory):
 
 def test_same_tokens_in_two_tenants_never_meet(two_tenants):
     _, (_, ca), (_, cb), toks, kb = two_tenants
-    assert ca.ns_fingerprint != cb.ns_fingerprint  # the tenant enters the namespace
-    ka = ca.page_keys(toks)
+    # the tenant enters the namespace
+    assert ca.ns_fingerprint == spec_fingerprint(SMALL, model_id="m", tenant="a")
+    assert cb.ns_fingerprint == spec_fingerprint(SMALL, model_id="m", tenant="b")
+    ka = spec_page_keys(ca.ns_fingerprint, toks, SMALL.page_size)
     assert set(ka).isdisjoint(kb)
     assert ca.lookup(ka).l2 == 0
     assert ca.load(ka, [10, 11, 12, 13]).count == 0
@@ -76,8 +78,8 @@ def test_same_tokens_in_two_tenants_never_meet(two_tenants):
 
 def test_sending_the_other_tenants_exact_keys_is_refused(two_tenants):
     _, (pa, ca), (pb, cb), toks, kb = two_tenants
-    stolen = page_keys(cb.ns_fingerprint, toks, SMALL.page_size)
-    assert stolen == kb  # exactly b's keys, computed as b computes them
+    stolen = cb.page_keys(toks)  # exactly b's keys, computed as b computes them
+    assert stolen == kb
     assert ca.lookup(stolen).l2 == 0
     h = ca.load(stolen, [20, 21, 22, 23])
     assert h.count == 0
@@ -100,7 +102,7 @@ def test_sending_the_other_tenants_exact_keys_is_refused(two_tenants):
 
 def test_a_tenant_cannot_flush_another_tenants_pages(two_tenants):
     _, (_, ca), (_, cb), toks, kb = two_tenants
-    ka = ca.page_keys(toks)
+    ka = spec_page_keys(ca.ns_fingerprint, toks, SMALL.page_size)
     h = ca.store(ka[:2], [0, 1])
     assert h.count == 2 and h.wait()
     assert flush_own(ca, cb.ns_fingerprint).l2_pages == 0  # b's namespace, named exactly
@@ -114,10 +116,10 @@ def test_a_tenant_cannot_flush_another_tenants_pages(two_tenants):
 def test_storing_the_other_tenants_keys_reveals_nothing(two_tenants):
     _, (_, ca), (_, cb), toks, _ = two_tenants
     # the fingerprint is computable from public facts: tenant name, model, geometry
-    fp_b = namespace_fingerprint(P.NamespaceSpec(model_id="m"), SMALL, 0, 1, "b")
+    fp_b = spec_fingerprint(SMALL, model_id="m", tenant="b")
     assert fp_b == cb.ns_fingerprint
-    held = page_keys(fp_b, toks, SMALL.page_size)  # b has these
-    fresh = page_keys(fp_b, tokens(4 * SMALL.page_size, salt=77), SMALL.page_size)  # b has not
+    held = spec_page_keys(fp_b, toks, SMALL.page_size)  # b has these
+    fresh = spec_page_keys(fp_b, tokens(4 * SMALL.page_size, salt=77), SMALL.page_size)  # b has not
     h_held, h_fresh = ca.store(held[:1], [0]), ca.store(fresh[:1], [1])
     h_held.wait()
     h_fresh.wait()

@@ -116,7 +116,7 @@ async def test_objects_are_the_same_with_the_pure_python_io(
     tmp_path: Path, arena: HostArena, monkeypatch: pytest.MonkeyPatch, writer: str
 ) -> None:
     # written by one implementation of the page I/O, read by the other: same objects
-    import kvtier.daemon.storage.file as file_module
+    import kvtier.daemon.storage.file.batch_io as file_module
     from kvtier.kernels import file_io
 
     keys = [key(f"k{i}") for i in range(4)]
@@ -511,3 +511,24 @@ async def test_fsync_batch_mode_round_trips(tmp_path: Path, arena: HostArena) ->
     ]
     assert bytes(arena.view[2 * PAGE : 3 * PAGE]) == payloads[0]
     await store.close()
+
+
+async def test_list_keys_lists_the_index_and_survives_a_reopen(
+    tmp_path: Path, arena: HostArena
+) -> None:
+    store = await opened(tmp_path / "l3", arena)
+    fill(arena, [0], PAGE)
+    ours = [key(f"n{i}") for i in range(5)]
+    assert await store.put_from(NS, ours, [0] * 5, PAGE) == [True] * 5
+    assert await store.put_from(OTHER_NS, [key("o")], [0], PAGE) == [True]
+    assert await store.delete(NS, [ours[0]]) == 1
+    expected = {(NS, k) for k in ours[1:]} | {(OTHER_NS, key("o"))}
+    listed = await store.list_keys()
+    assert len(listed) == len(expected) and set(listed) == expected
+    assert set(await store.list_keys({OTHER_NS})) == {(OTHER_NS, key("o"))}
+    assert await store.list_keys(set()) == []
+    await store.close()
+    assert await store.list_keys() == []  # closed: nothing to list
+    reopened = await opened(tmp_path / "l3", arena)  # the index rebuilt from the headers
+    assert set(await reopened.list_keys()) == expected
+    await reopened.close()

@@ -7,12 +7,13 @@ stride and 4 slots per extent; class "big" (5000 B pages) an 8 KiB stride and 2 
 
 from __future__ import annotations
 
+from datetime import timedelta
 from itertools import pairwise
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from kvtier.config.errors import KvtierError
 from kvtier.daemon.pool.index import (
     NIL,
@@ -361,6 +362,43 @@ def test_pins_block_eviction_and_full_pool_is_a_shortfall() -> None:
     assert pool.describe(3).parent == 0  # parented by the present a0
 
 
+def test_a_pinned_page_is_never_evicted_and_is_evictable_again_after_unpin() -> None:
+    """Full pool, the coldest page pinned: allocation evicts the other three in LRU
+    order, then falls short rather than take the pinned one; once unpinned it is the
+    coldest evictable page and the next allocation takes exactly its slot."""
+    pool = pool_of(1)  # one extent: slots 0..3
+    small = pool.register_class(4000)
+    a, b, c, d = (store(pool, [k(n)], small)[0] for n in "abcd")  # independent pages
+    assert (a, b, c, d) == (0, 1, 2, 3)
+    assert pool.evictable_slots() == [a, b, c, d]  # cold end first
+    assert pool.pin(NS, [k("a")]) == [a]
+
+    got = pool.allocate(NS, A, small, chain("n", 4))
+    assert got == [(0, b), (1, c), (2, d)]  # n3 finds nothing evictable: a shortfall
+    assert pool.drain_evicted() == [
+        EvictedPage(k("b"), NS, b, False),
+        EvictedPage(k("c"), NS, c, False),
+        EvictedPage(k("d"), NS, d, False),
+    ]
+    info = pool.describe(a)
+    assert (info.state, info.key, info.pins, info.evictable) == (PageState.READY, k("a"), 1, False)
+    assert pool.lookup(NS, [k("a")]) == 1
+    pool.commit([b, c, d])  # the chain n0 <- n1 <- n2: only its tail n2 is evictable
+    assert pool.evictable_slots() == [d]
+    assert pool.allocate(NS, A, small, [k("x")]) == [(0, d)]
+    assert evicted_keys(pool) == [k("n2")]
+    assert pool.evictable_slots() == [c]  # n1 lost its child; a is still pinned
+    assert pool.describe(a).pins == 1 and pool.lookup(NS, [k("a")]) == 1
+
+    pool.unpin([a])  # touched by its pin before the n pages: it goes to the cold end
+    assert pool.describe(a).evictable and pool.evictable_slots() == [a, c]
+    assert pool.stats().pages_pinned == 0
+    pool.commit([d])  # x
+    assert pool.allocate(NS, A, small, [k("y")]) == [(0, a)]
+    assert evicted_keys(pool) == [k("a")]
+    assert pool.lookup(NS, [k("a")]) == 0
+
+
 def test_evict_requires_l3_skips_pages_not_in_l3() -> None:
     pool = pool_of(1)
     small = pool.register_class(4000)
@@ -534,13 +572,12 @@ class PoolMachine(RuleBasedStateMachine):
             self.live[s] = (keys[i], ns)
             self.parent_key[s] = parent
 
+    @precondition(lambda self: len(self.live) > len(self.ready))  # a page is WRITING
     @rule(data=st.data())
     def commit_or_abort(self, data) -> None:
         writing = sorted(set(self.live) - self.ready)
-        if not writing:
-            return
-        chosen = data.draw(st.lists(st.sampled_from(writing), unique=True, max_size=4))
-        if data.draw(st.booleans()):
+        chosen = data.draw(st.lists(st.sampled_from(writing), unique=True, min_size=1, max_size=4))
+        if not data.draw(st.booleans()):  # False, hypothesis's simplest draw, commits
             self.commit(chosen)
             self.ready.update(chosen)
         else:
@@ -550,6 +587,17 @@ class PoolMachine(RuleBasedStateMachine):
 
     @rule(ns=st.sampled_from([NS, NS2]), chain_id=st.integers(0, 3), start=st.integers(0, 4))
     def pin(self, ns, chain_id, start) -> None:
+        self._pin(ns, chain_id, start)
+
+    @precondition(lambda self: self.ready)
+    @rule(data=st.data())
+    def pin_ready(self, data) -> None:
+        """Pin from a READY page on (a random key rarely names a resident page)."""
+        key, ns = self.live[data.draw(st.sampled_from(sorted(self.ready)))]
+        chain_id, start = map(int, key.decode()[1:].split("."))
+        self._pin(ns, chain_id, start)
+
+    def _pin(self, ns: int, chain_id: int, start: int) -> None:
         keys = [k(f"c{chain_id}.{i}") for i in range(start, start + 4)]
         expect = 0
         by_key = {(key, kns): s for s, (key, kns) in self.live.items()}
@@ -631,10 +679,20 @@ class PoolMachine(RuleBasedStateMachine):
             assert len({d.slot // 4 for d in mine}) <= c.extents
 
 
-TestPoolMachine = PoolMachine.TestCase
-TestPoolMachine.settings = settings(
+# Bounded so that a failing run, shrinking included, ends well within the test's timeout
+# and a passing run takes seconds: short runs find the pool's bugs as well as long ones
+# (the rules above steer towards commits and pins of resident pages), and shrinking long
+# runs is what took minutes. No explain phase (it traces every line of every replay), and
+# one bug reported: a second one (such as pytest-timeout's exception, which hypothesis
+# catches as a failure) would be shrunk as well. Shared with test_pool_persistence.
+MACHINE_SETTINGS = settings(
     max_examples=200,
-    stateful_step_count=40,
-    deadline=None,
+    stateful_step_count=20,
+    deadline=timedelta(seconds=1),
+    phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink),
+    report_multiple_bugs=False,
     suppress_health_check=[HealthCheck.too_slow],
 )
+
+TestPoolMachine = PoolMachine.TestCase
+TestPoolMachine.settings = MACHINE_SETTINGS

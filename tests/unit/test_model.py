@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import pytest
 import torch
-from kvtier.client.engine import model as model_mod
+from kvtier.client.engine import ops
 from kvtier.client.engine.model import (
     EngineInputError,
     ModelConfig,
@@ -186,11 +186,21 @@ def test_offset_attention_in_several_chunks(model: TinyLlama,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     tokens = prompt(40, seed=5)
     full = full_logits(model, tokens, 4)
-    monkeypatch.setattr(model_mod, "_ATTN_CHUNK", 3)
+    monkeypatch.setattr(ops, "ATTN_CHUNK", 3)
+    calls: list[int] = []
+    real_sdpa = ops.sdpa
+
+    def counting_sdpa(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        return real_sdpa(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ops, "sdpa", counting_sdpa)
     k, v = new_kv_cache(model.cfg, 10, 4)
     model.prefill(tokens[:8], 0, list(range(10)), k, v)
+    calls.clear()
     got = model.prefill(tokens, 8, list(range(10)), k, v, return_all_logits=True)
     assert max_diff(got, full[8:]) < TOL
+    assert len(calls) == model.cfg.n_layers * math.ceil(32 / 3)  # the chunked path ran
 
 
 def test_gqa_fallback_matches(model: TinyLlama, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -198,9 +208,18 @@ def test_gqa_fallback_matches(model: TinyLlama, monkeypatch: pytest.MonkeyPatch)
     k, v = new_kv_cache(model.cfg, 6, 4)
     model.prefill(tokens[:12], 0, list(range(6)), k, v)
     fused = model.prefill(tokens, 12, list(range(6)), k, v, return_all_logits=True)
-    monkeypatch.setattr(model_mod, "_SDPA_HAS_GQA", not model_mod._SDPA_HAS_GQA)
+    monkeypatch.setattr(ops, "SDPA_HAS_GQA", not ops.SDPA_HAS_GQA)
+    gqa_flags: list[bool] = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(*args: object, **kwargs: object) -> torch.Tensor:
+        gqa_flags.append(bool(kwargs.get("enable_gqa", False)))
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
     other = model.prefill(tokens, 12, list(range(6)), k, v, return_all_logits=True)
     assert max_diff(fused, other) < TOL
+    assert gqa_flags and set(gqa_flags) == {ops.SDPA_HAS_GQA}  # the other path ran
 
 
 # ------------------------------------------------------------------------- layer waits

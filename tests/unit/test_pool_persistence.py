@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 from kvtier.daemon.pool.index import NIL, AdoptResult, HostPool, HostPoolError, PageState
@@ -33,14 +32,14 @@ from kvtier.daemon.pool.layout import (
     SLOT_META_BYTES,
     IdTable,
     PoolLayout,
-    PoolMeta,
     map_pool_file,
     page_checksum,
     page_checksums,
     seal_of,
 )
+from kvtier.daemon.pool.meta import PoolMeta
 
-from tests.unit.test_host_pool import CLASS_BYTES, PoolMachine
+from tests.unit.test_host_pool import CLASS_BYTES, MACHINE_SETTINGS, PoolMachine
 
 KIB = 1024
 EXTENT = 16 * KIB
@@ -696,12 +695,7 @@ class RestartMachine(PoolMachine):
 
 
 TestRestartMachine = RestartMachine.TestCase
-TestRestartMachine.settings = settings(
-    max_examples=300,
-    stateful_step_count=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+TestRestartMachine.settings = MACHINE_SETTINGS  # bounded: a failing run ends within the timeout
 
 
 # ------------------------------------------------------------------ timing

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -72,6 +73,93 @@ def test_mismatch_inside_a_page_ends_the_match_before_that_page() -> None:
     m = match(tree, A[:6] + [99, 99, 99, 99])
     assert m.page_ids == [10]
     assert runs(tree.root) == [A[:4], A[4:]]
+
+
+def _last_token_changed(tokens: Sequence[int], page: int, size: int = 4) -> list[int]:
+    """``tokens`` with only the last token of page ``page`` changed."""
+    out = list(tokens)
+    out[(page + 1) * size - 1] += 1000
+    return out
+
+
+@pytest.mark.parametrize(
+    ("page", "extra", "cut"),
+    [
+        (0, [], 0),  # the first page: the child lookup itself must miss
+        (1, [], None),  # a middle page
+        (2, [], None),  # the node's last page, a query of the node's length
+        (2, [7, 7, 7, 7, 8], None),  # the node's last page, a longer query
+        (1, "short", None),  # a query that ends inside the node, at the changed page
+    ],
+    ids=["first-page", "middle-page", "last-page", "last-page-longer-query", "shorter-query"],
+)
+def test_a_page_differing_only_in_its_last_token_ends_the_match(page, extra, cut) -> None:
+    tree = RadixTree(4)
+    put(tree, A, [10, 11, 12])
+    query = _last_token_changed(A, page)
+    query = query[: (page + 1) * 4] if extra == "short" else query + list(extra)
+    m = match(tree, query)
+    assert m.n_pages == page and m.matched_tokens == 4 * page
+    assert m.page_ids == [10, 11, 12][:page]
+    assert m.keys == chain(A, 4)[:page] == chain(query, 4)[:page]
+    assert tree.page_count == 3  # matching adds no page
+    if page:
+        assert list(m.last_node.tokens) == A[: 4 * page]
+
+
+def test_a_page_differing_only_in_its_last_token_in_a_child_node_ends_the_match() -> None:
+    tree = RadixTree(4)
+    b = A[:4] + [50, 51, 52, 53, 54, 55, 56, 57]
+    put(tree, A, [10, 11, 12])
+    put(tree, b, [10, 20, 21])  # node [A0] with children [A1 A2] and [B1 B2]
+    for branch, ids in ((A, [10, 11, 12]), (b, [10, 20, 21])):
+        for page in (1, 2):
+            m = match(tree, _last_token_changed(branch, page))
+            assert m.page_ids == ids[:page], (branch, page)
+            assert m.keys == chain(branch, 4)[:page]
+
+
+def test_inserting_a_page_differing_only_in_its_last_token_adds_a_new_page() -> None:
+    tree = RadixTree(4)
+    put(tree, A, [10, 11, 12])
+    other = _last_token_changed(A, 1)
+    result = tree.insert(other, [10, 20, 21], chain(other, 4))
+    tree.check_invariants()
+    assert result.duplicate_page_ids == [] and result.new_pages == 2
+    assert tree.page_count == 5
+    assert match(tree, other).page_ids == [10, 20, 21]
+    assert match(tree, A).page_ids == [10, 11, 12]
+
+
+def test_matches_equal_the_longest_common_run_of_whole_pages() -> None:
+    """Against a reference computed from the inserted sequences alone: near-misses (two
+    tokens, three per page) end the match exactly at the first page that differs."""
+    size = 3
+    rng = np.random.default_rng(7)
+    tree = RadixTree(size)
+    inserted: list[list[int]] = []
+    next_id = 0
+    for _ in range(40):
+        seq = rng.integers(0, 2, int(rng.integers(0, 16))).tolist()
+        n = len(seq) // size
+        m = tree.match_prefix(seq)
+        ids = m.device_page_ids + list(range(next_id, next_id + n - m.device_pages))
+        next_id += n - m.device_pages
+        tree.insert(seq, ids, chain(seq, size))
+        tree.check_invariants()
+        inserted.append(seq)
+    for _ in range(300):
+        query = rng.integers(0, 2, int(rng.integers(0, 16))).tolist()
+        want = 0
+        for seq in inserted:
+            common = 0
+            while (common + 1) * size <= min(len(seq), len(query)) and \
+                    seq[common * size:(common + 1) * size] == query[common * size:(common + 1) * size]:
+                common += 1
+            want = max(want, common)
+        m = match(tree, query)
+        assert m.n_pages == want, (query, m.n_pages, want)
+        assert m.keys == chain(query, size)[:want]
 
 
 def test_partial_last_page_is_ignored() -> None:

@@ -16,7 +16,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -340,38 +340,52 @@ async def _stop(task: asyncio.Task[None]) -> None:
         await task
 
 
+async def until(pred: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    """Let the event loop run until ``pred`` holds; fail naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(INTERVAL / 5)
+
+
+async def pings(receiver: Receiver, at_least: int, timeout: float = 10.0) -> list[bytes]:
+    """Let the event loop run, draining ``receiver`` (so its queue of about 10 datagrams
+    never fills), until ``at_least`` datagrams came; return them."""
+    got: list[bytes] = []
+
+    def enough() -> bool:
+        got.extend(receiver.drain())
+        return len(got) >= at_least
+
+    await until(enough, f"{at_least} datagrams", timeout)
+    return got
+
+
 async def test_watchdog_loop_pings_only_while_the_event_loop_runs(
     path_receiver: Receiver,
 ) -> None:
     notifier = SystemdNotifier(path_receiver.name, environ={})
     task = asyncio.create_task(watchdog_loop(notifier, INTERVAL))
 
-    # Phases of 6 intervals: about 7 pings each, below the 10 datagrams a Unix
-    # socket queues by default (net.unix.max_dgram_qlen), so none is dropped.
-    await asyncio.sleep(6 * INTERVAL)
-    running = path_receiver.drain()
-    # Block the event loop for 12 intervals. No await between the drain above and
-    # the drain below, so any ping in between would come from outside the loop.
+    running = await pings(path_receiver, 3)
+    # Block the event loop for 12 intervals. No await between the last drain of pings()
+    # and the drain below, so any ping in between would come from outside the loop.
     time.sleep(12 * INTERVAL)  # noqa: ASYNC251 - blocking the loop is the point
     blocked = path_receiver.drain()
-    await asyncio.sleep(6 * INTERVAL)
-    resumed = path_receiver.drain()
+    resumed = await pings(path_receiver, 3)
     await _stop(task)
 
     assert set(running) == {b"WATCHDOG=1"}
-    assert len(running) >= 3  # about 7 expected; generous for loaded machines
     assert blocked == []
     assert set(resumed) == {b"WATCHDOG=1"}
-    assert len(resumed) >= 3
 
 
 async def test_watchdog_loop_pings_at_once(path_receiver: Receiver) -> None:
     notifier = SystemdNotifier(path_receiver.name, environ={})
     task = asyncio.create_task(watchdog_loop(notifier, 3600.0))
-    await asyncio.sleep(0)  # let the task run its first step
-    await asyncio.sleep(0)
-    assert path_receiver.drain() == [b"WATCHDOG=1"]
+    first = await pings(path_receiver, 1)  # the next ping would be an hour later
     await _stop(task)
+    assert first == [b"WATCHDOG=1"]
 
 
 async def test_watchdog_loop_withholds_pings_while_unhealthy(
@@ -388,23 +402,20 @@ async def test_watchdog_loop_withholds_pings_while_unhealthy(
 
     with caplog.at_level(logging.INFO, logger=LOGGER):
         task = asyncio.create_task(watchdog_loop(notifier, INTERVAL, health))
-        await asyncio.sleep(6 * INTERVAL)
+        await until(lambda: calls >= 3, "3 health checks")  # asked on every tick
         unhealthy = path_receiver.drain()
-        asked_while_unhealthy = calls
 
         healthy = True
-        await asyncio.sleep(6 * INTERVAL)
-        recovered = path_receiver.drain()
+        recovered = await pings(path_receiver, 3)
 
-        healthy = False
-        await asyncio.sleep(6 * INTERVAL)
+        healthy = False  # no await since the last drain: no ping came in between
+        asked = calls
+        await until(lambda: calls >= asked + 3, "3 more health checks")
         sick_again = path_receiver.drain()
         await _stop(task)
 
     assert unhealthy == []
-    assert asked_while_unhealthy >= 3  # health was asked on every tick
     assert set(recovered) == {b"WATCHDOG=1"}
-    assert len(recovered) >= 3
     assert sick_again == []
     levels = [r.levelno for r in caplog.records]
     assert levels.count(logging.WARNING) == 2  # one per unhealthy spell, not per tick
@@ -419,8 +430,15 @@ async def test_watchdog_loop_lets_health_errors_propagate() -> None:
 
 
 async def test_watchdog_loop_with_a_disabled_notifier_just_runs() -> None:
-    task = asyncio.create_task(watchdog_loop(SystemdNotifier(environ={}), INTERVAL))
-    await asyncio.sleep(5 * INTERVAL)
+    ticks = 0
+
+    def health() -> bool:
+        nonlocal ticks
+        ticks += 1
+        return True
+
+    task = asyncio.create_task(watchdog_loop(SystemdNotifier(environ={}), INTERVAL, health))
+    await until(lambda: ticks >= 3 or task.done(), "3 ticks")
     assert not task.done()
     await _stop(task)
 

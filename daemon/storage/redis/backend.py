@@ -1,31 +1,4 @@
-"""L3 backend on Redis or Valkey: one string value per page, shared by every daemon using it.
-
-Each page is one key holding the self-describing object (96-byte header ‖ payload)::
-
-    key    <prefix>:<namespace fingerprint hex>:<page key hex>
-    value  header (magic, version, ns, key, length, xxh3 of payload, xxh3 of header) ‖ payload
-
-Every batch is one pipeline, so one round trip: ``SET`` (with ``PX`` when ``ttl_s`` is set),
-``GET`` (``GETEX PX`` with a TTL, so pages that keep being read keep living), one multi-key
-``DEL``; the leading run is one ``EVALSHA`` of a five-line script (pipelined ``EXISTS`` where
-scripting is disabled). Only plain commands are used, so Valkey and Redis-compatible servers
-work too.
-
-Commands are RESP-encoded here and written on a pooled redis-py connection; replies are
-parsed by hiredis. This skips redis-py's per-command pipeline bookkeeping (tens of µs per
-command) and lets each page's payload go to the socket as a view of the arena slot, right
-after its header: a put copies nothing in Python.
-
-Reads verify the header and the payload checksum before copying the payload into the arena
-slot; a value that does not verify is a miss and counts in ``stats.corrupt``. Hashing and
-copying large batches runs in a worker thread, so the event loop keeps answering.
-
-Faults never raise into the daemon: a refused connection, a timeout or a server error makes
-the batch a miss (``False`` / a run of 0), counts once in ``stats.errors`` and is logged on
-the first failure after a healthy spell. redis-py reconnects on the next call, and a stale
-pooled connection (the server restarted) is retried once, so the backend comes back by
-itself when the server does.
-"""
+"""The ``redis`` backend: pipelined batches on pooled connections (see the package docstring)."""
 
 from __future__ import annotations
 
@@ -35,21 +8,25 @@ import functools
 import hashlib
 import logging
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import redis.asyncio as redis_asyncio
 from kvtier.config.errors import ConfigError, StorageError
-from kvtier.daemon.storage.base import HostArena, StorageBackend, run_to_completion
-from kvtier.daemon.storage.objects import HEADER_SIZE, seal_headers, verify_object
-from kvtier.daemon.storage.registry import validate_options
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from kvtier.daemon.storage.base import HostArena, StorageBackend, check_pages, run_to_completion
+from kvtier.daemon.storage.breaker import Breaker
+from kvtier.daemon.storage.keys import ObjectNames
+from kvtier.daemon.storage.objects import HEADER_SIZE, seal_headers
+from kvtier.daemon.storage.options import validate_options
+from kvtier.daemon.storage.redis.options import RedisOptions, redact
+from kvtier.daemon.storage.redis.resp import bulk, command, land
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as _ConnectionError
 from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import ResponseError as _ResponseError
 
-__all__ = ["RedisBackend", "RedisOptions"]
+__all__ = ["RedisBackend"]
 
 _log = logging.getLogger(__name__)
 
@@ -59,6 +36,9 @@ than a thread hop); larger ones go to a worker thread."""
 
 _READ_SIZE = 1 << 20
 """Socket read size: values are large, so read them in big chunks."""
+
+_SCAN_COUNT = 1000
+"""Keys a ``SCAN`` step asks the server to look at (a hint; one round trip per step)."""
 
 _EXISTS_SCRIPT = b"""
 local n = 0
@@ -73,50 +53,6 @@ _EXISTS_SHA = hashlib.sha1(_EXISTS_SCRIPT).hexdigest().encode()
 _ERRORS: tuple[type[BaseException], ...] = (RedisError, OSError, asyncio.TimeoutError)
 
 
-class RedisOptions(BaseModel):
-    """Extra-config keys of the ``redis`` backend."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    url: str = Field(default="redis://127.0.0.1:6379/0")
-    """Server URL (``redis://``, ``rediss://`` or ``unix://``); may carry user, password and db."""
-    host: str | None = Field(default=None, min_length=1)
-    """Server host; with ``port`` and ``db``, an alternative to ``url``."""
-    port: int = Field(default=6379, ge=1, le=65535)
-    """Server port when ``host`` is given."""
-    db: int = Field(default=0, ge=0)
-    """Database number when ``host`` is given."""
-    prefix: str = Field(default="kvtier", min_length=1, max_length=128, pattern=r"^\S+$")
-    """First component of every key; lets several kvtier deployments share a server."""
-    timeout_s: float = Field(default=2.0, gt=0, le=3600)
-    """Bound on each connect, each socket read or write and each wait for a pooled connection."""
-    ttl_s: float | None = Field(default=None, gt=0)
-    """Optional expiry of pages, refreshed by every read (sliding); ``None`` keeps them until
-    the server evicts them (configure ``maxmemory-policy allkeys-lru`` on the server)."""
-    max_connections: int = Field(default=16, ge=1, le=4096)
-    """Connections in the pool; concurrent batches beyond it wait up to ``timeout_s``."""
-
-    @model_validator(mode="after")
-    def _one_address(self) -> RedisOptions:
-        if self.host is not None and "url" in self.model_fields_set:
-            raise ValueError("give 'url' or 'host'/'port'/'db', not both")
-        if self.host is None and {"port", "db"} & self.model_fields_set:
-            raise ValueError("'port' and 'db' need 'host' (or put them in 'url')")
-        if not self.url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(
-                f"'url' must start with redis://, rediss:// or unix://, got {self.url!r}"
-            )
-        return self
-
-    @property
-    def address(self) -> str:
-        """The URL the client connects to."""
-        if self.host is not None:
-            host = f"[{self.host}]" if ":" in self.host else self.host
-            return f"redis://{host}:{self.port}/{self.db}"
-        return self.url
-
-
 class _State(enum.Enum):
     NEW = "new"
     OPEN = "open"
@@ -124,7 +60,7 @@ class _State(enum.Enum):
 
 
 class RedisBackend(StorageBackend):
-    """Pages as Redis/Valkey string values; see the module docstring for the layout.
+    """Pages as Redis/Valkey string values; see the package docstring for the layout.
 
     Args:
         extra_config: keys of :class:`RedisOptions`.
@@ -143,11 +79,12 @@ class RedisBackend(StorageBackend):
         self._client: redis_asyncio.Redis | None = None
         self._errors = _ERRORS
         self._arena: HostArena | None = None
-        self._prefix = self.options.prefix.encode()
+        self._names = ObjectNames(self.options.prefix)
         ttl_s = self.options.ttl_s
         self._ttl_arg = None if ttl_s is None else b"%d" % max(1, int(ttl_s * 1000))
         self._script_sha: bytes | None = _EXISTS_SHA
-        self._failing = False
+        self._breaker = Breaker(f"redis backend: {redact(self.options.address)}", cooldown_s=0.0,
+                                log=_log)  # redis-py reconnects by itself: track, never refuse
 
     @property
     def client(self) -> redis_asyncio.Redis | None:
@@ -156,7 +93,7 @@ class RedisBackend(StorageBackend):
 
     def key_name(self, ns: bytes, key: bytes) -> bytes:
         """Return the Redis key of page ``key`` in ``ns``: ``<prefix>:<ns hex>:<key hex>``."""
-        return b"%s:%s:%s" % (self._prefix, ns.hex().encode(), key.hex().encode())
+        return self._names.name(ns, key).encode()
 
     async def open(self, arena: HostArena) -> None:
         """Connect and check the server answers ``PING``.
@@ -182,7 +119,7 @@ class RedisBackend(StorageBackend):
             )
         except ValueError as err:
             raise ConfigError(
-                f"redis extra config: 'url' = {_redact(opts.address)!r}: {err}"
+                f"redis extra config: 'url' = {redact(opts.address)!r}: {err}"
             ) from err
         self._client = redis_asyncio.Redis.from_pool(pool)
         self._arena = arena
@@ -190,7 +127,7 @@ class RedisBackend(StorageBackend):
         if not await self.health():
             await self.close()
             raise StorageError(
-                f"redis backend: no answer from {_redact(opts.address)!r} within {opts.timeout_s} s"
+                f"redis backend: no answer from {redact(opts.address)!r} within {opts.timeout_s} s"
             )
 
     async def exists(self, ns: bytes, keys: Sequence[bytes]) -> int:
@@ -202,13 +139,13 @@ class RedisBackend(StorageBackend):
         self._check_open()
         if not keys:
             return 0
-        names = [self.key_name(ns, key) for key in keys]
+        names = self._names.encoded(ns, keys)
         if self._script_sha is not None:
             run = await self._exists_script(names)
             if run is not None:
                 return run
         replies = await self._roundtrip(
-            [b"".join(_command(b"EXISTS", name) for name in names)], len(names)
+            [b"".join(command(b"EXISTS", name) for name in names)], len(names)
         )
         run = 0
         for reply in replies or ():
@@ -231,21 +168,20 @@ class RedisBackend(StorageBackend):
         arena = self._check_batch(keys, offsets, length)
         if not keys:
             return []
+        names = self._names.encoded(ns, keys)
         if self._ttl_arg is None:
-            frames = b"".join(_command(b"GET", self.key_name(ns, key)) for key in keys)
+            frames = b"".join(command(b"GET", name) for name in names)
         else:
-            frames = b"".join(
-                _command(b"GETEX", self.key_name(ns, key), b"PX", self._ttl_arg) for key in keys
-            )
+            frames = b"".join(command(b"GETEX", name, b"PX", self._ttl_arg) for name in names)
         values = await self._roundtrip([frames], len(keys))
         if values is None:
             self.stats.misses += len(keys)
             return [False] * len(keys)
-        land = functools.partial(_land, arena.view, ns, keys, offsets, length, values)
+        landing = functools.partial(land, arena.view, ns, keys, offsets, length, values)
         if length * len(keys) <= _INLINE_BYTES:
-            flags, missing, corrupt, faults = land()
+            flags, missing, corrupt, faults = landing()
         else:
-            flags, missing, corrupt, faults = await run_to_completion(land)
+            flags, missing, corrupt, faults = await run_to_completion(landing)
         del values
         found = sum(flags)
         self.stats.gets += found
@@ -287,13 +223,53 @@ class RedisBackend(StorageBackend):
         if not keys:
             return 0
         replies = await self._roundtrip(
-            [_command(b"DEL", *(self.key_name(ns, key) for key in keys))], 1
+            [command(b"DEL", *self._names.encoded(ns, keys))], 1
         )
         if not replies or not isinstance(replies[0], int):
             if replies:
                 self._failed(replies[0])
             return 0
         return int(replies[0])
+
+    async def list_keys(
+        self, namespaces: AbstractSet[bytes] | None = None
+    ) -> list[tuple[bytes, bytes]] | None:
+        """Every ``(namespace, key)`` stored under this prefix, of ``namespaces`` (None: of
+        all), by ``SCAN MATCH <prefix>:*`` (``<prefix>:<ns hex>:*`` per namespace).
+
+        Keys under the prefix that are not page names are skipped. SCAN visits keys
+        present for its whole run at least once; keys written or deleted meanwhile may be
+        listed or not.
+
+        Returns:
+            The pairs; None on a fault (counted in ``stats.errors``): the caller then knows
+            only what it wrote itself.
+
+        Raises:
+            StorageError: the backend is not open.
+        """
+        self._check_open()
+        client = self._client
+        assert client is not None
+        patterns = ([self._names.pattern()] if namespaces is None
+                    else [self._names.pattern(ns) for ns in sorted(namespaces)])
+        found: dict[tuple[bytes, bytes], None] = {}  # SCAN may return a key twice
+        try:
+            for pattern in patterns:
+                cursor = 0
+                while True:
+                    cursor, names = await client.scan(cursor, match=pattern, count=_SCAN_COUNT)
+                    for name in names:
+                        ident = self._names.parse(name)
+                        if ident is not None:
+                            found[ident] = None
+                    if not cursor:
+                        break
+        except self._errors as err:
+            self._failed(err)
+            return None
+        self._note_up()
+        return list(found)
 
     async def health(self) -> bool:
         """Return True when the server answers ``PING`` within ``timeout_s``."""
@@ -330,10 +306,7 @@ class RedisBackend(StorageBackend):
 
     def _check_batch(self, keys: Sequence[bytes], offsets: Sequence[int], length: int) -> HostArena:
         arena = self._check_open()
-        assert len(keys) == len(offsets), "one offset per key"
-        assert all(0 <= off and off + length <= arena.size for off in offsets), (
-            "offset out of arena"
-        )
+        check_pages(self.name, arena, keys, offsets, length)
         return arena
 
     def _set_frames(
@@ -350,14 +323,12 @@ class RedisBackend(StorageBackend):
         if self._ttl_arg is None:
             head, tail = b"*3\r\n$3\r\nSET\r\n", b"\r\n"
         else:
-            head, tail = b"*5\r\n$3\r\nSET\r\n", b"\r\n" + _bulk(b"PX") + _bulk(self._ttl_arg)
+            head, tail = b"*5\r\n$3\r\nSET\r\n", b"\r\n" + bulk(b"PX") + bulk(self._ttl_arg)
         headers = bytearray(HEADER_SIZE * len(keys))
         at = range(0, len(headers), HEADER_SIZE)
         seal_headers(headers, at, view, offsets, length, ns, keys)  # one call, GIL released
-        for key, off, h in zip(keys, offsets, at):
-            chunks.append(
-                head + _bulk(self.key_name(ns, key)) + value_head + headers[h : h + HEADER_SIZE]
-            )
+        for name, off, h in zip(self._names.encoded(ns, keys), offsets, at):
+            chunks.append(head + bulk(name) + value_head + headers[h : h + HEADER_SIZE])
             chunks.append(view[off : off + length])
             chunks.append(tail)
         return chunks
@@ -366,14 +337,14 @@ class RedisBackend(StorageBackend):
         """Leading run by the server-side script; ``None`` when scripting is unavailable."""
         assert self._script_sha is not None
         replies = await self._roundtrip(
-            [_command(b"EVALSHA", self._script_sha, b"%d" % len(names), *names)], 1
+            [command(b"EVALSHA", self._script_sha, b"%d" % len(names), *names)], 1
         )
         if replies is None:
             return 0
         reply = replies[0]
         if isinstance(reply, NoScriptError):  # first use on this server: load it by EVAL
             replies = await self._roundtrip(
-                [_command(b"EVAL", _EXISTS_SCRIPT, b"%d" % len(names), *names)], 1
+                [command(b"EVAL", _EXISTS_SCRIPT, b"%d" % len(names), *names)], 1
             )
             if replies is None:
                 return 0
@@ -429,76 +400,7 @@ class RedisBackend(StorageBackend):
         self._note_down(err)
 
     def _note_down(self, err: BaseException) -> None:
-        if not self._failing:
-            self._failing = True
-            _log.warning(
-                "redis backend: %s unreachable or failing (%s: %s); L3 reads miss until it answers",
-                _redact(self.options.address),
-                type(err).__name__,
-                err,
-            )
+        self._breaker.failed(f"{type(err).__name__}: {err}")
 
     def _note_up(self) -> None:
-        if self._failing:
-            self._failing = False
-            _log.info("redis backend: %s answers again", _redact(self.options.address))
-
-
-def _bulk(arg: bytes) -> bytes:
-    """One RESP bulk string."""
-    return b"$%d\r\n%s\r\n" % (len(arg), arg)
-
-
-def _command(*args: bytes) -> bytes:
-    """One RESP command (an array of bulk strings)."""
-    return b"*%d\r\n" % len(args) + b"".join(_bulk(arg) for arg in args)
-
-
-def _land(
-    view: memoryview,
-    ns: bytes,
-    keys: Sequence[bytes],
-    offsets: Sequence[int],
-    length: int,
-    values: Sequence[Any],
-) -> tuple[list[bool], int, int, list[BaseException]]:
-    """Verify each value and copy its payload into the arena.
-
-    Returns:
-        (flags, missing, corrupt, faults): one flag per key, how many keys were absent,
-        how many values did not verify, and the per-command errors the server sent.
-        Counters go back to the caller, which owns ``stats`` on the event loop.
-    """
-    flags: list[bool] = []
-    missing = corrupt = 0
-    faults: list[BaseException] = []
-    size = HEADER_SIZE + length
-    for key, off, value in zip(keys, offsets, values):
-        if value is None:
-            missing += 1
-            flags.append(False)
-            continue
-        if isinstance(value, BaseException):
-            faults.append(value)
-            flags.append(False)
-            continue
-        data = memoryview(value)
-        if len(data) != size or not verify_object(data[:HEADER_SIZE], data[HEADER_SIZE:], ns, key):
-            corrupt += 1
-            flags.append(False)
-            continue
-        view[off : off + length] = data[HEADER_SIZE:]
-        flags.append(True)
-    return flags, missing, corrupt, faults
-
-
-
-
-def _redact(url: str) -> str:
-    """Drop a password from a URL before it reaches a log line or an error."""
-    scheme, sep, rest = url.partition("://")
-    if sep and "@" in rest:
-        creds, _, host = rest.rpartition("@")
-        user = creds.split(":", 1)[0]
-        return f"{scheme}://{user}:***@{host}" if ":" in creds else f"{scheme}://{user}@{host}"
-    return url
+        self._breaker.succeeded()

@@ -1,0 +1,145 @@
+"""A STORE or LOAD in flight, waited on layer by layer through the session's completion block.
+
+The daemon reports each transfer in one slot of the completion block (shared memory): a sequence
+number, the layers done so far, and a status. The handle reads that slot; it never talks to the
+daemon itself. What it needs from the connection that started it (the timeouts, whether the
+daemon still lives, and what to do with the slot when the transfer ends or is abandoned) is the
+small :class:`TransferOwner` protocol, so this module does not import the connection.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+from kvtier.config import ClientConfig
+from kvtier.ipc.completion import CompletionBlock, CompletionTimeout, TransferStatus
+
+__all__ = ["TransferHandle", "TransferOwner"]
+
+
+class TransferOwner(Protocol):
+    """What a :class:`TransferHandle` needs from the connection that started it.
+
+    :class:`~kvtier.client.connection.Connection` implements it; the two underscored methods are
+    hooks for handles only, not for engine code.
+    """
+
+    config: ClientConfig
+    """The client settings (``load_timeout_s`` bounds each wait)."""
+
+    def daemon_alive(self) -> bool:
+        """False when the daemon's process is known to be gone (waits then stop early)."""
+        ...
+
+    def _abandon(self, handle: TransferHandle) -> None:
+        """A wait for ``handle`` timed out: cancel it in the daemon; its slot waits in limbo."""
+        ...
+
+    def _slot_done(self, slot: int, seq: int, status: TransferStatus) -> None:
+        """The transfer ``seq`` in ``slot`` ended with ``status``: the slot may be reused."""
+        ...
+
+
+class TransferHandle:
+    """A STORE or LOAD in flight.
+
+    Made by :meth:`Connection.store <kvtier.client.connection.Connection.store>` and
+    :meth:`~kvtier.client.connection.Connection.load`; a handle without an owner (``conn`` None)
+    is one that never ran: a miss, a dropped store, or nothing to copy.
+
+    Attributes:
+        count: for a load, the leading pages being loaded (0: a miss, nothing runs); for a
+            store, the leading keys now in L2 or being written (the rest were dropped).
+        writing: pages actually being copied (0: nothing to wait for).
+    """
+
+    __slots__ = (
+        "_block",
+        "_conn",
+        "_layers_ok",
+        "_status",
+        "count",
+        "num_layers",
+        "seq",
+        "slot",
+        "writing",
+    )
+
+    def __init__(self, conn: TransferOwner | None, block: CompletionBlock | None, slot: int,
+                 seq: int, count: int, writing: int, num_layers: int) -> None:
+        self._conn = conn
+        self._block = block
+        self.slot = slot
+        self.seq = seq
+        self.count = count
+        self.writing = writing
+        self.num_layers = num_layers
+        self._status: TransferStatus | None = None if writing else TransferStatus.DONE
+        self._layers_ok = num_layers if not writing else 0
+
+    @property
+    def done(self) -> bool:
+        """True once the transfer has ended (whatever the outcome)."""
+        return self._status is not None
+
+    @property
+    def ok(self) -> bool:
+        """True when every layer completed."""
+        return self._status is TransferStatus.DONE
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> bool:
+        """Block until layer ``layer`` of this transfer is in place.
+
+        Returns:
+            True when it is; False when the transfer failed, was cancelled or timed out
+            (the engine must then treat the whole transfer as a miss and recompute).
+        """
+        if self._layers_ok > layer:
+            return True
+        if self._status is not None:
+            return self._status is TransferStatus.DONE
+        assert self._conn is not None and self._block is not None
+        conn = self._conn
+        try:
+            st = self._block.wait(self.slot, self.seq, layer + 1,
+                                  conn.config.load_timeout_s if timeout is None else timeout,
+                                  alive=conn.daemon_alive)
+        except CompletionTimeout:
+            st = TransferStatus.FAILED
+            conn._abandon(self)
+        except (TypeError, ValueError):  # the block was closed under us (re-registration)
+            st = TransferStatus.FAILED
+        if st is TransferStatus.RUNNING:
+            self._layers_ok = layer + 1
+            return True
+        self._end(st)
+        return st is TransferStatus.DONE
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the whole transfer ends; True when it succeeded."""
+        if (self._status is None and self.wait_layer(self.num_layers - 1, timeout)
+                and self._status is None):
+            # all layers landed; wait for the final status
+            try:
+                assert self._block is not None and self._conn is not None
+                st = self._block.wait(self.slot, self.seq, self.num_layers,
+                                      self._conn.config.load_timeout_s,
+                                      alive=self._conn.daemon_alive)
+                while st is TransferStatus.RUNNING:
+                    time.sleep(0.0001)
+                    _, _, raw = self._block.read(self.slot)
+                    st = TransferStatus(raw)
+            except (CompletionTimeout, TypeError, ValueError):
+                st = TransferStatus.FAILED
+            self._end(st)
+        return self._status is TransferStatus.DONE
+
+    def _end(self, st: TransferStatus) -> None:
+        """Record the final status once and give the completion slot back to the owner."""
+        if self._status is None:
+            self._status = st
+            if st is TransferStatus.DONE:
+                self._layers_ok = self.num_layers
+            if self._conn is not None:
+                self._conn._slot_done(self.slot, self.seq, st)

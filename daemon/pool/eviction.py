@@ -1,0 +1,189 @@
+"""Eviction policy of the host pool: which READY page gives up its slot, and when.
+
+Pure and synchronous, like the rest of the pool. The evictable pages are the recency
+lists of :class:`~kvtier.daemon.pool.links.RecencyLists` (a page is on them while it is
+READY, unpinned and childless); the page table keeps them in step, this module only
+reads them to choose victims, and frees each victim through the page table.
+
+Policy, LRU and tail first:
+
+- A page with a resident child is never evicted, so a chain goes tail to head.
+  Touching a chain ``k0..kn`` (commit, pin) stamps it in reverse, so its tail is the
+  colder end. A page that becomes evictable (its last child left, its last pin
+  dropped) goes to the cold end if it is not more recent than the current cold end,
+  else to the hot end.
+- A slot of class ``c`` comes from, in order: the free list of ``c``; a fresh slot of
+  the extent ``c`` is cutting; a free extent; eviction from the cold end of the global
+  list, any class (a victim of ``c`` frees a slot of ``c``; one of another class frees
+  its slot and, when that empties its extent, the extent is free for ``c``), at most
+  ``EVICT_FACTOR`` x the largest slots-per-extent victims; then the coldest page of
+  ``c`` itself (bounded scan). Otherwise the allocation fails (a shortfall).
+- An owner at its quota evicts only its own pages, coldest first, same bounds.
+
+Write-back hook: with :attr:`Evictor.requires_l3` set (the pool's
+``evict_requires_l3``), eviction skips pages not marked in L3 (within the bounded
+scan), so no slot is reused before its page reached L3. A write-back task pins cold
+pages, copies them to L3, marks them in L3 and unpins them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvtier.daemon.pool.layout import NIL
+from kvtier.daemon.pool.links import RecencyLists
+from kvtier.daemon.pool.meta import PoolMeta
+from kvtier.daemon.pool.records import EvictedPage, HostPoolError
+from kvtier.daemon.pool.slots import SlotAllocator
+
+__all__ = ["EVICT_FACTOR", "MIN_SCAN", "Evictor"]
+
+EVICT_FACTOR = 2
+"""Victims per slot allocation: at most EVICT_FACTOR x the largest slots-per-extent."""
+
+MIN_SCAN = 256
+"""Lower bound of the scan length when a victim must match a filter."""
+
+
+class Evictor:
+    """Chooses victims for slot allocations and evicts them (see the module docstring).
+
+    Owns the evictable lists, the per-owner page counts and quotas, and the eviction log.
+    A victim is freed through ``release``, which must take a READY page that is off the
+    evictable lists and return its slot to ``slots``.
+
+    Args:
+        slots: the pool's slot allocator (new slots come from it; the global evictable
+            list shares its link pair).
+        meta: the pool's mapped metadata (stamp, in-L3, namespace and owner columns).
+        keys: the pool's key of each slot (None: FREE), for the eviction log.
+        release: frees a victim (the page table's release).
+        max_log: evictions kept for :meth:`drain`; more are counted only.
+        quota: ``owner -> max resident pages`` (kept by reference; see :meth:`set_quota`).
+        requires_l3: initial :attr:`requires_l3`.
+
+    Attributes:
+        lru: the evictable pages, cold end first (global and per owner).
+        owned: resident (READY + WRITING) pages per owner, kept by the page table.
+        quota: the quotas.
+        requires_l3: evict only pages marked in L3 (the write-back hook).
+        evictions / unlogged: evictions since construction, and those left out of the log.
+    """
+
+    def __init__(
+        self,
+        slots: SlotAllocator,
+        meta: PoolMeta,
+        keys: list[bytes | None],
+        release: Callable[[int], None],
+        *,
+        max_log: int,
+        quota: dict[int, int],
+        requires_l3: bool,
+    ) -> None:
+        self.lru = RecencyLists(slots.prev, slots.next, meta.stamp)
+        self.owned: dict[int, int] = {}
+        self.quota = quota
+        self.requires_l3 = requires_l3
+        self.max_log = max_log
+        self.evictions = self.unlogged = 0
+        self._log: list[EvictedPage] = []
+        self._budget = 1
+        self._scan_limit = MIN_SCAN
+        self._slots = slots
+        self._ext_class, self._per_extent = slots.ext_class, slots.per_extent
+        self._in_l3, self._ns, self._owner = meta.in_l3, meta.ns, meta.owner
+        self._keys = keys
+        self._release = release
+
+    def fit_class(self, slots_per_extent: int) -> None:
+        """Raise the victim budget and scan limit for a class that cuts
+        ``slots_per_extent`` slots from an extent (they only grow)."""
+        self._budget = max(self._budget, EVICT_FACTOR * slots_per_extent)
+        self._scan_limit = max(MIN_SCAN, self._budget)
+
+    def set_quota(self, owner: int, max_pages: int | None) -> None:
+        """Limit the resident pages of ``owner`` (None lifts the limit).
+
+        Raises:
+            HostPoolError: ``max_pages`` is negative.
+        """
+        if max_pages is None:
+            self.quota.pop(owner, None)
+        elif max_pages < 0:
+            raise HostPoolError(f"max_pages must be >= 0 or None, got {max_pages}")
+        else:
+            self.quota[owner] = max_pages
+
+    def drain(self) -> list[EvictedPage]:
+        """Return the evictions logged since the last drain and clear the log."""
+        out, self._log = self._log, []
+        return out
+
+    def take_slot(self, cid: int, owner: int) -> int:
+        """Return a slot of class ``cid`` for ``owner``, evicting if needed, or NIL.
+
+        Args:
+            cid: a registered class id.
+            owner: the tenant the page is charged to (its quota applies).
+
+        Returns:
+            A free slot id (not yet written), or NIL: a shortfall.
+        """
+        quota = self.quota.get(owner)
+        scope: int | None = None  # whose pages may be evicted; None: anyone's
+        if quota is not None and self.owned.get(owner, 0) >= quota:
+            scope, budget = owner, self._budget
+            while self.owned.get(owner, 0) >= quota:  # replace own pages first
+                v = self.coldest(owner, NIL)
+                if v == NIL or budget == 0:
+                    return NIL
+                self.evict(v)
+                budget -= 1
+        s = self._slots.take(cid)
+        return s if s != NIL else self._reclaim(cid, scope)
+
+    def _reclaim(self, cid: int, owner: int | None) -> int:
+        """Evict (anyone's, or only ``owner``'s pages) until a slot of ``cid`` frees."""
+        budget = self._budget
+        while budget > 0:
+            v = self.coldest(owner, NIL)
+            if v == NIL:
+                break
+            self.evict(v)
+            budget -= 1
+            s = self._slots.take(cid)
+            if s != NIL:
+                return s
+        v = self.coldest(owner, cid)  # fall back to the class's own pages
+        if v == NIL:
+            return NIL
+        self.evict(v)
+        return self._slots.take(cid)
+
+    def coldest(self, owner: int | None, cid: int) -> int:
+        """Return the coldest page eviction may take from the global (or ``owner``'s)
+        list, of class ``cid`` unless NIL; NIL if none within the scan limit."""
+        s, nxt = self.lru.start(owner)
+        need_l3 = self.requires_l3
+        steps = self._scan_limit
+        while s != NIL and steps > 0:
+            if (not need_l3 or self._in_l3[s]) and (
+                cid == NIL or self._ext_class[s // self._per_extent] == cid
+            ):
+                return s
+            s = nxt[s]
+            steps -= 1
+        return NIL
+
+    def evict(self, s: int) -> None:
+        """Evict the evictable page ``s``: log it, take it off the lists, free it."""
+        self.evictions += 1
+        if len(self._log) < self.max_log:
+            key = self._keys[s]
+            assert key is not None
+            self._log.append(EvictedPage(key, self._ns[s], s, bool(self._in_l3[s])))
+        else:
+            self.unlogged += 1
+        self.lru.dequeue(s, self._owner[s])
+        self._release(s)

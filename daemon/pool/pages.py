@@ -1,0 +1,454 @@
+"""The host pool's page table: the L2 index and the state machine of its pages.
+
+Pure and synchronous (no I/O, no mapping, no locks, no ``await``): the event loop calls
+into it. Page metadata lives in flat per-slot arrays created once. What must survive a
+restart (state, key, namespace, owner, payload length, parent, last access, in-L3 flag,
+checksum, seal) is a column of the metadata region
+(:class:`~kvtier.daemon.pool.meta.PoolMeta`), so every change persists as it is made.
+Pins, child lists and links are private arrays, rebuilt on adoption. Intrusive doubly
+linked lists allocate nothing: the evictable lists (:mod:`~kvtier.daemon.pool.links`)
+and each page's list of resident children.
+
+Life cycle (:class:`PageState`): FREE -allocate-> WRITING -commit-> READY
+-evict/flush-> FREE, and WRITING -abort-> FREE. WRITING pages are invisible to
+lookups and never evicted; a READY page is evictable when it has no pins and no
+resident children (pages that extend it). Write order makes a crash at any instant
+safe: a row is completed while WRITING and its state flips to READY last; freeing
+flips the state first. Which page to evict is :mod:`~kvtier.daemon.pool.eviction`.
+
+Hot paths: lookup is a dict probe per key at C speed (``_ready``: the READY keys of each
+namespace); commit adds one xxh3 of the key (the seal).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from kvtier.daemon.pool.eviction import Evictor
+from kvtier.daemon.pool.layout import HAS_CHECKSUM, KEY_BYTES, NIL
+from kvtier.daemon.pool.links import ChildLists, filled
+from kvtier.daemon.pool.meta import PoolMeta
+from kvtier.daemon.pool.records import HostPoolError, PageState, PageStateError
+from kvtier.daemon.pool.slots import PageClass, SlotAllocator
+from xxhash import xxh3_64_intdigest
+
+__all__ = ["PageTable"]
+
+_MAX_U64 = (1 << 64) - 1
+
+
+class PageTable:
+    """The pages of one host pool: index, states, pins, parent links, LRU placement.
+
+    Not built on its own: :class:`~kvtier.daemon.pool.index.HostPool` (its subclass, which
+    adds construction, adoption, ids and introspection) binds it to a metadata region
+    with :meth:`_setup` and refills it from an adoption scan with :meth:`_rebuild`.
+    Slots come from an :class:`~kvtier.daemon.pool.eviction.Evictor`, which evicts
+    through :meth:`_release`.
+    """
+
+    def _setup(self, meta: PoolMeta, *, max_log: int, quota: dict[int, int],
+               requires_l3: bool) -> None:  # fmt: skip
+        """Bind the metadata columns and create the private arrays (an empty pool).
+
+        Args:
+            meta: the metadata region, formatted or about to be adopted.
+            max_log / quota / requires_l3: the eviction settings (see :class:`Evictor`).
+        """
+        layout = meta.layout
+        self.capacity_bytes, self.extent_bytes = layout.capacity_bytes, layout.extent_bytes
+        self.align, self.n_extents, self.n_slots = layout.align, layout.n_extents, layout.n_slots
+        self._per_extent = layout.per_extent
+        self._meta = meta
+        self._slots = slots = SlotAllocator(layout, meta.ext_bytes)
+        self._classes: list[PageClass] = slots.classes
+        self._ext_class = slots.ext_class
+        # persistent columns (shared memory for a daemon's pool), then private arrays
+        self._state, self._in_l3, self._stamp = meta.state, meta.in_l3, meta.stamp
+        self._ns, self._owner, self._parent = meta.ns, meta.owner, meta.parent
+        self._pins = filled("i", 0, self.n_slots)
+        self._kids = ChildLists(self.n_slots, meta.parent)  # resident children per page
+        self._children = self._kids.count
+        self._key: list[bytes | None] = [None] * self.n_slots
+        # (namespace, key) -> slot of every resident page; a key is only ever seen from
+        # its own namespace, so one tenant cannot even probe another's keys
+        self._index: dict[bytes, int] = {}
+        # ns_id -> keys of its READY pages: lookups run over it at C speed (the LOOKUP hot path)
+        self._ready: dict[int, set[bytes]] = {}
+        self._ev = Evictor(slots, meta, self._key, self._release, max_log=max_log,
+                           quota=quota, requires_l3=requires_l3)  # fmt: skip
+        self._lru = self._ev.lru  # the evictable pages
+        self._owned = self._ev.owned
+        self._clock = 0
+        self._n_pinned = 0
+
+    def _rebuild(self, slots: np.ndarray, keys: list[bytes], parents: np.ndarray) -> None:
+        """Rebuild the private state of an empty table from adopted READY rows.
+
+        Args:
+            slots: the adopted slot ids, ascending; ``keys`` and ``parents`` (after
+                cleaning, NIL: none) in the same order.
+        """
+        meta = self._meta
+        self._slots.rebuild(slots)
+        sl = slots.tolist()
+        for s, key in zip(sl, keys):
+            self._key[s] = key
+        nss = meta.array("ns")[slots].tolist()
+        self._index = {_ik(n, k): s for n, k, s in zip(nss, keys, sl)}
+        self._ready = {}
+        for n, k in zip(nss, keys):
+            self._ready.setdefault(n, set()).add(k)
+        cids = np.frombuffer(self._ext_class, dtype=np.int32)[slots // self._per_extent]
+        for cid, count in zip(*np.unique(cids, return_counts=True)):
+            self._classes[int(cid)].ready = int(count)
+        for cls in self._classes:
+            self._ev.fit_class(cls.n)
+        owners = meta.array("owner")[slots]
+        for o, count in zip(*np.unique(owners, return_counts=True)):
+            self._owned[int(o)] = int(count)
+        self._kids.rebuild(slots, parents)
+        # evictable lists: childless pages by last access, cold end first
+        stamps = meta.array("stamp")[slots]
+        ev = np.frombuffer(self._children, dtype=np.int32)[slots] == 0
+        order = np.lexsort((slots[ev], stamps[ev]))
+        self._lru.rebuild(slots[ev][order], owners[ev][order])
+        self._clock = int(stamps.max()) if len(stamps) else 0
+
+    # ------------------------------------------------------------ page index
+
+    def lookup(self, ns_id: int, keys: Sequence[bytes]) -> int:
+        """Return the length of the leading run of ``keys`` READY in ``ns_id``.
+
+        Pages of other namespaces are never seen. Recency is not touched.
+
+        Args:
+            ns_id: the caller's namespace.
+            keys: page keys in chain order.
+
+        Returns:
+            How many leading keys are READY.
+        """
+        ready = self._ready.get(ns_id)
+        if not ready:
+            return 0
+        found = list(map(ready.__contains__, keys))
+        return len(found) if all(found) else found.index(False)
+
+    def resident_run(self, ns_id: int, keys: Sequence[bytes]) -> int:
+        """Return the length of the leading run of ``keys`` resident in ``ns_id``,
+        READY or WRITING (what a store leaves stored or being stored).
+
+        Args:
+            ns_id: the caller's namespace.
+            keys: page keys in chain order.
+
+        Returns:
+            How many leading keys are READY or WRITING.
+        """
+        index = self._index
+        n = 0
+        for key in keys:
+            if _ik(ns_id, key) not in index:
+                break
+            n += 1
+        return n
+
+    def allocate(
+        self,
+        ns_id: int,
+        owner: int,
+        class_id: int,
+        keys: Sequence[bytes],
+        parent_key: bytes | None = None,
+    ) -> list[tuple[int, int]]:
+        """Allocate WRITING slots for the keys the pool lacks (the store path).
+
+        Present keys (READY or WRITING) are skipped but parent the next key. A new
+        page's parent is the previous key's page, or for ``keys[0]`` the page of
+        ``parent_key`` when resident in ``ns_id``. Stops at the first key that cannot
+        be allocated (pool full, nothing evictable, quota) or that another namespace
+        holds: later pages are useless without it.
+
+        Args:
+            ns_id: namespace of the pages.
+            owner: tenant charged for the pages (see :meth:`HostPool.set_quota`).
+            class_id: page class from :meth:`HostPool.register_class`.
+            keys: page keys in chain order, at most 32 bytes each.
+            parent_key: key of the page ``keys[0]`` extends, if any.
+
+        Returns:
+            ``(index into keys, slot)`` per page allocated, in key order; a shortfall
+            shows as missing pairs, never as an exception.
+
+        Raises:
+            HostPoolError: unknown class id, or a key longer than 32 bytes.
+        """
+        self._slots.check_class(class_id)
+        if keys and max(map(len, keys)) > KEY_BYTES:
+            raise HostPoolError(f"page keys must have at most {KEY_BYTES} bytes")
+        cls = self._classes[class_id]
+        index = self._index
+        meta = self._meta
+        pack_key, key_col, key_len, length = meta.pack_key, meta.key, meta.key_len, meta.length
+        state, stamp, ns, owners = self._state, self._stamp, self._ns, self._owner
+        out: list[tuple[int, int]] = []
+        prev = NIL
+        if parent_key is not None:
+            p = index.get(_ik(ns_id, parent_key))
+            if p is not None:
+                prev = p
+        for i, key in enumerate(keys):
+            s = index.get(_ik(ns_id, key))
+            if s is not None:
+                prev = s
+                continue
+            if prev != NIL:
+                self._add_child_ref(prev)  # shields prev from the evictions below
+            s = self._ev.take_slot(class_id, owner)
+            if s == NIL:
+                if prev != NIL:
+                    self._drop_child_ref(prev)
+                break
+            pack_key(key_col, s * KEY_BYTES, key)  # the row first, the state byte last
+            key_len[s] = len(key)
+            ns[s] = ns_id
+            owners[s] = owner
+            length[s] = cls.page_bytes
+            self._parent[s] = prev
+            stamp[s] = self._tick()
+            state[s] = PageState.WRITING
+            self._key[s] = key
+            if prev != NIL:
+                self._kids.link(prev, s)
+            index[_ik(ns_id, key)] = s
+            cls.writing += 1
+            self._owned[owner] = self._owned.get(owner, 0) + 1
+            out.append((i, s))
+            prev = s
+        return out
+
+    def commit(self, slots: Sequence[int], checksums: Sequence[int] | None = None) -> None:
+        """Mark filled pages READY (visible) and touch them, the last slot first.
+
+        A page with no resident children becomes evictable. Each row is sealed (its
+        key, namespace and checksum bound by one xxh3) before its state flips.
+
+        Args:
+            slots: WRITING slots, in chain order (the tail ends up coldest).
+            checksums: the payload checksum of each slot (:func:`page_checksum` of its
+                page bytes, computed once they landed), same order; None records none
+                (such pages are not adopted by a verifying :meth:`HostPool.adopt`).
+
+        Raises:
+            PageStateError: a slot is not WRITING. Checked before any change, except a
+                slot listed twice, which fails at its second occurrence.
+            HostPoolError: a slot id is out of range, or ``checksums`` does not match
+                ``slots`` (length, or a value outside 64 bits).
+        """
+        for s in slots:
+            self._expect(s, PageState.WRITING, "commit")
+        if checksums is not None and (len(checksums) != len(slots) or (
+                checksums and (min(checksums) < 0 or max(checksums) > _MAX_U64))):  # fmt: skip
+            raise HostPoolError(f"need one 64-bit checksum per slot ({len(slots)})")
+        meta, state, ready, keys = self._meta, self._state, self._ready, self._key
+        checksum, flags, seal, stamp = meta.checksum, meta.flags, meta.seal, self._stamp
+        digest = xxh3_64_intdigest
+        for j in range(len(slots) - 1, -1, -1):
+            s = slots[j]
+            self._expect(s, PageState.WRITING, "commit")
+            key = keys[s]
+            assert key is not None
+            ns = self._ns[s]
+            if checksums is None:
+                csum = flags[s] = 0
+            else:
+                csum = checksum[s] = checksums[j]
+                flags[s] = HAS_CHECKSUM
+            seal[s] = digest(key, (csum ^ ns) & _MAX_U64)  # = seal_of(key, ns, csum)
+            stamp[s] = self._tick()
+            state[s] = PageState.READY  # last: the row is complete
+            ready.setdefault(ns, set()).add(key)
+            cls = self._classes[self._ext_class[s // self._per_extent]]
+            cls.writing -= 1
+            cls.ready += 1
+            if self._children[s] == 0:
+                self._lru.enqueue(s, self._owner[s])
+
+    def abort(self, slots: Sequence[int]) -> None:
+        """Free pages whose fill failed (WRITING -> FREE, keys leave the index).
+
+        Parents lose a resident child; resident children lose their parent link.
+
+        Args:
+            slots: WRITING slots.
+
+        Raises:
+            PageStateError: as for :meth:`commit`.
+            HostPoolError: a slot id is out of range.
+        """
+        for s in slots:
+            self._expect(s, PageState.WRITING, "abort")
+        for j in range(len(slots) - 1, -1, -1):
+            self._expect(slots[j], PageState.WRITING, "abort")
+            self._release(slots[j])
+
+    def pin(self, ns_id: int, keys: Sequence[bytes]) -> list[int]:
+        """Pin the leading READY run of ``keys`` and touch it, the last key first.
+
+        Pinned pages are not evictable. The caller keeps the returned slots and hands
+        them to :meth:`unpin` once.
+
+        Args:
+            ns_id: the caller's namespace.
+            keys: page keys in chain order.
+
+        Returns:
+            The pinned slots, one per key of the leading READY run.
+        """
+        out = [self._index[_ik(ns_id, key)] for key in keys[: self.lookup(ns_id, keys)]]
+        pins = self._pins
+        for j in range(len(out) - 1, -1, -1):
+            s = out[j]
+            if pins[s] == 0:
+                self._n_pinned += 1
+                if self._children[s] == 0:
+                    self._lru.dequeue(s, self._owner[s])
+            pins[s] += 1
+            self._stamp[s] = self._tick()
+        return out
+
+    def unpin(self, slots: Sequence[int]) -> None:
+        """Drop one pin per slot; pages left unpinned and childless become evictable.
+
+        Args:
+            slots: slots returned by :meth:`pin`.
+
+        Raises:
+            PageStateError: a slot is not a pinned READY page. Checked before any
+                change, except a slot listed more often than pinned.
+            HostPoolError: a slot id is out of range.
+        """
+        for s in slots:
+            self._expect(s, PageState.READY, "unpin")
+        pins = self._pins
+        for s in slots:
+            self._expect(s, PageState.READY, "unpin")
+            pins[s] -= 1
+            if pins[s] == 0:
+                self._n_pinned -= 1
+                if self._children[s] == 0:
+                    self._lru.enqueue(s, self._owner[s])
+
+    def mark_in_l3(self, slots: Sequence[int]) -> None:
+        """Record that these pages are in L3 (evictable under ``evict_requires_l3``).
+
+        Args:
+            slots: READY or WRITING slots.
+
+        Raises:
+            PageStateError: a slot is FREE (checked before any change).
+            HostPoolError: a slot id is out of range.
+        """
+        for s in slots:
+            self._check_slot(s)
+            if self._state[s] == PageState.FREE:
+                raise PageStateError(f"cannot mark slot {s} in L3: it is FREE")
+        for s in slots:
+            self._in_l3[s] = 1
+
+    def flush(self, ns_id: int | None = None, owner: int | None = None) -> int:
+        """Drop every evictable page, optionally only of one namespace and/or owner.
+
+        Chains go tail to head; pinned and WRITING pages (and their ancestors) stay.
+        Dropped pages are neither counted as evictions nor logged.
+
+        Args:
+            ns_id: only pages of this namespace, if given.
+            owner: only pages of this owner, if given.
+
+        Returns:
+            The number of pages dropped.
+        """
+        dropped = 0
+        s, links = self._lru.start(None)
+        while s != NIL:
+            nxt = links[s]  # dropping s only enqueues its parent, never removes nxt
+            while (
+                s != NIL
+                and (ns_id is None or self._ns[s] == ns_id)
+                and (owner is None or self._owner[s] == owner)
+            ):
+                parent = self._parent[s]
+                self._lru.dequeue(s, self._owner[s])
+                self._release(s)
+                dropped += 1
+                s = parent if parent != NIL and self._is_evictable(parent) else NIL
+            s = nxt
+        return dropped
+
+    def _release(self, s: int) -> None:
+        """Turn the READY or WRITING page ``s``, off the evictable lists, FREE."""
+        assert self._pins[s] == 0
+        key = self._key[s]
+        assert key is not None
+        was_ready = self._state[s] == PageState.READY
+        self._state[s] = PageState.FREE  # first: from here on a crash leaves the slot free
+        self._in_l3[s] = 0
+        del self._index[_ik(self._ns[s], key)]
+        self._key[s] = None
+        p = self._parent[s]
+        if p != NIL:
+            self._kids.unlink(p, s)
+            self._drop_child_ref(p)
+        self._kids.orphan_all(s)  # only an aborted page can still have children
+        cls = self._classes[self._ext_class[s // self._per_extent]]
+        if was_ready:
+            cls.ready -= 1
+            self._ready[self._ns[s]].discard(key)
+        else:
+            cls.writing -= 1
+        self._owned[self._owner[s]] -= 1
+        self._slots.give_back(s)
+
+    # ------------------------------------------------------ intrusive lists
+
+    def _is_evictable(self, s: int) -> bool:
+        return self._state[s] == PageState.READY and self._pins[s] == 0 and self._children[s] == 0
+
+    def _add_child_ref(self, p: int) -> None:
+        if self._is_evictable(p):
+            self._lru.dequeue(p, self._owner[p])
+        self._children[p] += 1
+
+    def _drop_child_ref(self, p: int) -> None:
+        self._children[p] -= 1
+        assert self._children[p] >= 0
+        if self._is_evictable(p):
+            self._lru.enqueue(p, self._owner[p])
+
+    # ---------------------------------------------------------------- checks
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.n_slots:
+            raise HostPoolError(f"slot {slot} out of range [0, {self.n_slots})")
+
+    def _expect(self, s: int, want: PageState, op: str) -> None:
+        self._check_slot(s)
+        state = self._state[s]
+        if state != want:
+            raise PageStateError(
+                f"cannot {op} slot {s}: it is {PageState(state).name}, not {want.name}"
+            )
+        if op == "unpin" and self._pins[s] == 0:
+            raise PageStateError(f"cannot unpin slot {s}: it is READY with no pins")
+
+
+def _ik(ns_id: int, key: bytes) -> bytes:
+    """The index key of ``key`` in namespace ``ns_id``."""
+    return ns_id.to_bytes(4, "little") + key

@@ -1,0 +1,170 @@
+"""What the host pool reports, and how it fails: page states, records, errors.
+
+The pool (:class:`~kvtier.daemon.pool.index.HostPool`) and its persistence
+(:mod:`~kvtier.daemon.pool.meta`, :mod:`~kvtier.daemon.pool.adopt`) share these, so they
+live apart from both: plain values and an error hierarchy, nothing that touches a slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import NamedTuple
+
+from kvtier.config.errors import KvtierError
+
+__all__ = [
+    "AdoptResult", "ClassStats", "EvictedPage", "HostPoolError", "HostPoolStats", "PageInfo",
+    "PageState", "PageStateError",
+]  # fmt: skip
+
+
+class HostPoolError(KvtierError):
+    """Misuse of the host pool: bad geometry, unknown class or slot id, bad key or id."""
+
+
+class PageState(IntEnum):
+    """State of one host page (slot), as stored in the state column."""
+
+    FREE = 0
+    WRITING = 1
+    READY = 2
+
+
+class PageStateError(HostPoolError):
+    """A page state transition was asked of a page in the wrong state."""
+
+
+class EvictedPage(NamedTuple):
+    """One eviction, as :meth:`HostPool.drain_evicted` reports it.
+
+    Attributes:
+        key: the page key.
+        ns_id: the page's namespace.
+        slot: the slot it occupied (free now, maybe reused).
+        in_l3: whether the page was marked as present in L3.
+    """
+
+    key: bytes
+    ns_id: int
+    slot: int
+    in_l3: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PageInfo:
+    """What the pool records about one slot (admin views, tests).
+
+    Attributes:
+        slot: the slot id.
+        state: its page state.
+        key: the page key, None when FREE.
+        ns_id / owner: namespace and tenant (stale when FREE).
+        class_id / offset: class and arena offset, -1 when the extent is free.
+        pins: pin count.
+        parent: slot of the resident page this page extends, or -1.
+        children: resident pages that extend this page.
+        in_l3: whether the page is marked as present in L3.
+        last_access: recency stamp (larger is more recent).
+        evictable: READY with no pins and no resident children.
+        checksum: the payload's xxh3-64 recorded at commit, None when none was (or the
+            page is not READY); the same value an L3 object of the page records.
+    """
+
+    slot: int
+    state: PageState
+    key: bytes | None
+    ns_id: int
+    owner: int
+    class_id: int
+    offset: int
+    pins: int
+    parent: int
+    children: int
+    in_l3: bool
+    last_access: int
+    evictable: bool
+    checksum: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ClassStats:
+    """Counters of one page class.
+
+    Attributes:
+        class_id: id from :meth:`HostPool.register_class`.
+        page_bytes: page size the class was registered with.
+        stride: slot size (the slot headroom, if any, then ``page_bytes`` rounded up to the
+            alignment).
+        slots_per_extent: slots the class cuts from one extent.
+        extents: extents the class holds.
+        pages_ready: READY pages of the class.
+        pages_writing: WRITING pages of the class.
+    """
+
+    class_id: int
+    page_bytes: int
+    stride: int
+    slots_per_extent: int
+    extents: int
+    pages_ready: int
+    pages_writing: int
+
+
+@dataclass(frozen=True, slots=True)
+class HostPoolStats:
+    """A snapshot of the pool's counters.
+
+    Attributes:
+        capacity_bytes: the arena size the pool was built with.
+        used_bytes: bytes of READY and WRITING slots (pages x stride).
+        pages_ready / pages_writing: pages in each state.
+        pages_pinned: pages with at least one pin.
+        evictions: pages evicted since construction or adoption (flushes not counted).
+        evicted_unlogged: evictions left out of the full eviction log.
+        extents_free / extents_total: extents owned by no class / in the arena.
+        classes: per-class counters, by class id.
+    """
+
+    capacity_bytes: int
+    used_bytes: int
+    pages_ready: int
+    pages_writing: int
+    pages_pinned: int
+    evictions: int
+    evicted_unlogged: int
+    extents_free: int
+    extents_total: int
+    classes: tuple[ClassStats, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AdoptResult:
+    """What :meth:`HostPool.adopt` did with the metadata it found.
+
+    Attributes:
+        adopted: True when the pages were adopted, False when everything was discarded.
+        reason: why it was discarded (one phrase), or that the metadata matched.
+        pages_adopted: READY pages visible again.
+        pages_dropped: pages found but not adopted (WRITING, failed checks); 0 on a discard.
+        bytes_adopted: payload bytes of the adopted pages.
+        seconds: time :meth:`HostPool.adopt` took (header, scan, verification, rebuild).
+        generation: the pool's generation now (1 after a discard, +1 per adoption).
+    """
+
+    adopted: bool
+    reason: str
+    pages_adopted: int
+    pages_dropped: int
+    bytes_adopted: int
+    seconds: float
+    generation: int
+
+    @property
+    def summary(self) -> str:
+        """One log line: what was adopted, or what was discarded and why."""
+        if not self.adopted:
+            return f"host pool started empty (generation 1): {self.reason}"
+        return (f"host pool adopted (generation {self.generation}): {self.pages_adopted} pages, "
+                f"{self.bytes_adopted / 2**20:.1f} MiB, {self.pages_dropped} dropped, "
+                f"in {self.seconds * 1e3:.0f} ms")  # fmt: skip

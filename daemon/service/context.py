@@ -1,0 +1,157 @@
+"""What the service's parts share: configuration, pool, tier, sessions, counters, and the
+session lifecycle (close, finalize, reap) that handlers, transfers and the server all drive.
+
+One object is handed to the handlers, the admin requests and the transfers instead of the
+whole :class:`~kvtier.daemon.service.server.Daemon`, so none of them imports the server
+and the server stays lifecycle and wiring only. Everything here runs on the event loop
+thread (transfer completions are delivered there too), so nothing needs a lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvtier.config import DaemonConfig
+from kvtier.daemon.counters import Counters
+from kvtier.daemon.pool.index import HostPool
+from kvtier.daemon.pool.layout import AdoptResult
+from kvtier.daemon.service.sessions import Session, SessionState, SessionTable
+from kvtier.daemon.service.validation import RequestError
+from kvtier.daemon.tier.tier import TierStore
+from kvtier.ipc import protocol as P
+
+if TYPE_CHECKING:
+    from kvtier.daemon.service.metrics import DaemonMetrics
+
+log = logging.getLogger("kvtier.daemon")
+
+
+class ServiceContext:
+    """The daemon's shared state, and the session lifecycle.
+
+    Args:
+        cfg: the configuration (replaced by a SIGHUP reload: read it, do not keep it).
+        pool: the L2 host pool.
+        tier: the L3 tier.
+        counters: the counters STATS reports.
+        rdir: the runtime directory (completion blocks live there).
+        epoch: this daemon's boot epoch, carried by every reply.
+
+    Attributes:
+        sessions: the registered engine sessions.
+        metrics: the Prometheus endpoint when ``metrics_port`` is set, else None.
+        adopt: what the start made of the pool file it found (set once mapped).
+        started: wall-clock start time (``uptime_s``).
+        stopping: set once a stop has begun; only HEALTH, STATS and UNREGISTER are served.
+    """
+
+    def __init__(self, cfg: DaemonConfig, pool: HostPool, tier: TierStore, counters: Counters,
+                 rdir: Path, epoch: int) -> None:
+        self.cfg = cfg
+        self.pool = pool
+        self.tier = tier
+        self.counters = counters
+        self.rdir = rdir
+        self.epoch = epoch
+        self.sessions = SessionTable()
+        self.metrics: DaemonMetrics | None = None
+        self.adopt: AdoptResult | None = None
+        self.started = time.time()
+        self.stopping = False
+
+    # ------------------------------------------------------------------ replies
+    def error(self, req_id: int, code: P.ErrorCode, message: str) -> P.ErrorReply:
+        """Count a refused request and return its error reply.
+
+        Args:
+            req_id: the request's id (0 when it could not be read).
+            code: why it was refused.
+            message: what was wrong, naming the field.
+
+        Returns:
+            The reply to send.
+        """
+        c = self.counters
+        c.errors += 1
+        c.errors_by_code[code.name] = c.errors_by_code.get(code.name, 0) + 1
+        log.debug("request %d refused: %s %s", req_id, code.name, message)
+        return P.ErrorReply(req_id=req_id, epoch=self.epoch, code=int(code), message=message)
+
+    def session(self, identity: bytes, session_id: int) -> Session:
+        """The open session ``session_id`` of connection ``identity``; its lease is renewed.
+
+        Raises:
+            RequestError: UNKNOWN_SESSION (no such session, another connection's, or closing).
+        """
+        s = self.sessions.get(session_id)
+        if s is None or s.identity != identity or s.state is not SessionState.OPEN:
+            raise RequestError(P.ErrorCode.UNKNOWN_SESSION,
+                               f"session_id = {session_id!r} is not an open session of this "
+                               f"connection (daemon epoch {self.epoch:x})")
+        s.renew(time.monotonic())
+        return s
+
+    # ------------------------------------------------------------------ session lifecycle
+    def close_session(self, s: Session, reason: str) -> None:
+        """Begin closing ``s``: no more requests, transfers cancelled, prefetches given up.
+
+        It is finalized at once when no transfer runs, else when its last one finishes.
+        """
+        if s.state is not SessionState.OPEN:
+            return
+        s.transition(SessionState.CLOSING)
+        log.info("session %d closing: %s", s.session_id, reason)
+        self.tier.session_closed(s)
+        for t in s.transfers.values():
+            t.cancelled = True
+        if not s.transfers:
+            self.finalize_session(s)
+
+    def finalize_session(self, s: Session) -> None:
+        """Forget ``s``, unmap its engine memory and remove its completion block.
+
+        Call it only once no copy thread can touch the session's memory any more.
+        """
+        if s.state is SessionState.CLOSED:
+            return
+        if s.state is SessionState.OPEN:
+            s.transition(SessionState.CLOSING)
+        self.sessions.remove(s)
+        self.tier.session_closed(s)
+        alive = s.engine_alive()
+        s.memory.close()
+        if not alive:
+            s.memory.unlink_segments()  # the engine died without removing its KV segments
+        s.completion.close()
+        s.transition(SessionState.CLOSED)
+        self.counters.sessions_closed += 1
+
+    def reap_sessions(self) -> None:
+        """Close the sessions whose engine process is gone or whose lease ran out.
+
+        One session's failure is logged and closes that session only: the reaper runs
+        for the daemon's lifetime, and an error escaping it would stop the daemon.
+        """
+        now = time.monotonic()
+        for s in self.sessions:
+            if s.state is not SessionState.OPEN:
+                continue
+            try:
+                if not s.engine_alive():
+                    self.close_session(s, f"engine process {s.pid} is gone")
+                elif s.expired(now):
+                    self.counters.sessions_expired += 1
+                    self.close_session(s, "lease expired")
+            except Exception:  # reaper boundary: this session only, keep reaping the others
+                log.exception("reaper: checking session %d failed; closing it", s.session_id)
+                self._close_broken(s)
+
+    def _close_broken(self, s: Session) -> None:
+        """Close a session the reaper could not check; a second failure is logged only."""
+        try:
+            self.close_session(s, "the reaper could not check it")
+        except Exception:  # reaper boundary: the daemon outlives one broken session
+            log.exception("reaper: closing session %d failed", s.session_id)

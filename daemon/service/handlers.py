@@ -1,0 +1,295 @@
+"""The engines' requests: one method per request type, from REGISTER to UNREGISTER.
+
+A handler checks its request (:mod:`~kvtier.daemon.service.validation`), then acts on the
+pool, the tier or the copy threads. It answers at once with a reply, or, when it must wait
+(L3 I/O, a CLAIM waiting for its prefetch, the other ranks of a group), returns a coroutine
+that the server answers from its own task while the loop keeps serving everyone else. A
+session whose request waits so does not expire meanwhile (:meth:`Handlers.later`).
+
+The latency histograms are fed here (LOOKUP, CLAIM) and in
+:mod:`~kvtier.daemon.service.transfers` (LOAD, STORE): a LOOKUP or CLAIM is timed from its
+arrival to its reply, the deferred part included.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from kvtier.config import format_size
+from kvtier.daemon.pool.index import HostPoolError
+from kvtier.daemon.service.context import ServiceContext
+from kvtier.daemon.service.sessions import Session
+from kvtier.daemon.service.transfers import Transfers
+from kvtier.daemon.service.validation import (
+    RequestError,
+    check_keys,
+    check_pid,
+    check_policy,
+    check_slot,
+)
+from kvtier.daemon.tier.rank_groups import GroupKey
+from kvtier.daemon.transfer.engine_memory import EngineMemory, EngineMemoryError
+from kvtier.daemon.transfer.transfer import Direction
+from kvtier.ipc import protocol as P
+from kvtier.ipc.completion import CompletionBlock
+from kvtier.ipc.namespace import namespace_fingerprint
+
+log = logging.getLogger("kvtier.daemon")
+COMPLETION_SLOTS = 64
+"""Completion slots per session: the transfers one engine may have running at once."""
+DEFAULT_TENANT = "default"
+"""The tenant of every session when no tenants are configured."""
+
+Handler = Callable[[bytes, Any], "P.Reply | Coroutine[Any, Any, P.Reply]"]
+"""A request handler: (connection identity, request) → reply, or a coroutine of one."""
+
+
+class Handlers:
+    """The engine-facing request handlers.
+
+    Each takes the connection's ZeroMQ identity and the decoded request, and returns a
+    reply or a coroutine of one; it raises :class:`RequestError` to refuse.
+
+    Args:
+        ctx: the daemon's shared state.
+        transfers: where LOAD and STORE start their copies.
+    """
+
+    def __init__(self, ctx: ServiceContext, transfers: Transfers) -> None:
+        self.ctx = ctx
+        self.transfers = transfers
+
+    def table(self) -> dict[type, Handler]:
+        """The handler of each engine request type."""
+        return {
+            P.Register: self.register, P.Heartbeat: self.heartbeat, P.Lookup: self.lookup,
+            P.Store: self.store, P.Load: self.load, P.Release: self.release,
+            P.Unregister: self.unregister, P.Prefetch: self.prefetch, P.Claim: self.claim,
+            P.Health: self.health,
+        }
+
+    async def later(self, s: Session, pending: Coroutine[Any, Any, P.Reply]) -> P.Reply:
+        """Answer ``pending`` for ``s``; its lease does not run out meanwhile."""
+        s.waiting += 1
+        try:
+            return await pending
+        finally:
+            s.waiting -= 1
+            s.renew(time.monotonic())
+
+    # ------------------------------------------------------------------ sessions
+    def register(self, identity: bytes, m: P.Register) -> P.Reply:
+        """REGISTER: authenticate, map the engine's memory, open a session."""
+        ctx, cfg = self.ctx, self.ctx.cfg
+        if m.protocol_version != P.PROTOCOL_VERSION:
+            raise RequestError(P.ErrorCode.PROTOCOL_VERSION,
+                               f"protocol_version = {m.protocol_version!r}; this daemon speaks "
+                               f"{P.PROTOCOL_VERSION}")
+        if len(ctx.sessions) >= cfg.max_sessions:
+            raise RequestError(P.ErrorCode.BUSY, f"max_sessions ({cfg.max_sessions}) reached")
+        check_pid(m.pid)
+        tenant = self._authenticate(m)
+        g = m.geometry
+        try:
+            g.validate()
+        except ValueError as err:
+            raise RequestError(P.ErrorCode.GEOMETRY_MISMATCH, str(err)) from err
+        if not (1 <= m.tp_size <= 1024 and 0 <= m.tp_rank < m.tp_size):
+            raise RequestError(P.ErrorCode.GEOMETRY_MISMATCH,
+                               f"tp_rank = {m.tp_rank!r} / tp_size = {m.tp_size!r} are inconsistent")
+        if g.page_bytes > cfg.extent_size:
+            raise RequestError(P.ErrorCode.GEOMETRY_MISMATCH,
+                               f"a page of {g.page_bytes} bytes does not fit the pool's "
+                               f"extent_size ({cfg.extent_size})")
+        try:
+            memory = EngineMemory(g, m.memory)
+        except EngineMemoryError as err:
+            raise RequestError(P.ErrorCode.BAD_MEMORY, str(err)) from err
+        try:
+            fp = namespace_fingerprint(m.namespace, g, m.tp_rank, m.tp_size, tenant)
+            try:
+                ns_id, owner = ctx.pool.namespace_id(fp), ctx.pool.owner_id(tenant)
+            except HostPoolError as err:
+                raise RequestError(P.ErrorCode.BUSY, str(err)) from err
+            sid = ctx.sessions.new_id()
+            block = CompletionBlock.create(ctx.rdir / f"completion-{ctx.epoch:x}-{sid}",
+                                           COMPLETION_SLOTS)
+        except BaseException:
+            memory.close()
+            raise
+        s = Session(session_id=sid, identity=identity, tenant=tenant, owner=owner,
+                    ns_id=ns_id, ns_fingerprint=fp, geometry=g,
+                    class_id=ctx.pool.register_class(g.page_bytes), memory=memory,
+                    completion=block, pid=m.pid, tp_rank=m.tp_rank, tp_size=m.tp_size,
+                    lease_s=cfg.lease_s)
+        s.renew(time.monotonic())
+        ctx.tier.register(ns_id, fp, tenant, s.class_id, g.page_bytes)
+        s.member = ctx.tier.groups.join(GroupKey(
+            tenant=tenant, model_id=m.namespace.model_id, revision=m.namespace.revision,
+            cache_salt=m.namespace.cache_salt, attention=g.attention, tp_size=m.tp_size,
+            tp_group=m.tp_group), m.tp_rank, sid)
+        ctx.sessions.add(s)
+        ctx.counters.sessions_opened += 1
+        log.info("session %d registered: tenant %s, model %s, pid %d, rank %d/%d, %d pages of %s",
+                 sid, tenant, m.namespace.model_id, m.pid, m.tp_rank, m.tp_size,
+                 m.memory.num_pages, format_size(g.page_bytes))
+        return P.Registered(req_id=m.req_id, epoch=ctx.epoch, session_id=sid,
+                            lease_s=cfg.lease_s, ns_fingerprint=fp,
+                            completion_name=str(block.segment.path),
+                            completion_slots=block.slots, daemon_pid=os.getpid())
+
+    def _authenticate(self, m: P.Register) -> str:
+        """The tenant a REGISTER may act as (the default one when none are configured)."""
+        tenants = self.ctx.cfg.tenants
+        if not tenants:
+            return DEFAULT_TENANT
+        t = tenants.get(m.tenant)
+        ok = t is not None and hmac.compare_digest(
+            t.token.get_secret_value().encode(), m.token.encode())
+        if not ok:
+            log.warning("registration refused: tenant %r from pid %d presented a %s token",
+                        m.tenant, m.pid, "missing" if not m.token else "wrong")
+            raise RequestError(P.ErrorCode.UNAUTHORIZED,
+                               f"tenant = {m.tenant!r}: missing or wrong token")
+        return m.tenant
+
+    def heartbeat(self, identity: bytes, m: P.Heartbeat) -> P.Reply:
+        """HEARTBEAT: renew the session's lease."""
+        self.ctx.session(identity, m.session_id)
+        return P.Ack(req_id=m.req_id, epoch=self.ctx.epoch)
+
+    def unregister(self, identity: bytes, m: P.Unregister) -> P.Reply:
+        """UNREGISTER: close the session (its running transfers are cancelled)."""
+        s = self.ctx.session(identity, m.session_id)
+        self.ctx.close_session(s, "unregistered")
+        return P.Ack(req_id=m.req_id, epoch=self.ctx.epoch)
+
+    def health(self, identity: bytes, m: P.Health) -> P.Reply:
+        """HEALTH: ``ok`` or ``stopping``, and the session count (no session needed)."""
+        status = "stopping" if self.ctx.stopping else "ok"
+        return P.HealthReply(req_id=m.req_id, epoch=self.ctx.epoch, status=status,
+                             sessions=len(self.ctx.sessions))
+
+    # ------------------------------------------------------------------ lookups
+    def lookup(self, identity: bytes, m: P.Lookup) -> P.Reply:
+        """LOOKUP: the leading run of keys in L2, then (when asked) the run after it in L3."""
+        start = time.perf_counter()
+        ctx = self.ctx
+        s = ctx.session(identity, m.session_id)
+        check_keys(m.keys, ctx.cfg.max_keys_per_request)
+        n = ctx.pool.lookup(s.ns_id, m.keys)
+        c = ctx.counters
+        c.lookup_tokens += len(m.keys) * s.geometry.page_size
+        c.lookup_hit_tokens += n * s.geometry.page_size
+        c.lookups += 1
+        c.lookup_keys += len(m.keys)
+        c.lookup_hit_keys += n
+        c.lookup_hits += n > 0
+        if s.member is None and (n == len(m.keys) or not ctx.tier.available):
+            self._observe_lookup(start)
+            return P.LookupResult(req_id=m.req_id, epoch=ctx.epoch, l2=n, l3=0)
+        return self.later(s, self._lookup_more(s, m, n, start))
+
+    async def _lookup_more(self, s: Session, m: P.Lookup, n: int, start: float) -> P.Reply:
+        """The L3 part of a LOOKUP (and the rank group's agreement)."""
+        l2, l3 = await self.ctx.tier.lookup_l3(s, m.keys, n)
+        self._observe_lookup(start)
+        return P.LookupResult(req_id=m.req_id, epoch=self.ctx.epoch, l2=l2, l3=l3)
+
+    def _observe_lookup(self, start: float) -> None:
+        if self.ctx.metrics is not None:
+            self.ctx.metrics.observe_lookup(time.perf_counter() - start)
+
+    def prefetch(self, identity: bytes, m: P.Prefetch) -> P.Reply:
+        """PREFETCH: start reading the L3 run after ``skip`` keys into L2."""
+        ctx = self.ctx
+        s = ctx.session(identity, m.session_id)
+        check_keys(m.keys, ctx.cfg.max_keys_per_request)
+        if not 0 <= m.skip <= len(m.keys):
+            raise RequestError(P.ErrorCode.BAD_MESSAGE,
+                               f"skip = {m.skip!r} is outside [0, {len(m.keys)}]")
+        if not m.keys or not ctx.tier.available:
+            ctx.counters.prefetches += 1
+            return P.PrefetchReply(req_id=m.req_id, epoch=ctx.epoch, started=0)
+        return self.later(s, self._prefetch_async(s, m))
+
+    async def _prefetch_async(self, s: Session, m: P.Prefetch) -> P.Reply:
+        started = await self.ctx.tier.prefetch(s, m.keys, m.request_id, skip=m.skip)
+        return P.PrefetchReply(req_id=m.req_id, epoch=self.ctx.epoch, started=started)
+
+    def claim(self, identity: bytes, m: P.Claim) -> P.Reply:
+        """CLAIM: the L2 run, once the session's prefetch is done (per its policy)."""
+        start = time.perf_counter()
+        ctx = self.ctx
+        s = ctx.session(identity, m.session_id)
+        check_keys(m.keys, ctx.cfg.max_keys_per_request)
+        check_policy(m.policy)
+        if s.member is None and not s.prefetches:  # nothing to wait for: answer now
+            n = ctx.pool.lookup(s.ns_id, m.keys)
+            ctx.counters.claims += 1
+            ctx.counters.claim_pages += n
+            self._observe_claim(start)
+            return P.ClaimReply(req_id=m.req_id, epoch=ctx.epoch, l2=n)
+        return self.later(s, self._claim_async(s, m, start))
+
+    async def _claim_async(self, s: Session, m: P.Claim, start: float) -> P.Reply:
+        n = await self.ctx.tier.claim(s, m.keys, m.request_id, m.policy)
+        self._observe_claim(start)
+        return P.ClaimReply(req_id=m.req_id, epoch=self.ctx.epoch, l2=n)
+
+    def _observe_claim(self, start: float) -> None:
+        if self.ctx.metrics is not None:
+            self.ctx.metrics.observe_claim(time.perf_counter() - start)
+
+    # ------------------------------------------------------------------ transfers
+    def store(self, identity: bytes, m: P.Store) -> P.Reply:
+        """STORE: allocate host slots for the keys not there yet and copy them in."""
+        ctx = self.ctx
+        s = ctx.session(identity, m.session_id)
+        check_keys(m.keys, ctx.cfg.max_keys_per_request, m.pages, s.memory.num_pages)
+        check_slot(s, m.slot)
+        if m.parent_key is not None and len(m.parent_key) != P.KEY_BYTES:
+            raise RequestError(P.ErrorCode.BAD_MESSAGE, f"parent_key has {len(m.parent_key)} bytes")
+        ctx.counters.stores += 1
+        if s.geometry.attention == "mla" and s.tp_rank > 0:
+            # MLA pages are the same on every rank: rank 0 stores them for all
+            return P.StoreAccepted(req_id=m.req_id, epoch=ctx.epoch, count=len(m.keys), writing=0)
+        allocated = ctx.pool.allocate(s.ns_id, s.owner, s.class_id, m.keys, m.parent_key)
+        count = ctx.pool.resident_run(s.ns_id, m.keys)
+        ctx.counters.store_skipped_pages += count - len(allocated)
+        ctx.counters.store_failed_pages += len(m.keys) - count
+        ctx.tier.allocated(len(m.keys), count)
+        if not allocated:
+            return P.StoreAccepted(req_id=m.req_id, epoch=ctx.epoch, count=count, writing=0)
+        idx = [i for i, _ in allocated]
+        host = [slot for _, slot in allocated]
+        self.transfers.start(s, Direction.STORE, m.slot, m.seq, host, [m.pages[i] for i in idx],
+                             [m.keys[i] for i in idx])
+        return P.StoreAccepted(req_id=m.req_id, epoch=ctx.epoch, count=count, writing=len(host))
+
+    def load(self, identity: bytes, m: P.Load) -> P.Reply:
+        """LOAD: pin the leading run of keys in L2 and copy it to the engine's pages."""
+        ctx = self.ctx
+        s = ctx.session(identity, m.session_id)
+        check_keys(m.keys, ctx.cfg.max_keys_per_request, m.pages, s.memory.num_pages)
+        check_slot(s, m.slot)
+        ctx.counters.loads += 1
+        host = ctx.pool.pin(s.ns_id, m.keys)
+        if host:
+            self.transfers.start(s, Direction.LOAD, m.slot, m.seq, host, m.pages[: len(host)],
+                                 m.keys[: len(host)])
+        return P.LoadAccepted(req_id=m.req_id, epoch=ctx.epoch, count=len(host))
+
+    def release(self, identity: bytes, m: P.Release) -> P.Reply:
+        """RELEASE: cancel the session's transfers in the given slots."""
+        s = self.ctx.session(identity, m.session_id)
+        for slot in m.slots:
+            t = s.transfers.get(slot)
+            if t is not None:
+                t.cancelled = True
+        return P.Ack(req_id=m.req_id, epoch=self.ctx.epoch)

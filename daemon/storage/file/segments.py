@@ -1,0 +1,169 @@
+"""The ``file`` backend's on-disk format: segment files of fixed-size slots.
+
+::
+
+    <path>/kvtier-file.lock              flock'd while a process has the store open
+    <path>/seg-<payload_slot>x<slots>-<seq>.kvt
+
+    segment  ┌─────────────────────────────┬─────────────┬─────────────┬─────
+             │ header table: 128 B / slot  │ payload 0   │ payload 1   │ ...
+             │ (96-byte object headers)    │             │             │
+             └─────────────────────────────┴─────────────┴─────────────┴─────
+             0                  table_bytes (4 KiB aligned), payload_slot = round_up(len, 4 KiB)
+
+A segment file is preallocated (``posix_fallocate``) at creation; a slot's header is
+:mod:`~kvtier.daemon.storage.objects`' self-describing header, unchanged. This module
+names, opens and scans segments; it keeps no state of its own.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtier.daemon.storage.objects import HEADER_SIZE, MAGIC, check_header
+
+__all__ = [
+    "ALIGN",
+    "HEADER_STRIDE",
+    "LOCK_NAME",
+    "Segment",
+    "Slot",
+    "close_fds",
+    "fresh_slots",
+    "open_segment",
+    "parse_segment_name",
+    "payload_slot",
+    "scan_segment",
+    "table_bytes",
+]
+
+ALIGN = 4096
+"""Alignment of header tables and payload slots (the page-cache page)."""
+HEADER_STRIDE = 128
+"""Bytes of a header-table entry (one 96-byte object header, padded)."""
+LOCK_NAME = "kvtier-file.lock"
+"""The lock file a process holds (``flock``) while it has the store open."""
+_SEGMENT_RE = re.compile(r"seg-(\d+)x(\d+)-(\d+)\.kvt")
+_U64 = struct.Struct("<Q")
+
+
+def payload_slot(length: int) -> int:
+    """Return the slot size, in a segment's payload area, of a ``length``-byte payload."""
+    return -(-length // ALIGN) * ALIGN
+
+
+def table_bytes(slots: int) -> int:
+    """Return the size of a segment's header table (``HEADER_STRIDE`` per slot, 4 KiB aligned)."""
+    return -(-slots * HEADER_STRIDE // ALIGN) * ALIGN
+
+
+@dataclass(eq=False, slots=True)
+class Segment:
+    """One open segment file: ``slots`` slots of ``payload_slot`` bytes, open as ``fd``."""
+
+    seq: int
+    payload_slot: int
+    slots: int
+    fd: int
+
+    @property
+    def size(self) -> int:
+        """The file's size: header table plus payload area."""
+        return table_bytes(self.slots) + self.slots * self.payload_slot
+
+
+@dataclass(eq=False, slots=True)
+class Slot:
+    """One slot, created once per segment; named by ``ident`` while in the index."""
+
+    seg: Segment
+    hpos: int  # header offset in the segment file
+    dpos: int  # payload offset
+    ident: tuple[bytes, bytes] | None = None
+    length: int = 0
+    ready: bool = False  # False while written: invisible to exists/get, not evictable
+    gen: int = 0  # bumped at every allocation, so a stale reader never frees a new object
+    dirty: bool = False  # its header may verify: zero it before the payload is overwritten
+
+
+def parse_segment_name(name: str) -> tuple[int, int, int] | None:
+    """Return ``(payload_slot, slots, seq)`` of a segment file's name; None for any other
+    file (a name that does not match, or a slot size that is not a multiple of 4 KiB)."""
+    m = _SEGMENT_RE.fullmatch(name)
+    if m is None:
+        return None
+    slot, slots, seq = int(m[1]), int(m[2]), int(m[3])
+    return (slot, slots, seq) if slot > 0 and slot % ALIGN == 0 and slots > 0 else None
+
+
+def open_segment(directory: Path, seq: int, slot: int, slots: int, create: bool,
+                 durable: bool) -> Segment:
+    """Open (or, with ``create``, create and preallocate) a segment file.
+
+    Args:
+        directory: the store directory.
+        seq, slot, slots: the segment's sequence number, payload slot size and slot count.
+        create: create the file (it must not exist); else open an existing one.
+        durable: after creating, ``fsync`` the file and the directory.
+
+    Returns:
+        The open segment (its size restored by ``posix_fallocate`` if it was truncated).
+
+    Raises:
+        OSError: the file cannot be opened, created or preallocated (a file this call
+            created is removed again).
+    """
+    path = directory / f"seg-{slot}x{slots}-{seq:06d}.kvt"
+    flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = os.open(path, flags, 0o644)
+    seg = Segment(seq, slot, slots, fd)
+    try:
+        os.posix_fallocate(fd, 0, seg.size)  # also restores a truncated segment's size
+        if create and durable:
+            os.fsync(fd)
+            dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+    except BaseException:
+        os.close(fd)
+        if create:
+            path.unlink(missing_ok=True)
+        raise
+    return seg
+
+
+def fresh_slots(seg: Segment) -> list[Slot]:
+    """Return the slots of a segment just created (all free)."""
+    base = table_bytes(seg.slots)
+    return [Slot(seg, i * HEADER_STRIDE, base + i * seg.payload_slot) for i in range(seg.slots)]
+
+
+def scan_segment(seg: Segment) -> list[Slot]:
+    """Read a segment's header table in one call; a slot whose header verifies is named.
+
+    Raises:
+        OSError: the table cannot be read.
+    """
+    table = memoryview(os.pread(seg.fd, seg.slots * HEADER_STRIDE, 0))
+    slots = fresh_slots(seg)
+    for slot in slots:
+        hdr = table[slot.hpos : slot.hpos + HEADER_SIZE]
+        slot.dirty = hdr[:4] == MAGIC  # whatever looks like a header is zeroed before reuse
+        if len(hdr) == HEADER_SIZE and slot.dirty:
+            ns, key, (length,) = bytes(hdr[8:40]), bytes(hdr[40:72]), _U64.unpack_from(hdr, 72)
+            if 0 < length and payload_slot(length) == seg.payload_slot \
+                    and check_header(hdr, ns, key, length) is not None:
+                slot.ident, slot.length, slot.ready = (ns, key), length, True
+    return slots
+
+
+def close_fds(fds: list[int]) -> None:
+    """Close and remove every fd of ``fds`` (emptied in place; safe from a finalizer)."""
+    while fds:
+        os.close(fds.pop())

@@ -1,0 +1,166 @@
+"""The prefetcher in-process, over a real host pool and the real ``file`` backend in a tmp dir:
+a run of pages in L3 is read into WRITING slots that become READY in chain order; a miss
+cuts the run; a cancellation or a shutdown frees the slots (never one still being read).
+
+Reads go through the tier's real guarded backend; a gate in front of it holds the first
+batch's read back, so the order in which batches finish is chosen by the test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from kvtier.daemon.pool.index import PageState
+from kvtier.daemon.tier.prefetch import Fate, Fill, Prefetcher, read_batch
+
+from tests.unit.test_tier_store import GEOMETRY, Rig, chain, open_rig, until, written_to_l3
+
+pytestmark = pytest.mark.timeout(30)
+
+PAGES = 32
+CONCURRENCY = 4
+BATCH = read_batch(PAGES, CONCURRENCY)
+
+
+class GatedReads:
+    """Reads from the rig's L3; a read whose first key is ``held`` waits for ``gate``."""
+
+    def __init__(self, rig: Rig, held: bytes) -> None:
+        self.rig = rig
+        self.held = held
+        self.gate = asyncio.Event()
+        self.calls = 0
+
+    async def __call__(self, ns: bytes, keys: list[bytes], offsets: list[int],
+                       length: int) -> list[bool]:
+        self.calls += 1
+        if keys[0] == self.held:
+            await self.gate.wait()
+        return await self.rig.tier.l3.get(ns, keys, offsets, length)
+
+
+async def in_l3_only(rig: Rig, n: int) -> tuple[list[bytes], list[bytes]]:
+    """A chain of ``n`` pages written to L3 and flushed from L2; (keys, payloads)."""
+    keys = chain(n)
+    payloads = rig.store(keys)
+    await written_to_l3(rig, keys)
+    assert rig.pool.flush(rig.session.ns_id) == n
+    return keys, payloads
+
+
+def start(rig: Rig, pf: Prefetcher, keys: list[bytes]) -> tuple[Fill, asyncio.Task[int]]:
+    s = rig.session
+    fill = pf.new_fill(s.ns_fingerprint, s.ns_id, GEOMETRY.page_bytes)
+    task = asyncio.get_running_loop().create_task(pf.fill(fill, s.owner, s.class_id, keys, None))
+    return fill, task
+
+
+def resident(rig: Rig) -> tuple[int, int]:
+    """(READY, WRITING) pages in the pool."""
+    st = rig.pool.stats()
+    return st.pages_ready, st.pages_writing
+
+
+def states(rig: Rig, fill: Fill) -> list[PageState]:
+    return [rig.pool.describe(x).state for x in fill.slots]
+
+
+async def test_pages_become_ready_in_chain_order(tmp_path: Path) -> None:
+    assert PAGES // BATCH == 2  # two read batches
+    async with open_rig(tmp_path) as rig:
+        keys, payloads = await in_l3_only(rig, PAGES)
+        reads = GatedReads(rig, held=keys[0])
+        pf = Prefetcher(rig.pool, rig.counters, reads, CONCURRENCY)
+        fill, task = start(rig, pf, keys)
+        assert await task == PAGES
+        # the second batch has verified, the first is still being read: nothing is READY
+        await until(lambda: fill.fate[BATCH:] == [Fate.VERIFIED] * BATCH, "the second batch")
+        assert fill.fate[:BATCH] == [Fate.READING] * BATCH
+        assert states(rig, fill) == [PageState.WRITING] * PAGES
+        assert rig.pool.lookup(rig.session.ns_id, keys) == 0 and fill.committed == 0
+        reads.gate.set()
+        await pf.wait([fill], 10.0)
+        assert fill.done.done() and fill.committed == PAGES
+        assert states(rig, fill) == [PageState.READY] * PAGES
+        assert rig.pool.lookup(rig.session.ns_id, keys) == PAGES
+        assert [rig.payload(x) for x in fill.slots] == payloads
+        assert all(rig.pool.describe(x).in_l3 for x in fill.slots)
+        c = rig.counters
+        assert c.l3_prefetch_started_pages == c.l3_prefetch_completed_pages == PAGES
+        assert c.l3_prefetch_failed_pages == c.l3_prefetch_cancelled_pages == 0
+        assert pf.active == 0 and reads.calls == 2
+
+
+async def test_a_page_missing_from_l3_cuts_the_run_there(tmp_path: Path) -> None:
+    async with open_rig(tmp_path) as rig:
+        keys, payloads = await in_l3_only(rig, PAGES)
+        cut = BATCH + 3
+        assert await rig.backend.delete(rig.session.ns_fingerprint, [keys[cut]]) == 1
+        pf = Prefetcher(rig.pool, rig.counters, rig.tier.l3.get, CONCURRENCY)
+        fill, task = start(rig, pf, keys)
+        await task
+        await pf.wait([fill], 10.0)
+        assert fill.committed == cut and rig.pool.lookup(rig.session.ns_id, keys) == cut
+        assert [rig.payload(x) for x in fill.slots[:cut]] == payloads[:cut]
+        assert rig.pool.resident_run(rig.session.ns_id, keys[cut:]) == 0  # freed
+        assert rig.counters.l3_prefetch_failed_pages == PAGES - cut
+        assert rig.counters.l3_prefetch_unused_pages == PAGES - cut - 1  # read, then dropped
+        assert resident(rig) == (cut, 0)
+
+
+async def test_cancel_frees_the_slots_but_not_those_being_read(tmp_path: Path) -> None:
+    async with open_rig(tmp_path) as rig:
+        keys, _ = await in_l3_only(rig, PAGES)
+        reads = GatedReads(rig, held=keys[0])
+        pf = Prefetcher(rig.pool, rig.counters, reads, CONCURRENCY)
+        fill, task = start(rig, pf, keys)
+        await task
+        await until(lambda: fill.fate[BATCH:] == [Fate.VERIFIED] * BATCH, "the second batch")
+        pf.cancel(fill)
+        # the verified batch is freed at once (no prefix); the batch being read is kept
+        assert states(rig, fill)[BATCH:] == [PageState.FREE] * BATCH
+        assert states(rig, fill)[:BATCH] == [PageState.WRITING] * BATCH
+        assert not fill.done.done()
+        reads.gate.set()
+        await pf.wait([fill], 10.0)
+        assert fill.done.done() and fill.committed == 0
+        assert states(rig, fill) == [PageState.FREE] * PAGES
+        assert resident(rig) == (0, 0)
+        c = rig.counters
+        assert c.l3_prefetch_cancelled_pages == PAGES and c.l3_prefetch_completed_pages == 0
+        assert pf.active == 0
+
+
+async def test_cancel_keeps_the_verified_leading_run(tmp_path: Path) -> None:
+    async with open_rig(tmp_path) as rig:
+        keys, payloads = await in_l3_only(rig, PAGES)
+        reads = GatedReads(rig, held=keys[BATCH])  # the second batch is held this time
+        pf = Prefetcher(rig.pool, rig.counters, reads, CONCURRENCY)
+        fill, task = start(rig, pf, keys)
+        await task
+        await until(lambda: fill.committed == BATCH, "the first batch READY")
+        pf.cancel(fill)
+        reads.gate.set()
+        await pf.wait([fill], 10.0)
+        assert rig.pool.lookup(rig.session.ns_id, keys) == BATCH
+        assert [rig.payload(x) for x in fill.slots[:BATCH]] == payloads[:BATCH]
+        assert states(rig, fill)[BATCH:] == [PageState.FREE] * BATCH
+        assert rig.counters.l3_prefetch_cancelled_pages == BATCH
+
+
+async def test_close_gives_every_fill_up(tmp_path: Path) -> None:
+    async with open_rig(tmp_path) as rig:
+        keys, _ = await in_l3_only(rig, PAGES)
+        reads = GatedReads(rig, held=keys[0])
+        pf = Prefetcher(rig.pool, rig.counters, reads, CONCURRENCY)
+        fill, task = start(rig, pf, keys)
+        await task
+        closing = asyncio.get_running_loop().create_task(pf.close(10.0))
+        await until(lambda: fill.fate[BATCH:] == [Fate.ABORTED] * BATCH, "the second batch")
+        assert not closing.done()  # it waits for the read in flight
+        reads.gate.set()
+        await closing
+        assert fill.done.done() and pf.active == 0
+        assert resident(rig) == (0, 0)

@@ -1,0 +1,116 @@
+"""Tensor-parallel rank groups in-process: a round answers the element-wise minimum over the
+ranks, 0 for everyone when a rank misses the deadline, and rounds are matched by order."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import pytest
+from kvtier.daemon.tier.rank_groups import GroupKey, Member, RankGroups
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def key(tp_size: int) -> GroupKey:
+    return GroupKey(tenant="t", model_id="m", revision="", cache_salt="", attention="mha",
+                    tp_size=tp_size, tp_group="")
+
+
+def answer(*values: int) -> Callable[[], Awaitable[tuple[int, ...]]]:
+    async def compute() -> tuple[int, ...]:
+        return values
+    return compute
+
+
+class Rounds:
+    """The groups, with the ``on_round`` calls they made."""
+
+    def __init__(self, timeout_s: float = 30.0) -> None:
+        self.ended: list[bool] = []
+        self.groups = RankGroups(timeout_s, on_round=self.ended.append)
+
+    def join(self, tp_size: int) -> list[Member]:
+        members = [self.groups.join(key(tp_size), rank, 100 + rank) for rank in range(tp_size)]
+        assert all(m is not None for m in members)
+        return members  # type: ignore[return-value]
+
+
+def later(coro: Awaitable[tuple[int, ...]]) -> asyncio.Task[tuple[int, ...]]:
+    return asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+
+
+async def test_every_rank_gets_the_minimum_over_the_ranks() -> None:
+    r = Rounds()
+    m0, m1, m2 = r.join(3)
+    t0 = later(r.groups.agree(m0, "lookup", 2, answer(5, 9)))
+    t1 = later(r.groups.agree(m1, "lookup", 2, answer(7, 3)))
+    await asyncio.sleep(0)
+    assert r.ended == [] and not t0.done()  # both contributed; rank 2 has not asked yet
+    assert await r.groups.agree(m2, "lookup", 2, answer(6, 6)) == (5, 3)
+    assert await t0 == await t1 == (5, 3)
+    assert r.ended == [False]
+
+
+async def test_a_single_rank_engine_has_no_group() -> None:
+    assert RankGroups(1.0).join(key(1), 0, 1) is None
+
+
+async def test_a_missing_rank_makes_the_answer_zero_for_everyone() -> None:
+    r = Rounds(timeout_s=0.05)
+    m0, m1 = r.join(2)
+    assert await r.groups.agree(m0, "claim", 1, answer(8)) == (0,)
+    assert r.ended == [True]
+    asked = []
+
+    async def late() -> tuple[int, ...]:
+        asked.append(1)
+        return (8,)
+
+    # the late rank is answered 0 at once, without doing its work
+    assert await r.groups.agree(m1, "claim", 1, late) == (0,)
+    assert not asked and r.ended == [True]
+    # the next round is a fresh one for both
+    t0 = later(r.groups.agree(m0, "claim", 1, answer(4)))
+    assert await r.groups.agree(m1, "claim", 1, answer(6)) == (4,)
+    assert await t0 == (4,) and r.ended == [True, False]
+
+
+async def test_rounds_are_matched_in_order_per_operation() -> None:
+    r = Rounds()
+    m0, m1 = r.join(2)
+    first = later(r.groups.agree(m0, "lookup", 1, answer(10)))
+    second = later(r.groups.agree(m0, "lookup", 1, answer(20)))
+    claim = later(r.groups.agree(m0, "claim", 1, answer(1)))
+    await asyncio.sleep(0)
+    # rank 1's first lookup meets rank 0's first, its second the second; claims apart
+    assert await r.groups.agree(m1, "lookup", 1, answer(15)) == (10,)
+    assert await r.groups.agree(m1, "lookup", 1, answer(5)) == (5,)
+    assert await first == (10,) and await second == (5,)
+    assert not claim.done()
+    assert await r.groups.agree(m1, "claim", 1, answer(2)) == (1,)
+    assert await claim == (1,) and r.ended == [False, False, False]
+
+
+async def test_the_last_rank_leaving_ends_its_open_rounds_with_zero() -> None:
+    r = Rounds()
+    m0, m1 = r.join(2)
+    waiting = later(r.groups.agree(m0, "lookup", 1, answer(3)))
+    await asyncio.sleep(0)
+    r.groups.leave(m1)
+    assert not waiting.done()  # rank 0 is still there: its round waits on
+    r.groups.leave(m0)
+    assert await waiting == (0,) and len(r.groups) == 0
+
+
+async def test_a_rank_that_joins_mid_round_joins_that_round() -> None:
+    r = Rounds()
+    m0, m1 = r.join(2)
+    assert await asyncio.gather(r.groups.agree(m0, "lookup", 1, answer(3)),
+                                r.groups.agree(m1, "lookup", 1, answer(4))) == [(3,), (3,)]
+    waiting = later(r.groups.agree(m0, "lookup", 1, answer(9)))
+    await asyncio.sleep(0)
+    again = r.groups.join(key(2), 1, 200)  # rank 1's engine restarted
+    assert again is not None
+    assert await r.groups.agree(again, "lookup", 1, answer(7)) == (7,)
+    assert await waiting == (7,)
