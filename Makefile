@@ -10,7 +10,7 @@ STAMP := $(VENV)/.kvtier-installed
 DEMO_STAMP := $(VENV)/.kvtier-demo-installed
 SOURCES := pyproject.toml setup.py kernels/_fileio.c kernels/_xxh3_avx2.c
 
-.PHONY: venv venv-demo test test-fast serve demo bench lint typecheck clean sysdeps builddeps
+.PHONY: gpu-wheels gpu-check venv venv-demo test test-fast serve demo bench lint typecheck clean sysdeps builddeps
 
 # Install kvtier into $(VENV) with extras $(1). torch is the long step (about 1 GB to download
 # on a fresh machine): its progress bar stays on; the rest is quiet.
@@ -96,3 +96,20 @@ typecheck: venv
 
 clean:
 	rm -rf $(VENV) build *.egg-info kernels/*.so
+
+# The wheels a bare GPU machine (Python 3.12, torch with CUDA, CuPy, no network) needs to run
+# bench/gpu_check.sh, fetched here on a CPU machine into ./.whl (about 12 MiB; see docs/gpu.md).
+GPU_PY ?= 3.12
+GPU_WHEELS := setuptools wheel pyzmq msgspec pydantic pydantic-core annotated-types typing-extensions \
+	typing-inspection uvloop xxhash rich markdown-it-py mdurl pygments pytest pytest-asyncio \
+	pytest-timeout pluggy iniconfig packaging hypothesis sortedcontainers attrs
+gpu-wheels:
+	@echo "gpu-wheels: downloading $(words $(GPU_WHEELS)) wheels for Python $(GPU_PY) into .whl/"
+	$(PYTHON) -m pip download -q --only-binary=:all: --no-deps --python-version $(GPU_PY) \
+		--implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux_2_28_x86_64 --platform any -d .whl $(GPU_WHEELS)
+	@du -sh .whl
+
+# Run on the GPU machine (after `make gpu-wheels` here and copying the tree with .whl/ there).
+gpu-check:
+	bash bench/gpu_check.sh
