@@ -11,8 +11,10 @@ visible to every user of the machine). What the tables show: :mod:`kvtier.cli.st
 
 Exit codes, for scripts and probes::
 
-    0  success (health: the daemon answers and is healthy)
-    1  the daemon refused the request, is unhealthy, or did not answer
+    0  success (health: the daemon answers and is serving: ``ok``, or ``degraded``, L3
+       failing, without ``--strict``)
+    1  the daemon refused the request, is unhealthy (``--strict``: or degraded), or did
+       not answer
     2  bad usage (unknown flag, bad value); nothing was sent
     130  interrupted (Ctrl-C) outside ``stats --watch``
 
@@ -46,7 +48,8 @@ __all__ = ["COMMANDS", "CliError", "build_parser", "fetch_stats", "main", "rende
            "render_stats"]
 
 # One line each, appended to a refusal: what the user can do about it.
-TOKEN_HINT = (f"pass the daemon's admin token with --admin-token or ${ADMIN_TOKEN_ENV}; the "
+TOKEN_HINT = (f"pass the daemon's admin token (with tenants and no admin token: your tenant's "
+              f"token, for your tenant's view) with --admin-token or ${ADMIN_TOKEN_ENV}; the "
               "daemon takes it from its admin_token setting (kvtierd --admin-token, "
               "KVTIER_ADMIN_TOKEN in its environment, or admin_token in its TOML file)")
 START_HINT = ("start one with `kvtier serve` (or `make serve`), or point --runtime-dir / "

@@ -26,8 +26,8 @@ from kvtier.config.loader import add_version_flag
 from kvtier.ipc import protocol as P
 from kvtier.ipc.sockets import ipc_endpoint
 
-__all__ = ["ADMIN_TOKEN_ENV", "COMMANDS", "CliError", "build_parser", "default_timeout",
-           "resolve_endpoint"]
+__all__ = ["ADMIN_TOKEN_ENV", "COMMANDS", "CliError", "build_parser", "check_reachable",
+           "default_timeout", "resolve_endpoint"]
 
 COMMANDS = ("stats", "sessions", "flush", "sync", "health")
 WATCH_MIN_S = 0.1  # refresh no faster than this: a STATS reply walks every session
@@ -183,8 +183,13 @@ def resolve_endpoint(runtime_dir_flag: Path | None, endpoint_flag: str | None) -
         A ZeroMQ endpoint (``ipc://...`` or ``tcp://...``).
 
     Raises:
-        CliError: (code 2) a ``KVTIER_*`` variable holds a bad value.
+        CliError: (code 2) a ``KVTIER_*`` variable holds a bad value; (code 1) this user
+            cannot enter the socket's directory (see :func:`check_reachable`).
     """
+    return check_reachable(_endpoint(runtime_dir_flag, endpoint_flag))
+
+
+def _endpoint(runtime_dir_flag: Path | None, endpoint_flag: str | None) -> str:
     if endpoint_flag:
         return endpoint_flag if "://" in endpoint_flag else ipc_endpoint(endpoint_flag)
     cli = {"runtime_dir": runtime_dir_flag} if runtime_dir_flag is not None else {}
@@ -195,6 +200,44 @@ def resolve_endpoint(runtime_dir_flag: Path | None, endpoint_flag: str | None) -
     if cfg.endpoint and runtime_dir_flag is None:
         return cfg.endpoint if "://" in cfg.endpoint else ipc_endpoint(cfg.endpoint)
     return ipc_endpoint(socket_path(runtime_dir(cfg.runtime_dir)))
+
+
+def check_reachable(endpoint: str) -> str:
+    """Return ``endpoint``, after checking that this user may reach an ``ipc://`` socket's
+    directory (a missing socket is for the command to report).
+
+    Raises:
+        CliError: (code 1) a directory on the way cannot be entered; the message names it,
+            its owner and mode, and this user.
+    """
+    if not endpoint.startswith("ipc://"):
+        return endpoint
+    sock = Path(endpoint[len("ipc://"):])
+    try:
+        os.stat(sock)
+    except PermissionError as err:
+        raise CliError(1, _permission_message(sock)) from err
+    except OSError:
+        pass  # missing, or not a directory on the way: the command says so
+    return endpoint
+
+
+def _permission_message(sock: Path) -> str:
+    """Name the first directory above ``sock`` that this user cannot enter."""
+    blocked = sock.parent
+    for d in reversed(sock.parents):
+        if not os.access(d, os.X_OK):
+            blocked = d
+            break
+    try:
+        st = os.stat(blocked)
+        what = f"owner uid {st.st_uid}, group gid {st.st_gid}, mode {st.st_mode & 0o7777:04o}"
+    except OSError:
+        what = "its owner and mode unreadable"
+    return (f"cannot reach kvtierd's socket {sock}: permission denied entering {blocked} "
+            f"({what}; this user is uid {os.getuid()}, groups "
+            f"{','.join(str(g) for g in os.getgroups()) or '-'}); run as the daemon's user or "
+            "a member of its group, or point --runtime-dir / --endpoint elsewhere")
 
 
 def default_timeout(flag: float | None) -> float:

@@ -31,6 +31,14 @@ def _bench(argv: list[str]) -> int:
     rs = sub.add_parser("restart", help="how fast a restarted daemon adopts its host pool")
     rs.add_argument("--json", metavar="PATH")
     rs.add_argument("--mib", type=int, default=1024)
+    sc = sub.add_parser("scale", help="eight engines, 128K-token contexts, a million pages")
+    sc.add_argument("--json", metavar="PATH", help="write the results here")
+    sc.add_argument("--plot", metavar="PNG", help="draw the N-engine curves here (matplotlib)")
+    sc.add_argument("--quick", action="store_true", help="tiny sizes: seconds, not minutes")
+    sc.add_argument("--million-pages", type=int, metavar="N",
+                    help="pages of the big pool (default 1,000,000; --quick: 4,096)")
+    sc.add_argument("--copy-threads", type=int, default=2,
+                    help="the daemons' copy threads, and the memcpy baselines' (default 2)")
     args = p.parse_args(argv)
     result: dict
     if args.what == "l2":
@@ -45,6 +53,10 @@ def _bench(argv: list[str]) -> int:
         from kvtier.bench import restart as mod  # type: ignore[no-redef]
 
         result = mod.run_restart_bench(mib=args.mib)
+    elif args.what == "scale":
+        from kvtier.bench import scale as mod  # type: ignore[no-redef]
+
+        result = mod.run_from_args(args)
     elif args.backend == "file":
         import tempfile
 
@@ -70,6 +82,12 @@ def _demo(argv: list[str]) -> int:
     return demo_main(argv)
 
 
+def _pools(argv: list[str]) -> int:
+    from kvtier.cli.pools import main as pools_main
+
+    return pools_main(argv)
+
+
 def _admin(argv: list[str]) -> int:
     from kvtier.cli.admin import main as admin_main
 
@@ -79,12 +97,13 @@ def _admin(argv: list[str]) -> int:
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "serve": (_serve, "run kvtierd in the foreground (same flags as kvtierd)"),
     "demo": (_demo, "multi-turn workload on the reference engine, private kvtierd, a restart"),
-    "bench": (_bench, "benchmarks: l2, l3, e2e, restart"),
+    "bench": (_bench, "benchmarks: l2, l3, e2e, restart, scale"),
     "stats": (_admin, "pool use, sessions, hit rates, bytes moved"),
     "sessions": (_admin, "registered engine sessions"),
     "flush": (_admin, "drop cached pages, from L2 unless --tier l3|all (admin)"),
     "sync": (_admin, "write L2 pages to L3 and wait (admin)"),
     "health": (_admin, "exit 0 when the daemon is healthy"),
+    "pools": (_pools, "host pool files in /dev/shm, which daemon holds each; --remove, --stale"),
 }
 
 

@@ -1,5 +1,7 @@
 """What ``kvtier stats`` and ``kvtier sessions`` print: rich tables built from one STATS
-snapshot (``Daemon.snapshot()``). Pure functions of the snapshot: no I/O here."""
+snapshot (``Daemon.snapshot()``, or a tenant's scoped snapshot, which carries ``scope``
+and shows that tenant's sessions and pages only). Pure functions of the snapshot: no I/O
+here."""
 
 from __future__ import annotations
 
@@ -103,6 +105,10 @@ def render_stats(snap: Mapping[str, Any], endpoint: str = "",
     head.add_row("epoch", str(snap.get("epoch", "—")))
     head.add_row("uptime", _duration(uptime) if uptime is not None else "—")
     head.add_row("sessions", f"{len(sessions)}")
+    scope = snap.get("scope")
+    if isinstance(scope, Mapping):  # a tenant's view: its own numbers, nothing daemon-wide
+        head.add_row("scope", "tenant " + ", ".join(map(str, scope.get("tenants") or ())))
+        return Group(head, _tenant_table(snap.get("tenants") or {}))
     head.add_row("requests", f"{int(_num(c, 'requests') or 0):,}")
     errors = c.get("errors_by_code") or {}
     head.add_row("errors", ", ".join(f"{k} {v:,}" for k, v in sorted(errors.items())) or "0")
@@ -184,6 +190,22 @@ def render_stats(snap: Mapping[str, Any], endpoint: str = "",
         if unused is not None:
             lt.add_row("prefetched, unused", f"{int(unused):,} pages")
     return Group(head, pt, ht, bt, lt)
+
+
+def _tenant_table(tenants: Mapping[str, Any]) -> Any:
+    """The pages each tenant of a scoped snapshot holds in L2, against its quota."""
+    from rich.table import Table
+
+    t = Table(title="Tenants", title_justify="left")
+    t.add_column("tenant", style="bold")
+    t.add_column("L2 pages", justify="right")
+    t.add_column("quota", justify="right")
+    for name, row in sorted(tenants.items()):
+        row = row if isinstance(row, Mapping) else {}
+        pages, quota = _num(row, "pages"), _num(row, "quota_pages")
+        t.add_row(str(name), f"{int(pages):,}" if pages is not None else "—",
+                  f"{int(quota):,}" if quota is not None else "none")
+    return t
 
 
 def render_sessions(sessions: Sequence[Mapping[str, Any]]) -> Any:

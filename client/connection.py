@@ -5,6 +5,11 @@ return at once (a load returns a handle whose ``wait_layer(i)`` the forward pass
 before layer ``i``). Page bytes never cross the socket: the daemon copies them through
 shared memory and signals each layer in the session's completion block.
 
+Registration is two steps: the pool's descriptors go to the daemon on its handover socket
+under a fresh random token (:func:`kvtier.ipc.fdpass.hand_over`; the reply carries the
+completion block's descriptor), then REGISTER names the token. Every (re-)registration
+makes a new handover.
+
 Pages in L3 come back in two steps, as in SGLang HiCache: ``prefetch`` (when a request
 arrives) starts filling L2 from L3 in the daemon; ``claim`` (when the scheduler is about
 to run the request) ends it per the prefetch policy and answers how many leading pages
@@ -40,6 +45,8 @@ from kvtier.client.transfer_handle import TransferHandle
 from kvtier.config import ClientConfig, KvtierError, runtime_dir, socket_path
 from kvtier.ipc import protocol as P
 from kvtier.ipc.completion import CompletionBlock, TransferStatus
+from kvtier.ipc.fdpass import HandoverError, HandoverUnavailable, hand_over, handover_path_for
+from kvtier.ipc.limits import HANDOVER_TOKEN_BYTES
 from kvtier.ipc.sockets import ipc_endpoint, make_zmq_socket
 
 if TYPE_CHECKING:
@@ -76,7 +83,7 @@ class Connection:
     """A registered engine (one TP rank) talking to kvtierd.
 
     Args:
-        pool: the engine's KV pool in shared memory (exported once at registration).
+        pool: the engine's KV pool in shared memory (handed over at each registration).
         model_id / revision: identify the model; with the geometry they form the namespace.
         config: client settings (timeouts, tenant); default from ``ClientConfig()``.
         tp_rank / tp_size: tensor-parallel position.
@@ -132,17 +139,24 @@ class Connection:
                                              identity=identity)
                 self._sock.setsockopt(zmq.RCVTIMEO, max(1, int(self.config.request_timeout_s * 1000)))
             token = self.config.token.get_secret_value() if self.config.token else ""
-            msg = P.Register(req_id=0, protocol_version=P.PROTOCOL_VERSION, namespace=self.namespace,
-                             geometry=self.geometry, memory=self.pool.export(), tp_rank=self.tp_rank,
-                             tp_size=self.tp_size, pid=os.getpid(), tenant=self.config.tenant,
-                             token=token, tp_group=self.config.tp_group)
-            rep = self._call(msg, raw=True)
-            if isinstance(rep, P.ErrorReply):
-                raise DaemonError(rep.code, rep.message)
-            assert isinstance(rep, P.Registered)
+            handover = secrets.token_bytes(HANDOVER_TOKEN_BYTES)
+            completion_fd = self._hand_over(handover)
+            try:
+                msg = P.Register(req_id=0, protocol_version=P.PROTOCOL_VERSION,
+                                 namespace=self.namespace, geometry=self.geometry,
+                                 memory=self.pool.export(), tp_rank=self.tp_rank,
+                                 tp_size=self.tp_size, pid=os.getpid(), tenant=self.config.tenant,
+                                 token=token, tp_group=self.config.tp_group, handover=handover)
+                rep = self._call(msg, raw=True)
+                if isinstance(rep, P.ErrorReply):
+                    raise DaemonError(rep.code, rep.message)
+                assert isinstance(rep, P.Registered)
+                block = CompletionBlock.from_fd(completion_fd, rep.completion_slots)
+            finally:
+                os.close(completion_fd)
             if self._block is not None:
                 self._block.close()
-            self._block = CompletionBlock.open(rep.completion_name, rep.completion_slots)
+            self._block = block
             self.session_id, self.epoch = rep.session_id, rep.epoch
             self.ns_fingerprint, self.daemon_pid = rep.ns_fingerprint, rep.daemon_pid
             self._free_slots = list(range(rep.completion_slots - 1, -1, -1))
@@ -151,6 +165,24 @@ class Connection:
         if self._hb is None:
             self._hb = threading.Thread(target=self._heartbeat_loop, name="kvtier-heartbeat", daemon=True)
             self._hb.start()
+
+    def _hand_over(self, token: bytes) -> int:
+        """Hand the pool's descriptors to the daemon under ``token``; the completion block's fd.
+
+        Raises:
+            DaemonUnavailable: no daemon answers on the handover socket.
+            DaemonError: BAD_MEMORY, the daemon refused the handover (its reason).
+        """
+        memory_fds = getattr(self.pool, "memory_fds", None)
+        fds = memory_fds() if memory_fds is not None else []
+        path = handover_path_for(self.endpoint, runtime_dir(self.config.runtime_dir))
+        try:
+            return hand_over(path, token, fds, self.config.request_timeout_s)
+        except HandoverUnavailable as err:
+            self._down_until = time.monotonic() + min(1.0, self.config.request_timeout_s)
+            raise DaemonUnavailable(str(err)) from err
+        except HandoverError as err:
+            raise DaemonError(P.ErrorCode.BAD_MEMORY, str(err)) from err
 
     def _check_socket_file(self) -> None:
         """Fail fast, with a hint, when the endpoint is a socket file that does not exist."""

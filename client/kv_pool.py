@@ -1,7 +1,10 @@
 """An engine's paged KV pool in shared memory, for machines without a GPU.
 
 The engine computes in these tensors as it would in GPU memory; the daemon maps the same
-memory (by file name, once, at registration) and copies pages in and out of it. Layout
+memory and copies pages in and out of it. The memory is an anonymous memfd, sealed against
+shrinking and growing (no file in /dev/shm, nothing left behind by a crash); the connection
+hands its descriptor to the daemon at registration (:func:`kvtier.ipc.fdpass.hand_over`),
+so no other process can reach it by a name. Layout
 "layer_first": for each layer, K and V (MHA) or one latent (MLA), each
 ``[num_pages, page_size, kv_heads, head_dim]``, all in one segment::
 
@@ -11,8 +14,6 @@ memory (by file name, once, at registration) and copies pages in and out of it. 
 from __future__ import annotations
 
 import os
-import secrets
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,11 +28,10 @@ TORCH_DTYPES = {
     "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "uint8": torch.uint8,
     "int8": torch.int8,
 }
-SHM_DIR = Path("/dev/shm")
 
 
 class SharedKVPool:
-    """Per-layer KV buffers in one shared-memory segment.
+    """Per-layer KV buffers in one sealed memfd segment.
 
     Attributes:
         geometry: the page geometry.
@@ -49,9 +49,8 @@ class SharedKVPool:
         g = geometry
         self._buf_bytes = num_pages * g.chunk_bytes
         n_buf = g.num_layers * g.components
-        name = SHM_DIR / f"kvtier-engine-{os.getpid()}-{secrets.token_hex(6)}"
-        self.segment = SharedMemorySegment.create(name, n_buf * self._buf_bytes, prefault=prefault,
-                                                  mode=0o660)
+        self.segment = SharedMemorySegment.create_memfd(f"kvtier-engine-{os.getpid()}",
+                                                        n_buf * self._buf_bytes, prefault=prefault)
         dtype = TORCH_DTYPES[g.dtype]
         shape = (num_pages, g.page_size, g.kv_heads, g.head_dim)
         bufs = [self.segment.tensor(i * self._buf_bytes, self._buf_bytes).view(dtype).view(shape)
@@ -59,19 +58,26 @@ class SharedKVPool:
         self.k: list[torch.Tensor] = bufs[:: g.components]
         self.v: list[torch.Tensor] = bufs[1:: g.components] if g.components == 2 else []
 
+    def memory_fds(self) -> list[int]:
+        """The descriptors to hand over, in the order of :meth:`export`'s segments."""
+        fd = self.segment.fd
+        if fd is None:
+            raise ValueError("the pool is closed")
+        return [fd]
+
     def export(self) -> KVMemory:
-        """Describe the pool for REGISTER (the daemon maps the segment by name)."""
+        """Describe the pool for REGISTER (segment 0 is the handover's descriptor 0)."""
         g = self.geometry
         n_buf = g.num_layers * g.components
         return KVMemory(
-            kind="shm", num_pages=self.num_pages,
+            kind="fd", num_pages=self.num_pages,
             segments=[MemorySegment(name=self.segment.path, size=self.segment.size)],
             buffer_segments=[0] * n_buf,
             buffer_offsets=[i * self._buf_bytes for i in range(n_buf)],
         )
 
     def close(self) -> None:
-        """Drop the tensors, unmap and remove the segment."""
+        """Drop the tensors, unmap and close the memfd."""
         self.k = []
         self.v = []
         self.segment.close()

@@ -1,7 +1,11 @@
 """Per-session completion blocks: how the daemon tells an engine that a layer has landed.
 
-The daemon creates one block per session in its runtime directory; the engine maps it
-read-only. A block is an array of transfer slots, one cache line each::
+The daemon creates one block per session as an anonymous memfd, sealed against shrinking
+and growing, and hands the engine a read-only descriptor of it in the reply to the
+engine's memory handover (:mod:`kvtier.ipc.fdpass`); the engine maps it read-only. No file
+name exists, so no other process can open it, and the engine cannot shrink it under the
+daemon's mapping (nor, where the kernel has F_SEAL_FUTURE_WRITE, map it writable). A
+block is an array of transfer slots, one cache line each::
 
     slot i:  [ seq | layers_done | status | num_layers | pad ... ]   (8 × int64)
 
@@ -23,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from kvtier.ipc.shm import SharedMemorySegment
+from kvtier.ipc.shm import SharedMemoryError, SharedMemorySegment
 
 SLOT_WORDS = 8
 SEQ, LAYERS_DONE, STATUS, NUM_LAYERS = 0, 1, 2, 3
@@ -55,16 +59,56 @@ class CompletionBlock:
 
     @classmethod
     def create(cls, path: str | Path, slots: int) -> CompletionBlock:
-        """Create a block with ``slots`` transfer slots (daemon side)."""
-        seg = SharedMemorySegment.create(path, slots * SLOT_WORDS * 8, prefault=True, mode=0o660,
+        """Create a block with ``slots`` transfer slots in a named file (mode 0640).
+
+        For tools and tests that need a block without a daemon; kvtierd uses
+        :meth:`create_memfd`.
+        """
+        seg = SharedMemorySegment.create(path, slots * SLOT_WORDS * 8, prefault=True, mode=0o640,
                                          exist_ok=True)
         return cls(seg, slots)
 
     @classmethod
+    def create_memfd(cls, slots: int, label: str = "kvtier-completion") -> CompletionBlock:
+        """Create a block as a sealed memfd (daemon side); see :meth:`reader_fd`."""
+        seg = SharedMemorySegment.create_memfd(label, slots * SLOT_WORDS * 8, prefault=True,
+                                               future_write=True)
+        return cls(seg, slots)
+
+    def reader_fd(self) -> int:
+        """A new read-only descriptor of this memfd block, for the engine (caller closes it).
+
+        Opened afresh through ``/proc/self/fd`` with ``O_RDONLY``, so the engine cannot
+        map it writable through this descriptor.
+
+        Raises:
+            OSError: the block has no descriptor (a named block), or it could not be opened.
+        """
+        fd = self.segment.fd
+        if fd is None:
+            raise OSError(f"completion block {self.segment.path!r} is not a memfd")
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+
+    @classmethod
     def open(cls, path: str | Path, slots: int) -> CompletionBlock:
-        """Map an existing block read-only (client side)."""
+        """Map an existing named block read-only (client side)."""
         seg = SharedMemorySegment.open(path, slots * SLOT_WORDS * 8, writable=False)
         return cls(seg, slots)
+
+    @classmethod
+    def from_fd(cls, fd: int, slots: int) -> CompletionBlock:
+        """Map a block read-only from the descriptor the daemon handed over (client side).
+
+        The caller keeps (and closes) ``fd``.
+
+        Raises:
+            SharedMemoryError: the descriptor is not a block of ``slots`` slots.
+        """
+        size = slots * SLOT_WORDS * 8
+        st = os.fstat(fd)
+        if st.st_size != size:
+            raise SharedMemoryError(f"completion block has {st.st_size} bytes, expected {size}")
+        return cls(SharedMemorySegment.from_fd(fd, size, writable=False, label="completion"), slots)
 
     # -- daemon side ---------------------------------------------------------------------
     def begin(self, slot: int, seq: int, num_layers: int) -> None:
@@ -129,6 +173,6 @@ class CompletionBlock:
             time.sleep(0.00005 if spins < 4096 else 0.0005)
 
     def close(self) -> None:
-        """Unmap; the daemon (owner) also removes the file."""
+        """Unmap (and close the memfd, or remove the named file, of the daemon's block)."""
         self._a = None  # type: ignore[assignment]
         self.segment.close()

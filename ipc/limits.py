@@ -45,6 +45,10 @@ MAX_SEGMENT_NAME = 512
 bytes on Linux) or a CUDA IPC label."""
 MAX_HANDLE_BYTES = 64
 """A CUDA IPC memory handle."""
+HANDOVER_TOKEN_BYTES = 16
+"""A memory handover token (random, chosen by the engine; see :mod:`kvtier.ipc.fdpass`)."""
+MAX_HANDOVER_FDS = 64
+"""Most descriptors one handover may pass, so most segments in a ``kind = "fd"`` export."""
 MAX_MESSAGE_BYTES = 32 << 20
 """Transport ceiling on one frame (ZeroMQ ``MAXMSGSIZE`` on the daemon's socket).
 
@@ -93,6 +97,8 @@ Name = Annotated[str, Meta(max_length=MAX_NAME, pattern=_NO_NUL)]
 Text = Annotated[str, Meta(max_length=MAX_TEXT, pattern=_NO_NUL)]
 SegmentName = Annotated[str, Meta(max_length=MAX_SEGMENT_NAME, pattern=_NO_NUL)]
 Handle = Annotated[bytes, Meta(max_length=MAX_HANDLE_BYTES)]
+HandoverToken = Annotated[bytes, Meta(max_length=HANDOVER_TOKEN_BYTES)]
+"""The token of a memory handover (empty: none; the daemon then refuses the REGISTER)."""
 Fingerprint = Annotated[str, Meta(pattern="^(?:[0-9a-fA-F]{64})?\\Z")]
 """A namespace fingerprint as 64 hex digits, or empty."""
 
@@ -100,7 +106,9 @@ Fingerprint = Annotated[str, Meta(pattern="^(?:[0-9a-fA-F]{64})?\\Z")]
 DType = Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2", "uint8", "int8"]
 Attention = Literal["mha", "mla"]
 Layout = Literal["layer_first"]
-MemoryKind = Literal["shm", "cuda_ipc"]
+MemoryKind = Literal["fd", "shm", "cuda_ipc"]
+"""``fd``: descriptors handed over beforehand; ``shm`` (by file name) is refused by the
+daemon but still decodes, so the refusal can say what to do instead."""
 FlushTier = Literal["l2", "l3", "all"]
 ClaimPolicy = Literal["", "best_effort", "wait_complete", "timeout"]
 """``""``: the daemon's ``hicache_storage_prefetch_policy``."""

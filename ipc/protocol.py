@@ -12,7 +12,9 @@ Frames on the wire (client DEALER → daemon ROUTER)::
 
 Page bytes never travel here: STORE and LOAD name pages by index; the daemon copies them
 through shared memory (or CUDA IPC) and signals completion in a per-session completion
-block (:mod:`kvtier.ipc.completion`).
+block (:mod:`kvtier.ipc.completion`). Memory itself never travels by name either: before
+REGISTER the engine hands its descriptors over on the daemon's handover socket
+(:mod:`kvtier.ipc.fdpass`) and REGISTER names the handover's token.
 
 Every request field is typed with its wire bounds (:mod:`kvtier.ipc.limits`): choices are
 ``Literal``, numbers and lengths carry ``msgspec.Meta`` ranges, keys are 32 bytes, strings
@@ -40,6 +42,7 @@ from kvtier.ipc.limits import (
     Fingerprint,
     FlushTier,
     Handle,
+    HandoverToken,
     Key,
     Keys,
     Layers,
@@ -76,7 +79,7 @@ class ErrorCode(enum.IntEnum):
     OUT_OF_RANGE = 4  # page index or transfer slot outside the registered memory
     GEOMETRY_MISMATCH = 5  # geometry / memory description inconsistent
     UNAUTHORIZED = 6  # missing or wrong tenant token / admin credential
-    BAD_MEMORY = 7  # exported memory cannot be opened or has the wrong size
+    BAD_MEMORY = 7  # no (or a spent) handover, a descriptor unsealed / of the wrong size, not mappable
     BUSY = 8  # a limit was reached (sessions, transfer slot in use)
     SHUTTING_DOWN = 9  # the daemon is stopping
     INTERNAL = 10  # a bug in the daemon; the request had no effect
@@ -155,8 +158,9 @@ class MemorySegment(msgspec.Struct, frozen=True):
     """One exported allocation.
 
     Attributes:
-        name: for ``shm``, the shared-memory file's path (under /dev/shm, named ``kvtier-*``).
-        size: bytes of the allocation.
+        name: for ``fd``, a label for logs (segment ``i`` is the handover's ``i``-th
+            descriptor); for ``cuda_ipc``, a label. (``shm``, a file name, is refused.)
+        size: bytes of the allocation (for ``fd``, exactly the descriptor's size).
         handle: for ``cuda_ipc``, the CUDA IPC memory handle bytes.
         device_uuid: for ``cuda_ipc``, the GPU's UUID (ordinals differ between processes).
     """
@@ -172,7 +176,8 @@ class KVMemory(msgspec.Struct, frozen=True):
 
     ``buffer_offsets[l * components + c]`` is where layer ``l``, component ``c`` starts in
     ``segments[buffer_segments[...]]``; each buffer holds ``num_pages`` pages of
-    ``geometry.chunk_bytes`` bytes, contiguous.
+    ``geometry.chunk_bytes`` bytes, contiguous. With ``kind = "fd"``, ``segments[i]`` is
+    the ``i``-th descriptor of the REGISTER's handover (as many segments as descriptors).
     """
 
     kind: MemoryKind
@@ -205,6 +210,7 @@ class Register(_Req, tag="register", kw_only=True):
     tenant: Name = "default"
     token: Text = ""
     tp_group: Name = ""
+    handover: HandoverToken = b""
 
 
 class Heartbeat(_Req, tag="heartbeat", kw_only=True):
@@ -323,7 +329,11 @@ class _Rep(msgspec.Struct, tag_field="op", kw_only=True):
 
 
 class Registered(_Rep, tag="registered", kw_only=True):
-    """Session accepted. ``ns_fingerprint`` seeds the page-key chain (tenant included)."""
+    """Session accepted. ``ns_fingerprint`` seeds the page-key chain (tenant included).
+
+    The completion block is the read-only descriptor the handover reply carried;
+    ``completion_name`` is a label only (no file by that name exists).
+    """
 
     session_id: U63
     lease_s: float

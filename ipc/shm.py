@@ -1,13 +1,20 @@
-"""Shared-memory segments: named files (under /dev/shm or a runtime dir), mapped once.
+"""Shared-memory segments: named files (the daemon's pool) or anonymous memfds, mapped once.
 
 The creator owns a segment: it pre-faults the memory at creation (first touch of fresh
 shared memory runs at a fraction of memcpy speed, so it must not happen on the hot path)
-and removes the file when it closes the segment. Others open a segment by name.
+and removes the file when it closes the segment. Others open a named segment by name.
+
+A memfd segment (:meth:`SharedMemorySegment.create_memfd`) has no name anywhere: it is
+reached only through its descriptor, which the creator keeps (``fd``) and passes to whom
+it chooses (SCM_RIGHTS, :mod:`kvtier.ipc.fdpass`). It is sealed against shrinking and
+growing, so nobody holding the descriptor can pull pages from under another's mapping
+(a mapped page past the end of a file is a SIGBUS). A peer maps it with :meth:`from_fd`.
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import mmap
 import os
 import stat
@@ -27,6 +34,35 @@ class SharedMemoryError(KvtierError):
     """A segment could not be created or opened (the message names the path)."""
 
 
+SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+"""The seals that fix a memfd's size (no shrink, no grow)."""
+F_SEAL_FUTURE_WRITE = 0x0010
+"""Linux >= 5.1: no new writable mapping (mappings made before stay writable)."""
+
+
+def seal_size(fd: int, future_write: bool = False) -> None:
+    """Seal a memfd's size for good: F_SEAL_SHRINK | F_SEAL_GROW, then F_SEAL_SEAL.
+
+    Args:
+        fd: a memfd created with ``MFD_ALLOW_SEALING``.
+        future_write: also forbid new writable mappings (where the kernel has
+            F_SEAL_FUTURE_WRITE; silently skipped where it has not).
+
+    Raises:
+        SharedMemoryError: the descriptor cannot be sealed.
+    """
+    try:
+        if future_write:
+            try:
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE)
+            except OSError:
+                pass  # an older kernel: the size seals below are what safety needs
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SIZE_SEALS)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL)
+    except OSError as err:
+        raise SharedMemoryError(f"cannot seal memfd {fd}: {err}") from err
+
+
 def _unlink_quietly(path: str) -> None:
     try:
         os.unlink(path)
@@ -43,19 +79,22 @@ class SharedMemorySegment:
     collection / interpreter exit if the user forgets (with a ``ResourceWarning``).
     """
 
-    __slots__ = ("__weakref__", "_finalizer", "_mm", "address", "owner", "path", "size", "view")
+    __slots__ = ("__weakref__", "_finalizer", "_mm", "address", "fd", "owner", "path", "size",
+                 "view")
 
-    def __init__(self, path: str, size: int, mm: mmap.mmap, owner: bool, writable: bool) -> None:
+    def __init__(self, path: str, size: int, mm: mmap.mmap, owner: bool, writable: bool,
+                 fd: int | None = None) -> None:
         self.path = path
         self.size = size
         self.owner = owner
+        self.fd = fd
         self._mm: mmap.mmap | None = mm
         self.view = memoryview(mm) if writable else memoryview(mm).toreadonly()
         if writable:
             self.address = ctypes.addressof(ctypes.c_char.from_buffer(mm))
         else:
             self.address = np.frombuffer(mm, dtype=np.uint8).ctypes.data
-        self._finalizer = weakref.finalize(self, _leak, path if owner else None)
+        self._finalizer = weakref.finalize(self, _leak, path if owner and fd is None else None, fd)
 
     @classmethod
     def create(cls, path: str | Path, size: int, prefault: bool = True, mode: int = 0o660,
@@ -92,6 +131,76 @@ class SharedMemorySegment:
             raise SharedMemoryError(f"cannot size shared memory {path!r} to {size} bytes: {err}") from err
         os.close(fd)
         return cls(path, size, mm, owner=True, writable=True)
+
+    @classmethod
+    def create_memfd(cls, name: str, size: int, prefault: bool = True,
+                     future_write: bool = False) -> SharedMemorySegment:
+        """Create an anonymous, size-sealed memfd of ``size`` bytes and map it read-write.
+
+        The segment keeps the descriptor (``fd``, close-on-exec) until :meth:`close`; it
+        has no file name, so nothing is ever left behind.
+
+        Args:
+            name: a label (shown in ``/proc/<pid>/fd`` and ``/proc/<pid>/maps``).
+            size: bytes; > 0.
+            prefault: reserve every page now (``posix_fallocate`` + ``MAP_POPULATE``).
+            future_write: once mapped here, forbid any new writable mapping or write()
+                (F_SEAL_FUTURE_WRITE, where the kernel has it): for memory others only read.
+
+        Returns:
+            The segment; its ``path`` is ``memfd:<name>``.
+
+        Raises:
+            SharedMemoryError: the memfd cannot be created, sized, mapped or sealed.
+        """
+        if size <= 0:
+            raise SharedMemoryError(f"memfd {name!r}: size must be > 0, got {size!r}")
+        try:
+            fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        except OSError as err:
+            raise SharedMemoryError(f"cannot create memfd {name!r}: {err}") from err
+        try:
+            if prefault:
+                os.posix_fallocate(fd, 0, size)
+            else:
+                os.ftruncate(fd, size)
+            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if prefault else 0)
+            mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            try:
+                seal_size(fd, future_write=future_write)
+            except SharedMemoryError:
+                mm.close()
+                raise
+        except (OSError, SharedMemoryError) as err:
+            os.close(fd)
+            raise SharedMemoryError(f"cannot size memfd {name!r} to {size} bytes: {err}") from err
+        return cls(f"memfd:{name}", size, mm, owner=True, writable=True, fd=fd)
+
+    @classmethod
+    def from_fd(cls, fd: int, size: int, writable: bool = True, label: str = "fd",
+                populate: bool = False) -> SharedMemorySegment:
+        """Map ``size`` bytes of a descriptor someone handed over (the caller keeps ``fd``).
+
+        The caller checks the descriptor first (kind, size, seals): this only maps it.
+
+        Args:
+            fd: the descriptor.
+            size: bytes to map, from offset 0.
+            writable: map read-write (else read-only).
+            label: the segment's ``path``, for messages.
+            populate: pre-fault the mapping (``MAP_POPULATE``).
+
+        Raises:
+            SharedMemoryError: the mapping failed (e.g. a read-only descriptor mapped
+                writable, or a memfd sealed against writing).
+        """
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        mflags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+        try:
+            mm = mmap.mmap(fd, size, flags=mflags, prot=prot)
+        except (OSError, ValueError) as err:
+            raise SharedMemoryError(f"cannot map {label}: {err}") from err
+        return cls(label, size, mm, owner=False, writable=writable)
 
     @classmethod
     def open(cls, path: str | Path, size: int | None = None, writable: bool = True,
@@ -164,7 +273,10 @@ class SharedMemorySegment:
             mm.close()
         except BufferError:
             pass  # arrays still reference it; the mapping goes with the last of them
-        if self.owner if unlink is None else unlink:
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            os.close(fd)
+        elif self.owner if unlink is None else unlink:
             _unlink_quietly(self.path)
 
     def __enter__(self) -> Self:
@@ -174,7 +286,13 @@ class SharedMemorySegment:
         self.close()
 
 
-def _leak(path: str | None) -> None:
+def _leak(path: str | None, fd: int | None = None) -> None:
+    if fd is not None:
+        warnings.warn(f"memfd {fd} was not closed; closing it", ResourceWarning, stacklevel=1)
+        try:
+            os.close(fd)
+        except OSError:
+            pass  # closed by someone else meanwhile
     if path is not None:
         warnings.warn(f"shared memory {path!r} was not closed; removing it", ResourceWarning, stacklevel=1)
         _unlink_quietly(path)

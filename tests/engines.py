@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import secrets
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +12,8 @@ from kvtier.client.connection import Connection
 from kvtier.client.kv_pool import TORCH_DTYPES, SharedKVPool
 from kvtier.config import ClientConfig
 from kvtier.ipc import protocol as P
+from kvtier.ipc.fdpass import hand_over, handover_path
+from kvtier.ipc.limits import HANDOVER_TOKEN_BYTES
 
 SMALL = P.Geometry(num_layers=4, page_size=16, kv_heads=2, head_dim=32, dtype="float32")  # 16 KiB pages
 OTHER = P.Geometry(num_layers=3, page_size=8, kv_heads=4, head_dim=16, dtype="float16")  # 3 KiB pages
@@ -46,6 +50,18 @@ class ScrambledKVPool(SharedKVPool):
         base = super().export()
         return P.KVMemory(kind=base.kind, num_pages=base.num_pages, segments=base.segments,
                           buffer_segments=base.buffer_segments, buffer_offsets=list(self._offsets))
+
+
+def handover(rdir: Path, pool: SharedKVPool | None = None, fds: list[int] | None = None) -> bytes:
+    """Hand ``pool``'s memory (or ``fds``) to the daemon in ``rdir``; return the token.
+
+    For tests that send REGISTER by hand: name the token as ``handover``. The completion
+    block's descriptor of the reply is closed (such a test waits on no transfer).
+    """
+    token = secrets.token_bytes(HANDOVER_TOKEN_BYTES)
+    fd = hand_over(handover_path(rdir), token, pool.memory_fds() if fds is None else fds, 5.0)
+    os.close(fd)
+    return token
 
 
 def client_config(rdir: Path, **kw: object) -> ClientConfig:

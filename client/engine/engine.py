@@ -167,8 +167,8 @@ class ReferenceEngine:
         self.page_size = page_size
         self.client_config = client_config or ClientConfig()
         self.geometry = geometry_for(self.model.cfg, page_size)
-        # Only a daemon needs to map the KV: other modes keep it private, so a killed process
-        # leaves nothing behind in /dev/shm (the daemon removes a dead engine's segment).
+        # Only a daemon needs to map the KV: other modes keep it private. The shared pool is a
+        # sealed memfd handed to kvtierd by descriptor: nothing is left in /dev/shm either way.
         self.pool = SharedKVPool(self.geometry, num_pages) if mode == "on" else None
         if self.pool is not None:
             self.k_cache, self.v_cache = self.pool.k, self.pool.v

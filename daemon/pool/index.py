@@ -31,12 +31,14 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvtier.config.errors import ConfigError
+from kvtier.config.sizes import format_size
 from kvtier.daemon.pool.adopt import scan_rows
 from kvtier.daemon.pool.eviction import EVICT_FACTOR, MIN_SCAN
 from kvtier.daemon.pool.layout import (
     HAS_CHECKSUM,
     HEADROOM_ALIGN,
     HEADROOM_MIN_PAGE_BYTES,
+    MAX_SLOT_IDS,
     NIL,
     IdTable,
     PoolLayout,
@@ -104,10 +106,15 @@ class HostPool(PageTable):
                 payloads are 128-byte-aligned and extents keep the slot ids of 4 KiB pages.
 
         Raises:
-            ConfigError: ``hicache_size`` cannot hold one extent with its headroom.
+            ConfigError: ``hicache_size`` cannot hold one extent with its headroom, or is
+                so large that the index cannot number its slots (the message names the
+                largest ``hicache_size`` allowed with this ``extent_size``).
         """
         if not headroom:
+            _check_slot_ids(cfg, PoolLayout.max_capacity(cfg.extent_size))
             return cls(cfg.hicache_size, cfg.extent_size)
+        _check_slot_ids(cfg, PoolLayout.max_capacity(
+            cfg.extent_size, HEADROOM_ALIGN, HEADROOM_MIN_PAGE_BYTES, headroom))
         span = cfg.extent_size + cfg.extent_size // HEADROOM_MIN_PAGE_BYTES * headroom
         if cfg.hicache_size < span:
             raise ConfigError(
@@ -348,3 +355,14 @@ class HostPool(PageTable):
         """Return the evictable slots, cold end first, walking the global list or
         ``owner``'s list. O(pages): for admin views and tests."""
         return self._lru.walk(owner)
+
+
+def _check_slot_ids(cfg: DaemonConfig, largest: int) -> None:
+    """Raise ConfigError when ``cfg.hicache_size`` exceeds ``largest`` (slot ids run out)."""
+    if cfg.hicache_size > largest:
+        raise ConfigError(
+            f"hicache_size = {format_size(cfg.hicache_size)} ({cfg.hicache_size} bytes) is too "
+            f"large: the pool's index numbers at most {MAX_SLOT_IDS} slots (one per 4 KiB), so "
+            f"the largest hicache_size with extent_size {format_size(cfg.extent_size)} is "
+            f"{format_size(largest)} ({largest} bytes)"
+        )

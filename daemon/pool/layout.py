@@ -18,7 +18,8 @@ every alignment the allocator promises. The header holds a magic, the format ver
 the geometry (capacity, extent size, alignment, slot ids per extent, extents, slots, key
 bytes, id-table capacity, metadata size, slot headroom), an xxh3 checksum of those, and
 a generation counter that each adoption increments (outside the checksum, so bumping it can never
-corrupt the header).
+corrupt the header). At 1 KiB, also outside the checksum, the file names the runtime
+directory of the daemon that maps it (for ``kvtier pools``).
 
 Crash safety comes from write order alone, since a killed process loses no store it
 already made to shared memory: a page's key, namespace, owner, length, parent, payload
@@ -32,8 +33,10 @@ Namespace fingerprints and tenant names are persisted in two id tables (an id is
 entry index + 1; an entry's digest is written before its used flag), because ids are
 what the per-slot columns store.
 
-This module is the format and the file: the constants, :class:`PoolLayout` (geometry,
-header), the hashes rows and payloads are checked with, and :func:`map_pool_file`. The
+The file is the daemon's alone (this uid, mode 0600, one link; checked on the descriptor
+that is mapped): :mod:`~kvtier.daemon.pool.poolfile`. This module is the format: the
+constants, :class:`PoolLayout` (geometry, header), the hashes rows and payloads are
+checked with, and :func:`map_pool_file`. The
 mapped columns are :class:`~kvtier.daemon.pool.meta.PoolMeta`; the adoption scan is
 :mod:`~kvtier.daemon.pool.adopt`; the records the pool reports are
 :mod:`~kvtier.daemon.pool.records` (re-exported here, where they used to live).
@@ -41,7 +44,6 @@ mapped columns are :class:`~kvtier.daemon.pool.meta.PoolMeta`; the adoption scan
 
 from __future__ import annotations
 
-import os
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,6 +52,11 @@ from pathlib import Path
 from typing import Any
 
 import xxhash
+from kvtier.daemon.pool.poolfile import (
+    create_pool_segment,
+    open_pool_segment,
+    write_owner_tag,
+)
 from kvtier.daemon.pool.records import (
     AdoptResult,
     ClassStats,
@@ -67,7 +74,7 @@ from kvtier.ipc.shm import SharedMemorySegment
 __all__ = [
     "COLUMNS", "DIGEST_BYTES", "FORMAT_VERSION", "GENERATION_OFFSET", "HAS_CHECKSUM",
     "HEADER_BYTES", "HEADER_REGION", "HEADROOM_ALIGN", "HEADROOM_MIN_PAGE_BYTES",
-    "ID_CAPACITY", "KEY_BYTES", "MAGIC", "META_ROUND", "NIL", "SLOT_HEADROOM",
+    "ID_CAPACITY", "KEY_BYTES", "MAGIC", "MAX_SLOT_IDS", "META_ROUND", "NIL", "SLOT_HEADROOM",
     "SLOT_META_BYTES", "AdoptResult", "ClassStats", "EvictedPage", "HostPoolError",
     "HostPoolStats", "IdTable", "PageInfo", "PageState", "PoolLayout", "map_pool_file",
     "page_checksum", "page_checksums", "round_up", "seal_of",
@@ -114,6 +121,9 @@ HAS_CHECKSUM = 1
 """Bit of the per-slot flags byte: the checksum column holds the payload's xxh3-64."""
 
 NIL = -1
+
+MAX_SLOT_IDS = 2**31
+"""Slot ids are int32 (the parent column and the private links): a pool has fewer."""
 """The null slot / extent id in every link and in the parent column."""
 
 _MASK64 = (1 << 64) - 1
@@ -128,7 +138,9 @@ GENERATION_OFFSET = _SUM_OFF + 8
 """Offset in the header of the generation counter (uint64, outside the checksum)."""
 
 HEADER_BYTES = GENERATION_OFFSET + 8
-"""Bytes of the header proper (the rest of :data:`HEADER_REGION` is zeros)."""
+"""Bytes of the header proper. The rest of :data:`HEADER_REGION` is zeros but for the
+runtime-directory tag at 1 KiB (:func:`~kvtier.daemon.pool.poolfile.write_owner_tag`),
+outside the checksum: adoption never reads it."""
 
 COLUMNS = (
     ("stamp", "q", 8), ("checksum", "Q", 8), ("seal", "Q", 8), ("ns", "q", 8),
@@ -288,8 +300,11 @@ class PoolLayout:
             raise HostPoolError(f"capacity_bytes={capacity_bytes} holds no {extent_bytes}B extent"
                                 + (f" ({span}B with its slots' headroom)" if headroom else ""))
         n_slots = n_extents * per_extent
-        if n_slots >= 2**31:
-            raise HostPoolError(f"{n_slots} slot ids exceed 2**31; raise min_page_bytes")
+        if n_slots >= MAX_SLOT_IDS:
+            largest = cls.max_capacity(extent_bytes, align, min_page_bytes, headroom)
+            raise HostPoolError(f"capacity_bytes={capacity_bytes} needs {n_slots} slot ids, "
+                                f"more than the index's {MAX_SLOT_IDS}; at most {largest} bytes "
+                                f"with extent_bytes={extent_bytes}")
         ids_off = HEADER_REGION
         ext_off = round_up(ids_off + 2 * id_capacity * (DIGEST_BYTES + 1), 64)
         off = round_up(ext_off + 8 * n_extents, 64)
@@ -301,6 +316,21 @@ class PoolLayout:
         return cls(capacity_bytes, extent_bytes, align, per_extent, n_extents, n_slots,
                    id_capacity, ids_off, ext_off, tuple(columns), meta_bytes,
                    headroom)  # fmt: skip
+
+    @staticmethod
+    def max_capacity(extent_bytes: int, align: int = 4096, min_page_bytes: int | None = None,
+                     headroom: int = 0) -> int:
+        """Largest ``capacity_bytes`` whose slot ids fit the index (below :data:`MAX_SLOT_IDS`).
+
+        Args:
+            extent_bytes, align, min_page_bytes, headroom: as for :meth:`plan` (valid).
+
+        Returns:
+            The whole extents that fit, in bytes (``span`` each).
+        """
+        per_extent = extent_bytes // round_up(max(1, min_page_bytes or align), align)
+        span = extent_bytes + per_extent * headroom
+        return (MAX_SLOT_IDS - 1) // per_extent * span
 
     @property
     def span(self) -> int:
@@ -357,55 +387,51 @@ class PoolLayout:
         diffs = [f"{n} {old} -> {new}" for n, old, new in zip(names, fields, ours) if old != new]
         return "geometry changed: " + ", ".join(diffs) if diffs else None
 
+    def explain_size(self, head: bytes, size: int) -> str:
+        """Why a pool file of ``size`` bytes starting with ``head`` cannot be adopted."""
+        why = self.mismatch(head)
+        if why is None or why.startswith("no pool metadata"):
+            why = f"pool file has {size} bytes, expected {self.file_bytes}"
+        return why
 
 
 def map_pool_file(
-    path: str | Path, layout: PoolLayout, *, prefault: bool = True, mode: int = 0o600
+    path: str | Path, layout: PoolLayout, *, prefault: bool = True,
+    runtime_dir: str | Path | None = None,
 ) -> tuple[SharedMemorySegment, str | None]:
-    """Map the pool file at ``path``, keeping it when its size matches ``layout``.
+    """Map the pool file at ``path``, keeping it when it is the daemon's and its size
+    matches ``layout``.
 
-    An existing file of ``layout.file_bytes`` bytes is mapped as it is (pre-faulted when
-    asked), so its metadata can be adopted. Otherwise the file is created (replacing a
-    file of another size) and the reason is returned for the caller's log line. The
-    segment is opened as a peer: closing it never removes the file, so the pool survives
-    a restart; remove it explicitly (``segment.close(unlink=True)``) to discard it.
+    An existing file is first checked (see :mod:`~kvtier.daemon.pool.poolfile`): a regular
+    file of this uid, mode 0600, one link. One that passes and has ``layout.file_bytes``
+    bytes is mapped as it is (pre-faulted when asked), so its metadata can be adopted. One
+    of this uid that fails a check, or has another size, is removed and the file created
+    afresh (``O_EXCL``, mode 0600); the reason is returned for the caller's log line. The
+    segment is opened as a peer: closing it never removes the file, so the pool survives a
+    restart; remove it explicitly (``segment.close(unlink=True)``) to discard it.
 
     Args:
         path: the pool file (``pool_path(cfg.pool_dir, runtime_dir)``).
         layout: from :meth:`PoolLayout.plan` with the daemon's config.
-        prefault: pre-fault the mapping (and reserve the memory of a new file).
-        mode: permission bits of a new file.
+        prefault: pre-fault the mapping (and reserve the memory of a new file, after
+            checking the directory's free space).
+        runtime_dir: the daemon's runtime directory, recorded in the file's header region
+            (``kvtier pools`` shows it); None records nothing.
 
     Returns:
         ``(segment, why_new)``: ``why_new`` is None when an existing file was mapped,
         else why a new one was created (pass it as ``cold_start`` to :meth:`HostPool.adopt`).
 
     Raises:
-        SharedMemoryError: the file can be neither opened nor created.
+        PoolFileError: the file is someone else's, a symlink or not a regular file (it is
+            left alone), or it can be neither opened nor created.
+        PoolSpaceError: ``pool_dir`` has no room for a new file of ``layout.file_bytes``.
     """
-    path = str(path)
-    try:
-        st = os.stat(path, follow_symlinks=False)
-    except FileNotFoundError:
-        why = "no pool file (first start)"
-    else:
-        if st.st_size == layout.file_bytes:
-            return SharedMemorySegment.open(path, size=layout.file_bytes, populate=prefault), None
-        why = _size_mismatch(path, st.st_size, layout)
-    # Created, then reopened as a peer: closing the daemon's pool must not remove it.
-    SharedMemorySegment.create(path, layout.file_bytes, prefault=prefault, mode=mode,
-                               exist_ok=True).close(unlink=False)  # fmt: skip
-    return SharedMemorySegment.open(path, size=layout.file_bytes, populate=prefault), why
-
-
-def _size_mismatch(path: str, size: int, layout: PoolLayout) -> str:
-    """Why a pool file of ``size`` bytes cannot be adopted, from its header if readable."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(HEADER_BYTES)
-    except OSError as err:
-        return f"pool file unreadable ({err.strerror}); recreated"
-    why = layout.mismatch(head)
-    if why is None or why.startswith("no pool metadata"):
-        why = f"pool file has {size} bytes, expected {layout.file_bytes}"
-    return why
+    seg, why = open_pool_segment(path, layout.file_bytes, populate=prefault,
+                                 explain=layout.explain_size)
+    if seg is None:
+        seg = create_pool_segment(path, layout.file_bytes, capacity=layout.capacity_bytes,
+                                  prefault=prefault)
+    if runtime_dir is not None:
+        write_owner_tag(seg.view, runtime_dir)
+    return seg, why

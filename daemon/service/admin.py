@@ -1,10 +1,28 @@
-"""Operator requests: STATS (the snapshot), FLUSH, SYNC, the admin token, and SIGHUP reload.
+"""Operator requests: HEALTH, STATS (the snapshot), FLUSH, SYNC, the admin token, and
+SIGHUP reload.
 
-These are what ``kvtier stats|flush|sync`` and the metrics endpoint use. When ``admin_token``
-is set, STATS, SYNC and an admin FLUSH must present it (compared in constant time); a
-session may FLUSH its own tenant's pages without it. A reload applies only the fields that
-can change while running; any other change refuses the whole reload, so a configuration
-is never half applied.
+These are what ``kvtier health|stats|sessions|flush|sync`` and the metrics endpoint use.
+
+Who sees what (the admin token is compared in constant time):
+
+- No tenants configured: as the admin token says. None set: everyone sees and flushes
+  everything; one set: STATS, SYNC and FLUSH must present it (a session may FLUSH its own
+  pages without it).
+- Tenants configured: the admin token, when one is set, sees and flushes everything. Any
+  other STATS or FLUSH is scoped to one caller's tenants: the tenant of the session a FLUSH
+  names, else the tenants of the sessions registered over the requesting connection, else
+  the tenant whose token the request carries (in its ``admin_token`` field). A scoped STATS
+  shows only those tenants' sessions and page counts (no daemon-wide pool, counters or L3
+  numbers: they would tell one tenant about another's traffic); a scoped FLUSH drops only
+  their pages. A request with none of these is refused UNAUTHORIZED, naming
+  ``admin_token``: with tenants, nobody sees every tenant's data without it. SYNC is
+  admin-only.
+
+HEALTH is ``ok``, ``stopping``, or ``degraded: <what>`` while L3 is configured but not
+serving (the guard's cause: not open, or down, and why); L2 keeps serving then.
+
+A reload applies only the fields that can change while running; any other change refuses
+the whole reload, so a configuration is never half applied.
 """
 
 from __future__ import annotations
@@ -22,6 +40,11 @@ from kvtier.daemon.service.validation import RequestError, check_sync_timeout, p
 from kvtier.ipc import protocol as P
 
 log = logging.getLogger("kvtier.daemon")
+
+ADMIN_TOKEN_HINT = ("tenants are configured: a request without the admin token sees and flushes "
+                    "only its own tenant's data (from a registered engine's connection, or "
+                    "with that tenant's token); set admin_token on kvtierd for the whole view")
+"""Appended to an UNAUTHORIZED refusal when tenants are configured and no scope was found."""
 
 LIVE_FIELDS = frozenset({
     "log_level", "lease_s", "shutdown_timeout_s", "max_keys_per_request", "max_message_bytes",
@@ -51,7 +74,47 @@ class Admin:
 
     def table(self) -> dict[type, Callable]:
         """The handler of each operator request type."""
-        return {P.Stats: self.stats, P.Flush: self.flush, P.Sync: self.sync}
+        return {P.Health: self.health, P.Stats: self.stats, P.Flush: self.flush,
+                P.Sync: self.sync}
+
+    def is_admin(self, token: str) -> bool:
+        """Whether ``token`` is the configured admin token (False when none is set)."""
+        want = self.ctx.cfg.admin_token
+        return want is not None and hmac.compare_digest(want.get_secret_value().encode(),
+                                                        token.encode())
+
+    def scope(self, identity: bytes, token: str) -> frozenset[str] | None:
+        """The tenants a STATS or an admin FLUSH may see (None: every tenant).
+
+        Args:
+            identity: the requesting connection.
+            token: the request's ``admin_token`` field.
+
+        Returns:
+            None for the admin (or anyone, when no tenants are configured and no admin
+            token is set); else the caller's tenants (see the module docstring).
+
+        Raises:
+            RequestError: UNAUTHORIZED: a wrong admin token without tenants, or no scope
+                with tenants.
+        """
+        tenants = self.ctx.cfg.tenants
+        if not tenants or self.is_admin(token):
+            self.check_admin(token)
+            return None
+        mine = frozenset(s.tenant for s in self.ctx.sessions.of_identity(identity)
+                         if s.is_open())
+        if not mine and token:
+            mine = frozenset(name for name, t in tenants.items() if hmac.compare_digest(
+                t.token.get_secret_value().encode(), token.encode()))
+        if mine:
+            return mine
+        has_admin = self.ctx.cfg.admin_token is not None
+        log.warning("admin request refused: %s", "missing or wrong admin token" if has_admin
+                    else "tenants are configured, no admin_token is set, no tenant credential")
+        raise RequestError(P.ErrorCode.UNAUTHORIZED,
+                           f"admin_token: {'missing or wrong' if has_admin else 'not set'}; "
+                           f"{ADMIN_TOKEN_HINT}")
 
     def check_admin(self, token: str) -> None:
         """Check an operator request's admin token (anything passes when none is set).
@@ -65,11 +128,52 @@ class Admin:
             log.warning("admin request refused: %s admin token", "missing" if not token else "wrong")
             raise RequestError(P.ErrorCode.UNAUTHORIZED, "admin_token: missing or wrong")
 
+    # ------------------------------------------------------------------ HEALTH
+    def health(self, identity: bytes, m: P.Health) -> P.Reply:
+        """HEALTH: ``ok``, ``stopping`` or ``degraded: <why>``, and the session count (no
+        session or token needed)."""
+        ctx = self.ctx
+        problem = ctx.tier.l3.problem()
+        status = ("stopping" if ctx.stopping else "ok" if problem is None
+                  else f"degraded: {problem}; L2 keeps serving")
+        return P.HealthReply(req_id=m.req_id, epoch=ctx.epoch, status=status,
+                             sessions=len(ctx.sessions))
+
     # ------------------------------------------------------------------ STATS
     def stats(self, identity: bytes, m: P.Stats) -> P.Reply:
-        """STATS: the snapshot."""
-        self.check_admin(m.admin_token)
-        return P.StatsReply(req_id=m.req_id, epoch=self.ctx.epoch, stats=self.snapshot())
+        """STATS: the snapshot (scoped to the caller's tenants unless admin)."""
+        scope = self.scope(identity, m.admin_token)
+        snap = self.snapshot() if scope is None else self.tenant_snapshot(scope)
+        return P.StatsReply(req_id=m.req_id, epoch=self.ctx.epoch, stats=snap)
+
+    def tenant_snapshot(self, tenants: frozenset[str]) -> dict[str, object]:
+        """The STATS reply of a caller scoped to ``tenants``.
+
+        Returns:
+            ``epoch``, ``uptime_s``, ``scope`` (``{"tenants": [...]}``), ``tenants`` (per
+            tenant: ``pages`` held in L2 and ``quota_pages``) and that tenant's
+            ``sessions``; nothing daemon-wide.
+        """
+        ctx = self.ctx
+        quotas = ctx.cfg.tenants
+        return {
+            "epoch": f"{ctx.epoch:x}",
+            "uptime_s": round(time.time() - ctx.started, 3),
+            "scope": {"tenants": sorted(tenants)},
+            "tenants": {t: {"pages": ctx.pool.owned_pages(ctx.pool.owner_id(t)),
+                            "quota_pages": quotas[t].quota_pages if t in quotas else None}
+                        for t in sorted(tenants)},
+            "sessions": [row for row in self._sessions() if row["tenant"] in tenants],
+        }
+
+    def _sessions(self) -> list[dict[str, object]]:
+        return [
+            {"session_id": s.session_id, "tenant": s.tenant, "pid": s.pid,
+             "tp_rank": s.tp_rank, "tp_size": s.tp_size, "state": s.state.value,
+             "page_bytes": s.geometry.page_bytes, "num_pages": s.memory.num_pages,
+             "transfers": len(s.transfers)}
+            for s in self.ctx.sessions
+        ]
 
     def snapshot(self) -> dict[str, object]:
         """Return counters, pool use and sessions as a plain dict (the STATS reply).
@@ -87,29 +191,27 @@ class Admin:
             "counters": ctx.counters.as_dict(),
             "l3": ctx.tier.snapshot(),
             "adopt": dataclasses.asdict(ctx.adopt) if ctx.adopt is not None else {},
-            "sessions": [
-                {"session_id": s.session_id, "tenant": s.tenant, "pid": s.pid,
-                 "tp_rank": s.tp_rank, "tp_size": s.tp_size, "state": s.state.value,
-                 "page_bytes": s.geometry.page_bytes, "num_pages": s.memory.num_pages,
-                 "transfers": len(s.transfers)}
-                for s in ctx.sessions
-            ],
+            "sessions": self._sessions(),
         }
 
     # ------------------------------------------------------------------ FLUSH
     def flush(self, identity: bytes, m: P.Flush) -> P.Reply:
-        """FLUSH: drop pages from L2, L3 or both (a session: its own tenant's only)."""
+        """FLUSH: drop pages from L2, L3 or both (a session: its own tenant's only; see the
+        module docstring for who may flush what)."""
         ctx = self.ctx
         if m.tier not in FLUSH_TIERS:
             raise RequestError(P.ErrorCode.BAD_MESSAGE, f"tier = {m.tier!r} is not l2, l3 or all")
-        ns_id = owner = None
-        tenant: str | None = None
+        ns_id = None
+        scope: frozenset[str] | None
         if m.session_id:  # a session may flush only its own tenant's pages
-            s = ctx.session(identity, m.session_id)
-            owner, tenant = s.owner, s.tenant
+            scope = frozenset((ctx.session(identity, m.session_id).tenant,))
         else:
-            self.check_admin(m.admin_token)
-        fps: list[bytes] | None = None if tenant is None else ctx.tier.tenant_namespaces(tenant)
+            scope = self.scope(identity, m.admin_token)
+        fps: list[bytes] | None = None
+        owners: list[int | None] = [None]
+        if scope is not None:
+            fps = [fp for t in sorted(scope) for fp in ctx.tier.tenant_namespaces(t)]
+            owners = [ctx.pool.owner_id(t) for t in sorted(scope)]
         if m.namespace:
             fp = parse_namespace(m.namespace)
             ns_id = ctx.pool.namespaces().get(fp, -1)
@@ -117,10 +219,10 @@ class Admin:
         l2 = 0
         if m.tier in ("l2", "all"):
             with ctx.tier.writer.flush_guard():
-                l2 = ctx.pool.flush(ns_id=ns_id, owner=owner)
+                l2 = sum(ctx.pool.flush(ns_id=ns_id, owner=owner) for owner in owners)
             ctx.tier.prefetcher.sweep()
-        log.info("flush tier=%s namespace=%s owner=%s: %d L2 pages dropped", m.tier,
-                 m.namespace or "*", owner if owner is not None else "*", l2)
+        log.info("flush tier=%s namespace=%s tenants=%s: %d L2 pages dropped", m.tier,
+                 m.namespace or "*", ",".join(sorted(scope)) if scope is not None else "*", l2)
         if m.tier == "l2" or not ctx.tier.available:
             return P.FlushReply(req_id=m.req_id, epoch=ctx.epoch, l2_pages=l2, l3_pages=0)
         return self._flush_l3(m, l2, fps)

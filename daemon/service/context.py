@@ -18,10 +18,12 @@ from kvtier.config import DaemonConfig
 from kvtier.daemon.counters import Counters
 from kvtier.daemon.pool.index import HostPool
 from kvtier.daemon.pool.layout import AdoptResult
+from kvtier.daemon.service.handover import HandoverServer
 from kvtier.daemon.service.sessions import Session, SessionState, SessionTable
 from kvtier.daemon.service.validation import RequestError
 from kvtier.daemon.tier.tier import TierStore
 from kvtier.ipc import protocol as P
+from kvtier.ipc.fdpass import handover_path
 
 if TYPE_CHECKING:
     from kvtier.daemon.service.metrics import DaemonMetrics
@@ -37,11 +39,12 @@ class ServiceContext:
         pool: the L2 host pool.
         tier: the L3 tier.
         counters: the counters STATS reports.
-        rdir: the runtime directory (completion blocks live there).
+        rdir: the runtime directory (the sockets live there).
         epoch: this daemon's boot epoch, carried by every reply.
 
     Attributes:
         sessions: the registered engine sessions.
+        handovers: the memory handover socket and the handovers waiting for REGISTER.
         metrics: the Prometheus endpoint when ``metrics_port`` is set, else None.
         adopt: what the start made of the pool file it found (set once mapped).
         started: wall-clock start time (``uptime_s``).
@@ -57,6 +60,7 @@ class ServiceContext:
         self.rdir = rdir
         self.epoch = epoch
         self.sessions = SessionTable()
+        self.handovers = HandoverServer(handover_path(rdir))
         self.metrics: DaemonMetrics | None = None
         self.adopt: AdoptResult | None = None
         self.started = time.time()
@@ -121,10 +125,7 @@ class ServiceContext:
             s.transition(SessionState.CLOSING)
         self.sessions.remove(s)
         self.tier.session_closed(s)
-        alive = s.engine_alive()
-        s.memory.close()
-        if not alive:
-            s.memory.unlink_segments()  # the engine died without removing its KV segments
+        s.memory.close()  # never an unlink: the engine's memory has no name the daemon knows
         s.completion.close()
         s.transition(SessionState.CLOSED)
         self.counters.sessions_closed += 1

@@ -1,4 +1,4 @@
-"""From a request's frames to its reply: size check, decoding, the stop gate, the handler.
+"""From a request's body to its reply: size check, decoding, the stop gate, the handler.
 
 Every failure becomes an error reply naming the problem, never an exception in the receive
 loop: a refused request (:class:`~kvtier.daemon.service.validation.RequestError`) keeps its
@@ -17,6 +17,7 @@ import msgspec
 from kvtier.daemon.service.context import ServiceContext
 from kvtier.daemon.service.validation import RequestError
 from kvtier.ipc import protocol as P
+from kvtier.ipc.fdpass import PeerCred
 
 log = logging.getLogger("kvtier.daemon")
 
@@ -39,20 +40,29 @@ class Dispatcher:
         self.ctx = ctx
         self.handlers = handlers
 
-    def handle(self, frames: list[bytes]) -> Reply:
+    def refuse_frames(self, frames: int) -> P.ErrorReply:
+        """The reply to a message of ``frames`` frames (a request is one, after the identity).
+
+        The receive loop drops such a message frame by frame and answers this.
+        """
+        self.ctx.counters.requests += 1
+        return self.ctx.error(0, P.ErrorCode.BAD_MESSAGE,
+                              f"expected 2 frames (identity and request), got {frames}")
+
+    def handle(self, identity: bytes, body: bytes | memoryview,
+               peer: PeerCred | None = None) -> Reply:
         """Answer one request.
 
         Args:
-            frames: the ROUTER frames: the connection's identity and the request body.
+            identity: the connection's ROUTER identity.
+            body: the request frame.
+            peer: the sender's process (``ipc://`` transports tell it), for REGISTER.
 
         Returns:
             The reply, or a coroutine of it when the handler must wait (never raises).
         """
         ctx = self.ctx
         ctx.counters.requests += 1
-        if len(frames) != 2:
-            return ctx.error(0, P.ErrorCode.BAD_MESSAGE, f"expected 2 frames, got {len(frames)}")
-        body = frames[1]
         limit = ctx.cfg.max_message_bytes
         if len(body) > limit:
             return ctx.error(P.peek_req_id(body), P.ErrorCode.BAD_MESSAGE,
@@ -64,7 +74,10 @@ class Dispatcher:
         if ctx.stopping and not isinstance(msg, SERVED_WHILE_STOPPING):
             return ctx.error(msg.req_id, P.ErrorCode.SHUTTING_DOWN, "kvtierd is stopping")
         try:
-            reply = self.handlers[type(msg)](frames[0], msg)
+            if isinstance(msg, P.Register):  # the one request that needs its sender
+                reply = self.handlers[P.Register](identity, msg, peer)
+            else:
+                reply = self.handlers[type(msg)](identity, msg)
             if asyncio.iscoroutine(reply):
                 return self._guard(msg.req_id, reply)
             return reply

@@ -23,6 +23,7 @@ from typing import Any
 from kvtier.config import format_size
 from kvtier.daemon.pool.index import HostPoolError
 from kvtier.daemon.service.context import ServiceContext
+from kvtier.daemon.service.handover import Handover, HandoverNotYours, HandoverRefused
 from kvtier.daemon.service.sessions import Session
 from kvtier.daemon.service.transfers import Transfers
 from kvtier.daemon.service.validation import (
@@ -33,15 +34,13 @@ from kvtier.daemon.service.validation import (
     check_slot,
 )
 from kvtier.daemon.tier.rank_groups import GroupKey
-from kvtier.daemon.transfer.engine_memory import EngineMemory, EngineMemoryError
+from kvtier.daemon.transfer.engine_memory import NAMES_REFUSED, EngineMemory, EngineMemoryError
 from kvtier.daemon.transfer.transfer import Direction
 from kvtier.ipc import protocol as P
-from kvtier.ipc.completion import CompletionBlock
+from kvtier.ipc.fdpass import PeerCred
 from kvtier.ipc.namespace import namespace_fingerprint
 
 log = logging.getLogger("kvtier.daemon")
-COMPLETION_SLOTS = 64
-"""Completion slots per session: the transfers one engine may have running at once."""
 DEFAULT_TENANT = "default"
 """The tenant of every session when no tenants are configured."""
 
@@ -70,7 +69,6 @@ class Handlers:
             P.Register: self.register, P.Heartbeat: self.heartbeat, P.Lookup: self.lookup,
             P.Store: self.store, P.Load: self.load, P.Release: self.release,
             P.Unregister: self.unregister, P.Prefetch: self.prefetch, P.Claim: self.claim,
-            P.Health: self.health,
         }
 
     async def later(self, s: Session, pending: Coroutine[Any, Any, P.Reply]) -> P.Reply:
@@ -83,13 +81,49 @@ class Handlers:
             s.renew(time.monotonic())
 
     # ------------------------------------------------------------------ sessions
-    def register(self, identity: bytes, m: P.Register) -> P.Reply:
-        """REGISTER: authenticate, map the engine's memory, open a session."""
+    def register(self, identity: bytes, m: P.Register, peer: PeerCred | None = None) -> P.Reply:
+        """REGISTER: check, authenticate, map the handed-over memory, open a session.
+
+        Args:
+            identity: the connection's ZeroMQ identity.
+            m: the request.
+            peer: the sender's credentials when the transport tells them (``ipc://``);
+                the handover must then come from the same process.
+
+        Returns:
+            :class:`~kvtier.ipc.protocol.Registered`.
+
+        Raises:
+            RequestError: refused. The request's own fields are checked before its
+                handover is claimed; once claimed, the handover is spent either way (the
+                daemon keeps no descriptor of it).
+        """
+        tenant = self._check_register(m)
+        try:
+            h = self.ctx.handovers.claim(m.handover, peer)
+        except HandoverNotYours as err:
+            raise RequestError(P.ErrorCode.UNAUTHORIZED, str(err)) from err
+        except HandoverRefused as err:
+            raise RequestError(P.ErrorCode.BAD_MEMORY, str(err)) from err
+        if m.pid and m.pid != h.peer.pid:
+            log.info("REGISTER says pid %d; the handover's process is %d (used)", m.pid, h.peer.pid)
+        try:
+            return self._open_session(identity, m, h, tenant)
+        except BaseException:
+            h.completion.close()
+            raise
+        finally:
+            h.close_fds()  # mapped, or refused
+
+    def _check_register(self, m: P.Register) -> str:
+        """A REGISTER's fields (not yet its memory); returns the tenant it authenticated as."""
         ctx, cfg = self.ctx, self.ctx.cfg
         if m.protocol_version != P.PROTOCOL_VERSION:
             raise RequestError(P.ErrorCode.PROTOCOL_VERSION,
                                f"protocol_version = {m.protocol_version!r}; this daemon speaks "
                                f"{P.PROTOCOL_VERSION}")
+        if m.memory.kind == "shm":
+            raise RequestError(P.ErrorCode.BAD_MEMORY, NAMES_REFUSED)
         if len(ctx.sessions) >= cfg.max_sessions:
             raise RequestError(P.ErrorCode.BUSY, f"max_sessions ({cfg.max_sessions}) reached")
         check_pid(m.pid)
@@ -106,8 +140,13 @@ class Handlers:
             raise RequestError(P.ErrorCode.GEOMETRY_MISMATCH,
                                f"a page of {g.page_bytes} bytes does not fit the pool's "
                                f"extent_size ({cfg.extent_size})")
+        return tenant
+
+    def _open_session(self, identity: bytes, m: P.Register, h: Handover, tenant: str) -> P.Reply:
+        """Map the handover's memory and open the session (taking its completion block)."""
+        ctx, cfg, g = self.ctx, self.ctx.cfg, m.geometry
         try:
-            memory = EngineMemory(g, m.memory)
+            memory = EngineMemory(g, m.memory, h.fds)
         except EngineMemoryError as err:
             raise RequestError(P.ErrorCode.BAD_MEMORY, str(err)) from err
         try:
@@ -116,17 +155,16 @@ class Handlers:
                 ns_id, owner = ctx.pool.namespace_id(fp), ctx.pool.owner_id(tenant)
             except HostPoolError as err:
                 raise RequestError(P.ErrorCode.BUSY, str(err)) from err
-            sid = ctx.sessions.new_id()
-            block = CompletionBlock.create(ctx.rdir / f"completion-{ctx.epoch:x}-{sid}",
-                                           COMPLETION_SLOTS)
         except BaseException:
             memory.close()
             raise
+        sid = ctx.sessions.new_id()
+        block = h.completion
         s = Session(session_id=sid, identity=identity, tenant=tenant, owner=owner,
                     ns_id=ns_id, ns_fingerprint=fp, geometry=g,
                     class_id=ctx.pool.register_class(g.page_bytes), memory=memory,
-                    completion=block, pid=m.pid, tp_rank=m.tp_rank, tp_size=m.tp_size,
-                    lease_s=cfg.lease_s)
+                    completion=block, pid=h.peer.pid, uid=h.peer.uid, tp_rank=m.tp_rank,
+                    tp_size=m.tp_size, lease_s=cfg.lease_s)
         s.renew(time.monotonic())
         ctx.tier.register(ns_id, fp, tenant, s.class_id, g.page_bytes)
         s.member = ctx.tier.groups.join(GroupKey(
@@ -135,12 +173,12 @@ class Handlers:
             tp_group=m.tp_group), m.tp_rank, sid)
         ctx.sessions.add(s)
         ctx.counters.sessions_opened += 1
-        log.info("session %d registered: tenant %s, model %s, pid %d, rank %d/%d, %d pages of %s",
-                 sid, tenant, m.namespace.model_id, m.pid, m.tp_rank, m.tp_size,
-                 m.memory.num_pages, format_size(g.page_bytes))
+        log.info("session %d registered: tenant %s, model %s, pid %d uid %d, rank %d/%d, "
+                 "%d pages of %s", sid, tenant, m.namespace.model_id, s.pid, s.uid, m.tp_rank,
+                 m.tp_size, m.memory.num_pages, format_size(g.page_bytes))
         return P.Registered(req_id=m.req_id, epoch=ctx.epoch, session_id=sid,
                             lease_s=cfg.lease_s, ns_fingerprint=fp,
-                            completion_name=str(block.segment.path),
+                            completion_name=f"memfd:completion-{ctx.epoch:x}-{sid}",
                             completion_slots=block.slots, daemon_pid=os.getpid())
 
     def _authenticate(self, m: P.Register) -> str:
@@ -168,12 +206,6 @@ class Handlers:
         s = self.ctx.session(identity, m.session_id)
         self.ctx.close_session(s, "unregistered")
         return P.Ack(req_id=m.req_id, epoch=self.ctx.epoch)
-
-    def health(self, identity: bytes, m: P.Health) -> P.Reply:
-        """HEALTH: ``ok`` or ``stopping``, and the session count (no session needed)."""
-        status = "stopping" if self.ctx.stopping else "ok"
-        return P.HealthReply(req_id=m.req_id, epoch=self.ctx.epoch, status=status,
-                             sessions=len(self.ctx.sessions))
 
     # ------------------------------------------------------------------ lookups
     def lookup(self, identity: bytes, m: P.Lookup) -> P.Reply:

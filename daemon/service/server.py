@@ -9,12 +9,20 @@ The parts, each in its own module:
 - :mod:`~kvtier.daemon.service.context`: the state they share and the session lifecycle;
 - the L3 tier is :class:`~kvtier.daemon.tier.tier.TierStore`.
 
-This module maps the pool, opens the tier, binds the socket and runs the loops: receive
-(each request answered in turn; one that must wait is answered from its own task), lease
-(reaps dead and expired sessions), monitor (a disconnect triggers a prompt reap) and the
-systemd watchdog.
+This module maps the pool, opens the tier, binds the sockets and runs the loops: receive
+(each request answered in turn; one that must wait is answered from its own task), memory
+handover (:mod:`~kvtier.daemon.service.handover`), lease (reaps dead and expired
+sessions), monitor (a disconnect triggers a prompt reap) and the systemd watchdog.
 
-Shutdown order (as uvicorn does it): stop accepting → cancel running transfers and wait
+The receive loop reads a message frame by frame: a request is the connection's identity
+and one body frame (each at most ``MAXMSGSIZE``); the frames of a message with more are
+read and dropped one at a time, never collected, and it is answered BAD_MESSAGE.
+
+Both sockets (control and handover, mode 0660) take the runtime directory's group when it
+differs from the daemon's, as a set-group-ID directory would give them, so engine users of
+that group can connect (a daemon run as root, or in several groups).
+
+Shutdown order (as uvicorn does it): stop accepting (handovers first) → cancel running transfers and wait
 for them with a deadline → close sessions → give prefetches up and write to L3 what the
 write policy asks for (same deadline) → close the L3 backend → close the socket → unmap
 the pool. Resources live in an ``AsyncExitStack``, entered in order and closed in reverse.
@@ -45,6 +53,7 @@ from kvtier.daemon.service.admin import LIVE_FIELDS, Admin
 from kvtier.daemon.service.context import ServiceContext
 from kvtier.daemon.service.dispatch import Dispatcher
 from kvtier.daemon.service.handlers import Handlers
+from kvtier.daemon.service.runtime import SocketFile, claim_runtime_dir
 from kvtier.daemon.service.sdnotify import SystemdNotifier, watchdog_loop
 from kvtier.daemon.service.sessions import SessionTable
 from kvtier.daemon.service.transfers import Transfers
@@ -53,6 +62,7 @@ from kvtier.daemon.storage.base import HostArena
 from kvtier.daemon.storage.registry import slot_headroom
 from kvtier.daemon.tier.tier import TierStore
 from kvtier.ipc import protocol as P
+from kvtier.ipc.fdpass import zmq_peer
 from kvtier.ipc.shm import SharedMemorySegment
 from kvtier.ipc.sockets import ipc_endpoint, make_zmq_socket
 
@@ -92,6 +102,7 @@ class Daemon:
         self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._sock: zmq.asyncio.Socket | None = None
+        self._sock_file: SocketFile | None = None
         self._reap_later: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------------ state
@@ -144,13 +155,18 @@ class Daemon:
                 the metrics port); whatever was set up is closed again.
         """
         async with contextlib.AsyncExitStack() as stack:
-            self.rdir.mkdir(parents=True, exist_ok=True, mode=0o750)
+            # first of all: no other daemon on this runtime dir (before the pool and socket)
+            stack.enter_context(claim_runtime_dir(self.rdir))
             ppath = pool_path(self.cfg.pool_dir, self.rdir)
             await self._open_pool_and_tier(ppath, stack)
             zctx = zmq.asyncio.Context()
             stack.callback(zctx.term)
             self._sock = make_zmq_socket(zctx, self.endpoint, zmq.ROUTER, bind=True)
             stack.callback(self._close_socket)
+            self._sock_file = SocketFile.record(socket_path(self.rdir))
+            self.ctx.handovers.bind()
+            stack.callback(self.ctx.handovers.close)
+            self._share_with_group([socket_path(self.rdir), self.ctx.handovers.path])
             if self.cfg.metrics_port is not None:
                 from kvtier.daemon.service.metrics import DaemonMetrics
 
@@ -194,7 +210,8 @@ class Daemon:
             The arena's view and the mapped segment.
         """
         layout = self.pool.layout
-        seg, why_new = map_pool_file(ppath, layout, prefault=self.cfg.prefault)
+        seg, why_new = map_pool_file(ppath, layout, prefault=self.cfg.prefault,
+                                     runtime_dir=self.rdir)
         stack.callback(lambda: seg.close(unlink=not self.cfg.keep_pool_on_stop))
         arena_view = seg.view[layout.arena_offset:layout.arena_offset + layout.capacity_bytes]
         stack.callback(arena_view.release)
@@ -208,9 +225,22 @@ class Daemon:
                 self.pool.set_quota(self.pool.owner_id(name), t.quota_pages)
         return arena_view, seg
 
+    def _share_with_group(self, paths: list[Path]) -> None:
+        """Give the sockets the runtime directory's group when it is not the daemon's own.
+
+        Only where the daemon may (root, or a member of that group); otherwise they keep
+        the daemon's group, as before.
+        """
+        gid = self.rdir.stat().st_gid
+        if gid == os.getegid() or not (os.geteuid() == 0 or gid in os.getgroups()):
+            return
+        for path in paths:
+            os.chown(path, -1, gid, follow_symlinks=False)
+
     async def _serve(self) -> None:
         """Run the loops until a stop is requested, then stop accepting requests."""
         async with asyncio.TaskGroup() as tg:
+            accept = tg.create_task(self.ctx.handovers.serve(), name="kvtier-handover")
             loops = [tg.create_task(self._recv_loop(), name="kvtier-recv"),
                      tg.create_task(self._lease_loop(), name="kvtier-lease"),
                      tg.create_task(self._monitor_loop(), name="kvtier-monitor"),
@@ -220,6 +250,9 @@ class Daemon:
                 loops.append(tg.create_task(watchdog_loop(self.notifier, interval),
                                             name="kvtier-watchdog"))
             await self._stop.wait()
+            accept.cancel()  # first: no new memory handovers (the socket goes once it ends)
+            await asyncio.wait([accept])
+            self.ctx.handovers.stop_accepting()
             self.ctx.stopping = True
             self.notifier.stopping()
             log.info("stopping: %d sessions, %d transfers in flight", len(self.sessions),
@@ -233,8 +266,9 @@ class Daemon:
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
-        with contextlib.suppress(FileNotFoundError):
-            socket_path(self.rdir).unlink()
+        if self._sock_file is not None:  # only the socket this daemon bound, never another's
+            self._sock_file.remove()
+            self._sock_file = None
 
     async def _drain(self) -> None:
         """Close every session, wait for its transfers and for L3 (one deadline for both)."""
@@ -264,15 +298,31 @@ class Daemon:
         sock = self._sock
         assert sock is not None
         while True:
-            frames = await sock.recv_multipart(copy=True)
-            reply = self.dispatcher.handle(frames)
+            identity, reply = await self._recv_one(sock)
             if asyncio.iscoroutine(reply):
                 # a handler that waits (L3 I/O, a claim): answer from its own task
-                task = asyncio.create_task(self._reply_later(frames[0], reply))
+                task = asyncio.create_task(self._reply_later(identity, reply))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
             elif reply is not None:
-                await sock.send_multipart([frames[0], P.encode(reply)])
+                await sock.send_multipart([identity, P.encode(reply)])
+
+    async def _recv_one(self, sock: zmq.asyncio.Socket) -> tuple[bytes, object]:
+        """Read one message frame by frame and answer it (or refuse its frame count)."""
+        first = await sock.recv(copy=False)
+        identity, more = first.bytes, first.more
+        frames = 1
+        body: zmq.Frame | None = None
+        while more:  # a request has one body frame; the frames past it are dropped as read
+            frame = await sock.recv(copy=False)
+            frames += 1
+            more = frame.more
+            if frames == 2:
+                body = frame
+        if frames != 2 or body is None:
+            return identity, self.dispatcher.refuse_frames(frames)
+        return identity, self.dispatcher.handle(identity, body.bytes,
+                                                zmq_peer(body.get("Peer-Address")))
 
     async def _reply_later(self, identity: bytes, pending) -> None:
         reply = await pending

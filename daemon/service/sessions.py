@@ -4,7 +4,8 @@ A session moves through OPEN → CLOSING → CLOSED. It closes on UNREGISTER, on
 (ZeroMQ notifies the daemon), on lease expiry, or at daemon shutdown. While CLOSING it
 accepts no request; its running transfers are cancelled, its prefetches are given up and
 it leaves its tensor-parallel rank group; once the last transfer has finished its pins
-are gone, its memory is unmapped and its completion block removed.
+are gone, its memory is unmapped and its completion block closed. The daemon never
+removes anything of the engine's: it holds no name of the engine's memory.
 
 A session whose request is waiting inside the daemon (a CLAIM waiting for its prefetch, a
 rank waiting for the rest of its group) does not expire meanwhile: ``waiting`` counts such
@@ -49,7 +50,9 @@ class Session:
             its pages in L3).
         geometry / class_id: page shape and host-pool page class.
         memory / completion: the engine's mapped KV memory and completion block.
-        pid / tp_rank / tp_size: the engine process and its tensor-parallel position.
+        pid / uid: the engine process and its user, as the kernel reported them on the
+            memory handover (SO_PEERCRED), never as a message said; uid -1: not known.
+        tp_rank / tp_size: the engine's tensor-parallel position.
         lease_s / deadline: lease length and expiry (monotonic).
         transfers: running transfers by completion slot.
         prefetches: unclaimed prefetches, by request id (or a chain's last key).
@@ -71,6 +74,7 @@ class Session:
     tp_rank: int
     tp_size: int
     lease_s: float
+    uid: int = -1
     deadline: float = 0.0
     state: SessionState = SessionState.OPEN
     transfers: dict[int, Transfer] = field(default_factory=dict)  # by completion slot

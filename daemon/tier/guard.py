@@ -10,6 +10,10 @@ raise: a backend that raises (a third-party plug-in may), times out (an existenc
 is bounded by ``storage_timeout_s``) or is down reads as a miss, counts in
 ``l3_backend_errors`` and marks L3 unhealthy until a health check passes; meanwhile
 calls answer at once (``0``, all ``False``) and L2 keeps serving.
+
+A failing spell is logged once with its real cause (:mod:`.fault_log`: connection refused
+is not a timeout), then at most once a minute with the count of failures in between, and
+once when the backend is healthy again; :meth:`L3Backend.problem` names it for HEALTH.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from kvtier.config.loader import state_dir
 from kvtier.daemon.counters import Counters
 from kvtier.daemon.storage.base import BackendStats, HostArena, StorageBackend
 from kvtier.daemon.storage.registry import EXTRA_CONFIG_FIELD, create_backend, parse_extra_config
+from kvtier.daemon.tier.fault_log import FaultLog, describe_fault
 
 log = logging.getLogger("kvtier.daemon.l3")
 
@@ -89,18 +94,21 @@ class L3Backend:
         cfg: the daemon's configuration (``cfg`` is swapped on reload).
         counters: the daemon's counters.
         rdir: the runtime directory (passed to :func:`storage_settings`).
+        clock: monotonic seconds, for the rate limit of the fault log (tests pass their own).
 
     Attributes:
         name: the backend's name (``none`` when L3 is off).
         backend: the open backend, None before it opened (or when L3 is off).
         healthy: whether calls go to the backend (False while it is down).
         on_open: called when a backend that could not open at start opens later.
+        faults: the current failing spell (its cause), logged once and then rarely.
 
     Raises:
         ConfigError: the backend's extra config is invalid.
     """
 
-    def __init__(self, cfg: DaemonConfig, counters: Counters, rdir: Path) -> None:
+    def __init__(self, cfg: DaemonConfig, counters: Counters, rdir: Path,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
         self.counters = counters
         self.name = cfg.hicache_storage_backend
@@ -108,12 +116,12 @@ class L3Backend:
         self.backend: StorageBackend | None = None
         self.healthy = False
         self.on_open: Callable[[], None] | None = None
+        self.faults = FaultLog(log, f"L3 backend {self.name}", clock=clock)
         self._arena: HostArena | None = None
         self._faults: tuple[type[BaseException], ...] = (
             (Exception,) if self.name == "dynamic" else (KvtierError, OSError))
         self._check_now = asyncio.Event()
         self._last_check = 0.0
-        self._open_failures = 0
         self._known: dict[tuple[bytes, bytes], None] = {}  # (ns, key) written, if unlistable
         self._lists = False  # whether the open backend implements list_keys
 
@@ -140,18 +148,15 @@ class L3Backend:
         except ConfigError:
             raise
         except self._faults as err:
-            self._open_failures += 1
-            if self._open_failures == 1:
-                log.error("L3 backend %s could not open (%s); serving L2 only, retrying every "
-                          "%.0fs", self.name, err, DOWN_PERIOD_S)
-            else:
-                log.debug("L3 backend %s still cannot open: %s", self.name, err)
+            self.faults.failed(f"could not open: {describe_fault(err)}",
+                               f"serving L2 only, retrying every {DOWN_PERIOD_S:.0f}s",
+                               level=logging.ERROR)
             return
         self.backend, self.healthy = backend, True
         self._lists = type(backend).list_keys is not StorageBackend.list_keys
-        log.info("L3 backend %s open (%s, prefetch policy %s)%s", self.name,
-                 self.cfg.hicache_write_policy, self.cfg.hicache_storage_prefetch_policy,
-                 f" after {self._open_failures} failed tries" if self._open_failures else "")
+        self.faults.recovered("open")
+        log.info("L3 backend %s open (%s, prefetch policy %s)", self.name,
+                 self.cfg.hicache_write_policy, self.cfg.hicache_storage_prefetch_policy)
 
     async def close(self) -> None:
         """Close the backend (idempotent)."""
@@ -172,29 +177,52 @@ class L3Backend:
             self._check_now.clear()
             await asyncio.sleep(max(0.0, self._last_check + 0.2 - time.monotonic()))
             self._last_check = time.monotonic()
-            if self.backend is None:
-                await self._open_backend()
-                if self.backend is not None and self.on_open is not None:
-                    self.on_open()
-                continue
-            try:
-                async with asyncio.timeout(self.cfg.storage_timeout_s * 4):
-                    ok = await self.backend.health()
-            except TimeoutError:
-                ok = False
-            except self._faults as err:
-                log.debug("L3 health check: %r", err)
-                ok = False
-            if ok != self.healthy:
-                log.log(logging.INFO if ok else logging.WARNING, "L3 backend %s is %s", self.name,
-                        "healthy again" if ok else "down: reads are misses, L2 keeps serving")
-            self.healthy = ok
+            await self.check()
+
+    async def check(self) -> bool:
+        """Check the backend's health now (or try to open one that could not open yet).
+
+        A failure is recorded in :attr:`faults` (logged once per spell, then rarely); a
+        pass ends the spell.
+
+        Returns:
+            Whether the backend is open and healthy afterwards.
+        """
+        if self.name == "none":
+            return False
+        if self.backend is None:
+            await self._open_backend()
+            if self.backend is not None and self.on_open is not None:
+                self.on_open()
+            return self.backend is not None
+        limit = self.cfg.storage_timeout_s * 4
+        cause = None
+        try:
+            async with asyncio.timeout(limit):
+                ok = await self.backend.health()
+        except TimeoutError:
+            ok, cause = False, f"health check timed out after {limit:g} s"
+        except self._faults as err:
+            ok, cause = False, f"health check failed: {describe_fault(err)}"
+        if ok:
+            self.faults.recovered()
+        else:
+            self.faults.failed(cause or "health check failed (the backend's log says why)",
+                               "reads are misses, L2 keeps serving")
+        self.healthy = ok
+        return ok
+
+    def problem(self) -> str | None:
+        """What is wrong with L3, for HEALTH; None when it is off or healthy."""
+        if self.name == "none" or (self.backend is not None and self.healthy):
+            return None
+        state = "not open" if self.backend is None else "down"
+        return f"L3 backend {self.name} {state}: {self.faults.cause or 'not checked yet'}"
 
     def _fault(self, what: str, err: BaseException | None = None) -> None:
         self.counters.l3_backend_errors += 1
-        if self.healthy:
-            log.warning("L3 backend %s: %s%s; skipping it until a health check passes",
-                        self.name, what, f" ({err!r})" if err is not None else "")
+        self.faults.failed(f"{what}: {describe_fault(err)}" if err is not None else what,
+                           "skipping it until a health check passes")
         self.healthy = False
         self._check_now.set()
 
@@ -212,8 +240,9 @@ class L3Backend:
         try:
             async with asyncio.timeout(self.cfg.storage_timeout_s):
                 n = await backend.exists(ns, keys)
-        except TimeoutError as err:
-            self._fault("exists timed out", err)
+        except TimeoutError:
+            self._fault(f"exists timed out after {self.cfg.storage_timeout_s:g} s "
+                        "(storage_timeout_s)")
             return 0
         except self._faults as err:
             self._fault("exists failed", err)

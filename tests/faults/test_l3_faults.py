@@ -163,7 +163,7 @@ def test_a_frozen_redis_delays_no_lookup_past_the_storage_timeout(redis_server, 
 def test_a_backend_down_at_start_is_opened_once_it_answers(redis_server, daemon_factory):
     redis_server.kill()
     d = daemon_factory(*l3_flags("redis", {"url": redis_server.url, "timeout_s": 0.5},
-                                 prefetch_threshold="0"))
+                                               prefetch_threshold="0"))
     pool, conn = engine(d.runtime_dir)
     try:
         assert not stats(d)["l3"]["healthy"]

@@ -10,8 +10,16 @@ from pathlib import Path
 
 import pytest
 from kvtier.config import format_size
+from kvtier.daemon.storage.file import table_bytes
 
 from tests.engines import OTHER, SMALL, engine, fill_page, tokens
+from tests.integration.test_l3_tier import (
+    fetch_back,
+    l3_flags,
+    load_and_compare,
+    store_pages,
+    wait_written,
+)
 from tests.servers import find_binary
 
 pytestmark = pytest.mark.timeout(120)
@@ -210,3 +218,36 @@ def test_bad_environment_is_a_usage_error():
     r = kvtier("health", env={"KVTIER_REQUEST_TIMEOUT_S": "soon"})
     assert r.returncode == 2
     assert "KVTIER_REQUEST_TIMEOUT_S" in one_line(r.stderr)
+
+
+def test_flush_all_gives_the_file_stores_disk_space_back(daemon_factory, short_tmp):
+    store = short_tmp / "l3"
+    d = daemon_factory(*l3_flags("file", {"path": str(store), "segment_bytes": "1MiB"},
+                                 prefetch_threshold="0"))
+
+    def allocated() -> tuple[int, int]:
+        """(bytes the segment files hold on disk, bytes of their header tables)."""
+        segs = list(store.glob("seg-*.kvt"))
+        tables = sum(table_bytes(int(s.name[4:].split("-")[0].split("x")[1])) for s in segs)
+        return sum(s.stat().st_blocks * 512 for s in segs), tables
+
+    pool, conn = engine(d.runtime_dir, num_pages=64)
+    try:
+        keys, _ = store_pages(pool, conn, 24)
+        wait_written(d, 24)
+        on_disk, tables = allocated()
+        assert on_disk >= tables + 24 * SMALL.page_bytes  # preallocated segments
+        r = kvtier("flush", "--tier", "all", "--runtime-dir", str(d.runtime_dir))
+        assert r.returncode == 0, r.stderr
+        assert one_line(r.stdout).startswith("flushed 24 L2 pages and 24 L3 pages")
+        on_disk, tables = allocated()
+        assert on_disk <= tables + 4096 * len(list(store.glob("seg-*.kvt")))  # the tables, about
+        # the store still works: pages written to it again come back from it
+        keys, expected = store_pages(pool, conn, 6, salt=5, seed=5)
+        wait_written(d, 24 + 6)
+        assert kvtier("flush", "--tier", "l2", "--runtime-dir", str(d.runtime_dir)).returncode == 0
+        assert fetch_back(conn, keys) == 6
+        load_and_compare(pool, conn, keys, expected)
+    finally:
+        conn.close()
+        pool.close()

@@ -10,7 +10,7 @@ import zmq
 from kvtier.client.kv_pool import SharedKVPool
 from kvtier.ipc import protocol as P
 
-from tests.engines import SMALL, engine, fill_page, page_bytes, tokens
+from tests.engines import SMALL, engine, fill_page, handover, page_bytes, tokens
 
 
 class Raw:
@@ -54,10 +54,12 @@ def still_serving(pool, conn, keys) -> None:
     assert [page_bytes(pool, p) for p in (10, 11, 12, 13)] == [page_bytes(pool, p) for p in range(4)]
 
 
-def register_msg(pool: SharedKVPool, **over) -> P.Register:
+def register_msg(pool: SharedKVPool, rdir=None, **over) -> P.Register:
+    """A REGISTER of ``pool``, its memory handed over to the daemon in ``rdir`` when given."""
     fields = {"req_id": 7, "protocol_version": P.PROTOCOL_VERSION,
               "namespace": P.NamespaceSpec("x"), "geometry": pool.geometry,
-              "memory": pool.export(), "pid": os.getpid()}
+              "memory": pool.export(), "pid": os.getpid(),
+              "handover": handover(rdir, pool) if rdir is not None else b""}
     fields.update(over)
     return P.Register(**fields)
 
@@ -106,10 +108,10 @@ def test_unknown_session(world):
     still_serving(pool, conn, keys)
 
 
-def test_page_index_out_of_range_and_bad_keys(world):
+def test_page_index_out_of_range_and_bad_keys(world, daemon):
     pool, conn, keys, raw = world
     with SharedKVPool(SMALL, 4) as other:
-        reg = raw.ask(P.encode(register_msg(other)))
+        reg = raw.ask(P.encode(register_msg(other, daemon.runtime_dir)))
         assert isinstance(reg, P.Registered), reg
         sid = reg.session_id
         rep = raw.ask(P.encode(P.Load(req_id=1, session_id=sid, keys=keys[:2], pages=[0, 4], slot=0, seq=1)))
@@ -140,19 +142,20 @@ def test_page_index_out_of_range_and_bad_keys(world):
      P.ErrorCode.BAD_MEMORY, "do not fit"),
     ({"tp_rank": 2, "tp_size": 2}, P.ErrorCode.GEOMETRY_MISMATCH, "tp_rank"),
 ])
-def test_geometry_mismatch(world, change, code, word):
+def test_geometry_mismatch(world, daemon, change, code, word):
     pool, conn, keys, raw = world
     with SharedKVPool(SMALL, 4) as other:
-        expect_error(raw.ask(P.encode(register_msg(other, **change))), code, word)
+        expect_error(raw.ask(P.encode(register_msg(other, daemon.runtime_dir, **change))), code, word)
     still_serving(pool, conn, keys)
 
 
-def test_memory_outside_shm_is_refused(world, tmp_path):
+def test_memory_by_file_name_is_refused(world, tmp_path):
+    """Memory named by a path is refused whatever the path (the daemon opens no file)."""
     pool, conn, keys, raw = world
     with SharedKVPool(SMALL, 4) as other:
         mem = other.export()
         bad = P.KVMemory(kind="shm", num_pages=4, segments=[P.MemorySegment(name="/etc/passwd", size=100)],
                          buffer_segments=mem.buffer_segments, buffer_offsets=mem.buffer_offsets)
         expect_error(raw.ask(P.encode(register_msg(other, memory=bad))), P.ErrorCode.BAD_MEMORY,
-                     "not a kvtier segment")
+                     "by descriptor")
     still_serving(pool, conn, keys)

@@ -248,9 +248,9 @@ async def test_a_cancelled_get_leaves_no_stale_replies(
 async def test_open_against_nothing_is_a_storage_error(arena: HostArena) -> None:
     backend = RedisBackend({"host": "127.0.0.1", "port": free_port(), "timeout_s": 0.5})
     start = time.monotonic()
-    with pytest.raises(StorageError, match="no answer"):
+    with pytest.raises(StorageError, match="did not answer PING: .*(refused|Connect)"):
         await backend.open(arena)
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 5  # refused at once, not after retries
     await backend.close()
 
 

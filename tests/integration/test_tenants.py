@@ -17,6 +17,7 @@ pytestmark = pytest.mark.timeout(120)
 
 TOKEN_A = "tok-a-5f1e9c"
 TOKEN_B = "tok-b-93d7aa"
+ADMIN = "adm-4c2d1e"  # with tenants, only the admin token sees every tenant's data
 
 
 def tenants(quota_a: int | None = None) -> str:
@@ -135,7 +136,7 @@ def test_storing_the_other_tenants_keys_reveals_nothing(two_tenants):
 ])
 def test_wrong_or_missing_token_is_refused_at_registration_and_never_logged(
         daemon_factory, tenant, token):
-    d = daemon_factory("--tenants", tenants())
+    d = daemon_factory("--tenants", tenants(), "--admin-token", ADMIN)
     pool = SharedKVPool(SMALL, 8)
     conn = Connection(pool, model_id="m", register=False,
                       config=client_config(d.runtime_dir, tenant=tenant, token=token or None,
@@ -149,7 +150,7 @@ def test_wrong_or_missing_token_is_refused_at_registration_and_never_logged(
     finally:
         conn.close()
         pool.close()
-    with AdminClient(d.endpoint, timeout_s=5.0) as admin:
+    with AdminClient(d.endpoint, timeout_s=5.0, admin_token=ADMIN) as admin:
         assert admin.stats()["sessions"] == []
     log = d.log_path.read_text()
     assert "registration refused" in log
@@ -159,7 +160,7 @@ def test_wrong_or_missing_token_is_refused_at_registration_and_never_logged(
 
 def _capacity_pages(d) -> int:
     """Slots the pool has for SMALL pages (one class uses every extent)."""
-    with AdminClient(d.endpoint, timeout_s=5.0) as admin:
+    with AdminClient(d.endpoint, timeout_s=5.0, admin_token=ADMIN) as admin:
         pool = admin.stats()["pool"]
     cls = next(c for c in pool["classes"] if c["page_bytes"] == SMALL.page_bytes)
     return int(cls["slots_per_extent"]) * int(pool["extents_total"])
@@ -185,7 +186,7 @@ def test_a_quota_stops_a_tenant_from_evicting_another(daemon_factory, quota):
     """
     q = 128
     d = daemon_factory("--hicache-size", "16MiB", "--tenants", tenants(q if quota else None),
-                       name="q" if quota else "nq")
+                       "--admin-token", ADMIN, name="q" if quota else "nq")
     pa, ca = engine(d.runtime_dir, model="m", tenant="a", token=TOKEN_A)
     pb, cb = engine(d.runtime_dir, model="m", tenant="b", token=TOKEN_B)
     try:
@@ -198,7 +199,7 @@ def test_a_quota_stops_a_tenant_from_evicting_another(daemon_factory, quota):
         ka = _store_chains(ca, a_chains, salt=2000)
         b_left = sum(cb.lookup(k).l2 for k in kb)
         a_left = sum(ca.lookup(k).l2 for k in ka)
-        with AdminClient(d.endpoint, timeout_s=5.0) as admin:
+        with AdminClient(d.endpoint, timeout_s=5.0, admin_token=ADMIN) as admin:
             evictions = admin.stats()["pool"]["evictions"]
         assert evictions > 0  # the pool was under pressure either way
         if quota:

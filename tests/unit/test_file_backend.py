@@ -532,3 +532,64 @@ async def test_list_keys_lists_the_index_and_survives_a_reopen(
     reopened = await opened(tmp_path / "l3", arena)  # the index rebuilt from the headers
     assert set(await reopened.list_keys()) == expected
     await reopened.close()
+
+
+def allocated(path: Path) -> int:
+    """Bytes the file system holds for the segment files (``st_blocks`` × 512)."""
+    return sum(seg.stat().st_blocks * 512 for seg in segment_files(path))
+
+
+async def test_delete_gives_the_payloads_disk_space_back(tmp_path: Path, arena: HostArena) -> None:
+    path = tmp_path / "l3"
+    store = await opened(path, arena, segment_bytes=segment_size(8))  # 8 slots a segment
+    keys = [key(f"k{i}") for i in range(24)]
+    offsets = [i * PAGE for i in range(24)]
+    fill(arena, offsets, PAGE, seed=3)
+    assert all(await store.put_from(NS, keys, offsets, PAGE))
+    segments = segment_files(path)
+    tables = len(segments) * table_bytes(8)
+    assert allocated(path) >= tables + 24 * PAGE  # preallocated and written
+    assert await store.delete(NS, keys[:12]) == 12
+    assert allocated(path) <= tables + 12 * PAGE + len(segments) * 4096  # half given back
+    assert await store.delete(NS, keys[12:]) == 12
+    assert allocated(path) <= tables + len(segments) * 4096  # the header tables, about
+    assert [s.stat().st_size for s in segment_files(path)] == [segment_size(8)] * len(segments)
+    # the store still works: the freed slots are written again, and read back intact
+    again = fill(arena, offsets[:10], PAGE, seed=4)
+    assert all(await store.put_from(OTHER_NS, keys[:10], offsets[:10], PAGE))
+    clear(arena, offsets[:10], PAGE)
+    assert all(await store.get_into(OTHER_NS, keys[:10], offsets[:10], PAGE))
+    assert [bytes(arena.view[o : o + PAGE]) for o in offsets[:10]] == again
+    assert segment_files(path) == segments  # reused, not grown
+    await store.close()
+    # a reopen does not allocate the holes again, and reads what was written since
+    reopened = await opened(path, arena, segment_bytes=segment_size(8))
+    assert allocated(path) <= tables + 10 * PAGE + len(segments) * 4096
+    assert await reopened.exists(OTHER_NS, keys[:10]) == 10
+    assert all(await reopened.get_into(OTHER_NS, keys[:10], offsets[:10], PAGE))
+    assert [bytes(arena.view[o : o + PAGE]) for o in offsets[:10]] == again
+    await reopened.close()
+
+
+async def test_a_segment_left_empty_gives_its_unused_slots_back_too(
+    tmp_path: Path, arena: HostArena
+) -> None:
+    path = tmp_path / "l3"
+    store = await opened(path, arena, segment_bytes=segment_size(8))
+    keys = [key(f"k{i}") for i in range(11)]  # one full segment, one with 3 of 8 slots used
+    offsets = [i * PAGE for i in range(11)]
+    fill(arena, offsets, PAGE, seed=5)
+    assert all(await store.put_from(NS, keys, offsets, PAGE))
+    assert len(segment_files(path)) == 2
+    assert allocated(path) >= 2 * segment_size(8)  # preallocated, used or not
+    assert await store.delete(NS, keys[8:]) == 3  # the second segment's objects, all
+    left = [s.stat().st_blocks * 512 for s in segment_files(path)]
+    # the first segment as it was; the second, now empty, its header table only (its five
+    # never-used slots were preallocated: they are given back too)
+    assert left == [segment_size(8), table_bytes(8)]
+    assert await store.delete(NS, keys[:1]) == 1  # a segment still in use: that slot only
+    left = [s.stat().st_blocks * 512 for s in segment_files(path)]
+    assert left == [segment_size(8) - PAGE, table_bytes(8)]
+    assert await store.exists(NS, keys[1:8]) == 7
+    assert all(await store.get_into(NS, keys[1:8], offsets[1:8], PAGE))
+    await store.close()

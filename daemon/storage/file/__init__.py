@@ -38,6 +38,12 @@ of the daemon but not a power loss (pages written in the last seconds then read 
 never as wrong data). ``"batch"`` runs ``fdatasync`` on the touched segments before a put
 batch reports success: durable, at a fraction of the write bandwidth.
 
+Deletes (a FLUSH of L3) zero the objects' headers and punch their payload slots out of the
+segment files (``fallocate`` hole punching), with every slot of a segment left without any
+object, so a flush gives the disk space back but the header tables. A punched slot is free
+like any other; writing it allocates its blocks again (a full disk then fails that write,
+counted in ``stats.errors``, read as a miss). A reopen does not fill the holes back in.
+
 Index: an in-memory dict (namespace, key) -> slot record, rebuilt at open from the header
 tables (a header is checked there; the payload when read). Eviction is LRU per payload slot
 size, tail first: a put batch (a prefix chain k0..kn) enters and touches the LRU in reverse

@@ -19,7 +19,12 @@ from typing import Any
 
 from kvtier.config.errors import StorageError
 from kvtier.daemon.storage.base import HostArena, StorageBackend
-from kvtier.daemon.storage.file.batch_io import read_runs, wipe_headers, write_runs
+from kvtier.daemon.storage.file.batch_io import (
+    free_payloads,
+    read_runs,
+    wipe_headers,
+    write_runs,
+)
 from kvtier.daemon.storage.file.config import FileBackendConfig
 from kvtier.daemon.storage.file.gate import WorkerGate
 from kvtier.daemon.storage.file.index import STRIPES, SlotIndex
@@ -296,14 +301,25 @@ class FileBackend(StorageBackend):
         return found
 
     async def delete(self, ns: bytes, keys: Sequence[bytes]) -> int:
-        """Delete the keys (their headers are zeroed on disk); return how many were stored."""
+        """Delete the keys; return how many were stored.
+
+        Their headers are zeroed on disk and their payload slots punched out of the segment
+        files (``fallocate`` hole punching), with every slot of a segment left without any
+        object, so a flush gives the disk space back but the header tables; the slots are
+        reused later like any free slot."""
         return await self._gate.run(self._delete_sync, 0, ns, keys)
 
     def _delete_sync(self, ns: bytes, keys: Sequence[bytes]) -> int:
         slots = self._slots
         with self._lock:
             victims = slots.detach([slot for key in keys if (slot := slots.index.get((ns, key)))])
-        self._wipe(victims)
+        errors = wipe_headers(victims)
+        with self._lock:  # a segment left with no object: its never-used slots too
+            idle = slots.take_idle(victims)
+        errors += free_payloads(victims + idle)
+        with self._lock:
+            self.stats.errors += errors
+            slots.release(victims + idle)
         return len(victims)
 
     def _wipe(self, slots: list[Slot]) -> None:

@@ -20,11 +20,11 @@ import os
 from collections.abc import Sequence
 
 from kvtier.daemon.storage.file.index import runs
-from kvtier.daemon.storage.file.segments import HEADER_STRIDE, Slot
+from kvtier.daemon.storage.file.segments import HEADER_STRIDE, Slot, punch_hole
 from kvtier.daemon.storage.objects import HEADER_SIZE, recorded_checksums, write_headers
 from kvtier.kernels.file_io import read_pages, write_pages
 
-__all__ = ["read_runs", "wipe_headers", "write_runs"]
+__all__ = ["free_payloads", "read_runs", "wipe_headers", "write_runs"]
 
 _ZERO_HEADER = bytes(HEADER_SIZE)
 
@@ -122,6 +122,25 @@ def wipe_headers(slots: list[Slot]) -> int:
         try:
             os.pwrite(slot.seg.fd, _ZERO_HEADER, slot.hpos)
             slot.dirty = False
+        except OSError:
+            errors += 1
+    return errors
+
+
+def free_payloads(slots: list[Slot]) -> int:
+    """Punch holes over the slots' payloads (a run of adjacent slots in one call), so
+    deleted objects give their disk space back. Call it on detached slots only, before they
+    are released.
+
+    Returns:
+        How many calls failed (I/O errors; a file system without hole punching is not one).
+    """
+    errors = 0
+    for run in runs([(0, slot) for slot in slots]):
+        first, seg = run[0][1], run[0][1].seg
+        try:
+            if not punch_hole(seg.fd, first.dpos, len(run) * seg.payload_slot):
+                return errors  # not supported here: nothing more to try
         except OSError:
             errors += 1
     return errors

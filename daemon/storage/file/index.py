@@ -181,6 +181,20 @@ class SlotIndex:
                 taken.append(slot)
         return taken
 
+    def take_idle(self, detached: list[Slot]) -> list[Slot]:
+        """Take off their free stacks the free slots of every segment that holds nothing but
+        free slots and ``detached`` ones (no object, none being written): a flush punches
+        such a segment's whole payload area. Give them back with :meth:`release`."""
+        mine: dict[Segment, int] = {}
+        for slot in detached:
+            mine[slot.seg] = mine.get(slot.seg, 0) + 1
+        taken: list[Slot] = []
+        for seg, n in mine.items():
+            free = self.classes[seg.payload_slot].free
+            if len(free.get(seg, ())) + n == seg.slots:
+                taken += free.pop(seg, [])
+        return taken
+
     def release(self, slots: list[Slot]) -> None:
         """Put detached (or never written) slots back on their free stacks."""
         for slot in slots:

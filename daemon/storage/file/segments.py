@@ -12,12 +12,17 @@
              0                  table_bytes (4 KiB aligned), payload_slot = round_up(len, 4 KiB)
 
 A segment file is preallocated (``posix_fallocate``) at creation; a slot's header is
-:mod:`~kvtier.daemon.storage.objects`' self-describing header, unchanged. This module
-names, opens and scans segments; it keeps no state of its own.
+:mod:`~kvtier.daemon.storage.objects`' self-describing header, unchanged. A deleted
+object's payload slot is given back to the file system (:func:`punch_hole`: a flush frees
+disk space; the file keeps its size and the slot is reused later, its blocks allocated
+again by the write). This module names, opens and scans segments; it keeps no state of its
+own.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import re
 import struct
@@ -37,6 +42,7 @@ __all__ = [
     "open_segment",
     "parse_segment_name",
     "payload_slot",
+    "punch_hole",
     "scan_segment",
     "table_bytes",
 ]
@@ -49,6 +55,34 @@ LOCK_NAME = "kvtier-file.lock"
 """The lock file a process holds (``flock``) while it has the store open."""
 _SEGMENT_RE = re.compile(r"seg-(\d+)x(\d+)-(\d+)\.kvt")
 _U64 = struct.Struct("<Q")
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+_libc = ctypes.CDLL(None, use_errno=True)
+_fallocate = getattr(_libc, "fallocate", None)
+if _fallocate is not None:
+    _fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+    _fallocate.restype = ctypes.c_int
+
+
+def punch_hole(fd: int, offset: int, length: int) -> bool:
+    """Give ``length`` bytes at ``offset`` of a file back to the file system (its size and
+    the other bytes unchanged; the range reads as zeros).
+
+    Returns:
+        True when punched; False where the file system (or the C library) cannot punch
+        holes: the bytes then stay allocated, which is only a waste of space.
+
+    Raises:
+        OSError: any other failure of ``fallocate``.
+    """
+    if _fallocate is None or length <= 0:
+        return False
+    if _fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EOPNOTSUPP, errno.ENOSYS):
+        return False
+    raise OSError(err, f"fallocate(PUNCH_HOLE): {os.strerror(err)}")
 
 
 def payload_slot(length: int) -> int:
@@ -111,7 +145,8 @@ def open_segment(directory: Path, seq: int, slot: int, slots: int, create: bool,
         durable: after creating, ``fsync`` the file and the directory.
 
     Returns:
-        The open segment (its size restored by ``posix_fallocate`` if it was truncated).
+        The open segment (its size restored by ``posix_fallocate`` if it was truncated; the
+        holes a flush punched in an existing segment stay holes).
 
     Raises:
         OSError: the file cannot be opened, created or preallocated (a file this call
@@ -122,7 +157,9 @@ def open_segment(directory: Path, seq: int, slot: int, slots: int, create: bool,
     fd = os.open(path, flags, 0o644)
     seg = Segment(seq, slot, slots, fd)
     try:
-        os.posix_fallocate(fd, 0, seg.size)  # also restores a truncated segment's size
+        have = 0 if create else os.fstat(fd).st_size
+        if have < seg.size:  # a new segment, or a truncated one: (re)allocate the rest
+            os.posix_fallocate(fd, have, seg.size - have)
         if create and durable:
             os.fsync(fd)
             dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)

@@ -272,8 +272,7 @@ class CudaEngineMemory:
     """An engine's KV pool as the daemon sees it on a GPU: opened CUDA IPC allocations.
 
     Same surface as :class:`~kvtier.daemon.transfer.engine_memory.EngineMemory`: ``buffers[layer]
-    [component]`` are uint8 CUDA tensors ``[num_pages, chunk_bytes]``; :meth:`close` and
-    :meth:`unlink_segments`.
+    [component]`` are uint8 CUDA tensors ``[num_pages, chunk_bytes]``; :meth:`close`.
 
     Attributes:
         geometry / num_pages: as registered.
@@ -348,6 +347,3 @@ class CudaEngineMemory:
         opened, self._opened = self._opened, []
         for ordinal, handle in opened:
             self._runtime.release(ordinal, handle)
-
-    def unlink_segments(self) -> None:
-        """Nothing to remove: an engine's CUDA memory goes with the engine's process."""

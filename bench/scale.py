@@ -1,0 +1,343 @@
+"""``kvtier bench scale``: eight engines, 128K-token contexts, a million pages.
+
+Every figure is set against a baseline measured in the same run on the same machine, and
+reported as a ratio (absolute figures on a shared machine are noise). One private kvtierd
+(L3 off: the host pool alone; private runtime and state directories) serves:
+
+- **transfer sizes** as engines issue them (1, 8, 64, 512 pages, one engine): STORE and
+  LOAD latency p50 and GB/s per size. The fixed cost of a transfer is the 1-page LOAD's
+  latency (``transfer_intercept_us`` is the line through all sizes extrapolated to 0 pages,
+  for reference: it may come out negative on a noisy machine), set against a 1-key
+  LOOKUP's round trip (``transfer_fixed_cost_over_lookup_rtt``);
+  the 64-page LOAD's GB/s against memcpy (``transfer_64_over_memcpy``).
+- **N engines** (1, 2, 4, 8 engine processes, :mod:`kvtier.bench.scale_worker`) storing
+  fresh pages and loading them back in 64-page requests: aggregate GB/s against a memcpy
+  of the same bytes by as many threads as the daemon copies with (``--copy-threads``):
+  ``l2_aggregate_over_memcpy`` per N, and ``l2_aggregate_over_memcpy_8``. The daemon's CPU
+  time (``/proc/<pid>/stat`` utime + stime) over these runs, per GB moved, is
+  ``daemon_cpu_s_per_gb``.
+- **control plane**: 64-key LOOKUPs/s from 8 engine processes against a bare ZeroMQ ROUTER
+  echo server (:mod:`kvtier.bench.echo_server`) answering 8 clients with the same payload
+  (``lookup_throughput_over_echo_8``: above 1 is faster than the echo).
+- **long contexts** (128K tokens: 8,192 pages): a LOOKUP of 8,192 keys against an echo of
+  the same payload (``lookup_8192_over_echo``: a latency ratio, 1 is the echo's); a LOAD of
+  8,192 pages against memcpy of the same bytes (``load_8192_over_memcpy``).
+- **a million pages** in a second daemon (:mod:`kvtier.bench.scale_million`).
+
+``--quick`` runs tiny sizes (N up to 2, a small "million" pool) in seconds; the field
+names stay the same and ``lookup_clients``, ``long_context_pages`` and ``million_pages``
+say what was run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from kvtier.bench.scale_baselines import (
+    EchoServer,
+    ScaleBenchError,
+    cpu_seconds,
+    echo_rtts,
+    gbps,
+    memcpy_gbps,
+    p50,
+)
+from kvtier.bench.scale_million import run_million
+from kvtier.bench.scale_report import plot, print_table
+from kvtier.bench.scale_worker import run_workers
+from kvtier.client.connection import Connection
+from kvtier.client.daemon_process import DaemonProcess
+from kvtier.client.kv_pool import SharedKVPool
+from kvtier.config import ClientConfig
+from kvtier.ipc import protocol as P
+from kvtier.ipc.limits import MAX_KEYS
+
+__all__ = ["GEOMETRY", "ScaleSettings", "add_arguments", "main", "plot", "print_table",
+           "run_from_args", "run_scale_bench"]
+
+GEOMETRY = P.Geometry(num_layers=2, page_size=16, kv_heads=8, head_dim=64, dtype="float16")
+"""64 KiB pages of 16 KiB chunks: 2 layers x K,V x 16 tokens x 8 heads x 64 dims x fp16."""
+SIZES = (1, 8, 64, 512)
+"""Pages per transfer, as engines issue them."""
+REQUEST_PAGES = 64
+"""Pages per request of the N-engine and control-plane runs."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleSettings:
+    """How much the bench does (:meth:`full` or :meth:`quick`; every loop is bounded by these).
+
+    Attributes:
+        engines: engine counts of the N-engine run.
+        engine_iters: STORE + LOAD pairs per engine per run.
+        size_repeats: timed transfers per size.
+        lookup_clients: engines (and echo clients) of the control-plane run.
+        lookup_iters: LOOKUPs (and echoes) per client.
+        rtt_samples: timed round trips per latency p50.
+        long_pages: pages of the long context (8,192: 128K tokens of 16-token pages).
+        long_repeats: timed LOADs of the long context.
+        million_pages / million_batch / million_samples: see :func:`run_million`.
+        pool_bytes / extent_bytes: the main daemon's host pool.
+        copy_threads: the daemons' ``--copy-threads`` (and the memcpy baselines' threads).
+        timeout_s: bound on each daemon start and each multi-process run.
+    """
+
+    engines: tuple[int, ...] = (1, 2, 4, 8)
+    engine_iters: int = 24
+    size_repeats: int = 20
+    lookup_clients: int = 8
+    lookup_iters: int = 2000
+    rtt_samples: int = 1000
+    long_pages: int = 8192
+    long_repeats: int = 5
+    million_pages: int = 1_000_000
+    million_batch: int = 1024
+    million_samples: int = 500
+    pool_bytes: int = 1 << 30
+    extent_bytes: int = 32 << 20
+    copy_threads: int = 2
+    timeout_s: float = 300.0
+
+    @classmethod
+    def full(cls, **overrides: Any) -> ScaleSettings:
+        """The full run (minutes)."""
+        return cls(**overrides)
+
+    @classmethod
+    def quick(cls, **overrides: Any) -> ScaleSettings:
+        """Tiny sizes (seconds): for tests and a first look."""
+        small: dict[str, Any] = {
+            "engines": (1, 2), "engine_iters": 3, "size_repeats": 3, "lookup_clients": 2,
+            "lookup_iters": 100, "rtt_samples": 50, "long_pages": 256, "long_repeats": 2,
+            "million_pages": 4096, "million_batch": 512, "million_samples": 30,
+            "pool_bytes": 128 << 20, "extent_bytes": 4 << 20, "timeout_s": 120.0,
+        }
+        return cls(**{**small, **overrides})
+
+
+def run_scale_bench(settings: ScaleSettings) -> dict[str, Any]:
+    """Run every part against daemons it starts; return the results dict.
+
+    Raises:
+        ScaleBenchError: a part could not be measured (a worker died, a transfer fell short).
+        DaemonStartError: a daemon did not start.
+    """
+    s = settings
+    if s.long_pages > MAX_KEYS:
+        raise ScaleBenchError(f"long_pages must be at most {MAX_KEYS}")
+    out: dict[str, Any] = {"page_bytes": GEOMETRY.page_bytes, "chunk_bytes": GEOMETRY.chunk_bytes,
+                           "copy_threads": s.copy_threads, "cpu_count": os.cpu_count(),
+                           "engines": list(s.engines), "lookup_clients": s.lookup_clients,
+                           "long_context_pages": s.long_pages}
+    with tempfile.TemporaryDirectory(prefix="kvs-", dir="/tmp") as tmp:
+        root = Path(tmp)
+        flags = ["--hicache-size", str(s.pool_bytes), "--extent-size", str(s.extent_bytes),
+                 "--log-level", "warning", "--copy-threads", str(s.copy_threads),
+                 "--hicache-storage-backend", "none"]  # the host pool alone
+        daemon = DaemonProcess(root / "main", flags)
+        daemon.start(timeout=s.timeout_s)
+        try:
+            cfg = ClientConfig(runtime_dir=daemon.runtime_dir, request_timeout_s=60,
+                               load_timeout_s=60)
+            out.update(_transfer_sizes(cfg, s))
+            out.update(_engines(daemon, root, s))
+            with EchoServer(root) as echo:
+                out.update(_control_plane(daemon, echo.endpoint, root, s))
+                out.update(_long_context(cfg, echo.endpoint, s))
+        finally:
+            daemon.stop()
+            daemon.remove_pool()  # a benchmark's pool is not kept for a next start
+        out.update(run_million(root, s.million_pages, s.million_batch, s.million_samples,
+                               s.copy_threads, timeout_s=max(s.timeout_s, 600.0)))
+    return out
+
+
+def _transfer_sizes(cfg: ClientConfig, s: ScaleSettings) -> dict[str, Any]:
+    """STORE and LOAD latency per size, one engine; the 1-key and 64-key LOOKUP round trips."""
+    g, top = GEOMETRY, max(SIZES)
+    store: dict[str, float] = {}
+    load: dict[str, float] = {}
+    with SharedKVPool(g, 2 * top) as kv, Connection(kv, model_id="scale-sizes", config=cfg) as conn:
+        first = 0
+        for size in SIZES:
+            st, ld = [], []
+            for _ in range(s.size_repeats + 1):  # the first one warms up
+                keys = conn.page_keys(range(first * g.page_size, (first + size) * g.page_size))
+                first += size
+                t0 = time.perf_counter()
+                h = conn.store(keys, list(range(size)))
+                if h.writing != size or not h.wait():
+                    raise ScaleBenchError(f"store of {size} pages moved {h.writing}")
+                t1 = time.perf_counter()
+                h = conn.load(keys, list(range(top, top + size)))
+                if h.count != size or not h.wait():
+                    raise ScaleBenchError(f"load of {size} pages moved {h.count}")
+                st.append(t1 - t0)
+                ld.append(time.perf_counter() - t1)
+            store[str(size)], load[str(size)] = p50(st[1:]), p50(ld[1:])
+        rtt1 = p50(_lookup_rtts(conn, keys[:1], s.rtt_samples))
+        rtt64 = p50(_lookup_rtts(conn, keys[:64], s.rtt_samples))
+    memcpy = memcpy_gbps(64 * g.page_bytes * 16, s.copy_threads)
+    load_gbps = {k: gbps(int(k) * g.page_bytes, v) for k, v in load.items()}
+    return {
+        "transfer_store_us_p50": {k: round(v * 1e6, 1) for k, v in store.items()},
+        "transfer_load_us_p50": {k: round(v * 1e6, 1) for k, v in load.items()},
+        "transfer_store_gbps": {k: round(gbps(int(k) * g.page_bytes, v), 3)
+                                for k, v in store.items()},
+        "transfer_load_gbps": {k: round(v, 3) for k, v in load_gbps.items()},
+        "transfer_memcpy_gbps": round(memcpy, 3),
+        "transfer_fixed_cost_us": round(load["1"] * 1e6, 1),
+        "transfer_intercept_us": round(_intercept(load) * 1e6, 1),
+        "lookup_rtt_us_p50": round(rtt1 * 1e6, 1),
+        "lookup_64_rtt_us_p50": round(rtt64 * 1e6, 1),
+        "transfer_fixed_cost_over_lookup_rtt": round(load["1"] / rtt1, 3),
+        "transfer_64_over_memcpy": round(load_gbps["64"] / memcpy, 3),
+    }
+
+
+def _intercept(latency: dict[str, float]) -> float:
+    """Latency extrapolated to 0 pages: the least-squares line through (pages, seconds)."""
+    xs = [float(k) for k in latency]
+    _slope, intercept = np.polyfit(xs, list(latency.values()), 1)
+    return float(intercept)
+
+
+def _lookup_rtts(conn: Connection, keys: list[bytes], n: int) -> list[float]:
+    rtts = []
+    for i in range(n + 20):
+        t0 = time.perf_counter()
+        hit = conn.lookup(keys).l2
+        if i >= 20:
+            rtts.append(time.perf_counter() - t0)
+        if hit != len(keys):
+            raise ScaleBenchError(f"a lookup of stored pages found {hit}/{len(keys)}")
+    return rtts
+
+
+def _engines(daemon: DaemonProcess, root: Path, s: ScaleSettings) -> dict[str, Any]:
+    """N engine processes storing and loading at once; the daemon's CPU per GB moved."""
+    agg: dict[str, float] = {}
+    memcpy: dict[str, float] = {}
+    cpu0, moved = cpu_seconds(daemon.pid), 0
+    for n in s.engines:
+        a = run_workers("transfer", n, _settings(daemon, f"n{n}", s.engine_iters), root,
+                        s.timeout_s)
+        moved += a.nbytes
+        agg[str(n)] = a.gbps
+        memcpy[str(n)] = memcpy_gbps(a.nbytes, s.copy_threads)
+    cpu = cpu_seconds(daemon.pid) - cpu0
+    ratios = {k: round(agg[k] / memcpy[k], 3) for k in agg}
+    return {
+        "l2_aggregate_gbps": {k: round(v, 3) for k, v in agg.items()},
+        "l2_memcpy_gbps": {k: round(v, 3) for k, v in memcpy.items()},
+        "l2_aggregate_over_memcpy": ratios,
+        "l2_aggregate_over_memcpy_8": ratios[str(max(s.engines))],
+        "daemon_cpu_seconds": round(cpu, 3),
+        "daemon_bytes_moved": moved,
+        # below one clock tick the reading is the resolution, not zero
+        "daemon_cpu_s_per_gb": round(max(cpu, 1.0 / os.sysconf("SC_CLK_TCK")) / (moved / 1e9), 4),
+    }
+
+
+def _settings(daemon: DaemonProcess, tag: str, iters: int) -> dict[str, Any]:
+    g = GEOMETRY
+    return {"runtime_dir": str(daemon.runtime_dir), "tag": tag, "pages": REQUEST_PAGES,
+            "iters": iters, "geometry": {f: getattr(g, f) for f in g.__struct_fields__}}
+
+
+def _control_plane(daemon: DaemonProcess, echo: str, root: Path,
+                   s: ScaleSettings) -> dict[str, Any]:
+    """LOOKUPs/s from ``lookup_clients`` engines against echoes/s from as many clients."""
+    n = s.lookup_clients
+    look = run_workers("lookup", n, _settings(daemon, "lookup", s.lookup_iters), root, s.timeout_s)
+    bare = run_workers("echo", n, {"endpoint": echo, "tag": "echo", "pages": REQUEST_PAGES,
+                                   "iters": s.lookup_iters}, root, s.timeout_s)
+    return {
+        "lookups_per_s": round(look.ops_per_s),
+        "echo_per_s": round(bare.ops_per_s),
+        "lookup_throughput_over_echo_8": round(look.ops_per_s / bare.ops_per_s, 3),
+    }
+
+
+def _long_context(cfg: ClientConfig, echo: str, s: ScaleSettings) -> dict[str, Any]:
+    """A LOOKUP of ``long_pages`` keys against an echo; a LOAD of them against memcpy."""
+    g, n = GEOMETRY, s.long_pages
+    with SharedKVPool(g, n) as kv, Connection(kv, model_id="scale-long", config=cfg) as conn:
+        keys = conn.page_keys(range(n * g.page_size))
+        h = conn.store(keys, list(range(n)))
+        if h.writing != n or not h.wait():
+            raise ScaleBenchError(f"store of the long context moved {h.writing}/{n} pages")
+        look = p50(_lookup_rtts(conn, keys, max(10, s.rtt_samples // 5)))
+        payload = P.encode(P.Lookup(req_id=1, session_id=conn.session_id, keys=keys))
+        times = []
+        for _ in range(s.long_repeats + 1):  # the first one warms up
+            t0 = time.perf_counter()
+            h = conn.load(keys, list(range(n)))
+            if h.count != n or not h.wait():
+                raise ScaleBenchError(f"load of the long context moved {h.count}/{n} pages")
+            times.append(time.perf_counter() - t0)
+        load = p50(times[1:])
+    bare = p50(echo_rtts(echo, payload, max(10, s.rtt_samples // 5)))
+    nbytes = n * g.page_bytes
+    memcpy = memcpy_gbps(nbytes, s.copy_threads)
+    return {
+        "lookup_long_us_p50": round(look * 1e6, 1),
+        "echo_long_us_p50": round(bare * 1e6, 1),
+        "lookup_8192_over_echo": round(look / bare, 3),
+        "load_long_gbps": round(gbps(nbytes, load), 3),
+        "load_long_memcpy_gbps": round(memcpy, 3),
+        "load_8192_over_memcpy": round(gbps(nbytes, load) / memcpy, 3),
+    }
+
+
+# -- command line ----------------------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Add the ``kvtier bench scale`` options to ``p``."""
+    p.add_argument("--json", metavar="PATH", help="write the results here")
+    p.add_argument("--plot", metavar="PNG", help="draw the N-engine curves here (needs matplotlib)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes: seconds, not minutes")
+    p.add_argument("--million-pages", type=int, metavar="N",
+                   help="pages of the big pool (default 1,000,000; --quick: 4,096)")
+    p.add_argument("--copy-threads", type=int, default=2,
+                   help="the daemons' copy threads, and the memcpy baselines' (default 2)")
+
+
+def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the bench as the parsed options say; draw the plot if asked. Returns the results."""
+    overrides: dict[str, Any] = {"copy_threads": args.copy_threads}
+    if args.million_pages is not None:
+        overrides["million_pages"] = args.million_pages
+    make = ScaleSettings.quick if args.quick else ScaleSettings.full
+    result = run_scale_bench(make(**overrides))
+    if args.plot:
+        plot(result, args.plot)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvtier.bench.scale [--json PATH] [--plot PNG] [--quick]``."""
+    p = argparse.ArgumentParser(prog="kvtier bench scale", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    result = run_from_args(args)
+    print_table(result)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""Engine processes for ``kvtier bench scale``: the worker entry and the launcher that runs N.
+
+Each worker is a separate Python process (``python -m kvtier.bench.scale_worker ARGS``),
+as a real engine is, so N engines compete for the daemon and not for one client's GIL.
+A worker gets its settings as one JSON argument, prepares (connects, registers, hashes
+its keys, stores what it will look up), prints ``ready``, waits for ``go`` on stdin,
+runs a fixed number of operations, and prints one JSON line: the operations, the bytes
+moved, and ``t0``/``t1`` from ``time.monotonic()`` (one clock for every process on Linux).
+The launcher starts all N, waits for every ``ready``, says ``go`` to all, and reduces the
+results to one aggregate rate over the span from the first start to the last end.
+
+Modes:
+    ``transfer``: ``iters`` times, STORE ``pages`` fresh pages, then LOAD them back (one
+    untimed pair first, before ``ready``).
+    ``lookup``: LOOKUP the same ``pages`` keys (stored before ``ready``) ``iters`` times.
+    ``echo``: send a LOOKUP's encoded bytes to the echo server ``iters`` times.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvtier.bench.scale_baselines import ScaleBenchError, read_line
+from kvtier.ipc import protocol as P
+
+__all__ = ["Aggregate", "run_workers"]
+
+REQUEST_TIMEOUT_S = 60.0
+"""Client timeouts in the workers: generous, as eight engines may share two cores."""
+
+
+@dataclass(frozen=True, slots=True)
+class Aggregate:
+    """What N workers did together.
+
+    Attributes:
+        workers: how many ran.
+        ops: operations (transfers or round trips) of all workers.
+        nbytes: page bytes all workers moved (0 for lookups and echoes).
+        seconds: from the first worker's start to the last one's end.
+    """
+
+    workers: int
+    ops: int
+    nbytes: int
+    seconds: float
+
+    @property
+    def gbps(self) -> float:
+        """Aggregate GB/s."""
+        return self.nbytes / max(self.seconds, 1e-9) / 1e9
+
+    @property
+    def ops_per_s(self) -> float:
+        """Aggregate operations per second."""
+        return self.ops / max(self.seconds, 1e-9)
+
+
+def run_workers(mode: str, n: int, settings: dict[str, Any], log_dir: Path,
+                timeout_s: float = 300.0) -> Aggregate:
+    """Run ``n`` workers of ``mode`` at once and aggregate what they did.
+
+    Args:
+        mode: ``transfer``, ``lookup`` or ``echo``.
+        n: worker processes.
+        settings: the workers' shared settings (``runtime_dir`` or ``endpoint``,
+            ``geometry``, ``pages``, ``iters``, ``tag``); each also gets its ``index``.
+        log_dir: where each worker's stderr goes (``<tag>-<index>.log``).
+        timeout_s: bound on the whole run, start to last result.
+
+    Returns:
+        The aggregate over all ``n``.
+
+    Raises:
+        ScaleBenchError: a worker failed, or the run passed ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    procs: list[subprocess.Popen[bytes]] = []
+    logs = [log_dir / f"{settings['tag']}-{i}.log" for i in range(n)]
+    try:
+        for i in range(n):
+            arg = json.dumps({**settings, "mode": mode, "index": i})
+            with open(logs[i], "wb") as log:
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "kvtier.bench.scale_worker", arg],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log))
+        for i, p in enumerate(procs):
+            _expect(p, deadline, b"ready", logs[i])
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write(b"go\n")
+            p.stdin.flush()
+        results = [json.loads(_expect(p, deadline, None, logs[i])) for i, p in enumerate(procs)]
+        for i, p in enumerate(procs):
+            try:
+                p.wait(max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired as err:
+                raise ScaleBenchError(f"engine worker {logs[i].stem} did not exit") from err
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            for stream in (p.stdin, p.stdout):
+                if stream is not None:
+                    stream.close()
+    return Aggregate(workers=n, ops=sum(r["ops"] for r in results),
+                     nbytes=sum(r["nbytes"] for r in results),
+                     seconds=max(r["t1"] for r in results) - min(r["t0"] for r in results))
+
+
+def _expect(p: subprocess.Popen[bytes], deadline: float, want: bytes | None, log: Path) -> bytes:
+    assert p.stdout is not None
+    try:
+        line = read_line(p.stdout, deadline, f"engine worker {log.stem}")
+    except ScaleBenchError as err:
+        raise ScaleBenchError(f"{err}:\n{log.read_text(errors='replace')[-2000:]}") from err
+    if want is not None and line != want:
+        raise ScaleBenchError(f"engine worker {log.stem} said {line[:200]!r}")
+    return line
+
+
+# -- the worker ------------------------------------------------------------------------
+
+
+def _keys(conn: Any, pages: int, first_page: int) -> list[bytes]:
+    """Keys of ``pages`` fresh pages: one chain over tokens ``first_page * page_size ...``."""
+    ps = conn.geometry.page_size
+    return conn.page_keys(range(first_page * ps, (first_page + pages) * ps))
+
+
+def _transfer(conn: Any, s: dict[str, Any]) -> dict[str, Any]:
+    pages, iters, g = s["pages"], s["iters"], conn.geometry
+    batches = [_keys(conn, pages, i * pages) for i in range(iters + 1)]
+    src, dst = list(range(pages)), list(range(pages, 2 * pages))
+
+    def pair(keys: list[bytes]) -> None:
+        h = conn.store(keys, src)
+        if h.writing != pages or not h.wait():
+            raise ScaleBenchError(f"store moved {h.writing}/{pages} pages")
+        h = conn.load(keys, dst)
+        if h.count != pages or not h.wait():
+            raise ScaleBenchError(f"load moved {h.count}/{pages} pages")
+
+    pair(batches.pop())  # warm-up: the daemon maps this engine's pages on first use
+    _go()
+    t0 = time.monotonic()
+    for keys in batches:
+        pair(keys)
+    t1 = time.monotonic()
+    return {"ops": 2 * iters, "nbytes": 2 * iters * pages * g.page_bytes, "t0": t0, "t1": t1}
+
+
+def _lookup(conn: Any, s: dict[str, Any]) -> dict[str, Any]:
+    pages, iters = s["pages"], s["iters"]
+    keys = _keys(conn, pages, 0)
+    h = conn.store(keys, list(range(pages)))
+    if h.writing != pages or not h.wait():
+        raise ScaleBenchError(f"store moved {h.writing}/{pages} pages")
+    if conn.lookup(keys).l2 != pages:
+        raise ScaleBenchError("stored pages not found")
+    _go()
+    t0 = time.monotonic()
+    for _ in range(iters):
+        if conn.lookup(keys).l2 != pages:
+            raise ScaleBenchError("a lookup missed (daemon late or pages evicted)")
+    return {"ops": iters, "nbytes": 0, "t0": t0, "t1": time.monotonic()}
+
+
+def _echo(s: dict[str, Any]) -> None:
+    import zmq
+
+    payload = P.encode(P.Lookup(req_id=1, session_id=1,
+                                keys=[bytes([i % 256]) * 32 for i in range(s["pages"])]))
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(s["endpoint"])
+    try:
+        _go()
+        t0 = time.monotonic()
+        for _ in range(s["iters"]):
+            sock.send(payload)
+            if not sock.poll(int(REQUEST_TIMEOUT_S * 1000)):
+                raise ScaleBenchError("echo server did not answer")
+            sock.recv()
+        _report({"ops": s["iters"], "nbytes": 0, "t0": t0, "t1": time.monotonic()})
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def _go() -> None:
+    print("ready", flush=True)
+    if sys.stdin.readline().strip() != "go":
+        raise ScaleBenchError("the launcher went away before saying go")
+
+
+def _report(result: dict[str, Any]) -> None:
+    print(json.dumps(result), flush=True)
+
+
+def main(argv: list[str]) -> int:
+    """Worker entry: ``python -m kvtier.bench.scale_worker JSON`` (see the module docstring)."""
+    s = json.loads(argv[0])
+    if s["mode"] == "echo":
+        _echo(s)
+        return 0
+    from kvtier.client.connection import Connection
+    from kvtier.client.kv_pool import SharedKVPool
+    from kvtier.config import ClientConfig
+
+    geometry = P.Geometry(**s["geometry"])
+    cfg = ClientConfig(runtime_dir=Path(s["runtime_dir"]), request_timeout_s=REQUEST_TIMEOUT_S,
+                       load_timeout_s=REQUEST_TIMEOUT_S)
+    with SharedKVPool(geometry, 2 * s["pages"]) as kv, \
+            Connection(kv, model_id=f"scale-{s['tag']}-{s['index']}", config=cfg) as conn:
+        run = _transfer if s["mode"] == "transfer" else _lookup
+        _report(run(conn, s))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

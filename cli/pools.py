@@ -1,0 +1,239 @@
+"""``kvtier pools``: list the host pool files in the shared-memory directory, remove stale ones.
+
+A pool file outlives its daemon on purpose (the next daemon on the same runtime directory
+adopts it), so the pools of throwaway runtime directories stay in ``/dev/shm`` until
+someone removes them. For each ``kvtier-pool-*`` file this shows its size, age, owner, the
+runtime directory its header names and whether a daemon holds it::
+
+    held  yes (pid N)   the runtime directory's lock is held, or a process maps the file
+          no            neither: nothing uses it, ``--remove`` / ``--stale`` may remove it
+          unknown       this user cannot tell (no runtime directory recorded and the
+                        processes' mappings are not all readable, or the runtime
+                        directory cannot be entered): never removed
+
+``kvtier pools --remove PATH`` removes one pool no daemon holds; ``--stale`` removes all
+of them. A held pool is never removed (the command refuses, exit 1).
+
+Exit codes: 0 success; 1 a pool could not be removed (held, unknown, permission); 2 bad
+usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtier.config import ConfigError, DaemonConfig, load_config
+from kvtier.config.loader import add_version_flag
+from kvtier.config.sizes import format_size
+from kvtier.daemon.pool.inventory import (
+    POOL_PREFIX,
+    PoolFileInfo,
+    inspect_pool_file,
+    list_pool_files,
+)
+from kvtier.daemon.service.runtime import lock_holder
+
+__all__ = ["Holder", "build_parser", "holder_of", "main"]
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """Whether a daemon holds a pool file.
+
+    Attributes:
+        state: ``"yes"``, ``"no"`` or ``"unknown"``.
+        pid: the holder's pid when known (0: unknown).
+        why: how that was found out, or why it could not be.
+    """
+
+    state: str
+    pid: int = 0
+    why: str = ""
+
+    def __str__(self) -> str:
+        if self.state == "yes":
+            return f"yes (pid {self.pid})" if self.pid else "yes"
+        return self.state
+
+
+def holder_of(info: PoolFileInfo) -> Holder:
+    """Find out whether a daemon holds the pool file ``info`` describes.
+
+    Held when the lock of the runtime directory its header names is held, or when a
+    process maps the file (``/proc/<pid>/maps``).
+    """
+    if info.runtime_dir is not None:
+        try:
+            pid = lock_holder(info.runtime_dir)
+        except OSError as err:
+            return Holder("unknown", why=f"cannot read the lock of {info.runtime_dir}: "
+                                         f"{err.strerror}")
+        if pid is not None:
+            return Holder("yes", pid, f"the lock of {info.runtime_dir} is held")
+    pids, complete = _mapped_by(info.path, info.uid)
+    if pids:
+        return Holder("yes", pids[0], "a process maps it")
+    if info.runtime_dir is None and not complete:
+        return Holder("unknown", why="no runtime directory recorded in it, and the mappings "
+                                     f"of some processes of uid {info.uid} are not readable "
+                                     "by this user")
+    return Holder("no")
+
+
+def _mapped_by(path: Path, owner: int) -> tuple[list[int], bool]:
+    """Pids whose mappings name ``path``, and whether every process that may map it (those
+    of the file's ``owner``: a pool file is mode 0600) could be read."""
+    target = str(path)
+    pids, complete = [], True
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/maps", encoding="utf-8", errors="replace") as fh:
+                for line in fh:
+                    name = line.rstrip("\n").split(maxsplit=5)[5:]
+                    if name and name[0].removesuffix(" (deleted)") == target:
+                        pids.append(int(entry.name))
+                        break
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # exited meanwhile
+        except OSError:
+            try:
+                complete = complete and entry.stat().st_uid != owner
+            except OSError:
+                continue
+    return pids, complete
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the argument parser of ``kvtier pools``."""
+    p = argparse.ArgumentParser(
+        prog="kvtier pools", description="List kvtier's host pool files and which daemon "
+        "holds each; remove the ones no daemon holds.")
+    add_version_flag(p, "kvtier")
+    p.add_argument("--pool-dir", metavar="DIR", type=Path, default=None,
+                   help="where the pool files are (default: pool_dir of the daemon's config: "
+                        "$KVTIER_POOL_DIR, else /dev/shm)")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--remove", metavar="PATH", type=Path,
+                      help="remove this pool file, unless a daemon holds it")
+    what.add_argument("--stale", action="store_true",
+                      help="remove every pool file no daemon holds")
+    p.add_argument("--json", action="store_true", help="list as JSON")
+    return p
+
+
+def _row(info: PoolFileInfo, holder: Holder, now: float) -> dict[str, object]:
+    return {"path": str(info.path), "size": info.size, "age_s": max(0.0, now - info.mtime),
+            "uid": info.uid, "mode": f"{info.mode:04o}", "kind": info.kind,
+            "runtime_dir": None if info.runtime_dir is None else str(info.runtime_dir),
+            "header": info.header, "held": holder.state, "holder_pid": holder.pid or None,
+            "why": holder.why}
+
+
+def _age(seconds: float) -> str:
+    for unit, span in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= span:
+            return f"{seconds / span:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def _print_table(rows: list[dict[str, object]]) -> None:
+    if not rows:
+        print("no kvtier pool files")
+        return
+    print(f"{'PATH':<36} {'SIZE':>10} {'AGE':>5} {'UID':>6} {'HELD':<14} RUNTIME DIR")
+    for r in rows:
+        rdir = r["runtime_dir"] or f"? ({r['header']})"
+        held = "yes (pid {})".format(r["holder_pid"]) if r["holder_pid"] else str(r["held"])
+        print(f"{r['path']:<36} {format_size(int(r['size'])):>10} "  # type: ignore[call-overload]
+              f"{_age(float(r['age_s'])):>5} {r['uid']:>6} {held:<14} {rdir}")  # type: ignore[arg-type]
+
+
+def _remove(info: PoolFileInfo, holder: Holder) -> str | None:
+    """Remove one pool file; return None, or why it was not removed."""
+    if holder.state == "yes":
+        return (f"{info.path} is held by a running kvtierd ({holder}: {holder.why}); stop that "
+                "daemon first (with keep_pool_on_stop false it removes its pool itself)")
+    if holder.state != "no":
+        return f"{info.path}: cannot tell whether a daemon holds it ({holder.why}); not removed"
+    try:
+        os.unlink(info.path)
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        return f"cannot remove {info.path}: {err.strerror} (owner uid {info.uid})"
+    return None
+
+
+def main(argv: Sequence[str]) -> int:
+    """Run ``kvtier pools`` with ``argv`` (its arguments) and return the exit status."""
+    try:
+        args = build_parser().parse_args(list(argv))
+    except SystemExit as stop:
+        return stop.code if isinstance(stop.code, int) else 0
+    try:
+        cli = {"pool_dir": args.pool_dir} if args.pool_dir is not None else {}
+        pool_dir = load_config(DaemonConfig, cli=cli).pool_dir
+    except ConfigError as err:
+        print(f"kvtier pools: {err}", file=sys.stderr)
+        return 2
+    if args.remove is not None:
+        return _remove_one(args.remove, pool_dir)
+    try:
+        infos = list_pool_files(pool_dir)
+    except OSError as err:
+        print(f"kvtier pools: cannot list {pool_dir}: {err.strerror}", file=sys.stderr)
+        return 1
+    now = time.time()
+    pairs = [(info, holder_of(info)) for info in infos]
+    if args.stale:
+        rc = 0
+        for info, holder in pairs:
+            if holder.state == "unknown":
+                print(f"kvtier pools: left {info.path}: cannot tell whether a daemon holds it "
+                      f"({holder.why})", file=sys.stderr)
+            if holder.state != "no":
+                continue
+            why = _remove(info, holder)
+            if why is None:
+                print(f"removed {info.path} ({format_size(info.size)})")
+            else:
+                print(f"kvtier pools: {why}", file=sys.stderr)
+                rc = 1
+        return rc
+    rows = [_row(info, holder, now) for info, holder in pairs]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        _print_table(rows)
+    return 0
+
+
+def _remove_one(path: Path, pool_dir: Path) -> int:
+    if not path.name.startswith(POOL_PREFIX):
+        print(f"kvtier pools: {path} is not a kvtier pool file (its name does not start "
+              f"with {POOL_PREFIX}); see kvtier pools", file=sys.stderr)
+        return 2
+    try:
+        info = inspect_pool_file(path)
+    except FileNotFoundError:
+        print(f"kvtier pools: no such pool file: {path} (see kvtier pools --pool-dir "
+              f"{pool_dir})", file=sys.stderr)
+        return 1
+    except OSError as err:
+        print(f"kvtier pools: cannot inspect {path}: {err.strerror}", file=sys.stderr)
+        return 1
+    why = _remove(info, holder_of(info))
+    if why is not None:
+        print(f"kvtier pools: {why}", file=sys.stderr)
+        return 1
+    print(f"removed {path} ({format_size(info.size)})")
+    return 0

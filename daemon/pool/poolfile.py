@@ -1,0 +1,319 @@
+"""The pool file on disk: opened or created as the daemon's alone, mapped from the checked fd.
+
+The pool file's name is predictable (``<pool_dir>/kvtier-pool-<hash of the runtime dir>``),
+so another user of the machine may have made it first. A file is therefore mapped only
+when it is the daemon's alone, checked on the open file descriptor that is then mapped (no
+window between the check and the mapping)::
+
+    regular file (no symlink: lstat, then O_NOFOLLOW and fstat of the same inode)
+    owned by the daemon's effective uid
+    mode exactly 0600 (no group or other bits)
+    one link (no second name someone else could open it by)
+
+A file that fails, and the daemon owns, is discarded (unlinked) and recreated. A file that
+fails and someone else owns (or a symlink, or not a regular file) is refused: the daemon
+stops with an error naming the path, owner and mode (a daemon that is not root cannot remove
+another user's file from a sticky ``/dev/shm``; ``kvtier pools --remove PATH``, run by the
+file's owner or root, can). A new file is created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` and
+mode 0600.
+
+Creating the file checks the free space of its directory first (``os.statvfs``) when the
+memory is to be reserved (``prefault``), and an ENOSPC/ENOMEM while reserving it becomes a
+:class:`PoolSpaceError` naming ``hicache_size``, its value, the directory and its free space.
+
+The file also records which runtime directory it belongs to (:func:`write_owner_tag`), in
+the header region past the header proper: outside the header's checksum, so writing it
+never changes adoption and needs no format version. ``kvtier pools`` reads it.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import stat
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtier.config.errors import KvtierError
+from kvtier.config.sizes import format_size
+from kvtier.ipc.shm import SharedMemorySegment
+
+__all__ = [
+    "OWNER_TAG_MAGIC", "OWNER_TAG_MAX", "OWNER_TAG_OFFSET", "PoolFileError", "PoolSpaceError",
+    "Refusal", "check_pool_stat", "create_pool_segment", "discard_pool_file", "free_bytes",
+    "open_pool_segment", "read_owner_tag", "write_owner_tag",
+]  # fmt: skip
+
+POOL_MODE = 0o600
+"""The only permission bits a pool file may have."""
+
+OWNER_TAG_OFFSET = 1024
+"""Offset in the pool file of the runtime-directory tag (inside the 4 KiB header region,
+past the header proper, outside its checksum)."""
+
+OWNER_TAG_MAGIC = b"KVTRDIR\x00"
+"""First bytes of the runtime-directory tag."""
+
+OWNER_TAG_MAX = 2048
+"""Most bytes of a runtime directory's path the tag holds (longer paths are not recorded)."""
+
+_TAG_LEN = struct.Struct("<H")
+_HEAD_READ = 4096  # bytes read to explain a mis-sized file, and by kvtier pools
+
+
+class PoolFileError(KvtierError):
+    """The pool file cannot be used: someone else's, a symlink, not a regular file, or
+    it cannot be opened, created or mapped (the message names the path)."""
+
+
+class PoolSpaceError(PoolFileError):
+    """Not enough room for a new pool file (the message names ``hicache_size``, the
+    directory and its free space)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why an existing pool file is not mapped as it is.
+
+    Attributes:
+        reason: one phrase for the log line and the error.
+        ours: the daemon owns the file (a regular file or a symlink), so it may discard it.
+    """
+
+    reason: str
+    ours: bool
+
+
+def describe_stat(st: os.stat_result) -> str:
+    """``owner uid U, mode 0MMM, N links`` of a stat result, for messages."""
+    return f"owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}, {st.st_nlink} links"
+
+
+def check_pool_stat(st: os.stat_result, euid: int | None = None) -> Refusal | None:
+    """Return why a file with stat ``st`` may not be mapped as the pool, or None when it may.
+
+    Args:
+        st: ``lstat``/``fstat`` of the file.
+        euid: the daemon's effective uid (default ``os.geteuid()``).
+    """
+    euid = os.geteuid() if euid is None else euid
+    ours = st.st_uid == euid
+    if stat.S_ISLNK(st.st_mode):
+        return Refusal("is a symlink", ours)
+    if not stat.S_ISREG(st.st_mode):
+        return Refusal("is not a regular file", False)
+    if not ours:
+        return Refusal(f"is owned by uid {st.st_uid}, not by this daemon's uid {euid}", False)
+    if stat.S_IMODE(st.st_mode) != POOL_MODE:
+        return Refusal(f"has mode {stat.S_IMODE(st.st_mode):04o}, not {POOL_MODE:04o}", True)
+    if st.st_nlink != 1:
+        return Refusal(f"has {st.st_nlink} links, not 1", True)
+    return None
+
+
+def discard_pool_file(path: str | Path, refusal: Refusal, st: os.stat_result) -> str:
+    """Remove a refused pool file the daemon owns, or raise naming it.
+
+    Args:
+        path: the pool file.
+        refusal: from :func:`check_pool_stat`.
+        st: its ``lstat``.
+
+    Returns:
+        The reason to log (``pool file <path> <reason>: discarded``).
+
+    Raises:
+        PoolFileError: the file is not the daemon's (it is left alone), or cannot be removed.
+    """
+    path = str(path)
+    hint = (f"remove it as its owner or root (`kvtier pools --remove {path}`), or set another "
+            "pool_dir")
+    if not refusal.ours:
+        raise PoolFileError(f"refusing the pool file {path}: it {refusal.reason} "
+                            f"({describe_stat(st)}); {hint}")
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as err:
+        raise PoolFileError(f"cannot remove the refused pool file {path} (it {refusal.reason}, "
+                            f"{describe_stat(st)}): {err.strerror}; {hint}") from err
+    return f"pool file {path} {refusal.reason}: discarded"
+
+
+def open_pool_segment(path: str | Path, size: int, *, populate: bool,
+                      explain: Callable[[bytes, int], str] | None = None,
+                      ) -> tuple[SharedMemorySegment | None, str | None]:  # fmt: skip
+    """Map the existing pool file at ``path`` if it is the daemon's alone and ``size`` bytes.
+
+    A file that fails a check and is the daemon's, or that has another size, is removed,
+    so that :func:`create_pool_segment` can create the file afresh.
+
+    Args:
+        path: the pool file.
+        size: the size the layout needs; a file of another size is not mapped.
+        populate: pre-fault the mapping (``MAP_POPULATE``).
+        explain: ``explain(first bytes, file size)`` says why a file of another size
+            cannot be adopted (default: the two sizes).
+
+    Returns:
+        ``(segment, None)`` when mapped; ``(None, why)`` when there is no usable file (none,
+        discarded because it failed a check, or of another size: the caller creates one,
+        ``why`` says why for the log); the segment is a peer (closing it keeps the file).
+
+    Raises:
+        PoolFileError: the file is someone else's, a symlink not ours, not a regular file,
+            or cannot be opened or mapped.
+    """
+    path = str(path)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None, "no pool file (first start)"
+    refusal = check_pool_stat(st)
+    if refusal is not None:
+        return None, discard_pool_file(path, refusal, st)
+    try:  # O_NONBLOCK: whatever replaced the file meanwhile, opening it must not hang
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None, "no pool file (first start)"
+    except OSError as err:
+        raise PoolFileError(f"cannot open the pool file {path}: {err.strerror}") from err
+    try:
+        fst = os.fstat(fd)
+        if (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino):
+            raise PoolFileError(f"the pool file {path} was replaced while being opened")
+        refusal = check_pool_stat(fst)
+        if refusal is not None:
+            os.close(fd)
+            fd = -1
+            return None, discard_pool_file(path, refusal, fst)
+        if fst.st_size != size:
+            why = f"pool file has {fst.st_size} bytes, expected {size}"
+            if explain is not None:
+                why = explain(os.pread(fd, _HEAD_READ, 0), fst.st_size)
+            _unlink_quietly(path)
+            return None, why
+        return _map(fd, path, size, populate, owner=False), None
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def create_pool_segment(path: str | Path, size: int, *, capacity: int, prefault: bool,
+                        ) -> SharedMemorySegment:  # fmt: skip
+    """Create the pool file exclusively (mode 0600, this uid) and map it.
+
+    Args:
+        path: the pool file; nothing may exist there (remove a refused or mis-sized file
+            first).
+        size: bytes of the file (metadata region plus ``capacity``).
+        capacity: ``hicache_size``, for the messages.
+        prefault: reserve the memory now (``posix_fallocate``) and pre-fault the mapping;
+            the free space of the directory is checked first.
+
+    Returns:
+        The mapped segment, as a peer (closing it keeps the file).
+
+    Raises:
+        PoolSpaceError: the directory has no room for ``size`` bytes.
+        PoolFileError: the file exists already or cannot be created or mapped.
+    """
+    path = str(path)
+    if prefault:
+        free = free_bytes(Path(path).parent)
+        if free is not None and free < size:
+            raise PoolSpaceError(_space_message(path, size, capacity, free, "too little space"))
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     POOL_MODE)
+    except OSError as err:
+        raise PoolFileError(f"cannot create the pool file {path}: {err.strerror}") from err
+    try:
+        os.fchmod(fd, POOL_MODE)  # the umask may have cleared bits; it never adds any
+        try:
+            if prefault:
+                os.posix_fallocate(fd, 0, size)
+            else:
+                os.ftruncate(fd, size)
+        except OSError as err:
+            if err.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG, errno.EDQUOT):
+                raise PoolSpaceError(_space_message(path, size, capacity,
+                                                    free_bytes(Path(path).parent),
+                                                    err.strerror or str(err))) from err
+            raise PoolFileError(f"cannot size the pool file {path} to {size} bytes: "
+                                f"{err.strerror}") from err
+        return _map(fd, path, size, prefault, owner=False)
+    except BaseException:
+        os.close(fd)
+        fd = -1
+        _unlink_quietly(path)
+        raise
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def free_bytes(directory: str | Path) -> int | None:
+    """Bytes an unprivileged file may still take in ``directory`` (None if unknown)."""
+    try:
+        vfs = os.statvfs(directory)
+    except OSError:
+        return None
+    return vfs.f_bavail * vfs.f_frsize
+
+
+def write_owner_tag(view: memoryview, runtime_dir: str | Path) -> None:
+    """Record ``runtime_dir`` in the pool file's header region (``kvtier pools`` shows it).
+
+    Args:
+        view: a writable view of the pool file from its first byte.
+        runtime_dir: the daemon's runtime directory (an absolute path is recorded).
+    """
+    raw = os.fsencode(os.path.abspath(runtime_dir))
+    if len(raw) > OWNER_TAG_MAX:
+        raw = b""
+    end = OWNER_TAG_OFFSET + len(OWNER_TAG_MAGIC) + _TAG_LEN.size
+    view[end : end + len(raw)] = raw
+    _TAG_LEN.pack_into(view, OWNER_TAG_OFFSET + len(OWNER_TAG_MAGIC), len(raw))
+    view[OWNER_TAG_OFFSET : OWNER_TAG_OFFSET + len(OWNER_TAG_MAGIC)] = OWNER_TAG_MAGIC
+
+
+def read_owner_tag(head: bytes) -> Path | None:
+    """Return the runtime directory recorded in ``head`` (the file's first bytes), or None."""
+    start = OWNER_TAG_OFFSET + len(OWNER_TAG_MAGIC)
+    if len(head) < start + _TAG_LEN.size or head[OWNER_TAG_OFFSET:start] != OWNER_TAG_MAGIC:
+        return None
+    (n,) = _TAG_LEN.unpack_from(head, start)
+    raw = head[start + _TAG_LEN.size : start + _TAG_LEN.size + n]
+    if n == 0 or n > OWNER_TAG_MAX or len(raw) != n:
+        return None
+    return Path(os.fsdecode(raw))
+
+
+def _map(fd: int, path: str, size: int, populate: bool, *, owner: bool) -> SharedMemorySegment:
+    flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+    try:
+        mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as err:
+        raise PoolFileError(f"cannot map the pool file {path} ({size} bytes): "
+                            f"{err.strerror}") from err
+    return SharedMemorySegment(path, size, mm, owner=owner, writable=True)
+
+
+def _space_message(path: str, size: int, capacity: int, free: int | None, what: str) -> str:
+    where = os.path.dirname(path) or "."
+    room = "unknown free space" if free is None else f"{format_size(free)} ({free} bytes) free"
+    return (f"cannot create the host pool: hicache_size = {format_size(capacity)} ({capacity} "
+            f"bytes) needs a {format_size(size)} pool file in pool_dir {where}, which has "
+            f"{room} ({what}); lower hicache_size or point pool_dir at a larger filesystem")
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

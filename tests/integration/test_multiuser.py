@@ -1,0 +1,157 @@
+"""The multi-user setup with real, distinct user ids (needs root; skipped otherwise).
+
+kvtierd runs as root with its runtime directory group-owned by GROUP (mode 0750), as the
+systemd unit sets it up for group ``kvtier``; its sockets (0660) take that group. Engines
+run as other users:
+
+- ENGINE_A (in GROUP) registers, stores and loads byte-exact: its memory reaches the
+  daemon as a descriptor, so the daemon needs no access to any file of the engine's
+  (before, it opened the engine's /dev/shm file by name and got "permission denied");
+- OUTSIDER (not in GROUP) cannot reach the daemon at all;
+- SNOOP (in GROUP, another user) cannot reach ENGINE_A's pages by any name or token it
+  can learn: not through /proc, not by naming a path in REGISTER, not with a made-up
+  token.
+
+The engine processes start as root and drop to their user after their imports: the test
+interpreter lives under /root (mode 0700), which the engine users could not read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0,
+                                reason="needs root: runs the daemon and engines as distinct uids")
+
+GROUP = 4300
+ENGINE_A = 4343
+SNOOP = 4444
+OUTSIDER = 4545
+REPO = Path(__file__).parents[2]
+WAIT_S = 60.0
+
+CHILD = r"""
+import json, os, secrets, sys
+from pathlib import Path
+import zmq
+from kvtier.client.connection import Connection, DaemonError, DaemonUnavailable
+from kvtier.client.kv_pool import SharedKVPool
+from kvtier.ipc import protocol as P
+from tests.engines import SMALL, engine, fill_page, page_bytes, tokens
+
+role, uid, groups, rdir = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), Path(sys.argv[4])
+os.setgroups(groups)
+os.setgid(groups[0] if groups else uid)
+os.setuid(uid)
+out = {"uid": os.getuid(), "pid": os.getpid()}
+
+def ask(msg):
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"ipc://{rdir}/kvtierd.sock")
+    sock.send(P.encode(msg))
+    try:
+        if not sock.poll(10000):
+            return "no reply"
+        rep = P.decode_reply(sock.recv())
+        return P.ErrorCode(rep.code).name if isinstance(rep, P.ErrorReply) else type(rep).__name__
+    finally:
+        sock.close(0)
+        ctx.term()
+
+if role == "engine":
+    pool, conn = engine(rdir)
+    keys = conn.page_keys(tokens(2 * SMALL.page_size))
+    fill_page(pool, 0, 7)
+    fill_page(pool, 1, 8)
+    assert conn.store(keys, [0, 1]).wait()
+    h = conn.load(keys, [2, 3])
+    assert h.count == 2 and h.wait()
+    out["exact"] = [page_bytes(pool, 2), page_bytes(pool, 3)] == [page_bytes(pool, 0), page_bytes(pool, 1)]
+    out["fd"] = pool.memory_fds()[0]
+    print(json.dumps(out), flush=True)
+    sys.stdin.readline()
+    conn.close()
+    pool.close()
+elif role == "outsider":
+    try:
+        pool, conn = engine(rdir)
+        out["error"] = None
+    except (DaemonUnavailable, DaemonError, PermissionError) as err:
+        out["error"] = type(err).__name__
+    print(json.dumps(out), flush=True)
+else:  # snoop: victim pid and descriptor number in argv
+    victim, fd = int(sys.argv[5]), int(sys.argv[6])
+    try:
+        os.open(f"/proc/{victim}/fd/{fd}", os.O_RDONLY)
+        out["proc"] = "opened"
+    except OSError as err:
+        out["proc"] = type(err).__name__
+    with SharedKVPool(SMALL, 4) as pool:
+        mem = pool.export()
+        def reg(**over):
+            f = dict(req_id=1, protocol_version=P.PROTOCOL_VERSION, namespace=P.NamespaceSpec("m"),
+                     geometry=SMALL, memory=mem, pid=victim)
+            f.update(over)
+            return ask(P.Register(**f))
+        named = P.KVMemory(kind="shm", num_pages=64, segments=[P.MemorySegment(
+            name=f"/proc/{victim}/fd/{fd}", size=64 * SMALL.page_bytes)],
+            buffer_segments=mem.buffer_segments, buffer_offsets=mem.buffer_offsets)
+        out["by_name"] = reg(memory=named)
+        out["by_token"] = reg(handover=secrets.token_bytes(16))
+    print(json.dumps(out), flush=True)
+"""
+
+
+def child(role: str, uid: int, groups: list[int], rdir: Path, *extra: object,
+          wait: bool = True) -> tuple[subprocess.Popen, dict]:
+    """Run CHILD as ``uid`` in ``groups``; return it and the JSON line it printed."""
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, role, str(uid), json.dumps(groups),
+                             str(rdir), *map(str, extra)], cwd=REPO, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "HOME": "/tmp"})
+    line = proc.stdout.readline()
+    if not line:
+        proc.wait(timeout=WAIT_S)
+        pytest.fail(f"{role} printed nothing: {proc.stderr.read()[-3000:]}")
+    if wait:
+        proc.stdin.close()
+        proc.wait(timeout=WAIT_S)
+    return proc, json.loads(line)
+
+
+@pytest.fixture
+def group_daemon(short_tmp, daemon_factory):
+    """kvtierd as root, its runtime directory root:GROUP 0750."""
+    short_tmp.chmod(0o711)
+    rdir = short_tmp / "d0"
+    rdir.mkdir()
+    os.chown(rdir, 0, GROUP)
+    rdir.chmod(0o750)
+    return daemon_factory()
+
+
+def test_engines_in_the_daemons_group_register_and_others_cannot_reach_them(group_daemon):
+    rdir = group_daemon.runtime_dir
+    for name in ("kvtierd.sock", "kvtierd-mem.sock"):
+        st = (rdir / name).stat()
+        assert (st.st_gid, st.st_mode & 0o777) == (GROUP, 0o660), name
+
+    a, seen = child("engine", ENGINE_A, [GROUP], rdir, wait=False)
+    try:
+        assert seen["uid"] == ENGINE_A and seen["exact"] is True, seen
+        _, outsider = child("outsider", OUTSIDER, [OUTSIDER], rdir)
+        assert outsider["error"] == "DaemonUnavailable", outsider
+        _, snoop = child("snoop", SNOOP, [GROUP], rdir, seen["pid"], seen["fd"])
+        assert snoop == {"uid": SNOOP, "pid": snoop["pid"], "proc": "PermissionError",
+                         "by_name": "BAD_MEMORY", "by_token": "BAD_MEMORY"}, snoop
+    finally:
+        a.stdin.close()
+        assert a.wait(timeout=WAIT_S) == 0, a.stderr.read()[-3000:]
