@@ -86,6 +86,7 @@ bench: venv sysdeps
 	$(VENV)/bin/kvtier bench l3 --backend redis --json bench/results/l3_redis.json
 	$(VENV)/bin/kvtier bench l3 --backend mooncake --json bench/results/l3_mooncake.json
 	$(VENV)/bin/kvtier bench restart --json bench/results/restart.json
+	$(VENV)/bin/kvtier bench scale --json bench/results/scale.json
 
 lint: venv
 	$(VENV)/bin/ruff check .

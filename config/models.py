@@ -42,8 +42,8 @@ class DaemonConfig(_Frozen):
 
     runtime_dir: Path | None = Field(
         default=None,
-        description="Socket and completion blocks. Default: $KVTIER_RUNTIME_DIR, "
-        "else $XDG_RUNTIME_DIR/kvtier, else /tmp/kvtier-<uid>.",
+        description="The control and memory-handover sockets and the lock (kvtierd.lock). "
+        "Default: $KVTIER_RUNTIME_DIR, else $XDG_RUNTIME_DIR/kvtier, else /tmp/kvtier-<uid>.",
     )
     state_dir: Path | None = Field(
         default=None,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import enum
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from concurrent.futures import Executor
@@ -31,6 +32,14 @@ from typing import Any, TypeVar
 from kvtier.config.errors import StorageError
 
 _T = TypeVar("_T")
+
+
+class BackendState(enum.Enum):
+    """A remote backend's lifecycle: NEW → OPEN (after ``open``) → CLOSED (after ``close``)."""
+
+    NEW = "new"
+    OPEN = "open"
+    CLOSED = "closed"
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import enum
 import functools
 import logging
 from collections.abc import Callable, Sequence
@@ -11,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from kvtier.config.errors import StorageError
+from kvtier.daemon.storage.base import BackendState as _State
 from kvtier.daemon.storage.base import HostArena, StorageBackend, check_pages, run_to_completion
 from kvtier.daemon.storage.breaker import Breaker
 from kvtier.daemon.storage.keys import ObjectNames
@@ -33,12 +33,6 @@ __all__ = ["MooncakeBackend"]
 
 _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
-
-
-class _State(enum.Enum):
-    NEW = "new"
-    OPEN = "open"
-    CLOSED = "closed"
 
 
 class MooncakeBackend(StorageBackend):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import enum
 import functools
 import hashlib
 import logging
@@ -13,6 +12,7 @@ from typing import Any
 
 import redis.asyncio as redis_asyncio
 from kvtier.config.errors import ConfigError, StorageError
+from kvtier.daemon.storage.base import BackendState as _State
 from kvtier.daemon.storage.base import HostArena, StorageBackend, check_pages, run_to_completion
 from kvtier.daemon.storage.breaker import Breaker
 from kvtier.daemon.storage.keys import ObjectNames
@@ -51,12 +51,6 @@ return n
 """Server-side leading run: one round trip, ~3 µs per key (pipelined EXISTS: ~15 µs per key)."""
 _EXISTS_SHA = hashlib.sha1(_EXISTS_SCRIPT).hexdigest().encode()
 _ERRORS: tuple[type[BaseException], ...] = (RedisError, OSError, asyncio.TimeoutError)
-
-
-class _State(enum.Enum):
-    NEW = "new"
-    OPEN = "open"
-    CLOSED = "closed"
 
 
 class RedisBackend(StorageBackend):
