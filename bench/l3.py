@@ -246,7 +246,9 @@ def _daemon_bench(path: Path, pages: int, page_bytes: int, repeats: int) -> dict
         view = arena.view
 
         def flush(tier: str) -> None:
-            rep = admin.call(P.Flush(req_id=0, tier=tier))
+            # emptied for the next repetition, its disk space kept, as the raw file keeps its
+            # blocks (an operator's flush gives them back: reclaim, the default)
+            rep = admin.call(P.Flush(req_id=0, tier=tier, reclaim=False))
             refused = rep.message if isinstance(rep, P.ErrorReply) else None
             if refused is not None:
                 raise RuntimeError(f"flush {tier} refused: {refused}")

@@ -278,13 +278,16 @@ class Flush(_Req, tag="flush", kw_only=True):
     """Drop cached pages (admin, or a session for its own namespace).
 
     ``tier``: ``l2``, ``l3`` or ``all``; ``namespace``: a fingerprint (hex) to limit the
-    flush to, or empty for every namespace of the caller's tenant (admin: of everyone).
+    flush to, or empty for every namespace of the caller's tenant (admin: of everyone);
+    ``reclaim``: give the L3 store's freed disk space back (the ``file`` backend punches its
+    free slots out of the segment files); False keeps it allocated for the next writes.
     """
 
     admin_token: Text = ""
     session_id: U63 = 0
     tier: FlushTier = "l2"
     namespace: Fingerprint = ""
+    reclaim: bool = True
 
 
 class Sync(_Req, tag="sync", kw_only=True):

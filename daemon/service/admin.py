@@ -228,7 +228,7 @@ class Admin:
         return self._flush_l3(m, l2, fps)
 
     async def _flush_l3(self, m: P.Flush, l2: int, fps: list[bytes] | None) -> P.Reply:
-        l3 = await self.ctx.tier.flush(fps)
+        l3 = await self.ctx.tier.flush(fps, reclaim=m.reclaim)
         log.info("flush tier=%s namespace=%s: %d L3 pages deleted", m.tier, m.namespace or "*", l3)
         return P.FlushReply(req_id=m.req_id, epoch=self.ctx.epoch, l2_pages=l2, l3_pages=l3)
 

@@ -50,13 +50,14 @@ class Dispatcher:
                               f"expected 2 frames (identity and request), got {frames}")
 
     def handle(self, identity: bytes, body: bytes | memoryview,
-               peer: PeerCred | None = None) -> Reply:
+               peer: Callable[[], PeerCred | None] | None = None) -> Reply:
         """Answer one request.
 
         Args:
             identity: the connection's ROUTER identity.
             body: the request frame.
-            peer: the sender's process (``ipc://`` transports tell it), for REGISTER.
+            peer: tells the sender's process (``ipc://`` transports know it); asked for
+                REGISTER only, so other requests do not pay for it.
 
         Returns:
             The reply, or a coroutine of it when the handler must wait (never raises).
@@ -75,7 +76,8 @@ class Dispatcher:
             return ctx.error(msg.req_id, P.ErrorCode.SHUTTING_DOWN, "kvtierd is stopping")
         try:
             if isinstance(msg, P.Register):  # the one request that needs its sender
-                reply = self.handlers[P.Register](identity, msg, peer)
+                reply = self.handlers[P.Register](identity, msg,
+                                                  peer() if peer is not None else None)
             else:
                 reply = self.handlers[type(msg)](identity, msg)
             if asyncio.iscoroutine(reply):

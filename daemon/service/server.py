@@ -103,6 +103,7 @@ class Daemon:
         self._tasks: set[asyncio.Task] = set()
         self._sock: zmq.asyncio.Socket | None = None
         self._sock_file: SocketFile | None = None
+        self._sync_sock: zmq.Socket | None = None  # the ROUTER, for reads that never wait
         self._reap_later: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------------ state
@@ -297,6 +298,7 @@ class Daemon:
     async def _recv_loop(self) -> None:
         sock = self._sock
         assert sock is not None
+        self._sync_sock = zmq.Socket.shadow(sock.underlying)
         while True:
             identity, reply = await self._recv_one(sock)
             if asyncio.iscoroutine(reply):
@@ -313,16 +315,21 @@ class Daemon:
         identity, more = first.bytes, first.more
         frames = 1
         body: zmq.Frame | None = None
+        sync = self._sync_sock
+        assert sync is not None, "the receive loop sets it before the first read"
         while more:  # a request has one body frame; the frames past it are dropped as read
-            frame = await sock.recv(copy=False)
+            # a message arrives whole: once its first frame is read the rest are there, so
+            # they are read without waiting (and without a future per frame)
+            frame = sync.recv(zmq.NOBLOCK, copy=False)
             frames += 1
             more = frame.more
             if frames == 2:
                 body = frame
         if frames != 2 or body is None:
             return identity, self.dispatcher.refuse_frames(frames)
-        return identity, self.dispatcher.handle(identity, body.bytes,
-                                                zmq_peer(body.get("Peer-Address")))
+        frame = body
+        return identity, self.dispatcher.handle(
+            identity, frame.bytes, lambda: zmq_peer(frame.get("Peer-Address")))
 
     async def _reply_later(self, identity: bytes, pending) -> None:
         reply = await pending

@@ -141,6 +141,15 @@ class StorageBackend(abc.ABC):
         """
         return None
 
+    async def release_space(self) -> int:
+        """Give the space of deleted objects back to the system (after a FLUSH).
+
+        Deleting keeps a store's space for the next writes, as a preallocated store wants;
+        an operator's flush asks for it back. Returns the bytes released (0: nothing to
+        give back, the default for stores that free space as they delete).
+        """
+        return 0
+
     @abc.abstractmethod
     async def health(self) -> bool:
         """Return True when the store answers."""

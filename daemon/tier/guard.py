@@ -281,8 +281,10 @@ class L3Backend:
         return flags
 
     # ------------------------------------------------------------------ flush
-    async def flush(self, namespaces: list[bytes] | None) -> int:
-        """Delete from L3 every page of ``namespaces`` (None: of every namespace).
+    async def flush(self, namespaces: list[bytes] | None, reclaim: bool = True) -> int:
+        """Delete from L3 every page of ``namespaces`` (None: of every namespace); with
+        ``reclaim``, then ask the backend to give the freed space back
+        (:meth:`~kvtier.daemon.storage.base.StorageBackend.release_space`).
 
         A backend that implements :meth:`~kvtier.daemon.storage.base.StorageBackend.list_keys`
         (``file``, ``redis``) lists its objects; for the others only the pages this daemon
@@ -306,6 +308,11 @@ class L3Backend:
             for k in keys:
                 self._known.pop((ns, k), None)
         self.counters.l3_flushed_pages += deleted
+        if reclaim:
+            try:
+                await backend.release_space()
+            except self._faults as err:
+                self._fault("releasing disk space failed", err)
         return deleted
 
     async def _list(self, backend: StorageBackend,

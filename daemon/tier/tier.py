@@ -318,9 +318,10 @@ class TierStore:
         self.counters.tp_rounds += 1
         self.counters.tp_round_timeouts += timed_out
 
-    async def flush(self, namespaces: list[bytes] | None) -> int:
-        """Delete from L3 every page of ``namespaces`` (None: of every namespace)."""
-        return await self.l3.flush(namespaces)
+    async def flush(self, namespaces: list[bytes] | None, reclaim: bool = True) -> int:
+        """Delete from L3 every page of ``namespaces`` (None: of every namespace); with
+        ``reclaim``, the store then gives the freed disk space back."""
+        return await self.l3.flush(namespaces, reclaim=reclaim)
 
     # ------------------------------------------------------------------ stats
     def snapshot(self) -> dict[str, object]:

@@ -539,7 +539,9 @@ def allocated(path: Path) -> int:
     return sum(seg.stat().st_blocks * 512 for seg in segment_files(path))
 
 
-async def test_delete_gives_the_payloads_disk_space_back(tmp_path: Path, arena: HostArena) -> None:
+async def test_delete_keeps_the_space_and_release_space_gives_it_back(
+    tmp_path: Path, arena: HostArena
+) -> None:
     path = tmp_path / "l3"
     store = await opened(path, arena, segment_bytes=segment_size(8))  # 8 slots a segment
     keys = [key(f"k{i}") for i in range(24)]
@@ -548,10 +550,14 @@ async def test_delete_gives_the_payloads_disk_space_back(tmp_path: Path, arena: 
     assert all(await store.put_from(NS, keys, offsets, PAGE))
     segments = segment_files(path)
     tables = len(segments) * table_bytes(8)
-    assert allocated(path) >= tables + 24 * PAGE  # preallocated and written
+    full = allocated(path)
+    assert full >= tables + 24 * PAGE  # preallocated and written
     assert await store.delete(NS, keys[:12]) == 12
+    assert allocated(path) == full  # a delete keeps the blocks for the next writes
+    assert await store.release_space() == 12 * PAGE
     assert allocated(path) <= tables + 12 * PAGE + len(segments) * 4096  # half given back
     assert await store.delete(NS, keys[12:]) == 12
+    assert await store.release_space() == 24 * PAGE  # every free slot (punching is idempotent)
     assert allocated(path) <= tables + len(segments) * 4096  # the header tables, about
     assert [s.stat().st_size for s in segment_files(path)] == [segment_size(8)] * len(segments)
     # the store still works: the freed slots are written again, and read back intact
@@ -571,7 +577,7 @@ async def test_delete_gives_the_payloads_disk_space_back(tmp_path: Path, arena: 
     await reopened.close()
 
 
-async def test_a_segment_left_empty_gives_its_unused_slots_back_too(
+async def test_release_space_gives_never_used_slots_back_too(
     tmp_path: Path, arena: HostArena
 ) -> None:
     path = tmp_path / "l3"
@@ -583,11 +589,13 @@ async def test_a_segment_left_empty_gives_its_unused_slots_back_too(
     assert len(segment_files(path)) == 2
     assert allocated(path) >= 2 * segment_size(8)  # preallocated, used or not
     assert await store.delete(NS, keys[8:]) == 3  # the second segment's objects, all
+    await store.release_space()
     left = [s.stat().st_blocks * 512 for s in segment_files(path)]
     # the first segment as it was; the second, now empty, its header table only (its five
     # never-used slots were preallocated: they are given back too)
     assert left == [segment_size(8), table_bytes(8)]
     assert await store.delete(NS, keys[:1]) == 1  # a segment still in use: that slot only
+    await store.release_space()
     left = [s.stat().st_blocks * 512 for s in segment_files(path)]
     assert left == [segment_size(8) - PAGE, table_bytes(8)]
     assert await store.exists(NS, keys[1:8]) == 7

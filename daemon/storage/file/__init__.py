@@ -38,11 +38,13 @@ of the daemon but not a power loss (pages written in the last seconds then read 
 never as wrong data). ``"batch"`` runs ``fdatasync`` on the touched segments before a put
 batch reports success: durable, at a fraction of the write bandwidth.
 
-Deletes (a FLUSH of L3) zero the objects' headers and punch their payload slots out of the
-segment files (``fallocate`` hole punching), with every slot of a segment left without any
-object, so a flush gives the disk space back but the header tables. A punched slot is free
-like any other; writing it allocates its blocks again (a full disk then fails that write,
-counted in ``stats.errors``, read as a miss). A reopen does not fill the holes back in.
+Deletes zero the objects' headers and free their slots, which keep their disk blocks: the
+next writes overwrite them at full speed, as they would a preallocated file. An operator's
+FLUSH of L3 then calls ``release_space``, which punches every free slot's payload out of the
+segment files (``fallocate`` hole punching), so a flush gives the disk space back but the
+header tables. A punched slot is free like any other; writing it allocates its blocks again
+(a full disk then fails that write, counted in ``stats.errors``, read as a miss). A reopen
+does not fill the holes back in.
 
 Index: an in-memory dict (namespace, key) -> slot record, rebuilt at open from the header
 tables (a header is checked there; the payload when read). Eviction is LRU per payload slot

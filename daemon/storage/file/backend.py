@@ -303,24 +303,35 @@ class FileBackend(StorageBackend):
     async def delete(self, ns: bytes, keys: Sequence[bytes]) -> int:
         """Delete the keys; return how many were stored.
 
-        Their headers are zeroed on disk and their payload slots punched out of the segment
-        files (``fallocate`` hole punching), with every slot of a segment left without any
-        object, so a flush gives the disk space back but the header tables; the slots are
-        reused later like any free slot."""
+        Their headers are zeroed on disk and their slots freed; the slots keep their disk
+        blocks (the next writes overwrite them at full speed) until :meth:`release_space`."""
         return await self._gate.run(self._delete_sync, 0, ns, keys)
 
     def _delete_sync(self, ns: bytes, keys: Sequence[bytes]) -> int:
-        slots = self._slots
         with self._lock:
-            victims = slots.detach([slot for key in keys if (slot := slots.index.get((ns, key)))])
-        errors = wipe_headers(victims)
-        with self._lock:  # a segment left with no object: its never-used slots too
-            idle = slots.take_idle(victims)
-        errors += free_payloads(victims + idle)
+            victims = self._slots.detach(
+                [slot for key in keys if (slot := self._slots.index.get((ns, key)))])
+        self._wipe(victims)
+        return len(victims)
+
+    async def release_space(self) -> int:
+        """Punch every free slot's payload out of the segment files (``fallocate`` hole
+        punching): after a FLUSH the store keeps only its header tables and live objects
+        on disk. Returns the payload bytes released (0 where the file system cannot punch).
+        """
+        return await self._gate.run(self._release_sync, 0)
+
+    def _release_sync(self) -> int:
+        with self._lock:
+            free = self._slots.take_free()
+        try:
+            errors = free_payloads(free)
+        finally:
+            with self._lock:
+                self._slots.release(free)
         with self._lock:
             self.stats.errors += errors
-            slots.release(victims + idle)
-        return len(victims)
+        return sum(slot.seg.payload_slot for slot in free)
 
     def _wipe(self, slots: list[Slot]) -> None:
         """Zero detached slots' headers, so they stay gone after a restart; then free them."""

@@ -181,18 +181,14 @@ class SlotIndex:
                 taken.append(slot)
         return taken
 
-    def take_idle(self, detached: list[Slot]) -> list[Slot]:
-        """Take off their free stacks the free slots of every segment that holds nothing but
-        free slots and ``detached`` ones (no object, none being written): a flush punches
-        such a segment's whole payload area. Give them back with :meth:`release`."""
-        mine: dict[Segment, int] = {}
-        for slot in detached:
-            mine[slot.seg] = mine.get(slot.seg, 0) + 1
+    def take_free(self) -> list[Slot]:
+        """Take every free slot off its free stack (to punch their payloads out of the
+        segment files); give them back with :meth:`release`."""
         taken: list[Slot] = []
-        for seg, n in mine.items():
-            free = self.classes[seg.payload_slot].free
-            if len(free.get(seg, ())) + n == seg.slots:
-                taken += free.pop(seg, [])
+        for cls in self.classes.values():
+            for slots in cls.free.values():
+                taken += slots
+            cls.free.clear()
         return taken
 
     def release(self, slots: list[Slot]) -> None:
