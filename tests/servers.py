@@ -351,3 +351,36 @@ redis_server = pytest.fixture(serve_redis, name="redis_server")
 
 mooncake_master = pytest.fixture(serve_mooncake_master, name="mooncake_master")
 """The same as an importable fixture: ``from tests.servers import mooncake_master``."""
+
+
+class RawDealer:
+    """A bare ZeroMQ DEALER for tests that speak to kvtierd frame by frame: it sends
+    whatever frames it is given (well-formed or not) and waits, bounded, for one reply.
+
+    Args:
+        endpoint: the daemon's ``ipc://`` endpoint.
+        wait_s: how long :meth:`ask` waits for the reply.
+    """
+
+    def __init__(self, endpoint: str, wait_s: float = 5.0) -> None:
+        import zmq
+
+        self.rdir = Path(endpoint.removeprefix("ipc://")).parent  # the handover socket's dir
+        self.wait_s = wait_s
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+
+    def ask(self, *frames: bytes):  # -> P.Reply
+        """Send ``frames`` as one message; the decoded reply (fails the test on none)."""
+        from kvtier.ipc import protocol as P
+
+        self.sock.send_multipart(list(frames))
+        assert self.sock.poll(int(self.wait_s * 1000)), "kvtierd did not answer"
+        return P.decode_reply(self.sock.recv())
+
+    def close(self) -> None:
+        """Close the socket and its context."""
+        self.sock.close(0)
+        self.ctx.term()

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from kvtier.config import DaemonConfig, KvtierError
 from kvtier.daemon.service.context import ServiceContext
 from kvtier.daemon.service.sdnotify import SystemdNotifier
-from kvtier.daemon.service.validation import RequestError, check_sync_timeout, parse_namespace
+from kvtier.daemon.service.validation import RequestError
 from kvtier.ipc import protocol as P
 
 log = logging.getLogger("kvtier.daemon")
@@ -213,7 +213,7 @@ class Admin:
             fps = [fp for t in sorted(scope) for fp in ctx.tier.tenant_namespaces(t)]
             owners = [ctx.pool.owner_id(t) for t in sorted(scope)]
         if m.namespace:
-            fp = parse_namespace(m.namespace)
+            fp = bytes.fromhex(m.namespace)  # 64 hex digits: checked at decode
             ns_id = ctx.pool.namespaces().get(fp, -1)
             fps = [fp] if fps is None or fp in fps else []
         l2 = 0
@@ -237,7 +237,6 @@ class Admin:
         """SYNC: wait until the pages queued for L3 are written (or ``timeout_s`` passes)."""
         ctx = self.ctx
         self.check_admin(m.admin_token)
-        check_sync_timeout(m.timeout_s)
         if ctx.tier.l3.name == "none":
             raise RequestError(P.ErrorCode.BAD_MESSAGE,
                                "sync: no L3 backend (hicache_storage_backend = 'none')")

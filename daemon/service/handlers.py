@@ -29,8 +29,6 @@ from kvtier.daemon.service.transfers import Transfers
 from kvtier.daemon.service.validation import (
     RequestError,
     check_keys,
-    check_pid,
-    check_policy,
     check_slot,
 )
 from kvtier.daemon.tier.rank_groups import GroupKey
@@ -126,14 +124,13 @@ class Handlers:
             raise RequestError(P.ErrorCode.BAD_MEMORY, NAMES_REFUSED)
         if len(ctx.sessions) >= cfg.max_sessions:
             raise RequestError(P.ErrorCode.BUSY, f"max_sessions ({cfg.max_sessions}) reached")
-        check_pid(m.pid)
         tenant = self._authenticate(m)
         g = m.geometry
         try:
             g.validate()
         except ValueError as err:
             raise RequestError(P.ErrorCode.GEOMETRY_MISMATCH, str(err)) from err
-        if not (1 <= m.tp_size <= 1024 and 0 <= m.tp_rank < m.tp_size):
+        if m.tp_rank >= m.tp_size:  # each within its wire bounds (checked at decode)
             raise RequestError(P.ErrorCode.GEOMETRY_MISMATCH,
                                f"tp_rank = {m.tp_rank!r} / tp_size = {m.tp_size!r} are inconsistent")
         if g.page_bytes > cfg.extent_size:
@@ -242,7 +239,7 @@ class Handlers:
         ctx = self.ctx
         s = ctx.session(identity, m.session_id)
         check_keys(m.keys, ctx.cfg.max_keys_per_request)
-        if not 0 <= m.skip <= len(m.keys):
+        if m.skip > len(m.keys):
             raise RequestError(P.ErrorCode.BAD_MESSAGE,
                                f"skip = {m.skip!r} is outside [0, {len(m.keys)}]")
         if not m.keys or not ctx.tier.available:
@@ -260,7 +257,6 @@ class Handlers:
         ctx = self.ctx
         s = ctx.session(identity, m.session_id)
         check_keys(m.keys, ctx.cfg.max_keys_per_request)
-        check_policy(m.policy)
         if s.member is None and not s.prefetches:  # nothing to wait for: answer now
             n = ctx.pool.lookup(s.ns_id, m.keys)
             ctx.counters.claims += 1

@@ -21,10 +21,10 @@ import stat
 
 import torch
 from kvtier.config.errors import KvtierError
+from kvtier.ipc.limits import MAX_PAGES
 from kvtier.ipc.protocol import Geometry, KVMemory
 from kvtier.ipc.shm import SharedMemoryError, SharedMemorySegment
 
-MAX_PAGES = 1 << 26
 NAMES_REFUSED = ("memory.kind = 'shm' (a file name) is not accepted: hand the memory over by "
                  "descriptor (memory.kind = 'fd', see docs/protocol.md, 'Memory handover')")
 """The refusal of an export by file name."""
@@ -32,6 +32,27 @@ NAMES_REFUSED = ("memory.kind = 'shm' (a file name) is not accepted: hand the me
 
 class EngineMemoryError(KvtierError):
     """The exported memory does not match the geometry or its descriptors are unsafe."""
+
+
+def check_buffers(geometry: Geometry, memory: KVMemory, error: type[KvtierError]) -> None:
+    """Check that ``memory`` declares a page count in range and one buffer per (layer,
+    component) of ``geometry``, in at least one and at most that many segments (a decoded
+    request has its fields in range already; an export built in-process is checked too).
+
+    Raises:
+        error: naming the field or the counts that disagree.
+    """
+    g = geometry
+    if not 1 <= memory.num_pages <= MAX_PAGES:
+        raise error(f"memory.num_pages = {memory.num_pages!r} is out of range")
+    n_buf = g.num_layers * g.components
+    if len(memory.buffer_offsets) != n_buf or len(memory.buffer_segments) != n_buf:
+        raise error(
+            f"memory declares {len(memory.buffer_offsets)} buffers; geometry needs "
+            f"{n_buf} ({g.num_layers} layers x {g.components} components)"
+        )
+    if not 1 <= len(memory.segments) <= n_buf:
+        raise error(f"memory.segments has {len(memory.segments)} entries")
 
 
 def check_descriptor(fd: int, size: int, what: str) -> None:
@@ -102,16 +123,7 @@ class EngineMemory:
             raise EngineMemoryError(
                 f"memory.kind = {memory.kind!r}: this daemon maps 'fd' exports (CUDA IPC needs a GPU build)"
             )
-        if not 1 <= memory.num_pages <= MAX_PAGES:
-            raise EngineMemoryError(f"memory.num_pages = {memory.num_pages!r} is out of range")
-        n_buf = g.num_layers * g.components
-        if len(memory.buffer_offsets) != n_buf or len(memory.buffer_segments) != n_buf:
-            raise EngineMemoryError(
-                f"memory declares {len(memory.buffer_offsets)} buffers; geometry needs "
-                f"{n_buf} ({g.num_layers} layers x {g.components} components)"
-            )
-        if not 1 <= len(memory.segments) <= n_buf:
-            raise EngineMemoryError(f"memory.segments has {len(memory.segments)} entries")
+        check_buffers(g, memory, EngineMemoryError)
         if len(memory.segments) != len(fds):
             raise EngineMemoryError(f"memory.segments has {len(memory.segments)} entries but the "
                                     f"handover passed {len(fds)} descriptors")

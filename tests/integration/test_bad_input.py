@@ -6,30 +6,13 @@ import os
 
 import msgspec
 import pytest
-import zmq
 from kvtier.client.kv_pool import SharedKVPool
 from kvtier.ipc import protocol as P
 
 from tests.engines import SMALL, engine, fill_page, handover, page_bytes, tokens
+from tests.servers import RawDealer
 
-
-class Raw:
-    """A bare DEALER that sends whatever bytes it is given."""
-
-    def __init__(self, endpoint: str) -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
-
-    def ask(self, *frames: bytes) -> P.Reply:
-        self.sock.send_multipart(list(frames))
-        assert self.sock.poll(5000), "no reply"
-        return P.decode_reply(self.sock.recv())
-
-    def close(self) -> None:
-        self.sock.close(0)
-        self.ctx.term()
+Raw = RawDealer  # sends whatever bytes it is given
 
 
 @pytest.fixture

@@ -12,11 +12,9 @@ from __future__ import annotations
 import os
 import time
 import typing
-from pathlib import Path
 
 import msgspec
 import pytest
-import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvtier.client.admin import AdminClient
@@ -25,24 +23,16 @@ from kvtier.ipc import limits as L
 from kvtier.ipc import protocol as P
 
 from tests.engines import SMALL, engine, fill_page, handover, page_bytes, tokens
+from tests.servers import RawDealer
 
 REPLY_WAIT_S = 10.0
 
 
-class Raw:
+class Raw(RawDealer):
     """A bare DEALER that sends whatever frames it is given and waits for one reply."""
 
     def __init__(self, endpoint: str) -> None:
-        self.rdir = Path(endpoint.removeprefix("ipc://")).parent  # where the handover socket is
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
-
-    def ask(self, *frames: bytes) -> P.Reply:
-        self.sock.send_multipart(list(frames))
-        assert self.sock.poll(int(REPLY_WAIT_S * 1000)), "kvtierd did not answer"
-        return P.decode_reply(self.sock.recv())
+        super().__init__(endpoint, wait_s=REPLY_WAIT_S)
 
     def register(self, pool: SharedKVPool, model: str = "m", **over: object) -> P.Reply:
         fields = {"req_id": 7, "protocol_version": P.PROTOCOL_VERSION,
@@ -51,10 +41,6 @@ class Raw:
         fields.update(over)
         fields.setdefault("handover", handover(self.rdir, pool))
         return self.ask(P.encode(P.Register(**fields)))
-
-    def close(self) -> None:
-        self.sock.close(0)
-        self.ctx.term()
 
 
 def refused(rep: P.Reply, *words: str) -> None:

@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import pytest
-import zmq
 from kvtier.client.admin import AdminClient
 from kvtier.client.kv_pool import SharedKVPool
 from kvtier.ipc import fdpass
@@ -27,27 +26,19 @@ from kvtier.ipc import protocol as P
 from kvtier.ipc.limits import HANDOVER_TOKEN_BYTES, MAX_HANDOVER_FDS
 
 from tests.engines import SMALL, engine, fill_page, handover, page_bytes, tokens
+from tests.servers import RawDealer
 
 WAIT_S = 10.0
 
 
-class Raw:
+class Raw(RawDealer):
     """A bare DEALER that sends one request and waits for its reply."""
 
     def __init__(self, endpoint: str) -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
+        super().__init__(endpoint, wait_s=WAIT_S)
 
-    def ask(self, msg: P.Request) -> P.Reply:
-        self.sock.send(P.encode(msg))
-        assert self.sock.poll(int(WAIT_S * 1000)), "kvtierd did not answer"
-        return P.decode_reply(self.sock.recv())
-
-    def close(self) -> None:
-        self.sock.close(0)
-        self.ctx.term()
+    def ask(self, msg: P.Request) -> P.Reply:  # type: ignore[override]
+        return super().ask(P.encode(msg))
 
 
 @pytest.fixture

@@ -30,7 +30,7 @@ import threading
 from dataclasses import dataclass
 
 import torch
-from kvtier.daemon.transfer.engine_memory import MAX_PAGES, EngineMemoryError
+from kvtier.daemon.transfer.engine_memory import EngineMemoryError, check_buffers
 from kvtier.ipc import cuda_ipc
 from kvtier.ipc.cuda_ipc import CudaIpcError
 from kvtier.ipc.protocol import Geometry, KVMemory
@@ -64,16 +64,7 @@ def check_cuda_export(geometry: Geometry, memory: KVMemory) -> str:
     g = geometry
     if memory.kind != "cuda_ipc":
         raise CudaMemoryError(f"memory.kind = {memory.kind!r}: CudaEngineMemory opens 'cuda_ipc'")
-    if not 1 <= memory.num_pages <= MAX_PAGES:
-        raise CudaMemoryError(f"memory.num_pages = {memory.num_pages!r} is out of range")
-    n_buf = g.num_layers * g.components
-    if len(memory.buffer_offsets) != n_buf or len(memory.buffer_segments) != n_buf:
-        raise CudaMemoryError(
-            f"memory declares {len(memory.buffer_offsets)} buffers; geometry needs "
-            f"{n_buf} ({g.num_layers} layers x {g.components} components)"
-        )
-    if not 1 <= len(memory.segments) <= n_buf:
-        raise CudaMemoryError(f"memory.segments has {len(memory.segments)} entries")
+    check_buffers(g, memory, CudaMemoryError)
     uuid: bytes | None = None
     for i, seg in enumerate(memory.segments):
         try:
