@@ -76,6 +76,9 @@ Layers = Annotated[int, Meta(ge=1, le=MAX_LAYERS)]
 Dim = Annotated[int, Meta(ge=1, le=MAX_DIM)]
 PageCount = Annotated[int, Meta(ge=1, le=MAX_PAGES)]
 SegmentBytes = Annotated[int, Meta(ge=1, le=MAX_SEGMENT_BYTES)]
+SegmentOffset = Annotated[int, Meta(ge=0, le=MAX_SEGMENT_BYTES)]
+RegionLayer = Annotated[int, Meta(ge=-1, lt=MAX_LAYERS)]
+"""The layer a memory region holds, or -1 for a region holding several layers."""
 Slot = Annotated[int, Meta(ge=0, lt=MAX_SLOTS)]
 Skip = Annotated[int, Meta(ge=0, le=MAX_KEYS)]
 SyncTimeout = Annotated[float, Meta(gt=0, le=MAX_SYNC_TIMEOUT_S)]
@@ -91,6 +94,7 @@ SegmentIndices = Annotated[list[Annotated[int, Meta(ge=0, lt=MAX_BUFFERS)]],
                            Meta(max_length=MAX_BUFFERS)]
 Offsets = Annotated[list[Annotated[int, Meta(ge=0, le=MAX_SEGMENT_BYTES)]],
                     Meta(max_length=MAX_BUFFERS)]
+SegmentIndex = Annotated[int, Meta(ge=0, lt=MAX_BUFFERS)]
 
 # strings and bytes
 Name = Annotated[str, Meta(max_length=MAX_NAME, pattern=_NO_NUL)]
@@ -105,10 +109,13 @@ Fingerprint = Annotated[str, Meta(pattern="^(?:[0-9a-fA-F]{64})?\\Z")]
 # choices
 DType = Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2", "uint8", "int8"]
 Attention = Literal["mha", "mla"]
-Layout = Literal["layer_first"]
-MemoryKind = Literal["fd", "shm", "cuda_ipc"]
-"""``fd``: descriptors handed over beforehand; ``shm`` (by file name) is refused by the
-daemon but still decodes, so the refusal can say what to do instead."""
+Layout = Annotated[str, Meta(min_length=1, max_length=32, pattern="^[a-z0-9_]+$")]
+"""A label naming how the engine lays out its KV memory (``layer_first``, ``vllm_cpu``,
+``sglang_page_first``, ...); it enters the namespace, so layouts never share pages."""
+MemoryKind = Literal["fd", "shm", "cuda_ipc", "none"]
+"""``fd``: descriptors handed over beforehand; ``none``: no memory (a control-only session,
+LOOKUP only); ``shm`` (by file name) is refused by the daemon but still decodes, so the
+refusal can say what to do instead."""
 FlushTier = Literal["l2", "l3", "all"]
 ClaimPolicy = Literal["", "best_effort", "wait_complete", "timeout"]
 """``""``: the daemon's ``hicache_storage_prefetch_policy``."""

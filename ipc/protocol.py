@@ -26,37 +26,29 @@ decode), so a client can still build, and a test still send, a request the daemo
 from __future__ import annotations
 
 import enum
-import typing
-from typing import Annotated
 
 import msgspec
+from kvtier.ipc.geometry import (  # re-exported: P.Geometry, P.KVMemory, ...
+    DTYPE_SIZES,  # noqa: F401
+    Geometry,
+    KVMemory,
+    MemoryRegion,  # noqa: F401
+    MemorySegment,  # noqa: F401
+)
 from kvtier.ipc.limits import (
     KEY_BYTES,  # noqa: F401  (re-exported: P.KEY_BYTES)
-    MAX_BUFFERS,
     MAX_ERROR_CHARS,
     U63,
-    Attention,
     ClaimPolicy,
-    Dim,
-    DType,
     Fingerprint,
     FlushTier,
-    Handle,
     HandoverToken,
     Key,
     Keys,
-    Layers,
-    Layout,
-    MemoryKind,
     Name,
-    Offsets,
-    PageCount,
     Pages,
     Pid,
     ProtocolVersion,
-    SegmentBytes,
-    SegmentIndices,
-    SegmentName,
     Skip,
     Slot,
     Slots,
@@ -65,7 +57,6 @@ from kvtier.ipc.limits import (
     TpRank,
     TpSize,
 )
-from msgspec import Meta
 
 PROTOCOL_VERSION = 1
 
@@ -85,66 +76,6 @@ class ErrorCode(enum.IntEnum):
     INTERNAL = 10  # a bug in the daemon; the request had no effect
 
 
-class Geometry(msgspec.Struct, frozen=True):
-    """The shape of one engine's KV pages (one TP rank).
-
-    Attributes:
-        num_layers: transformer layers.
-        page_size: tokens per page.
-        kv_heads: KV heads on this rank (MHA); 1 for MLA.
-        head_dim: head dimension (MHA) or latent width (MLA).
-        dtype: element type name, e.g. ``float16``, ``bfloat16``, ``float32``, ``fp8_e4m3``.
-        attention: ``mha`` (K and V per layer) or ``mla`` (one latent per token).
-        layout: engine memory layout; only ``layer_first`` is defined.
-    """
-
-    num_layers: Layers
-    page_size: Dim
-    kv_heads: Dim
-    head_dim: Dim
-    dtype: DType
-    attention: Attention = "mha"
-    layout: Layout = "layer_first"
-
-    @property
-    def itemsize(self) -> int:
-        """Bytes per element of ``dtype``."""
-        return DTYPE_SIZES[self.dtype]
-
-    @property
-    def components(self) -> int:
-        """Buffers per layer: 2 (K, V) for MHA, 1 for MLA."""
-        return 2 if self.attention == "mha" else 1
-
-    @property
-    def chunk_bytes(self) -> int:
-        """Bytes of one page of one (layer, component) buffer."""
-        return self.page_size * self.kv_heads * self.head_dim * self.itemsize
-
-    @property
-    def page_bytes(self) -> int:
-        """Bytes of one whole page, every layer and component (one host-pool slot)."""
-        return self.num_layers * self.components * self.chunk_bytes
-
-    def validate(self) -> None:
-        """Raise ValueError naming the first field that is out of range.
-
-        A decoded geometry is within its field bounds already; this checks one built in
-        Python against the same bounds, and the MLA rule that spans two fields.
-        """
-        try:
-            msgspec.convert(msgspec.structs.asdict(self), Geometry)
-        except msgspec.ValidationError as err:
-            raise ValueError(f"geometry: {err}") from err
-        if self.attention == "mla" and self.kv_heads != 1:
-            raise ValueError(f"geometry.kv_heads = {self.kv_heads!r} must be 1 for MLA")
-
-
-DTYPE_SIZES = {
-    "float32": 4, "float16": 2, "bfloat16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1, "uint8": 1, "int8": 1,
-}
-assert set(DTYPE_SIZES) == set(typing.get_args(DType)), "DType and DTYPE_SIZES disagree"
-
 
 class NamespaceSpec(msgspec.Struct, frozen=True):
     """What, beside the geometry, makes KV bytes interchangeable (ARCHITECTURE §4)."""
@@ -152,39 +83,6 @@ class NamespaceSpec(msgspec.Struct, frozen=True):
     model_id: Text
     revision: Name = ""
     cache_salt: Text = ""
-
-
-class MemorySegment(msgspec.Struct, frozen=True):
-    """One exported allocation.
-
-    Attributes:
-        name: for ``fd``, a label for logs (segment ``i`` is the handover's ``i``-th
-            descriptor); for ``cuda_ipc``, a label. (``shm``, a file name, is refused.)
-        size: bytes of the allocation (for ``fd``, exactly the descriptor's size).
-        handle: for ``cuda_ipc``, the CUDA IPC memory handle bytes.
-        device_uuid: for ``cuda_ipc``, the GPU's UUID (ordinals differ between processes).
-    """
-
-    name: SegmentName
-    size: SegmentBytes
-    handle: Handle = b""
-    device_uuid: Name = ""
-
-
-class KVMemory(msgspec.Struct, frozen=True):
-    """An engine's KV pool as exported to the daemon once, at registration.
-
-    ``buffer_offsets[l * components + c]`` is where layer ``l``, component ``c`` starts in
-    ``segments[buffer_segments[...]]``; each buffer holds ``num_pages`` pages of
-    ``geometry.chunk_bytes`` bytes, contiguous. With ``kind = "fd"``, ``segments[i]`` is
-    the ``i``-th descriptor of the REGISTER's handover (as many segments as descriptors).
-    """
-
-    kind: MemoryKind
-    num_pages: PageCount
-    segments: Annotated[list[MemorySegment], Meta(min_length=1, max_length=MAX_BUFFERS)]
-    buffer_segments: SegmentIndices
-    buffer_offsets: Offsets
 
 
 class _Req(msgspec.Struct, tag_field="op", kw_only=True):

@@ -218,7 +218,7 @@ class CopyPlan(PagePlan):
                 else:
                     np.copyto(engine_rows, host_rows)
         if self.single_page_ids.size:
-            engine_addrs = (self.single_page_ids * chunk + engine.address).tolist()
+            engine_addrs = (self.single_page_ids * engine.page_stride + engine.address).tolist()
             host_addrs = (self.single_slot_offsets + (arena.address + chunk_offset)).tolist()
             dsts, srcs = (host_addrs, engine_addrs) if to_host else (engine_addrs, host_addrs)
             # one memmove per page, driven from C (map) rather than a Python-level loop body
@@ -260,24 +260,32 @@ class _EngineView:
     address: int
     num_pages: int
     row_bytes: int
+    page_stride: int
 
     @classmethod
     def of(cls, buf: torch.Tensor, name: str) -> _EngineView:
-        """Check that ``buf`` is a contiguous CPU tensor with the page id as first dimension."""
+        """Check that ``buf`` is a CPU tensor with the page id as first dimension: contiguous,
+        or a 2-D uint8 ``[num_pages, row_bytes]`` view whose rows lie ``stride(0)`` apart."""
         if not isinstance(buf, torch.Tensor):
             raise PageCopyError(f"{name} must be a torch.Tensor, got {type(buf).__name__}")
         if buf.device.type != "cpu":
             raise PageCopyError(f"{name} must be a CPU tensor, got device {buf.device}")
+        if (buf.dim() == 2 and buf.dtype == torch.uint8 and buf.stride(1) == 1
+                and buf.stride(0) >= buf.shape[1] and not buf.is_contiguous()):
+            return cls(buf, buf.data_ptr(), int(buf.shape[0]), int(buf.shape[1]),
+                       int(buf.stride(0)))
         if buf.dim() < 1 or not buf.is_contiguous():
             raise PageCopyError(
                 f"{name} must be contiguous with the page id as first dimension, got shape "
                 f"{tuple(buf.shape)} and strides {buf.stride()}"
             )
         row_bytes = math.prod(buf.shape[1:]) * buf.element_size()
-        return cls(buf, buf.data_ptr(), int(buf.shape[0]), row_bytes)
+        return cls(buf, buf.data_ptr(), int(buf.shape[0]), row_bytes, row_bytes)
 
     def array(self) -> npt.NDArray[np.uint8]:
         """The buffer as a ``[num_pages, row_bytes]`` uint8 numpy array sharing its memory."""
+        if self.page_stride != self.row_bytes:
+            return self.tensor.detach().numpy()
         flat = self.tensor.detach().reshape(-1).view(torch.uint8)
         return flat.numpy().reshape(self.num_pages, self.row_bytes)
 

@@ -32,7 +32,12 @@ from kvtier.daemon.service.validation import (
     check_slot,
 )
 from kvtier.daemon.tier.rank_groups import GroupKey
-from kvtier.daemon.transfer.engine_memory import NAMES_REFUSED, EngineMemory, EngineMemoryError
+from kvtier.daemon.transfer.engine_memory import (
+    NAMES_REFUSED,
+    EngineMemory,
+    EngineMemoryError,
+    NoMemory,
+)
 from kvtier.daemon.transfer.transfer import Direction
 from kvtier.ipc import protocol as P
 from kvtier.ipc.fdpass import PeerCred
@@ -142,8 +147,13 @@ class Handlers:
     def _open_session(self, identity: bytes, m: P.Register, h: Handover, tenant: str) -> P.Reply:
         """Map the handover's memory and open the session (taking its completion block)."""
         ctx, cfg, g = self.ctx, self.ctx.cfg, m.geometry
+        control = m.memory.kind == "none"
         try:
-            memory = EngineMemory(g, m.memory, h.fds)
+            if control:
+                NoMemory.check(m.memory, h.fds)
+                memory: EngineMemory | NoMemory = NoMemory()
+            else:
+                memory = EngineMemory(g, m.memory, h.fds)
         except EngineMemoryError as err:
             raise RequestError(P.ErrorCode.BAD_MEMORY, str(err)) from err
         try:
@@ -164,15 +174,22 @@ class Handlers:
                     tp_size=m.tp_size, lease_s=cfg.lease_s)
         s.renew(time.monotonic())
         ctx.tier.register(ns_id, fp, tenant, s.class_id, g.page_bytes)
-        s.member = ctx.tier.groups.join(GroupKey(
-            tenant=tenant, model_id=m.namespace.model_id, revision=m.namespace.revision,
-            cache_salt=m.namespace.cache_salt, attention=g.attention, tp_size=m.tp_size,
-            tp_group=m.tp_group), m.tp_rank, sid)
+        if control:  # no rank group: its LOOKUP reads every rank's namespace itself
+            ranks = range(m.tp_size) if g.attention == "mha" else range(1)
+            s.rank_namespaces = [namespace_fingerprint(m.namespace, g, r, m.tp_size, tenant)
+                                 for r in ranks]
+        else:
+            s.member = ctx.tier.groups.join(GroupKey(
+                tenant=tenant, model_id=m.namespace.model_id, revision=m.namespace.revision,
+                cache_salt=m.namespace.cache_salt, attention=g.attention, tp_size=m.tp_size,
+                tp_group=m.tp_group), m.tp_rank, sid)
         ctx.sessions.add(s)
         ctx.counters.sessions_opened += 1
         log.info("session %d registered: tenant %s, model %s, pid %d uid %d, rank %d/%d, "
-                 "%d pages of %s", sid, tenant, m.namespace.model_id, s.pid, s.uid, m.tp_rank,
-                 m.tp_size, m.memory.num_pages, format_size(g.page_bytes))
+                 "%s of %s", sid, tenant, m.namespace.model_id, s.pid, s.uid, m.tp_rank,
+                 m.tp_size, "control only, no pages" if control else
+                 f"{m.memory.num_pages} pages{'' if memory.mapped else ' (unmapped, by I/O)'}",
+                 format_size(g.page_bytes))
         return P.Registered(req_id=m.req_id, epoch=ctx.epoch, session_id=sid,
                             lease_s=cfg.lease_s, ns_fingerprint=fp,
                             completion_name=f"memfd:completion-{ctx.epoch:x}-{sid}",
@@ -211,7 +228,7 @@ class Handlers:
         ctx = self.ctx
         s = ctx.session(identity, m.session_id)
         check_keys(m.keys, ctx.cfg.max_keys_per_request)
-        n = ctx.pool.lookup(s.ns_id, m.keys)
+        n = self._control_l2(s, m.keys) if s.control_only else ctx.pool.lookup(s.ns_id, m.keys)
         c = ctx.counters
         c.lookup_tokens += len(m.keys) * s.geometry.page_size
         c.lookup_hit_tokens += n * s.geometry.page_size
@@ -223,6 +240,26 @@ class Handlers:
             self._observe_lookup(start)
             return P.LookupResult(req_id=m.req_id, epoch=ctx.epoch, l2=n, l3=0)
         return self.later(s, self._lookup_more(s, m, n, start))
+
+    def _control_l2(self, s: Session, keys: list[bytes]) -> int:
+        """A control-only session's L2 run: the minimum over its engine's ranks (a rank
+        that never registered has none)."""
+        table = self.ctx.pool.namespaces()
+        n = len(keys)
+        for fp in s.rank_namespaces:
+            ns_id = table.get(fp)
+            n = 0 if ns_id is None else min(n, self.ctx.pool.lookup(ns_id, keys[:n]))
+            if n == 0:
+                break
+        return n
+
+    @staticmethod
+    def _needs_memory(s: Session, op: str) -> None:
+        """Refuse ``op`` on a control-only session."""
+        if s.control_only:
+            raise RequestError(P.ErrorCode.BAD_MEMORY,
+                               f"session {s.session_id} registered no memory (memory.kind = "
+                               f"'none'): it may LOOKUP, not {op}")
 
     async def _lookup_more(self, s: Session, m: P.Lookup, n: int, start: float) -> P.Reply:
         """The L3 part of a LOOKUP (and the rank group's agreement)."""
@@ -238,6 +275,7 @@ class Handlers:
         """PREFETCH: start reading the L3 run after ``skip`` keys into L2."""
         ctx = self.ctx
         s = ctx.session(identity, m.session_id)
+        self._needs_memory(s, "PREFETCH")
         check_keys(m.keys, ctx.cfg.max_keys_per_request)
         if m.skip > len(m.keys):
             raise RequestError(P.ErrorCode.BAD_MESSAGE,
@@ -256,6 +294,7 @@ class Handlers:
         start = time.perf_counter()
         ctx = self.ctx
         s = ctx.session(identity, m.session_id)
+        self._needs_memory(s, "CLAIM")
         check_keys(m.keys, ctx.cfg.max_keys_per_request)
         if s.member is None and not s.prefetches:  # nothing to wait for: answer now
             n = ctx.pool.lookup(s.ns_id, m.keys)
@@ -279,6 +318,7 @@ class Handlers:
         """STORE: allocate host slots for the keys not there yet and copy them in."""
         ctx = self.ctx
         s = ctx.session(identity, m.session_id)
+        self._needs_memory(s, "STORE")
         check_keys(m.keys, ctx.cfg.max_keys_per_request, m.pages, s.memory.num_pages)
         check_slot(s, m.slot)
         if m.parent_key is not None and len(m.parent_key) != P.KEY_BYTES:
@@ -304,6 +344,7 @@ class Handlers:
         """LOAD: pin the leading run of keys in L2 and copy it to the engine's pages."""
         ctx = self.ctx
         s = ctx.session(identity, m.session_id)
+        self._needs_memory(s, "LOAD")
         check_keys(m.keys, ctx.cfg.max_keys_per_request, m.pages, s.memory.num_pages)
         check_slot(s, m.slot)
         ctx.counters.loads += 1

@@ -27,7 +27,7 @@ from kvtier.ipc.protocol import Geometry
 if TYPE_CHECKING:
     from kvtier.daemon.tier.prefetch import PrefetchJob
     from kvtier.daemon.tier.rank_groups import Member
-    from kvtier.daemon.transfer.engine_memory import EngineMemory
+    from kvtier.daemon.transfer.engine_memory import EngineMemory, NoMemory
     from kvtier.daemon.transfer.transfer import Transfer
 
 
@@ -56,7 +56,10 @@ class Session:
         lease_s / deadline: lease length and expiry (monotonic).
         transfers: running transfers by completion slot.
         prefetches: unclaimed prefetches, by request id (or a chain's last key).
-        member: its place in a TP rank group (None when ``tp_size`` is 1).
+        member: its place in a TP rank group (None when ``tp_size`` is 1, and for a
+            control-only session).
+        rank_namespaces: a control-only session's (``memory.kind = "none"``) namespace
+            fingerprints of every TP rank, rank order (empty for an engine's session).
         waiting: requests of this session being answered later (a claim, a group round).
     """
 
@@ -68,7 +71,7 @@ class Session:
     ns_fingerprint: bytes
     geometry: Geometry
     class_id: int
-    memory: EngineMemory
+    memory: EngineMemory | NoMemory
     completion: CompletionBlock
     pid: int
     tp_rank: int
@@ -80,8 +83,14 @@ class Session:
     transfers: dict[int, Transfer] = field(default_factory=dict)  # by completion slot
     prefetches: dict[str | bytes, PrefetchJob] = field(default_factory=dict)
     member: Member | None = None
+    rank_namespaces: list[bytes] = field(default_factory=list)
     waiting: int = 0
     created: float = field(default_factory=time.time)
+
+    @property
+    def control_only(self) -> bool:
+        """Whether the session registered no memory (LOOKUP only)."""
+        return bool(self.rank_namespaces)
 
     def is_open(self) -> bool:
         """Whether the session still accepts requests."""

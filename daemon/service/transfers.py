@@ -74,8 +74,8 @@ class Transfers:
         s.completion.begin(slot, seq, s.geometry.num_layers)
         s.transfers[slot] = t
         loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(self._executor, run_transfer, t, self._arena, s.memory.buffers,
-                                   s.geometry.chunk_bytes, s.completion)
+        fut = loop.run_in_executor(self._executor, run_transfer, t, self._arena, s.memory.regions,
+                                   s.geometry.num_layers, s.geometry.page_bytes, s.completion)
         self.inflight.add(fut)
         fut.add_done_callback(lambda f: self._finish(s, t, f))
 

@@ -2,27 +2,37 @@
 
 The daemon never opens or removes an engine's memory by name: the engine passes its
 descriptors on the handover socket (:mod:`kvtier.ipc.fdpass`) and REGISTER declares what
-they hold (``memory.kind = "fd"``). Each descriptor is checked before it is mapped:
+they hold (``memory.kind = "fd"``) and where each page lies (``memory.regions``, or the
+per-buffer form of kvtier's own ``layer_first`` layout). Each descriptor is checked first:
 
-- a regular file or memfd (``fstat``), opened read-write;
-- exactly the size the export declares;
-- sealed against shrinking (``F_GET_SEALS`` has ``F_SEAL_SHRINK``): a file that could
-  shrink under the daemon's mapping would make its next copy a SIGBUS, ending the daemon.
+- a regular file or memfd (``fstat``), opened read-write, exactly the declared size;
+- sealed against shrinking (``F_GET_SEALS`` has ``F_SEAL_SHRINK``): then it is **mapped**
+  (``MAP_SHARED``) and pages are copied with memory copies;
+- not sealed, but a memfd or tmpfs file (``fstatfs``): then it is **never mapped** (a file
+  that shrank under a mapping would make the next copy a SIGBUS, ending the daemon); its
+  pages are copied with ``pread``/``pwrite`` on the descriptor, so an engine that truncates
+  it only fails its own transfers. SGLang's ``shm`` host pool is such a memfd (created
+  without ``MFD_ALLOW_SEALING``). Other unsealed files are refused: I/O on a network or
+  FUSE file could block a copy thread for good.
 
-A refused descriptor is a :class:`EngineMemoryError` naming the segment and the reason.
-The mapping is ``MAP_SHARED``; the caller closes the descriptors afterwards.
+A refused descriptor or region is a :class:`EngineMemoryError` naming the field and the
+reason. The caller closes the handed-over descriptors afterwards (unmapped ones are
+duplicated and kept until :meth:`EngineMemory.close`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import os
 import stat
+import struct
+from dataclasses import dataclass
 
 import torch
 from kvtier.config.errors import KvtierError
 from kvtier.ipc.limits import MAX_PAGES
-from kvtier.ipc.protocol import Geometry, KVMemory
+from kvtier.ipc.protocol import Geometry, KVMemory, MemoryRegion
 from kvtier.ipc.shm import SharedMemoryError, SharedMemorySegment
 
 NAMES_REFUSED = ("memory.kind = 'shm' (a file name) is not accepted: hand the memory over by "
@@ -43,6 +53,9 @@ def check_buffers(geometry: Geometry, memory: KVMemory, error: type[KvtierError]
         error: naming the field or the counts that disagree.
     """
     g = geometry
+    if memory.regions:
+        raise error("memory.regions: this copy path needs the per-buffer form "
+                    "(buffer_segments / buffer_offsets)")
     if not 1 <= memory.num_pages <= MAX_PAGES:
         raise error(f"memory.num_pages = {memory.num_pages!r} is out of range")
     n_buf = g.num_layers * g.components
@@ -55,17 +68,41 @@ def check_buffers(geometry: Geometry, memory: KVMemory, error: type[KvtierError]
         raise error(f"memory.segments has {len(memory.segments)} entries")
 
 
-def check_descriptor(fd: int, size: int, what: str) -> None:
-    """Check that ``fd`` is safe to map as ``size`` bytes of engine memory.
+TMPFS_MAGIC = 0x01021994
+"""``statfs.f_type`` of tmpfs and memfds."""
+HUGETLBFS_MAGIC = 0x958458F6
+"""``statfs.f_type`` of hugetlbfs (``MFD_HUGETLB`` memfds)."""
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def fs_type(fd: int) -> int:
+    """``fstatfs(fd).f_type``: the kind of file system ``fd`` is on.
+
+    Raises:
+        OSError: ``fstatfs`` failed.
+    """
+    buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on x86-64 / arm64
+    if _libc.fstatfs(fd, buf) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return struct.unpack_from("l", buf.raw)[0] & 0xFFFFFFFF
+
+
+def check_descriptor(fd: int, size: int, what: str) -> bool:
+    """Check that ``fd`` is safe to use as ``size`` bytes of engine memory.
 
     Args:
         fd: a descriptor the engine handed over.
         size: the bytes the export declares for it.
         what: names it in the error (``memory.segments[0]``).
 
+    Returns:
+        True when it may be mapped (sealed against shrinking); False when it must be
+        copied with positional I/O only (an unsealed memfd or tmpfs file).
+
     Raises:
         EngineMemoryError: not a regular file / memfd, not read-write, another size, or
-            not sealed against shrinking.
+            neither sealed against shrinking nor on tmpfs.
     """
     try:
         st = os.fstat(fd)
@@ -81,34 +118,127 @@ def check_descriptor(fd: int, size: int, what: str) -> None:
                                 f"declares {size}")
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-    except OSError as err:  # EINVAL: a file system without seals
-        raise EngineMemoryError(f"{what}: the descriptor cannot be sealed ({err}); hand over a "
-                                "memfd sealed with F_SEAL_SHRINK") from err
-    if not seals & fcntl.F_SEAL_SHRINK:
-        raise EngineMemoryError(f"{what}: the memfd is not sealed against shrinking "
-                                "(F_SEAL_SHRINK); it could be truncated under the daemon")
+    except OSError:  # EINVAL: a file system without seals
+        seals = 0
+    if seals & fcntl.F_SEAL_SHRINK:
+        return True
+    try:
+        kind = fs_type(fd)
+    except OSError as err:
+        raise EngineMemoryError(f"{what}: the descriptor's file system cannot be examined: "
+                                f"{err}") from err
+    if kind not in (TMPFS_MAGIC, HUGETLBFS_MAGIC):
+        raise EngineMemoryError(f"{what}: the descriptor is neither sealed against shrinking "
+                                "(F_SEAL_SHRINK) nor a memfd or tmpfs file; hand over a memfd")
+    return False
+
+
+def check_regions(geometry: Geometry, memory: KVMemory,
+                  error: type[KvtierError]) -> list[MemoryRegion]:
+    """Check the export's page layout against ``geometry``; return its regions.
+
+    Either ``regions`` or the per-buffer form (one buffer per layer and component of
+    ``geometry``), not both; the regions' page bytes add up to ``geometry.page_bytes``;
+    each region's pages are at least ``page_bytes`` apart and name a layer of the model.
+    Where each region lies in its segment is checked against the segment's size by
+    :func:`check_region_fits`.
+
+    Raises:
+        error: naming the field and the value that disagree.
+    """
+    g = geometry
+    if not 1 <= memory.num_pages <= MAX_PAGES:
+        raise error(f"memory.num_pages = {memory.num_pages!r} is out of range")
+    if memory.regions:
+        if memory.buffer_offsets or memory.buffer_segments:
+            raise error("memory gives both regions and buffer_offsets / buffer_segments; "
+                        "give one of them")
+    else:
+        check_buffers(g, memory, error)
+    regions = memory.layout_regions(g)
+    total = 0
+    for i, r in enumerate(regions):
+        if r.layer >= g.num_layers:
+            raise error(f"memory.regions[{i}].layer = {r.layer!r}: the model has "
+                        f"{g.num_layers} layers")
+        if r.page_stride < r.page_bytes:
+            raise error(f"memory.regions[{i}].page_stride = {r.page_stride!r} is smaller than "
+                        f"its page_bytes = {r.page_bytes!r}")
+        if not 0 <= r.segment < len(memory.segments):
+            raise error(f"memory.regions[{i}].segment = {r.segment!r} is out of range "
+                        f"({len(memory.segments)} segments)")
+        total += r.page_bytes
+    if total != g.page_bytes:
+        raise error(f"memory.regions hold {total} bytes per page; the geometry's pages are "
+                    f"{g.page_bytes} bytes")
+    return regions
+
+
+def check_region_fits(r: MemoryRegion, i: int, num_pages: int, seg_size: int,
+                      error: type[KvtierError]) -> int:
+    """The bytes region ``i`` spans; raises ``error`` when they overrun its segment."""
+    span = (num_pages - 1) * r.page_stride + r.page_bytes
+    if r.offset + span > seg_size:
+        raise error(f"memory.regions[{i}]: {num_pages} pages of {r.page_bytes} bytes "
+                    f"{r.page_stride} apart from offset {r.offset} overrun segment "
+                    f"{r.segment} of {seg_size} bytes")
+    return span
+
+
+@dataclass(frozen=True, slots=True)
+class RegionView:
+    """One region of an engine's memory as the daemon copies it.
+
+    Attributes:
+        layer: the layer it holds (-1: several).
+        host_offset: where its bytes sit inside a host page.
+        page_bytes / page_stride / base: page ``p`` is ``page_bytes`` at
+            ``base + p * page_stride`` of its segment.
+        tensor: mapped memory: a strided uint8 ``[num_pages, page_bytes]`` view; None when
+            the segment is copied with positional I/O.
+        fd: the descriptor positional I/O uses (-1 when mapped).
+        num_pages: pages the region holds.
+    """
+
+    layer: int
+    host_offset: int
+    page_bytes: int
+    page_stride: int
+    base: int
+    tensor: torch.Tensor | None
+    fd: int = -1
+    num_pages: int = 0
 
 
 class EngineMemory:
-    """An engine's KV pool as the daemon sees it: one uint8 ``[num_pages, chunk_bytes]``
-    tensor per (layer, component), indexed ``buffers[layer][component]``.
+    """An engine's KV pool as the daemon sees it: its regions, in host-page order.
 
     Args:
         geometry: the engine's page geometry.
-        memory: the export (``kind = "fd"``): sizes and buffer offsets.
+        memory: the export (``kind = "fd"``): segment sizes and where pages lie.
         fds: the handover's descriptors, one per segment (the caller still closes them).
+
+    Attributes:
+        regions: one :class:`RegionView` per region (their bytes make a host page).
+        buffers: ``[layer][component]`` tensors of ``[num_pages, chunk_bytes]`` when the
+            memory is kvtier's per-buffer layout and mapped (the CUDA back end's form);
+            empty otherwise.
+        mapped: every segment is mapped (no positional I/O).
 
     Raises:
         EngineMemoryError: the export or a descriptor is refused (nothing stays mapped).
     """
 
-    __slots__ = ("buffers", "geometry", "num_pages", "segments")
+    __slots__ = ("_fds", "buffers", "geometry", "mapped", "num_pages", "regions", "segments")
 
     def __init__(self, geometry: Geometry, memory: KVMemory, fds: list[int]) -> None:
         self.geometry = geometry
         self.num_pages = memory.num_pages
-        self.segments: list[SharedMemorySegment] = []
+        self.segments: list[SharedMemorySegment | None] = []
+        self._fds: list[int] = []
+        self.regions: list[RegionView] = []
         self.buffers: list[list[torch.Tensor]] = []
+        self.mapped = True
         try:
             self._map(memory, fds)
         except BaseException:
@@ -123,39 +253,83 @@ class EngineMemory:
             raise EngineMemoryError(
                 f"memory.kind = {memory.kind!r}: this daemon maps 'fd' exports (CUDA IPC needs a GPU build)"
             )
-        check_buffers(g, memory, EngineMemoryError)
-        if len(memory.segments) != len(fds):
+        regions = check_regions(g, memory, EngineMemoryError)
+        if not memory.segments or len(memory.segments) != len(fds):
             raise EngineMemoryError(f"memory.segments has {len(memory.segments)} entries but the "
                                     f"handover passed {len(fds)} descriptors")
+        fd_of: list[int] = []
         for i, (seg, fd) in enumerate(zip(memory.segments, fds, strict=True)):
             what = f"memory.segments[{i}]"
-            check_descriptor(fd, seg.size, what)
-            try:
-                self.segments.append(SharedMemorySegment.from_fd(fd, seg.size, writable=True,
-                                                                 label=what))
-            except SharedMemoryError as err:
-                raise EngineMemoryError(str(err)) from err
-        buf_bytes = memory.num_pages * g.chunk_bytes
-        for layer in range(g.num_layers):
-            row = []
-            for comp in range(g.components):
-                i = layer * g.components + comp
-                s_idx, off = memory.buffer_segments[i], memory.buffer_offsets[i]
-                if not 0 <= s_idx < len(self.segments):
-                    raise EngineMemoryError(f"memory.buffer_segments[{i}] = {s_idx!r} is out of range")
-                seg = self.segments[s_idx]
-                if off < 0 or off + buf_bytes > seg.size:
-                    raise EngineMemoryError(
-                        f"memory.buffer_offsets[{i}] = {off!r}: {buf_bytes} bytes do not fit in "
-                        f"{seg.path} of {seg.size} bytes"
-                    )
-                row.append(seg.tensor(off, buf_bytes).view(memory.num_pages, g.chunk_bytes))
-            self.buffers.append(row)
+            if check_descriptor(fd, seg.size, what):
+                try:
+                    self.segments.append(SharedMemorySegment.from_fd(fd, seg.size, writable=True,
+                                                                     label=what))
+                except SharedMemoryError as err:
+                    raise EngineMemoryError(str(err)) from err
+                fd_of.append(-1)
+            else:
+                self.segments.append(None)
+                self._fds.append(os.dup(fd))
+                fd_of.append(self._fds[-1])
+                self.mapped = False
+        host_offset = 0
+        for i, r in enumerate(regions):
+            span = check_region_fits(r, i, memory.num_pages, memory.segments[r.segment].size,
+                                     EngineMemoryError)
+            seg = self.segments[r.segment]
+            view = None
+            if seg is not None:
+                view = seg.tensor(r.offset, span).as_strided((memory.num_pages, r.page_bytes),
+                                                             (r.page_stride, 1))
+            self.regions.append(RegionView(r.layer, host_offset, r.page_bytes, r.page_stride,
+                                           r.offset, view, fd_of[r.segment], memory.num_pages))
+            host_offset += r.page_bytes
+        if not memory.regions and self.mapped:
+            comps = g.components
+            self.buffers = [[self.regions[l * comps + c].tensor for c in range(comps)]
+                            for l in range(g.num_layers)]
 
     def close(self) -> None:
-        """Drop the tensors and unmap every segment (nothing is ever removed: there is no
-        file; the memory goes when the engine's last descriptor and mapping go)."""
+        """Drop the views, unmap every segment and close the kept descriptors (nothing is
+        ever removed: there is no file; the memory goes when the engine's last descriptor
+        and mapping go)."""
         self.buffers = []
+        self.regions = []
         for seg in self.segments:
-            seg.close(unlink=False)
+            if seg is not None:
+                seg.close(unlink=False)
         self.segments = []
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
+
+class NoMemory:
+    """The memory of a control-only session (``memory.kind = "none"``): none.
+
+    Such a session may LOOKUP but has no pages to copy (STORE, LOAD, PREFETCH and CLAIM
+    are refused), e.g. the scheduler process of an engine whose workers hold the KV.
+    """
+
+    __slots__ = ()
+    num_pages = 0
+    regions: list[RegionView] = []  # noqa: RUF012 (never mutated)
+    buffers: list[list[torch.Tensor]] = []  # noqa: RUF012
+    mapped = True
+
+    @staticmethod
+    def check(memory: KVMemory, fds: list[int]) -> None:
+        """Check that a ``kind = "none"`` export declares nothing and no descriptor came.
+
+        Raises:
+            EngineMemoryError: naming what was declared or passed.
+        """
+        if memory.segments or memory.regions or memory.buffer_offsets or memory.buffer_segments:
+            raise EngineMemoryError("memory.kind = 'none' declares no segments, regions or "
+                                    "buffers")
+        if fds:
+            raise EngineMemoryError(f"memory.kind = 'none' but the handover passed {len(fds)} "
+                                    "descriptors")
+
+    def close(self) -> None:
+        """Nothing to release."""

@@ -15,15 +15,23 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from kvtier.config.errors import KvtierError
 from kvtier.daemon.pool.layout import page_checksums
+from kvtier.daemon.transfer.engine_memory import RegionView
 from kvtier.ipc.completion import CompletionBlock, TransferStatus
+from kvtier.kernels.file_io import read_pages, write_pages
 from kvtier.kernels.page_copy import CopyPlan
 
 log = logging.getLogger("kvtier.daemon.transfer.transfer")
+
+
+class RegionIOError(KvtierError):
+    """Engine memory copied by positional I/O returned short (the engine shrank it)."""
 
 
 class Direction(enum.Enum):
@@ -70,15 +78,20 @@ class Transfer:
     extra: dict[str, object] = field(default_factory=dict)
 
 
-def run_transfer(t: Transfer, arena: torch.Tensor, buffers: list[list[torch.Tensor]],
-                 chunk_bytes: int, block: CompletionBlock) -> TransferStatus:
-    """Copy every layer of ``t`` and signal each one; runs in a worker thread.
+def run_transfer(t: Transfer, arena: torch.Tensor, regions: Sequence[RegionView],
+                 num_layers: int, page_bytes: int, block: CompletionBlock) -> TransferStatus:
+    """Copy every region of ``t``'s pages and signal each finished layer; runs in a worker thread.
+
+    Regions holding several layers (``layer = -1``) are copied first; then the regions of
+    layer 0, 1, ...; layer ``l`` is announced once every region of layers ``<= l`` is in
+    place (all of them once the last region is).
 
     Args:
         t: the transfer (its slot was begun by the event loop before the reply went out).
         arena: the host pool as a flat uint8 tensor.
-        buffers: the engine's buffers, ``[layer][component]`` of ``[num_pages, chunk_bytes]``.
-        chunk_bytes: bytes of one page of one buffer.
+        regions: the engine's memory regions, in host-page order.
+        num_layers: the model's layers (the completion block counts up to it).
+        page_bytes: bytes of one host page (the regions' page bytes added up).
         block: the session's completion block.
 
     Returns:
@@ -87,26 +100,50 @@ def run_transfer(t: Transfer, arena: torch.Tensor, buffers: list[list[torch.Tens
     """
     status = TransferStatus.DONE
     try:
-        n_comp = len(buffers[0]) if buffers else 0
-        plan = CopyPlan.build(t.page_ids, t.offsets, chunk_bytes,
-                              slot_bytes=len(buffers) * n_comp * chunk_bytes)
-        for layer, row in enumerate(buffers):
+        plans: dict[int, CopyPlan] = {}
+        order = sorted(regions, key=lambda r: r.layer)  # stable: -1 first, then by layer
+        for i, r in enumerate(order):
             if t.cancelled:
                 status = TransferStatus.CANCELLED
                 break
-            for comp, buf in enumerate(row):
-                chunk_offset = (layer * n_comp + comp) * chunk_bytes
-                if t.direction is Direction.STORE:
-                    plan.to_host(arena, buf, chunk_offset)
-                else:
-                    plan.from_host(arena, buf, chunk_offset)
-            block.layer_done(t.slot, layer + 1)
+            plan = plans.get(r.page_bytes)
+            if plan is None:
+                plan = plans[r.page_bytes] = CopyPlan.build(t.page_ids, t.offsets, r.page_bytes,
+                                                            slot_bytes=page_bytes)
+            _copy_region(t, plan, arena, r)
+            nxt = order[i + 1].layer if i + 1 < len(order) else num_layers
+            if nxt > r.layer >= 0:
+                block.layer_done(t.slot, r.layer + 1)
+        if status is TransferStatus.DONE:
+            block.layer_done(t.slot, num_layers)
         if status is TransferStatus.DONE and t.checksum and t.host_slots:
             # checksummed here, in the copy thread, while the bytes are hot in cache
-            t.checksums = page_checksums(arena.numpy(), t.offsets.tolist(),
-                                         t.nbytes // len(t.host_slots))
-    except Exception:  # a bug or a vanished mapping: the transfer fails, the daemon stays up
+            t.checksums = page_checksums(arena.numpy(), t.offsets.tolist(), page_bytes)
+    except Exception:  # a bug, a vanished mapping, a short read: the transfer fails, the daemon stays up
         log.exception("transfer session=%d slot=%d failed", t.session_id, t.slot)
         status = TransferStatus.FAILED
     t.status = status
     return status
+
+
+def _copy_region(t: Transfer, plan: CopyPlan, arena: torch.Tensor, r: RegionView) -> None:
+    """Move one region's bytes of every page of ``t``: memory copies on a mapped segment,
+    ``pread``/``pwrite`` on an unmapped descriptor."""
+    if r.tensor is not None:
+        if t.direction is Direction.STORE:
+            plan.to_host(arena, r.tensor, r.host_offset)
+        else:
+            plan.from_host(arena, r.tensor, r.host_offset)
+        return
+    plan.check_copy(arena_nbytes=arena.numel(), num_pages=r.num_pages, row_bytes=r.page_bytes,
+                    chunk_offset=r.host_offset, name="engine region")
+    offsets = (t.offsets + r.host_offset).tolist()
+    positions = (t.page_ids * r.page_stride + r.base).tolist()
+    buf = memoryview(arena.numpy())
+    io = read_pages if t.direction is Direction.STORE else write_pages
+    sums = io(r.fd, buf, offsets, r.page_bytes, positions)
+    if any(x is None for x in sums):
+        raise RegionIOError(f"engine memory: a page of {r.page_bytes} bytes at "
+                            f"{positions[[x is None for x in sums].index(True)]} could not be "
+                            f"{'read' if t.direction is Direction.STORE else 'written'} "
+                            "(the descriptor shrank?)")

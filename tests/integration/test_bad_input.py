@@ -122,7 +122,7 @@ def test_page_index_out_of_range_and_bad_keys(world, daemon):
     ({"geometry": P.Geometry(num_layers=5, page_size=16, kv_heads=2, head_dim=32, dtype="float32")},
      P.ErrorCode.BAD_MEMORY, "buffers"),
     ({"geometry": P.Geometry(num_layers=4, page_size=32, kv_heads=2, head_dim=32, dtype="float32")},
-     P.ErrorCode.BAD_MEMORY, "do not fit"),
+     P.ErrorCode.BAD_MEMORY, "overrun segment"),
     ({"tp_rank": 2, "tp_size": 2}, P.ErrorCode.GEOMETRY_MISMATCH, "tp_rank"),
 ])
 def test_geometry_mismatch(world, daemon, change, code, word):

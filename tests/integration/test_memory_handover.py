@@ -20,12 +20,15 @@ from pathlib import Path
 
 import pytest
 from kvtier.client.admin import AdminClient
+from kvtier.client.connection import Connection
 from kvtier.client.kv_pool import SharedKVPool
+from kvtier.client.memory_export import RegionMemory
+from kvtier.daemon.transfer.engine_memory import TMPFS_MAGIC, fs_type
 from kvtier.ipc import fdpass
 from kvtier.ipc import protocol as P
 from kvtier.ipc.limits import HANDOVER_TOKEN_BYTES, MAX_HANDOVER_FDS
 
-from tests.engines import SMALL, engine, fill_page, handover, page_bytes, tokens
+from tests.engines import SMALL, client_config, engine, fill_page, handover, page_bytes, tokens
 from tests.servers import RawDealer
 
 WAIT_S = 10.0
@@ -132,37 +135,68 @@ def test_an_engine_cannot_truncate_its_memory_after_registering(daemon):
         pool.close()
 
 
-@pytest.mark.parametrize("why", ["unsealed", "size", "read_only", "disk_file", "grow_only"])
+@pytest.mark.parametrize("why", ["size", "read_only", "disk_file"])
 def test_an_unsafe_descriptor_is_refused_and_never_mapped(daemon, raw, tmp_path, why):
     with SharedKVPool(SMALL, 4) as pool:
         size = pool.segment.size
-        if why == "unsealed":
-            fd, word = bare_memfd(size), "not sealed against shrinking"
-        elif why == "size":
+        if why == "size":
             fd = bare_memfd(size + 4096)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
             word = "declares"
         elif why == "read_only":
             fd, word = os.open(f"/proc/self/fd/{pool.memory_fds()[0]}", os.O_RDONLY), "read-write"
-        elif why == "disk_file":
+        else:
             path = tmp_path / "kv"
             path.write_bytes(bytes(size))
-            fd, word = os.open(path, os.O_RDWR), "cannot be sealed"
-        else:
-            fd = bare_memfd(size)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_GROW)
-            word = "not sealed against shrinking"
+            fd, word = os.open(path, os.O_RDWR), "neither sealed"
+            if fs_type(fd) == TMPFS_MAGIC:
+                os.close(fd)
+                pytest.skip(f"{tmp_path} is on tmpfs: a file there is accepted like a memfd")
         try:
             token = handover(daemon.runtime_dir, fds=[fd])
             refused(raw.ask(register(pool, token)), P.ErrorCode.BAD_MEMORY, "memory.segments[0]", word)
-            if why in ("unsealed", "grow_only"):  # the hostile part: shrink it now
-                os.ftruncate(fd, 0)
         finally:
             os.close(fd)
         assert "memfd:hostile" not in daemon_maps(daemon)
         assert str(tmp_path) not in daemon_maps(daemon)
         # refused means spent: the token cannot be tried again
         refused(raw.ask(register(pool, token)), P.ErrorCode.BAD_MEMORY, "used already")
+    healthy(daemon)
+
+
+@pytest.mark.parametrize("seals", [0, fcntl.F_SEAL_GROW], ids=["unsealed", "grow_only"])
+def test_an_unsealed_memfd_is_never_mapped_and_shrinking_it_fails_only_its_copies(daemon, seals):
+    """A memfd that may shrink is accepted but copied with pread/pwrite, never mapped: the
+    engine that truncates it gets failed transfers; the daemon (no SIGBUS) serves on."""
+    with SharedKVPool(SMALL, 4) as src:
+        size = src.segment.size
+        fd = bare_memfd(size)
+        if seals:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+        os.pwrite(fd, bytes(src.segment.tensor().numpy()), 0)
+        mem = RegionMemory(SMALL, 4, [fd], [size], src.export().layout_regions(SMALL))
+        conn = Connection(mem, model_id="m", config=client_config(daemon.runtime_dir))
+        try:
+            fill_page(src, 1, seed=3)
+            os.pwrite(fd, bytes(src.segment.tensor().numpy()), 0)
+            keys = conn.page_keys(tokens(SMALL.page_size, salt=5))
+            h = conn.store(keys, [1])
+            assert h.wait(WAIT_S) and h.ok
+            assert "memfd:hostile" not in daemon_maps(daemon)
+            os.pwrite(fd, bytes(size), 0)  # the engine's page is gone; load it back from L2
+            h = conn.load(keys, [1])
+            assert h.wait(WAIT_S) and h.ok
+            assert os.pread(fd, size, 0) == bytes(src.segment.tensor().numpy())
+            os.ftruncate(fd, 0)  # the hostile part: shrink it under the daemon
+            more = conn.page_keys(tokens(SMALL.page_size, salt=6))
+            h = conn.store(more, [2])
+            assert not h.wait(WAIT_S) and h.done and not h.ok
+            h = conn.load(keys, [3])  # a pwrite past the end grows the file, unless sealed
+            assert h.wait(WAIT_S) is (not seals) and h.done
+            assert conn.lookup(more).l2 == 0  # a failed store leaves nothing behind
+        finally:
+            conn.close()
+            os.close(fd)
     healthy(daemon)
 
 
@@ -207,7 +241,10 @@ def test_a_token_is_spent_by_its_register_and_unknown_tokens_are_refused(daemon,
 
 HANDOVER_CHILD = """
 import os, sys
+from kvtier.client.connection import Connection
 from kvtier.client.kv_pool import SharedKVPool
+from kvtier.client.memory_export import RegionMemory
+from kvtier.daemon.transfer.engine_memory import TMPFS_MAGIC, fs_type
 from tests.engines import SMALL, handover
 pool = SharedKVPool(SMALL, 4)
 print(handover(sys.argv[1], pool).hex(), flush=True)

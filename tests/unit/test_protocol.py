@@ -100,6 +100,13 @@ R = requests()
 REG, STORE, LOAD = R[P.Register], R[P.Store], R[P.Load]
 BIG = "x" * (1 << 20)
 # (message, field path, a value just outside its bounds, the same field's largest valid value)
+REGION = {"segment": 0, "offset": 0, "page_stride": 8, "page_bytes": 8, "layer": 0}
+"""A valid memory region."""
+REG_REGIONS = msgspec.structs.replace(REG, memory=P.KVMemory(
+    kind="fd", num_pages=4, segments=[P.MemorySegment(name="s", size=1 << 20)],
+    regions=[P.MemoryRegion(**REGION)]))
+"""A REGISTER whose memory is described by regions."""
+
 OUT_OF_RANGE = [
     (R[P.Health], ("req_id",), -1, L.MAX_U63),
     (R[P.Health], ("req_id",), 1 << 63, None),
@@ -123,11 +130,13 @@ OUT_OF_RANGE = [
     (REG, ("geometry", "head_dim"), 1 << 31, None),
     (REG, ("geometry", "dtype"), "float64", "bfloat16"),
     (REG, ("geometry", "attention"), "gqa", "mla"),
-    (REG, ("geometry", "layout"), "page_first", "layer_first"),
+    (REG, ("geometry", "layout"), "Page-First", "sglang_page_first"),
+    (REG, ("geometry", "layout"), "", "vllm_cpu"),
+    (REG, ("geometry", "layout"), "l" * 33, "l" * 32),
     (REG, ("memory", "kind"), "file", "cuda_ipc"),
     (REG, ("memory", "num_pages"), 0, L.MAX_PAGES),
     (REG, ("memory", "num_pages"), L.MAX_PAGES + 1, None),
-    (REG, ("memory", "segments"), [], None),
+    (REG, ("memory", "segments"), [{"name": "s", "size": 1}] * (L.MAX_BUFFERS + 1), None),
     (REG, ("memory", "segments", 0, "name"), "/dev/shm/kvtier-engine-\x00x", None),
     (REG, ("memory", "segments", 0, "name"), "n" * (L.MAX_SEGMENT_NAME + 1),
      "n" * L.MAX_SEGMENT_NAME),
@@ -135,6 +144,13 @@ OUT_OF_RANGE = [
     (REG, ("memory", "segments", 0, "handle"), b"h" * 65, b"h" * 64),
     (REG, ("memory", "segments", 0, "device_uuid"), "u" * (L.MAX_NAME + 1), None),
     (REG, ("memory", "buffer_segments", 1), -1, L.MAX_BUFFERS - 1),
+    (REG_REGIONS, ("memory", "regions", 0, "segment"), -1, L.MAX_BUFFERS - 1),
+    (REG_REGIONS, ("memory", "regions", 0, "offset"), L.MAX_SEGMENT_BYTES + 1, L.MAX_SEGMENT_BYTES),
+    (REG_REGIONS, ("memory", "regions", 0, "page_stride"), 0, 1),
+    (REG_REGIONS, ("memory", "regions", 0, "page_bytes"), 0, L.MAX_SEGMENT_BYTES),
+    (REG_REGIONS, ("memory", "regions", 0, "layer"), -2, -1),
+    (REG_REGIONS, ("memory", "regions", 0, "layer"), L.MAX_LAYERS, L.MAX_LAYERS - 1),
+    (REG_REGIONS, ("memory", "regions"), [REGION] * (L.MAX_BUFFERS + 1), None),
     (REG, ("memory", "buffer_segments"), [0] * (L.MAX_BUFFERS + 1), None),
     (REG, ("memory", "buffer_offsets", 2), -1, L.MAX_SEGMENT_BYTES),
     (REG, ("memory", "buffer_offsets", 2), 1 << 63, None),

@@ -23,7 +23,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from kvtier.daemon.transfer.transfer import Direction, Transfer, run_transfer
+from kvtier.daemon.transfer.engine_memory import RegionView
+from kvtier.daemon.transfer.transfer import Direction, Transfer
+from kvtier.daemon.transfer.transfer import run_transfer as run_regions
 from kvtier.ipc.completion import CompletionBlock, TransferStatus
 
 LAYERS = 3
@@ -49,6 +51,17 @@ def engine_buffers(components: int, seed: int) -> list[list[torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     return [[torch.randint(0, 256, (NUM_PAGES, CHUNK), dtype=torch.uint8, generator=g)
              for _ in range(components)] for _ in range(LAYERS)]
+
+
+def run_transfer(t: Transfer, arena: torch.Tensor, buffers: list[list[torch.Tensor]],
+                 chunk: int, block: CompletionBlock) -> TransferStatus:
+    """Run ``t`` over ``buffers`` described as the per-buffer layout's regions."""
+    regions, off = [], 0
+    for layer, row in enumerate(buffers):
+        for buf in row:
+            regions.append(RegionView(layer, off, chunk, chunk, 0, buf, -1, NUM_PAGES))
+            off += chunk
+    return run_regions(t, arena, regions, LAYERS, off, block)
 
 
 def slot_bytes(components: int) -> int:

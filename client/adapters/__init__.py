@@ -1,0 +1,3 @@
+"""Adapters that plug kvtier into inference engines: an SGLang HiCache storage backend
+(:mod:`kvtier.client.adapters.sglang`) and a vLLM KV connector
+(:mod:`kvtier.client.adapters.vllm`)."""
