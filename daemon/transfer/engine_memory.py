@@ -34,6 +34,7 @@ from kvtier.config.errors import KvtierError
 from kvtier.ipc.limits import MAX_PAGES
 from kvtier.ipc.protocol import Geometry, KVMemory, MemoryRegion
 from kvtier.ipc.shm import SharedMemoryError, SharedMemorySegment
+from kvtier.kernels import guarded_copy
 
 NAMES_REFUSED = ("memory.kind = 'shm' (a file name) is not accepted: hand the memory over by "
                  "descriptor (memory.kind = 'fd', see docs/protocol.md, 'Memory handover')")
@@ -194,10 +195,12 @@ class RegionView:
         host_offset: where its bytes sit inside a host page.
         page_bytes / page_stride / base: page ``p`` is ``page_bytes`` at
             ``base + p * page_stride`` of its segment.
-        tensor: mapped memory: a strided uint8 ``[num_pages, page_bytes]`` view; None when
-            the segment is copied with positional I/O.
+        tensor: sealed, mapped memory: a strided uint8 ``[num_pages, page_bytes]`` view;
+            None otherwise.
         fd: the descriptor positional I/O uses (-1 when mapped).
         num_pages: pages the region holds.
+        address: memory that may shrink, mapped for guarded copies only: the address of
+            page 0 (0 otherwise).
     """
 
     layer: int
@@ -208,6 +211,7 @@ class RegionView:
     tensor: torch.Tensor | None
     fd: int = -1
     num_pages: int = 0
+    address: int = 0
 
 
 class EngineMemory:
@@ -224,12 +228,14 @@ class EngineMemory:
             memory is kvtier's per-buffer layout and mapped (the CUDA back end's form);
             empty otherwise.
         mapped: every segment is mapped (no positional I/O).
+        guarded: some segment may shrink and is copied with guarded copies only.
 
     Raises:
         EngineMemoryError: the export or a descriptor is refused (nothing stays mapped).
     """
 
-    __slots__ = ("_fds", "buffers", "geometry", "mapped", "num_pages", "regions", "segments")
+    __slots__ = ("_fds", "buffers", "geometry", "guarded", "mapped", "num_pages", "regions",
+                 "segments")
 
     def __init__(self, geometry: Geometry, memory: KVMemory, fds: list[int]) -> None:
         self.geometry = geometry
@@ -239,6 +245,7 @@ class EngineMemory:
         self.regions: list[RegionView] = []
         self.buffers: list[list[torch.Tensor]] = []
         self.mapped = True
+        self.guarded = False
         try:
             self._map(memory, fds)
         except BaseException:
@@ -258,9 +265,12 @@ class EngineMemory:
             raise EngineMemoryError(f"memory.segments has {len(memory.segments)} entries but the "
                                     f"handover passed {len(fds)} descriptors")
         fd_of: list[int] = []
+        sealed_of: list[bool] = []
         for i, (seg, fd) in enumerate(zip(memory.segments, fds, strict=True)):
             what = f"memory.segments[{i}]"
-            if check_descriptor(fd, seg.size, what):
+            sealed = check_descriptor(fd, seg.size, what)
+            sealed_of.append(sealed)
+            if sealed or guarded_copy.AVAILABLE:
                 try:
                     self.segments.append(SharedMemorySegment.from_fd(fd, seg.size, writable=True,
                                                                      label=what))
@@ -277,14 +287,18 @@ class EngineMemory:
             span = check_region_fits(r, i, memory.num_pages, memory.segments[r.segment].size,
                                      EngineMemoryError)
             seg = self.segments[r.segment]
-            view = None
-            if seg is not None:
+            view, address = None, 0
+            if seg is not None and sealed_of[r.segment]:
                 view = seg.tensor(r.offset, span).as_strided((memory.num_pages, r.page_bytes),
                                                              (r.page_stride, 1))
+            elif seg is not None:  # may shrink: guarded copies only, never a tensor over it
+                address = seg.address + r.offset
+                self.guarded = True
             self.regions.append(RegionView(r.layer, host_offset, r.page_bytes, r.page_stride,
-                                           r.offset, view, fd_of[r.segment], memory.num_pages))
+                                           r.offset, view, fd_of[r.segment], memory.num_pages,
+                                           address))
             host_offset += r.page_bytes
-        if not memory.regions and self.mapped:
+        if not memory.regions and self.mapped and not self.guarded:
             comps = g.components
             self.buffers = [[self.regions[l * comps + c].tensor for c in range(comps)]
                             for l in range(g.num_layers)]
@@ -316,6 +330,7 @@ class NoMemory:
     regions: list[RegionView] = []  # noqa: RUF012 (never mutated)
     buffers: list[list[torch.Tensor]] = []  # noqa: RUF012
     mapped = True
+    guarded = False
 
     @staticmethod
     def check(memory: KVMemory, fds: list[int]) -> None:

@@ -25,6 +25,7 @@ from kvtier.daemon.pool.layout import page_checksums
 from kvtier.daemon.transfer.engine_memory import RegionView
 from kvtier.ipc.completion import CompletionBlock, TransferStatus
 from kvtier.kernels.file_io import read_pages, write_pages
+from kvtier.kernels.guarded_copy import copy_pages
 from kvtier.kernels.page_copy import CopyPlan
 
 log = logging.getLogger("kvtier.daemon.transfer.transfer")
@@ -127,8 +128,9 @@ def run_transfer(t: Transfer, arena: torch.Tensor, regions: Sequence[RegionView]
 
 
 def _copy_region(t: Transfer, plan: CopyPlan, arena: torch.Tensor, r: RegionView) -> None:
-    """Move one region's bytes of every page of ``t``: memory copies on a mapped segment,
-    ``pread``/``pwrite`` on an unmapped descriptor."""
+    """Move one region's bytes of every page of ``t``: memory copies on a sealed mapping,
+    guarded copies on a mapping that may shrink, ``pread``/``pwrite`` on an unmapped
+    descriptor."""
     if r.tensor is not None:
         if t.direction is Direction.STORE:
             plan.to_host(arena, r.tensor, r.host_offset)
@@ -137,13 +139,23 @@ def _copy_region(t: Transfer, plan: CopyPlan, arena: torch.Tensor, r: RegionView
         return
     plan.check_copy(arena_nbytes=arena.numel(), num_pages=r.num_pages, row_bytes=r.page_bytes,
                     chunk_offset=r.host_offset, name="engine region")
+    store = t.direction is Direction.STORE
+    if r.address:  # mapped, but the engine may shrink it: guarded copies only
+        engine = (t.page_ids * r.page_stride + r.address).tolist()
+        host = (t.offsets + (arena.data_ptr() + r.host_offset)).tolist()
+        done = copy_pages(host, engine, r.page_bytes) if store else copy_pages(engine, host,
+                                                                               r.page_bytes)
+        if done < len(host):
+            raise RegionIOError(f"engine memory: page {int(t.page_ids[done])} of a region is gone "
+                                "(the engine shrank its memfd)")
+        return
     offsets = (t.offsets + r.host_offset).tolist()
     positions = (t.page_ids * r.page_stride + r.base).tolist()
     buf = memoryview(arena.numpy())
-    io = read_pages if t.direction is Direction.STORE else write_pages
+    io = read_pages if store else write_pages
     sums = io(r.fd, buf, offsets, r.page_bytes, positions)
     if any(x is None for x in sums):
         raise RegionIOError(f"engine memory: a page of {r.page_bytes} bytes at "
                             f"{positions[[x is None for x in sums].index(True)]} could not be "
-                            f"{'read' if t.direction is Direction.STORE else 'written'} "
+                            f"{'read' if store else 'written'} "
                             "(the descriptor shrank?)")

@@ -27,6 +27,7 @@ from kvtier.daemon.transfer.engine_memory import TMPFS_MAGIC, fs_type
 from kvtier.ipc import fdpass
 from kvtier.ipc import protocol as P
 from kvtier.ipc.limits import HANDOVER_TOKEN_BYTES, MAX_HANDOVER_FDS
+from kvtier.kernels import guarded_copy
 
 from tests.engines import SMALL, client_config, engine, fill_page, handover, page_bytes, tokens
 from tests.servers import RawDealer
@@ -164,16 +165,20 @@ def test_an_unsafe_descriptor_is_refused_and_never_mapped(daemon, raw, tmp_path,
     healthy(daemon)
 
 
+@pytest.mark.parametrize("guarded", [True, False], ids=["guarded_copies", "pread_pwrite"])
 @pytest.mark.parametrize("seals", [0, fcntl.F_SEAL_GROW], ids=["unsealed", "grow_only"])
-def test_an_unsealed_memfd_is_never_mapped_and_shrinking_it_fails_only_its_copies(daemon, seals):
-    """A memfd that may shrink is accepted but copied with pread/pwrite, never mapped: the
-    engine that truncates it gets failed transfers; the daemon (no SIGBUS) serves on."""
+def test_a_memfd_that_may_shrink_fails_only_its_own_copies(daemon_factory, seals, guarded):
+    """A memfd that may shrink is accepted: mapped for guarded copies only (a SIGBUS ends
+    the copy, not the daemon), or, without them, copied with pread/pwrite and never mapped.
+    The engine that truncates it gets failed transfers; the daemon serves on."""
+    if guarded and not guarded_copy.AVAILABLE:
+        pytest.skip("kvtier.kernels._guarded was not built (no C compiler at install time)")
+    daemon = daemon_factory(env=None if guarded else {"KVTIER_NO_GUARDED_COPY": "1"})
     with SharedKVPool(SMALL, 4) as src:
         size = src.segment.size
         fd = bare_memfd(size)
         if seals:
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
-        os.pwrite(fd, bytes(src.segment.tensor().numpy()), 0)
         mem = RegionMemory(SMALL, 4, [fd], [size], src.export().layout_regions(SMALL))
         conn = Connection(mem, model_id="m", config=client_config(daemon.runtime_dir))
         try:
@@ -182,7 +187,7 @@ def test_an_unsealed_memfd_is_never_mapped_and_shrinking_it_fails_only_its_copie
             keys = conn.page_keys(tokens(SMALL.page_size, salt=5))
             h = conn.store(keys, [1])
             assert h.wait(WAIT_S) and h.ok
-            assert "memfd:hostile" not in daemon_maps(daemon)
+            assert ("memfd:hostile" in daemon_maps(daemon)) is guarded
             os.pwrite(fd, bytes(size), 0)  # the engine's page is gone; load it back from L2
             h = conn.load(keys, [1])
             assert h.wait(WAIT_S) and h.ok
@@ -191,8 +196,9 @@ def test_an_unsealed_memfd_is_never_mapped_and_shrinking_it_fails_only_its_copie
             more = conn.page_keys(tokens(SMALL.page_size, salt=6))
             h = conn.store(more, [2])
             assert not h.wait(WAIT_S) and h.done and not h.ok
-            h = conn.load(keys, [3])  # a pwrite past the end grows the file, unless sealed
-            assert h.wait(WAIT_S) is (not seals) and h.done
+            # a load faults on the mapping; a pwrite past the end grows the file, unless sealed
+            h = conn.load(keys, [3])
+            assert h.wait(WAIT_S) is (not seals and not guarded) and h.done
             assert conn.lookup(more).l2 == 0  # a failed store leaves nothing behind
         finally:
             conn.close()
@@ -245,6 +251,7 @@ from kvtier.client.connection import Connection
 from kvtier.client.kv_pool import SharedKVPool
 from kvtier.client.memory_export import RegionMemory
 from kvtier.daemon.transfer.engine_memory import TMPFS_MAGIC, fs_type
+from kvtier.kernels import guarded_copy
 from tests.engines import SMALL, handover
 pool = SharedKVPool(SMALL, 4)
 print(handover(sys.argv[1], pool).hex(), flush=True)
