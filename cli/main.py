@@ -15,9 +15,23 @@ def _serve(argv: list[str]) -> int:
     return 0  # not reached
 
 
+ENGINE_BENCHES = {
+    "sglang": "SGLang's HiCache controller: backup/prefetch vs HiCacheFile; shared vs private L2",
+    "vllm": "a real vLLM: TTFT with a kvtier hit vs recompute; vs vLLM's ExampleConnector",
+}
+"""Benches that drive a real engine (installed by ``make engines``); each parses its own flags."""
+
+
 def _bench(argv: list[str]) -> int:
+    if argv[:1] and argv[0] in ENGINE_BENCHES:
+        import importlib
+
+        mod = importlib.import_module(f"kvtier.bench.{argv[0]}")
+        return int(mod.main(argv[1:]))
     p = argparse.ArgumentParser(prog="kvtier bench", description="Measure kvtier against baselines.")
     sub = p.add_subparsers(dest="what", required=True)
+    for name, text in ENGINE_BENCHES.items():
+        sub.add_parser(name, help=f"{text} (run `kvtier bench {name} --help`)")
     l2 = sub.add_parser("l2", help="host pool load/store bandwidth and lookup latency")
     l2.add_argument("--json", metavar="PATH", help="write the results here")
     l2.add_argument("--mib", type=int, default=256, help="MiB moved per measurement (>= 256)")
@@ -97,7 +111,7 @@ def _admin(argv: list[str]) -> int:
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "serve": (_serve, "run kvtierd in the foreground (same flags as kvtierd)"),
     "demo": (_demo, "multi-turn workload on the reference engine, private kvtierd, a restart"),
-    "bench": (_bench, "benchmarks: l2, l3, e2e, restart, scale"),
+    "bench": (_bench, "benchmarks: l2, l3, e2e, restart, scale, sglang, vllm"),
     "stats": (_admin, "pool use, sessions, hit rates, bytes moved"),
     "sessions": (_admin, "registered engine sessions"),
     "flush": (_admin, "drop cached pages, from L2 unless --tier l3|all (admin)"),

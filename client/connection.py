@@ -34,15 +34,15 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
 from kvtier.client.kv_pool import SharedKVPool
 from kvtier.client.page_keys import page_keys
+from kvtier.client.replies import DaemonError, DaemonUnavailable, LookupReply, rep_is_late
 from kvtier.client.transfer_handle import TransferHandle
-from kvtier.config import ClientConfig, KvtierError, runtime_dir, socket_path
+from kvtier.config import ClientConfig, runtime_dir, socket_path
 from kvtier.ipc import protocol as P
 from kvtier.ipc.completion import CompletionBlock, TransferStatus
 from kvtier.ipc.fdpass import HandoverError, HandoverUnavailable, hand_over, handover_path_for
@@ -57,26 +57,8 @@ __all__ = ["Connection", "DaemonError", "DaemonUnavailable", "LookupReply", "Tra
 
 log = logging.getLogger("kvtier.client")
 
-
-class DaemonError(KvtierError):
-    """The daemon refused a request; ``code`` is the :class:`ErrorCode`."""
-
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(f"{P.ErrorCode(code).name}: {message}" if code in P.ErrorCode._value2member_map_
-                         else message)
-        self.code = code
-
-
-class DaemonUnavailable(KvtierError):
-    """The daemon did not answer in time (or is not running)."""
-
-
-@dataclass(frozen=True, slots=True)
-class LookupReply:
-    """How many leading keys are in L2, and how many after those are in L3."""
-
-    l2: int
-    l3: int = 0
+LIVENESS_POLL_S = 0.02
+"""How often a request waiting for its reply checks that the daemon's process still exists."""
 
 
 class Connection:
@@ -227,6 +209,8 @@ class Connection:
                 raise DaemonUnavailable("connection is closed")
             if time.monotonic() < self._down_until and not raw:
                 raise DaemonUnavailable("daemon recently unreachable")
+            if not raw and not self.daemon_alive():
+                raise DaemonUnavailable(f"kvtierd (pid {self.daemon_pid}) has exited")
             req_id = next(self._req_ids)
             msg.req_id = req_id
             body = P.encode(msg)
@@ -243,15 +227,11 @@ class Connection:
                 raise DaemonUnavailable(f"cannot reach kvtierd at {self.endpoint}") from err
             deadline = time.monotonic() + wait_s
             while True:
-                try:
-                    if timeout is not None and not self._sock.poll(
-                            max(1, int((deadline - time.monotonic()) * 1000)), zmq.POLLIN):
-                        raise zmq.Again()
-                    data = self._sock.recv()  # bounded by RCVTIMEO = request_timeout_s
-                except zmq.Again:
-                    data = None
+                data = self._recv_until(deadline, watch_pid=not raw)
                 if data is None or (time.monotonic() > deadline and rep_is_late(data, req_id)):
                     self._down_until = time.monotonic() + min(1.0, self.config.request_timeout_s)
+                    if not self.daemon_alive():
+                        raise DaemonUnavailable(f"kvtierd (pid {self.daemon_pid}) has exited")
                     raise DaemonUnavailable(f"kvtierd did not answer within {wait_s}s")
                 try:
                     rep = P.decode_reply(data)
@@ -262,10 +242,29 @@ class Connection:
                     return rep
                 # a late reply to a request that timed out earlier: drop it
 
+    def _recv_until(self, deadline: float, watch_pid: bool) -> bytes | None:
+        """The next reply frame, or None at ``deadline`` or, with ``watch_pid``, as soon as
+        the daemon's process is seen gone (checked every :data:`LIVENESS_POLL_S`), so a
+        dead daemon costs milliseconds, not ``request_timeout_s``."""
+        assert self._sock is not None
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            if self._sock.poll(max(1, int(min(left, LIVENESS_POLL_S) * 1000)), zmq.POLLIN):
+                try:
+                    return self._sock.recv(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    continue
+            if watch_pid and not self.daemon_alive():
+                return None
+
     def _session_call(self, make: Callable[[int], P.Request],
                       timeout: float | None = None) -> P.Reply:
         """Call with the current session id; re-register once if the daemon forgot us."""
         with self._lock:
+            if self.session_id != 0 and not self.daemon_alive():
+                self.session_id = 0  # that daemon is gone: register with its successor, if any
             for attempt in (0, 1):
                 if self.session_id == 0:
                     self.register()
@@ -481,14 +480,6 @@ class Connection:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def rep_is_late(data: bytes, req_id: int) -> bool:
-    """True unless ``data`` is the reply to ``req_id`` (then it is used even past the deadline)."""
-    try:
-        return P.decode_reply(data).req_id != req_id
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return True
 
 
 def _leaked(ctx: zmq.Context, endpoint: str) -> None:
