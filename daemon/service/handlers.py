@@ -174,10 +174,8 @@ class Handlers:
                     tp_size=m.tp_size, lease_s=cfg.lease_s)
         s.renew(time.monotonic())
         ctx.tier.register(ns_id, fp, tenant, s.class_id, g.page_bytes)
-        if control:  # no rank group: its LOOKUP reads every rank's namespace itself
-            ranks = range(m.tp_size) if g.attention == "mha" else range(1)
-            s.rank_namespaces = [namespace_fingerprint(m.namespace, g, r, m.tp_size, tenant)
-                                 for r in ranks]
+        if control:  # no rank group: a scheduler asks for itself, one session per rank
+            s.control_only = True
         else:
             s.member = ctx.tier.groups.join(GroupKey(
                 tenant=tenant, model_id=m.namespace.model_id, revision=m.namespace.revision,
@@ -228,7 +226,7 @@ class Handlers:
         ctx = self.ctx
         s = ctx.session(identity, m.session_id)
         check_keys(m.keys, ctx.cfg.max_keys_per_request)
-        n = self._control_l2(s, m.keys) if s.control_only else ctx.pool.lookup(s.ns_id, m.keys)
+        n = ctx.pool.lookup(s.ns_id, m.keys)
         c = ctx.counters
         c.lookup_tokens += len(m.keys) * s.geometry.page_size
         c.lookup_hit_tokens += n * s.geometry.page_size
@@ -240,18 +238,6 @@ class Handlers:
             self._observe_lookup(start)
             return P.LookupResult(req_id=m.req_id, epoch=ctx.epoch, l2=n, l3=0)
         return self.later(s, self._lookup_more(s, m, n, start))
-
-    def _control_l2(self, s: Session, keys: list[bytes]) -> int:
-        """A control-only session's L2 run: the minimum over its engine's ranks (a rank
-        that never registered has none)."""
-        table = self.ctx.pool.namespaces()
-        n = len(keys)
-        for fp in s.rank_namespaces:
-            ns_id = table.get(fp)
-            n = 0 if ns_id is None else min(n, self.ctx.pool.lookup(ns_id, keys[:n]))
-            if n == 0:
-                break
-        return n
 
     @staticmethod
     def _needs_memory(s: Session, op: str) -> None:

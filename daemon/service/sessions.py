@@ -58,8 +58,7 @@ class Session:
         prefetches: unclaimed prefetches, by request id (or a chain's last key).
         member: its place in a TP rank group (None when ``tp_size`` is 1, and for a
             control-only session).
-        rank_namespaces: a control-only session's (``memory.kind = "none"``) namespace
-            fingerprints of every TP rank, rank order (empty for an engine's session).
+        control_only: it registered no memory (``memory.kind = "none"``): LOOKUP only.
         waiting: requests of this session being answered later (a claim, a group round).
     """
 
@@ -83,14 +82,9 @@ class Session:
     transfers: dict[int, Transfer] = field(default_factory=dict)  # by completion slot
     prefetches: dict[str | bytes, PrefetchJob] = field(default_factory=dict)
     member: Member | None = None
-    rank_namespaces: list[bytes] = field(default_factory=list)
+    control_only: bool = False
     waiting: int = 0
     created: float = field(default_factory=time.time)
-
-    @property
-    def control_only(self) -> bool:
-        """Whether the session registered no memory (LOOKUP only)."""
-        return bool(self.rank_namespaces)
 
     def is_open(self) -> bool:
         """Whether the session still accepts requests."""

@@ -199,18 +199,28 @@ def test_bad_regions_are_refused_naming_the_field(daemon, connect, case, words):
     assert connect(good.memory(), good).lookup([b"k" * 32]).l2 == 0
 
 
-def test_a_control_only_session_looks_up_over_every_rank_and_may_not_copy(connect):
+def test_control_only_sessions_answer_each_ranks_lookup_at_once_and_may_not_copy(connect):
+    """A TP=2 engine's scheduler: one control session per rank, keys chained from each rank's
+    own namespace (as its worker's are); no rank-group round to wait for."""
     ranks = [Engine(VLLM) for _ in range(2)]
     conns = [connect(e.memory(), e, tp_rank=r, tp_size=2, register=False)
              for r, e in enumerate(ranks)]
     for c in conns:
         c.register()
-    sched = connect(ControlOnly(VLLM), tp_size=2)
-    keys = conns[0].page_keys(tokens(4 * VLLM.page_size, salt=7))
-    assert sched.lookup(keys).l2 == 0
-    assert conns[0].store(keys, [0, 1, 2, 3]).wait(WAIT_S)
-    assert sched.lookup(keys).l2 == 0  # rank 1 has none: the scheduler must not load
-    assert conns[1].store(keys[:3], [0, 1, 2]).wait(WAIT_S)
-    assert sched.lookup(keys).l2 == 3
-    assert sched.store(keys, [0]).count == 0  # refused (BAD_MEMORY): dropped like a miss
-    assert sched.claim(keys) == 0  # refused (BAD_MEMORY) although its rank-0 namespace has 4
+    sched = [connect(ControlOnly(VLLM), tp_rank=r, tp_size=2) for r in range(2)]
+    toks = tokens(4 * VLLM.page_size, salt=7)
+    keys = [c.page_keys(toks) for c in conns]
+    assert keys[0] != keys[1]  # MHA ranks hold different bytes: different chains
+    assert [s.page_keys(toks) for s in sched] == keys
+
+    def hit() -> int:
+        return min(s.lookup(s.page_keys(toks)).l2 for s in sched)
+
+    assert hit() == 0
+    assert conns[0].store(keys[0], [0, 1, 2, 3]).wait(WAIT_S)
+    assert [s.lookup(k).l2 for s, k in zip(sched, keys)] == [4, 0]
+    assert hit() == 0  # rank 1 has none: the scheduler must not load
+    assert conns[1].store(keys[1][:3], [0, 1, 2]).wait(WAIT_S)
+    assert hit() == 3
+    assert sched[0].store(keys[0], [0]).count == 0  # refused (BAD_MEMORY): dropped like a miss
+    assert sched[0].claim(keys[0]) == 0  # refused although its namespace has 4

@@ -1,0 +1,51 @@
+"""vLLM keeps serving while kvtierd is absent, killed and restarted, and reuses once it is
+back. This engine runs vLLM's default three processes: the scheduler-side connector in
+the EngineCore process, the worker-side one in the worker."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from vllm_harness import BLOCK, prompt, same_output, wait_for_pages
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def test_kvtierd_absent_then_killed_mid_run_then_back(daemon_factory, engines, reference,
+                                                      tiny_model):
+    d = daemon_factory(start=False)
+    p1, p2, p3 = prompt(21, 200), prompt(22, 150), prompt(23, 170)
+    want = {i: reference.generate([p]) for i, p in enumerate((p1, p2, p3))}
+    e = engines(d.runtime_dir, multiprocess=True, retry_interval_s=0.2)
+
+    out = e.generate([p1])  # no kvtierd at all: a plain miss
+    assert out[0]["cached"] == 0 and same_output(out, want[0])
+
+    d.start()
+    time.sleep(0.3)  # past retry_interval_s: the next request reaches the daemon
+    out = e.generate([p1])
+    assert out[0]["cached"] == 0 and same_output(out, want[0])
+    wait_for_pages(d.runtime_dir, tiny_model, p1, 6)
+    out = e.generate([p1])
+    assert out[0]["cached"] == 6 * BLOCK and same_output(out, want[0])
+
+    d.kill()  # SIGKILL, between requests
+    out = e.generate([p2])
+    assert out[0]["cached"] == 0 and same_output(out, want[1])
+    d.start()  # adopts the pool the killed daemon left: p1's pages are still there
+    deadline = time.monotonic() + 30
+    while True:  # the connector reconnects at its next attempt
+        out = e.generate([p1])
+        assert same_output(out, want[0])
+        if out[0]["cached"] == 6 * BLOCK:
+            break
+        assert time.monotonic() < deadline, "no kvtier hit after kvtierd came back"
+        time.sleep(0.2)
+
+    e.send([p1, p3])  # a hit being loaded while kvtierd is SIGKILLed
+    d.kill()
+    out = e.receive()
+    assert same_output(out, want[0] + want[2])
+    out = e.generate([p2])  # and it goes on serving
+    assert same_output(out, want[1])
