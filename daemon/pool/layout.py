@@ -397,7 +397,7 @@ class PoolLayout:
 
 def map_pool_file(
     path: str | Path, layout: PoolLayout, *, prefault: bool = True,
-    runtime_dir: str | Path | None = None,
+    populate_existing: bool | None = None, runtime_dir: str | Path | None = None,
 ) -> tuple[SharedMemorySegment, str | None]:
     """Map the pool file at ``path``, keeping it when it is the daemon's and its size
     matches ``layout``.
@@ -415,6 +415,10 @@ def map_pool_file(
         layout: from :meth:`PoolLayout.plan` with the daemon's config.
         prefault: pre-fault the mapping (and reserve the memory of a new file, after
             checking the directory's free space).
+        populate_existing: pre-fault the mapping of an existing file (default:
+            ``prefault``). Its pages are resident already; the daemon passes False and
+            builds the page tables after it is serving
+            (:func:`~kvtier.daemon.pool.poolfile.populate`).
         runtime_dir: the daemon's runtime directory, recorded in the file's header region
             (``kvtier pools`` shows it); None records nothing.
 
@@ -427,7 +431,8 @@ def map_pool_file(
             left alone), or it can be neither opened nor created.
         PoolSpaceError: ``pool_dir`` has no room for a new file of ``layout.file_bytes``.
     """
-    seg, why = open_pool_segment(path, layout.file_bytes, populate=prefault,
+    populate = prefault if populate_existing is None else populate_existing
+    seg, why = open_pool_segment(path, layout.file_bytes, populate=populate,
                                  explain=layout.explain_size)
     if seg is None:
         seg = create_pool_segment(path, layout.file_bytes, capacity=layout.capacity_bytes,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, TypeAlias
 
 import msgspec
 from kvtier.daemon.service.context import ServiceContext
@@ -24,7 +24,7 @@ log = logging.getLogger("kvtier.daemon")
 SERVED_WHILE_STOPPING = (P.Health, P.Stats, P.Unregister)
 """Requests still answered once a stop has begun (the rest get SHUTTING_DOWN)."""
 
-Reply = P.Reply | Coroutine[Any, Any, P.Reply]
+Reply: TypeAlias = "P.Reply | Coroutine[Any, Any, P.Reply]"
 """A reply now, or a coroutine that answers later."""
 
 
@@ -36,7 +36,7 @@ class Dispatcher:
         handlers: the handler of each request type (identity, request) → reply.
     """
 
-    def __init__(self, ctx: ServiceContext, handlers: dict[type, Callable[[bytes, Any], Any]]) -> None:
+    def __init__(self, ctx: ServiceContext, handlers: dict[type, Callable[..., Any]]) -> None:
         self.ctx = ctx
         self.handlers = handlers
 

@@ -2,6 +2,10 @@
 
 The parts, each in its own module:
 
+- :mod:`~kvtier.daemon.service.boot`: the service (pool, tier, handlers, copy threads),
+  built on a worker thread while the socket already answers;
+- :mod:`~kvtier.daemon.service.startgate`: what the socket answers until then (HEALTH
+  ``starting``; every other request held, then answered in order);
 - :mod:`~kvtier.daemon.service.dispatch`: frames → decoded request → handler → reply;
 - :mod:`~kvtier.daemon.service.handlers`: the engines' requests, one method per type;
 - :mod:`~kvtier.daemon.service.admin`: STATS (snapshot), FLUSH, SYNC, admin token, reload;
@@ -9,10 +13,16 @@ The parts, each in its own module:
 - :mod:`~kvtier.daemon.service.context`: the state they share and the session lifecycle;
 - the L3 tier is :class:`~kvtier.daemon.tier.tier.TierStore`.
 
-This module maps the pool, opens the tier, binds the sockets and runs the loops: receive
-(each request answered in turn; one that must wait is answered from its own task), memory
+Start order: lock the runtime directory → bind the control socket and start receiving
+(only the configuration, ZeroMQ and the wire format are imported by then) → build the
+service on a worker thread (its modules imported, the pool mapped and adopted) → open the
+L3 tier, the copy threads and the handover socket → answer the held requests → READY=1
+(and the ``kvtierd ready`` log line): HEALTH says ``ok`` from here on, and that is what
+"ready" means to systemd and to ``DaemonProcess``. Then the loops run: receive (each
+request answered in turn; one that must wait is answered from its own task), memory
 handover (:mod:`~kvtier.daemon.service.handover`), lease (reaps dead and expired
-sessions), monitor (a disconnect triggers a prompt reap) and the systemd watchdog.
+sessions), monitor (a disconnect triggers a prompt reap), the systemd watchdog, and the
+page tables of an adopted pool are built on a thread (``prefault``).
 
 The receive loop reads a message frame by frame: a request is the connection's identity
 and one body frame (each at most ``MAXMSGSIZE``); the frames of a message with more are
@@ -24,8 +34,8 @@ that group can connect (a daemon run as root, or in several groups).
 
 Shutdown order (as uvicorn does it): stop accepting (handovers first) → cancel running transfers and wait
 for them with a deadline → close sessions → give prefetches up and write to L3 what the
-write policy asks for (same deadline) → close the L3 backend → close the socket → unmap
-the pool. Resources live in an ``AsyncExitStack``, entered in order and closed in reverse.
+write policy asks for (same deadline) → close the L3 backend → unmap the pool → close the
+socket. Resources live in an ``AsyncExitStack``, entered in order and closed in reverse.
 """
 
 from __future__ import annotations
@@ -38,7 +48,6 @@ import secrets
 import signal
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -46,30 +55,21 @@ import zmq
 import zmq.asyncio
 from kvtier.config import DaemonConfig, format_size, runtime_dir, socket_path
 from kvtier.config.loader import pool_path
-from kvtier.daemon.counters import Counters
-from kvtier.daemon.pool.index import HostPool
-from kvtier.daemon.pool.layout import AdoptResult, map_pool_file
-from kvtier.daemon.service.admin import LIVE_FIELDS, Admin
-from kvtier.daemon.service.context import ServiceContext
-from kvtier.daemon.service.dispatch import Dispatcher
-from kvtier.daemon.service.handlers import Handlers
 from kvtier.daemon.service.runtime import SocketFile, claim_runtime_dir
 from kvtier.daemon.service.sdnotify import SystemdNotifier, watchdog_loop
-from kvtier.daemon.service.sessions import SessionTable
-from kvtier.daemon.service.transfers import Transfers
-from kvtier.daemon.service.validation import RequestError
-from kvtier.daemon.storage.base import HostArena
-from kvtier.daemon.storage.registry import slot_headroom
-from kvtier.daemon.tier.tier import TierStore
+from kvtier.daemon.service.startgate import StartGate
 from kvtier.ipc import protocol as P
 from kvtier.ipc.fdpass import zmq_peer
-from kvtier.ipc.shm import SharedMemorySegment
 from kvtier.ipc.sockets import ipc_endpoint, make_zmq_socket
 
 if TYPE_CHECKING:
+    from kvtier.daemon.pool.layout import AdoptResult
+    from kvtier.daemon.service.boot import Service
+    from kvtier.daemon.service.dispatch import Dispatcher
     from kvtier.daemon.service.metrics import DaemonMetrics
+    from kvtier.daemon.service.sessions import SessionTable
 
-__all__ = ["LIVE_FIELDS", "Daemon", "RequestError", "install_signal_handlers"]
+__all__ = ["Daemon", "install_signal_handlers"]
 
 log = logging.getLogger("kvtier.daemon")
 REAP_DELAY_S = 0.01
@@ -83,6 +83,9 @@ class Daemon:
         cfg: the configuration.
         reload: re-reads the configuration (SIGHUP); None when there is nothing to re-read.
         notifier: where systemd notifications go (from ``NOTIFY_SOCKET`` by default).
+
+    Attributes:
+        service: the parts that answer requests; None until the start has built them.
     """
 
     def __init__(self, cfg: DaemonConfig, reload: Callable[[], DaemonConfig] | None = None,
@@ -90,15 +93,11 @@ class Daemon:
         self.notifier = notifier or SystemdNotifier()
         self.rdir = runtime_dir(cfg.runtime_dir)
         self.endpoint = ipc_endpoint(socket_path(self.rdir))
-        self.pool = HostPool.from_config(cfg, slot_headroom(cfg.hicache_storage_backend))
-        self.counters = Counters()
-        self.tier = TierStore(cfg, self.pool, self.counters, self.rdir)
-        self.ctx = ServiceContext(cfg, self.pool, self.tier, self.counters, self.rdir,
-                                  epoch=secrets.randbits(62) | 1)
-        self.transfers = Transfers(self.ctx)
-        self.handlers = Handlers(self.ctx, self.transfers)
-        self.admin = Admin(self.ctx, self.notifier, reload)
-        self.dispatcher = Dispatcher(self.ctx, {**self.handlers.table(), **self.admin.table()})
+        self._cfg = cfg
+        self._reload = reload
+        self._epoch = secrets.randbits(62) | 1
+        self.service: Service | None = None
+        self.dispatcher: Dispatcher | StartGate = StartGate(self._epoch)
         self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._sock: zmq.asyncio.Socket | None = None
@@ -110,35 +109,45 @@ class Daemon:
     @property
     def cfg(self) -> DaemonConfig:
         """The configuration in force (a SIGHUP reload may replace it)."""
-        return self.ctx.cfg
+        return self.service.ctx.cfg if self.service is not None else self._cfg
 
     @property
     def epoch(self) -> int:
         """This daemon's boot epoch, carried by every reply."""
-        return self.ctx.epoch
+        return self._epoch
+
+    @property
+    def svc(self) -> Service:
+        """The service; only once it is built (an assertion otherwise)."""
+        assert self.service is not None, "the service is built during run()"
+        return self.service
 
     @property
     def sessions(self) -> SessionTable:
         """The registered engine sessions."""
-        return self.ctx.sessions
+        return self.svc.ctx.sessions
 
     @property
     def metrics(self) -> DaemonMetrics | None:
         """The Prometheus endpoint, when ``metrics_port`` is set."""
-        return self.ctx.metrics
+        return self.svc.ctx.metrics
 
     @property
     def adopt(self) -> AdoptResult | None:
         """What the start made of the pool file it found (None before it is mapped)."""
-        return self.ctx.adopt
+        return self.service.ctx.adopt if self.service is not None else None
 
     def snapshot(self) -> dict[str, object]:
         """Return counters, pool use and sessions as a plain dict (the STATS reply)."""
-        return self.admin.snapshot()
+        return self.svc.admin.snapshot()
 
     def reload(self) -> None:
-        """Re-read the configuration (SIGHUP) and apply the fields that can change live."""
-        self.admin.reload()
+        """Re-read the configuration (SIGHUP) and apply the fields that can change live
+        (while starting, the configuration just read is in force already: nothing to do)."""
+        if self.service is None:
+            log.info("reload: still starting; the configuration read at start applies")
+            return
+        self.service.admin.reload()
 
     # ------------------------------------------------------------------ lifecycle
     def request_stop(self) -> None:
@@ -149,7 +158,7 @@ class Daemon:
         """Set everything up, serve until stopped, then shut down in order.
 
         Args:
-            on_ready: called once the socket is bound and READY=1 was sent.
+            on_ready: called once the service is up and READY=1 was sent.
 
         Raises:
             KvtierError: a resource could not be set up (the pool file, the L3 backend,
@@ -158,73 +167,64 @@ class Daemon:
         async with contextlib.AsyncExitStack() as stack:
             # first of all: no other daemon on this runtime dir (before the pool and socket)
             stack.enter_context(claim_runtime_dir(self.rdir))
-            ppath = pool_path(self.cfg.pool_dir, self.rdir)
-            await self._open_pool_and_tier(ppath, stack)
             zctx = zmq.asyncio.Context()
             stack.callback(zctx.term)
             self._sock = make_zmq_socket(zctx, self.endpoint, zmq.ROUTER, bind=True)
             stack.callback(self._close_socket)
             self._sock_file = SocketFile.record(socket_path(self.rdir))
-            self.ctx.handovers.bind()
-            stack.callback(self.ctx.handovers.close)
-            self._share_with_group([socket_path(self.rdir), self.ctx.handovers.path])
-            if self.cfg.metrics_port is not None:
-                from kvtier.daemon.service.metrics import DaemonMetrics
-
-                self.ctx.metrics = DaemonMetrics(self.snapshot)
-                self.ctx.metrics.start(self.cfg.metrics_host, self.cfg.metrics_port)
-                stack.callback(self.ctx.metrics.close)
+            self._share_with_group([socket_path(self.rdir)])
+            recv = asyncio.create_task(self._recv_loop(), name="kvtier-recv")
+            try:
+                ppath = await self._start(stack)
+            except BaseException:
+                recv.cancel()
+                await asyncio.wait([recv])
+                raise
             log.info("kvtierd ready: %s, pool %s at %s, epoch %x, pid %d", self.endpoint,
                      format_size(self.cfg.hicache_size), ppath, self.epoch, os.getpid())
             self.notifier.ready()
             self._update_status()
             if on_ready is not None:
                 on_ready(self)
-            await self._serve()
+            await self._serve(recv)
             await self._drain()
 
-    async def _open_pool_and_tier(self, ppath: Path, stack: contextlib.AsyncExitStack) -> None:
-        """Map the pool, open the L3 tier and start the copy threads, all closed by ``stack``."""
-        arena_view, seg = self._open_pool(ppath, stack)
-        layout = self.pool.layout
-        arena = seg.tensor(layout.arena_offset, layout.capacity_bytes)
-        await self.tier.open(HostArena(view=arena_view, size=layout.capacity_bytes,
-                                       address=seg.address + layout.arena_offset,
-                                       headroom=layout.headroom))
-        stack.push_async_callback(self.tier.close)
-        executor = ThreadPoolExecutor(self.cfg.copy_threads, thread_name_prefix="kvtier-copy")
-        self.transfers.open(executor, arena)
-        stack.callback(self.transfers.close)
-        stack.callback(self._finalize_remaining)  # runs once the copy threads have ended
-        # waited for off the loop, so a second SIGTERM can still end the process at once
-        stack.push_async_callback(asyncio.to_thread, executor.shutdown, wait=True,
-                                  cancel_futures=True)
-
-    def _open_pool(self, ppath: Path, stack: contextlib.AsyncExitStack,
-                   ) -> tuple[memoryview, SharedMemorySegment]:
-        """Map the pool file and adopt the pages a previous kvtierd left in it (unless it
-        does not fit this configuration, or ``cold_start``).
-
-        The file outlives the daemon unless ``keep_pool_on_stop`` is off.
+    async def _start(self, stack: contextlib.AsyncExitStack) -> Path:
+        """Build the service off the loop, open it, then answer the held requests.
 
         Returns:
-            The arena's view and the mapped segment.
+            The pool file's path.
         """
-        layout = self.pool.layout
-        seg, why_new = map_pool_file(ppath, layout, prefault=self.cfg.prefault,
-                                     runtime_dir=self.rdir)
-        stack.callback(lambda: seg.close(unlink=not self.cfg.keep_pool_on_stop))
-        arena_view = seg.view[layout.arena_offset:layout.arena_offset + layout.capacity_bytes]
-        stack.callback(arena_view.release)
-        cold = "cold start requested (cold_start)" if self.cfg.cold_start else why_new
-        self.ctx.adopt = self.pool.adopt(seg.view[:layout.meta_bytes], cold_start=cold,
-                                         arena=arena_view if self.cfg.verify_on_adopt else None)
-        stack.callback(self.pool.close)  # its views of the metadata go before the mapping
-        log.info("%s", self.ctx.adopt.summary)
-        for name, t in self.cfg.tenants.items():  # owner ids come from the adopted table
-            if t.quota_pages is not None:
-                self.pool.set_quota(self.pool.owner_id(name), t.quota_pages)
-        return arena_view, seg
+        t0 = time.perf_counter()
+        ppath = pool_path(self._cfg.pool_dir, self.rdir)
+        service, unmap = await asyncio.to_thread(self._build, ppath)
+        stack.enter_context(unmap)
+        await service.open(stack, self._finalize_remaining)
+        self._share_with_group([service.ctx.handovers.path])
+        self.service = service
+        if self.cfg.metrics_port is not None:
+            from kvtier.daemon.service.metrics import DaemonMetrics
+
+            service.ctx.metrics = DaemonMetrics(self.snapshot)
+            service.ctx.metrics.start(self.cfg.metrics_host, self.cfg.metrics_port)
+            stack.callback(service.ctx.metrics.close)
+        gate = self.dispatcher
+        assert isinstance(gate, StartGate)
+        self.dispatcher = service.dispatcher
+        held = gate.release()
+        for h in held:  # in arrival order, before anything received from now on
+            self._answer(h.identity, service.dispatcher.handle(h.identity, h.body,
+                                                               lambda p=h.peer: p))
+        log.debug("service up %.3fs after the socket was bound; %d requests were held",
+                  time.perf_counter() - t0, len(held))
+        return ppath
+
+    def _build(self, ppath: Path) -> tuple[Service, contextlib.ExitStack]:
+        """Import the service's modules and build it (on a worker thread)."""
+        from kvtier.daemon.service.boot import build_service
+
+        return build_service(self._cfg, self.rdir, ppath, self._epoch, self.notifier,
+                             self._reload)
 
     def _share_with_group(self, paths: list[Path]) -> None:
         """Give the sockets the runtime directory's group when it is not the daemon's own.
@@ -238,14 +238,20 @@ class Daemon:
         for path in paths:
             os.chown(path, -1, gid, follow_symlinks=False)
 
-    async def _serve(self) -> None:
-        """Run the loops until a stop is requested, then stop accepting requests."""
+    async def _serve(self, recv: asyncio.Task) -> None:
+        """Run the loops until a stop is requested, then stop accepting requests.
+
+        Args:
+            recv: the receive loop, running since the socket was bound.
+        """
+        ctx = self.svc.ctx
         async with asyncio.TaskGroup() as tg:
-            accept = tg.create_task(self.ctx.handovers.serve(), name="kvtier-handover")
-            loops = [tg.create_task(self._recv_loop(), name="kvtier-recv"),
+            accept = tg.create_task(ctx.handovers.serve(), name="kvtier-handover")
+            loops = [tg.create_task(_follow(recv), name="kvtier-recv-follow"),
                      tg.create_task(self._lease_loop(), name="kvtier-lease"),
                      tg.create_task(self._monitor_loop(), name="kvtier-monitor"),
-                     tg.create_task(self.tier.run(), name="kvtier-l3")]
+                     tg.create_task(self.svc.tier.run(), name="kvtier-l3"),
+                     tg.create_task(self.svc.prefault(), name="kvtier-prefault")]
             interval = self.notifier.watchdog_interval()
             if interval is not None:
                 loops.append(tg.create_task(watchdog_loop(self.notifier, interval),
@@ -253,11 +259,11 @@ class Daemon:
             await self._stop.wait()
             accept.cancel()  # first: no new memory handovers (the socket goes once it ends)
             await asyncio.wait([accept])
-            self.ctx.handovers.stop_accepting()
-            self.ctx.stopping = True
+            ctx.handovers.stop_accepting()
+            ctx.stopping = True
             self.notifier.stopping()
             log.info("stopping: %d sessions, %d transfers in flight", len(self.sessions),
-                     len(self.transfers.inflight))
+                     len(self.svc.transfers.inflight))
             for task in loops:
                 task.cancel()
         if self._reap_later is not None:
@@ -273,26 +279,27 @@ class Daemon:
 
     async def _drain(self) -> None:
         """Close every session, wait for its transfers and for L3 (one deadline for both)."""
+        svc = self.svc
         timeout = self.cfg.shutdown_timeout_s
         deadline = time.monotonic() + timeout
         for s in self.sessions:
-            self.ctx.close_session(s, "daemon stopping")
-        inflight = self.transfers.inflight
+            svc.ctx.close_session(s, "daemon stopping")
+        inflight = svc.transfers.inflight
         if inflight:
             _, pending = await asyncio.wait(set(inflight), timeout=timeout)
             if pending:
                 log.warning("%d transfers still running after %.1fs; abandoning them",
                             len(pending), timeout)
-        await self.tier.drain(max(0.0, deadline - time.monotonic()))
+        await svc.tier.drain(max(0.0, deadline - time.monotonic()))
         for s in self.sessions:
             if not s.transfers:  # else a copy thread may still touch its memory: see below
-                self.ctx.finalize_session(s)
+                svc.ctx.finalize_session(s)
 
     def _finalize_remaining(self) -> None:
         """Finalize the sessions whose transfers outlived the drain, after the copy threads
         are gone (unmapping an engine's memory under a running copy would crash the daemon)."""
         for s in self.sessions:
-            self.ctx.finalize_session(s)
+            self.svc.ctx.finalize_session(s)
 
     # ------------------------------------------------------------------ loops
     async def _recv_loop(self) -> None:
@@ -302,12 +309,17 @@ class Daemon:
         while True:
             identity, reply = await self._recv_one(sock)
             if asyncio.iscoroutine(reply):
-                # a handler that waits (L3 I/O, a claim): answer from its own task
-                task = asyncio.create_task(self._reply_later(identity, reply))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                self._answer(identity, reply)  # a handler that waits (L3 I/O, a claim)
             elif reply is not None:
                 await sock.send_multipart([identity, P.encode(reply)])
+
+    def _answer(self, identity: bytes, reply: object) -> None:
+        """Send ``reply`` (or, for a coroutine, what it returns) from a task of its own."""
+        if reply is None:
+            return
+        task = asyncio.create_task(self._reply_later(identity, reply))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _recv_one(self, sock: zmq.asyncio.Socket) -> tuple[bytes, object]:
         """Read one message frame by frame and answer it (or refuse its frame count)."""
@@ -331,8 +343,8 @@ class Daemon:
         return identity, self.dispatcher.handle(
             identity, frame.bytes, lambda: zmq_peer(frame.get("Peer-Address")))
 
-    async def _reply_later(self, identity: bytes, pending) -> None:
-        reply = await pending
+    async def _reply_later(self, identity: bytes, pending: object) -> None:
+        reply = await pending if asyncio.iscoroutine(pending) else pending
         if self._sock is not None:
             await self._sock.send_multipart([identity, P.encode(reply)])
 
@@ -341,13 +353,13 @@ class Daemon:
         ticks = 0
         while True:
             await asyncio.sleep(period)
-            self.ctx.reap_sessions()
+            self.svc.ctx.reap_sessions()
             ticks += 1
             if ticks % max(1, int(5 / period)) == 0:
                 self._update_status()
 
     def _update_status(self) -> None:
-        ps = self.pool.stats()
+        ps = self.svc.pool.stats()
         self.notifier.status(f"{len(self.sessions)} sessions, pool {format_size(ps.used_bytes)} of "
                              f"{format_size(ps.capacity_bytes)} used, {ps.pages_ready} pages")
 
@@ -380,7 +392,13 @@ class Daemon:
 
     def _reap_after_disconnect(self) -> None:
         self._reap_later = None
-        self.ctx.reap_sessions()
+        self.svc.ctx.reap_sessions()
+
+
+async def _follow(task: asyncio.Task) -> None:
+    """Wait for ``task`` (started before the task group): its failure fails the group, and
+    cancelling this cancels it."""
+    await task
 
 
 def install_signal_handlers(daemon: Daemon) -> None:

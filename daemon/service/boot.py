@@ -1,0 +1,174 @@
+"""kvtierd's service, built off the event loop while the control socket already answers.
+
+:class:`~kvtier.daemon.service.server.Daemon` binds its control socket first, with only
+the configuration, ZeroMQ and the wire format imported, and then builds a :class:`Service`
+on a worker thread (:func:`build_service`): the modules that answer requests (numpy, the
+pool, the L3 tier, the copy path) are imported there, the pool file is mapped and the
+pages a previous kvtierd left in it are adopted. Meanwhile the socket answers HEALTH
+(``starting``) and holds every other request
+(:class:`~kvtier.daemon.service.dispatch.StartGate`); nothing on the loop touches the
+pool until the build has returned, so the worker needs no lock. The rest is opened on
+the loop (:meth:`Service.open`): the L3 tier, the copy threads, the memory-handover
+socket and the metrics endpoint. Then the held requests are answered, in arrival order,
+and the daemon tells systemd it is ready.
+
+The pool file of a restart is mapped without ``MAP_POPULATE``: its pages are resident
+already, and building the page tables of a 1 GiB pool took about 0.1 s. With ``prefault``
+they are built after READY=1 instead, by :meth:`Service.prefault` on a thread, 64 MiB
+per ``madvise`` (the copies fault in what it has not reached yet).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from kvtier.config import DaemonConfig
+from kvtier.daemon.counters import Counters
+from kvtier.daemon.pool.index import HostPool
+from kvtier.daemon.pool.layout import map_pool_file
+from kvtier.daemon.pool.poolfile import populate
+from kvtier.daemon.service.admin import Admin
+from kvtier.daemon.service.context import ServiceContext
+from kvtier.daemon.service.dispatch import Dispatcher
+from kvtier.daemon.service.handlers import Handlers
+from kvtier.daemon.service.sdnotify import SystemdNotifier
+from kvtier.daemon.service.transfers import Transfers
+from kvtier.daemon.storage.base import HostArena
+from kvtier.daemon.storage.registry import slot_headroom
+from kvtier.daemon.tier.tier import TierStore
+from kvtier.ipc.shm import SharedMemorySegment
+
+__all__ = ["Service", "build_service"]
+
+log = logging.getLogger("kvtier.daemon")
+
+
+class Service:
+    """The parts that answer requests: pool, tier, handlers, copy threads.
+
+    Build it with :func:`build_service` (on a worker thread), then :meth:`open` it on the
+    event loop.
+
+    Args:
+        cfg: the configuration.
+        rdir: the runtime directory.
+        epoch: the daemon's boot epoch.
+        notifier: tells systemd about reloads.
+        reload: re-reads the configuration (SIGHUP); None when there is nothing to re-read.
+
+    Attributes:
+        pool, counters, tier, ctx, transfers, handlers, admin, dispatcher: the parts.
+        seg: the mapped pool file (None until :meth:`open_pool`).
+    """
+
+    def __init__(self, cfg: DaemonConfig, rdir: Path, epoch: int, notifier: SystemdNotifier,
+                 reload: Callable[[], DaemonConfig] | None) -> None:
+        self.pool = HostPool.from_config(cfg, slot_headroom(cfg.hicache_storage_backend))
+        self.counters = Counters()
+        self.tier = TierStore(cfg, self.pool, self.counters, rdir)
+        self.ctx = ServiceContext(cfg, self.pool, self.tier, self.counters, rdir, epoch=epoch)
+        self.transfers = Transfers(self.ctx)
+        self.handlers = Handlers(self.ctx, self.transfers)
+        self.admin = Admin(self.ctx, notifier, reload)
+        self.dispatcher = Dispatcher(self.ctx, {**self.handlers.table(), **self.admin.table()})
+        self.seg: SharedMemorySegment | None = None
+        self._arena_view: memoryview | None = None
+        self._arena: object = None  # what the copy threads copy through (a tensor)
+        self._created = False  # the pool file was made by this start (pre-faulted then)
+        self._stop_prefault = threading.Event()
+
+    def open_pool(self, ppath: Path, stack: contextlib.ExitStack) -> None:
+        """Map the pool file and adopt the pages a previous kvtierd left in it (unless it
+        does not fit this configuration, or ``cold_start``); ``stack`` closes both.
+
+        A new file is reserved and pre-faulted here when ``prefault`` is set; an existing
+        one is mapped as it is (see :meth:`prefault`). The file outlives the daemon unless
+        ``keep_pool_on_stop`` is off.
+        """
+        cfg, layout = self.ctx.cfg, self.pool.layout
+        seg, why_new = map_pool_file(ppath, layout, prefault=cfg.prefault, populate_existing=False,
+                                     runtime_dir=self.ctx.rdir)
+        stack.callback(lambda: seg.close(unlink=not self.ctx.cfg.keep_pool_on_stop))
+        self.seg, self._created = seg, why_new is not None
+        arena_view = seg.view[layout.arena_offset:layout.arena_offset + layout.capacity_bytes]
+        stack.callback(arena_view.release)
+        self._arena_view = arena_view
+        # made here, off the loop, like everything the copy path needs to import
+        self._arena = seg.tensor(layout.arena_offset, layout.capacity_bytes)
+        stack.callback(setattr, self, "_arena", None)  # before the mapping closes
+        cold = "cold start requested (cold_start)" if cfg.cold_start else why_new
+        self.ctx.adopt = self.pool.adopt(seg.view[:layout.meta_bytes], cold_start=cold,
+                                         arena=arena_view if cfg.verify_on_adopt else None)
+        stack.callback(self.pool.close)  # its views of the metadata go before the mapping
+        log.info("%s", self.ctx.adopt.summary)
+        for name, t in cfg.tenants.items():  # owner ids come from the adopted table
+            if t.quota_pages is not None:
+                self.pool.set_quota(self.pool.owner_id(name), t.quota_pages)
+
+    async def open(self, stack: contextlib.AsyncExitStack,
+                   finalize_remaining: Callable[[], None]) -> None:
+        """Open the L3 tier, start the copy threads and bind the handover socket.
+
+        Args:
+            stack: closes them, in reverse order.
+            finalize_remaining: run once the copy threads have ended (finalizes the
+                sessions whose copies outlived the drain).
+        """
+        seg, arena_view, layout = self.seg, self._arena_view, self.pool.layout
+        assert seg is not None and arena_view is not None, "open_pool() first"
+        await self.tier.open(HostArena(view=arena_view, size=layout.capacity_bytes,
+                                       address=seg.address + layout.arena_offset,
+                                       headroom=layout.headroom))
+        stack.push_async_callback(self.tier.close)
+        executor = ThreadPoolExecutor(self.ctx.cfg.copy_threads, thread_name_prefix="kvtier-copy")
+        self.transfers.open(executor, self._arena)
+        stack.callback(self.transfers.close)
+        stack.callback(finalize_remaining)  # runs once the copy threads have ended
+        # waited for off the loop, so a second SIGTERM can still end the process at once
+        stack.push_async_callback(asyncio.to_thread, executor.shutdown, wait=True,
+                                  cancel_futures=True)
+        self.ctx.handovers.bind()
+        stack.callback(self.ctx.handovers.close)
+
+    async def prefault(self) -> None:
+        """Build the page tables of an adopted pool's mapping on a thread (with
+        ``prefault``; a new file was pre-faulted when it was created). Cancelling it stops
+        the thread at its next 64 MiB step and waits for it, so the mapping outlives it."""
+        seg = self.seg
+        if seg is None or self._created or not self.ctx.cfg.prefault:
+            return
+        t0 = time.perf_counter()
+        work = asyncio.ensure_future(asyncio.to_thread(populate, seg, self._stop_prefault.is_set))
+        try:
+            done = await asyncio.shield(work)
+        except asyncio.CancelledError:
+            self._stop_prefault.set()
+            await asyncio.wait([work])
+            raise
+        log.debug("pool mapping pre-faulted %s in %.3fs", "whole" if done else "in part",
+                  time.perf_counter() - t0)
+
+
+def build_service(cfg: DaemonConfig, rdir: Path, ppath: Path, epoch: int,
+                  notifier: SystemdNotifier, reload: Callable[[], DaemonConfig] | None,
+                  ) -> tuple[Service, contextlib.ExitStack]:
+    """Build the service and map and adopt the pool (runs on a worker thread).
+
+    Returns:
+        The service, and the stack that unmaps the pool (the caller closes it at the end).
+
+    Raises:
+        KvtierError: the pool file cannot be used, or the configuration does not fit it;
+            nothing stays mapped then.
+    """
+    with contextlib.ExitStack() as stack:
+        service = Service(cfg, rdir, epoch, notifier, reload)
+        service.open_pool(ppath, stack)
+        return service, stack.pop_all()
