@@ -278,7 +278,9 @@ class StatsReply(_Rep, tag="stats_reply", kw_only=True):
 
 
 class HealthReply(_Rep, tag="health_reply", kw_only=True):
-    """The daemon is serving; ``status`` is ``ok`` or ``degraded`` with a reason."""
+    """``status``: ``ok`` (serving), ``starting`` (the socket is up, the pool is being
+    adopted: other requests are held until then), ``stopping``, or ``degraded`` with a
+    reason (L3 failing, L2 serving)."""
 
     status: str
     sessions: int

@@ -14,6 +14,11 @@ serves commands, one JSON object per line on stdin, one reply per line on stdout
   ``{"hit": tokens the hit query found, "done": tokens prefetched, "bad": pages among
   those whose bytes differ from what was stored}``; with ``"pause": true`` it replies
   ``{"paused": hit}`` after the hit query and waits for a line;
+- ``{"op": "stage", "seq": S, "pages": N}``: what SGLang's ``buffer_only`` pipeline does
+  with a write: the pages are staged in host slots, backed up, and the slots are given
+  back at the storage ack, after being overwritten (a later write may reuse them at
+  once); reply ``{"tokens": backed-up tokens, "slots": host pages used}``;
+- ``{"op": "mode"}``: the controller's host memory mode, host pages, prefetch budget;
 - ``{"op": "keys_of", "seq": S, "pages": N}``: SGLang's page keys of the sequence;
 - ``{"op": "stats"}``: the backend's counters; ``{"op": "quit"}``.
 
@@ -43,7 +48,8 @@ class Instance:
         self.stack = build_stack(
             cfg["layout"], cfg.get("backend", "dynamic"), cfg["extra"], mla=bool(cfg.get("mla")),
             tp_rank=int(cfg.get("tp_rank", 0)), tp_size=int(cfg.get("tp_size", 1)),
-            host_memory_mode=cfg.get("host_memory_mode", "cache"))
+            host_memory_mode=cfg.get("host_memory_mode", "cache"),
+            host_tokens=int(cfg.get("host_tokens", 2048)))
         import torch
 
         self.torch = torch
@@ -71,6 +77,23 @@ class Instance:
         done = self.stack.backup(idx, tokens, keys)
         self.host.free(idx)
         return {"tokens": done}
+
+    def stage(self, seq: int, pages: int) -> dict[str, Any]:
+        tokens = self.tokens(seq, pages)
+        keys = self.stack.keys(tokens)
+        idx = self.stack.alloc(len(tokens))
+        for i, key in enumerate(keys):
+            self.host.set_from_flat_data_page(int(idx[i * self.page]),
+                                              self.expected(key).view(self.host.dtype))
+        done = self.stack.backup(idx, tokens, keys)
+        self._scribble(idx, pause=False)  # the staging slots are free for reuse at the ack
+        self.host.free(idx)
+        return {"tokens": done, "slots": sorted({int(i) // self.page for i in idx.tolist()})}
+
+    def mode(self) -> dict[str, Any]:
+        cc = self.stack.controller
+        return {"host_memory_mode": cc.host_memory_mode, "host_pages": self.host.size // self.page,
+                "prefetch_limit_tokens": cc.prefetch_capacity_limit}
 
     def _scribble(self, idx: Any, pause: bool) -> None:
         torch = self.torch
