@@ -30,9 +30,9 @@ positions join the model name. kvtierd answers LOOKUP with the minimum over the 
 TP group, so every rank sees the same hit count.
 
 Failures never reach SGLang: every call answers misses (0, False) when kvtierd is absent,
-gone, restarting or refuses; a dead daemon is noticed before a call is made (its pid), so
-such misses come within milliseconds, and the backend registers again on its own once a
-daemon is back (:mod:`.sglang_link`). Only a misconfiguration is an error, raised at start:
+gone, restarting or refuses; the connection sees a dead daemon's process gone before each
+request and within 20 ms while waiting for a reply, so such misses come within
+milliseconds, and it registers again on its own once a daemon is back (:mod:`.sglang_link`). Only a misconfiguration is an error, raised at start:
 an unknown extra-config key, or a host pool kvtierd cannot reach (no ``"allocator": "shm"``).
 """
 

@@ -1,15 +1,17 @@
 """The SGLang backend's link to kvtierd, which may be absent, die or restart at any time.
 
-:class:`DaemonLink` owns at most one registered
-:class:`~kvtier.client.connection.Connection`. :meth:`DaemonLink.get` returns it, or None
-while no kvtierd answers; the backend then answers misses at once. It never waits for long:
+:class:`DaemonLink` makes the backend's one
+:class:`~kvtier.client.connection.Connection` once a kvtierd answers; :meth:`DaemonLink.get`
+returns it, or None until then (the backend then answers misses at once). It never waits
+for long:
 
 - no kvtierd at start (no socket file): registration fails at once; it is tried again at
   most once per ``retry_interval_s``, from whichever SGLang thread asks next;
-- kvtierd killed: its pid is gone, which :meth:`get` notices before each use (same host),
-  so no call waits out a request timeout on a dead daemon; the connection is dropped and a
-  new one registers once a daemon is back (a restarted kvtierd serves the pages its pool
-  file kept);
+- kvtierd killed or restarted later: the connection handles it by itself. It sees the
+  daemon's process gone before each request and while waiting for a reply (every 20 ms),
+  answers misses, and registers with the next kvtierd on the same socket (a restarted
+  kvtierd serves the pages its pool file kept). :attr:`DaemonLink.registrations` counts
+  the daemons it registered with;
 - kvtierd stuck: a request times out after ``request_timeout_s`` and the connection
   reports misses for the next second without asking (the client's own back-off).
 """
@@ -31,14 +33,14 @@ log = logging.getLogger("kvtier.sglang")
 
 
 class DaemonLink:
-    """One connection to kvtierd, made, dropped and made again as the daemon comes and goes.
+    """The backend's connection to kvtierd, made once a daemon answers.
 
     Args:
-        make_memory: returns the host pool's :class:`RegionMemory` (called per registration).
+        make_memory: returns the host pool's :class:`RegionMemory`.
         model_id: the namespace's model.
         config: the client settings.
         tp_rank / tp_size: this process's tensor-parallel position.
-        retry_interval_s: the least time between two registration attempts.
+        retry_interval_s: the least time between two attempts at the first registration.
     """
 
     def __init__(self, make_memory: Callable[[], RegionMemory], model_id: str,
@@ -54,29 +56,33 @@ class DaemonLink:
         self._lock = threading.Lock()
         self._closed = False
         self._warned = False
-        self.registrations = 0
-        """Successful registrations so far (1 + the times kvtierd came back)."""
+        self._epoch = 0
+        self._daemon_pid = 0
+        self._registrations = 0
+
+    @property
+    def registrations(self) -> int:
+        """kvtierd processes registered with so far (1 + the times one came back)."""
+        with self._lock:
+            if self._conn is not None:
+                self._note_epoch(self._conn)
+            return self._registrations
 
     def get(self) -> Connection | None:
-        """The registered connection, or None while no kvtierd answers (at most one
+        """The connection, or None while no kvtierd has answered yet (at most one
         registration attempt per ``retry_interval_s``, bounded by ``request_timeout_s``)."""
         with self._lock:
             if self._closed:
                 return None
-            conn = self._conn
-            if conn is not None and not conn.daemon_alive():
-                log.warning("kvtierd (pid %d) is gone; kvtier answers misses until one is back",
-                            conn.daemon_pid)
-                conn.session_id = 0  # nobody to unregister from: close without asking
-                self._drop()
-                conn = None
-            if conn is not None:
-                return conn
-            now = time.monotonic()
-            if now < self._next_try:
-                return None
-            self._next_try = now + self._retry_s
-            return self._register()
+            if self._conn is None:
+                now = time.monotonic()
+                if now < self._next_try:
+                    return None
+                self._next_try = now + self._retry_s
+                self._conn = self._register()
+            if self._conn is not None:
+                self._note_epoch(self._conn)
+            return self._conn
 
     def _register(self) -> Connection | None:
         conn = Connection(self._make_memory(), model_id=self._model_id, config=self._config,
@@ -90,20 +96,26 @@ class DaemonLink:
                     self._retry_s, err)
             self._warned = True
             return None
-        self._conn = conn
-        self._warned = False
-        self.registrations += 1
-        log.info("kvtier: registered with kvtierd pid %d (session %d, rank %d/%d)",
-                 conn.daemon_pid, conn.session_id, self._tp_rank, self._tp_size)
         return conn
 
-    def _drop(self) -> None:
-        if self._conn is not None:
-            conn, self._conn = self._conn, None
-            conn.close()
+    def _note_epoch(self, conn: Connection) -> None:
+        """Count a registration with a new daemon (the connection makes them by itself)."""
+        epoch = conn.epoch
+        if epoch == self._epoch or not conn.session_id:
+            return
+        if self._registrations:
+            log.warning("kvtier: kvtierd pid %d went away; registered with kvtierd pid %d "
+                        "(misses meanwhile)", self._daemon_pid, conn.daemon_pid)
+        else:
+            log.info("kvtier: registered with kvtierd pid %d (session %d, rank %d/%d)",
+                     conn.daemon_pid, conn.session_id, self._tp_rank, self._tp_size)
+        self._epoch, self._daemon_pid = epoch, conn.daemon_pid
+        self._registrations += 1
 
     def close(self) -> None:
         """Unregister and close. Idempotent."""
         with self._lock:
             self._closed = True
-            self._drop()
+            if self._conn is not None:
+                conn, self._conn = self._conn, None
+                conn.close()

@@ -49,7 +49,8 @@ class Instance:
             cfg["layout"], cfg.get("backend", "dynamic"), cfg["extra"], mla=bool(cfg.get("mla")),
             tp_rank=int(cfg.get("tp_rank", 0)), tp_size=int(cfg.get("tp_size", 1)),
             host_memory_mode=cfg.get("host_memory_mode", "cache"),
-            host_tokens=int(cfg.get("host_tokens", 2048)))
+            host_tokens=int(cfg.get("host_tokens", 2048)),
+            **{k: int(cfg[k]) for k in ("layers", "heads", "head_dim") if k in cfg})
         import torch
 
         self.torch = torch
@@ -85,8 +86,10 @@ class Instance:
         for i, key in enumerate(keys):
             self.host.set_from_flat_data_page(int(idx[i * self.page]),
                                               self.expected(key).view(self.host.dtype))
+        garbage = self.torch.full_like(self.expected(keys[0]), 0x5A5A).view(self.host.dtype)
         done = self.stack.backup(idx, tokens, keys)
-        self._scribble(idx, pause=False)  # the staging slots are free for reuse at the ack
+        for i in reversed(range(len(keys))):  # at the ack the slots are free for reuse
+            self.host.set_from_flat_data_page(int(idx[i * self.page]), garbage)
         self.host.free(idx)
         return {"tokens": done, "slots": sorted({int(i) // self.page for i in idx.tolist()})}
 
