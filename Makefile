@@ -100,8 +100,8 @@ sysdeps:
 	fi
 
 test: venv sysdeps engines
-	$(PY) -m pytest -q -p no:cacheprovider --ignore=tests/engines $(PYTEST_ARGS)
-	$(EPY) -m pytest -q -p no:cacheprovider tests/engines $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider --ignore=tests/adapters $(PYTEST_ARGS)
+	$(EPY) -m pytest -q -p no:cacheprovider tests/adapters $(PYTEST_ARGS)
 
 test-fast: venv
 	$(PY) -m pytest -q -p no:cacheprovider tests/unit $(PYTEST_ARGS)

@@ -12,7 +12,7 @@ vLLM makes one instance per role: the scheduler side (EngineCore process,
 stores; the worker side (each worker, :class:`~kvtier.client.adapters.vllm_worker.WorkerSide`)
 registers the KV memory and runs them. What the extra config keys mean:
 :class:`~kvtier.client.adapters.vllm_link.ConnectorSettings`; the user's guide is
-``docs/vllm.md``. One kvtier page is one vLLM block; the layout label ``vllm_cpu`` enters the
+``README.md ("Using kvtier with vLLM")``. One kvtier page is one vLLM block; the layout label ``vllm_cpu`` enters the
 namespace. Only vLLM's CPU backend is served (its KV memory can be a memfd); on other
 platforms the connector reports misses and stores nothing.
 """

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -59,6 +60,20 @@ def prompt(seed: int, n: int) -> list[int]:
     return [(seed * 7919 + i * 37 + (i * i) % 101) % 1000 + 3 for i in range(n)]
 
 
+README = Path(__file__).resolve().parents[3] / "README.md"
+
+
+def readme_kv_transfer_config() -> dict[str, Any]:
+    """The ``--kv-transfer-config`` JSON of README.md's vLLM section (``vllm serve``), as a
+    user copies it; the tests configure vLLM with exactly that (the extra config aside)."""
+    text = README.read_text()
+    section = text[text.index("## Using kvtier with vLLM"):]
+    section = section[:section.index("\n## ", 1)]
+    match = re.search(r"--kv-transfer-config '(\{.*?\})'", section, re.DOTALL)
+    assert match, "README's vLLM section has no --kv-transfer-config"
+    return json.loads(match.group(1))
+
+
 class EngineError(RuntimeError):
     """The engine process died or did not answer in time."""
 
@@ -78,7 +93,7 @@ class EngineProcess:
                  multiprocess: bool = False, **extra: Any) -> None:
         env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind",
                    VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0")
-        cfg = json.dumps({"kvtier": kvtier, **extra})
+        cfg = json.dumps({"kvtier": kvtier, "kv_transfer": readme_kv_transfer_config(), **extra})
         self.log_path = log
         self._log = open(log, "ab")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(

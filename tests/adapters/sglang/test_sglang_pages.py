@@ -1,7 +1,7 @@
 """SGLang's own HiCache classes move pages through kvtierd byte for byte, in every host layout.
 
 Each instance is a process of its own (SGLang 0.5.23's host pool and ``HiCacheController``,
-backend loaded by SGLang's dynamic loader from the extra config of docs/sglang.md). Pages
+backend loaded by SGLang's dynamic loader from the extra config of README.md ("Using kvtier with SGLang")). Pages
 are written into SGLang's host pool, backed up by the controller's backup thread, and
 prefetched by its prefetch threads into host pages that were scribbled over first; every
 prefetched page is compared with what was stored (as int16: bf16 bits include NaNs).

@@ -27,10 +27,9 @@ def main() -> None:
 
     kv = None
     if config.get("kvtier") is not None:
-        kv = KVTransferConfig(kv_connector="KvtierConnector",
-                              kv_connector_module_path="kvtier.client.adapters.vllm",
-                              kv_role="kv_both", kv_load_failure_policy="recompute",
-                              kv_connector_extra_config=config["kvtier"])
+        # the README's --kv-transfer-config, with the test's extra config
+        kv = KVTransferConfig(**{**config["kv_transfer"],
+                                 "kv_connector_extra_config": config["kvtier"]})
     elif config.get("example_dir"):
         kv = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
                               kv_connector_extra_config={"shared_storage_path":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -25,11 +26,23 @@ DAEMON_ARGS = ["--hicache-size", "64MiB", "--extent-size", "4MiB", "--hicache-st
                "none"]
 
 
+README = Path(__file__).resolve().parents[3] / "README.md"
+
+
+def readme_extra_config() -> dict[str, Any]:
+    """The ``--hicache-storage-backend-extra-config`` JSON of README.md's SGLang section,
+    as a user copies it (the tests load the backend with exactly that)."""
+    text = README.read_text()
+    section = text[text.index("## Using kvtier with SGLang"):]
+    section = section[:section.index("\n## ", 1)]
+    match = re.search(r"--hicache-storage-backend-extra-config '(\{.*?\})'", section)
+    assert match, "README's SGLang section has no --hicache-storage-backend-extra-config"
+    return json.loads(match.group(1))
+
+
 def extra_config(runtime_dir: Path | str, **kvtier_keys: Any) -> dict[str, Any]:
-    """The extra config docs/sglang.md gives, pointed at a test daemon."""
-    return {"backend_name": "kvtier", "module_path": "kvtier.client.adapters.sglang",
-            "class_name": "KvtierHiCacheStorage", "interface_v1": 1, "allocator": "shm",
-            "runtime_dir": str(runtime_dir), **kvtier_keys}
+    """README's extra config, pointed at a test daemon (plus ``kvtier_keys``)."""
+    return {**readme_extra_config(), "runtime_dir": str(runtime_dir), **kvtier_keys}
 
 
 class Instance:

@@ -2,7 +2,7 @@
 
 The host pool and ``HiCacheController`` come from :func:`kvtier.bench.sglang_stack.build_stack`
 (SGLang's runtime context published from ``ServerArgs`` with the extra config that
-docs/sglang.md gives; SGLang's own allocator choice and dynamic backend loader). Then it
+README.md ("Using kvtier with SGLang") gives; SGLang's own allocator choice and dynamic backend loader). Then it
 serves commands, one JSON object per line on stdin, one reply per line on stdout (``@@``):
 
 - ``{"op": "store", "seq": S, "pages": N}``: fill N host pages of token sequence S with
