@@ -112,7 +112,7 @@ serve: venv
 demo: venv-demo
 	$(VENV)/bin/kvtier demo $(ARGS)
 
-bench: venv sysdeps
+bench: venv sysdeps engines
 	$(VENV)/bin/kvtier bench l2 --json bench/results/l2.json
 	$(VENV)/bin/kvtier bench e2e --json bench/results/e2e.json
 	$(VENV)/bin/kvtier bench l3 --backend file --json bench/results/l3_file.json
@@ -120,6 +120,8 @@ bench: venv sysdeps
 	$(VENV)/bin/kvtier bench l3 --backend mooncake --json bench/results/l3_mooncake.json
 	$(VENV)/bin/kvtier bench restart --json bench/results/restart.json
 	$(VENV)/bin/kvtier bench scale --json bench/results/scale.json
+	$(ENGINES_VENV)/bin/kvtier bench sglang --json bench/results/sglang.json
+	$(ENGINES_VENV)/bin/kvtier bench vllm --json bench/results/vllm.json
 
 lint: venv
 	$(VENV)/bin/ruff check .
