@@ -32,7 +32,7 @@ TP group, so every rank sees the same hit count.
 Failures never reach SGLang: every call answers misses (0, False) when kvtierd is absent,
 gone, restarting or refuses; the connection sees a dead daemon's process gone before each
 request and within 20 ms while waiting for a reply, so such misses come within
-milliseconds, and it registers again on its own once a daemon is back (:mod:`.sglang_link`). Only a misconfiguration is an error, raised at start:
+milliseconds, and it registers again on its own once a daemon is back (:mod:`.link`). Only a misconfiguration is an error, raised at start:
 an unknown extra-config key, or a host pool kvtierd cannot reach (no ``"allocator": "shm"``).
 """
 
@@ -48,7 +48,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
-from kvtier.client.adapters.sglang_link import DaemonLink
+from kvtier.client.adapters.link import DaemonLink
 from kvtier.client.adapters.sglang_memory import HostPoolMemory, describe_host_pool
 from kvtier.client.adapters.sglang_settings import BackendSettings, prefetch_timeout
 from kvtier.client.connection import Connection

@@ -1,27 +1,17 @@
-"""The vLLM connector's settings and its link to kvtierd, which may come and go.
-
-:class:`ConnectorSettings` reads ``kv_connector_extra_config``. :class:`DaemonLink` owns one
-:class:`~kvtier.client.connection.Connection` and hides the daemon's absence: while no
-kvtierd answers, :meth:`DaemonLink.get` returns None (the connector then reports misses
-and drops stores) and retries at most once per ``retry_interval_s``; a daemon whose process
-is gone is noticed at once (same host), so no call waits out a request timeout on it.
-"""
+"""The vLLM connector's settings: :class:`ConnectorSettings` reads
+``kv_connector_extra_config`` (its link to kvtierd is :class:`kvtier.client.adapters.link.DaemonLink`)."""
 
 from __future__ import annotations
 
 import logging
-import threading
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import zmq
-from kvtier.client.connection import Connection, DaemonError, DaemonUnavailable
 from kvtier.config import ClientConfig, KvtierError
 
-__all__ = ["ConnectorSettings", "DaemonLink", "SettingsError"]
+__all__ = ["ConnectorSettings", "SettingsError"]
 
 log = logging.getLogger("kvtier.vllm")
 
@@ -87,78 +77,3 @@ class ConnectorSettings:
                                 "min_load_pages >= 1")
         return cls(client=client, model_id=extra.get("model_id"), prefetch_policy=policy,
                    retry_interval_s=retry, min_load_pages=min_pages)
-
-
-class DaemonLink:
-    """One connection to kvtierd that is made, dropped and made again as the daemon comes
-    and goes.
-
-    Args:
-        make_pool: returns what :class:`Connection` takes as ``pool`` (the worker's
-            :class:`~kvtier.client.memory_export.RegionMemory`, the scheduler's
-            :class:`~kvtier.client.memory_export.ControlOnly`).
-        model_id / revision: the namespace's model.
-        settings: the connector settings.
-        tp_rank / tp_size: this process's tensor-parallel position.
-    """
-
-    def __init__(self, make_pool: Callable[[], Any], model_id: str, revision: str,
-                 settings: ConnectorSettings, tp_rank: int = 0, tp_size: int = 1) -> None:
-        self._make_pool = make_pool
-        self._model_id, self._revision = model_id, revision
-        self._settings = settings
-        self._tp_rank, self._tp_size = tp_rank, tp_size
-        self._conn: Connection | None = None
-        self._next_try = 0.0
-        self._lock = threading.Lock()
-        self._closed = False
-        self.registrations = 0
-        """Successful registrations so far (a new daemon, or the same one after a gap)."""
-
-    def get(self) -> Connection | None:
-        """A registered connection, or None while no daemon answers (never blocks for long:
-        at most one registration attempt, bounded by ``request_timeout_s``)."""
-        with self._lock:
-            if self._closed:
-                return None
-            conn = self._conn
-            if conn is not None and not conn.daemon_alive():
-                log.warning("kvtierd (pid %d) is gone; kvtier hits are misses until it is back",
-                            conn.daemon_pid)
-                conn.session_id = 0  # nobody to unregister from: close without waiting
-                self._drop()
-                conn = None
-            if conn is not None:
-                return conn
-            now = time.monotonic()
-            if now < self._next_try:
-                return None
-            self._next_try = now + self._settings.retry_interval_s
-            conn = Connection(self._make_pool(), model_id=self._model_id, revision=self._revision,
-                              config=self._settings.client, tp_rank=self._tp_rank,
-                              tp_size=self._tp_size, register=False)
-            try:
-                conn.register()
-            except (DaemonUnavailable, DaemonError) as err:
-                log.debug("kvtierd not reachable: %s", err)
-                conn.close()
-                return None
-            self._conn = conn
-            self.registrations += 1
-            log.info("kvtier connected to kvtierd pid %d (session %d)", conn.daemon_pid,
-                     conn.session_id)
-            return conn
-
-    def _drop(self) -> None:
-        if self._conn is not None:
-            conn, self._conn = self._conn, None
-            try:
-                conn.close()
-            except zmq.ZMQError:  # at interpreter exit its context may be gone already
-                pass
-
-    def close(self) -> None:
-        """Unregister and close. Idempotent."""
-        with self._lock:
-            self._closed = True
-            self._drop()

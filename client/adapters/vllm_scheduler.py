@@ -10,7 +10,7 @@ prefetch (L3), claim and load the pages, so this process never waits on storage.
 it also tells the workers which blocks became full, to back them up to L2.
 
 When kvtierd is away every lookup is a miss (0 tokens) and nothing waits: see
-:class:`~kvtier.client.adapters.vllm_link.DaemonLink`.
+:class:`~kvtier.client.adapters.link.DaemonLink`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.client.adapters.vllm_link import ConnectorSettings, DaemonLink
+from kvtier.client.adapters.link import DaemonLink
+from kvtier.client.adapters.vllm_link import ConnectorSettings
 from kvtier.client.adapters.vllm_meta import KvtierMetadata, LoadSpec, StoreSpec
 from kvtier.client.adapters.vllm_namespace import chain_seed
 from kvtier.client.memory_export import ControlOnly
@@ -67,8 +68,8 @@ class SchedulerSide:
         self.geometry = geometry
         self.block_size = geometry.page_size
         self.settings = settings
-        self.link = DaemonLink(lambda: ControlOnly(geometry), model_id, revision, settings,
-                               tp_rank=0, tp_size=tp_size)
+        self.link = DaemonLink(lambda: ControlOnly(geometry), model_id, settings.client, 0,
+                               tp_size, settings.retry_interval_s, revision=revision)
         self._hits: dict[str, _Hit] = {}
         self._tracked: dict[str, _Tracked] = {}
         self._loads: list[LoadSpec] = []

@@ -26,7 +26,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from kvtier.client.adapters.vllm_link import ConnectorSettings, DaemonLink
+from kvtier.client.adapters.link import DaemonLink
+from kvtier.client.adapters.vllm_link import ConnectorSettings
 from kvtier.client.adapters.vllm_memory import MemfdAllocation, cpu_regions
 from kvtier.client.adapters.vllm_meta import KvtierMetadata, LoadSpec, StoreSpec
 from kvtier.client.adapters.vllm_namespace import chain_seed
@@ -97,7 +98,8 @@ class WorkerSide:
         model_id, revision, rank, size_tp = self._ns
         self.link = DaemonLink(
             lambda: RegionMemory(g, num_blocks, [fd], [size], regions, labels=["vllm-kv"]),
-            model_id, revision, self.settings, tp_rank=rank, tp_size=size_tp)
+            model_id, self.settings.client, rank, size_tp, self.settings.retry_interval_s,
+            revision=revision)
         self.link.get()  # register now if a daemon runs (else at the first load or store)
         self._thread = threading.Thread(target=self._run, name="kvtier-vllm-io", daemon=True)
         self._thread.start()

@@ -1,12 +1,13 @@
-"""The SGLang backend's link to kvtierd, which may be absent, die or restart at any time.
+"""An engine adapter's link to kvtierd, which may be absent, die or restart at any time.
 
-:class:`DaemonLink` makes the backend's one
+Shared by the SGLang backend and both sides of the vLLM connector. :class:`DaemonLink`
+makes the adapter's one
 :class:`~kvtier.client.connection.Connection` once a kvtierd answers; :meth:`DaemonLink.get`
-returns it, or None until then (the backend then answers misses at once). It never waits
+returns it, or None until then (the adapter then answers misses at once). It never waits
 for long:
 
 - no kvtierd at start (no socket file): registration fails at once; it is tried again at
-  most once per ``retry_interval_s``, from whichever SGLang thread asks next;
+  most once per ``retry_interval_s``, from whichever engine thread asks next;
 - kvtierd killed or restarted later: the connection handles it by itself. It sees the
   daemon's process gone before each request and while waiting for a reply (every 20 ms),
   answers misses, and registers with the next kvtierd on the same socket (a restarted
@@ -22,32 +23,35 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from kvtier.client.connection import Connection, DaemonError, DaemonUnavailable
-from kvtier.client.memory_export import RegionMemory
 from kvtier.config import ClientConfig
 
 __all__ = ["DaemonLink"]
 
-log = logging.getLogger("kvtier.sglang")
+log = logging.getLogger("kvtier.adapters")
 
 
 class DaemonLink:
-    """The backend's connection to kvtierd, made once a daemon answers.
+    """An adapter's connection to kvtierd, made once a daemon answers.
 
     Args:
-        make_memory: returns the host pool's :class:`RegionMemory`.
+        make_pool: returns what :class:`Connection` takes as ``pool`` (a
+            :class:`~kvtier.client.memory_export.RegionMemory`, or
+            :class:`~kvtier.client.memory_export.ControlOnly` for a scheduler).
         model_id: the namespace's model.
         config: the client settings.
         tp_rank / tp_size: this process's tensor-parallel position.
         retry_interval_s: the least time between two attempts at the first registration.
+        revision: the namespace's model revision.
     """
 
-    def __init__(self, make_memory: Callable[[], RegionMemory], model_id: str,
+    def __init__(self, make_pool: Callable[[], Any], model_id: str,
                  config: ClientConfig, tp_rank: int, tp_size: int,
-                 retry_interval_s: float) -> None:
-        self._make_memory = make_memory
-        self._model_id = model_id
+                 retry_interval_s: float, revision: str = "") -> None:
+        self._make_pool = make_pool
+        self._model_id, self._revision = model_id, revision
         self._config = config
         self._tp_rank, self._tp_size = tp_rank, tp_size
         self._retry_s = retry_interval_s
@@ -85,8 +89,9 @@ class DaemonLink:
             return self._conn
 
     def _register(self) -> Connection | None:
-        conn = Connection(self._make_memory(), model_id=self._model_id, config=self._config,
-                          tp_rank=self._tp_rank, tp_size=self._tp_size, register=False)
+        conn = Connection(self._make_pool(), model_id=self._model_id, revision=self._revision,
+                          config=self._config, tp_rank=self._tp_rank, tp_size=self._tp_size,
+                          register=False)
         try:
             conn.register()
         except (DaemonUnavailable, DaemonError) as err:
