@@ -87,6 +87,10 @@ SyncTimeout = Annotated[float, Meta(gt=0, le=MAX_SYNC_TIMEOUT_S)]
 # lists
 Key = Annotated[bytes, Meta(min_length=KEY_BYTES, max_length=KEY_BYTES)]
 Keys = Annotated[list[Key], Meta(max_length=MAX_KEYS)]
+PackedKeys = Annotated[memoryview, Meta(max_length=MAX_KEYS * KEY_BYTES)]
+"""Keys back to back, :data:`KEY_BYTES` each (a whole number of them is checked by the
+daemon): one byte string instead of a list of them. Sent as bytes; decoded as a view of
+the received message, not a copy of it."""
 Pages = Annotated[list[Annotated[int, Meta(ge=0, lt=MAX_PAGES)]], Meta(max_length=MAX_KEYS)]
 """Engine page indices, as many as the keys beside them."""
 Slots = Annotated[list[Slot], Meta(max_length=MAX_SLOTS)]

@@ -26,8 +26,10 @@ decode), so a client can still build, and a test still send, a request the daemo
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 
 import msgspec
+import numpy as np
 from kvtier.ipc.geometry import (  # re-exported: P.Geometry, P.KVMemory, ...
     DTYPE_SIZES,  # noqa: F401
     Geometry,
@@ -36,7 +38,7 @@ from kvtier.ipc.geometry import (  # re-exported: P.Geometry, P.KVMemory, ...
     MemorySegment,  # noqa: F401
 )
 from kvtier.ipc.limits import (
-    KEY_BYTES,  # noqa: F401  (re-exported: P.KEY_BYTES)
+    KEY_BYTES,
     MAX_ERROR_CHARS,
     U63,
     ClaimPolicy,
@@ -46,6 +48,7 @@ from kvtier.ipc.limits import (
     Key,
     Keys,
     Name,
+    PackedKeys,
     Pages,
     Pid,
     ProtocolVersion,
@@ -118,10 +121,26 @@ class Heartbeat(_Req, tag="heartbeat", kw_only=True):
 
 
 class Lookup(_Req, tag="lookup", kw_only=True):
-    """How long is the leading run of ``keys`` in L2 (and then in L3)?"""
+    """How long is the leading run of the keys in L2 (and then in L3)?
+
+    The keys come as ``keys`` (a list) or, when the daemon's :class:`Registered` said
+    ``packed_lookup``, as ``packed_keys``: the 32-byte keys back to back in one byte string
+    (:func:`pack_keys`), much cheaper to encode and decode for long contexts. A request
+    carrying both is refused (``BAD_MESSAGE``); so is ``packed_keys`` of a length that is
+    not a multiple of 32.
+    """
 
     session_id: U63
-    keys: Keys
+    keys: Keys = []
+    packed_keys: PackedKeys = b""  # type: ignore[assignment]  (bytes to send, a view decoded)
+
+    def key_count(self) -> int:
+        """How many keys the request carries, in either form (a partial one counts)."""
+        return len(self.keys) + -(-len(self.packed_keys) // KEY_BYTES)
+
+    def key_list(self) -> list[bytes]:
+        """The keys as a list, in either form."""
+        return self.keys if not self.packed_keys else split_keys(self.packed_keys)
 
 
 class Store(_Req, tag="store", kw_only=True):
@@ -233,7 +252,9 @@ class Registered(_Rep, tag="registered", kw_only=True):
     """Session accepted. ``ns_fingerprint`` seeds the page-key chain (tenant included).
 
     The completion block is the read-only descriptor the handover reply carried;
-    ``completion_name`` is a label only (no file by that name exists).
+    ``completion_name`` is a label only (no file by that name exists). ``packed_lookup``:
+    the daemon takes LOOKUP's ``packed_keys`` (a daemon that predates it leaves it out,
+    so a client reads False and sends ``keys``).
     """
 
     session_id: U63
@@ -242,6 +263,7 @@ class Registered(_Rep, tag="registered", kw_only=True):
     completion_name: str
     completion_slots: int
     daemon_pid: int
+    packed_lookup: bool = False
 
 
 class Ack(_Rep, tag="ack", kw_only=True):
@@ -329,6 +351,22 @@ Reply = (
     Registered | Ack | LookupResult | StoreAccepted | LoadAccepted | StatsReply | HealthReply
     | FlushReply | PrefetchReply | ClaimReply | SyncReply | ErrorReply
 )
+
+def pack_keys(keys: Sequence[bytes]) -> bytes | None:
+    """LOOKUP's ``packed_keys`` for ``keys`` (page keys, :data:`KEY_BYTES` each), or None
+    when their total length shows one is not (send ``keys`` then, which the daemon refuses
+    naming the key). Only the total is checked, at no cost per key: keys whose lengths
+    differ but add up are read as the 32-byte keys their bytes make, which the daemon
+    looks up exactly as sent."""
+    packed = b"".join(keys)
+    return packed if len(packed) == KEY_BYTES * len(keys) else None
+
+
+def split_keys(packed: bytes | memoryview) -> list[bytes]:
+    """The keys of ``packed_keys``, one bytes object each (a partial last one is dropped)."""
+    n = len(packed) // KEY_BYTES
+    return np.frombuffer(packed, dtype=f"V{KEY_BYTES}", count=n).tolist()
+
 
 _encoder = msgspec.msgpack.Encoder()
 _req_decoder = msgspec.msgpack.Decoder(Request)

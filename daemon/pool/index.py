@@ -31,14 +31,17 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from kvtier.config.errors import ConfigError
 from kvtier.config.sizes import format_size
 from kvtier.daemon.pool.adopt import scan_rows
 from kvtier.daemon.pool.eviction import EVICT_FACTOR, MIN_SCAN
+from kvtier.daemon.pool.keytable import KeyTable
 from kvtier.daemon.pool.layout import (
     HAS_CHECKSUM,
     HEADROOM_ALIGN,
     HEADROOM_MIN_PAGE_BYTES,
+    KEY_BYTES,
     MAX_SLOT_IDS,
     NIL,
     IdTable,
@@ -59,6 +62,10 @@ from kvtier.daemon.pool.records import (
 
 if TYPE_CHECKING:
     from kvtier.config import DaemonConfig
+
+TABLE_MIN_KEYS = 256
+"""Lookups of this many keys or more are answered from the key table (:meth:`HostPool.lookup_packed`);
+shorter ones probe the index key by key (cheaper below it)."""
 
 # HostPool, and names re-exported from their homes (eviction, layout, records) for the
 # modules that import them from here
@@ -219,7 +226,64 @@ class HostPool(PageTable):
         The pool is unusable afterwards. Nothing is written: the metadata already holds
         everything (closing is not needed for a restart to adopt the pool).
         """
+        self._table.close()
         self._meta.release()
+
+    # ------------------------------------------------------- long lookups
+
+    def _setup(self, meta: PoolMeta, **kw: Any) -> None:
+        old: KeyTable | None = getattr(self, "_table", None)
+        if old is not None:
+            old.close()  # its views of the old metadata go before that is released
+        super()._setup(meta, **kw)
+        self._table = KeyTable(meta)
+
+    def _rebuild(self, slots: Any, keys: list[bytes], parents: Any) -> None:
+        super()._rebuild(slots, keys, parents)
+        self._table.rebuild()
+
+    def commit(self, slots: Sequence[int], checksums: Sequence[int] | None = None) -> None:
+        """See :meth:`PageTable.commit`; the committed pages also enter the key table."""
+        try:
+            super().commit(slots, checksums)
+        finally:  # a commit that failed part-way made some pages READY all the same
+            self._table.add(slots)
+
+    def lookup(self, ns_id: int, keys: Sequence[bytes]) -> int:
+        """See :meth:`PageTable.lookup`; a list of :data:`TABLE_MIN_KEYS` keys or more
+        is answered from the key table (:meth:`lookup_packed`)."""
+        if len(keys) < TABLE_MIN_KEYS or max(map(len, keys)) != KEY_BYTES:
+            return super().lookup(ns_id, keys)
+        packed = b"".join(keys)
+        if len(packed) != KEY_BYTES * len(keys):  # a shorter key too: not a table's key
+            return super().lookup(ns_id, keys)
+        return self.lookup_packed(ns_id, packed)
+
+    def lookup_packed(self, ns_id: int, packed: bytes | memoryview) -> int:
+        """Return the length of the leading run READY in ``ns_id`` of the keys in
+        ``packed``: 32-byte keys back to back, as LOOKUP's ``packed_keys`` carries them.
+
+        The same answer as :meth:`lookup` on the split keys, for any bytes: a key counts
+        only when a READY row of ``ns_id`` holds exactly its 32 bytes.
+
+        Raises:
+            HostPoolError: ``packed`` is not a whole number of keys.
+        """
+        if len(packed) % KEY_BYTES:
+            raise HostPoolError(f"packed keys of {len(packed)} bytes: not a multiple of {KEY_BYTES}")
+        n = len(packed) // KEY_BYTES
+        if not n or not self._ready.get(ns_id):
+            return 0
+        if n < TABLE_MIN_KEYS:
+            return super().lookup(ns_id, np.frombuffer(packed, dtype=f"V{KEY_BYTES}").tolist())
+        words = np.frombuffer(packed, dtype="<u8").reshape(n, KEY_BYTES // 8)
+        slot, unresolved = self._table.find(ns_id, words)
+        found = slot >= 0
+        if len(unresolved):  # probe sequences too long to finish: the exact probe decides
+            ready = self._ready[ns_id]
+            for i in unresolved.tolist():
+                found[i] = bytes(packed[i * KEY_BYTES:(i + 1) * KEY_BYTES]) in ready
+        return n if found.all() else int(found.argmin())
 
     # ------------------------------------------------------------- geometry
 

@@ -29,6 +29,7 @@ from kvtier.daemon.service.transfers import Transfers
 from kvtier.daemon.service.validation import (
     RequestError,
     check_keys,
+    check_lookup_keys,
     check_slot,
 )
 from kvtier.daemon.tier.rank_groups import GroupKey
@@ -191,7 +192,8 @@ class Handlers:
         return P.Registered(req_id=m.req_id, epoch=ctx.epoch, session_id=sid,
                             lease_s=cfg.lease_s, ns_fingerprint=fp,
                             completion_name=f"memfd:completion-{ctx.epoch:x}-{sid}",
-                            completion_slots=block.slots, daemon_pid=os.getpid())
+                            completion_slots=block.slots, daemon_pid=os.getpid(),
+                            packed_lookup=True)
 
     def _authenticate(self, m: P.Register) -> str:
         """The tenant a REGISTER may act as (the default one when none are configured)."""
@@ -221,20 +223,28 @@ class Handlers:
 
     # ------------------------------------------------------------------ lookups
     def lookup(self, identity: bytes, m: P.Lookup) -> P.Reply:
-        """LOOKUP: the leading run of keys in L2, then (when asked) the run after it in L3."""
+        """LOOKUP: the leading run of keys in L2, then (when asked) the run after it in L3.
+
+        Keys come as a list or packed (``packed_keys``); a long packed list is answered by
+        the pool's key table without a Python object per key (:meth:`HostPool.lookup_packed`).
+        """
         start = time.perf_counter()
         ctx = self.ctx
         s = ctx.session(identity, m.session_id)
-        check_keys(m.keys, ctx.cfg.max_keys_per_request)
-        n = ctx.pool.lookup(s.ns_id, m.keys)
+        check_lookup_keys(m, ctx.cfg.max_keys_per_request)
+        if m.packed_keys:
+            n = ctx.pool.lookup_packed(s.ns_id, m.packed_keys)
+        else:
+            n = ctx.pool.lookup(s.ns_id, m.keys)
+        count = m.key_count()
         c = ctx.counters
-        c.lookup_tokens += len(m.keys) * s.geometry.page_size
+        c.lookup_tokens += count * s.geometry.page_size
         c.lookup_hit_tokens += n * s.geometry.page_size
         c.lookups += 1
-        c.lookup_keys += len(m.keys)
+        c.lookup_keys += count
         c.lookup_hit_keys += n
         c.lookup_hits += n > 0
-        if s.member is None and (n == len(m.keys) or not ctx.tier.available):
+        if s.member is None and (n == count or not ctx.tier.available):
             self._observe_lookup(start)
             return P.LookupResult(req_id=m.req_id, epoch=ctx.epoch, l2=n, l3=0)
         return self.later(s, self._lookup_more(s, m, n, start))
@@ -249,7 +259,7 @@ class Handlers:
 
     async def _lookup_more(self, s: Session, m: P.Lookup, n: int, start: float) -> P.Reply:
         """The L3 part of a LOOKUP (and the rank group's agreement)."""
-        l2, l3 = await self.ctx.tier.lookup_l3(s, m.keys, n)
+        l2, l3 = await self.ctx.tier.lookup_l3(s, m.key_list(), n)
         self._observe_lookup(start)
         return P.LookupResult(req_id=m.req_id, epoch=self.ctx.epoch, l2=l2, l3=l3)
 

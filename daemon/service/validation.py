@@ -55,6 +55,25 @@ def check_keys(keys: list[bytes], max_keys: int, pages: list[int] | None = None,
         raise RequestError(P.ErrorCode.BAD_MESSAGE, "pages contains the same page twice")
 
 
+def check_lookup_keys(m: P.Lookup, max_keys: int) -> None:
+    """Check a LOOKUP's keys, in either form (``keys`` or ``packed_keys``, not both).
+
+    Raises:
+        RequestError: BAD_MESSAGE (both forms, a partial packed key, too many keys).
+    """
+    if m.packed_keys:
+        if m.keys:
+            raise RequestError(P.ErrorCode.BAD_MESSAGE, "keys and packed_keys are both given")
+        if len(m.packed_keys) % P.KEY_BYTES:
+            raise RequestError(P.ErrorCode.BAD_MESSAGE,
+                               f"packed_keys has {len(m.packed_keys)} bytes, not a multiple "
+                               f"of {P.KEY_BYTES}")
+    n = m.key_count()
+    if n > max_keys:
+        raise RequestError(P.ErrorCode.BAD_MESSAGE,
+                           f"{n} keys exceed max_keys_per_request ({max_keys})")
+
+
 def check_slot(s: Session, slot: int) -> None:
     """Check that ``slot`` is a completion slot of ``s`` with no transfer running.
 

@@ -1,0 +1,175 @@
+"""A hash table of the READY pages that answers a whole LOOKUP in a few numpy passes.
+
+The page table's dict answers one key at a time: a long key list (8,192 keys for a 128K
+token context) costs a Python object, a hash and a probe per key. :class:`KeyTable` holds
+the same pages in an open-addressing array of slot ids, probed for every key of a request
+at once, and checks each candidate against the pool's own columns (key bytes, key length,
+namespace, state) before it counts: the table only proposes slots, the metadata decides.
+
+So the table never has to forget a page: a freed or reused slot left behind fails the
+check, and an entry of a slot re-committed under another key is just a dead entry. Dead
+entries only cost probes; the table is rebuilt from the READY rows once a quarter of it
+is used, at eight entries per READY page (32 bytes per page at most).
+
+What the table must never do is call a READY page absent. Every commit adds its slots
+(:meth:`add`) and an adoption rebuilds it (:meth:`rebuild`). A probe runs at most
+:data:`MAX_ROUNDS` entries from its bucket, and so does an insertion: a page that finds
+no free entry there is left out of the table, and since entries are never emptied (until
+a rebuild, which enters every READY page again) a lookup of it meets
+:data:`MAX_ROUNDS` taken entries too and reports it *unresolved*, for the caller's exact
+probe to decide. An empty entry ends a probe with a true "absent".
+
+Buckets come from the key's first 8 bytes and the namespace by multiply-shift hashing
+with a multiplier drawn per table. Page keys are SHA-256 digests, so buckets spread; keys
+a client crafts to share their first bytes fill one run of :data:`MAX_ROUNDS` entries and
+then go the exact way, at no cost to correctness and bounded cost to everyone else.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+
+import numpy as np
+from kvtier.daemon.pool.layout import KEY_BYTES
+from kvtier.daemon.pool.meta import PoolMeta
+from kvtier.daemon.pool.records import PageState
+
+__all__ = ["MAX_ROUNDS", "MIN_CAPACITY", "KeyTable"]
+
+MAX_ROUNDS = 4
+"""Probe rounds a lookup runs; keys still open then are left to the exact probe."""
+MIN_CAPACITY = 1 << 12
+"""Smallest table (entries)."""
+LOAD_LIMIT = 4
+"""The table is rebuilt once more than 1/LOAD_LIMIT of it is used (dead entries included),
+at twice LOAD_LIMIT entries per READY page: most keys are found at their first probe."""
+_EMPTY = -1
+_WORDS = KEY_BYTES // 8
+_READY = int(PageState.READY)
+_ALL_WORDS = np.frombuffer(b"\x01" * _WORDS, dtype="<u4")[0]  # four True bytes as one uint32
+
+
+class KeyTable:
+    """Slot ids of the READY pages of one pool, by (namespace, key); see the module docstring.
+
+    Args:
+        meta: the pool's metadata region; the table keeps numpy views of its ``key``,
+            ``key_len``, ``ns`` and ``state`` columns until :meth:`close`.
+    """
+
+    def __init__(self, meta: PoolMeta) -> None:
+        self._n_slots = meta.layout.n_slots
+        self._keys = meta.array("key").view("<u8").reshape(self._n_slots, _WORDS)
+        self._key_len = meta.array("key_len")
+        self._ns = meta.array("ns")
+        self._state = meta.array("state")
+        self._mult = np.array([secrets.randbits(64) | 1 for _ in range(2)], dtype=np.uint64)
+        self._table = np.full(MIN_CAPACITY, _EMPTY, dtype=np.int32)
+        self._shift = np.uint64(64 - (MIN_CAPACITY.bit_length() - 1))
+        self._used = 0
+        self.left_out = 0
+        """Pages that found no entry near their bucket since the table was made (their
+        lookups take the exact probe)."""
+
+    def close(self) -> None:
+        """Drop the views of the metadata (the table is unusable afterwards)."""
+        del self._keys, self._key_len, self._ns, self._state
+
+    @property
+    def capacity(self) -> int:
+        """Entries of the table (a power of two)."""
+        return len(self._table)
+
+    # ------------------------------------------------------------------ hashing
+    def _hash(self, words: np.ndarray, ns: np.ndarray | int) -> np.ndarray:
+        """Bucket of each row of ``words`` (n x 4 uint64) in namespace(s) ``ns``."""
+        with np.errstate(over="ignore"):
+            h = np.asarray(ns, dtype=np.int64).astype(np.uint64) * self._mult[1]
+            h ^= words[:, 0]
+            h *= self._mult[0]
+        h >>= self._shift
+        return h.astype(np.intp)
+
+    def _match(self, cand: np.ndarray, words: np.ndarray, ns_id: int) -> np.ndarray:
+        """Whether each candidate slot (-1: none) is the READY page of its key in ``ns_id``."""
+        same = self._keys.take(cand, axis=0) == words  # n x 4 bools, one row per key
+        hit = same.view("<u4").ravel() == _ALL_WORDS
+        hit &= cand >= 0
+        hit &= self._ns.take(cand) == ns_id
+        hit &= self._state.take(cand) == _READY
+        hit &= self._key_len.take(cand) == KEY_BYTES
+        return hit
+
+    # ------------------------------------------------------------------ updates
+    def add(self, slots: Sequence[int] | np.ndarray) -> None:
+        """Enter committed ``slots`` (ids out of range are ignored; a slot that is not
+        READY costs an entry and nothing else)."""
+        s = np.asarray(slots, dtype=np.int64)
+        s = s[(s >= 0) & (s < self._n_slots)]
+        if not len(s):
+            return
+        if LOAD_LIMIT * (self._used + len(s)) > len(self._table):
+            self.rebuild()  # the pages of s are READY by now: the rebuild takes them
+            return
+        self._place(s.astype(np.int32))
+
+    def rebuild(self) -> None:
+        """Refill the table from the READY rows of the metadata, sized for them."""
+        ready = np.flatnonzero(self._state == _READY).astype(np.int32)
+        cap = MIN_CAPACITY
+        while cap < 2 * LOAD_LIMIT * len(ready):
+            cap *= 2
+        self._table = np.full(cap, _EMPTY, dtype=np.int32)
+        self._shift = np.uint64(64 - (cap.bit_length() - 1))
+        self._used = 0
+        self._place(ready)
+
+    def _place(self, slots: np.ndarray) -> None:
+        """Insert ``slots`` by linear probing, a batch of probes per round, at most
+        :data:`MAX_ROUNDS` entries from each one's bucket (the rest stay out)."""
+        table, mask = self._table, len(self._table) - 1
+        self._used += len(slots)
+        pos = self._hash(self._keys[slots], self._ns[slots])
+        for _ in range(MAX_ROUNDS):
+            if not len(slots):
+                return
+            free = table.take(pos) == _EMPTY
+            # of the slots landing on one free entry, the first takes it
+            at, first = np.unique(pos[free], return_index=True)
+            table[at] = slots[free][first]
+            left = np.ones(len(slots), dtype=bool)
+            left[np.flatnonzero(free)[first]] = False
+            slots, pos = slots[left], (pos[left] + 1) & mask
+        self.left_out += len(slots)
+
+    # ------------------------------------------------------------------ lookups
+    def find(self, ns_id: int, words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """READY slots of keys in namespace ``ns_id``.
+
+        Args:
+            ns_id: the namespace.
+            words: the keys, one row of four little-endian uint64 each (32-byte keys).
+
+        Returns:
+            ``(slot, unresolved)``: per key its READY slot or -1 (not READY in ``ns_id``),
+            and the indexes of the keys whose probing did not finish (their ``slot`` is -1;
+            the caller decides them by an exact probe).
+        """
+        table, mask = self._table, len(self._table) - 1
+        pos = self._hash(words, ns_id)
+        cand = table.take(pos)
+        hit = self._match(cand, words, ns_id)
+        out = np.where(hit, cand, -1)
+        more = (cand >= 0) & ~hit  # an empty entry ends a probe: that key is not here
+        idx = np.flatnonzero(more)
+        for _ in range(MAX_ROUNDS - 1):
+            if not len(idx):
+                break
+            pos, words = (pos[more] + 1) & mask, words[more]
+            cand = table.take(pos)
+            hit = self._match(cand, words, ns_id)
+            out[idx[hit]] = cand[hit]
+            more = (cand >= 0) & ~hit
+            idx = idx[more]
+        return out, idx  # empty unless MAX_ROUNDS ran out

@@ -1,0 +1,196 @@
+"""The pool's key table answers long LOOKUPs exactly as the key-by-key index does (no mocks).
+
+``HostPool.lookup_packed`` (and ``lookup`` of a long list) go through the numpy key table;
+``PageTable.lookup`` probes the index key by key and is the reference. Every case compares
+the two and, where the answer is known by construction, the number itself: hostile lists
+(not a chain, duplicates, another namespace's keys, absent keys between present ones),
+pages that left (evicted, flushed, aborted, slots reused under other keys), pages still
+WRITING, a table that grew and was rebuilt, an adopted pool, and keys crafted to share
+their first bytes so that their bucket overflows.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from kvtier.daemon.pool.index import TABLE_MIN_KEYS, HostPool, HostPoolError
+from kvtier.daemon.pool.keytable import MAX_ROUNDS
+from kvtier.daemon.pool.pages import PageTable
+
+KIB = 1024
+PAGE = 4 * KIB
+NS, NS2 = 1, 2
+OWNER = 7
+N = max(512, 2 * TABLE_MIN_KEYS)  # long enough for the key table
+
+
+def new_pool(pages: int = 4 * N) -> HostPool:
+    return HostPool(pages * PAGE, 64 * KIB)
+
+
+def keys_of(rng: random.Random, n: int) -> list[bytes]:
+    return [rng.randbytes(32) for _ in range(n)]
+
+
+def store(pool: HostPool, keys: list[bytes], ns: int = NS, commit: bool = True) -> list[int]:
+    got = pool.allocate(ns, OWNER, pool.register_class(PAGE), keys)
+    assert len(got) == len(keys), "the test pool is large enough"
+    slots = [s for _, s in got]
+    if commit:
+        pool.commit(slots)
+    return slots
+
+
+def run(pool: HostPool, ns: int, keys: list[bytes]) -> int:
+    """The table's answer, checked against the key-by-key reference and the list form."""
+    packed = pool.lookup_packed(ns, b"".join(keys))
+    assert packed == PageTable.lookup(pool, ns, keys)
+    assert pool.lookup(ns, keys) == packed
+    return packed
+
+
+def test_chains_prefixes_and_misses() -> None:
+    rng = random.Random(1)
+    pool = new_pool()
+    keys = keys_of(rng, N)
+    store(pool, keys)
+    assert run(pool, NS, keys) == N
+    assert run(pool, NS, keys[: N // 2] + keys_of(rng, 300)) == N // 2
+    assert run(pool, NS, keys_of(rng, 1) + keys) == 0
+    assert run(pool, NS, keys[:10] + keys_of(rng, 1) + keys[11:]) == 10
+    assert run(pool, NS, keys[:-1] + keys_of(rng, 1)) == N - 1
+
+
+def test_hostile_lists_not_chains_duplicates_other_namespace() -> None:
+    rng = random.Random(2)
+    pool = new_pool()
+    mine, theirs = keys_of(rng, N), keys_of(rng, N)
+    store(pool, mine)
+    store(pool, theirs, ns=NS2)
+    shuffled = mine[:]
+    rng.shuffle(shuffled)
+    assert run(pool, NS, shuffled) == N  # every key present, in no chain order
+    assert run(pool, NS, [mine[5]] * N) == N  # one present key, N times
+    assert run(pool, NS, [mine[0]] * 300 + [theirs[0]] + mine) == 300
+    assert run(pool, NS, theirs) == 0  # another namespace's pages are never seen
+    assert run(pool, NS2, theirs + mine) == N
+    assert run(pool, 99, mine) == 0  # a namespace with no pages
+
+
+def test_writing_evicted_flushed_aborted_and_reused_slots() -> None:
+    rng = random.Random(3)
+    pool = new_pool()
+    keys = keys_of(rng, N)
+    slots = store(pool, keys)
+    late = keys_of(rng, 300)
+    writing = store(pool, late, commit=False)
+    assert run(pool, NS, keys + late) == N  # WRITING pages do not count
+    pool.abort(writing)
+    assert run(pool, NS, keys + late) == N
+    pool.flush(NS)
+    assert run(pool, NS, keys) == 0  # the table still names the slots; the rows decide
+    few = keys_of(rng, 8)
+    store(pool, few)  # the namespace holds pages again; most freed rows keep their old keys
+    assert run(pool, NS, keys) == 0
+    assert run(pool, NS, few + keys) == 8
+    again = keys_of(rng, N)
+    reused = store(pool, again)  # the freed slots come back under other keys
+    assert set(reused) & set(slots)
+    assert run(pool, NS, keys) == 0
+    assert run(pool, NS, again) == N
+    assert run(pool, NS, again[:100] + keys[:100]) == 100
+
+
+def test_eviction_leaves_only_what_is_resident() -> None:
+    rng = random.Random(4)
+    pool = new_pool(pages=N + N // 2)  # room for 1.5 lists: the second evicts the first
+    first, second = keys_of(rng, N), keys_of(rng, N)
+    store(pool, first)
+    store(pool, second)
+    assert pool.stats().evictions > 0
+    assert run(pool, NS, second) == N
+    held = run(pool, NS, first)
+    assert held < N
+    assert held == PageTable.lookup(pool, NS, first)
+
+
+def test_growth_rebuilds_and_random_lists_agree() -> None:
+    rng = random.Random(5)
+    pool = new_pool(pages=16 * N)
+    table = pool._table
+    caps, stored = {table.capacity}, []
+    for _ in range(24):  # many small commits: the table grows by rebuilds
+        batch = keys_of(rng, rng.randint(1, 3 * N // 4))
+        store(pool, batch)
+        stored += batch
+        caps.add(pool._table.capacity)
+    assert len(caps) > 1
+    for _ in range(40):
+        n = rng.randint(TABLE_MIN_KEYS, 2 * N)
+        keys = [rng.choice(stored) if rng.random() < 0.97 else rng.randbytes(32)
+                for _ in range(n)]
+        run(pool, NS, keys)
+
+
+def test_same_bucket_in_another_namespace_is_not_a_hit() -> None:
+    rng = random.Random(9)
+    pool = new_pool()
+    pool._table._mult[1] = 0  # the namespace no longer moves the bucket: probes meet
+    pool._table.rebuild()
+    keys = keys_of(rng, N)
+    store(pool, keys, ns=NS2)
+    store(pool, keys_of(rng, 4))  # NS holds pages too
+    assert run(pool, NS, keys) == 0
+    store(pool, keys[:N // 2])  # now NS holds the first half under the same keys
+    assert run(pool, NS, keys) == N // 2
+    assert run(pool, NS2, keys) == N
+
+
+def test_crafted_keys_overflowing_a_bucket_stay_exact() -> None:
+    rng = random.Random(6)
+    pool = new_pool()
+    head = rng.randbytes(8)  # same first 8 bytes: the same bucket, whatever the hashing
+    crafted = [head + rng.randbytes(24) for _ in range(N)]
+    store(pool, crafted)
+    assert pool._table.left_out >= N - MAX_ROUNDS  # past the bucket's run: the exact way
+    assert run(pool, NS, crafted) == N
+    other = [head + rng.randbytes(24) for _ in range(3)]
+    assert run(pool, NS, crafted[:N // 2] + other + crafted) == N // 2
+    plain = keys_of(rng, N)
+    store(pool, plain)
+    assert run(pool, NS, plain + crafted) == 2 * N
+
+
+def test_a_short_key_is_not_a_padded_one() -> None:
+    pool = new_pool()
+    short = [i.to_bytes(2, "big") + b"\7" * 29 for i in range(N)]  # 31 bytes each
+    store(pool, short)
+    padded = [k + b"\0" for k in short]  # the bytes the key column holds for them
+    assert pool.lookup_packed(NS, b"".join(padded)) == 0
+    assert pool.lookup(NS, padded) == 0
+
+
+def test_partial_key_is_refused() -> None:
+    pool = new_pool()
+    store(pool, keys_of(random.Random(7), 4))
+    with pytest.raises(HostPoolError, match="multiple of 32"):
+        pool.lookup_packed(NS, b"\1" * 33)
+    assert pool.lookup_packed(NS, b"") == 0
+
+
+def test_an_adopted_pool_finds_its_pages() -> None:
+    rng = random.Random(8)
+    first = new_pool()
+    meta = bytearray(first.layout.meta_bytes)
+    first.adopt(meta)
+    keys = keys_of(rng, N)
+    store(first, keys)
+    assert run(first, NS, keys) == N
+    second = new_pool()
+    res = second.adopt(meta)  # a restart over the same metadata
+    assert res.adopted and res.pages_adopted == N
+    assert run(second, NS, keys) == N
+    assert run(second, NS, keys[: N // 3] + keys_of(rng, 1)) == N // 3
+    first.close()
+    second.close()
