@@ -14,7 +14,12 @@ Through the daemon (``put_gbps``, ``get_gbps``; payload bytes, page cache used t
 
 ``store_put_gbps`` adds the engine side: under write_through, from the first STORE (batches
 of 64) until a SYNC sent after the last STORE answers; the engine -> L2 copies share the
-CPU with the L3 writes.
+CPU with the L3 writes. ``store_gbps`` is that engine side alone: the same STOREs under
+write_back (nothing goes to L3 while L2 has room), timed within each put until every STORE
+has answered. Write-through moves every byte twice (engine -> L2, L2 -> L3) where the raw
+baseline moves it once: where the cores are all busy its time is about the sum of the two
+alone (``1 / store_put_over_raw_write`` ~ ``1 / store_over_raw_write + 1 / put_over_raw_write``);
+on idle cores the two overlap and it nears the slower one.
 
 The backend alone (``backend_put_gbps``, ``backend_get_gbps``)::
 
@@ -222,6 +227,7 @@ def _daemon_bench(path: Path, pages: int, page_bytes: int, repeats: int) -> dict
         "--prefetch-threshold", "0", "--write-back-queue", str(2 * pages)])
     times: dict[str, list[float]] = {"put": [], "get": [], "raw_write": [], "raw_read": [],
                                      "store_put": []}
+    stored: list[float] = []  # engine -> L2 alone, timed within each put
     with ExitStack() as stack:
         mm, arena = _shm_arena(total)
         stack.callback(mm.close)
@@ -286,7 +292,9 @@ def _daemon_bench(path: Path, pages: int, page_bytes: int, repeats: int) -> dict
 
         def put() -> float:  # L2 -> L3: the pages stored under write-back, then one SYNC
             flush("all")  # puts must write, as raw writes do
-            store_all()
+            start = time.perf_counter()
+            store_all()  # engine -> L2 alone: nothing goes to L3 yet (write-back, room)
+            stored.append(time.perf_counter() - start)
             settle()
             start = time.perf_counter()
             sync_all(pages)
@@ -337,9 +345,11 @@ def _daemon_bench(path: Path, pages: int, page_bytes: int, repeats: int) -> dict
                     seconds = step()
                     if rep:
                         times[name].append(seconds)
+    times["store"] = stored[1:]  # rep 0 warmed up
     result: dict[str, Any] = {f"{name}_gbps": _median_gbps(t, total) for name, t in times.items()}
     raw_write_s = times["raw_write"][0::2]  # the raw write paired with put, then with store_put
     result["put_over_raw_write"] = _paired(raw_write_s, times["put"])
+    result["store_over_raw_write"] = _paired(raw_write_s, times["store"])
     result["store_put_over_raw_write"] = _paired(times["raw_write"][1::2], times["store_put"])
     result["get_over_raw_read"] = _paired(times["raw_read"], times["get"])
     return result
@@ -372,7 +382,8 @@ def run_file_bench(
         ``raw_read_gbps`` (payload GB/s), ``put_over_raw_write``, ``get_over_raw_read``
         (put: L2 → L3 by SYNC; get: L3 → L2 by PREFETCH + CLAIM), and
         ``store_put_gbps`` / ``store_put_over_raw_write`` (engine → L2 → L3 under
-        write-through).
+        write-through), and ``store_gbps`` / ``store_over_raw_write`` (engine → L2 alone,
+        the same STOREs).
         The backend alone: the same names prefixed ``backend_``, the same ratios in CPU
         seconds of the whole process (``backend_put_cpu_over_raw_write``,
         ``backend_get_cpu_over_raw_read``: raw CPU / backend CPU, steadier on a busy
@@ -402,6 +413,7 @@ def print_table(result: dict[str, Any]) -> None:
             ("L2 -> L3 (SYNC)", "put", "raw_write"),
             ("L3 -> L2 (prefetch + claim)", "get", "raw_read"),
             ("engine -> L2 -> L3 (write-through)", "store_put", "raw_write"),
+            ("engine -> L2 alone (same STOREs)", "store", "raw_write"),
         ):
             table.add_row(label, f"{result[f'{side}_gbps']:.2f}",
                           f"{result[f'{raw_side}_gbps']:.2f}",

@@ -49,9 +49,8 @@ WRITE_BATCH = 64
 """Pages per backend ``put_from`` call."""
 
 WRITE_CONCURRENCY = 4
-"""Write batches in flight at once. The file backend measured 0.47-0.51 of raw write
-speed through the daemon with one batch in flight, 0.65-0.77 with two, 0.70-0.80 with four
-(2-core machine): each batch leaves its thread idle while the event loop settles it."""
+"""Write batches in flight at once. The file backend measured 0.47-0.51 of raw write speed
+through the daemon with one in flight, 0.65-0.77 with two, 0.70-0.80 with four (2 cores)."""
 
 MAX_RETRIES = 3
 """Attempts after the first before a page is given up."""
@@ -203,17 +202,19 @@ class L3Writer:
 
     def _enqueue(self, ns: bytes, ns_id: int, keys: list[bytes], page_bytes: int,
                  pinned: bool, bound: bool = True, slots: list[int] | None = None) -> int:
-        limit = self.cfg.write_back_queue if bound else 1 << 62
+        queued, queue = self._queued, self._queue
+        room = (self.cfg.write_back_queue if bound else 1 << 62) - len(queued)
         added = dropped = 0
         for j, key in enumerate(keys):
-            if (ns_id, key) in self._queued:
+            ident = (ns_id, key)
+            if ident in queued:
                 continue
-            if len(self._queued) >= limit:
+            if added >= room:
                 dropped += 1
                 continue
             it = _Item(ns, ns_id, key, page_bytes, pinned, slots[j] if slots is not None else -1)
-            self._queued[(ns_id, key)] = it
-            self._queue.append(it)
+            queued[ident] = it
+            queue.append(it)
             added += 1
         self.counters.l3_write_queued_pages += added
         self.counters.l3_write_dropped_pages += dropped
@@ -314,7 +315,8 @@ class L3Writer:
         batch = [first]
         while self._queue and len(batch) < WRITE_BATCH:
             it = self._queue[0]
-            if (it.ns, it.page_bytes, it.pinned) != (first.ns, first.page_bytes, first.pinned):
+            if (it.ns, it.ns_id, it.page_bytes, it.pinned) != (
+                    first.ns, first.ns_id, first.page_bytes, first.pinned):
                 break
             batch.append(self._queue.popleft())
         return batch
@@ -341,20 +343,9 @@ class L3Writer:
 
     async def _write_batch(self, batch: list[_Item]) -> None:
         pool, c = self.pool, self.counters
-        items: list[_Item] = []
-        slots: list[int] = []
         pins: list[int] = []
         try:
-            for it in batch:
-                slot = self._hold(it)
-                if slot is None:  # gone from L2 before its turn
-                    self._settle(it, written=False)
-                    c.l3_write_dropped_pages += 1
-                    continue
-                if it.pinned:  # a write-through page is new in L2; the exists check below
-                    pins.append(slot)  # finds those another daemon wrote meanwhile
-                items.append(it)
-                slots.append(slot)
+            items, slots = self._hold(batch, pins)
             if not items:
                 return
             ns, length = items[0].ns, items[0].page_bytes
@@ -363,22 +354,19 @@ class L3Writer:
             if present:
                 pool.mark_in_l3(slots[:present])
                 c.l3_write_skipped_pages += present
-                for it in items[:present]:
-                    self._finish(it)
+                self._settle(items[:present], written=True)
             rest, rest_slots = items[present:], slots[present:]
             if not rest:
                 return
-            flags = await self.l3.put(ns, [it.key for it in rest],
+            flags = await self.l3.put(ns, keys[present:],
                                         [pool.slot_offset(s) for s in rest_slots], length)
             ok = [s for s, f in zip(rest_slots, flags) if f]
-            if ok:
-                pool.mark_in_l3(ok)
+            pool.mark_in_l3(ok)
             c.l3_write_written_pages += len(ok)
             c.bytes_to_l3 += len(ok) * length
+            self._settle([it for it, f in zip(rest, flags) if f], written=True)
             for it, slot, f in zip(rest, rest_slots, flags):
-                if f:
-                    self._finish(it)
-                else:
+                if not f:
                     self._failed(it, slot)
         finally:
             for it in batch:
@@ -386,24 +374,44 @@ class L3Writer:
             if pins:
                 pool.unpin(pins)
 
-    def _hold(self, it: _Item) -> int | None:
-        """Keep the page's slot from being reused during the write; its slot, or None."""
-        if it.pinned:
-            got = self.pool.pin(it.ns_id, [it.key])
-            return got[0] if got else None
-        # write-back: not in L3, so not evictable; a flush pins it (flush_guard)
-        if not self._holds(it):
-            return None
-        self._writing[(it.ns_id, it.key)] = it
-        self.pool.evict_requires_l3 = True  # until the batch is done (apply_write_policy)
-        return it.slot
+    def _hold(self, batch: list[_Item], pins: list[int]) -> tuple[list[_Item], list[int]]:
+        """Keep the batch's slots from being reused during the write; return the pages
+        still in L2 and their slots (the others are dropped). Write-through pages are
+        pinned into ``pins`` (for the caller to unpin), the whole batch in one call when
+        its pages are READY, as a STORE's are. Write-back pages are not in L3, so not
+        evictable; a flush pins them (flush_guard)."""
+        items: list[_Item] = []
+        slots: list[int] = []
+        gone: list[_Item] = []
+        if batch[0].pinned:  # a batch shares ns_id and pinned (_take_batch)
+            ns_id, keys, i = batch[0].ns_id, [it.key for it in batch], 0
+            while i < len(batch):
+                got = self.pool.pin(ns_id, keys[i:] if i else keys)  # the leading READY run
+                pins += got
+                items += batch[i:i + len(got)]
+                i += len(got)
+                if i < len(batch):  # not READY: gone from L2 (or never committed)
+                    gone.append(batch[i])
+                    i += 1
+            slots = pins  # the same slots, in batch order
+        else:
+            for it in batch:
+                if self._holds(it):
+                    self._writing[(it.ns_id, it.key)] = it
+                    items.append(it)
+                    slots.append(it.slot)
+                else:
+                    gone.append(it)
+            if items:
+                self.pool.evict_requires_l3 = True  # until the batch is done (apply_policy)
+        if gone:
+            self._settle(gone, written=False)
+            self.counters.l3_write_dropped_pages += len(gone)
+        return items, slots
 
     def _holds(self, it: _Item) -> bool:
         info = self.pool.describe(it.slot)
         return info.state == PageState.READY and info.key == it.key and info.ns_id == it.ns_id
-
-    def _finish(self, it: _Item) -> None:
-        self._settle(it, written=True)
 
     def _failed(self, it: _Item, slot: int) -> None:
         it.attempts += 1
@@ -412,25 +420,29 @@ class L3Writer:
             self._retry.append(it)
             self.counters.l3_write_retries += 1
             return
-        self._settle(it, written=False)
+        self._settle([it], written=False)
         self.counters.l3_write_failed_pages += 1
         if not it.pinned and self._holds(it):
             self.pool.mark_in_l3([slot])  # give up the L3 copy, never the L2 slot
 
-    def _settle(self, it: _Item, written: bool) -> None:
-        """The page is off the queue for good: written (or found in L3), or given up."""
-        ident = (it.ns_id, it.key)
-        if self._queued.get(ident) is it:
-            del self._queued[ident]
+    def _settle(self, items: Sequence[_Item], written: bool) -> None:
+        """These pages are off the queue for good: written (or found in L3), or given up."""
+        queued = self._queued
+        idents = [(it.ns_id, it.key) for it in items]
+        for ident, it in zip(idents, items):
+            if queued.get(ident) is it:
+                del queued[ident]
         for wait in self._syncs:
-            if ident in wait.pending:
-                wait.pending.discard(ident)
-                if written:
-                    wait.written += 1
-                else:
-                    wait.failed += 1
-                if not wait.pending:
-                    wait.done.set()
+            pending = wait.pending
+            hits = len(pending)
+            pending.difference_update(idents)
+            hits -= len(pending)
+            if written:
+                wait.written += hits
+            else:
+                wait.failed += hits
+            if hits and not pending:
+                wait.done.set()
 
     async def sync(self, timeout: float) -> tuple[int, int, int, int]:
         """Queue every L2 page not in L3 (as :meth:`back_up_all`) and wait until those and
