@@ -15,11 +15,19 @@ smaller page would cost the same pool bytes). One engine then:
 5. stores fresh pages into the full pool, a tenth of ``pages`` beyond its capacity (the
    eviction rate: pages evicted per second of the stores that evicted, from the daemon's
    ``evictions`` counter).
+
+Run alone (the million-page part of ``kvtier bench scale`` only)::
+
+    python -m kvtier.bench.scale_million [--pages N] [--json PATH]
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import random
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -31,7 +39,7 @@ from kvtier.client.kv_pool import SharedKVPool
 from kvtier.config import ClientConfig
 from kvtier.ipc import protocol as P
 
-__all__ = ["GEOMETRY", "LOOKUP_KEYS", "run_million"]
+__all__ = ["GEOMETRY", "LOOKUP_KEYS", "main", "run_million"]
 
 GEOMETRY = P.Geometry(num_layers=1, page_size=16, kv_heads=1, head_dim=64, dtype="float16")
 """4 KiB pages: 1 layer x K,V x 16 tokens x 1 head x 64 dims x fp16."""
@@ -106,8 +114,10 @@ def run_million(root: Path, pages: int, batch: int, samples: int, copy_threads: 
             second.start(timeout=timeout_s)
             healthy = time.perf_counter() - t0
             with Connection(kv, model_id=MODEL, config=cfg) as conn:
+                t1 = time.perf_counter()
                 found = sum(conn.lookup(keys).l2 for keys in chains)
                 adopt_s = time.perf_counter() - t0
+                find_s = time.perf_counter() - t1
                 adopted = memory_status(second.pid)
                 stats = conn.stats()
                 evicted, evict_busy = _overflow(conn, len(chains), batch,
@@ -128,6 +138,7 @@ def run_million(root: Path, pages: int, batch: int, samples: int, copy_threads: 
         "million_lookup_p50_over_small": round(big / small, 3),
         "million_restart_to_healthy_seconds": round(healthy, 3),
         "million_adopt_seconds": round(adopt_s, 3),
+        "million_find_all_seconds": round(find_s, 3),
         "million_daemon_adopt_seconds": round(float(adopt.get("seconds", 0.0)), 4)
         if isinstance(adopt, dict) else 0.0,
         "million_pages_found_after_restart": found,
@@ -190,3 +201,28 @@ def _evictions(conn: Connection) -> int:
     pool = conn.stats()["pool"]
     assert isinstance(pool, dict)
     return int(pool["evictions"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvtier.bench.scale_million [--pages N] [--json PATH]``: print the results."""
+    p = argparse.ArgumentParser(prog="python -m kvtier.bench.scale_million",
+                                description="the million-page part of kvtier bench scale")
+    p.add_argument("--pages", type=int, default=1_000_000, help="pages (default 1,000,000)")
+    p.add_argument("--batch", type=int, default=1024, help="pages per STORE (default 1024)")
+    p.add_argument("--samples", type=int, default=500, help="timed LOOKUPs per p50 (default 500)")
+    p.add_argument("--copy-threads", type=int, default=2, help="the daemon's copy threads")
+    p.add_argument("--json", metavar="PATH", help="write the results here")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="kvm-", dir="/tmp") as tmp:
+        out = run_million(Path(tmp), args.pages, args.batch, args.samples, args.copy_threads)
+    for name, value in out.items():
+        print(f"{name:44} {value}")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -19,6 +19,7 @@ import xxhash
 from kvtier.daemon.pool.layout import HAS_CHECKSUM, KEY_BYTES, NIL
 from kvtier.daemon.pool.meta import PoolMeta
 from kvtier.daemon.pool.records import HostPoolError, PageState
+from kvtier.daemon.pool.seals import seals
 
 __all__ = ["AdoptScan", "scan_rows"]
 
@@ -29,8 +30,8 @@ class AdoptScan:
 
     Attributes:
         slots: adopted slot ids, ascending (int64).
-        keys: their keys, same order.
-        parents: their parent slot ids after cleaning (NIL: none), same order.
+        keys: their keys, same order (no (namespace, key) twice).
+        parents: their parent slot ids after cleaning (NIL: none), same order as ``slots``.
         dropped: rows that were not FREE and are FREE now.
         payload_bytes: sum of the adopted pages' payload lengths.
     """
@@ -49,10 +50,15 @@ def scan_rows(meta: PoolMeta, usable: np.ndarray, arena: Any | None = None) -> A
     and matches its payload length; its key fits; its seal matches its key,
     namespace and checksum; with ``arena``, it has a checksum and its payload still
     hashes to it; and no more recent READY row holds the same key in the same
-    namespace. Every other non-FREE row (WRITING, failed, duplicate) is set FREE, state
-    byte first. Parent links are kept only to an adopted page of the same namespace, and
-    cut on any cycle (which only corruption could make); the cleaned links are written
-    back.
+    namespace (of equally recent ones, the lowest slot). Every other non-FREE row
+    (WRITING, failed, duplicate) is set FREE, state byte first. Parent links are kept
+    only to an adopted page of the same namespace, and cut on any cycle (which only
+    corruption could make); the cleaned links are written back.
+
+    The checks run as numpy columns (:func:`~kvtier.daemon.pool.seals.seals` for the
+    seals, and a 64-bit hash of each (namespace, key) to find duplicates: rows whose
+    hashes collide are then compared whole, one by one); only the payload hashes (with
+    ``arena``) are a Python loop over every row.
 
     Args:
         meta: the mapped metadata; its state, in-L3 and parent columns are rewritten.
@@ -74,29 +80,29 @@ def scan_rows(meta: PoolMeta, usable: np.ndarray, arena: Any | None = None) -> A
     cand = live[state[live] == PageState.READY]
     pbs = meta.array("ext_bytes")
     e = cand // per
-    length = meta.array("length")[cand]
     flags = meta.array("flags")[cand]
-    ok = (cand - e * per < usable[e]) & (length == pbs[e])
+    ok = (cand - e * per < usable[e]) & (meta.array("length")[cand] == pbs[e])
     ok &= meta.array("key_len")[cand] <= KEY_BYTES
     if arena is not None:
         ok &= (flags & HAS_CHECKSUM) != 0
-    cand, e, length, flags = cand[ok], e[ok], length[ok], flags[ok]
-    strides = lay.headroom + (pbs[e] + lay.align - 1) // lay.align * lay.align
-    offsets = e * lay.span + (cand - e * per) * strides + lay.headroom
+    cand, flags = cand[ok], flags[ok]
+    rows = meta.array("key").reshape(-1, KEY_BYTES)[cand]  # a copy, (n, KEY_BYTES)
+    key_len = meta.array("key_len")[cand]
+    sums = np.where((flags & HAS_CHECKSUM) != 0, meta.array("checksum")[cand], np.uint64(0))
+    sealed = seals(rows, key_len, sums ^ meta.array("ns")[cand].view(np.uint64))
+    ok = sealed == meta.array("seal")[cand]
+    cand, rows, key_len, sums = cand[ok], rows[ok], key_len[ok], sums[ok]
+    if arena is not None:
+        ok = _payloads_match(meta, arena, cand, sums)
+        cand, rows, key_len = cand[ok], rows[ok], key_len[ok]
     del pbs
-    view = None if arena is None else memoryview(arena).cast("B")
-    try:
-        if view is not None and view.nbytes < lay.n_extents * lay.span:
-            raise HostPoolError(f"the arena has {view.nbytes} bytes, the pool needs "
-                                f"{lay.n_extents * lay.span}")  # fmt: skip
-        by_key = _verify(meta, cand, offsets, length, flags, view)
-    finally:
-        if view is not None:
-            view.release()
-    pairs = sorted((s, key) for (_, key), s in by_key.items())
-    slots = np.array([s for s, _ in pairs], dtype=np.int64)
-    keys = [key for _, key in pairs]
-    gone = np.setdiff1d(live, slots)
+    latest = _latest_per_key(meta, cand, rows, key_len)
+    slots, keys = cand[latest], _key_objects(rows[latest], key_len[latest])
+    del rows
+    gone = np.ones(len(state), dtype=bool)
+    gone[slots] = False
+    gone[state == PageState.FREE] = False
+    n_gone = int(np.count_nonzero(gone))
     state[gone] = PageState.FREE  # first: the rows are free from here on
     in_l3 = meta.array("in_l3")  # allocate leaves it alone: no FREE row may keep it
     kept = in_l3[slots]
@@ -104,39 +110,101 @@ def scan_rows(meta: PoolMeta, usable: np.ndarray, arena: Any | None = None) -> A
     in_l3[slots] = kept
     parents = _clean_parents(meta, slots)
     del state, in_l3
-    return AdoptScan(slots, keys, parents, len(gone), int(meta.array("length")[slots].sum()))
+    return AdoptScan(slots, keys, parents, n_gone,
+                     int(meta.array("length")[slots].sum()))  # fmt: skip
 
 
-def _verify(meta: PoolMeta, cand: np.ndarray, offsets: np.ndarray, length: np.ndarray,
-            flags: np.ndarray, view: memoryview | None) -> dict[tuple[int, bytes], int]:  # fmt: skip
-    """Seal (and payload) checks of candidate READY rows; return (ns, key) -> slot.
-
-    The columns are gathered with numpy first, so the per-row loop only slices a key,
-    hashes it (and the payload) and fills a dict.
-    """
-    n = len(cand)
-    blob = meta.array("key").reshape(-1, KEY_BYTES)[cand].tobytes()
-    key_len = meta.array("key_len")[cand].tolist()
-    has = (flags & HAS_CHECKSUM) != 0
-    sums = np.where(has, meta.array("checksum")[cand], 0).tolist()
-    seeds = ((meta.array("checksum")[cand] * has) ^ meta.array("ns")[cand].view(np.uint64))
-    seals = meta.array("seal")[cand].tolist()
-    stamps = meta.array("stamp")[cand].tolist()
+def _payloads_match(meta: PoolMeta, arena: Any, cand: np.ndarray, sums: np.ndarray) -> np.ndarray:
+    """Hash each candidate's payload in ``arena``; True where it matches its checksum."""
+    lay = meta.layout
+    pbs = meta.array("ext_bytes")
+    e = cand // lay.per_extent
+    length = meta.array("length")[cand]
+    strides = lay.headroom + (pbs[e] + lay.align - 1) // lay.align * lay.align
+    offsets = e * lay.span + (cand - e * lay.per_extent) * strides + lay.headroom
+    del pbs
     digest = xxhash.xxh3_64_intdigest
-    by_key: dict[tuple[int, bytes], int] = {}
-    best: dict[tuple[int, bytes], int] = {}  # (ns, key) -> stamp of the row holding it
-    nss = meta.array("ns")[cand].tolist()
-    rows = zip(range(n), cand.tolist(), seeds.tolist(), seals, key_len, stamps,
-               offsets.tolist(), length.tolist(), sums, nss)  # fmt: skip
-    for j, s, seed, seal, kl, stamp, off, nbytes, csum, ns in rows:
-        key = blob[j * KEY_BYTES : j * KEY_BYTES + kl]
-        if digest(key, seed) != seal:
+    with memoryview(arena) as raw, raw.cast("B") as view:
+        if view.nbytes < lay.n_extents * lay.span:
+            raise HostPoolError(f"the arena has {view.nbytes} bytes, the pool needs "
+                                f"{lay.n_extents * lay.span}")  # fmt: skip
+        got = [digest(view[off : off + nbytes])
+               for off, nbytes in zip(offsets.tolist(), length.tolist())]  # fmt: skip
+    return np.array(got, dtype=np.uint64).reshape(-1) == sums
+
+
+def _key_objects(rows: np.ndarray, key_len: np.ndarray) -> list[bytes]:
+    """The key of each row as a bytes object (its first ``key_len`` bytes), row order."""
+    n = len(key_len)
+    if n and (key_len == KEY_BYTES).all():  # the usual case: 32-byte digests
+        return np.ascontiguousarray(rows).view(f"V{KEY_BYTES}").ravel().tolist()
+    out = np.empty(n, dtype=object)
+    for length in np.unique(key_len).tolist():
+        at = np.flatnonzero(key_len == length)
+        if length == 0:
+            out[at] = b""
             continue
-        if view is not None and digest(view[off : off + nbytes]) != csum:
-            continue
-        if best.get((ns, key), -1) < stamp:
-            by_key[(ns, key)], best[(ns, key)] = s, stamp
-    return by_key
+        part = np.ascontiguousarray(rows[at, :length]).view(f"V{length}").ravel()
+        out[at] = part.tolist()  # the object array keeps these bytes objects
+    return out.tolist()
+
+
+def _latest_per_key(meta: PoolMeta, cand: np.ndarray, rows: np.ndarray,
+                    key_len: np.ndarray) -> np.ndarray:  # fmt: skip
+    """Mask of the candidates that hold their (namespace, key) most recently: of rows
+    with the same namespace and key, the one with the largest stamp, the lowest slot of
+    a tie.
+
+    Each row's (namespace, key) is hashed to 64 bits (:func:`_fingerprints`); only rows
+    sharing a hash (a duplicate, or a collision) are compared whole.
+
+    Args:
+        cand: candidate slots, ascending; ``rows`` their key rows and ``key_len`` their
+            key lengths, same order.
+    """
+    nss = meta.array("ns")[cand]
+    hashes = _fingerprints(rows, key_len, nss)
+    order = np.argsort(hashes)
+    same = hashes[order][1:] == hashes[order][:-1]
+    keep = np.ones(len(cand), dtype=bool)
+    if not same.any():
+        return keep
+    shared = np.zeros(len(cand), dtype=bool)
+    shared[1:] |= same
+    shared[:-1] |= same
+    suspects = np.sort(order[shared])  # positions, in ascending slot order
+    stamps = meta.array("stamp")[cand[suspects]].tolist()
+    best: dict[tuple[int, bytes], tuple[int, int]] = {}  # (ns, key) -> (stamp, position)
+    for j, stamp in zip(suspects.tolist(), stamps):
+        who = (int(nss[j]), rows[j, : key_len[j]].tobytes())
+        held = best.get(who)
+        if held is None or held[0] < stamp:
+            best[who] = (stamp, j)
+    keep[suspects] = False
+    keep[[j for _, j in best.values()]] = True
+    return keep
+
+
+_MULTIPLIERS = np.array([0x9E3779B185EBCA87, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9,
+                        0x85EBCA77C2B2AE63, 0x27D4EB2F165667C5, 0xFF51AFD7ED558CCD],
+                       dtype=np.uint64)  # odd 64-bit constants (xxHash's primes)
+
+
+def _fingerprints(rows: np.ndarray, key_len: np.ndarray, nss: np.ndarray) -> np.ndarray:
+    """A 64-bit hash of each row's namespace and key (its first ``key_len`` bytes).
+
+    Equal (namespace, key) pairs hash equal; unequal ones rarely do, and
+    :func:`_latest_per_key` compares rows that do whole, so a collision (even one a
+    client made on purpose) costs time, never a wrong answer.
+    """
+    if len(key_len) and not (key_len == KEY_BYTES).all():
+        rows = np.where(np.arange(KEY_BYTES) < key_len[:, None], rows, np.uint8(0))
+    words = np.ascontiguousarray(rows).view("<u8")
+    m = _MULTIPLIERS
+    h = key_len.astype(np.uint64) * m[5] + nss.view(np.uint64) * m[4]
+    for i in range(KEY_BYTES // 8):
+        h += (words[:, i] ^ (words[:, i] >> np.uint64(29))) * m[i]
+    return h
 
 
 def _clean_parents(meta: PoolMeta, slots: np.ndarray) -> np.ndarray:
@@ -158,6 +226,8 @@ def _clean_parents(meta: PoolMeta, slots: np.ndarray) -> np.ndarray:
     jump[:m] = np.where(ok, pos, m)
     for _ in range(max(1, m.bit_length())):
         jump = jump[jump]
+        if (jump == m).all():  # every chain reached its root: no cycle left to find
+            break
     par[jump[:m] != m] = NIL
     col[:] = NIL
     col[slots] = par

@@ -134,6 +134,9 @@ class RecencyLists:
             owners: the owner of each, same order.
         """
         self.ends = link_in_order(self.prev, self.next, cold_first)
+        if len(owners) and (owners == owners[0]).all():  # one owner: the usual case
+            self.own_ends[int(owners[0])] = link_in_order(self.oprev, self.onext, cold_first)
+            return
         for o in np.unique(owners).tolist():
             self.own_ends[o] = link_in_order(self.oprev, self.onext, cold_first[owners == o])
 
@@ -190,11 +193,12 @@ class ChildLists:
         """Build every list of empty child lists at once, at C speed (adoption).
 
         Args:
-            slots: the pages, and ``parents`` their parent slots (NIL: none), same order.
+            slots: the pages, ascending, and ``parents`` their parent slots (NIL: none),
+                same order.
         """
         has = parents != NIL
         kids, ps = slots[has], parents[has]
-        order = np.lexsort((kids, ps))
+        order = np.argsort(ps, kind="stable")  # by parent, then ascending child
         kids, ps = kids[order], ps[order]
         np.frombuffer(self.count, dtype=np.int32)[:] = np.bincount(ps, minlength=len(self.count))
         head = np.ones(len(ps), dtype=bool)

@@ -16,8 +16,10 @@ resident children (pages that extend it). Write order makes a crash at any insta
 safe: a row is completed while WRITING and its state flips to READY last; freeing
 flips the state first. Which page to evict is :mod:`~kvtier.daemon.pool.eviction`.
 
-Hot paths: lookup is a dict probe per key at C speed (``_ready``: the READY keys of each
-namespace); commit adds one xxh3 of the key (the seal).
+Hot paths: lookup is a dict probe per key at C speed (``_ready``: the READY pages of each
+namespace, key -> slot); commit adds one xxh3 of the key (the seal). Each page's key is
+one bytes object, shared by ``_key`` (slot -> key) and the namespace's dict, and an adopted
+pool builds both with ``dict(zip(...))`` over numpy columns, no Python loop per page.
 """
 
 from __future__ import annotations
@@ -33,9 +35,27 @@ from kvtier.daemon.pool.records import HostPoolError, PageState, PageStateError
 from kvtier.daemon.pool.slots import PageClass, SlotAllocator
 from xxhash import xxh3_64_intdigest
 
-__all__ = ["PageTable"]
+__all__ = ["PageTable", "ResidentPages"]
+
+_NO_PAGES: dict[bytes, int] = {}  # stands in for a namespace without pages; never written
 
 _MAX_U64 = (1 << 64) - 1
+
+
+class ResidentPages:
+    """The number of resident pages (READY and WRITING) of a page table, as ``len``.
+
+    Args:
+        maps: the ``ns_id -> key -> slot`` dicts whose entries count.
+    """
+
+    __slots__ = ("_maps",)
+
+    def __init__(self, *maps: dict[int, dict[bytes, int]]) -> None:
+        self._maps = maps
+
+    def __len__(self) -> int:
+        return sum(len(by_key) for m in self._maps for by_key in m.values())
 
 
 class PageTable:
@@ -71,11 +91,12 @@ class PageTable:
         self._kids = ChildLists(self.n_slots, meta.parent)  # resident children per page
         self._children = self._kids.count
         self._key: list[bytes | None] = [None] * self.n_slots
-        # (namespace, key) -> slot of every resident page; a key is only ever seen from
-        # its own namespace, so one tenant cannot even probe another's keys
-        self._index: dict[bytes, int] = {}
-        # ns_id -> keys of its READY pages: lookups run over it at C speed (the LOOKUP hot path)
-        self._ready: dict[int, set[bytes]] = {}
+        # ns_id -> key -> slot of the READY pages (LOOKUP's hot path) and of the WRITING
+        # ones; a key is only ever seen from its own namespace, so one tenant cannot even
+        # probe another's keys
+        self._ready: dict[int, dict[bytes, int]] = {}
+        self._writing: dict[int, dict[bytes, int]] = {}
+        self._index = ResidentPages(self._ready, self._writing)  # len: resident pages
         self._ev = Evictor(slots, meta, self._key, self._release, max_log=max_log,
                            quota=quota, requires_l3=requires_l3)  # fmt: skip
         self._lru = self._ev.lru  # the evictable pages
@@ -86,33 +107,46 @@ class PageTable:
     def _rebuild(self, slots: np.ndarray, keys: list[bytes], parents: np.ndarray) -> None:
         """Rebuild the private state of an empty table from adopted READY rows.
 
+        Everything is built at C speed (numpy, ``dict(zip(...))``): no Python loop per page.
+
         Args:
-            slots: the adopted slot ids, ascending; ``keys`` and ``parents`` (after
-                cleaning, NIL: none) in the same order.
+            slots: the adopted slot ids, ascending; ``keys`` (no (namespace, key) twice)
+                and ``parents`` (after cleaning, NIL: none) in the same order.
         """
         meta = self._meta
         self._slots.rebuild(slots)
-        sl = slots.tolist()
-        for s, key in zip(sl, keys):
-            self._key[s] = key
-        nss = meta.array("ns")[slots].tolist()
-        self._index = {_ik(n, k): s for n, k, s in zip(nss, keys, sl)}
-        self._ready = {}
-        for n, k in zip(nss, keys):
-            self._ready.setdefault(n, set()).add(k)
+        objs = np.empty(len(keys), dtype=object)
+        objs[:] = keys
+        by_slot = np.full(self.n_slots, None, dtype=object)
+        by_slot[slots] = objs
+        self._key[:] = by_slot.tolist()  # in place: the evictor holds this list
+        del by_slot
+        nss = meta.array("ns")[slots]
+        if len(nss) and (nss == nss[0]).all():  # one namespace: the usual case
+            parts = [np.arange(len(nss))]
+        else:
+            order = np.argsort(nss, kind="stable")
+            parts = np.split(order, np.flatnonzero(nss[order][1:] != nss[order][:-1]) + 1)
+        self._ready = {int(nss[part[0]]): dict(zip(objs[part].tolist(), slots[part].tolist()))
+                       for part in (parts if len(nss) else [])}  # fmt: skip
+        self._writing = {}
+        self._index = ResidentPages(self._ready, self._writing)
         cids = np.frombuffer(self._ext_class, dtype=np.int32)[slots // self._per_extent]
-        for cid, count in zip(*np.unique(cids, return_counts=True)):
-            self._classes[int(cid)].ready = int(count)
+        for cid, count in enumerate(np.bincount(cids, minlength=len(self._classes)).tolist()):
+            self._classes[cid].ready = count
         for cls in self._classes:
             self._ev.fit_class(cls.n)
         owners = meta.array("owner")[slots]
-        for o, count in zip(*np.unique(owners, return_counts=True)):
-            self._owned[int(o)] = int(count)
+        if len(owners) and (owners == owners[0]).all():  # one owner: the usual case
+            self._owned[int(owners[0])] = len(owners)
+        else:
+            for o, count in zip(*np.unique(owners, return_counts=True)):
+                self._owned[int(o)] = int(count)
         self._kids.rebuild(slots, parents)
         # evictable lists: childless pages by last access, cold end first
         stamps = meta.array("stamp")[slots]
         ev = np.frombuffer(self._children, dtype=np.int32)[slots] == 0
-        order = np.lexsort((slots[ev], stamps[ev]))
+        order = np.argsort(stamps[ev], kind="stable")  # ties: ascending slots
         self._lru.rebuild(slots[ev][order], owners[ev][order])
         self._clock = int(stamps.max()) if len(stamps) else 0
 
@@ -147,10 +181,11 @@ class PageTable:
         Returns:
             How many leading keys are READY or WRITING.
         """
-        index = self._index
+        ready = self._ready.get(ns_id, _NO_PAGES)
+        writing = self._writing.get(ns_id, _NO_PAGES)
         n = 0
         for key in keys:
-            if _ik(ns_id, key) not in index:
+            if key not in ready and key not in writing:
                 break
             n += 1
         return n
@@ -189,18 +224,25 @@ class PageTable:
         if keys and max(map(len, keys)) > KEY_BYTES:
             raise HostPoolError(f"page keys must have at most {KEY_BYTES} bytes")
         cls = self._classes[class_id]
-        index = self._index
+        ready = self._ready.get(ns_id, _NO_PAGES)  # evictions below only remove from it
+        writing = self._writing.get(ns_id)
+        if writing is None:
+            writing = self._writing[ns_id] = {}
         meta = self._meta
         pack_key, key_col, key_len, length = meta.pack_key, meta.key, meta.key_len, meta.length
         state, stamp, ns, owners = self._state, self._stamp, self._ns, self._owner
         out: list[tuple[int, int]] = []
         prev = NIL
         if parent_key is not None:
-            p = index.get(_ik(ns_id, parent_key))
+            p = ready.get(parent_key)
+            if p is None:
+                p = writing.get(parent_key)
             if p is not None:
                 prev = p
         for i, key in enumerate(keys):
-            s = index.get(_ik(ns_id, key))
+            s = ready.get(key)
+            if s is None:
+                s = writing.get(key)
             if s is not None:
                 prev = s
                 continue
@@ -222,7 +264,7 @@ class PageTable:
             self._key[s] = key
             if prev != NIL:
                 self._kids.link(prev, s)
-            index[_ik(ns_id, key)] = s
+            writing[key] = s
             cls.writing += 1
             self._owned[owner] = self._owned.get(owner, 0) + 1
             out.append((i, s))
@@ -252,7 +294,7 @@ class PageTable:
         if checksums is not None and (len(checksums) != len(slots) or (
                 checksums and (min(checksums) < 0 or max(checksums) > _MAX_U64))):  # fmt: skip
             raise HostPoolError(f"need one 64-bit checksum per slot ({len(slots)})")
-        meta, state, ready, keys = self._meta, self._state, self._ready, self._key
+        meta, state, keys = self._meta, self._state, self._key
         checksum, flags, seal, stamp = meta.checksum, meta.flags, meta.seal, self._stamp
         digest = xxh3_64_intdigest
         for j in range(len(slots) - 1, -1, -1):
@@ -269,7 +311,11 @@ class PageTable:
             seal[s] = digest(key, (csum ^ ns) & _MAX_U64)  # = seal_of(key, ns, csum)
             stamp[s] = self._tick()
             state[s] = PageState.READY  # last: the row is complete
-            ready.setdefault(ns, set()).add(key)
+            del self._writing[ns][key]
+            by_key = self._ready.get(ns)
+            if by_key is None:
+                by_key = self._ready[ns] = {}
+            by_key[key] = s
             cls = self._classes[self._ext_class[s // self._per_extent]]
             cls.writing -= 1
             cls.ready += 1
@@ -307,7 +353,8 @@ class PageTable:
         Returns:
             The pinned slots, one per key of the leading READY run.
         """
-        out = [self._index[_ik(ns_id, key)] for key in keys[: self.lookup(ns_id, keys)]]
+        n = self.lookup(ns_id, keys)
+        out = list(map(self._ready[ns_id].__getitem__, keys[:n])) if n else []
         pins = self._pins
         for j in range(len(out) - 1, -1, -1):
             s = out[j]
@@ -396,7 +443,8 @@ class PageTable:
         was_ready = self._state[s] == PageState.READY
         self._state[s] = PageState.FREE  # first: from here on a crash leaves the slot free
         self._in_l3[s] = 0
-        del self._index[_ik(self._ns[s], key)]
+        ns = self._ns[s]
+        del (self._ready if was_ready else self._writing)[ns][key]
         self._key[s] = None
         p = self._parent[s]
         if p != NIL:
@@ -406,7 +454,6 @@ class PageTable:
         cls = self._classes[self._ext_class[s // self._per_extent]]
         if was_ready:
             cls.ready -= 1
-            self._ready[self._ns[s]].discard(key)
         else:
             cls.writing -= 1
         self._owned[self._owner[s]] -= 1
@@ -448,7 +495,3 @@ class PageTable:
         if op == "unpin" and self._pins[s] == 0:
             raise PageStateError(f"cannot unpin slot {s}: it is READY with no pins")
 
-
-def _ik(ns_id: int, key: bytes) -> bytes:
-    """The index key of ``key`` in namespace ``ns_id``."""
-    return ns_id.to_bytes(4, "little") + key

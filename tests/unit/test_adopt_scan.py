@@ -1,0 +1,265 @@
+"""Exact tests of the column-wise adoption scan with page keys of 17 to 32 bytes.
+
+The persistence tests (test_pool_persistence) mostly use short keys, which the scan hashes
+one by one; engines' keys are 32-byte digests, which it hashes as numpy columns
+(:mod:`kvtier.daemon.pool.seals`) and deduplicates by a 64-bit fingerprint. These tests
+corrupt such rows the way a careless column parser would get wrong: bytes past a key's
+length, a key length off by one, a byte of either 16-byte half, duplicates, and two
+distinct keys whose fingerprints collide. Pools live over real files, as in
+test_pool_persistence; crash states are written into the metadata directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xxhash
+from kvtier.daemon.pool.adopt import _MULTIPLIERS, _fingerprints
+from kvtier.daemon.pool.index import PageState
+from kvtier.daemon.pool.layout import KEY_BYTES, seal_of
+from kvtier.daemon.pool.seals import CHUNK_ROWS, VECTOR_MIN_LEN, seals
+
+from tests.unit.test_pool_persistence import NS, NS2, PoolFile, rows, store
+
+_MASK = (1 << 64) - 1
+
+
+def digest(name: str, n: int = KEY_BYTES) -> bytes:
+    """A page key of ``n`` bytes (a SHA-256 digest, cut)."""
+    return hashlib.sha256(name.encode()).digest()[:n]
+
+
+@pytest.fixture
+def pool_file(tmp_path: Path) -> PoolFile:
+    from kvtier.daemon.pool.layout import PoolLayout
+
+    return PoolFile(tmp_path / "pool", PoolLayout.plan(3 * 16 * 1024, 16 * 1024, 4096))
+
+
+# ------------------------------------------------------------------ seals
+
+
+@pytest.mark.parametrize("length", range(KEY_BYTES + 1))
+def test_seals_match_xxhash_for_every_key_length(length: int) -> None:
+    """Column hashes equal xxhash's for each length alone (the one-length fast path) and
+    mixed with every other length; the bytes past a row's length never count."""
+    rng = random.Random(length)
+    n = 64
+    keys = np.frombuffer(rng.randbytes(n * KEY_BYTES), dtype=np.uint8).reshape(n, KEY_BYTES)
+    seeds = np.array([0, _MASK] + [rng.getrandbits(64) for _ in range(n - 2)], dtype=np.uint64)
+    want = [xxhash.xxh3_64_intdigest(keys[i, :length].tobytes(), int(seeds[i])) for i in range(n)]
+    same = np.full(n, length)
+    assert seals(keys, same, seeds).tolist() == want
+    mixed = np.array([length if i % 2 else rng.randrange(KEY_BYTES + 1) for i in range(n)])
+    want_mixed = [xxhash.xxh3_64_intdigest(keys[i, : mixed[i]].tobytes(), int(seeds[i]))
+                  for i in range(n)]  # fmt: skip
+    assert seals(keys, mixed, seeds).tolist() == want_mixed
+    garbled = keys.copy()
+    garbled[:, length:] ^= 0xA5
+    assert seals(garbled, same, seeds).tolist() == want
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_seals_across_several_chunks(mixed: bool) -> None:
+    """More rows than one numpy pass takes (CHUNK_ROWS): every chunk lands in its place,
+    with one key length throughout or a few rows of other lengths among them."""
+    rng = random.Random(7)
+    n = 2 * CHUNK_ROWS + 123
+    keys = np.frombuffer(rng.randbytes(n * KEY_BYTES), dtype=np.uint8).reshape(n, KEY_BYTES)
+    lengths = np.full(n, KEY_BYTES)
+    if mixed:
+        lengths[rng.sample(range(n), 300)] = [rng.randrange(KEY_BYTES) for _ in range(300)]
+    seeds = np.array([rng.getrandbits(64) for _ in range(n)], dtype=np.uint64)
+    want = [xxhash.xxh3_64_intdigest(keys[i, : lengths[i]].tobytes(), int(seeds[i]))
+            for i in range(n)]  # fmt: skip
+    assert seals(keys, lengths, seeds).tolist() == want
+
+
+def test_seals_of_no_rows() -> None:
+    out = seals(np.zeros((0, KEY_BYTES), np.uint8), np.zeros(0, np.int64), np.zeros(0, np.uint64))
+    assert out.shape == (0,) and out.dtype == np.uint64
+
+
+# ------------------------------------------------------------ adoption
+
+
+def test_digest_keys_come_back_exactly(pool_file: PoolFile) -> None:
+    """32-byte keys (column path), a 20-byte key (column path, one length of its own) and
+    a 5-byte key (one by one), in two namespaces: every row and lookup comes back."""
+    pool, _ = pool_file.start()
+    arena = pool_file.arena()
+    a = [digest(f"a{i}") for i in range(3)]
+    b = [digest(f"b{i}") for i in range(2)]
+    store(pool, arena, a)
+    store(pool, arena, b, ns=NS2)
+    store(pool, arena, [digest("mid", 20), b"short"])
+    before = rows(pool)
+    pool, res = pool_file.start()
+    assert (res.pages_adopted, res.pages_dropped) == (7, 0)
+    assert rows(pool) == before
+    assert pool.lookup(NS, a) == 3 and pool.lookup(NS2, b) == 2 and pool.lookup(NS, b) == 0
+    assert pool.lookup(NS, [digest("mid", 20), b"short"]) == 2
+
+
+def test_bytes_past_a_keys_length_are_not_part_of_it(pool_file: PoolFile) -> None:
+    """Garbage after a 20- and a 24-byte key in the key column: the rows are adopted under
+    the keys their lengths say (a parser reading all 32 bytes would drop them, or serve
+    them under keys no engine asked for)."""
+    pool, _ = pool_file.start()
+    keys = [digest("k20", 20), digest("k24", 24), digest("k32")]
+    slots = store(pool, pool_file.arena(), keys)
+    del pool
+    meta = pool_file.meta()
+    for s, key in zip(slots, keys):
+        for i in range(len(key), KEY_BYTES):
+            meta.key[s * KEY_BYTES + i] = 0xEE
+    meta.release()
+    pool, res = pool_file.start()
+    assert (res.pages_adopted, res.pages_dropped) == (3, 0)
+    assert [pool.describe(s).key for s in slots] == keys
+    assert pool.lookup(NS, keys) == 3
+
+
+@pytest.mark.parametrize(("n", "where"), [
+    (32, "byte 0"), (32, "byte 15"), (32, "byte 16"), (32, "byte 31"), (24, "byte 8"),
+    (24, "byte 23"), (32, "length 31"), (20, "length 21"), (20, "length 16"),
+    (32, "namespace"), (32, "checksum"),
+])  # fmt: skip
+def test_a_stray_write_to_a_digest_row_drops_it(pool_file: PoolFile, n: int, where: str) -> None:
+    """One changed byte anywhere in a key that long, its length off by one (or below the
+    column path's 17), or another namespace or checksum: the seal no longer matches."""
+    pool, _ = pool_file.start()
+    key, other = digest("victim", n), digest("bystander")
+    slot, kept = store(pool, pool_file.arena(), [key, other])
+    del pool
+    meta = pool_file.meta()
+    what, _, arg = where.partition(" ")
+    if what == "byte":
+        meta.key[slot * KEY_BYTES + int(arg)] ^= 0x40
+    elif what == "length":
+        meta.key_len[slot] = int(arg)
+    elif what == "namespace":
+        meta.ns[slot] = NS2
+    else:
+        meta.checksum[slot] ^= 1
+    meta.release()
+    pool, res = pool_file.start(verify=False)
+    assert (res.pages_adopted, res.pages_dropped) == (1, 1)
+    assert pool.describe(slot).state is PageState.FREE
+    assert pool.describe(kept).key == other and pool.lookup(NS, [other]) == 1
+
+
+def test_duplicate_digest_keys_keep_the_latest_row_per_namespace(pool_file: PoolFile) -> None:
+    """Rows that corruption made claim another row's key (sealed): per namespace the most
+    recent row keeps it, the lowest slot of a tie; the same key in another namespace is
+    another page."""
+    pool, _ = pool_file.start()
+    arena = pool_file.arena()
+    k0, k1 = digest("k0"), digest("k1")
+    s0, s1 = store(pool, arena, [k0, k1])
+    x, y = store(pool, arena, [digest("x"), digest("y")])
+    (z,) = store(pool, arena, [k0], ns=NS2)  # same key, other namespace
+    del pool
+    meta = pool_file.meta()
+    for s, key, stamp in ((x, k0, 1000), (y, k1, int(meta.stamp[s1]))):
+        meta.put_key(s, key)  # x: k0, more recent than s0; y: k1, as recent as s1
+        meta.seal[s] = seal_of(key, NS, meta.checksum[s])
+        meta.stamp[s] = stamp
+    meta.release()
+    pool, res = pool_file.start(verify=False)
+    assert (res.pages_adopted, res.pages_dropped) == (3, 2)
+    assert pool.describe(x).key == k0 and pool.describe(s0).state is PageState.FREE
+    low, high = sorted((s1, y))
+    assert pool.describe(low).key == k1 and pool.describe(high).state is PageState.FREE
+    assert pool.describe(z).key == k0 and pool.lookup(NS2, [k0]) == 1
+    assert pool.lookup(NS, [k0, k1]) == 2
+
+
+def test_duplicates_differing_only_past_the_key_length_are_duplicates(
+    pool_file: PoolFile,
+) -> None:
+    """Two sealed rows with the same 20-byte key and different bytes after it hold one
+    key: only the more recent is adopted."""
+    pool, _ = pool_file.start()
+    key = digest("short", 20)
+    old, new = store(pool, pool_file.arena(), [key, digest("other", 20)])
+    del pool
+    meta = pool_file.meta()
+    meta.put_key(new, key)
+    meta.seal[new] = seal_of(key, NS, meta.checksum[new])
+    meta.stamp[new] = 1000
+    for i in range(20, KEY_BYTES):
+        meta.key[old * KEY_BYTES + i] = 0x11
+        meta.key[new * KEY_BYTES + i] = 0x22
+    meta.release()
+    pool, res = pool_file.start(verify=False)
+    assert (res.pages_adopted, res.pages_dropped) == (1, 1)
+    assert pool.describe(new).key == key and pool.describe(old).state is PageState.FREE
+    assert pool.lookup(NS, [key]) == 1
+
+
+def _colliding_pair(seed: int) -> tuple[bytes, bytes]:
+    """Two distinct 32-byte keys whose (namespace, key) fingerprints are equal."""
+    rng = random.Random(seed)
+    w = [rng.getrandbits(64) for _ in range(4)]
+    m0, m1 = int(_MULTIPLIERS[0]), int(_MULTIPLIERS[1])
+    t = rng.getrandbits(64) | 1
+
+    def mix(v: int) -> int:
+        return v ^ (v >> 29)
+
+    def unmix(v: int) -> int:
+        return v ^ (v >> 29) ^ (v >> 58)
+
+    b0 = unmix((mix(w[0]) + t * m1) & _MASK)
+    b1 = unmix((mix(w[1]) - t * m0) & _MASK)
+    return struct.pack("<4Q", *w), struct.pack("<4Q", b0, b1, w[2], w[3])
+
+
+def test_distinct_keys_whose_fingerprints_collide_are_both_adopted(pool_file: PoolFile) -> None:
+    """A client can choose keys whose 64-bit fingerprints collide; the scan compares such
+    rows whole, so both pages come back (a scan deduplicating by fingerprint alone would
+    drop one), and a true duplicate among them is still resolved."""
+    a, b = _colliding_pair(1)
+    lens, nss = np.full(2, KEY_BYTES, dtype=np.uint8), np.full(2, NS, dtype=np.int64)
+    pair = np.frombuffer(a + b, dtype=np.uint8).reshape(2, KEY_BYTES)
+    assert a != b and len(set(_fingerprints(pair, lens, nss).tolist())) == 1
+    pool, _ = pool_file.start()
+    arena = pool_file.arena()
+    sa, sb = store(pool, arena, [a, b])
+    (dup,) = store(pool, arena, [digest("dup")])
+    del pool
+    meta = pool_file.meta()
+    meta.put_key(dup, a)  # a third row claims a, and is the most recent
+    meta.seal[dup] = seal_of(a, NS, meta.checksum[dup])
+    meta.stamp[dup] = 1000
+    meta.release()
+    pool, res = pool_file.start(verify=False)
+    assert (res.pages_adopted, res.pages_dropped) == (2, 1)
+    assert pool.describe(dup).key == a and pool.describe(sb).key == b
+    assert pool.describe(sa).state is PageState.FREE
+    assert pool.lookup(NS, [a, b]) == 2
+
+
+def test_a_verified_adoption_checks_digest_rows_payloads(pool_file: PoolFile) -> None:
+    """With the arena, a 32-byte-key row whose payload changed is dropped; its sealed
+    neighbour stays."""
+    pool, _ = pool_file.start()
+    arena = pool_file.arena()
+    s0, s1 = store(pool, arena, [digest("p0"), digest("p1")])
+    off = pool.slot_offset(s1)
+    del pool
+    arena[off] ^= 1
+    pool, res = pool_file.start(verify=True)
+    assert (res.pages_adopted, res.pages_dropped) == (1, 1)
+    assert pool.describe(s0).key == digest("p0") and pool.describe(s1).state is PageState.FREE
+
+
+def test_the_column_path_covers_digest_keys() -> None:
+    """The lengths these tests rely on being hashed as columns are."""
+    assert VECTOR_MIN_LEN <= 20 <= KEY_BYTES
