@@ -29,7 +29,6 @@ import enum
 from collections.abc import Sequence
 
 import msgspec
-import numpy as np
 from kvtier.ipc.geometry import (  # re-exported: P.Geometry, P.KVMemory, ...
     DTYPE_SIZES,  # noqa: F401
     Geometry,
@@ -364,6 +363,8 @@ def pack_keys(keys: Sequence[bytes]) -> bytes | None:
 
 def split_keys(packed: bytes | memoryview) -> list[bytes]:
     """The keys of ``packed_keys``, one bytes object each (a partial last one is dropped)."""
+    import numpy as np  # here, not at import: the control socket binds before numpy loads
+
     n = len(packed) // KEY_BYTES
     return np.frombuffer(packed, dtype=f"V{KEY_BYTES}", count=n).tolist()
 

@@ -19,22 +19,23 @@ that waits (an event loop) copies keep nearly their full speed, next to a thread
 Python without ever blocking they slow down a lot, because each hand-off may wait out the
 interpreter's switch interval.
 
-Input checks (dtypes, lengths, duplicates, bounds) run before the first byte moves, so a call
-that raises writes nothing.
+Buffers are numpy arrays (the daemon's arena and mapped engine memory are), or CPU torch tensors
+from callers that hold them (:mod:`kvtier.kernels.host_views`): this module never imports torch,
+so neither does a CPU daemon.
+
+Input checks (dtypes, lengths, duplicates, bounds, a writable destination) run before the first
+byte moves, so a call that raises writes nothing.
 """
 
 from __future__ import annotations
 
 import ctypes
-import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 from itertools import repeat
 
 import numpy as np
-import numpy.typing as npt
-import torch
+from kvtier.kernels.host_views import ArenaView, EngineView, HostBuffer
 from kvtier.kernels.plan import (
     IndexArray,
     PageCopyError,
@@ -77,40 +78,45 @@ class CopyPlan(PagePlan):
 
     # -- one (layer, component) buffer -----------------------------------------------------------
 
-    def to_host(self, arena: torch.Tensor, engine_buf: torch.Tensor, chunk_offset: int) -> None:
+    def to_host(self, arena: HostBuffer | ArenaView, engine_buf: HostBuffer | EngineView,
+                chunk_offset: int) -> None:
         """Store: copy the planned pages of one engine buffer into their slots.
 
         Args:
-            arena: The host arena, a 1-D contiguous uint8 CPU tensor.
-            engine_buf: One (layer, component) buffer, a contiguous CPU tensor of any dtype whose
-                first dimension is the page id; its bytes per page must equal ``chunk_bytes``.
+            arena: The host arena, a 1-D contiguous uint8 numpy array (or CPU tensor), or an
+                :class:`~kvtier.kernels.host_views.ArenaView` of it.
+            engine_buf: One (layer, component) buffer, a contiguous array (or CPU tensor) of any
+                dtype whose first dimension is the page id, or an
+                :class:`~kvtier.kernels.host_views.EngineView` of one; its bytes per page must
+                equal ``chunk_bytes``.
             chunk_offset: Where this buffer's chunk sits inside each slot, in bytes.
 
         Raises:
             PageCopyError: A bad buffer or offset; a page id or slot out of bounds.
         """
-        arena_view = _ArenaView.of(arena)
-        engine_view = self._checked(arena_view, engine_buf, "engine_buf", chunk_offset)
+        arena_view = ArenaView.of(arena, write=True)
+        engine_view = self._checked(arena_view, engine_buf, "engine_buf", chunk_offset, False)
         self._copy(arena_view, engine_view, chunk_offset, to_host=True)
 
-    def from_host(self, arena: torch.Tensor, engine_buf: torch.Tensor, chunk_offset: int) -> None:
+    def from_host(self, arena: HostBuffer | ArenaView, engine_buf: HostBuffer | EngineView,
+                  chunk_offset: int) -> None:
         """Load: copy the planned slots into the pages of one engine buffer.
 
         Arguments and errors as for :meth:`to_host`.
         """
-        arena_view = _ArenaView.of(arena)
-        engine_view = self._checked(arena_view, engine_buf, "engine_buf", chunk_offset)
+        arena_view = ArenaView.of(arena)
+        engine_view = self._checked(arena_view, engine_buf, "engine_buf", chunk_offset, True)
         self._copy(arena_view, engine_view, chunk_offset, to_host=False)
 
     # -- all components of one layer -------------------------------------------------------------
 
     def layer_to_host(
-        self, arena: torch.Tensor, layer_bufs: Sequence[torch.Tensor], layer: int
+        self, arena: HostBuffer, layer_bufs: Sequence[HostBuffer], layer: int
     ) -> None:
         """Store every component of one layer (K and V for MHA, the latent for MLA).
 
         Args:
-            arena: The host arena, a 1-D contiguous uint8 CPU tensor.
+            arena: The host arena, a 1-D contiguous uint8 numpy array (or CPU tensor).
             layer_bufs: The layer's buffers indexed by component; ``C = len(layer_bufs)``.
             layer: The layer index ``l``; component ``c`` lands at ``(l * C + c) * chunk_bytes``.
 
@@ -120,7 +126,7 @@ class CopyPlan(PagePlan):
         self._run_layers(arena, [(layer, layer_bufs)], len(layer_bufs), to_host=True)
 
     def layer_from_host(
-        self, arena: torch.Tensor, layer_bufs: Sequence[torch.Tensor], layer: int
+        self, arena: HostBuffer, layer_bufs: Sequence[HostBuffer], layer: int
     ) -> None:
         """Load every component of one layer; arguments and errors as for :meth:`layer_to_host`."""
         self._run_layers(arena, [(layer, layer_bufs)], len(layer_bufs), to_host=False)
@@ -129,14 +135,14 @@ class CopyPlan(PagePlan):
 
     def layers_to_host(
         self,
-        arena: torch.Tensor,
-        engine_bufs: Sequence[Sequence[torch.Tensor]],
+        arena: HostBuffer,
+        engine_bufs: Sequence[Sequence[HostBuffer]],
         layers: Sequence[int] | None = None,
     ) -> None:
         """Store several layers (all by default), layer by layer.
 
         Args:
-            arena: The host arena, a 1-D contiguous uint8 CPU tensor.
+            arena: The host arena, a 1-D contiguous uint8 numpy array (or CPU tensor).
             engine_bufs: Every buffer of the engine, indexed ``[layer][component]``; every layer
                 must have the same number of components.
             layers: The layers to copy, in this order; ``None`` copies them all.
@@ -148,8 +154,8 @@ class CopyPlan(PagePlan):
 
     def layers_from_host(
         self,
-        arena: torch.Tensor,
-        engine_bufs: Sequence[Sequence[torch.Tensor]],
+        arena: HostBuffer,
+        engine_bufs: Sequence[Sequence[HostBuffer]],
         layers: Sequence[int] | None = None,
     ) -> None:
         """Load several layers (all by default); arguments as for :meth:`layers_to_host`."""
@@ -159,15 +165,15 @@ class CopyPlan(PagePlan):
 
     def _run_layers(
         self,
-        arena: torch.Tensor,
-        selected: Sequence[tuple[int, Sequence[torch.Tensor]]],
+        arena: HostBuffer,
+        selected: Sequence[tuple[int, Sequence[HostBuffer]]],
         n_components: int,
         *,
         to_host: bool,
     ) -> None:
         """Check every buffer of the selected layers, then copy them in order."""
-        arena_view = _ArenaView.of(arena)
-        jobs: list[tuple[_EngineView, int]] = []
+        arena_view = ArenaView.of(arena, write=to_host)
+        jobs: list[tuple[EngineView, int]] = []
         for layer, bufs in selected:
             if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
                 raise PageCopyError(f"layer must be a non-negative int, got {layer!r}")
@@ -178,15 +184,17 @@ class CopyPlan(PagePlan):
             for c, buf in enumerate(bufs):
                 chunk_offset = (layer * n_components + c) * self.chunk_bytes
                 name = f"engine_bufs[{layer}][{c}]"
-                jobs.append((self._checked(arena_view, buf, name, chunk_offset), chunk_offset))
+                view = self._checked(arena_view, buf, name, chunk_offset, not to_host)
+                jobs.append((view, chunk_offset))
         for engine_view, chunk_offset in jobs:
             self._copy(arena_view, engine_view, chunk_offset, to_host=to_host)
 
     def _checked(
-        self, arena: _ArenaView, engine_buf: torch.Tensor, name: str, chunk_offset: int
-    ) -> _EngineView:
-        """Check one copy's buffer, chunk offset and bounds; return the buffer's byte view."""
-        view = _EngineView.of(engine_buf, name)
+        self, arena: ArenaView, engine_buf: HostBuffer, name: str, chunk_offset: int, write: bool
+    ) -> EngineView:
+        """Check one copy's buffer (writable when ``write``), chunk offset and bounds; return
+        the buffer's byte view."""
+        view = EngineView.of(engine_buf, name, write=write)
         self.check_copy(
             arena_nbytes=arena.nbytes,
             num_pages=view.num_pages,
@@ -197,13 +205,13 @@ class CopyPlan(PagePlan):
         return view
 
     def _copy(
-        self, arena: _ArenaView, engine: _EngineView, chunk_offset: int, *, to_host: bool
+        self, arena: ArenaView, engine: EngineView, chunk_offset: int, *, to_host: bool
     ) -> None:
         """Move the bytes of one checked (layer, component) copy."""
         chunk = self.chunk_bytes
         if self.runs:
-            host_np = arena.array()
-            engine_np = engine.array()
+            host_np = arena.array
+            engine_np = engine.array
             for first_page, first_offset, length in self.runs:
                 host_rows = np.ndarray(
                     (length, chunk),
@@ -225,78 +233,13 @@ class CopyPlan(PagePlan):
             deque(map(_memmove, dsts, srcs, repeat(chunk, len(dsts))), maxlen=0)
 
 
-@dataclass(frozen=True, slots=True)
-class _ArenaView:
-    """A checked host arena: its tensor, base address and size in bytes."""
-
-    tensor: torch.Tensor
-    address: int
-    nbytes: int
-
-    @classmethod
-    def of(cls, arena: torch.Tensor) -> _ArenaView:
-        """Check that ``arena`` is a 1-D contiguous uint8 CPU tensor."""
-        if not isinstance(arena, torch.Tensor):
-            raise PageCopyError(f"arena must be a torch.Tensor, got {type(arena).__name__}")
-        if arena.device.type != "cpu":
-            raise PageCopyError(f"arena must be a CPU tensor, got device {arena.device}")
-        if arena.dtype != torch.uint8 or arena.dim() != 1 or not arena.is_contiguous():
-            raise PageCopyError(
-                "arena must be a 1-D contiguous uint8 tensor, got "
-                f"{arena.dtype} of shape {tuple(arena.shape)}"
-            )
-        return cls(arena, arena.data_ptr(), arena.numel())
-
-    def array(self) -> npt.NDArray[np.uint8]:
-        """The arena as a numpy array sharing its memory."""
-        return self.tensor.detach().numpy()
-
-
-@dataclass(frozen=True, slots=True)
-class _EngineView:
-    """A checked engine buffer seen as bytes: ``[num_pages, row_bytes]`` at ``address``."""
-
-    tensor: torch.Tensor
-    address: int
-    num_pages: int
-    row_bytes: int
-    page_stride: int
-
-    @classmethod
-    def of(cls, buf: torch.Tensor, name: str) -> _EngineView:
-        """Check that ``buf`` is a CPU tensor with the page id as first dimension: contiguous,
-        or a 2-D uint8 ``[num_pages, row_bytes]`` view whose rows lie ``stride(0)`` apart."""
-        if not isinstance(buf, torch.Tensor):
-            raise PageCopyError(f"{name} must be a torch.Tensor, got {type(buf).__name__}")
-        if buf.device.type != "cpu":
-            raise PageCopyError(f"{name} must be a CPU tensor, got device {buf.device}")
-        if (buf.dim() == 2 and buf.dtype == torch.uint8 and buf.stride(1) == 1
-                and buf.stride(0) >= buf.shape[1] and not buf.is_contiguous()):
-            return cls(buf, buf.data_ptr(), int(buf.shape[0]), int(buf.shape[1]),
-                       int(buf.stride(0)))
-        if buf.dim() < 1 or not buf.is_contiguous():
-            raise PageCopyError(
-                f"{name} must be contiguous with the page id as first dimension, got shape "
-                f"{tuple(buf.shape)} and strides {buf.stride()}"
-            )
-        row_bytes = math.prod(buf.shape[1:]) * buf.element_size()
-        return cls(buf, buf.data_ptr(), int(buf.shape[0]), row_bytes, row_bytes)
-
-    def array(self) -> npt.NDArray[np.uint8]:
-        """The buffer as a ``[num_pages, row_bytes]`` uint8 numpy array sharing its memory."""
-        if self.page_stride != self.row_bytes:
-            return self.tensor.detach().numpy()
-        flat = self.tensor.detach().reshape(-1).view(torch.uint8)
-        return flat.numpy().reshape(self.num_pages, self.row_bytes)
-
-
 # -- one-shot functions: plan and copy in one call ----------------------------------------------
 
 
 def copy_layer_to_host(
-    arena: torch.Tensor,
+    arena: HostBuffer,
     slot_offsets: IndexArray,
-    engine_buf: torch.Tensor,
+    engine_buf: HostBuffer,
     page_ids: IndexArray,
     chunk_offset: int,
 ) -> None:
@@ -306,10 +249,10 @@ def copy_layer_to_host(
     transfer build a :class:`CopyPlan` once instead: this function plans on every call.
 
     Args:
-        arena: The host arena, a 1-D contiguous uint8 CPU tensor.
+        arena: The host arena, a 1-D contiguous uint8 numpy array (or CPU tensor).
         slot_offsets: Arena byte offsets of the slots, 1-D int64.
-        engine_buf: A contiguous CPU tensor, first dimension the page id; its bytes per page are
-            the chunk size.
+        engine_buf: A contiguous array (or CPU tensor), first dimension the page id; its bytes per
+            page are the chunk size.
         page_ids: Engine page ids, 1-D int64, same length as ``slot_offsets``, each at most once.
         chunk_offset: ``(l * n_components + c) * chunk_bytes`` for layer ``l``, component ``c``.
 
@@ -322,9 +265,9 @@ def copy_layer_to_host(
 
 
 def copy_layer_from_host(
-    arena: torch.Tensor,
+    arena: HostBuffer,
     slot_offsets: IndexArray,
-    engine_buf: torch.Tensor,
+    engine_buf: HostBuffer,
     page_ids: IndexArray,
     chunk_offset: int,
 ) -> None:
@@ -337,9 +280,9 @@ def copy_layer_from_host(
 
 
 def copy_layer_kv_to_host(
-    arena: torch.Tensor,
+    arena: HostBuffer,
     slot_offsets: IndexArray,
-    layer_bufs: Sequence[torch.Tensor],
+    layer_bufs: Sequence[HostBuffer],
     page_ids: IndexArray,
     layer: int,
     n_layers: int,
@@ -354,9 +297,9 @@ def copy_layer_kv_to_host(
 
 
 def copy_layer_kv_from_host(
-    arena: torch.Tensor,
+    arena: HostBuffer,
     slot_offsets: IndexArray,
-    layer_bufs: Sequence[torch.Tensor],
+    layer_bufs: Sequence[HostBuffer],
     page_ids: IndexArray,
     layer: int,
     n_layers: int,
@@ -367,9 +310,9 @@ def copy_layer_kv_from_host(
 
 
 def copy_layers_to_host(
-    arena: torch.Tensor,
+    arena: HostBuffer,
     slot_offsets: IndexArray,
-    engine_bufs: Sequence[Sequence[torch.Tensor]],
+    engine_bufs: Sequence[Sequence[HostBuffer]],
     page_ids: IndexArray,
 ) -> None:
     """Store whole pages: every layer and component of ``engine_bufs[layer][component]``.
@@ -382,9 +325,9 @@ def copy_layers_to_host(
 
 
 def copy_layers_from_host(
-    arena: torch.Tensor,
+    arena: HostBuffer,
     slot_offsets: IndexArray,
-    engine_bufs: Sequence[Sequence[torch.Tensor]],
+    engine_bufs: Sequence[Sequence[HostBuffer]],
     page_ids: IndexArray,
 ) -> None:
     """Load whole pages into every layer and component; see :func:`copy_layers_to_host`."""
@@ -393,10 +336,10 @@ def copy_layers_from_host(
 
 
 def _plan_for_buffer(
-    slot_offsets: IndexArray, engine_buf: torch.Tensor, page_ids: IndexArray, chunk_offset: int
+    slot_offsets: IndexArray, engine_buf: HostBuffer, page_ids: IndexArray, chunk_offset: int
 ) -> CopyPlan:
     """Plan a single-buffer copy: each slot owns ``chunk_offset + chunk_bytes`` bytes."""
-    chunk = _EngineView.of(engine_buf, "engine_buf").row_bytes
+    chunk = EngineView.of(engine_buf, "engine_buf").row_bytes
     if isinstance(chunk_offset, bool) or not isinstance(chunk_offset, int) or chunk_offset < 0:
         raise PageCopyError(f"chunk_offset must be a non-negative int, got {chunk_offset!r}")
     return CopyPlan.build(page_ids, slot_offsets, chunk, slot_bytes=chunk_offset + chunk)
@@ -404,7 +347,7 @@ def _plan_for_buffer(
 
 def _plan_for_layers(
     slot_offsets: IndexArray,
-    layer_bufs: Sequence[torch.Tensor],
+    layer_bufs: Sequence[HostBuffer],
     page_ids: IndexArray,
     n_layers: int,
 ) -> CopyPlan:
@@ -412,17 +355,17 @@ def _plan_for_layers(
     if len(layer_bufs) == 0:
         raise PageCopyError("layer_bufs is empty")
     n_layers = positive_int(n_layers, "n_layers")
-    chunk = _EngineView.of(layer_bufs[0], "layer_bufs[0]").row_bytes
+    chunk = EngineView.of(layer_bufs[0], "layer_bufs[0]").row_bytes
     slot_bytes = n_layers * len(layer_bufs) * chunk
     return CopyPlan.build(page_ids, slot_offsets, chunk, slot_bytes=slot_bytes)
 
 
 def _plan_for_engine(
-    slot_offsets: IndexArray, engine_bufs: Sequence[Sequence[torch.Tensor]], page_ids: IndexArray
+    slot_offsets: IndexArray, engine_bufs: Sequence[Sequence[HostBuffer]], page_ids: IndexArray
 ) -> CopyPlan:
     """Plan a copy of whole host pages for ``engine_bufs[layer][component]``."""
     if len(engine_bufs) == 0 or len(engine_bufs[0]) == 0:
         raise PageCopyError("engine_bufs must hold at least one layer with one component")
-    chunk = _EngineView.of(engine_bufs[0][0], "engine_bufs[0][0]").row_bytes
+    chunk = EngineView.of(engine_bufs[0][0], "engine_bufs[0][0]").row_bytes
     slot_bytes = len(engine_bufs) * len(engine_bufs[0]) * chunk
     return CopyPlan.build(page_ids, slot_offsets, chunk, slot_bytes=slot_bytes)

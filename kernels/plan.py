@@ -3,7 +3,7 @@
 Both copy back ends (:mod:`kvtier.kernels.page_copy` on the CPU, :mod:`kvtier.kernels.cuda_copy`
 on a GPU) start from a :class:`PagePlan`. Layouts::
 
-    engine: one buffer per (layer l, component c)      host arena: one flat uint8 tensor
+    engine: one buffer per (layer l, component c)      host arena: one flat uint8 array
     (c in {0: K, 1: V} for MHA; only c = 0 for MLA)
 
             ┌──────── chunk_bytes ────────┐           slot at slot_offset (page-major)
@@ -27,14 +27,17 @@ byte moves, so a copy that raises writes nothing.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Self, TypeAlias
+from typing import TYPE_CHECKING, Any, Self, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
-import torch
 from kvtier.config.errors import KvtierError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "IndexArray",
@@ -44,8 +47,9 @@ __all__ = [
     "select_layers",
 ]
 
-IndexArray: TypeAlias = npt.NDArray[np.int64] | torch.Tensor
-"""A 1-D int64 index array: a numpy array or a CPU torch tensor."""
+IndexArray: TypeAlias = "npt.NDArray[np.int64] | torch.Tensor"
+"""A 1-D int64 index array: a numpy array or a CPU torch tensor (recognised only when torch is
+imported already: this module never imports it)."""
 
 MIN_STRIDED_RUN = 3
 """Runs at least this long are copied as one strided copy rather than one copy per page: on the
@@ -255,8 +259,8 @@ def positive_int(value: int, name: str) -> int:
 
 
 def select_layers(
-    engine_bufs: Sequence[Sequence[torch.Tensor]], layers: Sequence[int] | None
-) -> tuple[list[tuple[int, Sequence[torch.Tensor]]], int]:
+    engine_bufs: Sequence[Sequence[Any]], layers: Sequence[int] | None
+) -> tuple[list[tuple[int, Sequence[Any]]], int]:
     """Pick the layers of a multi-layer copy and check their indices and component counts.
 
     Args:
@@ -283,7 +287,7 @@ def select_layers(
                 f"{n_components}"
             )
     chosen = range(len(engine_bufs)) if layers is None else layers
-    selected: list[tuple[int, Sequence[torch.Tensor]]] = []
+    selected: list[tuple[int, Sequence[Any]]] = []
     for layer in chosen:
         if isinstance(layer, bool) or not isinstance(layer, int):
             raise PageCopyError(f"layers must hold ints, got {layer!r}")
@@ -297,7 +301,8 @@ def select_layers(
 
 def _index_array(values: IndexArray, name: str) -> npt.NDArray[np.int64]:
     """Return a private 1-D int64 numpy copy of an index array, or raise naming ``name``."""
-    if isinstance(values, torch.Tensor):
+    torch = sys.modules.get("torch")  # a tensor exists only if torch is imported already
+    if torch is not None and isinstance(values, torch.Tensor):
         if values.device.type != "cpu":
             raise PageCopyError(f"{name} must be on the CPU, got device {values.device}")
         if values.dtype != torch.int64:

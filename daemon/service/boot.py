@@ -29,6 +29,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 from kvtier.config import DaemonConfig
 from kvtier.daemon.counters import Counters
 from kvtier.daemon.pool.index import HostPool
@@ -80,7 +81,7 @@ class Service:
         self.dispatcher = Dispatcher(self.ctx, {**self.handlers.table(), **self.admin.table()})
         self.seg: SharedMemorySegment | None = None
         self._arena_view: memoryview | None = None
-        self._arena: object = None  # what the copy threads copy through (a tensor)
+        self._arena: np.ndarray | None = None  # what the copy threads copy through
         self._created = False  # the pool file was made by this start (pre-faulted then)
         self._stop_prefault = threading.Event()
 
@@ -100,8 +101,9 @@ class Service:
         arena_view = seg.view[layout.arena_offset:layout.arena_offset + layout.capacity_bytes]
         stack.callback(arena_view.release)
         self._arena_view = arena_view
-        # made here, off the loop, like everything the copy path needs to import
-        self._arena = seg.tensor(layout.arena_offset, layout.capacity_bytes)
+        # a numpy array: the CPU copy path imports no torch (a CUDA back end would take a
+        # torch view of it, ``torch.from_numpy``, when the first CUDA session needs one)
+        self._arena = seg.array(np.uint8, layout.arena_offset, layout.capacity_bytes)
         stack.callback(setattr, self, "_arena", None)  # before the mapping closes
         cold = "cold start requested (cold_start)" if cfg.cold_start else why_new
         self.ctx.adopt = self.pool.adopt(seg.view[:layout.meta_bytes], cold_start=cold,

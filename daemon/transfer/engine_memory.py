@@ -29,12 +29,14 @@ import stat
 import struct
 from dataclasses import dataclass
 
-import torch
+import numpy as np
+import numpy.typing as npt
 from kvtier.config.errors import KvtierError
 from kvtier.ipc.limits import MAX_PAGES
 from kvtier.ipc.protocol import Geometry, KVMemory, MemoryRegion
 from kvtier.ipc.shm import SharedMemoryError, SharedMemorySegment
 from kvtier.kernels import guarded_copy
+from kvtier.kernels.host_views import EngineView, HostBuffer
 
 NAMES_REFUSED = ("memory.kind = 'shm' (a file name) is not accepted: hand the memory over by "
                  "descriptor (memory.kind = 'fd', see docs/protocol.md, 'Memory handover')")
@@ -195,8 +197,9 @@ class RegionView:
         host_offset: where its bytes sit inside a host page.
         page_bytes / page_stride / base: page ``p`` is ``page_bytes`` at
             ``base + p * page_stride`` of its segment.
-        tensor: sealed, mapped memory: a strided uint8 ``[num_pages, page_bytes]`` view;
-            None otherwise.
+        view: sealed, mapped memory: its byte view, checked once here (a strided uint8
+            ``[num_pages, page_bytes]`` numpy array and its address); None otherwise. (A
+            plain array or CPU tensor is taken too, and checked at each copy.)
         fd: the descriptor positional I/O uses (-1 when mapped).
         num_pages: pages the region holds.
         address: memory that may shrink, mapped for guarded copies only: the address of
@@ -208,7 +211,7 @@ class RegionView:
     page_bytes: int
     page_stride: int
     base: int
-    tensor: torch.Tensor | None
+    view: EngineView | HostBuffer | None
     fd: int = -1
     num_pages: int = 0
     address: int = 0
@@ -224,9 +227,9 @@ class EngineMemory:
 
     Attributes:
         regions: one :class:`RegionView` per region (their bytes make a host page).
-        buffers: ``[layer][component]`` tensors of ``[num_pages, chunk_bytes]`` when the
-            memory is kvtier's per-buffer layout and mapped (the CUDA back end's form);
-            empty otherwise.
+        buffers: ``[layer][component]`` uint8 numpy arrays of ``[num_pages, chunk_bytes]``
+            when the memory is kvtier's per-buffer layout and mapped (the form the CUDA back
+            end's memory has too); empty otherwise.
         mapped: every segment is mapped (no positional I/O).
         guarded: some segment may shrink and is copied with guarded copies only.
 
@@ -243,7 +246,7 @@ class EngineMemory:
         self.segments: list[SharedMemorySegment | None] = []
         self._fds: list[int] = []
         self.regions: list[RegionView] = []
-        self.buffers: list[list[torch.Tensor]] = []
+        self.buffers: list[list[npt.NDArray[np.uint8]]] = []
         self.mapped = True
         self.guarded = False
         try:
@@ -289,9 +292,11 @@ class EngineMemory:
             seg = self.segments[r.segment]
             view, address = None, 0
             if seg is not None and sealed_of[r.segment]:
-                view = seg.tensor(r.offset, span).as_strided((memory.num_pages, r.page_bytes),
-                                                             (r.page_stride, 1))
-            elif seg is not None:  # may shrink: guarded copies only, never a tensor over it
+                rows = np.ndarray((memory.num_pages, r.page_bytes), dtype=np.uint8,
+                                  buffer=seg.array(np.uint8, r.offset, span),
+                                  strides=(r.page_stride, 1))
+                view = EngineView.of(rows, f"memory.regions[{i}]")
+            elif seg is not None:  # may shrink: guarded copies only, never an array over it
                 address = seg.address + r.offset
                 self.guarded = True
             self.regions.append(RegionView(r.layer, host_offset, r.page_bytes, r.page_stride,
@@ -300,7 +305,7 @@ class EngineMemory:
             host_offset += r.page_bytes
         if not memory.regions and self.mapped and not self.guarded:
             comps = g.components
-            self.buffers = [[self.regions[l * comps + c].tensor for c in range(comps)]
+            self.buffers = [[self.regions[l * comps + c].view.array for c in range(comps)]
                             for l in range(g.num_layers)]
 
     def close(self) -> None:
@@ -328,7 +333,7 @@ class NoMemory:
     __slots__ = ()
     num_pages = 0
     regions: list[RegionView] = []  # noqa: RUF012 (never mutated)
-    buffers: list[list[torch.Tensor]] = []  # noqa: RUF012
+    buffers: list[list[npt.NDArray[np.uint8]]] = []  # noqa: RUF012
     mapped = True
     guarded = False
 

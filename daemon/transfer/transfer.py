@@ -3,8 +3,9 @@
 A transfer copies the same set of pages for every layer, layer by layer, and announces
 each finished layer in the session's completion block, so the engine's forward pass can
 start layer ``i`` as soon as its pages are in place. The copies themselves are the
-kernels in :mod:`kvtier.kernels` (the CPU reference here; a CUDA executor on a GPU), and
-they release the GIL, so worker threads copy while the event loop keeps answering.
+kernels in :mod:`kvtier.kernels` (the CPU reference here, numpy and C only: no torch; a
+CUDA executor on a GPU), and they release the GIL, so worker threads copy while the event
+loop keeps answering.
 
 State machine: PENDING → RUNNING → (DONE | FAILED | CANCELLED). Cancellation is checked
 between layers; the event loop commits a store's pages (DONE) or frees them (anything
@@ -19,13 +20,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 from kvtier.config.errors import KvtierError
 from kvtier.daemon.pool.layout import page_checksums
 from kvtier.daemon.transfer.engine_memory import RegionView
 from kvtier.ipc.completion import CompletionBlock, TransferStatus
 from kvtier.kernels.file_io import read_pages, write_pages
 from kvtier.kernels.guarded_copy import copy_pages
+from kvtier.kernels.host_views import ArenaView, HostBuffer
 from kvtier.kernels.page_copy import CopyPlan
 
 log = logging.getLogger("kvtier.daemon.transfer.transfer")
@@ -79,7 +80,7 @@ class Transfer:
     extra: dict[str, object] = field(default_factory=dict)
 
 
-def run_transfer(t: Transfer, arena: torch.Tensor, regions: Sequence[RegionView],
+def run_transfer(t: Transfer, arena: HostBuffer, regions: Sequence[RegionView],
                  num_layers: int, page_bytes: int, block: CompletionBlock) -> TransferStatus:
     """Copy every region of ``t``'s pages and signal each finished layer; runs in a worker thread.
 
@@ -89,7 +90,7 @@ def run_transfer(t: Transfer, arena: torch.Tensor, regions: Sequence[RegionView]
 
     Args:
         t: the transfer (its slot was begun by the event loop before the reply went out).
-        arena: the host pool as a flat uint8 tensor.
+        arena: the host pool as a flat uint8 numpy array (a CPU tensor is taken too).
         regions: the engine's memory regions, in host-page order.
         num_layers: the model's layers (the completion block counts up to it).
         page_bytes: bytes of one host page (the regions' page bytes added up).
@@ -101,6 +102,7 @@ def run_transfer(t: Transfer, arena: torch.Tensor, regions: Sequence[RegionView]
     """
     status = TransferStatus.DONE
     try:
+        host = ArenaView.of(arena, write=t.direction is Direction.STORE)
         plans: dict[int, CopyPlan] = {}
         order = sorted(regions, key=lambda r: r.layer)  # stable: -1 first, then by layer
         for i, r in enumerate(order):
@@ -111,7 +113,7 @@ def run_transfer(t: Transfer, arena: torch.Tensor, regions: Sequence[RegionView]
             if plan is None:
                 plan = plans[r.page_bytes] = CopyPlan.build(t.page_ids, t.offsets, r.page_bytes,
                                                             slot_bytes=page_bytes)
-            _copy_region(t, plan, arena, r)
+            _copy_region(t, plan, host, r)
             nxt = order[i + 1].layer if i + 1 < len(order) else num_layers
             if nxt > r.layer >= 0:
                 block.layer_done(t.slot, r.layer + 1)
@@ -119,7 +121,7 @@ def run_transfer(t: Transfer, arena: torch.Tensor, regions: Sequence[RegionView]
             block.layer_done(t.slot, num_layers)
         if status is TransferStatus.DONE and t.checksum and t.host_slots:
             # checksummed here, in the copy thread, while the bytes are hot in cache
-            t.checksums = page_checksums(arena.numpy(), t.offsets.tolist(), page_bytes)
+            t.checksums = page_checksums(host.array, t.offsets.tolist(), page_bytes)
     except Exception:  # a bug, a vanished mapping, a short read: the transfer fails, the daemon stays up
         log.exception("transfer session=%d slot=%d failed", t.session_id, t.slot)
         status = TransferStatus.FAILED
@@ -127,22 +129,22 @@ def run_transfer(t: Transfer, arena: torch.Tensor, regions: Sequence[RegionView]
     return status
 
 
-def _copy_region(t: Transfer, plan: CopyPlan, arena: torch.Tensor, r: RegionView) -> None:
+def _copy_region(t: Transfer, plan: CopyPlan, arena: ArenaView, r: RegionView) -> None:
     """Move one region's bytes of every page of ``t``: memory copies on a sealed mapping,
     guarded copies on a mapping that may shrink, ``pread``/``pwrite`` on an unmapped
     descriptor."""
-    if r.tensor is not None:
+    if r.view is not None:
         if t.direction is Direction.STORE:
-            plan.to_host(arena, r.tensor, r.host_offset)
+            plan.to_host(arena, r.view, r.host_offset)
         else:
-            plan.from_host(arena, r.tensor, r.host_offset)
+            plan.from_host(arena, r.view, r.host_offset)
         return
-    plan.check_copy(arena_nbytes=arena.numel(), num_pages=r.num_pages, row_bytes=r.page_bytes,
+    plan.check_copy(arena_nbytes=arena.nbytes, num_pages=r.num_pages, row_bytes=r.page_bytes,
                     chunk_offset=r.host_offset, name="engine region")
     store = t.direction is Direction.STORE
     if r.address:  # mapped, but the engine may shrink it: guarded copies only
         engine = (t.page_ids * r.page_stride + r.address).tolist()
-        host = (t.offsets + (arena.data_ptr() + r.host_offset)).tolist()
+        host = (t.offsets + (arena.address + r.host_offset)).tolist()
         done = copy_pages(host, engine, r.page_bytes) if store else copy_pages(engine, host,
                                                                                r.page_bytes)
         if done < len(host):
@@ -151,7 +153,7 @@ def _copy_region(t: Transfer, plan: CopyPlan, arena: torch.Tensor, r: RegionView
         return
     offsets = (t.offsets + r.host_offset).tolist()
     positions = (t.page_ids * r.page_stride + r.base).tolist()
-    buf = memoryview(arena.numpy())
+    buf = memoryview(arena.array)
     io = read_pages if store else write_pages
     sums = io(r.fd, buf, offsets, r.page_bytes, positions)
     if any(x is None for x in sums):

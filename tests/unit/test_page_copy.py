@@ -336,7 +336,8 @@ def test_bad_buffers_raise_and_write_nothing() -> None:
           case.bufs, pids)
     fails("arena must be a 1-D contiguous uint8", copy_layers_to_host, arena[::2], offs, case.bufs,
           pids)
-    fails("arena must be a torch.Tensor", copy_layers_to_host, arena.numpy(), offs, case.bufs, pids)
+    fails("arena must be a numpy array or a torch.Tensor", copy_layers_to_host, bytearray(16),
+          offs, case.bufs, pids)
     transposed = case.bufs[0][0].transpose(0, 1)
     fails("engine_buf must be contiguous", copy_layer_to_host, arena, offs, transposed, pids, 0)
     # the last layer has fewer pages: caught before the first layer is written

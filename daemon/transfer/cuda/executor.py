@@ -33,8 +33,9 @@ import logging
 import threading
 import time
 
+import numpy as np
 import torch
-from kvtier.daemon.transfer.cuda.memory import CudaEngineMemory, CudaMemoryError
+from kvtier.daemon.transfer.cuda.memory import CudaEngineMemory, CudaMemoryError, arena_tensor
 from kvtier.daemon.transfer.transfer import Direction, Transfer
 from kvtier.ipc import cuda_ipc
 from kvtier.ipc.completion import CompletionBlock, TransferStatus
@@ -152,7 +153,7 @@ def _wait_gpu(event: torch.cuda.Event, deadline: float) -> bool:
     return True
 
 
-def run_cuda_transfer(t: Transfer, arena: torch.Tensor, memory: CudaEngineMemory,
+def run_cuda_transfer(t: Transfer, arena: np.ndarray | torch.Tensor, memory: CudaEngineMemory,
                       chunk_bytes: int, block: CompletionBlock, copier: CudaSessionCopier,
                       *, gpu_timeout_s: float = GPU_TIMEOUT_S) -> TransferStatus:
     """Enqueue every layer of ``t`` on the session's stream, record its events, wait for the GPU.
@@ -165,7 +166,8 @@ def run_cuda_transfer(t: Transfer, arena: torch.Tensor, memory: CudaEngineMemory
 
     Args:
         t: the transfer (its slot was begun by the event loop before the reply went out).
-        arena: the host pool as a flat uint8 tensor, pinned by ``CudaRuntime.pin_arena``.
+        arena: the host pool as a flat uint8 numpy array (the daemon's; a torch view of it is
+            made here) or CPU tensor, pinned by ``CudaRuntime.pin_arena``.
         memory: the session's engine memory.
         chunk_bytes: bytes of one page of one buffer.
         block: the session's completion block.
@@ -182,6 +184,7 @@ def run_cuda_transfer(t: Transfer, arena: torch.Tensor, memory: CudaEngineMemory
     launched = False
     done: torch.cuda.Event | None = None
     try:
+        arena = arena_tensor(arena)
         buffers = memory.buffers
         n_comp = len(buffers[0]) if buffers else 0
         with copier.lock, torch.cuda.device(copier.device):

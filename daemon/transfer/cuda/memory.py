@@ -29,13 +29,15 @@ import resource
 import threading
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from kvtier.daemon.transfer.engine_memory import EngineMemoryError, check_buffers
 from kvtier.ipc import cuda_ipc
 from kvtier.ipc.cuda_ipc import CudaIpcError
 from kvtier.ipc.protocol import Geometry, KVMemory
 
-__all__ = ["CudaEngineMemory", "CudaMemoryError", "CudaRuntime", "check_cuda_export"]
+__all__ = ["CudaEngineMemory", "CudaMemoryError", "CudaRuntime", "arena_tensor",
+           "check_cuda_export"]
 
 log = logging.getLogger("kvtier.daemon.cuda")
 
@@ -46,6 +48,18 @@ _ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegiste
 
 class CudaMemoryError(EngineMemoryError):
     """A CUDA IPC export cannot be opened, or the daemon has no usable GPU (BAD_MEMORY)."""
+
+
+def arena_tensor(arena: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """The host arena as the CUDA path takes it: a torch view of the daemon's numpy arena.
+
+    The daemon keeps its arena as a numpy array (its CPU copy path imports no torch); this
+    module, imported only for CUDA sessions, makes the tensor over the same
+    memory (``torch.from_numpy``, no copy). A tensor is returned as it is.
+    """
+    if isinstance(arena, np.ndarray):
+        return torch.from_numpy(arena)
+    return arena
 
 
 def check_cuda_export(geometry: Geometry, memory: KVMemory) -> str:
@@ -149,20 +163,21 @@ class CudaRuntime:
         """Whether the host arena is pinned."""
         return self._pinned is not None
 
-    def pin_arena(self, arena: torch.Tensor, ordinal: int = 0) -> None:
+    def pin_arena(self, arena: np.ndarray | torch.Tensor, ordinal: int = 0) -> None:
         """Pin the host pool with ``cudaHostRegister`` (portable, mapped); idempotent.
 
         Pinning touches every page of the pool (seconds for hundreds of GiB): call it from a
         worker thread, or at start.
 
         Args:
-            arena: the pool as a flat uint8 CPU tensor over shared memory.
+            arena: the pool as a flat uint8 numpy array (or CPU tensor) over shared memory.
             ordinal: the GPU whose context performs the call (portable: every GPU sees it).
 
         Raises:
             CudaMemoryError: the driver refused (the message has the RLIMIT_MEMLOCK limits).
         """
         self.require()
+        arena = arena_tensor(arena)
         if arena.device.type != "cpu" or arena.dtype != torch.uint8 or arena.dim() != 1:
             raise CudaMemoryError(f"the arena must be a flat uint8 CPU tensor, got {arena.dtype} "
                                   f"{tuple(arena.shape)} on {arena.device}")
