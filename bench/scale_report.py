@@ -38,6 +38,10 @@ def _rows(r: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     for n, g in r["l2_aggregate_gbps"].items():
         rows.append((f"{n} engines: L2 aggregate vs memcpy, GB/s", f"{g:.2f}",
                      f"{r['l2_memcpy_gbps'][n]:.2f}", f"{r['l2_aggregate_over_memcpy'][n]:.2f}"))
+    for n, cpu in r["l2_cpu_s_per_gb"].items():
+        rows.append((f"{n} engines: CPU s per GB, daemon / engines; all CPUs at that cost, GB/s",
+                     f"{cpu['daemon']:.2f} / {cpu['engines']:.2f}",
+                     f"{r['l2_cpu_bound_gbps'][n]:.2f}", ""))
     n = r["lookup_clients"]
     long = r["long_context_pages"]
     rows += [

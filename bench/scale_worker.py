@@ -5,7 +5,9 @@ as a real engine is, so N engines compete for the daemon and not for one client'
 A worker gets its settings as one JSON argument, prepares (connects, registers, hashes
 its keys, stores what it will look up), prints ``ready``, waits for ``go`` on stdin,
 runs a fixed number of operations, and prints one JSON line: the operations, the bytes
-moved, and ``t0``/``t1`` from ``time.monotonic()`` (one clock for every process on Linux).
+moved, ``t0``/``t1`` from ``time.monotonic()`` (one clock for every process on Linux), and
+the CPU seconds the worker itself used meanwhile (``cpu``: what an engine spends on its
+requests and waits, next to the daemon's share).
 The launcher starts all N, waits for every ``ready``, says ``go`` to all, and reduces the
 results to one aggregate rate over the span from the first start to the last end.
 
@@ -44,12 +46,14 @@ class Aggregate:
         ops: operations (transfers or round trips) of all workers.
         nbytes: page bytes all workers moved (0 for lookups and echoes).
         seconds: from the first worker's start to the last one's end.
+        cpu_seconds: CPU time all workers used over their runs.
     """
 
     workers: int
     ops: int
     nbytes: int
     seconds: float
+    cpu_seconds: float = 0.0
 
     @property
     def gbps(self) -> float:
@@ -112,7 +116,8 @@ def run_workers(mode: str, n: int, settings: dict[str, Any], log_dir: Path,
                     stream.close()
     return Aggregate(workers=n, ops=sum(r["ops"] for r in results),
                      nbytes=sum(r["nbytes"] for r in results),
-                     seconds=max(r["t1"] for r in results) - min(r["t0"] for r in results))
+                     seconds=max(r["t1"] for r in results) - min(r["t0"] for r in results),
+                     cpu_seconds=sum(r.get("cpu", 0.0) for r in results))
 
 
 def _expect(p: subprocess.Popen[bytes], deadline: float, want: bytes | None, log: Path) -> bytes:
@@ -150,11 +155,12 @@ def _transfer(conn: Any, s: dict[str, Any]) -> dict[str, Any]:
 
     pair(batches.pop())  # warm-up: the daemon maps this engine's pages on first use
     _go()
-    t0 = time.monotonic()
+    c0, t0 = time.process_time(), time.monotonic()
     for keys in batches:
         pair(keys)
     t1 = time.monotonic()
-    return {"ops": 2 * iters, "nbytes": 2 * iters * pages * g.page_bytes, "t0": t0, "t1": t1}
+    return {"ops": 2 * iters, "nbytes": 2 * iters * pages * g.page_bytes, "t0": t0, "t1": t1,
+            "cpu": time.process_time() - c0}
 
 
 def _lookup(conn: Any, s: dict[str, Any]) -> dict[str, Any]:
@@ -166,11 +172,12 @@ def _lookup(conn: Any, s: dict[str, Any]) -> dict[str, Any]:
     if conn.lookup(keys).l2 != pages:
         raise ScaleBenchError("stored pages not found")
     _go()
-    t0 = time.monotonic()
+    c0, t0 = time.process_time(), time.monotonic()
     for _ in range(iters):
         if conn.lookup(keys).l2 != pages:
             raise ScaleBenchError("a lookup missed (daemon late or pages evicted)")
-    return {"ops": iters, "nbytes": 0, "t0": t0, "t1": time.monotonic()}
+    return {"ops": iters, "nbytes": 0, "t0": t0, "t1": time.monotonic(),
+            "cpu": time.process_time() - c0}
 
 
 def _echo(s: dict[str, Any]) -> None:

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 from kvtier.client.kv_pool import SharedKVPool
+from kvtier.client.lookup_codec import lookup_request
 from kvtier.client.page_keys import page_keys
 from kvtier.client.replies import DaemonError, DaemonUnavailable, LookupReply, rep_is_late
 from kvtier.client.transfer_handle import TransferHandle
@@ -94,6 +95,7 @@ class Connection:
         self.epoch = 0
         self.ns_fingerprint = b""
         self.daemon_pid = 0
+        self._packed_lookup = False
         self._block: CompletionBlock | None = None
         self._down_until = 0.0
         self._closed = False
@@ -141,6 +143,7 @@ class Connection:
             self._block = block
             self.session_id, self.epoch = rep.session_id, rep.epoch
             self.ns_fingerprint, self.daemon_pid = rep.ns_fingerprint, rep.daemon_pid
+            self._packed_lookup = rep.packed_lookup
             self._free_slots = list(range(rep.completion_slots - 1, -1, -1))
             self._limbo.clear()
             self._down_until = 0.0
@@ -288,7 +291,7 @@ class Connection:
         if not keys:
             return LookupReply(0, 0)
         try:
-            rep = self._session_call(lambda sid: P.Lookup(req_id=0, session_id=sid, keys=list(keys)))
+            rep = self._session_call(lambda sid: lookup_request(sid, keys, self._packed_lookup))
         except (DaemonUnavailable, DaemonError) as err:
             log.debug("lookup treated as a miss: %s", err)
             return LookupReply(0, 0)

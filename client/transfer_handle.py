@@ -9,7 +9,6 @@ small :class:`TransferOwner` protocol, so this module does not import the connec
 
 from __future__ import annotations
 
-import time
 from typing import Protocol
 
 from kvtier.config import ClientConfig
@@ -117,19 +116,19 @@ class TransferHandle:
         return st is TransferStatus.DONE
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until the whole transfer ends; True when it succeeded."""
+        """Block until the whole transfer ends; True when it succeeded.
+
+        It has ended once the daemon has settled it: a store's pages are in L2, a load's
+        pins are dropped.
+        """
         if (self._status is None and self.wait_layer(self.num_layers - 1, timeout)
                 and self._status is None):
-            # all layers landed; wait for the final status
+            # all layers landed; wait for the final status (the daemon settled it)
             try:
                 assert self._block is not None and self._conn is not None
                 st = self._block.wait(self.slot, self.seq, self.num_layers,
                                       self._conn.config.load_timeout_s,
-                                      alive=self._conn.daemon_alive)
-                while st is TransferStatus.RUNNING:
-                    time.sleep(0.0001)
-                    _, _, raw = self._block.read(self.slot)
-                    st = TransferStatus(raw)
+                                      alive=self._conn.daemon_alive, end=True)
             except (CompletionTimeout, TypeError, ValueError):
                 st = TransferStatus.FAILED
             self._end(st)

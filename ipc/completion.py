@@ -7,7 +7,7 @@ name exists, so no other process can open it, and the engine cannot shrink it un
 daemon's mapping (nor, where the kernel has F_SEAL_FUTURE_WRITE, map it writable). A
 block is an array of transfer slots, one cache line each::
 
-    slot i:  [ seq | layers_done | status | num_layers | pad ... ]   (8 × int64)
+    slot i:  [ seq | layers_done | status | num_layers | wakes | pad ... ]   (8 × int64)
 
 For a transfer the client picks a free slot and a new ``seq`` and sends them with the
 request. The daemon writes ``layers_done``, ``status`` and ``num_layers`` first and ``seq``
@@ -16,6 +16,12 @@ last, then bumps ``layers_done`` after each layer's bytes are in place and final
 never mistaken for progress. Each field is one aligned 8-byte store (atomic on the
 platforms kvtier runs on; on x86-64 stores are not reordered with earlier stores, so the
 page bytes are visible before the counter that announces them).
+
+After each ``layers_done`` or ``status`` store the daemon also bumps the low 32 bits of
+``wakes`` and wakes the futex on that word (:mod:`kvtier.ipc.futex`). A waiting client reads
+``wakes``, checks the slot, and sleeps on the futex only while ``wakes`` is unchanged, so it
+wakes as soon as the slot moves and never misses a change; it still re-checks the slot at
+least every :data:`POLL_S`, so a daemon that does not wake is only slower to notice.
 """
 
 from __future__ import annotations
@@ -27,10 +33,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from kvtier.ipc import futex
 from kvtier.ipc.shm import SharedMemoryError, SharedMemorySegment
 
 SLOT_WORDS = 8
-SEQ, LAYERS_DONE, STATUS, NUM_LAYERS = 0, 1, 2, 3
+SEQ, LAYERS_DONE, STATUS, NUM_LAYERS, WAKES = 0, 1, 2, 3, 4
+POLL_S = 0.02
+"""The longest a waiting client sleeps without looking at its slot (and, with ``alive``,
+between two checks that the daemon still lives)."""
+SPINS = 16
+"""Looks at the slot, yielding the CPU in between, before a wait goes to sleep: a transfer
+about to end is seen without the cost of a sleep and a wake-up."""
 
 
 class TransferStatus(enum.IntEnum):
@@ -50,12 +63,16 @@ class CompletionTimeout(TimeoutError):
 class CompletionBlock:
     """A mapped completion block (daemon: writable owner; client: read-only peer)."""
 
-    __slots__ = ("_a", "segment", "slots")
+    __slots__ = ("_a", "_w", "_wbase", "segment", "slots")
 
     def __init__(self, segment: SharedMemorySegment, slots: int) -> None:
         self.segment = segment
         self.slots = slots
         self._a = segment.array(np.int64, count=slots * SLOT_WORDS).reshape(slots, SLOT_WORDS)
+        # the same memory as 32-bit words: the futex of slot i is the low half of its WAKES
+        # word (little-endian), word 2 * (i * SLOT_WORDS + WAKES)
+        self._w = segment.array(np.uint32, count=2 * slots * SLOT_WORDS)
+        self._wbase = self._w.ctypes.data
 
     @classmethod
     def create(cls, path: str | Path, slots: int) -> CompletionBlock:
@@ -120,12 +137,31 @@ class CompletionBlock:
         row[SEQ] = seq
 
     def layer_done(self, slot: int, layers_done: int) -> None:
-        """Announce that layers ``[0, layers_done)`` are complete."""
+        """Announce that layers ``[0, layers_done)`` are complete (and wake the waiter)."""
         self._a[slot, LAYERS_DONE] = layers_done
+        self._wake(slot)
 
-    def finish(self, slot: int, status: TransferStatus) -> None:
-        """Set the final status of the transfer in ``slot``."""
+    def finish(self, slot: int, status: TransferStatus, wake: bool = True) -> None:
+        """Set the final status of the transfer in ``slot`` (and wake the waiter).
+
+        ``wake=False`` for a transfer that ends before its reply is sent: nobody waits on it
+        yet (a waiter would see the status at its first look).
+        """
         self._a[slot, STATUS] = status
+        if wake:
+            self._wake(slot)
+
+    def unannounced(self) -> CompletionBlock:
+        """This block for a transfer that ends before its reply is sent: its layers are
+        written without waking anyone (nobody waits on it yet), saving a system call each."""
+        return _Unannounced(self)  # type: ignore[return-value]
+
+    def _wake(self, slot: int) -> None:
+        """Bump ``slot``'s wake counter, then wake whoever sleeps on it."""
+        i = 2 * (slot * SLOT_WORDS + WAKES)
+        w = self._w
+        w[i] = (int(w[i]) + 1) & 0xFFFFFFFF
+        futex.wake(self._wbase + 4 * i)
 
     # -- client side ---------------------------------------------------------------------
     def read(self, slot: int) -> tuple[int, int, int]:
@@ -135,8 +171,11 @@ class CompletionBlock:
         return seq, int(row[LAYERS_DONE]), int(row[STATUS])
 
     def wait(self, slot: int, seq: int, layers: int, timeout: float,
-             alive: Callable[[], bool] | None = None) -> TransferStatus:
+             alive: Callable[[], bool] | None = None, end: bool = False) -> TransferStatus:
         """Wait until ``layers`` layers of transfer ``seq`` are done, or it ends.
+
+        Looks :data:`SPINS` times, then sleeps on the slot's futex between looks (polls
+        where futexes are unavailable).
 
         Args:
             slot / seq: the transfer.
@@ -144,35 +183,60 @@ class CompletionBlock:
             timeout: seconds before :class:`CompletionTimeout`.
             alive: called now and then; returning False ends the wait early as FAILED
                 (e.g. the daemon process is gone).
+            end: wait for the transfer's final status, not only for its layers.
 
         Returns:
-            RUNNING when the layers are done but the transfer is not finished, DONE,
-            FAILED or CANCELLED.
+            RUNNING when the layers are done but the transfer is not finished (never with
+            ``end``), DONE, FAILED or CANCELLED.
         """
         row = self._a[slot]
-        deadline = time.monotonic() + timeout
-        spins = 0
+        words = self._w  # held: the mapping stays while this wait may sleep on it
+        i = 2 * (slot * SLOT_WORDS + WAKES)
+        address = self._wbase + 4 * i
+        now = time.monotonic()
+        deadline = now + timeout
+        next_alive = now + POLL_S
+        polls = 0
         while True:
+            ticket = int(words[i])
             if int(row[SEQ]) == seq:
                 status = int(row[STATUS])
                 if status != TransferStatus.RUNNING:
                     if status == TransferStatus.DONE and int(row[LAYERS_DONE]) < layers:
                         return TransferStatus.FAILED
                     return TransferStatus(status)
-                if int(row[LAYERS_DONE]) >= layers:
+                if not end and int(row[LAYERS_DONE]) >= layers:
                     return TransferStatus.RUNNING
-            spins += 1
-            if spins < 64:
-                os.sched_yield()
-                continue
             now = time.monotonic()
             if now >= deadline:
                 raise CompletionTimeout(f"slot {slot} seq {seq}: {layers} layers not done in {timeout}s")
-            if spins % 256 == 0 and alive is not None and not alive():
-                return TransferStatus.FAILED
-            time.sleep(0.00005 if spins < 4096 else 0.0005)
+            if now >= next_alive:
+                if alive is not None and not alive():
+                    return TransferStatus.FAILED
+                next_alive = now + POLL_S
+            polls += 1
+            if polls <= SPINS:
+                os.sched_yield()
+            elif futex.AVAILABLE:
+                futex.wait(address, ticket, min(deadline, next_alive) - now)
+            else:
+                time.sleep(0.00005 if polls < 4096 else 0.0005)
 
     def close(self) -> None:
         """Unmap (and close the memfd, or remove the named file, of the daemon's block)."""
-        self._a = None  # type: ignore[assignment]
+        self._a = self._w = None  # type: ignore[assignment]
         self.segment.close()
+
+
+class _Unannounced:
+    """A :class:`CompletionBlock` seen by a copy whose layers nobody waits on: writes them
+    without waking (see :meth:`CompletionBlock.unannounced`)."""
+
+    __slots__ = ("_block",)
+
+    def __init__(self, block: CompletionBlock) -> None:
+        self._block = block
+
+    def layer_done(self, slot: int, layers_done: int) -> None:
+        """Record that layers ``[0, layers_done)`` are complete."""
+        self._block._a[slot, LAYERS_DONE] = layers_done

@@ -319,6 +319,15 @@ class HostPool(PageTable):
         """
         return self._slots.slot_offset(slot)
 
+    def slot_offsets(self, slots: list[int]) -> np.ndarray:
+        """The payload offsets of ``slots`` (int64, same order): :meth:`slot_offset` of
+        each, computed at once.
+
+        Raises:
+            HostPoolError: a slot id is out of range or its extent has no class.
+        """
+        return self._slots.slot_offsets(slots)
+
     # ------------------------------------------------------- persistent ids
 
     def namespace_id(self, fingerprint: bytes) -> int:

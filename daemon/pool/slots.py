@@ -142,6 +142,29 @@ class SlotAllocator:
         return (e * self.span + (slot - e * self.per_extent) * self.classes[cid].stride
                 + self.headroom)
 
+    def slot_offsets(self, slots: list[int]) -> np.ndarray:
+        """The payload offsets of ``slots`` (int64, same order), as :meth:`slot_offset`
+        gives them one by one.
+
+        Raises:
+            HostPoolError: a slot id is out of range or its extent has no class.
+        """
+        s = np.asarray(slots, dtype=np.int64)
+        if s.size == 0:
+            return s
+        out = (s < 0) | (s >= self.n_slots)
+        if out.any():
+            bad = int(s[np.flatnonzero(out)[0]])
+            raise HostPoolError(f"slot {bad} out of range [0, {self.n_slots})")
+        e = s // self.per_extent
+        cid = np.frombuffer(self.ext_class, dtype=np.int32)[e]
+        if (cid == NIL).any():
+            bad = int(s[np.flatnonzero(cid == NIL)[0]])
+            raise HostPoolError(f"slot {bad} lies in extent {bad // self.per_extent}, which is "
+                                "not allocated")
+        strides = np.array([c.stride for c in self.classes], dtype=np.int64)
+        return e * self.span + (s - e * self.per_extent) * strides[cid] + self.headroom
+
     def take(self, cid: int) -> int:
         """Hand out a free slot of ``cid`` (free list, fresh slot, free extent), or NIL."""
         cls = self.classes[cid]

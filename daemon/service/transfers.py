@@ -1,9 +1,21 @@
 """LOAD and STORE copies between engines and the host pool: start one, account for its end.
 
-A copy runs on a thread of the copy pool (the copy itself releases the GIL); its completion
-is delivered back on the event loop, where the pool, the counters and the session are
-updated, so nothing here takes a lock. The engine follows a copy layer by layer through its
-completion block, not through a reply.
+Where a copy runs depends on its size:
+
+- up to :data:`INLINE_BYTES`, on the event loop itself, before the reply goes out: handing
+  a copy of a few pages to a thread and its end back to the loop costs several times the
+  copy (a thread wake-up, the GIL changing hands with the loop that answers, a wake-up of
+  the loop), so such a transfer has ended, and its final status is in the completion
+  block, by the time the engine reads the reply;
+- larger, on a thread of the copy pool (the copy itself releases the GIL), started at once
+  so the copy overlaps the reply. One transfer is one copy: on the machines measured one
+  thread's copy already reaches the memory bandwidth, and splitting a transfer over the
+  threads only added work (``kvtier bench scale`` and the README's figures); the threads
+  serve several transfers at once.
+
+The end of a copy is settled on the event loop, where the pool, the counters and the
+session are updated, so nothing here takes a lock. The engine follows a copy layer by layer
+through its completion block, not through a reply.
 
 A session that closed while its copies ran is finalized by the last one to end: its memory
 must stay mapped while a copy thread may still touch it.
@@ -22,15 +34,23 @@ from kvtier.daemon.service.sessions import Session, SessionState
 from kvtier.daemon.transfer.transfer import Direction, Transfer, run_transfer
 from kvtier.ipc.completion import TransferStatus
 
+INLINE_BYTES = 256 << 10
+"""Transfers of at most this many bytes are copied on the event loop: tens of microseconds
+of copying, less than handing them to a thread and back costs, so the loop is never held
+much longer than by a long LOOKUP. It covers a page of a tensor-parallel rank with one KV
+head (16 tokens x 32 layers x K, V x 128 dims x bf16 = 256 KiB) and a few pages of smaller
+ones."""
+
 
 class Transfers:
-    """Starts copies on the copy threads and settles them when they end.
+    """Starts copies (on the loop or a copy thread) and settles them when they end.
 
     Args:
         ctx: the daemon's shared state.
 
     Attributes:
-        inflight: futures of the copies not finished yet (the drain at shutdown waits on them).
+        inflight: futures of the copies running on the copy threads (the drain at shutdown
+            waits on them).
     """
 
     def __init__(self, ctx: ServiceContext) -> None:
@@ -44,7 +64,7 @@ class Transfers:
 
         Args:
             executor: the copy threads.
-            arena: the host pool's arena as a tensor (what copies read and write).
+            arena: the host pool's arena (what copies read and write).
         """
         self._executor, self._arena = executor, arena
 
@@ -54,7 +74,10 @@ class Transfers:
 
     def start(self, s: Session, direction: Direction, slot: int, seq: int, host: list[int],
               pages: list[int], keys: list[bytes]) -> None:
-        """Copy pages between ``s``'s memory and host slots on a copy thread.
+        """Copy pages between ``s``'s memory and host slots.
+
+        A transfer of at most :data:`INLINE_BYTES` has ended, and is settled, when this
+        returns; a larger one runs on a copy thread.
 
         Args:
             s: the session.
@@ -64,32 +87,42 @@ class Transfers:
             pages: engine page indexes, one per host slot.
             keys: the page keys, one per host slot.
         """
-        pool = self.ctx.pool
-        offsets = np.fromiter((pool.slot_offset(h) for h in host), dtype=np.int64, count=len(host))
+        offsets = self.ctx.pool.slot_offsets(host)
+        g = s.geometry
         t = Transfer(direction=direction, session_id=s.session_id, slot=slot, seq=seq,
                      host_slots=host, page_ids=np.asarray(pages, dtype=np.int64), offsets=offsets,
-                     nbytes=len(host) * s.geometry.page_bytes, started=time.monotonic(),
-                     keys=keys,
+                     nbytes=len(host) * g.page_bytes, started=time.monotonic(), keys=keys,
                      checksum=direction is Direction.STORE and self.ctx.cfg.verify_on_adopt)
-        s.completion.begin(slot, seq, s.geometry.num_layers)
+        s.completion.begin(slot, seq, g.num_layers)
         s.transfers[slot] = t
+        if t.nbytes <= INLINE_BYTES:  # ends before the reply: nobody to wake
+            run_transfer(t, self._arena, s.memory.regions, g.num_layers, g.page_bytes,
+                         s.completion.unannounced())
+            self._settle(s, t, t.status is TransferStatus.DONE, wake=False)
+            return
         loop = asyncio.get_running_loop()
         fut = loop.run_in_executor(self._executor, run_transfer, t, self._arena, s.memory.regions,
-                                   s.geometry.num_layers, s.geometry.page_bytes, s.completion)
+                                   g.num_layers, g.page_bytes, s.completion)
         self.inflight.add(fut)
         fut.add_done_callback(lambda f: self._finish(s, t, f))
 
     def _finish(self, s: Session, t: Transfer, fut: asyncio.Future) -> None:
-        """Settle one copy: commit or abort (STORE), unpin (LOAD), count, tell the engine."""
+        """A copy thread's transfer ended: settle it."""
         self.inflight.discard(fut)
         ok = not fut.cancelled() and fut.exception() is None and t.status is TransferStatus.DONE
+        self._settle(s, t, ok)
+
+    def _settle(self, s: Session, t: Transfer, ok: bool, wake: bool = True) -> None:
+        """Settle one copy: commit or abort (STORE), unpin (LOAD), count, tell the engine
+        (``wake``: wake it too; see :meth:`CompletionBlock.finish`)."""
         if t.direction is Direction.STORE:
             self._stored(s, t, ok)
         else:
             self._loaded(s, t, ok)
         if s.state is not SessionState.CLOSED:
             s.completion.finish(t.slot, TransferStatus.DONE if ok else (
-                t.status if t.status is not TransferStatus.RUNNING else TransferStatus.FAILED))
+                t.status if t.status is not TransferStatus.RUNNING else TransferStatus.FAILED),
+                wake=wake)
         s.transfers.pop(t.slot, None)
         if s.state is SessionState.CLOSING and not s.transfers:
             self.ctx.finalize_session(s)

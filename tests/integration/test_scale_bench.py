@@ -32,7 +32,7 @@ FIGURES = ("transfer_fixed_cost_us", "lookup_rtt_us_p50", "transfer_memcpy_gbps"
            "daemon_bytes_moved")  # fmt: skip
 PER_SIZE = ("transfer_store_us_p50", "transfer_load_us_p50", "transfer_store_gbps",
             "transfer_load_gbps")  # fmt: skip
-PER_N = ("l2_aggregate_gbps", "l2_memcpy_gbps", "l2_aggregate_over_memcpy")
+PER_N = ("l2_aggregate_gbps", "l2_memcpy_gbps", "l2_aggregate_over_memcpy", "l2_cpu_bound_gbps")
 
 
 def _positive(name: str, value: object) -> None:

@@ -1,0 +1,157 @@
+"""How a transfer runs and how its end reaches the engine.
+
+- A transfer of at most ``INLINE_BYTES`` is copied on the daemon's event loop: it has ended,
+  with its final status in the completion block, when the engine reads the reply. A larger
+  one runs on a copy thread; both move the same bytes.
+- The completion block wakes a waiting engine through a futex on the slot's wake word, also
+  through a read-only mapping in another process; ``wait(end=True)`` returns the final
+  status, never the "layers done, still running" state.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from kvtier.daemon.service.transfers import INLINE_BYTES
+from kvtier.ipc import futex
+from kvtier.ipc.completion import SLOT_WORDS, WAKES, CompletionBlock, TransferStatus
+
+from tests.engines import SMALL, engine, fill_page, page_bytes, tokens
+
+pytestmark = pytest.mark.timeout(180)
+
+P = SMALL.page_size
+DEADLINE_S = 60.0
+"""Bound on each wait below; every futex wait in these tests sleeps twice as long, so one
+that is never woken fails the test instead of passing by its timeout."""
+
+
+@pytest.fixture
+def daemon(module_daemon):
+    """The module's daemon; each test uses a model id (a namespace) of its own."""
+    return module_daemon
+
+
+def _block_status(conn, slot: int) -> tuple[int, int, int]:
+    block = conn._block  # the engine's read-only view of its completion block
+    assert block is not None
+    return block.read(slot)
+
+
+ROUNDS = 30
+"""Transfers per check: a copy thread could end a transfer before its reply now and then,
+never every time."""
+
+
+def test_a_small_transfer_has_ended_when_its_reply_arrives(daemon):
+    pages = INLINE_BYTES // SMALL.page_bytes
+    assert pages >= 2, "the inline limit holds several SMALL pages"
+    pool, conn = engine(daemon.runtime_dir, num_pages=2 * pages, model="inline")
+    try:
+        for p in range(pages):
+            fill_page(pool, p, seed=p + 1)
+        dst = list(range(pages, 2 * pages))
+        for i in range(ROUNDS):
+            keys = conn.page_keys(tokens(pages * P, salt=i))
+            h = conn.store(keys, list(range(pages)))
+            assert h.writing == pages
+            assert _block_status(conn, h.slot) == (h.seq, SMALL.num_layers, TransferStatus.DONE), \
+                f"round {i}: the store had not ended when its reply came"
+            assert h.wait()
+            h = conn.load(keys, dst)
+            assert h.count == pages
+            assert _block_status(conn, h.slot) == (h.seq, SMALL.num_layers, TransferStatus.DONE), \
+                f"round {i}: the load had not ended when its reply came"
+            assert h.wait()
+        for i, p in enumerate(dst):
+            assert page_bytes(pool, p) == page_bytes(pool, i), f"page {i} differs"
+    finally:
+        conn.close()
+        pool.close()
+
+
+def test_a_large_transfer_runs_on_a_copy_thread_and_moves_the_same_bytes(daemon):
+    pages = 4 * INLINE_BYTES // SMALL.page_bytes
+    pool, conn = engine(daemon.runtime_dir, num_pages=2 * pages, model="threaded")
+    try:
+        keys = conn.page_keys(tokens(pages * P, salt=2))
+        for p in range(pages):
+            fill_page(pool, p, seed=1000 + p)
+        h = conn.store(keys, list(range(pages)))
+        assert h.writing == pages and h.wait()
+        assert conn.lookup(keys).l2 == pages
+        dst = list(range(pages, 2 * pages))
+        for _ in range(3):  # the slot's wake word keeps counting across transfers
+            h = conn.load(keys, dst[::-1])  # reversed: pages and slots in no common order
+            assert h.count == pages
+            for layer in range(SMALL.num_layers):
+                assert h.wait_layer(layer)
+            assert h.wait() and h.ok
+        for i, p in enumerate(dst[::-1]):
+            assert page_bytes(pool, p) == page_bytes(pool, i), f"page {i} differs"
+    finally:
+        conn.close()
+        pool.close()
+
+
+def test_wait_for_the_end_does_not_stop_at_the_last_layer(tmp_path: Path):
+    block = CompletionBlock.create(tmp_path / "block", 4)
+    try:
+        block.begin(2, seq=7, num_layers=3)
+        block.layer_done(2, 3)  # every layer in place, the transfer not settled yet
+        assert block.wait(2, 7, 3, DEADLINE_S) is TransferStatus.RUNNING
+        got: list[TransferStatus] = []
+        waiter = threading.Thread(target=lambda: got.append(
+            block.wait(2, 7, 3, 2 * DEADLINE_S, end=True)))
+        waiter.start()
+        block.finish(2, TransferStatus.CANCELLED)
+        waiter.join(DEADLINE_S)
+        assert not waiter.is_alive(), "the waiter was not woken by the final status"
+        assert got == [TransferStatus.CANCELLED]
+        block.begin(2, seq=8, num_layers=3)  # a transfer ended DONE short of its layers
+        block.layer_done(2, 1)
+        block.finish(2, TransferStatus.DONE)
+        assert block.wait(2, 8, 3, DEADLINE_S, end=True) is TransferStatus.FAILED
+    finally:
+        block.close()
+
+
+_CHILD = """
+import sys
+from kvtier.ipc import futex
+from kvtier.ipc.completion import SLOT_WORDS, WAKES, CompletionBlock
+block = CompletionBlock.open(sys.argv[1], 4)
+words = block.segment.array("uint32")
+i = 2 * (3 * SLOT_WORDS + WAKES)
+before = int(words[i])
+print("waiting", flush=True)
+futex.wait(words.ctypes.data + 4 * i, before, float(sys.argv[2]))
+print(before, int(words[i]), flush=True)
+"""
+
+
+@pytest.mark.skipif(not futex.AVAILABLE, reason="no futex system call known here")
+def test_a_layer_wakes_a_waiter_in_another_process_through_a_read_only_mapping(tmp_path: Path):
+    path = tmp_path / "block"
+    block = CompletionBlock.create(path, 4)
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(path), str(2 * DEADLINE_S)],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "waiting"
+        block.begin(3, seq=1, num_layers=2)
+        block.layer_done(3, 1)  # bumps slot 3's wake word, then wakes
+        out, _ = child.communicate(timeout=DEADLINE_S)
+        before, after = map(int, out.split())
+        assert child.returncode == 0
+        assert after == before + 1, "the waiter returned before the layer was announced"
+        assert SLOT_WORDS * 8 * 4 == block.segment.size and WAKES < SLOT_WORDS
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        block.close()
