@@ -1,24 +1,29 @@
 """``kvtier bench vllm``: a real vLLM (CPU) reusing a long prefix through kvtierd.
 
-Every measurement is taken in a fresh vLLM process (bench/vllm_engine.py), on a random
-Llama whose 4K-token prefill takes about a second here (vllm_engine.BENCH_MODEL), with
-vLLM's own prefix caching off, greedy decoding, and a warm-up request per process:
+Every engine is a fresh vLLM process (bench/vllm_engine.py) on a random Llama whose
+4K-token prefill takes about a second here (vllm_engine.BENCH_MODEL), with vLLM's own
+prefix caching off, greedy decoding, and a warm-up request per process:
 
 1. a kvtier engine computes prompts P (4K tokens each) and exits: their pages are in L2;
-2. a fresh kvtier engine runs P (hits: loaded from L2) and cold prompts Q (misses);
-3. a fresh engine without a connector runs P (recomputed) and Q;
-4. an engine with vLLM's ``ExampleConnector`` (its reference disk connector) computes P,
-   and a fresh one runs P (loaded from its safetensors files).
+   an engine with vLLM's ``ExampleConnector`` (its reference disk connector) computes P
+   and exits: P is in its safetensors files (in the page cache);
+2. three fresh engines run side by side, one request at a time: kvtier (P: hits loaded
+   from L2; cold prompts Q: misses), one without a connector (P recomputed, Q) and one
+   with ExampleConnector (P loaded from its files). Requests alternate between the
+   engines, in an order that turns round every prompt, with a pause between requests so
+   each starts with nothing in flight (no store from the one before), so a drift of the
+   machine's load falls on every engine alike.
 
 Fields (medians over the prompts):
 
 - ``ttft_hit_over_recompute``: time to first token of P with kvtier / without a connector;
 - ``miss_overhead``: time to first token of Q with kvtier / without a connector;
 - ``kvtier_over_example_connector``: ExampleConnector's load time / kvtier's load time,
-  where a load time is measured in the engine from the step that starts the request's
-  load to the moment its KV is in vLLM's blocks (kvtier: queued in ``start_load_kv`` until
-  its asynchronous load ended; ExampleConnector: its synchronous ``start_load_kv``);
-  above 1, kvtier loads faster;
+  both measured by the same wrapper around vLLM's calls into the connector (see
+  vllm_engine): the time the request waited on its load, i.e. for a load within the
+  step (ExampleConnector's; kvtier's layer-wise load of an L2 hit, whose copy overlaps
+  the forward pass) the time the step spent in the connector's ``start_load_kv``,
+  ``wait_for_layer_load`` and ``get_finished`` calls; above 1, kvtier loads faster;
 - ``outputs_match``: kvtier's tokens and logprobs for P and Q equal the recomputed ones.
 """
 
@@ -27,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import shutil
 import statistics
 import subprocess
@@ -42,25 +48,65 @@ __all__ = ["main", "run_vllm_bench"]
 
 TARGETS = {"ttft_hit_over_recompute": ("<=", 0.3), "miss_overhead": ("<=", 1.05),
            "kvtier_over_example_connector": (">=", 3.0)}
+PAUSE_S = 0.3
+"""Pause before each timed request (the previous one's stores end meanwhile)."""
 
 
 def _prompt(seed: int, n: int, vocab: int = 8000) -> list[int]:
     return [(seed * 7919 + i * 37 + (i * i) % 101) % vocab + 3 for i in range(n)]
 
 
-def _engine(cfg: dict[str, Any], log: Path, timeout: float = 900.0) -> dict[str, Any]:
-    """Run one fresh engine process; its JSON answer."""
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind")
-    cfg_path = log.with_suffix(".json")
-    cfg_path.write_text(json.dumps(cfg))
-    with open(log, "ab") as err:
-        done = subprocess.run([sys.executable, "-m", "kvtier.bench.vllm_engine", str(cfg_path)],
-                              stdout=subprocess.PIPE, stderr=err, env=env, timeout=timeout,
-                              check=False)
-    if done.returncode != 0:
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
-        raise RuntimeError(f"vLLM engine ({cfg.get('connector')}) exited {done.returncode}:\n{tail}")
-    return json.loads(done.stdout.decode().strip().splitlines()[-1])
+class _Engine:
+    """One engine process (bench/vllm_engine.py), asked one prompt at a time."""
+
+    def __init__(self, cfg: dict[str, Any], log: Path, timeout: float = 900.0) -> None:
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                   VLLM_CPU_OMP_THREADS_BIND="nobind")
+        self.log, self.timeout, self.name = log, timeout, cfg.get("connector", "model")
+        cfg_path = log.with_suffix(".json")
+        cfg_path.write_text(json.dumps(cfg))
+        with open(log, "ab") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvtier.bench.vllm_engine", str(cfg_path)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env)
+        self._reply()  # {"ready": true}, or {} once a model is written
+
+    def _reply(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], self.timeout)
+        line = self.proc.stdout.readline() if ready else b""
+        if not line:
+            self.proc.kill()
+            tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-30:])
+            raise RuntimeError(f"vLLM engine ({self.name}) gave no answer:\n{tail}")
+        return json.loads(line)
+
+    def ask(self, ids: list[int]) -> dict[str, Any]:
+        """Run one prompt; the engine's measurements."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps({"prompt": ids}) + "\n").encode())
+        self.proc.stdin.flush()
+        return self._reply()
+
+    def close(self) -> None:
+        """End the engine (it exits when its stdin closes)."""
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _run_once(cfg: dict[str, Any], log: Path, prompts: list[list[int]]) -> None:
+    """A fresh engine runs ``prompts`` and exits."""
+    e = _Engine(cfg, log)
+    try:
+        for ids in prompts:
+            e.ask(ids)
+    finally:
+        e.close()
 
 
 def run_vllm_bench(tokens: int = 4096, prompts: int = 3) -> dict[str, Any]:
@@ -69,28 +115,34 @@ def run_vllm_bench(tokens: int = 4096, prompts: int = 3) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="kvb-", dir="/tmp"))
     daemon = DaemonProcess(tmp / "rt", ["--hicache-storage-backend", "none", "--hicache-size",
                                         "1GiB", "--log-level", "warning"])
+    engines: dict[str, _Engine] = {}
+    runs: dict[str, dict[str, Any]] = {"kvtier": {}, "none": {}, "example": {}}
     try:
         model = str(tmp / "model")
-        _engine({"model": model, "make_model": True}, tmp / "model.log")
+        _Engine({"model": model, "make_model": True}, tmp / "model.log").close()
         hits = {f"P{i}": _prompt(100 + i, tokens) for i in range(prompts)}
         cold = {f"Q{i}": _prompt(200 + i, tokens) for i in range(prompts)}
-        warm = _prompt(300, tokens)
         daemon.start()
         base = {"model": model, "runtime_dir": str(daemon.runtime_dir),
                 "example_dir": str(tmp / "example")}
         (tmp / "example").mkdir()
-        _engine({**base, "connector": "kvtier", "prompts": hits}, tmp / "prime.log")
-        kv = _engine({**base, "connector": "kvtier", "warmup": warm, "prompts": {**hits, **cold}},
-                     tmp / "kvtier.log")
-        plain = _engine({**base, "connector": "none", "warmup": warm,
-                         "prompts": {**hits, **cold}}, tmp / "plain.log")
-        _engine({**base, "connector": "example", "prompts": hits}, tmp / "example-prime.log")
-        ex = _engine({**base, "connector": "example", "warmup": _prompt(301, tokens),
-                      "prompts": hits}, tmp / "example.log")
+        _run_once({**base, "connector": "kvtier"}, tmp / "prime.log", list(hits.values()))
+        _run_once({**base, "connector": "example"}, tmp / "example-prime.log", list(hits.values()))
+        for name in runs:
+            engines[name] = _Engine({**base, "connector": name}, tmp / f"{name}.log")
+            engines[name].ask(_prompt(300, tokens))  # warm-up
+        for i, label in enumerate(label for pair in zip(hits, cold) for label in pair):
+            names = [n for n in runs if n != "example" or label in hits]
+            for name in (names if i % 2 == 0 else names[::-1]):
+                time.sleep(PAUSE_S)
+                runs[name][label] = engines[name].ask({**hits, **cold}[label])
     finally:
+        for e in engines.values():
+            e.close()
         daemon.stop()
         daemon.remove_pool()
         shutil.rmtree(tmp, ignore_errors=True)
+    kv, plain, ex = runs["kvtier"], runs["none"], runs["example"]
 
     def med(run: dict[str, Any], labels: Any, field: str = "ttft_s") -> float:
         return statistics.median(run[label][field] for label in labels)
@@ -101,7 +153,7 @@ def run_vllm_bench(tokens: int = 4096, prompts: int = 3) -> dict[str, Any]:
 
     same = all((kv[k]["tokens"], kv[k]["logprobs"]) == (plain[k]["tokens"], plain[k]["logprobs"])
                for k in (*hits, *cold))
-    result = {
+    return {
         "ttft_hit_over_recompute": med(kv, hits) / med(plain, hits),
         "miss_overhead": med(kv, cold) / med(plain, cold),
         "kvtier_over_example_connector": load_med(ex) / load_med(kv),
@@ -115,9 +167,12 @@ def run_vllm_bench(tokens: int = 4096, prompts: int = 3) -> dict[str, Any]:
         "load_kvtier_s": load_med(kv), "load_example_s": load_med(ex),
         "cached_tokens_kvtier": [kv[k]["cached"] for k in hits],
         "cached_tokens_example": [ex[k]["cached"] for k in hits],
+        "ttft_each_s": {name: {k: round(v["ttft_s"], 4) for k, v in run.items()}
+                        for name, run in runs.items()},
+        "load_each_s": {name: [round(t, 5) for k in hits for t in run[k]["load_s"]]
+                        for name, run in runs.items() if name != "none"},
         "seconds": round(time.monotonic() - t_start, 1),
     }
-    return result
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -187,6 +187,9 @@ class Connection:
                 self._session_call(lambda sid: P.Heartbeat(req_id=0, session_id=sid))
             except (DaemonUnavailable, DaemonError) as err:
                 log.debug("heartbeat: %s", err)
+            except zmq.ZMQError as err:  # the context was destroyed under us (interpreter exit)
+                log.debug("heartbeat stopped: %s", err)
+                return
 
     def daemon_alive(self) -> bool:
         """False when the daemon's process is known to be gone."""

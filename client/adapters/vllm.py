@@ -72,9 +72,6 @@ class KvtierConnector(KVConnectorBase_V1):
                         "stopped mid-load) fails its request; set it to \"recompute\" to "
                         "recompute the blocks instead", tc.kv_load_failure_policy)
         mc, pc = vllm_config.model_config, vllm_config.parallel_config
-        if pc.tensor_parallel_size > 1:
-            log.warning("tensor_parallel_size %d: kvtier's scheduler-side lookup does not find "
-                        "per-rank pages yet, so every request is a miss", pc.tensor_parallel_size)
         model_id = self.settings.model_id or str(mc.model)
         revision = mc.revision or ""
         self._scheduler: SchedulerSide | None = None
@@ -134,14 +131,18 @@ class KvtierConnector(KVConnectorBase_V1):
             self._worker.handle_preemptions(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Queue the step's loads (asynchronous: they end through :meth:`get_finished`)."""
+        """Start the step's loads: layer-wise ones (hits in L2) now, before the forward;
+        asynchronous ones (hits reaching into L3) on the I/O thread, ending through
+        :meth:`get_finished`."""
         if self._worker is not None and self.has_connector_metadata():
             meta = self._get_connector_metadata()
             assert isinstance(meta, KvtierMetadata)
             self._worker.start_loads(meta, idle=forward_context.attn_metadata is None)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing to wait for: every load ends before its request is scheduled."""
+        """Wait until the step's layer-wise loads have put this layer's pages in place."""
+        if self._worker is not None:
+            self._worker.wait_for_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
@@ -155,7 +156,8 @@ class KvtierConnector(KVConnectorBase_V1):
             self._worker.start_stores(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Finished requests whose stores ended; requests whose loads ended."""
+        """Finished requests whose stores ended; requests whose asynchronous loads ended
+        (the step's layer-wise loads have ended too when it returns)."""
         if self._worker is None:
             return None, None
         sending, recving = self._worker.get_finished(finished_req_ids)
@@ -175,7 +177,8 @@ class KvtierConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
-        """Tokens kvtier holds beyond vLLM's own hit (loaded asynchronously)."""
+        """Tokens kvtier holds beyond vLLM's own hit, and whether they load asynchronously
+        (only hits that reach into L3 do, unless ``layerwise_loads`` is off)."""
         if self._scheduler is None:
             return 0, False
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)

@@ -38,6 +38,9 @@ class ConnectorSettings:
             ``wait_complete``, ``timeout``; default: the daemon's policy).
         retry_interval_s: how often to try again to reach a daemon that is away.
         min_load_pages: hits shorter than this many pages are recomputed, not loaded.
+        layerwise_loads: load a hit that is wholly in L2 in the step that schedules its
+            request, the forward pass waiting for each layer (default True); False loads
+            every hit asynchronously, as hits reaching into L3 always are.
     """
 
     client: ClientConfig
@@ -45,6 +48,7 @@ class ConnectorSettings:
     prefetch_policy: str = ""
     retry_interval_s: float = 1.0
     min_load_pages: int = 1
+    layerwise_loads: bool = True
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -54,7 +58,8 @@ class ConnectorSettings:
             SettingsError: an unknown key, or a value the client settings refuse.
         """
         extra = dict(extra or {})
-        own = {"model_id", "prefetch_policy", "retry_interval_s", "min_load_pages"}
+        own = {"model_id", "prefetch_policy", "retry_interval_s", "min_load_pages",
+               "layerwise_loads"}
         unknown = sorted(set(extra) - own - set(_CLIENT_KEYS))
         if unknown:
             raise SettingsError(f"kv_connector_extra_config: unknown key(s) {unknown}; known: "
@@ -75,5 +80,8 @@ class ConnectorSettings:
         if retry <= 0 or min_pages < 1:
             raise SettingsError("kv_connector_extra_config: retry_interval_s must be > 0 and "
                                 "min_load_pages >= 1")
+        layerwise = extra.get("layerwise_loads", True)
+        if not isinstance(layerwise, bool):
+            raise SettingsError("kv_connector_extra_config: layerwise_loads must be true or false")
         return cls(client=client, model_id=extra.get("model_id"), prefetch_policy=policy,
-                   retry_interval_s=retry, min_load_pages=min_pages)
+                   retry_interval_s=retry, min_load_pages=min_pages, layerwise_loads=layerwise)

@@ -26,6 +26,12 @@ class LoadSpec:
         block_ids: vLLM blocks receiving the pages, in page order.
         in_l2: leading pages (from page 0) the scheduler saw in L2; pages past it were in
             L3 only and are prefetched and claimed before the load.
+        layerwise: the whole hit is in L2: the load starts in ``start_load_kv`` and the
+            forward pass waits for it layer by layer (``wait_for_layer_load``); otherwise it
+            runs asynchronously and ends through ``get_finished``.
+        seed / keys: the key chain's seed the scheduler used and the page keys it computed
+            (pages ``0 .. start + len(block_ids)``); a worker whose own seed is ``seed``
+            uses them instead of hashing ``tokens`` again.
     """
 
     req_id: str
@@ -34,6 +40,9 @@ class LoadSpec:
     start: int
     block_ids: list[int]
     in_l2: int
+    layerwise: bool = False
+    seed: bytes = b""
+    keys: list[bytes] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -46,6 +55,7 @@ class StoreSpec:
         salt: the request's ``cache_salt`` ("" for none).
         start: the first page to store.
         block_ids: vLLM blocks holding the pages, in page order.
+        seed / keys: as in :class:`LoadSpec` (empty when the scheduler has no keys).
     """
 
     req_id: str
@@ -53,6 +63,8 @@ class StoreSpec:
     salt: str
     start: int
     block_ids: list[int]
+    seed: bytes = b""
+    keys: list[bytes] = field(default_factory=list)
 
 
 @dataclass

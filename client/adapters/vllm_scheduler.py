@@ -1,13 +1,24 @@
 """The scheduler side of the vLLM connector (runs in vLLM's EngineCore process).
 
-It holds no KV memory: it registers a control-only session
-(:class:`~kvtier.client.memory_export.ControlOnly`), whose LOOKUP answers for the workers'
-namespaces. For each new request it keys the request's full blocks with kvtier's chain
-(one page = one block; at least one prompt token is always left to compute), looks up the
-blocks beyond vLLM's own hit, and reports them as loadable asynchronously
-(``load_async=True``): the request waits in ``WAITING_FOR_REMOTE_KVS`` while the workers
-prefetch (L3), claim and load the pages, so this process never waits on storage. Each step
-it also tells the workers which blocks became full, to back them up to L2.
+It holds no KV memory: it registers one control-only session
+(:class:`~kvtier.client.memory_export.ControlOnly`) per tensor-parallel rank, whose LOOKUP
+answers from that rank's namespace (each rank's pages are keyed from its own fingerprint).
+For each new request it keys the request's full blocks with kvtier's chain (one page = one
+block; at least one prompt token is always left to compute), looks up the blocks beyond
+vLLM's own hit on every rank, takes the smallest answer (a block counts only when every
+rank holds it), and plans their load:
+
+- a hit wholly in L2 is loaded layer by layer (``load_async=False``, setting
+  ``layerwise_loads``): the request is scheduled at once, the workers start the LOAD in
+  ``start_load_kv`` and the forward pass waits for each layer in ``wait_for_layer_load``,
+  so the copy of layer i+1 overlaps the compute of layer i;
+- a hit that reaches into L3 is loaded asynchronously (``load_async=True``): the request
+  waits in ``WAITING_FOR_REMOTE_KVS`` while the workers prefetch, claim and load the pages,
+  so this process never waits on storage.
+
+The keys it computed for the lookup travel with the load plan (workers of the same
+namespace use them as they are). Each step it also tells the workers which blocks became
+full, to back them up to L2.
 
 When kvtierd is away every lookup is a miss (0 tokens) and nothing waits: see
 :class:`~kvtier.client.adapters.link.DaemonLink`.
@@ -39,6 +50,9 @@ class _Hit:
     local: int  # pages vLLM has itself
     total: int  # pages vLLM will have after the load
     in_l2: int  # leading pages in L2 (the rest of the hit is in L3)
+    seed: bytes  # the key chain's seed
+    keys: list[bytes]  # the keys of pages 0 .. total
+    layerwise: bool  # loaded layer by layer in the step that schedules the request
 
 
 @dataclass(slots=True)
@@ -51,6 +65,8 @@ class _Tracked:
     load_start: int = 0  # first page of the planned load
     in_l2: int = 0  # leading pages the lookup saw in L2
     load_blocks: set[int] = field(default_factory=set)
+    seed: bytes = b""  # the key chain's seed ("" while unknown: the workers hash)
+    keys: list[bytes] = field(default_factory=list)  # keys of the request's first pages
 
 
 class SchedulerSide:
@@ -68,17 +84,19 @@ class SchedulerSide:
         self.geometry = geometry
         self.block_size = geometry.page_size
         self.settings = settings
-        self.link = DaemonLink(lambda: ControlOnly(geometry), model_id, settings.client, 0,
-                               tp_size, settings.retry_interval_s, revision=revision)
+        self.links = [DaemonLink(lambda: ControlOnly(geometry), model_id, settings.client, rank,
+                                 tp_size, settings.retry_interval_s, revision=revision)
+                      for rank in range(tp_size)]
         self._hits: dict[str, _Hit] = {}
+        self._chains: dict[str, tuple[bytes, list[bytes]]] = {}  # the last lookup's keys
         self._tracked: dict[str, _Tracked] = {}
         self._loads: list[LoadSpec] = []
 
     # ------------------------------------------------------------------ lookups
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int, bool]:
-        """Tokens beyond vLLM's own (block-aligned) hit that kvtier can load, and True
-        (loaded asynchronously) when there are any."""
+        """Tokens beyond vLLM's own (block-aligned) hit that kvtier can load, and whether
+        they load asynchronously (part of the hit only in L3, or ``layerwise_loads`` off)."""
         bs = self.block_size
         tokens = request.all_token_ids
         pages = (len(tokens) - 1) // bs  # leave at least one token to compute
@@ -86,19 +104,27 @@ class SchedulerSide:
         self._hits.pop(request.request_id, None)
         if pages - local < self.settings.min_load_pages:
             return 0, False
-        conn = self.link.get()
-        if conn is None:
+        conns = [link.get() for link in self.links]
+        if any(conn is None for conn in conns):
             return 0, False
-        keys = page_keys(chain_seed(conn.ns_fingerprint, request.cache_salt or ""),
-                         tokens[:pages * bs], bs)
-        rep = conn.lookup(keys)
-        # the daemon prefetches an L3 run only from prefetch_threshold tokens on
-        l3 = rep.l3 if rep.l3 * bs >= self.settings.client.prefetch_threshold else 0
-        total = min(pages, rep.l2 + l3)
-        if total - local < self.settings.min_load_pages:
-            return 0, False
-        self._hits[request.request_id] = _Hit(local=local, total=total, in_l2=rep.l2)
-        return (total - local) * bs, True
+        total, in_l2 = pages, pages
+        for rank, conn in enumerate(conns):
+            assert conn is not None
+            rank_seed = chain_seed(conn.ns_fingerprint, request.cache_salt or "")
+            rank_keys = page_keys(rank_seed, tokens[:pages * bs], bs)
+            if rank == 0:  # rank 0's chain goes to the workers (a rank of another seed hashes)
+                seed, keys = rank_seed, rank_keys
+                self._chains[request.request_id] = (seed, keys)
+            rep = conn.lookup(rank_keys)
+            # the daemon prefetches an L3 run only from prefetch_threshold tokens on
+            l3 = rep.l3 if rep.l3 * bs >= self.settings.client.prefetch_threshold else 0
+            total, in_l2 = min(total, rep.l2 + l3), min(in_l2, rep.l2)
+            if total - local < self.settings.min_load_pages:
+                return 0, False
+        layerwise = self.settings.layerwise_loads and in_l2 >= total
+        self._hits[request.request_id] = _Hit(local=local, total=total, in_l2=in_l2,
+                                              seed=seed, keys=keys[:total], layerwise=layerwise)
+        return (total - local) * bs, not layerwise
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
         """Split a request's external hit into host memory (L2) and disk (L3) tokens."""
@@ -115,6 +141,9 @@ class SchedulerSide:
         tracked = self._tracked.get(rid)
         if tracked is None:
             tracked = self._tracked[rid] = _Tracked(request)
+        chain = self._chains.pop(rid, None)
+        if chain is not None and not tracked.seed:
+            tracked.seed, tracked.keys = chain[0], list(chain[1])
         hit = self._hits.pop(rid, None)
         if num_external_tokens == 0 or hit is None:
             return
@@ -123,7 +152,9 @@ class SchedulerSide:
         blocks = list(block_ids[hit.local:total])
         self._loads.append(LoadSpec(req_id=rid, tokens=list(request.all_token_ids[:total * bs]),
                                     salt=request.cache_salt or "", start=hit.local,
-                                    block_ids=blocks, in_l2=min(hit.in_l2, total)))
+                                    block_ids=blocks, in_l2=min(hit.in_l2, total),
+                                    layerwise=hit.layerwise,
+                                    seed=hit.seed, keys=hit.keys[:total]))
         hit.total = total
         tracked.stored = max(tracked.stored, hit.total)
         tracked.load_start, tracked.in_l2, tracked.load_blocks = hit.local, hit.in_l2, set(blocks)
@@ -148,9 +179,13 @@ class SchedulerSide:
             blocks = block_ids_of(rid)
             if blocks is None or len(blocks) < end:
                 continue
+            if t.seed and len(t.keys) < end:  # pages decoded since: extend the chain
+                t.keys += page_keys(t.keys[-1] if t.keys else t.seed,
+                                    tokens[len(t.keys) * bs:end * bs], bs)
             meta.stores.append(StoreSpec(req_id=rid, tokens=list(tokens[:end * bs]),
                                          salt=req.cache_salt or "", start=t.stored,
-                                         block_ids=list(blocks[t.stored:end])))
+                                         block_ids=list(blocks[t.stored:end]), seed=t.seed,
+                                         keys=t.keys[:end] if t.seed else []))
             t.stored = end
             t.stores += 1
         return meta
@@ -166,9 +201,11 @@ class SchedulerSide:
         """Forget the request; True when its blocks must outlive it until the workers
         report its stores done (``finished_sending``)."""
         self._hits.pop(request.request_id, None)
+        self._chains.pop(request.request_id, None)
         t = self._tracked.pop(request.request_id, None)
         return t is not None and t.stores > 0
 
     def close(self) -> None:
-        """Close the control session."""
-        self.link.close()
+        """Close the control sessions."""
+        for link in self.links:
+            link.close()

@@ -2,13 +2,21 @@
 
 vLLM's KV allocation is placed in a sealed memfd (:class:`~kvtier.client.adapters.
 vllm_memory.MemfdAllocation`) and registered with kvtierd once, as one region per layer.
-Every daemon call runs on one I/O thread, in the order the steps asked for them, so the
-forward pass never waits on kvtierd:
 
-- a load (planned by the scheduler) prefetches and claims the pages that were only in L3,
-  then loads the leading L2 run into the request's blocks; the request id is reported in
-  ``finished_recving`` once the load ended, and the blocks it could not fill in
-  ``get_block_ids_with_load_errors`` (vLLM then recomputes them);
+- a layer-wise load (a hit wholly in L2) is started in ``start_load_kv``, on the engine's
+  own thread, before the forward pass; the daemon copies layer by layer and
+  ``wait_for_layer_load`` waits for each layer as the forward reaches it, so later layers
+  are copied while earlier ones compute. The step ends only once the whole copy ended;
+  the blocks it could not fill are reported in ``get_block_ids_with_load_errors`` of the
+  same step (vLLM then drops the step's output for the request and recomputes them);
+
+Every other daemon call runs on one I/O thread, in the order the steps asked for them, so
+the forward pass never waits on it:
+
+- an asynchronous load (a hit reaching into L3) prefetches and claims the pages that were
+  only in L3, then loads the leading L2 run into the request's blocks; the request id is
+  reported in ``finished_recving`` once the load ended, and the blocks it could not fill
+  in ``get_block_ids_with_load_errors`` (vLLM then recomputes them);
 - a store (blocks the step filled) runs after the forward (``wait_for_save``); a finished
   request whose stores are still running keeps its blocks (the scheduler delayed their
   release) until it is reported in ``finished_sending``; a preempted one is waited for
@@ -33,6 +41,7 @@ from kvtier.client.adapters.vllm_meta import KvtierMetadata, LoadSpec, StoreSpec
 from kvtier.client.adapters.vllm_namespace import chain_seed
 from kvtier.client.memory_export import RegionMemory
 from kvtier.client.page_keys import page_keys
+from kvtier.client.transfer_handle import TransferHandle
 from kvtier.config import KvtierError
 from kvtier.ipc.protocol import Geometry
 
@@ -76,8 +85,11 @@ class WorkerSide:
         self._idle = False
         self._ended = 0  # jobs ended so far
         self._load_started: dict[str, float] = {}
+        # this step's layer-wise loads and when each started (engine thread only)
+        self._layerwise: list[tuple[LoadSpec, TransferHandle, float]] = []
+        self._layer_of: dict[str, int] = {}  # vLLM layer name → region (the daemon's layer)
         self.load_times: deque[float] = deque(maxlen=1024)
-        """Seconds the last loads took, from the step that queued each to its end."""
+        """Seconds the last loads took, from the step that started each to its end."""
 
     # ------------------------------------------------------------------ setup
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor],
@@ -89,6 +101,11 @@ class WorkerSide:
             log.warning("vLLM's KV cache was not allocated in shared memory; kvtier is off")
             return
         regions, num_blocks = cpu_regions(kv_caches, layer_index, seg)
+        first: dict[int, int] = {}  # as cpu_regions numbers them: tensor → its first layer
+        for name, t in kv_caches.items():
+            first.setdefault(t.data_ptr(), layer_index[name])
+        region_of = {ptr: i for i, ptr in enumerate(sorted(first, key=first.__getitem__))}
+        self._layer_of = {name: region_of[t.data_ptr()] for name, t in kv_caches.items()}
         fd, size, g = seg.fd, seg.size, self.geometry
         assert fd is not None
         if sum(r.page_bytes for r in regions) != g.page_bytes:
@@ -118,7 +135,7 @@ class WorkerSide:
         return self._thread is not None and self._thread.is_alive()
 
     def start_loads(self, meta: KvtierMetadata, idle: bool = False) -> None:
-        """Queue this step's loads (each at most once).
+        """Start this step's layer-wise loads; queue its asynchronous ones (each at most once).
 
         Args:
             meta: the step's metadata.
@@ -128,16 +145,59 @@ class WorkerSide:
         if not self._io_alive():
             with self._cv:
                 for spec in meta.loads:
-                    self._loaded.add(spec.req_id)
+                    if not spec.layerwise:
+                        self._loaded.add(spec.req_id)
                     self._load_errors.update(spec.block_ids)
             return
         for spec in meta.loads:
+            if spec.layerwise:
+                self._start_layerwise(spec)
+                continue
             with self._cv:
                 if spec.req_id in self._loading:
                     continue
                 self._loading.add(spec.req_id)
                 self._load_started[spec.req_id] = time.perf_counter()
             self._jobs.put(spec)
+
+    def _start_layerwise(self, spec: LoadSpec) -> None:
+        """Send the LOAD of a hit wholly in L2 now; the forward waits for it per layer."""
+        started = time.perf_counter()
+        assert self.link is not None
+        conn = self.link.get()
+        handle = None
+        if conn is not None:
+            try:
+                handle = conn.load(self._keys(conn, spec)[spec.start:], spec.block_ids)
+            except (KvtierError, OSError) as err:  # a miss, never the engine's failure
+                log.warning("kvtier load of %s failed: %s", spec.req_id, err)
+        if handle is None or not handle.count:
+            with self._cv:
+                self._load_errors.update(spec.block_ids)
+            return
+        self._layerwise.append((spec, handle, started))
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        """Block until this step's layer-wise loads have put layer ``layer_name`` in place
+        (a load that fails is reported when the step ends)."""
+        layer = self._layer_of.get(layer_name)
+        if layer is None:
+            return
+        for _, handle, _ in self._layerwise:
+            handle.wait_layer(layer)
+
+    def _end_layerwise(self) -> None:
+        """Wait for the rest of this step's layer-wise loads; note the blocks they missed."""
+        done, self._layerwise = self._layerwise, []
+        for spec, handle, started in done:
+            good = handle.count if handle.wait() else 0
+            if good < len(spec.block_ids):
+                log.warning("kvtier load of %s: %d of %d blocks loaded, the rest is recomputed",
+                            spec.req_id, good, len(spec.block_ids))
+                with self._cv:
+                    self._load_errors.update(spec.block_ids[good:] if good else spec.block_ids)
+            else:
+                self.load_times.append(time.perf_counter() - started)
 
     def start_stores(self, meta: KvtierMetadata) -> None:
         """Queue this step's stores (the forward has written their blocks)."""
@@ -152,8 +212,11 @@ class WorkerSide:
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(requests whose stores ended after they finished, requests whose loads ended).
 
-        The blocks of the loads that failed are kept for :meth:`load_errors`.
+        The step's layer-wise loads have ended when it returns; the blocks of the loads
+        that failed are kept for :meth:`load_errors`.
         """
+        if self._layerwise:
+            self._end_layerwise()
         with self._cv:
             self._finished.update(r for r in finished_req_ids if r in self._stored)
             if self._idle and not self._loaded and (
@@ -216,9 +279,8 @@ class WorkerSide:
         conn = self.link.get()
         if conn is None:
             return list(spec.block_ids)
-        bs = self.geometry.page_size
+        keys = self._keys(conn, spec)
         end = spec.start + len(spec.block_ids)
-        keys = page_keys(chain_seed(conn.ns_fingerprint, spec.salt), spec.tokens[:end * bs], bs)
         if spec.in_l2 < end:  # part of the hit is only in L3: fetch it into L2 first
             conn.prefetch(keys, skip=spec.in_l2)
             conn.claim(keys, policy=self.settings.prefetch_policy or None)
@@ -229,14 +291,22 @@ class WorkerSide:
                         spec.req_id, good, len(spec.block_ids))
         return list(spec.block_ids[good:])
 
+    def _keys(self, conn: Any, spec: LoadSpec | StoreSpec) -> list[bytes]:
+        """The keys of a spec's pages ``0 .. start + len(block_ids)``: the scheduler's when
+        this worker's chain seed is the one it used, else hashed here."""
+        seed = chain_seed(conn.ns_fingerprint, spec.salt)
+        end = spec.start + len(spec.block_ids)
+        if spec.seed == seed and len(spec.keys) >= end:
+            return spec.keys[:end]
+        bs = self.geometry.page_size
+        return page_keys(seed, spec.tokens[:end * bs], bs)
+
     def _store(self, spec: StoreSpec) -> None:
         assert self.link is not None
         conn = self.link.get()
         if conn is None:
             return
-        bs = self.geometry.page_size
-        end = spec.start + len(spec.block_ids)
-        keys = page_keys(chain_seed(conn.ns_fingerprint, spec.salt), spec.tokens[:end * bs], bs)
+        keys = self._keys(conn, spec)
         parent = keys[spec.start - 1] if spec.start else None
         conn.store(keys[spec.start:], spec.block_ids, parent_key=parent).wait()
 

@@ -3,7 +3,7 @@
     python vllm_engine_proc.py MODEL_DIR CONFIG_JSON
 
 CONFIG_JSON: ``{"kvtier": {extra config} | null, "block_size": 32, "kv_bytes": ...,
-"max_model_len": ...}``. The process prints ``{"ready": true}`` once the engine is up, then
+"max_model_len": ..., "tp": n}`` (``tp`` > 1: that many worker processes, tensor parallel). The process prints ``{"ready": true}`` once the engine is up, then
 answers each request line ``{"prompts": [[ids]], "max_tokens": n, "salt": s}`` with
 ``{"outputs": [{"tokens": [...], "logprobs": [...], "cached": n}], "ok": true}``. Greedy sampling, prompts as token ids, vLLM's own prefix caching off.
 """
@@ -38,7 +38,9 @@ def main() -> None:
               max_model_len=config.get("max_model_len", 1024),
               block_size=config.get("block_size", 32),
               kv_cache_memory_bytes=config.get("kv_bytes", 64 << 20),
-              enable_prefix_caching=False, kv_transfer_config=kv, seed=0)
+              enable_prefix_caching=False, kv_transfer_config=kv, seed=0,
+              tensor_parallel_size=config.get("tp", 1),
+              distributed_executor_backend="mp" if config.get("tp", 1) > 1 else None)
     out.write(json.dumps({"ready": True}) + "\n")
     out.flush()
     for line in sys.stdin:

@@ -1,0 +1,32 @@
+"""Hits wholly in L2 load layer by layer within the step that schedules them; the same
+batch through asynchronous loads (``layerwise_loads: false``) gives the same outputs."""
+
+from __future__ import annotations
+
+import pytest
+from vllm_harness import BLOCK, prompt, same_output, wait_for_pages
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def test_a_batch_mixing_layerwise_hits_and_a_miss_matches_the_reference(
+        daemon, engines, reference, tiny_model):
+    hit_a, hit_b, miss = prompt(41, 300), prompt(42, 200), prompt(43, 250)
+    batch = [hit_a, miss, hit_b]
+    want = reference.generate(batch)
+    e = engines(daemon.runtime_dir)
+    assert [o["cached"] for o in e.generate([hit_a, hit_b])] == [0, 0]
+    wait_for_pages(daemon.runtime_dir, tiny_model, hit_a, 9)
+    wait_for_pages(daemon.runtime_dir, tiny_model, hit_b, 6)
+
+    # two loads of one step run beside the miss's prefill, each layer waited for in turn
+    out = e.generate(batch)
+    assert [o["cached"] for o in out] == [9 * BLOCK, 0, 6 * BLOCK]
+    assert same_output(out, want)
+    wait_for_pages(daemon.runtime_dir, tiny_model, miss, 7)
+
+    # the same hits loaded asynchronously (the request waits a step for its load)
+    e2 = engines(daemon.runtime_dir, layerwise_loads=False)
+    out = e2.generate(batch)
+    assert [o["cached"] for o in out] == [9 * BLOCK, 7 * BLOCK, 6 * BLOCK]
+    assert same_output(out, want)
