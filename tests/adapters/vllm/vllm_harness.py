@@ -64,7 +64,7 @@ README = Path(__file__).resolve().parents[3] / "README.md"
 
 
 def readme_kv_transfer_config() -> dict[str, Any]:
-    """The ``--kv-transfer-config`` JSON of README.md's vLLM section (``vllm serve``), as a
+    """The ``--kv-transfer-config`` JSON of README.md's vLLM section (the server command), as a
     user copies it; the tests configure vLLM with exactly that (the extra config aside)."""
     text = README.read_text()
     section = text[text.index("## Using kvtier with vLLM"):]
