@@ -134,12 +134,12 @@ class KeyTable:
         for _ in range(MAX_ROUNDS):
             if not len(slots):
                 return
-            free = table.take(pos) == _EMPTY
-            # of the slots landing on one free entry, the first takes it
-            at, first = np.unique(pos[free], return_index=True)
-            table[at] = slots[free][first]
+            free = np.flatnonzero(table.take(pos) == _EMPTY)
+            # of the slots landing on one free entry, one takes it (whichever numpy wrote
+            # last); reading the entries back tells which (slot ids are distinct)
+            table[pos[free]] = slots[free]
             left = np.ones(len(slots), dtype=bool)
-            left[np.flatnonzero(free)[first]] = False
+            left[free[table.take(pos[free]) == slots[free]]] = False
             slots, pos = slots[left], (pos[left] + 1) & mask
         self.left_out += len(slots)
 
