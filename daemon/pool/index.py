@@ -66,6 +66,9 @@ if TYPE_CHECKING:
 TABLE_MIN_KEYS = 256
 """Lookups of this many keys or more are answered from the key table (:meth:`HostPool.lookup_packed`);
 shorter ones probe the index key by key (cheaper below it)."""
+TABLE_BATCH = 4096
+"""Committed slots wait in a list until a long lookup needs the key table, or until this
+many wait: one numpy insertion for many commits instead of one per STORE."""
 
 # HostPool, and names re-exported from their homes (eviction, layout, records) for the
 # modules that import them from here
@@ -237,17 +240,27 @@ class HostPool(PageTable):
             old.close()  # its views of the old metadata go before that is released
         super()._setup(meta, **kw)
         self._table = KeyTable(meta)
+        self._unlisted: list[int] = []  # committed, not in the table yet
 
     def _rebuild(self, slots: Any, keys: list[bytes], parents: Any) -> None:
         super()._rebuild(slots, keys, parents)
         self._table.rebuild()
+        self._unlisted = []
 
     def commit(self, slots: Sequence[int], checksums: Sequence[int] | None = None) -> None:
         """See :meth:`PageTable.commit`; the committed pages also enter the key table."""
         try:
             super().commit(slots, checksums)
         finally:  # a commit that failed part-way made some pages READY all the same
-            self._table.add(slots)
+            self._unlisted += slots
+            if len(self._unlisted) >= TABLE_BATCH:
+                self._list()
+
+    def _list(self) -> None:
+        """Enter the slots committed since the last time into the key table."""
+        if self._unlisted:
+            self._table.add(self._unlisted)  # a slot freed meanwhile costs an entry only
+            self._unlisted = []
 
     def lookup(self, ns_id: int, keys: Sequence[bytes]) -> int:
         """See :meth:`PageTable.lookup`; a list of :data:`TABLE_MIN_KEYS` keys or more
@@ -277,6 +290,7 @@ class HostPool(PageTable):
         if n < TABLE_MIN_KEYS:
             return super().lookup(ns_id, np.frombuffer(packed, dtype=f"V{KEY_BYTES}").tolist())
         words = np.frombuffer(packed, dtype="<u8").reshape(n, KEY_BYTES // 8)
+        self._list()
         slot, unresolved = self._table.find(ns_id, words)
         found = slot >= 0
         if len(unresolved):  # probe sequences too long to finish: the exact probe decides

@@ -11,8 +11,9 @@ check, and an entry of a slot re-committed under another key is just a dead entr
 entries only cost probes; the table is rebuilt from the READY rows once a quarter of it
 is used, at eight entries per READY page (32 bytes per page at most).
 
-What the table must never do is call a READY page absent. Every commit adds its slots
-(:meth:`add`) and an adoption rebuilds it (:meth:`rebuild`). A probe runs at most
+What the table must never do is call a READY page absent. Every commit's slots are added
+(:meth:`add`; the host pool batches them and adds them before any probe of the table) and
+an adoption rebuilds it (:meth:`rebuild`). A probe runs at most
 :data:`MAX_ROUNDS` entries from its bucket, and so does an insertion: a page that finds
 no free entry there is left out of the table, and since entries are never emptied (until
 a rebuild, which enters every READY page again) a lookup of it meets
