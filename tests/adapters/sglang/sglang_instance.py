@@ -68,24 +68,24 @@ class Instance:
         gen = torch.Generator().manual_seed(int(key[:15], 16))
         return torch.randint(-32768, 32768, (numel,), dtype=torch.int16, generator=gen)
 
-    def store(self, seq: int, pages: int) -> dict[str, Any]:
+    def _filled(self, seq: int, pages: int) -> tuple[list[int], list[str], Any]:
+        """Host pages holding the expected bytes of sequence ``seq``: (tokens, keys, indexes)."""
         tokens = self.tokens(seq, pages)
         keys = self.stack.keys(tokens)
         idx = self.stack.alloc(len(tokens))
         for i, key in enumerate(keys):
             self.host.set_from_flat_data_page(int(idx[i * self.page]),
                                               self.expected(key).view(self.host.dtype))
+        return tokens, keys, idx
+
+    def store(self, seq: int, pages: int) -> dict[str, Any]:
+        tokens, keys, idx = self._filled(seq, pages)
         done = self.stack.backup(idx, tokens, keys)
         self.host.free(idx)
         return {"tokens": done}
 
     def stage(self, seq: int, pages: int) -> dict[str, Any]:
-        tokens = self.tokens(seq, pages)
-        keys = self.stack.keys(tokens)
-        idx = self.stack.alloc(len(tokens))
-        for i, key in enumerate(keys):
-            self.host.set_from_flat_data_page(int(idx[i * self.page]),
-                                              self.expected(key).view(self.host.dtype))
+        tokens, keys, idx = self._filled(seq, pages)
         garbage = self.torch.full_like(self.expected(keys[0]), 0x5A5A).view(self.host.dtype)
         done = self.stack.backup(idx, tokens, keys)
         for i in reversed(range(len(keys))):  # at the ack the slots are free for reuse
