@@ -184,6 +184,8 @@ class Handlers:
                 tp_group=m.tp_group), m.tp_rank, sid)
         ctx.sessions.add(s)
         ctx.counters.sessions_opened += 1
+        if isinstance(memory, EngineMemory):
+            memory.start_prefault(f"session {sid}")
         log.info("session %d registered: tenant %s, model %s, pid %d uid %d, rank %d/%d, "
                  "%s of %s", sid, tenant, m.namespace.model_id, s.pid, s.uid, m.tp_rank,
                  m.tp_size, "control only, no pages" if control else

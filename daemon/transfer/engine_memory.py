@@ -15,6 +15,10 @@ per-buffer form of kvtier's own ``layer_first`` layout). Each descriptor is chec
   without ``MFD_ALLOW_SEALING``). Other unsealed files are refused: I/O on a network or
   FUSE file could block a copy thread for good.
 
+Once the session is open, :meth:`EngineMemory.start_prefault` builds the daemon's page tables
+over the mapped segments on a thread (:mod:`kvtier.daemon.transfer.prefault`), so the first
+copy into an engine page takes no page fault.
+
 A refused descriptor or region is a :class:`EngineMemoryError` naming the field and the
 reason. The caller closes the handed-over descriptors afterwards (unmapped ones are
 duplicated and kept until :meth:`EngineMemory.close`).
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 from kvtier.config.errors import KvtierError
+from kvtier.daemon.transfer.prefault import Prefaulter
 from kvtier.ipc.limits import MAX_PAGES
 from kvtier.ipc.protocol import Geometry, KVMemory, MemoryRegion
 from kvtier.ipc.shm import SharedMemoryError, SharedMemorySegment
@@ -237,8 +242,8 @@ class EngineMemory:
         EngineMemoryError: the export or a descriptor is refused (nothing stays mapped).
     """
 
-    __slots__ = ("_fds", "buffers", "geometry", "guarded", "mapped", "num_pages", "regions",
-                 "segments")
+    __slots__ = ("_fds", "_prefault", "buffers", "geometry", "guarded", "mapped", "num_pages",
+                 "regions", "segments")
 
     def __init__(self, geometry: Geometry, memory: KVMemory, fds: list[int]) -> None:
         self.geometry = geometry
@@ -249,6 +254,7 @@ class EngineMemory:
         self.buffers: list[list[npt.NDArray[np.uint8]]] = []
         self.mapped = True
         self.guarded = False
+        self._prefault: Prefaulter | None = None
         try:
             self._map(memory, fds)
         except BaseException:
@@ -308,10 +314,21 @@ class EngineMemory:
             self.buffers = [[self.regions[l * comps + c].view.array for c in range(comps)]
                             for l in range(g.num_layers)]
 
+    def start_prefault(self, label: str) -> None:
+        """Build the page tables of the mapped segments on a thread, where the engine has
+        allocated its pages (:mod:`.prefault`): the first copy into a page then takes no
+        fault. :meth:`close` stops it first."""
+        if self._prefault is None:
+            self._prefault = Prefaulter([(seg.address, seg.size) for seg in self.segments
+                                         if seg is not None], label)
+            self._prefault.start()
+
     def close(self) -> None:
         """Drop the views, unmap every segment and close the kept descriptors (nothing is
         ever removed: there is no file; the memory goes when the engine's last descriptor
         and mapping go)."""
+        if self._prefault is not None:
+            self._prefault.stop()
         self.buffers = []
         self.regions = []
         for seg in self.segments:
