@@ -131,7 +131,7 @@ class Lookup(_Req, tag="lookup", kw_only=True):
 
     session_id: U63
     keys: Keys = []
-    packed_keys: PackedKeys = b""  # type: ignore[assignment]  (bytes to send, a view decoded)
+    packed_keys: PackedKeys = b""  # type: ignore[assignment]  # bytes to send, a view decoded
 
     def key_count(self) -> int:
         """How many keys the request carries, in either form (a partial one counts)."""

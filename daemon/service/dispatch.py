@@ -8,9 +8,9 @@ request cannot stop the daemon serving everyone else.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable, Coroutine
+from types import CoroutineType
 from typing import Any, TypeAlias
 
 import msgspec
@@ -80,7 +80,7 @@ class Dispatcher:
                                                   peer() if peer is not None else None)
             else:
                 reply = self.handlers[type(msg)](identity, msg)
-            if asyncio.iscoroutine(reply):
+            if type(reply) is CoroutineType:  # async handlers are native coroutines
                 return self._guard(msg.req_id, reply)
             return reply
         except RequestError as err:

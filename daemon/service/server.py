@@ -26,7 +26,10 @@ page tables of an adopted pool are built on a thread (``prefault``).
 
 The receive loop reads a message frame by frame: a request is the connection's identity
 and one body frame (each at most ``MAXMSGSIZE``); the frames of a message with more are
-read and dropped one at a time, never collected, and it is answered BAD_MESSAGE.
+read and dropped one at a time, never collected, and it is answered BAD_MESSAGE. It reads
+what is already queued directly from the socket and awaits (a future) only when the queue
+is empty, giving the event loop a turn every ``RECV_BURST`` requests; replies are sent
+directly too (a ROUTER never waits to send).
 
 Both sockets (control and handover, mode 0660) take the runtime directory's group when it
 differs from the daemon's, as a set-group-ID directory would give them, so engine users of
@@ -49,6 +52,7 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import CoroutineType
 from typing import TYPE_CHECKING
 
 import zmq
@@ -74,6 +78,11 @@ __all__ = ["Daemon", "install_signal_handlers"]
 log = logging.getLogger("kvtier.daemon")
 REAP_DELAY_S = 0.01
 """After a disconnect, how long the reaper waits for the engine's process to finish exiting."""
+_MORE = int(zmq.SNDMORE | zmq.NOBLOCK)
+_LAST = int(zmq.NOBLOCK)  # flags as plain ints: or-ing pyzmq's enums costs per reply
+RECV_BURST = 64
+"""Requests the receive loop reads in a row from a non-empty queue before the event loop
+gets a turn (copy completions, handovers, the lease loop)."""
 
 
 class Daemon:
@@ -308,13 +317,47 @@ class Daemon:
     async def _recv_loop(self) -> None:
         sock = self._sock
         assert sock is not None
-        self._sync_sock = zmq.Socket.shadow(sock.underlying)
+        sync: zmq.Socket = zmq.Socket.shadow(sock.underlying)
+        self._sync_sock = sync
+        burst = 0
         while True:
-            identity, reply = await self._recv_one(sock)
-            if asyncio.iscoroutine(reply):
+            # read what is already queued without a future (most of a busy daemon's
+            # requests); only an empty queue waits, and every RECV_BURST reads the loop
+            # gets a turn (an await of a message already there would not give it one)
+            first = None
+            if burst < RECV_BURST:
+                try:
+                    first = sync.recv(zmq.NOBLOCK, copy=False)
+                    burst += 1
+                except zmq.Again:
+                    pass
+            else:
+                burst = 0
+                await asyncio.sleep(0)
+            if first is None:
+                first = await sock.recv(copy=False)
+                burst = 0
+            identity, reply = self._answer_one(first)
+            if type(reply) is CoroutineType:
                 self._answer(identity, reply)  # a handler that waits (L3 I/O, a claim)
             elif reply is not None:
-                await sock.send_multipart([identity, P.encode(reply)])
+                self._send(identity, P.encode(reply))
+
+    def _send(self, identity: bytes, body: bytes) -> None:
+        """Send a reply at once, from the receive loop only. A ROUTER never waits to send:
+        a reply to a peer that is gone, or whose queue is full, is dropped by ZeroMQ (the
+        client's request times out and it asks again), so no future is needed.
+
+        Only the receive loop may send this way: there no read is pending, and its next read
+        asks the socket itself. A send elsewhere, under a pending read, could take the
+        socket's edge-triggered wake-up of a message that arrived meanwhile, and that read
+        would never learn of it; replies sent from tasks go through the asyncio socket,
+        which checks again after each send.
+        """
+        sync = self._sync_sock
+        if sync is not None and not sync.closed:
+            sync.send(identity, _MORE)
+            sync.send(body, _LAST)
 
     def _answer(self, identity: bytes, reply: object) -> None:
         """Send ``reply`` (or, for a coroutine, what it returns) from a task of its own."""
@@ -324,9 +367,9 @@ class Daemon:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _recv_one(self, sock: zmq.asyncio.Socket) -> tuple[bytes, object]:
-        """Read one message frame by frame and answer it (or refuse its frame count)."""
-        first = await sock.recv(copy=False)
+    def _answer_one(self, first: zmq.Frame) -> tuple[bytes, object]:
+        """Read the rest of the message whose first frame is ``first`` and answer it (or
+        refuse its frame count)."""
         identity, more = first.bytes, first.more
         frames = 1
         body: zmq.Frame | None = None
@@ -347,7 +390,7 @@ class Daemon:
             identity, frame.bytes, lambda: zmq_peer(frame.get("Peer-Address")))
 
     async def _reply_later(self, identity: bytes, pending: object) -> None:
-        reply = await pending if asyncio.iscoroutine(pending) else pending
+        reply = await pending if type(pending) is CoroutineType else pending
         if self._sock is not None:
             await self._sock.send_multipart([identity, P.encode(reply)])
 
