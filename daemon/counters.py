@@ -50,6 +50,7 @@ class Counters:
     loads: int = 0
     load_pages: int = 0  # pages copied host → engine
     load_failed_pages: int = 0
+    transfers_split: int = 0  # STOREs and LOADs copied in parts by several copy threads
     bytes_to_host: int = 0
     bytes_to_engine: int = 0
     sessions_opened: int = 0

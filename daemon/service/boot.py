@@ -130,7 +130,7 @@ class Service:
                                        headroom=layout.headroom))
         stack.push_async_callback(self.tier.close)
         executor = ThreadPoolExecutor(self.ctx.cfg.copy_threads, thread_name_prefix="kvtier-copy")
-        self.transfers.open(executor, self._arena)
+        self.transfers.open(executor, self._arena, self.ctx.cfg.copy_threads)
         stack.callback(self.transfers.close)
         stack.callback(finalize_remaining)  # runs once the copy threads have ended
         # waited for off the loop, so a second SIGTERM can still end the process at once

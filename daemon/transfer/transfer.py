@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import enum
 import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 from kvtier.config.errors import KvtierError
 from kvtier.daemon.pool.layout import page_checksums
 from kvtier.daemon.transfer.engine_memory import RegionView
-from kvtier.ipc.completion import CompletionBlock, TransferStatus
+from kvtier.ipc.completion import TransferStatus
 from kvtier.kernels.file_io import read_pages, write_pages
 from kvtier.kernels.guarded_copy import copy_pages
 from kvtier.kernels.host_views import ArenaView, HostBuffer
@@ -81,7 +83,7 @@ class Transfer:
 
 
 def run_transfer(t: Transfer, arena: HostBuffer, regions: Sequence[RegionView],
-                 num_layers: int, page_bytes: int, block: CompletionBlock) -> TransferStatus:
+                 num_layers: int, page_bytes: int, block: LayerSink) -> TransferStatus:
     """Copy every region of ``t``'s pages and signal each finished layer; runs in a worker thread.
 
     Regions holding several layers (``layer = -1``) are copied first; then the regions of
@@ -94,13 +96,32 @@ def run_transfer(t: Transfer, arena: HostBuffer, regions: Sequence[RegionView],
         regions: the engine's memory regions, in host-page order.
         num_layers: the model's layers (the completion block counts up to it).
         page_bytes: bytes of one host page (the regions' page bytes added up).
-        block: the session's completion block.
+        block: the session's completion block (or anything with its ``layer_done``).
 
     Returns:
         The final status. The event loop writes it to the block once the pages are
         committed (a store) or unpinned (a load), so DONE means "visible in L2".
     """
+    status, sums = copy_part(t, 0, len(t.host_slots), arena, regions, num_layers, page_bytes,
+                             block)
+    t.checksums = sums
+    t.status = status
+    return status
+
+
+def copy_part(t: Transfer, first: int, end: int, arena: HostBuffer,
+              regions: Sequence[RegionView], num_layers: int, page_bytes: int,
+              block: LayerSink) -> tuple[TransferStatus, list[int] | None]:
+    """Copy pages ``[first, end)`` of ``t`` (all of them, or one part of a split transfer)
+    and announce each layer they finished to ``block``.
+
+    Returns:
+        (the part's status, the checksums of its pages when ``t`` asks for them and it
+        completed, else None). ``t`` itself is not changed: the caller combines the parts.
+    """
     status = TransferStatus.DONE
+    sums: list[int] | None = None
+    page_ids, offsets = t.page_ids[first:end], t.offsets[first:end]
     try:
         host = ArenaView.of(arena, write=t.direction is Direction.STORE)
         plans: dict[int, CopyPlan] = {}
@@ -111,51 +132,110 @@ def run_transfer(t: Transfer, arena: HostBuffer, regions: Sequence[RegionView],
                 break
             plan = plans.get(r.page_bytes)
             if plan is None:
-                plan = plans[r.page_bytes] = CopyPlan.build(t.page_ids, t.offsets, r.page_bytes,
+                plan = plans[r.page_bytes] = CopyPlan.build(page_ids, offsets, r.page_bytes,
                                                             slot_bytes=page_bytes)
-            _copy_region(t, plan, host, r)
+            _copy_region(t.direction, page_ids, offsets, plan, host, r)
             nxt = order[i + 1].layer if i + 1 < len(order) else num_layers
             if nxt > r.layer >= 0:
                 block.layer_done(t.slot, r.layer + 1)
         if status is TransferStatus.DONE:
             block.layer_done(t.slot, num_layers)
-        if status is TransferStatus.DONE and t.checksum and t.host_slots:
+        if status is TransferStatus.DONE and t.checksum and end > first:
             # checksummed here, in the copy thread, while the bytes are hot in cache
-            t.checksums = page_checksums(host.array, t.offsets.tolist(), page_bytes)
+            sums = page_checksums(host.array, offsets.tolist(), page_bytes)
     except Exception:  # a bug, a vanished mapping, a short read: the transfer fails, the daemon stays up
         log.exception("transfer session=%d slot=%d failed", t.session_id, t.slot)
         status = TransferStatus.FAILED
-    t.status = status
-    return status
+    return status, sums
 
 
-def _copy_region(t: Transfer, plan: CopyPlan, arena: ArenaView, r: RegionView) -> None:
-    """Move one region's bytes of every page of ``t``: memory copies on a sealed mapping,
-    guarded copies on a mapping that may shrink, ``pread``/``pwrite`` on an unmapped
-    descriptor."""
+class LayerSink(Protocol):
+    """Where a copy announces finished layers: a completion block, or a :class:`LayerGate`'s
+    part."""
+
+    def layer_done(self, slot: int, layers: int) -> None:
+        """The first ``layers`` layers of the transfer in ``slot`` are in place."""
+        ...
+
+
+class LayerGate:
+    """Announces the layers of a transfer copied in parts by several threads: layer ``l``
+    once every part has copied it (the smallest of the parts' progress).
+
+    Args:
+        block: the session's completion block.
+        parts: how many parts copy the transfer.
+    """
+
+    __slots__ = ("_block", "_levels", "_lock", "_shown")
+
+    def __init__(self, block: LayerSink, parts: int) -> None:
+        self._block = block
+        self._levels = [0] * parts
+        self._shown = 0
+        self._lock = threading.Lock()
+
+    def part(self, index: int) -> LayerSink:
+        """The sink part ``index`` announces its own progress to."""
+        gate = self
+
+        class _Part:
+            def layer_done(self, slot: int, layers: int) -> None:
+                gate._arrive(index, slot, layers)
+
+        return _Part()
+
+    def _arrive(self, index: int, slot: int, layers: int) -> None:
+        with self._lock:
+            self._levels[index] = max(self._levels[index], layers)
+            low = min(self._levels)
+            if low > self._shown:
+                self._shown = low
+                self._block.layer_done(slot, low)
+
+
+def combine(results: Sequence[tuple[TransferStatus, list[int] | None]], t: Transfer) -> None:
+    """Set ``t``'s status (and checksums) from its parts', in page order: DONE when every
+    part is; else CANCELLED when one was cancelled; else FAILED."""
+    statuses = [st for st, _ in results]
+    if all(st is TransferStatus.DONE for st in statuses):
+        t.status = TransferStatus.DONE
+        if t.checksum and t.host_slots:
+            t.checksums = [c for _, sums in results for c in (sums or [])]
+    elif TransferStatus.CANCELLED in statuses:
+        t.status = TransferStatus.CANCELLED
+    else:
+        t.status = TransferStatus.FAILED
+
+
+def _copy_region(direction: Direction, page_ids: np.ndarray, offsets: np.ndarray,
+                 plan: CopyPlan, arena: ArenaView, r: RegionView) -> None:
+    """Move one region's bytes of the pages ``page_ids`` (host slots at ``offsets``): memory
+    copies on a sealed mapping, guarded copies on a mapping that may shrink,
+    ``pread``/``pwrite`` on an unmapped descriptor."""
     if r.view is not None:
-        if t.direction is Direction.STORE:
+        if direction is Direction.STORE:
             plan.to_host(arena, r.view, r.host_offset)
         else:
             plan.from_host(arena, r.view, r.host_offset)
         return
     plan.check_copy(arena_nbytes=arena.nbytes, num_pages=r.num_pages, row_bytes=r.page_bytes,
                     chunk_offset=r.host_offset, name="engine region")
-    store = t.direction is Direction.STORE
+    store = direction is Direction.STORE
     if r.address:  # mapped, but the engine may shrink it: guarded copies only
-        engine = (t.page_ids * r.page_stride + r.address).tolist()
-        host = (t.offsets + (arena.address + r.host_offset)).tolist()
+        engine = (page_ids * r.page_stride + r.address).tolist()
+        host = (offsets + (arena.address + r.host_offset)).tolist()
         done = copy_pages(host, engine, r.page_bytes) if store else copy_pages(engine, host,
                                                                                r.page_bytes)
         if done < len(host):
-            raise RegionIOError(f"engine memory: page {int(t.page_ids[done])} of a region is gone "
+            raise RegionIOError(f"engine memory: page {int(page_ids[done])} of a region is gone "
                                 "(the engine shrank its memfd)")
         return
-    offsets = (t.offsets + r.host_offset).tolist()
-    positions = (t.page_ids * r.page_stride + r.base).tolist()
+    at = (offsets + r.host_offset).tolist()
+    positions = (page_ids * r.page_stride + r.base).tolist()
     buf = memoryview(arena.array)
     io = read_pages if store else write_pages
-    sums = io(r.fd, buf, offsets, r.page_bytes, positions)
+    sums = io(r.fd, buf, at, r.page_bytes, positions)
     if any(x is None for x in sums):
         raise RegionIOError(f"engine memory: a page of {r.page_bytes} bytes at "
                             f"{positions[[x is None for x in sums].index(True)]} could not be "

@@ -16,7 +16,8 @@ import threading
 from pathlib import Path
 
 import pytest
-from kvtier.daemon.service.transfers import INLINE_BYTES
+from kvtier.client.admin import AdminClient
+from kvtier.daemon.service.transfers import INLINE_BYTES, SPLIT_BYTES
 from kvtier.ipc import futex
 from kvtier.ipc.completion import SLOT_WORDS, WAKES, CompletionBlock, TransferStatus
 
@@ -92,6 +93,40 @@ def test_a_large_transfer_runs_on_a_copy_thread_and_moves_the_same_bytes(daemon)
                 assert h.wait_layer(layer)
             assert h.wait() and h.ok
         for i, p in enumerate(dst[::-1]):
+            assert page_bytes(pool, p) == page_bytes(pool, i), f"page {i} differs"
+    finally:
+        conn.close()
+        pool.close()
+
+
+def _split_count(daemon) -> int:
+    with AdminClient(daemon.endpoint, timeout_s=5.0) as admin:
+        return int(admin.stats()["counters"]["transfers_split"])  # type: ignore[index]
+
+
+def test_a_transfer_of_two_split_sizes_is_copied_in_parts_and_moves_the_same_bytes(
+        daemon_factory):
+    """Two copy threads copy it at once; each layer is announced once both have copied it."""
+    d = daemon_factory("--hicache-size", "128MiB", "--copy-threads", "2")
+    pages = 2 * SPLIT_BYTES // SMALL.page_bytes + 15  # split in two (after 8: 2 x 8 MiB + 7)
+    pool, conn = engine(d.runtime_dir, num_pages=2 * pages, model="split")
+    try:
+        keys = conn.page_keys(tokens(pages * P, salt=3))
+        for p in range(pages):
+            fill_page(pool, p, seed=2000 + p)
+        small = conn.store(keys[:8], list(range(8)))  # 256 KiB: copied whole
+        assert small.wait() and _split_count(d) == 0
+        h = conn.store(keys[8:], list(range(8, pages)), parent_key=keys[7])
+        assert h.writing == pages - 8 and h.wait()
+        assert _split_count(d) == 1
+        dst = list(range(pages, 2 * pages))[::-1]
+        h = conn.load(keys, dst)
+        assert h.count == pages
+        for layer in range(SMALL.num_layers):
+            assert h.wait_layer(layer)
+        assert h.wait() and h.ok
+        assert _split_count(d) == 2
+        for i, p in enumerate(dst):
             assert page_bytes(pool, p) == page_bytes(pool, i), f"page {i} differs"
     finally:
         conn.close()

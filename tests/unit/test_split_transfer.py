@@ -1,0 +1,131 @@
+"""A large transfer is copied in parts by several copy threads (``daemon/transfer/transfer.py``:
+``copy_part``, ``LayerGate``, ``combine``).
+
+A layer may be announced only once every part has copied it, announcements only grow, and
+the transfer's status and checksums come from all its parts. The parts' copies are checked
+byte for byte against the same transfer copied whole.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from kvtier.daemon.pool.layout import page_checksums
+from kvtier.daemon.transfer.engine_memory import RegionView
+from kvtier.daemon.transfer.transfer import (
+    Direction,
+    LayerGate,
+    Transfer,
+    combine,
+    copy_part,
+    run_transfer,
+)
+from kvtier.ipc.completion import TransferStatus
+from kvtier.kernels.host_views import EngineView
+
+
+class Block:
+    """Records what a completion block would be told."""
+
+    def __init__(self) -> None:
+        self.shown: list[int] = []
+        self.lock = threading.Lock()
+
+    def layer_done(self, slot: int, layers: int) -> None:
+        with self.lock:
+            self.shown.append(layers)
+
+
+def test_a_layer_is_announced_once_every_part_has_copied_it():
+    block = Block()
+    gate = LayerGate(block, 3)
+    a, b, c = gate.part(0), gate.part(1), gate.part(2)
+    a.layer_done(0, 1)
+    a.layer_done(0, 2)
+    b.layer_done(0, 1)
+    assert block.shown == []  # part 2 has copied nothing yet
+    c.layer_done(0, 3)
+    assert block.shown == [1]
+    b.layer_done(0, 3)
+    assert block.shown == [1, 2]
+    a.layer_done(0, 3)
+    assert block.shown == [1, 2, 3]
+    a.layer_done(0, 3)  # repeated: nothing new
+    assert block.shown == [1, 2, 3]
+
+
+def _transfer(n: int, direction: Direction, checksum: bool = False) -> Transfer:
+    return Transfer(direction=direction, session_id=1, slot=0, seq=1, host_slots=list(range(n)),
+                    page_ids=np.arange(n, dtype=np.int64)[::-1].copy(),
+                    offsets=np.arange(n, dtype=np.int64) * 0, nbytes=0, checksum=checksum)
+
+
+@pytest.mark.parametrize("results, want", [
+    ([TransferStatus.DONE, TransferStatus.DONE], TransferStatus.DONE),
+    ([TransferStatus.DONE, TransferStatus.FAILED], TransferStatus.FAILED),
+    ([TransferStatus.CANCELLED, TransferStatus.DONE], TransferStatus.CANCELLED),
+    ([TransferStatus.FAILED, TransferStatus.CANCELLED], TransferStatus.CANCELLED),
+])
+def test_the_status_is_done_only_when_every_part_is(results, want):
+    t = _transfer(4, Direction.STORE, checksum=True)
+    combine([(st, [1, 2] if st is TransferStatus.DONE else None) for st in results], t)
+    assert t.status is want
+    assert t.checksums == ([1, 2, 1, 2] if want is TransferStatus.DONE else None)
+
+
+LAYERS, PAGES, ROW = 3, 40, 4096
+"""An engine of 3 layers (one region each), 40 pages of 4 KiB per layer and page."""
+
+
+def _engine(rng: np.random.Generator) -> tuple[np.ndarray, list[RegionView]]:
+    mem = rng.integers(0, 256, (LAYERS, PAGES, ROW), dtype=np.uint8)
+    regions = [RegionView(layer, layer * ROW, ROW, ROW, 0,
+                          EngineView.of(mem[layer], f"memory.regions[{layer}]"))
+               for layer in range(LAYERS)]
+    return mem, regions
+
+
+@pytest.mark.parametrize("direction", [Direction.STORE, Direction.LOAD])
+@pytest.mark.parametrize("parts", [2, 3])
+def test_parts_copy_the_same_bytes_as_the_whole(direction, parts):
+    rng = np.random.default_rng(parts)
+    page_bytes = LAYERS * ROW
+    pages = rng.permutation(PAGES)[:29].astype(np.int64)
+    slots = rng.permutation(64)[:29].astype(np.int64)
+
+    def run(split: bool) -> tuple[np.ndarray, np.ndarray, Transfer, Block]:
+        mem, regions = _engine(np.random.default_rng(7))
+        arena = np.random.default_rng(8).integers(0, 256, 64 * page_bytes, dtype=np.uint8)
+        t = Transfer(direction=direction, session_id=1, slot=0, seq=1,
+                     host_slots=slots.tolist(), page_ids=pages, offsets=slots * page_bytes,
+                     nbytes=len(pages) * page_bytes, checksum=direction is Direction.STORE)
+        block = Block()
+        if not split:
+            assert run_transfer(t, arena, regions, LAYERS, page_bytes, block) is TransferStatus.DONE
+            return mem, arena, t, block
+        gate = LayerGate(block, parts)
+        bounds = [len(pages) * i // parts for i in range(parts + 1)]
+        out: list = [None] * parts
+
+        def work(i: int) -> None:
+            out[i] = copy_part(t, bounds[i], bounds[i + 1], arena, regions, LAYERS, page_bytes,
+                               gate.part(i))
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(parts)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        combine(out, t)
+        return mem, arena, t, block
+
+    mem_w, arena_w, whole, _ = run(split=False)
+    mem_s, arena_s, split, block = run(split=True)
+    assert split.status is TransferStatus.DONE
+    assert np.array_equal(mem_s, mem_w) and np.array_equal(arena_s, arena_w)
+    if direction is Direction.STORE:
+        assert split.checksums == whole.checksums == page_checksums(
+            arena_s, (slots * page_bytes).tolist(), page_bytes)
+    assert block.shown == sorted(block.shown) and block.shown[-1] == LAYERS
