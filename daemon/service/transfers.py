@@ -13,10 +13,11 @@ Where a copy runs depends on its size:
   once (one part per :data:`SPLIT_BYTES`, at most one per thread). A layer is announced
   when every part has copied it (:class:`~kvtier.daemon.transfer.transfer.LayerGate`), and
   the transfer ends when its last part does. On a 2-core machine, in one sitting: a LOAD
-  of 8,192 64 KiB pages went from 6.0 to 8.5-9.3 GB/s, and a vLLM-shaped 24 MiB load
-  (127 pages × 6 layers) from 4.1-4.9 ms to 3.0-3.4 ms; SGLang's 32 MiB batches (guarded
-  copies) were as fast either way. Smaller transfers stay whole: the threads serve
-  several of them at once instead.
+  of 8,192 64 KiB pages (512 MiB) went from 6.0 to 8.5-9.3 GB/s. Split at 16 MiB, a
+  vLLM-shaped 24 MiB load alone went from 4.1-4.9 ms to 3.0-3.4 ms, but inside a real
+  vLLM (its forward threads on the same 2 cores) the load it waits for was no shorter, and
+  SGLang's 32 MiB batches were as fast either way; so smaller transfers stay whole, and
+  the threads serve several of them at once instead.
 
 The end of a copy is settled on the event loop, where the pool, the counters and the
 session are updated, so nothing here takes a lock. The engine follows a copy layer by layer
@@ -46,10 +47,12 @@ from kvtier.daemon.transfer.transfer import (
 )
 from kvtier.ipc.completion import TransferStatus
 
-SPLIT_BYTES = 8 << 20
+SPLIT_BYTES = 32 << 20
 """A transfer of at least twice this many bytes is split in parts of consecutive pages,
 copied by several copy threads at once (one part per ``SPLIT_BYTES``, at most one per
-thread); each layer is announced once every part has copied it."""
+thread); each layer is announced once every part has copied it. Smaller ones stay whole:
+split, an engine's prefill-sized copies (24-32 MiB) were no faster inside a real vLLM or
+SGLang, whose own threads want the same cores."""
 INLINE_BYTES = 256 << 10
 """Transfers of at most this many bytes are copied on the event loop: tens of microseconds
 of copying, less than handing them to a thread and back costs, so the loop is never held

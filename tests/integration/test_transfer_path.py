@@ -107,8 +107,8 @@ def _split_count(daemon) -> int:
 def test_a_transfer_of_two_split_sizes_is_copied_in_parts_and_moves_the_same_bytes(
         daemon_factory):
     """Two copy threads copy it at once; each layer is announced once both have copied it."""
-    d = daemon_factory("--hicache-size", "128MiB", "--copy-threads", "2")
-    pages = 2 * SPLIT_BYTES // SMALL.page_bytes + 15  # split in two (after 8: 2 x 8 MiB + 7)
+    d = daemon_factory("--hicache-size", "192MiB", "--copy-threads", "2")
+    pages = 2 * SPLIT_BYTES // SMALL.page_bytes + 15  # after the first 8: 2 x SPLIT_BYTES + 7
     pool, conn = engine(d.runtime_dir, num_pages=2 * pages, model="split")
     try:
         keys = conn.page_keys(tokens(pages * P, salt=3))
