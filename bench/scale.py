@@ -39,7 +39,6 @@ say what was run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -49,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from kvtier.bench import write_json
 from kvtier.bench.scale_baselines import (
     EchoServer,
     ScaleBenchError,
@@ -355,9 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run_from_args(args)
     print_table(result)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2)
+        write_json(args.json, result)
     return 0
 
 

@@ -24,14 +24,13 @@ Run alone (the million-page part of ``kvtier bench scale`` only)::
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench import write_json
 from kvtier.bench.scale_baselines import ScaleBenchError, memory_status, p50
 from kvtier.client.connection import Connection
 from kvtier.client.daemon_process import DaemonProcess
@@ -218,9 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, value in out.items():
         print(f"{name:44} {value}")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as fh:
-            json.dump(out, fh, indent=2)
+        write_json(args.json, out)
     return 0
 
 

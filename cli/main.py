@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Callable
+
+from kvtier.bench import write_json
 
 
 def _serve(argv: list[str]) -> int:
@@ -84,9 +85,7 @@ def _bench(argv: list[str]) -> int:
         result = mod.run_cluster_bench(args.backend)
     mod.print_table(result)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2)
+        write_json(args.json, result)
     return 0
 
 

@@ -89,13 +89,12 @@ async def test_pages_are_given_up_after_the_last_retry(tmp_path: Path) -> None:
         assert rig.tier.writer.queued == 0 and rig.backend.stats.puts == 0
 
 
-class PutRaises:
-    """The tier's guarded backend, whose next ``raises`` puts raise (a bug in a batch, which
-    the guard lets through, unlike a backend fault)."""
+class PassThrough:
+    """The tier's guarded backend as the writer uses it, every call passed on to ``inner``
+    (subclasses change one call)."""
 
-    def __init__(self, inner: L3Backend, raises: int) -> None:
+    def __init__(self, inner: L3Backend) -> None:
         self.inner = inner
-        self.raises = raises
 
     @property
     def available(self) -> bool:
@@ -107,6 +106,19 @@ class PutRaises:
 
     async def exists(self, ns: bytes, keys: Sequence[bytes]) -> int:
         return await self.inner.exists(ns, keys)
+
+    async def put(self, ns: bytes, keys: list[bytes], offsets: list[int],
+                  length: int) -> list[bool]:
+        return await self.inner.put(ns, keys, offsets, length)
+
+
+class PutRaises(PassThrough):
+    """The tier's guarded backend, whose next ``raises`` puts raise (a bug in a batch, which
+    the guard lets through, unlike a backend fault)."""
+
+    def __init__(self, inner: L3Backend, raises: int) -> None:
+        super().__init__(inner)
+        self.raises = raises
 
     async def put(self, ns: bytes, keys: list[bytes], offsets: list[int],
                   length: int) -> list[bool]:

@@ -7,7 +7,6 @@ of the batch is written; a SYNC counts each page once, written or not.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -15,29 +14,18 @@ from kvtier.daemon.tier.guard import L3Backend
 from kvtier.daemon.tier.writer import L3Writer
 
 from tests.unit.test_tier_store import GEOMETRY, Rig, chain, open_rig
-from tests.unit.test_writer import running
+from tests.unit.test_writer import PassThrough, running
 
 pytestmark = pytest.mark.timeout(30)
 
 
-class PinsSeen:
+class PinsSeen(PassThrough):
     """The tier's guarded backend, recording the pin count of each page it is asked to put."""
 
     def __init__(self, inner: L3Backend, rig: Rig) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.rig = rig
         self.pins: dict[int, int] = {}  # arena offset -> pins while the put ran
-
-    @property
-    def available(self) -> bool:
-        return self.inner.available
-
-    @property
-    def healthy(self) -> bool:
-        return self.inner.healthy
-
-    async def exists(self, ns: bytes, keys: Sequence[bytes]) -> int:
-        return await self.inner.exists(ns, keys)
 
     async def put(self, ns: bytes, keys: list[bytes], offsets: list[int],
                   length: int) -> list[bool]:
