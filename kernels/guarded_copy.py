@@ -5,33 +5,49 @@ copies are available: a copy that meets a page gone from under the mapping (SIGB
 and reports it, instead of ending the process. Without the extension (no C compiler at
 install time) such memory is copied with ``pread``/``pwrite`` instead.
 
-``KVTIER_NO_GUARDED_COPY=1`` turns the guarded copies off (the positional I/O path then
-serves; tests use it to cover both).
+The same extension copies one region of a transfer in one call (:func:`copy_strided`):
+every index checked, then one ``memcpy`` per page with the GIL released. The daemon uses it
+for every mapped region, sealed or not; without it, sealed memory is copied by numpy plans
+(:class:`~kvtier.kernels.page_copy.CopyPlan`).
+
+``KVTIER_NO_GUARDED_COPY=1`` turns the guarded copies of unsealed memory off (the
+positional I/O path then serves); ``KVTIER_NO_NATIVE_COPY=1`` turns :func:`copy_strided`
+off (the numpy path then serves). Tests use them to cover every path.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from typing import Any
 
-__all__ = ["AVAILABLE", "copy_pages"]
+import numpy as np
+
+__all__ = ["AVAILABLE", "STRIDED", "copy_pages", "copy_strided"]
 
 CopyPages = Callable[[Sequence[int], Sequence[int], int], int]
 
 
-def _load() -> CopyPages | None:
-    if os.environ.get("KVTIER_NO_GUARDED_COPY", "") not in ("", "0"):
-        return None
+def _off(name: str) -> bool:
+    return os.environ.get(name, "") not in ("", "0")
+
+
+def _load() -> Any:
     try:
         from kvtier.kernels import _guarded  # type: ignore[attr-defined]
     except ImportError:
         return None
-    return _guarded.copy_pages
+    return _guarded
 
 
-_copy = _load()
+_native = _load()
+_copy: CopyPages | None = (None if _native is None or _off("KVTIER_NO_GUARDED_COPY")
+                           else _native.copy_pages)
+_strided = None if _native is None or _off("KVTIER_NO_NATIVE_COPY") else _native.copy_strided
 AVAILABLE: bool = _copy is not None
 """Whether guarded copies are available (the extension built and not turned off)."""
+STRIDED: bool = _strided is not None
+"""Whether :func:`copy_strided` is available (the extension built and not turned off)."""
 
 
 def copy_pages(dsts: Sequence[int], srcs: Sequence[int], length: int) -> int:
@@ -47,3 +63,40 @@ def copy_pages(dsts: Sequence[int], srcs: Sequence[int], length: int) -> int:
     if _copy is None:
         raise RuntimeError("guarded copies are not available (kvtier.kernels._guarded)")
     return _copy(dsts, srcs, length)
+
+
+def copy_strided(host: int, host_nbytes: int, offsets: np.ndarray, host_add: int, engine: int,
+                 engine_pages: int, page_ids: np.ndarray, stride: int, length: int,
+                 to_host: bool) -> int:
+    """Copy one region's pages between the host arena and an engine's memory, in C.
+
+    Page ``page_ids[i]`` of the region (``length`` bytes at ``engine + page_ids[i] *
+    stride``) and the bytes at ``host + offsets[i] + host_add`` are copied one way: into
+    the arena when ``to_host``, out of it otherwise. Every index is checked before any byte
+    moves; the copy itself runs with the GIL released and stops at a page that faults
+    (its mapping's file shrank), as :func:`copy_pages` does.
+
+    Args:
+        host / host_nbytes: the arena's address and size.
+        offsets: int64 arena offsets of the pages' slots; ``page_ids`` int64 page ids of
+            the region, same length.
+        host_add: the region's offset inside a host page.
+        engine / engine_pages / stride: the region's page 0, its pages, the bytes from one
+            page to the next (at least ``length``).
+        length: bytes of the region in one page.
+        to_host: the direction (True: engine → arena).
+
+    Returns:
+        Pages copied: all of them, or fewer when a page faulted; the copy stopped there.
+
+    Raises:
+        ValueError: a page id outside ``[0, engine_pages)``, a slot range outside the arena,
+            arrays of different lengths, or ``length`` not in ``(0, stride]``; nothing was
+            copied.
+        RuntimeError: the extension is not available (check :data:`STRIDED` first).
+    """
+    if _strided is None:
+        raise RuntimeError("native copies are not available (kvtier.kernels._guarded)")
+    return int(_strided(host, host_nbytes, np.ascontiguousarray(offsets, dtype=np.int64),
+                        host_add, engine, engine_pages,
+                        np.ascontiguousarray(page_ids, dtype=np.int64), stride, length, to_host))

@@ -31,31 +31,15 @@ from kvtier.daemon.pool.eviction import Evictor
 from kvtier.daemon.pool.layout import HAS_CHECKSUM, KEY_BYTES, NIL
 from kvtier.daemon.pool.links import ChildLists, filled
 from kvtier.daemon.pool.meta import PoolMeta
-from kvtier.daemon.pool.records import HostPoolError, PageState, PageStateError
+from kvtier.daemon.pool.records import HostPoolError, PageState, PageStateError, ResidentPages
 from kvtier.daemon.pool.slots import PageClass, SlotAllocator
 from xxhash import xxh3_64_intdigest
 
-__all__ = ["PageTable", "ResidentPages"]
+__all__ = ["PageTable"]
 
 _NO_PAGES: dict[bytes, int] = {}  # stands in for a namespace without pages; never written
 
 _MAX_U64 = (1 << 64) - 1
-
-
-class ResidentPages:
-    """The number of resident pages (READY and WRITING) of a page table, as ``len``.
-
-    Args:
-        maps: the ``ns_id -> key -> slot`` dicts whose entries count.
-    """
-
-    __slots__ = ("_maps",)
-
-    def __init__(self, *maps: dict[int, dict[bytes, int]]) -> None:
-        self._maps = maps
-
-    def __len__(self) -> int:
-        return sum(len(by_key) for m in self._maps for by_key in m.values())
 
 
 class PageTable:
@@ -289,38 +273,47 @@ class PageTable:
             HostPoolError: a slot id is out of range, or ``checksums`` does not match
                 ``slots`` (length, or a value outside 64 bits).
         """
-        for s in slots:
-            self._expect(s, PageState.WRITING, "commit")
+        meta, state, keys, n_slots = self._meta, self._state, self._key, self.n_slots
+        writing_state, ready_state = int(PageState.WRITING), int(PageState.READY)
+        for s in slots:  # checked inline: this runs for every page a store moved
+            if not 0 <= s < n_slots or state[s] != writing_state:
+                self._expect(s, PageState.WRITING, "commit")  # raises, naming what is wrong
         if checksums is not None and (len(checksums) != len(slots) or (
                 checksums and (min(checksums) < 0 or max(checksums) > _MAX_U64))):  # fmt: skip
             raise HostPoolError(f"need one 64-bit checksum per slot ({len(slots)})")
-        meta, state, keys = self._meta, self._state, self._key
         checksum, flags, seal, stamp = meta.checksum, meta.flags, meta.seal, self._stamp
+        nss, children, owner, ext_class = self._ns, self._children, self._owner, self._ext_class
+        per_extent, classes, lru = self._per_extent, self._classes, self._lru
         digest = xxh3_64_intdigest
+        clock = self._clock
         for j in range(len(slots) - 1, -1, -1):
             s = slots[j]
-            self._expect(s, PageState.WRITING, "commit")
+            if state[s] != writing_state:  # listed twice
+                self._clock = clock
+                self._expect(s, PageState.WRITING, "commit")
             key = keys[s]
             assert key is not None
-            ns = self._ns[s]
+            ns = nss[s]
             if checksums is None:
                 csum = flags[s] = 0
             else:
                 csum = checksum[s] = checksums[j]
                 flags[s] = HAS_CHECKSUM
             seal[s] = digest(key, (csum ^ ns) & _MAX_U64)  # = seal_of(key, ns, csum)
-            stamp[s] = self._tick()
-            state[s] = PageState.READY  # last: the row is complete
+            clock += 1  # what _tick() does, one page at a time
+            stamp[s] = clock
+            state[s] = ready_state  # last: the row is complete
             del self._writing[ns][key]
             by_key = self._ready.get(ns)
             if by_key is None:
                 by_key = self._ready[ns] = {}
             by_key[key] = s
-            cls = self._classes[self._ext_class[s // self._per_extent]]
+            cls = classes[ext_class[s // per_extent]]
             cls.writing -= 1
             cls.ready += 1
-            if self._children[s] == 0:
-                self._lru.enqueue(s, self._owner[s])
+            if children[s] == 0:
+                lru.enqueue(s, owner[s])
+        self._clock = clock
 
     def abort(self, slots: Sequence[int]) -> None:
         """Free pages whose fill failed (WRITING -> FREE, keys leave the index).
@@ -355,15 +348,17 @@ class PageTable:
         """
         n = self.lookup(ns_id, keys)
         out = list(map(self._ready[ns_id].__getitem__, keys[:n])) if n else []
-        pins = self._pins
-        for j in range(len(out) - 1, -1, -1):
-            s = out[j]
+        pins, children, stamp, owner = self._pins, self._children, self._stamp, self._owner
+        clock = self._clock
+        for s in reversed(out):
             if pins[s] == 0:
                 self._n_pinned += 1
-                if self._children[s] == 0:
-                    self._lru.dequeue(s, self._owner[s])
+                if children[s] == 0:
+                    self._lru.dequeue(s, owner[s])
             pins[s] += 1
-            self._stamp[s] = self._tick()
+            clock += 1  # what _tick() does, one page at a time
+            stamp[s] = clock
+        self._clock = clock
         return out
 
     def unpin(self, slots: Sequence[int]) -> None:
@@ -377,16 +372,20 @@ class PageTable:
                 change, except a slot listed more often than pinned.
             HostPoolError: a slot id is out of range.
         """
+        pins, state, children, owner, n = (self._pins, self._state, self._children,
+                                           self._owner, self.n_slots)
+        ready = int(PageState.READY)
+        for s in slots:  # checked inline: this runs for every page a load moved
+            if not 0 <= s < n or state[s] != ready or pins[s] == 0:
+                self._expect(s, PageState.READY, "unpin")  # raises, naming what is wrong
         for s in slots:
-            self._expect(s, PageState.READY, "unpin")
-        pins = self._pins
-        for s in slots:
-            self._expect(s, PageState.READY, "unpin")
+            if pins[s] == 0:  # listed more often than pinned
+                self._expect(s, PageState.READY, "unpin")
             pins[s] -= 1
             if pins[s] == 0:
                 self._n_pinned -= 1
-                if self._children[s] == 0:
-                    self._lru.enqueue(s, self._owner[s])
+                if children[s] == 0:
+                    self._lru.enqueue(s, owner[s])
 
     def mark_in_l3(self, slots: Sequence[int]) -> None:
         """Record that these pages are in L3 (evictable under ``evict_requires_l3``).

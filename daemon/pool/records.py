@@ -15,7 +15,7 @@ from kvtier.config.errors import KvtierError
 
 __all__ = [
     "AdoptResult", "ClassStats", "EvictedPage", "HostPoolError", "HostPoolStats", "PageInfo",
-    "PageState", "PageStateError",
+    "PageState", "PageStateError", "ResidentPages",
 ]  # fmt: skip
 
 
@@ -168,3 +168,19 @@ class AdoptResult:
         return (f"host pool adopted (generation {self.generation}): {self.pages_adopted} pages, "
                 f"{self.bytes_adopted / 2**20:.1f} MiB, {self.pages_dropped} dropped, "
                 f"in {self.seconds * 1e3:.0f} ms")  # fmt: skip
+
+
+class ResidentPages:
+    """The number of resident pages (READY and WRITING) of a page table, as ``len``.
+
+    Args:
+        maps: the ``ns_id -> key -> slot`` dicts whose entries count.
+    """
+
+    __slots__ = ("_maps",)
+
+    def __init__(self, *maps: dict[int, dict[bytes, int]]) -> None:
+        self._maps = maps
+
+    def __len__(self) -> int:
+        return sum(len(by_key) for m in self._maps for by_key in m.values())

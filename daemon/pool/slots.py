@@ -42,7 +42,10 @@ from kvtier.daemon.pool.layout import NIL, PoolLayout, round_up
 from kvtier.daemon.pool.links import filled, link_in_order
 from kvtier.daemon.pool.records import HostPoolError
 
-__all__ = ["PageClass", "SlotAllocator"]
+__all__ = ["SMALL_BATCH", "PageClass", "SlotAllocator"]
+
+SMALL_BATCH = 16
+"""Up to this many slots, :meth:`SlotAllocator.slot_offsets` computes offsets one by one."""
 
 
 @dataclass(slots=True)
@@ -149,9 +152,9 @@ class SlotAllocator:
         Raises:
             HostPoolError: a slot id is out of range or its extent has no class.
         """
+        if len(slots) <= SMALL_BATCH:  # a few slots: plain Python beats a dozen numpy calls
+            return np.array([self.slot_offset(slot) for slot in slots], dtype=np.int64)
         s = np.asarray(slots, dtype=np.int64)
-        if s.size == 0:
-            return s
         out = (s < 0) | (s >= self.n_slots)
         if out.any():
             bad = int(s[np.flatnonzero(out)[0]])

@@ -46,6 +46,7 @@ from kvtier.daemon.transfer.transfer import (
     run_transfer,
 )
 from kvtier.ipc.completion import TransferStatus
+from kvtier.kernels.host_views import ArenaView
 
 SPLIT_BYTES = 32 << 20
 """A transfer of at least twice this many bytes is split in parts of consecutive pages,
@@ -87,7 +88,8 @@ class Transfers:
             arena: the host pool's arena (what copies read and write).
             threads: how many threads ``executor`` runs (a large copy is split over them).
         """
-        self._executor, self._arena, self._threads = executor, arena, threads
+        # checked once here: each copy then finds the arena's address without numpy
+        self._executor, self._arena, self._threads = executor, ArenaView.of(arena), threads
 
     def close(self) -> None:
         """Drop the arena; call it once the copy threads have ended."""

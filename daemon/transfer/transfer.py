@@ -27,8 +27,8 @@ from kvtier.daemon.pool.layout import page_checksums
 from kvtier.daemon.transfer.engine_memory import RegionView
 from kvtier.ipc.completion import TransferStatus
 from kvtier.kernels.file_io import read_pages, write_pages
-from kvtier.kernels.guarded_copy import copy_pages
-from kvtier.kernels.host_views import ArenaView, HostBuffer
+from kvtier.kernels.guarded_copy import STRIDED, copy_pages, copy_strided
+from kvtier.kernels.host_views import ArenaView, EngineView, HostBuffer
 from kvtier.kernels.page_copy import CopyPlan
 
 log = logging.getLogger("kvtier.daemon.transfer.transfer")
@@ -130,11 +130,7 @@ def copy_part(t: Transfer, first: int, end: int, arena: HostBuffer,
             if t.cancelled:
                 status = TransferStatus.CANCELLED
                 break
-            plan = plans.get(r.page_bytes)
-            if plan is None:
-                plan = plans[r.page_bytes] = CopyPlan.build(page_ids, offsets, r.page_bytes,
-                                                            slot_bytes=page_bytes)
-            _copy_region(t.direction, page_ids, offsets, plan, host, r)
+            _copy_region(t.direction, page_ids, offsets, plans, page_bytes, host, r)
             nxt = order[i + 1].layer if i + 1 < len(order) else num_layers
             if nxt > r.layer >= 0:
                 block.layer_done(t.slot, r.layer + 1)
@@ -209,19 +205,42 @@ def combine(results: Sequence[tuple[TransferStatus, list[int] | None]], t: Trans
 
 
 def _copy_region(direction: Direction, page_ids: np.ndarray, offsets: np.ndarray,
-                 plan: CopyPlan, arena: ArenaView, r: RegionView) -> None:
-    """Move one region's bytes of the pages ``page_ids`` (host slots at ``offsets``): memory
-    copies on a sealed mapping, guarded copies on a mapping that may shrink,
-    ``pread``/``pwrite`` on an unmapped descriptor."""
-    if r.view is not None:
-        if direction is Direction.STORE:
-            plan.to_host(arena, r.view, r.host_offset)
+                 plans: dict[int, CopyPlan], slot_bytes: int, arena: ArenaView,
+                 r: RegionView) -> None:
+    """Move one region's bytes of the pages ``page_ids`` (host slots at ``offsets``).
+
+    Mapped memory, sealed or not, is copied by :func:`copy_strided` when the native
+    extension is there: every index checked, then one ``memcpy`` per page in C, stopping
+    at a page gone from a mapping that shrank. Without it: numpy plans on a sealed
+    mapping (``plans`` caches them per region size, for the transfer), guarded copies on
+    one that may shrink, ``pread``/``pwrite`` on an unmapped descriptor."""
+    store = direction is Direction.STORE
+    view = r.view
+    mapped: tuple[int, int, int] | None = None  # (page 0's address, pages, page stride)
+    if r.address:
+        mapped = (r.address, r.num_pages, r.page_stride)
+    elif (isinstance(view, EngineView) and view.row_bytes == r.page_bytes
+          and (store or view.array.flags.writeable)):
+        mapped = (view.address, view.num_pages, view.page_stride)
+    if STRIDED and mapped is not None:
+        done = copy_strided(arena.address, arena.nbytes, offsets, r.host_offset, mapped[0],
+                            mapped[1], page_ids, mapped[2], r.page_bytes, store)
+        if done < len(page_ids):
+            raise RegionIOError(f"engine memory: page {int(page_ids[done])} of a region is gone "
+                                "(the engine shrank its memfd)")
+        return
+    plan = plans.get(r.page_bytes)
+    if plan is None:
+        plan = plans[r.page_bytes] = CopyPlan.build(page_ids, offsets, r.page_bytes,
+                                                    slot_bytes=slot_bytes)
+    if view is not None:
+        if store:
+            plan.to_host(arena, view, r.host_offset)
         else:
-            plan.from_host(arena, r.view, r.host_offset)
+            plan.from_host(arena, view, r.host_offset)
         return
     plan.check_copy(arena_nbytes=arena.nbytes, num_pages=r.num_pages, row_bytes=r.page_bytes,
                     chunk_offset=r.host_offset, name="engine region")
-    store = direction is Direction.STORE
     if r.address:  # mapped, but the engine may shrink it: guarded copies only
         engine = (page_ids * r.page_stride + r.address).tolist()
         host = (offsets + (arena.address + r.host_offset)).tolist()

@@ -96,3 +96,98 @@ def test_bad_arguments_are_refused_before_any_copy():
         guarded_copy.copy_pages([1], [2, 3], 8)
     with pytest.raises(TypeError):
         guarded_copy.copy_pages(5, [2], 8)
+
+
+# -- copy_strided: one region of a transfer in one call -----------------------------------------
+
+strided = pytest.mark.skipif(not guarded_copy.STRIDED,
+                             reason="kvtier.kernels._guarded was not built (no C compiler)")
+ROW = 16 << 10  # one region's bytes per page: a quarter of a 64 KiB host page
+
+
+def region(view: np.ndarray, pages: int) -> tuple[int, int, int]:
+    """(page 0's address, pages, stride) of a region of ``pages`` pages of ``ROW`` bytes."""
+    return view.ctypes.data, pages, ROW
+
+
+@strided
+def test_strided_copies_move_one_region_both_ways_exactly(mapped):
+    _, mm, view = mapped  # the engine: N * 4 pages of one 16 KiB region
+    rng = np.random.default_rng(2)
+    arena = rng.integers(0, 256, 8 * PAGE * N, dtype=np.uint8)
+    offsets = np.array(rng.permutation(8 * N)[:N], dtype=np.int64) * PAGE  # scattered slots
+    pids = np.array(rng.permutation(4 * N)[:N], dtype=np.int64)
+    host_add = ROW * 2  # the third quarter of each slot
+    before = arena.copy()
+    base, pages, stride = region(view, 4 * N)
+    assert guarded_copy.copy_strided(arena.ctypes.data, arena.size, offsets, host_add, base,
+                                     pages, pids, stride, ROW, True) == N
+    for o, p in zip(offsets.tolist(), pids.tolist()):
+        assert arena[o + host_add:o + host_add + ROW].tobytes() == mm[p * ROW:(p + 1) * ROW]
+    untouched = np.ones(arena.size, dtype=bool)
+    for o in offsets.tolist():
+        untouched[o + host_add:o + host_add + ROW] = False
+    assert (arena[untouched] == before[untouched]).all()  # nothing else was written
+    arena[:] = rng.integers(0, 256, arena.size, dtype=np.uint8)
+    engine_before = np.frombuffer(mm, dtype=np.uint8).copy()
+    assert guarded_copy.copy_strided(arena.ctypes.data, arena.size, offsets, host_add, base,
+                                     pages, pids, stride, ROW, False) == N
+    got = np.frombuffer(mm, dtype=np.uint8).reshape(4 * N, ROW)
+    for o, p in zip(offsets.tolist(), pids.tolist()):
+        assert got[p].tobytes() == arena[o + host_add:o + host_add + ROW].tobytes()
+    others = np.setdiff1d(np.arange(4 * N), pids)
+    assert (got[others] == engine_before.reshape(4 * N, ROW)[others]).all()
+
+
+@strided
+@pytest.mark.parametrize(("pid", "offset", "match"), [
+    (-1, 0, r"page_ids\[1\] = -1 is outside the region's 64 pages"),
+    (64, 0, r"page_ids\[1\] = 64 is outside"),
+    (1 << 62, 0, r"page_ids\[1\] = 4611686018427387904 is outside"),
+    (3, -PAGE, r"offsets\[1\] = -65536"),
+    (3, 4 * PAGE - ROW, (r"offsets\[1\] = 245760 \+ 32768: 16384 bytes there are outside "
+                         r"the arena's 262144")),
+    (3, 1 << 62, r"offsets\[1\] = 4611686018427387904"),
+])
+def test_strided_copies_check_every_index_before_any_byte_moves(mapped, pid, offset, match):
+    _, mm, view = mapped
+    arena = np.zeros(4 * PAGE, dtype=np.uint8)
+    before = bytes(mm[:])
+    offsets = np.array([0, offset], dtype=np.int64)
+    pids = np.array([0, pid], dtype=np.int64)
+    for to_host in (True, False):
+        with pytest.raises(ValueError, match=match):
+            guarded_copy.copy_strided(arena.ctypes.data, arena.size, offsets, 2 * ROW,
+                                      view.ctypes.data, 4 * N, pids, ROW, ROW, to_host)
+    assert not arena.any() and mm[:] == before  # the valid first page was not copied either
+
+
+@strided
+def test_strided_copies_refuse_bad_shapes():
+    arena = np.zeros(PAGE, dtype=np.uint8)
+    one = np.zeros(1, dtype=np.int64)
+    with pytest.raises(ValueError, match="one length"):
+        guarded_copy.copy_strided(arena.ctypes.data, PAGE, one, 0, arena.ctypes.data, 1,
+                                  np.zeros(2, dtype=np.int64), ROW, ROW, True)
+    with pytest.raises(ValueError, match="length = 0 must be > 0"):
+        guarded_copy.copy_strided(arena.ctypes.data, PAGE, one, 0, arena.ctypes.data, 1, one,
+                                  ROW, 0, True)
+    with pytest.raises(ValueError, match="at most stride"):  # rows would overlap
+        guarded_copy.copy_strided(arena.ctypes.data, PAGE, one, 0, arena.ctypes.data, 1, one,
+                                  ROW, ROW + 1, True)
+    # an empty region copies nothing
+    none = np.zeros(0, dtype=np.int64)
+    assert guarded_copy.copy_strided(arena.ctypes.data, PAGE, none, 0, 0, 0, none, ROW, ROW,
+                                     True) == 0
+
+
+@strided
+def test_strided_copies_stop_at_a_shrunken_mapping_both_ways(mapped):
+    fd, _, view = mapped
+    arena = np.zeros(N * PAGE, dtype=np.uint8)
+    os.ftruncate(fd, 5 * ROW)  # region pages 5.. are gone
+    offsets = np.arange(4, dtype=np.int64) * PAGE
+    pids = np.array([0, 4, 7, 1], dtype=np.int64)
+    for to_host in (True, False):
+        assert guarded_copy.copy_strided(arena.ctypes.data, arena.size, offsets, 0,
+                                         view.ctypes.data, 4 * N, pids, ROW, ROW, to_host) == 2

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from kvtier.daemon.pool.index import HostPool
 from kvtier.daemon.pool.records import HostPoolError
+from kvtier.daemon.pool.slots import SMALL_BATCH
 
 KIB = 1024
 EXTENT = 64 * KIB
@@ -21,8 +22,16 @@ def test_slot_offsets_match_slot_offset_across_classes(headroom):
         got = pool.allocate(ns, 1, c, [bytes([cid, i]) * 16 for i in range(9)], None)
         slots += [s for _, s in got]
     slots = slots[::-1]
-    want = [pool.slot_offset(s) for s in slots]
-    assert pool.slot_offsets(slots).tolist() == want
-    assert pool.slot_offsets([]).dtype == np.int64
-    with pytest.raises(HostPoolError):
-        pool.slot_offsets([slots[0], pool.layout.n_slots])
+    assert len(slots) > SMALL_BATCH  # numpy at once; a short list is computed one by one
+    for part in (slots, slots[:SMALL_BATCH], slots[:1]):
+        got = pool.slot_offsets(part)
+        assert got.dtype == np.int64 and got.tolist() == [pool.slot_offset(s) for s in part]
+    assert pool.slot_offsets([]).dtype == np.int64 and pool.slot_offsets([]).size == 0
+    free_extent = pool.layout.n_extents - 1  # nothing was cut from the last extent
+    for pad in ([], slots[:SMALL_BATCH + 1]):
+        with pytest.raises(HostPoolError, match="out of range"):
+            pool.slot_offsets(pad + [slots[0], pool.layout.n_slots])
+        with pytest.raises(HostPoolError, match="out of range"):
+            pool.slot_offsets(pad + [-1])
+        with pytest.raises(HostPoolError, match="not allocated"):
+            pool.slot_offsets(pad + [free_extent * pool.layout.per_extent])
