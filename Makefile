@@ -128,7 +128,7 @@ lint: venv
 	$(VENV)/bin/lint-imports
 
 typecheck: venv
-	$(VENV)/bin/mypy config ipc daemon client kernels
+	$(VENV)/bin/mypy config ipc daemon client kernels cli
 
 clean:
 	rm -rf $(VENV) $(ENGINES_VENV) build *.egg-info kernels/*.so

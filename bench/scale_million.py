@@ -11,7 +11,9 @@ smaller page would cost the same pool bytes). One engine then:
 3. reads the daemon's resident memory beyond shared memory (``VmRSS - RssShmem``: not
    the pool, not the engines' mapped KV pools) before and after the fill;
 4. unregisters, SIGKILLs the daemon, starts a new one on the same runtime directory and
-   times until HEALTH answers and a new connection finds every page (adoption);
+   times until HEALTH answers and a new connection finds every page (adoption). Both
+   daemons read kvtier's bytecode from a private cache the first one wrote, as an installed
+   kvtier does (see :mod:`kvtier.bench.restart`);
 5. stores fresh pages into the full pool, a tenth of ``pages`` beyond its capacity (the
    eviction rate: pages evicted per second of the stores that evicted, from the daemon's
    ``evictions`` counter).
@@ -90,7 +92,10 @@ def run_million(root: Path, pages: int, batch: int, samples: int, copy_threads: 
     rng = random.Random(7)
     out: dict[str, Any] = {"million_pages": pages, "million_page_bytes": GEOMETRY.page_bytes,
                            "million_pool_bytes": size}
-    first, second = DaemonProcess(rdir, flags), DaemonProcess(rdir, flags)
+    # an installed kvtier reads cached bytecode (pip compiles it): the first daemon writes it
+    # to a private cache the restarted one reads, as `kvtier bench restart` does
+    cached = {"PYTHONPYCACHEPREFIX": str(root / "pycache"), "PYTHONDONTWRITEBYTECODE": ""}
+    first, second = DaemonProcess(rdir, flags, env=cached), DaemonProcess(rdir, flags, env=cached)
     try:
         t0 = time.perf_counter()
         first.start(timeout=timeout_s)

@@ -27,8 +27,8 @@ def _bench(argv: list[str]) -> int:
     if argv[:1] and argv[0] in ENGINE_BENCHES:
         import importlib
 
-        mod = importlib.import_module(f"kvtier.bench.{argv[0]}")
-        return int(mod.main(argv[1:]))
+        engine_bench = importlib.import_module(f"kvtier.bench.{argv[0]}")
+        return int(engine_bench.main(argv[1:]))
     p = argparse.ArgumentParser(prog="kvtier bench", description="Measure kvtier against baselines.")
     sub = p.add_subparsers(dest="what", required=True)
     for name, text in ENGINE_BENCHES.items():

@@ -167,10 +167,12 @@ static PyObject *copy_strided(PyObject *self, PyObject *args) {
                      "int64 arrays of one length", offs.len, pids.len);
         goto end;
     }
-    if (length <= 0 || stride < length || host_nbytes < length || engine_pages < 0) {
+    if (length <= 0 || stride < length || host_nbytes < length || engine_pages < 0 ||
+        host_add < 0 || host_add > host_nbytes - length) {
         PyErr_Format(PyExc_ValueError, "length = %zd must be > 0 and at most stride = %zd and "
-                     "host_nbytes = %zd; engine_pages = %zd", length, stride, host_nbytes,
-                     engine_pages);
+                     "host_nbytes = %zd; engine_pages = %zd and host_add = %zd must not be "
+                     "negative, nor host_add + length over host_nbytes", length, stride,
+                     host_nbytes, engine_pages, host_add);
         goto end;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -180,7 +182,7 @@ static PyObject *copy_strided(PyObject *self, PyObject *args) {
                          "pages", i, (long long)p, engine_pages);
             goto end;
         }
-        if (o < 0 || o > (int64_t)(host_nbytes - length) - host_add || o + host_add < 0) {
+        if (o < 0 || o > (int64_t)(host_nbytes - length - host_add)) {
             PyErr_Format(PyExc_ValueError, "offsets[%zd] = %lld + %zd: %zd bytes there are "
                          "outside the arena's %zd", i, (long long)o, host_add, length,
                          host_nbytes);

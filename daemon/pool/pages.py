@@ -1,13 +1,11 @@
 """The host pool's page table: the L2 index and the state machine of its pages.
 
-Pure and synchronous (no I/O, no mapping, no locks, no ``await``): the event loop calls
-into it. Page metadata lives in flat per-slot arrays created once. What must survive a
-restart (state, key, namespace, owner, payload length, parent, last access, in-L3 flag,
-checksum, seal) is a column of the metadata region
-(:class:`~kvtier.daemon.pool.meta.PoolMeta`), so every change persists as it is made.
-Pins, child lists and links are private arrays, rebuilt on adoption. Intrusive doubly
-linked lists allocate nothing: the evictable lists (:mod:`~kvtier.daemon.pool.links`)
-and each page's list of resident children.
+Pure and synchronous (no I/O, no locks, no ``await``): the event loop calls into it. What
+must survive a restart (state, key, namespace, owner, length, parent, last access, in-L3
+flag, checksum, seal) is a column of the metadata region (:class:`~kvtier.daemon.pool.meta.
+PoolMeta`), so every change persists as it is made. Pins, child lists and links are private
+arrays rebuilt on adoption; the intrusive lists (:mod:`~kvtier.daemon.pool.links`) allocate
+nothing.
 
 Life cycle (:class:`PageState`): FREE -allocate-> WRITING -commit-> READY
 -evict/flush-> FREE, and WRITING -abort-> FREE. WRITING pages are invisible to
@@ -17,9 +15,9 @@ safe: a row is completed while WRITING and its state flips to READY last; freein
 flips the state first. Which page to evict is :mod:`~kvtier.daemon.pool.eviction`.
 
 Hot paths: lookup is a dict probe per key at C speed (``_ready``: the READY pages of each
-namespace, key -> slot); commit adds one xxh3 of the key (the seal). Each page's key is
-one bytes object, shared by ``_key`` (slot -> key) and the namespace's dict, and an adopted
-pool builds both with ``dict(zip(...))`` over numpy columns, no Python loop per page.
+namespace, key -> slot); commit adds one xxh3 of the key (the seal); the per-page loops of
+pin, unpin, commit and release check and update inline. Each key is one bytes object, shared
+by ``_key`` (slot -> key) and the namespace's dict; adoption builds both at C speed.
 """
 
 from __future__ import annotations
@@ -40,6 +38,7 @@ __all__ = ["PageTable"]
 _NO_PAGES: dict[bytes, int] = {}  # stands in for a namespace without pages; never written
 
 _MAX_U64 = (1 << 64) - 1
+_READY, _FREE = int(PageState.READY), int(PageState.FREE)  # plain ints: compared per page
 
 
 class PageTable:
@@ -437,19 +436,25 @@ class PageTable:
     def _release(self, s: int) -> None:
         """Turn the READY or WRITING page ``s``, off the evictable lists, FREE."""
         assert self._pins[s] == 0
-        key = self._key[s]
+        keys, state = self._key, self._state
+        key = keys[s]
         assert key is not None
-        was_ready = self._state[s] == PageState.READY
-        self._state[s] = PageState.FREE  # first: from here on a crash leaves the slot free
+        was_ready = state[s] == _READY
+        state[s] = _FREE  # first: from here on a crash leaves the slot free
         self._in_l3[s] = 0
         ns = self._ns[s]
         del (self._ready if was_ready else self._writing)[ns][key]
-        self._key[s] = None
+        keys[s] = None
         p = self._parent[s]
+        kids = self._kids
         if p != NIL:
-            self._kids.unlink(p, s)
-            self._drop_child_ref(p)
-        self._kids.orphan_all(s)  # only an aborted page can still have children
+            kids.unlink(p, s)
+            children = self._children  # _drop_child_ref(p), inline: this runs per eviction
+            children[p] -= 1
+            if children[p] == 0 and state[p] == _READY and self._pins[p] == 0:
+                self._lru.enqueue(p, self._owner[p])
+        if kids.first[s] != NIL or kids.count[s]:
+            kids.orphan_all(s)  # only an aborted page can still have children
         cls = self._classes[self._ext_class[s // self._per_extent]]
         if was_ready:
             cls.ready -= 1
@@ -488,9 +493,8 @@ class PageTable:
         self._check_slot(s)
         state = self._state[s]
         if state != want:
-            raise PageStateError(
-                f"cannot {op} slot {s}: it is {PageState(state).name}, not {want.name}"
-            )
+            raise PageStateError(f"cannot {op} slot {s}: it is {PageState(state).name}, "
+                                 f"not {want.name}")
         if op == "unpin" and self._pins[s] == 0:
             raise PageStateError(f"cannot unpin slot {s}: it is READY with no pins")
 

@@ -175,6 +175,10 @@ def test_strided_copies_refuse_bad_shapes():
     with pytest.raises(ValueError, match="at most stride"):  # rows would overlap
         guarded_copy.copy_strided(arena.ctypes.data, PAGE, one, 0, arena.ctypes.data, 1, one,
                                   ROW, ROW + 1, True)
+    for host_add in (-1, -(1 << 62), PAGE - ROW + 1, 1 << 62):  # no overflow past the checks
+        with pytest.raises(ValueError, match=f"host_add = {host_add} must not be negative"):
+            guarded_copy.copy_strided(arena.ctypes.data, PAGE, one, host_add,
+                                      arena.ctypes.data, 1, one, ROW, ROW, True)
     # an empty region copies nothing
     none = np.zeros(0, dtype=np.int64)
     assert guarded_copy.copy_strided(arena.ctypes.data, PAGE, none, 0, 0, 0, none, ROW, ROW,
