@@ -47,7 +47,9 @@ def reference(tiny_model: Path, vllm_tmp: Path) -> Iterator[EngineProcess]:
 @pytest.fixture
 def engines(tiny_model: Path, short_tmp: Path) -> Iterator:
     """Start engines with the connector: ``engines(runtime_dir, **settings)``; every one
-    still running is stopped at teardown."""
+    still running is stopped at teardown: asked to exit first, so vLLM's own processes
+    unlink the shared memory they made (a SIGKILL leaves it in /dev/shm), killed only
+    past the timeout."""
     started: list[EngineProcess] = []
 
     def make(runtime_dir: Path, multiprocess: bool = False, model: Path | None = None,
@@ -61,4 +63,4 @@ def engines(tiny_model: Path, short_tmp: Path) -> Iterator:
     yield make
     for e in started:
         if e.proc.poll() is None:
-            e.kill()
+            e.close(timeout=60.0)
