@@ -74,6 +74,17 @@ def readme_kv_transfer_config() -> dict[str, Any]:
     return json.loads(match.group(1))
 
 
+SHM = Path("/dev/shm")
+
+
+def _vllm_shm() -> set[str]:
+    """Names of vLLM's tensor-parallel shared-memory segments now in /dev/shm."""
+    try:
+        return {n for n in os.listdir(SHM) if n.startswith("vllm_dist_")}
+    except FileNotFoundError:
+        return set()
+
+
 class EngineError(RuntimeError):
     """The engine process died or did not answer in time."""
 
@@ -95,6 +106,7 @@ class EngineProcess:
                    VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0")
         cfg = json.dumps({"kvtier": kvtier, "kv_transfer": readme_kv_transfer_config(), **extra})
         self.log_path = log
+        self._shm_before = _vllm_shm()
         self._log = open(log, "ab")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(
             [sys.executable, str(HERE / "vllm_engine_proc.py"), str(model), cfg],
@@ -164,6 +176,10 @@ class EngineProcess:
         for f in (self.proc.stdin, self.proc.stdout, self._log):
             if f is not None and not f.closed:
                 f.close()
+        # vLLM's CPU tensor-parallel communicator (its C++ shm manager) never unlinks its
+        # segments; once the engine is gone, the ones that appeared during its life are its own
+        for name in _vllm_shm() - self._shm_before:
+            (SHM / name).unlink(missing_ok=True)
 
     def close(self, timeout: float = 60.0) -> int:
         """Let the engine exit (stdin closed); SIGKILL it past ``timeout``. Its exit code."""
