@@ -16,6 +16,12 @@ setup(
             optional=True,
         ),
         Extension(
+            "kvtier.kernels._keyprobe",
+            sources=["kernels/_keyprobe.c"],
+            extra_compile_args=["-O3", "-std=gnu11"],
+            optional=True,
+        ),
+        Extension(
             "kvtier.kernels._guarded",
             sources=["kernels/_guarded.c"],
             extra_compile_args=["-O3", "-std=gnu11"],

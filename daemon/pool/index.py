@@ -291,13 +291,13 @@ class HostPool(PageTable):
             return super().lookup(ns_id, np.frombuffer(packed, dtype=f"V{KEY_BYTES}").tolist())
         words = np.frombuffer(packed, dtype="<u8").reshape(n, KEY_BYTES // 8)
         self._list()
-        slot, unresolved = self._table.find(ns_id, words)
-        found = slot >= 0
-        if len(unresolved):  # probe sequences too long to finish: the exact probe decides
-            ready = self._ready[ns_id]
-            for i in unresolved.tolist():
-                found[i] = bytes(packed[i * KEY_BYTES:(i + 1) * KEY_BYTES]) in ready
-        return n if found.all() else int(found.argmin())
+        ready, i = self._ready[ns_id], 0
+        while True:
+            i, unresolved = self._table.leading_run(ns_id, words, i)
+            # a probe too long to finish: the exact probe decides that key
+            if not unresolved or bytes(packed[i * KEY_BYTES:(i + 1) * KEY_BYTES]) not in ready:
+                return i
+            i += 1
 
     # ------------------------------------------------------------- geometry
 

@@ -36,7 +36,16 @@ from kvtier.daemon.pool.layout import KEY_BYTES
 from kvtier.daemon.pool.meta import PoolMeta
 from kvtier.daemon.pool.records import PageState
 
-__all__ = ["MAX_ROUNDS", "MIN_CAPACITY", "KeyTable"]
+try:
+    from kvtier.kernels import _keyprobe
+except ImportError:  # built without a C compiler: the numpy probe serves
+    _keyprobe = None
+
+__all__ = ["MAX_ROUNDS", "MIN_CAPACITY", "NATIVE", "KeyTable"]
+
+NATIVE = _keyprobe is not None
+"""Whether :meth:`KeyTable.leading_run` probes in C (``kernels/_keyprobe.c``); else it runs
+:meth:`KeyTable.find` (numpy). The tests run both."""
 
 MAX_ROUNDS = 4
 """Probe rounds a lookup runs; keys still open then are left to the exact probe."""
@@ -174,3 +183,34 @@ class KeyTable:
             more = (cand >= 0) & ~hit
             idx = idx[more]
         return out, idx  # empty unless MAX_ROUNDS ran out
+
+    def leading_run(self, ns_id: int, words: np.ndarray, start: int = 0) -> tuple[int, bool]:
+        """The first key from ``start`` that is not READY in ``ns_id``, by the probe of
+        :meth:`find` (in C when :data:`NATIVE`; it stops at that key).
+
+        Args:
+            ns_id: the namespace.
+            words: the keys, a C-contiguous n x 4 array of little-endian uint64.
+            start: the key to begin with (those before it are taken as found).
+
+        Returns:
+            ``(index, unresolved)``: the index of that key (``n`` when all are READY), and
+            whether its probe ran out of :data:`MAX_ROUNDS` rounds (the caller's exact
+            probe decides it) rather than ended at an empty entry (a true miss).
+        """
+        n = len(words)
+        if start >= n:
+            return n, False
+        if not NATIVE:
+            slot, unresolved = self.find(ns_id, words[start:])
+            missing = np.flatnonzero(slot < 0)
+            if not len(missing):
+                return n, False
+            first = int(missing[0])
+            return start + first, bool(len(unresolved)) and first in set(unresolved.tolist())
+        assert _keyprobe is not None
+        i, open_ = _keyprobe.leading_run(self._table, self._keys, self._ns, self._state,
+                                         self._key_len, words, ns_id, int(self._mult[0]),
+                                         int(self._mult[1]), int(self._shift), start,
+                                         MAX_ROUNDS, _READY)
+        return i, bool(open_)

@@ -1,6 +1,7 @@
 """The pool's key table answers long LOOKUPs exactly as the key-by-key index does (no mocks).
 
-``HostPool.lookup_packed`` (and ``lookup`` of a long list) go through the numpy key table;
+``HostPool.lookup_packed`` (and ``lookup`` of a long list) go through the key table, probed
+in C (``kernels/_keyprobe.c``) and, for every case again, in numpy;
 ``PageTable.lookup`` probes the index key by key and is the reference. Every case compares
 the two and, where the answer is known by construction, the number itself: hostile lists
 (not a chain, duplicates, another namespace's keys, absent keys between present ones),
@@ -13,7 +14,9 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
+from kvtier.daemon.pool import keytable
 from kvtier.daemon.pool.index import TABLE_MIN_KEYS, HostPool, HostPoolError
 from kvtier.daemon.pool.keytable import MAX_ROUNDS
 from kvtier.daemon.pool.pages import PageTable
@@ -23,6 +26,17 @@ PAGE = 4 * KIB
 NS, NS2 = 1, 2
 OWNER = 7
 N = max(512, 2 * TABLE_MIN_KEYS)  # long enough for the key table
+
+
+@pytest.fixture(autouse=True, params=["native", "numpy"])
+def probe(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs with the C probe and with the numpy one."""
+    if request.param == "native":
+        if not keytable.NATIVE:
+            pytest.skip("kvtier.kernels._keyprobe is not built (no C compiler at install)")
+    else:
+        monkeypatch.setattr(keytable, "NATIVE", False)
+    return request.param
 
 
 def new_pool(pages: int = 4 * N) -> HostPool:
@@ -194,3 +208,60 @@ def test_an_adopted_pool_finds_its_pages() -> None:
     assert run(second, NS, keys[: N // 3] + keys_of(rng, 1)) == N // 3
     first.close()
     second.close()
+
+
+def test_stale_entries_pointing_anywhere_read_nothing_outside(probe: str) -> None:
+    # a table entry only proposes a slot: the C probe must check ids past the columns,
+    # never read there, and leave the answer exact
+    if probe == "numpy":
+        pytest.skip("numpy's take refuses such ids itself (IndexError); only C reads raw memory")
+    rng = random.Random(10)
+    pool = new_pool()
+    keys = keys_of(rng, N)
+    store(pool, keys)
+    table = pool._table._table
+    empty = np.flatnonzero(table < 0)
+    table[empty[: len(empty) // 2]] = np.int32(2**31 - 1)  # far past the slots
+    table[empty[len(empty) // 2:]] = np.int32(pool.layout.n_slots)  # just past them
+    assert run(pool, NS, keys) == N
+    assert run(pool, NS, keys[: N // 4] + keys_of(rng, 2) + keys) == N // 4
+
+
+def test_leading_run_starts_where_asked_and_tells_a_miss_from_an_open_probe() -> None:
+    rng = random.Random(11)
+    pool = new_pool()
+    keys = keys_of(rng, N)
+    store(pool, keys)
+    words = np.frombuffer(b"".join(keys + keys_of(rng, 1)), dtype="<u8").reshape(-1, 4)
+    pool._list()  # the commits' slots enter the table (a lookup does this first)
+    t = pool._table
+    assert t.leading_run(NS, words) == (N, False)  # the absent last key: an empty entry
+    assert t.leading_run(NS, words, N - 3) == (N, False)
+    assert t.leading_run(NS, words, N + 1) == (N + 1, False)  # nothing left to probe
+    assert t.leading_run(NS2, words) == (0, False)
+    t._table[:] = np.int32(0)  # every entry taken, none this key's: the probe stays open
+    assert t.leading_run(NS, words[1:]) == (0, True)
+    assert run(pool, NS, keys) == N  # the exact probe decides each open key
+
+
+def test_the_c_probe_refuses_columns_that_do_not_agree() -> None:
+    if not keytable.NATIVE:
+        pytest.skip("kvtier.kernels._keyprobe is not built (no C compiler at install)")
+    from kvtier.kernels import _keyprobe
+
+    t = new_pool()._table
+    words = np.zeros((4, 4), dtype="<u8")
+    good = [t._table, t._keys, t._ns, t._state, t._key_len, words]
+    tail = [NS, 3, 5, int(t._shift), 0, MAX_ROUNDS, 1]
+    assert _keyprobe.leading_run(*good, *tail) == (0, False)
+    for i, bad in ((1, t._keys[:-1]), (2, t._ns[:-1]), (3, t._state[:-1]), (4, t._key_len[1:]),
+                   (0, t._table[:-1]), (5, words.ravel()[:-1])):
+        args = list(good)
+        args[i] = bad
+        with pytest.raises(ValueError):
+            _keyprobe.leading_run(*args, *tail)
+    for j, value in ((3, 64), (4, -1), (4, 5), (5, 0)):
+        args2 = list(tail)
+        args2[j] = value
+        with pytest.raises(ValueError):
+            _keyprobe.leading_run(*good, *args2)
