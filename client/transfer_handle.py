@@ -134,6 +134,26 @@ class TransferHandle:
             self._end(st)
         return self._status is TransferStatus.DONE
 
+    def wait_loaded(self, timeout: float | None = None) -> bool:
+        """For a LOAD: block until every layer's pages are in the engine's memory; True
+        when they are (False: failed, cancelled or timed out, recompute).
+
+        Unlike :meth:`wait` it does not wait for the daemon to settle the transfer (drop
+        its pins on the host pages): the copy thread announces the last layer once the last
+        byte is in place, and that settling can lag behind it when the daemon's event loop
+        waits for a core. The completion slot is reused once the daemon has settled it. A
+        STORE must use :meth:`wait` (its pages are in L2 only once settled).
+        """
+        if self._status is not None:
+            return self._status is TransferStatus.DONE
+        if not self.wait_layer(self.num_layers - 1, timeout):
+            return False
+        if self._status is None:  # every layer landed, not settled yet: the slot waits
+            self._status = TransferStatus.DONE
+            if self._conn is not None:
+                self._conn._slot_done(self.slot, self.seq, TransferStatus.RUNNING)
+        return True
+
     def _end(self, st: TransferStatus) -> None:
         """Record the final status once and give the completion slot back to the owner."""
         if self._status is None:

@@ -244,7 +244,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
         while got < n:
             handle = conn.load(kb[got:], pages[got:])
             if handle.count:
-                if not handle.wait():
+                if not handle.wait_loaded():
                     break  # failed, cancelled or timed out: none of its pages count
                 got += handle.count
                 continue

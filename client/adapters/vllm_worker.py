@@ -190,7 +190,7 @@ class WorkerSide:
         """Wait for the rest of this step's layer-wise loads; note the blocks they missed."""
         done, self._layerwise = self._layerwise, []
         for spec, handle, started in done:
-            good = handle.count if handle.wait() else 0
+            good = handle.count if handle.wait_loaded() else 0
             if good < len(spec.block_ids):
                 log.warning("kvtier load of %s: %d of %d blocks loaded, the rest is recomputed",
                             spec.req_id, good, len(spec.block_ids))
@@ -285,7 +285,7 @@ class WorkerSide:
             conn.prefetch(keys, skip=spec.in_l2)
             conn.claim(keys, policy=self.settings.prefetch_policy or None)
         handle = conn.load(keys[spec.start:], spec.block_ids)
-        good = handle.count if handle.count and handle.wait() else 0
+        good = handle.count if handle.count and handle.wait_loaded() else 0
         if good < len(spec.block_ids):
             log.warning("kvtier load of %s: %d of %d blocks loaded, the rest is recomputed",
                         spec.req_id, good, len(spec.block_ids))

@@ -173,13 +173,7 @@ class LayerGate:
 
     def part(self, index: int) -> LayerSink:
         """The sink part ``index`` announces its own progress to."""
-        gate = self
-
-        class _Part:
-            def layer_done(self, slot: int, layers: int) -> None:
-                gate._arrive(index, slot, layers)
-
-        return _Part()
+        return _GatePart(self, index)
 
     def _arrive(self, index: int, slot: int, layers: int) -> None:
         with self._lock:
@@ -188,6 +182,19 @@ class LayerGate:
             if low > self._shown:
                 self._shown = low
                 self._block.layer_done(slot, low)
+
+
+class _GatePart:
+    """Part ``index`` of a :class:`LayerGate` (a :class:`LayerSink`)."""
+
+    __slots__ = ("_gate", "_index")
+
+    def __init__(self, gate: LayerGate, index: int) -> None:
+        self._gate, self._index = gate, index
+
+    def layer_done(self, slot: int, layers: int) -> None:
+        """Part ``index`` has copied the first ``layers`` layers."""
+        self._gate._arrive(self._index, slot, layers)
 
 
 def combine(results: Sequence[tuple[TransferStatus, list[int] | None]], t: Transfer) -> None:

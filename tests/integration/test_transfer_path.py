@@ -6,6 +6,8 @@
 - The completion block wakes a waiting engine through a futex on the slot's wake word, also
   through a read-only mapping in another process; ``wait(end=True)`` returns the final
   status, never the "layers done, still running" state.
+- ``wait_loaded`` ends a LOAD at its last layer, before the daemon settles it; the slot is
+  reused once the daemon has.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from pathlib import Path
 
 import pytest
 from kvtier.client.admin import AdminClient
+from kvtier.client.transfer_handle import TransferHandle
+from kvtier.daemon.service.handover import COMPLETION_SLOTS
 from kvtier.daemon.service.transfers import INLINE_BYTES, SPLIT_BYTES
 from kvtier.ipc import futex
 from kvtier.ipc.completion import SLOT_WORDS, WAKES, CompletionBlock, TransferStatus
@@ -190,3 +194,72 @@ def test_a_layer_wakes_a_waiter_in_another_process_through_a_read_only_mapping(t
             child.kill()
             child.wait()
         block.close()
+
+
+class _Owner:
+    """The two hooks a handle calls on its connection, recorded (no daemon in this test)."""
+
+    def __init__(self) -> None:
+        self.config = __import__("kvtier.config", fromlist=["ClientConfig"]).ClientConfig()
+        self.slots_done: list[tuple[int, int, TransferStatus]] = []
+
+    def daemon_alive(self) -> bool:
+        return True
+
+    def _abandon(self, handle: TransferHandle) -> None:
+        raise AssertionError("no wait here may time out")
+
+    def _slot_done(self, slot: int, seq: int, status: TransferStatus) -> None:
+        self.slots_done.append((slot, seq, status))
+
+
+def test_wait_loaded_ends_at_the_last_layer_and_leaves_the_slot_to_the_daemon(tmp_path: Path):
+    block = CompletionBlock.create(tmp_path / "block", 4)
+    owner = _Owner()
+    try:
+        block.begin(1, seq=5, num_layers=3)
+        h = TransferHandle(owner, block, 1, 5, count=4, writing=4, num_layers=3)
+        got: list[bool] = []
+        waiter = threading.Thread(target=lambda: got.append(h.wait_loaded(2 * DEADLINE_S)))
+        waiter.start()
+        block.layer_done(1, 2)  # not yet: one layer is still being copied
+        block.layer_done(1, 3)  # every layer in place; the daemon has not settled it
+        waiter.join(DEADLINE_S)
+        assert not waiter.is_alive(), "the last layer did not end the wait"
+        assert got == [True] and h.done and h.ok
+        # the slot is still the daemon's: the connection keeps it aside until it settles
+        assert owner.slots_done == [(1, 5, TransferStatus.RUNNING)]
+        assert h.wait_loaded() and len(owner.slots_done) == 1  # a second call: no new hook
+
+        block.begin(2, seq=6, num_layers=3)  # a load that fails after its first layer
+        bad = TransferHandle(owner, block, 2, 6, count=4, writing=4, num_layers=3)
+        block.layer_done(2, 1)
+        block.finish(2, TransferStatus.FAILED)
+        assert not bad.wait_loaded(DEADLINE_S) and bad.done and not bad.ok
+        assert owner.slots_done[-1] == (2, 6, TransferStatus.FAILED)
+    finally:
+        block.close()
+
+
+def test_loads_ended_at_their_last_layer_move_the_bytes_and_give_their_slots_back(daemon):
+    """More loads than completion slots, each ended by ``wait_loaded``: the slots left to
+    the daemon come back once it settled them, and every load moves the right bytes."""
+    pages = 4 * INLINE_BYTES // SMALL.page_bytes  # on a copy thread: settled after the copy
+    pool, conn = engine(daemon.runtime_dir, num_pages=2 * pages, model="landed")
+    try:
+        keys = conn.page_keys(tokens(pages * P, salt=4))
+        for p in range(pages):
+            fill_page(pool, p, seed=3000 + p)
+        assert conn.store(keys, list(range(pages))).wait()
+        dst = list(range(pages, 2 * pages))
+        for i in range(2 * COMPLETION_SLOTS + 5):
+            for p in dst:
+                fill_page(pool, p, seed=i)  # the previous round's bytes: overwritten each time
+            h = conn.load(keys, dst)
+            assert h.count == pages, f"round {i}: no completion slot was free again"
+            assert h.wait_loaded(DEADLINE_S), f"round {i}: the load failed"
+            for j, p in enumerate(dst):
+                assert page_bytes(pool, p) == page_bytes(pool, j), f"round {i}: page {j} differs"
+    finally:
+        conn.close()
+        pool.close()
