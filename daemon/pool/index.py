@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from kvtier.config.errors import ConfigError
 from kvtier.config.sizes import format_size
+from kvtier.daemon.pool import keytable
 from kvtier.daemon.pool.adopt import scan_rows
 from kvtier.daemon.pool.eviction import EVICT_FACTOR, MIN_SCAN
 from kvtier.daemon.pool.keytable import KeyTable
@@ -291,13 +292,19 @@ class HostPool(PageTable):
             return super().lookup(ns_id, np.frombuffer(packed, dtype=f"V{KEY_BYTES}").tolist())
         words = np.frombuffer(packed, dtype="<u8").reshape(n, KEY_BYTES // 8)
         self._list()
-        ready, i = self._ready[ns_id], 0
-        while True:
+        ready = self._ready[ns_id]
+        if not keytable.NATIVE:  # numpy: every key at once, then the exact probe for the rest
+            slot, unresolved = self._table.find(ns_id, words)
+            found = slot >= 0
+            for j in unresolved.tolist():  # probe sequences too long to finish
+                found[j] = bytes(packed[j * KEY_BYTES:(j + 1) * KEY_BYTES]) in ready
+            return n if found.all() else int(found.argmin())
+        i = 0
+        while True:  # C: up to the first key not found, which may be an unfinished probe
             i, unresolved = self._table.leading_run(ns_id, words, i)
-            # a probe too long to finish: the exact probe decides that key
             if not unresolved or bytes(packed[i * KEY_BYTES:(i + 1) * KEY_BYTES]) not in ready:
                 return i
-            i += 1
+            i += 1  # the exact probe found it: go on after it
 
     # ------------------------------------------------------------- geometry
 

@@ -12,6 +12,7 @@ their first bytes so that their bucket overflows.
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import numpy as np
@@ -235,10 +236,19 @@ def test_leading_run_starts_where_asked_and_tells_a_miss_from_an_open_probe() ->
     words = np.frombuffer(b"".join(keys + keys_of(rng, 1)), dtype="<u8").reshape(-1, 4)
     pool._list()  # the commits' slots enter the table (a lookup does this first)
     t = pool._table
-    assert t.leading_run(NS, words) == (N, False)  # the absent last key: an empty entry
-    assert t.leading_run(NS, words, N - 3) == (N, False)
+
+    def run_from(start: int) -> int:
+        # a page the table left out beside a crowded bucket ends a call with an open
+        # probe (the table's hashing is drawn per table): resume after it, as a lookup does
+        i, open_ = t.leading_run(NS, words, start)
+        while open_ and i < N:
+            i, open_ = t.leading_run(NS, words, i + 1)
+        return i
+
+    assert run_from(0) == N  # every stored key, then the absent last one
+    assert run_from(N - 3) == N
     assert t.leading_run(NS, words, N + 1) == (N + 1, False)  # nothing left to probe
-    assert t.leading_run(NS2, words) == (0, False)
+    assert t.leading_run(NS2, words)[0] == 0
     t._table[:] = np.int32(0)  # every entry taken, none this key's: the probe stays open
     assert t.leading_run(NS, words[1:]) == (0, True)
     assert run(pool, NS, keys) == N  # the exact probe decides each open key
@@ -265,3 +275,28 @@ def test_the_c_probe_refuses_columns_that_do_not_agree(probe: str) -> None:
         args2[j] = value
         with pytest.raises(ValueError):
             _keyprobe.leading_run(*good, *args2)
+
+
+def test_keys_left_to_the_exact_probe_cost_one_pass_each(probe: str, monkeypatch) -> None:
+    # crafted keys sharing a bucket leave every probe open: numpy probes the list once and
+    # C resumes after each key the exact probe found, never probing the rest again
+    rng = random.Random(12)
+    pool = new_pool()
+    head = rng.randbytes(8)
+    crafted = [head + rng.randbytes(24) for _ in range(N)]
+    store(pool, crafted)
+    keys_probed: list[int] = []
+    for name in ("find", "leading_run"):
+        real = getattr(keytable.KeyTable, name)
+
+        def counted(self, ns_id, words, *rest, _real=real):
+            keys_probed.append(len(words) - (rest[0] if rest else 0))
+            return _real(self, ns_id, words, *rest)
+
+        monkeypatch.setattr(keytable.KeyTable, name, counted)
+    assert pool.lookup_packed(NS, b"".join(crafted)) == N
+    if probe == "numpy":
+        assert keys_probed == [N]
+    else:  # C: each call starts after the key the exact probe found before it
+        assert keys_probed[0] == N and len(keys_probed) <= N + 1
+        assert all(a > b for a, b in itertools.pairwise(keys_probed))
