@@ -38,7 +38,7 @@ define install_kvtier
 endef
 
 # Everything: what the tests, the benchmarks and the linters need (a C compiler and the xxHash
-# header too, for the file L3 backend's C extension; see builddeps).
+# header too, for kvtier's C extensions; see builddeps).
 $(STAMP): $(SOURCES)
 	@$(MAKE) --no-print-directory builddeps
 	$(call install_kvtier,$(EXTRAS))
@@ -82,7 +82,7 @@ builddeps:
 		if command -v apt-get >/dev/null 2>&1; then \
 			SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 			echo "==> builddeps: installing gcc libc6-dev libxxhash-dev with $${SUDO:+sudo }apt-get" \
-				"(the file L3 backend's C extension; without them kvtier installs and runs, slower)"; \
+				"(kvtier's C extensions: file L3 I/O, copies, key probe; without them it runs, slower)"; \
 			$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
 				--no-install-recommends gcc libc6-dev libxxhash-dev >/dev/null; \
 		else echo "builddeps: apt-get not found; install a C compiler and xxhash.h by hand"; fi; \

@@ -186,7 +186,8 @@ class KeyTable:
 
     def leading_run(self, ns_id: int, words: np.ndarray, start: int = 0) -> tuple[int, bool]:
         """The first key from ``start`` that is not READY in ``ns_id``, by the probe of
-        :meth:`find` (in C when :data:`NATIVE`; it stops at that key).
+        :meth:`find`, in C (it stops at that key). Only with :data:`NATIVE`; without it,
+        :meth:`find` probes every key at once.
 
         Args:
             ns_id: the namespace.
@@ -197,18 +198,12 @@ class KeyTable:
             ``(index, unresolved)``: the index of that key (``n`` when all are READY), and
             whether its probe ran out of :data:`MAX_ROUNDS` rounds (the caller's exact
             probe decides it) rather than ended at an empty entry (a true miss).
+
+        Raises:
+            RuntimeError: the extension is not built.
         """
-        n = len(words)
-        if start >= n:
-            return n, False
-        if not NATIVE:
-            slot, unresolved = self.find(ns_id, words[start:])
-            missing = np.flatnonzero(slot < 0)
-            if not len(missing):
-                return n, False
-            first = int(missing[0])
-            return start + first, bool(len(unresolved)) and first in set(unresolved.tolist())
-        assert _keyprobe is not None
+        if not NATIVE or _keyprobe is None:
+            raise RuntimeError("the C key probe is not built (kvtier.kernels._keyprobe)")
         i, open_ = _keyprobe.leading_run(self._table, self._keys, self._ns, self._state,
                                          self._key_len, words, ns_id, int(self._mult[0]),
                                          int(self._mult[1]), int(self._shift), start,
