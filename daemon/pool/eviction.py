@@ -57,7 +57,8 @@ class Evictor:
             list shares its link pair).
         meta: the pool's mapped metadata (stamp, in-L3, namespace and owner columns).
         keys: the pool's key of each slot (None: FREE), for the eviction log.
-        release: frees a victim (the page table's release).
+        release: frees a victim (the page table's release; its second argument keeps the
+            slot taken instead of giving it back to the allocator).
         max_log: evictions kept for :meth:`drain`; more are counted only.
         quota: ``owner -> max resident pages`` (kept by reference; see :meth:`set_quota`).
         requires_l3: initial :attr:`requires_l3`.
@@ -75,7 +76,7 @@ class Evictor:
         slots: SlotAllocator,
         meta: PoolMeta,
         keys: list[bytes | None],
-        release: Callable[[int], None],
+        release: Callable[[int, bool], None],
         *,
         max_log: int,
         quota: dict[int, int],
@@ -144,12 +145,20 @@ class Evictor:
         return s if s != NIL else self._reclaim(cid, scope)
 
     def _reclaim(self, cid: int, owner: int | None) -> int:
-        """Evict (anyone's, or only ``owner``'s pages) until a slot of ``cid`` frees."""
+        """Evict (anyone's, or only ``owner``'s pages) until a slot of ``cid`` frees.
+
+        Called when ``cid`` has no free slot, no extent being cut and no free extent is
+        left, so a victim of ``cid`` frees exactly the slot a take would hand out next:
+        that slot is kept for the caller instead of going through the free list."""
         budget = self._budget
+        ext_class, per_extent = self._ext_class, self._per_extent
         while budget > 0:
             v = self.coldest(owner, NIL)
             if v == NIL:
                 break
+            if ext_class[v // per_extent] == cid:
+                self.evict(v, keep=True)
+                return v
             self.evict(v)
             budget -= 1
             s = self._slots.take(cid)
@@ -158,8 +167,8 @@ class Evictor:
         v = self.coldest(owner, cid)  # fall back to the class's own pages
         if v == NIL:
             return NIL
-        self.evict(v)
-        return self._slots.take(cid)
+        self.evict(v, keep=True)
+        return v
 
     def coldest(self, owner: int | None, cid: int) -> int:
         """Return the coldest page eviction may take from the global (or ``owner``'s)
@@ -176,8 +185,9 @@ class Evictor:
             steps -= 1
         return NIL
 
-    def evict(self, s: int) -> None:
-        """Evict the evictable page ``s``: log it, take it off the lists, free it."""
+    def evict(self, s: int, keep: bool = False) -> None:
+        """Evict the evictable page ``s``: log it, take it off the lists, free it (with
+        ``keep``, its slot stays taken, for the allocation that evicted it)."""
         self.evictions += 1
         if len(self._log) < self.max_log:
             key = self._keys[s]
@@ -186,4 +196,4 @@ class Evictor:
         else:
             self.unlogged += 1
         self.lru.dequeue(s, self._owner[s])
-        self._release(s)
+        self._release(s, keep)

@@ -39,6 +39,7 @@ _NO_PAGES: dict[bytes, int] = {}  # stands in for a namespace without pages; nev
 
 _MAX_U64 = (1 << 64) - 1
 _READY, _FREE = int(PageState.READY), int(PageState.FREE)  # plain ints: compared per page
+_WRITING = int(PageState.WRITING)
 
 
 class PageTable:
@@ -214,6 +215,7 @@ class PageTable:
         meta = self._meta
         pack_key, key_col, key_len, length = meta.pack_key, meta.key, meta.key_len, meta.length
         state, stamp, ns, owners = self._state, self._stamp, self._ns, self._owner
+        children, pins, take_slot = self._children, self._pins, self._ev.take_slot
         out: list[tuple[int, int]] = []
         prev = NIL
         if parent_key is not None:
@@ -229,9 +231,11 @@ class PageTable:
             if s is not None:
                 prev = s
                 continue
-            if prev != NIL:
-                self._add_child_ref(prev)  # shields prev from the evictions below
-            s = self._ev.take_slot(class_id, owner)
+            if prev != NIL:  # a child's reference shields prev from the evictions below
+                if children[prev] == 0 and state[prev] == _READY and pins[prev] == 0:
+                    self._lru.dequeue(prev, owners[prev])
+                children[prev] += 1
+            s = take_slot(class_id, owner)
             if s == NIL:
                 if prev != NIL:
                     self._drop_child_ref(prev)
@@ -242,8 +246,9 @@ class PageTable:
             owners[s] = owner
             length[s] = cls.page_bytes
             self._parent[s] = prev
-            stamp[s] = self._tick()
-            state[s] = PageState.WRITING
+            self._clock += 1
+            stamp[s] = self._clock
+            state[s] = _WRITING
             self._key[s] = key
             if prev != NIL:
                 self._kids.link(prev, s)
@@ -299,7 +304,7 @@ class PageTable:
                 csum = checksum[s] = checksums[j]
                 flags[s] = HAS_CHECKSUM
             seal[s] = digest(key, (csum ^ ns) & _MAX_U64)  # = seal_of(key, ns, csum)
-            clock += 1  # what _tick() does, one page at a time
+            clock += 1  # the access clock, one tick a page
             stamp[s] = clock
             state[s] = ready_state  # last: the row is complete
             del self._writing[ns][key]
@@ -355,7 +360,7 @@ class PageTable:
                 if children[s] == 0:
                     self._lru.dequeue(s, owner[s])
             pins[s] += 1
-            clock += 1  # what _tick() does, one page at a time
+            clock += 1  # the access clock, one tick a page
             stamp[s] = clock
         self._clock = clock
         return out
@@ -433,8 +438,9 @@ class PageTable:
             s = nxt
         return dropped
 
-    def _release(self, s: int) -> None:
-        """Turn the READY or WRITING page ``s``, off the evictable lists, FREE."""
+    def _release(self, s: int, keep: bool = False) -> None:
+        """Turn the READY or WRITING page ``s``, off the evictable lists, FREE (``keep``:
+        its slot stays taken, for the allocation that evicted it; else it goes back)."""
         assert self._pins[s] == 0
         keys, state = self._key, self._state
         key = keys[s]
@@ -461,17 +467,13 @@ class PageTable:
         else:
             cls.writing -= 1
         self._owned[self._owner[s]] -= 1
-        self._slots.give_back(s)
+        if not keep:
+            self._slots.give_back(s)
 
     # ------------------------------------------------------ intrusive lists
 
     def _is_evictable(self, s: int) -> bool:
         return self._state[s] == PageState.READY and self._pins[s] == 0 and self._children[s] == 0
-
-    def _add_child_ref(self, p: int) -> None:
-        if self._is_evictable(p):
-            self._lru.dequeue(p, self._owner[p])
-        self._children[p] += 1
 
     def _drop_child_ref(self, p: int) -> None:
         self._children[p] -= 1
@@ -480,10 +482,6 @@ class PageTable:
             self._lru.enqueue(p, self._owner[p])
 
     # ---------------------------------------------------------------- checks
-
-    def _tick(self) -> int:
-        self._clock += 1
-        return self._clock
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.n_slots:

@@ -96,6 +96,9 @@ class SlotAllocator:
         self.ext_class = filled("i", NIL, layout.n_extents)
         self.ext_used = filled("i", 0, layout.n_extents)  # slots handed out and not given back
         self.ext_bump = filled("i", 0, layout.n_extents)  # slots cut since the extent was assigned
+        # the payload offset of every slot its extent's class cuts, -1 elsewhere: what
+        # slot_offsets reads (one gather), kept in step with ext_class
+        self.offset_of = np.full(layout.n_slots, -1, dtype=np.int64)
         self.free_extents = list(range(layout.n_extents - 1, -1, -1))  # pop() -> lowest first
         self.classes: list[PageClass] = []
         self.class_of_bytes: dict[int, int] = {}
@@ -154,19 +157,21 @@ class SlotAllocator:
         """
         if len(slots) <= SMALL_BATCH:  # a few slots: plain Python beats a dozen numpy calls
             return np.array([self.slot_offset(slot) for slot in slots], dtype=np.int64)
-        s = np.asarray(slots, dtype=np.int64)
-        out = (s < 0) | (s >= self.n_slots)
-        if out.any():
-            bad = int(s[np.flatnonzero(out)[0]])
-            raise HostPoolError(f"slot {bad} out of range [0, {self.n_slots})")
-        e = s // self.per_extent
-        cid = np.frombuffer(self.ext_class, dtype=np.int32)[e]
-        if (cid == NIL).any():
-            bad = int(s[np.flatnonzero(cid == NIL)[0]])
-            raise HostPoolError(f"slot {bad} lies in extent {bad // self.per_extent}, which is "
-                                "not allocated")
-        strides = np.array([c.stride for c in self.classes], dtype=np.int64)
-        return e * self.span + (s - e * self.per_extent) * strides[cid] + self.headroom
+        lo, hi = min(slots), max(slots)
+        if lo < 0 or hi >= self.n_slots:
+            raise HostPoolError(f"slot {lo if lo < 0 else hi} out of range [0, {self.n_slots})")
+        out = self.offset_of[slots]
+        if out.min() < 0:
+            bad = int(np.asarray(slots)[np.flatnonzero(out < 0)[0]])
+            raise HostPoolError(f"slot {bad} (extent {bad // self.per_extent}) is not allocated")
+        return out
+
+    def _cut(self, e: int, cls: PageClass) -> None:
+        """Record the payload offsets of the ``cls.n`` slots extent ``e`` cuts for ``cls``."""
+        base = e * self.per_extent
+        self.offset_of[base:base + cls.n] = np.arange(
+            e * self.span + self.headroom, e * self.span + self.headroom + cls.n * cls.stride,
+            cls.stride, dtype=np.int64)
 
     def take(self, cid: int) -> int:
         """Hand out a free slot of ``cid`` (free list, fresh slot, free extent), or NIL."""
@@ -184,6 +189,7 @@ class SlotAllocator:
             self._ext_bytes[e] = cls.page_bytes  # persisted before any slot of it is used
             self.ext_class[e] = cid
             self.ext_bump[e] = 0
+            self._cut(e, cls)
             cls.extents += 1
             cls.bump = e
         i = self.ext_bump[e]
@@ -210,6 +216,7 @@ class SlotAllocator:
             cls.bump = NIL
         self.ext_class[e] = NIL
         self.ext_bump[e] = 0
+        self.offset_of[base:base + self.per_extent] = -1
         self._ext_bytes[e] = 0  # after every slot of it is FREE
         cls.extents -= 1
         self.free_extents.append(e)
@@ -244,6 +251,7 @@ class SlotAllocator:
             cid = self.class_of_bytes[int(pbs[e])]
             cls = self.classes[cid]
             self.ext_class[e], self.ext_used[e], self.ext_bump[e] = cid, int(counts[e]), cls.n
+            self._cut(e, cls)
             cls.extents += 1
             ids = np.arange(e * self.per_extent, e * self.per_extent + cls.n)
             free_by_class.setdefault(cid, []).append(ids[~in_use[ids]])

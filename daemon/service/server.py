@@ -298,7 +298,9 @@ class Daemon:
             svc.ctx.close_session(s, "daemon stopping")
         inflight = svc.transfers.inflight
         if inflight:
-            _, pending = await asyncio.wait(set(inflight), timeout=timeout)
+            # each copy settles on the loop before its wrapped future wakes this wait
+            _, pending = await asyncio.wait({asyncio.wrap_future(f) for f in inflight},
+                                            timeout=timeout)
             if pending:
                 log.warning("%d transfers still running after %.1fs; abandoning them",
                             len(pending), timeout)

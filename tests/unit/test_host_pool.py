@@ -23,6 +23,7 @@ from kvtier.daemon.pool.index import (
     PageState,
     PageStateError,
 )
+from kvtier.daemon.pool.slots import SMALL_BATCH
 
 KIB = 1024
 EXTENT = 16 * KIB
@@ -662,6 +663,9 @@ class PoolMachine(RuleBasedStateMachine):
             assert (d.parent == NIL) == (want is None)
             if want is not None:
                 assert infos[d.parent].key == want
+        if live:  # the batch path (a gather from the offsets column) agrees, extents reused
+            many = [d.slot for d in live] * (SMALL_BATCH + 1)
+            assert pool.slot_offsets(many).tolist() == [d.offset for d in live] * (SMALL_BATCH + 1)
         spans.sort()
         assert all(a[1] <= b[0] for a, b in pairwise(spans))
         assert all(0 <= lo and hi <= pool.n_extents * EXTENT for lo, hi in spans)

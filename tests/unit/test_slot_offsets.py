@@ -35,3 +35,23 @@ def test_slot_offsets_match_slot_offset_across_classes(headroom):
             pool.slot_offsets(pad + [-1])
         with pytest.raises(HostPoolError, match="not allocated"):
             pool.slot_offsets(pad + [free_extent * pool.layout.per_extent])
+
+
+def test_slot_offsets_follow_extents_freed_and_cut_again():
+    """A freed extent's slots are refused again; cut for another class, they give its offsets."""
+    pool = HostPool(2 * EXTENT, EXTENT, 4 * KIB)
+    small, large = pool.register_class(4 * KIB), pool.register_class(12 * KIB)
+    ns = pool.namespace_id(b"n" * 32)
+    first = [s for _, s in pool.allocate(ns, 1, small, [bytes([i]) * 32 for i in range(16)])]
+    assert len(first) == 16 and len({s // pool.layout.per_extent for s in first}) == 1
+    pool.abort(first)  # every slot back: the extent is free
+    pad = first * 2  # longer than SMALL_BATCH: the batch path
+    with pytest.raises(HostPoolError, match="not allocated"):
+        pool.slot_offsets(pad)
+    again = [s for _, s in pool.allocate(ns, 1, large, [bytes([i + 100]) * 32 for i in range(5)])]
+    assert again and set(again) <= set(first)
+    got = pool.slot_offsets(again * (SMALL_BATCH + 1))
+    assert got.tolist() == [pool.slot_offset(s) for s in again] * (SMALL_BATCH + 1)
+    leftover = [s for s in first if s % pool.layout.per_extent >= 5]  # past the large class's cut
+    with pytest.raises(HostPoolError, match="not allocated"):
+        pool.slot_offsets(again * SMALL_BATCH + leftover[:1])
