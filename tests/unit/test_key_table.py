@@ -57,6 +57,14 @@ def store(pool: HostPool, keys: list[bytes], ns: int = NS, commit: bool = True) 
     return slots
 
 
+def stored_pool(rng: random.Random) -> tuple[HostPool, list[bytes]]:
+    """A new pool holding one committed chain of N random keys (returned with it)."""
+    pool = new_pool()
+    keys = keys_of(rng, N)
+    store(pool, keys)
+    return pool, keys
+
+
 def run(pool: HostPool, ns: int, keys: list[bytes]) -> int:
     """The table's answer, checked against the key-by-key reference and the list form."""
     packed = pool.lookup_packed(ns, b"".join(keys))
@@ -67,9 +75,7 @@ def run(pool: HostPool, ns: int, keys: list[bytes]) -> int:
 
 def test_chains_prefixes_and_misses() -> None:
     rng = random.Random(1)
-    pool = new_pool()
-    keys = keys_of(rng, N)
-    store(pool, keys)
+    pool, keys = stored_pool(rng)
     assert run(pool, NS, keys) == N
     assert run(pool, NS, keys[: N // 2] + keys_of(rng, 300)) == N // 2
     assert run(pool, NS, keys_of(rng, 1) + keys) == 0
@@ -217,9 +223,7 @@ def test_stale_entries_pointing_anywhere_read_nothing_outside(probe: str) -> Non
     if probe == "numpy":
         pytest.skip("numpy's take refuses such ids itself (IndexError); only C reads raw memory")
     rng = random.Random(10)
-    pool = new_pool()
-    keys = keys_of(rng, N)
-    store(pool, keys)
+    pool, keys = stored_pool(rng)
     table = pool._table._table
     empty = np.flatnonzero(table < 0)
     table[empty[: len(empty) // 2]] = np.int32(2**31 - 1)  # far past the slots
@@ -232,9 +236,7 @@ def test_leading_run_starts_where_asked_and_tells_a_miss_from_an_open_probe(prob
     if probe == "numpy":
         pytest.skip("leading_run is the C probe; the numpy one is find(), run by every test")
     rng = random.Random(11)
-    pool = new_pool()
-    keys = keys_of(rng, N)
-    store(pool, keys)
+    pool, keys = stored_pool(rng)
     words = np.frombuffer(b"".join(keys + keys_of(rng, 1)), dtype="<u8").reshape(-1, 4)
     pool._list()  # the commits' slots enter the table (a lookup does this first)
     t = pool._table
