@@ -24,7 +24,14 @@ Fields (medians over the prompts):
   step (ExampleConnector's; kvtier's layer-wise load of an L2 hit, whose copy overlaps
   the forward pass) the time the step spent in the connector's ``start_load_kv``,
   ``wait_for_layer_load`` and ``get_finished`` calls; above 1, kvtier loads faster;
-- ``outputs_match``: kvtier's tokens and logprobs for P and Q equal the recomputed ones.
+- ``outputs_match``: kvtier's tokens and logprobs for P and Q equal the recomputed ones;
+  ``example_outputs_match`` the same for ExampleConnector's P; ``kvtier_equals_example``:
+  kvtier's P equal ExampleConnector's (both computed the same uncached tail over loaded KV);
+  ``outputs_differ`` names the prompts that differ, whether their tokens do, and by how much
+  their logprobs do; ``recompute_repeatable``: vLLM without a connector gave each prompt's
+  first token the same logprob both times it computed the prompt (the timed request and
+  the one that generates), i.e. whether exact equality can be expected at all on this
+  machine.
 """
 
 from __future__ import annotations
@@ -151,14 +158,27 @@ def run_vllm_bench(tokens: int = 4096, prompts: int = 3) -> dict[str, Any]:
         times = [t for label in hits for t in run[label]["load_s"]]
         return statistics.median(times) if times else float("nan")
 
-    same = all((kv[k]["tokens"], kv[k]["logprobs"]) == (plain[k]["tokens"], plain[k]["logprobs"])
-               for k in (*hits, *cold))
+    def out(run: dict[str, Any], label: str) -> tuple[list[int], list[float]]:
+        return run[label]["tokens"], run[label]["logprobs"]
+
+    def differ(run: dict[str, Any], labels: Any) -> dict[str, Any]:
+        """The labels whose output differs from the recomputed one, and how."""
+        return {k: {"tokens_equal": run[k]["tokens"] == plain[k]["tokens"],
+                    "max_logprob_diff": round(max(abs(a - b) for a, b in zip(
+                        run[k]["logprobs"], plain[k]["logprobs"])), 4)}
+                for k in labels if out(run, k) != out(plain, k)}
+
+    same = not differ(kv, (*hits, *cold))
     return {
         "ttft_hit_over_recompute": med(kv, hits) / med(plain, hits),
         "miss_overhead": med(kv, cold) / med(plain, cold),
         "kvtier_over_example_connector": load_med(ex) / load_med(kv),
         "outputs_match": same,
-        "example_outputs_match": all(ex[k]["tokens"] == plain[k]["tokens"] for k in hits),
+        "example_outputs_match": not differ(ex, hits),
+        "kvtier_equals_example": all(out(kv, k) == out(ex, k) for k in hits),
+        "outputs_differ": {"kvtier": differ(kv, (*hits, *cold)), "example": differ(ex, hits)},
+        "recompute_repeatable": all(v["first"] == [v["tokens"][0], v["logprobs"][0]]
+                                    for v in plain.values()),
         "prompt_tokens": tokens,
         "prompts": prompts,
         "ttft_hit_s": med(kv, hits), "ttft_recompute_s": med(plain, hits),

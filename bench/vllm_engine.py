@@ -6,10 +6,10 @@ CONFIG_PATH: a JSON file ``{"model": dir, "connector": "kvtier" | "example" | "n
 "runtime_dir": ..., "example_dir": ..., "kv_bytes": n, "max_tokens": n}``; ``make_model``
 instead writes the benchmark's random Llama to ``model`` and exits. The engine prints
 ``{"ready": true}``, then answers each line ``{"prompt": [ids]}`` on stdin with one JSON
-line: the time to first token (a ``max_tokens=1`` request), the tokens vLLM reports
-cached, the connector's load times for that request, then the greedy tokens and logprobs
-of a second request of the same prompt. The driver can so keep several engines alive and
-alternate requests between them.
+line: the time to first token (a ``max_tokens=1`` request), its token and logprob, the
+tokens vLLM reports cached, the connector's load times for that request, then the greedy
+tokens and logprobs of a second request of the same prompt. The driver can so keep
+several engines alive and alternate requests between them.
 
 Both connectors are timed by the same wrapper (:class:`_LoadTimer`), around vLLM's own
 calls into the connector, so their load times mean the same: the time the request waited
@@ -136,7 +136,7 @@ def _serve(cfg: dict[str, Any], out: Any) -> None:
     llm = LLM(model=cfg["model"], skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
               max_model_len=8192, block_size=32, kv_cache_memory_bytes=cfg.get("kv_bytes", 256 << 20),
               enable_prefix_caching=False, kv_transfer_config=kv, seed=0)
-    first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    first = SamplingParams(temperature=0.0, max_tokens=1, logprobs=1, ignore_eos=True)
     full = SamplingParams(temperature=0.0, max_tokens=cfg.get("max_tokens", 8), logprobs=1,
                           ignore_eos=True)
     timer = get_kv_transfer_group() if has_kv_transfer_group() else None
@@ -150,8 +150,10 @@ def _serve(cfg: dict[str, Any], out: Any) -> None:
         ttft = time.perf_counter() - t0
         loads = list(timer.load_times[before:]) if timer is not None else []
         c = llm.generate([TokensPrompt(prompt_token_ids=ids)], full, use_tqdm=False)[0].outputs[0]
+        t1 = r.outputs[0].token_ids[0]
         out.write(json.dumps({
             "ttft_s": ttft, "cached": r.num_cached_tokens or 0, "load_s": loads,
+            "first": [t1, round(float(r.outputs[0].logprobs[0][t1].logprob), 4)],
             "tokens": list(c.token_ids),
             "logprobs": [round(float(d[t].logprob), 4)
                          for d, t in zip(c.logprobs, c.token_ids, strict=True)]}) + "\n")

@@ -1,6 +1,6 @@
 /* kvtier.kernels._guarded: page copies over memory that may vanish under them.
 
-   copy_pages(dsts, srcs, length) -> int
+   copy_pages(dsts, srcs, length, stream=False) -> int
        For each i, memcpy(dsts[i], srcs[i], length) (addresses as ints), with the GIL
        released. Returns how many pages were copied: len(dsts) when all were, fewer when a
        page faulted with SIGBUS (a shared mapping whose file shrank under it: an engine
@@ -14,7 +14,7 @@
    before (faulthandler's, or the default: the process ends as it would have).
 
    copy_strided(host, host_nbytes, offsets, host_add, engine, engine_pages, page_ids,
-                stride, length, to_host) -> int
+                stride, length, to_host, stream=False) -> int
        One region of a transfer in one call: for each i, the ``length`` bytes at
        ``engine + page_ids[i] * stride`` and those at ``host + offsets[i] + host_add`` are
        copied one way (into the host arena when ``to_host``). ``offsets`` and ``page_ids``
@@ -23,6 +23,17 @@
        ValueError naming it and nothing is copied. Then the pages are copied as
        copy_pages does (GIL released, stopping at a SIGBUS) and the count is returned.
        Planning a copy in numpy took longer than moving a 64 KiB page.
+
+   Both take an optional last argument ``stream`` (default false): copy each page with
+   non-temporal stores (AVX2 where the CPU has it, else SSE2; plain memcpy off x86-64),
+   which write the destination straight to memory instead of first reading every line of
+   it into the cache and evicting the cache's contents. For a transfer larger than the
+   cache holds, that moves fewer bytes over the memory bus: on a 2-core EPYC (32 MiB L3), a
+   4 MiB transfer of 64 KiB pages from and to memory not in the cache went from 8.5 to 13.3
+   GB/s, 512 MiB from 7.9 to 13.1 (a single 512 MiB memcpy: 13.0, glibc streaming it too);
+   4 MiB copied again and again while hot in the cache was 15% slower streamed. The copy
+   ends with a store fence, so the bytes are visible to other threads before the caller
+   announces them.
 
    The handler is installed when the module is imported. Addresses are the caller's to
    check: the daemon passes addresses inside the mappings and the arena it owns. */
@@ -35,6 +46,73 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+static int have_avx2 = 0;
+
+__attribute__((target("avx2"))) static void stream_avx2(char *d, const char *s, size_t n) {
+    size_t head = (32 - ((uintptr_t)d & 31)) & 31, i = 0;
+    if (head > n) head = n;
+    memcpy(d, s, head);
+    d += head, s += head, n -= head;
+    for (; i + 128 <= n; i += 128) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)(s + i));
+        __m256i b = _mm256_loadu_si256((const __m256i *)(s + i + 32));
+        __m256i c = _mm256_loadu_si256((const __m256i *)(s + i + 64));
+        __m256i e = _mm256_loadu_si256((const __m256i *)(s + i + 96));
+        _mm256_stream_si256((__m256i *)(d + i), a);
+        _mm256_stream_si256((__m256i *)(d + i + 32), b);
+        _mm256_stream_si256((__m256i *)(d + i + 64), c);
+        _mm256_stream_si256((__m256i *)(d + i + 96), e);
+    }
+    memcpy(d + i, s + i, n - i);
+}
+
+static void stream_sse2(char *d, const char *s, size_t n) {
+    size_t head = (16 - ((uintptr_t)d & 15)) & 15, i = 0;
+    if (head > n) head = n;
+    memcpy(d, s, head);
+    d += head, s += head, n -= head;
+    for (; i + 64 <= n; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(s + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(s + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32));
+        __m128i e = _mm_loadu_si128((const __m128i *)(s + i + 48));
+        _mm_stream_si128((__m128i *)(d + i), a);
+        _mm_stream_si128((__m128i *)(d + i + 16), b);
+        _mm_stream_si128((__m128i *)(d + i + 32), c);
+        _mm_stream_si128((__m128i *)(d + i + 48), e);
+    }
+    memcpy(d + i, s + i, n - i);
+}
+
+static void page_copy(void *d, const void *s, size_t n, int stream) {
+    if (!stream)
+        memcpy(d, s, n);
+    else if (have_avx2)
+        stream_avx2(d, s, n);
+    else
+        stream_sse2(d, s, n);
+}
+
+static void fence(void) { _mm_sfence(); }
+
+static void detect_cpu(void) {
+    __builtin_cpu_init();
+    have_avx2 = __builtin_cpu_supports("avx2");
+}
+#else
+static void page_copy(void *d, const void *s, size_t n, int stream) {
+    (void)stream;
+    memcpy(d, s, n);
+}
+
+static void fence(void) {}
+
+static void detect_cpu(void) {}
+#endif
 
 static __thread sigjmp_buf *guard = NULL;
 static struct sigaction previous;
@@ -81,17 +159,19 @@ static int addresses(PyObject *seq, const char *name, uintptr_t **out, Py_ssize_
     return 0;
 }
 
-static Py_ssize_t guarded_copy(uintptr_t *d, uintptr_t *s, Py_ssize_t n, size_t length) {
+static Py_ssize_t guarded_copy(uintptr_t *d, uintptr_t *s, Py_ssize_t n, size_t length,
+                               int stream) {
     volatile Py_ssize_t done = 0;
     sigjmp_buf env;
     if (sigsetjmp(env, 1) == 0) {
         guard = &env;
         while (done < n) {
-            memcpy((void *)d[done], (const void *)s[done], length);
+            page_copy((void *)d[done], (const void *)s[done], length, stream);
             done = done + 1;
         }
     }
     guard = NULL;
+    fence();
     return done;
 }
 
@@ -99,8 +179,9 @@ static PyObject *copy_pages(PyObject *self, PyObject *args) {
     PyObject *dsts, *srcs;
     Py_ssize_t length, nd, ns, done;
     uintptr_t *d = NULL, *s = NULL;
+    int stream = 0;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OOn", &dsts, &srcs, &length)) return NULL;
+    if (!PyArg_ParseTuple(args, "OOn|p", &dsts, &srcs, &length, &stream)) return NULL;
     if (length <= 0) {
         PyErr_Format(PyExc_ValueError, "length = %zd must be > 0", length);
         return NULL;
@@ -117,7 +198,7 @@ static PyObject *copy_pages(PyObject *self, PyObject *args) {
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    done = guarded_copy(d, s, nd, (size_t)length);
+    done = guarded_copy(d, s, nd, (size_t)length, stream);
     Py_END_ALLOW_THREADS
     free(d);
     free(s);
@@ -132,7 +213,7 @@ static int64_t at(const char *base, Py_ssize_t i) {
 
 static Py_ssize_t strided_copy(char *host, const char *offs, Py_ssize_t host_add, char *engine,
                                const char *pids, Py_ssize_t stride, Py_ssize_t n, size_t length,
-                               int to_host) {
+                               int to_host, int stream) {
     volatile Py_ssize_t done = 0;
     sigjmp_buf env;
     if (sigsetjmp(env, 1) == 0) {
@@ -141,13 +222,14 @@ static Py_ssize_t strided_copy(char *host, const char *offs, Py_ssize_t host_add
             char *h = host + at(offs, done) + host_add;
             char *e = engine + at(pids, done) * stride;
             if (to_host)
-                memcpy(h, e, length);
+                page_copy(h, e, length, stream);
             else
-                memcpy(e, h, length);
+                page_copy(e, h, length, stream);
             done = done + 1;
         }
     }
     guard = NULL;
+    fence();
     return done;
 }
 
@@ -155,11 +237,11 @@ static PyObject *copy_strided(PyObject *self, PyObject *args) {
     unsigned long long host, engine;
     Py_ssize_t host_nbytes, host_add, engine_pages, stride, length, n, done = 0;
     Py_buffer offs, pids;
-    int to_host;
+    int to_host, stream = 0;
     PyObject *out = NULL;
     (void)self;
-    if (!PyArg_ParseTuple(args, "Kny*nKny*nnp", &host, &host_nbytes, &offs, &host_add, &engine,
-                          &engine_pages, &pids, &stride, &length, &to_host))
+    if (!PyArg_ParseTuple(args, "Kny*nKny*nnp|p", &host, &host_nbytes, &offs, &host_add, &engine,
+                          &engine_pages, &pids, &stride, &length, &to_host, &stream))
         return NULL;
     n = offs.len / 8;
     if (offs.len % 8 != 0 || pids.len != offs.len) {
@@ -191,7 +273,7 @@ static PyObject *copy_strided(PyObject *self, PyObject *args) {
     }
     Py_BEGIN_ALLOW_THREADS
     done = strided_copy((char *)(uintptr_t)host, offs.buf, host_add, (char *)(uintptr_t)engine,
-                        pids.buf, stride, n, (size_t)length, to_host);
+                        pids.buf, stride, n, (size_t)length, to_host, stream);
     Py_END_ALLOW_THREADS
     out = PyLong_FromSsize_t(done);
 end:
@@ -203,10 +285,10 @@ end:
 static PyMethodDef methods[] = {
     {"copy_strided", copy_strided, METH_VARARGS,
      "copy_strided(host, host_nbytes, offsets, host_add, engine, engine_pages, page_ids, "
-     "stride, length, to_host) -> int: one region's pages, every index checked first; the "
+     "stride, length, to_host, stream=False) -> int: one region's pages, every index checked first; the "
      "number copied before a SIGBUS (all of them when none)."},
     {"copy_pages", copy_pages, METH_VARARGS,
-     "copy_pages(dsts, srcs, length) -> int: memcpy each page; the number copied before a "
+     "copy_pages(dsts, srcs, length, stream=False) -> int: memcpy each page; the number copied before a "
      "SIGBUS (all of them when none)."},
     {NULL, NULL, 0, NULL},
 };
@@ -218,6 +300,7 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__guarded(void) {
     struct sigaction sa;
+    detect_cpu();
     memset(&sa, 0, sizeof sa);
     sa.sa_sigaction = on_sigbus;
     sa.sa_flags = SA_SIGINFO | SA_NODEFER;

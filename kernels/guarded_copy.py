@@ -6,7 +6,8 @@ and reports it, instead of ending the process. Without the extension (no C compi
 install time) such memory is copied with ``pread``/``pwrite`` instead.
 
 The same extension copies one region of a transfer in one call (:func:`copy_strided`):
-every index checked, then one ``memcpy`` per page with the GIL released. The daemon uses it
+every index checked, then one ``memcpy`` per page with the GIL released (or, for a
+transfer larger than the cache, a copy with non-temporal stores: ``stream``). The daemon uses it
 for every mapped region, sealed or not; without it, sealed memory is copied by numpy plans
 (:class:`~kvtier.kernels.page_copy.CopyPlan`).
 
@@ -25,7 +26,7 @@ import numpy as np
 
 __all__ = ["AVAILABLE", "STRIDED", "copy_pages", "copy_strided"]
 
-CopyPages = Callable[[Sequence[int], Sequence[int], int], int]
+CopyPages = Callable[[Sequence[int], Sequence[int], int, bool], int]
 
 
 def _off(name: str) -> bool:
@@ -50,8 +51,11 @@ STRIDED: bool = _strided is not None
 """Whether :func:`copy_strided` is available (the extension built and not turned off)."""
 
 
-def copy_pages(dsts: Sequence[int], srcs: Sequence[int], length: int) -> int:
+def copy_pages(dsts: Sequence[int], srcs: Sequence[int], length: int,
+               stream: bool = False) -> int:
     """``memcpy(dsts[i], srcs[i], length)`` for each page, the GIL released.
+
+    ``stream``: copy with non-temporal stores (see :func:`copy_strided`).
 
     Returns:
         Pages copied: all of them, or fewer when a page faulted (its mapping's file shrank);
@@ -62,12 +66,12 @@ def copy_pages(dsts: Sequence[int], srcs: Sequence[int], length: int) -> int:
     """
     if _copy is None:
         raise RuntimeError("guarded copies are not available (kvtier.kernels._guarded)")
-    return _copy(dsts, srcs, length)
+    return _copy(dsts, srcs, length, stream)
 
 
 def copy_strided(host: int, host_nbytes: int, offsets: np.ndarray, host_add: int, engine: int,
                  engine_pages: int, page_ids: np.ndarray, stride: int, length: int,
-                 to_host: bool) -> int:
+                 to_host: bool, stream: bool = False) -> int:
     """Copy one region's pages between the host arena and an engine's memory, in C.
 
     Page ``page_ids[i]`` of the region (``length`` bytes at ``engine + page_ids[i] *
@@ -85,6 +89,8 @@ def copy_strided(host: int, host_nbytes: int, offsets: np.ndarray, host_add: int
             page to the next (at least ``length``).
         length: bytes of the region in one page.
         to_host: the direction (True: engine → arena).
+        stream: write the destination with non-temporal stores, past the cache (faster
+            for a transfer larger than the cache holds; the copy ends with a store fence).
 
     Returns:
         Pages copied: all of them, or fewer when a page faulted; the copy stopped there.
@@ -99,4 +105,5 @@ def copy_strided(host: int, host_nbytes: int, offsets: np.ndarray, host_add: int
         raise RuntimeError("native copies are not available (kvtier.kernels._guarded)")
     return int(_strided(host, host_nbytes, np.ascontiguousarray(offsets, dtype=np.int64),
                         host_add, engine, engine_pages,
-                        np.ascontiguousarray(page_ids, dtype=np.int64), stride, length, to_host))
+                        np.ascontiguousarray(page_ids, dtype=np.int64), stride, length, to_host,
+                        stream))

@@ -40,28 +40,51 @@ def addrs(base: int, pages: range) -> list[int]:
     return [base + p * PAGE for p in pages]
 
 
-def test_pages_are_copied_both_ways(mapped):
+@pytest.mark.parametrize("stream", [False, True], ids=["memcpy", "stream"])
+def test_pages_are_copied_both_ways(mapped, stream):
     _, mm, view = mapped
     out = np.zeros(N * PAGE, dtype=np.uint8)
     assert guarded_copy.copy_pages(addrs(out.ctypes.data, range(N)),
-                                   addrs(view.ctypes.data, range(N - 1, -1, -1)), PAGE) == N
+                                   addrs(view.ctypes.data, range(N - 1, -1, -1)), PAGE,
+                                   stream) == N
     assert out.tobytes() == b"".join(mm[p * PAGE:(p + 1) * PAGE] for p in range(N - 1, -1, -1))
     out[:] = 7
     assert guarded_copy.copy_pages(addrs(view.ctypes.data, range(N)),
-                                   addrs(out.ctypes.data, range(N)), PAGE) == N
+                                   addrs(out.ctypes.data, range(N)), PAGE, stream) == N
     assert mm[:] == bytes([7]) * (N * PAGE)
 
 
-def test_a_shrunken_mapping_stops_the_copy_where_it_faults_from_any_thread(mapped):
+@pytest.mark.parametrize("length", [1, 31, 127, 128, 129, 1000, 4096 + 77])
+def test_streamed_copies_are_exact_at_any_alignment_and_length(length):
+    """Non-temporal stores need aligned destinations: the unaligned head and the tail past
+    the last whole vector are copied apart; every byte lands, none around it is touched."""
+    rng = np.random.default_rng(length)
+    src = rng.integers(0, 256, 64 + 8 * (length + 64), dtype=np.uint8)
+    out = np.full(64 + 8 * (length + 64), 0xAB, dtype=np.uint8)
+    shifts = [0, 1, 7, 15, 16, 17, 31, 33]  # the destination's offset past a 64-byte line
+    base = -out.ctypes.data % 64
+    dsts = [out.ctypes.data + base + i * (length + 64) + sh for i, sh in enumerate(shifts)]
+    srcs = [src.ctypes.data + 3 + i * (length + 64) for i in range(len(shifts))]
+    assert guarded_copy.copy_pages(dsts, srcs, length, True) == len(shifts)
+    want = np.full_like(out, 0xAB)
+    for d, s_ in zip(dsts, srcs):
+        want[d - out.ctypes.data:d - out.ctypes.data + length] = \
+            src[s_ - src.ctypes.data:s_ - src.ctypes.data + length]
+    assert (out == want).all()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["memcpy", "stream"])
+def test_a_shrunken_mapping_stops_the_copy_where_it_faults_from_any_thread(mapped, stream):
     fd, _, view = mapped
     out = np.zeros(N * PAGE, dtype=np.uint8)
     os.ftruncate(fd, 5 * PAGE)  # pages 5.. are gone: touching them is a SIGBUS
     order = [0, 1, 2, 9, 3]
     assert guarded_copy.copy_pages(addrs(out.ctypes.data, range(5)),
-                                   [view.ctypes.data + p * PAGE for p in order], PAGE) == 3
+                                   [view.ctypes.data + p * PAGE for p in order], PAGE,
+                                   stream) == 3
     got: list[int] = []
     threads = [threading.Thread(target=lambda: got.append(guarded_copy.copy_pages(
-        addrs(out.ctypes.data, range(N)), addrs(view.ctypes.data, range(N)), PAGE)))
+        addrs(out.ctypes.data, range(N)), addrs(view.ctypes.data, range(N)), PAGE, stream)))
         for _ in range(4)]
     for t in threads:
         t.start()
@@ -70,7 +93,7 @@ def test_a_shrunken_mapping_stops_the_copy_where_it_faults_from_any_thread(mappe
     assert got == [5, 5, 5, 5]
     # writes fault the same way
     assert guarded_copy.copy_pages(addrs(view.ctypes.data, range(4, 8)),
-                                   addrs(out.ctypes.data, range(4)), PAGE) == 1
+                                   addrs(out.ctypes.data, range(4)), PAGE, stream) == 1
 
 
 def test_a_sigbus_outside_a_guarded_copy_still_ends_the_process():
@@ -111,7 +134,8 @@ def region(view: np.ndarray, pages: int) -> tuple[int, int, int]:
 
 
 @strided
-def test_strided_copies_move_one_region_both_ways_exactly(mapped):
+@pytest.mark.parametrize("stream", [False, True], ids=["memcpy", "stream"])
+def test_strided_copies_move_one_region_both_ways_exactly(mapped, stream):
     _, mm, view = mapped  # the engine: N * 4 pages of one 16 KiB region
     rng = np.random.default_rng(2)
     arena = rng.integers(0, 256, 8 * PAGE * N, dtype=np.uint8)
@@ -121,7 +145,7 @@ def test_strided_copies_move_one_region_both_ways_exactly(mapped):
     before = arena.copy()
     base, pages, stride = region(view, 4 * N)
     assert guarded_copy.copy_strided(arena.ctypes.data, arena.size, offsets, host_add, base,
-                                     pages, pids, stride, ROW, True) == N
+                                     pages, pids, stride, ROW, True, stream) == N
     for o, p in zip(offsets.tolist(), pids.tolist()):
         assert arena[o + host_add:o + host_add + ROW].tobytes() == mm[p * ROW:(p + 1) * ROW]
     untouched = np.ones(arena.size, dtype=bool)
@@ -131,7 +155,7 @@ def test_strided_copies_move_one_region_both_ways_exactly(mapped):
     arena[:] = rng.integers(0, 256, arena.size, dtype=np.uint8)
     engine_before = np.frombuffer(mm, dtype=np.uint8).copy()
     assert guarded_copy.copy_strided(arena.ctypes.data, arena.size, offsets, host_add, base,
-                                     pages, pids, stride, ROW, False) == N
+                                     pages, pids, stride, ROW, False, stream) == N
     got = np.frombuffer(mm, dtype=np.uint8).reshape(4 * N, ROW)
     for o, p in zip(offsets.tolist(), pids.tolist()):
         assert got[p].tobytes() == arena[o + host_add:o + host_add + ROW].tobytes()

@@ -17,6 +17,10 @@ def test_kvtierd_absent_then_killed_mid_run_then_back(daemon_factory, engines, r
     d = daemon_factory(start=False)
     p1, p2, p3 = prompt(21, 200), prompt(22, 150), prompt(23, 170)
     want = {i: reference.generate([p]) for i, p in enumerate((p1, p2, p3))}
+    # a batch is compared with the same batch: vLLM's CPU kernels need not give a prompt
+    # computed beside another the logprobs it gets alone (on AVX2 machines they differ in
+    # the third decimal)
+    want_batch = reference.generate([p1, p3])
     e = engines(d.runtime_dir, multiprocess=True, retry_interval_s=0.2)
 
     out = e.generate([p1])  # no kvtierd at all: a plain miss
@@ -46,6 +50,6 @@ def test_kvtierd_absent_then_killed_mid_run_then_back(daemon_factory, engines, r
     e.send([p1, p3])  # a hit being loaded while kvtierd is SIGKILLed
     d.kill()
     out = e.receive()
-    assert same_output(out, want[0] + want[2])
+    assert same_output(out, want_batch)
     out = e.generate([p2])  # and it goes on serving
     assert same_output(out, want[1])

@@ -48,9 +48,11 @@ def test_pages_only_in_l3_load_asynchronously_and_corrupt_ones_are_recomputed(
         daemon_factory, engines, reference, tiny_model):
     d = daemon_factory("--hicache-storage-backend", "file", "--prefetch-threshold", "64")
     p, q = prompt(31, 300), prompt(33, 300)  # 9 pages: above the client's prefetch_threshold
-    want = reference.generate([p, q])
+    # one prompt at a time, here and in the reference: vLLM's CPU kernels need not give a
+    # prompt computed beside another the KV and logprobs it gets alone
+    want = reference.generate([p]) + reference.generate([q])
     e = engines(d.runtime_dir)
-    assert [o["cached"] for o in e.generate([p, q])] == [0, 0]
+    assert [e.generate([x])[0]["cached"] for x in (p, q)] == [0, 0]
     _to_l3_only(d, tiny_model, [p, q], 9)
     out = e.generate([p])  # prefetched from L3, claimed, loaded
     assert out[0]["cached"] == 9 * BLOCK

@@ -65,7 +65,9 @@ def test_two_engines_at_once_share_pages_stored_by_either(
     d = daemon_factory()
     a, b = engines(d.runtime_dir), engines(d.runtime_dir)
     pa, pb = prompt(6, 150), prompt(7, 180)
-    want = reference.generate([pa, pb])
+    # each engine computes its prompt alone, so the reference does too (vLLM's CPU kernels
+    # need not give a prompt computed beside another the logprobs it gets alone)
+    want = reference.generate([pa]) + reference.generate([pb])
     assert a.generate([pa])[0]["cached"] == 0
     assert b.generate([pb])[0]["cached"] == 0
     wait_for_pages(d.runtime_dir, tiny_model, pa, 4)
