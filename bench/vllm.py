@@ -27,8 +27,9 @@ Fields (medians over the prompts):
 - ``outputs_match``: kvtier's tokens and logprobs for P and Q equal the recomputed ones;
   ``example_outputs_match`` the same for ExampleConnector's P; ``kvtier_equals_example``:
   kvtier's P equal ExampleConnector's (both computed the same uncached tail over loaded KV);
-  ``outputs_differ`` names the prompts that differ, whether their tokens do, and by how much
-  their logprobs do; ``recompute_repeatable``: vLLM without a connector gave each prompt's
+  ``outputs_differ`` names the prompts that differ, how many of their tokens that output
+  reused (a cold prompt's second request may reuse what its first one stored), whether
+  their tokens differ, and by how much their logprobs do; ``recompute_repeatable``: vLLM without a connector gave each prompt's
   first token the same logprob both times it computed the prompt (the timed request and
   the one that generates), i.e. whether exact equality can be expected at all on this
   machine.
@@ -163,7 +164,8 @@ def run_vllm_bench(tokens: int = 4096, prompts: int = 3) -> dict[str, Any]:
 
     def differ(run: dict[str, Any], labels: Any) -> dict[str, Any]:
         """The labels whose output differs from the recomputed one, and how."""
-        return {k: {"tokens_equal": run[k]["tokens"] == plain[k]["tokens"],
+        return {k: {"reused_tokens": run[k].get("tokens_cached", 0),
+                    "tokens_equal": run[k]["tokens"] == plain[k]["tokens"],
                     "max_logprob_diff": round(max(abs(a - b) for a, b in zip(
                         run[k]["logprobs"], plain[k]["logprobs"])), 4)}
                 for k in labels if out(run, k) != out(plain, k)}

@@ -8,7 +8,8 @@ instead writes the benchmark's random Llama to ``model`` and exits. The engine p
 ``{"ready": true}``, then answers each line ``{"prompt": [ids]}`` on stdin with one JSON
 line: the time to first token (a ``max_tokens=1`` request), its token and logprob, the
 tokens vLLM reports cached, the connector's load times for that request, then the greedy
-tokens and logprobs of a second request of the same prompt. The driver can so keep
+tokens and logprobs of a second request of the same prompt (and its cached tokens: with
+kvtier, a cold prompt's second request may reuse what its first one stored). The driver can so keep
 several engines alive and alternate requests between them.
 
 Both connectors are timed by the same wrapper (:class:`_LoadTimer`), around vLLM's own
@@ -149,12 +150,13 @@ def _serve(cfg: dict[str, Any], out: Any) -> None:
         r = llm.generate([TokensPrompt(prompt_token_ids=ids)], first, use_tqdm=False)[0]
         ttft = time.perf_counter() - t0
         loads = list(timer.load_times[before:]) if timer is not None else []
-        c = llm.generate([TokensPrompt(prompt_token_ids=ids)], full, use_tqdm=False)[0].outputs[0]
+        rc = llm.generate([TokensPrompt(prompt_token_ids=ids)], full, use_tqdm=False)[0]
+        c = rc.outputs[0]
         t1 = r.outputs[0].token_ids[0]
         out.write(json.dumps({
             "ttft_s": ttft, "cached": r.num_cached_tokens or 0, "load_s": loads,
             "first": [t1, round(float(r.outputs[0].logprobs[0][t1].logprob), 4)],
-            "tokens": list(c.token_ids),
+            "tokens": list(c.token_ids), "tokens_cached": rc.num_cached_tokens or 0,
             "logprobs": [round(float(d[t].logprob), 4)
                          for d, t in zip(c.logprobs, c.token_ids, strict=True)]}) + "\n")
         out.flush()
