@@ -18,6 +18,7 @@ PY=${PYTHON:-python3}
 WHEELS=${KVTIER_WHEELS:-$ROOT/.whl}
 SUMMARY=${1:-${OUT:-$ROOT}/gpu_check.json}
 WORK=$(mktemp -d /tmp/kvtier-gpu-check.XXXXXX)
+trap 'rm -rf "$WORK"' EXIT  # the summary has what it needs by then
 START=$(date +%s)
 TEST_LIMIT_S=${TEST_LIMIT_S:-240}
 BENCH_LIMIT_S=${BENCH_LIMIT_S:-240}
