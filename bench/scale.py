@@ -87,7 +87,9 @@ class ScaleSettings:
     Attributes:
         engines: engine counts of the N-engine run.
         engine_iters: STORE + LOAD pairs per engine per run.
-        size_repeats: timed transfers per size.
+        size_repeats: timed transfers per size; ``small_repeats`` for sizes of at most
+            8 pages (their p50s make the fixed cost: a few microseconds of noise in 20
+            samples moved it by a third between runs).
         lookup_clients: engines (and echo clients) of the control-plane run.
         lookup_iters: LOOKUPs (and echoes) per client.
         rtt_samples: timed round trips per latency p50.
@@ -102,6 +104,7 @@ class ScaleSettings:
     engines: tuple[int, ...] = (1, 2, 4, 8)
     engine_iters: int = 24
     size_repeats: int = 20
+    small_repeats: int = 200
     lookup_clients: int = 8
     lookup_iters: int = 2000
     rtt_samples: int = 1000
@@ -124,8 +127,8 @@ class ScaleSettings:
     def quick(cls, **overrides: Any) -> ScaleSettings:
         """Tiny sizes (seconds): for tests and a first look."""
         small: dict[str, Any] = {
-            "engines": (1, 2), "engine_iters": 3, "size_repeats": 3, "lookup_clients": 2,
-            "lookup_iters": 100, "rtt_samples": 50, "long_pages": 256, "long_repeats": 2,
+            "engines": (1, 2), "engine_iters": 3, "size_repeats": 3, "small_repeats": 3,
+            "lookup_clients": 2, "lookup_iters": 100, "rtt_samples": 50, "long_pages": 256, "long_repeats": 2,
             "million_pages": 4096, "million_batch": 512, "million_samples": 30,
             "pool_bytes": 128 << 20, "extent_bytes": 4 << 20, "timeout_s": 120.0,
         }
@@ -179,7 +182,7 @@ def _transfer_sizes(cfg: ClientConfig, s: ScaleSettings) -> dict[str, Any]:
         first = 0
         for size in SIZES:
             st, ld = [], []
-            for _ in range(s.size_repeats + 1):  # the first one warms up
+            for _ in range((s.small_repeats if size <= 8 else s.size_repeats) + 1):  # the first warms up
                 keys = conn.page_keys(range(first * g.page_size, (first + size) * g.page_size))
                 first += size
                 t0 = time.perf_counter()

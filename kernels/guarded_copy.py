@@ -5,15 +5,16 @@ copies are available: a copy that meets a page gone from under the mapping (SIGB
 and reports it, instead of ending the process. Without the extension (no C compiler at
 install time) such memory is copied with ``pread``/``pwrite`` instead.
 
-The same extension copies one region of a transfer in one call (:func:`copy_strided`):
-every index checked, then one ``memcpy`` per page with the GIL released (or, for a
-transfer larger than the cache, a copy with non-temporal stores: ``stream``). The daemon uses it
-for every mapped region, sealed or not; without it, sealed memory is copied by numpy plans
-(:class:`~kvtier.kernels.page_copy.CopyPlan`).
+The same extension copies one region of a transfer in one call (:func:`copy_strided`), or
+several (:func:`copy_regions`: the regions of a layer, or of a whole small transfer, from a
+table made once per engine): every index checked, then one ``memcpy`` per page with the GIL
+released (or, for a transfer larger than the cache, a copy with non-temporal stores:
+``stream``). The daemon uses them for every mapped region, sealed or not; without them,
+sealed memory is copied by numpy plans (:class:`~kvtier.kernels.page_copy.CopyPlan`).
 
 ``KVTIER_NO_GUARDED_COPY=1`` turns the guarded copies of unsealed memory off (the
 positional I/O path then serves); ``KVTIER_NO_NATIVE_COPY=1`` turns :func:`copy_strided`
-off (the numpy path then serves). Tests use them to cover every path.
+and :func:`copy_regions` off (the numpy path then serves). Tests use them to cover every path.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["AVAILABLE", "STRIDED", "copy_pages", "copy_strided"]
+__all__ = ["AVAILABLE", "STRIDED", "copy_pages", "copy_regions", "copy_strided"]
 
 CopyPages = Callable[[Sequence[int], Sequence[int], int, bool], int]
 
@@ -45,6 +46,7 @@ _native = _load()
 _copy: CopyPages | None = (None if _native is None or _off("KVTIER_NO_GUARDED_COPY")
                            else _native.copy_pages)
 _strided = None if _native is None or _off("KVTIER_NO_NATIVE_COPY") else _native.copy_strided
+_regions = None if _strided is None else _native.copy_regions
 AVAILABLE: bool = _copy is not None
 """Whether guarded copies are available (the extension built and not turned off)."""
 STRIDED: bool = _strided is not None
@@ -107,3 +109,30 @@ def copy_strided(host: int, host_nbytes: int, offsets: np.ndarray, host_add: int
                         host_add, engine, engine_pages,
                         np.ascontiguousarray(page_ids, dtype=np.int64), stride, length, to_host,
                         stream))
+
+
+def copy_regions(host: int, host_nbytes: int, offsets: np.ndarray, page_ids: np.ndarray,
+                 table: np.ndarray, to_host: bool, stream: bool = False) -> int:
+    """Copy several regions' pages in one call, as :func:`copy_strided` copies one each.
+
+    Args:
+        host / host_nbytes: the arena's address and size.
+        offsets: int64 arena offsets of the pages' slots; ``page_ids`` int64 page ids, same
+            length (the same pages in every region).
+        table: a C-contiguous int64 array of rows ``(host_add, engine, engine_pages,
+            stride, length)``, one per region, copied in row order.
+        to_host / stream: as for :func:`copy_strided`.
+
+    Returns:
+        Pages copied over all rows: ``rows * len(page_ids)`` when all were, fewer when a
+        page faulted (it is page ``result % len(page_ids)`` of row ``result //
+        len(page_ids)``); the copy stopped there.
+
+    Raises:
+        ValueError: a bad row, a page id outside ``[0, engine_pages)`` of a row, or a slot
+            range outside the arena; nothing was copied.
+        RuntimeError: the extension is not available (check :data:`STRIDED` first).
+    """
+    if _regions is None:
+        raise RuntimeError("native copies are not available (kvtier.kernels._guarded)")
+    return int(_regions(host, host_nbytes, offsets, page_ids, table, to_host, stream))

@@ -24,12 +24,8 @@ handover (:mod:`~kvtier.daemon.service.handover`), lease (reaps dead and expired
 sessions), monitor (a disconnect triggers a prompt reap), the systemd watchdog, and the
 page tables of an adopted pool are built on a thread (``prefault``).
 
-The receive loop reads a message frame by frame: a request is the connection's identity
-and one body frame (each at most ``MAXMSGSIZE``); the frames of a message with more are
-read and dropped one at a time, never collected, and it is answered BAD_MESSAGE. It reads
-what is already queued directly from the socket and awaits (a future) only when the queue
-is empty, giving the event loop a turn every ``RECV_BURST`` requests; replies are sent
-directly too (a ROUTER never waits to send).
+Requests are read by a reader callback on the socket's descriptor and answered in turn,
+replies sent at once (:mod:`~kvtier.daemon.service.receiver`).
 
 Both sockets (control and handover, mode 0660) take the runtime directory's group when it
 differs from the daemon's, as a set-group-ID directory would give them, so engine users of
@@ -52,18 +48,15 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import CoroutineType
 from typing import TYPE_CHECKING
 
 import zmq
-import zmq.asyncio
 from kvtier.config import DaemonConfig, format_size, runtime_dir, socket_path
 from kvtier.config.loader import pool_path
+from kvtier.daemon.service.receiver import Receiver, watch_disconnects
 from kvtier.daemon.service.runtime import SocketFile, claim_runtime_dir
 from kvtier.daemon.service.sdnotify import SystemdNotifier, watchdog_loop
 from kvtier.daemon.service.startgate import StartGate
-from kvtier.ipc import protocol as P
-from kvtier.ipc.fdpass import zmq_peer
 from kvtier.ipc.sockets import ipc_endpoint, make_zmq_socket
 
 if TYPE_CHECKING:
@@ -78,11 +71,6 @@ __all__ = ["Daemon", "install_signal_handlers"]
 log = logging.getLogger("kvtier.daemon")
 REAP_DELAY_S = 0.01
 """After a disconnect, how long the reaper waits for the engine's process to finish exiting."""
-_MORE = int(zmq.SNDMORE | zmq.NOBLOCK)
-_LAST = int(zmq.NOBLOCK)  # flags as plain ints: or-ing pyzmq's enums costs per reply
-RECV_BURST = 64
-"""Requests the receive loop reads in a row from a non-empty queue before the event loop
-gets a turn (copy completions, handovers, the lease loop)."""
 
 
 class Daemon:
@@ -108,10 +96,9 @@ class Daemon:
         self.service: Service | None = None
         self.dispatcher: Dispatcher | StartGate = StartGate(self._epoch)
         self._stop = asyncio.Event()
-        self._tasks: set[asyncio.Task] = set()
-        self._sock: zmq.asyncio.Socket | None = None
+        self._sock: zmq.Socket | None = None
         self._sock_file: SocketFile | None = None
-        self._sync_sock: zmq.Socket | None = None  # the ROUTER, for reads that never wait
+        self.receiver: Receiver | None = None
         self._reap_later: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------------ state
@@ -176,13 +163,14 @@ class Daemon:
         async with contextlib.AsyncExitStack() as stack:
             # first of all: no other daemon on this runtime dir (before the pool and socket)
             stack.enter_context(claim_runtime_dir(self.rdir))
-            zctx = zmq.asyncio.Context()
+            zctx = zmq.Context()
             stack.callback(zctx.term)
             self._sock = make_zmq_socket(zctx, self.endpoint, zmq.ROUTER, bind=True)
             stack.callback(self._close_socket)
             self._sock_file = SocketFile.record(socket_path(self.rdir))
             self._share_with_group([socket_path(self.rdir)])
-            recv = asyncio.create_task(self._recv_loop(), name="kvtier-recv")
+            self.receiver = Receiver(self._sock, lambda: self.dispatcher)
+            recv = asyncio.create_task(self.receiver.run(), name="kvtier-recv")
             try:
                 ppath = await self._start(stack)
             except BaseException:
@@ -224,8 +212,9 @@ class Daemon:
         assert isinstance(gate, StartGate)
         self.dispatcher = service.dispatcher
         held = gate.release()
+        assert self.receiver is not None, "run() starts it before the service"
         for h in held:  # in arrival order, before anything received from now on
-            self._answer(h.identity, service.dispatcher.handle(h.identity, h.body,
+            self.receiver.answer(h.identity, service.dispatcher.handle(h.identity, h.body,
                                                                lambda p=h.peer: p))
         log.debug("service up %.3fs after the socket was bound; %d requests were held",
                   time.perf_counter() - t0, len(held))
@@ -316,86 +305,6 @@ class Daemon:
             self.svc.ctx.finalize_session(s)
 
     # ------------------------------------------------------------------ loops
-    async def _recv_loop(self) -> None:
-        sock = self._sock
-        assert sock is not None
-        sync: zmq.Socket = zmq.Socket.shadow(sock.underlying)
-        self._sync_sock = sync
-        burst = 0
-        while True:
-            # read what is already queued without a future (most of a busy daemon's
-            # requests); only an empty queue waits, and every RECV_BURST reads the loop
-            # gets a turn (an await of a message already there would not give it one)
-            first = None
-            if burst < RECV_BURST:
-                try:
-                    first = sync.recv(zmq.NOBLOCK, copy=False)
-                    burst += 1
-                except zmq.Again:
-                    pass
-            else:
-                burst = 0
-                await asyncio.sleep(0)
-            if first is None:
-                first = await sock.recv(copy=False)
-                burst = 0
-            identity, reply = self._answer_one(first)
-            if type(reply) is CoroutineType:
-                self._answer(identity, reply)  # a handler that waits (L3 I/O, a claim)
-            elif reply is not None:
-                self._send(identity, P.encode(reply))
-
-    def _send(self, identity: bytes, body: bytes) -> None:
-        """Send a reply at once, from the receive loop only. A ROUTER never waits to send:
-        a reply to a peer that is gone, or whose queue is full, is dropped by ZeroMQ (the
-        client's request times out and it asks again), so no future is needed.
-
-        Only the receive loop may send this way: there no read is pending, and its next read
-        asks the socket itself. A send elsewhere, under a pending read, could take the
-        socket's edge-triggered wake-up of a message that arrived meanwhile, and that read
-        would never learn of it; replies sent from tasks go through the asyncio socket,
-        which checks again after each send.
-        """
-        sync = self._sync_sock
-        if sync is not None and not sync.closed:
-            sync.send(identity, _MORE)
-            sync.send(body, _LAST)
-
-    def _answer(self, identity: bytes, reply: object) -> None:
-        """Send ``reply`` (or, for a coroutine, what it returns) from a task of its own."""
-        if reply is None:
-            return
-        task = asyncio.create_task(self._reply_later(identity, reply))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    def _answer_one(self, first: zmq.Frame) -> tuple[bytes, object]:
-        """Read the rest of the message whose first frame is ``first`` and answer it (or
-        refuse its frame count)."""
-        identity, more = first.bytes, first.more
-        frames = 1
-        body: zmq.Frame | None = None
-        sync = self._sync_sock
-        assert sync is not None, "the receive loop sets it before the first read"
-        while more:  # a request has one body frame; the frames past it are dropped as read
-            # a message arrives whole: once its first frame is read the rest are there, so
-            # they are read without waiting (and without a future per frame)
-            frame = sync.recv(zmq.NOBLOCK, copy=False)
-            frames += 1
-            more = frame.more
-            if frames == 2:
-                body = frame
-        if frames != 2 or body is None:
-            return identity, self.dispatcher.refuse_frames(frames)
-        frame = body
-        return identity, self.dispatcher.handle(
-            identity, frame.bytes, lambda: zmq_peer(frame.get("Peer-Address")))
-
-    async def _reply_later(self, identity: bytes, pending: object) -> None:
-        reply = await pending if type(pending) is CoroutineType else pending
-        if self._sock is not None:
-            await self._sock.send_multipart([identity, P.encode(reply)])
-
     async def _lease_loop(self) -> None:
         period = min(1.0, self.cfg.lease_s / 4)
         ticks = 0
@@ -416,27 +325,17 @@ class Daemon:
 
         ZeroMQ's monitor names the connection, not the routing identity, so a disconnect
         triggers a liveness check of every session's engine process, shortly after (the
-        process may still be exiting). Each wakeup reads every pending event without
-        waiting and schedules at most one check: a monitor read slowly lets its queue fill,
-        and then libzmq blocks the socket's I/O thread and stalls every engine
-        (libzmq#3575).
+        process may still be exiting), at most one scheduled at a time
+        (:func:`~kvtier.daemon.service.receiver.watch_disconnects`).
         """
         assert self._sock is not None
-        mon = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        try:
-            while True:
-                await mon.recv_multipart()
-                while True:  # the events that came meanwhile: read them now, without waiting
-                    try:
-                        await mon.recv_multipart(flags=zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                if self._reap_later is None:
-                    self._reap_later = asyncio.get_running_loop().call_later(
-                        REAP_DELAY_S, self._reap_after_disconnect)
-        finally:
-            self._sock.disable_monitor()
-            mon.close(linger=0)
+        loop = asyncio.get_running_loop()
+
+        def disconnected() -> None:
+            if self._reap_later is None:
+                self._reap_later = loop.call_later(REAP_DELAY_S, self._reap_after_disconnect)
+
+        await watch_disconnects(self._sock, disconnected)
 
     def _reap_after_disconnect(self) -> None:
         self._reap_later = None

@@ -129,21 +129,23 @@ class Transfers:
         s.transfers[slot] = t
         if t.nbytes <= INLINE_BYTES:  # ends before the reply: nobody to wake
             run_transfer(t, self._arena, s.memory.regions, g.num_layers, g.page_bytes,
-                         s.completion.unannounced())
+                         s.completion.unannounced(), s.memory.table, whole=True)
             self._settle(s, t, t.status is TransferStatus.DONE, wake=False)
             return
         parts = self._parts(t)
         assert self._executor is not None, "open() first"
         if parts == 1:
             self._watch(self._executor.submit(run_transfer, t, self._arena, s.memory.regions,
-                                              g.num_layers, g.page_bytes, s.completion),
+                                              g.num_layers, g.page_bytes, s.completion,
+                                              s.memory.table),
                         lambda f: self._finish(s, t, f))
             return
         self.ctx.counters.transfers_split += 1
         gate = LayerGate(s.completion, parts)
         bounds = [len(host) * i // parts for i in range(parts + 1)]
         futs = [self._executor.submit(copy_part, t, bounds[i], bounds[i + 1], self._arena,
-                                      s.memory.regions, g.num_layers, g.page_bytes, gate.part(i))
+                                      s.memory.regions, g.num_layers, g.page_bytes, gate.part(i),
+                                      s.memory.table)
                 for i in range(parts)]
         left = [parts]
 

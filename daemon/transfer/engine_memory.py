@@ -222,6 +222,52 @@ class RegionView:
     address: int = 0
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class RegionTable:
+    """Mapped regions as the native copy takes them (:func:`~kvtier.kernels.guarded_copy.copy_regions`):
+    one C call per layer a transfer announces, instead of one call and its Python per region.
+
+    Attributes:
+        table: int64 rows ``(host_add, address of page 0, pages, page stride, bytes)``, in
+            copy order (regions holding several layers first, then by layer).
+        groups: ``(first row, end row, layers done after them)`` in order; the last group's
+            layers are the last region's layer + 1 (the caller announces every layer once
+            the last group is in place).
+        writable: every region may be written (a LOAD may use the table).
+    """
+
+    table: npt.NDArray[np.int64]
+    groups: tuple[tuple[int, int, int], ...]
+    writable: bool
+
+    @classmethod
+    def of(cls, regions: list[RegionView]) -> RegionTable | None:
+        """The table of ``regions``, or None when one is not mapped memory the native copy
+        can reach (positional I/O, a numpy fallback) or the extension is not there."""
+        if not regions or not guarded_copy.STRIDED:
+            return None
+        order = sorted(regions, key=lambda r: r.layer)  # stable: -1 first, then by layer
+        rows: list[tuple[int, int, int, int, int]] = []
+        writable = True
+        for r in order:
+            if r.address:
+                rows.append((r.host_offset, r.address, r.num_pages, r.page_stride, r.page_bytes))
+            elif isinstance(r.view, EngineView) and r.view.row_bytes == r.page_bytes:
+                v = r.view
+                rows.append((r.host_offset, v.address, v.num_pages, v.page_stride, r.page_bytes))
+                writable = writable and bool(v.array.flags.writeable)
+            else:
+                return None
+        groups: list[tuple[int, int, int]] = []
+        first = 0
+        for i, r in enumerate(order):  # a group ends where copy_part would announce a layer
+            nxt = order[i + 1].layer if i + 1 < len(order) else None
+            if nxt is None or nxt > r.layer >= 0:
+                groups.append((first, i + 1, r.layer + 1 if r.layer >= 0 else 0))
+                first = i + 1
+        return cls(np.array(rows, dtype=np.int64).reshape(-1, 5), tuple(groups), writable)
+
+
 class EngineMemory:
     """An engine's KV pool as the daemon sees it: its regions, in host-page order.
 
@@ -232,6 +278,7 @@ class EngineMemory:
 
     Attributes:
         regions: one :class:`RegionView` per region (their bytes make a host page).
+        table: the regions for the native copy, when all of them are mapped (None otherwise).
         buffers: ``[layer][component]`` uint8 numpy arrays of ``[num_pages, chunk_bytes]``
             when the memory is kvtier's per-buffer layout and mapped (the form the CUDA back
             end's memory has too); empty otherwise.
@@ -243,7 +290,7 @@ class EngineMemory:
     """
 
     __slots__ = ("_fds", "_prefault", "buffers", "geometry", "guarded", "mapped", "num_pages",
-                 "regions", "segments")
+                 "regions", "segments", "table")
 
     def __init__(self, geometry: Geometry, memory: KVMemory, fds: list[int]) -> None:
         self.geometry = geometry
@@ -251,6 +298,7 @@ class EngineMemory:
         self.segments: list[SharedMemorySegment | None] = []
         self._fds: list[int] = []
         self.regions: list[RegionView] = []
+        self.table: RegionTable | None = None
         self.buffers: list[list[npt.NDArray[np.uint8]]] = []
         self.mapped = True
         self.guarded = False
@@ -309,6 +357,7 @@ class EngineMemory:
                                            r.offset, view, fd_of[r.segment], memory.num_pages,
                                            address))
             host_offset += r.page_bytes
+        self.table = RegionTable.of(self.regions)
         if not memory.regions and self.mapped and not self.guarded:
             comps = g.components
             self.buffers = [[self.regions[l * comps + c].view.array for c in range(comps)]
@@ -331,6 +380,7 @@ class EngineMemory:
             self._prefault.stop()
         self.buffers = []
         self.regions = []
+        self.table = None
         for seg in self.segments:
             if seg is not None:
                 seg.close(unlink=False)
@@ -350,6 +400,7 @@ class NoMemory:
     __slots__ = ()
     num_pages = 0
     regions: list[RegionView] = []  # noqa: RUF012 (never mutated)
+    table: RegionTable | None = None
     buffers: list[list[npt.NDArray[np.uint8]]] = []  # noqa: RUF012
     mapped = True
     guarded = False

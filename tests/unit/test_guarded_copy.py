@@ -219,3 +219,112 @@ def test_strided_copies_stop_at_a_shrunken_mapping_both_ways(mapped):
     for to_host in (True, False):
         assert guarded_copy.copy_strided(arena.ctypes.data, arena.size, offsets, 0,
                                          view.ctypes.data, 4 * N, pids, ROW, ROW, to_host) == 2
+
+
+# -- copy_regions: every region of a transfer in one call ---------------------------------------
+
+def table_of(rows: list[tuple[int, int, int, int, int]]) -> np.ndarray:
+    """Rows (host_add, engine, engine_pages, stride, length) as copy_regions takes them."""
+    return np.array(rows, dtype=np.int64).reshape(-1, 5)
+
+
+@strided
+@pytest.mark.parametrize("stream", [False, True], ids=["memcpy", "stream"])
+def test_region_tables_copy_each_row_as_a_strided_copy_would(mapped, stream):
+    _, mm, view = mapped  # the engine: 4 regions of 16 pages of 16 KiB, one after the other
+    rng = np.random.default_rng(3)
+    offsets = np.array(rng.permutation(8 * N)[:N - 3], dtype=np.int64) * PAGE
+    pids = np.array(rng.permutation(N)[:N - 3], dtype=np.int64)
+    base = view.ctypes.data
+    rows = [(i * ROW, base + ((3 * i) % 4) * N * ROW, N, ROW, ROW) for i in range(4)]
+    for to_host in (True, False):
+        start = rng.integers(0, 256, 8 * PAGE * N, dtype=np.uint8)
+        engine_start = np.frombuffer(mm, dtype=np.uint8).copy()
+        want = start.copy()
+        for add, engine, pages, stride, length in rows:  # the reference: one call per row
+            assert guarded_copy.copy_strided(want.ctypes.data, want.size, offsets, add, engine,
+                                             pages, pids, stride, length, to_host) == len(pids)
+        want_engine = np.frombuffer(mm, dtype=np.uint8).copy()
+        mm[:] = engine_start.tobytes()
+        got = start.copy()
+        assert guarded_copy.copy_regions(got.ctypes.data, got.size, offsets, pids,
+                                         table_of(rows), to_host, stream) == 4 * len(pids)
+        assert np.array_equal(got, want)
+        assert np.array_equal(np.frombuffer(mm, dtype=np.uint8), want_engine)
+
+
+@strided
+@pytest.mark.parametrize(("row", "match"), [
+    ((0, 0, N, ROW, 0), r"table row 1: length = 0 must be > 0"),
+    ((0, 0, N, ROW - 1, ROW), r"table row 1: length = 16384 must be > 0 and at most stride = 16383"),
+    ((0, 0, -1, ROW, ROW), r"engine_pages = -1 and host_add = 0 must not be negative"),
+    ((-1, 0, N, ROW, ROW), r"host_add = -1 must not be negative"),
+    ((PAGE * 4, 0, N, ROW, ROW), r"host_add = 262144 must not be negative, nor host_add \+ length over"),
+    ((1 << 62, 0, N, ROW, ROW), r"host_add = 4611686018427387904"),
+    ((0, 0, N, ROW, 1 << 62), r"length = 4611686018427387904"),
+])
+def test_region_tables_refuse_a_bad_row_before_any_byte_moves(mapped, row, match):
+    _, mm, view = mapped
+    arena = np.zeros(4 * PAGE, dtype=np.uint8)
+    before = bytes(mm[:])
+    good = (0, view.ctypes.data, N, ROW, ROW)
+    bad = tuple(v if i != 1 else view.ctypes.data for i, v in enumerate(row))
+    one = np.zeros(1, dtype=np.int64)
+    for to_host in (True, False):
+        with pytest.raises(ValueError, match=match):
+            guarded_copy.copy_regions(arena.ctypes.data, arena.size, one, one,
+                                      table_of([good, bad]), to_host)
+    assert not arena.any() and mm[:] == before  # the good first row was not copied either
+
+
+@strided
+@pytest.mark.parametrize(("pid", "offset", "match"), [
+    (-1, 0, r"page_ids\[1\] = -1 is outside the regions' 8 pages"),
+    (8, 0, r"page_ids\[1\] = 8 is outside the regions' 8 pages"),  # the smaller row's count
+    (3, -PAGE, r"offsets\[1\] = -65536"),
+    (3, 4 * PAGE - 2 * ROW, (r"offsets\[1\] = 229376: the 49152 bytes of a page there are "
+                             r"outside the arena's 262144")),
+    (3, 1 << 62, r"offsets\[1\] = 4611686018427387904"),
+])
+def test_region_tables_check_every_index_against_every_row(mapped, pid, offset, match):
+    _, mm, view = mapped
+    arena = np.zeros(4 * PAGE, dtype=np.uint8)
+    before = bytes(mm[:])
+    rows = [(0, view.ctypes.data, 4 * N, ROW, ROW), (2 * ROW, view.ctypes.data, 8, ROW, ROW)]
+    offsets = np.array([0, offset], dtype=np.int64)
+    pids = np.array([0, pid], dtype=np.int64)
+    for to_host in (True, False):
+        with pytest.raises(ValueError, match=match):
+            guarded_copy.copy_regions(arena.ctypes.data, arena.size, offsets, pids,
+                                      table_of(rows), to_host)
+    assert not arena.any() and mm[:] == before
+
+
+@strided
+def test_region_tables_refuse_bad_shapes_and_copy_nothing_when_empty():
+    arena = np.zeros(PAGE, dtype=np.uint8)
+    one = np.zeros(1, dtype=np.int64)
+    row = table_of([(0, arena.ctypes.data, 1, ROW, ROW)])
+    with pytest.raises(ValueError, match="one length"):
+        guarded_copy.copy_regions(arena.ctypes.data, PAGE, one, np.zeros(2, dtype=np.int64),
+                                  row, True)
+    with pytest.raises(ValueError, match="int64 rows of 5"):
+        guarded_copy.copy_regions(arena.ctypes.data, PAGE, one, one, row.ravel()[:4].copy(),
+                                  True)
+    none = np.zeros(0, dtype=np.int64)
+    assert guarded_copy.copy_regions(arena.ctypes.data, PAGE, none, none, row, True) == 0
+    assert guarded_copy.copy_regions(arena.ctypes.data, PAGE, one, one, table_of([]), True) == 0
+
+
+@strided
+def test_region_tables_stop_at_a_shrunken_mapping_and_say_where(mapped):
+    fd, _, view = mapped
+    arena = np.zeros(N * PAGE, dtype=np.uint8)
+    base = view.ctypes.data
+    os.ftruncate(fd, 2 * N * ROW + 5 * ROW)  # the second row's pages 5.. are gone
+    rows = table_of([(0, base, N, ROW, ROW), (ROW, base + 2 * N * ROW, N, ROW, ROW)])
+    offsets = np.arange(4, dtype=np.int64) * PAGE
+    pids = np.array([0, 4, 7, 1], dtype=np.int64)
+    for to_host in (True, False):  # row 1, page 2 (page id 7) faults: 4 + 2 pages copied
+        assert guarded_copy.copy_regions(arena.ctypes.data, arena.size, offsets, pids, rows,
+                                         to_host) == 6

@@ -4,6 +4,9 @@
 A layer may be announced only once every part has copied it, announcements only grow, and
 the transfer's status and checksums come from all its parts. The parts' copies are checked
 byte for byte against the same transfer copied whole.
+
+A transfer over an engine's region table (one native call per layer, or one in all) moves
+the same bytes and announces the same layers as one copied region by region.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import threading
 import numpy as np
 import pytest
 from kvtier.daemon.pool.layout import page_checksums
-from kvtier.daemon.transfer.engine_memory import RegionView
+from kvtier.daemon.transfer.engine_memory import RegionTable, RegionView
 from kvtier.daemon.transfer.transfer import (
     Direction,
     LayerGate,
@@ -23,6 +26,7 @@ from kvtier.daemon.transfer.transfer import (
     run_transfer,
 )
 from kvtier.ipc.completion import TransferStatus
+from kvtier.kernels.guarded_copy import STRIDED
 from kvtier.kernels.host_views import EngineView
 
 
@@ -129,3 +133,84 @@ def test_parts_copy_the_same_bytes_as_the_whole(direction, parts):
         assert split.checksums == whole.checksums == page_checksums(
             arena_s, (slots * page_bytes).tolist(), page_bytes)
     assert block.shown == sorted(block.shown) and block.shown[-1] == LAYERS
+
+
+# -- the region table: one native call per announced layer ---------------------------------------
+
+def _several_layer_engine(rng: np.random.Generator) -> tuple[np.ndarray, list[RegionView]]:
+    """A region holding every layer (``layer = -1``), then per layer a K and a V region."""
+    mem = rng.integers(0, 256, (1 + 2 * LAYERS, PAGES, ROW), dtype=np.uint8)
+    layers = [-1] + [layer for layer in range(LAYERS) for _ in range(2)]
+    regions = [RegionView(layer, i * ROW, ROW, ROW, 0,
+                          EngineView.of(mem[i], f"memory.regions[{i}]"))
+               for i, layer in enumerate(layers)]
+    return mem, regions
+
+
+@pytest.mark.skipif(not STRIDED, reason="kvtier.kernels._guarded was not built (no C compiler)")
+@pytest.mark.parametrize("direction", [Direction.STORE, Direction.LOAD])
+@pytest.mark.parametrize("whole", [False, True], ids=["per-layer", "whole"])
+def test_the_region_table_copies_and_announces_as_region_by_region(direction, whole):
+    rng = np.random.default_rng(11)
+    page_bytes = (1 + 2 * LAYERS) * ROW
+    pages = rng.permutation(PAGES)[:17].astype(np.int64)
+    slots = rng.permutation(32)[:17].astype(np.int64)
+
+    def run(with_table: bool) -> tuple[np.ndarray, np.ndarray, Transfer, Block]:
+        mem, regions = _several_layer_engine(np.random.default_rng(5))
+        arena = np.random.default_rng(6).integers(0, 256, 32 * page_bytes, dtype=np.uint8)
+        table = RegionTable.of(regions) if with_table else None
+        assert (table is not None) is with_table
+        t = Transfer(direction=direction, session_id=1, slot=0, seq=1,
+                     host_slots=slots.tolist(), page_ids=pages, offsets=slots * page_bytes,
+                     nbytes=len(pages) * page_bytes, checksum=direction is Direction.STORE)
+        block = Block()
+        assert run_transfer(t, arena, regions, LAYERS, page_bytes, block, table,
+                            whole=whole and with_table) is TransferStatus.DONE
+        return mem, arena, t, block
+
+    mem_r, arena_r, by_region, block_r = run(with_table=False)
+    mem_t, arena_t, by_table, block_t = run(with_table=True)
+    assert np.array_equal(mem_t, mem_r) and np.array_equal(arena_t, arena_r)
+    assert by_table.checksums == by_region.checksums
+    assert block_r.shown == [1, 2, 3, 3]  # each layer once its K and V are in, then all
+    assert block_t.shown == ([LAYERS] if whole else [1, 2, LAYERS])
+
+
+@pytest.mark.skipif(not STRIDED, reason="kvtier.kernels._guarded was not built (no C compiler)")
+def test_the_region_table_is_only_for_memory_a_native_copy_reaches():
+    mem, regions = _several_layer_engine(np.random.default_rng(1))
+    table = RegionTable.of(regions)
+    assert table is not None and table.writable
+    assert table.groups == ((0, 3, 1), (3, 5, 2), (5, 7, 3))
+    assert table.table[:, 0].tolist() == [r.host_offset for r in regions]
+    assert table.table[1].tolist() == [ROW, mem[1].ctypes.data, PAGES, ROW, ROW]
+    unmapped = RegionView(0, 0, ROW, ROW, 0, None, fd=5, num_pages=PAGES)  # positional I/O
+    assert RegionTable.of([*regions, unmapped]) is None
+    assert RegionTable.of([]) is None
+    frozen = mem[1].copy()
+    frozen.flags.writeable = False
+    ro = [regions[0], RegionView(0, ROW, ROW, ROW, 0, EngineView.of(frozen, "ro")), *regions[2:]]
+    read_only = RegionTable.of(ro)
+    assert read_only is not None and not read_only.writable  # a LOAD copies region by region
+
+
+@pytest.mark.skipif(not STRIDED, reason="kvtier.kernels._guarded was not built (no C compiler)")
+def test_a_transfer_cancelled_before_a_layer_stops_there_with_the_table():
+    mem, regions = _several_layer_engine(np.random.default_rng(2))
+    page_bytes = (1 + 2 * LAYERS) * ROW
+    arena = np.zeros(8 * page_bytes, dtype=np.uint8)
+    t = Transfer(direction=Direction.STORE, session_id=1, slot=0, seq=1, host_slots=[0, 1],
+                 page_ids=np.array([3, 4], dtype=np.int64),
+                 offsets=np.array([0, page_bytes], dtype=np.int64), nbytes=2 * page_bytes)
+
+    class CancelAfterFirst(Block):
+        def layer_done(self, slot: int, layers: int) -> None:
+            super().layer_done(slot, layers)
+            t.cancelled = True
+
+    block = CancelAfterFirst()
+    status = run_transfer(t, arena, regions, LAYERS, page_bytes, block, RegionTable.of(regions))
+    assert status is TransferStatus.CANCELLED and block.shown == [1]
+    assert arena[:3 * ROW].tobytes() == np.concatenate([mem[i][3] for i in range(3)]).tobytes()
+    assert not arena[3 * ROW:page_bytes].any()  # layers 1 and 2 were never copied
