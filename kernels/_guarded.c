@@ -220,21 +220,28 @@ static int64_t at(const char *base, Py_ssize_t i) {
     return v;
 }
 
-static Py_ssize_t strided_copy(char *host, const char *offs, Py_ssize_t host_add, char *engine,
-                               const char *pids, Py_ssize_t stride, Py_ssize_t n, size_t length,
-                               int to_host, int stream) {
+enum { ROW_ADD, ROW_ENGINE, ROW_PAGES, ROW_STRIDE, ROW_LENGTH, ROW_WORDS };
+
+static Py_ssize_t regions_copy(char *host, const char *offs, const char *pids, const char *rows,
+                               Py_ssize_t nrows, Py_ssize_t n, int to_host, int stream) {
     volatile Py_ssize_t done = 0;
     sigjmp_buf env;
     if (sigsetjmp(env, 1) == 0) {
         guard = &env;
-        while (done < n) {
-            char *h = host + at(offs, done) + host_add;
-            char *e = engine + at(pids, done) * stride;
-            if (to_host)
-                page_copy(h, e, length, stream);
-            else
-                page_copy(e, h, length, stream);
-            done = done + 1;
+        for (Py_ssize_t r = 0; r < nrows; r++) {
+            const char *row = rows + r * ROW_WORDS * (Py_ssize_t)sizeof(int64_t);
+            Py_ssize_t add = at(row, ROW_ADD), stride = at(row, ROW_STRIDE);
+            size_t length = (size_t)at(row, ROW_LENGTH);
+            char *engine = (char *)(uintptr_t)at(row, ROW_ENGINE);
+            for (Py_ssize_t i = 0; i < n; i++) {
+                char *h = host + at(offs, i) + add;
+                char *e = engine + at(pids, i) * stride;
+                if (to_host)
+                    page_copy(h, e, length, stream);
+                else
+                    page_copy(e, h, length, stream);
+                done = done + 1;
+            }
         }
     }
     guard = NULL;
@@ -245,6 +252,7 @@ static Py_ssize_t strided_copy(char *host, const char *offs, Py_ssize_t host_add
 static PyObject *copy_strided(PyObject *self, PyObject *args) {
     unsigned long long host, engine;
     Py_ssize_t host_nbytes, host_add, engine_pages, stride, length, n, done = 0;
+    int64_t row[ROW_WORDS];
     Py_buffer offs, pids;
     int to_host, stream = 0;
     PyObject *out = NULL;
@@ -280,44 +288,20 @@ static PyObject *copy_strided(PyObject *self, PyObject *args) {
             goto end;
         }
     }
+    row[ROW_ADD] = host_add;
+    row[ROW_ENGINE] = (int64_t)engine;
+    row[ROW_PAGES] = engine_pages;
+    row[ROW_STRIDE] = stride;
+    row[ROW_LENGTH] = length;
     Py_BEGIN_ALLOW_THREADS
-    done = strided_copy((char *)(uintptr_t)host, offs.buf, host_add, (char *)(uintptr_t)engine,
-                        pids.buf, stride, n, (size_t)length, to_host, stream);
+    done = regions_copy((char *)(uintptr_t)host, offs.buf, pids.buf, (const char *)row, 1, n,
+                        to_host, stream);
     Py_END_ALLOW_THREADS
     out = PyLong_FromSsize_t(done);
 end:
     PyBuffer_Release(&offs);
     PyBuffer_Release(&pids);
     return out;
-}
-
-enum { ROW_ADD, ROW_ENGINE, ROW_PAGES, ROW_STRIDE, ROW_LENGTH, ROW_WORDS };
-
-static Py_ssize_t regions_copy(char *host, const char *offs, const char *pids, const char *rows,
-                               Py_ssize_t nrows, Py_ssize_t n, int to_host, int stream) {
-    volatile Py_ssize_t done = 0;
-    sigjmp_buf env;
-    if (sigsetjmp(env, 1) == 0) {
-        guard = &env;
-        for (Py_ssize_t r = 0; r < nrows; r++) {
-            const char *row = rows + r * ROW_WORDS * (Py_ssize_t)sizeof(int64_t);
-            Py_ssize_t add = at(row, ROW_ADD), stride = at(row, ROW_STRIDE);
-            size_t length = (size_t)at(row, ROW_LENGTH);
-            char *engine = (char *)(uintptr_t)at(row, ROW_ENGINE);
-            for (Py_ssize_t i = 0; i < n; i++) {
-                char *h = host + at(offs, i) + add;
-                char *e = engine + at(pids, i) * stride;
-                if (to_host)
-                    page_copy(h, e, length, stream);
-                else
-                    page_copy(e, h, length, stream);
-                done = done + 1;
-            }
-        }
-    }
-    guard = NULL;
-    fence();
-    return done;
 }
 
 static PyObject *copy_regions(PyObject *self, PyObject *args) {
