@@ -11,7 +11,8 @@
  * A table entry only proposes a slot: a slot counts when it is inside the columns, its key
  * bytes equal the key's, its key length is 32, its namespace is `ns_id` and its state
  * `ready`. Every buffer's size is checked against the others before the first probe, so no
- * table entry, however stale, reads outside them. The GIL is released while probing: only
+ * table entry, however stale, reads outside them (a prefetch reads nothing: it only asks
+ * for a line, and only of a slot inside the columns). The GIL is released while probing: only
  * the caller's thread changes these arrays.
  */
 #define PY_SSIZE_T_CLEAN
@@ -20,6 +21,9 @@
 #include <string.h>
 
 #define WORDS 4 /* a 32-byte key as four 64-bit words */
+#define AHEAD 16 /* keys between a bucket's prefetch and its probe: a long LOOKUP's rows lie
+                  * all over the columns, and out of the caches once copies have run, so each
+                  * key would wait for its misses one after another; fetched ahead, they overlap */
 
 static PyObject *leading_run(PyObject *self, PyObject *args) {
     Py_buffer table, keys, ns, state, key_len, words;
@@ -58,6 +62,17 @@ static PyObject *leading_run(PyObject *self, PyObject *args) {
         for (; i < n; i++) {
             const uint64_t *k = w + i * WORDS;
             uint64_t pos = ((nsh ^ k[0]) * mult0) >> shift;
+            if (i + AHEAD < n)  /* the bucket of a key AHEAD keys on */
+                __builtin_prefetch(tab + ((((nsh ^ w[(i + AHEAD) * WORDS]) * mult0) >> shift) & mask));
+            if (i + AHEAD / 2 < n) {  /* the row its bucket proposes, for a key half as far on */
+                int32_t c = tab[(((nsh ^ w[(i + AHEAD / 2) * WORDS]) * mult0) >> shift) & mask];
+                if (c >= 0 && c < n_slots) {
+                    __builtin_prefetch(kcol + (Py_ssize_t)c * WORDS);
+                    __builtin_prefetch(ncol + c);
+                    __builtin_prefetch(scol + c);
+                    __builtin_prefetch(lcol + c);
+                }
+            }
             int found = 0, open = 1;
             for (long long r = 0; r < max_rounds; r++, pos = (pos + 1) & mask) {
                 int32_t c = tab[pos & mask];

@@ -6,6 +6,7 @@ hands out byte offsets into the arena and keeps every page's state. It is assemb
 one module per concept::
 
     index      HostPool: construction, adoption, ids, geometry, quotas, introspection
+    bulk       pin and unpin of long runs in numpy
     pages      PageTable: the index and page state machine (lookup, allocate, commit,
                abort, pin, unpin, flush)
     eviction   Evictor: victim choice (LRU, tail first), quotas, the write-back hook
@@ -36,6 +37,7 @@ from kvtier.config.errors import ConfigError
 from kvtier.config.sizes import format_size
 from kvtier.daemon.pool import keytable
 from kvtier.daemon.pool.adopt import scan_rows
+from kvtier.daemon.pool.bulk import BULK_PAGES, pin_run, unpin_run
 from kvtier.daemon.pool.eviction import EVICT_FACTOR, MIN_SCAN
 from kvtier.daemon.pool.keytable import KeyTable
 from kvtier.daemon.pool.layout import (
@@ -256,6 +258,18 @@ class HostPool(PageTable):
             self._unlisted += slots
             if len(self._unlisted) >= TABLE_BATCH:
                 self._list()
+
+    def _pin_slots(self, out: list[int]) -> None:
+        """See :meth:`PageTable.pin`; a run of :data:`~kvtier.daemon.pool.bulk.BULK_PAGES`
+        pages or more is pinned in numpy (:func:`~kvtier.daemon.pool.bulk.pin_run`)."""
+        if len(out) < BULK_PAGES or not pin_run(self, out):
+            super()._pin_slots(out)
+
+    def unpin(self, slots: Sequence[int]) -> None:
+        """See :meth:`PageTable.unpin`; a run of :data:`~kvtier.daemon.pool.bulk.BULK_PAGES`
+        pages or more is unpinned in numpy (:func:`~kvtier.daemon.pool.bulk.unpin_run`)."""
+        if len(slots) < BULK_PAGES or not unpin_run(self, slots):
+            super().unpin(slots)
 
     def _list(self) -> None:
         """Enter the slots committed since the last time into the key table."""

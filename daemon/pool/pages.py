@@ -16,8 +16,8 @@ flips the state first. Which page to evict is :mod:`~kvtier.daemon.pool.eviction
 
 Hot paths: lookup is a dict probe per key at C speed (``_ready``: the READY pages of each
 namespace, key -> slot); commit adds one xxh3 of the key (the seal); the per-page loops of
-pin, unpin, commit and release check and update inline. Each key is one bytes object, shared
-by ``_key`` (slot -> key) and the namespace's dict; adoption builds both at C speed.
+pin, unpin, commit and release update inline (the host pool pins long runs in numpy). A key
+is one bytes object, in ``_key`` (slot -> key) and its namespace's dict (built in C at adoption).
 """
 
 from __future__ import annotations
@@ -278,9 +278,8 @@ class PageTable:
                 ``slots`` (length, or a value outside 64 bits).
         """
         meta, state, keys, n_slots = self._meta, self._state, self._key, self.n_slots
-        writing_state, ready_state = int(PageState.WRITING), int(PageState.READY)
         for s in slots:  # checked inline: this runs for every page a store moved
-            if not 0 <= s < n_slots or state[s] != writing_state:
+            if not 0 <= s < n_slots or state[s] != _WRITING:
                 self._expect(s, PageState.WRITING, "commit")  # raises, naming what is wrong
         if checksums is not None and (len(checksums) != len(slots) or (
                 checksums and (min(checksums) < 0 or max(checksums) > _MAX_U64))):  # fmt: skip
@@ -292,7 +291,7 @@ class PageTable:
         clock = self._clock
         for j in range(len(slots) - 1, -1, -1):
             s = slots[j]
-            if state[s] != writing_state:  # listed twice
+            if state[s] != _WRITING:  # listed twice
                 self._clock = clock
                 self._expect(s, PageState.WRITING, "commit")
             key = keys[s]
@@ -306,7 +305,7 @@ class PageTable:
             seal[s] = digest(key, (csum ^ ns) & _MAX_U64)  # = seal_of(key, ns, csum)
             clock += 1  # the access clock, one tick a page
             stamp[s] = clock
-            state[s] = ready_state  # last: the row is complete
+            state[s] = _READY  # last: the row is complete
             del self._writing[ns][key]
             by_key = self._ready.get(ns)
             if by_key is None:
@@ -352,6 +351,11 @@ class PageTable:
         """
         n = self.lookup(ns_id, keys)
         out = list(map(self._ready[ns_id].__getitem__, keys[:n])) if n else []
+        self._pin_slots(out)
+        return out
+
+    def _pin_slots(self, out: list[int]) -> None:
+        """Pin and touch the READY slots ``out`` of :meth:`pin`, the last first."""
         pins, children, stamp, owner = self._pins, self._children, self._stamp, self._owner
         clock = self._clock
         for s in reversed(out):
@@ -363,7 +367,6 @@ class PageTable:
             clock += 1  # the access clock, one tick a page
             stamp[s] = clock
         self._clock = clock
-        return out
 
     def unpin(self, slots: Sequence[int]) -> None:
         """Drop one pin per slot; pages left unpinned and childless become evictable.
@@ -378,9 +381,8 @@ class PageTable:
         """
         pins, state, children, owner, n = (self._pins, self._state, self._children,
                                            self._owner, self.n_slots)
-        ready = int(PageState.READY)
         for s in slots:  # checked inline: this runs for every page a load moved
-            if not 0 <= s < n or state[s] != ready or pins[s] == 0:
+            if not 0 <= s < n or state[s] != _READY or pins[s] == 0:
                 self._expect(s, PageState.READY, "unpin")  # raises, naming what is wrong
         for s in slots:
             if pins[s] == 0:  # listed more often than pinned

@@ -1,0 +1,95 @@
+"""Pin and unpin of long page runs in numpy: one pass per column instead of a Python
+iteration per page.
+
+A LOAD of a 128K-token context pins 8,192 pages and unpins them when the copy ends. Page
+by page in Python that took about 9 ms here, as long as a sixth of the copy itself. These
+functions do the same work on whole columns. They change the pins and access stamps and
+count the newly (un)pinned pages exactly as :meth:`~kvtier.daemon.pool.pages.PageTable.pin`
+and :meth:`~kvtier.daemon.pool.pages.PageTable.unpin` do page by page, and move the few
+pages that enter or leave the evictable lists (a chain's childless pages, usually its last)
+one by one, in the same order.
+
+What they leave to the page-by-page path, which they tell by returning False before any
+change: a run that names a slot twice (only a request that repeats a key makes one), and,
+for unpin, a slot that is out of range, not READY or not pinned (that path names it in its
+error).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+from kvtier.daemon.pool.records import PageState
+
+if TYPE_CHECKING:
+    from kvtier.daemon.pool.pages import PageTable
+
+__all__ = ["BULK_PAGES", "pin_run", "unpin_run"]
+
+BULK_PAGES = 64
+"""Runs of at least this many pages are pinned and unpinned here; shorter ones page by page
+(cheaper below it: the numpy views and passes have a fixed cost of a few microseconds)."""
+
+
+def _distinct(slots: np.ndarray) -> bool:
+    """Whether ``slots`` names no slot twice (a sort: tens of microseconds for 8,192)."""
+    ordered = np.sort(slots)
+    return bool((ordered[1:] != ordered[:-1]).all())
+
+
+def pin_run(table: PageTable, slots: list[int]) -> bool:
+    """Pin ``slots`` (READY, found by the caller's lookup) and touch them, the last first,
+    as :meth:`PageTable.pin` does; return False, having changed nothing, when a slot is
+    listed twice."""
+    order = np.array(slots[::-1], dtype=np.int64)  # touch order: the chain's tail first
+    if not _distinct(order):
+        return False
+    pins = np.frombuffer(table._pins, dtype=np.int32)
+    stamp = table._meta.array("stamp")
+    try:
+        before = pins[order]
+        pins[order] = before + 1
+        clock = table._clock
+        stamp[order] = np.arange(clock + 1, clock + 1 + len(order), dtype=np.int64)
+        table._clock = clock + len(order)
+        first = order[before == 0]
+        table._n_pinned += len(first)
+        if len(first):
+            children = np.frombuffer(table._children, dtype=np.int32)
+            owner, lru = table._owner, table._lru
+            for s in first[children[first] == 0].tolist():  # off the evictable lists
+                lru.dequeue(s, owner[s])
+            del children
+        return True
+    finally:
+        del pins, stamp
+
+
+def unpin_run(table: PageTable, slots: Sequence[int]) -> bool:
+    """Drop one pin of each of ``slots``, as :meth:`PageTable.unpin` does (the pages left
+    unpinned and childless become evictable, in ``slots`` order); return False, having
+    changed nothing, when a slot is listed twice, out of range, not READY or not pinned."""
+    at = np.array(slots, dtype=np.int64)
+    if at.min() < 0 or at.max() >= table.n_slots:
+        return False
+    pins = np.frombuffer(table._pins, dtype=np.int32)
+    state = table._meta.array("state")
+    try:
+        before = pins[at]
+        if not ((before > 0).all() and (state[at] == int(PageState.READY)).all()
+                and _distinct(at)):
+            return False
+        pins[at] = before - 1
+        last = at[before == 1]
+        table._n_pinned -= len(last)
+        if len(last):
+            children = np.frombuffer(table._children, dtype=np.int32)
+            owner, lru = table._owner, table._lru
+            for s in last[children[last] == 0].tolist():  # onto the evictable lists
+                lru.enqueue(s, owner[s])
+            del children
+        return True
+    finally:
+        del pins, state

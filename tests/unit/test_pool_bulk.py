@@ -1,0 +1,161 @@
+"""Pin and unpin of long runs in numpy (:mod:`kvtier.daemon.pool.bulk`) against the
+page-by-page path they stand in for.
+
+Two pools get the same operations: the host pool as the daemon runs it (runs of
+``BULK_PAGES`` pages or more go to numpy) and one that pins and unpins every run page by
+page. After every operation both must hold the same pins, access stamps, pinned-page
+count and evictable lists, answer with the same slots or the same error, and evict the
+same pages later.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+from kvtier.daemon.pool.bulk import BULK_PAGES
+from kvtier.daemon.pool.index import HostPool, HostPoolError
+from kvtier.daemon.pool.pages import PageTable
+
+KIB = 1024
+EXTENT = 16 * KIB
+NS = 1
+OWNERS = (10, 20)
+
+
+class PageByPage(HostPool):
+    """The host pool with every pin and unpin done page by page (the reference)."""
+
+    def _pin_slots(self, out: list[int]) -> None:
+        PageTable._pin_slots(self, out)
+
+    def unpin(self, slots: Sequence[int]) -> None:
+        PageTable.unpin(self, slots)
+
+
+def pools(extents: int = 96) -> tuple[HostPool, HostPool]:
+    out = (HostPool(extents * EXTENT, EXTENT, 4 * KIB),
+           PageByPage(extents * EXTENT, EXTENT, 4 * KIB))
+    for p in out:
+        assert p.register_class(4000) == 0
+    return out
+
+
+def snapshot(p: HostPool) -> tuple:
+    return (np.frombuffer(p._pins, dtype=np.int32).tolist(), p._meta.array("stamp").tolist(),
+            p.stats().pages_pinned, p.evictable_slots(), [p.evictable_slots(o) for o in OWNERS],
+            p._clock)
+
+
+def both(bulk: HostPool, ref: HostPool, op: str, *args: object) -> object:
+    """Run ``op`` on both pools; they must answer alike and end alike."""
+    got = []
+    for p in (bulk, ref):
+        try:
+            got.append(("ok", getattr(p, op)(*args)))
+        except HostPoolError as err:  # PageStateError too
+            got.append(("error", str(err)))
+    assert got[0] == got[1], op
+    assert snapshot(bulk) == snapshot(ref), op
+    return got[0][1]
+
+
+def test_long_runs_pin_and_unpin_as_page_by_page() -> None:
+    bulk, ref = pools()
+    rng = random.Random(5)
+    chains: list[list[bytes]] = []
+    held: list[list[int]] = []
+    for step in range(300):
+        roll = rng.random()
+        if roll < 0.3 or not chains:  # a new chain, sometimes extending another
+            n = rng.choice((3, 40, BULK_PAGES, 100, 150))
+            parent = rng.choice(chains)[-1] if chains and rng.random() < 0.3 else None
+            keys = [f"c{step}-{i}".encode() for i in range(n)]
+            owner = rng.choice(OWNERS)
+            slots = both(bulk, ref, "allocate", NS, owner, 0, keys, parent)
+            both(bulk, ref, "commit", [s for _, s in slots])
+            chains.append(keys)
+        elif roll < 0.4:  # pages of no chain: each its own, each evictable, pinned at once
+            keys = [f"s{step}-{i}".encode() for i in range(rng.choice((BULK_PAGES, 80)))]
+            for key in keys:
+                got = both(bulk, ref, "allocate", NS, rng.choice(OWNERS), 0, [key], None)
+                both(bulk, ref, "commit", [s for _, s in got])
+            slots = both(bulk, ref, "pin", NS, keys)
+            if slots:
+                held.append(slots)
+        elif roll < 0.65:  # pin a prefix of a chain, now and then with a key twice
+            keys = rng.choice(chains)
+            keys = keys[: rng.randint(1, len(keys))]
+            if len(keys) > 2 and rng.random() < 0.15:
+                keys = keys + [keys[1]]
+            slots = both(bulk, ref, "pin", NS, keys)
+            if slots:
+                held.append(slots)
+        elif held:  # unpin what a pin returned, or a list the pool must refuse
+            slots = held.pop(rng.randrange(len(held)))
+            bad = rng.random()
+            if bad < 0.1:
+                both(bulk, ref, "unpin", slots + slots)  # more often than pinned, unless
+                # pinned twice: refused part-way (each slot's first listing unpinned) alike
+            elif bad < 0.15:
+                both(bulk, ref, "unpin", slots + [bulk.n_slots])
+                held.append(slots)
+            else:
+                both(bulk, ref, "unpin", slots)
+    for slots in held:
+        both(bulk, ref, "unpin", slots)
+    assert bulk.stats().pages_pinned == 0
+    # the same pages go first when the pool fills up
+    for i in range(4):
+        keys = [f"fill{i}-{j}".encode() for j in range(BULK_PAGES * 2)]
+        got = both(bulk, ref, "allocate", NS, OWNERS[0], 0, keys, None)
+        both(bulk, ref, "commit", [s for _, s in got])
+    assert [e.key for e in bulk.drain_evicted()] == [e.key for e in ref.drain_evicted()]
+
+
+def test_a_long_run_is_pinned_in_numpy() -> None:
+    """The bulk path really runs (and the page-by-page one does not) for long runs."""
+    bulk, _ = pools()
+    keys = [f"k{i}".encode() for i in range(BULK_PAGES)]
+    slots = [s for _, s in bulk.allocate(NS, OWNERS[0], 0, keys)]
+    bulk.commit(slots)
+    calls = []
+    original = PageTable._pin_slots
+
+    def spy(self: PageTable, out: list[int]) -> None:
+        calls.append(len(out))
+        original(self, out)
+
+    PageTable._pin_slots = spy  # type: ignore[method-assign]
+    try:
+        assert bulk.pin(NS, keys) == slots
+        assert bulk.pin(NS, keys[: BULK_PAGES - 1]) == slots[:-1]
+    finally:
+        PageTable._pin_slots = original  # type: ignore[method-assign]
+    assert calls == [BULK_PAGES - 1]
+    assert bulk.stats().pages_pinned == BULK_PAGES
+    assert bulk.evictable_slots() == []
+
+
+@pytest.mark.parametrize("bad", ["twice", "free", "unpinned", "negative"])
+def test_a_refused_bulk_unpin_changes_nothing_and_names_the_slot(bad: str) -> None:
+    bulk, ref = pools()
+    keys = [f"k{i}".encode() for i in range(BULK_PAGES + 8)]
+    for p in (bulk, ref):
+        p.commit([s for _, s in p.allocate(NS, OWNERS[0], 0, keys)])
+    slots = both(bulk, ref, "pin", NS, keys[:BULK_PAGES])
+    assert isinstance(slots, list)
+    other = both(bulk, ref, "lookup", NS, keys)  # all READY
+    assert other == len(keys)
+    extra = {"twice": slots[3], "free": bulk.n_slots - 1,
+             "unpinned": bulk._ready[NS][keys[-1]], "negative": -1}[bad]
+    before = snapshot(bulk)
+    for p in (bulk, ref):
+        with pytest.raises(HostPoolError) as err:
+            p.unpin(slots + [extra])
+        assert str(extra) in str(err.value)
+    if bad != "twice":  # checked before any change on both paths
+        assert snapshot(bulk) == before
+    both(bulk, ref, "unpin", slots)
