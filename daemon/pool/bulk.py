@@ -39,6 +39,18 @@ def _distinct(slots: np.ndarray) -> bool:
     return bool((ordered[1:] != ordered[:-1]).all())
 
 
+def _childless(table: PageTable, slots: np.ndarray) -> list[int]:
+    """Those of ``slots`` without resident children (the evictable lists hold only such
+    pages), in ``slots`` order."""
+    if not len(slots):
+        return []
+    children = np.frombuffer(table._children, dtype=np.int32)
+    try:
+        return slots[children[slots] == 0].tolist()
+    finally:
+        del children
+
+
 def pin_run(table: PageTable, slots: list[int]) -> bool:
     """Pin ``slots`` (READY, found by the caller's lookup) and touch them, the last first,
     as :meth:`PageTable.pin` does; return False, having changed nothing, when a slot is
@@ -56,12 +68,9 @@ def pin_run(table: PageTable, slots: list[int]) -> bool:
         table._clock = clock + len(order)
         first = order[before == 0]
         table._n_pinned += len(first)
-        if len(first):
-            children = np.frombuffer(table._children, dtype=np.int32)
-            owner, lru = table._owner, table._lru
-            for s in first[children[first] == 0].tolist():  # off the evictable lists
-                lru.dequeue(s, owner[s])
-            del children
+        owner, lru = table._owner, table._lru
+        for s in _childless(table, first):  # off the evictable lists
+            lru.dequeue(s, owner[s])
         return True
     finally:
         del pins, stamp
@@ -84,12 +93,9 @@ def unpin_run(table: PageTable, slots: Sequence[int]) -> bool:
         pins[at] = before - 1
         last = at[before == 1]
         table._n_pinned -= len(last)
-        if len(last):
-            children = np.frombuffer(table._children, dtype=np.int32)
-            owner, lru = table._owner, table._lru
-            for s in last[children[last] == 0].tolist():  # onto the evictable lists
-                lru.enqueue(s, owner[s])
-            del children
+        owner, lru = table._owner, table._lru
+        for s in _childless(table, last):  # onto the evictable lists
+            lru.enqueue(s, owner[s])
         return True
     finally:
         del pins, state
