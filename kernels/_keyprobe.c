@@ -1,12 +1,14 @@
 /* kvtier.kernels._keyprobe: the key table's probe of a whole LOOKUP, in one C call.
  *
  * leading_run(table, keys, ns, state, key_len, words, ns_id, mult0, mult1, shift, start,
- *             max_rounds, ready) -> (index, unresolved)
+ *             max_rounds, ready[, slots]) -> (index, unresolved)
  *
  * The same probe as daemon/pool/keytable.py's KeyTable.find, key after key from `start`,
  * stopping at the first key that is not confirmed READY in namespace `ns_id`: its index is
  * returned (the number of keys when all are), with `unresolved` = 1 when its probe met
  * `max_rounds` taken entries (the caller's exact probe decides it) and 0 for a true miss.
+ * With `slots` (a writable int64 buffer of one entry per key), the slot found for each key
+ * of the run is written to it: a LOAD pins the pages it found without looking them up again.
  *
  * A table entry only proposes a slot: a slot counts when it is inside the columns, its key
  * bytes equal the key's, its key length is 32, its namespace is `ns_id` and its state
@@ -26,13 +28,14 @@
                   * key would wait for its misses one after another; fetched ahead, they overlap */
 
 static PyObject *leading_run(PyObject *self, PyObject *args) {
-    Py_buffer table, keys, ns, state, key_len, words;
+    Py_buffer table, keys, ns, state, key_len, words, slots = {0};
     long long ns_id, start, max_rounds, ready;
     unsigned long long mult0, mult1, shift;
     PyObject *out = NULL;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*LKKKLLL", &table, &keys, &ns, &state, &key_len,
-                          &words, &ns_id, &mult0, &mult1, &shift, &start, &max_rounds, &ready))
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*LKKKLLL|w*", &table, &keys, &ns, &state, &key_len,
+                          &words, &ns_id, &mult0, &mult1, &shift, &start, &max_rounds, &ready,
+                          &slots))
         return NULL;
     Py_ssize_t n_slots = ns.len / 8, n_entries = table.len / 4, n = words.len / (8 * WORDS);
     if (ns.len % 8 || keys.len != n_slots * 8 * WORDS || state.len != n_slots ||
@@ -49,7 +52,13 @@ static PyObject *leading_run(PyObject *self, PyObject *args) {
                      max_rounds);
         goto end;
     }
+    if (slots.buf != NULL && slots.len < n * 8) {
+        PyErr_Format(PyExc_ValueError, "slots has %zd bytes, %zd keys need %zd", slots.len, n,
+                     n * 8);
+        goto end;
+    }
     {
+        int64_t *found_at = slots.buf;
         const int32_t *tab = table.buf;
         const uint64_t *kcol = keys.buf, *w = words.buf;
         const int64_t *ncol = ns.buf;
@@ -83,6 +92,8 @@ static PyObject *leading_run(PyObject *self, PyObject *args) {
                 if (c < n_slots && memcmp(kcol + (Py_ssize_t)c * WORDS, k, 8 * WORDS) == 0 &&
                     ncol[c] == ns_id && scol[c] == ready && lcol[c] == 8 * WORDS) {
                     found = 1;
+                    if (found_at != NULL)
+                        found_at[i] = c;
                     break;
                 }
             }
@@ -101,13 +112,16 @@ end:
     PyBuffer_Release(&state);
     PyBuffer_Release(&key_len);
     PyBuffer_Release(&words);
+    if (slots.buf != NULL)
+        PyBuffer_Release(&slots);
     return out;
 }
 
 static PyMethodDef methods[] = {
     {"leading_run", leading_run, METH_VARARGS,
      "leading_run(table, keys, ns, state, key_len, words, ns_id, mult0, mult1, shift, start, "
-     "max_rounds, ready) -> (index, unresolved): the first key from start not READY in ns_id"},
+     "max_rounds, ready[, slots]) -> (index, unresolved): the first key from start not READY "
+     "in ns_id (with slots, an int64 buffer, the slot of each key of the run is written there)"},
     {NULL, NULL, 0, NULL},
 };
 

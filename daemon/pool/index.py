@@ -39,7 +39,7 @@ from kvtier.daemon.pool import keytable
 from kvtier.daemon.pool.adopt import scan_rows
 from kvtier.daemon.pool.bulk import BULK_PAGES, pin_run, unpin_run
 from kvtier.daemon.pool.eviction import EVICT_FACTOR, MIN_SCAN
-from kvtier.daemon.pool.keytable import KeyTable
+from kvtier.daemon.pool.keytable import KeyTable, table_keys
 from kvtier.daemon.pool.layout import (
     HAS_CHECKSUM,
     HEADROOM_ALIGN,
@@ -280,12 +280,36 @@ class HostPool(PageTable):
     def lookup(self, ns_id: int, keys: Sequence[bytes]) -> int:
         """See :meth:`PageTable.lookup`; a list of :data:`TABLE_MIN_KEYS` keys or more
         is answered from the key table (:meth:`lookup_packed`)."""
-        if len(keys) < TABLE_MIN_KEYS or max(map(len, keys)) != KEY_BYTES:
-            return super().lookup(ns_id, keys)
-        packed = b"".join(keys)
-        if len(packed) != KEY_BYTES * len(keys):  # a shorter key too: not a table's key
-            return super().lookup(ns_id, keys)
-        return self.lookup_packed(ns_id, packed)
+        packed = table_keys(keys, TABLE_MIN_KEYS)
+        return super().lookup(ns_id, keys) if packed is None else self.lookup_packed(ns_id, packed)
+
+    def _run_slots(self, ns_id: int, keys: Sequence[bytes]) -> list[int]:
+        """See :meth:`PageTable._run_slots`; for :data:`TABLE_MIN_KEYS` keys or more the C
+        probe of the key table returns the slots with the run (a LOAD's pin looks no key up
+        twice: 8,192 probes of the dict after a copy had flushed the caches took ms)."""
+        packed = table_keys(keys, TABLE_MIN_KEYS)
+        if packed is None or not keytable.NATIVE:
+            return super()._run_slots(ns_id, keys)
+        slots = np.empty(len(keys), dtype=np.int64)
+        return slots[: self._probe_run(ns_id, packed, slots)].tolist()
+
+    def _probe_run(self, ns_id: int, packed: bytes | memoryview,
+                   slots: np.ndarray | None = None) -> int:
+        """The leading READY run of ``packed`` (whole 32-byte keys) by the C probe, each key
+        it leaves unresolved decided by the dict; with ``slots``, each key's slot is written
+        there."""
+        words = np.frombuffer(packed, dtype="<u8").reshape(-1, KEY_BYTES // 8)
+        self._list()
+        ready = self._ready.get(ns_id, {})
+        i = 0
+        while True:  # C: up to the first key not found, which may be an unfinished probe
+            i, unresolved = self._table.leading_run(ns_id, words, i, slots)
+            s = ready.get(bytes(packed[i * KEY_BYTES:(i + 1) * KEY_BYTES])) if unresolved else None
+            if s is None:
+                return i
+            if slots is not None:
+                slots[i] = s
+            i += 1  # the exact probe found it: go on after it
 
     def lookup_packed(self, ns_id: int, packed: bytes | memoryview) -> int:
         """Return the length of the leading run READY in ``ns_id`` of the keys in
@@ -313,12 +337,7 @@ class HostPool(PageTable):
             for j in unresolved.tolist():  # probe sequences too long to finish
                 found[j] = bytes(packed[j * KEY_BYTES:(j + 1) * KEY_BYTES]) in ready
             return n if found.all() else int(found.argmin())
-        i = 0
-        while True:  # C: up to the first key not found, which may be an unfinished probe
-            i, unresolved = self._table.leading_run(ns_id, words, i)
-            if not unresolved or bytes(packed[i * KEY_BYTES:(i + 1) * KEY_BYTES]) not in ready:
-                return i
-            i += 1  # the exact probe found it: go on after it
+        return self._probe_run(ns_id, packed)
 
     # ------------------------------------------------------------- geometry
 

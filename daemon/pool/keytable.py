@@ -41,7 +41,7 @@ try:
 except ImportError:  # built without a C compiler: the numpy probe serves
     _keyprobe = None
 
-__all__ = ["MAX_ROUNDS", "MIN_CAPACITY", "NATIVE", "KeyTable"]
+__all__ = ["MAX_ROUNDS", "MIN_CAPACITY", "NATIVE", "KeyTable", "table_keys"]
 
 NATIVE = _keyprobe is not None
 """Whether :meth:`KeyTable.leading_run` probes in C (``kernels/_keyprobe.c``); else it runs
@@ -184,7 +184,8 @@ class KeyTable:
             idx = idx[more]
         return out, idx  # empty unless MAX_ROUNDS ran out
 
-    def leading_run(self, ns_id: int, words: np.ndarray, start: int = 0) -> tuple[int, bool]:
+    def leading_run(self, ns_id: int, words: np.ndarray, start: int = 0,
+                    slots: np.ndarray | None = None) -> tuple[int, bool]:
         """The first key from ``start`` that is not READY in ``ns_id``, by the probe of
         :meth:`find`, in C (it stops at that key). Only with :data:`NATIVE`; without it,
         :meth:`find` probes every key at once.
@@ -193,6 +194,8 @@ class KeyTable:
             ns_id: the namespace.
             words: the keys, a C-contiguous n x 4 array of little-endian uint64.
             start: the key to begin with (those before it are taken as found).
+            slots: a writable int64 array of one entry per key, or None; the slot found
+                for each key from ``start`` up to the returned index is written to it.
 
         Returns:
             ``(index, unresolved)``: the index of that key (``n`` when all are READY), and
@@ -207,5 +210,14 @@ class KeyTable:
         i, open_ = _keyprobe.leading_run(self._table, self._keys, self._ns, self._state,
                                          self._key_len, words, ns_id, int(self._mult[0]),
                                          int(self._mult[1]), int(self._shift), start,
-                                         MAX_ROUNDS, _READY)
+                                         MAX_ROUNDS, _READY, *(() if slots is None else (slots,)))
         return i, bool(open_)
+
+
+def table_keys(keys: Sequence[bytes], min_keys: int) -> bytes | None:
+    """``keys`` packed back to back for a probe of the table, or None when there are fewer
+    than ``min_keys`` or one is not a table's key (32 bytes)."""
+    if len(keys) < min_keys or max(map(len, keys)) != KEY_BYTES:
+        return None
+    packed = b"".join(keys)
+    return packed if len(packed) == KEY_BYTES * len(keys) else None  # a shorter key too

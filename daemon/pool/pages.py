@@ -174,14 +174,8 @@ class PageTable:
             n += 1
         return n
 
-    def allocate(
-        self,
-        ns_id: int,
-        owner: int,
-        class_id: int,
-        keys: Sequence[bytes],
-        parent_key: bytes | None = None,
-    ) -> list[tuple[int, int]]:
+    def allocate(self, ns_id: int, owner: int, class_id: int, keys: Sequence[bytes],
+                 parent_key: bytes | None = None) -> list[tuple[int, int]]:  # fmt: skip
         """Allocate WRITING slots for the keys the pool lacks (the store path).
 
         Present keys (READY or WRITING) are skipped but parent the next key. A new
@@ -349,10 +343,14 @@ class PageTable:
         Returns:
             The pinned slots, one per key of the leading READY run.
         """
-        n = self.lookup(ns_id, keys)
-        out = list(map(self._ready[ns_id].__getitem__, keys[:n])) if n else []
+        out = self._run_slots(ns_id, keys)
         self._pin_slots(out)
         return out
+
+    def _run_slots(self, ns_id: int, keys: Sequence[bytes]) -> list[int]:
+        """The slots of the leading run of ``keys`` READY in ``ns_id`` (:meth:`lookup`'s)."""
+        n = self.lookup(ns_id, keys)
+        return list(map(self._ready[ns_id].__getitem__, keys[:n])) if n else []
 
     def _pin_slots(self, out: list[int]) -> None:
         """Pin and touch the READY slots ``out`` of :meth:`pin`, the last first."""

@@ -66,10 +66,12 @@ def stored_pool(rng: random.Random) -> tuple[HostPool, list[bytes]]:
 
 
 def run(pool: HostPool, ns: int, keys: list[bytes]) -> int:
-    """The table's answer, checked against the key-by-key reference and the list form."""
+    """The table's answer, checked against the key-by-key reference and the list form; the
+    slots the probe returns for a pin, against the index's."""
     packed = pool.lookup_packed(ns, b"".join(keys))
     assert packed == PageTable.lookup(pool, ns, keys)
     assert pool.lookup(ns, keys) == packed
+    assert pool._run_slots(ns, keys) == PageTable._run_slots(pool, ns, keys)
     return packed
 
 
@@ -304,3 +306,48 @@ def test_keys_left_to_the_exact_probe_cost_one_pass_each(probe: str, monkeypatch
     else:  # C: each call starts after the key the exact probe found before it
         assert keys_probed[0] == N and len(keys_probed) <= N + 1
         assert all(a > b for a, b in itertools.pairwise(keys_probed))
+
+
+def test_the_c_probe_returns_the_run_s_slots_and_a_pin_uses_them(probe: str) -> None:
+    if probe == "numpy":
+        pytest.skip("the slots come from the C probe; without it a pin looks them up")
+    rng = random.Random(12)
+    pool, keys = stored_pool(rng)
+    expected = [pool._ready[NS][k] for k in keys]
+    words = np.frombuffer(b"".join(keys), dtype="<u8").reshape(-1, 4)
+    pool._list()
+    t = pool._table
+
+    def run_from(start: int, slots: np.ndarray) -> int:
+        # a page the table left out (its hashing is drawn per table) ends a call with an
+        # open probe: its slot is the exact probe's to write, as the pool's own loop does
+        i, open_ = t.leading_run(NS, words, start, slots)
+        while open_ and i < N:
+            slots[i] = pool._ready[NS][keys[i]]
+            i, open_ = t.leading_run(NS, words, i + 1, slots)
+        return i
+
+    slots = np.full(N, -5, dtype=np.int64)
+    assert run_from(0, slots) == N
+    assert slots.tolist() == expected
+    slots[:] = -5
+    assert run_from(N - 10, slots) == N  # only from start on
+    assert slots[: N - 10].tolist() == [-5] * (N - 10) and slots[N - 10:].tolist() == expected[-10:]
+    with pytest.raises(ValueError, match="slots has"):
+        t.leading_run(NS, words, 0, np.empty(N - 1, dtype=np.int64))
+    with pytest.raises(TypeError):
+        t.leading_run(NS, words, 0, np.empty(N, dtype=np.int64).tobytes())  # read-only
+    calls: list[int] = []
+    original = PageTable._run_slots
+
+    def spy(self: PageTable, ns: int, ks: list[bytes]) -> list[int]:
+        calls.append(len(ks))
+        return original(self, ns, ks)
+
+    PageTable._run_slots = spy  # type: ignore[method-assign]
+    try:
+        assert pool.pin(NS, keys + keys_of(rng, 1)) == expected  # no dict look-up of each key
+    finally:
+        PageTable._run_slots = original  # type: ignore[method-assign]
+    assert calls == []
+    pool.unpin(expected)
