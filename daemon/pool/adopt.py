@@ -21,7 +21,12 @@ from kvtier.daemon.pool.meta import PoolMeta
 from kvtier.daemon.pool.records import HostPoolError, PageState
 from kvtier.daemon.pool.seals import seals
 
-__all__ = ["AdoptScan", "scan_rows"]
+try:
+    from kvtier.kernels._keyprobe import index_keys as _index_keys
+except ImportError:  # built without a C compiler: the index is built in Python
+    _index_keys = None
+
+__all__ = ["AdoptScan", "index_rows", "scan_rows"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,14 +35,16 @@ class AdoptScan:
 
     Attributes:
         slots: adopted slot ids, ascending (int64).
-        keys: their keys, same order (no (namespace, key) twice).
+        rows: their key rows, same order (``(n, KEY_BYTES)`` uint8; no (namespace, key)
+            twice); ``key_len`` their key lengths.
         parents: their parent slot ids after cleaning (NIL: none), same order as ``slots``.
         dropped: rows that were not FREE and are FREE now.
         payload_bytes: sum of the adopted pages' payload lengths.
     """
 
     slots: np.ndarray
-    keys: list[bytes]
+    rows: np.ndarray
+    key_len: np.ndarray
     parents: np.ndarray
     dropped: int
     payload_bytes: int
@@ -97,8 +104,7 @@ def scan_rows(meta: PoolMeta, usable: np.ndarray, arena: Any | None = None) -> A
         cand, rows, key_len = cand[ok], rows[ok], key_len[ok]
     del pbs
     latest = _latest_per_key(meta, cand, rows, key_len)
-    slots, keys = cand[latest], _key_objects(rows[latest], key_len[latest])
-    del rows
+    slots, rows, key_len = cand[latest], rows[latest], key_len[latest]
     gone = np.ones(len(state), dtype=bool)
     gone[slots] = False
     gone[state == PageState.FREE] = False
@@ -110,7 +116,7 @@ def scan_rows(meta: PoolMeta, usable: np.ndarray, arena: Any | None = None) -> A
     in_l3[slots] = kept
     parents = _clean_parents(meta, slots)
     del state, in_l3
-    return AdoptScan(slots, keys, parents, n_gone,
+    return AdoptScan(slots, rows, key_len, parents, n_gone,
                      int(meta.array("length")[slots].sum()))  # fmt: skip
 
 
@@ -131,6 +137,43 @@ def _payloads_match(meta: PoolMeta, arena: Any, cand: np.ndarray, sums: np.ndarr
         got = [digest(view[off : off + nbytes])
                for off, nbytes in zip(offsets.tolist(), length.tolist())]  # fmt: skip
     return np.array(got, dtype=np.uint64).reshape(-1) == sums
+
+
+def index_rows(meta: PoolMeta, scan: AdoptScan, by_slot: list[bytes | None]
+               ) -> dict[int, dict[bytes, int]]:  # fmt: skip
+    """The index of the adopted pages: per namespace id, key -> slot.
+
+    Each key becomes one bytes object, shared by the index and ``by_slot`` (slot -> key),
+    where it is put at its slot. With 32-byte keys throughout (engines' page keys) the C
+    extension makes the objects and the dicts in one pass (``index_keys``, hashing each key
+    as it is made); otherwise, or without the extension, numpy and ``dict(zip(...))`` do.
+
+    Args:
+        meta: the metadata the scan read (its namespace column).
+        scan: the adopted rows (:func:`scan_rows`).
+        by_slot: one entry per slot of the pool, None at every adopted slot.
+
+    Raises:
+        ValueError: an adopted slot of ``by_slot`` is not None (C path).
+    """
+    slots, n = scan.slots, len(scan.slots)
+    nss = meta.array("ns")[slots]
+    if n and (nss == nss[0]).all():  # one namespace: the usual case
+        parts = [np.arange(n)]
+    else:
+        order = np.argsort(nss, kind="stable")
+        parts = np.split(order, np.flatnonzero(nss[order][1:] != nss[order][:-1]) + 1)
+    if _index_keys is not None and n and (scan.key_len == KEY_BYTES).all():
+        whole = len(parts) == 1
+        return {int(nss[p[0]]): _index_keys(scan.rows if whole else scan.rows[p],
+                                            slots if whole else slots[p], by_slot)
+                for p in parts}  # fmt: skip
+    objs = np.empty(n, dtype=object)
+    objs[:] = _key_objects(scan.rows, scan.key_len)
+    for s, key in zip(slots.tolist(), objs.tolist()):
+        by_slot[s] = key
+    return {int(nss[p[0]]): dict(zip(objs[p].tolist(), slots[p].tolist()))
+            for p in (parts if n else [])}  # fmt: skip
 
 
 def _key_objects(rows: np.ndarray, key_len: np.ndarray) -> list[bytes]:

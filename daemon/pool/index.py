@@ -36,7 +36,7 @@ import numpy as np
 from kvtier.config.errors import ConfigError
 from kvtier.config.sizes import format_size
 from kvtier.daemon.pool import keytable
-from kvtier.daemon.pool.adopt import scan_rows
+from kvtier.daemon.pool.adopt import index_rows, scan_rows
 from kvtier.daemon.pool.bulk import BULK_PAGES, pin_run, unpin_run
 from kvtier.daemon.pool.eviction import EVICT_FACTOR, MIN_SCAN
 from kvtier.daemon.pool.keytable import KeyTable, table_keys
@@ -222,8 +222,8 @@ class HostPool(PageTable):
         if reason is not None:
             return AdoptResult(False, reason, 0, 0, 0, time.perf_counter() - t0, gen)
         scan = scan_rows(pm, self._slots.usable_per_extent(), arena)
-        self._rebuild(scan.slots, scan.keys, scan.parents)
-        return AdoptResult(True, "metadata matches the config", len(scan.keys), scan.dropped,
+        self._rebuild(scan.slots, index_rows(pm, scan, self._key), scan.parents)
+        return AdoptResult(True, "metadata matches the config", len(scan.slots), scan.dropped,
                            scan.payload_bytes, time.perf_counter() - t0, gen)  # fmt: skip
 
     def close(self) -> None:
@@ -245,8 +245,8 @@ class HostPool(PageTable):
         self._table = KeyTable(meta)
         self._unlisted: list[int] = []  # committed, not in the table yet
 
-    def _rebuild(self, slots: Any, keys: list[bytes], parents: Any) -> None:
-        super()._rebuild(slots, keys, parents)
+    def _rebuild(self, slots: Any, ready: dict[int, dict[bytes, int]], parents: Any) -> None:
+        super()._rebuild(slots, ready, parents)
         self._table.rebuild()
         self._unlisted = []
 

@@ -88,31 +88,21 @@ class PageTable:
         self._clock = 0
         self._n_pinned = 0
 
-    def _rebuild(self, slots: np.ndarray, keys: list[bytes], parents: np.ndarray) -> None:
+    def _rebuild(self, slots: np.ndarray, ready: dict[int, dict[bytes, int]],
+                 parents: np.ndarray) -> None:  # fmt: skip
         """Rebuild the private state of an empty table from adopted READY rows.
 
-        Everything is built at C speed (numpy, ``dict(zip(...))``): no Python loop per page.
+        Everything is built in numpy: no Python loop per page.
 
         Args:
-            slots: the adopted slot ids, ascending; ``keys`` (no (namespace, key) twice)
-                and ``parents`` (after cleaning, NIL: none) in the same order.
+            slots: the adopted slot ids, ascending; ``parents`` (after cleaning, NIL: none)
+                in the same order.
+            ready: their index (:func:`~kvtier.daemon.pool.adopt.index_rows`, which has
+                put each key into ``_key`` too).
         """
         meta = self._meta
         self._slots.rebuild(slots)
-        objs = np.empty(len(keys), dtype=object)
-        objs[:] = keys
-        by_slot = np.full(self.n_slots, None, dtype=object)
-        by_slot[slots] = objs
-        self._key[:] = by_slot.tolist()  # in place: the evictor holds this list
-        del by_slot
-        nss = meta.array("ns")[slots]
-        if len(nss) and (nss == nss[0]).all():  # one namespace: the usual case
-            parts = [np.arange(len(nss))]
-        else:
-            order = np.argsort(nss, kind="stable")
-            parts = np.split(order, np.flatnonzero(nss[order][1:] != nss[order][:-1]) + 1)
-        self._ready = {int(nss[part[0]]): dict(zip(objs[part].tolist(), slots[part].tolist()))
-                       for part in (parts if len(nss) else [])}  # fmt: skip
+        self._ready = ready
         self._writing = {}
         self._index = ResidentPages(self._ready, self._writing)
         cids = np.frombuffer(self._ext_class, dtype=np.int32)[slots // self._per_extent]

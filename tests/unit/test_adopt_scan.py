@@ -263,3 +263,86 @@ def test_a_verified_adoption_checks_digest_rows_payloads(pool_file: PoolFile) ->
 def test_the_column_path_covers_digest_keys() -> None:
     """The lengths these tests rely on being hashed as columns are."""
     assert VECTOR_MIN_LEN <= 20 <= KEY_BYTES
+
+
+# ------------------------------------------------------------ the adopted index
+
+
+@pytest.mark.parametrize("keys_of", ["digests", "mixed lengths"])
+def test_the_index_built_in_c_equals_the_one_built_in_python(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keys_of: str
+) -> None:
+    """Three namespaces, pages freed among them (gaps in the slots): the C extension's
+    index (``index_keys``, one call per namespace) and the numpy/dict one hold the same
+    keys, slots and slot -> key list, each key one object shared by both; with keys of
+    other lengths than 32 the Python path serves either way."""
+    from kvtier.daemon.pool import adopt
+    from kvtier.daemon.pool.layout import PoolLayout
+
+    if adopt._index_keys is None:
+        pytest.skip("kvtier.kernels._keyprobe is not built (no C compiler at install)")
+    pf = PoolFile(tmp_path / "pool", PoolLayout.plan(8 * 64 * 1024, 64 * 1024, 4096))
+    pool, _ = pf.start()
+    arena = pf.arena()
+    rng = random.Random(3)
+    stored = {}
+    for ns in (NS, NS2, 3):
+        n = KEY_BYTES if keys_of == "digests" else None
+        stored[ns] = [digest(f"{ns}-{i}", n or rng.choice([KEY_BYTES, 20, 5])) for i in range(30)]
+        store(pool, arena, stored[ns], ns=ns)
+    pool.flush(NS2)  # gaps
+    stored[NS2] = [digest(f"late{i}") for i in range(5)]
+    store(pool, arena, stored[NS2], ns=NS2)
+    calls = []
+    monkeypatch.setattr(adopt, "_index_keys",
+                        lambda *a: calls.append(len(a[1])) or adopt_c(*a))  # fmt: skip
+    adopt_c = __import__("kvtier.kernels._keyprobe", fromlist=["x"]).index_keys
+    c_pool, res = pf.start()
+    assert res.pages_adopted == 65
+    assert sorted(calls) == ([5, 30, 30] if keys_of == "digests" else [])
+    monkeypatch.setattr(adopt, "_index_keys", None)
+    py_pool, _ = pf.start()
+    assert c_pool._ready == py_pool._ready and c_pool._key == py_pool._key
+    assert sum(map(len, c_pool._ready.values())) == 65
+    for index in c_pool._ready.values():
+        assert all(c_pool._key[s] is key for key, s in index.items())
+    for ns, keys in stored.items():
+        assert c_pool.lookup(ns, keys) == len(keys) and c_pool.lookup(ns, keys[::-1][:1]) == 1
+
+
+def test_index_keys_checks_every_slot_and_changes_nothing_on_failure() -> None:
+    """The C index of adopted keys: sizes that do not agree, slots outside the list, a
+    slot already holding a key or named twice, a key given twice: ValueError, and the
+    list is as it was; on success each key is one object held by the list and the dict
+    (its reference count shows no leak and no reference too few)."""
+    import sys
+
+    probe = pytest.importorskip("kvtier.kernels._keyprobe",
+                                reason="kvtier.kernels._keyprobe is not built")  # fmt: skip
+    rows = np.frombuffer(b"".join(digest(f"r{i}") for i in range(4)), dtype=np.uint8)
+    rows = rows.reshape(4, KEY_BYTES)
+    good = np.array([0, 2, 5, 7], dtype=np.int64)
+    by_slot: list[bytes | None] = [None] * 8
+    index = probe.index_keys(rows, good, by_slot)
+    assert index == {digest(f"r{i}"): s for i, s in enumerate(good.tolist())}
+    assert [by_slot[s] for s in good.tolist()] == [digest(f"r{i}") for i in range(4)]
+    assert all(by_slot[s] is key for key, s in index.items())
+    refs = [sys.getrefcount(by_slot[s]) for s in good.tolist()]
+    assert refs == [3] * 4  # the dict, the list, the call's argument
+    bad = [
+        (rows[:3], good),  # three keys, four slots
+        (rows, good[:3]),
+        (rows, np.array([0, 1, 2, 8], dtype=np.int64)),  # outside the 8 slots
+        (rows, np.array([0, 1, -1, 3], dtype=np.int64)),
+        (rows, np.array([0, 1, 2, 1], dtype=np.int64)),  # slot 1 twice
+        (rows[[0, 1, 2, 1]], np.array([0, 1, 2, 3], dtype=np.int64)),  # a key twice
+    ]
+    for r, s in bad:
+        fresh: list[bytes | None] = [None] * 8
+        with pytest.raises(ValueError):
+            probe.index_keys(np.ascontiguousarray(r), s, fresh)
+        assert fresh == [None] * 8
+    with pytest.raises(ValueError, match="already holds"):
+        probe.index_keys(rows, good, by_slot)  # the same slots again
+    with pytest.raises(TypeError):
+        probe.index_keys(rows, good, tuple(by_slot))
