@@ -1,4 +1,8 @@
-/* kvtier.kernels._keyprobe: the key table's probe of a whole LOOKUP, in one C call.
+/* kvtier.kernels._keyprobe: the host pool's key index in C. Two functions:
+ *
+ * - leading_run: the key table's probe of a whole LOOKUP, in one call (below);
+ * - index_keys: the dict of an adopted pool's pages, built in one pass (further down);
+ * - seals: the adoption scan's row seals (xxh3 of keys of 17 to 32 bytes), further still.
  *
  * leading_run(table, keys, ns, state, key_len, words, ns_id, mult0, mult1, shift, start,
  *             max_rounds, ready[, slots]) -> (index, unresolved)
@@ -179,6 +183,69 @@ end:
     return index;
 }
 
+/* seals(rows, lengths, seeds, out) -> None: xxh3_64(rows[i][:lengths[i]], seeds[i]) per row.
+ *
+ * The adoption scan's row seals (daemon/pool/seals.py, whose numpy columns this replaces
+ * when built) for keys of 17 to 32 bytes: XXH3 hashes such an input with two 16-byte mixes
+ * (of its first and of its last 16 bytes) and an avalanche. `rows` holds n keys of `width`
+ * (32) bytes each; `lengths` n uint8, each from 17 to 32 (else ValueError, nothing written);
+ * `seeds` and `out` n uint64 each.
+ */
+static inline uint64_t read64(const uint8_t *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v; /* little-endian machines only (x86-64, aarch64), as the key columns are */
+}
+
+static inline uint64_t mix16(const uint8_t *in, uint64_t s0, uint64_t s1, uint64_t seed) {
+    unsigned __int128 m = (unsigned __int128)(read64(in) ^ (s0 + seed)) *
+                          (read64(in + 8) ^ (s1 - seed));
+    return (uint64_t)m ^ (uint64_t)(m >> 64);
+}
+
+static PyObject *seals(PyObject *self, PyObject *args) {
+    Py_buffer rows, lengths, seeds, out;
+    PyObject *ret = NULL;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*", &rows, &lengths, &seeds, &out))
+        return NULL;
+    Py_ssize_t n = lengths.len;
+    if (rows.len != n * 8 * WORDS || seeds.len != n * 8 || out.len != n * 8) {
+        PyErr_Format(PyExc_ValueError, "rows %zd, lengths %zd, seeds %zd, out %zd bytes: not "
+                     "one 32-byte row, length, seed and digest per key", rows.len, lengths.len,
+                     seeds.len, out.len);
+        goto end;
+    }
+    const uint8_t *key = rows.buf, *len = lengths.buf;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (len[i] < 17 || len[i] > 8 * WORDS) {
+            PyErr_Format(PyExc_ValueError, "key %zd is %d bytes long, not 17 to 32", i, len[i]);
+            goto end;
+        }
+    {
+        const uint64_t *seed = seeds.buf;
+        uint64_t *digest = out.buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++, key += 8 * WORDS) {
+            uint64_t acc = len[i] * 0x9E3779B185EBCA87ULL; /* PRIME64_1 */
+            acc += mix16(key, 0xbe4ba423396cfeb8ULL, 0x1cad21f72c81017cULL, seed[i]);
+            acc += mix16(key + len[i] - 16, 0xdb979083e96dd4deULL, 0x1f67b3b7a4a44072ULL,
+                         seed[i]);
+            acc ^= acc >> 37;
+            acc *= 0x165667919E3779F9ULL;
+            digest[i] = acc ^ (acc >> 32);
+        }
+        Py_END_ALLOW_THREADS
+    }
+    ret = Py_NewRef(Py_None);
+end:
+    PyBuffer_Release(&rows);
+    PyBuffer_Release(&lengths);
+    PyBuffer_Release(&seeds);
+    PyBuffer_Release(&out);
+    return ret;
+}
+
 static PyMethodDef methods[] = {
     {"leading_run", leading_run, METH_VARARGS,
      "leading_run(table, keys, ns, state, key_len, words, ns_id, mult0, mult1, shift, start, "
@@ -187,11 +254,16 @@ static PyMethodDef methods[] = {
     {"index_keys", index_keys, METH_VARARGS,
      "index_keys(rows, slots, by_slot) -> dict: 32-byte keys (rows) as bytes objects, each "
      "put into the list by_slot at its slot (int64 slots) and into a dict key -> slot"},
+    {"seals", seals, METH_VARARGS,
+     "seals(rows, lengths, seeds, out) -> None: xxh3_64 of each 32-byte row's first "
+     "lengths[i] bytes (17 to 32) with seeds[i], written to out (uint64)"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_keyprobe", "The key table's probe of a whole LOOKUP, in C.", -1,
+    PyModuleDef_HEAD_INIT, "_keyprobe",
+    "The host pool's key index in C: the key table's probe of a whole LOOKUP, the index of an "
+    "adopted pool's keys, and their row seals.", -1,
     methods, NULL, NULL, NULL, NULL,
 };
 

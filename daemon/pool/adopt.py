@@ -4,8 +4,8 @@ A killed daemon leaves its metadata as the last store left it. Write order makes
 instant safe (a row is complete before its state byte says READY; freeing flips the state
 byte first), and a seal binds each row's key, namespace and payload checksum, so a torn or
 stray write is a dropped page, never a page served under the wrong key. This module
-decides, in bulk with numpy, which rows pass; the pool rebuilds its private state (free
-lists, LRU, child lists, index) from the result
+decides, in bulk with numpy, which rows pass, and builds their index (key -> slot); the
+pool rebuilds the rest of its private state (free lists, LRU, child lists) from the result
 (:meth:`~kvtier.daemon.pool.index.HostPool.adopt`).
 """
 
@@ -26,7 +26,7 @@ try:
 except ImportError:  # built without a C compiler: the index is built in Python
     _index_keys = None
 
-__all__ = ["AdoptScan", "index_rows", "scan_rows"]
+__all__ = ["AdoptScan", "scan_rows"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,23 +35,23 @@ class AdoptScan:
 
     Attributes:
         slots: adopted slot ids, ascending (int64).
-        rows: their key rows, same order (``(n, KEY_BYTES)`` uint8; no (namespace, key)
-            twice); ``key_len`` their key lengths.
+        ready: their index, per namespace id: key -> slot (each key's bytes object is also
+            in the ``by_slot`` list given to :func:`scan_rows`, at its slot).
         parents: their parent slot ids after cleaning (NIL: none), same order as ``slots``.
         dropped: rows that were not FREE and are FREE now.
         payload_bytes: sum of the adopted pages' payload lengths.
     """
 
     slots: np.ndarray
-    rows: np.ndarray
-    key_len: np.ndarray
+    ready: dict[int, dict[bytes, int]]
     parents: np.ndarray
     dropped: int
     payload_bytes: int
 
 
-def scan_rows(meta: PoolMeta, usable: np.ndarray, arena: Any | None = None) -> AdoptScan:
-    """Decide which rows survive an adoption, and leave only those non-FREE.
+def scan_rows(meta: PoolMeta, usable: np.ndarray, by_slot: list[bytes | None],
+              arena: Any | None = None) -> AdoptScan:  # fmt: skip
+    """Decide which rows survive an adoption, leave only those non-FREE, and index them.
 
     A row is adopted when it is READY; its extent's class cuts its slot (``usable``)
     and matches its payload length; its key fits; its seal matches its key,
@@ -63,14 +63,19 @@ def scan_rows(meta: PoolMeta, usable: np.ndarray, arena: Any | None = None) -> A
     corruption could make); the cleaned links are written back.
 
     The checks run as numpy columns (:func:`~kvtier.daemon.pool.seals.seals` for the
-    seals, and a 64-bit hash of each (namespace, key) to find duplicates: rows whose
-    hashes collide are then compared whole, one by one); only the payload hashes (with
-    ``arena``) are a Python loop over every row.
+    seals); only the payload hashes (with ``arena``) are a Python loop over every row.
+    Duplicates: with 32-byte keys throughout (engines' page keys), the index is built
+    first, in C, and that finds them at no extra cost (a dict that does not grow); only
+    when it does are they resolved and the index built again. Otherwise they are found
+    first, by a 64-bit hash of each (namespace, key): rows whose hashes collide are then
+    compared whole, one by one.
 
     Args:
         meta: the mapped metadata; its state, in-L3 and parent columns are rewritten.
         usable: per extent, the slots its class cuts (0: free or unusable), from
             :meth:`~kvtier.daemon.pool.slots.SlotAllocator.usable_per_extent`.
+        by_slot: the pool's slot -> key list, None throughout: each adopted key is put
+            at its slot.
         arena: the arena (``capacity_bytes`` from the arena offset), to verify
             payloads; None trusts them.
 
@@ -103,8 +108,15 @@ def scan_rows(meta: PoolMeta, usable: np.ndarray, arena: Any | None = None) -> A
         ok = _payloads_match(meta, arena, cand, sums)
         cand, rows, key_len = cand[ok], rows[ok], key_len[ok]
     del pbs
-    latest = _latest_per_key(meta, cand, rows, key_len)
-    slots, rows, key_len = cand[latest], rows[latest], key_len[latest]
+    ready = _index(meta.array("ns")[cand], cand, rows, key_len, by_slot, strict=True)
+    if ready is None:  # a key comes twice (or keys of other lengths, or no C extension)
+        latest = _latest_per_key(meta, cand, rows, key_len)
+        if not latest.all():
+            cand, rows, key_len = cand[latest], rows[latest], key_len[latest]
+        ready = _index(meta.array("ns")[cand], cand, rows, key_len, by_slot, strict=False)
+        if ready is None:
+            raise HostPoolError("adopted rows still hold a key twice after deduplication")
+    slots = cand
     gone = np.ones(len(state), dtype=bool)
     gone[slots] = False
     gone[state == PageState.FREE] = False
@@ -116,7 +128,7 @@ def scan_rows(meta: PoolMeta, usable: np.ndarray, arena: Any | None = None) -> A
     in_l3[slots] = kept
     parents = _clean_parents(meta, slots)
     del state, in_l3
-    return AdoptScan(slots, rows, key_len, parents, n_gone,
+    return AdoptScan(slots, ready, parents, n_gone,
                      int(meta.array("length")[slots].sum()))  # fmt: skip
 
 
@@ -139,37 +151,49 @@ def _payloads_match(meta: PoolMeta, arena: Any, cand: np.ndarray, sums: np.ndarr
     return np.array(got, dtype=np.uint64).reshape(-1) == sums
 
 
-def index_rows(meta: PoolMeta, scan: AdoptScan, by_slot: list[bytes | None]
-               ) -> dict[int, dict[bytes, int]]:  # fmt: skip
-    """The index of the adopted pages: per namespace id, key -> slot.
+def _index(nss: np.ndarray, slots: np.ndarray, rows: np.ndarray, key_len: np.ndarray,
+           by_slot: list[bytes | None], strict: bool) -> dict[int, dict[bytes, int]] | None:
+    """The index of the rows: per namespace id, key -> slot.
 
     Each key becomes one bytes object, shared by the index and ``by_slot`` (slot -> key),
     where it is put at its slot. With 32-byte keys throughout (engines' page keys) the C
     extension makes the objects and the dicts in one pass (``index_keys``, hashing each key
-    as it is made); otherwise, or without the extension, numpy and ``dict(zip(...))`` do.
+    as it is made), and finds a key that comes twice in a namespace. Otherwise, or
+    without the extension, numpy and ``dict(zip(...))`` do, and the rows must hold no
+    (namespace, key) twice.
 
     Args:
-        meta: the metadata the scan read (its namespace column).
-        scan: the adopted rows (:func:`scan_rows`).
-        by_slot: one entry per slot of the pool, None at every adopted slot.
-
-    Raises:
-        ValueError: an adopted slot of ``by_slot`` is not None (C path).
+        nss / slots / rows / key_len: the rows' namespaces, slots (ascending), key rows
+            (``(n, KEY_BYTES)`` uint8) and key lengths.
+        by_slot: one entry per slot of the pool, None at every slot of ``slots``.
+        strict: return None, ``by_slot`` untouched, rather than take the Python path, or
+            when the C path finds a key twice.
     """
-    slots, n = scan.slots, len(scan.slots)
-    nss = meta.array("ns")[slots]
+    n = len(slots)
     if n and (nss == nss[0]).all():  # one namespace: the usual case
         parts = [np.arange(n)]
     else:
         order = np.argsort(nss, kind="stable")
         parts = np.split(order, np.flatnonzero(nss[order][1:] != nss[order][:-1]) + 1)
-    if _index_keys is not None and n and (scan.key_len == KEY_BYTES).all():
-        whole = len(parts) == 1
-        return {int(nss[p[0]]): _index_keys(scan.rows if whole else scan.rows[p],
-                                            slots if whole else slots[p], by_slot)
-                for p in parts}  # fmt: skip
+    if _index_keys is not None and n and (key_len == KEY_BYTES).all():
+        if len(parts) == 1:
+            try:
+                return {int(nss[0]): _index_keys(rows, slots, by_slot)}
+            except ValueError:
+                return None  # a key twice; by_slot is as it was
+        ready: dict[int, dict[bytes, int]] = {}
+        for p in parts:
+            try:
+                ready[int(nss[p[0]])] = _index_keys(rows[p], slots[p], by_slot)
+            except ValueError:
+                for s in slots.tolist():  # the namespaces indexed already give theirs back
+                    by_slot[s] = None
+                return None
+        return ready
+    if strict:
+        return None
     objs = np.empty(n, dtype=object)
-    objs[:] = _key_objects(scan.rows, scan.key_len)
+    objs[:] = _key_objects(rows, key_len)
     for s, key in zip(slots.tolist(), objs.tolist()):
         by_slot[s] = key
     return {int(nss[p[0]]): dict(zip(objs[p].tolist(), slots[p].tolist()))

@@ -36,7 +36,7 @@ import numpy as np
 from kvtier.config.errors import ConfigError
 from kvtier.config.sizes import format_size
 from kvtier.daemon.pool import keytable
-from kvtier.daemon.pool.adopt import index_rows, scan_rows
+from kvtier.daemon.pool.adopt import scan_rows
 from kvtier.daemon.pool.bulk import BULK_PAGES, pin_run, unpin_run
 from kvtier.daemon.pool.eviction import EVICT_FACTOR, MIN_SCAN
 from kvtier.daemon.pool.keytable import KeyTable, table_keys
@@ -221,8 +221,8 @@ class HostPool(PageTable):
             self.register_class(page_bytes)
         if reason is not None:
             return AdoptResult(False, reason, 0, 0, 0, time.perf_counter() - t0, gen)
-        scan = scan_rows(pm, self._slots.usable_per_extent(), arena)
-        self._rebuild(scan.slots, index_rows(pm, scan, self._key), scan.parents)
+        scan = scan_rows(pm, self._slots.usable_per_extent(), self._key, arena)
+        self._rebuild(scan.slots, scan.ready, scan.parents)
         return AdoptResult(True, "metadata matches the config", len(scan.slots), scan.dropped,
                            scan.payload_bytes, time.perf_counter() - t0, gen)  # fmt: skip
 

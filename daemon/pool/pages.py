@@ -97,7 +97,7 @@ class PageTable:
         Args:
             slots: the adopted slot ids, ascending; ``parents`` (after cleaning, NIL: none)
                 in the same order.
-            ready: their index (:func:`~kvtier.daemon.pool.adopt.index_rows`, which has
+            ready: their index (:func:`~kvtier.daemon.pool.adopt.scan_rows`, which has
                 put each key into ``_key`` too).
         """
         meta = self._meta

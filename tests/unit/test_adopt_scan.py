@@ -44,8 +44,20 @@ def pool_file(tmp_path: Path) -> PoolFile:
 # ------------------------------------------------------------------ seals
 
 
+@pytest.fixture(params=["C", "numpy"])
+def seal_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a seals test with the C extension's hashing and with numpy's columns."""
+    from kvtier.daemon.pool import seals as mod
+
+    if request.param == "numpy":
+        monkeypatch.setattr(mod, "_native", None)
+    elif mod._native is None:
+        pytest.skip("kvtier.kernels._keyprobe is not built (no C compiler at install)")
+    return str(request.param)
+
+
 @pytest.mark.parametrize("length", range(KEY_BYTES + 1))
-def test_seals_match_xxhash_for_every_key_length(length: int) -> None:
+def test_seals_match_xxhash_for_every_key_length(length: int, seal_path: str) -> None:
     """Column hashes equal xxhash's for each length alone (the one-length fast path) and
     mixed with every other length; the bytes past a row's length never count."""
     rng = random.Random(length)
@@ -65,7 +77,7 @@ def test_seals_match_xxhash_for_every_key_length(length: int) -> None:
 
 
 @pytest.mark.parametrize("mixed", [False, True])
-def test_seals_across_several_chunks(mixed: bool) -> None:
+def test_seals_across_several_chunks(mixed: bool, seal_path: str) -> None:
     """More rows than one numpy pass takes (CHUNK_ROWS): every chunk lands in its place,
     with one key length throughout or a few rows of other lengths among them."""
     rng = random.Random(7)
@@ -80,9 +92,27 @@ def test_seals_across_several_chunks(mixed: bool) -> None:
     assert seals(keys, lengths, seeds).tolist() == want
 
 
-def test_seals_of_no_rows() -> None:
+def test_seals_of_no_rows(seal_path: str) -> None:
     out = seals(np.zeros((0, KEY_BYTES), np.uint8), np.zeros(0, np.int64), np.zeros(0, np.uint64))
     assert out.shape == (0,) and out.dtype == np.uint64
+
+
+def test_the_c_seals_refuse_lengths_and_sizes_they_cannot_hash() -> None:
+    """The extension hashes 17 to 32 bytes per 32-byte row; another length, or buffers of
+    other sizes, are a ValueError and nothing is written."""
+    probe = pytest.importorskip("kvtier.kernels._keyprobe",
+                                reason="kvtier.kernels._keyprobe is not built")  # fmt: skip
+    rows = np.frombuffer(digest("a") + digest("b"), dtype=np.uint8).reshape(2, KEY_BYTES)
+    seeds = np.array([1, 2], dtype=np.uint64)
+    for lengths in ([32, 16], [33, 32], [0, 32]):
+        out = np.zeros(2, dtype=np.uint64)
+        with pytest.raises(ValueError, match="not 17 to 32"):
+            probe.seals(rows, np.array(lengths, dtype=np.uint8), seeds, out)
+        assert not out.any()
+    with pytest.raises(ValueError, match="not one 32-byte row"):
+        probe.seals(rows[:1], np.array([32, 32], dtype=np.uint8), seeds, np.zeros(2, np.uint64))
+    with pytest.raises(ValueError, match="not one 32-byte row"):
+        probe.seals(rows, np.array([32, 32], dtype=np.uint8), seeds, np.zeros(3, np.uint64))
 
 
 # ------------------------------------------------------------ adoption
@@ -346,3 +376,25 @@ def test_index_keys_checks_every_slot_and_changes_nothing_on_failure() -> None:
         probe.index_keys(rows, good, by_slot)  # the same slots again
     with pytest.raises(TypeError):
         probe.index_keys(rows, good, tuple(by_slot))
+
+
+def test_a_duplicate_in_a_later_namespace_rebuilds_the_whole_index(pool_file: PoolFile) -> None:
+    """Three namespaces, the duplicate in the last one the C index reaches: the
+    namespaces indexed before it give their keys back, the duplicates are resolved, and
+    the index and the slot -> key list come out as if there had been none."""
+    pool, _ = pool_file.start()
+    arena = pool_file.arena()
+    (a,) = store(pool, arena, [digest("a")], ns=NS)
+    (b,) = store(pool, arena, [digest("b")], ns=NS2)
+    c0, c1 = store(pool, arena, [digest("c0"), digest("c1")], ns=3)
+    del pool
+    meta = pool_file.meta()
+    meta.put_key(c1, digest("c0"))  # c1 claims c0's key, more recently
+    meta.seal[c1] = seal_of(digest("c0"), 3, meta.checksum[c1])
+    meta.stamp[c1] = 1000
+    meta.release()
+    pool, res = pool_file.start(verify=False)
+    assert (res.pages_adopted, res.pages_dropped) == (3, 1)
+    assert pool._ready == {NS: {digest("a"): a}, NS2: {digest("b"): b}, 3: {digest("c0"): c1}}
+    assert [s for s, key in enumerate(pool._key) if key is not None] == sorted((a, b, c1))
+    assert pool.describe(c0).state is PageState.FREE
