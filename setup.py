@@ -1,9 +1,12 @@
 """Build hook for the C extensions (everything else is in pyproject.toml):
-``kvtier.kernels._fileio`` (the file L3 backend's batch I/O) and ``kvtier.kernels._guarded``
+``kvtier.kernels._fileio`` (the file L3 backend's batch I/O), ``kvtier.kernels._keyprobe``
+(the host pool's key index: a long LOOKUP's probe, an adopted pool's dict and row seals),
+``kvtier.kernels._pins`` (pin and unpin of a run of pages) and ``kvtier.kernels._guarded``
 (copies from engine memfds that may shrink; without it such memory is copied with
-pread/pwrite). Both are optional: without a C compiler or the xxHash header
-(Debian: ``libxxhash-dev``; ``make`` installs it) the install still succeeds, and the file
-L3 backend uses its pure-Python path (``kvtier.kernels.file_io.NATIVE`` is then False)."""
+pread/pwrite). All are optional: without a C compiler or the xxHash header (Debian:
+``libxxhash-dev``; ``make`` installs it) the install still succeeds, and each caller takes
+its pure-Python or numpy path (``kvtier.kernels.file_io.NATIVE`` and the like are then
+False)."""
 
 from setuptools import Extension, setup
 
@@ -18,6 +21,12 @@ setup(
         Extension(
             "kvtier.kernels._keyprobe",
             sources=["kernels/_keyprobe.c"],
+            extra_compile_args=["-O3", "-std=gnu11"],
+            optional=True,
+        ),
+        Extension(
+            "kvtier.kernels._pins",
+            sources=["kernels/_pins.c"],
             extra_compile_args=["-O3", "-std=gnu11"],
             optional=True,
         ),

@@ -1,4 +1,4 @@
-"""Pin and unpin of long page runs in numpy: one pass per column instead of a Python
+"""Pin and unpin of page runs in one C call, or in numpy: one pass instead of a Python
 iteration per page.
 
 A LOAD of a 128K-token context pins 8,192 pages and unpins them when the copy ends. Page
@@ -9,28 +9,49 @@ and :meth:`~kvtier.daemon.pool.pages.PageTable.unpin` do page by page, and move 
 pages that enter or leave the evictable lists (a chain's childless pages, usually its last)
 one by one, in the same order.
 
+Where the C extension is built (``kvtier.kernels._pins``), it does the per-page steps in
+the page-by-page order, from :data:`NATIVE_PAGES` pages on: a 64-page LOAD's pin and unpin
+took 34 and 60 us in numpy once its copy had flushed the caches. Otherwise numpy does, from
+:data:`BULK_PAGES` pages on.
+
 What they leave to the page-by-page path, which they tell by returning False before any
-change: a run that names a slot twice (only a request that repeats a key makes one), and,
-for unpin, a slot that is out of range, not READY or not pinned (that path names it in its
-error).
+change: for unpin, a slot that is out of range, not READY or not pinned, or listed more
+often than pinned (that path names it in its error); and, in numpy, a run that names a slot
+twice (only a request that repeats a key makes one).
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 from kvtier.daemon.pool.records import PageState
 
+try:
+    from kvtier.kernels import _pins
+except ImportError:  # built without a C compiler: numpy pins long runs
+    _pins = None
+
 if TYPE_CHECKING:
     from kvtier.daemon.pool.pages import PageTable
 
-__all__ = ["BULK_PAGES", "pin_run", "unpin_run"]
+__all__ = ["BULK_PAGES", "NATIVE", "NATIVE_PAGES", "pin_run", "run_pages", "unpin_run"]
 
+NATIVE = _pins is not None
+"""Whether runs are pinned in C (``kernels/_pins.c``); else in numpy. The tests run both."""
 BULK_PAGES = 64
-"""Runs of at least this many pages are pinned and unpinned here; shorter ones page by page
-(cheaper below it: the numpy views and passes have a fixed cost of a few microseconds)."""
+"""Without the C extension, runs of at least this many pages are pinned and unpinned in
+numpy; shorter ones page by page (cheaper below it: the numpy views and passes have a fixed
+cost of a few microseconds)."""
+NATIVE_PAGES = 8
+"""With it, runs of at least this many pages are pinned and unpinned in C."""
+
+
+def run_pages() -> int:
+    """The shortest run :func:`pin_run` and :func:`unpin_run` take."""
+    return NATIVE_PAGES if _pins is not None else BULK_PAGES
 
 
 def _distinct(slots: np.ndarray) -> bool:
@@ -54,7 +75,15 @@ def _childless(table: PageTable, slots: np.ndarray) -> list[int]:
 def pin_run(table: PageTable, slots: list[int]) -> bool:
     """Pin ``slots`` (READY, found by the caller's lookup) and touch them, the last first,
     as :meth:`PageTable.pin` does; return False, having changed nothing, when a slot is
-    listed twice."""
+    listed twice (numpy only)."""
+    if _pins is not None:
+        table._clock, newly, childless = _pins.pin(table._pins, table._stamp, table._children,
+                                                   array("q", slots), table._clock)
+        table._n_pinned += newly
+        owner, lru = table._owner, table._lru
+        for s in childless:  # off the evictable lists
+            lru.dequeue(s, owner[s])
+        return True
     order = np.array(slots[::-1], dtype=np.int64)  # touch order: the chain's tail first
     if not _distinct(order):
         return False
@@ -79,7 +108,20 @@ def pin_run(table: PageTable, slots: list[int]) -> bool:
 def unpin_run(table: PageTable, slots: Sequence[int]) -> bool:
     """Drop one pin of each of ``slots``, as :meth:`PageTable.unpin` does (the pages left
     unpinned and childless become evictable, in ``slots`` order); return False, having
-    changed nothing, when a slot is listed twice, out of range, not READY or not pinned."""
+    changed nothing, when a slot is out of range, not READY, not pinned or (numpy only)
+    listed twice."""
+    if _pins is not None:
+        if not all(0 <= s < table.n_slots for s in (min(slots), max(slots))):
+            return False
+        done = _pins.unpin(table._pins, table._state, table._children, array("q", slots),
+                           int(PageState.READY))
+        if done is None:
+            return False
+        table._n_pinned -= done[0]
+        owner, lru = table._owner, table._lru
+        for s in done[1]:  # onto the evictable lists
+            lru.enqueue(s, owner[s])
+        return True
     at = np.array(slots, dtype=np.int64)
     if at.min() < 0 or at.max() >= table.n_slots:
         return False

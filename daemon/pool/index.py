@@ -37,7 +37,7 @@ from kvtier.config.errors import ConfigError
 from kvtier.config.sizes import format_size
 from kvtier.daemon.pool import keytable
 from kvtier.daemon.pool.adopt import scan_rows
-from kvtier.daemon.pool.bulk import BULK_PAGES, pin_run, unpin_run
+from kvtier.daemon.pool.bulk import pin_run, run_pages, unpin_run
 from kvtier.daemon.pool.eviction import EVICT_FACTOR, MIN_SCAN
 from kvtier.daemon.pool.keytable import KeyTable, table_keys
 from kvtier.daemon.pool.layout import (
@@ -260,15 +260,15 @@ class HostPool(PageTable):
                 self._list()
 
     def _pin_slots(self, out: list[int]) -> None:
-        """See :meth:`PageTable.pin`; a run of :data:`~kvtier.daemon.pool.bulk.BULK_PAGES`
-        pages or more is pinned in numpy (:func:`~kvtier.daemon.pool.bulk.pin_run`)."""
-        if len(out) < BULK_PAGES or not pin_run(self, out):
+        """See :meth:`PageTable.pin`; a run of :func:`~kvtier.daemon.pool.bulk.run_pages`
+        pages or more is pinned in one pass (:func:`~kvtier.daemon.pool.bulk.pin_run`)."""
+        if len(out) < run_pages() or not pin_run(self, out):
             super()._pin_slots(out)
 
     def unpin(self, slots: Sequence[int]) -> None:
-        """See :meth:`PageTable.unpin`; a run of :data:`~kvtier.daemon.pool.bulk.BULK_PAGES`
-        pages or more is unpinned in numpy (:func:`~kvtier.daemon.pool.bulk.unpin_run`)."""
-        if len(slots) < BULK_PAGES or not unpin_run(self, slots):
+        """See :meth:`PageTable.unpin`; a run of :func:`~kvtier.daemon.pool.bulk.run_pages`
+        pages or more is unpinned in one pass (:func:`~kvtier.daemon.pool.bulk.unpin_run`)."""
+        if len(slots) < run_pages() or not unpin_run(self, slots):
             super().unpin(slots)
 
     def _list(self) -> None:

@@ -1,9 +1,9 @@
-"""Pin and unpin of long runs in numpy (:mod:`kvtier.daemon.pool.bulk`) against the
-page-by-page path they stand in for.
+"""Pin and unpin of runs in C or numpy (:mod:`kvtier.daemon.pool.bulk`) against the
+page-by-page path they stand in for; every test runs with each of the two.
 
 Two pools get the same operations: the host pool as the daemon runs it (runs of
-``BULK_PAGES`` pages or more go to numpy) and one that pins and unpins every run page by
-page. After every operation both must hold the same pins, access stamps, pinned-page
+``run_pages()`` pages or more go to C, or to numpy) and one that pins and unpins every run
+page by page. After every operation both must hold the same pins, access stamps, pinned-page
 count and evictable lists, answer with the same slots or the same error, and evict the
 same pages later.
 """
@@ -15,7 +15,8 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
-from kvtier.daemon.pool.bulk import BULK_PAGES
+from kvtier.daemon.pool import bulk as bulk_mod
+from kvtier.daemon.pool.bulk import run_pages
 from kvtier.daemon.pool.index import HostPool, HostPoolError
 from kvtier.daemon.pool.pages import PageTable
 
@@ -23,6 +24,16 @@ KIB = 1024
 EXTENT = 16 * KIB
 NS = 1
 OWNERS = (10, 20)
+
+
+@pytest.fixture(autouse=True, params=["C", "numpy"])
+def run_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test once with the C extension's pins and once with numpy's."""
+    if request.param == "numpy":
+        monkeypatch.setattr(bulk_mod, "_pins", None)
+    elif not bulk_mod.NATIVE:
+        pytest.skip("kvtier.kernels._pins is not built (no C compiler at install)")
+    return str(request.param)
 
 
 class PageByPage(HostPool):
@@ -70,7 +81,7 @@ def test_long_runs_pin_and_unpin_as_page_by_page() -> None:
     for step in range(300):
         roll = rng.random()
         if roll < 0.3 or not chains:  # a new chain, sometimes extending another
-            n = rng.choice((3, 40, BULK_PAGES, 100, 150))
+            n = rng.choice((3, 8, 40, 64, 100, 150))
             parent = rng.choice(chains)[-1] if chains and rng.random() < 0.3 else None
             keys = [f"c{step}-{i}".encode() for i in range(n)]
             owner = rng.choice(OWNERS)
@@ -78,7 +89,7 @@ def test_long_runs_pin_and_unpin_as_page_by_page() -> None:
             both(bulk, ref, "commit", [s for _, s in slots])
             chains.append(keys)
         elif roll < 0.4:  # pages of no chain: each its own, each evictable, pinned at once
-            keys = [f"s{step}-{i}".encode() for i in range(rng.choice((BULK_PAGES, 80)))]
+            keys = [f"s{step}-{i}".encode() for i in range(rng.choice((8, 64, 80)))]
             for key in keys:
                 got = both(bulk, ref, "allocate", NS, rng.choice(OWNERS), 0, [key], None)
                 both(bulk, ref, "commit", [s for _, s in got])
@@ -109,16 +120,18 @@ def test_long_runs_pin_and_unpin_as_page_by_page() -> None:
     assert bulk.stats().pages_pinned == 0
     # the same pages go first when the pool fills up
     for i in range(4):
-        keys = [f"fill{i}-{j}".encode() for j in range(BULK_PAGES * 2)]
+        keys = [f"fill{i}-{j}".encode() for j in range(128)]
         got = both(bulk, ref, "allocate", NS, OWNERS[0], 0, keys, None)
         both(bulk, ref, "commit", [s for _, s in got])
     assert [e.key for e in bulk.drain_evicted()] == [e.key for e in ref.drain_evicted()]
 
 
-def test_a_long_run_is_pinned_in_numpy() -> None:
-    """The bulk path really runs (and the page-by-page one does not) for long runs."""
+def test_a_long_run_is_pinned_in_one_pass(run_path: str) -> None:
+    """The bulk path really runs (and the page-by-page one does not) for long runs: from
+    8 pages with the C extension, from 64 without it."""
+    assert run_pages() == (8 if run_path == "C" else 64)
     bulk, _ = pools()
-    keys = [f"k{i}".encode() for i in range(BULK_PAGES)]
+    keys = [f"k{i}".encode() for i in range(run_pages())]
     slots = [s for _, s in bulk.allocate(NS, OWNERS[0], 0, keys)]
     bulk.commit(slots)
     calls = []
@@ -131,21 +144,21 @@ def test_a_long_run_is_pinned_in_numpy() -> None:
     PageTable._pin_slots = spy  # type: ignore[method-assign]
     try:
         assert bulk.pin(NS, keys) == slots
-        assert bulk.pin(NS, keys[: BULK_PAGES - 1]) == slots[:-1]
+        assert bulk.pin(NS, keys[: run_pages() - 1]) == slots[:-1]
     finally:
         PageTable._pin_slots = original  # type: ignore[method-assign]
-    assert calls == [BULK_PAGES - 1]
-    assert bulk.stats().pages_pinned == BULK_PAGES
+    assert calls == [run_pages() - 1]
+    assert bulk.stats().pages_pinned == run_pages()
     assert bulk.evictable_slots() == []
 
 
 @pytest.mark.parametrize("bad", ["twice", "free", "unpinned", "negative"])
 def test_a_refused_bulk_unpin_changes_nothing_and_names_the_slot(bad: str) -> None:
     bulk, ref = pools()
-    keys = [f"k{i}".encode() for i in range(BULK_PAGES + 8)]
+    keys = [f"k{i}".encode() for i in range(64 + 8)]
     for p in (bulk, ref):
         p.commit([s for _, s in p.allocate(NS, OWNERS[0], 0, keys)])
-    slots = both(bulk, ref, "pin", NS, keys[:BULK_PAGES])
+    slots = both(bulk, ref, "pin", NS, keys[:64])
     assert isinstance(slots, list)
     other = both(bulk, ref, "lookup", NS, keys)  # all READY
     assert other == len(keys)
@@ -159,3 +172,40 @@ def test_a_refused_bulk_unpin_changes_nothing_and_names_the_slot(bad: str) -> No
     if bad != "twice":  # checked before any change on both paths
         assert snapshot(bulk) == before
     both(bulk, ref, "unpin", slots)
+
+
+def test_the_c_pins_check_every_slot_before_any_change(run_path: str) -> None:
+    """``kernels/_pins.c`` called directly: a slot outside the columns or columns of
+    different sizes are a ValueError; an unpin of a slot not pinned, not READY or listed
+    more often than pinned is refused (None); none of these changes a pin or a stamp."""
+    if run_path != "C":
+        pytest.skip("the C extension's own checks")
+    from array import array
+
+    from kvtier.kernels import _pins
+
+    n = 8
+    pins, kids, stamp = array("i", [0] * n), array("i", [0] * n), array("q", [0] * n)
+    state = array("b", [1] * n)  # READY
+    ready = 1
+    assert _pins.pin(pins, stamp, kids, array("q", [1, 2, 2]), 10) == (13, 2, [2, 1])
+    assert list(pins) == [0, 1, 2, 0, 0, 0, 0, 0] and list(stamp)[:3] == [0, 13, 12]
+    before = (list(pins), list(stamp))
+    for bad in ([1, 8], [-1], [2, 1 << 40]):
+        with pytest.raises(ValueError, match="outside the 8 slots"):
+            _pins.pin(pins, stamp, kids, array("q", bad), 0)
+        with pytest.raises(ValueError, match="outside the 8 slots"):
+            _pins.unpin(pins, state, kids, array("q", bad), ready)
+    with pytest.raises(ValueError, match="do not agree"):
+        _pins.pin(pins, array("q", [0] * (n - 1)), kids, array("q", [1]), 0)
+    with pytest.raises(ValueError, match="do not agree"):
+        _pins.unpin(pins, array("b", [1] * (n + 1)), kids, array("q", [1]), ready)
+    assert _pins.unpin(pins, state, kids, array("q", [1, 3]), ready) is None  # 3: not pinned
+    assert _pins.unpin(pins, state, kids, array("q", [1, 2, 1]), ready) is None  # 1 twice
+    state[2] = 0
+    assert _pins.unpin(pins, state, kids, array("q", [2]), ready) is None  # not READY
+    assert (list(pins), list(stamp)) == before
+    state[2] = ready
+    kids[2] = 1  # slot 2 has a resident child: it never enters the evictable lists
+    assert _pins.unpin(pins, state, kids, array("q", [2, 1, 2]), ready) == (2, [1])
+    assert list(pins) == [0] * n
