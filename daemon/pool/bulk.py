@@ -22,7 +22,6 @@ twice (only a request that repeats a key makes one).
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -38,6 +37,8 @@ if TYPE_CHECKING:
     from kvtier.daemon.pool.pages import PageTable
 
 __all__ = ["BULK_PAGES", "NATIVE", "NATIVE_PAGES", "pin_run", "run_pages", "unpin_run"]
+
+_READY = int(PageState.READY)
 
 NATIVE = _pins is not None
 """Whether runs are pinned in C (``kernels/_pins.c``); else in numpy. The tests run both."""
@@ -78,7 +79,7 @@ def pin_run(table: PageTable, slots: list[int]) -> bool:
     listed twice (numpy only)."""
     if _pins is not None:
         table._clock, newly, childless = _pins.pin(table._pins, table._stamp, table._children,
-                                                   array("q", slots), table._clock)
+                                                   slots, table._clock)
         table._n_pinned += newly
         owner, lru = table._owner, table._lru
         for s in childless:  # off the evictable lists
@@ -111,10 +112,11 @@ def unpin_run(table: PageTable, slots: Sequence[int]) -> bool:
     changed nothing, when a slot is out of range, not READY, not pinned or (numpy only)
     listed twice."""
     if _pins is not None:
-        if not all(0 <= s < table.n_slots for s in (min(slots), max(slots))):
+        try:
+            done = _pins.unpin(table._pins, table._state, table._children,
+                               slots if type(slots) is list else list(slots), _READY)
+        except ValueError:  # a slot outside the pool: the page-by-page path names it
             return False
-        done = _pins.unpin(table._pins, table._state, table._children, array("q", slots),
-                           int(PageState.READY))
         if done is None:
             return False
         table._n_pinned -= done[0]

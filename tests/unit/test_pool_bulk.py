@@ -175,8 +175,8 @@ def test_a_refused_bulk_unpin_changes_nothing_and_names_the_slot(bad: str) -> No
 
 
 def test_the_c_pins_check_every_slot_before_any_change(run_path: str) -> None:
-    """``kernels/_pins.c`` called directly: a slot outside the columns or columns of
-    different sizes are a ValueError; an unpin of a slot not pinned, not READY or listed
+    """``kernels/_pins.c`` called directly: a slot outside the columns (however large) or
+    columns of different sizes are a ValueError, an item that is not an int a TypeError; an unpin of a slot not pinned, not READY or listed
     more often than pinned is refused (None); none of these changes a pin or a stamp."""
     if run_path != "C":
         pytest.skip("the C extension's own checks")
@@ -188,24 +188,28 @@ def test_the_c_pins_check_every_slot_before_any_change(run_path: str) -> None:
     pins, kids, stamp = array("i", [0] * n), array("i", [0] * n), array("q", [0] * n)
     state = array("b", [1] * n)  # READY
     ready = 1
-    assert _pins.pin(pins, stamp, kids, array("q", [1, 2, 2]), 10) == (13, 2, [2, 1])
+    assert _pins.pin(pins, stamp, kids, [1, 2, 2], 10) == (13, 2, [2, 1])
     assert list(pins) == [0, 1, 2, 0, 0, 0, 0, 0] and list(stamp)[:3] == [0, 13, 12]
     before = (list(pins), list(stamp))
-    for bad in ([1, 8], [-1], [2, 1 << 40]):
+    for bad in ([1, 8], [-1], [2, 1 << 40], [1 << 70]):
         with pytest.raises(ValueError, match="outside the 8 slots"):
-            _pins.pin(pins, stamp, kids, array("q", bad), 0)
+            _pins.pin(pins, stamp, kids, bad, 0)
         with pytest.raises(ValueError, match="outside the 8 slots"):
-            _pins.unpin(pins, state, kids, array("q", bad), ready)
+            _pins.unpin(pins, state, kids, bad, ready)
     with pytest.raises(ValueError, match="do not agree"):
-        _pins.pin(pins, array("q", [0] * (n - 1)), kids, array("q", [1]), 0)
+        _pins.pin(pins, array("q", [0] * (n - 1)), kids, [1], 0)
+    with pytest.raises(TypeError):
+        _pins.pin(pins, stamp, kids, [1, "2"], 0)
+    with pytest.raises(TypeError):
+        _pins.pin(pins, stamp, kids, (1, 2), 0)  # a list only
     with pytest.raises(ValueError, match="do not agree"):
-        _pins.unpin(pins, array("b", [1] * (n + 1)), kids, array("q", [1]), ready)
-    assert _pins.unpin(pins, state, kids, array("q", [1, 3]), ready) is None  # 3: not pinned
-    assert _pins.unpin(pins, state, kids, array("q", [1, 2, 1]), ready) is None  # 1 twice
+        _pins.unpin(pins, array("b", [1] * (n + 1)), kids, [1], ready)
+    assert _pins.unpin(pins, state, kids, [1, 3], ready) is None  # 3: not pinned
+    assert _pins.unpin(pins, state, kids, [1, 2, 1], ready) is None  # 1 twice
     state[2] = 0
-    assert _pins.unpin(pins, state, kids, array("q", [2]), ready) is None  # not READY
+    assert _pins.unpin(pins, state, kids, [2], ready) is None  # not READY
     assert (list(pins), list(stamp)) == before
     state[2] = ready
     kids[2] = 1  # slot 2 has a resident child: it never enters the evictable lists
-    assert _pins.unpin(pins, state, kids, array("q", [2, 1, 2]), ready) == (2, [1])
+    assert _pins.unpin(pins, state, kids, [2, 1, 2], ready) == (2, [1])
     assert list(pins) == [0] * n
