@@ -15,7 +15,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
-import tomllib
 from kvtier.config.errors import ConfigError
 from kvtier.config.models import ClientConfig, DaemonConfig
 from kvtier.config.sizes import format_size, parse_size
@@ -118,6 +117,8 @@ def _is_structured(model: type[BaseModel], name: str) -> bool:
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
+    import tomllib  # here: a daemon started without a config file never imports it (10 ms)
+
     try:
         with open(path, "rb") as fh:
             return tomllib.load(fh)

@@ -206,7 +206,7 @@ def _key_objects(rows: np.ndarray, key_len: np.ndarray) -> list[bytes]:
     if n and (key_len == KEY_BYTES).all():  # the usual case: 32-byte digests
         return np.ascontiguousarray(rows).view(f"V{KEY_BYTES}").ravel().tolist()
     out = np.empty(n, dtype=object)
-    for length in np.unique(key_len).tolist():
+    for length in sorted(set(key_len.tolist())):  # not np.unique: it imports numpy.ma
         at = np.flatnonzero(key_len == length)
         if length == 0:
             out[at] = b""

@@ -137,7 +137,7 @@ class RecencyLists:
         if len(owners) and (owners == owners[0]).all():  # one owner: the usual case
             self.own_ends[int(owners[0])] = link_in_order(self.oprev, self.onext, cold_first)
             return
-        for o in np.unique(owners).tolist():
+        for o in sorted(set(owners.tolist())):  # not np.unique: it imports numpy.ma
             self.own_ends[o] = link_in_order(self.oprev, self.onext, cold_first[owners == o])
 
 

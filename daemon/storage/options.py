@@ -21,11 +21,6 @@ from typing import Any, TypeVar
 from kvtier.config.errors import ConfigError
 from pydantic import BaseModel, ValidationError
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
-
 __all__ = ["EXTRA_CONFIG_FIELD", "parse_extra_config", "validate_options"]
 
 EXTRA_CONFIG_FIELD = "hicache_storage_backend_extra_config"
@@ -91,6 +86,11 @@ def _load_file(path_text: str, value: str) -> dict[str, Any]:
             f"{EXTRA_CONFIG_FIELD}: cannot read {value!r}: {err.strerror or err}"
         ) from err
     if suffix == ".toml":
+        # imported here: a daemon whose options are not in a TOML file never needs it (10 ms)
+        if sys.version_info >= (3, 11):
+            import tomllib
+        else:  # pragma: no cover - Python 3.10
+            import tomli as tomllib
         try:
             parsed: Any = tomllib.loads(data.decode("utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:

@@ -398,3 +398,23 @@ def test_a_duplicate_in_a_later_namespace_rebuilds_the_whole_index(pool_file: Po
     assert pool._ready == {NS: {digest("a"): a}, NS2: {digest("b"): b}, 3: {digest("c0"): c1}}
     assert [s for s, key in enumerate(pool._key) if key is not None] == sorted((a, b, c1))
     assert pool.describe(c0).state is PageState.FREE
+
+
+def test_starting_and_adopting_an_empty_pool_imports_no_tomllib_and_no_numpy_ma() -> None:
+    """What the daemon imports before it is healthy is start-up time: ``tomllib`` is only
+    needed for a TOML file (10 ms), and ``np.unique`` without counts imports ``numpy.ma``
+    (tens of ms) even for an empty array, as adopting an empty pool did."""
+    import subprocess
+    import sys
+
+    code = ("import mmap, sys\n"
+            "import kvtier.daemon.service.server, kvtier.daemon.service.boot\n"
+            "from kvtier.daemon.pool.index import HostPool\n"
+            "p = HostPool(4 << 20, 1 << 20, 4096)\n"
+            "buf = mmap.mmap(-1, p.layout.meta_bytes)\n"
+            "p.adopt(buf, cold_start=True)\n"
+            "assert HostPool(4 << 20, 1 << 20, 4096).adopt(buf).adopted\n"
+            "print(sorted(m for m in ('tomllib', 'numpy.ma') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120)
+    assert out.stdout.strip() == "[]"
