@@ -170,12 +170,15 @@ def _index(nss: np.ndarray, slots: np.ndarray, rows: np.ndarray, key_len: np.nda
             when the C path finds a key twice.
     """
     n = len(slots)
+    native = _index_keys is not None and n and bool((key_len == KEY_BYTES).all())
+    if strict and not native:
+        return None
     if n and (nss == nss[0]).all():  # one namespace: the usual case
         parts = [np.arange(n)]
     else:
         order = np.argsort(nss, kind="stable")
         parts = np.split(order, np.flatnonzero(nss[order][1:] != nss[order][:-1]) + 1)
-    if _index_keys is not None and n and (key_len == KEY_BYTES).all():
+    if native:
         if len(parts) == 1:
             try:
                 return {int(nss[0]): _index_keys(rows, slots, by_slot)}
@@ -190,8 +193,6 @@ def _index(nss: np.ndarray, slots: np.ndarray, rows: np.ndarray, key_len: np.nda
                     by_slot[s] = None
                 return None
         return ready
-    if strict:
-        return None
     objs = np.empty(n, dtype=object)
     objs[:] = _key_objects(rows, key_len)
     for s, key in zip(slots.tolist(), objs.tolist()):
