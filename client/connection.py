@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 from kvtier.client.kv_pool import SharedKVPool
-from kvtier.client.lookup_codec import lookup_request
+from kvtier.client.lookup_codec import lookup_request, transfer_request
 from kvtier.client.page_keys import page_keys
 from kvtier.client.replies import DaemonError, DaemonUnavailable, LookupReply, rep_is_late
 from kvtier.client.transfer_handle import TransferHandle
@@ -96,6 +96,7 @@ class Connection:
         self.ns_fingerprint = b""
         self.daemon_pid = 0
         self._packed_lookup = False
+        self._packed_transfers = False
         self._block: CompletionBlock | None = None
         self._down_until = 0.0
         self._closed = False
@@ -144,6 +145,7 @@ class Connection:
             self.session_id, self.epoch = rep.session_id, rep.epoch
             self.ns_fingerprint, self.daemon_pid = rep.ns_fingerprint, rep.daemon_pid
             self._packed_lookup = rep.packed_lookup
+            self._packed_transfers = rep.packed_transfers
             self._free_slots = list(range(rep.completion_slots - 1, -1, -1))
             self._limbo.clear()
             self._down_until = 0.0
@@ -387,11 +389,8 @@ class Connection:
             seq = next(self._seqs)
 
             def make(sid: int) -> P.Request:
-                if kind is P.Store:
-                    return P.Store(req_id=0, session_id=sid, keys=list(keys), pages=list(pages),
-                                   parent_key=parent_key, slot=slot, seq=seq)
-                return P.Load(req_id=0, session_id=sid, keys=list(keys), pages=list(pages),
-                              slot=slot, seq=seq)
+                return transfer_request(kind, sid, keys, pages, slot, seq,
+                                        self._packed_transfers, parent_key)
 
             epoch = self.epoch
             try:

@@ -93,6 +93,12 @@ daemon): one byte string instead of a list of them. Sent as bytes; decoded as a 
 the received message, not a copy of it."""
 Pages = Annotated[list[Annotated[int, Meta(ge=0, lt=MAX_PAGES)]], Meta(max_length=MAX_KEYS)]
 """Engine page indices, as many as the keys beside them."""
+PAGE_INDEX_BYTES = 4
+"""Bytes of one engine page index in ``packed_pages`` (little-endian unsigned)."""
+PackedPages = Annotated[memoryview, Meta(max_length=MAX_KEYS * PAGE_INDEX_BYTES)]
+"""Engine page indices back to back, :data:`PAGE_INDEX_BYTES` each, little-endian (one per
+key of ``packed_keys``; the daemon checks the count and each index against the engine's
+pages). Sent as bytes; decoded as a view of the received message."""
 Slots = Annotated[list[Slot], Meta(max_length=MAX_SLOTS)]
 SegmentIndices = Annotated[list[Annotated[int, Meta(ge=0, lt=MAX_BUFFERS)]],
                            Meta(max_length=MAX_BUFFERS)]

@@ -26,7 +26,6 @@ decode), so a client can still build, and a test still send, a request the daemo
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
 
 import msgspec
 from kvtier.ipc.geometry import (  # re-exported: P.Geometry, P.KVMemory, ...
@@ -48,6 +47,7 @@ from kvtier.ipc.limits import (
     Keys,
     Name,
     PackedKeys,
+    PackedPages,
     Pages,
     Pid,
     ProtocolVersion,
@@ -58,6 +58,13 @@ from kvtier.ipc.limits import (
     Text,
     TpRank,
     TpSize,
+)
+from kvtier.ipc.packed import (  # re-exported: P.pack_keys, P.PackedKeyList, ...
+    PACK_NATIVE,  # noqa: F401
+    PackedKeyList,  # noqa: F401
+    pack_keys,  # noqa: F401
+    pack_pages,  # noqa: F401
+    split_keys,
 )
 
 PROTOCOL_VERSION = 1
@@ -146,23 +153,37 @@ class Store(_Req, tag="store", kw_only=True):
     """Copy engine pages ``pages[i]`` into L2 under ``keys[i]`` where L2 lacks them.
 
     ``parent_key`` is the key before ``keys[0]`` in its chain (None for a chain start).
-    The daemon signals completion in transfer slot ``slot`` tagged with ``seq``.
+    The daemon signals completion in transfer slot ``slot`` tagged with ``seq``. The keys
+    and pages may come packed instead, as for :class:`Load`.
     """
 
     session_id: U63
-    keys: Keys
-    pages: Pages
+    keys: Keys = []
+    pages: Pages = []
+    packed_keys: PackedKeys = b""  # type: ignore[assignment]  # bytes to send, a view decoded
+    packed_pages: PackedPages = b""  # type: ignore[assignment]
     parent_key: Key | None = None
     slot: Slot
     seq: U63
 
 
 class Load(_Req, tag="load", kw_only=True):
-    """Pin the leading L2 run of ``keys`` and copy it into engine pages, layer by layer."""
+    """Pin the leading L2 run of ``keys`` and copy it into engine pages, layer by layer.
+
+    The keys and pages come as lists (``keys``, ``pages``) or, when the daemon's
+    :class:`Registered` said ``packed_transfers``, packed: ``packed_keys`` as for
+    :class:`Lookup` and ``packed_pages``, the page indices as little-endian uint32 back to
+    back (:func:`pack_pages`), one per key. A 128K-token context's 8,192 keys and pages
+    are then two byte strings instead of 16,384 objects to encode, decode and check. A
+    request mixing the two forms is refused (``BAD_MESSAGE``), as is a packed one whose
+    lengths do not make whole keys with one page each.
+    """
 
     session_id: U63
-    keys: Keys
-    pages: Pages
+    keys: Keys = []
+    pages: Pages = []
+    packed_keys: PackedKeys = b""  # type: ignore[assignment]  # bytes to send, a view decoded
+    packed_pages: PackedPages = b""  # type: ignore[assignment]
     slot: Slot
     seq: U63
 
@@ -253,7 +274,8 @@ class Registered(_Rep, tag="registered", kw_only=True):
     The completion block is the read-only descriptor the handover reply carried;
     ``completion_name`` is a label only (no file by that name exists). ``packed_lookup``:
     the daemon takes LOOKUP's ``packed_keys`` (a daemon that predates it leaves it out,
-    so a client reads False and sends ``keys``).
+    so a client reads False and sends ``keys``); ``packed_transfers``: the same for LOAD's
+    and STORE's ``packed_keys`` and ``packed_pages``.
     """
 
     session_id: U63
@@ -263,6 +285,7 @@ class Registered(_Rep, tag="registered", kw_only=True):
     completion_slots: int
     daemon_pid: int
     packed_lookup: bool = False
+    packed_transfers: bool = False
 
 
 class Ack(_Rep, tag="ack", kw_only=True):
@@ -350,24 +373,6 @@ Reply = (
     Registered | Ack | LookupResult | StoreAccepted | LoadAccepted | StatsReply | HealthReply
     | FlushReply | PrefetchReply | ClaimReply | SyncReply | ErrorReply
 )
-
-def pack_keys(keys: Sequence[bytes]) -> bytes | None:
-    """LOOKUP's ``packed_keys`` for ``keys`` (page keys, :data:`KEY_BYTES` each), or None
-    when their total length shows one is not (send ``keys`` then, which the daemon refuses
-    naming the key). Only the total is checked, at no cost per key: keys whose lengths
-    differ but add up are read as the 32-byte keys their bytes make, which the daemon
-    looks up exactly as sent."""
-    packed = b"".join(keys)
-    return packed if len(packed) == KEY_BYTES * len(keys) else None
-
-
-def split_keys(packed: bytes | memoryview) -> list[bytes]:
-    """The keys of ``packed_keys``, one bytes object each (a partial last one is dropped)."""
-    import numpy as np  # here, not at import: the control socket binds before numpy loads
-
-    n = len(packed) // KEY_BYTES
-    return np.frombuffer(packed, dtype=f"V{KEY_BYTES}", count=n).tolist()
-
 
 _encoder = msgspec.msgpack.Encoder()
 _req_decoder = msgspec.msgpack.Decoder(Request)

@@ -35,6 +35,7 @@ import numpy as np
 from kvtier.daemon.pool.layout import KEY_BYTES
 from kvtier.daemon.pool.meta import PoolMeta
 from kvtier.daemon.pool.records import PageState
+from kvtier.ipc.packed import PACK_NATIVE, PackedKeyList, pack_keys
 
 try:
     from kvtier.kernels import _keyprobe
@@ -214,10 +215,17 @@ class KeyTable:
         return i, bool(open_)
 
 
-def table_keys(keys: Sequence[bytes], min_keys: int) -> bytes | None:
+def table_keys(keys: Sequence[bytes], min_keys: int) -> bytes | memoryview | None:
     """``keys`` packed back to back for a probe of the table, or None when there are fewer
-    than ``min_keys`` or one is not a table's key (32 bytes)."""
-    if len(keys) < min_keys or max(map(len, keys)) != KEY_BYTES:
+    than ``min_keys`` or one is not a table's key (32 bytes). Keys that came packed
+    (:class:`~kvtier.ipc.protocol.PackedKeyList`) are probed as they came."""
+    if len(keys) < min_keys:
+        return None
+    if isinstance(keys, PackedKeyList):
+        return keys.packed
+    if type(keys) is list and PACK_NATIVE:
+        return pack_keys(keys)  # in C: every key checked to be 32 bytes
+    if max(map(len, keys)) != KEY_BYTES:
         return None
     packed = b"".join(keys)
     return packed if len(packed) == KEY_BYTES * len(keys) else None  # a shorter key too

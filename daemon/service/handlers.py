@@ -31,6 +31,7 @@ from kvtier.daemon.service.validation import (
     check_keys,
     check_lookup_keys,
     check_slot,
+    transfer_keys,
 )
 from kvtier.daemon.tier.rank_groups import GroupKey
 from kvtier.daemon.transfer.engine_memory import (
@@ -195,7 +196,7 @@ class Handlers:
                             lease_s=cfg.lease_s, ns_fingerprint=fp,
                             completion_name=f"memfd:completion-{ctx.epoch:x}-{sid}",
                             completion_slots=block.slots, daemon_pid=os.getpid(),
-                            packed_lookup=True)
+                            packed_lookup=True, packed_transfers=True)
 
     def _authenticate(self, m: P.Register) -> str:
         """The tenant a REGISTER may act as (the default one when none are configured)."""
@@ -317,25 +318,27 @@ class Handlers:
         ctx = self.ctx
         s = ctx.session(identity, m.session_id)
         self._needs_memory(s, "STORE")
-        check_keys(m.keys, ctx.cfg.max_keys_per_request, m.pages, s.memory.num_pages)
+        keys, pages = transfer_keys(m, ctx.cfg.max_keys_per_request, s.memory.num_pages)
         check_slot(s, m.slot)
         if m.parent_key is not None and len(m.parent_key) != P.KEY_BYTES:
             raise RequestError(P.ErrorCode.BAD_MESSAGE, f"parent_key has {len(m.parent_key)} bytes")
         ctx.counters.stores += 1
         if s.geometry.attention == "mla" and s.tp_rank > 0:
             # MLA pages are the same on every rank: rank 0 stores them for all
-            return P.StoreAccepted(req_id=m.req_id, epoch=ctx.epoch, count=len(m.keys), writing=0)
-        allocated = ctx.pool.allocate(s.ns_id, s.owner, s.class_id, m.keys, m.parent_key)
-        count = ctx.pool.resident_run(s.ns_id, m.keys)
+            return P.StoreAccepted(req_id=m.req_id, epoch=ctx.epoch, count=len(keys), writing=0)
+        if m.packed_keys:  # the pool indexes each new key: the store needs them as objects
+            keys = P.split_keys(m.packed_keys)
+        allocated = ctx.pool.allocate(s.ns_id, s.owner, s.class_id, keys, m.parent_key)
+        count = ctx.pool.resident_run(s.ns_id, keys)
         ctx.counters.store_skipped_pages += count - len(allocated)
-        ctx.counters.store_failed_pages += len(m.keys) - count
-        ctx.tier.allocated(len(m.keys), count)
+        ctx.counters.store_failed_pages += len(keys) - count
+        ctx.tier.allocated(len(keys), count)
         if not allocated:
             return P.StoreAccepted(req_id=m.req_id, epoch=ctx.epoch, count=count, writing=0)
         idx = [i for i, _ in allocated]
         host = [slot for _, slot in allocated]
-        self.transfers.start(s, Direction.STORE, m.slot, m.seq, host, [m.pages[i] for i in idx],
-                             [m.keys[i] for i in idx])
+        self.transfers.start(s, Direction.STORE, m.slot, m.seq, host, [pages[i] for i in idx],
+                             [keys[i] for i in idx])
         return P.StoreAccepted(req_id=m.req_id, epoch=ctx.epoch, count=count, writing=len(host))
 
     def load(self, identity: bytes, m: P.Load) -> P.Reply:
@@ -343,13 +346,13 @@ class Handlers:
         ctx = self.ctx
         s = ctx.session(identity, m.session_id)
         self._needs_memory(s, "LOAD")
-        check_keys(m.keys, ctx.cfg.max_keys_per_request, m.pages, s.memory.num_pages)
+        keys, pages = transfer_keys(m, ctx.cfg.max_keys_per_request, s.memory.num_pages)
         check_slot(s, m.slot)
         ctx.counters.loads += 1
-        host = ctx.pool.pin(s.ns_id, m.keys)
+        host = ctx.pool.pin(s.ns_id, keys)  # packed keys: the key table probes them as they came
         if host:
-            self.transfers.start(s, Direction.LOAD, m.slot, m.seq, host, m.pages[: len(host)],
-                                 m.keys[: len(host)])
+            self.transfers.start(s, Direction.LOAD, m.slot, m.seq, host, pages[: len(host)],
+                                 keys[: len(host)])
         return P.LoadAccepted(req_id=m.req_id, epoch=ctx.epoch, count=len(host))
 
     def release(self, identity: bytes, m: P.Release) -> P.Reply:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -105,7 +105,7 @@ class Transfers:
         self._arena = None
 
     def start(self, s: Session, direction: Direction, slot: int, seq: int, host: list[int],
-              pages: list[int], keys: list[bytes]) -> None:
+              pages: Sequence[int], keys: Sequence[bytes]) -> None:
         """Copy pages between ``s``'s memory and host slots.
 
         A transfer of at most :data:`INLINE_BYTES` has ended, and is settled, when this
@@ -116,8 +116,9 @@ class Transfers:
             direction: STORE (engine → host) or LOAD (host → engine).
             slot: the completion slot the engine waits on; ``seq`` its sequence number.
             host: host pool slots, allocated (STORE) or pinned (LOAD) by the caller.
-            pages: engine page indexes, one per host slot.
-            keys: the page keys, one per host slot.
+            pages: engine page indexes, one per host slot (a list, or a numpy array of a
+                packed request).
+            keys: the page keys, one per host slot (a packed request's stay packed).
         """
         offsets = self.ctx.pool.slot_offsets(host)
         g = s.geometry

@@ -9,9 +9,13 @@ request leaves no trace but its error reply (and the error counters).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import cast
+
 from kvtier.config import KvtierError
 from kvtier.daemon.service.sessions import Session
 from kvtier.ipc import protocol as P
+from kvtier.ipc.limits import PAGE_INDEX_BYTES
 
 
 class RequestError(KvtierError):
@@ -53,6 +57,51 @@ def check_keys(keys: list[bytes], max_keys: int, pages: list[int] | None = None,
                            f"pages[{i}] = {p!r} is outside the engine's {num_pages} pages")
     if len(set(pages)) != len(pages):
         raise RequestError(P.ErrorCode.BAD_MESSAGE, "pages contains the same page twice")
+
+
+def transfer_keys(m: P.Load | P.Store, max_keys: int,
+                  num_pages: int) -> tuple[Sequence[bytes], Sequence[int]]:
+    """Check a LOAD's or STORE's keys and pages, in either form (lists, or ``packed_keys``
+    and ``packed_pages``), and return them: the lists as they came, or the packed keys as a
+    :class:`~kvtier.ipc.protocol.PackedKeyList` and the pages as a uint32 numpy array (no
+    object per key or page is made for them).
+
+    Raises:
+        RequestError: BAD_MESSAGE (both forms, lengths that do not make whole keys with one
+            page each, too many keys, a page twice) or OUT_OF_RANGE (a page outside the
+            engine's ``num_pages``, named by its index).
+    """
+    if not (m.packed_keys or m.packed_pages):
+        check_keys(m.keys, max_keys, m.pages, num_pages)
+        return m.keys, m.pages
+    if m.keys or m.pages:
+        raise RequestError(P.ErrorCode.BAD_MESSAGE,
+                           "keys or pages given beside packed_keys or packed_pages")
+    kb, pb = len(m.packed_keys), len(m.packed_pages)
+    if kb % P.KEY_BYTES:
+        raise RequestError(P.ErrorCode.BAD_MESSAGE,
+                           f"packed_keys has {kb} bytes, not a multiple of {P.KEY_BYTES}")
+    n = kb // P.KEY_BYTES
+    if n > max_keys:
+        raise RequestError(P.ErrorCode.BAD_MESSAGE,
+                           f"{n} keys exceed max_keys_per_request ({max_keys})")
+    if pb != n * PAGE_INDEX_BYTES:
+        raise RequestError(P.ErrorCode.BAD_MESSAGE,
+                           f"packed_pages has {pb} bytes; {n} keys need {n * PAGE_INDEX_BYTES} "
+                           f"(one little-endian uint{8 * PAGE_INDEX_BYTES} page each)")
+    import numpy as np  # here, not at import: the control socket binds before numpy loads
+
+    pages = np.frombuffer(m.packed_pages, dtype=f"<u{PAGE_INDEX_BYTES}")
+    if n and int(pages.max()) >= num_pages:
+        i = int(np.argmax(pages >= num_pages))
+        raise RequestError(P.ErrorCode.OUT_OF_RANGE,
+                           f"packed_pages[{i}] = {int(pages[i])} is outside the engine's "
+                           f"{num_pages} pages")
+    if n > 1:
+        ordered = np.sort(pages)
+        if (ordered[1:] == ordered[:-1]).any():
+            raise RequestError(P.ErrorCode.BAD_MESSAGE, "packed_pages contains the same page twice")
+    return P.PackedKeyList(m.packed_keys), cast("Sequence[int]", pages)  # an array serves as one
 
 
 def check_lookup_keys(m: P.Lookup, max_keys: int) -> None:

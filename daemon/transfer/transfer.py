@@ -88,7 +88,7 @@ class Transfer:
     cancelled: bool = False
     status: TransferStatus = TransferStatus.RUNNING
     started: float = 0.0
-    keys: list[bytes] = field(default_factory=list)
+    keys: Sequence[bytes] = field(default_factory=list)
     checksum: bool = False  # a store records its pages' checksums (verify_on_adopt)
     checksums: list[int] | None = None
     extra: dict[str, object] = field(default_factory=dict)

@@ -1,0 +1,126 @@
+"""Packed keys and pages (``ipc/packed.py``) and the daemon's check of a packed LOAD or
+STORE (``daemon/service/validation.py: transfer_keys``), without a daemon.
+
+The C packer is held to ``b"".join`` and to its own refusals (anything but a list of
+32-byte bytes objects); :class:`PackedKeyList` to the list it stands for; ``transfer_keys``
+to the list form's refusals, each naming the field and the value.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from kvtier.daemon.pool import keytable
+from kvtier.daemon.service.validation import RequestError, transfer_keys
+from kvtier.ipc import packed as PK
+from kvtier.ipc import protocol as P
+from kvtier.ipc.limits import KEY_BYTES
+
+RNG = random.Random(5)
+KEYS = [RNG.randbytes(KEY_BYTES) for _ in range(300)]
+
+
+@pytest.mark.skipif(not PK.PACK_NATIVE, reason="kvtier.kernels._keyprobe is not built "
+                    "(no C compiler at install): pack_keys joins in Python")
+def test_c_packer_equals_join_and_refuses_what_is_not_a_key() -> None:
+    from kvtier.kernels._keyprobe import pack_keys
+
+    assert pack_keys(KEYS) == b"".join(KEYS)
+    assert pack_keys([]) == b""
+    assert pack_keys(KEYS[:5] + [KEYS[5][:31]]) is None  # short
+    assert pack_keys(KEYS[:5] + [KEYS[5] + b"\0"]) is None  # long
+    assert pack_keys(KEYS[:5] + [bytearray(KEYS[5])]) is None  # not bytes
+    assert pack_keys(KEYS[:5] + [None]) is None
+    assert pack_keys([KEYS[0][:16], KEYS[0][:48]]) is None  # lengths adding up are no keys
+    with pytest.raises(TypeError, match="list"):
+        pack_keys(tuple(KEYS))
+    # every sequence packs through the module function, in C or by joining
+    assert P.pack_keys(KEYS) == P.pack_keys(tuple(KEYS)) == b"".join(KEYS)
+
+
+def test_pack_pages_is_little_endian_uint32_or_none() -> None:
+    pages = [0, 1, 255, 256, 65536, 2**32 - 1]
+    packed = P.pack_pages(pages)
+    assert packed is not None
+    assert np.frombuffer(packed, dtype="<u4").tolist() == pages
+    assert P.pack_pages(range(3)) == np.arange(3, dtype="<u4").tobytes()
+    assert P.pack_pages(np.arange(4)) == np.arange(4, dtype="<u4").tobytes()
+    assert P.pack_pages([1, -1]) is None
+    assert P.pack_pages([2**32]) is None
+    assert P.pack_pages([1.5]) is None
+    assert P.pack_pages([]) == b""
+
+
+def test_packed_key_list_is_the_list_it_stands_for() -> None:
+    keys = P.PackedKeyList(memoryview(b"".join(KEYS)))
+    assert len(keys) == len(KEYS)
+    assert list(keys) == KEYS
+    assert keys[0] == KEYS[0] and keys[-1] == KEYS[-1] and keys[123] == KEYS[123]
+    assert list(keys[10:20]) == KEYS[10:20] and list(keys[:0]) == []
+    assert list(keys[-5:]) == KEYS[-5:] and list(keys[290:400]) == KEYS[290:]
+    assert list(keys[::7]) == KEYS[::7] and list(keys[20:10]) == []
+    assert KEYS[7] in keys and keys.index(KEYS[9]) == 9
+    for bad in (300, -301):
+        with pytest.raises(IndexError):
+            keys[bad]
+    with pytest.raises(ValueError, match="not whole 32-byte keys"):
+        P.PackedKeyList(b"\0" * 33)
+    # the key table probes it as it came, without packing it again
+    packed = keytable.table_keys(keys, 256)
+    assert packed is keys.packed
+    assert keytable.table_keys(keys[:255], 256) is None
+    assert keytable.table_keys(KEYS, 256) == b"".join(KEYS)
+    assert keytable.table_keys(KEYS[:-1] + [KEYS[-1][:31]], 256) is None
+
+
+def load(**fields: object) -> P.Load:
+    """A LOAD as the daemon decodes it (packed fields are views of the message)."""
+    m = P.decode_request(P.encode(P.Load(req_id=1, session_id=1, slot=0, seq=1, **fields)))
+    assert isinstance(m, P.Load)
+    return m
+
+
+def refused(m: P.Load, code: P.ErrorCode, match: str, max_keys: int = 1000,
+            num_pages: int = 512) -> None:
+    with pytest.raises(RequestError, match=match) as err:
+        transfer_keys(m, max_keys, num_pages)
+    assert err.value.code == code
+
+
+def test_transfer_keys_takes_either_form() -> None:
+    keys, pages = transfer_keys(load(keys=KEYS[:3], pages=[4, 5, 6]), 1000, 512)
+    assert keys == KEYS[:3] and pages == [4, 5, 6]
+    m = load(packed_keys=b"".join(KEYS), packed_pages=P.pack_pages(range(511, 211, -1)))
+    keys, pages = transfer_keys(m, 1000, 512)
+    assert isinstance(keys, P.PackedKeyList) and list(keys) == KEYS
+    assert isinstance(pages, np.ndarray) and pages.tolist() == list(range(511, 211, -1))
+    keys, pages = transfer_keys(load(packed_keys=b"", packed_pages=b""), 1000, 512)
+    assert len(keys) == 0 and len(pages) == 0
+
+
+def test_transfer_keys_refusals_name_the_field_and_value() -> None:
+    packed = b"".join(KEYS)
+    pages = P.pack_pages(range(300))
+    assert pages is not None
+    refused(load(packed_keys=packed[:-1], packed_pages=pages), P.ErrorCode.BAD_MESSAGE,
+            f"packed_keys has {len(packed) - 1} bytes, not a multiple of 32")
+    refused(load(packed_keys=packed, packed_pages=pages[:-4]), P.ErrorCode.BAD_MESSAGE,
+            "packed_pages has 1196 bytes; 300 keys need 1200")
+    refused(load(packed_keys=b"", packed_pages=pages[:4]), P.ErrorCode.BAD_MESSAGE,
+            "packed_pages has 4 bytes; 0 keys need 0")
+    refused(load(packed_keys=packed, packed_pages=pages), P.ErrorCode.BAD_MESSAGE,
+            "300 keys exceed max_keys_per_request \\(299\\)", max_keys=299)
+    refused(load(packed_keys=packed, packed_pages=pages), P.ErrorCode.OUT_OF_RANGE,
+            "packed_pages\\[299\\] = 299 is outside the engine's 299 pages", num_pages=299)
+    refused(load(packed_keys=packed[:64], packed_pages=P.pack_pages([2**32 - 1, 0])),
+            P.ErrorCode.OUT_OF_RANGE, "packed_pages\\[0\\] = 4294967295 is outside")
+    refused(load(packed_keys=packed, packed_pages=P.pack_pages([*range(299), 17])),
+            P.ErrorCode.BAD_MESSAGE, "packed_pages contains the same page twice")
+    refused(load(keys=KEYS[:1], packed_keys=packed[32:64], packed_pages=pages[:4]),
+            P.ErrorCode.BAD_MESSAGE, "beside packed_keys")
+    refused(load(pages=[1], packed_pages=pages[:4]), P.ErrorCode.BAD_MESSAGE, "beside packed")
+    # the list form keeps its own refusals
+    refused(load(keys=KEYS[:2], pages=[1]), P.ErrorCode.BAD_MESSAGE, "2 keys but 1 pages")
+    refused(load(keys=KEYS[:2], pages=[1, 1]), P.ErrorCode.BAD_MESSAGE, "same page twice")
