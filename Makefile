@@ -20,7 +20,7 @@ SGLANG_DEPS := numpy msgspec pydantic pyzmq orjson psutil pybase64 requests pack
 	"openai>=2.25.0" partial_json_parser
 DEMO_STAMP := $(VENV)/.kvtier-demo-installed
 SOURCES := pyproject.toml setup.py kernels/_fileio.c kernels/_xxh3_avx2.c kernels/_guarded.c \
-           kernels/_keyprobe.c
+           kernels/_keyprobe.c kernels/_pins.c kernels/_alloc.c
 
 .PHONY: engines gpu-wheels gpu-check venv venv-demo test test-fast serve demo bench lint typecheck clean sysdeps builddeps
 

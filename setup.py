@@ -25,6 +25,12 @@ setup(
             optional=True,
         ),
         Extension(
+            "kvtier.kernels._alloc",
+            sources=["kernels/_alloc.c"],
+            extra_compile_args=["-O3", "-std=gnu11"],
+            optional=True,
+        ),
+        Extension(
             "kvtier.kernels._pins",
             sources=["kernels/_pins.c"],
             extra_compile_args=["-O3", "-std=gnu11"],

@@ -31,6 +31,7 @@ from kvtier.daemon.pool.links import ChildLists, filled
 from kvtier.daemon.pool.meta import PoolMeta
 from kvtier.daemon.pool.records import HostPoolError, PageState, PageStateError, ResidentPages
 from kvtier.daemon.pool.slots import PageClass, SlotAllocator
+from kvtier.daemon.pool.storerun import RUN_PAGES, allocate_run, commit_run
 from xxhash import xxh3_64_intdigest
 
 __all__ = ["PageTable"]
@@ -189,6 +190,15 @@ class PageTable:
             HostPoolError: unknown class id, or a key longer than 32 bytes.
         """
         self._slots.check_class(class_id)
+        if len(keys) >= RUN_PAGES:  # in one C call where it applies
+            out = allocate_run(self, ns_id, owner, class_id, keys, parent_key)
+            if out is not None:
+                return out
+        return self._allocate(ns_id, owner, class_id, keys, parent_key)
+
+    def _allocate(self, ns_id: int, owner: int, class_id: int, keys: Sequence[bytes],
+                  parent_key: bytes | None) -> list[tuple[int, int]]:  # fmt: skip
+        """:meth:`allocate`, page by page in Python."""
         if keys and max(map(len, keys)) > KEY_BYTES:
             raise HostPoolError(f"page keys must have at most {KEY_BYTES} bytes")
         cls = self._classes[class_id]
@@ -261,6 +271,8 @@ class PageTable:
             HostPoolError: a slot id is out of range, or ``checksums`` does not match
                 ``slots`` (length, or a value outside 64 bits).
         """
+        if len(slots) >= RUN_PAGES and commit_run(self, slots, checksums):
+            return
         meta, state, keys, n_slots = self._meta, self._state, self._key, self.n_slots
         for s in slots:  # checked inline: this runs for every page a store moved
             if not 0 <= s < n_slots or state[s] != _WRITING:

@@ -1,0 +1,660 @@
+/* kvtier.kernels._alloc: the host pool's slot allocation for a STORE, page by page in C.
+ *
+ * run(cols, keys, start, prev, clock, ns_id, owner, cid, page_bytes, per_extent,
+ *     free_extents, cls, ready_ns, writing_ns, ready, slot_keys, owned, ends, own_ends,
+ *     log, max_log, evicted, out) -> (stop, prev, clock, evictions, unlogged) or None
+ *
+ * The same steps as daemon/pool/pages.py's PageTable.allocate, with the eviction of
+ * daemon/pool/eviction.py's Evictor._reclaim and evict and PageTable._release, in the same
+ * order, for the keys from `start` on: a key the namespace holds (READY or WRITING) is
+ * skipped and parents the next; any other gets a slot from the class's free list, from the
+ * extent it is cutting, or by evicting the coldest evictable page when that page is of the
+ * same class (its slot is reused at once), and its row is written, the state byte last.
+ * What it leaves to the page-by-page path, stopping before the key at `stop` has changed
+ * anything: a slot that would need a free extent cut (`free_extents` true), or an eviction
+ * of a page of another class or from an empty list. The caller runs that key in Python and
+ * calls again from the next. None, having changed nothing: a key is not bytes of at most
+ * 32 bytes (the Python path names it).
+ *
+ * Not for an owner with a quota or a pool whose evictions require L3 (the caller checks).
+ * The counters of `cls` (free, bump, ready, writing) are read once and written back at the
+ * end; the evictions are appended to `log` (as `evicted(key, ns, slot, in_l3)`) while it
+ * holds fewer than `max_log`, else counted in `unlogged`.
+ *
+ * cols: the 21 buffers (stamp, ns, owner, length: int64; parent: int32; key: 32 bytes a
+ * slot; state, in_l3: int8; key_len: uint8; then int32 a slot: pins, children, first,
+ * sib_prev, sib_next, prev, next, oprev, onext; then int32 an extent: ext_class, ext_used,
+ * ext_bump). Their sizes are checked against each other; every slot read from them is
+ * checked against the pool before it is used (a stop, never a stray write).
+ *
+ * A 64-page STORE into a full pool spent about 1 ms of the event loop here in Python (an
+ * eviction a page), an 8,192-page one 100-140 ms.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+#define NIL (-1)
+#define KEY_BYTES 32
+#define N_COLS 21
+#define READY 2
+#define FREE 0
+#define WRITING 1
+#define HAS_CHECKSUM 1
+
+enum { STAMP, NS, OWNER, LENGTH, PARENT, KEY, STATE, IN_L3, KEY_LEN, PINS, CHILDREN, FIRST,
+       SIB_PREV, SIB_NEXT, PREV, NEXT, OPREV, ONEXT, EXT_CLASS, EXT_USED, EXT_BUMP };
+
+typedef struct {
+    int64_t *stamp, *ns, *owner, *length;
+    int32_t *parent;
+    uint8_t *key;
+    int8_t *state, *in_l3;
+    uint8_t *key_len;
+    int32_t *pins, *children, *first, *sib_prev, *sib_next, *prev, *next, *oprev, *onext;
+    int32_t *ext_class, *ext_used, *ext_bump;
+    Py_ssize_t n_slots, n_extents;
+} Cols;
+
+/* The ends [cold, hot] of a list: a Python list of two ints. */
+typedef struct {
+    PyObject *list;
+    long long cold, hot;
+} Ends;
+
+static int ends_read(Ends *e, PyObject *list) {
+    if (!PyList_Check(list) || PyList_GET_SIZE(list) != 2) {
+        PyErr_SetString(PyExc_TypeError, "list ends must be a list of two ints");
+        return -1;
+    }
+    e->list = list;
+    e->cold = PyLong_AsLongLong(PyList_GET_ITEM(list, 0));
+    e->hot = PyLong_AsLongLong(PyList_GET_ITEM(list, 1));
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+static int ends_write(Ends *e) {
+    PyObject *c = PyLong_FromLongLong(e->cold), *h = PyLong_FromLongLong(e->hot);
+    if (c == NULL || h == NULL) {
+        Py_XDECREF(c);
+        Py_XDECREF(h);
+        return -1;
+    }
+    PyList_SetItem(e->list, 0, c);  /* steals */
+    PyList_SetItem(e->list, 1, h);
+    return 0;
+}
+
+/* links.unlink */
+static void unlink_(int32_t *prev, int32_t *nxt, Ends *e, int32_t s) {
+    int32_t p = prev[s], n = nxt[s];
+    if (p == NIL) e->cold = n; else nxt[p] = n;
+    if (n == NIL) e->hot = p; else prev[n] = p;
+    prev[s] = nxt[s] = NIL;
+}
+
+/* links.push */
+static void push_(int32_t *prev, int32_t *nxt, Ends *e, const int64_t *stamp, int32_t s) {
+    if (e->cold == NIL) {
+        prev[s] = nxt[s] = NIL;
+        e->cold = e->hot = s;
+    } else if (stamp[s] <= stamp[e->cold]) {
+        prev[s] = NIL; nxt[s] = (int32_t)e->cold; prev[e->cold] = s;
+        e->cold = s;
+    } else {
+        prev[s] = (int32_t)e->hot; nxt[s] = NIL; nxt[e->hot] = s;
+        e->hot = s;
+    }
+}
+
+/* The owner's ends in `own_ends` (created as [NIL, NIL] when `create`), read into `e`. */
+static int owner_ends(Ends *e, PyObject *own_ends, int64_t owner, int create) {
+    PyObject *k = PyLong_FromLongLong(owner);
+    if (k == NULL) return -1;
+    PyObject *list = PyDict_GetItemWithError(own_ends, k);  /* borrowed */
+    if (list == NULL && !PyErr_Occurred()) {
+        if (!create) {
+            PyErr_Format(PyExc_KeyError, "owner %lld has no evictable list", (long long)owner);
+        } else if ((list = Py_BuildValue("[ii]", NIL, NIL)) != NULL) {
+            int rc = PyDict_SetItem(own_ends, k, list);
+            Py_DECREF(list);  /* the dict holds it */
+            if (rc < 0) list = NULL;
+        }
+    }
+    Py_DECREF(k);
+    return list == NULL ? -1 : ends_read(e, list);
+}
+
+/* The evictable lists: the global one's ends and the last owner's list used, written back
+ * to their Python lists when another owner's is needed and at the end. */
+typedef struct {
+    Ends g, o;
+    int64_t owner;
+    int have_owner;
+    PyObject *own_ends;
+} Lists;
+
+static int lists_flush(Lists *l) {
+    if (l->have_owner && ends_write(&l->o) < 0) return -1;
+    l->have_owner = 0;
+    return 0;
+}
+
+static Ends *owner_list(Lists *l, int64_t owner, int create) {
+    if (l->have_owner && l->owner == owner) return &l->o;
+    if (lists_flush(l) < 0 || owner_ends(&l->o, l->own_ends, owner, create) < 0) return NULL;
+    l->owner = owner;
+    l->have_owner = 1;
+    return &l->o;
+}
+
+/* RecencyLists.dequeue: the global list and the owner's. */
+static int dequeue(Cols *c, Lists *l, int32_t s) {
+    unlink_(c->prev, c->next, &l->g, s);
+    Ends *o = owner_list(l, c->owner[s], 0);
+    if (o == NULL) return -1;
+    unlink_(c->oprev, c->onext, o, s);
+    return 0;
+}
+
+/* RecencyLists.enqueue */
+static int enqueue(Cols *c, Lists *l, int32_t s) {
+    push_(c->prev, c->next, &l->g, c->stamp, s);
+    Ends *o = owner_list(l, c->owner[s], 1);
+    if (o == NULL) return -1;
+    push_(c->oprev, c->onext, o, c->stamp, s);
+    return 0;
+}
+
+/* owned[owner] += delta */
+static int add_owned(PyObject *owned, int64_t owner, long long delta) {
+    PyObject *k = PyLong_FromLongLong(owner);
+    if (k == NULL) return -1;
+    PyObject *v = PyDict_GetItemWithError(owned, k);
+    long long now = 0;
+    if (v != NULL) now = PyLong_AsLongLong(v);
+    PyObject *nv = PyErr_Occurred() ? NULL : PyLong_FromLongLong(now + delta);
+    int rc = nv == NULL ? -1 : PyDict_SetItem(owned, k, nv);
+    Py_XDECREF(nv);
+    Py_DECREF(k);
+    return rc;
+}
+
+static int in_pool(const Cols *c, long long s) { return s >= 0 && s < c->n_slots; }
+
+/* A slot found by the dicts: an int inside the pool, else -2 (with an error set). */
+static long long slot_of(const Cols *c, PyObject *v) {
+    long long s = PyLong_AsLongLong(v);
+    if (s == -1 && PyErr_Occurred()) return -2;
+    if (!in_pool(c, s)) {
+        PyErr_Format(PyExc_ValueError, "the index names slot %lld, outside the pool", s);
+        return -2;
+    }
+    return s;
+}
+
+static int get_cols(Cols *c, Py_buffer *views, PyObject *cols) {
+    static const int width[N_COLS] = {8, 8, 8, 8, 4, KEY_BYTES, 1, 1, 1, 4, 4, 4, 4, 4, 4, 4, 4,
+                                      4, 4, 4, 4};
+    if (!PyTuple_Check(cols) || PyTuple_GET_SIZE(cols) != N_COLS) {
+        PyErr_Format(PyExc_TypeError, "cols must be a tuple of %d buffers", N_COLS);
+        return -1;
+    }
+    int got = 0;
+    for (; got < N_COLS; got++)
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(cols, got), &views[got], PyBUF_WRITABLE) < 0)
+            break;
+    if (got < N_COLS) {
+        for (int i = 0; i < got; i++) PyBuffer_Release(&views[i]);
+        return -1;
+    }
+    c->n_slots = views[PINS].len / 4;
+    c->n_extents = views[EXT_CLASS].len / 4;
+    for (int i = 0; i < N_COLS; i++) {
+        Py_ssize_t n = i >= EXT_CLASS ? c->n_extents : c->n_slots;
+        if (views[i].len < n * width[i]) {
+            PyErr_Format(PyExc_ValueError, "column %d has %zd bytes; %zd entries need %zd",
+                         i, views[i].len, n, n * width[i]);
+            for (int j = 0; j < N_COLS; j++) PyBuffer_Release(&views[j]);
+            return -1;
+        }
+    }
+    void **at[N_COLS] = {(void **)&c->stamp, (void **)&c->ns, (void **)&c->owner,
+        (void **)&c->length, (void **)&c->parent, (void **)&c->key, (void **)&c->state,
+        (void **)&c->in_l3, (void **)&c->key_len, (void **)&c->pins, (void **)&c->children,
+        (void **)&c->first, (void **)&c->sib_prev, (void **)&c->sib_next, (void **)&c->prev,
+        (void **)&c->next, (void **)&c->oprev, (void **)&c->onext, (void **)&c->ext_class,
+        (void **)&c->ext_used, (void **)&c->ext_bump};
+    for (int i = 0; i < N_COLS; i++) *at[i] = views[i].buf;
+    return 0;
+}
+
+typedef struct {
+    long long free, bump, n, ready, writing;
+} Class;
+
+static int class_io(PyObject *cls, Class *k, int write) {
+    static const char *names[] = {"free", "bump", "n", "ready", "writing"};
+    long long *f[] = {&k->free, &k->bump, &k->n, &k->ready, &k->writing};
+    for (int i = 0; i < 5; i++) {
+        if (write) {
+            if (i == 2) continue;
+            PyObject *v = PyLong_FromLongLong(*f[i]);
+            if (v == NULL || PyObject_SetAttrString(cls, names[i], v) < 0) {
+                Py_XDECREF(v);
+                return -1;
+            }
+            Py_DECREF(v);
+        } else {
+            PyObject *v = PyObject_GetAttrString(cls, names[i]);
+            if (v == NULL) return -1;
+            *f[i] = PyLong_AsLongLong(v);
+            Py_DECREF(v);
+            if (PyErr_Occurred()) return -1;
+        }
+    }
+    return 0;
+}
+
+/* evicted(key, ns, slot, in_l3), built as the tuple subclass it is (a NamedTuple's
+ * __new__ is Python code). */
+static PyObject *record(PyObject *evicted, PyObject *key, int64_t ns, long long slot, int in_l3) {
+    PyObject *items = Py_BuildValue("(OLLO)", key, (long long)ns, slot, in_l3 ? Py_True : Py_False);
+    if (items == NULL) return NULL;
+    PyObject *args = PyTuple_Pack(1, items);
+    Py_DECREF(items);
+    if (args == NULL) return NULL;
+    PyObject *rec = PyTuple_Type.tp_new((PyTypeObject *)evicted, args, NULL);
+    Py_DECREF(args);
+    return rec;
+}
+
+static PyObject *run(PyObject *self, PyObject *args) {
+    PyObject *cols, *keys, *cls, *ready_ns, *writing_ns, *ready, *slot_keys, *owned, *ends_list;
+    PyObject *own_ends, *log, *evicted, *out;
+    Py_ssize_t start, max_log;
+    long long prev, clock, ns_id, owner, cid, page_bytes, per_extent;
+    int free_extents;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OO!nLLLLLLLpOO!O!O!O!O!O!O!O!nOO!:run", &cols, &PyList_Type,
+                          &keys, &start, &prev, &clock, &ns_id, &owner, &cid, &page_bytes,
+                          &per_extent, &free_extents, &cls, &PyDict_Type, &ready_ns,
+                          &PyDict_Type, &writing_ns, &PyDict_Type, &ready, &PyList_Type,
+                          &slot_keys, &PyDict_Type, &owned, &PyList_Type, &ends_list,
+                          &PyDict_Type, &own_ends, &PyList_Type, &log, &max_log, &evicted,
+                          &PyList_Type, &out))
+        return NULL;
+    if (!PyType_Check(evicted) || !PyType_IsSubtype((PyTypeObject *)evicted, &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, "evicted must be a tuple subclass (EvictedPage)");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(keys);
+    for (Py_ssize_t i = start; i < n; i++) {
+        PyObject *key = PyList_GET_ITEM(keys, i);
+        if (!PyBytes_CheckExact(key) || PyBytes_GET_SIZE(key) > KEY_BYTES)
+            Py_RETURN_NONE;
+    }
+    Py_buffer views[N_COLS];
+    Cols c;
+    if (get_cols(&c, views, cols) < 0) return NULL;
+    Class k;
+    Lists l = {.have_owner = 0, .own_ends = own_ends};
+    long long own_delta = 0;  /* owned[owner], written back at the end */
+    PyObject *by_key = NULL;  /* ready[ns] of the last victim's ns */
+    long long by_key_ns = 0;
+    long long evictions = 0, unlogged = 0;
+    Py_ssize_t i = start;
+    PyObject *result = NULL;
+    if (per_extent <= 0) {
+        PyErr_Format(PyExc_ValueError, "per_extent must be positive, got %lld", per_extent);
+        goto done;
+    }
+    if (class_io(cls, &k, 0) < 0 || ends_read(&l.g, ends_list) < 0)
+        goto done;
+    if (PyList_GET_SIZE(slot_keys) < c.n_slots) {
+        PyErr_SetString(PyExc_ValueError, "slot_keys is shorter than the pool");
+        goto done;
+    }
+    if (prev != NIL && !in_pool(&c, prev)) {
+        PyErr_Format(PyExc_ValueError, "prev %lld is outside the pool", prev);
+        goto done;
+    }
+    for (; i < n; i++) {
+        PyObject *key = PyList_GET_ITEM(keys, i);
+        PyObject *hit = PyDict_GetItemWithError(ready_ns, key);
+        if (hit == NULL && !PyErr_Occurred()) hit = PyDict_GetItemWithError(writing_ns, key);
+        if (PyErr_Occurred()) goto fail;
+        if (hit != NULL) {
+            long long s = slot_of(&c, hit);
+            if (s == -2) goto fail;
+            prev = s;
+            continue;
+        }
+        int shield = prev != NIL && c.children[prev] == 0 && c.state[prev] == READY &&
+                     c.pins[prev] == 0;
+        /* where the slot comes from, decided before anything changes */
+        long long v = NIL;
+        int source;  /* 0: free list, 1: the extent being cut, 2: eviction of v */
+        if (k.free != NIL) {
+            if (!in_pool(&c, k.free)) break;
+            source = 0;
+        } else if (k.bump != NIL) {
+            if (k.bump < 0 || k.bump >= c.n_extents) break;
+            source = 1;
+        } else if (free_extents) {
+            break;
+        } else {
+            v = l.g.cold;
+            if (shield && v == prev) v = c.next[prev];
+            if (!in_pool(&c, v) || c.ext_class[v / per_extent] != cid || c.state[v] != READY
+                || c.pins[v] || c.children[v] || c.first[v] != NIL)
+                break;
+            source = 2;
+        }
+        if (prev != NIL) {  /* a child's reference shields prev from the eviction below */
+            if (shield && dequeue(&c, &l, (int32_t)prev) < 0) goto fail;
+            c.children[prev] += 1;
+        }
+        long long s;
+        if (source == 0) {  /* SlotAllocator.take: the free list */
+            s = k.free;
+            int32_t p = c.prev[s], nx = c.next[s];
+            if (p == NIL) k.free = nx; else c.next[p] = nx;
+            if (nx != NIL) c.prev[nx] = p;
+            c.prev[s] = c.next[s] = NIL;
+            c.ext_used[s / per_extent] += 1;
+        } else if (source == 1) {  /* the extent being cut */
+            long long e = k.bump, j = c.ext_bump[e];
+            c.ext_bump[e] = (int32_t)(j + 1);
+            if (j + 1 == k.n) k.bump = NIL;
+            c.ext_used[e] += 1;
+            s = e * per_extent + j;
+            if (!in_pool(&c, s)) {
+                PyErr_Format(PyExc_ValueError, "extent %lld cuts slot %lld, outside the pool",
+                             e, s);
+                goto fail;
+            }
+        } else {  /* Evictor.evict(v, keep=True), PageTable._release(v, keep=True) */
+            s = v;
+            evictions += 1;
+            PyObject *vkey = PyList_GET_ITEM(slot_keys, v);
+            if (PyList_GET_SIZE(log) < max_log) {
+                PyObject *rec = record(evicted, vkey, c.ns[v], v, c.in_l3[v]);
+                int rc = rec == NULL ? -1 : PyList_Append(log, rec);
+                Py_XDECREF(rec);
+                if (rc < 0) goto fail;
+            } else {
+                unlogged += 1;
+            }
+            if (dequeue(&c, &l, (int32_t)v) < 0) goto fail;
+            c.state[v] = FREE;  /* first: from here on a crash leaves the slot free */
+            __atomic_signal_fence(__ATOMIC_SEQ_CST);
+            c.in_l3[v] = 0;
+            if (by_key == NULL || by_key_ns != c.ns[v]) {
+                PyObject *nsk = PyLong_FromLongLong(c.ns[v]);
+                if (nsk == NULL) goto fail;
+                by_key = PyDict_GetItemWithError(ready, nsk);  /* borrowed: ready keeps it */
+                Py_DECREF(nsk);
+                if (by_key == NULL || !PyDict_Check(by_key)) {
+                    if (!PyErr_Occurred())
+                        PyErr_Format(PyExc_KeyError, "namespace %lld has no index",
+                                     (long long)c.ns[v]);
+                    by_key = NULL;
+                    goto fail;
+                }
+                by_key_ns = c.ns[v];
+            }
+            Py_INCREF(vkey);
+            int rc = PyDict_DelItem(by_key, vkey);
+            Py_INCREF(Py_None);
+            PyList_SetItem(slot_keys, v, Py_None);  /* steals; drops the list's reference */
+            Py_DECREF(vkey);
+            if (rc < 0) goto fail;
+            int32_t p = c.parent[v];
+            if (p != NIL) {  /* ChildLists.unlink(p, v), then the child reference */
+                int32_t sp = c.sib_prev[v], sn = c.sib_next[v];
+                if (sp == NIL) c.first[p] = sn; else c.sib_next[sp] = sn;
+                if (sn != NIL) c.sib_prev[sn] = sp;
+                c.parent[v] = c.sib_prev[v] = c.sib_next[v] = NIL;
+                c.children[p] -= 1;
+                if (c.children[p] == 0 && c.state[p] == READY && c.pins[p] == 0 &&
+                    enqueue(&c, &l, p) < 0)
+                    goto fail;
+            }
+            k.ready -= 1;
+            if (c.owner[v] == owner) own_delta -= 1;
+            else if (add_owned(owned, c.owner[v], -1) < 0) goto fail;
+        }
+        /* the row first, the state byte last */
+        Py_ssize_t len = PyBytes_GET_SIZE(key);
+        memcpy(c.key + s * KEY_BYTES, PyBytes_AS_STRING(key), (size_t)len);
+        memset(c.key + s * KEY_BYTES + len, 0, (size_t)(KEY_BYTES - len));
+        c.key_len[s] = (uint8_t)len;
+        c.ns[s] = ns_id;
+        c.owner[s] = owner;
+        c.length[s] = page_bytes;
+        c.parent[s] = (int32_t)prev;
+        clock += 1;
+        c.stamp[s] = clock;
+        __atomic_signal_fence(__ATOMIC_SEQ_CST);
+        c.state[s] = WRITING;
+        Py_INCREF(key);
+        PyList_SetItem(slot_keys, s, key);
+        if (prev != NIL) {  /* ChildLists.link(prev, s) */
+            int32_t head = c.first[prev];
+            c.sib_prev[s] = NIL;
+            c.sib_next[s] = head;
+            if (head != NIL) c.sib_prev[head] = (int32_t)s;
+            c.first[prev] = (int32_t)s;
+        }
+        PyObject *sv = PyLong_FromLongLong(s);
+        if (sv == NULL) goto fail;
+        int rc = PyDict_SetItem(writing_ns, key, sv);
+        PyObject *pair = rc < 0 ? NULL : PyTuple_New(2), *at = NULL;
+        if (pair != NULL && (at = PyLong_FromSsize_t(i)) == NULL) Py_CLEAR(pair);
+        if (pair != NULL) {
+            PyTuple_SET_ITEM(pair, 0, at);
+            PyTuple_SET_ITEM(pair, 1, sv);  /* steals */
+        } else {
+            Py_DECREF(sv);
+        }
+        rc = pair == NULL ? -1 : PyList_Append(out, pair);
+        Py_XDECREF(pair);
+        if (rc < 0) goto fail;
+        k.writing += 1;
+        own_delta += 1;
+        prev = s;
+    }
+    if (class_io(cls, &k, 1) < 0 || ends_write(&l.g) < 0 || lists_flush(&l) < 0 ||
+        (own_delta && add_owned(owned, owner, own_delta) < 0))
+        goto done;
+    result = Py_BuildValue("(nLLLL)", i, prev, clock, evictions, unlogged);
+    goto done;
+fail:  /* as the page-by-page path would be left: what happened so far stays */
+    {
+        PyObject *t, *val, *tb;
+        PyErr_Fetch(&t, &val, &tb);
+        class_io(cls, &k, 1);
+        ends_write(&l.g);
+        lists_flush(&l);
+        if (own_delta) add_owned(owned, owner, own_delta);
+        PyErr_Restore(t, val, tb);
+    }
+done:
+    for (int j = 0; j < N_COLS; j++) PyBuffer_Release(&views[j]);
+    return result;
+}
+
+/* commit(cols, extra, slots, checksums, clock, per_extent, writing, ready, slot_keys, classes,
+ *        ends, own_ends) -> (stop, clock) or None
+ *
+ * PageTable.commit in C: the slots, last first, become READY (checksum, flags, the row's
+ * seal XXH3-64(key, seed checksum ^ ns), the next access stamp, then the state byte), move
+ * from the WRITING index to the READY one, count in their class, and enter the evictable
+ * lists when childless. None, having changed nothing: a slot is outside the pool or not
+ * WRITING, or a checksum is not a 64-bit unsigned int, or the lengths differ (the Python
+ * path names it). `stop` is 0 when every slot is committed, else j + 1 where the slot at j
+ * was listed twice (no longer WRITING): those after it are committed, as the Python path
+ * leaves them before it raises.
+ * `extra` is (checksum, seal: uint64; flags: uint8) a slot.
+ */
+static PyObject *commit(PyObject *self, PyObject *args) {
+    PyObject *cols, *extra, *slots, *checksums, *writing, *ready, *slot_keys, *classes;
+    PyObject *ends_list, *own_ends;
+    long long clock, per_extent;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOO!OLLO!O!O!O!O!O!:commit", &cols, &extra, &PyList_Type,
+                          &slots, &checksums, &clock, &per_extent, &PyDict_Type, &writing,
+                          &PyDict_Type, &ready, &PyList_Type, &slot_keys, &PyList_Type,
+                          &classes, &PyList_Type, &ends_list, &PyDict_Type, &own_ends))
+        return NULL;
+    Py_buffer views[N_COLS], xv[3];
+    Cols c;
+    if (get_cols(&c, views, cols) < 0) return NULL;
+    PyObject *result = NULL;
+    int nx = 0;
+    Py_ssize_t n = PyList_GET_SIZE(slots);
+    int64_t *at = PyMem_Malloc((size_t)(n ? n : 1) * 16);
+    uint64_t *sums = (uint64_t *)(at ? at + n : NULL);
+    if (at == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (!PyTuple_Check(extra) || PyTuple_GET_SIZE(extra) != 3) {
+        PyErr_SetString(PyExc_TypeError, "extra must be (checksum, seal, flags)");
+        goto done;
+    }
+    for (; nx < 3; nx++)
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(extra, nx), &xv[nx], PyBUF_WRITABLE) < 0)
+            goto done;
+    if (xv[0].len < c.n_slots * 8 || xv[1].len < c.n_slots * 8 || xv[2].len < c.n_slots ||
+        per_extent <= 0 || PyList_GET_SIZE(slot_keys) < c.n_slots) {
+        PyErr_SetString(PyExc_ValueError, "column sizes do not agree");
+        goto done;
+    }
+    uint64_t *checksum = xv[0].buf, *seal = xv[1].buf;
+    uint8_t *flags = xv[2].buf;
+    int with_sums = checksums != Py_None;
+    if (with_sums && (!PyList_Check(checksums) || PyList_GET_SIZE(checksums) != n)) {
+        result = Py_None;
+        goto done;
+    }
+    for (Py_ssize_t j = 0; j < n; j++) {  /* every check before any change */
+        long long s = PyLong_AsLongLong(PyList_GET_ITEM(slots, j));
+        if ((s == -1 && PyErr_Occurred()) || !in_pool(&c, s) || c.state[s] != WRITING ||
+            !PyBytes_Check(PyList_GET_ITEM(slot_keys, s)) ||
+            c.ext_class[s / per_extent] < 0 ||
+            c.ext_class[s / per_extent] >= PyList_GET_SIZE(classes)) {
+            PyErr_Clear();
+            result = Py_None;
+            goto done;
+        }
+        at[j] = s;
+        if (with_sums) {
+            sums[j] = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(checksums, j));
+            if (sums[j] == (uint64_t)-1 && PyErr_Occurred()) {
+                PyErr_Clear();
+                result = Py_None;
+                goto done;
+            }
+        }
+    }
+    Lists l = {.have_owner = 0, .own_ends = own_ends};
+    if (ends_read(&l.g, ends_list) < 0) goto done;
+    PyObject *by_key = NULL, *from = NULL;  /* ready[ns], writing[ns] of the last ns */
+    PyObject *cls = NULL;  /* the last slot's class, its counters in k */
+    Class k;
+    long long ns_of = 0;
+    Py_ssize_t j = n - 1;
+    for (; j >= 0; j--) {
+        int64_t s = at[j];
+        if (c.state[s] != WRITING) break;  /* listed twice */
+        PyObject *key = PyList_GET_ITEM(slot_keys, s);
+        int64_t ns = c.ns[s];
+        uint64_t csum = 0;
+        if (with_sums) {
+            csum = checksum[s] = sums[j];
+            flags[s] = HAS_CHECKSUM;
+        } else {
+            flags[s] = 0;
+        }
+        seal[s] = XXH3_64bits_withSeed(PyBytes_AS_STRING(key), (size_t)PyBytes_GET_SIZE(key),
+                                       csum ^ (uint64_t)ns);
+        clock += 1;
+        c.stamp[s] = clock;
+        __atomic_signal_fence(__ATOMIC_SEQ_CST);
+        c.state[s] = READY;  /* last: the row is complete */
+        if (by_key == NULL || ns_of != ns) {
+            PyObject *nsk = PyLong_FromLongLong(ns);
+            if (nsk == NULL) goto fail;
+            from = PyDict_GetItemWithError(writing, nsk);
+            by_key = from == NULL ? NULL : PyDict_GetItemWithError(ready, nsk);
+            if (from != NULL && by_key == NULL && !PyErr_Occurred()) {
+                by_key = PyDict_New();
+                if (by_key != NULL && PyDict_SetItem(ready, nsk, by_key) < 0) Py_CLEAR(by_key);
+                Py_XDECREF(by_key);  /* ready holds it */
+            }
+            Py_DECREF(nsk);
+            if (from == NULL || by_key == NULL || !PyDict_Check(from) || !PyDict_Check(by_key)) {
+                if (!PyErr_Occurred())
+                    PyErr_Format(PyExc_KeyError, "namespace %lld has no index", (long long)ns);
+                by_key = NULL;
+                goto fail;
+            }
+            ns_of = ns;
+        }
+        PyObject *sv = PyLong_FromLongLong(s);
+        if (sv == NULL) goto fail;
+        Py_INCREF(key);
+        int rc = PyDict_DelItem(from, key);
+        if (rc == 0) rc = PyDict_SetItem(by_key, key, sv);
+        Py_DECREF(key);
+        Py_DECREF(sv);
+        if (rc < 0) goto fail;
+        PyObject *now = PyList_GET_ITEM(classes, c.ext_class[s / per_extent]);
+        if (now != cls) {
+            if (cls != NULL && class_io(cls, &k, 1) < 0) goto fail;
+            cls = NULL;
+            if (class_io(now, &k, 0) < 0) goto fail;
+            cls = now;
+        }
+        k.writing -= 1;
+        k.ready += 1;
+        if (c.children[s] == 0 && enqueue(&c, &l, (int32_t)s) < 0) goto fail;
+    }
+    if (ends_write(&l.g) < 0 || lists_flush(&l) < 0 || (cls != NULL && class_io(cls, &k, 1) < 0))
+        goto done;
+    result = Py_BuildValue("(nL)", j + 1, clock);
+    goto done;
+fail:
+    {
+        PyObject *t, *val, *tb;
+        PyErr_Fetch(&t, &val, &tb);
+        ends_write(&l.g);
+        lists_flush(&l);
+        if (cls != NULL) class_io(cls, &k, 1);
+        PyErr_Restore(t, val, tb);
+    }
+done:
+    if (result == Py_None) Py_INCREF(result);
+    for (int i = 0; i < nx; i++) PyBuffer_Release(&xv[i]);
+    for (int i = 0; i < N_COLS; i++) PyBuffer_Release(&views[i]);
+    PyMem_Free(at);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"run", run, METH_VARARGS, "Allocate slots for a STORE's keys from `start` on (see the module)."},
+    {"commit", commit, METH_VARARGS, "Commit a STORE's filled slots (see commit above)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_alloc",
+    "The host pool's slot allocation for a STORE, page by page in C.", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__alloc(void) { return PyModule_Create(&module); }

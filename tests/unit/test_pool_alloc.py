@@ -1,0 +1,224 @@
+"""A STORE's slot allocation in C (:mod:`kvtier.daemon.pool.storerun`) against the
+page-by-page Python path it stands in for.
+
+Two pools get the same random operations: the host pool as the daemon runs it (allocations
+of ``ALLOC_PAGES`` keys or more go to C) and one that allocates every key in Python. The
+pools are small and hold two page classes, so allocations evict pages of their own class,
+of the other (which C leaves to Python) and cut free extents (likewise); one owner has a
+quota (C does not apply). After every operation both must hold the same metadata columns,
+private arrays, indexes, evictable lists, counters and eviction log, and have answered the
+same.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+from kvtier.daemon.pool import storerun
+from kvtier.daemon.pool.index import HostPool, HostPoolError
+from kvtier.daemon.pool.pages import PageTable
+
+pytestmark = pytest.mark.skipif(not storerun.NATIVE,
+                                reason="kvtier.kernels._alloc is not built (no C compiler at install)")
+
+KIB = 1024
+EXTENT = 16 * KIB
+NAMESPACES = (1, 2)
+OWNERS = (10, 20, 30)  # 30 has a quota: its allocations stay in Python
+COLUMNS = ("stamp", "checksum", "seal", "ns", "owner", "length", "parent", "key", "state",
+           "in_l3", "key_len", "flags")
+
+
+class PageByPage(HostPool):
+    """The host pool allocating every key in Python (the reference)."""
+
+    def allocate(self, ns_id: int, owner: int, class_id: int, keys: Sequence[bytes],
+                 parent_key: bytes | None = None) -> list[tuple[int, int]]:  # fmt: skip
+        self._slots.check_class(class_id)
+        return PageTable._allocate(self, ns_id, owner, class_id, keys, parent_key)
+
+    def commit(self, slots: Sequence[int], checksums: Sequence[int] | None = None) -> None:
+        native, storerun._alloc = storerun._alloc, None  # PageTable.commit's own loop
+        try:
+            super().commit(slots, checksums)
+        finally:
+            storerun._alloc = native
+
+
+class Counting:
+    """Stands in for the extension module, counting the calls that did the work."""
+
+    def __init__(self, real: Any) -> None:
+        self.real, self.runs, self.commits = real, 0, 0
+
+    def run(self, *args: Any) -> Any:
+        self.runs += 1
+        return self.real.run(*args)
+
+    def commit(self, *args: Any) -> Any:
+        done = self.real.commit(*args)
+        self.commits += done is not None
+        return done
+
+
+def pools(extents: int = 24) -> tuple[HostPool, HostPool]:
+    out = (HostPool(extents * EXTENT, EXTENT, 4 * KIB),
+           PageByPage(extents * EXTENT, EXTENT, 4 * KIB))
+    for p in out:
+        assert p.register_class(4000) == 0  # 4 slots an extent
+        assert p.register_class(8000) == 1  # 2 slots an extent
+        p.set_quota(30, 40)
+    return out
+
+
+def snapshot(p: HostPool) -> dict[str, Any]:
+    ev, lru, kids, slots = p._ev, p._lru, p._kids, p._slots
+    out: dict[str, Any] = {c: p._meta.array(c).tobytes() for c in COLUMNS}
+    for name, arr in (("pins", p._pins), ("children", kids.count), ("first", kids.first),
+                      ("sib_prev", kids.sib_prev), ("sib_next", kids.sib_next),
+                      ("prev", lru.prev), ("next", lru.next), ("oprev", lru.oprev),
+                      ("onext", lru.onext), ("ext_class", slots.ext_class),
+                      ("ext_used", slots.ext_used), ("ext_bump", slots.ext_bump)):
+        out[name] = arr.tobytes()
+    out.update(ready=p._ready, writing={ns: d for ns, d in p._writing.items() if d},
+               keys=p._key, owned={o: n for o, n in p._owned.items() if n},
+               ends=lru.ends, own_ends={o: e for o, e in lru.own_ends.items() if e != [-1, -1]},
+               classes=[(c.free, c.bump, c.extents, c.ready, c.writing) for c in p._classes],
+               log=list(ev._log), evictions=(ev.evictions, ev.unlogged), clock=p._clock,
+               free_extents=list(slots.free_extents), pinned=p._n_pinned,
+               offsets=np.asarray(slots.offset_of).tobytes())
+    return out
+
+
+def key(rng: random.Random, chain: int, i: int) -> bytes:
+    """A key of chain ``chain`` at position ``i``: 32 bytes mostly, sometimes shorter."""
+    raw = f"c{chain}-{i}".encode()
+    return raw if chain % 5 == 0 else raw.ljust(32, b".")
+
+
+def run_ops(seed: int, ops: int = 400) -> tuple[int, int]:
+    """Random operations on both pools, comparing after each; return how many allocations
+    and commits C did."""
+    rng = random.Random(seed)
+    fast, ref = pools()
+    counting = Counting(storerun._alloc)
+    storerun._alloc = counting
+    pending: list[tuple[list[int], bool]] = []  # WRITING slots left for later
+    chains = 0
+    try:
+        for _ in range(ops):
+            op = rng.random()
+            if op < 0.7:  # a STORE
+                if chains and rng.random() < 0.4:
+                    chain = rng.randrange(chains)  # part of it may be resident
+                else:
+                    chain, chains = chains, chains + 1
+                first = rng.randrange(0, 8)
+                keys = [key(rng, chain, first + i) for i in range(rng.choice((1, 3, 8, 12, 30, 60)))]
+                if rng.random() < 0.1 and len(keys) > 2:
+                    keys[-1] = keys[0]  # a request that repeats a key
+                parent = key(rng, chain, first - 1) if first and rng.random() < 0.7 else None
+                ns, owner = rng.choice(NAMESPACES), rng.choice(OWNERS)
+                cid = 0 if rng.random() < 0.7 else 1
+                got = [p.allocate(ns, owner, cid, keys, parent) for p in (fast, ref)]
+                assert got[0] == got[1]
+                slots = [s for _, s in got[0]]
+                fate = rng.random()
+                for p in (fast, ref):
+                    if fate < 0.75:
+                        p.commit(slots, [len(slots)] * len(slots))
+                    elif fate < 0.85:
+                        p.abort(slots)
+                if fate >= 0.85:
+                    pending.append((slots, rng.random() < 0.5))
+            elif op < 0.8 and pending:  # settle an earlier STORE
+                slots, ok = pending.pop(rng.randrange(len(pending)))
+                for p in (fast, ref):
+                    p.commit(slots) if ok else p.abort(slots)
+            elif op < 0.9 and chains:  # a LOAD's pin, and its unpin later or never
+                chain, ns = rng.randrange(chains), rng.choice(NAMESPACES)
+                keys = [key(rng, chain, i) for i in range(40)]
+                pinned = [p.pin(ns, keys) for p in (fast, ref)]
+                assert pinned[0] == pinned[1]
+                if rng.random() < 0.8:
+                    for p in (fast, ref):
+                        p.unpin(pinned[0])
+            else:
+                assert fast.drain_evicted() == ref.drain_evicted()
+            assert snapshot(fast) == snapshot(ref)
+    finally:
+        storerun._alloc = counting.real
+    return counting.runs, counting.commits
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_allocations_in_c_match_page_by_page(seed: int) -> None:
+    runs, commits = run_ops(seed)
+    assert runs > 20 and commits > 20  # C did the work: not Python compared with itself
+
+
+def test_a_key_over_32_bytes_is_refused_before_any_change() -> None:
+    fast, ref = pools()
+    keys = [b"k%02d" % i for i in range(20)] + [b"x" * 33]
+    before = snapshot(fast)
+    for p in (fast, ref):
+        with pytest.raises(HostPoolError, match="at most 32 bytes"):
+            p.allocate(1, 10, 0, keys)
+    assert snapshot(fast) == before
+
+
+def test_a_full_pool_evicts_in_c_and_keeps_counting() -> None:
+    """Chains into a pool of one class fill it, then every STORE evicts cold pages; the
+    evictions, their log and the per-owner lists agree with Python's, log overflow
+    included."""
+    fast, ref = pools(extents=8)
+    for p in (fast, ref):
+        p._ev.max_log = 50
+    for chain in range(30):
+        keys = [b"f%d-%d" % (chain, i) for i in range(16)]
+        owner = OWNERS[chain % 2]
+        got = [p.allocate(1, owner, 0, keys) for p in (fast, ref)]
+        assert got[0] == got[1] and len(got[0]) == 16
+        for p in (fast, ref):
+            p.commit([s for _, s in got[0]])
+        assert snapshot(fast) == snapshot(ref)
+    assert fast._ev.evictions > 300 and fast._ev.unlogged > 0
+    assert fast.drain_evicted() == ref.drain_evicted()
+
+
+def test_without_the_extension_allocation_stays_in_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(storerun, "_alloc", None)
+    fast, ref = pools()
+    keys = [b"n%d" % i for i in range(20)]
+    assert fast.allocate(1, 10, 0, keys) == ref.allocate(1, 10, 0, keys)
+    assert snapshot(fast) == snapshot(ref)
+
+
+@pytest.mark.parametrize("bad", ["twice", "negative checksum", "not writing"])
+def test_a_refused_commit_ends_as_page_by_page(bad: str) -> None:
+    """What the Python path refuses, C leaves to it whole (a negative checksum, a slot not
+    WRITING: nothing changes); a slot listed twice is committed up to it, then refused,
+    as page by page."""
+    fast, ref = pools()
+    keys = [b"r%d" % i for i in range(12)]
+    got = [p.allocate(1, 10, 0, keys) for p in (fast, ref)]
+    slots = [s for _, s in got[0]]
+    sums: list[int] | None = None
+    if bad == "twice":
+        slots = slots[:6] + [slots[2]] + slots[6:]
+    elif bad == "negative checksum":
+        sums = [1] * len(slots)
+        sums[5] = -1
+    else:
+        slots[3] = slots[3] + 1000  # a FREE slot
+    errors = []
+    for p in (fast, ref):
+        with pytest.raises(HostPoolError) as err:
+            p.commit(slots, sums)
+        errors.append(str(err.value))
+    assert errors[0] == errors[1]
+    assert snapshot(fast) == snapshot(ref)
