@@ -29,6 +29,9 @@ private kvtierd
 - **long contexts** (128K tokens: 8,192 pages): a LOOKUP of 8,192 keys against an echo of
   the same payload (``lookup_8192_over_echo``: a latency ratio, 1 is the echo's); a LOAD of
   8,192 pages against memcpy of the same bytes (``load_8192_over_memcpy``).
+- **stall**: another engine's 64-key LOOKUP p99 while this one stores 8,192-page chains
+  into the full pool, against the same engine's p99 with the daemon idle
+  (``stall_lookup_p99_over_idle``; :mod:`kvtier.bench.scale_stall`).
 - **a million pages** in a second daemon (:mod:`kvtier.bench.scale_million`).
 
 ``--quick`` runs tiny sizes (N up to 2, a small "million" pool) in seconds; the field
@@ -60,6 +63,7 @@ from kvtier.bench.scale_baselines import (
 )
 from kvtier.bench.scale_million import run_million
 from kvtier.bench.scale_report import plot, print_table
+from kvtier.bench.scale_stall import run_stall
 from kvtier.bench.scale_worker import run_workers
 from kvtier.client.connection import Connection
 from kvtier.client.daemon_process import DaemonProcess
@@ -95,6 +99,8 @@ class ScaleSettings:
         rtt_samples: timed round trips per latency p50.
         long_pages: pages of the long context (8,192: 128K tokens of 16-token pages).
         long_repeats: timed LOADs of the long context.
+        stall_seconds: each span of the stall part (the other engine idle, then during
+            back-to-back STOREs of ``long_pages`` into the full pool; see :mod:`kvtier.bench.scale_stall`).
         million_pages / million_batch / million_samples: see :func:`run_million`.
         pool_bytes / extent_bytes: the main daemon's host pool.
         copy_threads: the daemons' ``--copy-threads`` (and the memcpy baselines' threads).
@@ -110,6 +116,7 @@ class ScaleSettings:
     rtt_samples: int = 1000
     long_pages: int = 8192
     long_repeats: int = 5
+    stall_seconds: float = 5.0
     million_pages: int = 1_000_000
     million_batch: int = 1024
     million_samples: int = 500
@@ -128,7 +135,7 @@ class ScaleSettings:
         """Tiny sizes (seconds): for tests and a first look."""
         small: dict[str, Any] = {
             "engines": (1, 2), "engine_iters": 3, "size_repeats": 3, "small_repeats": 3,
-            "lookup_clients": 2, "lookup_iters": 100, "rtt_samples": 50, "long_pages": 256, "long_repeats": 2,
+            "lookup_clients": 2, "lookup_iters": 100, "rtt_samples": 50, "long_pages": 256, "long_repeats": 2, "stall_seconds": 1.0,
             "million_pages": 4096, "million_batch": 512, "million_samples": 30,
             "pool_bytes": 128 << 20, "extent_bytes": 4 << 20, "timeout_s": 120.0,
         }
@@ -164,6 +171,8 @@ def run_scale_bench(settings: ScaleSettings) -> dict[str, Any]:
             with EchoServer(root) as echo:
                 out.update(_control_plane(daemon, echo.endpoint, root, s))
                 out.update(_long_context(cfg, echo.endpoint, s))
+            out.update(run_stall(daemon, root, cfg, GEOMETRY, s.long_pages, s.pool_bytes,
+                                 s.stall_seconds, s.timeout_s))
         finally:
             daemon.stop()
             daemon.remove_pool()  # a benchmark's pool is not kept for a next start

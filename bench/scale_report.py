@@ -52,6 +52,12 @@ def _rows(r: dict[str, Any]) -> list[tuple[str, str, str, str]]:
          f"{r['echo_long_us_p50']:.0f}", f"{r['lookup_8192_over_echo']:.2f}"),
         (f"load of {long} pages vs memcpy, GB/s", f"{r['load_long_gbps']:.2f}",
          f"{r['load_long_memcpy_gbps']:.2f}", f"{r['load_8192_over_memcpy']:.2f}"),
+        (f"64-key lookup p99 while another engine stores {r['stall_store_pages']}-page chains "
+         + "into the full pool vs idle, us",
+         f"{r['stall_lookup_busy_us_p99']:.0f}", f"{r['stall_lookup_idle_us_p99']:.0f}",
+         f"{r['stall_lookup_p99_over_idle']:.2f}"),
+        (f"STORE of {r['stall_store_pages']} pages into the full pool: accepted after, ms p50",
+         f"{r['stall_store_accept_ms_p50']:.1f}", "", ""),
         (f"{r['million_pages']} pages: lookup p50 vs small pool, us",
          f"{r['million_lookup_p50_us']:.0f}", f"{r['million_small_lookup_p50_us']:.0f}",
          f"{r['million_lookup_p50_over_small']:.2f}"),

@@ -16,6 +16,9 @@ Modes:
     untimed pair first, before ``ready``).
     ``lookup``: LOOKUP the same ``pages`` keys (stored before ``ready``) ``iters`` times.
     ``echo``: send a LOOKUP's encoded bytes to the echo server ``iters`` times.
+    ``latency``: LOOKUP the same ``pages`` keys (stored before ``ready``) for ``seconds``
+    (at most ``iters`` times), pausing ``pause_s`` after each, and report every round trip
+    (``lat_us``): what an engine waits while another one's requests hold the daemon.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class Aggregate:
         nbytes: page bytes all workers moved (0 for lookups and echoes).
         seconds: from the first worker's start to the last one's end.
         cpu_seconds: CPU time all workers used over their runs.
+        details: each worker's own result line, in worker order.
     """
 
     workers: int
@@ -54,6 +58,7 @@ class Aggregate:
     nbytes: int
     seconds: float
     cpu_seconds: float = 0.0
+    details: tuple[dict[str, Any], ...] = ()
 
     @property
     def gbps(self) -> float:
@@ -117,7 +122,7 @@ def run_workers(mode: str, n: int, settings: dict[str, Any], log_dir: Path,
     return Aggregate(workers=n, ops=sum(r["ops"] for r in results),
                      nbytes=sum(r["nbytes"] for r in results),
                      seconds=max(r["t1"] for r in results) - min(r["t0"] for r in results),
-                     cpu_seconds=sum(r.get("cpu", 0.0) for r in results))
+                     cpu_seconds=sum(r.get("cpu", 0.0) for r in results), details=tuple(results))
 
 
 def _expect(p: subprocess.Popen[bytes], deadline: float, want: bytes | None, log: Path) -> bytes:
@@ -180,6 +185,24 @@ def _lookup(conn: Any, s: dict[str, Any]) -> dict[str, Any]:
             "cpu": time.process_time() - c0}
 
 
+def _latency(conn: Any, s: dict[str, Any]) -> dict[str, Any]:
+    pages = s["pages"]
+    keys = _keys(conn, pages, 0)
+    h = conn.store(keys, list(range(pages)))
+    if h.writing != pages or not h.wait():
+        raise ScaleBenchError(f"store moved {h.writing}/{pages} pages")
+    _go()
+    lat: list[float] = []
+    t0 = time.monotonic()
+    end = t0 + s["seconds"]
+    while time.monotonic() < end and len(lat) < s["iters"]:
+        a = time.perf_counter()
+        conn.lookup(keys)  # another engine's stores may evict these pages: a miss still counts
+        lat.append(round((time.perf_counter() - a) * 1e6, 1))
+        time.sleep(s["pause_s"])
+    return {"ops": len(lat), "nbytes": 0, "t0": t0, "t1": time.monotonic(), "lat_us": lat}
+
+
 def _echo(s: dict[str, Any]) -> None:
     import zmq
 
@@ -228,7 +251,7 @@ def main(argv: list[str]) -> int:
                        load_timeout_s=REQUEST_TIMEOUT_S)
     with SharedKVPool(geometry, 2 * s["pages"]) as kv, \
             Connection(kv, model_id=f"scale-{s['tag']}-{s['index']}", config=cfg) as conn:
-        run = _transfer if s["mode"] == "transfer" else _lookup
+        run = {"transfer": _transfer, "lookup": _lookup, "latency": _latency}[s["mode"]]
         _report(run(conn, s))
     return 0
 

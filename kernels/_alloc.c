@@ -308,8 +308,9 @@ static PyObject *run(PyObject *self, PyObject *args) {
     long long evictions = 0, unlogged = 0;
     Py_ssize_t i = start;
     PyObject *result = NULL;
-    if (per_extent <= 0) {
-        PyErr_Format(PyExc_ValueError, "per_extent must be positive, got %lld", per_extent);
+    if (per_extent <= 0 || c.n_slots > c.n_extents * per_extent) {
+        PyErr_Format(PyExc_ValueError, "per_extent %lld does not fit %zd slots in %zd extents",
+                     per_extent, c.n_slots, c.n_extents);
         goto done;
     }
     if (class_io(cls, &k, 0) < 0 || ends_read(&l.g, ends_list) < 0)
@@ -531,7 +532,8 @@ static PyObject *commit(PyObject *self, PyObject *args) {
         if (PyObject_GetBuffer(PyTuple_GET_ITEM(extra, nx), &xv[nx], PyBUF_WRITABLE) < 0)
             goto done;
     if (xv[0].len < c.n_slots * 8 || xv[1].len < c.n_slots * 8 || xv[2].len < c.n_slots ||
-        per_extent <= 0 || PyList_GET_SIZE(slot_keys) < c.n_slots) {
+        per_extent <= 0 || c.n_slots > c.n_extents * per_extent ||
+        PyList_GET_SIZE(slot_keys) < c.n_slots) {
         PyErr_SetString(PyExc_ValueError, "column sizes do not agree");
         goto done;
     }

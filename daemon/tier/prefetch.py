@@ -31,7 +31,7 @@ import asyncio
 import enum
 import logging
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.daemon.counters import Counters
@@ -268,7 +268,7 @@ class Prefetcher:
             for k in keys:
                 pop((ns_id, k), 0)
 
-    def evicted(self, pages: Sequence[tuple[int, bytes]]) -> None:
+    def evicted(self, pages: Iterable[tuple[int, bytes]]) -> None:
         """Pages ``(ns_id, key)`` left L2: those prefetched and never loaded count as unused."""
         if self._fetched:
             pop, missing = self._fetched.pop, object()

@@ -194,7 +194,7 @@ class TierStore:
         """After an allocation: count evictions of prefetched pages; signal a shortfall."""
         evicted = self.pool.drain_evicted()
         if evicted:
-            self.prefetcher.evicted([(e.ns_id, e.key) for e in evicted])
+            self.prefetcher.evicted((e.ns_id, e.key) for e in evicted)  # read only if it prefetched
         if got < wanted:
             self.writer.shortfall()
 

@@ -29,7 +29,8 @@ FIGURES = ("transfer_fixed_cost_us", "lookup_rtt_us_p50", "transfer_memcpy_gbps"
            "load_long_gbps", "load_long_memcpy_gbps", "million_store_pages_per_s",
            "million_evict_pages_per_s", "million_lookup_p50_us", "million_small_lookup_p50_us",
            "million_restart_to_healthy_seconds", "million_rss_beyond_pool_bytes",
-           "daemon_bytes_moved")  # fmt: skip
+           "daemon_bytes_moved", "stall_store_accept_ms_p50", "stall_lookup_idle_us_p99",
+           "stall_lookup_busy_us_p99", "stall_lookup_p99_over_idle", "stall_stores")  # fmt: skip
 PER_SIZE = ("transfer_store_us_p50", "transfer_load_us_p50", "transfer_store_gbps",
             "transfer_load_gbps")  # fmt: skip
 PER_N = ("l2_aggregate_gbps", "l2_memcpy_gbps", "l2_aggregate_over_memcpy", "l2_cpu_bound_gbps")
