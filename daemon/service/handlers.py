@@ -329,16 +329,20 @@ class Handlers:
         if m.packed_keys:  # the pool indexes each new key: the store needs them as objects
             keys = P.split_keys(m.packed_keys)
         allocated = ctx.pool.allocate(s.ns_id, s.owner, s.class_id, keys, m.parent_key)
-        count = ctx.pool.resident_run(s.ns_id, keys)
+        every = len(allocated) == len(keys)  # all new (WRITING now): the usual long STORE
+        count = len(keys) if every else ctx.pool.resident_run(s.ns_id, keys)
         ctx.counters.store_skipped_pages += count - len(allocated)
         ctx.counters.store_failed_pages += len(keys) - count
         ctx.tier.allocated(len(keys), count)
         if not allocated:
             return P.StoreAccepted(req_id=m.req_id, epoch=ctx.epoch, count=count, writing=0)
-        idx = [i for i, _ in allocated]
         host = [slot for _, slot in allocated]
-        self.transfers.start(s, Direction.STORE, m.slot, m.seq, host, [pages[i] for i in idx],
-                             [keys[i] for i in idx])
+        if every:
+            self.transfers.start(s, Direction.STORE, m.slot, m.seq, host, pages, keys)
+        else:
+            idx = [i for i, _ in allocated]
+            self.transfers.start(s, Direction.STORE, m.slot, m.seq, host,
+                                 [pages[i] for i in idx], [keys[i] for i in idx])
         return P.StoreAccepted(req_id=m.req_id, epoch=ctx.epoch, count=count, writing=len(host))
 
     def load(self, identity: bytes, m: P.Load) -> P.Reply:
