@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -54,7 +55,11 @@ def run(cfg: DaemonConfig, reload=None) -> int:
     async def main() -> None:
         daemon = Daemon(cfg, reload=reload)
         install_signal_handlers(daemon)
-        await daemon.run()
+        # What the start made (modules, the pool's index) lives as long as the process:
+        # frozen out of the collector's sight once serving, a full collection scans only
+        # what came after (before, one took about 25 ms of the event loop here, every
+        # engine waiting). Only here, in kvtierd's own process, not in one embedding it.
+        await daemon.run(on_ready=lambda _d: gc.freeze())
 
     uvloop.run(main())
     return 0

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 import secrets
@@ -181,10 +180,6 @@ class Daemon:
             log.info("kvtierd ready: %s, pool %s at %s, epoch %x, pid %d", self.endpoint,
                      format_size(self.cfg.hicache_size), ppath, self.epoch, os.getpid())
             self.notifier.ready()
-            # What the start made (modules, the pool's index) lives as long as the daemon:
-            # out of the collector's sight, a full collection scans only what came after
-            # (with it, one took about 25 ms of the event loop here, every engine waiting)
-            gc.freeze()
             self._update_status()
             if on_ready is not None:
                 on_ready(self)
