@@ -259,16 +259,22 @@ static int class_io(PyObject *cls, Class *k, int write) {
     return 0;
 }
 
-/* evicted(key, ns, slot, in_l3), built as the tuple subclass it is (a NamedTuple's
- * __new__ is Python code). */
+/* evicted(key, ns, slot, in_l3), made as the tuple subclass it is (a NamedTuple's __new__
+ * is Python code): allocated by its type, its four items set. */
 static PyObject *record(PyObject *evicted, PyObject *key, int64_t ns, long long slot, int in_l3) {
-    PyObject *items = Py_BuildValue("(OLLO)", key, (long long)ns, slot, in_l3 ? Py_True : Py_False);
-    if (items == NULL) return NULL;
-    PyObject *args = PyTuple_Pack(1, items);
-    Py_DECREF(items);
-    if (args == NULL) return NULL;
-    PyObject *rec = PyTuple_Type.tp_new((PyTypeObject *)evicted, args, NULL);
-    Py_DECREF(args);
+    PyTypeObject *type = (PyTypeObject *)evicted;
+    PyObject *ns_v = PyLong_FromLongLong((long long)ns), *slot_v = PyLong_FromLongLong(slot);
+    PyObject *rec = ns_v == NULL || slot_v == NULL ? NULL : type->tp_alloc(type, 4);
+    if (rec == NULL) {
+        Py_XDECREF(ns_v);
+        Py_XDECREF(slot_v);
+        return NULL;
+    }
+    Py_INCREF(key);
+    PyTuple_SET_ITEM(rec, 0, key);
+    PyTuple_SET_ITEM(rec, 1, ns_v);
+    PyTuple_SET_ITEM(rec, 2, slot_v);
+    PyTuple_SET_ITEM(rec, 3, Py_NewRef(in_l3 ? Py_True : Py_False));
     return rec;
 }
 

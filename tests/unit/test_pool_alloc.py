@@ -88,7 +88,8 @@ def snapshot(p: HostPool) -> dict[str, Any]:
                keys=p._key, owned={o: n for o, n in p._owned.items() if n},
                ends=lru.ends, own_ends={o: e for o, e in lru.own_ends.items() if e != [-1, -1]},
                classes=[(c.free, c.bump, c.extents, c.ready, c.writing) for c in p._classes],
-               log=list(ev._log), evictions=(ev.evictions, ev.unlogged), clock=p._clock,
+               log=[(type(e), e.key, e.ns_id, e.slot, e.in_l3) for e in ev._log],
+               evictions=(ev.evictions, ev.unlogged), clock=p._clock,
                free_extents=list(slots.free_extents), pinned=p._n_pinned,
                offsets=np.asarray(slots.offset_of).tobytes())
     return out
