@@ -28,7 +28,7 @@
  * checked against the pool before it is used (a stop, never a stray write).
  *
  * A 64-page STORE into a full pool spent about 1 ms of the event loop here in Python (an
- * eviction a page), an 8,192-page one 100-140 ms.
+ * eviction a page), an 8,192-page one 110-240 ms.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

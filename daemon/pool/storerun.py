@@ -2,8 +2,8 @@
 
 A STORE allocates a WRITING slot per key the pool lacks and, once the copy has landed,
 commits them READY. Page by page in Python, into a full pool (where every new page first
-evicts a cold one), that took 12-17 us a page of event-loop time here for the allocation
-and 2-3 us for the commit: a 64-page STORE about 1 ms, an 8,192-page one 120-160 ms, during
+evicts a cold one), that took 11-24 us a page of event-loop time here for the allocation
+and 2-3 us for the commit: a 64-page STORE about 1 ms, an 8,192-page one 110-240 ms, during
 which no other engine was answered.
 
 Where the C extension is built (``kvtier.kernels._alloc``), :func:`allocate_run` and
