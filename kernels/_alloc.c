@@ -2,7 +2,8 @@
  *
  * run(cols, keys, start, prev, clock, ns_id, owner, cid, page_bytes, per_extent,
  *     free_extents, cls, ready_ns, writing_ns, ready, slot_keys, owned, ends, own_ends,
- *     log, max_log, evicted, out) -> (stop, prev, clock, evictions, unlogged) or None
+ *     log, max_log, evicted, out[, checked]) -> (stop, prev, clock, evictions, unlogged)
+ *     or None
  *
  * The same steps as daemon/pool/pages.py's PageTable.allocate, with the eviction of
  * daemon/pool/eviction.py's Evictor._reclaim and evict and PageTable._release, in the same
@@ -13,8 +14,10 @@
  * What it leaves to the page-by-page path, stopping before the key at `stop` has changed
  * anything: a slot that would need a free extent cut (`free_extents` true), or an eviction
  * of a page of another class or from an empty list. The caller runs that key in Python and
- * calls again from the next. None, having changed nothing: a key is not bytes of at most
- * 32 bytes (the Python path names it).
+ * calls again from the next, with `checked` true. None, having changed nothing: a key from
+ * `start` on is not bytes of at most 32 bytes (the Python path names it); `checked` says a
+ * first call has looked at every key already, so calling again looks at none of them (a
+ * request whose every key goes through Python is not checked n times over).
  *
  * Not for an owner with a quota or a pool whose evictions require L3 (the caller checks).
  * The counters of `cls` (free, bump, ready, writing) are read once and written back at the
@@ -283,22 +286,26 @@ static PyObject *run(PyObject *self, PyObject *args) {
     PyObject *own_ends, *log, *evicted, *out;
     Py_ssize_t start, max_log;
     long long prev, clock, ns_id, owner, cid, page_bytes, per_extent;
-    int free_extents;
+    int free_extents, checked = 0;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OO!nLLLLLLLpOO!O!O!O!O!O!O!O!nOO!:run", &cols, &PyList_Type,
+    if (!PyArg_ParseTuple(args, "OO!nLLLLLLLpOO!O!O!O!O!O!O!O!nOO!|p:run", &cols, &PyList_Type,
                           &keys, &start, &prev, &clock, &ns_id, &owner, &cid, &page_bytes,
                           &per_extent, &free_extents, &cls, &PyDict_Type, &ready_ns,
                           &PyDict_Type, &writing_ns, &PyDict_Type, &ready, &PyList_Type,
                           &slot_keys, &PyDict_Type, &owned, &PyList_Type, &ends_list,
                           &PyDict_Type, &own_ends, &PyList_Type, &log, &max_log, &evicted,
-                          &PyList_Type, &out))
+                          &PyList_Type, &out, &checked))
         return NULL;
     if (!PyType_Check(evicted) || !PyType_IsSubtype((PyTypeObject *)evicted, &PyTuple_Type)) {
         PyErr_SetString(PyExc_TypeError, "evicted must be a tuple subclass (EvictedPage)");
         return NULL;
     }
     Py_ssize_t n = PyList_GET_SIZE(keys);
-    for (Py_ssize_t i = start; i < n; i++) {
+    if (start < 0 || start > n) {
+        PyErr_Format(PyExc_ValueError, "start %zd is outside the %zd keys", start, n);
+        return NULL;
+    }
+    for (Py_ssize_t i = checked ? n : start; i < n; i++) {
         PyObject *key = PyList_GET_ITEM(keys, i);
         if (!PyBytes_CheckExact(key) || PyBytes_GET_SIZE(key) > KEY_BYTES)
             Py_RETURN_NONE;

@@ -69,7 +69,8 @@ def allocate_run(table: Any, ns_id: int, owner: int, class_id: int, keys: Sequen
         done = _alloc.run(cols, keys, i, prev, table._clock, ns_id, owner, class_id,
                           cls.page_bytes, table._per_extent, bool(table._slots.free_extents),
                           cls, ready, writing, table._ready, table._key, table._owned,
-                          lru.ends, lru.own_ends, ev._log, ev.max_log, EvictedPage, out)
+                          lru.ends, lru.own_ends, ev._log, ev.max_log, EvictedPage, out,
+                          i > 0)  # the first call checked every key
         if done is None:  # only ever before the first change: every key is checked first
             return None
         i, prev, table._clock, evictions, unlogged = done

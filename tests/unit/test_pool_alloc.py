@@ -223,3 +223,16 @@ def test_a_refused_commit_ends_as_page_by_page(bad: str) -> None:
         errors.append(str(err.value))
     assert errors[0] == errors[1]
     assert snapshot(fast) == snapshot(ref)
+
+
+def test_the_c_call_refuses_a_start_outside_the_keys() -> None:
+    """``_alloc.run`` checks its index before reading a key (a negative one read before the
+    list)."""
+    fast, _ = pools()
+    table, ev, cls = fast, fast._ev, fast._classes[0]
+    for start in (-1, 3):
+        with pytest.raises(ValueError, match="outside the 2 keys"):
+            storerun._alloc.run(storerun._cols(table), [b"a", b"b"], start, -1, 0, 1, 10, 0,
+                                cls.page_bytes, table._per_extent, True, cls, {}, {}, {},
+                                table._key, table._owned, table._lru.ends, table._lru.own_ends,
+                                ev._log, ev.max_log, storerun.EvictedPage, [])
