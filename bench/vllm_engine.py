@@ -3,13 +3,15 @@
     python -m kvtier.bench.vllm_engine CONFIG_PATH
 
 CONFIG_PATH: a JSON file ``{"model": dir, "connector": "kvtier" | "example" | "none",
-"runtime_dir": ..., "example_dir": ..., "kv_bytes": n, "max_tokens": n}``; ``make_model``
+"runtime_dir": ..., "example_dir": ..., "kv_bytes": n, "max_tokens": n, "pause_s": s,
+"prefix_caching": bool}``; ``make_model``
 instead writes the benchmark's random Llama to ``model`` and exits. The engine prints
 ``{"ready": true}``, then answers each line ``{"prompt": [ids]}`` on stdin with one JSON
 line: the time to first token (a ``max_tokens=1`` request), its token and logprob, the
 tokens vLLM reports cached, the connector's load times for that request, then the greedy
-tokens and logprobs of a second request of the same prompt (and its cached tokens: with
-kvtier, a cold prompt's second request may reuse what its first one stored). The driver can so keep
+tokens and logprobs of a second request of the same prompt, ``pause_s`` later (and its
+cached tokens: with kvtier, or vLLM's own ``prefix_caching``, a cold prompt's second request
+reuses what its first one stored). The driver can so keep
 several engines alive and alternate requests between them.
 
 Both connectors are timed by the same wrapper (:class:`_LoadTimer`), around vLLM's own
@@ -136,7 +138,7 @@ def _serve(cfg: dict[str, Any], out: Any) -> None:
                               kv_connector_extra_config={"shared_storage_path": cfg["example_dir"]})
     llm = LLM(model=cfg["model"], skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
               max_model_len=8192, block_size=32, kv_cache_memory_bytes=cfg.get("kv_bytes", 256 << 20),
-              enable_prefix_caching=False, kv_transfer_config=kv, seed=0)
+              enable_prefix_caching=bool(cfg.get("prefix_caching", False)), kv_transfer_config=kv, seed=0)
     first = SamplingParams(temperature=0.0, max_tokens=1, logprobs=1, ignore_eos=True)
     full = SamplingParams(temperature=0.0, max_tokens=cfg.get("max_tokens", 8), logprobs=1,
                           ignore_eos=True)
@@ -150,6 +152,7 @@ def _serve(cfg: dict[str, Any], out: Any) -> None:
         r = llm.generate([TokensPrompt(prompt_token_ids=ids)], first, use_tqdm=False)[0]
         ttft = time.perf_counter() - t0
         loads = list(timer.load_times[before:]) if timer is not None else []
+        time.sleep(cfg.get("pause_s", 0.0))  # the first request's stores end meanwhile
         rc = llm.generate([TokensPrompt(prompt_token_ids=ids)], full, use_tqdm=False)[0]
         c = rc.outputs[0]
         t1 = r.outputs[0].token_ids[0]

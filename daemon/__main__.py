@@ -8,6 +8,11 @@ import logging
 import os
 import sys
 
+# numpy's OpenBLAS starts a thread per core as it loads (numpy comes with the wire format's
+# packed keys, before the socket is bound), ~90 ms of CPU before the daemon is healthy; the
+# daemon does no floating-point linear algebra. Set before anything imports numpy.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 from kvtier.config import ConfigError, DaemonConfig, KvtierError
 from kvtier.config.loader import add_config_flags, add_version_flag, flags_to_dict, load_config
 

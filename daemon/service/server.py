@@ -193,9 +193,6 @@ class Daemon:
             The pool file's path.
         """
         t0 = time.perf_counter()
-        # numpy's OpenBLAS would start a thread per core as it loads, costing ~50 ms of CPU
-        # before the daemon is up; the daemon does no floating-point linear algebra
-        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
         ppath = pool_path(self._cfg.pool_dir, self.rdir)
         service, unmap = await asyncio.to_thread(self._build, ppath)
         stack.enter_context(unmap)
