@@ -51,6 +51,7 @@ class Counters:
     load_pages: int = 0  # pages copied host → engine
     load_failed_pages: int = 0
     transfers_split: int = 0  # STOREs and LOADs copied in parts by several copy threads
+    transfers_shared: int = 0  # STOREs and LOADs copied half on the event loop, half on a thread
     bytes_to_host: int = 0
     bytes_to_engine: int = 0
     sessions_opened: int = 0

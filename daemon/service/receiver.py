@@ -104,6 +104,10 @@ class Receiver:
             if self._failed is not None and not self._failed.done():
                 self._failed.set_exception(err)
 
+    def waiting(self) -> bool:
+        """Whether a request is queued on the socket, not read yet."""
+        return not self.sock.closed and queued(self.sock)
+
     def _read_soon(self) -> None:
         if not self._read_pending and self._loop is not None:
             self._read_pending = True

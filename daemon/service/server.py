@@ -197,6 +197,8 @@ class Daemon:
         service, unmap = await asyncio.to_thread(self._build, ppath)
         stack.enter_context(unmap)
         await service.open(stack, self._finalize_remaining)
+        assert self.receiver is not None, "run() starts it before the service"
+        service.transfers.requests_waiting = self.receiver.waiting
         self._share_with_group([service.ctx.handovers.path])
         self.service = service
         if self.cfg.metrics_port is not None:

@@ -1,8 +1,9 @@
 """How a transfer runs and how its end reaches the engine.
 
 - A transfer of at most ``INLINE_BYTES`` is copied on the daemon's event loop: it has ended,
-  with its final status in the completion block, when the engine reads the reply. A larger
-  one runs on a copy thread; both move the same bytes.
+  with its final status in the completion block, when the engine reads the reply. One of a
+  few MiB, while the copy threads are idle, is copied half on the loop and half on a copy
+  thread; a larger one runs on a copy thread. All move the same bytes.
 - The completion block wakes a waiting engine through a futex on the slot's wake word, also
   through a read-only mapping in another process; ``wait(end=True)`` returns the final
   status, never the "layers done, still running" state.
@@ -12,6 +13,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -21,7 +23,12 @@ import pytest
 from kvtier.client.admin import AdminClient
 from kvtier.client.transfer_handle import TransferHandle
 from kvtier.daemon.service.handover import COMPLETION_SLOTS
-from kvtier.daemon.service.transfers import INLINE_BYTES, SPLIT_BYTES
+from kvtier.daemon.service.transfers import (
+    INLINE_BYTES,
+    LOOP_SHARE_BYTES,
+    SHARE_MIN_BYTES,
+    SPLIT_BYTES,
+)
 from kvtier.ipc import futex
 from kvtier.ipc.completion import SLOT_WORDS, WAKES, CompletionBlock, TransferStatus
 
@@ -80,7 +87,8 @@ def test_a_small_transfer_has_ended_when_its_reply_arrives(daemon):
 
 
 def test_a_large_transfer_runs_on_a_copy_thread_and_moves_the_same_bytes(daemon):
-    pages = 4 * INLINE_BYTES // SMALL.page_bytes
+    pages = 2 * LOOP_SHARE_BYTES // SMALL.page_bytes + 8  # too large to share with the loop
+    assert pages * SMALL.page_bytes < 2 * SPLIT_BYTES, "one copy thread copies it whole"
     pool, conn = engine(daemon.runtime_dir, num_pages=2 * pages, model="threaded")
     try:
         keys = conn.page_keys(tokens(pages * P, salt=2))
@@ -103,9 +111,43 @@ def test_a_large_transfer_runs_on_a_copy_thread_and_moves_the_same_bytes(daemon)
         pool.close()
 
 
-def _split_count(daemon) -> int:
+def _split_count(daemon, counter: str = "transfers_split") -> int:
     with AdminClient(daemon.endpoint, timeout_s=5.0) as admin:
-        return int(admin.stats()["counters"]["transfers_split"])  # type: ignore[index]
+        return int(admin.stats()["counters"][counter])  # type: ignore[index]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2,
+                    reason="the daemon shares a copy with a thread only where it has two CPUs")
+def test_a_transfer_of_a_few_mib_is_shared_by_the_loop_and_a_thread(daemon_factory):
+    """Copied half on the event loop, half on a copy thread (whichever ends last, the
+    transfer is settled once): every page lands, each layer is announced, every round."""
+    d = daemon_factory("--copy-threads", "2")
+    pages = 2 * SHARE_MIN_BYTES // SMALL.page_bytes + 3  # odd: the halves differ by a page
+    assert pages * SMALL.page_bytes <= 2 * LOOP_SHARE_BYTES
+    pool, conn = engine(d.runtime_dir, num_pages=2 * pages, model="shared")
+    try:
+        for p in range(pages):
+            fill_page(pool, p, seed=4000 + p)
+        dst = list(range(pages, 2 * pages))[::-1]
+        for i in range(ROUNDS // 3):
+            keys = conn.page_keys(tokens(pages * P, salt=50 + i))
+            h = conn.store(keys, list(range(pages)))
+            assert h.writing == pages and h.wait() and h.ok, f"round {i}: the store failed"
+            assert conn.lookup(keys).l2 == pages, f"round {i}: not every stored page was kept"
+            for p in dst:
+                fill_page(pool, p, seed=i)  # the previous round's bytes: overwritten each time
+            h = conn.load(keys, dst)
+            assert h.count == pages
+            for layer in range(SMALL.num_layers):
+                assert h.wait_layer(layer), f"round {i}: layer {layer} was not announced"
+            assert h.wait() and h.ok, f"round {i}: the load failed"
+            for j, p in enumerate(dst):
+                assert page_bytes(pool, p) == page_bytes(pool, j), f"round {i}: page {j} differs"
+        assert _split_count(d, "transfers_shared") == 2 * (ROUNDS // 3)
+        assert _split_count(d) == 0
+    finally:
+        conn.close()
+        pool.close()
 
 
 def test_a_transfer_of_two_split_sizes_is_copied_in_parts_and_moves_the_same_bytes(
