@@ -135,16 +135,14 @@ clean:
 	rm -rf $(VENV) $(ENGINES_VENV) build *.egg-info kernels/*.so
 
 # The wheels a bare GPU machine (Python 3.12, torch with CUDA, CuPy, no network) needs to run
-# bench/gpu_check.sh, fetched here on a CPU machine into ./.whl (about 12 MiB; see docs/gpu.md).
+# bench/gpu_check.sh, pinned in bench/gpu-requirements.txt, fetched here on a CPU machine into
+# ./.whl (about 12 MiB; see docs/gpu.md).
 GPU_PY ?= 3.12
-GPU_WHEELS := setuptools wheel pyzmq msgspec pydantic pydantic-core annotated-types typing-extensions \
-	typing-inspection uvloop xxhash rich markdown-it-py mdurl pygments pytest pytest-asyncio \
-	pytest-timeout pluggy iniconfig packaging hypothesis sortedcontainers attrs
 gpu-wheels:
-	@echo "gpu-wheels: downloading $(words $(GPU_WHEELS)) wheels for Python $(GPU_PY) into .whl/"
+	@echo "gpu-wheels: downloading the pins of bench/gpu-requirements.txt for Python $(GPU_PY) into .whl/"
 	$(PYTHON) -m pip download -q --only-binary=:all: --no-deps --python-version $(GPU_PY) \
 		--implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
-		--platform manylinux_2_28_x86_64 --platform any -d .whl $(GPU_WHEELS)
+		--platform manylinux_2_28_x86_64 --platform any -d .whl -r bench/gpu-requirements.txt
 	@du -sh .whl
 
 # Run on the GPU machine (after `make gpu-wheels` here and copying the tree with .whl/ there).

@@ -1,16 +1,29 @@
 #!/usr/bin/env bash
-# kvtier's GPU check: one script for one short session on a machine with an NVIDIA GPU.
+# kvtier's GPU check: one bounded script for a machine with an NVIDIA GPU, that cannot report
+# `ok` without proof.
 #
-# On a bare GPU machine with Python, PyTorch (CUDA build) and CuPy but no network, it installs
-# kvtier and the few wheels it lacks from a folder prepared beforehand on a CPU machine
-# (`make gpu-wheels`, which fills ./.whl), runs tests/cuda and bench/cuda_bench.py, and writes one
-# JSON summary. Everything is bounded so that the whole run ends within 8 minutes.
+# For a bare GPU machine with Python 3.12, torch (CUDA build) and CuPy but no network: it makes a
+# venv that sees the machine's torch and CuPy (--system-site-packages), installs the pinned wheels
+# of bench/gpu-requirements.txt from ./.whl only (`make gpu-wheels` fills it on a CPU machine) and
+# kvtier itself, then runs, in order:
+#
+#   1. probe     torch sees a CUDA device (else status no_gpu)
+#   2. cupy      CuPy imports and NVRTC compiles and runs a kernel (pip's NVRTC found for it)
+#   3. shm       /dev/shm has room for the host pools the tests and the bench create
+#   4. install   the venv, the wheels, kvtier
+#   5. tests     tests/cuda: at least one CUDA test must pass and none may fail or error
+#   6. bench     bench/cuda_bench.py: bandwidth against cudaMemcpyAsync, layer-wise overlap
+#
+# Every step runs under `timeout -k` in its own process group, and whatever a step started that
+# outlived it (kvtierd, engine children) is killed by the marker in its environment. The whole
+# run is bounded by GPU_CHECK_LIMIT_S (default 360 s). One JSON summary is written.
+# KVTIER_GPU_CHECK_VENV names a venv prepared by hand, to use instead of making one.
 #
 #   bash bench/gpu_check.sh [SUMMARY_JSON]        (default: $OUT/gpu_check.json or ./gpu_check.json)
 #
-# Exit status: 0 when the tests pass and the bench meets its targets, or when there is no GPU
-# (the summary then says so); 1 when a step could not run; 2 when tests failed or a target
-# was missed.
+# Exit status: 0 only when every step ran, the CUDA tests passed and the bench met its targets
+# (status "ok"); 3 when there is no GPU (status "no_gpu"); 1 when a step could not run or ran past
+# its limit (status "error"); 2 when tests failed or a target was missed (status "failed").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -18,15 +31,46 @@ PY=${PYTHON:-python3}
 WHEELS=${KVTIER_WHEELS:-$ROOT/.whl}
 SUMMARY=${1:-${OUT:-$ROOT}/gpu_check.json}
 WORK=$(mktemp -d /tmp/kvtier-gpu-check.XXXXXX)
-trap 'rm -rf "$WORK"' EXIT  # the summary has what it needs by then
 START=$(date +%s)
-TEST_LIMIT_S=${TEST_LIMIT_S:-240}
-BENCH_LIMIT_S=${BENCH_LIMIT_S:-240}
+TOTAL_LIMIT_S=${GPU_CHECK_LIMIT_S:-360}
+SHM_MIN_GIB=${GPU_CHECK_SHM_MIN_GIB:-12}
+MARK="KVTIER_GPU_CHECK_RUN=$WORK"
 
 say() { echo "gpu-check: $*" >&2; }
+
+reap() {  # kill every process a step left behind (they carry the marker in their environment)
+    local p
+    for p in /proc/[0-9]*; do
+        if grep -qzxF -- "$MARK" "$p/environ" 2>/dev/null; then
+            kill -KILL "${p#/proc/}" 2>/dev/null
+        fi
+    done
+}
+trap 'reap; rm -rf "$WORK"' EXIT
+
+left() { echo $((TOTAL_LIMIT_S - ($(date +%s) - START))); }
+
+step() {  # step NAME LIMIT_S CMD...: run CMD bounded, in its own process group; rc in $WORK/NAME.rc
+    local name=$1 limit=$2 rest
+    shift 2
+    rest=$(left)
+    [ "$rest" -lt "$limit" ] && limit=$rest
+    if [ "$limit" -le 5 ]; then
+        echo 124 >"$WORK/$name.rc"
+        say "$name: no time left of the ${TOTAL_LIMIT_S}s limit"
+        return 124
+    fi
+    env "$MARK" setsid -w timeout -k 10 "$limit" "$@" >"$WORK/$name.txt" 2>&1
+    local rc=$?
+    echo "$rc" >"$WORK/$name.rc"
+    reap
+    return "$rc"
+}
+
 summary() {  # summary STATUS REASON: the one JSON summary, from what the steps left in $WORK
     "$PY" - "$SUMMARY" "$1" "$2" "$WORK" "$START" <<'EOF'
 import json, os, sys, time
+import xml.etree.ElementTree as ET
 path, status, reason, work, start = sys.argv[1:6]
 def read(name):
     try:
@@ -34,88 +78,174 @@ def read(name):
             return f.read()
     except OSError:
         return None
+def tail(name, n=6):
+    text = read(name)
+    return text.strip().splitlines()[-n:] if text else []
 out = {"status": status, "reason": reason, "seconds": round(time.time() - int(start), 1)}
-gpu = read("gpu.json")
-out["gpu"] = json.loads(gpu) if gpu else None
-tests = read("tests.txt")
-if tests is not None:
-    lines = [l for l in tests.splitlines() if l.strip()]
-    out["tests_exit"] = int(read("tests.rc") or -1)
-    out["tests_summary"] = lines[-1] if lines else ""
-    out["tests_failures"] = [l for l in lines if l.startswith(("FAILED", "ERROR"))][:40]
+for name in ("probe", "cupy", "shm"):
+    text = read(name + ".json")
+    out[name] = json.loads(text) if text else None
+steps = {}
+for name in ("probe", "cupy", "shm", "install", "tests", "bench"):
+    rc = read(name + ".rc")
+    if rc is not None:
+        steps[name] = {"rc": int(rc), "tail": tail(name + ".txt")}
+out["steps"] = steps
+junit = os.path.join(work, "tests.xml")
+if os.path.exists(junit):
+    cases = list(ET.parse(junit).getroot().iter("testcase"))
+    def kind(case):
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                return child.tag
+        return "passed"
+    kinds = [kind(c) for c in cases]
+    out["tests"] = {k: kinds.count(k) for k in ("passed", "failure", "error", "skipped")}
+    out["tests"]["failed_names"] = [f"{c.get('classname')}::{c.get('name')}"
+                                    for c, k in zip(cases, kinds) if k in ("failure", "error")][:40]
 bench = read("bench.json")
-if bench:
-    out["bench"] = json.loads(bench)
-out["bench_exit"] = int(read("bench.rc")) if read("bench.rc") else None
+out["bench"] = json.loads(bench) if bench else None
 with open(path, "w") as f:
     json.dump(out, f, indent=2)
 print(json.dumps({k: out[k] for k in ("status", "reason", "seconds")}))
 EOF
 }
 
-# 1. Is there a GPU that PyTorch can use?
-if ! "$PY" - "$WORK/gpu.json" <<'EOF'
+finish() {  # finish STATUS REASON EXIT
+    say "$1: $2"
+    summary "$1" "$2"
+    exit "$3"
+}
+
+# 1. Is there a GPU that torch can use?
+step probe 60 "$PY" - "$WORK/probe.json" <<'EOF'
 import json, sys
 try:
     import torch
 except ImportError as err:
-    sys.exit(f"no torch: {err}")
+    sys.exit(f"torch does not import: {err}")
 if not torch.cuda.is_available():
-    sys.exit("torch sees no CUDA device")
+    sys.exit(f"torch {torch.__version__} sees no CUDA device")
 p = torch.cuda.get_device_properties(0)
 json.dump({"name": p.name, "memory_gib": round(p.total_memory / 2**30, 1),
            "capability": f"{p.major}.{p.minor}", "torch": torch.__version__,
            "cuda": torch.version.cuda, "devices": torch.cuda.device_count()},
           open(sys.argv[1], "w"))
 EOF
-then
-    say "no GPU here: nothing to check"
-    summary no_gpu "no CUDA device visible to torch"
-    exit 0
-fi
-say "GPU: $(cat "$WORK/gpu.json")"
+case $? in
+    0) say "GPU: $(cat "$WORK/probe.json")" ;;
+    124|137) finish error "the GPU probe ran past its limit" 1 ;;
+    *) finish no_gpu "no GPU: $(tail -1 "$WORK/probe.txt")" 3 ;;
+esac
 
-# 2. Install kvtier and what the machine lacks, from the prepared folder only (no network).
-if ! "$PY" -c "import cupy" 2>/dev/null; then
-    say "cupy is missing (the machine should have cupy-cuda13x); trying $WHEELS"
-fi
-if [ -d "$WHEELS" ]; then
-    say "installing wheels from $WHEELS"
-    "$PY" -m pip install -q --no-index --find-links "$WHEELS" --no-deps "$WHEELS"/*.whl \
-        >"$WORK/pip.txt" 2>&1 || { say "pip failed: $(tail -3 "$WORK/pip.txt")"; }
-fi
-if ! "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e "$ROOT" \
-        >>"$WORK/pip.txt" 2>&1; then
-    say "installing kvtier failed: $(tail -5 "$WORK/pip.txt")"
-    summary error "pip install -e . failed (see pip output)"
-    exit 1
-fi
-if ! "$PY" -c "import kvtier.daemon.service.server, kvtier.client.cuda_pool, zmq, msgspec, pydantic" \
-        2>"$WORK/import.txt"; then
-    say "kvtier does not import: $(tail -3 "$WORK/import.txt")"
-    summary error "kvtier does not import: $(tail -1 "$WORK/import.txt")"
-    exit 1
-fi
+# 2. CuPy, and NVRTC able to compile and run a kernel. pip's NVRTC (nvidia-cuda-nvrtc) lives
+# under site-packages/nvidia/*/lib, where CuPy may not look: put those folders on the path.
+NVLIB=$("$PY" - <<'EOF' 2>/dev/null
+import glob, os, site, sys
+roots = site.getsitepackages() + [site.getusersitepackages()] + sys.path
+dirs = {os.path.dirname(p) for r in roots if os.path.isdir(r)
+        for p in glob.glob(os.path.join(r, "nvidia", "**", "libnvrtc*.so*"), recursive=True)}
+print(":".join(sorted(dirs)))
+EOF
+)
+[ -n "$NVLIB" ] && export LD_LIBRARY_PATH="$NVLIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+step cupy 90 "$PY" - "$WORK/cupy.json" <<'EOF'
+import json, sys
+try:
+    import cupy
+except ImportError as err:
+    sys.exit(f"CuPy does not import: {err}")
+src = r'extern "C" __global__ void twice(const int* a, int* b, int n) {' \
+      r' int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) b[i] = 2 * a[i]; }'
+try:
+    kernel = cupy.RawKernel(src, "twice")
+    a = cupy.arange(1000, dtype=cupy.int32)
+    b = cupy.zeros_like(a)
+    kernel((4,), (256,), (a, b, cupy.int32(1000)))
+    ok = bool((b == 2 * a).all())
+except Exception as err:  # any failure here is the step's verdict, named
+    sys.exit(f"NVRTC could not compile or run a kernel: {type(err).__name__}: {err}")
+if not ok:
+    sys.exit("the NVRTC-compiled kernel ran but computed wrong values")
+json.dump({"cupy": cupy.__version__, "nvrtc": list(cupy.cuda.nvrtc.getVersion()),
+           "runtime": cupy.cuda.runtime.runtimeGetVersion()}, open(sys.argv[1], "w"))
+EOF
+case $? in
+    0) say "CuPy and NVRTC: $(cat "$WORK/cupy.json")" ;;
+    124|137) finish error "the CuPy/NVRTC check ran past its limit" 1 ;;
+    *) finish error "$(tail -1 "$WORK/cupy.txt")" 1 ;;
+esac
 
-# 3. The CUDA tests, bounded.
-say "tests/cuda (limit ${TEST_LIMIT_S}s)"
-timeout "$TEST_LIMIT_S" "$PY" -m pytest -q -p no:cacheprovider tests/cuda -x --timeout 120 \
-    >"$WORK/tests.txt" 2>&1
-echo $? >"$WORK/tests.rc"
+# 3. Room in /dev/shm for the host pools (the bench alone maps an 8 GiB pool).
+step shm 10 "$PY" - "$WORK/shm.json" "$SHM_MIN_GIB" <<'EOF'
+import json, os, sys
+st = os.statvfs("/dev/shm")
+free = st.f_bavail * st.f_frsize / 2**30
+json.dump({"free_gib": round(free, 1), "need_gib": float(sys.argv[2])}, open(sys.argv[1], "w"))
+if free < float(sys.argv[2]):
+    sys.exit(f"/dev/shm has {free:.1f} GiB free, the check needs {sys.argv[2]} GiB")
+EOF
+[ "$(cat "$WORK/shm.rc")" = 0 ] || finish error "$(tail -1 "$WORK/shm.txt")" 1
+
+# 4. A venv over the machine's torch and CuPy; the pinned wheels; kvtier.
+VENV=${KVTIER_GPU_CHECK_VENV:-$WORK/venv}
+install() {
+    set -e
+    if [ -n "${KVTIER_GPU_CHECK_VENV:-}" ]; then  # a venv prepared by hand: use it as it is
+        "$VENV/bin/python" -c "import kvtier.daemon.service.server, kvtier.kernels.cuda_copy, zmq, msgspec, pydantic, pytest"
+        return
+    fi
+    "$PY" -m venv --system-site-packages "$VENV"
+    if [ -d "$WHEELS" ]; then
+        "$VENV/bin/python" -m pip install -q --no-index --find-links "$WHEELS" \
+            -r "$ROOT/bench/gpu-requirements.txt"
+    else
+        echo "no $WHEELS: using what the machine has (make gpu-wheels fills it)"
+    fi
+    "$VENV/bin/python" -m pip install -q --no-index --no-deps --no-build-isolation -e "$ROOT"
+    "$VENV/bin/python" -c "import kvtier.daemon.service.server, kvtier.kernels.cuda_copy, zmq, msgspec, pydantic, pytest"
+}
+export -f install
+export VENV WHEELS ROOT PY
+step install 150 bash -c install </dev/null
+case $(cat "$WORK/install.rc") in
+    0) say "installed into $VENV" ;;
+    124|137) finish error "installing ran past its limit" 1 ;;
+    *) finish error "installing failed: $(tail -1 "$WORK/install.txt")" 1 ;;
+esac
+
+# 5. The CUDA tests. Passing means: some CUDA test passed, none failed or errored.
+say "tests/cuda"
+step tests 180 "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/cuda -m cuda \
+    --timeout 120 --junitxml="$WORK/tests.xml" </dev/null
+TRC=$(cat "$WORK/tests.rc")
 tail -3 "$WORK/tests.txt" >&2
+PASSED=$("$PY" - "$WORK/tests.xml" <<'EOF'
+import sys
+import xml.etree.ElementTree as ET
+try:
+    cases = list(ET.parse(sys.argv[1]).getroot().iter("testcase"))
+except (OSError, ET.ParseError):
+    print(0)
+    sys.exit()
+print(sum(1 for c in cases if not any(ch.tag in ("failure", "error", "skipped") for ch in c)))
+EOF
+)
+case $TRC in
+    124|137) finish error "tests/cuda ran past its limit" 1 ;;
+    0) [ "$PASSED" -gt 0 ] || finish failed "no CUDA test passed (all skipped)" 2 ;;
+    *) finish failed "tests/cuda failed (rc $TRC, $PASSED passed)" 2 ;;
+esac
 
-# 4. The GPU bench, bounded.
-say "bench/cuda_bench.py (limit ${BENCH_LIMIT_S}s)"
-timeout "$BENCH_LIMIT_S" "$PY" -m kvtier.bench.cuda_bench --json "$WORK/bench.json" \
-    >"$WORK/bench.txt" 2>&1
-echo $? >"$WORK/bench.rc"
+# 6. The GPU bench.
+say "bench/cuda_bench.py"
+step bench 150 "$VENV/bin/python" -m kvtier.bench.cuda_bench --json "$WORK/bench.json" </dev/null
+BRC=$(cat "$WORK/bench.rc")
 tail -15 "$WORK/bench.txt" >&2
-
-TRC=$(cat "$WORK/tests.rc"); BRC=$(cat "$WORK/bench.rc")
-if [ "$TRC" = 0 ] && [ "$BRC" = 0 ]; then
-    summary ok "tests passed, targets met"; exit 0
-elif [ "$TRC" = 124 ] || [ "$BRC" = 124 ]; then
-    summary error "a step ran past its limit (tests rc $TRC, bench rc $BRC)"; exit 1
-else
-    summary failed "tests rc $TRC, bench rc $BRC"; exit 2
-fi
+case $BRC in
+    0) "$PY" -c 'import json, sys; r = json.load(open(sys.argv[1])); sys.exit(0 if "bandwidth" in r else 1)' \
+           "$WORK/bench.json" 2>/dev/null || finish failed "the bench wrote no figures" 2
+       finish ok "$PASSED CUDA tests passed, bench targets met" 0 ;;
+    124|137) finish error "the bench ran past its limit" 1 ;;
+    *) finish failed "the bench missed a target or failed (rc $BRC)" 2 ;;
+esac

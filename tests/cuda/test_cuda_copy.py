@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import mmap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -21,8 +21,10 @@ def _gpu_and_cupy() -> bool:
     return importlib.util.find_spec("cupy") is not None and torch.cuda.is_available()
 
 
-needs_gpu = pytest.mark.skipif(not _gpu_and_cupy(), reason="needs an NVIDIA GPU and cupy")
-pytestmark = pytest.mark.cuda
+def needs_gpu(test: Callable[..., None]) -> Callable[..., None]:
+    """Marks a test that runs on a GPU: skipped without one, and counted by `make gpu-check`."""
+    skip = pytest.mark.skipif(not _gpu_and_cupy(), reason="needs an NVIDIA GPU and cupy")
+    return pytest.mark.cuda(skip(test))  # type: ignore[no-any-return]
 
 N_LAYERS = 3
 NUM_PAGES = 40
