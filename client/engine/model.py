@@ -243,14 +243,19 @@ class TinyLlama(nn.Module):
             raise EngineInputError(
                 f"KV cache tensors must be [num_pages, page_size, {cfg.n_kv_heads}, "
                 f"{cfg.head_dim}], got {list(first.shape)}")
+        device = self.embed.device
         for side in (k_cache, v_cache):
             for layer, t in enumerate(side):
                 if t.shape != first.shape or t.dtype != cfg.dtype:
                     raise EngineInputError(
                         f"KV cache tensor of layer {layer} is {list(t.shape)} {t.dtype}, "
                         f"expected {list(first.shape)} {cfg.dtype}")
+                if t.device != device:
+                    raise EngineInputError(
+                        f"KV cache tensor of layer {layer} is on {t.device}, the model on "
+                        f"{device}: both must be on one device")
         num_pages, page_size = int(first.shape[0]), int(first.shape[1])
-        pages = torch.as_tensor(page_table, dtype=torch.int64).reshape(-1)
+        pages = torch.as_tensor(page_table, dtype=torch.int64).reshape(-1).cpu()
         needed = -(-n_positions // page_size)
         if pages.numel() < needed:
             raise EngineInputError(f"page_table has {pages.numel()} pages of {page_size} tokens, "
@@ -274,10 +279,14 @@ class TinyLlama(nn.Module):
         n_heads, n_kv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         q_out, kv_out = n_heads * hd, n_kv * hd
 
-        positions = torch.arange(start, end)
+        # Inputs are validated on the host; every tensor of the computation lives on the
+        # model's device (a GPU, the CPU, or torch's meta device in tests).
+        device = self.embed.device
+        ids, pages = ids.to(device), pages.to(device)
+        positions = torch.arange(start, end, device=device)
         cos, sin = self._rope_tables(positions)
         slot_pages, slot_offsets = pages[positions // page_size], positions % page_size
-        masks = offset_masks(start, n)
+        masks = offset_masks(start, n, device)
 
         x = self.embed[ids]
         for i, block in enumerate(self.blocks):

@@ -117,8 +117,8 @@ class ModelConfig:
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * itemsize
 
 
-def new_kv_cache(cfg: ModelConfig, num_pages: int,
-                 page_size: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def new_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int,
+                 device: torch.device | str = "cpu") -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Allocate a zeroed, process-private paged KV cache in the ``layer_first`` layout.
 
     The engine allocates its cache in shared memory instead; this is for tests and local use.
@@ -127,12 +127,13 @@ def new_kv_cache(cfg: ModelConfig, num_pages: int,
         cfg: The model the cache is for.
         num_pages: Pages per layer.
         page_size: Tokens per page.
+        device: Where the cache lives (the model's device).
 
     Returns:
         ``(k_cache, v_cache)``: one ``[num_pages, page_size, n_kv_heads, head_dim]`` tensor per
         layer on each side.
     """
     shape = (num_pages, *cfg.kv_page_shape(page_size))
-    k_cache = [torch.zeros(shape, dtype=cfg.dtype) for _ in range(cfg.n_layers)]
-    v_cache = [torch.zeros(shape, dtype=cfg.dtype) for _ in range(cfg.n_layers)]
+    k_cache = [torch.zeros(shape, dtype=cfg.dtype, device=device) for _ in range(cfg.n_layers)]
+    v_cache = [torch.zeros(shape, dtype=cfg.dtype, device=device) for _ in range(cfg.n_layers)]
     return k_cache, v_cache

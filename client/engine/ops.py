@@ -43,20 +43,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-def offset_masks(start: int, n: int) -> list[torch.Tensor]:
+def offset_masks(start: int, n: int, device: torch.device | str = "cpu") -> list[torch.Tensor]:
     """Boolean masks for queries at ``[start, start + n)`` in chunks of ``ATTN_CHUNK``.
 
     Chunk ``c`` covers queries ``[s, e)`` (relative to ``start``) and keys ``[0, start + e)``;
     query ``start + j`` may see key ``t`` iff ``t <= start + j``. Empty when no mask is needed
     (no cached prefix, where ``is_causal`` is exact, or a single query, which sees every key).
+    The masks are made on ``device``, the device of the attention that uses them.
     """
     if start == 0 or n == 1:
         return []
     masks = []
     for s in range(0, n, ATTN_CHUNK):
         e = min(n, s + ATTN_CHUNK)
-        keys = torch.arange(start + e)
-        masks.append(keys[None, :] <= (start + torch.arange(s, e))[:, None])
+        keys = torch.arange(start + e, device=device)
+        masks.append(keys[None, :] <= (start + torch.arange(s, e, device=device))[:, None])
     return masks
 
 
