@@ -38,7 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import Examp
 
 BENCH_MODEL = {"vocab_size": 8192, "hidden_size": 512, "intermediate_size": 1536,
                "num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 4}
-"""A random Llama whose 4K-token prefill takes about a second on a 2-core machine."""
+"""A random Llama whose 4K-token prefill takes about a second on a small CPU machine."""
 
 
 class _LoadTimer:

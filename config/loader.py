@@ -117,7 +117,7 @@ def _is_structured(model: type[BaseModel], name: str) -> bool:
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
-    import tomllib  # here: a daemon started without a config file never imports it (10 ms)
+    import tomllib  # here: a daemon started without a config file never imports it (an import of milliseconds)
 
     try:
         with open(path, "rb") as fh:

@@ -65,8 +65,8 @@ class DaemonConfig(_Frozen):
     )
     verify_on_adopt: bool = Field(
         default=False,
-        description="Checksum every stored page (xxh3 in the copy thread, about half the store "
-        "bandwidth here) and verify each one when a restarted daemon adopts the pool. Off: "
+        description="Checksum every stored page (xxh3 in the copy thread, which lowers the store "
+        "bandwidth) and verify each one when a restarted daemon adopts the pool. Off: "
         "adoption relies on the write order and the sealed index rows.",
     )
     keep_pool_on_stop: bool = Field(

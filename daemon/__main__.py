@@ -9,7 +9,7 @@ import os
 import sys
 
 # numpy's OpenBLAS starts a thread per core as it loads (numpy comes with the wire format's
-# packed keys, before the socket is bound), ~90 ms of CPU before the daemon is healthy; the
+# packed keys, before the socket is bound), CPU spent before the daemon is healthy; the
 # daemon does no floating-point linear algebra. Set before anything imports numpy.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
@@ -62,8 +62,8 @@ def run(cfg: DaemonConfig, reload=None) -> int:
         install_signal_handlers(daemon)
         # What the start made (modules, the pool's index) lives as long as the process:
         # frozen out of the collector's sight once serving, a full collection scans only
-        # what came after (before, one took about 25 ms of the event loop here, every
-        # engine waiting). Only here, in kvtierd's own process, not in one embedding it.
+        # what came after (a scan of everything would hold the event loop for milliseconds,
+        # every engine waiting). Only here, in kvtierd's own process, not in one embedding it.
         await daemon.run(on_ready=lambda _d: gc.freeze())
 
     uvloop.run(main())

@@ -48,9 +48,9 @@
 #include <xxhash.h>
 
 /* XXH3-64 of the build's baseline vector unit (SSE2 on x86-64), or the AVX2 build
-   (_xxh3_avx2.c) when the CPU has AVX2: the same function, about 1.3 to 1.7 times as fast.
-   (An AVX-512 build was tried and dropped: on an AMD EPYC it hashed 256 KiB pages from L3
-   or memory no faster than SSE2, and only cache-resident data faster than AVX2.) */
+   (_xxh3_avx2.c) when the CPU has AVX2: the same function, faster. There is no AVX-512
+   build: pages hashed from the last-level cache or memory are bound by memory, not by the vector unit, and
+   AVX-512 is faster only on cache-resident data. */
 typedef uint64_t (*hash_fn)(const void *, size_t);
 static uint64_t xxh3_base(const void *p, size_t n) { return (uint64_t)XXH3_64bits(p, n); }
 #if defined(__x86_64__) && defined(__GNUC__)

@@ -22,7 +22,7 @@
        id in [0, engine_pages), a host range inside [0, host_nbytes)): a bad one raises
        ValueError naming it and nothing is copied. Then the pages are copied as
        copy_pages does (GIL released, stopping at a SIGBUS) and the count is returned.
-       Planning a copy in numpy took longer than moving a 64 KiB page.
+       Planning a copy in numpy takes longer than moving a 64 KiB page.
 
    copy_regions(host, host_nbytes, offsets, page_ids, table, to_host, stream) -> int
        Several regions of a transfer in one call: ``table`` is an int64 buffer of rows
@@ -30,17 +30,16 @@
        order as copy_strided copies one. Every row and index is checked first (nothing is
        copied when one is bad). Returns the pages copied over all rows: rows x pages when
        all were, fewer when a page faulted (row = result // pages, page = result % pages).
-       A transfer of a few pages (a 1-page LOAD) had spent as long in the Python around
-       one call per region as in the copies.
+       One call for all regions: with one call per region, a transfer of a few pages (a
+       1-page LOAD) spends as long in the Python around the calls as in the copies.
 
    All take an optional last argument ``stream`` (default false): copy each page with
    non-temporal stores (AVX2 where the CPU has it, else SSE2; plain memcpy off x86-64),
    which write the destination straight to memory instead of first reading every line of
    it into the cache and evicting the cache's contents. For a transfer larger than the
-   cache holds, that moves fewer bytes over the memory bus: on a 2-core EPYC (32 MiB L3), a
-   4 MiB transfer of 64 KiB pages from and to memory not in the cache went from 8.5 to 13.3
-   GB/s, 512 MiB from 7.9 to 13.1 (a single 512 MiB memcpy: 13.0, glibc streaming it too);
-   4 MiB copied again and again while hot in the cache was 15% slower streamed. The copy
+   cache holds, that moves fewer bytes over the memory bus (two passes instead of three),
+   which is what glibc's memcpy does for a single copy above its own threshold; data still
+   hot in the cache copies slower streamed, so the caller streams only large transfers. The copy
    ends with a store fence, so the bytes are visible to other threads before the caller
    announces them.
 

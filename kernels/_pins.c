@@ -19,8 +19,9 @@
  * after the pins changed, leaves a run half done: MemoryError.)
  *
  * Buffers: pins int32, children int32, stamp int64, state int8, one entry per slot; slots
- * a list of ints (the pool's own: read once, here, with no array made of them first). A 64-page LOAD's pin and unpin took 34 and 60 us in numpy here once its copy had
- * flushed the caches; one pass here touches two cache lines a page.
+ * a list of ints (the pool's own: read once, here, with no array made of them first).
+ * numpy makes several passes over each column, slow once a copy has flushed the caches;
+ * one pass here touches two cache lines a page.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -14,7 +14,7 @@ The native implementation (:mod:`kvtier.kernels._fileio`, C, built at install wh
 compiler and the xxHash header are present) runs a whole batch with the GIL released. The
 pure-Python one below does the same page by page and releases the GIL twice per page (the
 syscall, the hash): with several I/O threads and the daemon's event loop that means taking
-turns for the GIL at every page, which measured far slower on two cores. :data:`NATIVE` says
+turns for the GIL at every page, which leaves the threads idle much of the time. :data:`NATIVE` says
 which one is in use; ``KVTIER_PURE_PYTHON_IO=1`` forces the Python one.
 """
 

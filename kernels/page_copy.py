@@ -7,10 +7,10 @@ functions plan and copy in one call. *Store* copies engine pages into slots (``*
 
 How the copies run: a run of the plan (``MIN_STRIDED_RUN`` pages or more whose slots are one
 stride apart) is one numpy strided copy (engine rows contiguous, host rows ``stride`` bytes
-apart); every other page is one ``memmove`` through ctypes. Of the approaches measured these
-two came closest to a plain single-threaded memcpy of the same bytes; numpy ``take`` plus a
+apart); every other page is one ``memmove`` through ctypes. Of the approaches compared, these
+two come closest to a plain single-threaded memcpy of the same bytes; numpy ``take`` plus a
 fancy store, ``process_vm_readv`` on the own process, and torch's per-page ``copy_``,
-``_foreach_copy_`` or ``index_select``/``index_copy_`` were all clearly slower.
+``_foreach_copy_`` or ``index_select``/``index_copy_`` are all clearly slower.
 ``python -m kvtier.bench.kernels_bench`` measures the chosen path on the machine at hand.
 
 Both release the GIL while bytes move, so other threads and the daemon's event loop keep

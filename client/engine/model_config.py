@@ -74,7 +74,7 @@ class ModelConfig:
         """The reference engine's model: compute-bound enough that KV reuse shows.
 
         Sized so that a 4096-token prefill with no cache takes on the order of a second on a
-        two-core CPU (``python -m kvtier.client.engine.model`` times it). About half of it is
+        small CPU machine (``python -m kvtier.client.engine.model`` times it). About half of it is
         attention, the rest projection and MLP matmuls, so compute dominates and a cached
         prefix saves it, as on a GPU. Eight layers give a per-layer load something to overlap
         with.

@@ -2,7 +2,7 @@
 iteration per page.
 
 A LOAD of a 128K-token context pins 8,192 pages and unpins them when the copy ends. Page
-by page in Python that took about 9 ms here, as long as a sixth of the copy itself. These
+by page in Python that takes milliseconds, a noticeable share of the copy itself. These
 functions do the same work on whole columns. They change the pins and access stamps and
 count the newly (un)pinned pages exactly as :meth:`~kvtier.daemon.pool.pages.PageTable.pin`
 and :meth:`~kvtier.daemon.pool.pages.PageTable.unpin` do page by page, and move the few
@@ -10,8 +10,9 @@ pages that enter or leave the evictable lists (a chain's childless pages, usuall
 one by one, in the same order.
 
 Where the C extension is built (``kvtier.kernels._pins``), it does the per-page steps in
-the page-by-page order, from :data:`NATIVE_PAGES` pages on: a 64-page LOAD's pin and unpin
-took 34 and 60 us in numpy once its copy had flushed the caches. Otherwise numpy does, from
+the page-by-page order, from :data:`NATIVE_PAGES` pages on: numpy's fixed cost per call
+outweighs the work for short runs, more so once a copy has flushed the caches. Otherwise
+numpy does, from
 :data:`BULK_PAGES` pages on.
 
 What they leave to the page-by-page path, which they tell by returning False before any

@@ -152,7 +152,7 @@ class HostPool(PageTable):
         layout = PoolLayout.plan(capacity_bytes, extent_bytes, align, min_page_bytes,
                                  headroom=headroom)
         # anonymous memory is zero until touched: a bytearray would clear every byte now
-        # (about 25 ms for a 1 GiB pool's 28 MiB), only for adopt() to move off it
+        # (tens of MiB for a large pool), only for adopt() to move off it
         meta = PoolMeta(mmap.mmap(-1, layout.meta_bytes), layout)
         meta.format(zero=False)
         self._setup(meta, max_log=max_evicted_log, quota={}, requires_l3=False)

@@ -39,7 +39,7 @@ constants, :class:`PoolLayout` (geometry, header), the hashes rows and payloads 
 checked with, and :func:`map_pool_file`. The
 mapped columns are :class:`~kvtier.daemon.pool.meta.PoolMeta`; the adoption scan is
 :mod:`~kvtier.daemon.pool.adopt`; the records the pool reports are
-:mod:`~kvtier.daemon.pool.records` (re-exported here, where they used to live).
+:mod:`~kvtier.daemon.pool.records` (re-exported here for importers of this module).
 """
 
 from __future__ import annotations
@@ -215,7 +215,7 @@ class PoolLayout:
     Build with :meth:`plan`. All offsets are from the start of the file.
 
     A pool with ``headroom`` gives every slot that many bytes before its payload. So
-    that the headroom never costs a page (a 2 MiB page would no longer fit an extent
+    that the headroom never costs a page (a 2 MiB page would not fit a 4 MiB extent
     twice), extents are spaced :attr:`span` apart: ``extent_bytes`` for the payloads plus
     ``per_extent * headroom`` of slack for the headrooms::
 

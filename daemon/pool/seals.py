@@ -12,7 +12,8 @@ The constants are XXH3's (xxhash 0.8): ``PRIME64_1``, the first 32 bytes of its 
 secret (which a seeded hash of at most 240 bytes uses as it is) and the avalanche
 multiplier. :func:`seals` is checked against ``xxhash`` for every length by the tests.
 Where the C extension is built (``kvtier.kernels._keyprobe.seals``), it hashes the rows of
-17 to 32 bytes instead of numpy (a million rows: about 80 ms in numpy, 10 ms in C).
+17 to 32 bytes instead of numpy, several times faster (a million-page pool's adoption
+hashes a million rows).
 """
 
 from __future__ import annotations

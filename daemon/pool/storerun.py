@@ -2,9 +2,9 @@
 
 A STORE allocates a WRITING slot per key the pool lacks and, once the copy has landed,
 commits them READY. Page by page in Python, into a full pool (where every new page first
-evicts a cold one), that took 11-24 us a page of event-loop time here for the allocation
-and 2-3 us for the commit: a 64-page STORE about 1 ms, an 8,192-page one 110-240 ms, during
-which no other engine was answered.
+evicts a cold one), that costs microseconds of event-loop time a page: an 8,192-page STORE
+of a long context would hold the loop for a large fraction of a second, during which no
+other engine is answered.
 
 Where the C extension is built (``kvtier.kernels._alloc``), :func:`allocate_run` and
 :func:`commit_run` do the same steps in the same order, from :data:`RUN_PAGES` pages on, so

@@ -13,7 +13,7 @@ socket and the metrics endpoint. Then the held requests are answered, in arrival
 and the daemon tells systemd it is ready.
 
 The pool file of a restart is mapped without ``MAP_POPULATE``: its pages are resident
-already, and building the page tables of a 1 GiB pool took about 0.1 s. With ``prefault``
+already, and building the page tables of a large pool would delay the start. With ``prefault``
 they are built after READY=1 instead, by :meth:`Service.prefault` on a thread, 64 MiB
 per ``madvise`` (the copies fault in what it has not reached yet).
 """

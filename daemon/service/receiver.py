@@ -12,9 +12,9 @@ ZeroMQ's descriptor only signals a change, and any read or send may consume the 
 request that arrived meanwhile. So the reader asks whether a message is queued
 (``EVENTS``) before each read and returns only once the queue is empty, and a reply sent
 from a task is followed by the same question (:meth:`Receiver.reply_later`). pyzmq's
-asyncio socket did this with a future, several callbacks and a raised ``zmq.Again`` per
-request: on a 2-core EPYC that was a sixth of the daemon's CPU time under a stream of
-1-page LOADs, and going without it took the LOOKUP round trip from 211 to 146-175 µs.
+asyncio socket would spend a future, several callbacks and a raised ``zmq.Again`` per
+request: a large share of the daemon's CPU time under a stream of small requests, and of a
+LOOKUP's round trip.
 
 The socket monitor (disconnects) is read the same way (:func:`watch_disconnects`).
 """

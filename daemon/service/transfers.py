@@ -12,26 +12,25 @@ Where a copy runs depends on its size:
 - from :data:`SHARE_MIN_BYTES` (1 MiB) up to ``2 × LOOP_SHARE_BYTES`` (8 MiB), while no
   copy thread is busy, no other request waits and the daemon may use more than one CPU, in
   two halves at once: one on a copy thread, the other on the event loop before the reply
-  goes out (:meth:`Transfers._share`). An idle daemon otherwise left a transfer of a few
-  MiB to one thread while the loop sat waiting, and that thread started late: on a 2-core
-  Intel Xeon VM, 0.3-0.6 ms went by between the request and the first byte a copy thread
-  moved. Under load the loop keeps to answering: sharing whenever the copy threads were
-  idle took eight engines' aggregate from 3.6-4.5 to 3.2-3.5 GB/s there;
+  goes out (:meth:`Transfers._share`). Otherwise an idle daemon would leave a transfer of
+  a few MiB to one thread while the loop sat waiting, and a thread that was asleep starts
+  late (a fraction of a millisecond before it moves its first byte). Under load the loop
+  keeps to answering: sharing whenever the copy threads are idle lowers the aggregate
+  bandwidth of many engines;
 - from ``2 × SPLIT_BYTES`` on, in parts of consecutive pages on several copy threads at
   once (one part per :data:`SPLIT_BYTES`, at most one per thread). A layer is announced
   when every part has copied it (:class:`~kvtier.daemon.transfer.transfer.LayerGate`), and
-  the transfer ends when its last part does. On a 2-core machine, in one sitting: a LOAD
-  of 8,192 64 KiB pages (512 MiB) went from 6.0 to 8.5-9.3 GB/s. Split at 16 MiB, a
-  vLLM-shaped 24 MiB load alone went from 4.1-4.9 ms to 3.0-3.4 ms, but inside a real
-  vLLM (its forward threads on the same 2 cores) the load it waits for was no shorter, and
-  SGLang's 32 MiB batches were as fast either way; so smaller transfers stay whole, and
-  the threads serve several of them at once instead.
+  the transfer ends when its last part does. A long-context LOAD (hundreds of MiB) then
+  runs at the speed of several threads. Smaller transfers stay whole: inside a real engine
+  (its forward threads on the same cores) a split load of a few tens of MiB is no shorter
+  for the request that waits on it, and the threads serve several whole transfers at once
+  instead.
 
 The end of a copy is settled on the event loop, where the pool, the counters and the
 session are updated, so nothing here takes a lock; the copy thread hands it over with one
-thread-safe callback (an asyncio future chained to the thread's cost a future, a chain of
-callbacks and the same wake-up: with the offsets column of the pool, about a quarter of
-the event loop's CPU time per 64-page LOAD). The engine follows a copy layer by layer
+thread-safe callback (an asyncio future chained to the thread's would cost a future, a
+chain of callbacks and the same wake-up: a large share of the event loop's CPU time per
+small LOAD). The engine follows a copy layer by layer
 through its completion block, not through a reply.
 
 A session that closed while its copies ran is finalized by the last one to end: its memory
@@ -78,11 +77,11 @@ ones."""
 
 SHARE_MIN_BYTES = 1 << 20
 """The smallest transfer the event loop shares with a copy thread (:meth:`Transfers._share`):
-below it the copy is shorter than a thread takes to start (on a 2-core Intel Xeon VM, 8
-pages of 64 KiB were a tenth slower shared, 16 were a sixth faster)."""
+below it the copy is shorter than a thread takes to start, so sharing it is slower than
+copying it on the loop alone."""
 LOOP_SHARE_BYTES = 4 << 20
 """The most the event loop copies of a shared transfer (:meth:`Transfers._share`: half of
-one of at most twice this; larger ones are not shared): on these machines 0.4-0.8 ms of
+one of at most twice this; larger ones are not shared): a fraction of a millisecond of
 copying, about as long as an 8,192-key LOOKUP holds the loop."""
 
 
@@ -203,9 +202,9 @@ class Transfers:
         halves have copied it. The transfer is settled when the thread's half has ended:
         here, before the reply goes out, as an inline one is (nobody to wake), when it
         ended first; otherwise on the loop once it ends (never before the loop's half).
-        Giving the thread less, so that it ended first more often, was slower: on a
-        2-core Intel Xeon VM a 64-page LOAD took 1.17 ms with 40% of the pages on the
-        thread, 1.06 ms with half (1.46 ms on the thread alone), in one sitting."""
+        Half and half, rather than less for the thread so that it ends first more often:
+        the thread starts late, and a smaller share for it leaves the whole transfer
+        longer."""
         g, n = s.geometry, len(t.host_slots)
         assert self._executor is not None, "open() first"
         self.ctx.counters.transfers_shared += 1

@@ -86,7 +86,7 @@ def _load_file(path_text: str, value: str) -> dict[str, Any]:
             f"{EXTRA_CONFIG_FIELD}: cannot read {value!r}: {err.strerror or err}"
         ) from err
     if suffix == ".toml":
-        # imported here: a daemon whose options are not in a TOML file never needs it (10 ms)
+        # imported here: a daemon whose options are not in a TOML file never needs it (an import of milliseconds)
         if sys.version_info >= (3, 11):
             import tomllib
         else:  # pragma: no cover - Python 3.10

@@ -2,10 +2,9 @@
 
 The daemon maps an engine's KV memory (a memfd the engine handed over) once, at REGISTER.
 Its page tables start empty: the first copy into or out of each 4 KiB page takes a page
-fault. On these machines that costs more than the copy itself: a 24 MiB memcpy into a
-fresh mapping of resident shared memory took 10-11 ms, the same memcpy again 2.7 ms; a 24
-MiB LOAD of vLLM-shaped pages through the daemon 18-21 ms, against about 5 ms into pages it
-had touched before. Which pages a load lands in is the engine's choice (vLLM hands out free
+fault, which costs more than the copy itself: a memcpy into a fresh mapping of resident
+shared memory is several times slower than the same memcpy again, and so is a LOAD into
+pages the daemon has not touched before. Which pages a load lands in is the engine's choice (vLLM hands out free
 blocks in its own order), so without this the same LOAD is fast or slow by chance.
 
 :class:`Prefaulter` builds those page tables on a thread right after the session opens,

@@ -5,8 +5,8 @@ each finished layer in the session's completion block, so the engine's forward p
 start layer ``i`` as soon as its pages are in place. When all of an engine's regions are
 mapped, each layer is one native call over its regions' rows of the engine's
 :class:`~kvtier.daemon.transfer.engine_memory.RegionTable` (a transfer that ends before
-its reply, one call in all); otherwise each region is copied on its own. On a 2-core EPYC
-a 1-page LOAD of 4 regions spent 22.6 µs copying region by region, 6.6 µs in one call. The copies themselves are the
+its reply, one call in all), which keeps a small transfer's fixed cost to a few
+microseconds; otherwise each region is copied on its own. The copies themselves are the
 kernels in :mod:`kvtier.kernels` (the CPU reference here, numpy and C only: no torch; a
 CUDA executor on a GPU), and they release the GIL, so worker threads copy while the event
 loop keeps answering.
@@ -40,10 +40,9 @@ log = logging.getLogger("kvtier.daemon.transfer.transfer")
 STREAM_BYTES = 1 << 20
 """Transfers of at least this many bytes write their destination with non-temporal stores
 (:func:`~kvtier.kernels.guarded_copy.copy_strided`'s ``stream``): their pages are rarely in
-the cache, and ordinary stores would first read every destination line into it. On a
-2-core EPYC (32 MiB L3), 64 KiB pages not in the cache: 4 MiB at 8.5 → 13.3 GB/s, 512 MiB
-at 7.9 → 13.1 GB/s. Smaller ones keep ``memcpy``: they may still be hot, where it is
-faster."""
+the cache, and ordinary stores would first read every destination line into it, so the
+memory bus carries each byte three times instead of twice. Smaller ones keep ``memcpy``:
+they may still be hot, where it is faster."""
 
 
 class RegionIOError(KvtierError):

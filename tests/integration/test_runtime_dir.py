@@ -210,7 +210,7 @@ def test_a_pool_file_precreated_by_another_uid_is_refused(daemon_factory) -> Non
     path = pool_path(POOL_DIR, d.runtime_dir)
     lay = PoolLayout.plan(64 << 20, 4 << 20)
     with open(path, "wb") as fh:
-        fh.truncate(lay.file_bytes)  # the size the daemon wants: it used to map it as is
+        fh.truncate(lay.file_bytes)  # the size the daemon wants: only ownership can refuse it
     os.chown(path, OTHER_UID, OTHER_UID)
     os.chmod(path, 0o666)
     try:

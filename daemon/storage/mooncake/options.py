@@ -36,8 +36,8 @@ class MooncakeOptions(BaseModel):
     """Mooncake calls in flight at once, over all batches (worker threads of this backend)."""
     sub_batch_keys: int = Field(default=256, ge=1, le=4096)
     """Most keys in one Mooncake call; a larger batch is split into calls that run concurrently.
-    Concurrent transfers to one peer over TCP slow each other down (measured: a 64-key batch
-    as 4 concurrent calls moved ~40 % less than as one), so a typical batch stays one call."""
+    Concurrent transfers to one peer over TCP slow each other down (a 64-key batch moves
+    markedly less as 4 concurrent calls than as one), so a typical batch stays one call."""
     timeout_s: float = Field(default=5.0, gt=0, le=3600)
     """Bound on reaching the master and the HTTP metadata server at open (checked before
     Mooncake's own setup, which retries for about 90 s against an address that refuses)."""

@@ -19,7 +19,7 @@ from kvtier.ipc import protocol as P
 
 HERE = Path(__file__).resolve().parent
 START_DEADLINE_S = 120.0
-"""An instance imports SGLang (seconds on a busy 2-core machine): generous, it is a deadline."""
+"""An instance imports SGLang (seconds on a busy machine): generous, it is a deadline."""
 REPLY_DEADLINE_S = 120.0
 
 DAEMON_ARGS = ["--hicache-size", "64MiB", "--extent-size", "4MiB", "--hicache-storage-backend",
