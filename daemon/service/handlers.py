@@ -353,7 +353,7 @@ class Handlers:
         keys, pages = transfer_keys(m, ctx.cfg.max_keys_per_request, s.memory.num_pages)
         check_slot(s, m.slot)
         ctx.counters.loads += 1
-        host = ctx.pool.pin(s.ns_id, keys)  # packed keys: the key table probes them as they came
+        host = ctx.pool.pin(s.ns_id, keys, used=True)  # packed keys: the key table probes them as they came
         if host:
             self.transfers.start(s, Direction.LOAD, m.slot, m.seq, host, pages[: len(host)],
                                  keys[: len(host)])

@@ -204,6 +204,17 @@ def _pool_families(pool: Mapping[str, Any]) -> Iterator[Metric]:
     if evictions is not None:
         yield CounterMetricFamily("kvtier_evictions", "L2 pages evicted to make room "
                                   "(flushes not counted).", value=evictions)
+    reasons = pool.get("evictions_by_reason")
+    if isinstance(reasons, Mapping):
+        fam = CounterMetricFamily("kvtier_evictions_by_reason", "L2 pages evicted, by eviction "
+                                  "policy and the list the victim came from (lru: lru; arc: t1, "
+                                  "stored once, or t2, used again).", labels=["policy", "reason"])
+        policy = str(pool.get("eviction_policy", ""))
+        for reason, value in reasons.items():
+            if _number(value) is not None:
+                fam.add_metric([policy, str(reason)], float(value))
+        if fam.samples:
+            yield fam
     classes = pool.get("classes")
     if isinstance(classes, Sequence) and not isinstance(classes, (str, bytes)):
         ext = GaugeMetricFamily("kvtier_pool_class_extents", "Extents held by each page class.",
