@@ -77,8 +77,8 @@ def load_trace(path: str | Path = DEFAULT_TRACE, limit: int | None = None
                 raise TraceError(f"{path}:{n}: not JSON ({err})") from err
             ids = row.get("hash_ids") if isinstance(row, dict) else None
             if not isinstance(ids, list) or not all(
-                    isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in ids):
-                raise TraceError(f"{path}:{n}: hash_ids must be a list of ints >= 0, "
+                    isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 1 << 64 for b in ids):
+                raise TraceError(f"{path}:{n}: hash_ids must be a list of ints in [0, 2**64), "
                                  f"got {ids!r:.80}")
             ts = row.get("timestamp", 0)
             if not isinstance(ts, int | float) or isinstance(ts, bool):
