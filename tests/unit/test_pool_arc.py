@@ -175,3 +175,37 @@ class ArcModel(RuleBasedStateMachine):
 TestArcModel = ArcModel.TestCase
 TestArcModel.settings = settings(max_examples=60, stateful_step_count=30, derandomize=True,
                                  deadline=None, suppress_health_check=list(HealthCheck))
+
+
+def test_adoption_keeps_pages_and_recency_not_the_split() -> None:
+    pool, cls = pool_of(1)
+    meta = bytearray(pool.layout.meta_bytes)
+    pool.adopt(meta)
+    (x,) = store(pool, cls, [b"x"])
+    (y,) = store(pool, cls, [b"y"])
+    load(pool, [b"x"])  # x: T2 and the most recent
+    arc = pool._ev.arc
+    assert arc is not None and arc.t2 == 1
+    pool.close()
+    again = HostPool(EXTENT, EXTENT, 4 * KIB, eviction_policy="arc")
+    again.register_class(4000)
+    res = again.adopt(meta)
+    assert res.adopted and res.pages_adopted == 2
+    arc = again._ev.arc
+    assert arc is not None and arc.t2 == 0 and not any(arc.tier) and arc.p == 0.0
+    assert again.evictable_slots() == [y, x]  # T1 only, by last access
+    assert again.stats().eviction_policy == "arc"
+
+
+def test_config_selects_the_policy() -> None:
+    from kvtier.config import DaemonConfig
+    from kvtier.config.errors import ConfigError
+    from kvtier.config.loader import load_config
+
+    cfg = load_config(DaemonConfig, env={"KVTIER_EVICTION_POLICY": "arc",
+                                         "KVTIER_HICACHE_SIZE": "64MiB"})
+    assert cfg.eviction_policy == "arc"
+    assert HostPool.from_config(cfg).stats().eviction_policy == "arc"
+    assert load_config(DaemonConfig, env={}).eviction_policy == "lru"
+    with pytest.raises(ConfigError, match=r"eviction_policy.*'mru'"):
+        load_config(DaemonConfig, env={}, cli={"eviction_policy": "mru"})
