@@ -183,11 +183,12 @@ def arc_hit_rate(chains: Chains, capacity: int) -> float:
                 heapq.heappush(heaps[tier[b]], (clock, b))
         while len(stamp) > capacity:
             k = 0 if len(stamp) - t2 > p else 1
-            b = coldest(k)
-            if b is None:
+            v = coldest(k)
+            if v is None:
                 k = 1 - k
-                b = coldest(k)
-            assert b is not None
+                v = coldest(k)
+            assert v is not None
+            b = v
             heapq.heappop(heaps[k])
             del stamp[b], kids[b], tier[b]
             t2 -= k

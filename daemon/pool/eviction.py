@@ -198,13 +198,15 @@ class Evictor:
         list, of class ``cid`` unless NIL; NIL if none within the scan limit."""
         arc = self.arc
         if arc is None or owner is not None:
-            return self._scan(*self.lru.start(owner), cid)
+            return self._scan(self.lru.start(owner), cid)
         second = arc.victim_list(sum(self.owned.values())) == 1
-        s = self._scan(*self.lru.start(None, second), cid)
-        return s if s != NIL else self._scan(*self.lru.start(None, not second), cid)
+        s = self._scan(self.lru.start(None, second), cid)
+        return s if s != NIL else self._scan(self.lru.start(None, not second), cid)
 
-    def _scan(self, s: int, nxt: array[int], cid: int) -> int:
-        """The first page from ``s`` on (within the scan limit) eviction may take."""
+    def _scan(self, start: tuple[int, array[int]], cid: int) -> int:
+        """The first page from ``start`` (a list's cold end and its next links) on,
+        within the scan limit, that eviction may take (NIL: none)."""
+        s, nxt = start
         need_l3 = self.requires_l3
         steps = self._scan_limit
         while s != NIL and steps > 0:
