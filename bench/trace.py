@@ -66,7 +66,7 @@ def _replay(root: Path, chains: list[list[int]], stamps: list[int], size: int, e
     flags = ["--hicache-size", str(size * PAGE_BYTES), "--extent-size", str(ext),
              "--log-level", "warning", "--hicache-storage-backend", "none"]
     if policy is not None:
-        flags += ["--eviction-policy", policy]
+        flags += ["--eviction-policy", policy]  # fmt: skip
     daemon = DaemonProcess(root / f"d{size}", flags)
     daemon.start(timeout=60)
     deadline = time.monotonic() + timeout_s
@@ -142,10 +142,16 @@ def run_trace_bench(trace: str | Path = DEFAULT_TRACE, sizes: Sequence[int] = (2
         sizes: pool sizes, in pages (= trace blocks).
         engines: engine processes.
         speedup: arrival times are divided by this.
-        policy: the daemon's ``eviction_policy`` (None: its default).
+        policy: the daemon's ``eviction_policy`` (None: its default, ``KVTIER_EVICTION_POLICY``
+            or the config's).
         limit: replay only the first ``limit`` requests.
         timeout_s: bound on each size's replay.
     """
+    if policy is None:  # the daemon's own default, as the environment may set it
+        from kvtier.config import DaemonConfig
+        from kvtier.config.loader import load_config
+
+        policy = load_config(DaemonConfig).eviction_policy
     chains, stamps = load_trace(trace, limit)
     total = sum(map(len, chains))
     out: dict[str, Any] = {"trace": Path(trace).name, "requests": len(chains), "blocks": total,
@@ -173,7 +179,7 @@ def run_trace_bench(trace: str | Path = DEFAULT_TRACE, sizes: Sequence[int] = (2
 def print_table(r: dict[str, Any]) -> None:
     """Print the result, one line per size."""
     print(f"trace {r['trace']}: {r['requests']} requests, {r['blocks']} blocks, "
-          f"{r['engines']} engines, eviction_policy {r['eviction_policy'] or 'default'}")
+          f"{r['engines']} engines, eviction_policy {r['eviction_policy']}")
     print(f"{'blocks':>7} {'kvtier':>7} {'lru':>7} {'min':>7} {'gap_closed':>10} "
           f"{'cpu ms/req':>10}  lookup/load/store p50 ms (p99)")
     for i, size in enumerate(r["sizes"]):
