@@ -66,7 +66,7 @@ def _replay(root: Path, chains: list[list[int]], stamps: list[int], size: int, e
     flags = ["--hicache-size", str(size * PAGE_BYTES), "--extent-size", str(ext),
              "--log-level", "warning", "--hicache-storage-backend", "none"]
     if policy is not None:
-        flags += ["--eviction-policy", policy]  # fmt: skip
+        flags += ["--eviction-policy", policy]
     daemon = DaemonProcess(root / f"d{size}", flags)
     daemon.start(timeout=60)
     deadline = time.monotonic() + timeout_s
