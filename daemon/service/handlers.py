@@ -247,6 +247,7 @@ class Handlers:
         c.lookup_keys += count
         c.lookup_hit_keys += n
         c.lookup_hits += n > 0
+        ctx.hit_window.add(count, n)
         if s.member is None and (n == count or not ctx.tier.available):
             self._observe_lookup(start)
             return P.LookupResult(req_id=m.req_id, epoch=ctx.epoch, l2=n, l3=0)
