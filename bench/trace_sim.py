@@ -287,10 +287,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, ch in work.items():
         for size in sizes:
             r = {k: f(ch, size) for k, f in POLICIES.items()}
-            span = r["min"] - r["lru"]
-            gap = (r["arc"] - r["lru"]) / span if span > 0 else 0.0
+            span = r["min"] - r["lru"]  # under 0.01, LRU is all but optimal: no gap to close
+            gap = f"{(r['arc'] - r['lru']) / span:6.2f}" if span >= 0.01 else "   n/a"
             print(f"{name:<12} {size:>7} " + " ".join(f"{v:6.3f}" for v in r.values())
-                  + f"  {gap:6.2f}", flush=True)
+                  + f"  {gap}", flush=True)
     return 0
 
 
