@@ -121,6 +121,7 @@ bench: venv sysdeps engines
 	$(VENV)/bin/kvtier bench l3 --backend mooncake --json bench/results/l3_mooncake.json
 	$(VENV)/bin/kvtier bench restart --json bench/results/restart.json
 	$(VENV)/bin/kvtier bench scale --json bench/results/scale.json
+	$(VENV)/bin/kvtier bench trace --json bench/results/trace.json
 	$(ENGINES_VENV)/bin/kvtier bench sglang --json bench/results/sglang.json
 	$(ENGINES_VENV)/bin/kvtier bench vllm --json bench/results/vllm.json
 

@@ -29,10 +29,16 @@ def _bench(argv: list[str]) -> int:
 
         engine_bench = importlib.import_module(f"kvtier.bench.{argv[0]}")
         return int(engine_bench.main(argv[1:]))
+    if argv[:1] == ["trace"]:  # parses its own flags
+        from kvtier.bench import trace
+
+        return trace.main(argv[1:])
     p = argparse.ArgumentParser(prog="kvtier bench", description="Measure kvtier against baselines.")
     sub = p.add_subparsers(dest="what", required=True)
     for name, text in ENGINE_BENCHES.items():
         sub.add_parser(name, help=f"{text} (run `kvtier bench {name} --help`)")
+    sub.add_parser("trace", help="replay a request trace through kvtierd per pool size: hit rate "
+                   "vs simulated LRU and Belady's MIN (run `kvtier bench trace --help`)")
     l2 = sub.add_parser("l2", help="host pool load/store bandwidth and lookup latency")
     l2.add_argument("--json", metavar="PATH", help="write the results here")
     l2.add_argument("--mib", type=int, default=256, help="MiB moved per measurement (>= 256)")
@@ -110,7 +116,7 @@ def _admin(argv: list[str]) -> int:
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "serve": (_serve, "run kvtierd in the foreground (same flags as kvtierd)"),
     "demo": (_demo, "multi-turn workload on the reference engine, private kvtierd, a restart"),
-    "bench": (_bench, "benchmarks: l2, l3, e2e, restart, scale, sglang, vllm"),
+    "bench": (_bench, "benchmarks: l2, l3, e2e, restart, scale, trace, sglang, vllm"),
     "stats": (_admin, "pool use, sessions, hit rates, bytes moved"),
     "sessions": (_admin, "registered engine sessions"),
     "flush": (_admin, "drop cached pages, from L2 unless --tier l3|all (admin)"),

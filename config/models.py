@@ -99,6 +99,15 @@ class DaemonConfig(_Frozen):
     hicache_write_policy: Literal["write_through", "write_back"] = Field(
         default="write_through", description="When L2 pages are written to L3."
     )
+    eviction_policy: Literal["lru", "arc"] = Field(
+        default="lru",
+        description="Which L2 page a full pool evicts (never one with a resident child, so "
+        "chains go tail first): lru, the least recently used; arc, ARC's adaptive split "
+        "between pages stored once and pages used again (more prefix hits from the same "
+        "memory on traffic that comes back after a while; STOREs are allocated in Python "
+        "instead of C). Under arc a restart keeps the pages and their recency but not the "
+        "split, nor its memory of recent evictions.",
+    )
     prefetch_threshold: int = Field(
         default=256, ge=0, description="Tokens an L3 run must reach before it is prefetched."
     )

@@ -7,6 +7,9 @@ metric names derived from it: add fields, never rename them.
 
 from __future__ import annotations
 
+import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 
@@ -85,3 +88,43 @@ class Counters:
     def as_dict(self) -> dict[str, object]:
         """Return the counters as a plain dict."""
         return asdict(self)
+
+
+class HitWindow:
+    """Page keys looked up and found in L2 over the last ``seconds``, in 1-second buckets:
+    the hit rate the pool gives now (the counters' ratio is since the daemon started).
+
+    Args:
+        seconds: the window.
+        clock: monotonic seconds (tests pass their own).
+    """
+
+    def __init__(self, seconds: int = 60, clock: Callable[[], float] = time.monotonic) -> None:
+        self.seconds = seconds
+        self._clock = clock
+        self._buckets: deque[list[int]] = deque()  # [second, keys, hit keys], oldest first
+
+    def add(self, keys: int, hits: int) -> None:
+        """Record one LOOKUP of ``keys`` keys with ``hits`` found in L2."""
+        sec = int(self._clock())
+        b = self._buckets
+        if b and b[-1][0] == sec:
+            b[-1][1] += keys
+            b[-1][2] += hits
+        else:
+            b.append([sec, keys, hits])
+            self._trim(sec)
+
+    def _trim(self, sec: int) -> None:
+        b = self._buckets
+        while b and b[0][0] <= sec - self.seconds:
+            b.popleft()
+
+    def as_dict(self) -> dict[str, object]:
+        """``seconds``, ``lookup_keys``, ``lookup_hit_keys`` and ``l2_page_hit_ratio``
+        (None before any lookup in the window) over the window ending now."""
+        self._trim(int(self._clock()))
+        keys = sum(x[1] for x in self._buckets)
+        hits = sum(x[2] for x in self._buckets)
+        return {"seconds": self.seconds, "lookup_keys": keys, "lookup_hit_keys": hits,
+                "l2_page_hit_ratio": hits / keys if keys else None}

@@ -20,6 +20,11 @@ Policy, LRU and tail first:
   ``c`` itself (bounded scan). Otherwise the allocation fails (a shortfall).
 - An owner at its quota evicts only its own pages, coldest first, same bounds.
 
+Policy ``arc`` (:mod:`~kvtier.daemon.pool.arc`): the global list is two, T1 (pages stored
+once) and T2 (pages used again); the victim is the cold end of the one ARC's adaptive
+target names (the other when it has none within the scan). Owner quotas still evict from
+the owner's single recency list.
+
 Write-back hook: with :attr:`Evictor.requires_l3` set (the pool's
 ``evict_requires_l3``), eviction skips pages not marked in L3 (within the bounded
 scan), so no slot is reused before its page reached L3. A write-back task pins cold
@@ -28,15 +33,18 @@ pages, copies them to L3, marks them in L3 and unpins them.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable
+from typing import Any
 
+from kvtier.daemon.pool.arc import POLICIES, ArcState
 from kvtier.daemon.pool.layout import NIL
 from kvtier.daemon.pool.links import RecencyLists
 from kvtier.daemon.pool.meta import PoolMeta
 from kvtier.daemon.pool.records import EvictedPage, HostPoolError
 from kvtier.daemon.pool.slots import SlotAllocator
 
-__all__ = ["EVICT_FACTOR", "MIN_SCAN", "Evictor"]
+__all__ = ["EVICT_FACTOR", "MIN_SCAN", "Evictor", "flush_pages"]
 
 EVICT_FACTOR = 2
 """Victims per slot allocation: at most EVICT_FACTOR x the largest slots-per-extent."""
@@ -62,9 +70,12 @@ class Evictor:
         max_log: evictions kept for :meth:`drain`; more are counted only.
         quota: ``owner -> max resident pages`` (kept by reference; see :meth:`set_quota`).
         requires_l3: initial :attr:`requires_l3`.
+        policy: ``"lru"`` or ``"arc"`` (see the module docstring).
 
     Attributes:
         lru: the evictable pages, cold end first (global and per owner).
+        policy: the eviction policy.
+        arc: the ``arc`` policy's state (None under ``lru``).
         owned: resident (READY + WRITING) pages per owner, kept by the page table.
         quota: the quotas.
         requires_l3: evict only pages marked in L3 (the write-back hook).
@@ -81,8 +92,14 @@ class Evictor:
         max_log: int,
         quota: dict[int, int],
         requires_l3: bool,
+        policy: str = "lru",
     ) -> None:
-        self.lru = RecencyLists(slots.prev, slots.next, meta.stamp)
+        if policy not in POLICIES:
+            raise HostPoolError(f"eviction_policy must be one of {POLICIES}, got {policy!r}")
+        self.policy = policy
+        self.arc = ArcState(len(slots.prev)) if policy == "arc" else None
+        self.lru = RecencyLists(slots.prev, slots.next, meta.stamp,
+                                None if self.arc is None else self.arc.tier)
         self.owned: dict[int, int] = {}
         self.quota = quota
         self.requires_l3 = requires_l3
@@ -115,6 +132,12 @@ class Evictor:
             raise HostPoolError(f"max_pages must be >= 0 or None, got {max_pages}")
         else:
             self.quota[owner] = max_pages
+
+    def by_reason(self) -> dict[str, int]:
+        """Evictions by the list the victim came from (see :class:`HostPoolStats`)."""
+        if self.arc is None:
+            return {"lru": self.evictions}
+        return {"t1": self.arc.evicted[0], "t2": self.arc.evicted[1]}
 
     def drain(self) -> list[EvictedPage]:
         """Return the evictions logged since the last drain and clear the log."""
@@ -173,7 +196,17 @@ class Evictor:
     def coldest(self, owner: int | None, cid: int) -> int:
         """Return the coldest page eviction may take from the global (or ``owner``'s)
         list, of class ``cid`` unless NIL; NIL if none within the scan limit."""
-        s, nxt = self.lru.start(owner)
+        arc = self.arc
+        if arc is None or owner is not None:
+            return self._scan(self.lru.start(owner), cid)
+        second = arc.victim_list(sum(self.owned.values())) == 1
+        s = self._scan(self.lru.start(None, second), cid)
+        return s if s != NIL else self._scan(self.lru.start(None, not second), cid)
+
+    def _scan(self, start: tuple[int, array[int]], cid: int) -> int:
+        """The first page from ``start`` (a list's cold end and its next links) on,
+        within the scan limit, that eviction may take (NIL: none)."""
+        s, nxt = start
         need_l3 = self.requires_l3
         steps = self._scan_limit
         while s != NIL and steps > 0:
@@ -195,5 +228,30 @@ class Evictor:
             self._log.append(EvictedPage(key, self._ns[s], s, bool(self._in_l3[s])))
         else:
             self.unlogged += 1
+        if self.arc is not None:
+            key = self._keys[s]
+            assert key is not None
+            self.arc.evicted_page(s, self._ns[s], key, sum(self.owned.values()))
         self.lru.dequeue(s, self._owner[s])
         self._release(s, keep)
+
+
+def flush_pages(table: Any, ns_id: int | None, owner: int | None) -> int:
+    """:meth:`~kvtier.daemon.pool.pages.PageTable.flush` of ``table``: drop its evictable
+    pages (of ``ns_id`` and ``owner`` where given), each chain tail to head, walking the
+    global lists cold end first; return how many were dropped."""
+    dropped = 0
+    lru, ns, owners, parents = table._lru, table._ns, table._owner, table._parent
+    for second in (False, True):
+        s, links = lru.start(None, second)
+        while s != NIL:
+            nxt = links[s]  # dropping s only enqueues its parent, never removes nxt
+            while (s != NIL and (ns_id is None or ns[s] == ns_id)
+                   and (owner is None or owners[s] == owner)):  # fmt: skip
+                parent = parents[s]
+                lru.dequeue(s, owners[s])
+                table._release(s)
+                dropped += 1
+                s = parent if parent != NIL and table._is_evictable(parent) else NIL
+            s = nxt
+    return dropped

@@ -9,9 +9,10 @@ one module per concept::
     bulk       pin and unpin of long runs in numpy
     pages      PageTable: the index and page state machine (lookup, allocate, commit,
                abort, pin, unpin, flush)
-    eviction   Evictor: victim choice (LRU, tail first), quotas, the write-back hook
+    eviction   Evictor: victim choice (lru or arc, tail first), quotas, the write-back hook
+    arc        the arc policy's state: T1/T2 split, adaptive target, ghost lists
     slots      SlotAllocator: extents, page classes, free lists
-    links      the intrusive lists: evictable pages (LRU), each page's children
+    links      the intrusive lists: evictable pages (recency), each page's children
     layout     the pool file's format: header, id tables, columns; mapping the file
     meta       PoolMeta: the metadata region, mapped as typed column views
     adopt      the adoption scan: which rows survive a restart
@@ -19,10 +20,8 @@ one module per concept::
 
 Restart (:meth:`HostPool.adopt`): READY pages that verify come back with their keys,
 namespaces, owners, offsets and in-L3 flags; WRITING pages and pins are dropped; the
-rest is rebuilt (the evictable lists by last-access stamp).
-
-The names other modules import from here (records, the eviction constants,
-:class:`PoolLayout`) are re-exported from their homes and listed in ``__all__``.
+rest is rebuilt (the evictable lists by last-access stamp). Names other modules import
+from here (records, eviction constants, :class:`PoolLayout`) are re-exported.
 """
 
 from __future__ import annotations
@@ -104,6 +103,7 @@ class HostPool(PageTable):
             Extents grow by ``headroom`` per slot id, so a class cuts as many pages from
             one as without (see :class:`PoolLayout`).
         max_evicted_log: evictions kept for :meth:`drain_evicted`; more are counted only.
+        eviction_policy: ``"lru"`` or ``"arc"`` (:mod:`~kvtier.daemon.pool.eviction`).
 
     Raises:
         HostPoolError: the geometry is invalid or the arena holds no extent.
@@ -126,7 +126,7 @@ class HostPool(PageTable):
         """
         if not headroom:
             _check_slot_ids(cfg, PoolLayout.max_capacity(cfg.extent_size))
-            return cls(cfg.hicache_size, cfg.extent_size)
+            return cls(cfg.hicache_size, cfg.extent_size, eviction_policy=cfg.eviction_policy)
         _check_slot_ids(cfg, PoolLayout.max_capacity(
             cfg.extent_size, HEADROOM_ALIGN, HEADROOM_MIN_PAGE_BYTES, headroom))
         span = cfg.extent_size + cfg.extent_size // HEADROOM_MIN_PAGE_BYTES * headroom
@@ -137,7 +137,8 @@ class HostPool(PageTable):
                 f"when hicache_storage_backend is {cfg.hicache_storage_backend!r}"
             )
         return cls(cfg.hicache_size, cfg.extent_size, HEADROOM_ALIGN,
-                   min_page_bytes=HEADROOM_MIN_PAGE_BYTES, headroom=headroom)
+                   min_page_bytes=HEADROOM_MIN_PAGE_BYTES, headroom=headroom,
+                   eviction_policy=cfg.eviction_policy)
 
     def __init__(
         self,
@@ -148,6 +149,7 @@ class HostPool(PageTable):
         min_page_bytes: int | None = None,
         max_evicted_log: int = 65536,
         headroom: int = 0,
+        eviction_policy: str = "lru",
     ) -> None:
         layout = PoolLayout.plan(capacity_bytes, extent_bytes, align, min_page_bytes,
                                  headroom=headroom)
@@ -155,7 +157,8 @@ class HostPool(PageTable):
         # (tens of MiB for a large pool), only for adopt() to move off it
         meta = PoolMeta(mmap.mmap(-1, layout.meta_bytes), layout)
         meta.format(zero=False)
-        self._setup(meta, max_log=max_evicted_log, quota={}, requires_l3=False)
+        self._setup(meta, max_log=max_evicted_log, quota={}, requires_l3=False,
+                    policy=eviction_policy)
 
     def adopt(self, meta: Any, *, arena: Any | None = None,
               cold_start: bool | str | None = False) -> AdoptResult:  # fmt: skip
@@ -216,7 +219,8 @@ class HostPool(PageTable):
             pm.format()
         gen = 1 if reason is not None else pm.bump_generation()
         ev = self._ev
-        self._setup(pm, max_log=ev.max_log, quota=ev.quota, requires_l3=ev.requires_l3)
+        self._setup(pm, max_log=ev.max_log, quota=ev.quota, requires_l3=ev.requires_l3,
+                    policy=ev.policy)
         for page_bytes in classes:
             self.register_class(page_bytes)
         if reason is not None:
@@ -227,11 +231,9 @@ class HostPool(PageTable):
                            scan.payload_bytes, time.perf_counter() - t0, gen)  # fmt: skip
 
     def close(self) -> None:
-        """Release the views of the metadata buffer, so its mapping can close.
-
-        The pool is unusable afterwards. Nothing is written: the metadata already holds
-        everything (closing is not needed for a restart to adopt the pool).
-        """
+        """Release the views of the metadata buffer, so its mapping can close; the pool
+        is unusable afterwards. Nothing is written: the metadata already holds everything
+        (closing is not needed for a restart to adopt the pool)."""
         self._table.close()
         self._meta.release()
 
@@ -444,10 +446,8 @@ class HostPool(PageTable):
 
     def stats(self) -> HostPoolStats:
         """Return a snapshot of the pool's counters."""
-        classes = tuple(
-            ClassStats(c, k.page_bytes, k.stride, k.n, k.extents, k.ready, k.writing)
-            for c, k in enumerate(self._classes)
-        )
+        classes = tuple(ClassStats(c, k.page_bytes, k.stride, k.n, k.extents, k.ready, k.writing)
+                        for c, k in enumerate(self._classes))
         return HostPoolStats(
             capacity_bytes=self.capacity_bytes,
             used_bytes=sum((c.pages_ready + c.pages_writing) * c.stride for c in classes),
@@ -459,6 +459,8 @@ class HostPool(PageTable):
             extents_free=len(self._slots.free_extents),
             extents_total=self.n_extents,
             classes=classes,
+            eviction_policy=self._ev.policy,
+            evictions_by_reason=self._ev.by_reason(),
         )
 
     def describe(self, slot: int) -> PageInfo:

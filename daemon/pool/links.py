@@ -76,58 +76,71 @@ def link_in_order(prev: array[int], nxt: array[int], order: np.ndarray) -> list[
 
 
 class RecencyLists:
-    """The evictable pages in recency order: one global list and one per owner.
+    """The evictable pages in recency order: global lists and one list per owner.
 
-    Both are intrusive doubly linked lists, cold end first; the global one threads
-    through the allocator's link pair (:attr:`SlotAllocator.prev` / ``next``),
-    which a FREE slot uses for its free list instead. A page is placed by
-    :func:`push`: at the cold end if not more recent than it, else at the hot end.
+    All are intrusive doubly linked lists, cold end first. The global pages are split in
+    two lists by ``tier`` (the ``arc`` policy's T1 and T2; with ``tier`` None, as for
+    ``lru``, every page is on the first): both thread through the allocator's link pair
+    (:attr:`SlotAllocator.prev` / ``next``), which a FREE slot uses for its free list
+    instead, since a page is on one of them at most. A page is placed by :func:`push`: at
+    the cold end if not more recent than it, else at the hot end.
 
     Args:
-        prev / nxt: the link pair the global list shares with the free lists (one entry
+        prev / nxt: the link pair the global lists share with the free lists (one entry
             per slot id).
         stamp: the last-access column (larger is more recent).
+        tier: per slot, which global list (0 or 1) a page goes on; None: the first.
     """
 
-    def __init__(self, prev: array[int], nxt: array[int], stamp: memoryview) -> None:
+    def __init__(self, prev: array[int], nxt: array[int], stamp: memoryview,
+                 tier: bytearray | None = None) -> None:  # fmt: skip
         self.prev, self.next = prev, nxt
         self.oprev = filled("i", NIL, len(prev))
         self.onext = filled("i", NIL, len(prev))
-        self.ends = [NIL, NIL]  # global list: [cold end, hot end]
+        self.ends = [NIL, NIL]  # first global list: [cold end, hot end]
+        self.ends2 = [NIL, NIL]  # second global list (tier 1)
         self.own_ends: dict[int, list[int]] = {}  # per owner, created on first use
+        self.tier = tier
         self._stamp = stamp
 
     def enqueue(self, s: int, owner: int) -> None:
-        """Put ``s`` on the global list and on ``owner``'s."""
-        push(self.prev, self.next, self.ends, self._stamp, s)
+        """Put ``s`` on its global list and on ``owner``'s."""
+        tier = self.tier
+        push(self.prev, self.next, self.ends2 if tier and tier[s] else self.ends,
+             self._stamp, s)
         ends = self.own_ends.get(owner)
         if ends is None:
             ends = self.own_ends[owner] = [NIL, NIL]
         push(self.oprev, self.onext, ends, self._stamp, s)
 
     def dequeue(self, s: int, owner: int) -> None:
-        """Take ``s`` off the global list and off ``owner``'s."""
-        unlink(self.prev, self.next, self.ends, s)
+        """Take ``s`` off its global list and off ``owner``'s."""
+        tier = self.tier
+        unlink(self.prev, self.next, self.ends2 if tier and tier[s] else self.ends, s)
         unlink(self.oprev, self.onext, self.own_ends[owner], s)
 
-    def start(self, owner: int | None) -> tuple[int, array[int]]:
-        """Return the cold end of the global list (or ``owner``'s) and its next links."""
+    def start(self, owner: int | None, second: bool = False) -> tuple[int, array[int]]:
+        """Return the cold end of the first global list (the second with ``second``, or
+        ``owner``'s) and its next links."""
         if owner is None:
-            return self.ends[0], self.next
+            return (self.ends2 if second else self.ends)[0], self.next
         ends = self.own_ends.get(owner)
         return (NIL if ends is None else ends[0]), self.onext
 
     def walk(self, owner: int | None) -> list[int]:
-        """Return the slots of the global list (or ``owner``'s), cold end first. O(n)."""
+        """Return the slots of the global lists, first then second (or ``owner``'s
+        list), cold end first. O(n)."""
         out: list[int] = []
-        s, nxt = self.start(owner)
-        while s != NIL:
-            out.append(s)
-            s = nxt[s]
+        for second in (False, True) if owner is None else (False,):
+            s, nxt = self.start(owner, second)
+            while s != NIL:
+                out.append(s)
+                s = nxt[s]
         return out
 
     def rebuild(self, cold_first: np.ndarray, owners: np.ndarray) -> None:
-        """Link empty lists from the evictable slots ``cold_first`` (adoption).
+        """Link empty lists from the evictable slots ``cold_first`` (adoption; all on
+        the first global list: the tiers start at 0).
 
         Args:
             cold_first: slot ids, coldest first.

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from kvtier.daemon.pool.eviction import Evictor
+from kvtier.daemon.pool.eviction import Evictor, flush_pages
 from kvtier.daemon.pool.layout import HAS_CHECKSUM, KEY_BYTES, NIL
 from kvtier.daemon.pool.links import ChildLists, filled
 from kvtier.daemon.pool.meta import PoolMeta
@@ -54,12 +54,13 @@ class PageTable:
     """
 
     def _setup(self, meta: PoolMeta, *, max_log: int, quota: dict[int, int],
-               requires_l3: bool) -> None:  # fmt: skip
+               requires_l3: bool, policy: str = "lru") -> None:  # fmt: skip
         """Bind the metadata columns and create the private arrays (an empty pool).
 
         Args:
             meta: the metadata region, formatted or about to be adopted.
-            max_log / quota / requires_l3: the eviction settings (see :class:`Evictor`).
+            max_log / quota / requires_l3 / policy: the eviction settings (see
+                :class:`Evictor`).
         """
         layout = meta.layout
         self.capacity_bytes, self.extent_bytes = layout.capacity_bytes, layout.extent_bytes
@@ -83,7 +84,8 @@ class PageTable:
         self._writing: dict[int, dict[bytes, int]] = {}
         self._index = ResidentPages(self._ready, self._writing)  # len: resident pages
         self._ev = Evictor(slots, meta, self._key, self._release, max_log=max_log,
-                           quota=quota, requires_l3=requires_l3)  # fmt: skip
+                           quota=quota, requires_l3=requires_l3, policy=policy)  # fmt: skip
+        self._arc = self._ev.arc  # the arc policy's state (None: lru)
         self._lru = self._ev.lru  # the evictable pages
         self._owned = self._ev.owned
         self._clock = 0
@@ -247,6 +249,8 @@ class PageTable:
             if prev != NIL:
                 self._kids.link(prev, s)
             writing[key] = s
+            if self._arc is not None:
+                self._arc.admit(s, ns_id, key)
             cls.writing += 1
             self._owned[owner] = self._owned.get(owner, 0) + 1
             out.append((i, s))
@@ -332,7 +336,7 @@ class PageTable:
             self._expect(slots[j], PageState.WRITING, "abort")
             self._release(slots[j])
 
-    def pin(self, ns_id: int, keys: Sequence[bytes]) -> list[int]:
+    def pin(self, ns_id: int, keys: Sequence[bytes], used: bool = False) -> list[int]:
         """Pin the leading READY run of ``keys`` and touch it, the last key first.
 
         Pinned pages are not evictable. The caller keeps the returned slots and hands
@@ -341,12 +345,15 @@ class PageTable:
         Args:
             ns_id: the caller's namespace.
             keys: page keys in chain order.
+            used: the pages are being used (a LOAD): under ``arc`` they move to T2.
 
         Returns:
             The pinned slots, one per key of the leading READY run.
         """
         out = self._run_slots(ns_id, keys)
         self._pin_slots(out)
+        if used and self._arc is not None:  # off the lists now: into T2
+            self._arc.reused(out)
         return out
 
     def _run_slots(self, ns_id: int, keys: Sequence[bytes]) -> list[int]:
@@ -423,22 +430,7 @@ class PageTable:
         Returns:
             The number of pages dropped.
         """
-        dropped = 0
-        s, links = self._lru.start(None)
-        while s != NIL:
-            nxt = links[s]  # dropping s only enqueues its parent, never removes nxt
-            while (
-                s != NIL
-                and (ns_id is None or self._ns[s] == ns_id)
-                and (owner is None or self._owner[s] == owner)
-            ):
-                parent = self._parent[s]
-                self._lru.dequeue(s, self._owner[s])
-                self._release(s)
-                dropped += 1
-                s = parent if parent != NIL and self._is_evictable(parent) else NIL
-            s = nxt
-        return dropped
+        return flush_pages(self, ns_id, owner)
 
     def _release(self, s: int, keep: bool = False) -> None:
         """Turn the READY or WRITING page ``s``, off the evictable lists, FREE (``keep``:
@@ -453,6 +445,8 @@ class PageTable:
         ns = self._ns[s]
         del (self._ready if was_ready else self._writing)[ns][key]
         keys[s] = None
+        if self._arc is not None:
+            self._arc.released(s)
         p = self._parent[s]
         kids = self._kids
         if p != NIL:

@@ -7,7 +7,7 @@ live apart from both: plain values and an error hierarchy, nothing that touches 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import NamedTuple
 
@@ -124,6 +124,9 @@ class HostPoolStats:
         evicted_unlogged: evictions left out of the full eviction log.
         extents_free / extents_total: extents owned by no class / in the arena.
         classes: per-class counters, by class id.
+        eviction_policy: the pool's eviction policy.
+        evictions_by_reason: evictions by the list the victim came from (``lru``: "lru";
+            ``arc``: "t1", stored once, and "t2", used again).
     """
 
     capacity_bytes: int
@@ -136,6 +139,8 @@ class HostPoolStats:
     extents_free: int
     extents_total: int
     classes: tuple[ClassStats, ...]
+    eviction_policy: str = "lru"
+    evictions_by_reason: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

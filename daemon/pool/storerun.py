@@ -10,8 +10,8 @@ Where the C extension is built (``kvtier.kernels._alloc``), :func:`allocate_run`
 :func:`commit_run` do the same steps in the same order, from :data:`RUN_PAGES` pages on, so
 the pool's metadata, indexes, evictable lists, counters and eviction log end up exactly as
 page by page (``tests/unit/test_pool_alloc.py`` holds them to it). What they leave to the
-page-by-page path: an allocation for an owner with a quota or in a pool whose evictions
-require L3 (all of it), and each key whose slot needs a free extent cut or a page of another
+page-by-page path: an allocation for an owner with a quota, in a pool whose evictions
+require L3 or under the ``arc`` eviction policy (all of it), and each key whose slot needs a free extent cut or a page of another
 class evicted (that key alone; C goes on after it); a commit whose slots or checksums the
 Python path would refuse (all of it, so that path names what is wrong).
 """
@@ -51,9 +51,10 @@ def allocate_run(table: Any, ns_id: int, owner: int, class_id: int, keys: Sequen
     """:meth:`~kvtier.daemon.pool.pages.PageTable.allocate` of ``table`` in C, for a
     registered ``class_id``; None, having changed nothing, where it does not apply: the
     extension is not built, the owner has a quota, evictions require L3, or a key is not
-    ``bytes`` of at most 32 bytes (the page-by-page path then names it)."""
+    ``bytes`` of at most 32 bytes (the page-by-page path then names it); under the ``arc``
+    eviction policy (its ghost lists and T1/T2 split are kept in Python)."""
     ev = table._ev
-    if _alloc is None or owner in ev.quota or ev.requires_l3:
+    if _alloc is None or owner in ev.quota or ev.requires_l3 or ev.arc is not None:
         return None
     keys = keys if type(keys) is list else list(keys)
     ready = table._ready.get(ns_id, {})  # read only: a namespace's first commit makes it
@@ -91,9 +92,9 @@ def allocate_run(table: Any, ns_id: int, owner: int, class_id: int, keys: Sequen
 
 def commit_run(table: Any, slots: Sequence[int], checksums: Sequence[int] | None) -> bool:
     """:meth:`~kvtier.daemon.pool.pages.PageTable.commit` of ``table`` in C; False, having
-    changed nothing, where it does not apply (not built, or something the Python path
-    refuses: it names it). Raises as that path does for a slot listed twice."""
-    if _alloc is None or type(slots) is not list or (
+    changed nothing, where it does not apply (not built, the ``arc`` eviction policy, or
+    something the Python path refuses: it names it). Raises as that path does for a slot listed twice."""
+    if _alloc is None or table._ev.arc is not None or type(slots) is not list or (
             checksums is not None and type(checksums) is not list):  # fmt: skip
         return False
     meta = table._meta

@@ -179,7 +179,8 @@ class Admin:
         """Return counters, pool use and sessions as a plain dict (the STATS reply).
 
         Returns:
-            ``epoch``, ``uptime_s``, ``pool``, ``counters``, ``l3``, ``adopt`` and
+            ``epoch``, ``uptime_s``, ``pool``, ``counters``, ``window`` (the last
+            minute's L2 page hit rate), ``l3``, ``adopt`` and
             ``sessions``; the metrics endpoint turns the same dict into its series.
         """
         ctx = self.ctx
@@ -189,6 +190,7 @@ class Admin:
             "uptime_s": round(time.time() - ctx.started, 3),
             "pool": dataclasses.asdict(ps),
             "counters": ctx.counters.as_dict(),
+            "window": ctx.hit_window.as_dict(),
             "l3": ctx.tier.snapshot(),
             "adopt": dataclasses.asdict(ctx.adopt) if ctx.adopt is not None else {},
             "sessions": self._sessions(),

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvtier.config import DaemonConfig
-from kvtier.daemon.counters import Counters
+from kvtier.daemon.counters import Counters, HitWindow
 from kvtier.daemon.pool.index import HostPool
 from kvtier.daemon.pool.layout import AdoptResult
 from kvtier.daemon.service.handover import HandoverServer
@@ -57,6 +57,7 @@ class ServiceContext:
         self.pool = pool
         self.tier = tier
         self.counters = counters
+        self.hit_window = HitWindow()  # the L2 page hit rate of the last minute
         self.rdir = rdir
         self.epoch = epoch
         self.sessions = SessionTable()

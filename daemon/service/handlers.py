@@ -247,6 +247,7 @@ class Handlers:
         c.lookup_keys += count
         c.lookup_hit_keys += n
         c.lookup_hits += n > 0
+        ctx.hit_window.add(count, n)
         if s.member is None and (n == count or not ctx.tier.available):
             self._observe_lookup(start)
             return P.LookupResult(req_id=m.req_id, epoch=ctx.epoch, l2=n, l3=0)
@@ -353,7 +354,7 @@ class Handlers:
         keys, pages = transfer_keys(m, ctx.cfg.max_keys_per_request, s.memory.num_pages)
         check_slot(s, m.slot)
         ctx.counters.loads += 1
-        host = ctx.pool.pin(s.ns_id, keys)  # packed keys: the key table probes them as they came
+        host = ctx.pool.pin(s.ns_id, keys, used=True)  # packed keys: the key table probes them as they came
         if host:
             self.transfers.start(s, Direction.LOAD, m.slot, m.seq, host, pages[: len(host)],
                                  keys[: len(host)])

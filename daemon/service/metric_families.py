@@ -159,6 +159,7 @@ class SnapshotCollector:
         yield from _pool_families(_section(snap, "pool"))
         counters = _section(snap, "counters")
         yield from _counter_families(counters)
+        yield from _window_families(_section(snap, "window"))
         l3 = _section(snap, "l3")
         yield from _byte_families(counters, l3)
         yield from _l3_families(l3)
@@ -204,6 +205,17 @@ def _pool_families(pool: Mapping[str, Any]) -> Iterator[Metric]:
     if evictions is not None:
         yield CounterMetricFamily("kvtier_evictions", "L2 pages evicted to make room "
                                   "(flushes not counted).", value=evictions)
+    reasons = pool.get("evictions_by_reason")
+    if isinstance(reasons, Mapping):
+        fam = CounterMetricFamily("kvtier_evictions_by_reason", "L2 pages evicted, by eviction "
+                                  "policy and the list the victim came from (lru: lru; arc: t1, "
+                                  "stored once, or t2, used again).", labels=["policy", "reason"])
+        policy = str(pool.get("eviction_policy", ""))
+        for reason, value in reasons.items():
+            if _number(value) is not None:
+                fam.add_metric([policy, str(reason)], float(value))
+        if fam.samples:
+            yield fam
     classes = pool.get("classes")
     if isinstance(classes, Sequence) and not isinstance(classes, (str, bytes)):
         ext = GaugeMetricFamily("kvtier_pool_class_extents", "Extents held by each page class.",
@@ -244,6 +256,17 @@ def _counter_families(counters: Mapping[str, Any]) -> Iterator[Metric]:
             "Tokens found in L2 or L3 over tokens looked up, since the daemon started "
             "(0 before the first lookup). For a windowed ratio use the _total counters.",
             value=found / asked if asked > 0 else 0.0)
+
+
+def _window_families(window: Mapping[str, Any]) -> Iterator[Metric]:
+    """``kvtier_l2_page_hit_ratio_window``: the L2 page hit rate over the last window."""
+    ratio, seconds = _number(window.get("l2_page_hit_ratio")), _number(window.get("seconds"))
+    if ratio is not None and seconds is not None:
+        fam = GaugeMetricFamily("kvtier_l2_page_hit_ratio_window", "Page keys found in L2 over "
+                                "page keys looked up, over the last `seconds` (absent before "
+                                "a lookup in the window).", labels=["seconds"])
+        fam.add_metric([str(int(seconds))], ratio)
+        yield fam
 
 
 def _byte_families(counters: Mapping[str, Any], l3: Mapping[str, Any]) -> Iterator[Metric]:

@@ -222,8 +222,11 @@ FULL: dict[str, Any] = {
     "epoch": "ab12",
     "uptime_s": 12.5,
     "pool": {"capacity_bytes": 1 << 30, "used_bytes": 1 << 20, "pages_ready": 60,
-             "pages_writing": 4, "pages_pinned": 2, "evictions": 9, "extents_free": 3,
+             "pages_writing": 4, "pages_pinned": 2, "evictions": 9, "eviction_policy": "arc",
+             "evictions_by_reason": {"t1": 7, "t2": 2}, "extents_free": 3,
              "extents_total": 32, "classes": [{"class_id": 0, "page_bytes": 16384, "extents": 1}]},
+    "window": {"seconds": 60, "lookup_keys": 50, "lookup_hit_keys": 20,
+               "l2_page_hit_ratio": 0.4},
     "counters": {"lookups": 10, "lookup_hits": 6, "lookup_l3_hits": 3, "lookup_keys": 100,
                  "lookup_hit_keys": 40, "lookup_l3_keys": 20, "lookup_tokens": 1600,
                  "lookup_hit_tokens": 640, "lookup_l3_tokens": 320, "loaded_tokens": 500,
@@ -276,6 +279,9 @@ def test_every_snapshot_section_maps_to_its_series(metrics_for):
     assert value(s, "kvtier_tp_groups") == 1
     assert value(s, "kvtier_pool_pinned_pages") == 2
     assert value(s, "kvtier_evictions_total") == 9
+    assert value(s, "kvtier_l2_page_hit_ratio_window", seconds="60") == 0.4
+    assert value(s, "kvtier_evictions_by_reason_total", policy="arc", reason="t1") == 7
+    assert value(s, "kvtier_evictions_by_reason_total", policy="arc", reason="t2") == 2
     assert value(s, "kvtier_pool_free_extents") == 3
     assert value(s, "kvtier_pool_class_extents", page_bytes="16384") == 1
     assert value(s, "kvtier_sessions") == 2

@@ -1,0 +1,211 @@
+"""Exact tests of the host pool's ``arc`` eviction policy (no mocks).
+
+Geometry: align 4 KiB, extents of 16 KiB, one class of 4000 B pages (4 slots an extent).
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from kvtier.daemon.pool import bulk, storerun
+from kvtier.daemon.pool.index import HostPool, HostPoolError, PageState
+
+KIB = 1024
+EXTENT = 16 * KIB
+NS, OWNER = 1, 10
+
+
+def pool_of(extents: int, policy: str = "arc") -> tuple[HostPool, int]:
+    pool = HostPool(extents * EXTENT, EXTENT, 4 * KIB, eviction_policy=policy)
+    return pool, pool.register_class(4000)
+
+
+def store(pool: HostPool, cls: int, keys: list[bytes]) -> list[int]:
+    slots = [s for _, s in pool.allocate(NS, OWNER, cls, keys)]
+    pool.commit(slots)
+    return slots
+
+
+def load(pool: HostPool, keys: list[bytes]) -> list[int]:
+    """Pin and unpin the leading READY run of ``keys`` as a LOAD does."""
+    slots = pool.pin(NS, keys, used=True)
+    if slots:
+        pool.unpin(slots)
+    return slots
+
+
+def evicted(pool: HostPool) -> list[bytes]:
+    return [e.key for e in pool.drain_evicted()]
+
+
+def test_unknown_policy_is_refused() -> None:
+    with pytest.raises(HostPoolError, match="eviction_policy.*'mru'"):
+        HostPool(EXTENT, EXTENT, 4 * KIB, eviction_policy="mru")
+
+
+@pytest.mark.parametrize(("policy", "order"), [("lru", [b"x"]), ("arc", [b"y", b"z"])])
+def test_reused_page_outlives_newer_pages_stored_once(policy: str, order: list[bytes]) -> None:
+    pool, cls = pool_of(1, policy)
+    store(pool, cls, [b"x"])
+    load(pool, [b"x"])  # x is used again: T2
+    for key in (b"y", b"z", b"w"):
+        store(pool, cls, [key])  # T1, all more recent than x
+    store(pool, cls, [b"v"])  # full: lru takes x, arc T1's coldest (p = 0)
+    store(pool, cls, [b"y"])  # lru: still resident; arc: found in B1 (p grows), into T2
+    assert evicted(pool) == order
+    stats = pool.stats()
+    assert stats.eviction_policy == policy
+    assert stats.evictions_by_reason == ({"t1": 2, "t2": 0} if policy == "arc" else {"lru": 1})
+
+
+def test_ghost_hit_in_t2_shrinks_t1_target() -> None:
+    pool, cls = pool_of(1)
+    store(pool, cls, [b"a"])
+    store(pool, cls, [b"b"])
+    load(pool, [b"a"])
+    load(pool, [b"b"])  # a, b in T2
+    store(pool, cls, [b"c"])
+    store(pool, cls, [b"d"])
+    store(pool, cls, [b"e"])  # T1 holds c, d (2 > p = 0): c goes to B1
+    store(pool, cls, [b"c"])  # B1 hit: p = 1, c to T2; T1 = {d, e} > 1: d goes
+    store(pool, cls, [b"d"])  # B1 hit: p = 2, d to T2; T1 = {e} <= 2: T2's coldest, a
+    store(pool, cls, [b"a"])  # B2 hit: p = 2 - max(|B1| / |B2|, 1) = 1; T1 = {} : b (T2)
+    assert evicted(pool) == [b"c", b"d", b"a", b"b"]
+    assert pool.stats().evictions_by_reason == {"t1": 2, "t2": 2}
+
+
+def test_chain_goes_tail_first_and_parent_keeps_its_list() -> None:
+    pool, cls = pool_of(2)
+    store(pool, cls, [b"a0", b"a1", b"a2"])
+    load(pool, [b"a0", b"a1"])  # a0, a1 in T2; a2 (their child) stays in T1
+    store(pool, cls, [b"b0", b"b1", b"b2", b"b3", b"b4"])
+    store(pool, cls, [b"c0"])  # full (8): T1 over p = 0, its coldest evictable is a2
+    assert evicted(pool) == [b"a2"]
+    assert pool.lookup(NS, [b"a0", b"a1", b"a2"]) == 2
+    a1 = pool._run_slots(NS, [b"a0", b"a1"])[1]
+    assert t2_list(pool) == [a1]  # a1 lost its only child: evictable again, in T2
+
+
+def t2_list(pool: HostPool) -> list[int]:
+    out = []
+    s, nxt = pool._ev.lru.start(None, second=True)
+    while s != -1:
+        out.append(s)
+        s = nxt[s]
+    return out
+
+
+def test_write_back_pin_is_not_a_use() -> None:
+    pool, cls = pool_of(1)
+    (s,) = store(pool, cls, [b"x"])
+    pool.unpin(pool.pin(NS, [b"x"]))  # a pin that is not a LOAD (L3 write)
+    arc = pool._ev.arc
+    assert arc is not None and arc.tier[s] == 0 and arc.t2 == 0
+    load(pool, [b"x"])
+    assert arc.tier[s] == 1 and arc.t2 == 1
+
+
+def test_flush_drops_both_lists() -> None:
+    pool, cls = pool_of(1)
+    store(pool, cls, [b"x", b"y"])
+    store(pool, cls, [b"z"])
+    load(pool, [b"z"])
+    assert pool.flush() == 3
+    assert len(pool.evictable_slots()) == 0 and pool._ev.arc is not None
+    assert pool._ev.arc.t2 == 0
+
+
+def _long_runs(native: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[bytes], list[int]]:
+    """Long chains stored, loaded and evicted under arc; the C pin path or numpy's."""
+    if not native:
+        monkeypatch.setattr(bulk, "_pins", None)
+        monkeypatch.setattr(storerun, "_alloc", None)
+    pool, cls = pool_of(8)  # 32 pages
+    out: list[bytes] = []
+    for r in range(12):
+        keys = [f"c{r % 5}-{i}".encode() for i in range(10 + r % 3)]
+        load(pool, keys)
+        store(pool, cls, keys)
+        out += evicted(pool)
+    monkeypatch.undo()
+    return out, pool.evictable_slots()
+
+
+def test_c_and_python_paths_evict_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not (bulk.NATIVE and storerun.NATIVE):
+        pytest.skip("the C extensions are not built: only one path to compare")
+    assert _long_runs(True, monkeypatch) == _long_runs(False, monkeypatch)
+
+
+class ArcModel(RuleBasedStateMachine):
+    """Random stores and loads of short chains over a small pool, under arc."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool, self.cls = pool_of(2)  # 8 pages
+
+    @rule(c=st.integers(0, 5), n=st.integers(1, 4))
+    def request(self, c: int, n: int) -> None:
+        keys = [f"{c}-{i}".encode() for i in range(n)]
+        load(self.pool, keys)
+        store(self.pool, self.cls, keys)
+
+    @invariant()
+    def lists_hold_exactly_the_evictable_pages(self) -> None:
+        pool = self.pool
+        arc = pool._ev.arc
+        assert arc is not None
+        listed = pool.evictable_slots()
+        assert len(listed) == len(set(listed))
+        resident = [s for s in range(pool.n_slots)
+                    if pool.describe(s).state != PageState.FREE]  # fmt: skip
+        evictable = [s for s in resident if pool.describe(s).evictable]
+        assert sorted(listed) == sorted(evictable)
+        assert arc.t2 == sum(arc.tier[s] for s in resident)
+        assert all(arc.tier[s] == 0 for s in range(pool.n_slots) if s not in resident)
+        assert 0.0 <= arc.p <= arc.capacity <= pool.n_slots
+        assert all(len(g) <= arc.capacity for g in arc.ghosts)
+        for s in resident:  # no chain is cut: a resident page's parent is resident
+            parent = pool.describe(s).parent
+            assert parent == -1 or pool.describe(parent).state != PageState.FREE
+
+
+TestArcModel = ArcModel.TestCase
+TestArcModel.settings = settings(max_examples=60, stateful_step_count=30, derandomize=True,
+                                 deadline=None, suppress_health_check=list(HealthCheck))
+
+
+def test_adoption_keeps_pages_and_recency_not_the_split() -> None:
+    pool, cls = pool_of(1)
+    meta = bytearray(pool.layout.meta_bytes)
+    pool.adopt(meta)
+    (x,) = store(pool, cls, [b"x"])
+    (y,) = store(pool, cls, [b"y"])
+    load(pool, [b"x"])  # x: T2 and the most recent
+    arc = pool._ev.arc
+    assert arc is not None and arc.t2 == 1
+    pool.close()
+    again = HostPool(EXTENT, EXTENT, 4 * KIB, eviction_policy="arc")
+    again.register_class(4000)
+    res = again.adopt(meta)
+    assert res.adopted and res.pages_adopted == 2
+    arc = again._ev.arc
+    assert arc is not None and arc.t2 == 0 and not any(arc.tier) and arc.p == 0.0
+    assert again.evictable_slots() == [y, x]  # T1 only, by last access
+    assert again.stats().eviction_policy == "arc"
+
+
+def test_config_selects_the_policy() -> None:
+    from kvtier.config import DaemonConfig
+    from kvtier.config.errors import ConfigError
+    from kvtier.config.loader import load_config
+
+    cfg = load_config(DaemonConfig, env={"KVTIER_EVICTION_POLICY": "arc",
+                                         "KVTIER_HICACHE_SIZE": "64MiB"})
+    assert cfg.eviction_policy == "arc"
+    assert HostPool.from_config(cfg).stats().eviction_policy == "arc"
+    assert load_config(DaemonConfig, env={}).eviction_policy == "lru"
+    with pytest.raises(ConfigError, match=r"eviction_policy.*'mru'"):
+        load_config(DaemonConfig, env={}, cli={"eviction_policy": "mru"})
