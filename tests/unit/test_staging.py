@@ -131,7 +131,7 @@ def _engine_layers(num_blocks: int, layout: str, seed: int) -> tuple[list[torch.
 
 @pytest.mark.parametrize("layout", ["k_v_first", "blocks_first"])
 def test_pages_go_to_staging_and_back_exactly_and_nothing_else_changes(area, layout):
-    src_layers, src = _engine_layers(10, layout, seed=1)
+    _, src = _engine_layers(10, layout, seed=1)
     copier = StagedCopier(area, src)
     assert not copier.cuda and copier.layers == [0, 1] and copier.parts_of(1) == [2, 3]
     slots, blocks = [6, 7, 2], [9, 0, 4]
