@@ -154,6 +154,20 @@ class TransferHandle:
                 self._conn._slot_done(self.slot, self.seq, TransferStatus.RUNNING)
         return True
 
+    def layers_ready(self) -> int:
+        """Leading layers in place now, without waiting (0 once the transfer failed)."""
+        if self._status is not None:
+            return self.num_layers if self._status is TransferStatus.DONE else 0
+        if self._block is None:
+            return self._layers_ok
+        try:
+            seq, layers, status = self._block.read(self.slot)
+        except (TypeError, ValueError, AttributeError):  # the block was closed: re-registered
+            return self._layers_ok
+        if seq != self.seq or status not in (TransferStatus.RUNNING, TransferStatus.DONE):
+            return self._layers_ok
+        return max(self._layers_ok, min(layers, self.num_layers))
+
     def copying(self) -> bool:
         """Whether the daemon may still be copying this transfer's pages: it has not
         reported an end in the slot, and its process lives. A transfer whose wait failed

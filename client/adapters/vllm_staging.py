@@ -141,9 +141,11 @@ class StagedWorkerSide(WorkerSide):
 
     def _copy_layers(self, load: _StagedLoad, upto: int) -> None:
         """Issue the host → device copies of layers ``next_layer .. upto`` once the daemon
-        filled each; the compute stream waits for them."""
+        filled each, and of later layers it has already filled; the compute stream waits
+        for them."""
         assert self.copier is not None
         count = load.handle.count
+        upto = max(upto, load.handle.layers_ready() - 1)
         while not load.failed and load.next_layer <= upto:
             layer = load.next_layer
             if not load.handle.wait_layer(layer):

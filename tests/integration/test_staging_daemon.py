@@ -96,3 +96,21 @@ def test_pages_round_trip_through_staging_layer_by_layer(staged, daemon):
             direct.close()
     finally:
         seg.close()
+
+
+def test_a_handle_says_which_layers_are_in_place_and_whether_the_daemon_still_copies(
+        staged, daemon):
+    conn, copier = staged(layers(3))
+    keys = conn.page_keys(tokens(2 * G.page_size, salt=4))
+    slots = copier.area.acquire(2, 0)
+    h = conn.store(keys, slots)
+    assert h.wait(WAIT_S)
+    assert not h.copying() and h.layers_ready() == G.num_layers
+    h = conn.load(keys, slots)
+    assert h.count == 2 and 0 <= h.layers_ready() <= G.num_layers
+    assert h.wait(WAIT_S) and h.layers_ready() == G.num_layers and not h.copying()
+    h = conn.load(keys, slots)
+    daemon.kill()  # whatever it was doing, a dead daemon copies nothing
+    assert not h.copying()
+    copier.area.release(slots, in_use=h.copying)
+    assert copier.area.free == copier.area.capacity
