@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from kvtier.client.adapters.link import DaemonLink
@@ -101,7 +101,8 @@ class StagedWorkerSide(WorkerSide):
         except (ValueError, OSError) as err:
             log.warning("kvtier cannot stage this KV cache (%s); kvtier is off", err)
             return
-        area, model_id, revision, rank, size_tp = self.area, *self._ns
+        area = self.area
+        model_id, revision, rank, size_tp = self._ns
         self.link = DaemonLink(lambda: area.memory(g, label="vllm-staging"), model_id,
                                self.settings.client, rank, size_tp,
                                self.settings.retry_interval_s, revision=revision)
@@ -137,7 +138,9 @@ class StagedWorkerSide(WorkerSide):
             with self._cv:
                 self._load_errors.update(spec.block_ids)
             return
-        self._layerwise.append(_StagedLoad(spec, handle, slots, started))  # type: ignore[arg-type]
+        assert slots is not None
+        # the base class's list of this step's layer-wise loads holds staged ones here
+        self._layerwise.append(cast(Any, _StagedLoad(spec, handle, slots, started)))
 
     def _copy_layers(self, load: _StagedLoad, upto: int) -> None:
         """Issue the host → device copies of layers ``next_layer .. upto`` once the daemon
@@ -162,12 +165,13 @@ class StagedWorkerSide(WorkerSide):
         layer = self._layer_of.get(layer_name)
         if layer is None:
             return
-        for load in self._layerwise:
+        for load in cast(list[_StagedLoad], self._layerwise):
             self._copy_layers(load, layer)
 
     def _end_layerwise(self) -> None:
         """Finish the step's layer-wise loads, give their slots back, note their misses."""
-        done, self._layerwise = self._layerwise, []
+        done = list(cast(list[_StagedLoad], self._layerwise))
+        self._layerwise.clear()
         last = self.geometry.num_layers - 1
         for load in done:
             self._copy_layers(load, last)
