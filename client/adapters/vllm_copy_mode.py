@@ -15,9 +15,12 @@ from kvtier.ipc.protocol import Geometry
 
 __all__ = ["CUDA_LAYOUT", "copy_mode_for", "engine_parts", "layout_for"]
 
-CUDA_LAYOUT = "vllm_cuda_nhd"
-"""Layout label of a staged page of vLLM's CUDA KV cache: per layer, K ``[block_size,
-kv_heads, head_dim]`` then V (whatever the attention backend's own block layout)."""
+CUDA_LAYOUT = "vllm_cuda"
+"""Layout label of a staged page of vLLM's CUDA KV cache: per layer, the block in vLLM's
+logical order ``[kv_heads, block_size, 2 × head_dim]`` (K then V in the last dimension),
+whatever the physical stride order (``VLLM_KV_CACHE_LAYOUT``). The bytes are those of a
+``vllm_cpu`` page; the label is kept apart so that KV computed by one device's kernels is
+never mixed into another's outputs."""
 
 
 def copy_mode_for(setting: str, platform: str) -> str | None:
@@ -41,26 +44,21 @@ def layout_for(platform: str) -> str:
 
 
 def engine_parts(t: torch.Tensor, geometry: Geometry) -> list[torch.Tensor]:
-    """One layer's KV tensor split into staging parts ``[num_blocks, *page part]``.
+    """One layer's KV tensor as staging parts ``[num_blocks, *page part]``.
 
-    Layouts: vLLM's CPU ``[blocks, kv_heads, block_size, 2 × head_dim]`` (one part); on
-    CUDA, ``[2, blocks, block_size, kv_heads, head_dim]`` (FlashAttention) or ``[blocks, 2,
-    block_size, kv_heads, head_dim]`` (FlashInfer): two parts, K and V, whatever the
-    physical stride order.
+    vLLM's per-layer KV view is logically ``[blocks, kv_heads, block_size, 2 × head_dim]``
+    on every platform, its physical order set by a stride permutation (``LBHNC``: the CPU's
+    contiguous blocks; ``LBNHC``: CUDA's default NHD; block-first layouts spread a block's
+    layers apart). One part, in that logical order: the copies gather and scatter through
+    the strides, so the staged bytes are the same whatever the physical order.
 
     Raises:
-        ValueError: none of these shapes.
+        ValueError: another shape (vLLM's older CUDA layouts, MLA caches).
     """
     g = geometry
     shape = tuple(t.shape)
-    if t.device.type == "cpu" and len(shape) == 4 and shape[1:] == (g.kv_heads, g.page_size,
-                                                                     2 * g.head_dim):
+    if len(shape) == 4 and shape[1:] == (g.kv_heads, g.page_size, 2 * g.head_dim):
         return [t]
-    nhd = (g.page_size, g.kv_heads, g.head_dim)
-    if len(shape) == 5 and shape[0] == 2 and shape[2:] == nhd:
-        return [t[0], t[1]]
-    if len(shape) == 5 and shape[1] == 2 and shape[2:] == nhd:
-        return [t[:, 0], t[:, 1]]
-    raise ValueError(f"KV tensor of shape {shape} on {t.device} is none of vLLM's layouts "
-                     f"kvtier stages (pages of {g.page_size} tokens, {g.kv_heads} heads, "
-                     f"head size {g.head_dim})")
+    raise ValueError(f"KV tensor of shape {shape} on {t.device} is not vLLM's per-layer "
+                     f"layout [blocks, {g.kv_heads} heads, {g.page_size} tokens, "
+                     f"2 × {g.head_dim}]")

@@ -19,9 +19,9 @@ with its loads and stores going through staging slots:
   from the slots, at most half the area per STORE.
 
 Slots are waited for at most ``staging_wait_s``; past it a load is recomputed and a store
-dropped. One kvtier page is one vLLM block; its bytes are the block's, part by part (one
-part per layer on the CPU, K then V per layer on CUDA), so on the CPU both copy modes
-share pages (the same layout label).
+dropped. One kvtier page is one vLLM block: per layer, the block in vLLM's logical order
+(:func:`~kvtier.client.adapters.vllm_copy_mode.engine_parts`), so on the CPU both copy
+modes share pages (the same layout label).
 """
 
 from __future__ import annotations

@@ -187,3 +187,24 @@ def test_waiting_threads_share_a_full_area_without_losing_slots(area):
     for t in threads:
         t.join(30)
     assert not errors and area.free == 8
+
+
+def test_a_block_strided_across_memory_is_staged_in_logical_order():
+    """vLLM's per-layer view on CUDA (``LBNHC``): logically ``[blocks, heads, tokens, 2*dim]``,
+    tokens before heads in memory. Staged bytes are the logical block, as a CPU block's."""
+    heads, toks, c = 2, 4, 16
+    area = StagingArea([StagingPart(0, (heads, toks, c), torch.float32)], capacity=3)
+    try:
+        src = torch.randn(6, toks, heads, c).permute(0, 2, 1, 3)
+        assert not src[0].is_contiguous()
+        copier = StagedCopier(area, [src])
+        copier.to_host([0, 1], [5, 2]).synchronize()
+        assert torch.equal(area.views[0][0], src[5].contiguous())
+        raw = area.segment.tensor(0, area.segment.size).view(torch.float32)
+        assert torch.equal(raw[:heads * toks * c], src[5].reshape(-1))  # logical order
+        dst = torch.zeros(6, toks, heads, c).permute(0, 2, 1, 3)
+        StagedCopier(area, [dst]).to_device([0], [0, 1], [1, 4]).synchronize()
+        assert torch.equal(dst[1], src[5]) and torch.equal(dst[4], src[2])
+        assert not dst[[0, 2, 3, 5]].any()
+    finally:
+        area.close()

@@ -50,23 +50,20 @@ def test_copy_mode_settings_and_what_each_platform_runs():
     assert [copy_mode_for(m, "cuda") for m in ("auto", "daemon", "engine")] == [
         "engine", None, "engine"]
     assert copy_mode_for("auto", "xpu") is None
-    assert layout_for("cpu") == "vllm_cpu" and layout_for("cuda") == "vllm_cuda_nhd"
+    assert layout_for("cpu") == "vllm_cpu" and layout_for("cuda") == "vllm_cuda"
 
 
-def test_engine_tensors_split_into_staging_parts_by_layout():
+def test_engine_tensors_are_staged_in_vllms_logical_block_order():
     import torch
     from kvtier.client.adapters.vllm_copy_mode import engine_parts
     from kvtier.ipc.protocol import Geometry
 
     g = Geometry(num_layers=1, page_size=16, kv_heads=2, head_dim=8, dtype="bfloat16",
                  layout="vllm_cpu")
-    cpu = torch.zeros(5, 2, 16, 16)
-    assert [p.shape for p in engine_parts(cpu, g)] == [(5, 2, 16, 16)]
-    flash = torch.arange(2 * 5 * 16 * 2 * 8).view(2, 5, 16, 2, 8)
-    k, v = engine_parts(flash, g)
-    assert torch.equal(k, flash[0]) and torch.equal(v, flash[1])
-    infer = torch.arange(5 * 2 * 16 * 2 * 8).view(5, 2, 16, 2, 8)
-    k, v = engine_parts(infer, g)
-    assert k.shape == (5, 16, 2, 8) and torch.equal(v, infer[:, 1])
-    with pytest.raises(ValueError, match=r"shape \(5, 16, 2, 8\)"):
-        engine_parts(torch.zeros(5, 16, 2, 8), g)
+    lbhnc = torch.zeros(5, 2, 16, 16)
+    assert [p.shape for p in engine_parts(lbhnc, g)] == [(5, 2, 16, 16)]
+    lbnhc = torch.zeros(5, 16, 2, 16).permute(0, 2, 1, 3)  # CUDA's default: NHD in memory
+    (part,) = engine_parts(lbnhc, g)
+    assert part.shape == (5, 2, 16, 16) and part.data_ptr() == lbnhc.data_ptr()
+    with pytest.raises(ValueError, match=r"shape \(2, 5, 16, 2, 8\)"):
+        engine_parts(torch.zeros(2, 5, 16, 2, 8), g)  # an older FlashAttention layout
