@@ -127,8 +127,14 @@ def _run_once(cfg: dict[str, Any], log: Path, prompts: list[list[int]]) -> None:
         e.close()
 
 
-def run_vllm_bench(tokens: int = 4096, prompts: int = 3) -> dict[str, Any]:
-    """Run the benchmark; the result fields (see the module docstring)."""
+def run_vllm_bench(tokens: int = 4096, prompts: int = 3, copy_mode: str = "auto"
+                   ) -> dict[str, Any]:
+    """Run the benchmark; the result fields (see the module docstring).
+
+    Args:
+        copy_mode: the kvtier engines' ``copy_mode`` (``auto``, ``daemon``: kvtierd copies
+            into vLLM's KV memory; ``engine``: vLLM's own allocation, pages staged).
+    """
     t_start = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix="kvb-", dir="/tmp"))
     daemon = DaemonProcess(tmp / "rt", ["--hicache-storage-backend", "none", "--hicache-size",
@@ -142,7 +148,8 @@ def run_vllm_bench(tokens: int = 4096, prompts: int = 3) -> dict[str, Any]:
         cold = {f"Q{i}": _prompt(200 + i, tokens) for i in range(prompts)}
         daemon.start()
         base = {"model": model, "runtime_dir": str(daemon.runtime_dir),
-                "example_dir": str(tmp / "example"), "pause_s": PAUSE_S}
+                "example_dir": str(tmp / "example"), "pause_s": PAUSE_S,
+                "extra": {"copy_mode": copy_mode}}
         (tmp / "example").mkdir()
         _run_once({**base, "connector": "kvtier"}, tmp / "prime.log", list(hits.values()))
         _run_once({**base, "connector": "example"}, tmp / "example-prime.log", list(hits.values()))
@@ -210,6 +217,7 @@ def run_vllm_bench(tokens: int = 4096, prompts: int = 3) -> dict[str, Any]:
                            "native": differ(native, both)},
         "recompute_repeatable": all(v["first"] == [v["tokens"][0], v["logprobs"][0]]
                                     for v in plain.values()),
+        "copy_mode": copy_mode,
         "prompt_tokens": tokens,
         "prompts": prompts,
         "ttft_hit_s": med(kv, hits), "ttft_recompute_s": med(plain, hits),
@@ -227,14 +235,17 @@ def run_vllm_bench(tokens: int = 4096, prompts: int = 3) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``kvtier bench vllm [--json [PATH]]``: run it, print the fields (exit 0)."""
+    """``kvtier bench vllm [--copy-mode MODE] [--json [PATH]]``: run it, print the fields
+    (exit 0)."""
     ap = argparse.ArgumentParser(prog="kvtier bench vllm", description=__doc__.split("\n")[0])
     ap.add_argument("--json", nargs="?", const="-", metavar="PATH",
                     help="print the result as JSON (to PATH, or stdout without one)")
     ap.add_argument("--tokens", type=int, default=4096, help="prompt length (default 4096)")
     ap.add_argument("--prompts", type=int, default=3, help="prompts per case (default 3)")
+    ap.add_argument("--copy-mode", choices=("auto", "daemon", "engine"), default="auto",
+                    help="the kvtier engines' copy_mode (default auto: daemon on the CPU)")
     args = ap.parse_args(argv)
-    result = run_vllm_bench(args.tokens, args.prompts)
+    result = run_vllm_bench(args.tokens, args.prompts, args.copy_mode)
     if args.json == "-":
         print(json.dumps(result, indent=2))
     else:

@@ -154,6 +154,34 @@ class TransferHandle:
                 self._conn._slot_done(self.slot, self.seq, TransferStatus.RUNNING)
         return True
 
+    def layers_ready(self) -> int:
+        """Leading layers in place now, without waiting (0 once the transfer failed)."""
+        if self._status is not None:
+            return self.num_layers if self._status is TransferStatus.DONE else 0
+        if self._block is None:
+            return self._layers_ok
+        try:
+            seq, layers, status = self._block.read(self.slot)
+        except (TypeError, ValueError, AttributeError):  # the block was closed: re-registered
+            return self._layers_ok
+        if seq != self.seq or status not in (TransferStatus.RUNNING, TransferStatus.DONE):
+            return self._layers_ok
+        return max(self._layers_ok, min(layers, self.num_layers))
+
+    def copying(self) -> bool:
+        """Whether the daemon may still be copying this transfer's pages: it has not
+        reported an end in the slot, and its process lives. A transfer whose wait failed
+        or timed out keeps its engine pages out of use until this returns False."""
+        if self._conn is None or self._block is None or self.slot < 0:
+            return False
+        if not self._conn.daemon_alive():
+            return False
+        try:
+            seq, _, status = self._block.read(self.slot)
+        except (TypeError, ValueError, AttributeError):  # the block was closed: re-registered
+            return False
+        return seq == self.seq and status == TransferStatus.RUNNING
+
     def _end(self, st: TransferStatus) -> None:
         """Record the final status once and give the completion slot back to the owner."""
         if self._status is None:

@@ -13,8 +13,11 @@ stores; the worker side (each worker, :class:`~kvtier.client.adapters.vllm_worke
 registers the KV memory and runs them. What the extra config keys mean:
 :class:`~kvtier.client.adapters.vllm_link.ConnectorSettings`; the user's guide is
 ``README.md ("Using kvtier with vLLM")``. One kvtier page is one vLLM block; the layout label ``vllm_cpu`` enters the
-namespace. Only vLLM's CPU backend is served (its KV memory can be a memfd); on other
-platforms the connector reports misses and stores nothing.
+namespace. Two copy modes (``copy_mode`` in the extra config): ``daemon`` (the CPU default)
+places vLLM's KV memory in a memfd kvtierd maps and copies; ``engine`` (the CUDA default)
+leaves vLLM's allocation alone and copies pages through a staging area
+(:mod:`~kvtier.client.adapters.vllm_staging`). On other platforms the connector reports
+misses and stores nothing.
 """
 
 from __future__ import annotations
@@ -24,10 +27,12 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import torch
+from kvtier.client.adapters.vllm_copy_mode import copy_mode_for, layout_for
 from kvtier.client.adapters.vllm_link import ConnectorSettings
 from kvtier.client.adapters.vllm_meta import KvtierMetadata
-from kvtier.client.adapters.vllm_namespace import CPU_LAYOUT, geometry_from_spec
+from kvtier.client.adapters.vllm_namespace import geometry_from_spec
 from kvtier.client.adapters.vllm_scheduler import SchedulerSide
+from kvtier.client.adapters.vllm_staging import StagedWorkerSide
 from kvtier.client.adapters.vllm_worker import WorkerSide
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -76,7 +81,9 @@ class KvtierConnector(KVConnectorBase_V1):
         revision = mc.revision or ""
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
-        geometry = self._geometry(kv_cache_config)
+        platform = "cpu" if current_platform.is_cpu() else current_platform.device_type
+        self.copy_mode = copy_mode_for(self.settings.copy_mode, platform)
+        geometry = self._geometry(kv_cache_config, platform, self.copy_mode)
         if geometry is None:
             return
         if role == KVConnectorRole.SCHEDULER:
@@ -86,15 +93,18 @@ class KvtierConnector(KVConnectorBase_V1):
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             assert kv_cache_config is not None
-            self._worker = WorkerSide(geometry, self.settings, model_id, revision,
+            worker = StagedWorkerSide if self.copy_mode == "engine" else WorkerSide
+            self._worker = worker(geometry, self.settings, model_id, revision,
                                       get_tensor_model_parallel_rank(), pc.tensor_parallel_size,
                                       kv_cache_config.kv_cache_tensors[0].size)
 
     @staticmethod
-    def _geometry(kv_cache_config: KVCacheConfig | None) -> Any:
+    def _geometry(kv_cache_config: KVCacheConfig | None, platform: str,
+                  copy_mode: str | None) -> Any:
         """The page geometry, or None (with a warning) for a setup kvtier does not serve."""
-        if kv_cache_config is None or not current_platform.is_cpu():
-            log.warning("kvtier serves vLLM's CPU backend only; the connector is off")
+        if kv_cache_config is None or copy_mode is None:
+            log.warning("kvtier serves vLLM on the CPU and on CUDA (copy_mode \"engine\"), "
+                        "not %s; the connector is off", platform)
             return None
         groups = kv_cache_config.kv_cache_groups
         sizes = {t.size for t in kv_cache_config.kv_cache_tensors}
@@ -104,7 +114,7 @@ class KvtierConnector(KVConnectorBase_V1):
             return None
         try:
             return geometry_from_spec(groups[0].kv_cache_spec, len(groups[0].layer_names),
-                                      CPU_LAYOUT)
+                                      layout_for(platform))
         except ValueError as err:
             log.warning("kvtier cannot store this KV cache (%s); the connector is off", err)
             return None
@@ -116,7 +126,8 @@ class KvtierConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ worker side
     def get_mem_pool_context(self) -> AbstractContextManager | None:
-        """Place vLLM's KV allocation in a sealed memfd kvtierd can map."""
+        """Place vLLM's KV allocation in a sealed memfd kvtierd can map (``daemon`` copy
+        mode; None in ``engine`` mode: vLLM allocates as usual)."""
         return self._worker.allocation if self._worker is not None else None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -41,6 +41,14 @@ class ConnectorSettings:
         layerwise_loads: load a hit that is wholly in L2 in the step that schedules its
             request, the forward pass waiting for each layer (default True); False loads
             every hit asynchronously, as hits reaching into L3 always are.
+        copy_mode: who copies pages between vLLM's KV cache and kvtierd's pool: ``daemon``
+            (vLLM's KV cache is placed in shared memory that kvtierd maps and copies; CPU
+            only), ``engine`` (vLLM allocates its KV cache as usual and copies pages to and
+            from a staging area kvtierd maps: :mod:`kvtier.client.adapters.vllm_staging`),
+            or ``auto`` (default: ``daemon`` on the CPU, ``engine`` on CUDA).
+        staging_pages: pages (vLLM blocks) the staging area of ``engine`` mode holds.
+        staging_wait_s: longest wait for free staging pages; past it a load is recomputed
+            and a store dropped.
     """
 
     client: ClientConfig
@@ -49,6 +57,9 @@ class ConnectorSettings:
     retry_interval_s: float = 1.0
     min_load_pages: int = 1
     layerwise_loads: bool = True
+    copy_mode: str = "auto"
+    staging_pages: int = 256
+    staging_wait_s: float = 0.05
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -59,7 +70,7 @@ class ConnectorSettings:
         """
         extra = dict(extra or {})
         own = {"model_id", "prefetch_policy", "retry_interval_s", "min_load_pages",
-               "layerwise_loads"}
+               "layerwise_loads", "copy_mode", "staging_pages", "staging_wait_s"}
         unknown = sorted(set(extra) - own - set(_CLIENT_KEYS))
         if unknown:
             raise SettingsError(f"kv_connector_extra_config: unknown key(s) {unknown}; known: "
@@ -83,5 +94,18 @@ class ConnectorSettings:
         layerwise = extra.get("layerwise_loads", True)
         if not isinstance(layerwise, bool):
             raise SettingsError("kv_connector_extra_config: layerwise_loads must be true or false")
+        mode = extra.get("copy_mode", "auto")
+        if mode not in ("auto", "daemon", "engine"):
+            raise SettingsError(f"kv_connector_extra_config: copy_mode {mode!r} is not one of "
+                                "auto, daemon, engine")
+        staging = extra.get("staging_pages", 256)
+        wait = extra.get("staging_wait_s", 0.05)
+        if isinstance(staging, bool) or not isinstance(staging, int) or staging < 1:
+            raise SettingsError(f"kv_connector_extra_config: staging_pages {staging!r} must be "
+                                "an integer >= 1")
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 60:
+            raise SettingsError(f"kv_connector_extra_config: staging_wait_s {wait!r} must be a "
+                                "number of seconds in [0, 60]")
         return cls(client=client, model_id=extra.get("model_id"), prefetch_policy=policy,
-                   retry_interval_s=retry, min_load_pages=min_pages, layerwise_loads=layerwise)
+                   retry_interval_s=retry, min_load_pages=min_pages, layerwise_loads=layerwise,
+                   copy_mode=mode, staging_pages=staging, staging_wait_s=float(wait))

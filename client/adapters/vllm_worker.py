@@ -70,7 +70,8 @@ class WorkerSide:
         self.geometry = geometry
         self.settings = settings
         self._ns = (model_id, revision, tp_rank, tp_size)
-        self.allocation = MemfdAllocation(kv_bytes)
+        # vLLM's KV allocation in a memfd (None: the engine-copy subclass stages instead)
+        self.allocation: MemfdAllocation | None = MemfdAllocation(kv_bytes)
         self.link: DaemonLink | None = None
         self._jobs: queue.Queue[Any] = queue.Queue()
         self._cv = threading.Condition()
@@ -96,7 +97,7 @@ class WorkerSide:
                            layer_index: Mapping[str, int]) -> None:
         """Describe vLLM's KV tensors as regions and start the I/O thread (the daemon is
         reached on first use, and again whenever it comes back)."""
-        seg = self.allocation.segment
+        seg = self.allocation.segment if self.allocation is not None else None
         if seg is None:
             log.warning("vLLM's KV cache was not allocated in shared memory; kvtier is off")
             return
@@ -318,4 +319,5 @@ class WorkerSide:
             self._thread = None
         if self.link is not None:
             self.link.close()
-        self.allocation.close()
+        if self.allocation is not None:
+            self.allocation.close()
