@@ -116,7 +116,7 @@ class Service:
 
     async def open(self, stack: contextlib.AsyncExitStack,
                    finalize_remaining: Callable[[], None]) -> None:
-        """Open the L3 tier, start the copy threads and bind the handover socket.
+        """Open the L3 tier, start the prefault and copy threads and bind the handover socket.
 
         Args:
             stack: closes them, in reverse order.
@@ -129,6 +129,8 @@ class Service:
                                        address=seg.address + layout.arena_offset,
                                        headroom=layout.headroom))
         stack.push_async_callback(self.tier.close)
+        self.ctx.prefaults.start()
+        stack.callback(self.ctx.prefaults.close)  # after every session's memory is unmapped
         executor = ThreadPoolExecutor(self.ctx.cfg.copy_threads, thread_name_prefix="kvtier-copy")
         self.transfers.open(executor, self._arena, self.ctx.cfg.copy_threads)
         stack.callback(self.transfers.close)
