@@ -196,17 +196,14 @@ def hand_over(path: str | Path, token: bytes, fds: list[int], timeout: float) ->
     tries = 0
     while True:
         tries += 1
-        left = deadline - time.monotonic()
         try:
-            if left <= 0:
-                raise TimeoutError("timed out")
-            return _try_once(path, request, fds, left)
+            return _try_once(path, request, fds, max(deadline - time.monotonic(), 0.001))
         except _Again as again:
             left = deadline - time.monotonic()
-            if left <= 0:
+            if left <= RETRY_FIRST_S:
                 raise HandoverBusy(f"kvtierd's handover socket at {path} stayed busy for "
                                    f"{timeout:g}s ({tries} tries): {again}") from None
-            time.sleep(min(left, pause * random.uniform(0.5, 1.0)))
+            time.sleep(min(left - RETRY_FIRST_S, pause * random.uniform(0.5, 1.0)))
             pause = min(RETRY_MAX_S, pause * 2)
 
 
