@@ -110,7 +110,11 @@ class Connection:
         self._hb: threading.Thread | None = None
         self._finalizer = weakref.finalize(self, _leaked, self._ctx, self.endpoint)
         if register:
-            self.register()
+            try:
+                self.register()
+            except BaseException:  # a refused REGISTER leaves no socket for the GC to find
+                self.close()
+                raise
 
     # ------------------------------------------------------------------ session
     def register(self) -> None:
