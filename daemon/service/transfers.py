@@ -84,6 +84,9 @@ INLINE_REGIONS = 64
 region in Python; with more regions than this its copies never run on the event loop
 (however small): an engine that declares thousands of tiny regions slows only its own
 copies, on the copy threads in its user's turns, never the loop everyone shares."""
+INLINE_TABLE_ROWS = 1024
+"""The same bound for a session the native copy takes as one table (a row per region):
+every honest layout has a few regions per layer, far fewer than this."""
 
 SHARE_MIN_BYTES = 1 << 20
 """The smallest transfer the event loop shares with a copy thread (:meth:`Transfers._share`):
@@ -168,7 +171,9 @@ class Transfers:
                      checksum=direction is Direction.STORE and self.ctx.cfg.verify_on_adopt)
         s.completion.begin(slot, seq, g.num_layers)
         s.transfers[slot] = t
-        cheap = s.memory.table is not None or len(s.memory.regions) <= INLINE_REGIONS
+        n_regions = len(s.memory.regions)
+        cheap = n_regions <= INLINE_REGIONS or (s.memory.table is not None
+                                                and n_regions <= INLINE_TABLE_ROWS)
         if t.nbytes <= INLINE_BYTES and cheap:  # ends before the reply: nobody to wake
             run_transfer(t, self._arena, s.memory.regions, g.num_layers, g.page_bytes,
                          s.completion.unannounced(), s.memory.table, whole=True)
