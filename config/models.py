@@ -110,6 +110,13 @@ class DaemonConfig(_Frozen):
         default=1024, ge=1, le=65536,
         description="Handovers waiting for their REGISTER, all users together.",
     )
+    max_handover_descriptors_per_user: int = Field(
+        default=4096, ge=64, le=1 << 20,
+        description="Descriptors one user id's waiting handovers may hold in the daemon (a "
+        "handover brings up to 64); past it the handover is answered 'busy'. All users "
+        "together may hold half the daemon's descriptor limit (RLIMIT_NOFILE, raised to its "
+        "hard limit at start).",
+    )
     max_mapped_bytes_per_user: ByteSize | None = Field(
         default=None, ge=1 << 20, le=1 << 46,
         description="Most bytes of engine memory the daemon maps for one user id's sessions "

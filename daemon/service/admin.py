@@ -50,7 +50,8 @@ ADMIN_TOKEN_HINT = ("tenants are configured: a request without the admin token s
 
 LIVE_FIELDS = frozenset({
     "max_sessions_per_user", "max_handover_connections_per_user", "max_handover_connections",
-    "max_handovers_waiting_per_user", "max_handovers_waiting", "max_mapped_bytes_per_user",
+    "max_handovers_waiting_per_user", "max_handovers_waiting", "max_handover_descriptors_per_user",
+    "max_mapped_bytes_per_user",
     "max_mapped_bytes", "max_mapped_segments_per_user", "log_level", "lease_s", "shutdown_timeout_s", "max_keys_per_request", "max_message_bytes",
     "hicache_storage_prefetch_policy", "prefetch_threshold", "prefetch_timeout_base",
     "prefetch_timeout_per_ki_token", "prefetch_timeout_max", "prefetch_concurrency",

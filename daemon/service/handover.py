@@ -17,7 +17,9 @@ loop, non-blocking throughout, so a slow or hostile peer cannot stall it:
 - the peer's pid, uid and gid come from the socket (``SO_PEERCRED``);
 - an accepted handover waits under its token for REGISTER for :data:`HANDOVER_TTL_S`
   seconds, then its descriptors are closed; at most ``max_handovers_waiting_per_user``
-  wait per user and ``max_handovers_waiting`` in all (past them: busy);
+  wait per user and ``max_handovers_waiting`` in all, holding at most
+  ``max_handover_descriptors_per_user`` descriptors per user and half the daemon's
+  descriptor limit in all (past them: busy);
 - running out of descriptors or memory (``accept`` fails with ``EMFILE``, a completion
   block cannot be made) refuses that connection only and is noted for HEALTH.
 
@@ -44,7 +46,7 @@ from pathlib import Path
 from typing import Protocol
 
 from kvtier.config.errors import KvtierError
-from kvtier.daemon.service.strain import Strain
+from kvtier.daemon.service.strain import Strain, descriptor_limit
 from kvtier.ipc import fdpass
 from kvtier.ipc.completion import CompletionBlock
 from kvtier.ipc.fdpass import PeerCred
@@ -73,6 +75,7 @@ class Bounds(Protocol):
     max_handover_connections: int
     max_handovers_waiting_per_user: int
     max_handovers_waiting: int
+    max_handover_descriptors_per_user: int
 
 
 class HandoverRefused(KvtierError):
@@ -147,6 +150,8 @@ class HandoverServer:
         self._ident: tuple[int, int] | None = None
         self._pending: dict[bytes, Handover] = {}
         self._waiting: dict[int, int] = {}  # handovers waiting, per uid
+        self._held: dict[int, int] = {}  # descriptors of waiting handovers, per uid
+        self._held_total = 0
         self._conns: dict[asyncio.Task, int] = {}  # connection → its uid (in accept order)
         self._open: dict[int, int] = {}  # connections open, per uid
         self.refusals: dict[str, int] = {}
@@ -315,11 +320,13 @@ class HandoverServer:
         """Stop ``h`` waiting (its descriptors stay open)."""
         if self._pending.get(h.token) is h:
             del self._pending[h.token]
-            left = self._waiting[h.peer.uid] - 1
-            if left:
-                self._waiting[h.peer.uid] = left
+            uid, n = h.peer.uid, len(h.fds) + 1
+            self._held_total -= n
+            if self._waiting[uid] > 1:
+                self._waiting[uid] -= 1
+                self._held[uid] -= n
             else:
-                del self._waiting[h.peer.uid]
+                del self._waiting[uid], self._held[uid]
         if h.expiry is not None:
             h.expiry.cancel()
 
@@ -411,6 +418,17 @@ class HandoverServer:
             raise HandoverBusy("max_handovers_waiting",
                                f"max_handovers_waiting = {b.max_handovers_waiting} reached: "
                                f"{len(self._pending)} handovers are waiting for their REGISTER")
+        held = self._held.get(peer.uid, 0) + len(fds) + 1  # the completion block's too
+        if held > b.max_handover_descriptors_per_user:
+            raise HandoverBusy("max_handover_descriptors_per_user",
+                               f"max_handover_descriptors_per_user = "
+                               f"{b.max_handover_descriptors_per_user} reached: uid {peer.uid}'s "
+                               f"waiting handovers would hold {held} descriptors")
+        budget = descriptor_limit() // 2
+        if self._held_total + len(fds) + 1 > budget:
+            raise HandoverBusy("descriptors",
+                               f"waiting handovers hold {self._held_total} descriptors, half the "
+                               f"daemon's limit ({budget * 2}, RLIMIT_NOFILE)")
         try:
             block = CompletionBlock.create_memfd(COMPLETION_SLOTS)
         except (OSError, MemoryError) as err:
@@ -421,6 +439,8 @@ class HandoverServer:
         h.expiry = asyncio.get_running_loop().call_later(self.ttl_s, self._expire, h)
         self._pending[token] = h
         self._waiting[peer.uid] = mine + 1
+        self._held[peer.uid] = held
+        self._held_total += len(fds) + 1
         return h
 
 

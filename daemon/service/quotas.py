@@ -104,6 +104,7 @@ class Quotas:
             "max_handover_connections": cfg.max_handover_connections,
             "max_handovers_waiting_per_user": cfg.max_handovers_waiting_per_user,
             "max_handovers_waiting": cfg.max_handovers_waiting,
+            "max_handover_descriptors_per_user": cfg.max_handover_descriptors_per_user,
         }
 
     def _tenant_bounds(self, tenant: str | None) -> tuple[int, int] | None:

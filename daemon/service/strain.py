@@ -10,9 +10,10 @@ it even though the daemon still answers.
 from __future__ import annotations
 
 import logging
+import resource
 import time
 
-__all__ = ["HOLD_S", "Strain"]
+__all__ = ["HOLD_S", "Strain", "descriptor_limit", "raise_descriptor_limit"]
 
 log = logging.getLogger("kvtier.daemon")
 
@@ -47,3 +48,26 @@ class Strain:
         if self.count and time.monotonic() - self._at <= HOLD_S:
             return self._what
         return None
+
+
+def descriptor_limit() -> int:
+    """This process's soft limit on open descriptors (``RLIMIT_NOFILE``)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def raise_descriptor_limit(cap: int = 1 << 20) -> int:
+    """Raise the soft descriptor limit to the hard one (at most ``cap``); the new soft limit.
+
+    Engines hand their memory over as descriptors, so the daemon holds many for a while;
+    the usual soft limit of 1,024 would make a few engines' handovers a shortage. Only
+    ``kvtierd``'s own process calls this.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = min(cap, hard) if hard != resource.RLIM_INFINITY else cap
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (OSError, ValueError) as err:
+            log.warning("cannot raise the descriptor limit from %d to %d: %s", soft, want, err)
+    return descriptor_limit()
