@@ -247,8 +247,13 @@ def vm_size(pid: int) -> int:
     raise AssertionError("no VmSize")
 
 
-def test_a_handover_flood_by_one_user_keeps_no_other_users_engines_out(group_rdir, daemon_factory):
-    d = daemon_factory()
+@pytest.mark.parametrize("flags", [(), ("--max-handover-connections", "16")],
+                         ids=["per_user_bound", "total_bound"])
+def test_a_handover_flood_by_one_user_keeps_no_other_users_engines_out(group_rdir, daemon_factory,
+                                                                     flags):
+    """With the defaults the flooder meets its own per-user bound; with a total bound below
+    that, the flooder (holding the most) gives up its oldest connection to the newcomer."""
+    d = daemon_factory(*flags)
     flood = spawn("flood", ATTACKER, d.runtime_dir, n=300, max_s=90)
     try:
         assert line(flood)["flooding"]
@@ -261,9 +266,11 @@ def test_a_handover_flood_by_one_user_keeps_no_other_users_engines_out(group_rdi
         ended = finish(flood)
     assert got["uid"] == HONEST and got["errors"] == [] and len(got["times"]) == 5, got
     assert max(got["times"]) < 20.0  # each within its deadline: the client's retries got it in
-    bound = during["bounds"]["max_handover_connections_per_user"]
+    bound = min(during["bounds"]["max_handover_connections_per_user"],
+                during["bounds"]["max_handover_connections"])
     assert during["users"].get(str(ATTACKER), {}).get("handover_connections", 0) <= bound
-    assert during["refusals"].get("max_handover_connections_per_user", 0) > 0, during
+    setting = "max_handover_connections" if flags else "max_handover_connections_per_user"
+    assert during["refusals"].get(setting, 0) > 0, during
     assert ended is not None and ended["opened"] > bound, ended
     assert health(d) == "ok"
 
