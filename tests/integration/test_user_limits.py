@@ -99,7 +99,9 @@ if role == "flood":  # silent connections, reopened as fast as the daemon drops 
                 break
     emit(opened=opened, again=again)
 
-elif role == "engines":  # honest engines, one after another, each timed
+elif role == "engines":  # honest engines, one after another, each timed (after "go")
+    print(json.dumps({"ready": True}), flush=True)
+    sys.stdin.readline()
     times, errors = [], []
     for i in range(args["n"]):
         t0 = time.monotonic()
@@ -110,6 +112,8 @@ elif role == "engines":  # honest engines, one after another, each timed
             continue
         times.append(time.monotonic() - t0)
         try:
+            if i:
+                continue  # one round trip shows the session works; the rest only register
             keys = conn.page_keys(tokens(2 * SMALL.page_size, salt=100 * uid + i))
             fill_page(pool, 0, 7 + i)
             fill_page(pool, 1, 8 + i)
@@ -210,6 +214,14 @@ def line(proc: subprocess.Popen) -> dict:
     return json.loads(text)
 
 
+def go(proc: subprocess.Popen) -> dict:
+    """Start a ready ``engines`` child (its imports done); the JSON line it prints at the end."""
+    assert line(proc) == {"ready": True}
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    return line(proc)
+
+
 def finish(proc: subprocess.Popen) -> dict | None:
     """Tell the child to end; the JSON line it prints then, if any."""
     proc.stdin.close()
@@ -254,11 +266,11 @@ def test_a_handover_flood_by_one_user_keeps_no_other_users_engines_out(group_rdi
     """With the defaults the flooder meets its own per-user bound; with a total bound below
     that, the flooder (holding the most) gives up its oldest connection to the newcomer."""
     d = daemon_factory(*flags)
+    honest = spawn("engines", HONEST, d.runtime_dir, n=5, timeout_s=20.0)
     flood = spawn("flood", ATTACKER, d.runtime_dir, n=300, max_s=90)
     try:
         assert line(flood)["flooding"]
-        honest = spawn("engines", HONEST, d.runtime_dir, n=5, timeout_s=20.0)
-        got = line(honest)
+        got = go(honest)
         assert finish(honest) is None
         during = stats(d).get("limits", {})
         assert d.proc.poll() is None, d.log_tail()
@@ -282,6 +294,7 @@ def test_huge_sparse_segments_cost_the_daemon_only_what_their_regions_use(group_
     d = daemon_factory("--max-mapped-bytes-per-user", str(limit), "--max-sessions-per-user", "20",
                        "--metrics-port", str(port))
     before = vm_size(d.pid)
+    honest = spawn("engines", HONEST, d.runtime_dir, n=2, timeout_s=10.0)
     attack = spawn("sparse", ATTACKER, d.runtime_dir, small=12, control=20)
     try:
         got = line(attack)
@@ -291,8 +304,7 @@ def test_huge_sparse_segments_cost_the_daemon_only_what_their_regions_use(group_
             series = {(s.name, frozenset(s.labels.items())): s.value
                       for fam in text_string_to_metric_families(rep.read().decode())
                       for s in fam.samples}
-        honest = spawn("engines", HONEST, d.runtime_dir, n=2, timeout_s=10.0)
-        ok = line(honest)
+        ok = go(honest)
         finish(honest)
         assert health(d) == "ok"
     finally:
