@@ -189,7 +189,39 @@ def render_stats(snap: Mapping[str, Any], endpoint: str = "",
         unused = _num(c, "l3_prefetch_unused_pages")
         if unused is not None:
             lt.add_row("prefetched, unused", f"{int(unused):,} pages")
-    return Group(head, pt, ht, bt, lt)
+    ut = _users_table(snap.get("limits") or {})
+    return Group(head, pt, ht, bt, lt, *([ut] if ut is not None else []))
+
+
+def _users_table(limits: Mapping[str, Any]) -> Any:
+    """What each user id holds against its bounds, and the refusals (None: no section)."""
+    from rich.table import Table
+
+    if not isinstance(limits, Mapping) or not limits:
+        return None
+    bounds: Mapping[str, Any] = limits.get("bounds") or {}
+    t = Table(title="Users (per-user bounds)", title_justify="left")
+    for name in ("uid", "sessions", "mapped", "mappings", "handover conns", "handovers waiting"):
+        t.add_column(name, style="bold" if name == "uid" else None,
+                     justify="left" if name == "uid" else "right")
+
+    def of(use: Mapping[str, Any], key: str, bound: str, size: bool = False) -> str:
+        value, top = int(use.get(key, 0)), bounds.get(bound)
+        shown = format_size(value) if size else f"{value:,}"
+        return f"{shown} / {format_size(int(top)) if size else f'{int(top):,}'}" \
+            if top is not None else shown
+
+    for uid, use in sorted((limits.get("users") or {}).items()):
+        if isinstance(use, Mapping):
+            t.add_row(str(uid), of(use, "sessions", "max_sessions_per_user"),
+                      of(use, "mapped_bytes", "max_mapped_bytes_per_user", size=True),
+                      of(use, "mapped_segments", "max_mapped_segments_per_user"),
+                      of(use, "handover_connections", "max_handover_connections_per_user"),
+                      of(use, "handovers_waiting", "max_handovers_waiting_per_user"))
+    refused = limits.get("refusals") or {}
+    if refused:
+        t.caption = "refused: " + ", ".join(f"{k} {int(v):,}" for k, v in sorted(refused.items()))
+    return t
 
 
 def _tenant_table(tenants: Mapping[str, Any]) -> Any:

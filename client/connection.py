@@ -46,7 +46,13 @@ from kvtier.client.transfer_handle import TransferHandle
 from kvtier.config import ClientConfig, runtime_dir, socket_path
 from kvtier.ipc import protocol as P
 from kvtier.ipc.completion import CompletionBlock, TransferStatus
-from kvtier.ipc.fdpass import HandoverError, HandoverUnavailable, hand_over, handover_path_for
+from kvtier.ipc.fdpass import (
+    HandoverBusy,
+    HandoverError,
+    HandoverUnavailable,
+    hand_over,
+    handover_path_for,
+)
 from kvtier.ipc.limits import HANDOVER_TOKEN_BYTES
 from kvtier.ipc.sockets import ipc_endpoint, make_zmq_socket
 
@@ -104,7 +110,11 @@ class Connection:
         self._hb: threading.Thread | None = None
         self._finalizer = weakref.finalize(self, _leaked, self._ctx, self.endpoint)
         if register:
-            self.register()
+            try:
+                self.register()
+            except BaseException:  # a refused REGISTER leaves no socket for the GC to find
+                self.close()
+                raise
 
     # ------------------------------------------------------------------ session
     def register(self) -> None:
@@ -158,7 +168,8 @@ class Connection:
 
         Raises:
             DaemonUnavailable: no daemon answers on the handover socket.
-            DaemonError: BAD_MEMORY, the daemon refused the handover (its reason).
+            DaemonError: BAD_MEMORY, the daemon refused the handover (its reason); BUSY,
+                it stayed at a limit until ``request_timeout_s`` (the limit's name).
         """
         memory_fds = getattr(self.pool, "memory_fds", None)
         fds = memory_fds() if memory_fds is not None else []
@@ -168,6 +179,8 @@ class Connection:
         except HandoverUnavailable as err:
             self._down_until = time.monotonic() + min(1.0, self.config.request_timeout_s)
             raise DaemonUnavailable(str(err)) from err
+        except HandoverBusy as err:
+            raise DaemonError(P.ErrorCode.BUSY, str(err)) from err
         except HandoverError as err:
             raise DaemonError(P.ErrorCode.BAD_MEMORY, str(err)) from err
 

@@ -30,6 +30,16 @@ class TenantConfig(_Frozen):
     quota_pages: int | None = Field(
         default=None, ge=1, description="Most L2 pages the tenant may hold (None: no quota)."
     )
+    max_sessions: int | None = Field(
+        default=None, ge=1, le=1 << 16,
+        description="Most sessions the tenant's engines may hold at once, whichever users "
+        "run them (None: the daemon's max_sessions_per_user).",
+    )
+    max_mapped_bytes: ByteSize | None = Field(
+        default=None, ge=1 << 20, le=1 << 46,
+        description="Most bytes of engine memory the daemon maps for the tenant's sessions "
+        "at once (None: the daemon's max_mapped_bytes_per_user).",
+    )
 
 
 class DaemonConfig(_Frozen):
@@ -75,6 +85,61 @@ class DaemonConfig(_Frozen):
     copy_threads: int = Field(default=2, ge=1, le=64, description="Worker threads that copy pages.")
     lease_s: float = Field(default=30.0, gt=0, description="Session lease; heartbeats renew it.")
     max_sessions: int = Field(default=256, ge=1, description="Most engine sessions at once.")
+    max_sessions_per_user: int = Field(
+        default=128, ge=1, le=1 << 16,
+        description="Most sessions one user id (the engine process's uid) may hold at once; "
+        "a REGISTER past it is refused with BUSY naming this setting.",
+    )
+    max_handover_connections_per_user: int = Field(
+        default=64, ge=1, le=4096,
+        description="Handover-socket connections one user id may hold open at once (each has "
+        "2 s to send its request); a connection past it is answered 'busy' and closed, "
+        "and the client tries again until its deadline.",
+    )
+    max_handover_connections: int = Field(
+        default=1024, ge=1, le=65536,
+        description="Handover-socket connections open at once, all users together; past it "
+        "the user holding the most gives up its oldest connection.",
+    )
+    max_handovers_waiting_per_user: int = Field(
+        default=128, ge=1, le=4096,
+        description="Handovers of one user id waiting for their REGISTER (each holds its "
+        "descriptors for up to 10 s); past it the handover is answered 'busy'.",
+    )
+    max_handovers_waiting: int = Field(
+        default=1024, ge=1, le=65536,
+        description="Handovers waiting for their REGISTER, all users together.",
+    )
+    max_handover_descriptors_per_user: int = Field(
+        default=4096, ge=64, le=1 << 20,
+        description="Descriptors one user id's waiting handovers may hold in the daemon (a "
+        "handover brings up to 64); past it the handover is answered 'busy'. All users "
+        "together may hold half the daemon's descriptor limit (RLIMIT_NOFILE, raised to its "
+        "hard limit at start).",
+    )
+    max_mapped_bytes_per_user: ByteSize | None = Field(
+        default=None, ge=1 << 20, le=1 << 46,
+        description="Most bytes of engine memory the daemon maps for one user id's sessions "
+        "at once (only the spans the declared regions use count). Default: twice the node's "
+        "physical memory. A REGISTER past it is refused naming this setting.",
+    )
+    max_mapped_bytes: ByteSize | None = Field(
+        default=None, ge=1 << 20, le=1 << 46,
+        description="Most bytes of engine memory mapped at once, all users together (the "
+        "daemon's address space). Default: eight times the node's physical memory, at most "
+        "32 TiB.",
+    )
+    max_mapped_segments_per_user: int = Field(
+        default=4096, ge=1, le=65536,
+        description="Most memory mappings the daemon holds for one user id's sessions at "
+        "once (one per run of a segment the regions use; the kernel allows about 65,000 "
+        "per process).",
+    )
+    prefault_threads: int = Field(
+        default=1, ge=1, le=16,
+        description="Threads that build page tables over engines' memory after REGISTER; "
+        "users take turns, 16 MiB at a time, so no user's memory delays another's for long.",
+    )
     max_message_bytes: ByteSize = Field(
         default=16 << 20, ge=4096, le=32 << 20,
         description="Largest control message accepted (at most 32 MiB: the socket's own frame "

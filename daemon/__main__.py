@@ -56,6 +56,9 @@ def run(cfg: DaemonConfig, reload=None) -> int:
     """
     import uvloop
     from kvtier.daemon.service.server import Daemon, install_signal_handlers
+    from kvtier.daemon.service.strain import raise_descriptor_limit
+
+    raise_descriptor_limit()  # engines' memory arrives as descriptors
 
     async def main() -> None:
         daemon = Daemon(cfg, reload=reload)

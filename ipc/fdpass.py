@@ -7,6 +7,7 @@ socket). One connection carries one handover, one message each way::
     engine → daemon:  "KVH1" | token (16 random bytes)      SCM_RIGHTS: the memory's fds
     daemon → engine:  0x00 | "ok"                           SCM_RIGHTS: the completion block
                       0x01 | why it was refused (UTF-8)      (no descriptor)
+                      0x02 | which limit was reached (UTF-8; busy: try again later)
 
 The daemon reads the engine's pid, uid and gid from the socket (``SO_PEERCRED``), never
 from a message, and keeps the descriptors under the token for a few seconds. The engine
@@ -15,6 +16,13 @@ then sends REGISTER on the ZeroMQ socket with ``memory.kind = "fd"`` and
 (a memfd sealed against shrinking, of exactly the declared size), maps it and closes it.
 The completion block in the reply is a read-only descriptor of a sealed memfd the engine
 maps read-only (:mod:`kvtier.ipc.completion`).
+
+A connection the daemon cannot take now (its user holds ``max_handover_connections_per_user``
+connections, or has ``max_handovers_waiting_per_user`` handovers waiting) is answered
+``0x02`` (busy) and closed, possibly before its request was read. :func:`hand_over` tries
+again, with backoff, until its deadline, as it does when the socket's backlog is full
+(``EAGAIN``) or the daemon closed the connection before replying; only then does it fail,
+with the daemon's last reason.
 
 A token is a bearer secret between one engine process and the daemon: it never leaves the
 two, and where the ZeroMQ transport is ``ipc://`` the daemon also checks that the REGISTER
@@ -27,9 +35,12 @@ credential helpers; the daemon's server is :mod:`kvtier.daemon.service.handover`
 from __future__ import annotations
 
 import array
+import errno
 import os
+import random
 import socket
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,8 +55,17 @@ REQUEST_BYTES = len(MAGIC) + HANDOVER_TOKEN_BYTES
 """A handover request is exactly this long."""
 MAX_REPLY_BYTES = 512
 """Longest handover reply (a status byte and a short text)."""
-OK, REFUSED = 0, 1
-"""Handover reply status bytes."""
+OK, REFUSED, BUSY = 0, 1, 2
+"""Handover reply status bytes (BUSY: a limit was reached for now; try again)."""
+RETRY_FIRST_S = 0.005
+"""First pause before :func:`hand_over` tries again; it doubles up to :data:`RETRY_MAX_S`."""
+RETRY_MAX_S = 0.25
+"""Longest pause between two tries of :func:`hand_over`."""
+TRANSIENT = frozenset({errno.EAGAIN, errno.ECONNRESET, errno.EPIPE, errno.ENOBUFS})
+"""Connection errors :func:`hand_over` tries again: a full backlog (Linux answers a
+non-blocking ``connect`` to a full ``AF_UNIX`` backlog with ``EAGAIN``) and a connection
+the daemon closed before replying (busy). ``ECONNREFUSED`` (nobody listens: the daemon is
+gone) fails at once, as a missing socket file does."""
 
 _UCRED = struct.Struct("3i")
 
@@ -56,6 +76,11 @@ class HandoverError(KvtierError):
 
 class HandoverUnavailable(HandoverError):
     """No daemon listens on the handover socket (or it did not answer in time)."""
+
+
+class HandoverBusy(HandoverError):
+    """The daemon was at a limit (or its backlog full) until the deadline (the message
+    names the limit when the daemon said which)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,9 +152,10 @@ def decode_request(data: bytes) -> bytes:
     return data[len(MAGIC):]
 
 
-def encode_reply(ok: bool, text: str) -> bytes:
-    """A handover reply: status byte and text, cut to :data:`MAX_REPLY_BYTES`."""
-    return bytes([OK if ok else REFUSED]) + text.encode()[: MAX_REPLY_BYTES - 1]
+def encode_reply(status: int, text: str) -> bytes:
+    """A handover reply: status byte (:data:`OK`, :data:`REFUSED`, :data:`BUSY`) and
+    text, cut to :data:`MAX_REPLY_BYTES`."""
+    return bytes([status]) + text.encode()[: MAX_REPLY_BYTES - 1]
 
 
 def close_fds(fds: list[int]) -> None:
@@ -144,35 +170,73 @@ def close_fds(fds: list[int]) -> None:
 def hand_over(path: str | Path, token: bytes, fds: list[int], timeout: float) -> int:
     """Hand ``fds`` over to the daemon under ``token``; return the completion block's fd.
 
+    A busy daemon (a ``BUSY`` reply, a full backlog, a connection closed before its
+    reply) is tried again with backoff (:data:`RETRY_FIRST_S` doubling up to
+    :data:`RETRY_MAX_S`, with jitter) until ``timeout`` has passed in all.
+
     Args:
         path: the daemon's handover socket.
         token: 16 random bytes; REGISTER names them as ``handover``.
         fds: the memory's descriptors, in segment order (at most ``MAX_HANDOVER_FDS``).
-        timeout: seconds for connecting, sending and the reply.
+        timeout: seconds for the whole handover, tries again included.
 
     Returns:
         A read-only descriptor of the session's completion block (the caller closes it).
 
     Raises:
         HandoverUnavailable: nothing listens at ``path``, or no reply in time.
+        HandoverBusy: the daemon stayed busy until the deadline (its last reason).
         HandoverError: the daemon refused (the message is its reason).
     """
     if len(fds) > MAX_HANDOVER_FDS:
         raise HandoverError(f"{len(fds)} descriptors exceed the {MAX_HANDOVER_FDS} of one handover")
     request = encode_request(token)
+    deadline = time.monotonic() + timeout
+    pause = RETRY_FIRST_S
+    tries = 0
+    while True:
+        tries += 1
+        try:
+            return _try_once(path, request, fds, max(deadline - time.monotonic(), 0.001))
+        except _Again as again:
+            left = deadline - time.monotonic()
+            if left <= RETRY_FIRST_S:
+                raise HandoverBusy(f"kvtierd's handover socket at {path} stayed busy for "
+                                   f"{timeout:g}s ({tries} tries): {again}") from None
+            time.sleep(min(left - RETRY_FIRST_S, pause * random.uniform(0.5, 1.0)))
+            pause = min(RETRY_MAX_S, pause * 2)
+
+
+class _Again(Exception):
+    """One try of :func:`hand_over` met a busy daemon (the message says how)."""
+
+
+def _try_once(path: str | Path, request: bytes, fds: list[int], timeout: float) -> int:
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as sock:
         sock.settimeout(timeout)
         try:
             sock.connect(str(path))
-            socket.send_fds(sock, [request], fds)
-            data, got, flags, _ = socket.recv_fds(sock, MAX_REPLY_BYTES, 1)
         except (FileNotFoundError, ConnectionRefusedError, TimeoutError) as err:
             raise HandoverUnavailable(f"no kvtierd handover socket answers at {path}: {err}") from err
         except OSError as err:
+            if err.errno in TRANSIENT:
+                raise _Again(f"connect: {err.strerror} (backlog full)") from None
+            raise HandoverError(f"memory handover at {path} failed: {err}") from err
+        try:
+            socket.send_fds(sock, [request], fds)
+            data, got, flags, _ = socket.recv_fds(sock, MAX_REPLY_BYTES, 1)
+        except TimeoutError as err:
+            raise HandoverUnavailable(f"no kvtierd handover socket answers at {path}: {err}") from err
+        except OSError as err:
+            if err.errno in TRANSIENT:
+                raise _Again(f"the daemon closed the connection: {err.strerror}") from None
             raise HandoverError(f"memory handover at {path} failed: {err}") from err
     if not data:
         close_fds(got)
-        raise HandoverUnavailable(f"kvtierd closed the handover at {path} without a reply")
+        raise _Again("the daemon closed the connection without a reply")
+    if data[0] == BUSY:
+        close_fds(got)
+        raise _Again(data[1:].decode(errors="replace"))
     if data[0] != OK:
         close_fds(got)
         raise HandoverError(data[1:].decode(errors="replace"))

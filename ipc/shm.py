@@ -178,17 +178,19 @@ class SharedMemorySegment:
 
     @classmethod
     def from_fd(cls, fd: int, size: int, writable: bool = True, label: str = "fd",
-                populate: bool = False) -> SharedMemorySegment:
+                populate: bool = False, offset: int = 0) -> SharedMemorySegment:
         """Map ``size`` bytes of a descriptor someone handed over (the caller keeps ``fd``).
 
         The caller checks the descriptor first (kind, size, seals): this only maps it.
 
         Args:
             fd: the descriptor.
-            size: bytes to map, from offset 0.
+            size: bytes to map, from ``offset``.
             writable: map read-write (else read-only).
             label: the segment's ``path``, for messages.
             populate: pre-fault the mapping (``MAP_POPULATE``).
+            offset: where the mapping starts in the file (a multiple of
+                ``mmap.ALLOCATIONGRANULARITY``); ``address`` is that byte's.
 
         Raises:
             SharedMemoryError: the mapping failed (e.g. a read-only descriptor mapped
@@ -197,7 +199,7 @@ class SharedMemorySegment:
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
         mflags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
         try:
-            mm = mmap.mmap(fd, size, flags=mflags, prot=prot)
+            mm = mmap.mmap(fd, size, flags=mflags, prot=prot, offset=offset)
         except (OSError, ValueError) as err:
             raise SharedMemoryError(f"cannot map {label}: {err}") from err
         return cls(label, size, mm, owner=False, writable=writable)

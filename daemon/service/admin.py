@@ -19,7 +19,9 @@ Who sees what (the admin token is compared in constant time):
   admin-only.
 
 HEALTH is ``ok``, ``stopping``, or ``degraded: <what>`` while L3 is configured but not
-serving (the guard's cause: not open, or down, and why); L2 keeps serving then.
+serving (the guard's cause: not open, or down, and why; L2 keeps serving then), or for a
+minute after the daemon ran short of address space, memory or descriptors
+(:mod:`~kvtier.daemon.service.strain`; only the requests that needed more were refused).
 
 A reload applies only the fields that can change while running; any other change refuses
 the whole reload, so a configuration is never half applied.
@@ -47,7 +49,10 @@ ADMIN_TOKEN_HINT = ("tenants are configured: a request without the admin token s
 """Appended to an UNAUTHORIZED refusal when tenants are configured and no scope was found."""
 
 LIVE_FIELDS = frozenset({
-    "log_level", "lease_s", "shutdown_timeout_s", "max_keys_per_request", "max_message_bytes",
+    "max_sessions_per_user", "max_handover_connections_per_user", "max_handover_connections",
+    "max_handovers_waiting_per_user", "max_handovers_waiting", "max_handover_descriptors_per_user",
+    "max_mapped_bytes_per_user",
+    "max_mapped_bytes", "max_mapped_segments_per_user", "log_level", "lease_s", "shutdown_timeout_s", "max_keys_per_request", "max_message_bytes",
     "hicache_storage_prefetch_policy", "prefetch_threshold", "prefetch_timeout_base",
     "prefetch_timeout_per_ki_token", "prefetch_timeout_max", "prefetch_concurrency",
     "write_back_queue", "hicache_write_policy", "storage_timeout_s", "tp_group_timeout_s",
@@ -133,9 +138,15 @@ class Admin:
         """HEALTH: ``ok``, ``stopping`` or ``degraded: <why>``, and the session count (no
         session or token needed)."""
         ctx = self.ctx
-        problem = ctx.tier.l3.problem()
-        status = ("stopping" if ctx.stopping else "ok" if problem is None
-                  else f"degraded: {problem}; L2 keeps serving")
+        problems = []
+        short = ctx.strain.problem()
+        if short is not None:
+            problems.append(f"{short} (requests that need more are refused; others are served)")
+        l3 = ctx.tier.l3.problem()
+        if l3 is not None:
+            problems.append(f"{l3}; L2 keeps serving")
+        status = ("stopping" if ctx.stopping else "ok" if not problems
+                  else "degraded: " + "; ".join(problems))
         return P.HealthReply(req_id=m.req_id, epoch=ctx.epoch, status=status,
                              sessions=len(ctx.sessions))
 
@@ -180,8 +191,9 @@ class Admin:
 
         Returns:
             ``epoch``, ``uptime_s``, ``pool``, ``counters``, ``window`` (the last
-            minute's L2 page hit rate), ``l3``, ``adopt`` and
-            ``sessions``; the metrics endpoint turns the same dict into its series.
+            minute's L2 page hit rate), ``l3``, ``adopt``, ``sessions`` and ``limits`` (the
+            per-user bounds, each user's use of them, the refusals); the metrics endpoint
+            turns the same dict into its series.
         """
         ctx = self.ctx
         ps = ctx.pool.stats()
@@ -194,6 +206,27 @@ class Admin:
             "l3": ctx.tier.snapshot(),
             "adopt": dataclasses.asdict(ctx.adopt) if ctx.adopt is not None else {},
             "sessions": self._sessions(),
+            "limits": self._limits(),
+        }
+
+    def _limits(self) -> dict[str, object]:
+        """The per-user bounds in force, each user's use of them, and the refusals."""
+        ctx = self.ctx
+        users: dict[int, dict[str, int]] = {}
+        for uid, (conns, waiting) in ctx.handovers.use().items():
+            users[uid] = {"handover_connections": conns, "handovers_waiting": waiting}
+        for uid, use in ctx.quotas.users.items():
+            users.setdefault(uid, {}).update(sessions=use.sessions, mapped_bytes=use.mapped_bytes,
+                                             mapped_segments=use.mapped_segments)
+        for uid, queued in ctx.prefaults.queued().items():
+            users.setdefault(uid, {})["prefaults_queued"] = queued
+        return {
+            "bounds": ctx.quotas.limits(),
+            "users": {str(uid): use for uid, use in sorted(users.items())},
+            "tenants": {t: dataclasses.asdict(u) for t, u in sorted(ctx.quotas.tenants.items())},
+            "mapped_bytes": ctx.quotas.mapped_bytes,
+            "refusals": {**ctx.handovers.refusals, **ctx.quotas.refusals},
+            "shortages": ctx.strain.count,
         }
 
     # ------------------------------------------------------------------ FLUSH

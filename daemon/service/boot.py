@@ -26,7 +26,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +43,7 @@ from kvtier.daemon.service.transfers import Transfers
 from kvtier.daemon.storage.base import HostArena
 from kvtier.daemon.storage.registry import slot_headroom
 from kvtier.daemon.tier.tier import TierStore
+from kvtier.daemon.transfer.fair_pool import FairExecutor
 from kvtier.ipc.shm import SharedMemorySegment
 
 __all__ = ["Service", "build_service"]
@@ -116,7 +116,7 @@ class Service:
 
     async def open(self, stack: contextlib.AsyncExitStack,
                    finalize_remaining: Callable[[], None]) -> None:
-        """Open the L3 tier, start the copy threads and bind the handover socket.
+        """Open the L3 tier, start the prefault and copy threads and bind the handover socket.
 
         Args:
             stack: closes them, in reverse order.
@@ -129,7 +129,9 @@ class Service:
                                        address=seg.address + layout.arena_offset,
                                        headroom=layout.headroom))
         stack.push_async_callback(self.tier.close)
-        executor = ThreadPoolExecutor(self.ctx.cfg.copy_threads, thread_name_prefix="kvtier-copy")
+        self.ctx.prefaults.start()
+        stack.callback(self.ctx.prefaults.close)  # after every session's memory is unmapped
+        executor = FairExecutor(self.ctx.cfg.copy_threads, "kvtier-copy")
         self.transfers.open(executor, self._arena, self.ctx.cfg.copy_threads)
         stack.callback(self.transfers.close)
         stack.callback(finalize_remaining)  # runs once the copy threads have ended

@@ -19,9 +19,12 @@ from kvtier.daemon.counters import Counters, HitWindow
 from kvtier.daemon.pool.index import HostPool
 from kvtier.daemon.pool.layout import AdoptResult
 from kvtier.daemon.service.handover import HandoverServer
+from kvtier.daemon.service.quotas import Quotas
 from kvtier.daemon.service.sessions import Session, SessionState, SessionTable
+from kvtier.daemon.service.strain import Strain
 from kvtier.daemon.service.validation import RequestError
 from kvtier.daemon.tier.tier import TierStore
+from kvtier.daemon.transfer.prefault import PrefaultQueue
 from kvtier.ipc import protocol as P
 from kvtier.ipc.fdpass import handover_path
 
@@ -45,6 +48,10 @@ class ServiceContext:
     Attributes:
         sessions: the registered engine sessions.
         handovers: the memory handover socket and the handovers waiting for REGISTER.
+        strain: shortages of memory, address space or descriptors (HEALTH reports them).
+        quotas: what each user and tenant holds, against its bounds.
+        prefaults: the threads that build page tables over engines' memory, users taking
+            turns.
         metrics: the Prometheus endpoint when ``metrics_port`` is set, else None.
         adopt: what the start made of the pool file it found (set once mapped).
         started: wall-clock start time (``uptime_s``).
@@ -61,7 +68,10 @@ class ServiceContext:
         self.rdir = rdir
         self.epoch = epoch
         self.sessions = SessionTable()
-        self.handovers = HandoverServer(handover_path(rdir))
+        self.strain = Strain()
+        self.quotas = Quotas(lambda: self.cfg)
+        self.prefaults = PrefaultQueue(cfg.prefault_threads)
+        self.handovers = HandoverServer(handover_path(rdir), lambda: self.cfg, self.strain)
         self.metrics: DaemonMetrics | None = None
         self.adopt: AdoptResult | None = None
         self.started = time.time()
@@ -126,6 +136,7 @@ class ServiceContext:
             s.transition(SessionState.CLOSING)
         self.sessions.remove(s)
         self.tier.session_closed(s)
+        self.quotas.remove(s.session_id)
         s.memory.close()  # never an unlink: the engine's memory has no name the daemon knows
         s.completion.close()
         s.transition(SessionState.CLOSED)

@@ -24,6 +24,7 @@ from kvtier.config import format_size
 from kvtier.daemon.pool.index import HostPoolError
 from kvtier.daemon.service.context import ServiceContext
 from kvtier.daemon.service.handover import Handover, HandoverNotYours, HandoverRefused
+from kvtier.daemon.service.quotas import LimitExceeded
 from kvtier.daemon.service.sessions import Session
 from kvtier.daemon.service.transfers import Transfers
 from kvtier.daemon.service.validation import (
@@ -38,6 +39,7 @@ from kvtier.daemon.transfer.engine_memory import (
     NAMES_REFUSED,
     EngineMemory,
     EngineMemoryError,
+    EngineMemoryExhausted,
     NoMemory,
 )
 from kvtier.daemon.transfer.transfer import Direction
@@ -150,12 +152,21 @@ class Handlers:
         """Map the handover's memory and open the session (taking its completion block)."""
         ctx, cfg, g = self.ctx, self.ctx.cfg, m.geometry
         control = m.memory.kind == "none"
+        uid = h.peer.uid
         try:
+            ctx.quotas.check_session(uid, tenant)
             if control:
                 NoMemory.check(m.memory, h.fds)
                 memory: EngineMemory | NoMemory = NoMemory()
             else:
-                memory = EngineMemory(g, m.memory, h.fds)
+                memory = EngineMemory(g, m.memory, h.fds, ctx.quotas.admitter(uid, tenant))
+        except LimitExceeded as err:
+            log.info("registration of pid %d uid %d refused: %s", h.peer.pid, uid, err)
+            raise RequestError(P.ErrorCode.BUSY, str(err)) from err
+        except (EngineMemoryExhausted, MemoryError) as err:
+            ctx.strain.note(f"REGISTER from uid {uid}: cannot map its memory: {err}")
+            raise RequestError(P.ErrorCode.BUSY, f"the daemon is short of address space or "
+                                                 f"memory to map this memory: {err}") from err
         except EngineMemoryError as err:
             raise RequestError(P.ErrorCode.BAD_MEMORY, str(err)) from err
         try:
@@ -184,9 +195,11 @@ class Handlers:
                 cache_salt=m.namespace.cache_salt, attention=g.attention, tp_size=m.tp_size,
                 tp_group=m.tp_group), m.tp_rank, sid)
         ctx.sessions.add(s)
+        ctx.quotas.add(sid, uid, tenant, getattr(memory, "mapped_bytes", 0),
+                       len(getattr(memory, "segments", ())))
         ctx.counters.sessions_opened += 1
         if isinstance(memory, EngineMemory):
-            memory.start_prefault(f"session {sid}")
+            memory.start_prefault(f"session {sid}", ctx.prefaults, uid)
         log.info("session %d registered: tenant %s, model %s, pid %d uid %d, rank %d/%d, "
                  "%s of %s", sid, tenant, m.namespace.model_id, s.pid, s.uid, m.tp_rank,
                  m.tp_size, "control only, no pages" if control else

@@ -164,6 +164,7 @@ class SnapshotCollector:
         yield from _byte_families(counters, l3)
         yield from _l3_families(l3)
         yield from _session_families(snap.get("sessions"))
+        yield from _limit_families(_section(snap, "limits"))
 
 
 def _daemon_families(snap: Mapping[str, Any]) -> Iterator[Metric]:
@@ -329,3 +330,51 @@ def _session_families(sessions: object) -> Iterator[Metric]:
     running = sum(int(s.get("transfers", 0)) for s in sessions if isinstance(s, Mapping))
     yield GaugeMetricFamily("kvtier_transfers_in_flight",
                             "LOAD and STORE transfers running or queued now.", value=float(running))
+
+
+_USE_KEYS = ("handover_connections", "handovers_waiting", "sessions", "mapped_bytes",
+             "mapped_segments", "prefaults_queued")
+"""Per-user use reported in ``snapshot["limits"]["users"]``, as ``resource`` label values."""
+
+
+def _limit_families(limits: Mapping[str, Any]) -> Iterator[Metric]:
+    """The per-user bounds, each user's use of them, and the refusals they caused."""
+    if not limits:
+        return
+    bounds = _section(limits, "bounds")
+    fam = GaugeMetricFamily("kvtier_limit", "Each per-user or total bound in force, by its "
+                            "setting name (bytes for the *_bytes ones).", labels=["setting"])
+    for name, value in sorted(bounds.items()):
+        if _number(value) is not None:
+            fam.add_metric([str(name)], float(value))
+    if fam.samples:
+        yield fam
+    use = GaugeMetricFamily("kvtier_user_use", "What each user id holds now, by resource: "
+                            "handover_connections, handovers_waiting, sessions, mapped_bytes, "
+                            "mapped_segments, prefaults_queued.", labels=["uid", "resource"])
+    for uid, held in sorted(_section(limits, "users").items()):
+        if isinstance(held, Mapping):
+            for key in _USE_KEYS:
+                value = _number(held.get(key))
+                if value is not None:
+                    use.add_metric([str(uid), key], value)
+    yield use
+    mapped = _number(limits.get("mapped_bytes"))
+    if mapped is not None:
+        yield GaugeMetricFamily("kvtier_mapped_bytes", "Bytes of engine memory mapped now, all "
+                                "users together (bounded by max_mapped_bytes).", value=mapped)
+    refusals = CounterMetricFamily("kvtier_limit_refusals", "Handovers and registrations "
+                                   "refused because a bound was reached, by setting (memory: "
+                                   "the daemon was short of memory or descriptors).",
+                                   labels=["setting"])
+    for name, count in sorted(_section(limits, "refusals").items()):
+        value = _number(count)
+        if value is not None:
+            refusals.add_metric([str(name)], value)
+    yield refusals
+    short = _number(limits.get("shortages"))
+    if short is not None:
+        yield CounterMetricFamily("kvtier_resource_shortages", "Times the daemon ran short of "
+                                  "address space, memory or descriptors (each refused one "
+                                  "request; HEALTH says degraded for a minute after).",
+                                  value=short)

@@ -8,7 +8,9 @@ Where a copy runs depends on its size:
   the loop), so such a transfer has ended, and its final status is in the completion
   block, by the time the engine reads the reply;
 - larger, on a thread of the copy pool (the copy itself releases the GIL), started at once
-  so the copy overlaps the reply;
+  so the copy overlaps the reply; the threads serve users (uids) in turn
+  (:class:`~kvtier.daemon.transfer.fair_pool.FairExecutor`), so no user's copies hold
+  another's back for more than one copy per thread;
 - from :data:`SHARE_MIN_BYTES` (1 MiB) up to ``2 × LOOP_SHARE_BYTES`` (8 MiB), while no
   copy thread is busy, no other request waits and the daemon may use more than one CPU, in
   two halves at once: one on a copy thread, the other on the event loop before the reply
@@ -43,12 +45,13 @@ import asyncio
 import os
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from typing import Any
 
 import numpy as np
 from kvtier.daemon.service.context import ServiceContext
 from kvtier.daemon.service.sessions import Session, SessionState
+from kvtier.daemon.transfer.fair_pool import FairExecutor
 from kvtier.daemon.transfer.transfer import (
     Direction,
     LayerGate,
@@ -74,6 +77,15 @@ of copying, less than handing them to a thread and back costs, so the loop is ne
 much longer than by a long LOOKUP. It covers a page of a tensor-parallel rank with one KV
 head (16 tokens x 32 layers x K, V x 128 dims x bf16 = 256 KiB) and a few pages of smaller
 ones."""
+
+INLINE_REGIONS = 64
+"""A session whose regions the native copy cannot take as one table copies region by
+region in Python; with more regions than this its copies never run on the event loop
+(however small): an engine that declares thousands of tiny regions slows only its own
+copies, on the copy threads in its user's turns, never the loop everyone shares."""
+INLINE_TABLE_ROWS = 1024
+"""The same bound for a session the native copy takes as one table (a row per region):
+every honest layout has a few regions per layer, far fewer than this."""
 
 SHARE_MIN_BYTES = 1 << 20
 """The smallest transfer the event loop shares with a copy thread (:meth:`Transfers._share`):
@@ -109,14 +121,14 @@ class Transfers:
     def __init__(self, ctx: ServiceContext) -> None:
         self.ctx = ctx
         self.inflight: set[Future] = set()
-        self._executor: ThreadPoolExecutor | None = None
+        self._executor: Executor | FairExecutor | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._threads = 1
         self._share_ok = False
         self._arena: Any = None
         self.requests_waiting: Callable[[], bool] = lambda: False
 
-    def open(self, executor: ThreadPoolExecutor, arena: Any, threads: int = 1) -> None:
+    def open(self, executor: Executor | FairExecutor, arena: Any, threads: int = 1) -> None:
         """Start accepting copies (on the event loop, which settles them).
 
         Args:
@@ -158,30 +170,32 @@ class Transfers:
                      checksum=direction is Direction.STORE and self.ctx.cfg.verify_on_adopt)
         s.completion.begin(slot, seq, g.num_layers)
         s.transfers[slot] = t
-        if t.nbytes <= INLINE_BYTES:  # ends before the reply: nobody to wake
+        n_regions = len(s.memory.regions)
+        cheap = n_regions <= INLINE_REGIONS or (s.memory.table is not None
+                                                and n_regions <= INLINE_TABLE_ROWS)
+        if t.nbytes <= INLINE_BYTES and cheap:  # ends before the reply: nobody to wake
             run_transfer(t, self._arena, s.memory.regions, g.num_layers, g.page_bytes,
                          s.completion.unannounced(), s.memory.table, whole=True)
             self._settle(s, t, t.status is TransferStatus.DONE, wake=False)
             return
         parts = self._parts(t)
         assert self._executor is not None, "open() first"
-        if parts == 1 and self._share_ok and not self.inflight \
+        if parts == 1 and cheap and self._share_ok and not self.inflight \
                 and SHARE_MIN_BYTES <= t.nbytes <= 2 * LOOP_SHARE_BYTES and len(host) > 1 \
                 and not self.requests_waiting():
             self._share(s, t)
             return
         if parts == 1:
-            self._watch(self._executor.submit(run_transfer, t, self._arena, s.memory.regions,
-                                              g.num_layers, g.page_bytes, s.completion,
-                                              s.memory.table),
+            self._watch(self._submit(s, run_transfer, t, self._arena, s.memory.regions,
+                                     g.num_layers, g.page_bytes, s.completion, s.memory.table),
                         lambda f: self._finish(s, t, f))
             return
         self.ctx.counters.transfers_split += 1
         gate = LayerGate(s.completion, parts)
         bounds = [len(host) * i // parts for i in range(parts + 1)]
-        futs = [self._executor.submit(copy_part, t, bounds[i], bounds[i + 1], self._arena,
-                                      s.memory.regions, g.num_layers, g.page_bytes, gate.part(i),
-                                      s.memory.table)
+        futs = [self._submit(s, copy_part, t, bounds[i], bounds[i + 1], self._arena,
+                             s.memory.regions, g.num_layers, g.page_bytes, gate.part(i),
+                             s.memory.table)
                 for i in range(parts)]
         left = [parts]
 
@@ -210,8 +224,8 @@ class Transfers:
         self.ctx.counters.transfers_shared += 1
         gate = LayerGate(s.completion, 2)
         cut = n // 2
-        fut = self._executor.submit(copy_part, t, cut, n, self._arena, s.memory.regions,
-                                    g.num_layers, g.page_bytes, gate.part(1), s.memory.table)
+        fut = self._submit(s, copy_part, t, cut, n, self._arena, s.memory.regions,
+                           g.num_layers, g.page_bytes, gate.part(1), s.memory.table)
         mine: list[tuple[TransferStatus, list[int] | None]] = []
         settled = [False]
 
@@ -230,6 +244,15 @@ class Transfers:
                               g.page_bytes, gate.part(0), s.memory.table))
         if fut.done():
             ended(fut, wake=False)
+
+    def _submit(self, s: Session, fn: Callable[..., Any], *args: Any) -> Future:
+        """Queue ``fn(*args)`` on the copy threads, in the turn of ``s``'s user when they
+        take turns (:class:`~kvtier.daemon.transfer.fair_pool.FairExecutor`)."""
+        ex = self._executor
+        assert ex is not None, "open() first"
+        if isinstance(ex, FairExecutor):
+            return ex.submit_for(s.uid, fn, *args)
+        return ex.submit(fn, *args)
 
     def _watch(self, fut: Future, on_loop: Callable[[Future], None]) -> None:
         """Track the copy ``fut`` in :attr:`inflight` and run ``on_loop(fut)`` on the event

@@ -15,6 +15,11 @@ per-buffer form of kvtier's own ``layer_first`` layout). Each descriptor is chec
   without ``MFD_ALLOW_SEALING``). Other unsealed files are refused: I/O on a network or
   FUSE file could block a copy thread for good.
 
+Only the spans the regions use are mapped (:mod:`~kvtier.daemon.transfer.mapping_plan`):
+a segment may declare far more than it holds (a sparse memfd costs its maker nothing),
+and the bytes and mappings planned are offered to the caller's ``admit`` (the per-user
+limits) before any mapping is made.
+
 Once the session is open, :meth:`EngineMemory.start_prefault` builds the daemon's page tables
 over the mapped segments on a thread (:mod:`kvtier.daemon.transfer.prefault`), so the first
 copy into an engine page takes no page fault.
@@ -27,16 +32,19 @@ duplicated and kept until :meth:`EngineMemory.close`).
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import os
 import stat
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 from kvtier.config.errors import KvtierError
-from kvtier.daemon.transfer.prefault import Prefaulter
+from kvtier.daemon.transfer.mapping_plan import Window, plan_windows
+from kvtier.daemon.transfer.prefault import Prefaulter, PrefaultQueue
 from kvtier.ipc.limits import MAX_PAGES
 from kvtier.ipc.protocol import Geometry, KVMemory, MemoryRegion
 from kvtier.ipc.shm import SharedMemoryError, SharedMemorySegment
@@ -193,6 +201,16 @@ def check_region_fits(r: MemoryRegion, i: int, num_pages: int, seg_size: int,
     return span
 
 
+NO_ROOM = (errno.ENOMEM, errno.EAGAIN, errno.ENFILE, errno.EMFILE)
+"""``mmap`` errors that mean the daemon ran out of room, not that the descriptor is bad."""
+Admit = Callable[[int, int], None]
+"""Called with (bytes, mappings) planned before mapping; raises to refuse them."""
+
+
+class EngineMemoryExhausted(EngineMemoryError):
+    """The daemon could not map the memory: out of address space, memory or mappings."""
+
+
 @dataclass(frozen=True, slots=True)
 class RegionView:
     """One region of an engine's memory as the daemon copies it.
@@ -275,8 +293,13 @@ class EngineMemory:
         geometry: the engine's page geometry.
         memory: the export (``kind = "fd"``): segment sizes and where pages lie.
         fds: the handover's descriptors, one per segment (the caller still closes them).
+        admit: called with the bytes and the count of the mappings planned, before any is
+            made; it raises to refuse them (the per-user limits).
 
     Attributes:
+        segments: the mappings: one per run of a segment that the regions use
+            (:func:`plan_windows`), not the whole segment.
+        mapped_bytes: their bytes.
         regions: one :class:`RegionView` per region (their bytes make a host page).
         table: the regions for the native copy, when all of them are mapped (None otherwise).
         buffers: ``[layer][component]`` uint8 numpy arrays of ``[num_pages, chunk_bytes]``
@@ -287,15 +310,17 @@ class EngineMemory:
 
     Raises:
         EngineMemoryError: the export or a descriptor is refused (nothing stays mapped).
+        EngineMemoryExhausted: the daemon ran out of address space or memory mapping it.
     """
 
-    __slots__ = ("_fds", "_prefault", "buffers", "geometry", "guarded", "mapped", "num_pages",
-                 "regions", "segments", "table")
+    __slots__ = ("_fds", "_prefault", "buffers", "geometry", "guarded", "mapped", "mapped_bytes",
+                 "num_pages", "regions", "segments", "table")
 
-    def __init__(self, geometry: Geometry, memory: KVMemory, fds: list[int]) -> None:
+    def __init__(self, geometry: Geometry, memory: KVMemory, fds: list[int],
+                 admit: Admit | None = None) -> None:
         self.geometry = geometry
         self.num_pages = memory.num_pages
-        self.segments: list[SharedMemorySegment | None] = []
+        self.segments: list[SharedMemorySegment] = []
         self._fds: list[int] = []
         self.regions: list[RegionView] = []
         self.table: RegionTable | None = None
@@ -303,13 +328,14 @@ class EngineMemory:
         self.mapped = True
         self.guarded = False
         self._prefault: Prefaulter | None = None
+        self.mapped_bytes = 0
         try:
-            self._map(memory, fds)
+            self._map(memory, fds, admit)
         except BaseException:
             self.close()
             raise
 
-    def _map(self, memory: KVMemory, fds: list[int]) -> None:
+    def _map(self, memory: KVMemory, fds: list[int], admit: Admit | None) -> None:
         g = self.geometry
         if memory.kind == "shm":
             raise EngineMemoryError(NAMES_REFUSED)
@@ -321,38 +347,50 @@ class EngineMemory:
         if not memory.segments or len(memory.segments) != len(fds):
             raise EngineMemoryError(f"memory.segments has {len(memory.segments)} entries but the "
                                     f"handover passed {len(fds)} descriptors")
-        fd_of: list[int] = []
-        sealed_of: list[bool] = []
-        for i, (seg, fd) in enumerate(zip(memory.segments, fds, strict=True)):
-            what = f"memory.segments[{i}]"
-            sealed = check_descriptor(fd, seg.size, what)
-            sealed_of.append(sealed)
-            if sealed or guarded_copy.AVAILABLE:
-                try:
-                    self.segments.append(SharedMemorySegment.from_fd(fd, seg.size, writable=True,
-                                                                     label=what))
-                except SharedMemoryError as err:
-                    raise EngineMemoryError(str(err)) from err
-                fd_of.append(-1)
-            else:
-                self.segments.append(None)
+        # everything declared is checked before anything is mapped
+        spans = [check_region_fits(r, i, memory.num_pages, memory.segments[r.segment].size,
+                                   EngineMemoryError) for i, r in enumerate(regions)]
+        sealed_of = [check_descriptor(fd, seg.size, f"memory.segments[{i}]")
+                     for i, (seg, fd) in enumerate(zip(memory.segments, fds, strict=True))]
+        maps = [sealed or guarded_copy.AVAILABLE for sealed in sealed_of]
+        windows = plan_windows([seg.size for seg in memory.segments],
+                               [(r.segment, r.offset, span)
+                                for r, span in zip(regions, spans, strict=True) if maps[r.segment]])
+        self.mapped_bytes = sum(w.end - w.start for w in windows)
+        if admit is not None:
+            admit(self.mapped_bytes, len(windows))
+        fd_of = [-1] * len(fds)
+        for i, fd in enumerate(fds):
+            if not maps[i]:
                 self._fds.append(os.dup(fd))
-                fd_of.append(self._fds[-1])
+                fd_of[i] = self._fds[-1]
                 self.mapped = False
+        mapped: list[tuple[Window, SharedMemorySegment]] = []
+        for w in windows:
+            what = f"memory.segments[{w.segment}]"
+            try:
+                seg = SharedMemorySegment.from_fd(fds[w.segment], w.end - w.start, writable=True,
+                                                  label=what, offset=w.start)
+            except SharedMemoryError as err:
+                if isinstance(err.__cause__, OSError) and err.__cause__.errno in NO_ROOM:
+                    raise EngineMemoryExhausted(f"{what}: {err}") from err
+                raise EngineMemoryError(str(err)) from err
+            self.segments.append(seg)
+            mapped.append((w, seg))
         host_offset = 0
-        for i, r in enumerate(regions):
-            span = check_region_fits(r, i, memory.num_pages, memory.segments[r.segment].size,
-                                     EngineMemoryError)
-            seg = self.segments[r.segment]
+        for i, (r, span) in enumerate(zip(regions, spans, strict=True)):
             view, address = None, 0
-            if seg is not None and sealed_of[r.segment]:
-                rows = np.ndarray((memory.num_pages, r.page_bytes), dtype=np.uint8,
-                                  buffer=seg.array(np.uint8, r.offset, span),
-                                  strides=(r.page_stride, 1))
-                view = EngineView.of(rows, f"memory.regions[{i}]")
-            elif seg is not None:  # may shrink: guarded copies only, never an array over it
-                address = seg.address + r.offset
-                self.guarded = True
+            if maps[r.segment]:
+                w, seg = next((w, seg) for w, seg in mapped if w.holds(r.segment, r.offset, span))
+                at = r.offset - w.start
+                if sealed_of[r.segment]:
+                    rows = np.ndarray((memory.num_pages, r.page_bytes), dtype=np.uint8,
+                                      buffer=seg.array(np.uint8, at, span),
+                                      strides=(r.page_stride, 1))
+                    view = EngineView.of(rows, f"memory.regions[{i}]")
+                else:  # may shrink: guarded copies only, never an array over it
+                    address = seg.address + at
+                    self.guarded = True
             self.regions.append(RegionView(r.layer, host_offset, r.page_bytes, r.page_stride,
                                            r.offset, view, fd_of[r.segment], memory.num_pages,
                                            address))
@@ -363,14 +401,17 @@ class EngineMemory:
             self.buffers = [[self.regions[l * comps + c].view.array for c in range(comps)]
                             for l in range(g.num_layers)]
 
-    def start_prefault(self, label: str) -> None:
-        """Build the page tables of the mapped segments on a thread, where the engine has
-        allocated its pages (:mod:`.prefault`): the first copy into a page then takes no
-        fault. :meth:`close` stops it first."""
+    def start_prefault(self, label: str, queue: PrefaultQueue | None = None,
+                       user: int = -1) -> None:
+        """Build the page tables of the mapped spans where the engine has allocated its
+        pages (:mod:`.prefault`), on ``queue`` in ``user``'s turns (else on a thread of its
+        own): the first copy into a page then takes no fault. :meth:`close` stops it first."""
         if self._prefault is None:
-            self._prefault = Prefaulter([(seg.address, seg.size) for seg in self.segments
-                                         if seg is not None], label)
-            self._prefault.start()
+            self._prefault = Prefaulter([(seg.address, seg.size) for seg in self.segments], label)
+            if queue is not None:
+                queue.submit(self._prefault, user)
+            else:
+                self._prefault.start()
 
     def close(self) -> None:
         """Drop the views, unmap every segment and close the kept descriptors (nothing is
@@ -382,9 +423,9 @@ class EngineMemory:
         self.regions = []
         self.table = None
         for seg in self.segments:
-            if seg is not None:
-                seg.close(unlink=False)
+            seg.close(unlink=False)
         self.segments = []
+        self.mapped_bytes = 0
         for fd in self._fds:
             os.close(fd)
         self._fds = []

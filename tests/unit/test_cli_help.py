@@ -96,3 +96,13 @@ def test_stats_table_shows_what_the_start_adopted(adopt, shown):
     text = _text(render_stats({"adopt": adopt, "pool": {}, "counters": {}}))
     row = next(line for line in text.splitlines() if "adopted at start" in line)
     assert shown in row
+
+
+def test_stats_table_shows_each_users_use_against_its_bounds():
+    limits = {"bounds": {"max_sessions_per_user": 128, "max_mapped_bytes_per_user": 64 << 20},
+              "users": {"4343": {"sessions": 3, "mapped_bytes": 32 << 20}},
+              "refusals": {"max_mapped_bytes_per_user": 2}}
+    text = _text(render_stats({"pool": {}, "counters": {}, "limits": limits}))
+    row = next(line for line in text.splitlines() if "4343" in line)
+    assert "3 / 128" in row and "32.0 MiB / 64.0 MiB" in row, row
+    assert "refused: max_mapped_bytes_per_user 2" in text

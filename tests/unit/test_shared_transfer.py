@@ -25,6 +25,7 @@ from kvtier.daemon.pool.layout import page_checksums
 from kvtier.daemon.service.sessions import SessionState
 from kvtier.daemon.service.transfers import (
     INLINE_BYTES,
+    INLINE_REGIONS,
     LOOP_SHARE_BYTES,
     SHARE_MIN_BYTES,
     Transfers,
@@ -239,3 +240,26 @@ def test_the_loop_leaves_a_transfer_to_the_threads_when(why):
              [bytes([i % 256]) * 32 for i in range(pages)])
     assert ctx.counters.transfers_shared == 0
     assert len(ex.submitted) == 1 and ex.submitted[0].__name__ == "run_transfer"
+
+
+def test_a_session_of_many_tiny_regions_never_copies_on_the_loop():
+    """An engine declaring many tiny regions (copied region by region in Python) would hold
+    the event loop everyone shares for a small transfer: its copies go to the copy
+    threads, in its user's turn, however small."""
+    n, row, pages = INLINE_REGIONS + 1, 512, 2
+    assert pages * n * row <= INLINE_BYTES  # small enough to be copied inline otherwise
+    ex = Executor()
+    tr, _, s, loop = _setup(ex)
+    mem = np.random.default_rng(5).integers(0, 256, (n, pages, row), dtype=np.uint8)
+    s.memory = SimpleNamespace(regions=[RegionView(0, i * row, row, row, 0,
+                                                   EngineView.of(mem[i], f"memory.regions[{i}]"))
+                                        for i in range(n)], table=None)
+    s.geometry = SimpleNamespace(num_layers=1, page_bytes=n * row, page_size=16)
+    tr.start(s, Direction.STORE, 0, 7, [0, 1], [1, 0], [b"a" * 32, b"b" * 32])
+    assert ex.submitted and not s.completion.finished()  # queued, not copied here
+    ex.run()
+    loop.run()
+    assert s.completion.finished() == [("finish", TransferStatus.DONE, True)]
+    page = n * row  # host slot h starts at h * PAGE (the stand-in pool's offsets)
+    assert np.array_equal(s.arena[:page], mem[:, 1].reshape(-1))
+    assert np.array_equal(s.arena[PAGE:PAGE + page], mem[:, 0].reshape(-1))
