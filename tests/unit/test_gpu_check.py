@@ -130,3 +130,28 @@ def test_all_cuda_tests_skipped_is_a_failure_not_ok(tmp_path: Path) -> None:
     assert "no CUDA test passed" in str(summary["reason"]), summary
     tests = summary["tests"]
     assert isinstance(tests, dict) and tests["passed"] == 0 and tests["skipped"] > 0, tests
+
+
+def test_pinned_gpu_wheels_cover_what_kvtier_needs() -> None:
+    """Every runtime dependency of kvtier except torch and numpy (the GPU machine has them) and
+    the test tools the check runs are pinned in bench/gpu-requirements.txt, so the check never
+    needs the network."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+    def name(req: str) -> str:
+        for sep in "<>=[; ":
+            req = req.split(sep)[0]
+        return req.strip().lower().replace("_", "-")
+
+    needed = {name(d) for d in project["dependencies"]} - {"torch", "numpy"}
+    needed |= {"pytest", "pytest-asyncio", "pytest-timeout", "hypothesis", "setuptools"}
+    pins = {}
+    for line in (ROOT / "bench" / "gpu-requirements.txt").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            assert "==" in line, f"not pinned: {line!r}"
+            pins[name(line)] = line
+    missing = needed - set(pins)
+    assert not missing, f"not in bench/gpu-requirements.txt: {sorted(missing)}"
