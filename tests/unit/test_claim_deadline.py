@@ -4,9 +4,10 @@ The tier counts a claim's deadline from its event loop's clock: ``timeout`` wait
 prefetch's start plus ``min(prefetch_timeout_max, prefetch_timeout_base +
 prefetch_timeout_per_ki_token x tokens / 1024)``, ``wait_complete`` until the start plus
 ``prefetch_timeout_max``, ``best_effort`` not at all. Here the loop is one whose clock
-stands still until the test moves it, and every L3 read of the prefetch is held, so the
-prefetch never ends by itself: the claim must end exactly when the clock passes its
-deadline, not before, and not only when the cap or the prefetch's end would have ended it.
+stands still until the test moves it (``tests/still_clock.py``), and every L3 read of the
+prefetch is held, so the prefetch never ends by itself: the claim must end exactly when
+the clock passes its deadline, not before, and not only when the cap or the prefetch's end
+would have ended it.
 
 The tier, the host pool, the prefetcher and the file store are the real ones
 (``open_rig``); only the store's reads wait behind a gate.
@@ -18,11 +19,11 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from kvtier.daemon.tier.prefetch import Prefetcher
 
+from tests.still_clock import START, StillClockLoop, run, turns
 from tests.unit.test_prefetch import CONCURRENCY
 from tests.unit.test_tier_store import GEOMETRY, Rig, chain, open_rig, written_to_l3
 
@@ -30,36 +31,6 @@ pytestmark = pytest.mark.timeout(60)
 
 PAGES = 16
 TOKENS = PAGES * GEOMETRY.page_size  # 256 tokens: a quarter of a Ki-token
-START = 1000.0
-"""The loop clock's reading when a test begins."""
-
-
-class StillClockLoop(asyncio.SelectorEventLoop):
-    """An event loop whose clock (``time()``, which timers and ``asyncio.wait`` timeouts
-    read) moves only when the test sets :attr:`now`."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.now = START
-
-    def time(self) -> float:
-        """The test's clock."""
-        return self.now
-
-
-def run(test: Any, tmp_path: Path) -> None:
-    """Run ``test(loop, tmp_path)`` to its end on a :class:`StillClockLoop`."""
-    loop = StillClockLoop()
-    try:
-        loop.run_until_complete(test(loop, tmp_path))
-    finally:
-        loop.close()
-
-
-async def turns(n: int = 50) -> None:
-    """Let every ready task run ``n`` times over (the clock does not move)."""
-    for _ in range(n):
-        await asyncio.sleep(0)
 
 
 class HeldReads:
@@ -126,7 +97,8 @@ async def ends_at(loop: StillClockLoop, task: asyncio.Task[int], deadline: float
 ])
 def test_timeout_claim_ends_at_its_computed_deadline(tmp_path: Path, base: float, per_ki: float,
                                                       cap: float, expect: float) -> None:
-    async def test(loop: StillClockLoop, tmp: Path) -> None:
+    async def test(loop: StillClockLoop) -> None:
+        tmp = tmp_path
         async with open_rig(tmp, prefetch_timeout_base=base,
                             prefetch_timeout_per_ki_token=per_ki,
                             prefetch_timeout_max=cap) as rig:
@@ -139,11 +111,12 @@ def test_timeout_claim_ends_at_its_computed_deadline(tmp_path: Path, base: float
                     assert await ends_at(loop, task, START + expect) == 0  # nothing read
             assert rig.tier.claim_deadline(s, None, "timeout") == loop.now  # no prefetch
 
-    run(test, tmp_path)
+    run(test)
 
 
 def test_wait_complete_waits_until_the_cap_and_best_effort_not_at_all(tmp_path: Path) -> None:
-    async def test(loop: StillClockLoop, tmp: Path) -> None:
+    async def test(loop: StillClockLoop) -> None:
+        tmp = tmp_path
         async with open_rig(tmp, prefetch_timeout_base=0.5,
                             prefetch_timeout_per_ki_token=2.0, prefetch_timeout_max=7.0) as rig:
             async with claim_behind_held_reads(loop, rig, "wait_complete") as (task, _):
@@ -151,11 +124,12 @@ def test_wait_complete_waits_until_the_cap_and_best_effort_not_at_all(tmp_path: 
             async with claim_behind_held_reads(loop, rig, "best_effort", salt="b") as (task, _):
                 assert task.done() and task.result() == 0
 
-    run(test, tmp_path)
+    run(test)
 
 
 def test_a_timeout_claim_whose_reads_end_in_time_gets_every_page(tmp_path: Path) -> None:
-    async def test(loop: StillClockLoop, tmp: Path) -> None:
+    async def test(loop: StillClockLoop) -> None:
+        tmp = tmp_path
         async with (open_rig(tmp, prefetch_timeout_base=0.5, prefetch_timeout_per_ki_token=2.0,
                              prefetch_timeout_max=30.0) as rig,
                     claim_behind_held_reads(loop, rig, "timeout") as (task, reads)):
@@ -165,4 +139,4 @@ def test_a_timeout_claim_whose_reads_end_in_time_gets_every_page(tmp_path: Path)
             reads.gate.set()  # the reads end in time; the clock stays
             assert await task == PAGES
 
-    run(test, tmp_path)
+    run(test)
