@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 from kvtier.client.daemon_process import DaemonProcess
+
+# Every hypothesis test and state machine runs the same examples on every run: its seed
+# comes from the test itself (derandomize) and no example database carries failures from
+# one run into the next, so a verdict never depends on an earlier run. Budgets are set per
+# test, sized so that planted bugs are found within them. KVTIER_HYPOTHESIS=explore draws
+# fresh random examples instead (a longer search, for hunting bugs by hand).
+settings.register_profile("kvtier", derandomize=True, database=None)
+settings.register_profile("explore", derandomize=False, database=None)
+settings.load_profile(os.environ.get("KVTIER_HYPOTHESIS", "kvtier"))
 
 
 @pytest.fixture

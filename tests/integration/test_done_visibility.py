@@ -4,64 +4,225 @@ after the daemon committed a store's pages (READY) or dropped a load's pins.
 An engine that sees DONE may tell another engine at once that the pages are there, or reuse
 its own device pages. If DONE came first (the copy thread writing it, or the event loop
 writing it before the commit), another session's LOOKUP right after DONE could miss pages
-that were stored. The window is short, so each check runs a few hundred small transfers in
-a bounded loop; each iteration fails on its own, with its number.
+that were stored.
+
+The window between a copy's end and its settling only exists for copies that run on a copy
+thread: those above ``INLINE_BYTES`` (a smaller one is copied and settled on the event loop
+before the reply goes out). So the transfers here are the three sizes that use a copy
+thread: shared with the event loop (1 to 8 MiB), whole on one thread (8 to 32 MiB), and
+split over several (32 MiB and more).
+
+The window is opened on purpose rather than waited for: the daemon (the real one, in this
+process, on uvloop) runs its copies behind a gate the test opens only once it holds the
+daemon's event loop in a callback. The copy then ends while the loop cannot settle it, and
+the engine's completion block must not say DONE until the test lets the loop go.
 """
 
 from __future__ import annotations
 
-import pytest
-from kvtier.client.admin import AdminClient
-from kvtier.client.daemon_process import DaemonProcess
+import asyncio
+import concurrent.futures
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-from tests.engines import SMALL, engine, fill_page, tokens
+import pytest
+import uvloop
+from kvtier.client.admin import AdminClient
+from kvtier.client.transfer_handle import TransferHandle
+from kvtier.config import DaemonConfig
+from kvtier.config.loader import load_config
+from kvtier.daemon.service.server import Daemon
+from kvtier.daemon.service.transfers import (
+    INLINE_BYTES,
+    LOOP_SHARE_BYTES,
+    SHARE_MIN_BYTES,
+    SPLIT_BYTES,
+)
+from kvtier.ipc import protocol as P
+from kvtier.ipc.completion import TransferStatus
+
+from tests.engines import engine, fill_page, page_bytes, tokens
 from tests.key_chain import spec_page_keys
 
 pytestmark = pytest.mark.timeout(120)
 
-P = SMALL.page_size
-ROUNDS = 400
+MIB = 1 << 20
+BIG = P.Geometry(num_layers=4, page_size=16, kv_heads=8, head_dim=256, dtype="float32")
+"""1 MiB pages: a transfer's size in MiB is its page count."""
+assert BIG.page_bytes == MIB
+
+SIZES = {
+    "shared": 2,  # the loop copies one half, a copy thread the other
+    "thread": 10,  # whole on one copy thread
+    "split": 34,  # in parts on both copy threads
+}
+assert INLINE_BYTES < SHARE_MIN_BYTES <= SIZES["shared"] * MIB <= 2 * LOOP_SHARE_BYTES
+assert 2 * LOOP_SHARE_BYTES < SIZES["thread"] * MIB < 2 * SPLIT_BYTES <= SIZES["split"] * MIB
+PAGES = max(SIZES.values())
+
+
+@dataclass
+class InProcess:
+    """A kvtierd in this process: its event loop, and a gate in front of its copy threads."""
+
+    daemon: Daemon
+    loop: asyncio.AbstractEventLoop
+    runtime_dir: Path
+    gate: threading.Event
+
+    @contextlib.contextmanager
+    def loop_held(self) -> Iterator[None]:
+        """Hold the daemon's event loop in a callback until the block ends."""
+        held, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            held.set()
+            release.wait(60)
+
+        self.loop.call_soon_threadsafe(hold)
+        assert held.wait(30), "the daemon's loop did not take the callback"
+        try:
+            yield
+        finally:
+            release.set()
+
+    def copies_in_flight(self) -> list[concurrent.futures.Future]:
+        """The copy threads' futures (read while the loop is held: nothing changes them)."""
+        return list(self.daemon.svc.transfers.inflight)
+
+    def paths_taken(self) -> tuple[int, int]:
+        """(transfers split, transfers shared) so far, by the daemon's counters."""
+        c = self.daemon.svc.counters
+        return c.transfers_split, c.transfers_shared
 
 
 @pytest.fixture
-def daemon(module_daemon: DaemonProcess) -> DaemonProcess:
-    """The module's daemon; each test uses a model id (a namespace) of its own."""
-    return module_daemon
+def kvtierd(short_tmp: Path) -> Iterator[InProcess]:
+    """A kvtierd in this process, two copy threads, its copies held until ``gate`` is set
+    (then each runs as it would; a test clears the gate again to hold the next ones)."""
+    cfg: DaemonConfig = load_config(DaemonConfig, env={}, cli={
+        "runtime_dir": str(short_tmp / "rt"), "state_dir": str(short_tmp / "state"),
+        "pool_dir": str(short_tmp / "pool"), "hicache_size": 96 << 20, "extent_size": 4 << 20,
+        "hicache_storage_backend": "none", "prefault": False, "log_level": "warning",
+        "copy_threads": 2})
+    (short_tmp / "pool").mkdir()
+    daemon = Daemon(cfg)
+    ready = threading.Event()
+    loops: list[asyncio.AbstractEventLoop] = []
 
+    def serve() -> None:
+        loop = uvloop.new_event_loop()
+        loops.append(loop)
+        try:
+            loop.run_until_complete(daemon.run(on_ready=lambda _d: ready.set()))
+        finally:
+            loop.close()
 
-def test_a_store_seen_done_is_visible_to_another_session_at_once(daemon):
-    wpool, writer = engine(daemon.runtime_dir, num_pages=8, model="visible")
-    rpool, reader = engine(daemon.runtime_dir, num_pages=8, model="visible")
+    server = threading.Thread(target=serve, name="in-process-kvtierd")
+    server.start()
     try:
-        assert reader.session_id != writer.session_id
+        while not ready.wait(0.1):
+            assert server.is_alive(), "the in-process daemon did not start"
+        gate = threading.Event()
+        gate.set()
+        executor = daemon.svc.transfers._executor
+        assert executor is not None
+        submit = executor.submit
+
+        def gated_submit(fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+            def behind_the_gate() -> Any:
+                assert gate.wait(60), "the test never opened the copy gate"
+                return fn(*args)
+
+            return submit(behind_the_gate)
+
+        executor.submit = gated_submit  # type: ignore[method-assign]
+        yield InProcess(daemon, loops[0], daemon.rdir, gate)
+    finally:
+        if server.is_alive() and loops:
+            loops[0].call_soon_threadsafe(daemon.request_stop)
+        server.join(60)
+        assert not server.is_alive()
+
+
+def seen(h: TransferHandle) -> tuple[int, TransferStatus]:
+    """(layers done, status) of ``h`` as the engine's completion block shows them now."""
+    block = h._block
+    assert block is not None
+    seq, layers, status = block.read(h.slot)
+    assert seq == h.seq
+    return layers, TransferStatus(status)
+
+
+def copy_ended_unsettled(d: InProcess, h: TransferHandle, n: int, path: str,
+                         before: tuple[int, int]) -> None:
+    """Let ``h``'s copy run to its end while the daemon's loop is held; check that the
+    engine sees every layer in place but not DONE (the pages are not settled yet).
+    ``before``: :meth:`InProcess.paths_taken` before ``h`` was started."""
+    with d.loop_held():
+        futs = d.copies_in_flight()
+        assert futs, "the copy runs on a copy thread"
+        split, shared = (now - was for now, was in zip(d.paths_taken(), before))
+        assert (split, shared) == {"split": (1, 0), "shared": (0, 1), "thread": (0, 0)}[path]
+        d.gate.set()
+        done, _ = concurrent.futures.wait(futs, timeout=30)
+        assert len(done) == len(futs), "the copy did not end"
+        layers, status = seen(h)
+        assert layers == BIG.num_layers, "every layer is copied"
+        assert status is TransferStatus.RUNNING, (
+            f"{n} pages ({path}): the engine sees {status.name} before the daemon settled it")
+
+
+@pytest.mark.parametrize("path", list(SIZES))
+def test_a_store_seen_done_is_visible_to_another_session_at_once(kvtierd: InProcess,
+                                                                 path: str) -> None:
+    d, n = kvtierd, SIZES[path]
+    if path == "shared" and not d.daemon.svc.transfers._share_ok:
+        pytest.skip("one CPU: the daemon shares no copy with its event loop")
+    wpool, writer = engine(d.runtime_dir, BIG, num_pages=PAGES, model="visible")
+    rpool, reader = engine(d.runtime_dir, BIG, num_pages=1, model="visible")
+    try:
         assert reader.ns_fingerprint == writer.ns_fingerprint
-        fill_page(wpool, 0, seed=1)
-        for i in range(ROUNDS):
-            n = 1 + i % 3  # one to three pages, all of them must be visible
-            keys = spec_page_keys(writer.ns_fingerprint, tokens(n * P, salt=10_000 + i), P)
-            h = writer.store(keys, list(range(n)))
-            assert h.count == n and h.wait(), f"round {i}: the store failed"
-            got = reader.lookup(keys).l2
-            assert got == n, f"round {i}: DONE seen, but another session finds {got} of {n} pages"
+        for p in range(n):
+            fill_page(wpool, p, seed=p + 1)
+        keys = spec_page_keys(writer.ns_fingerprint, tokens(n * BIG.page_size, salt=n), BIG.page_size)
+        d.gate.clear()
+        before = d.paths_taken()
+        h = writer.store(keys, list(range(n)))
+        assert h.count == n and h.writing == n
+        copy_ended_unsettled(d, h, n, path, before)
+        assert h.wait(), "the store failed"
+        assert reader.lookup(keys).l2 == n  # DONE seen: another session finds every page
     finally:
         for conn, pool in ((writer, wpool), (reader, rpool)):
             conn.close()
             pool.close()
 
 
-def test_a_load_seen_done_holds_no_pin(daemon):
-    pool, conn = engine(daemon.runtime_dir, num_pages=16, model="unpinned")
+@pytest.mark.parametrize("path", list(SIZES))
+def test_a_load_seen_done_holds_no_pin(kvtierd: InProcess, path: str) -> None:
+    d, n = kvtierd, SIZES[path]
+    if path == "shared" and not d.daemon.svc.transfers._share_ok:
+        pytest.skip("one CPU: the daemon shares no copy with its event loop")
+    pool, conn = engine(d.runtime_dir, BIG, num_pages=2 * PAGES, model="unpinned")
     try:
-        keys = spec_page_keys(conn.ns_fingerprint, tokens(4 * P, salt=3), P)
-        for p in range(4):
+        keys = spec_page_keys(conn.ns_fingerprint, tokens(n * BIG.page_size, salt=3), BIG.page_size)
+        for p in range(n):
             fill_page(pool, p, seed=p + 1)
-        assert conn.store(keys, [0, 1, 2, 3]).wait()
-        with AdminClient(daemon.endpoint, timeout_s=5.0) as admin:
-            for i in range(ROUNDS // 4):
-                h = conn.load(keys, [8, 9, 10, 11])
-                assert h.count == 4 and h.wait(), f"round {i}: the load failed"
-                pinned = admin.stats()["pool"]["pages_pinned"]
-                assert pinned == 0, f"round {i}: DONE seen, {pinned} pages still pinned"
+        assert conn.store(keys, list(range(n))).wait()
+        d.gate.clear()
+        before = d.paths_taken()
+        h = conn.load(keys, list(range(PAGES, PAGES + n)))
+        assert h.count == n
+        copy_ended_unsettled(d, h, n, path, before)
+        assert h.wait(), "the load failed"
+        with AdminClient(d.daemon.endpoint, timeout_s=5.0) as admin:
+            assert admin.stats()["pool"]["pages_pinned"] == 0
+        assert all(page_bytes(pool, PAGES + p) == page_bytes(pool, p) for p in range(n))
     finally:
         conn.close()
         pool.close()

@@ -264,11 +264,8 @@ def test_best_effort_returns_at_once_and_cancelled_fills_free_their_slots(slow_d
     pool, conn, keys, _ = stored_then_evicted(d, 64)
     try:
         assert conn.prefetch(keys) == 64
-        t0 = time.monotonic()
         got = conn.claim(keys, policy="best_effort")
-        elapsed = time.monotonic() - t0
-        assert elapsed < delay / 2, f"best_effort waited {elapsed:.3f}s"
-        assert got == 0  # the first read is still in flight
+        assert got == 0  # the first read is still in flight: best_effort did not wait for it
         # the read in flight finishes, then its slots and all the others are freed
         wait_for(lambda: stats(d)["l3"]["prefetching"] == 0, what="fills to end")
         c, pool_stats = counters(d), stats(d)["pool"]
@@ -283,7 +280,10 @@ def test_best_effort_returns_at_once_and_cancelled_fills_free_their_slots(slow_d
 
 
 @pytest.mark.timeout(60)
-def test_timeout_policy_ends_at_the_computed_deadline(slow_daemon):
+def test_timeout_policy_claims_the_batches_read_by_its_deadline(slow_daemon):
+    """When the claim ends is tested on a clock the test moves (test_claim_deadline.py);
+    here, through a real daemon, what it hands over: whole batches read by then, in chain
+    order, loadable, and every other page cancelled."""
     delay, base, per_ki, pages = 0.4, 0.2, 0.1, 256
     d = slow_daemon(delay, prefetch_timeout_base=str(base),
                     prefetch_timeout_per_ki_token=str(per_ki))
@@ -291,13 +291,10 @@ def test_timeout_policy_ends_at_the_computed_deadline(slow_daemon):
     batch = read_batch(pages, 1)  # 4 reads of 64 pages, one at a time: 1.6 s in all
     try:
         deadline = base + per_ki * pages * SMALL.page_size / 1024  # 0.6 s
-        assert delay < deadline < 2 * delay
-        t0 = time.monotonic()
+        assert deadline < 4 * delay  # the claim ends before the last read
         assert conn.prefetch(keys) == pages
         got = conn.claim(keys, policy="timeout")
-        elapsed = time.monotonic() - t0
-        assert 0.8 * deadline <= elapsed <= 1.5 * deadline, (elapsed, deadline)
-        assert got == batch  # the first read only: whole batches, in chain order
+        assert got % batch == 0 and got < pages, got  # whole batches, in chain order
         load_and_compare(pool, conn, keys[:got], expected[:got], first_page=pages)
         wait_for(lambda: stats(d)["l3"]["prefetching"] == 0, what="fills to end")
         c = counters(d)
@@ -315,10 +312,9 @@ def test_wait_complete_waits_for_every_page(slow_daemon):
     pool, conn, keys, expected = stored_then_evicted(d, 48)
     reads = -(-48 // read_batch(48, 1))  # one at a time
     try:
-        t0 = time.monotonic()
+        assert reads > 1  # the claim waits through several reads
         assert conn.prefetch(keys) == 48
-        assert conn.claim(keys, policy="wait_complete") == 48
-        assert time.monotonic() - t0 >= 0.9 * reads * delay
+        assert conn.claim(keys, policy="wait_complete") == 48  # every page: it waited
         load_and_compare(pool, conn, keys, expected)
         assert counters(d)["l3_prefetch_cancelled_pages"] == 0
     finally:

@@ -29,6 +29,7 @@ from kvtier.daemon.storage.objects import HEADER_SIZE, encode_header
 
 from tests.arenas import NS, OTHER_NS, PAGE, SLOTS, key
 from tests.servers import MooncakeMaster, free_port, serve_mooncake_master
+from tests.xxh3_reference import l3_header
 
 store_module = pytest.importorskip(
     "mooncake.store", reason="mooncake-transfer-engine is not installed"
@@ -334,7 +335,7 @@ async def test_object_layout_is_header_then_payload(
     finally:
         raw.close()
     assert len(value) == HEADER_SIZE + PAGE
-    assert value[:HEADER_SIZE] == encode_header(NS, key(7), data) and value[HEADER_SIZE:] == data
+    assert value[:HEADER_SIZE] == l3_header(NS, key(7), data) and value[HEADER_SIZE:] == data
 
 
 async def test_objects_match_without_the_c_header_functions(
@@ -363,7 +364,7 @@ async def test_objects_match_without_the_c_header_functions(
         values = [raw.store.get(store.key_name(NS, k)) for k in keys[:3]]
     finally:
         raw.close()
-    assert values == [encode_header(NS, k, d) + d for k, d in zip(keys[:3], written[:3])]
+    assert values == [l3_header(NS, k, d) + d for k, d in zip(keys[:3], written[:3])]
     assert store.stats.corrupt == 0 and store.stats.errors == 0
 
 
@@ -422,7 +423,7 @@ async def test_with_headroom_a_page_moves_with_its_header_in_front(
         assert await backend.put_from(NS, keys, offsets(arena, range(4)), PAGE) == [True] * 4
         for k, s, data in zip(keys, range(4), written):
             off = at(arena, s)
-            assert bytes(arena.view[off - HEADER_SIZE : off]) == encode_header(NS, k, data)
+            assert bytes(arena.view[off - HEADER_SIZE : off]) == l3_header(NS, k, data)
         sentinel = b"\x5a" * (LEAD - HEADER_SIZE)
         for s in range(8, 12):
             arena.view[at(arena, s) - LEAD : at(arena, s) - HEADER_SIZE] = sentinel

@@ -129,15 +129,11 @@ def test_a_rank_that_never_asks_makes_the_answer_zero_after_the_deadline(daemon_
     keys = ranks.keys(4)
     ranks.store(0, keys[0])
     ranks.store(1, keys[1][:3])
-    deadline = storage_s + group_s  # a LOOKUP's own work, then the wait for the others
-    t0 = time.monotonic()
     assert runs(ranks.conns[0], keys[0]) == (0, 0)  # rank 1 never asked: 0, not a hang
-    elapsed = time.monotonic() - t0
-    assert 0.8 * deadline <= elapsed <= 3 * deadline, (elapsed, deadline)
-    assert counters(d)["tp_round_timeouts"] == 1
-    t0 = time.monotonic()  # rank 1 asks late: that round is over, same answer at once
+    assert counters(d)["tp_round_timeouts"] == 1  # the round ended at its deadline
+    # rank 1 asks late: that round is over, the same answer without a round of its own
     assert runs(ranks.conns[1], keys[1]) == (0, 0)
-    assert time.monotonic() - t0 < 0.5 * deadline
+    assert counters(d)["tp_round_timeouts"] == 1
     # the ranks are in step again
     assert ranks.each(lambda r: runs(ranks.conns[r], keys[r])) == [(3, 0), (3, 0)]
     assert counters(d)["tp_round_timeouts"] == 1

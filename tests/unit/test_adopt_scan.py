@@ -18,13 +18,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import xxhash
 from kvtier.daemon.pool.adopt import _MULTIPLIERS, _fingerprints
 from kvtier.daemon.pool.index import PageState
 from kvtier.daemon.pool.layout import KEY_BYTES, seal_of
 from kvtier.daemon.pool.seals import CHUNK_ROWS, VECTOR_MIN_LEN, seals
 
 from tests.unit.test_pool_persistence import NS, NS2, PoolFile, rows, store
+from tests.xxh3_reference import xxh3_64
 
 _MASK = (1 << 64) - 1
 
@@ -57,18 +57,19 @@ def seal_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
 
 
 @pytest.mark.parametrize("length", range(KEY_BYTES + 1))
-def test_seals_match_xxhash_for_every_key_length(length: int, seal_path: str) -> None:
-    """Column hashes equal xxhash's for each length alone (the one-length fast path) and
-    mixed with every other length; the bytes past a row's length never count."""
+def test_seals_match_the_reference_xxh3_for_every_key_length(length: int, seal_path: str) -> None:
+    """Column hashes equal the tests' own XXH3 (tests/xxh3_reference.py) for each length
+    alone (the one-length fast path) and mixed with every other length; the bytes past a
+    row's length never count."""
     rng = random.Random(length)
     n = 64
     keys = np.frombuffer(rng.randbytes(n * KEY_BYTES), dtype=np.uint8).reshape(n, KEY_BYTES)
     seeds = np.array([0, _MASK] + [rng.getrandbits(64) for _ in range(n - 2)], dtype=np.uint64)
-    want = [xxhash.xxh3_64_intdigest(keys[i, :length].tobytes(), int(seeds[i])) for i in range(n)]
+    want = [xxh3_64(keys[i, :length].tobytes(), int(seeds[i])) for i in range(n)]
     same = np.full(n, length)
     assert seals(keys, same, seeds).tolist() == want
     mixed = np.array([length if i % 2 else rng.randrange(KEY_BYTES + 1) for i in range(n)])
-    want_mixed = [xxhash.xxh3_64_intdigest(keys[i, : mixed[i]].tobytes(), int(seeds[i]))
+    want_mixed = [xxh3_64(keys[i, : mixed[i]].tobytes(), int(seeds[i]))
                   for i in range(n)]  # fmt: skip
     assert seals(keys, mixed, seeds).tolist() == want_mixed
     garbled = keys.copy()
@@ -87,7 +88,7 @@ def test_seals_across_several_chunks(mixed: bool, seal_path: str) -> None:
     if mixed:
         lengths[rng.sample(range(n), 300)] = [rng.randrange(KEY_BYTES) for _ in range(300)]
     seeds = np.array([rng.getrandbits(64) for _ in range(n)], dtype=np.uint64)
-    want = [xxhash.xxh3_64_intdigest(keys[i, : lengths[i]].tobytes(), int(seeds[i]))
+    want = [xxh3_64(keys[i, : lengths[i]].tobytes(), int(seeds[i]))
             for i in range(n)]  # fmt: skip
     assert seals(keys, lengths, seeds).tolist() == want
 

@@ -24,6 +24,7 @@ from kvtier.daemon.pool.index import (
     PageStateError,
 )
 from kvtier.daemon.pool.slots import SMALL_BATCH
+from kvtier.daemon.pool.storerun import RUN_PAGES
 
 KIB = 1024
 EXTENT = 16 * KIB
@@ -400,6 +401,71 @@ def test_a_pinned_page_is_never_evicted_and_is_evictable_again_after_unpin() -> 
     assert pool.lookup(NS, [k("a")]) == 0
 
 
+def test_a_pinned_parent_stays_off_the_lru_when_its_last_child_leaves() -> None:
+    """A pinned page whose last resident child leaves (aborted, flushed, evicted, or a
+    child reference dropped by a shortfall) is still pinned: it must not become evictable,
+    and pressure must never take it."""
+    pool = pool_of(1)  # one extent: slots 0..3
+    small = pool.register_class(4000)
+    (p,) = store(pool, [k("p")], small)
+    assert pool.pin(NS, [k("p")]) == [p]
+
+    def still_pinned_and_off_the_lists() -> None:
+        info = pool.describe(p)
+        assert (info.state, info.pins, info.children, info.evictable) == (
+            PageState.READY, 1, 0, False)
+        assert p not in pool.evictable_slots() and p not in pool.evictable_slots(A)
+
+    ((_, c),) = pool.allocate(NS, A, small, [k("p"), k("c")])  # c extends p
+    assert pool.describe(p).children == 1
+    pool.abort([c])  # the child leaves unfilled
+    still_pinned_and_off_the_lists()
+
+    (c,) = store(pool, [k("c")], small, parent=k("p"))
+    assert pool.evictable_slots() == [c]
+    assert pool.flush(NS) == 1  # the child goes; its pinned parent stays
+    assert pool.lookup(NS, [k("p"), k("c")]) == 1
+    still_pinned_and_off_the_lists()
+
+    (c,) = store(pool, [k("c")], small, parent=k("p"))
+    x, y = (store(pool, [k(n)], small)[0] for n in "xy")  # the pool is full
+    assert pool.evictable_slots() == [c, x, y]
+    got = pool.allocate(NS, A, small, chain("n", 4))  # evicts c, x, y; never p
+    assert got == [(0, c), (1, x), (2, y)]
+    assert evicted_keys(pool) == [k("c"), k("x"), k("y")]
+    still_pinned_and_off_the_lists()
+    pool.abort([s for _, s in got])
+
+    pool.set_quota(A, 1)  # p is A's only page: the child finds no slot, its reference drops
+    assert pool.allocate(NS, A, small, [k("p"), k("d")]) == []
+    still_pinned_and_off_the_lists()
+    pool.set_quota(A, None)
+
+    pool.unpin([p])  # now it is evictable
+    assert pool.describe(p).evictable and pool.evictable_slots() == [p]
+
+
+def test_a_pinned_parent_stays_off_the_lru_when_a_long_store_evicts_its_child() -> None:
+    """As above, for an allocation of RUN_PAGES keys or more (in C where it is built), whose
+    evictions drop the pinned parent's last child."""
+    pool = pool_of(3)  # 12 slots
+    small = pool.register_class(4000)
+    (p,) = store(pool, [k("p")], small)
+    (c,) = store(pool, [k("c")], small, parent=k("p"))
+    store(pool, chain("o", 10), small)
+    assert pool.pin(NS, [k("p")]) == [p]
+    assert pool.evictable_slots()[0] == c  # the coldest: stored before the others
+    got = pool.allocate(NS, A, small, chain("n", RUN_PAGES))
+    assert len(got) == RUN_PAGES and evicted_keys(pool)[0] == k("c")
+    info = pool.describe(p)
+    assert (info.pins, info.children, info.evictable) == (1, 0, False)
+    assert p not in pool.evictable_slots()
+    pool.commit([s for _, s in got])
+    got2 = pool.allocate(NS, A, small, chain("m", 12))  # everything unpinned goes; p stays
+    assert p not in [s for _, s in got2] and pool.lookup(NS, [k("p")]) == 1
+    assert k("p") not in evicted_keys(pool)
+
+
 def test_evict_requires_l3_skips_pages_not_in_l3() -> None:
     pool = pool_of(1)
     small = pool.register_class(4000)
@@ -573,6 +639,16 @@ class PoolMachine(RuleBasedStateMachine):
             self.live[s] = (keys[i], ns)
             self.parent_key[s] = parent
 
+    @precondition(lambda self: self.ready)
+    @rule(data=st.data(), owner=st.sampled_from([A, B]), cls=st.integers(0, 2),
+          n=st.integers(1, 3))
+    def extend_ready(self, data, owner, cls, n) -> None:
+        """Allocate pages extending a READY page (a random chain rarely meets one): parents
+        with children, pinned or not, that the other rules then take away."""
+        key, ns = self.live[data.draw(st.sampled_from(sorted(self.ready)))]
+        chain_id, start = map(int, key.decode()[1:].split("."))
+        self.allocate(ns, owner, cls, chain_id, start + 1, n, True)
+
     @precondition(lambda self: len(self.live) > len(self.ready))  # a page is WRITING
     @rule(data=st.data())
     def commit_or_abort(self, data) -> None:
@@ -683,17 +759,20 @@ class PoolMachine(RuleBasedStateMachine):
             assert len({d.slot // 4 for d in mine}) <= c.extents
 
 
-# Bounded so that a failing run, shrinking included, ends well within the test's timeout
-# and a passing run takes seconds: short runs find the pool's bugs as well as long ones
-# (the rules above steer towards commits and pins of resident pages), and shrinking long
-# runs is what took minutes. No explain phase (it traces every line of every replay), and
-# one bug reported: a second one (such as pytest-timeout's exception, which hypothesis
-# catches as a failure) would be shrunk as well. Shared with test_pool_persistence.
+# Derandomized (tests/conftest.py): every run replays the same 200 examples of up to 40
+# steps, so a verdict never depends on an earlier run's example database. The budget is
+# sized by planting bugs: a pinned parent put back on the evictable list when its last
+# child leaves is found by this seed and by random ones at this budget (runs of 20 steps
+# missed it for some seeds). A passing run takes seconds. Bounded so that a failing run, shrinking
+# included, ends well within the test's timeout. No explain phase (it traces every line of
+# every replay), and one bug reported: a second one (such as pytest-timeout's exception,
+# which hypothesis catches as a failure) would be shrunk as well. Shared with
+# test_pool_persistence.
 MACHINE_SETTINGS = settings(
     max_examples=200,
-    stateful_step_count=20,
+    stateful_step_count=40,
     deadline=timedelta(seconds=1),
-    phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink),
+    phases=(Phase.explicit, Phase.generate, Phase.shrink),
     report_multiple_bugs=False,
     suppress_health_check=[HealthCheck.too_slow],
 )

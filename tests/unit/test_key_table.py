@@ -6,8 +6,9 @@ in C (``kernels/_keyprobe.c``) and, for every case again, in numpy;
 the two and, where the answer is known by construction, the number itself: hostile lists
 (not a chain, duplicates, another namespace's keys, absent keys between present ones),
 pages that left (evicted, flushed, aborted, slots reused under other keys), pages still
-WRITING, a table that grew and was rebuilt, an adopted pool, and keys crafted to share
-their first bytes so that their bucket overflows.
+WRITING, a table that grew and was rebuilt, an adopted pool, keys crafted to share
+their first bytes so that their bucket overflows, and keys equal to stored ones in all but
+their last 24, 16, 8 or 1 bytes (the probe compares whole keys).
 """
 
 from __future__ import annotations
@@ -183,6 +184,29 @@ def test_crafted_keys_overflowing_a_bucket_stay_exact() -> None:
     plain = keys_of(rng, N)
     store(pool, plain)
     assert run(pool, NS, plain + crafted) == 2 * N
+
+
+@pytest.mark.parametrize("shared", [8, 16, 24, 31])
+def test_a_key_sharing_all_but_its_last_bytes_with_a_stored_one_is_not_it(shared: int) -> None:
+    """Keys equal to stored ones in their first ``shared`` bytes (so in the same bucket,
+    whatever the table's hashing) and different after: the probe that meets the stored key
+    must compare all 32 bytes, not a prefix."""
+    rng = random.Random(13 + shared)
+    pool, keys = stored_pool(rng)
+
+    def twin(key: bytes) -> bytes:  # the same first `shared` bytes, then different ones
+        tail = bytes(b ^ 0xFF for b in key[shared:])
+        return key[:shared] + tail
+
+    assert all(twin(x)[:shared] == x[:shared] and twin(x) != x for x in keys)
+    for at in (0, 1, N // 2, N - 1):
+        assert run(pool, NS, keys[:at] + [twin(keys[at])] + keys[at + 1:]) == at
+    assert run(pool, NS, [twin(x) for x in keys]) == 0
+    # stored side by side, each key finds its own page
+    store(pool, [twin(x) for x in keys[: N // 2]])
+    twins = [twin(x) for x in keys[: N // 2]]
+    assert run(pool, NS, twins + [twin(keys[N // 2])]) == N // 2
+    assert set(pool._run_slots(NS, twins)).isdisjoint(pool._run_slots(NS, keys[: N // 2]))
 
 
 def test_a_short_key_is_not_a_padded_one() -> None:

@@ -1,5 +1,6 @@
 """Batch sealing and checking of object headers: the C functions and the pure-Python ones
-write the same bytes as :func:`encode_header` and refuse the same objects."""
+write the header the object format describes (packed field by field and hashed by the
+tests' own XXH3, ``tests/xxh3_reference.py``) and refuse the same objects."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import random
 
 import pytest
 from kvtier.daemon.storage import objects
-from kvtier.daemon.storage.objects import HEADER_SIZE, encode_header
+from kvtier.daemon.storage.objects import HEADER_SIZE
+
+from tests.xxh3_reference import l3_header
 
 
 def _impls(python: tuple, native: tuple) -> list:
@@ -35,8 +38,8 @@ def test_the_c_functions_are_built() -> None:
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("length", [1, 95, 96, 4097, 256 * 1024])
-def test_sealed_headers_are_encode_header_in_place(impl: tuple, length: int) -> None:
-    """Headers in each slot's headroom (one buffer) match encode_header byte for byte, and
+def test_sealed_headers_are_the_format_s_in_place(impl: tuple, length: int) -> None:
+    """Headers in each slot's headroom (one buffer) match the format byte for byte, and
     nothing outside the headers changes."""
     seal, check = impl
     n, stride = 5, 128 + length
@@ -47,7 +50,7 @@ def test_sealed_headers_are_encode_header_in_place(impl: tuple, length: int) -> 
     before = bytes(buf)
     seal(buf, headers, buf, payloads, length, NS, keys)
     for i, (h, p) in enumerate(zip(headers, payloads)):
-        assert bytes(buf[h:p]) == encode_header(NS, keys[i], bytes(buf[p : p + length]))
+        assert bytes(buf[h:p]) == l3_header(NS, keys[i], bytes(buf[p : p + length]))
         assert buf[i * stride : h] == before[i * stride : h]
         assert buf[p : p + length] == before[p : p + length]
     assert check(buf, headers, buf, payloads, length, NS, keys) == [True] * n
@@ -64,7 +67,7 @@ def test_headers_in_another_buffer(impl: tuple) -> None:
     headers = [i * HEADER_SIZE for i in range(n)]
     seal(scratch, headers, arena, payloads, length, NS, keys)
     for i, p in enumerate(payloads):
-        want = encode_header(NS, keys[i], bytes(arena[p : p + length]))
+        want = l3_header(NS, keys[i], bytes(arena[p : p + length]))
         assert scratch[i * HEADER_SIZE : (i + 1) * HEADER_SIZE] == want
     assert check(scratch, headers, arena, payloads, length, NS, keys) == [True] * n
 

@@ -40,6 +40,7 @@ from kvtier.daemon.pool.layout import (
 from kvtier.daemon.pool.meta import PoolMeta
 
 from tests.unit.test_host_pool import CLASS_BYTES, MACHINE_SETTINGS, PoolMachine
+from tests.xxh3_reference import xxh3_64
 
 KIB = 1024
 EXTENT = 16 * KIB
@@ -200,7 +201,7 @@ def test_crash_then_adopt_keeps_ready_pages_drops_writing_and_pins(pool_file: Po
     for s, (key, *_rest) in before.items():
         off = pool.slot_offset(s)
         assert bytes(arena[off : off + SMALL]) == payload(key)
-        assert pool.describe(s).checksum == page_checksum(payload(key))
+        assert pool.describe(s).checksum == xxh3_64(payload(key))
     # the adopted pool works on: the freed WRITING slots are reused, lowest first
     assert pool.allocate(NS, A, pool.register_class(SMALL), [k("a3")], k("a2")) == [(0, w[0])]
 
@@ -435,11 +436,11 @@ def test_keys_longer_than_the_key_column_are_refused_before_any_change() -> None
     assert pool.allocate(NS, A, small, [bytes(KEY_BYTES)]) == [(0, 0)]
 
 
-def test_page_checksums_match_page_checksum(pool_file: PoolFile) -> None:
+def test_page_checksums_of_the_pool_file_s_arena(pool_file: PoolFile) -> None:
     arena = pool_file.arena()
     arena[4096:8192] = bytes(range(256)) * 16
-    assert page_checksums(arena, [0, 4096], 4096) == [
-        page_checksum(bytes(4096)), page_checksum(bytes(range(256)) * 16)
+    assert page_checksums(arena, [0, 4096], 4096) == [  # the tests' own XXH3
+        xxh3_64(bytes(4096)), xxh3_64(bytes(range(256)) * 16)
     ]  # fmt: skip
 
 

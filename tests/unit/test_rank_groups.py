@@ -9,6 +9,8 @@ from collections.abc import Awaitable, Callable
 import pytest
 from kvtier.daemon.tier.rank_groups import GroupKey, Member, RankGroups
 
+from tests.still_clock import START, StillClockLoop, run, turns
+
 pytestmark = pytest.mark.timeout(30)
 
 
@@ -114,3 +116,30 @@ async def test_a_rank_that_joins_mid_round_joins_that_round() -> None:
     assert again is not None
     assert await r.groups.agree(again, "lookup", 1, answer(7)) == (7,)
     assert await waiting == (7,)
+
+
+def test_a_round_ends_at_its_deadline_by_the_loop_clock() -> None:
+    """A round ends ``wait_s + timeout_s`` after its latest contribution, by the loop's
+    clock (one the test moves: no waiting): not before, and not at the first rank's
+    deadline once a later rank has pushed it back."""
+
+    async def test(loop: StillClockLoop) -> None:
+        r = Rounds(timeout_s=2.0)
+        m0, m1, _ = r.join(3)  # rank 2 never asks
+        t0 = later(r.groups.agree(m0, "lookup", 1, answer(5), wait_s=1.0))  # until +3.0
+        await turns()
+        loop.now = START + 2.999
+        await turns()
+        assert not t0.done()
+        t1 = later(r.groups.agree(m1, "lookup", 1, answer(4), wait_s=0.5))  # until +5.499
+        await turns()
+        for now in (START + 3.001, START + 5.49):
+            loop.now = now
+            await turns()
+            assert not t0.done() and not t1.done() and r.ended == []
+        loop.now = START + 5.5
+        await turns()
+        assert t0.done() and t1.done() and t0.result() == t1.result() == (0,)
+        assert r.ended == [True]
+
+    run(test)

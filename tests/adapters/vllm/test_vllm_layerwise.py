@@ -1,10 +1,13 @@
 """Hits wholly in L2 load layer by layer within the step that schedules them; the same
-batch through asynchronous loads (``layerwise_loads: false``) gives the same outputs."""
+batch through asynchronous loads (``layerwise_loads: false``) gives the same outputs. Both
+ways, every block of each hit is loaded, none is left for vLLM to recompute, and each
+holds the bytes kvtierd stored (vLLM would recompute a block left out, so equal outputs
+alone cannot tell)."""
 
 from __future__ import annotations
 
 import pytest
-from vllm_harness import BLOCK, prompt, same_output, wait_for_pages
+from vllm_harness import BLOCK, assert_loaded_as_stored, prompt, same_output, wait_for_pages
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -16,6 +19,7 @@ def test_a_batch_mixing_layerwise_hits_and_a_miss_matches_the_reference(
     want = reference.generate(batch)
     e = engines(daemon.runtime_dir)
     assert [o["cached"] for o in e.generate([hit_a, hit_b])] == [0, 0]
+    assert_loaded_as_stored(e, daemon.runtime_dir, tiny_model, [])  # misses load nothing
     wait_for_pages(daemon.runtime_dir, tiny_model, hit_a, 9)
     wait_for_pages(daemon.runtime_dir, tiny_model, hit_b, 6)
 
@@ -23,6 +27,7 @@ def test_a_batch_mixing_layerwise_hits_and_a_miss_matches_the_reference(
     out = e.generate(batch)
     assert [o["cached"] for o in out] == [9 * BLOCK, 0, 6 * BLOCK]
     assert same_output(out, want)
+    assert_loaded_as_stored(e, daemon.runtime_dir, tiny_model, [(hit_a, 9), (hit_b, 6)])
     wait_for_pages(daemon.runtime_dir, tiny_model, miss, 7)
 
     # the same hits loaded asynchronously (the request waits a step for its load)
@@ -30,3 +35,5 @@ def test_a_batch_mixing_layerwise_hits_and_a_miss_matches_the_reference(
     out = e2.generate(batch)
     assert [o["cached"] for o in out] == [9 * BLOCK, 7 * BLOCK, 6 * BLOCK]
     assert same_output(out, want)
+    assert_loaded_as_stored(e2, daemon.runtime_dir, tiny_model,
+                            [(hit_a, 9), (miss, 7), (hit_b, 6)])

@@ -1,6 +1,7 @@
-"""Where loaded pages come from: L3 only (prefetched, claimed and loaded asynchronously),
-and pages that are not the engine's KV (the output changes: loaded KV is really used, so
-the equality tests of this folder can fail)."""
+"""Where loaded pages come from: L3 only (prefetched, claimed and loaded asynchronously:
+every block of the hit loaded, holding the bytes kvtierd stored), and pages that are not
+the engine's KV (the output changes: loaded KV is really used, so the equality tests of
+this folder can fail)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,15 @@ from kvtier.client.page_keys import page_keys
 from kvtier.config import ClientConfig
 from kvtier.ipc import protocol as P
 from kvtier.ipc.shm import SharedMemorySegment
-from vllm_harness import BLOCK, GEOMETRY, kvtier_pages, prompt, same_output, wait_for_pages
+from vllm_harness import (
+    BLOCK,
+    GEOMETRY,
+    assert_loaded_as_stored,
+    kvtier_pages,
+    prompt,
+    same_output,
+    wait_for_pages,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -53,17 +62,22 @@ def test_pages_only_in_l3_load_asynchronously_and_corrupt_ones_are_recomputed(
     want = reference.generate([p]) + reference.generate([q])
     e = engines(d.runtime_dir)
     assert [e.generate([x])[0]["cached"] for x in (p, q)] == [0, 0]
+    assert_loaded_as_stored(e, d.runtime_dir, tiny_model, [])
     _to_l3_only(d, tiny_model, [p, q], 9)
     out = e.generate([p])  # prefetched from L3, claimed, loaded
     assert out[0]["cached"] == 9 * BLOCK
     assert same_output(out, want[:1])
+    assert_loaded_as_stored(e, d.runtime_dir, tiny_model, [(p, 9)])
 
     assert _corrupt_l3_payloads(d.runtime_dir / "state") > 0
     out = e.generate([q])  # L3 says it has q, its reads fail their checksums: recomputed
     assert same_output(out, want[1:])
+    (load,) = e.loads()
+    assert load["errors"] == sorted(load["block_ids"]) and len(load["block_ids"]) == 9  # none loaded
     wait_for_pages(d.runtime_dir, tiny_model, q, 9)  # and stored again once recomputed
     out = e.generate([q])
     assert out[0]["cached"] == 9 * BLOCK and same_output(out, want[1:])
+    assert_loaded_as_stored(e, d.runtime_dir, tiny_model, [(q, 9)])
 
 
 def test_pages_that_are_not_the_engines_kv_change_the_output(daemon, engines, reference,

@@ -9,6 +9,7 @@ many of a prompt's pages it holds.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -20,12 +21,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from kvtier.client.adapters.vllm_namespace import CPU_LAYOUT, chain_seed
 from kvtier.client.connection import Connection
-from kvtier.client.memory_export import ControlOnly
+from kvtier.client.memory_export import ControlOnly, RegionMemory
 from kvtier.client.page_keys import page_keys
 from kvtier.config import ClientConfig
+from kvtier.ipc import protocol as P
 from kvtier.ipc.protocol import Geometry
+from kvtier.ipc.shm import SharedMemorySegment
 
 HERE = Path(__file__).parent
 BLOCK = 32
@@ -104,7 +108,9 @@ class EngineProcess:
                  multiprocess: bool = False, **extra: Any) -> None:
         env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind",
                    VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0")
-        cfg = json.dumps({"kvtier": kvtier, "kv_transfer": readme_kv_transfer_config(), **extra})
+        record = not multiprocess and extra.get("tp", 1) == 1  # the worker runs in-process
+        cfg = json.dumps({"kvtier": kvtier, "kv_transfer": readme_kv_transfer_config(),
+                          "record_loads": record, **extra})
         self.log_path = log
         self._shm_before = _vllm_shm()
         self._log = open(log, "ab")  # noqa: SIM115 - closed in close()
@@ -158,6 +164,18 @@ class EngineProcess:
         self.send(prompts, max_tokens, salt)
         return self.receive(timeout)
 
+    def loads(self, timeout: float = 30.0) -> list[dict[str, Any]]:
+        """The connector's loads that ended since the last call (see vllm_engine_proc.py:
+        per load its blocks, those reported not loaded, and each block's SHA-256 when vLLM
+        was told the load ended). Only for an engine whose worker runs in-process."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(b'{"loads": true}\n')
+        self.proc.stdin.flush()
+        rep = self._read(timeout)
+        if not rep.get("ok"):
+            raise EngineError(f"loads request failed: {rep}")
+        return rep["loads"]
+
     def log_tail(self, lines: int = 30) -> str:
         """The last lines of the engine's stderr."""
         try:
@@ -210,6 +228,55 @@ def kvtier_pages(runtime_dir: Path, model: Path, tokens: list[int], salt: str = 
         return rep.l2, rep.l3
     finally:
         conn.close()
+
+
+def stored_digests(runtime_dir: Path, model: Path, tokens: list[int], pages: int,
+                   salt: str = "") -> list[str]:
+    """SHA-256 of each of the first ``pages`` pages kvtierd holds for ``tokens`` in the
+    engines' namespace (all layers in layer order, as vllm_engine_proc.py digests a vLLM
+    block): loaded by a connection of its own into memory of its own."""
+    g = GEOMETRY
+    seg = SharedMemorySegment.create_memfd(f"kvt-digests-{os.getpid()}", pages * g.page_bytes)
+    try:
+        per_layer = g.page_bytes // g.num_layers
+        regions = [P.MemoryRegion(segment=0, offset=layer * per_layer, page_stride=g.page_bytes,
+                                  page_bytes=per_layer, layer=layer)
+                   for layer in range(g.num_layers)]
+        assert seg.fd is not None
+        memory = RegionMemory(g, pages, [seg.fd], [seg.size], regions)
+        with Connection(memory, model_id=str(model),
+                        config=ClientConfig(runtime_dir=runtime_dir)) as conn:
+            keys = page_keys(chain_seed(conn.ns_fingerprint, salt), tokens[:pages * BLOCK], BLOCK)
+            h = conn.load(keys, list(range(pages)))
+            assert h.count == pages and h.wait(), f"kvtierd holds {h.count} of {pages} pages"
+        raw = seg.array(np.uint8)
+        return [hashlib.sha256(raw[i * g.page_bytes:(i + 1) * g.page_bytes].tobytes()).hexdigest()
+                for i in range(pages)]
+    finally:
+        seg.close()
+
+
+def assert_loaded_as_stored(engine: EngineProcess, runtime_dir: Path, model: Path,
+                            expected: list[tuple[list[int], int]], salt: str = "") -> None:
+    """Check what ``engine``'s connector loaded since it was last asked: for each
+    ``(prompt, pages)`` one load, into blocks for pages ``start .. pages`` of the prompt
+    (all of its hit beyond vLLM's own), none reported as failed, each block holding
+    exactly the bytes kvtierd holds for its page; and no other load."""
+    loads = engine.loads()
+    for tokens, pages in expected:
+        mine = [x for x in loads if x["tokens"] == tokens[:len(x["tokens"])]]
+        assert len(mine) == 1, f"{len(mine)} loads of the prompt of {len(tokens)} tokens"
+        (load,) = mine
+        assert load["errors"] == [], f"blocks {load['errors']} were reported not loaded"
+        assert load["start"] + len(load["block_ids"]) == pages, (
+            f"pages {load['start']}..{load['start'] + len(load['block_ids'])} loaded, "
+            f"the hit is {pages} pages")
+        want = stored_digests(runtime_dir, model, tokens, pages, salt)[load["start"]:]
+        got = load["digests"]
+        assert got == want, (f"blocks {load['block_ids']}: pages "
+                             f"{[i for i, (a, b) in enumerate(zip(got, want)) if a != b]} of the "
+                             "load do not hold what kvtierd stored")
+    assert len(loads) == len(expected), f"{len(loads)} loads, {len(expected)} expected"
 
 
 def wait_for_pages(runtime_dir: Path, model: Path, tokens: list[int], pages: int,
