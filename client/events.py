@@ -26,12 +26,14 @@ __all__ = ["EventMessage", "EventSubscriber"]
 
 @dataclass(frozen=True, slots=True)
 class EventMessage:
-    """One batch as received: its topic, sequence number and decoded events."""
+    """One batch as received: its topic, sequence number, decoded events, whether it came by
+    replay, and its bytes as published (for another decoder)."""
 
     topic: str
     seq: int
     batch: E.KVEventBatch
     replayed: bool = False
+    payload: bytes = b""
 
 
 class EventSubscriber:
@@ -41,15 +43,18 @@ class EventSubscriber:
         endpoint: the daemon's ``kv_events_endpoint``.
         replay: its ``kv_events_replay_endpoint`` (None: gaps stay gaps).
         topic: topic prefix to subscribe to (``kvtier/<model id>/``; "" for every topic).
-        hwm: the receive high-water mark (batches queued here before ZeroMQ drops).
+        hwm: the receive high-water mark (batches queued here before ZeroMQ drops; 0: no
+            limit).
+        rcvbuf: the kernel receive buffer in bytes (-1: the system's default).
     """
 
     def __init__(self, endpoint: str, replay: str | None = None, topic: str = "",
-                 hwm: int = 100_000) -> None:
+                 hwm: int = 100_000, rcvbuf: int = -1) -> None:
         self._ctx = zmq.Context()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.RCVHWM, hwm)
+        self._sub.setsockopt(zmq.RCVBUF, rcvbuf)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self._sub.connect(endpoint)
         self._replay_endpoint = replay
@@ -74,7 +79,7 @@ class EventSubscriber:
         if not self._sub.poll(int(timeout_s * 1000)):
             return None
         topic, seq, payload = self._sub.recv_multipart()
-        return EventMessage(topic.decode(), E.seq_of(seq), E.decode_batch(payload))
+        return EventMessage(topic.decode(), E.seq_of(seq), E.decode_batch(payload), False, payload)
 
     def iter(self, timeout_s: float, start_seq: int | None = None) -> Iterator[EventMessage]:
         """Batches in sequence order, gaps filled by replay, until none came for
@@ -121,7 +126,8 @@ class EventSubscriber:
                 if seq == E.END_SEQ:
                     break
                 if (upto is None or n < upto) and topic.decode().startswith(self._topic):
-                    out.append(EventMessage(topic.decode(), n, E.decode_batch(payload), True))
+                    out.append(EventMessage(topic.decode(), n, E.decode_batch(payload), True,
+                                            payload))
         finally:
             req.close(linger=0)
         self.replayed += len(out)

@@ -140,8 +140,9 @@ class DaemonConfig(_Frozen):
         default=10_000, ge=1, le=1_000_000, description="Batches kept for replay."
     )
     kv_events_hwm: int = Field(
-        default=100_000, ge=1, description="ZeroMQ high-water mark of the PUB socket: batches "
-        "queued per subscriber before further ones are dropped for it (replay recovers them)."
+        default=10_000, ge=1, description="ZeroMQ high-water mark of the PUB socket: batches "
+        "queued for a subscriber before further ones are refused (counted in "
+        "kv_events_dropped_batches; every subscriber replays them)."
     )
     kv_events_max_batch: int = Field(
         default=1024, ge=1, le=65536, description="Most events in one published batch."

@@ -95,8 +95,9 @@ BlockHash = int | Annotated[bytes, Meta(min_length=1, max_length=MAX_BLOCK_HASH_
 """An engine's block hash: an int (MessagePack bounds it to a signed or unsigned 64-bit
 one), or 1-64 bytes."""
 BlockHashes = Annotated[list[BlockHash], Meta(max_length=MAX_KEYS)]
-TokenIds = Annotated[list[Annotated[int, Meta(ge=0, le=(1 << 32) - 1)]],
-                     Meta(max_length=MAX_TOKEN_IDS)]
+PackedTokens = Annotated[bytes, Meta(max_length=MAX_TOKEN_IDS * 4)]
+"""Token ids as little-endian uint32 back to back (:func:`~kvtier.ipc.packed.pack_tokens`):
+one bytes object to decode instead of a checked int per token."""
 BlockSize = Annotated[int, Meta(ge=1, le=MAX_DIM)]
 PackedKeys = Annotated[memoryview, Meta(max_length=MAX_KEYS * KEY_BYTES)]
 """Keys back to back, :data:`KEY_BYTES` each (a whole number of them is checked by the

@@ -51,6 +51,7 @@ from kvtier.ipc.limits import (
     Name,
     PackedKeys,
     PackedPages,
+    PackedTokens,
     Pages,
     Pid,
     ProtocolVersion,
@@ -59,7 +60,6 @@ from kvtier.ipc.limits import (
     Slots,
     SyncTimeout,
     Text,
-    TokenIds,
     TpRank,
     TpSize,
 )
@@ -68,6 +68,7 @@ from kvtier.ipc.packed import (  # re-exported: P.pack_keys, P.PackedKeyList, ..
     PackedKeyList,  # noqa: F401
     pack_keys,  # noqa: F401
     pack_pages,  # noqa: F401
+    pack_tokens,  # noqa: F401
     split_keys,
 )
 
@@ -161,14 +162,15 @@ class EngineBlocks(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         hashes: the engine's hash of each page, one per key, in key order (vLLM's
             ``ExternalBlockHash``: an int, or bytes).
         parent: the engine's hash of the block before ``hashes[0]`` (None: chain start).
-        token_ids: the pages' tokens, ``block_size`` per page, or empty.
+        token_ids: the pages' tokens, ``block_size`` per page, packed (:func:`pack_tokens`:
+            little-endian uint32 each), or empty.
         block_size: tokens per engine block (None: the session's page size).
         lora_name: the LoRA adapter the blocks were computed with, if any.
     """
 
     hashes: BlockHashes
     parent: BlockHash | None = None
-    token_ids: TokenIds = []
+    token_ids: PackedTokens = b""
     block_size: BlockSize | None = None
     lora_name: Name | None = None
 

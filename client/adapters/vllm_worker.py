@@ -315,7 +315,7 @@ class WorkerSide:
         bs, n = self.geometry.page_size, len(spec.block_ids)
         tokens = [int(t) for t in spec.tokens[spec.start * bs:(spec.start + n) * bs]]
         eng = P.EngineBlocks(hashes=spec.block_hashes, parent=spec.parent_hash,
-                             token_ids=tokens, block_size=bs,
+                             token_ids=P.pack_tokens(tokens), block_size=bs,
                              lora_name=spec.lora_name) if spec.block_hashes else None
         h = conn.store(keys[spec.start:], spec.block_ids, parent_key=parent, engine=eng)
         if h.wait() and h.count and spec.block_hashes:  # kvtierd holds the leading h.count

@@ -34,7 +34,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
@@ -43,6 +43,7 @@ import zmq
 from kvtier.config import DaemonConfig
 from kvtier.daemon.counters import Counters
 from kvtier.ipc import kv_events as E
+from kvtier.ipc.packed import unpack_tokens
 from kvtier.ipc.sockets import make_zmq_socket
 
 if TYPE_CHECKING:
@@ -50,12 +51,15 @@ if TYPE_CHECKING:
     from kvtier.daemon.tier.tier import TierStore
     from kvtier.ipc.protocol import EngineBlocks
 
-__all__ = ["REPLAY_BURST", "REPLAY_MAX_FRAME", "KvEventPublisher", "open_publisher"]
+__all__ = ["REMOVED_CHUNK", "REPLAY_BURST", "REPLAY_MAX_FRAME", "KvEventPublisher",
+           "open_publisher"]
 
 log = logging.getLogger("kvtier.daemon.events")
 
 REPLAY_BURST = 16
 """Replay requests answered in a row before the event loop gets a turn."""
+REMOVED_CHUNK = 4096
+"""Most block hashes in one BlockRemoved (an eviction storm is a few events of this many)."""
 REPLAY_MAX_FRAME = 64
 """Largest frame the replay socket takes (a request is 8 bytes): ZeroMQ drops a bigger one,
 and its connection, before buffering it."""
@@ -103,7 +107,7 @@ class KvEventPublisher:
         self._flush_scheduled = False
         self._topics: dict[int, bytes] = {}
         self._block_size: dict[int, int] = {}
-        self._hashes: OrderedDict[bytes, E.BlockHash] = OrderedDict()
+        self._hashes: dict[bytes, E.BlockHash] = {}  # insertion order: the oldest first
         self._stores: dict[tuple[int, int, int], _PendingStore] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pub = make_zmq_socket(zctx, cfg.kv_events_endpoint, zmq.XPUB, bind=True,
@@ -174,28 +178,32 @@ class KvEventPublisher:
         index = p.index if p.index is not None else range(len(keys))
         if eng is not None:
             hashes: Sequence[E.BlockHash] = eng.hashes
-            for i in index:
-                self._remember_one(keys[i], hashes[i])
+            self._remember(keys if p.index is None else [keys[i] for i in index],
+                           hashes if p.index is None else [hashes[i] for i in index])
         else:
             hashes = keys
         parent_of_first = (eng.parent if eng is not None else p.parent_key)
+        if p.index is None:  # every key was copied: one chain
+            self._stored_run(p, 0, len(keys), hashes, parent_of_first, bs)
+            return
         run: list[int] = []
         for i in index:
             if run and i != run[-1] + 1:
-                self._stored_run(p, run, hashes, parent_of_first, bs)
+                self._stored_run(p, run[0], run[-1] + 1, hashes, parent_of_first, bs)
                 run = []
             run.append(i)
         if run:
-            self._stored_run(p, run, hashes, parent_of_first, bs)
+            self._stored_run(p, run[0], run[-1] + 1, hashes, parent_of_first, bs)
 
-    def _stored_run(self, p: _PendingStore, run: list[int], hashes: Sequence[E.BlockHash],
+    def _stored_run(self, p: _PendingStore, a: int, b: int, hashes: Sequence[E.BlockHash],
                     parent_of_first: E.BlockHash | None, bs: int) -> None:
-        a, b = run[0], run[-1] + 1
+        """The BlockStored of the STORE's pages ``a .. b`` (one chain)."""
         eng = p.engine
-        tokens = eng.token_ids[a * bs:b * bs] if eng is not None and eng.token_ids else []
+        tokens = (unpack_tokens(eng.token_ids, a * bs, b * bs)
+                  if eng is not None and eng.token_ids else [])
         self._add(p.ns_id, E.BlockStored(
             block_hashes=list(hashes[a:b]), parent_block_hash=hashes[a - 1] if a else
-            parent_of_first, token_ids=list(tokens), block_size=bs, lora_id=None,
+            parent_of_first, token_ids=tokens, block_size=bs, lora_id=None,
             medium=E.MEDIUM_L2, lora_name=eng.lora_name if eng is not None else None))
         self.counters.kv_events_stored_blocks += b - a
 
@@ -206,10 +214,16 @@ class KvEventPublisher:
 
     def evicted(self, pages: Sequence[EvictedPage]) -> None:
         """Pages left L2 (the pool's eviction log): one BlockRemoved per namespace."""
-        by_ns: dict[int, list[E.BlockHash]] = {}
         hashes = self._hashes
+        get, pop = hashes.get, hashes.pop
+        ns0 = pages[0].ns_id
+        if all(e.ns_id == ns0 for e in pages):  # the usual case: one namespace
+            self._removed(ns0, E.MEDIUM_L2, [get(e.key, e.key) if e.in_l3 else pop(e.key, e.key)
+                                             for e in pages])
+            return
+        by_ns: dict[int, list[E.BlockHash]] = {}
         for e in pages:
-            h = hashes.get(e.key, e.key) if e.in_l3 else hashes.pop(e.key, e.key)
+            h = get(e.key, e.key) if e.in_l3 else pop(e.key, e.key)
             by_ns.setdefault(e.ns_id, []).append(h)
         for ns_id, hs in by_ns.items():
             self._removed(ns_id, E.MEDIUM_L2, hs)
@@ -249,16 +263,21 @@ class KvEventPublisher:
         self.counters.kv_events_stored_blocks += len(keys)
 
     def _removed(self, ns_id: int, medium: str, hashes: list[E.BlockHash]) -> None:
-        for a in range(0, len(hashes), self._max_batch):  # bounded events
-            self._add(ns_id, E.BlockRemoved(block_hashes=hashes[a:a + self._max_batch],
+        if not hashes:
+            return
+        for a in range(0, len(hashes), REMOVED_CHUNK):  # a storm: a few events, not thousands
+            self._add(ns_id, E.BlockRemoved(block_hashes=hashes[a:a + REMOVED_CHUNK],
                                             medium=medium))
         self.counters.kv_events_removed_blocks += len(hashes)
 
-    def _remember_one(self, key: bytes, h: E.BlockHash) -> None:
+    def _remember(self, keys: Sequence[bytes], hs: Sequence[E.BlockHash]) -> None:
+        """Remember the engine's hash of each key; the oldest go beyond the bound."""
         hashes = self._hashes
-        hashes[key] = h
-        if len(hashes) > self._max_hashes:
-            hashes.popitem(last=False)
+        hashes.update(zip(keys, hs))
+        excess = len(hashes) - self._max_hashes
+        if excess > 0:
+            for key in list(itertools.islice(hashes, excess)):
+                del hashes[key]
 
     # ------------------------------------------------------------------ batches
     def _add(self, ns_id: int, event: E.Event) -> None:
@@ -289,8 +308,11 @@ class KvEventPublisher:
         self._buffer.append((seq, topic, payload))
         if self._pub.closed:
             return
-        try:
-            self._pub.send_multipart((topic, seq.to_bytes(8, "big"), payload), _NB)
+        pub = self._pub
+        try:  # frame by frame with int flags (pyzmq's enum or-ing costs per call); a
+            pub.send(topic, _MORE)  # message is atomic: refused whole at its first frame
+            pub.send(seq.to_bytes(8, "big"), _MORE)
+            pub.send(payload, _NB)
         except zmq.Again:  # a subscriber's queue is full: it replays what it missed
             self.counters.kv_events_dropped_batches += 1
         else:

@@ -152,7 +152,7 @@ def check_engine_blocks(engine: P.EngineBlocks, n_keys: int, page_size: int) -> 
         raise RequestError(P.ErrorCode.BAD_MESSAGE, f"engine.hashes has {len(engine.hashes)} "
                            f"hashes for {n_keys} keys (one per key)")
     bs = engine.block_size or page_size
-    if engine.token_ids and len(engine.token_ids) != n_keys * bs:
+    if engine.token_ids and len(engine.token_ids) != n_keys * bs * 4:
         raise RequestError(P.ErrorCode.BAD_MESSAGE,
-                           f"engine.token_ids has {len(engine.token_ids)} ids, not "
-                           f"{n_keys} keys x block_size {bs} = {n_keys * bs} (or none)")
+                           f"engine.token_ids has {len(engine.token_ids)} bytes, not "
+                           f"{n_keys} keys x block_size {bs} x 4 = {n_keys * bs * 4} (or none)")

@@ -51,7 +51,7 @@ def drain(sub: EventSubscriber, timeout_s: float = 2.0) -> list[EventMessage]:
 
 def engine_blocks(n: int, base: int, page_size: int = SMALL.page_size) -> P.EngineBlocks:
     return P.EngineBlocks(hashes=[base + i for i in range(n)], parent=None,
-                          token_ids=[int(t) for t in tokens(n * page_size)], lora_name="ad")
+                          token_ids=P.pack_tokens(tokens(n * page_size).tolist()), lora_name="ad")
 
 
 def test_store_publishes_engine_hashes_and_keys_otherwise(daemon_factory, short_tmp):
@@ -94,8 +94,8 @@ def test_bad_engine_fields_are_refused_naming_field_and_value(daemon_factory, sh
         keys = conn.page_keys(tokens(4 * SMALL.page_size))
         bad = [
             (P.EngineBlocks(hashes=[1, 2]), "engine.hashes has 2 hashes for 4 keys"),
-            (P.EngineBlocks(hashes=[1, 2, 3, 4], token_ids=[1, 2, 3]),
-             "engine.token_ids has 3 ids"),
+            (P.EngineBlocks(hashes=[1, 2, 3, 4], token_ids=b"\0" * 12),
+             "engine.token_ids has 12 bytes"),
             (P.EngineBlocks(hashes=[1, 2, 3, b"x" * 65]), "$.engine.hashes[3]"),
             (P.EngineBlocks(hashes=[1, 2, 3, b""]), "$.engine.hashes[3]"),
             (P.EngineBlocks(hashes=[1, 2, 3, 4], block_size=0), "$.engine.block_size"),
@@ -263,7 +263,7 @@ def test_slow_and_vanished_subscribers_cost_batches_not_service(daemon_factory, 
         for c in range(400):  # bounded; stops at the first refused batch
             keys = conn.page_keys(tokens(64 * SMALL.page_size, salt=c))
             eng = P.EngineBlocks(hashes=[c * 100 + i for i in range(64)],
-                                 token_ids=[int(t) for t in tokens(64 * SMALL.page_size, c)])
+                                 token_ids=P.pack_tokens(tokens(64 * SMALL.page_size, c).tolist()))
             assert conn.store(keys, list(range(64)), engine=eng).wait()
             stored += 64
             if counters(d)["kv_events_dropped_batches"]:

@@ -71,7 +71,8 @@ def test_every_kvtierd_event_decodes_with_vllms_types(daemon_factory, short_tmp)
             keys = conn.page_keys(tokens(200 * SMALL.page_size, salt=c))
             eng = P.EngineBlocks(hashes=[c * 1000 + i for i in range(100)]
                                  + [bytes([c, i]) * 16 for i in range(100)],
-                                 parent=None, token_ids=[int(t) for t in tokens(200 * 16, c)],
+                                 parent=None,
+                                 token_ids=P.pack_tokens(tokens(200 * 16, c).tolist()),
                                  lora_name="l" if c else None)
             assert conn.store(keys, list(range(200)), engine=eng).wait()
         with AdminClient(d.endpoint, timeout_s=30.0) as admin:
