@@ -5,6 +5,7 @@ tests/adapters/vllm/test_vllm_kv_events.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -19,6 +20,7 @@ from kvtier.ipc import kv_events as E
 from kvtier.ipc import protocol as P
 
 from tests.engines import SMALL, engine, tokens
+from tests.integration.test_admin_cli import kvtier
 from tests.integration.test_l3_tier import counters, flush, l3_flags, stats, wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -301,6 +303,36 @@ def test_events_are_off_by_default(daemon_factory, short_tmp):
         keys = conn.page_keys(tokens(2 * SMALL.page_size))
         assert conn.store(keys, [0, 1], engine=P.EngineBlocks(hashes=[1, 2])).wait()
         assert counters(d)["kv_events_stored_blocks"] == 0
+    finally:
+        conn.close()
+        pool.close()
+
+
+def test_kvtier_events_tails_the_stream_decoded(daemon_factory, short_tmp):
+    d = daemon_factory(*event_flags(short_tmp))
+    pool, conn = engine(d.runtime_dir, model="tail")
+    try:
+        keys = conn.page_keys(tokens(3 * SMALL.page_size))
+        assert conn.store(keys, [0, 1, 2], engine=P.EngineBlocks(hashes=[5, 6, b"\x07"])).wait()
+        flush(d, "l2")
+        ep = ["--endpoint", f"ipc://{short_tmp}/ev.sock", "--replay", f"ipc://{short_tmp}/evr.sock"]
+        out = kvtier("events", *ep, "--from", "0", "--json", "--timeout", "1")
+        assert out.returncode == 0, out.stderr
+        rows = [json.loads(line) for line in out.stdout.splitlines()]
+        assert [(r["type"], r["medium"]) for r in rows] == [("BlockStored", "CPU"),
+                                                            ("BlockRemoved", "CPU")]
+        assert rows[0]["block_hashes"] == [5, 6, "07"]
+        assert sorted(map(str, rows[1]["block_hashes"])) == ["07", "5", "6"]
+        assert rows[0]["topic"] == E.namespace_topic("tail", conn.ns_fingerprint)
+        assert rows[0]["seq"] == 0 and rows[0]["replayed"] and rows[0]["block_size"] == 16
+        text = kvtier("events", *ep, "--from", "0", "--count", "1", "--timeout", "1")
+        assert text.returncode == 0 and "BlockStored" in text.stdout and "CPU" in text.stdout
+        env = {"KVTIER_KV_EVENTS_ENDPOINT": f"ipc://{short_tmp}/ev.sock",
+               "KVTIER_KV_EVENTS_REPLAY_ENDPOINT": f"ipc://{short_tmp}/evr.sock"}
+        from_config = kvtier("events", "--from", "0", "--json", "--timeout", "1", env=env)
+        assert len(from_config.stdout.splitlines()) == 2
+        none = kvtier("events", "--timeout", "1")
+        assert none.returncode == 2 and "no endpoint" in none.stderr
     finally:
         conn.close()
         pool.close()
