@@ -332,8 +332,8 @@ class KvEventPublisher:
         for _ in range(REPLAY_BURST):
             if not sock.getsockopt(_EVENTS) & _POLLIN:
                 return
-            frames = sock.recv_multipart(_NB)
-            if (len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8):
+            frames = _read_request(sock)
+            if frames is None or frames[1] != b"" or len(frames[2]) != 8:
                 self.counters.kv_events_replays_refused += 1
                 continue  # garbage gets nothing
             self._answer(sock, frames[0], int.from_bytes(frames[2], "big", signed=True))
@@ -355,6 +355,18 @@ class KvEventPublisher:
             sock.send_multipart((peer, b"", b"", E.END_SEQ, b""), _NB)
         except (zmq.Again, zmq.ZMQError) as err:  # full, or gone: it may ask again
             log.debug("replay to a subscriber cut short: %s", err)
+
+
+def _read_request(sock: zmq.Socket) -> list[bytes] | None:
+    """Read one message off the replay socket frame by frame: its three frames, or None
+    for any other count (the frames past the third are read and dropped one at a time,
+    never collected)."""
+    frames = [sock.recv(_NB)]
+    while sock.getsockopt(zmq.RCVMORE):
+        frame = sock.recv(_NB)
+        if len(frames) < 4:
+            frames.append(frame)
+    return frames if len(frames) == 3 else None
 
 
 def open_publisher(cfg: DaemonConfig, counters: Counters, tier: TierStore,
