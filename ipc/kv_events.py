@@ -6,7 +6,7 @@ node holds in L2 and L3, so the routers read it with the decoders they already h
 
 The encoding is vLLM's (``vllm.distributed.kv_events``, msgspec MessagePack):
 
-- a batch is an array ``[ts, events, data_parallel_rank]`` (the rank left out when None);
+- a batch is an array ``[ts, events, data_parallel_rank]`` (the rank None: one daemon per node);
 - an event is a map tagged by ``"type"``: ``BlockStored`` (``block_hashes``,
   ``parent_block_hash``, ``token_ids``, ``block_size``, ``lora_id``, ``medium``,
   ``lora_name``), ``BlockRemoved`` (``block_hashes``, ``medium``) or ``AllBlocksCleared``;
@@ -25,9 +25,10 @@ A block hash is the engine's own where the engine gave it with STORE (vLLM's
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import msgspec
+import numpy as np
 
 __all__ = [
     "END_SEQ", "MEDIUM_L2", "AllBlocksCleared", "BlockHash", "BlockRemoved", "BlockStored",
@@ -92,6 +93,27 @@ def encode_batch(batch: KVEventBatch) -> bytes:
 def decode_batch(payload: bytes | memoryview) -> KVEventBatch:
     """Decode a batch (raises ``msgspec.DecodeError`` naming what is wrong)."""
     return _decoder.decode(payload)
+
+
+_U32 = np.dtype([("tag", "u1"), ("value", ">u4")])
+
+
+def packed_token_ids(packed: bytes, start: int, end: int) -> list[int]:
+    """Token ids ``start .. end`` of little-endian uint32 ``packed`` (a STORE's
+    ``engine.token_ids``) as a MessagePack array already encoded: a ``BlockStored``'s
+    ``token_ids`` that costs a numpy pass instead of an int object per token (it decodes
+    as the list of ints; the annotation says what it decodes as)."""
+    n = end - start
+    out = np.empty(n, dtype=_U32)
+    out["tag"] = 0xCE  # MessagePack uint32
+    out["value"] = np.frombuffer(packed, dtype="<u4", count=n, offset=start * 4)
+    if n < 16:
+        head = bytes([0x90 | n])
+    elif n < 1 << 16:
+        head = b"\xdc" + n.to_bytes(2, "big")
+    else:
+        head = b"\xdd" + n.to_bytes(4, "big")
+    return cast(list[int], msgspec.Raw(head + out.tobytes()))
 
 
 def seq_of(frame: bytes) -> int:

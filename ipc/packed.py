@@ -24,7 +24,7 @@ PACK_NATIVE = _pack is not None
 """Whether :func:`pack_keys` packs lists in C (checking every key's length)."""
 
 __all__ = ["PACK_NATIVE", "PackedKeyList", "pack_keys", "pack_pages", "pack_tokens",
-           "split_keys", "unpack_tokens"]
+           "split_keys"]
 
 
 def pack_keys(keys: Sequence[bytes]) -> bytes | None:
@@ -66,15 +66,6 @@ def pack_tokens(tokens: Sequence[int]) -> bytes:
     if packed is None:
         raise ValueError("token ids must be integers in [0, 2**32)")
     return packed
-
-
-def unpack_tokens(packed: bytes, start: int = 0, end: int | None = None) -> list[int]:
-    """Token ids ``start .. end`` of :func:`pack_tokens`' bytes."""
-    arr = array.array("I")
-    arr.frombytes(packed[start * 4:None if end is None else end * 4])
-    if sys.byteorder != "little":
-        arr.byteswap()
-    return arr.tolist()
 
 
 class PackedKeyList(Sequence[bytes]):

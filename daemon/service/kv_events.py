@@ -43,7 +43,6 @@ import zmq
 from kvtier.config import DaemonConfig
 from kvtier.daemon.counters import Counters
 from kvtier.ipc import kv_events as E
-from kvtier.ipc.packed import unpack_tokens
 from kvtier.ipc.sockets import make_zmq_socket
 
 if TYPE_CHECKING:
@@ -104,7 +103,9 @@ class KvEventPublisher:
         self._buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=cfg.kv_events_buffer_steps)
         self._seq = itertools.count()
         self._pending: dict[bytes, list[E.Event]] = {}
+        self._deferred: list[tuple[Callable[..., None], tuple[object, ...]]] = []
         self._flush_scheduled = False
+        self._flushing = False
         self._topics: dict[int, bytes] = {}
         self._block_size: dict[int, int] = {}
         self._hashes: dict[bytes, E.BlockHash] = {}  # insertion order: the oldest first
@@ -135,7 +136,7 @@ class KvEventPublisher:
 
     def close(self) -> None:
         """Send what is pending, stop the replay reader, close the sockets."""
-        if self._pending:
+        if self._pending or self._deferred:
             self._flush()
         if self._replay is not None:
             if self._loop is not None and not self._replay.closed:
@@ -170,10 +171,14 @@ class KvEventPublisher:
             engine.block_size or page_size if engine is not None else page_size)
 
     def store_ended(self, session_id: int, slot: int, seq: int, committed: bool) -> None:
-        """A STORE's copy ended: committed pages are announced, dropped ones forgotten."""
+        """A STORE's copy ended: committed pages are announced (after the engine was told:
+        the event is built in the flush, off the STORE's path), dropped ones forgotten."""
         p = self._stores.pop((session_id, slot, seq), None)
-        if p is None or not committed:
-            return
+        if p is not None and committed:
+            self._defer(self._announce, p)
+
+    def _announce(self, p: _PendingStore) -> None:
+        """The BlockStored events of a committed STORE (a chain each run of its pages)."""
         keys, eng, bs = p.keys, p.engine, p.block_size
         index = p.index if p.index is not None else range(len(keys))
         if eng is not None:
@@ -199,7 +204,7 @@ class KvEventPublisher:
                     parent_of_first: E.BlockHash | None, bs: int) -> None:
         """The BlockStored of the STORE's pages ``a .. b`` (one chain)."""
         eng = p.engine
-        tokens = (unpack_tokens(eng.token_ids, a * bs, b * bs)
+        tokens = (E.packed_token_ids(eng.token_ids, a * bs, b * bs)
                   if eng is not None and eng.token_ids else [])
         self._add(p.ns_id, E.BlockStored(
             block_hashes=list(hashes[a:b]), parent_block_hash=hashes[a - 1] if a else
@@ -213,7 +218,12 @@ class KvEventPublisher:
         self.stored(ns_id, E.MEDIUM_L2, keys, parent_key)
 
     def evicted(self, pages: Sequence[EvictedPage]) -> None:
-        """Pages left L2 (the pool's eviction log): one BlockRemoved per namespace."""
+        """Pages left L2 (the pool's eviction log): one BlockRemoved per namespace, built
+        in the flush (off the allocating request's path)."""
+        if pages:
+            self._defer(self._evicted, pages)
+
+    def _evicted(self, pages: Sequence[EvictedPage]) -> None:
         hashes = self._hashes
         get, pop = hashes.get, hashes.pop
         ns0 = pages[0].ns_id
@@ -281,11 +291,22 @@ class KvEventPublisher:
 
     # ------------------------------------------------------------------ batches
     def _add(self, ns_id: int, event: E.Event) -> None:
+        """Queue ``event`` on its namespace's topic, in order with the deferred ones."""
+        if not self._flushing:
+            self._defer(self._add, ns_id, event)
+            return
         topic = self._topic(ns_id)
         events = self._pending.get(topic)
         if events is None:
             events = self._pending[topic] = []
         events.append(event)
+
+    def _defer(self, fn: Callable[..., None], *args: object) -> None:
+        """Run ``fn(*args)`` at the next flush, in call order with the other events."""
+        self._deferred.append((fn, args))
+        self._schedule()
+
+    def _schedule(self) -> None:
         if not self._flush_scheduled:
             self._flush_scheduled = True
             if self._loop is not None:
@@ -294,8 +315,16 @@ class KvEventPublisher:
                 self._flush()
 
     def _flush(self) -> None:
-        """Publish the gathered events: per topic, batches of at most ``max_batch``."""
-        self._flush_scheduled = False
+        """Build the deferred events, then publish what gathered: per topic, batches of at
+        most ``max_batch``."""
+        deferred, self._deferred = self._deferred, []
+        self._flushing = True
+        try:
+            for fn, args in deferred:
+                fn(*args)  # their events join _pending, in call order
+        finally:
+            self._flushing = False
+            self._flush_scheduled = False
         pending, self._pending = self._pending, {}
         ts = time.time()
         for topic, events in pending.items():
