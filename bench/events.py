@@ -18,7 +18,9 @@ wants the node's whole history: its first batch shows the gap, and it replays it
   daemon over the other's: the median over rounds of the ratio within a round (a round: a
   few STOREs to each daemon, in alternating order, so drift on a shared machine hits both);
   ``daemon_cpu_per_page_events_on_over_off``: the daemons' CPU seconds over the measured
-  rounds (both stored the same pages), publishing over not, less sensitive to other load;
+  rounds (both stored the same pages), publishing over not, less sensitive to other load
+  (but counted in 10 ms clock ticks: coarse over a short run); ``load_average_1m`` says how
+  busy the machine was;
 - ``replay_recovered``: the late subscriber saw a gap and, by replay, got every batch the
   daemon published.
 """
@@ -194,6 +196,8 @@ def run_events_bench(rounds: int = 40, chains: int = 2, pages: int = 64,
         "page_bytes": GEOMETRY.page_bytes,
         "pool_mib": pool_mib,
         "kv_events_hwm": hwm,
+        "load_average_1m": round(os.getloadavg()[0], 2),
+        "cpus": os.cpu_count(),
     }
 
 
