@@ -171,7 +171,7 @@ def run_events_bench(rounds: int = 40, chains: int = 2, pages: int = 64,
                   if isinstance(e, E.BlockRemoved) and e.medium == E.MEDIUM_L2)
     decoded, note = _vllm_decodes([m.payload for m in msgs])
     seen = {m.seq for m in caught_up}
-    on, off = statistics.median(speeds[True]), statistics.median(speeds[False])
+    speed_on, speed_off = statistics.median(speeds[True]), statistics.median(speeds[False])
     pairs = [a / b for a, b in zip(speeds[True], speeds[False])]
     return {
         "decoded_by_vllm": decoded,
@@ -189,8 +189,8 @@ def run_events_bench(rounds: int = 40, chains: int = 2, pages: int = 64,
         "late_subscriber_replayed": late.replayed,
         "daemon_cpu_s_events_on": round(cpu[True], 2),
         "daemon_cpu_s_events_off": round(cpu[False], 2),
-        "store_pages_per_s_events_on": round(on),
-        "store_pages_per_s_events_off": round(off),
+        "store_pages_per_s_events_on": round(speed_on),
+        "store_pages_per_s_events_off": round(speed_off),
         "rounds_per_daemon": rounds,
         "pages_per_round": chains * pages,
         "page_bytes": GEOMETRY.page_bytes,

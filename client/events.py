@@ -93,9 +93,9 @@ class EventSubscriber:
         if start_seq is not None and self._replay_endpoint is not None:
             self.next_seq = start_seq
             time.sleep(0.05)  # let the subscription reach the publisher before asking
-            for msg in self.replay(start_seq):
-                yield msg
-                self.next_seq = msg.seq + 1
+            for old in self.replay(start_seq):
+                yield old
+                self.next_seq = old.seq + 1
         while True:
             msg = self.recv(timeout_s)
             if msg is None:

@@ -359,7 +359,7 @@ class KvEventPublisher:
         if sock is None or sock.closed or self._loop is None:
             return
         for _ in range(REPLAY_BURST):
-            if not sock.getsockopt(_EVENTS) & _POLLIN:
+            if not cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:
                 return
             frames = _read_request(sock)
             if frames is None or frames[1] != b"" or len(frames[2]) != 8:
