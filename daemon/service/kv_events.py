@@ -50,8 +50,8 @@ if TYPE_CHECKING:
     from kvtier.daemon.tier.tier import TierStore
     from kvtier.ipc.protocol import EngineBlocks
 
-__all__ = ["REMOVED_CHUNK", "REPLAY_BURST", "REPLAY_MAX_FRAME", "KvEventPublisher",
-           "open_publisher"]
+__all__ = ["REMOVED_CHUNK", "REPLAY_BURST", "REPLAY_MAX_FRAME", "SUBSCRIPTION_BURST",
+           "SUBSCRIPTION_MAX_FRAME", "KvEventPublisher", "open_publisher"]
 
 log = logging.getLogger("kvtier.daemon.events")
 
@@ -59,6 +59,11 @@ REPLAY_BURST = 16
 """Replay requests answered in a row before the event loop gets a turn."""
 REMOVED_CHUNK = 4096
 """Most block hashes in one BlockRemoved (an eviction storm is a few events of this many)."""
+SUBSCRIPTION_MAX_FRAME = 8192
+"""Largest frame the PUB socket takes from a subscriber: a (un)subscription of a topic
+(``kvtier/<model id>/<fingerprint>``; a model id has at most 4,096 characters)."""
+SUBSCRIPTION_BURST = 256
+"""Subscription messages read (and dropped) in a row before the event loop gets a turn."""
 REPLAY_MAX_FRAME = 64
 """Largest frame the replay socket takes (a request is 8 bytes): ZeroMQ drops a bigger one,
 and its connection, before buffering it."""
@@ -112,7 +117,7 @@ class KvEventPublisher:
         self._stores: dict[tuple[int, int, int], _PendingStore] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pub = make_zmq_socket(zctx, cfg.kv_events_endpoint, zmq.XPUB, bind=True,
-                                    hwm=cfg.kv_events_hwm, max_msg_bytes=REPLAY_MAX_FRAME)
+                                    hwm=cfg.kv_events_hwm, max_msg_bytes=SUBSCRIPTION_MAX_FRAME)
         self._pub.setsockopt(zmq.XPUB_NODROP, 1)
         self._replay: zmq.Socket | None = None
         try:
@@ -129,6 +134,8 @@ class KvEventPublisher:
     def start(self) -> None:
         """Begin answering replay requests (call from the event loop)."""
         self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(cast(int, self._pub.getsockopt(zmq.FD)), self._drop_subscriptions)
+        self._drop_subscriptions()
         if self._replay is not None:
             fd = cast(int, self._replay.getsockopt(zmq.FD))
             self._loop.add_reader(fd, self._read_replays)
@@ -142,6 +149,8 @@ class KvEventPublisher:
             if self._loop is not None and not self._replay.closed:
                 self._loop.remove_reader(cast(int, self._replay.getsockopt(zmq.FD)))
             self._replay.close(linger=0)
+        if self._loop is not None and not self._pub.closed:
+            self._loop.remove_reader(cast(int, self._pub.getsockopt(zmq.FD)))
         self._pub.close(linger=0)
         self._loop = None
 
@@ -351,6 +360,18 @@ class KvEventPublisher:
     def next_seq(self) -> int:
         """The sequence number the next batch gets (for tests and the bench)."""
         return self._buffer[-1][0] + 1 if self._buffer else 0
+
+    def _drop_subscriptions(self) -> None:
+        """Read and drop the subscription messages the XPUB hands up (ZeroMQ filters by
+        them itself; unread, a subscriber sending many distinct topics would grow them)."""
+        pub = self._pub
+        if pub.closed or self._loop is None:
+            return
+        for _ in range(SUBSCRIPTION_BURST):
+            if not cast(int, pub.getsockopt(_EVENTS)) & _POLLIN:
+                return
+            pub.recv(_NB)
+        self._loop.call_soon(self._drop_subscriptions)
 
     # ------------------------------------------------------------------ replay
     def _read_replays(self) -> None:

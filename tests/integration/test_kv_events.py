@@ -60,6 +60,7 @@ def test_store_publishes_engine_hashes_and_keys_otherwise(daemon_factory, short_
     d = daemon_factory(*event_flags(short_tmp))
     pool, conn = engine(d.runtime_dir, model="m/x")
     sub = subscriber(short_tmp, topic="kvtier/m/x/")
+    exact = subscriber(short_tmp, topic=E.namespace_topic("m/x", conn.ns_fingerprint))
     try:
         keys = conn.page_keys(tokens(8 * SMALL.page_size))
         assert conn.store(keys[:4], list(range(4)), engine=engine_blocks(4, 1000)).wait()
@@ -79,11 +80,13 @@ def test_store_publishes_engine_hashes_and_keys_otherwise(daemon_factory, short_
         assert third.parent_block_hash is None
         topic = E.namespace_topic("m/x", conn.ns_fingerprint)
         assert {m.topic for m in msgs} == {topic}
+        assert [m.seq for m in drain(exact)] == [m.seq for m in msgs]  # a 90-byte subscription
         assert counters(d)["kv_events_stored_blocks"] == 10
         # a page stored again is not announced again (it was skipped)
         assert conn.store(keys[:4], list(range(4)), engine=engine_blocks(4, 1000)).wait()
         assert events(drain(sub, 0.5), E.BlockStored) == []
     finally:
+        exact.close()
         sub.close()
         conn.close()
         pool.close()
