@@ -124,6 +124,7 @@ bench: venv sysdeps engines
 	$(VENV)/bin/kvtier bench trace --json bench/results/trace.json
 	$(ENGINES_VENV)/bin/kvtier bench sglang --json bench/results/sglang.json
 	$(ENGINES_VENV)/bin/kvtier bench vllm --json bench/results/vllm.json
+	$(ENGINES_VENV)/bin/kvtier bench events --json bench/results/events.json
 
 lint: venv
 	$(VENV)/bin/ruff check .

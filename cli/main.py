@@ -19,8 +19,10 @@ def _serve(argv: list[str]) -> int:
 ENGINE_BENCHES = {
     "sglang": "SGLang's HiCache controller: backup/prefetch vs HiCacheFile; shared vs private L2",
     "vllm": "a real vLLM: TTFT with a kvtier hit vs recompute; vs vLLM's ExampleConnector",
+    "events": "KV events: whole (vLLM decodes them, nothing missed), replayable, their cost",
 }
-"""Benches that drive a real engine (installed by ``make engines``); each parses its own flags."""
+"""Benches that parse their own flags; ``sglang`` and ``vllm`` drive a real engine, ``events``
+decodes with vLLM's types (installed by ``make engines``)."""
 
 
 def _bench(argv: list[str]) -> int:
@@ -107,6 +109,12 @@ def _pools(argv: list[str]) -> int:
     return pools_main(argv)
 
 
+def _events(argv: list[str]) -> int:
+    from kvtier.cli.events import main as events_main
+
+    return events_main(argv)
+
+
 def _admin(argv: list[str]) -> int:
     from kvtier.cli.admin import main as admin_main
 
@@ -116,12 +124,13 @@ def _admin(argv: list[str]) -> int:
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "serve": (_serve, "run kvtierd in the foreground (same flags as kvtierd)"),
     "demo": (_demo, "multi-turn workload on the reference engine, private kvtierd, a restart"),
-    "bench": (_bench, "benchmarks: l2, l3, e2e, restart, scale, trace, sglang, vllm"),
+    "bench": (_bench, "benchmarks: l2, l3, e2e, restart, scale, trace, sglang, vllm, events"),
     "stats": (_admin, "pool use, sessions, hit rates, bytes moved"),
     "sessions": (_admin, "registered engine sessions"),
     "flush": (_admin, "drop cached pages, from L2 unless --tier l3|all (admin)"),
     "sync": (_admin, "write L2 pages to L3 and wait (admin)"),
     "health": (_admin, "exit 0 when the daemon is healthy"),
+    "events": (_events, "tail a kvtierd's KV events, decoded (--json: one object a line)"),
     "pools": (_pools, "host pool files in /dev/shm, which daemon holds each; --remove, --stale"),
 }
 

@@ -103,6 +103,7 @@ class Connection:
         self.daemon_pid = 0
         self._packed_lookup = False
         self._packed_transfers = False
+        self._kv_events = False
         self._block: CompletionBlock | None = None
         self._down_until = 0.0
         self._closed = False
@@ -156,6 +157,7 @@ class Connection:
             self.ns_fingerprint, self.daemon_pid = rep.ns_fingerprint, rep.daemon_pid
             self._packed_lookup = rep.packed_lookup
             self._packed_transfers = rep.packed_transfers
+            self._kv_events = rep.kv_events
             self._free_slots = list(range(rep.completion_slots - 1, -1, -1))
             self._limbo.clear()
             self._down_until = 0.0
@@ -374,13 +376,16 @@ class Connection:
         return rep.l2
 
     def store(self, keys: Sequence[bytes], pages: Sequence[int],
-              parent_key: bytes | None = None) -> TransferHandle:
+              parent_key: bytes | None = None,
+              engine: P.EngineBlocks | None = None) -> TransferHandle:
         """Copy engine pages into L2 under ``keys`` (those L2 lacks).
 
         Reuse ``pages`` only after ``handle.wait()`` returned. If the daemon is away the
-        store is dropped (``count == 0``).
+        store is dropped (``count == 0``). ``engine``: the engine's own hashes of the pages,
+        for the daemon's KV events (sent only when the daemon publishes them).
         """
-        return self._transfer(P.Store, keys, pages, parent_key)
+        return self._transfer(P.Store, keys, pages, parent_key,
+                              engine if self._kv_events else None)
 
     def load(self, keys: Sequence[bytes], pages: Sequence[int]) -> TransferHandle:
         """Load the leading L2 run of ``keys`` into engine ``pages`` layer by layer.
@@ -391,7 +396,8 @@ class Connection:
         return self._transfer(P.Load, keys, pages, None)
 
     def _transfer(self, kind: type, keys: Sequence[bytes], pages: Sequence[int],
-                  parent_key: bytes | None) -> TransferHandle:
+                  parent_key: bytes | None,
+                  engine: P.EngineBlocks | None = None) -> TransferHandle:
         n_layers = self.geometry.num_layers
         if not keys:
             return TransferHandle(None, None, -1, 0, 0, 0, n_layers)
@@ -403,7 +409,7 @@ class Connection:
 
             def make(sid: int) -> P.Request:
                 return transfer_request(kind, sid, keys, pages, slot, seq,
-                                        self._packed_transfers, parent_key)
+                                        self._packed_transfers, parent_key, engine)
 
             epoch = self.epoch
             try:

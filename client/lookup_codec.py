@@ -48,7 +48,8 @@ def lookup_request(session_id: int, keys: Sequence[bytes], packed_ok: bool) -> P
 
 def transfer_request(kind: type[P.Load | P.Store], session_id: int,
                      keys: Sequence[bytes], pages: Sequence[int], slot: int, seq: int,
-                     packed_ok: bool, parent_key: bytes | None = None) -> P.Load | P.Store:
+                     packed_ok: bool, parent_key: bytes | None = None,
+                     engine: P.EngineBlocks | None = None) -> P.Load | P.Store:
     """The LOAD or STORE (``kind``) of ``keys`` into or from engine ``pages``.
 
     Args:
@@ -58,6 +59,7 @@ def transfer_request(kind: type[P.Load | P.Store], session_id: int,
         packed_ok: the daemon takes ``packed_keys`` and ``packed_pages``
             (``Registered.packed_transfers``).
         parent_key: a STORE's key before ``keys[0]`` (None for a chain start).
+        engine: a STORE's engine block hashes (:class:`~kvtier.ipc.protocol.EngineBlocks`).
 
     Returns:
         The request, packed when allowed, at least :data:`PACKED_MIN_KEYS` long, every
@@ -70,11 +72,11 @@ def transfer_request(kind: type[P.Load | P.Store], session_id: int,
             if kind is P.Store:
                 return P.Store(req_id=0, session_id=session_id, packed_keys=packed_keys,
                                packed_pages=packed_pages, parent_key=parent_key, slot=slot,
-                               seq=seq)
+                               seq=seq, engine=engine)
             return P.Load(req_id=0, session_id=session_id, packed_keys=packed_keys,
                           packed_pages=packed_pages, slot=slot, seq=seq)
     if kind is P.Store:
         return P.Store(req_id=0, session_id=session_id, keys=list(keys), pages=list(pages),
-                       parent_key=parent_key, slot=slot, seq=seq)
+                       parent_key=parent_key, slot=slot, seq=seq, engine=engine)
     return P.Load(req_id=0, session_id=session_id, keys=list(keys), pages=list(pages),
                   slot=slot, seq=seq)

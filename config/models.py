@@ -202,6 +202,33 @@ class DaemonConfig(_Frozen):
     tenants: dict[str, TenantConfig] = Field(
         default_factory=dict, description="Tenant name → token and quota. Empty: one default tenant."
     )
+    kv_events_endpoint: str | None = Field(
+        default=None, description="Where kvtierd publishes KV events in vLLM's format (ZeroMQ "
+        "PUB, bound: tcp://127.0.0.1:5557 or ipc://path); unset: no events."
+    )
+    kv_events_replay_endpoint: str | None = Field(
+        default=None, description="ROUTER endpoint (bound) answering replay requests for "
+        "missed batches, as vLLM's publisher does; unset: no replay."
+    )
+    kv_events_buffer_steps: int = Field(
+        default=10_000, ge=1, le=1_000_000, description="Batches kept for replay."
+    )
+    kv_events_hwm: int = Field(
+        default=10_000, ge=1, description="ZeroMQ high-water mark of the PUB socket: batches "
+        "queued for a subscriber before further ones are refused (counted in "
+        "kv_events_dropped_batches; every subscriber replays them)."
+    )
+    kv_events_max_batch: int = Field(
+        default=1024, ge=1, le=65536, description="Most events in one published batch."
+    )
+    kv_events_replay_max: int = Field(
+        default=10_000, ge=1, le=1_000_000, description="Most batches one replay request is "
+        "answered with."
+    )
+    kv_events_max_hashes: int = Field(
+        default=1 << 20, ge=0, description="Engine block hashes remembered (page key → hash) "
+        "so evictions and L3 events name a page by the engine's hash; the oldest go beyond it."
+    )
 
     @field_validator("runtime_dir", "state_dir", mode="before")
     @classmethod
@@ -210,12 +237,27 @@ class DaemonConfig(_Frozen):
         # Path("") == the daemon's working directory.
         return None if isinstance(value, str) and not value.strip() else value
 
+    @field_validator("kv_events_endpoint", "kv_events_replay_endpoint", mode="before")
+    @classmethod
+    def _check_event_endpoint(cls, value: object) -> object:
+        if isinstance(value, str) and not value.strip():
+            return None  # KVTIER_KV_EVENTS_ENDPOINT= means "not set"
+        if isinstance(value, str) and not value.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"{value!r} is not a tcp:// or ipc:// endpoint")
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> DaemonConfig:
         if self.extent_size > self.hicache_size:
             raise ValueError(
                 f"extent_size ({self.extent_size}) must not exceed hicache_size ({self.hicache_size})"
             )
+        if self.kv_events_replay_endpoint is not None and (
+                self.kv_events_endpoint is None
+                or self.kv_events_replay_endpoint == self.kv_events_endpoint):
+            raise ValueError(
+                f"kv_events_replay_endpoint = {self.kv_events_replay_endpoint!r} needs a "
+                f"distinct kv_events_endpoint (it is {self.kv_events_endpoint!r})")
         return self
 
 

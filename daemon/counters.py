@@ -34,6 +34,10 @@ class Counters:
     - ``l3_backend_errors``: backend calls that raised or timed out (each read as a miss).
     - ``tp_rounds`` / ``tp_round_timeouts``: rank-group agreements, and those a missing
       rank ended with a 0 answer.
+    - ``kv_events_*``: KV event batches published (``batches``), those a subscriber's full
+      queue made ZeroMQ refuse (``dropped_batches``; replay recovers them), blocks announced
+      stored and removed (one per page and medium), clears, replay requests answered
+      (``replays``) and refused as malformed (``replays_refused``).
     """
 
     requests: int = 0
@@ -83,6 +87,13 @@ class Counters:
     l3_backend_errors: int = 0
     tp_rounds: int = 0
     tp_round_timeouts: int = 0
+    kv_events_batches: int = 0
+    kv_events_dropped_batches: int = 0
+    kv_events_stored_blocks: int = 0
+    kv_events_removed_blocks: int = 0
+    kv_events_cleared: int = 0
+    kv_events_replays: int = 0
+    kv_events_replays_refused: int = 0
     errors_by_code: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:

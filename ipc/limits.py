@@ -49,6 +49,10 @@ HANDOVER_TOKEN_BYTES = 16
 """A memory handover token (random, chosen by the engine; see :mod:`kvtier.ipc.fdpass`)."""
 MAX_HANDOVER_FDS = 64
 """Most descriptors one handover may pass, so most segments in a ``kind = "fd"`` export."""
+MAX_TOKEN_IDS = 1 << 22
+"""Most token ids a STORE's engine block description carries."""
+MAX_BLOCK_HASH_BYTES = 64
+"""Longest engine block hash given as bytes (vLLM's are 32; ints are 64-bit)."""
 MAX_MESSAGE_BYTES = 32 << 20
 """Transport ceiling on one frame (ZeroMQ ``MAXMSGSIZE`` on the daemon's socket).
 
@@ -87,6 +91,14 @@ SyncTimeout = Annotated[float, Meta(gt=0, le=MAX_SYNC_TIMEOUT_S)]
 # lists
 Key = Annotated[bytes, Meta(min_length=KEY_BYTES, max_length=KEY_BYTES)]
 Keys = Annotated[list[Key], Meta(max_length=MAX_KEYS)]
+BlockHash = int | Annotated[bytes, Meta(min_length=1, max_length=MAX_BLOCK_HASH_BYTES)]
+"""An engine's block hash: an int (MessagePack bounds it to a signed or unsigned 64-bit
+one), or 1-64 bytes."""
+BlockHashes = Annotated[list[BlockHash], Meta(max_length=MAX_KEYS)]
+PackedTokens = Annotated[bytes, Meta(max_length=MAX_TOKEN_IDS * 4)]
+"""Token ids as little-endian uint32 back to back (:func:`~kvtier.ipc.packed.pack_tokens`):
+one bytes object to decode instead of a checked int per token."""
+BlockSize = Annotated[int, Meta(ge=1, le=MAX_DIM)]
 PackedKeys = Annotated[memoryview, Meta(max_length=MAX_KEYS * KEY_BYTES)]
 """Keys back to back, :data:`KEY_BYTES` each (a whole number of them is checked by the
 daemon): one byte string instead of a list of them. Sent as bytes; decoded as a view of

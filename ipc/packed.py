@@ -23,7 +23,8 @@ except ImportError:  # pragma: no cover - no C compiler at install
 PACK_NATIVE = _pack is not None
 """Whether :func:`pack_keys` packs lists in C (checking every key's length)."""
 
-__all__ = ["PACK_NATIVE", "PackedKeyList", "pack_keys", "pack_pages", "split_keys"]
+__all__ = ["PACK_NATIVE", "PackedKeyList", "pack_keys", "pack_pages", "pack_tokens",
+           "split_keys"]
 
 
 def pack_keys(keys: Sequence[bytes]) -> bytes | None:
@@ -53,6 +54,18 @@ def pack_pages(pages: Sequence[int]) -> bytes | None:
     if sys.byteorder != "little":
         packed.byteswap()
     return packed.tobytes()
+
+
+def pack_tokens(tokens: Sequence[int]) -> bytes:
+    """Token ids as a STORE's ``engine.token_ids`` (little-endian uint32 each).
+
+    Raises:
+        ValueError: a token id is not an integer in ``[0, 2**32)``.
+    """
+    packed = pack_pages(tokens)
+    if packed is None:
+        raise ValueError("token ids must be integers in [0, 2**32)")
+    return packed
 
 
 class PackedKeyList(Sequence[bytes]):

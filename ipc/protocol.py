@@ -39,6 +39,9 @@ from kvtier.ipc.limits import (
     KEY_BYTES,
     MAX_ERROR_CHARS,
     U63,
+    BlockHash,
+    BlockHashes,
+    BlockSize,
     ClaimPolicy,
     Fingerprint,
     FlushTier,
@@ -48,6 +51,7 @@ from kvtier.ipc.limits import (
     Name,
     PackedKeys,
     PackedPages,
+    PackedTokens,
     Pages,
     Pid,
     ProtocolVersion,
@@ -64,6 +68,7 @@ from kvtier.ipc.packed import (  # re-exported: P.pack_keys, P.PackedKeyList, ..
     PackedKeyList,  # noqa: F401
     pack_keys,  # noqa: F401
     pack_pages,  # noqa: F401
+    pack_tokens,  # noqa: F401
     split_keys,
 )
 
@@ -149,12 +154,34 @@ class Lookup(_Req, tag="lookup", kw_only=True):
         return self.keys if not self.packed_keys else split_keys(self.packed_keys)
 
 
+class EngineBlocks(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """How the engine itself names the pages of a STORE, for the KV events kvtierd publishes
+    (routers match events against the hashes they compute for a request).
+
+    Attributes:
+        hashes: the engine's hash of each page, one per key, in key order (vLLM's
+            ``ExternalBlockHash``: an int, or bytes).
+        parent: the engine's hash of the block before ``hashes[0]`` (None: chain start).
+        token_ids: the pages' tokens, ``block_size`` per page, packed (:func:`pack_tokens`:
+            little-endian uint32 each), or empty.
+        block_size: tokens per engine block (None: the session's page size).
+        lora_name: the LoRA adapter the blocks were computed with, if any.
+    """
+
+    hashes: BlockHashes
+    parent: BlockHash | None = None
+    token_ids: PackedTokens = b""
+    block_size: BlockSize | None = None
+    lora_name: Name | None = None
+
+
 class Store(_Req, tag="store", kw_only=True):
     """Copy engine pages ``pages[i]`` into L2 under ``keys[i]`` where L2 lacks them.
 
     ``parent_key`` is the key before ``keys[0]`` in its chain (None for a chain start).
     The daemon signals completion in transfer slot ``slot`` tagged with ``seq``. The keys
-    and pages may come packed instead, as for :class:`Load`.
+    and pages may come packed instead, as for :class:`Load`. ``engine``: the engine's own
+    block hashes (sent only to a daemon whose :class:`Registered` says ``kv_events``).
     """
 
     session_id: U63
@@ -165,6 +192,7 @@ class Store(_Req, tag="store", kw_only=True):
     parent_key: Key | None = None
     slot: Slot
     seq: U63
+    engine: EngineBlocks | None = None
 
 
 class Load(_Req, tag="load", kw_only=True):
@@ -275,7 +303,8 @@ class Registered(_Rep, tag="registered", kw_only=True):
     ``completion_name`` is a label only (no file by that name exists). ``packed_lookup``:
     the daemon takes LOOKUP's ``packed_keys`` (a daemon that predates it leaves it out,
     so a client reads False and sends ``keys``); ``packed_transfers``: the same for LOAD's
-    and STORE's ``packed_keys`` and ``packed_pages``.
+    and STORE's ``packed_keys`` and ``packed_pages``; ``kv_events``: the daemon publishes
+    KV events, so a STORE's ``engine`` hashes are worth sending.
     """
 
     session_id: U63
@@ -286,6 +315,7 @@ class Registered(_Rep, tag="registered", kw_only=True):
     daemon_pid: int
     packed_lookup: bool = False
     packed_transfers: bool = False
+    kv_events: bool = False
 
 
 class Ack(_Rep, tag="ack", kw_only=True):

@@ -23,6 +23,7 @@ misses and stores nothing.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +47,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -225,9 +227,23 @@ class KvtierConnector(KVConnectorBase_V1):
         return self._scheduler.build_meta(scheduler_output, block_ids_of)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """Pages whose load failed are stored again once recomputed."""
-        if self._scheduler is not None and connector_output.invalid_block_ids:
+        """Pages whose load failed are stored again once recomputed; the workers' KV
+        events wait for :meth:`take_events`."""
+        if self._scheduler is None:
+            return
+        if connector_output.invalid_block_ids:
             self._scheduler.loads_failed(set(connector_output.invalid_block_ids))
+        if connector_output.kv_cache_events:
+            self._scheduler.workers_events(connector_output.kv_cache_events)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """``BlockStored`` (medium ``KVTIER``) of the blocks every worker stored in kvtierd
+        since the last call; vLLM publishes them with its own events."""
+        return self._scheduler.take_events() if self._scheduler is not None else ()
+
+    def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
+        """This worker's KV events since the last step (its stores that ended)."""
+        return self._worker.events.take() if self._worker is not None else None
 
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:

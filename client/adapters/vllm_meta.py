@@ -7,6 +7,7 @@ every worker, so it holds plain lists only.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
@@ -56,6 +57,9 @@ class StoreSpec:
         start: the first page to store.
         block_ids: vLLM blocks holding the pages, in page order.
         seed / keys: as in :class:`LoadSpec` (empty when the scheduler has no keys).
+        block_hashes / parent_hash / lora_name: vLLM's external hashes of the pages (empty
+            when vLLM does not hash blocks), of the block before ``start``, and the LoRA,
+            for KV events (:mod:`~kvtier.client.adapters.vllm_events`).
     """
 
     req_id: str
@@ -65,6 +69,9 @@ class StoreSpec:
     block_ids: list[int]
     seed: bytes = b""
     keys: list[bytes] = field(default_factory=list)
+    block_hashes: list[Any] = field(default_factory=list)
+    parent_hash: Any = None
+    lora_name: str | None = None
 
 
 @dataclass

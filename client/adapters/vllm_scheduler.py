@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.client.adapters.link import DaemonLink
+from kvtier.client.adapters.vllm_events import KvtierEvents, engine_blocks
 from kvtier.client.adapters.vllm_link import ConnectorSettings
 from kvtier.client.adapters.vllm_meta import KvtierMetadata, LoadSpec, StoreSpec
 from kvtier.client.adapters.vllm_namespace import chain_seed
@@ -91,6 +92,7 @@ class SchedulerSide:
         self._chains: dict[str, tuple[bytes, list[bytes]]] = {}  # the last lookup's keys
         self._tracked: dict[str, _Tracked] = {}
         self._loads: list[LoadSpec] = []
+        self._events: KvtierEvents | None = None  # the workers' KV events, not taken yet
 
     # ------------------------------------------------------------------ lookups
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
@@ -182,13 +184,31 @@ class SchedulerSide:
             if t.seed and len(t.keys) < end:  # pages decoded since: extend the chain
                 t.keys += page_keys(t.keys[-1] if t.keys else t.seed,
                                     tokens[len(t.keys) * bs:end * bs], bs)
+            hashes, parent, lora = engine_blocks(req, t.stored, end)
             meta.stores.append(StoreSpec(req_id=rid, tokens=list(tokens[:end * bs]),
                                          salt=req.cache_salt or "", start=t.stored,
                                          block_ids=list(blocks[t.stored:end]), seed=t.seed,
-                                         keys=t.keys[:end] if t.seed else []))
+                                         keys=t.keys[:end] if t.seed else [],
+                                         block_hashes=hashes, parent_hash=parent,
+                                         lora_name=lora))
             t.stored = end
             t.stores += 1
         return meta
+
+    def workers_events(self, events: Any) -> None:
+        """Keep the KV events the workers reported this step (vLLM merged them)."""
+        if not isinstance(events, KvtierEvents):
+            return
+        if self._events is None:
+            self._events = events
+        else:
+            self._events.add_events(events.get_all_events())
+            self._events.increment_workers(events.get_number_of_workers())
+
+    def take_events(self) -> list[Any]:
+        """The events every worker reported since the last call (vLLM publishes them)."""
+        events, self._events = self._events, None
+        return [] if events is None else events.aggregate().get_all_events()
 
     def loads_failed(self, invalid_block_ids: set[int]) -> None:
         """Pages of a failed load are not in kvtier after all: store them once recomputed."""

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 from kvtier.client.adapters.link import DaemonLink
+from kvtier.client.adapters.vllm_events import StoredLog, stored_event
 from kvtier.client.adapters.vllm_link import ConnectorSettings
 from kvtier.client.adapters.vllm_memory import MemfdAllocation, cpu_regions
 from kvtier.client.adapters.vllm_meta import KvtierMetadata, LoadSpec, StoreSpec
@@ -43,6 +44,7 @@ from kvtier.client.memory_export import RegionMemory
 from kvtier.client.page_keys import page_keys
 from kvtier.client.transfer_handle import TransferHandle
 from kvtier.config import KvtierError
+from kvtier.ipc import protocol as P
 from kvtier.ipc.protocol import Geometry
 
 __all__ = ["WorkerSide"]
@@ -91,6 +93,8 @@ class WorkerSide:
         self._layer_of: dict[str, int] = {}  # vLLM layer name → region (the daemon's layer)
         self.load_times: deque[float] = deque(maxlen=1024)
         """Seconds the last loads took, from the step that started each to its end."""
+        self.events = StoredLog()
+        """KV events of the stores that ended, for vLLM's stream (see vllm_events)."""
 
     # ------------------------------------------------------------------ setup
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor],
@@ -309,7 +313,15 @@ class WorkerSide:
             return
         keys = self._keys(conn, spec)
         parent = keys[spec.start - 1] if spec.start else None
-        conn.store(keys[spec.start:], spec.block_ids, parent_key=parent).wait()
+        bs, n = self.geometry.page_size, len(spec.block_ids)
+        tokens = [int(t) for t in spec.tokens[spec.start * bs:(spec.start + n) * bs]]
+        eng = P.EngineBlocks(hashes=spec.block_hashes, parent=spec.parent_hash,
+                             token_ids=P.pack_tokens(tokens), block_size=bs,
+                             lora_name=spec.lora_name) if spec.block_hashes else None
+        h = conn.store(keys[spec.start:], spec.block_ids, parent_key=parent, engine=eng)
+        if h.wait() and h.count and spec.block_hashes:  # kvtierd holds the leading h.count
+            self.events.add(stored_event(spec.block_hashes[:h.count], spec.parent_hash,
+                                         tokens[:h.count * bs], bs, spec.lora_name))
 
     def close(self) -> None:
         """Stop the I/O thread, unregister, close the memfd."""

@@ -483,6 +483,13 @@ class HostPool(PageTable):
         return (self._key[slot], self._ns[slot], self._parent[slot], bool(self._in_l3[slot]),
                 self._ext_class[slot // self._per_extent])
 
+    def ready_pages(self, ns_id: int) -> list[tuple[bytes, bytes | None]]:
+        """Return ``(key, parent key or None)`` of every READY page of ``ns_id``.
+        O(pages): for FLUSH's KV events and tests."""
+        keys, parent = self._key, self._parent
+        return [(key, keys[parent[s]] if parent[s] != NIL else None)
+                for key, s in self._ready.get(ns_id, {}).items()]
+
     def evictable_slots(self, owner: int | None = None) -> list[int]:
         """Return the evictable slots, cold end first, walking the global list or
         ``owner``'s list. O(pages): for admin views and tests."""

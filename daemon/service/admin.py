@@ -253,17 +253,34 @@ class Admin:
             fps = [fp] if fps is None or fp in fps else []
         l2 = 0
         if m.tier in ("l2", "all"):
+            before = self._l2_keys(ns_id) if ctx.events is not None else {}
             with ctx.tier.writer.flush_guard():
                 l2 = sum(ctx.pool.flush(ns_id=ns_id, owner=owner) for owner in owners)
             ctx.tier.prefetcher.sweep()
+            for ns, keys in before.items():  # BlockRemoved of what the flush dropped
+                assert ctx.events is not None
+                left = {k for k, _ in ctx.pool.ready_pages(ns)}
+                ctx.events.l2_dropped(ns, [k for k in keys if k not in left])
         log.info("flush tier=%s namespace=%s tenants=%s: %d L2 pages dropped", m.tier,
                  m.namespace or "*", ",".join(sorted(scope)) if scope is not None else "*", l2)
         if m.tier == "l2" or not ctx.tier.available:
             return P.FlushReply(req_id=m.req_id, epoch=ctx.epoch, l2_pages=l2, l3_pages=0)
         return self._flush_l3(m, l2, fps)
 
+    def _l2_keys(self, ns_id: int | None) -> dict[int, list[bytes]]:
+        """The READY keys of ``ns_id`` (None: of every namespace), per namespace."""
+        pool = self.ctx.pool
+        ids = [ns_id] if ns_id is not None else sorted(set(pool.namespaces().values()))
+        return {i: [k for k, _ in pool.ready_pages(i)] for i in ids if i >= 0}
+
     async def _flush_l3(self, m: P.Flush, l2: int, fps: list[bytes] | None) -> P.Reply:
         l3 = await self.ctx.tier.flush(fps, reclaim=m.reclaim)
+        events, pool = self.ctx.events, self.ctx.pool
+        if events is not None:  # AllBlocksCleared per namespace, then what L2 still holds
+            ids = pool.namespaces()
+            for fp in sorted(ids) if fps is None else fps:
+                if fp in ids:
+                    events.l3_cleared(ids[fp], pool.ready_pages(ids[fp]))
         log.info("flush tier=%s namespace=%s: %d L3 pages deleted", m.tier, m.namespace or "*", l3)
         return P.FlushReply(req_id=m.req_id, epoch=self.ctx.epoch, l2_pages=l2, l3_pages=l3)
 

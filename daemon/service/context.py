@@ -29,6 +29,7 @@ from kvtier.ipc import protocol as P
 from kvtier.ipc.fdpass import handover_path
 
 if TYPE_CHECKING:
+    from kvtier.daemon.service.kv_events import KvEventPublisher
     from kvtier.daemon.service.metrics import DaemonMetrics
 
 log = logging.getLogger("kvtier.daemon")
@@ -73,6 +74,7 @@ class ServiceContext:
         self.prefaults = PrefaultQueue(cfg.prefault_threads)
         self.handovers = HandoverServer(handover_path(rdir), lambda: self.cfg, self.strain)
         self.metrics: DaemonMetrics | None = None
+        self.events: KvEventPublisher | None = None
         self.adopt: AdoptResult | None = None
         self.started = time.time()
         self.stopping = False

@@ -29,6 +29,7 @@ from kvtier.daemon.service.sessions import Session
 from kvtier.daemon.service.transfers import Transfers
 from kvtier.daemon.service.validation import (
     RequestError,
+    check_engine_blocks,
     check_keys,
     check_lookup_keys,
     check_slot,
@@ -187,6 +188,8 @@ class Handlers:
                     tp_size=m.tp_size, lease_s=cfg.lease_s)
         s.renew(time.monotonic())
         ctx.tier.register(ns_id, fp, tenant, s.class_id, g.page_bytes)
+        if ctx.events is not None:
+            ctx.events.name(ns_id, m.namespace.model_id, fp, g.page_size)
         if control:  # no rank group: a scheduler asks for itself, one session per rank
             s.control_only = True
         else:
@@ -209,7 +212,8 @@ class Handlers:
                             lease_s=cfg.lease_s, ns_fingerprint=fp,
                             completion_name=f"memfd:completion-{ctx.epoch:x}-{sid}",
                             completion_slots=block.slots, daemon_pid=os.getpid(),
-                            packed_lookup=True, packed_transfers=True)
+                            packed_lookup=True, packed_transfers=True,
+                            kv_events=ctx.events is not None)
 
     def _authenticate(self, m: P.Register) -> str:
         """The tenant a REGISTER may act as (the default one when none are configured)."""
@@ -336,6 +340,8 @@ class Handlers:
         check_slot(s, m.slot)
         if m.parent_key is not None and len(m.parent_key) != P.KEY_BYTES:
             raise RequestError(P.ErrorCode.BAD_MESSAGE, f"parent_key has {len(m.parent_key)} bytes")
+        if m.engine is not None:
+            check_engine_blocks(m.engine, len(pages), s.geometry.page_size)
         ctx.counters.stores += 1
         if s.geometry.attention == "mla" and s.tp_rank > 0:
             # MLA pages are the same on every rank: rank 0 stores them for all
@@ -351,6 +357,10 @@ class Handlers:
         if not allocated:
             return P.StoreAccepted(req_id=m.req_id, epoch=ctx.epoch, count=count, writing=0)
         host = [slot for _, slot in allocated]
+        if ctx.events is not None:  # what the BlockStored of the committed pages will say
+            ctx.events.store_started(s.ns_id, s.session_id, m.slot, m.seq, keys,
+                                     None if every else [i for i, _ in allocated],
+                                     m.parent_key, m.engine, s.geometry.page_size)
         if every:
             self.transfers.start(s, Direction.STORE, m.slot, m.seq, host, pages, keys)
         else:

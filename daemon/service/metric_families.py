@@ -49,6 +49,13 @@ _COUNTER_SPECS: tuple[_Spec, ...] = (
      ("Pages read from L3 into L2 that no LOAD used: evicted or flushed before any load, "
       "or read and then discarded at a CLAIM."),
      (), (((), "l3_prefetch_unused_pages"),)),
+    ("kvtier_kv_events_batches",
+     ("KV event batches published, by result: sent, dropped (a subscriber's queue was full; "
+      "the batch stays in the replay buffer)."),
+     ("result",), ((("sent",), "kv_events_batches"), (("dropped",), "kv_events_dropped_batches"))),
+    ("kvtier_kv_events_blocks", "Blocks announced in KV events, by event: stored, removed.",
+     ("event",), ((("stored",), "kv_events_stored_blocks"),
+                  (("removed",), "kv_events_removed_blocks"))),
     ("kvtier_stores", "STORE requests accepted.", (), (((), "stores"),)),
     ("kvtier_store_pages",
      ("Pages named by STORE requests, by result: copied to L2, skipped (already there), "

@@ -97,6 +97,7 @@ class Daemon:
         self.dispatcher: Dispatcher | StartGate = StartGate(self._epoch)
         self._stop = asyncio.Event()
         self._sock: zmq.Socket | None = None
+        self._zctx: zmq.Context | None = None
         self._sock_file: SocketFile | None = None
         self.receiver: Receiver | None = None
         self._reap_later: asyncio.TimerHandle | None = None
@@ -163,7 +164,7 @@ class Daemon:
         async with contextlib.AsyncExitStack() as stack:
             # first of all: no other daemon on this runtime dir (before the pool and socket)
             stack.enter_context(claim_runtime_dir(self.rdir))
-            zctx = zmq.Context()
+            zctx = self._zctx = zmq.Context()
             stack.callback(zctx.term)
             self._sock = make_zmq_socket(zctx, self.endpoint, zmq.ROUTER, bind=True)
             stack.callback(self._close_socket)
@@ -201,6 +202,13 @@ class Daemon:
         service.transfers.requests_waiting = self.receiver.waiting
         self._share_with_group([service.ctx.handovers.path])
         self.service = service
+        if self.cfg.kv_events_endpoint is not None:
+            from kvtier.daemon.service.kv_events import open_publisher
+
+            assert self._zctx is not None, "run() makes it first"
+            service.ctx.events = open_publisher(self.cfg, service.ctx.counters, service.tier,
+                                                self._zctx)
+            stack.callback(service.ctx.events.close)
         if self.cfg.metrics_port is not None:
             from kvtier.daemon.service.metrics import DaemonMetrics
 

@@ -301,6 +301,8 @@ class Transfers:
         ctx, c, n = self.ctx, self.ctx.counters, len(t.host_slots)
         if ok and s.state is SessionState.OPEN:
             ctx.pool.commit(t.host_slots, checksums=t.checksums)
+            if ctx.events is not None:
+                ctx.events.store_ended(t.session_id, t.slot, t.seq, committed=True)
             c.store_pages += n
             c.bytes_to_host += t.nbytes
             ctx.tier.stored(s, t.keys)
@@ -308,6 +310,8 @@ class Transfers:
                 ctx.metrics.observe_store(time.monotonic() - t.started)
         else:
             ctx.pool.abort(t.host_slots)
+            if ctx.events is not None:
+                ctx.events.store_ended(t.session_id, t.slot, t.seq, committed=False)
             c.store_failed_pages += n
 
     def _loaded(self, s: Session, t: Transfer, ok: bool) -> None:

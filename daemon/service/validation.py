@@ -134,3 +134,25 @@ def check_slot(s: Session, slot: int) -> None:
                            f"slot = {slot!r} is outside [0, {s.completion.slots})")
     if slot in s.transfers:
         raise RequestError(P.ErrorCode.BUSY, f"slot = {slot!r} has a transfer running")
+
+
+def check_engine_blocks(engine: P.EngineBlocks, n_keys: int, page_size: int) -> None:
+    """Check a STORE's engine block description against its keys.
+
+    Args:
+        engine: the STORE's ``engine`` (each value's bounds were checked at decode).
+        n_keys: the STORE's keys.
+        page_size: the session's tokens per page (``engine.block_size`` by default).
+
+    Raises:
+        RequestError: BAD_MESSAGE naming the field and its value: not one hash per key, or
+            ``token_ids`` neither empty nor ``block_size`` per key.
+    """
+    if len(engine.hashes) != n_keys:
+        raise RequestError(P.ErrorCode.BAD_MESSAGE, f"engine.hashes has {len(engine.hashes)} "
+                           f"hashes for {n_keys} keys (one per key)")
+    bs = engine.block_size or page_size
+    if engine.token_ids and len(engine.token_ids) != n_keys * bs * 4:
+        raise RequestError(P.ErrorCode.BAD_MESSAGE,
+                           f"engine.token_ids has {len(engine.token_ids)} bytes, not "
+                           f"{n_keys} keys x block_size {bs} x 4 = {n_keys * bs * 4} (or none)")

@@ -93,6 +93,7 @@ class Fill:
             :data:`NO_CUT` while none is.
         cancelled: ended by a claim or its session rather than by a failed read.
         allocating: more pages may still be added (the fill is not done before).
+        parent_key: the key the chain run extends (None: a chain start).
         done: resolved once allocation is over and every page is committed or aborted.
     """
 
@@ -109,6 +110,7 @@ class Fill:
     cancelled: bool = False
     allocating: bool = False
     ended: int = 0
+    parent_key: bytes | None = None  # the key before keys[0] in its chain
 
     @property
     def pages(self) -> int:
@@ -162,6 +164,8 @@ class Prefetcher:
         self._fills: set[Fill] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._fetched: OrderedDict[tuple[int, bytes], None] = OrderedDict()  # not loaded yet
+        self.on_committed: Callable[[int, list[bytes], bytes | None], None] | None = None
+        """Told ``(ns_id, keys, parent key)`` of pages a fill committed to L2."""
 
     @property
     def active(self) -> int:
@@ -207,7 +211,7 @@ class Prefetcher:
             Pages allocated (and being read).
         """
         loop = asyncio.get_running_loop()
-        parent = parent_key
+        parent = fill.parent_key = parent_key
         size = read_batch(len(keys), self._concurrency)
         try:
             for a in range(0, len(keys), size):
@@ -309,6 +313,9 @@ class Prefetcher:
             slots = fill.slots[c:j]
             self.pool.commit(slots)
             self.pool.mark_in_l3(slots)
+            if self.on_committed is not None:
+                self.on_committed(fill.ns_id, fill.keys[c:j],
+                                  fill.keys[c - 1] if c else fill.parent_key)
             for i in range(c, j):
                 fate[i] = Fate.COMMITTED
                 self._release_key(fill, i)

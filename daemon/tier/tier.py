@@ -22,12 +22,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvtier.config import DaemonConfig
 from kvtier.daemon.counters import Counters
-from kvtier.daemon.pool.index import HostPool
+from kvtier.daemon.pool.index import EvictedPage, HostPool
 from kvtier.daemon.storage.base import HostArena
 from kvtier.daemon.tier.guard import L3Backend
 from kvtier.daemon.tier.prefetch import Prefetcher, PrefetchJob
@@ -70,6 +70,8 @@ class TierStore:
         self.prefetcher = Prefetcher(pool, counters, self.l3.get, cfg.prefetch_concurrency)
         self.writer = L3Writer(cfg, self.l3, self, pool, counters)
         self.groups = RankGroups(cfg.tp_group_timeout_s, on_round=self._on_round)
+        self.on_evicted: Callable[[list[EvictedPage]], None] | None = None
+        """Told the pool's evictions after each allocation (the KV event publisher)."""
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -195,6 +197,8 @@ class TierStore:
         evicted = self.pool.drain_evicted()
         if evicted:
             self.prefetcher.evicted((e.ns_id, e.key) for e in evicted)  # read only if it prefetched
+            if self.on_evicted is not None:
+                self.on_evicted(evicted)
         if got < wanted:
             self.writer.shortfall()
 

@@ -35,7 +35,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -162,6 +162,8 @@ class L3Writer:
         self._last_scan = 0.0
         self._syncs: list[_SyncWait] = []
         self.write_back_checks = 0
+        self.on_written: Callable[[list[tuple[int, bytes]]], None] | None = None
+        """Told ``(ns_id, key)`` of the pages now in L3 (written, or found there)."""
 
     @property
     def queued(self) -> int:
@@ -430,6 +432,8 @@ class L3Writer:
         """These pages are off the queue for good: written (or found in L3), or given up."""
         queued = self._queued
         idents = [(it.ns_id, it.key) for it in items]
+        if written and idents and self.on_written is not None:
+            self.on_written(idents)
         for ident, it in zip(idents, items):
             if queued.get(ident) is it:
                 del queued[ident]

@@ -3,11 +3,13 @@
     python vllm_engine_proc.py MODEL_DIR CONFIG_JSON
 
 CONFIG_JSON: ``{"kvtier": {extra config} | null, "block_size": 32, "kv_bytes": ...,
-"max_model_len": ..., "tp": n, "record_loads": bool}`` (``tp`` > 1: that many worker
-processes, tensor parallel). The process prints ``{"ready": true}`` once the engine is up,
-then answers each request line ``{"prompts": [[ids]], "max_tokens": n, "salt": s}`` with
-``{"outputs": [{"tokens": [...], "logprobs": [...], "cached": n}], "ok": true}``. Greedy
-sampling, prompts as token ids, vLLM's own prefix caching off.
+"max_model_len": ..., "tp": n, "record_loads": bool, "prefix_caching": false, "kv_events":
+{KVEventsConfig fields} | null}`` (``tp`` > 1: that many worker processes, tensor parallel;
+``kv_events``: vLLM publishes its KV events, as ``--kv-events-config`` makes it). The process
+prints ``{"ready": true}`` once the engine is up, then answers each request line
+``{"prompts": [[ids]], "max_tokens": n, "salt": s}`` with ``{"outputs": [{"tokens": [...],
+"logprobs": [...], "cached": n}], "ok": true}``. Greedy sampling, prompts as token ids, vLLM's
+own prefix caching off unless ``prefix_caching``.
 
 With ``record_loads`` (the worker in this process: no tensor parallelism, vLLM's engine
 core in-process), the connector's worker side is watched: for every load it ran, what vLLM
@@ -88,7 +90,7 @@ def main() -> None:
     os.dup2(2, 1)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm.config import KVEventsConfig, KVTransferConfig
     from vllm.inputs import TokensPrompt
 
     loads = record_loads() if config.get("record_loads") else None
@@ -105,7 +107,10 @@ def main() -> None:
               max_model_len=config.get("max_model_len", 1024),
               block_size=config.get("block_size", 32),
               kv_cache_memory_bytes=config.get("kv_bytes", 64 << 20),
-              enable_prefix_caching=False, kv_transfer_config=kv, seed=0,
+              enable_prefix_caching=config.get("prefix_caching", False),
+              kv_events_config=KVEventsConfig(**config["kv_events"])
+              if config.get("kv_events") else None,
+              kv_transfer_config=kv, seed=0,
               tensor_parallel_size=config.get("tp", 1),
               distributed_executor_backend="mp" if config.get("tp", 1) > 1 else None)
     out.write(json.dumps({"ready": True}) + "\n")

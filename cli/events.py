@@ -1,0 +1,71 @@
+"""``kvtier events``: tail a kvtierd's KV events, decoded.
+
+The endpoints come from ``--endpoint`` / ``--replay``, else from the daemon's own
+configuration (``--config`` file and ``KVTIER_KV_EVENTS_*`` variables). One line per event:
+``seq topic type medium blocks...``; ``--json`` prints one JSON object per event instead
+(``seq``, ``topic``, ``ts``, ``replayed`` and the event's fields, bytes hashes as hex).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvtier.client.events import EventSubscriber
+from kvtier.config import ConfigError, DaemonConfig
+from kvtier.config.loader import load_config
+from kvtier.ipc.kv_events import as_dict
+
+__all__ = ["main"]
+
+
+def _short(h: object) -> str:
+    return h.hex()[:16] if isinstance(h, bytes) else str(h)
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``kvtier events``; exit 0 when the stream went quiet or ``--count``
+    events were printed, 2 when no endpoint is configured."""
+    ap = argparse.ArgumentParser(prog="kvtier events", description=__doc__.split("\n")[0])
+    ap.add_argument("--endpoint", help="the daemon's kv_events_endpoint")
+    ap.add_argument("--replay", help="its kv_events_replay_endpoint (fills gaps, --from)")
+    ap.add_argument("--config", help="read the endpoints from this kvtierd config file")
+    ap.add_argument("--topic", default="", help="topic prefix, e.g. kvtier/<model id>/")
+    ap.add_argument("--from", dest="start", type=int, metavar="SEQ",
+                    help="replay from this sequence number first (0: all the daemon keeps)")
+    ap.add_argument("--json", action="store_true", help="one JSON object per event")
+    ap.add_argument("--timeout", type=float, default=0.0,
+                    help="stop after this many quiet seconds (0: never)")
+    ap.add_argument("--count", type=int, default=0, help="stop after this many events")
+    args = ap.parse_args(argv)
+    endpoint, replay = args.endpoint, args.replay
+    if endpoint is None:
+        try:
+            cfg = load_config(DaemonConfig, file=args.config)
+        except ConfigError as err:
+            print(f"kvtier events: {err}", file=sys.stderr)
+            return 2
+        endpoint, replay = cfg.kv_events_endpoint, replay or cfg.kv_events_replay_endpoint
+    if endpoint is None:
+        print("kvtier events: no endpoint: pass --endpoint or set kv_events_endpoint",
+              file=sys.stderr)
+        return 2
+    printed = 0
+    quiet = args.timeout if args.timeout > 0 else 1e9
+    with EventSubscriber(endpoint, replay=replay, topic=args.topic) as sub:
+        for msg in sub.iter(quiet, start_seq=args.start):
+            for ev in msg.batch.events:
+                if args.json:
+                    print(json.dumps({"seq": msg.seq, "topic": msg.topic, "ts": msg.batch.ts,
+                                      "replayed": msg.replayed, **as_dict(ev)}), flush=True)
+                else:
+                    blocks = getattr(ev, "block_hashes", [])
+                    print(f"{msg.seq:>8} {msg.topic} {type(ev).__name__:<16} "
+                          f"{getattr(ev, 'medium', '') or '':<8} {len(blocks):>5} "
+                          f"{' '.join(_short(h) for h in blocks[:4])}"
+                          f"{' ...' if len(blocks) > 4 else ''}", flush=True)
+                printed += 1
+                if args.count and printed >= args.count:
+                    return 0
+    return 0

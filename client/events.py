@@ -1,0 +1,134 @@
+"""A subscriber to a kvtierd's KV events: what ``kvtier events`` and the bench read with.
+
+A router reads the stream with its own decoder (vLLM's format: :mod:`kvtier.ipc.kv_events`);
+this subscriber is the reference reader: it follows the sequence numbers and, when it sees a
+gap (its queue overflowed, or it connected late), asks the replay socket for the missing
+batches, as vLLM's subscriber does::
+
+    with EventSubscriber("ipc:///run/kvtier/events.sock",
+                         replay="ipc:///run/kvtier/events-replay.sock") as sub:
+        for msg in sub.iter(timeout_s=10):
+            print(msg.topic, msg.seq, msg.batch.events)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Self
+
+import zmq
+from kvtier.ipc import kv_events as E
+
+__all__ = ["EventMessage", "EventSubscriber"]
+
+
+@dataclass(frozen=True, slots=True)
+class EventMessage:
+    """One batch as received: its topic, sequence number, decoded events, whether it came by
+    replay, and its bytes as published (for another decoder)."""
+
+    topic: str
+    seq: int
+    batch: E.KVEventBatch
+    replayed: bool = False
+    payload: bytes = b""
+
+
+class EventSubscriber:
+    """Subscribes to a kvtierd's KV events (see the module docstring).
+
+    Args:
+        endpoint: the daemon's ``kv_events_endpoint``.
+        replay: its ``kv_events_replay_endpoint`` (None: gaps stay gaps).
+        topic: topic prefix to subscribe to (``kvtier/<model id>/``; "" for every topic).
+        hwm: the receive high-water mark (batches queued here before ZeroMQ drops; 0: no
+            limit).
+        rcvbuf: the kernel receive buffer in bytes (-1: the system's default).
+    """
+
+    def __init__(self, endpoint: str, replay: str | None = None, topic: str = "",
+                 hwm: int = 100_000, rcvbuf: int = -1) -> None:
+        self._ctx = zmq.Context()
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.RCVHWM, hwm)
+        self._sub.setsockopt(zmq.RCVBUF, rcvbuf)
+        self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self._sub.connect(endpoint)
+        self._replay_endpoint = replay
+        self._topic = topic
+        self.next_seq: int | None = None  # the sequence number expected next
+        self.replayed = 0  # batches recovered by replay
+        self.gaps = 0  # gaps seen in the sequence numbers
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the sockets."""
+        self._sub.close(linger=0)
+        self._ctx.term()
+
+    def recv(self, timeout_s: float) -> EventMessage | None:
+        """The next batch as published (no gap handling), or None after ``timeout_s``."""
+        if not self._sub.poll(int(timeout_s * 1000)):
+            return None
+        topic, seq, payload = self._sub.recv_multipart()
+        return EventMessage(topic.decode(), E.seq_of(seq), E.decode_batch(payload), False, payload)
+
+    def iter(self, timeout_s: float, start_seq: int | None = None) -> Iterator[EventMessage]:
+        """Batches in sequence order, gaps filled by replay, until none came for
+        ``timeout_s`` seconds.
+
+        Args:
+            timeout_s: how long to wait for the next batch.
+            start_seq: replay from this sequence number first (e.g. 0: everything the
+                daemon still buffers), then follow the stream.
+        """
+        if start_seq is not None and self._replay_endpoint is not None:
+            self.next_seq = start_seq
+            time.sleep(0.05)  # let the subscription reach the publisher before asking
+            for old in self.replay(start_seq):
+                yield old
+                self.next_seq = old.seq + 1
+        while True:
+            msg = self.recv(timeout_s)
+            if msg is None:
+                return
+            if self.next_seq is not None and msg.seq < self.next_seq:
+                continue  # already had it by replay
+            if self.next_seq is not None and msg.seq > self.next_seq:
+                self.gaps += 1
+                yield from self.replay(self.next_seq, upto=msg.seq)
+            self.next_seq = msg.seq + 1
+            yield msg
+
+    def replay(self, start_seq: int, upto: int | None = None,
+               timeout_s: float = 5.0) -> list[EventMessage]:
+        """Ask the replay socket for the batches from ``start_seq`` (below ``upto``), in
+        order, keeping this subscriber's topics; [] without a replay endpoint."""
+        if self._replay_endpoint is None:
+            return []
+        req = self._ctx.socket(zmq.DEALER)
+        req.setsockopt(zmq.LINGER, 0)
+        out: list[EventMessage] = []
+        try:
+            req.connect(self._replay_endpoint)
+            req.send_multipart((b"", E.replay_request(start_seq)))
+            while req.poll(int(timeout_s * 1000)):
+                _, topic, seq, payload = req.recv_multipart()
+                n = E.seq_of(seq)
+                if seq == E.END_SEQ:
+                    break
+                if (upto is None or n < upto) and topic.decode().startswith(self._topic):
+                    out.append(EventMessage(topic.decode(), n, E.decode_batch(payload), True,
+                                            payload))
+        finally:
+            req.close(linger=0)
+        self.replayed += len(out)
+        return out

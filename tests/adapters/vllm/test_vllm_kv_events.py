@@ -1,0 +1,149 @@
+"""KV events read with vLLM's own types: every batch kvtierd publishes decodes with
+``vllm.distributed.kv_events.KVEventBatch``; and a real vLLM (CPU build) started with a KV
+events config and the kvtier connector publishes, beside its GPU events, the blocks it can
+load from kvtierd, while kvtierd's stream names them with the same hashes and keeps
+advertising them after the engine dropped them and after it restarted."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+from kvtier.client.admin import AdminClient
+from kvtier.client.events import EventSubscriber
+from kvtier.ipc import kv_events as E
+from kvtier.ipc import protocol as P
+from vllm_harness import BLOCK, EngineProcess, prompt, wait_for_pages
+
+from tests.engines import SMALL, engine, tokens
+
+with warnings.catch_warnings():  # vLLM's imports warn (torch.jit deprecations), not ours
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from vllm.distributed import kv_events as V
+
+pytestmark = pytest.mark.timeout(600)
+
+VLLM_DECODER = msgspec.msgpack.Decoder(V.KVEventBatch)
+
+
+class RawStream:
+    """A SUB socket whose batches are decoded by vLLM's decoder only."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sock.connect(endpoint)
+        time.sleep(0.2)
+
+    def batches(self, quiet_s: float = 2.0) -> list[tuple[str, int, V.KVEventBatch]]:
+        out = []
+        while self.sock.poll(int(quiet_s * 1000)):
+            topic, seq, payload = self.sock.recv_multipart()
+            out.append((topic.decode(), int.from_bytes(seq, "big"), VLLM_DECODER.decode(payload)))
+        return out
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)
+
+
+def of(batches, kind, medium: str | None = None) -> list:
+    return [e for _, _, b in batches for e in b.events
+            if isinstance(e, kind) and (medium is None or e.medium == medium)]
+
+
+def flat(evs) -> list:
+    return [h for e in evs for h in e.block_hashes]
+
+
+def test_every_kvtierd_event_decodes_with_vllms_types(daemon_factory, short_tmp):
+    d = daemon_factory("--kv-events-endpoint", f"ipc://{short_tmp}/ev.sock",
+                       "--hicache-storage-backend", "file", "--hicache-size", "8MiB",
+                       "--extent-size", "4MiB", "--state-dir", str(short_tmp / "st"))
+    stream = RawStream(f"ipc://{short_tmp}/ev.sock")
+    pool, conn = engine(d.runtime_dir, num_pages=200)
+    try:
+        for c in range(4):  # 800 pages through 512: stores, evictions, L3 writes
+            keys = conn.page_keys(tokens(200 * SMALL.page_size, salt=c))
+            eng = P.EngineBlocks(hashes=[c * 1000 + i for i in range(100)]
+                                 + [bytes([c, i]) * 16 for i in range(100)],
+                                 parent=None,
+                                 token_ids=P.pack_tokens(tokens(200 * 16, c).tolist()),
+                                 lora_name="l" if c else None)
+            assert conn.store(keys, list(range(200)), engine=eng).wait()
+        with AdminClient(d.endpoint, timeout_s=30.0) as admin:
+            admin.sync(30.0)
+            assert isinstance(admin.call(P.Flush(req_id=0, tier="all")), P.FlushReply)
+            c, evictions = admin.stats()["counters"], admin.stats()["pool"]["evictions"]
+        got = stream.batches()
+        assert got and [s for _, s, _ in got] == list(range(len(got)))
+        stored = of(got, V.BlockStored, "CPU")
+        assert len(flat(stored)) == c["store_pages"] > 0
+        assert len(flat(of(got, V.BlockRemoved, "CPU"))) >= evictions > 0
+        assert stored[0].block_hashes[:2] == [0, 1] and stored[0].token_ids[:16] == [
+            int(t) for t in tokens(16, 0)]
+        assert stored[0].block_size == SMALL.page_size and stored[1].lora_name == "l"
+        assert any(isinstance(h, bytes) for h in flat(stored))
+        assert of(got, V.BlockStored, "FILE")
+        assert of(got, V.AllBlocksCleared)
+    finally:
+        stream.close()
+        conn.close()
+        pool.close()
+
+
+def _engine(tiny_model: Path, rdir: Path, log: Path, ev: str) -> EngineProcess:
+    """vLLM with prefix caching, KV events on ``ev`` and the kvtier connector; a KV cache of
+    48 blocks, so a few prompts evict the first one's."""
+    return EngineProcess(tiny_model, {"runtime_dir": str(rdir)}, log, prefix_caching=True,
+                         kv_bytes=48 * 64 * 1024, max_model_len=512,
+                         kv_events={"enable_kv_cache_events": True, "publisher": "zmq",
+                                    "endpoint": ev, "topic": "vllm"}).wait_ready()
+
+
+def test_a_vllm_engine_and_kvtierd_advertise_the_same_blocks(daemon_factory, short_tmp,
+                                                             tiny_model):
+    d = daemon_factory("--kv-events-endpoint", f"ipc://{short_tmp}/kv.sock",
+                       "--kv-events-replay-endpoint", f"ipc://{short_tmp}/kvr.sock")
+    node = RawStream(f"ipc://{short_tmp}/kv.sock")
+    e = _engine(tiny_model, d.runtime_dir, short_tmp / "e0.log", f"ipc://{short_tmp}/vl.sock")
+    gpu = RawStream(f"ipc://{short_tmp}/vl.sock")
+    try:
+        a = prompt(7, 8 * BLOCK + 1)  # 8 full blocks
+        e.generate([a], max_tokens=2)
+        wait_for_pages(d.runtime_dir, tiny_model, a[:8 * BLOCK], 8)
+        e.generate([[1, 2, 3]], max_tokens=1)  # a step after the stores ended: their events
+        vllm_batches = gpu.batches()
+        mine = of(vllm_batches, V.BlockStored, "GPU")
+        a_hashes = [h for ev in mine for h in ev.block_hashes][:8]
+        assert len(a_hashes) == 8
+        # the connector's own events: the same blocks, loadable from kvtierd
+        assert flat(of(vllm_batches, V.BlockStored, "KVTIER"))[:8] == a_hashes
+        # kvtierd's events carry the engine's hashes for the same tokens
+        node_stored = of(node.batches(), V.BlockStored, "CPU")
+        assert flat(node_stored)[:8] == a_hashes
+        assert node_stored[0].token_ids == a[:8 * BLOCK]
+        # other prompts fill the engine's 48 blocks: it drops a's blocks from its cache
+        for s in range(6):
+            e.generate([prompt(100 + s, 12 * BLOCK + 1)], max_tokens=1)
+        removed = set(flat(of(gpu.batches(), V.BlockRemoved, "GPU")))
+        assert removed & set(a_hashes), "the engine kept a's blocks: no eviction to show"
+        node_removed = set(flat(of(node.batches(), V.BlockRemoved)))
+        assert not node_removed & set(a_hashes)  # the node still advertises them
+        e.close()  # the engine restarts: a router that replays the node's stream knows
+        with EventSubscriber(f"ipc://{short_tmp}/kv.sock",
+                             replay=f"ipc://{short_tmp}/kvr.sock") as late:
+            known = {h for m in late.replay(0) for ev in m.batch.events
+                     if isinstance(ev, E.BlockStored) for h in ev.block_hashes}
+        assert set(a_hashes) <= known
+        e = _engine(tiny_model, d.runtime_dir, short_tmp / "e1.log", f"ipc://{short_tmp}/vl2.sock")
+        out = e.generate([a], max_tokens=2)
+        assert out[0]["cached"] == 8 * BLOCK  # and the node serves them
+    finally:
+        e.close()
+        gpu.close()
+        node.close()
