@@ -100,7 +100,7 @@ sysdeps:
 		else echo "sysdeps: apt-get not found; install redis-server, libibverbs1, systemd by hand"; fi; \
 	fi
 
-test: venv sysdeps engines
+test: venv sysdeps engines lint
 	$(PY) -m pytest -q -p no:cacheprovider --ignore=tests/adapters $(PYTEST_ARGS)
 	$(EPY) -m pytest -q -p no:cacheprovider tests/adapters $(PYTEST_ARGS)
 
@@ -124,12 +124,15 @@ bench: venv sysdeps engines
 	$(ENGINES_VENV)/bin/kvtier bench sglang --json bench/results/sglang.json
 	$(ENGINES_VENV)/bin/kvtier bench vllm --json bench/results/vllm.json
 
+# ruff, the import contracts (.importlinter) and mypy on the package as `kvtier.*`
+# (tools/typecheck.py; settings in pyproject.toml). `make test` runs it first.
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
+	$(PY) tools/typecheck.py
 
 typecheck: venv
-	$(VENV)/bin/mypy config ipc daemon client kernels cli
+	$(PY) tools/typecheck.py
 
 clean:
 	rm -rf $(VENV) $(ENGINES_VENV) build *.egg-info kernels/*.so
