@@ -44,6 +44,7 @@ from kvtier.client.page_keys import page_keys
 from kvtier.client.replies import DaemonError, DaemonUnavailable, LookupReply, rep_is_late
 from kvtier.client.transfer_handle import TransferHandle
 from kvtier.config import ClientConfig, runtime_dir, socket_path
+from kvtier.config.models import PrefetchPolicy
 from kvtier.ipc import protocol as P
 from kvtier.ipc.completion import CompletionBlock, TransferStatus
 from kvtier.ipc.fdpass import HandoverError, HandoverUnavailable, hand_over, handover_path_for
@@ -52,6 +53,8 @@ from kvtier.ipc.sockets import ipc_endpoint, make_zmq_socket
 
 if TYPE_CHECKING:
     from typing import Self
+
+    import numpy as np
 
 __all__ = ["Connection", "DaemonError", "DaemonUnavailable", "LookupReply", "TransferHandle",
            "rep_is_late"]
@@ -287,7 +290,8 @@ class Connection:
                 return rep
             raise AssertionError("unreachable")
 
-    def page_keys(self, tokens: Sequence[int], parent: bytes | None = None) -> list[bytes]:
+    def page_keys(self, tokens: Sequence[int] | np.ndarray,
+                  parent: bytes | None = None) -> list[bytes]:
         """Keys of the full pages of ``tokens`` (a chain from ``parent`` or the namespace)."""
         return page_keys(parent or self.ns_fingerprint, tokens, self.geometry.page_size)
 
@@ -329,7 +333,8 @@ class Connection:
         assert isinstance(rep, P.PrefetchReply)
         return rep.started
 
-    def claim(self, keys: Sequence[bytes], policy: str | None = None, request_id: str = "",
+    def claim(self, keys: Sequence[bytes], policy: PrefetchPolicy | None = None,
+              request_id: str = "",
               timeout: float | None = None) -> int:
         """End the prefetch of ``keys`` and return the leading run now in L2.
 

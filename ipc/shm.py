@@ -29,6 +29,8 @@ from kvtier.config.errors import KvtierError
 if TYPE_CHECKING:
     from typing import Self
 
+    import torch
+
 
 class SharedMemoryError(KvtierError):
     """A segment could not be created or opened (the message names the path)."""
@@ -243,7 +245,7 @@ class SharedMemorySegment:
         assert self._mm is not None, f"segment {self.path!r} is closed"
         return np.frombuffer(self._mm, dtype=dtype, offset=offset, count=count)
 
-    def tensor(self, offset: int = 0, nbytes: int | None = None):  # -> torch.Tensor
+    def tensor(self, offset: int = 0, nbytes: int | None = None) -> torch.Tensor:
         """Return a uint8 torch tensor over ``[offset, offset + nbytes)`` (no copy)."""
         import torch
 

@@ -2,7 +2,6 @@
 L3 object headers, each batch with the GIL released."""
 
 from collections.abc import Sequence
-
 from typing import Any, TypeAlias
 
 from numpy.typing import NDArray

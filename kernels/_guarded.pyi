@@ -2,7 +2,6 @@
 that may shrink, and one-call region copies; see :mod:`kvtier.kernels.guarded_copy`."""
 
 from collections.abc import Sequence
-
 from typing import Any, TypeAlias
 
 from numpy.typing import NDArray

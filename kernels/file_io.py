@@ -87,7 +87,7 @@ def _native() -> tuple[PagesIO, PagesIO] | None:
     if os.environ.get("KVTIER_PURE_PYTHON_IO", "") not in ("", "0"):
         return None
     try:
-        from kvtier.kernels import _fileio  # type: ignore[attr-defined]
+        from kvtier.kernels import _fileio
     except ImportError:
         return None
     return _fileio.write_pages, _fileio.read_pages

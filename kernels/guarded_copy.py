@@ -36,7 +36,7 @@ def _off(name: str) -> bool:
 
 def _load() -> Any:
     try:
-        from kvtier.kernels import _guarded  # type: ignore[attr-defined]
+        from kvtier.kernels import _guarded
     except ImportError:
         return None
     return _guarded

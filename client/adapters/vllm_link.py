@@ -7,9 +7,10 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 from kvtier.config import ClientConfig, KvtierError
+from kvtier.config.models import PrefetchPolicy
 
 __all__ = ["ConnectorSettings", "SettingsError"]
 
@@ -45,7 +46,7 @@ class ConnectorSettings:
 
     client: ClientConfig
     model_id: str | None = None
-    prefetch_policy: str = ""
+    prefetch_policy: PrefetchPolicy | Literal[""] = ""
     retry_interval_s: float = 1.0
     min_load_pages: int = 1
     layerwise_loads: bool = True
@@ -83,5 +84,6 @@ class ConnectorSettings:
         layerwise = extra.get("layerwise_loads", True)
         if not isinstance(layerwise, bool):
             raise SettingsError("kv_connector_extra_config: layerwise_loads must be true or false")
-        return cls(client=client, model_id=extra.get("model_id"), prefetch_policy=policy,
+        return cls(client=client, model_id=extra.get("model_id"),
+                   prefetch_policy=cast("PrefetchPolicy | Literal['']", policy),
                    retry_interval_s=retry, min_load_pages=min_pages, layerwise_loads=layerwise)

@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable
 
 from kvtier.config import DaemonConfig, KvtierError
+from kvtier.daemon.service.answers import Answer, Deferred, Handler
 from kvtier.daemon.service.context import ServiceContext
 from kvtier.daemon.service.sdnotify import SystemdNotifier
 from kvtier.daemon.service.validation import RequestError
@@ -72,7 +73,7 @@ class Admin:
         self.notifier = notifier
         self.reload_source = reload_source
 
-    def table(self) -> dict[type, Callable]:
+    def table(self) -> dict[type, Handler]:
         """The handler of each operator request type."""
         return {P.Health: self.health, P.Stats: self.stats, P.Flush: self.flush,
                 P.Sync: self.sync}
@@ -195,7 +196,7 @@ class Admin:
         }
 
     # ------------------------------------------------------------------ FLUSH
-    def flush(self, identity: bytes, m: P.Flush) -> P.Reply:
+    def flush(self, identity: bytes, m: P.Flush) -> Answer:
         """FLUSH: drop pages from L2, L3 or both (a session: its own tenant's only; see the
         module docstring for who may flush what)."""
         ctx = self.ctx
@@ -225,7 +226,7 @@ class Admin:
                  m.namespace or "*", ",".join(sorted(scope)) if scope is not None else "*", l2)
         if m.tier == "l2" or not ctx.tier.available:
             return P.FlushReply(req_id=m.req_id, epoch=ctx.epoch, l2_pages=l2, l3_pages=0)
-        return self._flush_l3(m, l2, fps)
+        return Deferred(self._flush_l3(m, l2, fps))
 
     async def _flush_l3(self, m: P.Flush, l2: int, fps: list[bytes] | None) -> P.Reply:
         l3 = await self.ctx.tier.flush(fps, reclaim=m.reclaim)
@@ -233,7 +234,7 @@ class Admin:
         return P.FlushReply(req_id=m.req_id, epoch=self.ctx.epoch, l2_pages=l2, l3_pages=l3)
 
     # ------------------------------------------------------------------ SYNC
-    def sync(self, identity: bytes, m: P.Sync) -> P.Reply:
+    def sync(self, identity: bytes, m: P.Sync) -> Answer:
         """SYNC: wait until the pages queued for L3 are written (or ``timeout_s`` passes)."""
         ctx = self.ctx
         self.check_admin(m.admin_token)
@@ -244,7 +245,7 @@ class Admin:
             queued = ctx.tier.writer.queued
             return P.SyncReply(req_id=m.req_id, epoch=ctx.epoch, pages=queued, written=0,
                                failed=0, left=queued)
-        return self._sync_async(m)
+        return Deferred(self._sync_async(m))
 
     async def _sync_async(self, m: P.Sync) -> P.Reply:
         start = time.perf_counter()

@@ -34,7 +34,7 @@ from kvtier.config.errors import KvtierError
 from kvtier.ipc import fdpass
 from kvtier.ipc.completion import CompletionBlock
 from kvtier.ipc.fdpass import PeerCred
-from kvtier.ipc.limits import HANDOVER_TOKEN_BYTES
+from kvtier.ipc.limits import HANDOVER_TOKEN_BYTES, MAX_HANDOVER_FDS
 
 log = logging.getLogger("kvtier.daemon")
 
@@ -102,7 +102,7 @@ class HandoverServer:
         self._sock: socket.socket | None = None
         self._ident: tuple[int, int] | None = None
         self._pending: dict[bytes, Handover] = {}
-        self._conns: set[asyncio.Task] = set()
+        self._conns: set[asyncio.Task[None]] = set()
 
     @property
     def pending(self) -> int:
@@ -219,7 +219,7 @@ class HandoverServer:
             try:
                 if truncated:
                     raise HandoverRefused(f"request too long or more than "
-                                          f"{fdpass.MAX_HANDOVER_FDS} descriptors")
+                                          f"{MAX_HANDOVER_FDS} descriptors")
                 h = self._accept(fdpass.decode_request(data), peer, fds)
             except KvtierError as err:
                 log.info("handover from pid %d uid %d refused: %s", peer.pid, peer.uid, err)

@@ -109,7 +109,7 @@ class Transfers:
 
     def __init__(self, ctx: ServiceContext) -> None:
         self.ctx = ctx
-        self.inflight: set[Future] = set()
+        self.inflight: set[Future[Any]] = set()
         self._executor: ThreadPoolExecutor | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._threads = 1
@@ -186,7 +186,7 @@ class Transfers:
                 for i in range(parts)]
         left = [parts]
 
-        def part_ended(f: Future) -> None:  # on the loop
+        def part_ended(f: Future[Any]) -> None:  # on the loop
             self.inflight.discard(f)
             left[0] -= 1
             if left[0] == 0:  # the transfer ends with its last part, never before
@@ -216,7 +216,7 @@ class Transfers:
         mine: list[tuple[TransferStatus, list[int] | None]] = []
         settled = [False]
 
-        def ended(f: Future, wake: bool = True) -> None:  # on the loop, after ``mine``
+        def ended(f: Future[Any], wake: bool = True) -> None:  # on the loop, after ``mine``
             self.inflight.discard(f)
             if settled[0]:
                 return
@@ -232,7 +232,7 @@ class Transfers:
         if fut.done():
             ended(fut, wake=False)
 
-    def _watch(self, fut: Future, on_loop: Callable[[Future], None]) -> None:
+    def _watch(self, fut: Future[Any], on_loop: Callable[[Future[Any]], None]) -> None:
         """Track the copy ``fut`` in :attr:`inflight` and run ``on_loop(fut)`` on the event
         loop once it has ended. One thread-safe call per copy: an asyncio future chained to
         it would cost a future, a chain of callbacks and the same wake-up of the loop."""
@@ -240,7 +240,7 @@ class Transfers:
         loop = self._loop
         assert loop is not None, "open() first"
 
-        def ended(f: Future) -> None:  # on the copy thread (or here, when already done)
+        def ended(f: Future[Any]) -> None:  # on the copy thread (or here, when already done)
             try:
                 loop.call_soon_threadsafe(on_loop, f)
             except RuntimeError:  # the loop has closed: shutdown abandoned this copy
@@ -253,7 +253,7 @@ class Transfers:
         many as there are threads."""
         return max(1, min(self._threads, t.nbytes // SPLIT_BYTES, len(t.host_slots)))
 
-    def _finish(self, s: Session, t: Transfer, fut: Future) -> None:
+    def _finish(self, s: Session, t: Transfer, fut: Future[Any]) -> None:
         """A copy thread's transfer ended: settle it."""
         self.inflight.discard(fut)
         ok = not fut.cancelled() and fut.exception() is None and t.status is TransferStatus.DONE

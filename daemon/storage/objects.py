@@ -159,7 +159,7 @@ def _native_headers() -> tuple[Any, Any, Any, Any] | None:
     if os.environ.get("KVTIER_PURE_PYTHON_IO", "") not in ("", "0"):
         return None
     try:
-        from kvtier.kernels import _fileio  # type: ignore[attr-defined]
+        from kvtier.kernels import _fileio
 
         fns = (_fileio.seal_headers, _fileio.check_headers, _fileio.write_headers,
                _fileio.recorded_checksums)  # fmt: skip

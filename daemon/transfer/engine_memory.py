@@ -32,6 +32,7 @@ import os
 import stat
 import struct
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import numpy.typing as npt
@@ -323,13 +324,13 @@ class EngineMemory:
                                     f"handover passed {len(fds)} descriptors")
         fd_of: list[int] = []
         sealed_of: list[bool] = []
-        for i, (seg, fd) in enumerate(zip(memory.segments, fds, strict=True)):
+        for i, (desc, fd) in enumerate(zip(memory.segments, fds, strict=True)):
             what = f"memory.segments[{i}]"
-            sealed = check_descriptor(fd, seg.size, what)
+            sealed = check_descriptor(fd, desc.size, what)
             sealed_of.append(sealed)
             if sealed or guarded_copy.AVAILABLE:
                 try:
-                    self.segments.append(SharedMemorySegment.from_fd(fd, seg.size, writable=True,
+                    self.segments.append(SharedMemorySegment.from_fd(fd, desc.size, writable=True,
                                                                      label=what))
                 except SharedMemoryError as err:
                     raise EngineMemoryError(str(err)) from err
@@ -360,8 +361,8 @@ class EngineMemory:
         self.table = RegionTable.of(self.regions)
         if not memory.regions and self.mapped and not self.guarded:
             comps = g.components
-            self.buffers = [[self.regions[l * comps + c].view.array for c in range(comps)]
-                            for l in range(g.num_layers)]
+            self.buffers = [[cast(EngineView, self.regions[l * comps + c].view).array
+                             for c in range(comps)] for l in range(g.num_layers)]
 
     def start_prefault(self, label: str) -> None:
         """Build the page tables of the mapped segments on a thread, where the engine has

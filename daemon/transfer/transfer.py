@@ -305,7 +305,7 @@ def _copy_region(direction: Direction, page_ids: np.ndarray, offsets: np.ndarray
         return
     at = (offsets + r.host_offset).tolist()
     positions = (page_ids * r.page_stride + r.base).tolist()
-    buf = memoryview(arena.array)
+    buf = arena.array.data  # a memoryview of the arena
     io = read_pages if store else write_pages
     sums = io(r.fd, buf, at, r.page_bytes, positions)
     if any(x is None for x in sums):
