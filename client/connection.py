@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
+from kvtier.client import replies
 from kvtier.client.kv_pool import SharedKVPool
 from kvtier.client.lookup_codec import lookup_request, transfer_request
 from kvtier.client.page_keys import page_keys
@@ -118,6 +119,7 @@ class Connection:
             DaemonUnavailable: at once when the daemon's ``ipc://`` socket file does not
                 exist (no kvtierd is running there); else when no daemon answered within
                 ``request_timeout_s``.
+            UnexpectedReply: the daemon answered with another reply than REGISTERED.
         """
         with self._lock:
             self._check_socket_file()
@@ -135,10 +137,7 @@ class Connection:
                                  memory=self.pool.export(), tp_rank=self.tp_rank,
                                  tp_size=self.tp_size, pid=os.getpid(), tenant=self.config.tenant,
                                  token=token, tp_group=self.config.tp_group, handover=handover)
-                rep = self._call(msg, raw=True)
-                if isinstance(rep, P.ErrorReply):
-                    raise DaemonError(rep.code, rep.message)
-                assert isinstance(rep, P.Registered)
+                rep = replies.expect(msg, self._call(msg, raw=True), P.Registered)
                 block = CompletionBlock.from_fd(completion_fd, rep.completion_slots)
             finally:
                 os.close(completion_fd)
@@ -189,8 +188,8 @@ class Connection:
     def _heartbeat_loop(self) -> None:
         while not self._hb_stop.wait(self.config.heartbeat_interval_s):
             try:
-                self._session_call(lambda sid: P.Heartbeat(req_id=0, session_id=sid))
-            except (DaemonUnavailable, DaemonError) as err:
+                self._session_call(lambda sid: P.Heartbeat(req_id=0, session_id=sid), P.Ack)
+            except (DaemonUnavailable, DaemonError, replies.UnexpectedReply) as err:
                 log.debug("heartbeat: %s", err)
             except zmq.ZMQError as err:  # the context was destroyed under us (interpreter exit)
                 log.debug("heartbeat stopped: %s", err)
@@ -270,25 +269,25 @@ class Connection:
             if watch_pid and not self.daemon_alive():
                 return None
 
-    def _session_call(self, make: Callable[[int], P.Request],
-                      timeout: float | None = None) -> P.Reply:
-        """Call with the current session id; re-register once if the daemon forgot us."""
+    def _session_call(self, make: Callable[[int], P.Request], kind: type[replies.ReplyT],
+                      timeout: float | None = None) -> replies.ReplyT:
+        """Call with the current session id; re-register once if the daemon forgot us. The
+        reply is checked to be a ``kind`` (else :class:`~.replies.UnexpectedReply`)."""
         with self._lock:
             if self.session_id != 0 and not self.daemon_alive():
                 self.session_id = 0  # that daemon is gone: register with its successor, if any
-            for attempt in (0, 1):
-                if self.session_id == 0:
-                    self.register()
-                rep = self._call(make(self.session_id), timeout=timeout)
-                if isinstance(rep, P.ErrorReply):
-                    if rep.code == P.ErrorCode.UNKNOWN_SESSION and attempt == 0:
-                        log.info("kvtierd epoch %x does not know session %d; re-registering",
-                                 rep.epoch, self.session_id)
-                        self.session_id = 0
-                        continue
-                    raise DaemonError(rep.code, rep.message)
-                return rep
-            raise AssertionError("unreachable")
+            if self.session_id == 0:
+                self.register()
+            msg = make(self.session_id)
+            rep = self._call(msg, timeout=timeout)
+            if isinstance(rep, P.ErrorReply) and rep.code == P.ErrorCode.UNKNOWN_SESSION:
+                log.info("kvtierd epoch %x does not know session %d; re-registering",
+                         rep.epoch, self.session_id)
+                self.session_id = 0
+                self.register()
+                msg = make(self.session_id)
+                rep = self._call(msg, timeout=timeout)
+            return replies.expect(msg, rep, kind)
 
     def page_keys(self, tokens: Sequence[int] | np.ndarray,
                   parent: bytes | None = None) -> list[bytes]:
@@ -300,11 +299,11 @@ class Connection:
         if not keys:
             return LookupReply(0, 0)
         try:
-            rep = self._session_call(lambda sid: lookup_request(sid, keys, self._packed_lookup))
-        except (DaemonUnavailable, DaemonError) as err:
+            rep = self._session_call(lambda sid: lookup_request(sid, keys, self._packed_lookup),
+                                     P.LookupResult)
+        except (DaemonUnavailable, DaemonError, replies.UnexpectedReply) as err:
             log.debug("lookup treated as a miss: %s", err)
             return LookupReply(0, 0)
-        assert isinstance(rep, P.LookupResult)
         return LookupReply(rep.l2, rep.l3)
 
     def prefetch(self, keys: Sequence[bytes], skip: int = 0, request_id: str = "") -> int:
@@ -326,11 +325,11 @@ class Connection:
             return 0
         try:
             rep = self._session_call(lambda sid: P.Prefetch(
-                req_id=0, session_id=sid, keys=list(keys), skip=skip, request_id=request_id))
-        except (DaemonUnavailable, DaemonError) as err:
+                req_id=0, session_id=sid, keys=list(keys), skip=skip, request_id=request_id),
+                P.PrefetchReply)
+        except (DaemonUnavailable, DaemonError, replies.UnexpectedReply) as err:
             log.debug("prefetch not started: %s", err)
             return 0
-        assert isinstance(rep, P.PrefetchReply)
         return rep.started
 
     def claim(self, keys: Sequence[bytes], policy: PrefetchPolicy | None = None,
@@ -358,11 +357,10 @@ class Connection:
         try:
             rep = self._session_call(lambda sid: P.Claim(
                 req_id=0, session_id=sid, keys=list(keys), request_id=request_id,
-                policy=policy or ""), timeout=wait_s)
-        except (DaemonUnavailable, DaemonError) as err:
+                policy=policy or ""), P.ClaimReply, timeout=wait_s)
+        except (DaemonUnavailable, DaemonError, replies.UnexpectedReply) as err:
             log.debug("claim treated as a miss: %s", err)
             return 0
-        assert isinstance(rep, P.ClaimReply)
         return rep.l2
 
     def store(self, keys: Sequence[bytes], pages: Sequence[int],
@@ -382,8 +380,8 @@ class Connection:
         """
         return self._transfer(P.Load, keys, pages, None)
 
-    def _transfer(self, kind: type, keys: Sequence[bytes], pages: Sequence[int],
-                  parent_key: bytes | None) -> TransferHandle:
+    def _transfer(self, kind: type[P.Store | P.Load], keys: Sequence[bytes],
+                  pages: Sequence[int], parent_key: bytes | None) -> TransferHandle:
         n_layers = self.geometry.num_layers
         if not keys:
             return TransferHandle(None, None, -1, 0, 0, 0, n_layers)
@@ -398,9 +396,11 @@ class Connection:
                                         self._packed_transfers, parent_key)
 
             epoch = self.epoch
+            accepted: type[P.StoreAccepted | P.LoadAccepted] = (
+                P.StoreAccepted if kind is P.Store else P.LoadAccepted)
             try:
-                rep = self._session_call(make)
-            except (DaemonUnavailable, DaemonError) as err:
+                rep = self._session_call(make, accepted)
+            except (DaemonUnavailable, DaemonError, replies.UnexpectedReply) as err:
                 log.debug("%s treated as a miss: %s", kind.__name__, err)
                 if self.epoch == epoch:
                     self._limbo[slot] = seq  # the daemon may still run it
@@ -410,7 +410,6 @@ class Connection:
             if isinstance(rep, P.LoadAccepted):
                 count, writing = rep.count, rep.count
             else:
-                assert isinstance(rep, P.StoreAccepted)
                 count, writing = rep.count, rep.writing
             if writing == 0:
                 self._free_slots.append(slot)
@@ -440,8 +439,9 @@ class Connection:
         with self._lock:
             self._limbo[h.slot] = h.seq
             try:
-                self._session_call(lambda sid: P.Release(req_id=0, session_id=sid, slots=[h.slot]))
-            except (DaemonUnavailable, DaemonError):
+                self._session_call(
+                    lambda sid: P.Release(req_id=0, session_id=sid, slots=[h.slot]), P.Ack)
+            except (DaemonUnavailable, DaemonError, replies.UnexpectedReply):
                 pass
 
     def release(self, handles: Sequence[TransferHandle]) -> None:
@@ -450,17 +450,16 @@ class Connection:
         if not slots:
             return
         try:
-            self._session_call(lambda sid: P.Release(req_id=0, session_id=sid, slots=slots))
-        except (DaemonUnavailable, DaemonError) as err:
+            self._session_call(lambda sid: P.Release(req_id=0, session_id=sid, slots=slots),
+                               P.Ack)
+        except (DaemonUnavailable, DaemonError, replies.UnexpectedReply) as err:
             log.debug("release: %s", err)
 
     def stats(self) -> dict[str, object]:
-        """The daemon's STATS reply."""
-        rep = self._call(P.Stats(req_id=0))
-        if isinstance(rep, P.ErrorReply):
-            raise DaemonError(rep.code, rep.message)
-        assert isinstance(rep, P.StatsReply)
-        return rep.stats
+        """The daemon's STATS reply (DaemonError when refused, UnexpectedReply when it
+        answers with another reply)."""
+        msg = P.Stats(req_id=0)
+        return replies.expect(msg, self._call(msg), P.StatsReply).stats
 
     def close(self) -> None:
         """Unregister (best effort), stop heartbeats, close the socket. Idempotent."""

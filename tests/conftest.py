@@ -8,6 +8,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+# The shared helpers' asserts are rewritten as the test modules' are, so they check (and
+# report their values) under `python -O` too, where plain asserts are stripped.
+pytest.register_assert_rewrite("tests.arenas", "tests.engines", "tests.key_chain", "tests.servers")
+
 from kvtier.client.daemon_process import DaemonProcess
 
 

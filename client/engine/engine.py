@@ -154,7 +154,8 @@ class ReferenceEngine:
             page_size=...)``; a subclass can observe or inject faults.
 
     Raises:
-        DaemonUnavailable / DaemonError: mode ``on`` and the daemon is not there or refuses.
+        DaemonUnavailable / DaemonError / UnexpectedReply: mode ``on`` and the daemon is not
+            there, refuses, or answers REGISTER with another reply.
     """
 
     def __init__(self, model_config: ModelConfig | None = None, *, mode: EngineMode = "on",
