@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -14,6 +14,8 @@ import pytest
 pytest.register_assert_rewrite("tests.arenas", "tests.engines", "tests.key_chain", "tests.servers")
 
 from kvtier.client.daemon_process import DaemonProcess
+from kvtier.config.models import NativeKernel
+from kvtier.kernels import native
 
 
 @pytest.fixture
@@ -80,3 +82,17 @@ def module_daemon() -> Iterator[DaemonProcess]:
             d.stop()
         d.remove_pool()
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def native_off() -> Iterator[Callable[..., None]]:
+    """``native_off("region_copy", ...)`` turns those C kernels off in this process
+    (:func:`kvtier.kernels.native.configure`; ``native_off()`` turns every one back on);
+    what was off before the test is off again after it."""
+    previous = native.turned_off()
+
+    def turn_off(*kernels: NativeKernel) -> None:
+        native.configure(kernels)
+
+    yield turn_off
+    native.configure(previous)

@@ -245,7 +245,7 @@ class RegionTable:
     def of(cls, regions: list[RegionView]) -> RegionTable | None:
         """The table of ``regions``, or None when one is not mapped memory the native copy
         can reach (positional I/O, a numpy fallback) or the extension is not there."""
-        if not regions or not guarded_copy.STRIDED:
+        if not regions or not guarded_copy.strided():
             return None
         order = sorted(regions, key=lambda r: r.layer)  # stable: -1 first, then by layer
         rows: list[tuple[int, int, int, int, int]] = []
@@ -328,7 +328,7 @@ class EngineMemory:
             what = f"memory.segments[{i}]"
             sealed = check_descriptor(fd, desc.size, what)
             sealed_of.append(sealed)
-            if sealed or guarded_copy.AVAILABLE:
+            if sealed or guarded_copy.available():
                 try:
                     self.segments.append(SharedMemorySegment.from_fd(fd, desc.size, writable=True,
                                                                      label=what))
