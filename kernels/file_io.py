@@ -35,7 +35,6 @@ except ImportError:  # built without a C compiler or the xxHash header
 __all__ = ["BUILT", "in_use", "py_read_pages", "py_write_pages", "read_pages", "write_pages"]
 
 Buffer = memoryview | bytearray
-PagesIO = Callable[[int, Buffer, Sequence[int], int, Sequence[int]], list[int | None]]
 
 
 def _check(buf: Buffer, offsets: Sequence[int], length: int, positions: Sequence[int]) -> None:

@@ -18,8 +18,9 @@ The daemon applies its ``native_off`` setting here at start (:func:`configure`):
 ``native_off = ["file_io"]``, on the command line ``--native-off '["file_io"]'``, and, as
 for every setting, in the environment as ``KVTIER_NATIVE_OFF='["file_io"]'``, read by the
 config loader and nowhere else. A process that never configures (a benchmark, a unit test)
-uses every kernel that is built. The choice is per process, as the code that runs is: the
-callers ask :func:`enabled` at each call, so a change applies from the next call on.
+uses every kernel that is built. The choice is per process, as the code that runs is, and
+is made once, before the first copy: the kernels' modules ask :func:`enabled` at each call,
+but the daemon also decides at REGISTER whether to map an engine's memory by it.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ log = logging.getLogger("kvtier.daemon")
 SERVED_WHILE_STOPPING = (P.Health, P.Stats, P.Unregister)
 """Requests still answered once a stop has begun (the rest get SHUTTING_DOWN)."""
 
+
 class Dispatcher:
     """Routes each request to its handler and turns failures into error replies.
 
