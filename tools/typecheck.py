@@ -63,10 +63,10 @@ def links(mapping: dict[str, str]) -> dict[str, str]:
     return top
 
 
-def lay_tree(top: dict[str, str]) -> None:
+def lay_tree(top: dict[str, str], tree: Path = TREE, root: Path = ROOT) -> None:
     """Make ``build/typecheck/kvtier/<name>`` → ``<folder>`` for each entry, and nothing
     else there (a link left from a package since removed goes)."""
-    pkg = TREE / PACKAGE
+    pkg = tree / PACKAGE
     pkg.mkdir(parents=True, exist_ok=True)
     for entry in pkg.iterdir():
         if entry.name not in top:
@@ -75,7 +75,7 @@ def lay_tree(top: dict[str, str]) -> None:
             entry.unlink()
     for name, folder in top.items():
         link = pkg / name
-        target = os.path.relpath(ROOT / folder, pkg)
+        target = os.path.relpath(root / folder, pkg)
         if link.is_symlink() and os.readlink(link) == target:
             continue
         if link.is_symlink():
