@@ -22,7 +22,7 @@ DEMO_STAMP := $(VENV)/.kvtier-demo-installed
 SOURCES := pyproject.toml setup.py kernels/_fileio.c kernels/_xxh3_avx2.c kernels/_guarded.c \
            kernels/_keyprobe.c kernels/_pins.c kernels/_alloc.c
 
-.PHONY: engines gpu-wheels gpu-check venv venv-demo test test-fast serve demo bench lint typecheck clean sysdeps builddeps
+.PHONY: engines gpu-wheels gpu-check venv venv-demo test test-fast test-optimized serve demo bench lint typecheck clean sysdeps builddeps
 
 # Install kvtier into $(VENV) with extras $(1). torch is the long step (about 1 GB to download
 # on a fresh machine): its progress bar stays on; the rest is quiet.
@@ -100,12 +100,27 @@ sysdeps:
 		else echo "sysdeps: apt-get not found; install redis-server, libibverbs1, systemd by hand"; fi; \
 	fi
 
-test: venv sysdeps engines
+test: venv sysdeps engines lint
 	$(PY) -m pytest -q -p no:cacheprovider --ignore=tests/adapters $(PYTEST_ARGS)
 	$(EPY) -m pytest -q -p no:cacheprovider tests/adapters $(PYTEST_ARGS)
 
 test-fast: venv
 	$(PY) -m pytest -q -p no:cacheprovider tests/unit $(PYTEST_ARGS)
+
+# The unit tests and a sample of integration tests under `python -O`, where assert statements
+# are stripped: nothing kvtier does may rest on one (replies, files and settings are checked
+# as data). pytest still rewrites the tests' own asserts (and tests/conftest.py registers the
+# shared helpers), so the tests check as they do without -O; the -W keeps pytest's notice
+# that library asserts are off from failing the run (warnings are errors here).
+OPTIMIZED_TESTS ?= tests/unit tests/integration/test_unexpected_replies.py \
+	tests/integration/test_core.py tests/integration/test_bad_input.py \
+	tests/integration/test_receive_path.py tests/integration/test_lifecycle.py \
+	tests/integration/test_memory_handover.py tests/integration/test_admin_cli.py \
+	tests/integration/test_l3_sync.py tests/integration/test_restart_no_torch.py
+test-optimized: venv
+	$(PY) -O -m pytest -q -p no:cacheprovider \
+		-W "ignore:assertions not in test modules:pytest.PytestConfigWarning" \
+		$(OPTIMIZED_TESTS) $(PYTEST_ARGS)
 
 serve: venv
 	$(VENV)/bin/kvtierd $(ARGS)
@@ -126,12 +141,15 @@ bench: venv sysdeps engines
 	$(ENGINES_VENV)/bin/kvtier bench vllm --json bench/results/vllm.json
 	$(ENGINES_VENV)/bin/kvtier bench events --json bench/results/events.json
 
+# ruff, the import contracts (.importlinter) and mypy on the package as `kvtier.*`
+# (tools/typecheck.py; settings in pyproject.toml). `make test` runs it first.
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
+	$(PY) tools/typecheck.py
 
 typecheck: venv
-	$(VENV)/bin/mypy config ipc daemon client kernels cli
+	$(PY) tools/typecheck.py
 
 clean:
 	rm -rf $(VENV) $(ENGINES_VENV) build *.egg-info kernels/*.so

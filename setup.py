@@ -5,8 +5,9 @@
 (copies from engine memfds that may shrink; without it such memory is copied with
 pread/pwrite). All are optional: without a C compiler or the xxHash header (Debian:
 ``libxxhash-dev``; ``make`` installs it) the install still succeeds, and each caller takes
-its pure-Python or numpy path (``kvtier.kernels.file_io.NATIVE`` and the like are then
-False)."""
+its pure-Python or numpy path (``kvtier.kernels.file_io.BUILT`` and the like are then
+False; the daemon's ``native_off`` setting turns a built kernel off, see
+``kvtier.kernels.native``)."""
 
 from setuptools import Extension, setup
 

@@ -36,7 +36,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from kvtier.client.admin import AdminClient
 from kvtier.client.connection import Connection
@@ -149,7 +149,7 @@ def run_events_bench(rounds: int = 40, chains: int = 2, pages: int = 64,
             assert late is not None
             cpu = {on: _cpu_s(pid) - cpu0[on] for on, pid in pids.items()}
             with AdminClient(daemons[True].endpoint, timeout_s=10) as admin:
-                st = admin.stats()
+                st = cast("dict[str, Any]", admin.stats())
             caught_up = list(late.iter(1.0))
             msgs = list(collector.iter(1.0))
             if collector.next_seq is not None:  # refused after the last batch it saw

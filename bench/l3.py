@@ -59,6 +59,7 @@ import numpy as np
 import torch
 from kvtier.daemon.storage.base import HostArena
 from kvtier.daemon.storage.file import FileBackend
+from kvtier.ipc.limits import FlushTier
 
 _NS = hashlib.sha256(b"kvtier bench l3").digest()
 
@@ -251,7 +252,7 @@ def _daemon_bench(path: Path, pages: int, page_bytes: int, repeats: int) -> dict
         keys = conn.page_keys(list(range(pages * geometry.page_size)))
         view = arena.view
 
-        def flush(tier: str) -> None:
+        def flush(tier: FlushTier) -> None:
             # emptied for the next repetition, its disk space kept, as the raw file keeps its
             # blocks (an operator's flush gives them back: reclaim, the default)
             rep = admin.call(P.Flush(req_id=0, tier=tier, reclaim=False))

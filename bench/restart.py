@@ -31,6 +31,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from kvtier.client.admin import AdminClient, AdminError
 from kvtier.client.connection import Connection
@@ -83,7 +84,8 @@ def run_restart_bench(mib: int = 1024) -> dict:
                 first.kill()  # SIGKILL: no chance to save anything
                 warm = _restart(second)
                 with AdminClient(second.endpoint) as admin:
-                    adopt = dict(admin.stats().get("adopt", {}))
+                    said = admin.stats().get("adopt")
+                    adopt: dict[str, Any] = dict(said) if isinstance(said, dict) else {}
                 second.kill()
                 _drop_kvtier_bytecode(cache)
                 compiling = _restart(third)

@@ -202,8 +202,9 @@ def _lookup_p50(conn: Connection, chains: list[list[bytes]], samples: int,
 
 
 def _evictions(conn: Connection) -> int:
-    pool = conn.stats()["pool"]
-    assert isinstance(pool, dict)
+    pool = conn.stats().get("pool")
+    if not isinstance(pool, dict):
+        raise ScaleBenchError(f"STATS has no pool section (got {type(pool).__name__})")
     return int(pool["evictions"])
 
 

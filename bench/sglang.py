@@ -42,7 +42,7 @@ from kvtier.client.daemon_process import DaemonProcess
 
 __all__ = ["main", "run_sglang_bench"]
 
-GEOMETRY = {"layers": 8, "heads": 4, "head_dim": 128, "page_size": 16}
+GEOMETRY: dict[str, Any] = {"layers": 8, "heads": 4, "head_dim": 128, "page_size": 16}
 """256 KiB pages (bf16)."""
 
 

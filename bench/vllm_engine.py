@@ -31,7 +31,7 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.client.adapters.vllm import KvtierConnector
 from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import ExampleConnector
@@ -43,6 +43,10 @@ BENCH_MODEL = {"vocab_size": 8192, "hidden_size": 512, "intermediate_size": 1536
 
 class _LoadTimer:
     """Times a connector's loads (see the module docstring); mixed into a connector class."""
+
+    if TYPE_CHECKING:  # the connector's, which this is mixed into
+        def _get_connector_metadata(self) -> Any: ...
+        def has_connector_metadata(self) -> bool: ...
 
     def _loads_of(self, meta: Any) -> dict[str, bool]:
         """The step's loads: request id → loaded synchronously (within the step)."""

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from kvtier.bench import write_json
 
@@ -63,35 +64,37 @@ def _bench(argv: list[str]) -> int:
     sc.add_argument("--copy-threads", type=int, default=2,
                     help="the daemons' copy threads, and the memcpy baselines' (default 2)")
     args = p.parse_args(argv)
-    result: dict
+    result: dict[str, Any]
+    print_table: Callable[[dict[str, Any]], None]
     if args.what == "l2":
-        from kvtier.bench import l2 as mod
+        from kvtier.bench import l2 as l2_mod
 
-        result = mod.run_l2_bench(mib=args.mib)
+        result, print_table = l2_mod.run_l2_bench(mib=args.mib), l2_mod.print_table
     elif args.what == "e2e":
-        from kvtier.bench import e2e as mod  # type: ignore[no-redef]
+        from kvtier.bench import e2e as e2e_mod
 
-        result = mod.run_e2e_bench(runs=args.runs)
+        result, print_table = e2e_mod.run_e2e_bench(runs=args.runs), e2e_mod.print_table
     elif args.what == "restart":
-        from kvtier.bench import restart as mod  # type: ignore[no-redef]
+        from kvtier.bench import restart as restart_mod
 
-        result = mod.run_restart_bench(mib=args.mib)
+        result, print_table = restart_mod.run_restart_bench(mib=args.mib), restart_mod.print_table
     elif args.what == "scale":
-        from kvtier.bench import scale as mod  # type: ignore[no-redef]
+        from kvtier.bench import scale as scale_mod
 
-        result = mod.run_from_args(args)
+        result, print_table = scale_mod.run_from_args(args), scale_mod.print_table
     elif args.backend == "file":
         import tempfile
 
-        from kvtier.bench import l3 as mod  # type: ignore[no-redef]
+        from kvtier.bench import l3 as l3_mod
 
         with tempfile.TemporaryDirectory(prefix="kvtier-l3-", dir=args.path) as d:
-            result = mod.run_file_bench(d)
+            result, print_table = l3_mod.run_file_bench(d), l3_mod.print_table
     else:
-        from kvtier.bench import l3_cluster as mod  # type: ignore[no-redef]
+        from kvtier.bench import l3_cluster as l3_cluster_mod
 
-        result = mod.run_cluster_bench(args.backend)
-    mod.print_table(result)
+        result = l3_cluster_mod.run_cluster_bench(args.backend)
+        print_table = l3_cluster_mod.print_table
+    print_table(result)
     if args.json:
         write_json(args.json, result)
     return 0

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
+from kvtier.client.replies import ReplyT, UnexpectedReply
 from kvtier.config import KvtierError
 from kvtier.ipc import protocol as P
 from kvtier.ipc.sockets import ipc_endpoint, make_zmq_socket
@@ -21,6 +22,26 @@ if TYPE_CHECKING:
 
 class AdminError(KvtierError):
     """The daemon refused an admin request or did not answer."""
+
+
+class UnexpectedAdminReply(AdminError, UnexpectedReply):
+    """The daemon answered an admin request with a reply of another type (an
+    :class:`AdminError`, as every failure of an admin call is; its attributes name both
+    types)."""
+
+
+def _checked(request: P.Request, rep: P.Reply, kind: type[ReplyT]) -> ReplyT:
+    """``rep`` as the ``kind`` of reply that answers ``request``.
+
+    Raises:
+        AdminError: an error reply (its message).
+        UnexpectedAdminReply: a reply of another type.
+    """
+    if isinstance(rep, kind):
+        return rep
+    if isinstance(rep, P.ErrorReply):
+        raise AdminError(rep.message)
+    raise UnexpectedAdminReply(type(request).__name__, kind, type(rep))
 
 
 class AdminClient:
@@ -72,18 +93,18 @@ class AdminClient:
 
     def health(self) -> P.HealthReply:
         """Return the HEALTH reply (raises AdminError when the daemon does not answer)."""
-        rep = self.call(P.Health(req_id=0))
-        if not isinstance(rep, P.HealthReply):
-            raise AdminError(f"unexpected reply to HEALTH: {rep!r}")
-        return rep
+        msg = P.Health(req_id=0)
+        return _checked(msg, self.call(msg), P.HealthReply)
 
     def stats(self) -> dict[str, object]:
-        """Return the daemon's STATS dict."""
-        rep = self.call(P.Stats(req_id=0, admin_token=self.admin_token))
-        if isinstance(rep, P.ErrorReply):
-            raise AdminError(rep.message)
-        assert isinstance(rep, P.StatsReply)
-        return rep.stats
+        """Return the daemon's STATS dict.
+
+        Raises:
+            AdminError: no answer, or refused (e.g. a wrong admin token); an
+                :class:`UnexpectedAdminReply` for a reply of another type.
+        """
+        msg = P.Stats(req_id=0, admin_token=self.admin_token)
+        return _checked(msg, self.call(msg), P.StatsReply).stats
 
     def sync(self, timeout_s: float = 60.0) -> P.SyncReply:
         """Write every L2 page not in L3 yet to L3; return when done or after ``timeout_s``.
@@ -92,13 +113,8 @@ class AdminClient:
             AdminError: the daemon refused (no L3 backend, wrong admin token) or did not
                 answer within ``timeout_s`` plus this client's ``timeout_s``.
         """
-        rep = self.call(P.Sync(req_id=0, admin_token=self.admin_token, timeout_s=timeout_s),
-                        wait_s=timeout_s + self.timeout_s)
-        if isinstance(rep, P.ErrorReply):
-            raise AdminError(rep.message)
-        if not isinstance(rep, P.SyncReply):
-            raise AdminError(f"unexpected reply to SYNC: {rep!r}")
-        return rep
+        msg = P.Sync(req_id=0, admin_token=self.admin_token, timeout_s=timeout_s)
+        return _checked(msg, self.call(msg, wait_s=timeout_s + self.timeout_s), P.SyncReply)
 
     def close(self) -> None:
         """Close the socket; idempotent."""

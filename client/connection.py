@@ -38,12 +38,14 @@ from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
+from kvtier.client import replies
 from kvtier.client.kv_pool import SharedKVPool
 from kvtier.client.lookup_codec import lookup_request, transfer_request
 from kvtier.client.page_keys import page_keys
 from kvtier.client.replies import DaemonError, DaemonUnavailable, LookupReply, rep_is_late
 from kvtier.client.transfer_handle import TransferHandle
 from kvtier.config import ClientConfig, runtime_dir, socket_path
+from kvtier.config.models import PrefetchPolicy
 from kvtier.ipc import protocol as P
 from kvtier.ipc.completion import CompletionBlock, TransferStatus
 from kvtier.ipc.fdpass import (
@@ -58,6 +60,8 @@ from kvtier.ipc.sockets import ipc_endpoint, make_zmq_socket
 
 if TYPE_CHECKING:
     from typing import Self
+
+    import numpy as np
 
 __all__ = ["Connection", "DaemonError", "DaemonUnavailable", "LookupReply", "TransferHandle",
            "rep_is_late"]
@@ -126,6 +130,7 @@ class Connection:
             DaemonUnavailable: at once when the daemon's ``ipc://`` socket file does not
                 exist (no kvtierd is running there); else when no daemon answered within
                 ``request_timeout_s``.
+            UnexpectedReply: the daemon answered with another reply than REGISTERED.
         """
         with self._lock:
             self._check_socket_file()
@@ -143,10 +148,7 @@ class Connection:
                                  memory=self.pool.export(), tp_rank=self.tp_rank,
                                  tp_size=self.tp_size, pid=os.getpid(), tenant=self.config.tenant,
                                  token=token, tp_group=self.config.tp_group, handover=handover)
-                rep = self._call(msg, raw=True)
-                if isinstance(rep, P.ErrorReply):
-                    raise DaemonError(rep.code, rep.message)
-                assert isinstance(rep, P.Registered)
+                rep = replies.expect(msg, self._call(msg, raw=True), P.Registered)
                 block = CompletionBlock.from_fd(completion_fd, rep.completion_slots)
             finally:
                 os.close(completion_fd)
@@ -201,8 +203,8 @@ class Connection:
     def _heartbeat_loop(self) -> None:
         while not self._hb_stop.wait(self.config.heartbeat_interval_s):
             try:
-                self._session_call(lambda sid: P.Heartbeat(req_id=0, session_id=sid))
-            except (DaemonUnavailable, DaemonError) as err:
+                self._session_call(lambda sid: P.Heartbeat(req_id=0, session_id=sid), P.Ack)
+            except (DaemonUnavailable, DaemonError, replies.UnexpectedReply) as err:
                 log.debug("heartbeat: %s", err)
             except zmq.ZMQError as err:  # the context was destroyed under us (interpreter exit)
                 log.debug("heartbeat stopped: %s", err)
@@ -282,27 +284,28 @@ class Connection:
             if watch_pid and not self.daemon_alive():
                 return None
 
-    def _session_call(self, make: Callable[[int], P.Request],
-                      timeout: float | None = None) -> P.Reply:
-        """Call with the current session id; re-register once if the daemon forgot us."""
+    def _session_call(self, make: Callable[[int], P.Request], kind: type[replies.ReplyT],
+                      timeout: float | None = None) -> replies.ReplyT:
+        """Call with the current session id; re-register once if the daemon forgot us. The
+        reply is checked to be a ``kind`` (else :class:`~.replies.UnexpectedReply`)."""
         with self._lock:
             if self.session_id != 0 and not self.daemon_alive():
                 self.session_id = 0  # that daemon is gone: register with its successor, if any
-            for attempt in (0, 1):
-                if self.session_id == 0:
-                    self.register()
-                rep = self._call(make(self.session_id), timeout=timeout)
-                if isinstance(rep, P.ErrorReply):
-                    if rep.code == P.ErrorCode.UNKNOWN_SESSION and attempt == 0:
-                        log.info("kvtierd epoch %x does not know session %d; re-registering",
-                                 rep.epoch, self.session_id)
-                        self.session_id = 0
-                        continue
-                    raise DaemonError(rep.code, rep.message)
-                return rep
-            raise AssertionError("unreachable")
+            if self.session_id == 0:
+                self.register()
+            msg = make(self.session_id)
+            rep = self._call(msg, timeout=timeout)
+            if isinstance(rep, P.ErrorReply) and rep.code == P.ErrorCode.UNKNOWN_SESSION:
+                log.info("kvtierd epoch %x does not know session %d; re-registering",
+                         rep.epoch, self.session_id)
+                self.session_id = 0
+                self.register()
+                msg = make(self.session_id)
+                rep = self._call(msg, timeout=timeout)
+            return replies.expect(msg, rep, kind)
 
-    def page_keys(self, tokens: Sequence[int], parent: bytes | None = None) -> list[bytes]:
+    def page_keys(self, tokens: Sequence[int] | np.ndarray,
+                  parent: bytes | None = None) -> list[bytes]:
         """Keys of the full pages of ``tokens`` (a chain from ``parent`` or the namespace)."""
         return page_keys(parent or self.ns_fingerprint, tokens, self.geometry.page_size)
 
@@ -311,11 +314,11 @@ class Connection:
         if not keys:
             return LookupReply(0, 0)
         try:
-            rep = self._session_call(lambda sid: lookup_request(sid, keys, self._packed_lookup))
-        except (DaemonUnavailable, DaemonError) as err:
+            rep = self._session_call(lambda sid: lookup_request(sid, keys, self._packed_lookup),
+                                     P.LookupResult)
+        except (DaemonUnavailable, DaemonError, replies.UnexpectedReply) as err:
             log.debug("lookup treated as a miss: %s", err)
             return LookupReply(0, 0)
-        assert isinstance(rep, P.LookupResult)
         return LookupReply(rep.l2, rep.l3)
 
     def prefetch(self, keys: Sequence[bytes], skip: int = 0, request_id: str = "") -> int:
@@ -337,14 +340,15 @@ class Connection:
             return 0
         try:
             rep = self._session_call(lambda sid: P.Prefetch(
-                req_id=0, session_id=sid, keys=list(keys), skip=skip, request_id=request_id))
-        except (DaemonUnavailable, DaemonError) as err:
+                req_id=0, session_id=sid, keys=list(keys), skip=skip, request_id=request_id),
+                P.PrefetchReply)
+        except (DaemonUnavailable, DaemonError, replies.UnexpectedReply) as err:
             log.debug("prefetch not started: %s", err)
             return 0
-        assert isinstance(rep, P.PrefetchReply)
         return rep.started
 
-    def claim(self, keys: Sequence[bytes], policy: str | None = None, request_id: str = "",
+    def claim(self, keys: Sequence[bytes], policy: PrefetchPolicy | None = None,
+              request_id: str = "",
               timeout: float | None = None) -> int:
         """End the prefetch of ``keys`` and return the leading run now in L2.
 
@@ -368,11 +372,10 @@ class Connection:
         try:
             rep = self._session_call(lambda sid: P.Claim(
                 req_id=0, session_id=sid, keys=list(keys), request_id=request_id,
-                policy=policy or ""), timeout=wait_s)
-        except (DaemonUnavailable, DaemonError) as err:
+                policy=policy or ""), P.ClaimReply, timeout=wait_s)
+        except (DaemonUnavailable, DaemonError, replies.UnexpectedReply) as err:
             log.debug("claim treated as a miss: %s", err)
             return 0
-        assert isinstance(rep, P.ClaimReply)
         return rep.l2
 
     def store(self, keys: Sequence[bytes], pages: Sequence[int],
@@ -395,8 +398,8 @@ class Connection:
         """
         return self._transfer(P.Load, keys, pages, None)
 
-    def _transfer(self, kind: type, keys: Sequence[bytes], pages: Sequence[int],
-                  parent_key: bytes | None,
+    def _transfer(self, kind: type[P.Store | P.Load], keys: Sequence[bytes],
+                  pages: Sequence[int], parent_key: bytes | None,
                   engine: P.EngineBlocks | None = None) -> TransferHandle:
         n_layers = self.geometry.num_layers
         if not keys:
@@ -412,9 +415,11 @@ class Connection:
                                         self._packed_transfers, parent_key, engine)
 
             epoch = self.epoch
+            accepted: type[P.StoreAccepted | P.LoadAccepted] = (
+                P.StoreAccepted if kind is P.Store else P.LoadAccepted)
             try:
-                rep = self._session_call(make)
-            except (DaemonUnavailable, DaemonError) as err:
+                rep = self._session_call(make, accepted)
+            except (DaemonUnavailable, DaemonError, replies.UnexpectedReply) as err:
                 log.debug("%s treated as a miss: %s", kind.__name__, err)
                 if self.epoch == epoch:
                     self._limbo[slot] = seq  # the daemon may still run it
@@ -424,7 +429,6 @@ class Connection:
             if isinstance(rep, P.LoadAccepted):
                 count, writing = rep.count, rep.count
             else:
-                assert isinstance(rep, P.StoreAccepted)
                 count, writing = rep.count, rep.writing
             if writing == 0:
                 self._free_slots.append(slot)
@@ -454,8 +458,9 @@ class Connection:
         with self._lock:
             self._limbo[h.slot] = h.seq
             try:
-                self._session_call(lambda sid: P.Release(req_id=0, session_id=sid, slots=[h.slot]))
-            except (DaemonUnavailable, DaemonError):
+                self._session_call(
+                    lambda sid: P.Release(req_id=0, session_id=sid, slots=[h.slot]), P.Ack)
+            except (DaemonUnavailable, DaemonError, replies.UnexpectedReply):
                 pass
 
     def release(self, handles: Sequence[TransferHandle]) -> None:
@@ -464,17 +469,16 @@ class Connection:
         if not slots:
             return
         try:
-            self._session_call(lambda sid: P.Release(req_id=0, session_id=sid, slots=slots))
-        except (DaemonUnavailable, DaemonError) as err:
+            self._session_call(lambda sid: P.Release(req_id=0, session_id=sid, slots=slots),
+                               P.Ack)
+        except (DaemonUnavailable, DaemonError, replies.UnexpectedReply) as err:
             log.debug("release: %s", err)
 
     def stats(self) -> dict[str, object]:
-        """The daemon's STATS reply."""
-        rep = self._call(P.Stats(req_id=0))
-        if isinstance(rep, P.ErrorReply):
-            raise DaemonError(rep.code, rep.message)
-        assert isinstance(rep, P.StatsReply)
-        return rep.stats
+        """The daemon's STATS reply (DaemonError when refused, UnexpectedReply when it
+        answers with another reply)."""
+        msg = P.Stats(req_id=0)
+        return replies.expect(msg, self._call(msg), P.StatsReply).stats
 
     def close(self) -> None:
         """Unregister (best effort), stop heartbeats, close the socket. Idempotent."""

@@ -17,13 +17,14 @@ import os
 from typing import TYPE_CHECKING
 
 import torch
+from kvtier.ipc.limits import DType
 from kvtier.ipc.protocol import Geometry, KVMemory, MemorySegment
 from kvtier.ipc.shm import SharedMemorySegment
 
 if TYPE_CHECKING:
     from typing import Self
 
-TORCH_DTYPES = {
+TORCH_DTYPES: dict[DType, torch.dtype] = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
     "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "uint8": torch.uint8,
     "int8": torch.int8,

@@ -42,7 +42,7 @@ def lookup_request(session_id: int, keys: Sequence[bytes], packed_ok: bool) -> P
     if packed_ok and len(keys) >= PACKED_MIN_KEYS:
         packed = P.pack_keys(keys)
         if packed is not None:
-            return P.Lookup(req_id=0, session_id=session_id, packed_keys=packed)
+            return P.Lookup(req_id=0, session_id=session_id, packed_keys=memoryview(packed))
     return P.Lookup(req_id=0, session_id=session_id, keys=list(keys))
 
 
@@ -66,15 +66,16 @@ def transfer_request(kind: type[P.Load | P.Store], session_id: int,
         key 32 bytes and every page a uint32 with one page per key; else with lists.
     """
     if packed_ok and len(keys) >= PACKED_MIN_KEYS and len(pages) == len(keys):
-        packed_keys = P.pack_keys(keys)
-        packed_pages = P.pack_pages(pages) if packed_keys is not None else None
-        if packed_keys is not None and packed_pages is not None:
+        packed = P.pack_keys(keys)
+        packed_pages = P.pack_pages(pages) if packed is not None else None
+        if packed is not None and packed_pages is not None:
+            packed_keys = memoryview(packed)
             if kind is P.Store:
                 return P.Store(req_id=0, session_id=session_id, packed_keys=packed_keys,
-                               packed_pages=packed_pages, parent_key=parent_key, slot=slot,
-                               seq=seq, engine=engine)
+                               packed_pages=memoryview(packed_pages), parent_key=parent_key,
+                               slot=slot, seq=seq, engine=engine)
             return P.Load(req_id=0, session_id=session_id, packed_keys=packed_keys,
-                          packed_pages=packed_pages, slot=slot, seq=seq)
+                          packed_pages=memoryview(packed_pages), slot=slot, seq=seq)
     if kind is P.Store:
         return P.Store(req_id=0, session_id=session_id, keys=list(keys), pages=list(pages),
                        parent_key=parent_key, slot=slot, seq=seq, engine=engine)

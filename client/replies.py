@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 import msgspec
 from kvtier.config import KvtierError
 from kvtier.ipc import protocol as P
 
-__all__ = ["DaemonError", "DaemonUnavailable", "LookupReply", "rep_is_late"]
+__all__ = ["DaemonError", "DaemonUnavailable", "LookupReply", "UnexpectedReply", "expect",
+           "rep_is_late"]
+
+ReplyT = TypeVar("ReplyT", bound=msgspec.Struct)
 
 
 class DaemonError(KvtierError):
@@ -22,6 +26,40 @@ class DaemonError(KvtierError):
 
 class DaemonUnavailable(KvtierError):
     """The daemon did not answer in time (or is not running)."""
+
+
+class UnexpectedReply(KvtierError):
+    """The daemon answered a request with a reply of another type than the request's.
+
+    A reply comes from another process: it is checked as data, never assumed. Callers treat
+    this as they treat :class:`DaemonError` (a lookup reports a miss, a store is dropped).
+
+    Attributes:
+        request: the request's type name (``Lookup``).
+        expected: the reply type that request is answered with.
+        received: the type of the reply that came.
+    """
+
+    def __init__(self, request: str, expected: type, received: type) -> None:
+        super().__init__(f"{request}: kvtierd answered {received.__name__}, expected "
+                         f"{expected.__name__}")
+        self.request = request
+        self.expected = expected
+        self.received = received
+
+
+def expect(request: P.Request, rep: P.Reply, kind: type[ReplyT]) -> ReplyT:
+    """``rep`` as the ``kind`` of reply that answers ``request``.
+
+    Raises:
+        DaemonError: ``rep`` is an error reply (the daemon refused ``request``).
+        UnexpectedReply: ``rep`` is a reply of another type.
+    """
+    if isinstance(rep, kind):
+        return rep
+    if isinstance(rep, P.ErrorReply):
+        raise DaemonError(rep.code, rep.message)
+    raise UnexpectedReply(type(request).__name__, kind, type(rep))
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ValidationError
 M = TypeVar("M", bound=BaseModel)
 ENV_PREFIX = "KVTIER_"
 # Variables that are read elsewhere on purpose and are not config fields of either model.
-_OTHER_ENV = {"KVTIER_CONFIG", "KVTIER_PURE_PYTHON_IO", "KVTIER_NO_GUARDED_COPY"}
+_OTHER_ENV = {"KVTIER_CONFIG"}
 
 
 def runtime_dir(configured: Path | None = None, env: Mapping[str, str] | None = None) -> Path:

@@ -17,6 +17,8 @@ WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
 PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
 StorageBackendName = Literal["none", "file", "mooncake", "redis", "dynamic"]
 LogLevel = Literal["debug", "info", "warning", "error"]
+NativeKernel = Literal["file_io", "guarded_copy", "region_copy"]
+"""kvtier's switchable C kernels (:mod:`kvtier.kernels.native`)."""
 
 
 class _Frozen(BaseModel):
@@ -228,6 +230,13 @@ class DaemonConfig(_Frozen):
     kv_events_max_hashes: int = Field(
         default=1 << 20, ge=0, description="Engine block hashes remembered (page key → hash) "
         "so evictions and L3 events name a page by the engine's hash; the oldest go beyond it."
+    )
+    native_off: list[NativeKernel] = Field(
+        default_factory=list, description="C kernels not to use; each then takes its Python or "
+        "numpy path: file_io (file L3 page I/O and L3 object headers), guarded_copy (copies of "
+        "engine memory that may shrink: such memory is then copied with pread/pwrite), "
+        "region_copy (one-call copies of mapped regions: numpy copy plans then). Default: none "
+        "(every kernel that is built runs). E.g. '[\"file_io\"]'."
     )
 
     @field_validator("runtime_dir", "state_dir", mode="before")

@@ -302,6 +302,8 @@ def open_ipc_event(handle: bytes, device: torch.device | int | str) -> torch.cud
     require_cuda("open_ipc_event")
     ordinal = ordinal_of(device)
     try:
-        return torch.cuda.Event.from_ipc_handle(torch.device("cuda", ordinal), handle)
+        event: torch.cuda.Event = torch.cuda.Event.from_ipc_handle(torch.device("cuda", ordinal),
+                                                                   handle)
+        return event
     except RuntimeError as err:  # torch reports CUDA errors as RuntimeError
         raise CudaIpcError(f"cannot open an interprocess event on cuda:{ordinal}: {err}") from err

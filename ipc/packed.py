@@ -12,14 +12,14 @@ from __future__ import annotations
 import array
 import sys
 from collections.abc import Iterator, Sequence
-from typing import overload
+from typing import cast, overload
 
 from kvtier.ipc.limits import KEY_BYTES, PAGE_INDEX_BYTES
 
 try:  # the C packer (built at install; optional): a list of keys packed in one pass
     from kvtier.kernels._keyprobe import pack_keys as _pack
 except ImportError:  # pragma: no cover - no C compiler at install
-    _pack = None
+    _pack = None  # type: ignore[assignment]
 PACK_NATIVE = _pack is not None
 """Whether :func:`pack_keys` packs lists in C (checking every key's length)."""
 
@@ -114,4 +114,4 @@ def split_keys(packed: bytes | memoryview) -> list[bytes]:
     import numpy as np  # here, not at import: the control socket binds before numpy loads
 
     n = len(packed) // KEY_BYTES
-    return np.frombuffer(packed, dtype=f"V{KEY_BYTES}", count=n).tolist()
+    return cast("list[bytes]", np.frombuffer(packed, dtype=f"V{KEY_BYTES}", count=n).tolist())

@@ -29,6 +29,8 @@ from kvtier.config.errors import KvtierError
 if TYPE_CHECKING:
     from typing import Self
 
+    import torch
+
 
 class SharedMemoryError(KvtierError):
     """A segment could not be created or opened (the message names the path)."""
@@ -241,15 +243,25 @@ class SharedMemorySegment:
         return cls(path, st.st_size, mm, owner=False, writable=writable)
 
     def array(self, dtype: np.dtype | type = np.uint8, offset: int = 0, count: int = -1) -> np.ndarray:
-        """Return a numpy array over the segment (no copy)."""
-        assert self._mm is not None, f"segment {self.path!r} is closed"
+        """Return a numpy array over the segment (no copy).
+
+        Raises:
+            SharedMemoryError: the segment is closed.
+        """
+        if self._mm is None:
+            raise SharedMemoryError(f"segment {self.path!r} is closed")
         return np.frombuffer(self._mm, dtype=dtype, offset=offset, count=count)
 
-    def tensor(self, offset: int = 0, nbytes: int | None = None):  # -> torch.Tensor
-        """Return a uint8 torch tensor over ``[offset, offset + nbytes)`` (no copy)."""
+    def tensor(self, offset: int = 0, nbytes: int | None = None) -> torch.Tensor:
+        """Return a uint8 torch tensor over ``[offset, offset + nbytes)`` (no copy).
+
+        Raises:
+            SharedMemoryError: the segment is closed.
+        """
         import torch
 
-        assert self._mm is not None, f"segment {self.path!r} is closed"
+        if self._mm is None:
+            raise SharedMemoryError(f"segment {self.path!r} is closed")
         nbytes = self.size - offset if nbytes is None else nbytes
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # read-only buffers warn; we never write them

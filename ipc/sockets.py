@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any, TypeVar
 
 import zmq
 from kvtier.ipc.limits import MAX_MESSAGE_BYTES
 
+_Socket = TypeVar("_Socket", bound="zmq.Socket[Any]")
 
-def make_zmq_socket(ctx: zmq.Context, endpoint: str, socket_type: int, bind: bool,
+
+def make_zmq_socket(ctx: zmq.Context[_Socket], endpoint: str, socket_type: int, bind: bool,
                     identity: bytes | None = None, hwm: int = 0,
-                    max_msg_bytes: int | None = None) -> zmq.Socket:
+                    max_msg_bytes: int | None = None) -> _Socket:
     """Create, configure and bind or connect a socket.
 
     Args:
@@ -28,7 +31,7 @@ def make_zmq_socket(ctx: zmq.Context, endpoint: str, socket_type: int, bind: boo
             come from the daemon).
 
     Returns:
-        The socket, with linger 0 (closing never blocks on unsent messages). A bound ipc
+        The socket (an asyncio one from an asyncio context), with linger 0 (closing never blocks on unsent messages). A bound ipc
         socket's file gets mode 0660 so engine users in the daemon's group can connect.
     """
     sock = ctx.socket(socket_type)

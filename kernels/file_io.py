@@ -14,8 +14,9 @@ The native implementation (:mod:`kvtier.kernels._fileio`, C, built at install wh
 compiler and the xxHash header are present) runs a whole batch with the GIL released. The
 pure-Python one below does the same page by page and releases the GIL twice per page (the
 syscall, the hash): with several I/O threads and the daemon's event loop that means taking
-turns for the GIL at every page, which leaves the threads idle much of the time. :data:`NATIVE` says
-which one is in use; ``KVTIER_PURE_PYTHON_IO=1`` forces the Python one.
+turns for the GIL at every page, which leaves the threads idle much of the time. :func:`in_use`
+says which one runs; turning the ``file_io`` kernel off (:mod:`kvtier.kernels.native`)
+selects the Python one.
 """
 
 from __future__ import annotations
@@ -24,11 +25,16 @@ import os
 from collections.abc import Callable, Sequence
 
 import xxhash
+from kvtier.kernels import native
 
-__all__ = ["NATIVE", "py_read_pages", "py_write_pages", "read_pages", "write_pages"]
+try:
+    from kvtier.kernels import _fileio
+except ImportError:  # built without a C compiler or the xxHash header
+    _fileio = None  # type: ignore[assignment]
+
+__all__ = ["BUILT", "in_use", "py_read_pages", "py_write_pages", "read_pages", "write_pages"]
 
 Buffer = memoryview | bytearray
-PagesIO = Callable[[int, Buffer, Sequence[int], int, Sequence[int]], list[int | None]]
 
 
 def _check(buf: Buffer, offsets: Sequence[int], length: int, positions: Sequence[int]) -> None:
@@ -83,22 +89,26 @@ def py_read_pages(fd: int, buf: Buffer, offsets: Sequence[int], length: int,
     return _pages(fd, buf, offsets, length, positions, lambda b, p: os.preadv(fd, [b], p))
 
 
-def _native() -> tuple[PagesIO, PagesIO] | None:
-    if os.environ.get("KVTIER_PURE_PYTHON_IO", "") not in ("", "0"):
-        return None
-    try:
-        from kvtier.kernels import _fileio  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    return _fileio.write_pages, _fileio.read_pages
+BUILT: bool = _fileio is not None
+"""Whether the C implementation is built (whatever the ``file_io`` switch says)."""
 
 
-_impl = _native()
-NATIVE: bool = _impl is not None
-"""Whether the C implementation (the GIL released per batch) is in use."""
+def in_use() -> bool:
+    """Whether the C implementation (the GIL released per batch) runs the calls now."""
+    return _fileio is not None and native.enabled("file_io")
 
-write_pages: PagesIO = _impl[0] if _impl else py_write_pages
-"""Write each page of ``buf`` to its file position; its checksum, or None on failure."""
 
-read_pages: PagesIO = _impl[1] if _impl else py_read_pages
-"""Read each page into ``buf`` from its file position; its checksum, or None on failure."""
+def write_pages(fd: int, buf: Buffer, offsets: Sequence[int], length: int,
+                positions: Sequence[int]) -> list[int | None]:
+    """Write each page of ``buf`` to its file position; its checksum, or None on failure."""
+    if _fileio is not None and native.enabled("file_io"):
+        return _fileio.write_pages(fd, buf, offsets, length, positions)
+    return py_write_pages(fd, buf, offsets, length, positions)
+
+
+def read_pages(fd: int, buf: Buffer, offsets: Sequence[int], length: int,
+               positions: Sequence[int]) -> list[int | None]:
+    """Read each page into ``buf`` from its file position; its checksum, or None on failure."""
+    if _fileio is not None and native.enabled("file_io"):
+        return _fileio.read_pages(fd, buf, offsets, length, positions)
+    return py_read_pages(fd, buf, offsets, length, positions)

@@ -12,45 +12,42 @@ released (or, for a transfer larger than the cache, a copy with non-temporal sto
 ``stream``). The daemon uses them for every mapped region, sealed or not; without them,
 sealed memory is copied by numpy plans (:class:`~kvtier.kernels.page_copy.CopyPlan`).
 
-``KVTIER_NO_GUARDED_COPY=1`` turns the guarded copies of unsealed memory off (the
-positional I/O path then serves); ``KVTIER_NO_NATIVE_COPY=1`` turns :func:`copy_strided`
-and :func:`copy_regions` off (the numpy path then serves). Tests use them to cover every path.
+The guarded copies of unsealed memory and the region copies are switched separately
+(:mod:`kvtier.kernels.native`: ``guarded_copy``, ``region_copy``); :func:`available` and
+:func:`strided` say whether each is in use now.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
+from kvtier.kernels import native
 
-__all__ = ["AVAILABLE", "STRIDED", "copy_pages", "copy_regions", "copy_strided"]
+try:
+    from kvtier.kernels import _guarded
+except ImportError:  # built without a C compiler
+    _guarded = None  # type: ignore[assignment]
 
-CopyPages = Callable[[Sequence[int], Sequence[int], int, bool], int]
+__all__ = ["BUILT", "available", "copy_pages", "copy_regions", "copy_strided", "strided"]
 
-
-def _off(name: str) -> bool:
-    return os.environ.get(name, "") not in ("", "0")
-
-
-def _load() -> Any:
-    try:
-        from kvtier.kernels import _guarded  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    return _guarded
+BUILT: bool = _guarded is not None
+"""Whether the extension is built (whatever the switches say)."""
 
 
-_native = _load()
-_copy: CopyPages | None = (None if _native is None or _off("KVTIER_NO_GUARDED_COPY")
-                           else _native.copy_pages)
-_strided = None if _native is None or _off("KVTIER_NO_NATIVE_COPY") else _native.copy_strided
-_regions = None if _strided is None else _native.copy_regions
-AVAILABLE: bool = _copy is not None
-"""Whether guarded copies are available (the extension built and not turned off)."""
-STRIDED: bool = _strided is not None
-"""Whether :func:`copy_strided` is available (the extension built and not turned off)."""
+def available() -> bool:
+    """Whether guarded copies (:func:`copy_pages`) are in use: the extension is built and
+    ``guarded_copy`` is not turned off."""
+    return _guarded is not None and native.enabled("guarded_copy")
+
+
+def strided() -> bool:
+    """Whether :func:`copy_strided` and :func:`copy_regions` are in use: the extension is
+    built and ``region_copy`` is not turned off."""
+    return _guarded is not None and native.enabled("region_copy")
+
+
+_NO_REGION_COPY = "region copies are not in use (kvtier.kernels._guarded: check strided())"
 
 
 def copy_pages(dsts: Sequence[int], srcs: Sequence[int], length: int,
@@ -64,11 +61,12 @@ def copy_pages(dsts: Sequence[int], srcs: Sequence[int], length: int,
         the copy stopped there.
 
     Raises:
-        RuntimeError: the extension is not available (check :data:`AVAILABLE` first).
+        RuntimeError: guarded copies are not in use (check :func:`available` first).
     """
-    if _copy is None:
-        raise RuntimeError("guarded copies are not available (kvtier.kernels._guarded)")
-    return _copy(dsts, srcs, length, stream)
+    if _guarded is None or not available():
+        raise RuntimeError("guarded copies are not in use (kvtier.kernels._guarded: "
+                           f"{'turned off' if BUILT else 'not built'})")
+    return _guarded.copy_pages(dsts, srcs, length, stream)
 
 
 def copy_strided(host: int, host_nbytes: int, offsets: np.ndarray, host_add: int, engine: int,
@@ -101,14 +99,14 @@ def copy_strided(host: int, host_nbytes: int, offsets: np.ndarray, host_add: int
         ValueError: a page id outside ``[0, engine_pages)``, a slot range outside the arena,
             arrays of different lengths, or ``length`` not in ``(0, stride]``; nothing was
             copied.
-        RuntimeError: the extension is not available (check :data:`STRIDED` first).
+        RuntimeError: region copies are not in use (check :func:`strided` first).
     """
-    if _strided is None:
-        raise RuntimeError("native copies are not available (kvtier.kernels._guarded)")
-    return int(_strided(host, host_nbytes, np.ascontiguousarray(offsets, dtype=np.int64),
-                        host_add, engine, engine_pages,
-                        np.ascontiguousarray(page_ids, dtype=np.int64), stride, length, to_host,
-                        stream))
+    if _guarded is None or not strided():
+        raise RuntimeError(_NO_REGION_COPY)
+    return int(_guarded.copy_strided(
+        host, host_nbytes, np.ascontiguousarray(offsets, dtype=np.int64), host_add, engine,
+        engine_pages, np.ascontiguousarray(page_ids, dtype=np.int64), stride, length, to_host,
+        stream))
 
 
 def copy_regions(host: int, host_nbytes: int, offsets: np.ndarray, page_ids: np.ndarray,
@@ -131,8 +129,8 @@ def copy_regions(host: int, host_nbytes: int, offsets: np.ndarray, page_ids: np.
     Raises:
         ValueError: a bad row, a page id outside ``[0, engine_pages)`` of a row, or a slot
             range outside the arena; nothing was copied.
-        RuntimeError: the extension is not available (check :data:`STRIDED` first).
+        RuntimeError: region copies are not in use (check :func:`strided` first).
     """
-    if _regions is None:
-        raise RuntimeError("native copies are not available (kvtier.kernels._guarded)")
-    return int(_regions(host, host_nbytes, offsets, page_ids, table, to_host, stream))
+    if _guarded is None or not strided():
+        raise RuntimeError(_NO_REGION_COPY)
+    return int(_guarded.copy_regions(host, host_nbytes, offsets, page_ids, table, to_host, stream))

@@ -190,7 +190,8 @@ class CopyPlan(PagePlan):
             self._copy(arena_view, engine_view, chunk_offset, to_host=to_host)
 
     def _checked(
-        self, arena: ArenaView, engine_buf: HostBuffer, name: str, chunk_offset: int, write: bool
+        self, arena: ArenaView, engine_buf: HostBuffer | EngineView, name: str, chunk_offset: int,
+        write: bool,
     ) -> EngineView:
         """Check one copy's buffer (writable when ``write``), chunk offset and bounds; return
         the buffer's byte view."""

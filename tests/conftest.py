@@ -5,12 +5,19 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from hypothesis import settings
+
+# The shared helpers' asserts are rewritten as the test modules' are, so they check (and
+# report their values) under `python -O` too, where plain asserts are stripped.
+pytest.register_assert_rewrite("tests.arenas", "tests.engines", "tests.key_chain", "tests.servers")
+
 from kvtier.client.daemon_process import DaemonProcess
+from kvtier.config.models import NativeKernel
+from kvtier.kernels import native
 
 # Every hypothesis test and state machine runs the same examples on every run: its seed
 # comes from the test itself (derandomize) and no example database carries failures from
@@ -86,3 +93,17 @@ def module_daemon() -> Iterator[DaemonProcess]:
             d.stop()
         d.remove_pool()
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def native_off() -> Iterator[Callable[..., None]]:
+    """``native_off("region_copy", ...)`` turns those C kernels off in this process
+    (:func:`kvtier.kernels.native.configure`; ``native_off()`` turns every one back on);
+    what was off before the test is off again after it."""
+    previous = native.turned_off()
+
+    def turn_off(*kernels: NativeKernel) -> None:
+        native.configure(kernels)
+
+    yield turn_off
+    native.configure(previous)

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvtier.client.connection import Connection, DaemonError, DaemonUnavailable
+from kvtier.client.replies import UnexpectedReply
 from kvtier.config import ClientConfig
 
 __all__ = ["DaemonLink"]
@@ -94,7 +95,7 @@ class DaemonLink:
                           register=False)
         try:
             conn.register()
-        except (DaemonUnavailable, DaemonError) as err:
+        except (DaemonUnavailable, DaemonError, UnexpectedReply) as err:
             conn.close()
             level = logging.DEBUG if self._warned else logging.WARNING
             log.log(level, "kvtierd not reachable (retrying every %.1fs; misses meanwhile): %s",

@@ -7,9 +7,10 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 from kvtier.config import ClientConfig, KvtierError
+from kvtier.config.models import PrefetchPolicy
 
 __all__ = ["ConnectorSettings", "SettingsError"]
 
@@ -53,7 +54,7 @@ class ConnectorSettings:
 
     client: ClientConfig
     model_id: str | None = None
-    prefetch_policy: str = ""
+    prefetch_policy: PrefetchPolicy | Literal[""] = ""
     retry_interval_s: float = 1.0
     min_load_pages: int = 1
     layerwise_loads: bool = True
@@ -106,6 +107,7 @@ class ConnectorSettings:
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 60:
             raise SettingsError(f"kv_connector_extra_config: staging_wait_s {wait!r} must be a "
                                 "number of seconds in [0, 60]")
-        return cls(client=client, model_id=extra.get("model_id"), prefetch_policy=policy,
+        return cls(client=client, model_id=extra.get("model_id"),
+                   prefetch_policy=cast("PrefetchPolicy | Literal['']", policy),
                    retry_interval_s=retry, min_load_pages=min_pages, layerwise_loads=layerwise,
                    copy_mode=mode, staging_pages=staging, staging_wait_s=float(wait))

@@ -9,10 +9,14 @@ one vLLM block. Nothing here imports vLLM.
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.client.kv_pool import TORCH_DTYPES
+from kvtier.ipc.limits import DType
 from kvtier.ipc.protocol import Geometry
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["CPU_LAYOUT", "chain_seed", "geometry_from_spec"]
 
@@ -20,7 +24,7 @@ CPU_LAYOUT = "vllm_cpu"
 """Layout label of vLLM's CPU KV cache (per layer ``[blocks, kv_heads, block_size, 2 ×
 head_dim]``, K then V within each block and head); it enters the namespace."""
 
-_DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
+_DTYPE_NAMES: dict[torch.dtype, DType] = {dtype: name for name, dtype in TORCH_DTYPES.items()}
 
 
 def geometry_from_spec(spec: Any, num_layers: int, layout: str = CPU_LAYOUT) -> Geometry:

@@ -37,13 +37,14 @@ from kvtier.client.engine.allocator import PageAllocator
 from kvtier.client.engine.model import EngineInputError, ModelConfig, TinyLlama, new_kv_cache
 from kvtier.client.kv_pool import SharedKVPool
 from kvtier.config import ClientConfig
+from kvtier.ipc.limits import DType
 from kvtier.ipc.protocol import Geometry
 
 __all__ = ["EngineMode", "GenerationResult", "ReferenceEngine", "geometry_for", "model_id_for"]
 
 EngineMode = Literal["on", "l1", "off"]
 CacheFactory = Callable[..., CacheManager]
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_DTYPE_NAMES: dict[torch.dtype, DType] = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 @dataclass(slots=True)
@@ -153,7 +154,8 @@ class ReferenceEngine:
             page_size=...)``; a subclass can observe or inject faults.
 
     Raises:
-        DaemonUnavailable / DaemonError: mode ``on`` and the daemon is not there or refuses.
+        DaemonUnavailable / DaemonError / UnexpectedReply: mode ``on`` and the daemon is not
+            there, refuses, or answers REGISTER with another reply.
     """
 
     def __init__(self, model_config: ModelConfig | None = None, *, mode: EngineMode = "on",

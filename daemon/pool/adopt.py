@@ -12,7 +12,7 @@ pool rebuilds the rest of its private state (free lists, LRU, child lists) from 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import xxhash
@@ -24,7 +24,7 @@ from kvtier.daemon.pool.seals import seals
 try:
     from kvtier.kernels._keyprobe import index_keys as _index_keys
 except ImportError:  # built without a C compiler: the index is built in Python
-    _index_keys = None
+    _index_keys = None  # type: ignore[assignment]
 
 __all__ = ["AdoptScan", "scan_rows"]
 
@@ -148,7 +148,7 @@ def _payloads_match(meta: PoolMeta, arena: Any, cand: np.ndarray, sums: np.ndarr
                                 f"{lay.n_extents * lay.span}")  # fmt: skip
         got = [digest(view[off : off + nbytes])
                for off, nbytes in zip(offsets.tolist(), length.tolist())]  # fmt: skip
-    return np.array(got, dtype=np.uint64).reshape(-1) == sums
+    return cast("np.ndarray", np.array(got, dtype=np.uint64).reshape(-1) == sums)
 
 
 def _index(nss: np.ndarray, slots: np.ndarray, rows: np.ndarray, key_len: np.ndarray,
@@ -272,7 +272,7 @@ def _fingerprints(rows: np.ndarray, key_len: np.ndarray, nss: np.ndarray) -> np.
     h = key_len.astype(np.uint64) * m[5] + nss.view(np.uint64) * m[4]
     for i in range(KEY_BYTES // 8):
         h += (words[:, i] ^ (words[:, i] >> np.uint64(29))) * m[i]
-    return h
+    return cast("np.ndarray", h)
 
 
 def _clean_parents(meta: PoolMeta, slots: np.ndarray) -> np.ndarray:
@@ -300,4 +300,4 @@ def _clean_parents(meta: PoolMeta, slots: np.ndarray) -> np.ndarray:
     col[:] = NIL
     col[slots] = par
     del col, ns
-    return par
+    return cast("np.ndarray", par)

@@ -24,7 +24,7 @@ twice (only a request that repeats a key makes one).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 from kvtier.daemon.pool.records import PageState
@@ -32,7 +32,7 @@ from kvtier.daemon.pool.records import PageState
 try:
     from kvtier.kernels import _pins
 except ImportError:  # built without a C compiler: numpy pins long runs
-    _pins = None
+    _pins = None  # type: ignore[assignment]
 
 if TYPE_CHECKING:
     from kvtier.daemon.pool.pages import PageTable
@@ -69,7 +69,7 @@ def _childless(table: PageTable, slots: np.ndarray) -> list[int]:
         return []
     children = np.frombuffer(table._children, dtype=np.int32)
     try:
-        return slots[children[slots] == 0].tolist()
+        return cast("list[int]", slots[children[slots] == 0].tolist())
     finally:
         del children
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import mmap
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 from kvtier.config.errors import ConfigError
@@ -293,7 +293,7 @@ class HostPool(PageTable):
         if packed is None or not keytable.NATIVE:
             return super()._run_slots(ns_id, keys)
         slots = np.empty(len(keys), dtype=np.int64)
-        return slots[: self._probe_run(ns_id, packed, slots)].tolist()
+        return cast("list[int]", slots[: self._probe_run(ns_id, packed, slots)].tolist())
 
     def _probe_run(self, ns_id: int, packed: bytes | memoryview,
                    slots: np.ndarray | None = None) -> int:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 from kvtier.daemon.pool.layout import KEY_BYTES
@@ -40,7 +41,7 @@ from kvtier.ipc.packed import PACK_NATIVE, PackedKeyList, pack_keys
 try:
     from kvtier.kernels import _keyprobe
 except ImportError:  # built without a C compiler: the numpy probe serves
-    _keyprobe = None
+    _keyprobe = None  # type: ignore[assignment]
 
 __all__ = ["MAX_ROUNDS", "MIN_CAPACITY", "NATIVE", "KeyTable", "table_keys"]
 
@@ -100,7 +101,7 @@ class KeyTable:
             h ^= words[:, 0]
             h *= self._mult[0]
         h >>= self._shift
-        return h.astype(np.intp)
+        return cast("np.ndarray", h.astype(np.intp))
 
     def _match(self, cand: np.ndarray, words: np.ndarray, ns_id: int) -> np.ndarray:
         """Whether each candidate slot (-1: none) is the READY page of its key in ``ns_id``."""
@@ -110,7 +111,7 @@ class KeyTable:
         hit &= self._ns.take(cand) == ns_id
         hit &= self._state.take(cand) == _READY
         hit &= self._key_len.take(cand) == KEY_BYTES
-        return hit
+        return cast("np.ndarray", hit)
 
     # ------------------------------------------------------------------ updates
     def add(self, slots: Sequence[int] | np.ndarray) -> None:

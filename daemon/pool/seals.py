@@ -18,13 +18,15 @@ hashes a million rows).
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 import xxhash
 
 try:
     from kvtier.kernels._keyprobe import seals as _native
 except ImportError:  # built without a C compiler: numpy hashes the columns
-    _native = None
+    _native = None  # type: ignore[assignment]
 
 __all__ = ["CHUNK_ROWS", "VECTOR_MIN_LEN", "seals"]
 
@@ -115,4 +117,4 @@ def _mul128_fold64(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     cross = (lo_lo >> _S32) + (hi_lo & _LO32) + a_lo * b_hi
     upper = (hi_lo >> _S32) + (cross >> _S32) + a_hi * b_hi
     lower = (cross << _S32) | (lo_lo & _LO32)
-    return lower ^ upper
+    return cast("np.ndarray", lower ^ upper)

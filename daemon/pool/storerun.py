@@ -27,7 +27,7 @@ from kvtier.daemon.pool.records import EvictedPage, PageState
 try:
     from kvtier.kernels import _alloc
 except ImportError:  # built without a C compiler: page by page in Python
-    _alloc = None
+    _alloc = None  # type: ignore[assignment]
 
 __all__ = ["NATIVE", "RUN_PAGES", "allocate_run", "commit_run"]
 

@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 
 from kvtier.config import DaemonConfig, KvtierError
+from kvtier.daemon.service.answers import Answer, Deferred, Handler
 from kvtier.daemon.service.context import ServiceContext
 from kvtier.daemon.service.sdnotify import SystemdNotifier
 from kvtier.daemon.service.validation import RequestError
@@ -77,7 +78,7 @@ class Admin:
         self.notifier = notifier
         self.reload_source = reload_source
 
-    def table(self) -> dict[type, Callable]:
+    def table(self) -> dict[type, Handler]:
         """The handler of each operator request type."""
         return {P.Health: self.health, P.Stats: self.stats, P.Flush: self.flush,
                 P.Sync: self.sync}
@@ -230,7 +231,7 @@ class Admin:
         }
 
     # ------------------------------------------------------------------ FLUSH
-    def flush(self, identity: bytes, m: P.Flush) -> P.Reply:
+    def flush(self, identity: bytes, m: P.Flush) -> Answer:
         """FLUSH: drop pages from L2, L3 or both (a session: its own tenant's only; see the
         module docstring for who may flush what)."""
         ctx = self.ctx
@@ -265,7 +266,7 @@ class Admin:
                  m.namespace or "*", ",".join(sorted(scope)) if scope is not None else "*", l2)
         if m.tier == "l2" or not ctx.tier.available:
             return P.FlushReply(req_id=m.req_id, epoch=ctx.epoch, l2_pages=l2, l3_pages=0)
-        return self._flush_l3(m, l2, fps)
+        return Deferred(self._flush_l3(m, l2, fps))
 
     def _l2_keys(self, ns_id: int | None) -> dict[int, list[bytes]]:
         """The READY keys of ``ns_id`` (None: of every namespace), per namespace."""
@@ -285,7 +286,7 @@ class Admin:
         return P.FlushReply(req_id=m.req_id, epoch=self.ctx.epoch, l2_pages=l2, l3_pages=l3)
 
     # ------------------------------------------------------------------ SYNC
-    def sync(self, identity: bytes, m: P.Sync) -> P.Reply:
+    def sync(self, identity: bytes, m: P.Sync) -> Answer:
         """SYNC: wait until the pages queued for L3 are written (or ``timeout_s`` passes)."""
         ctx = self.ctx
         self.check_admin(m.admin_token)
@@ -296,7 +297,7 @@ class Admin:
             queued = ctx.tier.writer.queued
             return P.SyncReply(req_id=m.req_id, epoch=ctx.epoch, pages=queued, written=0,
                                failed=0, left=queued)
-        return self._sync_async(m)
+        return Deferred(self._sync_async(m))
 
     async def _sync_async(self, m: P.Sync) -> P.Reply:
         start = time.perf_counter()

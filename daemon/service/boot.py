@@ -45,6 +45,7 @@ from kvtier.daemon.storage.registry import slot_headroom
 from kvtier.daemon.tier.tier import TierStore
 from kvtier.daemon.transfer.fair_pool import FairExecutor
 from kvtier.ipc.shm import SharedMemorySegment
+from kvtier.kernels import native
 
 __all__ = ["Service", "build_service"]
 
@@ -163,7 +164,8 @@ class Service:
 def build_service(cfg: DaemonConfig, rdir: Path, ppath: Path, epoch: int,
                   notifier: SystemdNotifier, reload: Callable[[], DaemonConfig] | None,
                   ) -> tuple[Service, contextlib.ExitStack]:
-    """Build the service and map and adopt the pool (runs on a worker thread).
+    """Turn the C kernels ``cfg.native_off`` names off, build the service, and map and
+    adopt the pool (runs on a worker thread).
 
     Returns:
         The service, and the stack that unmaps the pool (the caller closes it at the end).
@@ -172,6 +174,9 @@ def build_service(cfg: DaemonConfig, rdir: Path, ppath: Path, epoch: int,
         KvtierError: the pool file cannot be used, or the configuration does not fit it;
             nothing stays mapped then.
     """
+    native.configure(cfg.native_off)  # the process's C kernels, before anything is copied
+    if cfg.native_off:
+        log.info("C kernels turned off (native_off): %s", ", ".join(cfg.native_off))
     with contextlib.ExitStack() as stack:
         service = Service(cfg, rdir, epoch, notifier, reload)
         service.open_pool(ppath, stack)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Coroutine
-from types import CoroutineType
-from typing import Any, TypeAlias
+from typing import Any
 
 import msgspec
+from kvtier.daemon.service.answers import Answer, Deferred, Handler
 from kvtier.daemon.service.context import ServiceContext
 from kvtier.daemon.service.validation import RequestError
 from kvtier.ipc import protocol as P
@@ -24,19 +24,17 @@ log = logging.getLogger("kvtier.daemon")
 SERVED_WHILE_STOPPING = (P.Health, P.Stats, P.Unregister)
 """Requests still answered once a stop has begun (the rest get SHUTTING_DOWN)."""
 
-Reply: TypeAlias = "P.Reply | Coroutine[Any, Any, P.Reply]"
-"""A reply now, or a coroutine that answers later."""
-
 
 class Dispatcher:
     """Routes each request to its handler and turns failures into error replies.
 
     Args:
         ctx: the daemon's shared state.
-        handlers: the handler of each request type (identity, request) → reply.
+        handlers: the handler of each request type (identity, request) → reply, or a
+            :class:`~kvtier.daemon.service.answers.Deferred` one.
     """
 
-    def __init__(self, ctx: ServiceContext, handlers: dict[type, Callable[..., Any]]) -> None:
+    def __init__(self, ctx: ServiceContext, handlers: dict[type, Handler]) -> None:
         self.ctx = ctx
         self.handlers = handlers
 
@@ -50,7 +48,7 @@ class Dispatcher:
                               f"expected 2 frames (identity and request), got {frames}")
 
     def handle(self, identity: bytes, body: bytes | memoryview,
-               peer: Callable[[], PeerCred | None] | None = None) -> Reply:
+               peer: Callable[[], PeerCred | None] | None = None) -> Answer:
         """Answer one request.
 
         Args:
@@ -60,7 +58,8 @@ class Dispatcher:
                 REGISTER only, so other requests do not pay for it.
 
         Returns:
-            The reply, or a coroutine of it when the handler must wait (never raises).
+            The reply, or a :class:`~kvtier.daemon.service.answers.Deferred` one when the
+            handler must wait (its failure becomes an error reply too). Never raises.
         """
         ctx = self.ctx
         ctx.counters.requests += 1
@@ -80,8 +79,8 @@ class Dispatcher:
                                                   peer() if peer is not None else None)
             else:
                 reply = self.handlers[type(msg)](identity, msg)
-            if type(reply) is CoroutineType:  # async handlers are native coroutines
-                return self._guard(msg.req_id, reply)
+            if isinstance(reply, Deferred):
+                return Deferred(self._guard(msg.req_id, reply.pending))
             return reply
         except RequestError as err:
             return ctx.error(msg.req_id, err.code, str(err))

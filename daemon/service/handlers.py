@@ -2,8 +2,9 @@
 
 A handler checks its request (:mod:`~kvtier.daemon.service.validation`), then acts on the
 pool, the tier or the copy threads. It answers at once with a reply, or, when it must wait
-(L3 I/O, a CLAIM waiting for its prefetch, the other ranks of a group), returns a coroutine
-that the server answers from its own task while the loop keeps serving everyone else. A
+(L3 I/O, a CLAIM waiting for its prefetch, the other ranks of a group), returns a
+:class:`~kvtier.daemon.service.answers.Deferred` one that the server answers from its own
+task while the loop keeps serving everyone else (its return type says which it may do). A
 session whose request waits so does not expire meanwhile (:meth:`Handlers.later`).
 
 The latency histograms are fed here (LOOKUP, CLAIM) and in
@@ -17,11 +18,12 @@ import hmac
 import logging
 import os
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from typing import Any
 
 from kvtier.config import format_size
 from kvtier.daemon.pool.index import HostPoolError
+from kvtier.daemon.service.answers import Answer, Deferred, Handler
 from kvtier.daemon.service.context import ServiceContext
 from kvtier.daemon.service.handover import Handover, HandoverNotYours, HandoverRefused
 from kvtier.daemon.service.quotas import LimitExceeded
@@ -52,15 +54,12 @@ log = logging.getLogger("kvtier.daemon")
 DEFAULT_TENANT = "default"
 """The tenant of every session when no tenants are configured."""
 
-Handler = Callable[[bytes, Any], "P.Reply | Coroutine[Any, Any, P.Reply]"]
-"""A request handler: (connection identity, request) → reply, or a coroutine of one."""
-
-
 class Handlers:
     """The engine-facing request handlers.
 
     Each takes the connection's ZeroMQ identity and the decoded request, and returns a
-    reply or a coroutine of one; it raises :class:`RequestError` to refuse.
+    reply, or (those declared ``-> Answer``) a deferred one; it raises
+    :class:`RequestError` to refuse.
 
     Args:
         ctx: the daemon's shared state.
@@ -79,8 +78,12 @@ class Handlers:
             P.Unregister: self.unregister, P.Prefetch: self.prefetch, P.Claim: self.claim,
         }
 
-    async def later(self, s: Session, pending: Coroutine[Any, Any, P.Reply]) -> P.Reply:
-        """Answer ``pending`` for ``s``; its lease does not run out meanwhile."""
+    def later(self, s: Session, pending: Coroutine[Any, Any, P.Reply]) -> Deferred:
+        """Answer ``pending`` for ``s`` later; its lease does not run out meanwhile."""
+        return Deferred(self._waiting(s, pending))
+
+    @staticmethod
+    async def _waiting(s: Session, pending: Coroutine[Any, Any, P.Reply]) -> P.Reply:
         s.waiting += 1
         try:
             return await pending
@@ -242,7 +245,7 @@ class Handlers:
         return P.Ack(req_id=m.req_id, epoch=self.ctx.epoch)
 
     # ------------------------------------------------------------------ lookups
-    def lookup(self, identity: bytes, m: P.Lookup) -> P.Reply:
+    def lookup(self, identity: bytes, m: P.Lookup) -> Answer:
         """LOOKUP: the leading run of keys in L2, then (when asked) the run after it in L3.
 
         Keys come as a list or packed (``packed_keys``); a long packed list is answered by
@@ -288,7 +291,7 @@ class Handlers:
         if self.ctx.metrics is not None:
             self.ctx.metrics.observe_lookup(time.perf_counter() - start)
 
-    def prefetch(self, identity: bytes, m: P.Prefetch) -> P.Reply:
+    def prefetch(self, identity: bytes, m: P.Prefetch) -> Answer:
         """PREFETCH: start reading the L3 run after ``skip`` keys into L2."""
         ctx = self.ctx
         s = ctx.session(identity, m.session_id)
@@ -306,7 +309,7 @@ class Handlers:
         started = await self.ctx.tier.prefetch(s, m.keys, m.request_id, skip=m.skip)
         return P.PrefetchReply(req_id=m.req_id, epoch=self.ctx.epoch, started=started)
 
-    def claim(self, identity: bytes, m: P.Claim) -> P.Reply:
+    def claim(self, identity: bytes, m: P.Claim) -> Answer:
         """CLAIM: the L2 run, once the session's prefetch is done (per its policy)."""
         start = time.perf_counter()
         ctx = self.ctx

@@ -50,7 +50,7 @@ from kvtier.daemon.service.strain import Strain, descriptor_limit
 from kvtier.ipc import fdpass
 from kvtier.ipc.completion import CompletionBlock
 from kvtier.ipc.fdpass import PeerCred
-from kvtier.ipc.limits import HANDOVER_TOKEN_BYTES
+from kvtier.ipc.limits import HANDOVER_TOKEN_BYTES, MAX_HANDOVER_FDS
 
 log = logging.getLogger("kvtier.daemon")
 
@@ -152,7 +152,7 @@ class HandoverServer:
         self._waiting: dict[int, int] = {}  # handovers waiting, per uid
         self._held: dict[int, int] = {}  # descriptors of waiting handovers, per uid
         self._held_total = 0
-        self._conns: dict[asyncio.Task, int] = {}  # connection → its uid (in accept order)
+        self._conns: dict[asyncio.Task[None], int] = {}  # connection → its uid (in accept order)
         self._open: dict[int, int] = {}  # connections open, per uid
         self.refusals: dict[str, int] = {}
 
@@ -231,7 +231,7 @@ class HandoverServer:
         self._open[uid] = mine + 1
         task.add_done_callback(self._conn_done)
 
-    def _conn_done(self, task: asyncio.Task) -> None:
+    def _conn_done(self, task: asyncio.Task[None]) -> None:
         uid = self._conns.pop(task)
         left = self._open[uid] - 1
         if left:
@@ -352,7 +352,7 @@ class HandoverServer:
             try:
                 if truncated:
                     raise HandoverRefused(f"request too long or more than "
-                                          f"{fdpass.MAX_HANDOVER_FDS} descriptors")
+                                          f"{MAX_HANDOVER_FDS} descriptors")
                 h = self._accept(fdpass.decode_request(data), peer, fds)
             except HandoverBusy as err:
                 self.refusals[err.setting] = self.refusals.get(err.setting, 0) + 1

@@ -37,7 +37,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import zmq
 from kvtier.config import DaemonConfig
@@ -96,7 +96,7 @@ class KvEventPublisher:
             topics of namespaces no session has named since the daemon started.
     """
 
-    def __init__(self, cfg: DaemonConfig, counters: Counters, zctx: zmq.Context,
+    def __init__(self, cfg: DaemonConfig, counters: Counters, zctx: zmq.Context[Any],
                  fingerprint_of: Callable[[int], bytes | None]) -> None:
         assert cfg.kv_events_endpoint is not None
         self.counters = counters
@@ -119,7 +119,7 @@ class KvEventPublisher:
         self._pub = make_zmq_socket(zctx, cfg.kv_events_endpoint, zmq.XPUB, bind=True,
                                     hwm=cfg.kv_events_hwm, max_msg_bytes=SUBSCRIPTION_MAX_FRAME)
         self._pub.setsockopt(zmq.XPUB_NODROP, 1)
-        self._replay: zmq.Socket | None = None
+        self._replay: zmq.Socket[Any] | None = None
         try:
             if cfg.kv_events_replay_endpoint is not None:
                 self._replay = make_zmq_socket(zctx, cfg.kv_events_replay_endpoint, zmq.ROUTER,
@@ -389,7 +389,7 @@ class KvEventPublisher:
             self._answer(sock, frames[0], int.from_bytes(frames[2], "big", signed=True))
         self._loop.call_soon(self._read_replays)  # more may be queued: after the others
 
-    def _answer(self, sock: zmq.Socket, peer: bytes, start: int) -> None:
+    def _answer(self, sock: zmq.Socket[Any], peer: bytes, start: int) -> None:
         """Send the buffered batches from ``start`` on (at most ``replay_max``), then the
         end marker; stop at the first the requester cannot take."""
         self.counters.kv_events_replays += 1
@@ -407,7 +407,7 @@ class KvEventPublisher:
             log.debug("replay to a subscriber cut short: %s", err)
 
 
-def _read_request(sock: zmq.Socket) -> list[bytes] | None:
+def _read_request(sock: zmq.Socket[Any]) -> list[bytes] | None:
     """Read one message off the replay socket frame by frame: its three frames, or None
     for any other count (the frames past the third are read and dropped one at a time,
     never collected)."""
@@ -420,7 +420,7 @@ def _read_request(sock: zmq.Socket) -> list[bytes] | None:
 
 
 def open_publisher(cfg: DaemonConfig, counters: Counters, tier: TierStore,
-                   zctx: zmq.Context) -> KvEventPublisher:
+                   zctx: zmq.Context[Any]) -> KvEventPublisher:
     """Bind the publisher's sockets, start its replay reader and hook it to the tier's
     evictions, prefetch commits and L3 writes (call from the event loop; close it with
     :meth:`KvEventPublisher.close`).

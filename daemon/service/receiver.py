@@ -24,10 +24,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from types import CoroutineType
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import zmq
+from kvtier.daemon.service.answers import Answer, Deferred
 from kvtier.ipc import protocol as P
 from kvtier.ipc.fdpass import zmq_peer
 
@@ -59,14 +59,14 @@ class Receiver:
             dispatcher).
     """
 
-    def __init__(self, sock: zmq.Socket,
+    def __init__(self, sock: zmq.Socket[Any],
                  dispatcher: Callable[[], Dispatcher | StartGate]) -> None:
         self.sock = sock
         self._dispatcher = dispatcher
         self._loop: asyncio.AbstractEventLoop | None = None
         self._read_pending = False  # a read of the socket is scheduled (call_soon)
         self._failed: asyncio.Future[None] | None = None
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
 
     async def run(self) -> None:
         """Answer requests from a reader callback on the socket's descriptor until
@@ -94,7 +94,7 @@ class Receiver:
                 if not queued(sock):
                     return
                 identity, reply = self._answer_one(sock.recv(zmq.NOBLOCK, copy=False))
-                if type(reply) is CoroutineType:
+                if isinstance(reply, Deferred):
                     self.answer(identity, reply)  # a handler that waits (L3 I/O, a claim)
                 elif reply is not None:
                     self._send(identity, P.encode(reply))
@@ -123,23 +123,23 @@ class Receiver:
             sock.send(identity, _MORE)
             sock.send(body, _LAST)
 
-    def answer(self, identity: bytes, reply: object) -> None:
-        """Send ``reply`` (or, for a coroutine, what it returns) from a task of its own."""
+    def answer(self, identity: bytes, reply: Answer | None) -> None:
+        """Send ``reply`` (or, for a deferred one, what it makes) from a task of its own."""
         if reply is None:
             return
         task = asyncio.create_task(self.reply_later(identity, reply))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def reply_later(self, identity: bytes, pending: object) -> None:
-        """Send ``pending`` (a reply, or a coroutine of one), then read what the send may
-        have hidden from the reader: a request that arrived meanwhile."""
-        reply = await pending if type(pending) is CoroutineType else pending
+    async def reply_later(self, identity: bytes, pending: Answer) -> None:
+        """Send ``pending`` (a reply, or what a deferred one makes), then read what the send
+        may have hidden from the reader: a request that arrived meanwhile."""
+        reply = await pending.pending if isinstance(pending, Deferred) else pending
         self._send(identity, P.encode(reply))
         if not self.sock.closed and queued(self.sock):
             self._read_soon()
 
-    def _answer_one(self, first: zmq.Frame) -> tuple[bytes, object]:
+    def _answer_one(self, first: zmq.Frame) -> tuple[bytes, Answer | None]:
         """Read the rest of the message whose first frame is ``first`` and answer it (or
         refuse its frame count)."""
         identity, more = first.bytes, first.more
@@ -159,10 +159,10 @@ class Receiver:
             return identity, dispatcher.refuse_frames(frames)
         frame = body
         return identity, dispatcher.handle(
-            identity, frame.bytes, lambda: zmq_peer(frame.get("Peer-Address")))
+            identity, frame.bytes, lambda: zmq_peer(cast(str, frame.get("Peer-Address"))))
 
 
-async def watch_disconnects(sock: zmq.Socket, on_disconnect: Callable[[], None]) -> None:
+async def watch_disconnects(sock: zmq.Socket[Any], on_disconnect: Callable[[], None]) -> None:
     """Call ``on_disconnect`` after each wake-up that read ``DISCONNECTED`` events of
     ``sock``'s monitor, until cancelled.
 
@@ -195,7 +195,7 @@ async def watch_disconnects(sock: zmq.Socket, on_disconnect: Callable[[], None])
         mon.close(linger=0)
 
 
-def queued(sock: zmq.Socket) -> bool:
+def queued(sock: zmq.Socket[Any]) -> bool:
     """Whether a message waits on ``sock`` (ZeroMQ's ``EVENTS`` has ``POLLIN``). Asking
     costs less than a read that fails (a raised ``zmq.Again``)."""
     return bool(cast(int, sock.getsockopt(_EVENTS)) & _POLLIN)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import secrets
@@ -48,7 +49,7 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import zmq
 from kvtier.config import DaemonConfig, format_size, runtime_dir, socket_path
@@ -65,6 +66,7 @@ if TYPE_CHECKING:
     from kvtier.daemon.service.dispatch import Dispatcher
     from kvtier.daemon.service.metrics import DaemonMetrics
     from kvtier.daemon.service.sessions import SessionTable
+    from kvtier.ipc.fdpass import PeerCred
 
 __all__ = ["Daemon", "install_signal_handlers"]
 
@@ -96,8 +98,8 @@ class Daemon:
         self.service: Service | None = None
         self.dispatcher: Dispatcher | StartGate = StartGate(self._epoch)
         self._stop = asyncio.Event()
-        self._sock: zmq.Socket | None = None
-        self._zctx: zmq.Context | None = None
+        self._sock: zmq.Socket[Any] | None = None
+        self._zctx: zmq.Context[Any] | None = None
         self._sock_file: SocketFile | None = None
         self.receiver: Receiver | None = None
         self._reap_later: asyncio.TimerHandle | None = None
@@ -221,8 +223,8 @@ class Daemon:
         held = gate.release()
         assert self.receiver is not None, "run() starts it before the service"
         for h in held:  # in arrival order, before anything received from now on
-            self.receiver.answer(h.identity, service.dispatcher.handle(h.identity, h.body,
-                                                               lambda p=h.peer: p))
+            self.receiver.answer(h.identity, service.dispatcher.handle(
+                h.identity, h.body, functools.partial(_given, h.peer)))
         log.debug("service up %.3fs after the socket was bound; %d requests were held",
                   time.perf_counter() - t0, len(held))
         return ppath
@@ -246,7 +248,7 @@ class Daemon:
         for path in paths:
             os.chown(path, -1, gid, follow_symlinks=False)
 
-    async def _serve(self, recv: asyncio.Task) -> None:
+    async def _serve(self, recv: asyncio.Task[None]) -> None:
         """Run the loops until a stop is requested, then stop accepting requests.
 
         Args:
@@ -349,7 +351,12 @@ class Daemon:
         self.svc.ctx.reap_sessions()
 
 
-async def _follow(task: asyncio.Task) -> None:
+def _given(peer: PeerCred | None) -> PeerCred | None:
+    """``peer`` (a held request's sender, as the dispatcher asks for it)."""
+    return peer
+
+
+async def _follow(task: asyncio.Task[None]) -> None:
     """Wait for ``task`` (started before the task group): its failure fails the group, and
     cancelling this cancels it."""
     await task

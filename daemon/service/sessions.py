@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -167,7 +168,7 @@ class SessionTable:
             if not ids:
                 del self._by_identity[s.identity]
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Session]:
         return iter(list(self._by_id.values()))
 
     def __len__(self) -> int:

@@ -120,7 +120,7 @@ class Transfers:
 
     def __init__(self, ctx: ServiceContext) -> None:
         self.ctx = ctx
-        self.inflight: set[Future] = set()
+        self.inflight: set[Future[Any]] = set()
         self._executor: Executor | FairExecutor | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._threads = 1
@@ -199,7 +199,7 @@ class Transfers:
                 for i in range(parts)]
         left = [parts]
 
-        def part_ended(f: Future) -> None:  # on the loop
+        def part_ended(f: Future[Any]) -> None:  # on the loop
             self.inflight.discard(f)
             left[0] -= 1
             if left[0] == 0:  # the transfer ends with its last part, never before
@@ -229,7 +229,7 @@ class Transfers:
         mine: list[tuple[TransferStatus, list[int] | None]] = []
         settled = [False]
 
-        def ended(f: Future, wake: bool = True) -> None:  # on the loop, after ``mine``
+        def ended(f: Future[Any], wake: bool = True) -> None:  # on the loop, after ``mine``
             self.inflight.discard(f)
             if settled[0]:
                 return
@@ -245,7 +245,7 @@ class Transfers:
         if fut.done():
             ended(fut, wake=False)
 
-    def _submit(self, s: Session, fn: Callable[..., Any], *args: Any) -> Future:
+    def _submit(self, s: Session, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         """Queue ``fn(*args)`` on the copy threads, in the turn of ``s``'s user when they
         take turns (:class:`~kvtier.daemon.transfer.fair_pool.FairExecutor`)."""
         ex = self._executor
@@ -254,7 +254,7 @@ class Transfers:
             return ex.submit_for(s.uid, fn, *args)
         return ex.submit(fn, *args)
 
-    def _watch(self, fut: Future, on_loop: Callable[[Future], None]) -> None:
+    def _watch(self, fut: Future[Any], on_loop: Callable[[Future[Any]], None]) -> None:
         """Track the copy ``fut`` in :attr:`inflight` and run ``on_loop(fut)`` on the event
         loop once it has ended. One thread-safe call per copy: an asyncio future chained to
         it would cost a future, a chain of callbacks and the same wake-up of the loop."""
@@ -262,7 +262,7 @@ class Transfers:
         loop = self._loop
         assert loop is not None, "open() first"
 
-        def ended(f: Future) -> None:  # on the copy thread (or here, when already done)
+        def ended(f: Future[Any]) -> None:  # on the copy thread (or here, when already done)
             try:
                 loop.call_soon_threadsafe(on_loop, f)
             except RuntimeError:  # the loop has closed: shutdown abandoned this copy
@@ -275,7 +275,7 @@ class Transfers:
         many as there are threads."""
         return max(1, min(self._threads, t.nbytes // SPLIT_BYTES, len(t.host_slots)))
 
-    def _finish(self, s: Session, t: Transfer, fut: Future) -> None:
+    def _finish(self, s: Session, t: Transfer, fut: Future[Any]) -> None:
         """A copy thread's transfer ended: settle it."""
         self.inflight.discard(fut)
         ok = not fut.cancelled() and fut.exception() is None and t.status is TransferStatus.DONE

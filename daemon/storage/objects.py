@@ -20,17 +20,18 @@ Backends that keep header and payload in separate places (a header in a slot's h
 in scratch, the payload in its arena slot) seal and check whole batches with
 :func:`seal_headers` / :func:`check_headers`: one C call per batch (the GIL released, XXH3's
 AVX2 build where the CPU has it) when :mod:`kvtier.kernels._fileio` is built, else the same
-in Python page by page (:data:`NATIVE_HEADERS` says which).
+in Python page by page (:func:`native_headers` says which; the ``file_io`` switch of
+:mod:`kvtier.kernels.native` turns the C calls off).
 """
 
 from __future__ import annotations
 
-import os
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import xxhash
+from kvtier.kernels import native
 
 MAGIC = b"KVTP"
 FORMAT_VERSION = 1
@@ -88,7 +89,6 @@ def verify_object(header: memoryview | bytes, payload: memoryview | bytes, ns: b
 
 
 Buffer = Any  # a buffer-protocol object: memoryview, bytearray, mmap
-HeadersIO = Callable[[Buffer, Sequence[int], Buffer, Sequence[int], int, bytes, Sequence[bytes]], Any]
 
 
 def _check_batch(hbuf: Buffer, headers: Sequence[int], pbuf: Buffer | None,
@@ -156,10 +156,8 @@ def py_recorded_checksums(hbuf: Buffer, headers: Sequence[int], length: int, ns:
 
 def _native_headers() -> tuple[Any, Any, Any, Any] | None:
     """The C batch functions when built and writing exactly :func:`header_for`'s bytes."""
-    if os.environ.get("KVTIER_PURE_PYTHON_IO", "") not in ("", "0"):
-        return None
     try:
-        from kvtier.kernels import _fileio  # type: ignore[attr-defined]
+        from kvtier.kernels import _fileio
 
         fns = (_fileio.seal_headers, _fileio.check_headers, _fileio.write_headers,
                _fileio.recorded_checksums)  # fmt: skip
@@ -181,29 +179,52 @@ def _native_headers() -> tuple[Any, Any, Any, Any] | None:
     return fns if same else None
 
 
-_headers_impl = _native_headers()
-NATIVE_HEADERS: bool = _headers_impl is not None
-"""Whether :func:`seal_headers` / :func:`check_headers` run in C (the GIL released per batch)."""
+_headers_c = _native_headers()
+HEADERS_BUILT: bool = _headers_c is not None
+"""Whether the C batch functions are built and write :func:`header_for`'s bytes (whatever
+the ``file_io`` switch of :mod:`kvtier.kernels.native` says)."""
 
-seal_headers: HeadersIO = _headers_impl[0] if _headers_impl else py_seal_headers
-"""``seal_headers(hbuf, headers, pbuf, payloads, length, ns, keys)``: for each page, hash
-``pbuf[payloads[i] : payloads[i] + length]`` and write its header at ``hbuf[headers[i]:]``.
-A bad argument raises ValueError (TypeError or OverflowError for one of the wrong type or
-size) before anything is written."""
 
-write_headers: Callable[..., None] = _headers_impl[2] if _headers_impl else py_write_headers
-"""``write_headers(hbuf, headers, length, ns, keys, checksums)``: :func:`seal_headers` for
-payloads the caller already hashed (e.g. while copying them): the header of ``keys[i]``
-recording ``checksums[i]`` at ``hbuf[headers[i]:]``."""
+def native_headers() -> bool:
+    """Whether :func:`seal_headers` / :func:`check_headers` run in C now (the GIL released
+    per batch): built, and the ``file_io`` kernel not turned off."""
+    return _headers_c is not None and native.enabled("file_io")
 
-recorded_checksums: Callable[..., list[int | None]] = (
-    _headers_impl[3] if _headers_impl else py_recorded_checksums
-)
-"""``recorded_checksums(hbuf, headers, length, ns, keys) -> list[int | None]``: for each
-header, the payload checksum it records when it verifies and names ``ns``, ``keys[i]`` and
-``length`` (:func:`check_header` for a batch); None otherwise."""
 
-check_headers: HeadersIO = _headers_impl[1] if _headers_impl else py_check_headers
-"""``check_headers(hbuf, headers, pbuf, payloads, length, ns, keys) -> list[bool]``: for
-each page, whether the header at ``hbuf[headers[i]:]`` names ``ns``, ``keys[i]`` and
-``length``, verifies, and records the xxh3-64 of the payload at ``pbuf[payloads[i]:]``."""
+def seal_headers(hbuf: Buffer, headers: Sequence[int], pbuf: Buffer, payloads: Sequence[int],
+                 length: int, ns: bytes, keys: Sequence[bytes]) -> None:
+    """For each page, hash ``pbuf[payloads[i] : payloads[i] + length]`` and write its header
+    at ``hbuf[headers[i]:]``. A bad argument raises ValueError (TypeError or OverflowError
+    for one of the wrong type or size) before anything is written."""
+    if _headers_c is not None and native.enabled("file_io"):
+        _headers_c[0](hbuf, headers, pbuf, payloads, length, ns, keys)
+    else:
+        py_seal_headers(hbuf, headers, pbuf, payloads, length, ns, keys)
+
+
+def check_headers(hbuf: Buffer, headers: Sequence[int], pbuf: Buffer, payloads: Sequence[int],
+                  length: int, ns: bytes, keys: Sequence[bytes]) -> list[bool]:
+    """For each page, whether the header at ``hbuf[headers[i]:]`` names ``ns``, ``keys[i]``
+    and ``length``, verifies, and records the xxh3-64 of the payload at ``pbuf[payloads[i]:]``."""
+    if _headers_c is not None and native.enabled("file_io"):
+        return _headers_c[1](hbuf, headers, pbuf, payloads, length, ns, keys)
+    return py_check_headers(hbuf, headers, pbuf, payloads, length, ns, keys)
+
+
+def write_headers(hbuf: Buffer, headers: Sequence[int], length: int, ns: bytes,
+                  keys: Sequence[bytes], checksums: Sequence[int]) -> None:
+    """:func:`seal_headers` for payloads the caller already hashed (e.g. while copying them):
+    the header of ``keys[i]`` recording ``checksums[i]`` at ``hbuf[headers[i]:]``."""
+    if _headers_c is not None and native.enabled("file_io"):
+        _headers_c[2](hbuf, headers, length, ns, keys, checksums)
+    else:
+        py_write_headers(hbuf, headers, length, ns, keys, checksums)
+
+
+def recorded_checksums(hbuf: Buffer, headers: Sequence[int], length: int, ns: bytes,
+                       keys: Sequence[bytes]) -> list[int | None]:
+    """For each header, the payload checksum it records when it verifies and names ``ns``,
+    ``keys[i]`` and ``length`` (:func:`check_header` for a batch); None otherwise."""
+    if _headers_c is not None and native.enabled("file_io"):
+        return _headers_c[3](hbuf, headers, length, ns, keys)
+    return py_recorded_checksums(hbuf, headers, length, ns, keys)

@@ -328,14 +328,14 @@ class Prefetcher:
             gone = [i for i in range(cut, fill.pages) if fate[i] in _OPEN]
             if gone:
                 self.pool.abort([fill.slots[i] for i in gone])
-                c = self.counters
+                counters = self.counters
                 for i in gone:
                     if fate[i] is Fate.VERIFIED:
-                        c.l3_prefetch_unused_pages += 1  # read, then discarded
+                        counters.l3_prefetch_unused_pages += 1  # read, then discarded
                     if fill.cancelled and fate[i] is not Fate.BAD:
-                        c.l3_prefetch_cancelled_pages += 1
+                        counters.l3_prefetch_cancelled_pages += 1
                     else:
-                        c.l3_prefetch_failed_pages += 1
+                        counters.l3_prefetch_failed_pages += 1
                     fate[i] = Fate.ABORTED
                     self._release_key(fill, i)
                 fill.ended += len(gone)

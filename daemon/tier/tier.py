@@ -183,7 +183,7 @@ class TierStore:
             self.groups.leave(s.member)
             s.member = None
 
-    def stored(self, s: TierSession, keys: list[bytes]) -> None:
+    def stored(self, s: TierSession, keys: Sequence[bytes]) -> None:
         """A STORE of ``s`` committed ``keys`` (write-through queues them)."""
         if self.available:
             self.writer.committed(s.ns_fingerprint, s.ns_id, keys, s.geometry.page_bytes)

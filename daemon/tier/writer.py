@@ -187,7 +187,7 @@ class L3Writer:
         self.pool.evict_requires_l3 = wb or self.writing_unpinned
 
     # ------------------------------------------------------------------ producers
-    def committed(self, ns: bytes, ns_id: int, keys: list[bytes], page_bytes: int) -> None:
+    def committed(self, ns: bytes, ns_id: int, keys: Sequence[bytes], page_bytes: int) -> None:
         """A STORE committed these pages: under write-through, queue them for L3."""
         if self.write_back or not self.l3.available:
             return
@@ -203,7 +203,7 @@ class L3Writer:
             self._urgent = True
             self._wake.set()
 
-    def _enqueue(self, ns: bytes, ns_id: int, keys: list[bytes], page_bytes: int,
+    def _enqueue(self, ns: bytes, ns_id: int, keys: Sequence[bytes], page_bytes: int,
                  pinned: bool, bound: bool = True, slots: list[int] | None = None) -> int:
         queued, queue = self._queued, self._queue
         room = (self.cfg.write_back_queue if bound else 1 << 62) - len(queued)

@@ -39,6 +39,7 @@ import stat
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import numpy.typing as npt
@@ -262,7 +263,7 @@ class RegionTable:
     def of(cls, regions: list[RegionView]) -> RegionTable | None:
         """The table of ``regions``, or None when one is not mapped memory the native copy
         can reach (positional I/O, a numpy fallback) or the extension is not there."""
-        if not regions or not guarded_copy.STRIDED:
+        if not regions or not guarded_copy.strided():
             return None
         order = sorted(regions, key=lambda r: r.layer)  # stable: -1 first, then by layer
         rows: list[tuple[int, int, int, int, int]] = []
@@ -352,7 +353,7 @@ class EngineMemory:
                                    EngineMemoryError) for i, r in enumerate(regions)]
         sealed_of = [check_descriptor(fd, seg.size, f"memory.segments[{i}]")
                      for i, (seg, fd) in enumerate(zip(memory.segments, fds, strict=True))]
-        maps = [sealed or guarded_copy.AVAILABLE for sealed in sealed_of]
+        maps = [sealed or guarded_copy.available() for sealed in sealed_of]
         windows = plan_windows([seg.size for seg in memory.segments],
                                [(r.segment, r.offset, span)
                                 for r, span in zip(regions, spans, strict=True) if maps[r.segment]])
@@ -398,8 +399,8 @@ class EngineMemory:
         self.table = RegionTable.of(self.regions)
         if not memory.regions and self.mapped and not self.guarded:
             comps = g.components
-            self.buffers = [[self.regions[l * comps + c].view.array for c in range(comps)]
-                            for l in range(g.num_layers)]
+            self.buffers = [[cast(EngineView, self.regions[l * comps + c].view).array
+                             for c in range(comps)] for l in range(g.num_layers)]
 
     def start_prefault(self, label: str, queue: PrefaultQueue | None = None,
                        user: int = -1) -> None:

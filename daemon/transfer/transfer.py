@@ -31,7 +31,7 @@ from kvtier.daemon.pool.layout import page_checksums
 from kvtier.daemon.transfer.engine_memory import RegionTable, RegionView
 from kvtier.ipc.completion import TransferStatus
 from kvtier.kernels.file_io import read_pages, write_pages
-from kvtier.kernels.guarded_copy import STRIDED, copy_pages, copy_regions, copy_strided
+from kvtier.kernels.guarded_copy import copy_pages, copy_regions, copy_strided, strided
 from kvtier.kernels.host_views import ArenaView, EngineView, HostBuffer
 from kvtier.kernels.page_copy import CopyPlan
 
@@ -274,7 +274,7 @@ def _copy_region(direction: Direction, page_ids: np.ndarray, offsets: np.ndarray
     elif (isinstance(view, EngineView) and view.row_bytes == r.page_bytes
           and (store or view.array.flags.writeable)):
         mapped = (view.address, view.num_pages, view.page_stride)
-    if STRIDED and mapped is not None:
+    if strided() and mapped is not None:
         done = copy_strided(arena.address, arena.nbytes, offsets, r.host_offset, mapped[0],
                             mapped[1], page_ids, mapped[2], r.page_bytes, store, stream)
         if done < len(page_ids):
@@ -304,7 +304,7 @@ def _copy_region(direction: Direction, page_ids: np.ndarray, offsets: np.ndarray
         return
     at = (offsets + r.host_offset).tolist()
     positions = (page_ids * r.page_stride + r.base).tolist()
-    buf = memoryview(arena.array)
+    buf = arena.array.data  # a memoryview of the arena
     io = read_pages if store else write_pages
     sums = io(r.fd, buf, at, r.page_bytes, positions)
     if any(x is None for x in sums):

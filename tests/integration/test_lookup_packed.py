@@ -23,9 +23,8 @@ PAGES = 2 * PACKED_MIN_KEYS
 
 def ask(conn, **fields) -> P.LookupResult:
     """A LOOKUP with exactly ``fields`` as keys (the client's own form choice bypassed)."""
-    rep = conn._session_call(lambda sid: P.Lookup(req_id=0, session_id=sid, **fields))
-    assert isinstance(rep, P.LookupResult), rep
-    return rep
+    return conn._session_call(lambda sid: P.Lookup(req_id=0, session_id=sid, **fields),
+                              P.LookupResult)
 
 
 def both(conn, keys: list[bytes]) -> int:

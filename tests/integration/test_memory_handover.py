@@ -171,9 +171,9 @@ def test_a_memfd_that_may_shrink_fails_only_its_own_copies(daemon_factory, seals
     """A memfd that may shrink is accepted: mapped for guarded copies only (a SIGBUS ends
     the copy, not the daemon), or, without them, copied with pread/pwrite and never mapped.
     The engine that truncates it gets failed transfers; the daemon serves on."""
-    if guarded and not guarded_copy.AVAILABLE:
+    if guarded and not guarded_copy.BUILT:
         pytest.skip("kvtier.kernels._guarded was not built (no C compiler at install time)")
-    daemon = daemon_factory(env=None if guarded else {"KVTIER_NO_GUARDED_COPY": "1"})
+    daemon = daemon_factory(env=None if guarded else {"KVTIER_NATIVE_OFF": '["guarded_copy"]'})
     with SharedKVPool(SMALL, 4) as src:
         size = src.segment.size
         fd = bare_memfd(size)

@@ -6,7 +6,7 @@ allowed to take to be healthy again, so the CPU copy path is numpy and C only
 are numpy arrays) and the CUDA back end, the only daemon code that needs torch, is imported
 for CUDA sessions alone. A real daemon stores and loads pages through each CPU path (sealed
 memory: numpy copies; an unsealed memfd: guarded copies, or ``pread``/``pwrite`` with
-``KVTIER_NO_GUARDED_COPY=1``), and then the shared objects mapped into it
+the ``guarded_copy`` kernel turned off), and then the shared objects mapped into it
 (``/proc/<pid>/maps``) must include numpy's core (the check sees extension modules) and no
 part of torch (an ``import torch`` anywhere maps ``libtorch``, whoever imported it).
 """
@@ -60,7 +60,7 @@ def test_the_check_sees_torch_in_a_process_that_imported_it():
 
 @pytest.mark.parametrize("guarded", [True, False], ids=["guarded-copies", "positional-io"])
 def test_a_cpu_daemon_copies_pages_without_ever_loading_torch(daemon_factory, guarded):
-    d = daemon_factory(env=None if guarded else {"KVTIER_NO_GUARDED_COPY": "1"})
+    d = daemon_factory(*(() if guarded else ("--native-off", '["guarded_copy"]')))
     # sealed shared memory, kvtier's per-buffer layout: numpy strided copies and memmoves
     pool, conn = engine(d.runtime_dir)
     try:

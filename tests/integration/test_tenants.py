@@ -33,10 +33,8 @@ def flush_own(conn: Connection, namespace: bytes = b"") -> P.FlushReply:
 
     Connection has no public flush, so this goes through its session call.
     """
-    rep = conn._session_call(lambda sid: P.Flush(req_id=0, session_id=sid, tier="l2",
-                                                 namespace=namespace.hex()))
-    assert isinstance(rep, P.FlushReply), rep
-    return rep
+    return conn._session_call(lambda sid: P.Flush(req_id=0, session_id=sid, tier="l2",
+                                                  namespace=namespace.hex()), P.FlushReply)
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ PAGES = 2 * PACKED_MIN_KEYS
 def send(conn, **fields):
     """A LOAD with exactly ``fields`` (the client's own form choice bypassed); its reply."""
     return conn._session_call(lambda sid: P.Load(req_id=0, session_id=sid, slot=0, seq=1 << 40,
-                                                 **fields))
+                                                 **fields), P.LoadAccepted)
 
 
 @pytest.fixture
@@ -111,7 +111,8 @@ def test_packed_transfer_refusals_then_still_serving(packed_engine) -> None:
     with pytest.raises(DaemonError, match="same page twice"):
         conn._session_call(lambda sid: P.Store(req_id=0, session_id=sid, slot=0, seq=1 << 40,
                                                packed_keys=packed[:64],
-                                               packed_pages=P.pack_pages([5, 5])))
+                                               packed_pages=P.pack_pages([5, 5])),
+                           P.StoreAccepted)
     # nothing was pinned or copied by the refusals: the pages load, packed, as before
     h = conn.load(keys, list(range(PAGES, 2 * PAGES)))
     assert h.count == PAGES and h.wait()

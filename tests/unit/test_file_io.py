@@ -140,4 +140,28 @@ def test_native_io_is_built_where_its_build_dependencies_are() -> None:
     if not include.exists() or shutil.which(sysconfig.get_config_var("CC").split()[0]) is None:
         pytest.skip("no xxhash.h or no C compiler here: the pure-Python path is the one in use")
     assert _fileio is not None, "kvtier.kernels._fileio should have been built: reinstall kvtier"
-    assert file_io.NATIVE == (os.environ.get("KVTIER_PURE_PYTHON_IO", "") in ("", "0"))
+    assert file_io.BUILT and file_io.in_use()
+
+
+@needs_native
+def test_the_file_io_switch_sends_the_calls_to_the_python_path(fd: int, native_off,
+                                                               monkeypatch) -> None:
+    """Turned off (kvtier.kernels.native), write_pages and read_pages run in Python; on
+    again, in C. The Python functions are wrapped to see which one ran."""
+    ran: list[str] = []
+    for name in ("py_write_pages", "py_read_pages"):
+        real = getattr(file_io, name)
+        monkeypatch.setattr(file_io, name,
+                            lambda *a, _real=real, _name=name: ran.append(_name) or _real(*a))
+    src = bytearray(range(256)) * 4
+    back = bytearray(len(src))
+    native_off("file_io")
+    assert not file_io.in_use()
+    sums = file_io.write_pages(fd, src, [0, 512], 512, [0, 4096])
+    assert file_io.read_pages(fd, back, [0, 512], 512, [0, 4096]) == sums
+    assert ran == ["py_write_pages", "py_read_pages"] and back == src
+    native_off()
+    assert file_io.in_use()
+    assert file_io.write_pages(fd, src, [0, 512], 512, [0, 4096]) == sums
+    assert file_io.read_pages(fd, back, [0, 512], 512, [0, 4096]) == sums
+    assert ran == ["py_write_pages", "py_read_pages"]  # the C calls ran this time

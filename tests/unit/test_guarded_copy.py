@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from kvtier.kernels import guarded_copy
 
-pytestmark = pytest.mark.skipif(not guarded_copy.AVAILABLE,
+pytestmark = pytest.mark.skipif(not guarded_copy.available(),
                                 reason="kvtier.kernels._guarded was not built (no C compiler)")
 PAGE = 64 << 10
 N = 16
@@ -100,7 +100,7 @@ def test_a_sigbus_outside_a_guarded_copy_still_ends_the_process():
     code = (
         "import mmap, os\n"
         "from kvtier.kernels import guarded_copy\n"
-        "assert guarded_copy.AVAILABLE\n"
+        "if not guarded_copy.available(): raise SystemExit(3)\n"
         "fd = os.memfd_create('x'); os.ftruncate(fd, 1 << 16)\n"
         "mm = mmap.mmap(fd, 1 << 16); os.ftruncate(fd, 0)\n"
         "mm[100]\n"
@@ -123,7 +123,7 @@ def test_bad_arguments_are_refused_before_any_copy():
 
 # -- copy_strided: one region of a transfer in one call -----------------------------------------
 
-strided = pytest.mark.skipif(not guarded_copy.STRIDED,
+strided = pytest.mark.skipif(not guarded_copy.strided(),
                              reason="kvtier.kernels._guarded was not built (no C compiler)")
 ROW = 16 << 10  # one region's bytes per page: a quarter of a 64 KiB host page
 

@@ -16,7 +16,7 @@ from tests.xxh3_reference import l3_header
 
 def _impls(python: tuple, native: tuple) -> list:
     """The pure-Python and the C implementation of a pair of functions, as test params."""
-    skip = pytest.mark.skipif(not objects.NATIVE_HEADERS, reason="kvtier.kernels._fileio is not built")
+    skip = pytest.mark.skipif(not objects.HEADERS_BUILT, reason="kvtier.kernels._fileio is not built")
     return [pytest.param(python, id="python"), pytest.param(native, id="native", marks=skip)]
 
 
@@ -33,7 +33,26 @@ def ids(n: int, seed: int = 1) -> list[bytes]:
 
 def test_the_c_functions_are_built() -> None:
     """`make venv` builds the extension; without it the batch functions run in Python."""
-    assert objects.NATIVE_HEADERS
+    assert objects.HEADERS_BUILT and objects.native_headers()
+
+
+@pytest.mark.skipif(not objects.HEADERS_BUILT, reason="kvtier.kernels._fileio is not built")
+def test_the_file_io_switch_sends_the_batches_to_the_python_path(native_off, monkeypatch) -> None:
+    """With ``file_io`` off (kvtier.kernels.native) the batch calls run in Python, and
+    write the same bytes."""
+    ran: list[str] = []
+    real = objects.py_seal_headers
+    monkeypatch.setattr(objects, "py_seal_headers",
+                        lambda *a: ran.append("python") or real(*a))
+    keys, payload = ids(3), bytes(range(200)) * 3
+    on, off = bytearray(3 * HEADER_SIZE), bytearray(3 * HEADER_SIZE)
+    heads = [0, HEADER_SIZE, 2 * HEADER_SIZE]
+    objects.seal_headers(on, heads, payload, [0, 200, 400], 200, NS, keys)
+    assert ran == []  # in C
+    native_off("file_io")
+    assert not objects.native_headers()
+    objects.seal_headers(off, heads, payload, [0, 200, 400], 200, NS, keys)
+    assert ran[-1:] == ["python"] and off == on
 
 
 @pytest.mark.parametrize("impl", IMPLS)

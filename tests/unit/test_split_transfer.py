@@ -25,7 +25,7 @@ from kvtier.daemon.transfer.transfer import (
     run_transfer,
 )
 from kvtier.ipc.completion import TransferStatus
-from kvtier.kernels.guarded_copy import STRIDED
+from kvtier.kernels.guarded_copy import BUILT as STRIDED
 from kvtier.kernels.host_views import EngineView
 
 from tests.xxh3_reference import xxh3_64

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from kvtier.daemon.transfer import transfer as T
 from kvtier.daemon.transfer.engine_memory import RegionView
 from kvtier.daemon.transfer.transfer import Direction, Transfer, run_transfer
 from kvtier.ipc.completion import TransferStatus
@@ -23,7 +22,7 @@ PAGE_BYTES = LAYERS * sum(ROWS)
 SLOTS = 80
 
 PATHS = [pytest.param(True, id="native", marks=pytest.mark.skipif(
-    not guarded_copy.STRIDED, reason="kvtier.kernels._guarded was not built (no C compiler)")),
+    not guarded_copy.BUILT, reason="kvtier.kernels._guarded was not built (no C compiler)")),
     pytest.param(False, id="numpy")]
 
 
@@ -51,8 +50,12 @@ def _engine(seed: int, writeable: bool = True) -> tuple[list[np.ndarray], list[R
 
 
 def _run(native: bool, direction: Direction, pages: np.ndarray, slots: np.ndarray,
-         monkeypatch: pytest.MonkeyPatch, writeable: bool = True):
-    monkeypatch.setattr(T, "STRIDED", native)
+         native_off, writeable: bool = True):
+    if native:
+        native_off()
+    else:
+        native_off("region_copy")
+    assert guarded_copy.strided() == native
     bufs, regions = _engine(1, writeable)
     arena = np.random.default_rng(2).integers(0, 256, SLOTS * PAGE_BYTES, dtype=np.uint8)
     t = Transfer(direction=direction, session_id=1, slot=0, seq=1, host_slots=slots.tolist(),
@@ -81,11 +84,11 @@ def _expected(direction: Direction, pages: np.ndarray, slots: np.ndarray):
 
 @pytest.mark.parametrize("native", PATHS)
 @pytest.mark.parametrize("direction", [Direction.STORE, Direction.LOAD])
-def test_a_transfer_moves_exactly_the_pages_it_names(native, direction, monkeypatch):
+def test_a_transfer_moves_exactly_the_pages_it_names(native, direction, native_off):
     rng = np.random.default_rng(3)
     pages = rng.permutation(PAGES)[:37].astype(np.int64)  # no order in common
     slots = rng.permutation(SLOTS)[:37].astype(np.int64)
-    status, bufs, arena, block = _run(native, direction, pages, slots, monkeypatch)
+    status, bufs, arena, block = _run(native, direction, pages, slots, native_off)
     assert status is TransferStatus.DONE
     want_bufs, want_arena = _expected(direction, pages, slots)
     assert np.array_equal(arena, want_arena)
@@ -95,10 +98,10 @@ def test_a_transfer_moves_exactly_the_pages_it_names(native, direction, monkeypa
 
 
 @pytest.mark.parametrize("native", PATHS)
-def test_a_page_outside_a_region_fails_the_transfer_and_writes_nothing(native, monkeypatch):
+def test_a_page_outside_a_region_fails_the_transfer_and_writes_nothing(native, native_off):
     pages = np.array([1, 2, PAGES], dtype=np.int64)  # PAGES: one past the end
     slots = np.array([5, 6, 7], dtype=np.int64)
-    status, bufs, _, _ = _run(native, Direction.LOAD, pages, slots, monkeypatch)
+    status, bufs, _, _ = _run(native, Direction.LOAD, pages, slots, native_off)
     assert status is TransferStatus.FAILED
     before, _ = _engine(1)
     for got, want in zip(bufs, before):
@@ -106,14 +109,14 @@ def test_a_page_outside_a_region_fails_the_transfer_and_writes_nothing(native, m
 
 
 @pytest.mark.parametrize("native", PATHS)
-def test_a_load_never_writes_a_read_only_engine_view(native, monkeypatch):
+def test_a_load_never_writes_a_read_only_engine_view(native, native_off):
     pages = np.array([3, 4], dtype=np.int64)
     slots = np.array([0, 1], dtype=np.int64)
-    status, bufs, _, _ = _run(native, Direction.LOAD, pages, slots, monkeypatch, writeable=False)
+    status, bufs, _, _ = _run(native, Direction.LOAD, pages, slots, native_off, writeable=False)
     assert status is TransferStatus.FAILED
     before, _ = _engine(1)
     for got, want in zip(bufs, before):
         assert np.array_equal(got, want)
     # a store only reads the engine: fine
-    status, _, _, _ = _run(native, Direction.STORE, pages, slots, monkeypatch, writeable=False)
+    status, _, _, _ = _run(native, Direction.STORE, pages, slots, native_off, writeable=False)
     assert status is TransferStatus.DONE

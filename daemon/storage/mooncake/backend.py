@@ -124,11 +124,11 @@ class MooncakeBackend(StorageBackend):
                     f"mooncake backend: setup failed ({rc}) with master_server_address="
                     f"{opts.master_server_address!r}, metadata_server={opts.metadata_server!r}"
                 )
-            for what, address, size in (
+            for what, buf_address, size in (
                 ("arena", arena.address, arena.size),
                 ("header scratch", scratch.address, scratch.size),
             ):
-                rc = await self._setup_call(store.register_buffer, address, size)
+                rc = await self._setup_call(store.register_buffer, buf_address, size)
                 if rc != 0:
                     raise StorageError(
                         f"mooncake backend: register_buffer of the {what} ({size} B) failed ({rc})"

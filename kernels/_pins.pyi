@@ -1,0 +1,16 @@
+"""Types of the ``_pins`` C extension (``kernels/_pins.c``): pin and unpin a run of pages."""
+
+from typing import Any, TypeAlias
+
+from numpy.typing import NDArray
+from typing_extensions import Buffer as _Bytes
+
+Buffer: TypeAlias = _Bytes | NDArray[Any]
+
+def pin(pins: Buffer, stamp: Buffer, children: Buffer, slots: list[int],
+        clock: int) -> tuple[int, int, list[int]]:
+    """Pin ``slots``: ``(clock, newly pinned, those that were childless and unpinned)``."""
+
+def unpin(pins: Buffer, state: Buffer, children: Buffer, slots: list[int],
+          ready: int) -> tuple[int, list[int]]:
+    """Unpin ``slots``: ``(unpinned, those now unpinned, ready and childless)``."""

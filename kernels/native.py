@@ -1,0 +1,70 @@
+"""Which of kvtier's switchable C kernels this process uses: the one place that says so.
+
+The C extensions are built at install when a compiler is there (``setup.py``); without one,
+each caller takes its Python or numpy path. Three of them can also be turned off, each
+named by the path it takes over:
+
+- ``file_io``: ``_fileio``, the file L3 backend's page I/O and the L3 object headers
+  (:mod:`kvtier.kernels.file_io`, :mod:`kvtier.daemon.storage.objects`); off: the same
+  calls in Python, page by page.
+- ``guarded_copy``: ``_guarded``'s copies over engine memory that may shrink
+  (:func:`kvtier.kernels.guarded_copy.copy_pages`); off: such memory is never mapped and is
+  copied with ``pread``/``pwrite``.
+- ``region_copy``: ``_guarded``'s one-call copies of mapped regions
+  (:func:`~kvtier.kernels.guarded_copy.copy_strided`, ``copy_regions``); off: numpy copy
+  plans.
+
+The daemon applies its ``native_off`` setting here at start (:func:`configure`): in TOML
+``native_off = ["file_io"]``, on the command line ``--native-off '["file_io"]'``, and, as
+for every setting, in the environment as ``KVTIER_NATIVE_OFF='["file_io"]'``, read by the
+config loader and nowhere else. A process that never configures (a benchmark, a unit test)
+uses every kernel that is built. The choice is per process, as the code that runs is, and
+is made once, before the first copy: the kernels' modules ask :func:`enabled` at each call,
+but the daemon also decides at REGISTER whether to map an engine's memory by it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import get_args
+
+from kvtier.config.models import NativeKernel
+
+__all__ = ["KERNELS", "NativeKernel", "configure", "enabled", "turned_off"]
+
+KERNELS: frozenset[NativeKernel] = frozenset(get_args(NativeKernel))
+"""Every switchable kernel's name."""
+
+_off: frozenset[NativeKernel] = frozenset()
+
+
+def configure(off: Iterable[NativeKernel]) -> frozenset[NativeKernel]:
+    """Turn the kernels in ``off`` off for this process, and every other one on.
+
+    Args:
+        off: kernel names (:data:`KERNELS`).
+
+    Returns:
+        The kernels that were off before (to put back: ``configure(previous)``).
+
+    Raises:
+        ValueError: a name that is not a kernel's (named, with the known ones).
+    """
+    global _off
+    wanted = frozenset(off)
+    unknown = sorted(str(k) for k in wanted - KERNELS)
+    if unknown:
+        raise ValueError(f"native_off: {', '.join(map(repr, unknown))} is not a kernel "
+                         f"(known: {', '.join(sorted(KERNELS))})")
+    previous, _off = _off, wanted
+    return previous
+
+
+def enabled(kernel: NativeKernel) -> bool:
+    """Whether ``kernel`` may be used (whether it is built is its module's to say)."""
+    return kernel not in _off
+
+
+def turned_off() -> frozenset[NativeKernel]:
+    """The kernels turned off now."""
+    return _off
