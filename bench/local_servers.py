@@ -70,7 +70,9 @@ async def server_backend(
                 f"--metrics_host={LOOPBACK}",
                 f"--metrics_port={metrics}",
             ]
-            ready = lambda: port_open(rpc) and port_open(http)
+            def ready() -> bool:
+                return port_open(rpc) and port_open(http)
+
             config: dict[str, Any] = {
                 "master_server_address": f"{LOOPBACK}:{rpc}",
                 "metadata_server": f"http://{LOOPBACK}:{http}/metadata",

@@ -102,7 +102,7 @@ def _lookups(root: Path, settings: dict[str, Any], action: Callable[[], None] | 
     def measure() -> None:
         try:
             done.append(run_workers("latency", 1, settings, root, timeout_s))
-        except Exception as err:  # noqa: BLE001 -- re-raised by the caller below
+        except Exception as err:
             failed.append(err)
 
     t = threading.Thread(target=measure, name="kvtier-bench-stall")

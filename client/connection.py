@@ -57,6 +57,7 @@ from kvtier.ipc.fdpass import (
 )
 from kvtier.ipc.limits import HANDOVER_TOKEN_BYTES
 from kvtier.ipc.sockets import ipc_endpoint, make_zmq_socket
+import contextlib
 
 if TYPE_CHECKING:
     from typing import Self
@@ -457,11 +458,9 @@ class Connection:
         """A transfer timed out: ask the daemon to cancel it; its slot waits in limbo."""
         with self._lock:
             self._limbo[h.slot] = h.seq
-            try:
+            with contextlib.suppress(DaemonUnavailable, DaemonError, replies.UnexpectedReply):
                 self._session_call(
                     lambda sid: P.Release(req_id=0, session_id=sid, slots=[h.slot]), P.Ack)
-            except (DaemonUnavailable, DaemonError, replies.UnexpectedReply):
-                pass
 
     def release(self, handles: Sequence[TransferHandle]) -> None:
         """Cancel transfers that are still running (their pins drop when they stop)."""

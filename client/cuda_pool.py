@@ -157,7 +157,7 @@ class CudaKVPool:
         self._flat = None
         self._export = None
 
-    def __enter__(self) -> CudaKVPool:  # noqa: PYI034 (the class is not subclassed)
+    def __enter__(self) -> CudaKVPool:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -33,7 +33,7 @@ def parse_size(value: Any) -> int:
     """
     if isinstance(value, bool):
         # ValueError on purpose: pydantic wraps it in a ValidationError (a TypeError escapes)
-        raise ValueError(f"expected a size like '4GiB', got {value!r}")  # noqa: TRY004
+        raise ValueError(f"expected a size like '4GiB', got {value!r}")
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"size must be >= 0, got {value!r}")

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 from kvtier.config.errors import KvtierError
+import contextlib
 
 if TYPE_CHECKING:
     from typing import Self
@@ -66,10 +67,8 @@ def seal_size(fd: int, future_write: bool = False) -> None:
 
 
 def _unlink_quietly(path: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 class SharedMemorySegment:

@@ -264,7 +264,7 @@ class ReferenceEngine:
                 self.pool.close()
             self.k_cache, self.v_cache = [], []
 
-    def __enter__(self) -> ReferenceEngine:  # noqa: PYI034 (the class is not subclassed)
+    def __enter__(self) -> ReferenceEngine:
         return self
 
     def __exit__(self, *exc: object) -> None:

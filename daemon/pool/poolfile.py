@@ -44,6 +44,7 @@ from pathlib import Path
 from kvtier.config.errors import KvtierError
 from kvtier.config.sizes import format_size
 from kvtier.ipc.shm import SharedMemorySegment
+import contextlib
 
 __all__ = [
     "MADV_POPULATE_WRITE", "OWNER_TAG_MAGIC", "OWNER_TAG_MAX", "OWNER_TAG_OFFSET",
@@ -350,7 +351,5 @@ def _space_message(path: str, size: int, capacity: int, free: int | None, what: 
 
 
 def _unlink_quietly(path: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass

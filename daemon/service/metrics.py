@@ -203,7 +203,7 @@ class DaemonMetrics:
         if thread is not None:
             thread.join(timeout=5.0)
 
-    def __enter__(self) -> DaemonMetrics:  # noqa: PYI034
+    def __enter__(self) -> DaemonMetrics:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -231,7 +231,7 @@ class DaemonMetrics:
                 return
             try:
                 fut.set_result(self._snapshot())
-            except Exception as err:  # noqa: BLE001 -- re-raised in the scrape thread by fut.result()
+            except Exception as err:
                 fut.set_exception(err)
 
         try:

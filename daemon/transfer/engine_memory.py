@@ -399,8 +399,8 @@ class EngineMemory:
         self.table = RegionTable.of(self.regions)
         if not memory.regions and self.mapped and not self.guarded:
             comps = g.components
-            self.buffers = [[cast(EngineView, self.regions[l * comps + c].view).array
-                             for c in range(comps)] for l in range(g.num_layers)]
+            self.buffers = [[cast(EngineView, self.regions[layer * comps + c].view).array
+                             for c in range(comps)] for layer in range(g.num_layers)]
 
     def start_prefault(self, label: str, queue: PrefaultQueue | None = None,
                        user: int = -1) -> None:

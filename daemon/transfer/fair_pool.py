@@ -107,7 +107,7 @@ class FairExecutor:
                 continue
             try:
                 result = fn(*args)
-            except BaseException as err:  # noqa: BLE001 (handed to the future's owner, as an executor does)
+            except BaseException as err:
                 fut.set_exception(err)
             else:
                 fut.set_result(result)

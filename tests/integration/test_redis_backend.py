@@ -17,6 +17,7 @@ from kvtier.daemon.storage.redis import RedisBackend
 from tests import arenas
 from tests.arenas import NS, OTHER_NS, PAGE, SLOTS, fill, key, make_arena, offsets, page  # noqa: F401
 from tests.servers import RedisServer, free_port, serve_redis
+import contextlib
 
 pytestmark = pytest.mark.timeout(60)
 arena = arenas.arena  # the shared fixture, bound here so the tests below can request it by name
@@ -235,10 +236,8 @@ async def test_a_cancelled_get_leaves_no_stale_replies(
         task = asyncio.create_task(store.get_into(NS, keys, offsets(range(32, 64)), PAGE))
         await asyncio.sleep(delay)
         task.cancel()
-        try:
+        with contextlib.suppress(asyncio.CancelledError):
             await task
-        except asyncio.CancelledError:
-            pass
         # the next requests on the pool read their own replies, not the cancelled ones
         assert await store.exists(NS, keys[:3]) == 3
         assert await store.get_into(NS, keys[5:6], [40 * PAGE], PAGE) == [True]
@@ -248,7 +247,7 @@ async def test_a_cancelled_get_leaves_no_stale_replies(
 async def test_open_against_nothing_is_a_storage_error(arena: HostArena) -> None:
     backend = RedisBackend({"host": "127.0.0.1", "port": free_port(), "timeout_s": 0.5})
     start = time.monotonic()
-    with pytest.raises(StorageError, match="did not answer PING: .*(refused|Connect)"):
+    with pytest.raises(StorageError, match=r"did not answer PING: .*(refused|Connect)"):
         await backend.open(arena)
     assert time.monotonic() - start < 5  # refused at once, not after retries
     await backend.close()

@@ -230,7 +230,7 @@ def test_a_layer_wakes_a_waiter_in_another_process_through_a_read_only_mapping(t
         before, after = map(int, out.split())
         assert child.returncode == 0
         assert after == before + 1, "the waiter returned before the layer was announced"
-        assert SLOT_WORDS * 8 * 4 == block.segment.size and WAKES < SLOT_WORDS
+        assert block.segment.size == SLOT_WORDS * 8 * 4 and WAKES < SLOT_WORDS
     finally:
         if child.poll() is None:
             child.kill()

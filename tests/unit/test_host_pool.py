@@ -744,7 +744,7 @@ class PoolMachine(RuleBasedStateMachine):
             assert pool.slot_offsets(many).tolist() == [d.offset for d in live] * (SMALL_BATCH + 1)
         spans.sort()
         assert all(a[1] <= b[0] for a, b in pairwise(spans))
-        assert all(0 <= lo and hi <= pool.n_extents * EXTENT for lo, hi in spans)
+        assert all(lo >= 0 and hi <= pool.n_extents * EXTENT for lo, hi in spans)
         evictable = [d.slot for d in live if d.evictable]
         order = pool.evictable_slots()
         assert sorted(order) == sorted(evictable)

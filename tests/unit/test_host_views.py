@@ -91,7 +91,7 @@ def test_a_read_only_destination_is_refused_before_a_byte_moves(direction):
 
 
 def test_bad_arenas_and_buffers_are_named():
-    with pytest.raises(PageCopyError, match="arena must be a numpy array or a torch.Tensor"):
+    with pytest.raises(PageCopyError, match=r"arena must be a numpy array or a torch.Tensor"):
         ArenaView.of(bytearray(16))
     with pytest.raises(PageCopyError, match="arena must be a 1-D contiguous uint8"):
         ArenaView.of(np.zeros(16, dtype=np.int8))
@@ -101,7 +101,7 @@ def test_bad_arenas_and_buffers_are_named():
         EngineView.of(np.zeros((4, 8), dtype=np.float32).T, "buf")
     with pytest.raises(PageCopyError, match="buf must be contiguous"):
         EngineView.of(np.zeros((4, 8), dtype=object), "buf")
-    with pytest.raises(PageCopyError, match="buf must be a numpy array or a torch.Tensor"):
+    with pytest.raises(PageCopyError, match=r"buf must be a numpy array or a torch.Tensor"):
         EngineView.of([[0] * 8] * 4, "buf")
 
 

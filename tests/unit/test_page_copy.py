@@ -258,8 +258,12 @@ def _bad_calls(case: Case) -> dict[str, tuple[tuple[object, object], str]]:
     """Callables that must raise, with a fragment of their message."""
     pids, offs = case.page_ids, case.slot_offsets
     last = case.slot_bytes * (NUM_SLOTS - 1) + ARENA_BASE
-    with_page = lambda page: np.concatenate([pids, [page]]).astype(np.int64)
-    with_off = lambda off: np.concatenate([offs, [off]]).astype(np.int64)
+    def with_page(page: int) -> np.ndarray:
+        return np.concatenate([pids, [page]]).astype(np.int64)
+
+    def with_off(off: int) -> np.ndarray:
+        return np.concatenate([offs, [off]]).astype(np.int64)
+
     spare_page = int(np.setdiff1d(np.arange(NUM_PAGES), pids)[0])
     free_slot = ARENA_BASE + int(
         np.setdiff1d(np.arange(NUM_SLOTS), (offs - ARENA_BASE) // case.slot_bytes)[0]

@@ -41,7 +41,7 @@ def evicted(pool: HostPool) -> list[bytes]:
 
 
 def test_unknown_policy_is_refused() -> None:
-    with pytest.raises(HostPoolError, match="eviction_policy.*'mru'"):
+    with pytest.raises(HostPoolError, match=r"eviction_policy.*'mru'"):
         HostPool(EXTENT, EXTENT, 4 * KIB, eviction_policy="mru")
 
 

@@ -416,7 +416,7 @@ def test_the_daemon_pool_has_headroom_for_mooncake_only(
     """``HostPool.from_config`` builds a pool with 128 bytes of headroom and 128-byte alignment,
     slot ids sized for 4 KiB pages, for Mooncake, and the plain 4 KiB-aligned pool for
     the others; 1 MiB holds three 256 KiB extents with their headroom, four without."""
-    
+
     assert (HEADROOM_ALIGN, HEADROOM_MIN_PAGE_BYTES) == (128, 4096)
     cfg = DaemonConfig(hicache_size=1 << 20, extent_size=256 * KIB,
                        hicache_storage_backend=backend)  # fmt: skip
@@ -436,7 +436,7 @@ def test_a_pool_too_small_for_one_extent_with_headroom_is_a_config_error() -> No
     the one extent no longer fits: the start fails with a ConfigError naming both
     fields and the bytes needed; the file backend's pool keeps working with it."""
     from kvtier.config.errors import ConfigError
-    
+
     cfg = DaemonConfig(hicache_size=256 * KIB, extent_size=256 * KIB,
                        hicache_storage_backend="mooncake")  # fmt: skip
     with pytest.raises(ConfigError, match=r"hicache_size \(262144\).*extent_size \(262144\)"

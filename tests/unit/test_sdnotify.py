@@ -370,7 +370,7 @@ async def test_watchdog_loop_pings_only_while_the_event_loop_runs(
     running = await pings(path_receiver, 3)
     # Block the event loop for 12 intervals. No await between the last drain of pings()
     # and the drain below, so any ping in between would come from outside the loop.
-    time.sleep(12 * INTERVAL)  # noqa: ASYNC251 - blocking the loop is the point
+    time.sleep(12 * INTERVAL)
     blocked = path_receiver.drain()
     resumed = await pings(path_receiver, 3)
     await _stop(task)

@@ -178,7 +178,7 @@ def test_waiting_threads_share_a_full_area_without_losing_slots(area):
                 assert got is not None and len(got) == n
                 time.sleep(0)
                 area.release(got)
-        except BaseException as err:  # noqa: BLE001 - reported by the test thread
+        except BaseException as err:
             errors.append(err)
 
     threads = [threading.Thread(target=worker, args=(n,)) for n in (1, 3, 5, 8)]

@@ -21,9 +21,9 @@ def test_the_repository_mapping_is_one_link_per_top_level_package() -> None:
 
 
 def test_a_nested_package_outside_its_parents_folder_is_refused_by_name() -> None:
-    with pytest.raises(SystemExit, match="'kvtier.daemon.pool' = 'pool': expected 'daemon/pool'"):
+    with pytest.raises(SystemExit, match=r"'kvtier.daemon.pool' = 'pool': expected 'daemon/pool'"):
         typecheck.links({"kvtier.daemon": "daemon", "kvtier.daemon.pool": "pool"})
-    with pytest.raises(SystemExit, match="'other.x'"):
+    with pytest.raises(SystemExit, match=r"'other.x'"):
         typecheck.links({"other.x": "x"})
 
 

@@ -69,7 +69,7 @@ def test_sessions_segments_and_the_total_have_their_own_bounds():
         q.check_session(7, None)
     with pytest.raises(LimitExceeded, match="max_mapped_segments_per_user = 3"):
         q.check_mapping(7, None, MiB, 1)
-    with pytest.raises(LimitExceeded, match="max_mapped_bytes = 100.0 MiB"):
+    with pytest.raises(LimitExceeded, match=r"max_mapped_bytes = 100.0 MiB"):
         q.check_mapping(8, None, 81 * MiB, 1)
     assert q.users[7] == Use(sessions=2, mapped_bytes=20 * MiB, mapped_segments=3)
 
@@ -79,7 +79,7 @@ def test_a_tenant_is_bounded_across_its_users():
     q.add(1, 10, "a", 6 * MiB, 1)
     with pytest.raises(LimitExceeded, match="tenant 'a': max_sessions = 1"):
         q.check_session(11, "a")  # another uid of the same tenant
-    with pytest.raises(LimitExceeded, match="tenant 'a': max_mapped_bytes = 8.0 MiB"):
+    with pytest.raises(LimitExceeded, match=r"tenant 'a': max_mapped_bytes = 8.0 MiB"):
         q.check_mapping(11, "a", 4 * MiB, 1)
     q.check_session(11, "default")  # not a configured tenant: per-user bounds only
 

@@ -194,7 +194,7 @@ def scan_segment(seg: Segment) -> list[Slot]:
         slot.dirty = hdr[:4] == MAGIC  # whatever looks like a header is zeroed before reuse
         if len(hdr) == HEADER_SIZE and slot.dirty:
             ns, key, (length,) = bytes(hdr[8:40]), bytes(hdr[40:72]), _U64.unpack_from(hdr, 72)
-            if 0 < length and payload_slot(length) == seg.payload_slot \
+            if length > 0 and payload_slot(length) == seg.payload_slot \
                     and check_header(hdr, ns, key, length) is not None:
                 slot.ident, slot.length, slot.ready = (ns, key), length, True
     return slots

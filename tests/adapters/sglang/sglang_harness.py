@@ -16,6 +16,7 @@ from typing import Any
 from kvtier.client.admin import AdminClient
 from kvtier.client.daemon_process import DaemonProcess
 from kvtier.ipc import protocol as P
+import contextlib
 
 HERE = Path(__file__).resolve().parent
 START_DEADLINE_S = 120.0
@@ -135,10 +136,8 @@ class Instance:
     def _close_pipes(self) -> None:
         for f in (self.proc.stdin, self.proc.stdout):
             if f is not None:
-                try:
+                with contextlib.suppress(OSError):
                     f.close()
-                except OSError:
-                    pass
         self._log.close()
 
 
