@@ -1,0 +1,38 @@
+"""Exact eviction orders of the candidate policies (bench/trace_policies.py) on tiny traces."""
+
+from __future__ import annotations
+
+import pytest
+from kvtier.bench.trace_policies import twoq_hit_rate, wtinylfu_hit_rate
+from kvtier.bench.trace_sim import lru_hit_rate
+
+
+def test_twoq_keeps_a_ghost_hit_through_a_scan() -> None:
+    # capacity 2 (A1's share 1): [3] pushes 1 out of A1 into A1out; 1 comes back, enters
+    # Am; the scan 4, 5, 6 cycles through A1 only, so the last [1] hits
+    chains = [[1], [2], [3], [1], [4], [5], [6], [1]]
+    assert twoq_hit_rate(chains, 2) == pytest.approx(1 / 8)
+    assert lru_hit_rate(chains, 2) == 0.0
+
+
+def test_twoq_ghost_length_decides_the_admission() -> None:
+    # 1 leaves A1 at [3], then 2 and 3 join A1out: with room for 2 ids, 1 is forgotten
+    # and re-enters A1, where the scan evicts it again
+    chains = [[1], [2], [3], [4], [5], [1], [6], [7], [1]]
+    assert twoq_hit_rate(chains, 2, ghost=1.0) == 0.0
+    assert twoq_hit_rate(chains, 2, ghost=3.0) == pytest.approx(1 / 9)
+
+
+def test_twoq_and_wtinylfu_never_cut_a_chain() -> None:
+    # [1, 2] then [3]: capacity 2 evicts the leaf 2, never 1 under its child
+    chains = [[1, 2], [3], [1, 4]]
+    assert twoq_hit_rate(chains, 2) == pytest.approx(1 / 5)
+    assert wtinylfu_hit_rate(chains, 2) == pytest.approx(1 / 5)
+
+
+def test_wtinylfu_rejects_a_newcomer_seen_less_often_than_the_victim() -> None:
+    # capacity 3: window 1, probation 2; 1 (seen twice) and 10 fill probation; 11, 12
+    # leave the window seen once each and lose to 1, so the last [1] hits
+    chains = [[1], [1], [10], [11], [12], [13], [1]]
+    assert wtinylfu_hit_rate(chains, 3) == pytest.approx(2 / 7)
+    assert lru_hit_rate(chains, 3) == pytest.approx(1 / 7)
