@@ -17,15 +17,38 @@ skipped, which orders victims exactly as such a list would.
   only if it was seen more often than probation's victim (frequencies: 4-bit counters
   halved every 10 x capacity accesses, counted exactly here where a count-min sketch would
   approximate them).
+- :func:`lirs_hit_rate`: LIRS (Jiang and Zhang, SIGMETRICS'02): blocks whose last two
+  accesses were close (LIR) hold all but 1% of the cache and are never evicted while LIR;
+  the rest (HIR) wait in a small FIFO Q of the other 1%. The recency stack S orders LIR,
+  resident and evicted HIR blocks; an HIR block accessed again while still in S (its
+  inter-reference recency below the oldest LIR's recency) becomes LIR, and the oldest LIR
+  goes to Q. S is pruned from its bottom to a LIR block (amortized O(1)). Leaf-only: the
+  victim is the first leaf of Q (a Q block with a resident child waits for it).
+
+``python -m kvtier.bench.trace_policies [--trace FILE] [--blocks N,...]`` prints a Markdown
+table: each candidate's hit rate and gap closed (LRU -> MIN) on the whole trace, its halves
+and the synthetic workload.
 """
+
 
 from __future__ import annotations
 
+import argparse
+import functools
 import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
 
-__all__ = ["twoq_hit_rate", "wtinylfu_hit_rate"]
+from kvtier.bench.trace_sim import (
+    DEFAULT_TRACE,
+    arc_hit_rate,
+    load_trace,
+    lru_hit_rate,
+    min_hit_rate,
+    synthetic_trace,
+)
+
+__all__ = ["CANDIDATES", "lirs_hit_rate", "main", "twoq_hit_rate", "wtinylfu_hit_rate"]
 
 Chains = Sequence[Sequence[int]]
 
@@ -175,3 +198,112 @@ def wtinylfu_hit_rate(chains: Chains, capacity: int) -> float:
                     c.evict(vic)
                 c.touch(cand, 1)
     return hits / total if total else 0.0
+
+
+def lirs_hit_rate(chains: Chains, capacity: int, hir: float = 0.01) -> float:
+    """Hit rate of leaf-only LIRS (see the module docstring); ``hir``: Q's share of the
+    cache (LIRS's own: 1%)."""
+    lir_cap = capacity - max(1, int(capacity * hir))
+    stack: OrderedDict[int, None] = OrderedDict()  # S: bottom first
+    q: OrderedDict[int, None] = OrderedDict()  # resident HIR: next victim first
+    lir: set[int] = set()
+    kids: dict[int, int] = {}  # resident block -> resident children
+    parent: dict[int, int] = {}
+    hits = total = 0
+
+    def prune() -> None:
+        while stack and next(iter(stack)) not in lir:
+            stack.popitem(last=False)
+
+    def demote() -> None:  # the bottom LIR block of S joins Q's hot end
+        b, _ = stack.popitem(last=False)
+        lir.discard(b)
+        q[b] = None
+        prune()
+
+    def evict_one() -> None:
+        v = next((b for b in q if kids[b] == 0), None)
+        if v is None:  # every Q block has a resident child: the oldest LIR leaf goes
+            v = next(b for b in stack if b in lir and kids[b] == 0)
+            lir.discard(v)
+            del stack[v]
+            prune()
+        else:
+            del q[v]
+        del kids[v]
+        p = parent.pop(v, None)
+        if p is not None and p in kids:
+            kids[p] -= 1
+
+    for chain in chains:
+        total += len(chain)
+        hits += _hits(chain, kids)
+        for i, b in enumerate(chain):
+            if b not in kids:
+                kids[b] = 0
+                if i:
+                    parent[b] = chain[i - 1]
+                    kids[chain[i - 1]] += 1
+        new = {b for b in chain if b not in lir and b not in q}
+        for b in reversed(chain):
+            if b in lir:
+                stack.move_to_end(b)
+                prune()
+            elif b in stack:  # an HIR block (resident or not) reused within S: LIR
+                stack.move_to_end(b)
+                q.pop(b, None)
+                lir.add(b)
+                demote()
+            elif b in new and len(lir) < lir_cap:  # the cache is warming up
+                lir.add(b)
+                stack[b] = None
+            else:
+                stack[b] = None
+                q.pop(b, None)
+                q[b] = None
+        while len(kids) > capacity:
+            evict_one()
+    return hits / total if total else 0.0
+
+
+CANDIDATES = {
+    "arc": arc_hit_rate,
+    "arc ghost 4C": functools.partial(arc_hit_rate, ghost=4.0),
+    "2q": twoq_hit_rate,
+    "2q ghost 4C": functools.partial(twoq_hit_rate, ghost=4.0),
+    "lirs": lirs_hit_rate,
+    "w-tinylfu": wtinylfu_hit_rate,
+}
+"""Each candidate's simulation: ``(chains, capacity) -> hit rate``."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print the candidates' hit rates and gap closed as a Markdown table."""
+    ap = argparse.ArgumentParser(prog="python -m kvtier.bench.trace_policies",
+                                 description=__doc__)
+    ap.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake-format trace")
+    ap.add_argument("--blocks", default="2000,5000,10000,20000", help="cache sizes, in blocks")
+    args = ap.parse_args(argv)
+    sizes = [int(x) for x in args.blocks.split(",")]
+    chains, _ = load_trace(args.trace)
+    half = len(chains) // 2
+    work = {"trace": chains, "half 1": chains[:half], "half 2": chains[half:],
+            "synthetic": synthetic_trace(len(chains))}
+    print("| workload | policy | " + " | ".join(str(s) for s in sizes) + " | gap closed |")
+    print("|---|---|" + "---|" * len(sizes) + "---|")
+    for name, ch in work.items():
+        lru = [lru_hit_rate(ch, s) for s in sizes]
+        opt = [min_hit_rate(ch, s) for s in sizes]
+        for pol, r in (("lru", lru), ("min", opt)):
+            print(f"| {name} | {pol} | " + " | ".join(f"{v:.3f}" for v in r) + " | |")
+        for pol, sim in CANDIDATES.items():
+            r = [sim(ch, s) for s in sizes]
+            gaps = [f"{(v - lo) / (hi - lo):+.2f}" if hi - lo >= 0.01 else "n/a"
+                    for v, lo, hi in zip(r, lru, opt, strict=True)]
+            print(f"| {name} | {pol} | " + " | ".join(f"{v:.3f}" for v in r)
+                  + " | " + " ".join(gaps) + " |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

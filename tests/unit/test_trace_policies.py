@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from kvtier.bench.trace_policies import twoq_hit_rate, wtinylfu_hit_rate
+from kvtier.bench.trace_policies import lirs_hit_rate, twoq_hit_rate, wtinylfu_hit_rate
 from kvtier.bench.trace_sim import lru_hit_rate
 
 
@@ -23,11 +23,11 @@ def test_twoq_ghost_length_decides_the_admission() -> None:
     assert twoq_hit_rate(chains, 2, ghost=3.0) == pytest.approx(1 / 9)
 
 
-def test_twoq_and_wtinylfu_never_cut_a_chain() -> None:
-    # [1, 2] then [3]: capacity 2 evicts the leaf 2, never 1 under its child
+def test_candidates_never_cut_a_chain() -> None:
+    # [1, 2] then [3]: capacity 2 evicts a leaf (2, or 3 under LIRS), never 1 under its child
     chains = [[1, 2], [3], [1, 4]]
-    assert twoq_hit_rate(chains, 2) == pytest.approx(1 / 5)
-    assert wtinylfu_hit_rate(chains, 2) == pytest.approx(1 / 5)
+    for sim in (twoq_hit_rate, wtinylfu_hit_rate, lirs_hit_rate):
+        assert sim(chains, 2) == pytest.approx(1 / 5)
 
 
 def test_wtinylfu_rejects_a_newcomer_seen_less_often_than_the_victim() -> None:
@@ -36,3 +36,12 @@ def test_wtinylfu_rejects_a_newcomer_seen_less_often_than_the_victim() -> None:
     chains = [[1], [1], [10], [11], [12], [13], [1]]
     assert wtinylfu_hit_rate(chains, 3) == pytest.approx(2 / 7)
     assert lru_hit_rate(chains, 3) == pytest.approx(1 / 7)
+
+
+def test_lirs_promotes_a_block_reused_within_the_stack() -> None:
+    # capacity 3: 1 and 2 are LIR (warm-up), Q holds 1 block; 3 leaves Q for 4 but stays
+    # in S, so its next access makes it LIR and demotes 1 (the oldest LIR) to Q, from
+    # where 1 and then 5 are evicted; 2 and 3 hit at the end, where LRU keeps neither
+    chains = [[1], [2], [3], [4], [3], [5], [6], [2], [3]]
+    assert lirs_hit_rate(chains, 3) == pytest.approx(2 / 9)
+    assert lru_hit_rate(chains, 3) == pytest.approx(1 / 9)
