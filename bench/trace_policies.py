@@ -25,6 +25,11 @@ skipped, which orders victims exactly as such a list would.
   goes to Q. S is pruned from its bottom to a LIR block (amortized O(1)). Leaf-only: the
   victim is the first leaf of Q (a Q block with a resident child waits for it).
 
+- :func:`reused_min_hit_rate`: a reference, not a policy: blocks seen once wait in an
+  LRU list of a fixed share of the cache, blocks seen twice or more are kept by Belady's MIN
+  (knowing their future) in the rest; per block, like :func:`min_hit_rate`. What a policy
+  could reach that knows nothing of a block before its second use but everything after.
+
 ``python -m kvtier.bench.trace_policies [--trace FILE] [--blocks N,...]`` prints a Markdown
 table: each candidate's hit rate and gap closed (LRU -> MIN) on the whole trace, its halves
 and the synthetic workload.
@@ -48,7 +53,8 @@ from kvtier.bench.trace_sim import (
     synthetic_trace,
 )
 
-__all__ = ["CANDIDATES", "lirs_hit_rate", "main", "twoq_hit_rate", "wtinylfu_hit_rate"]
+__all__ = ["CANDIDATES", "lirs_hit_rate", "main", "reused_min_hit_rate", "twoq_hit_rate",
+           "wtinylfu_hit_rate"]
 
 Chains = Sequence[Sequence[int]]
 
@@ -263,6 +269,46 @@ def lirs_hit_rate(chains: Chains, capacity: int, hir: float = 0.01) -> float:
                 q[b] = None
         while len(kids) > capacity:
             evict_one()
+    return hits / total if total else 0.0
+
+
+def reused_min_hit_rate(chains: Chains, capacity: int, first_share: float = 0.25) -> float:
+    """Hit rate of the reference above: blocks seen once in an LRU list of
+    ``first_share`` x capacity, blocks seen again kept by MIN in the rest."""
+    never = len(chains)
+    next_use: list[list[int]] = [[] for _ in chains]
+    seen: dict[int, int] = {}
+    for t in range(len(chains) - 1, -1, -1):
+        next_use[t] = [seen.get(b, never) for b in chains[t]]
+        for b in chains[t]:
+            seen[b] = t
+    first_cap = int(capacity * first_share)
+    uses: dict[int, int] = {}
+    once: OrderedDict[int, None] = OrderedDict()
+    again: dict[int, int] = {}  # block -> its next use
+    heap: list[tuple[int, int]] = []
+    hits = total = 0
+    for t, chain in enumerate(chains):
+        total += len(chain)
+        for b in chain:
+            if b not in once and b not in again:
+                break
+            hits += 1
+        for i in range(len(chain) - 1, -1, -1):
+            b = chain[i]
+            uses[b] = uses.get(b, 0) + 1
+            if uses[b] == 1:
+                once[b] = None
+            else:
+                once.pop(b, None)
+                again[b] = next_use[t][i]
+                heapq.heappush(heap, (-next_use[t][i], b))
+        while len(once) > first_cap:
+            once.popitem(last=False)
+        while len(again) > capacity - first_cap:
+            neg, b = heapq.heappop(heap)
+            if again.get(b) == -neg:
+                del again[b]
     return hits / total if total else 0.0
 
 

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from kvtier.bench.trace_policies import lirs_hit_rate, twoq_hit_rate, wtinylfu_hit_rate
+from kvtier.bench.trace_policies import (
+    lirs_hit_rate,
+    reused_min_hit_rate,
+    twoq_hit_rate,
+    wtinylfu_hit_rate,
+)
 from kvtier.bench.trace_sim import lru_hit_rate
 
 
@@ -45,3 +50,14 @@ def test_lirs_promotes_a_block_reused_within_the_stack() -> None:
     chains = [[1], [2], [3], [4], [3], [5], [6], [2], [3]]
     assert lirs_hit_rate(chains, 3) == pytest.approx(2 / 9)
     assert lru_hit_rate(chains, 3) == pytest.approx(1 / 9)
+
+
+def test_reused_min_keeps_only_what_was_seen_twice_by_its_future() -> None:
+    # capacity 4, share 0.5: 2 blocks for first uses (LRU), 2 for reused ones (MIN); 1, 2
+    # and then 3 are reused: MIN drops 3 (never back), not 1 (the oldest), so 2 and 1 hit
+    # after 4 and 5 pass through the first-use list
+    chains = [[1], [2], [1], [2], [3], [3], [4], [5], [2], [1]]
+    assert reused_min_hit_rate(chains, 4, first_share=0.5) == pytest.approx(5 / 10)
+    # with no room for reused blocks, only the second uses of 1, 2 and 3 (still in the
+    # first-use list) hit; they are dropped as they move to the reused side
+    assert reused_min_hit_rate(chains, 2, first_share=1.0) == pytest.approx(3 / 10)
