@@ -132,8 +132,9 @@ def lru_hit_rate(chains: Chains, capacity: int) -> float:
     return hits / total if total else 0.0
 
 
-def arc_hit_rate(chains: Chains, capacity: int) -> float:
-    """Hit rate of leaf-only ARC with ``capacity`` blocks (see the module docstring)."""
+def arc_hit_rate(chains: Chains, capacity: int, ghost: float = 1.0) -> float:
+    """Hit rate of leaf-only ARC with ``capacity`` blocks (see the module docstring);
+    ``ghost``: each ghost list's length as a multiple of the capacity (ARC's own: 1)."""
     stamp: dict[int, int] = {}
     tier: dict[int, int] = {}  # resident block -> 0 (T1) or 1 (T2)
     kids: dict[int, int] = {}
@@ -142,6 +143,7 @@ def arc_hit_rate(chains: Chains, capacity: int) -> float:
     ghosts: tuple[OrderedDict[int, None], OrderedDict[int, None]] = (OrderedDict(), OrderedDict())
     t2 = clock = hits = total = 0
     p = 0.0
+    glen = int(ghost * capacity)
 
     def coldest(k: int) -> int | None:
         hp = heaps[k]
@@ -194,7 +196,7 @@ def arc_hit_rate(chains: Chains, capacity: int) -> float:
             t2 -= k
             ghost = ghosts[k]
             ghost[b] = None
-            if len(ghost) > capacity:
+            if len(ghost) > glen:
                 ghost.popitem(last=False)
             pb = parent.get(b)
             if pb is not None and pb in stamp:
