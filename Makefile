@@ -141,10 +141,11 @@ bench: venv sysdeps engines
 	$(ENGINES_VENV)/bin/kvtier bench vllm --json bench/results/vllm.json
 	$(ENGINES_VENV)/bin/kvtier bench events --json bench/results/events.json
 
-# ruff, the import contracts (.importlinter) and mypy on the package as `kvtier.*`
+# ruff (rules and formatting), the import contracts (.importlinter) and mypy on the package as `kvtier.*`
 # (tools/typecheck.py; settings in pyproject.toml). `make test` runs it first.
 lint: venv
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
 	$(PY) tools/typecheck.py
 

@@ -44,8 +44,9 @@ from kvtier.ipc.protocol import Geometry
 
 __all__ = ["BANDWIDTH_GEOMETRY", "TARGETS", "main"]
 
-BANDWIDTH_GEOMETRY = Geometry(num_layers=32, page_size=64, kv_heads=8, head_dim=128,
-                              dtype="bfloat16")
+BANDWIDTH_GEOMETRY = Geometry(
+    num_layers=32, page_size=64, kv_heads=8, head_dim=128, dtype="bfloat16"
+)
 TARGETS = {"load_over_baseline": 0.8, "store_over_baseline": 0.8, "prefill_overlap": 1.1}
 MODEL_ID = "kvtier-cuda-bench"
 
@@ -55,10 +56,13 @@ class BenchCheckFailed(KvtierError):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m kvtier.bench.cuda_bench",
-                                description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m kvtier.bench.cuda_bench", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--pool", default="8GiB", help="kvtierd host pool size (default 8GiB)")
-    p.add_argument("--pages", type=int, default=128, help="pages per bandwidth transfer (8 MiB each)")
+    p.add_argument(
+        "--pages", type=int, default=128, help="pages per bandwidth transfer (8 MiB each)"
+    )
     p.add_argument("--repeats", type=int, default=5, help="timed runs per figure")
     p.add_argument("--prompt-tokens", type=int, default=8192)
     p.add_argument("--cached-tokens", type=int, default=4096, help="a multiple of 64")
@@ -126,7 +130,7 @@ def bandwidth(rdir: Path, pages: int, repeats: int) -> dict[str, Any]:
                 store_s.append(t_store)
                 load_s.append(t_load)
         for b in bufs:
-            if not torch.equal(_raw(b)[:pages], _raw(b)[pages:2 * pages]):
+            if not torch.equal(_raw(b)[:pages], _raw(b)[pages : 2 * pages]):
                 raise BenchCheckFailed("loaded pages differ from the stored ones")
     finally:
         conn.close()
@@ -137,11 +141,17 @@ def bandwidth(rdir: Path, pages: int, repeats: int) -> dict[str, Any]:
         return nbytes / statistics.median(samples) / 1e9
 
     res: dict[str, Any] = {
-        "bytes_per_transfer": nbytes, "pages": pages, "page_bytes": g.page_bytes,
-        "load_gbps": gbps(load_s), "store_gbps": gbps(store_s),
-        "baseline_h2d_gbps": gbps(h2d), "baseline_d2h_gbps": gbps(d2h),
-        "load": _summary(load_s), "store": _summary(store_s),
-        "baseline_h2d": _summary(h2d), "baseline_d2h": _summary(d2h),
+        "bytes_per_transfer": nbytes,
+        "pages": pages,
+        "page_bytes": g.page_bytes,
+        "load_gbps": gbps(load_s),
+        "store_gbps": gbps(store_s),
+        "baseline_h2d_gbps": gbps(h2d),
+        "baseline_d2h_gbps": gbps(d2h),
+        "load": _summary(load_s),
+        "store": _summary(store_s),
+        "baseline_h2d": _summary(h2d),
+        "baseline_d2h": _summary(d2h),
     }
     res["load_over_baseline"] = res["load_gbps"] / res["baseline_h2d_gbps"]
     res["store_over_baseline"] = res["store_gbps"] / res["baseline_d2h_gbps"]
@@ -153,10 +163,12 @@ def _baseline(nbytes: int, repeats: int) -> tuple[list[float], list[float]]:
     between one pinned host tensor and one device tensor (one cudaMemcpyAsync each)."""
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    h2d = [_timed(functools.partial(dev.copy_, host, non_blocking=True))
-           for _ in range(repeats + 1)]
-    d2h = [_timed(functools.partial(host.copy_, dev, non_blocking=True))
-           for _ in range(repeats + 1)]
+    h2d = [
+        _timed(functools.partial(dev.copy_, host, non_blocking=True)) for _ in range(repeats + 1)
+    ]
+    d2h = [
+        _timed(functools.partial(host.copy_, dev, non_blocking=True)) for _ in range(repeats + 1)
+    ]
     return h2d[1:], d2h[1:]
 
 
@@ -178,8 +190,9 @@ def _load(conn: Any, keys: list[bytes], pages: list[int], n: int, layers: int) -
         raise BenchCheckFailed("load did not end DONE")
 
 
-def prefill_overlap(rdir: Path, prompt_tokens: int, cached_tokens: int,
-                    repeats: int) -> dict[str, Any]:
+def prefill_overlap(
+    rdir: Path, prompt_tokens: int, cached_tokens: int, repeats: int
+) -> dict[str, Any]:
     """Prefill over KV loaded layer by layer by kvtier, against the same prefill over resident KV.
 
     Returns:
@@ -195,8 +208,16 @@ def prefill_overlap(rdir: Path, prompt_tokens: int, cached_tokens: int,
     page = 64
     if cached_tokens % page or not 0 < cached_tokens < prompt_tokens:
         raise KvtierError(f"--cached-tokens must be a multiple of {page} in (0, prompt_tokens)")
-    cfg = ModelConfig(vocab_size=32000, hidden_size=2048, n_layers=16, n_heads=16, n_kv_heads=8,
-                      head_dim=128, ffn_size=5632, dtype=torch.bfloat16)
+    cfg = ModelConfig(
+        vocab_size=32000,
+        hidden_size=2048,
+        n_layers=16,
+        n_heads=16,
+        n_kv_heads=8,
+        head_dim=128,
+        ffn_size=5632,
+        dtype=torch.bfloat16,
+    )
     model = TinyLlama(cfg).to("cuda")
     n_pages, n_cached = -(-prompt_tokens // page), cached_tokens // page
     pool = CudaKVPool(geometry_for(cfg, page), n_pages + n_cached + 1)
@@ -224,8 +245,9 @@ def prefill_overlap(rdir: Path, prompt_tokens: int, cached_tokens: int,
                 if not h.wait_layer(layer):
                     raise BenchCheckFailed(f"load failed at layer {layer}")
 
-            out["overlap"] = model.prefill(prompt, cached_tokens, table_b, pool.k, pool.v,
-                                           layer_wait=gate)
+            out["overlap"] = model.prefill(
+                prompt, cached_tokens, table_b, pool.k, pool.v, layer_wait=gate
+            )
             h.wait()
 
         for r in range(repeats + 1):  # alternate the order; run 0 warms up
@@ -240,13 +262,17 @@ def prefill_overlap(rdir: Path, prompt_tokens: int, cached_tokens: int,
         conn.close()
         pool.close()
     return {
-        "prompt_tokens": prompt_tokens, "cached_tokens": cached_tokens, "layers": cfg.n_layers,
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": cached_tokens,
+        "layers": cfg.n_layers,
         "kv_bytes_loaded": n_cached * geometry_for(cfg, page).page_bytes,
         "compute_alone_ms": statistics.median(alone_s) * 1e3,
         "overlapped_ms": statistics.median(overlap_s) * 1e3,
-        "compute_alone_best_ms": min(alone_s) * 1e3, "overlapped_best_ms": min(overlap_s) * 1e3,
+        "compute_alone_best_ms": min(alone_s) * 1e3,
+        "overlapped_best_ms": min(overlap_s) * 1e3,
         "prefill_overlap": statistics.median(overlap_s) / statistics.median(alone_s),
-        "logits_equal": equal, "max_abs_logit_diff": diff,
+        "logits_equal": equal,
+        "max_abs_logit_diff": diff,
     }
 
 
@@ -259,18 +285,22 @@ def _verdict(results: dict[str, Any]) -> tuple[bool, list[str]]:
             ratio, target = bw[f"{name}_over_baseline"], TARGETS[f"{name}_over_baseline"]
             met = ratio >= target
             ok &= met
-            lines.append(f"{name:5s}: {bw[f'{name}_gbps']:6.1f} GB/s through kvtierd vs "
-                         f"{bw[f'{base}_gbps']:6.1f} GB/s cudaMemcpyAsync (pinned) -> ratio "
-                         f"{ratio:.2f} (target >= {target}) {'OK' if met else 'MISSED'}")
+            lines.append(
+                f"{name:5s}: {bw[f'{name}_gbps']:6.1f} GB/s through kvtierd vs "
+                f"{bw[f'{base}_gbps']:6.1f} GB/s cudaMemcpyAsync (pinned) -> ratio "
+                f"{ratio:.2f} (target >= {target}) {'OK' if met else 'MISSED'}"
+            )
     if pf is not None:
         ratio, target = pf["prefill_overlap"], TARGETS["prefill_overlap"]
         met = ratio <= target and pf["logits_equal"]
         ok &= met
-        lines.append(f"prefill {pf['prompt_tokens']} tokens, {pf['cached_tokens']} loaded per "
-                     f"layer: {pf['overlapped_ms']:.2f} ms overlapped vs "
-                     f"{pf['compute_alone_ms']:.2f} ms compute alone -> ratio {ratio:.3f} "
-                     f"(target <= {target}) {'OK' if ratio <= target else 'MISSED'}; logits "
-                     f"equal: {pf['logits_equal']} (max |diff| {pf['max_abs_logit_diff']:.2e})")
+        lines.append(
+            f"prefill {pf['prompt_tokens']} tokens, {pf['cached_tokens']} loaded per "
+            f"layer: {pf['overlapped_ms']:.2f} ms overlapped vs "
+            f"{pf['compute_alone_ms']:.2f} ms compute alone -> ratio {ratio:.3f} "
+            f"(target <= {target}) {'OK' if ratio <= target else 'MISSED'}; logits "
+            f"equal: {pf['logits_equal']} (max |diff| {pf['max_abs_logit_diff']:.2e})"
+        )
     return ok, lines
 
 
@@ -290,23 +320,45 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     from kvtier.client.daemon_process import DaemonProcess
 
-    results: dict[str, Any] = {"device": torch.cuda.get_device_name(0),
-                               "torch": torch.__version__, "cuda": torch.version.cuda}
-    print(f"cuda_bench on {results['device']} (torch {results['torch']}, CUDA {results['cuda']})",
-          flush=True)
+    results: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+    }
+    print(
+        f"cuda_bench on {results['device']} (torch {results['torch']}, CUDA {results['cuda']})",
+        flush=True,
+    )
     tmp = Path(tempfile.mkdtemp(prefix="kvt-cb-", dir="/tmp"))
-    daemon = DaemonProcess(tmp / "d", ["--hicache-storage-backend", "none",
-                                       "--hicache-size", args.pool, "--extent-size", "64MiB",
-                                       "--log-level", "warning"])
+    daemon = DaemonProcess(
+        tmp / "d",
+        [
+            "--hicache-storage-backend",
+            "none",
+            "--hicache-size",
+            args.pool,
+            "--extent-size",
+            "64MiB",
+            "--log-level",
+            "warning",
+        ],
+    )
     errors: list[str] = []
     t_start = time.monotonic()
     try:
         daemon.start(timeout=120.0)
         sections: list[tuple[str, Callable[[], dict[str, Any]]]] = [
-            ("bandwidth", lambda: bandwidth(daemon.runtime_dir, args.pages, args.repeats))]
+            ("bandwidth", lambda: bandwidth(daemon.runtime_dir, args.pages, args.repeats))
+        ]
         if not args.skip_prefill:
-            sections.append(("prefill", lambda: prefill_overlap(
-                daemon.runtime_dir, args.prompt_tokens, args.cached_tokens, 2 * args.repeats)))
+            sections.append(
+                (
+                    "prefill",
+                    lambda: prefill_overlap(
+                        daemon.runtime_dir, args.prompt_tokens, args.cached_tokens, 2 * args.repeats
+                    ),
+                )
+            )
         for name, run in sections:
             t0 = time.monotonic()
             try:

@@ -44,8 +44,9 @@ PAGE_SIZE = 64
 TARGETS = {"ttft_hit_over_recompute": 0.25, "miss_overhead": 1.05}
 
 
-def _pair(first: ReferenceEngine, second: ReferenceEngine, prompt: list[int],
-          swap: bool) -> tuple[GenerationResult, GenerationResult]:
+def _pair(
+    first: ReferenceEngine, second: ReferenceEngine, prompt: list[int], swap: bool
+) -> tuple[GenerationResult, GenerationResult]:
     """Run ``prompt`` on both engines, ``second`` first when ``swap``; results in (first, second)."""
     if swap:
         b = second.generate(prompt, 1)
@@ -79,8 +80,9 @@ def run_e2e_bench(runs: int = 5, threads: int | None = 1) -> dict:
 
 def _measure(runs: int) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-e2e-", dir="/tmp"))
-    daemon = DaemonProcess(tmp, ["--hicache-size", "384MiB",
-                                 "--hicache-storage-backend", "none"]).start()  # L2 alone
+    daemon = DaemonProcess(
+        tmp, ["--hicache-size", "384MiB", "--hicache-storage-backend", "none"]
+    ).start()  # L2 alone
     engines: list[ReferenceEngine] = []
     try:
         cfg = ModelConfig.default()
@@ -89,19 +91,33 @@ def _measure(runs: int) -> dict:
         pages = PROMPT_TOKENS // PAGE_SIZE + 8
 
         def make(mode: EngineMode) -> ReferenceEngine:
-            engines.append(ReferenceEngine(mode=mode, page_size=PAGE_SIZE, num_pages=pages,
-                                           client_config=client, model=model))
+            engines.append(
+                ReferenceEngine(
+                    mode=mode,
+                    page_size=PAGE_SIZE,
+                    num_pages=pages,
+                    client_config=client,
+                    model=model,
+                )
+            )
             return engines[-1]
 
         writer, meas, off = make("on"), make("on"), make("off")
-        samples: dict[str, list[float]] = {"hit": [], "recompute": [], "cold_on": [], "cold_off": []}
+        samples: dict[str, list[float]] = {
+            "hit": [],
+            "recompute": [],
+            "cold_on": [],
+            "cold_off": [],
+        }
         hit_l2: list[int] = []
         diffs: list[float] = []
         match = True
         for r in range(-1, runs):  # run -1 warms every code path up and is not recorded
             rng = np.random.default_rng(1000 + r)
             prefix = rng.integers(0, cfg.vocab_size, CACHED_TOKENS).tolist()
-            prompt = prefix + rng.integers(0, cfg.vocab_size, PROMPT_TOKENS - CACHED_TOKENS).tolist()
+            prompt = (
+                prefix + rng.integers(0, cfg.vocab_size, PROMPT_TOKENS - CACHED_TOKENS).tolist()
+            )
             cold = rng.integers(0, cfg.vocab_size, PROMPT_TOKENS).tolist()
             writer.generate(prefix, 1)  # stores the prefix (its stores complete at release)
             meas.flush_l1()
@@ -131,19 +147,28 @@ def _measure(runs: int) -> dict:
         return statistics.median(x / y for x, y in zip(samples[a], samples[b]))
 
     return {
-        "model": "default", "page_size": PAGE_SIZE, "prompt_tokens": PROMPT_TOKENS,
-        "l2_prefix_tokens": CACHED_TOKENS, "runs": runs,
-        "ttft_hit_ms": med["hit"], "ttft_recompute_ms": med["recompute"],
+        "model": "default",
+        "page_size": PAGE_SIZE,
+        "prompt_tokens": PROMPT_TOKENS,
+        "l2_prefix_tokens": CACHED_TOKENS,
+        "runs": runs,
+        "ttft_hit_ms": med["hit"],
+        "ttft_recompute_ms": med["recompute"],
         "ttft_hit_over_recompute": hit_ratio,
-        "ttft_cold_on_ms": med["cold_on"], "ttft_cold_off_ms": med["cold_off"],
+        "ttft_cold_on_ms": med["cold_on"],
+        "ttft_cold_off_ms": med["cold_off"],
         "miss_overhead": miss,
         "paired_hit_over_recompute": paired("hit", "recompute"),
         "paired_miss_overhead": paired("cold_on", "cold_off"),
-        "hit_cached_l2_tokens_min": min(hit_l2), "outputs_match": match,
-        "max_abs_logit_diff": max(diffs), "samples_ms": samples,
+        "hit_cached_l2_tokens_min": min(hit_l2),
+        "outputs_match": match,
+        "max_abs_logit_diff": max(diffs),
+        "samples_ms": samples,
         "targets": {k: f"<= {v}" for k, v in TARGETS.items()},
         "meets_targets": hit_ratio <= TARGETS["ttft_hit_over_recompute"]
-        and miss <= TARGETS["miss_overhead"] and match and min(hit_l2) == CACHED_TOKENS,
+        and miss <= TARGETS["miss_overhead"]
+        and match
+        and min(hit_l2) == CACHED_TOKENS,
     }
 
 
@@ -157,23 +182,37 @@ def print_table(result: dict) -> None:
     from rich.table import Table
 
     r = result
-    t = Table(title=f"kvtier bench e2e ({r['prompt_tokens']}-token prompt, {r['l2_prefix_tokens']} "
-                    f"in L2, {r['model']} model, {r['threads']} compute thread(s), "
-                    f"median of {r['runs']})")
+    t = Table(
+        title=f"kvtier bench e2e ({r['prompt_tokens']}-token prompt, {r['l2_prefix_tokens']} "
+        f"in L2, {r['model']} model, {r['threads']} compute thread(s), "
+        f"median of {r['runs']})"
+    )
     t.add_column("metric")
     t.add_column("kvtier on ms", justify="right")
     t.add_column("kvtier off ms", justify="right")
     t.add_column("ratio", justify="right")
     t.add_column("paired", justify="right")
     t.add_column("target", justify="right")
-    t.add_row("ttft_hit_over_recompute", f"{r['ttft_hit_ms']:.1f}", f"{r['ttft_recompute_ms']:.1f}",
-              f"{r['ttft_hit_over_recompute']:.3f}", f"{r['paired_hit_over_recompute']:.3f}",
-              r["targets"]["ttft_hit_over_recompute"])
-    t.add_row("miss_overhead", f"{r['ttft_cold_on_ms']:.1f}", f"{r['ttft_cold_off_ms']:.1f}",
-              f"{r['miss_overhead']:.3f}", f"{r['paired_miss_overhead']:.3f}",
-              r["targets"]["miss_overhead"])
+    t.add_row(
+        "ttft_hit_over_recompute",
+        f"{r['ttft_hit_ms']:.1f}",
+        f"{r['ttft_recompute_ms']:.1f}",
+        f"{r['ttft_hit_over_recompute']:.3f}",
+        f"{r['paired_hit_over_recompute']:.3f}",
+        r["targets"]["ttft_hit_over_recompute"],
+    )
+    t.add_row(
+        "miss_overhead",
+        f"{r['ttft_cold_on_ms']:.1f}",
+        f"{r['ttft_cold_off_ms']:.1f}",
+        f"{r['miss_overhead']:.3f}",
+        f"{r['paired_miss_overhead']:.3f}",
+        r["targets"]["miss_overhead"],
+    )
     console = Console()
     console.print(t)
-    console.print(f"L2 tokens used by the hit (min over runs): {r['hit_cached_l2_tokens_min']}; "
-                  f"outputs match recompute: {r['outputs_match']} (max |Δlogit| "
-                  f"{r['max_abs_logit_diff']:.2e}); targets met: {r['meets_targets']}")
+    console.print(
+        f"L2 tokens used by the hit (min over runs): {r['hit_cached_l2_tokens_min']}; "
+        f"outputs match recompute: {r['outputs_match']} (max |Δlogit| "
+        f"{r['max_abs_logit_diff']:.2e}); targets met: {r['meets_targets']}"
+    )

@@ -63,13 +63,27 @@ GEOMETRY = P.Geometry(num_layers=4, page_size=16, kv_heads=2, head_dim=32, dtype
 
 
 def _flags(root: Path, pool_mib: int, events: bool, hwm: int) -> list[str]:
-    out = ["--hicache-storage-backend", "none", "--state-dir", str(root / "state"),
-           "--hicache-size", f"{pool_mib}MiB", "--extent-size", "4MiB", "--log-level",
-           "warning"]
+    out = [
+        "--hicache-storage-backend",
+        "none",
+        "--state-dir",
+        str(root / "state"),
+        "--hicache-size",
+        f"{pool_mib}MiB",
+        "--extent-size",
+        "4MiB",
+        "--log-level",
+        "warning",
+    ]
     if events:
-        out += ["--kv-events-endpoint", f"ipc://{root}/ev.sock",
-                "--kv-events-replay-endpoint", f"ipc://{root}/evr.sock",
-                "--kv-events-hwm", str(hwm)]
+        out += [
+            "--kv-events-endpoint",
+            f"ipc://{root}/ev.sock",
+            "--kv-events-replay-endpoint",
+            f"ipc://{root}/evr.sock",
+            "--kv-events-hwm",
+            str(hwm),
+        ]
     return out
 
 
@@ -110,13 +124,16 @@ def _vllm_decodes(payloads: list[bytes]) -> tuple[bool | None, str]:
     return True, f"{len(payloads)} batches decoded by vllm.distributed.kv_events"
 
 
-def run_events_bench(rounds: int = 40, chains: int = 2, pages: int = 64,
-                     pool_mib: int = 16, hwm: int = 10_000) -> dict[str, Any]:
+def run_events_bench(
+    rounds: int = 40, chains: int = 2, pages: int = 64, pool_mib: int = 16, hwm: int = 10_000
+) -> dict[str, Any]:
     """Run the bench (see the module docstring) and return its fields."""
     with tempfile.TemporaryDirectory(prefix="kve-", dir="/tmp") as tmp:
         roots = {on: Path(tmp) / ("on" if on else "off") for on in (True, False)}
-        daemons = {on: DaemonProcess(roots[on], _flags(roots[on], pool_mib, on, hwm))
-                   for on in (True, False)}
+        daemons = {
+            on: DaemonProcess(roots[on], _flags(roots[on], pool_mib, on, hwm))
+            for on in (True, False)
+        }
         kvs: list[SharedKVPool] = []
         conns: dict[bool, Connection] = {}
         try:
@@ -124,13 +141,19 @@ def run_events_bench(rounds: int = 40, chains: int = 2, pages: int = 64,
                 d.start(timeout=120)
                 kv = SharedKVPool(GEOMETRY, pages)
                 kvs.append(kv)
-                conns[on] = Connection(kv, model_id="bench-events", config=ClientConfig(
-                    runtime_dir=roots[on], request_timeout_s=30, load_timeout_s=60))
+                conns[on] = Connection(
+                    kv,
+                    model_id="bench-events",
+                    config=ClientConfig(
+                        runtime_dir=roots[on], request_timeout_s=30, load_timeout_s=60
+                    ),
+                )
             on_root = roots[True]
             # the collector's queue holds the whole run (read after it: the subscriber's
             # decoding is a router's CPU, not the daemon's)
-            collector = EventSubscriber(f"ipc://{on_root}/ev.sock",
-                                        replay=f"ipc://{on_root}/evr.sock", hwm=0)
+            collector = EventSubscriber(
+                f"ipc://{on_root}/ev.sock", replay=f"ipc://{on_root}/evr.sock", hwm=0
+            )
             time.sleep(0.3)
             for on in (True, False):  # warm-up, not measured
                 _round(conns[on], chains, pages, salt=rounds + 1)
@@ -140,11 +163,12 @@ def run_events_bench(rounds: int = 40, chains: int = 2, pages: int = 64,
             late: EventSubscriber | None = None
             for r in range(rounds):
                 if r == rounds // 2:  # joins halfway: it missed every batch so far
-                    late = EventSubscriber(f"ipc://{on_root}/ev.sock",
-                                           replay=f"ipc://{on_root}/evr.sock", hwm=0)
+                    late = EventSubscriber(
+                        f"ipc://{on_root}/ev.sock", replay=f"ipc://{on_root}/evr.sock", hwm=0
+                    )
                     late.next_seq = 0  # it wants the node's whole history
                     time.sleep(0.3)
-                for on in ((True, False) if r % 2 == 0 else (False, True)):
+                for on in (True, False) if r % 2 == 0 else (False, True):
                     speeds[on].append(_round(conns[on], chains, pages, salt=r))
             assert late is not None
             cpu = {on: _cpu_s(pid) - cpu0[on] for on, pid in pids.items()}
@@ -165,10 +189,18 @@ def run_events_bench(rounds: int = 40, chains: int = 2, pages: int = 64,
                 d.stop()
                 d.remove_pool()
     published = st["counters"]["kv_events_batches"] + st["counters"]["kv_events_dropped_batches"]
-    stored = sum(len(e.block_hashes) for m in msgs for e in m.batch.events
-                 if isinstance(e, E.BlockStored) and e.medium == E.MEDIUM_L2)
-    removed = sum(len(e.block_hashes) for m in msgs for e in m.batch.events
-                  if isinstance(e, E.BlockRemoved) and e.medium == E.MEDIUM_L2)
+    stored = sum(
+        len(e.block_hashes)
+        for m in msgs
+        for e in m.batch.events
+        if isinstance(e, E.BlockStored) and e.medium == E.MEDIUM_L2
+    )
+    removed = sum(
+        len(e.block_hashes)
+        for m in msgs
+        for e in m.batch.events
+        if isinstance(e, E.BlockRemoved) and e.medium == E.MEDIUM_L2
+    )
     decoded, note = _vllm_decodes([m.payload for m in msgs])
     seen = {m.seq for m in caught_up}
     speed_on, speed_off = statistics.median(speeds[True]), statistics.median(speeds[False])
@@ -180,7 +212,8 @@ def run_events_bench(rounds: int = 40, chains: int = 2, pages: int = 64,
         "removed_events_over_evictions": round(removed / max(1, st["pool"]["evictions"]), 4),
         "store_throughput_events_on_over_off": round(statistics.median(pairs), 4),
         "daemon_cpu_per_page_events_on_over_off": round(cpu[True] / cpu[False], 4)
-        if cpu.get(False) else None,
+        if cpu.get(False)
+        else None,
         "replay_recovered": bool(late.gaps) and seen == set(range(published)),
         "pages_stored": st["counters"]["store_pages"],
         "evictions": st["pool"]["evictions"],
@@ -204,8 +237,13 @@ def run_events_bench(rounds: int = 40, chains: int = 2, pages: int = 64,
 def main(argv: list[str] | None = None) -> int:
     """``kvtier bench events [--json [PATH]]``: run it, print the fields (exit 0)."""
     ap = argparse.ArgumentParser(prog="kvtier bench events", description=__doc__.split("\n")[0])
-    ap.add_argument("--json", nargs="?", const="-", metavar="PATH",
-                    help="print the result as JSON (to PATH, or stdout without one)")
+    ap.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        metavar="PATH",
+        help="print the result as JSON (to PATH, or stdout without one)",
+    )
     ap.add_argument("--rounds", type=int, default=40, help="rounds per daemon (default 40)")
     args = ap.parse_args(argv)
     result = run_events_bench(rounds=args.rounds)

@@ -149,8 +149,13 @@ def run(config: BenchConfig) -> tuple[float, list[BenchResult]]:
         plan = plans[order]
         results.append(
             BenchResult(
-                order, direction, config.nbytes / seconds / 1e9, ratio, memcpy / seconds,
-                plan.num_runs, plan.num_singles,
+                order,
+                direction,
+                config.nbytes / seconds / 1e9,
+                ratio,
+                memcpy / seconds,
+                plan.num_runs,
+                plan.num_singles,
             )
         )
     return config.nbytes / memcpy / 1e9, results

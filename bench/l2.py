@@ -58,8 +58,11 @@ def measure_echo(endpoint_dir: Path, payload: bytes, n: int) -> float:
     import zmq
 
     ep = f"ipc://{endpoint_dir}/echo.sock"
-    proc = subprocess.Popen([sys.executable, "-m", "kvtier.bench.echo_server", ep],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvtier.bench.echo_server", ep],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         said = proc.stdout.readline().strip() if proc.stdout is not None else b""
         if said != b"ready":
@@ -93,9 +96,19 @@ def run_l2_bench(mib: int = 256, rtt_samples: int = 2000) -> dict:
     pool_bytes = max(3 * nbytes, 1 << 30)
     with tempfile.TemporaryDirectory(prefix="kvb-", dir="/tmp") as tmp:
         rdir = Path(tmp)
-        daemon = DaemonProcess(rdir, ["--hicache-size", str(pool_bytes), "--log-level", "warning",
-                                      "--extent-size", str(64 << 20),
-                                      "--hicache-storage-backend", "none"])  # L2 alone
+        daemon = DaemonProcess(
+            rdir,
+            [
+                "--hicache-size",
+                str(pool_bytes),
+                "--log-level",
+                "warning",
+                "--extent-size",
+                str(64 << 20),
+                "--hicache-storage-backend",
+                "none",
+            ],
+        )  # L2 alone
         daemon.start(timeout=120)
         try:
             kv = SharedKVPool(g, pages)
@@ -127,8 +140,9 @@ def run_l2_bench(mib: int = 256, rtt_samples: int = 2000) -> dict:
                     if i >= 100:
                         rtts.append(time.perf_counter() - t0)
                     if r.l2 != len(lookup_keys):
-                        raise RuntimeError(f"a lookup of {len(lookup_keys)} stored pages found "
-                                           f"{r.l2} in L2")
+                        raise RuntimeError(
+                            f"a lookup of {len(lookup_keys)} stored pages found {r.l2} in L2"
+                        )
                 lookup_p50 = statistics.median(rtts) * 1e6
                 payload = P.encode(P.Lookup(req_id=1, session_id=1, keys=lookup_keys))
             finally:
@@ -161,8 +175,10 @@ def print_table(r: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"kvtier bench l2 ({r['bytes_per_measurement'] >> 20} MiB, "
-                    f"{r['chunk_bytes'] >> 10} KiB chunks)")
+    t = Table(
+        title=f"kvtier bench l2 ({r['bytes_per_measurement'] >> 20} MiB, "
+        f"{r['chunk_bytes'] >> 10} KiB chunks)"
+    )
     t.add_column("metric")
     t.add_column("value", justify="right")
     t.add_column("ratio", justify="right")
@@ -171,6 +187,10 @@ def print_table(r: dict) -> None:
     t.add_row("store_gbps", f"{r['store_gbps']:.2f}", f"{r['store_over_memcpy']:.2f}", ">= 0.80")
     t.add_row("load_gbps", f"{r['load_gbps']:.2f}", f"{r['load_over_memcpy']:.2f}", ">= 0.80")
     t.add_row("zmq_echo_rtt_us_p50", f"{r['zmq_echo_rtt_us_p50']:.1f}", "1.00", "baseline")
-    t.add_row("lookup_rtt_us_p50", f"{r['lookup_rtt_us_p50']:.1f}", f"{r['lookup_over_echo']:.2f}",
-              "<= 1.30")
+    t.add_row(
+        "lookup_rtt_us_p50",
+        f"{r['lookup_rtt_us_p50']:.1f}",
+        f"{r['lookup_over_echo']:.2f}",
+        "<= 1.30",
+    )
     Console().print(t)

@@ -221,13 +221,34 @@ def _daemon_bench(path: Path, pages: int, page_bytes: int, repeats: int) -> dict
     rdir = Path(tempfile.mkdtemp(prefix="kvtb-", dir="/tmp"))  # ipc:// paths must be short
     conf = rdir / "kvtierd.toml"  # the write policy lives here: SIGHUP switches it
     conf.write_text('hicache_write_policy = "write_back"\n')
-    daemon = DaemonProcess(rdir, ["--config", str(conf),
-        "--hicache-size", str(pool_bytes), "--extent-size", str(extent), "--log-level", "warning",
-        "--hicache-storage-backend", "file",
-        "--hicache-storage-backend-extra-config", json.dumps({"path": str(store_dir)}),
-        "--prefetch-threshold", "0", "--write-back-queue", str(2 * pages)])
-    times: dict[str, list[float]] = {"put": [], "get": [], "raw_write": [], "raw_read": [],
-                                     "store_put": []}
+    daemon = DaemonProcess(
+        rdir,
+        [
+            "--config",
+            str(conf),
+            "--hicache-size",
+            str(pool_bytes),
+            "--extent-size",
+            str(extent),
+            "--log-level",
+            "warning",
+            "--hicache-storage-backend",
+            "file",
+            "--hicache-storage-backend-extra-config",
+            json.dumps({"path": str(store_dir)}),
+            "--prefetch-threshold",
+            "0",
+            "--write-back-queue",
+            str(2 * pages),
+        ],
+    )
+    times: dict[str, list[float]] = {
+        "put": [],
+        "get": [],
+        "raw_write": [],
+        "raw_read": [],
+        "store_put": [],
+    }
     stored: list[float] = []  # engine -> L2 alone, timed within each put
     with ExitStack() as stack:
         mm, arena = _shm_arena(total)
@@ -245,8 +266,11 @@ def _daemon_bench(path: Path, pages: int, page_bytes: int, repeats: int) -> dict
         stack.callback(kv.close)
         for buf in kv.k + kv.v:  # page contents: noise
             buf.view(-1).copy_(torch.randn(buf.numel()).to(buf.dtype))
-        conn = Connection(kv, "kvtier-bench-l3", config=ClientConfig(
-            runtime_dir=rdir, request_timeout_s=30.0, claim_timeout_s=120.0))
+        conn = Connection(
+            kv,
+            "kvtier-bench-l3",
+            config=ClientConfig(runtime_dir=rdir, request_timeout_s=30.0, claim_timeout_s=120.0),
+        )
         stack.callback(conn.close)
         admin = stack.enter_context(AdminClient(daemon.endpoint, timeout_s=30.0))
         keys = conn.page_keys(list(range(pages * geometry.page_size)))
@@ -264,12 +288,18 @@ def _daemon_bench(path: Path, pages: int, page_bytes: int, repeats: int) -> dict
             _settle(raw, store_dir)
 
         def store_all() -> None:
-            handles = [conn.store(keys[i:i + DAEMON_BATCH],
-                                  list(range(i, min(i + DAEMON_BATCH, pages))),
-                                  parent_key=keys[i - 1] if i else None)
-                       for i in range(0, pages, DAEMON_BATCH)]
-            if not all(h.wait() and h.count == len(keys[i:i + DAEMON_BATCH])
-                       for i, h in zip(range(0, pages, DAEMON_BATCH), handles)):
+            handles = [
+                conn.store(
+                    keys[i : i + DAEMON_BATCH],
+                    list(range(i, min(i + DAEMON_BATCH, pages))),
+                    parent_key=keys[i - 1] if i else None,
+                )
+                for i in range(0, pages, DAEMON_BATCH)
+            ]
+            if not all(
+                h.wait() and h.count == len(keys[i : i + DAEMON_BATCH])
+                for i, h in zip(range(0, pages, DAEMON_BATCH), handles)
+            ):
                 raise RuntimeError("a STORE failed")
 
         def written() -> int:
@@ -278,8 +308,10 @@ def _daemon_bench(path: Path, pages: int, page_bytes: int, repeats: int) -> dict
         def sync_all(expect: int) -> None:
             rep = admin.sync(120.0)
             if (rep.written, rep.failed, rep.left) != (expect, 0, 0):
-                raise RuntimeError(f"SYNC wrote {rep.written} of {expect} pages "
-                                   f"({rep.failed} not written, {rep.left} left)")
+                raise RuntimeError(
+                    f"SYNC wrote {rep.written} of {expect} pages "
+                    f"({rep.failed} not written, {rep.left} left)"
+                )
 
         def set_policy(policy: str) -> None:  # untimed
             conf.write_text(f'hicache_write_policy = "{policy}"\n')
@@ -329,19 +361,21 @@ def _daemon_bench(path: Path, pages: int, page_bytes: int, repeats: int) -> dict
             settle()
             start = time.perf_counter()
             for off in range(0, total, page_bytes):
-                os.pwrite(raw, view[off: off + page_bytes], off)
+                os.pwrite(raw, view[off : off + page_bytes], off)
             return time.perf_counter() - start
 
         def raw_read() -> float:
             start = time.perf_counter()
             for off in range(0, total, page_bytes):
-                os.preadv(raw, [view[off: off + page_bytes]], off)
+                os.preadv(raw, [view[off : off + page_bytes]], off)
             return time.perf_counter() - start
 
         for rep in range(repeats + 1):  # rep 0 warms files, pool and page cache up
-            for pair in ((("raw_write", raw_write), ("put", put)),
-                         (("raw_write", raw_write), ("store_put", store_put)),
-                         (("raw_read", raw_read), ("get", get))):
+            for pair in (
+                (("raw_write", raw_write), ("put", put)),
+                (("raw_write", raw_write), ("store_put", store_put)),
+                (("raw_read", raw_read), ("get", get)),
+            ):
                 for name, step in pair if rep % 2 else pair[::-1]:
                     seconds = step()
                     if rep:
@@ -416,12 +450,17 @@ def print_table(result: dict[str, Any]) -> None:
             ("engine -> L2 -> L3 (write-through)", "store_put", "raw_write"),
             ("engine -> L2 alone (same STOREs)", "store", "raw_write"),
         ):
-            table.add_row(label, f"{result[f'{side}_gbps']:.2f}",
-                          f"{result[f'{raw_side}_gbps']:.2f}",
-                          f"{result[f'{side}_over_{raw_side}']:.2f}")
+            table.add_row(
+                label,
+                f"{result[f'{side}_gbps']:.2f}",
+                f"{result[f'{raw_side}_gbps']:.2f}",
+                f"{result[f'{side}_over_{raw_side}']:.2f}",
+            )
         console.print(table)
-    table = Table(title=f"L3 file backend alone: {size}, batches of {result['batch']}, "
-                  f"median of {result['repeats']}")
+    table = Table(
+        title=f"L3 file backend alone: {size}, batches of {result['batch']}, "
+        f"median of {result['repeats']}"
+    )
     for column in ("direction", "file backend GB/s", "raw GB/s", "backend / raw", "same, CPU time"):
         table.add_column(column, justify="right" if column != "direction" else "left")
     b = "backend_"

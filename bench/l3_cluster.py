@@ -60,7 +60,6 @@ from kvtier.daemon.storage.registry import slot_headroom
 __all__ = ["main", "print_table", "run_cluster_bench"]
 
 
-
 def run_cluster_bench(
     backend: str,
     pages: int = 1000,

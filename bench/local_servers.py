@@ -70,6 +70,7 @@ async def server_backend(
                 f"--metrics_host={LOOPBACK}",
                 f"--metrics_port={metrics}",
             ]
+
             def ready() -> bool:
                 return port_open(rpc) and port_open(http)
 
@@ -177,5 +178,3 @@ def redis_pong(port: int) -> bool:
             return sock.recv(16).startswith(b"+PONG")
     except OSError:
         return False
-
-

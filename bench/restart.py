@@ -58,13 +58,22 @@ def run_restart_bench(mib: int = 1024) -> dict:
         rdir = Path(tmp)
         cache = rdir / "pycache"
         cached = {"PYTHONPYCACHEPREFIX": str(cache), "PYTHONDONTWRITEBYTECODE": ""}
-        flags = ["--hicache-size", str(pool_bytes), "--log-level", "warning", "--extent-size",
-                 str(32 << 20), "--hicache-storage-backend", "none"]  # the pool's adoption alone
+        flags = [
+            "--hicache-size",
+            str(pool_bytes),
+            "--log-level",
+            "warning",
+            "--extent-size",
+            str(32 << 20),
+            "--hicache-storage-backend",
+            "none",
+        ]  # the pool's adoption alone
         first = DaemonProcess(rdir, flags, env=cached)
         first.start(timeout=300)
         second = DaemonProcess(rdir, flags, env=cached)
-        third = DaemonProcess(rdir, flags, env={"PYTHONPYCACHEPREFIX": str(cache),
-                                                "PYTHONDONTWRITEBYTECODE": "1"})
+        third = DaemonProcess(
+            rdir, flags, env={"PYTHONPYCACHEPREFIX": str(cache), "PYTHONDONTWRITEBYTECODE": "1"}
+        )
         try:
             kv = SharedKVPool(g, BATCH)
             cfg = ClientConfig(runtime_dir=rdir, request_timeout_s=30, load_timeout_s=120)
@@ -89,7 +98,7 @@ def run_restart_bench(mib: int = 1024) -> dict:
                 second.kill()
                 _drop_kvtier_bytecode(cache)
                 compiling = _restart(third)
-                found = sum(conn.lookup(keys[i:i + 4096]).l2 for i in range(0, len(keys), 4096))
+                found = sum(conn.lookup(keys[i : i + 4096]).l2 for i in range(0, len(keys), 4096))
             finally:
                 conn.close()
                 kv.close()
@@ -207,13 +216,18 @@ def print_table(r: dict) -> None:
     t.add_row("pages_adopted", str(r["pages_adopted"]), "= pages_stored")
     t.add_row("adopt_seconds", f"{r['adopt_seconds']:.3f}", "< 1.0")
     t.add_row("restart_to_healthy_seconds", f"{r['restart_to_healthy_seconds']:.2f}", "< 0.5")
-    t.add_row("restart_to_first_answer_seconds",
-              f"{r['restart_to_first_answer_seconds']:.2f}", "")
+    t.add_row("restart_to_first_answer_seconds", f"{r['restart_to_first_answer_seconds']:.2f}", "")
     t.add_row("restart_cpu_seconds", f"{r['restart_cpu_seconds']:.2f}", "")
-    t.add_row("restart_to_healthy_compiling_seconds",
-              f"{r['restart_to_healthy_compiling_seconds']:.2f}", "")
+    t.add_row(
+        "restart_to_healthy_compiling_seconds",
+        f"{r['restart_to_healthy_compiling_seconds']:.2f}",
+        "",
+    )
     t.add_row("restart_cpu_compiling_seconds", f"{r['restart_cpu_compiling_seconds']:.2f}", "")
-    t.add_row("pages_found_in_l2_after_restart", str(r["pages_found_in_l2_after_restart"]),
-              "= pages_stored")
+    t.add_row(
+        "pages_found_in_l2_after_restart",
+        str(r["pages_found_in_l2_after_restart"]),
+        "= pages_stored",
+    )
     Console().print(t)
     print(f"load average {r['load_average']}")

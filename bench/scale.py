@@ -73,8 +73,16 @@ from kvtier.config import ClientConfig
 from kvtier.ipc import protocol as P
 from kvtier.ipc.limits import MAX_KEYS
 
-__all__ = ["GEOMETRY", "ScaleSettings", "add_arguments", "main", "plot", "print_table",
-           "run_from_args", "run_scale_bench"]
+__all__ = [
+    "GEOMETRY",
+    "ScaleSettings",
+    "add_arguments",
+    "main",
+    "plot",
+    "print_table",
+    "run_from_args",
+    "run_scale_bench",
+]
 
 GEOMETRY = P.Geometry(num_layers=2, page_size=16, kv_heads=8, head_dim=64, dtype="float16")
 """64 KiB pages of 16 KiB chunks: 2 layers x K,V x 16 tokens x 8 heads x 64 dims x fp16."""
@@ -134,10 +142,22 @@ class ScaleSettings:
     def quick(cls, **overrides: Any) -> ScaleSettings:
         """Tiny sizes (seconds): for tests and a first look."""
         small: dict[str, Any] = {
-            "engines": (1, 2), "engine_iters": 3, "size_repeats": 3, "small_repeats": 3,
-            "lookup_clients": 2, "lookup_iters": 100, "rtt_samples": 50, "long_pages": 256, "long_repeats": 2, "stall_seconds": 1.0,
-            "million_pages": 4096, "million_batch": 512, "million_samples": 30,
-            "pool_bytes": 128 << 20, "extent_bytes": 4 << 20, "timeout_s": 120.0,
+            "engines": (1, 2),
+            "engine_iters": 3,
+            "size_repeats": 3,
+            "small_repeats": 3,
+            "lookup_clients": 2,
+            "lookup_iters": 100,
+            "rtt_samples": 50,
+            "long_pages": 256,
+            "long_repeats": 2,
+            "stall_seconds": 1.0,
+            "million_pages": 4096,
+            "million_batch": 512,
+            "million_samples": 30,
+            "pool_bytes": 128 << 20,
+            "extent_bytes": 4 << 20,
+            "timeout_s": 120.0,
         }
         return cls(**{**small, **overrides})
 
@@ -152,32 +172,65 @@ def run_scale_bench(settings: ScaleSettings) -> dict[str, Any]:
     s = settings
     if s.long_pages > MAX_KEYS:
         raise ScaleBenchError(f"long_pages must be at most {MAX_KEYS}")
-    out: dict[str, Any] = {"page_bytes": GEOMETRY.page_bytes, "chunk_bytes": GEOMETRY.chunk_bytes,
-                           "copy_threads": s.copy_threads, "cpu_count": os.cpu_count(),
-                           "engines": list(s.engines), "lookup_clients": s.lookup_clients,
-                           "long_context_pages": s.long_pages}
+    out: dict[str, Any] = {
+        "page_bytes": GEOMETRY.page_bytes,
+        "chunk_bytes": GEOMETRY.chunk_bytes,
+        "copy_threads": s.copy_threads,
+        "cpu_count": os.cpu_count(),
+        "engines": list(s.engines),
+        "lookup_clients": s.lookup_clients,
+        "long_context_pages": s.long_pages,
+    }
     with tempfile.TemporaryDirectory(prefix="kvs-", dir="/tmp") as tmp:
         root = Path(tmp)
-        flags = ["--hicache-size", str(s.pool_bytes), "--extent-size", str(s.extent_bytes),
-                 "--log-level", "warning", "--copy-threads", str(s.copy_threads),
-                 "--hicache-storage-backend", "none"]  # the host pool alone
+        flags = [
+            "--hicache-size",
+            str(s.pool_bytes),
+            "--extent-size",
+            str(s.extent_bytes),
+            "--log-level",
+            "warning",
+            "--copy-threads",
+            str(s.copy_threads),
+            "--hicache-storage-backend",
+            "none",
+        ]  # the host pool alone
         daemon = DaemonProcess(root / "main", flags)
         daemon.start(timeout=s.timeout_s)
         try:
-            cfg = ClientConfig(runtime_dir=daemon.runtime_dir, request_timeout_s=60,
-                               load_timeout_s=60)
+            cfg = ClientConfig(
+                runtime_dir=daemon.runtime_dir, request_timeout_s=60, load_timeout_s=60
+            )
             out.update(_transfer_sizes(cfg, s))
             out.update(_engines(daemon, root, s))
             with EchoServer(root) as echo:
                 out.update(_control_plane(daemon, echo.endpoint, root, s))
                 out.update(_long_context(cfg, echo.endpoint, s))
-            out.update(run_stall(daemon, root, cfg, GEOMETRY, s.long_pages, s.pool_bytes,
-                                 s.stall_seconds, s.timeout_s))
+            out.update(
+                run_stall(
+                    daemon,
+                    root,
+                    cfg,
+                    GEOMETRY,
+                    s.long_pages,
+                    s.pool_bytes,
+                    s.stall_seconds,
+                    s.timeout_s,
+                )
+            )
         finally:
             daemon.stop()
             daemon.remove_pool()  # a benchmark's pool is not kept for a next start
-        out.update(run_million(root, s.million_pages, s.million_batch, s.million_samples,
-                               s.copy_threads, timeout_s=max(s.timeout_s, 600.0)))
+        out.update(
+            run_million(
+                root,
+                s.million_pages,
+                s.million_batch,
+                s.million_samples,
+                s.copy_threads,
+                timeout_s=max(s.timeout_s, 600.0),
+            )
+        )
     return out
 
 
@@ -191,7 +244,9 @@ def _transfer_sizes(cfg: ClientConfig, s: ScaleSettings) -> dict[str, Any]:
         first = 0
         for size in SIZES:
             st, ld = [], []
-            for _ in range((s.small_repeats if size <= 8 else s.size_repeats) + 1):  # the first warms up
+            for _ in range(
+                (s.small_repeats if size <= 8 else s.size_repeats) + 1
+            ):  # the first warms up
                 keys = conn.page_keys(range(first * g.page_size, (first + size) * g.page_size))
                 first += size
                 t0 = time.perf_counter()
@@ -212,8 +267,9 @@ def _transfer_sizes(cfg: ClientConfig, s: ScaleSettings) -> dict[str, Any]:
     return {
         "transfer_store_us_p50": {k: round(v * 1e6, 1) for k, v in store.items()},
         "transfer_load_us_p50": {k: round(v * 1e6, 1) for k, v in load.items()},
-        "transfer_store_gbps": {k: round(gbps(int(k) * g.page_bytes, v), 3)
-                                for k, v in store.items()},
+        "transfer_store_gbps": {
+            k: round(gbps(int(k) * g.page_bytes, v), 3) for k, v in store.items()
+        },
         "transfer_load_gbps": {k: round(v, 3) for k, v in load_gbps.items()},
         "transfer_memcpy_gbps": round(memcpy, 3),
         "transfer_fixed_cost_us": round(load["1"] * 1e6, 1),
@@ -252,14 +308,18 @@ def _engines(daemon: DaemonProcess, root: Path, s: ScaleSettings) -> dict[str, A
     bound: dict[str, float] = {}
     cpu0, moved = cpu_seconds(daemon.pid), 0
     for n in s.engines:
-        copy_before = memcpy_gbps(n * 2 * s.engine_iters * REQUEST_PAGES * GEOMETRY.page_bytes,
-                                  s.copy_threads)
+        copy_before = memcpy_gbps(
+            n * 2 * s.engine_iters * REQUEST_PAGES * GEOMETRY.page_bytes, s.copy_threads
+        )
         before = cpu_seconds(daemon.pid)
-        a = run_workers("transfer", n, _settings(daemon, f"n{n}", s.engine_iters), root,
-                        s.timeout_s)
+        a = run_workers(
+            "transfer", n, _settings(daemon, f"n{n}", s.engine_iters), root, s.timeout_s
+        )
         gb = a.nbytes / 1e9
-        split[str(n)] = {"daemon": round((cpu_seconds(daemon.pid) - before) / gb, 4),
-                         "engines": round(a.cpu_seconds / gb, 4)}
+        split[str(n)] = {
+            "daemon": round((cpu_seconds(daemon.pid) - before) / gb, 4),
+            "engines": round(a.cpu_seconds / gb, 4),
+        }
         per_gb = split[str(n)]["daemon"] + split[str(n)]["engines"]
         bound[str(n)] = round((os.cpu_count() or 1) / per_gb, 3) if per_gb > 0 else 0.0
         moved += a.nbytes
@@ -283,17 +343,28 @@ def _engines(daemon: DaemonProcess, root: Path, s: ScaleSettings) -> dict[str, A
 
 def _settings(daemon: DaemonProcess, tag: str, iters: int) -> dict[str, Any]:
     g = GEOMETRY
-    return {"runtime_dir": str(daemon.runtime_dir), "tag": tag, "pages": REQUEST_PAGES,
-            "iters": iters, "geometry": {f: getattr(g, f) for f in g.__struct_fields__}}
+    return {
+        "runtime_dir": str(daemon.runtime_dir),
+        "tag": tag,
+        "pages": REQUEST_PAGES,
+        "iters": iters,
+        "geometry": {f: getattr(g, f) for f in g.__struct_fields__},
+    }
 
 
-def _control_plane(daemon: DaemonProcess, echo: str, root: Path,
-                   s: ScaleSettings) -> dict[str, Any]:
+def _control_plane(
+    daemon: DaemonProcess, echo: str, root: Path, s: ScaleSettings
+) -> dict[str, Any]:
     """LOOKUPs/s from ``lookup_clients`` engines against echoes/s from as many clients."""
     n = s.lookup_clients
     look = run_workers("lookup", n, _settings(daemon, "lookup", s.lookup_iters), root, s.timeout_s)
-    bare = run_workers("echo", n, {"endpoint": echo, "tag": "echo", "pages": REQUEST_PAGES,
-                                   "iters": s.lookup_iters}, root, s.timeout_s)
+    bare = run_workers(
+        "echo",
+        n,
+        {"endpoint": echo, "tag": "echo", "pages": REQUEST_PAGES, "iters": s.lookup_iters},
+        root,
+        s.timeout_s,
+    )
     return {
         "lookups_per_s": round(look.ops_per_s),
         "echo_per_s": round(bare.ops_per_s),
@@ -341,10 +412,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", help="write the results here")
     p.add_argument("--plot", metavar="PNG", help="draw the N-engine curves here (needs matplotlib)")
     p.add_argument("--quick", action="store_true", help="tiny sizes: seconds, not minutes")
-    p.add_argument("--million-pages", type=int, metavar="N",
-                   help="pages of the big pool (default 1,000,000; --quick: 4,096)")
-    p.add_argument("--copy-threads", type=int, default=2,
-                   help="the daemons' copy threads, and the memcpy baselines' (default 2)")
+    p.add_argument(
+        "--million-pages",
+        type=int,
+        metavar="N",
+        help="pages of the big pool (default 1,000,000; --quick: 4,096)",
+    )
+    p.add_argument(
+        "--copy-threads",
+        type=int,
+        default=2,
+        help="the daemons' copy threads, and the memcpy baselines' (default 2)",
+    )
 
 
 def run_from_args(args: argparse.Namespace) -> dict[str, Any]:

@@ -32,8 +32,17 @@ from kvtier.config import KvtierError
 if TYPE_CHECKING:
     from typing import Self
 
-__all__ = ["EchoServer", "ScaleBenchError", "cpu_seconds", "echo_rtts", "gbps", "memcpy_gbps",
-           "memory_status", "p50", "read_line"]
+__all__ = [
+    "EchoServer",
+    "ScaleBenchError",
+    "cpu_seconds",
+    "echo_rtts",
+    "gbps",
+    "memcpy_gbps",
+    "memory_status",
+    "p50",
+    "read_line",
+]
 
 MEMCPY_MAX_BYTES = 512 << 20
 """Largest buffer :func:`memcpy_gbps` copies; bigger totals repeat it (the rate is the same
@@ -114,9 +123,12 @@ class EchoServer:
         self._proc: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> Self:
-        self._proc = subprocess.Popen([sys.executable, "-m", "kvtier.bench.echo_server",
-                                       self.endpoint], stdout=subprocess.PIPE,
-                                      stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "kvtier.bench.echo_server", self.endpoint],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL,
+        )
         assert self._proc.stdout is not None
         try:
             if read_line(self._proc.stdout, time.monotonic() + 60, "echo server") != b"ready":
@@ -172,7 +184,7 @@ def echo_rtts(endpoint: str, payload: bytes, n: int, timeout_s: float = 5.0) -> 
 def cpu_seconds(pid: int) -> float:
     """User plus system CPU seconds process ``pid`` has used (its threads included)."""
     stat = Path(f"/proc/{pid}/stat").read_text()
-    fields = stat[stat.rindex(")") + 2:].split()  # the name may hold spaces; skip past it
+    fields = stat[stat.rindex(")") + 2 :].split()  # the name may hold spaces; skip past it
     return (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime (fields 14, 15)
 
 

@@ -63,8 +63,9 @@ def pool_geometry(pages: int) -> tuple[int, int]:
     return -(-pages // per_extent) * extent, extent
 
 
-def run_million(root: Path, pages: int, batch: int, samples: int, copy_threads: int,
-                timeout_s: float = 600.0) -> dict[str, Any]:
+def run_million(
+    root: Path, pages: int, batch: int, samples: int, copy_threads: int, timeout_s: float = 600.0
+) -> dict[str, Any]:
     """Fill a pool with ``pages`` pages and measure lookup, store, eviction and adoption.
 
     Args:
@@ -86,12 +87,25 @@ def run_million(root: Path, pages: int, batch: int, samples: int, copy_threads: 
     n_chains = -(-pages // batch)  # whole batches: at least ``pages`` pages are stored
     size, extent = pool_geometry(n_chains * batch)
     rdir = root / "million"
-    flags = ["--hicache-size", str(size), "--extent-size", str(extent), "--log-level", "warning",
-             "--hicache-storage-backend", "none", "--copy-threads", str(copy_threads)]
+    flags = [
+        "--hicache-size",
+        str(size),
+        "--extent-size",
+        str(extent),
+        "--log-level",
+        "warning",
+        "--hicache-storage-backend",
+        "none",
+        "--copy-threads",
+        str(copy_threads),
+    ]
     cfg = ClientConfig(runtime_dir=rdir, request_timeout_s=60, load_timeout_s=60)
     rng = random.Random(7)
-    out: dict[str, Any] = {"million_pages": pages, "million_page_bytes": GEOMETRY.page_bytes,
-                           "million_pool_bytes": size}
+    out: dict[str, Any] = {
+        "million_pages": pages,
+        "million_page_bytes": GEOMETRY.page_bytes,
+        "million_pool_bytes": size,
+    }
     # an installed kvtier reads cached bytecode (pip compiles it): the first daemon writes it
     # to a private cache the restarted one reads, as `kvtier bench restart` does
     cached = {"PYTHONPYCACHEPREFIX": str(root / "pycache"), "PYTHONDONTWRITEBYTECODE": ""}
@@ -124,8 +138,9 @@ def run_million(root: Path, pages: int, batch: int, samples: int, copy_threads: 
                 find_s = time.perf_counter() - t1
                 adopted = memory_status(second.pid)
                 stats = conn.stats()
-                evicted, evict_busy = _overflow(conn, len(chains), batch,
-                                                size // STRIDE - stored + pages // 10)
+                evicted, evict_busy = _overflow(
+                    conn, len(chains), batch, size // STRIDE - stored + pages // 10
+                )
     finally:
         second.stop()
         first.kill()
@@ -134,25 +149,28 @@ def run_million(root: Path, pages: int, batch: int, samples: int, copy_threads: 
         raise ScaleBenchError(f"the restarted daemon found {found} of {stored} pages")
     beyond = [m["rss"] - m["shmem"] for m in (empty, full, adopted)]
     adopt = stats.get("adopt", {})
-    out.update({
-        "million_pages_stored": stored,
-        "million_store_pages_per_s": round((stored - batch) / max(busy, 1e-9)),
-        "million_small_lookup_p50_us": round(small * 1e6, 1),
-        "million_lookup_p50_us": round(big * 1e6, 1),
-        "million_lookup_p50_over_small": round(big / small, 3),
-        "million_restart_to_healthy_seconds": round(healthy, 3),
-        "million_adopt_seconds": round(adopt_s, 3),
-        "million_find_all_seconds": round(find_s, 3),
-        "million_daemon_adopt_seconds": round(float(adopt.get("seconds", 0.0)), 4)
-        if isinstance(adopt, dict) else 0.0,
-        "million_pages_found_after_restart": found,
-        "million_evicted_pages": evicted,
-        "million_evict_pages_per_s": round(evicted / max(evict_busy, 1e-9)),
-        "million_rss_beyond_pool_empty_bytes": beyond[0],
-        "million_rss_beyond_pool_bytes": beyond[1],
-        "million_rss_beyond_pool_adopted_bytes": beyond[2],
-        "million_rss_per_page_bytes": round((beyond[1] - beyond[0]) / stored, 1),
-    })
+    out.update(
+        {
+            "million_pages_stored": stored,
+            "million_store_pages_per_s": round((stored - batch) / max(busy, 1e-9)),
+            "million_small_lookup_p50_us": round(small * 1e6, 1),
+            "million_lookup_p50_us": round(big * 1e6, 1),
+            "million_lookup_p50_over_small": round(big / small, 3),
+            "million_restart_to_healthy_seconds": round(healthy, 3),
+            "million_adopt_seconds": round(adopt_s, 3),
+            "million_find_all_seconds": round(find_s, 3),
+            "million_daemon_adopt_seconds": round(float(adopt.get("seconds", 0.0)), 4)
+            if isinstance(adopt, dict)
+            else 0.0,
+            "million_pages_found_after_restart": found,
+            "million_evicted_pages": evicted,
+            "million_evict_pages_per_s": round(evicted / max(evict_busy, 1e-9)),
+            "million_rss_beyond_pool_empty_bytes": beyond[0],
+            "million_rss_beyond_pool_bytes": beyond[1],
+            "million_rss_beyond_pool_adopted_bytes": beyond[2],
+            "million_rss_per_page_bytes": round((beyond[1] - beyond[0]) / stored, 1),
+        }
+    )
     if evicted <= 0:
         raise ScaleBenchError("storing into the full pool evicted nothing")
     return out
@@ -184,12 +202,15 @@ def _overflow(conn: Connection, first_chain: int, batch: int, extra: int) -> tup
     return evicted, busy
 
 
-def _lookup_p50(conn: Connection, chains: list[list[bytes]], samples: int,
-                rng: random.Random) -> float:
+def _lookup_p50(
+    conn: Connection, chains: list[list[bytes]], samples: int, rng: random.Random
+) -> float:
     """p50 seconds of a LOOKUP of :data:`LOOKUP_KEYS` keys at random places in ``chains``."""
     batch = len(chains[0])
-    windows = [chains[rng.randrange(len(chains))][s:s + LOOKUP_KEYS]
-               for s in (rng.randrange(batch - LOOKUP_KEYS + 1) for _ in range(samples + 20))]
+    windows = [
+        chains[rng.randrange(len(chains))][s : s + LOOKUP_KEYS]
+        for s in (rng.randrange(batch - LOOKUP_KEYS + 1) for _ in range(samples + 20))
+    ]
     rtts = []
     for i, keys in enumerate(windows):
         t0 = time.perf_counter()
@@ -210,8 +231,10 @@ def _evictions(conn: Connection) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m kvtier.bench.scale_million [--pages N] [--json PATH]``: print the results."""
-    p = argparse.ArgumentParser(prog="python -m kvtier.bench.scale_million",
-                                description="the million-page part of kvtier bench scale")
+    p = argparse.ArgumentParser(
+        prog="python -m kvtier.bench.scale_million",
+        description="the million-page part of kvtier bench scale",
+    )
     p.add_argument("--pages", type=int, default=1_000_000, help="pages (default 1,000,000)")
     p.add_argument("--batch", type=int, default=1024, help="pages per STORE (default 1024)")
     p.add_argument("--samples", type=int, default=500, help="timed LOOKUPs per p50 (default 500)")

@@ -36,8 +36,16 @@ PAUSE_S = 0.001
 """Its pause between round trips."""
 
 
-def run_stall(daemon: DaemonProcess, root: Path, cfg: ClientConfig, geometry: P.Geometry,
-              pages: int, pool_bytes: int, seconds: float, timeout_s: float) -> dict[str, Any]:
+def run_stall(
+    daemon: DaemonProcess,
+    root: Path,
+    cfg: ClientConfig,
+    geometry: P.Geometry,
+    pages: int,
+    pool_bytes: int,
+    seconds: float,
+    timeout_s: float,
+) -> dict[str, Any]:
     """Measure the other engine's LOOKUPs idle and during back-to-back STOREs of ``pages``.
 
     Args:
@@ -54,9 +62,14 @@ def run_stall(daemon: DaemonProcess, root: Path, cfg: ClientConfig, geometry: P.
         ScaleBenchError: a STORE moved less than asked, or the worker failed.
     """
     g = geometry
-    settings = {"runtime_dir": str(daemon.runtime_dir), "pages": LOOKUP_KEYS,
-                "iters": int(seconds / PAUSE_S) + 1, "seconds": seconds, "pause_s": PAUSE_S,
-                "geometry": {f: getattr(g, f) for f in g.__struct_fields__}}
+    settings = {
+        "runtime_dir": str(daemon.runtime_dir),
+        "pages": LOOKUP_KEYS,
+        "iters": int(seconds / PAUSE_S) + 1,
+        "seconds": seconds,
+        "pause_s": PAUSE_S,
+        "geometry": {f: getattr(g, f) for f in g.__struct_fields__},
+    }
     with SharedKVPool(g, pages) as kv, Connection(kv, model_id="scale-stall", config=cfg) as conn:
         chains = [0]
 
@@ -75,8 +88,9 @@ def run_stall(daemon: DaemonProcess, root: Path, cfg: ClientConfig, geometry: P.
             store()
         idle = _lookups(root, {**settings, "tag": "stall-idle"}, None, timeout_s)
         accepts: list[float] = []
-        busy = _lookups(root, {**settings, "tag": "stall-busy"}, lambda: accepts.append(store()),
-                        timeout_s)
+        busy = _lookups(
+            root, {**settings, "tag": "stall-busy"}, lambda: accepts.append(store()), timeout_s
+        )
     if not accepts:
         raise ScaleBenchError("no STORE ran while the other engine measured")
     p99_idle, p99_busy = np.percentile(idle, 99), np.percentile(busy, 99)
@@ -93,8 +107,9 @@ def run_stall(daemon: DaemonProcess, root: Path, cfg: ClientConfig, geometry: P.
     }
 
 
-def _lookups(root: Path, settings: dict[str, Any], action: Callable[[], None] | None,
-             timeout_s: float) -> list[float]:
+def _lookups(
+    root: Path, settings: dict[str, Any], action: Callable[[], None] | None, timeout_s: float
+) -> list[float]:
     """One ``latency`` worker's round trips (µs), ``action`` repeated meanwhile if given."""
     done: list[Aggregate] = []
     failed: list[Exception] = []

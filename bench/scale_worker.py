@@ -71,8 +71,9 @@ class Aggregate:
         return self.ops / max(self.seconds, 1e-9)
 
 
-def run_workers(mode: str, n: int, settings: dict[str, Any], log_dir: Path,
-                timeout_s: float = 300.0) -> Aggregate:
+def run_workers(
+    mode: str, n: int, settings: dict[str, Any], log_dir: Path, timeout_s: float = 300.0
+) -> Aggregate:
     """Run ``n`` workers of ``mode`` at once and aggregate what they did.
 
     Args:
@@ -96,9 +97,14 @@ def run_workers(mode: str, n: int, settings: dict[str, Any], log_dir: Path,
         for i in range(n):
             arg = json.dumps({**settings, "mode": mode, "index": i})
             with open(logs[i], "wb") as log:
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "kvtier.bench.scale_worker", arg],
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log))
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "kvtier.bench.scale_worker", arg],
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        stderr=log,
+                    )
+                )
         for i, p in enumerate(procs):
             _expect(p, deadline, b"ready", logs[i])
         for p in procs:
@@ -119,10 +125,14 @@ def run_workers(mode: str, n: int, settings: dict[str, Any], log_dir: Path,
             for stream in (p.stdin, p.stdout):
                 if stream is not None:
                     stream.close()
-    return Aggregate(workers=n, ops=sum(r["ops"] for r in results),
-                     nbytes=sum(r["nbytes"] for r in results),
-                     seconds=max(r["t1"] for r in results) - min(r["t0"] for r in results),
-                     cpu_seconds=sum(r.get("cpu", 0.0) for r in results), details=tuple(results))
+    return Aggregate(
+        workers=n,
+        ops=sum(r["ops"] for r in results),
+        nbytes=sum(r["nbytes"] for r in results),
+        seconds=max(r["t1"] for r in results) - min(r["t0"] for r in results),
+        cpu_seconds=sum(r.get("cpu", 0.0) for r in results),
+        details=tuple(results),
+    )
 
 
 def _expect(p: subprocess.Popen[bytes], deadline: float, want: bytes | None, log: Path) -> bytes:
@@ -164,8 +174,13 @@ def _transfer(conn: Any, s: dict[str, Any]) -> dict[str, Any]:
     for keys in batches:
         pair(keys)
     t1 = time.monotonic()
-    return {"ops": 2 * iters, "nbytes": 2 * iters * pages * g.page_bytes, "t0": t0, "t1": t1,
-            "cpu": time.process_time() - c0}
+    return {
+        "ops": 2 * iters,
+        "nbytes": 2 * iters * pages * g.page_bytes,
+        "t0": t0,
+        "t1": t1,
+        "cpu": time.process_time() - c0,
+    }
 
 
 def _lookup(conn: Any, s: dict[str, Any]) -> dict[str, Any]:
@@ -181,8 +196,13 @@ def _lookup(conn: Any, s: dict[str, Any]) -> dict[str, Any]:
     for _ in range(iters):
         if conn.lookup(keys).l2 != pages:
             raise ScaleBenchError("a lookup missed (daemon late or pages evicted)")
-    return {"ops": iters, "nbytes": 0, "t0": t0, "t1": time.monotonic(),
-            "cpu": time.process_time() - c0}
+    return {
+        "ops": iters,
+        "nbytes": 0,
+        "t0": t0,
+        "t1": time.monotonic(),
+        "cpu": time.process_time() - c0,
+    }
 
 
 def _latency(conn: Any, s: dict[str, Any]) -> dict[str, Any]:
@@ -206,8 +226,9 @@ def _latency(conn: Any, s: dict[str, Any]) -> dict[str, Any]:
 def _echo(s: dict[str, Any]) -> None:
     import zmq
 
-    payload = P.encode(P.Lookup(req_id=1, session_id=1,
-                                keys=[bytes([i % 256]) * 32 for i in range(s["pages"])]))
+    payload = P.encode(
+        P.Lookup(req_id=1, session_id=1, keys=[bytes([i % 256]) * 32 for i in range(s["pages"])])
+    )
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -247,10 +268,15 @@ def main(argv: list[str]) -> int:
     from kvtier.config import ClientConfig
 
     geometry = P.Geometry(**s["geometry"])
-    cfg = ClientConfig(runtime_dir=Path(s["runtime_dir"]), request_timeout_s=REQUEST_TIMEOUT_S,
-                       load_timeout_s=REQUEST_TIMEOUT_S)
-    with SharedKVPool(geometry, 2 * s["pages"]) as kv, \
-            Connection(kv, model_id=f"scale-{s['tag']}-{s['index']}", config=cfg) as conn:
+    cfg = ClientConfig(
+        runtime_dir=Path(s["runtime_dir"]),
+        request_timeout_s=REQUEST_TIMEOUT_S,
+        load_timeout_s=REQUEST_TIMEOUT_S,
+    )
+    with (
+        SharedKVPool(geometry, 2 * s["pages"]) as kv,
+        Connection(kv, model_id=f"scale-{s['tag']}-{s['index']}", config=cfg) as conn,
+    ):
         run = {"transfer": _transfer, "lookup": _lookup, "latency": _latency}[s["mode"]]
         _report(run(conn, s))
     return 0

@@ -51,8 +51,13 @@ def _fill(stack: Stack, idx: Any, seed: int) -> None:
 
     gen = torch.Generator().manual_seed(seed)
     buf = stack.host.kv_buffer
-    flat = torch.randint(-32768, 32768, (stack.host.get_dummy_flat_data_page().numel(),),
-                         dtype=torch.int16, generator=gen).view(buf.dtype)
+    flat = torch.randint(
+        -32768,
+        32768,
+        (stack.host.get_dummy_flat_data_page().numel(),),
+        dtype=torch.int16,
+        generator=gen,
+    ).view(buf.dtype)
     for i in range(len(idx) // stack.page):
         stack.host.set_from_flat_data_page(int(idx[i * stack.page]), flat)
 
@@ -67,7 +72,9 @@ def _round(stack: Stack, tokens: list[int], seed: int) -> tuple[float, float]:
     t1 = time.perf_counter()
     stack.host.free(idx)
     if done != len(tokens):
-        raise RuntimeError(f"{type(stack.backend).__name__}: backed up {done} of {len(tokens)} tokens")
+        raise RuntimeError(
+            f"{type(stack.backend).__name__}: backed up {done} of {len(tokens)} tokens"
+        )
     t2 = time.perf_counter()
     got, _, done, _ = stack.prefetch(tokens)
     t3 = time.perf_counter()
@@ -84,19 +91,33 @@ def run_throughput(pages: int = 256, repeats: int = 5) -> dict[str, Any]:
     page_bytes = 2 * GEOMETRY["layers"] * ps * GEOMETRY["heads"] * GEOMETRY["head_dim"] * 2
     pool_mib = max(256, 2 * (repeats + 1) * pages * page_bytes >> 20)
     tmp = Path(tempfile.mkdtemp(prefix="kvsgb-", dir="/tmp"))
-    daemon = DaemonProcess(tmp / "rt", ["--hicache-size", f"{pool_mib}MiB",
-                                        "--hicache-storage-backend", "none"], isolated=True)
+    daemon = DaemonProcess(
+        tmp / "rt",
+        ["--hicache-size", f"{pool_mib}MiB", "--hicache-storage-backend", "none"],
+        isolated=True,
+    )
     stacks: list[Stack] = []
     try:
         daemon.start()
-        extra = {"backend_name": "kvtier", "module_path": "kvtier.client.adapters.sglang",
-                 "class_name": "KvtierHiCacheStorage", "interface_v1": 1, "allocator": "shm",
-                 "runtime_dir": str(daemon.runtime_dir)}
+        extra = {
+            "backend_name": "kvtier",
+            "module_path": "kvtier.client.adapters.sglang",
+            "class_name": "KvtierHiCacheStorage",
+            "interface_v1": 1,
+            "allocator": "shm",
+            "runtime_dir": str(daemon.runtime_dir),
+        }
         host_tokens = (pages + 1) * ps
         kv = build_stack("page_first", "dynamic", extra, host_tokens=host_tokens, **GEOMETRY)
         stacks.append(kv)
-        hf = build_stack("page_first", "file", {"file_storage_path": str(tmp / "hicache")},
-                         host_tokens=host_tokens, publish=False, **GEOMETRY)
+        hf = build_stack(
+            "page_first",
+            "file",
+            {"file_storage_path": str(tmp / "hicache")},
+            host_tokens=host_tokens,
+            publish=False,
+            **GEOMETRY,
+        )
         stacks.append(hf)
         if not kv.backend.connected:
             raise RuntimeError(f"kvtier backend did not register:\n{daemon.log_tail()}")
@@ -120,20 +141,26 @@ def run_throughput(pages: int = 256, repeats: int = 5) -> dict[str, Any]:
         return pages / statistics.median(t[k] for t in times[name])
 
     def ratio(k: int) -> float:
-        return statistics.median(f[k] / v[k] for f, v in zip(times["file"], times["kvtier"],
-                                                             strict=True))
+        return statistics.median(
+            f[k] / v[k] for f, v in zip(times["file"], times["kvtier"], strict=True)
+        )
 
-    return {"pages": pages, "page_bytes": page_bytes, "repeats": repeats,
-            "kvtier_backup_pages_s": round(rate("kvtier", 0), 1),
-            "hicachefile_backup_pages_s": round(rate("file", 0), 1),
-            "kvtier_prefetch_pages_s": round(rate("kvtier", 1), 1),
-            "hicachefile_prefetch_pages_s": round(rate("file", 1), 1),
-            "backup_over_hicachefile": round(ratio(0), 3),
-            "prefetch_over_hicachefile": round(ratio(1), 3)}
+    return {
+        "pages": pages,
+        "page_bytes": page_bytes,
+        "repeats": repeats,
+        "kvtier_backup_pages_s": round(rate("kvtier", 0), 1),
+        "hicachefile_backup_pages_s": round(rate("file", 0), 1),
+        "kvtier_prefetch_pages_s": round(rate("kvtier", 1), 1),
+        "hicachefile_prefetch_pages_s": round(rate("file", 1), 1),
+        "backup_over_hicachefile": round(ratio(0), 3),
+        "prefetch_over_hicachefile": round(ratio(1), 3),
+    }
 
 
-def run_sglang_bench(pages: int = 256, repeats: int = 5, instances: int = 4,
-                     pool_pages: int = 512) -> dict[str, Any]:
+def run_sglang_bench(
+    pages: int = 256, repeats: int = 5, instances: int = 4, pool_pages: int = 512
+) -> dict[str, Any]:
     """Both figures (see the module doc)."""
     out = run_throughput(pages, repeats)
     out.update(run_sharing(instances, pool_pages))
@@ -143,17 +170,25 @@ def run_sglang_bench(pages: int = 256, repeats: int = 5, instances: int = 4,
 def _report(r: dict[str, Any]) -> str:
     mib = r["page_bytes"] / 2**20
     lines = [
-        (f"SGLang HiCache controller, {r['pages']} pages of {mib:.2f} MiB, median of "
-         f"{r['repeats']} (pages/s):"),
+        (
+            f"SGLang HiCache controller, {r['pages']} pages of {mib:.2f} MiB, median of "
+            f"{r['repeats']} (pages/s):"
+        ),
         f"  {'':10} {'kvtier':>10} {'HiCacheFile':>12} {'ratio':>7}  target",
-        (f"  {'backup':10} {r['kvtier_backup_pages_s']:>10.0f} "
-         f"{r['hicachefile_backup_pages_s']:>12.0f} {r['backup_over_hicachefile']:>7.2f}  >= 4"),
-        (f"  {'prefetch':10} {r['kvtier_prefetch_pages_s']:>10.0f} "
-         f"{r['hicachefile_prefetch_pages_s']:>12.0f} {r['prefetch_over_hicachefile']:>7.2f}  >= 4"),
+        (
+            f"  {'backup':10} {r['kvtier_backup_pages_s']:>10.0f} "
+            f"{r['hicachefile_backup_pages_s']:>12.0f} {r['backup_over_hicachefile']:>7.2f}  >= 4"
+        ),
+        (
+            f"  {'prefetch':10} {r['kvtier_prefetch_pages_s']:>10.0f} "
+            f"{r['hicachefile_prefetch_pages_s']:>12.0f} {r['prefetch_over_hicachefile']:>7.2f}  >= 4"
+        ),
         f"{r['instances']} instances, same total memory ({r['pool_pages']} pages):",
         f"  one shared kvtier pool of {r['pool_pages']} pages: hit rate {r['shared_hit_rate']:.3f}",
-        (f"  {r['instances']} private pools of {r['private_pool_pages']} pages:   hit rate "
-         f"{r['private_hit_rate']:.3f}   (ceiling {r['hit_ceiling']:.2f})"),
+        (
+            f"  {r['instances']} private pools of {r['private_pool_pages']} pages:   hit rate "
+            f"{r['private_hit_rate']:.3f}   (ceiling {r['hit_ceiling']:.2f})"
+        ),
         f"  workload: {r['workload']}",
     ]
     return "\n".join(lines)

@@ -35,9 +35,11 @@ __all__ = ["WORKLOAD", "run_sharing"]
 GEOMETRY = Geometry(num_layers=2, page_size=16, kv_heads=2, head_dim=64, dtype="bfloat16")
 """16 KiB pages: small, so the pools are small; the hit rates do not depend on page bytes."""
 PROMPTS, PROMPT_PAGES, OWN_PAGES, PER_INSTANCE = 8, 24, 8, 100
-WORKLOAD = (f"{PROMPTS} system prompts x {PROMPT_PAGES} pages (Zipf popularity), each request "
-            f"= one prompt + {OWN_PAGES} pages of its own, {PER_INSTANCE} requests per "
-            "instance round-robin, LOOKUP then STORE of what is missing")
+WORKLOAD = (
+    f"{PROMPTS} system prompts x {PROMPT_PAGES} pages (Zipf popularity), each request "
+    f"= one prompt + {OWN_PAGES} pages of its own, {PER_INSTANCE} requests per "
+    "instance round-robin, LOOKUP then STORE of what is missing"
+)
 
 
 def _trace(instances: int, seed: int = 1) -> list[tuple[int, list[int]]]:
@@ -79,10 +81,21 @@ def run_sharing(instances: int = 4, pool_pages: int = 512) -> dict[str, object]:
     with tempfile.TemporaryDirectory(prefix="kvsb-", dir="/tmp") as tmp:
         for side, n_daemons in (("shared", 1), ("private", instances)):
             kib = pool_pages * page_kib // n_daemons
-            daemons = [DaemonProcess(Path(tmp) / f"{side}{i}", [
-                "--hicache-size", f"{kib}KiB", "--extent-size", f"{extent_kib}KiB",
-                "--hicache-storage-backend", "none"], isolated=True)
-                for i in range(n_daemons)]
+            daemons = [
+                DaemonProcess(
+                    Path(tmp) / f"{side}{i}",
+                    [
+                        "--hicache-size",
+                        f"{kib}KiB",
+                        "--extent-size",
+                        f"{extent_kib}KiB",
+                        "--hicache-storage-backend",
+                        "none",
+                    ],
+                    isolated=True,
+                )
+                for i in range(n_daemons)
+            ]
             pools: list[SharedKVPool] = []
             conns: list[Connection] = []
             try:
@@ -91,8 +104,13 @@ def run_sharing(instances: int = 4, pool_pages: int = 512) -> dict[str, object]:
                 for i in range(instances):
                     d = daemons[i % n_daemons]
                     pools.append(SharedKVPool(GEOMETRY, num_pages=PROMPT_PAGES + OWN_PAGES))
-                    conns.append(Connection(pools[-1], model_id="bench-sharing",
-                                            config=ClientConfig(runtime_dir=d.runtime_dir)))
+                    conns.append(
+                        Connection(
+                            pools[-1],
+                            model_id="bench-sharing",
+                            config=ClientConfig(runtime_dir=d.runtime_dir),
+                        )
+                    )
                 rates[side] = _replay(conns, trace)
             finally:
                 for c in conns:
@@ -102,8 +120,12 @@ def run_sharing(instances: int = 4, pool_pages: int = 512) -> dict[str, object]:
                 for d in daemons:
                     d.stop()
                     d.remove_pool()
-    return {"instances": instances, "pool_pages": pool_pages,
-            "private_pool_pages": pool_pages // instances, "workload": WORKLOAD,
-            "hit_ceiling": PROMPT_PAGES / (PROMPT_PAGES + OWN_PAGES),
-            "shared_hit_rate": round(rates["shared"], 4),
-            "private_hit_rate": round(rates["private"], 4)}
+    return {
+        "instances": instances,
+        "pool_pages": pool_pages,
+        "private_pool_pages": pool_pages // instances,
+        "workload": WORKLOAD,
+        "hit_ceiling": PROMPT_PAGES / (PROMPT_PAGES + OWN_PAGES),
+        "shared_hit_rate": round(rates["shared"], 4),
+        "private_hit_rate": round(rates["private"], 4),
+    }

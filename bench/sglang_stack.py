@@ -49,8 +49,9 @@ def without_torchvision() -> None:
     tr.InterpolationMode = fn.InterpolationMode = InterpolationMode  # type: ignore[attr-defined]
     tr.functional = fn  # type: ignore[attr-defined]
     tv.transforms = tr  # type: ignore[attr-defined]
-    sys.modules.update({"torchvision": tv, "torchvision.transforms": tr,
-                        "torchvision.transforms.functional": fn})
+    sys.modules.update(
+        {"torchvision": tv, "torchvision.transforms": tr, "torchvision.transforms.functional": fn}
+    )
 
 
 @dataclass
@@ -140,11 +141,25 @@ class Stack:
         self.controller.detach_storage_backend()
 
 
-def build_stack(layout: str, backend: str, extra: dict[str, Any], *, mla: bool = False,
-                page_size: int = 16, layers: int = 4, heads: int = 2, head_dim: int = 64,
-                device_tokens: int = 1024, host_tokens: int = 2048, tp_rank: int = 0,
-                tp_size: int = 1, port: int = 30000, model: str = "test-model",
-                host_memory_mode: str = "cache", publish: bool = True) -> Stack:
+def build_stack(
+    layout: str,
+    backend: str,
+    extra: dict[str, Any],
+    *,
+    mla: bool = False,
+    page_size: int = 16,
+    layers: int = 4,
+    heads: int = 2,
+    head_dim: int = 64,
+    device_tokens: int = 1024,
+    host_tokens: int = 2048,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    port: int = 30000,
+    model: str = "test-model",
+    host_memory_mode: str = "cache",
+    publish: bool = True,
+) -> Stack:
     """SGLang's host pool and HiCache controller with storage backend ``backend``.
 
     Args:
@@ -161,11 +176,17 @@ def build_stack(layout: str, backend: str, extra: dict[str, Any], *, mla: bool =
     from sglang.srt.server_args import ServerArgs
 
     if publish:
-        args = ServerArgs(model_path="dummy", device="cpu", enable_hierarchical_cache=True,
-                          hicache_storage_backend=backend, hicache_mem_layout=layout,
-                          page_size=page_size,
-                          hicache_storage_backend_extra_config=json.dumps(extra),
-                          tp_size=tp_size, port=port)
+        args = ServerArgs(
+            model_path="dummy",
+            device="cpu",
+            enable_hierarchical_cache=True,
+            hicache_storage_backend=backend,
+            hicache_mem_layout=layout,
+            page_size=page_size,
+            hicache_storage_backend_extra_config=json.dumps(extra),
+            tp_size=tp_size,
+            port=port,
+        )
         # the dummy model has nothing to resolve: mark it resolved (else SGLang loads it)
         msgspec.Struct.__setattr__(args, "_resolution_finished", True)
         rc.publish(args, role="scheduler", ranks=rc.SpawnRanks(world_rank=tp_rank))
@@ -174,32 +195,81 @@ def build_stack(layout: str, backend: str, extra: dict[str, Any], *, mla: bool =
     from sglang.srt.mem_cache.pool_host.common import get_allocator_type
 
     # the published config decides, as in SGLang; a later stack in the process says its own
-    allocator_type = (get_allocator_type() if publish
-                      else "shm" if extra.get("allocator") == "shm" else "default")
-    host_kw = {"pin_memory": False, "device": "cpu", "allocator_type": allocator_type,
-               "device_capacity_tokens": device_tokens, "start_layer": 0,
-               "end_layer": layers - 1}
+    allocator_type = (
+        get_allocator_type() if publish else "shm" if extra.get("allocator") == "shm" else "default"
+    )
+    host_kw = {
+        "pin_memory": False,
+        "device": "cpu",
+        "allocator_type": allocator_type,
+        "device_capacity_tokens": device_tokens,
+        "start_layer": 0,
+        "end_layer": layers - 1,
+    }
     if mla:
         from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
         from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
-        device = MLATokenToKVPool(device_tokens, page_size, torch.bfloat16, 64, 32, layers, "cpu",
-                                  False, start_layer=0, end_layer=layers - 1)
-        host = MLATokenToKVPoolHost(device.get_device_pool_infos()[0].buffer_info, 0, 0, page_size,
-                                    layout, target_layer_num=layers,
-                                    host_token_capacity=host_tokens, **host_kw)
+        device = MLATokenToKVPool(
+            device_tokens,
+            page_size,
+            torch.bfloat16,
+            64,
+            32,
+            layers,
+            "cpu",
+            False,
+            start_layer=0,
+            end_layer=layers - 1,
+        )
+        host = MLATokenToKVPoolHost(
+            device.get_device_pool_infos()[0].buffer_info,
+            0,
+            0,
+            page_size,
+            layout,
+            target_layer_num=layers,
+            host_token_capacity=host_tokens,
+            **host_kw,
+        )
     else:
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
         from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
-        device = MHATokenToKVPool(device_tokens, page_size, torch.bfloat16, heads, head_dim, layers,
-                                  "cpu", False, start_layer=0, end_layer=layers - 1)
-        host = MHATokenToKVPoolHost(device.get_device_pool_infos()[0].buffer_info, 0, 0, page_size,
-                                    layout, host_token_capacity=host_tokens, **host_kw)
-    pool_allocator = PagedTokenToKVPoolAllocator(device_tokens, page_size, torch.bfloat16, "cpu",
-                                                 device, False)
+        device = MHATokenToKVPool(
+            device_tokens,
+            page_size,
+            torch.bfloat16,
+            heads,
+            head_dim,
+            layers,
+            "cpu",
+            False,
+            start_layer=0,
+            end_layer=layers - 1,
+        )
+        host = MHATokenToKVPoolHost(
+            device.get_device_pool_infos()[0].buffer_info,
+            0,
+            0,
+            page_size,
+            layout,
+            host_token_capacity=host_tokens,
+            **host_kw,
+        )
+    pool_allocator = PagedTokenToKVPoolAllocator(
+        device_tokens, page_size, torch.bfloat16, "cpu", device, False
+    )
     controller = HiCacheController(
-        pool_allocator, host, page_size, tp_group=None, load_cache_event=threading.Event(),
-        io_backend="direct", storage_backend=backend, model_name=model,
-        storage_backend_extra_config=dict(extra), host_memory_mode=host_memory_mode)
+        pool_allocator,
+        host,
+        page_size,
+        tp_group=None,
+        load_cache_event=threading.Event(),
+        io_backend="direct",
+        storage_backend=backend,
+        model_name=model,
+        storage_backend_extra_config=dict(extra),
+        host_memory_mode=host_memory_mode,
+    )
     return Stack(host=host, controller=controller, page=page_size)

@@ -63,8 +63,16 @@ def _replay(root: Path, chains: list[list[int]], stamps: list[int], size: int, e
     from kvtier.client.daemon_process import DaemonProcess
 
     ext = _extent_pages(size) * PAGE_BYTES
-    flags = ["--hicache-size", str(size * PAGE_BYTES), "--extent-size", str(ext),
-             "--log-level", "warning", "--hicache-storage-backend", "none"]
+    flags = [
+        "--hicache-size",
+        str(size * PAGE_BYTES),
+        "--extent-size",
+        str(ext),
+        "--log-level",
+        "warning",
+        "--hicache-storage-backend",
+        "none",
+    ]
     if policy is not None:
         flags += ["--eviction-policy", policy]
     daemon = DaemonProcess(root / f"d{size}", flags)
@@ -76,11 +84,18 @@ def _replay(root: Path, chains: list[list[int]], stamps: list[int], size: int, e
     try:
         for i in range(engines):
             mine = range(i, len(chains), engines)
-            s = {"runtime_dir": str(daemon.runtime_dir), "chains": [chains[r] for r in mine],
-                 "due": [(stamps[r] - t_first) / 1000.0 / speedup for r in mine]}
+            s = {
+                "runtime_dir": str(daemon.runtime_dir),
+                "chains": [chains[r] for r in mine],
+                "due": [(stamps[r] - t_first) / 1000.0 / speedup for r in mine],
+            }
             with open(logs[i], "wb") as log:
-                p = subprocess.Popen([sys.executable, "-m", "kvtier.bench.trace_worker"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
+                p = subprocess.Popen(
+                    [sys.executable, "-m", "kvtier.bench.trace_worker"],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                )
             procs.append(p)
             assert p.stdin is not None
             p.stdin.write(json.dumps(s).encode() + b"\n")
@@ -154,11 +169,22 @@ def run_trace_bench(trace: str | Path = DEFAULT_TRACE, sizes: Sequence[int] = (2
         policy = load_config(DaemonConfig).eviction_policy
     chains, stamps = load_trace(trace, limit)
     total = sum(map(len, chains))
-    out: dict[str, Any] = {"trace": Path(trace).name, "requests": len(chains), "blocks": total,
-                           "engines": engines, "speedup": speedup, "eviction_policy": policy,
-                           "sizes": list(sizes), "hit_rate": [], "lru_hit_rate": [],
-                           "min_hit_rate": [], "gap_closed": [], "mismatched_bytes": 0,
-                           "daemon_cpu_ms_per_request": [], "latency_ms": []}
+    out: dict[str, Any] = {
+        "trace": Path(trace).name,
+        "requests": len(chains),
+        "blocks": total,
+        "engines": engines,
+        "speedup": speedup,
+        "eviction_policy": policy,
+        "sizes": list(sizes),
+        "hit_rate": [],
+        "lru_hit_rate": [],
+        "min_hit_rate": [],
+        "gap_closed": [],
+        "mismatched_bytes": 0,
+        "daemon_cpu_ms_per_request": [],
+        "latency_ms": [],
+    }
     with tempfile.TemporaryDirectory(prefix="kvt-trace-", dir="/tmp") as d:
         for size in sizes:
             r = _replay(Path(d), chains, stamps, size, engines, speedup, policy, timeout_s)
@@ -178,30 +204,48 @@ def run_trace_bench(trace: str | Path = DEFAULT_TRACE, sizes: Sequence[int] = (2
 
 def print_table(r: dict[str, Any]) -> None:
     """Print the result, one line per size."""
-    print(f"trace {r['trace']}: {r['requests']} requests, {r['blocks']} blocks, "
-          f"{r['engines']} engines, eviction_policy {r['eviction_policy']}")
-    print(f"{'blocks':>7} {'kvtier':>7} {'lru':>7} {'min':>7} {'gap_closed':>10} "
-          f"{'cpu ms/req':>10}  lookup/load/store p50 ms (p99)")
+    print(
+        f"trace {r['trace']}: {r['requests']} requests, {r['blocks']} blocks, "
+        f"{r['engines']} engines, eviction_policy {r['eviction_policy']}"
+    )
+    print(
+        f"{'blocks':>7} {'kvtier':>7} {'lru':>7} {'min':>7} {'gap_closed':>10} "
+        f"{'cpu ms/req':>10}  lookup/load/store p50 ms (p99)"
+    )
     for i, size in enumerate(r["sizes"]):
         lat = r["latency_ms"][i]
-        ops = "  ".join(f"{lat[op]['p50']:.2f} ({lat[op]['p99']:.1f})"
-                        for op in ("lookup", "load", "store"))
-        print(f"{size:>7} {r['hit_rate'][i]:7.3f} {r['lru_hit_rate'][i]:7.3f} "
-              f"{r['min_hit_rate'][i]:7.3f} {r['gap_closed'][i]:10.2f} "
-              f"{r['daemon_cpu_ms_per_request'][i]:10.2f}  {ops}")
+        ops = "  ".join(
+            f"{lat[op]['p50']:.2f} ({lat[op]['p99']:.1f})" for op in ("lookup", "load", "store")
+        )
+        print(
+            f"{size:>7} {r['hit_rate'][i]:7.3f} {r['lru_hit_rate'][i]:7.3f} "
+            f"{r['min_hit_rate'][i]:7.3f} {r['gap_closed'][i]:10.2f} "
+            f"{r['daemon_cpu_ms_per_request'][i]:10.2f}  {ops}"
+        )
     print(f"mismatched bytes: {r['mismatched_bytes']}")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``kvtier bench trace``."""
-    p.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake-format trace "
-                   "(.jsonl or .jsonl.gz; default: the conversation trace in bench/data)")
-    p.add_argument("--blocks", default="2000,5000,10000,20000",
-                   help="pool sizes in trace blocks (pages), comma-separated")
+    p.add_argument(
+        "--trace",
+        default=str(DEFAULT_TRACE),
+        help="Mooncake-format trace "
+        "(.jsonl or .jsonl.gz; default: the conversation trace in bench/data)",
+    )
+    p.add_argument(
+        "--blocks",
+        default="2000,5000,10000,20000",
+        help="pool sizes in trace blocks (pages), comma-separated",
+    )
     p.add_argument("--engines", type=int, default=4, help="engine processes")
     p.add_argument("--speedup", type=float, default=100.0, help="time compression")
-    p.add_argument("--policy", choices=("lru", "arc"), default=None,
-                   help="the daemon's eviction_policy (default: its default)")
+    p.add_argument(
+        "--policy",
+        choices=("lru", "arc"),
+        default=None,
+        help="the daemon's eviction_policy (default: its default)",
+    )
     p.add_argument("--limit", type=int, default=None, help="replay the first N requests")
     p.add_argument("--json", default=None, help="write the result here")
     p.add_argument("--plot", default=None, help="write a PNG of hit rate per size here")
@@ -228,8 +272,11 @@ def _plot(r: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for key, label in (("hit_rate", "kvtier"), ("lru_hit_rate", "LRU (simulated)"),
-                       ("min_hit_rate", "Belady MIN (offline)")):
+    for key, label in (
+        ("hit_rate", "kvtier"),
+        ("lru_hit_rate", "LRU (simulated)"),
+        ("min_hit_rate", "Belady MIN (offline)"),
+    ):
         ax.plot(r["sizes"], r[key], marker="o", label=label)
     ax.set_xscale("log")
     ax.set_xlabel("pool size (trace blocks)")
@@ -243,8 +290,11 @@ def _plot(r: dict[str, Any], path: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m kvtier.bench.trace`` / ``kvtier bench trace``."""
-    p = argparse.ArgumentParser(prog="kvtier bench trace", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="kvtier bench trace",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(p)
     run_from_args(p.parse_args(argv))
     return 0

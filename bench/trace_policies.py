@@ -35,14 +35,13 @@ table: each candidate's hit rate and gap closed (LRU -> MIN) on the whole trace,
 and the synthetic workload.
 """
 
-
 from __future__ import annotations
 
 import argparse
 import functools
 import heapq
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvtier.bench.trace_sim import (
     DEFAULT_TRACE,
@@ -53,8 +52,14 @@ from kvtier.bench.trace_sim import (
     synthetic_trace,
 )
 
-__all__ = ["CANDIDATES", "lirs_hit_rate", "main", "reused_min_hit_rate", "twoq_hit_rate",
-           "wtinylfu_hit_rate"]
+__all__ = [
+    "CANDIDATES",
+    "lirs_hit_rate",
+    "main",
+    "reused_min_hit_rate",
+    "twoq_hit_rate",
+    "wtinylfu_hit_rate",
+]
 
 Chains = Sequence[Sequence[int]]
 
@@ -312,7 +317,7 @@ def reused_min_hit_rate(chains: Chains, capacity: int, first_share: float = 0.25
     return hits / total if total else 0.0
 
 
-CANDIDATES = {
+CANDIDATES: dict[str, Callable[[Chains, int], float]] = {
     "arc": arc_hit_rate,
     "arc ghost 4C": functools.partial(arc_hit_rate, ghost=4.0),
     "2q": twoq_hit_rate,
@@ -325,16 +330,19 @@ CANDIDATES = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Print the candidates' hit rates and gap closed as a Markdown table."""
-    ap = argparse.ArgumentParser(prog="python -m kvtier.bench.trace_policies",
-                                 description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m kvtier.bench.trace_policies", description=__doc__)
     ap.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake-format trace")
     ap.add_argument("--blocks", default="2000,5000,10000,20000", help="cache sizes, in blocks")
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.blocks.split(",")]
     chains, _ = load_trace(args.trace)
     half = len(chains) // 2
-    work = {"trace": chains, "half 1": chains[:half], "half 2": chains[half:],
-            "synthetic": synthetic_trace(len(chains))}
+    work = {
+        "trace": chains,
+        "half 1": chains[:half],
+        "half 2": chains[half:],
+        "synthetic": synthetic_trace(len(chains)),
+    }
     print("| workload | policy | " + " | ".join(str(s) for s in sizes) + " | gap closed |")
     print("|---|---|" + "---|" * len(sizes) + "---|")
     for name, ch in work.items():
@@ -344,10 +352,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"| {name} | {pol} | " + " | ".join(f"{v:.3f}" for v in r) + " | |")
         for pol, sim in CANDIDATES.items():
             r = [sim(ch, s) for s in sizes]
-            gaps = [f"{(v - lo) / (hi - lo):+.2f}" if hi - lo >= 0.01 else "n/a"
-                    for v, lo, hi in zip(r, lru, opt, strict=True)]
-            print(f"| {name} | {pol} | " + " | ".join(f"{v:.3f}" for v in r)
-                  + " | " + " ".join(gaps) + " |", flush=True)
+            gaps = [
+                f"{(v - lo) / (hi - lo):+.2f}" if hi - lo >= 0.01 else "n/a"
+                for v, lo, hi in zip(r, lru, opt, strict=True)
+            ]
+            print(
+                f"| {name} | {pol} | "
+                + " | ".join(f"{v:.3f}" for v in r)
+                + " | "
+                + " ".join(gaps)
+                + " |",
+                flush=True,
+            )
     return 0
 
 

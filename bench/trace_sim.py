@@ -34,8 +34,17 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["DEFAULT_TRACE", "POLICIES", "TraceError", "arc_hit_rate", "load_trace",
-           "lru_hit_rate", "main", "min_hit_rate", "synthetic_trace"]
+__all__ = [
+    "DEFAULT_TRACE",
+    "POLICIES",
+    "TraceError",
+    "arc_hit_rate",
+    "load_trace",
+    "lru_hit_rate",
+    "main",
+    "min_hit_rate",
+    "synthetic_trace",
+]
 
 DEFAULT_TRACE = Path(__file__).parent / "data" / "mooncake_conversation_trace.jsonl.gz"
 """The Mooncake FAST'25 conversation trace (Apache-2.0; bench/data/NOTICE), gzipped."""
@@ -77,9 +86,11 @@ def load_trace(path: str | Path = DEFAULT_TRACE, limit: int | None = None
                 raise TraceError(f"{path}:{n}: not JSON ({err})") from err
             ids = row.get("hash_ids") if isinstance(row, dict) else None
             if not isinstance(ids, list) or not all(
-                    isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 1 << 64 for b in ids):
-                raise TraceError(f"{path}:{n}: hash_ids must be a list of ints in [0, 2**64), "
-                                 f"got {ids!r:.80}")
+                isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 1 << 64 for b in ids
+            ):
+                raise TraceError(
+                    f"{path}:{n}: hash_ids must be a list of ints in [0, 2**64), got {ids!r:.80}"
+                )
             ts = row.get("timestamp", 0)
             if not isinstance(ts, int | float) or isinstance(ts, bool):
                 raise TraceError(f"{path}:{n}: timestamp must be a number, got {ts!r:.80}")
@@ -194,10 +205,10 @@ def arc_hit_rate(chains: Chains, capacity: int, ghost: float = 1.0) -> float:
             heapq.heappop(heaps[k])
             del stamp[b], kids[b], tier[b]
             t2 -= k
-            ghost = ghosts[k]
-            ghost[b] = None
-            if len(ghost) > glen:
-                ghost.popitem(last=False)
+            gone = ghosts[k]
+            gone[b] = None
+            if len(gone) > glen:
+                gone.popitem(last=False)
             pb = parent.get(b)
             if pb is not None and pb in stamp:
                 kids[pb] -= 1
@@ -282,17 +293,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = [int(x) for x in args.blocks.split(",")]
     chains, _ = load_trace(args.trace)
     half = len(chains) // 2
-    work = {"trace": chains, "first half": chains[:half], "second half": chains[half:],
-            "synthetic": synthetic_trace(len(chains))}
-    print(f"{'workload':<12} {'blocks':>7} " + " ".join(f"{k:>6}" for k in POLICIES)
-          + "  arc gap_closed")
+    work = {
+        "trace": chains,
+        "first half": chains[:half],
+        "second half": chains[half:],
+        "synthetic": synthetic_trace(len(chains)),
+    }
+    print(
+        f"{'workload':<12} {'blocks':>7} "
+        + " ".join(f"{k:>6}" for k in POLICIES)
+        + "  arc gap_closed"
+    )
     for name, ch in work.items():
         for size in sizes:
             r = {k: f(ch, size) for k, f in POLICIES.items()}
             span = r["min"] - r["lru"]  # under 0.01, LRU is all but optimal: no gap to close
             gap = f"{(r['arc'] - r['lru']) / span:6.2f}" if span >= 0.01 else "   n/a"
-            print(f"{name:<12} {size:>7} " + " ".join(f"{v:6.3f}" for v in r.values())
-                  + f"  {gap}", flush=True)
+            print(
+                f"{name:<12} {size:>7} " + " ".join(f"{v:6.3f}" for v in r.values()) + f"  {gap}",
+                flush=True,
+            )
     return 0
 
 

@@ -67,8 +67,8 @@ def _replay(conn: Any, kv: Any, s: dict[str, Any]) -> dict[str, Any]:
             if h.count and h.wait():
                 got = h.count
                 ids = torch.tensor(chain[:got], dtype=torch.int64).unsqueeze(1)
-                bad_k = k_pages[half:half + got] != ids
-                bad_v = v_pages[half:half + got] != ~ids
+                bad_k = k_pages[half : half + got] != ids
+                bad_v = v_pages[half : half + got] != ~ids
                 mismatched += 8 * int(bad_k.sum() + bad_v.sum())
             lat["load"].append(time.perf_counter() - a)
         hits.append(got)
@@ -78,12 +78,18 @@ def _replay(conn: Any, kv: Any, s: dict[str, Any]) -> dict[str, Any]:
             k_pages[: len(rest)] = ids
             v_pages[: len(rest)] = ~ids
             a = time.perf_counter()
-            h = conn.store(keys[got:], list(range(len(rest))),
-                           parent_key=keys[got - 1] if got else None)
+            h = conn.store(
+                keys[got:], list(range(len(rest))), parent_key=keys[got - 1] if got else None
+            )
             h.wait()
             lat["store"].append(time.perf_counter() - a)
-    return {"hits": hits, "sent": sent, "lat": lat, "mismatched_bytes": mismatched,
-            "cpu": time.process_time() - c0}
+    return {
+        "hits": hits,
+        "sent": sent,
+        "lat": lat,
+        "mismatched_bytes": mismatched,
+        "cpu": time.process_time() - c0,
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -93,11 +99,16 @@ def main(argv: list[str]) -> int:
     from kvtier.config import ClientConfig
 
     s = json.loads(sys.stdin.readline())  # the settings: too large for an argument
-    cfg = ClientConfig(runtime_dir=Path(s["runtime_dir"]), request_timeout_s=REQUEST_TIMEOUT_S,
-                       load_timeout_s=REQUEST_TIMEOUT_S)
+    cfg = ClientConfig(
+        runtime_dir=Path(s["runtime_dir"]),
+        request_timeout_s=REQUEST_TIMEOUT_S,
+        load_timeout_s=REQUEST_TIMEOUT_S,
+    )
     longest = max((len(c) for c in s["chains"]), default=1)
-    with SharedKVPool(GEOMETRY, 2 * longest) as kv, \
-            Connection(kv, model_id="kvtier-bench-trace", config=cfg) as conn:
+    with (
+        SharedKVPool(GEOMETRY, 2 * longest) as kv,
+        Connection(kv, model_id="kvtier-bench-trace", config=cfg) as conn,
+    ):
         print(json.dumps(_replay(conn, kv, s)), flush=True)
     return 0
 

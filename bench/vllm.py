@@ -64,8 +64,11 @@ from kvtier.client.daemon_process import DaemonProcess
 
 __all__ = ["main", "run_vllm_bench"]
 
-TARGETS = {"ttft_hit_over_recompute": ("<=", 0.3), "miss_overhead": ("<=", 1.05),
-           "kvtier_over_example_connector": (">=", 3.0)}
+TARGETS = {
+    "ttft_hit_over_recompute": ("<=", 0.3),
+    "miss_overhead": ("<=", 1.05),
+    "kvtier_over_example_connector": (">=", 3.0),
+}
 PAUSE_S = 0.3
 """Pause before each timed request (the previous one's stores end meanwhile)."""
 
@@ -78,15 +81,20 @@ class _Engine:
     """One engine process (bench/vllm_engine.py), asked one prompt at a time."""
 
     def __init__(self, cfg: dict[str, Any], log: Path, timeout: float = 900.0) -> None:
-        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                   VLLM_CPU_OMP_THREADS_BIND="nobind")
+        env = dict(
+            os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind"
+        )
         self.log, self.timeout, self.name = log, timeout, cfg.get("connector", "model")
         cfg_path = log.with_suffix(".json")
         cfg_path.write_text(json.dumps(cfg))
         with open(log, "ab") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "kvtier.bench.vllm_engine", str(cfg_path)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env)
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                env=env,
+            )
         self._reply()  # {"ready": true}, or {} once a model is written
 
     def _reply(self) -> dict[str, Any]:
@@ -127,8 +135,7 @@ def _run_once(cfg: dict[str, Any], log: Path, prompts: list[list[int]]) -> None:
         e.close()
 
 
-def run_vllm_bench(tokens: int = 4096, prompts: int = 3, copy_mode: str = "auto"
-                   ) -> dict[str, Any]:
+def run_vllm_bench(tokens: int = 4096, prompts: int = 3, copy_mode: str = "auto") -> dict[str, Any]:
     """Run the benchmark; the result fields (see the module docstring).
 
     Args:
@@ -137,8 +144,10 @@ def run_vllm_bench(tokens: int = 4096, prompts: int = 3, copy_mode: str = "auto"
     """
     t_start = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix="kvb-", dir="/tmp"))
-    daemon = DaemonProcess(tmp / "rt", ["--hicache-storage-backend", "none", "--hicache-size",
-                                        "1GiB", "--log-level", "warning"])
+    daemon = DaemonProcess(
+        tmp / "rt",
+        ["--hicache-storage-backend", "none", "--hicache-size", "1GiB", "--log-level", "warning"],
+    )
     engines: dict[str, _Engine] = {}
     runs: dict[str, dict[str, Any]] = {"kvtier": {}, "none": {}, "example": {}}
     try:
@@ -147,9 +156,13 @@ def run_vllm_bench(tokens: int = 4096, prompts: int = 3, copy_mode: str = "auto"
         hits = {f"P{i}": _prompt(100 + i, tokens) for i in range(prompts)}
         cold = {f"Q{i}": _prompt(200 + i, tokens) for i in range(prompts)}
         daemon.start()
-        base = {"model": model, "runtime_dir": str(daemon.runtime_dir),
-                "example_dir": str(tmp / "example"), "pause_s": PAUSE_S,
-                "extra": {"copy_mode": copy_mode}}
+        base = {
+            "model": model,
+            "runtime_dir": str(daemon.runtime_dir),
+            "example_dir": str(tmp / "example"),
+            "pause_s": PAUSE_S,
+            "extra": {"copy_mode": copy_mode},
+        }
         (tmp / "example").mkdir()
         _run_once({**base, "connector": "kvtier"}, tmp / "prime.log", list(hits.values()))
         _run_once({**base, "connector": "example"}, tmp / "example-prime.log", list(hits.values()))
@@ -158,13 +171,16 @@ def run_vllm_bench(tokens: int = 4096, prompts: int = 3, copy_mode: str = "auto"
             engines[name].ask(_prompt(300, tokens))  # warm-up
         for i, label in enumerate(label for pair in zip(hits, cold) for label in pair):
             names = [n for n in runs if n != "example" or label in hits]
-            for name in (names if i % 2 == 0 else names[::-1]):
+            for name in names if i % 2 == 0 else names[::-1]:
                 time.sleep(PAUSE_S)
                 runs[name][label] = engines[name].ask({**hits, **cold}[label])
         for e in engines.values():
             e.close()
-        engines = {"native": _Engine({**base, "connector": "none", "prefix_caching": True},
-                                     tmp / "native.log")}
+        engines = {
+            "native": _Engine(
+                {**base, "connector": "none", "prefix_caching": True}, tmp / "native.log"
+            )
+        }
         native = {label: engines["native"].ask(ids) for label, ids in {**hits, **cold}.items()}
     finally:
         for e in engines.values():
@@ -186,18 +202,26 @@ def run_vllm_bench(tokens: int = 4096, prompts: int = 3, copy_mode: str = "auto"
 
     def differ(run: dict[str, Any], labels: Any) -> dict[str, Any]:
         """The labels whose output differs from the recomputed one, and how."""
-        return {k: {"reused_tokens": run[k].get("tokens_cached", 0),
-                    "tokens_equal": run[k]["tokens"] == plain[k]["tokens"],
-                    "max_logprob_diff": round(max(abs(a - b) for a, b in zip(
-                        run[k]["logprobs"], plain[k]["logprobs"])), 4)}
-                for k in labels if out(run, k) != out(plain, k)}
+        return {
+            k: {
+                "reused_tokens": run[k].get("tokens_cached", 0),
+                "tokens_equal": run[k]["tokens"] == plain[k]["tokens"],
+                "max_logprob_diff": round(
+                    max(abs(a - b) for a, b in zip(run[k]["logprobs"], plain[k]["logprobs"])), 4
+                ),
+            }
+            for k in labels
+            if out(run, k) != out(plain, k)
+        }
 
     def equal(run: dict[str, Any], labels: Any) -> bool:
         """``run``'s outputs equal those vLLM computes the same way without a connector:
         reusing as many tokens from its own prefix cache, or none (recomputed)."""
+
         def ref(k: str) -> dict[str, Any] | None:
             reused = run[k]["tokens_cached"]
             return {native[k]["tokens_cached"]: native, 0: plain}.get(reused)
+
         return all((r := ref(k)) is not None and out(run, k) == out(r, k) for k in labels)
 
     both = (*hits, *cold)
@@ -211,25 +235,38 @@ def run_vllm_bench(tokens: int = 4096, prompts: int = 3, copy_mode: str = "auto"
         "outputs_match_recompute": not differ(kv, both),
         "tokens_match_recompute": all(kv[k]["tokens"] == plain[k]["tokens"] for k in both),
         "native_matches_recompute": not differ(native, both),
-        "reused_tokens": {"kvtier": [kv[k]["tokens_cached"] for k in both],
-                          "native": [native[k]["tokens_cached"] for k in both]},
-        "outputs_differ": {"kvtier": differ(kv, both), "example": differ(ex, hits),
-                           "native": differ(native, both)},
-        "recompute_repeatable": all(v["first"] == [v["tokens"][0], v["logprobs"][0]]
-                                    for v in plain.values()),
+        "reused_tokens": {
+            "kvtier": [kv[k]["tokens_cached"] for k in both],
+            "native": [native[k]["tokens_cached"] for k in both],
+        },
+        "outputs_differ": {
+            "kvtier": differ(kv, both),
+            "example": differ(ex, hits),
+            "native": differ(native, both),
+        },
+        "recompute_repeatable": all(
+            v["first"] == [v["tokens"][0], v["logprobs"][0]] for v in plain.values()
+        ),
         "copy_mode": copy_mode,
         "prompt_tokens": tokens,
         "prompts": prompts,
-        "ttft_hit_s": med(kv, hits), "ttft_recompute_s": med(plain, hits),
-        "ttft_cold_kvtier_s": med(kv, cold), "ttft_cold_plain_s": med(plain, cold),
+        "ttft_hit_s": med(kv, hits),
+        "ttft_recompute_s": med(plain, hits),
+        "ttft_cold_kvtier_s": med(kv, cold),
+        "ttft_cold_plain_s": med(plain, cold),
         "ttft_hit_example_s": med(ex, hits),
-        "load_kvtier_s": load_med(kv), "load_example_s": load_med(ex),
+        "load_kvtier_s": load_med(kv),
+        "load_example_s": load_med(ex),
         "cached_tokens_kvtier": [kv[k]["cached"] for k in hits],
         "cached_tokens_example": [ex[k]["cached"] for k in hits],
-        "ttft_each_s": {name: {k: round(v["ttft_s"], 4) for k, v in run.items()}
-                        for name, run in runs.items()},
-        "load_each_s": {name: [round(t, 5) for k in hits for t in run[k]["load_s"]]
-                        for name, run in runs.items() if name != "none"},
+        "ttft_each_s": {
+            name: {k: round(v["ttft_s"], 4) for k, v in run.items()} for name, run in runs.items()
+        },
+        "load_each_s": {
+            name: [round(t, 5) for k in hits for t in run[k]["load_s"]]
+            for name, run in runs.items()
+            if name != "none"
+        },
         "seconds": round(time.monotonic() - t_start, 1),
     }
 
@@ -238,12 +275,21 @@ def main(argv: list[str] | None = None) -> int:
     """``kvtier bench vllm [--copy-mode MODE] [--json [PATH]]``: run it, print the fields
     (exit 0)."""
     ap = argparse.ArgumentParser(prog="kvtier bench vllm", description=__doc__.split("\n")[0])
-    ap.add_argument("--json", nargs="?", const="-", metavar="PATH",
-                    help="print the result as JSON (to PATH, or stdout without one)")
+    ap.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        metavar="PATH",
+        help="print the result as JSON (to PATH, or stdout without one)",
+    )
     ap.add_argument("--tokens", type=int, default=4096, help="prompt length (default 4096)")
     ap.add_argument("--prompts", type=int, default=3, help="prompts per case (default 3)")
-    ap.add_argument("--copy-mode", choices=("auto", "daemon", "engine"), default="auto",
-                    help="the kvtier engines' copy_mode (default auto: daemon on the CPU)")
+    ap.add_argument(
+        "--copy-mode",
+        choices=("auto", "daemon", "engine"),
+        default="auto",
+        help="the kvtier engines' copy_mode (default auto: daemon on the CPU)",
+    )
     args = ap.parse_args(argv)
     result = run_vllm_bench(args.tokens, args.prompts, args.copy_mode)
     if args.json == "-":

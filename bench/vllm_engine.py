@@ -36,8 +36,14 @@ from typing import TYPE_CHECKING, Any
 from kvtier.client.adapters.vllm import KvtierConnector
 from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import ExampleConnector
 
-BENCH_MODEL = {"vocab_size": 8192, "hidden_size": 512, "intermediate_size": 1536,
-               "num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 4}
+BENCH_MODEL = {
+    "vocab_size": 8192,
+    "hidden_size": 512,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+}
 """A random Llama whose 4K-token prefill takes about a second on a small CPU machine."""
 
 
@@ -45,6 +51,7 @@ class _LoadTimer:
     """Times a connector's loads (see the module docstring); mixed into a connector class."""
 
     if TYPE_CHECKING:  # the connector's, which this is mixed into
+
         def _get_connector_metadata(self) -> Any: ...
         def has_connector_metadata(self) -> bool: ...
 
@@ -65,7 +72,9 @@ class _LoadTimer:
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """The connector's start_load_kv, timed when the step has loads."""
         tm = self._timer()
-        loads = self._loads_of(self._get_connector_metadata()) if self.has_connector_metadata() else {}
+        loads = (
+            self._loads_of(self._get_connector_metadata()) if self.has_connector_metadata() else {}
+        )
         t0 = time.perf_counter()
         super().start_load_kv(forward_context, **kwargs)  # type: ignore[misc]
         if loads:
@@ -109,8 +118,9 @@ class TimedExampleConnector(_LoadTimer, ExampleConnector):
 
     def _loads_of(self, meta: Any) -> dict[str, bool]:
         # its per-request metadata has no request id: any distinct name does
-        return {f"load{i}": True for i, r in enumerate(getattr(meta, "requests", ()))
-                if not r.is_store}
+        return {
+            f"load{i}": True for i, r in enumerate(getattr(meta, "requests", ())) if not r.is_store
+        }
 
 
 def _make_model(path: str) -> None:
@@ -130,22 +140,36 @@ def _serve(cfg: dict[str, Any], out: Any) -> None:
 
     kv = None
     if cfg["connector"] == "kvtier":
-        kv = KVTransferConfig(kv_connector="TimedKvtierConnector",
-                              kv_connector_module_path="kvtier.bench.vllm_engine",
-                              kv_role="kv_both", kv_load_failure_policy="recompute",
-                              kv_connector_extra_config={"runtime_dir": cfg["runtime_dir"],
-                                                         **cfg.get("extra", {})})
+        kv = KVTransferConfig(
+            kv_connector="TimedKvtierConnector",
+            kv_connector_module_path="kvtier.bench.vllm_engine",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"runtime_dir": cfg["runtime_dir"], **cfg.get("extra", {})},
+        )
     elif cfg["connector"] == "example":
-        kv = KVTransferConfig(kv_connector="TimedExampleConnector",
-                              kv_connector_module_path="kvtier.bench.vllm_engine",
-                              kv_role="kv_both",
-                              kv_connector_extra_config={"shared_storage_path": cfg["example_dir"]})
-    llm = LLM(model=cfg["model"], skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
-              max_model_len=8192, block_size=32, kv_cache_memory_bytes=cfg.get("kv_bytes", 256 << 20),
-              enable_prefix_caching=bool(cfg.get("prefix_caching", False)), kv_transfer_config=kv, seed=0)
+        kv = KVTransferConfig(
+            kv_connector="TimedExampleConnector",
+            kv_connector_module_path="kvtier.bench.vllm_engine",
+            kv_role="kv_both",
+            kv_connector_extra_config={"shared_storage_path": cfg["example_dir"]},
+        )
+    llm = LLM(
+        model=cfg["model"],
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="bfloat16",
+        max_model_len=8192,
+        block_size=32,
+        kv_cache_memory_bytes=cfg.get("kv_bytes", 256 << 20),
+        enable_prefix_caching=bool(cfg.get("prefix_caching", False)),
+        kv_transfer_config=kv,
+        seed=0,
+    )
     first = SamplingParams(temperature=0.0, max_tokens=1, logprobs=1, ignore_eos=True)
-    full = SamplingParams(temperature=0.0, max_tokens=cfg.get("max_tokens", 8), logprobs=1,
-                          ignore_eos=True)
+    full = SamplingParams(
+        temperature=0.0, max_tokens=cfg.get("max_tokens", 8), logprobs=1, ignore_eos=True
+    )
     timer = get_kv_transfer_group() if has_kv_transfer_group() else None
     out.write(json.dumps({"ready": True}) + "\n")
     out.flush()
@@ -160,12 +184,23 @@ def _serve(cfg: dict[str, Any], out: Any) -> None:
         rc = llm.generate([TokensPrompt(prompt_token_ids=ids)], full, use_tqdm=False)[0]
         c = rc.outputs[0]
         t1 = r.outputs[0].token_ids[0]
-        out.write(json.dumps({
-            "ttft_s": ttft, "cached": r.num_cached_tokens or 0, "load_s": loads,
-            "first": [t1, round(float(r.outputs[0].logprobs[0][t1].logprob), 4)],
-            "tokens": list(c.token_ids), "tokens_cached": rc.num_cached_tokens or 0,
-            "logprobs": [round(float(d[t].logprob), 4)
-                         for d, t in zip(c.logprobs, c.token_ids, strict=True)]}) + "\n")
+        out.write(
+            json.dumps(
+                {
+                    "ttft_s": ttft,
+                    "cached": r.num_cached_tokens or 0,
+                    "load_s": loads,
+                    "first": [t1, round(float(r.outputs[0].logprobs[0][t1].logprob), 4)],
+                    "tokens": list(c.token_ids),
+                    "tokens_cached": rc.num_cached_tokens or 0,
+                    "logprobs": [
+                        round(float(d[t].logprob), 4)
+                        for d, t in zip(c.logprobs, c.token_ids, strict=True)
+                    ],
+                }
+            )
+            + "\n"
+        )
         out.flush()
 
 

@@ -44,23 +44,34 @@ from kvtier.cli.stats_view import render_sessions, render_stats
 from kvtier.client.admin import AdminClient, AdminError
 from kvtier.ipc import protocol as P
 
-__all__ = ["COMMANDS", "CliError", "build_parser", "fetch_stats", "main", "render_sessions",
-           "render_stats"]
+__all__ = [
+    "COMMANDS",
+    "CliError",
+    "build_parser",
+    "fetch_stats",
+    "main",
+    "render_sessions",
+    "render_stats",
+]
 
 # One line each, appended to a refusal: what the user can do about it.
-TOKEN_HINT = (f"pass the daemon's admin token (with tenants and no admin token: your tenant's "
-              f"token, for your tenant's view) with --admin-token or ${ADMIN_TOKEN_ENV}; the "
-              "daemon takes it from its admin_token setting (kvtierd --admin-token, "
-              "KVTIER_ADMIN_TOKEN in its environment, or admin_token in its TOML file)")
-START_HINT = ("start one with `kvtier serve` (or `make serve`), or point --runtime-dir / "
-              "--endpoint at the one that runs")
+TOKEN_HINT = (
+    f"pass the daemon's admin token (with tenants and no admin token: your tenant's "
+    f"token, for your tenant's view) with --admin-token or ${ADMIN_TOKEN_ENV}; the "
+    "daemon takes it from its admin_token setting (kvtierd --admin-token, "
+    "KVTIER_ADMIN_TOKEN in its environment, or admin_token in its TOML file)"
+)
+START_HINT = (
+    "start one with `kvtier serve` (or `make serve`), or point --runtime-dir / "
+    "--endpoint at the one that runs"
+)
 
 
 # ---------------------------------------------------------------------------- requests
 def _open(endpoint: str, timeout_s: float, admin_token: str = "") -> AdminClient:
     """An AdminClient on ``endpoint``; fails at once when an ipc:// socket file is missing."""
     if endpoint.startswith("ipc://"):
-        path = Path(endpoint[len("ipc://"):])
+        path = Path(endpoint[len("ipc://") :])
         if not path.exists():
             raise CliError(1, f"kvtierd is not running: no socket at {path}; {START_HINT}")
     try:
@@ -69,8 +80,9 @@ def _open(endpoint: str, timeout_s: float, admin_token: str = "") -> AdminClient
         raise CliError(1, f"cannot open {endpoint}: {err}") from err
 
 
-def _request(client: AdminClient, msg: P.Request, want: type[P.Reply],
-             wait_s: float | None = None) -> Any:
+def _request(
+    client: AdminClient, msg: P.Request, want: type[P.Reply], wait_s: float | None = None
+) -> Any:
     """Send ``msg`` and return its reply of type ``want``.
 
     Args:
@@ -88,8 +100,11 @@ def _request(client: AdminClient, msg: P.Request, want: type[P.Reply],
     except AdminError as err:
         raise CliError(1, str(err)) from err
     if isinstance(rep, P.ErrorReply):
-        name = (P.ErrorCode(rep.code).name if rep.code in P.ErrorCode._value2member_map_
-                else f"error {rep.code}")
+        name = (
+            P.ErrorCode(rep.code).name
+            if rep.code in P.ErrorCode._value2member_map_
+            else f"error {rep.code}"
+        )
         hint = f" ({TOKEN_HINT})" if rep.code == P.ErrorCode.UNAUTHORIZED else ""
         raise CliError(1, f"{name}: {rep.message}{hint}")
     if not isinstance(rep, want):
@@ -106,7 +121,6 @@ def fetch_stats(endpoint: str, timeout_s: float, admin_token: str) -> dict[str, 
     with _open(endpoint, timeout_s, admin_token) as client:
         rep = _request(client, P.Stats(req_id=0, admin_token=admin_token), P.StatsReply)
     return dict(rep.stats)
-
 
 
 def _console() -> Any:
@@ -201,11 +215,20 @@ def _cmd_sessions(args: argparse.Namespace, endpoint: str, timeout_s: float) -> 
 def _cmd_flush(args: argparse.Namespace, endpoint: str, timeout_s: float) -> int:
     """``kvtier flush``: drop pages of one tier (or all), optionally of one namespace."""
     with _open(endpoint, timeout_s, args.admin_token) as client:
-        rep = _request(client, P.Flush(req_id=0, admin_token=args.admin_token, tier=args.tier,
-                                       namespace=args.namespace or ""), P.FlushReply)
+        rep = _request(
+            client,
+            P.Flush(
+                req_id=0,
+                admin_token=args.admin_token,
+                tier=args.tier,
+                namespace=args.namespace or "",
+            ),
+            P.FlushReply,
+        )
     scope = f"namespace {args.namespace}" if args.namespace else "every namespace"
-    print(f"flushed {rep.l2_pages} L2 pages and {rep.l3_pages} L3 pages "
-          f"(tier {args.tier}, {scope})")
+    print(
+        f"flushed {rep.l2_pages} L2 pages and {rep.l3_pages} L3 pages (tier {args.tier}, {scope})"
+    )
     return 0
 
 
@@ -213,12 +236,17 @@ def _cmd_sync(args: argparse.Namespace, endpoint: str, timeout_s: float) -> int:
     """``kvtier sync``: write L2 to L3; 1 when pages were left pending or not written."""
     start = time.monotonic()
     with _open(endpoint, timeout_s, args.admin_token) as client:
-        rep = _request(client, P.Sync(req_id=0, admin_token=args.admin_token,
-                                      timeout_s=args.wait), P.SyncReply,
-                       wait_s=args.wait + timeout_s)
+        rep = _request(
+            client,
+            P.Sync(req_id=0, admin_token=args.admin_token, timeout_s=args.wait),
+            P.SyncReply,
+            wait_s=args.wait + timeout_s,
+        )
     took = time.monotonic() - start
-    print(f"{rep.written} of {rep.pages} pages written to L3 in {took:.2f} s"
-          f" ({rep.failed} not written, {rep.left} still pending)")
+    print(
+        f"{rep.written} of {rep.pages} pages written to L3 in {took:.2f} s"
+        f" ({rep.failed} not written, {rep.left} still pending)"
+    )
     return 0 if rep.failed == 0 and rep.left == 0 else 1
 
 
@@ -230,8 +258,11 @@ def _cmd_health(args: argparse.Namespace, endpoint: str, timeout_s: float) -> in
     except CliError as err:
         print(f"unhealthy: {err}")
         return 1
-    proto = "" if rep.protocol_version == P.PROTOCOL_VERSION else (
-        f", speaks protocol {rep.protocol_version} (this client {P.PROTOCOL_VERSION})")
+    proto = (
+        ""
+        if rep.protocol_version == P.PROTOCOL_VERSION
+        else (f", speaks protocol {rep.protocol_version} (this client {P.PROTOCOL_VERSION})")
+    )
     detail = f"kvtierd at {endpoint}, epoch {rep.epoch:x}, {rep.sessions} sessions{proto}"
     status = rep.status
     if status == "ok" or (status.startswith("degraded") and not args.strict):
@@ -242,7 +273,10 @@ def _cmd_health(args: argparse.Namespace, endpoint: str, timeout_s: float) -> in
 
 
 _HANDLERS: dict[str, Callable[[argparse.Namespace, str, float], int]] = {
-    "stats": _cmd_stats, "sessions": _cmd_sessions, "flush": _cmd_flush, "sync": _cmd_sync,
+    "stats": _cmd_stats,
+    "sessions": _cmd_sessions,
+    "flush": _cmd_flush,
+    "sync": _cmd_sync,
     "health": _cmd_health,
 }
 

@@ -26,8 +26,15 @@ from kvtier.config.loader import add_version_flag
 from kvtier.ipc import protocol as P
 from kvtier.ipc.sockets import ipc_endpoint
 
-__all__ = ["ADMIN_TOKEN_ENV", "COMMANDS", "CliError", "build_parser", "check_reachable",
-           "default_timeout", "resolve_endpoint"]
+__all__ = [
+    "ADMIN_TOKEN_ENV",
+    "COMMANDS",
+    "CliError",
+    "build_parser",
+    "check_reachable",
+    "default_timeout",
+    "resolve_endpoint",
+]
 
 COMMANDS = ("stats", "sessions", "flush", "sync", "health")
 WATCH_MIN_S = 0.1  # refresh no faster than this: a STATS reply walks every session
@@ -70,7 +77,8 @@ def _watch_seconds(text: str) -> float:
     value = _positive_seconds(text)
     if not WATCH_MIN_S <= value <= WATCH_MAX_S:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is outside [{WATCH_MIN_S}, {WATCH_MAX_S:.0f}] seconds")
+            f"{text!r} is outside [{WATCH_MIN_S}, {WATCH_MAX_S:.0f}] seconds"
+        )
     return value
 
 
@@ -94,7 +102,8 @@ def _namespace_hex(text: str) -> str:
     if len(raw) != P.KEY_BYTES:
         raise argparse.ArgumentTypeError(
             f"{text!r} has {len(raw)} bytes; a namespace fingerprint has {P.KEY_BYTES} "
-            f"({2 * P.KEY_BYTES} hex digits)")
+            f"({2 * P.KEY_BYTES} hex digits)"
+        )
     return raw.hex()
 
 
@@ -119,10 +128,10 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         "stats": "Pool use, sessions, hit rates per tier, bytes moved and L3 health.",
         "sessions": "Engine sessions registered with the daemon.",
         "flush": f"Drop cached pages: from L2 only unless --tier says otherwise (default "
-                 f"{FLUSH_DEFAULT_TIER}; L3 copies stay, so the pages can come back from L3). "
-                 "Needs the admin token when the daemon has one.",
+        f"{FLUSH_DEFAULT_TIER}; L3 copies stay, so the pages can come back from L3). "
+        "Needs the admin token when the daemon has one.",
         "sync": "Write every L2 page not yet in L3 to L3 and wait until written (before a "
-                "reboot or maintenance: L2 lives in memory, L3 on disk or in a cluster).",
+        "reboot or maintenance: L2 lives in memory, L3 on disk or in a cluster).",
         "health": "Print one line and exit 0 when kvtierd is healthy, 1 otherwise (probes).",
     }
     if command not in texts:
@@ -132,43 +141,82 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     p = _Parser(prog=f"kvtier {command}", description=texts[command])
     add_version_flag(p, "kvtier")
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--runtime-dir", metavar="DIR", type=Path,
-                       help="the daemon's runtime directory (default: $KVTIER_RUNTIME_DIR, else "
-                            "$XDG_RUNTIME_DIR/kvtier, else /tmp/kvtier-<uid>)")
-    where.add_argument("--endpoint", metavar="ENDPOINT",
-                       help="ZeroMQ endpoint (ipc://PATH or tcp://HOST:PORT) or a socket path; "
-                            "default: $KVTIER_ENDPOINT, else the runtime directory's socket")
-    p.add_argument("--timeout", metavar="SECONDS", type=_positive_seconds, default=None,
-                   help="wait this long for each reply (default: request_timeout_s, 2)")
+    where.add_argument(
+        "--runtime-dir",
+        metavar="DIR",
+        type=Path,
+        help="the daemon's runtime directory (default: $KVTIER_RUNTIME_DIR, else "
+        "$XDG_RUNTIME_DIR/kvtier, else /tmp/kvtier-<uid>)",
+    )
+    where.add_argument(
+        "--endpoint",
+        metavar="ENDPOINT",
+        help="ZeroMQ endpoint (ipc://PATH or tcp://HOST:PORT) or a socket path; "
+        "default: $KVTIER_ENDPOINT, else the runtime directory's socket",
+    )
+    p.add_argument(
+        "--timeout",
+        metavar="SECONDS",
+        type=_positive_seconds,
+        default=None,
+        help="wait this long for each reply (default: request_timeout_s, 2)",
+    )
     if command != "health":
-        p.add_argument("--admin-token", metavar="TOKEN",
-                       default=os.environ.get(ADMIN_TOKEN_ENV, ""),  # read once, as a default
-                       help=f"the daemon's admin credential, needed by stats, sessions, flush "
-                            f"and sync when kvtierd has an admin_token (its --admin-token flag, "
-                            f"KVTIER_ADMIN_TOKEN variable or admin_token TOML key); default: "
-                            f"${ADMIN_TOKEN_ENV}, the better place (command lines are visible "
-                            f"to other users)")
+        p.add_argument(
+            "--admin-token",
+            metavar="TOKEN",
+            default=os.environ.get(ADMIN_TOKEN_ENV, ""),  # read once, as a default
+            help=f"the daemon's admin credential, needed by stats, sessions, flush "
+            f"and sync when kvtierd has an admin_token (its --admin-token flag, "
+            f"KVTIER_ADMIN_TOKEN variable or admin_token TOML key); default: "
+            f"${ADMIN_TOKEN_ENV}, the better place (command lines are visible "
+            f"to other users)",
+        )
     if command in ("stats", "sessions"):
         p.add_argument("--json", action="store_true", help="print the daemon's raw answer as JSON")
     if command == "stats":
-        p.add_argument("--watch", metavar="SECONDS", nargs="?", const=2.0, type=_watch_seconds,
-                       help=f"refresh every SECONDS (default 2, within [{WATCH_MIN_S}, "
-                            f"{WATCH_MAX_S:.0f}]) until Ctrl-C; with --json, one line per refresh")
-        p.add_argument("--count", metavar="N", type=_positive_int,
-                       help="with --watch: stop after N refreshes")
+        p.add_argument(
+            "--watch",
+            metavar="SECONDS",
+            nargs="?",
+            const=2.0,
+            type=_watch_seconds,
+            help=f"refresh every SECONDS (default 2, within [{WATCH_MIN_S}, "
+            f"{WATCH_MAX_S:.0f}]) until Ctrl-C; with --json, one line per refresh",
+        )
+        p.add_argument(
+            "--count", metavar="N", type=_positive_int, help="with --watch: stop after N refreshes"
+        )
     if command == "flush":
-        p.add_argument("--tier", choices=("l2", "l3", "all"), default=FLUSH_DEFAULT_TIER,
-                       help="which tier to drop pages from: l2 (the host pool), l3 (the "
-                            f"storage backend) or all (both); default: {FLUSH_DEFAULT_TIER}")
-        p.add_argument("--namespace", metavar="HEX", type=_namespace_hex, default=None,
-                       help="only this namespace fingerprint (64 hex digits; default: all)")
+        p.add_argument(
+            "--tier",
+            choices=("l2", "l3", "all"),
+            default=FLUSH_DEFAULT_TIER,
+            help="which tier to drop pages from: l2 (the host pool), l3 (the "
+            f"storage backend) or all (both); default: {FLUSH_DEFAULT_TIER}",
+        )
+        p.add_argument(
+            "--namespace",
+            metavar="HEX",
+            type=_namespace_hex,
+            default=None,
+            help="only this namespace fingerprint (64 hex digits; default: all)",
+        )
     if command == "sync":
-        p.add_argument("--wait", metavar="SECONDS", type=_sync_seconds, default=600.0,
-                       help="answer after at most this long, writes still pending or not "
-                            "(default 600, at most 3600); exit 1 if pages were left or failed")
+        p.add_argument(
+            "--wait",
+            metavar="SECONDS",
+            type=_sync_seconds,
+            default=600.0,
+            help="answer after at most this long, writes still pending or not "
+            "(default 600, at most 3600); exit 1 if pages were left or failed",
+        )
     if command == "health":
-        p.add_argument("--strict", action="store_true",
-                       help="treat a degraded daemon (L2 serving, L3 failing) as unhealthy")
+        p.add_argument(
+            "--strict",
+            action="store_true",
+            help="treat a degraded daemon (L2 serving, L3 failing) as unhealthy",
+        )
     return p
 
 
@@ -212,7 +260,7 @@ def check_reachable(endpoint: str) -> str:
     """
     if not endpoint.startswith("ipc://"):
         return endpoint
-    sock = Path(endpoint[len("ipc://"):])
+    sock = Path(endpoint[len("ipc://") :])
     try:
         os.stat(sock)
     except PermissionError as err:
@@ -234,10 +282,12 @@ def _permission_message(sock: Path) -> str:
         what = f"owner uid {st.st_uid}, group gid {st.st_gid}, mode {st.st_mode & 0o7777:04o}"
     except OSError:
         what = "its owner and mode unreadable"
-    return (f"cannot reach kvtierd's socket {sock}: permission denied entering {blocked} "
-            f"({what}; this user is uid {os.getuid()}, groups "
-            f"{','.join(str(g) for g in os.getgroups()) or '-'}); run as the daemon's user or "
-            "a member of its group, or point --runtime-dir / --endpoint elsewhere")
+    return (
+        f"cannot reach kvtierd's socket {sock}: permission denied entering {blocked} "
+        f"({what}; this user is uid {os.getuid()}, groups "
+        f"{','.join(str(g) for g in os.getgroups()) or '-'}); run as the daemon's user or "
+        "a member of its group, or point --runtime-dir / --endpoint elsewhere"
+    )
 
 
 def default_timeout(flag: float | None) -> float:
@@ -245,4 +295,3 @@ def default_timeout(flag: float | None) -> float:
     if flag is not None:
         return flag
     return float(ClientConfig.model_fields["request_timeout_s"].default)
-

@@ -60,8 +60,14 @@ _DEFAULTS = {  # model -> (page_size, system, user, reply tokens)
 }
 # L3 off: the demo is about L2, and its private daemon writes nothing to disk (see the docstring).
 _POOL_SIZE = "256MiB"
-_DAEMON_FLAGS = ["--hicache-size", _POOL_SIZE, "--lease-s", "10", "--hicache-storage-backend",
-                 "none"]
+_DAEMON_FLAGS = [
+    "--hicache-size",
+    _POOL_SIZE,
+    "--lease-s",
+    "10",
+    "--hicache-storage-backend",
+    "none",
+]
 DEFAULT_PLOT = "kvtier-demo.png"  # in the current directory
 _REPLY_TIMEOUT_S = 300.0
 
@@ -100,13 +106,30 @@ class _Worker:
     """An engine subprocess speaking JSON lines."""
 
     def __init__(self, cfg: DemoConfig, rdir: Path, num_pages: int) -> None:
-        cmd = [sys.executable, "-m", "kvtier.client.engine.worker", "--model", cfg.model,
-               "--page-size", str(cfg.page_size), "--num-pages", str(num_pages),
-               "--runtime-dir", str(rdir), "--threads", str(cfg.threads)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvtier.client.engine.worker",
+            "--model",
+            cfg.model,
+            "--page-size",
+            str(cfg.page_size),
+            "--num-pages",
+            str(num_pages),
+            "--runtime-dir",
+            str(rdir),
+            "--threads",
+            str(cfg.threads),
+        ]
         # no KVTIER_* variables: a $KVTIER_ENDPOINT would send the engine to another daemon
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=None, env={**env, "PYTHONUNBUFFERED": "1"})
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=None,
+            env={**env, "PYTHONUNBUFFERED": "1"},
+        )
         self._buf = b""
         try:
             ready = self._read()
@@ -198,8 +221,10 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> dict[str, Any]:
     vocab = model_config(cfg.model).vocab_size
     rng = np.random.default_rng(cfg.seed)
     system = rng.integers(0, vocab, cfg.system_tokens).tolist()
-    users = [[rng.integers(0, vocab, cfg.user_tokens).tolist() for _ in range(cfg.turns)]
-             for _ in range(cfg.conversations)]
+    users = [
+        [rng.integers(0, vocab, cfg.user_tokens).tolist() for _ in range(cfg.turns)]
+        for _ in range(cfg.conversations)
+    ]
     longest = cfg.system_tokens + cfg.turns * (cfg.user_tokens + cfg.reply_tokens)
     num_pages = max(256, 4 * (-(-longest // cfg.page_size)))
     rdir = Path(tempfile.mkdtemp(prefix="kvtier-demo-", dir="/tmp"))
@@ -230,12 +255,23 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> dict[str, Any]:
                 worker = _Worker(cfg, rdir, num_pages)
             for conv in range(cfg.conversations):
                 prompt = history[conv]
-                rep = worker.call({"op": "generate", "tokens": prompt,
-                                   "max_new_tokens": cfg.reply_tokens, "compare": True,
-                                   "report_stored": True})
+                rep = worker.call(
+                    {
+                        "op": "generate",
+                        "tokens": prompt,
+                        "max_new_tokens": cfg.reply_tokens,
+                        "compare": True,
+                        "report_stored": True,
+                    }
+                )
                 row = {k: v for k, v in rep.items() if k not in ("ok", "tokens")}
-                row.update(conversation=conv, turn=turn, engine=engines, daemon=daemons,
-                           first_after_restart=turn == restart_at and turn > 0 and conv == 0)
+                row.update(
+                    conversation=conv,
+                    turn=turn,
+                    engine=engines,
+                    daemon=daemons,
+                    first_after_restart=turn == restart_at and turn > 0 and conv == 0,
+                )
                 rows.append(row)
                 if out is not None:
                     print_lines([row_line(row)], out)
@@ -258,48 +294,80 @@ def _summarize(cfg: DemoConfig, rows: list[dict[str, Any]], elapsed: float) -> d
     first = next((r for r in rows if r["first_after_restart"]), None)
     ratio = stored = reused = None
     if first is not None:
-        before = [r for r in rows if r["conversation"] == first["conversation"]
-                  and r["turn"] == int(first["turn"]) - 1]
+        before = [
+            r
+            for r in rows
+            if r["conversation"] == first["conversation"] and r["turn"] == int(first["turn"]) - 1
+        ]
         stored = int(before[-1]["stored_tokens"]) if before else 0
         reused = int(first["cached_l2"])
         ratio = reused / stored if stored else None
-    return {"model": cfg.model, "page_size": cfg.page_size, "restart": cfg.restart,
-            "daemon": "private", "turns": rows,
-            "restart_reuse_ratio": ratio, "restart_stored_tokens": stored,
-            "restart_reused_tokens": reused,
-            "all_match": all(bool(r["matches_uncached"]) for r in rows),
-            "elapsed_s": round(elapsed, 2)}
+    return {
+        "model": cfg.model,
+        "page_size": cfg.page_size,
+        "restart": cfg.restart,
+        "daemon": "private",
+        "turns": rows,
+        "restart_reuse_ratio": ratio,
+        "restart_stored_tokens": stored,
+        "restart_reused_tokens": reused,
+        "all_match": all(bool(r["matches_uncached"]) for r in rows),
+        "elapsed_s": round(elapsed, 2),
+    }
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser of ``kvtier demo``."""
     p = argparse.ArgumentParser(
-        prog="kvtier demo", description=__doc__.splitlines()[0],
+        prog="kvtier demo",
+        description=__doc__.splitlines()[0],
         epilog="The demo always starts a private kvtierd under /tmp (256 MiB pool in /dev/shm, "
         "L3 off) and removes it at the end: a kvtierd you run yourself is not used, and nothing "
         "is written to your state directory (~/.local/state/kvtier). Model defaults (page "
-        "size, system / user / reply tokens): default 64, 1024, 96, 24; tiny 16, 256, 40, 12.")
-    p.add_argument("--model", choices=MODELS, default="default", help="reference model size (default: default)")
-    p.add_argument("--restart", choices=("engine", "daemon"), default="engine",
-                   help="what is SIGKILLed half-way: the engine, or the engine and kvtierd "
-                        "(kvtierd then restarts on its pool file before the new engine starts); "
-                        "default: engine")
-    p.add_argument("--conversations", type=int, default=3, help="conversations, one table row "
-                   "each per turn (default: 3)")
-    p.add_argument("--turns", type=int, default=6, help="turns per conversation; the restart "
-                   "comes before turn TURNS // 2 (default: 6)")
+        "size, system / user / reply tokens): default 64, 1024, 96, 24; tiny 16, 256, 40, 12.",
+    )
+    p.add_argument(
+        "--model", choices=MODELS, default="default", help="reference model size (default: default)"
+    )
+    p.add_argument(
+        "--restart",
+        choices=("engine", "daemon"),
+        default="engine",
+        help="what is SIGKILLed half-way: the engine, or the engine and kvtierd "
+        "(kvtierd then restarts on its pool file before the new engine starts); "
+        "default: engine",
+    )
+    p.add_argument(
+        "--conversations",
+        type=int,
+        default=3,
+        help="conversations, one table row each per turn (default: 3)",
+    )
+    p.add_argument(
+        "--turns",
+        type=int,
+        default=6,
+        help="turns per conversation; the restart comes before turn TURNS // 2 (default: 6)",
+    )
     p.add_argument("--page-size", type=int, help="tokens per KV page (default: per model)")
     p.add_argument("--system-tokens", type=int, help="shared system prompt (default: per model)")
     p.add_argument("--user-tokens", type=int, help="each user message (default: per model)")
     p.add_argument("--reply-tokens", type=int, help="each reply (default: per model)")
     p.add_argument("--seed", type=int, default=0, help="seed of the token streams (default: 0)")
     p.add_argument("--threads", type=int, default=1, help="engine compute threads (default: 1)")
-    p.add_argument("--own-daemon", action="store_true",
-                   help="accepted for old scripts: the demo always runs its own daemon")
+    p.add_argument(
+        "--own-daemon",
+        action="store_true",
+        help="accepted for old scripts: the demo always runs its own daemon",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the results here as JSON")
-    p.add_argument("--plot", metavar="PATH", default=DEFAULT_PLOT,
-                   help="write a PNG of TTFT and tokens per tier, turn by turn, here "
-                        f"(default: {DEFAULT_PLOT} in the current directory)")
+    p.add_argument(
+        "--plot",
+        metavar="PATH",
+        default=DEFAULT_PLOT,
+        help="write a PNG of TTFT and tokens per tier, turn by turn, here "
+        f"(default: {DEFAULT_PLOT} in the current directory)",
+    )
     p.add_argument("--no-plot", action="store_true", help="write no PNG")
     return p
 
@@ -316,11 +384,18 @@ def main(argv: list[str]) -> int:
     """
     args = build_parser().parse_args(argv)
     page, system, user, reply = _DEFAULTS[args.model]
-    cfg = DemoConfig(model=args.model, page_size=args.page_size or page,
-                     conversations=args.conversations, turns=args.turns,
-                     system_tokens=args.system_tokens or system, user_tokens=args.user_tokens or user,
-                     reply_tokens=args.reply_tokens or reply, restart=args.restart,
-                     seed=args.seed, threads=args.threads)
+    cfg = DemoConfig(
+        model=args.model,
+        page_size=args.page_size or page,
+        conversations=args.conversations,
+        turns=args.turns,
+        system_tokens=args.system_tokens or system,
+        user_tokens=args.user_tokens or user,
+        reply_tokens=args.reply_tokens or reply,
+        restart=args.restart,
+        seed=args.seed,
+        threads=args.threads,
+    )
     try:
         result = run_demo(cfg, out=sys.stdout)
     except KvtierError as err:
@@ -346,6 +421,8 @@ def main(argv: list[str]) -> int:
     ratio = result["restart_reuse_ratio"]
     ok = bool(result["all_match"]) and (ratio is None or float(ratio) >= 0.99)
     if not ok:
-        print("kvtier demo: targets not met (every turn equal to uncached, reuse ratio >= 0.99)",
-              file=sys.stderr)
+        print(
+            "kvtier demo: targets not met (every turn equal to uncached, reuse ratio >= 0.99)",
+            file=sys.stderr,
+        )
     return 0 if ok else 1

@@ -12,8 +12,15 @@ from typing import Any, TextIO
 
 import numpy as np
 
-__all__ = ["COLUMNS", "header", "print_lines", "restart_banner", "row_line", "summary_lines",
-           "write_plot"]
+__all__ = [
+    "COLUMNS",
+    "header",
+    "print_lines",
+    "restart_banner",
+    "row_line",
+    "summary_lines",
+    "write_plot",
+]
 
 # (title, width, row key): the per-turn table; the titles are the column legend in the README.
 COLUMNS: tuple[tuple[str, int, str], ...] = (
@@ -82,8 +89,10 @@ def summary_lines(result: Mapping[str, Any], outputs: Sequence[tuple[str, str]] 
     ratio = result["restart_reuse_ratio"]
     lines = []
     if isinstance(ratio, float):
-        lines.append(f"{'restart reuse':<15} {ratio:.3f}: {result['restart_reused_tokens']:,} of "
-                     f"{result['restart_stored_tokens']:,} tokens L2 held before the restart")
+        lines.append(
+            f"{'restart reuse':<15} {ratio:.3f}: {result['restart_reused_tokens']:,} of "
+            f"{result['restart_stored_tokens']:,} tokens L2 held before the restart"
+        )
         lines.append(f"{'':<15} were loaded from L2 by the first turn after it")
     else:
         lines.append(f"{'restart reuse':<15} n/a (no restart, or L2 held nothing before it)")
@@ -129,8 +138,12 @@ def write_plot(result: Mapping[str, Any], path: str) -> None:
     ax1.set_ylabel("TTFT (ms)")
     ax1.legend()
     bottom = np.zeros(len(x))
-    for key, label in (("cached_l1", "L1"), ("cached_l2", "L2"), ("cached_l3", "L3"),
-                       ("computed", "computed")):
+    for key, label in (
+        ("cached_l1", "L1"),
+        ("cached_l2", "L2"),
+        ("cached_l3", "L3"),
+        ("computed", "computed"),
+    ):
         ax2.bar(x, get(key), bottom=bottom, label=label)
         bottom += get(key)
     ax2.set_ylabel("prompt tokens")

@@ -32,11 +32,17 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--replay", help="its kv_events_replay_endpoint (fills gaps, --from)")
     ap.add_argument("--config", help="read the endpoints from this kvtierd config file")
     ap.add_argument("--topic", default="", help="topic prefix, e.g. kvtier/<model id>/")
-    ap.add_argument("--from", dest="start", type=int, metavar="SEQ",
-                    help="replay from this sequence number first (0: all the daemon keeps)")
+    ap.add_argument(
+        "--from",
+        dest="start",
+        type=int,
+        metavar="SEQ",
+        help="replay from this sequence number first (0: all the daemon keeps)",
+    )
     ap.add_argument("--json", action="store_true", help="one JSON object per event")
-    ap.add_argument("--timeout", type=float, default=0.0,
-                    help="stop after this many quiet seconds (0: never)")
+    ap.add_argument(
+        "--timeout", type=float, default=0.0, help="stop after this many quiet seconds (0: never)"
+    )
     ap.add_argument("--count", type=int, default=0, help="stop after this many events")
     args = ap.parse_args(argv)
     endpoint, replay = args.endpoint, args.replay
@@ -48,8 +54,9 @@ def main(argv: list[str]) -> int:
             return 2
         endpoint, replay = cfg.kv_events_endpoint, replay or cfg.kv_events_replay_endpoint
     if endpoint is None:
-        print("kvtier events: no endpoint: pass --endpoint or set kv_events_endpoint",
-              file=sys.stderr)
+        print(
+            "kvtier events: no endpoint: pass --endpoint or set kv_events_endpoint", file=sys.stderr
+        )
         return 2
     printed = 0
     quiet = args.timeout if args.timeout > 0 else 1e9
@@ -57,14 +64,27 @@ def main(argv: list[str]) -> int:
         for msg in sub.iter(quiet, start_seq=args.start):
             for ev in msg.batch.events:
                 if args.json:
-                    print(json.dumps({"seq": msg.seq, "topic": msg.topic, "ts": msg.batch.ts,
-                                      "replayed": msg.replayed, **as_dict(ev)}), flush=True)
+                    print(
+                        json.dumps(
+                            {
+                                "seq": msg.seq,
+                                "topic": msg.topic,
+                                "ts": msg.batch.ts,
+                                "replayed": msg.replayed,
+                                **as_dict(ev),
+                            }
+                        ),
+                        flush=True,
+                    )
                 else:
                     blocks = getattr(ev, "block_hashes", [])
-                    print(f"{msg.seq:>8} {msg.topic} {type(ev).__name__:<16} "
-                          f"{getattr(ev, 'medium', '') or '':<8} {len(blocks):>5} "
-                          f"{' '.join(_short(h) for h in blocks[:4])}"
-                          f"{' ...' if len(blocks) > 4 else ''}", flush=True)
+                    print(
+                        f"{msg.seq:>8} {msg.topic} {type(ev).__name__:<16} "
+                        f"{getattr(ev, 'medium', '') or '':<8} {len(blocks):>5} "
+                        f"{' '.join(_short(h) for h in blocks[:4])}"
+                        f"{' ...' if len(blocks) > 4 else ''}",
+                        flush=True,
+                    )
                 printed += 1
                 if args.count and printed >= args.count:
                     return 0

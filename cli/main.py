@@ -36,12 +36,17 @@ def _bench(argv: list[str]) -> int:
         from kvtier.bench import trace
 
         return trace.main(argv[1:])
-    p = argparse.ArgumentParser(prog="kvtier bench", description="Measure kvtier against baselines.")
+    p = argparse.ArgumentParser(
+        prog="kvtier bench", description="Measure kvtier against baselines."
+    )
     sub = p.add_subparsers(dest="what", required=True)
     for name, text in ENGINE_BENCHES.items():
         sub.add_parser(name, help=f"{text} (run `kvtier bench {name} --help`)")
-    sub.add_parser("trace", help="replay a request trace through kvtierd per pool size: hit rate "
-                   "vs simulated LRU and Belady's MIN (run `kvtier bench trace --help`)")
+    sub.add_parser(
+        "trace",
+        help="replay a request trace through kvtierd per pool size: hit rate "
+        "vs simulated LRU and Belady's MIN (run `kvtier bench trace --help`)",
+    )
     l2 = sub.add_parser("l2", help="host pool load/store bandwidth and lookup latency")
     l2.add_argument("--json", metavar="PATH", help="write the results here")
     l2.add_argument("--mib", type=int, default=256, help="MiB moved per measurement (>= 256)")
@@ -59,10 +64,18 @@ def _bench(argv: list[str]) -> int:
     sc.add_argument("--json", metavar="PATH", help="write the results here")
     sc.add_argument("--plot", metavar="PNG", help="draw the N-engine curves here (matplotlib)")
     sc.add_argument("--quick", action="store_true", help="tiny sizes: seconds, not minutes")
-    sc.add_argument("--million-pages", type=int, metavar="N",
-                    help="pages of the big pool (default 1,000,000; --quick: 4,096)")
-    sc.add_argument("--copy-threads", type=int, default=2,
-                    help="the daemons' copy threads, and the memcpy baselines' (default 2)")
+    sc.add_argument(
+        "--million-pages",
+        type=int,
+        metavar="N",
+        help="pages of the big pool (default 1,000,000; --quick: 4,096)",
+    )
+    sc.add_argument(
+        "--copy-threads",
+        type=int,
+        default=2,
+        help="the daemons' copy threads, and the memcpy baselines' (default 2)",
+    )
     args = p.parse_args(argv)
     result: dict[str, Any]
     print_table: Callable[[dict[str, Any]], None]
@@ -147,8 +160,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvtier {package_version()}")
         return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: kvtier COMMAND [ARGS]   (kvtier COMMAND --help: its options; "
-              "kvtier --version)\n\ncommands:")
+        print(
+            "usage: kvtier COMMAND [ARGS]   (kvtier COMMAND --help: its options; "
+            "kvtier --version)\n\ncommands:"
+        )
         for name, (_, text) in COMMANDS.items():
             print(f"  {name:<10} {text}")
         return 0 if argv and argv[0] in ("-h", "--help") else 2

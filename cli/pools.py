@@ -73,17 +73,21 @@ def holder_of(info: PoolFileInfo) -> Holder:
         try:
             pid = lock_holder(info.runtime_dir)
         except OSError as err:
-            return Holder("unknown", why=f"cannot read the lock of {info.runtime_dir}: "
-                                         f"{err.strerror}")
+            return Holder(
+                "unknown", why=f"cannot read the lock of {info.runtime_dir}: {err.strerror}"
+            )
         if pid is not None:
             return Holder("yes", pid, f"the lock of {info.runtime_dir} is held")
     pids, complete = _mapped_by(info.path, info.uid)
     if pids:
         return Holder("yes", pids[0], "a process maps it")
     if info.runtime_dir is None and not complete:
-        return Holder("unknown", why="no runtime directory recorded in it, and the mappings "
-                                     f"of some processes of uid {info.uid} are not readable "
-                                     "by this user")
+        return Holder(
+            "unknown",
+            why="no runtime directory recorded in it, and the mappings "
+            f"of some processes of uid {info.uid} are not readable "
+            "by this user",
+        )
     return Holder("no")
 
 
@@ -115,27 +119,45 @@ def _mapped_by(path: Path, owner: int) -> tuple[list[int], bool]:
 def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser of ``kvtier pools``."""
     p = argparse.ArgumentParser(
-        prog="kvtier pools", description="List kvtier's host pool files and which daemon "
-        "holds each; remove the ones no daemon holds.")
+        prog="kvtier pools",
+        description="List kvtier's host pool files and which daemon "
+        "holds each; remove the ones no daemon holds.",
+    )
     add_version_flag(p, "kvtier")
-    p.add_argument("--pool-dir", metavar="DIR", type=Path, default=None,
-                   help="where the pool files are (default: pool_dir of the daemon's config: "
-                        "$KVTIER_POOL_DIR, else /dev/shm)")
+    p.add_argument(
+        "--pool-dir",
+        metavar="DIR",
+        type=Path,
+        default=None,
+        help="where the pool files are (default: pool_dir of the daemon's config: "
+        "$KVTIER_POOL_DIR, else /dev/shm)",
+    )
     what = p.add_mutually_exclusive_group()
-    what.add_argument("--remove", metavar="PATH", type=Path,
-                      help="remove this pool file, unless a daemon holds it")
-    what.add_argument("--stale", action="store_true",
-                      help="remove every pool file no daemon holds")
+    what.add_argument(
+        "--remove",
+        metavar="PATH",
+        type=Path,
+        help="remove this pool file, unless a daemon holds it",
+    )
+    what.add_argument("--stale", action="store_true", help="remove every pool file no daemon holds")
     p.add_argument("--json", action="store_true", help="list as JSON")
     return p
 
 
 def _row(info: PoolFileInfo, holder: Holder, now: float) -> dict[str, object]:
-    return {"path": str(info.path), "size": info.size, "age_s": max(0.0, now - info.mtime),
-            "uid": info.uid, "mode": f"{info.mode:04o}", "kind": info.kind,
-            "runtime_dir": None if info.runtime_dir is None else str(info.runtime_dir),
-            "header": info.header, "held": holder.state, "holder_pid": holder.pid or None,
-            "why": holder.why}
+    return {
+        "path": str(info.path),
+        "size": info.size,
+        "age_s": max(0.0, now - info.mtime),
+        "uid": info.uid,
+        "mode": f"{info.mode:04o}",
+        "kind": info.kind,
+        "runtime_dir": None if info.runtime_dir is None else str(info.runtime_dir),
+        "header": info.header,
+        "held": holder.state,
+        "holder_pid": holder.pid or None,
+        "why": holder.why,
+    }
 
 
 def _age(seconds: float) -> str:
@@ -153,15 +175,19 @@ def _print_table(rows: list[dict[str, object]]) -> None:
     for r in rows:
         rdir = r["runtime_dir"] or f"? ({r['header']})"
         held = "yes (pid {})".format(r["holder_pid"]) if r["holder_pid"] else str(r["held"])
-        print(f"{r['path']:<36} {format_size(int(r['size'])):>10} "  # type: ignore[call-overload]
-              f"{_age(float(r['age_s'])):>5} {r['uid']:>6} {held:<14} {rdir}")  # type: ignore[arg-type]
+        print(
+            f"{r['path']:<36} {format_size(int(r['size'])):>10} "  # type: ignore[call-overload]
+            f"{_age(float(r['age_s'])):>5} {r['uid']:>6} {held:<14} {rdir}"  # type: ignore[arg-type]
+        )
 
 
 def _remove(info: PoolFileInfo, holder: Holder) -> str | None:
     """Remove one pool file; return None, or why it was not removed."""
     if holder.state == "yes":
-        return (f"{info.path} is held by a running kvtierd ({holder}: {holder.why}); stop that "
-                "daemon first (with keep_pool_on_stop false it removes its pool itself)")
+        return (
+            f"{info.path} is held by a running kvtierd ({holder}: {holder.why}); stop that "
+            "daemon first (with keep_pool_on_stop false it removes its pool itself)"
+        )
     if holder.state != "no":
         return f"{info.path}: cannot tell whether a daemon holds it ({holder.why}); not removed"
     try:
@@ -198,8 +224,11 @@ def main(argv: Sequence[str]) -> int:
         rc = 0
         for info, holder in pairs:
             if holder.state == "unknown":
-                print(f"kvtier pools: left {info.path}: cannot tell whether a daemon holds it "
-                      f"({holder.why})", file=sys.stderr)
+                print(
+                    f"kvtier pools: left {info.path}: cannot tell whether a daemon holds it "
+                    f"({holder.why})",
+                    file=sys.stderr,
+                )
             if holder.state != "no":
                 continue
             why = _remove(info, holder)
@@ -219,14 +248,19 @@ def main(argv: Sequence[str]) -> int:
 
 def _remove_one(path: Path, pool_dir: Path) -> int:
     if not path.name.startswith(POOL_PREFIX):
-        print(f"kvtier pools: {path} is not a kvtier pool file (its name does not start "
-              f"with {POOL_PREFIX}); see kvtier pools", file=sys.stderr)
+        print(
+            f"kvtier pools: {path} is not a kvtier pool file (its name does not start "
+            f"with {POOL_PREFIX}); see kvtier pools",
+            file=sys.stderr,
+        )
         return 2
     try:
         info = inspect_pool_file(path)
     except FileNotFoundError:
-        print(f"kvtier pools: no such pool file: {path} (see kvtier pools --pool-dir "
-              f"{pool_dir})", file=sys.stderr)
+        print(
+            f"kvtier pools: no such pool file: {path} (see kvtier pools --pool-dir {pool_dir})",
+            file=sys.stderr,
+        )
         return 1
     except OSError as err:
         print(f"kvtier pools: cannot inspect {path}: {err.strerror}", file=sys.stderr)

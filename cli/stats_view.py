@@ -70,12 +70,15 @@ def _adoption(adopt: Mapping[str, Any]) -> str:
     pages, dropped = int(adopt.get("pages_adopted", 0)), int(adopt.get("pages_dropped", 0))
     size = format_size(int(adopt.get("bytes_adopted", 0)))
     ms = 1e3 * float(adopt.get("seconds", 0.0))
-    return (f"{pages:,} pages ({size}) in {ms:.0f} ms, {dropped:,} dropped, "
-            f"generation {adopt.get('generation', '—')}")
+    return (
+        f"{pages:,} pages ({size}) in {ms:.0f} ms, {dropped:,} dropped, "
+        f"generation {adopt.get('generation', '—')}"
+    )
 
 
-def render_stats(snap: Mapping[str, Any], endpoint: str = "",
-                 previous: Mapping[str, Any] | None = None) -> Any:
+def render_stats(
+    snap: Mapping[str, Any], endpoint: str = "", previous: Mapping[str, Any] | None = None
+) -> Any:
     """Build the ``kvtier stats`` view of one snapshot as a rich renderable.
 
     Args:
@@ -95,8 +98,7 @@ def render_stats(snap: Mapping[str, Any], endpoint: str = "",
     sessions = snap.get("sessions") or []
     l3: Mapping[str, Any] = snap.get("l3") or {}
 
-    head = Table(title="kvtierd", show_header=False, box=None, title_justify="left",
-                 padding=(0, 2))
+    head = Table(title="kvtierd", show_header=False, box=None, title_justify="left", padding=(0, 2))
     head.add_column(style="bold")
     head.add_column()
     if endpoint:
@@ -120,8 +122,12 @@ def render_stats(snap: Mapping[str, Any], endpoint: str = "",
     if used is not None and cap is not None:
         pct = f" ({100.0 * used / cap:.1f}%)" if cap > 0 else ""
         pt.add_row("used", f"{format_size(int(used))} of {format_size(int(cap))}{pct}")
-    for label, key in (("pages ready", "pages_ready"), ("pages writing", "pages_writing"),
-                       ("pages pinned", "pages_pinned"), ("evictions", "evictions")):
+    for label, key in (
+        ("pages ready", "pages_ready"),
+        ("pages writing", "pages_writing"),
+        ("pages pinned", "pages_pinned"),
+        ("evictions", "evictions"),
+    ):
         value = _num(pool, key)
         pt.add_row(label, f"{int(value):,}" if value is not None else "—")
     free, total = _num(pool, "extents_free"), _num(pool, "extents_total")
@@ -135,10 +141,18 @@ def render_stats(snap: Mapping[str, Any], endpoint: str = "",
     ht.add_column("pages hit", justify="right")
     ht.add_column("tokens hit", justify="right")
     lookups, pages, toks = _num(c, "lookups"), _num(c, "lookup_keys"), _num(c, "lookup_tokens")
-    ht.add_row("L2", _ratio(_num(c, "lookup_hits"), lookups),
-               _ratio(_num(c, "lookup_hit_keys"), pages), _ratio(_num(c, "lookup_hit_tokens"), toks))
-    ht.add_row("L3", _ratio(_num(c, "lookup_l3_hits"), lookups),
-               _ratio(_num(c, "lookup_l3_keys"), pages), _ratio(_num(c, "lookup_l3_tokens"), toks))
+    ht.add_row(
+        "L2",
+        _ratio(_num(c, "lookup_hits"), lookups),
+        _ratio(_num(c, "lookup_hit_keys"), pages),
+        _ratio(_num(c, "lookup_hit_tokens"), toks),
+    )
+    ht.add_row(
+        "L3",
+        _ratio(_num(c, "lookup_l3_hits"), lookups),
+        _ratio(_num(c, "lookup_l3_keys"), pages),
+        _ratio(_num(c, "lookup_l3_tokens"), toks),
+    )
     saved = _num(c, "loaded_tokens")
     ht.add_row("saved", "", "", f"{int(saved):,} tokens loaded" if saved is not None else "—")
 
@@ -161,10 +175,17 @@ def render_stats(snap: Mapping[str, Any], endpoint: str = "",
         if rates:
             row.append(format_size(int(max(0.0, rates.get(direction, 0.0)))) + "/s")
         bt.add_row(*row)
-    bt.add_row("pages stored", f"{int(_num(c, 'store_pages') or 0):,}"
-               f" (+{int(_num(c, 'store_failed_pages') or 0):,} failed)", *([""] if rates else []))
-    bt.add_row("pages loaded", f"{int(_num(c, 'load_pages') or 0):,}"
-               f" (+{int(_num(c, 'load_failed_pages') or 0):,} failed)", *([""] if rates else []))
+    bt.add_row(
+        "pages stored",
+        f"{int(_num(c, 'store_pages') or 0):,}"
+        f" (+{int(_num(c, 'store_failed_pages') or 0):,} failed)",
+        *([""] if rates else []),
+    )
+    bt.add_row(
+        "pages loaded",
+        f"{int(_num(c, 'load_pages') or 0):,} (+{int(_num(c, 'load_failed_pages') or 0):,} failed)",
+        *([""] if rates else []),
+    )
 
     lt = Table(title="L3 storage", show_header=False, title_justify="left")
     lt.add_column(style="bold")
@@ -174,15 +195,22 @@ def render_stats(snap: Mapping[str, Any], endpoint: str = "",
     else:
         healthy = l3.get("healthy")
         lt.add_row("backend", str(l3.get("backend", "—")))
-        lt.add_row("health", "—" if healthy is None else ("[green]ok[/]" if healthy
-                                                          else "[red]failing[/]"))
-        for label, key in (("write policy", "write_policy"),
-                           ("prefetch policy", "prefetch_policy")):
+        lt.add_row(
+            "health", "—" if healthy is None else ("[green]ok[/]" if healthy else "[red]failing[/]")
+        )
+        for label, key in (
+            ("write policy", "write_policy"),
+            ("prefetch policy", "prefetch_policy"),
+        ):
             if key in l3:
                 lt.add_row(label, str(l3[key]))
-        for label, key in (("write queue", "write_queue"), ("prefetching", "prefetching"),
-                           ("errors", "errors"), ("corrupt objects", "corrupt"),
-                           ("misses", "misses")):
+        for label, key in (
+            ("write queue", "write_queue"),
+            ("prefetching", "prefetching"),
+            ("errors", "errors"),
+            ("corrupt objects", "corrupt"),
+            ("misses", "misses"),
+        ):
             value = _num(l3, key)
             if value is not None:
                 lt.add_row(label, f"{int(value):,}")
@@ -202,22 +230,31 @@ def _users_table(limits: Mapping[str, Any]) -> Any:
     bounds: Mapping[str, Any] = limits.get("bounds") or {}
     t = Table(title="Users (per-user bounds)", title_justify="left")
     for name in ("uid", "sessions", "mapped", "mappings", "handover conns", "handovers waiting"):
-        t.add_column(name, style="bold" if name == "uid" else None,
-                     justify="left" if name == "uid" else "right")
+        t.add_column(
+            name,
+            style="bold" if name == "uid" else None,
+            justify="left" if name == "uid" else "right",
+        )
 
     def of(use: Mapping[str, Any], key: str, bound: str, size: bool = False) -> str:
         value, top = int(use.get(key, 0)), bounds.get(bound)
         shown = format_size(value) if size else f"{value:,}"
-        return f"{shown} / {format_size(int(top)) if size else f'{int(top):,}'}" \
-            if top is not None else shown
+        return (
+            f"{shown} / {format_size(int(top)) if size else f'{int(top):,}'}"
+            if top is not None
+            else shown
+        )
 
     for uid, use in sorted((limits.get("users") or {}).items()):
         if isinstance(use, Mapping):
-            t.add_row(str(uid), of(use, "sessions", "max_sessions_per_user"),
-                      of(use, "mapped_bytes", "max_mapped_bytes_per_user", size=True),
-                      of(use, "mapped_segments", "max_mapped_segments_per_user"),
-                      of(use, "handover_connections", "max_handover_connections_per_user"),
-                      of(use, "handovers_waiting", "max_handovers_waiting_per_user"))
+            t.add_row(
+                str(uid),
+                of(use, "sessions", "max_sessions_per_user"),
+                of(use, "mapped_bytes", "max_mapped_bytes_per_user", size=True),
+                of(use, "mapped_segments", "max_mapped_segments_per_user"),
+                of(use, "handover_connections", "max_handover_connections_per_user"),
+                of(use, "handovers_waiting", "max_handovers_waiting_per_user"),
+            )
     refused = limits.get("refusals") or {}
     if refused:
         t.caption = "refused: " + ", ".join(f"{k} {int(v):,}" for k, v in sorted(refused.items()))
@@ -235,8 +272,11 @@ def _tenant_table(tenants: Mapping[str, Any]) -> Any:
     for name, row in sorted(tenants.items()):
         row = row if isinstance(row, Mapping) else {}
         pages, quota = _num(row, "pages"), _num(row, "quota_pages")
-        t.add_row(str(name), f"{int(pages):,}" if pages is not None else "—",
-                  f"{int(quota):,}" if quota is not None else "none")
+        t.add_row(
+            str(name),
+            f"{int(pages):,}" if pages is not None else "—",
+            f"{int(quota):,}" if quota is not None else "none",
+        )
     return t
 
 
@@ -244,17 +284,30 @@ def render_sessions(sessions: Sequence[Mapping[str, Any]]) -> Any:
     """Build the ``kvtier sessions`` table (a rich renderable) from the snapshot's sessions."""
     from rich.table import Table
 
-    t = Table(title=f"{len(sessions)} session{'s' if len(sessions) != 1 else ''}",
-              title_justify="left")
-    for name, justify in (("id", "right"), ("tenant", "left"), ("pid", "right"),
-                          ("rank", "right"), ("state", "left"), ("page", "right"),
-                          ("pages", "right"), ("transfers", "right")):
+    t = Table(
+        title=f"{len(sessions)} session{'s' if len(sessions) != 1 else ''}", title_justify="left"
+    )
+    for name, justify in (
+        ("id", "right"),
+        ("tenant", "left"),
+        ("pid", "right"),
+        ("rank", "right"),
+        ("state", "left"),
+        ("page", "right"),
+        ("pages", "right"),
+        ("transfers", "right"),
+    ):
         t.add_column(name, justify=justify)  # type: ignore[arg-type]
     for s in sessions:
         page = s.get("page_bytes")
-        t.add_row(str(s.get("session_id", "")), str(s.get("tenant", "")), str(s.get("pid", "")),
-                  f"{s.get('tp_rank', 0)}/{s.get('tp_size', 1)}", str(s.get("state", "")),
-                  format_size(int(page)) if isinstance(page, int) else "—",
-                  str(s.get("num_pages", "")), str(s.get("transfers", "")))
+        t.add_row(
+            str(s.get("session_id", "")),
+            str(s.get("tenant", "")),
+            str(s.get("pid", "")),
+            f"{s.get('tp_rank', 0)}/{s.get('tp_size', 1)}",
+            str(s.get("state", "")),
+            format_size(int(page)) if isinstance(page, int) else "—",
+            str(s.get("num_pages", "")),
+            str(s.get("transfers", "")),
+        )
     return t
-

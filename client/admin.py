@@ -59,8 +59,13 @@ class AdminClient:
         self.timeout_s = timeout_s
         self.admin_token = admin_token
         self._ctx = zmq.Context()
-        self._sock = make_zmq_socket(self._ctx, self.endpoint, zmq.DEALER, bind=False,
-                                     identity=b"admin-" + secrets.token_hex(6).encode())
+        self._sock = make_zmq_socket(
+            self._ctx,
+            self.endpoint,
+            zmq.DEALER,
+            bind=False,
+            identity=b"admin-" + secrets.token_hex(6).encode(),
+        )
         self._ids = itertools.count(1)
 
     def call(self, msg: P.Request, wait_s: float | None = None) -> P.Reply:

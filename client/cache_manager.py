@@ -47,8 +47,14 @@ from kvtier.client.radix_tree import RadixTree
 from kvtier.client.store_tracker import StoreTracker
 from kvtier.config import ClientConfig, KvtierError
 
-__all__ = ["CacheCounters", "CacheManager", "DeviceAllocator", "DevicePoolExhausted", "LoadHandle",
-           "MatchResult"]
+__all__ = [
+    "CacheCounters",
+    "CacheManager",
+    "DeviceAllocator",
+    "DevicePoolExhausted",
+    "LoadHandle",
+    "MatchResult",
+]
 
 _LOCAL_SEED = hashlib.sha256(b"kvtier local L1 namespace").digest()
 
@@ -96,12 +102,27 @@ class CacheManager:
         KvtierError: no page size, or a connection that is not registered.
     """
 
-    __slots__ = ("_alloc", "_cfg", "_conn", "_page_size", "_quarantine", "_quarantined", "_seed",
-                 "_stores", "_tree", "counters")
+    __slots__ = (
+        "_alloc",
+        "_cfg",
+        "_conn",
+        "_page_size",
+        "_quarantine",
+        "_quarantined",
+        "_seed",
+        "_stores",
+        "_tree",
+        "counters",
+    )
 
-    def __init__(self, allocator: DeviceAllocator, connection: Connection | None = None,
-                 config: ClientConfig | None = None, page_size: int | None = None,
-                 key_seed: bytes | None = None) -> None:
+    def __init__(
+        self,
+        allocator: DeviceAllocator,
+        connection: Connection | None = None,
+        config: ClientConfig | None = None,
+        page_size: int | None = None,
+        key_seed: bytes | None = None,
+    ) -> None:
         if connection is not None:
             page_size = connection.geometry.page_size
             if len(connection.ns_fingerprint) != 32:
@@ -112,14 +133,21 @@ class CacheManager:
         self._conn = connection
         self._cfg = config or (connection.config if connection is not None else ClientConfig())
         self._page_size = page_size
-        self._seed = connection.ns_fingerprint if connection is not None else (key_seed or _LOCAL_SEED)
+        self._seed = (
+            connection.ns_fingerprint if connection is not None else (key_seed or _LOCAL_SEED)
+        )
         self._tree = RadixTree(page_size)
         self._quarantine: list[_Quarantine] = []
         self._quarantined: set[int] = set()
         self.counters = CacheCounters()
         policy = self._cfg.hicache_write_policy
-        threshold = (1 if policy == "write_through" else
-                     self._cfg.write_through_threshold if policy == "write_through_selective" else 0)
+        threshold = (
+            1
+            if policy == "write_through"
+            else self._cfg.write_through_threshold
+            if policy == "write_through_selective"
+            else 0
+        )
         self._stores = StoreTracker(connection, self._tree, self.counters, threshold)
 
     @property
@@ -163,7 +191,7 @@ class CacheManager:
         usable = max(len(toks) - 1, 0) // size
         pm = self._tree.match_prefix(toks[: usable * size])
         seed = pm.keys[-1] if pm.keys else self._seed
-        keys = pm.keys + page_keys(seed, toks[pm.matched_tokens: n_full * size], size)
+        keys = pm.keys + page_keys(seed, toks[pm.matched_tokens : n_full * size], size)
         l1 = pm.device_pages
         self._tree.lock(pm.last_node)
         l2 = l3 = 0
@@ -183,8 +211,9 @@ class CacheManager:
         c.l1_hit_tokens += l1 * size
         c.l2_hit_tokens += l2 * size
         c.l3_hit_tokens += l3 * size
-        return MatchResult(toks, keys, size, pm.device_page_ids, pm.in_l2[:l1], l2, l3,
-                           pm.last_node)
+        return MatchResult(
+            toks, keys, size, pm.device_page_ids, pm.in_l2[:l1], l2, l3, pm.last_node
+        )
 
     def alloc(self, n: int) -> list[int]:
         """Take ``n`` device pages, evicting unlocked L1 pages (per the write policy) if short.
@@ -208,7 +237,8 @@ class CacheManager:
                     f"{n} device pages needed, {self._alloc.free_count} free; "
                     f"{self._tree.device_page_count} held by L1 "
                     f"({self._tree.evictable_page_count} evictable), "
-                    f"{len(self._quarantined)} quarantined")
+                    f"{len(self._quarantined)} quarantined"
+                )
         return pages
 
     def load(self, match: MatchResult, device_pages: Sequence[int]) -> LoadHandle:
@@ -226,7 +256,7 @@ class CacheManager:
         transfer = None
         if n and self._conn is not None:
             l1 = len(match.l1_pages)
-            transfer = self._conn.load(match.keys[l1: l1 + n], list(device_pages[:n]))
+            transfer = self._conn.load(match.keys[l1 : l1 + n], list(device_pages[:n]))
         handle = LoadHandle(match, transfer, device_pages, self._load_settled)
         match.load = handle
         return handle
@@ -280,7 +310,7 @@ class CacheManager:
         match.node = res.last_node
         l1, loaded = len(match.l1_pages), match.loaded_pages
         if loaded:
-            self._tree.mark_in_l2(keys[l1: l1 + loaded])
+            self._tree.mark_in_l2(keys[l1 : l1 + loaded])
         self._stores.inserted(keys, pages, l1, match.l1_in_l2, loaded)
         return res.duplicate_page_ids
 

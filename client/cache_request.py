@@ -80,8 +80,13 @@ class LoadHandle:
 
     __slots__ = ("_match", "_ok", "_on_settled", "_transfer", "page_ids", "pages", "quarantined")
 
-    def __init__(self, match: MatchResult, transfer: TransferHandle | None,
-                 page_ids: Sequence[int], on_settled: SettledCallback) -> None:
+    def __init__(
+        self,
+        match: MatchResult,
+        transfer: TransferHandle | None,
+        page_ids: Sequence[int],
+        on_settled: SettledCallback,
+    ) -> None:
         """Wrap ``transfer`` (None: nothing to load) for ``match``.
 
         Args:

@@ -64,8 +64,14 @@ if TYPE_CHECKING:
 
     import numpy as np
 
-__all__ = ["Connection", "DaemonError", "DaemonUnavailable", "LookupReply", "TransferHandle",
-           "rep_is_late"]
+__all__ = [
+    "Connection",
+    "DaemonError",
+    "DaemonUnavailable",
+    "LookupReply",
+    "TransferHandle",
+    "rep_is_late",
+]
 
 log = logging.getLogger("kvtier.client")
 
@@ -84,17 +90,26 @@ class Connection:
         register: connect and register now (else call :meth:`register`).
     """
 
-    def __init__(self, pool: SharedKVPool, model_id: str, revision: str = "",
-                 config: ClientConfig | None = None, tp_rank: int = 0, tp_size: int = 1,
-                 register: bool = True) -> None:  # tp_group comes from config.tp_group
+    def __init__(
+        self,
+        pool: SharedKVPool,
+        model_id: str,
+        revision: str = "",
+        config: ClientConfig | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        register: bool = True,
+    ) -> None:  # tp_group comes from config.tp_group
         self.config = config or ClientConfig()
         self.pool = pool
         self.geometry = pool.geometry
-        self.namespace = P.NamespaceSpec(model_id=model_id, revision=revision,
-                                         cache_salt=self.config.cache_salt)
+        self.namespace = P.NamespaceSpec(
+            model_id=model_id, revision=revision, cache_salt=self.config.cache_salt
+        )
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.endpoint = self.config.endpoint or ipc_endpoint(
-            socket_path(runtime_dir(self.config.runtime_dir)))
+            socket_path(runtime_dir(self.config.runtime_dir))
+        )
         self._lock = threading.RLock()
         self._ctx = zmq.Context()
         self._sock: zmq.Socket | None = None
@@ -137,18 +152,30 @@ class Connection:
             self._check_socket_file()
             if self._sock is None:
                 identity = f"{os.getpid()}-{secrets.token_hex(6)}".encode()
-                self._sock = make_zmq_socket(self._ctx, self.endpoint, zmq.DEALER, bind=False,
-                                             identity=identity)
-                self._sock.setsockopt(zmq.RCVTIMEO, max(1, int(self.config.request_timeout_s * 1000)))
+                self._sock = make_zmq_socket(
+                    self._ctx, self.endpoint, zmq.DEALER, bind=False, identity=identity
+                )
+                self._sock.setsockopt(
+                    zmq.RCVTIMEO, max(1, int(self.config.request_timeout_s * 1000))
+                )
             token = self.config.token.get_secret_value() if self.config.token else ""
             handover = secrets.token_bytes(HANDOVER_TOKEN_BYTES)
             completion_fd = self._hand_over(handover)
             try:
-                msg = P.Register(req_id=0, protocol_version=P.PROTOCOL_VERSION,
-                                 namespace=self.namespace, geometry=self.geometry,
-                                 memory=self.pool.export(), tp_rank=self.tp_rank,
-                                 tp_size=self.tp_size, pid=os.getpid(), tenant=self.config.tenant,
-                                 token=token, tp_group=self.config.tp_group, handover=handover)
+                msg = P.Register(
+                    req_id=0,
+                    protocol_version=P.PROTOCOL_VERSION,
+                    namespace=self.namespace,
+                    geometry=self.geometry,
+                    memory=self.pool.export(),
+                    tp_rank=self.tp_rank,
+                    tp_size=self.tp_size,
+                    pid=os.getpid(),
+                    tenant=self.config.tenant,
+                    token=token,
+                    tp_group=self.config.tp_group,
+                    handover=handover,
+                )
                 rep = replies.expect(msg, self._call(msg, raw=True), P.Registered)
                 block = CompletionBlock.from_fd(completion_fd, rep.completion_slots)
             finally:
@@ -165,7 +192,9 @@ class Connection:
             self._limbo.clear()
             self._down_until = 0.0
         if self._hb is None:
-            self._hb = threading.Thread(target=self._heartbeat_loop, name="kvtier-heartbeat", daemon=True)
+            self._hb = threading.Thread(
+                target=self._heartbeat_loop, name="kvtier-heartbeat", daemon=True
+            )
             self._hb.start()
 
     def _hand_over(self, token: bytes) -> int:
@@ -193,7 +222,7 @@ class Connection:
         """Fail fast, with a hint, when the endpoint is a socket file that does not exist."""
         if not self.endpoint.startswith("ipc://"):
             return
-        path = self.endpoint[len("ipc://"):]
+        path = self.endpoint[len("ipc://") :]
         if not os.path.exists(path):
             raise DaemonUnavailable(
                 f"kvtierd is not running: no socket at {path}; start one with `kvtier serve` "
@@ -285,8 +314,12 @@ class Connection:
             if watch_pid and not self.daemon_alive():
                 return None
 
-    def _session_call(self, make: Callable[[int], P.Request], kind: type[replies.ReplyT],
-                      timeout: float | None = None) -> replies.ReplyT:
+    def _session_call(
+        self,
+        make: Callable[[int], P.Request],
+        kind: type[replies.ReplyT],
+        timeout: float | None = None,
+    ) -> replies.ReplyT:
         """Call with the current session id; re-register once if the daemon forgot us. The
         reply is checked to be a ``kind`` (else :class:`~.replies.UnexpectedReply`)."""
         with self._lock:
@@ -297,16 +330,20 @@ class Connection:
             msg = make(self.session_id)
             rep = self._call(msg, timeout=timeout)
             if isinstance(rep, P.ErrorReply) and rep.code == P.ErrorCode.UNKNOWN_SESSION:
-                log.info("kvtierd epoch %x does not know session %d; re-registering",
-                         rep.epoch, self.session_id)
+                log.info(
+                    "kvtierd epoch %x does not know session %d; re-registering",
+                    rep.epoch,
+                    self.session_id,
+                )
                 self.session_id = 0
                 self.register()
                 msg = make(self.session_id)
                 rep = self._call(msg, timeout=timeout)
             return replies.expect(msg, rep, kind)
 
-    def page_keys(self, tokens: Sequence[int] | np.ndarray,
-                  parent: bytes | None = None) -> list[bytes]:
+    def page_keys(
+        self, tokens: Sequence[int] | np.ndarray, parent: bytes | None = None
+    ) -> list[bytes]:
         """Keys of the full pages of ``tokens`` (a chain from ``parent`` or the namespace)."""
         return page_keys(parent or self.ns_fingerprint, tokens, self.geometry.page_size)
 
@@ -315,8 +352,9 @@ class Connection:
         if not keys:
             return LookupReply(0, 0)
         try:
-            rep = self._session_call(lambda sid: lookup_request(sid, keys, self._packed_lookup),
-                                     P.LookupResult)
+            rep = self._session_call(
+                lambda sid: lookup_request(sid, keys, self._packed_lookup), P.LookupResult
+            )
         except (DaemonUnavailable, DaemonError, replies.UnexpectedReply) as err:
             log.debug("lookup treated as a miss: %s", err)
             return LookupReply(0, 0)
@@ -340,17 +378,24 @@ class Connection:
         if not keys:
             return 0
         try:
-            rep = self._session_call(lambda sid: P.Prefetch(
-                req_id=0, session_id=sid, keys=list(keys), skip=skip, request_id=request_id),
-                P.PrefetchReply)
+            rep = self._session_call(
+                lambda sid: P.Prefetch(
+                    req_id=0, session_id=sid, keys=list(keys), skip=skip, request_id=request_id
+                ),
+                P.PrefetchReply,
+            )
         except (DaemonUnavailable, DaemonError, replies.UnexpectedReply) as err:
             log.debug("prefetch not started: %s", err)
             return 0
         return rep.started
 
-    def claim(self, keys: Sequence[bytes], policy: PrefetchPolicy | None = None,
-              request_id: str = "",
-              timeout: float | None = None) -> int:
+    def claim(
+        self,
+        keys: Sequence[bytes],
+        policy: PrefetchPolicy | None = None,
+        request_id: str = "",
+        timeout: float | None = None,
+    ) -> int:
         """End the prefetch of ``keys`` and return the leading run now in L2.
 
         ``best_effort`` answers with what is ready now, ``wait_complete`` waits for the
@@ -371,25 +416,36 @@ class Connection:
             return 0
         wait_s = self.config.claim_timeout_s if timeout is None else timeout
         try:
-            rep = self._session_call(lambda sid: P.Claim(
-                req_id=0, session_id=sid, keys=list(keys), request_id=request_id,
-                policy=policy or ""), P.ClaimReply, timeout=wait_s)
+            rep = self._session_call(
+                lambda sid: P.Claim(
+                    req_id=0,
+                    session_id=sid,
+                    keys=list(keys),
+                    request_id=request_id,
+                    policy=policy or "",
+                ),
+                P.ClaimReply,
+                timeout=wait_s,
+            )
         except (DaemonUnavailable, DaemonError, replies.UnexpectedReply) as err:
             log.debug("claim treated as a miss: %s", err)
             return 0
         return rep.l2
 
-    def store(self, keys: Sequence[bytes], pages: Sequence[int],
-              parent_key: bytes | None = None,
-              engine: P.EngineBlocks | None = None) -> TransferHandle:
+    def store(
+        self,
+        keys: Sequence[bytes],
+        pages: Sequence[int],
+        parent_key: bytes | None = None,
+        engine: P.EngineBlocks | None = None,
+    ) -> TransferHandle:
         """Copy engine pages into L2 under ``keys`` (those L2 lacks).
 
         Reuse ``pages`` only after ``handle.wait()`` returned. If the daemon is away the
         store is dropped (``count == 0``). ``engine``: the engine's own hashes of the pages,
         for the daemon's KV events (sent only when the daemon publishes them).
         """
-        return self._transfer(P.Store, keys, pages, parent_key,
-                              engine if self._kv_events else None)
+        return self._transfer(P.Store, keys, pages, parent_key, engine if self._kv_events else None)
 
     def load(self, keys: Sequence[bytes], pages: Sequence[int]) -> TransferHandle:
         """Load the leading L2 run of ``keys`` into engine ``pages`` layer by layer.
@@ -399,9 +455,14 @@ class Connection:
         """
         return self._transfer(P.Load, keys, pages, None)
 
-    def _transfer(self, kind: type[P.Store | P.Load], keys: Sequence[bytes],
-                  pages: Sequence[int], parent_key: bytes | None,
-                  engine: P.EngineBlocks | None = None) -> TransferHandle:
+    def _transfer(
+        self,
+        kind: type[P.Store | P.Load],
+        keys: Sequence[bytes],
+        pages: Sequence[int],
+        parent_key: bytes | None,
+        engine: P.EngineBlocks | None = None,
+    ) -> TransferHandle:
         n_layers = self.geometry.num_layers
         if not keys:
             return TransferHandle(None, None, -1, 0, 0, 0, n_layers)
@@ -412,12 +473,14 @@ class Connection:
             seq = next(self._seqs)
 
             def make(sid: int) -> P.Request:
-                return transfer_request(kind, sid, keys, pages, slot, seq,
-                                        self._packed_transfers, parent_key, engine)
+                return transfer_request(
+                    kind, sid, keys, pages, slot, seq, self._packed_transfers, parent_key, engine
+                )
 
             epoch = self.epoch
             accepted: type[P.StoreAccepted | P.LoadAccepted] = (
-                P.StoreAccepted if kind is P.Store else P.LoadAccepted)
+                P.StoreAccepted if kind is P.Store else P.LoadAccepted
+            )
             try:
                 rep = self._session_call(make, accepted)
             except (DaemonUnavailable, DaemonError, replies.UnexpectedReply) as err:
@@ -460,7 +523,8 @@ class Connection:
             self._limbo[h.slot] = h.seq
             with contextlib.suppress(DaemonUnavailable, DaemonError, replies.UnexpectedReply):
                 self._session_call(
-                    lambda sid: P.Release(req_id=0, session_id=sid, slots=[h.slot]), P.Ack)
+                    lambda sid: P.Release(req_id=0, session_id=sid, slots=[h.slot]), P.Ack
+                )
 
     def release(self, handles: Sequence[TransferHandle]) -> None:
         """Cancel transfers that are still running (their pins drop when they stop)."""
@@ -468,8 +532,7 @@ class Connection:
         if not slots:
             return
         try:
-            self._session_call(lambda sid: P.Release(req_id=0, session_id=sid, slots=slots),
-                               P.Ack)
+            self._session_call(lambda sid: P.Release(req_id=0, session_id=sid, slots=slots), P.Ack)
         except (DaemonUnavailable, DaemonError, replies.UnexpectedReply) as err:
             log.debug("release: %s", err)
 

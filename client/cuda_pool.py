@@ -84,13 +84,21 @@ class CudaKVPool:
         CudaIpcError: the allocation failed.
     """
 
-    def __init__(self, geometry: Geometry, num_pages: int, device: torch.device | int | str = "cuda",
-                 *, allocator: Allocator = "auto") -> None:
+    def __init__(
+        self,
+        geometry: Geometry,
+        num_pages: int,
+        device: torch.device | int | str = "cuda",
+        *,
+        allocator: Allocator = "auto",
+    ) -> None:
         geometry.validate()
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
             raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
         if allocator not in ("auto", "torch", "cudamalloc"):
-            raise ValueError(f"allocator must be 'auto', 'torch' or 'cudamalloc', got {allocator!r}")
+            raise ValueError(
+                f"allocator must be 'auto', 'torch' or 'cudamalloc', got {allocator!r}"
+            )
         cuda_ipc.require_cuda("CudaKVPool")
         self.geometry = geometry
         self.num_pages = num_pages
@@ -108,8 +116,9 @@ class CudaKVPool:
             try:
                 flat = torch.empty(total, dtype=torch.uint8, device=self.device)
             except torch.OutOfMemoryError as err:
-                raise CudaIpcError(f"cannot allocate the KV pool ({total} bytes) on "
-                                   f"{self.device}: {err}") from err
+                raise CudaIpcError(
+                    f"cannot allocate the KV pool ({total} bytes) on {self.device}: {err}"
+                ) from err
         else:
             flat, rng = cuda_ipc.empty_ipc_capable(total, self.device)
             self._known = (rng,)
@@ -118,10 +127,12 @@ class CudaKVPool:
         self._export: CudaExport | None = None
         dtype = TORCH_DTYPES[g.dtype]
         shape = (num_pages, g.page_size, g.kv_heads, g.head_dim)
-        bufs = [flat[i * self._stride: i * self._stride + self._buf_bytes].view(dtype).view(shape)
-                for i in range(n_buf)]
+        bufs = [
+            flat[i * self._stride : i * self._stride + self._buf_bytes].view(dtype).view(shape)
+            for i in range(n_buf)
+        ]
         self.k: list[torch.Tensor] = bufs[:: g.components]
-        self.v: list[torch.Tensor] = bufs[1:: g.components] if g.components == 2 else []
+        self.v: list[torch.Tensor] = bufs[1 :: g.components] if g.components == 2 else []
 
     @property
     def nbytes(self) -> int:
@@ -143,8 +154,9 @@ class CudaKVPool:
             whole = cuda_ipc.export_tensors([self._flat], known=self._known)
             base = whole.buffer_offsets[0]
             n_buf = self.geometry.num_layers * self.geometry.components
-            self._export = CudaExport(whole.segments, [0] * n_buf,
-                                      [base + i * self._stride for i in range(n_buf)])
+            self._export = CudaExport(
+                whole.segments, [0] * n_buf, [base + i * self._stride for i in range(n_buf)]
+            )
         return self._export.memory(self.num_pages)
 
     def close(self) -> None:

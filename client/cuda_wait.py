@@ -46,17 +46,20 @@ class CudaLayerWaiter:
 
     __slots__ = ("_layers", "_ready", "device")
 
-    def __init__(self, device: torch.device | int | str, event_handles: Sequence[bytes],
-                 ready_handle: bytes) -> None:
+    def __init__(
+        self, device: torch.device | int | str, event_handles: Sequence[bytes], ready_handle: bytes
+    ) -> None:
         if len(event_handles) == 0:
             raise CudaIpcError("a CUDA session needs one event handle per layer, got none")
-        handles = [cuda_ipc.check_ipc_handle(h, f"event_handles[{i}]")
-                   for i, h in enumerate(event_handles)]
+        handles = [
+            cuda_ipc.check_ipc_handle(h, f"event_handles[{i}]") for i, h in enumerate(event_handles)
+        ]
         ready = cuda_ipc.check_ipc_handle(ready_handle, "ready_event")
         cuda_ipc.require_cuda("CudaLayerWaiter")
         self.device = torch.device("cuda", cuda_ipc.ordinal_of(device))
-        self._layers: list[torch.cuda.Event] = [cuda_ipc.open_ipc_event(h, self.device)
-                                                for h in handles]
+        self._layers: list[torch.cuda.Event] = [
+            cuda_ipc.open_ipc_event(h, self.device) for h in handles
+        ]
         self._ready: torch.cuda.Event | None = cuda_ipc.open_ipc_event(ready, self.device)
 
     @property
@@ -68,7 +71,9 @@ class CudaLayerWaiter:
         if stream is None:
             return torch.cuda.current_stream(self.device)
         if stream.device != self.device:
-            raise CudaIpcError(f"stream is on {stream.device}, the session's events on {self.device}")
+            raise CudaIpcError(
+                f"stream is on {stream.device}, the session's events on {self.device}"
+            )
         return stream
 
     def record_ready(self, stream: torch.cuda.Stream | None = None) -> None:

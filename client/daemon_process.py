@@ -44,9 +44,15 @@ class DaemonProcess:
             uses this so that a user's settings cannot point its daemon at their files).
     """
 
-    def __init__(self, runtime_dir: str | Path, args: Sequence[str] = (),
-                 env: dict[str, str] | None = None, log_path: str | Path | None = None,
-                 state_dir: str | Path | None = None, isolated: bool = False) -> None:
+    def __init__(
+        self,
+        runtime_dir: str | Path,
+        args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+        log_path: str | Path | None = None,
+        state_dir: str | Path | None = None,
+        isolated: bool = False,
+    ) -> None:
         self.runtime_dir = Path(runtime_dir)
         self.state_dir = Path(state_dir) if state_dir else self.runtime_dir / "state"
         self.args = list(args)
@@ -73,20 +79,31 @@ class DaemonProcess:
     def start(self, timeout: float = 30.0) -> Self:
         """Start the daemon and wait until it answers HEALTH."""
         self.runtime_dir.mkdir(parents=True, exist_ok=True)
-        inherited = {k: v for k, v in os.environ.items()
-                     if not (self.isolated and k.startswith("KVTIER_"))}
-        env = {**inherited, "STATE_DIRECTORY": str(self.state_dir), **self.env,
-               "KVTIER_RUNTIME_DIR": str(self.runtime_dir)}
+        inherited = {
+            k: v for k, v in os.environ.items() if not (self.isolated and k.startswith("KVTIER_"))
+        }
+        env = {
+            **inherited,
+            "STATE_DIRECTORY": str(self.state_dir),
+            **self.env,
+            "KVTIER_RUNTIME_DIR": str(self.runtime_dir),
+        }
         env.pop("NOTIFY_SOCKET", None) if "NOTIFY_SOCKET" not in self.env else None
         # stays open while the daemon runs (its stdout and stderr); _reap closes it
         self._log = open(self.log_path, "ab")  # noqa: SIM115
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvtier.daemon", *self.args],
-                                     stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log,
-                                     env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvtier.daemon", *self.args],
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=self._log,
+            env=env,
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise DaemonStartError(f"kvtierd exited with {self.proc.returncode}:\n{self.log_tail()}")
+                raise DaemonStartError(
+                    f"kvtierd exited with {self.proc.returncode}:\n{self.log_tail()}"
+                )
             if self.socket.exists():
                 try:
                     with AdminClient(self.endpoint, timeout_s=0.5) as admin:

@@ -48,8 +48,14 @@ class EventSubscriber:
         rcvbuf: the kernel receive buffer in bytes (-1: the system's default).
     """
 
-    def __init__(self, endpoint: str, replay: str | None = None, topic: str = "",
-                 hwm: int = 100_000, rcvbuf: int = -1) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        replay: str | None = None,
+        topic: str = "",
+        hwm: int = 100_000,
+        rcvbuf: int = -1,
+    ) -> None:
         self._ctx = zmq.Context()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
@@ -108,8 +114,9 @@ class EventSubscriber:
             self.next_seq = msg.seq + 1
             yield msg
 
-    def replay(self, start_seq: int, upto: int | None = None,
-               timeout_s: float = 5.0) -> list[EventMessage]:
+    def replay(
+        self, start_seq: int, upto: int | None = None, timeout_s: float = 5.0
+    ) -> list[EventMessage]:
         """Ask the replay socket for the batches from ``start_seq`` (below ``upto``), in
         order, keeping this subscriber's topics; [] without a replay endpoint."""
         if self._replay_endpoint is None:
@@ -126,8 +133,9 @@ class EventSubscriber:
                 if seq == E.END_SEQ:
                     break
                 if (upto is None or n < upto) and topic.decode().startswith(self._topic):
-                    out.append(EventMessage(topic.decode(), n, E.decode_batch(payload), True,
-                                            payload))
+                    out.append(
+                        EventMessage(topic.decode(), n, E.decode_batch(payload), True, payload)
+                    )
         finally:
             req.close(linger=0)
         self.replayed += len(out)

@@ -25,8 +25,12 @@ if TYPE_CHECKING:
     from typing import Self
 
 TORCH_DTYPES: dict[DType, torch.dtype] = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "uint8": torch.uint8,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+    "uint8": torch.uint8,
     "int8": torch.int8,
 }
 
@@ -50,14 +54,17 @@ class SharedKVPool:
         g = geometry
         self._buf_bytes = num_pages * g.chunk_bytes
         n_buf = g.num_layers * g.components
-        self.segment = SharedMemorySegment.create_memfd(f"kvtier-engine-{os.getpid()}",
-                                                        n_buf * self._buf_bytes, prefault=prefault)
+        self.segment = SharedMemorySegment.create_memfd(
+            f"kvtier-engine-{os.getpid()}", n_buf * self._buf_bytes, prefault=prefault
+        )
         dtype = TORCH_DTYPES[g.dtype]
         shape = (num_pages, g.page_size, g.kv_heads, g.head_dim)
-        bufs = [self.segment.tensor(i * self._buf_bytes, self._buf_bytes).view(dtype).view(shape)
-                for i in range(n_buf)]
+        bufs = [
+            self.segment.tensor(i * self._buf_bytes, self._buf_bytes).view(dtype).view(shape)
+            for i in range(n_buf)
+        ]
         self.k: list[torch.Tensor] = bufs[:: g.components]
-        self.v: list[torch.Tensor] = bufs[1:: g.components] if g.components == 2 else []
+        self.v: list[torch.Tensor] = bufs[1 :: g.components] if g.components == 2 else []
 
     def memory_fds(self) -> list[int]:
         """The descriptors to hand over, in the order of :meth:`export`'s segments."""
@@ -71,7 +78,8 @@ class SharedKVPool:
         g = self.geometry
         n_buf = g.num_layers * g.components
         return KVMemory(
-            kind="fd", num_pages=self.num_pages,
+            kind="fd",
+            num_pages=self.num_pages,
             segments=[MemorySegment(name=self.segment.path, size=self.segment.size)],
             buffer_segments=[0] * n_buf,
             buffer_offsets=[i * self._buf_bytes for i in range(n_buf)],

@@ -46,10 +46,17 @@ def lookup_request(session_id: int, keys: Sequence[bytes], packed_ok: bool) -> P
     return P.Lookup(req_id=0, session_id=session_id, keys=list(keys))
 
 
-def transfer_request(kind: type[P.Load | P.Store], session_id: int,
-                     keys: Sequence[bytes], pages: Sequence[int], slot: int, seq: int,
-                     packed_ok: bool, parent_key: bytes | None = None,
-                     engine: P.EngineBlocks | None = None) -> P.Load | P.Store:
+def transfer_request(
+    kind: type[P.Load | P.Store],
+    session_id: int,
+    keys: Sequence[bytes],
+    pages: Sequence[int],
+    slot: int,
+    seq: int,
+    packed_ok: bool,
+    parent_key: bytes | None = None,
+    engine: P.EngineBlocks | None = None,
+) -> P.Load | P.Store:
     """The LOAD or STORE (``kind``) of ``keys`` into or from engine ``pages``.
 
     Args:
@@ -71,13 +78,35 @@ def transfer_request(kind: type[P.Load | P.Store], session_id: int,
         if packed is not None and packed_pages is not None:
             packed_keys = memoryview(packed)
             if kind is P.Store:
-                return P.Store(req_id=0, session_id=session_id, packed_keys=packed_keys,
-                               packed_pages=memoryview(packed_pages), parent_key=parent_key,
-                               slot=slot, seq=seq, engine=engine)
-            return P.Load(req_id=0, session_id=session_id, packed_keys=packed_keys,
-                          packed_pages=memoryview(packed_pages), slot=slot, seq=seq)
+                return P.Store(
+                    req_id=0,
+                    session_id=session_id,
+                    packed_keys=packed_keys,
+                    packed_pages=memoryview(packed_pages),
+                    parent_key=parent_key,
+                    slot=slot,
+                    seq=seq,
+                    engine=engine,
+                )
+            return P.Load(
+                req_id=0,
+                session_id=session_id,
+                packed_keys=packed_keys,
+                packed_pages=memoryview(packed_pages),
+                slot=slot,
+                seq=seq,
+            )
     if kind is P.Store:
-        return P.Store(req_id=0, session_id=session_id, keys=list(keys), pages=list(pages),
-                       parent_key=parent_key, slot=slot, seq=seq, engine=engine)
-    return P.Load(req_id=0, session_id=session_id, keys=list(keys), pages=list(pages),
-                  slot=slot, seq=seq)
+        return P.Store(
+            req_id=0,
+            session_id=session_id,
+            keys=list(keys),
+            pages=list(pages),
+            parent_key=parent_key,
+            slot=slot,
+            seq=seq,
+            engine=engine,
+        )
+    return P.Load(
+        req_id=0, session_id=session_id, keys=list(keys), pages=list(pages), slot=slot, seq=seq
+    )

@@ -35,9 +35,15 @@ class RegionMemory:
         ValueError: the counts disagree or the regions do not add up to a page.
     """
 
-    def __init__(self, geometry: Geometry, num_pages: int, fds: Sequence[int],
-                 sizes: Sequence[int], regions: Sequence[MemoryRegion],
-                 labels: Sequence[str] | None = None) -> None:
+    def __init__(
+        self,
+        geometry: Geometry,
+        num_pages: int,
+        fds: Sequence[int],
+        sizes: Sequence[int],
+        regions: Sequence[MemoryRegion],
+        labels: Sequence[str] | None = None,
+    ) -> None:
         geometry.validate()
         if num_pages <= 0:
             raise ValueError(f"num_pages must be > 0, got {num_pages!r}")
@@ -45,8 +51,10 @@ class RegionMemory:
             raise ValueError(f"{len(fds)} descriptors but {len(sizes)} sizes")
         total = sum(r.page_bytes for r in regions)
         if total != geometry.page_bytes:
-            raise ValueError(f"the regions hold {total} bytes per page; the geometry's pages are "
-                             f"{geometry.page_bytes} bytes")
+            raise ValueError(
+                f"the regions hold {total} bytes per page; the geometry's pages are "
+                f"{geometry.page_bytes} bytes"
+            )
         self.geometry = geometry
         self.num_pages = num_pages
         self._fds = list(fds)
@@ -60,8 +68,12 @@ class RegionMemory:
 
     def export(self) -> KVMemory:
         """Describe the memory for REGISTER."""
-        return KVMemory(kind="fd", num_pages=self.num_pages, segments=list(self._segments),
-                        regions=list(self.regions))
+        return KVMemory(
+            kind="fd",
+            num_pages=self.num_pages,
+            segments=list(self._segments),
+            regions=list(self.regions),
+        )
 
 
 class ControlOnly:

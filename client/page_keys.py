@@ -38,7 +38,7 @@ def page_keys(seed: bytes, tokens: Sequence[int] | np.ndarray, page_size: int) -
     sha = hashlib.sha256
     for i in range(n):
         h = sha(prev)
-        h.update(raw[i * step:(i + 1) * step])
+        h.update(raw[i * step : (i + 1) * step])
         prev = h.digest()
         keys.append(prev)
     return keys

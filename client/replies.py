@@ -9,8 +9,14 @@ import msgspec
 from kvtier.config import KvtierError
 from kvtier.ipc import protocol as P
 
-__all__ = ["DaemonError", "DaemonUnavailable", "LookupReply", "UnexpectedReply", "expect",
-           "rep_is_late"]
+__all__ = [
+    "DaemonError",
+    "DaemonUnavailable",
+    "LookupReply",
+    "UnexpectedReply",
+    "expect",
+    "rep_is_late",
+]
 
 ReplyT = TypeVar("ReplyT", bound=msgspec.Struct)
 
@@ -19,8 +25,11 @@ class DaemonError(KvtierError):
     """The daemon refused a request; ``code`` is the :class:`ErrorCode`."""
 
     def __init__(self, code: int, message: str) -> None:
-        super().__init__(f"{P.ErrorCode(code).name}: {message}" if code in P.ErrorCode._value2member_map_
-                         else message)
+        super().__init__(
+            f"{P.ErrorCode(code).name}: {message}"
+            if code in P.ErrorCode._value2member_map_
+            else message
+        )
         self.code = code
 
 
@@ -41,8 +50,9 @@ class UnexpectedReply(KvtierError):
     """
 
     def __init__(self, request: str, expected: type, received: type) -> None:
-        super().__init__(f"{request}: kvtierd answered {received.__name__}, expected "
-                         f"{expected.__name__}")
+        super().__init__(
+            f"{request}: kvtierd answered {received.__name__}, expected {expected.__name__}"
+        )
         self.request = request
         self.expected = expected
         self.received = received

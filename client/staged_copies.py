@@ -36,8 +36,12 @@ class CopyDone:
 
     __slots__ = ("_device", "_keep", "event")
 
-    def __init__(self, event: torch.cuda.Event | None, keep: list[torch.Tensor],
-                 device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        event: torch.cuda.Event | None,
+        keep: list[torch.Tensor],
+        device: torch.device | None = None,
+    ) -> None:
         self.event = event
         self._keep = keep  # device buffers the copies still read or write
         self._device = device
@@ -68,15 +72,18 @@ class StagedCopier:
 
     def __init__(self, area: StagingArea, device_parts: Sequence[torch.Tensor]) -> None:
         if len(device_parts) != len(area.parts):
-            raise ValueError(f"{len(device_parts)} engine tensors for {len(area.parts)} "
-                             "staging parts")
+            raise ValueError(
+                f"{len(device_parts)} engine tensors for {len(area.parts)} staging parts"
+            )
         devices = {t.device for t in device_parts}
         if len(devices) != 1:
             raise ValueError(f"engine tensors on several devices: {sorted(map(str, devices))}")
         for i, (t, p) in enumerate(zip(device_parts, area.parts)):
             if tuple(t.shape[1:]) != p.shape or t.dtype != p.dtype:
-                raise ValueError(f"engine tensor {i}: pages of shape {tuple(t.shape[1:])} "
-                                 f"{t.dtype}, the staging part holds {p.shape} {p.dtype}")
+                raise ValueError(
+                    f"engine tensor {i}: pages of shape {tuple(t.shape[1:])} "
+                    f"{t.dtype}, the staging part holds {p.shape} {p.dtype}"
+                )
         self.area = area
         self.parts = list(device_parts)
         self.device: torch.device = devices.pop()
@@ -104,8 +111,9 @@ class StagedCopier:
         ev.record(torch.cuda.current_stream(self.device))
         return ev
 
-    def to_device(self, parts: Sequence[int], slots: Sequence[int],
-                  blocks: Sequence[int]) -> CopyDone:
+    def to_device(
+        self, parts: Sequence[int], slots: Sequence[int], blocks: Sequence[int]
+    ) -> CopyDone:
         """Copy staging ``slots`` into the engine's ``blocks`` (same order) for ``parts``."""
         assert len(slots) == len(blocks)
         keep: list[torch.Tensor] = []
@@ -123,18 +131,20 @@ class StagedCopier:
             ev.record(self.stream)
         return CopyDone(ev, keep, self.device)
 
-    def _h2d(self, part: int, runs: list[tuple[int, int, torch.Tensor]],
-             keep: list[torch.Tensor]) -> None:
+    def _h2d(
+        self, part: int, runs: list[tuple[int, int, torch.Tensor]], keep: list[torch.Tensor]
+    ) -> None:
         stage, dev = self.area.views[part], self.parts[part]
         for s0, n, idx in runs:
-            src = stage[s0:s0 + n]
+            src = stage[s0 : s0 + n]
             if self.cuda:
                 src = src.to(self.device, non_blocking=True)
                 keep += (src, idx)
             dev.index_copy_(0, idx, src)
 
-    def to_host(self, slots: Sequence[int], blocks: Sequence[int],
-                after: torch.cuda.Event | None = None) -> CopyDone:
+    def to_host(
+        self, slots: Sequence[int], blocks: Sequence[int], after: torch.cuda.Event | None = None
+    ) -> CopyDone:
         """Copy the engine's ``blocks`` (every part) into staging ``slots`` (same order).
 
         Args:
@@ -160,19 +170,23 @@ class StagedCopier:
             ev.record(self.stream)
         return CopyDone(ev, keep, self.device)
 
-    def _runs(self, slots: Sequence[int], blocks: Sequence[int]
-              ) -> list[tuple[int, int, torch.Tensor]]:
+    def _runs(
+        self, slots: Sequence[int], blocks: Sequence[int]
+    ) -> list[tuple[int, int, torch.Tensor]]:
         """(first slot, count, block indices on the device) per run of consecutive slots."""
-        return [(s0, n, torch.tensor(blocks[at:at + n], dtype=torch.long, device=self.device))
-                for s0, n, at in slot_runs(slots)]
+        return [
+            (s0, n, torch.tensor(blocks[at : at + n], dtype=torch.long, device=self.device))
+            for s0, n, at in slot_runs(slots)
+        ]
 
-    def _d2h(self, part: int, runs: list[tuple[int, int, torch.Tensor]],
-             keep: list[torch.Tensor]) -> None:
+    def _d2h(
+        self, part: int, runs: list[tuple[int, int, torch.Tensor]], keep: list[torch.Tensor]
+    ) -> None:
         stage, dev = self.area.views[part], self.parts[part]
         for s0, n, idx in runs:
             if self.cuda:
                 tmp = dev.index_select(0, idx)
-                stage[s0:s0 + n].copy_(tmp, non_blocking=True)
+                stage[s0 : s0 + n].copy_(tmp, non_blocking=True)
                 keep += (tmp, idx)
             else:
-                torch.index_select(dev, 0, idx, out=stage[s0:s0 + n])
+                torch.index_select(dev, 0, idx, out=stage[s0 : s0 + n])

@@ -108,17 +108,21 @@ class StagingArea:
         for p in self.parts:
             self._offsets.append(total)
             total += capacity * p.nbytes
-        self.segment = SharedMemorySegment.create_memfd(f"kvtier-staging-{os.getpid()}", total,
-                                                        prefault=True)
-        self.views = [self.segment.tensor(off, capacity * p.nbytes).view(p.dtype)
-                      .view(capacity, *p.shape) for off, p in zip(self._offsets, self.parts)]
+        self.segment = SharedMemorySegment.create_memfd(
+            f"kvtier-staging-{os.getpid()}", total, prefault=True
+        )
+        self.views = [
+            self.segment.tensor(off, capacity * p.nbytes).view(p.dtype).view(capacity, *p.shape)
+            for off, p in zip(self._offsets, self.parts)
+        ]
         self.pinned = False
         if pin:
             err = torch.cuda.cudart().cudaHostRegister(self.segment.address, total, 0)
             if int(err) != 0:
                 self.close()
-                raise OSError(f"cudaHostRegister of the {total}-byte staging area failed "
-                              f"(error {int(err)})")
+                raise OSError(
+                    f"cudaHostRegister of the {total}-byte staging area failed (error {int(err)})"
+                )
             self.pinned = True
         self._free = np.ones(capacity, dtype=bool)
         self._held: list[tuple[list[int], Callable[[], bool]]] = []  # still used by the daemon
@@ -134,11 +138,15 @@ class StagingArea:
         fd = self.segment.fd
         if fd is None:
             raise ValueError("the staging area is closed")
-        regions = [MemoryRegion(segment=0, offset=off, page_stride=p.nbytes,
-                                page_bytes=p.nbytes, layer=p.layer)
-                   for off, p in zip(self._offsets, self.parts)]
-        return RegionMemory(geometry, self.capacity, [fd], [self.segment.size], regions,
-                            labels=[label])
+        regions = [
+            MemoryRegion(
+                segment=0, offset=off, page_stride=p.nbytes, page_bytes=p.nbytes, layer=p.layer
+            )
+            for off, p in zip(self._offsets, self.parts)
+        ]
+        return RegionMemory(
+            geometry, self.capacity, [fd], [self.segment.size], regions, labels=[label]
+        )
 
     # ------------------------------------------------------------------ slots
     @property
@@ -181,8 +189,8 @@ class StagingArea:
             return None
         # first run of n consecutive free slots: idx[i + n - 1] - idx[i] == n - 1
         if n > 1:
-            spans = np.flatnonzero(idx[n - 1:] - idx[:len(idx) - n + 1] == n - 1)
-            chosen = idx[spans[0]:spans[0] + n] if len(spans) else idx[:n]
+            spans = np.flatnonzero(idx[n - 1 :] - idx[: len(idx) - n + 1] == n - 1)
+            chosen = idx[spans[0] : spans[0] + n] if len(spans) else idx[:n]
         else:
             chosen = idx[:1]
         free[chosen] = False

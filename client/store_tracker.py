@@ -52,11 +52,24 @@ class StoreTracker:
             insert, i.e. write_back).
     """
 
-    __slots__ = ("_conn", "_counters", "_page_stores", "_pending", "_storing", "_threshold",
-                 "_tree", "_unbacked")
+    __slots__ = (
+        "_conn",
+        "_counters",
+        "_page_stores",
+        "_pending",
+        "_storing",
+        "_threshold",
+        "_tree",
+        "_unbacked",
+    )
 
-    def __init__(self, connection: Connection | None, tree: RadixTree, counters: CacheCounters,
-                 store_threshold: int) -> None:
+    def __init__(
+        self,
+        connection: Connection | None,
+        tree: RadixTree,
+        counters: CacheCounters,
+        store_threshold: int,
+    ) -> None:
         self._conn = connection
         self._tree = tree
         self._counters = counters
@@ -71,8 +84,14 @@ class StoreTracker:
         """STOREs issued and not yet reaped."""
         return len(self._pending)
 
-    def inserted(self, keys: Sequence[bytes], pages: Sequence[int], l1: int,
-                 l1_in_l2: Sequence[bool], loaded: int) -> None:
+    def inserted(
+        self,
+        keys: Sequence[bytes],
+        pages: Sequence[int],
+        l1: int,
+        l1_in_l2: Sequence[bool],
+        loaded: int,
+    ) -> None:
         """Count one request's insert of ``keys`` and STORE the pages the write policy picks.
 
         Args:

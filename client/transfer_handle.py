@@ -65,8 +65,16 @@ class TransferHandle:
         "writing",
     )
 
-    def __init__(self, conn: TransferOwner | None, block: CompletionBlock | None, slot: int,
-                 seq: int, count: int, writing: int, num_layers: int) -> None:
+    def __init__(
+        self,
+        conn: TransferOwner | None,
+        block: CompletionBlock | None,
+        slot: int,
+        seq: int,
+        count: int,
+        writing: int,
+        num_layers: int,
+    ) -> None:
         self._conn = conn
         self._block = block
         self.slot = slot
@@ -101,9 +109,13 @@ class TransferHandle:
         assert self._conn is not None and self._block is not None
         conn = self._conn
         try:
-            st = self._block.wait(self.slot, self.seq, layer + 1,
-                                  conn.config.load_timeout_s if timeout is None else timeout,
-                                  alive=conn.daemon_alive)
+            st = self._block.wait(
+                self.slot,
+                self.seq,
+                layer + 1,
+                conn.config.load_timeout_s if timeout is None else timeout,
+                alive=conn.daemon_alive,
+            )
         except CompletionTimeout:
             st = TransferStatus.FAILED
             conn._abandon(self)
@@ -121,14 +133,22 @@ class TransferHandle:
         It has ended once the daemon has settled it: a store's pages are in L2, a load's
         pins are dropped.
         """
-        if (self._status is None and self.wait_layer(self.num_layers - 1, timeout)
-                and self._status is None):
+        if (
+            self._status is None
+            and self.wait_layer(self.num_layers - 1, timeout)
+            and self._status is None
+        ):
             # all layers landed; wait for the final status (the daemon settled it)
             try:
                 assert self._block is not None and self._conn is not None
-                st = self._block.wait(self.slot, self.seq, self.num_layers,
-                                      self._conn.config.load_timeout_s,
-                                      alive=self._conn.daemon_alive, end=True)
+                st = self._block.wait(
+                    self.slot,
+                    self.seq,
+                    self.num_layers,
+                    self._conn.config.load_timeout_s,
+                    alive=self._conn.daemon_alive,
+                    end=True,
+                )
             except (CompletionTimeout, TypeError, ValueError):
                 st = TransferStatus.FAILED
             self._end(st)

@@ -6,7 +6,17 @@ from kvtier.config.models import ClientConfig, DaemonConfig, TenantConfig
 from kvtier.config.sizes import ByteSize, format_size, parse_size
 
 __all__ = [
-    "ByteSize", "ClientConfig", "ConfigError", "DaemonConfig", "KvtierError", "ProtocolError",
-    "StorageError", "TenantConfig", "format_size", "load_config", "parse_size", "runtime_dir",
+    "ByteSize",
+    "ClientConfig",
+    "ConfigError",
+    "DaemonConfig",
+    "KvtierError",
+    "ProtocolError",
+    "StorageError",
+    "TenantConfig",
+    "format_size",
+    "load_config",
+    "parse_size",
+    "runtime_dir",
     "socket_path",
 ]

@@ -89,8 +89,10 @@ def state_dir(configured: Path | None = None, env: Mapping[str, str] | None = No
         except KeyError:
             home = ""
     if not home:
-        raise ConfigError(f"no state directory: uid {os.getuid()} has no home directory and "
-                          "none of state_dir, $STATE_DIRECTORY, $XDG_STATE_HOME is set")
+        raise ConfigError(
+            f"no state directory: uid {os.getuid()} has no home directory and "
+            "none of state_dir, $STATE_DIRECTORY, $XDG_STATE_HOME is set"
+        )
     return Path(home) / ".local" / "state" / "kvtier"
 
 
@@ -134,9 +136,11 @@ def _from_env(model: type[BaseModel], env: Mapping[str, str]) -> dict[str, Any]:
     for var, raw in env.items():
         if not var.startswith(ENV_PREFIX) or var in _OTHER_ENV:
             continue
-        name = var[len(ENV_PREFIX):].lower()
+        name = var[len(ENV_PREFIX) :].lower()
         if name not in known:
-            raise ConfigError(f"unknown environment variable {var}={raw!r} (no such config key {name!r})")
+            raise ConfigError(
+                f"unknown environment variable {var}={raw!r} (no such config key {name!r})"
+            )
         if name not in model.model_fields:
             continue
         out[name] = _parse_structured(model, name, raw, f"environment variable {var}")
@@ -179,7 +183,9 @@ def load_config(
     if file is not None:
         for key, val in _read_toml(Path(file)).items():
             if key not in model.model_fields:
-                raise ConfigError(f"unknown key {key!r} (value {val!r}) in config file {str(file)!r}")
+                raise ConfigError(
+                    f"unknown key {key!r} (value {val!r}) in config file {str(file)!r}"
+                )
             values[key], sources[key] = val, f"config file {str(file)!r}"
     for key, val in _from_env(model, env).items():
         values[key], sources[key] = val, f"environment variable {ENV_PREFIX}{key.upper()}"
@@ -218,16 +224,16 @@ def _redact(loc: str, value: Any) -> Any:
 # what it is for; shown by ``kvtierd --help`` in place of / after the description.
 _HELP_REPLACED = {
     "admin_token": "Credential the admin requests must carry: kvtier stats, sessions, flush and "
-                   "sync (health needs none). Unset: anyone who can reach the socket may use "
-                   "them. The admin commands send it from --admin-token or $KVTIER_ADMIN_TOKEN.",
+    "sync (health needs none). Unset: anyone who can reach the socket may use "
+    "them. The admin commands send it from --admin-token or $KVTIER_ADMIN_TOKEN.",
 }
 _HELP_NOTES = {
     "tenants": 'Format: a JSON object {"NAME": {"token": "SECRET", "quota_pages": N}, ...} '
-               "(quota_pages optional: no quota); in TOML, one [tenants.NAME] table each. "
-               "Engines register with ClientConfig tenant and token.",
+    "(quota_pages optional: no quota); in TOML, one [tenants.NAME] table each. "
+    "Engines register with ClientConfig tenant and token.",
     "hicache_storage_backend_extra_config": 'E.g. \'{"path": "/data/kvtier", "capacity": '
-                                            '"64GiB"}\' for file; the keys of each backend are '
-                                            "in the README (Configuration).",
+    '"64GiB"}\' for file; the keys of each backend are '
+    "in the README (Configuration).",
 }
 
 
@@ -306,13 +312,17 @@ def add_config_flags(parser: argparse.ArgumentParser, model: type[BaseModel]) ->
     """
     group = parser.add_argument_group(
         "configuration (each flag is also a TOML key and a KVTIER_<KEY> variable; flags win "
-        "over variables, variables over the file)")
+        "over variables, variables over the file)"
+    )
     for name, field in model.model_fields.items():
         extra: dict[str, Any] = {"nargs": "?", "const": "true"} if field.annotation is bool else {}
         group.add_argument(
-            f"--{name.replace('_', '-')}", dest=f"cfg_{name}", default=None,
+            f"--{name.replace('_', '-')}",
+            dest=f"cfg_{name}",
+            default=None,
             metavar=_metavar(model, name, field),
-            help=flag_help(name, field), **extra,
+            help=flag_help(name, field),
+            **extra,
         )
 
 

@@ -33,12 +33,16 @@ class TenantConfig(_Frozen):
         default=None, ge=1, description="Most L2 pages the tenant may hold (None: no quota)."
     )
     max_sessions: int | None = Field(
-        default=None, ge=1, le=1 << 16,
+        default=None,
+        ge=1,
+        le=1 << 16,
         description="Most sessions the tenant's engines may hold at once, whichever users "
         "run them (None: the daemon's max_sessions_per_user).",
     )
     max_mapped_bytes: ByteSize | None = Field(
-        default=None, ge=1 << 20, le=1 << 46,
+        default=None,
+        ge=1 << 20,
+        le=1 << 46,
         description="Most bytes of engine memory the daemon maps for the tenant's sessions "
         "at once (None: the daemon's max_mapped_bytes_per_user).",
     )
@@ -73,7 +77,8 @@ class DaemonConfig(_Frozen):
     )
     prefault: bool = Field(default=True, description="Touch every pool page at start.")
     cold_start: bool = Field(
-        default=False, description="Discard the pool a previous kvtierd left instead of adopting it."
+        default=False,
+        description="Discard the pool a previous kvtierd left instead of adopting it.",
     )
     verify_on_adopt: bool = Field(
         default=False,
@@ -82,68 +87,91 @@ class DaemonConfig(_Frozen):
         "adoption relies on the write order and the sealed index rows.",
     )
     keep_pool_on_stop: bool = Field(
-        default=True, description="Leave the pool file in place at a planned stop, for the next start."
+        default=True,
+        description="Leave the pool file in place at a planned stop, for the next start.",
     )
     copy_threads: int = Field(default=2, ge=1, le=64, description="Worker threads that copy pages.")
     lease_s: float = Field(default=30.0, gt=0, description="Session lease; heartbeats renew it.")
     max_sessions: int = Field(default=256, ge=1, description="Most engine sessions at once.")
     max_sessions_per_user: int = Field(
-        default=128, ge=1, le=1 << 16,
+        default=128,
+        ge=1,
+        le=1 << 16,
         description="Most sessions one user id (the engine process's uid) may hold at once; "
         "a REGISTER past it is refused with BUSY naming this setting.",
     )
     max_handover_connections_per_user: int = Field(
-        default=64, ge=1, le=4096,
+        default=64,
+        ge=1,
+        le=4096,
         description="Handover-socket connections one user id may hold open at once (each has "
         "2 s to send its request); a connection past it is answered 'busy' and closed, "
         "and the client tries again until its deadline.",
     )
     max_handover_connections: int = Field(
-        default=1024, ge=1, le=65536,
+        default=1024,
+        ge=1,
+        le=65536,
         description="Handover-socket connections open at once, all users together; past it "
         "the user holding the most gives up its oldest connection.",
     )
     max_handovers_waiting_per_user: int = Field(
-        default=128, ge=1, le=4096,
+        default=128,
+        ge=1,
+        le=4096,
         description="Handovers of one user id waiting for their REGISTER (each holds its "
         "descriptors for up to 10 s); past it the handover is answered 'busy'.",
     )
     max_handovers_waiting: int = Field(
-        default=1024, ge=1, le=65536,
+        default=1024,
+        ge=1,
+        le=65536,
         description="Handovers waiting for their REGISTER, all users together.",
     )
     max_handover_descriptors_per_user: int = Field(
-        default=4096, ge=64, le=1 << 20,
+        default=4096,
+        ge=64,
+        le=1 << 20,
         description="Descriptors one user id's waiting handovers may hold in the daemon (a "
         "handover brings up to 64); past it the handover is answered 'busy'. All users "
         "together may hold half the daemon's descriptor limit (RLIMIT_NOFILE, raised to its "
         "hard limit at start).",
     )
     max_mapped_bytes_per_user: ByteSize | None = Field(
-        default=None, ge=1 << 20, le=1 << 46,
+        default=None,
+        ge=1 << 20,
+        le=1 << 46,
         description="Most bytes of engine memory the daemon maps for one user id's sessions "
         "at once (only the spans the declared regions use count). Default: twice the node's "
         "physical memory. A REGISTER past it is refused naming this setting.",
     )
     max_mapped_bytes: ByteSize | None = Field(
-        default=None, ge=1 << 20, le=1 << 46,
+        default=None,
+        ge=1 << 20,
+        le=1 << 46,
         description="Most bytes of engine memory mapped at once, all users together (the "
         "daemon's address space). Default: eight times the node's physical memory, at most "
         "32 TiB.",
     )
     max_mapped_segments_per_user: int = Field(
-        default=4096, ge=1, le=65536,
+        default=4096,
+        ge=1,
+        le=65536,
         description="Most memory mappings the daemon holds for one user id's sessions at "
         "once (one per run of a segment the regions use; the kernel allows about 65,000 "
         "per process).",
     )
     prefault_threads: int = Field(
-        default=1, ge=1, le=16,
+        default=1,
+        ge=1,
+        le=16,
         description="Threads that build page tables over engines' memory after REGISTER; "
         "users take turns, 16 MiB at a time, so no user's memory delays another's for long.",
     )
     max_message_bytes: ByteSize = Field(
-        default=16 << 20, ge=4096, le=32 << 20,
+        default=16 << 20,
+        ge=4096,
+        le=32 << 20,
         description="Largest control message accepted (at most 32 MiB: the socket's own frame "
         "limit, ZeroMQ MAXMSGSIZE, drops larger frames before they are read).",
     )
@@ -186,57 +214,72 @@ class DaemonConfig(_Frozen):
     prefetch_concurrency: int = Field(default=4, ge=1, description="L3 reads in flight at once.")
     write_back_queue: int = Field(default=4096, ge=1, description="Pages queued for L3 at most.")
     storage_timeout_s: float = Field(
-        default=0.5, gt=0, description="Longest L3 existence check inside LOOKUP or PREFETCH; "
-        "past it the check is a miss and L3 is skipped until a health check passes."
+        default=0.5,
+        gt=0,
+        description="Longest L3 existence check inside LOOKUP or PREFETCH; "
+        "past it the check is a miss and L3 is skipped until a health check passes.",
     )
     tp_group_timeout_s: float = Field(
-        default=1.0, gt=0, description="How long LOOKUP/CLAIM of a tensor-parallel rank waits "
-        "for the other ranks of its engine; a rank that never asks makes the answer 0."
+        default=1.0,
+        gt=0,
+        description="How long LOOKUP/CLAIM of a tensor-parallel rank waits "
+        "for the other ranks of its engine; a rank that never asks makes the answer 0.",
     )
     metrics_port: int | None = Field(
         default=None, ge=1, le=65535, description="Prometheus port on 127.0.0.1 (off when unset)."
     )
     metrics_host: str = Field(default="127.0.0.1", description="Metrics bind address.")
     admin_token: SecretStr | None = Field(
-        default=None, description="Credential the admin requests must carry (kvtier stats, sessions, "
-        "flush and sync; health needs none); unset: anyone who can reach the socket."
+        default=None,
+        description="Credential the admin requests must carry (kvtier stats, sessions, "
+        "flush and sync; health needs none); unset: anyone who can reach the socket.",
     )
     tenants: dict[str, TenantConfig] = Field(
-        default_factory=dict, description="Tenant name → token and quota. Empty: one default tenant."
+        default_factory=dict,
+        description="Tenant name → token and quota. Empty: one default tenant.",
     )
     kv_events_endpoint: str | None = Field(
-        default=None, description="Where kvtierd publishes KV events in vLLM's format (ZeroMQ "
-        "PUB, bound: tcp://127.0.0.1:5557 or ipc://path); unset: no events."
+        default=None,
+        description="Where kvtierd publishes KV events in vLLM's format (ZeroMQ "
+        "PUB, bound: tcp://127.0.0.1:5557 or ipc://path); unset: no events.",
     )
     kv_events_replay_endpoint: str | None = Field(
-        default=None, description="ROUTER endpoint (bound) answering replay requests for "
-        "missed batches, as vLLM's publisher does; unset: no replay."
+        default=None,
+        description="ROUTER endpoint (bound) answering replay requests for "
+        "missed batches, as vLLM's publisher does; unset: no replay.",
     )
     kv_events_buffer_steps: int = Field(
         default=10_000, ge=1, le=1_000_000, description="Batches kept for replay."
     )
     kv_events_hwm: int = Field(
-        default=10_000, ge=1, description="ZeroMQ high-water mark of the PUB socket: batches "
+        default=10_000,
+        ge=1,
+        description="ZeroMQ high-water mark of the PUB socket: batches "
         "queued for a subscriber before further ones are refused (counted in "
-        "kv_events_dropped_batches; every subscriber replays them)."
+        "kv_events_dropped_batches; every subscriber replays them).",
     )
     kv_events_max_batch: int = Field(
         default=1024, ge=1, le=65536, description="Most events in one published batch."
     )
     kv_events_replay_max: int = Field(
-        default=10_000, ge=1, le=1_000_000, description="Most batches one replay request is "
-        "answered with."
+        default=10_000,
+        ge=1,
+        le=1_000_000,
+        description="Most batches one replay request is answered with.",
     )
     kv_events_max_hashes: int = Field(
-        default=1 << 20, ge=0, description="Engine block hashes remembered (page key → hash) "
-        "so evictions and L3 events name a page by the engine's hash; the oldest go beyond it."
+        default=1 << 20,
+        ge=0,
+        description="Engine block hashes remembered (page key → hash) "
+        "so evictions and L3 events name a page by the engine's hash; the oldest go beyond it.",
     )
     native_off: list[NativeKernel] = Field(
-        default_factory=list, description="C kernels not to use; each then takes its Python or "
+        default_factory=list,
+        description="C kernels not to use; each then takes its Python or "
         "numpy path: file_io (file L3 page I/O and L3 object headers), guarded_copy (copies of "
         "engine memory that may shrink: such memory is then copied with pread/pwrite), "
         "region_copy (one-call copies of mapped regions: numpy copy plans then). Default: none "
-        "(every kernel that is built runs). E.g. '[\"file_io\"]'."
+        "(every kernel that is built runs). E.g. '[\"file_io\"]'.",
     )
 
     @field_validator("runtime_dir", "state_dir", mode="before")
@@ -262,11 +305,13 @@ class DaemonConfig(_Frozen):
                 f"extent_size ({self.extent_size}) must not exceed hicache_size ({self.hicache_size})"
             )
         if self.kv_events_replay_endpoint is not None and (
-                self.kv_events_endpoint is None
-                or self.kv_events_replay_endpoint == self.kv_events_endpoint):
+            self.kv_events_endpoint is None
+            or self.kv_events_replay_endpoint == self.kv_events_endpoint
+        ):
             raise ValueError(
                 f"kv_events_replay_endpoint = {self.kv_events_replay_endpoint!r} needs a "
-                f"distinct kv_events_endpoint (it is {self.kv_events_endpoint!r})")
+                f"distinct kv_events_endpoint (it is {self.kv_events_endpoint!r})"
+            )
         return self
 
 
@@ -295,17 +340,22 @@ class ClientConfig(_Frozen):
     hicache_storage_prefetch_policy: PrefetchPolicy = Field(
         default="timeout", description="How a claim ends a prefetch."
     )
-    prefetch_threshold: int = Field(default=256, ge=0, description="Tokens before L3 is prefetched.")
+    prefetch_threshold: int = Field(
+        default=256, ge=0, description="Tokens before L3 is prefetched."
+    )
     hicache_mem_layout: Literal["layer_first"] = Field(
         default="layer_first", description="Engine KV layout (per layer K and V)."
     )
     claim_timeout_s: float = Field(
-        default=35.0, gt=0, description="Longest wait for a CLAIM reply (it may wait for its "
-        "prefetch up to the daemon's prefetch_timeout_max, then for the other TP ranks)."
+        default=35.0,
+        gt=0,
+        description="Longest wait for a CLAIM reply (it may wait for its "
+        "prefetch up to the daemon's prefetch_timeout_max, then for the other TP ranks).",
     )
     tp_group: str = Field(
-        default="", description="Names this engine's tensor-parallel rank group; engines of the "
-        "same model and tp_size on one node must use distinct names."
+        default="",
+        description="Names this engine's tensor-parallel rank group; engines of the "
+        "same model and tp_size on one node must use distinct names.",
     )
     tenant: str = Field(default="default", description="Tenant name sent at registration.")
     token: SecretStr | None = Field(default=None, description="Tenant token.")

@@ -29,11 +29,19 @@ def build_parser(prog: str = "kvtierd") -> argparse.ArgumentParser:
     Args:
         prog: the program name shown in usage and ``--version``.
     """
-    p = argparse.ArgumentParser(prog=prog, description="kvtier daemon: the node's shared KV cache (L2/L3).",
-                                epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", "-c", default=os.environ.get("KVTIER_CONFIG"),
-                   help="TOML config file with keys named like the flags below (default: "
-                        "$KVTIER_CONFIG, else none)")
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="kvtier daemon: the node's shared KV cache (L2/L3).",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--config",
+        "-c",
+        default=os.environ.get("KVTIER_CONFIG"),
+        help="TOML config file with keys named like the flags below (default: "
+        "$KVTIER_CONFIG, else none)",
+    )
     add_version_flag(p, prog)
     add_config_flags(p, DaemonConfig)
     return p

@@ -137,5 +137,9 @@ class HitWindow:
         self._trim(int(self._clock()))
         keys = sum(x[1] for x in self._buckets)
         hits = sum(x[2] for x in self._buckets)
-        return {"seconds": self.seconds, "lookup_keys": keys, "lookup_hit_keys": hits,
-                "l2_page_hit_ratio": hits / keys if keys else None}
+        return {
+            "seconds": self.seconds,
+            "lookup_keys": keys,
+            "lookup_hit_keys": hits,
+            "l2_page_hit_ratio": hits / keys if keys else None,
+        }

@@ -81,15 +81,17 @@ class CompletionBlock:
         For tools and tests that need a block without a daemon; kvtierd uses
         :meth:`create_memfd`.
         """
-        seg = SharedMemorySegment.create(path, slots * SLOT_WORDS * 8, prefault=True, mode=0o640,
-                                         exist_ok=True)
+        seg = SharedMemorySegment.create(
+            path, slots * SLOT_WORDS * 8, prefault=True, mode=0o640, exist_ok=True
+        )
         return cls(seg, slots)
 
     @classmethod
     def create_memfd(cls, slots: int, label: str = "kvtier-completion") -> CompletionBlock:
         """Create a block as a sealed memfd (daemon side); see :meth:`reader_fd`."""
-        seg = SharedMemorySegment.create_memfd(label, slots * SLOT_WORDS * 8, prefault=True,
-                                               future_write=True)
+        seg = SharedMemorySegment.create_memfd(
+            label, slots * SLOT_WORDS * 8, prefault=True, future_write=True
+        )
         return cls(seg, slots)
 
     def reader_fd(self) -> int:
@@ -170,8 +172,15 @@ class CompletionBlock:
         seq = int(row[SEQ])
         return seq, int(row[LAYERS_DONE]), int(row[STATUS])
 
-    def wait(self, slot: int, seq: int, layers: int, timeout: float,
-             alive: Callable[[], bool] | None = None, end: bool = False) -> TransferStatus:
+    def wait(
+        self,
+        slot: int,
+        seq: int,
+        layers: int,
+        timeout: float,
+        alive: Callable[[], bool] | None = None,
+        end: bool = False,
+    ) -> TransferStatus:
         """Wait until ``layers`` layers of transfer ``seq`` are done, or it ends.
 
         Looks :data:`SPINS` times, then sleeps on the slot's futex between looks (polls
@@ -209,7 +218,9 @@ class CompletionBlock:
                     return TransferStatus.RUNNING
             now = time.monotonic()
             if now >= deadline:
-                raise CompletionTimeout(f"slot {slot} seq {seq}: {layers} layers not done in {timeout}s")
+                raise CompletionTimeout(
+                    f"slot {slot} seq {seq}: {layers} layers not done in {timeout}s"
+                )
             if now >= next_alive:
                 if alive is not None and not alive():
                     return TransferStatus.FAILED

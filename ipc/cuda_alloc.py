@@ -84,8 +84,9 @@ def _pointer_attribute(lib: Any, attribute: int, ptr: int) -> int | None:
     return int(value.value) if rc == 0 else None
 
 
-def range_from_snapshot(snapshot: Iterable[Mapping[str, Any]], ptr: int,
-                        ordinal: int) -> AllocationRange | None:
+def range_from_snapshot(
+    snapshot: Iterable[Mapping[str, Any]], ptr: int, ordinal: int
+) -> AllocationRange | None:
     """Find the allocation holding ``ptr`` in ``torch.cuda.memory_snapshot()`` segments.
 
     Args:
@@ -122,8 +123,9 @@ def mapped_range(ptr: int) -> AllocationRange | None:
     return AllocationRange(base, size, None if capable is None else bool(capable))
 
 
-def allocation_range(ptr: int, ordinal: int,
-                     known: Sequence[AllocationRange] = ()) -> AllocationRange:
+def allocation_range(
+    ptr: int, ordinal: int, known: Sequence[AllocationRange] = ()
+) -> AllocationRange:
     """The allocation holding ``ptr``: from ``known``, the CUDA driver, or torch's allocator.
 
     Raises:
@@ -138,9 +140,11 @@ def allocation_range(ptr: int, ordinal: int,
     from_torch = range_from_snapshot(torch.cuda.memory_snapshot(), ptr, ordinal)
     if from_torch is not None:
         return from_torch
-    raise CudaIpcError(f"cannot find the allocation holding {ptr:#x} on cuda:{ordinal} (the "
-                       "CUDA driver could not be asked and torch's caching allocator does not "
-                       "own it)")
+    raise CudaIpcError(
+        f"cannot find the allocation holding {ptr:#x} on cuda:{ordinal} (the "
+        "CUDA driver could not be asked and torch's caching allocator does not "
+        "own it)"
+    )
 
 
 class _CudaMallocBlock:
@@ -175,12 +179,18 @@ class _DeviceBytes:
 
     @property
     def __cuda_array_interface__(self) -> dict[str, object]:
-        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False),
-                "strides": None, "version": 2}
+        return {
+            "shape": (self.nbytes,),
+            "typestr": "|u1",
+            "data": (self.ptr, False),
+            "strides": None,
+            "version": 2,
+        }
 
 
-def device_tensor(ptr: int, nbytes: int, device: torch.device | int | str,
-                  owner: object = None) -> torch.Tensor:
+def device_tensor(
+    ptr: int, nbytes: int, device: torch.device | int | str, owner: object = None
+) -> torch.Tensor:
     """A 1-D uint8 CUDA tensor over ``nbytes`` of device memory at ``ptr`` (no copy).
 
     Args:
@@ -203,8 +213,9 @@ def device_tensor(ptr: int, nbytes: int, device: torch.device | int | str,
     return t
 
 
-def empty_ipc_capable(nbytes: int, device: torch.device | int | str) -> tuple[torch.Tensor,
-                                                                              AllocationRange]:
+def empty_ipc_capable(
+    nbytes: int, device: torch.device | int | str
+) -> tuple[torch.Tensor, AllocationRange]:
     """Allocate ``nbytes`` with ``cudaMalloc`` itself, bypassing torch's caching allocator.
 
     The memory is IPC capable whatever ``PYTORCH_CUDA_ALLOC_CONF`` says, and is freed when the

@@ -22,8 +22,10 @@ __all__ = [
 
 UUID_BYTES = 16
 """Bytes of a device UUID."""
-_UUID_RE = re.compile(r"^(?:gpu-|mig-)?([0-9a-f]{8})-?([0-9a-f]{4})-?([0-9a-f]{4})-?([0-9a-f]{4})"
-                      r"-?([0-9a-f]{12})$")
+_UUID_RE = re.compile(
+    r"^(?:gpu-|mig-)?([0-9a-f]{8})-?([0-9a-f]{4})-?([0-9a-f]{4})-?([0-9a-f]{4})"
+    r"-?([0-9a-f]{12})$"
+)
 
 
 def format_device_uuid(raw: bytes) -> str:
@@ -48,8 +50,9 @@ def parse_device_uuid(text: str) -> bytes:
     """
     m = _UUID_RE.match(text.strip().lower()) if isinstance(text, str) else None
     if m is None:
-        raise CudaIpcError(f"device_uuid = {text!r} is not a GPU UUID (GPU-xxxxxxxx-xxxx-xxxx-"
-                           "xxxx-xxxxxxxxxxxx)")
+        raise CudaIpcError(
+            f"device_uuid = {text!r} is not a GPU UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)"
+        )
     return bytes.fromhex("".join(m.groups()))
 
 

@@ -121,9 +121,13 @@ class CudaExport:
 
     def memory(self, num_pages: int) -> KVMemory:
         """The ``KVMemory`` of a registration whose buffers are the exported tensors, in order."""
-        return KVMemory(kind="cuda_ipc", num_pages=num_pages, segments=list(self.segments),
-                        buffer_segments=list(self.buffer_segments),
-                        buffer_offsets=list(self.buffer_offsets))
+        return KVMemory(
+            kind="cuda_ipc",
+            num_pages=num_pages,
+            segments=list(self.segments),
+            buffer_segments=list(self.buffer_segments),
+            buffer_offsets=list(self.buffer_offsets),
+        )
 
 
 def _checked_tensors(tensors: Sequence[torch.Tensor]) -> torch.device:
@@ -141,18 +145,23 @@ def _checked_tensors(tensors: Sequence[torch.Tensor]) -> torch.device:
                 "SharedKVPool)"
             )
         if not t.is_contiguous() or t.numel() == 0:
-            raise CudaIpcError(f"tensors[{i}] must be contiguous and non-empty, got shape "
-                               f"{tuple(t.shape)} and strides {t.stride()}")
+            raise CudaIpcError(
+                f"tensors[{i}] must be contiguous and non-empty, got shape "
+                f"{tuple(t.shape)} and strides {t.stride()}"
+            )
         if device is not None and t.device != device:
-            raise CudaIpcError(f"tensors[{i}] is on {t.device}, tensors[0] on {device}: one "
-                               "registration exports one GPU")
+            raise CudaIpcError(
+                f"tensors[{i}] is on {t.device}, tensors[0] on {device}: one "
+                "registration exports one GPU"
+            )
         device = t.device
     assert device is not None
     return device
 
 
-def export_tensors(tensors: Sequence[torch.Tensor],
-                   known: Sequence[AllocationRange] = ()) -> CudaExport:
+def export_tensors(
+    tensors: Sequence[torch.Tensor], known: Sequence[AllocationRange] = ()
+) -> CudaExport:
     """Export CUDA tensors of one GPU: one IPC handle per allocation, an offset per tensor.
 
     Args:
@@ -185,8 +194,10 @@ def export_tensors(tensors: Sequence[torch.Tensor],
             if rng.ipc_capable is False:
                 raise _not_exportable(ptr, ordinal, "the driver reports it is not IPC capable")
             if ptr + nbytes > rng.base + rng.size:
-                raise CudaIpcError(f"tensors[{i}] ({nbytes} bytes at {ptr:#x}) runs past its "
-                                   f"allocation [{rng.base:#x}, +{rng.size})")
+                raise CudaIpcError(
+                    f"tensors[{i}] ({nbytes} bytes at {ptr:#x}) runs past its "
+                    f"allocation [{rng.base:#x}, +{rng.size})"
+                )
             if rng.base not in index_of:
                 try:
                     handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(rng.base))
@@ -194,8 +205,14 @@ def export_tensors(tensors: Sequence[torch.Tensor],
                     raise _not_exportable(ptr, ordinal, f"cudaIpcGetMemHandle: {err}") from err
                 check_ipc_handle(handle, f"the handle of tensors[{i}]")
                 index_of[rng.base] = len(segments)
-                segments.append(MemorySegment(name=f"cuda-ipc:{os.getpid()}:{rng.base:#x}",
-                                              size=rng.size, handle=handle, device_uuid=uuid))
+                segments.append(
+                    MemorySegment(
+                        name=f"cuda-ipc:{os.getpid()}:{rng.base:#x}",
+                        size=rng.size,
+                        handle=handle,
+                        device_uuid=uuid,
+                    )
+                )
             seg_of.append(index_of[rng.base])
             offsets.append(ptr - rng.base)
     return CudaExport(segments, seg_of, offsets)
@@ -203,8 +220,10 @@ def export_tensors(tensors: Sequence[torch.Tensor],
 
 def _alloc_conf() -> str:
     """The allocator settings of this process, as the export error quotes them."""
-    return ";".join(f"{v}={os.environ[v]!r}" for v in _ALLOC_CONF_VARS if v in os.environ) or \
-        "PYTORCH_CUDA_ALLOC_CONF unset"
+    return (
+        ";".join(f"{v}={os.environ[v]!r}" for v in _ALLOC_CONF_VARS if v in os.environ)
+        or "PYTORCH_CUDA_ALLOC_CONF unset"
+    )
 
 
 def _not_exportable(ptr: int, ordinal: int, detail: str) -> CudaIpcError:
@@ -266,7 +285,9 @@ def close_mem_handle(ptr: int, ordinal: int) -> None:
         with cupy.cuda.Device(ordinal):
             cupy.cuda.runtime.ipcCloseMemHandle(ptr)
     except cuda_error_types() as err:
-        raise CudaIpcError(f"cudaIpcCloseMemHandle({ptr:#x}) on cuda:{ordinal} failed: {err}") from err
+        raise CudaIpcError(
+            f"cudaIpcCloseMemHandle({ptr:#x}) on cuda:{ordinal} failed: {err}"
+        ) from err
 
 
 # -- interprocess events ------------------------------------------------------------------------
@@ -302,8 +323,9 @@ def open_ipc_event(handle: bytes, device: torch.device | int | str) -> torch.cud
     require_cuda("open_ipc_event")
     ordinal = ordinal_of(device)
     try:
-        event: torch.cuda.Event = torch.cuda.Event.from_ipc_handle(torch.device("cuda", ordinal),
-                                                                   handle)
+        event: torch.cuda.Event = torch.cuda.Event.from_ipc_handle(
+            torch.device("cuda", ordinal), handle
+        )
         return event
     except RuntimeError as err:  # torch reports CUDA errors as RuntimeError
         raise CudaIpcError(f"cannot open an interprocess event on cuda:{ordinal}: {err}") from err

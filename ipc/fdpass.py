@@ -105,13 +105,15 @@ def handover_path_for(endpoint: str, rdir: str | Path) -> Path:
         rdir: the runtime directory (used for a ``tcp://`` endpoint).
     """
     if endpoint.startswith("ipc://"):
-        return Path(endpoint[len("ipc://"):]).parent / HANDOVER_SOCKET
+        return Path(endpoint[len("ipc://") :]).parent / HANDOVER_SOCKET
     return handover_path(rdir)
 
 
 def peer_credentials(sock: socket.socket) -> PeerCred:
     """The connected peer of a local socket, from ``SO_PEERCRED``."""
-    pid, uid, gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    pid, uid, gid = _UCRED.unpack(
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    )
     return PeerCred(pid=pid, uid=uid, gid=gid)
 
 
@@ -147,9 +149,11 @@ def decode_request(data: bytes) -> bytes:
         HandoverError: not a handover request (wrong length or magic).
     """
     if len(data) != REQUEST_BYTES or not data.startswith(MAGIC):
-        raise HandoverError(f"not a handover request ({len(data)} bytes; expected {REQUEST_BYTES} "
-                            f"starting {MAGIC!r})")
-    return data[len(MAGIC):]
+        raise HandoverError(
+            f"not a handover request ({len(data)} bytes; expected {REQUEST_BYTES} "
+            f"starting {MAGIC!r})"
+        )
+    return data[len(MAGIC) :]
 
 
 def encode_reply(status: int, text: str) -> bytes:
@@ -201,8 +205,10 @@ def hand_over(path: str | Path, token: bytes, fds: list[int], timeout: float) ->
         except _Again as again:
             left = deadline - time.monotonic()
             if left <= RETRY_FIRST_S:
-                raise HandoverBusy(f"kvtierd's handover socket at {path} stayed busy for "
-                                   f"{timeout:g}s ({tries} tries): {again}") from None
+                raise HandoverBusy(
+                    f"kvtierd's handover socket at {path} stayed busy for "
+                    f"{timeout:g}s ({tries} tries): {again}"
+                ) from None
             time.sleep(min(left - RETRY_FIRST_S, pause * random.uniform(0.5, 1.0)))
             pause = min(RETRY_MAX_S, pause * 2)
 
@@ -217,7 +223,9 @@ def _try_once(path: str | Path, request: bytes, fds: list[int], timeout: float) 
         try:
             sock.connect(str(path))
         except (FileNotFoundError, ConnectionRefusedError, TimeoutError) as err:
-            raise HandoverUnavailable(f"no kvtierd handover socket answers at {path}: {err}") from err
+            raise HandoverUnavailable(
+                f"no kvtierd handover socket answers at {path}: {err}"
+            ) from err
         except OSError as err:
             if err.errno in TRANSIENT:
                 raise _Again(f"connect: {err.strerror} (backlog full)") from None
@@ -226,7 +234,9 @@ def _try_once(path: str | Path, request: bytes, fds: list[int], timeout: float) 
             socket.send_fds(sock, [request], fds)
             data, got, flags, _ = socket.recv_fds(sock, MAX_REPLY_BYTES, 1)
         except TimeoutError as err:
-            raise HandoverUnavailable(f"no kvtierd handover socket answers at {path}: {err}") from err
+            raise HandoverUnavailable(
+                f"no kvtierd handover socket answers at {path}: {err}"
+            ) from err
         except OSError as err:
             if err.errno in TRANSIENT:
                 raise _Again(f"the daemon closed the connection: {err.strerror}") from None
@@ -262,9 +272,11 @@ def recv_request(sock: socket.socket) -> tuple[bytes, list[int], bool]:
         OSError: the connection failed.
     """
     fds = array.array("i")
-    data, ancdata, flags, _ = sock.recvmsg(REQUEST_BYTES + 1,
-                                           socket.CMSG_SPACE(MAX_HANDOVER_FDS * fds.itemsize),
-                                           socket.MSG_CMSG_CLOEXEC | socket.MSG_DONTWAIT)
+    data, ancdata, flags, _ = sock.recvmsg(
+        REQUEST_BYTES + 1,
+        socket.CMSG_SPACE(MAX_HANDOVER_FDS * fds.itemsize),
+        socket.MSG_CMSG_CLOEXEC | socket.MSG_DONTWAIT,
+    )
     for level, kind, payload in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(payload[: len(payload) - (len(payload) % fds.itemsize)])

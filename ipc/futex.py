@@ -21,8 +21,15 @@ import platform
 
 __all__ = ["AVAILABLE", "wait", "wake"]
 
-_SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98, "ppc64le": 221,
-              "s390x": 238, "riscv64": 98}.get(platform.machine().lower())
+_SYS_FUTEX = {
+    "x86_64": 202,
+    "amd64": 202,
+    "aarch64": 98,
+    "arm64": 98,
+    "ppc64le": 221,
+    "s390x": 238,
+    "riscv64": 98,
+}.get(platform.machine().lower())
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
 _WAKE_ALL = 0x7FFFFFFF
 
@@ -40,8 +47,15 @@ def _load(lib: type[ctypes.CDLL]) -> ctypes._CFuncPtr | None:  # type: ignore[na
     except (OSError, AttributeError):
         return None
     fn.restype = ctypes.c_long
-    fn.argtypes = (ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p,
-                   ctypes.c_void_p, ctypes.c_uint)
+    fn.argtypes = (
+        ctypes.c_long,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_uint,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_uint,
+    )
     return fn
 
 
@@ -66,8 +80,10 @@ def wait(address: int, expected: int, timeout_s: float) -> None:
         return
     t = max(0.0, timeout_s)
     ts = _Timespec(int(t), int((t - int(t)) * 1e9))
-    if _syscall(_SYS_FUTEX, address, _FUTEX_WAIT, expected & 0xFFFFFFFF, ctypes.byref(ts),
-                None, 0) < 0:
+    if (
+        _syscall(_SYS_FUTEX, address, _FUTEX_WAIT, expected & 0xFFFFFFFF, ctypes.byref(ts), None, 0)
+        < 0
+    ):
         err = ctypes.get_errno()
         if err not in (errno.EAGAIN, errno.ETIMEDOUT, errno.EINTR):
             raise OSError(err, f"futex wait: {errno.errorcode.get(err, err)}")

@@ -89,7 +89,13 @@ class Geometry(msgspec.Struct, frozen=True):
 
 
 DTYPE_SIZES = {
-    "float32": 4, "float16": 2, "bfloat16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1, "uint8": 1, "int8": 1,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+    "uint8": 1,
+    "int8": 1,
 }
 assert set(DTYPE_SIZES) == set(typing.get_args(DType)), "DType and DTYPE_SIZES disagree"
 
@@ -163,7 +169,7 @@ class KVMemory(msgspec.Struct, frozen=True):
         if self.regions:
             return list(self.regions)
         chunk, comps = geometry.chunk_bytes, geometry.components
-        return [MemoryRegion(segment=s, offset=o, page_stride=chunk, page_bytes=chunk,
-                             layer=i // comps)
-                for i, (s, o) in enumerate(zip(self.buffer_segments, self.buffer_offsets,
-                                               strict=False))]
+        return [
+            MemoryRegion(segment=s, offset=o, page_stride=chunk, page_bytes=chunk, layer=i // comps)
+            for i, (s, o) in enumerate(zip(self.buffer_segments, self.buffer_offsets, strict=False))
+        ]

@@ -112,10 +112,12 @@ PackedPages = Annotated[memoryview, Meta(max_length=MAX_KEYS * PAGE_INDEX_BYTES)
 key of ``packed_keys``; the daemon checks the count and each index against the engine's
 pages). Sent as bytes; decoded as a view of the received message."""
 Slots = Annotated[list[Slot], Meta(max_length=MAX_SLOTS)]
-SegmentIndices = Annotated[list[Annotated[int, Meta(ge=0, lt=MAX_BUFFERS)]],
-                           Meta(max_length=MAX_BUFFERS)]
-Offsets = Annotated[list[Annotated[int, Meta(ge=0, le=MAX_SEGMENT_BYTES)]],
-                    Meta(max_length=MAX_BUFFERS)]
+SegmentIndices = Annotated[
+    list[Annotated[int, Meta(ge=0, lt=MAX_BUFFERS)]], Meta(max_length=MAX_BUFFERS)
+]
+Offsets = Annotated[
+    list[Annotated[int, Meta(ge=0, le=MAX_SEGMENT_BYTES)]], Meta(max_length=MAX_BUFFERS)
+]
 SegmentIndex = Annotated[int, Meta(ge=0, lt=MAX_BUFFERS)]
 
 # strings and bytes

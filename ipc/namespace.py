@@ -15,8 +15,9 @@ from kvtier.ipc.protocol import Geometry, NamespaceSpec
 LAYOUT_VERSION = 1
 
 
-def namespace_fingerprint(spec: NamespaceSpec, geometry: Geometry, tp_rank: int, tp_size: int,
-                          tenant: str) -> bytes:
+def namespace_fingerprint(
+    spec: NamespaceSpec, geometry: Geometry, tp_rank: int, tp_size: int, tenant: str
+) -> bytes:
     """Return the 32-byte SHA-256 fingerprint of a namespace.
 
     Args:

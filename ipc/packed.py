@@ -23,8 +23,7 @@ except ImportError:  # pragma: no cover - no C compiler at install
 PACK_NATIVE = _pack is not None
 """Whether :func:`pack_keys` packs lists in C (checking every key's length)."""
 
-__all__ = ["PACK_NATIVE", "PackedKeyList", "pack_keys", "pack_pages", "pack_tokens",
-           "split_keys"]
+__all__ = ["PACK_NATIVE", "PackedKeyList", "pack_keys", "pack_pages", "pack_tokens", "split_keys"]
 
 
 def pack_keys(keys: Sequence[bytes]) -> bytes | None:
@@ -98,12 +97,12 @@ class PackedKeyList(Sequence[bytes]):
             start, stop, step = i.indices(n)
             if step != 1:
                 return PackedKeyList(b"".join(self[j] for j in range(start, stop, step)))
-            return PackedKeyList(self.packed[start * KEY_BYTES:max(start, stop) * KEY_BYTES])
+            return PackedKeyList(self.packed[start * KEY_BYTES : max(start, stop) * KEY_BYTES])
         if i < 0:
             i += n
         if not 0 <= i < n:
             raise IndexError("key index out of range")
-        return bytes(self.packed[i * KEY_BYTES:(i + 1) * KEY_BYTES])
+        return bytes(self.packed[i * KEY_BYTES : (i + 1) * KEY_BYTES])
 
     def __iter__(self) -> Iterator[bytes]:
         return iter(split_keys(self.packed))

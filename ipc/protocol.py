@@ -84,11 +84,12 @@ class ErrorCode(enum.IntEnum):
     OUT_OF_RANGE = 4  # page index or transfer slot outside the registered memory
     GEOMETRY_MISMATCH = 5  # geometry / memory description inconsistent
     UNAUTHORIZED = 6  # missing or wrong tenant token / admin credential
-    BAD_MEMORY = 7  # no (or a spent) handover, a descriptor unsealed / of the wrong size, not mappable
+    BAD_MEMORY = (
+        7  # no (or a spent) handover, a descriptor unsealed / of the wrong size, not mappable
+    )
     BUSY = 8  # a limit was reached (sessions, transfer slot in use)
     SHUTTING_DOWN = 9  # the daemon is stopping
     INTERNAL = 10  # a bug in the daemon; the request had no effect
-
 
 
 class NamespaceSpec(msgspec.Struct, frozen=True):
@@ -286,8 +287,19 @@ class Claim(_Req, tag="claim", kw_only=True):
 
 
 Request = (
-    Register | Heartbeat | Lookup | Store | Load | Release | Unregister | Stats | Health | Flush
-    | Prefetch | Claim | Sync
+    Register
+    | Heartbeat
+    | Lookup
+    | Store
+    | Load
+    | Release
+    | Unregister
+    | Stats
+    | Health
+    | Flush
+    | Prefetch
+    | Claim
+    | Sync
 )
 
 
@@ -400,8 +412,18 @@ class ErrorReply(_Rep, tag="error", kw_only=True):
 
 
 Reply = (
-    Registered | Ack | LookupResult | StoreAccepted | LoadAccepted | StatsReply | HealthReply
-    | FlushReply | PrefetchReply | ClaimReply | SyncReply | ErrorReply
+    Registered
+    | Ack
+    | LookupResult
+    | StoreAccepted
+    | LoadAccepted
+    | StatsReply
+    | HealthReply
+    | FlushReply
+    | PrefetchReply
+    | ClaimReply
+    | SyncReply
+    | ErrorReply
 )
 
 _encoder = msgspec.msgpack.Encoder()
@@ -434,9 +456,9 @@ def decode_request(data: bytes | memoryview) -> Request:
 def _shorten(text: str) -> str:
     head, at, path = text.rpartition(" - at `")
     if not at:  # no field path: keep the start
-        return text[:MAX_ERROR_CHARS - 1] + "…"
-    tail = at + path[:MAX_ERROR_CHARS // 2]
-    return head[:MAX_ERROR_CHARS - len(tail) - 1] + "…" + tail
+        return text[: MAX_ERROR_CHARS - 1] + "…"
+    tail = at + path[: MAX_ERROR_CHARS // 2]
+    return head[: MAX_ERROR_CHARS - len(tail) - 1] + "…" + tail
 
 
 def decode_reply(data: bytes | memoryview) -> Reply:
@@ -464,4 +486,4 @@ def peek_req_id(data: bytes | memoryview) -> int:
     n = sizes.get(b)
     if n is None or i + 1 + n > len(head):
         return 0
-    return int.from_bytes(head[i + 1:i + 1 + n], "big")
+    return int.from_bytes(head[i + 1 : i + 1 + n], "big")

@@ -80,11 +80,27 @@ class SharedMemorySegment:
     collection / interpreter exit if the user forgets (with a ``ResourceWarning``).
     """
 
-    __slots__ = ("__weakref__", "_finalizer", "_mm", "address", "fd", "owner", "path", "size",
-                 "view")
+    __slots__ = (
+        "__weakref__",
+        "_finalizer",
+        "_mm",
+        "address",
+        "fd",
+        "owner",
+        "path",
+        "size",
+        "view",
+    )
 
-    def __init__(self, path: str, size: int, mm: mmap.mmap, owner: bool, writable: bool,
-                 fd: int | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        size: int,
+        mm: mmap.mmap,
+        owner: bool,
+        writable: bool,
+        fd: int | None = None,
+    ) -> None:
         self.path = path
         self.size = size
         self.owner = owner
@@ -98,8 +114,14 @@ class SharedMemorySegment:
         self._finalizer = weakref.finalize(self, _leak, path if owner and fd is None else None, fd)
 
     @classmethod
-    def create(cls, path: str | Path, size: int, prefault: bool = True, mode: int = 0o660,
-               exist_ok: bool = False) -> SharedMemorySegment:
+    def create(
+        cls,
+        path: str | Path,
+        size: int,
+        prefault: bool = True,
+        mode: int = 0o660,
+        exist_ok: bool = False,
+    ) -> SharedMemorySegment:
         """Create a segment of ``size`` bytes at ``path`` and map it.
 
         Args:
@@ -129,13 +151,16 @@ class SharedMemorySegment:
         except OSError as err:
             os.close(fd)
             _unlink_quietly(path)
-            raise SharedMemoryError(f"cannot size shared memory {path!r} to {size} bytes: {err}") from err
+            raise SharedMemoryError(
+                f"cannot size shared memory {path!r} to {size} bytes: {err}"
+            ) from err
         os.close(fd)
         return cls(path, size, mm, owner=True, writable=True)
 
     @classmethod
-    def create_memfd(cls, name: str, size: int, prefault: bool = True,
-                     future_write: bool = False) -> SharedMemorySegment:
+    def create_memfd(
+        cls, name: str, size: int, prefault: bool = True, future_write: bool = False
+    ) -> SharedMemorySegment:
         """Create an anonymous, size-sealed memfd of ``size`` bytes and map it read-write.
 
         The segment keeps the descriptor (``fd``, close-on-exec) until :meth:`close`; it
@@ -178,8 +203,15 @@ class SharedMemorySegment:
         return cls(f"memfd:{name}", size, mm, owner=True, writable=True, fd=fd)
 
     @classmethod
-    def from_fd(cls, fd: int, size: int, writable: bool = True, label: str = "fd",
-                populate: bool = False, offset: int = 0) -> SharedMemorySegment:
+    def from_fd(
+        cls,
+        fd: int,
+        size: int,
+        writable: bool = True,
+        label: str = "fd",
+        populate: bool = False,
+        offset: int = 0,
+    ) -> SharedMemorySegment:
         """Map ``size`` bytes of a descriptor someone handed over (the caller keeps ``fd``).
 
         The caller checks the descriptor first (kind, size, seals): this only maps it.
@@ -206,8 +238,13 @@ class SharedMemorySegment:
         return cls(label, size, mm, owner=False, writable=writable)
 
     @classmethod
-    def open(cls, path: str | Path, size: int | None = None, writable: bool = True,
-             populate: bool = False) -> SharedMemorySegment:
+    def open(
+        cls,
+        path: str | Path,
+        size: int | None = None,
+        writable: bool = True,
+        populate: bool = False,
+    ) -> SharedMemorySegment:
         """Map an existing segment.
 
         Args:
@@ -241,7 +278,9 @@ class SharedMemorySegment:
             os.close(fd)
         return cls(path, st.st_size, mm, owner=False, writable=writable)
 
-    def array(self, dtype: np.dtype | type = np.uint8, offset: int = 0, count: int = -1) -> np.ndarray:
+    def array(
+        self, dtype: np.dtype | type = np.uint8, offset: int = 0, count: int = -1
+    ) -> np.ndarray:
         """Return a numpy array over the segment (no copy).
 
         Raises:
@@ -263,7 +302,9 @@ class SharedMemorySegment:
             raise SharedMemoryError(f"segment {self.path!r} is closed")
         nbytes = self.size - offset if nbytes is None else nbytes
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # read-only buffers warn; we never write them
+            warnings.simplefilter(
+                "ignore", UserWarning
+            )  # read-only buffers warn; we never write them
             return torch.frombuffer(self._mm, dtype=torch.uint8, offset=offset, count=nbytes)
 
     @property
@@ -307,5 +348,7 @@ def _leak(path: str | None, fd: int | None = None) -> None:
         except OSError:
             pass  # closed by someone else meanwhile
     if path is not None:
-        warnings.warn(f"shared memory {path!r} was not closed; removing it", ResourceWarning, stacklevel=1)
+        warnings.warn(
+            f"shared memory {path!r} was not closed; removing it", ResourceWarning, stacklevel=1
+        )
         _unlink_quietly(path)

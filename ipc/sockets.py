@@ -12,9 +12,15 @@ from kvtier.ipc.limits import MAX_MESSAGE_BYTES
 _Socket = TypeVar("_Socket", bound="zmq.Socket[Any]")
 
 
-def make_zmq_socket(ctx: zmq.Context[_Socket], endpoint: str, socket_type: int, bind: bool,
-                    identity: bytes | None = None, hwm: int = 0,
-                    max_msg_bytes: int | None = None) -> _Socket:
+def make_zmq_socket(
+    ctx: zmq.Context[_Socket],
+    endpoint: str,
+    socket_type: int,
+    bind: bool,
+    identity: bytes | None = None,
+    hwm: int = 0,
+    max_msg_bytes: int | None = None,
+) -> _Socket:
     """Create, configure and bind or connect a socket.
 
     Args:
@@ -51,7 +57,7 @@ def make_zmq_socket(ctx: zmq.Context[_Socket], endpoint: str, socket_type: int, 
         sock.setsockopt(zmq.IMMEDIATE, 1)
     if bind:
         if endpoint.startswith("ipc://"):
-            path = Path(endpoint[len("ipc://"):])
+            path = Path(endpoint[len("ipc://") :])
             if path.exists() or path.is_symlink():
                 path.unlink()
             old = os.umask(0o117)

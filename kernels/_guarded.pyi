@@ -9,15 +9,33 @@ from typing_extensions import Buffer as _Bytes
 
 Buffer: TypeAlias = _Bytes | NDArray[Any]
 
-def copy_pages(dsts: Sequence[int], srcs: Sequence[int], length: int,
-               stream: bool = ..., /) -> int:
+def copy_pages(dsts: Sequence[int], srcs: Sequence[int], length: int, stream: bool = ..., /) -> int:
     """``memcpy`` per page, stopping at a page that faults: the pages copied."""
 
-def copy_strided(host: int, host_nbytes: int, offsets: Buffer, host_add: int, engine: int,
-                 engine_pages: int, page_ids: Buffer, stride: int, length: int, to_host: bool,
-                 stream: bool = ..., /) -> int:
+def copy_strided(
+    host: int,
+    host_nbytes: int,
+    offsets: Buffer,
+    host_add: int,
+    engine: int,
+    engine_pages: int,
+    page_ids: Buffer,
+    stride: int,
+    length: int,
+    to_host: bool,
+    stream: bool = ...,
+    /,
+) -> int:
     """One region's pages between the arena and an engine's memory: the pages copied."""
 
-def copy_regions(host: int, host_nbytes: int, offsets: Buffer, page_ids: Buffer, table: Buffer,
-                 to_host: bool, stream: bool = ..., /) -> int:
+def copy_regions(
+    host: int,
+    host_nbytes: int,
+    offsets: Buffer,
+    page_ids: Buffer,
+    table: Buffer,
+    to_host: bool,
+    stream: bool = ...,
+    /,
+) -> int:
     """Several regions' pages in one call: the pages copied."""

@@ -8,9 +8,23 @@ from typing_extensions import Buffer as _Bytes
 
 Buffer: TypeAlias = _Bytes | NDArray[Any]
 
-def leading_run(table: Buffer, keys: Buffer, ns: Buffer, state: Buffer, key_len: Buffer,
-                words: Buffer, ns_id: int, mult0: int, mult1: int, shift: int, start: int,
-                max_rounds: int, ready: int, slots: Buffer = ..., /) -> tuple[int, int]:
+def leading_run(
+    table: Buffer,
+    keys: Buffer,
+    ns: Buffer,
+    state: Buffer,
+    key_len: Buffer,
+    words: Buffer,
+    ns_id: int,
+    mult0: int,
+    mult1: int,
+    shift: int,
+    start: int,
+    max_rounds: int,
+    ready: int,
+    slots: Buffer = ...,
+    /,
+) -> tuple[int, int]:
     """The leading run of the packed ``words`` found from ``start`` on: ``(the index it
     stopped at, whether a key was left unresolved)``."""
 

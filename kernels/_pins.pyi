@@ -7,10 +7,12 @@ from typing_extensions import Buffer as _Bytes
 
 Buffer: TypeAlias = _Bytes | NDArray[Any]
 
-def pin(pins: Buffer, stamp: Buffer, children: Buffer, slots: list[int],
-        clock: int) -> tuple[int, int, list[int]]:
+def pin(
+    pins: Buffer, stamp: Buffer, children: Buffer, slots: list[int], clock: int
+) -> tuple[int, int, list[int]]:
     """Pin ``slots``: ``(clock, newly pinned, those that were childless and unpinned)``."""
 
-def unpin(pins: Buffer, state: Buffer, children: Buffer, slots: list[int],
-          ready: int) -> tuple[int, list[int]]:
+def unpin(
+    pins: Buffer, state: Buffer, children: Buffer, slots: list[int], ready: int
+) -> tuple[int, list[int]]:
     """Unpin ``slots``: ``(unpinned, those now unpinned, ready and childless)``."""

@@ -168,7 +168,11 @@ def _plan_for_buffer(
     if isinstance(chunk_offset, bool) or not isinstance(chunk_offset, int) or chunk_offset < 0:
         raise PageCopyError(f"chunk_offset must be a non-negative int, got {chunk_offset!r}")
     return CudaCopyPlan.build(
-        page_ids, slot_offsets, chunk, device=buf.device, slot_bytes=chunk_offset + chunk,
+        page_ids,
+        slot_offsets,
+        chunk,
+        device=buf.device,
+        slot_bytes=chunk_offset + chunk,
         stream=stream,
     )
 
@@ -187,7 +191,11 @@ def _plan_for_layers(
     buf = _cuda_tensor(layer_bufs[0], "layer_bufs[0]")
     slot_bytes = positive_int(n_layers, "n_layers") * len(layer_bufs) * _row_bytes(buf)
     return CudaCopyPlan.build(
-        page_ids, slot_offsets, _row_bytes(buf), device=buf.device, slot_bytes=slot_bytes,
+        page_ids,
+        slot_offsets,
+        _row_bytes(buf),
+        device=buf.device,
+        slot_bytes=slot_bytes,
         stream=stream,
     )
 
@@ -205,6 +213,10 @@ def _plan_for_engine(
     buf = _cuda_tensor(engine_bufs[0][0], "engine_bufs[0][0]")
     slot_bytes = len(engine_bufs) * len(engine_bufs[0]) * _row_bytes(buf)
     return CudaCopyPlan.build(
-        page_ids, slot_offsets, _row_bytes(buf), device=buf.device, slot_bytes=slot_bytes,
+        page_ids,
+        slot_offsets,
+        _row_bytes(buf),
+        device=buf.device,
+        slot_bytes=slot_bytes,
         stream=stream,
     )

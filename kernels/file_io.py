@@ -45,8 +45,9 @@ def _check(buf: Buffer, offsets: Sequence[int], length: int, positions: Sequence
     size = memoryview(buf).nbytes
     for i, (off, pos) in enumerate(zip(offsets, positions)):
         if off < 0 or off > size - length:
-            raise ValueError(f"offsets[{i}] = {off}: the page does not fit in the buffer of "
-                             f"{size} bytes")
+            raise ValueError(
+                f"offsets[{i}] = {off}: the page does not fit in the buffer of {size} bytes"
+            )
         if pos < 0:
             raise ValueError(f"positions[{i}] = {pos} must be >= 0")
 
@@ -66,25 +67,33 @@ def _full(fn: Callable[[memoryview, int], int], page: memoryview, pos: int) -> b
     return True
 
 
-def _pages(fd: int, buf: Buffer, offsets: Sequence[int], length: int,
-           positions: Sequence[int], io: Callable[[memoryview, int], int]) -> list[int | None]:
+def _pages(
+    fd: int,
+    buf: Buffer,
+    offsets: Sequence[int],
+    length: int,
+    positions: Sequence[int],
+    io: Callable[[memoryview, int], int],
+) -> list[int | None]:
     _check(buf, offsets, length, positions)
     view = memoryview(buf).cast("B")
     sums: list[int | None] = []
     for off, pos in zip(offsets, positions):
-        page = view[off:off + length]
+        page = view[off : off + length]
         sums.append(xxhash.xxh3_64_intdigest(page) if _full(io, page, pos) else None)
     return sums
 
 
-def py_write_pages(fd: int, buf: Buffer, offsets: Sequence[int], length: int,
-                   positions: Sequence[int]) -> list[int | None]:
+def py_write_pages(
+    fd: int, buf: Buffer, offsets: Sequence[int], length: int, positions: Sequence[int]
+) -> list[int | None]:
     """The pure-Python :func:`write_pages` (same results, the GIL taken page by page)."""
     return _pages(fd, buf, offsets, length, positions, lambda b, p: os.pwrite(fd, b, p))
 
 
-def py_read_pages(fd: int, buf: Buffer, offsets: Sequence[int], length: int,
-                  positions: Sequence[int]) -> list[int | None]:
+def py_read_pages(
+    fd: int, buf: Buffer, offsets: Sequence[int], length: int, positions: Sequence[int]
+) -> list[int | None]:
     """The pure-Python :func:`read_pages` (same results, the GIL taken page by page)."""
     return _pages(fd, buf, offsets, length, positions, lambda b, p: os.preadv(fd, [b], p))
 
@@ -98,16 +107,18 @@ def in_use() -> bool:
     return _fileio is not None and native.enabled("file_io")
 
 
-def write_pages(fd: int, buf: Buffer, offsets: Sequence[int], length: int,
-                positions: Sequence[int]) -> list[int | None]:
+def write_pages(
+    fd: int, buf: Buffer, offsets: Sequence[int], length: int, positions: Sequence[int]
+) -> list[int | None]:
     """Write each page of ``buf`` to its file position; its checksum, or None on failure."""
     if _fileio is not None and native.enabled("file_io"):
         return _fileio.write_pages(fd, buf, offsets, length, positions)
     return py_write_pages(fd, buf, offsets, length, positions)
 
 
-def read_pages(fd: int, buf: Buffer, offsets: Sequence[int], length: int,
-               positions: Sequence[int]) -> list[int | None]:
+def read_pages(
+    fd: int, buf: Buffer, offsets: Sequence[int], length: int, positions: Sequence[int]
+) -> list[int | None]:
     """Read each page into ``buf`` from its file position; its checksum, or None on failure."""
     if _fileio is not None and native.enabled("file_io"):
         return _fileio.read_pages(fd, buf, offsets, length, positions)

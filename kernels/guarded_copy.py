@@ -50,8 +50,7 @@ def strided() -> bool:
 _NO_REGION_COPY = "region copies are not in use (kvtier.kernels._guarded: check strided())"
 
 
-def copy_pages(dsts: Sequence[int], srcs: Sequence[int], length: int,
-               stream: bool = False) -> int:
+def copy_pages(dsts: Sequence[int], srcs: Sequence[int], length: int, stream: bool = False) -> int:
     """``memcpy(dsts[i], srcs[i], length)`` for each page, the GIL released.
 
     ``stream``: copy with non-temporal stores (see :func:`copy_strided`).
@@ -64,14 +63,26 @@ def copy_pages(dsts: Sequence[int], srcs: Sequence[int], length: int,
         RuntimeError: guarded copies are not in use (check :func:`available` first).
     """
     if _guarded is None or not available():
-        raise RuntimeError("guarded copies are not in use (kvtier.kernels._guarded: "
-                           f"{'turned off' if BUILT else 'not built'})")
+        raise RuntimeError(
+            "guarded copies are not in use (kvtier.kernels._guarded: "
+            f"{'turned off' if BUILT else 'not built'})"
+        )
     return _guarded.copy_pages(dsts, srcs, length, stream)
 
 
-def copy_strided(host: int, host_nbytes: int, offsets: np.ndarray, host_add: int, engine: int,
-                 engine_pages: int, page_ids: np.ndarray, stride: int, length: int,
-                 to_host: bool, stream: bool = False) -> int:
+def copy_strided(
+    host: int,
+    host_nbytes: int,
+    offsets: np.ndarray,
+    host_add: int,
+    engine: int,
+    engine_pages: int,
+    page_ids: np.ndarray,
+    stride: int,
+    length: int,
+    to_host: bool,
+    stream: bool = False,
+) -> int:
     """Copy one region's pages between the host arena and an engine's memory, in C.
 
     Page ``page_ids[i]`` of the region (``length`` bytes at ``engine + page_ids[i] *
@@ -103,14 +114,32 @@ def copy_strided(host: int, host_nbytes: int, offsets: np.ndarray, host_add: int
     """
     if _guarded is None or not strided():
         raise RuntimeError(_NO_REGION_COPY)
-    return int(_guarded.copy_strided(
-        host, host_nbytes, np.ascontiguousarray(offsets, dtype=np.int64), host_add, engine,
-        engine_pages, np.ascontiguousarray(page_ids, dtype=np.int64), stride, length, to_host,
-        stream))
+    return int(
+        _guarded.copy_strided(
+            host,
+            host_nbytes,
+            np.ascontiguousarray(offsets, dtype=np.int64),
+            host_add,
+            engine,
+            engine_pages,
+            np.ascontiguousarray(page_ids, dtype=np.int64),
+            stride,
+            length,
+            to_host,
+            stream,
+        )
+    )
 
 
-def copy_regions(host: int, host_nbytes: int, offsets: np.ndarray, page_ids: np.ndarray,
-                 table: np.ndarray, to_host: bool, stream: bool = False) -> int:
+def copy_regions(
+    host: int,
+    host_nbytes: int,
+    offsets: np.ndarray,
+    page_ids: np.ndarray,
+    table: np.ndarray,
+    to_host: bool,
+    stream: bool = False,
+) -> int:
     """Copy several regions' pages in one call, as :func:`copy_strided` copies one each.
 
     Args:

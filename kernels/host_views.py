@@ -79,18 +79,23 @@ class ArenaView:
         elif isinstance(arena, np.ndarray):
             array = arena
             if array.dtype != np.uint8 or array.ndim != 1 or not array.flags.c_contiguous:
-                raise PageCopyError("arena must be a 1-D contiguous uint8 array, got "
-                                    f"{array.dtype} of shape {array.shape}")
+                raise PageCopyError(
+                    "arena must be a 1-D contiguous uint8 array, got "
+                    f"{array.dtype} of shape {array.shape}"
+                )
         elif torch_tensor(arena):
             if arena.device.type != "cpu":
                 raise PageCopyError(f"arena must be a CPU tensor, got device {arena.device}")
             if arena.dtype != _torch().uint8 or arena.dim() != 1 or not arena.is_contiguous():
-                raise PageCopyError("arena must be a 1-D contiguous uint8 array, got "
-                                    f"{arena.dtype} of shape {tuple(arena.shape)}")
+                raise PageCopyError(
+                    "arena must be a 1-D contiguous uint8 array, got "
+                    f"{arena.dtype} of shape {tuple(arena.shape)}"
+                )
             array = arena.detach().numpy()
         else:
-            raise PageCopyError("arena must be a numpy array or a torch.Tensor, got "
-                                f"{type(arena).__name__}")
+            raise PageCopyError(
+                f"arena must be a numpy array or a torch.Tensor, got {type(arena).__name__}"
+            )
         if write and not array.flags.writeable:
             raise PageCopyError("arena is read-only")
         if isinstance(arena, ArenaView):
@@ -140,8 +145,9 @@ class EngineView:
         elif torch_tensor(buf):
             array = _tensor_rows(buf, name)
         else:
-            raise PageCopyError(f"{name} must be a numpy array or a torch.Tensor, got "
-                                f"{type(buf).__name__}")
+            raise PageCopyError(
+                f"{name} must be a numpy array or a torch.Tensor, got {type(buf).__name__}"
+            )
         if write and not array.flags.writeable:
             raise PageCopyError(f"{name} is read-only")
         rows, row_bytes = array.shape

@@ -54,8 +54,10 @@ def configure(off: Iterable[NativeKernel]) -> frozenset[NativeKernel]:
     wanted = frozenset(off)
     unknown = sorted(str(k) for k in wanted - KERNELS)
     if unknown:
-        raise ValueError(f"native_off: {', '.join(map(repr, unknown))} is not a kernel "
-                         f"(known: {', '.join(sorted(KERNELS))})")
+        raise ValueError(
+            f"native_off: {', '.join(map(repr, unknown))} is not a kernel "
+            f"(known: {', '.join(sorted(KERNELS))})"
+        )
     previous, _off = _off, wanted
     return previous
 

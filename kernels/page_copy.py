@@ -78,8 +78,9 @@ class CopyPlan(PagePlan):
 
     # -- one (layer, component) buffer -----------------------------------------------------------
 
-    def to_host(self, arena: HostBuffer | ArenaView, engine_buf: HostBuffer | EngineView,
-                chunk_offset: int) -> None:
+    def to_host(
+        self, arena: HostBuffer | ArenaView, engine_buf: HostBuffer | EngineView, chunk_offset: int
+    ) -> None:
         """Store: copy the planned pages of one engine buffer into their slots.
 
         Args:
@@ -98,8 +99,9 @@ class CopyPlan(PagePlan):
         engine_view = self._checked(arena_view, engine_buf, "engine_buf", chunk_offset, False)
         self._copy(arena_view, engine_view, chunk_offset, to_host=True)
 
-    def from_host(self, arena: HostBuffer | ArenaView, engine_buf: HostBuffer | EngineView,
-                  chunk_offset: int) -> None:
+    def from_host(
+        self, arena: HostBuffer | ArenaView, engine_buf: HostBuffer | EngineView, chunk_offset: int
+    ) -> None:
         """Load: copy the planned slots into the pages of one engine buffer.
 
         Arguments and errors as for :meth:`to_host`.
@@ -190,7 +192,11 @@ class CopyPlan(PagePlan):
             self._copy(arena_view, engine_view, chunk_offset, to_host=to_host)
 
     def _checked(
-        self, arena: ArenaView, engine_buf: HostBuffer | EngineView, name: str, chunk_offset: int,
+        self,
+        arena: ArenaView,
+        engine_buf: HostBuffer | EngineView,
+        name: str,
+        chunk_offset: int,
         write: bool,
     ) -> EngineView:
         """Check one copy's buffer (writable when ``write``), chunk offset and bounds; return

@@ -139,9 +139,7 @@ class PagePlan:
         chunk = positive_int(chunk_bytes, "chunk_bytes")
         extent = chunk if slot_bytes is None else positive_int(slot_bytes, "slot_bytes")
         if extent < chunk:
-            raise PageCopyError(
-                f"slot_bytes = {extent} is smaller than chunk_bytes = {chunk}"
-            )
+            raise PageCopyError(f"slot_bytes = {extent} is smaller than chunk_bytes = {chunk}")
         if pids.size == 0:
             empty = np.empty(0, dtype=np.int64)
             return cls(pids, offs, chunk, extent, 0, (), empty, empty, -1, -1)

@@ -41,9 +41,21 @@ def short_tmp() -> Iterator[Path]:
 
 def _daemon_flags(root: Path, name: str, *args: str) -> list[str]:
     """The fixtures' kvtierd flags (see :func:`daemon_factory`), then ``args``."""
-    return ["--hicache-storage-backend", "none", "--state-dir", str(root / name / "state"),
-            "--hicache-size", "64MiB", "--extent-size", "4MiB", "--log-level", "info",
-            "--lease-s", "5", *args]
+    return [
+        "--hicache-storage-backend",
+        "none",
+        "--state-dir",
+        str(root / name / "state"),
+        "--hicache-size",
+        "64MiB",
+        "--extent-size",
+        "4MiB",
+        "--log-level",
+        "info",
+        "--lease-s",
+        "5",
+        *args,
+    ]
 
 
 @pytest.fixture
@@ -58,8 +70,9 @@ def daemon_factory(short_tmp: Path) -> Iterator:
     """
     started: list[DaemonProcess] = []
 
-    def make(*args: str, name: str = "d0", env: dict[str, str] | None = None,
-             start: bool = True) -> DaemonProcess:
+    def make(
+        *args: str, name: str = "d0", env: dict[str, str] | None = None, start: bool = True
+    ) -> DaemonProcess:
         d = DaemonProcess(short_tmp / name, _daemon_flags(short_tmp, name, *args), env=env)
         started.append(d)
         return d.start() if start else d

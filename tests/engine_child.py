@@ -18,7 +18,9 @@ from kvtier.ipc import protocol as P
 
 from tests.engines import engine, fill_page, tokens
 
-BIG = P.Geometry(num_layers=8, page_size=64, kv_heads=4, head_dim=64, dtype="float32")  # 64 KiB chunks
+BIG = P.Geometry(
+    num_layers=8, page_size=64, kv_heads=4, head_dim=64, dtype="float32"
+)  # 64 KiB chunks
 CHAIN_PAGES = 16
 
 

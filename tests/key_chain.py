@@ -29,7 +29,7 @@ def spec_page_keys(seed: bytes, tokens: Sequence[int], page_size: int) -> list[b
     keys: list[bytes] = []
     prev = seed
     for start in range(0, len(tokens) - page_size + 1, page_size):
-        page = b"".join(struct.pack("<I", int(t)) for t in tokens[start:start + page_size])
+        page = b"".join(struct.pack("<I", int(t)) for t in tokens[start : start + page_size])
         prev = hashlib.sha256(prev + page).digest()
         keys.append(prev)
     return keys
@@ -41,9 +41,16 @@ def _json_str(s: str) -> str:
     return f'"{s}"'
 
 
-def spec_fingerprint_json(geometry: Geometry, *, model_id: str, revision: str = "",
-                          cache_salt: str = "", tenant: str = "default", tp_rank: int = 0,
-                          tp_size: int = 1) -> str:
+def spec_fingerprint_json(
+    geometry: Geometry,
+    *,
+    model_id: str,
+    revision: str = "",
+    cache_salt: str = "",
+    tenant: str = "default",
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> str:
     """The canonical JSON text the fingerprint hashes, written out field by field in sorted
     key order."""
     rank = str(tp_rank) if geometry.attention == "mha" else "null"

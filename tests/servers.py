@@ -50,16 +50,12 @@ LOOPBACK = "127.0.0.1"
 READY_DEADLINE_S = 15.0
 
 
-
-
 def find_binary(name: str) -> str | None:
     """Find ``name`` in this interpreter's environment (the venv's bin) first, then on PATH."""
     candidate = Path(sys.prefix) / "bin" / name
     if candidate.is_file() and os.access(candidate, os.X_OK):
         return str(candidate)
     return shutil.which(name)
-
-
 
 
 @dataclass

@@ -58,8 +58,10 @@ def links(mapping: dict[str, str]) -> dict[str, str]:
         parent = ".".join(parts[:-1])
         expected = Path(mapping.get(parent, "")) / parts[-1]
         if parent not in mapping or Path(folder) != expected:
-            raise SystemExit(f"package-dir entry {name!r} = {folder!r}: expected "
-                             f"{str(expected)!r} (its parent's folder and its name)")
+            raise SystemExit(
+                f"package-dir entry {name!r} = {folder!r}: expected "
+                f"{str(expected)!r} (its parent's folder and its name)"
+            )
     return top
 
 
@@ -88,14 +90,23 @@ def main(argv: list[str]) -> int:
     top = links(package_dirs(ROOT / "pyproject.toml"))
     lay_tree(top)
     prefix = f"{TREE.relative_to(ROOT)}/{PACKAGE}/"
-    cmd = [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
-           "-p", PACKAGE, *argv]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "mypy",
+        "--config-file",
+        str(ROOT / "pyproject.toml"),
+        "-p",
+        PACKAGE,
+        *argv,
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     assert proc.stdout is not None  # stdout=PIPE
     for line in proc.stdout:
         if line.startswith(prefix):
-            name, _, rest = line[len(prefix):].partition("/")
+            name, _, rest = line[len(prefix) :].partition("/")
             line = f"{top[name]}/{rest}" if name in top else line
         sys.stdout.write(line)
     return proc.wait()

@@ -48,9 +48,16 @@ class DaemonLink:
         revision: the namespace's model revision.
     """
 
-    def __init__(self, make_pool: Callable[[], Any], model_id: str,
-                 config: ClientConfig, tp_rank: int, tp_size: int,
-                 retry_interval_s: float, revision: str = "") -> None:
+    def __init__(
+        self,
+        make_pool: Callable[[], Any],
+        model_id: str,
+        config: ClientConfig,
+        tp_rank: int,
+        tp_size: int,
+        retry_interval_s: float,
+        revision: str = "",
+    ) -> None:
         self._make_pool = make_pool
         self._model_id, self._revision = model_id, revision
         self._config = config
@@ -90,16 +97,26 @@ class DaemonLink:
             return self._conn
 
     def _register(self) -> Connection | None:
-        conn = Connection(self._make_pool(), model_id=self._model_id, revision=self._revision,
-                          config=self._config, tp_rank=self._tp_rank, tp_size=self._tp_size,
-                          register=False)
+        conn = Connection(
+            self._make_pool(),
+            model_id=self._model_id,
+            revision=self._revision,
+            config=self._config,
+            tp_rank=self._tp_rank,
+            tp_size=self._tp_size,
+            register=False,
+        )
         try:
             conn.register()
         except (DaemonUnavailable, DaemonError, UnexpectedReply) as err:
             conn.close()
             level = logging.DEBUG if self._warned else logging.WARNING
-            log.log(level, "kvtierd not reachable (retrying every %.1fs; misses meanwhile): %s",
-                    self._retry_s, err)
+            log.log(
+                level,
+                "kvtierd not reachable (retrying every %.1fs; misses meanwhile): %s",
+                self._retry_s,
+                err,
+            )
             self._warned = True
             return None
         return conn
@@ -110,11 +127,20 @@ class DaemonLink:
         if epoch == self._epoch or not conn.session_id:
             return
         if self._registrations:
-            log.warning("kvtier: kvtierd pid %d went away; registered with kvtierd pid %d "
-                        "(misses meanwhile)", self._daemon_pid, conn.daemon_pid)
+            log.warning(
+                "kvtier: kvtierd pid %d went away; registered with kvtierd pid %d "
+                "(misses meanwhile)",
+                self._daemon_pid,
+                conn.daemon_pid,
+            )
         else:
-            log.info("kvtier: registered with kvtierd pid %d (session %d, rank %d/%d)",
-                     conn.daemon_pid, conn.session_id, self._tp_rank, self._tp_size)
+            log.info(
+                "kvtier: registered with kvtierd pid %d (session %d, rank %d/%d)",
+                conn.daemon_pid,
+                conn.session_id,
+                self._tp_rank,
+                self._tp_size,
+            )
         self._epoch, self._daemon_pid = epoch, conn.daemon_pid
         self._registrations += 1
 

@@ -81,7 +81,9 @@ def _key(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
-def _misses_on_error(default: Callable[..., _T]) -> Callable[[Callable[..., _T]], Callable[..., _T]]:
+def _misses_on_error(
+    default: Callable[..., _T],
+) -> Callable[[Callable[..., _T]], Callable[..., _T]]:
     """Answer ``default(*args)`` instead of raising into SGLang.
 
     SGLang runs these calls on its HiCache threads and reduces hit counts across ranks; an
@@ -100,7 +102,9 @@ def _misses_on_error(default: Callable[..., _T]) -> Callable[[Callable[..., _T]]
                 log.warning("kvtier %s failed, answered as a miss: %r", fn.__name__, err)
                 log.debug("kvtier %s traceback", fn.__name__, exc_info=True)
                 return default(self, *args, **kwargs)
+
         return guarded
+
     return wrap
 
 
@@ -144,8 +148,14 @@ class KvtierHiCacheStorage(HiCacheStorage):
         client = self.settings.client
         if not client.tp_group and cfg.tp_size > 1:
             client = client.model_copy(update={"tp_group": _default_tp_group(cfg)})
-        self._link = DaemonLink(lambda: memory.memory, _model_id(cfg, self.settings.model_id),
-                                client, cfg.tp_rank, cfg.tp_size, self.settings.retry_interval_s)
+        self._link = DaemonLink(
+            lambda: memory.memory,
+            _model_id(cfg, self.settings.model_id),
+            client,
+            cfg.tp_rank,
+            cfg.tp_size,
+            self.settings.retry_interval_s,
+        )
         self._link.get()  # register now if kvtierd runs; else on a later call
 
     @property
@@ -171,8 +181,9 @@ class KvtierHiCacheStorage(HiCacheStorage):
         assert self._memory is not None
         ps = self._memory.page_size
         if host_indices.numel() != n * ps:
-            log.warning("kvtier: %d host indices for %d pages of %d tokens", host_indices.numel(),
-                        n, ps)
+            log.warning(
+                "kvtier: %d host indices for %d pages of %d tokens", host_indices.numel(), n, ps
+            )
             return None
         first = host_indices.reshape(n, ps)[:, 0].to(torch.int64)
         if bool((first % ps != 0).any()):
@@ -182,8 +193,9 @@ class KvtierHiCacheStorage(HiCacheStorage):
 
     # ------------------------------------------------------------------ interface_v1
     @_misses_on_error(lambda self, keys, *a, **k: 0)
-    def batch_exists(self, keys: list[str],
-                     extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+    def batch_exists(
+        self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> int:
         """Leading pages of ``keys`` kvtierd holds (L2, then L3); starts reading the L3 part.
 
         The same on every TP rank (kvtierd answers the minimum over the rank group).
@@ -206,7 +218,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
             return None
         assert self._memory is not None
         deadline = time.monotonic() + self._timeout.seconds(
-            (len(keys) - skip) * self._memory.page_size)
+            (len(keys) - skip) * self._memory.page_size
+        )
         self.counters["prefetches"] += 1
         with self._lock:
             for k in keys[skip:]:
@@ -226,8 +239,12 @@ class KvtierHiCacheStorage(HiCacheStorage):
         return self._start_prefetch(conn, keys, start)
 
     @_misses_on_error(lambda self, keys, *a, **k: [False] * len(keys))
-    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
-                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+    def batch_get_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
         """Load the leading pages of ``keys`` into SGLang's host pages at ``host_indices``.
 
         Returns:
@@ -261,8 +278,12 @@ class KvtierHiCacheStorage(HiCacheStorage):
         return out
 
     @_misses_on_error(lambda self, keys, *a, **k: [False] * len(keys))
-    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
-                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+    def batch_set_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
         """Store SGLang's host pages at ``host_indices`` under ``keys`` and wait.
 
         Returns:
@@ -277,8 +298,9 @@ class KvtierHiCacheStorage(HiCacheStorage):
         if conn is None or pages is None:
             return [False] * n
         prefix = extra_info.prefix_keys if extra_info is not None else None
-        handle = conn.store([_key(k) for k in keys], pages,
-                            parent_key=_key(prefix[-1]) if prefix else None)
+        handle = conn.store(
+            [_key(k) for k in keys], pages, parent_key=_key(prefix[-1]) if prefix else None
+        )
         ok = handle.wait() if handle.writing else True
         count = handle.count if ok else 0
         self.counters["stored_pages"] += count
@@ -291,18 +313,25 @@ class KvtierHiCacheStorage(HiCacheStorage):
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> None:
         """A miss: kvtier loads into SGLang's host pool (``batch_get_v1``), not into tensors."""
 
-    def batch_get(self, keys: list[str], target_locations: Any = None,
-                  target_sizes: Any = None) -> list[None]:
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+    ) -> list[None]:
         """Misses (see :meth:`get`)."""
         return [None] * len(keys)
 
-    def set(self, key: str, value: Any = None, target_location: Any = None,
-            target_sizes: Any = None) -> bool:
+    def set(
+        self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None
+    ) -> bool:
         """Not stored: kvtier stores from SGLang's host pool (``batch_set_v1``)."""
         return False
 
-    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
-                  target_sizes: Any = None) -> bool:
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any = None,
+        target_locations: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:
         """Not stored (see :meth:`set`)."""
         return False
 

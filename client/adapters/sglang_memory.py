@@ -42,8 +42,12 @@ from kvtier.ipc.protocol import Geometry, MemoryRegion
 __all__ = ["HostPoolError", "HostPoolMemory", "describe_host_pool", "torch_dtype_name"]
 
 _DTYPES = {
-    torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
-    torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2", torch.uint8: "uint8",
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float8_e4m3fn: "fp8_e4m3",
+    torch.float8_e5m2: "fp8_e5m2",
+    torch.uint8: "uint8",
     torch.int8: "int8",
 }
 
@@ -78,8 +82,10 @@ def torch_dtype_name(dtype: torch.dtype) -> str:
     try:
         return _DTYPES[dtype]
     except KeyError:
-        raise HostPoolError(f"kvtier does not carry KV pages of dtype {dtype}; "
-                            f"supported: {sorted(_DTYPES.values())}") from None
+        raise HostPoolError(
+            f"kvtier does not carry KV pages of dtype {dtype}; "
+            f"supported: {sorted(_DTYPES.values())}"
+        ) from None
 
 
 def _segments(host_pool: Any) -> list[tuple[int, int, int]]:
@@ -89,9 +95,10 @@ def _segments(host_pool: Any) -> list[tuple[int, int, int]]:
     mms = list(getattr(allocator, "mms", None) or [])
     if not fds or len(fds) != len(mms):
         raise HostPoolError(
-            "SGLang's host pool is not in shared memory: add \"allocator\": \"shm\" to "
+            'SGLang\'s host pool is not in shared memory: add "allocator": "shm" to '
             "--hicache-storage-backend-extra-config (kvtierd copies pages straight from and "
-            "into SGLang's host pool, which it can reach only as a memfd)")
+            "into SGLang's host pool, which it can reach only as a memfd)"
+        )
     out = []
     for fd, mm in zip(fds, mms, strict=True):
         view = np.frombuffer(mm, dtype=np.uint8)  # no copy: only to read the address
@@ -110,13 +117,21 @@ def _geometry(host_pool: Any, mla: bool) -> Geometry:
         head_dim, heads = int(host_pool.head_dim), int(host_pool.head_num)
         v_dim = int(getattr(host_pool, "v_head_dim", head_dim))
         if v_dim != head_dim:
-            raise HostPoolError(f"K and V head dims differ ({head_dim} and {v_dim}); kvtier pages "
-                                "hold equal K and V rows")
+            raise HostPoolError(
+                f"K and V head dims differ ({head_dim} and {v_dim}); kvtier pages "
+                "hold equal K and V rows"
+            )
     label = f"sglang_{layout}"
     try:
-        geometry = Geometry(num_layers=int(host_pool.layer_num), page_size=int(host_pool.page_size),
-                            kv_heads=heads, head_dim=head_dim, dtype=dtype,  # type: ignore[arg-type]
-                            attention="mla" if mla else "mha", layout=label)
+        geometry = Geometry(
+            num_layers=int(host_pool.layer_num),
+            page_size=int(host_pool.page_size),
+            kv_heads=heads,
+            head_dim=head_dim,
+            dtype=dtype,  # type: ignore[arg-type]
+            attention="mla" if mla else "mha",
+            layout=label,
+        )
         geometry.validate()
     except (ValueError, TypeError) as err:
         raise HostPoolError(f"SGLang host pool ({layout}): {err}") from err
@@ -153,34 +168,61 @@ def describe_host_pool(host_pool: Any, mla: bool) -> HostPoolMemory:
         second, sizes2 = _pieces(host_pool, 1)
         last, sizes_n = _pieces(host_pool, num_pages - 1)
     except (ValueError, NotImplementedError, AttributeError) as err:
-        raise HostPoolError(f"SGLang host pool layout {layout!r} has no zero-copy page "
-                            f"description: {err}") from err
-    if not first or not (len(first) == len(second) == len(last)) or not (sizes == sizes2 == sizes_n):
-        raise HostPoolError(f"SGLang host pool layout {layout!r}: pages are not made of the same "
-                            "pieces")
+        raise HostPoolError(
+            f"SGLang host pool layout {layout!r} has no zero-copy page description: {err}"
+        ) from err
+    if (
+        not first
+        or not (len(first) == len(second) == len(last))
+        or not (sizes == sizes2 == sizes_n)
+    ):
+        raise HostPoolError(
+            f"SGLang host pool layout {layout!r}: pages are not made of the same pieces"
+        )
     regions = []
     for a, b, z, size in zip(first, second, last, sizes, strict=True):
         stride = b - a
         if stride < size or z != a + (num_pages - 1) * stride:
-            raise HostPoolError(f"SGLang host pool layout {layout!r}: a page piece is not evenly "
-                                f"strided (stride {stride}, {size} bytes)")
+            raise HostPoolError(
+                f"SGLang host pool layout {layout!r}: a page piece is not evenly "
+                f"strided (stride {stride}, {size} bytes)"
+            )
         for i, (_, base, seg_size) in enumerate(segments):
             if base <= a and z + size <= base + seg_size:
-                regions.append(MemoryRegion(segment=i, offset=a - base, page_stride=stride,
-                                            page_bytes=size, layer=-1))
+                regions.append(
+                    MemoryRegion(
+                        segment=i, offset=a - base, page_stride=stride, page_bytes=size, layer=-1
+                    )
+                )
                 break
         else:
-            raise HostPoolError(f"SGLang host pool layout {layout!r}: a page piece lies outside "
-                                "the allocator's shared memory")
+            raise HostPoolError(
+                f"SGLang host pool layout {layout!r}: a page piece lies outside "
+                "the allocator's shared memory"
+            )
     if sum(sizes) != geometry.page_bytes:
-        raise HostPoolError(f"SGLang host pool layout {layout!r}: a page is {sum(sizes)} bytes, "
-                            f"the geometry says {geometry.page_bytes}")
+        raise HostPoolError(
+            f"SGLang host pool layout {layout!r}: a page is {sum(sizes)} bytes, "
+            f"the geometry says {geometry.page_bytes}"
+        )
     if layout == "layer_first" and len(regions) == geometry.num_layers * geometry.components:
         # one piece per (layer, component), in layer order: a load may signal layers early
-        regions = [MemoryRegion(segment=r.segment, offset=r.offset, page_stride=r.page_stride,
-                                page_bytes=r.page_bytes, layer=i // geometry.components)
-                   for i, r in enumerate(regions)]
-    memory = RegionMemory(geometry, num_pages, [s[0] for s in segments],
-                          [s[2] for s in segments], regions,
-                          labels=[f"sglang-host-{os.getpid()}-{i}" for i in range(len(segments))])
+        regions = [
+            MemoryRegion(
+                segment=r.segment,
+                offset=r.offset,
+                page_stride=r.page_stride,
+                page_bytes=r.page_bytes,
+                layer=i // geometry.components,
+            )
+            for i, r in enumerate(regions)
+        ]
+    memory = RegionMemory(
+        geometry,
+        num_pages,
+        [s[0] for s in segments],
+        [s[2] for s in segments],
+        regions,
+        labels=[f"sglang-host-{os.getpid()}-{i}" for i in range(len(segments))],
+    )
     return HostPoolMemory(geometry=geometry, memory=memory, page_size=geometry.page_size)

@@ -25,12 +25,31 @@ from kvtier.config import ClientConfig, KvtierError
 
 __all__ = ["KNOWN_KEYS", "BackendSettings", "PrefetchTimeout", "SettingsError", "prefetch_timeout"]
 
-_LOADER_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1", "allocator",
-                          "prefetch_threshold", "prefetch_timeout_base",
-                          "prefetch_timeout_per_ki_token", "hicache_storage_pass_prefix_keys",
-                          "tp_lcm_size"})
-_CLIENT_KEYS = ("runtime_dir", "endpoint", "request_timeout_s", "load_timeout_s",
-                "heartbeat_interval_s", "tenant", "token", "cache_salt", "tp_group")
+_LOADER_KEYS = frozenset(
+    {
+        "backend_name",
+        "module_path",
+        "class_name",
+        "interface_v1",
+        "allocator",
+        "prefetch_threshold",
+        "prefetch_timeout_base",
+        "prefetch_timeout_per_ki_token",
+        "hicache_storage_pass_prefix_keys",
+        "tp_lcm_size",
+    }
+)
+_CLIENT_KEYS = (
+    "runtime_dir",
+    "endpoint",
+    "request_timeout_s",
+    "load_timeout_s",
+    "heartbeat_interval_s",
+    "tenant",
+    "token",
+    "cache_salt",
+    "tp_group",
+)
 _OWN_KEYS = ("model_id", "retry_interval_s")
 KNOWN_KEYS = frozenset(_CLIENT_KEYS + _OWN_KEYS)
 """The kvtier keys the extra config may carry (see :class:`BackendSettings`)."""
@@ -68,8 +87,10 @@ class BackendSettings:
         extra = dict(extra or {})
         unknown = sorted(set(extra) - _LOADER_KEYS - KNOWN_KEYS)
         if unknown:
-            raise SettingsError(f"hicache storage extra config: unknown key(s) {unknown} for the "
-                                f"kvtier backend; known: {sorted(KNOWN_KEYS)}")
+            raise SettingsError(
+                f"hicache storage extra config: unknown key(s) {unknown} for the "
+                f"kvtier backend; known: {sorted(KNOWN_KEYS)}"
+            )
         client_kw = {k: extra[k] for k in _CLIENT_KEYS if k in extra}
         if "runtime_dir" in client_kw:
             client_kw["runtime_dir"] = Path(str(client_kw["runtime_dir"]))
@@ -79,8 +100,9 @@ class BackendSettings:
         except (ValueError, TypeError) as err:  # pydantic's ValidationError is a ValueError
             raise SettingsError(f"hicache storage extra config: {err}") from err
         if not retry > 0:
-            raise SettingsError(f"hicache storage extra config: retry_interval_s must be > 0, "
-                                f"got {retry!r}")
+            raise SettingsError(
+                f"hicache storage extra config: retry_interval_s must be > 0, got {retry!r}"
+            )
         model = extra.get("model_id")
         return cls(client=client, model_id=str(model) if model else None, retry_interval_s=retry)
 
@@ -124,7 +146,9 @@ def prefetch_timeout() -> PrefetchTimeout:
     """SGLang's prefetch timeout settings of this server (its defaults when none are set)."""
     extra = _server_extra_config()
     try:
-        return PrefetchTimeout(float(extra.get("prefetch_timeout_base", 1.0)),
-                               float(extra.get("prefetch_timeout_per_ki_token", 0.25)))
+        return PrefetchTimeout(
+            float(extra.get("prefetch_timeout_base", 1.0)),
+            float(extra.get("prefetch_timeout_per_ki_token", 0.25)),
+        )
     except (TypeError, ValueError):
         return PrefetchTimeout()

@@ -69,15 +69,22 @@ class KvtierConnector(KVConnectorBase_V1):
 
     _cache_hit_source = CacheHitSource.HOST
 
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
-                 kv_cache_config: KVCacheConfig | None = None) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         tc = self._kv_transfer_config
         self.settings = ConnectorSettings.from_extra_config(tc.kv_connector_extra_config)
         if tc.kv_load_failure_policy != "recompute":
-            log.warning("kv_load_failure_policy is %r: a kvtier load that fails (kvtierd "
-                        "stopped mid-load) fails its request; set it to \"recompute\" to "
-                        "recompute the blocks instead", tc.kv_load_failure_policy)
+            log.warning(
+                "kv_load_failure_policy is %r: a kvtier load that fails (kvtierd "
+                'stopped mid-load) fails its request; set it to "recompute" to '
+                "recompute the blocks instead",
+                tc.kv_load_failure_policy,
+            )
         mc, pc = vllm_config.model_config, vllm_config.parallel_config
         model_id = self.settings.model_id or str(mc.model)
         revision = mc.revision or ""
@@ -89,34 +96,49 @@ class KvtierConnector(KVConnectorBase_V1):
         if geometry is None:
             return
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(geometry, self.settings, model_id, revision,
-                                            pc.tensor_parallel_size)
+            self._scheduler = SchedulerSide(
+                geometry, self.settings, model_id, revision, pc.tensor_parallel_size
+            )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             assert kv_cache_config is not None
             worker = StagedWorkerSide if self.copy_mode == "engine" else WorkerSide
-            self._worker = worker(geometry, self.settings, model_id, revision,
-                                      get_tensor_model_parallel_rank(), pc.tensor_parallel_size,
-                                      kv_cache_config.kv_cache_tensors[0].size)
+            self._worker = worker(
+                geometry,
+                self.settings,
+                model_id,
+                revision,
+                get_tensor_model_parallel_rank(),
+                pc.tensor_parallel_size,
+                kv_cache_config.kv_cache_tensors[0].size,
+            )
 
     @staticmethod
-    def _geometry(kv_cache_config: KVCacheConfig | None, platform: str,
-                  copy_mode: str | None) -> Any:
+    def _geometry(
+        kv_cache_config: KVCacheConfig | None, platform: str, copy_mode: str | None
+    ) -> Any:
         """The page geometry, or None (with a warning) for a setup kvtier does not serve."""
         if kv_cache_config is None or copy_mode is None:
-            log.warning("kvtier serves vLLM on the CPU and on CUDA (copy_mode \"engine\"), "
-                        "not %s; the connector is off", platform)
+            log.warning(
+                'kvtier serves vLLM on the CPU and on CUDA (copy_mode "engine"), '
+                "not %s; the connector is off",
+                platform,
+            )
             return None
         groups = kv_cache_config.kv_cache_groups
         sizes = {t.size for t in kv_cache_config.kv_cache_tensors}
-        if (len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, AttentionSpec)
-                or len(sizes) != 1):
+        if (
+            len(groups) != 1
+            or not isinstance(groups[0].kv_cache_spec, AttentionSpec)
+            or len(sizes) != 1
+        ):
             log.warning("kvtier needs one full-attention KV cache group; the connector is off")
             return None
         try:
-            return geometry_from_spec(groups[0].kv_cache_spec, len(groups[0].layer_names),
-                                      layout_for(platform))
+            return geometry_from_spec(
+                groups[0].kv_cache_spec, len(groups[0].layer_names), layout_for(platform)
+            )
         except ValueError as err:
             log.warning("kvtier cannot store this KV cache (%s); the connector is off", err)
             return None
@@ -157,8 +179,9 @@ class KvtierConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.wait_for_layer(layer_name)
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
-                      **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         """Nothing per layer: full blocks are stored after the forward (:meth:`wait_for_save`)."""
 
     def wait_for_save(self) -> None:
@@ -188,23 +211,25 @@ class KvtierConnector(KVConnectorBase_V1):
             self._scheduler.close()
 
     # ------------------------------------------------------------------ scheduler side
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
-                                   ) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         """Tokens kvtier holds beyond vLLM's own hit, and whether they load asynchronously
         (only hits that reach into L3 do, unless ``layerwise_loads`` is off)."""
         if self._scheduler is None:
             return 0, False
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Any, blocks: Any,
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Plan the load into the blocks vLLM allocated."""
         if self._scheduler is not None:
-            self._scheduler.update_state_after_alloc(request, blocks.get_block_ids()[0],
-                                                     num_external_tokens)
+            self._scheduler.update_state_after_alloc(
+                request, blocks.get_block_ids()[0], num_external_tokens
+            )
 
-    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int
-                                       ) -> dict[CacheHitSource, int]:
+    def get_external_cache_hit_sources(
+        self, request: Any, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
         """Split the hit into host memory (L2) and disk (L3) tokens."""
         if self._scheduler is None:
             return super().get_external_cache_hit_sources(request, num_external_tokens)
@@ -245,8 +270,9 @@ class KvtierConnector(KVConnectorBase_V1):
         """This worker's KV events since the last step (its stores that ended)."""
         return self._worker.events.take() if self._worker is not None else None
 
-    def request_finished(self, request: Any, block_ids: list[int]
-                         ) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         """Keep the blocks while the workers still store from them."""
         if self._scheduler is None:
             return False, None

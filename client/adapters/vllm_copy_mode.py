@@ -59,6 +59,8 @@ def engine_parts(t: torch.Tensor, geometry: Geometry) -> list[torch.Tensor]:
     shape = tuple(t.shape)
     if len(shape) == 4 and shape[1:] == (g.kv_heads, g.page_size, 2 * g.head_dim):
         return [t]
-    raise ValueError(f"KV tensor of shape {shape} on {t.device} is not vLLM's per-layer "
-                     f"layout [blocks, {g.kv_heads} heads, {g.page_size} tokens, "
-                     f"2 × {g.head_dim}]")
+    raise ValueError(
+        f"KV tensor of shape {shape} on {t.device} is not vLLM's per-layer "
+        f"layout [blocks, {g.kv_heads} heads, {g.page_size} tokens, "
+        f"2 × {g.head_dim}]"
+    )

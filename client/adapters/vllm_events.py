@@ -50,12 +50,19 @@ def engine_blocks(request: Any, start: int, end: int) -> tuple[list[Any], Any, s
     return [maybe_convert_block_hash(h) for h in hashes[start:end]], parent, name
 
 
-def stored_event(hashes: list[Any], parent: Any, tokens: list[int], block_size: int,
-                 lora_name: str | None) -> BlockStored:
+def stored_event(
+    hashes: list[Any], parent: Any, tokens: list[int], block_size: int, lora_name: str | None
+) -> BlockStored:
     """The ``BlockStored`` of blocks now loadable from kvtierd."""
-    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens,
-                       block_size=block_size, lora_id=None, medium=MEDIUM_KVTIER,
-                       lora_name=lora_name)
+    return BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=parent,
+        token_ids=tokens,
+        block_size=block_size,
+        lora_id=None,
+        medium=MEDIUM_KVTIER,
+        lora_name=lora_name,
+    )
 
 
 class KvtierEvents(KVConnectorKVEvents):

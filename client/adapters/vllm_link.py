@@ -21,9 +21,19 @@ class SettingsError(KvtierError):
     """``kv_connector_extra_config`` holds a key the connector does not know, or a bad value."""
 
 
-_CLIENT_KEYS = ("runtime_dir", "endpoint", "request_timeout_s", "load_timeout_s", "prefetch_threshold",
-                "heartbeat_interval_s", "claim_timeout_s", "tenant", "token", "cache_salt",
-                "tp_group")
+_CLIENT_KEYS = (
+    "runtime_dir",
+    "endpoint",
+    "request_timeout_s",
+    "load_timeout_s",
+    "prefetch_threshold",
+    "heartbeat_interval_s",
+    "claim_timeout_s",
+    "tenant",
+    "token",
+    "cache_salt",
+    "tp_group",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,12 +80,22 @@ class ConnectorSettings:
             SettingsError: an unknown key, or a value the client settings refuse.
         """
         extra = dict(extra or {})
-        own = {"model_id", "prefetch_policy", "retry_interval_s", "min_load_pages",
-               "layerwise_loads", "copy_mode", "staging_pages", "staging_wait_s"}
+        own = {
+            "model_id",
+            "prefetch_policy",
+            "retry_interval_s",
+            "min_load_pages",
+            "layerwise_loads",
+            "copy_mode",
+            "staging_pages",
+            "staging_wait_s",
+        }
         unknown = sorted(set(extra) - own - set(_CLIENT_KEYS))
         if unknown:
-            raise SettingsError(f"kv_connector_extra_config: unknown key(s) {unknown}; known: "
-                                f"{sorted(own | set(_CLIENT_KEYS))}")
+            raise SettingsError(
+                f"kv_connector_extra_config: unknown key(s) {unknown}; known: "
+                f"{sorted(own | set(_CLIENT_KEYS))}"
+            )
         client_kw = {k: extra[k] for k in _CLIENT_KEYS if k in extra}
         if "runtime_dir" in client_kw:
             client_kw["runtime_dir"] = Path(client_kw["runtime_dir"])
@@ -85,29 +105,43 @@ class ConnectorSettings:
             raise SettingsError(f"kv_connector_extra_config: {err}") from err
         policy = str(extra.get("prefetch_policy", ""))
         if policy not in ("", "best_effort", "wait_complete", "timeout"):
-            raise SettingsError(f"kv_connector_extra_config: prefetch_policy {policy!r} is not "
-                                "one of best_effort, wait_complete, timeout")
+            raise SettingsError(
+                f"kv_connector_extra_config: prefetch_policy {policy!r} is not "
+                "one of best_effort, wait_complete, timeout"
+            )
         retry = float(extra.get("retry_interval_s", 1.0))
         min_pages = int(extra.get("min_load_pages", 1))
         if retry <= 0 or min_pages < 1:
-            raise SettingsError("kv_connector_extra_config: retry_interval_s must be > 0 and "
-                                "min_load_pages >= 1")
+            raise SettingsError(
+                "kv_connector_extra_config: retry_interval_s must be > 0 and min_load_pages >= 1"
+            )
         layerwise = extra.get("layerwise_loads", True)
         if not isinstance(layerwise, bool):
             raise SettingsError("kv_connector_extra_config: layerwise_loads must be true or false")
         mode = extra.get("copy_mode", "auto")
         if mode not in ("auto", "daemon", "engine"):
-            raise SettingsError(f"kv_connector_extra_config: copy_mode {mode!r} is not one of "
-                                "auto, daemon, engine")
+            raise SettingsError(
+                f"kv_connector_extra_config: copy_mode {mode!r} is not one of auto, daemon, engine"
+            )
         staging = extra.get("staging_pages", 256)
         wait = extra.get("staging_wait_s", 0.05)
         if isinstance(staging, bool) or not isinstance(staging, int) or staging < 1:
-            raise SettingsError(f"kv_connector_extra_config: staging_pages {staging!r} must be "
-                                "an integer >= 1")
+            raise SettingsError(
+                f"kv_connector_extra_config: staging_pages {staging!r} must be an integer >= 1"
+            )
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 60:
-            raise SettingsError(f"kv_connector_extra_config: staging_wait_s {wait!r} must be a "
-                                "number of seconds in [0, 60]")
-        return cls(client=client, model_id=extra.get("model_id"),
-                   prefetch_policy=cast("PrefetchPolicy | Literal['']", policy),
-                   retry_interval_s=retry, min_load_pages=min_pages, layerwise_loads=layerwise,
-                   copy_mode=mode, staging_pages=staging, staging_wait_s=float(wait))
+            raise SettingsError(
+                f"kv_connector_extra_config: staging_wait_s {wait!r} must be a "
+                "number of seconds in [0, 60]"
+            )
+        return cls(
+            client=client,
+            model_id=extra.get("model_id"),
+            prefetch_policy=cast("PrefetchPolicy | Literal['']", policy),
+            retry_interval_s=retry,
+            min_load_pages=min_pages,
+            layerwise_loads=layerwise,
+            copy_mode=mode,
+            staging_pages=staging,
+            staging_wait_s=float(wait),
+        )

@@ -57,11 +57,16 @@ class MemfdAllocation(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         """Redirect the KV allocation; pass everything else through."""
         kwargs = kwargs or {}
-        if (func is torch.zeros and self.segment is None and kwargs.get("dtype") is torch.int8
-                and _size_arg(args) == self.nbytes
-                and torch.device(kwargs.get("device") or "cpu").type == "cpu"):
+        if (
+            func is torch.zeros
+            and self.segment is None
+            and kwargs.get("dtype") is torch.int8
+            and _size_arg(args) == self.nbytes
+            and torch.device(kwargs.get("device") or "cpu").type == "cpu"
+        ):
             self.segment = SharedMemorySegment.create_memfd(
-                f"kvtier-vllm-kv-{os.getpid()}", self.nbytes, prefault=True)
+                f"kvtier-vllm-kv-{os.getpid()}", self.nbytes, prefault=True
+            )
             return self.segment.tensor(0, self.nbytes).view(torch.int8)
         return func(*args, **kwargs)
 
@@ -79,8 +84,11 @@ def _size_arg(args: tuple) -> int | None:
     return None
 
 
-def cpu_regions(kv_caches: Mapping[str, torch.Tensor], layer_index: Mapping[str, int],
-                segment: SharedMemorySegment) -> tuple[list[MemoryRegion], int]:
+def cpu_regions(
+    kv_caches: Mapping[str, torch.Tensor],
+    layer_index: Mapping[str, int],
+    segment: SharedMemorySegment,
+) -> tuple[list[MemoryRegion], int]:
     """One region per layer of vLLM's CPU KV cache, in layer order.
 
     Args:
@@ -104,8 +112,10 @@ def cpu_regions(kv_caches: Mapping[str, torch.Tensor], layer_index: Mapping[str,
             continue
         seen.add(t.data_ptr())
         if t.dim() != 4 or not t[0].is_contiguous():
-            raise LayoutError(f"{name}: KV tensor of shape {tuple(t.shape)} and strides "
-                              f"{t.stride()} is not vLLM's CPU layout [blocks, heads, tokens, 2*dim]")
+            raise LayoutError(
+                f"{name}: KV tensor of shape {tuple(t.shape)} and strides "
+                f"{t.stride()} is not vLLM's CPU layout [blocks, heads, tokens, 2*dim]"
+            )
         item = t.element_size()
         offset = t.data_ptr() - segment.address
         block_stride = t.stride(0) * item
@@ -116,15 +126,35 @@ def cpu_regions(kv_caches: Mapping[str, torch.Tensor], layer_index: Mapping[str,
             raise LayoutError(f"{name}: {t.shape[0]} blocks, other layers have {num_blocks}")
         num_blocks = t.shape[0]
         layer = layer_index[name]
-        regions.append((layer, MemoryRegion(segment=0, offset=offset, page_stride=block_stride,
-                                            page_bytes=page_bytes, layer=layer)))
+        regions.append(
+            (
+                layer,
+                MemoryRegion(
+                    segment=0,
+                    offset=offset,
+                    page_stride=block_stride,
+                    page_bytes=page_bytes,
+                    layer=layer,
+                ),
+            )
+        )
     if num_blocks is None:
         raise LayoutError("no KV tensors to register")
     regions.sort(key=lambda lr: lr[0])
     layers = [lr[0] for lr in regions]
     if layers != list(range(len(layers))):
         # regions are numbered 0..n-1 in the geometry: renumber in layer order
-        regions = [(i, MemoryRegion(segment=0, offset=r.offset, page_stride=r.page_stride,
-                                    page_bytes=r.page_bytes, layer=i))
-                   for i, (_, r) in enumerate(regions)]
+        regions = [
+            (
+                i,
+                MemoryRegion(
+                    segment=0,
+                    offset=r.offset,
+                    page_stride=r.page_stride,
+                    page_bytes=r.page_bytes,
+                    layer=i,
+                ),
+            )
+            for i, (_, r) in enumerate(regions)
+        ]
     return [r for _, r in regions], num_blocks

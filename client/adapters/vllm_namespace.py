@@ -44,8 +44,15 @@ def geometry_from_spec(spec: Any, num_layers: int, layout: str = CPU_LAYOUT) -> 
     head_size_v = getattr(spec, "head_size_v", None) or spec.head_size
     if head_size_v != spec.head_size:
         raise ValueError(f"K head size {spec.head_size} differs from V head size {head_size_v}")
-    return Geometry(num_layers=num_layers, page_size=spec.block_size, kv_heads=spec.num_kv_heads,
-                    head_dim=spec.head_size, dtype=dtype, attention="mha", layout=layout)
+    return Geometry(
+        num_layers=num_layers,
+        page_size=spec.block_size,
+        kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_size,
+        dtype=dtype,
+        attention="mha",
+        layout=layout,
+    )
 
 
 def chain_seed(ns_fingerprint: bytes, salt: str) -> bytes:

@@ -80,14 +80,29 @@ class SchedulerSide:
         tp_size: the engine's tensor-parallel size.
     """
 
-    def __init__(self, geometry: Geometry, settings: ConnectorSettings, model_id: str,
-                 revision: str, tp_size: int) -> None:
+    def __init__(
+        self,
+        geometry: Geometry,
+        settings: ConnectorSettings,
+        model_id: str,
+        revision: str,
+        tp_size: int,
+    ) -> None:
         self.geometry = geometry
         self.block_size = geometry.page_size
         self.settings = settings
-        self.links = [DaemonLink(lambda: ControlOnly(geometry), model_id, settings.client, rank,
-                                 tp_size, settings.retry_interval_s, revision=revision)
-                      for rank in range(tp_size)]
+        self.links = [
+            DaemonLink(
+                lambda: ControlOnly(geometry),
+                model_id,
+                settings.client,
+                rank,
+                tp_size,
+                settings.retry_interval_s,
+                revision=revision,
+            )
+            for rank in range(tp_size)
+        ]
         self._hits: dict[str, _Hit] = {}
         self._chains: dict[str, tuple[bytes, list[bytes]]] = {}  # the last lookup's keys
         self._tracked: dict[str, _Tracked] = {}
@@ -95,8 +110,9 @@ class SchedulerSide:
         self._events: KvtierEvents | None = None  # the workers' KV events, not taken yet
 
     # ------------------------------------------------------------------ lookups
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
-                                   ) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
         """Tokens beyond vLLM's own (block-aligned) hit that kvtier can load, and whether
         they load asynchronously (part of the hit only in L3, or ``layerwise_loads`` off)."""
         bs = self.block_size
@@ -113,7 +129,7 @@ class SchedulerSide:
         for rank, conn in enumerate(conns):
             assert conn is not None
             rank_seed = chain_seed(conn.ns_fingerprint, request.cache_salt or "")
-            rank_keys = page_keys(rank_seed, tokens[:pages * bs], bs)
+            rank_keys = page_keys(rank_seed, tokens[: pages * bs], bs)
             if rank == 0:  # rank 0's chain goes to the workers (a rank of another seed hashes)
                 seed, keys = rank_seed, rank_keys
                 self._chains[request.request_id] = (seed, keys)
@@ -124,8 +140,9 @@ class SchedulerSide:
             if total - local < self.settings.min_load_pages:
                 return 0, False
         layerwise = self.settings.layerwise_loads and in_l2 >= total
-        self._hits[request.request_id] = _Hit(local=local, total=total, in_l2=in_l2,
-                                              seed=seed, keys=keys[:total], layerwise=layerwise)
+        self._hits[request.request_id] = _Hit(
+            local=local, total=total, in_l2=in_l2, seed=seed, keys=keys[:total], layerwise=layerwise
+        )
         return (total - local) * bs, not layerwise
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
@@ -136,8 +153,9 @@ class SchedulerSide:
         host = min(max(0, t.in_l2 - t.load_start) * self.block_size, num_external_tokens)
         return {k: v for k, v in (("host", host), ("disk", num_external_tokens - host)) if v}
 
-    def update_state_after_alloc(self, request: Any, block_ids: list[int],
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Any, block_ids: list[int], num_external_tokens: int
+    ) -> None:
         """Plan the load of the hit into the blocks vLLM just allocated."""
         rid = request.request_id
         tracked = self._tracked.get(rid)
@@ -151,12 +169,20 @@ class SchedulerSide:
             return
         bs = self.block_size
         total = min(hit.total, hit.local + num_external_tokens // bs)  # vLLM may trim a hit
-        blocks = list(block_ids[hit.local:total])
-        self._loads.append(LoadSpec(req_id=rid, tokens=list(request.all_token_ids[:total * bs]),
-                                    salt=request.cache_salt or "", start=hit.local,
-                                    block_ids=blocks, in_l2=min(hit.in_l2, total),
-                                    layerwise=hit.layerwise,
-                                    seed=hit.seed, keys=hit.keys[:total]))
+        blocks = list(block_ids[hit.local : total])
+        self._loads.append(
+            LoadSpec(
+                req_id=rid,
+                tokens=list(request.all_token_ids[: total * bs]),
+                salt=request.cache_salt or "",
+                start=hit.local,
+                block_ids=blocks,
+                in_l2=min(hit.in_l2, total),
+                layerwise=hit.layerwise,
+                seed=hit.seed,
+                keys=hit.keys[:total],
+            )
+        )
         hit.total = total
         tracked.stored = max(tracked.stored, hit.total)
         tracked.load_start, tracked.in_l2, tracked.load_blocks = hit.local, hit.in_l2, set(blocks)
@@ -165,8 +191,9 @@ class SchedulerSide:
     def build_meta(self, scheduler_output: Any, block_ids_of: Any) -> KvtierMetadata:
         """This step's loads (planned since the last step) and stores (blocks this step
         fills), for the workers."""
-        meta = KvtierMetadata(loads=self._loads,
-                              preempted=sorted(scheduler_output.preempted_req_ids or ()))
+        meta = KvtierMetadata(
+            loads=self._loads, preempted=sorted(scheduler_output.preempted_req_ids or ())
+        )
         self._loads = []
         bs = self.block_size
         for rid, n_new in scheduler_output.num_scheduled_tokens.items():
@@ -182,15 +209,24 @@ class SchedulerSide:
             if blocks is None or len(blocks) < end:
                 continue
             if t.seed and len(t.keys) < end:  # pages decoded since: extend the chain
-                t.keys += page_keys(t.keys[-1] if t.keys else t.seed,
-                                    tokens[len(t.keys) * bs:end * bs], bs)
+                t.keys += page_keys(
+                    t.keys[-1] if t.keys else t.seed, tokens[len(t.keys) * bs : end * bs], bs
+                )
             hashes, parent, lora = engine_blocks(req, t.stored, end)
-            meta.stores.append(StoreSpec(req_id=rid, tokens=list(tokens[:end * bs]),
-                                         salt=req.cache_salt or "", start=t.stored,
-                                         block_ids=list(blocks[t.stored:end]), seed=t.seed,
-                                         keys=t.keys[:end] if t.seed else [],
-                                         block_hashes=hashes, parent_hash=parent,
-                                         lora_name=lora))
+            meta.stores.append(
+                StoreSpec(
+                    req_id=rid,
+                    tokens=list(tokens[: end * bs]),
+                    salt=req.cache_salt or "",
+                    start=t.stored,
+                    block_ids=list(blocks[t.stored : end]),
+                    seed=t.seed,
+                    keys=t.keys[:end] if t.seed else [],
+                    block_hashes=hashes,
+                    parent_hash=parent,
+                    lora_name=lora,
+                )
+            )
             t.stored = end
             t.stores += 1
         return meta

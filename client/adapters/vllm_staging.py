@@ -47,6 +47,7 @@ __all__ = ["StagedWorkerSide"]
 
 log = logging.getLogger("kvtier.vllm")
 
+
 @dataclass(slots=True)
 class _StagedLoad:
     """A layer-wise load of this step: its slots and the layers copied to the device."""
@@ -72,8 +73,9 @@ class StagedWorkerSide(WorkerSide):
         self._markers: dict[int, Any] = {}  # id(store spec) → compute-stream event
 
     # ------------------------------------------------------------------ setup
-    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor],
-                           layer_index: Mapping[str, int]) -> None:
+    def register_kv_caches(
+        self, kv_caches: Mapping[str, torch.Tensor], layer_index: Mapping[str, int]
+    ) -> None:
         """Make the staging area over vLLM's KV tensors and start the I/O thread."""
         first: dict[int, tuple[int, torch.Tensor]] = {}  # tensor → (its first layer, it)
         for name, t in kv_caches.items():
@@ -93,8 +95,9 @@ class StagedWorkerSide(WorkerSide):
                 raise ValueError("layers disagree on the number of blocks")
             page_bytes = sum(p.nbytes for p in parts)
             if page_bytes != g.page_bytes:
-                raise ValueError(f"vLLM's KV blocks hold {page_bytes} bytes, kvtier expects "
-                                 f"{g.page_bytes}")
+                raise ValueError(
+                    f"vLLM's KV blocks hold {page_bytes} bytes, kvtier expects {g.page_bytes}"
+                )
             cuda = device_parts[0].device.type == "cuda"
             self.area = StagingArea(parts, self.settings.staging_pages, pin=cuda)
             self.copier = StagedCopier(self.area, device_parts)
@@ -103,9 +106,15 @@ class StagedWorkerSide(WorkerSide):
             return
         area = self.area
         model_id, revision, rank, size_tp = self._ns
-        self.link = DaemonLink(lambda: area.memory(g, label="vllm-staging"), model_id,
-                               self.settings.client, rank, size_tp,
-                               self.settings.retry_interval_s, revision=revision)
+        self.link = DaemonLink(
+            lambda: area.memory(g, label="vllm-staging"),
+            model_id,
+            self.settings.client,
+            rank,
+            size_tp,
+            self.settings.retry_interval_s,
+            revision=revision,
+        )
         self.link.get()
         self._start_io_thread()
 
@@ -129,7 +138,7 @@ class StagedWorkerSide(WorkerSide):
         handle = None
         if conn is not None and slots is not None:
             try:
-                handle = conn.load(self._keys(conn, spec)[spec.start:spec.start + n], slots)
+                handle = conn.load(self._keys(conn, spec)[spec.start : spec.start + n], slots)
             except (KvtierError, OSError) as err:  # a miss, never the engine's failure
                 log.warning("kvtier load of %s failed: %s", spec.req_id, err)
         if handle is None or not handle.count:
@@ -154,8 +163,9 @@ class StagedWorkerSide(WorkerSide):
             if not load.handle.wait_layer(layer):
                 load.failed = True
                 break
-            done = self.copier.to_device(self.copier.parts_of(layer), load.slots[:count],
-                                         load.spec.block_ids[:count])
+            done = self.copier.to_device(
+                self.copier.parts_of(layer), load.slots[:count], load.spec.block_ids[:count]
+            )
             done.wait_on_compute()
             load.copies.append(done)
             load.next_layer = layer + 1
@@ -183,11 +193,18 @@ class StagedWorkerSide(WorkerSide):
             good = load.handle.count if ok else 0
             if good < len(spec.block_ids):
                 if ok:  # the rest was not in L2, or did not fit in the staging area
-                    log.info("kvtier load of %s: %d of %d blocks loaded, the rest is "
-                             "recomputed", spec.req_id, good, len(spec.block_ids))
+                    log.info(
+                        "kvtier load of %s: %d of %d blocks loaded, the rest is recomputed",
+                        spec.req_id,
+                        good,
+                        len(spec.block_ids),
+                    )
                 else:
-                    log.warning("kvtier load of %s failed; its %d blocks are recomputed",
-                                spec.req_id, len(spec.block_ids))
+                    log.warning(
+                        "kvtier load of %s failed; its %d blocks are recomputed",
+                        spec.req_id,
+                        len(spec.block_ids),
+                    )
                 with self._cv:
                     self._load_errors.update(spec.block_ids[good:])
             else:
@@ -213,16 +230,21 @@ class StagedWorkerSide(WorkerSide):
         handle: TransferHandle | None = None
         good = 0
         try:
-            handle = conn.load(keys[spec.start:spec.start + n], slots)
+            handle = conn.load(keys[spec.start : spec.start + n], slots)
             good = handle.count if handle.count and handle.wait_loaded() else 0
             if good:
-                self.copier.to_device(range(len(self.area.parts)), slots[:good],
-                                      spec.block_ids[:good]).synchronize()
+                self.copier.to_device(
+                    range(len(self.area.parts)), slots[:good], spec.block_ids[:good]
+                ).synchronize()
         finally:
             self._release(slots, handle, ok=bool(good) or handle is None or not handle.count)
         if good < len(spec.block_ids):
-            log.info("kvtier load of %s: %d of %d blocks loaded, the rest is recomputed",
-                     spec.req_id, good, len(spec.block_ids))
+            log.info(
+                "kvtier load of %s: %d of %d blocks loaded, the rest is recomputed",
+                spec.req_id,
+                good,
+                len(spec.block_ids),
+            )
         return list(spec.block_ids[good:])
 
     def start_stores(self, meta: KvtierMetadata) -> None:
@@ -244,12 +266,15 @@ class StagedWorkerSide(WorkerSide):
         parent = keys[spec.start - 1] if spec.start else None
         step = max(1, self.area.capacity // 2)
         for at in range(0, len(spec.block_ids), step):
-            blocks = spec.block_ids[at:at + step]
-            page_keys = keys[spec.start + at:spec.start + at + len(blocks)]
+            blocks = spec.block_ids[at : at + step]
+            page_keys = keys[spec.start + at : spec.start + at + len(blocks)]
             slots = self.area.acquire(len(blocks), self.settings.staging_wait_s)
             if slots is None:
-                log.info("kvtier store of %s: the staging area is full; %d pages dropped",
-                         spec.req_id, len(spec.block_ids) - at)
+                log.info(
+                    "kvtier store of %s: the staging area is full; %d pages dropped",
+                    spec.req_id,
+                    len(spec.block_ids) - at,
+                )
                 return
             handle: TransferHandle | None = None
             ok = False

@@ -67,8 +67,16 @@ class WorkerSide:
         kv_bytes: the size of vLLM's KV backing allocation.
     """
 
-    def __init__(self, geometry: Geometry, settings: ConnectorSettings, model_id: str,
-                 revision: str, tp_rank: int, tp_size: int, kv_bytes: int) -> None:
+    def __init__(
+        self,
+        geometry: Geometry,
+        settings: ConnectorSettings,
+        model_id: str,
+        revision: str,
+        tp_rank: int,
+        tp_size: int,
+        kv_bytes: int,
+    ) -> None:
         self.geometry = geometry
         self.settings = settings
         self._ns = (model_id, revision, tp_rank, tp_size)
@@ -97,8 +105,9 @@ class WorkerSide:
         """KV events of the stores that ended, for vLLM's stream (see vllm_events)."""
 
     # ------------------------------------------------------------------ setup
-    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor],
-                           layer_index: Mapping[str, int]) -> None:
+    def register_kv_caches(
+        self, kv_caches: Mapping[str, torch.Tensor], layer_index: Mapping[str, int]
+    ) -> None:
         """Describe vLLM's KV tensors as regions and start the I/O thread (the daemon is
         reached on first use, and again whenever it comes back)."""
         seg = self.allocation.segment if self.allocation is not None else None
@@ -114,14 +123,22 @@ class WorkerSide:
         fd, size, g = seg.fd, seg.size, self.geometry
         assert fd is not None
         if sum(r.page_bytes for r in regions) != g.page_bytes:
-            log.warning("vLLM's KV blocks hold %d bytes, kvtier expects %d; kvtier is off",
-                        sum(r.page_bytes for r in regions), g.page_bytes)
+            log.warning(
+                "vLLM's KV blocks hold %d bytes, kvtier expects %d; kvtier is off",
+                sum(r.page_bytes for r in regions),
+                g.page_bytes,
+            )
             return
         model_id, revision, rank, size_tp = self._ns
         self.link = DaemonLink(
             lambda: RegionMemory(g, num_blocks, [fd], [size], regions, labels=["vllm-kv"]),
-            model_id, self.settings.client, rank, size_tp, self.settings.retry_interval_s,
-            revision=revision)
+            model_id,
+            self.settings.client,
+            rank,
+            size_tp,
+            self.settings.retry_interval_s,
+            revision=revision,
+        )
         self.link.get()  # register now if a daemon runs (else at the first load or store)
         self._thread = threading.Thread(target=self._run, name="kvtier-vllm-io", daemon=True)
         self._thread.start()
@@ -133,8 +150,10 @@ class WorkerSide:
             return
         deadline = time.monotonic() + self.settings.client.load_timeout_s + 1.0
         with self._cv:
-            self._cv.wait_for(lambda: not any(self._outstanding.get(r) for r in meta.preempted),
-                              timeout=max(0.0, deadline - time.monotonic()))
+            self._cv.wait_for(
+                lambda: not any(self._outstanding.get(r) for r in meta.preempted),
+                timeout=max(0.0, deadline - time.monotonic()),
+            )
 
     def _io_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -173,7 +192,7 @@ class WorkerSide:
         handle = None
         if conn is not None:
             try:
-                handle = conn.load(self._keys(conn, spec)[spec.start:], spec.block_ids)
+                handle = conn.load(self._keys(conn, spec)[spec.start :], spec.block_ids)
             except (KvtierError, OSError) as err:  # a miss, never the engine's failure
                 log.warning("kvtier load of %s failed: %s", spec.req_id, err)
         if handle is None or not handle.count:
@@ -197,8 +216,12 @@ class WorkerSide:
         for spec, handle, started in done:
             good = handle.count if handle.wait_loaded() else 0
             if good < len(spec.block_ids):
-                log.warning("kvtier load of %s: %d of %d blocks loaded, the rest is recomputed",
-                            spec.req_id, good, len(spec.block_ids))
+                log.warning(
+                    "kvtier load of %s: %d of %d blocks loaded, the rest is recomputed",
+                    spec.req_id,
+                    good,
+                    len(spec.block_ids),
+                )
                 with self._cv:
                     self._load_errors.update(spec.block_ids[good:] if good else spec.block_ids)
             else:
@@ -224,8 +247,11 @@ class WorkerSide:
             self._end_layerwise()
         with self._cv:
             self._finished.update(r for r in finished_req_ids if r in self._stored)
-            if self._idle and not self._loaded and (
-                    self._loading or any(self._outstanding.get(r) for r in self._finished)):
+            if (
+                self._idle
+                and not self._loaded
+                and (self._loading or any(self._outstanding.get(r) for r in self._finished))
+            ):
                 # a step without a forward pass only polls for these: let the I/O thread run
                 # instead of spinning vLLM's loop, which would hold the GIL the thread needs
                 # (a new request waits at most this long)
@@ -289,11 +315,15 @@ class WorkerSide:
         if spec.in_l2 < end:  # part of the hit is only in L3: fetch it into L2 first
             conn.prefetch(keys, skip=spec.in_l2)
             conn.claim(keys, policy=self.settings.prefetch_policy or None)
-        handle = conn.load(keys[spec.start:], spec.block_ids)
+        handle = conn.load(keys[spec.start :], spec.block_ids)
         good = handle.count if handle.count and handle.wait_loaded() else 0
         if good < len(spec.block_ids):
-            log.warning("kvtier load of %s: %d of %d blocks loaded, the rest is recomputed",
-                        spec.req_id, good, len(spec.block_ids))
+            log.warning(
+                "kvtier load of %s: %d of %d blocks loaded, the rest is recomputed",
+                spec.req_id,
+                good,
+                len(spec.block_ids),
+            )
         return list(spec.block_ids[good:])
 
     def _keys(self, conn: Any, spec: LoadSpec | StoreSpec) -> list[bytes]:
@@ -304,7 +334,7 @@ class WorkerSide:
         if spec.seed == seed and len(spec.keys) >= end:
             return spec.keys[:end]
         bs = self.geometry.page_size
-        return page_keys(seed, spec.tokens[:end * bs], bs)
+        return page_keys(seed, spec.tokens[: end * bs], bs)
 
     def _store(self, spec: StoreSpec) -> None:
         assert self.link is not None
@@ -314,14 +344,29 @@ class WorkerSide:
         keys = self._keys(conn, spec)
         parent = keys[spec.start - 1] if spec.start else None
         bs, n = self.geometry.page_size, len(spec.block_ids)
-        tokens = [int(t) for t in spec.tokens[spec.start * bs:(spec.start + n) * bs]]
-        eng = P.EngineBlocks(hashes=spec.block_hashes, parent=spec.parent_hash,
-                             token_ids=P.pack_tokens(tokens), block_size=bs,
-                             lora_name=spec.lora_name) if spec.block_hashes else None
-        h = conn.store(keys[spec.start:], spec.block_ids, parent_key=parent, engine=eng)
+        tokens = [int(t) for t in spec.tokens[spec.start * bs : (spec.start + n) * bs]]
+        eng = (
+            P.EngineBlocks(
+                hashes=spec.block_hashes,
+                parent=spec.parent_hash,
+                token_ids=P.pack_tokens(tokens),
+                block_size=bs,
+                lora_name=spec.lora_name,
+            )
+            if spec.block_hashes
+            else None
+        )
+        h = conn.store(keys[spec.start :], spec.block_ids, parent_key=parent, engine=eng)
         if h.wait() and h.count and spec.block_hashes:  # kvtierd holds the leading h.count
-            self.events.add(stored_event(spec.block_hashes[:h.count], spec.parent_hash,
-                                         tokens[:h.count * bs], bs, spec.lora_name))
+            self.events.add(
+                stored_event(
+                    spec.block_hashes[: h.count],
+                    spec.parent_hash,
+                    tokens[: h.count * bs],
+                    bs,
+                    spec.lora_name,
+                )
+            )
 
     def close(self) -> None:
         """Stop the I/O thread, unregister, close the memfd."""

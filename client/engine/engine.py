@@ -44,7 +44,11 @@ __all__ = ["EngineMode", "GenerationResult", "ReferenceEngine", "geometry_for", 
 
 EngineMode = Literal["on", "l1", "off"]
 CacheFactory = Callable[..., CacheManager]
-_DTYPE_NAMES: dict[torch.dtype, DType] = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_DTYPE_NAMES: dict[torch.dtype, DType] = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+}
 
 
 @dataclass(slots=True)
@@ -83,11 +87,18 @@ class GenerationResult:
 
     def summary(self) -> dict[str, object]:
         """Everything but the logits, as JSON-ready values."""
-        return {"tokens": self.tokens, "prompt_tokens": self.prompt_tokens,
-                "cached_l1": self.cached_l1, "cached_l2": self.cached_l2,
-                "cached_l3": self.cached_l3, "l2_found": self.l2_found, "l3_found": self.l3_found,
-                "computed": self.computed, "ttft_ms": round(self.ttft_ms, 3),
-                "load_failed": self.load_failed}
+        return {
+            "tokens": self.tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_l1": self.cached_l1,
+            "cached_l2": self.cached_l2,
+            "cached_l3": self.cached_l3,
+            "l2_found": self.l2_found,
+            "l3_found": self.l3_found,
+            "computed": self.computed,
+            "ttft_ms": round(self.ttft_ms, 3),
+            "load_failed": self.load_failed,
+        }
 
 
 def geometry_for(cfg: ModelConfig, page_size: int) -> Geometry:
@@ -102,8 +113,13 @@ def geometry_for(cfg: ModelConfig, page_size: int) -> Geometry:
     """
     if cfg.dtype not in _DTYPE_NAMES:
         raise EngineInputError(f"model dtype {cfg.dtype} has no KV geometry name")
-    return Geometry(num_layers=cfg.n_layers, page_size=page_size, kv_heads=cfg.n_kv_heads,
-                    head_dim=cfg.head_dim, dtype=_DTYPE_NAMES[cfg.dtype])
+    return Geometry(
+        num_layers=cfg.n_layers,
+        page_size=page_size,
+        kv_heads=cfg.n_kv_heads,
+        head_dim=cfg.head_dim,
+        dtype=_DTYPE_NAMES[cfg.dtype],
+    )
 
 
 def model_id_for(cfg: ModelConfig) -> str:
@@ -158,13 +174,23 @@ class ReferenceEngine:
             there, refuses, or answers REGISTER with another reply.
     """
 
-    def __init__(self, model_config: ModelConfig | None = None, *, mode: EngineMode = "on",
-                 page_size: int = 64, num_pages: int = 256,
-                 client_config: ClientConfig | None = None, model: TinyLlama | None = None,
-                 model_id: str | None = None, cache_factory: CacheFactory = CacheManager) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig | None = None,
+        *,
+        mode: EngineMode = "on",
+        page_size: int = 64,
+        num_pages: int = 256,
+        client_config: ClientConfig | None = None,
+        model: TinyLlama | None = None,
+        model_id: str | None = None,
+        cache_factory: CacheFactory = CacheManager,
+    ) -> None:
         if mode not in ("on", "l1", "off"):
             raise EngineInputError(f"mode must be 'on', 'l1' or 'off', got {mode!r}")
-        self.model = model if model is not None else TinyLlama(model_config or ModelConfig.default())
+        self.model = (
+            model if model is not None else TinyLlama(model_config or ModelConfig.default())
+        )
         self.mode: EngineMode = mode
         self.page_size = page_size
         self.client_config = client_config or ClientConfig()
@@ -182,11 +208,13 @@ class ReferenceEngine:
         self._closed = False
         try:
             if self.pool is not None:
-                self.connection = Connection(self.pool, model_id or model_id_for(self.model.cfg),
-                                             config=self.client_config)
+                self.connection = Connection(
+                    self.pool, model_id or model_id_for(self.model.cfg), config=self.client_config
+                )
             if mode != "off":
-                self.cache = cache_factory(self.allocator, self.connection, self.client_config,
-                                           page_size=page_size)
+                self.cache = cache_factory(
+                    self.allocator, self.connection, self.client_config, page_size=page_size
+                )
         except BaseException:
             self.close()
             raise
@@ -289,8 +317,9 @@ class ReferenceEngine:
             self.allocator.free(pages)
         return GenerationResult(out, logits, len(toks), 0, 0, 0, 0, 0, len(toks), ttft, False)
 
-    def _generate_cached(self, cache: CacheManager, toks: list[int],
-                         max_new: int) -> GenerationResult:
+    def _generate_cached(
+        self, cache: CacheManager, toks: list[int], max_new: int
+    ) -> GenerationResult:
         size, n = self.page_size, len(toks)
         t0 = time.perf_counter()
         m = cache.match(toks)
@@ -317,38 +346,60 @@ class ReferenceEngine:
         finally:
             cache.release(m)
             cache.free(owned)
-        return GenerationResult(out, logits, n, l1 * size, (cached - l1) * size, 0, m.l2_tokens,
-                                m.l3_tokens, computed, ttft, failed)
+        return GenerationResult(
+            out,
+            logits,
+            n,
+            l1 * size,
+            (cached - l1) * size,
+            0,
+            m.l2_tokens,
+            m.l3_tokens,
+            computed,
+            ttft,
+            failed,
+        )
 
-    def _prefill(self, toks: list[int], cached_len: int, table: list[int],
-                 load: LoadHandle) -> torch.Tensor | None:
+    def _prefill(
+        self, toks: list[int], cached_len: int, table: list[int], load: LoadHandle
+    ) -> torch.Tensor | None:
         """Prefill over the cached prefix; None when the load failed (nothing may be used)."""
         gate = _LayerGate(load) if load.pages else None
         try:
-            logits = self.model.prefill(toks, cached_len, table, self.k_cache, self.v_cache,
-                                        layer_wait=gate)
+            logits = self.model.prefill(
+                toks, cached_len, table, self.k_cache, self.v_cache, layer_wait=gate
+            )
         except _LoadFailed:
             load.finish()
             return None
         return logits if load.finish() else None
 
-    def _recompute(self, cache: CacheManager, m: MatchResult, load: LoadHandle, toks: list[int],
-                   table: list[int], owned: list[int]) -> torch.Tensor:
+    def _recompute(
+        self,
+        cache: CacheManager,
+        m: MatchResult,
+        load: LoadHandle,
+        toks: list[int],
+        table: list[int],
+        owned: list[int],
+    ) -> torch.Tensor:
         """Redo the prefill from the L1 boundary into pages no late load write can reach."""
         l1 = len(m.l1_pages)
         fresh = cache.recover_failed_load(load)
         if load.quarantined:  # the manager owns the old pages now; the request owns the fresh
             old = set(load.page_ids)
             owned[:] = [p for p in owned if p not in old] + fresh
-        table[l1: l1 + len(fresh)] = fresh
+        table[l1 : l1 + len(fresh)] = fresh
         return self.model.prefill(toks, l1 * self.page_size, table, self.k_cache, self.v_cache)
 
-    def _decode(self, toks: list[int], logits: torch.Tensor, table: list[int],
-                max_new: int) -> list[int]:
+    def _decode(
+        self, toks: list[int], logits: torch.Tensor, table: list[int], max_new: int
+    ) -> list[int]:
         out: list[int] = []
         for step in range(max_new):
             out.append(int(logits.argmax()))
             if step + 1 < max_new:
-                logits = self.model.decode(out[-1], len(toks) + step, table, self.k_cache,
-                                           self.v_cache)
+                logits = self.model.decode(
+                    out[-1], len(toks) + step, table, self.k_cache, self.v_cache
+                )
         return out

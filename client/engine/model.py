@@ -51,6 +51,7 @@ __all__ = [
 LayerWait = Callable[[int], None]
 """Called with a layer index just before that layer touches the KV cache."""
 
+
 class EngineInputError(KvtierError, ValueError):
     """A model call got bad input: tokens, positions, page table or KV cache geometry."""
 
@@ -101,23 +102,33 @@ class TinyLlama(nn.Module):
         super().__init__()
         self.cfg = cfg
         g = torch.Generator().manual_seed(cfg.seed)
-        self.embed = _frozen(torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
-                             .to(cfg.dtype))
+        self.embed = _frozen(
+            torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g).to(cfg.dtype)
+        )
         self.blocks = nn.ModuleList(_Block(cfg, g) for _ in range(cfg.n_layers))
         self.final_norm = _frozen(torch.ones(cfg.hidden_size, dtype=cfg.dtype))
-        self.lm_head = _frozen((torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
-                                / math.sqrt(cfg.hidden_size)).to(cfg.dtype))
+        self.lm_head = _frozen(
+            (
+                torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
+                / math.sqrt(cfg.hidden_size)
+            ).to(cfg.dtype)
+        )
         half = torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim
-        self.register_buffer("inv_freq", 1.0 / cfg.rope_theta ** half, persistent=False)
+        self.register_buffer("inv_freq", 1.0 / cfg.rope_theta**half, persistent=False)
         self.eval()
 
     # ----------------------------------------------------------------------------- public
 
-    def prefill(self, tokens: Sequence[int], cached_len: int,
-                page_table: Sequence[int] | torch.Tensor,
-                k_cache: Sequence[torch.Tensor], v_cache: Sequence[torch.Tensor],
-                layer_wait: LayerWait | None = None,
-                return_all_logits: bool = False) -> torch.Tensor:
+    def prefill(
+        self,
+        tokens: Sequence[int],
+        cached_len: int,
+        page_table: Sequence[int] | torch.Tensor,
+        k_cache: Sequence[torch.Tensor],
+        v_cache: Sequence[torch.Tensor],
+        layer_wait: LayerWait | None = None,
+        return_all_logits: bool = False,
+    ) -> torch.Tensor:
         """Run a prompt whose first ``cached_len`` positions already have K/V in the pages.
 
         Only ``tokens[cached_len:]`` are computed; their K/V are written into the pages and
@@ -148,15 +159,30 @@ class TinyLlama(nn.Module):
         ids = self._token_tensor(tokens)
         n_total = ids.numel()
         if not 0 <= cached_len < n_total:
-            raise EngineInputError(f"cached_len must be in [0, len(tokens)={n_total}), "
-                                   f"got {cached_len}")
+            raise EngineInputError(
+                f"cached_len must be in [0, len(tokens)={n_total}), got {cached_len}"
+            )
         pages, page_size = self._check_cache(page_table, k_cache, v_cache, n_total)
-        logits = self._forward(ids[cached_len:], cached_len, pages, page_size, k_cache, v_cache,
-                               layer_wait, return_all_logits)
+        logits = self._forward(
+            ids[cached_len:],
+            cached_len,
+            pages,
+            page_size,
+            k_cache,
+            v_cache,
+            layer_wait,
+            return_all_logits,
+        )
         return logits if return_all_logits else logits[0]
 
-    def decode(self, token: int, position: int, page_table: Sequence[int] | torch.Tensor,
-               k_cache: Sequence[torch.Tensor], v_cache: Sequence[torch.Tensor]) -> torch.Tensor:
+    def decode(
+        self,
+        token: int,
+        position: int,
+        page_table: Sequence[int] | torch.Tensor,
+        k_cache: Sequence[torch.Tensor],
+        v_cache: Sequence[torch.Tensor],
+    ) -> torch.Tensor:
         """Run one token at ``position``, attending over positions ``[0, position]``.
 
         Args:
@@ -178,11 +204,16 @@ class TinyLlama(nn.Module):
         pages, page_size = self._check_cache(page_table, k_cache, v_cache, position + 1)
         return self._forward(ids, position, pages, page_size, k_cache, v_cache, None, False)[0]
 
-    def generate(self, tokens: Sequence[int], cached_len: int,
-                 page_table: Sequence[int] | torch.Tensor,
-                 k_cache: Sequence[torch.Tensor], v_cache: Sequence[torch.Tensor],
-                 max_new_tokens: int,
-                 layer_wait: LayerWait | None = None) -> tuple[list[int], torch.Tensor]:
+    def generate(
+        self,
+        tokens: Sequence[int],
+        cached_len: int,
+        page_table: Sequence[int] | torch.Tensor,
+        k_cache: Sequence[torch.Tensor],
+        v_cache: Sequence[torch.Tensor],
+        max_new_tokens: int,
+        layer_wait: LayerWait | None = None,
+    ) -> tuple[list[int], torch.Tensor]:
         """Prefill, then decode greedily.
 
         Args:
@@ -207,8 +238,9 @@ class TinyLlama(nn.Module):
         if max_new_tokens < 0:
             raise EngineInputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         n_prompt = len(tokens)
-        pages, _ = self._check_cache(page_table, k_cache, v_cache,
-                                     n_prompt + max(max_new_tokens - 1, 0))
+        pages, _ = self._check_cache(
+            page_table, k_cache, v_cache, n_prompt + max(max_new_tokens - 1, 0)
+        )
         first = self.prefill(tokens, cached_len, pages, k_cache, v_cache, layer_wait)
         generated: list[int] = []
         logits = first
@@ -226,53 +258,72 @@ class TinyLlama(nn.Module):
             raise EngineInputError("tokens must not be empty")
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= self.cfg.vocab_size:
-            raise EngineInputError(f"token ids must be in [0, {self.cfg.vocab_size}), "
-                                   f"got range [{lo}, {hi}]")
+            raise EngineInputError(
+                f"token ids must be in [0, {self.cfg.vocab_size}), got range [{lo}, {hi}]"
+            )
         return ids
 
-    def _check_cache(self, page_table: Sequence[int] | torch.Tensor,
-                     k_cache: Sequence[torch.Tensor], v_cache: Sequence[torch.Tensor],
-                     n_positions: int) -> tuple[torch.Tensor, int]:
+    def _check_cache(
+        self,
+        page_table: Sequence[int] | torch.Tensor,
+        k_cache: Sequence[torch.Tensor],
+        v_cache: Sequence[torch.Tensor],
+        n_positions: int,
+    ) -> tuple[torch.Tensor, int]:
         """Validate the cache geometry and page table; return the table as int64 and page size."""
         cfg = self.cfg
         if len(k_cache) != cfg.n_layers or len(v_cache) != cfg.n_layers:
-            raise EngineInputError(f"expected {cfg.n_layers} K and V cache tensors, "
-                                   f"got {len(k_cache)} and {len(v_cache)}")
+            raise EngineInputError(
+                f"expected {cfg.n_layers} K and V cache tensors, "
+                f"got {len(k_cache)} and {len(v_cache)}"
+            )
         first = k_cache[0]
         if first.dim() != 4 or tuple(first.shape[2:]) != (cfg.n_kv_heads, cfg.head_dim):
             raise EngineInputError(
                 f"KV cache tensors must be [num_pages, page_size, {cfg.n_kv_heads}, "
-                f"{cfg.head_dim}], got {list(first.shape)}")
+                f"{cfg.head_dim}], got {list(first.shape)}"
+            )
         device = self.embed.device
         for side in (k_cache, v_cache):
             for layer, t in enumerate(side):
                 if t.shape != first.shape or t.dtype != cfg.dtype:
                     raise EngineInputError(
                         f"KV cache tensor of layer {layer} is {list(t.shape)} {t.dtype}, "
-                        f"expected {list(first.shape)} {cfg.dtype}")
+                        f"expected {list(first.shape)} {cfg.dtype}"
+                    )
                 if t.device != device:
                     raise EngineInputError(
                         f"KV cache tensor of layer {layer} is on {t.device}, the model on "
-                        f"{device}: both must be on one device")
+                        f"{device}: both must be on one device"
+                    )
         num_pages, page_size = int(first.shape[0]), int(first.shape[1])
         pages = torch.as_tensor(page_table, dtype=torch.int64).reshape(-1).cpu()
         needed = -(-n_positions // page_size)
         if pages.numel() < needed:
-            raise EngineInputError(f"page_table has {pages.numel()} pages of {page_size} tokens, "
-                                   f"{needed} needed for {n_positions} positions")
+            raise EngineInputError(
+                f"page_table has {pages.numel()} pages of {page_size} tokens, "
+                f"{needed} needed for {n_positions} positions"
+            )
         pages = pages[:needed]
         lo, hi = int(pages.min()), int(pages.max())
         if lo < 0 or hi >= num_pages:
-            raise EngineInputError(f"page ids must be in [0, {num_pages}), "
-                                   f"got range [{lo}, {hi}]")
+            raise EngineInputError(f"page ids must be in [0, {num_pages}), got range [{lo}, {hi}]")
         return pages, page_size
 
     # ---------------------------------------------------------------------------- compute
 
     @torch.no_grad()
-    def _forward(self, ids: torch.Tensor, start: int, pages: torch.Tensor, page_size: int,
-                 k_cache: Sequence[torch.Tensor], v_cache: Sequence[torch.Tensor],
-                 layer_wait: LayerWait | None, all_logits: bool) -> torch.Tensor:
+    def _forward(
+        self,
+        ids: torch.Tensor,
+        start: int,
+        pages: torch.Tensor,
+        page_size: int,
+        k_cache: Sequence[torch.Tensor],
+        v_cache: Sequence[torch.Tensor],
+        layer_wait: LayerWait | None,
+        all_logits: bool,
+    ) -> torch.Tensor:
         """Compute tokens at positions ``[start, start + len(ids))``; return float32 logits."""
         cfg = self.cfg
         n, end = ids.numel(), start + ids.numel()

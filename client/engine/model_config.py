@@ -52,14 +52,22 @@ class ModelConfig:
             ConfigError: a size is not a positive int, ``n_kv_heads`` does not divide
                 ``n_heads``, ``head_dim`` is odd, or a numeric setting is out of range.
         """
-        for name in ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads",
-                     "head_dim", "ffn_size"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "head_dim",
+            "ffn_size",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"ModelConfig.{name} must be a positive int, got {value!r}")
         if self.n_heads % self.n_kv_heads:
-            raise ConfigError(f"ModelConfig.n_kv_heads={self.n_kv_heads} must divide "
-                              f"n_heads={self.n_heads}")
+            raise ConfigError(
+                f"ModelConfig.n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}"
+            )
         if self.head_dim % 2:
             raise ConfigError(f"ModelConfig.head_dim must be even, got {self.head_dim}")
         if not self.rope_theta > 1.0:
@@ -83,8 +91,15 @@ class ModelConfig:
             8 layers, hidden 256, 4 query heads and 2 KV heads of width 64, SwiGLU 1024,
             vocabulary 8192. K plus V take 8 KiB per token (1 KiB per layer).
         """
-        return cls(vocab_size=8192, hidden_size=256, n_layers=8, n_heads=4, n_kv_heads=2,
-                   head_dim=64, ffn_size=1024)
+        return cls(
+            vocab_size=8192,
+            hidden_size=256,
+            n_layers=8,
+            n_heads=4,
+            n_kv_heads=2,
+            head_dim=64,
+            ffn_size=1024,
+        )
 
     @classmethod
     def tiny(cls) -> ModelConfig:
@@ -93,8 +108,15 @@ class ModelConfig:
         Returns:
             2 layers, hidden 64, 4 query heads and 2 KV heads of width 16, vocabulary 256.
         """
-        return cls(vocab_size=256, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                   head_dim=16, ffn_size=128)
+        return cls(
+            vocab_size=256,
+            hidden_size=64,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=2,
+            head_dim=16,
+            ffn_size=128,
+        )
 
     def kv_page_shape(self, page_size: int) -> tuple[int, int, int]:
         """Shape of one page of one layer's K (or V) cache.
@@ -117,8 +139,9 @@ class ModelConfig:
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * itemsize
 
 
-def new_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int,
-                 device: torch.device | str = "cpu") -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def new_kv_cache(
+    cfg: ModelConfig, num_pages: int, page_size: int, device: torch.device | str = "cpu"
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Allocate a zeroed, process-private paged KV cache in the ``layer_first`` layout.
 
     The engine allocates its cache in shared memory instead; this is for tests and local use.

@@ -61,8 +61,9 @@ def offset_masks(start: int, n: int, device: torch.device | str = "cpu") -> list
     return masks
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
-               masks: list[torch.Tensor]) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, masks: list[torch.Tensor]
+) -> torch.Tensor:
     """Causal grouped-query attention of queries ``[start, start+n)`` over keys ``[0, start+n)``.
 
     Args:
@@ -88,21 +89,24 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
             s = idx * ATTN_CHUNK
             e = s + mask.shape[0]
             kv_end = mask.shape[1]
-            out[:, :, s:e] = sdpa(q4[:, :, s:e], k4[:, :, :kv_end], v4[:, :, :kv_end], mask,
-                                   is_causal=False)
+            out[:, :, s:e] = sdpa(
+                q4[:, :, s:e], k4[:, :, :kv_end], v4[:, :, :kv_end], mask, is_causal=False
+            )
     return out.squeeze(0).transpose(0, 1).reshape(n, n_heads * hd)
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-          is_causal: bool) -> torch.Tensor:
+def sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool
+) -> torch.Tensor:
     """``scaled_dot_product_attention`` over fewer KV heads than query heads.
 
     Uses torch's ``enable_gqa`` where it exists (torch 2.5 on); older versions get the KV heads
     repeated to the query heads first, which gives the same result.
     """
     if SDPA_HAS_GQA:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
-                                              enable_gqa=True)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True
+        )
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)

@@ -73,16 +73,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-pages", type=int, default=256)
     p.add_argument("--runtime-dir", help="the daemon's runtime directory")
     p.add_argument("--endpoint", help="the daemon's ZeroMQ endpoint (overrides --runtime-dir)")
-    p.add_argument("--write-policy", default="write_through",
-                   choices=("write_through", "write_through_selective", "write_back"))
+    p.add_argument(
+        "--write-policy",
+        default="write_through",
+        choices=("write_through", "write_through_selective", "write_back"),
+    )
     p.add_argument("--threads", type=int, help="torch compute threads (default: torch's choice)")
-    p.add_argument("--no-compare", action="store_true",
-                   help="no uncached engine (requests asking to compare fail)")
+    p.add_argument(
+        "--no-compare",
+        action="store_true",
+        help="no uncached engine (requests asking to compare fail)",
+    )
     return p
 
 
-def _generate(engine: ReferenceEngine, reference: ReferenceEngine | None,
-              req: dict[str, Any]) -> dict[str, Any]:
+def _generate(
+    engine: ReferenceEngine, reference: ReferenceEngine | None, req: dict[str, Any]
+) -> dict[str, Any]:
     tokens = [int(t) for t in req["tokens"]]
     max_new = int(req.get("max_new_tokens", 16))
     res = engine.generate(tokens, max_new)
@@ -95,13 +102,15 @@ def _generate(engine: ReferenceEngine, reference: ReferenceEngine | None,
         out["max_abs_diff"] = float((ref.first_logits - res.first_logits).abs().max())
         out["uncached_ttft_ms"] = round(ref.ttft_ms, 3)
     if req.get("report_stored"):
-        out["stored_tokens"] = (engine.cache.stored_prefix_tokens(tokens)
-                                if engine.cache is not None else 0)
+        out["stored_tokens"] = (
+            engine.cache.stored_prefix_tokens(tokens) if engine.cache is not None else 0
+        )
     return out
 
 
-def serve(engine: ReferenceEngine, reference: ReferenceEngine | None, stdin: IO[str],
-          stdout: IO[str]) -> int:
+def serve(
+    engine: ReferenceEngine, reference: ReferenceEngine | None, stdin: IO[str], stdout: IO[str]
+) -> int:
     """Answer requests from ``stdin`` until ``quit`` or end of input.
 
     Args:
@@ -154,19 +163,31 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    cfg = ClientConfig(runtime_dir=args.runtime_dir, endpoint=args.endpoint,
-                       hicache_write_policy=args.write_policy)
+    cfg = ClientConfig(
+        runtime_dir=args.runtime_dir, endpoint=args.endpoint, hicache_write_policy=args.write_policy
+    )
     model = TinyLlama(model_config(args.model))
-    engine = ReferenceEngine(mode=args.mode, page_size=args.page_size, num_pages=args.num_pages,
-                             client_config=cfg, model=model)
+    engine = ReferenceEngine(
+        mode=args.mode,
+        page_size=args.page_size,
+        num_pages=args.num_pages,
+        client_config=cfg,
+        model=model,
+    )
     reference = None
     try:
         engine.warm_up()
         if not args.no_compare:
-            reference = ReferenceEngine(mode="off", page_size=args.page_size,
-                                        num_pages=args.num_pages, model=model)
-        ready = {"ok": True, "ready": True, "pid": os.getpid(), "mode": args.mode,
-                 "model": args.model}
+            reference = ReferenceEngine(
+                mode="off", page_size=args.page_size, num_pages=args.num_pages, model=model
+            )
+        ready = {
+            "ok": True,
+            "ready": True,
+            "pid": os.getpid(),
+            "mode": args.mode,
+            "model": args.model,
+        }
         sys.stdout.write(json.dumps(ready) + "\n")
         sys.stdout.flush()
         return serve(engine, reference, sys.stdin, sys.stdout)

@@ -151,8 +151,14 @@ def _payloads_match(meta: PoolMeta, arena: Any, cand: np.ndarray, sums: np.ndarr
     return cast("np.ndarray", np.array(got, dtype=np.uint64).reshape(-1) == sums)
 
 
-def _index(nss: np.ndarray, slots: np.ndarray, rows: np.ndarray, key_len: np.ndarray,
-           by_slot: list[bytes | None], strict: bool) -> dict[int, dict[bytes, int]] | None:
+def _index(
+    nss: np.ndarray,
+    slots: np.ndarray,
+    rows: np.ndarray,
+    key_len: np.ndarray,
+    by_slot: list[bytes | None],
+    strict: bool,
+) -> dict[int, dict[bytes, int]] | None:
     """The index of the rows: per namespace id, key -> slot.
 
     Each key becomes one bytes object, shared by the index and ``by_slot`` (slot -> key),
@@ -253,9 +259,17 @@ def _latest_per_key(meta: PoolMeta, cand: np.ndarray, rows: np.ndarray,
     return keep
 
 
-_MULTIPLIERS = np.array([0x9E3779B185EBCA87, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9,
-                        0x85EBCA77C2B2AE63, 0x27D4EB2F165667C5, 0xFF51AFD7ED558CCD],
-                       dtype=np.uint64)  # odd 64-bit constants (xxHash's primes)
+_MULTIPLIERS = np.array(
+    [
+        0x9E3779B185EBCA87,
+        0xC2B2AE3D27D4EB4F,
+        0x165667B19E3779F9,
+        0x85EBCA77C2B2AE63,
+        0x27D4EB2F165667C5,
+        0xFF51AFD7ED558CCD,
+    ],
+    dtype=np.uint64,
+)  # odd 64-bit constants (xxHash's primes)
 
 
 def _fingerprints(rows: np.ndarray, key_len: np.ndarray, nss: np.ndarray) -> np.ndarray:

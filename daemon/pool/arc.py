@@ -54,7 +54,9 @@ class ArcState:
         self.p = 0.0
         self.capacity = 0
         self.ghosts: tuple[OrderedDict[int, None], OrderedDict[int, None]] = (
-            OrderedDict(), OrderedDict())
+            OrderedDict(),
+            OrderedDict(),
+        )
         self.evicted = [0, 0]
 
     def admit(self, s: int, ns: int, key: bytes) -> None:

@@ -79,8 +79,9 @@ def pin_run(table: PageTable, slots: list[int]) -> bool:
     as :meth:`PageTable.pin` does; return False, having changed nothing, when a slot is
     listed twice (numpy only)."""
     if _pins is not None:
-        table._clock, newly, childless = _pins.pin(table._pins, table._stamp, table._children,
-                                                   slots, table._clock)
+        table._clock, newly, childless = _pins.pin(
+            table._pins, table._stamp, table._children, slots, table._clock
+        )
         table._n_pinned += newly
         owner, lru = table._owner, table._lru
         for s in childless:  # off the evictable lists
@@ -114,8 +115,13 @@ def unpin_run(table: PageTable, slots: Sequence[int]) -> bool:
     listed twice."""
     if _pins is not None:
         try:
-            done = _pins.unpin(table._pins, table._state, table._children,
-                               slots if type(slots) is list else list(slots), _READY)
+            done = _pins.unpin(
+                table._pins,
+                table._state,
+                table._children,
+                slots if type(slots) is list else list(slots),
+                _READY,
+            )
         except ValueError:  # a slot outside the pool: the page-by-page path names it
             return False
         if done is None:
@@ -132,8 +138,7 @@ def unpin_run(table: PageTable, slots: Sequence[int]) -> bool:
     state = table._meta.array("state")
     try:
         before = pins[at]
-        if not ((before > 0).all() and (state[at] == int(PageState.READY)).all()
-                and _distinct(at)):
+        if not ((before > 0).all() and (state[at] == int(PageState.READY)).all() and _distinct(at)):
             return False
         pins[at] = before - 1
         last = at[before == 1]

@@ -98,8 +98,9 @@ class Evictor:
             raise HostPoolError(f"eviction_policy must be one of {POLICIES}, got {policy!r}")
         self.policy = policy
         self.arc = ArcState(len(slots.prev)) if policy == "arc" else None
-        self.lru = RecencyLists(slots.prev, slots.next, meta.stamp,
-                                None if self.arc is None else self.arc.tier)
+        self.lru = RecencyLists(
+            slots.prev, slots.next, meta.stamp, None if self.arc is None else self.arc.tier
+        )
         self.owned: dict[int, int] = {}
         self.quota = quota
         self.requires_l3 = requires_l3

@@ -127,8 +127,12 @@ class HostPool(PageTable):
         if not headroom:
             _check_slot_ids(cfg, PoolLayout.max_capacity(cfg.extent_size))
             return cls(cfg.hicache_size, cfg.extent_size, eviction_policy=cfg.eviction_policy)
-        _check_slot_ids(cfg, PoolLayout.max_capacity(
-            cfg.extent_size, HEADROOM_ALIGN, HEADROOM_MIN_PAGE_BYTES, headroom))
+        _check_slot_ids(
+            cfg,
+            PoolLayout.max_capacity(
+                cfg.extent_size, HEADROOM_ALIGN, HEADROOM_MIN_PAGE_BYTES, headroom
+            ),
+        )
         span = cfg.extent_size + cfg.extent_size // HEADROOM_MIN_PAGE_BYTES * headroom
         if cfg.hicache_size < span:
             raise ConfigError(
@@ -136,9 +140,14 @@ class HostPool(PageTable):
                 f"({cfg.extent_size}) extent with its slots' headroom ({span} bytes in all) "
                 f"when hicache_storage_backend is {cfg.hicache_storage_backend!r}"
             )
-        return cls(cfg.hicache_size, cfg.extent_size, HEADROOM_ALIGN,
-                   min_page_bytes=HEADROOM_MIN_PAGE_BYTES, headroom=headroom,
-                   eviction_policy=cfg.eviction_policy)
+        return cls(
+            cfg.hicache_size,
+            cfg.extent_size,
+            HEADROOM_ALIGN,
+            min_page_bytes=HEADROOM_MIN_PAGE_BYTES,
+            headroom=headroom,
+            eviction_policy=cfg.eviction_policy,
+        )
 
     def __init__(
         self,
@@ -151,14 +160,16 @@ class HostPool(PageTable):
         headroom: int = 0,
         eviction_policy: str = "lru",
     ) -> None:
-        layout = PoolLayout.plan(capacity_bytes, extent_bytes, align, min_page_bytes,
-                                 headroom=headroom)
+        layout = PoolLayout.plan(
+            capacity_bytes, extent_bytes, align, min_page_bytes, headroom=headroom
+        )
         # anonymous memory is zero until touched: a bytearray would clear every byte now
         # (tens of MiB for a large pool), only for adopt() to move off it
         meta = PoolMeta(mmap.mmap(-1, layout.meta_bytes), layout)
         meta.format(zero=False)
-        self._setup(meta, max_log=max_evicted_log, quota={}, requires_l3=False,
-                    policy=eviction_policy)
+        self._setup(
+            meta, max_log=max_evicted_log, quota={}, requires_l3=False, policy=eviction_policy
+        )
 
     def adopt(self, meta: Any, *, arena: Any | None = None,
               cold_start: bool | str | None = False) -> AdoptResult:  # fmt: skip
@@ -213,14 +224,18 @@ class HostPool(PageTable):
             if nbytes < need:
                 pm.release()
                 raise HostPoolError(f"the arena has {nbytes} bytes, the pool needs {need}")
-        reason = pm.mismatch() if not cold_start else (
-            cold_start if isinstance(cold_start, str) else "cold start requested")
+        reason = (
+            pm.mismatch()
+            if not cold_start
+            else (cold_start if isinstance(cold_start, str) else "cold start requested")
+        )
         if reason is not None:
             pm.format()
         gen = 1 if reason is not None else pm.bump_generation()
         ev = self._ev
-        self._setup(pm, max_log=ev.max_log, quota=ev.quota, requires_l3=ev.requires_l3,
-                    policy=ev.policy)
+        self._setup(
+            pm, max_log=ev.max_log, quota=ev.quota, requires_l3=ev.requires_l3, policy=ev.policy
+        )
         for page_bytes in classes:
             self.register_class(page_bytes)
         if reason is not None:
@@ -295,8 +310,9 @@ class HostPool(PageTable):
         slots = np.empty(len(keys), dtype=np.int64)
         return cast("list[int]", slots[: self._probe_run(ns_id, packed, slots)].tolist())
 
-    def _probe_run(self, ns_id: int, packed: bytes | memoryview,
-                   slots: np.ndarray | None = None) -> int:
+    def _probe_run(
+        self, ns_id: int, packed: bytes | memoryview, slots: np.ndarray | None = None
+    ) -> int:
         """The leading READY run of ``packed`` (whole 32-byte keys) by the C probe, each key
         it leaves unresolved decided by the dict; with ``slots``, each key's slot is written
         there."""
@@ -306,7 +322,11 @@ class HostPool(PageTable):
         i = 0
         while True:  # C: up to the first key not found, which may be an unfinished probe
             i, unresolved = self._table.leading_run(ns_id, words, i, slots)
-            s = ready.get(bytes(packed[i * KEY_BYTES:(i + 1) * KEY_BYTES])) if unresolved else None
+            s = (
+                ready.get(bytes(packed[i * KEY_BYTES : (i + 1) * KEY_BYTES]))
+                if unresolved
+                else None
+            )
             if s is None:
                 return i
             if slots is not None:
@@ -324,7 +344,9 @@ class HostPool(PageTable):
             HostPoolError: ``packed`` is not a whole number of keys.
         """
         if len(packed) % KEY_BYTES:
-            raise HostPoolError(f"packed keys of {len(packed)} bytes: not a multiple of {KEY_BYTES}")
+            raise HostPoolError(
+                f"packed keys of {len(packed)} bytes: not a multiple of {KEY_BYTES}"
+            )
         n = len(packed) // KEY_BYTES
         if not n or not self._ready.get(ns_id):
             return 0
@@ -337,7 +359,7 @@ class HostPool(PageTable):
             slot, unresolved = self._table.find(ns_id, words)
             found = slot >= 0
             for j in unresolved.tolist():  # probe sequences too long to finish
-                found[j] = bytes(packed[j * KEY_BYTES:(j + 1) * KEY_BYTES]) in ready
+                found[j] = bytes(packed[j * KEY_BYTES : (j + 1) * KEY_BYTES]) in ready
             return n if found.all() else int(found.argmin())
         return self._probe_run(ns_id, packed)
 
@@ -446,8 +468,10 @@ class HostPool(PageTable):
 
     def stats(self) -> HostPoolStats:
         """Return a snapshot of the pool's counters."""
-        classes = tuple(ClassStats(c, k.page_bytes, k.stride, k.n, k.extents, k.ready, k.writing)
-                        for c, k in enumerate(self._classes))
+        classes = tuple(
+            ClassStats(c, k.page_bytes, k.stride, k.n, k.extents, k.ready, k.writing)
+            for c, k in enumerate(self._classes)
+        )
         return HostPoolStats(
             capacity_bytes=self.capacity_bytes,
             used_bytes=sum((c.pages_ready + c.pages_writing) * c.stride for c in classes),
@@ -480,15 +504,22 @@ class HostPool(PageTable):
         """Return (key, namespace id, parent slot, in L3, class id) of ``slot``: the
         few fields a walk up a chain needs, without building a :class:`PageInfo`."""
         self._check_slot(slot)
-        return (self._key[slot], self._ns[slot], self._parent[slot], bool(self._in_l3[slot]),
-                self._ext_class[slot // self._per_extent])
+        return (
+            self._key[slot],
+            self._ns[slot],
+            self._parent[slot],
+            bool(self._in_l3[slot]),
+            self._ext_class[slot // self._per_extent],
+        )
 
     def ready_pages(self, ns_id: int) -> list[tuple[bytes, bytes | None]]:
         """Return ``(key, parent key or None)`` of every READY page of ``ns_id``.
         O(pages): for FLUSH's KV events and tests."""
         keys, parent = self._key, self._parent
-        return [(key, keys[parent[s]] if parent[s] != NIL else None)
-                for key, s in self._ready.get(ns_id, {}).items()]
+        return [
+            (key, keys[parent[s]] if parent[s] != NIL else None)
+            for key, s in self._ready.get(ns_id, {}).items()
+        ]
 
     def evictable_slots(self, owner: int | None = None) -> list[int]:
         """Return the evictable slots, cold end first, walking the global list or

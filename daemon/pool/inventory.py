@@ -95,8 +95,9 @@ def inspect_pool_file(path: str | Path) -> PoolFileInfo:
                 os.close(fd)
             header = _describe_header(head)
             rdir = read_owner_tag(head)
-    return PoolFileInfo(path, st.st_size, st.st_mtime, st.st_uid, stat.S_IMODE(st.st_mode),
-                        kind, rdir, header)
+    return PoolFileInfo(
+        path, st.st_size, st.st_mtime, st.st_uid, stat.S_IMODE(st.st_mode), kind, rdir, header
+    )
 
 
 def _describe_header(head: bytes) -> str:
@@ -104,7 +105,7 @@ def _describe_header(head: bytes) -> str:
         return "no kvtier header (file too small)"
     magic, version, _, capacity = _HEAD.unpack_from(head)
     if magic != MAGIC:
-        return "no kvtier header" if any(head[:_HEAD.size]) else "no kvtier header (empty)"
+        return "no kvtier header" if any(head[: _HEAD.size]) else "no kvtier header (empty)"
     if version != FORMAT_VERSION:
         return f"kvtier format v{version} (this build reads v{FORMAT_VERSION})"
     return f"kvtier v{version}, {format_size(capacity)} arena"

@@ -186,8 +186,9 @@ class KeyTable:
             idx = idx[more]
         return out, idx  # empty unless MAX_ROUNDS ran out
 
-    def leading_run(self, ns_id: int, words: np.ndarray, start: int = 0,
-                    slots: np.ndarray | None = None) -> tuple[int, bool]:
+    def leading_run(
+        self, ns_id: int, words: np.ndarray, start: int = 0, slots: np.ndarray | None = None
+    ) -> tuple[int, bool]:
         """The first key from ``start`` that is not READY in ``ns_id``, by the probe of
         :meth:`find`, in C (it stops at that key). Only with :data:`NATIVE`; without it,
         :meth:`find` probes every key at once.
@@ -209,10 +210,22 @@ class KeyTable:
         """
         if not NATIVE or _keyprobe is None:
             raise RuntimeError("the C key probe is not built (kvtier.kernels._keyprobe)")
-        i, open_ = _keyprobe.leading_run(self._table, self._keys, self._ns, self._state,
-                                         self._key_len, words, ns_id, int(self._mult[0]),
-                                         int(self._mult[1]), int(self._shift), start,
-                                         MAX_ROUNDS, _READY, *(() if slots is None else (slots,)))
+        i, open_ = _keyprobe.leading_run(
+            self._table,
+            self._keys,
+            self._ns,
+            self._state,
+            self._key_len,
+            words,
+            ns_id,
+            int(self._mult[0]),
+            int(self._mult[1]),
+            int(self._shift),
+            start,
+            MAX_ROUNDS,
+            _READY,
+            *(() if slots is None else (slots,)),
+        )
         return i, bool(open_)
 
 

@@ -297,14 +297,18 @@ class PoolLayout:
         span = extent_bytes + per_extent * headroom
         n_extents = capacity_bytes // span
         if n_extents < 1:
-            raise HostPoolError(f"capacity_bytes={capacity_bytes} holds no {extent_bytes}B extent"
-                                + (f" ({span}B with its slots' headroom)" if headroom else ""))
+            raise HostPoolError(
+                f"capacity_bytes={capacity_bytes} holds no {extent_bytes}B extent"
+                + (f" ({span}B with its slots' headroom)" if headroom else "")
+            )
         n_slots = n_extents * per_extent
         if n_slots >= MAX_SLOT_IDS:
             largest = cls.max_capacity(extent_bytes, align, min_page_bytes, headroom)
-            raise HostPoolError(f"capacity_bytes={capacity_bytes} needs {n_slots} slot ids, "
-                                f"more than the index's {MAX_SLOT_IDS}; at most {largest} bytes "
-                                f"with extent_bytes={extent_bytes}")
+            raise HostPoolError(
+                f"capacity_bytes={capacity_bytes} needs {n_slots} slot ids, "
+                f"more than the index's {MAX_SLOT_IDS}; at most {largest} bytes "
+                f"with extent_bytes={extent_bytes}"
+            )
         ids_off = HEADER_REGION
         ext_off = round_up(ids_off + 2 * id_capacity * (DIGEST_BYTES + 1), 64)
         off = round_up(ext_off + 8 * n_extents, 64)
@@ -318,8 +322,9 @@ class PoolLayout:
                    headroom)  # fmt: skip
 
     @staticmethod
-    def max_capacity(extent_bytes: int, align: int = 4096, min_page_bytes: int | None = None,
-                     headroom: int = 0) -> int:
+    def max_capacity(
+        extent_bytes: int, align: int = 4096, min_page_bytes: int | None = None, headroom: int = 0
+    ) -> int:
         """Largest ``capacity_bytes`` whose slot ids fit the index (below :data:`MAX_SLOT_IDS`).
 
         Args:
@@ -396,8 +401,12 @@ class PoolLayout:
 
 
 def map_pool_file(
-    path: str | Path, layout: PoolLayout, *, prefault: bool = True,
-    populate_existing: bool | None = None, runtime_dir: str | Path | None = None,
+    path: str | Path,
+    layout: PoolLayout,
+    *,
+    prefault: bool = True,
+    populate_existing: bool | None = None,
+    runtime_dir: str | Path | None = None,
 ) -> tuple[SharedMemorySegment, str | None]:
     """Map the pool file at ``path``, keeping it when it is the daemon's and its size
     matches ``layout``.
@@ -432,11 +441,13 @@ def map_pool_file(
         PoolSpaceError: ``pool_dir`` has no room for a new file of ``layout.file_bytes``.
     """
     populate = prefault if populate_existing is None else populate_existing
-    seg, why = open_pool_segment(path, layout.file_bytes, populate=populate,
-                                 explain=layout.explain_size)
+    seg, why = open_pool_segment(
+        path, layout.file_bytes, populate=populate, explain=layout.explain_size
+    )
     if seg is None:
-        seg = create_pool_segment(path, layout.file_bytes, capacity=layout.capacity_bytes,
-                                  prefault=prefault)
+        seg = create_pool_segment(
+            path, layout.file_bytes, capacity=layout.capacity_bytes, prefault=prefault
+        )
     if runtime_dir is not None:
         write_owner_tag(seg.view, runtime_dir)
     return seg, why

@@ -74,7 +74,6 @@ def link_in_order(prev: array[int], nxt: array[int], order: np.ndarray) -> list[
     return [int(order[0]), int(order[-1])]
 
 
-
 class RecencyLists:
     """The evictable pages in recency order: global lists and one list per owner.
 
@@ -106,8 +105,7 @@ class RecencyLists:
     def enqueue(self, s: int, owner: int) -> None:
         """Put ``s`` on its global list and on ``owner``'s."""
         tier = self.tier
-        push(self.prev, self.next, self.ends2 if tier and tier[s] else self.ends,
-             self._stamp, s)
+        push(self.prev, self.next, self.ends2 if tier and tier[s] else self.ends, self._stamp, s)
         ends = self.own_ends.get(owner)
         if ends is None:
             ends = self.own_ends[owner] = [NIL, NIL]

@@ -59,7 +59,9 @@ class PoolMeta:
         if view.nbytes < layout.meta_bytes:
             n = view.nbytes
             view.release()
-            raise HostPoolError(f"the pool metadata buffer has {n} bytes, needs {layout.meta_bytes}")
+            raise HostPoolError(
+                f"the pool metadata buffer has {n} bytes, needs {layout.meta_bytes}"
+            )
         self.layout = layout
         self._raw = view.cast("B")[: layout.meta_bytes]
         view.release()

@@ -386,8 +386,13 @@ class PageTable:
                 change, except a slot listed more often than pinned.
             HostPoolError: a slot id is out of range.
         """
-        pins, state, children, owner, n = (self._pins, self._state, self._children,
-                                           self._owner, self.n_slots)
+        pins, state, children, owner, n = (
+            self._pins,
+            self._state,
+            self._children,
+            self._owner,
+            self.n_slots,
+        )
         for s in slots:  # checked inline: this runs for every page a load moved
             if not 0 <= s < n or state[s] != _READY or pins[s] == 0:
                 self._expect(s, PageState.READY, "unpin")  # raises, naming what is wrong
@@ -487,8 +492,8 @@ class PageTable:
         self._check_slot(s)
         state = self._state[s]
         if state != want:
-            raise PageStateError(f"cannot {op} slot {s}: it is {PageState(state).name}, "
-                                 f"not {want.name}")
+            raise PageStateError(
+                f"cannot {op} slot {s}: it is {PageState(state).name}, not {want.name}"
+            )
         if op == "unpin" and self._pins[s] == 0:
             raise PageStateError(f"cannot unpin slot {s}: it is READY with no pins")
-

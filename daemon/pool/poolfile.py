@@ -135,18 +135,22 @@ def discard_pool_file(path: str | Path, refusal: Refusal, st: os.stat_result) ->
         PoolFileError: the file is not the daemon's (it is left alone), or cannot be removed.
     """
     path = str(path)
-    hint = (f"remove it as its owner or root (`kvtier pools --remove {path}`), or set another "
-            "pool_dir")
+    hint = (
+        f"remove it as its owner or root (`kvtier pools --remove {path}`), or set another pool_dir"
+    )
     if not refusal.ours:
-        raise PoolFileError(f"refusing the pool file {path}: it {refusal.reason} "
-                            f"({describe_stat(st)}); {hint}")
+        raise PoolFileError(
+            f"refusing the pool file {path}: it {refusal.reason} ({describe_stat(st)}); {hint}"
+        )
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
     except OSError as err:
-        raise PoolFileError(f"cannot remove the refused pool file {path} (it {refusal.reason}, "
-                            f"{describe_stat(st)}): {err.strerror}; {hint}") from err
+        raise PoolFileError(
+            f"cannot remove the refused pool file {path} (it {refusal.reason}, "
+            f"{describe_stat(st)}): {err.strerror}; {hint}"
+        ) from err
     return f"pool file {path} {refusal.reason}: discarded"
 
 
@@ -234,8 +238,9 @@ def create_pool_segment(path: str | Path, size: int, *, capacity: int, prefault:
         if free is not None and free < size:
             raise PoolSpaceError(_space_message(path, size, capacity, free, "too little space"))
     try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     POOL_MODE)
+        fd = os.open(
+            path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, POOL_MODE
+        )
     except OSError as err:
         raise PoolFileError(f"cannot create the pool file {path}: {err.strerror}") from err
     try:
@@ -247,11 +252,18 @@ def create_pool_segment(path: str | Path, size: int, *, capacity: int, prefault:
                 os.ftruncate(fd, size)
         except OSError as err:
             if err.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG, errno.EDQUOT):
-                raise PoolSpaceError(_space_message(path, size, capacity,
-                                                    free_bytes(Path(path).parent),
-                                                    err.strerror or str(err))) from err
-            raise PoolFileError(f"cannot size the pool file {path} to {size} bytes: "
-                                f"{err.strerror}") from err
+                raise PoolSpaceError(
+                    _space_message(
+                        path,
+                        size,
+                        capacity,
+                        free_bytes(Path(path).parent),
+                        err.strerror or str(err),
+                    )
+                ) from err
+            raise PoolFileError(
+                f"cannot size the pool file {path} to {size} bytes: {err.strerror}"
+            ) from err
         return _map(fd, path, size, prefault, owner=False)
     except BaseException:
         os.close(fd)
@@ -326,8 +338,12 @@ def populate(seg: SharedMemorySegment, stopped: Callable[[], bool] | None = None
         if stopped is not None and stopped():
             return False
         n = min(POPULATE_STEP, seg.size - start)
-        if _libc.madvise(ctypes.c_void_p(seg.address + start), ctypes.c_size_t(n),
-                         MADV_POPULATE_WRITE) != 0:
+        if (
+            _libc.madvise(
+                ctypes.c_void_p(seg.address + start), ctypes.c_size_t(n), MADV_POPULATE_WRITE
+            )
+            != 0
+        ):
             return False
     return True
 
@@ -337,17 +353,20 @@ def _map(fd: int, path: str, size: int, populate: bool, *, owner: bool) -> Share
     try:
         mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except OSError as err:
-        raise PoolFileError(f"cannot map the pool file {path} ({size} bytes): "
-                            f"{err.strerror}") from err
+        raise PoolFileError(
+            f"cannot map the pool file {path} ({size} bytes): {err.strerror}"
+        ) from err
     return SharedMemorySegment(path, size, mm, owner=owner, writable=True)
 
 
 def _space_message(path: str, size: int, capacity: int, free: int | None, what: str) -> str:
     where = os.path.dirname(path) or "."
     room = "unknown free space" if free is None else f"{format_size(free)} ({free} bytes) free"
-    return (f"cannot create the host pool: hicache_size = {format_size(capacity)} ({capacity} "
-            f"bytes) needs a {format_size(size)} pool file in pool_dir {where}, which has "
-            f"{room} ({what}); lower hicache_size or point pool_dir at a larger filesystem")
+    return (
+        f"cannot create the host pool: hicache_size = {format_size(capacity)} ({capacity} "
+        f"bytes) needs a {format_size(size)} pool file in pool_dir {where}, which has "
+        f"{room} ({what}); lower hicache_size or point pool_dir at a larger filesystem"
+    )
 
 
 def _unlink_quietly(path: str) -> None:

@@ -39,8 +39,9 @@ instead of streaming a million rows' worth through memory a dozen times."""
 
 _PRIME64_1 = np.uint64(0x9E3779B185EBCA87)
 _AVALANCHE = np.uint64(0x165667919E3779F9)
-_SECRET = np.frombuffer(bytes.fromhex(
-    "b8fe6c3923a44bbe7c01812cf721ad1cded46de9839097db7240a4a4b7b3671f"), dtype="<u8")
+_SECRET = np.frombuffer(
+    bytes.fromhex("b8fe6c3923a44bbe7c01812cf721ad1cded46de9839097db7240a4a4b7b3671f"), dtype="<u8"
+)
 _LO32 = np.uint64(0xFFFFFFFF)
 _S32, _S37 = np.uint64(32), np.uint64(37)
 
@@ -65,9 +66,12 @@ def seals(keys: np.ndarray, lengths: np.ndarray, seeds: np.ndarray) -> np.ndarra
     if _native is not None and len(rows) and keys.shape[1] == 32:
         whole = len(rows) == n
         got = out if whole else np.empty(len(rows), dtype=np.uint64)
-        _native(np.ascontiguousarray(keys if whole else keys[rows]),
-                (lengths if whole else lengths[rows]).astype(np.uint8),
-                np.ascontiguousarray(seeds if whole else seeds[rows], dtype=np.uint64), got)
+        _native(
+            np.ascontiguousarray(keys if whole else keys[rows]),
+            (lengths if whole else lengths[rows]).astype(np.uint8),
+            np.ascontiguousarray(seeds if whole else seeds[rows], dtype=np.uint64),
+            got,
+        )
         if not whole:
             out[rows] = got
     elif n and len(rows) == n:

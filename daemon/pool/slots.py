@@ -72,7 +72,6 @@ class PageClass:
     writing: int = 0
 
 
-
 class SlotAllocator:
     """Extents, page classes and free lists of one arena (see the module docstring).
 
@@ -122,8 +121,13 @@ class SlotAllocator:
                 f"extent_bytes={self.extent_bytes}"
             )
         cid = len(self.classes)
-        self.classes.append(PageClass(page_bytes, self.layout.stride_of(page_bytes),
-                                      min(self.extent_bytes // payload, self.per_extent)))
+        self.classes.append(
+            PageClass(
+                page_bytes,
+                self.layout.stride_of(page_bytes),
+                min(self.extent_bytes // payload, self.per_extent),
+            )
+        )
         self.class_of_bytes[page_bytes] = cid
         return cid
 
@@ -145,8 +149,9 @@ class SlotAllocator:
         cid = self.ext_class[e]
         if cid == NIL:
             raise HostPoolError(f"slot {slot} lies in extent {e}, which is not allocated")
-        return (e * self.span + (slot - e * self.per_extent) * self.classes[cid].stride
-                + self.headroom)
+        return (
+            e * self.span + (slot - e * self.per_extent) * self.classes[cid].stride + self.headroom
+        )
 
     def slot_offsets(self, slots: list[int]) -> np.ndarray:
         """The payload offsets of ``slots`` (int64, same order), as :meth:`slot_offset`
@@ -169,9 +174,12 @@ class SlotAllocator:
     def _cut(self, e: int, cls: PageClass) -> None:
         """Record the payload offsets of the ``cls.n`` slots extent ``e`` cuts for ``cls``."""
         base = e * self.per_extent
-        self.offset_of[base:base + cls.n] = np.arange(
-            e * self.span + self.headroom, e * self.span + self.headroom + cls.n * cls.stride,
-            cls.stride, dtype=np.int64)
+        self.offset_of[base : base + cls.n] = np.arange(
+            e * self.span + self.headroom,
+            e * self.span + self.headroom + cls.n * cls.stride,
+            cls.stride,
+            dtype=np.int64,
+        )
 
     def take(self, cid: int) -> int:
         """Hand out a free slot of ``cid`` (free list, fresh slot, free extent), or NIL."""
@@ -216,7 +224,7 @@ class SlotAllocator:
             cls.bump = NIL
         self.ext_class[e] = NIL
         self.ext_bump[e] = 0
-        self.offset_of[base:base + self.per_extent] = -1
+        self.offset_of[base : base + self.per_extent] = -1
         self._ext_bytes[e] = 0  # after every slot of it is FREE
         cls.extents -= 1
         self.free_extents.append(e)

@@ -40,10 +40,29 @@ RUN_PAGES = 8
 def _cols(table: Any) -> tuple[Any, ...]:
     """The 21 columns ``_alloc`` works on, in its order."""
     meta, kids, lru, slots = table._meta, table._kids, table._lru, table._slots
-    return (meta.stamp, meta.ns, meta.owner, meta.length, meta.parent, meta.key, meta.state,
-            meta.in_l3, meta.key_len, table._pins, kids.count, kids.first, kids.sib_prev,
-            kids.sib_next, lru.prev, lru.next, lru.oprev, lru.onext, slots.ext_class,
-            slots.ext_used, slots.ext_bump)
+    return (
+        meta.stamp,
+        meta.ns,
+        meta.owner,
+        meta.length,
+        meta.parent,
+        meta.key,
+        meta.state,
+        meta.in_l3,
+        meta.key_len,
+        table._pins,
+        kids.count,
+        kids.first,
+        kids.sib_prev,
+        kids.sib_next,
+        lru.prev,
+        lru.next,
+        lru.oprev,
+        lru.onext,
+        slots.ext_class,
+        slots.ext_used,
+        slots.ext_bump,
+    )
 
 
 def allocate_run(table: Any, ns_id: int, owner: int, class_id: int, keys: Sequence[bytes],
@@ -67,11 +86,32 @@ def allocate_run(table: Any, ns_id: int, owner: int, class_id: int, keys: Sequen
     out: list[tuple[int, int]] = []
     i, n = 0, len(keys)
     while i < n:
-        done = _alloc.run(cols, keys, i, prev, table._clock, ns_id, owner, class_id,
-                          cls.page_bytes, table._per_extent, bool(table._slots.free_extents),
-                          cls, ready, writing, table._ready, table._key, table._owned,
-                          lru.ends, lru.own_ends, ev._log, ev.max_log, EvictedPage, out,
-                          i > 0)  # the first call checked every key
+        done = _alloc.run(
+            cols,
+            keys,
+            i,
+            prev,
+            table._clock,
+            ns_id,
+            owner,
+            class_id,
+            cls.page_bytes,
+            table._per_extent,
+            bool(table._slots.free_extents),
+            cls,
+            ready,
+            writing,
+            table._ready,
+            table._key,
+            table._owned,
+            lru.ends,
+            lru.own_ends,
+            ev._log,
+            ev.max_log,
+            EvictedPage,
+            out,
+            i > 0,
+        )  # the first call checked every key
         if done is None:  # only ever before the first change: every key is checked first
             return None
         i, prev, table._clock, evictions, unlogged = done
@@ -80,8 +120,9 @@ def allocate_run(table: Any, ns_id: int, owner: int, class_id: int, keys: Sequen
         if i == n:
             break
         # key i needs a free extent cut or another class's page evicted: the Python path
-        one = table._allocate(ns_id, owner, class_id, [keys[i]],
-                              None if prev == NIL else table._key[prev])
+        one = table._allocate(
+            ns_id, owner, class_id, [keys[i]], None if prev == NIL else table._key[prev]
+        )
         if not one:  # a shortfall: later pages are useless without this one
             break
         prev = one[0][1]
@@ -98,9 +139,20 @@ def commit_run(table: Any, slots: Sequence[int], checksums: Sequence[int] | None
             checksums is not None and type(checksums) is not list):  # fmt: skip
         return False
     meta = table._meta
-    done = _alloc.commit(_cols(table), (meta.checksum, meta.seal, meta.flags), slots, checksums,
-                         table._clock, table._per_extent, table._writing, table._ready,
-                         table._key, table._classes, table._lru.ends, table._lru.own_ends)
+    done = _alloc.commit(
+        _cols(table),
+        (meta.checksum, meta.seal, meta.flags),
+        slots,
+        checksums,
+        table._clock,
+        table._per_extent,
+        table._writing,
+        table._ready,
+        table._key,
+        table._classes,
+        table._lru.ends,
+        table._lru.own_ends,
+    )
     if done is None:
         return False
     stop, table._clock = done

@@ -44,20 +44,41 @@ from kvtier.ipc import protocol as P
 
 log = logging.getLogger("kvtier.daemon")
 
-ADMIN_TOKEN_HINT = ("tenants are configured: a request without the admin token sees and flushes "
-                    "only its own tenant's data (from a registered engine's connection, or "
-                    "with that tenant's token); set admin_token on kvtierd for the whole view")
+ADMIN_TOKEN_HINT = (
+    "tenants are configured: a request without the admin token sees and flushes "
+    "only its own tenant's data (from a registered engine's connection, or "
+    "with that tenant's token); set admin_token on kvtierd for the whole view"
+)
 """Appended to an UNAUTHORIZED refusal when tenants are configured and no scope was found."""
 
-LIVE_FIELDS = frozenset({
-    "max_sessions_per_user", "max_handover_connections_per_user", "max_handover_connections",
-    "max_handovers_waiting_per_user", "max_handovers_waiting", "max_handover_descriptors_per_user",
-    "max_mapped_bytes_per_user",
-    "max_mapped_bytes", "max_mapped_segments_per_user", "log_level", "lease_s", "shutdown_timeout_s", "max_keys_per_request", "max_message_bytes",
-    "hicache_storage_prefetch_policy", "prefetch_threshold", "prefetch_timeout_base",
-    "prefetch_timeout_per_ki_token", "prefetch_timeout_max", "prefetch_concurrency",
-    "write_back_queue", "hicache_write_policy", "storage_timeout_s", "tp_group_timeout_s",
-})
+LIVE_FIELDS = frozenset(
+    {
+        "max_sessions_per_user",
+        "max_handover_connections_per_user",
+        "max_handover_connections",
+        "max_handovers_waiting_per_user",
+        "max_handovers_waiting",
+        "max_handover_descriptors_per_user",
+        "max_mapped_bytes_per_user",
+        "max_mapped_bytes",
+        "max_mapped_segments_per_user",
+        "log_level",
+        "lease_s",
+        "shutdown_timeout_s",
+        "max_keys_per_request",
+        "max_message_bytes",
+        "hicache_storage_prefetch_policy",
+        "prefetch_threshold",
+        "prefetch_timeout_base",
+        "prefetch_timeout_per_ki_token",
+        "prefetch_timeout_max",
+        "prefetch_concurrency",
+        "write_back_queue",
+        "hicache_write_policy",
+        "storage_timeout_s",
+        "tp_group_timeout_s",
+    }
+)
 """Fields SIGHUP may change without a restart; anything else is refused with a log line."""
 FLUSH_TIERS = ("l2", "l3", "all")
 """Tiers a FLUSH may name."""
@@ -72,22 +93,26 @@ class Admin:
         reload_source: re-reads the configuration; None when there is nothing to re-read.
     """
 
-    def __init__(self, ctx: ServiceContext, notifier: SystemdNotifier,
-                 reload_source: Callable[[], DaemonConfig] | None = None) -> None:
+    def __init__(
+        self,
+        ctx: ServiceContext,
+        notifier: SystemdNotifier,
+        reload_source: Callable[[], DaemonConfig] | None = None,
+    ) -> None:
         self.ctx = ctx
         self.notifier = notifier
         self.reload_source = reload_source
 
     def table(self) -> dict[type, Handler]:
         """The handler of each operator request type."""
-        return {P.Health: self.health, P.Stats: self.stats, P.Flush: self.flush,
-                P.Sync: self.sync}
+        return {P.Health: self.health, P.Stats: self.stats, P.Flush: self.flush, P.Sync: self.sync}
 
     def is_admin(self, token: str) -> bool:
         """Whether ``token`` is the configured admin token (False when none is set)."""
         want = self.ctx.cfg.admin_token
-        return want is not None and hmac.compare_digest(want.get_secret_value().encode(),
-                                                        token.encode())
+        return want is not None and hmac.compare_digest(
+            want.get_secret_value().encode(), token.encode()
+        )
 
     def scope(self, identity: bytes, token: str) -> frozenset[str] | None:
         """The tenants a STATS or an admin FLUSH may see (None: every tenant).
@@ -108,19 +133,26 @@ class Admin:
         if not tenants or self.is_admin(token):
             self.check_admin(token)
             return None
-        mine = frozenset(s.tenant for s in self.ctx.sessions.of_identity(identity)
-                         if s.is_open())
+        mine = frozenset(s.tenant for s in self.ctx.sessions.of_identity(identity) if s.is_open())
         if not mine and token:
-            mine = frozenset(name for name, t in tenants.items() if hmac.compare_digest(
-                t.token.get_secret_value().encode(), token.encode()))
+            mine = frozenset(
+                name
+                for name, t in tenants.items()
+                if hmac.compare_digest(t.token.get_secret_value().encode(), token.encode())
+            )
         if mine:
             return mine
         has_admin = self.ctx.cfg.admin_token is not None
-        log.warning("admin request refused: %s", "missing or wrong admin token" if has_admin
-                    else "tenants are configured, no admin_token is set, no tenant credential")
-        raise RequestError(P.ErrorCode.UNAUTHORIZED,
-                           f"admin_token: {'missing or wrong' if has_admin else 'not set'}; "
-                           f"{ADMIN_TOKEN_HINT}")
+        log.warning(
+            "admin request refused: %s",
+            "missing or wrong admin token"
+            if has_admin
+            else "tenants are configured, no admin_token is set, no tenant credential",
+        )
+        raise RequestError(
+            P.ErrorCode.UNAUTHORIZED,
+            f"admin_token: {'missing or wrong' if has_admin else 'not set'}; {ADMIN_TOKEN_HINT}",
+        )
 
     def check_admin(self, token: str) -> None:
         """Check an operator request's admin token (anything passes when none is set).
@@ -129,9 +161,12 @@ class Admin:
             RequestError: UNAUTHORIZED.
         """
         want = self.ctx.cfg.admin_token
-        if want is not None and not hmac.compare_digest(want.get_secret_value().encode(),
-                                                        token.encode()):
-            log.warning("admin request refused: %s admin token", "missing" if not token else "wrong")
+        if want is not None and not hmac.compare_digest(
+            want.get_secret_value().encode(), token.encode()
+        ):
+            log.warning(
+                "admin request refused: %s admin token", "missing" if not token else "wrong"
+            )
             raise RequestError(P.ErrorCode.UNAUTHORIZED, "admin_token: missing or wrong")
 
     # ------------------------------------------------------------------ HEALTH
@@ -146,10 +181,16 @@ class Admin:
         l3 = ctx.tier.l3.problem()
         if l3 is not None:
             problems.append(f"{l3}; L2 keeps serving")
-        status = ("stopping" if ctx.stopping else "ok" if not problems
-                  else "degraded: " + "; ".join(problems))
-        return P.HealthReply(req_id=m.req_id, epoch=ctx.epoch, status=status,
-                             sessions=len(ctx.sessions))
+        status = (
+            "stopping"
+            if ctx.stopping
+            else "ok"
+            if not problems
+            else "degraded: " + "; ".join(problems)
+        )
+        return P.HealthReply(
+            req_id=m.req_id, epoch=ctx.epoch, status=status, sessions=len(ctx.sessions)
+        )
 
     # ------------------------------------------------------------------ STATS
     def stats(self, identity: bytes, m: P.Stats) -> P.Reply:
@@ -172,18 +213,29 @@ class Admin:
             "epoch": f"{ctx.epoch:x}",
             "uptime_s": round(time.time() - ctx.started, 3),
             "scope": {"tenants": sorted(tenants)},
-            "tenants": {t: {"pages": ctx.pool.owned_pages(ctx.pool.owner_id(t)),
-                            "quota_pages": quotas[t].quota_pages if t in quotas else None}
-                        for t in sorted(tenants)},
+            "tenants": {
+                t: {
+                    "pages": ctx.pool.owned_pages(ctx.pool.owner_id(t)),
+                    "quota_pages": quotas[t].quota_pages if t in quotas else None,
+                }
+                for t in sorted(tenants)
+            },
             "sessions": [row for row in self._sessions() if row["tenant"] in tenants],
         }
 
     def _sessions(self) -> list[dict[str, object]]:
         return [
-            {"session_id": s.session_id, "tenant": s.tenant, "pid": s.pid,
-             "tp_rank": s.tp_rank, "tp_size": s.tp_size, "state": s.state.value,
-             "page_bytes": s.geometry.page_bytes, "num_pages": s.memory.num_pages,
-             "transfers": len(s.transfers)}
+            {
+                "session_id": s.session_id,
+                "tenant": s.tenant,
+                "pid": s.pid,
+                "tp_rank": s.tp_rank,
+                "tp_size": s.tp_size,
+                "state": s.state.value,
+                "page_bytes": s.geometry.page_bytes,
+                "num_pages": s.memory.num_pages,
+                "transfers": len(s.transfers),
+            }
             for s in self.ctx.sessions
         ]
 
@@ -217,8 +269,11 @@ class Admin:
         for uid, (conns, waiting) in ctx.handovers.use().items():
             users[uid] = {"handover_connections": conns, "handovers_waiting": waiting}
         for uid, use in ctx.quotas.users.items():
-            users.setdefault(uid, {}).update(sessions=use.sessions, mapped_bytes=use.mapped_bytes,
-                                             mapped_segments=use.mapped_segments)
+            users.setdefault(uid, {}).update(
+                sessions=use.sessions,
+                mapped_bytes=use.mapped_bytes,
+                mapped_segments=use.mapped_segments,
+            )
         for uid, queued in ctx.prefaults.queued().items():
             users.setdefault(uid, {})["prefaults_queued"] = queued
         return {
@@ -262,8 +317,13 @@ class Admin:
                 assert ctx.events is not None
                 left = {k for k, _ in ctx.pool.ready_pages(ns)}
                 ctx.events.l2_dropped(ns, [k for k in keys if k not in left])
-        log.info("flush tier=%s namespace=%s tenants=%s: %d L2 pages dropped", m.tier,
-                 m.namespace or "*", ",".join(sorted(scope)) if scope is not None else "*", l2)
+        log.info(
+            "flush tier=%s namespace=%s tenants=%s: %d L2 pages dropped",
+            m.tier,
+            m.namespace or "*",
+            ",".join(sorted(scope)) if scope is not None else "*",
+            l2,
+        )
         if m.tier == "l2" or not ctx.tier.available:
             return P.FlushReply(req_id=m.req_id, epoch=ctx.epoch, l2_pages=l2, l3_pages=0)
         return Deferred(self._flush_l3(m, l2, fps))
@@ -291,21 +351,35 @@ class Admin:
         ctx = self.ctx
         self.check_admin(m.admin_token)
         if ctx.tier.l3.name == "none":
-            raise RequestError(P.ErrorCode.BAD_MESSAGE,
-                               "sync: no L3 backend (hicache_storage_backend = 'none')")
+            raise RequestError(
+                P.ErrorCode.BAD_MESSAGE, "sync: no L3 backend (hicache_storage_backend = 'none')"
+            )
         if not ctx.tier.available:  # down: nothing can be written now; say how much waits
             queued = ctx.tier.writer.queued
-            return P.SyncReply(req_id=m.req_id, epoch=ctx.epoch, pages=queued, written=0,
-                               failed=0, left=queued)
+            return P.SyncReply(
+                req_id=m.req_id, epoch=ctx.epoch, pages=queued, written=0, failed=0, left=queued
+            )
         return Deferred(self._sync_async(m))
 
     async def _sync_async(self, m: P.Sync) -> P.Reply:
         start = time.perf_counter()
         pages, written, failed, left = await self.ctx.tier.writer.sync(m.timeout_s)
-        log.info("sync: %d pages, %d written, %d not written, %d left, in %.3f s", pages, written,
-                 failed, left, time.perf_counter() - start)
-        return P.SyncReply(req_id=m.req_id, epoch=self.ctx.epoch, pages=pages, written=written,
-                           failed=failed, left=left)
+        log.info(
+            "sync: %d pages, %d written, %d not written, %d left, in %.3f s",
+            pages,
+            written,
+            failed,
+            left,
+            time.perf_counter() - start,
+        )
+        return P.SyncReply(
+            req_id=m.req_id,
+            epoch=self.ctx.epoch,
+            pages=pages,
+            written=written,
+            failed=failed,
+            left=left,
+        )
 
     # ------------------------------------------------------------------ RELOAD
     def reload(self) -> None:
@@ -324,8 +398,11 @@ class Admin:
         changed = {k for k in DaemonConfig.model_fields if getattr(new, k) != getattr(old, k)}
         fixed = sorted(changed - LIVE_FIELDS)
         if fixed:
-            log.error("reload: %s cannot change while running (restart kvtierd to apply); "
-                      "nothing was changed", ", ".join(fixed))
+            log.error(
+                "reload: %s cannot change while running (restart kvtierd to apply); "
+                "nothing was changed",
+                ", ".join(fixed),
+            )
         else:
             self.ctx.cfg = new
             self.ctx.tier.reconfigure(new)

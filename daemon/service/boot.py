@@ -70,8 +70,14 @@ class Service:
         seg: the mapped pool file (None until :meth:`open_pool`).
     """
 
-    def __init__(self, cfg: DaemonConfig, rdir: Path, epoch: int, notifier: SystemdNotifier,
-                 reload: Callable[[], DaemonConfig] | None) -> None:
+    def __init__(
+        self,
+        cfg: DaemonConfig,
+        rdir: Path,
+        epoch: int,
+        notifier: SystemdNotifier,
+        reload: Callable[[], DaemonConfig] | None,
+    ) -> None:
         self.pool = HostPool.from_config(cfg, slot_headroom(cfg.hicache_storage_backend))
         self.counters = Counters()
         self.tier = TierStore(cfg, self.pool, self.counters, rdir)
@@ -95,11 +101,12 @@ class Service:
         ``keep_pool_on_stop`` is off.
         """
         cfg, layout = self.ctx.cfg, self.pool.layout
-        seg, why_new = map_pool_file(ppath, layout, prefault=cfg.prefault, populate_existing=False,
-                                     runtime_dir=self.ctx.rdir)
+        seg, why_new = map_pool_file(
+            ppath, layout, prefault=cfg.prefault, populate_existing=False, runtime_dir=self.ctx.rdir
+        )
         stack.callback(lambda: seg.close(unlink=not self.ctx.cfg.keep_pool_on_stop))
         self.seg, self._created = seg, why_new is not None
-        arena_view = seg.view[layout.arena_offset:layout.arena_offset + layout.capacity_bytes]
+        arena_view = seg.view[layout.arena_offset : layout.arena_offset + layout.capacity_bytes]
         stack.callback(arena_view.release)
         self._arena_view = arena_view
         # a numpy array: the CPU copy path imports no torch (a CUDA back end would take a
@@ -107,16 +114,20 @@ class Service:
         self._arena = seg.array(np.uint8, layout.arena_offset, layout.capacity_bytes)
         stack.callback(setattr, self, "_arena", None)  # before the mapping closes
         cold = "cold start requested (cold_start)" if cfg.cold_start else why_new
-        self.ctx.adopt = self.pool.adopt(seg.view[:layout.meta_bytes], cold_start=cold,
-                                         arena=arena_view if cfg.verify_on_adopt else None)
+        self.ctx.adopt = self.pool.adopt(
+            seg.view[: layout.meta_bytes],
+            cold_start=cold,
+            arena=arena_view if cfg.verify_on_adopt else None,
+        )
         stack.callback(self.pool.close)  # its views of the metadata go before the mapping
         log.info("%s", self.ctx.adopt.summary)
         for name, t in cfg.tenants.items():  # owner ids come from the adopted table
             if t.quota_pages is not None:
                 self.pool.set_quota(self.pool.owner_id(name), t.quota_pages)
 
-    async def open(self, stack: contextlib.AsyncExitStack,
-                   finalize_remaining: Callable[[], None]) -> None:
+    async def open(
+        self, stack: contextlib.AsyncExitStack, finalize_remaining: Callable[[], None]
+    ) -> None:
         """Open the L3 tier, start the prefault and copy threads and bind the handover socket.
 
         Args:
@@ -126,9 +137,14 @@ class Service:
         """
         seg, arena_view, layout = self.seg, self._arena_view, self.pool.layout
         assert seg is not None and arena_view is not None, "open_pool() first"
-        await self.tier.open(HostArena(view=arena_view, size=layout.capacity_bytes,
-                                       address=seg.address + layout.arena_offset,
-                                       headroom=layout.headroom))
+        await self.tier.open(
+            HostArena(
+                view=arena_view,
+                size=layout.capacity_bytes,
+                address=seg.address + layout.arena_offset,
+                headroom=layout.headroom,
+            )
+        )
         stack.push_async_callback(self.tier.close)
         self.ctx.prefaults.start()
         stack.callback(self.ctx.prefaults.close)  # after every session's memory is unmapped
@@ -137,8 +153,9 @@ class Service:
         stack.callback(self.transfers.close)
         stack.callback(finalize_remaining)  # runs once the copy threads have ended
         # waited for off the loop, so a second SIGTERM can still end the process at once
-        stack.push_async_callback(asyncio.to_thread, executor.shutdown, wait=True,
-                                  cancel_futures=True)
+        stack.push_async_callback(
+            asyncio.to_thread, executor.shutdown, wait=True, cancel_futures=True
+        )
         self.ctx.handovers.bind()
         stack.callback(self.ctx.handovers.close)
 
@@ -157,13 +174,21 @@ class Service:
             self._stop_prefault.set()
             await asyncio.wait([work])
             raise
-        log.debug("pool mapping pre-faulted %s in %.3fs", "whole" if done else "in part",
-                  time.perf_counter() - t0)
+        log.debug(
+            "pool mapping pre-faulted %s in %.3fs",
+            "whole" if done else "in part",
+            time.perf_counter() - t0,
+        )
 
 
-def build_service(cfg: DaemonConfig, rdir: Path, ppath: Path, epoch: int,
-                  notifier: SystemdNotifier, reload: Callable[[], DaemonConfig] | None,
-                  ) -> tuple[Service, contextlib.ExitStack]:
+def build_service(
+    cfg: DaemonConfig,
+    rdir: Path,
+    ppath: Path,
+    epoch: int,
+    notifier: SystemdNotifier,
+    reload: Callable[[], DaemonConfig] | None,
+) -> tuple[Service, contextlib.ExitStack]:
     """Turn the C kernels ``cfg.native_off`` names off, build the service, and map and
     adopt the pool (runs on a worker thread).
 

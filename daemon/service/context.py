@@ -59,8 +59,15 @@ class ServiceContext:
         stopping: set once a stop has begun; only HEALTH, STATS and UNREGISTER are served.
     """
 
-    def __init__(self, cfg: DaemonConfig, pool: HostPool, tier: TierStore, counters: Counters,
-                 rdir: Path, epoch: int) -> None:
+    def __init__(
+        self,
+        cfg: DaemonConfig,
+        pool: HostPool,
+        tier: TierStore,
+        counters: Counters,
+        rdir: Path,
+        epoch: int,
+    ) -> None:
         self.cfg = cfg
         self.pool = pool
         self.tier = tier
@@ -105,9 +112,11 @@ class ServiceContext:
         """
         s = self.sessions.get(session_id)
         if s is None or s.identity != identity or s.state is not SessionState.OPEN:
-            raise RequestError(P.ErrorCode.UNKNOWN_SESSION,
-                               f"session_id = {session_id!r} is not an open session of this "
-                               f"connection (daemon epoch {self.epoch:x})")
+            raise RequestError(
+                P.ErrorCode.UNKNOWN_SESSION,
+                f"session_id = {session_id!r} is not an open session of this "
+                f"connection (daemon epoch {self.epoch:x})",
+            )
         s.renew(time.monotonic())
         return s
 

@@ -44,11 +44,16 @@ class Dispatcher:
         The receive loop drops such a message frame by frame and answers this.
         """
         self.ctx.counters.requests += 1
-        return self.ctx.error(0, P.ErrorCode.BAD_MESSAGE,
-                              f"expected 2 frames (identity and request), got {frames}")
+        return self.ctx.error(
+            0, P.ErrorCode.BAD_MESSAGE, f"expected 2 frames (identity and request), got {frames}"
+        )
 
-    def handle(self, identity: bytes, body: bytes | memoryview,
-               peer: Callable[[], PeerCred | None] | None = None) -> Answer:
+    def handle(
+        self,
+        identity: bytes,
+        body: bytes | memoryview,
+        peer: Callable[[], PeerCred | None] | None = None,
+    ) -> Answer:
         """Answer one request.
 
         Args:
@@ -65,8 +70,11 @@ class Dispatcher:
         ctx.counters.requests += 1
         limit = ctx.cfg.max_message_bytes
         if len(body) > limit:
-            return ctx.error(P.peek_req_id(body), P.ErrorCode.BAD_MESSAGE,
-                             f"message of {len(body)} bytes exceeds max_message_bytes ({limit})")
+            return ctx.error(
+                P.peek_req_id(body),
+                P.ErrorCode.BAD_MESSAGE,
+                f"message of {len(body)} bytes exceeds max_message_bytes ({limit})",
+            )
         try:
             msg = P.decode_request(body)
         except (msgspec.DecodeError, msgspec.ValidationError) as err:
@@ -75,8 +83,9 @@ class Dispatcher:
             return ctx.error(msg.req_id, P.ErrorCode.SHUTTING_DOWN, "kvtierd is stopping")
         try:
             if isinstance(msg, P.Register):  # the one request that needs its sender
-                reply = self.handlers[P.Register](identity, msg,
-                                                  peer() if peer is not None else None)
+                reply = self.handlers[P.Register](
+                    identity, msg, peer() if peer is not None else None
+                )
             else:
                 reply = self.handlers[type(msg)](identity, msg)
             if isinstance(reply, Deferred):

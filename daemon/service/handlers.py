@@ -54,6 +54,7 @@ log = logging.getLogger("kvtier.daemon")
 DEFAULT_TENANT = "default"
 """The tenant of every session when no tenants are configured."""
 
+
 class Handlers:
     """The engine-facing request handlers.
 
@@ -73,9 +74,15 @@ class Handlers:
     def table(self) -> dict[type, Handler]:
         """The handler of each engine request type."""
         return {
-            P.Register: self.register, P.Heartbeat: self.heartbeat, P.Lookup: self.lookup,
-            P.Store: self.store, P.Load: self.load, P.Release: self.release,
-            P.Unregister: self.unregister, P.Prefetch: self.prefetch, P.Claim: self.claim,
+            P.Register: self.register,
+            P.Heartbeat: self.heartbeat,
+            P.Lookup: self.lookup,
+            P.Store: self.store,
+            P.Load: self.load,
+            P.Release: self.release,
+            P.Unregister: self.unregister,
+            P.Prefetch: self.prefetch,
+            P.Claim: self.claim,
         }
 
     def later(self, s: Session, pending: Coroutine[Any, Any, P.Reply]) -> Deferred:
@@ -130,9 +137,11 @@ class Handlers:
         """A REGISTER's fields (not yet its memory); returns the tenant it authenticated as."""
         ctx, cfg = self.ctx, self.ctx.cfg
         if m.protocol_version != P.PROTOCOL_VERSION:
-            raise RequestError(P.ErrorCode.PROTOCOL_VERSION,
-                               f"protocol_version = {m.protocol_version!r}; this daemon speaks "
-                               f"{P.PROTOCOL_VERSION}")
+            raise RequestError(
+                P.ErrorCode.PROTOCOL_VERSION,
+                f"protocol_version = {m.protocol_version!r}; this daemon speaks "
+                f"{P.PROTOCOL_VERSION}",
+            )
         if m.memory.kind == "shm":
             raise RequestError(P.ErrorCode.BAD_MEMORY, NAMES_REFUSED)
         if len(ctx.sessions) >= cfg.max_sessions:
@@ -144,12 +153,16 @@ class Handlers:
         except ValueError as err:
             raise RequestError(P.ErrorCode.GEOMETRY_MISMATCH, str(err)) from err
         if m.tp_rank >= m.tp_size:  # each within its wire bounds (checked at decode)
-            raise RequestError(P.ErrorCode.GEOMETRY_MISMATCH,
-                               f"tp_rank = {m.tp_rank!r} / tp_size = {m.tp_size!r} are inconsistent")
+            raise RequestError(
+                P.ErrorCode.GEOMETRY_MISMATCH,
+                f"tp_rank = {m.tp_rank!r} / tp_size = {m.tp_size!r} are inconsistent",
+            )
         if g.page_bytes > cfg.extent_size:
-            raise RequestError(P.ErrorCode.GEOMETRY_MISMATCH,
-                               f"a page of {g.page_bytes} bytes does not fit the pool's "
-                               f"extent_size ({cfg.extent_size})")
+            raise RequestError(
+                P.ErrorCode.GEOMETRY_MISMATCH,
+                f"a page of {g.page_bytes} bytes does not fit the pool's "
+                f"extent_size ({cfg.extent_size})",
+            )
         return tenant
 
     def _open_session(self, identity: bytes, m: P.Register, h: Handover, tenant: str) -> P.Reply:
@@ -169,8 +182,10 @@ class Handlers:
             raise RequestError(P.ErrorCode.BUSY, str(err)) from err
         except (EngineMemoryExhausted, MemoryError) as err:
             ctx.strain.note(f"REGISTER from uid {uid}: cannot map its memory: {err}")
-            raise RequestError(P.ErrorCode.BUSY, f"the daemon is short of address space or "
-                                                 f"memory to map this memory: {err}") from err
+            raise RequestError(
+                P.ErrorCode.BUSY,
+                f"the daemon is short of address space or memory to map this memory: {err}",
+            ) from err
         except EngineMemoryError as err:
             raise RequestError(P.ErrorCode.BAD_MEMORY, str(err)) from err
         try:
@@ -184,11 +199,23 @@ class Handlers:
             raise
         sid = ctx.sessions.new_id()
         block = h.completion
-        s = Session(session_id=sid, identity=identity, tenant=tenant, owner=owner,
-                    ns_id=ns_id, ns_fingerprint=fp, geometry=g,
-                    class_id=ctx.pool.register_class(g.page_bytes), memory=memory,
-                    completion=block, pid=h.peer.pid, uid=h.peer.uid, tp_rank=m.tp_rank,
-                    tp_size=m.tp_size, lease_s=cfg.lease_s)
+        s = Session(
+            session_id=sid,
+            identity=identity,
+            tenant=tenant,
+            owner=owner,
+            ns_id=ns_id,
+            ns_fingerprint=fp,
+            geometry=g,
+            class_id=ctx.pool.register_class(g.page_bytes),
+            memory=memory,
+            completion=block,
+            pid=h.peer.pid,
+            uid=h.peer.uid,
+            tp_rank=m.tp_rank,
+            tp_size=m.tp_size,
+            lease_s=cfg.lease_s,
+        )
         s.renew(time.monotonic())
         ctx.tier.register(ns_id, fp, tenant, s.class_id, g.page_bytes)
         if ctx.events is not None:
@@ -196,27 +223,57 @@ class Handlers:
         if control:  # no rank group: a scheduler asks for itself, one session per rank
             s.control_only = True
         else:
-            s.member = ctx.tier.groups.join(GroupKey(
-                tenant=tenant, model_id=m.namespace.model_id, revision=m.namespace.revision,
-                cache_salt=m.namespace.cache_salt, attention=g.attention, tp_size=m.tp_size,
-                tp_group=m.tp_group), m.tp_rank, sid)
+            s.member = ctx.tier.groups.join(
+                GroupKey(
+                    tenant=tenant,
+                    model_id=m.namespace.model_id,
+                    revision=m.namespace.revision,
+                    cache_salt=m.namespace.cache_salt,
+                    attention=g.attention,
+                    tp_size=m.tp_size,
+                    tp_group=m.tp_group,
+                ),
+                m.tp_rank,
+                sid,
+            )
         ctx.sessions.add(s)
-        ctx.quotas.add(sid, uid, tenant, getattr(memory, "mapped_bytes", 0),
-                       len(getattr(memory, "segments", ())))
+        ctx.quotas.add(
+            sid,
+            uid,
+            tenant,
+            getattr(memory, "mapped_bytes", 0),
+            len(getattr(memory, "segments", ())),
+        )
         ctx.counters.sessions_opened += 1
         if isinstance(memory, EngineMemory):
             memory.start_prefault(f"session {sid}", ctx.prefaults, uid)
-        log.info("session %d registered: tenant %s, model %s, pid %d uid %d, rank %d/%d, "
-                 "%s of %s", sid, tenant, m.namespace.model_id, s.pid, s.uid, m.tp_rank,
-                 m.tp_size, "control only, no pages" if control else
-                 f"{m.memory.num_pages} pages{'' if memory.mapped else ' (unmapped, by I/O)'}",
-                 format_size(g.page_bytes))
-        return P.Registered(req_id=m.req_id, epoch=ctx.epoch, session_id=sid,
-                            lease_s=cfg.lease_s, ns_fingerprint=fp,
-                            completion_name=f"memfd:completion-{ctx.epoch:x}-{sid}",
-                            completion_slots=block.slots, daemon_pid=os.getpid(),
-                            packed_lookup=True, packed_transfers=True,
-                            kv_events=ctx.events is not None)
+        log.info(
+            "session %d registered: tenant %s, model %s, pid %d uid %d, rank %d/%d, %s of %s",
+            sid,
+            tenant,
+            m.namespace.model_id,
+            s.pid,
+            s.uid,
+            m.tp_rank,
+            m.tp_size,
+            "control only, no pages"
+            if control
+            else f"{m.memory.num_pages} pages{'' if memory.mapped else ' (unmapped, by I/O)'}",
+            format_size(g.page_bytes),
+        )
+        return P.Registered(
+            req_id=m.req_id,
+            epoch=ctx.epoch,
+            session_id=sid,
+            lease_s=cfg.lease_s,
+            ns_fingerprint=fp,
+            completion_name=f"memfd:completion-{ctx.epoch:x}-{sid}",
+            completion_slots=block.slots,
+            daemon_pid=os.getpid(),
+            packed_lookup=True,
+            packed_transfers=True,
+            kv_events=ctx.events is not None,
+        )
 
     def _authenticate(self, m: P.Register) -> str:
         """The tenant a REGISTER may act as (the default one when none are configured)."""
@@ -225,12 +282,18 @@ class Handlers:
             return DEFAULT_TENANT
         t = tenants.get(m.tenant)
         ok = t is not None and hmac.compare_digest(
-            t.token.get_secret_value().encode(), m.token.encode())
+            t.token.get_secret_value().encode(), m.token.encode()
+        )
         if not ok:
-            log.warning("registration refused: tenant %r from pid %d presented a %s token",
-                        m.tenant, m.pid, "missing" if not m.token else "wrong")
-            raise RequestError(P.ErrorCode.UNAUTHORIZED,
-                               f"tenant = {m.tenant!r}: missing or wrong token")
+            log.warning(
+                "registration refused: tenant %r from pid %d presented a %s token",
+                m.tenant,
+                m.pid,
+                "missing" if not m.token else "wrong",
+            )
+            raise RequestError(
+                P.ErrorCode.UNAUTHORIZED, f"tenant = {m.tenant!r}: missing or wrong token"
+            )
         return m.tenant
 
     def heartbeat(self, identity: bytes, m: P.Heartbeat) -> P.Reply:
@@ -277,9 +340,11 @@ class Handlers:
     def _needs_memory(s: Session, op: str) -> None:
         """Refuse ``op`` on a control-only session."""
         if s.control_only:
-            raise RequestError(P.ErrorCode.BAD_MEMORY,
-                               f"session {s.session_id} registered no memory (memory.kind = "
-                               f"'none'): it may LOOKUP, not {op}")
+            raise RequestError(
+                P.ErrorCode.BAD_MEMORY,
+                f"session {s.session_id} registered no memory (memory.kind = "
+                f"'none'): it may LOOKUP, not {op}",
+            )
 
     async def _lookup_more(self, s: Session, m: P.Lookup, n: int, start: float) -> P.Reply:
         """The L3 part of a LOOKUP (and the rank group's agreement)."""
@@ -298,8 +363,9 @@ class Handlers:
         self._needs_memory(s, "PREFETCH")
         check_keys(m.keys, ctx.cfg.max_keys_per_request)
         if m.skip > len(m.keys):
-            raise RequestError(P.ErrorCode.BAD_MESSAGE,
-                               f"skip = {m.skip!r} is outside [0, {len(m.keys)}]")
+            raise RequestError(
+                P.ErrorCode.BAD_MESSAGE, f"skip = {m.skip!r} is outside [0, {len(m.keys)}]"
+            )
         if not m.keys or not ctx.tier.available:
             ctx.counters.prefetches += 1
             return P.PrefetchReply(req_id=m.req_id, epoch=ctx.epoch, started=0)
@@ -361,15 +427,30 @@ class Handlers:
             return P.StoreAccepted(req_id=m.req_id, epoch=ctx.epoch, count=count, writing=0)
         host = [slot for _, slot in allocated]
         if ctx.events is not None:  # what the BlockStored of the committed pages will say
-            ctx.events.store_started(s.ns_id, s.session_id, m.slot, m.seq, keys,
-                                     None if every else [i for i, _ in allocated],
-                                     m.parent_key, m.engine, s.geometry.page_size)
+            ctx.events.store_started(
+                s.ns_id,
+                s.session_id,
+                m.slot,
+                m.seq,
+                keys,
+                None if every else [i for i, _ in allocated],
+                m.parent_key,
+                m.engine,
+                s.geometry.page_size,
+            )
         if every:
             self.transfers.start(s, Direction.STORE, m.slot, m.seq, host, pages, keys)
         else:
             idx = [i for i, _ in allocated]
-            self.transfers.start(s, Direction.STORE, m.slot, m.seq, host,
-                                 [pages[i] for i in idx], [keys[i] for i in idx])
+            self.transfers.start(
+                s,
+                Direction.STORE,
+                m.slot,
+                m.seq,
+                host,
+                [pages[i] for i in idx],
+                [keys[i] for i in idx],
+            )
         return P.StoreAccepted(req_id=m.req_id, epoch=ctx.epoch, count=count, writing=len(host))
 
     def load(self, identity: bytes, m: P.Load) -> P.Reply:
@@ -380,10 +461,13 @@ class Handlers:
         keys, pages = transfer_keys(m, ctx.cfg.max_keys_per_request, s.memory.num_pages)
         check_slot(s, m.slot)
         ctx.counters.loads += 1
-        host = ctx.pool.pin(s.ns_id, keys, used=True)  # packed keys: the key table probes them as they came
+        host = ctx.pool.pin(
+            s.ns_id, keys, used=True
+        )  # packed keys: the key table probes them as they came
         if host:
-            self.transfers.start(s, Direction.LOAD, m.slot, m.seq, host, pages[: len(host)],
-                                 keys[: len(host)])
+            self.transfers.start(
+                s, Direction.LOAD, m.slot, m.seq, host, pages[: len(host)], keys[: len(host)]
+            )
         return P.LoadAccepted(req_id=m.req_id, epoch=ctx.epoch, count=len(host))
 
     def release(self, identity: bytes, m: P.Release) -> P.Reply:

@@ -140,8 +140,13 @@ class HandoverServer:
         refusals: connections answered busy, per setting.
     """
 
-    def __init__(self, path: Path, bounds: Callable[[], Bounds], strain: Strain | None = None,
-                 ttl_s: float = HANDOVER_TTL_S) -> None:
+    def __init__(
+        self,
+        path: Path,
+        bounds: Callable[[], Bounds],
+        strain: Strain | None = None,
+        ttl_s: float = HANDOVER_TTL_S,
+    ) -> None:
         self.path = path
         self.ttl_s = ttl_s
         self._bounds = bounds
@@ -163,8 +168,10 @@ class HandoverServer:
 
     def use(self) -> dict[int, tuple[int, int]]:
         """Per uid: (connections open, handovers waiting)."""
-        return {uid: (self._open.get(uid, 0), self._waiting.get(uid, 0))
-                for uid in sorted(set(self._open) | set(self._waiting))}
+        return {
+            uid: (self._open.get(uid, 0), self._waiting.get(uid, 0))
+            for uid in sorted(set(self._open) | set(self._waiting))
+        }
 
     def bind(self) -> None:
         """Bind and listen (mode 0660: engine users in the daemon's group may connect)."""
@@ -218,13 +225,21 @@ class HandoverServer:
         b = self._bounds()
         mine = self._open.get(uid, 0)
         if mine >= b.max_handover_connections_per_user:
-            self._busy(conn, "max_handover_connections_per_user",
-                       f"max_handover_connections_per_user = {b.max_handover_connections_per_user}"
-                       f" reached: uid {uid} has {mine} handover connections open")
+            self._busy(
+                conn,
+                "max_handover_connections_per_user",
+                f"max_handover_connections_per_user = {b.max_handover_connections_per_user}"
+                f" reached: uid {uid} has {mine} handover connections open",
+            )
             return
-        if len(self._conns) >= b.max_handover_connections and not self._drop_oldest_of_busiest(mine):
-            self._busy(conn, "max_handover_connections",
-                       f"max_handover_connections = {b.max_handover_connections} reached")
+        if len(self._conns) >= b.max_handover_connections and not self._drop_oldest_of_busiest(
+            mine
+        ):
+            self._busy(
+                conn,
+                "max_handover_connections",
+                f"max_handover_connections = {b.max_handover_connections} reached",
+            )
             return
         task = asyncio.create_task(self._serve_one(conn), name="kvtier-handover")
         self._conns[task] = uid
@@ -309,10 +324,12 @@ class HandoverServer:
         if h is None:
             raise HandoverRefused(
                 "handover: no memory waits under this token (never handed over, expired after "
-                f"{self.ttl_s:g}s, or used already); hand the memory over on {self.path} first")
+                f"{self.ttl_s:g}s, or used already); hand the memory over on {self.path} first"
+            )
         if peer is not None and peer.pid != h.peer.pid:
-            raise HandoverNotYours(f"handover: made by process {h.peer.pid}, not by the "
-                                  f"sender ({peer.pid})")
+            raise HandoverNotYours(
+                f"handover: made by process {h.peer.pid}, not by the sender ({peer.pid})"
+            )
         self._forget(h)
         return h
 
@@ -344,15 +361,19 @@ class HandoverServer:
         try:
             peer = fdpass.peer_credentials(conn)
             try:
-                data, fds, truncated = await asyncio.wait_for(self._recv(conn), CONNECTION_DEADLINE_S)
+                data, fds, truncated = await asyncio.wait_for(
+                    self._recv(conn), CONNECTION_DEADLINE_S
+                )
             except TimeoutError:
-                log.info("handover from pid %d: no request within %gs", peer.pid,
-                         CONNECTION_DEADLINE_S)
+                log.info(
+                    "handover from pid %d: no request within %gs", peer.pid, CONNECTION_DEADLINE_S
+                )
                 return
             try:
                 if truncated:
-                    raise HandoverRefused(f"request too long or more than "
-                                          f"{MAX_HANDOVER_FDS} descriptors")
+                    raise HandoverRefused(
+                        f"request too long or more than {MAX_HANDOVER_FDS} descriptors"
+                    )
                 h = self._accept(fdpass.decode_request(data), peer, fds)
             except HandoverBusy as err:
                 self.refusals[err.setting] = self.refusals.get(err.setting, 0) + 1
@@ -410,31 +431,40 @@ class HandoverServer:
         b = self._bounds()
         mine = self._waiting.get(peer.uid, 0)
         if mine >= b.max_handovers_waiting_per_user:
-            raise HandoverBusy("max_handovers_waiting_per_user",
-                               f"max_handovers_waiting_per_user = "
-                               f"{b.max_handovers_waiting_per_user} reached: uid {peer.uid} has "
-                               f"{mine} handovers waiting for their REGISTER")
+            raise HandoverBusy(
+                "max_handovers_waiting_per_user",
+                f"max_handovers_waiting_per_user = "
+                f"{b.max_handovers_waiting_per_user} reached: uid {peer.uid} has "
+                f"{mine} handovers waiting for their REGISTER",
+            )
         if len(self._pending) >= b.max_handovers_waiting:
-            raise HandoverBusy("max_handovers_waiting",
-                               f"max_handovers_waiting = {b.max_handovers_waiting} reached: "
-                               f"{len(self._pending)} handovers are waiting for their REGISTER")
+            raise HandoverBusy(
+                "max_handovers_waiting",
+                f"max_handovers_waiting = {b.max_handovers_waiting} reached: "
+                f"{len(self._pending)} handovers are waiting for their REGISTER",
+            )
         held = self._held.get(peer.uid, 0) + len(fds) + 1  # the completion block's too
         if held > b.max_handover_descriptors_per_user:
-            raise HandoverBusy("max_handover_descriptors_per_user",
-                               f"max_handover_descriptors_per_user = "
-                               f"{b.max_handover_descriptors_per_user} reached: uid {peer.uid}'s "
-                               f"waiting handovers would hold {held} descriptors")
+            raise HandoverBusy(
+                "max_handover_descriptors_per_user",
+                f"max_handover_descriptors_per_user = "
+                f"{b.max_handover_descriptors_per_user} reached: uid {peer.uid}'s "
+                f"waiting handovers would hold {held} descriptors",
+            )
         budget = descriptor_limit() // 2
         if self._held_total + len(fds) + 1 > budget:
-            raise HandoverBusy("descriptors",
-                               f"waiting handovers hold {self._held_total} descriptors, half the "
-                               f"daemon's limit ({budget * 2}, RLIMIT_NOFILE)")
+            raise HandoverBusy(
+                "descriptors",
+                f"waiting handovers hold {self._held_total} descriptors, half the "
+                f"daemon's limit ({budget * 2}, RLIMIT_NOFILE)",
+            )
         try:
             block = CompletionBlock.create_memfd(COMPLETION_SLOTS)
         except (OSError, MemoryError) as err:
             self._strain.note(f"handover socket: no completion block: {err}")
-            raise HandoverBusy("memory", f"the daemon is short of memory or descriptors: "
-                                         f"{err}") from err
+            raise HandoverBusy(
+                "memory", f"the daemon is short of memory or descriptors: {err}"
+            ) from err
         h = Handover(token=token, peer=peer, fds=fds, completion=block)
         h.expiry = asyncio.get_running_loop().call_later(self.ttl_s, self._expire, h)
         self._pending[token] = h

@@ -50,8 +50,15 @@ if TYPE_CHECKING:
     from kvtier.daemon.tier.tier import TierStore
     from kvtier.ipc.protocol import EngineBlocks
 
-__all__ = ["REMOVED_CHUNK", "REPLAY_BURST", "REPLAY_MAX_FRAME", "SUBSCRIPTION_BURST",
-           "SUBSCRIPTION_MAX_FRAME", "KvEventPublisher", "open_publisher"]
+__all__ = [
+    "REMOVED_CHUNK",
+    "REPLAY_BURST",
+    "REPLAY_MAX_FRAME",
+    "SUBSCRIPTION_BURST",
+    "SUBSCRIPTION_MAX_FRAME",
+    "KvEventPublisher",
+    "open_publisher",
+]
 
 log = logging.getLogger("kvtier.daemon.events")
 
@@ -96,8 +103,13 @@ class KvEventPublisher:
             topics of namespaces no session has named since the daemon started.
     """
 
-    def __init__(self, cfg: DaemonConfig, counters: Counters, zctx: zmq.Context[Any],
-                 fingerprint_of: Callable[[int], bytes | None]) -> None:
+    def __init__(
+        self,
+        cfg: DaemonConfig,
+        counters: Counters,
+        zctx: zmq.Context[Any],
+        fingerprint_of: Callable[[int], bytes | None],
+    ) -> None:
         assert cfg.kv_events_endpoint is not None
         self.counters = counters
         self.l3_medium = cfg.hicache_storage_backend.upper()
@@ -116,15 +128,26 @@ class KvEventPublisher:
         self._hashes: dict[bytes, E.BlockHash] = {}  # insertion order: the oldest first
         self._stores: dict[tuple[int, int, int], _PendingStore] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._pub = make_zmq_socket(zctx, cfg.kv_events_endpoint, zmq.XPUB, bind=True,
-                                    hwm=cfg.kv_events_hwm, max_msg_bytes=SUBSCRIPTION_MAX_FRAME)
+        self._pub = make_zmq_socket(
+            zctx,
+            cfg.kv_events_endpoint,
+            zmq.XPUB,
+            bind=True,
+            hwm=cfg.kv_events_hwm,
+            max_msg_bytes=SUBSCRIPTION_MAX_FRAME,
+        )
         self._pub.setsockopt(zmq.XPUB_NODROP, 1)
         self._replay: zmq.Socket[Any] | None = None
         try:
             if cfg.kv_events_replay_endpoint is not None:
-                self._replay = make_zmq_socket(zctx, cfg.kv_events_replay_endpoint, zmq.ROUTER,
-                                               bind=True, hwm=1000,
-                                               max_msg_bytes=REPLAY_MAX_FRAME)
+                self._replay = make_zmq_socket(
+                    zctx,
+                    cfg.kv_events_replay_endpoint,
+                    zmq.ROUTER,
+                    bind=True,
+                    hwm=1000,
+                    max_msg_bytes=REPLAY_MAX_FRAME,
+                )
                 self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
         except BaseException:
             self._pub.close(linger=0)
@@ -170,14 +193,28 @@ class KvEventPublisher:
         return topic
 
     # ------------------------------------------------------------------ STORE
-    def store_started(self, ns_id: int, session_id: int, slot: int, seq: int,
-                      keys: Sequence[bytes], index: list[int] | None, parent_key: bytes | None,
-                      engine: EngineBlocks | None, page_size: int) -> None:
+    def store_started(
+        self,
+        ns_id: int,
+        session_id: int,
+        slot: int,
+        seq: int,
+        keys: Sequence[bytes],
+        index: list[int] | None,
+        parent_key: bytes | None,
+        engine: EngineBlocks | None,
+        page_size: int,
+    ) -> None:
         """A STORE's copy starts (its ``engine`` was checked against its keys): keep what
         its BlockStored will say until :meth:`store_ended`."""
         self._stores[(session_id, slot, seq)] = _PendingStore(
-            ns_id, keys, index, parent_key, engine,
-            engine.block_size or page_size if engine is not None else page_size)
+            ns_id,
+            keys,
+            index,
+            parent_key,
+            engine,
+            engine.block_size or page_size if engine is not None else page_size,
+        )
 
     def store_ended(self, session_id: int, slot: int, seq: int, committed: bool) -> None:
         """A STORE's copy ended: committed pages are announced (after the engine was told:
@@ -192,11 +229,13 @@ class KvEventPublisher:
         index = p.index if p.index is not None else range(len(keys))
         if eng is not None:
             hashes: Sequence[E.BlockHash] = eng.hashes
-            self._remember(keys if p.index is None else [keys[i] for i in index],
-                           hashes if p.index is None else [hashes[i] for i in index])
+            self._remember(
+                keys if p.index is None else [keys[i] for i in index],
+                hashes if p.index is None else [hashes[i] for i in index],
+            )
         else:
             hashes = keys
-        parent_of_first = (eng.parent if eng is not None else p.parent_key)
+        parent_of_first = eng.parent if eng is not None else p.parent_key
         if p.index is None:  # every key was copied: one chain
             self._stored_run(p, 0, len(keys), hashes, parent_of_first, bs)
             return
@@ -209,16 +248,34 @@ class KvEventPublisher:
         if run:
             self._stored_run(p, run[0], run[-1] + 1, hashes, parent_of_first, bs)
 
-    def _stored_run(self, p: _PendingStore, a: int, b: int, hashes: Sequence[E.BlockHash],
-                    parent_of_first: E.BlockHash | None, bs: int) -> None:
+    def _stored_run(
+        self,
+        p: _PendingStore,
+        a: int,
+        b: int,
+        hashes: Sequence[E.BlockHash],
+        parent_of_first: E.BlockHash | None,
+        bs: int,
+    ) -> None:
         """The BlockStored of the STORE's pages ``a .. b`` (one chain)."""
         eng = p.engine
-        tokens = (E.packed_token_ids(eng.token_ids, a * bs, b * bs)
-                  if eng is not None and eng.token_ids else [])
-        self._add(p.ns_id, E.BlockStored(
-            block_hashes=list(hashes[a:b]), parent_block_hash=hashes[a - 1] if a else
-            parent_of_first, token_ids=tokens, block_size=bs, lora_id=None,
-            medium=E.MEDIUM_L2, lora_name=eng.lora_name if eng is not None else None))
+        tokens = (
+            E.packed_token_ids(eng.token_ids, a * bs, b * bs)
+            if eng is not None and eng.token_ids
+            else []
+        )
+        self._add(
+            p.ns_id,
+            E.BlockStored(
+                block_hashes=list(hashes[a:b]),
+                parent_block_hash=hashes[a - 1] if a else parent_of_first,
+                token_ids=tokens,
+                block_size=bs,
+                lora_id=None,
+                medium=E.MEDIUM_L2,
+                lora_name=eng.lora_name if eng is not None else None,
+            ),
+        )
         self.counters.kv_events_stored_blocks += b - a
 
     # ------------------------------------------------------------------ L2 and L3
@@ -237,8 +294,11 @@ class KvEventPublisher:
         get, pop = hashes.get, hashes.pop
         ns0 = pages[0].ns_id
         if all(e.ns_id == ns0 for e in pages):  # the usual case: one namespace
-            self._removed(ns0, E.MEDIUM_L2, [get(e.key, e.key) if e.in_l3 else pop(e.key, e.key)
-                                             for e in pages])
+            self._removed(
+                ns0,
+                E.MEDIUM_L2,
+                [get(e.key, e.key) if e.in_l3 else pop(e.key, e.key) for e in pages],
+            )
             return
         by_ns: dict[int, list[E.BlockHash]] = {}
         for e in pages:
@@ -267,26 +327,37 @@ class KvEventPublisher:
         for key, parent in l2_pages:
             self.stored(ns_id, E.MEDIUM_L2, [key], parent)
 
-    def stored(self, ns_id: int, medium: str, keys: Sequence[bytes],
-               parent_key: bytes | None) -> None:
+    def stored(
+        self, ns_id: int, medium: str, keys: Sequence[bytes], parent_key: bytes | None
+    ) -> None:
         """A BlockStored of ``keys`` (a chain extending ``parent_key``), named by the
         engine's hashes where known."""
         if not keys:
             return
         hashes = self._hashes
-        self._add(ns_id, E.BlockStored(
-            block_hashes=[hashes.get(k, k) for k in keys],
-            parent_block_hash=None if parent_key is None else hashes.get(parent_key, parent_key),
-            token_ids=[], block_size=self._block_size.get(ns_id, 0), lora_id=None,
-            medium=medium, lora_name=None))
+        self._add(
+            ns_id,
+            E.BlockStored(
+                block_hashes=[hashes.get(k, k) for k in keys],
+                parent_block_hash=None
+                if parent_key is None
+                else hashes.get(parent_key, parent_key),
+                token_ids=[],
+                block_size=self._block_size.get(ns_id, 0),
+                lora_id=None,
+                medium=medium,
+                lora_name=None,
+            ),
+        )
         self.counters.kv_events_stored_blocks += len(keys)
 
     def _removed(self, ns_id: int, medium: str, hashes: list[E.BlockHash]) -> None:
         if not hashes:
             return
         for a in range(0, len(hashes), REMOVED_CHUNK):  # a storm: a few events, not thousands
-            self._add(ns_id, E.BlockRemoved(block_hashes=hashes[a:a + REMOVED_CHUNK],
-                                            medium=medium))
+            self._add(
+                ns_id, E.BlockRemoved(block_hashes=hashes[a : a + REMOVED_CHUNK], medium=medium)
+            )
         self.counters.kv_events_removed_blocks += len(hashes)
 
     def _remember(self, keys: Sequence[bytes], hs: Sequence[E.BlockHash]) -> None:
@@ -338,8 +409,10 @@ class KvEventPublisher:
         ts = time.time()
         for topic, events in pending.items():
             for a in range(0, len(events), self._max_batch):
-                self._publish(topic, E.encode_batch(
-                    E.KVEventBatch(ts=ts, events=events[a:a + self._max_batch])))
+                self._publish(
+                    topic,
+                    E.encode_batch(E.KVEventBatch(ts=ts, events=events[a : a + self._max_batch])),
+                )
 
     def _publish(self, topic: bytes, payload: bytes) -> None:
         seq = next(self._seq)
@@ -419,8 +492,9 @@ def _read_request(sock: zmq.Socket[Any]) -> list[bytes] | None:
     return frames if len(frames) == 3 else None
 
 
-def open_publisher(cfg: DaemonConfig, counters: Counters, tier: TierStore,
-                   zctx: zmq.Context[Any]) -> KvEventPublisher:
+def open_publisher(
+    cfg: DaemonConfig, counters: Counters, tier: TierStore, zctx: zmq.Context[Any]
+) -> KvEventPublisher:
     """Bind the publisher's sockets, start its replay reader and hook it to the tier's
     evictions, prefetch commits and L3 writes (call from the event loop; close it with
     :meth:`KvEventPublisher.close`).
@@ -437,6 +511,9 @@ def open_publisher(cfg: DaemonConfig, counters: Counters, tier: TierStore,
     tier.on_evicted = pub.evicted
     tier.prefetcher.on_committed = pub.l2_filled
     tier.writer.on_written = pub.l3_written
-    log.info("publishing KV events on %s (replay: %s)", cfg.kv_events_endpoint,
-             cfg.kv_events_replay_endpoint or "off")
+    log.info(
+        "publishing KV events on %s (replay: %s)",
+        cfg.kv_events_endpoint,
+        cfg.kv_events_replay_endpoint or "off",
+    )
     return pub

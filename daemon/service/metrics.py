@@ -63,14 +63,55 @@ log = logging.getLogger("kvtier.daemon.service.metrics")
 # (longer when L3 is asked too); a LOAD or STORE copies pages (milliseconds to seconds); a
 # CLAIM may wait for a prefetch up to ``prefetch_timeout_max``.
 LOOKUP_BUCKETS: tuple[float, ...] = (
-    5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 0.5,
+    5e-6,
+    1e-5,
+    2.5e-5,
+    5e-5,
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    1e-2,
+    2.5e-2,
+    0.1,
+    0.5,
 )
 TRANSFER_BUCKETS: tuple[float, ...] = (
-    1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    1e-2,
+    2.5e-2,
+    5e-2,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
     10.0,
 )
 CLAIM_BUCKETS: tuple[float, ...] = (
-    1e-4, 1e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    1e-4,
+    1e-3,
+    5e-3,
+    1e-2,
+    2.5e-2,
+    5e-2,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
 )
 
 
@@ -96,11 +137,14 @@ class DaemonMetrics:
         MetricsError: prometheus_client is not installed (``pip install kvtier[metrics]``).
     """
 
-    def __init__(self, snapshot: Callable[[], Mapping[str, Any]],
-                 snapshot_timeout_s: float = 2.0) -> None:
+    def __init__(
+        self, snapshot: Callable[[], Mapping[str, Any]], snapshot_timeout_s: float = 2.0
+    ) -> None:
         if _IMPORT_ERROR is not None:
-            raise MetricsError("metrics_port is set but prometheus_client is not installed "
-                               "(pip install 'kvtier[metrics]')") from _IMPORT_ERROR
+            raise MetricsError(
+                "metrics_port is set but prometheus_client is not installed "
+                "(pip install 'kvtier[metrics]')"
+            ) from _IMPORT_ERROR
         if not snapshot_timeout_s > 0:
             raise ValueError(f"snapshot_timeout_s must be > 0, got {snapshot_timeout_s!r}")
         self._snapshot = snapshot
@@ -114,23 +158,35 @@ class DaemonMetrics:
         self._failures = Counter(
             "kvtier_metrics_snapshot_failures",
             "Scrapes that served no snapshot series: the event loop did not answer in time "
-            "or taking the snapshot failed.", registry=self.registry)
+            "or taking the snapshot failed.",
+            registry=self.registry,
+        )
         self._lookup = Histogram(
             "kvtier_lookup_duration_seconds",
             "Time kvtierd spent answering a LOOKUP (L2 index, and L3 when asked).",
-            buckets=LOOKUP_BUCKETS, registry=self.registry)
+            buckets=LOOKUP_BUCKETS,
+            registry=self.registry,
+        )
         self._claim = Histogram(
             "kvtier_claim_duration_seconds",
             "Time from a CLAIM's arrival to its reply (includes waiting for a prefetch).",
-            buckets=CLAIM_BUCKETS, registry=self.registry)
+            buckets=CLAIM_BUCKETS,
+            registry=self.registry,
+        )
         self._load = Histogram(
             "kvtier_load_duration_seconds",
             "Time from a LOAD's acceptance until its pages were in the engine (completed "
-            "loads only).", buckets=TRANSFER_BUCKETS, registry=self.registry)
+            "loads only).",
+            buckets=TRANSFER_BUCKETS,
+            registry=self.registry,
+        )
         self._store = Histogram(
             "kvtier_store_duration_seconds",
             "Time from a STORE's acceptance until its pages were READY in L2 (completed "
-            "stores only).", buckets=TRANSFER_BUCKETS, registry=self.registry)
+            "stores only).",
+            buckets=TRANSFER_BUCKETS,
+            registry=self.registry,
+        )
 
     # ------------------------------------------------------------------ observations
     def observe_lookup(self, seconds: float) -> None:
@@ -176,8 +232,10 @@ class DaemonMetrics:
         try:
             self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
         except OSError as err:
-            raise MetricsError(f"cannot serve metrics on {host}:{port} (metrics_host / "
-                               f"metrics_port): {err.strerror or err}") from err
+            raise MetricsError(
+                f"cannot serve metrics on {host}:{port} (metrics_host / "
+                f"metrics_port): {err.strerror or err}"
+            ) from err
         log.info("metrics on http://%s:%d/metrics", host, self.port)
         return self.port
 
@@ -243,8 +301,8 @@ class DaemonMetrics:
             return fut.result(timeout=self._timeout_s)
         except concurrent.futures.TimeoutError:
             fut.cancel()
-            log.warning("metrics scrape: the event loop did not answer within %.1fs",
-                        self._timeout_s)
+            log.warning(
+                "metrics scrape: the event loop did not answer within %.1fs", self._timeout_s
+            )
             self._failures.inc()
             return None
-

@@ -94,12 +94,17 @@ class Quotas:
         cfg = self._settings()
         return {
             "max_sessions_per_user": cfg.max_sessions_per_user,
-            "max_mapped_bytes_per_user": (cfg.max_mapped_bytes_per_user
-                                          if cfg.max_mapped_bytes_per_user is not None
-                                          else 2 * self._physical),
+            "max_mapped_bytes_per_user": (
+                cfg.max_mapped_bytes_per_user
+                if cfg.max_mapped_bytes_per_user is not None
+                else 2 * self._physical
+            ),
             "max_mapped_segments_per_user": cfg.max_mapped_segments_per_user,
-            "max_mapped_bytes": (cfg.max_mapped_bytes if cfg.max_mapped_bytes is not None
-                                 else min(8 * self._physical, MAX_DEFAULT_MAPPED)),
+            "max_mapped_bytes": (
+                cfg.max_mapped_bytes
+                if cfg.max_mapped_bytes is not None
+                else min(8 * self._physical, MAX_DEFAULT_MAPPED)
+            ),
             "max_handover_connections_per_user": cfg.max_handover_connections_per_user,
             "max_handover_connections": cfg.max_handover_connections,
             "max_handovers_waiting_per_user": cfg.max_handovers_waiting_per_user,
@@ -114,9 +119,12 @@ class Quotas:
         if t is None:
             return None
         lim = self.limits()
-        return (t.max_sessions if t.max_sessions is not None else lim["max_sessions_per_user"],
-                t.max_mapped_bytes if t.max_mapped_bytes is not None
-                else lim["max_mapped_bytes_per_user"])
+        return (
+            t.max_sessions if t.max_sessions is not None else lim["max_sessions_per_user"],
+            t.max_mapped_bytes
+            if t.max_mapped_bytes is not None
+            else lim["max_mapped_bytes_per_user"],
+        )
 
     def _refuse(self, setting: str, message: str) -> LimitExceeded:
         self.refusals[setting] = self.refusals.get(setting, 0) + 1
@@ -132,19 +140,23 @@ class Quotas:
         bound = self.limits()["max_sessions_per_user"]
         have = self.users.get(uid, Use()).sessions
         if have >= bound:
-            raise self._refuse("max_sessions_per_user",
-                               f"max_sessions_per_user = {bound} reached: uid {uid} holds "
-                               f"{have} sessions")
+            raise self._refuse(
+                "max_sessions_per_user",
+                f"max_sessions_per_user = {bound} reached: uid {uid} holds {have} sessions",
+            )
         tb = self._tenant_bounds(tenant)
         if tb is not None and self.tenants.get(tenant or "", Use()).sessions >= tb[0]:
-            raise self._refuse("tenants.max_sessions",
-                               f"tenant {tenant!r}: max_sessions = {tb[0]} reached")
+            raise self._refuse(
+                "tenants.max_sessions", f"tenant {tenant!r}: max_sessions = {tb[0]} reached"
+            )
 
     def admitter(self, uid: int, tenant: str | None) -> Callable[[int, int], None]:
         """A check of (bytes, mappings) planned for a new session of ``uid`` / ``tenant``
         (the ``admit`` of :class:`~kvtier.daemon.transfer.engine_memory.EngineMemory`)."""
+
         def admit(nbytes: int, segments: int) -> None:
             self.check_mapping(uid, tenant, nbytes, segments)
+
         return admit
 
     def check_mapping(self, uid: int, tenant: str | None, nbytes: int, segments: int) -> None:
@@ -161,13 +173,15 @@ class Quotas:
                 "max_mapped_bytes_per_user",
                 f"max_mapped_bytes_per_user = {format_size(bound)} ({bound} bytes) exceeded: "
                 f"uid {uid} would map {format_size(use.mapped_bytes + nbytes)} (this session "
-                f"{nbytes} bytes, its other sessions {use.mapped_bytes})")
+                f"{nbytes} bytes, its other sessions {use.mapped_bytes})",
+            )
         bound = lim["max_mapped_segments_per_user"]
         if use.mapped_segments + segments > bound:
             raise self._refuse(
                 "max_mapped_segments_per_user",
                 f"max_mapped_segments_per_user = {bound} exceeded: uid {uid} would hold "
-                f"{use.mapped_segments + segments} mappings (this session {segments})")
+                f"{use.mapped_segments + segments} mappings (this session {segments})",
+            )
         tb = self._tenant_bounds(tenant)
         if tb is not None:
             have = self.tenants.get(tenant or "", Use()).mapped_bytes
@@ -175,17 +189,20 @@ class Quotas:
                 raise self._refuse(
                     "tenants.max_mapped_bytes",
                     f"tenant {tenant!r}: max_mapped_bytes = {format_size(tb[1])} exceeded: it "
-                    f"would map {format_size(have + nbytes)} (this session {nbytes} bytes)")
+                    f"would map {format_size(have + nbytes)} (this session {nbytes} bytes)",
+                )
         bound = lim["max_mapped_bytes"]
         if self.mapped_bytes + nbytes > bound:
             raise self._refuse(
                 "max_mapped_bytes",
                 f"max_mapped_bytes = {format_size(bound)} exceeded: all sessions would map "
-                f"{format_size(self.mapped_bytes + nbytes)} (this session {nbytes} bytes)")
+                f"{format_size(self.mapped_bytes + nbytes)} (this session {nbytes} bytes)",
+            )
 
     # ------------------------------------------------------------------ accounting
-    def add(self, session_id: int, uid: int, tenant: str | None, nbytes: int,
-            segments: int) -> None:
+    def add(
+        self, session_id: int, uid: int, tenant: str | None, nbytes: int, segments: int
+    ) -> None:
         """Count an opened session's use (:meth:`remove` undoes it)."""
         assert session_id not in self._charges, f"session {session_id} counted twice"
         tenant = tenant if self._tenant_bounds(tenant) is not None else None

@@ -59,8 +59,9 @@ class Receiver:
             dispatcher).
     """
 
-    def __init__(self, sock: zmq.Socket[Any],
-                 dispatcher: Callable[[], Dispatcher | StartGate]) -> None:
+    def __init__(
+        self, sock: zmq.Socket[Any], dispatcher: Callable[[], Dispatcher | StartGate]
+    ) -> None:
         self.sock = sock
         self._dispatcher = dispatcher
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -159,7 +160,8 @@ class Receiver:
             return identity, dispatcher.refuse_frames(frames)
         frame = body
         return identity, dispatcher.handle(
-            identity, frame.bytes, lambda: zmq_peer(cast(str, frame.get("Peer-Address"))))
+            identity, frame.bytes, lambda: zmq_peer(cast(str, frame.get("Peer-Address")))
+        )
 
 
 async def watch_disconnects(sock: zmq.Socket[Any], on_disconnect: Callable[[], None]) -> None:

@@ -114,18 +114,24 @@ def prepare_runtime_dir(rdir: str | Path, mode: int = RUNTIME_DIR_MODE) -> Path:
     except OSError as err:
         raise RuntimeDirError(f"cannot reach the runtime directory {rdir}: {err.strerror}") from err
     euid = os.geteuid()
-    what = (f"owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}")
+    what = f"owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}"
     if stat.S_ISLNK(st.st_mode):
-        raise RuntimeDirError(f"the runtime directory {rdir} is a symlink; use the directory "
-                              "it points to, or remove the link")
+        raise RuntimeDirError(
+            f"the runtime directory {rdir} is a symlink; use the directory "
+            "it points to, or remove the link"
+        )
     if not stat.S_ISDIR(st.st_mode):
         raise RuntimeDirError(f"the runtime directory {rdir} is not a directory")
     if st.st_uid not in (euid, 0):
-        raise RuntimeDirError(f"the runtime directory {rdir} belongs to another user ({what}); "
-                              f"this daemon runs as uid {euid}: choose another runtime_dir")
+        raise RuntimeDirError(
+            f"the runtime directory {rdir} belongs to another user ({what}); "
+            f"this daemon runs as uid {euid}: choose another runtime_dir"
+        )
     if st.st_mode & stat.S_IWOTH:
-        raise RuntimeDirError(f"the runtime directory {rdir} is writable by every user ({what});"
-                              f" make it {RUNTIME_DIR_MODE:04o} or choose another runtime_dir")
+        raise RuntimeDirError(
+            f"the runtime directory {rdir} is writable by every user ({what});"
+            f" make it {RUNTIME_DIR_MODE:04o} or choose another runtime_dir"
+        )
     return rdir
 
 
@@ -136,7 +142,9 @@ def _make_dir(rdir: Path, mode: int) -> os.stat_result:
     except FileExistsError:
         pass  # made meanwhile by someone else: checked like any existing directory
     except OSError as err:
-        raise RuntimeDirError(f"cannot create the runtime directory {rdir}: {err.strerror}") from err
+        raise RuntimeDirError(
+            f"cannot create the runtime directory {rdir}: {err.strerror}"
+        ) from err
     else:
         os.chmod(rdir, mode)  # the umask may have cleared bits
     return os.lstat(rdir)
@@ -342,8 +350,9 @@ class SocketFile:
         try:
             st = os.lstat(path)
         except OSError as err:
-            raise RuntimeDirError(f"the control socket {path} is missing after bind: "
-                                  f"{err.strerror}") from err
+            raise RuntimeDirError(
+                f"the control socket {path} is missing after bind: {err.strerror}"
+            ) from err
         if not stat.S_ISSOCK(st.st_mode):
             raise RuntimeDirError(f"{path} is not a socket after bind")
         return cls(path, st.st_dev, st.st_ino)

@@ -87,8 +87,12 @@ class Daemon:
         service: the parts that answer requests; None until the start has built them.
     """
 
-    def __init__(self, cfg: DaemonConfig, reload: Callable[[], DaemonConfig] | None = None,
-                 notifier: SystemdNotifier | None = None) -> None:
+    def __init__(
+        self,
+        cfg: DaemonConfig,
+        reload: Callable[[], DaemonConfig] | None = None,
+        notifier: SystemdNotifier | None = None,
+    ) -> None:
         self.notifier = notifier or SystemdNotifier()
         self.rdir = runtime_dir(cfg.runtime_dir)
         self.endpoint = ipc_endpoint(socket_path(self.rdir))
@@ -180,8 +184,14 @@ class Daemon:
                 recv.cancel()
                 await asyncio.wait([recv])
                 raise
-            log.info("kvtierd ready: %s, pool %s at %s, epoch %x, pid %d", self.endpoint,
-                     format_size(self.cfg.hicache_size), ppath, self.epoch, os.getpid())
+            log.info(
+                "kvtierd ready: %s, pool %s at %s, epoch %x, pid %d",
+                self.endpoint,
+                format_size(self.cfg.hicache_size),
+                ppath,
+                self.epoch,
+                os.getpid(),
+            )
             self.notifier.ready()
             self._update_status()
             if on_ready is not None:
@@ -208,8 +218,9 @@ class Daemon:
             from kvtier.daemon.service.kv_events import open_publisher
 
             assert self._zctx is not None, "run() makes it first"
-            service.ctx.events = open_publisher(self.cfg, service.ctx.counters, service.tier,
-                                                self._zctx)
+            service.ctx.events = open_publisher(
+                self.cfg, service.ctx.counters, service.tier, self._zctx
+            )
             stack.callback(service.ctx.events.close)
         if self.cfg.metrics_port is not None:
             from kvtier.daemon.service.metrics import DaemonMetrics
@@ -223,18 +234,22 @@ class Daemon:
         held = gate.release()
         assert self.receiver is not None, "run() starts it before the service"
         for h in held:  # in arrival order, before anything received from now on
-            self.receiver.answer(h.identity, service.dispatcher.handle(
-                h.identity, h.body, functools.partial(_given, h.peer)))
-        log.debug("service up %.3fs after the socket was bound; %d requests were held",
-                  time.perf_counter() - t0, len(held))
+            self.receiver.answer(
+                h.identity,
+                service.dispatcher.handle(h.identity, h.body, functools.partial(_given, h.peer)),
+            )
+        log.debug(
+            "service up %.3fs after the socket was bound; %d requests were held",
+            time.perf_counter() - t0,
+            len(held),
+        )
         return ppath
 
     def _build(self, ppath: Path) -> tuple[Service, contextlib.ExitStack]:
         """Import the service's modules and build it (on a worker thread)."""
         from kvtier.daemon.service.boot import build_service
 
-        return build_service(self._cfg, self.rdir, ppath, self._epoch, self.notifier,
-                             self._reload)
+        return build_service(self._cfg, self.rdir, ppath, self._epoch, self.notifier, self._reload)
 
     def _share_with_group(self, paths: list[Path]) -> None:
         """Give the sockets the runtime directory's group when it is not the daemon's own.
@@ -257,23 +272,29 @@ class Daemon:
         ctx = self.svc.ctx
         async with asyncio.TaskGroup() as tg:
             accept = tg.create_task(ctx.handovers.serve(), name="kvtier-handover")
-            loops = [tg.create_task(_follow(recv), name="kvtier-recv-follow"),
-                     tg.create_task(self._lease_loop(), name="kvtier-lease"),
-                     tg.create_task(self._monitor_loop(), name="kvtier-monitor"),
-                     tg.create_task(self.svc.tier.run(), name="kvtier-l3"),
-                     tg.create_task(self.svc.prefault(), name="kvtier-prefault")]
+            loops = [
+                tg.create_task(_follow(recv), name="kvtier-recv-follow"),
+                tg.create_task(self._lease_loop(), name="kvtier-lease"),
+                tg.create_task(self._monitor_loop(), name="kvtier-monitor"),
+                tg.create_task(self.svc.tier.run(), name="kvtier-l3"),
+                tg.create_task(self.svc.prefault(), name="kvtier-prefault"),
+            ]
             interval = self.notifier.watchdog_interval()
             if interval is not None:
-                loops.append(tg.create_task(watchdog_loop(self.notifier, interval),
-                                            name="kvtier-watchdog"))
+                loops.append(
+                    tg.create_task(watchdog_loop(self.notifier, interval), name="kvtier-watchdog")
+                )
             await self._stop.wait()
             accept.cancel()  # first: no new memory handovers (the socket goes once it ends)
             await asyncio.wait([accept])
             ctx.handovers.stop_accepting()
             ctx.stopping = True
             self.notifier.stopping()
-            log.info("stopping: %d sessions, %d transfers in flight", len(self.sessions),
-                     len(self.svc.transfers.inflight))
+            log.info(
+                "stopping: %d sessions, %d transfers in flight",
+                len(self.sessions),
+                len(self.svc.transfers.inflight),
+            )
             for task in loops:
                 task.cancel()
         if self._reap_later is not None:
@@ -297,11 +318,13 @@ class Daemon:
         inflight = svc.transfers.inflight
         if inflight:
             # each copy settles on the loop before its wrapped future wakes this wait
-            _, pending = await asyncio.wait({asyncio.wrap_future(f) for f in inflight},
-                                            timeout=timeout)
+            _, pending = await asyncio.wait(
+                {asyncio.wrap_future(f) for f in inflight}, timeout=timeout
+            )
             if pending:
-                log.warning("%d transfers still running after %.1fs; abandoning them",
-                            len(pending), timeout)
+                log.warning(
+                    "%d transfers still running after %.1fs; abandoning them", len(pending), timeout
+                )
         await svc.tier.drain(max(0.0, deadline - time.monotonic()))
         for s in self.sessions:
             if not s.transfers:  # else a copy thread may still touch its memory: see below
@@ -326,8 +349,10 @@ class Daemon:
 
     def _update_status(self) -> None:
         ps = self.svc.pool.stats()
-        self.notifier.status(f"{len(self.sessions)} sessions, pool {format_size(ps.used_bytes)} of "
-                             f"{format_size(ps.capacity_bytes)} used, {ps.pages_ready} pages")
+        self.notifier.status(
+            f"{len(self.sessions)} sessions, pool {format_size(ps.used_bytes)} of "
+            f"{format_size(ps.capacity_bytes)} used, {ps.pages_ready} pages"
+        )
 
     async def _monitor_loop(self) -> None:
         """React to a peer disconnecting at once instead of at the next lease check.

@@ -64,8 +64,12 @@ class StartGate:
         self.held: list[HeldRequest] = []
         self.held_bytes = 0
 
-    def handle(self, identity: bytes, body: bytes | memoryview,
-               peer: Callable[[], PeerCred | None] | None = None) -> P.Reply | None:
+    def handle(
+        self,
+        identity: bytes,
+        body: bytes | memoryview,
+        peer: Callable[[], PeerCred | None] | None = None,
+    ) -> P.Reply | None:
         """Answer a HEALTH; hold anything else.
 
         Args:
@@ -84,10 +88,12 @@ class StartGate:
         if isinstance(msg, P.Health):
             return P.HealthReply(req_id=msg.req_id, epoch=self.epoch, status=STARTING, sessions=0)
         if len(self.held) >= MAX_HELD or self.held_bytes + len(body) > MAX_HELD_BYTES:
-            return P.ErrorReply(req_id=P.peek_req_id(body), epoch=self.epoch,
-                                code=int(P.ErrorCode.BUSY),
-                                message="kvtierd is starting and holds too many requests; "
-                                        "ask again")
+            return P.ErrorReply(
+                req_id=P.peek_req_id(body),
+                epoch=self.epoch,
+                code=int(P.ErrorCode.BUSY),
+                message="kvtierd is starting and holds too many requests; ask again",
+            )
         who = peer() if peer is not None and isinstance(msg, P.Register) else None
         self.held.append(HeldRequest(identity, bytes(body), who))
         self.held_bytes += len(body)
@@ -95,8 +101,12 @@ class StartGate:
 
     def refuse_frames(self, frames: int) -> P.ErrorReply:
         """The reply to a message of ``frames`` frames (a request is one, after the identity)."""
-        return P.ErrorReply(req_id=0, epoch=self.epoch, code=int(P.ErrorCode.BAD_MESSAGE),
-                            message=f"expected 2 frames (identity and request), got {frames}")
+        return P.ErrorReply(
+            req_id=0,
+            epoch=self.epoch,
+            code=int(P.ErrorCode.BAD_MESSAGE),
+            message=f"expected 2 frames (identity and request), got {frames}",
+        )
 
     def release(self) -> list[HeldRequest]:
         """Return the held requests, oldest first, and hold no more."""

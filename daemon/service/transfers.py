@@ -145,8 +145,16 @@ class Transfers:
         """Drop the arena; call it once the copy threads have ended."""
         self._arena = None
 
-    def start(self, s: Session, direction: Direction, slot: int, seq: int, host: list[int],
-              pages: Sequence[int], keys: Sequence[bytes]) -> None:
+    def start(
+        self,
+        s: Session,
+        direction: Direction,
+        slot: int,
+        seq: int,
+        host: list[int],
+        pages: Sequence[int],
+        keys: Sequence[bytes],
+    ) -> None:
         """Copy pages between ``s``'s memory and host slots.
 
         A transfer of at most :data:`INLINE_BYTES` has ended, and is settled, when this
@@ -164,47 +172,101 @@ class Transfers:
         """
         offsets = self.ctx.pool.slot_offsets(host)
         g = s.geometry
-        t = Transfer(direction=direction, session_id=s.session_id, slot=slot, seq=seq,
-                     host_slots=host, page_ids=np.asarray(pages, dtype=np.int64), offsets=offsets,
-                     nbytes=len(host) * g.page_bytes, started=time.monotonic(), keys=keys,
-                     checksum=direction is Direction.STORE and self.ctx.cfg.verify_on_adopt)
+        t = Transfer(
+            direction=direction,
+            session_id=s.session_id,
+            slot=slot,
+            seq=seq,
+            host_slots=host,
+            page_ids=np.asarray(pages, dtype=np.int64),
+            offsets=offsets,
+            nbytes=len(host) * g.page_bytes,
+            started=time.monotonic(),
+            keys=keys,
+            checksum=direction is Direction.STORE and self.ctx.cfg.verify_on_adopt,
+        )
         s.completion.begin(slot, seq, g.num_layers)
         s.transfers[slot] = t
         n_regions = len(s.memory.regions)
-        cheap = n_regions <= INLINE_REGIONS or (s.memory.table is not None
-                                                and n_regions <= INLINE_TABLE_ROWS)
+        cheap = n_regions <= INLINE_REGIONS or (
+            s.memory.table is not None and n_regions <= INLINE_TABLE_ROWS
+        )
         if t.nbytes <= INLINE_BYTES and cheap:  # ends before the reply: nobody to wake
-            run_transfer(t, self._arena, s.memory.regions, g.num_layers, g.page_bytes,
-                         s.completion.unannounced(), s.memory.table, whole=True)
+            run_transfer(
+                t,
+                self._arena,
+                s.memory.regions,
+                g.num_layers,
+                g.page_bytes,
+                s.completion.unannounced(),
+                s.memory.table,
+                whole=True,
+            )
             self._settle(s, t, t.status is TransferStatus.DONE, wake=False)
             return
         parts = self._parts(t)
         assert self._executor is not None, "open() first"
-        if parts == 1 and cheap and self._share_ok and not self.inflight \
-                and SHARE_MIN_BYTES <= t.nbytes <= 2 * LOOP_SHARE_BYTES and len(host) > 1 \
-                and not self.requests_waiting():
+        if (
+            parts == 1
+            and cheap
+            and self._share_ok
+            and not self.inflight
+            and SHARE_MIN_BYTES <= t.nbytes <= 2 * LOOP_SHARE_BYTES
+            and len(host) > 1
+            and not self.requests_waiting()
+        ):
             self._share(s, t)
             return
         if parts == 1:
-            self._watch(self._submit(s, run_transfer, t, self._arena, s.memory.regions,
-                                     g.num_layers, g.page_bytes, s.completion, s.memory.table),
-                        lambda f: self._finish(s, t, f))
+            self._watch(
+                self._submit(
+                    s,
+                    run_transfer,
+                    t,
+                    self._arena,
+                    s.memory.regions,
+                    g.num_layers,
+                    g.page_bytes,
+                    s.completion,
+                    s.memory.table,
+                ),
+                lambda f: self._finish(s, t, f),
+            )
             return
         self.ctx.counters.transfers_split += 1
         gate = LayerGate(s.completion, parts)
         bounds = [len(host) * i // parts for i in range(parts + 1)]
-        futs = [self._submit(s, copy_part, t, bounds[i], bounds[i + 1], self._arena,
-                             s.memory.regions, g.num_layers, g.page_bytes, gate.part(i),
-                             s.memory.table)
-                for i in range(parts)]
+        futs = [
+            self._submit(
+                s,
+                copy_part,
+                t,
+                bounds[i],
+                bounds[i + 1],
+                self._arena,
+                s.memory.regions,
+                g.num_layers,
+                g.page_bytes,
+                gate.part(i),
+                s.memory.table,
+            )
+            for i in range(parts)
+        ]
         left = [parts]
 
         def part_ended(f: Future[Any]) -> None:  # on the loop
             self.inflight.discard(f)
             left[0] -= 1
             if left[0] == 0:  # the transfer ends with its last part, never before
-                combine([f.result() if not f.cancelled() and f.exception() is None
-                         else (TransferStatus.FAILED, None) for f in futs], t)
+                combine(
+                    [
+                        f.result()
+                        if not f.cancelled() and f.exception() is None
+                        else (TransferStatus.FAILED, None)
+                        for f in futs
+                    ],
+                    t,
+                )
                 self._settle(s, t, t.status is TransferStatus.DONE)
 
         for f in futs:
@@ -224,8 +286,19 @@ class Transfers:
         self.ctx.counters.transfers_shared += 1
         gate = LayerGate(s.completion, 2)
         cut = n // 2
-        fut = self._submit(s, copy_part, t, cut, n, self._arena, s.memory.regions,
-                           g.num_layers, g.page_bytes, gate.part(1), s.memory.table)
+        fut = self._submit(
+            s,
+            copy_part,
+            t,
+            cut,
+            n,
+            self._arena,
+            s.memory.regions,
+            g.num_layers,
+            g.page_bytes,
+            gate.part(1),
+            s.memory.table,
+        )
         mine: list[tuple[TransferStatus, list[int] | None]] = []
         settled = [False]
 
@@ -234,14 +307,28 @@ class Transfers:
             if settled[0]:
                 return
             settled[0] = True
-            theirs = (f.result() if not f.cancelled() and f.exception() is None
-                      else (TransferStatus.FAILED, None))
+            theirs = (
+                f.result()
+                if not f.cancelled() and f.exception() is None
+                else (TransferStatus.FAILED, None)
+            )
             combine([mine[0], theirs], t)
             self._settle(s, t, t.status is TransferStatus.DONE, wake=wake)
 
         self._watch(fut, ended)  # runs on the loop: after this method, whenever it ends
-        mine.append(copy_part(t, 0, cut, self._arena, s.memory.regions, g.num_layers,
-                              g.page_bytes, gate.part(0), s.memory.table))
+        mine.append(
+            copy_part(
+                t,
+                0,
+                cut,
+                self._arena,
+                s.memory.regions,
+                g.num_layers,
+                g.page_bytes,
+                gate.part(0),
+                s.memory.table,
+            )
+        )
         if fut.done():
             ended(fut, wake=False)
 
@@ -289,9 +376,15 @@ class Transfers:
         else:
             self._loaded(s, t, ok)
         if s.state is not SessionState.CLOSED:
-            s.completion.finish(t.slot, TransferStatus.DONE if ok else (
-                t.status if t.status is not TransferStatus.RUNNING else TransferStatus.FAILED),
-                wake=wake)
+            s.completion.finish(
+                t.slot,
+                TransferStatus.DONE
+                if ok
+                else (
+                    t.status if t.status is not TransferStatus.RUNNING else TransferStatus.FAILED
+                ),
+                wake=wake,
+            )
         s.transfers.pop(t.slot, None)
         if s.state is SessionState.CLOSING and not s.transfers:
             self.ctx.finalize_session(s)

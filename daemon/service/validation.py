@@ -31,8 +31,9 @@ class RequestError(KvtierError):
         self.code = code
 
 
-def check_keys(keys: list[bytes], max_keys: int, pages: list[int] | None = None,
-               num_pages: int = 0) -> None:
+def check_keys(
+    keys: list[bytes], max_keys: int, pages: list[int] | None = None, num_pages: int = 0
+) -> None:
     """Check a request's page keys and, when given, the engine pages they map to.
 
     Args:
@@ -45,22 +46,26 @@ def check_keys(keys: list[bytes], max_keys: int, pages: list[int] | None = None,
         RequestError: BAD_MESSAGE (count, duplicate page) or OUT_OF_RANGE.
     """
     if len(keys) > max_keys:
-        raise RequestError(P.ErrorCode.BAD_MESSAGE,
-                           f"{len(keys)} keys exceed max_keys_per_request ({max_keys})")
+        raise RequestError(
+            P.ErrorCode.BAD_MESSAGE, f"{len(keys)} keys exceed max_keys_per_request ({max_keys})"
+        )
     if pages is None:
         return
     if len(pages) != len(keys):
         raise RequestError(P.ErrorCode.BAD_MESSAGE, f"{len(keys)} keys but {len(pages)} pages")
     if pages and (min(pages) < 0 or max(pages) >= num_pages):
         i, p = next((i, p) for i, p in enumerate(pages) if not 0 <= p < num_pages)
-        raise RequestError(P.ErrorCode.OUT_OF_RANGE,
-                           f"pages[{i}] = {p!r} is outside the engine's {num_pages} pages")
+        raise RequestError(
+            P.ErrorCode.OUT_OF_RANGE,
+            f"pages[{i}] = {p!r} is outside the engine's {num_pages} pages",
+        )
     if len(set(pages)) != len(pages):
         raise RequestError(P.ErrorCode.BAD_MESSAGE, "pages contains the same page twice")
 
 
-def transfer_keys(m: P.Load | P.Store, max_keys: int,
-                  num_pages: int) -> tuple[Sequence[bytes], Sequence[int]]:
+def transfer_keys(
+    m: P.Load | P.Store, max_keys: int, num_pages: int
+) -> tuple[Sequence[bytes], Sequence[int]]:
     """Check a LOAD's or STORE's keys and pages, in either form (lists, or ``packed_keys``
     and ``packed_pages``), and return them: the lists as they came, or the packed keys as a
     :class:`~kvtier.ipc.protocol.PackedKeyList` and the pages as a uint32 numpy array (no
@@ -75,28 +80,34 @@ def transfer_keys(m: P.Load | P.Store, max_keys: int,
         check_keys(m.keys, max_keys, m.pages, num_pages)
         return m.keys, m.pages
     if m.keys or m.pages:
-        raise RequestError(P.ErrorCode.BAD_MESSAGE,
-                           "keys or pages given beside packed_keys or packed_pages")
+        raise RequestError(
+            P.ErrorCode.BAD_MESSAGE, "keys or pages given beside packed_keys or packed_pages"
+        )
     kb, pb = len(m.packed_keys), len(m.packed_pages)
     if kb % P.KEY_BYTES:
-        raise RequestError(P.ErrorCode.BAD_MESSAGE,
-                           f"packed_keys has {kb} bytes, not a multiple of {P.KEY_BYTES}")
+        raise RequestError(
+            P.ErrorCode.BAD_MESSAGE, f"packed_keys has {kb} bytes, not a multiple of {P.KEY_BYTES}"
+        )
     n = kb // P.KEY_BYTES
     if n > max_keys:
-        raise RequestError(P.ErrorCode.BAD_MESSAGE,
-                           f"{n} keys exceed max_keys_per_request ({max_keys})")
+        raise RequestError(
+            P.ErrorCode.BAD_MESSAGE, f"{n} keys exceed max_keys_per_request ({max_keys})"
+        )
     if pb != n * PAGE_INDEX_BYTES:
-        raise RequestError(P.ErrorCode.BAD_MESSAGE,
-                           f"packed_pages has {pb} bytes; {n} keys need {n * PAGE_INDEX_BYTES} "
-                           f"(one little-endian uint{8 * PAGE_INDEX_BYTES} page each)")
+        raise RequestError(
+            P.ErrorCode.BAD_MESSAGE,
+            f"packed_pages has {pb} bytes; {n} keys need {n * PAGE_INDEX_BYTES} "
+            f"(one little-endian uint{8 * PAGE_INDEX_BYTES} page each)",
+        )
     import numpy as np  # here, not at import: the control socket binds before numpy loads
 
     pages = np.frombuffer(m.packed_pages, dtype=f"<u{PAGE_INDEX_BYTES}")
     if n and int(pages.max()) >= num_pages:
         i = int(np.argmax(pages >= num_pages))
-        raise RequestError(P.ErrorCode.OUT_OF_RANGE,
-                           f"packed_pages[{i}] = {int(pages[i])} is outside the engine's "
-                           f"{num_pages} pages")
+        raise RequestError(
+            P.ErrorCode.OUT_OF_RANGE,
+            f"packed_pages[{i}] = {int(pages[i])} is outside the engine's {num_pages} pages",
+        )
     if n > 1:
         ordered = np.sort(pages)
         if (ordered[1:] == ordered[:-1]).any():
@@ -114,13 +125,15 @@ def check_lookup_keys(m: P.Lookup, max_keys: int) -> None:
         if m.keys:
             raise RequestError(P.ErrorCode.BAD_MESSAGE, "keys and packed_keys are both given")
         if len(m.packed_keys) % P.KEY_BYTES:
-            raise RequestError(P.ErrorCode.BAD_MESSAGE,
-                               f"packed_keys has {len(m.packed_keys)} bytes, not a multiple "
-                               f"of {P.KEY_BYTES}")
+            raise RequestError(
+                P.ErrorCode.BAD_MESSAGE,
+                f"packed_keys has {len(m.packed_keys)} bytes, not a multiple of {P.KEY_BYTES}",
+            )
     n = m.key_count()
     if n > max_keys:
-        raise RequestError(P.ErrorCode.BAD_MESSAGE,
-                           f"{n} keys exceed max_keys_per_request ({max_keys})")
+        raise RequestError(
+            P.ErrorCode.BAD_MESSAGE, f"{n} keys exceed max_keys_per_request ({max_keys})"
+        )
 
 
 def check_slot(s: Session, slot: int) -> None:
@@ -130,8 +143,9 @@ def check_slot(s: Session, slot: int) -> None:
         RequestError: OUT_OF_RANGE, or BUSY when a transfer still uses the slot.
     """
     if not 0 <= slot < s.completion.slots:
-        raise RequestError(P.ErrorCode.OUT_OF_RANGE,
-                           f"slot = {slot!r} is outside [0, {s.completion.slots})")
+        raise RequestError(
+            P.ErrorCode.OUT_OF_RANGE, f"slot = {slot!r} is outside [0, {s.completion.slots})"
+        )
     if slot in s.transfers:
         raise RequestError(P.ErrorCode.BUSY, f"slot = {slot!r} has a transfer running")
 
@@ -149,10 +163,14 @@ def check_engine_blocks(engine: P.EngineBlocks, n_keys: int, page_size: int) -> 
             ``token_ids`` neither empty nor ``block_size`` per key.
     """
     if len(engine.hashes) != n_keys:
-        raise RequestError(P.ErrorCode.BAD_MESSAGE, f"engine.hashes has {len(engine.hashes)} "
-                           f"hashes for {n_keys} keys (one per key)")
+        raise RequestError(
+            P.ErrorCode.BAD_MESSAGE,
+            f"engine.hashes has {len(engine.hashes)} hashes for {n_keys} keys (one per key)",
+        )
     bs = engine.block_size or page_size
     if engine.token_ids and len(engine.token_ids) != n_keys * bs * 4:
-        raise RequestError(P.ErrorCode.BAD_MESSAGE,
-                           f"engine.token_ids has {len(engine.token_ids)} bytes, not "
-                           f"{n_keys} keys x block_size {bs} x 4 = {n_keys * bs * 4} (or none)")
+        raise RequestError(
+            P.ErrorCode.BAD_MESSAGE,
+            f"engine.token_ids has {len(engine.token_ids)} bytes, not "
+            f"{n_keys} keys x block_size {bs} x 4 = {n_keys * bs * 4} (or none)",
+        )

@@ -116,8 +116,9 @@ class Breaker:
         self._retry_at = self._clock() + self.cooldown_s
         if not self._open:
             self._open = True
-            self._log.warning("%s unreachable or failing (%s); L3 reads miss until it answers",
-                              self.what, why)
+            self._log.warning(
+                "%s unreachable or failing (%s); L3 reads miss until it answers", self.what, why
+            )
 
     def succeeded(self) -> None:
         """Record that the store answered: close the breaker."""

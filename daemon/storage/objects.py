@@ -82,7 +82,9 @@ def check_header(header: memoryview | bytes, ns: bytes, key: bytes, length: int)
     return int(p_sum)
 
 
-def verify_object(header: memoryview | bytes, payload: memoryview | bytes, ns: bytes, key: bytes) -> bool:
+def verify_object(
+    header: memoryview | bytes, payload: memoryview | bytes, ns: bytes, key: bytes
+) -> bool:
     """Return True when ``header`` describes ``payload`` under (``ns``, ``key``) and it verifies."""
     expected = check_header(header, ns, key, len(payload))
     return expected is not None and payload_checksum(payload) == expected
@@ -91,9 +93,15 @@ def verify_object(header: memoryview | bytes, payload: memoryview | bytes, ns: b
 Buffer = Any  # a buffer-protocol object: memoryview, bytearray, mmap
 
 
-def _check_batch(hbuf: Buffer, headers: Sequence[int], pbuf: Buffer | None,
-                 payloads: Sequence[int], length: int, ns: bytes,
-                 keys: Sequence[bytes]) -> tuple[memoryview, memoryview]:
+def _check_batch(
+    hbuf: Buffer,
+    headers: Sequence[int],
+    pbuf: Buffer | None,
+    payloads: Sequence[int],
+    length: int,
+    ns: bytes,
+    keys: Sequence[bytes],
+) -> tuple[memoryview, memoryview]:
     """The arguments of a batch call checked (the same errors as the C functions); no
     payloads to check when ``pbuf`` is None."""
     if length <= 0:
@@ -112,29 +120,53 @@ def _check_batch(hbuf: Buffer, headers: Sequence[int], pbuf: Buffer | None,
             raise ValueError(f"{len(keys)} keys but {len(offs)} {name}")
         for i, off in enumerate(offs):
             if off < 0 or off > size - span:
-                raise ValueError(f"{name}[{i}] = {off}: {span} bytes there do not fit in the "
-                                 f"buffer of {size} bytes")
+                raise ValueError(
+                    f"{name}[{i}] = {off}: {span} bytes there do not fit in the "
+                    f"buffer of {size} bytes"
+                )
     return hv, pv
 
 
-def py_seal_headers(hbuf: Buffer, headers: Sequence[int], pbuf: Buffer, payloads: Sequence[int],
-                    length: int, ns: bytes, keys: Sequence[bytes]) -> None:
+def py_seal_headers(
+    hbuf: Buffer,
+    headers: Sequence[int],
+    pbuf: Buffer,
+    payloads: Sequence[int],
+    length: int,
+    ns: bytes,
+    keys: Sequence[bytes],
+) -> None:
     """The pure-Python :func:`seal_headers` (same bytes, page by page)."""
     hv, pv = _check_batch(hbuf, headers, pbuf, payloads, length, ns, keys)
     for h, p, key in zip(headers, payloads, keys):
         hv[h : h + HEADER_SIZE] = header_for(ns, key, length, payload_checksum(pv[p : p + length]))
 
 
-def py_check_headers(hbuf: Buffer, headers: Sequence[int], pbuf: Buffer, payloads: Sequence[int],
-                     length: int, ns: bytes, keys: Sequence[bytes]) -> list[bool]:
+def py_check_headers(
+    hbuf: Buffer,
+    headers: Sequence[int],
+    pbuf: Buffer,
+    payloads: Sequence[int],
+    length: int,
+    ns: bytes,
+    keys: Sequence[bytes],
+) -> list[bool]:
     """The pure-Python :func:`check_headers` (same answers, page by page)."""
     hv, pv = _check_batch(hbuf, headers, pbuf, payloads, length, ns, keys)
-    return [verify_object(hv[h : h + HEADER_SIZE], pv[p : p + length], ns, key)
-            for h, p, key in zip(headers, payloads, keys)]
+    return [
+        verify_object(hv[h : h + HEADER_SIZE], pv[p : p + length], ns, key)
+        for h, p, key in zip(headers, payloads, keys)
+    ]
 
 
-def py_write_headers(hbuf: Buffer, headers: Sequence[int], length: int, ns: bytes,
-                     keys: Sequence[bytes], checksums: Sequence[int]) -> None:
+def py_write_headers(
+    hbuf: Buffer,
+    headers: Sequence[int],
+    length: int,
+    ns: bytes,
+    keys: Sequence[bytes],
+    checksums: Sequence[int],
+) -> None:
     """The pure-Python :func:`write_headers`."""
     hv, _ = _check_batch(hbuf, headers, None, (), length, ns, keys)
     if len(checksums) != len(keys):
@@ -146,12 +178,12 @@ def py_write_headers(hbuf: Buffer, headers: Sequence[int], length: int, ns: byte
         hv[h : h + HEADER_SIZE] = header_for(ns, key, length, checksum)
 
 
-def py_recorded_checksums(hbuf: Buffer, headers: Sequence[int], length: int, ns: bytes,
-                          keys: Sequence[bytes]) -> list[int | None]:
+def py_recorded_checksums(
+    hbuf: Buffer, headers: Sequence[int], length: int, ns: bytes, keys: Sequence[bytes]
+) -> list[int | None]:
     """The pure-Python :func:`recorded_checksums`."""
     hv, _ = _check_batch(hbuf, headers, None, (), length, ns, keys)
-    return [check_header(hv[h : h + HEADER_SIZE], ns, key, length)
-            for h, key in zip(headers, keys)]
+    return [check_header(hv[h : h + HEADER_SIZE], ns, key, length) for h, key in zip(headers, keys)]
 
 
 def _native_headers() -> tuple[Any, Any, Any, Any] | None:
@@ -171,9 +203,12 @@ def _native_headers() -> tuple[Any, Any, Any, Any] | None:
     try:  # an extension built from other sources may take other arguments: fall back
         seal(sealed, [0], payload, [0], len(payload), ns, [key])
         write(written, [0], len(payload), ns, [key], [payload_checksum(payload)])
-        same = (bytes(sealed) == want and bytes(written) == want
-                and check(want, [0], payload, [0], len(payload), ns, [key]) == [True]
-                and recorded(want, [0], len(payload), ns, [key]) == [payload_checksum(payload)])
+        same = (
+            bytes(sealed) == want
+            and bytes(written) == want
+            and check(want, [0], payload, [0], len(payload), ns, [key]) == [True]
+            and recorded(want, [0], len(payload), ns, [key]) == [payload_checksum(payload)]
+        )
     except (TypeError, ValueError, OverflowError):
         return None
     return fns if same else None
@@ -191,8 +226,15 @@ def native_headers() -> bool:
     return _headers_c is not None and native.enabled("file_io")
 
 
-def seal_headers(hbuf: Buffer, headers: Sequence[int], pbuf: Buffer, payloads: Sequence[int],
-                 length: int, ns: bytes, keys: Sequence[bytes]) -> None:
+def seal_headers(
+    hbuf: Buffer,
+    headers: Sequence[int],
+    pbuf: Buffer,
+    payloads: Sequence[int],
+    length: int,
+    ns: bytes,
+    keys: Sequence[bytes],
+) -> None:
     """For each page, hash ``pbuf[payloads[i] : payloads[i] + length]`` and write its header
     at ``hbuf[headers[i]:]``. A bad argument raises ValueError (TypeError or OverflowError
     for one of the wrong type or size) before anything is written."""
@@ -202,8 +244,15 @@ def seal_headers(hbuf: Buffer, headers: Sequence[int], pbuf: Buffer, payloads: S
         py_seal_headers(hbuf, headers, pbuf, payloads, length, ns, keys)
 
 
-def check_headers(hbuf: Buffer, headers: Sequence[int], pbuf: Buffer, payloads: Sequence[int],
-                  length: int, ns: bytes, keys: Sequence[bytes]) -> list[bool]:
+def check_headers(
+    hbuf: Buffer,
+    headers: Sequence[int],
+    pbuf: Buffer,
+    payloads: Sequence[int],
+    length: int,
+    ns: bytes,
+    keys: Sequence[bytes],
+) -> list[bool]:
     """For each page, whether the header at ``hbuf[headers[i]:]`` names ``ns``, ``keys[i]``
     and ``length``, verifies, and records the xxh3-64 of the payload at ``pbuf[payloads[i]:]``."""
     if _headers_c is not None and native.enabled("file_io"):
@@ -211,8 +260,14 @@ def check_headers(hbuf: Buffer, headers: Sequence[int], pbuf: Buffer, payloads: 
     return py_check_headers(hbuf, headers, pbuf, payloads, length, ns, keys)
 
 
-def write_headers(hbuf: Buffer, headers: Sequence[int], length: int, ns: bytes,
-                  keys: Sequence[bytes], checksums: Sequence[int]) -> None:
+def write_headers(
+    hbuf: Buffer,
+    headers: Sequence[int],
+    length: int,
+    ns: bytes,
+    keys: Sequence[bytes],
+    checksums: Sequence[int],
+) -> None:
     """:func:`seal_headers` for payloads the caller already hashed (e.g. while copying them):
     the header of ``keys[i]`` recording ``checksums[i]`` at ``hbuf[headers[i]:]``."""
     if _headers_c is not None and native.enabled("file_io"):
@@ -221,8 +276,9 @@ def write_headers(hbuf: Buffer, headers: Sequence[int], length: int, ns: bytes,
         py_write_headers(hbuf, headers, length, ns, keys, checksums)
 
 
-def recorded_checksums(hbuf: Buffer, headers: Sequence[int], length: int, ns: bytes,
-                       keys: Sequence[bytes]) -> list[int | None]:
+def recorded_checksums(
+    hbuf: Buffer, headers: Sequence[int], length: int, ns: bytes, keys: Sequence[bytes]
+) -> list[int | None]:
     """For each header, the payload checksum it records when it verifies and names ``ns``,
     ``keys[i]`` and ``length`` (:func:`check_header` for a batch); None otherwise."""
     if _headers_c is not None and native.enabled("file_io"):

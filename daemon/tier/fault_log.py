@@ -97,8 +97,13 @@ class FaultLog:
         failures: failures in the current spell.
     """
 
-    def __init__(self, log: logging.Logger, what: str, repeat_s: float = REPEAT_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        log: logging.Logger,
+        what: str,
+        repeat_s: float = REPEAT_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.log = log
         self.what = what
         self.repeat_s = repeat_s
@@ -126,14 +131,21 @@ class FaultLog:
         self.failures += 1
         if self.cause is None:
             self.cause, self._since, self._logged_at, self._unlogged = cause, now, now, 0
-            self.log.log(level, "%s: %s%s", self.what, cause,
-                         f"; {consequence}" if consequence else "")
+            self.log.log(
+                level, "%s: %s%s", self.what, cause, f"; {consequence}" if consequence else ""
+            )
             return
         self.cause = cause
         self._unlogged += 1
         if now - self._logged_at >= self.repeat_s:
-            self.log.log(level, "%s still failing for %.0f s: %s (%d more failures since the "
-                         "last line)", self.what, now - self._since, cause, self._unlogged)
+            self.log.log(
+                level,
+                "%s still failing for %.0f s: %s (%d more failures since the last line)",
+                self.what,
+                now - self._since,
+                cause,
+                self._unlogged,
+            )
             self._logged_at, self._unlogged = now, 0
 
     def recovered(self, what_now: str = "healthy again") -> bool:
@@ -147,7 +159,13 @@ class FaultLog:
         """
         if self.cause is None:
             return False
-        self.log.info("%s %s after %d failures in %.0f s (last: %s)", self.what, what_now,
-                      self.failures, self.clock() - self._since, self.cause)
+        self.log.info(
+            "%s %s after %d failures in %.0f s (last: %s)",
+            self.what,
+            what_now,
+            self.failures,
+            self.clock() - self._since,
+            self.cause,
+        )
         self.cause, self.failures, self._unlogged = None, 0, 0
         return True

@@ -36,8 +36,12 @@ from kvtier.daemon.tier.fault_log import FaultLog, describe_fault
 
 log = logging.getLogger("kvtier.daemon.l3")
 
-PREFETCH_KEYS = ("prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
-                 "prefetch_timeout_max")
+PREFETCH_KEYS = (
+    "prefetch_threshold",
+    "prefetch_timeout_base",
+    "prefetch_timeout_per_ki_token",
+    "prefetch_timeout_max",
+)
 """SGLang puts these in the backend's extra config; they override the daemon's fields."""
 
 HEALTH_PERIOD_S = 5.0
@@ -73,7 +77,9 @@ def storage_settings(cfg: DaemonConfig, rdir: Path) -> tuple[dict[str, Any], dic
         if key in extra:
             value = extra.pop(key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ConfigError(f"{EXTRA_CONFIG_FIELD}: {key!r} = {value!r} must be a number >= 0")
+                raise ConfigError(
+                    f"{EXTRA_CONFIG_FIELD}: {key!r} = {value!r} must be a number >= 0"
+                )
             if key == "prefetch_timeout_max" and value == 0:
                 raise ConfigError(f"{EXTRA_CONFIG_FIELD}: {key!r} = {value!r} must be > 0")
             overrides[key] = value
@@ -107,8 +113,13 @@ class L3Backend:
         ConfigError: the backend's extra config is invalid.
     """
 
-    def __init__(self, cfg: DaemonConfig, counters: Counters, rdir: Path,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        cfg: DaemonConfig,
+        counters: Counters,
+        rdir: Path,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.cfg = cfg
         self.counters = counters
         self.name = cfg.hicache_storage_backend
@@ -119,7 +130,8 @@ class L3Backend:
         self.faults = FaultLog(log, f"L3 backend {self.name}", clock=clock)
         self._arena: HostArena | None = None
         self._faults: tuple[type[BaseException], ...] = (
-            (Exception,) if self.name == "dynamic" else (KvtierError, OSError))
+            (Exception,) if self.name == "dynamic" else (KvtierError, OSError)
+        )
         self._check_now = asyncio.Event()
         self._last_check = 0.0
         self._known: dict[tuple[bytes, bytes], None] = {}  # (ns, key) written, if unlistable
@@ -148,15 +160,21 @@ class L3Backend:
         except ConfigError:
             raise
         except self._faults as err:
-            self.faults.failed(f"could not open: {describe_fault(err)}",
-                               f"serving L2 only, retrying every {DOWN_PERIOD_S:.0f}s",
-                               level=logging.ERROR)
+            self.faults.failed(
+                f"could not open: {describe_fault(err)}",
+                f"serving L2 only, retrying every {DOWN_PERIOD_S:.0f}s",
+                level=logging.ERROR,
+            )
             return
         self.backend, self.healthy = backend, True
         self._lists = type(backend).list_keys is not StorageBackend.list_keys
         self.faults.recovered("open")
-        log.info("L3 backend %s open (%s, prefetch policy %s)", self.name,
-                 self.cfg.hicache_write_policy, self.cfg.hicache_storage_prefetch_policy)
+        log.info(
+            "L3 backend %s open (%s, prefetch policy %s)",
+            self.name,
+            self.cfg.hicache_write_policy,
+            self.cfg.hicache_storage_prefetch_policy,
+        )
 
     async def close(self) -> None:
         """Close the backend (idempotent)."""
@@ -207,8 +225,10 @@ class L3Backend:
         if ok:
             self.faults.recovered()
         else:
-            self.faults.failed(cause or "health check failed (the backend's log says why)",
-                               "reads are misses, L2 keeps serving")
+            self.faults.failed(
+                cause or "health check failed (the backend's log says why)",
+                "reads are misses, L2 keeps serving",
+            )
         self.healthy = ok
         return ok
 
@@ -221,8 +241,10 @@ class L3Backend:
 
     def _fault(self, what: str, err: BaseException | None = None) -> None:
         self.counters.l3_backend_errors += 1
-        self.faults.failed(f"{what}: {describe_fault(err)}" if err is not None else what,
-                           "skipping it until a health check passes")
+        self.faults.failed(
+            f"{what}: {describe_fault(err)}" if err is not None else what,
+            "skipping it until a health check passes",
+        )
         self.healthy = False
         self._check_now.set()
 
@@ -241,8 +263,9 @@ class L3Backend:
             async with asyncio.timeout(self.cfg.storage_timeout_s):
                 n = await backend.exists(ns, keys)
         except TimeoutError:
-            self._fault(f"exists timed out after {self.cfg.storage_timeout_s:g} s "
-                        "(storage_timeout_s)")
+            self._fault(
+                f"exists timed out after {self.cfg.storage_timeout_s:g} s (storage_timeout_s)"
+            )
             return 0
         except self._faults as err:
             self._fault("exists failed", err)
@@ -250,7 +273,9 @@ class L3Backend:
         self._watch(backend, before)
         return n
 
-    async def get(self, ns: bytes, keys: list[bytes], offsets: list[int], length: int) -> list[bool]:
+    async def get(
+        self, ns: bytes, keys: list[bytes], offsets: list[int], length: int
+    ) -> list[bool]:
         """Read pages into arena offsets; one flag per page (all False on a fault)."""
         backend = self.backend
         if backend is None or not self.healthy:
@@ -264,7 +289,9 @@ class L3Backend:
         self._watch(backend, before)
         return flags
 
-    async def put(self, ns: bytes, keys: list[bytes], offsets: list[int], length: int) -> list[bool]:
+    async def put(
+        self, ns: bytes, keys: list[bytes], offsets: list[int], length: int
+    ) -> list[bool]:
         """Write pages from arena offsets; one flag per page (all False on a fault)."""
         backend = self.backend
         if backend is None or not self.healthy:
@@ -301,7 +328,7 @@ class L3Backend:
         for ns, keys in by_ns.items():
             for i in range(0, len(keys), DELETE_BATCH):
                 try:
-                    deleted += await backend.delete(ns, keys[i:i + DELETE_BATCH])
+                    deleted += await backend.delete(ns, keys[i : i + DELETE_BATCH])
                 except self._faults as err:
                     self._fault("delete failed", err)
                     return deleted
@@ -315,8 +342,9 @@ class L3Backend:
                 self._fault("releasing disk space failed", err)
         return deleted
 
-    async def _list(self, backend: StorageBackend,
-                    wanted: set[bytes] | None) -> list[tuple[bytes, bytes]]:
+    async def _list(
+        self, backend: StorageBackend, wanted: set[bytes] | None
+    ) -> list[tuple[bytes, bytes]]:
         """``(ns, key)`` of the store's pages of ``wanted`` (None: all): the store's own
         listing, else the keys this daemon wrote (remembered only for a backend without
         ``list_keys``: one with it that answers None, a fault, lists nothing)."""
@@ -342,5 +370,8 @@ class L3Backend:
         """``backend``, ``healthy`` and the backend's own counters (stable keys)."""
         backend = self.backend
         stats = backend.stats if backend is not None else BackendStats()
-        return {"backend": self.name, "healthy": bool(backend is not None and self.healthy),
-                **dataclasses.asdict(stats)}
+        return {
+            "backend": self.name,
+            "healthy": bool(backend is not None and self.healthy),
+            **dataclasses.asdict(stats),
+        }

@@ -55,6 +55,7 @@ def read_batch(pages: int, concurrency: int) -> int:
     """
     return max(MIN_READ_BATCH, min(MAX_READ_BATCH, -(-pages // (2 * max(1, concurrency)))))
 
+
 MAX_TRACKED = 1 << 18
 """Prefetched pages remembered until their first load (to count the unused ones)."""
 
@@ -187,14 +188,24 @@ class Prefetcher:
 
     def new_fill(self, ns: bytes, ns_id: int, page_bytes: int) -> Fill:
         """An empty fill for :meth:`fill` to allocate into (tracked from now on)."""
-        fill = Fill(ns=ns, ns_id=ns_id, page_bytes=page_bytes, keys=[], slots=[], offsets=[],
-                    fate=[], done=asyncio.get_running_loop().create_future(), cut=NO_CUT,
-                    allocating=True)
+        fill = Fill(
+            ns=ns,
+            ns_id=ns_id,
+            page_bytes=page_bytes,
+            keys=[],
+            slots=[],
+            offsets=[],
+            fate=[],
+            done=asyncio.get_running_loop().create_future(),
+            cut=NO_CUT,
+            allocating=True,
+        )
         self._fills.add(fill)
         return fill
 
-    async def fill(self, fill: Fill, owner: int, class_id: int, keys: Sequence[bytes],
-                   parent_key: bytes | None) -> int:
+    async def fill(
+        self, fill: Fill, owner: int, class_id: int, keys: Sequence[bytes], parent_key: bytes | None
+    ) -> int:
         """Allocate WRITING slots for the keys L2 lacks, batch by batch, reading each batch
         as soon as its slots exist.
 
@@ -217,7 +228,7 @@ class Prefetcher:
             for a in range(0, len(keys), size):
                 if fill.cut != NO_CUT:
                     break
-                batch = keys[a:a + size]
+                batch = keys[a : a + size]
                 pairs = self.pool.allocate(fill.ns_id, owner, class_id, batch, parent)
                 first = fill.pages
                 for i, slot in pairs:
@@ -276,13 +287,15 @@ class Prefetcher:
         """Pages ``(ns_id, key)`` left L2: those prefetched and never loaded count as unused."""
         if self._fetched:
             pop, missing = self._fetched.pop, object()
-            self.counters.l3_prefetch_unused_pages += sum(pop(p, missing) is not missing
-                                                          for p in pages)
+            self.counters.l3_prefetch_unused_pages += sum(
+                pop(p, missing) is not missing for p in pages
+            )
 
     def sweep(self) -> None:
         """Count prefetched pages no longer in L2 (after a flush) as unused."""
-        self.evicted([(ns_id, k) for ns_id, k in self._fetched
-                      if not self.pool.resident_run(ns_id, [k])])
+        self.evicted(
+            [(ns_id, k) for ns_id, k in self._fetched if not self.pool.resident_run(ns_id, [k])]
+        )
 
     # ------------------------------------------------------------------ fills
     async def _read(self, fill: Fill, a: int, b: int) -> None:
@@ -293,8 +306,9 @@ class Prefetcher:
                     fill.fate[i] = Fate.READING
                 # Cancelled (only at shutdown): the pages stay READING, so nothing frees a
                 # slot a backend thread may still be writing into.
-                flags = await self._read_fn(fill.ns, fill.keys[a:b], fill.offsets[a:b],
-                                            fill.page_bytes)
+                flags = await self._read_fn(
+                    fill.ns, fill.keys[a:b], fill.offsets[a:b], fill.page_bytes
+                )
                 for i, ok in enumerate(flags, a):
                     fill.fate[i] = Fate.VERIFIED if ok else Fate.BAD
                     if not ok:
@@ -314,8 +328,9 @@ class Prefetcher:
             self.pool.commit(slots)
             self.pool.mark_in_l3(slots)
             if self.on_committed is not None:
-                self.on_committed(fill.ns_id, fill.keys[c:j],
-                                  fill.keys[c - 1] if c else fill.parent_key)
+                self.on_committed(
+                    fill.ns_id, fill.keys[c:j], fill.keys[c - 1] if c else fill.parent_key
+                )
             for i in range(c, j):
                 fate[i] = Fate.COMMITTED
                 self._release_key(fill, i)

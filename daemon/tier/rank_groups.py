@@ -131,16 +131,30 @@ class RankGroups:
         group = self._groups.setdefault(key, RankGroup(key))
         old = group.members.get(rank)
         if old is not None:
-            log.warning("tp group %s/%d: rank %d re-registered (session %d replaces %d)",
-                        key.model_id, key.tp_size, rank, session_id, old.session_id)
+            log.warning(
+                "tp group %s/%d: rank %d re-registered (session %d replaces %d)",
+                key.model_id,
+                key.tp_size,
+                rank,
+                session_id,
+                old.session_id,
+            )
         others = [m for r, m in group.members.items() if r != rank]
         member = Member(group, rank, session_id)
         for op in {op for op, _ in group.rounds} | {op for m in others for op in m.seq}:
-            open_rounds = [seq for (o, seq), rnd in group.rounds.items()
-                           if o == op and rnd.result is not None and not rnd.result.done()
-                           and rank not in rnd.arrived]
-            member.seq[op] = min(open_rounds) if open_rounds else max(
-                (m.seq.get(op, 0) for m in others), default=0)
+            open_rounds = [
+                seq
+                for (o, seq), rnd in group.rounds.items()
+                if o == op
+                and rnd.result is not None
+                and not rnd.result.done()
+                and rank not in rnd.arrived
+            ]
+            member.seq[op] = (
+                min(open_rounds)
+                if open_rounds
+                else max((m.seq.get(op, 0) for m in others), default=0)
+            )
         group.members[rank] = member
         return member
 
@@ -158,9 +172,14 @@ class RankGroups:
             group.rounds.clear()
             self._groups.pop(group.key, None)
 
-    async def agree(self, member: Member, op: str, arity: int,
-                    compute: Callable[[], Awaitable[tuple[int, ...]]],
-                    wait_s: float = 0.0) -> tuple[int, ...]:
+    async def agree(
+        self,
+        member: Member,
+        op: str,
+        arity: int,
+        compute: Callable[[], Awaitable[tuple[int, ...]]],
+        wait_s: float = 0.0,
+    ) -> tuple[int, ...]:
         """Contribute this rank's answer to its next ``op`` round; return the group's.
 
         Args:
@@ -220,14 +239,26 @@ class RankGroups:
         rnd.timer = None
         if rnd.result is not None and not rnd.result.done():
             missing = sorted(set(range(group.size)) - set(rnd.values))
-            log.warning("tp group %s/%d: %s round %d ended without rank(s) %s: answer 0",
-                        group.key.model_id, group.size, op, rnd.seq, missing)
+            log.warning(
+                "tp group %s/%d: %s round %d ended without rank(s) %s: answer 0",
+                group.key.model_id,
+                group.size,
+                op,
+                rnd.seq,
+                missing,
+            )
             self._end(group, op, rnd, (0,) * rnd.arity, timed_out=True)
             loop = asyncio.get_running_loop()
             loop.call_later(ROUND_TTL_S, self._forget, group, op, rnd)
 
-    def _end(self, group: RankGroup, op: str, rnd: _Round, value: tuple[int, ...],
-             timed_out: bool = False) -> None:
+    def _end(
+        self,
+        group: RankGroup,
+        op: str,
+        rnd: _Round,
+        value: tuple[int, ...],
+        timed_out: bool = False,
+    ) -> None:
         assert rnd.result is not None
         rnd.result.set_result(value)
         if rnd.timer is not None:

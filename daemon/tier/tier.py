@@ -88,7 +88,9 @@ class TierStore:
         """Length of the leading run of ``keys`` in L3 (0 when down, slow or failing)."""
         return await self.l3.exists(ns, keys)
 
-    async def put(self, ns: bytes, keys: list[bytes], offsets: list[int], length: int) -> list[bool]:
+    async def put(
+        self, ns: bytes, keys: list[bytes], offsets: list[int], length: int
+    ) -> list[bool]:
         """Write pages from arena offsets to L3; one flag per page."""
         return await self.l3.put(ns, keys, offsets, length)
 
@@ -132,11 +134,15 @@ class TierStore:
         if cfg.prefetch_concurrency != self.cfg.prefetch_concurrency:
             self.prefetcher.set_concurrency(cfg.prefetch_concurrency)
         to_through = (self.cfg.hicache_write_policy, cfg.hicache_write_policy) == (
-            "write_back", "write_through")
+            "write_back",
+            "write_through",
+        )
         self.cfg = self.l3.cfg = self.writer.cfg = cfg
         if to_through and self.available:
-            log.info("write policy now write_through: %d L2 pages queued for L3",
-                     self.writer.back_up_all())
+            log.info(
+                "write policy now write_through: %d L2 pages queued for L3",
+                self.writer.back_up_all(),
+            )
         self.groups.timeout_s = cfg.tp_group_timeout_s
         self.apply_write_policy()
         self.writer.poke()
@@ -147,8 +153,9 @@ class TierStore:
         self.writer.apply_policy()
 
     # ------------------------------------------------------------------ sessions
-    def register(self, ns_id: int, fingerprint: bytes, tenant: str, class_id: int,
-                 page_bytes: int) -> None:
+    def register(
+        self, ns_id: int, fingerprint: bytes, tenant: str, class_id: int, page_bytes: int
+    ) -> None:
         """Remember a namespace and page class a session registered with."""
         self._ns[ns_id] = fingerprint
         self._ns_tenant[fingerprint] = tenant
@@ -203,8 +210,9 @@ class TierStore:
             self.writer.shortfall()
 
     # ------------------------------------------------------------------ prefetch and claim
-    async def prefetch(self, s: TierSession, keys: list[bytes], request_id: str,
-                       skip: int = 0) -> int:
+    async def prefetch(
+        self, s: TierSession, keys: list[bytes], request_id: str, skip: int = 0
+    ) -> int:
         """Start fetching the L3 run after the L2-resident run of ``keys[skip:]``.
 
         Args:
@@ -230,18 +238,21 @@ class TierStore:
         job = PrefetchJob(ns_id=s.ns_id, fill=None, started=loop.time())
         job.deps = self.prefetcher.dependencies(s.ns_id, keys[:start])
         n3 = await self.l3_run(s.ns_fingerprint, keys[start:]) if start < len(keys) else 0
-        if n3 and n3 * s.geometry.page_size >= self.setting("prefetch_threshold") \
-                and s.is_open():
-            run = keys[start:start + n3]
+        if n3 and n3 * s.geometry.page_size >= self.setting("prefetch_threshold") and s.is_open():
+            run = keys[start : start + n3]
             job.fill = self.prefetcher.new_fill(s.ns_fingerprint, s.ns_id, s.geometry.page_bytes)
             job.pages = n3 + sum(f.pages for f in job.deps)
             self._track(s, name, job)  # a claim may come while the slots are allocated
-            got = await self.prefetcher.fill(job.fill, s.owner, s.class_id, run,
-                                             keys[start - 1] if start else None)
+            got = await self.prefetcher.fill(
+                job.fill, s.owner, s.class_id, run, keys[start - 1] if start else None
+            )
             self.allocated(len(run), got)
             mine = set(job.fill.keys)
-            job.deps += [f for f in self.prefetcher.dependencies(
-                s.ns_id, [k for k in run if k not in mine]) if f not in job.deps]
+            job.deps += [
+                f
+                for f in self.prefetcher.dependencies(s.ns_id, [k for k in run if k not in mine])
+                if f not in job.deps
+            ]
         job.pages = sum(f.pages for f in job.fills)
         if job.fill is None and job.pages and s.is_open():  # waits on other prefetches only
             self._track(s, name, job)
@@ -270,8 +281,11 @@ class TierStore:
         if policy == "wait_complete":
             return job.started + cap
         tokens = job.pages * s.geometry.page_size
-        return job.started + min(cap, self.setting("prefetch_timeout_base")
-                                 + self.setting("prefetch_timeout_per_ki_token") * tokens / 1024)
+        return job.started + min(
+            cap,
+            self.setting("prefetch_timeout_base")
+            + self.setting("prefetch_timeout_per_ki_token") * tokens / 1024,
+        )
 
     async def claim(self, s: TierSession, keys: list[bytes], request_id: str, policy: str) -> int:
         """End the session's prefetch of ``keys`` per ``policy``; return the L2 run now.
@@ -290,8 +304,9 @@ class TierStore:
             return (self.pool.lookup(s.ns_id, keys),)
 
         if s.member is not None:
-            (n,) = await self.groups.agree(s.member, "claim", 1, mine,
-                                           max(0.0, deadline - loop.time()))
+            (n,) = await self.groups.agree(
+                s.member, "claim", 1, mine, max(0.0, deadline - loop.time())
+            )
         else:
             (n,) = await mine()
         if job is not None:
@@ -334,10 +349,12 @@ class TierStore:
         write-back looked at the pool's fill), ``prefetching``, ``tp_groups`` and the
         backend's own counters (``puts``, ``gets``, ``misses``, ``corrupt``, ``errors``, ...)."""
         out = self.l3.snapshot()
-        out.update(write_policy=self.cfg.hicache_write_policy,
-                   prefetch_policy=self.cfg.hicache_storage_prefetch_policy,
-                   write_queue=self.writer.queued,
-                   write_back_checks=self.writer.write_back_checks,
-                   prefetching=self.prefetcher.active,
-                   tp_groups=len(self.groups))
+        out.update(
+            write_policy=self.cfg.hicache_write_policy,
+            prefetch_policy=self.cfg.hicache_storage_prefetch_policy,
+            write_queue=self.writer.queued,
+            write_back_checks=self.writer.write_back_checks,
+            prefetching=self.prefetcher.active,
+            tp_groups=len(self.groups),
+        )
         return out

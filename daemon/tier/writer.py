@@ -87,8 +87,9 @@ class L3Store(Protocol):
         """Length of the leading run of ``keys`` in L3 (0 when down)."""
         ...
 
-    async def put(self, ns: bytes, keys: list[bytes], offsets: list[int],
-                  length: int) -> list[bool]:
+    async def put(
+        self, ns: bytes, keys: list[bytes], offsets: list[int], length: int
+    ) -> list[bool]:
         """Write pages from arena offsets; one flag per page (all False on a fault)."""
         ...
 
@@ -144,8 +145,9 @@ class L3Writer:
             a shortfall); tests and STATS use it to know a look has happened.
     """
 
-    def __init__(self, cfg: DaemonConfig, l3: L3Store, names: PageNames, pool: HostPool,
-                 counters: Counters) -> None:
+    def __init__(
+        self, cfg: DaemonConfig, l3: L3Store, names: PageNames, pool: HostPool, counters: Counters
+    ) -> None:
         self.cfg = cfg
         self.l3 = l3
         self.names = names
@@ -203,8 +205,16 @@ class L3Writer:
             self._urgent = True
             self._wake.set()
 
-    def _enqueue(self, ns: bytes, ns_id: int, keys: Sequence[bytes], page_bytes: int,
-                 pinned: bool, bound: bool = True, slots: list[int] | None = None) -> int:
+    def _enqueue(
+        self,
+        ns: bytes,
+        ns_id: int,
+        keys: Sequence[bytes],
+        page_bytes: int,
+        pinned: bool,
+        bound: bool = True,
+        slots: list[int] | None = None,
+    ) -> int:
         queued, queue = self._queued, self._queue
         room = (self.cfg.write_back_queue if bound else 1 << 62) - len(queued)
         added = dropped = 0
@@ -260,16 +270,28 @@ class L3Writer:
             for slot, key, ns_id, class_id in reversed(chain) if pinned else chain:
                 if (ns_id, class_id) not in groups:
                     ns = self.names.namespace_of(ns_id)
-                    groups[(ns_id, class_id)] = None if ns is None else picked.setdefault(
-                        (ns, ns_id, self.names.page_bytes_of(class_id)), [])
+                    groups[(ns_id, class_id)] = (
+                        None
+                        if ns is None
+                        else picked.setdefault((ns, ns_id, self.names.page_bytes_of(class_id)), [])
+                    )
                 group = groups[(ns_id, class_id)]
                 if group is None:  # a page no session has named here: it cannot be written
                     self.pool.mark_in_l3([slot])
                     continue
                 group.append((key, slot))
-        return sum(self._enqueue(ns, ns_id, [k for k, _ in pages], pb, pinned=pinned,
-                                 bound=window is not None, slots=[s for _, s in pages])
-                   for (ns, ns_id, pb), pages in picked.items())
+        return sum(
+            self._enqueue(
+                ns,
+                ns_id,
+                [k for k, _ in pages],
+                pb,
+                pinned=pinned,
+                bound=window is not None,
+                slots=[s for _, s in pages],
+            )
+            for (ns, ns_id, pb), pages in picked.items()
+        )
 
     def _pressure(self) -> bool:
         st = self.pool.stats()
@@ -293,8 +315,11 @@ class L3Writer:
             if due:
                 self._retry = [it for it in self._retry if it.due > now]
                 self._queue.extendleft(reversed(due))
-        if self.write_back and self.l3.available and (
-                self._urgent or now - self._last_scan >= WRITE_BACK_PERIOD_S):
+        if (
+            self.write_back
+            and self.l3.available
+            and (self._urgent or now - self._last_scan >= WRITE_BACK_PERIOD_S)
+        ):
             self.write_back_checks += 1
             if self._urgent or self._pressure():
                 self._urgent = False
@@ -319,7 +344,11 @@ class L3Writer:
         while self._queue and len(batch) < WRITE_BATCH:
             it = self._queue[0]
             if (it.ns, it.ns_id, it.page_bytes, it.pinned) != (
-                    first.ns, first.ns_id, first.page_bytes, first.pinned):
+                first.ns,
+                first.ns_id,
+                first.page_bytes,
+                first.pinned,
+            ):
                 break
             batch.append(self._queue.popleft())
         return batch
@@ -361,8 +390,9 @@ class L3Writer:
             rest, rest_slots = items[present:], slots[present:]
             if not rest:
                 return
-            flags = await self.l3.put(ns, keys[present:],
-                                        [pool.slot_offset(s) for s in rest_slots], length)
+            flags = await self.l3.put(
+                ns, keys[present:], [pool.slot_offset(s) for s in rest_slots], length
+            )
             ok = [s for s, f in zip(rest_slots, flags) if f]
             pool.mark_in_l3(ok)
             c.l3_write_written_pages += len(ok)
@@ -391,7 +421,7 @@ class L3Writer:
             while i < len(batch):
                 got = self.pool.pin(ns_id, keys[i:] if i else keys)  # the leading READY run
                 pins += got
-                items += batch[i:i + len(got)]
+                items += batch[i : i + len(got)]
                 i += len(got)
                 if i < len(batch):  # not READY: gone from L2 (or never committed)
                     gone.append(batch[i])

@@ -52,8 +52,10 @@ from kvtier.ipc.shm import SharedMemoryError, SharedMemorySegment
 from kvtier.kernels import guarded_copy
 from kvtier.kernels.host_views import EngineView, HostBuffer
 
-NAMES_REFUSED = ("memory.kind = 'shm' (a file name) is not accepted: hand the memory over by "
-                 "descriptor (memory.kind = 'fd', see docs/protocol.md, 'Memory handover')")
+NAMES_REFUSED = (
+    "memory.kind = 'shm' (a file name) is not accepted: hand the memory over by "
+    "descriptor (memory.kind = 'fd', see docs/protocol.md, 'Memory handover')"
+)
 """The refusal of an export by file name."""
 
 
@@ -71,8 +73,10 @@ def check_buffers(geometry: Geometry, memory: KVMemory, error: type[KvtierError]
     """
     g = geometry
     if memory.regions:
-        raise error("memory.regions: this copy path needs the per-buffer form "
-                    "(buffer_segments / buffer_offsets)")
+        raise error(
+            "memory.regions: this copy path needs the per-buffer form "
+            "(buffer_segments / buffer_offsets)"
+        )
     if not 1 <= memory.num_pages <= MAX_PAGES:
         raise error(f"memory.num_pages = {memory.num_pages!r} is out of range")
     n_buf = g.num_layers * g.components
@@ -131,8 +135,9 @@ def check_descriptor(fd: int, size: int, what: str) -> bool:
     if mode != os.O_RDWR:
         raise EngineMemoryError(f"{what}: the descriptor is not open read-write")
     if st.st_size != size:
-        raise EngineMemoryError(f"{what}: the descriptor has {st.st_size} bytes, the export "
-                                f"declares {size}")
+        raise EngineMemoryError(
+            f"{what}: the descriptor has {st.st_size} bytes, the export declares {size}"
+        )
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except OSError:  # EINVAL: a file system without seals
@@ -142,16 +147,20 @@ def check_descriptor(fd: int, size: int, what: str) -> bool:
     try:
         kind = fs_type(fd)
     except OSError as err:
-        raise EngineMemoryError(f"{what}: the descriptor's file system cannot be examined: "
-                                f"{err}") from err
+        raise EngineMemoryError(
+            f"{what}: the descriptor's file system cannot be examined: {err}"
+        ) from err
     if kind not in (TMPFS_MAGIC, HUGETLBFS_MAGIC):
-        raise EngineMemoryError(f"{what}: the descriptor is neither sealed against shrinking "
-                                "(F_SEAL_SHRINK) nor a memfd or tmpfs file; hand over a memfd")
+        raise EngineMemoryError(
+            f"{what}: the descriptor is neither sealed against shrinking "
+            "(F_SEAL_SHRINK) nor a memfd or tmpfs file; hand over a memfd"
+        )
     return False
 
 
-def check_regions(geometry: Geometry, memory: KVMemory,
-                  error: type[KvtierError]) -> list[MemoryRegion]:
+def check_regions(
+    geometry: Geometry, memory: KVMemory, error: type[KvtierError]
+) -> list[MemoryRegion]:
     """Check the export's page layout against ``geometry``; return its regions.
 
     Either ``regions`` or the per-buffer form (one buffer per layer and component of
@@ -168,37 +177,48 @@ def check_regions(geometry: Geometry, memory: KVMemory,
         raise error(f"memory.num_pages = {memory.num_pages!r} is out of range")
     if memory.regions:
         if memory.buffer_offsets or memory.buffer_segments:
-            raise error("memory gives both regions and buffer_offsets / buffer_segments; "
-                        "give one of them")
+            raise error(
+                "memory gives both regions and buffer_offsets / buffer_segments; give one of them"
+            )
     else:
         check_buffers(g, memory, error)
     regions = memory.layout_regions(g)
     total = 0
     for i, r in enumerate(regions):
         if r.layer >= g.num_layers:
-            raise error(f"memory.regions[{i}].layer = {r.layer!r}: the model has "
-                        f"{g.num_layers} layers")
+            raise error(
+                f"memory.regions[{i}].layer = {r.layer!r}: the model has {g.num_layers} layers"
+            )
         if r.page_stride < r.page_bytes:
-            raise error(f"memory.regions[{i}].page_stride = {r.page_stride!r} is smaller than "
-                        f"its page_bytes = {r.page_bytes!r}")
+            raise error(
+                f"memory.regions[{i}].page_stride = {r.page_stride!r} is smaller than "
+                f"its page_bytes = {r.page_bytes!r}"
+            )
         if not 0 <= r.segment < len(memory.segments):
-            raise error(f"memory.regions[{i}].segment = {r.segment!r} is out of range "
-                        f"({len(memory.segments)} segments)")
+            raise error(
+                f"memory.regions[{i}].segment = {r.segment!r} is out of range "
+                f"({len(memory.segments)} segments)"
+            )
         total += r.page_bytes
     if total != g.page_bytes:
-        raise error(f"memory.regions hold {total} bytes per page; the geometry's pages are "
-                    f"{g.page_bytes} bytes")
+        raise error(
+            f"memory.regions hold {total} bytes per page; the geometry's pages are "
+            f"{g.page_bytes} bytes"
+        )
     return regions
 
 
-def check_region_fits(r: MemoryRegion, i: int, num_pages: int, seg_size: int,
-                      error: type[KvtierError]) -> int:
+def check_region_fits(
+    r: MemoryRegion, i: int, num_pages: int, seg_size: int, error: type[KvtierError]
+) -> int:
     """The bytes region ``i`` spans; raises ``error`` when they overrun its segment."""
     span = (num_pages - 1) * r.page_stride + r.page_bytes
     if r.offset + span > seg_size:
-        raise error(f"memory.regions[{i}]: {num_pages} pages of {r.page_bytes} bytes "
-                    f"{r.page_stride} apart from offset {r.offset} overrun segment "
-                    f"{r.segment} of {seg_size} bytes")
+        raise error(
+            f"memory.regions[{i}]: {num_pages} pages of {r.page_bytes} bytes "
+            f"{r.page_stride} apart from offset {r.offset} overrun segment "
+            f"{r.segment} of {seg_size} bytes"
+        )
     return span
 
 
@@ -314,11 +334,23 @@ class EngineMemory:
         EngineMemoryExhausted: the daemon ran out of address space or memory mapping it.
     """
 
-    __slots__ = ("_fds", "_prefault", "buffers", "geometry", "guarded", "mapped", "mapped_bytes",
-                 "num_pages", "regions", "segments", "table")
+    __slots__ = (
+        "_fds",
+        "_prefault",
+        "buffers",
+        "geometry",
+        "guarded",
+        "mapped",
+        "mapped_bytes",
+        "num_pages",
+        "regions",
+        "segments",
+        "table",
+    )
 
-    def __init__(self, geometry: Geometry, memory: KVMemory, fds: list[int],
-                 admit: Admit | None = None) -> None:
+    def __init__(
+        self, geometry: Geometry, memory: KVMemory, fds: list[int], admit: Admit | None = None
+    ) -> None:
         self.geometry = geometry
         self.num_pages = memory.num_pages
         self.segments: list[SharedMemorySegment] = []
@@ -346,17 +378,30 @@ class EngineMemory:
             )
         regions = check_regions(g, memory, EngineMemoryError)
         if not memory.segments or len(memory.segments) != len(fds):
-            raise EngineMemoryError(f"memory.segments has {len(memory.segments)} entries but the "
-                                    f"handover passed {len(fds)} descriptors")
+            raise EngineMemoryError(
+                f"memory.segments has {len(memory.segments)} entries but the "
+                f"handover passed {len(fds)} descriptors"
+            )
         # everything declared is checked before anything is mapped
-        spans = [check_region_fits(r, i, memory.num_pages, memory.segments[r.segment].size,
-                                   EngineMemoryError) for i, r in enumerate(regions)]
-        sealed_of = [check_descriptor(fd, seg.size, f"memory.segments[{i}]")
-                     for i, (seg, fd) in enumerate(zip(memory.segments, fds, strict=True))]
+        spans = [
+            check_region_fits(
+                r, i, memory.num_pages, memory.segments[r.segment].size, EngineMemoryError
+            )
+            for i, r in enumerate(regions)
+        ]
+        sealed_of = [
+            check_descriptor(fd, seg.size, f"memory.segments[{i}]")
+            for i, (seg, fd) in enumerate(zip(memory.segments, fds, strict=True))
+        ]
         maps = [sealed or guarded_copy.available() for sealed in sealed_of]
-        windows = plan_windows([seg.size for seg in memory.segments],
-                               [(r.segment, r.offset, span)
-                                for r, span in zip(regions, spans, strict=True) if maps[r.segment]])
+        windows = plan_windows(
+            [seg.size for seg in memory.segments],
+            [
+                (r.segment, r.offset, span)
+                for r, span in zip(regions, spans, strict=True)
+                if maps[r.segment]
+            ],
+        )
         self.mapped_bytes = sum(w.end - w.start for w in windows)
         if admit is not None:
             admit(self.mapped_bytes, len(windows))
@@ -370,8 +415,9 @@ class EngineMemory:
         for w in windows:
             what = f"memory.segments[{w.segment}]"
             try:
-                seg = SharedMemorySegment.from_fd(fds[w.segment], w.end - w.start, writable=True,
-                                                  label=what, offset=w.start)
+                seg = SharedMemorySegment.from_fd(
+                    fds[w.segment], w.end - w.start, writable=True, label=what, offset=w.start
+                )
             except SharedMemoryError as err:
                 if isinstance(err.__cause__, OSError) and err.__cause__.errno in NO_ROOM:
                     raise EngineMemoryExhausted(f"{what}: {err}") from err
@@ -385,25 +431,41 @@ class EngineMemory:
                 w, seg = next((w, seg) for w, seg in mapped if w.holds(r.segment, r.offset, span))
                 at = r.offset - w.start
                 if sealed_of[r.segment]:
-                    rows = np.ndarray((memory.num_pages, r.page_bytes), dtype=np.uint8,
-                                      buffer=seg.array(np.uint8, at, span),
-                                      strides=(r.page_stride, 1))
+                    rows = np.ndarray(
+                        (memory.num_pages, r.page_bytes),
+                        dtype=np.uint8,
+                        buffer=seg.array(np.uint8, at, span),
+                        strides=(r.page_stride, 1),
+                    )
                     view = EngineView.of(rows, f"memory.regions[{i}]")
                 else:  # may shrink: guarded copies only, never an array over it
                     address = seg.address + at
                     self.guarded = True
-            self.regions.append(RegionView(r.layer, host_offset, r.page_bytes, r.page_stride,
-                                           r.offset, view, fd_of[r.segment], memory.num_pages,
-                                           address))
+            self.regions.append(
+                RegionView(
+                    r.layer,
+                    host_offset,
+                    r.page_bytes,
+                    r.page_stride,
+                    r.offset,
+                    view,
+                    fd_of[r.segment],
+                    memory.num_pages,
+                    address,
+                )
+            )
             host_offset += r.page_bytes
         self.table = RegionTable.of(self.regions)
         if not memory.regions and self.mapped and not self.guarded:
             comps = g.components
-            self.buffers = [[cast(EngineView, self.regions[layer * comps + c].view).array
-                             for c in range(comps)] for layer in range(g.num_layers)]
+            self.buffers = [
+                [cast(EngineView, self.regions[layer * comps + c].view).array for c in range(comps)]
+                for layer in range(g.num_layers)
+            ]
 
-    def start_prefault(self, label: str, queue: PrefaultQueue | None = None,
-                       user: int = -1) -> None:
+    def start_prefault(
+        self, label: str, queue: PrefaultQueue | None = None, user: int = -1
+    ) -> None:
         """Build the page tables of the mapped spans where the engine has allocated its
         pages (:mod:`.prefault`), on ``queue`` in ``user``'s turns (else on a thread of its
         own): the first copy into a page then takes no fault. :meth:`close` stops it first."""
@@ -455,11 +517,11 @@ class NoMemory:
             EngineMemoryError: naming what was declared or passed.
         """
         if memory.segments or memory.regions or memory.buffer_offsets or memory.buffer_segments:
-            raise EngineMemoryError("memory.kind = 'none' declares no segments, regions or "
-                                    "buffers")
+            raise EngineMemoryError("memory.kind = 'none' declares no segments, regions or buffers")
         if fds:
-            raise EngineMemoryError(f"memory.kind = 'none' but the handover passed {len(fds)} "
-                                    "descriptors")
+            raise EngineMemoryError(
+                f"memory.kind = 'none' but the handover passed {len(fds)} descriptors"
+            )
 
     def close(self) -> None:
         """Nothing to release."""

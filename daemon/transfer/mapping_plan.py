@@ -48,8 +48,11 @@ def plan_windows(sizes: list[int], spans: list[tuple[int, int, int]]) -> list[Wi
     gran = mmap.ALLOCATIONGRANULARITY
     out: list[Window] = []
     for seg in sorted({s for s, _, _ in spans}):
-        runs = sorted((off - off % gran, min(sizes[seg], -(-(off + n) // gran) * gran))
-                      for s, off, n in spans if s == seg)
+        runs = sorted(
+            (off - off % gran, min(sizes[seg], -(-(off + n) // gran) * gran))
+            for s, off, n in spans
+            if s == seg
+        )
         start, end = runs[0]
         for lo, hi in runs[1:]:
             if lo <= end + MAP_GAP:

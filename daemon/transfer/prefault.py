@@ -31,7 +31,14 @@ from collections import OrderedDict, deque
 
 import numpy as np
 
-__all__ = ["MADV_POPULATE_WRITE", "PAGE", "STEP", "PrefaultQueue", "Prefaulter", "populate_resident"]
+__all__ = [
+    "MADV_POPULATE_WRITE",
+    "PAGE",
+    "STEP",
+    "PrefaultQueue",
+    "Prefaulter",
+    "populate_resident",
+]
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +93,17 @@ class Prefaulter:
         label: names the memory in the log.
     """
 
-    __slots__ = ("_at", "_lock", "_ranges", "_started", "_stop", "_thread", "complete", "label",
-                 "populated")
+    __slots__ = (
+        "_at",
+        "_lock",
+        "_ranges",
+        "_started",
+        "_stop",
+        "_thread",
+        "complete",
+        "label",
+        "populated",
+    )
 
     def __init__(self, ranges: list[tuple[int, int]], label: str) -> None:
         self._ranges = [(a, n) for a, n in ranges if n >= PAGE]
@@ -126,16 +142,19 @@ class Prefaulter:
             self._at = (i, off)
             more = self.pending
         if not more and not self._stop.is_set():
-            log.debug("%s: %d MiB of page tables built in %.3f s%s", self.label,
-                      self.populated >> 20, time.perf_counter() - self._started,
-                      "" if self.complete else " (stopped early: the kernel refused a range)")
+            log.debug(
+                "%s: %d MiB of page tables built in %.3f s%s",
+                self.label,
+                self.populated >> 20,
+                time.perf_counter() - self._started,
+                "" if self.complete else " (stopped early: the kernel refused a range)",
+            )
         return more
 
     def start(self) -> None:
         """Run the steps on a thread of its own (at most once; nothing to do starts nothing)."""
         if self._thread is None and self.pending:
-            self._thread = threading.Thread(target=self._run, name="kvtier-prefault",
-                                            daemon=True)
+            self._thread = threading.Thread(target=self._run, name="kvtier-prefault", daemon=True)
             self._thread.start()
 
     def _run(self) -> None:

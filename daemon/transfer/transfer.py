@@ -93,9 +93,16 @@ class Transfer:
     extra: dict[str, object] = field(default_factory=dict)
 
 
-def run_transfer(t: Transfer, arena: HostBuffer, regions: Sequence[RegionView],
-                 num_layers: int, page_bytes: int, block: LayerSink,
-                 table: RegionTable | None = None, whole: bool = False) -> TransferStatus:
+def run_transfer(
+    t: Transfer,
+    arena: HostBuffer,
+    regions: Sequence[RegionView],
+    num_layers: int,
+    page_bytes: int,
+    block: LayerSink,
+    table: RegionTable | None = None,
+    whole: bool = False,
+) -> TransferStatus:
     """Copy every region of ``t``'s pages and signal each finished layer; runs in a worker thread.
 
     Regions holding several layers (``layer = -1``) are copied first; then the regions of
@@ -118,17 +125,26 @@ def run_transfer(t: Transfer, arena: HostBuffer, regions: Sequence[RegionView],
         The final status. The event loop writes it to the block once the pages are
         committed (a store) or unpinned (a load), so DONE means "visible in L2".
     """
-    status, sums = copy_part(t, 0, len(t.host_slots), arena, regions, num_layers, page_bytes,
-                             block, table, whole)
+    status, sums = copy_part(
+        t, 0, len(t.host_slots), arena, regions, num_layers, page_bytes, block, table, whole
+    )
     t.checksums = sums
     t.status = status
     return status
 
 
-def copy_part(t: Transfer, first: int, end: int, arena: HostBuffer,
-              regions: Sequence[RegionView], num_layers: int, page_bytes: int,
-              block: LayerSink, table: RegionTable | None = None,
-              whole: bool = False) -> tuple[TransferStatus, list[int] | None]:
+def copy_part(
+    t: Transfer,
+    first: int,
+    end: int,
+    arena: HostBuffer,
+    regions: Sequence[RegionView],
+    num_layers: int,
+    page_bytes: int,
+    block: LayerSink,
+    table: RegionTable | None = None,
+    whole: bool = False,
+) -> tuple[TransferStatus, list[int] | None]:
     """Copy pages ``[first, end)`` of ``t`` (all of them, or one part of a split transfer)
     and announce each layer they finished to ``block`` (``table`` and ``whole``: as for
     :func:`run_transfer`).
@@ -152,8 +168,16 @@ def copy_part(t: Transfer, first: int, end: int, arena: HostBuffer,
                 if t.cancelled:
                     status = TransferStatus.CANCELLED
                     break
-                _copy_region(t.direction, page_ids, offsets, plans, page_bytes, host, r,
-                             t.nbytes >= STREAM_BYTES)
+                _copy_region(
+                    t.direction,
+                    page_ids,
+                    offsets,
+                    plans,
+                    page_bytes,
+                    host,
+                    r,
+                    t.nbytes >= STREAM_BYTES,
+                )
                 nxt = order[i + 1].layer if i + 1 < len(order) else num_layers
                 if nxt > r.layer >= 0:
                     block.layer_done(t.slot, r.layer + 1)
@@ -162,7 +186,9 @@ def copy_part(t: Transfer, first: int, end: int, arena: HostBuffer,
         if status is TransferStatus.DONE and t.checksum and end > first:
             # checksummed here, in the copy thread, while the bytes are hot in cache
             sums = page_checksums(host.array, offsets.tolist(), page_bytes)
-    except Exception:  # a bug, a vanished mapping, a short read: the transfer fails, the daemon stays up
+    except (
+        Exception
+    ):  # a bug, a vanished mapping, a short read: the transfer fails, the daemon stays up
         log.exception("transfer session=%d slot=%d failed", t.session_id, t.slot)
         status = TransferStatus.FAILED
     return status, sums
@@ -234,8 +260,15 @@ def combine(results: Sequence[tuple[TransferStatus, list[int] | None]], t: Trans
         t.status = TransferStatus.FAILED
 
 
-def _copy_table(t: Transfer, page_ids: np.ndarray, offsets: np.ndarray, host: ArenaView,
-                table: RegionTable, block: LayerSink, whole: bool) -> TransferStatus:
+def _copy_table(
+    t: Transfer,
+    page_ids: np.ndarray,
+    offsets: np.ndarray,
+    host: ArenaView,
+    table: RegionTable,
+    block: LayerSink,
+    whole: bool,
+) -> TransferStatus:
     """Copy the pages of every region in ``table``, one native call per announced layer
     (one in all when ``whole``), announcing each; the caller announces the last."""
     rows, store, stream = table.table, t.direction is Direction.STORE, t.nbytes >= STREAM_BYTES
@@ -248,16 +281,25 @@ def _copy_table(t: Transfer, page_ids: np.ndarray, offsets: np.ndarray, host: Ar
             return TransferStatus.CANCELLED
         done = copy_regions(host.address, host.nbytes, offsets, page_ids, rows[a:b], store, stream)
         if done < (b - a) * n:
-            raise RegionIOError(f"engine memory: page {int(page_ids[done % n])} of a region is "
-                                "gone (the engine shrank its memfd)")
+            raise RegionIOError(
+                f"engine memory: page {int(page_ids[done % n])} of a region is "
+                "gone (the engine shrank its memfd)"
+            )
         if layers and b < len(rows):
             block.layer_done(t.slot, layers)
     return TransferStatus.DONE
 
 
-def _copy_region(direction: Direction, page_ids: np.ndarray, offsets: np.ndarray,
-                 plans: dict[int, CopyPlan], slot_bytes: int, arena: ArenaView,
-                 r: RegionView, stream: bool = False) -> None:
+def _copy_region(
+    direction: Direction,
+    page_ids: np.ndarray,
+    offsets: np.ndarray,
+    plans: dict[int, CopyPlan],
+    slot_bytes: int,
+    arena: ArenaView,
+    r: RegionView,
+    stream: bool = False,
+) -> None:
     """Move one region's bytes of the pages ``page_ids`` (host slots at ``offsets``).
 
     Mapped memory, sealed or not, is copied by :func:`copy_strided` when the native
@@ -271,36 +313,63 @@ def _copy_region(direction: Direction, page_ids: np.ndarray, offsets: np.ndarray
     mapped: tuple[int, int, int] | None = None  # (page 0's address, pages, page stride)
     if r.address:
         mapped = (r.address, r.num_pages, r.page_stride)
-    elif (isinstance(view, EngineView) and view.row_bytes == r.page_bytes
-          and (store or view.array.flags.writeable)):
+    elif (
+        isinstance(view, EngineView)
+        and view.row_bytes == r.page_bytes
+        and (store or view.array.flags.writeable)
+    ):
         mapped = (view.address, view.num_pages, view.page_stride)
     if strided() and mapped is not None:
-        done = copy_strided(arena.address, arena.nbytes, offsets, r.host_offset, mapped[0],
-                            mapped[1], page_ids, mapped[2], r.page_bytes, store, stream)
+        done = copy_strided(
+            arena.address,
+            arena.nbytes,
+            offsets,
+            r.host_offset,
+            mapped[0],
+            mapped[1],
+            page_ids,
+            mapped[2],
+            r.page_bytes,
+            store,
+            stream,
+        )
         if done < len(page_ids):
-            raise RegionIOError(f"engine memory: page {int(page_ids[done])} of a region is gone "
-                                "(the engine shrank its memfd)")
+            raise RegionIOError(
+                f"engine memory: page {int(page_ids[done])} of a region is gone "
+                "(the engine shrank its memfd)"
+            )
         return
     plan = plans.get(r.page_bytes)
     if plan is None:
-        plan = plans[r.page_bytes] = CopyPlan.build(page_ids, offsets, r.page_bytes,
-                                                    slot_bytes=slot_bytes)
+        plan = plans[r.page_bytes] = CopyPlan.build(
+            page_ids, offsets, r.page_bytes, slot_bytes=slot_bytes
+        )
     if view is not None:
         if store:
             plan.to_host(arena, view, r.host_offset)
         else:
             plan.from_host(arena, view, r.host_offset)
         return
-    plan.check_copy(arena_nbytes=arena.nbytes, num_pages=r.num_pages, row_bytes=r.page_bytes,
-                    chunk_offset=r.host_offset, name="engine region")
+    plan.check_copy(
+        arena_nbytes=arena.nbytes,
+        num_pages=r.num_pages,
+        row_bytes=r.page_bytes,
+        chunk_offset=r.host_offset,
+        name="engine region",
+    )
     if r.address:  # mapped, but the engine may shrink it: guarded copies only
         engine = (page_ids * r.page_stride + r.address).tolist()
         host = (offsets + (arena.address + r.host_offset)).tolist()
-        done = (copy_pages(host, engine, r.page_bytes, stream) if store
-                else copy_pages(engine, host, r.page_bytes, stream))
+        done = (
+            copy_pages(host, engine, r.page_bytes, stream)
+            if store
+            else copy_pages(engine, host, r.page_bytes, stream)
+        )
         if done < len(host):
-            raise RegionIOError(f"engine memory: page {int(page_ids[done])} of a region is gone "
-                                "(the engine shrank its memfd)")
+            raise RegionIOError(
+                f"engine memory: page {int(page_ids[done])} of a region is gone "
+                "(the engine shrank its memfd)"
+            )
         return
     at = (offsets + r.host_offset).tolist()
     positions = (page_ids * r.page_stride + r.base).tolist()
@@ -308,7 +377,9 @@ def _copy_region(direction: Direction, page_ids: np.ndarray, offsets: np.ndarray
     io = read_pages if store else write_pages
     sums = io(r.fd, buf, at, r.page_bytes, positions)
     if any(x is None for x in sums):
-        raise RegionIOError(f"engine memory: a page of {r.page_bytes} bytes at "
-                            f"{positions[[x is None for x in sums].index(True)]} could not be "
-                            f"{'read' if store else 'written'} "
-                            "(the descriptor shrank?)")
+        raise RegionIOError(
+            f"engine memory: a page of {r.page_bytes} bytes at "
+            f"{positions[[x is None for x in sums].index(True)]} could not be "
+            f"{'read' if store else 'written'} "
+            "(the descriptor shrank?)"
+        )

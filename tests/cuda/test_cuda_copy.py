@@ -26,6 +26,7 @@ def needs_gpu(test: Callable[..., None]) -> Callable[..., None]:
     skip = pytest.mark.skipif(not _gpu_and_cupy(), reason="needs an NVIDIA GPU and cupy")
     return pytest.mark.cuda(skip(test))  # type: ignore[no-any-return]
 
+
 N_LAYERS = 3
 NUM_PAGES = 40
 NUM_SLOTS = 44
@@ -112,7 +113,12 @@ def make_arena(arena_kind: str) -> Iterator[object]:
 @pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize(("dtype", "page_size", "heads", "dim"), GEOMETRIES)
 def test_cuda_matches_cpu_reference(
-    dtype: torch.dtype, page_size: int, heads: int, dim: int, order: str, n_comp: int,
+    dtype: torch.dtype,
+    page_size: int,
+    heads: int,
+    dim: int,
+    order: str,
+    n_comp: int,
     make_arena: object,
 ) -> None:
     gen = torch.Generator().manual_seed(11)

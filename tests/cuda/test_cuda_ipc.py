@@ -44,7 +44,9 @@ GPU_REASON = cuda_ipc.cuda_unavailable_reason()
 needs_gpu = pytest.mark.skipif(GPU_REASON is not None, reason=GPU_REASON or "")
 no_gpu = pytest.mark.skipif(GPU_REASON is None, reason="checks the behaviour without a GPU")
 
-SMALL = P.Geometry(num_layers=8, page_size=16, kv_heads=8, head_dim=128, dtype="bfloat16")  # 512 KiB
+SMALL = P.Geometry(
+    num_layers=8, page_size=16, kv_heads=8, head_dim=128, dtype="bfloat16"
+)  # 512 KiB
 BIG = P.Geometry(num_layers=8, page_size=64, kv_heads=8, head_dim=128, dtype="bfloat16")  # 2 MiB
 CHAIN = 32  # pages per chain in the fault tests
 UUID = "GPU-5d9c1a0b-0000-4e2f-9a7b-00ff10203040"
@@ -58,11 +60,16 @@ def _handle(seed: int) -> bytes:
 def _export(geometry: P.Geometry = SMALL, num_pages: int = 4, **change: Any) -> P.KVMemory:
     n_buf = geometry.num_layers * geometry.components
     buf = num_pages * geometry.chunk_bytes
-    seg = P.MemorySegment(name="cuda-ipc:1:0x7f00", size=n_buf * buf, handle=_handle(1),
-                          device_uuid=UUID)
-    fields: dict[str, object] = {"kind": "cuda_ipc", "num_pages": num_pages, "segments": [seg],
-                                 "buffer_segments": [0] * n_buf,
-                                 "buffer_offsets": [i * buf for i in range(n_buf)]}
+    seg = P.MemorySegment(
+        name="cuda-ipc:1:0x7f00", size=n_buf * buf, handle=_handle(1), device_uuid=UUID
+    )
+    fields: dict[str, object] = {
+        "kind": "cuda_ipc",
+        "num_pages": num_pages,
+        "segments": [seg],
+        "buffer_segments": [0] * n_buf,
+        "buffer_offsets": [i * buf for i in range(n_buf)],
+    }
     fields.update(change)
     return P.KVMemory(**fields)  # type: ignore[arg-type]
 
@@ -71,8 +78,11 @@ def _export(geometry: P.Geometry = SMALL, num_pages: int = 4, **change: Any) -> 
 
 
 def test_export_refuses_cpu_tensors_with_a_clear_error() -> None:
-    with pytest.raises(CudaIpcError, match=r"tensors\[0\] is on cpu: CUDA IPC exports CUDA "
-                                           r"tensors only .*SharedKVPool"):
+    with pytest.raises(
+        CudaIpcError,
+        match=r"tensors\[0\] is on cpu: CUDA IPC exports CUDA "
+        r"tensors only .*SharedKVPool",
+    ):
         cuda_ipc.export_tensors([torch.zeros(16, dtype=torch.uint8)])
     with pytest.raises(CudaIpcError, match="at least one tensor"):
         cuda_ipc.export_tensors([])
@@ -99,33 +109,49 @@ def test_device_uuid_round_trip() -> None:
 
 def test_cuda_export_round_trips_through_the_wire_protocol() -> None:
     memory = _export()
-    msg = P.Register(req_id=7, protocol_version=P.PROTOCOL_VERSION,
-                     namespace=P.NamespaceSpec(model_id="m"), geometry=SMALL, memory=memory)
+    msg = P.Register(
+        req_id=7,
+        protocol_version=P.PROTOCOL_VERSION,
+        namespace=P.NamespaceSpec(model_id="m"),
+        geometry=SMALL,
+        memory=memory,
+    )
     back = P.decode_request(P.encode(msg))
     assert isinstance(back, P.Register)
     assert back.memory == memory
     assert back.memory.segments[0].handle == _handle(1)
     assert len(back.memory.segments[0].handle) == cuda_ipc.IPC_HANDLE_BYTES
-    assert cuda_ipc.parse_device_uuid(back.memory.segments[0].device_uuid) == \
-        cuda_ipc.parse_device_uuid(UUID)
+    assert cuda_ipc.parse_device_uuid(
+        back.memory.segments[0].device_uuid
+    ) == cuda_ipc.parse_device_uuid(UUID)
     assert check_cuda_export(SMALL, back.memory) == UUID
 
 
-TWO_GPUS = [P.MemorySegment("a", 1 << 30, _handle(1), UUID),
-            P.MemorySegment("b", 1 << 30, _handle(2), UUID.replace("5d9c", "5d9d"))]
+TWO_GPUS = [
+    P.MemorySegment("a", 1 << 30, _handle(1), UUID),
+    P.MemorySegment("b", 1 << 30, _handle(2), UUID.replace("5d9c", "5d9d")),
+]
 BAD_EXPORTS: dict[str, tuple[dict[str, Any], str]] = {
     "kind": ({"kind": "shm"}, "CudaEngineMemory opens 'cuda_ipc'"),
     "pages": ({"num_pages": 0}, "num_pages = 0 is out of range"),
     "buffers": ({"buffer_offsets": [0]}, "geometry needs 16"),
-    "handle": ({"segments": [P.MemorySegment("s", 1 << 30, b"\x01" * 63, UUID)]},
-               "64-byte CUDA IPC handle, got 63"),
-    "uuid": ({"segments": [P.MemorySegment("s", 1 << 30, _handle(1), "GPU-nope")]},
-             "is not a GPU UUID"),
-    "two_gpus": ({"segments": TWO_GPUS, "buffer_segments": [0] * 8 + [1] * 8},
-                 "one registration, one GPU"),
+    "handle": (
+        {"segments": [P.MemorySegment("s", 1 << 30, b"\x01" * 63, UUID)]},
+        "64-byte CUDA IPC handle, got 63",
+    ),
+    "uuid": (
+        {"segments": [P.MemorySegment("s", 1 << 30, _handle(1), "GPU-nope")]},
+        "is not a GPU UUID",
+    ),
+    "two_gpus": (
+        {"segments": TWO_GPUS, "buffer_segments": [0] * 8 + [1] * 8},
+        "one registration, one GPU",
+    ),
     "segment_index": ({"buffer_segments": [0] * 15 + [3]}, r"buffer_segments\[15\] = 3"),
-    "past_the_end": ({"buffer_offsets": [0] * 15 + [16 * 4 * SMALL.chunk_bytes]},
-                     r"buffer_offsets\[15\] = .* do not fit"),
+    "past_the_end": (
+        {"buffer_offsets": [0] * 15 + [16 * 4 * SMALL.chunk_bytes]},
+        r"buffer_offsets\[15\] = .* do not fit",
+    ),
     "negative": ({"buffer_offsets": [-1] + [0] * 15}, r"buffer_offsets\[0\] = -1"),
 }
 
@@ -145,28 +171,35 @@ def test_range_from_snapshot_finds_the_segment_of_an_address() -> None:
         {"device": 1, "address": 0x8000, "total_size": 0x2000, "is_expandable": True},
     ]
     assert cuda_ipc.range_from_snapshot(snapshot, 0x1800, 0) == cuda_ipc.AllocationRange(
-        0x1000, 0x1000, True)
+        0x1000, 0x1000, True
+    )
     assert cuda_ipc.range_from_snapshot(snapshot, 0x1800, 1) is None
     assert cuda_ipc.range_from_snapshot(snapshot, 0x2000, 0) is None
-    assert cuda_ipc.range_from_snapshot(snapshot, 0x4fff, 1) == cuda_ipc.AllocationRange(
-        0x4000, 0x1000, True)
+    assert cuda_ipc.range_from_snapshot(snapshot, 0x4FFF, 1) == cuda_ipc.AllocationRange(
+        0x4000, 0x1000, True
+    )
     assert cuda_ipc.range_from_snapshot(snapshot, 0x9000, 1) == cuda_ipc.AllocationRange(
-        0x8000, 0x2000, False)
-    assert 0x1fff in cuda_ipc.AllocationRange(0x1000, 0x1000)
+        0x8000, 0x2000, False
+    )
+    assert 0x1FFF in cuda_ipc.AllocationRange(0x1000, 0x1000)
     assert 0x2000 not in cuda_ipc.AllocationRange(0x1000, 0x1000)
 
 
-@pytest.mark.parametrize(("env", "expected"), [
-    ({}, False),
-    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, True),
-    ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128, expandable_segments : true"}, True),
-    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, False),
-    ({"PYTORCH_ALLOC_CONF": "expandable_segments:True"}, True),
-    ({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}, True),
-    ({"PYTORCH_CUDA_ALLOC_CONF": "backend:native"}, False),
-])
-def test_allocator_settings_that_cannot_be_exported_are_recognised(env: dict[str, str],
-                                                                   expected: bool) -> None:
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, False),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, True),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128, expandable_segments : true"}, True),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, False),
+        ({"PYTORCH_ALLOC_CONF": "expandable_segments:True"}, True),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}, True),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "backend:native"}, False),
+    ],
+)
+def test_allocator_settings_that_cannot_be_exported_are_recognised(
+    env: dict[str, str], expected: bool
+) -> None:
     assert unexportable_allocator_requested(env) is expected
 
 
@@ -202,16 +235,28 @@ def test_modules_import_without_cupy() -> None:
         "except c.CudaUnavailable as err:\n"
         "    print('unavailable:', err)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
-                          text=True, timeout=60, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"unavailable: {cuda_ipc.NEEDS_GPU}: cupy does not import" in proc.stdout
 
 
 @no_gpu
 def test_benchmark_exits_cleanly_without_a_gpu() -> None:
-    proc = subprocess.run([sys.executable, "-m", "kvtier.bench.cuda_bench"], check=False,
-                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvtier.bench.cuda_bench"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert cuda_ipc.NEEDS_GPU in proc.stdout
 
@@ -265,8 +310,11 @@ def connect(pool: CudaKVPool, rdir: Path, model: str = "cuda-test"):
 
     from tests.engines import client_config
 
-    return Connection(pool, model_id=model,  # type: ignore[arg-type]
-                      config=client_config(rdir, request_timeout_s=60.0, load_timeout_s=60.0))
+    return Connection(
+        pool,
+        model_id=model,  # type: ignore[arg-type]
+        config=client_config(rdir, request_timeout_s=60.0, load_timeout_s=60.0),
+    )
 
 
 def start_daemon(daemon_factory, pool: str = "1GiB"):
@@ -330,8 +378,9 @@ def test_bytes_identical_after_store_and_load(daemon_factory, allocator: str) ->
         pool.close()
 
 
-def _ordered_check(pool: CudaKVPool, conn, keys: list[bytes], dst: list[int],
-                   want: list[torch.Tensor], wait: bool) -> list[bool]:
+def _ordered_check(
+    pool: CudaKVPool, conn, keys: list[bytes], dst: list[int], want: list[torch.Tensor], wait: bool
+) -> list[bool]:
     """Zero ``dst``, load ``keys`` into it and check each layer on the GPU right after its wait
     (or with no wait); return, per layer, whether the check saw the loaded bytes."""
     idx = torch.tensor(dst, dtype=torch.int64, device=pool.device)
@@ -373,8 +422,9 @@ def test_layer_data_is_never_read_before_its_event(daemon_factory) -> None:
             assert _ordered_check(pool, conn, keys, dst, want, wait=True) == [True] * BIG.num_layers
         # the control: without the waits the same checks run before the copies land
         unordered = [_ordered_check(pool, conn, keys, dst, want, wait=False) for _ in range(3)]
-        assert any(not all(run) for run in unordered), \
+        assert any(not all(run) for run in unordered), (
             "checks without wait_layer never saw unloaded pages: this test cannot detect a missing wait"
+        )
     finally:
         conn.close()
         pool.close()
@@ -410,8 +460,13 @@ def _engine_child() -> None:
 def _spawn(mode: str, rdir: Path, n: int) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     code = "from tests.cuda.test_cuda_ipc import _engine_child; _engine_child()"
-    return subprocess.Popen([sys.executable, "-c", code, mode, str(rdir), str(n)],
-                            stdout=subprocess.PIPE, text=True, cwd=REPO, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-c", code, mode, str(rdir), str(n)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env=env,
+    )
 
 
 def _wait_line(proc: subprocess.Popen[str], prefix: str, lines: list[str]) -> None:
@@ -505,8 +560,9 @@ def test_reference_model_on_cuda_with_kvtier_matches_uncached(daemon_factory) ->
         def layer_wait(layer: int) -> None:
             assert h.wait_layer(layer)
 
-        got_tokens, got_logits = model.generate(prompt, cached, table_b, pool.k, pool.v, 8,
-                                                layer_wait=layer_wait)
+        got_tokens, got_logits = model.generate(
+            prompt, cached, table_b, pool.k, pool.v, 8, layer_wait=layer_wait
+        )
         assert h.wait()
         assert got_tokens == ref_tokens
         diff = float((got_logits - ref_logits).abs().max())
@@ -530,15 +586,28 @@ def test_reference_engine_on_cuda_matches_uncached(daemon_factory) -> None:
     from tests.engines import client_config
 
     if "device" not in inspect.signature(ReferenceEngine).parameters:
-        pytest.skip("ReferenceEngine has no device parameter yet: the model-level test above "
-                    "covers the GPU path")
+        pytest.skip(
+            "ReferenceEngine has no device parameter yet: the model-level test above "
+            "covers the GPU path"
+        )
     d = start_daemon(daemon_factory)
     model = TinyLlama(ModelConfig.tiny()).to("cuda")
     cfg = client_config(d.runtime_dir, request_timeout_s=60.0, load_timeout_s=60.0)
-    on = ReferenceEngine(mode="on", page_size=16, num_pages=64, client_config=cfg,  # type: ignore[call-arg]
-                         model=model, device="cuda")
-    off = ReferenceEngine(mode="off", page_size=16, num_pages=64, model=model,  # type: ignore[call-arg]
-                          device="cuda")
+    on = ReferenceEngine(
+        mode="on",
+        page_size=16,
+        num_pages=64,
+        client_config=cfg,  # type: ignore[call-arg]
+        model=model,
+        device="cuda",
+    )
+    off = ReferenceEngine(
+        mode="off",
+        page_size=16,
+        num_pages=64,
+        model=model,  # type: ignore[call-arg]
+        device="cuda",
+    )
     try:
         vocab = model.cfg.vocab_size
         prefix = [(i * 13 + 5) % vocab for i in range(10 * 16)]
@@ -552,4 +621,3 @@ def test_reference_engine_on_cuda_matches_uncached(daemon_factory) -> None:
     finally:
         on.close()
         off.close()
-

@@ -40,8 +40,9 @@ def test_running_out_of_address_space_refuses_one_register_and_says_degraded(dae
     unlimited = resource.prlimit(daemon.pid, resource.RLIMIT_AS)
     big = SharedKVPool(SMALL, (128 * MiB) // SMALL.page_bytes)
     try:
-        resource.prlimit(daemon.pid, resource.RLIMIT_AS,
-                         (vm_size(daemon.pid) + 64 * MiB, unlimited[1]))
+        resource.prlimit(
+            daemon.pid, resource.RLIMIT_AS, (vm_size(daemon.pid) + 64 * MiB, unlimited[1])
+        )
         with pytest.raises(DaemonError) as err:
             Connection(big, model_id="m", config=client_config(daemon.runtime_dir))
         assert err.value.code == P.ErrorCode.BUSY
@@ -54,8 +55,10 @@ def test_running_out_of_address_space_refuses_one_register_and_says_degraded(dae
             assert conn.store(keys, [0, 1]).wait(30)
             h = conn.load(keys, [2, 3])
             assert h.count == 2 and h.wait(30)
-            assert [page_bytes(pool, 2), page_bytes(pool, 3)] == [page_bytes(pool, 0),
-                                                                  page_bytes(pool, 1)]
+            assert [page_bytes(pool, 2), page_bytes(pool, 3)] == [
+                page_bytes(pool, 0),
+                page_bytes(pool, 1),
+            ]
         finally:
             conn.close()
             pool.close()

@@ -19,8 +19,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 def spawn(mode: str, rdir: Path, n: int) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, "-m", "tests.engine_child", mode, str(rdir), str(n)],
-                            stdout=subprocess.PIPE, text=True, cwd=REPO, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.engine_child", mode, str(rdir), str(n)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env=env,
+    )
 
 
 def wait_line(proc: subprocess.Popen[str], prefix: str) -> list[str]:

@@ -49,7 +49,7 @@ def object_places(store: Path) -> dict[bytes, tuple[Path, int]]:
         slot_bytes, slots = int(m[1]), int(m[2])
         table = seg.read_bytes()[: slots * HEADER_STRIDE]
         for i in range(slots):
-            header = table[i * HEADER_STRIDE: i * HEADER_STRIDE + 96]
+            header = table[i * HEADER_STRIDE : i * HEADER_STRIDE + 96]
             if header[:4] == b"KVTP":
                 places[bytes(header[40:72])] = (seg, table_bytes(slots) + i * slot_bytes)
     return places
@@ -77,8 +77,7 @@ def test_corrupt_and_truncated_objects_are_misses(daemon_factory, short_tmp):
             fh.seek(at_a3 + 100)
             fh.write(bytes([byte[0] ^ 0xFF]))
         seg_b5, at_b5 = places[keys_b[5]]
-        later = [k for k in keys_a + keys_b[:5] if places[k][0] == seg_b5
-                 and places[k][1] > at_b5]
+        later = [k for k in keys_a + keys_b[:5] if places[k][0] == seg_b5 and places[k][1] > at_b5]
         assert not later, "chain B's page 5 is not after the others in its segment"
         os.truncate(seg_b5, at_b5 + payload_slot(SMALL.page_bytes) // 2)  # cuts B5 and after
         second = daemon_factory(*flags, name="b")
@@ -100,8 +99,14 @@ def test_corrupt_and_truncated_objects_are_misses(daemon_factory, short_tmp):
 
 @pytest.mark.timeout(120)
 def test_redis_going_down_makes_misses_and_l2_keeps_serving(redis_server, daemon_factory):
-    d = daemon_factory(*l3_flags("redis", {"url": redis_server.url, "timeout_s": 1.0},
-                                 prefetch_threshold="0", storage_timeout_s="0.3"))
+    d = daemon_factory(
+        *l3_flags(
+            "redis",
+            {"url": redis_server.url, "timeout_s": 1.0},
+            prefetch_threshold="0",
+            storage_timeout_s="0.3",
+        )
+    )
     pool, conn = engine(d.runtime_dir, num_pages=96)
     try:
         keys_a, _ = store_pages(pool, conn, 4, salt=1, seed=1)
@@ -117,8 +122,12 @@ def test_redis_going_down_makes_misses_and_l2_keeps_serving(redis_server, daemon
         keys_c, expected_c = store_pages(pool, conn, 4, salt=3, seed=3)
         load_and_compare(pool, conn, keys_c, expected_c, first_page=50)
         wait_for(lambda: not stats(d)["l3"]["healthy"], what="L3 marked down")
-        wait_for(lambda: counters(d)["l3_write_failed_pages"]
-                 + counters(d)["l3_write_dropped_pages"] >= 4, what="chain C's writes given up")
+        wait_for(
+            lambda: (
+                counters(d)["l3_write_failed_pages"] + counters(d)["l3_write_dropped_pages"] >= 4
+            ),
+            what="chain C's writes given up",
+        )
         assert counters(d)["l3_backend_errors"] + stats(d)["l3"]["errors"] > 0
         redis_server.restart()  # empty: chain A is gone for good, new pages go to L3 again
         wait_for(lambda: stats(d)["l3"]["healthy"], what="L3 healthy again")
@@ -136,8 +145,14 @@ def test_redis_going_down_makes_misses_and_l2_keeps_serving(redis_server, daemon
 @pytest.mark.timeout(90)
 def test_a_frozen_redis_delays_no_lookup_past_the_storage_timeout(redis_server, daemon_factory):
     timeout_s = 0.3
-    d = daemon_factory(*l3_flags("redis", {"url": redis_server.url, "timeout_s": 1.0},
-                                 prefetch_threshold="0", storage_timeout_s=str(timeout_s)))
+    d = daemon_factory(
+        *l3_flags(
+            "redis",
+            {"url": redis_server.url, "timeout_s": 1.0},
+            prefetch_threshold="0",
+            storage_timeout_s=str(timeout_s),
+        )
+    )
     pool, conn = engine(d.runtime_dir)
     try:
         keys, expected = store_pages(pool, conn, 4)
@@ -162,8 +177,9 @@ def test_a_frozen_redis_delays_no_lookup_past_the_storage_timeout(redis_server, 
 @pytest.mark.timeout(90)
 def test_a_backend_down_at_start_is_opened_once_it_answers(redis_server, daemon_factory):
     redis_server.kill()
-    d = daemon_factory(*l3_flags("redis", {"url": redis_server.url, "timeout_s": 0.5},
-                                               prefetch_threshold="0"))
+    d = daemon_factory(
+        *l3_flags("redis", {"url": redis_server.url, "timeout_s": 0.5}, prefetch_threshold="0")
+    )
     pool, conn = engine(d.runtime_dir)
     try:
         assert not stats(d)["l3"]["healthy"]
@@ -200,8 +216,9 @@ def test_a_session_gone_mid_prefetch_frees_its_slots(daemon_factory, short_tmp):
 @pytest.mark.timeout(90)
 def test_a_stop_writes_the_queued_pages_to_l3_first(daemon_factory, short_tmp):
     state = short_tmp / "slow-l3"
-    first = daemon_factory(*slow_flags(short_tmp, 0.0, put_delay_s=0.3), name="a",
-                           env={"PYTHONPATH": REPO})
+    first = daemon_factory(
+        *slow_flags(short_tmp, 0.0, put_delay_s=0.3), name="a", env={"PYTHONPATH": REPO}
+    )
     pool, conn = engine(first.runtime_dir, num_pages=256)
     try:
         keys, expected = store_pages(pool, conn, 200)  # 4 write batches, 2 at a time

@@ -27,16 +27,18 @@ pytestmark = pytest.mark.timeout(120)
 KVTIER = find_binary("kvtier")
 
 
-def kvtier(*args: str, env: dict[str, str] | None = None,
-           timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def kvtier(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
     """Run the ``kvtier`` console script with a clean ``KVTIER_*`` environment plus ``env``."""
     if KVTIER is None:
         pytest.fail(f"the kvtier console script is not installed next to {sys.executable}")
     base = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     base.update(env or {})
     base["COLUMNS"] = "120"  # rich wraps at the terminal width; keep rows on one line
-    return subprocess.run([KVTIER, *args], env=base, capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    return subprocess.run(
+        [KVTIER, *args], env=base, capture_output=True, text=True, timeout=timeout, check=False
+    )
 
 
 def one_line(text: str) -> str:
@@ -92,10 +94,20 @@ def test_stats_table_and_json_show_pool_sessions_hits_and_bytes(daemon):
         r = kvtier("stats", "--runtime-dir", str(daemon.runtime_dir))
         assert r.returncode == 0, r.stderr
         out = r.stdout
-        for text in ("L2 host pool", "Hit rates", "Bytes moved", "L3 storage", "sessions    1",
-                     "adopted at start", "started empty (no pool file",
-                     "of 64.0 MiB", "3 of 3 (100.0%)", "engine → L2", "L2 → engine",
-                     f"{3 * SMALL.page_size:,} tokens loaded"):
+        for text in (
+            "L2 host pool",
+            "Hit rates",
+            "Bytes moved",
+            "L3 storage",
+            "sessions    1",
+            "adopted at start",
+            "started empty (no pool file",
+            "of 64.0 MiB",
+            "3 of 3 (100.0%)",
+            "engine → L2",
+            "L2 → engine",
+            f"{3 * SMALL.page_size:,} tokens loaded",
+        ):
             assert text in out, f"{text!r} missing from:\n{out}"
         r = kvtier("stats", "--json", "--runtime-dir", str(daemon.runtime_dir))
         assert r.returncode == 0, r.stderr
@@ -136,7 +148,9 @@ def test_sessions_table_and_json(daemon):
         assert r.returncode == 0, r.stderr
         assert "2 sessions" in r.stdout
         assert r.stdout.count(str(os.getpid())) == 2
-        assert format_size(SMALL.page_bytes) in r.stdout and format_size(OTHER.page_bytes) in r.stdout
+        assert (
+            format_size(SMALL.page_bytes) in r.stdout and format_size(OTHER.page_bytes) in r.stdout
+        )
         r = kvtier("sessions", "--json", "--runtime-dir", str(daemon.runtime_dir))
         sessions = json.loads(r.stdout)
         assert sorted(s["session_id"] for s in sessions) == sorted([ca.session_id, cb.session_id])
@@ -154,11 +168,13 @@ def test_flush_and_stats_need_the_admin_token_when_one_is_configured(daemon_fact
     rdir = str(d.runtime_dir)
     pool, conn, keys = stored(d.runtime_dir, n=4)
     try:
-        for args, env in ((("flush",), None),
-                          (("flush", "--admin-token", "wrong-token"), None),
-                          (("flush",), {"KVTIER_ADMIN_TOKEN": "wrong-token"}),
-                          (("stats",), None),
-                          (("sync", "--wait", "1"), None)):
+        for args, env in (
+            (("flush",), None),
+            (("flush", "--admin-token", "wrong-token"), None),
+            (("flush",), {"KVTIER_ADMIN_TOKEN": "wrong-token"}),
+            (("stats",), None),
+            (("sync", "--wait", "1"), None),
+        ):
             r = kvtier(*args, "--runtime-dir", rdir, env=env)
             assert r.returncode == 1, (args, r.stdout, r.stderr)
             line = one_line(r.stderr)
@@ -182,8 +198,15 @@ def test_flush_one_namespace_leaves_the_others(daemon):
     pa, ca, ka = stored(daemon.runtime_dir, n=4, model="a")
     pb, cb, kb = stored(daemon.runtime_dir, n=3, model="b")
     try:
-        r = kvtier("flush", "--runtime-dir", str(daemon.runtime_dir), "--tier", "l2",
-                   "--namespace", ca.ns_fingerprint.hex())
+        r = kvtier(
+            "flush",
+            "--runtime-dir",
+            str(daemon.runtime_dir),
+            "--tier",
+            "l2",
+            "--namespace",
+            ca.ns_fingerprint.hex(),
+        )
         assert r.returncode == 0, r.stderr
         assert one_line(r.stdout).startswith("flushed 4 L2 pages")
         assert ca.lookup(ka).l2 == 0
@@ -194,20 +217,26 @@ def test_flush_one_namespace_leaves_the_others(daemon):
             p.close()
 
 
-@pytest.mark.parametrize("args", [
-    ("flush", "--tier", "l4"),
-    ("flush", "--namespace", "zz"),
-    ("flush", "--namespace", "ab" * 31),
-    ("stats", "--watch", "0"),
-    ("stats", "--watch", "nan"),
-    ("stats", "--count", "2"),
-    ("stats", "--bogus"),
-    ("health", "--timeout", "-1"),
-    ("health", "--runtime-dir", "/tmp/x", "--endpoint", "ipc:///tmp/x/s"),
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("flush", "--tier", "l4"),
+        ("flush", "--namespace", "zz"),
+        ("flush", "--namespace", "ab" * 31),
+        ("stats", "--watch", "0"),
+        ("stats", "--watch", "nan"),
+        ("stats", "--count", "2"),
+        ("stats", "--bogus"),
+        ("health", "--timeout", "-1"),
+        ("health", "--runtime-dir", "/tmp/x", "--endpoint", "ipc:///tmp/x/s"),
+    ],
+)
 def test_usage_errors_exit_2_with_one_line_and_send_nothing(daemon, args):
-    r = kvtier(*args[:1], "--runtime-dir", str(daemon.runtime_dir), *args[1:]) \
-        if "--runtime-dir" not in args else kvtier(*args)
+    r = (
+        kvtier(*args[:1], "--runtime-dir", str(daemon.runtime_dir), *args[1:])
+        if "--runtime-dir" not in args
+        else kvtier(*args)
+    )
     assert r.returncode == 2, (r.stdout, r.stderr)
     line = one_line(r.stderr)
     assert line.startswith(f"kvtier {args[0]}: ") and "--help" in line
@@ -222,8 +251,9 @@ def test_bad_environment_is_a_usage_error():
 
 def test_flush_all_gives_the_file_stores_disk_space_back(daemon_factory, short_tmp):
     store = short_tmp / "l3"
-    d = daemon_factory(*l3_flags("file", {"path": str(store), "segment_bytes": "1MiB"},
-                                 prefetch_threshold="0"))
+    d = daemon_factory(
+        *l3_flags("file", {"path": str(store), "segment_bytes": "1MiB"}, prefetch_threshold="0")
+    )
 
     def allocated() -> tuple[int, int]:
         """(bytes the segment files hold on disk, bytes of their header tables)."""

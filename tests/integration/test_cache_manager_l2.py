@@ -104,8 +104,9 @@ def test_write_through_stores_on_first_insert(make, daemon):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("threshold", [2, 3])
 def test_write_through_selective_stores_pages_used_threshold_times(make, daemon, threshold):
-    pool, conn, _, cm = make(hicache_write_policy="write_through_selective",
-                             write_through_threshold=threshold)
+    pool, conn, _, cm = make(
+        hicache_write_policy="write_through_selective", write_through_threshold=threshold
+    )
     a = tokens(5 * P + 3).tolist()
     keys = keys_of(conn, a)
     for _ in range(threshold - 1):

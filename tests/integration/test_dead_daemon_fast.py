@@ -22,8 +22,9 @@ LONG_S = 30.0  # request_timeout_s and the rank-group wait: far beyond what a mi
 def test_a_call_to_a_dead_daemon_is_a_miss_at_once(daemon_factory):
     d = daemon_factory()
     with SharedKVPool(SMALL, 8) as pool:
-        conn = Connection(pool, model_id="m", config=client_config(d.runtime_dir,
-                                                                   request_timeout_s=LONG_S))
+        conn = Connection(
+            pool, model_id="m", config=client_config(d.runtime_dir, request_timeout_s=LONG_S)
+        )
         try:
             keys = conn.page_keys(tokens(2 * SMALL.page_size))
             assert conn.store(keys, [0, 1]).wait(10.0)
@@ -43,8 +44,12 @@ def test_a_call_waiting_when_the_daemon_dies_returns_at_once(daemon_factory):
     daemon is killed: its LOOKUP must end then, not at the group's or the request's timeout."""
     d = daemon_factory("--tp-group-timeout-s", str(LONG_S))
     with SharedKVPool(SMALL, 8) as pool:
-        conn = Connection(pool, model_id="m", tp_size=2,
-                          config=client_config(d.runtime_dir, request_timeout_s=LONG_S))
+        conn = Connection(
+            pool,
+            model_id="m",
+            tp_size=2,
+            config=client_config(d.runtime_dir, request_timeout_s=LONG_S),
+        )
         try:
             keys = conn.page_keys(tokens(2 * SMALL.page_size))
             killer = threading.Timer(0.5, d.kill)

@@ -129,8 +129,10 @@ def test_a_connect_disconnect_burst_does_not_stall_an_engine(daemon):
             looker.result(WAIT_S)  # re-raises a failed lookup
         assert len(during) > 10, "the engine hardly ran during the burst"
         bound = max(50 * p99, 1.0)
-        assert max(during) < bound, (f"a lookup took {max(during):.3f}s during the burst; "
-                                     f"p99 before it was {p99 * 1000:.2f} ms")
+        assert max(during) < bound, (
+            f"a lookup took {max(during):.3f}s during the burst; "
+            f"p99 before it was {p99 * 1000:.2f} ms"
+        )
         assert health(daemon.endpoint) == "ok"
         with AdminClient(daemon.endpoint) as admin:
             sessions = admin.stats()["sessions"]

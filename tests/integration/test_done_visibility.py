@@ -104,11 +104,21 @@ class InProcess:
 def kvtierd(short_tmp: Path) -> Iterator[InProcess]:
     """A kvtierd in this process, two copy threads, its copies held until ``gate`` is set
     (then each runs as it would; a test clears the gate again to hold the next ones)."""
-    cfg: DaemonConfig = load_config(DaemonConfig, env={}, cli={
-        "runtime_dir": str(short_tmp / "rt"), "state_dir": str(short_tmp / "state"),
-        "pool_dir": str(short_tmp / "pool"), "hicache_size": 96 << 20, "extent_size": 4 << 20,
-        "hicache_storage_backend": "none", "prefault": False, "log_level": "warning",
-        "copy_threads": 2})
+    cfg: DaemonConfig = load_config(
+        DaemonConfig,
+        env={},
+        cli={
+            "runtime_dir": str(short_tmp / "rt"),
+            "state_dir": str(short_tmp / "state"),
+            "pool_dir": str(short_tmp / "pool"),
+            "hicache_size": 96 << 20,
+            "extent_size": 4 << 20,
+            "hicache_storage_backend": "none",
+            "prefault": False,
+            "log_level": "warning",
+            "copy_threads": 2,
+        },
+    )
     (short_tmp / "pool").mkdir()
     daemon = Daemon(cfg)
     ready = threading.Event()
@@ -158,8 +168,9 @@ def seen(h: TransferHandle) -> tuple[int, TransferStatus]:
     return layers, TransferStatus(status)
 
 
-def copy_ended_unsettled(d: InProcess, h: TransferHandle, n: int, path: str,
-                         before: tuple[int, int]) -> None:
+def copy_ended_unsettled(
+    d: InProcess, h: TransferHandle, n: int, path: str, before: tuple[int, int]
+) -> None:
     """Let ``h``'s copy run to its end while the daemon's loop is held; check that the
     engine sees every layer in place but not DONE (the pages are not settled yet).
     ``before``: :meth:`InProcess.paths_taken` before ``h`` was started."""
@@ -174,12 +185,14 @@ def copy_ended_unsettled(d: InProcess, h: TransferHandle, n: int, path: str,
         layers, status = seen(h)
         assert layers == BIG.num_layers, "every layer is copied"
         assert status is TransferStatus.RUNNING, (
-            f"{n} pages ({path}): the engine sees {status.name} before the daemon settled it")
+            f"{n} pages ({path}): the engine sees {status.name} before the daemon settled it"
+        )
 
 
 @pytest.mark.parametrize("path", list(SIZES))
-def test_a_store_seen_done_is_visible_to_another_session_at_once(kvtierd: InProcess,
-                                                                 path: str) -> None:
+def test_a_store_seen_done_is_visible_to_another_session_at_once(
+    kvtierd: InProcess, path: str
+) -> None:
     d, n = kvtierd, SIZES[path]
     if path == "shared" and not d.daemon.svc.transfers._share_ok:
         pytest.skip("one CPU: the daemon shares no copy with its event loop")
@@ -189,7 +202,9 @@ def test_a_store_seen_done_is_visible_to_another_session_at_once(kvtierd: InProc
         assert reader.ns_fingerprint == writer.ns_fingerprint
         for p in range(n):
             fill_page(wpool, p, seed=p + 1)
-        keys = spec_page_keys(writer.ns_fingerprint, tokens(n * BIG.page_size, salt=n), BIG.page_size)
+        keys = spec_page_keys(
+            writer.ns_fingerprint, tokens(n * BIG.page_size, salt=n), BIG.page_size
+        )
         d.gate.clear()
         before = d.paths_taken()
         h = writer.store(keys, list(range(n)))

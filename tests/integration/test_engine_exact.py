@@ -39,11 +39,22 @@ def engines(daemon, tiny):
     """``make(mode, **client_config)`` builds engines on the tiny model; all closed at the end."""
     made: list[ReferenceEngine] = []
 
-    def make(mode: str = "on", num_pages: int = 64, model: TinyLlama | None = None,
-             page_size: int = PAGE, **cfg) -> ReferenceEngine:
-        made.append(ReferenceEngine(mode=mode, page_size=page_size, num_pages=num_pages,  # type: ignore[arg-type]
-                                    client_config=client_config(daemon.runtime_dir, **cfg),
-                                    model=model or tiny))
+    def make(
+        mode: str = "on",
+        num_pages: int = 64,
+        model: TinyLlama | None = None,
+        page_size: int = PAGE,
+        **cfg,
+    ) -> ReferenceEngine:
+        made.append(
+            ReferenceEngine(
+                mode=mode,
+                page_size=page_size,
+                num_pages=num_pages,  # type: ignore[arg-type]
+                client_config=client_config(daemon.runtime_dir, **cfg),
+                model=model or tiny,
+            )
+        )
         return made[-1]
 
     yield make
@@ -121,8 +132,9 @@ class _StopDaemonAfterLoad(CacheManager):
 
 
 # Wide KV (1 MiB pages, 64 MiB per load) so the load is still copying when the daemon stops.
-WIDE = ModelConfig(vocab_size=256, hidden_size=64, n_layers=8, n_heads=8, n_kv_heads=8,
-                   head_dim=64, ffn_size=128)
+WIDE = ModelConfig(
+    vocab_size=256, hidden_size=64, n_layers=8, n_heads=8, n_kv_heads=8, head_dim=64, ffn_size=128
+)
 
 
 @pytest.mark.timeout(180)
@@ -137,14 +149,22 @@ def test_load_failing_half_way_falls_back_to_recompute(daemon_factory):
         want = off.generate(full, 8)
         failed = None
         for attempt in range(3):  # a load that finished before the kill proves nothing: retry
-            d = daemon_factory("--hicache-size", "160MiB", "--extent-size", "32MiB",
-                               name=f"d{attempt}")
+            d = daemon_factory(
+                "--hicache-size", "160MiB", "--extent-size", "32MiB", name=f"d{attempt}"
+            )
             cc = client_config(d.runtime_dir, request_timeout_s=1.0, load_timeout_s=5.0)
-            with ReferenceEngine(mode="on", page_size=page, num_pages=n_pages + 4, model=model,
-                                 client_config=cc) as writer:
+            with ReferenceEngine(
+                mode="on", page_size=page, num_pages=n_pages + 4, model=model, client_config=cc
+            ) as writer:
                 writer.generate(prefix, 1)
-            with ReferenceEngine(mode="on", page_size=page, num_pages=n_pages + 4, model=model,
-                                 client_config=cc, cache_factory=_KillDaemonAfterLoad) as e:
+            with ReferenceEngine(
+                mode="on",
+                page_size=page,
+                num_pages=n_pages + 4,
+                model=model,
+                client_config=cc,
+                cache_factory=_KillDaemonAfterLoad,
+            ) as e:
                 assert isinstance(e.cache, _KillDaemonAfterLoad)
                 e.cache.victim = d
                 got = e.generate(full, 8)
@@ -197,11 +217,18 @@ def test_load_timing_out_quarantines_its_pages_while_the_daemon_lives(daemon_fac
     for attempt in range(3):
         d = daemon_factory("--hicache-size", "160MiB", "--extent-size", "32MiB", name=f"s{attempt}")
         cc = client_config(d.runtime_dir, request_timeout_s=0.5, load_timeout_s=1.0)
-        with ReferenceEngine(mode="on", page_size=page, num_pages=total, model=model,
-                             client_config=cc) as writer:
+        with ReferenceEngine(
+            mode="on", page_size=page, num_pages=total, model=model, client_config=cc
+        ) as writer:
             writer.generate(prefix, 1)
-        with ReferenceEngine(mode="on", page_size=page, num_pages=total, model=model,
-                             client_config=cc, cache_factory=_StopDaemonAfterLoad) as e:
+        with ReferenceEngine(
+            mode="on",
+            page_size=page,
+            num_pages=total,
+            model=model,
+            client_config=cc,
+            cache_factory=_StopDaemonAfterLoad,
+        ) as e:
             cache = e.cache
             assert isinstance(cache, _StopDaemonAfterLoad)
             cache.victim = d

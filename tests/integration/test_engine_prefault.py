@@ -44,8 +44,9 @@ def test_the_daemon_maps_an_engine_s_pages_before_its_first_copy(daemon):
         size_kib = pool.segment.size // 1024
         deadline = time.monotonic() + WAIT_S
         while (rss := memfd_rss_kib(daemon.proc.pid, name)) != [size_kib]:
-            assert time.monotonic() < deadline, f"the daemon's mapping holds {rss} KiB of " \
-                                                f"{size_kib} KiB after {WAIT_S} s"
+            assert time.monotonic() < deadline, (
+                f"the daemon's mapping holds {rss} KiB of {size_kib} KiB after {WAIT_S} s"
+            )
             time.sleep(0.05)
     finally:
         conn.close()

@@ -35,9 +35,14 @@ class Raw(RawDealer):
         super().__init__(endpoint, wait_s=REPLY_WAIT_S)
 
     def register(self, pool: SharedKVPool, model: str = "m", **over: object) -> P.Reply:
-        fields = {"req_id": 7, "protocol_version": P.PROTOCOL_VERSION,
-                  "namespace": P.NamespaceSpec(model), "geometry": pool.geometry,
-                  "memory": pool.export(), "pid": os.getpid()}
+        fields = {
+            "req_id": 7,
+            "protocol_version": P.PROTOCOL_VERSION,
+            "namespace": P.NamespaceSpec(model),
+            "geometry": pool.geometry,
+            "memory": pool.export(),
+            "pid": os.getpid(),
+        }
         fields.update(over)
         fields.setdefault("handover", handover(self.rdir, pool))
         return self.ask(P.encode(P.Register(**fields)))
@@ -127,28 +132,56 @@ def test_seq_past_int64_takes_no_page_and_no_pin(daemon, raw):
         sid = reg.session_id
         keys = conn.page_keys(tokens(4 * SMALL.page_size))
         big = 1 << 63
-        refused(raw.ask(P.encode(P.Store(req_id=1, session_id=sid, keys=keys, pages=[0, 1, 2, 3],
-                                         slot=0, seq=big))), "$.seq")
+        refused(
+            raw.ask(
+                P.encode(
+                    P.Store(
+                        req_id=1, session_id=sid, keys=keys, pages=[0, 1, 2, 3], slot=0, seq=big
+                    )
+                )
+            ),
+            "$.seq",
+        )
         with AdminClient(daemon.endpoint) as admin:
             assert settled(admin)["pages_ready"] == 0
             for p in range(4):
                 fill_page(pool, p, seed=p + 7)
             h = conn.store(keys, [0, 1, 2, 3])
             assert (h.count, h.writing) == (4, 4) and h.wait()
-            refused(raw.ask(P.encode(P.Load(req_id=2, session_id=sid, keys=keys,
-                                            pages=[4, 5, 6, 7], slot=1, seq=big))), "$.seq")
+            refused(
+                raw.ask(
+                    P.encode(
+                        P.Load(
+                            req_id=2, session_id=sid, keys=keys, pages=[4, 5, 6, 7], slot=1, seq=big
+                        )
+                    )
+                ),
+                "$.seq",
+            )
             assert settled(admin)["pages_ready"] == 4
             h = conn.load(keys, [10, 11, 12, 13])
             assert h.count == 4 and h.wait()
-            assert [page_bytes(pool, 10 + p) for p in range(4)] == \
-                [page_bytes(pool, p) for p in range(4)]
+            assert [page_bytes(pool, 10 + p) for p in range(4)] == [
+                page_bytes(pool, p) for p in range(4)
+            ]
             # the largest seq the completion block holds works end to end
-            rep = raw.ask(P.encode(P.Load(req_id=3, session_id=sid, keys=keys, pages=[4, 5, 6, 7],
-                                          slot=2, seq=L.MAX_U63)))
+            rep = raw.ask(
+                P.encode(
+                    P.Load(
+                        req_id=3,
+                        session_id=sid,
+                        keys=keys,
+                        pages=[4, 5, 6, 7],
+                        slot=2,
+                        seq=L.MAX_U63,
+                    )
+                )
+            )
             assert isinstance(rep, P.LoadAccepted) and rep.count == 4, rep
             settled(admin)
-            assert [page_bytes(other, 4 + p) for p in range(4)] == \
-                [page_bytes(pool, p) for p in range(4)]
+            assert [page_bytes(other, 4 + p) for p in range(4)] == [
+                page_bytes(pool, p) for p in range(4)
+            ]
     finally:
         other.close()
         conn.close()
@@ -167,8 +200,7 @@ def test_huge_strings_are_refused_and_not_logged_whole(daemon_factory):
             refused(raw.register(pool, model="m" * (1 << 20)), "$.namespace.model_id")
             refused(raw.register(pool, tenant="t" * (1 << 20)), "$.tenant")
         refused(raw.ask(P.encode(P.Flush(req_id=4, tier="x" * (1 << 20)))), "$.tier")
-        refused(raw.ask(P.encode(P.Stats(req_id=5, admin_token="a" * (1 << 20)))),
-                "$.admin_token")
+        refused(raw.ask(P.encode(P.Stats(req_id=5, admin_token="a" * (1 << 20)))), "$.admin_token")
         alive(daemon)
         assert daemon.log_path.stat().st_size - before < 64 << 10
     finally:
@@ -178,16 +210,32 @@ def test_huge_strings_are_refused_and_not_logged_whole(daemon_factory):
 def test_nul_in_a_segment_name_is_a_clear_refusal(daemon, raw):
     with SharedKVPool(SMALL, 4) as pool:
         mem = pool.export()
-        bad = msgspec.structs.replace(mem, segments=[msgspec.structs.replace(
-            mem.segments[0], name=mem.segments[0].name + "\x00x")])
+        bad = msgspec.structs.replace(
+            mem,
+            segments=[
+                msgspec.structs.replace(mem.segments[0], name=mem.segments[0].name + "\x00x")
+            ],
+        )
         refused(raw.register(pool, memory=bad), "$.memory.segments[0].name")
     alive(daemon)
 
 
 # -- the fuzz --------------------------------------------------------------------------
 
-ODD_INTS = [-1, 0, 1, 63, 64, (1 << 22) + 1, (1 << 31), (1 << 32), (1 << 63) - 1, 1 << 63,
-            (1 << 64) - 1, -(1 << 63)]
+ODD_INTS = [
+    -1,
+    0,
+    1,
+    63,
+    64,
+    (1 << 22) + 1,
+    (1 << 31),
+    (1 << 32),
+    (1 << 63) - 1,
+    1 << 63,
+    (1 << 64) - 1,
+    -(1 << 63),
+]
 HOSTILE = st.one_of(
     st.sampled_from(ODD_INTS),
     st.integers(min_value=-(1 << 63), max_value=(1 << 64) - 1),
@@ -241,10 +289,10 @@ def bodies(draw, sample: P.Request) -> list[bytes]:
     body = msgspec.msgpack.encode(doc)
     how = draw(st.integers(0, 19))
     if how == 0:
-        body = body[:draw(st.integers(0, len(body) - 1))]
+        body = body[: draw(st.integers(0, len(body) - 1))]
     elif how == 1:
         at = draw(st.integers(0, len(body) - 1))
-        body = body[:at] + draw(st.binary(min_size=1, max_size=4)) + body[at + 1:]
+        body = body[:at] + draw(st.binary(min_size=1, max_size=4)) + body[at + 1 :]
     elif how == 2:
         return [body, draw(st.binary(max_size=8))]
     return [body]
@@ -255,12 +303,19 @@ def fuzz_samples(sid: int, keys: list[bytes], pool: SharedKVPool) -> list[P.Requ
     UNREGISTER names another session, so the fuzz keeps its own); REGISTER exports ``pool``."""
     mem, ns = pool.export(), P.NamespaceSpec("fuzz")
     return [
-        P.Register(req_id=1, protocol_version=P.PROTOCOL_VERSION, namespace=ns,
-                   geometry=pool.geometry, memory=mem, pid=os.getpid()),
+        P.Register(
+            req_id=1,
+            protocol_version=P.PROTOCOL_VERSION,
+            namespace=ns,
+            geometry=pool.geometry,
+            memory=mem,
+            pid=os.getpid(),
+        ),
         P.Heartbeat(req_id=2, session_id=sid),
         P.Lookup(req_id=3, session_id=sid, keys=keys),
-        P.Store(req_id=4, session_id=sid, keys=keys, pages=[0, 1, 2, 3], parent_key=None,
-                slot=5, seq=11),
+        P.Store(
+            req_id=4, session_id=sid, keys=keys, pages=[0, 1, 2, 3], parent_key=None, slot=5, seq=11
+        ),
         P.Load(req_id=5, session_id=sid, keys=keys, pages=[4, 5, 6, 7], slot=6, seq=12),
         P.Release(req_id=6, session_id=sid, slots=[5, 6]),
         P.Stats(req_id=8),
@@ -289,8 +344,14 @@ def test_fuzz_every_message_type(daemon_factory):
         assert {type(s) for s in samples} == set(typing.get_args(P.Request))
         seen: dict[str, int] = {}
         for sample in samples:
-            @settings(max_examples=EXAMPLES_PER_TYPE, deadline=None, derandomize=True,
-                      database=None, suppress_health_check=list(HealthCheck))
+
+            @settings(
+                max_examples=EXAMPLES_PER_TYPE,
+                deadline=None,
+                derandomize=True,
+                database=None,
+                suppress_health_check=list(HealthCheck),
+            )
             @given(frames=bodies(sample))
             def one(frames: list[bytes]) -> None:
                 rep = raw.ask(*frames)

@@ -37,14 +37,16 @@ def limits(d) -> dict:
 
 
 def test_waiting_handovers_are_bounded_per_user_and_a_retry_gets_in_once_one_is_claimed(
-        daemon_factory):
+    daemon_factory,
+):
     d = daemon_factory("--max-handovers-waiting-per-user", "2")
     uid = str(os.getuid())
     with SharedKVPool(SMALL, 4) as pool:
         fds = pool.memory_fds()
         first, _ = hand(d.runtime_dir, fds, 5.0), hand(d.runtime_dir, fds, 5.0)
-        with pytest.raises(fdpass.HandoverBusy,
-                           match="max_handovers_waiting_per_user = 2 reached: uid"):
+        with pytest.raises(
+            fdpass.HandoverBusy, match="max_handovers_waiting_per_user = 2 reached: uid"
+        ):
             hand(d.runtime_dir, fds, 0.5)
         seen = limits(d)
         assert seen["users"][uid]["handovers_waiting"] == 2, seen
@@ -56,9 +58,19 @@ def test_waiting_handovers_are_bounded_per_user_and_a_retry_gets_in_once_one_is_
         late.start()  # busy now: it tries again until the REGISTER below makes room
         raw = RawDealer(d.endpoint, wait_s=10.0)
         try:
-            rep = raw.ask(P.encode(P.Register(
-                req_id=1, protocol_version=P.PROTOCOL_VERSION, namespace=P.NamespaceSpec("h"),
-                geometry=SMALL, memory=pool.export(), pid=os.getpid(), handover=first)))
+            rep = raw.ask(
+                P.encode(
+                    P.Register(
+                        req_id=1,
+                        protocol_version=P.PROTOCOL_VERSION,
+                        namespace=P.NamespaceSpec("h"),
+                        geometry=SMALL,
+                        memory=pool.export(),
+                        pid=os.getpid(),
+                        handover=first,
+                    )
+                )
+            )
             assert isinstance(rep, P.Registered), rep
             late.join(30)
             assert len(got) == 1

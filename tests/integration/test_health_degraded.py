@@ -80,13 +80,14 @@ def test_strict_health_fails_while_l3_cannot_be_reached(daemon_factory):
 
 def test_health_is_ok_again_once_l3_answers(redis_server, daemon_factory):
     redis_server.kill()
-    d = daemon_factory(
-        *l3_flags("redis", {"url": redis_server.url, "timeout_s": 0.5}))
+    d = daemon_factory(*l3_flags("redis", {"url": redis_server.url, "timeout_s": 0.5}))
     rdir = str(d.runtime_dir)
     assert kvtier("health", "--strict", "--runtime-dir", rdir).returncode == 1
     redis_server.restart()
-    wait_for(lambda: kvtier("health", "--strict", "--runtime-dir", rdir).returncode == 0,
-             what="health ok once redis answers")
+    wait_for(
+        lambda: kvtier("health", "--strict", "--runtime-dir", rdir).returncode == 0,
+        what="health ok once redis answers",
+    )
     assert one_line(kvtier("health", "--strict", "--runtime-dir", rdir).stdout).startswith("ok: ")
 
 
@@ -137,20 +138,28 @@ def test_a_failing_spell_is_logged_once_then_once_a_minute_then_recovery(caplog)
     assert "(12 more failures since the last line)" in lines[1]
     assert faults.recovered() and not faults.failing
     assert caplog.records[-1].levelno == logging.INFO
-    assert caplog.records[-1].getMessage().startswith(
-        "L3 backend x healthy again after 30 failures in 150 s")
+    assert (
+        caplog.records[-1]
+        .getMessage()
+        .startswith("L3 backend x healthy again after 30 failures in 150 s")
+    )
     assert not faults.recovered()  # one recovery line per spell
     assert len(caplog.records) == len(lines) + 1
 
 
 async def test_the_guard_logs_an_unreachable_backend_once_per_minute(
-        tmp_path: Path, arena: HostArena, redis_server: RedisServer, caplog):
+    tmp_path: Path, arena: HostArena, redis_server: RedisServer, caplog
+):
     redis_server.kill()
     clock = Clock()
-    cfg = DaemonConfig(hicache_storage_backend="redis", runtime_dir=tmp_path / "run",
-                       state_dir=tmp_path / "state",
-                       hicache_storage_backend_extra_config=json.dumps(
-                           {"url": redis_server.url, "timeout_s": 0.5}))
+    cfg = DaemonConfig(
+        hicache_storage_backend="redis",
+        runtime_dir=tmp_path / "run",
+        state_dir=tmp_path / "state",
+        hicache_storage_backend_extra_config=json.dumps(
+            {"url": redis_server.url, "timeout_s": 0.5}
+        ),
+    )
     l3 = L3Backend(cfg, Counters(), tmp_path, clock=clock)
     caplog.set_level(logging.INFO, logger="kvtier.daemon.l3")
     await l3.open(arena)
@@ -167,7 +176,7 @@ async def test_the_guard_logs_an_unreachable_backend_once_per_minute(
     redis_server.restart()
     clock.now += 10.0
     assert await l3.check()
-    back = [r.getMessage() for r in caplog.records if r.name == "kvtier.daemon.l3"][len(mine):]
+    back = [r.getMessage() for r in caplog.records if r.name == "kvtier.daemon.l3"][len(mine) :]
     assert back[0].startswith(f"L3 backend redis open after {tries} failures in 210 s")
     assert l3.problem() is None
     await l3.close()

@@ -46,8 +46,17 @@ _HEADER = struct.Struct("<8sIIQQQQQQIIQQ")
 """The pool file's header (daemon/pool/layout.py): magic, format version, header size,
 capacity, extent bytes, alignment, slot ids per extent, extents, slots, key bytes, id-table
 capacity, metadata bytes, headroom."""
-_COLUMNS = (("stamp", 8), ("checksum", 8), ("seal", 8), ("ns", 8), ("owner", 8), ("length", 8),
-            ("parent", 4), ("key", 32), ("state", 1))
+_COLUMNS = (
+    ("stamp", 8),
+    ("checksum", 8),
+    ("seal", 8),
+    ("ns", 8),
+    ("owner", 8),
+    ("length", 8),
+    ("parent", 4),
+    ("key", 32),
+    ("state", 1),
+)
 """The per-slot columns, in file order, with their bytes per slot (the rest do not matter)."""
 _READY = 2
 
@@ -67,9 +76,21 @@ class PoolFile:
     def __init__(self, runtime_dir: Path) -> None:
         self.path = pool_path(Path("/dev/shm"), runtime_dir)
         self.fd = os.open(self.path, os.O_RDWR)
-        (magic, version, _, capacity, self.extent_bytes, self.align, self.per_extent,
-         self.n_extents, self.n_slots, key_bytes, id_capacity, self.meta_bytes,
-         self.headroom) = _HEADER.unpack(os.pread(self.fd, _HEADER.size, 0))
+        (
+            magic,
+            version,
+            _,
+            capacity,
+            self.extent_bytes,
+            self.align,
+            self.per_extent,
+            self.n_extents,
+            self.n_slots,
+            key_bytes,
+            id_capacity,
+            self.meta_bytes,
+            self.headroom,
+        ) = _HEADER.unpack(os.pread(self.fd, _HEADER.size, 0))
         assert (magic, version, key_bytes) == (b"KVTPOOL\x00", 2, 32)
         assert (capacity, self.extent_bytes, self.headroom) == (POOL_BYTES, EXTENT_BYTES, 0)
         # 4 KiB header region, then two id tables (32-byte digests, then 1-byte used flags),
@@ -91,8 +112,9 @@ class PoolFile:
         """``(file offset of the payload, page bytes)`` of the READY page named ``key``."""
         keys = self._column("key", 32, "u1").reshape(self.n_slots, 32)
         state = self._column("state", 1, "i1")
-        hits = np.flatnonzero((keys == np.frombuffer(key, dtype=np.uint8)).all(axis=1)
-                              & (state == _READY))
+        hits = np.flatnonzero(
+            (keys == np.frombuffer(key, dtype=np.uint8)).all(axis=1) & (state == _READY)
+        )
         assert hits.size == 1, f"{hits.size} READY slots hold key {key.hex()[:16]}"
         slot = int(hits[0])
         extent, index = divmod(slot, self.per_extent)
@@ -169,10 +191,12 @@ PAGES = [6, 0, 1, 2, 9]
 
 @pytest.mark.parametrize("geometry", GEOMETRIES)
 @pytest.mark.parametrize("pool_class", LAYOUTS)
-def test_a_stored_page_lies_in_the_pool_as_documented(daemon, model, pool_file, pool_class,
-                                                      geometry):
-    pool, conn = engine(daemon.runtime_dir, geometry, num_pages=16, model=model,
-                        pool_class=pool_class)
+def test_a_stored_page_lies_in_the_pool_as_documented(
+    daemon, model, pool_file, pool_class, geometry
+):
+    pool, conn = engine(
+        daemon.runtime_dir, geometry, num_pages=16, model=model, pool_class=pool_class
+    )
     try:
         keys = store(pool, conn, PAGES, salt=1)
         for key, page in zip(keys, PAGES):
@@ -186,10 +210,12 @@ def test_a_stored_page_lies_in_the_pool_as_documented(daemon, model, pool_file, 
 
 @pytest.mark.parametrize("geometry", GEOMETRIES)
 @pytest.mark.parametrize("pool_class", LAYOUTS)
-def test_bytes_placed_in_the_pool_load_into_the_right_buffers(daemon, model, pool_file,
-                                                             pool_class, geometry):
-    pool, conn = engine(daemon.runtime_dir, geometry, num_pages=16, model=model,
-                        pool_class=pool_class)
+def test_bytes_placed_in_the_pool_load_into_the_right_buffers(
+    daemon, model, pool_file, pool_class, geometry
+):
+    pool, conn = engine(
+        daemon.runtime_dir, geometry, num_pages=16, model=model, pool_class=pool_class
+    )
     try:
         keys = store(pool, conn, PAGES, salt=2)
         g = geometry
@@ -216,8 +242,9 @@ def test_bytes_placed_in_the_pool_load_into_the_right_buffers(daemon, model, poo
 
 def test_an_engine_with_another_buffer_layout_loads_the_same_k_and_v(daemon, model):
     std_pool, std = engine(daemon.runtime_dir, SMALL, num_pages=16, model=model)
-    odd_pool, odd = engine(daemon.runtime_dir, SMALL, num_pages=16, model=model,
-                           pool_class=ScrambledKVPool)
+    odd_pool, odd = engine(
+        daemon.runtime_dir, SMALL, num_pages=16, model=model, pool_class=ScrambledKVPool
+    )
     try:
         assert odd.ns_fingerprint == std.ns_fingerprint  # one namespace: the pages are shared
         keys = store(std_pool, std, PAGES, salt=3)

@@ -28,8 +28,13 @@ pytestmark = pytest.mark.timeout(120)
 
 def event_flags(root: Path, *extra: str) -> list[str]:
     """kvtierd flags publishing on ipc:// sockets under ``root``."""
-    return ["--kv-events-endpoint", f"ipc://{root}/ev.sock",
-            "--kv-events-replay-endpoint", f"ipc://{root}/evr.sock", *extra]
+    return [
+        "--kv-events-endpoint",
+        f"ipc://{root}/ev.sock",
+        "--kv-events-replay-endpoint",
+        f"ipc://{root}/evr.sock",
+        *extra,
+    ]
 
 
 def subscriber(root: Path, **kw: object) -> EventSubscriber:
@@ -39,8 +44,12 @@ def subscriber(root: Path, **kw: object) -> EventSubscriber:
 
 
 def events(msgs: list[EventMessage], kind: type, medium: str | None = None) -> list:
-    return [e for m in msgs for e in m.batch.events
-            if isinstance(e, kind) and (medium is None or getattr(e, "medium", None) == medium)]
+    return [
+        e
+        for m in msgs
+        for e in m.batch.events
+        if isinstance(e, kind) and (medium is None or getattr(e, "medium", None) == medium)
+    ]
 
 
 def hashes(evs: list) -> list:
@@ -52,8 +61,12 @@ def drain(sub: EventSubscriber, timeout_s: float = 2.0) -> list[EventMessage]:
 
 
 def engine_blocks(n: int, base: int, page_size: int = SMALL.page_size) -> P.EngineBlocks:
-    return P.EngineBlocks(hashes=[base + i for i in range(n)], parent=None,
-                          token_ids=P.pack_tokens(tokens(n * page_size).tolist()), lora_name="ad")
+    return P.EngineBlocks(
+        hashes=[base + i for i in range(n)],
+        parent=None,
+        token_ids=P.pack_tokens(tokens(n * page_size).tolist()),
+        lora_name="ad",
+    )
 
 
 def test_store_publishes_engine_hashes_and_keys_otherwise(daemon_factory, short_tmp):
@@ -71,7 +84,10 @@ def test_store_publishes_engine_hashes_and_keys_otherwise(daemon_factory, short_
         msgs = drain(sub)
         stored = events(msgs, E.BlockStored, "CPU")
         assert [e.block_hashes for e in stored] == [
-            [1000, 1001, 1002, 1003], [b"h4", b"h5", b"h6", b"h7"], other]
+            [1000, 1001, 1002, 1003],
+            [b"h4", b"h5", b"h6", b"h7"],
+            other,
+        ]
         first, second, third = stored
         assert first.parent_block_hash is None and first.lora_name == "ad"
         assert first.token_ids == [int(t) for t in tokens(4 * SMALL.page_size)]
@@ -99,16 +115,25 @@ def test_bad_engine_fields_are_refused_naming_field_and_value(daemon_factory, sh
         keys = conn.page_keys(tokens(4 * SMALL.page_size))
         bad = [
             (P.EngineBlocks(hashes=[1, 2]), "engine.hashes has 2 hashes for 4 keys"),
-            (P.EngineBlocks(hashes=[1, 2, 3, 4], token_ids=b"\0" * 12),
-             "engine.token_ids has 12 bytes"),
+            (
+                P.EngineBlocks(hashes=[1, 2, 3, 4], token_ids=b"\0" * 12),
+                "engine.token_ids has 12 bytes",
+            ),
             (P.EngineBlocks(hashes=[1, 2, 3, b"x" * 65]), "$.engine.hashes[3]"),
             (P.EngineBlocks(hashes=[1, 2, 3, b""]), "$.engine.hashes[3]"),
             (P.EngineBlocks(hashes=[1, 2, 3, 4], block_size=0), "$.engine.block_size"),
             (P.EngineBlocks(hashes=[1, 2, 3, 4], lora_name="a\0b"), "$.engine.lora_name"),
         ]
         for eng, what in bad:
-            req = P.Store(req_id=7, session_id=conn.session_id, keys=keys, pages=[0, 1, 2, 3],
-                          slot=0, seq=1, engine=eng)
+            req = P.Store(
+                req_id=7,
+                session_id=conn.session_id,
+                keys=keys,
+                pages=[0, 1, 2, 3],
+                slot=0,
+                seq=1,
+                engine=eng,
+            )
             rep = conn._call(req)  # the session's own socket: the daemon checks the fields
             assert isinstance(rep, P.ErrorReply) and what in rep.message, (eng, rep)
             assert rep.code == P.ErrorCode.BAD_MESSAGE
@@ -150,8 +175,12 @@ def test_evictions_and_flush_are_removed_events_one_per_page(daemon_factory, sho
 
 
 def test_l3_writes_and_l3_flush(daemon_factory, short_tmp):
-    d = daemon_factory(*event_flags(short_tmp), *l3_flags("file", prefetch_threshold="0"),
-                       "--state-dir", str(short_tmp / "st"))
+    d = daemon_factory(
+        *event_flags(short_tmp),
+        *l3_flags("file", prefetch_threshold="0"),
+        "--state-dir",
+        str(short_tmp / "st"),
+    )
     pool, conn = engine(d.runtime_dir)
     sub = subscriber(short_tmp)
     try:
@@ -208,8 +237,14 @@ def test_garbage_on_the_replay_socket_gets_nothing(daemon_factory, short_tmp):
         s = ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         s.connect(f"ipc://{short_tmp}/evr.sock")
-        for frames in ([b"", b"abc"], [b"x", b"\0" * 8], [b""], [b"", b"\0" * 8, b"more"],
-                       [b"", b"\0" * 7], [b""] * 5000):
+        for frames in (
+            [b"", b"abc"],
+            [b"x", b"\0" * 8],
+            [b""],
+            [b"", b"\0" * 8, b"more"],
+            [b"", b"\0" * 7],
+            [b""] * 5000,
+        ):
             s.send_multipart(frames)
         s.send_multipart([b"", b"\xff" * 1000])  # over the frame limit: dropped, disconnected
         assert not s.poll(500)  # not one answer
@@ -255,11 +290,14 @@ time.sleep(600)
 
 
 def test_slow_and_vanished_subscribers_cost_batches_not_service(daemon_factory, short_tmp):
-    d = daemon_factory(*event_flags(short_tmp, "--kv-events-hwm", "2", "--kv-events-max-batch",
-                                    "1"))
+    d = daemon_factory(
+        *event_flags(short_tmp, "--kv-events-hwm", "2", "--kv-events-max-batch", "1")
+    )
     pool, conn = engine(d.runtime_dir, num_pages=64, request_timeout_s=10.0)
-    stalled = subprocess.Popen([sys.executable, "-c", _STALLED_SUBSCRIBER,
-                                f"ipc://{short_tmp}/ev.sock"], stdout=subprocess.PIPE)
+    stalled = subprocess.Popen(
+        [sys.executable, "-c", _STALLED_SUBSCRIBER, f"ipc://{short_tmp}/ev.sock"],
+        stdout=subprocess.PIPE,
+    )
     try:
         assert stalled.stdout is not None and stalled.stdout.readline() == b"ready\n"
         time.sleep(0.3)
@@ -267,8 +305,10 @@ def test_slow_and_vanished_subscribers_cost_batches_not_service(daemon_factory, 
         stored = 0
         for c in range(400):  # bounded; stops at the first refused batch
             keys = conn.page_keys(tokens(64 * SMALL.page_size, salt=c))
-            eng = P.EngineBlocks(hashes=[c * 100 + i for i in range(64)],
-                                 token_ids=P.pack_tokens(tokens(64 * SMALL.page_size, c).tolist()))
+            eng = P.EngineBlocks(
+                hashes=[c * 100 + i for i in range(64)],
+                token_ids=P.pack_tokens(tokens(64 * SMALL.page_size, c).tolist()),
+            )
             assert conn.store(keys, list(range(64)), engine=eng).wait()
             stored += 64
             if counters(d)["kv_events_dropped_batches"]:
@@ -322,16 +362,20 @@ def test_kvtier_events_tails_the_stream_decoded(daemon_factory, short_tmp):
         out = kvtier("events", *ep, "--from", "0", "--json", "--timeout", "1")
         assert out.returncode == 0, out.stderr
         rows = [json.loads(line) for line in out.stdout.splitlines()]
-        assert [(r["type"], r["medium"]) for r in rows] == [("BlockStored", "CPU"),
-                                                            ("BlockRemoved", "CPU")]
+        assert [(r["type"], r["medium"]) for r in rows] == [
+            ("BlockStored", "CPU"),
+            ("BlockRemoved", "CPU"),
+        ]
         assert rows[0]["block_hashes"] == [5, 6, "07"]
         assert sorted(map(str, rows[1]["block_hashes"])) == ["07", "5", "6"]
         assert rows[0]["topic"] == E.namespace_topic("tail", conn.ns_fingerprint)
         assert rows[0]["seq"] == 0 and rows[0]["replayed"] and rows[0]["block_size"] == 16
         text = kvtier("events", *ep, "--from", "0", "--count", "1", "--timeout", "1")
         assert text.returncode == 0 and "BlockStored" in text.stdout and "CPU" in text.stdout
-        env = {"KVTIER_KV_EVENTS_ENDPOINT": f"ipc://{short_tmp}/ev.sock",
-               "KVTIER_KV_EVENTS_REPLAY_ENDPOINT": f"ipc://{short_tmp}/evr.sock"}
+        env = {
+            "KVTIER_KV_EVENTS_ENDPOINT": f"ipc://{short_tmp}/ev.sock",
+            "KVTIER_KV_EVENTS_REPLAY_ENDPOINT": f"ipc://{short_tmp}/evr.sock",
+        }
         from_config = kvtier("events", "--from", "0", "--json", "--timeout", "1", env=env)
         assert len(from_config.stdout.splitlines()) == 2
         none = kvtier("events", "--timeout", "1")

@@ -45,34 +45,51 @@ print(json.dumps([sum(t.find_matches(compute_block_hash_for_seq(p, 16)).scores.v
 """
 
 
-@pytest.mark.skipif(DYNAMO is None, reason="DYNAMO_INDEXER_PYTHON is not set: no Python with "
-                    "Dynamo's KV indexer (ai-dynamo-runtime) to feed the stream to")
+@pytest.mark.skipif(
+    DYNAMO is None,
+    reason="DYNAMO_INDEXER_PYTHON is not set: no Python with "
+    "Dynamo's KV indexer (ai-dynamo-runtime) to feed the stream to",
+)
 def test_dynamos_indexer_scores_the_nodes_overlap(daemon_factory, short_tmp):
     d = daemon_factory(*event_flags(short_tmp), "--hicache-size", "8MiB", "--extent-size", "4MiB")
     pool, conn = engine(d.runtime_dir, num_pages=200)
     try:
         prompts = [[(c * 100003 + i * 7) % 32000 for i in range(200 * 16)] for c in range(4)]
         for c, toks in enumerate(prompts):  # 800 pages through 512: the old ones lose tails
-            eng = P.EngineBlocks(hashes=[(c << 32) + i for i in range(200)],
-                                 token_ids=P.pack_tokens(toks))
+            eng = P.EngineBlocks(
+                hashes=[(c << 32) + i for i in range(200)], token_ids=P.pack_tokens(toks)
+            )
             assert conn.store(conn.page_keys(toks), list(range(200)), engine=eng).wait()
         resident = [conn.lookup(conn.page_keys(t)).l2 for t in prompts]
-        with EventSubscriber(f"ipc://{short_tmp}/ev.sock",
-                             replay=f"ipc://{short_tmp}/evr.sock") as sub:
+        with EventSubscriber(
+            f"ipc://{short_tmp}/ev.sock", replay=f"ipc://{short_tmp}/evr.sock"
+        ) as sub:
             msgs = sub.replay(0)
         events: list[dict] = []
         for m in msgs:
             for ev in m.batch.events:
                 if isinstance(ev, E.BlockStored):
-                    events.append({"stored": {"parent": ev.parent_block_hash, "tokens":
-                                              ev.token_ids, "hashes": ev.block_hashes,
-                                              "bs": ev.block_size}})
+                    events.append(
+                        {
+                            "stored": {
+                                "parent": ev.parent_block_hash,
+                                "tokens": ev.token_ids,
+                                "hashes": ev.block_hashes,
+                                "bs": ev.block_size,
+                            }
+                        }
+                    )
                 elif isinstance(ev, E.BlockRemoved):
                     events.append({"removed": ev.block_hashes})
         assert DYNAMO is not None
-        out = subprocess.run([DYNAMO, "-c", _APPLY], input=json.dumps(
-            {"events": events, "prompts": prompts}), capture_output=True, text=True,
-            timeout=60, check=True)
+        out = subprocess.run(
+            [DYNAMO, "-c", _APPLY],
+            input=json.dumps({"events": events, "prompts": prompts}),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
         assert json.loads(out.stdout) == resident
         assert resident[0] < 200 and resident[-1] == 200  # evictions happened
     finally:

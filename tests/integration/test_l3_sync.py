@@ -48,8 +48,9 @@ def test_sync_writes_every_l2_page_then_answers(daemon_factory):
 
 
 def test_sync_answers_at_its_deadline_with_what_is_left(daemon_factory, short_tmp):
-    d = daemon_factory(*WRITE_BACK, *slow_flags(short_tmp, 0.0, put_delay_s=1.5),
-                       env={"PYTHONPATH": REPO})
+    d = daemon_factory(
+        *WRITE_BACK, *slow_flags(short_tmp, 0.0, put_delay_s=1.5), env={"PYTHONPATH": REPO}
+    )
     pool, conn = engine(d.runtime_dir)
     try:
         store_pages(pool, conn, 4)
@@ -80,8 +81,10 @@ def test_sync_refuses_bad_input_and_keeps_serving(daemon_factory):
 
 def test_sync_without_an_l3_backend_is_refused_by_name(daemon_factory):
     d = daemon_factory("--hicache-storage-backend", "none")
-    with AdminClient(d.endpoint, timeout_s=5.0) as admin, \
-            pytest.raises(AdminError, match="hicache_storage_backend"):
+    with (
+        AdminClient(d.endpoint, timeout_s=5.0) as admin,
+        pytest.raises(AdminError, match="hicache_storage_backend"),
+    ):
         admin.sync(5.0)
 
 

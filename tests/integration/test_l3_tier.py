@@ -38,13 +38,15 @@ class SlowFileBackend(FileBackend):
         self.put_delay_s = float(extra.pop("put_delay_s", 0.0))
         super().__init__(extra)
 
-    async def get_into(self, ns: bytes, keys: Sequence[bytes], offsets: Sequence[int],
-                       length: int) -> list[bool]:
+    async def get_into(
+        self, ns: bytes, keys: Sequence[bytes], offsets: Sequence[int], length: int
+    ) -> list[bool]:
         await asyncio.sleep(self.delay_s)
         return await super().get_into(ns, keys, offsets, length)
 
-    async def put_from(self, ns: bytes, keys: Sequence[bytes], offsets: Sequence[int],
-                       length: int) -> list[bool]:
+    async def put_from(
+        self, ns: bytes, keys: Sequence[bytes], offsets: Sequence[int], length: int
+    ) -> list[bool]:
         await asyncio.sleep(self.put_delay_s)
         return await super().put_from(ns, keys, offsets, length)
 
@@ -84,8 +86,13 @@ def flush(daemon, tier: str) -> P.FlushReply:
 
 
 def wait_written(daemon, pages: int) -> None:
-    wait_for(lambda: counters(daemon)["l3_write_written_pages"]
-             + counters(daemon)["l3_write_skipped_pages"] >= pages, what=f"{pages} pages in L3")
+    wait_for(
+        lambda: (
+            counters(daemon)["l3_write_written_pages"] + counters(daemon)["l3_write_skipped_pages"]
+            >= pages
+        ),
+        what=f"{pages} pages in L3",
+    )
 
 
 def l3_flags(backend: str, extra: dict[str, Any] | None = None, **more: str) -> list[str]:
@@ -97,8 +104,9 @@ def l3_flags(backend: str, extra: dict[str, Any] | None = None, **more: str) -> 
     return flags
 
 
-def store_pages(pool: SharedKVPool, conn: Connection, n: int, salt: int = 0,
-                seed: int = 1) -> tuple[list[bytes], list[bytes]]:
+def store_pages(
+    pool: SharedKVPool, conn: Connection, n: int, salt: int = 0, seed: int = 1
+) -> tuple[list[bytes], list[bytes]]:
     """Fill engine pages 0..n-1, store them under a fresh chain; return (keys, bytes)."""
     keys = conn.page_keys(tokens(n * SMALL.page_size, salt=salt))
     for p in range(n):
@@ -109,8 +117,13 @@ def store_pages(pool: SharedKVPool, conn: Connection, n: int, salt: int = 0,
     return keys, expected
 
 
-def load_and_compare(pool: SharedKVPool, conn: Connection, keys: list[bytes],
-                     expected: list[bytes], first_page: int = 32) -> None:
+def load_and_compare(
+    pool: SharedKVPool,
+    conn: Connection,
+    keys: list[bytes],
+    expected: list[bytes],
+    first_page: int = 32,
+) -> None:
     dst = list(range(first_page, first_page + len(keys)))
     h = conn.load(keys, dst)
     assert h.count == len(keys) and h.wait()
@@ -198,8 +211,15 @@ def test_pages_come_back_from_l3_after_sigkill(daemon_factory, short_tmp):
     made: list[ReferenceEngine] = []
     try:
         keys, expected = store_pages(pool, conn, 8)
-        made.append(ReferenceEngine(mode="on", page_size=16, num_pages=64, model=model,
-                                    client_config=client_config(first.runtime_dir)))
+        made.append(
+            ReferenceEngine(
+                mode="on",
+                page_size=16,
+                num_pages=64,
+                model=model,
+                client_config=client_config(first.runtime_dir),
+            )
+        )
         made[-1].generate(prompt, 1)  # its prefill stores 6 pages
         wait_written(first, 8 + 6)
         conn.close()
@@ -211,8 +231,13 @@ def test_pages_come_back_from_l3_after_sigkill(daemon_factory, short_tmp):
         assert fetch_back(conn, keys) == 8
         load_and_compare(pool, conn, keys, expected)
         # the reference engine computes the same as a full recompute from the L3 pages
-        on = ReferenceEngine(mode="on", page_size=16, num_pages=64, model=model,
-                             client_config=client_config(second.runtime_dir))
+        on = ReferenceEngine(
+            mode="on",
+            page_size=16,
+            num_pages=64,
+            model=model,
+            client_config=client_config(second.runtime_dir),
+        )
         off = ReferenceEngine(mode="off", page_size=16, num_pages=64, model=model)
         made += [on, off]
         assert on.connection is not None
@@ -230,12 +255,16 @@ def test_pages_come_back_from_l3_after_sigkill(daemon_factory, short_tmp):
         pool.close()
 
 
-def slow_flags(short_tmp: Path, delay_s: float, put_delay_s: float = 0.0,
-               **more: str) -> list[str]:
+def slow_flags(short_tmp: Path, delay_s: float, put_delay_s: float = 0.0, **more: str) -> list[str]:
     """Flags of a daemon whose L3 is :class:`SlowFileBackend` in ``short_tmp/slow-l3``."""
-    extra = {"backend_name": "slow-file", "module_path": "tests.integration.test_l3_tier",
-             "class_name": "SlowFileBackend", "path": str(short_tmp / "slow-l3"),
-             "delay_s": delay_s, "put_delay_s": put_delay_s}
+    extra = {
+        "backend_name": "slow-file",
+        "module_path": "tests.integration.test_l3_tier",
+        "class_name": "SlowFileBackend",
+        "path": str(short_tmp / "slow-l3"),
+        "delay_s": delay_s,
+        "put_delay_s": put_delay_s,
+    }
     return l3_flags("dynamic", extra, prefetch_concurrency="1", prefetch_threshold="0", **more)
 
 
@@ -244,8 +273,8 @@ def slow_daemon(daemon_factory, short_tmp):
     """``make(delay_s, **flags)``: a daemon whose L3 reads each take ``delay_s`` seconds."""
 
     def make(delay_s: float, **more: str):
-        return daemon_factory(*slow_flags(short_tmp, delay_s, **more),
-                              env={"PYTHONPATH": REPO})
+        return daemon_factory(*slow_flags(short_tmp, delay_s, **more), env={"PYTHONPATH": REPO})
+
     return make
 
 
@@ -285,8 +314,9 @@ def test_timeout_policy_claims_the_batches_read_by_its_deadline(slow_daemon):
     here, through a real daemon, what it hands over: whole batches read by then, in chain
     order, loadable, and every other page cancelled."""
     delay, base, per_ki, pages = 0.4, 0.2, 0.1, 256
-    d = slow_daemon(delay, prefetch_timeout_base=str(base),
-                    prefetch_timeout_per_ki_token=str(per_ki))
+    d = slow_daemon(
+        delay, prefetch_timeout_base=str(base), prefetch_timeout_per_ki_token=str(per_ki)
+    )
     pool, conn, keys, expected = stored_then_evicted(d, pages)
     batch = read_batch(pages, 1)  # 4 reads of 64 pages, one at a time: 1.6 s in all
     try:
@@ -351,9 +381,11 @@ def test_flush_l3_deletes_the_callers_pages(daemon_factory):
 @pytest.mark.timeout(90)
 def test_write_back_writes_pages_before_their_slots_are_reused(daemon_factory):
     # 8 MiB pool of 32 KiB pages: 256 slots; 20 chains of 32 pages do not fit
-    d = daemon_factory(*l3_flags("file", prefetch_threshold="0",
-                                 hicache_write_policy="write_back"),
-                       "--hicache-size", "8MiB")
+    d = daemon_factory(
+        *l3_flags("file", prefetch_threshold="0", hicache_write_policy="write_back"),
+        "--hicache-size",
+        "8MiB",
+    )
     pool, conn = engine(d.runtime_dir, num_pages=64)
     chains: list[tuple[list[bytes], list[bytes]]] = []
     try:
@@ -366,6 +398,7 @@ def test_write_back_writes_pages_before_their_slots_are_reused(daemon_factory):
             def stored(keys: list[bytes] = keys) -> bool:
                 h = conn.store(keys, list(range(32)))
                 return h.wait() and h.count == 32
+
             wait_for(stored, what=f"chain {i} stored")  # room comes as pages reach L3
             chains.append((keys, expected))
         c = counters(d)
@@ -444,8 +477,10 @@ def test_extra_config_prefetch_keys_override_the_daemon_fields(daemon_factory, s
 def test_a_bad_prefetch_key_in_the_extra_config_stops_the_start(daemon_factory, short_tmp):
     from kvtier.client.daemon_process import DaemonStartError
 
-    d = daemon_factory(*l3_flags("file", {"path": str(short_tmp / "l3"),
-                                          "prefetch_timeout_max": "soon"}), start=False)
+    d = daemon_factory(
+        *l3_flags("file", {"path": str(short_tmp / "l3"), "prefetch_timeout_max": "soon"}),
+        start=False,
+    )
     with pytest.raises(DaemonStartError, match="prefetch_timeout_max"):
         d.start()
 
@@ -461,8 +496,10 @@ def test_switching_write_back_to_write_through_backs_l2_up(daemon_factory, short
     try:
         keys, expected = store_pages(pool, conn, 6)  # committed before the STORE is done
         checks = stats(d)["l3"]["write_back_checks"]
-        wait_for(lambda: stats(d)["l3"]["write_back_checks"] > checks,
-                 what="write-back to look at the pool after the store")
+        wait_for(
+            lambda: stats(d)["l3"]["write_back_checks"] > checks,
+            what="write-back to look at the pool after the store",
+        )
         assert counters(d)["l3_write_queued_pages"] == 0  # L2 has room: nothing written back
         conf.write_text('hicache_write_policy = "write_through"\n')
         assert d.proc is not None
@@ -487,24 +524,33 @@ def test_default_file_path_is_under_the_state_dir(daemon_factory, short_tmp):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("case", ["helper", "systemd", "xdg", "home"])
-def test_a_daemon_without_l3_flags_keeps_a_file_store_in_its_state_dir(case, short_tmp,
-                                                                       monkeypatch):
+def test_a_daemon_without_l3_flags_keeps_a_file_store_in_its_state_dir(
+    case, short_tmp, monkeypatch
+):
     """No backend and no state flags: L3 is the file store in ``<state_dir>/l3``, the state dir
     resolved as at a real start (``DaemonProcess`` offers ``<runtime_dir>/state`` as
     ``$STATE_DIRECTORY``, systemd offers its StateDirectory= the same way)."""
     from kvtier.client.daemon_process import DaemonProcess
 
-    for var in ("KVTIER_STATE_DIR", "KVTIER_HICACHE_STORAGE_BACKEND",
-                "KVTIER_HICACHE_STORAGE_BACKEND_EXTRA_CONFIG", "KVTIER_CONFIG"):
+    for var in (
+        "KVTIER_STATE_DIR",
+        "KVTIER_HICACHE_STORAGE_BACKEND",
+        "KVTIER_HICACHE_STORAGE_BACKEND_EXTRA_CONFIG",
+        "KVTIER_CONFIG",
+    ):
         monkeypatch.delenv(var, raising=False)
     rdir, other = short_tmp / "d", short_tmp / "other"
     env, store = {
         "helper": ({}, rdir / "state" / "l3"),
         "systemd": ({"STATE_DIRECTORY": f"{short_tmp / 'sd'}:{other}"}, short_tmp / "sd" / "l3"),
-        "xdg": ({"STATE_DIRECTORY": "", "XDG_STATE_HOME": str(short_tmp / "xdg")},
-                short_tmp / "xdg" / "kvtier" / "l3"),
-        "home": ({"STATE_DIRECTORY": "", "XDG_STATE_HOME": "", "HOME": str(short_tmp / "h")},
-                 short_tmp / "h" / ".local" / "state" / "kvtier" / "l3"),
+        "xdg": (
+            {"STATE_DIRECTORY": "", "XDG_STATE_HOME": str(short_tmp / "xdg")},
+            short_tmp / "xdg" / "kvtier" / "l3",
+        ),
+        "home": (
+            {"STATE_DIRECTORY": "", "XDG_STATE_HOME": "", "HOME": str(short_tmp / "h")},
+            short_tmp / "h" / ".local" / "state" / "kvtier" / "l3",
+        ),
     }[case]
     d = DaemonProcess(rdir, ["--hicache-size", "64MiB", "--extent-size", "4MiB"], env=env)
     try:

@@ -66,8 +66,9 @@ class NotifyListener:
                 self.messages.append((fields, existed))
                 self._cond.notify_all()
 
-    def wait_for(self, pred: Callable[[Fields], bool], timeout: float = 30.0,
-                 after: int = -1) -> int:
+    def wait_for(
+        self, pred: Callable[[Fields], bool], timeout: float = 30.0, after: int = -1
+    ) -> int:
         """Index of the first message after index ``after`` matching ``pred``."""
         deadline = time.monotonic() + timeout
         with self._cond:
@@ -142,7 +143,8 @@ def logged_flush(d: DaemonProcess) -> int:
 
 # ---------------------------------------------------------------------------- notifications
 def test_ready_after_the_socket_exists_then_status_watchdog_stopping_and_exit_0(
-        daemon_factory, notify, short_tmp):
+    daemon_factory, notify, short_tmp
+):
     rdir = short_tmp / "d0"
     listener = notify(rdir)
     d = daemon_factory(env={"NOTIFY_SOCKET": str(listener.path), "WATCHDOG_USEC": "1000000"})
@@ -152,10 +154,13 @@ def test_ready_after_the_socket_exists_then_status_watchdog_stopping_and_exit_0(
     text = listener.fields()[status]["STATUS"]
     assert "sessions" in text and "pool" in text
     # watchdog pings while healthy: a few of them, all after READY=1
-    third = listener.wait_for(lambda f: f.get("WATCHDOG") == "1",
-                              after=listener.wait_for(lambda f: f.get("WATCHDOG") == "1",
-                                                      after=listener.wait_for(
-                                                          lambda f: f.get("WATCHDOG") == "1")))
+    third = listener.wait_for(
+        lambda f: f.get("WATCHDOG") == "1",
+        after=listener.wait_for(
+            lambda f: f.get("WATCHDOG") == "1",
+            after=listener.wait_for(lambda f: f.get("WATCHDOG") == "1"),
+        ),
+    )
     assert min(listener.indexes("WATCHDOG")) > ready
     assert third > ready
     with AdminClient(d.endpoint, timeout_s=5.0) as admin:
@@ -288,13 +293,20 @@ SLOW_FLAGS = ("--hicache-size", "1GiB", "--prefault", "false", "--copy-threads",
 
 def test_a_second_sigterm_during_a_slow_shutdown_exits_at_once(daemon_factory, notify, short_tmp):
     listener = notify(short_tmp / "s")
-    d = daemon_factory(*SLOW_FLAGS, "--shutdown-timeout-s", "60", name="s",
-                       env={"NOTIFY_SOCKET": str(listener.path)})
+    d = daemon_factory(
+        *SLOW_FLAGS,
+        "--shutdown-timeout-s",
+        "60",
+        name="s",
+        env={"NOTIFY_SOCKET": str(listener.path)},
+    )
     pool, conn, h = slow_store(d)
     try:
         if not still_copying(h):
-            pytest.skip("the 1 GiB store finished before the stop began: cannot make the "
-                        "shutdown slow on this machine")
+            pytest.skip(
+                "the 1 GiB store finished before the stop began: cannot make the "
+                "shutdown slow on this machine"
+            )
         d.proc.send_signal(signal.SIGTERM)
         listener.wait_for(lambda f: f.get("STOPPING") == "1")
         wait_log(d, "stopping: 1 sessions, 1 transfers in flight")
@@ -315,7 +327,8 @@ def test_a_second_sigterm_during_a_slow_shutdown_exits_at_once(daemon_factory, n
 
 
 def test_a_transfer_that_outlives_the_shutdown_timeout_does_not_crash_the_stop(
-        daemon_factory, short_tmp):
+    daemon_factory, short_tmp
+):
     """Regression: sessions were finalized (engine memory unmapped) under a running copy,
     and kvtierd died of SIGSEGV instead of exiting 0."""
     d = daemon_factory(*SLOW_FLAGS, "--shutdown-timeout-s", "0", name="t")
@@ -357,9 +370,16 @@ def test_register_with_an_impossible_pid_is_refused_and_the_daemon_keeps_serving
     """Regression: a pid of 2**31 or more was accepted, and os.kill(pid, 0) in the reaper
     then raised OverflowError and ended the daemon. The refusal names the field."""
     with SharedKVPool(SMALL, 4) as other, AdminClient(daemon.endpoint, timeout_s=5.0) as admin:
-        rep = admin.call(P.Register(req_id=5, protocol_version=P.PROTOCOL_VERSION,
-                                    namespace=P.NamespaceSpec("x"), geometry=other.geometry,
-                                    memory=other.export(), pid=pid))
+        rep = admin.call(
+            P.Register(
+                req_id=5,
+                protocol_version=P.PROTOCOL_VERSION,
+                namespace=P.NamespaceSpec("x"),
+                geometry=other.geometry,
+                memory=other.export(),
+                pid=pid,
+            )
+        )
     assert isinstance(rep, P.ErrorReply), rep
     assert rep.code == P.ErrorCode.BAD_MESSAGE and "pid" in rep.message, rep
     # the daemon is alive and serves a well-formed engine
@@ -392,6 +412,19 @@ def test_engine_alive_of_real_pids():
 
 def session_with_pid(pid: int) -> Session:
     """A session with only its pid filled in (``engine_alive`` reads nothing else)."""
-    return Session(session_id=1, identity=b"x", tenant="default", owner=0, ns_id=0,
-                   ns_fingerprint=b"", geometry=SMALL, class_id=0, memory=None,
-                   completion=None, pid=pid, tp_rank=0, tp_size=1, lease_s=5.0)
+    return Session(
+        session_id=1,
+        identity=b"x",
+        tenant="default",
+        owner=0,
+        ns_id=0,
+        ns_fingerprint=b"",
+        geometry=SMALL,
+        class_id=0,
+        memory=None,
+        completion=None,
+        pid=pid,
+        tp_rank=0,
+        tp_size=1,
+        lease_s=5.0,
+    )

@@ -23,8 +23,9 @@ PAGES = 2 * PACKED_MIN_KEYS
 
 def ask(conn, **fields) -> P.LookupResult:
     """A LOOKUP with exactly ``fields`` as keys (the client's own form choice bypassed)."""
-    return conn._session_call(lambda sid: P.Lookup(req_id=0, session_id=sid, **fields),
-                              P.LookupResult)
+    return conn._session_call(
+        lambda sid: P.Lookup(req_id=0, session_id=sid, **fields), P.LookupResult
+    )
 
 
 def both(conn, keys: list[bytes]) -> int:
@@ -64,7 +65,7 @@ def test_packed_lookup_matches_the_list_for_any_list(two_engines) -> None:
     assert both(a, absent + a_keys) == 0
     # the client sends long lists packed, and gets the same answers
     assert lookup_request(a.session_id, a_keys, True).packed_keys
-    assert a.lookup(a_keys[:PAGES - 1] + absent[:1]).l2 == PAGES - 1
+    assert a.lookup(a_keys[: PAGES - 1] + absent[:1]).l2 == PAGES - 1
 
 
 def test_packed_lookup_refusals_then_still_serving(two_engines) -> None:

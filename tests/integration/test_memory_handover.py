@@ -54,8 +54,14 @@ def raw(daemon):
 
 def register(pool: SharedKVPool, token: bytes, **over: object) -> P.Register:
     fields: dict[str, object] = {
-        "req_id": 7, "protocol_version": P.PROTOCOL_VERSION, "namespace": P.NamespaceSpec("h"),
-        "geometry": pool.geometry, "memory": pool.export(), "pid": os.getpid(), "handover": token}
+        "req_id": 7,
+        "protocol_version": P.PROTOCOL_VERSION,
+        "namespace": P.NamespaceSpec("h"),
+        "geometry": pool.geometry,
+        "memory": pool.export(),
+        "pid": os.getpid(),
+        "handover": token,
+    }
     fields.update(over)
     return P.Register(**fields)
 
@@ -121,6 +127,7 @@ def bare_memfd(size: int, name: str = "hostile") -> int:
 
 # -- seals: nobody can shrink memory under the daemon --------------------------------------
 
+
 def test_an_engine_cannot_truncate_its_memory_after_registering(daemon):
     """Before: the engine's segment was a plain /dev/shm file; truncating it and then
     sending STORE made the daemon copy from a page past the file's end: SIGBUS, daemon dead."""
@@ -155,7 +162,9 @@ def test_an_unsafe_descriptor_is_refused_and_never_mapped(daemon, raw, tmp_path,
                 pytest.skip(f"{tmp_path} is on tmpfs: a file there is accepted like a memfd")
         try:
             token = handover(daemon.runtime_dir, fds=[fd])
-            refused(raw.ask(register(pool, token)), P.ErrorCode.BAD_MEMORY, "memory.segments[0]", word)
+            refused(
+                raw.ask(register(pool, token)), P.ErrorCode.BAD_MEMORY, "memory.segments[0]", word
+            )
         finally:
             os.close(fd)
         assert "memfd:hostile" not in daemon_maps(daemon)
@@ -208,6 +217,7 @@ def test_a_memfd_that_may_shrink_fails_only_its_own_copies(daemon_factory, seals
 
 # -- names: the daemon opens nothing by name ----------------------------------------------
 
+
 def test_register_naming_a_segment_is_refused_and_nothing_is_opened(daemon, raw):
     """Before: any /dev/shm/kvtier-engine-* name was opened with the daemon's rights, so one
     tenant could map another's live pages."""
@@ -216,12 +226,19 @@ def test_register_naming_a_segment_is_refused_and_nothing_is_opened(daemon, raw)
         victim.write_bytes(bytes(pool.segment.size))
         try:
             mem = pool.export()
-            by_name = P.KVMemory(kind="shm", num_pages=mem.num_pages,
-                                 segments=[P.MemorySegment(name=str(victim), size=pool.segment.size)],
-                                 buffer_segments=mem.buffer_segments, buffer_offsets=mem.buffer_offsets)
+            by_name = P.KVMemory(
+                kind="shm",
+                num_pages=mem.num_pages,
+                segments=[P.MemorySegment(name=str(victim), size=pool.segment.size)],
+                buffer_segments=mem.buffer_segments,
+                buffer_offsets=mem.buffer_offsets,
+            )
             for token in (b"", handover(daemon.runtime_dir, pool)):
-                refused(raw.ask(register(pool, token, memory=by_name, pid=999_999)),
-                        P.ErrorCode.BAD_MEMORY, "by descriptor")
+                refused(
+                    raw.ask(register(pool, token, memory=by_name, pid=999_999)),
+                    P.ErrorCode.BAD_MEMORY,
+                    "by descriptor",
+                )
             assert str(victim) not in daemon_maps(daemon)
             assert str(victim) not in [target for target, _ in daemon_fds(daemon)]
             assert victim.exists()
@@ -232,14 +249,18 @@ def test_register_naming_a_segment_is_refused_and_nothing_is_opened(daemon, raw)
 
 # -- tokens: one use, one process ----------------------------------------------------------
 
+
 def test_a_token_is_spent_by_its_register_and_unknown_tokens_are_refused(daemon, raw):
     with SharedKVPool(SMALL, 4) as pool:
         token = handover(daemon.runtime_dir, pool)
         rep = raw.ask(register(pool, token))
         assert isinstance(rep, P.Registered), rep
         refused(raw.ask(register(pool, token)), P.ErrorCode.BAD_MEMORY, "used already")
-        refused(raw.ask(register(pool, secrets.token_bytes(HANDOVER_TOKEN_BYTES))),
-                P.ErrorCode.BAD_MEMORY, "hand the memory over")
+        refused(
+            raw.ask(register(pool, secrets.token_bytes(HANDOVER_TOKEN_BYTES))),
+            P.ErrorCode.BAD_MEMORY,
+            "hand the memory over",
+        )
         refused(raw.ask(register(pool, b"")), P.ErrorCode.BAD_MEMORY, "hand the memory over")
         raw.ask(P.Unregister(req_id=8, session_id=rep.session_id))
     healthy(daemon)
@@ -262,14 +283,21 @@ sys.stdin.readline()
 def test_another_process_cannot_register_with_a_handover_it_did_not_make(daemon, raw):
     """The daemon checks that REGISTER comes from the process that handed the memory over
     (the ipc:// transport tells it the sender's pid)."""
-    child = subprocess.Popen([sys.executable, "-c", HANDOVER_CHILD, str(daemon.runtime_dir)],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                             cwd=Path(__file__).parents[2])
+    child = subprocess.Popen(
+        [sys.executable, "-c", HANDOVER_CHILD, str(daemon.runtime_dir)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).parents[2],
+    )
     try:
         token = bytes.fromhex(child.stdout.readline().strip())
         with SharedKVPool(SMALL, 4) as pool:
-            refused(raw.ask(register(pool, token)), P.ErrorCode.UNAUTHORIZED,
-                    f"made by process {child.pid}")
+            refused(
+                raw.ask(register(pool, token)),
+                P.ErrorCode.UNAUTHORIZED,
+                f"made by process {child.pid}",
+            )
     finally:
         child.stdin.close()
         child.wait(timeout=WAIT_S)
@@ -303,9 +331,13 @@ def test_a_session_that_dies_removes_no_file(daemon):
     a session naming a victim's file and a dead pid made the daemon remove the victim's."""
     bystander = Path("/dev/shm") / f"kvtier-engine-{os.getpid()}-{secrets.token_hex(4)}"
     bystander.write_bytes(b"x" * 4096)
-    child = subprocess.Popen([sys.executable, "-c", ENGINE_CHILD, str(daemon.runtime_dir)],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                             cwd=Path(__file__).parents[2])
+    child = subprocess.Popen(
+        [sys.executable, "-c", ENGINE_CHILD, str(daemon.runtime_dir)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).parents[2],
+    )
     try:
         assert child.stdout.readline().strip() == "stored"
         assert [s["pid"] for s in sessions(daemon)] == [child.pid]
@@ -323,6 +355,7 @@ def test_a_session_that_dies_removes_no_file(daemon):
 
 # -- the handover socket under abuse ------------------------------------------------------
 
+
 def test_too_many_descriptors_are_refused_and_closed(daemon):
     with SharedKVPool(SMALL, 4) as pool:
         fd = pool.memory_fds()[0]
@@ -331,13 +364,16 @@ def test_too_many_descriptors_are_refused_and_closed(daemon):
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:  # bypass it
             s.settimeout(WAIT_S)
             s.connect(str(fdpass.handover_path(daemon.runtime_dir)))
-            socket.send_fds(s, [fdpass.encode_request(secrets.token_bytes(16))],
-                            [fd] * (MAX_HANDOVER_FDS + 8))
+            socket.send_fds(
+                s, [fdpass.encode_request(secrets.token_bytes(16))], [fd] * (MAX_HANDOVER_FDS + 8)
+            )
             reply = s.recv(fdpass.MAX_REPLY_BYTES)
         assert reply[0] == fdpass.REFUSED and b"descriptors" in reply, reply
         inode = os.fstat(fd).st_ino
-        wait_until(lambda: inode not in [ino for _, ino in daemon_fds(daemon)],
-                   "the daemon kept descriptors of a refused handover")
+        wait_until(
+            lambda: inode not in [ino for _, ino in daemon_fds(daemon)],
+            "the daemon kept descriptors of a refused handover",
+        )
     healthy(daemon)
 
 

@@ -118,7 +118,9 @@ def test_scrape_counts_lookups_hits_saved_tokens_and_bytes(daemon_factory):
     assert value(after, "kvtier_store_pages_total", result="copied") == 4
     assert value(after, "kvtier_load_pages_total", result="copied") == 4
     assert value(after, "kvtier_transfer_bytes_total", direction="to_host") == 4 * SMALL.page_bytes
-    assert value(after, "kvtier_transfer_bytes_total", direction="to_engine") == 4 * SMALL.page_bytes
+    assert (
+        value(after, "kvtier_transfer_bytes_total", direction="to_engine") == 4 * SMALL.page_bytes
+    )
     assert value(after, "kvtier_pool_pages", state="ready") == 4
     assert value(after, "kvtier_pool_pages", state="writing") == 0
     assert value(after, "kvtier_pool_used_bytes") >= 4 * SMALL.page_bytes
@@ -139,8 +141,14 @@ HISTOGRAMS = ("lookup", "claim", "store", "load")
 def test_each_latency_histogram_is_fed_by_its_own_requests(daemon_factory):
     """Regression: only the load histogram was fed; lookup, claim and store stayed at 0."""
     port = free_port()
-    d = daemon_factory("--metrics-port", str(port), "--hicache-storage-backend", "file",
-                       "--prefetch-threshold", "0")
+    d = daemon_factory(
+        "--metrics-port",
+        str(port),
+        "--hicache-storage-backend",
+        "file",
+        "--prefetch-threshold",
+        "0",
+    )
 
     def count(name: str) -> float:
         return value(scrape(port), f"kvtier_{name}_duration_seconds_count")
@@ -221,22 +229,50 @@ def test_port_in_use_stops_the_daemon_with_a_clear_error(daemon_factory):
 FULL: dict[str, Any] = {
     "epoch": "ab12",
     "uptime_s": 12.5,
-    "pool": {"capacity_bytes": 1 << 30, "used_bytes": 1 << 20, "pages_ready": 60,
-             "pages_writing": 4, "pages_pinned": 2, "evictions": 9, "eviction_policy": "arc",
-             "evictions_by_reason": {"t1": 7, "t2": 2}, "extents_free": 3,
-             "extents_total": 32, "classes": [{"class_id": 0, "page_bytes": 16384, "extents": 1}]},
-    "window": {"seconds": 60, "lookup_keys": 50, "lookup_hit_keys": 20,
-               "l2_page_hit_ratio": 0.4},
-    "counters": {"lookups": 10, "lookup_hits": 6, "lookup_l3_hits": 3, "lookup_keys": 100,
-                 "lookup_hit_keys": 40, "lookup_l3_keys": 20, "lookup_tokens": 1600,
-                 "lookup_hit_tokens": 640, "lookup_l3_tokens": 320, "loaded_tokens": 500,
-                 "l3_prefetch_unused_pages": 5, "bytes_to_l3": 777,
-                 "l3_write_written_pages": 6, "l3_backend_errors": 2,
-                 "errors_by_code": {"BUSY": 1}},
+    "pool": {
+        "capacity_bytes": 1 << 30,
+        "used_bytes": 1 << 20,
+        "pages_ready": 60,
+        "pages_writing": 4,
+        "pages_pinned": 2,
+        "evictions": 9,
+        "eviction_policy": "arc",
+        "evictions_by_reason": {"t1": 7, "t2": 2},
+        "extents_free": 3,
+        "extents_total": 32,
+        "classes": [{"class_id": 0, "page_bytes": 16384, "extents": 1}],
+    },
+    "window": {"seconds": 60, "lookup_keys": 50, "lookup_hit_keys": 20, "l2_page_hit_ratio": 0.4},
+    "counters": {
+        "lookups": 10,
+        "lookup_hits": 6,
+        "lookup_l3_hits": 3,
+        "lookup_keys": 100,
+        "lookup_hit_keys": 40,
+        "lookup_l3_keys": 20,
+        "lookup_tokens": 1600,
+        "lookup_hit_tokens": 640,
+        "lookup_l3_tokens": 320,
+        "loaded_tokens": 500,
+        "l3_prefetch_unused_pages": 5,
+        "bytes_to_l3": 777,
+        "l3_write_written_pages": 6,
+        "l3_backend_errors": 2,
+        "errors_by_code": {"BUSY": 1},
+    },
     "sessions": [{"transfers": 2}, {"transfers": 1}],
-    "l3": {"backend": "file", "healthy": False, "errors": 4, "corrupt": 1, "misses": 8,
-           "put_bytes": 1, "get_bytes": 999, "write_queue": 12, "prefetching": 2,
-           "tp_groups": 1},
+    "l3": {
+        "backend": "file",
+        "healthy": False,
+        "errors": 4,
+        "corrupt": 1,
+        "misses": 8,
+        "put_bytes": 1,
+        "get_bytes": 999,
+        "write_queue": 12,
+        "prefetching": 2,
+        "tp_groups": 1,
+    },
 }
 
 
@@ -295,14 +331,21 @@ def test_missing_sections_and_keys_omit_their_series(metrics_for):
     s = scrape(m.port)
     assert value(s, "kvtier_lookups_total") == 1
     present = names(s)
-    for absent in ("kvtier_l3_healthy", "kvtier_pool_capacity_bytes", "kvtier_sessions",
-                   "kvtier_saved_tokens_total", "kvtier_token_hit_ratio",
-                   "kvtier_transfer_bytes_total", "kvtier_daemon_info"):
+    for absent in (
+        "kvtier_l3_healthy",
+        "kvtier_pool_capacity_bytes",
+        "kvtier_sessions",
+        "kvtier_saved_tokens_total",
+        "kvtier_token_hit_ratio",
+        "kvtier_transfer_bytes_total",
+        "kvtier_daemon_info",
+    ):
         assert absent not in present
     # the histograms do not depend on the snapshot
     assert value(s, "kvtier_lookup_duration_seconds_count") == 0
-    none_backend = metrics_for({"l3": {"backend": "none", "healthy": False, "errors": 0,
-                                       "write_queue": 0, "tp_groups": 0}})
+    none_backend = metrics_for(
+        {"l3": {"backend": "none", "healthy": False, "errors": 0, "write_queue": 0, "tp_groups": 0}}
+    )
     s = scrape(none_backend.port)
     assert not {n for n in names(s) if n.startswith("kvtier_l3_")}
     assert value(s, "kvtier_tp_groups") == 0

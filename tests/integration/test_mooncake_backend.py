@@ -82,6 +82,7 @@ def page(arena: HostArena, slot: int) -> bytes:
     """The bytes of ``slot``."""
     return bytes(arena.view[at(arena, slot) : at(arena, slot) + PAGE])
 
+
 @pytest.fixture
 def mooncake_master() -> Iterator[MooncakeMaster]:
     yield from serve_mooncake_master()

@@ -26,8 +26,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0,
-                                reason="needs root: runs the daemon and engines as distinct uids")
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0, reason="needs root: runs the daemon and engines as distinct uids"
+)
 
 GROUP = 4300
 ENGINE_A = 4343
@@ -110,13 +111,28 @@ else:  # snoop: victim pid and descriptor number in argv
 """
 
 
-def child(role: str, uid: int, groups: list[int], rdir: Path, *extra: object,
-          wait: bool = True) -> tuple[subprocess.Popen, dict]:
+def child(
+    role: str, uid: int, groups: list[int], rdir: Path, *extra: object, wait: bool = True
+) -> tuple[subprocess.Popen, dict]:
     """Run CHILD as ``uid`` in ``groups``; return it and the JSON line it printed."""
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, role, str(uid), json.dumps(groups),
-                             str(rdir), *map(str, extra)], cwd=REPO, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "HOME": "/tmp"})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            CHILD,
+            role,
+            str(uid),
+            json.dumps(groups),
+            str(rdir),
+            *map(str, extra),
+        ],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "HOME": "/tmp"},
+    )
     line = proc.stdout.readline()
     if not line:
         proc.wait(timeout=WAIT_S)
@@ -150,8 +166,13 @@ def test_engines_in_the_daemons_group_register_and_others_cannot_reach_them(grou
         _, outsider = child("outsider", OUTSIDER, [OUTSIDER], rdir)
         assert outsider["error"] == "DaemonUnavailable", outsider
         _, snoop = child("snoop", SNOOP, [GROUP], rdir, seen["pid"], seen["fd"])
-        assert snoop == {"uid": SNOOP, "pid": snoop["pid"], "proc": "PermissionError",
-                         "by_name": "BAD_MEMORY", "by_token": "BAD_MEMORY"}, snoop
+        assert snoop == {
+            "uid": SNOOP,
+            "pid": snoop["pid"],
+            "proc": "PermissionError",
+            "by_name": "BAD_MEMORY",
+            "by_token": "BAD_MEMORY",
+        }, snoop
     finally:
         a.stdin.close()
         assert a.wait(timeout=WAIT_S) == 0, a.stderr.read()[-3000:]

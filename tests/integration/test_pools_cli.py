@@ -22,8 +22,13 @@ pytestmark = pytest.mark.timeout(120)
 
 def pools(*args: str) -> subprocess.CompletedProcess[str]:
     """Run ``kvtier pools ARGS`` as a separate process."""
-    return subprocess.run([sys.executable, "-m", "kvtier.cli.main", "pools", *args],
-                          capture_output=True, text=True, timeout=60, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "kvtier.cli.main", "pools", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 def listing(pool_dir: Path) -> dict[str, dict]:
@@ -32,8 +37,9 @@ def listing(pool_dir: Path) -> dict[str, dict]:
     return {row["path"]: row for row in json.loads(done.stdout)}
 
 
-def test_wired_pools_lists_held_and_stale_pools_and_removes_only_the_stale(daemon_factory,
-                                                                     short_tmp: Path) -> None:
+def test_wired_pools_lists_held_and_stale_pools_and_removes_only_the_stale(
+    daemon_factory, short_tmp: Path
+) -> None:
     shm = short_tmp / "shm"
     shm.mkdir()
     (shm / "not-a-pool").write_bytes(b"x")

@@ -33,8 +33,14 @@ def run_snippet(runtime_dir: Path) -> subprocess.CompletedProcess[str]:
     engine started with ``KVTIER_RUNTIME_DIR`` would (no other ``KVTIER_*`` variable)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     env["KVTIER_RUNTIME_DIR"] = str(runtime_dir)
-    return subprocess.run([sys.executable, "-c", readme_snippet()], env=env, capture_output=True,
-                          text=True, timeout=100, check=False)
+    return subprocess.run(
+        [sys.executable, "-c", readme_snippet()],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
 
 
 def test_readme_engine_snippet_runs_against_a_daemon_and_hits_l2_the_second_time(daemon_factory):

@@ -30,8 +30,9 @@ STORED = 4
 
 
 def test_replies_from_tasks_and_from_the_reader_lose_no_request(daemon_factory, short_tmp):
-    d = daemon_factory("--hicache-storage-backend", "file",
-                       "--state-dir", str(short_tmp / "d0" / "state"))
+    d = daemon_factory(
+        "--hicache-storage-backend", "file", "--state-dir", str(short_tmp / "d0" / "state")
+    )
     engines = [engine(d.runtime_dir, model="m", request_timeout_s=30) for _ in range(ENGINES)]
     try:
         pool, conn = engines[0]
@@ -70,10 +71,20 @@ def test_a_request_whose_signal_a_task_reply_took_is_still_answered(short_tmp):
     (``Receiver.reply_later``). That send processes ZeroMQ's pending commands and clears the
     descriptor's signal of the request; unless the daemon checks its queue after sending,
     the request waits until some other message arrives."""
-    cfg = load_config(DaemonConfig, env={}, cli={
-        "runtime_dir": str(short_tmp / "rt"), "state_dir": str(short_tmp / "state"),
-        "pool_dir": str(short_tmp / "pool"), "hicache_size": 16 << 20, "extent_size": 4 << 20,
-        "hicache_storage_backend": "none", "prefault": False, "log_level": "warning"})
+    cfg = load_config(
+        DaemonConfig,
+        env={},
+        cli={
+            "runtime_dir": str(short_tmp / "rt"),
+            "state_dir": str(short_tmp / "state"),
+            "pool_dir": str(short_tmp / "pool"),
+            "hicache_size": 16 << 20,
+            "extent_size": 4 << 20,
+            "hicache_storage_backend": "none",
+            "prefault": False,
+            "log_level": "warning",
+        },
+    )
     (short_tmp / "pool").mkdir()
     daemon = Daemon(cfg)
     ready = threading.Event()
@@ -107,8 +118,9 @@ def test_a_request_whose_signal_a_task_reply_took_is_still_answered(short_tmp):
             release.wait(30)
             # reply_later of a reply already made: it runs to its end in one step
             assert daemon.receiver is not None
-            step = daemon.receiver.reply_later(b"a-peer-that-left",
-                                               P.Ack(req_id=9, epoch=daemon.epoch))
+            step = daemon.receiver.reply_later(
+                b"a-peer-that-left", P.Ack(req_id=9, epoch=daemon.epoch)
+            )
             with contextlib.suppress(StopIteration):
                 step.send(None)
 

@@ -22,6 +22,7 @@ import contextlib
 pytestmark = pytest.mark.timeout(60)
 arena = arenas.arena  # the shared fixture, bound here so the tests below can request it by name
 
+
 @pytest.fixture
 def redis_server() -> Iterator[RedisServer]:
     yield from serve_redis()

@@ -23,8 +23,9 @@ from tests.engines import client_config, tokens
 
 WAIT_S = 10.0
 # a vLLM-CPU-like model: 3 layers, 2 KV heads, block 16, head_dim 32, bf16
-VLLM = P.Geometry(num_layers=3, page_size=16, kv_heads=2, head_dim=32, dtype="bfloat16",
-                  layout="vllm_cpu")
+VLLM = P.Geometry(
+    num_layers=3, page_size=16, kv_heads=2, head_dim=32, dtype="bfloat16", layout="vllm_cpu"
+)
 PAD = 512  # bytes between blocks that belong to no page (must never be touched)
 PAGES = 6
 
@@ -47,9 +48,16 @@ class Engine:
             self.fd = os.memfd_create("kvtier-test-unsealed")
             os.ftruncate(self.fd, size)
         self.size = size
-        self.regions = [P.MemoryRegion(segment=0, offset=layer * self.layer_bytes,
-                                       page_stride=self.stride, page_bytes=self.block, layer=layer)
-                        for layer in range(geometry.num_layers)]
+        self.regions = [
+            P.MemoryRegion(
+                segment=0,
+                offset=layer * self.layer_bytes,
+                page_stride=self.stride,
+                page_bytes=self.block,
+                layer=layer,
+            )
+            for layer in range(geometry.num_layers)
+        ]
 
     def memory(self) -> RegionMemory:
         return RegionMemory(self.g, PAGES, [self.fd], [self.size], self.regions)
@@ -62,7 +70,7 @@ class Engine:
 
     def page(self, p: int) -> bytes:
         raw = self.read()
-        return b"".join(raw[r.offset + p * r.page_stride:][:r.page_bytes] for r in self.regions)
+        return b"".join(raw[r.offset + p * r.page_stride :][: r.page_bytes] for r in self.regions)
 
     def close(self) -> None:
         if self.seg is not None:
@@ -80,8 +88,7 @@ def connect(daemon):
     opened: list[tuple[Connection, Engine | None]] = []
 
     def make(mem, engine=None, **kw) -> Connection:
-        conn = Connection(mem, model_id="regions", config=client_config(daemon.runtime_dir),
-                          **kw)
+        conn = Connection(mem, model_id="regions", config=client_config(daemon.runtime_dir), **kw)
         opened.append((conn, engine))
         return conn
 
@@ -112,20 +119,28 @@ def test_pages_round_trip_byte_exact_and_nothing_between_them_is_touched(connect
     for r in b.regions:
         for p in (1, 2, 3):
             start = r.offset + p * r.page_stride
-            after[start:start + r.page_bytes] = before[start:start + r.page_bytes]
+            after[start : start + r.page_bytes] = before[start : start + r.page_bytes]
     assert bytes(after) == before
 
 
 def test_a_page_first_layout_waits_for_all_layers_and_round_trips(connect):
     """SGLang-like page_first: one region per component, each holding every layer."""
-    g = P.Geometry(num_layers=3, page_size=16, kv_heads=2, head_dim=32, dtype="bfloat16",
-                   layout="sglang_page_first")
+    g = P.Geometry(
+        num_layers=3,
+        page_size=16,
+        kv_heads=2,
+        head_dim=32,
+        dtype="bfloat16",
+        layout="sglang_page_first",
+    )
     comp = g.num_layers * g.chunk_bytes
     size = 2 * PAGES * comp
     fd = os.memfd_create("kvtier-test-page-first")
     os.ftruncate(fd, size)
-    regions = [P.MemoryRegion(segment=0, offset=c * PAGES * comp, page_stride=comp,
-                              page_bytes=comp) for c in range(2)]
+    regions = [
+        P.MemoryRegion(segment=0, offset=c * PAGES * comp, page_stride=comp, page_bytes=comp)
+        for c in range(2)
+    ]
     try:
         conn = connect(RegionMemory(g, PAGES, [fd], [size], regions))
         data = random_bytes(size, 3)
@@ -139,16 +154,19 @@ def test_a_page_first_layout_waits_for_all_layers_and_round_trips(connect):
         got = os.pread(fd, size, 0)
         for c in range(2):
             base = c * PAGES * comp
-            assert got[base:base + comp] == data[base + 2 * comp:base + 3 * comp]
-            assert got[base + 5 * comp:base + 6 * comp] == data[base + 3 * comp:base + 4 * comp]
+            assert got[base : base + comp] == data[base + 2 * comp : base + 3 * comp]
+            assert got[base + 5 * comp : base + 6 * comp] == data[base + 3 * comp : base + 4 * comp]
     finally:
         os.close(fd)
 
 
 def test_the_layout_label_keeps_layouts_apart(connect):
     a = Engine(VLLM)
-    b = Engine(P.Geometry(**{**{f: getattr(VLLM, f) for f in VLLM.__struct_fields__},
-                             "layout": "vllm_other"}))
+    b = Engine(
+        P.Geometry(
+            **{**{f: getattr(VLLM, f) for f in VLLM.__struct_fields__}, "layout": "vllm_other"}
+        )
+    )
     ca, cb = connect(a.memory(), a), connect(b.memory(), b)
     keys = ca.page_keys(tokens(VLLM.page_size, salt=4))
     assert ca.store(keys, [0]).wait(WAIT_S)
@@ -158,18 +176,22 @@ def test_the_layout_label_keeps_layouts_apart(connect):
 
 def bad(engine: Engine, **change) -> list[P.MemoryRegion]:
     r = engine.regions
-    return [P.MemoryRegion(**{**{f: getattr(r[0], f) for f in r[0].__struct_fields__}, **change})
-            ] + r[1:]
+    return [
+        P.MemoryRegion(**{**{f: getattr(r[0], f) for f in r[0].__struct_fields__}, **change})
+    ] + r[1:]
 
 
-@pytest.mark.parametrize("case,words", [
-    ("short", ["regions hold", "bytes per page"]),
-    ("overrun", ["memory.regions[0]", "overrun segment 0"]),
-    ("stride", ["memory.regions[0].page_stride", "smaller than"]),
-    ("layer", ["memory.regions[0].layer = 3", "3 layers"]),
-    ("segment", ["memory.regions[0].segment = 1", "out of range"]),
-    ("both", ["both regions and buffer_offsets"]),
-])
+@pytest.mark.parametrize(
+    "case,words",
+    [
+        ("short", ["regions hold", "bytes per page"]),
+        ("overrun", ["memory.regions[0]", "overrun segment 0"]),
+        ("stride", ["memory.regions[0].page_stride", "smaller than"]),
+        ("layer", ["memory.regions[0].layer = 3", "3 layers"]),
+        ("segment", ["memory.regions[0].segment = 1", "out of range"]),
+        ("both", ["both regions and buffer_offsets"]),
+    ],
+)
 def test_bad_regions_are_refused_naming_the_field(daemon, connect, case, words):
     e = Engine(VLLM)
     mem = e.memory()
@@ -185,9 +207,14 @@ def test_bad_regions_are_refused_naming_the_field(daemon, connect, case, words):
         regions = bad(e, segment=1)
     else:
         regions = e.regions
-    export = P.KVMemory(kind="fd", num_pages=PAGES, segments=mem.export().segments,
-                        regions=regions, buffer_offsets=[0] if case == "both" else [],
-                        buffer_segments=[0] if case == "both" else [])
+    export = P.KVMemory(
+        kind="fd",
+        num_pages=PAGES,
+        segments=mem.export().segments,
+        regions=regions,
+        buffer_offsets=[0] if case == "both" else [],
+        buffer_segments=[0] if case == "both" else [],
+    )
     mem.export = lambda: export  # type: ignore[method-assign]  (a client sending its own)
     with pytest.raises(DaemonError) as info:
         connect(mem, e)
@@ -203,8 +230,9 @@ def test_control_only_sessions_answer_each_ranks_lookup_at_once_and_may_not_copy
     """A TP=2 engine's scheduler: one control session per rank, keys chained from each rank's
     own namespace (as its worker's are); no rank-group round to wait for."""
     ranks = [Engine(VLLM) for _ in range(2)]
-    conns = [connect(e.memory(), e, tp_rank=r, tp_size=2, register=False)
-             for r, e in enumerate(ranks)]
+    conns = [
+        connect(e.memory(), e, tp_rank=r, tp_size=2, register=False) for r, e in enumerate(ranks)
+    ]
     for c in conns:
         c.register()
     sched = [connect(ControlOnly(VLLM), tp_rank=r, tp_size=2) for r in range(2)]

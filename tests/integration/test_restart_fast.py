@@ -98,8 +98,12 @@ def test_requests_while_starting_wait_for_the_adopted_pool(daemon_factory, short
         wait_for_new_socket(d2.socket, stale, lambda: not started)
         dealer.connect(d2.endpoint)
         # all at once, as soon as the socket exists: a HEALTH is answered while the rest wait
-        requests = [P.Health(req_id=1), P.Stats(req_id=2), P.Heartbeat(req_id=3, session_id=1),
-                    P.Health(req_id=4)]
+        requests = [
+            P.Health(req_id=1),
+            P.Stats(req_id=2),
+            P.Heartbeat(req_id=3, session_id=1),
+            P.Health(req_id=4),
+        ]
         for msg in requests:
             dealer.send(P.encode(msg))
         dealer.send_multipart([b"", b"x"])  # bad frame count: refused, not lost
@@ -144,12 +148,25 @@ def test_sigterm_while_starting_stops_cleanly_and_keeps_the_pool(daemon_factory,
     rdir = short_tmp / "d0"
     env = {**os.environ, "KVTIER_RUNTIME_DIR": str(rdir), "STATE_DIRECTORY": str(rdir / "state")}
     env.pop("NOTIFY_SOCKET", None)
-    flags = ["--hicache-storage-backend", "none", "--hicache-size", "64MiB", "--extent-size",
-             "4MiB", "--log-level", "info"]  # as the first daemon (the fixture's flags)
+    flags = [
+        "--hicache-storage-backend",
+        "none",
+        "--hicache-size",
+        "64MiB",
+        "--extent-size",
+        "4MiB",
+        "--log-level",
+        "info",
+    ]  # as the first daemon (the fixture's flags)
     stale = file_id(socket_path(rdir))
     with open(rdir / "starting.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "kvtier.daemon", *flags], env=env,
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvtier.daemon", *flags],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+        )
     try:
         wait_for_new_socket(socket_path(rdir), stale, lambda: proc.poll() is None)
         with AdminClient(f"ipc://{socket_path(rdir)}", timeout_s=DEADLINE_S) as admin:
@@ -173,4 +190,3 @@ def test_sigterm_while_starting_stops_cleanly_and_keeps_the_pool(daemon_factory,
         pool.close()
     if first != "starting":
         pytest.skip("the daemon was up before SIGTERM: the stop was not during the start")
-

@@ -47,9 +47,11 @@ def torch_objects(paths: set[str]) -> list[str]:
 
 def test_the_check_sees_torch_in_a_process_that_imported_it():
     """The control: a process that imported torch maps objects the test recognises."""
-    proc = subprocess.Popen([sys.executable, "-c",
-                             "import sys, torch; print('ok', flush=True); sys.stdin.read()"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys, torch; print('ok', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == b"ok"
         assert torch_objects(mapped_objects(proc.pid))

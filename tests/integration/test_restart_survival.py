@@ -107,8 +107,13 @@ def test_cold_start_discards_on_purpose(daemon_factory):
 def test_sigkill_in_the_middle_of_stores_never_adopts_a_bad_page(daemon_factory, flags):
     d = daemon_factory("--hicache-size", "64MiB", "--extent-size", "16MiB", *flags)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    child = subprocess.Popen([sys.executable, "-m", "tests.engine_child", "store", str(d.runtime_dir),
-                              "6"], stdout=subprocess.PIPE, text=True, cwd=REPO, env=env)
+    child = subprocess.Popen(
+        [sys.executable, "-m", "tests.engine_child", "store", str(d.runtime_dir), "6"],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env=env,
+    )
     try:
         assert child.stdout is not None
         lines = []

@@ -45,8 +45,9 @@ from tests.unit.test_pool_file import small_tmpfs
 pytestmark = pytest.mark.timeout(120)
 
 OTHER_UID = 4343
-needs_root = pytest.mark.skipif(os.geteuid() != 0,
-                                reason="files and processes of another uid need root")
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0, reason="files and processes of another uid need root"
+)
 POOL_DIR = Path("/dev/shm")  # the fixtures' daemons use the default pool_dir
 
 
@@ -103,10 +104,13 @@ def test_the_lock_names_its_holder_and_is_free_after_release(short_tmp: Path) ->
 
 def test_lock_holder_sees_a_lock_held_by_another_process(short_tmp: Path) -> None:
     rdir = prepare_runtime_dir(short_tmp / "rd")
-    code = ("import sys, time; from kvtier.daemon.service.runtime import DaemonLock\n"
-            f"with DaemonLock({str(rdir)!r}):\n    print('held', flush=True); sys.stdin.read()")
-    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+    code = (
+        "import sys, time; from kvtier.daemon.service.runtime import DaemonLock\n"
+        f"with DaemonLock({str(rdir)!r}):\n    print('held', flush=True); sys.stdin.read()"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert child.stdout is not None and child.stdout.readline() == "held\n"
         assert lock_holder(rdir) == child.pid
@@ -173,7 +177,8 @@ def stored(rdir: Path, n: int = 4):
 
 
 def test_a_world_writable_pool_file_is_not_adopted_and_the_engine_loads_its_own_bytes(
-        daemon_factory) -> None:
+    daemon_factory,
+) -> None:
     """Regression: a pool file anyone could write was adopted as is; its pages, rewritten
     by another user, were served to engines."""
     d = daemon_factory()
@@ -300,15 +305,18 @@ def test_health_as_a_user_who_cannot_enter_the_runtime_dir_is_one_line(daemon) -
     assert code == 1, text
     lines = text.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in text, text
-    assert lines[0].startswith("kvtier health: cannot reach kvtierd's socket "
-                               f"{socket_path(daemon.runtime_dir)}: permission denied entering "
-                               f"{daemon.runtime_dir.parent} (owner uid 0"), lines[0]
+    assert lines[0].startswith(
+        "kvtier health: cannot reach kvtierd's socket "
+        f"{socket_path(daemon.runtime_dir)}: permission denied entering "
+        f"{daemon.runtime_dir.parent} (owner uid 0"
+    ), lines[0]
     assert f"uid {OTHER_UID}" in lines[0]
 
 
 # ------------------------------------------------------------------ WIRED (server.py)
 def test_wired_a_second_daemon_on_the_same_runtime_dir_exits_and_the_first_serves(
-        daemon_factory, short_tmp: Path) -> None:
+    daemon_factory, short_tmp: Path
+) -> None:
     first = daemon_factory()
     sock = socket_path(first.runtime_dir)
     ino = os.stat(sock).st_ino
@@ -316,14 +324,32 @@ def test_wired_a_second_daemon_on_the_same_runtime_dir_exits_and_the_first_serve
     pool_ino = os.stat(pool).st_ino
     # not DaemonProcess.start: it would find the first daemon's socket healthy and return
     second = subprocess.run(
-        [sys.executable, "-m", "kvtier.daemon", "--hicache-storage-backend", "none",
-         "--hicache-size", "64MiB", "--extent-size", "4MiB"],
-        env={**os.environ, "KVTIER_RUNTIME_DIR": str(first.runtime_dir),
-             "STATE_DIRECTORY": str(short_tmp / "second-state")},
-        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60, check=False)
+        [
+            sys.executable,
+            "-m",
+            "kvtier.daemon",
+            "--hicache-storage-backend",
+            "none",
+            "--hicache-size",
+            "64MiB",
+            "--extent-size",
+            "4MiB",
+        ],
+        env={
+            **os.environ,
+            "KVTIER_RUNTIME_DIR": str(first.runtime_dir),
+            "STATE_DIRECTORY": str(short_tmp / "second-state"),
+        },
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert second.returncode == 1, second.stderr
-    assert (f"another kvtierd (pid {first.pid}) is running on {first.runtime_dir}"
-            in second.stderr), second.stderr
+    assert (
+        f"another kvtierd (pid {first.pid}) is running on {first.runtime_dir}" in second.stderr
+    ), second.stderr
     assert os.stat(sock).st_ino == ino and os.stat(pool).st_ino == pool_ino
     with AdminClient(first.endpoint, timeout_s=5.0) as admin:
         assert admin.health().status == "ok"
@@ -332,7 +358,8 @@ def test_wired_a_second_daemon_on_the_same_runtime_dir_exits_and_the_first_serve
 
 
 def test_wired_stale_completion_blocks_go_at_start_and_the_lock_is_free_after_stop(
-        daemon_factory, short_tmp: Path) -> None:
+    daemon_factory, short_tmp: Path
+) -> None:
     rdir = short_tmp / "d0"
     rdir.mkdir()
     stale = rdir / "completion-deadbeef-3"

@@ -42,7 +42,8 @@ def _positive(name: str, value: object) -> None:
 
 
 def test_the_quick_scale_bench_reports_every_figure(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A --quick run writes every field (each ratio finite and > 0, one per N and per
     transfer size), finds every page after the SIGKILL, prints the table and draws the plot."""
     out = tmp_path / "scale.json"
@@ -83,8 +84,18 @@ def test_the_quick_scale_bench_reports_every_figure(
 def test_a_worker_that_cannot_connect_fails_the_run_with_its_log(short_tmp: Path) -> None:
     """An engine worker that dies before ``ready`` (no daemon at its runtime directory)
     ends the run with ScaleBenchError carrying the worker's log, not a hang."""
-    settings = {"runtime_dir": str(short_tmp / "nobody"), "tag": "dead", "pages": 4, "iters": 1,
-                "geometry": {"num_layers": 1, "page_size": 16, "kv_heads": 1, "head_dim": 64,
-                             "dtype": "float16"}}
+    settings = {
+        "runtime_dir": str(short_tmp / "nobody"),
+        "tag": "dead",
+        "pages": 4,
+        "iters": 1,
+        "geometry": {
+            "num_layers": 1,
+            "page_size": 16,
+            "kv_heads": 1,
+            "head_dim": 64,
+            "dtype": "float16",
+        },
+    }
     with pytest.raises(ScaleBenchError, match="DaemonUnavailable"):
         run_workers("transfer", 2, settings, short_tmp, timeout_s=60)

@@ -18,15 +18,19 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def test_the_million_part_runs_alone_and_reports_adoption(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "million.json"
-    assert main(["--pages", "2048", "--batch", "512", "--samples", "10",
-                 "--json", str(out)]) == 0
+    assert main(["--pages", "2048", "--batch", "512", "--samples", "10", "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["million_pages_stored"] == r["million_pages_found_after_restart"] == 2048
-    for name in ("million_adopt_seconds", "million_daemon_adopt_seconds",
-                 "million_find_all_seconds", "million_restart_to_healthy_seconds",
-                 "million_lookup_p50_over_small"):
+    for name in (
+        "million_adopt_seconds",
+        "million_daemon_adopt_seconds",
+        "million_find_all_seconds",
+        "million_restart_to_healthy_seconds",
+        "million_lookup_p50_over_small",
+    ):
         assert isinstance(r[name], float) and math.isfinite(r[name]) and r[name] > 0, name
     assert r["million_find_all_seconds"] <= r["million_adopt_seconds"]
     printed = capsys.readouterr().out

@@ -18,8 +18,9 @@ from tests.engines import client_config, tokens
 pytestmark = pytest.mark.timeout(120)
 
 WAIT_S = 10.0
-G = P.Geometry(num_layers=3, page_size=16, kv_heads=2, head_dim=32, dtype="bfloat16",
-               layout="vllm_cpu")
+G = P.Geometry(
+    num_layers=3, page_size=16, kv_heads=2, head_dim=32, dtype="bfloat16", layout="vllm_cpu"
+)
 BLOCKS = 12
 PAGE = (G.kv_heads, G.page_size, 2 * G.head_dim)  # vLLM's CPU block
 
@@ -36,8 +37,9 @@ def staged(daemon):
 
     def make(kv: list[torch.Tensor], capacity: int = 4) -> tuple[Connection, StagedCopier]:
         area = StagingArea([StagingPart(i, PAGE, torch.bfloat16) for i in range(3)], capacity)
-        conn = Connection(area.memory(G), model_id="staged",
-                          config=client_config(daemon.runtime_dir))
+        conn = Connection(
+            area.memory(G), model_id="staged", config=client_config(daemon.runtime_dir)
+        )
         made.append((conn, area))
         return conn, StagedCopier(area, kv)
 
@@ -79,15 +81,24 @@ def test_pages_round_trip_through_staging_layer_by_layer(staged, daemon):
     seg = SharedMemorySegment.create_memfd("kvtier-test-direct", 3 * layer_bytes)
     try:
         chunk = layer_bytes // BLOCKS
-        regions = [P.MemoryRegion(segment=0, offset=i * layer_bytes, page_stride=chunk,
-                                  page_bytes=chunk, layer=i) for i in range(3)]
-        direct = Connection(RegionMemory(G, BLOCKS, [seg.fd], [seg.size], regions),
-                            model_id="staged", config=client_config(daemon.runtime_dir))
+        regions = [
+            P.MemoryRegion(
+                segment=0, offset=i * layer_bytes, page_stride=chunk, page_bytes=chunk, layer=i
+            )
+            for i in range(3)
+        ]
+        direct = Connection(
+            RegionMemory(G, BLOCKS, [seg.fd], [seg.size], regions),
+            model_id="staged",
+            config=client_config(daemon.runtime_dir),
+        )
         try:
             h = direct.load(keys, [4, 5, 6])
             assert h.wait(WAIT_S) and h.ok
-            mem = [seg.tensor(i * layer_bytes, layer_bytes).view(torch.bfloat16)
-                   .view(BLOCKS, *PAGE) for i in range(3)]
+            mem = [
+                seg.tensor(i * layer_bytes, layer_bytes).view(torch.bfloat16).view(BLOCKS, *PAGE)
+                for i in range(3)
+            ]
             for layer in range(3):
                 for b, t in ((7, 4), (0, 5), (11, 6)):
                     assert torch.equal(mem[layer][t], src[layer][b])
@@ -99,7 +110,8 @@ def test_pages_round_trip_through_staging_layer_by_layer(staged, daemon):
 
 
 def test_a_handle_says_which_layers_are_in_place_and_whether_the_daemon_still_copies(
-        staged, daemon):
+    staged, daemon
+):
     conn, copier = staged(layers(3))
     keys = conn.page_keys(tokens(2 * G.page_size, salt=4))
     slots = copier.area.acquire(2, 0)

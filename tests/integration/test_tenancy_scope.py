@@ -102,8 +102,14 @@ def test_a_tenants_flush_drops_its_own_pages_only(tenants_daemon):
     rep = call(d, P.Flush(req_id=0, tier="all"), TOKEN_A)
     assert isinstance(rep, P.FlushReply) and rep.l2_pages == 3
     assert (ca.lookup(ka).l2, cb.lookup(kb).l2) == (0, 5)
-    r = kvtier("flush", "--tier", "all", "--runtime-dir", str(d.runtime_dir),
-               env={"KVTIER_ADMIN_TOKEN": TOKEN_B})
+    r = kvtier(
+        "flush",
+        "--tier",
+        "all",
+        "--runtime-dir",
+        str(d.runtime_dir),
+        env={"KVTIER_ADMIN_TOKEN": TOKEN_B},
+    )
     assert r.returncode == 0, r.stderr
     assert "flushed 5 L2 pages" in r.stdout
     assert cb.lookup(kb).l2 == 0

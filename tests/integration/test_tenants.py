@@ -33,8 +33,10 @@ def flush_own(conn: Connection, namespace: bytes = b"") -> P.FlushReply:
 
     Connection has no public flush, so this goes through its session call.
     """
-    return conn._session_call(lambda sid: P.Flush(req_id=0, session_id=sid, tier="l2",
-                                                  namespace=namespace.hex()), P.FlushReply)
+    return conn._session_call(
+        lambda sid: P.Flush(req_id=0, session_id=sid, tier="l2", namespace=namespace.hex()),
+        P.FlushReply,
+    )
 
 
 @pytest.fixture
@@ -45,8 +47,9 @@ def two_tenants(daemon_factory):
     pb, cb = engine(d.runtime_dir, model="m", tenant="b", token=TOKEN_B)
     try:
         toks = tokens(4 * SMALL.page_size)
-        kb = spec_page_keys(spec_fingerprint(SMALL, model_id="m", tenant="b"), toks,
-                            SMALL.page_size)
+        kb = spec_page_keys(
+            spec_fingerprint(SMALL, model_id="m", tenant="b"), toks, SMALL.page_size
+        )
         for p in range(4):
             fill_page(pb, p, seed=p + 30)
         h = cb.store(kb, [0, 1, 2, 3])
@@ -125,20 +128,29 @@ def test_storing_the_other_tenants_keys_reveals_nothing(two_tenants):
     assert (h_held.count, h_held.writing) == (h_fresh.count, h_fresh.writing)
 
 
-@pytest.mark.parametrize("tenant,token", [
-    ("a", "not-the-token"),
-    ("a", ""),
-    ("a", TOKEN_B),
-    ("nobody", TOKEN_A),
-    ("default", ""),
-])
+@pytest.mark.parametrize(
+    "tenant,token",
+    [
+        ("a", "not-the-token"),
+        ("a", ""),
+        ("a", TOKEN_B),
+        ("nobody", TOKEN_A),
+        ("default", ""),
+    ],
+)
 def test_wrong_or_missing_token_is_refused_at_registration_and_never_logged(
-        daemon_factory, tenant, token):
+    daemon_factory, tenant, token
+):
     d = daemon_factory("--tenants", tenants(), "--admin-token", ADMIN)
     pool = SharedKVPool(SMALL, 8)
-    conn = Connection(pool, model_id="m", register=False,
-                      config=client_config(d.runtime_dir, tenant=tenant, token=token or None,
-                                           request_timeout_s=10.0))
+    conn = Connection(
+        pool,
+        model_id="m",
+        register=False,
+        config=client_config(
+            d.runtime_dir, tenant=tenant, token=token or None, request_timeout_s=10.0
+        ),
+    )
     try:
         with pytest.raises(DaemonError) as info:
             conn.register()
@@ -183,8 +195,15 @@ def test_a_quota_stops_a_tenant_from_evicting_another(daemon_factory, quota):
     quota, and the control (no quota) shows that a's stores do evict b's pages otherwise.
     """
     q = 128
-    d = daemon_factory("--hicache-size", "16MiB", "--tenants", tenants(q if quota else None),
-                       "--admin-token", ADMIN, name="q" if quota else "nq")
+    d = daemon_factory(
+        "--hicache-size",
+        "16MiB",
+        "--tenants",
+        tenants(q if quota else None),
+        "--admin-token",
+        ADMIN,
+        name="q" if quota else "nq",
+    )
     pa, ca = engine(d.runtime_dir, model="m", tenant="a", token=TOKEN_A)
     pb, cb = engine(d.runtime_dir, model="m", tenant="b", token=TOKEN_B)
     try:

@@ -18,23 +18,36 @@ from kvtier.ipc import protocol as P
 from tests.engines import SMALL, client_config, fill_page, page_bytes, tokens
 
 T = TypeVar("T")
-MLA = P.Geometry(num_layers=4, page_size=16, kv_heads=1, head_dim=64, dtype="float16",
-                 attention="mla")
+MLA = P.Geometry(
+    num_layers=4, page_size=16, kv_heads=1, head_dim=64, dtype="float16", attention="mla"
+)
 
 
 class Ranks:
     """The ranks of one TP engine in this process: a pool and a connection per rank."""
 
-    def __init__(self, rdir, geometry: P.Geometry = SMALL, tp_size: int = 2,
-                 model: str = "tp-model", group: str = "") -> None:
+    def __init__(
+        self,
+        rdir,
+        geometry: P.Geometry = SMALL,
+        tp_size: int = 2,
+        model: str = "tp-model",
+        group: str = "",
+    ) -> None:
         self.pools: list[SharedKVPool] = []
         self.conns: list[Connection] = []
         self._pool = ThreadPoolExecutor(tp_size)
         for rank in range(tp_size):
             self.pools.append(SharedKVPool(geometry, 64))
-            self.conns.append(Connection(self.pools[-1], model_id=model,
-                                         config=client_config(rdir, tp_group=group),
-                                         tp_rank=rank, tp_size=tp_size))
+            self.conns.append(
+                Connection(
+                    self.pools[-1],
+                    model_id=model,
+                    config=client_config(rdir, tp_group=group),
+                    tp_rank=rank,
+                    tp_size=tp_size,
+                )
+            )
 
     def each(self, fn: Callable[[int], T]) -> list[T]:
         """Run ``fn(rank)`` on every rank at once (ranks are separate processes in real life)."""
@@ -105,6 +118,7 @@ def test_l3_runs_prefetch_and_claim_agree_over_the_group(daemon_factory, ranks_f
 
     def in_l3() -> bool:
         return counters(d)["l3_write_written_pages"] >= 10
+
     deadline = time.monotonic() + 20
     while not in_l3():
         assert time.monotonic() < deadline, "pages did not reach L3"
@@ -121,8 +135,9 @@ def test_l3_runs_prefetch_and_claim_agree_over_the_group(daemon_factory, ranks_f
 
 
 @pytest.mark.timeout(60)
-def test_a_rank_that_never_asks_makes_the_answer_zero_after_the_deadline(daemon_factory,
-                                                                          ranks_factory):
+def test_a_rank_that_never_asks_makes_the_answer_zero_after_the_deadline(
+    daemon_factory, ranks_factory
+):
     group_s, storage_s = 0.5, 0.2
     d = daemon_factory("--tp-group-timeout-s", str(group_s), "--storage-timeout-s", str(storage_s))
     ranks = ranks_factory(d.runtime_dir)
@@ -148,8 +163,13 @@ def test_a_restarted_rank_falls_into_step(daemon, ranks_factory):
     for _ in range(3):
         assert ranks.each(lambda r: runs(ranks.conns[r], keys[r])) == [(4, 0), (4, 0)]
     ranks.conns[1].close()  # rank 1 restarts: a new session joins at the next round
-    ranks.conns[1] = Connection(ranks.pools[1], model_id="tp-model",
-                                config=client_config(daemon.runtime_dir), tp_rank=1, tp_size=2)
+    ranks.conns[1] = Connection(
+        ranks.pools[1],
+        model_id="tp-model",
+        config=client_config(daemon.runtime_dir),
+        tp_rank=1,
+        tp_size=2,
+    )
     assert ranks.each(lambda r: runs(ranks.conns[r], keys[r])) == [(4, 0), (4, 0)]
     assert counters(daemon)["tp_round_timeouts"] == 0
 

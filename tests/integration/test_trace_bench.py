@@ -19,15 +19,39 @@ from kvtier.bench.trace import main
 pytestmark = pytest.mark.timeout(240)
 
 
-def test_trace_bench_one_engine_matches_lru_simulation(tmp_path: Path,
-                                                       capsys: pytest.CaptureFixture[str]) -> None:
+def test_trace_bench_one_engine_matches_lru_simulation(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "trace.json"
-    assert main(["--limit", "250", "--blocks", "150,600", "--engines", "1", "--speedup",
-                 "100000", "--policy", "lru", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--limit",
+                "250",
+                "--blocks",
+                "150,600",
+                "--engines",
+                "1",
+                "--speedup",
+                "100000",
+                "--policy",
+                "lru",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     r = json.loads(out.read_text())
     assert r["requests"] == 250 and r["sizes"] == [150, 600]
-    for key in ("hit_rate", "lru_hit_rate", "min_hit_rate", "gap_closed",
-                "daemon_cpu_ms_per_request", "latency_ms"):
+    for key in (
+        "hit_rate",
+        "lru_hit_rate",
+        "min_hit_rate",
+        "gap_closed",
+        "daemon_cpu_ms_per_request",
+        "latency_ms",
+    ):
         assert len(r[key]) == 2, key
     assert r["mismatched_bytes"] == 0
     for hit, lru, best in zip(r["hit_rate"], r["lru_hit_rate"], r["min_hit_rate"], strict=True):
@@ -38,8 +62,25 @@ def test_trace_bench_one_engine_matches_lru_simulation(tmp_path: Path,
 
 def test_trace_bench_arc_over_two_engines(tmp_path: Path) -> None:
     out = tmp_path / "trace.json"
-    assert main(["--limit", "200", "--blocks", "300", "--engines", "2", "--speedup", "100000",
-                 "--policy", "arc", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--limit",
+                "200",
+                "--blocks",
+                "300",
+                "--engines",
+                "2",
+                "--speedup",
+                "100000",
+                "--policy",
+                "arc",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     r = json.loads(out.read_text())
     assert r["eviction_policy"] == "arc" and r["mismatched_bytes"] == 0
     assert r["hit_rate"][0] > 0

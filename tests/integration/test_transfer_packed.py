@@ -24,8 +24,9 @@ PAGES = 2 * PACKED_MIN_KEYS
 
 def send(conn, **fields):
     """A LOAD with exactly ``fields`` (the client's own form choice bypassed); its reply."""
-    return conn._session_call(lambda sid: P.Load(req_id=0, session_id=sid, slot=0, seq=1 << 40,
-                                                 **fields), P.LoadAccepted)
+    return conn._session_call(
+        lambda sid: P.Load(req_id=0, session_id=sid, slot=0, seq=1 << 40, **fields), P.LoadAccepted
+    )
 
 
 @pytest.fixture
@@ -58,7 +59,7 @@ def test_packed_store_and_load_move_the_same_bytes_as_lists(packed_engine) -> No
     # a list-form LOAD of the same keys (the client told to send lists) loads the same
     conn._packed_transfers = False
     assert not transfer_request(P.Load, 1, keys, dest, 0, 1, False).packed_keys
-    h = conn.load(keys[:PAGES // 2], list(range(PAGES, PAGES + PAGES // 2)))
+    h = conn.load(keys[: PAGES // 2], list(range(PAGES, PAGES + PAGES // 2)))
     assert h.count == PAGES // 2 and h.wait()
     conn._packed_transfers = True
     for i in range(PAGES // 2):
@@ -69,7 +70,7 @@ def test_packed_load_stops_where_the_run_ends(packed_engine) -> None:
     pool, conn, keys = packed_engine
     half = PAGES // 2
     assert conn.store(keys[:half], list(range(half))).wait()  # list form (short)
-    assert conn.store(keys[half + 1:], list(range(half + 1, PAGES))).wait()  # packed, a gap
+    assert conn.store(keys[half + 1 :], list(range(half + 1, PAGES))).wait()  # packed, a gap
     h = conn.load(keys, list(range(PAGES, 2 * PAGES)))
     assert h.count == half and h.wait()
     assert page_bytes(pool, PAGES + half - 1) == page_bytes(pool, half - 1)
@@ -86,22 +87,56 @@ def test_packed_transfer_refusals_then_still_serving(packed_engine) -> None:
     pages = P.pack_pages(range(PAGES))
     assert pages is not None
     cases = [
-        ({"packed_keys": packed + b"\0", "packed_pages": pages}, P.ErrorCode.BAD_MESSAGE,
-         "not a multiple of 32"),
-        ({"packed_keys": packed, "packed_pages": pages[:-1]}, P.ErrorCode.BAD_MESSAGE,
-         f"packed_pages has {4 * PAGES - 1} bytes; {PAGES} keys need {4 * PAGES}"),
-        ({"packed_keys": packed, "packed_pages": b""}, P.ErrorCode.BAD_MESSAGE, "packed_pages has 0"),
-        ({"packed_keys": packed * 4 + keys[0], "packed_pages": pages * 4 + pages[:4]},
-         P.ErrorCode.BAD_MESSAGE, "exceed max_keys_per_request"),
-        ({"packed_keys": packed, "packed_pages": P.pack_pages([*range(PAGES - 1), 2 * PAGES])},
-         P.ErrorCode.OUT_OF_RANGE, f"packed_pages\\[{PAGES - 1}\\] = {2 * PAGES} is outside"),
-        ({"packed_keys": packed, "packed_pages": P.pack_pages([*range(PAGES - 1), 0xFFFFFFFF])},
-         P.ErrorCode.OUT_OF_RANGE, f"= {0xFFFFFFFF} is outside"),
-        ({"packed_keys": packed, "packed_pages": P.pack_pages([*range(PAGES - 1), 3])},
-         P.ErrorCode.BAD_MESSAGE, "same page twice"),
-        ({"keys": keys[:1], "pages": [0], "packed_keys": packed[KEY_BYTES:],
-          "packed_pages": pages[4:]}, P.ErrorCode.BAD_MESSAGE, "beside packed"),
-        ({"pages": [0], "packed_keys": packed[:KEY_BYTES]}, P.ErrorCode.BAD_MESSAGE, "beside packed"),
+        (
+            {"packed_keys": packed + b"\0", "packed_pages": pages},
+            P.ErrorCode.BAD_MESSAGE,
+            "not a multiple of 32",
+        ),
+        (
+            {"packed_keys": packed, "packed_pages": pages[:-1]},
+            P.ErrorCode.BAD_MESSAGE,
+            f"packed_pages has {4 * PAGES - 1} bytes; {PAGES} keys need {4 * PAGES}",
+        ),
+        (
+            {"packed_keys": packed, "packed_pages": b""},
+            P.ErrorCode.BAD_MESSAGE,
+            "packed_pages has 0",
+        ),
+        (
+            {"packed_keys": packed * 4 + keys[0], "packed_pages": pages * 4 + pages[:4]},
+            P.ErrorCode.BAD_MESSAGE,
+            "exceed max_keys_per_request",
+        ),
+        (
+            {"packed_keys": packed, "packed_pages": P.pack_pages([*range(PAGES - 1), 2 * PAGES])},
+            P.ErrorCode.OUT_OF_RANGE,
+            f"packed_pages\\[{PAGES - 1}\\] = {2 * PAGES} is outside",
+        ),
+        (
+            {"packed_keys": packed, "packed_pages": P.pack_pages([*range(PAGES - 1), 0xFFFFFFFF])},
+            P.ErrorCode.OUT_OF_RANGE,
+            f"= {0xFFFFFFFF} is outside",
+        ),
+        (
+            {"packed_keys": packed, "packed_pages": P.pack_pages([*range(PAGES - 1), 3])},
+            P.ErrorCode.BAD_MESSAGE,
+            "same page twice",
+        ),
+        (
+            {
+                "keys": keys[:1],
+                "pages": [0],
+                "packed_keys": packed[KEY_BYTES:],
+                "packed_pages": pages[4:],
+            },
+            P.ErrorCode.BAD_MESSAGE,
+            "beside packed",
+        ),
+        (
+            {"pages": [0], "packed_keys": packed[:KEY_BYTES]},
+            P.ErrorCode.BAD_MESSAGE,
+            "beside packed",
+        ),
     ]
     for fields, code, message in cases:
         with pytest.raises(DaemonError, match=message) as err:
@@ -109,10 +144,17 @@ def test_packed_transfer_refusals_then_still_serving(packed_engine) -> None:
         assert err.value.code == code, (fields.keys(), err.value)
     # a STORE is checked the same way
     with pytest.raises(DaemonError, match="same page twice"):
-        conn._session_call(lambda sid: P.Store(req_id=0, session_id=sid, slot=0, seq=1 << 40,
-                                               packed_keys=packed[:64],
-                                               packed_pages=P.pack_pages([5, 5])),
-                           P.StoreAccepted)
+        conn._session_call(
+            lambda sid: P.Store(
+                req_id=0,
+                session_id=sid,
+                slot=0,
+                seq=1 << 40,
+                packed_keys=packed[:64],
+                packed_pages=P.pack_pages([5, 5]),
+            ),
+            P.StoreAccepted,
+        )
     # nothing was pinned or copied by the refusals: the pages load, packed, as before
     h = conn.load(keys, list(range(PAGES, 2 * PAGES)))
     assert h.count == PAGES and h.wait()

@@ -71,13 +71,15 @@ def test_a_small_transfer_has_ended_when_its_reply_arrives(daemon):
             keys = conn.page_keys(tokens(pages * P, salt=i))
             h = conn.store(keys, list(range(pages)))
             assert h.writing == pages
-            assert _block_status(conn, h.slot) == (h.seq, SMALL.num_layers, TransferStatus.DONE), \
+            assert _block_status(conn, h.slot) == (h.seq, SMALL.num_layers, TransferStatus.DONE), (
                 f"round {i}: the store had not ended when its reply came"
+            )
             assert h.wait()
             h = conn.load(keys, dst)
             assert h.count == pages
-            assert _block_status(conn, h.slot) == (h.seq, SMALL.num_layers, TransferStatus.DONE), \
+            assert _block_status(conn, h.slot) == (h.seq, SMALL.num_layers, TransferStatus.DONE), (
                 f"round {i}: the load had not ended when its reply came"
+            )
             assert h.wait()
         for i, p in enumerate(dst):
             assert page_bytes(pool, p) == page_bytes(pool, i), f"page {i} differs"
@@ -116,8 +118,10 @@ def _split_count(daemon, counter: str = "transfers_split") -> int:
         return int(admin.stats()["counters"][counter])  # type: ignore[index]
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2,
-                    reason="the daemon shares a copy with a thread only where it has two CPUs")
+@pytest.mark.skipif(
+    len(os.sched_getaffinity(0)) < 2,
+    reason="the daemon shares a copy with a thread only where it has two CPUs",
+)
 def test_a_transfer_of_a_few_mib_is_shared_by_the_loop_and_a_thread(daemon_factory):
     """Copied half on the event loop, half on a copy thread (whichever ends last, the
     transfer is settled once): every page lands, each layer is announced, every round."""
@@ -150,8 +154,7 @@ def test_a_transfer_of_a_few_mib_is_shared_by_the_loop_and_a_thread(daemon_facto
         pool.close()
 
 
-def test_a_transfer_of_two_split_sizes_is_copied_in_parts_and_moves_the_same_bytes(
-        daemon_factory):
+def test_a_transfer_of_two_split_sizes_is_copied_in_parts_and_moves_the_same_bytes(daemon_factory):
     """Two copy threads copy it at once; each layer is announced once both have copied it."""
     d = daemon_factory("--hicache-size", "192MiB", "--copy-threads", "2")
     pages = 2 * SPLIT_BYTES // SMALL.page_bytes + 15  # after the first 8: 2 x SPLIT_BYTES + 7
@@ -186,8 +189,9 @@ def test_wait_for_the_end_does_not_stop_at_the_last_layer(tmp_path: Path):
         block.layer_done(2, 3)  # every layer in place, the transfer not settled yet
         assert block.wait(2, 7, 3, DEADLINE_S) is TransferStatus.RUNNING
         got: list[TransferStatus] = []
-        waiter = threading.Thread(target=lambda: got.append(
-            block.wait(2, 7, 3, 2 * DEADLINE_S, end=True)))
+        waiter = threading.Thread(
+            target=lambda: got.append(block.wait(2, 7, 3, 2 * DEADLINE_S, end=True))
+        )
         waiter.start()
         block.finish(2, TransferStatus.CANCELLED)
         waiter.join(DEADLINE_S)
@@ -219,8 +223,11 @@ print(before, int(words[i]), flush=True)
 def test_a_layer_wakes_a_waiter_in_another_process_through_a_read_only_mapping(tmp_path: Path):
     path = tmp_path / "block"
     block = CompletionBlock.create(path, 4)
-    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(path), str(2 * DEADLINE_S)],
-                             stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, str(path), str(2 * DEADLINE_S)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert child.stdout is not None
         assert child.stdout.readline().strip() == "waiting"

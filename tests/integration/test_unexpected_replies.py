@@ -95,8 +95,11 @@ def proxy(module_daemon) -> Iterator[WrongReplyProxy]:
 def conn(proxy: WrongReplyProxy, module_daemon, request) -> Iterator[Connection]:
     """A connection registered through the proxy (a model id of its own per test)."""
     pool = SharedKVPool(SMALL, 16)
-    c = Connection(pool, model_id=request.node.name,
-                   config=client_config(module_daemon.runtime_dir, endpoint=proxy.endpoint))
+    c = Connection(
+        pool,
+        model_id=request.node.name,
+        config=client_config(module_daemon.runtime_dir, endpoint=proxy.endpoint),
+    )
     try:
         yield c
     finally:
@@ -114,8 +117,11 @@ def test_register_answered_with_another_reply_raises_naming_both(proxy, module_d
     pool = SharedKVPool(SMALL, 16)
     try:
         with pytest.raises(UnexpectedReply) as caught:
-            Connection(pool, model_id="register-wrong",
-                       config=client_config(module_daemon.runtime_dir, endpoint=proxy.endpoint))
+            Connection(
+                pool,
+                model_id="register-wrong",
+                config=client_config(module_daemon.runtime_dir, endpoint=proxy.endpoint),
+            )
     finally:
         pool.close()
     err = caught.value
@@ -188,23 +194,31 @@ def test_release_answered_with_another_reply_is_forgotten(proxy, conn):
 
 def test_stats_answered_with_a_health_reply_raises_naming_both(proxy, conn):
     proxy.answers[P.Stats] = reply(P.HealthReply, status="ok", sessions=0)
-    with pytest.raises(UnexpectedReply, match="Stats: kvtierd answered HealthReply, "
-                                              "expected StatsReply"):
+    with pytest.raises(
+        UnexpectedReply, match="Stats: kvtierd answered HealthReply, expected StatsReply"
+    ):
         conn.stats()
     del proxy.answers[P.Stats]
     assert "pool" in conn.stats()
 
 
-@pytest.mark.parametrize("call,request_type,wrong", [
-    (lambda a: a.health(), P.Health, reply(P.StatsReply, stats={})),
-    (lambda a: a.stats(), P.Stats, reply(P.HealthReply, status="ok", sessions=0)),
-    (lambda a: a.sync(timeout_s=1.0), P.Sync, reply(P.Ack)),
-], ids=["health", "stats", "sync"])
-def test_admin_calls_answered_with_another_reply_raise_an_admin_error(proxy, call, request_type,
-                                                                       wrong):
+@pytest.mark.parametrize(
+    "call,request_type,wrong",
+    [
+        (lambda a: a.health(), P.Health, reply(P.StatsReply, stats={})),
+        (lambda a: a.stats(), P.Stats, reply(P.HealthReply, status="ok", sessions=0)),
+        (lambda a: a.sync(timeout_s=1.0), P.Sync, reply(P.Ack)),
+    ],
+    ids=["health", "stats", "sync"],
+)
+def test_admin_calls_answered_with_another_reply_raise_an_admin_error(
+    proxy, call, request_type, wrong
+):
     proxy.answers[request_type] = wrong
-    with AdminClient(proxy.endpoint, timeout_s=5.0) as admin, \
-            pytest.raises(UnexpectedAdminReply) as caught:
+    with (
+        AdminClient(proxy.endpoint, timeout_s=5.0) as admin,
+        pytest.raises(UnexpectedAdminReply) as caught,
+    ):
         call(admin)
     err = caught.value
     assert isinstance(err, AdminError) and isinstance(err, UnexpectedReply)

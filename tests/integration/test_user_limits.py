@@ -29,9 +29,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.servers import free_port
 
-pytestmark = [pytest.mark.skipif(os.geteuid() != 0,
-                                 reason="needs root: runs the daemon and engines as distinct uids"),
-              pytest.mark.timeout(240)]
+pytestmark = [
+    pytest.mark.skipif(
+        os.geteuid() != 0, reason="needs root: runs the daemon and engines as distinct uids"
+    ),
+    pytest.mark.timeout(240),
+]
 
 GROUP = 4300
 ATTACKER = 4611
@@ -199,10 +202,23 @@ else:  # sparse: sealed sparse memfds declaring far more than their regions use
 
 
 def spawn(role: str, uid: int, rdir: Path, **args: object) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", CHILD.replace("GROUP", str(GROUP)), role,
-                             str(uid), str(rdir), json.dumps(args)], cwd=REPO,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "HOME": "/tmp"})
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            CHILD.replace("GROUP", str(GROUP)),
+            role,
+            str(uid),
+            str(rdir),
+            json.dumps(args),
+        ],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "HOME": "/tmp"},
+    )
 
 
 def line(proc: subprocess.Popen) -> dict:
@@ -259,10 +275,12 @@ def vm_size(pid: int) -> int:
     raise AssertionError("no VmSize")
 
 
-@pytest.mark.parametrize("flags", [(), ("--max-handover-connections", "16")],
-                         ids=["per_user_bound", "total_bound"])
-def test_a_handover_flood_by_one_user_keeps_no_other_users_engines_out(group_rdir, daemon_factory,
-                                                                     flags):
+@pytest.mark.parametrize(
+    "flags", [(), ("--max-handover-connections", "16")], ids=["per_user_bound", "total_bound"]
+)
+def test_a_handover_flood_by_one_user_keeps_no_other_users_engines_out(
+    group_rdir, daemon_factory, flags
+):
     """With the defaults the flooder meets its own per-user bound; with a total bound below
     that, the flooder (holding the most) gives up its oldest connection to the newcomer."""
     d = daemon_factory(*flags)
@@ -278,8 +296,10 @@ def test_a_handover_flood_by_one_user_keeps_no_other_users_engines_out(group_rdi
         ended = finish(flood)
     assert got["uid"] == HONEST and got["errors"] == [] and len(got["times"]) == 5, got
     assert max(got["times"]) < 20.0  # each within its deadline: the client's retries got it in
-    bound = min(during["bounds"]["max_handover_connections_per_user"],
-                during["bounds"]["max_handover_connections"])
+    bound = min(
+        during["bounds"]["max_handover_connections_per_user"],
+        during["bounds"]["max_handover_connections"],
+    )
     assert during["users"].get(str(ATTACKER), {}).get("handover_connections", 0) <= bound
     setting = "max_handover_connections" if flags else "max_handover_connections_per_user"
     assert during["refusals"].get(setting, 0) > 0, during
@@ -287,12 +307,19 @@ def test_a_handover_flood_by_one_user_keeps_no_other_users_engines_out(group_rdi
     assert health(d) == "ok"
 
 
-def test_huge_sparse_segments_cost_the_daemon_only_what_their_regions_use(group_rdir,
-                                                                         daemon_factory):
+def test_huge_sparse_segments_cost_the_daemon_only_what_their_regions_use(
+    group_rdir, daemon_factory
+):
     limit = 256 * MiB
     port = free_port()
-    d = daemon_factory("--max-mapped-bytes-per-user", str(limit), "--max-sessions-per-user", "20",
-                       "--metrics-port", str(port))
+    d = daemon_factory(
+        "--max-mapped-bytes-per-user",
+        str(limit),
+        "--max-sessions-per-user",
+        "20",
+        "--metrics-port",
+        str(port),
+    )
     before = vm_size(d.pid)
     honest = spawn("engines", HONEST, d.runtime_dir, n=2, timeout_s=10.0)
     attack = spawn("sparse", ATTACKER, d.runtime_dir, small=12, control=20)
@@ -301,9 +328,11 @@ def test_huge_sparse_segments_cost_the_daemon_only_what_their_regions_use(group_
         held = stats(d).get("limits", {})
         grown = vm_size(d.pid) - before
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as rep:
-            series = {(s.name, frozenset(s.labels.items())): s.value
-                      for fam in text_string_to_metric_families(rep.read().decode())
-                      for s in fam.samples}
+            series = {
+                (s.name, frozenset(s.labels.items())): s.value
+                for fam in text_string_to_metric_families(rep.read().decode())
+                for s in fam.samples
+            }
         ok = go(honest)
         finish(honest)
         assert health(d) == "ok"
@@ -318,11 +347,19 @@ def test_huge_sparse_segments_cost_the_daemon_only_what_their_regions_use(group_
     assert mine["mapped_bytes"] <= limit and mine["sessions"] == 20, held
     assert grown < limit + 128 * MiB, f"the daemon's virtual size grew by {grown >> 20} MiB"
     assert ok["errors"] == [] and len(ok["times"]) == 2, ok
-    assert series[("kvtier_user_use", frozenset({("uid", str(ATTACKER)),
-                                                  ("resource", "mapped_bytes")}))] == mine["mapped_bytes"]
+    assert (
+        series[
+            ("kvtier_user_use", frozenset({("uid", str(ATTACKER)), ("resource", "mapped_bytes")}))
+        ]
+        == mine["mapped_bytes"]
+    )
     assert series[("kvtier_limit", frozenset({("setting", "max_mapped_bytes_per_user")}))] == limit
-    assert series[("kvtier_limit_refusals_total",
-                   frozenset({("setting", "max_mapped_bytes_per_user")}))] >= 2
+    assert (
+        series[
+            ("kvtier_limit_refusals_total", frozenset({("setting", "max_mapped_bytes_per_user")}))
+        ]
+        >= 2
+    )
 
 
 def test_64_engines_of_one_user_starting_at_once_all_register(group_rdir, daemon_factory):

@@ -20,9 +20,13 @@ PEER = PeerCred(pid=4242, uid=1000, gid=1000)
 
 
 def register(req_id: int) -> P.Register:
-    return P.Register(req_id=req_id, protocol_version=P.PROTOCOL_VERSION,
-                      namespace=P.NamespaceSpec(model_id="m"), geometry=GEOMETRY,
-                      memory=P.KVMemory(kind="none", num_pages=1, segments=[]))
+    return P.Register(
+        req_id=req_id,
+        protocol_version=P.PROTOCOL_VERSION,
+        namespace=P.NamespaceSpec(model_id="m"),
+        geometry=GEOMETRY,
+        memory=P.KVMemory(kind="none", num_pages=1, segments=[]),
+    )
 
 
 def no_peer() -> PeerCred | None:
@@ -38,8 +42,12 @@ def test_health_is_answered_at_once_as_starting():
 
 def test_other_requests_are_held_in_arrival_order_and_released_once():
     gate = StartGate(EPOCH)
-    bodies = [P.encode(P.Stats(req_id=1)), P.encode(P.Heartbeat(req_id=2, session_id=5)),
-              b"\xc1 not msgpack", P.encode(P.Lookup(req_id=3, session_id=5, keys=[b"k" * 32]))]
+    bodies = [
+        P.encode(P.Stats(req_id=1)),
+        P.encode(P.Heartbeat(req_id=2, session_id=5)),
+        b"\xc1 not msgpack",
+        P.encode(P.Lookup(req_id=3, session_id=5, keys=[b"k" * 32])),
+    ]
     for i, body in enumerate(bodies):
         assert gate.handle(b"id%d" % i, body, no_peer) is None
     assert gate.handle(b"r", P.encode(register(4)), lambda: PEER) is None
@@ -80,8 +88,9 @@ def test_a_message_of_the_wrong_frame_count_is_refused():
 
 @pytest.fixture
 def segment(tmp_path: Path):
-    seg = SharedMemorySegment.create(Path("/dev/shm") / f"kvt-populate-{tmp_path.name}",
-                                     2 * POPULATE_STEP + 4096, prefault=False)
+    seg = SharedMemorySegment.create(
+        Path("/dev/shm") / f"kvt-populate-{tmp_path.name}", 2 * POPULATE_STEP + 4096, prefault=False
+    )
     try:
         yield seg
     finally:
@@ -94,7 +103,7 @@ def resident_bytes(seg: SharedMemorySegment) -> int:
     start = f"{seg.address:x}-"
     for i, line in enumerate(lines):
         if line.startswith(start):
-            rss = next(entry for entry in lines[i + 1:] if entry.startswith("Rss:"))
+            rss = next(entry for entry in lines[i + 1 :] if entry.startswith("Rss:"))
             return int(rss.split()[1]) * 1024
     raise AssertionError(f"no mapping at {seg.address:#x}")
 

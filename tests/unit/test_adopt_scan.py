@@ -408,14 +408,17 @@ def test_starting_and_adopting_an_empty_pool_imports_no_tomllib_and_no_numpy_ma(
     import subprocess
     import sys
 
-    code = ("import mmap, sys\n"
-            "import kvtier.daemon.service.server, kvtier.daemon.service.boot\n"
-            "from kvtier.daemon.pool.index import HostPool\n"
-            "p = HostPool(4 << 20, 1 << 20, 4096)\n"
-            "buf = mmap.mmap(-1, p.layout.meta_bytes)\n"
-            "p.adopt(buf, cold_start=True)\n"
-            "assert HostPool(4 << 20, 1 << 20, 4096).adopt(buf).adopted\n"
-            "print(sorted(m for m in ('tomllib', 'numpy.ma') if m in sys.modules))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, timeout=120)
+    code = (
+        "import mmap, sys\n"
+        "import kvtier.daemon.service.server, kvtier.daemon.service.boot\n"
+        "from kvtier.daemon.pool.index import HostPool\n"
+        "p = HostPool(4 << 20, 1 << 20, 4096)\n"
+        "buf = mmap.mmap(-1, p.layout.meta_bytes)\n"
+        "p.adopt(buf, cold_start=True)\n"
+        "assert HostPool(4 << 20, 1 << 20, 4096).adopt(buf).adopted\n"
+        "print(sorted(m for m in ('tomllib', 'numpy.ma') if m in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
     assert out.stdout.strip() == "[]"

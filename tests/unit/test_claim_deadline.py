@@ -41,16 +41,18 @@ class HeldReads:
         self.gate = asyncio.Event()
         self.waiting = 0
 
-    async def __call__(self, ns: bytes, keys: list[bytes], offsets: list[int],
-                       length: int) -> list[bool]:
+    async def __call__(
+        self, ns: bytes, keys: list[bytes], offsets: list[int], length: int
+    ) -> list[bool]:
         self.waiting += 1
         await self.gate.wait()
         return await self.rig.tier.l3.get(ns, keys, offsets, length)
 
 
 @contextlib.asynccontextmanager
-async def claim_behind_held_reads(loop: StillClockLoop, rig: Rig, policy: str, salt: str = ""
-                                  ) -> AsyncIterator[tuple[asyncio.Task[int], HeldReads]]:
+async def claim_behind_held_reads(
+    loop: StillClockLoop, rig: Rig, policy: str, salt: str = ""
+) -> AsyncIterator[tuple[asyncio.Task[int], HeldReads]]:
     """A prefetch of a chain only in L3, its reads held; the claim of it, started. On exit
     the claim is cancelled if it still runs, and the reads are let go and waited for (the
     clock stays where it is: the prefetcher's close waits for its reads, not the clock)."""
@@ -90,18 +92,25 @@ async def ends_at(loop: StillClockLoop, task: asyncio.Task[int], deadline: float
     return task.result()
 
 
-@pytest.mark.parametrize(("base", "per_ki", "cap", "expect"), [
-    (0.5, 2.0, 30.0, 0.5 + 2.0 * TOKENS / 1024),  # the formula: 1.0 s
-    (0.5, 40.0, 3.0, 3.0),  # the formula (10.5 s) capped at prefetch_timeout_max
-    (0.0, 0.0, 30.0, 0.0),  # no time at all: the claim does not wait
-])
-def test_timeout_claim_ends_at_its_computed_deadline(tmp_path: Path, base: float, per_ki: float,
-                                                      cap: float, expect: float) -> None:
+@pytest.mark.parametrize(
+    ("base", "per_ki", "cap", "expect"),
+    [
+        (0.5, 2.0, 30.0, 0.5 + 2.0 * TOKENS / 1024),  # the formula: 1.0 s
+        (0.5, 40.0, 3.0, 3.0),  # the formula (10.5 s) capped at prefetch_timeout_max
+        (0.0, 0.0, 30.0, 0.0),  # no time at all: the claim does not wait
+    ],
+)
+def test_timeout_claim_ends_at_its_computed_deadline(
+    tmp_path: Path, base: float, per_ki: float, cap: float, expect: float
+) -> None:
     async def test(loop: StillClockLoop) -> None:
         tmp = tmp_path
-        async with open_rig(tmp, prefetch_timeout_base=base,
-                            prefetch_timeout_per_ki_token=per_ki,
-                            prefetch_timeout_max=cap) as rig:
+        async with open_rig(
+            tmp,
+            prefetch_timeout_base=base,
+            prefetch_timeout_per_ki_token=per_ki,
+            prefetch_timeout_max=cap,
+        ) as rig:
             s = rig.session
             async with claim_behind_held_reads(loop, rig, "timeout") as (task, _):
                 assert not s.prefetches  # the claim took its prefetch
@@ -117,8 +126,12 @@ def test_timeout_claim_ends_at_its_computed_deadline(tmp_path: Path, base: float
 def test_wait_complete_waits_until_the_cap_and_best_effort_not_at_all(tmp_path: Path) -> None:
     async def test(loop: StillClockLoop) -> None:
         tmp = tmp_path
-        async with open_rig(tmp, prefetch_timeout_base=0.5,
-                            prefetch_timeout_per_ki_token=2.0, prefetch_timeout_max=7.0) as rig:
+        async with open_rig(
+            tmp,
+            prefetch_timeout_base=0.5,
+            prefetch_timeout_per_ki_token=2.0,
+            prefetch_timeout_max=7.0,
+        ) as rig:
             async with claim_behind_held_reads(loop, rig, "wait_complete") as (task, _):
                 assert await ends_at(loop, task, START + 7.0) == 0
             async with claim_behind_held_reads(loop, rig, "best_effort", salt="b") as (task, _):
@@ -130,9 +143,15 @@ def test_wait_complete_waits_until_the_cap_and_best_effort_not_at_all(tmp_path: 
 def test_a_timeout_claim_whose_reads_end_in_time_gets_every_page(tmp_path: Path) -> None:
     async def test(loop: StillClockLoop) -> None:
         tmp = tmp_path
-        async with (open_rig(tmp, prefetch_timeout_base=0.5, prefetch_timeout_per_ki_token=2.0,
-                             prefetch_timeout_max=30.0) as rig,
-                    claim_behind_held_reads(loop, rig, "timeout") as (task, reads)):
+        async with (
+            open_rig(
+                tmp,
+                prefetch_timeout_base=0.5,
+                prefetch_timeout_per_ki_token=2.0,
+                prefetch_timeout_max=30.0,
+            ) as rig,
+            claim_behind_held_reads(loop, rig, "timeout") as (task, reads),
+        ):
             loop.now = START + 0.9  # before the deadline (1.0 s)
             await turns()
             assert not task.done()

@@ -84,14 +84,35 @@ def _text(renderable: object) -> str:
     return console.file.getvalue()  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize(("adopt", "shown"), [
-    ({"adopted": True, "reason": "metadata matches", "pages_adopted": 4096, "pages_dropped": 2,
-      "bytes_adopted": 1 << 30, "seconds": 0.032, "generation": 3},
-     "4,096 pages (1.0 GiB) in 32 ms, 2 dropped, generation 3"),
-    ({"adopted": False, "reason": "no pool file (first start)", "pages_adopted": 0,
-      "pages_dropped": 0, "bytes_adopted": 0, "seconds": 0.0, "generation": 1},
-     "none, started empty (no pool file (first start))"),
-])
+@pytest.mark.parametrize(
+    ("adopt", "shown"),
+    [
+        (
+            {
+                "adopted": True,
+                "reason": "metadata matches",
+                "pages_adopted": 4096,
+                "pages_dropped": 2,
+                "bytes_adopted": 1 << 30,
+                "seconds": 0.032,
+                "generation": 3,
+            },
+            "4,096 pages (1.0 GiB) in 32 ms, 2 dropped, generation 3",
+        ),
+        (
+            {
+                "adopted": False,
+                "reason": "no pool file (first start)",
+                "pages_adopted": 0,
+                "pages_dropped": 0,
+                "bytes_adopted": 0,
+                "seconds": 0.0,
+                "generation": 1,
+            },
+            "none, started empty (no pool file (first start))",
+        ),
+    ],
+)
 def test_stats_table_shows_what_the_start_adopted(adopt, shown):
     text = _text(render_stats({"adopt": adopt, "pool": {}, "counters": {}}))
     row = next(line for line in text.splitlines() if "adopted at start" in line)
@@ -99,9 +120,11 @@ def test_stats_table_shows_what_the_start_adopted(adopt, shown):
 
 
 def test_stats_table_shows_each_users_use_against_its_bounds():
-    limits = {"bounds": {"max_sessions_per_user": 128, "max_mapped_bytes_per_user": 64 << 20},
-              "users": {"4343": {"sessions": 3, "mapped_bytes": 32 << 20}},
-              "refusals": {"max_mapped_bytes_per_user": 2}}
+    limits = {
+        "bounds": {"max_sessions_per_user": 128, "max_mapped_bytes_per_user": 64 << 20},
+        "users": {"4343": {"sessions": 3, "mapped_bytes": 32 << 20}},
+        "refusals": {"max_mapped_bytes_per_user": 2},
+    }
     text = _text(render_stats({"pool": {}, "counters": {}, "limits": limits}))
     row = next(line for line in text.splitlines() if "4343" in line)
     assert "3 / 128" in row and "32.0 MiB / 64.0 MiB" in row, row

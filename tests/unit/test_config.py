@@ -22,10 +22,19 @@ from kvtier.config.loader import add_config_flags, flags_to_dict, state_dir
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("text,value", [
-    ("4GiB", 4 << 30), ("512MiB", 512 << 20), ("1.5GiB", 3 << 29), ("10G", 10 * 1000**3),
-    ("4096", 4096), (4096, 4096), (" 2 KiB ", 2048), ("1b", 1),
-])
+@pytest.mark.parametrize(
+    "text,value",
+    [
+        ("4GiB", 4 << 30),
+        ("512MiB", 512 << 20),
+        ("1.5GiB", 3 << 29),
+        ("10G", 10 * 1000**3),
+        ("4096", 4096),
+        (4096, 4096),
+        (" 2 KiB ", 2048),
+        ("1b", 1),
+    ],
+)
 def test_sizes(text, value):
     assert parse_size(text) == value
 
@@ -44,8 +53,12 @@ def test_format_size():
 def test_precedence_file_then_env_then_flags(tmp_path):
     f = tmp_path / "k.toml"
     f.write_text('hicache_size = "2GiB"\nlease_s = 7\ncopy_threads = 3\n')
-    cfg = load_config(DaemonConfig, file=f, env={"KVTIER_LEASE_S": "9", "KVTIER_COPY_THREADS": "4"},
-                      cli={"copy_threads": "5"})
+    cfg = load_config(
+        DaemonConfig,
+        file=f,
+        env={"KVTIER_LEASE_S": "9", "KVTIER_COPY_THREADS": "4"},
+        cli={"copy_threads": "5"},
+    )
     assert (cfg.hicache_size, cfg.lease_s, cfg.copy_threads) == (2 << 30, 9.0, 5)
 
 
@@ -74,16 +87,32 @@ def test_client_variables_are_not_daemon_errors():
     assert load_config(ClientConfig, env={"KVTIER_REQUEST_TIMEOUT_S": "3"}).request_timeout_s == 3.0
 
 
-@pytest.mark.parametrize("source,expect", [
-    ({"env": {"KVTIER_HICACHE_SIZE": "lots"}},
-     r"hicache_size = 'lots' \(from environment variable KVTIER_HICACHE_SIZE\)"),
-    ({"cli": {"copy_threads": "0"}}, r"copy_threads = '0' \(from flag --copy-threads\)"),
-    ({"cli": {"hicache_storage_prefetch_policy": "sometimes"}},
-     r"hicache_storage_prefetch_policy = 'sometimes'"),
-    ({"cli": {"tenants": '{"a": {"token": "x", "quota_pages": 0}}'}}, r"tenants.a.quota_pages = 0"),
-    ({"cli": {"tenants": "{not json"}}, r"tenants = '\{not json' from the command line: not valid JSON"),
-    ({"cli": {"extent_size": "2GiB", "hicache_size": "1GiB"}}, r"extent_size .* must not exceed"),
-])
+@pytest.mark.parametrize(
+    "source,expect",
+    [
+        (
+            {"env": {"KVTIER_HICACHE_SIZE": "lots"}},
+            r"hicache_size = 'lots' \(from environment variable KVTIER_HICACHE_SIZE\)",
+        ),
+        ({"cli": {"copy_threads": "0"}}, r"copy_threads = '0' \(from flag --copy-threads\)"),
+        (
+            {"cli": {"hicache_storage_prefetch_policy": "sometimes"}},
+            r"hicache_storage_prefetch_policy = 'sometimes'",
+        ),
+        (
+            {"cli": {"tenants": '{"a": {"token": "x", "quota_pages": 0}}'}},
+            r"tenants.a.quota_pages = 0",
+        ),
+        (
+            {"cli": {"tenants": "{not json"}},
+            r"tenants = '\{not json' from the command line: not valid JSON",
+        ),
+        (
+            {"cli": {"extent_size": "2GiB", "hicache_size": "1GiB"}},
+            r"extent_size .* must not exceed",
+        ),
+    ],
+)
 def test_bad_values_name_key_source_and_value(source, expect):
     with pytest.raises(ConfigError, match=expect):
         load_config(DaemonConfig, **{"env": {}, **source})
@@ -131,19 +160,37 @@ def test_runtime_dir_resolution():
     assert runtime_dir(Path("/cfg"), {"KVTIER_RUNTIME_DIR": "/x"}) == Path("/cfg")
 
 
-@pytest.mark.parametrize("env,expect", [
-    ({"KVTIER_STATE_DIR": "/k", "STATE_DIRECTORY": "/s", "XDG_STATE_HOME": "/x", "HOME": "/h"},
-     "/k"),
-    ({"STATE_DIRECTORY": "/var/lib/kvtier", "XDG_STATE_HOME": "/x", "HOME": "/h"},
-     "/var/lib/kvtier"),
-    ({"STATE_DIRECTORY": "/var/lib/kvtier:/var/lib/other"}, "/var/lib/kvtier"),  # several: first
-    ({"XDG_STATE_HOME": "/x", "HOME": "/h"}, "/x/kvtier"),
-    ({"HOME": "/h"}, "/h/.local/state/kvtier"),
-    # empty means unset; a relative XDG_STATE_HOME is ignored, as the XDG spec says
-    ({"KVTIER_STATE_DIR": "", "STATE_DIRECTORY": "", "XDG_STATE_HOME": "", "HOME": "/h"},
-     "/h/.local/state/kvtier"),
-    ({"XDG_STATE_HOME": "rel/state", "HOME": "/h"}, "/h/.local/state/kvtier"),
-], ids=["kvtier-var", "systemd", "systemd-several", "xdg", "home", "empty-vars", "xdg-relative"])
+@pytest.mark.parametrize(
+    "env,expect",
+    [
+        (
+            {
+                "KVTIER_STATE_DIR": "/k",
+                "STATE_DIRECTORY": "/s",
+                "XDG_STATE_HOME": "/x",
+                "HOME": "/h",
+            },
+            "/k",
+        ),
+        (
+            {"STATE_DIRECTORY": "/var/lib/kvtier", "XDG_STATE_HOME": "/x", "HOME": "/h"},
+            "/var/lib/kvtier",
+        ),
+        (
+            {"STATE_DIRECTORY": "/var/lib/kvtier:/var/lib/other"},
+            "/var/lib/kvtier",
+        ),  # several: first
+        ({"XDG_STATE_HOME": "/x", "HOME": "/h"}, "/x/kvtier"),
+        ({"HOME": "/h"}, "/h/.local/state/kvtier"),
+        # empty means unset; a relative XDG_STATE_HOME is ignored, as the XDG spec says
+        (
+            {"KVTIER_STATE_DIR": "", "STATE_DIRECTORY": "", "XDG_STATE_HOME": "", "HOME": "/h"},
+            "/h/.local/state/kvtier",
+        ),
+        ({"XDG_STATE_HOME": "rel/state", "HOME": "/h"}, "/h/.local/state/kvtier"),
+    ],
+    ids=["kvtier-var", "systemd", "systemd-several", "xdg", "home", "empty-vars", "xdg-relative"],
+)
 def test_state_dir_resolution(env, expect):
     assert state_dir(None, env) == Path(expect)
 
@@ -151,8 +198,9 @@ def test_state_dir_resolution(env, expect):
 def test_state_dir_configured_wins_and_never_follows_the_runtime_dir():
     env = {"KVTIER_STATE_DIR": "/k", "STATE_DIRECTORY": "/s", "XDG_RUNTIME_DIR": "/run/user/5"}
     assert state_dir(Path("/cfg"), env) == Path("/cfg")
-    assert state_dir(None, {"XDG_RUNTIME_DIR": "/run/user/5", "KVTIER_RUNTIME_DIR": "/r",
-                            "HOME": "/h"}) == Path("/h/.local/state/kvtier")
+    assert state_dir(
+        None, {"XDG_RUNTIME_DIR": "/run/user/5", "KVTIER_RUNTIME_DIR": "/r", "HOME": "/h"}
+    ) == Path("/h/.local/state/kvtier")
 
 
 def test_state_dir_without_a_home_uses_the_password_database():
@@ -178,8 +226,9 @@ def test_the_default_l3_backend_is_the_file_store_in_the_state_dir(monkeypatch, 
     cfg = load_config(DaemonConfig, env={"KVTIER_STATE_DIR": str(tmp_path / "k")})
     assert storage_settings(cfg, tmp_path / "run")[0] == {"path": str(tmp_path / "k" / "l3")}
     # a path in the extra config, or another backend, takes nothing from the state dir
-    cfg = load_config(DaemonConfig, env={}, cli={
-        "hicache_storage_backend_extra_config": '{"path": "/elsewhere"}'})
+    cfg = load_config(
+        DaemonConfig, env={}, cli={"hicache_storage_backend_extra_config": '{"path": "/elsewhere"}'}
+    )
     assert storage_settings(cfg, tmp_path / "run")[0] == {"path": "/elsewhere"}
     cfg = load_config(DaemonConfig, env={}, cli={"hicache_storage_backend": "none"})
     assert storage_settings(cfg, tmp_path / "run")[0] == {}
@@ -196,8 +245,18 @@ def test_a_later_flag_wins():
     test's own flags override them."""
     p = argparse.ArgumentParser()
     add_config_flags(p, DaemonConfig)
-    ns = p.parse_args(["--hicache-storage-backend", "none", "--state-dir", "/a",
-                       "--hicache-storage-backend", "file", "--state-dir", "/b"])
+    ns = p.parse_args(
+        [
+            "--hicache-storage-backend",
+            "none",
+            "--state-dir",
+            "/a",
+            "--hicache-storage-backend",
+            "file",
+            "--state-dir",
+            "/b",
+        ]
+    )
     cfg = load_config(DaemonConfig, env={}, cli=flags_to_dict(ns, DaemonConfig))
     assert (cfg.hicache_storage_backend, cfg.state_dir) == ("file", Path("/b"))
 
@@ -205,8 +264,11 @@ def test_a_later_flag_wins():
 def test_boolean_flag_without_value_means_true():
     p = argparse.ArgumentParser()
     add_config_flags(p, DaemonConfig)
-    cfg = load_config(DaemonConfig, env={}, cli=flags_to_dict(p.parse_args(["--cold-start"]), DaemonConfig))
+    cfg = load_config(
+        DaemonConfig, env={}, cli=flags_to_dict(p.parse_args(["--cold-start"]), DaemonConfig)
+    )
     assert cfg.cold_start is True
-    cfg = load_config(DaemonConfig, env={},
-                      cli=flags_to_dict(p.parse_args(["--prefault", "false"]), DaemonConfig))
+    cfg = load_config(
+        DaemonConfig, env={}, cli=flags_to_dict(p.parse_args(["--prefault", "false"]), DaemonConfig)
+    )
     assert cfg.prefault is False

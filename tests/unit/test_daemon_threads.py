@@ -29,8 +29,14 @@ print(fn() if fn is not None else "none")
 
 def test_kvtierd_entry_point_keeps_openblas_to_one_thread():
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
-    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True,
-                         text=True, timeout=120, check=True).stdout.strip()
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout.strip()
     if out == "none":
         pytest.skip("this numpy does not bundle an OpenBLAS with a thread-count query")
     assert out == "1", f"OpenBLAS runs {out} threads in kvtierd's process"

@@ -384,12 +384,14 @@ class _HeldFileBackend(FileBackend):
         return super()._write(*args)
 
 
-async def _second_batch_while_the_first_writes(path: Path, arena: HostArena,
-                                                capacity: int) -> _HeldFileBackend:
+async def _second_batch_while_the_first_writes(
+    path: Path, arena: HostArena, capacity: int
+) -> _HeldFileBackend:
     """Open a store of ``capacity`` (segments of 4 slots); put a0, a1 and, while that batch
     is held inside its writes, b0, b1; both must succeed."""
-    store = _HeldFileBackend({"path": str(path), "capacity": capacity,
-                              "segment_bytes": segment_size(4)})
+    store = _HeldFileBackend(
+        {"path": str(path), "capacity": capacity, "segment_bytes": segment_size(4)}
+    )
     await store.open(arena)
     first = asyncio.ensure_future(store.put_from(NS, [key("a0"), key("a1")], [0, PAGE], PAGE))
     assert await asyncio.to_thread(store.writing.wait, 10)
@@ -409,11 +411,16 @@ async def test_a_put_batch_writes_another_segment_than_one_in_flight(
     third = await store.put_from(NS, [key("c0"), key("c1")], [4 * PAGE, 5 * PAGE], PAGE)
     assert third == [True, True]
     assert len(segment_files(tmp_path / "l3")) == 2  # nothing in flight: the free slots serve
-    got = await store.get_into(NS, [key(n) for n in ("a0", "a1", "b0", "b1", "c0", "c1")],
-                               [(10 + i) * PAGE for i in range(6)], PAGE)
+    got = await store.get_into(
+        NS,
+        [key(n) for n in ("a0", "a1", "b0", "b1", "c0", "c1")],
+        [(10 + i) * PAGE for i in range(6)],
+        PAGE,
+    )
     assert got == [True] * 6
-    assert [bytes(arena.view[(10 + i) * PAGE:(11 + i) * PAGE]) for i in range(6)] == [
-        bytes(arena.view[i * PAGE:(i + 1) * PAGE]) for i in range(6)]
+    assert [bytes(arena.view[(10 + i) * PAGE : (11 + i) * PAGE]) for i in range(6)] == [
+        bytes(arena.view[i * PAGE : (i + 1) * PAGE]) for i in range(6)
+    ]
     await store.close()
 
 

@@ -24,11 +24,14 @@ except ImportError:  # the optional extension was not built
     _fileio = None
 
 needs_native = pytest.mark.skipif(
-    _fileio is None, reason="kvtier.kernels._fileio was not built (no C compiler or no "
-    "xxhash.h when kvtier was installed; `make venv` installs libxxhash-dev)")
+    _fileio is None,
+    reason="kvtier.kernels._fileio was not built (no C compiler or no "
+    "xxhash.h when kvtier was installed; `make venv` installs libxxhash-dev)",
+)
 
 IMPLS: list[tuple[str, Callable, Callable]] = [
-    ("python", file_io.py_write_pages, file_io.py_read_pages)]
+    ("python", file_io.py_write_pages, file_io.py_read_pages)
+]
 if _fileio is not None:
     IMPLS.append(("native", _fileio.write_pages, _fileio.read_pages))
 
@@ -46,16 +49,17 @@ def noise(n: int, seed: int = 0) -> bytearray:
 
 @pytest.mark.parametrize("length", [1, 7, 4096, 65537, 256 * 1024])
 @pytest.mark.parametrize("name,write,read", IMPLS, ids=[i[0] for i in IMPLS])
-def test_round_trip_checksums_equal_the_reference_xxh3(fd: int, name: str, write: Callable,
-                                                  read: Callable, length: int) -> None:
+def test_round_trip_checksums_equal_the_reference_xxh3(
+    fd: int, name: str, write: Callable, read: Callable, length: int
+) -> None:
     src = noise(3 * length + 100, seed=length)
     offsets = [0, 100, 2 * length + 100]
     positions = [5 * length, 0, 9 * length + 3]
-    expected = [xxh3_64(bytes(src[o:o + length])) for o in offsets]
+    expected = [xxh3_64(bytes(src[o : o + length])) for o in offsets]
     assert write(fd, src, offsets, length, positions) == expected
     dst = bytearray(len(src))
     assert read(fd, dst, offsets, length, positions) == expected
-    assert [dst[o:o + length] for o in offsets] == [src[o:o + length] for o in offsets]
+    assert [dst[o : o + length] for o in offsets] == [src[o : o + length] for o in offsets]
 
 
 @needs_native
@@ -63,27 +67,33 @@ def test_native_and_python_agree_on_the_same_file(fd: int) -> None:
     src, length = noise(1 << 20, seed=7), 1 << 16
     offsets = list(range(0, 1 << 20, length))
     positions = [i * length for i in reversed(range(len(offsets)))]
-    assert _fileio.write_pages(fd, src, offsets, length, positions) == \
-        file_io.py_write_pages(fd, src, offsets, length, positions)
+    assert _fileio.write_pages(fd, src, offsets, length, positions) == file_io.py_write_pages(
+        fd, src, offsets, length, positions
+    )
     a, b = bytearray(len(src)), bytearray(len(src))
-    assert _fileio.read_pages(fd, a, offsets, length, positions) == \
-        file_io.py_read_pages(fd, b, offsets, length, positions)
+    assert _fileio.read_pages(fd, a, offsets, length, positions) == file_io.py_read_pages(
+        fd, b, offsets, length, positions
+    )
     assert a == b == src
 
 
 @pytest.mark.parametrize("name,write,read", IMPLS, ids=[i[0] for i in IMPLS])
-def test_a_short_read_past_the_end_is_none(fd: int, name: str, write: Callable,
-                                          read: Callable) -> None:
+def test_a_short_read_past_the_end_is_none(
+    fd: int, name: str, write: Callable, read: Callable
+) -> None:
     src = noise(8192)
     assert write(fd, src, [0], 4096, [0])[0] is not None
     dst = bytearray(8192)
     assert read(fd, dst, [0, 4096], 4096, [0, 2048]) == [
-        xxh3_64(bytes(src[:4096])), None]  # only 2048 bytes left at 2048
+        xxh3_64(bytes(src[:4096])),
+        None,
+    ]  # only 2048 bytes left at 2048
 
 
 @pytest.mark.parametrize("name,write,read", IMPLS, ids=[i[0] for i in IMPLS])
-def test_a_closed_descriptor_fails_each_page(tmp_path: Path, name: str, write: Callable,
-                                            read: Callable) -> None:
+def test_a_closed_descriptor_fails_each_page(
+    tmp_path: Path, name: str, write: Callable, read: Callable
+) -> None:
     f = os.open(tmp_path / "x", os.O_RDWR | os.O_CREAT, 0o600)
     os.close(f)
     assert write(f, bytearray(8192), [0, 4096], 4096, [0, 4096]) == [None, None]
@@ -91,16 +101,26 @@ def test_a_closed_descriptor_fails_each_page(tmp_path: Path, name: str, write: C
 
 
 @pytest.mark.parametrize("name,write,read", IMPLS, ids=[i[0] for i in IMPLS])
-@pytest.mark.parametrize("offsets,length,positions,match", [
-    ([4097], 4096, [0], "offsets\\[0\\] = 4097"),
-    ([-1], 16, [0], "offsets\\[0\\] = -1"),
-    ([0], 16, [-5], "positions\\[0\\] = -5"),
-    ([0, 16], 16, [0], "2 offsets but 1 positions"),
-    ([0], 0, [0], "length = 0"),
-])
-def test_bad_arguments_raise_before_any_io(fd: int, name: str, write: Callable,
-                                           read: Callable, offsets: list[int], length: int,
-                                           positions: list[int], match: str) -> None:
+@pytest.mark.parametrize(
+    "offsets,length,positions,match",
+    [
+        ([4097], 4096, [0], "offsets\\[0\\] = 4097"),
+        ([-1], 16, [0], "offsets\\[0\\] = -1"),
+        ([0], 16, [-5], "positions\\[0\\] = -5"),
+        ([0, 16], 16, [0], "2 offsets but 1 positions"),
+        ([0], 0, [0], "length = 0"),
+    ],
+)
+def test_bad_arguments_raise_before_any_io(
+    fd: int,
+    name: str,
+    write: Callable,
+    read: Callable,
+    offsets: list[int],
+    length: int,
+    positions: list[int],
+    match: str,
+) -> None:
     buf = bytearray(8192)
     for fn in (write, read):
         with pytest.raises(ValueError, match=match):
@@ -120,8 +140,9 @@ def test_native_batch_runs_without_the_gil(fd: int) -> None:
     ticks = 0
 
     def read() -> None:
-        _fileio.read_pages(fd, dst, [i * length for i in range(n)], length,
-                           [i * length for i in range(n)])
+        _fileio.read_pages(
+            fd, dst, [i * length for i in range(n)], length, [i * length for i in range(n)]
+        )
         done.set()
 
     t = threading.Thread(target=read)
@@ -144,15 +165,17 @@ def test_native_io_is_built_where_its_build_dependencies_are() -> None:
 
 
 @needs_native
-def test_the_file_io_switch_sends_the_calls_to_the_python_path(fd: int, native_off,
-                                                               monkeypatch) -> None:
+def test_the_file_io_switch_sends_the_calls_to_the_python_path(
+    fd: int, native_off, monkeypatch
+) -> None:
     """Turned off (kvtier.kernels.native), write_pages and read_pages run in Python; on
     again, in C. The Python functions are wrapped to see which one ran."""
     ran: list[str] = []
     for name in ("py_write_pages", "py_read_pages"):
         real = getattr(file_io, name)
-        monkeypatch.setattr(file_io, name,
-                            lambda *a, _real=real, _name=name: ran.append(_name) or _real(*a))
+        monkeypatch.setattr(
+            file_io, name, lambda *a, _real=real, _name=name: ran.append(_name) or _real(*a)
+        )
     src = bytearray(range(256)) * 4
     back = bytearray(len(src))
     native_off("file_io")

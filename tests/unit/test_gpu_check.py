@@ -67,8 +67,9 @@ class cuda:
 '''
 
 
-def _run(tmp_path: Path, fakes: dict[str, str] | None = None,
-         env: dict[str, str] | None = None) -> tuple[int, dict[str, object], str]:
+def _run(
+    tmp_path: Path, fakes: dict[str, str] | None = None, env: dict[str, str] | None = None
+) -> tuple[int, dict[str, object], str]:
     python = sys.executable
     if fakes is not None:
         fake_dir = tmp_path / "fakes"
@@ -83,8 +84,15 @@ def _run(tmp_path: Path, fakes: dict[str, str] | None = None,
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
     full_env.update({"PYTHON": python, "KVTIER_WHEELS": str(tmp_path / "no-wheels")})
     full_env.update(env or {})
-    proc = subprocess.run(["bash", str(SCRIPT), str(summary)], env=full_env, cwd=ROOT, check=False,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), str(summary)],
+        env=full_env,
+        cwd=ROOT,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = proc.stdout + proc.stderr
     return proc.returncode, json.loads(summary.read_text()), out
 
@@ -123,8 +131,11 @@ def test_nvrtc_that_cannot_compile_is_an_error_naming_nvrtc(tmp_path: Path) -> N
 def test_all_cuda_tests_skipped_is_a_failure_not_ok(tmp_path: Path) -> None:
     # The CUDA tests run in this venv with the real CPU torch: each GPU test skips.
     venv = Path(sys.executable).parent.parent
-    rc, summary, out = _run(tmp_path, {"torch": FAKE_TORCH, "cupy": FAKE_CUPY_WORKING},
-                            {"GPU_CHECK_SHM_MIN_GIB": "0", "KVTIER_GPU_CHECK_VENV": str(venv)})
+    rc, summary, out = _run(
+        tmp_path,
+        {"torch": FAKE_TORCH, "cupy": FAKE_CUPY_WORKING},
+        {"GPU_CHECK_SHM_MIN_GIB": "0", "KVTIER_GPU_CHECK_VENV": str(venv)},
+    )
     _assert_not_ok(rc, summary, out)
     assert summary["status"] == "failed", summary
     assert "no CUDA test passed" in str(summary["reason"]), summary

@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 from kvtier.kernels import guarded_copy
 
-pytestmark = pytest.mark.skipif(not guarded_copy.available(),
-                                reason="kvtier.kernels._guarded was not built (no C compiler)")
+pytestmark = pytest.mark.skipif(
+    not guarded_copy.available(), reason="kvtier.kernels._guarded was not built (no C compiler)"
+)
 PAGE = 64 << 10
 N = 16
 
@@ -44,13 +45,23 @@ def addrs(base: int, pages: range) -> list[int]:
 def test_pages_are_copied_both_ways(mapped, stream):
     _, mm, view = mapped
     out = np.zeros(N * PAGE, dtype=np.uint8)
-    assert guarded_copy.copy_pages(addrs(out.ctypes.data, range(N)),
-                                   addrs(view.ctypes.data, range(N - 1, -1, -1)), PAGE,
-                                   stream) == N
-    assert out.tobytes() == b"".join(mm[p * PAGE:(p + 1) * PAGE] for p in range(N - 1, -1, -1))
+    assert (
+        guarded_copy.copy_pages(
+            addrs(out.ctypes.data, range(N)),
+            addrs(view.ctypes.data, range(N - 1, -1, -1)),
+            PAGE,
+            stream,
+        )
+        == N
+    )
+    assert out.tobytes() == b"".join(mm[p * PAGE : (p + 1) * PAGE] for p in range(N - 1, -1, -1))
     out[:] = 7
-    assert guarded_copy.copy_pages(addrs(view.ctypes.data, range(N)),
-                                   addrs(out.ctypes.data, range(N)), PAGE, stream) == N
+    assert (
+        guarded_copy.copy_pages(
+            addrs(view.ctypes.data, range(N)), addrs(out.ctypes.data, range(N)), PAGE, stream
+        )
+        == N
+    )
     assert mm[:] == bytes([7]) * (N * PAGE)
 
 
@@ -68,8 +79,9 @@ def test_streamed_copies_are_exact_at_any_alignment_and_length(length):
     assert guarded_copy.copy_pages(dsts, srcs, length, True) == len(shifts)
     want = np.full_like(out, 0xAB)
     for d, s_ in zip(dsts, srcs):
-        want[d - out.ctypes.data:d - out.ctypes.data + length] = \
-            src[s_ - src.ctypes.data:s_ - src.ctypes.data + length]
+        want[d - out.ctypes.data : d - out.ctypes.data + length] = src[
+            s_ - src.ctypes.data : s_ - src.ctypes.data + length
+        ]
     assert (out == want).all()
 
 
@@ -79,21 +91,41 @@ def test_a_shrunken_mapping_stops_the_copy_where_it_faults_from_any_thread(mappe
     out = np.zeros(N * PAGE, dtype=np.uint8)
     os.ftruncate(fd, 5 * PAGE)  # pages 5.. are gone: touching them is a SIGBUS
     order = [0, 1, 2, 9, 3]
-    assert guarded_copy.copy_pages(addrs(out.ctypes.data, range(5)),
-                                   [view.ctypes.data + p * PAGE for p in order], PAGE,
-                                   stream) == 3
+    assert (
+        guarded_copy.copy_pages(
+            addrs(out.ctypes.data, range(5)),
+            [view.ctypes.data + p * PAGE for p in order],
+            PAGE,
+            stream,
+        )
+        == 3
+    )
     got: list[int] = []
-    threads = [threading.Thread(target=lambda: got.append(guarded_copy.copy_pages(
-        addrs(out.ctypes.data, range(N)), addrs(view.ctypes.data, range(N)), PAGE, stream)))
-        for _ in range(4)]
+    threads = [
+        threading.Thread(
+            target=lambda: got.append(
+                guarded_copy.copy_pages(
+                    addrs(out.ctypes.data, range(N)),
+                    addrs(view.ctypes.data, range(N)),
+                    PAGE,
+                    stream,
+                )
+            )
+        )
+        for _ in range(4)
+    ]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert got == [5, 5, 5, 5]
     # writes fault the same way
-    assert guarded_copy.copy_pages(addrs(view.ctypes.data, range(4, 8)),
-                                   addrs(out.ctypes.data, range(4)), PAGE, stream) == 1
+    assert (
+        guarded_copy.copy_pages(
+            addrs(view.ctypes.data, range(4, 8)), addrs(out.ctypes.data, range(4)), PAGE, stream
+        )
+        == 1
+    )
 
 
 def test_a_sigbus_outside_a_guarded_copy_still_ends_the_process():
@@ -106,8 +138,9 @@ def test_a_sigbus_outside_a_guarded_copy_still_ends_the_process():
         "mm[100]\n"
         "print('survived')\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == -signal.SIGBUS, (proc.returncode, proc.stdout, proc.stderr)
     assert "survived" not in proc.stdout
 
@@ -123,8 +156,9 @@ def test_bad_arguments_are_refused_before_any_copy():
 
 # -- copy_strided: one region of a transfer in one call -----------------------------------------
 
-strided = pytest.mark.skipif(not guarded_copy.strided(),
-                             reason="kvtier.kernels._guarded was not built (no C compiler)")
+strided = pytest.mark.skipif(
+    not guarded_copy.strided(), reason="kvtier.kernels._guarded was not built (no C compiler)"
+)
 ROW = 16 << 10  # one region's bytes per page: a quarter of a 64 KiB host page
 
 
@@ -144,35 +178,72 @@ def test_strided_copies_move_one_region_both_ways_exactly(mapped, stream):
     host_add = ROW * 2  # the third quarter of each slot
     before = arena.copy()
     base, pages, stride = region(view, 4 * N)
-    assert guarded_copy.copy_strided(arena.ctypes.data, arena.size, offsets, host_add, base,
-                                     pages, pids, stride, ROW, True, stream) == N
+    assert (
+        guarded_copy.copy_strided(
+            arena.ctypes.data,
+            arena.size,
+            offsets,
+            host_add,
+            base,
+            pages,
+            pids,
+            stride,
+            ROW,
+            True,
+            stream,
+        )
+        == N
+    )
     for o, p in zip(offsets.tolist(), pids.tolist()):
-        assert arena[o + host_add:o + host_add + ROW].tobytes() == mm[p * ROW:(p + 1) * ROW]
+        assert arena[o + host_add : o + host_add + ROW].tobytes() == mm[p * ROW : (p + 1) * ROW]
     untouched = np.ones(arena.size, dtype=bool)
     for o in offsets.tolist():
-        untouched[o + host_add:o + host_add + ROW] = False
+        untouched[o + host_add : o + host_add + ROW] = False
     assert (arena[untouched] == before[untouched]).all()  # nothing else was written
     arena[:] = rng.integers(0, 256, arena.size, dtype=np.uint8)
     engine_before = np.frombuffer(mm, dtype=np.uint8).copy()
-    assert guarded_copy.copy_strided(arena.ctypes.data, arena.size, offsets, host_add, base,
-                                     pages, pids, stride, ROW, False, stream) == N
+    assert (
+        guarded_copy.copy_strided(
+            arena.ctypes.data,
+            arena.size,
+            offsets,
+            host_add,
+            base,
+            pages,
+            pids,
+            stride,
+            ROW,
+            False,
+            stream,
+        )
+        == N
+    )
     got = np.frombuffer(mm, dtype=np.uint8).reshape(4 * N, ROW)
     for o, p in zip(offsets.tolist(), pids.tolist()):
-        assert got[p].tobytes() == arena[o + host_add:o + host_add + ROW].tobytes()
+        assert got[p].tobytes() == arena[o + host_add : o + host_add + ROW].tobytes()
     others = np.setdiff1d(np.arange(4 * N), pids)
     assert (got[others] == engine_before.reshape(4 * N, ROW)[others]).all()
 
 
 @strided
-@pytest.mark.parametrize(("pid", "offset", "match"), [
-    (-1, 0, r"page_ids\[1\] = -1 is outside the region's 64 pages"),
-    (64, 0, r"page_ids\[1\] = 64 is outside"),
-    (1 << 62, 0, r"page_ids\[1\] = 4611686018427387904 is outside"),
-    (3, -PAGE, r"offsets\[1\] = -65536"),
-    (3, 4 * PAGE - ROW, (r"offsets\[1\] = 245760 \+ 32768: 16384 bytes there are outside "
-                         r"the arena's 262144")),
-    (3, 1 << 62, r"offsets\[1\] = 4611686018427387904"),
-])
+@pytest.mark.parametrize(
+    ("pid", "offset", "match"),
+    [
+        (-1, 0, r"page_ids\[1\] = -1 is outside the region's 64 pages"),
+        (64, 0, r"page_ids\[1\] = 64 is outside"),
+        (1 << 62, 0, r"page_ids\[1\] = 4611686018427387904 is outside"),
+        (3, -PAGE, r"offsets\[1\] = -65536"),
+        (
+            3,
+            4 * PAGE - ROW,
+            (
+                r"offsets\[1\] = 245760 \+ 32768: 16384 bytes there are outside "
+                r"the arena's 262144"
+            ),
+        ),
+        (3, 1 << 62, r"offsets\[1\] = 4611686018427387904"),
+    ],
+)
 def test_strided_copies_check_every_index_before_any_byte_moves(mapped, pid, offset, match):
     _, mm, view = mapped
     arena = np.zeros(4 * PAGE, dtype=np.uint8)
@@ -181,8 +252,18 @@ def test_strided_copies_check_every_index_before_any_byte_moves(mapped, pid, off
     pids = np.array([0, pid], dtype=np.int64)
     for to_host in (True, False):
         with pytest.raises(ValueError, match=match):
-            guarded_copy.copy_strided(arena.ctypes.data, arena.size, offsets, 2 * ROW,
-                                      view.ctypes.data, 4 * N, pids, ROW, ROW, to_host)
+            guarded_copy.copy_strided(
+                arena.ctypes.data,
+                arena.size,
+                offsets,
+                2 * ROW,
+                view.ctypes.data,
+                4 * N,
+                pids,
+                ROW,
+                ROW,
+                to_host,
+            )
     assert not arena.any() and mm[:] == before  # the valid first page was not copied either
 
 
@@ -191,22 +272,36 @@ def test_strided_copies_refuse_bad_shapes():
     arena = np.zeros(PAGE, dtype=np.uint8)
     one = np.zeros(1, dtype=np.int64)
     with pytest.raises(ValueError, match="one length"):
-        guarded_copy.copy_strided(arena.ctypes.data, PAGE, one, 0, arena.ctypes.data, 1,
-                                  np.zeros(2, dtype=np.int64), ROW, ROW, True)
+        guarded_copy.copy_strided(
+            arena.ctypes.data,
+            PAGE,
+            one,
+            0,
+            arena.ctypes.data,
+            1,
+            np.zeros(2, dtype=np.int64),
+            ROW,
+            ROW,
+            True,
+        )
     with pytest.raises(ValueError, match="length = 0 must be > 0"):
-        guarded_copy.copy_strided(arena.ctypes.data, PAGE, one, 0, arena.ctypes.data, 1, one,
-                                  ROW, 0, True)
+        guarded_copy.copy_strided(
+            arena.ctypes.data, PAGE, one, 0, arena.ctypes.data, 1, one, ROW, 0, True
+        )
     with pytest.raises(ValueError, match="at most stride"):  # rows would overlap
-        guarded_copy.copy_strided(arena.ctypes.data, PAGE, one, 0, arena.ctypes.data, 1, one,
-                                  ROW, ROW + 1, True)
+        guarded_copy.copy_strided(
+            arena.ctypes.data, PAGE, one, 0, arena.ctypes.data, 1, one, ROW, ROW + 1, True
+        )
     for host_add in (-1, -(1 << 62), PAGE - ROW + 1, 1 << 62):  # no overflow past the checks
         with pytest.raises(ValueError, match=f"host_add = {host_add} must not be negative"):
-            guarded_copy.copy_strided(arena.ctypes.data, PAGE, one, host_add,
-                                      arena.ctypes.data, 1, one, ROW, ROW, True)
+            guarded_copy.copy_strided(
+                arena.ctypes.data, PAGE, one, host_add, arena.ctypes.data, 1, one, ROW, ROW, True
+            )
     # an empty region copies nothing
     none = np.zeros(0, dtype=np.int64)
-    assert guarded_copy.copy_strided(arena.ctypes.data, PAGE, none, 0, 0, 0, none, ROW, ROW,
-                                     True) == 0
+    assert (
+        guarded_copy.copy_strided(arena.ctypes.data, PAGE, none, 0, 0, 0, none, ROW, ROW, True) == 0
+    )
 
 
 @strided
@@ -217,11 +312,25 @@ def test_strided_copies_stop_at_a_shrunken_mapping_both_ways(mapped):
     offsets = np.arange(4, dtype=np.int64) * PAGE
     pids = np.array([0, 4, 7, 1], dtype=np.int64)
     for to_host in (True, False):
-        assert guarded_copy.copy_strided(arena.ctypes.data, arena.size, offsets, 0,
-                                         view.ctypes.data, 4 * N, pids, ROW, ROW, to_host) == 2
+        assert (
+            guarded_copy.copy_strided(
+                arena.ctypes.data,
+                arena.size,
+                offsets,
+                0,
+                view.ctypes.data,
+                4 * N,
+                pids,
+                ROW,
+                ROW,
+                to_host,
+            )
+            == 2
+        )
 
 
 # -- copy_regions: every region of a transfer in one call ---------------------------------------
+
 
 def table_of(rows: list[tuple[int, int, int, int, int]]) -> np.ndarray:
     """Rows (host_add, engine, engine_pages, stride, length) as copy_regions takes them."""
@@ -233,8 +342,8 @@ def table_of(rows: list[tuple[int, int, int, int, int]]) -> np.ndarray:
 def test_region_tables_copy_each_row_as_a_strided_copy_would(mapped, stream):
     _, mm, view = mapped  # the engine: 4 regions of 16 pages of 16 KiB, one after the other
     rng = np.random.default_rng(3)
-    offsets = np.array(rng.permutation(8 * N)[:N - 3], dtype=np.int64) * PAGE
-    pids = np.array(rng.permutation(N)[:N - 3], dtype=np.int64)
+    offsets = np.array(rng.permutation(8 * N)[: N - 3], dtype=np.int64) * PAGE
+    pids = np.array(rng.permutation(N)[: N - 3], dtype=np.int64)
     base = view.ctypes.data
     rows = [(i * ROW, base + ((3 * i) % 4) * N * ROW, N, ROW, ROW) for i in range(4)]
     for to_host in (True, False):
@@ -242,27 +351,47 @@ def test_region_tables_copy_each_row_as_a_strided_copy_would(mapped, stream):
         engine_start = np.frombuffer(mm, dtype=np.uint8).copy()
         want = start.copy()
         for add, engine, pages, stride, length in rows:  # the reference: one call per row
-            assert guarded_copy.copy_strided(want.ctypes.data, want.size, offsets, add, engine,
-                                             pages, pids, stride, length, to_host) == len(pids)
+            assert guarded_copy.copy_strided(
+                want.ctypes.data,
+                want.size,
+                offsets,
+                add,
+                engine,
+                pages,
+                pids,
+                stride,
+                length,
+                to_host,
+            ) == len(pids)
         want_engine = np.frombuffer(mm, dtype=np.uint8).copy()
         mm[:] = engine_start.tobytes()
         got = start.copy()
-        assert guarded_copy.copy_regions(got.ctypes.data, got.size, offsets, pids,
-                                         table_of(rows), to_host, stream) == 4 * len(pids)
+        assert guarded_copy.copy_regions(
+            got.ctypes.data, got.size, offsets, pids, table_of(rows), to_host, stream
+        ) == 4 * len(pids)
         assert np.array_equal(got, want)
         assert np.array_equal(np.frombuffer(mm, dtype=np.uint8), want_engine)
 
 
 @strided
-@pytest.mark.parametrize(("row", "match"), [
-    ((0, 0, N, ROW, 0), r"table row 1: length = 0 must be > 0"),
-    ((0, 0, N, ROW - 1, ROW), r"table row 1: length = 16384 must be > 0 and at most stride = 16383"),
-    ((0, 0, -1, ROW, ROW), r"engine_pages = -1 and host_add = 0 must not be negative"),
-    ((-1, 0, N, ROW, ROW), r"host_add = -1 must not be negative"),
-    ((PAGE * 4, 0, N, ROW, ROW), r"host_add = 262144 must not be negative, nor host_add \+ length over"),
-    ((1 << 62, 0, N, ROW, ROW), r"host_add = 4611686018427387904"),
-    ((0, 0, N, ROW, 1 << 62), r"length = 4611686018427387904"),
-])
+@pytest.mark.parametrize(
+    ("row", "match"),
+    [
+        ((0, 0, N, ROW, 0), r"table row 1: length = 0 must be > 0"),
+        (
+            (0, 0, N, ROW - 1, ROW),
+            r"table row 1: length = 16384 must be > 0 and at most stride = 16383",
+        ),
+        ((0, 0, -1, ROW, ROW), r"engine_pages = -1 and host_add = 0 must not be negative"),
+        ((-1, 0, N, ROW, ROW), r"host_add = -1 must not be negative"),
+        (
+            (PAGE * 4, 0, N, ROW, ROW),
+            r"host_add = 262144 must not be negative, nor host_add \+ length over",
+        ),
+        ((1 << 62, 0, N, ROW, ROW), r"host_add = 4611686018427387904"),
+        ((0, 0, N, ROW, 1 << 62), r"length = 4611686018427387904"),
+    ],
+)
 def test_region_tables_refuse_a_bad_row_before_any_byte_moves(mapped, row, match):
     _, mm, view = mapped
     arena = np.zeros(4 * PAGE, dtype=np.uint8)
@@ -272,20 +401,30 @@ def test_region_tables_refuse_a_bad_row_before_any_byte_moves(mapped, row, match
     one = np.zeros(1, dtype=np.int64)
     for to_host in (True, False):
         with pytest.raises(ValueError, match=match):
-            guarded_copy.copy_regions(arena.ctypes.data, arena.size, one, one,
-                                      table_of([good, bad]), to_host)
+            guarded_copy.copy_regions(
+                arena.ctypes.data, arena.size, one, one, table_of([good, bad]), to_host
+            )
     assert not arena.any() and mm[:] == before  # the good first row was not copied either
 
 
 @strided
-@pytest.mark.parametrize(("pid", "offset", "match"), [
-    (-1, 0, r"page_ids\[1\] = -1 is outside the regions' 8 pages"),
-    (8, 0, r"page_ids\[1\] = 8 is outside the regions' 8 pages"),  # the smaller row's count
-    (3, -PAGE, r"offsets\[1\] = -65536"),
-    (3, 4 * PAGE - 2 * ROW, (r"offsets\[1\] = 229376: the 49152 bytes of a page there are "
-                             r"outside the arena's 262144")),
-    (3, 1 << 62, r"offsets\[1\] = 4611686018427387904"),
-])
+@pytest.mark.parametrize(
+    ("pid", "offset", "match"),
+    [
+        (-1, 0, r"page_ids\[1\] = -1 is outside the regions' 8 pages"),
+        (8, 0, r"page_ids\[1\] = 8 is outside the regions' 8 pages"),  # the smaller row's count
+        (3, -PAGE, r"offsets\[1\] = -65536"),
+        (
+            3,
+            4 * PAGE - 2 * ROW,
+            (
+                r"offsets\[1\] = 229376: the 49152 bytes of a page there are "
+                r"outside the arena's 262144"
+            ),
+        ),
+        (3, 1 << 62, r"offsets\[1\] = 4611686018427387904"),
+    ],
+)
 def test_region_tables_check_every_index_against_every_row(mapped, pid, offset, match):
     _, mm, view = mapped
     arena = np.zeros(4 * PAGE, dtype=np.uint8)
@@ -295,8 +434,9 @@ def test_region_tables_check_every_index_against_every_row(mapped, pid, offset, 
     pids = np.array([0, pid], dtype=np.int64)
     for to_host in (True, False):
         with pytest.raises(ValueError, match=match):
-            guarded_copy.copy_regions(arena.ctypes.data, arena.size, offsets, pids,
-                                      table_of(rows), to_host)
+            guarded_copy.copy_regions(
+                arena.ctypes.data, arena.size, offsets, pids, table_of(rows), to_host
+            )
     assert not arena.any() and mm[:] == before
 
 
@@ -306,11 +446,11 @@ def test_region_tables_refuse_bad_shapes_and_copy_nothing_when_empty():
     one = np.zeros(1, dtype=np.int64)
     row = table_of([(0, arena.ctypes.data, 1, ROW, ROW)])
     with pytest.raises(ValueError, match="one length"):
-        guarded_copy.copy_regions(arena.ctypes.data, PAGE, one, np.zeros(2, dtype=np.int64),
-                                  row, True)
+        guarded_copy.copy_regions(
+            arena.ctypes.data, PAGE, one, np.zeros(2, dtype=np.int64), row, True
+        )
     with pytest.raises(ValueError, match="int64 rows of 5"):
-        guarded_copy.copy_regions(arena.ctypes.data, PAGE, one, one, row.ravel()[:4].copy(),
-                                  True)
+        guarded_copy.copy_regions(arena.ctypes.data, PAGE, one, one, row.ravel()[:4].copy(), True)
     none = np.zeros(0, dtype=np.int64)
     assert guarded_copy.copy_regions(arena.ctypes.data, PAGE, none, none, row, True) == 0
     assert guarded_copy.copy_regions(arena.ctypes.data, PAGE, one, one, table_of([]), True) == 0
@@ -326,5 +466,7 @@ def test_region_tables_stop_at_a_shrunken_mapping_and_say_where(mapped):
     offsets = np.arange(4, dtype=np.int64) * PAGE
     pids = np.array([0, 4, 7, 1], dtype=np.int64)
     for to_host in (True, False):  # row 1, page 2 (page id 7) faults: 4 + 2 pages copied
-        assert guarded_copy.copy_regions(arena.ctypes.data, arena.size, offsets, pids, rows,
-                                         to_host) == 6
+        assert (
+            guarded_copy.copy_regions(arena.ctypes.data, arena.size, offsets, pids, rows, to_host)
+            == 6
+        )

@@ -413,7 +413,11 @@ def test_a_pinned_parent_stays_off_the_lru_when_its_last_child_leaves() -> None:
     def still_pinned_and_off_the_lists() -> None:
         info = pool.describe(p)
         assert (info.state, info.pins, info.children, info.evictable) == (
-            PageState.READY, 1, 0, False)
+            PageState.READY,
+            1,
+            0,
+            False,
+        )
         assert p not in pool.evictable_slots() and p not in pool.evictable_slots(A)
 
     ((_, c),) = pool.allocate(NS, A, small, [k("p"), k("c")])  # c extends p
@@ -640,8 +644,7 @@ class PoolMachine(RuleBasedStateMachine):
             self.parent_key[s] = parent
 
     @precondition(lambda self: self.ready)
-    @rule(data=st.data(), owner=st.sampled_from([A, B]), cls=st.integers(0, 2),
-          n=st.integers(1, 3))
+    @rule(data=st.data(), owner=st.sampled_from([A, B]), cls=st.integers(0, 2), n=st.integers(1, 3))
     def extend_ready(self, data, owner, cls, n) -> None:
         """Allocate pages extending a READY page (a random chain rarely meets one): parents
         with children, pinned or not, that the other rules then take away."""

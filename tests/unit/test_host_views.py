@@ -32,8 +32,15 @@ SLOT_OFFSETS = np.array([7, 1, 2, 3, 4, 0], dtype=np.int64) * SLOT + 3
 def buffers(seed: int) -> list[list[np.ndarray]]:
     """``[layer][component]`` float16 buffers ``[PAGES, CHUNK / 2]`` of random bytes."""
     rng = np.random.default_rng(seed)
-    return [[rng.integers(0, 256, PAGES * CHUNK, dtype=np.uint8).view(np.float16)
-             .reshape(PAGES, CHUNK // 2) for _ in range(COMPONENTS)] for _ in range(LAYERS)]
+    return [
+        [
+            rng.integers(0, 256, PAGES * CHUNK, dtype=np.uint8)
+            .view(np.float16)
+            .reshape(PAGES, CHUNK // 2)
+            for _ in range(COMPONENTS)
+        ]
+        for _ in range(LAYERS)
+    ]
 
 
 def arena() -> np.ndarray:
@@ -44,14 +51,15 @@ def test_numpy_and_torch_buffers_put_the_same_bytes_in_the_same_places():
     bufs = buffers(1)
     a, t = arena(), torch.zeros(arena().size, dtype=torch.uint8)
     copy_layers_to_host(a, SLOT_OFFSETS, bufs, PAGE_IDS)
-    copy_layers_to_host(t, SLOT_OFFSETS, [[torch.from_numpy(b) for b in row] for row in bufs],
-                        PAGE_IDS)
+    copy_layers_to_host(
+        t, SLOT_OFFSETS, [[torch.from_numpy(b) for b in row] for row in bufs], PAGE_IDS
+    )
     assert a.any() and bytes(a) == bytes(t.numpy())
     for i, (page, off) in enumerate(zip(PAGE_IDS.tolist(), SLOT_OFFSETS.tolist(), strict=True)):
         for layer in range(LAYERS):
             for c in range(COMPONENTS):
                 at = off + (layer * COMPONENTS + c) * CHUNK
-                assert bytes(a[at:at + CHUNK]) == bufs[layer][c][page].tobytes(), (i, layer, c)
+                assert bytes(a[at : at + CHUNK]) == bufs[layer][c][page].tobytes(), (i, layer, c)
     back = [[np.zeros_like(b) for b in row] for row in bufs]
     copy_layers_from_host(a, SLOT_OFFSETS, back, PAGE_IDS)
     untouched = sorted(set(range(PAGES)) - set(PAGE_IDS.tolist()))
@@ -71,7 +79,7 @@ def test_strided_rows_of_a_mapping_are_copied_as_rows():
     plan = CopyPlan.build(PAGE_IDS, SLOT_OFFSETS, CHUNK, slot_bytes=SLOT)
     plan.to_host(a, rows, CHUNK)
     for page, off in zip(PAGE_IDS.tolist(), SLOT_OFFSETS.tolist(), strict=True):
-        assert bytes(a[off + CHUNK:off + 2 * CHUNK]) == rows[page].tobytes()
+        assert bytes(a[off + CHUNK : off + 2 * CHUNK]) == rows[page].tobytes()
 
 
 @pytest.mark.parametrize("direction", ["store", "load"])
@@ -106,10 +114,13 @@ def test_bad_arenas_and_buffers_are_named():
 
 
 def test_the_cpu_copy_path_and_the_daemon_service_import_no_torch():
-    code = ("import sys\n"
-            "import kvtier.kernels, kvtier.kernels.page_copy, kvtier.daemon.transfer.transfer\n"
-            "import kvtier.daemon.service.server, kvtier.daemon.service.boot\n"
-            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, timeout=120)
+    code = (
+        "import sys\n"
+        "import kvtier.kernels, kvtier.kernels.page_copy, kvtier.daemon.transfer.transfer\n"
+        "import kvtier.daemon.service.server, kvtier.daemon.service.boot\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
     assert out.stdout.strip() == "[]"

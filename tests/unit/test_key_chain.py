@@ -28,13 +28,17 @@ KEYS_HEX = [
     "f20479f5009686102676e67c486163113b065621f38bfe82c796d43596a28b43",
 ]
 
-MHA_JSON = ('{"attention":"mha","cache_salt":"","dtype":"float32","head_dim":32,"kv_heads":2,'
-            '"layout":"layer_first","layout_version":1,"model_id":"m","num_layers":4,'
-            '"page_size":16,"revision":"","tenant":"b","tp_rank":0,"tp_size":1}')
+MHA_JSON = (
+    '{"attention":"mha","cache_salt":"","dtype":"float32","head_dim":32,"kv_heads":2,'
+    '"layout":"layer_first","layout_version":1,"model_id":"m","num_layers":4,'
+    '"page_size":16,"revision":"","tenant":"b","tp_rank":0,"tp_size":1}'
+)
 MHA_FP_HEX = "d2152b4c8ab2bb1f63cc82782e802ce791a61d197c613558e9fb613df7eaafcb"
-MLA_JSON = ('{"attention":"mla","cache_salt":"s","dtype":"float16","head_dim":64,"kv_heads":1,'
-            '"layout":"layer_first","layout_version":1,"model_id":"m","num_layers":3,'
-            '"page_size":16,"revision":"r1","tenant":"default","tp_rank":null,"tp_size":2}')
+MLA_JSON = (
+    '{"attention":"mla","cache_salt":"s","dtype":"float16","head_dim":64,"kv_heads":1,'
+    '"layout":"layer_first","layout_version":1,"model_id":"m","num_layers":3,'
+    '"page_size":16,"revision":"r1","tenant":"default","tp_rank":null,"tp_size":2}'
+)
 MLA_FP_HEX = "311c7def7b4f9d5fc4f00cb4fdddf892cfd1a3cd98f2f80209c9af008e81d7de"
 
 
@@ -70,8 +74,9 @@ def test_fingerprints_match_the_pinned_canonical_json():
     assert spec_fingerprint_json(SMALL, model_id="m", tenant="b") == MHA_JSON
     assert json.loads(MHA_JSON)["tp_rank"] == 0
     assert spec_fingerprint(SMALL, model_id="m", tenant="b").hex() == MHA_FP_HEX
-    assert namespace_fingerprint(P.NamespaceSpec(model_id="m"), SMALL, 0, 1, "b").hex() \
-        == MHA_FP_HEX
+    assert (
+        namespace_fingerprint(P.NamespaceSpec(model_id="m"), SMALL, 0, 1, "b").hex() == MHA_FP_HEX
+    )
     names = {"model_id": "m", "revision": "r1", "cache_salt": "s", "tp_rank": 1, "tp_size": 2}
     assert spec_fingerprint_json(MLA, **names) == MLA_JSON
     assert spec_fingerprint(MLA, **names).hex() == MLA_FP_HEX
@@ -80,16 +85,30 @@ def test_fingerprints_match_the_pinned_canonical_json():
     assert namespace_fingerprint(spec, MLA, 0, 2, "default").hex() == MLA_FP_HEX  # any rank
 
 
-@pytest.mark.parametrize("change", [
-    {"tenant": "a"}, {"model_id": "m2"}, {"revision": "x"}, {"cache_salt": "x"},
-    {"tp_rank": 1, "tp_size": 2}, {"tp_size": 2},
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"tenant": "a"},
+        {"model_id": "m2"},
+        {"revision": "x"},
+        {"cache_salt": "x"},
+        {"tp_rank": 1, "tp_size": 2},
+        {"tp_size": 2},
+    ],
+)
 def test_every_namespace_field_enters_the_fingerprint(change):
-    base = {"model_id": "m", "revision": "", "cache_salt": "", "tenant": "b", "tp_rank": 0,
-            "tp_size": 1}
+    base = {
+        "model_id": "m",
+        "revision": "",
+        "cache_salt": "",
+        "tenant": "b",
+        "tp_rank": 0,
+        "tp_size": 1,
+    }
     args = {**base, **change}
-    spec = P.NamespaceSpec(model_id=args["model_id"], revision=args["revision"],
-                           cache_salt=args["cache_salt"])
+    spec = P.NamespaceSpec(
+        model_id=args["model_id"], revision=args["revision"], cache_salt=args["cache_salt"]
+    )
     got = namespace_fingerprint(spec, SMALL, args["tp_rank"], args["tp_size"], args["tenant"])
     assert got == spec_fingerprint(SMALL, **args)
     assert got.hex() != MHA_FP_HEX

@@ -152,8 +152,7 @@ def test_growth_rebuilds_and_random_lists_agree() -> None:
     assert len(caps) > 1
     for _ in range(40):
         n = rng.randint(TABLE_MIN_KEYS, 2 * N)
-        keys = [rng.choice(stored) if rng.random() < 0.97 else rng.randbytes(32)
-                for _ in range(n)]
+        keys = [rng.choice(stored) if rng.random() < 0.97 else rng.randbytes(32) for _ in range(n)]
         run(pool, NS, keys)
 
 
@@ -166,7 +165,7 @@ def test_same_bucket_in_another_namespace_is_not_a_hit() -> None:
     store(pool, keys, ns=NS2)
     store(pool, keys_of(rng, 4))  # NS holds pages too
     assert run(pool, NS, keys) == 0
-    store(pool, keys[:N // 2])  # now NS holds the first half under the same keys
+    store(pool, keys[: N // 2])  # now NS holds the first half under the same keys
     assert run(pool, NS, keys) == N // 2
     assert run(pool, NS2, keys) == N
 
@@ -180,7 +179,7 @@ def test_crafted_keys_overflowing_a_bucket_stay_exact() -> None:
     assert run(pool, NS, crafted) == N
     assert pool._table.left_out >= N - MAX_ROUNDS  # past the bucket's run: the exact way
     other = [head + rng.randbytes(24) for _ in range(3)]
-    assert run(pool, NS, crafted[:N // 2] + other + crafted) == N // 2
+    assert run(pool, NS, crafted[: N // 2] + other + crafted) == N // 2
     plain = keys_of(rng, N)
     store(pool, plain)
     assert run(pool, NS, plain + crafted) == 2 * N
@@ -200,7 +199,7 @@ def test_a_key_sharing_all_but_its_last_bytes_with_a_stored_one_is_not_it(shared
 
     assert all(twin(x)[:shared] == x[:shared] and twin(x) != x for x in keys)
     for at in (0, 1, N // 2, N - 1):
-        assert run(pool, NS, keys[:at] + [twin(keys[at])] + keys[at + 1:]) == at
+        assert run(pool, NS, keys[:at] + [twin(keys[at])] + keys[at + 1 :]) == at
     assert run(pool, NS, [twin(x) for x in keys]) == 0
     # stored side by side, each key finds its own page
     store(pool, [twin(x) for x in keys[: N // 2]])
@@ -253,7 +252,7 @@ def test_stale_entries_pointing_anywhere_read_nothing_outside(probe: str) -> Non
     table = pool._table._table
     empty = np.flatnonzero(table < 0)
     table[empty[: len(empty) // 2]] = np.int32(2**31 - 1)  # far past the slots
-    table[empty[len(empty) // 2:]] = np.int32(pool.layout.n_slots)  # just past them
+    table[empty[len(empty) // 2 :]] = np.int32(pool.layout.n_slots)  # just past them
     assert run(pool, NS, keys) == N
     assert run(pool, NS, keys[: N // 4] + keys_of(rng, 2) + keys) == N // 4
 
@@ -294,8 +293,14 @@ def test_the_c_probe_refuses_columns_that_do_not_agree(probe: str) -> None:
     good = [t._table, t._keys, t._ns, t._state, t._key_len, words]
     tail = [NS, 3, 5, int(t._shift), 0, MAX_ROUNDS, 1]
     assert _keyprobe.leading_run(*good, *tail) == (0, False)
-    for i, bad in ((1, t._keys[:-1]), (2, t._ns[:-1]), (3, t._state[:-1]), (4, t._key_len[1:]),
-                   (0, t._table[:-1]), (5, words.ravel()[:-1])):
+    for i, bad in (
+        (1, t._keys[:-1]),
+        (2, t._ns[:-1]),
+        (3, t._state[:-1]),
+        (4, t._key_len[1:]),
+        (0, t._table[:-1]),
+        (5, words.ravel()[:-1]),
+    ):
         args = list(good)
         args[i] = bad
         with pytest.raises(ValueError):
@@ -356,7 +361,9 @@ def test_the_c_probe_returns_the_run_s_slots_and_a_pin_uses_them(probe: str) -> 
     assert slots.tolist() == expected
     slots[:] = -5
     assert run_from(N - 10, slots) == N  # only from start on
-    assert slots[: N - 10].tolist() == [-5] * (N - 10) and slots[N - 10:].tolist() == expected[-10:]
+    assert (
+        slots[: N - 10].tolist() == [-5] * (N - 10) and slots[N - 10 :].tolist() == expected[-10:]
+    )
     with pytest.raises(ValueError, match="slots has"):
         t.leading_run(NS, words, 0, np.empty(N - 1, dtype=np.int64))
     with pytest.raises(TypeError):

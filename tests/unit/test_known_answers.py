@@ -31,7 +31,8 @@ HEADER_2048 = bytes.fromhex(
     "202122232425262728292a2b2c2d2e2f303132333435363738393a3b3c3d3e3f"  # key KEY
     "0008000000000000"  # payload length 2048
     "e038f0a5c3e259dd"  # payload checksum: XXH3_VECTORS[(2048, 0)]
-    "e6fb94864600cfa9")  # header checksum
+    "e6fb94864600cfa9"
+)  # header checksum
 """The header of the first 2048 bytes of the sanity buffer stored under (NS, KEY)."""
 
 
@@ -51,7 +52,7 @@ def test_page_checksums_of_known_pages() -> None:
     stride = 4096
     arena = np.zeros(stride * len(lengths), dtype=np.uint8)
     for i, n in enumerate(lengths):
-        arena[i * stride:i * stride + n] = np.frombuffer(BUF[:n], dtype=np.uint8)
+        arena[i * stride : i * stride + n] = np.frombuffer(BUF[:n], dtype=np.uint8)
     for i, n in enumerate(lengths):  # one length at a time: page_checksums takes one size
         assert page_checksums(arena, [i * stride], n) == [XXH3_VECTORS[(n, 0)]]
         assert page_checksum(BUF[:n]) == payload_checksum(BUF[:n]) == XXH3_VECTORS[(n, 0)]
@@ -87,8 +88,8 @@ def test_sealed_headers_are_the_pinned_bytes(impl: str) -> None:
     buf = bytearray(3 * 4096)
     payloads = [128, 4096 + 128, 2 * 4096 + 128]
     for p in payloads:
-        buf[p:p + 2048] = BUF[:2048]
+        buf[p : p + 2048] = BUF[:2048]
     seal(buf, [p - HEADER_SIZE for p in payloads], buf, payloads, 2048, NS, [KEY] * 3)
     for p in payloads:
-        assert bytes(buf[p - HEADER_SIZE:p]) == HEADER_2048
-        assert bytes(buf[p:p + 2048]) == BUF[:2048]
+        assert bytes(buf[p - HEADER_SIZE : p]) == HEADER_2048
+        assert bytes(buf[p : p + 2048]) == BUF[:2048]

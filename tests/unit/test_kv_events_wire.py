@@ -14,23 +14,48 @@ from kvtier.ipc import protocol as P
 def test_packed_token_ids_decode_as_the_ints(n):
     toks = [(i * 2654435761) % (1 << 32) for i in range(n + 3)]
     packed = P.pack_tokens(toks)
-    ev = E.BlockStored(block_hashes=[1], parent_block_hash=None,
-                       token_ids=E.packed_token_ids(packed, 3, n + 3), block_size=16,
-                       lora_id=None, medium="CPU", lora_name=None)
+    ev = E.BlockStored(
+        block_hashes=[1],
+        parent_block_hash=None,
+        token_ids=E.packed_token_ids(packed, 3, n + 3),
+        block_size=16,
+        lora_id=None,
+        medium="CPU",
+        lora_name=None,
+    )
     back = E.decode_batch(E.encode_batch(E.KVEventBatch(ts=1.0, events=[ev])))
     assert back.events[0].token_ids == toks[3:]
 
 
 def test_a_batch_is_an_array_and_events_are_tagged_maps():
-    batch = E.KVEventBatch(ts=2.5, events=[
-        E.BlockStored(block_hashes=[7, b"\x01\x02"], parent_block_hash=None, token_ids=[],
-                      block_size=16, lora_id=None, medium="CPU", lora_name=None),
-        E.BlockRemoved(block_hashes=[7], medium="FILE"), E.AllBlocksCleared()])
+    batch = E.KVEventBatch(
+        ts=2.5,
+        events=[
+            E.BlockStored(
+                block_hashes=[7, b"\x01\x02"],
+                parent_block_hash=None,
+                token_ids=[],
+                block_size=16,
+                lora_id=None,
+                medium="CPU",
+                lora_name=None,
+            ),
+            E.BlockRemoved(block_hashes=[7], medium="FILE"),
+            E.AllBlocksCleared(),
+        ],
+    )
     raw = msgspec.msgpack.decode(E.encode_batch(batch))
     assert raw[0] == 2.5 and raw[2] is None  # [ts, events, data_parallel_rank]
-    assert raw[1][0] == {"type": "BlockStored", "block_hashes": [7, b"\x01\x02"],
-                         "parent_block_hash": None, "token_ids": [], "block_size": 16,
-                         "lora_id": None, "medium": "CPU", "lora_name": None}
+    assert raw[1][0] == {
+        "type": "BlockStored",
+        "block_hashes": [7, b"\x01\x02"],
+        "parent_block_hash": None,
+        "token_ids": [],
+        "block_size": 16,
+        "lora_id": None,
+        "medium": "CPU",
+        "lora_name": None,
+    }
     assert raw[1][1] == {"type": "BlockRemoved", "block_hashes": [7], "medium": "FILE"}
     assert raw[1][2] == {"type": "AllBlocksCleared"}
 

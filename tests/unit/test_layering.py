@@ -28,8 +28,14 @@ def test_import_contracts_are_kept() -> None:
         if found is None:
             pytest.skip("import-linter is not installed (it is in the dev extra)")
         exe = Path(found)
-    proc = subprocess.run([str(exe), str(ROOT / ".importlinter")], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300, check=False)
+    proc = subprocess.run(
+        [str(exe), str(ROOT / ".importlinter")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     assert "0 broken" in proc.stdout
 

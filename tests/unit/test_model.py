@@ -55,8 +55,10 @@ def dense_reference(model: TinyLlama, tokens: Sequence[int]) -> torch.Tensor:
     n, hd, nh, nkv = len(tokens), cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
     half = hd // 2
     freqs = 1.0 / cfg.rope_theta ** (torch.arange(half, dtype=torch.float64) * 2 / hd)
-    rot = torch.polar(torch.ones(n, half, dtype=torch.float64),
-                      torch.arange(n, dtype=torch.float64)[:, None] * freqs[None, :])
+    rot = torch.polar(
+        torch.ones(n, half, dtype=torch.float64),
+        torch.arange(n, dtype=torch.float64)[:, None] * freqs[None, :],
+    )
 
     def rope(x: torch.Tensor) -> torch.Tensor:  # x: [n, heads, hd]
         z = torch.complex(x[..., :half].double(), x[..., half:].double()) * rot[:, None, :]
@@ -113,8 +115,9 @@ def test_last_token_logits_are_the_last_row(model: TinyLlama) -> None:
 
 @pytest.mark.parametrize("page_size", [4, 8])
 @pytest.mark.parametrize("n", [9, 16, 30])
-def test_cached_prefix_same_pages_matches_recompute(model: TinyLlama, page_size: int,
-                                                    n: int) -> None:
+def test_cached_prefix_same_pages_matches_recompute(
+    model: TinyLlama, page_size: int, n: int
+) -> None:
     tokens = prompt(n, seed=100 + n)
     full = full_logits(model, tokens, page_size)
     n_pages = -(-n // page_size)
@@ -158,8 +161,7 @@ def test_cached_prefix_copied_to_other_page_ids(model: TinyLlama, cached_pages: 
 
     # Greedy generation from the moved prefix equals generation with nothing cached.
     ref_k, ref_v = new_kv_cache(model.cfg, total_pages, page_size)
-    want, want_first = model.generate(tokens, 0, list(range(total_pages)), ref_k, ref_v,
-                                      new_tokens)
+    want, want_first = model.generate(tokens, 0, list(range(total_pages)), ref_k, ref_v, new_tokens)
     got_ids, got_first = model.generate(tokens, cached, table_ids, dst_k, dst_v, new_tokens)
     assert got_ids == want
     assert max_diff(got_first, want_first) < TOL
@@ -182,8 +184,9 @@ def test_unaligned_cached_len_matches_recompute(model: TinyLlama, n: int, cached
     assert max_diff(got, full_logits(model, tokens, 4)[cached:]) < TOL
 
 
-def test_offset_attention_in_several_chunks(model: TinyLlama,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_offset_attention_in_several_chunks(
+    model: TinyLlama, monkeypatch: pytest.MonkeyPatch
+) -> None:
     tokens = prompt(40, seed=5)
     full = full_logits(model, tokens, 4)
     monkeypatch.setattr(ops, "ATTN_CHUNK", 3)
@@ -247,8 +250,9 @@ def test_layer_wait_loads_each_layer_just_in_time(model: TinyLlama) -> None:
             dst_k[layer][p].copy_(src_k[layer][p])
             dst_v[layer][p].copy_(src_v[layer][p])
 
-    got = model.prefill(tokens, cached, table, dst_k, dst_v, layer_wait=wait,
-                        return_all_logits=True)
+    got = model.prefill(
+        tokens, cached, table, dst_k, dst_v, layer_wait=wait, return_all_logits=True
+    )
     assert calls == list(range(model.cfg.n_layers))
     assert torch.isfinite(got).all()
     assert max_diff(got, full_logits(model, tokens, page_size)[cached:]) < TOL
@@ -276,7 +280,7 @@ def test_writes_only_its_own_pages_in_place(model: TinyLlama) -> None:
     assert [t.data_ptr() for t in (*k, *v)] == ptrs
     for t in (*k, *v):
         assert (t[[0, 2, 5]] == 7.0).all()  # pages outside the table are untouched
-        assert (t[3, 2:] == 7.0).all()      # positions 10, 11 of the last page too
+        assert (t[3, 2:] == 7.0).all()  # positions 10, 11 of the last page too
         assert not (t[4] == 7.0).any() and not (t[3, :2] == 7.0).any()
 
 
@@ -305,8 +309,7 @@ def test_generate_produces_varied_tokens(which: str) -> None:
     cfg = getattr(ModelConfig, which)()
     m = TinyLlama(cfg)
     k, v = new_kv_cache(cfg, 16, 8)
-    out, first = m.generate(prompt(20, seed=2, vocab=cfg.vocab_size), 0, list(range(16)),
-                            k, v, 40)
+    out, first = m.generate(prompt(20, seed=2, vocab=cfg.vocab_size), 0, list(range(16)), k, v, 40)
     assert len(out) == 40 and all(0 <= t < cfg.vocab_size for t in out)
     assert len(set(out)) >= 10, out
     assert torch.isfinite(first).all() and float(first.std()) > 0.1
@@ -363,8 +366,10 @@ def test_bad_inputs_raise(model: TinyLlama) -> None:
         model.generate(tokens, 0, [0, 1, 2], k, v, 5)  # 9 + 5 - 1 = 13 positions > 12
     with pytest.raises(EngineInputError, match="K and V"):
         model.prefill(tokens, 0, [0, 1, 2], k[:1], v)
-    bad_k = [*k[:-1], torch.zeros(4, 4, model.cfg.n_kv_heads, model.cfg.head_dim,
-                                  dtype=torch.float64)]
+    bad_k = [
+        *k[:-1],
+        torch.zeros(4, 4, model.cfg.n_kv_heads, model.cfg.head_dim, dtype=torch.float64),
+    ]
     with pytest.raises(EngineInputError, match="layer 1"):
         model.prefill(tokens, 0, [0, 1, 2], bad_k, v)
     with pytest.raises(EngineInputError, match="num_pages"):
@@ -379,8 +384,9 @@ def test_generate_page_table_bound_is_exact(model: TinyLlama) -> None:
     assert len(out) == 4
 
 
-@pytest.mark.parametrize(("field", "value"), [("n_kv_heads", 3), ("head_dim", 15),
-                                               ("n_layers", 0), ("norm_eps", 0.0)])
+@pytest.mark.parametrize(
+    ("field", "value"), [("n_kv_heads", 3), ("head_dim", 15), ("n_layers", 0), ("norm_eps", 0.0)]
+)
 def test_config_validation(field: str, value: object) -> None:
     with pytest.raises(ConfigError, match=field):
         dataclasses.replace(ModelConfig.tiny(), **{field: value})

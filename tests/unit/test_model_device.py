@@ -26,8 +26,15 @@ def test_prefill_with_a_cached_prefix_runs_on_the_meta_device(meta_model: TinyLl
     k_cache, v_cache = new_kv_cache(cfg, 8, PAGE, device="meta")
     tokens = [i % cfg.vocab_size for i in range(3 * PAGE + 1)]
     waited: list[int] = []
-    logits = meta_model.prefill(tokens, 2 * PAGE, [5, 1, 6, 2], k_cache, v_cache,
-                                layer_wait=waited.append, return_all_logits=True)
+    logits = meta_model.prefill(
+        tokens,
+        2 * PAGE,
+        [5, 1, 6, 2],
+        k_cache,
+        v_cache,
+        layer_wait=waited.append,
+        return_all_logits=True,
+    )
     assert logits.device.type == "meta"
     assert tuple(logits.shape) == (PAGE + 1, cfg.vocab_size)
     assert waited == list(range(cfg.n_layers))

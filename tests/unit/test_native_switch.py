@@ -24,8 +24,11 @@ def test_configure_turns_the_named_kernels_off_and_returns_what_was_off(native_o
 
 def test_an_unknown_kernel_is_refused_by_name_and_changes_nothing(native_off) -> None:
     native_off("file_io")
-    with pytest.raises(ValueError, match=r"native_off: 'fileio' is not a kernel \(known: "
-                                         r"file_io, guarded_copy, region_copy\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"native_off: 'fileio' is not a kernel \(known: "
+        r"file_io, guarded_copy, region_copy\)",
+    ):
         native.configure(["fileio"])  # type: ignore[list-item]
     assert native.turned_off() == {"file_io"}
 
@@ -37,8 +40,11 @@ def test_the_setting_comes_from_the_environment_like_any_other() -> None:
 
 
 def test_a_bad_value_names_the_setting_its_source_and_the_value() -> None:
-    with pytest.raises(ConfigError, match=r"native_off\.0 = 'gpu' \(from environment variable "
-                                          r"KVTIER_NATIVE_OFF\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"native_off\.0 = 'gpu' \(from environment variable "
+        r"KVTIER_NATIVE_OFF\)",
+    ):
         load_config(DaemonConfig, env={"KVTIER_NATIVE_OFF": '["gpu"]'})
 
 

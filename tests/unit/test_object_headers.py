@@ -16,7 +16,9 @@ from tests.xxh3_reference import l3_header
 
 def _impls(python: tuple, native: tuple) -> list:
     """The pure-Python and the C implementation of a pair of functions, as test params."""
-    skip = pytest.mark.skipif(not objects.HEADERS_BUILT, reason="kvtier.kernels._fileio is not built")
+    skip = pytest.mark.skipif(
+        not objects.HEADERS_BUILT, reason="kvtier.kernels._fileio is not built"
+    )
     return [pytest.param(python, id="python"), pytest.param(native, id="native", marks=skip)]
 
 
@@ -42,8 +44,7 @@ def test_the_file_io_switch_sends_the_batches_to_the_python_path(native_off, mon
     write the same bytes."""
     ran: list[str] = []
     real = objects.py_seal_headers
-    monkeypatch.setattr(objects, "py_seal_headers",
-                        lambda *a: ran.append("python") or real(*a))
+    monkeypatch.setattr(objects, "py_seal_headers", lambda *a: ran.append("python") or real(*a))
     keys, payload = ids(3), bytes(range(200)) * 3
     on, off = bytearray(3 * HEADER_SIZE), bytearray(3 * HEADER_SIZE)
     heads = [0, HEADER_SIZE, 2 * HEADER_SIZE]
@@ -190,8 +191,12 @@ def test_headers_with_known_checksums_and_reading_them_back(impl: tuple) -> None
 @pytest.mark.parametrize("impl", RECORD_IMPLS)
 @pytest.mark.parametrize(
     ("sums", "message"),
-    [([1], "2 keys but 1 checksums"), ([1, -1], r"checksums\[1\]"),
-     ([1, 1 << 64], r"checksums\[1\]"), ([None, 1], r"checksums\[0\]")],
+    [
+        ([1], "2 keys but 1 checksums"),
+        ([1, -1], r"checksums\[1\]"),
+        ([1, 1 << 64], r"checksums\[1\]"),
+        ([None, 1], r"checksums\[0\]"),
+    ],
 )
 def test_write_headers_refuses_bad_checksums(impl: tuple, sums: list, message: str) -> None:
     write, _ = impl

@@ -22,8 +22,11 @@ RNG = random.Random(5)
 KEYS = [RNG.randbytes(KEY_BYTES) for _ in range(300)]
 
 
-@pytest.mark.skipif(not PK.PACK_NATIVE, reason="kvtier.kernels._keyprobe is not built "
-                    "(no C compiler at install): pack_keys joins in Python")
+@pytest.mark.skipif(
+    not PK.PACK_NATIVE,
+    reason="kvtier.kernels._keyprobe is not built "
+    "(no C compiler at install): pack_keys joins in Python",
+)
 def test_c_packer_equals_join_and_refuses_what_is_not_a_key() -> None:
     from kvtier.kernels._keyprobe import pack_keys
 
@@ -82,8 +85,9 @@ def load(**fields: object) -> P.Load:
     return m
 
 
-def refused(m: P.Load, code: P.ErrorCode, match: str, max_keys: int = 1000,
-            num_pages: int = 512) -> None:
+def refused(
+    m: P.Load, code: P.ErrorCode, match: str, max_keys: int = 1000, num_pages: int = 512
+) -> None:
     with pytest.raises(RequestError, match=match) as err:
         transfer_keys(m, max_keys, num_pages)
     assert err.value.code == code
@@ -104,22 +108,48 @@ def test_transfer_keys_refusals_name_the_field_and_value() -> None:
     packed = b"".join(KEYS)
     pages = P.pack_pages(range(300))
     assert pages is not None
-    refused(load(packed_keys=packed[:-1], packed_pages=pages), P.ErrorCode.BAD_MESSAGE,
-            f"packed_keys has {len(packed) - 1} bytes, not a multiple of 32")
-    refused(load(packed_keys=packed, packed_pages=pages[:-4]), P.ErrorCode.BAD_MESSAGE,
-            "packed_pages has 1196 bytes; 300 keys need 1200")
-    refused(load(packed_keys=b"", packed_pages=pages[:4]), P.ErrorCode.BAD_MESSAGE,
-            "packed_pages has 4 bytes; 0 keys need 0")
-    refused(load(packed_keys=packed, packed_pages=pages), P.ErrorCode.BAD_MESSAGE,
-            "300 keys exceed max_keys_per_request \\(299\\)", max_keys=299)
-    refused(load(packed_keys=packed, packed_pages=pages), P.ErrorCode.OUT_OF_RANGE,
-            "packed_pages\\[299\\] = 299 is outside the engine's 299 pages", num_pages=299)
-    refused(load(packed_keys=packed[:64], packed_pages=P.pack_pages([2**32 - 1, 0])),
-            P.ErrorCode.OUT_OF_RANGE, "packed_pages\\[0\\] = 4294967295 is outside")
-    refused(load(packed_keys=packed, packed_pages=P.pack_pages([*range(299), 17])),
-            P.ErrorCode.BAD_MESSAGE, "packed_pages contains the same page twice")
-    refused(load(keys=KEYS[:1], packed_keys=packed[32:64], packed_pages=pages[:4]),
-            P.ErrorCode.BAD_MESSAGE, "beside packed_keys")
+    refused(
+        load(packed_keys=packed[:-1], packed_pages=pages),
+        P.ErrorCode.BAD_MESSAGE,
+        f"packed_keys has {len(packed) - 1} bytes, not a multiple of 32",
+    )
+    refused(
+        load(packed_keys=packed, packed_pages=pages[:-4]),
+        P.ErrorCode.BAD_MESSAGE,
+        "packed_pages has 1196 bytes; 300 keys need 1200",
+    )
+    refused(
+        load(packed_keys=b"", packed_pages=pages[:4]),
+        P.ErrorCode.BAD_MESSAGE,
+        "packed_pages has 4 bytes; 0 keys need 0",
+    )
+    refused(
+        load(packed_keys=packed, packed_pages=pages),
+        P.ErrorCode.BAD_MESSAGE,
+        "300 keys exceed max_keys_per_request \\(299\\)",
+        max_keys=299,
+    )
+    refused(
+        load(packed_keys=packed, packed_pages=pages),
+        P.ErrorCode.OUT_OF_RANGE,
+        "packed_pages\\[299\\] = 299 is outside the engine's 299 pages",
+        num_pages=299,
+    )
+    refused(
+        load(packed_keys=packed[:64], packed_pages=P.pack_pages([2**32 - 1, 0])),
+        P.ErrorCode.OUT_OF_RANGE,
+        "packed_pages\\[0\\] = 4294967295 is outside",
+    )
+    refused(
+        load(packed_keys=packed, packed_pages=P.pack_pages([*range(299), 17])),
+        P.ErrorCode.BAD_MESSAGE,
+        "packed_pages contains the same page twice",
+    )
+    refused(
+        load(keys=KEYS[:1], packed_keys=packed[32:64], packed_pages=pages[:4]),
+        P.ErrorCode.BAD_MESSAGE,
+        "beside packed_keys",
+    )
     refused(load(pages=[1], packed_pages=pages[:4]), P.ErrorCode.BAD_MESSAGE, "beside packed")
     # the list form keeps its own refusals
     refused(load(keys=KEYS[:2], pages=[1]), P.ErrorCode.BAD_MESSAGE, "2 keys but 1 pages")

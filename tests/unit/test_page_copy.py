@@ -140,7 +140,10 @@ def test_single_buffer_store_and_load_match_reference(
     for layer in range(N_LAYERS):
         for comp in range(n_comp):
             copy_layer_to_host(
-                arena, case.slot_offsets, case.bufs[layer][comp], case.page_ids,
+                arena,
+                case.slot_offsets,
+                case.bufs[layer][comp],
+                case.page_ids,
                 case.chunk_offset(layer, comp),
             )
     assert torch.equal(arena, expected_arena)
@@ -149,7 +152,10 @@ def test_single_buffer_store_and_load_match_reference(
     for layer in range(N_LAYERS):
         for comp in range(n_comp):
             copy_layer_from_host(
-                case.arena, case.slot_offsets, bufs[layer][comp], case.page_ids,
+                case.arena,
+                case.slot_offsets,
+                bufs[layer][comp],
+                case.page_ids,
                 case.chunk_offset(layer, comp),
             )
     _assert_bufs_equal(bufs, expected_bufs)
@@ -186,7 +192,9 @@ def test_layer_helpers_copy_one_layer_only(n_comp: int, order: str) -> None:
 def test_plan_is_reused_for_every_layer(n_comp: int, order: str) -> None:
     case = Case(torch.float16, (4, 2, 8), n_comp, order, seed=4)
     plan = CopyPlan.build(
-        torch.from_numpy(case.page_ids), torch.from_numpy(case.slot_offsets), case.chunk,
+        torch.from_numpy(case.page_ids),
+        torch.from_numpy(case.slot_offsets),
+        case.chunk,
         slot_bytes=case.slot_bytes,
     )
     assert len(plan) == case.page_ids.size
@@ -258,6 +266,7 @@ def _bad_calls(case: Case) -> dict[str, tuple[tuple[object, object], str]]:
     """Callables that must raise, with a fragment of their message."""
     pids, offs = case.page_ids, case.slot_offsets
     last = case.slot_bytes * (NUM_SLOTS - 1) + ARENA_BASE
+
     def with_page(page: int) -> np.ndarray:
         return np.concatenate([pids, [page]]).astype(np.int64)
 
@@ -265,9 +274,11 @@ def _bad_calls(case: Case) -> dict[str, tuple[tuple[object, object], str]]:
         return np.concatenate([offs, [off]]).astype(np.int64)
 
     spare_page = int(np.setdiff1d(np.arange(NUM_PAGES), pids)[0])
-    free_slot = ARENA_BASE + int(
-        np.setdiff1d(np.arange(NUM_SLOTS), (offs - ARENA_BASE) // case.slot_bytes)[0]
-    ) * case.slot_bytes
+    free_slot = (
+        ARENA_BASE
+        + int(np.setdiff1d(np.arange(NUM_SLOTS), (offs - ARENA_BASE) // case.slot_bytes)[0])
+        * case.slot_bytes
+    )
     return {
         "page_out_of_range": (
             (with_page(NUM_PAGES), with_off(free_slot)),
@@ -275,15 +286,15 @@ def _bad_calls(case: Case) -> dict[str, tuple[tuple[object, object], str]]:
         ),
         "page_negative": ((with_page(-1), with_off(free_slot)), "page_ids"),
         "offset_past_arena": (
-            (with_page(spare_page), with_off(last + case.slot_bytes)), "slot_offsets"
+            (with_page(spare_page), with_off(last + case.slot_bytes)),
+            "slot_offsets",
         ),
         "offset_negative": ((with_page(spare_page), with_off(-7)), "slot_offsets"),
         "duplicate_page": (
-            (with_page(int(pids[0])), with_off(free_slot)), f"page id {int(pids[0])} twice"
+            (with_page(int(pids[0])), with_off(free_slot)),
+            f"page id {int(pids[0])} twice",
         ),
-        "overlapping_slots": (
-            (with_page(spare_page), with_off(int(offs[0]) + 1)), "overlap"
-        ),
+        "overlapping_slots": ((with_page(spare_page), with_off(int(offs[0]) + 1)), "overlap"),
         "length_mismatch": ((pids, offs[:-1]), "same length"),
         "int32_pages": ((pids.astype(np.int32), offs), "page_ids must have dtype int64"),
         "float_offsets": ((pids, offs.astype(np.float64)), "slot_offsets must have dtype int64"),
@@ -295,9 +306,17 @@ def _bad_calls(case: Case) -> dict[str, tuple[tuple[object, object], str]]:
 @pytest.mark.parametrize(
     "bad",
     [
-        "page_out_of_range", "page_negative", "offset_past_arena", "offset_negative",
-        "duplicate_page", "overlapping_slots", "length_mismatch", "int32_pages", "float_offsets",
-        "list_pages", "2d_offsets",
+        "page_out_of_range",
+        "page_negative",
+        "offset_past_arena",
+        "offset_negative",
+        "duplicate_page",
+        "overlapping_slots",
+        "length_mismatch",
+        "int32_pages",
+        "float_offsets",
+        "list_pages",
+        "2d_offsets",
     ],
 )
 @pytest.mark.parametrize("direction", ["store", "load"])
@@ -336,23 +355,53 @@ def test_bad_buffers_raise_and_write_nothing() -> None:
             fn(*args)  # type: ignore[operator]
         assert torch.equal(arena, case.arena)
 
-    fails("arena must be a 1-D contiguous uint8", copy_layers_to_host, arena.view(torch.int8), offs,
-          case.bufs, pids)
-    fails("arena must be a 1-D contiguous uint8", copy_layers_to_host, arena[::2], offs, case.bufs,
-          pids)
-    fails("arena must be a numpy array or a torch.Tensor", copy_layers_to_host, bytearray(16),
-          offs, case.bufs, pids)
+    fails(
+        "arena must be a 1-D contiguous uint8",
+        copy_layers_to_host,
+        arena.view(torch.int8),
+        offs,
+        case.bufs,
+        pids,
+    )
+    fails(
+        "arena must be a 1-D contiguous uint8",
+        copy_layers_to_host,
+        arena[::2],
+        offs,
+        case.bufs,
+        pids,
+    )
+    fails(
+        "arena must be a numpy array or a torch.Tensor",
+        copy_layers_to_host,
+        bytearray(16),
+        offs,
+        case.bufs,
+        pids,
+    )
     transposed = case.bufs[0][0].transpose(0, 1)
     fails("engine_buf must be contiguous", copy_layer_to_host, arena, offs, transposed, pids, 0)
     # the last layer has fewer pages: caught before the first layer is written
     short = [list(row) for row in case.bufs]
     short[-1][1] = short[-1][1][:4]
-    fails(r"page_ids\[\d\] = \d+ is out of range for engine_bufs\[2\]\[1\] with 4 pages",
-          copy_layers_to_host, arena, offs, short, pids)
+    fails(
+        r"page_ids\[\d\] = \d+ is out of range for engine_bufs\[2\]\[1\] with 4 pages",
+        copy_layers_to_host,
+        arena,
+        offs,
+        short,
+        pids,
+    )
     wide = [list(row) for row in case.bufs]
     wide[1][0] = torch.zeros((NUM_PAGES, 3, 2, 4), dtype=torch.float32)
-    fails("engine_bufs\\[1\\]\\[0\\] holds 96 bytes per page", copy_layers_to_host, arena, offs,
-          wide, pids)
+    fails(
+        "engine_bufs\\[1\\]\\[0\\] holds 96 bytes per page",
+        copy_layers_to_host,
+        arena,
+        offs,
+        wide,
+        pids,
+    )
     ragged = [list(row) for row in case.bufs]
     ragged[2] = ragged[2][:1]
     fails("engine_bufs\\[2\\] has 1 components", copy_layers_to_host, arena, offs, ragged, pids)
@@ -363,8 +412,10 @@ def test_bad_buffers_raise_and_write_nothing() -> None:
     fails("layer 3 is out of range", plan.layers_to_host, arena, case.bufs, [0, 3])
     fails("layer must be a non-negative int", plan.layer_to_host, arena, case.bufs[0], -1)
     fails("chunk_bytes must be a positive int", CopyPlan.build, pids, offs, 0)
-    fails("slot_bytes = 4 is smaller than chunk_bytes",
-          lambda: CopyPlan.build(pids, offs, 8, slot_bytes=4))
+    fails(
+        "slot_bytes = 4 is smaller than chunk_bytes",
+        lambda: CopyPlan.build(pids, offs, 8, slot_bytes=4),
+    )
 
 
 def test_empty_transfer_writes_nothing() -> None:

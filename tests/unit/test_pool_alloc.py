@@ -22,15 +22,28 @@ from kvtier.daemon.pool import storerun
 from kvtier.daemon.pool.index import HostPool, HostPoolError
 from kvtier.daemon.pool.pages import PageTable
 
-pytestmark = pytest.mark.skipif(not storerun.NATIVE,
-                                reason="kvtier.kernels._alloc is not built (no C compiler at install)")
+pytestmark = pytest.mark.skipif(
+    not storerun.NATIVE, reason="kvtier.kernels._alloc is not built (no C compiler at install)"
+)
 
 KIB = 1024
 EXTENT = 16 * KIB
 NAMESPACES = (1, 2)
 OWNERS = (10, 20, 30)  # 30 has a quota: its allocations stay in Python
-COLUMNS = ("stamp", "checksum", "seal", "ns", "owner", "length", "parent", "key", "state",
-           "in_l3", "key_len", "flags")
+COLUMNS = (
+    "stamp",
+    "checksum",
+    "seal",
+    "ns",
+    "owner",
+    "length",
+    "parent",
+    "key",
+    "state",
+    "in_l3",
+    "key_len",
+    "flags",
+)
 
 
 class PageByPage(HostPool):
@@ -66,8 +79,10 @@ class Counting:
 
 
 def pools(extents: int = 24) -> tuple[HostPool, HostPool]:
-    out = (HostPool(extents * EXTENT, EXTENT, 4 * KIB),
-           PageByPage(extents * EXTENT, EXTENT, 4 * KIB))
+    out = (
+        HostPool(extents * EXTENT, EXTENT, 4 * KIB),
+        PageByPage(extents * EXTENT, EXTENT, 4 * KIB),
+    )
     for p in out:
         assert p.register_class(4000) == 0  # 4 slots an extent
         assert p.register_class(8000) == 1  # 2 slots an extent
@@ -78,20 +93,36 @@ def pools(extents: int = 24) -> tuple[HostPool, HostPool]:
 def snapshot(p: HostPool) -> dict[str, Any]:
     ev, lru, kids, slots = p._ev, p._lru, p._kids, p._slots
     out: dict[str, Any] = {c: p._meta.array(c).tobytes() for c in COLUMNS}
-    for name, arr in (("pins", p._pins), ("children", kids.count), ("first", kids.first),
-                      ("sib_prev", kids.sib_prev), ("sib_next", kids.sib_next),
-                      ("prev", lru.prev), ("next", lru.next), ("oprev", lru.oprev),
-                      ("onext", lru.onext), ("ext_class", slots.ext_class),
-                      ("ext_used", slots.ext_used), ("ext_bump", slots.ext_bump)):
+    for name, arr in (
+        ("pins", p._pins),
+        ("children", kids.count),
+        ("first", kids.first),
+        ("sib_prev", kids.sib_prev),
+        ("sib_next", kids.sib_next),
+        ("prev", lru.prev),
+        ("next", lru.next),
+        ("oprev", lru.oprev),
+        ("onext", lru.onext),
+        ("ext_class", slots.ext_class),
+        ("ext_used", slots.ext_used),
+        ("ext_bump", slots.ext_bump),
+    ):
         out[name] = arr.tobytes()
-    out.update(ready=p._ready, writing={ns: d for ns, d in p._writing.items() if d},
-               keys=p._key, owned={o: n for o, n in p._owned.items() if n},
-               ends=lru.ends, own_ends={o: e for o, e in lru.own_ends.items() if e != [-1, -1]},
-               classes=[(c.free, c.bump, c.extents, c.ready, c.writing) for c in p._classes],
-               log=[(type(e), e.key, e.ns_id, e.slot, e.in_l3) for e in ev._log],
-               evictions=(ev.evictions, ev.unlogged), clock=p._clock,
-               free_extents=list(slots.free_extents), pinned=p._n_pinned,
-               offsets=np.asarray(slots.offset_of).tobytes())
+    out.update(
+        ready=p._ready,
+        writing={ns: d for ns, d in p._writing.items() if d},
+        keys=p._key,
+        owned={o: n for o, n in p._owned.items() if n},
+        ends=lru.ends,
+        own_ends={o: e for o, e in lru.own_ends.items() if e != [-1, -1]},
+        classes=[(c.free, c.bump, c.extents, c.ready, c.writing) for c in p._classes],
+        log=[(type(e), e.key, e.ns_id, e.slot, e.in_l3) for e in ev._log],
+        evictions=(ev.evictions, ev.unlogged),
+        clock=p._clock,
+        free_extents=list(slots.free_extents),
+        pinned=p._n_pinned,
+        offsets=np.asarray(slots.offset_of).tobytes(),
+    )
     return out
 
 
@@ -119,7 +150,9 @@ def run_ops(seed: int, ops: int = 400) -> tuple[int, int]:
                 else:
                     chain, chains = chains, chains + 1
                 first = rng.randrange(0, 8)
-                keys = [key(rng, chain, first + i) for i in range(rng.choice((1, 3, 8, 12, 30, 60)))]
+                keys = [
+                    key(rng, chain, first + i) for i in range(rng.choice((1, 3, 8, 12, 30, 60)))
+                ]
                 if rng.random() < 0.1 and len(keys) > 2:
                     keys[-1] = keys[0]  # a request that repeats a key
                 parent = key(rng, chain, first - 1) if first and rng.random() < 0.7 else None
@@ -232,7 +265,28 @@ def test_the_c_call_refuses_a_start_outside_the_keys() -> None:
     table, ev, cls = fast, fast._ev, fast._classes[0]
     for start in (-1, 3):
         with pytest.raises(ValueError, match="outside the 2 keys"):
-            storerun._alloc.run(storerun._cols(table), [b"a", b"b"], start, -1, 0, 1, 10, 0,
-                                cls.page_bytes, table._per_extent, True, cls, {}, {}, {},
-                                table._key, table._owned, table._lru.ends, table._lru.own_ends,
-                                ev._log, ev.max_log, storerun.EvictedPage, [])
+            storerun._alloc.run(
+                storerun._cols(table),
+                [b"a", b"b"],
+                start,
+                -1,
+                0,
+                1,
+                10,
+                0,
+                cls.page_bytes,
+                table._per_extent,
+                True,
+                cls,
+                {},
+                {},
+                {},
+                table._key,
+                table._owned,
+                table._lru.ends,
+                table._lru.own_ends,
+                ev._log,
+                ev.max_log,
+                storerun.EvictedPage,
+                [],
+            )

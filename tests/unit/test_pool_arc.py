@@ -173,8 +173,13 @@ class ArcModel(RuleBasedStateMachine):
 
 
 TestArcModel = ArcModel.TestCase
-TestArcModel.settings = settings(max_examples=60, stateful_step_count=30, derandomize=True,
-                                 deadline=None, suppress_health_check=list(HealthCheck))
+TestArcModel.settings = settings(
+    max_examples=60,
+    stateful_step_count=30,
+    derandomize=True,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+)
 
 
 def test_adoption_keeps_pages_and_recency_not_the_split() -> None:
@@ -202,8 +207,9 @@ def test_config_selects_the_policy() -> None:
     from kvtier.config.errors import ConfigError
     from kvtier.config.loader import load_config
 
-    cfg = load_config(DaemonConfig, env={"KVTIER_EVICTION_POLICY": "arc",
-                                         "KVTIER_HICACHE_SIZE": "64MiB"})
+    cfg = load_config(
+        DaemonConfig, env={"KVTIER_EVICTION_POLICY": "arc", "KVTIER_HICACHE_SIZE": "64MiB"}
+    )
     assert cfg.eviction_policy == "arc"
     assert HostPool.from_config(cfg).stats().eviction_policy == "arc"
     assert load_config(DaemonConfig, env={}).eviction_policy == "lru"

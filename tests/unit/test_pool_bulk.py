@@ -47,17 +47,24 @@ class PageByPage(HostPool):
 
 
 def pools(extents: int = 96) -> tuple[HostPool, HostPool]:
-    out = (HostPool(extents * EXTENT, EXTENT, 4 * KIB),
-           PageByPage(extents * EXTENT, EXTENT, 4 * KIB))
+    out = (
+        HostPool(extents * EXTENT, EXTENT, 4 * KIB),
+        PageByPage(extents * EXTENT, EXTENT, 4 * KIB),
+    )
     for p in out:
         assert p.register_class(4000) == 0
     return out
 
 
 def snapshot(p: HostPool) -> tuple:
-    return (np.frombuffer(p._pins, dtype=np.int32).tolist(), p._meta.array("stamp").tolist(),
-            p.stats().pages_pinned, p.evictable_slots(), [p.evictable_slots(o) for o in OWNERS],
-            p._clock)
+    return (
+        np.frombuffer(p._pins, dtype=np.int32).tolist(),
+        p._meta.array("stamp").tolist(),
+        p.stats().pages_pinned,
+        p.evictable_slots(),
+        [p.evictable_slots(o) for o in OWNERS],
+        p._clock,
+    )
 
 
 def both(bulk: HostPool, ref: HostPool, op: str, *args: object) -> object:
@@ -162,8 +169,12 @@ def test_a_refused_bulk_unpin_changes_nothing_and_names_the_slot(bad: str) -> No
     assert isinstance(slots, list)
     other = both(bulk, ref, "lookup", NS, keys)  # all READY
     assert other == len(keys)
-    extra = {"twice": slots[3], "free": bulk.n_slots - 1,
-             "unpinned": bulk._ready[NS][keys[-1]], "negative": -1}[bad]
+    extra = {
+        "twice": slots[3],
+        "free": bulk.n_slots - 1,
+        "unpinned": bulk._ready[NS][keys[-1]],
+        "negative": -1,
+    }[bad]
     before = snapshot(bulk)
     for p in (bulk, ref):
         with pytest.raises(HostPoolError) as err:

@@ -25,8 +25,10 @@ from kvtier.daemon.pool.poolfile import PoolFileError, PoolSpaceError, read_owne
 from tests.unit.test_pool_persistence import EXTENT, KIB, chain, new_pool, store
 
 OTHER_UID = 4343
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="making a file of another uid "
-                                "(os.chown) and mounting a tmpfs need root")
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0,
+    reason="making a file of another uid (os.chown) and mounting a tmpfs need root",
+)
 
 
 def layout() -> PoolLayout:
@@ -73,8 +75,9 @@ def test_a_new_pool_file_is_0600_with_one_link_whatever_the_umask(tmp_path: Path
 
 
 @pytest.mark.parametrize("mode", [0o666, 0o640, 0o604])
-def test_our_pool_file_with_group_or_other_bits_is_discarded_not_adopted(tmp_path: Path,
-                                                                          mode: int) -> None:
+def test_our_pool_file_with_group_or_other_bits_is_discarded_not_adopted(
+    tmp_path: Path, mode: int
+) -> None:
     """Whoever could write it may have rewritten its pages: never adopt it."""
     path = tmp_path / "kvtier-pool-x"
     adoptable_pool(path)
@@ -169,8 +172,12 @@ def test_ten_terabytes_names_hicache_size_and_the_largest_allowed() -> None:
 def small_tmpfs(size: str) -> Iterator[Path]:
     """A tmpfs of ``size`` mounted on a temp dir (skips when it cannot be mounted)."""
     mnt = Path(tempfile.mkdtemp(prefix="kvt-tmpfs-"))
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
-                          capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if done.returncode != 0:
         mnt.rmdir()
         pytest.skip(f"cannot mount a tmpfs: {done.stderr.strip()}")

@@ -447,4 +447,7 @@ def test_a_pool_too_small_for_one_extent_with_headroom_is_a_config_error() -> No
     assert HostPool.from_config(ok, slot_headroom(ok.hicache_storage_backend)).layout.n_extents == 1
     plain = DaemonConfig(hicache_size=256 * KIB, extent_size=256 * KIB,
                          hicache_storage_backend="file")  # fmt: skip
-    assert HostPool.from_config(plain, slot_headroom(plain.hicache_storage_backend)).layout.n_extents == 1
+    assert (
+        HostPool.from_config(plain, slot_headroom(plain.hicache_storage_backend)).layout.n_extents
+        == 1
+    )

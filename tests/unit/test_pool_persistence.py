@@ -123,7 +123,7 @@ def store(pool: HostPool, arena: memoryview, keys: list[bytes], ns: int = NS, ow
     """Allocate ``keys``, write their payloads into the arena, commit with checksums."""
     got = pool.allocate(ns, owner, pool.register_class(SMALL), keys, parent)
     slots = [s for _, s in got]
-    for (i, s) in got:
+    for i, s in got:
         off = pool.slot_offset(s)
         arena[off : off + SMALL] = payload(keys[i])
     offsets = [pool.slot_offset(s) for s in slots]
@@ -156,7 +156,11 @@ def test_layout_geometry_and_a_fresh_file_starts_empty(pool_file: PoolFile) -> N
     assert offsets == sorted(offsets) and all(off % 64 == 0 for off in offsets)
     assert SLOT_META_BYTES == 88 and offsets[-1] + 12 <= lay.meta_bytes
     pool, res = pool_file.start()
-    assert (res.adopted, res.reason, res.generation) == (False, "no pool metadata (new pool file)", 1)
+    assert (res.adopted, res.reason, res.generation) == (
+        False,
+        "no pool metadata (new pool file)",
+        1,
+    )
     assert "started empty" in res.summary and res.reason in res.summary
     assert pool.stats().pages_ready == 0
     _, res = pool_file.start()

@@ -24,7 +24,7 @@ def mapped_kib(address: int) -> int:
     for i, line in enumerate(lines):
         start = line.split("-", 1)[0]
         if all(c in "0123456789abcdef" for c in start) and int(start, 16) == address:
-            for entry in lines[i + 1:]:
+            for entry in lines[i + 1 :]:
                 if entry.startswith("Rss:"):
                     return int(entry.split()[1])
     raise AssertionError(f"no mapping at {address:#x}")
@@ -39,7 +39,7 @@ class Memfd:
         os.ftruncate(self.fd, size)
         engine = mmap.mmap(self.fd, size)
         for start, n in touched:
-            engine[start:start + n] = b"\x01" * n
+            engine[start : start + n] = b"\x01" * n
         engine.close()
         self.map = mmap.mmap(self.fd, size)
         self.address = np.frombuffer(self.map, np.uint8).ctypes.data

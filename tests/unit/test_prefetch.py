@@ -33,8 +33,9 @@ class GatedReads:
         self.gate = asyncio.Event()
         self.calls = 0
 
-    async def __call__(self, ns: bytes, keys: list[bytes], offsets: list[int],
-                       length: int) -> list[bool]:
+    async def __call__(
+        self, ns: bytes, keys: list[bytes], offsets: list[int], length: int
+    ) -> list[bool]:
         self.calls += 1
         if keys[0] == self.held:
             await self.gate.wait()

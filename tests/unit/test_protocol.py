@@ -19,51 +19,78 @@ from kvtier.ipc.sockets import make_zmq_socket
 
 KEY = bytes(range(32))
 GEOMETRY = P.Geometry(num_layers=2, page_size=16, kv_heads=2, head_dim=8, dtype="float16")
-MEMORY = P.KVMemory(kind="shm", num_pages=8,
-                    segments=[P.MemorySegment(name="/dev/shm/kvtier-engine-x", size=1 << 20)],
-                    buffer_segments=[0, 0, 0, 0], buffer_offsets=[0, 4096, 8192, 12288])
+MEMORY = P.KVMemory(
+    kind="shm",
+    num_pages=8,
+    segments=[P.MemorySegment(name="/dev/shm/kvtier-engine-x", size=1 << 20)],
+    buffer_segments=[0, 0, 0, 0],
+    buffer_offsets=[0, 4096, 8192, 12288],
+)
 
 
 def requests() -> dict[type, P.Request]:
     """One valid request of every type, every field set."""
-    return {r.__class__: r for r in [
-        P.Register(req_id=1, protocol_version=P.PROTOCOL_VERSION,
-                   namespace=P.NamespaceSpec(model_id="m", revision="r", cache_salt="s"),
-                   geometry=GEOMETRY, memory=MEMORY, tp_rank=1, tp_size=2, pid=1234,
-                   tenant="t", token="tok", tp_group="g"),
-        P.Heartbeat(req_id=2, session_id=3),
-        P.Lookup(req_id=3, session_id=3, keys=[KEY, KEY[::-1]]),
-        P.Store(req_id=4, session_id=3, keys=[KEY], pages=[5], parent_key=KEY, slot=6, seq=7),
-        P.Load(req_id=5, session_id=3, keys=[KEY], pages=[5], slot=6, seq=8),
-        P.Release(req_id=6, session_id=3, slots=[0, 63]),
-        P.Unregister(req_id=7, session_id=3),
-        P.Stats(req_id=8, admin_token="a"),
-        P.Health(req_id=9),
-        P.Flush(req_id=10, admin_token="a", session_id=3, tier="all", namespace="ab" * 32),
-        P.Prefetch(req_id=11, session_id=3, keys=[KEY], skip=1, request_id="rq"),
-        P.Claim(req_id=12, session_id=3, keys=[KEY], request_id="rq", policy="best_effort"),
-        P.Sync(req_id=13, admin_token="a", timeout_s=5.5),
-    ]}
+    return {
+        r.__class__: r
+        for r in [
+            P.Register(
+                req_id=1,
+                protocol_version=P.PROTOCOL_VERSION,
+                namespace=P.NamespaceSpec(model_id="m", revision="r", cache_salt="s"),
+                geometry=GEOMETRY,
+                memory=MEMORY,
+                tp_rank=1,
+                tp_size=2,
+                pid=1234,
+                tenant="t",
+                token="tok",
+                tp_group="g",
+            ),
+            P.Heartbeat(req_id=2, session_id=3),
+            P.Lookup(req_id=3, session_id=3, keys=[KEY, KEY[::-1]]),
+            P.Store(req_id=4, session_id=3, keys=[KEY], pages=[5], parent_key=KEY, slot=6, seq=7),
+            P.Load(req_id=5, session_id=3, keys=[KEY], pages=[5], slot=6, seq=8),
+            P.Release(req_id=6, session_id=3, slots=[0, 63]),
+            P.Unregister(req_id=7, session_id=3),
+            P.Stats(req_id=8, admin_token="a"),
+            P.Health(req_id=9),
+            P.Flush(req_id=10, admin_token="a", session_id=3, tier="all", namespace="ab" * 32),
+            P.Prefetch(req_id=11, session_id=3, keys=[KEY], skip=1, request_id="rq"),
+            P.Claim(req_id=12, session_id=3, keys=[KEY], request_id="rq", policy="best_effort"),
+            P.Sync(req_id=13, admin_token="a", timeout_s=5.5),
+        ]
+    }
 
 
 def replies() -> dict[type, P.Reply]:
     """One reply of every type."""
     e = 0x1234
-    return {r.__class__: r for r in [
-        P.Registered(req_id=1, epoch=e, session_id=3, lease_s=30.0, ns_fingerprint=KEY,
-                     completion_name="/run/c", completion_slots=64, daemon_pid=99),
-        P.Ack(req_id=2, epoch=e),
-        P.LookupResult(req_id=3, epoch=e, l2=4, l3=5),
-        P.StoreAccepted(req_id=4, epoch=e, count=3, writing=2),
-        P.LoadAccepted(req_id=5, epoch=e, count=1),
-        P.StatsReply(req_id=6, epoch=e, stats={"pool": {"pages_pinned": 0}, "epoch": "ab"}),
-        P.HealthReply(req_id=7, epoch=e, status="ok", sessions=2),
-        P.FlushReply(req_id=8, epoch=e, l2_pages=9, l3_pages=10),
-        P.PrefetchReply(req_id=9, epoch=e, started=11),
-        P.ClaimReply(req_id=10, epoch=e, l2=12),
-        P.SyncReply(req_id=11, epoch=e, pages=4, written=2, failed=1, left=1),
-        P.ErrorReply(req_id=12, epoch=e, code=int(P.ErrorCode.BAD_MESSAGE), message="no"),
-    ]}
+    return {
+        r.__class__: r
+        for r in [
+            P.Registered(
+                req_id=1,
+                epoch=e,
+                session_id=3,
+                lease_s=30.0,
+                ns_fingerprint=KEY,
+                completion_name="/run/c",
+                completion_slots=64,
+                daemon_pid=99,
+            ),
+            P.Ack(req_id=2, epoch=e),
+            P.LookupResult(req_id=3, epoch=e, l2=4, l3=5),
+            P.StoreAccepted(req_id=4, epoch=e, count=3, writing=2),
+            P.LoadAccepted(req_id=5, epoch=e, count=1),
+            P.StatsReply(req_id=6, epoch=e, stats={"pool": {"pages_pinned": 0}, "epoch": "ab"}),
+            P.HealthReply(req_id=7, epoch=e, status="ok", sessions=2),
+            P.FlushReply(req_id=8, epoch=e, l2_pages=9, l3_pages=10),
+            P.PrefetchReply(req_id=9, epoch=e, started=11),
+            P.ClaimReply(req_id=10, epoch=e, l2=12),
+            P.SyncReply(req_id=11, epoch=e, pages=4, written=2, failed=1, left=1),
+            P.ErrorReply(req_id=12, epoch=e, code=int(P.ErrorCode.BAD_MESSAGE), message="no"),
+        ]
+    }
 
 
 def test_the_samples_cover_every_message_type():
@@ -102,9 +129,15 @@ BIG = "x" * (1 << 20)
 # (message, field path, a value just outside its bounds, the same field's largest valid value)
 REGION = {"segment": 0, "offset": 0, "page_stride": 8, "page_bytes": 8, "layer": 0}
 """A valid memory region."""
-REG_REGIONS = msgspec.structs.replace(REG, memory=P.KVMemory(
-    kind="fd", num_pages=4, segments=[P.MemorySegment(name="s", size=1 << 20)],
-    regions=[P.MemoryRegion(**REGION)]))
+REG_REGIONS = msgspec.structs.replace(
+    REG,
+    memory=P.KVMemory(
+        kind="fd",
+        num_pages=4,
+        segments=[P.MemorySegment(name="s", size=1 << 20)],
+        regions=[P.MemoryRegion(**REGION)],
+    ),
+)
 """A REGISTER whose memory is described by regions."""
 
 OUT_OF_RANGE = [
@@ -138,8 +171,12 @@ OUT_OF_RANGE = [
     (REG, ("memory", "num_pages"), L.MAX_PAGES + 1, None),
     (REG, ("memory", "segments"), [{"name": "s", "size": 1}] * (L.MAX_BUFFERS + 1), None),
     (REG, ("memory", "segments", 0, "name"), "/dev/shm/kvtier-engine-\x00x", None),
-    (REG, ("memory", "segments", 0, "name"), "n" * (L.MAX_SEGMENT_NAME + 1),
-     "n" * L.MAX_SEGMENT_NAME),
+    (
+        REG,
+        ("memory", "segments", 0, "name"),
+        "n" * (L.MAX_SEGMENT_NAME + 1),
+        "n" * L.MAX_SEGMENT_NAME,
+    ),
     (REG, ("memory", "segments", 0, "size"), 0, L.MAX_SEGMENT_BYTES),
     (REG, ("memory", "segments", 0, "handle"), b"h" * 65, b"h" * 64),
     (REG, ("memory", "segments", 0, "device_uuid"), "u" * (L.MAX_NAME + 1), None),
@@ -182,9 +219,11 @@ OUT_OF_RANGE = [
 ]
 
 
-@pytest.mark.parametrize("msg,path,bad,good", OUT_OF_RANGE,
-                         ids=[f"{type(m).__name__}{field_path(p)[1:]}={str(b)[:12]!r}"
-                              for m, p, b, _ in OUT_OF_RANGE])
+@pytest.mark.parametrize(
+    "msg,path,bad,good",
+    OUT_OF_RANGE,
+    ids=[f"{type(m).__name__}{field_path(p)[1:]}={str(b)[:12]!r}" for m, p, b, _ in OUT_OF_RANGE],
+)
 def test_out_of_range_fields_are_refused_naming_the_field(msg, path, bad, good):
     with pytest.raises(msgspec.ValidationError) as info:
         P.decode_request(wire(msg, path, bad))
@@ -208,9 +247,11 @@ def test_a_huge_bad_value_is_not_quoted_whole(value):
 
 
 def test_decode_errors_still_name_wrong_types_and_unknown_ops():
-    for doc, words in [({"op": "lookup", "req_id": 1, "session_id": 1, "keys": "x"}, "$.keys"),
-                       ({"op": "nope", "req_id": 1}, "'nope'"),
-                       ({"op": "store", "req_id": 1}, "session_id")]:
+    for doc, words in [
+        ({"op": "lookup", "req_id": 1, "session_id": 1, "keys": "x"}, "$.keys"),
+        ({"op": "nope", "req_id": 1}, "'nope'"),
+        ({"op": "store", "req_id": 1}, "session_id"),
+    ]:
         with pytest.raises(msgspec.ValidationError, match=re.escape(words)):
             P.decode_request(msgspec.msgpack.encode(doc))
     with pytest.raises(msgspec.DecodeError):
@@ -228,9 +269,12 @@ def test_seq_fits_the_completion_block():
 
 def test_geometry_validate_applies_the_wire_bounds_to_python_built_geometries():
     GEOMETRY.validate()
-    for change, word in [({"num_layers": 0}, "num_layers"), ({"dtype": "float64"}, "dtype"),
-                         ({"head_dim": L.MAX_DIM + 1}, "head_dim"),
-                         ({"attention": "mla"}, "must be 1 for MLA")]:
+    for change, word in [
+        ({"num_layers": 0}, "num_layers"),
+        ({"dtype": "float64"}, "dtype"),
+        ({"head_dim": L.MAX_DIM + 1}, "head_dim"),
+        ({"attention": "mla"}, "must be 1 for MLA"),
+    ]:
         bad = msgspec.structs.replace(GEOMETRY, **change)
         with pytest.raises(ValueError, match=word):
             bad.validate()
@@ -243,20 +287,46 @@ def test_the_largest_requests_the_bounds_allow_fit_the_message_limits():
     which is below the transport ceiling (so the daemon answers anything bigger, up to the
     ceiling, with an error naming the limit)."""
     n, text, name = L.MAX_KEYS, "t" * L.MAX_TEXT, "n" * L.MAX_NAME
-    store = P.Store(req_id=L.MAX_U63, session_id=L.MAX_U63, keys=[KEY] * n,
-                    pages=[L.MAX_PAGES - 1] * n, parent_key=KEY, slot=L.MAX_SLOTS - 1,
-                    seq=L.MAX_U63)
-    seg = P.MemorySegment(name="s" * L.MAX_SEGMENT_NAME, size=L.MAX_SEGMENT_BYTES,
-                          handle=b"h" * L.MAX_HANDLE_BYTES, device_uuid=name)
+    store = P.Store(
+        req_id=L.MAX_U63,
+        session_id=L.MAX_U63,
+        keys=[KEY] * n,
+        pages=[L.MAX_PAGES - 1] * n,
+        parent_key=KEY,
+        slot=L.MAX_SLOTS - 1,
+        seq=L.MAX_U63,
+    )
+    seg = P.MemorySegment(
+        name="s" * L.MAX_SEGMENT_NAME,
+        size=L.MAX_SEGMENT_BYTES,
+        handle=b"h" * L.MAX_HANDLE_BYTES,
+        device_uuid=name,
+    )
     register = P.Register(
-        req_id=L.MAX_U63, protocol_version=0xFFFF, pid=L.MAX_PID, tp_rank=L.MAX_TP - 1,
-        tp_size=L.MAX_TP, tenant=name, token=text, tp_group=name,
+        req_id=L.MAX_U63,
+        protocol_version=0xFFFF,
+        pid=L.MAX_PID,
+        tp_rank=L.MAX_TP - 1,
+        tp_size=L.MAX_TP,
+        tenant=name,
+        token=text,
+        tp_group=name,
         namespace=P.NamespaceSpec(model_id=text, revision=name, cache_salt=text),
-        geometry=P.Geometry(num_layers=L.MAX_LAYERS, page_size=L.MAX_DIM, kv_heads=L.MAX_DIM,
-                            head_dim=L.MAX_DIM, dtype="bfloat16"),
-        memory=P.KVMemory(kind="cuda_ipc", num_pages=L.MAX_PAGES, segments=[seg] * L.MAX_BUFFERS,
-                          buffer_segments=[L.MAX_BUFFERS - 1] * L.MAX_BUFFERS,
-                          buffer_offsets=[L.MAX_SEGMENT_BYTES] * L.MAX_BUFFERS))
+        geometry=P.Geometry(
+            num_layers=L.MAX_LAYERS,
+            page_size=L.MAX_DIM,
+            kv_heads=L.MAX_DIM,
+            head_dim=L.MAX_DIM,
+            dtype="bfloat16",
+        ),
+        memory=P.KVMemory(
+            kind="cuda_ipc",
+            num_pages=L.MAX_PAGES,
+            segments=[seg] * L.MAX_BUFFERS,
+            buffer_segments=[L.MAX_BUFFERS - 1] * L.MAX_BUFFERS,
+            buffer_offsets=[L.MAX_SEGMENT_BYTES] * L.MAX_BUFFERS,
+        ),
+    )
     default_limit = DaemonConfig.model_fields["max_message_bytes"].default
     assert default_limit < L.MAX_MESSAGE_BYTES
     for msg, under in ((store, 3 << 20), (register, 8 << 20)):  # as ipc/limits.py says
@@ -271,16 +341,16 @@ def test_peek_req_id_finds_the_id_of_a_message_too_big_to_decode():
     assert P.peek_req_id(b"\xff\x00") == 0
 
 
-@pytest.mark.parametrize("socket_type,want", [(zmq.ROUTER, L.MAX_MESSAGE_BYTES),
-                                              (zmq.DEALER, -1)])
+@pytest.mark.parametrize("socket_type,want", [(zmq.ROUTER, L.MAX_MESSAGE_BYTES), (zmq.DEALER, -1)])
 def test_the_daemon_socket_refuses_frames_past_the_ceiling(tmp_path, socket_type, want):
     ctx = zmq.Context()
     try:
         sock = make_zmq_socket(ctx, f"ipc://{tmp_path}/s", socket_type, bind=True)
         assert sock.getsockopt(zmq.MAXMSGSIZE) == want
         sock.close(0)
-        sock = make_zmq_socket(ctx, f"ipc://{tmp_path}/t", socket_type, bind=True,
-                               max_msg_bytes=4096)
+        sock = make_zmq_socket(
+            ctx, f"ipc://{tmp_path}/t", socket_type, bind=True, max_msg_bytes=4096
+        )
         assert sock.getsockopt(zmq.MAXMSGSIZE) == 4096
         sock.close(0)
     finally:

@@ -153,8 +153,9 @@ def test_matches_equal_the_longest_common_run_of_whole_pages() -> None:
         want = 0
         for seq in inserted:
             common = 0
-            while (common + 1) * size <= min(len(seq), len(query)) and \
-                    seq[common * size:(common + 1) * size] == query[common * size:(common + 1) * size]:
+            while (common + 1) * size <= min(len(seq), len(query)) and seq[
+                common * size : (common + 1) * size
+            ] == query[common * size : (common + 1) * size]:
                 common += 1
             want = max(want, common)
         m = match(tree, query)

@@ -15,13 +15,21 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def key(tp_size: int) -> GroupKey:
-    return GroupKey(tenant="t", model_id="m", revision="", cache_salt="", attention="mha",
-                    tp_size=tp_size, tp_group="")
+    return GroupKey(
+        tenant="t",
+        model_id="m",
+        revision="",
+        cache_salt="",
+        attention="mha",
+        tp_size=tp_size,
+        tp_group="",
+    )
 
 
 def answer(*values: int) -> Callable[[], Awaitable[tuple[int, ...]]]:
     async def compute() -> tuple[int, ...]:
         return values
+
     return compute
 
 
@@ -108,8 +116,9 @@ async def test_the_last_rank_leaving_ends_its_open_rounds_with_zero() -> None:
 async def test_a_rank_that_joins_mid_round_joins_that_round() -> None:
     r = Rounds()
     m0, m1 = r.join(2)
-    assert await asyncio.gather(r.groups.agree(m0, "lookup", 1, answer(3)),
-                                r.groups.agree(m1, "lookup", 1, answer(4))) == [(3,), (3,)]
+    assert await asyncio.gather(
+        r.groups.agree(m0, "lookup", 1, answer(3)), r.groups.agree(m1, "lookup", 1, answer(4))
+    ) == [(3,), (3,)]
     waiting = later(r.groups.agree(m0, "lookup", 1, answer(9)))
     await asyncio.sleep(0)
     again = r.groups.join(key(2), 1, 200)  # rank 1's engine restarted

@@ -125,19 +125,30 @@ class Pool:
 def _setup(executor: Executor, verify: bool = False) -> tuple[Transfers, Any, Any, Loop]:
     rng = np.random.default_rng(3)
     mem = rng.integers(0, 256, (LAYERS, 2 * PAGES, ROW), dtype=np.uint8)
-    regions = [RegionView(layer, layer * ROW, ROW, ROW, 0,
-                          EngineView.of(mem[layer], f"memory.regions[{layer}]"))
-               for layer in range(LAYERS)]
+    regions = [
+        RegionView(
+            layer, layer * ROW, ROW, ROW, 0, EngineView.of(mem[layer], f"memory.regions[{layer}]")
+        )
+        for layer in range(LAYERS)
+    ]
     pool = Pool()
-    ctx = SimpleNamespace(pool=pool, counters=Counters(), metrics=None,
-                          cfg=SimpleNamespace(verify_on_adopt=verify),
-                          tier=SimpleNamespace(stored=lambda s, keys: None,
-                                               loaded=lambda s, keys: None),
-                          finalize_session=lambda s: None)
-    session = SimpleNamespace(session_id=1, geometry=SimpleNamespace(num_layers=LAYERS,
-                                                                   page_bytes=PAGE, page_size=16),
-                              completion=Block(), transfers={}, state=SessionState.OPEN,
-                              memory=SimpleNamespace(regions=regions, table=None), mem=mem)
+    ctx = SimpleNamespace(
+        pool=pool,
+        counters=Counters(),
+        metrics=None,
+        cfg=SimpleNamespace(verify_on_adopt=verify),
+        tier=SimpleNamespace(stored=lambda s, keys: None, loaded=lambda s, keys: None),
+        finalize_session=lambda s: None,
+    )
+    session = SimpleNamespace(
+        session_id=1,
+        geometry=SimpleNamespace(num_layers=LAYERS, page_bytes=PAGE, page_size=16),
+        completion=Block(),
+        transfers={},
+        state=SessionState.OPEN,
+        memory=SimpleNamespace(regions=regions, table=None),
+        mem=mem,
+    )
     tr = Transfers(ctx)  # type: ignore[arg-type]
     loop = Loop()
     arena = np.zeros(4 * PAGES * PAGE, dtype=np.uint8)
@@ -155,8 +166,13 @@ def _store(tr: Transfers, s: Any) -> tuple[list[int], list[int]]:
 
 
 def _stored_right(s: Any, host: list[int], pages: list[int]) -> bool:
-    return all(np.array_equal(s.arena[h * PAGE + layer * ROW: h * PAGE + (layer + 1) * ROW],
-                              s.mem[layer, p]) for h, p in zip(host, pages) for layer in range(LAYERS))
+    return all(
+        np.array_equal(
+            s.arena[h * PAGE + layer * ROW : h * PAGE + (layer + 1) * ROW], s.mem[layer, p]
+        )
+        for h, p in zip(host, pages)
+        for layer in range(LAYERS)
+    )
 
 
 def test_a_thread_half_ended_first_is_settled_before_the_reply_without_a_wake():
@@ -167,8 +183,12 @@ def test_a_thread_half_ended_first_is_settled_before_the_reply_without_a_wake():
     # settled inside start(): no wake (nobody waits before the reply), pages committed
     assert s.completion.finished() == [("finish", TransferStatus.DONE, False)]
     assert len(ctx.pool.committed) == 1 and ctx.pool.committed[0][0] == host
-    assert ctx.pool.committed[0][1] == [  # the tests' own XXH3
-        xxh3_64(s.arena[h * PAGE:(h + 1) * PAGE].tobytes()) for h in host]
+    assert (
+        ctx.pool.committed[0][1]
+        == [  # the tests' own XXH3
+            xxh3_64(s.arena[h * PAGE : (h + 1) * PAGE].tobytes()) for h in host
+        ]
+    )
     assert _stored_right(s, host, pages) and not s.transfers
     loop.run()  # the thread's end reaches the loop too: it settles nothing again
     assert len(s.completion.finished()) == 1 and len(ctx.pool.committed) == 1
@@ -217,8 +237,9 @@ def test_a_shared_load_unpins_once_and_moves_the_bytes():
     assert _stored_right(s, host, pages)
 
 
-@pytest.mark.parametrize("why", ["a copy runs", "a request waits", "too large", "too small",
-                                 "one CPU"])
+@pytest.mark.parametrize(
+    "why", ["a copy runs", "a request waits", "too large", "too small", "one CPU"]
+)
 def test_the_loop_leaves_a_transfer_to_the_threads_when(why):
     ex = Executor()
     tr, ctx, s, _ = _setup(ex)
@@ -234,12 +255,22 @@ def test_the_loop_leaves_a_transfer_to_the_threads_when(why):
     else:
         tr._share_ok = False
     s.mem = np.zeros((LAYERS, pages, ROW), dtype=np.uint8)
-    s.memory.regions = [RegionView(layer, layer * ROW, ROW, ROW, 0,
-                                   EngineView.of(s.mem[layer], f"memory.regions[{layer}]"))
-                        for layer in range(LAYERS)]
+    s.memory.regions = [
+        RegionView(
+            layer, layer * ROW, ROW, ROW, 0, EngineView.of(s.mem[layer], f"memory.regions[{layer}]")
+        )
+        for layer in range(LAYERS)
+    ]
     tr._arena = s.arena = np.zeros((pages + 3) * PAGE, dtype=np.uint8)
-    tr.start(s, Direction.STORE, 0, 7, list(range(pages)), list(range(pages)),
-             [bytes([i % 256]) * 32 for i in range(pages)])
+    tr.start(
+        s,
+        Direction.STORE,
+        0,
+        7,
+        list(range(pages)),
+        list(range(pages)),
+        [bytes([i % 256]) * 32 for i in range(pages)],
+    )
     assert ctx.counters.transfers_shared == 0
     assert len(ex.submitted) == 1 and ex.submitted[0].__name__ == "run_transfer"
 
@@ -253,9 +284,13 @@ def test_a_session_of_many_tiny_regions_never_copies_on_the_loop():
     ex = Executor()
     tr, _, s, loop = _setup(ex)
     mem = np.random.default_rng(5).integers(0, 256, (n, pages, row), dtype=np.uint8)
-    s.memory = SimpleNamespace(regions=[RegionView(0, i * row, row, row, 0,
-                                                   EngineView.of(mem[i], f"memory.regions[{i}]"))
-                                        for i in range(n)], table=None)
+    s.memory = SimpleNamespace(
+        regions=[
+            RegionView(0, i * row, row, row, 0, EngineView.of(mem[i], f"memory.regions[{i}]"))
+            for i in range(n)
+        ],
+        table=None,
+    )
     s.geometry = SimpleNamespace(num_layers=1, page_bytes=n * row, page_size=16)
     tr.start(s, Direction.STORE, 0, 7, [0, 1], [1, 0], [b"a" * 32, b"b" * 32])
     assert ex.submitted and not s.completion.finished()  # queued, not copied here
@@ -264,4 +299,4 @@ def test_a_session_of_many_tiny_regions_never_copies_on_the_loop():
     assert s.completion.finished() == [("finish", TransferStatus.DONE, True)]
     page = n * row  # host slot h starts at h * PAGE (the stand-in pool's offsets)
     assert np.array_equal(s.arena[:page], mem[:, 1].reshape(-1))
-    assert np.array_equal(s.arena[PAGE:PAGE + page], mem[:, 0].reshape(-1))
+    assert np.array_equal(s.arena[PAGE : PAGE + page], mem[:, 0].reshape(-1))

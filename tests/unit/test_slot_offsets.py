@@ -28,7 +28,7 @@ def test_slot_offsets_match_slot_offset_across_classes(headroom):
         assert got.dtype == np.int64 and got.tolist() == [pool.slot_offset(s) for s in part]
     assert pool.slot_offsets([]).dtype == np.int64 and pool.slot_offsets([]).size == 0
     free_extent = pool.layout.n_extents - 1  # nothing was cut from the last extent
-    for pad in ([], slots[:SMALL_BATCH + 1]):
+    for pad in ([], slots[: SMALL_BATCH + 1]):
         with pytest.raises(HostPoolError, match="out of range"):
             pool.slot_offsets(pad + [slots[0], pool.layout.n_slots])
         with pytest.raises(HostPoolError, match="out of range"):

@@ -62,17 +62,28 @@ def test_a_layer_is_announced_once_every_part_has_copied_it():
 
 
 def _transfer(n: int, direction: Direction, checksum: bool = False) -> Transfer:
-    return Transfer(direction=direction, session_id=1, slot=0, seq=1, host_slots=list(range(n)),
-                    page_ids=np.arange(n, dtype=np.int64)[::-1].copy(),
-                    offsets=np.arange(n, dtype=np.int64) * 0, nbytes=0, checksum=checksum)
+    return Transfer(
+        direction=direction,
+        session_id=1,
+        slot=0,
+        seq=1,
+        host_slots=list(range(n)),
+        page_ids=np.arange(n, dtype=np.int64)[::-1].copy(),
+        offsets=np.arange(n, dtype=np.int64) * 0,
+        nbytes=0,
+        checksum=checksum,
+    )
 
 
-@pytest.mark.parametrize("results, want", [
-    ([TransferStatus.DONE, TransferStatus.DONE], TransferStatus.DONE),
-    ([TransferStatus.DONE, TransferStatus.FAILED], TransferStatus.FAILED),
-    ([TransferStatus.CANCELLED, TransferStatus.DONE], TransferStatus.CANCELLED),
-    ([TransferStatus.FAILED, TransferStatus.CANCELLED], TransferStatus.CANCELLED),
-])
+@pytest.mark.parametrize(
+    "results, want",
+    [
+        ([TransferStatus.DONE, TransferStatus.DONE], TransferStatus.DONE),
+        ([TransferStatus.DONE, TransferStatus.FAILED], TransferStatus.FAILED),
+        ([TransferStatus.CANCELLED, TransferStatus.DONE], TransferStatus.CANCELLED),
+        ([TransferStatus.FAILED, TransferStatus.CANCELLED], TransferStatus.CANCELLED),
+    ],
+)
 def test_the_status_is_done_only_when_every_part_is(results, want):
     t = _transfer(4, Direction.STORE, checksum=True)
     combine([(st, [1, 2] if st is TransferStatus.DONE else None) for st in results], t)
@@ -86,9 +97,12 @@ LAYERS, PAGES, ROW = 3, 40, 4096
 
 def _engine(rng: np.random.Generator) -> tuple[np.ndarray, list[RegionView]]:
     mem = rng.integers(0, 256, (LAYERS, PAGES, ROW), dtype=np.uint8)
-    regions = [RegionView(layer, layer * ROW, ROW, ROW, 0,
-                          EngineView.of(mem[layer], f"memory.regions[{layer}]"))
-               for layer in range(LAYERS)]
+    regions = [
+        RegionView(
+            layer, layer * ROW, ROW, ROW, 0, EngineView.of(mem[layer], f"memory.regions[{layer}]")
+        )
+        for layer in range(LAYERS)
+    ]
     return mem, regions
 
 
@@ -103,9 +117,17 @@ def test_parts_copy_the_same_bytes_as_the_whole(direction, parts):
     def run(split: bool) -> tuple[np.ndarray, np.ndarray, Transfer, Block]:
         mem, regions = _engine(np.random.default_rng(7))
         arena = np.random.default_rng(8).integers(0, 256, 64 * page_bytes, dtype=np.uint8)
-        t = Transfer(direction=direction, session_id=1, slot=0, seq=1,
-                     host_slots=slots.tolist(), page_ids=pages, offsets=slots * page_bytes,
-                     nbytes=len(pages) * page_bytes, checksum=direction is Direction.STORE)
+        t = Transfer(
+            direction=direction,
+            session_id=1,
+            slot=0,
+            seq=1,
+            host_slots=slots.tolist(),
+            page_ids=pages,
+            offsets=slots * page_bytes,
+            nbytes=len(pages) * page_bytes,
+            checksum=direction is Direction.STORE,
+        )
         block = Block()
         if not split:
             assert run_transfer(t, arena, regions, LAYERS, page_bytes, block) is TransferStatus.DONE
@@ -115,8 +137,9 @@ def test_parts_copy_the_same_bytes_as_the_whole(direction, parts):
         out: list = [None] * parts
 
         def work(i: int) -> None:
-            out[i] = copy_part(t, bounds[i], bounds[i + 1], arena, regions, LAYERS, page_bytes,
-                               gate.part(i))
+            out[i] = copy_part(
+                t, bounds[i], bounds[i + 1], arena, regions, LAYERS, page_bytes, gate.part(i)
+            )
 
         threads = [threading.Thread(target=work, args=(i,)) for i in range(parts)]
         for th in threads:
@@ -131,20 +154,27 @@ def test_parts_copy_the_same_bytes_as_the_whole(direction, parts):
     assert split.status is TransferStatus.DONE
     assert np.array_equal(mem_s, mem_w) and np.array_equal(arena_s, arena_w)
     if direction is Direction.STORE:
-        assert split.checksums == whole.checksums == [  # the tests' own XXH3
-            xxh3_64(arena_s[s * page_bytes:(s + 1) * page_bytes].tobytes()) for s in slots]
+        assert (
+            split.checksums
+            == whole.checksums
+            == [  # the tests' own XXH3
+                xxh3_64(arena_s[s * page_bytes : (s + 1) * page_bytes].tobytes()) for s in slots
+            ]
+        )
     assert block.shown == sorted(block.shown) and block.shown[-1] == LAYERS
 
 
 # -- the region table: one native call per announced layer ---------------------------------------
 
+
 def _several_layer_engine(rng: np.random.Generator) -> tuple[np.ndarray, list[RegionView]]:
     """A region holding every layer (``layer = -1``), then per layer a K and a V region."""
     mem = rng.integers(0, 256, (1 + 2 * LAYERS, PAGES, ROW), dtype=np.uint8)
     layers = [-1] + [layer for layer in range(LAYERS) for _ in range(2)]
-    regions = [RegionView(layer, i * ROW, ROW, ROW, 0,
-                          EngineView.of(mem[i], f"memory.regions[{i}]"))
-               for i, layer in enumerate(layers)]
+    regions = [
+        RegionView(layer, i * ROW, ROW, ROW, 0, EngineView.of(mem[i], f"memory.regions[{i}]"))
+        for i, layer in enumerate(layers)
+    ]
     return mem, regions
 
 
@@ -162,12 +192,24 @@ def test_the_region_table_copies_and_announces_as_region_by_region(direction, wh
         arena = np.random.default_rng(6).integers(0, 256, 32 * page_bytes, dtype=np.uint8)
         table = RegionTable.of(regions) if with_table else None
         assert (table is not None) is with_table
-        t = Transfer(direction=direction, session_id=1, slot=0, seq=1,
-                     host_slots=slots.tolist(), page_ids=pages, offsets=slots * page_bytes,
-                     nbytes=len(pages) * page_bytes, checksum=direction is Direction.STORE)
+        t = Transfer(
+            direction=direction,
+            session_id=1,
+            slot=0,
+            seq=1,
+            host_slots=slots.tolist(),
+            page_ids=pages,
+            offsets=slots * page_bytes,
+            nbytes=len(pages) * page_bytes,
+            checksum=direction is Direction.STORE,
+        )
         block = Block()
-        assert run_transfer(t, arena, regions, LAYERS, page_bytes, block, table,
-                            whole=whole and with_table) is TransferStatus.DONE
+        assert (
+            run_transfer(
+                t, arena, regions, LAYERS, page_bytes, block, table, whole=whole and with_table
+            )
+            is TransferStatus.DONE
+        )
         return mem, arena, t, block
 
     mem_r, arena_r, by_region, block_r = run(with_table=False)
@@ -201,9 +243,16 @@ def test_a_transfer_cancelled_before_a_layer_stops_there_with_the_table():
     mem, regions = _several_layer_engine(np.random.default_rng(2))
     page_bytes = (1 + 2 * LAYERS) * ROW
     arena = np.zeros(8 * page_bytes, dtype=np.uint8)
-    t = Transfer(direction=Direction.STORE, session_id=1, slot=0, seq=1, host_slots=[0, 1],
-                 page_ids=np.array([3, 4], dtype=np.int64),
-                 offsets=np.array([0, page_bytes], dtype=np.int64), nbytes=2 * page_bytes)
+    t = Transfer(
+        direction=Direction.STORE,
+        session_id=1,
+        slot=0,
+        seq=1,
+        host_slots=[0, 1],
+        page_ids=np.array([3, 4], dtype=np.int64),
+        offsets=np.array([0, page_bytes], dtype=np.int64),
+        nbytes=2 * page_bytes,
+    )
 
     class CancelAfterFirst(Block):
         def layer_done(self, slot: int, layers: int) -> None:
@@ -213,5 +262,5 @@ def test_a_transfer_cancelled_before_a_layer_stops_there_with_the_table():
     block = CancelAfterFirst()
     status = run_transfer(t, arena, regions, LAYERS, page_bytes, block, RegionTable.of(regions))
     assert status is TransferStatus.CANCELLED and block.shown == [1]
-    assert arena[:3 * ROW].tobytes() == np.concatenate([mem[i][3] for i in range(3)]).tobytes()
-    assert not arena[3 * ROW:page_bytes].any()  # layers 1 and 2 were never copied
+    assert arena[: 3 * ROW].tobytes() == np.concatenate([mem[i][3] for i in range(3)]).tobytes()
+    assert not arena[3 * ROW : page_bytes].any()  # layers 1 and 2 were never copied

@@ -20,8 +20,9 @@ from kvtier.ipc.protocol import Geometry
 
 pytestmark = pytest.mark.timeout(60)
 
-G = Geometry(num_layers=2, page_size=4, kv_heads=2, head_dim=8, dtype="bfloat16",
-             layout="test_staging")
+G = Geometry(
+    num_layers=2, page_size=4, kv_heads=2, head_dim=8, dtype="bfloat16", layout="test_staging"
+)
 NHD = (G.page_size, G.kv_heads, G.head_dim)
 
 
@@ -93,15 +94,17 @@ def test_memory_is_a_sealed_memfd_with_one_region_per_part(area):
     assert export.kind == "fd" and export.num_pages == 8
     chunk = G.chunk_bytes
     assert [(r.offset, r.page_stride, r.page_bytes, r.layer) for r in export.regions] == [
-        (i * 8 * chunk, chunk, chunk, i // 2) for i in range(4)]
+        (i * 8 * chunk, chunk, chunk, i // 2) for i in range(4)
+    ]
     seals = fcntl.fcntl(mem.memory_fds()[0], fcntl.F_GET_SEALS)
     assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW
     # the parts' views lie where the regions say
     area.views[3][5].fill_(1.5)
     raw = area.segment.tensor(0).view(torch.bfloat16)
     start = (3 * 8 * chunk + 5 * chunk) // 2
-    assert torch.equal(raw[start:start + chunk // 2], torch.full((chunk // 2,), 1.5,
-                                                                 dtype=torch.bfloat16))
+    assert torch.equal(
+        raw[start : start + chunk // 2], torch.full((chunk // 2,), 1.5, dtype=torch.bfloat16)
+    )
     with pytest.raises(ValueError, match="regions hold"):
         StagingArea(kv_parts(1), 2).memory(G)
 
@@ -113,8 +116,9 @@ def test_bad_areas_are_refused():
         StagingArea([], 4)
 
 
-def _engine_layers(num_blocks: int, layout: str, seed: int) -> tuple[list[torch.Tensor],
-                                                                      list[torch.Tensor]]:
+def _engine_layers(
+    num_blocks: int, layout: str, seed: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(per layer KV tensors, their parts ``[num_blocks, *NHD]``) in an engine layout."""
     g = torch.Generator().manual_seed(seed)
     layers, parts = [], []
@@ -154,8 +158,10 @@ def test_pages_go_to_staging_and_back_exactly_and_nothing_else_changes(area, lay
     for layer, (after, was) in enumerate(zip(dst_layers, before)):
         bdim = 1 if layout == "k_v_first" else 0
         untouched = [b for b in range(10) if b not in targets]
-        assert torch.equal(after.index_select(bdim, torch.tensor(untouched)),
-                           was.index_select(bdim, torch.tensor(untouched))), f"layer {layer}"
+        assert torch.equal(
+            after.index_select(bdim, torch.tensor(untouched)),
+            was.index_select(bdim, torch.tensor(untouched)),
+        ), f"layer {layer}"
 
 
 def test_copier_refuses_tensors_that_do_not_match_the_parts(area):
@@ -201,7 +207,7 @@ def test_a_block_strided_across_memory_is_staged_in_logical_order():
         copier.to_host([0, 1], [5, 2]).synchronize()
         assert torch.equal(area.views[0][0], src[5].contiguous())
         raw = area.segment.tensor(0, area.segment.size).view(torch.float32)
-        assert torch.equal(raw[:heads * toks * c], src[5].reshape(-1))  # logical order
+        assert torch.equal(raw[: heads * toks * c], src[5].reshape(-1))  # logical order
         dst = torch.zeros(6, toks, heads, c).permute(0, 2, 1, 3)
         StagedCopier(area, [dst]).to_device([0], [0, 1], [1, 4]).synchronize()
         assert torch.equal(dst[1], src[5]) and torch.equal(dst[4], src[2])

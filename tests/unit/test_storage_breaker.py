@@ -24,8 +24,13 @@ class Clock:
 
 def make(threshold: int = 1, cooldown_s: float = 5.0) -> tuple[Breaker, Clock]:
     clock = Clock()
-    breaker = Breaker("test store", cooldown_s=cooldown_s, threshold=threshold, clock=clock,
-                      log=logging.getLogger(LOGGER))
+    breaker = Breaker(
+        "test store",
+        cooldown_s=cooldown_s,
+        threshold=threshold,
+        clock=clock,
+        log=logging.getLogger(LOGGER),
+    )
     return breaker, clock
 
 

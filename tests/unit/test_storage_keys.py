@@ -30,17 +30,20 @@ def test_a_prefix_with_colons_parses() -> None:
     assert ObjectNames("team").parse(names.name(NS, KEY)) is None
 
 
-@pytest.mark.parametrize("name", [
-    "kvtier:health",
-    f"other:{NS.hex()}:{KEY.hex()}",
-    f"kvtierx:{NS.hex()}:{KEY.hex()}",
-    f"kvtier:{NS.hex()}",
-    f"kvtier:{NS.hex()}:{KEY.hex()[:-1]}",
-    f"kvtier:{NS.hex().upper()}:{KEY.hex()}",
-    f"kvtier:{NS.hex()}:{KEY.hex()}:extra",
-    f"kvtier::{KEY.hex()}",
-    b"kvtier:\xff:00",
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "kvtier:health",
+        f"other:{NS.hex()}:{KEY.hex()}",
+        f"kvtierx:{NS.hex()}:{KEY.hex()}",
+        f"kvtier:{NS.hex()}",
+        f"kvtier:{NS.hex()}:{KEY.hex()[:-1]}",
+        f"kvtier:{NS.hex().upper()}:{KEY.hex()}",
+        f"kvtier:{NS.hex()}:{KEY.hex()}:extra",
+        f"kvtier::{KEY.hex()}",
+        b"kvtier:\xff:00",
+    ],
+)
 def test_names_that_are_not_pages_parse_as_none(name: str | bytes) -> None:
     assert ObjectNames("kvtier").parse(name) is None
 
@@ -52,6 +55,7 @@ def test_the_pattern_matches_its_pages_only_even_with_glob_characters() -> None:
     lookalike = ObjectNames("aXbY").name(NS, KEY)
     everything = names.pattern()
     one_ns = names.pattern(NS)
+
     # fnmatch has no backslash escapes; Redis globs do: translate the escapes to [x] classes
     def redis_glob(pattern: str) -> str:
         out, i = "", 0
@@ -63,6 +67,7 @@ def test_the_pattern_matches_its_pages_only_even_with_glob_characters() -> None:
                 out += pattern[i]
                 i += 1
         return out
+
     assert fnmatch.fnmatchcase(mine, redis_glob(everything))
     assert fnmatch.fnmatchcase(other_ns, redis_glob(everything))
     assert not fnmatch.fnmatchcase(lookalike, redis_glob(everything))

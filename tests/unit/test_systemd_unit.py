@@ -348,10 +348,18 @@ def test_tmpfiles_tightens_a_state_directory_an_older_install_left(tmp_path: Pat
     old = tmp_path / "var/lib/kvtier"
     old.mkdir(parents=True)
     old.chmod(0o750)
-    subprocess.run(["systemd-sysusers", f"--root={tmp_path}", str(SYSUSERS)],
-                   check=True, capture_output=True, timeout=30)
-    subprocess.run(["systemd-tmpfiles", f"--root={tmp_path}", "--create", str(TMPFILES)],
-                   check=True, capture_output=True, timeout=30)
+    subprocess.run(
+        ["systemd-sysusers", f"--root={tmp_path}", str(SYSUSERS)],
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
+    subprocess.run(
+        ["systemd-tmpfiles", f"--root={tmp_path}", "--create", str(TMPFILES)],
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
     assert old.stat().st_mode & 0o7777 == 0o700
 
 

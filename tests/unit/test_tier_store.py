@@ -82,7 +82,7 @@ class Rig:
     def payload(self, slot: int) -> bytes:
         """The bytes of a pool slot's page."""
         off = self.pool.slot_offset(slot)
-        return bytes(self.arena.view[off:off + GEOMETRY.page_bytes])
+        return bytes(self.arena.view[off : off + GEOMETRY.page_bytes])
 
     def store(self, keys: list[bytes], parent: bytes | None = None) -> list[bytes]:
         """Put ``keys`` in L2 with random payloads, READY (as a STORE commits them).
@@ -97,7 +97,7 @@ class Rig:
         for _, slot in pairs:
             data = os.urandom(GEOMETRY.page_bytes)
             off = self.pool.slot_offset(slot)
-            self.arena.view[off:off + len(data)] = data
+            self.arena.view[off : off + len(data)] = data
             out.append(data)
         self.pool.commit([slot for _, slot in pairs])
         return out
@@ -130,8 +130,14 @@ UNLISTED = {"module_path": __name__, "class_name": UnlistedFileBackend.__name__}
 
 
 @contextlib.asynccontextmanager
-async def open_rig(tmp_path: Path, *, run: bool = True, backend: str = "file",
-                   extra: dict[str, object] | None = None, **cfg: object) -> AsyncIterator[Rig]:
+async def open_rig(
+    tmp_path: Path,
+    *,
+    run: bool = True,
+    backend: str = "file",
+    extra: dict[str, object] | None = None,
+    **cfg: object,
+) -> AsyncIterator[Rig]:
     """A tier over a 4 MiB pool with a file store in ``tmp_path/l3``.
 
     Args:
@@ -142,12 +148,17 @@ async def open_rig(tmp_path: Path, *, run: bool = True, backend: str = "file",
     """
     l3_dir = tmp_path / "l3"
     config = DaemonConfig(
-        hicache_size=4 << 20, extent_size=1 << 20, runtime_dir=tmp_path / "run",
-        state_dir=tmp_path / "state", hicache_storage_backend=backend,  # type: ignore[arg-type]
+        hicache_size=4 << 20,
+        extent_size=1 << 20,
+        runtime_dir=tmp_path / "run",
+        state_dir=tmp_path / "state",
+        hicache_storage_backend=backend,  # type: ignore[arg-type]
         hicache_storage_backend_extra_config=json.dumps(
-            {"path": str(l3_dir), "capacity": 64 << 20, "segment_bytes": 1 << 20,
-             **(extra or {})}),
-        prefetch_threshold=0, **cfg)  # type: ignore[arg-type]
+            {"path": str(l3_dir), "capacity": 64 << 20, "segment_bytes": 1 << 20, **(extra or {})}
+        ),
+        prefetch_threshold=0,
+        **cfg,
+    )  # type: ignore[arg-type]
     pool = HostPool.from_config(config, slot_headroom(backend))
     layout = pool.layout
     memory = mmap.mmap(-1, layout.capacity_bytes)
@@ -155,8 +166,9 @@ async def open_rig(tmp_path: Path, *, run: bool = True, backend: str = "file",
     address = ctypes.addressof(anchor)
     del anchor  # a live ctypes export would keep the mmap from closing
     view = memoryview(memory)
-    arena = HostArena(view=view, address=address, size=layout.capacity_bytes,
-                      headroom=layout.headroom)
+    arena = HostArena(
+        view=view, address=address, size=layout.capacity_bytes, headroom=layout.headroom
+    )
     counters = Counters()
     tier = TierStore(config, pool, counters, tmp_path / "run")
     await tier.open(arena)
@@ -164,8 +176,9 @@ async def open_rig(tmp_path: Path, *, run: bool = True, backend: str = "file",
     owner = pool.owner_id("tenant")
     class_id = pool.register_class(GEOMETRY.page_bytes)
     tier.register(ns_id, FINGERPRINT, "tenant", class_id, GEOMETRY.page_bytes)
-    rig = Rig(config, pool, counters, tier, arena, l3_dir,
-              RigSession(ns_id, FINGERPRINT, owner, class_id))
+    rig = Rig(
+        config, pool, counters, tier, arena, l3_dir, RigSession(ns_id, FINGERPRINT, owner, class_id)
+    )
     task = asyncio.get_running_loop().create_task(tier.run()) if run else None
     try:
         yield rig
@@ -238,8 +251,7 @@ async def test_flush_of_l3_deletes_what_the_store_lists(tmp_path: Path) -> None:
         assert rig.counters.l3_flushed_pages == 6
 
 
-async def test_flush_of_an_unlistable_store_deletes_what_this_daemon_wrote(
-        tmp_path: Path) -> None:
+async def test_flush_of_an_unlistable_store_deletes_what_this_daemon_wrote(tmp_path: Path) -> None:
     theirs, mine = chain(4, salt="theirs "), chain(3, salt="mine ")
     async with open_rig(tmp_path, backend="dynamic", extra=UNLISTED) as rig:
         rig.store(theirs)

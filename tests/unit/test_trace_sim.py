@@ -60,4 +60,3 @@ def test_load_trace_reads_gzip_and_names_bad_lines(tmp_path: Path) -> None:
 def test_synthetic_trace_is_reproducible() -> None:
     assert synthetic_trace(200, seed=3) == synthetic_trace(200, seed=3)
     assert synthetic_trace(200, seed=3) != synthetic_trace(200, seed=4)
-

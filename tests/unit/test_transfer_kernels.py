@@ -21,9 +21,16 @@ LAYERS, PAGES, ROWS = 3, 50, (4096, 8192)
 PAGE_BYTES = LAYERS * sum(ROWS)
 SLOTS = 80
 
-PATHS = [pytest.param(True, id="native", marks=pytest.mark.skipif(
-    not guarded_copy.BUILT, reason="kvtier.kernels._guarded was not built (no C compiler)")),
-    pytest.param(False, id="numpy")]
+PATHS = [
+    pytest.param(
+        True,
+        id="native",
+        marks=pytest.mark.skipif(
+            not guarded_copy.BUILT, reason="kvtier.kernels._guarded was not built (no C compiler)"
+        ),
+    ),
+    pytest.param(False, id="numpy"),
+]
 
 
 class Block:
@@ -43,14 +50,21 @@ def _engine(seed: int, writeable: bool = True) -> tuple[list[np.ndarray], list[R
             buf = rng.integers(0, 256, (PAGES, 2 * row), dtype=np.uint8)[:, :row]
             buf.flags.writeable = writeable
             bufs.append(buf)
-            regions.append(RegionView(layer, at, row, 2 * row, 0,
-                                      EngineView.of(buf, f"region {layer}/{row}")))
+            regions.append(
+                RegionView(layer, at, row, 2 * row, 0, EngineView.of(buf, f"region {layer}/{row}"))
+            )
             at += row
     return bufs, regions
 
 
-def _run(native: bool, direction: Direction, pages: np.ndarray, slots: np.ndarray,
-         native_off, writeable: bool = True):
+def _run(
+    native: bool,
+    direction: Direction,
+    pages: np.ndarray,
+    slots: np.ndarray,
+    native_off,
+    writeable: bool = True,
+):
     if native:
         native_off()
     else:
@@ -58,8 +72,16 @@ def _run(native: bool, direction: Direction, pages: np.ndarray, slots: np.ndarra
     assert guarded_copy.strided() == native
     bufs, regions = _engine(1, writeable)
     arena = np.random.default_rng(2).integers(0, 256, SLOTS * PAGE_BYTES, dtype=np.uint8)
-    t = Transfer(direction=direction, session_id=1, slot=0, seq=1, host_slots=slots.tolist(),
-                 page_ids=pages, offsets=slots * PAGE_BYTES, nbytes=len(pages) * PAGE_BYTES)
+    t = Transfer(
+        direction=direction,
+        session_id=1,
+        slot=0,
+        seq=1,
+        host_slots=slots.tolist(),
+        page_ids=pages,
+        offsets=slots * PAGE_BYTES,
+        nbytes=len(pages) * PAGE_BYTES,
+    )
     block = Block()
     status = run_transfer(t, arena, regions, LAYERS, PAGE_BYTES, block)
     return status, bufs, arena, block
@@ -75,9 +97,9 @@ def _expected(direction: Direction, pages: np.ndarray, slots: np.ndarray):
     for buf in bufs:
         row = buf.shape[1]
         if direction is Direction.STORE:
-            host[slots, at:at + row] = buf[pages]
+            host[slots, at : at + row] = buf[pages]
         else:
-            buf[pages] = host[slots, at:at + row]
+            buf[pages] = host[slots, at : at + row]
         at += row
     return bufs, arena
 

@@ -49,12 +49,22 @@ def block(tmp_path: Path) -> Iterator[CompletionBlock]:
 def engine_buffers(components: int, seed: int) -> list[list[torch.Tensor]]:
     """``[layer][component]`` uint8 buffers of ``[NUM_PAGES, CHUNK]`` with random bytes."""
     g = torch.Generator().manual_seed(seed)
-    return [[torch.randint(0, 256, (NUM_PAGES, CHUNK), dtype=torch.uint8, generator=g)
-             for _ in range(components)] for _ in range(LAYERS)]
+    return [
+        [
+            torch.randint(0, 256, (NUM_PAGES, CHUNK), dtype=torch.uint8, generator=g)
+            for _ in range(components)
+        ]
+        for _ in range(LAYERS)
+    ]
 
 
-def run_transfer(t: Transfer, arena: torch.Tensor, buffers: list[list[torch.Tensor]],
-                 chunk: int, block: CompletionBlock) -> TransferStatus:
+def run_transfer(
+    t: Transfer,
+    arena: torch.Tensor,
+    buffers: list[list[torch.Tensor]],
+    chunk: int,
+    block: CompletionBlock,
+) -> TransferStatus:
     """Run ``t`` over ``buffers`` described as the per-buffer layout's regions."""
     regions, off = [], 0
     for layer, row in enumerate(buffers):
@@ -78,9 +88,16 @@ def arena_for(components: int) -> torch.Tensor:
 
 def transfer(direction: Direction, components: int) -> Transfer:
     offsets = np.array([slot_offset(s, components) for s in SLOTS], dtype=np.int64)
-    return Transfer(direction=direction, session_id=1, slot=2, seq=9, host_slots=list(SLOTS),
-                    page_ids=np.array(PAGES, dtype=np.int64), offsets=offsets,
-                    nbytes=len(SLOTS) * slot_bytes(components))
+    return Transfer(
+        direction=direction,
+        session_id=1,
+        slot=2,
+        seq=9,
+        host_slots=list(SLOTS),
+        page_ids=np.array(PAGES, dtype=np.int64),
+        offsets=offsets,
+        nbytes=len(SLOTS) * slot_bytes(components),
+    )
 
 
 def layout_of(buffers: list[list[torch.Tensor]], page: int) -> bytes:
@@ -106,12 +123,12 @@ def test_a_store_writes_each_page_in_the_documented_slot_layout(block, component
     size = slot_bytes(components)
     for page, slot in zip(PAGES, SLOTS):
         off = slot_offset(slot, components)
-        assert raw[off:off + size] == layout_of(buffers, page), f"page {page} in slot {slot}"
+        assert raw[off : off + size] == layout_of(buffers, page), f"page {page} in slot {slot}"
     # nothing outside the transfer's slots was written (the gaps, the unused slot 2)
     written = np.zeros(arena.numel(), dtype=bool)
     for slot in SLOTS:
         off = slot_offset(slot, components)
-        written[off:off + size] = True
+        written[off : off + size] = True
     assert not arena.numpy()[~written].any()
 
 
@@ -120,8 +137,10 @@ def test_a_load_puts_each_chunk_of_a_slot_into_its_layer_and_component(block, co
     arena = arena_for(components)
     g = torch.Generator().manual_seed(2)
     arena.copy_(torch.randint(0, 256, (arena.numel(),), dtype=torch.uint8, generator=g))
-    buffers = [[torch.zeros(NUM_PAGES, CHUNK, dtype=torch.uint8) for _ in range(components)]
-               for _ in range(LAYERS)]
+    buffers = [
+        [torch.zeros(NUM_PAGES, CHUNK, dtype=torch.uint8) for _ in range(components)]
+        for _ in range(LAYERS)
+    ]
     t = transfer(Direction.LOAD, components)
     block.begin(t.slot, t.seq, LAYERS)
     assert run_transfer(t, arena, buffers, CHUNK, block) is TransferStatus.DONE
@@ -130,12 +149,14 @@ def test_a_load_puts_each_chunk_of_a_slot_into_its_layer_and_component(block, co
         base = slot_offset(slot, components)
         for layer in range(LAYERS):
             k_at = base + layer * components * CHUNK  # K first in each layer
-            assert bytes(buffers[layer][0][page].numpy()) == raw[k_at:k_at + CHUNK], \
+            assert bytes(buffers[layer][0][page].numpy()) == raw[k_at : k_at + CHUNK], (
                 f"K of layer {layer}, page {page}"
+            )
             if components == 2:
                 v_at = k_at + CHUNK  # V right after K
-                assert bytes(buffers[layer][1][page].numpy()) == raw[v_at:v_at + CHUNK], \
+                assert bytes(buffers[layer][1][page].numpy()) == raw[v_at : v_at + CHUNK], (
                     f"V of layer {layer}, page {page}"
+                )
     untouched = sorted(set(range(NUM_PAGES)) - set(PAGES))
     for row in buffers:
         for buf in row:
@@ -150,8 +171,9 @@ def test_a_store_into_a_layout_and_a_load_back_are_inverse(block):
     t = transfer(Direction.STORE, 2)
     block.begin(t.slot, t.seq, LAYERS)
     assert run_transfer(t, arena, src, CHUNK, block) is TransferStatus.DONE
-    dst = [[torch.zeros(NUM_PAGES, CHUNK, dtype=torch.uint8) for _ in range(2)]
-           for _ in range(LAYERS)]
+    dst = [
+        [torch.zeros(NUM_PAGES, CHUNK, dtype=torch.uint8) for _ in range(2)] for _ in range(LAYERS)
+    ]
     t = transfer(Direction.LOAD, 2)
     block.begin(t.slot, t.seq + 1, LAYERS)
     assert run_transfer(t, arena, dst, CHUNK, block) is TransferStatus.DONE
@@ -176,7 +198,8 @@ def test_a_cancelled_transfer_stops_before_the_next_layer(block):
     t = transfer(Direction.STORE, 2)
     t.cancelled = True
     block.begin(t.slot, t.seq, LAYERS)
-    assert run_transfer(t, arena, engine_buffers(2, seed=5), CHUNK, block) \
-        is TransferStatus.CANCELLED
+    assert (
+        run_transfer(t, arena, engine_buffers(2, seed=5), CHUNK, block) is TransferStatus.CANCELLED
+    )
     assert block.read(t.slot) == (t.seq, 0, TransferStatus.RUNNING)
     assert not arena.any()

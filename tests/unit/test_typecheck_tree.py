@@ -16,8 +16,15 @@ _spec.loader.exec_module(typecheck)
 
 def test_the_repository_mapping_is_one_link_per_top_level_package() -> None:
     top = typecheck.links(typecheck.package_dirs(ROOT / "pyproject.toml"))
-    assert top == {"bench": "bench", "cli": "cli", "client": "client", "config": "config",
-                   "daemon": "daemon", "ipc": "ipc", "kernels": "kernels"}
+    assert top == {
+        "bench": "bench",
+        "cli": "cli",
+        "client": "client",
+        "config": "config",
+        "daemon": "daemon",
+        "ipc": "ipc",
+        "kernels": "kernels",
+    }
 
 
 def test_a_nested_package_outside_its_parents_folder_is_refused_by_name() -> None:

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.timeout(30)
 
 # -- which spans are mapped ---------------------------------------------------------------
 
+
 def test_a_huge_sparse_segment_maps_only_what_its_regions_span():
     assert plan_windows([64 * TiB], [(0, 0, 3 * MiB + 5)]) == [Window(0, 0, 3 * MiB + G)]
 
@@ -36,10 +37,13 @@ def test_spans_far_apart_get_a_mapping_each_and_near_ones_share_one():
 def test_a_window_never_passes_its_segments_end_and_segments_stay_apart():
     sizes = [5000, 3 * MiB]
     assert plan_windows(sizes, [(1, MiB, 10), (0, 100, 4900)]) == [
-        Window(0, 0, 5000), Window(1, MiB, MiB + G)]
+        Window(0, 0, 5000),
+        Window(1, MiB, MiB + G),
+    ]
 
 
 # -- what each user is charged -------------------------------------------------------------
+
 
 def quotas(**cfg: object) -> Quotas:
     c = DaemonConfig(**cfg)
@@ -53,7 +57,9 @@ def test_the_mapped_byte_bound_is_per_user_and_names_itself():
     with pytest.raises(LimitExceeded) as err:
         q.check_mapping(1000, None, 40 * MiB, 1)
     assert err.value.setting == "max_mapped_bytes_per_user"
-    assert "max_mapped_bytes_per_user = 64.0 MiB (67108864 bytes)" in str(err.value) and "uid 1000" in str(err.value)
+    assert "max_mapped_bytes_per_user = 64.0 MiB (67108864 bytes)" in str(
+        err.value
+    ) and "uid 1000" in str(err.value)
     q.check_mapping(2000, None, 60 * MiB, 1)  # another user's share is untouched
     q.remove(1)
     q.check_mapping(1000, None, 64 * MiB, 1)  # released with the session
@@ -88,10 +94,13 @@ def test_the_defaults_follow_the_nodes_memory():
     lim = quotas().limits()
     assert lim["max_mapped_bytes_per_user"] == 32 * GiB
     assert lim["max_mapped_bytes"] == 128 * GiB
-    assert Quotas(lambda: DaemonConfig(), physical=64 * TiB).limits()["max_mapped_bytes"] == 32 * TiB
+    assert (
+        Quotas(lambda: DaemonConfig(), physical=64 * TiB).limits()["max_mapped_bytes"] == 32 * TiB
+    )
 
 
 # -- users take turns on the threads -------------------------------------------------------
+
 
 def test_copy_threads_serve_users_in_turn():
     gate, started = threading.Event(), threading.Event()
@@ -159,15 +168,30 @@ def test_prefault_steps_take_turns_between_users():
 
 # -- what the metrics show -----------------------------------------------------------------
 
+
 def test_the_limits_section_becomes_series_per_setting_and_user():
-    snap = {"limits": {
-        "bounds": {"max_mapped_bytes_per_user": 64 * MiB, "max_sessions_per_user": 128},
-        "users": {"4343": {"handover_connections": 3, "handovers_waiting": 1, "sessions": 2,
-                           "mapped_bytes": 5 * MiB, "mapped_segments": 2}},
-        "mapped_bytes": 5 * MiB, "refusals": {"max_mapped_bytes_per_user": 4},
-        "shortages": 1}}
-    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
-           for fam in SnapshotCollector(lambda: snap).collect() for s in fam.samples}
+    snap = {
+        "limits": {
+            "bounds": {"max_mapped_bytes_per_user": 64 * MiB, "max_sessions_per_user": 128},
+            "users": {
+                "4343": {
+                    "handover_connections": 3,
+                    "handovers_waiting": 1,
+                    "sessions": 2,
+                    "mapped_bytes": 5 * MiB,
+                    "mapped_segments": 2,
+                }
+            },
+            "mapped_bytes": 5 * MiB,
+            "refusals": {"max_mapped_bytes_per_user": 4},
+            "shortages": 1,
+        }
+    }
+    got = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in SnapshotCollector(lambda: snap).collect()
+        for s in fam.samples
+    }
     assert got[("kvtier_limit", (("setting", "max_mapped_bytes_per_user"),))] == 64 * MiB
     for resource, value in snap["limits"]["users"]["4343"].items():
         assert got[("kvtier_user_use", (("resource", resource), ("uid", "4343")))] == value

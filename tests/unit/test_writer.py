@@ -50,8 +50,9 @@ async def test_only_pages_missing_from_l3_are_written(tmp_path: Path) -> None:
         theirs = chain(3, salt="theirs ")
         rig.store(theirs)
         slots = rig.slots(theirs)
-        flags = await rig.tier.l3.put(rig.session.ns_fingerprint, theirs,
-                                      [rig.pool.slot_offset(x) for x in slots], 16384)
+        flags = await rig.tier.l3.put(
+            rig.session.ns_fingerprint, theirs, [rig.pool.slot_offset(x) for x in slots], 16384
+        )
         assert flags == [True] * 3 and rig.backend.stats.puts == 15
         await written_to_l3(rig, theirs)
         assert rig.backend.stats.puts == 15 and c.l3_write_skipped_pages == 11
@@ -107,8 +108,9 @@ class PassThrough:
     async def exists(self, ns: bytes, keys: Sequence[bytes]) -> int:
         return await self.inner.exists(ns, keys)
 
-    async def put(self, ns: bytes, keys: list[bytes], offsets: list[int],
-                  length: int) -> list[bool]:
+    async def put(
+        self, ns: bytes, keys: list[bytes], offsets: list[int], length: int
+    ) -> list[bool]:
         return await self.inner.put(ns, keys, offsets, length)
 
 
@@ -120,20 +122,23 @@ class PutRaises(PassThrough):
         super().__init__(inner)
         self.raises = raises
 
-    async def put(self, ns: bytes, keys: list[bytes], offsets: list[int],
-                  length: int) -> list[bool]:
+    async def put(
+        self, ns: bytes, keys: list[bytes], offsets: list[int], length: int
+    ) -> list[bool]:
         if self.raises:
             self.raises -= 1
             raise RuntimeError("a bug in a write batch")
         return await self.inner.put(ns, keys, offsets, length)
 
 
-async def test_a_batch_that_raises_lets_go_of_its_pages(tmp_path: Path,
-                                                        caplog: pytest.LogCaptureFixture) -> None:
+async def test_a_batch_that_raises_lets_go_of_its_pages(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """Its pages leave the queue and are retried: a SYNC sees them written, not waiting."""
     async with open_rig(tmp_path, run=False) as rig:
-        writer = L3Writer(rig.cfg, PutRaises(rig.tier.l3, raises=1), rig.tier, rig.pool,
-                          rig.counters)
+        writer = L3Writer(
+            rig.cfg, PutRaises(rig.tier.l3, raises=1), rig.tier, rig.pool, rig.counters
+        )
         keys = chain(5)
         rig.store(keys)
         with caplog.at_level(logging.ERROR, logger="kvtier.daemon.tier.writer"):
@@ -147,8 +152,13 @@ async def test_a_batch_that_raises_lets_go_of_its_pages(tmp_path: Path,
 
 async def test_a_batch_that_keeps_raising_gives_its_pages_up(tmp_path: Path) -> None:
     async with open_rig(tmp_path, run=False) as rig:
-        writer = L3Writer(rig.cfg, PutRaises(rig.tier.l3, raises=1 + MAX_RETRIES), rig.tier,
-                          rig.pool, rig.counters)
+        writer = L3Writer(
+            rig.cfg,
+            PutRaises(rig.tier.l3, raises=1 + MAX_RETRIES),
+            rig.tier,
+            rig.pool,
+            rig.counters,
+        )
         keys = chain(3)
         rig.store(keys)
         async with running(writer):
@@ -159,8 +169,10 @@ async def test_a_batch_that_keeps_raising_gives_its_pages_up(tmp_path: Path) -> 
 
 
 async def test_write_back_writes_nothing_while_l2_has_room(tmp_path: Path) -> None:
-    async with open_rig(tmp_path, run=False, hicache_write_policy="write_back") as rig, \
-            running(rig.tier.writer) as writer:
+    async with (
+        open_rig(tmp_path, run=False, hicache_write_policy="write_back") as rig,
+        running(rig.tier.writer) as writer,
+    ):
         keys = chain(6)
         rig.store(keys)
         rig.tier.stored(rig.session, keys)

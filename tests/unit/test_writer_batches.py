@@ -27,11 +27,13 @@ class PinsSeen(PassThrough):
         self.rig = rig
         self.pins: dict[int, int] = {}  # arena offset -> pins while the put ran
 
-    async def put(self, ns: bytes, keys: list[bytes], offsets: list[int],
-                  length: int) -> list[bool]:
+    async def put(
+        self, ns: bytes, keys: list[bytes], offsets: list[int], length: int
+    ) -> list[bool]:
         pool = self.rig.pool
-        by_offset = {pool.slot_offset(s): s for s in range(pool.n_slots)
-                     if pool.describe(s).key is not None}
+        by_offset = {
+            pool.slot_offset(s): s for s in range(pool.n_slots) if pool.describe(s).key is not None
+        }
         self.pins.update((off, pool.describe(by_offset[off]).pins) for off in offsets)
         return await self.inner.put(ns, keys, offsets, length)
 
@@ -43,7 +45,7 @@ def store_as(rig: Rig, owner: int, keys: list[bytes]) -> list[int]:
     assert len(pairs) == len(keys)
     for _, slot in pairs:
         off = rig.pool.slot_offset(slot)
-        rig.arena.view[off:off + GEOMETRY.page_bytes] = os.urandom(GEOMETRY.page_bytes)
+        rig.arena.view[off : off + GEOMETRY.page_bytes] = os.urandom(GEOMETRY.page_bytes)
     rig.pool.commit([slot for _, slot in pairs])
     return [slot for _, slot in pairs]
 

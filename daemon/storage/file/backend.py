@@ -129,8 +129,9 @@ class FileBackend(StorageBackend):
 
     # -- segments --------------------------------------------------------------------------
     def _open_segment(self, seq: int, slot: int, slots: int, create: bool) -> Segment:
-        seg = open_segment(self.config.path, seq, slot, slots, create,
-                           durable=self.config.fsync == "batch")
+        seg = open_segment(
+            self.config.path, seq, slot, slots, create, durable=self.config.fsync == "batch"
+        )
         self._fds.append(seg.fd)
         return seg
 
@@ -156,8 +157,10 @@ class FileBackend(StorageBackend):
         if arena is None:
             raise StorageError("file backend: used before open()")
         if len(ns) != _ID_BYTES or len(keys) != len(offsets) or length <= 0:
-            raise ValueError(f"bad batch: ns of {len(ns)} bytes, {len(keys)} keys, "
-                             f"{len(offsets)} offsets, length {length}")
+            raise ValueError(
+                f"bad batch: ns of {len(ns)} bytes, {len(keys)} keys, "
+                f"{len(offsets)} offsets, length {length}"
+            )
         for key, off in zip(keys, offsets):
             if len(key) != _ID_BYTES or off < 0 or off + length > arena.size:
                 raise ValueError(f"bad page: key of {len(key)} bytes at arena offset {off}")
@@ -192,8 +195,14 @@ class FileBackend(StorageBackend):
         args = (arena, ns, keys, offsets, length)
         return await self._gate.run(self._put_sync, [False] * len(keys), *args)
 
-    def _put_sync(self, arena: HostArena, ns: bytes, keys: Sequence[bytes],
-                  offsets: Sequence[int], length: int) -> list[bool]:
+    def _put_sync(
+        self,
+        arena: HostArena,
+        ns: bytes,
+        keys: Sequence[bytes],
+        offsets: Sequence[int],
+        length: int,
+    ) -> list[bool]:
         done, size = [False] * len(keys), payload_slot(length)
         batch = {(ns, key) for key in keys}
         plan: list[tuple[int, Slot]] = []  # (key index, slot this batch writes)
@@ -219,8 +228,12 @@ class FileBackend(StorageBackend):
                         done[pending.pop()] = other.ready and other.length == length
                         continue
                     slot = cls.take(mine, shared=False)
-                    if slot is None and may_grow and len(cls.free) < STRIPES and (
-                            reservation := slots.reserve_segment(size)):
+                    if (
+                        slot is None
+                        and may_grow
+                        and len(cls.free) < STRIPES
+                        and (reservation := slots.reserve_segment(size))
+                    ):
                         break
                     slot = slot or cls.take(mine, shared=True) or slots.evict(cls, batch)
                     if slot is None:
@@ -256,11 +269,19 @@ class FileBackend(StorageBackend):
                     cls.lru.move_to_end(slot)
         return done
 
-    def _write(self, arena: HostArena, ns: bytes, keys: Sequence[bytes], offsets: Sequence[int],
-               length: int, plan: list[tuple[int, Slot]]) -> dict[int, bool]:
+    def _write(
+        self,
+        arena: HostArena,
+        ns: bytes,
+        keys: Sequence[bytes],
+        offsets: Sequence[int],
+        length: int,
+        plan: list[tuple[int, Slot]],
+    ) -> dict[int, bool]:
         """Write the planned objects (see :func:`.batch_io.write_runs`)."""
-        return write_runs(arena.view, ns, keys, offsets, length, plan,
-                          durable=self.config.fsync == "batch")
+        return write_runs(
+            arena.view, ns, keys, offsets, length, plan, durable=self.config.fsync == "batch"
+        )
 
     async def get_into(
         self, ns: bytes, keys: Sequence[bytes], offsets: Sequence[int], length: int
@@ -274,23 +295,35 @@ class FileBackend(StorageBackend):
         args = (arena, ns, keys, offsets, length)
         return await self._gate.run(self._get_sync, [False] * len(keys), *args)
 
-    def _get_sync(self, arena: HostArena, ns: bytes, keys: Sequence[bytes],
-                  offsets: Sequence[int], length: int) -> list[bool]:
+    def _get_sync(
+        self,
+        arena: HostArena,
+        ns: bytes,
+        keys: Sequence[bytes],
+        offsets: Sequence[int],
+        length: int,
+    ) -> list[bool]:
         slots = self._slots
         with self._lock:
-            plan = [(i, slot, slot.gen) for i, key in enumerate(keys)
-                    if (slot := slots.index.get((ns, key))) is not None
-                    and slot.ready and slot.length == length]
-        found, bad, errors = read_runs(arena.view, ns, keys, offsets, length,
-                                       [(i, slot) for i, slot, _ in plan])
+            plan = [
+                (i, slot, slot.gen)
+                for i, key in enumerate(keys)
+                if (slot := slots.index.get((ns, key))) is not None
+                and slot.ready
+                and slot.length == length
+            ]
+        found, bad, errors = read_runs(
+            arena.view, ns, keys, offsets, length, [(i, slot) for i, slot, _ in plan]
+        )
         by_index = {i: (slot, gen) for i, slot, gen in plan}
         with self._lock:
             for i, slot, gen in reversed(plan):
                 if found[i] and slot.gen == gen and slot.ready:
                     slots.classes[slot.seg.payload_slot].lru.move_to_end(slot)
             # a slot reallocated since we looked was overwritten under us: a plain miss
-            damaged = slots.detach([slot for slot, gen in map(by_index.__getitem__, bad)
-                                    if slot.gen == gen])
+            damaged = slots.detach(
+                [slot for slot, gen in map(by_index.__getitem__, bad) if slot.gen == gen]
+            )
             hits = sum(found)
             self.stats.gets += hits
             self.stats.get_bytes += hits * length
@@ -310,7 +343,8 @@ class FileBackend(StorageBackend):
     def _delete_sync(self, ns: bytes, keys: Sequence[bytes]) -> int:
         with self._lock:
             victims = self._slots.detach(
-                [slot for key in keys if (slot := self._slots.index.get((ns, key)))])
+                [slot for key in keys if (slot := self._slots.index.get((ns, key)))]
+            )
         self._wipe(victims)
         return len(victims)
 
@@ -349,8 +383,11 @@ class FileBackend(StorageBackend):
         if self._gate.closed:
             return []
         with self._lock:
-            return [ident for ident, slot in self._slots.index.items()
-                    if slot.ready and (namespaces is None or ident[0] in namespaces)]
+            return [
+                ident
+                for ident, slot in self._slots.index.items()
+                if slot.ready and (namespaces is None or ident[0] in namespaces)
+            ]
 
     @property
     def evictions(self) -> int:
@@ -365,5 +402,6 @@ class FileBackend(StorageBackend):
     def entries(self) -> list[tuple[bytes, bytes, int]]:
         """Return a snapshot of the stored objects as (namespace, key, payload length)."""
         with self._lock:
-            return [(*ident, slot.length) for ident, slot in self._slots.index.items()
-                    if slot.ready]
+            return [
+                (*ident, slot.length) for ident, slot in self._slots.index.items() if slot.ready
+            ]

@@ -29,8 +29,15 @@ __all__ = ["free_payloads", "read_runs", "wipe_headers", "write_runs"]
 _ZERO_HEADER = bytes(HEADER_SIZE)
 
 
-def write_runs(view: memoryview, ns: bytes, keys: Sequence[bytes], offsets: Sequence[int],
-               length: int, plan: list[tuple[int, Slot]], durable: bool) -> dict[int, bool]:
+def write_runs(
+    view: memoryview,
+    ns: bytes,
+    keys: Sequence[bytes],
+    offsets: Sequence[int],
+    length: int,
+    plan: list[tuple[int, Slot]],
+    durable: bool,
+) -> dict[int, bool]:
     """Write the planned objects, run by run of adjacent slots.
 
     Args:
@@ -51,13 +58,22 @@ def write_runs(view: memoryview, ns: bytes, keys: Sequence[bytes], offsets: Sequ
                 os.pwrite(fd, table, first)
             for _, slot in run:
                 slot.dirty = False
-            sums = write_pages(fd, view, [offsets[i] for i, _ in run], length,
-                               [slot.dpos for _, slot in run])
-            done = [(k, i, slot, checksum)
-                    for k, ((i, slot), checksum) in enumerate(zip(run, sums))
-                    if checksum is not None]
-            write_headers(table, [k * HEADER_STRIDE for k, _, _, _ in done], length, ns,
-                          [keys[i] for _, i, _, _ in done], [c for _, _, _, c in done])
+            sums = write_pages(
+                fd, view, [offsets[i] for i, _ in run], length, [slot.dpos for _, slot in run]
+            )
+            done = [
+                (k, i, slot, checksum)
+                for k, ((i, slot), checksum) in enumerate(zip(run, sums))
+                if checksum is not None
+            ]
+            write_headers(
+                table,
+                [k * HEADER_STRIDE for k, _, _, _ in done],
+                length,
+                ns,
+                [keys[i] for _, i, _, _ in done],
+                [c for _, _, _, c in done],
+            )
             for _, i, slot, _ in done:
                 written[i] = slot.dirty = True
             if os.pwrite(fd, table, first) != len(table):
@@ -73,8 +89,14 @@ def write_runs(view: memoryview, ns: bytes, keys: Sequence[bytes], offsets: Sequ
     return written
 
 
-def read_runs(view: memoryview, ns: bytes, keys: Sequence[bytes], offsets: Sequence[int],
-              length: int, plan: list[tuple[int, Slot]]) -> tuple[list[bool], list[int], int]:
+def read_runs(
+    view: memoryview,
+    ns: bytes,
+    keys: Sequence[bytes],
+    offsets: Sequence[int],
+    length: int,
+    plan: list[tuple[int, Slot]],
+) -> tuple[list[bool], list[int], int]:
     """Read the planned objects into the arena and verify them, run by run.
 
     Args:
@@ -98,13 +120,26 @@ def read_runs(view: memoryview, ns: bytes, keys: Sequence[bytes], offsets: Seque
             errors += len(run)
             continue
         whole = run[: max(0, (len(table) - HEADER_SIZE) // HEADER_STRIDE + 1)]  # not cut short
-        recorded = recorded_checksums(table, range(0, len(whole) * HEADER_STRIDE, HEADER_STRIDE),
-                                      length, ns, [keys[i] for i, _ in whole])
+        recorded = recorded_checksums(
+            table,
+            range(0, len(whole) * HEADER_STRIDE, HEADER_STRIDE),
+            length,
+            ns,
+            [keys[i] for i, _ in whole],
+        )
         # (key index, slot, payload checksum its header records)
-        wanted = [(i, slot, expected)
-                  for (i, slot), expected in zip(whole, recorded) if expected is not None]
-        sums = read_pages(fd, view, [offsets[i] for i, _, _ in wanted], length,
-                          [slot.dpos for _, slot, _ in wanted])
+        wanted = [
+            (i, slot, expected)
+            for (i, slot), expected in zip(whole, recorded)
+            if expected is not None
+        ]
+        sums = read_pages(
+            fd,
+            view,
+            [offsets[i] for i, _, _ in wanted],
+            length,
+            [slot.dpos for _, slot, _ in wanted],
+        )
         for (i, _, expected), checksum in zip(wanted, sums):
             found[i] = checksum == expected
         bad.extend(i for i, _ in run if not found[i])

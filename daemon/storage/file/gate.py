@@ -39,6 +39,7 @@ class WorkerGate:
         A cancelled caller's worker still finishes its batch (``asyncio.to_thread``), and
         :meth:`close` waits for it.
         """
+
         def guarded() -> _T:
             with self._cond:
                 if self._closed:
@@ -51,6 +52,7 @@ class WorkerGate:
                     self._busy -= 1
                     if not self._busy:
                         self._cond.notify_all()
+
         return await asyncio.to_thread(guarded)
 
     def close(self) -> None:

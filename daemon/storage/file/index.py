@@ -41,8 +41,11 @@ class SizeClass:
         segment no other batch writes to (two batches writing one file serialize on its
         inode lock); with ``shared``, from any segment. None if none. Only segments with
         free slots are kept, so a full store answers at once."""
-        seg = mine if mine is not None and mine in self.free else next(
-            (seg for seg in self.free if shared or not self.writers.get(seg)), None)
+        seg = (
+            mine
+            if mine is not None and mine in self.free
+            else next((seg for seg in self.free if shared or not self.writers.get(seg)), None)
+        )
         if seg is None:
             return None
         stack = self.free[seg]
@@ -139,6 +142,7 @@ class SlotIndex:
         Returns:
             ``(seq, slots)`` of the segment to create, or None when the capacity is spent.
         """
+
         def fit(room: int) -> int:  # most slots whose segment fits in room bytes
             n = room // (slot + HEADER_STRIDE)
             while n and table_bytes(n) + n * slot > room:

@@ -134,8 +134,9 @@ def parse_segment_name(name: str) -> tuple[int, int, int] | None:
     return (slot, slots, seq) if slot > 0 and slot % ALIGN == 0 and slots > 0 else None
 
 
-def open_segment(directory: Path, seq: int, slot: int, slots: int, create: bool,
-                 durable: bool) -> Segment:
+def open_segment(
+    directory: Path, seq: int, slot: int, slots: int, create: bool, durable: bool
+) -> Segment:
     """Open (or, with ``create``, create and preallocate) a segment file.
 
     Args:
@@ -194,8 +195,11 @@ def scan_segment(seg: Segment) -> list[Slot]:
         slot.dirty = hdr[:4] == MAGIC  # whatever looks like a header is zeroed before reuse
         if len(hdr) == HEADER_SIZE and slot.dirty:
             ns, key, (length,) = bytes(hdr[8:40]), bytes(hdr[40:72]), _U64.unpack_from(hdr, 72)
-            if length > 0 and payload_slot(length) == seg.payload_slot \
-                    and check_header(hdr, ns, key, length) is not None:
+            if (
+                length > 0
+                and payload_slot(length) == seg.payload_slot
+                and check_header(hdr, ns, key, length) is not None
+            ):
                 slot.ident, slot.length, slot.ready = (ns, key), length, True
     return slots
 

@@ -77,8 +77,9 @@ class RedisBackend(StorageBackend):
         ttl_s = self.options.ttl_s
         self._ttl_arg = None if ttl_s is None else b"%d" % max(1, int(ttl_s * 1000))
         self._script_sha: bytes | None = _EXISTS_SHA
-        self._breaker = Breaker(f"redis backend: {redact(self.options.address)}", cooldown_s=0.0,
-                                log=_log)  # redis-py reconnects by itself: track, never refuse
+        self._breaker = Breaker(
+            f"redis backend: {redact(self.options.address)}", cooldown_s=0.0, log=_log
+        )  # redis-py reconnects by itself: track, never refuse
 
     @property
     def client(self) -> redis_asyncio.Redis | None:
@@ -122,8 +123,11 @@ class RedisBackend(StorageBackend):
             await asyncio.wait_for(self._client.ping(), opts.timeout_s)
         except self._errors as err:
             await self.close()
-            cause = f"no answer within {opts.timeout_s} s" if isinstance(
-                err, asyncio.TimeoutError) else str(err) or type(err).__name__
+            cause = (
+                f"no answer within {opts.timeout_s} s"
+                if isinstance(err, asyncio.TimeoutError)
+                else str(err) or type(err).__name__
+            )
             raise StorageError(
                 f"redis backend: {redact(opts.address)!r} did not answer PING: {cause}"
             ) from err
@@ -220,9 +224,7 @@ class RedisBackend(StorageBackend):
         self._check_open()
         if not keys:
             return 0
-        replies = await self._roundtrip(
-            [command(b"DEL", *self._names.encoded(ns, keys))], 1
-        )
+        replies = await self._roundtrip([command(b"DEL", *self._names.encoded(ns, keys))], 1)
         if not replies or not isinstance(replies[0], int):
             if replies:
                 self._failed(replies[0])
@@ -249,8 +251,11 @@ class RedisBackend(StorageBackend):
         self._check_open()
         client = self._client
         assert client is not None
-        patterns = ([self._names.pattern()] if namespaces is None
-                    else [self._names.pattern(ns) for ns in sorted(namespaces)])
+        patterns = (
+            [self._names.pattern()]
+            if namespaces is None
+            else [self._names.pattern(ns) for ns in sorted(namespaces)]
+        )
         found: dict[tuple[bytes, bytes], None] = {}  # SCAN may return a key twice
         try:
             for pattern in patterns:

@@ -66,12 +66,27 @@ class CudaSessionCopier:
         stuck: a copy never finished on the GPU; the stream is then never destroyed.
     """
 
-    __slots__ = ("_raw_stream", "device", "event_handles", "layer_events", "lock", "ready_event",
-                 "ready_handle", "stream", "stuck")
+    __slots__ = (
+        "_raw_stream",
+        "device",
+        "event_handles",
+        "layer_events",
+        "lock",
+        "ready_event",
+        "ready_handle",
+        "stream",
+        "stuck",
+    )
 
-    def __init__(self, device: torch.device, raw_stream: int, layer_events: list[torch.cuda.Event],
-                 event_handles: list[bytes], ready_event: torch.cuda.Event,
-                 ready_handle: bytes) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        raw_stream: int,
+        layer_events: list[torch.cuda.Event],
+        event_handles: list[bytes],
+        ready_event: torch.cuda.Event,
+        ready_handle: bytes,
+    ) -> None:
         self.device = device
         self._raw_stream = raw_stream
         self.stream = torch.cuda.ExternalStream(raw_stream, device=device)
@@ -99,18 +114,19 @@ class CudaSessionCopier:
         except cupy.cuda.runtime.CUDARuntimeError as err:
             raise CudaMemoryError(f"cannot create a CUDA stream on cuda:{ordinal}: {err}") from err
         try:
-            made = [cuda_ipc.create_ipc_event(device)
-                    for _ in range(memory.geometry.num_layers + 1)]
+            made = [
+                cuda_ipc.create_ipc_event(device) for _ in range(memory.geometry.num_layers + 1)
+            ]
         except BaseException as err:
             with cupy.cuda.Device(ordinal):
                 cupy.cuda.runtime.streamDestroy(raw)
             if isinstance(err, (cuda_ipc.CudaIpcError, RuntimeError)):
-                raise CudaMemoryError(f"cannot create interprocess events on cuda:{ordinal}: "
-                                      f"{err}") from err
+                raise CudaMemoryError(
+                    f"cannot create interprocess events on cuda:{ordinal}: {err}"
+                ) from err
             raise
         (ready, ready_handle), layers = made[-1], made[:-1]
-        return cls(device, raw, [e for e, _ in layers], [h for _, h in layers], ready,
-                   ready_handle)
+        return cls(device, raw, [e for e, _ in layers], [h for _, h in layers], ready, ready_handle)
 
     @property
     def num_layers(self) -> int:
@@ -127,8 +143,9 @@ class CudaSessionCopier:
         if not raw:
             return
         if self.stuck:
-            log.error("copy stream of a session on %s left alive: a copy never finished",
-                      self.device)
+            log.error(
+                "copy stream of a session on %s left alive: a copy never finished", self.device
+            )
             return
         cupy = cuda_ipc.cupy_module()
         try:
@@ -153,9 +170,16 @@ def _wait_gpu(event: torch.cuda.Event, deadline: float) -> bool:
     return True
 
 
-def run_cuda_transfer(t: Transfer, arena: np.ndarray | torch.Tensor, memory: CudaEngineMemory,
-                      chunk_bytes: int, block: CompletionBlock, copier: CudaSessionCopier,
-                      *, gpu_timeout_s: float = GPU_TIMEOUT_S) -> TransferStatus:
+def run_cuda_transfer(
+    t: Transfer,
+    arena: np.ndarray | torch.Tensor,
+    memory: CudaEngineMemory,
+    chunk_bytes: int,
+    block: CompletionBlock,
+    copier: CudaSessionCopier,
+    *,
+    gpu_timeout_s: float = GPU_TIMEOUT_S,
+) -> TransferStatus:
     """Enqueue every layer of ``t`` on the session's stream, record its events, wait for the GPU.
 
     Runs in a worker thread, like :func:`~kvtier.daemon.transfer.transfer.run_transfer`. Layer ``i``'s
@@ -189,8 +213,14 @@ def run_cuda_transfer(t: Transfer, arena: np.ndarray | torch.Tensor, memory: Cud
         n_comp = len(buffers[0]) if buffers else 0
         with copier.lock, torch.cuda.device(copier.device):
             stream = copier.stream
-            plan = CudaCopyPlan.build(t.page_ids, t.offsets, chunk_bytes, device=copier.device,
-                                      slot_bytes=len(buffers) * n_comp * chunk_bytes, stream=stream)
+            plan = CudaCopyPlan.build(
+                t.page_ids,
+                t.offsets,
+                chunk_bytes,
+                device=copier.device,
+                slot_bytes=len(buffers) * n_comp * chunk_bytes,
+                stream=stream,
+            )
             launched = True  # the plan's offsets are uploading on the stream
             stream.wait_event(copier.ready_event)
             try:
@@ -216,13 +246,20 @@ def run_cuda_transfer(t: Transfer, arena: np.ndarray | torch.Tensor, memory: Cud
         try:
             finished = done is not None and _wait_gpu(done, deadline)
         except RuntimeError:  # torch reports a CUDA error (e.g. a fault) as RuntimeError
-            log.exception("CUDA transfer session=%d slot=%d: waiting for the GPU failed",
-                          t.session_id, t.slot)
+            log.exception(
+                "CUDA transfer session=%d slot=%d: waiting for the GPU failed", t.session_id, t.slot
+            )
             finished = False
         if not finished:
-            log.error("CUDA transfer session=%d slot=%d (%s, %d pages) did not finish on the GPU "
-                      "within %.0fs; its host slots and the engine memory stay reserved",
-                      t.session_id, t.slot, t.direction.value, len(t.host_slots), gpu_timeout_s)
+            log.error(
+                "CUDA transfer session=%d slot=%d (%s, %d pages) did not finish on the GPU "
+                "within %.0fs; its host slots and the engine memory stay reserved",
+                t.session_id,
+                t.slot,
+                t.direction.value,
+                len(t.host_slots),
+                gpu_timeout_s,
+            )
             t.extra["gpu_pending"] = True
             memory.stuck = True
             copier.stuck = True

@@ -36,8 +36,13 @@ from kvtier.ipc import cuda_ipc
 from kvtier.ipc.cuda_ipc import CudaIpcError
 from kvtier.ipc.protocol import Geometry, KVMemory
 
-__all__ = ["CudaEngineMemory", "CudaMemoryError", "CudaRuntime", "arena_tensor",
-           "check_cuda_export"]
+__all__ = [
+    "CudaEngineMemory",
+    "CudaMemoryError",
+    "CudaRuntime",
+    "arena_tensor",
+    "check_cuda_export",
+]
 
 log = logging.getLogger("kvtier.daemon.cuda")
 
@@ -89,8 +94,10 @@ def check_cuda_export(geometry: Geometry, memory: KVMemory) -> str:
         if seg.size <= 0:
             raise CudaMemoryError(f"memory.segments[{i}].size = {seg.size!r} must be > 0")
         if uuid is not None and this != uuid:
-            raise CudaMemoryError(f"memory.segments[{i}] is on GPU {seg.device_uuid}, segment 0 "
-                                  f"on {memory.segments[0].device_uuid}: one registration, one GPU")
+            raise CudaMemoryError(
+                f"memory.segments[{i}] is on GPU {seg.device_uuid}, segment 0 "
+                f"on {memory.segments[0].device_uuid}: one registration, one GPU"
+            )
         uuid = this
     buf_bytes = memory.num_pages * g.chunk_bytes
     for i, (s_idx, off) in enumerate(zip(memory.buffer_segments, memory.buffer_offsets)):
@@ -98,8 +105,10 @@ def check_cuda_export(geometry: Geometry, memory: KVMemory) -> str:
             raise CudaMemoryError(f"memory.buffer_segments[{i}] = {s_idx!r} is out of range")
         size = memory.segments[s_idx].size
         if off < 0 or off + buf_bytes > size:
-            raise CudaMemoryError(f"memory.buffer_offsets[{i}] = {off!r}: {buf_bytes} bytes do "
-                                  f"not fit in segment {s_idx} of {size} bytes")
+            raise CudaMemoryError(
+                f"memory.buffer_offsets[{i}] = {off!r}: {buf_bytes} bytes do "
+                f"not fit in segment {s_idx} of {size} bytes"
+            )
     assert uuid is not None
     return cuda_ipc.format_device_uuid(uuid)
 
@@ -179,8 +188,10 @@ class CudaRuntime:
         self.require()
         arena = arena_tensor(arena)
         if arena.device.type != "cpu" or arena.dtype != torch.uint8 or arena.dim() != 1:
-            raise CudaMemoryError(f"the arena must be a flat uint8 CPU tensor, got {arena.dtype} "
-                                  f"{tuple(arena.shape)} on {arena.device}")
+            raise CudaMemoryError(
+                f"the arena must be a flat uint8 CPU tensor, got {arena.dtype} "
+                f"{tuple(arena.shape)} on {arena.device}"
+            )
         ptr, nbytes = arena.data_ptr(), arena.numel()
         cupy = cuda_ipc.cupy_module()
         with self._lock:
@@ -191,7 +202,8 @@ class CudaRuntime:
             try:
                 with cupy.cuda.Device(ordinal):
                     cupy.cuda.runtime.hostRegister(
-                        ptr, nbytes, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED)
+                        ptr, nbytes, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED
+                    )
                 self._pinned_here = True
             except cupy.cuda.runtime.CUDARuntimeError as err:
                 if getattr(err, "status", None) != _ERROR_HOST_MEMORY_ALREADY_REGISTERED:
@@ -199,7 +211,8 @@ class CudaRuntime:
                     raise CudaMemoryError(
                         f"cannot pin the host pool ({nbytes} bytes) with cudaHostRegister: {err} "
                         f"(RLIMIT_MEMLOCK soft={soft} hard={hard}; run kvtierd with "
-                        "LimitMEMLOCK=infinity)") from err
+                        "LimitMEMLOCK=infinity)"
+                    ) from err
                 self._pinned_here = False  # pinned by someone else in this process: keep it
             self._pinned = (ptr, nbytes, ordinal)
             log.info("host pool pinned for CUDA: %d bytes at %#x", nbytes, ptr)
@@ -294,8 +307,17 @@ class CudaEngineMemory:
             opened (nothing stays open then).
     """
 
-    __slots__ = ("_opened", "_runtime", "buffers", "device", "device_uuid", "geometry",
-                 "num_pages", "paths", "stuck")
+    __slots__ = (
+        "_opened",
+        "_runtime",
+        "buffers",
+        "device",
+        "device_uuid",
+        "geometry",
+        "num_pages",
+        "paths",
+        "stuck",
+    )
 
     def __init__(self, geometry: Geometry, memory: KVMemory, runtime: CudaRuntime) -> None:
         self.geometry = geometry
@@ -322,8 +344,9 @@ class CudaEngineMemory:
             ptr, mapped = self._runtime.acquire(ordinal, handle)
             self._opened.append((ordinal, handle))
             if mapped is not None and mapped < seg.size:
-                raise CudaMemoryError(f"memory.segments[{i}].size = {seg.size} but the driver "
-                                      f"mapped {mapped} bytes")
+                raise CudaMemoryError(
+                    f"memory.segments[{i}].size = {seg.size} but the driver mapped {mapped} bytes"
+                )
             try:
                 whole.append(cuda_ipc.device_tensor(ptr, seg.size, self.device))
             except CudaIpcError as err:
@@ -334,7 +357,7 @@ class CudaEngineMemory:
             for comp in range(g.components):
                 i = layer * g.components + comp
                 seg_t, off = whole[memory.buffer_segments[i]], memory.buffer_offsets[i]
-                row.append(seg_t[off:off + buf_bytes].view(memory.num_pages, g.chunk_bytes))
+                row.append(seg_t[off : off + buf_bytes].view(memory.num_pages, g.chunk_bytes))
             self.buffers.append(row)
 
     def close(self) -> None:
@@ -346,8 +369,9 @@ class CudaEngineMemory:
         self.buffers = []
         if self.stuck:
             if self._opened:
-                log.error("engine memory on %s left mapped: a copy on it never finished",
-                          self.device_uuid)
+                log.error(
+                    "engine memory on %s left mapped: a copy on it never finished", self.device_uuid
+                )
             self._opened = []
             return
         opened, self._opened = self._opened, []

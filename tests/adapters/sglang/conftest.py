@@ -19,8 +19,9 @@ from kvtier.client.daemon_process import DaemonProcess
 from sglang_harness import Instance, start_daemon
 
 if importlib.util.find_spec("sglang") is None:
-    pytest.skip("SGLang is not installed (the engine test venv has sglang 0.5.23)",
-                allow_module_level=True)
+    pytest.skip(
+        "SGLang is not installed (the engine test venv has sglang 0.5.23)", allow_module_level=True
+    )
 
 
 @pytest.fixture(scope="module")

@@ -23,8 +23,14 @@ START_DEADLINE_S = 120.0
 """An instance imports SGLang (seconds on a busy machine): generous, it is a deadline."""
 REPLY_DEADLINE_S = 120.0
 
-DAEMON_ARGS = ["--hicache-size", "64MiB", "--extent-size", "4MiB", "--hicache-storage-backend",
-               "none"]
+DAEMON_ARGS = [
+    "--hicache-size",
+    "64MiB",
+    "--extent-size",
+    "4MiB",
+    "--hicache-storage-backend",
+    "none",
+]
 
 
 README = Path(__file__).resolve().parents[3] / "README.md"
@@ -34,8 +40,8 @@ def readme_extra_config() -> dict[str, Any]:
     """The ``--hicache-storage-backend-extra-config`` JSON of README.md's SGLang section,
     as a user copies it (the tests load the backend with exactly that)."""
     text = README.read_text()
-    section = text[text.index("## Using kvtier with SGLang"):]
-    section = section[:section.index("\n## ", 1)]
+    section = text[text.index("## Using kvtier with SGLang") :]
+    section = section[: section.index("\n## ", 1)]
     match = re.search(r"--hicache-storage-backend-extra-config '(\{.*?\})'", section)
     assert match, "README's SGLang section has no --hicache-storage-backend-extra-config"
     return json.loads(match.group(1))
@@ -58,16 +64,28 @@ class Instance:
         **cfg: more instance settings (``mla``, ``tp_rank``, ``tp_size``, ...).
     """
 
-    def __init__(self, log_dir: Path, name: str, layout: str, extra: dict[str, Any],
-                 env: dict[str, str] | None = None, **cfg: Any) -> None:
+    def __init__(
+        self,
+        log_dir: Path,
+        name: str,
+        layout: str,
+        extra: dict[str, Any],
+        env: dict[str, str] | None = None,
+        **cfg: Any,
+    ) -> None:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         config = {"layout": layout, "extra": extra, **cfg}
         self._log = open(self.log_path, "ab")  # noqa: SIM115 (closed in close/kill)
         self.proc = subprocess.Popen(
             [sys.executable, str(HERE / "sglang_instance.py"), json.dumps(config)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-            env={**os.environ, **(env or {})}, text=True, bufsize=1)
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env={**os.environ, **(env or {})},
+            text=True,
+            bufsize=1,
+        )
         self.pid = self.proc.pid
         self._ready = False
 

@@ -46,11 +46,16 @@ class Instance:
 
     def __init__(self, cfg: dict[str, Any]) -> None:
         self.stack = build_stack(
-            cfg["layout"], cfg.get("backend", "dynamic"), cfg["extra"], mla=bool(cfg.get("mla")),
-            tp_rank=int(cfg.get("tp_rank", 0)), tp_size=int(cfg.get("tp_size", 1)),
+            cfg["layout"],
+            cfg.get("backend", "dynamic"),
+            cfg["extra"],
+            mla=bool(cfg.get("mla")),
+            tp_rank=int(cfg.get("tp_rank", 0)),
+            tp_size=int(cfg.get("tp_size", 1)),
             host_memory_mode=cfg.get("host_memory_mode", "cache"),
             host_tokens=int(cfg.get("host_tokens", 2048)),
-            **{k: int(cfg[k]) for k in ("layers", "heads", "head_dim") if k in cfg})
+            **{k: int(cfg[k]) for k in ("layers", "heads", "head_dim") if k in cfg},
+        )
         import torch
 
         self.torch = torch
@@ -74,8 +79,9 @@ class Instance:
         keys = self.stack.keys(tokens)
         idx = self.stack.alloc(len(tokens))
         for i, key in enumerate(keys):
-            self.host.set_from_flat_data_page(int(idx[i * self.page]),
-                                              self.expected(key).view(self.host.dtype))
+            self.host.set_from_flat_data_page(
+                int(idx[i * self.page]), self.expected(key).view(self.host.dtype)
+            )
         return tokens, keys, idx
 
     def store(self, seq: int, pages: int) -> dict[str, Any]:
@@ -95,25 +101,34 @@ class Instance:
 
     def mode(self) -> dict[str, Any]:
         cc = self.stack.controller
-        return {"host_memory_mode": cc.host_memory_mode, "host_pages": self.host.size // self.page,
-                "prefetch_limit_tokens": cc.prefetch_capacity_limit}
+        return {
+            "host_memory_mode": cc.host_memory_mode,
+            "host_pages": self.host.size // self.page,
+            "prefetch_limit_tokens": cc.prefetch_capacity_limit,
+        }
 
     def _scribble(self, idx: Any, pause: bool) -> None:
         torch = self.torch
         for i in range(len(idx) // self.page):  # garbage where the pages will land
-            page = torch.randint(-32768, 32768, (self.host.get_dummy_flat_data_page().numel(),),
-                                 dtype=torch.int16)
+            page = torch.randint(
+                -32768, 32768, (self.host.get_dummy_flat_data_page().numel(),), dtype=torch.int16
+            )
             self.host.set_from_flat_data_page(int(idx[i * self.page]), page.view(self.host.dtype))
         if pause:  # the test acts (kills kvtierd) between the hit query and the page reads
             print("@@" + json.dumps({"paused": len(idx)}), flush=True)
             sys.stdin.readline()
 
     def prefetch(self, seq: int, pages: int, pause: bool = False) -> dict[str, Any]:
-        idx, hit, done, keys = self.stack.prefetch(self.tokens(seq, pages),
-                                                   lambda i: self._scribble(i, pause))
-        bad = sum(not self.torch.equal(self.host.get_data_page(int(idx[i * self.page]), flat=True)
-                                       .view(self.torch.int16), self.expected(key))
-                  for i, key in enumerate(keys))
+        idx, hit, done, keys = self.stack.prefetch(
+            self.tokens(seq, pages), lambda i: self._scribble(i, pause)
+        )
+        bad = sum(
+            not self.torch.equal(
+                self.host.get_data_page(int(idx[i * self.page]), flat=True).view(self.torch.int16),
+                self.expected(key),
+            )
+            for i, key in enumerate(keys)
+        )
         if idx is not None:
             self.host.free(idx)
         return {"hit": hit, "done": done, "bad": bad}
@@ -125,9 +140,12 @@ class Instance:
     def stats(self) -> dict[str, Any]:
         outer = self.stack.backend
         backend = getattr(outer, "_backend", outer)  # under SGLang's fault injector
-        return {"counters": dict(getattr(backend, "counters", {})),
-                "registrations": getattr(backend, "registrations", 0),
-                "backend": type(backend).__name__, "wrapped": backend is not outer}
+        return {
+            "counters": dict(getattr(backend, "counters", {})),
+            "registrations": getattr(backend, "registrations", 0),
+            "backend": type(backend).__name__,
+            "wrapped": backend is not outer,
+        }
 
 
 def main() -> None:

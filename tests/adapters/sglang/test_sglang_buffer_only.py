@@ -32,9 +32,14 @@ GEOMETRY = {"layers": 16, "heads": 8, "head_dim": 128}
 
 def test_kvtierd_is_the_only_l2(instances, daemons) -> None:
     daemon = daemons("buffer")
-    inst = instances("buffer", "page_first", extra_config(daemon.runtime_dir, model_id="buffer"),
-                     host_memory_mode="buffer_only", host_tokens=BUFFER_PAGES * PAGE,
-                     **GEOMETRY)
+    inst = instances(
+        "buffer",
+        "page_first",
+        extra_config(daemon.runtime_dir, model_id="buffer"),
+        host_memory_mode="buffer_only",
+        host_tokens=BUFFER_PAGES * PAGE,
+        **GEOMETRY,
+    )
     mode = inst.call("mode")
     assert mode["host_memory_mode"] == "buffer_only"
     assert mode["host_pages"] == BUFFER_PAGES

@@ -26,8 +26,11 @@ def _until(fn, deadline_s: float = RECONNECT_DEADLINE_S):
 def test_daemon_absent_killed_mid_prefetch_and_restarted(instances, module_tmp) -> None:
     rd = module_tmp / "away"
     rd.mkdir()
-    inst = instances("faults-away", "page_first", extra_config(
-        rd, retry_interval_s=0.2, request_timeout_s=1.0, model_id="faults"))
+    inst = instances(
+        "faults-away",
+        "page_first",
+        extra_config(rd, retry_interval_s=0.2, request_timeout_s=1.0, model_id="faults"),
+    )
 
     # no kvtierd at all: misses, nothing raised
     assert inst.call("store", seq=1, pages=8)["tokens"] == 0
@@ -63,8 +66,12 @@ def test_daemon_absent_killed_mid_prefetch_and_restarted(instances, module_tmp) 
 def test_random_failures_never_return_a_wrong_page(instances, daemons) -> None:
     """SGLang's fault injector fails 30% of the backend's calls: hits shrink, bytes never lie."""
     daemon = daemons("inject")
-    inst = instances("faults-inject", "page_head", extra_config(daemon.runtime_dir),
-                     env={"SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE": "0.3"})
+    inst = instances(
+        "faults-inject",
+        "page_head",
+        extra_config(daemon.runtime_dir),
+        env={"SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE": "0.3"},
+    )
     assert inst.call("stats")["wrapped"]  # SGLang wrapped the backend in its injector
     full = short = 0
     for seq in range(10, 34):

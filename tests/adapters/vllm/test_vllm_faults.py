@@ -12,8 +12,9 @@ from vllm_harness import BLOCK, prompt, same_output, wait_for_pages
 pytestmark = pytest.mark.timeout(600)
 
 
-def test_kvtierd_absent_then_killed_mid_run_then_back(daemon_factory, engines, reference,
-                                                      tiny_model):
+def test_kvtierd_absent_then_killed_mid_run_then_back(
+    daemon_factory, engines, reference, tiny_model
+):
     d = daemon_factory(start=False)
     p1, p2, p3 = prompt(21, 200), prompt(22, 150), prompt(23, 170)
     want = {i: reference.generate([p]) for i, p in enumerate((p1, p2, p3))}

@@ -52,8 +52,12 @@ class RawStream:
 
 
 def of(batches, kind, medium: str | None = None) -> list:
-    return [e for _, _, b in batches for e in b.events
-            if isinstance(e, kind) and (medium is None or e.medium == medium)]
+    return [
+        e
+        for _, _, b in batches
+        for e in b.events
+        if isinstance(e, kind) and (medium is None or e.medium == medium)
+    ]
 
 
 def flat(evs) -> list:
@@ -61,19 +65,30 @@ def flat(evs) -> list:
 
 
 def test_every_kvtierd_event_decodes_with_vllms_types(daemon_factory, short_tmp):
-    d = daemon_factory("--kv-events-endpoint", f"ipc://{short_tmp}/ev.sock",
-                       "--hicache-storage-backend", "file", "--hicache-size", "8MiB",
-                       "--extent-size", "4MiB", "--state-dir", str(short_tmp / "st"))
+    d = daemon_factory(
+        "--kv-events-endpoint",
+        f"ipc://{short_tmp}/ev.sock",
+        "--hicache-storage-backend",
+        "file",
+        "--hicache-size",
+        "8MiB",
+        "--extent-size",
+        "4MiB",
+        "--state-dir",
+        str(short_tmp / "st"),
+    )
     stream = RawStream(f"ipc://{short_tmp}/ev.sock")
     pool, conn = engine(d.runtime_dir, num_pages=200)
     try:
         for c in range(4):  # 800 pages through 512: stores, evictions, L3 writes
             keys = conn.page_keys(tokens(200 * SMALL.page_size, salt=c))
-            eng = P.EngineBlocks(hashes=[c * 1000 + i for i in range(100)]
-                                 + [bytes([c, i]) * 16 for i in range(100)],
-                                 parent=None,
-                                 token_ids=P.pack_tokens(tokens(200 * 16, c).tolist()),
-                                 lora_name="l" if c else None)
+            eng = P.EngineBlocks(
+                hashes=[c * 1000 + i for i in range(100)]
+                + [bytes([c, i]) * 16 for i in range(100)],
+                parent=None,
+                token_ids=P.pack_tokens(tokens(200 * 16, c).tolist()),
+                lora_name="l" if c else None,
+            )
             assert conn.store(keys, list(range(200)), engine=eng).wait()
         with AdminClient(d.endpoint, timeout_s=30.0) as admin:
             admin.sync(30.0)
@@ -85,7 +100,8 @@ def test_every_kvtierd_event_decodes_with_vllms_types(daemon_factory, short_tmp)
         assert len(flat(stored)) == c["store_pages"] > 0
         assert len(flat(of(got, V.BlockRemoved, "CPU"))) >= evictions > 0
         assert stored[0].block_hashes[:2] == [0, 1] and stored[0].token_ids[:16] == [
-            int(t) for t in tokens(16, 0)]
+            int(t) for t in tokens(16, 0)
+        ]
         assert stored[0].block_size == SMALL.page_size and stored[1].lora_name == "l"
         assert any(isinstance(h, bytes) for h in flat(stored))
         assert of(got, V.BlockStored, "FILE")
@@ -99,23 +115,36 @@ def test_every_kvtierd_event_decodes_with_vllms_types(daemon_factory, short_tmp)
 def _engine(tiny_model: Path, rdir: Path, log: Path, ev: str) -> EngineProcess:
     """vLLM with prefix caching, KV events on ``ev`` and the kvtier connector; a KV cache of
     48 blocks, so a few prompts evict the first one's."""
-    return EngineProcess(tiny_model, {"runtime_dir": str(rdir)}, log, prefix_caching=True,
-                         kv_bytes=48 * 64 * 1024, max_model_len=512,
-                         kv_events={"enable_kv_cache_events": True, "publisher": "zmq",
-                                    "endpoint": ev, "topic": "vllm"}).wait_ready()
+    return EngineProcess(
+        tiny_model,
+        {"runtime_dir": str(rdir)},
+        log,
+        prefix_caching=True,
+        kv_bytes=48 * 64 * 1024,
+        max_model_len=512,
+        kv_events={
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": ev,
+            "topic": "vllm",
+        },
+    ).wait_ready()
 
 
-def test_a_vllm_engine_and_kvtierd_advertise_the_same_blocks(daemon_factory, short_tmp,
-                                                             tiny_model):
-    d = daemon_factory("--kv-events-endpoint", f"ipc://{short_tmp}/kv.sock",
-                       "--kv-events-replay-endpoint", f"ipc://{short_tmp}/kvr.sock")
+def test_a_vllm_engine_and_kvtierd_advertise_the_same_blocks(daemon_factory, short_tmp, tiny_model):
+    d = daemon_factory(
+        "--kv-events-endpoint",
+        f"ipc://{short_tmp}/kv.sock",
+        "--kv-events-replay-endpoint",
+        f"ipc://{short_tmp}/kvr.sock",
+    )
     node = RawStream(f"ipc://{short_tmp}/kv.sock")
     e = _engine(tiny_model, d.runtime_dir, short_tmp / "e0.log", f"ipc://{short_tmp}/vl.sock")
     gpu = RawStream(f"ipc://{short_tmp}/vl.sock")
     try:
         a = prompt(7, 8 * BLOCK + 1)  # 8 full blocks
         e.generate([a], max_tokens=2)
-        wait_for_pages(d.runtime_dir, tiny_model, a[:8 * BLOCK], 8)
+        wait_for_pages(d.runtime_dir, tiny_model, a[: 8 * BLOCK], 8)
         e.generate([[1, 2, 3]], max_tokens=1)  # a step after the stores ended: their events
         vllm_batches = gpu.batches()
         mine = of(vllm_batches, V.BlockStored, "GPU")
@@ -126,7 +155,7 @@ def test_a_vllm_engine_and_kvtierd_advertise_the_same_blocks(daemon_factory, sho
         # kvtierd's events carry the engine's hashes for the same tokens
         node_stored = of(node.batches(), V.BlockStored, "CPU")
         assert flat(node_stored)[:8] == a_hashes
-        assert node_stored[0].token_ids == a[:8 * BLOCK]
+        assert node_stored[0].token_ids == a[: 8 * BLOCK]
         # other prompts fill the engine's 48 blocks: it drops a's blocks from its cache
         for s in range(6):
             e.generate([prompt(100 + s, 12 * BLOCK + 1)], max_tokens=1)
@@ -135,10 +164,16 @@ def test_a_vllm_engine_and_kvtierd_advertise_the_same_blocks(daemon_factory, sho
         node_removed = set(flat(of(node.batches(), V.BlockRemoved)))
         assert not node_removed & set(a_hashes)  # the node still advertises them
         e.close()  # the engine restarts: a router that replays the node's stream knows
-        with EventSubscriber(f"ipc://{short_tmp}/kv.sock",
-                             replay=f"ipc://{short_tmp}/kvr.sock") as late:
-            known = {h for m in late.replay(0) for ev in m.batch.events
-                     if isinstance(ev, E.BlockStored) for h in ev.block_hashes}
+        with EventSubscriber(
+            f"ipc://{short_tmp}/kv.sock", replay=f"ipc://{short_tmp}/kvr.sock"
+        ) as late:
+            known = {
+                h
+                for m in late.replay(0)
+                for ev in m.batch.events
+                if isinstance(ev, E.BlockStored)
+                for h in ev.block_hashes
+            }
         assert set(a_hashes) <= known
         e = _engine(tiny_model, d.runtime_dir, short_tmp / "e1.log", f"ipc://{short_tmp}/vl2.sock")
         out = e.generate([a], max_tokens=2)

@@ -13,7 +13,8 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def test_a_batch_mixing_layerwise_hits_and_a_miss_matches_the_reference(
-        daemon, engines, reference, tiny_model):
+    daemon, engines, reference, tiny_model
+):
     hit_a, hit_b, miss = prompt(41, 300), prompt(42, 200), prompt(43, 250)
     batch = [hit_a, miss, hit_b]
     want = reference.generate(batch)
@@ -35,5 +36,4 @@ def test_a_batch_mixing_layerwise_hits_and_a_miss_matches_the_reference(
     out = e2.generate(batch)
     assert [o["cached"] for o in out] == [9 * BLOCK, 7 * BLOCK, 6 * BLOCK]
     assert same_output(out, want)
-    assert_loaded_as_stored(e2, daemon.runtime_dir, tiny_model,
-                            [(hit_a, 9), (miss, 7), (hit_b, 6)])
+    assert_loaded_as_stored(e2, daemon.runtime_dir, tiny_model, [(hit_a, 9), (miss, 7), (hit_b, 6)])

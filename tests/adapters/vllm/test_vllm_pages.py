@@ -54,7 +54,8 @@ def _corrupt_l3_payloads(state_dir: Path) -> int:
 
 
 def test_pages_only_in_l3_load_asynchronously_and_corrupt_ones_are_recomputed(
-        daemon_factory, engines, reference, tiny_model):
+    daemon_factory, engines, reference, tiny_model
+):
     d = daemon_factory("--hicache-storage-backend", "file", "--prefetch-threshold", "64")
     p, q = prompt(31, 300), prompt(33, 300)  # 9 pages: above the client's prefetch_threshold
     # one prompt at a time, here and in the reference: vLLM's CPU kernels need not give a
@@ -73,15 +74,18 @@ def test_pages_only_in_l3_load_asynchronously_and_corrupt_ones_are_recomputed(
     out = e.generate([q])  # L3 says it has q, its reads fail their checksums: recomputed
     assert same_output(out, want[1:])
     (load,) = e.loads()
-    assert load["errors"] == sorted(load["block_ids"]) and len(load["block_ids"]) == 9  # none loaded
+    assert (
+        load["errors"] == sorted(load["block_ids"]) and len(load["block_ids"]) == 9
+    )  # none loaded
     wait_for_pages(d.runtime_dir, tiny_model, q, 9)  # and stored again once recomputed
     out = e.generate([q])
     assert out[0]["cached"] == 9 * BLOCK and same_output(out, want[1:])
     assert_loaded_as_stored(e, d.runtime_dir, tiny_model, [(q, 9)])
 
 
-def test_pages_that_are_not_the_engines_kv_change_the_output(daemon, engines, reference,
-                                                             tiny_model):
+def test_pages_that_are_not_the_engines_kv_change_the_output(
+    daemon, engines, reference, tiny_model
+):
     """Garbage stored under the prompt's keys (same namespace) is loaded and used."""
     p = prompt(32, 200)
     n = (len(p) - 1) // BLOCK
@@ -89,17 +93,26 @@ def test_pages_that_are_not_the_engines_kv_change_the_output(daemon, engines, re
     seg = SharedMemorySegment.create_memfd(f"kvt-test-{os.getpid()}", n * g.page_bytes)
     try:
         rng = np.random.default_rng(0)
-        seg.array(np.uint16)[:] = (rng.standard_normal(seg.size // 2).astype(np.float32)
-                                   .view(np.uint32) >> 16).astype(np.uint16)  # bf16 N(0, 1)
+        seg.array(np.uint16)[:] = (
+            rng.standard_normal(seg.size // 2).astype(np.float32).view(np.uint32) >> 16
+        ).astype(np.uint16)  # bf16 N(0, 1)
         per_layer = g.page_bytes // g.num_layers
-        regions = [P.MemoryRegion(segment=0, offset=layer * per_layer, page_stride=g.page_bytes,
-                                  page_bytes=per_layer, layer=layer)
-                   for layer in range(g.num_layers)]
+        regions = [
+            P.MemoryRegion(
+                segment=0,
+                offset=layer * per_layer,
+                page_stride=g.page_bytes,
+                page_bytes=per_layer,
+                layer=layer,
+            )
+            for layer in range(g.num_layers)
+        ]
         assert seg.fd is not None
         pool = RegionMemory(g, n, [seg.fd], [seg.size], regions)
-        with Connection(pool, model_id=str(tiny_model),
-                        config=ClientConfig(runtime_dir=daemon.runtime_dir)) as conn:
-            keys = page_keys(conn.ns_fingerprint, p[:n * BLOCK], BLOCK)
+        with Connection(
+            pool, model_id=str(tiny_model), config=ClientConfig(runtime_dir=daemon.runtime_dir)
+        ) as conn:
+            keys = page_keys(conn.ns_fingerprint, p[: n * BLOCK], BLOCK)
             assert conn.store(keys, list(range(n))).wait()
         assert kvtier_pages(daemon.runtime_dir, tiny_model, p) == (n, 0)
         e = engines(daemon.runtime_dir)

@@ -17,7 +17,8 @@ PAGES = [(len(p) - 1) // BLOCK for p in PROMPTS]  # one token is always left to 
 
 
 def test_second_engine_after_exit_and_after_sigkill_gets_the_prefix(
-        daemon_factory, engines, reference, tiny_model):
+    daemon_factory, engines, reference, tiny_model
+):
     d = daemon_factory()
     want = reference.generate(PROMPTS)
     first = engines(d.runtime_dir)
@@ -61,7 +62,8 @@ def test_cache_salt_separates_requests(daemon_factory, engines, reference, tiny_
 
 
 def test_two_engines_at_once_share_pages_stored_by_either(
-        daemon_factory, engines, reference, tiny_model):
+    daemon_factory, engines, reference, tiny_model
+):
     d = daemon_factory()
     a, b = engines(d.runtime_dir), engines(d.runtime_dir)
     pa, pb = prompt(6, 150), prompt(7, 180)

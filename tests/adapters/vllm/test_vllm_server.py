@@ -50,8 +50,8 @@ PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", bos_token="w1",
 def readme_server_command() -> tuple[dict[str, str], list[str]]:
     """(environment assignments, argv) of the README's server command."""
     text = README.read_text()
-    section = text[text.index("## Using kvtier with vLLM"):]
-    section = section[:section.index("\n## ", 1)]
+    section = text[text.index("## Using kvtier with vLLM") :]
+    section = section[: section.index("\n## ", 1)]
     blocks = re.findall(r"```sh\n(.*?)```", section, re.DOTALL)
     command = next(b for b in blocks if "vllm.entrypoints.openai.api_server" in b)
     words = shlex.split(command.replace("\\\n", " "))
@@ -85,9 +85,13 @@ class Server:
         self.model = str(model)
         self.log_path = log
         self._log = open(log, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([*argv, "--host", "127.0.0.1", "--port", str(self.port)],
-                                     env={**os.environ, **env_add}, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [*argv, "--host", "127.0.0.1", "--port", str(self.port)],
+            env={**os.environ, **env_add},
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def _get(self, path: str) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=10) as r:
@@ -106,14 +110,20 @@ class Server:
 
     def complete(self, ids: list[int]) -> dict[str, Any]:
         """A greedy completion of the token ids ``ids``: its tokens and their logprobs."""
-        body = json.dumps({"model": self.model, "prompt": ids, "max_tokens": 8,
-                           "temperature": 0.0, "logprobs": 1}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", body,
-                                     {"Content-Type": "application/json"})
+        body = json.dumps(
+            {"model": self.model, "prompt": ids, "max_tokens": 8, "temperature": 0.0, "logprobs": 1}
+        ).encode()
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/v1/completions",
+            body,
+            {"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(req, timeout=120) as r:
             choice = json.loads(r.read())["choices"][0]
-        return {"tokens": choice["logprobs"]["tokens"],
-                "logprobs": [round(x, 4) for x in choice["logprobs"]["token_logprobs"]]}
+        return {
+            "tokens": choice["logprobs"]["tokens"],
+            "logprobs": [round(x, 4) for x in choice["logprobs"]["token_logprobs"]],
+        }
 
     def external_hits(self) -> float:
         """Tokens the KV connector supplied so far (vLLM's own counter)."""
@@ -143,13 +153,15 @@ class Server:
 def served_model(vllm_tmp: Path) -> Path:
     """The tiny random Llama with a tokenizer, as a server loads it."""
     path = make_tiny_llama(vllm_tmp / "served-llama")
-    subprocess.run([sys.executable, "-c", _TOKENIZER, str(path)], check=True,
-                   capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-c", _TOKENIZER, str(path)], check=True, capture_output=True, timeout=300
+    )
     return path
 
 
 def test_the_readme_server_command_serves_a_restarted_server_from_kvtierd(
-        daemon_factory, served_model, short_tmp):
+    daemon_factory, served_model, short_tmp
+):
     d = daemon_factory()
     ids = prompt(41, 10 * 32 + 5)  # ten full blocks and a partial one
     servers: list[Server] = []

@@ -19,16 +19,26 @@ from vllm_harness import BLOCK, TINY, EngineProcess, prompt, same_output
 
 pytestmark = pytest.mark.timeout(900)
 
-RANK_GEOMETRY = Geometry(num_layers=TINY["num_hidden_layers"], page_size=BLOCK,
-                         kv_heads=TINY["num_key_value_heads"] // 2, head_dim=64,
-                         dtype="bfloat16", layout=CPU_LAYOUT)
+RANK_GEOMETRY = Geometry(
+    num_layers=TINY["num_hidden_layers"],
+    page_size=BLOCK,
+    kv_heads=TINY["num_key_value_heads"] // 2,
+    head_dim=64,
+    dtype="bfloat16",
+    layout=CPU_LAYOUT,
+)
 """One rank's pages of the tiny Llama under TP 2 (half the KV heads)."""
 
 
 def _rank_pages(runtime_dir: Path, model: Path, tokens: list[int], rank: int) -> int:
     """Leading pages of ``tokens`` in rank ``rank``'s namespace (L2)."""
-    conn = Connection(ControlOnly(RANK_GEOMETRY), model_id=str(model), tp_rank=rank, tp_size=2,
-                      config=ClientConfig(runtime_dir=runtime_dir))
+    conn = Connection(
+        ControlOnly(RANK_GEOMETRY),
+        model_id=str(model),
+        tp_rank=rank,
+        tp_size=2,
+        config=ClientConfig(runtime_dir=runtime_dir),
+    )
     try:
         return conn.lookup(page_keys(conn.ns_fingerprint, tokens, BLOCK)).l2
     finally:
@@ -44,8 +54,13 @@ def _load_counts(daemon) -> tuple[int, int]:
 def test_each_rank_stores_and_loads_its_own_pages(daemon, tiny_model, short_tmp):
     p = prompt(51, 300)
     pages = (len(p) - 1) // BLOCK
-    e = EngineProcess(tiny_model, {"runtime_dir": str(daemon.runtime_dir)},
-                      short_tmp / "tp2.log", multiprocess=True, tp=2).wait_ready(timeout=600)
+    e = EngineProcess(
+        tiny_model,
+        {"runtime_dir": str(daemon.runtime_dir)},
+        short_tmp / "tp2.log",
+        multiprocess=True,
+        tp=2,
+    ).wait_ready(timeout=600)
     try:
         computed = e.generate([p], timeout=300)
         assert computed[0]["cached"] == 0

@@ -39,8 +39,11 @@ def record_loads() -> list[dict[str, Any]]:
 
     done: list[dict[str, Any]] = []
     lock = threading.Lock()
-    register, start, finished = (WorkerSide.register_kv_caches, WorkerSide.start_loads,
-                                 WorkerSide.get_finished)
+    register, start, finished = (
+        WorkerSide.register_kv_caches,
+        WorkerSide.start_loads,
+        WorkerSide.get_finished,
+    )
 
     def register_kv_caches(self, kv_caches, layer_index):  # type: ignore[no-untyped-def]
         seen: dict[int, torch.Tensor] = {}
@@ -65,16 +68,23 @@ def record_loads() -> list[dict[str, Any]]:
         sending, recving = finished(self, finished_req_ids)
         with self._cv:
             errors = set(self._step_errors)  # reported by load_errors() next
-        ended = [spec for r, spec in list(self._recorded_specs.items())
-                 if r in recving or spec.layerwise]
+        ended = [
+            spec for r, spec in list(self._recorded_specs.items()) if r in recving or spec.layerwise
+        ]
         for spec in ended:
             del self._recorded_specs[spec.req_id]
             with lock:
-                done.append({"req_id": spec.req_id, "tokens": list(spec.tokens),
-                             "start": spec.start, "block_ids": list(spec.block_ids),
-                             "layerwise": spec.layerwise,
-                             "errors": sorted(errors & set(spec.block_ids)),
-                             "digests": [digest(self, b) for b in spec.block_ids]})
+                done.append(
+                    {
+                        "req_id": spec.req_id,
+                        "tokens": list(spec.tokens),
+                        "start": spec.start,
+                        "block_ids": list(spec.block_ids),
+                        "layerwise": spec.layerwise,
+                        "errors": sorted(errors & set(spec.block_ids)),
+                        "digests": [digest(self, b) for b in spec.block_ids],
+                    }
+                )
         return sending, recving
 
     WorkerSide.register_kv_caches = register_kv_caches  # type: ignore[method-assign]
@@ -97,22 +107,30 @@ def main() -> None:
     kv = None
     if config.get("kvtier") is not None:
         # the README's --kv-transfer-config, with the test's extra config
-        kv = KVTransferConfig(**{**config["kv_transfer"],
-                                 "kv_connector_extra_config": config["kvtier"]})
+        kv = KVTransferConfig(
+            **{**config["kv_transfer"], "kv_connector_extra_config": config["kvtier"]}
+        )
     elif config.get("example_dir"):
-        kv = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
-                              kv_connector_extra_config={"shared_storage_path":
-                                                         config["example_dir"]})
-    llm = LLM(model=model_dir, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
-              max_model_len=config.get("max_model_len", 1024),
-              block_size=config.get("block_size", 32),
-              kv_cache_memory_bytes=config.get("kv_bytes", 64 << 20),
-              enable_prefix_caching=config.get("prefix_caching", False),
-              kv_events_config=KVEventsConfig(**config["kv_events"])
-              if config.get("kv_events") else None,
-              kv_transfer_config=kv, seed=0,
-              tensor_parallel_size=config.get("tp", 1),
-              distributed_executor_backend="mp" if config.get("tp", 1) > 1 else None)
+        kv = KVTransferConfig(
+            kv_connector="ExampleConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"shared_storage_path": config["example_dir"]},
+        )
+    llm = LLM(
+        model=model_dir,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="bfloat16",
+        max_model_len=config.get("max_model_len", 1024),
+        block_size=config.get("block_size", 32),
+        kv_cache_memory_bytes=config.get("kv_bytes", 64 << 20),
+        enable_prefix_caching=config.get("prefix_caching", False),
+        kv_events_config=KVEventsConfig(**config["kv_events"]) if config.get("kv_events") else None,
+        kv_transfer_config=kv,
+        seed=0,
+        tensor_parallel_size=config.get("tp", 1),
+        distributed_executor_backend="mp" if config.get("tp", 1) > 1 else None,
+    )
     out.write(json.dumps({"ready": True}) + "\n")
     out.flush()
     for line in sys.stdin:
@@ -121,20 +139,30 @@ def main() -> None:
             assert loads is not None, "the engine was started without record_loads"
             out.write(json.dumps({"ok": True, "loads": loads[:]}) + "\n")
             out.flush()
-            del loads[:len(loads)]
+            del loads[: len(loads)]
             continue
-        params = SamplingParams(temperature=0.0, max_tokens=req.get("max_tokens", 8),
-                                logprobs=1, ignore_eos=True)
-        prompts = [TokensPrompt(prompt_token_ids=p, cache_salt=req["salt"]) if req.get("salt")
-                   else TokensPrompt(prompt_token_ids=p) for p in req["prompts"]]
+        params = SamplingParams(
+            temperature=0.0, max_tokens=req.get("max_tokens", 8), logprobs=1, ignore_eos=True
+        )
+        prompts = [
+            TokensPrompt(prompt_token_ids=p, cache_salt=req["salt"])
+            if req.get("salt")
+            else TokensPrompt(prompt_token_ids=p)
+            for p in req["prompts"]
+        ]
         results = llm.generate(prompts, params, use_tqdm=False)
         outputs = []
         for r in results:
             c = r.outputs[0]
             lps = [round(float(d[t].logprob), 4) for d, t in zip(c.logprobs, c.token_ids)]
-            outputs.append({"tokens": list(c.token_ids), "logprobs": lps,
-                            "cached": r.num_cached_tokens or 0,
-                            "finish": c.finish_reason})
+            outputs.append(
+                {
+                    "tokens": list(c.token_ids),
+                    "logprobs": lps,
+                    "cached": r.num_cached_tokens or 0,
+                    "finish": c.finish_reason,
+                }
+            )
         out.write(json.dumps({"ok": True, "outputs": outputs}) + "\n")
         out.flush()
 

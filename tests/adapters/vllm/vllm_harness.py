@@ -35,12 +35,19 @@ HERE = Path(__file__).parent
 BLOCK = 32
 """vLLM block size of the tests (the CPU backend needs a multiple of 32)."""
 
-TINY = {"vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "num_key_value_heads": 2}
+TINY = {
+    "vocab_size": 1024,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 """A Llama whose prefill of a few hundred tokens takes milliseconds (head_dim 64)."""
 
-GEOMETRY = Geometry(num_layers=4, page_size=BLOCK, kv_heads=2, head_dim=64, dtype="bfloat16",
-                    layout=CPU_LAYOUT)
+GEOMETRY = Geometry(
+    num_layers=4, page_size=BLOCK, kv_heads=2, head_dim=64, dtype="bfloat16", layout=CPU_LAYOUT
+)
 """kvtier's page geometry of :data:`TINY` under vLLM's CPU backend."""
 
 _MAKE_MODEL = """
@@ -54,8 +61,12 @@ LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(sys.argv[1], safe_seria
 
 def make_tiny_llama(path: Path, config: dict[str, int] | None = None) -> Path:
     """Write a random bf16 Llama (initializer_range 0.3: outputs depend on the context)."""
-    subprocess.run([sys.executable, "-c", _MAKE_MODEL, str(path), json.dumps(config or TINY)],
-                   check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-c", _MAKE_MODEL, str(path), json.dumps(config or TINY)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     return path
 
 
@@ -71,8 +82,8 @@ def readme_kv_transfer_config() -> dict[str, Any]:
     """The ``--kv-transfer-config`` JSON of README.md's vLLM section (the server command), as a
     user copies it; the tests configure vLLM with exactly that (the extra config aside)."""
     text = README.read_text()
-    section = text[text.index("## Using kvtier with vLLM"):]
-    section = section[:section.index("\n## ", 1)]
+    section = text[text.index("## Using kvtier with vLLM") :]
+    section = section[: section.index("\n## ", 1)]
     match = re.search(r"--kv-transfer-config '(\{.*?\})'", section, re.DOTALL)
     assert match, "README's vLLM section has no --kv-transfer-config"
     return json.loads(match.group(1))
@@ -104,20 +115,39 @@ class EngineProcess:
         extra: more engine settings (see vllm_engine_proc.py).
     """
 
-    def __init__(self, model: Path, kvtier: dict[str, Any] | None, log: Path,
-                 multiprocess: bool = False, **extra: Any) -> None:
-        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind",
-                   VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0")
+    def __init__(
+        self,
+        model: Path,
+        kvtier: dict[str, Any] | None,
+        log: Path,
+        multiprocess: bool = False,
+        **extra: Any,
+    ) -> None:
+        env = dict(
+            os.environ,
+            VLLM_CPU_OMP_THREADS_BIND="nobind",
+            VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0",
+        )
         record = not multiprocess and extra.get("tp", 1) == 1  # the worker runs in-process
-        cfg = json.dumps({"kvtier": kvtier, "kv_transfer": readme_kv_transfer_config(),
-                          "record_loads": record, **extra})
+        cfg = json.dumps(
+            {
+                "kvtier": kvtier,
+                "kv_transfer": readme_kv_transfer_config(),
+                "record_loads": record,
+                **extra,
+            }
+        )
         self.log_path = log
         self._shm_before = _vllm_shm()
         self._log = open(log, "ab")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(
             [sys.executable, str(HERE / "vllm_engine_proc.py"), str(model), cfg],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env,
-            start_new_session=True)
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env=env,
+            start_new_session=True,
+        )
         self._buf = b""
 
     def wait_ready(self, timeout: float = 180.0) -> EngineProcess:
@@ -138,8 +168,9 @@ class EngineProcess:
             if ready:
                 chunk = os.read(fd, 1 << 16)
                 if not chunk:
-                    raise EngineError(f"engine exited ({self.proc.wait()}); log tail:\n"
-                                      f"{self.log_tail()}")
+                    raise EngineError(
+                        f"engine exited ({self.proc.wait()}); log tail:\n{self.log_tail()}"
+                    )
                 self._buf += chunk
         line, self._buf = self._buf.split(b"\n", 1)
         return json.loads(line)
@@ -147,8 +178,10 @@ class EngineProcess:
     def send(self, prompts: list[list[int]], max_tokens: int = 8, salt: str = "") -> None:
         """Send a generate request (answered by :meth:`receive`)."""
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens,
-                                          "salt": salt}).encode() + b"\n")
+        self.proc.stdin.write(
+            json.dumps({"prompts": prompts, "max_tokens": max_tokens, "salt": salt}).encode()
+            + b"\n"
+        )
         self.proc.stdin.flush()
 
     def receive(self, timeout: float = 120.0) -> list[dict[str, Any]]:
@@ -158,8 +191,9 @@ class EngineProcess:
             raise EngineError(f"request failed: {rep}")
         return rep["outputs"]
 
-    def generate(self, prompts: list[list[int]], max_tokens: int = 8, salt: str = "",
-                 timeout: float = 120.0) -> list[dict[str, Any]]:
+    def generate(
+        self, prompts: list[list[int]], max_tokens: int = 8, salt: str = "", timeout: float = 120.0
+    ) -> list[dict[str, Any]]:
         """Greedy generation; per prompt ``tokens``, ``logprobs`` and ``cached`` tokens."""
         self.send(prompts, max_tokens, salt)
         return self.receive(timeout)
@@ -217,11 +251,13 @@ def same_output(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
     return [(o["tokens"], o["logprobs"]) for o in a] == [(o["tokens"], o["logprobs"]) for o in b]
 
 
-def kvtier_pages(runtime_dir: Path, model: Path, tokens: list[int], salt: str = ""
-                 ) -> tuple[int, int]:
+def kvtier_pages(
+    runtime_dir: Path, model: Path, tokens: list[int], salt: str = ""
+) -> tuple[int, int]:
     """(pages in L2, then pages in L3) of ``tokens`` in the engines' namespace."""
-    conn = Connection(ControlOnly(GEOMETRY), model_id=str(model),
-                      config=ClientConfig(runtime_dir=runtime_dir))
+    conn = Connection(
+        ControlOnly(GEOMETRY), model_id=str(model), config=ClientConfig(runtime_dir=runtime_dir)
+    )
     try:
         keys = page_keys(chain_seed(conn.ns_fingerprint, salt), tokens, BLOCK)
         rep = conn.lookup(keys)
@@ -230,8 +266,9 @@ def kvtier_pages(runtime_dir: Path, model: Path, tokens: list[int], salt: str = 
         conn.close()
 
 
-def stored_digests(runtime_dir: Path, model: Path, tokens: list[int], pages: int,
-                   salt: str = "") -> list[str]:
+def stored_digests(
+    runtime_dir: Path, model: Path, tokens: list[int], pages: int, salt: str = ""
+) -> list[str]:
     """SHA-256 of each of the first ``pages`` pages kvtierd holds for ``tokens`` in the
     engines' namespace (all layers in layer order, as vllm_engine_proc.py digests a vLLM
     block): loaded by a connection of its own into memory of its own."""
@@ -239,48 +276,72 @@ def stored_digests(runtime_dir: Path, model: Path, tokens: list[int], pages: int
     seg = SharedMemorySegment.create_memfd(f"kvt-digests-{os.getpid()}", pages * g.page_bytes)
     try:
         per_layer = g.page_bytes // g.num_layers
-        regions = [P.MemoryRegion(segment=0, offset=layer * per_layer, page_stride=g.page_bytes,
-                                  page_bytes=per_layer, layer=layer)
-                   for layer in range(g.num_layers)]
+        regions = [
+            P.MemoryRegion(
+                segment=0,
+                offset=layer * per_layer,
+                page_stride=g.page_bytes,
+                page_bytes=per_layer,
+                layer=layer,
+            )
+            for layer in range(g.num_layers)
+        ]
         assert seg.fd is not None
         memory = RegionMemory(g, pages, [seg.fd], [seg.size], regions)
-        with Connection(memory, model_id=str(model),
-                        config=ClientConfig(runtime_dir=runtime_dir)) as conn:
-            keys = page_keys(chain_seed(conn.ns_fingerprint, salt), tokens[:pages * BLOCK], BLOCK)
+        with Connection(
+            memory, model_id=str(model), config=ClientConfig(runtime_dir=runtime_dir)
+        ) as conn:
+            keys = page_keys(chain_seed(conn.ns_fingerprint, salt), tokens[: pages * BLOCK], BLOCK)
             h = conn.load(keys, list(range(pages)))
             assert h.count == pages and h.wait(), f"kvtierd holds {h.count} of {pages} pages"
         raw = seg.array(np.uint8)
-        return [hashlib.sha256(raw[i * g.page_bytes:(i + 1) * g.page_bytes].tobytes()).hexdigest()
-                for i in range(pages)]
+        return [
+            hashlib.sha256(raw[i * g.page_bytes : (i + 1) * g.page_bytes].tobytes()).hexdigest()
+            for i in range(pages)
+        ]
     finally:
         seg.close()
 
 
-def assert_loaded_as_stored(engine: EngineProcess, runtime_dir: Path, model: Path,
-                            expected: list[tuple[list[int], int]], salt: str = "") -> None:
+def assert_loaded_as_stored(
+    engine: EngineProcess,
+    runtime_dir: Path,
+    model: Path,
+    expected: list[tuple[list[int], int]],
+    salt: str = "",
+) -> None:
     """Check what ``engine``'s connector loaded since it was last asked: for each
     ``(prompt, pages)`` one load, into blocks for pages ``start .. pages`` of the prompt
     (all of its hit beyond vLLM's own), none reported as failed, each block holding
     exactly the bytes kvtierd holds for its page; and no other load."""
     loads = engine.loads()
     for tokens, pages in expected:
-        mine = [x for x in loads if x["tokens"] == tokens[:len(x["tokens"])]]
+        mine = [x for x in loads if x["tokens"] == tokens[: len(x["tokens"])]]
         assert len(mine) == 1, f"{len(mine)} loads of the prompt of {len(tokens)} tokens"
         (load,) = mine
         assert load["errors"] == [], f"blocks {load['errors']} were reported not loaded"
         assert load["start"] + len(load["block_ids"]) == pages, (
             f"pages {load['start']}..{load['start'] + len(load['block_ids'])} loaded, "
-            f"the hit is {pages} pages")
-        want = stored_digests(runtime_dir, model, tokens, pages, salt)[load["start"]:]
+            f"the hit is {pages} pages"
+        )
+        want = stored_digests(runtime_dir, model, tokens, pages, salt)[load["start"] :]
         got = load["digests"]
-        assert got == want, (f"blocks {load['block_ids']}: pages "
-                             f"{[i for i, (a, b) in enumerate(zip(got, want)) if a != b]} of the "
-                             "load do not hold what kvtierd stored")
+        assert got == want, (
+            f"blocks {load['block_ids']}: pages "
+            f"{[i for i, (a, b) in enumerate(zip(got, want)) if a != b]} of the "
+            "load do not hold what kvtierd stored"
+        )
     assert len(loads) == len(expected), f"{len(loads)} loads, {len(expected)} expected"
 
 
-def wait_for_pages(runtime_dir: Path, model: Path, tokens: list[int], pages: int,
-                   salt: str = "", timeout: float = 30.0) -> None:
+def wait_for_pages(
+    runtime_dir: Path,
+    model: Path,
+    tokens: list[int],
+    pages: int,
+    salt: str = "",
+    timeout: float = 30.0,
+) -> None:
     """Wait until kvtierd's L2 holds ``pages`` leading pages of ``tokens``."""
     deadline = time.monotonic() + timeout
     while kvtier_pages(runtime_dir, model, tokens, salt)[0] < pages:
