@@ -37,20 +37,12 @@ and the synthetic workload.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from kvtier.bench.trace_sim import (
-    DEFAULT_TRACE,
-    arc_hit_rate,
-    load_trace,
-    lru_hit_rate,
-    min_hit_rate,
-    synthetic_trace,
-)
+from kvtier.bench.trace_sim import arc_hit_rate, lru_hit_rate, min_hit_rate, workloads
 
 __all__ = [
     "CANDIDATES",
@@ -330,19 +322,7 @@ CANDIDATES: dict[str, Callable[[Chains, int], float]] = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Print the candidates' hit rates and gap closed as a Markdown table."""
-    ap = argparse.ArgumentParser(prog="python -m kvtier.bench.trace_policies", description=__doc__)
-    ap.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake-format trace")
-    ap.add_argument("--blocks", default="2000,5000,10000,20000", help="cache sizes, in blocks")
-    args = ap.parse_args(argv)
-    sizes = [int(x) for x in args.blocks.split(",")]
-    chains, _ = load_trace(args.trace)
-    half = len(chains) // 2
-    work = {
-        "trace": chains,
-        "half 1": chains[:half],
-        "half 2": chains[half:],
-        "synthetic": synthetic_trace(len(chains)),
-    }
+    sizes, work = workloads("python -m kvtier.bench.trace_policies", __doc__, argv)
     print("| workload | policy | " + " | ".join(str(s) for s in sizes) + " | gap closed |")
     print("|---|---|" + "---|" * len(sizes) + "---|")
     for name, ch in work.items():

@@ -44,6 +44,7 @@ __all__ = [
     "main",
     "min_hit_rate",
     "synthetic_trace",
+    "workloads",
 ]
 
 DEFAULT_TRACE = Path(__file__).parent / "data" / "mooncake_conversation_trace.jsonl.gz"
@@ -284,21 +285,33 @@ def synthetic_trace(requests: int, seed: int = 0) -> list[list[int]]:
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Print every policy's hit rate (and ARC's gap closed) per size and workload."""
-    ap = argparse.ArgumentParser(prog="python -m kvtier.bench.trace_sim", description=__doc__)
+def workloads(
+    prog: str, description: str | None, argv: Sequence[str] | None
+) -> tuple[list[int], dict[str, list[list[int]]]]:
+    """The sizes and workloads a simulation command runs, from its command line.
+
+    ``--trace`` (default: the shipped conversation trace) and ``--blocks`` (comma-separated
+    cache sizes); the workloads are the whole trace, its two halves and a synthetic trace of
+    as many requests (:func:`synthetic_trace`), so a policy is not judged on one file alone.
+    """
+    ap = argparse.ArgumentParser(prog=prog, description=description)
     ap.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake-format trace")
     ap.add_argument("--blocks", default="2000,5000,10000,20000", help="cache sizes, in blocks")
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.blocks.split(",")]
     chains, _ = load_trace(args.trace)
     half = len(chains) // 2
-    work = {
+    return sizes, {
         "trace": chains,
         "first half": chains[:half],
         "second half": chains[half:],
         "synthetic": synthetic_trace(len(chains)),
     }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print every policy's hit rate (and ARC's gap closed) per size and workload."""
+    sizes, work = workloads("python -m kvtier.bench.trace_sim", __doc__, argv)
     print(
         f"{'workload':<12} {'blocks':>7} "
         + " ".join(f"{k:>6}" for k in POLICIES)
