@@ -23,7 +23,7 @@ from typing import Any
 from kvtier.daemon.storage.base import StorageBackend
 from kvtier.daemon.storage.registry import create_backend
 
-__all__ = ["LOOPBACK", "free_port", "port_open", "redis_pong", "server_backend"]
+__all__ = ["LOOPBACK", "free_port", "free_ports", "port_open", "redis_pong", "server_backend"]
 
 LOOPBACK = "127.0.0.1"
 _READY_DEADLINE_S = 15.0
@@ -59,7 +59,7 @@ async def server_backend(
                     "redis", {"url": f"redis://{LOOPBACK}:{port}/0", "timeout_s": 30, **options}
                 )
         else:
-            rpc, http, metrics = free_port(), free_port(), free_port()
+            rpc, http, metrics = free_ports(3)
             argv = [
                 _binary("mooncake_master"),
                 f"--rpc_address={LOOPBACK}",
@@ -159,6 +159,19 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind((LOOPBACK, 0))
         return int(sock.getsockname()[1])
+
+
+def free_ports(n: int) -> list[int]:
+    """Return ``n`` distinct free TCP ports on the loopback address (all bound at once while
+    they are chosen, so the kernel cannot hand out one port twice)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind((LOOPBACK, 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 def port_open(port: int) -> bool:

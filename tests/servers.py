@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from kvtier.bench.local_servers import free_port, port_open, redis_pong
+from kvtier.bench.local_servers import free_port, free_ports, port_open, redis_pong
 
 __all__ = [
     "MooncakeMaster",
@@ -273,7 +273,7 @@ def start_mooncake_master(deadline_s: float = READY_DEADLINE_S) -> MooncakeMaste
         raise FileNotFoundError(
             "mooncake_master not found (pip install mooncake-transfer-engine-non-cuda)"
         )
-    rpc, http, metrics = free_port(), free_port(), free_port()
+    rpc, http, metrics = free_ports(3)
     log_dir = Path(tempfile.mkdtemp(prefix="kvtier-mooncake-"))
     argv = [
         binary,

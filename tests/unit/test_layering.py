@@ -3,7 +3,8 @@
 The import contracts live in ``.importlinter`` at the repository root: ``config`` <- ``ipc``,
 ``kernels`` <- ``daemon`` | ``client`` <- ``bench`` <- ``cli``; inside the daemon ``service`` ->
 ``tier`` | ``transfer`` -> ``pool`` | ``storage`` -> ``counters``; the pool imports no asyncio;
-no import circles between siblings. A module over 500 lines is usually two concepts.
+no import circles between siblings. Modules aim at about 400 lines (a module much longer is
+usually two concepts: split it where the concept splits); 800 is the hard limit.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("config", "ipc", "kernels", "daemon", "client", "cli", "bench")
-MAX_LINES = 500
+MAX_LINES = 800
 
 
 def test_import_contracts_are_kept() -> None:
@@ -40,8 +41,8 @@ def test_import_contracts_are_kept() -> None:
     assert "0 broken" in proc.stdout
 
 
-def test_no_module_over_500_lines() -> None:
-    """Every Python module of the packages is at most 500 lines long."""
+def test_no_module_over_800_lines() -> None:
+    """Every Python module of the packages is at most 800 lines long."""
     long = {}
     for pkg in PACKAGES:
         for path in (ROOT / pkg).rglob("*.py"):

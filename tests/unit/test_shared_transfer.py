@@ -138,6 +138,7 @@ def _setup(executor: Executor, verify: bool = False) -> tuple[Transfers, Any, An
         metrics=None,
         cfg=SimpleNamespace(verify_on_adopt=verify),
         tier=SimpleNamespace(stored=lambda s, keys: None, loaded=lambda s, keys: None),
+        events=None,
         finalize_session=lambda s: None,
     )
     session = SimpleNamespace(
