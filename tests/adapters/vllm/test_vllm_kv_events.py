@@ -90,8 +90,11 @@ def test_every_kvtierd_event_decodes_with_vllms_types(daemon_factory, short_tmp)
                 lora_name="l" if c else None,
             )
             assert conn.store(keys, list(range(200)), engine=eng).wait()
+            with AdminClient(d.endpoint, timeout_s=30.0) as admin:
+                # the L3 writes end and drop their pins before the next STORE, so that it
+                # evicts (a page being written to L3 is not evicted)
+                admin.sync(30.0)
         with AdminClient(d.endpoint, timeout_s=30.0) as admin:
-            admin.sync(30.0)
             assert isinstance(admin.call(P.Flush(req_id=0, tier="all")), P.FlushReply)
             c, evictions = admin.stats()["counters"], admin.stats()["pool"]["evictions"]
         got = stream.batches()

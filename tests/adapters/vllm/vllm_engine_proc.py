@@ -35,23 +35,24 @@ def record_loads() -> list[dict[str, Any]]:
     """Watch every WorkerSide made in this process from now on (see the module docstring);
     return the list the finished loads are appended to."""
     import torch
+    from kvtier.client.adapters.vllm_staging import StagedWorkerSide
     from kvtier.client.adapters.vllm_worker import WorkerSide
 
     done: list[dict[str, Any]] = []
     lock = threading.Lock()
-    register, start, finished = (
-        WorkerSide.register_kv_caches,
-        WorkerSide.start_loads,
-        WorkerSide.get_finished,
-    )
+    start, finished = WorkerSide.start_loads, WorkerSide.get_finished
 
-    def register_kv_caches(self, kv_caches, layer_index):  # type: ignore[no-untyped-def]
-        seen: dict[int, torch.Tensor] = {}
-        for name in sorted(kv_caches, key=layer_index.__getitem__):
-            seen.setdefault(kv_caches[name].data_ptr(), kv_caches[name])
-        self._recorded_layers = list(seen.values())
-        self._recorded_specs = {}
-        return register(self, kv_caches, layer_index)
+    def watched(register):  # type: ignore[no-untyped-def]
+        # each copy mode's worker side registers vLLM's KV tensors in its own way
+        def register_kv_caches(self, kv_caches, layer_index):  # type: ignore[no-untyped-def]
+            seen: dict[int, torch.Tensor] = {}
+            for name in sorted(kv_caches, key=layer_index.__getitem__):
+                seen.setdefault(kv_caches[name].data_ptr(), kv_caches[name])
+            self._recorded_layers = list(seen.values())
+            self._recorded_specs = {}
+            return register(self, kv_caches, layer_index)
+
+        return register_kv_caches
 
     def start_loads(self, meta, idle=False):  # type: ignore[no-untyped-def]
         for spec in meta.loads:
@@ -87,7 +88,8 @@ def record_loads() -> list[dict[str, Any]]:
                 )
         return sending, recving
 
-    WorkerSide.register_kv_caches = register_kv_caches  # type: ignore[method-assign]
+    for side in (WorkerSide, StagedWorkerSide):
+        side.register_kv_caches = watched(side.register_kv_caches)  # type: ignore[method-assign]
     WorkerSide.start_loads = start_loads  # type: ignore[method-assign]
     WorkerSide.get_finished = get_finished  # type: ignore[method-assign]
     return done
