@@ -203,6 +203,9 @@ class StagingArea:
             slots: slots from :meth:`acquire`.
             in_use: for a transfer the daemon may still be copying: returns True while it
                 does; the slots stay out of use until it returns False.
+
+        Raises:
+            ValueError: a slot that is free already (released twice).
         """
         if not slots:
             return
@@ -214,7 +217,8 @@ class StagingArea:
 
     def _give(self, slots: Sequence[int]) -> None:
         arr = np.asarray(slots, dtype=np.int64)
-        assert not self._free[arr].any(), f"staging slots released twice: {list(slots)}"
+        if self._free[arr].any():  # checked always: a slot handed out twice mixes two copies
+            raise ValueError(f"staging slots released twice: {list(slots)}")
         self._free[arr] = True
         self._cv.notify_all()
 
