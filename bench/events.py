@@ -28,7 +28,6 @@ wants the node's whole history: its first batch shows the gap, and it replays it
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -38,6 +37,7 @@ import warnings
 from pathlib import Path
 from typing import Any, cast
 
+from kvtier.bench import report
 from kvtier.client.admin import AdminClient
 from kvtier.client.connection import Connection
 from kvtier.client.daemon_process import DaemonProcess
@@ -247,16 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=40, help="rounds per daemon (default 40)")
     args = ap.parse_args(argv)
     result = run_events_bench(rounds=args.rounds)
-    if args.json == "-":
-        print(json.dumps(result, indent=2))
-        return 0
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    for name, value in result.items():
-        target = TARGETS.get(name)
-        note = f"   (target {target[0]} {target[1]})" if target else ""
-        print(f"{name:38} {value}{note}")
+    report(result, args.json, TARGETS)
     return 0
 
 

@@ -60,6 +60,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench import report
 from kvtier.client.daemon_process import DaemonProcess
 
 __all__ = ["main", "run_vllm_bench"]
@@ -292,16 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     result = run_vllm_bench(args.tokens, args.prompts, args.copy_mode)
-    if args.json == "-":
-        print(json.dumps(result, indent=2))
-    else:
-        if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-        for name, value in result.items():
-            target = TARGETS.get(name)
-            note = f"   (target {target[0]} {target[1]})" if target else ""
-            print(f"{name:32} {value}{note}")
+    report(result, args.json, TARGETS)
     return 0
 
 
