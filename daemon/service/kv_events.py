@@ -8,6 +8,9 @@ When ``kv_events_endpoint`` is set, kvtierd publishes (:mod:`kvtier.ipc.kv_event
   dropped by FLUSH;
 - ``BlockStored`` with the L3 backend's name (``FILE``, ``REDIS``, ...) once a page is
   written to L3 (or found there by the writer);
+- ``BlockRemoved`` with the L3 backend's name when the backend drops pages on its own
+  (evicted for room, discarded as damaged), for backends that can tell
+  (:meth:`~kvtier.daemon.storage.base.StorageBackend.dropped`: ``file``);
 - ``AllBlocksCleared`` when FLUSH empties L3 of a namespace, followed by a ``BlockStored``
   of what L2 still holds of it.
 
@@ -319,6 +322,16 @@ class KvEventPublisher:
         for ns_id, keys in by_ns.items():
             self.stored(ns_id, self.l3_medium, keys, None)
 
+    def l3_dropped(self, pages: Sequence[tuple[int, bytes]]) -> None:
+        """Pages ``(ns_id, key)`` the L3 backend dropped on its own: one BlockRemoved per
+        namespace."""
+        by_ns: dict[int, list[E.BlockHash]] = {}
+        hashes = self._hashes
+        for ns_id, key in pages:
+            by_ns.setdefault(ns_id, []).append(hashes.get(key, key))
+        for ns_id, hs in by_ns.items():
+            self._removed(ns_id, self.l3_medium, hs)
+
     def l3_cleared(self, ns_id: int, l2_pages: Sequence[tuple[bytes, bytes | None]]) -> None:
         """FLUSH emptied L3 of ``ns_id``: AllBlocksCleared on its topic, then what L2 still
         holds of it (``(key, parent key)`` per READY page)."""
@@ -511,6 +524,12 @@ def open_publisher(
     tier.on_evicted = pub.evicted
     tier.prefetcher.on_committed = pub.l2_filled
     tier.writer.on_written = pub.l3_written
+
+    def l3_dropped(dropped: list[tuple[bytes, bytes]]) -> None:
+        ids = tier.pool.namespaces()  # fingerprint -> pool namespace id
+        pub.l3_dropped([(ids[fp], key) for fp, key in dropped if fp in ids])
+
+    tier.l3.on_dropped = l3_dropped
     log.info(
         "publishing KV events on %s (replay: %s)",
         cfg.kv_events_endpoint,

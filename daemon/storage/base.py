@@ -150,6 +150,16 @@ class StorageBackend(abc.ABC):
         """
         return 0
 
+    def dropped(self) -> list[tuple[bytes, bytes]]:
+        """``(namespace, key)`` of the objects the store dropped on its own since the last
+        call: evicted to make room, discarded as damaged (not those :meth:`delete` removed).
+
+        Called from the event loop after each batch, so it must be cheap and must not block.
+        The default, for stores that cannot tell (their evictions happen out of sight), is
+        an empty list.
+        """
+        return []
+
     @abc.abstractmethod
     async def health(self) -> bool:
         """Return True when the store answers."""

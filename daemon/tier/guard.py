@@ -107,6 +107,9 @@ class L3Backend:
         backend: the open backend, None before it opened (or when L3 is off).
         healthy: whether calls go to the backend (False while it is down).
         on_open: called when a backend that could not open at start opens later.
+        on_dropped: called with ``(namespace, key)`` of the objects the backend dropped on
+            its own (:meth:`~kvtier.daemon.storage.base.StorageBackend.dropped`), after
+            the read or write batch that saw them go.
         faults: the current failing spell (its cause), logged once and then rarely.
 
     Raises:
@@ -127,6 +130,7 @@ class L3Backend:
         self.backend: StorageBackend | None = None
         self.healthy = False
         self.on_open: Callable[[], None] | None = None
+        self.on_dropped: Callable[[list[tuple[bytes, bytes]]], None] | None = None
         self.faults = FaultLog(log, f"L3 backend {self.name}", clock=clock)
         self._arena: HostArena | None = None
         self._faults: tuple[type[BaseException], ...] = (
@@ -252,6 +256,20 @@ class L3Backend:
         if backend.stats.errors > errors_before:
             self._check_now.set()  # the backend saw a fault: check its health soon
 
+    def _take_dropped(self, backend: StorageBackend) -> None:
+        """Hand what the backend dropped on its own to :attr:`on_dropped`."""
+        try:
+            dropped = backend.dropped()
+        except self._faults as err:
+            self._fault("listing dropped objects failed", err)
+            return
+        if not dropped:
+            return
+        for ident in dropped:
+            self._known.pop(ident, None)
+        if self.on_dropped is not None:
+            self.on_dropped(dropped)
+
     # ------------------------------------------------------------------ backend calls
     async def exists(self, ns: bytes, keys: Sequence[bytes]) -> int:
         """Length of the leading run of ``keys`` in L3 (0 when down, slow or failing)."""
@@ -287,6 +305,7 @@ class L3Backend:
             self._fault("get_into failed", err)
             return [False] * len(keys)
         self._watch(backend, before)
+        self._take_dropped(backend)
         return flags
 
     async def put(
@@ -303,6 +322,7 @@ class L3Backend:
             self._fault("put_from failed", err)
             return [False] * len(keys)
         self._watch(backend, before)
+        self._take_dropped(backend)
         if not self._lists:
             self._note_known(ns, [k for k, f in zip(keys, flags) if f])
         return flags

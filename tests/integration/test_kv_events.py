@@ -204,6 +204,45 @@ def test_l3_writes_and_l3_flush(daemon_factory, short_tmp):
         pool.close()
 
 
+def test_pages_the_l3_backend_evicts_are_removed_from_its_medium(daemon_factory, short_tmp):
+    """A file store too small for what is written evicts for room: each page it drops is
+    a BlockRemoved of medium FILE, by the engine's hash, and exactly the pages announced
+    stored in FILE and not removed are still in L3."""
+    extra = {"capacity": "1MiB", "segment_bytes": "512KiB"}
+    d = daemon_factory(
+        *event_flags(short_tmp),
+        *l3_flags("file", extra, prefetch_threshold="0"),
+        "--state-dir",
+        str(short_tmp / "st"),
+    )
+    pool, conn = engine(d.runtime_dir, num_pages=50)
+    sub = subscriber(short_tmp)
+    try:
+        key_of: dict[int, bytes] = {}
+        for c in range(4):  # 200 pages of 16 KiB into a 1 MiB store
+            keys = conn.page_keys(tokens(50 * SMALL.page_size, salt=c))
+            eng = P.EngineBlocks(hashes=[c * 1000 + i for i in range(50)])
+            key_of.update(zip(eng.hashes, keys))
+            assert conn.store(keys, list(range(50)), engine=eng).wait()
+        settled = ("l3_write_written_pages", "l3_write_failed_pages", "l3_write_skipped_pages")
+        wait_for(
+            lambda: sum(counters(d)[k] for k in settled) >= 200, what="every L3 write settled"
+        )
+        msgs = drain(sub)
+        stored = hashes(events(msgs, E.BlockStored, "FILE"))
+        removed = hashes(events(msgs, E.BlockRemoved, "FILE"))
+        assert removed, "a 1 MiB store took 200 pages of 16 KiB without evicting"
+        assert len(set(removed)) == len(removed)
+        assert set(removed) <= set(stored)  # named by the engine's hashes, as stored
+        flush(d, "l2")  # from here a page's lookup can only find it in L3
+        in_l3 = {h for h in stored if conn.lookup([key_of[h]]).l3 == 1}
+        assert in_l3 == set(stored) - set(removed)
+    finally:
+        sub.close()
+        conn.close()
+        pool.close()
+
+
 def test_replay_recovers_what_a_late_subscriber_missed(daemon_factory, short_tmp):
     d = daemon_factory(*event_flags(short_tmp))
     pool, conn = engine(d.runtime_dir)

@@ -324,6 +324,7 @@ class FileBackend(StorageBackend):
             damaged = slots.detach(
                 [slot for slot, gen in map(by_index.__getitem__, bad) if slot.gen == gen]
             )
+            slots.dropped.extend(slot.ident for slot in damaged)  # type: ignore[misc]
             hits = sum(found)
             self.stats.gets += hits
             self.stats.get_bytes += hits * length
@@ -388,6 +389,12 @@ class FileBackend(StorageBackend):
                 for ident, slot in self._slots.index.items()
                 if slot.ready and (namespaces is None or ident[0] in namespaces)
             ]
+
+    def dropped(self) -> list[tuple[bytes, bytes]]:
+        """``(namespace, key)`` of the objects evicted for room or discarded as damaged
+        since the last call (at most :data:`~.index.DROP_LOG`)."""
+        with self._lock:
+            return self._slots.take_dropped()
 
     @property
     def evictions(self) -> int:

@@ -11,17 +11,21 @@ Pure bookkeeping: no I/O and no lock. The backend holds its lock around every ca
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from kvtier.daemon.storage.file.segments import HEADER_STRIDE, Segment, Slot, table_bytes
 
-__all__ = ["STRIPES", "SizeClass", "SlotIndex", "runs"]
+__all__ = ["DROP_LOG", "STRIPES", "SizeClass", "SlotIndex", "runs"]
 
 STRIPES = 2
 """Segments with free slots a size class grows to so that concurrent put batches write
 different files; past that, a batch shares a segment another batch is writing rather than
 create one (a fresh segment's first writes cost far more than rewrites)."""
+
+DROP_LOG = 65536
+"""Most dropped objects :attr:`SlotIndex.dropped` keeps until they are taken (KV events
+announce them; a store that drops more between two batches loses the oldest)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -90,6 +94,9 @@ class SlotIndex:
         classes: payload slot size -> its :class:`SizeClass`.
         allocated: bytes of segment files created or reserved.
         evictions: objects evicted to make room.
+        dropped: ``(namespace, key)`` of the objects the store dropped on its own (evicted
+            for room, detached as damaged) since :meth:`take_dropped` last took them; at
+            most :data:`DROP_LOG`, the oldest go first.
     """
 
     __slots__ = (
@@ -97,6 +104,7 @@ class SlotIndex:
         "allocated",
         "capacity",
         "classes",
+        "dropped",
         "evictions",
         "index",
         "segment_bytes",
@@ -109,6 +117,7 @@ class SlotIndex:
         self.classes: dict[int, SizeClass] = {}
         self.allocated = 0
         self.evictions = 0
+        self.dropped: deque[tuple[bytes, bytes]] = deque(maxlen=DROP_LOG)
         self._next_seq = 0
 
     def clear(self) -> None:
@@ -167,8 +176,15 @@ class SlotIndex:
             return None
         slot, _ = cls.lru.popitem(last=False)
         del self.index[slot.ident]  # type: ignore[arg-type]
+        self.dropped.append(slot.ident)  # type: ignore[arg-type]
         self.evictions += 1
         return slot
+
+    def take_dropped(self) -> list[tuple[bytes, bytes]]:
+        """Return :attr:`dropped` and empty it."""
+        out = list(self.dropped)
+        self.dropped.clear()
+        return out
 
     def detach(self, slots: list[Slot]) -> list[Slot]:
         """Take ready slots out of the index and the LRU; return those taken.

@@ -18,6 +18,7 @@ from kvtier.daemon.storage.breaker import Breaker
 from kvtier.daemon.storage.keys import ObjectNames
 from kvtier.daemon.storage.objects import HEADER_SIZE, seal_headers
 from kvtier.daemon.storage.options import validate_options
+from kvtier.daemon.storage.redis.drops import DropWatch
 from kvtier.daemon.storage.redis.options import RedisOptions, redact
 from kvtier.daemon.storage.redis.resp import bulk, command, land
 from redis.asyncio.retry import Retry
@@ -74,6 +75,7 @@ class RedisBackend(StorageBackend):
         self._errors = _ERRORS
         self._arena: HostArena | None = None
         self._names = ObjectNames(self.options.prefix)
+        self._drops: DropWatch | None = None
         ttl_s = self.options.ttl_s
         self._ttl_arg = None if ttl_s is None else b"%d" % max(1, int(ttl_s * 1000))
         self._script_sha: bytes | None = _EXISTS_SHA
@@ -131,6 +133,10 @@ class RedisBackend(StorageBackend):
             raise StorageError(
                 f"redis backend: {redact(opts.address)!r} did not answer PING: {cause}"
             ) from err
+        if opts.watch_drops:
+            db = int(pool.connection_kwargs.get("db", 0) or 0)
+            self._drops = DropWatch(self._client, self._names, db)
+            await self._drops.start(opts.timeout_s)
 
     async def exists(self, ns: bytes, keys: Sequence[bytes]) -> int:
         """Return how many of ``keys``, from the first, are stored.
@@ -287,11 +293,19 @@ class RedisBackend(StorageBackend):
         self._note_up()
         return True
 
+    def dropped(self) -> list[tuple[bytes, bytes]]:
+        """Pages the server evicted or expired since the last call (with ``watch_drops``;
+        else none are known)."""
+        return self._drops.take() if self._drops is not None else []
+
     async def close(self) -> None:
         """Close every pooled connection; idempotent."""
         if self._state is _State.CLOSED:
             return
         self._state = _State.CLOSED
+        drops, self._drops = self._drops, None
+        if drops is not None:
+            await drops.close()
         client, self._client = self._client, None
         self._arena = None
         if client is not None:

@@ -27,6 +27,10 @@ class RedisOptions(BaseModel):
     ttl_s: float | None = Field(default=None, gt=0)
     """Optional expiry of pages, refreshed by every read (sliding); ``None`` keeps them until
     the server evicts them (configure ``maxmemory-policy allkeys-lru`` on the server)."""
+    watch_drops: bool = False
+    """Follow the server's keyspace notifications of evicted and expired keys, so KV events
+    announce the pages Redis drops on its own (see :mod:`.drops`; the server's
+    ``notify-keyspace-events`` gets ``Eex`` added when it allows ``CONFIG SET``)."""
     max_connections: int = Field(default=16, ge=1, le=4096)
     """Connections in the pool; concurrent batches beyond it wait up to ``timeout_s``."""
 
