@@ -100,6 +100,10 @@ class StorageBackend(abc.ABC):
     def __init__(self, extra_config: dict[str, Any]) -> None:
         self.extra_config = dict(extra_config)
         self.stats = BackendStats()
+        self.on_drop: Callable[[], None] | None = None
+        """Set by the owner; a store that learns of drops outside its batches (a server's
+        notification) calls it from the event loop, and the owner then calls
+        :meth:`dropped`."""
 
     @abc.abstractmethod
     async def open(self, arena: HostArena) -> None:
@@ -154,7 +158,8 @@ class StorageBackend(abc.ABC):
         """``(namespace, key)`` of the objects the store dropped on its own since the last
         call: evicted to make room, discarded as damaged (not those :meth:`delete` removed).
 
-        Called from the event loop after each batch, so it must be cheap and must not block.
+        Called from the event loop after each batch and after :attr:`on_drop`, so it must be
+        cheap and must not block.
         The default, for stores that cannot tell (their evictions happen out of sight), is
         an empty list.
         """

@@ -47,6 +47,9 @@ PREFETCH_KEYS = (
 HEALTH_PERIOD_S = 5.0
 """Health check period while the backend is healthy."""
 
+DROP_DELAY_S = 0.05
+"""How long drops a backend learned of outside a batch gather before they are taken."""
+
 DOWN_PERIOD_S = 1.0
 """Health check (or open retry) period while it is not."""
 
@@ -140,6 +143,7 @@ class L3Backend:
         self._last_check = 0.0
         self._known: dict[tuple[bytes, bytes], None] = {}  # (ns, key) written, if unlistable
         self._lists = False  # whether the open backend implements list_keys
+        self._drop_pending = False
 
     @property
     def available(self) -> bool:
@@ -171,6 +175,7 @@ class L3Backend:
             )
             return
         self.backend, self.healthy = backend, True
+        backend.on_drop = self._drop_soon
         self._lists = type(backend).list_keys is not StorageBackend.list_keys
         self.faults.recovered("open")
         log.info(
@@ -255,6 +260,18 @@ class L3Backend:
     def _watch(self, backend: StorageBackend, errors_before: int) -> None:
         if backend.stats.errors > errors_before:
             self._check_now.set()  # the backend saw a fault: check its health soon
+
+    def _drop_soon(self) -> None:
+        """The backend learned of drops outside a batch: take them shortly, once for a
+        whole storm of notifications."""
+        if not self._drop_pending:
+            self._drop_pending = True
+            asyncio.get_running_loop().call_later(DROP_DELAY_S, self._drops_due)
+
+    def _drops_due(self) -> None:
+        self._drop_pending = False
+        if self.backend is not None:
+            self._take_dropped(self.backend)
 
     def _take_dropped(self, backend: StorageBackend) -> None:
         """Hand what the backend dropped on its own to :attr:`on_dropped`."""

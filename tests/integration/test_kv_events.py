@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,8 +23,14 @@ from kvtier.ipc import protocol as P
 from tests.engines import SMALL, engine, tokens
 from tests.integration.test_admin_cli import kvtier
 from tests.integration.test_l3_tier import counters, flush, l3_flags, stats, wait_for
+from tests.servers import RedisServer, serve_redis
 
 pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    yield from serve_redis()
 
 
 def event_flags(root: Path, *extra: str) -> list[str]:
@@ -225,9 +232,7 @@ def test_pages_the_l3_backend_evicts_are_removed_from_its_medium(daemon_factory,
             key_of.update(zip(eng.hashes, keys))
             assert conn.store(keys, list(range(50)), engine=eng).wait()
         settled = ("l3_write_written_pages", "l3_write_failed_pages", "l3_write_skipped_pages")
-        wait_for(
-            lambda: sum(counters(d)[k] for k in settled) >= 200, what="every L3 write settled"
-        )
+        wait_for(lambda: sum(counters(d)[k] for k in settled) >= 200, what="every L3 write settled")
         msgs = drain(sub)
         stored = hashes(events(msgs, E.BlockStored, "FILE"))
         removed = hashes(events(msgs, E.BlockRemoved, "FILE"))
@@ -237,6 +242,43 @@ def test_pages_the_l3_backend_evicts_are_removed_from_its_medium(daemon_factory,
         flush(d, "l2")  # from here a page's lookup can only find it in L3
         in_l3 = {h for h in stored if conn.lookup([key_of[h]]).l3 == 1}
         assert in_l3 == set(stored) - set(removed)
+    finally:
+        sub.close()
+        conn.close()
+        pool.close()
+
+
+@pytest.mark.parametrize("watch", [True, False], ids=["watch_drops", "not_watched"])
+def test_pages_redis_expires_are_removed_from_its_medium(
+    daemon_factory, short_tmp, redis_server, watch
+):
+    """With ``watch_drops``, pages the Redis server expires by itself (``ttl_s``) are
+    BlockRemoved of medium REDIS, by the engine's hash; without it, nothing is said."""
+    extra = {"url": redis_server.url, "ttl_s": 0.5, "watch_drops": watch}
+    d = daemon_factory(*event_flags(short_tmp), *l3_flags("redis", extra, prefetch_threshold="0"))
+    pool, conn = engine(d.runtime_dir)
+    sub = subscriber(short_tmp)
+    try:
+        keys = conn.page_keys(tokens(6 * SMALL.page_size))
+        eng = P.EngineBlocks(hashes=list(range(6)))
+        assert conn.store(keys, list(range(6)), engine=eng).wait()
+        wait_for(lambda: counters(d)["l3_write_written_pages"] >= 6, what="6 pages in L3")
+        got: list[EventMessage] = []
+        if watch:
+            wait_for(
+                lambda: (
+                    got.extend(drain(sub, 0.5))
+                    or len(hashes(events(got, E.BlockRemoved, "REDIS"))) >= 6
+                ),
+                what="6 pages expired and announced",
+            )
+            assert sorted(hashes(events(got, E.BlockRemoved, "REDIS"))) == eng.hashes
+        else:
+            flush(d, "l2")
+            wait_for(lambda: conn.lookup(keys).l3 == 0, what="the pages expired")
+            got = drain(sub, 1.0)
+            assert hashes(events(got, E.BlockRemoved, "REDIS")) == []
+        assert sorted(hashes(events(got, E.BlockStored, "REDIS"))) == eng.hashes
     finally:
         sub.close()
         conn.close()

@@ -135,7 +135,7 @@ class RedisBackend(StorageBackend):
             ) from err
         if opts.watch_drops:
             db = int(pool.connection_kwargs.get("db", 0) or 0)
-            self._drops = DropWatch(self._client, self._names, db)
+            self._drops = DropWatch(self._client, self._names, db, self._dropping)
             await self._drops.start(opts.timeout_s)
 
     async def exists(self, ns: bytes, keys: Sequence[bytes]) -> int:
@@ -292,6 +292,10 @@ class RedisBackend(StorageBackend):
             return False
         self._note_up()
         return True
+
+    def _dropping(self) -> None:
+        if self.on_drop is not None:
+            self.on_drop()
 
     def dropped(self) -> list[tuple[bytes, bytes]]:
         """Pages the server evicted or expired since the last call (with ``watch_drops``;

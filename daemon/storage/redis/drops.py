@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as redis_asyncio
@@ -45,9 +46,7 @@ _RETRY_S = 1.0  # between two subscription attempts after a lost connection
 def merged_flags(current: str) -> str:
     """``current`` ``notify-keyspace-events`` classes plus :data:`NOTIFY_FLAGS` (``A``, the
     alias of every event type, already covers ``e`` and ``x``)."""
-    missing = [
-        f for f in NOTIFY_FLAGS if f not in current and not (f in "ex" and "A" in current)
-    ]
+    missing = [f for f in NOTIFY_FLAGS if f not in current and not (f in "ex" and "A" in current)]
     return current + "".join(missing)
 
 
@@ -59,14 +58,22 @@ class DropWatch:
             for its subscription).
         names: the backend's object names (only names under its prefix count).
         db: the database the pages live in.
+        on_drop: called (from the event loop) when a page of ours was dropped.
 
     Attributes:
         lost: dropped pages not kept (more than :data:`MAX_DROPS` between two takes).
         watching: whether the subscription is up.
     """
 
-    def __init__(self, client: redis_asyncio.Redis, names: ObjectNames, db: int) -> None:
+    def __init__(
+        self,
+        client: redis_asyncio.Redis,
+        names: ObjectNames,
+        db: int,
+        on_drop: Callable[[], None] | None = None,
+    ) -> None:
         self._client = client
+        self._on_drop = on_drop
         self._names = names
         self._channels = [f"__keyevent@{db}__:evicted", f"__keyevent@{db}__:expired"]
         self._dropped: deque[tuple[bytes, bytes]] = deque(maxlen=MAX_DROPS)
@@ -141,3 +148,5 @@ class DropWatch:
         if len(self._dropped) == MAX_DROPS:
             self.lost += 1
         self._dropped.append(ident)
+        if self._on_drop is not None:
+            self._on_drop()
