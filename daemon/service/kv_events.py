@@ -19,9 +19,9 @@ A page is named by the engine's block hash where its STORE carried one
 (:class:`~kvtier.ipc.protocol.EngineBlocks`; remembered per key, up to
 ``kv_events_max_hashes``, so its eviction names it the same way), else by its page key.
 
-Never in the event loop's way: events gather while a callback runs and go out as batches
-(at most ``kv_events_max_batch`` events) from one ``call_soon``, so an eviction storm is a
-few batches, not thousands of sends. Every send is NOBLOCK on an XPUB socket that refuses
+Never in the event loop's way: events gather for ``kv_events_interval_s`` and go out as
+batches (at most ``kv_events_max_batch`` events) from one timer callback, so an eviction
+storm is a few batches, not thousands of sends, and back-to-back STOREs share a batch. Every send is NOBLOCK on an XPUB socket that refuses
 rather than queues past ``kv_events_hwm`` (``XPUB_NODROP``): a refused batch is counted
 (``kv_events_dropped_batches``) and stays in the replay buffer (the last
 ``kv_events_buffer_steps`` batches) like every other, so a subscriber that sees a gap in
@@ -117,6 +117,7 @@ class KvEventPublisher:
         self.counters = counters
         self.l3_medium = cfg.hicache_storage_backend.upper()
         self._max_batch = cfg.kv_events_max_batch
+        self._interval_s = cfg.kv_events_interval_s
         self._replay_max = cfg.kv_events_replay_max
         self._max_hashes = cfg.kv_events_max_hashes
         self._fingerprint_of = fingerprint_of
@@ -293,25 +294,26 @@ class KvEventPublisher:
             self._defer(self._evicted, pages)
 
     def _evicted(self, pages: Sequence[EvictedPage]) -> None:
+        """The BlockRemoved of an eviction log. A page still in L3 keeps its engine hash
+        remembered (L3's events name it too); the others' are forgotten."""
         hashes = self._hashes
-        get, pop = hashes.get, hashes.pop
-        ns0 = pages[0].ns_id
-        if all(e.ns_id == ns0 for e in pages):  # the usual case: one namespace
-            self._removed(
-                ns0,
-                E.MEDIUM_L2,
-                [get(e.key, e.key) if e.in_l3 else pop(e.key, e.key) for e in pages],
-            )
+        keys, nss, _, in_l3 = zip(*pages)
+        ns0 = nss[0]
+        if nss.count(ns0) == len(nss) and not any(in_l3):  # the usual case, at C speed
+            self._removed(ns0, E.MEDIUM_L2, list(map(hashes.pop, keys, keys)))
             return
+        get, pop = hashes.get, hashes.pop
         by_ns: dict[int, list[E.BlockHash]] = {}
-        for e in pages:
-            h = get(e.key, e.key) if e.in_l3 else pop(e.key, e.key)
-            by_ns.setdefault(e.ns_id, []).append(h)
+        for key, ns_id, l3 in zip(keys, nss, in_l3):
+            by_ns.setdefault(ns_id, []).append(get(key, key) if l3 else pop(key, key))
         for ns_id, hs in by_ns.items():
             self._removed(ns_id, E.MEDIUM_L2, hs)
 
     def l2_dropped(self, ns_id: int, keys: Iterable[bytes]) -> None:
         """Pages a FLUSH dropped from L2."""
+        self._defer(self._l2_dropped, ns_id, list(keys))
+
+    def _l2_dropped(self, ns_id: int, keys: list[bytes]) -> None:
         self._removed(ns_id, E.MEDIUM_L2, [self._hashes.get(k, k) for k in keys])
 
     def l3_written(self, pages: Sequence[tuple[int, bytes]]) -> None:
@@ -325,6 +327,10 @@ class KvEventPublisher:
     def l3_dropped(self, pages: Sequence[tuple[int, bytes]]) -> None:
         """Pages ``(ns_id, key)`` the L3 backend dropped on its own: one BlockRemoved per
         namespace."""
+        if pages:
+            self._defer(self._l3_dropped, pages)
+
+    def _l3_dropped(self, pages: Sequence[tuple[int, bytes]]) -> None:
         by_ns: dict[int, list[E.BlockHash]] = {}
         hashes = self._hashes
         for ns_id, key in pages:
@@ -344,9 +350,14 @@ class KvEventPublisher:
         self, ns_id: int, medium: str, keys: Sequence[bytes], parent_key: bytes | None
     ) -> None:
         """A BlockStored of ``keys`` (a chain extending ``parent_key``), named by the
-        engine's hashes where known."""
-        if not keys:
-            return
+        engine's hashes where known (when the flush builds it: after the STOREs before it
+        remembered theirs)."""
+        if keys:
+            self._defer(self._stored, ns_id, medium, keys, parent_key)
+
+    def _stored(
+        self, ns_id: int, medium: str, keys: Sequence[bytes], parent_key: bytes | None
+    ) -> None:
         hashes = self._hashes
         self._add(
             ns_id,
@@ -403,7 +414,7 @@ class KvEventPublisher:
         if not self._flush_scheduled:
             self._flush_scheduled = True
             if self._loop is not None:
-                self._loop.call_soon(self._flush)
+                self._loop.call_later(self._interval_s, self._flush)
             else:  # not started (or closed): publish at once
                 self._flush()
 

@@ -407,8 +407,11 @@ def test_slow_and_vanished_subscribers_cost_batches_not_service(daemon_factory, 
             assert conn.store(keys, list(range(8))).wait()  # after the vanished one: served
             assert conn.lookup(keys).l2 == 8
             # its batches went out or, refused at the tiny high-water mark, are in the buffer
-            later = sub.replay(len(got))
-            assert [len(e.block_hashes) for e in events(later, E.BlockStored)] == [8]
+            # (published within kv_events_interval_s of the STORE's end)
+            later = wait_for(
+                lambda: events(sub.replay(len(got)), E.BlockStored), what="the last batch"
+            )
+            assert [len(e.block_hashes) for e in later] == [8]
     finally:
         if stalled.poll() is None:
             stalled.kill()
