@@ -21,14 +21,9 @@ A page is named by the engine's block hash where its STORE carried one
 
 Never in the event loop's way: events gather for ``kv_events_interval_s`` and go out as
 batches (at most ``kv_events_max_batch`` events) from one timer callback, so an eviction
-storm is a few batches, not thousands of sends, and back-to-back STOREs share a batch. Every send is NOBLOCK on an XPUB socket that refuses
-rather than queues past ``kv_events_hwm`` (``XPUB_NODROP``): a refused batch is counted
-(``kv_events_dropped_batches``) and stays in the replay buffer (the last
-``kv_events_buffer_steps`` batches) like every other, so a subscriber that sees a gap in
-the sequence numbers asks the replay socket for it. The replay socket reads requests from a
-reader callback, answers at most ``kv_events_replay_max`` batches per request and stops when
-the requester's queue is full; a request that is not exactly ``[b"", 8-byte start]`` (or a
-frame over 64 bytes, which ZeroMQ refuses with the connection) gets no answer.
+storm is a few batches, not thousands of sends, and back-to-back STOREs share a batch. The
+transport (sequence numbers, slow subscribers, replay) is
+:mod:`~kvtier.daemon.service.kv_event_stream`'s.
 """
 
 from __future__ import annotations
@@ -37,16 +32,21 @@ import asyncio
 import itertools
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import zmq
 from kvtier.config import DaemonConfig
+from kvtier.config.loader import state_dir
 from kvtier.daemon.counters import Counters
+from kvtier.daemon.service import kv_event_state
+from kvtier.daemon.service.kv_event_stream import EventStream
 from kvtier.ipc import kv_events as E
-from kvtier.ipc.sockets import make_zmq_socket
+
+PagesHeld = tuple[list[tuple[bytes, bytes | None]], Callable[[Sequence[bytes]], int]]
+"""A namespace's READY pages ``(key, parent key)`` and its leading-READY-run function."""
 
 if TYPE_CHECKING:
     from kvtier.daemon.pool.records import EvictedPage
@@ -54,33 +54,18 @@ if TYPE_CHECKING:
     from kvtier.ipc.protocol import EngineBlocks
 
 __all__ = [
+    "ANNOUNCE_PAGES",
     "REMOVED_CHUNK",
-    "REPLAY_BURST",
-    "REPLAY_MAX_FRAME",
-    "SUBSCRIPTION_BURST",
-    "SUBSCRIPTION_MAX_FRAME",
     "KvEventPublisher",
     "open_publisher",
 ]
 
 log = logging.getLogger("kvtier.daemon.events")
 
-REPLAY_BURST = 16
-"""Replay requests answered in a row before the event loop gets a turn."""
+ANNOUNCE_PAGES = 8192
+"""Adopted pages announced per event-loop turn at start."""
 REMOVED_CHUNK = 4096
 """Most block hashes in one BlockRemoved (an eviction storm is a few events of this many)."""
-SUBSCRIPTION_MAX_FRAME = 8192
-"""Largest frame the PUB socket takes from a subscriber: a (un)subscription of a topic
-(``kvtier/<model id>/<fingerprint>``; a model id has at most 4,096 characters)."""
-SUBSCRIPTION_BURST = 256
-"""Subscription messages read (and dropped) in a row before the event loop gets a turn."""
-REPLAY_MAX_FRAME = 64
-"""Largest frame the replay socket takes (a request is 8 bytes): ZeroMQ drops a bigger one,
-and its connection, before buffering it."""
-
-_NB = int(zmq.NOBLOCK)
-_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
 
 @dataclass(slots=True)
@@ -104,6 +89,8 @@ class KvEventPublisher:
         zctx: the daemon's ZeroMQ context.
         fingerprint_of: the fingerprint of a pool namespace id (None if unknown), for the
             topics of namespaces no session has named since the daemon started.
+        state: where the engine hashes are saved at :meth:`close` and read back here
+            (:mod:`~kvtier.daemon.service.kv_event_state`); None: nowhere.
     """
 
     def __init__(
@@ -112,80 +99,94 @@ class KvEventPublisher:
         counters: Counters,
         zctx: zmq.Context[Any],
         fingerprint_of: Callable[[int], bytes | None],
+        state: Path | None = None,
     ) -> None:
         assert cfg.kv_events_endpoint is not None
         self.counters = counters
         self.l3_medium = cfg.hicache_storage_backend.upper()
         self._max_batch = cfg.kv_events_max_batch
         self._interval_s = cfg.kv_events_interval_s
-        self._replay_max = cfg.kv_events_replay_max
         self._max_hashes = cfg.kv_events_max_hashes
         self._fingerprint_of = fingerprint_of
-        self._buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=cfg.kv_events_buffer_steps)
-        self._seq = itertools.count()
         self._pending: dict[bytes, list[E.Event]] = {}
         self._deferred: list[tuple[Callable[..., None], tuple[object, ...]]] = []
         self._flush_scheduled = False
         self._flushing = False
         self._topics: dict[int, bytes] = {}
         self._block_size: dict[int, int] = {}
-        self._hashes: dict[bytes, E.BlockHash] = {}  # insertion order: the oldest first
+        self._state = state
+        # page key -> engine hash, insertion order: the oldest first; fingerprint -> block size
+        self._hashes: dict[bytes, E.BlockHash]
+        self._fp_block_size: dict[bytes, int]
+        self._hashes, self._fp_block_size = (
+            kv_event_state.load(state, self._max_hashes) if state is not None else ({}, {})
+        )
+        self._announcing: asyncio.Task[None] | None = None
         self._stores: dict[tuple[int, int, int], _PendingStore] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._pub = make_zmq_socket(
-            zctx,
-            cfg.kv_events_endpoint,
-            zmq.XPUB,
-            bind=True,
-            hwm=cfg.kv_events_hwm,
-            max_msg_bytes=SUBSCRIPTION_MAX_FRAME,
-        )
-        self._pub.setsockopt(zmq.XPUB_NODROP, 1)
-        self._replay: zmq.Socket[Any] | None = None
-        try:
-            if cfg.kv_events_replay_endpoint is not None:
-                self._replay = make_zmq_socket(
-                    zctx,
-                    cfg.kv_events_replay_endpoint,
-                    zmq.ROUTER,
-                    bind=True,
-                    hwm=1000,
-                    max_msg_bytes=REPLAY_MAX_FRAME,
-                )
-                self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        except BaseException:
-            self._pub.close(linger=0)
-            raise
+        self._stream = EventStream(cfg, counters, zctx)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         """Begin answering replay requests (call from the event loop)."""
         self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(cast(int, self._pub.getsockopt(zmq.FD)), self._drop_subscriptions)
-        self._drop_subscriptions()
-        if self._replay is not None:
-            fd = cast(int, self._replay.getsockopt(zmq.FD))
-            self._loop.add_reader(fd, self._read_replays)
-            self._read_replays()  # what came before the reader was registered signalled no one
+        self._stream.start()
 
     def close(self) -> None:
-        """Send what is pending, stop the replay reader, close the sockets."""
+        """Send what is pending, stop the replay reader, close the sockets, save the engine
+        hashes (where a state file is set)."""
+        if self._announcing is not None:
+            self._announcing.cancel()
+            self._announcing = None
         if self._pending or self._deferred:
             self._flush()
-        if self._replay is not None:
-            if self._loop is not None and not self._replay.closed:
-                self._loop.remove_reader(cast(int, self._replay.getsockopt(zmq.FD)))
-            self._replay.close(linger=0)
-        if self._loop is not None and not self._pub.closed:
-            self._loop.remove_reader(cast(int, self._pub.getsockopt(zmq.FD)))
-        self._pub.close(linger=0)
+        if self._state is not None:
+            try:
+                kv_event_state.save(self._state, self._hashes, self._fp_block_size)
+            except OSError as err:
+                log.warning("KV events: cannot save engine hashes to %s: %s", self._state, err)
+        self._stream.close()
         self._loop = None
 
     # ------------------------------------------------------------------ namespaces
     def name(self, ns_id: int, model_id: str, fingerprint: bytes, page_size: int) -> None:
         """A session registered namespace ``ns_id``: its topic and block size."""
         self._topics[ns_id] = E.namespace_topic(model_id, fingerprint).encode()
-        self._block_size[ns_id] = page_size
+        self._block_size[ns_id] = self._fp_block_size[fingerprint] = page_size
+
+    def announce_held(
+        self, namespaces: dict[bytes, int], held: Callable[[int], PagesHeld]
+    ) -> asyncio.Task[None]:
+        """Announce, on this new stream, the L2 pages the daemon holds from before it started
+        (a BlockStored per chain, by the saved engine hashes), a few thousand pages per
+        event-loop turn; pages evicted before their turn are left out.
+
+        Args:
+            namespaces: fingerprint -> pool namespace id of the adopted pool.
+            held: the pool's pages of a namespace: ``(key, parent key)`` per READY page, and
+                the leading READY run of a list of keys (:meth:`HostPool.lookup`).
+        """
+        for fp, ns_id in namespaces.items():
+            if ns_id not in self._block_size and fp in self._fp_block_size:
+                self._block_size[ns_id] = self._fp_block_size[fp]
+        self._announcing = asyncio.get_running_loop().create_task(
+            self._announce_held(list(namespaces.values()), held), name="kvtier-events-announce"
+        )
+        return self._announcing
+
+    async def _announce_held(self, ns_ids: list[int], held: Callable[[int], PagesHeld]) -> None:
+        for ns_id in ns_ids:
+            pages, leading = held(ns_id)
+            budget = ANNOUNCE_PAGES
+            for run, parent in kv_event_state.chain_runs(pages):
+                n = leading(run)
+                if n:
+                    self.stored(ns_id, E.MEDIUM_L2, run[:n], parent)
+                budget -= len(run)
+                if budget <= 0:
+                    await asyncio.sleep(0)
+                    budget = ANNOUNCE_PAGES
+            await asyncio.sleep(0)
 
     def _topic(self, ns_id: int) -> bytes:
         topic = self._topics.get(ns_id)
@@ -393,6 +394,11 @@ class KvEventPublisher:
             for key in list(itertools.islice(hashes, excess)):
                 del hashes[key]
 
+    @property
+    def next_seq(self) -> int:
+        """The sequence number the next batch gets (for tests and the bench)."""
+        return self._stream.next_seq
+
     # ------------------------------------------------------------------ batches
     def _add(self, ns_id: int, event: E.Event) -> None:
         """Queue ``event`` on its namespace's topic, in order with the deferred ones."""
@@ -433,87 +439,10 @@ class KvEventPublisher:
         ts = time.time()
         for topic, events in pending.items():
             for a in range(0, len(events), self._max_batch):
-                self._publish(
+                self._stream.publish(
                     topic,
                     E.encode_batch(E.KVEventBatch(ts=ts, events=events[a : a + self._max_batch])),
                 )
-
-    def _publish(self, topic: bytes, payload: bytes) -> None:
-        seq = next(self._seq)
-        self._buffer.append((seq, topic, payload))
-        if self._pub.closed:
-            return
-        pub = self._pub
-        try:  # frame by frame with int flags (pyzmq's enum or-ing costs per call); a
-            pub.send(topic, _MORE)  # message is atomic: refused whole at its first frame
-            pub.send(seq.to_bytes(8, "big"), _MORE)
-            pub.send(payload, _NB)
-        except zmq.Again:  # a subscriber's queue is full: it replays what it missed
-            self.counters.kv_events_dropped_batches += 1
-        else:
-            self.counters.kv_events_batches += 1
-
-    @property
-    def next_seq(self) -> int:
-        """The sequence number the next batch gets (for tests and the bench)."""
-        return self._buffer[-1][0] + 1 if self._buffer else 0
-
-    def _drop_subscriptions(self) -> None:
-        """Read and drop the subscription messages the XPUB hands up (ZeroMQ filters by
-        them itself; unread, a subscriber sending many distinct topics would grow them)."""
-        pub = self._pub
-        if pub.closed or self._loop is None:
-            return
-        for _ in range(SUBSCRIPTION_BURST):
-            if not cast(int, pub.getsockopt(_EVENTS)) & _POLLIN:
-                return
-            pub.recv(_NB)
-        self._loop.call_soon(self._drop_subscriptions)
-
-    # ------------------------------------------------------------------ replay
-    def _read_replays(self) -> None:
-        """Answer queued replay requests (the reader callback), a burst at a time."""
-        sock = self._replay
-        if sock is None or sock.closed or self._loop is None:
-            return
-        for _ in range(REPLAY_BURST):
-            if not cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:
-                return
-            frames = _read_request(sock)
-            if frames is None or frames[1] != b"" or len(frames[2]) != 8:
-                self.counters.kv_events_replays_refused += 1
-                continue  # garbage gets nothing
-            self._answer(sock, frames[0], int.from_bytes(frames[2], "big", signed=True))
-        self._loop.call_soon(self._read_replays)  # more may be queued: after the others
-
-    def _answer(self, sock: zmq.Socket[Any], peer: bytes, start: int) -> None:
-        """Send the buffered batches from ``start`` on (at most ``replay_max``), then the
-        end marker; stop at the first the requester cannot take."""
-        self.counters.kv_events_replays += 1
-        buf = self._buffer
-        first = max(0, start - buf[0][0]) if buf else 0
-        try:
-            for seq, topic, payload in itertools.islice(buf, first, first + self._replay_max):
-                sock.send(peer, _MORE)
-                sock.send(b"", _MORE)
-                sock.send(topic, _MORE)
-                sock.send(seq.to_bytes(8, "big"), _MORE)
-                sock.send(payload, _NB)
-            sock.send_multipart((peer, b"", b"", E.END_SEQ, b""), _NB)
-        except (zmq.Again, zmq.ZMQError) as err:  # full, or gone: it may ask again
-            log.debug("replay to a subscriber cut short: %s", err)
-
-
-def _read_request(sock: zmq.Socket[Any]) -> list[bytes] | None:
-    """Read one message off the replay socket frame by frame: its three frames, or None
-    for any other count (the frames past the third are read and dropped one at a time,
-    never collected)."""
-    frames = [sock.recv(_NB)]
-    while sock.getsockopt(zmq.RCVMORE):
-        frame = sock.recv(_NB)
-        if len(frames) < 4:
-            frames.append(frame)
-    return frames if len(frames) == 3 else None
 
 
 def open_publisher(
@@ -526,7 +455,9 @@ def open_publisher(
     Raises:
         zmq.ZMQError: an endpoint cannot be bound (in use, bad address).
     """
-    pub = KvEventPublisher(cfg, counters, zctx, tier.namespace_of)
+    pub = KvEventPublisher(
+        cfg, counters, zctx, tier.namespace_of, state_dir(cfg.state_dir) / kv_event_state.FILE_NAME
+    )
     try:
         pub.start()
     except BaseException:
@@ -541,6 +472,12 @@ def open_publisher(
         pub.l3_dropped([(ids[fp], key) for fp, key in dropped if fp in ids])
 
     tier.l3.on_dropped = l3_dropped
+    pool = tier.pool
+
+    def held(ns_id: int) -> PagesHeld:
+        return pool.ready_pages(ns_id), lambda keys: pool.lookup(ns_id, keys)
+
+    pub.announce_held(pool.namespaces(), held)
     log.info(
         "publishing KV events on %s (replay: %s)",
         cfg.kv_events_endpoint,

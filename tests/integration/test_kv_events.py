@@ -285,6 +285,54 @@ def test_pages_redis_expires_are_removed_from_its_medium(
         pool.close()
 
 
+def test_a_restarted_daemon_announces_what_it_adopted_by_engine_hashes(daemon_factory, short_tmp):
+    """SIGTERM, restart on the same pool: the new stream starts with a BlockStored (CPU) of
+    every page adopted, one per chain, named by the engines' hashes saved at the stop (a
+    page stored without them, by its key); a SIGKILL'd daemon's successor uses what the last
+    clean stop saved."""
+    d = daemon_factory(*event_flags(short_tmp))
+    pool, conn = engine(d.runtime_dir, num_pages=16)
+    try:
+        a = conn.page_keys(tokens(12 * SMALL.page_size, salt=1))
+        b = conn.page_keys(tokens(4 * SMALL.page_size, salt=2))
+        eng = P.EngineBlocks(hashes=[1000 + i for i in range(8)])
+        assert conn.store(a[:8], list(range(8)), engine=eng).wait()
+        # the chain goes on, by a STORE without hashes; and an unrelated chain
+        assert conn.store(a[8:], list(range(4)), parent_key=a[7]).wait()
+        assert conn.store(b, list(range(4))).wait()
+        assert d.stop() == 0
+        assert (short_tmp / "d0" / "state" / "kv-event-hashes.msgpack").exists()
+        for restart in ("sigterm", "sigkill"):
+            d = daemon_factory(*event_flags(short_tmp))
+            with subscriber(short_tmp) as sub:
+                got = wait_for(
+                    lambda s=sub: events(s.replay(0), E.BlockStored, "CPU"), what="announce"
+                )
+            chains = sorted(((list(e.block_hashes), e.parent_block_hash) for e in got), key=repr)
+            want = [([*eng.hashes, *a[8:]], None), (list(b), None)]
+            assert chains == sorted(want, key=repr), restart
+            d.kill()
+    finally:
+        conn.close()
+        pool.close()
+
+
+def test_a_damaged_hashes_file_is_ignored_and_named(daemon_factory, short_tmp):
+    state = short_tmp / "d0" / "state"
+    state.mkdir(parents=True)
+    (state / "kv-event-hashes.msgpack").write_bytes(b"\x94\x01\x91\xc4\x01x\x90\x80")
+    d = daemon_factory(*event_flags(short_tmp))
+    pool, conn = engine(d.runtime_dir)
+    try:
+        keys = conn.page_keys(tokens(2 * SMALL.page_size))
+        assert conn.store(keys, [0, 1]).wait()  # serving as usual
+        assert "kv-event-hashes.msgpack" in d.log_tail()
+        assert "1 keys but 0 hashes" in d.log_tail()
+    finally:
+        conn.close()
+        pool.close()
+
+
 def test_replay_recovers_what_a_late_subscriber_missed(daemon_factory, short_tmp):
     d = daemon_factory(*event_flags(short_tmp))
     pool, conn = engine(d.runtime_dir)

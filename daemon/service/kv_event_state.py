@@ -1,0 +1,123 @@
+"""What KV events need to outlive a kvtierd restart: the engines' block hashes of the pages
+it holds, and which runs of pages to announce again.
+
+A router matches kvtierd's events against the hashes the engine computes, which kvtierd
+learns only from STOREs (:class:`~kvtier.ipc.protocol.EngineBlocks`). The pages themselves
+survive a restart (the pool is adopted); so that their names do too, the publisher saves
+the hashes it remembers, and each namespace's block size, to
+``<state_dir>/kv-event-hashes.msgpack`` when the daemon stops (:func:`save`), and reads them
+back at start (:func:`load`). A restarted daemon then announces the pages it adopted
+(:func:`chain_runs`) under the same names on its new stream. After a crash the file is the
+one the previous clean stop wrote: a key's hash never changes (the key is a digest of the
+same tokens), so what it has is still true, and pages stored since are named by their keys.
+
+The file is read as untrusted input: bounded in size, decoded against the wire limits of
+keys and hashes, and refused whole (logged, naming the file and what is wrong) on any
+error; the daemon then starts without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+from kvtier.ipc.limits import KEY_BYTES, BlockHash, BlockSize
+
+__all__ = ["FILE_NAME", "Saved", "chain_runs", "load", "save"]
+
+log = logging.getLogger("kvtier.daemon.events")
+
+FILE_NAME = "kv-event-hashes.msgpack"
+"""The file in the state directory."""
+
+_VERSION = 1
+_BYTES_PER_ENTRY = 128  # a generous bound on one saved (key, hash) pair, for the size check
+
+PageKey = Annotated[bytes, msgspec.Meta(min_length=1, max_length=KEY_BYTES)]
+NamespaceId = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
+"""A namespace fingerprint (SHA-256)."""
+
+
+class Saved(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """The saved state (a MessagePack array).
+
+    Attributes:
+        version: the format (1).
+        keys / hashes: page key -> the engine's hash, oldest first, as long as each other.
+        block_sizes: namespace fingerprint -> the tokens per block its sessions named.
+    """
+
+    version: int
+    keys: list[PageKey]
+    hashes: list[BlockHash]
+    block_sizes: dict[NamespaceId, BlockSize]
+
+
+def save(path: Path, hashes: dict[bytes, BlockHash], block_sizes: dict[bytes, int]) -> None:
+    """Write the state to ``path`` atomically (a temporary file renamed over it, mode 0600).
+
+    Raises:
+        OSError: the directory cannot be written.
+    """
+    body = msgspec.msgpack.encode(Saved(_VERSION, list(hashes), list(hashes.values()), block_sizes))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(body)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def load(path: Path, max_hashes: int) -> tuple[dict[bytes, BlockHash], dict[bytes, int]]:
+    """Read the state :func:`save` wrote; empty when there is none or it is refused (logged,
+    naming the file and the problem). At most ``max_hashes`` hashes, the newest."""
+    try:
+        size = path.stat().st_size
+        if size > max(1, max_hashes) * _BYTES_PER_ENTRY + (1 << 20):
+            raise ValueError(f"{size} bytes is more than {max_hashes} hashes take")
+        saved = msgspec.msgpack.decode(path.read_bytes(), type=Saved)
+        if saved.version != _VERSION:
+            raise ValueError(f"version {saved.version}, not {_VERSION}")
+        if len(saved.keys) != len(saved.hashes):
+            raise ValueError(f"{len(saved.keys)} keys but {len(saved.hashes)} hashes")
+    except FileNotFoundError:
+        return {}, {}
+    except (OSError, ValueError, msgspec.DecodeError) as err:
+        log.warning("KV events: ignoring %s: %s", path, err)
+        return {}, {}
+    start = max(0, len(saved.keys) - max_hashes)
+    return dict(zip(saved.keys[start:], saved.hashes[start:])), dict(saved.block_sizes)
+
+
+def chain_runs(
+    pages: Sequence[tuple[bytes, bytes | None]],
+) -> list[tuple[list[bytes], bytes | None]]:
+    """The resident pages ``(key, parent key)`` as maximal chains: ``(keys in chain order,
+    the parent of the first)``, each page in exactly one.
+
+    A chain runs on while a page has exactly one resident child; a page whose parent is not
+    resident, or whose parent has several children, starts one.
+    """
+    parent_of = dict(pages)
+    children: dict[bytes, list[bytes]] = {}
+    for key, parent in pages:
+        if parent is not None and parent in parent_of:
+            children.setdefault(parent, []).append(key)
+    runs: list[tuple[list[bytes], bytes | None]] = []
+    none: list[bytes] = []
+    for key, parent in pages:
+        if parent is not None and len(children.get(parent, none)) == 1:
+            continue  # inside its parent's chain
+        run = [key]
+        while len(nxt := children.get(run[-1], none)) == 1 and len(run) <= len(pages):
+            run.append(nxt[0])  # (bounded: a damaged table's cycle cannot spin)
+        runs.append((run, parent))
+    return runs

@@ -1,0 +1,198 @@
+"""The KV event stream's transport: the PUB socket, sequence numbers, the replay buffer and
+the replay socket (what the batches say is :mod:`~kvtier.daemon.service.kv_events`'s).
+
+Every send is NOBLOCK on an XPUB socket that refuses rather than queues past
+``kv_events_hwm`` (``XPUB_NODROP``): a refused batch is counted
+(``kv_events_dropped_batches``) and stays in the replay buffer (the last
+``kv_events_buffer_steps`` batches) like every other, so a subscriber that sees a gap in
+the sequence numbers asks the replay socket for it. The replay socket reads requests from a
+reader callback, answers at most ``kv_events_replay_max`` batches per request and stops when
+the requester's queue is full; a request that is not exactly ``[b"", 8-byte start]`` (or a
+frame over 64 bytes, which ZeroMQ refuses with the connection) gets no answer. Subscription
+messages the XPUB hands up are read and dropped as they come.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections import deque
+from typing import Any, cast
+
+import zmq
+from kvtier.config import DaemonConfig
+from kvtier.daemon.counters import Counters
+from kvtier.ipc import kv_events as E
+from kvtier.ipc.sockets import make_zmq_socket
+
+__all__ = [
+    "REPLAY_BURST",
+    "REPLAY_MAX_FRAME",
+    "SUBSCRIPTION_BURST",
+    "SUBSCRIPTION_MAX_FRAME",
+    "EventStream",
+]
+
+log = logging.getLogger("kvtier.daemon.events")
+
+REPLAY_BURST = 16
+"""Replay requests answered in a row before the event loop gets a turn."""
+SUBSCRIPTION_MAX_FRAME = 8192
+"""Largest frame the PUB socket takes from a subscriber: a (un)subscription of a topic
+(``kvtier/<model id>/<fingerprint>``; a model id has at most 4,096 characters)."""
+SUBSCRIPTION_BURST = 256
+"""Subscription messages read (and dropped) in a row before the event loop gets a turn."""
+REPLAY_MAX_FRAME = 64
+"""Largest frame the replay socket takes (a request is 8 bytes): ZeroMQ drops a bigger one,
+and its connection, before buffering it."""
+
+_NB = int(zmq.NOBLOCK)
+_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+
+
+class EventStream:
+    """The bound sockets of one daemon's event stream and its replay buffer.
+
+    Args:
+        cfg: the daemon's configuration (``kv_events_endpoint``, ``kv_events_replay_endpoint``,
+            ``kv_events_hwm``, ``kv_events_buffer_steps``, ``kv_events_replay_max``).
+        counters: the daemon's counters (``kv_events_*``).
+        zctx: the daemon's ZeroMQ context.
+
+    Raises:
+        zmq.ZMQError: an endpoint cannot be bound (in use, bad address).
+    """
+
+    def __init__(self, cfg: DaemonConfig, counters: Counters, zctx: zmq.Context[Any]) -> None:
+        assert cfg.kv_events_endpoint is not None
+        self.counters = counters
+        self._replay_max = cfg.kv_events_replay_max
+        self._buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=cfg.kv_events_buffer_steps)
+        self._seq = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pub = make_zmq_socket(
+            zctx,
+            cfg.kv_events_endpoint,
+            zmq.XPUB,
+            bind=True,
+            hwm=cfg.kv_events_hwm,
+            max_msg_bytes=SUBSCRIPTION_MAX_FRAME,
+        )
+        self._pub.setsockopt(zmq.XPUB_NODROP, 1)
+        self._replay: zmq.Socket[Any] | None = None
+        try:
+            if cfg.kv_events_replay_endpoint is not None:
+                self._replay = make_zmq_socket(
+                    zctx,
+                    cfg.kv_events_replay_endpoint,
+                    zmq.ROUTER,
+                    bind=True,
+                    hwm=1000,
+                    max_msg_bytes=REPLAY_MAX_FRAME,
+                )
+                self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        except BaseException:
+            self._pub.close(linger=0)
+            raise
+
+    def start(self) -> None:
+        """Begin reading subscriptions and answering replay requests (from the event loop)."""
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(cast(int, self._pub.getsockopt(zmq.FD)), self._drop_subscriptions)
+        self._drop_subscriptions()
+        if self._replay is not None:
+            fd = cast(int, self._replay.getsockopt(zmq.FD))
+            self._loop.add_reader(fd, self._read_replays)
+            self._read_replays()  # what came before the reader was registered signalled no one
+
+    def close(self) -> None:
+        """Stop the readers and close the sockets (idempotent)."""
+        if self._replay is not None:
+            if self._loop is not None and not self._replay.closed:
+                self._loop.remove_reader(cast(int, self._replay.getsockopt(zmq.FD)))
+            self._replay.close(linger=0)
+        if self._loop is not None and not self._pub.closed:
+            self._loop.remove_reader(cast(int, self._pub.getsockopt(zmq.FD)))
+        self._pub.close(linger=0)
+        self._loop = None
+
+    def publish(self, topic: bytes, payload: bytes) -> None:
+        """Send one batch on ``topic`` with the next sequence number, and keep it for
+        replay; a batch a subscriber's full queue refuses is counted, not retried."""
+        seq = next(self._seq)
+        self._buffer.append((seq, topic, payload))
+        if self._pub.closed:
+            return
+        pub = self._pub
+        try:  # frame by frame with int flags (pyzmq's enum or-ing costs per call); a
+            pub.send(topic, _MORE)  # message is atomic: refused whole at its first frame
+            pub.send(seq.to_bytes(8, "big"), _MORE)
+            pub.send(payload, _NB)
+        except zmq.Again:  # a subscriber's queue is full: it replays what it missed
+            self.counters.kv_events_dropped_batches += 1
+        else:
+            self.counters.kv_events_batches += 1
+
+    @property
+    def next_seq(self) -> int:
+        """The sequence number the next batch gets."""
+        return self._buffer[-1][0] + 1 if self._buffer else 0
+
+    def _drop_subscriptions(self) -> None:
+        """Read and drop the subscription messages the XPUB hands up (ZeroMQ filters by
+        them itself; unread, a subscriber sending many distinct topics would grow them)."""
+        pub = self._pub
+        if pub.closed or self._loop is None:
+            return
+        for _ in range(SUBSCRIPTION_BURST):
+            if not cast(int, pub.getsockopt(_EVENTS)) & _POLLIN:
+                return
+            pub.recv(_NB)
+        self._loop.call_soon(self._drop_subscriptions)
+
+    # ------------------------------------------------------------------ replay
+    def _read_replays(self) -> None:
+        """Answer queued replay requests (the reader callback), a burst at a time."""
+        sock = self._replay
+        if sock is None or sock.closed or self._loop is None:
+            return
+        for _ in range(REPLAY_BURST):
+            if not cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:
+                return
+            frames = _read_request(sock)
+            if frames is None or frames[1] != b"" or len(frames[2]) != 8:
+                self.counters.kv_events_replays_refused += 1
+                continue  # garbage gets nothing
+            self._answer(sock, frames[0], int.from_bytes(frames[2], "big", signed=True))
+        self._loop.call_soon(self._read_replays)  # more may be queued: after the others
+
+    def _answer(self, sock: zmq.Socket[Any], peer: bytes, start: int) -> None:
+        """Send the buffered batches from ``start`` on (at most ``replay_max``), then the
+        end marker; stop at the first the requester cannot take."""
+        self.counters.kv_events_replays += 1
+        buf = self._buffer
+        first = max(0, start - buf[0][0]) if buf else 0
+        try:
+            for seq, topic, payload in itertools.islice(buf, first, first + self._replay_max):
+                sock.send(peer, _MORE)
+                sock.send(b"", _MORE)
+                sock.send(topic, _MORE)
+                sock.send(seq.to_bytes(8, "big"), _MORE)
+                sock.send(payload, _NB)
+            sock.send_multipart((peer, b"", b"", E.END_SEQ, b""), _NB)
+        except (zmq.Again, zmq.ZMQError) as err:  # full, or gone: it may ask again
+            log.debug("replay to a subscriber cut short: %s", err)
+
+
+def _read_request(sock: zmq.Socket[Any]) -> list[bytes] | None:
+    """Read one message off the replay socket frame by frame: its three frames, or None
+    for any other count (the frames past the third are read and dropped one at a time,
+    never collected)."""
+    frames = [sock.recv(_NB)]
+    while sock.getsockopt(zmq.RCVMORE):
+        frame = sock.recv(_NB)
+        if len(frames) < 4:
+            frames.append(frame)
+    return frames if len(frames) == 3 else None

@@ -1,0 +1,77 @@
+"""The KV-event state a restart keeps (engine hashes, block sizes) and the chains a restarted
+daemon announces (the daemon round trip is in tests/integration/test_kv_events.py)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import msgspec
+import pytest
+from kvtier.daemon.service import kv_event_state as S
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(32, "big")
+
+
+def test_chains_follow_single_children_and_split_at_branches() -> None:
+    # 1-2-3 a chain; 3 has children 4 and 5 (a branch); 6 hangs off a page not resident
+    pages = [(k(3), k(2)), (k(1), None), (k(2), k(1)), (k(4), k(3)), (k(5), k(3)), (k(6), k(9))]
+    runs = sorted(S.chain_runs(pages))
+    assert runs == sorted(
+        [([k(1), k(2), k(3)], None), ([k(4)], k(3)), ([k(5)], k(3)), ([k(6)], k(9))]
+    )
+    assert sorted(p for run, _ in runs for p in run) == sorted(key for key, _ in pages)
+
+
+def test_a_cycle_in_a_damaged_table_cannot_spin() -> None:
+    pages = [(k(1), k(2)), (k(2), k(1)), (k(3), None)]
+    assert S.chain_runs(pages) == [([k(3)], None)]  # the cycle has no head: not announced
+
+
+def test_saved_state_reads_back_newest_first_within_the_bound(tmp_path: Path) -> None:
+    path = tmp_path / S.FILE_NAME
+    hashes = {k(i): (i if i % 2 else k(i)[:8]) for i in range(10)}
+    S.save(path, hashes, {b"f" * 32: 16})
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert S.load(path, 100) == (hashes, {b"f" * 32: 16})
+    newest, _ = S.load(path, 3)
+    assert list(newest) == [k(7), k(8), k(9)]
+
+
+@pytest.mark.parametrize(
+    ("body", "problem"),
+    [
+        (b"\x00garbage", "Expected"),
+        (msgspec.msgpack.encode([2, [], [], {}]), "version 2"),
+        (msgspec.msgpack.encode([1, [k(1)], [], {}]), "1 keys but 0 hashes"),
+        (msgspec.msgpack.encode([1, [b"x" * 33], [1], {}]), "length <= 32"),
+        (msgspec.msgpack.encode([1, [], [], {b"short": 16}]), "length >= 32"),
+        (msgspec.msgpack.encode([1, [k(1)], [b""], {}]), "length >= 1"),
+    ],
+)
+def test_a_damaged_file_is_refused_whole_and_named(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, body: bytes, problem: str
+) -> None:
+    path = tmp_path / S.FILE_NAME
+    path.write_bytes(body)
+    with caplog.at_level(logging.WARNING, "kvtier.daemon.events"):
+        assert S.load(path, 100) == ({}, {})
+    assert str(path) in caplog.text and problem in caplog.text
+
+
+def test_a_file_larger_than_the_bound_is_not_read(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / S.FILE_NAME
+    with path.open("wb") as f:
+        f.truncate(2 << 20)  # sparse: costs no disk
+    with caplog.at_level(logging.WARNING, "kvtier.daemon.events"):
+        assert S.load(path, 10) == ({}, {})
+    assert "more than 10 hashes" in caplog.text
+
+
+def test_no_file_is_no_state(tmp_path: Path) -> None:
+    assert S.load(tmp_path / "absent", 10) == ({}, {})
