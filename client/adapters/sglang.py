@@ -23,7 +23,10 @@ name host pages by index (host index ``i`` is page ``i // page_size``)::
     batch_set_v1(keys)   STORE from SGLang's host pages and wait; the MLA ranks that are not
                          SGLang's storage writer answer True without storing
 
-Keys: SGLang's 64-hex page hashes, as 32 bytes. kvtierd's namespace adds what they lack:
+Keys: SGLang's 64-hex page hashes, as 32 bytes. Each STORE also carries the hash SGLang's
+own KV events give each page (``hash_str_to_int64`` of its key), so kvtierd's events name
+pages as SGLang's do and a router matches them (for requests without a LoRA adapter or a
+cache salt: SGLang's events name those by other hashes, which its storage keys do not carry). kvtierd's namespace adds what they lack:
 model, KV dtype and geometry from the host pool (with the layout), the TP rank for MHA
 (MLA pages are the same on every rank), tenant and cache salt; pipeline and context-parallel
 positions join the model name. kvtierd answers LOOKUP with the minimum over the ranks of a
@@ -52,11 +55,13 @@ from kvtier.client.adapters.link import DaemonLink
 from kvtier.client.adapters.sglang_memory import HostPoolMemory, describe_host_pool
 from kvtier.client.adapters.sglang_settings import BackendSettings, prefetch_timeout
 from kvtier.client.connection import Connection
+from kvtier.ipc import protocol as P
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
 )
+from sglang.srt.mem_cache.utils import hash_str_to_int64
 
 __all__ = ["KvtierHiCacheStorage"]
 
@@ -79,6 +84,18 @@ def _key(key: str) -> bytes:
         except ValueError:
             pass
     return hashlib.sha256(key.encode()).digest()
+
+
+def _event_hashes(keys: Sequence[str], parent: str | None) -> P.EngineBlocks | None:
+    """The hashes SGLang's own KV events give these pages (:func:`hash_str_to_int64` of
+    each key, as its event recorder computes them); None for keys it cannot convert."""
+    try:
+        return P.EngineBlocks(
+            hashes=[hash_str_to_int64(k) for k in keys],
+            parent=None if parent is None else hash_str_to_int64(parent),
+        )
+    except ValueError:  # not a hex hash: SGLang publishes no such page
+        return None
 
 
 def _misses_on_error(
@@ -299,7 +316,10 @@ class KvtierHiCacheStorage(HiCacheStorage):
             return [False] * n
         prefix = extra_info.prefix_keys if extra_info is not None else None
         handle = conn.store(
-            [_key(k) for k in keys], pages, parent_key=_key(prefix[-1]) if prefix else None
+            [_key(k) for k in keys],
+            pages,
+            parent_key=_key(prefix[-1]) if prefix else None,
+            engine=_event_hashes(keys, prefix[-1] if prefix else None),
         )
         ok = handle.wait() if handle.writing else True
         count = handle.count if ok else 0

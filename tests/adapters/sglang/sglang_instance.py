@@ -20,6 +20,8 @@ serves commands, one JSON object per line on stdin, one reply per line on stdout
   once); reply ``{"tokens": backed-up tokens, "slots": host pages used}``;
 - ``{"op": "mode"}``: the controller's host memory mode, host pages, prefetch budget;
 - ``{"op": "keys_of", "seq": S, "pages": N}``: SGLang's page keys of the sequence;
+- ``{"op": "event_hashes", "seq": S, "pages": N}``: the block hashes SGLang's own KV events
+  give the sequence's pages (its radix cache, with events on, inserting the tokens);
 - ``{"op": "stats"}``: the backend's counters; ``{"op": "quit"}``.
 
 Page bytes are a function of the page's key (random int16 seeded by it), so any instance
@@ -136,6 +138,17 @@ class Instance:
     def keys_of(self, seq: int, pages: int) -> dict[str, Any]:
         """SGLang's page keys of sequence ``seq``."""
         return {"keys": self.stack.keys(self.tokens(seq, pages))}
+
+    def event_hashes(self, seq: int, pages: int) -> dict[str, Any]:
+        """The block hashes of SGLang's own ``BlockStored`` events for sequence ``seq``."""
+        from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+        from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+
+        cache = RadixCache.create_simulated(page_size=self.page, enable_kv_cache_events=True)
+        tokens = self.tokens(seq, pages)
+        cache.insert(InsertParams(key=RadixKey(tokens), value=self.torch.arange(len(tokens))))
+        events = cache.take_events()
+        return {"hashes": [h for e in events for h in getattr(e, "block_hashes", [])]}
 
     def stats(self) -> dict[str, Any]:
         outer = self.stack.backend

@@ -1,0 +1,33 @@
+"""kvtierd's KV events name the pages SGLang stored as SGLang's own KV events do, so a router
+that indexes SGLang's stream matches kvtierd's: the hashes come from SGLang's real radix
+cache with events on, in the instance process (``sglang_instance.py``)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from kvtier.client.events import EventSubscriber
+from kvtier.ipc import kv_events as E
+from sglang_harness import extra_config
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def test_stored_pages_carry_sglangs_event_hashes(daemons, instances, module_tmp) -> None:
+    ev, replay = f"ipc://{module_tmp}/ev.sock", f"ipc://{module_tmp}/evr.sock"
+    d = daemons("events", "--kv-events-endpoint", ev, "--kv-events-replay-endpoint", replay)
+    inst = instances("events", "page_first", extra_config(d.runtime_dir, model_id="events"))
+    with EventSubscriber(ev, replay=replay) as sub:
+        time.sleep(0.2)  # the subscription reaches the publisher
+        assert inst.call("store", seq=3, pages=6)["tokens"] > 0
+        stored: list = []
+        deadline = time.monotonic() + 30
+        while len(stored) < 6 and time.monotonic() < deadline:
+            for m in sub.iter(0.5):
+                for e in m.batch.events:
+                    if isinstance(e, E.BlockStored) and e.medium == E.MEDIUM_L2:
+                        stored.extend(e.block_hashes)
+    want = inst.call("event_hashes", seq=3, pages=6)["hashes"]
+    assert len(want) == 6 and all(isinstance(h, int) for h in want)
+    assert stored == want
