@@ -1,9 +1,11 @@
 """The client's connections to kvtierd.
 
 - :mod:`~kvtier.client.connection.connection`: the engine's session (register, LOOKUP,
-  prefetch, LOAD, STORE), with :mod:`~.request_codec` (the requests it sends, packed),
-  :mod:`~.replies` (the replies it checks), :mod:`~.transfer_handle` (a transfer in flight,
-  waited on layer by layer) and :mod:`~.cuda_wait` (the same waits on a GPU's streams);
+  prefetch, LOAD, STORE), with :mod:`~.channel` (its socket and the daemon's liveness),
+  :mod:`~.request_codec` (the requests it sends, packed), :mod:`~.replies` (the replies it
+  checks), :mod:`~.slots` (its completion slots), :mod:`~.transfer_handle` (a transfer in
+  flight, waited on layer by layer) and :mod:`~.cuda_wait` (the same waits on a GPU's
+  streams);
 - :mod:`~kvtier.client.connection.admin`: HEALTH, STATS and the admin operations;
 - :mod:`~kvtier.client.connection.events`: a subscriber to the daemon's KV events.
 

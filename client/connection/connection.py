@@ -31,15 +31,14 @@ import logging
 import os
 import secrets
 import threading
-import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-import msgspec
 import zmq
 from kvtier.client.connection import replies
+from kvtier.client.connection.channel import DaemonChannel
 from kvtier.client.connection.replies import (
     DaemonError,
     DaemonUnavailable,
@@ -47,6 +46,7 @@ from kvtier.client.connection.replies import (
     rep_is_late,
 )
 from kvtier.client.connection.request_codec import lookup_request, transfer_request
+from kvtier.client.connection.slots import CompletionSlots
 from kvtier.client.connection.transfer_handle import TransferHandle
 from kvtier.client.kv_pool.shared import SharedKVPool
 from kvtier.client.page_keys import page_keys
@@ -62,7 +62,7 @@ from kvtier.ipc.fdpass import (
     handover_path_for,
 )
 from kvtier.ipc.limits import HANDOVER_TOKEN_BYTES
-from kvtier.ipc.sockets import ipc_endpoint, make_zmq_socket
+from kvtier.ipc.sockets import ipc_endpoint
 
 if TYPE_CHECKING:
     from typing import Self
@@ -79,9 +79,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("kvtier.client")
-
-LIVENESS_POLL_S = 0.02
-"""How often a request waiting for its reply checks that the daemon's process still exists."""
 
 
 class Connection:
@@ -116,25 +113,20 @@ class Connection:
             socket_path(runtime_dir(self.config.runtime_dir))
         )
         self._lock = threading.RLock()
-        self._ctx = zmq.Context()
-        self._sock: zmq.Socket | None = None
-        self._req_ids = itertools.count(1)
+        self._channel = DaemonChannel(self.endpoint, self.config.request_timeout_s, self._lock)
         self._seqs = itertools.count(1)
-        self._free_slots: list[int] = []
-        self._limbo: dict[int, int] = {}  # slot -> seq of an abandoned transfer
+        self._slots = CompletionSlots()
         self.session_id = 0
         self.epoch = 0
         self.ns_fingerprint = b""
-        self.daemon_pid = 0
         self._packed_lookup = False
         self._packed_transfers = False
         self._kv_events = False
         self._block: CompletionBlock | None = None
-        self._down_until = 0.0
         self._closed = False
         self._hb_stop = threading.Event()
         self._hb: threading.Thread | None = None
-        self._finalizer = weakref.finalize(self, _leaked, self._ctx, self.endpoint)
+        self._finalizer = weakref.finalize(self, _leaked, self._channel.context, self.endpoint)
         if register:
             try:
                 self.register()
@@ -154,15 +146,8 @@ class Connection:
             UnexpectedReply: the daemon answered with another reply than REGISTERED.
         """
         with self._lock:
-            self._check_socket_file()
-            if self._sock is None:
-                identity = f"{os.getpid()}-{secrets.token_hex(6)}".encode()
-                self._sock = make_zmq_socket(
-                    self._ctx, self.endpoint, zmq.DEALER, bind=False, identity=identity
-                )
-                self._sock.setsockopt(
-                    zmq.RCVTIMEO, max(1, int(self.config.request_timeout_s * 1000))
-                )
+            self._channel.check_socket_file()
+            self._channel.connect()
             token = self.config.token.get_secret_value() if self.config.token else ""
             handover = secrets.token_bytes(HANDOVER_TOKEN_BYTES)
             completion_fd = self._hand_over(handover)
@@ -189,13 +174,12 @@ class Connection:
                 self._block.close()
             self._block = block
             self.session_id, self.epoch = rep.session_id, rep.epoch
-            self.ns_fingerprint, self.daemon_pid = rep.ns_fingerprint, rep.daemon_pid
+            self.ns_fingerprint, self._channel.daemon_pid = rep.ns_fingerprint, rep.daemon_pid
             self._packed_lookup = rep.packed_lookup
             self._packed_transfers = rep.packed_transfers
             self._kv_events = rep.kv_events
-            self._free_slots = list(range(rep.completion_slots - 1, -1, -1))
-            self._limbo.clear()
-            self._down_until = 0.0
+            self._slots.reset(rep.completion_slots)
+            self._channel.mark_up()
         if self._hb is None:
             self._hb = threading.Thread(
                 target=self._heartbeat_loop, name="kvtier-heartbeat", daemon=True
@@ -216,24 +200,12 @@ class Connection:
         try:
             return hand_over(path, token, fds, self.config.request_timeout_s)
         except HandoverUnavailable as err:
-            self._down_until = time.monotonic() + min(1.0, self.config.request_timeout_s)
+            self._channel.mark_down()
             raise DaemonUnavailable(str(err)) from err
         except HandoverBusy as err:
             raise DaemonError(P.ErrorCode.BUSY, str(err)) from err
         except HandoverError as err:
             raise DaemonError(P.ErrorCode.BAD_MEMORY, str(err)) from err
-
-    def _check_socket_file(self) -> None:
-        """Fail fast, with a hint, when the endpoint is a socket file that does not exist."""
-        if not self.endpoint.startswith("ipc://"):
-            return
-        path = self.endpoint[len("ipc://") :]
-        if not os.path.exists(path):
-            raise DaemonUnavailable(
-                f"kvtierd is not running: no socket at {path}; start one with `kvtier serve` "
-                "(or `make serve`), or point runtime_dir / endpoint ($KVTIER_RUNTIME_DIR, "
-                "$KVTIER_ENDPOINT) at a running one"
-            )
 
     def _heartbeat_loop(self) -> None:
         while not self._hb_stop.wait(self.config.heartbeat_interval_s):
@@ -245,79 +217,23 @@ class Connection:
                 log.debug("heartbeat stopped: %s", err)
                 return
 
+    @property
+    def daemon_pid(self) -> int:
+        """The registered daemon's process id (0 before the first registration)."""
+        return self._channel.daemon_pid
+
     def daemon_alive(self) -> bool:
         """False when the daemon's process is known to be gone."""
-        if self.daemon_pid <= 0:
-            return True
-        try:
-            os.kill(self.daemon_pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        return self._channel.daemon_alive()
 
     # ------------------------------------------------------------------ requests
     def _call(self, msg: P.Request, raw: bool = False, timeout: float | None = None) -> P.Reply:
-        """Send ``msg`` and wait for its reply (lock held by the caller or taken here).
-
-        ``timeout`` (default ``request_timeout_s``) bounds the wait for the reply.
-        """
-        wait_s = self.config.request_timeout_s if timeout is None else timeout
-        with self._lock:
-            if self._closed or self._sock is None:
-                raise DaemonUnavailable("connection is closed")
-            if time.monotonic() < self._down_until and not raw:
-                raise DaemonUnavailable("daemon recently unreachable")
-            if not raw and not self.daemon_alive():
-                raise DaemonUnavailable(f"kvtierd (pid {self.daemon_pid}) has exited")
-            req_id = next(self._req_ids)
-            msg.req_id = req_id
-            body = P.encode(msg)
-            try:
-                try:
-                    self._sock.send(body, flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    # not connected (yet, or any more): wait for the connection up to the timeout
-                    if not self._sock.poll(int(self.config.request_timeout_s * 1000), zmq.POLLOUT):
-                        raise
-                    self._sock.send(body, flags=zmq.NOBLOCK)
-            except zmq.Again as err:
-                self._down_until = time.monotonic() + min(1.0, self.config.request_timeout_s)
-                raise DaemonUnavailable(f"cannot reach kvtierd at {self.endpoint}") from err
-            deadline = time.monotonic() + wait_s
-            while True:
-                data = self._recv_until(deadline, watch_pid=not raw)
-                if data is None or (time.monotonic() > deadline and rep_is_late(data, req_id)):
-                    self._down_until = time.monotonic() + min(1.0, self.config.request_timeout_s)
-                    if not self.daemon_alive():
-                        raise DaemonUnavailable(f"kvtierd (pid {self.daemon_pid}) has exited")
-                    raise DaemonUnavailable(f"kvtierd did not answer within {wait_s}s")
-                try:
-                    rep = P.decode_reply(data)
-                except (msgspec.DecodeError, msgspec.ValidationError):
-                    log.warning("undecodable reply from kvtierd ignored")
-                    continue
-                if rep.req_id == req_id:
-                    return rep
-                # a late reply to a request that timed out earlier: drop it
-
-    def _recv_until(self, deadline: float, watch_pid: bool) -> bytes | None:
-        """The next reply frame, or None at ``deadline`` or, with ``watch_pid``, as soon as
-        the daemon's process is seen gone (checked every :data:`LIVENESS_POLL_S`), so a
-        dead daemon costs milliseconds, not ``request_timeout_s``."""
-        assert self._sock is not None
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            if self._sock.poll(max(1, int(min(left, LIVENESS_POLL_S) * 1000)), zmq.POLLIN):
-                try:
-                    return self._sock.recv(flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    continue
-            if watch_pid and not self.daemon_alive():
-                return None
+        """Send ``msg`` and wait for its reply (:meth:`DaemonChannel.call
+        <kvtier.client.connection.channel.DaemonChannel.call>`); ``timeout`` defaults to
+        ``request_timeout_s``."""
+        if self._closed:
+            raise DaemonUnavailable("connection is closed")
+        return self._channel.call(msg, raw=raw, timeout=timeout)
 
     def _session_call(
         self,
@@ -472,7 +388,7 @@ class Connection:
         if not keys:
             return TransferHandle(None, None, -1, 0, 0, 0, n_layers)
         with self._lock:
-            slot = self._take_slot()
+            slot = self._slots.take(self._block)
             if slot is None:
                 return TransferHandle(None, None, -1, 0, 0, 0, n_layers)
             seq = next(self._seqs)
@@ -491,41 +407,27 @@ class Connection:
             except (DaemonUnavailable, DaemonError, replies.UnexpectedReply) as err:
                 log.debug("%s treated as a miss: %s", kind.__name__, err)
                 if self.epoch == epoch:
-                    self._limbo[slot] = seq  # the daemon may still run it
+                    self._slots.abandon(slot, seq)  # the daemon may still run it
                 return TransferHandle(None, None, -1, 0, 0, 0, n_layers)
             if self.epoch != epoch:  # re-registered: slots were reset
-                self._free_slots.remove(slot) if slot in self._free_slots else None
+                self._slots.keep(slot)
             if isinstance(rep, P.LoadAccepted):
                 count, writing = rep.count, rep.count
             else:
                 count, writing = rep.count, rep.writing
             if writing == 0:
-                self._free_slots.append(slot)
+                self._slots.give_back(slot)
                 return TransferHandle(None, None, -1, 0, count, 0, n_layers)
             return TransferHandle(self, self._block, slot, seq, count, writing, n_layers)
 
-    def _take_slot(self) -> int | None:
-        if not self._free_slots and self._limbo and self._block is not None:
-            for slot, seq in list(self._limbo.items()):
-                s, _, status = self._block.read(slot)
-                if s != seq or status != TransferStatus.RUNNING:
-                    del self._limbo[slot]
-                    self._free_slots.append(slot)
-        return self._free_slots.pop() if self._free_slots else None
-
     def _slot_done(self, slot: int, seq: int, status: TransferStatus) -> None:
         with self._lock:
-            if slot in self._limbo or slot in self._free_slots:
-                return
-            if status is TransferStatus.RUNNING:
-                self._limbo[slot] = seq
-            else:
-                self._free_slots.append(slot)
+            self._slots.done(slot, seq, status)
 
     def _abandon(self, h: TransferHandle) -> None:
         """A transfer timed out: ask the daemon to cancel it; its slot waits in limbo."""
         with self._lock:
-            self._limbo[h.slot] = h.seq
+            self._slots.abandon(h.slot, h.seq)
             with contextlib.suppress(DaemonUnavailable, DaemonError, replies.UnexpectedReply):
                 self._session_call(
                     lambda sid: P.Release(req_id=0, session_id=sid, slots=[h.slot]), P.Ack
@@ -555,7 +457,7 @@ class Connection:
         if self._hb is not None and self._hb is not threading.current_thread():
             self._hb.join(timeout=self.config.request_timeout_s + 1)
         with self._lock:
-            if self.session_id and self._sock is not None and not self._ctx.closed:
+            if self.session_id and self._channel.connected and not self._channel.context.closed:
                 try:
                     self._call(P.Unregister(req_id=0, session_id=self.session_id))
                 except (DaemonUnavailable, DaemonError, zmq.ZMQError):
@@ -564,12 +466,8 @@ class Connection:
             if self._block is not None:
                 self._block.close()
                 self._block = None
-            if self._sock is not None:
-                self._sock.close(linger=0)
-                self._sock = None
             self._finalizer.detach()
-            if not self._ctx.closed:
-                self._ctx.term()
+            self._channel.close()
 
     def __enter__(self) -> Self:
         return self
