@@ -80,7 +80,7 @@ def _raw(buf: torch.Tensor) -> torch.Tensor:
 
 
 def _connect(pool: Any, rdir: Path) -> Any:
-    from kvtier.client.connection import Connection
+    from kvtier.client.connection.connection import Connection
 
     # generous timeouts: the daemon's first CUDA registration creates a context and pins the pool
     cfg = ClientConfig(runtime_dir=rdir, request_timeout_s=120.0, load_timeout_s=120.0)
@@ -109,7 +109,7 @@ def bandwidth(rdir: Path, pages: int, repeats: int) -> dict[str, Any]:
     Raises:
         BenchCheckFailed: a transfer failed or the loaded bytes differ.
     """
-    from kvtier.client.cuda_pool import CudaKVPool
+    from kvtier.client.kv_pool.cuda import CudaKVPool
 
     g = BANDWIDTH_GEOMETRY
     nbytes = pages * g.page_bytes
@@ -201,9 +201,9 @@ def prefill_overlap(
     Raises:
         BenchCheckFailed: a load failed.
     """
-    from kvtier.client.cuda_pool import CudaKVPool
-    from kvtier.client.engine.engine import geometry_for
-    from kvtier.client.engine.model import ModelConfig, TinyLlama
+    from kvtier.client.kv_pool.cuda import CudaKVPool
+    from kvtier.engine.engine import geometry_for
+    from kvtier.engine.model import ModelConfig, TinyLlama
 
     page = 64
     if cached_tokens % page or not 0 < cached_tokens < prompt_tokens:
@@ -318,7 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if reason is not None:
         print(f"cuda_bench: nothing measured: kvtier's GPU path {reason}")
         return 0
-    from kvtier.client.daemon_process import DaemonProcess
+    from kvtier.launch.daemon_process import DaemonProcess
 
     results: dict[str, Any] = {
         "device": torch.cuda.get_device_name(0),

@@ -31,10 +31,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from kvtier.client.daemon_process import DaemonProcess
-from kvtier.client.engine.engine import EngineMode, GenerationResult, ReferenceEngine
-from kvtier.client.engine.model import ModelConfig, TinyLlama
 from kvtier.config import ClientConfig
+from kvtier.engine.engine import EngineMode, GenerationResult, ReferenceEngine
+from kvtier.engine.model import ModelConfig, TinyLlama
+from kvtier.launch.daemon_process import DaemonProcess
 
 __all__ = ["CACHED_TOKENS", "PAGE_SIZE", "PROMPT_TOKENS", "print_table", "run_e2e_bench"]
 

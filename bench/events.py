@@ -38,14 +38,14 @@ from pathlib import Path
 from typing import Any, cast
 
 from kvtier.bench import report
-from kvtier.client.admin import AdminClient
-from kvtier.client.connection import Connection
-from kvtier.client.daemon_process import DaemonProcess
-from kvtier.client.events import EventSubscriber
-from kvtier.client.kv_pool import SharedKVPool
+from kvtier.client.connection.admin import AdminClient
+from kvtier.client.connection.connection import Connection
+from kvtier.client.connection.events import EventSubscriber
+from kvtier.client.kv_pool.shared import SharedKVPool
 from kvtier.config import ClientConfig
 from kvtier.ipc import kv_events as E
 from kvtier.ipc import protocol as P
+from kvtier.launch.daemon_process import DaemonProcess
 
 __all__ = ["TARGETS", "main", "run_events_bench"]
 

@@ -26,11 +26,11 @@ import time
 from pathlib import Path
 
 import numpy as np
-from kvtier.client.connection import Connection
-from kvtier.client.daemon_process import DaemonProcess
-from kvtier.client.kv_pool import SharedKVPool
+from kvtier.client.connection.connection import Connection
+from kvtier.client.kv_pool.shared import SharedKVPool
 from kvtier.config import ClientConfig
 from kvtier.ipc import protocol as P
+from kvtier.launch.daemon_process import DaemonProcess
 
 # 128 KiB per page-layer chunk: 64 tokens x 8 heads x 128 dims x fp16.
 GEOMETRY = P.Geometry(num_layers=8, page_size=64, kv_heads=8, head_dim=128, dtype="float16")

@@ -206,12 +206,12 @@ def _geometry_for(page_bytes: int) -> Any:
 def _daemon_bench(path: Path, pages: int, page_bytes: int, repeats: int) -> dict[str, Any]:
     """Time L2 → L3 (SYNC) and L3 → L2 (prefetch + claim) through a real kvtierd, against
     raw pwrite / preadv of as many bytes in the same directory."""
-    from kvtier.client.admin import AdminClient
-    from kvtier.client.connection import Connection
-    from kvtier.client.daemon_process import DaemonProcess
-    from kvtier.client.kv_pool import SharedKVPool
+    from kvtier.client.connection.admin import AdminClient
+    from kvtier.client.connection.connection import Connection
+    from kvtier.client.kv_pool.shared import SharedKVPool
     from kvtier.config import ClientConfig
     from kvtier.ipc import protocol as P
+    from kvtier.launch.daemon_process import DaemonProcess
 
     geometry = _geometry_for(page_bytes)
     total = pages * page_bytes

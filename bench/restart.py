@@ -33,12 +33,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvtier.client.admin import AdminClient, AdminError
-from kvtier.client.connection import Connection
-from kvtier.client.daemon_process import DaemonProcess
-from kvtier.client.kv_pool import SharedKVPool
+from kvtier.client.connection.admin import AdminClient, AdminError
+from kvtier.client.connection.connection import Connection
+from kvtier.client.kv_pool.shared import SharedKVPool
 from kvtier.config import ClientConfig
 from kvtier.ipc import protocol as P
+from kvtier.launch.daemon_process import DaemonProcess
 
 # 256 KiB pages: 4 layers x K,V x 16 tokens x 8 heads x 128 dims x fp16.
 GEOMETRY = P.Geometry(num_layers=4, page_size=16, kv_heads=8, head_dim=128, dtype="float16")

@@ -65,13 +65,13 @@ from kvtier.bench.scale_million import run_million
 from kvtier.bench.scale_report import plot, print_table
 from kvtier.bench.scale_stall import run_stall
 from kvtier.bench.scale_worker import run_workers
-from kvtier.client.connection import Connection
-from kvtier.client.daemon_process import DaemonProcess
-from kvtier.client.kv_pool import SharedKVPool
-from kvtier.client.lookup_codec import lookup_request
+from kvtier.client.connection.connection import Connection
+from kvtier.client.connection.request_codec import lookup_request
+from kvtier.client.kv_pool.shared import SharedKVPool
 from kvtier.config import ClientConfig
 from kvtier.ipc import protocol as P
 from kvtier.ipc.limits import MAX_KEYS
+from kvtier.launch.daemon_process import DaemonProcess
 
 __all__ = [
     "GEOMETRY",

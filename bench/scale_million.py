@@ -34,11 +34,11 @@ from typing import Any
 
 from kvtier.bench import write_json
 from kvtier.bench.scale_baselines import ScaleBenchError, memory_status, p50
-from kvtier.client.connection import Connection
-from kvtier.client.daemon_process import DaemonProcess
-from kvtier.client.kv_pool import SharedKVPool
+from kvtier.client.connection.connection import Connection
+from kvtier.client.kv_pool.shared import SharedKVPool
 from kvtier.config import ClientConfig
 from kvtier.ipc import protocol as P
+from kvtier.launch.daemon_process import DaemonProcess
 
 __all__ = ["GEOMETRY", "LOOKUP_KEYS", "main", "run_million"]
 

@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 from kvtier.bench.scale_baselines import ScaleBenchError, p50
 from kvtier.bench.scale_worker import Aggregate, run_workers
-from kvtier.client.connection import Connection
-from kvtier.client.daemon_process import DaemonProcess
-from kvtier.client.kv_pool import SharedKVPool
+from kvtier.client.connection.connection import Connection
+from kvtier.client.kv_pool.shared import SharedKVPool
 from kvtier.config import ClientConfig
 from kvtier.ipc import protocol as P
+from kvtier.launch.daemon_process import DaemonProcess
 
 __all__ = ["run_stall"]
 

@@ -263,8 +263,8 @@ def main(argv: list[str]) -> int:
     if s["mode"] == "echo":
         _echo(s)
         return 0
-    from kvtier.client.connection import Connection
-    from kvtier.client.kv_pool import SharedKVPool
+    from kvtier.client.connection.connection import Connection
+    from kvtier.client.kv_pool.shared import SharedKVPool
     from kvtier.config import ClientConfig
 
     geometry = P.Geometry(**s["geometry"])

@@ -38,7 +38,7 @@ from typing import Any
 
 from kvtier.bench.sglang_sharing import run_sharing
 from kvtier.bench.sglang_stack import Stack, build_stack
-from kvtier.client.daemon_process import DaemonProcess
+from kvtier.launch.daemon_process import DaemonProcess
 
 __all__ = ["main", "run_sglang_bench"]
 

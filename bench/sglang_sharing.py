@@ -24,11 +24,11 @@ import random
 import tempfile
 from pathlib import Path
 
-from kvtier.client.connection import Connection
-from kvtier.client.daemon_process import DaemonProcess
-from kvtier.client.kv_pool import SharedKVPool
+from kvtier.client.connection.connection import Connection
+from kvtier.client.kv_pool.shared import SharedKVPool
 from kvtier.config import ClientConfig
 from kvtier.ipc.protocol import Geometry
+from kvtier.launch.daemon_process import DaemonProcess
 
 __all__ = ["WORKLOAD", "run_sharing"]
 

@@ -60,7 +60,7 @@ def _pct(values: list[float], q: float) -> float:
 def _replay(root: Path, chains: list[list[int]], stamps: list[int], size: int, engines: int,
             speedup: float, policy: str | None, timeout_s: float) -> dict[str, Any]:  # fmt: skip
     """One daemon of ``size`` pages, ``engines`` workers; what they saw."""
-    from kvtier.client.daemon_process import DaemonProcess
+    from kvtier.launch.daemon_process import DaemonProcess
 
     ext = _extent_pages(size) * PAGE_BYTES
     flags = [

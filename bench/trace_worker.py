@@ -94,8 +94,8 @@ def _replay(conn: Any, kv: Any, s: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     """Worker entry (see the module docstring)."""
-    from kvtier.client.connection import Connection
-    from kvtier.client.kv_pool import SharedKVPool
+    from kvtier.client.connection.connection import Connection
+    from kvtier.client.kv_pool.shared import SharedKVPool
     from kvtier.config import ClientConfig
 
     s = json.loads(sys.stdin.readline())  # the settings: too large for an argument

@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench import report
-from kvtier.client.daemon_process import DaemonProcess
+from kvtier.launch.daemon_process import DaemonProcess
 
 __all__ = ["main", "run_vllm_bench"]
 

@@ -33,7 +33,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvtier.client.adapters.vllm import KvtierConnector
+from kvtier.client.adapters.vllm.connector import KvtierConnector
 from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import ExampleConnector
 
 BENCH_MODEL = {

@@ -1,7 +1,7 @@
 """``kvtier stats | sessions | flush | sync | health``: the operator's view of a running
 kvtierd.
 
-Each command opens an :class:`~kvtier.client.admin.AdminClient` on the daemon's control
+Each command opens an :class:`~kvtier.client.connection.admin.AdminClient` on the daemon's control
 socket, sends one request (``STATS``, ``FLUSH``, ``SYNC`` or ``HEALTH``), prints the answer
 and exits. Nothing here registers an engine or touches shared memory.
 
@@ -41,7 +41,7 @@ from kvtier.cli.admin_args import (
     resolve_endpoint,
 )
 from kvtier.cli.stats_view import render_sessions, render_stats
-from kvtier.client.admin import AdminClient, AdminError
+from kvtier.client.connection.admin import AdminClient, AdminError
 from kvtier.ipc import protocol as P
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 Several conversations share a system prompt; each turn sends the conversation's history plus a
 new user message, and appends the model's reply. The engine runs in a subprocess
-(:mod:`kvtier.client.engine.worker`); half-way through, the demo kills it with SIGKILL and starts
+(:mod:`kvtier.engine.worker`); half-way through, the demo kills it with SIGKILL and starts
 a new one, whose L1 is cold: what it reuses comes from kvtierd's L2. Every turn is also run with
 kvtier off, to check that the generated tokens are the same.
 
@@ -47,10 +47,10 @@ from kvtier.cli.demo_report import (
     summary_lines,
     write_plot,
 )
-from kvtier.client.daemon_process import DaemonProcess
-from kvtier.client.engine.worker import MODELS, model_config
 from kvtier.config import KvtierError, format_size, parse_size
 from kvtier.config.loader import pool_path
+from kvtier.engine.worker import MODELS, model_config
+from kvtier.launch.daemon_process import DaemonProcess
 
 __all__ = ["DEFAULT_PLOT", "DemoConfig", "main", "run_demo"]
 
@@ -109,7 +109,7 @@ class _Worker:
         cmd = [
             sys.executable,
             "-m",
-            "kvtier.client.engine.worker",
+            "kvtier.engine.worker",
             "--model",
             cfg.model,
             "--page-size",

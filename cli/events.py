@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from kvtier.client.events import EventSubscriber
+from kvtier.client.connection.events import EventSubscriber
 from kvtier.config import ConfigError, DaemonConfig
 from kvtier.config.loader import load_config
 from kvtier.ipc.kv_events import as_dict

@@ -42,7 +42,7 @@ class Geometry(msgspec.Struct, frozen=True):
         dtype: element type name, e.g. ``float16``, ``bfloat16``, ``float32``, ``fp8_e4m3``.
         attention: ``mha`` (K and V per layer) or ``mla`` (one latent per token).
         layout: a label naming the engine's memory layout (``layer_first``, the layout of
-            :class:`~kvtier.client.kv_pool.SharedKVPool`; an engine adapter's own, e.g.
+            :class:`~kvtier.client.kv_pool.shared.SharedKVPool`; an engine adapter's own, e.g.
             ``vllm_cpu``); part of the namespace, so pages of two layouts never mix.
     """
 

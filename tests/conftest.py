@@ -15,9 +15,9 @@ from hypothesis import settings
 # report their values) under `python -O` too, where plain asserts are stripped.
 pytest.register_assert_rewrite("tests.arenas", "tests.engines", "tests.key_chain", "tests.servers")
 
-from kvtier.client.daemon_process import DaemonProcess  # noqa: E402 (after the rewrite hook)
 from kvtier.config.models import NativeKernel  # noqa: E402
 from kvtier.kernels import native  # noqa: E402
+from kvtier.launch.daemon_process import DaemonProcess  # noqa: E402 (after the rewrite hook)
 
 # Every hypothesis test and state machine runs the same examples on every run: its seed
 # comes from the test itself (derandomize) and no example database carries failures from

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from kvtier.client.connection import Connection
-from kvtier.client.kv_pool import TORCH_DTYPES, SharedKVPool
+from kvtier.client.connection.connection import Connection
+from kvtier.client.kv_pool.shared import TORCH_DTYPES, SharedKVPool
 from kvtier.config import ClientConfig
 from kvtier.ipc import protocol as P
 from kvtier.ipc.fdpass import hand_over, handover_path

@@ -30,9 +30,9 @@ from typing import Any
 
 import pytest
 import torch
-from kvtier.client.admin import AdminClient
-from kvtier.client.cuda_pool import CudaKVPool, unexportable_allocator_requested
-from kvtier.client.cuda_wait import CudaLayerWaiter
+from kvtier.client.connection.admin import AdminClient
+from kvtier.client.connection.cuda_wait import CudaLayerWaiter
+from kvtier.client.kv_pool.cuda import CudaKVPool, unexportable_allocator_requested
 from kvtier.daemon.transfer.cuda.memory import CudaMemoryError, CudaRuntime, check_cuda_export
 from kvtier.daemon.transfer.engine_memory import EngineMemoryError
 from kvtier.ipc import cuda_ipc
@@ -228,7 +228,7 @@ def test_without_a_gpu_every_entry_point_says_why() -> None:
 def test_modules_import_without_cupy() -> None:
     code = (
         "import sys; sys.modules['cupy'] = None\n"  # makes `import cupy` raise ImportError
-        "import kvtier.ipc.cuda_ipc as c, kvtier.client.cuda_pool, kvtier.client.cuda_wait\n"
+        "import kvtier.ipc.cuda_ipc as c, kvtier.client.kv_pool.cuda, kvtier.client.connection.cuda_wait\n"
         "import kvtier.daemon.transfer.cuda.memory, kvtier.daemon.transfer.cuda.executor, kvtier.bench.cuda_bench\n"
         "try:\n"
         "    c.cupy_module()\n"
@@ -306,7 +306,7 @@ def tokens(n: int, salt: int) -> list[int]:
 
 def connect(pool: CudaKVPool, rdir: Path, model: str = "cuda-test"):
     """A registered Connection with timeouts that allow the daemon's first CUDA set-up."""
-    from kvtier.client.connection import Connection
+    from kvtier.client.connection.connection import Connection
 
     from tests.engines import client_config
 
@@ -534,8 +534,8 @@ def test_engine_killed_mid_transfer_leaves_the_daemon_healthy(daemon_factory, mo
 @needs_gpu
 @pytest.mark.timeout(300)
 def test_reference_model_on_cuda_with_kvtier_matches_uncached(daemon_factory) -> None:
-    from kvtier.client.engine.engine import geometry_for
-    from kvtier.client.engine.model import ModelConfig, TinyLlama
+    from kvtier.engine.engine import geometry_for
+    from kvtier.engine.model import ModelConfig, TinyLlama
 
     d = start_daemon(daemon_factory)
     page = 16
@@ -580,8 +580,8 @@ def test_reference_model_on_cuda_with_kvtier_matches_uncached(daemon_factory) ->
 @needs_gpu
 @pytest.mark.timeout(300)
 def test_reference_engine_on_cuda_matches_uncached(daemon_factory) -> None:
-    from kvtier.client.engine.engine import ReferenceEngine
-    from kvtier.client.engine.model import ModelConfig, TinyLlama
+    from kvtier.engine.engine import ReferenceEngine
+    from kvtier.engine.model import ModelConfig, TinyLlama
 
     from tests.engines import client_config
 

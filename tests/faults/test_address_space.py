@@ -14,9 +14,9 @@ import resource
 from pathlib import Path
 
 import pytest
-from kvtier.client.admin import AdminClient
-from kvtier.client.connection import Connection, DaemonError
-from kvtier.client.kv_pool import SharedKVPool
+from kvtier.client.connection.admin import AdminClient
+from kvtier.client.connection.connection import Connection, DaemonError
+from kvtier.client.kv_pool.shared import SharedKVPool
 from kvtier.ipc import protocol as P
 
 from tests.engines import SMALL, client_config, engine, fill_page, page_bytes, tokens

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvtier.client.admin import AdminClient
+from kvtier.client.connection.admin import AdminClient
 
 from tests.engine_child import BIG, CHAIN_PAGES, chain_tokens, seed_of
 from tests.engines import engine, fill_page, page_bytes

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kvtier.client.connection import Connection
+from kvtier.client.connection.connection import Connection
 from kvtier.daemon.storage.file import HEADER_STRIDE, payload_slot, table_bytes
 
 from tests.engines import SMALL, client_config, engine

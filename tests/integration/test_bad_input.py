@@ -6,7 +6,7 @@ import os
 
 import msgspec
 import pytest
-from kvtier.client.kv_pool import SharedKVPool
+from kvtier.client.kv_pool.shared import SharedKVPool
 from kvtier.ipc import protocol as P
 
 from tests.engines import SMALL, engine, fill_page, handover, page_bytes, tokens

@@ -9,10 +9,10 @@ reused) shows up as wrong bytes.
 from __future__ import annotations
 
 import pytest
-from kvtier.client.admin import AdminClient
-from kvtier.client.cache_manager import CacheManager, MatchResult
-from kvtier.client.connection import Connection
-from kvtier.client.engine.allocator import PageAllocator
+from kvtier.client.cache.manager import CacheManager, MatchResult
+from kvtier.client.connection.admin import AdminClient
+from kvtier.client.connection.connection import Connection
+from kvtier.engine.allocator import PageAllocator
 
 from tests.engines import SMALL, engine, fill_page, page_bytes, tokens
 from tests.key_chain import spec_fingerprint, spec_page_keys

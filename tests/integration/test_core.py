@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtier.client.admin import AdminClient
+from kvtier.client.connection.admin import AdminClient
 
 from tests.engines import OTHER, SMALL, engine, fill_page, page_bytes, tokens
 

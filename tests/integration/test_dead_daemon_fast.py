@@ -11,8 +11,8 @@ from __future__ import annotations
 import threading
 import time
 
-from kvtier.client.connection import Connection
-from kvtier.client.kv_pool import SharedKVPool
+from kvtier.client.connection.connection import Connection
+from kvtier.client.kv_pool.shared import SharedKVPool
 
 from tests.engines import SMALL, client_config, tokens
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from kvtier.cli.demo_report import header, restart_banner
-from kvtier.client.admin import AdminClient
+from kvtier.client.connection.admin import AdminClient
 
 
 def printed(stdout: str, label: str) -> str:

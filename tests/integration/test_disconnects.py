@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import zmq
-from kvtier.client.admin import AdminClient
+from kvtier.client.connection.admin import AdminClient
 from kvtier.ipc import limits as L
 from kvtier.ipc import protocol as P
 from zmq.utils.monitor import recv_monitor_message

@@ -31,8 +31,8 @@ from typing import Any
 
 import pytest
 import uvloop
-from kvtier.client.admin import AdminClient
-from kvtier.client.transfer_handle import TransferHandle
+from kvtier.client.connection.admin import AdminClient
+from kvtier.client.connection.transfer_handle import TransferHandle
 from kvtier.config import DaemonConfig
 from kvtier.config.loader import load_config
 from kvtier.daemon.service.server import Daemon

@@ -8,10 +8,10 @@ import time
 
 import numpy as np
 import pytest
-from kvtier.client.cache_manager import CacheManager, LoadHandle, MatchResult
-from kvtier.client.daemon_process import DaemonProcess
-from kvtier.client.engine.engine import GenerationResult, ReferenceEngine
-from kvtier.client.engine.model import ModelConfig, TinyLlama
+from kvtier.client.cache.manager import CacheManager, LoadHandle, MatchResult
+from kvtier.engine.engine import GenerationResult, ReferenceEngine
+from kvtier.engine.model import ModelConfig, TinyLlama
+from kvtier.launch.daemon_process import DaemonProcess
 
 from tests.engines import client_config
 
@@ -182,7 +182,7 @@ def test_load_failing_half_way_falls_back_to_recompute(daemon_factory):
 
 @pytest.mark.timeout(60)
 def test_write_policies_back_up_as_hicache_does(engines, tiny, daemon):
-    from kvtier.client.admin import AdminClient
+    from kvtier.client.connection.admin import AdminClient
 
     def stored() -> int:
         with AdminClient(daemon.endpoint) as admin:

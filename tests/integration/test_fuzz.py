@@ -17,8 +17,8 @@ import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kvtier.client.admin import AdminClient
-from kvtier.client.kv_pool import SharedKVPool
+from kvtier.client.connection.admin import AdminClient
+from kvtier.client.kv_pool.shared import SharedKVPool
 from kvtier.ipc import limits as L
 from kvtier.ipc import protocol as P
 

@@ -13,9 +13,9 @@ import secrets
 import threading
 
 import pytest
-from kvtier.client.admin import AdminClient
-from kvtier.client.connection import Connection, DaemonError
-from kvtier.client.kv_pool import SharedKVPool
+from kvtier.client.connection.admin import AdminClient
+from kvtier.client.connection.connection import Connection, DaemonError
+from kvtier.client.kv_pool.shared import SharedKVPool
 from kvtier.ipc import fdpass
 from kvtier.ipc import protocol as P
 

@@ -25,10 +25,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from kvtier.client.connection import Connection
-from kvtier.client.daemon_process import DaemonProcess
-from kvtier.client.kv_pool import SharedKVPool
+from kvtier.client.connection.connection import Connection
+from kvtier.client.kv_pool.shared import SharedKVPool
 from kvtier.config.loader import pool_path
+from kvtier.launch.daemon_process import DaemonProcess
 
 from tests.engines import MLA, SMALL, ScrambledKVPool, engine, fill_page, tokens
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import zmq
-from kvtier.client.events import EventMessage, EventSubscriber
+from kvtier.client.connection.events import EventMessage, EventSubscriber
 from kvtier.ipc import kv_events as E
 from kvtier.ipc import protocol as P
 

@@ -15,7 +15,7 @@ import os
 import subprocess
 
 import pytest
-from kvtier.client.events import EventSubscriber
+from kvtier.client.connection.events import EventSubscriber
 from kvtier.ipc import kv_events as E
 from kvtier.ipc import protocol as P
 

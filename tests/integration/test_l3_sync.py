@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from kvtier.client.admin import AdminClient, AdminError
+from kvtier.client.connection.admin import AdminClient, AdminError
 from kvtier.ipc import protocol as P
 
 from tests.engines import engine

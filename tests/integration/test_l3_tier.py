@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from kvtier.client.admin import AdminClient
-from kvtier.client.connection import Connection
-from kvtier.client.kv_pool import SharedKVPool
+from kvtier.client.connection.admin import AdminClient
+from kvtier.client.connection.connection import Connection
+from kvtier.client.kv_pool.shared import SharedKVPool
 from kvtier.daemon.storage.file import FileBackend
 from kvtier.daemon.tier.prefetch import read_batch
 from kvtier.ipc import protocol as P
@@ -196,8 +196,8 @@ def test_prefetch_threshold_and_partial_l3_run(daemon_factory):
 
 @pytest.mark.timeout(90)
 def test_pages_come_back_from_l3_after_sigkill(daemon_factory, short_tmp):
-    from kvtier.client.engine.engine import ReferenceEngine
-    from kvtier.client.engine.model import ModelConfig, TinyLlama
+    from kvtier.engine.engine import ReferenceEngine
+    from kvtier.engine.model import ModelConfig, TinyLlama
 
     from tests.engines import client_config
 
@@ -475,7 +475,7 @@ def test_extra_config_prefetch_keys_override_the_daemon_fields(daemon_factory, s
 
 @pytest.mark.timeout(60)
 def test_a_bad_prefetch_key_in_the_extra_config_stops_the_start(daemon_factory, short_tmp):
-    from kvtier.client.daemon_process import DaemonStartError
+    from kvtier.launch.daemon_process import DaemonStartError
 
     d = daemon_factory(
         *l3_flags("file", {"path": str(short_tmp / "l3"), "prefetch_timeout_max": "soon"}),
@@ -530,7 +530,7 @@ def test_a_daemon_without_l3_flags_keeps_a_file_store_in_its_state_dir(
     """No backend and no state flags: L3 is the file store in ``<state_dir>/l3``, the state dir
     resolved as at a real start (``DaemonProcess`` offers ``<runtime_dir>/state`` as
     ``$STATE_DIRECTORY``, systemd offers its StateDirectory= the same way)."""
-    from kvtier.client.daemon_process import DaemonProcess
+    from kvtier.launch.daemon_process import DaemonProcess
 
     for var in (
         "KVTIER_STATE_DIR",

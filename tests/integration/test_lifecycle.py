@@ -17,16 +17,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kvtier.client.admin import AdminClient
-from kvtier.client.connection import Connection, TransferHandle
-from kvtier.client.daemon_process import DaemonProcess
-from kvtier.client.kv_pool import SharedKVPool
+from kvtier.client.connection.admin import AdminClient
+from kvtier.client.connection.connection import Connection, TransferHandle
+from kvtier.client.kv_pool.shared import SharedKVPool
 from kvtier.config import socket_path
 from kvtier.config.loader import pool_path
 from kvtier.daemon.service.sessions import Session
 from kvtier.ipc import protocol as P
 from kvtier.ipc.completion import TransferStatus
 from kvtier.ipc.limits import MAX_PID
+from kvtier.launch.daemon_process import DaemonProcess
 
 from tests.engines import SMALL, client_config, engine, tokens
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from kvtier.client.lookup_codec import PACKED_MIN_KEYS, lookup_request
-from kvtier.client.replies import DaemonError
+from kvtier.client.connection.replies import DaemonError
+from kvtier.client.connection.request_codec import PACKED_MIN_KEYS, lookup_request
 from kvtier.ipc import protocol as P
 from kvtier.ipc.limits import KEY_BYTES, MAX_KEYS
 

@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 
 import pytest
-from kvtier.client.admin import AdminClient
-from kvtier.client.connection import Connection
-from kvtier.client.kv_pool import SharedKVPool
-from kvtier.client.memory_export import RegionMemory
+from kvtier.client.connection.admin import AdminClient
+from kvtier.client.connection.connection import Connection
+from kvtier.client.kv_pool.regions import RegionMemory
+from kvtier.client.kv_pool.shared import SharedKVPool
 from kvtier.daemon.transfer.engine_memory import TMPFS_MAGIC, fs_type
 from kvtier.ipc import fdpass
 from kvtier.ipc import protocol as P
@@ -268,9 +268,9 @@ def test_a_token_is_spent_by_its_register_and_unknown_tokens_are_refused(daemon,
 
 HANDOVER_CHILD = """
 import os, sys
-from kvtier.client.connection import Connection
-from kvtier.client.kv_pool import SharedKVPool
-from kvtier.client.memory_export import RegionMemory
+from kvtier.client.connection.connection import Connection
+from kvtier.client.kv_pool.shared import SharedKVPool
+from kvtier.client.kv_pool.regions import RegionMemory
 from kvtier.daemon.transfer.engine_memory import TMPFS_MAGIC, fs_type
 from kvtier.kernels import guarded_copy
 from tests.engines import SMALL, handover

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvtier.client.admin import AdminClient
-from kvtier.client.daemon_process import DaemonStartError
+from kvtier.client.connection.admin import AdminClient
 from kvtier.daemon.service.metrics import DaemonMetrics
 from kvtier.ipc import protocol as P
+from kvtier.launch.daemon_process import DaemonStartError
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.engines import SMALL, engine, fill_page, tokens
@@ -187,7 +187,7 @@ def test_each_latency_histogram_is_fed_by_its_own_requests(daemon_factory):
 
 
 def test_refused_requests_are_counted_by_code(daemon_factory):
-    from kvtier.client.admin import AdminClient
+    from kvtier.client.connection.admin import AdminClient
     from kvtier.ipc import protocol as P
 
     port = free_port()

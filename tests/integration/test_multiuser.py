@@ -41,8 +41,8 @@ CHILD = r"""
 import json, os, secrets, sys
 from pathlib import Path
 import zmq
-from kvtier.client.connection import Connection, DaemonError, DaemonUnavailable
-from kvtier.client.kv_pool import SharedKVPool
+from kvtier.client.connection.connection import Connection, DaemonError, DaemonUnavailable
+from kvtier.client.kv_pool.shared import SharedKVPool
 from kvtier.ipc import protocol as P
 from tests.engines import SMALL, engine, fill_page, page_bytes, tokens
 

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from kvtier.client.connection import DaemonUnavailable
+from kvtier.client.connection.connection import DaemonUnavailable
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -14,8 +14,8 @@ import os
 
 import numpy as np
 import pytest
-from kvtier.client.connection import Connection, DaemonError
-from kvtier.client.memory_export import ControlOnly, RegionMemory
+from kvtier.client.connection.connection import Connection, DaemonError
+from kvtier.client.kv_pool.regions import ControlOnly, RegionMemory
 from kvtier.ipc import protocol as P
 from kvtier.ipc.shm import SharedMemorySegment
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import zmq
-from kvtier.client.admin import AdminClient
+from kvtier.client.connection.admin import AdminClient
 from kvtier.config import KvtierError, socket_path
 from kvtier.config.loader import pool_path
 from kvtier.ipc import protocol as P

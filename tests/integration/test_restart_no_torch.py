@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from kvtier.client.connection import Connection
+from kvtier.client.connection.connection import Connection
 
 from tests.engines import client_config, engine, fill_page, page_bytes, tokens
 from tests.integration.test_region_memory import VLLM, Engine, random_bytes

@@ -23,8 +23,7 @@ import traceback
 from pathlib import Path
 
 import pytest
-from kvtier.client.admin import AdminClient
-from kvtier.client.daemon_process import DaemonProcess, DaemonStartError
+from kvtier.client.connection.admin import AdminClient
 from kvtier.config import socket_path
 from kvtier.config.loader import pool_path
 from kvtier.daemon.pool.layout import PoolLayout
@@ -38,6 +37,7 @@ from kvtier.daemon.service.runtime import (
     prepare_runtime_dir,
     remove_stale_files,
 )
+from kvtier.launch.daemon_process import DaemonProcess, DaemonStartError
 
 from tests.engines import engine, fill_page, page_bytes, tokens
 from tests.unit.test_pool_file import small_tmpfs

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvtier.client.connection import Connection
-from kvtier.client.memory_export import RegionMemory
-from kvtier.client.staged_copies import StagedCopier
-from kvtier.client.staging import StagingArea, StagingPart
+from kvtier.client.connection.connection import Connection
+from kvtier.client.kv_pool.regions import RegionMemory
+from kvtier.client.staging.area import StagingArea, StagingPart
+from kvtier.client.staging.copies import StagedCopier
 from kvtier.ipc import protocol as P
 from kvtier.ipc.shm import SharedMemorySegment
 

@@ -10,9 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import pytest
-from kvtier.client.admin import AdminClient
-from kvtier.client.connection import Connection
-from kvtier.client.kv_pool import SharedKVPool
+from kvtier.client.connection.admin import AdminClient
+from kvtier.client.connection.connection import Connection
+from kvtier.client.kv_pool.shared import SharedKVPool
 from kvtier.ipc import protocol as P
 
 from tests.engines import SMALL, client_config, fill_page, page_bytes, tokens

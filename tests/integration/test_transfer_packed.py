@@ -1,6 +1,6 @@
 """LOAD and STORE with packed keys and pages, through a real kvtierd.
 
-A connection sends transfers of :data:`~kvtier.client.lookup_codec.PACKED_MIN_KEYS` pages
+A connection sends transfers of :data:`~kvtier.client.connection.request_codec.PACKED_MIN_KEYS` pages
 or more packed (``packed_keys``, ``packed_pages``) to a daemon that says
 ``packed_transfers``. These tests hold the packed form to the list form: the same pages
 stored and loaded (byte for byte, into the pages named), the same partial runs, the same
@@ -12,8 +12,8 @@ each refusal.
 from __future__ import annotations
 
 import pytest
-from kvtier.client.lookup_codec import PACKED_MIN_KEYS, transfer_request
-from kvtier.client.replies import DaemonError
+from kvtier.client.connection.replies import DaemonError
+from kvtier.client.connection.request_codec import PACKED_MIN_KEYS, transfer_request
 from kvtier.ipc import protocol as P
 from kvtier.ipc.limits import KEY_BYTES
 

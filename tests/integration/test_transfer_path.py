@@ -20,8 +20,8 @@ import threading
 from pathlib import Path
 
 import pytest
-from kvtier.client.admin import AdminClient
-from kvtier.client.transfer_handle import TransferHandle
+from kvtier.client.connection.admin import AdminClient
+from kvtier.client.connection.transfer_handle import TransferHandle
 from kvtier.daemon.service.handover import COMPLETION_SLOTS
 from kvtier.daemon.service.transfers import (
     INLINE_BYTES,

@@ -8,8 +8,8 @@ and every other call run as they do against kvtierd alone.
 
 Each engine call then does what it does when the daemon refuses: a lookup or claim reports a
 miss, a store or load is dropped, a release is forgotten; REGISTER and STATS raise
-:class:`~kvtier.client.replies.UnexpectedReply` naming the expected and the received type;
-the admin client raises an :class:`~kvtier.client.admin.AdminError`. The connection keeps
+:class:`~kvtier.client.connection.replies.UnexpectedReply` naming the expected and the received type;
+the admin client raises an :class:`~kvtier.client.connection.admin.AdminError`. The connection keeps
 working afterwards. None of this depends on ``assert`` (the suite runs under ``python -O``).
 """
 
@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 import zmq
-from kvtier.client.admin import AdminClient, AdminError, UnexpectedAdminReply
-from kvtier.client.connection import Connection
-from kvtier.client.kv_pool import SharedKVPool
-from kvtier.client.replies import UnexpectedReply
+from kvtier.client.connection.admin import AdminClient, AdminError, UnexpectedAdminReply
+from kvtier.client.connection.connection import Connection
+from kvtier.client.connection.replies import UnexpectedReply
+from kvtier.client.kv_pool.shared import SharedKVPool
 from kvtier.ipc import protocol as P
 
 from tests.engines import SMALL, client_config, tokens

@@ -24,7 +24,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from kvtier.client.admin import AdminClient
+from kvtier.client.connection.admin import AdminClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.servers import free_port
@@ -50,9 +50,9 @@ from pathlib import Path
 role, uid, rdir = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
 args = json.loads(sys.argv[4])
 if role != "flood":
-    from kvtier.client.connection import Connection, DaemonError, DaemonUnavailable
-    from kvtier.client.kv_pool import SharedKVPool
-    from kvtier.client.memory_export import ControlOnly, RegionMemory
+    from kvtier.client.connection.connection import Connection, DaemonError, DaemonUnavailable
+    from kvtier.client.kv_pool.shared import SharedKVPool
+    from kvtier.client.kv_pool.regions import ControlOnly, RegionMemory
     from kvtier.ipc import protocol as P
     from kvtier.ipc.shm import seal_size
     from tests.engines import SMALL, client_config, engine, fill_page, page_bytes, tokens

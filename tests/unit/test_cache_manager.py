@@ -8,8 +8,8 @@ tests/integration/test_cache_manager_l2.py.
 from __future__ import annotations
 
 import pytest
-from kvtier.client.cache_manager import CacheManager, DevicePoolExhausted
-from kvtier.client.engine.allocator import PageAllocator, PageAllocatorError
+from kvtier.client.cache.manager import CacheManager, DevicePoolExhausted
+from kvtier.engine.allocator import PageAllocator, PageAllocatorError
 
 from tests.engines import SMALL, tokens
 from tests.key_chain import spec_page_keys

@@ -14,14 +14,14 @@ from collections.abc import Sequence
 
 import pytest
 import torch
-from kvtier.client.engine import ops
-from kvtier.client.engine.model import (
+from kvtier.config.errors import ConfigError
+from kvtier.engine import ops
+from kvtier.engine.model import (
     EngineInputError,
     ModelConfig,
     TinyLlama,
     new_kv_cache,
 )
-from kvtier.config.errors import ConfigError
 
 TOL = 1e-4
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvtier.client.engine.model import EngineInputError, TinyLlama
-from kvtier.client.engine.model_config import ModelConfig, new_kv_cache
-from kvtier.client.engine.ops import offset_masks
+from kvtier.engine.model import EngineInputError, TinyLlama
+from kvtier.engine.model_config import ModelConfig, new_kv_cache
+from kvtier.engine.ops import offset_masks
 
 PAGE = 4
 

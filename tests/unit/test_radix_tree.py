@@ -10,7 +10,7 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from kvtier.client.radix_tree import PrefixMatch, RadixTree, TreeNode
+from kvtier.client.radix.tree import PrefixMatch, RadixTree, TreeNode
 from kvtier.config.errors import KvtierError
 
 NS = b"test-namespace-fingerprint"

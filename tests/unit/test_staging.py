@@ -14,8 +14,8 @@ import time
 
 import pytest
 import torch
-from kvtier.client.staged_copies import StagedCopier
-from kvtier.client.staging import StagingArea, StagingPart, slot_runs
+from kvtier.client.staging.area import StagingArea, StagingPart, slot_runs
+from kvtier.client.staging.copies import StagedCopier
 from kvtier.ipc.protocol import Geometry
 
 pytestmark = pytest.mark.timeout(60)

@@ -22,8 +22,10 @@ def test_the_repository_mapping_is_one_link_per_top_level_package() -> None:
         "client": "client",
         "config": "config",
         "daemon": "daemon",
+        "engine": "engine",
         "ipc": "ipc",
         "kernels": "kernels",
+        "launch": "launch",
     }
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvtier.client.daemon_process import DaemonProcess
+from kvtier.launch.daemon_process import DaemonProcess
 from sglang_harness import Instance, start_daemon
 
 if importlib.util.find_spec("sglang") is None:

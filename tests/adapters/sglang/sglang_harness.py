@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -13,10 +14,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvtier.client.admin import AdminClient
-from kvtier.client.daemon_process import DaemonProcess
+from kvtier.client.connection.admin import AdminClient
 from kvtier.ipc import protocol as P
-import contextlib
+from kvtier.launch.daemon_process import DaemonProcess
 
 HERE = Path(__file__).resolve().parent
 START_DEADLINE_S = 120.0

@@ -13,8 +13,8 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
-from kvtier.client.admin import AdminClient
-from kvtier.client.events import EventSubscriber
+from kvtier.client.connection.admin import AdminClient
+from kvtier.client.connection.events import EventSubscriber
 from kvtier.ipc import kv_events as E
 from kvtier.ipc import protocol as P
 from vllm_harness import BLOCK, EngineProcess, prompt, wait_for_pages

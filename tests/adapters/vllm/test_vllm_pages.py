@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kvtier.client.admin import AdminClient
-from kvtier.client.connection import Connection
-from kvtier.client.memory_export import RegionMemory
+from kvtier.client.connection.admin import AdminClient
+from kvtier.client.connection.connection import Connection
+from kvtier.client.kv_pool.regions import RegionMemory
 from kvtier.client.page_keys import page_keys
 from kvtier.config import ClientConfig
 from kvtier.ipc import protocol as P

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from kvtier.client.adapters.vllm_link import ConnectorSettings, SettingsError
+from kvtier.client.adapters.vllm.settings import ConnectorSettings, SettingsError
 
 
 def test_keys_reach_the_client_settings():
@@ -47,7 +47,7 @@ def test_a_bad_key_or_value_is_refused_by_name(extra, named):
 
 
 def test_copy_mode_settings_and_what_each_platform_runs():
-    from kvtier.client.adapters.vllm_copy_mode import copy_mode_for, layout_for
+    from kvtier.client.adapters.vllm.copy_mode import copy_mode_for, layout_for
 
     s = ConnectorSettings.from_extra_config(
         {"copy_mode": "engine", "staging_pages": 64, "staging_wait_s": 0}
@@ -71,7 +71,7 @@ def test_copy_mode_settings_and_what_each_platform_runs():
 
 def test_engine_tensors_are_staged_in_vllms_logical_block_order():
     import torch
-    from kvtier.client.adapters.vllm_copy_mode import engine_parts
+    from kvtier.client.adapters.vllm.copy_mode import engine_parts
     from kvtier.ipc.protocol import Geometry
 
     g = Geometry(

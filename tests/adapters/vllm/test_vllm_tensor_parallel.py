@@ -8,10 +8,10 @@ import time
 from pathlib import Path
 
 import pytest
-from kvtier.client.adapters.vllm_namespace import CPU_LAYOUT
-from kvtier.client.admin import AdminClient
-from kvtier.client.connection import Connection
-from kvtier.client.memory_export import ControlOnly
+from kvtier.client.adapters.vllm.namespace import CPU_LAYOUT
+from kvtier.client.connection.admin import AdminClient
+from kvtier.client.connection.connection import Connection
+from kvtier.client.kv_pool.regions import ControlOnly
 from kvtier.client.page_keys import page_keys
 from kvtier.config import ClientConfig
 from kvtier.ipc.protocol import Geometry

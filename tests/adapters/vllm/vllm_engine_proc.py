@@ -35,8 +35,8 @@ def record_loads() -> list[dict[str, Any]]:
     """Watch every WorkerSide made in this process from now on (see the module docstring);
     return the list the finished loads are appended to."""
     import torch
-    from kvtier.client.adapters.vllm_staging import StagedWorkerSide
-    from kvtier.client.adapters.vllm_worker import WorkerSide
+    from kvtier.client.adapters.vllm.staged_worker import StagedWorkerSide
+    from kvtier.client.adapters.vllm.worker import WorkerSide
 
     done: list[dict[str, Any]] = []
     lock = threading.Lock()

@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from kvtier.client.adapters.vllm_namespace import CPU_LAYOUT, chain_seed
-from kvtier.client.connection import Connection
-from kvtier.client.memory_export import ControlOnly, RegionMemory
+from kvtier.client.adapters.vllm.namespace import CPU_LAYOUT, chain_seed
+from kvtier.client.connection.connection import Connection
+from kvtier.client.kv_pool.regions import ControlOnly, RegionMemory
 from kvtier.client.page_keys import page_keys
 from kvtier.config import ClientConfig
 from kvtier.ipc import protocol as P

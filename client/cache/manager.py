@@ -1,0 +1,425 @@
+"""The engine-facing cache manager: L1 radix tree, L2 through kvtierd, HiCache write policies.
+
+One :class:`CacheManager` per engine rank. It owns the rank's :class:`RadixTree` (the L1 index)
+and, when given a :class:`Connection`, uses the daemon as L2 (and L3). A request goes::
+
+    m = cm.match(tokens)             L1 hit (locked) + keys of the rest + ONE lookup round trip
+    pages = cm.alloc(n)              device pages; evicts L1 (per the write policy) when short
+    ld = cm.load(m, pages[:m.l2_pages])
+    model.prefill(..., layer_wait=ld.wait_layer)   loading overlaps computing, layer by layer
+    ld.finish()                      False: recompute from the L1 boundary (cm.recover_failed_load)
+    dups = cm.insert(m, table)       tree takes the prompt's full pages; write policy may STORE
+    ... decode ...
+    cm.release(m); cm.free(request-owned pages)
+
+Write policies (HiCache's): ``write_through`` stores a page on its first insert;
+``write_through_selective`` once ``write_through_threshold`` requests have inserted it (the
+request that computed it counts, as HiCache counts the creating insert); ``write_back`` only
+when L1 evicts it, before its device page is reused.
+
+Page ownership: L1 pages belong to the tree; pages from :meth:`CacheManager.alloc` belong to
+the request until :meth:`CacheManager.insert` hands its full prompt pages to the tree. A device
+page goes back to the allocator only after every STORE reading it has completed, and never while
+a LOAD might still write it (a failed load's pages are quarantined while the daemon lives).
+
+Not thread-safe: call it from the engine's scheduler thread. A prompt's last token is always
+computed (as SGLang matches ``tokens[:-1]``), so at most ``(len - 1) // page_size`` pages hit.
+
+The manager keeps the request path, eviction and the quarantine of failed loads; a request's
+state (:class:`MatchResult`, :class:`LoadHandle`) is in :mod:`kvtier.client.cache.request`, the
+STORE bookkeeping of the write policies in :mod:`kvtier.client.cache.store_tracker`, the counters in
+:mod:`kvtier.client.cache.counters`. Those names are imported here for the manager's users.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvtier.client.cache.counters import CacheCounters
+from kvtier.client.cache.request import LoadHandle, MatchResult
+from kvtier.client.cache.store_tracker import StoreTracker
+from kvtier.client.connection.connection import Connection
+from kvtier.client.page_keys import page_keys
+from kvtier.client.radix.tree import RadixTree
+from kvtier.config import ClientConfig, KvtierError
+
+__all__ = [
+    "CacheCounters",
+    "CacheManager",
+    "DeviceAllocator",
+    "DevicePoolExhausted",
+    "LoadHandle",
+    "MatchResult",
+]
+
+_LOCAL_SEED = hashlib.sha256(b"kvtier local L1 namespace").digest()
+
+
+class DevicePoolExhausted(KvtierError):
+    """Not enough device pages, even after evicting every unlocked L1 page."""
+
+
+class DeviceAllocator(Protocol):
+    """What the manager needs from the engine's device page allocator."""
+
+    @property
+    def free_count(self) -> int:
+        """Pages free now."""
+        ...
+
+    def alloc(self, n: int) -> list[int] | None:
+        """``n`` pages, or None (taking nothing) when fewer are free."""
+        ...
+
+    def free(self, pages: Iterable[int]) -> None:
+        """Return pages."""
+        ...
+
+
+@dataclass(slots=True)
+class _Quarantine:
+    """Pages of a failed load kept out of use until ``deadline`` (or the daemon's death)."""
+
+    deadline: float
+    pages: list[int]
+
+
+class CacheManager:
+    """L1 prefix cache of one engine rank, backed by kvtierd when a connection is given.
+
+    Args:
+        allocator: the engine's device page allocator; evicted pages are freed into it.
+        connection: a registered connection (None: a plain L1 prefix cache, nothing stored).
+        config: write policy and threshold, timeouts (default: the connection's, else defaults).
+        page_size: tokens per page; required without a connection (else the geometry's).
+        key_seed: chain seed without a connection (default: a fixed local seed).
+
+    Raises:
+        KvtierError: no page size, or a connection that is not registered.
+    """
+
+    __slots__ = (
+        "_alloc",
+        "_cfg",
+        "_conn",
+        "_page_size",
+        "_quarantine",
+        "_quarantined",
+        "_seed",
+        "_stores",
+        "_tree",
+        "counters",
+    )
+
+    def __init__(
+        self,
+        allocator: DeviceAllocator,
+        connection: Connection | None = None,
+        config: ClientConfig | None = None,
+        page_size: int | None = None,
+        key_seed: bytes | None = None,
+    ) -> None:
+        if connection is not None:
+            page_size = connection.geometry.page_size
+            if len(connection.ns_fingerprint) != 32:
+                raise KvtierError("the connection is not registered (no namespace fingerprint)")
+        if page_size is None:
+            raise KvtierError("page_size is required without a connection")
+        self._alloc = allocator
+        self._conn = connection
+        self._cfg = config or (connection.config if connection is not None else ClientConfig())
+        self._page_size = page_size
+        self._seed = (
+            connection.ns_fingerprint if connection is not None else (key_seed or _LOCAL_SEED)
+        )
+        self._tree = RadixTree(page_size)
+        self._quarantine: list[_Quarantine] = []
+        self._quarantined: set[int] = set()
+        self.counters = CacheCounters()
+        policy = self._cfg.hicache_write_policy
+        threshold = (
+            1
+            if policy == "write_through"
+            else self._cfg.write_through_threshold
+            if policy == "write_through_selective"
+            else 0
+        )
+        self._stores = StoreTracker(connection, self._tree, self.counters, threshold)
+
+    @property
+    def tree(self) -> RadixTree:
+        """The L1 index (read it; change it only through the manager)."""
+        return self._tree
+
+    @property
+    def page_size(self) -> int:
+        """Tokens per page."""
+        return self._page_size
+
+    @property
+    def write_policy(self) -> str:
+        """``write_through``, ``write_through_selective`` or ``write_back``."""
+        return self._cfg.hicache_write_policy
+
+    @property
+    def quarantined_pages(self) -> int:
+        """Device pages held back after failed loads (a live daemon might still write them)."""
+        return len(self._quarantined)
+
+    @property
+    def pending_stores(self) -> int:
+        """STOREs issued and not yet reaped."""
+        return self._stores.pending
+
+    # ------------------------------------------------------------------ request path
+    def match(self, tokens: Sequence[int]) -> MatchResult:
+        """Find the cached prefix of ``tokens``: the L1 hit (locked), then L2/L3 in one lookup.
+
+        Args:
+            tokens: the prompt.
+
+        Returns:
+            The match; pass it to :meth:`load`, :meth:`insert` and :meth:`release`.
+        """
+        toks = [int(t) for t in tokens]
+        size = self._page_size
+        n_full = len(toks) // size
+        usable = max(len(toks) - 1, 0) // size
+        pm = self._tree.match_prefix(toks[: usable * size])
+        seed = pm.keys[-1] if pm.keys else self._seed
+        keys = pm.keys + page_keys(seed, toks[pm.matched_tokens : n_full * size], size)
+        l1 = pm.device_pages
+        self._tree.lock(pm.last_node)
+        l2 = l3 = 0
+        rest = keys[l1:usable]
+        if self._conn is not None and rest:
+            try:
+                rep = self._conn.lookup(rest)
+            except BaseException:
+                self._tree.unlock(pm.last_node)
+                raise
+            l2 = min(rep.l2, len(rest))
+            l3 = min(rep.l3, len(rest) - l2)
+            self._tree.mark_in_l2(rest[:l2])
+        c = self.counters
+        c.requests += 1
+        c.prompt_tokens += len(toks)
+        c.l1_hit_tokens += l1 * size
+        c.l2_hit_tokens += l2 * size
+        c.l3_hit_tokens += l3 * size
+        return MatchResult(
+            toks, keys, size, pm.device_page_ids, pm.in_l2[:l1], l2, l3, pm.last_node
+        )
+
+    def alloc(self, n: int) -> list[int]:
+        """Take ``n`` device pages, evicting unlocked L1 pages (per the write policy) if short.
+
+        Args:
+            n: pages wanted.
+
+        Returns:
+            The page ids, owned by the caller.
+
+        Raises:
+            DevicePoolExhausted: fewer than ``n`` pages even after evicting all it could.
+        """
+        self._drain_quarantine()
+        pages = self._alloc.alloc(n)
+        if pages is None:
+            self._evict(n - self._alloc.free_count)
+            pages = self._alloc.alloc(n)
+            if pages is None:
+                raise DevicePoolExhausted(
+                    f"{n} device pages needed, {self._alloc.free_count} free; "
+                    f"{self._tree.device_page_count} held by L1 "
+                    f"({self._tree.evictable_page_count} evictable), "
+                    f"{len(self._quarantined)} quarantined"
+                )
+        return pages
+
+    def load(self, match: MatchResult, device_pages: Sequence[int]) -> LoadHandle:
+        """Start loading the L2 run of ``match`` into ``device_pages``.
+
+        Args:
+            match: from :meth:`match`.
+            device_pages: at least ``match.l2_pages`` pages from :meth:`alloc`.
+
+        Returns:
+            The handle; ``handle.pages`` may be below ``match.l2_pages`` (L2 evicted some
+            meanwhile, or the daemon is away): compute the rest.
+        """
+        n = min(match.l2_pages, len(device_pages))
+        transfer = None
+        if n and self._conn is not None:
+            l1 = len(match.l1_pages)
+            transfer = self._conn.load(match.keys[l1 : l1 + n], list(device_pages[:n]))
+        handle = LoadHandle(match, transfer, device_pages, self._load_settled)
+        match.load = handle
+        return handle
+
+    def recover_failed_load(self, load: LoadHandle) -> list[int]:
+        """Pages to recompute into after ``load`` failed, in place of ``load.page_ids``.
+
+        Args:
+            load: a settled, failed load.
+
+        Returns:
+            ``load.page_ids`` when no late write can reach them (the daemon is gone), else as
+            many fresh pages (the old ones stay quarantined, owned by the manager).
+        """
+        assert load.failed, "recover_failed_load() of a load that did not fail"
+        return self.alloc(len(load.page_ids)) if load.quarantined else list(load.page_ids)
+
+    def record_computed(self, tokens: int) -> None:
+        """Count prompt tokens the engine computed (for :attr:`counters`)."""
+        self.counters.computed_tokens += tokens
+
+    def insert(self, match: MatchResult, device_pages: Sequence[int]) -> list[int]:
+        """Hand the prompt's full pages to the tree after prefill and apply the write policy.
+
+        The request's lock moves to the inserted path, so its pages stay put until release.
+
+        Args:
+            match: from :meth:`match`, not released.
+            device_pages: one device page per full page of ``match.tokens`` (the L1 pages
+                first, as in the page table).
+
+        Returns:
+            Pages of ``device_pages`` the tree did not take (another copy was already on the
+            device); the caller frees them when done reading them.
+
+        Raises:
+            KvtierError: wrong number of pages, or a released match.
+        """
+        size = self._page_size
+        n = len(match.tokens) // size
+        if match.released:
+            raise KvtierError("insert() of a released match")
+        if len(device_pages) != n:
+            raise KvtierError(f"{n} full pages need {n} device pages, got {len(device_pages)}")
+        pages = list(device_pages)
+        keys = match.keys[:n]
+        res = self._tree.insert(match.tokens[: n * size], pages, keys)
+        self._tree.lock(res.last_node)
+        if match.node is not None:
+            self._tree.unlock(match.node)
+        match.node = res.last_node
+        l1, loaded = len(match.l1_pages), match.loaded_pages
+        if loaded:
+            self._tree.mark_in_l2(keys[l1 : l1 + loaded])
+        self._stores.inserted(keys, pages, l1, match.l1_in_l2, loaded)
+        return res.duplicate_page_ids
+
+    def release(self, match: MatchResult) -> None:
+        """End a request: settle its load, unlock its pages and reap finished STOREs.
+
+        Call it before freeing the request's pages. Idempotent.
+
+        Args:
+            match: from :meth:`match`.
+        """
+        if match.released:
+            return
+        match.released = True
+        if match.load is not None:
+            match.load.finish()
+        if match.node is not None:
+            self._tree.unlock(match.node)
+            match.node = None
+        self.sync()
+
+    def free(self, pages: Iterable[int]) -> None:
+        """Return request-owned pages to the allocator once no STORE reads them.
+
+        Pages the manager quarantined (a failed load's) are skipped: it frees them itself.
+
+        Args:
+            pages: pages from :meth:`alloc` that the tree did not take.
+        """
+        pages = [p for p in pages if p not in self._quarantined]
+        self._stores.reap_pages(pages)
+        self._alloc.free(pages)
+
+    # ------------------------------------------------------------------ maintenance
+    def sync(self) -> None:
+        """Wait for every STORE in flight and record what L2 now holds."""
+        self._stores.sync()
+
+    def flush_l1(self) -> int:
+        """Evict every unlocked L1 page (write_back stores them first): a cold L1.
+
+        Returns:
+            Pages freed.
+        """
+        return self._evict(self._tree.device_page_count)
+
+    def stored_prefix_tokens(self, tokens: Sequence[int]) -> int:
+        """Tokens of the leading full pages of ``tokens`` that L2 holds now (one lookup).
+
+        Args:
+            tokens: a prompt.
+
+        Returns:
+            The L2 run times the page size (0 without a connection).
+        """
+        if self._conn is None:
+            return 0
+        keys = page_keys(self._seed, [int(t) for t in tokens], self._page_size)
+        return self._conn.lookup(keys).l2 * self._page_size if keys else 0
+
+    def close(self) -> None:
+        """Wait for STOREs in flight and end quarantines whose daemon is gone. Idempotent."""
+        self.sync()
+        self._drain_quarantine()
+
+    # ------------------------------------------------------------------ internals
+    def _evict(self, n: int) -> int:
+        """Free up to ``n`` unlocked L1 pages; under write_back, STORE those L2 lacks first."""
+        if n <= 0:
+            return 0
+        self.sync()  # the tree must know what L2 holds before it picks pages to drop
+        evicted = self._tree.evict(n)
+        backup = []
+        for e in evicted:
+            parent = self._stores.forget(e.key)
+            if not e.in_l2:
+                backup.append((e.key, e.page_id, parent))
+        if backup and self._cfg.hicache_write_policy == "write_back":
+            self._stores.write_back(backup)
+        self._alloc.free(e.page_id for e in evicted)
+        self.counters.evicted_pages += len(evicted)
+        return len(evicted)
+
+    def _load_settled(self, load: LoadHandle, match: MatchResult, ok: bool) -> None:
+        """Record a load's outcome; quarantine its pages if a live daemon might still write them."""
+        if ok:
+            match.loaded_pages = load.pages
+            self.counters.loaded_tokens += load.tokens
+            return
+        match.loaded_pages = 0
+        self.counters.load_failures += 1
+        if load.page_ids and self._conn is not None and self._conn.daemon_alive():
+            # A live daemon may still copy one more layer into these pages (it checks a
+            # cancel between layers): keep them out of use until no late write can land.
+            load.quarantined = True
+            self._quarantined.update(load.page_ids)
+            deadline = time.monotonic() + self._cfg.load_timeout_s
+            self._quarantine.append(_Quarantine(deadline, list(load.page_ids)))
+
+    def _drain_quarantine(self) -> None:
+        if not self._quarantine:
+            return
+        gone = self._conn is None or not self._conn.daemon_alive()
+        now = time.monotonic()
+        keep = []
+        for q in self._quarantine:
+            if gone or q.deadline <= now:
+                self._quarantined.difference_update(q.pages)
+                self._alloc.free(q.pages)
+            else:
+                keep.append(q)
+        self._quarantine = keep

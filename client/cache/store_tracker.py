@@ -1,0 +1,212 @@
+"""The cache manager's STOREs: which L1 pages L2 lacks, the write policy, and STOREs in flight.
+
+HiCache's write policies decide when an L1 page is copied to L2: ``write_through`` on its first
+insert, ``write_through_selective`` once ``write_through_threshold`` requests have inserted it
+(the request that computed it counts), ``write_back`` only when L1 evicts it. To apply them the
+tracker remembers, per page key L2 is not known to hold, its chain parent and how many requests
+used it; to keep device pages safe it remembers which STORE reads which page, so a page goes
+back to the allocator only after every STORE reading it has completed.
+
+Not thread-safe: the manager calls it from the engine's scheduler thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from kvtier.client.cache.counters import CacheCounters
+from kvtier.client.connection.connection import Connection
+from kvtier.client.connection.transfer_handle import TransferHandle
+from kvtier.client.radix.tree import RadixTree
+
+__all__ = ["StoreTracker"]
+
+
+@dataclass(slots=True)
+class _Unbacked:
+    """A device page L2 is not known to hold: its chain parent and the requests that used it."""
+
+    parent: bytes | None
+    uses: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class _Store:
+    """A STORE in flight: its handle and the keys and device pages it reads."""
+
+    handle: TransferHandle
+    keys: list[bytes]
+    pages: list[int]
+
+
+class StoreTracker:
+    """STOREs of one cache manager, from the write policy's decision to the reaped result.
+
+    Args:
+        connection: the daemon connection STOREs go to (None: nothing is ever stored, but
+            pages are still tracked so that eviction knows their chain parents).
+        tree: the manager's L1 index; pages a STORE placed are marked as held by L2 there.
+        counters: the manager's counters (STOREs issued, pages stored, failures, write-backs).
+        store_threshold: inserts after which a page is stored (1: write_through; 0: never on
+            insert, i.e. write_back).
+    """
+
+    __slots__ = (
+        "_conn",
+        "_counters",
+        "_page_stores",
+        "_pending",
+        "_storing",
+        "_threshold",
+        "_tree",
+        "_unbacked",
+    )
+
+    def __init__(
+        self,
+        connection: Connection | None,
+        tree: RadixTree,
+        counters: CacheCounters,
+        store_threshold: int,
+    ) -> None:
+        self._conn = connection
+        self._tree = tree
+        self._counters = counters
+        self._threshold = store_threshold
+        self._unbacked: dict[bytes, _Unbacked] = {}
+        self._pending: dict[_Store, None] = {}
+        self._page_stores: dict[int, _Store] = {}
+        self._storing: set[bytes] = set()
+
+    @property
+    def pending(self) -> int:
+        """STOREs issued and not yet reaped."""
+        return len(self._pending)
+
+    def inserted(
+        self,
+        keys: Sequence[bytes],
+        pages: Sequence[int],
+        l1: int,
+        l1_in_l2: Sequence[bool],
+        loaded: int,
+    ) -> None:
+        """Count one request's insert of ``keys`` and STORE the pages the write policy picks.
+
+        Args:
+            keys: the key of every full page of the prompt, in chain order.
+            pages: the device page of each key (what a STORE would read).
+            l1: pages of the request's L1 hit (the first ``l1`` keys).
+            l1_in_l2: per page of the L1 hit, whether L2 holds it.
+            loaded: pages right after the L1 hit that the request loaded from L2.
+        """
+        todo: list[int] = []
+        unbacked = self._unbacked
+        for i, key in enumerate(keys):
+            if (i < l1 and l1_in_l2[i]) or l1 <= i < l1 + loaded:
+                unbacked.pop(key, None)
+                continue
+            rec = unbacked.get(key)
+            if rec is None:
+                rec = unbacked[key] = _Unbacked(keys[i - 1] if i else None)
+            rec.uses += 1
+            if self._threshold and rec.uses >= self._threshold and key not in self._storing:
+                todo.append(i)
+        if todo and self._conn is not None:
+            self._store_runs(list(keys), list(pages), todo)
+
+    def forget(self, key: bytes) -> bytes | None:
+        """Stop tracking an evicted page; return its chain parent if it was tracked.
+
+        Args:
+            key: the evicted page's key.
+
+        Returns:
+            The key of the page before it in its chain, or None (the first page, or untracked).
+        """
+        rec = self._unbacked.pop(key, None)
+        return rec.parent if rec is not None else None
+
+    def reap_pages(self, pages: Iterable[int]) -> None:
+        """Wait for every STORE that reads one of ``pages`` (before the pages are reused)."""
+        for st in {self._page_stores[p] for p in pages if p in self._page_stores}:
+            self._reap(st)
+
+    def sync(self) -> None:
+        """Wait for every STORE in flight and record what L2 now holds."""
+        for st in list(self._pending):
+            self._reap(st)
+
+    def write_back(self, backup: list[tuple[bytes, int, bytes | None]]) -> None:
+        """STORE evicted pages as chains, parent first, and wait before their pages are reused.
+
+        Eviction runs leaf first and tail first, so the reversed list has every parent before
+        its children; consecutive pages whose parent is the page before form one STORE.
+
+        Args:
+            backup: ``(key, device page, parent key)`` of each evicted page L2 lacks, in
+                eviction order.
+        """
+        if not backup or self._conn is None:
+            return
+        stores = []
+        run_keys: list[bytes] = []
+        run_pages: list[int] = []
+        run_parent: bytes | None = None
+        for key, page, parent in reversed(backup):
+            if run_keys and parent == run_keys[-1]:
+                run_keys.append(key)
+                run_pages.append(page)
+                continue
+            if run_keys:
+                stores.append(self._issue(run_keys, run_pages, run_parent))
+            run_keys, run_pages, run_parent = [key], [page], parent
+        stores.append(self._issue(run_keys, run_pages, run_parent))
+        for st in stores:
+            if self._reap(st):
+                self._counters.written_back_pages += st.handle.writing
+
+    # ------------------------------------------------------------------ internals
+    def _store_runs(self, keys: list[bytes], pages: list[int], todo: list[int]) -> None:
+        """STORE each run of consecutive page indexes in ``todo``, chained to its parent."""
+        start = 0
+        while start < len(todo):
+            end = start + 1
+            while end < len(todo) and todo[end] == todo[end - 1] + 1:
+                end += 1
+            a, b = todo[start], todo[end - 1] + 1
+            self._issue(keys[a:b], pages[a:b], keys[a - 1] if a else None)
+            start = end
+
+    def _issue(self, keys: list[bytes], pages: list[int], parent: bytes | None) -> _Store:
+        """Send one STORE and remember the keys and pages it reads."""
+        assert self._conn is not None
+        st = _Store(self._conn.store(keys, pages, parent_key=parent), keys, pages)
+        self._counters.stores_issued += 1
+        self._pending[st] = None
+        self._storing.update(keys)
+        for p in pages:
+            self._page_stores[p] = st
+        return st
+
+    def _reap(self, st: _Store) -> bool:
+        """Wait for ``st``, record the pages L2 now holds; True when it succeeded."""
+        if st not in self._pending:
+            return st.handle.ok
+        ok = st.handle.wait()
+        del self._pending[st]
+        self._storing.difference_update(st.keys)
+        for p in st.pages:
+            if self._page_stores.get(p) is st:
+                del self._page_stores[p]
+        if ok:
+            done = st.keys[: st.handle.count]
+            self._tree.mark_in_l2(done)
+            for key in done:
+                self._unbacked.pop(key, None)
+            self._counters.pages_stored += st.handle.writing
+            self._counters.store_dropped_pages += len(st.keys) - st.handle.count
+        else:
+            self._counters.store_failures += 1
+        return ok

@@ -1,0 +1,186 @@
+"""A connection's request/reply channel to kvtierd: one DEALER socket, and the daemon's liveness.
+
+:class:`DaemonChannel` sends one request and waits for its reply, under the connection's lock
+(the connection's session state and the socket change together). It knows nothing of
+sessions: :class:`~kvtier.client.connection.connection.Connection` registers, re-registers and
+checks what a reply is. What it does keep:
+
+- the daemon's process id, once the connection has registered: while a request waits, the
+  process is checked every :data:`LIVENESS_POLL_S`, so a dead daemon costs milliseconds, not
+  ``request_timeout_s``;
+- a short *down window*: after a request found no daemon, later requests fail at once for up
+  to a second instead of each waiting ``request_timeout_s`` (registrations still try);
+- the request ids: a late reply to a request that timed out earlier is dropped, an
+  undecodable reply is logged and ignored.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import secrets
+import threading
+import time
+
+import msgspec
+import zmq
+from kvtier.client.connection.replies import DaemonUnavailable, rep_is_late
+from kvtier.ipc import protocol as P
+from kvtier.ipc.sockets import make_zmq_socket
+
+__all__ = ["LIVENESS_POLL_S", "DaemonChannel"]
+
+log = logging.getLogger("kvtier.client")
+
+LIVENESS_POLL_S = 0.02
+"""How often a request waiting for its reply checks that the daemon's process still exists."""
+
+
+class DaemonChannel:
+    """The socket a connection sends its requests on, and what it knows of the daemon's life.
+
+    Args:
+        endpoint: the daemon's control endpoint (``ipc://...`` or ``tcp://...``).
+        request_timeout_s: the default wait for a reply, and the longest wait to connect.
+        lock: the connection's lock; every request is sent and answered under it.
+    """
+
+    def __init__(self, endpoint: str, request_timeout_s: float, lock: threading.RLock) -> None:
+        self.endpoint = endpoint
+        self.request_timeout_s = request_timeout_s
+        self.context = zmq.Context()
+        self.daemon_pid = 0
+        """The registered daemon's process id; 0 before a registration (never watched)."""
+        self._lock = lock
+        self._sock: zmq.Socket | None = None
+        self._req_ids = itertools.count(1)
+        self._down_until = 0.0
+
+    @property
+    def connected(self) -> bool:
+        """Whether the socket exists (made by :meth:`connect`, gone after :meth:`close`)."""
+        return self._sock is not None
+
+    def check_socket_file(self) -> None:
+        """Fail fast, with a hint, when the endpoint is a socket file that does not exist.
+
+        Raises:
+            DaemonUnavailable: no file at the ``ipc://`` endpoint's path.
+        """
+        if not self.endpoint.startswith("ipc://"):
+            return
+        path = self.endpoint[len("ipc://") :]
+        if not os.path.exists(path):
+            raise DaemonUnavailable(
+                f"kvtierd is not running: no socket at {path}; start one with `kvtier serve` "
+                "(or `make serve`), or point runtime_dir / endpoint ($KVTIER_RUNTIME_DIR, "
+                "$KVTIER_ENDPOINT) at a running one"
+            )
+
+    def connect(self) -> None:
+        """Make the socket, under an identity of this process, unless it exists already."""
+        with self._lock:
+            if self._sock is not None:
+                return
+            identity = f"{os.getpid()}-{secrets.token_hex(6)}".encode()
+            self._sock = make_zmq_socket(
+                self.context, self.endpoint, zmq.DEALER, bind=False, identity=identity
+            )
+            self._sock.setsockopt(zmq.RCVTIMEO, max(1, int(self.request_timeout_s * 1000)))
+
+    def daemon_alive(self) -> bool:
+        """False when the daemon's process is known to be gone."""
+        if self.daemon_pid <= 0:
+            return True
+        try:
+            os.kill(self.daemon_pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def mark_down(self) -> None:
+        """No daemon answered: fail the requests of the next moment at once."""
+        self._down_until = time.monotonic() + min(1.0, self.request_timeout_s)
+
+    def mark_up(self) -> None:
+        """A daemon answered a registration: end the down window."""
+        self._down_until = 0.0
+
+    def call(self, msg: P.Request, raw: bool = False, timeout: float | None = None) -> P.Reply:
+        """Send ``msg`` and wait for its reply.
+
+        Args:
+            msg: the request; its ``req_id`` is set here.
+            raw: a registration's call: sent even in the down window, and the daemon's process
+                is not watched (the one known may be a predecessor).
+            timeout: the longest wait for the reply (default ``request_timeout_s``).
+
+        Raises:
+            DaemonUnavailable: the channel is closed, the daemon is known gone, in the down
+                window, cannot be reached, or did not answer in time.
+        """
+        wait_s = self.request_timeout_s if timeout is None else timeout
+        with self._lock:
+            if self._sock is None:
+                raise DaemonUnavailable("connection is closed")
+            if time.monotonic() < self._down_until and not raw:
+                raise DaemonUnavailable("daemon recently unreachable")
+            if not raw and not self.daemon_alive():
+                raise DaemonUnavailable(f"kvtierd (pid {self.daemon_pid}) has exited")
+            req_id = next(self._req_ids)
+            msg.req_id = req_id
+            body = P.encode(msg)
+            try:
+                try:
+                    self._sock.send(body, flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    # not connected (yet, or any more): wait for the connection up to the timeout
+                    if not self._sock.poll(int(self.request_timeout_s * 1000), zmq.POLLOUT):
+                        raise
+                    self._sock.send(body, flags=zmq.NOBLOCK)
+            except zmq.Again as err:
+                self.mark_down()
+                raise DaemonUnavailable(f"cannot reach kvtierd at {self.endpoint}") from err
+            deadline = time.monotonic() + wait_s
+            while True:
+                data = self._recv_until(self._sock, deadline, watch_pid=not raw)
+                if data is None or (time.monotonic() > deadline and rep_is_late(data, req_id)):
+                    self.mark_down()
+                    if not self.daemon_alive():
+                        raise DaemonUnavailable(f"kvtierd (pid {self.daemon_pid}) has exited")
+                    raise DaemonUnavailable(f"kvtierd did not answer within {wait_s}s")
+                try:
+                    rep = P.decode_reply(data)
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    log.warning("undecodable reply from kvtierd ignored")
+                    continue
+                if rep.req_id == req_id:
+                    return rep
+                # a late reply to a request that timed out earlier: drop it
+
+    def _recv_until(self, sock: zmq.Socket, deadline: float, watch_pid: bool) -> bytes | None:
+        """The next reply frame, or None at ``deadline`` or, with ``watch_pid``, as soon as
+        the daemon's process is seen gone (checked every :data:`LIVENESS_POLL_S`)."""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            if sock.poll(max(1, int(min(left, LIVENESS_POLL_S) * 1000)), zmq.POLLIN):
+                try:
+                    return sock.recv(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    continue
+            if watch_pid and not self.daemon_alive():
+                return None
+
+    def close(self) -> None:
+        """Close the socket (unsent requests dropped) and end the ZeroMQ context. Idempotent."""
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close(linger=0)
+                self._sock = None
+            if not self.context.closed:
+                self.context.term()

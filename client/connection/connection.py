@@ -1,0 +1,481 @@
+"""The engine's synchronous connection to kvtierd.
+
+Engines are mostly synchronous, so this API is too: ``lookup``, ``store`` and ``load``
+return at once (a load returns a handle whose ``wait_layer(i)`` the forward pass calls
+before layer ``i``). Page bytes never cross the socket: the daemon copies them through
+shared memory and signals each layer in the session's completion block.
+
+Registration is two steps: the pool's descriptors go to the daemon on its handover socket
+under a fresh random token (:func:`kvtier.ipc.fdpass.hand_over`; the reply carries the
+completion block's descriptor), then REGISTER names the token. Every (re-)registration
+makes a new handover.
+
+Pages in L3 come back in two steps, as in SGLang HiCache: ``prefetch`` (when a request
+arrives) starts filling L2 from L3 in the daemon; ``claim`` (when the scheduler is about
+to run the request) ends it per the prefetch policy and answers how many leading pages
+are in L2 now; the engine then ``load``s them as usual. The ranks of a tensor-parallel
+engine get the same ``lookup`` and ``claim`` answers (the minimum over the ranks), so each
+rank must issue the same sequence of those calls.
+
+Failure is never fatal for the engine: when the daemon is gone or late past
+``request_timeout_s``, lookups report 0, loads report a miss and stores are dropped; the
+engine recomputes. A reply from a new daemon epoch (a restarted daemon) makes the
+connection re-register by itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import secrets
+import threading
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import zmq
+from kvtier.client.connection import replies
+from kvtier.client.connection.channel import DaemonChannel
+from kvtier.client.connection.replies import (
+    DaemonError,
+    DaemonUnavailable,
+    LookupReply,
+    rep_is_late,
+)
+from kvtier.client.connection.request_codec import lookup_request, transfer_request
+from kvtier.client.connection.slots import CompletionSlots
+from kvtier.client.connection.transfer_handle import TransferHandle
+from kvtier.client.kv_pool.shared import SharedKVPool
+from kvtier.client.page_keys import page_keys
+from kvtier.config import ClientConfig, runtime_dir, socket_path
+from kvtier.config.models import PrefetchPolicy
+from kvtier.ipc import protocol as P
+from kvtier.ipc.completion import CompletionBlock, TransferStatus
+from kvtier.ipc.fdpass import (
+    HandoverBusy,
+    HandoverError,
+    HandoverUnavailable,
+    hand_over,
+    handover_path_for,
+)
+from kvtier.ipc.limits import HANDOVER_TOKEN_BYTES
+from kvtier.ipc.sockets import ipc_endpoint
+
+if TYPE_CHECKING:
+    from typing import Self
+
+    import numpy as np
+
+__all__ = [
+    "Connection",
+    "DaemonError",
+    "DaemonUnavailable",
+    "LookupReply",
+    "TransferHandle",
+    "rep_is_late",
+]
+
+log = logging.getLogger("kvtier.client")
+
+
+class Connection:
+    """A registered engine (one TP rank) talking to kvtierd.
+
+    Args:
+        pool: the engine's KV pool in shared memory (handed over at each registration).
+        model_id / revision: identify the model; with the geometry they form the namespace.
+        config: client settings (timeouts, tenant); default from ``ClientConfig()``.
+        tp_rank / tp_size: tensor-parallel position.
+        register: connect and register now (else call :meth:`register`).
+    """
+
+    def __init__(
+        self,
+        pool: SharedKVPool,
+        model_id: str,
+        revision: str = "",
+        config: ClientConfig | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        register: bool = True,
+    ) -> None:  # tp_group comes from config.tp_group
+        self.config = config or ClientConfig()
+        self.pool = pool
+        self.geometry = pool.geometry
+        self.namespace = P.NamespaceSpec(
+            model_id=model_id, revision=revision, cache_salt=self.config.cache_salt
+        )
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.endpoint = self.config.endpoint or ipc_endpoint(
+            socket_path(runtime_dir(self.config.runtime_dir))
+        )
+        self._lock = threading.RLock()
+        self._channel = DaemonChannel(self.endpoint, self.config.request_timeout_s, self._lock)
+        self._seqs = itertools.count(1)
+        self._slots = CompletionSlots()
+        self.session_id = 0
+        self.epoch = 0
+        self.ns_fingerprint = b""
+        self._packed_lookup = False
+        self._packed_transfers = False
+        self._kv_events = False
+        self._block: CompletionBlock | None = None
+        self._closed = False
+        self._hb_stop = threading.Event()
+        self._hb: threading.Thread | None = None
+        self._finalizer = weakref.finalize(self, _leaked, self._channel.context, self.endpoint)
+        if register:
+            try:
+                self.register()
+            except BaseException:  # a refused REGISTER leaves no socket for the GC to find
+                self.close()
+                raise
+
+    # ------------------------------------------------------------------ session
+    def register(self) -> None:
+        """Connect (if needed), register with the daemon and start heartbeats.
+
+        Raises:
+            DaemonError: the daemon refused the registration (bad token, geometry, ...).
+            DaemonUnavailable: at once when the daemon's ``ipc://`` socket file does not
+                exist (no kvtierd is running there); else when no daemon answered within
+                ``request_timeout_s``.
+            UnexpectedReply: the daemon answered with another reply than REGISTERED.
+        """
+        with self._lock:
+            self._channel.check_socket_file()
+            self._channel.connect()
+            token = self.config.token.get_secret_value() if self.config.token else ""
+            handover = secrets.token_bytes(HANDOVER_TOKEN_BYTES)
+            completion_fd = self._hand_over(handover)
+            try:
+                msg = P.Register(
+                    req_id=0,
+                    protocol_version=P.PROTOCOL_VERSION,
+                    namespace=self.namespace,
+                    geometry=self.geometry,
+                    memory=self.pool.export(),
+                    tp_rank=self.tp_rank,
+                    tp_size=self.tp_size,
+                    pid=os.getpid(),
+                    tenant=self.config.tenant,
+                    token=token,
+                    tp_group=self.config.tp_group,
+                    handover=handover,
+                )
+                rep = replies.expect(msg, self._call(msg, raw=True), P.Registered)
+                block = CompletionBlock.from_fd(completion_fd, rep.completion_slots)
+            finally:
+                os.close(completion_fd)
+            if self._block is not None:
+                self._block.close()
+            self._block = block
+            self.session_id, self.epoch = rep.session_id, rep.epoch
+            self.ns_fingerprint, self._channel.daemon_pid = rep.ns_fingerprint, rep.daemon_pid
+            self._packed_lookup = rep.packed_lookup
+            self._packed_transfers = rep.packed_transfers
+            self._kv_events = rep.kv_events
+            self._slots.reset(rep.completion_slots)
+            self._channel.mark_up()
+        if self._hb is None:
+            self._hb = threading.Thread(
+                target=self._heartbeat_loop, name="kvtier-heartbeat", daemon=True
+            )
+            self._hb.start()
+
+    def _hand_over(self, token: bytes) -> int:
+        """Hand the pool's descriptors to the daemon under ``token``; the completion block's fd.
+
+        Raises:
+            DaemonUnavailable: no daemon answers on the handover socket.
+            DaemonError: BAD_MEMORY, the daemon refused the handover (its reason); BUSY,
+                it stayed at a limit until ``request_timeout_s`` (the limit's name).
+        """
+        memory_fds = getattr(self.pool, "memory_fds", None)
+        fds = memory_fds() if memory_fds is not None else []
+        path = handover_path_for(self.endpoint, runtime_dir(self.config.runtime_dir))
+        try:
+            return hand_over(path, token, fds, self.config.request_timeout_s)
+        except HandoverUnavailable as err:
+            self._channel.mark_down()
+            raise DaemonUnavailable(str(err)) from err
+        except HandoverBusy as err:
+            raise DaemonError(P.ErrorCode.BUSY, str(err)) from err
+        except HandoverError as err:
+            raise DaemonError(P.ErrorCode.BAD_MEMORY, str(err)) from err
+
+    def _heartbeat_loop(self) -> None:
+        while not self._hb_stop.wait(self.config.heartbeat_interval_s):
+            try:
+                self._session_call(lambda sid: P.Heartbeat(req_id=0, session_id=sid), P.Ack)
+            except (DaemonUnavailable, DaemonError, replies.UnexpectedReply) as err:
+                log.debug("heartbeat: %s", err)
+            except zmq.ZMQError as err:  # the context was destroyed under us (interpreter exit)
+                log.debug("heartbeat stopped: %s", err)
+                return
+
+    @property
+    def daemon_pid(self) -> int:
+        """The registered daemon's process id (0 before the first registration)."""
+        return self._channel.daemon_pid
+
+    def daemon_alive(self) -> bool:
+        """False when the daemon's process is known to be gone."""
+        return self._channel.daemon_alive()
+
+    # ------------------------------------------------------------------ requests
+    def _call(self, msg: P.Request, raw: bool = False, timeout: float | None = None) -> P.Reply:
+        """Send ``msg`` and wait for its reply (:meth:`DaemonChannel.call
+        <kvtier.client.connection.channel.DaemonChannel.call>`); ``timeout`` defaults to
+        ``request_timeout_s``."""
+        if self._closed:
+            raise DaemonUnavailable("connection is closed")
+        return self._channel.call(msg, raw=raw, timeout=timeout)
+
+    def _session_call(
+        self,
+        make: Callable[[int], P.Request],
+        kind: type[replies.ReplyT],
+        timeout: float | None = None,
+    ) -> replies.ReplyT:
+        """Call with the current session id; re-register once if the daemon forgot us. The
+        reply is checked to be a ``kind`` (else :class:`~.replies.UnexpectedReply`)."""
+        with self._lock:
+            if self.session_id != 0 and not self.daemon_alive():
+                self.session_id = 0  # that daemon is gone: register with its successor, if any
+            if self.session_id == 0:
+                self.register()
+            msg = make(self.session_id)
+            rep = self._call(msg, timeout=timeout)
+            if isinstance(rep, P.ErrorReply) and rep.code == P.ErrorCode.UNKNOWN_SESSION:
+                log.info(
+                    "kvtierd epoch %x does not know session %d; re-registering",
+                    rep.epoch,
+                    self.session_id,
+                )
+                self.session_id = 0
+                self.register()
+                msg = make(self.session_id)
+                rep = self._call(msg, timeout=timeout)
+            return replies.expect(msg, rep, kind)
+
+    def page_keys(
+        self, tokens: Sequence[int] | np.ndarray, parent: bytes | None = None
+    ) -> list[bytes]:
+        """Keys of the full pages of ``tokens`` (a chain from ``parent`` or the namespace)."""
+        return page_keys(parent or self.ns_fingerprint, tokens, self.geometry.page_size)
+
+    def lookup(self, keys: Sequence[bytes]) -> LookupReply:
+        """Leading run of ``keys`` in L2 (and L3); ``LookupReply(0, 0)`` if the daemon is away."""
+        if not keys:
+            return LookupReply(0, 0)
+        try:
+            rep = self._session_call(
+                lambda sid: lookup_request(sid, keys, self._packed_lookup), P.LookupResult
+            )
+        except (DaemonUnavailable, DaemonError, replies.UnexpectedReply) as err:
+            log.debug("lookup treated as a miss: %s", err)
+            return LookupReply(0, 0)
+        return LookupReply(rep.l2, rep.l3)
+
+    def prefetch(self, keys: Sequence[bytes], skip: int = 0, request_id: str = "") -> int:
+        """Start filling L2 from L3 with the run of ``keys`` that follows the L2 run.
+
+        Call when a request arrives (after :meth:`lookup` reported ``l3`` pages); the
+        daemon reads only when L3 holds at least its ``prefetch_threshold`` tokens there.
+
+        Args:
+            keys: the request's page keys in chain order (the L1 hits may be left out).
+            skip: how many leading keys the caller knows to be in L2 already.
+            request_id: names the prefetch for :meth:`claim` (default: the chain's last
+                key names it, so claim with the same keys).
+
+        Returns:
+            Pages whose reads started (0 if none, or if the daemon is away).
+        """
+        if not keys:
+            return 0
+        try:
+            rep = self._session_call(
+                lambda sid: P.Prefetch(
+                    req_id=0, session_id=sid, keys=list(keys), skip=skip, request_id=request_id
+                ),
+                P.PrefetchReply,
+            )
+        except (DaemonUnavailable, DaemonError, replies.UnexpectedReply) as err:
+            log.debug("prefetch not started: %s", err)
+            return 0
+        return rep.started
+
+    def claim(
+        self,
+        keys: Sequence[bytes],
+        policy: PrefetchPolicy | None = None,
+        request_id: str = "",
+        timeout: float | None = None,
+    ) -> int:
+        """End the prefetch of ``keys`` and return the leading run now in L2.
+
+        ``best_effort`` answers with what is ready now, ``wait_complete`` waits for the
+        whole prefetch, ``timeout`` waits up to the daemon's prefetch deadline; the rest is
+        cancelled. Then :meth:`load` the run. Without a prefetch this is the L2 run.
+
+        Args:
+            keys: the same keys as the prefetch (or name it with ``request_id``).
+            policy: one of the three, or None for the daemon's
+                ``hicache_storage_prefetch_policy``.
+            request_id: the prefetch's request id, if it was given one.
+            timeout: longest wait for the reply (default ``claim_timeout_s``).
+
+        Returns:
+            Leading keys in L2 (0 when the daemon is away: recompute).
+        """
+        if not keys:
+            return 0
+        wait_s = self.config.claim_timeout_s if timeout is None else timeout
+        try:
+            rep = self._session_call(
+                lambda sid: P.Claim(
+                    req_id=0,
+                    session_id=sid,
+                    keys=list(keys),
+                    request_id=request_id,
+                    policy=policy or "",
+                ),
+                P.ClaimReply,
+                timeout=wait_s,
+            )
+        except (DaemonUnavailable, DaemonError, replies.UnexpectedReply) as err:
+            log.debug("claim treated as a miss: %s", err)
+            return 0
+        return rep.l2
+
+    def store(
+        self,
+        keys: Sequence[bytes],
+        pages: Sequence[int],
+        parent_key: bytes | None = None,
+        engine: P.EngineBlocks | None = None,
+    ) -> TransferHandle:
+        """Copy engine pages into L2 under ``keys`` (those L2 lacks).
+
+        Reuse ``pages`` only after ``handle.wait()`` returned. If the daemon is away the
+        store is dropped (``count == 0``). ``engine``: the engine's own hashes of the pages,
+        for the daemon's KV events (sent only when the daemon publishes them).
+        """
+        return self._transfer(P.Store, keys, pages, parent_key, engine if self._kv_events else None)
+
+    def load(self, keys: Sequence[bytes], pages: Sequence[int]) -> TransferHandle:
+        """Load the leading L2 run of ``keys`` into engine ``pages`` layer by layer.
+
+        ``handle.count`` pages are being loaded (0: a miss). Call ``wait_layer(i)`` before
+        layer ``i`` reads them; a False result means recompute.
+        """
+        return self._transfer(P.Load, keys, pages, None)
+
+    def _transfer(
+        self,
+        kind: type[P.Store | P.Load],
+        keys: Sequence[bytes],
+        pages: Sequence[int],
+        parent_key: bytes | None,
+        engine: P.EngineBlocks | None = None,
+    ) -> TransferHandle:
+        n_layers = self.geometry.num_layers
+        if not keys:
+            return TransferHandle(None, None, -1, 0, 0, 0, n_layers)
+        with self._lock:
+            slot = self._slots.take(self._block)
+            if slot is None:
+                return TransferHandle(None, None, -1, 0, 0, 0, n_layers)
+            seq = next(self._seqs)
+
+            def make(sid: int) -> P.Request:
+                return transfer_request(
+                    kind, sid, keys, pages, slot, seq, self._packed_transfers, parent_key, engine
+                )
+
+            epoch = self.epoch
+            accepted: type[P.StoreAccepted | P.LoadAccepted] = (
+                P.StoreAccepted if kind is P.Store else P.LoadAccepted
+            )
+            try:
+                rep = self._session_call(make, accepted)
+            except (DaemonUnavailable, DaemonError, replies.UnexpectedReply) as err:
+                log.debug("%s treated as a miss: %s", kind.__name__, err)
+                if self.epoch == epoch:
+                    self._slots.abandon(slot, seq)  # the daemon may still run it
+                return TransferHandle(None, None, -1, 0, 0, 0, n_layers)
+            if self.epoch != epoch:  # re-registered: slots were reset
+                self._slots.keep(slot)
+            if isinstance(rep, P.LoadAccepted):
+                count, writing = rep.count, rep.count
+            else:
+                count, writing = rep.count, rep.writing
+            if writing == 0:
+                self._slots.give_back(slot)
+                return TransferHandle(None, None, -1, 0, count, 0, n_layers)
+            return TransferHandle(self, self._block, slot, seq, count, writing, n_layers)
+
+    def _slot_done(self, slot: int, seq: int, status: TransferStatus) -> None:
+        with self._lock:
+            self._slots.done(slot, seq, status)
+
+    def _abandon(self, h: TransferHandle) -> None:
+        """A transfer timed out: ask the daemon to cancel it; its slot waits in limbo."""
+        with self._lock:
+            self._slots.abandon(h.slot, h.seq)
+            with contextlib.suppress(DaemonUnavailable, DaemonError, replies.UnexpectedReply):
+                self._session_call(
+                    lambda sid: P.Release(req_id=0, session_id=sid, slots=[h.slot]), P.Ack
+                )
+
+    def release(self, handles: Sequence[TransferHandle]) -> None:
+        """Cancel transfers that are still running (their pins drop when they stop)."""
+        slots = [h.slot for h in handles if not h.done and h.slot >= 0]
+        if not slots:
+            return
+        try:
+            self._session_call(lambda sid: P.Release(req_id=0, session_id=sid, slots=slots), P.Ack)
+        except (DaemonUnavailable, DaemonError, replies.UnexpectedReply) as err:
+            log.debug("release: %s", err)
+
+    def stats(self) -> dict[str, object]:
+        """The daemon's STATS reply (DaemonError when refused, UnexpectedReply when it
+        answers with another reply)."""
+        msg = P.Stats(req_id=0)
+        return replies.expect(msg, self._call(msg), P.StatsReply).stats
+
+    def close(self) -> None:
+        """Unregister (best effort), stop heartbeats, close the socket. Idempotent."""
+        if self._closed:
+            return
+        self._hb_stop.set()
+        if self._hb is not None and self._hb is not threading.current_thread():
+            self._hb.join(timeout=self.config.request_timeout_s + 1)
+        with self._lock:
+            if self.session_id and self._channel.connected and not self._channel.context.closed:
+                try:
+                    self._call(P.Unregister(req_id=0, session_id=self.session_id))
+                except (DaemonUnavailable, DaemonError, zmq.ZMQError):
+                    pass  # at interpreter exit the context may be gone already: nothing to tell
+            self._closed = True
+            if self._block is not None:
+                self._block.close()
+                self._block = None
+            self._finalizer.detach()
+            self._channel.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _leaked(ctx: zmq.Context, endpoint: str) -> None:
+    warnings.warn(f"kvtier Connection to {endpoint} was not closed", ResourceWarning, stacklevel=1)
+    ctx.destroy(linger=0)

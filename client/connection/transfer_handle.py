@@ -1,0 +1,212 @@
+"""A STORE or LOAD in flight, waited on layer by layer through the session's completion block.
+
+The daemon reports each transfer in one slot of the completion block (shared memory): a sequence
+number, the layers done so far, and a status. The handle reads that slot; it never talks to the
+daemon itself. What it needs from the connection that started it (the timeouts, whether the
+daemon still lives, and what to do with the slot when the transfer ends or is abandoned) is the
+small :class:`TransferOwner` protocol, so this module does not import the connection.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from kvtier.config import ClientConfig
+from kvtier.ipc.completion import CompletionBlock, CompletionTimeout, TransferStatus
+
+__all__ = ["TransferHandle", "TransferOwner"]
+
+
+class TransferOwner(Protocol):
+    """What a :class:`TransferHandle` needs from the connection that started it.
+
+    :class:`~kvtier.client.connection.connection.Connection` implements it; the two underscored
+    methods are hooks for handles only, not for engine code.
+    """
+
+    config: ClientConfig
+    """The client settings (``load_timeout_s`` bounds each wait)."""
+
+    def daemon_alive(self) -> bool:
+        """False when the daemon's process is known to be gone (waits then stop early)."""
+        ...
+
+    def _abandon(self, handle: TransferHandle) -> None:
+        """A wait for ``handle`` timed out: cancel it in the daemon; its slot waits in limbo."""
+        ...
+
+    def _slot_done(self, slot: int, seq: int, status: TransferStatus) -> None:
+        """The transfer ``seq`` in ``slot`` ended with ``status``: the slot may be reused."""
+        ...
+
+
+class TransferHandle:
+    """A STORE or LOAD in flight.
+
+    Made by :meth:`Connection.store <kvtier.client.connection.connection.Connection.store>` and
+    :meth:`~kvtier.client.connection.connection.Connection.load`; a handle without an owner
+    (``conn`` None) is one that never ran: a miss, a dropped store, or nothing to copy.
+
+    Attributes:
+        count: for a load, the leading pages being loaded (0: a miss, nothing runs); for a
+            store, the leading keys now in L2 or being written (the rest were dropped).
+        writing: pages actually being copied (0: nothing to wait for).
+    """
+
+    __slots__ = (
+        "_block",
+        "_conn",
+        "_layers_ok",
+        "_status",
+        "count",
+        "num_layers",
+        "seq",
+        "slot",
+        "writing",
+    )
+
+    def __init__(
+        self,
+        conn: TransferOwner | None,
+        block: CompletionBlock | None,
+        slot: int,
+        seq: int,
+        count: int,
+        writing: int,
+        num_layers: int,
+    ) -> None:
+        self._conn = conn
+        self._block = block
+        self.slot = slot
+        self.seq = seq
+        self.count = count
+        self.writing = writing
+        self.num_layers = num_layers
+        self._status: TransferStatus | None = None if writing else TransferStatus.DONE
+        self._layers_ok = num_layers if not writing else 0
+
+    @property
+    def done(self) -> bool:
+        """True once the transfer has ended (whatever the outcome)."""
+        return self._status is not None
+
+    @property
+    def ok(self) -> bool:
+        """True when every layer completed."""
+        return self._status is TransferStatus.DONE
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> bool:
+        """Block until layer ``layer`` of this transfer is in place.
+
+        Returns:
+            True when it is; False when the transfer failed, was cancelled or timed out
+            (the engine must then treat the whole transfer as a miss and recompute).
+        """
+        if self._layers_ok > layer:
+            return True
+        if self._status is not None:
+            return self._status is TransferStatus.DONE
+        assert self._conn is not None and self._block is not None
+        conn = self._conn
+        try:
+            st = self._block.wait(
+                self.slot,
+                self.seq,
+                layer + 1,
+                conn.config.load_timeout_s if timeout is None else timeout,
+                alive=conn.daemon_alive,
+            )
+        except CompletionTimeout:
+            st = TransferStatus.FAILED
+            conn._abandon(self)
+        except (TypeError, ValueError):  # the block was closed under us (re-registration)
+            st = TransferStatus.FAILED
+        if st is TransferStatus.RUNNING:
+            self._layers_ok = layer + 1
+            return True
+        self._end(st)
+        return st is TransferStatus.DONE
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the whole transfer ends; True when it succeeded.
+
+        It has ended once the daemon has settled it: a store's pages are in L2, a load's
+        pins are dropped.
+        """
+        if (
+            self._status is None
+            and self.wait_layer(self.num_layers - 1, timeout)
+            and self._status is None
+        ):
+            # all layers landed; wait for the final status (the daemon settled it)
+            try:
+                assert self._block is not None and self._conn is not None
+                st = self._block.wait(
+                    self.slot,
+                    self.seq,
+                    self.num_layers,
+                    self._conn.config.load_timeout_s,
+                    alive=self._conn.daemon_alive,
+                    end=True,
+                )
+            except (CompletionTimeout, TypeError, ValueError):
+                st = TransferStatus.FAILED
+            self._end(st)
+        return self._status is TransferStatus.DONE
+
+    def wait_loaded(self, timeout: float | None = None) -> bool:
+        """For a LOAD: block until every layer's pages are in the engine's memory; True
+        when they are (False: failed, cancelled or timed out, recompute).
+
+        Unlike :meth:`wait` it does not wait for the daemon to settle the transfer (drop
+        its pins on the host pages): the copy thread announces the last layer once the last
+        byte is in place, and that settling can lag behind it when the daemon's event loop
+        waits for a core. The completion slot is reused once the daemon has settled it. A
+        STORE must use :meth:`wait` (its pages are in L2 only once settled).
+        """
+        if self._status is not None:
+            return self._status is TransferStatus.DONE
+        if not self.wait_layer(self.num_layers - 1, timeout):
+            return False
+        if self._status is None:  # every layer landed, not settled yet: the slot waits
+            self._status = TransferStatus.DONE
+            if self._conn is not None:
+                self._conn._slot_done(self.slot, self.seq, TransferStatus.RUNNING)
+        return True
+
+    def layers_ready(self) -> int:
+        """Leading layers in place now, without waiting (0 once the transfer failed)."""
+        if self._status is not None:
+            return self.num_layers if self._status is TransferStatus.DONE else 0
+        if self._block is None:
+            return self._layers_ok
+        try:
+            seq, layers, status = self._block.read(self.slot)
+        except (TypeError, ValueError, AttributeError):  # the block was closed: re-registered
+            return self._layers_ok
+        if seq != self.seq or status not in (TransferStatus.RUNNING, TransferStatus.DONE):
+            return self._layers_ok
+        return max(self._layers_ok, min(layers, self.num_layers))
+
+    def copying(self) -> bool:
+        """Whether the daemon may still be copying this transfer's pages: it has not
+        reported an end in the slot, and its process lives. A transfer whose wait failed
+        or timed out keeps its engine pages out of use until this returns False."""
+        if self._conn is None or self._block is None or self.slot < 0:
+            return False
+        if not self._conn.daemon_alive():
+            return False
+        try:
+            seq, _, status = self._block.read(self.slot)
+        except (TypeError, ValueError, AttributeError):  # the block was closed: re-registered
+            return False
+        return seq == self.seq and status == TransferStatus.RUNNING
+
+    def _end(self, st: TransferStatus) -> None:
+        """Record the final status once and give the completion slot back to the owner."""
+        if self._status is None:
+            self._status = st
+            if st is TransferStatus.DONE:
+                self._layers_ok = self.num_layers
+            if self._conn is not None:
+                self._conn._slot_done(self.slot, self.seq, st)

@@ -1,0 +1,192 @@
+"""The engine's copies between its KV cache and a :class:`~kvtier.client.staging.area.StagingArea`.
+
+Plain torch mechanisms only, so the same code runs on CPU tensors (synchronous copies) and
+on CUDA tensors:
+
+- on CUDA, every copy is issued on one dedicated ``torch.cuda.Stream``: host → device is a
+  ``copy_(non_blocking=True)`` out of the page-locked staging area (DMA) into a device
+  buffer, scattered into the engine's blocks with ``index_copy_``; device → host gathers
+  the blocks with ``index_select`` and copies them to staging the same way. Each copy ends
+  with an event recorded on that stream: the compute stream waits for it
+  (:meth:`CopyDone.wait_on_compute`, no CPU sync) or the CPU does
+  (:meth:`CopyDone.synchronize`);
+- on the CPU, the same calls copy at once and :class:`CopyDone` has nothing to wait for.
+
+A copy from the engine's blocks must start after the compute that wrote them:
+:meth:`StagedCopier.compute_marker` records an event on the compute stream (on the engine's
+thread) and :meth:`StagedCopier.to_host` makes the copy stream wait for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from kvtier.client.staging.area import StagingArea, slot_runs
+
+__all__ = ["CopyDone", "StagedCopier"]
+
+
+class CopyDone:
+    """Copies issued on the copy stream, up to an event (CPU copies: already done).
+
+    Attributes:
+        event: the event recorded after the copies (None on the CPU).
+    """
+
+    __slots__ = ("_device", "_keep", "event")
+
+    def __init__(
+        self,
+        event: torch.cuda.Event | None,
+        keep: list[torch.Tensor],
+        device: torch.device | None = None,
+    ) -> None:
+        self.event = event
+        self._keep = keep  # device buffers the copies still read or write
+        self._device = device
+
+    def wait_on_compute(self) -> None:
+        """Make the current (compute) stream wait for the copies (no CPU sync)."""
+        if self.event is not None:
+            torch.cuda.current_stream(self._device).wait_event(self.event)
+
+    def synchronize(self) -> None:
+        """Block the calling thread until the copies are done; drop their buffers."""
+        if self.event is not None:
+            self.event.synchronize()
+        self._keep = []
+
+
+class StagedCopier:
+    """Copies pages between an engine's KV tensors and a staging area.
+
+    Args:
+        area: the staging area (its ``parts`` in the order of ``device_parts``).
+        device_parts: per part, the engine's tensor ``[num_blocks, *part.shape]`` (any
+            strides; all on one device).
+
+    Raises:
+        ValueError: the tensors do not match the area's parts, or lie on several devices.
+    """
+
+    def __init__(self, area: StagingArea, device_parts: Sequence[torch.Tensor]) -> None:
+        if len(device_parts) != len(area.parts):
+            raise ValueError(
+                f"{len(device_parts)} engine tensors for {len(area.parts)} staging parts"
+            )
+        devices = {t.device for t in device_parts}
+        if len(devices) != 1:
+            raise ValueError(f"engine tensors on several devices: {sorted(map(str, devices))}")
+        for i, (t, p) in enumerate(zip(device_parts, area.parts)):
+            if tuple(t.shape[1:]) != p.shape or t.dtype != p.dtype:
+                raise ValueError(
+                    f"engine tensor {i}: pages of shape {tuple(t.shape[1:])} "
+                    f"{t.dtype}, the staging part holds {p.shape} {p.dtype}"
+                )
+        self.area = area
+        self.parts = list(device_parts)
+        self.device: torch.device = devices.pop()
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._by_layer: dict[int, list[int]] = {}
+        for i, p in enumerate(area.parts):
+            self._by_layer.setdefault(p.layer, []).append(i)
+
+    @property
+    def layers(self) -> list[int]:
+        """The layers the parts hold, in order."""
+        return sorted(self._by_layer)
+
+    def parts_of(self, layer: int) -> list[int]:
+        """Indices of the parts holding ``layer``."""
+        return self._by_layer.get(layer, [])
+
+    def compute_marker(self) -> torch.cuda.Event | None:
+        """An event recorded now on the compute stream (None on the CPU): pass it to
+        :meth:`to_host` so the copy reads blocks the forward pass has written."""
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def to_device(
+        self, parts: Sequence[int], slots: Sequence[int], blocks: Sequence[int]
+    ) -> CopyDone:
+        """Copy staging ``slots`` into the engine's ``blocks`` (same order) for ``parts``."""
+        assert len(slots) == len(blocks)
+        keep: list[torch.Tensor] = []
+        if not self.cuda:
+            runs = self._runs(slots, blocks)
+            for i in parts:
+                self._h2d(i, runs, keep)
+            return CopyDone(None, keep)
+        assert self.stream is not None
+        with torch.cuda.stream(self.stream):
+            runs = self._runs(slots, blocks)
+            for i in parts:
+                self._h2d(i, runs, keep)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        return CopyDone(ev, keep, self.device)
+
+    def _h2d(
+        self, part: int, runs: list[tuple[int, int, torch.Tensor]], keep: list[torch.Tensor]
+    ) -> None:
+        stage, dev = self.area.views[part], self.parts[part]
+        for s0, n, idx in runs:
+            src = stage[s0 : s0 + n]
+            if self.cuda:
+                src = src.to(self.device, non_blocking=True)
+                keep += (src, idx)
+            dev.index_copy_(0, idx, src)
+
+    def to_host(
+        self, slots: Sequence[int], blocks: Sequence[int], after: torch.cuda.Event | None = None
+    ) -> CopyDone:
+        """Copy the engine's ``blocks`` (every part) into staging ``slots`` (same order).
+
+        Args:
+            after: an event from :meth:`compute_marker`: the copy starts after it.
+        """
+        assert len(slots) == len(blocks)
+        keep: list[torch.Tensor] = []
+        if not self.cuda:
+            runs = self._runs(slots, blocks)
+            for i in range(len(self.parts)):
+                self._d2h(i, runs, keep)
+            return CopyDone(None, keep)
+        assert self.stream is not None
+        with torch.cuda.stream(self.stream):
+            # the block indices go to the device before the wait: a copy from pageable
+            # memory would block this thread until the forward pass ended
+            runs = self._runs(slots, blocks)
+            if after is not None:
+                self.stream.wait_event(after)
+            for i in range(len(self.parts)):
+                self._d2h(i, runs, keep)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        return CopyDone(ev, keep, self.device)
+
+    def _runs(
+        self, slots: Sequence[int], blocks: Sequence[int]
+    ) -> list[tuple[int, int, torch.Tensor]]:
+        """(first slot, count, block indices on the device) per run of consecutive slots."""
+        return [
+            (s0, n, torch.tensor(blocks[at : at + n], dtype=torch.long, device=self.device))
+            for s0, n, at in slot_runs(slots)
+        ]
+
+    def _d2h(
+        self, part: int, runs: list[tuple[int, int, torch.Tensor]], keep: list[torch.Tensor]
+    ) -> None:
+        stage, dev = self.area.views[part], self.parts[part]
+        for s0, n, idx in runs:
+            if self.cuda:
+                tmp = dev.index_select(0, idx)
+                stage[s0 : s0 + n].copy_(tmp, non_blocking=True)
+                keep += (tmp, idx)
+            else:
+                torch.index_select(dev, 0, idx, out=stage[s0 : s0 + n])
