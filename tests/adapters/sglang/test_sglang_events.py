@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from kvtier.client.events import EventSubscriber
+from kvtier.client.connection.events import EventSubscriber
 from kvtier.ipc import kv_events as E
 from sglang_harness import extra_config
 
