@@ -2,12 +2,13 @@
 half done, and what they see of it is whole or nothing.
 
 The daemon runs with ``--slice-pages 1``: a STORE of ``N`` new pages allocates them over
-``N`` turns of its event loop. "In progress" is not waited for but observed in the daemon's
-own state: STATS shows some of the STORE's pages WRITING and not all of them, which only a
-STORE allocated in slices can show (one allocated in one go goes from none to all at
-once). A request answered between two such readings was answered while the STORE was half
-allocated. Each test tries a few STOREs (a new chain each) until it catches one so; a daemon
-that does not slice is never caught, and the test fails.
+``N`` turns of its event loop, and commits them over ``N`` more once copied. "In progress"
+is not waited for but observed in the daemon's own state: STATS shows some of the STORE's
+pages WRITING and not all of them, which only a STORE allocated or committed in slices can
+show (one done in one go goes from none to all, and back, at once). A request answered
+between two such readings was answered while the STORE was half done. Each test tries a
+few STOREs (a new chain each) until it catches one so; a daemon that does not slice is
+never caught, and the test fails.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from tests.engines import engine, fill_page, page_bytes, tokens
 
 REPO = Path(__file__).resolve().parents[2]
 N = 4096  # pages of the long STORE (1 KiB each)
-TRIES = 5  # long STOREs tried, each a new chain, until one is caught half allocated
+TRIES = 5  # long STOREs tried, each a new chain, until one is caught half done
 DEADLINE_S = 60.0  # bound on each wait below
 
 
@@ -63,7 +64,8 @@ def catch_half_allocated(
 ) -> bool:
     """Poll STATS while a STORE of ``total`` new pages runs; once some but not all of them are
     WRITING, ``act`` (another engine's request), then read STATS again. True when both
-    readings showed the allocation half done: ``act`` was answered in between."""
+    readings showed the STORE half done (allocated, or committed, in part): ``act`` was
+    answered in between."""
     end = time.monotonic() + DEADLINE_S
     while alive() and time.monotonic() < end:
         if 0 < writing(admin) < total:
@@ -72,7 +74,7 @@ def catch_half_allocated(
     return False
 
 
-def test_a_lookup_is_answered_while_a_long_store_is_half_allocated(sliced):
+def test_a_lookup_is_answered_while_a_long_store_is_half_done(sliced):
     (pool_a, a), (pool_b, b) = (
         engine(sliced.runtime_dir, TINY, num_pages=N, model="long"),
         engine(sliced.runtime_dir, TINY, num_pages=64, model="long"),
@@ -95,7 +97,7 @@ def test_a_lookup_is_answered_while_a_long_store_is_half_allocated(sliced):
                 assert a.lookup(keys).l2 == N
                 if caught:
                     break
-        assert caught, "no request was answered while a long STORE was half allocated"
+        assert caught, "no request was answered while a long STORE was half done"
         assert all(chain == 0 and other == 16 for chain, other in seen), seen
     finally:
         for pool, conn in ((pool_a, a), (pool_b, b)):
@@ -143,7 +145,7 @@ def test_a_load_during_a_long_store_of_its_chain_gets_the_stored_prefix(sliced):
                     assert loaded[0].count == prefix, "a LOAD mid-STORE pins the stored prefix"
                     assert all(got)
                     break
-        assert caught, "no LOAD started while a long STORE of its chain was half allocated"
+        assert caught, "no LOAD started while a long STORE of its chain was half done"
         for p in sampled:
             pool_b.k[0][p].zero_()
         h = b.load(keys, list(range(N)))
@@ -204,7 +206,7 @@ def test_an_engine_killed_mid_store_leaves_nothing_behind_and_others_are_served(
                 assert st["sessions"][0]["transfers"] == 0
                 if killed_mid_store:
                     break
-        assert killed_mid_store, "the engine was never killed while its STORE was half allocated"
+        assert killed_mid_store, "the engine was never killed while its STORE was half done"
         # its slots went back: a STORE of as many pages fits again, and completes
         pool_c, c = engine(sliced.runtime_dir, TINY, num_pages=N, model="long")
         try:
