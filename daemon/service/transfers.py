@@ -58,6 +58,7 @@ import numpy as np
 from kvtier.daemon.service import slices
 from kvtier.daemon.service.context import ServiceContext
 from kvtier.daemon.service.sessions import Session, SessionState
+from kvtier.daemon.service.validation import RequestError
 from kvtier.daemon.transfer.fair_pool import FairExecutor
 from kvtier.daemon.transfer.transfer import (
     Direction,
@@ -298,8 +299,8 @@ class Transfers:
 
     def _ended(self, task: asyncio.Task[Any]) -> None:
         self.pending.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            err = task.exception()
+        err = None if task.cancelled() else task.exception()
+        if err is not None and not isinstance(err, RequestError):  # a refusal is replied
             log.error("a long request failed", exc_info=(type(err), err, err.__traceback__))
 
     def _share(self, s: Session, t: Transfer) -> None:
