@@ -5,7 +5,7 @@ Modes:
            printing ``stored i`` after each completes; then sleep until killed.
     load   store chain 0 once, then load it again and again, printing ``loading`` before
            each load, until killed.
-    long   store one chain of N tiny pages (:data:`TINY`, 1 KiB) in one STORE, printing
+    long   store a chain of its own of N tiny pages (:data:`TINY`, 1 KiB) in one STORE, printing
            ``storing`` before it; a daemon with a small ``slice_pages`` is still allocating
            it for many turns of its event loop when the test kills this process.
 Pages are 8 layers x 2 x 64 KiB so that one transfer takes long enough to be interrupted.
@@ -13,6 +13,7 @@ Pages are 8 layers x 2 x 64 KiB so that one transfer takes long enough to be int
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -44,7 +45,7 @@ def main() -> None:
     mode, rdir, n = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
     if mode == "long":
         pool, conn = engine(rdir, TINY, num_pages=n, model="long")
-        keys = conn.page_keys(tokens(n * TINY.page_size, salt=7))
+        keys = conn.page_keys(tokens(n * TINY.page_size, salt=os.getpid()))  # a new chain
         print("storing", flush=True)
         conn.store(keys, list(range(n))).wait()
         print("done", flush=True)
