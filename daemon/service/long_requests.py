@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 from kvtier.daemon.service.sessions import Session, SessionState
@@ -97,7 +97,7 @@ class LongRequests:
             )
         if not every:
             idx = got.indexes
-            pages = np.asarray(pages)[idx]
+            pages = cast("Sequence[int]", np.asarray(pages)[idx])  # an array serves as one
             keys = [keys[i] for i in idx]
         self.transfers.start(
             s, Direction.STORE, m.slot, m.seq, host, pages, keys, np.concatenate(got.offsets)
