@@ -172,8 +172,9 @@ class Transfers:
         """Copy pages between ``s``'s memory and host slots.
 
         A transfer of at most :data:`INLINE_BYTES` has ended, and is settled, when this
-        returns; one this loop shares with a copy thread (:meth:`_share`) has had its first
-        half copied, and may have been settled; a larger one runs on the copy threads.
+        returns (one of more than ``slice_pages`` pages is being settled, in slices); one
+        this loop shares with a copy thread (:meth:`_share`) has had its first half copied,
+        and may have been settled; a larger one runs on the copy threads.
 
         Args:
             s: the session.
