@@ -22,7 +22,10 @@ private kvtierd
   daemon's and the engines' own (``time.process_time`` in each worker), and
   ``l2_cpu_bound_gbps`` is what all ``cpu_count`` CPUs doing nothing else could move at that
   cost: the ceiling when the engines and the daemon share few cores (the memcpy baseline
-  has the CPUs to itself).
+  has the CPUs to itself); ``l2_aggregate_over_cpu_bound_8`` is how close the largest N
+  comes to it (1: the CPUs never idle). ``daemon_cpu_s_per_gb_over_memcpy`` sets the
+  daemon's CPU per GB against a plain copy's between the same kinds of memory (shared
+  memory and a memfd, both ways, as many threads: ``memcpy_cpu_s_per_gb``).
 - **control plane**: 64-key LOOKUPs/s from 8 engine processes against a bare ZeroMQ ROUTER
   echo server (:mod:`kvtier.bench.echo_server`) answering 8 clients with the same payload
   (``lookup_throughput_over_echo_8``: above 1 is faster than the echo).
@@ -36,7 +39,8 @@ private kvtierd
 
 ``--quick`` runs tiny sizes (N up to 2, a small "million" pool) in seconds; the field
 names stay the same and ``lookup_clients``, ``long_context_pages`` and ``million_pages``
-say what was run.
+say what was run. ``--only PART,...`` runs some of the parts (:data:`PARTS`), e.g.
+``--only stall`` (under a minute).
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ from kvtier.bench.scale_baselines import (
     cpu_seconds,
     echo_rtts,
     gbps,
+    memcpy_cpu_s_per_gb,
     memcpy_gbps,
     p50,
 )
@@ -90,6 +95,8 @@ SIZES = (1, 8, 64, 512)
 """Pages per transfer, as engines issue them."""
 REQUEST_PAGES = 64
 """Pages per request of the N-engine and control-plane runs."""
+PARTS = ("sizes", "engines", "control", "long", "stall", "million")
+"""The bench's parts, in the order they run (``--only`` picks some)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +120,7 @@ class ScaleSettings:
         pool_bytes / extent_bytes: the main daemon's host pool.
         copy_threads: the daemons' ``--copy-threads`` (and the memcpy baselines' threads).
         timeout_s: bound on each daemon start and each multi-process run.
+        parts: which of :data:`PARTS` run (all of them by default).
     """
 
     engines: tuple[int, ...] = (1, 2, 4, 8)
@@ -132,6 +140,7 @@ class ScaleSettings:
     extent_bytes: int = 32 << 20
     copy_threads: int = 2
     timeout_s: float = 300.0
+    parts: tuple[str, ...] = PARTS
 
     @classmethod
     def full(cls, **overrides: Any) -> ScaleSettings:
@@ -201,36 +210,43 @@ def run_scale_bench(settings: ScaleSettings) -> dict[str, Any]:
             cfg = ClientConfig(
                 runtime_dir=daemon.runtime_dir, request_timeout_s=60, load_timeout_s=60
             )
-            out.update(_transfer_sizes(cfg, s))
-            out.update(_engines(daemon, root, s))
-            with EchoServer(root) as echo:
-                out.update(_control_plane(daemon, echo.endpoint, root, s))
-                out.update(_long_context(cfg, echo.endpoint, s))
-            out.update(
-                run_stall(
-                    daemon,
-                    root,
-                    cfg,
-                    GEOMETRY,
-                    s.long_pages,
-                    s.pool_bytes,
-                    s.stall_seconds,
-                    s.timeout_s,
+            if "sizes" in s.parts:
+                out.update(_transfer_sizes(cfg, s))
+            if "engines" in s.parts:
+                out.update(_engines(daemon, root, s))
+            if "control" in s.parts or "long" in s.parts:
+                with EchoServer(root) as echo:
+                    if "control" in s.parts:
+                        out.update(_control_plane(daemon, echo.endpoint, root, s))
+                    if "long" in s.parts:
+                        out.update(_long_context(cfg, echo.endpoint, s))
+            if "stall" in s.parts:
+                out.update(
+                    run_stall(
+                        daemon,
+                        root,
+                        cfg,
+                        GEOMETRY,
+                        s.long_pages,
+                        s.pool_bytes,
+                        s.stall_seconds,
+                        s.timeout_s,
+                    )
                 )
-            )
         finally:
             daemon.stop()
             daemon.remove_pool()  # a benchmark's pool is not kept for a next start
-        out.update(
-            run_million(
-                root,
-                s.million_pages,
-                s.million_batch,
-                s.million_samples,
-                s.copy_threads,
-                timeout_s=max(s.timeout_s, 600.0),
+        if "million" in s.parts:
+            out.update(
+                run_million(
+                    root,
+                    s.million_pages,
+                    s.million_batch,
+                    s.million_samples,
+                    s.copy_threads,
+                    timeout_s=max(s.timeout_s, 600.0),
+                )
             )
-        )
     return out
 
 
@@ -307,6 +323,8 @@ def _engines(daemon: DaemonProcess, root: Path, s: ScaleSettings) -> dict[str, A
     split: dict[str, dict[str, float]] = {}
     bound: dict[str, float] = {}
     cpu0, moved = cpu_seconds(daemon.pid), 0
+    sample = 2 * s.engine_iters * REQUEST_PAGES * GEOMETRY.page_bytes
+    copy_cpu = memcpy_cpu_s_per_gb(sample, s.copy_threads)
     for n in s.engines:
         copy_before = memcpy_gbps(
             n * 2 * s.engine_iters * REQUEST_PAGES * GEOMETRY.page_bytes, s.copy_threads
@@ -326,18 +344,24 @@ def _engines(daemon: DaemonProcess, root: Path, s: ScaleSettings) -> dict[str, A
         agg[str(n)] = a.gbps
         memcpy[str(n)] = max(copy_before, memcpy_gbps(a.nbytes, s.copy_threads))
     cpu = cpu_seconds(daemon.pid) - cpu0
+    copy_cpu = min(copy_cpu, memcpy_cpu_s_per_gb(sample, s.copy_threads))  # the cheaper one
     ratios = {k: round(agg[k] / memcpy[k], 3) for k in agg}
+    top = str(max(s.engines))
+    # below one clock tick the reading is the resolution, not zero
+    per_gb = max(cpu, 1.0 / os.sysconf("SC_CLK_TCK")) / (moved / 1e9)
     return {
         "l2_cpu_s_per_gb": split,
         "l2_cpu_bound_gbps": bound,
         "l2_aggregate_gbps": {k: round(v, 3) for k, v in agg.items()},
         "l2_memcpy_gbps": {k: round(v, 3) for k, v in memcpy.items()},
         "l2_aggregate_over_memcpy": ratios,
-        "l2_aggregate_over_memcpy_8": ratios[str(max(s.engines))],
+        "l2_aggregate_over_memcpy_8": ratios[top],
+        "l2_aggregate_over_cpu_bound_8": round(agg[top] / bound[top], 3) if bound[top] else 0.0,
         "daemon_cpu_seconds": round(cpu, 3),
         "daemon_bytes_moved": moved,
-        # below one clock tick the reading is the resolution, not zero
-        "daemon_cpu_s_per_gb": round(max(cpu, 1.0 / os.sysconf("SC_CLK_TCK")) / (moved / 1e9), 4),
+        "daemon_cpu_s_per_gb": round(per_gb, 4),
+        "memcpy_cpu_s_per_gb": round(copy_cpu, 4),
+        "daemon_cpu_s_per_gb_over_memcpy": round(per_gb / copy_cpu, 3),
     }
 
 
@@ -419,6 +443,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="pages of the big pool (default 1,000,000; --quick: 4,096)",
     )
     p.add_argument(
+        "--only",
+        metavar="PART[,PART]",
+        help=f"run only these parts, of {', '.join(PARTS)} (e.g. stall: under a minute)",
+    )
+    p.add_argument(
         "--copy-threads",
         type=int,
         default=2,
@@ -431,6 +460,12 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
     overrides: dict[str, Any] = {"copy_threads": args.copy_threads}
     if args.million_pages is not None:
         overrides["million_pages"] = args.million_pages
+    if getattr(args, "only", None):
+        parts = tuple(p.strip() for p in args.only.split(",") if p.strip())
+        unknown = sorted(set(parts) - set(PARTS))
+        if unknown or not parts:
+            raise ScaleBenchError(f"--only {args.only!r}: the parts are {', '.join(PARTS)}")
+        overrides["parts"] = parts
     make = ScaleSettings.quick if args.quick else ScaleSettings.full
     result = run_scale_bench(make(**overrides))
     if args.plot:

@@ -6,6 +6,10 @@ the same run on the same machine:
 - :func:`memcpy_gbps`: numpy copies between prefaulted buffers by as many threads as the
   daemon copies with (numpy releases the GIL while it copies), so the ratio compares the
   daemon against the memory bandwidth its copy threads could reach at best.
+- :func:`memcpy_cpu_s_per_gb`: the CPU time a plain copy spends per GB between the memory
+  kinds the daemon copies between (a file in ``/dev/shm``, as the host pool is, and a
+  memfd, as an engine's KV memory is), both ways, by as many threads: what the daemon's
+  CPU per GB moved is set against.
 - :class:`EchoServer` / :func:`echo_rtts`: the bare uvloop ROUTER of
   :mod:`kvtier.bench.echo_server` on ``ipc://``, answering the same payload bytes a LOOKUP
   carries.
@@ -24,7 +28,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 from kvtier.config import KvtierError
@@ -38,6 +42,7 @@ __all__ = [
     "cpu_seconds",
     "echo_rtts",
     "gbps",
+    "memcpy_cpu_s_per_gb",
     "memcpy_gbps",
     "memory_status",
     "p50",
@@ -94,6 +99,59 @@ def memcpy_gbps(nbytes: int, threads: int, repeats: int = 3) -> float:
                 list(pool.map(lambda pair: np.copyto(pair[0], pair[1]), shares))
             times.append(time.perf_counter() - t0)
     return gbps(size * rounds, p50(times))
+
+
+def memcpy_cpu_s_per_gb(nbytes: int, threads: int, repeats: int = 3) -> float:
+    """CPU seconds per GB (10⁹ bytes) of copying between shared memory and a memfd.
+
+    A buffer of ``min(nbytes, MEMCPY_MAX_BYTES)`` bytes in ``/dev/shm`` (the host pool's
+    kind of memory) and one in a memfd (an engine's), both prefaulted, are copied into each
+    other in turn by ``threads`` threads, one contiguous share each, ``repeats`` times each
+    way; this process's CPU time (every thread's, user and system) over the bytes copied.
+
+    Raises:
+        ScaleBenchError: there is no ``/dev/shm`` or no memfd here.
+    """
+    import mmap
+    import tempfile
+
+    size = max(threads * 4096, min(nbytes, MEMCPY_MAX_BYTES))
+    try:
+        with tempfile.TemporaryFile(dir="/dev/shm") as shm:
+            fd = os.memfd_create("kvtier-bench-memcpy")
+            try:
+                for f in (shm.fileno(), fd):
+                    os.ftruncate(f, size)
+                maps = [mmap.mmap(f, size) for f in (shm.fileno(), fd)]
+            finally:
+                os.close(fd)
+            try:
+                cpu = _copy_cpu(maps, size, threads, repeats)
+            finally:
+                for m in maps:
+                    m.close()
+    except (OSError, AttributeError) as err:  # no /dev/shm, or no memfd_create
+        raise ScaleBenchError(f"cannot map shared memory and a memfd here: {err}") from err
+    return cpu / (2 * repeats * size / 1e9)
+
+
+def _copy_cpu(maps: list[Any], size: int, threads: int, repeats: int) -> float:
+    """CPU seconds of ``repeats`` copies each way between the two mappings (their numpy
+    views are gone when this returns, so that the mappings can close)."""
+    host, engine = (np.frombuffer(m, dtype=np.uint8) for m in maps)
+    host[:] = 1  # prefaulted, as the daemon's and the engines' memory are
+    engine[:] = 2
+    cut = [size * i // threads for i in range(threads + 1)]
+    ways = [
+        [(dst[a:b], src[a:b]) for a, b in itertools.pairwise(cut)]
+        for dst, src in ((host, engine), (engine, host))
+    ]
+    with ThreadPoolExecutor(threads) as pool:
+        t0 = time.process_time()
+        for _ in range(repeats):
+            for shares in ways:
+                list(pool.map(lambda pair: np.copyto(pair[0], pair[1]), shares))
+        return time.process_time() - t0
 
 
 def read_line(stream: IO[bytes], deadline: float, what: str) -> bytes:

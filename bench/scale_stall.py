@@ -2,13 +2,15 @@
 128K-token contexts into a full pool.
 
 One engine process (a ``latency`` worker of :mod:`kvtier.bench.scale_worker`) LOOKUPs 64
-keys over and over, pausing a millisecond between round trips, twice: while the daemon is
-otherwise idle (the baseline), then while this process stores chains of ``pages`` fresh
-pages back to back into the full pool, so that every STORE evicts as many pages as it
-stores. The daemon allocates (and later commits) a STORE's pages on its event loop, so the
-other engine's LOOKUPs wait behind that work: the ratio is the p99 round trip during the
-stores against the idle one. Each STORE's accept time (the request until its reply, before
-the copy) is that work as the storing engine sees it.
+keys over and over, pausing a millisecond between round trips, while this process fills
+the pool and then takes turns, :data:`WINDOW_S` each: a window of nothing (the daemon
+otherwise idle), then a window of STOREs of ``pages`` fresh pages back to back (each into
+the full pool, so each evicts as many pages as it stores). A round trip that overlaps a
+STORE window (from its first request to its last one's completion) is a busy sample, the
+others idle ones: both kinds are taken in the same seconds, so a machine whose other load
+comes and goes weighs on both alike. The ratio is the p99 round trip of the busy samples
+against the idle ones'. Each STORE's accept time (the request until its reply, before the
+copy) is what the daemon's allocation costs the storing engine.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ LOOKUP_KEYS = 64
 """Keys of the other engine's LOOKUPs."""
 PAUSE_S = 0.001
 """Its pause between round trips."""
+WINDOW_S = 0.5
+"""Each idle window and each STORE window (a STORE window ends with the STORE running at
+its end)."""
 
 
 def run_stall(
@@ -55,7 +60,8 @@ def run_stall(
         geometry: the engines' page geometry.
         pages: pages of each STORE (one chain).
         pool_bytes: the daemon's pool size, to know how many STOREs fill it.
-        seconds: each of the two measuring spans.
+        seconds: idle windows and STORE windows, each kind in all (the worker measures
+            twice as long).
         timeout_s: bound on each worker run.
 
     Raises:
@@ -65,8 +71,8 @@ def run_stall(
     settings = {
         "runtime_dir": str(daemon.runtime_dir),
         "pages": LOOKUP_KEYS,
-        "iters": int(seconds / PAUSE_S) + 1,
-        "seconds": seconds,
+        "iters": int(2 * seconds / PAUSE_S) + 1,
+        "seconds": 2 * seconds,
         "pause_s": PAUSE_S,
         "geometry": {f: getattr(g, f) for f in g.__struct_fields__},
     }
@@ -86,13 +92,15 @@ def run_stall(
 
         for _ in range(pool_bytes // (pages * g.page_bytes) + 1):  # the pool is full after
             store()
-        idle = _lookups(root, {**settings, "tag": "stall-idle"}, None, timeout_s)
         accepts: list[float] = []
-        busy = _lookups(
-            root, {**settings, "tag": "stall-busy"}, lambda: accepts.append(store()), timeout_s
+        lat, at, windows = _alternating(
+            root, {**settings, "tag": "stall"}, lambda: accepts.append(store()), timeout_s
         )
     if not accepts:
         raise ScaleBenchError("no STORE ran while the other engine measured")
+    idle, busy = _split(lat, at, windows)
+    if not idle or not busy:
+        raise ScaleBenchError(f"{len(idle)} idle and {len(busy)} busy round trips: too few")
     p99_idle, p99_busy = np.percentile(idle, 99), np.percentile(busy, 99)
     return {
         "stall_store_pages": pages,
@@ -104,13 +112,16 @@ def run_stall(
         "stall_lookup_busy_us_p99": round(float(p99_busy), 1),
         "stall_lookup_busy_us_max": round(float(max(busy)), 1),
         "stall_lookup_p99_over_idle": round(float(p99_busy / p99_idle), 3),
+        "stall_windows": len(windows),
     }
 
 
-def _lookups(
-    root: Path, settings: dict[str, Any], action: Callable[[], None] | None, timeout_s: float
-) -> list[float]:
-    """One ``latency`` worker's round trips (µs), ``action`` repeated meanwhile if given."""
+def _alternating(
+    root: Path, settings: dict[str, Any], action: Callable[[], None], timeout_s: float
+) -> tuple[list[float], list[float], list[tuple[float, float]]]:
+    """One ``latency`` worker's round trips (µs) and their starts (``time.monotonic``), while
+    this thread takes turns: :data:`WINDOW_S` of nothing, then ``action`` repeated for as
+    long; returns them with the (start, end) of each ``action`` window."""
     done: list[Aggregate] = []
     failed: list[Exception] = []
 
@@ -120,19 +131,38 @@ def _lookups(
         except Exception as err:
             failed.append(err)
 
+    windows: list[tuple[float, float]] = []
     t = threading.Thread(target=measure, name="kvtier-bench-stall")
     t.start()
     try:
         while t.is_alive():
-            if action is None:
-                t.join(0.1)
-            else:
+            t.join(WINDOW_S)  # an idle window
+            if not t.is_alive():
+                break
+            start = time.monotonic()
+            while time.monotonic() < start + WINDOW_S and t.is_alive():
                 action()
+            windows.append((start, time.monotonic()))
     finally:
         t.join(timeout_s)
     if failed:
         raise failed[0]
-    lat = list(done[0].details[0]["lat_us"]) if done else []
-    if not lat:
+    detail = done[0].details[0] if done else {}
+    lat, at = list(detail.get("lat_us", [])), list(detail.get("at", []))
+    if not lat or len(at) != len(lat):
         raise ScaleBenchError("the latency worker measured no round trip")
-    return lat
+    return lat, at, windows
+
+
+def _split(
+    lat: list[float], at: list[float], windows: list[tuple[float, float]]
+) -> tuple[list[float], list[float]]:
+    """(idle, busy) round trips: busy those that overlap a STORE window."""
+    starts = np.asarray([w[0] for w in windows])
+    ends = np.asarray([w[1] for w in windows])
+    idle: list[float] = []
+    busy: list[float] = []
+    for us, t in zip(lat, at, strict=True):
+        overlap = bool(((starts < t + us / 1e6) & (ends > t)).any()) if windows else False
+        (busy if overlap else idle).append(us)
+    return idle, busy

@@ -18,7 +18,8 @@ Modes:
     ``echo``: send a LOOKUP's encoded bytes to the echo server ``iters`` times.
     ``latency``: LOOKUP the same ``pages`` keys (stored before ``ready``) for ``seconds``
     (at most ``iters`` times), pausing ``pause_s`` after each, and report every round trip
-    (``lat_us``): what an engine waits while another one's requests hold the daemon.
+    (``lat_us``) and when it started (``at``, ``time.monotonic``: one clock for every process
+    of the machine): what an engine waits while another one's requests hold the daemon.
 """
 
 from __future__ import annotations
@@ -213,14 +214,16 @@ def _latency(conn: Any, s: dict[str, Any]) -> dict[str, Any]:
         raise ScaleBenchError(f"store moved {h.writing}/{pages} pages")
     _go()
     lat: list[float] = []
+    at: list[float] = []
     t0 = time.monotonic()
     end = t0 + s["seconds"]
     while time.monotonic() < end and len(lat) < s["iters"]:
+        at.append(time.monotonic())
         a = time.perf_counter()
         conn.lookup(keys)  # another engine's stores may evict these pages: a miss still counts
         lat.append(round((time.perf_counter() - a) * 1e6, 1))
         time.sleep(s["pause_s"])
-    return {"ops": len(lat), "nbytes": 0, "t0": t0, "t1": time.monotonic(), "lat_us": lat}
+    return {"ops": len(lat), "nbytes": 0, "t0": t0, "t1": time.monotonic(), "lat_us": lat, "at": at}
 
 
 def _echo(s: dict[str, Any]) -> None:

@@ -76,6 +76,12 @@ def _bench(argv: list[str]) -> int:
         default=2,
         help="the daemons' copy threads, and the memcpy baselines' (default 2)",
     )
+    sc.add_argument(
+        "--only",
+        metavar="PART[,PART]",
+        help="run only these parts, of sizes, engines, control, long, stall, million "
+        "(e.g. stall: under a minute)",
+    )
     args = p.parse_args(argv)
     result: dict[str, Any]
     print_table: Callable[[dict[str, Any]], None]

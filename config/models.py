@@ -91,6 +91,14 @@ class DaemonConfig(_Frozen):
         description="Leave the pool file in place at a planned stop, for the next start.",
     )
     copy_threads: int = Field(default=2, ge=1, le=64, description="Worker threads that copy pages.")
+    slice_pages: int = Field(
+        default=512,
+        ge=1,
+        le=1 << 20,
+        description="A STORE or LOAD of more pages allocates, commits, pins and unpins them in "
+        "slices of this many, the event loop answering other engines between two slices "
+        "(a big request never holds up a small one for long).",
+    )
     lease_s: float = Field(default=30.0, gt=0, description="Session lease; heartbeats renew it.")
     max_sessions: int = Field(default=256, ge=1, description="Most engine sessions at once.")
     max_sessions_per_user: int = Field(

@@ -59,6 +59,7 @@ class Counters:
     load_failed_pages: int = 0
     transfers_split: int = 0  # STOREs and LOADs copied in parts by several copy threads
     transfers_shared: int = 0  # STOREs and LOADs copied half on the event loop, half on a thread
+    requests_sliced: int = 0  # STOREs and LOADs of more than slice_pages pages, done in slices
     bytes_to_host: int = 0
     bytes_to_engine: int = 0
     sessions_opened: int = 0

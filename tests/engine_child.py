@@ -5,11 +5,15 @@ Modes:
            printing ``stored i`` after each completes; then sleep until killed.
     load   store chain 0 once, then load it again and again, printing ``loading`` before
            each load, until killed.
+    long   store a chain of its own of N tiny pages (:data:`TINY`, 1 KiB) in one STORE, printing
+           ``storing`` before it; a daemon with a small ``slice_pages`` is still allocating
+           it for many turns of its event loop when the test kills this process.
 Pages are 8 layers x 2 x 64 KiB so that one transfer takes long enough to be interrupted.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -22,6 +26,9 @@ BIG = P.Geometry(
     num_layers=8, page_size=64, kv_heads=4, head_dim=64, dtype="float32"
 )  # 64 KiB chunks
 CHAIN_PAGES = 16
+TINY = P.Geometry(
+    num_layers=1, page_size=16, kv_heads=1, head_dim=16, dtype="float16"
+)  # 1 KiB pages: long chains in a small pool
 
 
 def chain_tokens(i: int):
@@ -36,6 +43,13 @@ def seed_of(chain: int, page: int) -> int:
 
 def main() -> None:
     mode, rdir, n = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
+    if mode == "long":
+        pool, conn = engine(rdir, TINY, num_pages=n, model="long")
+        keys = conn.page_keys(tokens(n * TINY.page_size, salt=os.getpid()))  # a new chain
+        print("storing", flush=True)
+        conn.store(keys, list(range(n))).wait()
+        print("done", flush=True)
+        time.sleep(3600)
     pool, conn = engine(rdir, BIG, num_pages=2 * CHAIN_PAGES, model="fault")
     if mode == "store":
         for i in range(n):

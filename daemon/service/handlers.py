@@ -14,6 +14,7 @@ arrival to its reply, the deferred part included.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import os
@@ -28,6 +29,7 @@ from kvtier.daemon.service.context import ServiceContext
 from kvtier.daemon.service.handover import Handover, HandoverNotYours, HandoverRefused
 from kvtier.daemon.service.quotas import LimitExceeded
 from kvtier.daemon.service.sessions import Session
+from kvtier.daemon.service.long_requests import LongRequests
 from kvtier.daemon.service.transfers import Transfers
 from kvtier.daemon.service.validation import (
     RequestError,
@@ -70,6 +72,7 @@ class Handlers:
     def __init__(self, ctx: ServiceContext, transfers: Transfers) -> None:
         self.ctx = ctx
         self.transfers = transfers
+        self.long = LongRequests(ctx, transfers)
 
     def table(self) -> dict[type, Handler]:
         """The handler of each engine request type."""
@@ -400,8 +403,9 @@ class Handlers:
             self.ctx.metrics.observe_claim(time.perf_counter() - start)
 
     # ------------------------------------------------------------------ transfers
-    def store(self, identity: bytes, m: P.Store) -> P.Reply:
-        """STORE: allocate host slots for the keys not there yet and copy them in."""
+    def store(self, identity: bytes, m: P.Store) -> Answer:
+        """STORE: allocate host slots for the keys not there yet and copy them in (one of
+        more than ``slice_pages`` pages in slices: :mod:`~kvtier.daemon.service.slices`)."""
         ctx = self.ctx
         s = ctx.session(identity, m.session_id)
         self._needs_memory(s, "STORE")
@@ -417,6 +421,8 @@ class Handlers:
             return P.StoreAccepted(req_id=m.req_id, epoch=ctx.epoch, count=len(keys), writing=0)
         if m.packed_keys:  # the pool indexes each new key: the store needs them as objects
             keys = P.split_keys(m.packed_keys)
+        if self.long.wanted(len(keys)):
+            return self._long(s, self.long.store(s, m, keys, pages))
         allocated = ctx.pool.allocate(s.ns_id, s.owner, s.class_id, keys, m.parent_key)
         every = len(allocated) == len(keys)  # all new (WRITING now): the usual long STORE
         count = len(keys) if every else ctx.pool.resident_run(s.ns_id, keys)
@@ -453,14 +459,17 @@ class Handlers:
             )
         return P.StoreAccepted(req_id=m.req_id, epoch=ctx.epoch, count=count, writing=len(host))
 
-    def load(self, identity: bytes, m: P.Load) -> P.Reply:
-        """LOAD: pin the leading run of keys in L2 and copy it to the engine's pages."""
+    def load(self, identity: bytes, m: P.Load) -> Answer:
+        """LOAD: pin the leading run of keys in L2 and copy it to the engine's pages (a run
+        of more than ``slice_pages`` pages pinned in slices)."""
         ctx = self.ctx
         s = ctx.session(identity, m.session_id)
         self._needs_memory(s, "LOAD")
         keys, pages = transfer_keys(m, ctx.cfg.max_keys_per_request, s.memory.num_pages)
         check_slot(s, m.slot)
         ctx.counters.loads += 1
+        if self.long.wanted(len(keys)):
+            return self._long(s, self.long.load(s, m, keys, pages))
         host = ctx.pool.pin(
             s.ns_id, keys, used=True
         )  # packed keys: the key table probes them as they came
@@ -470,6 +479,12 @@ class Handlers:
             )
         return P.LoadAccepted(req_id=m.req_id, epoch=ctx.epoch, count=len(host))
 
+    def _long(self, s: Session, work: Coroutine[Any, Any, P.Reply]) -> Deferred:
+        """Answer a long request once its slices are done: ``work`` runs in a task the
+        daemon's drain waits for, whatever becomes of the reply's own task."""
+        task = self.transfers.spawn(work)
+        return self.later(s, _shielded(task))
+
     def release(self, identity: bytes, m: P.Release) -> P.Reply:
         """RELEASE: cancel the session's transfers in the given slots."""
         s = self.ctx.session(identity, m.session_id)
@@ -478,3 +493,8 @@ class Handlers:
             if t is not None:
                 t.cancelled = True
         return P.Ack(req_id=m.req_id, epoch=self.ctx.epoch)
+
+
+async def _shielded(task: asyncio.Task[P.Reply]) -> P.Reply:
+    """``task``'s reply; cancelling the waiter leaves ``task`` running."""
+    return await asyncio.shield(task)

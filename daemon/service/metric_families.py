@@ -123,6 +123,12 @@ _COUNTER_SPECS: tuple[_Spec, ...] = (
         (),
         (((), "transfers_shared"),),
     ),
+    (
+        "kvtier_requests_sliced",
+        "STOREs and LOADs of more than slice_pages pages, whose page-table work went in slices.",
+        (),
+        (((), "requests_sliced"),),
+    ),
     ("kvtier_sessions_opened", "Engine sessions registered.", (), (((), "sessions_opened"),)),
     (
         "kvtier_sessions_closed",

@@ -325,6 +325,10 @@ class Daemon:
                 log.warning(
                     "%d transfers still running after %.1fs; abandoning them", len(pending), timeout
                 )
+        if svc.transfers.pending:  # long requests settling in slices (or stopping: cancelled)
+            await asyncio.wait(
+                set(svc.transfers.pending), timeout=max(0.0, deadline - time.monotonic())
+            )
         await svc.tier.drain(max(0.0, deadline - time.monotonic()))
         for s in self.sessions:
             if not s.transfers:  # else a copy thread may still touch its memory: see below

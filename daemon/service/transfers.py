@@ -37,20 +37,28 @@ through its completion block, not through a reply.
 
 A session that closed while its copies ran is finalized by the last one to end: its memory
 must stay mapped while a copy thread may still touch it.
+
+The end of a transfer of more than ``slice_pages`` pages is settled in slices
+(:mod:`~kvtier.daemon.service.slices`: its commit tail first, so that a LOOKUP sees its pages
+all at once), from a task of its own, the loop answering others between the slices; the
+transfer keeps its completion slot until it is settled.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Executor, Future
 from typing import Any
 
 import numpy as np
+from kvtier.daemon.service import slices
 from kvtier.daemon.service.context import ServiceContext
 from kvtier.daemon.service.sessions import Session, SessionState
+from kvtier.daemon.service.validation import RequestError
 from kvtier.daemon.transfer.fair_pool import FairExecutor
 from kvtier.daemon.transfer.transfer import (
     Direction,
@@ -62,6 +70,8 @@ from kvtier.daemon.transfer.transfer import (
 )
 from kvtier.ipc.completion import TransferStatus
 from kvtier.kernels.host_views import ArenaView
+
+log = logging.getLogger("kvtier.daemon")
 
 SPLIT_BYTES = 16 << 20
 """A transfer of at least twice this many bytes (32 MiB) is split in parts of consecutive
@@ -114,6 +124,8 @@ class Transfers:
     Attributes:
         inflight: futures of the copies running on the copy threads, one per part (the
             drain at shutdown waits on them; each is dropped once its end is settled).
+        pending: the tasks of long requests (:mod:`~kvtier.daemon.service.slices`) still
+            allocating, pinning or settling in slices (the drain waits on them too).
         requests_waiting: whether a request is queued, not read yet (the server sets it;
             the loop then leaves a copy to the threads rather than hold that request).
     """
@@ -121,6 +133,7 @@ class Transfers:
     def __init__(self, ctx: ServiceContext) -> None:
         self.ctx = ctx
         self.inflight: set[Future[Any]] = set()
+        self.pending: set[asyncio.Task[Any]] = set()
         self._executor: Executor | FairExecutor | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._threads = 1
@@ -154,12 +167,14 @@ class Transfers:
         host: list[int],
         pages: Sequence[int],
         keys: Sequence[bytes],
+        offsets: np.ndarray | None = None,
     ) -> None:
         """Copy pages between ``s``'s memory and host slots.
 
         A transfer of at most :data:`INLINE_BYTES` has ended, and is settled, when this
-        returns; one this loop shares with a copy thread (:meth:`_share`) has had its first
-        half copied, and may have been settled; a larger one runs on the copy threads.
+        returns (one of more than ``slice_pages`` pages is being settled, in slices); one
+        this loop shares with a copy thread (:meth:`_share`) has had its first half copied,
+        and may have been settled; a larger one runs on the copy threads.
 
         Args:
             s: the session.
@@ -169,8 +184,11 @@ class Transfers:
             pages: engine page indexes, one per host slot (a list, or a numpy array of a
                 packed request).
             keys: the page keys, one per host slot (a packed request's stay packed).
+            offsets: the arena offsets of ``host`` when the caller has them (a long
+                request computes them slice by slice).
         """
-        offsets = self.ctx.pool.slot_offsets(host)
+        if offsets is None:
+            offsets = self.ctx.pool.slot_offsets(host)
         g = s.geometry
         t = Transfer(
             direction=direction,
@@ -272,6 +290,20 @@ class Transfers:
         for f in futs:
             self._watch(f, part_ended)
 
+    def spawn(self, work: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """Run ``work`` (a long request's slices) in a task the drain at shutdown waits
+        for; its failure is logged (the daemon keeps serving)."""
+        task = asyncio.get_running_loop().create_task(work)
+        self.pending.add(task)
+        task.add_done_callback(self._ended)
+        return task
+
+    def _ended(self, task: asyncio.Task[Any]) -> None:
+        self.pending.discard(task)
+        err = None if task.cancelled() else task.exception()
+        if err is not None and not isinstance(err, RequestError):  # a refusal is replied
+            log.error("a long request failed", exc_info=(type(err), err, err.__traceback__))
+
     def _share(self, s: Session, t: Transfer) -> None:
         """Copy ``t`` in two halves at once: the second on a copy thread, the first here on
         the event loop (the copy releases the GIL). Each layer is announced once both
@@ -370,11 +402,44 @@ class Transfers:
 
     def _settle(self, s: Session, t: Transfer, ok: bool, wake: bool = True) -> None:
         """Settle one copy: commit or abort (STORE), unpin (LOAD), count, tell the engine
-        (``wake``: wake it too; see :meth:`CompletionBlock.finish`)."""
+        (``wake``: wake it too; see :meth:`CompletionBlock.finish`). One of more than
+        ``slice_pages`` pages is settled in slices by a task (then always waking)."""
+        pool = self.ctx.pool
+        if len(t.host_slots) > self.ctx.cfg.slice_pages:
+            self.spawn(self._settle_long(s, t, ok))
+            return
         if t.direction is Direction.STORE:
-            self._stored(s, t, ok)
+            if ok and s.state is SessionState.OPEN:
+                pool.commit(t.host_slots, checksums=t.checksums)
+                self._stored(s, t)
+            else:
+                pool.abort(t.host_slots)
+                self._not_stored(t)
         else:
+            pool.unpin(t.host_slots)
             self._loaded(s, t, ok)
+        self._end(s, t, ok, wake)
+
+    async def _settle_long(self, s: Session, t: Transfer, ok: bool) -> None:
+        """:meth:`_settle` in slices (:mod:`~kvtier.daemon.service.slices`); the transfer
+        keeps its slot, and its session stays, until the last slice."""
+        pool, size = self.ctx.pool, self.ctx.cfg.slice_pages
+        try:
+            if t.direction is Direction.STORE:
+                if ok and s.state is SessionState.OPEN:
+                    await slices.commit(pool, t.host_slots, t.checksums, size)
+                    self._stored(s, t)
+                else:
+                    await slices.abort(pool, t.host_slots, size)
+                    self._not_stored(t)
+            else:
+                await slices.unpin(pool, t.host_slots, size)
+                self._loaded(s, t, ok)
+        finally:
+            self._end(s, t, ok, True)
+
+    def _end(self, s: Session, t: Transfer, ok: bool, wake: bool) -> None:
+        """Tell the engine how ``t`` ended, free its slot, finalize a closing session."""
         if s.state is not SessionState.CLOSED:
             s.completion.finish(
                 t.slot,
@@ -385,32 +450,32 @@ class Transfers:
                 ),
                 wake=wake,
             )
-        s.transfers.pop(t.slot, None)
+        if s.transfers.get(t.slot) is t:
+            del s.transfers[t.slot]
         if s.state is SessionState.CLOSING and not s.transfers:
             self.ctx.finalize_session(s)
 
-    def _stored(self, s: Session, t: Transfer, ok: bool) -> None:
-        """A STORE ended: its pages become READY, or their slots are freed."""
-        ctx, c, n = self.ctx, self.ctx.counters, len(t.host_slots)
-        if ok and s.state is SessionState.OPEN:
-            ctx.pool.commit(t.host_slots, checksums=t.checksums)
-            if ctx.events is not None:
-                ctx.events.store_ended(t.session_id, t.slot, t.seq, committed=True)
-            c.store_pages += n
-            c.bytes_to_host += t.nbytes
-            ctx.tier.stored(s, t.keys)
-            if ctx.metrics is not None:
-                ctx.metrics.observe_store(time.monotonic() - t.started)
-        else:
-            ctx.pool.abort(t.host_slots)
-            if ctx.events is not None:
-                ctx.events.store_ended(t.session_id, t.slot, t.seq, committed=False)
-            c.store_failed_pages += n
+    def _stored(self, s: Session, t: Transfer) -> None:
+        """A STORE's pages were committed: count them, pass them on (events, L3)."""
+        ctx, c = self.ctx, self.ctx.counters
+        if ctx.events is not None:
+            ctx.events.store_ended(t.session_id, t.slot, t.seq, committed=True)
+        c.store_pages += len(t.host_slots)
+        c.bytes_to_host += t.nbytes
+        ctx.tier.stored(s, t.keys)
+        if ctx.metrics is not None:
+            ctx.metrics.observe_store(time.monotonic() - t.started)
+
+    def _not_stored(self, t: Transfer) -> None:
+        """A STORE failed, was cancelled or its session closed: its slots were freed."""
+        ctx = self.ctx
+        if ctx.events is not None:
+            ctx.events.store_ended(t.session_id, t.slot, t.seq, committed=False)
+        ctx.counters.store_failed_pages += len(t.host_slots)
 
     def _loaded(self, s: Session, t: Transfer, ok: bool) -> None:
-        """A LOAD ended: its pages are unpinned and, when it completed, counted as saved."""
+        """A LOAD ended and its pages were unpinned: when it completed, count them as saved."""
         ctx, c, n = self.ctx, self.ctx.counters, len(t.host_slots)
-        ctx.pool.unpin(t.host_slots)
         if ok:
             c.load_pages += n
             c.loaded_tokens += n * s.geometry.page_size

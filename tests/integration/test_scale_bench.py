@@ -23,7 +23,8 @@ pytestmark = pytest.mark.timeout(240)
 RATIOS = ("transfer_fixed_cost_over_lookup_rtt", "transfer_64_over_memcpy",
           "l2_aggregate_over_memcpy_8", "lookup_throughput_over_echo_8", "lookup_8192_over_echo",
           "load_8192_over_memcpy", "million_lookup_p50_over_small", "daemon_cpu_s_per_gb",
-          "million_adopt_seconds")  # fmt: skip
+          "million_adopt_seconds", "l2_aggregate_over_cpu_bound_8", "memcpy_cpu_s_per_gb",
+          "daemon_cpu_s_per_gb_over_memcpy")  # fmt: skip
 FIGURES = ("transfer_fixed_cost_us", "lookup_rtt_us_p50", "transfer_memcpy_gbps",
            "lookups_per_s", "echo_per_s", "lookup_long_us_p50", "echo_long_us_p50",
            "load_long_gbps", "load_long_memcpy_gbps", "million_store_pages_per_s",
@@ -69,16 +70,36 @@ def test_the_quick_scale_bench_reports_every_figure(
         for n, value in r[name].items():
             _positive(f"{name}[{n}]", value)
     assert r["l2_aggregate_over_memcpy_8"] == r["l2_aggregate_over_memcpy"]["2"]
+    assert r["l2_aggregate_over_cpu_bound_8"] == round(
+        r["l2_aggregate_gbps"]["2"] / r["l2_cpu_bound_gbps"]["2"], 3
+    )
     assert r["million_pages_stored"] == r["million_pages"] == 4096
     assert r["million_pages_found_after_restart"] == r["million_pages_stored"]
     assert r["million_evicted_pages"] > 0
     printed = capsys.readouterr().out
     assert "kvtier bench scale" in printed
     for row in ("2 engines: L2 aggregate vs memcpy", "lookups/s vs echoes/s",
-                "adopt after SIGKILL"):  # fmt: skip
+                "adopt after SIGKILL", "vs what the CPU per GB allows",
+                "vs memcpy shm <-> memfd"):  # fmt: skip
         assert row in printed, row
     if plotting:
         assert (tmp_path / "scale.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_only_the_stall_part_runs_with_only_stall(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--only stall measures the stall figures and nothing else; an unknown part is refused."""
+    out = tmp_path / "stall.json"
+    assert main(["--quick", "--only", "stall", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    for name in ("stall_lookup_p99_over_idle", "stall_lookup_busy_us_p99", "stall_stores"):
+        _positive(name, r.get(name))
+    assert not any(k.startswith(("l2_", "million_", "transfer_", "load_")) for k in r), r
+    assert "lookups_per_s" not in r and "lookup_rtt_us_p50" not in r
+    assert "stall_lookup_p99_over_idle" in capsys.readouterr().out
+    with pytest.raises(ScaleBenchError, match="the parts are"):
+        main(["--quick", "--only", "stal"])
 
 
 def test_a_worker_that_cannot_connect_fails_the_run_with_its_log(short_tmp: Path) -> None:

@@ -136,7 +136,7 @@ def _setup(executor: Executor, verify: bool = False) -> tuple[Transfers, Any, An
         pool=pool,
         counters=Counters(),
         metrics=None,
-        cfg=SimpleNamespace(verify_on_adopt=verify),
+        cfg=SimpleNamespace(verify_on_adopt=verify, slice_pages=512),
         tier=SimpleNamespace(stored=lambda s, keys: None, loaded=lambda s, keys: None),
         events=None,
         finalize_session=lambda s: None,
