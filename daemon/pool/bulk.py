@@ -9,7 +9,7 @@ and :meth:`~kvtier.daemon.pool.pages.PageTable.unpin` do page by page, and move 
 pages that enter or leave the evictable lists (a chain's childless pages, usually its last)
 one by one, in the same order.
 
-Where the C extension is built (``kvtier.kernels._pins``), it does the per-page steps in
+Where the C extension is built (``kvtier.daemon.pool.native._pins``), it does the per-page steps in
 the page-by-page order, from :data:`NATIVE_PAGES` pages on: numpy's fixed cost per call
 outweighs the work for short runs, more so once a copy has flushed the caches. Otherwise
 numpy does, from
@@ -29,10 +29,7 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 from kvtier.daemon.pool.records import PageState
 
-try:
-    from kvtier.kernels import _pins
-except ImportError:  # built without a C compiler: numpy pins long runs
-    _pins = None  # type: ignore[assignment]
+from kvtier.daemon.pool.native import _pins
 
 if TYPE_CHECKING:
     from kvtier.daemon.pool.pages import PageTable
@@ -42,7 +39,7 @@ __all__ = ["BULK_PAGES", "NATIVE", "NATIVE_PAGES", "pin_run", "run_pages", "unpi
 _READY = int(PageState.READY)
 
 NATIVE = _pins is not None
-"""Whether runs are pinned in C (``kernels/_pins.c``); else in numpy. The tests run both."""
+"""Whether runs are pinned in C (``daemon/pool/native/_pins.c``); else in numpy. The tests run both."""
 BULK_PAGES = 64
 """Without the C extension, runs of at least this many pages are pinned and unpinned in
 numpy; shorter ones page by page (cheaper below it: the numpy views and passes have a fixed

@@ -38,15 +38,12 @@ from kvtier.daemon.pool.meta import PoolMeta
 from kvtier.daemon.pool.records import PageState
 from kvtier.ipc.packed import PACK_NATIVE, PackedKeyList, pack_keys
 
-try:
-    from kvtier.kernels import _keyprobe
-except ImportError:  # built without a C compiler: the numpy probe serves
-    _keyprobe = None  # type: ignore[assignment]
+from kvtier.daemon.pool.native import _keyprobe
 
 __all__ = ["MAX_ROUNDS", "MIN_CAPACITY", "NATIVE", "KeyTable", "table_keys"]
 
 NATIVE = _keyprobe is not None
-"""Whether :meth:`KeyTable.leading_run` probes in C (``kernels/_keyprobe.c``); else it runs
+"""Whether :meth:`KeyTable.leading_run` probes in C (``daemon/pool/native/_keyprobe.c``); else it runs
 :meth:`KeyTable.find` (numpy). The tests run both."""
 
 MAX_ROUNDS = 4
@@ -209,7 +206,7 @@ class KeyTable:
             RuntimeError: the extension is not built.
         """
         if not NATIVE or _keyprobe is None:
-            raise RuntimeError("the C key probe is not built (kvtier.kernels._keyprobe)")
+            raise RuntimeError("the C key probe is not built (kvtier.daemon.pool.native._keyprobe)")
         i, open_ = _keyprobe.leading_run(
             self._table,
             self._keys,

@@ -6,7 +6,7 @@ evicts a cold one), that costs microseconds of event-loop time a page: an 8,192-
 of a long context would hold the loop for a large fraction of a second, during which no
 other engine is answered.
 
-Where the C extension is built (``kvtier.kernels._alloc``), :func:`allocate_run` and
+Where the C extension is built (``kvtier.daemon.pool.native._alloc``), :func:`allocate_run` and
 :func:`commit_run` do the same steps in the same order, from :data:`RUN_PAGES` pages on, so
 the pool's metadata, indexes, evictable lists, counters and eviction log end up exactly as
 page by page (``tests/unit/test_pool_alloc.py`` holds them to it). What they leave to the
@@ -24,15 +24,12 @@ from typing import Any
 from kvtier.daemon.pool.layout import NIL
 from kvtier.daemon.pool.records import EvictedPage, PageState
 
-try:
-    from kvtier.kernels import _alloc
-except ImportError:  # built without a C compiler: page by page in Python
-    _alloc = None  # type: ignore[assignment]
+from kvtier.daemon.pool.native import _alloc
 
 __all__ = ["NATIVE", "RUN_PAGES", "allocate_run", "commit_run"]
 
 NATIVE = _alloc is not None
-"""Whether STOREs are allocated and committed in C (``kernels/_alloc.c``)."""
+"""Whether STOREs are allocated and committed in C (``daemon/pool/native/_alloc.c``)."""
 RUN_PAGES = 8
 """Allocations and commits of at least this many pages go to C (when built)."""
 

@@ -1,7 +1,7 @@
 """The pool's key table answers long LOOKUPs exactly as the key-by-key index does (no mocks).
 
 ``HostPool.lookup_packed`` (and ``lookup`` of a long list) go through the key table, probed
-in C (``kernels/_keyprobe.c``) and, for every case again, in numpy;
+in C (``daemon/pool/native/_keyprobe.c``) and, for every case again, in numpy;
 ``PageTable.lookup`` probes the index key by key and is the reference. Every case compares
 the two and, where the answer is known by construction, the number itself: hostile lists
 (not a chain, duplicates, another namespace's keys, absent keys between present ones),
@@ -35,7 +35,7 @@ def probe(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> st
     """Every test runs with the C probe and with the numpy one."""
     if request.param == "native":
         if not keytable.NATIVE:
-            pytest.skip("kvtier.kernels._keyprobe is not built (no C compiler at install)")
+            pytest.skip("kvtier.daemon.pool.native._keyprobe is not built (no C compiler at install)")
     else:
         monkeypatch.setattr(keytable, "NATIVE", False)
     return request.param
@@ -286,7 +286,7 @@ def test_leading_run_starts_where_asked_and_tells_a_miss_from_an_open_probe(prob
 def test_the_c_probe_refuses_columns_that_do_not_agree(probe: str) -> None:
     if probe == "numpy":
         pytest.skip("the C call's own checks: nothing to run on the numpy probe")
-    from kvtier.kernels import _keyprobe
+    from kvtier.daemon.pool.native import _keyprobe
 
     t = new_pool()._table
     words = np.zeros((4, 4), dtype="<u8")

@@ -23,7 +23,7 @@ from kvtier.daemon.pool.index import HostPool, HostPoolError
 from kvtier.daemon.pool.pages import PageTable
 
 pytestmark = pytest.mark.skipif(
-    not storerun.NATIVE, reason="kvtier.kernels._alloc is not built (no C compiler at install)"
+    not storerun.NATIVE, reason="kvtier.daemon.pool.native._alloc is not built (no C compiler at install)"
 )
 
 KIB = 1024

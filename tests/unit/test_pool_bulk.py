@@ -32,7 +32,7 @@ def run_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
     if request.param == "numpy":
         monkeypatch.setattr(bulk_mod, "_pins", None)
     elif not bulk_mod.NATIVE:
-        pytest.skip("kvtier.kernels._pins is not built (no C compiler at install)")
+        pytest.skip("kvtier.daemon.pool.native._pins is not built (no C compiler at install)")
     return str(request.param)
 
 
@@ -186,14 +186,14 @@ def test_a_refused_bulk_unpin_changes_nothing_and_names_the_slot(bad: str) -> No
 
 
 def test_the_c_pins_check_every_slot_before_any_change(run_path: str) -> None:
-    """``kernels/_pins.c`` called directly: a slot outside the columns (however large) or
+    """``daemon/pool/native/_pins.c`` called directly: a slot outside the columns (however large) or
     columns of different sizes are a ValueError, an item that is not an int a TypeError; an unpin of a slot not pinned, not READY or listed
     more often than pinned is refused (None); none of these changes a pin or a stamp."""
     if run_path != "C":
         pytest.skip("the C extension's own checks")
     from array import array
 
-    from kvtier.kernels import _pins
+    from kvtier.daemon.pool.native import _pins
 
     n = 8
     pins, kids, stamp = array("i", [0] * n), array("i", [0] * n), array("q", [0] * n)

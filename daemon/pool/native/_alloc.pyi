@@ -1,4 +1,4 @@
-"""Types of the ``_alloc`` C extension (``kernels/_alloc.c``): a STORE's slots allocated and
+"""Types of the ``_alloc`` C extension (``daemon/pool/native/_alloc.c``): a STORE's slots allocated and
 committed in C, as :mod:`kvtier.daemon.pool.storerun` calls it."""
 
 from typing import Any

@@ -1,4 +1,4 @@
-/* kvtier.kernels._alloc: the host pool's slot allocation for a STORE, page by page in C.
+/* kvtier.daemon.pool.native._alloc: the host pool's slot allocation for a STORE, page by page in C.
  *
  * run(cols, keys, start, prev, clock, ns_id, owner, cid, page_bytes, per_extent,
  *     free_extents, cls, ready_ns, writing_ns, ready, slot_keys, owned, ends, own_ends,
