@@ -333,10 +333,10 @@ def test_the_index_built_in_c_equals_the_one_built_in_python(
     assert sorted(calls) == ([5, 30, 30] if keys_of == "digests" else [])
     monkeypatch.setattr(adopt, "_index_keys", None)
     py_pool, _ = pf.start()
-    assert c_pool._ready == py_pool._ready and c_pool._key == py_pool._key
-    assert sum(map(len, c_pool._ready.values())) == 65
-    for index in c_pool._ready.values():
-        assert all(c_pool._key[s] is key for key, s in index.items())
+    assert c_pool._pages.ready == py_pool._pages.ready and c_pool._pages.keys == py_pool._pages.keys
+    assert sum(map(len, c_pool._pages.ready.values())) == 65
+    for index in c_pool._pages.ready.values():
+        assert all(c_pool._pages.keys[s] is key for key, s in index.items())
     for ns, keys in stored.items():
         assert c_pool.lookup(ns, keys) == len(keys) and c_pool.lookup(ns, keys[::-1][:1]) == 1
 
@@ -396,8 +396,8 @@ def test_a_duplicate_in_a_later_namespace_rebuilds_the_whole_index(pool_file: Po
     meta.release()
     pool, res = pool_file.start(verify=False)
     assert (res.pages_adopted, res.pages_dropped) == (3, 1)
-    assert pool._ready == {NS: {digest("a"): a}, NS2: {digest("b"): b}, 3: {digest("c0"): c1}}
-    assert [s for s, key in enumerate(pool._key) if key is not None] == sorted((a, b, c1))
+    assert pool._pages.ready == {NS: {digest("a"): a}, NS2: {digest("b"): b}, 3: {digest("c0"): c1}}
+    assert [s for s, key in enumerate(pool._pages.keys) if key is not None] == sorted((a, b, c1))
     assert pool.describe(c0).state is PageState.FREE
 
 

@@ -138,6 +138,8 @@ typedef struct {
     int64_t owner;
     int have_owner;
     PyObject *own_ends;
+    Ends g2;              /* the second global list (arc's T2), used where tier[s] is 1 */
+    const uint8_t *tier;  /* per slot, which global list; NULL: the first only */
 } Lists;
 
 static int lists_flush(Lists *l) {
@@ -154,9 +156,14 @@ static Ends *owner_list(Lists *l, int64_t owner, int create) {
     return &l->o;
 }
 
+/* The global list `s` is on (RecencyLists.enqueue's choice by tier). */
+static Ends *global_list(Lists *l, int32_t s) {
+    return l->tier != NULL && l->tier[s] ? &l->g2 : &l->g;
+}
+
 /* RecencyLists.dequeue: the global list and the owner's. */
 static int dequeue(Cols *c, Lists *l, int32_t s) {
-    unlink_(c->prev, c->next, &l->g, s);
+    unlink_(c->prev, c->next, global_list(l, s), s);
     Ends *o = owner_list(l, c->owner[s], 0);
     if (o == NULL) return -1;
     unlink_(c->oprev, c->onext, o, s);
@@ -165,7 +172,7 @@ static int dequeue(Cols *c, Lists *l, int32_t s) {
 
 /* RecencyLists.enqueue */
 static int enqueue(Cols *c, Lists *l, int32_t s) {
-    push_(c->prev, c->next, &l->g, c->stamp, s);
+    push_(c->prev, c->next, global_list(l, s), c->stamp, s);
     Ends *o = owner_list(l, c->owner[s], 1);
     if (o == NULL) return -1;
     push_(c->oprev, c->onext, o, c->stamp, s);
@@ -503,7 +510,7 @@ done:
 }
 
 /* commit(cols, extra, slots, checksums, clock, per_extent, writing, ready, slot_keys, classes,
- *        ends, own_ends) -> (stop, clock) or None
+ *        ends, own_ends[, ends2, tier]) -> (stop, clock) or None
  *
  * PageTable.commit in C: the slots, last first, become READY (checksum, flags, the row's
  * seal XXH3-64(key, seed checksum ^ ns), the next access stamp, then the state byte), move
@@ -513,19 +520,27 @@ done:
  * path names it). `stop` is 0 when every slot is committed, else j + 1 where the slot at j
  * was listed twice (no longer WRITING): those after it are committed, as the Python path
  * leaves them before it raises.
- * `extra` is (checksum, seal: uint64; flags: uint8) a slot.
+ * `extra` is (checksum, seal: uint64; flags: uint8) a slot. With `ends2` and `tier` (one
+ * byte a slot: the arc policy's T1/T2 split), a page whose tier is 1 enters the second
+ * global list, as RecencyLists.enqueue puts it.
  */
 static PyObject *commit(PyObject *self, PyObject *args) {
     PyObject *cols, *extra, *slots, *checksums, *writing, *ready, *slot_keys, *classes;
-    PyObject *ends_list, *own_ends;
+    PyObject *ends_list, *own_ends, *ends2 = NULL, *tier_obj = NULL;
     long long clock, per_extent;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OOO!OLLO!O!O!O!O!O!:commit", &cols, &extra, &PyList_Type,
+    if (!PyArg_ParseTuple(args, "OOO!OLLO!O!O!O!O!O!|O!O:commit", &cols, &extra, &PyList_Type,
                           &slots, &checksums, &clock, &per_extent, &PyDict_Type, &writing,
                           &PyDict_Type, &ready, &PyList_Type, &slot_keys, &PyList_Type,
-                          &classes, &PyList_Type, &ends_list, &PyDict_Type, &own_ends))
+                          &classes, &PyList_Type, &ends_list, &PyDict_Type, &own_ends,
+                          &PyList_Type, &ends2, &tier_obj))
         return NULL;
-    Py_buffer views[N_COLS], xv[3];
+    if ((ends2 == NULL) != (tier_obj == NULL)) {
+        PyErr_SetString(PyExc_TypeError, "commit takes ends2 and tier together");
+        return NULL;
+    }
+    Py_buffer views[N_COLS], xv[3], tv;
+    int have_tv = 0;
     Cols c;
     if (get_cols(&c, views, cols) < 0) return NULL;
     PyObject *result = NULL;
@@ -578,6 +593,16 @@ static PyObject *commit(PyObject *self, PyObject *args) {
         }
     }
     Lists l = {.have_owner = 0, .own_ends = own_ends};
+    if (tier_obj != NULL) {
+        if (PyObject_GetBuffer(tier_obj, &tv, PyBUF_SIMPLE) < 0) goto done;
+        have_tv = 1;
+        if (tv.len < c.n_slots) {
+            PyErr_SetString(PyExc_ValueError, "tier is shorter than the columns");
+            goto done;
+        }
+        if (ends_read(&l.g2, ends2) < 0) goto done;
+        l.tier = tv.buf;
+    }
     if (ends_read(&l.g, ends_list) < 0) goto done;
     PyObject *by_key = NULL, *from = NULL;  /* ready[ns], writing[ns] of the last ns */
     PyObject *cls = NULL;  /* the last slot's class, its counters in k */
@@ -640,7 +665,8 @@ static PyObject *commit(PyObject *self, PyObject *args) {
         k.ready += 1;
         if (c.children[s] == 0 && enqueue(&c, &l, (int32_t)s) < 0) goto fail;
     }
-    if (ends_write(&l.g) < 0 || lists_flush(&l) < 0 || (cls != NULL && class_io(cls, &k, 1) < 0))
+    if (ends_write(&l.g) < 0 || (l.tier != NULL && ends_write(&l.g2) < 0) ||
+        lists_flush(&l) < 0 || (cls != NULL && class_io(cls, &k, 1) < 0))
         goto done;
     result = Py_BuildValue("(nL)", j + 1, clock);
     goto done;
@@ -649,12 +675,14 @@ fail:
         PyObject *t, *val, *tb;
         PyErr_Fetch(&t, &val, &tb);
         ends_write(&l.g);
+        if (l.tier != NULL) ends_write(&l.g2);
         lists_flush(&l);
         if (cls != NULL) class_io(cls, &k, 1);
         PyErr_Restore(t, val, tb);
     }
 done:
     if (result == Py_None) Py_INCREF(result);
+    if (have_tv) PyBuffer_Release(&tv);
     for (int i = 0; i < nx; i++) PyBuffer_Release(&xv[i]);
     for (int i = 0; i < N_COLS; i++) PyBuffer_Release(&views[i]);
     PyMem_Free(at);
