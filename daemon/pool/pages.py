@@ -16,8 +16,9 @@ flips the state first. Which page to evict is :mod:`~kvtier.daemon.pool.eviction
 
 Hot paths: lookup is a dict probe per key at C speed (``_ready``: the READY pages of each
 namespace, key -> slot); allocate and commit run in C (:class:`~kvtier.daemon.pool.storerun.
-StoreRuns`, which leaves some cases to the table's own step, see there), pin and unpin too
-(:class:`~kvtier.daemon.pool.pins.Pins`), whatever the number of pages. A key is one bytes
+StoreRuns`, which asks the evictor's policy for the slots it does not take itself), pin and
+unpin too (:class:`~kvtier.daemon.pool.pins.Pins`), whatever the number of pages; eviction
+and release (:meth:`PageTable._release`) outside a STORE's run stay in Python. A key is one bytes
 object, in ``_key`` (slot -> key) and its namespace's dict (built in C at adoption).
 """
 
@@ -205,17 +206,6 @@ class PageTable:
             HostPoolError: unknown class id, or a key longer than 32 bytes.
         """
         self._slots.check_class(class_id)
-        if self._runs.takes(owner):
-            out = self._allocate_run(ns_id, owner, class_id, keys, parent_key)
-            if out is not None:
-                return out
-        return self._allocate(ns_id, owner, class_id, keys, parent_key)
-
-    def _allocate_run(self, ns_id: int, owner: int, class_id: int, keys: Sequence[bytes],
-                      parent_key: bytes | None) -> list[tuple[int, int]] | None:  # fmt: skip
-        """:meth:`allocate` in C (:class:`StoreRuns`), each key it leaves to Python by
-        :meth:`_allocate`; None, having changed nothing, where a key is refused (then
-        :meth:`_allocate` names it)."""
         keys = keys if type(keys) is list else list(keys)
         prev = NIL
         if parent_key is not None:
@@ -223,84 +213,10 @@ class PageTable:
             if p is None:
                 p = self._writing.get(ns_id, _NO_PAGES).get(parent_key)
             prev = NIL if p is None else p
-        out: list[tuple[int, int]] = []
-        i, n = 0, len(keys)
-        while i < n:
-            done = self._runs.allocate(ns_id, owner, class_id, keys, i, prev, self._clock,
-                                       out, i > 0)  # fmt: skip
-            if done is None:  # only ever before the first change: every key is checked first
-                return None
-            i, prev, self._clock = done
-            if i == n:
-                break
-            # key i needs a free extent cut or another class's page evicted: in Python
-            one = self._allocate(
-                ns_id, owner, class_id, [keys[i]], None if prev == NIL else self._key[prev]
-            )
-            if not one:  # a shortfall: later pages are useless without this one
-                break
-            prev = one[0][1]
-            out.append((i, prev))
-            i += 1
-        return out
-
-    def _allocate(self, ns_id: int, owner: int, class_id: int, keys: Sequence[bytes],
-                  parent_key: bytes | None) -> list[tuple[int, int]]:  # fmt: skip
-        """:meth:`allocate`, page by page in Python."""
-        if keys and max(map(len, keys)) > KEY_BYTES:
-            raise HostPoolError(f"page keys must have at most {KEY_BYTES} bytes")
-        cls = self._classes[class_id]
-        ready = self._ready.get(ns_id, _NO_PAGES)  # evictions below only remove from it
-        writing = self._writing.get(ns_id)
-        if writing is None:
-            writing = self._writing[ns_id] = {}
-        meta = self._meta
-        pack_key, key_col, key_len, length = meta.pack_key, meta.key, meta.key_len, meta.length
-        state, stamp, ns, owners = self._state, self._stamp, self._ns, self._owner
-        children, pins, take_slot = self._children, self._pins, self._ev.take_slot
-        out: list[tuple[int, int]] = []
-        prev = NIL
-        if parent_key is not None:
-            p = ready.get(parent_key)
-            if p is None:
-                p = writing.get(parent_key)
-            if p is not None:
-                prev = p
-        for i, key in enumerate(keys):
-            s = ready.get(key)
-            if s is None:
-                s = writing.get(key)
-            if s is not None:
-                prev = s
-                continue
-            if prev != NIL:  # a child's reference shields prev from the evictions below
-                if children[prev] == 0 and state[prev] == _READY and pins[prev] == 0:
-                    self._lru.dequeue(prev, owners[prev])
-                children[prev] += 1
-            s = take_slot(class_id, owner)
-            if s == NIL:
-                if prev != NIL:
-                    self._drop_child_ref(prev)
-                break
-            pack_key(key_col, s * KEY_BYTES, key)  # the row first, the state byte last
-            key_len[s] = len(key)
-            ns[s] = ns_id
-            owners[s] = owner
-            length[s] = cls.page_bytes
-            self._parent[s] = prev
-            self._clock += 1
-            stamp[s] = self._clock
-            state[s] = _WRITING
-            self._key[s] = key
-            if prev != NIL:
-                self._kids.link(prev, s)
-            writing[key] = s
-            if self._arc is not None:
-                self._arc.admit(s, ns_id, key)
-            cls.writing += 1
-            self._owned[owner] = self._owned.get(owner, 0) + 1
-            out.append((i, s))
-            prev = s
+        done = self._runs.allocate(ns_id, owner, class_id, keys, prev, self._clock)
+        if done is None:  # checked before any change
+            raise HostPoolError(f"page keys must be bytes of at most {KEY_BYTES} bytes")
+        out, self._clock = done
         return out
 
     def commit(self, slots: Sequence[int], checksums: Sequence[int] | None = None) -> None:
@@ -478,7 +394,7 @@ class PageTable:
         kids = self._kids
         if p != NIL:
             kids.unlink(p, s)
-            children = self._children  # _drop_child_ref(p), inline: this runs per eviction
+            children = self._children  # the child reference dropped: this runs per eviction
             children[p] -= 1
             if children[p] == 0 and state[p] == _READY and self._pins[p] == 0:
                 self._lru.enqueue(p, self._owner[p])
@@ -498,12 +414,6 @@ class PageTable:
     def is_evictable(self, s: int) -> bool:
         """Whether the page ``s`` is READY, unpinned and childless."""
         return self._state[s] == PageState.READY and self._pins[s] == 0 and self._children[s] == 0
-
-    def _drop_child_ref(self, p: int) -> None:
-        self._children[p] -= 1
-        assert self._children[p] >= 0
-        if self.is_evictable(p):
-            self._lru.enqueue(p, self._owner[p])
 
     # ---------------------------------------------------------------- checks
 

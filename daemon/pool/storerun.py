@@ -8,21 +8,19 @@ other engine is answered.
 
 :class:`StoreRuns`, which the page table owns, holds the pool's columns as
 ``daemon/pool/native/_alloc.c`` takes them and makes those calls, for any number of pages.
-The C code does the same steps in the same order as the page table's step for one key, so
-the pool's metadata, indexes, evictable lists, counters and eviction log end up exactly as
-page by page (``tests/unit/test_pool_alloc.py`` holds them to it). What it leaves to that
-step (:meth:`StoreRuns.takes`): an allocation for an owner with a quota, in a pool whose
-evictions require L3 or under the ``arc`` eviction policy (all of it), and each key whose
-slot needs a free extent cut or a page of another class evicted (that key alone; C goes on
-after it); a commit whose slots or checksums the page table refuses (all of it, so that it
-names what is wrong).
+The C code does the same steps in the same order as the page-by-page model
+(``tests/pool_model.py``), which the tests hold it to: the pool's metadata, indexes,
+evictable lists, counters and eviction log end up exactly as page by page. Where a slot
+needs the eviction policy's judgement (a free extent to cut, another class's page to
+evict, a quota, evictions that need L3, the ``arc`` lists), C calls
+:meth:`~kvtier.daemon.pool.eviction.Evictor.take_slot` for that slot and goes on; a
+commit that the page table refuses changes nothing, and the table names what is wrong.
 """
 
 from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from typing import Any
 
 from kvtier.daemon.pool.eviction import Evictor
 from kvtier.daemon.pool.links import ChildLists
@@ -61,44 +59,46 @@ class StoreRuns:
         self._keys, self._ready, self._writing = keys, ready, writing
         self._per_extent = slots.per_extent
 
-    def takes(self, owner: int) -> bool:
-        """Whether :meth:`allocate` serves ``owner``'s allocations: no quota for the
-        owner, evictions that need not wait for L3, the ``lru`` policy."""
-        ev = self._ev
-        return ev.arc is None and not ev.requires_l3 and owner not in ev.quota
-
     def allocate(self, ns_id: int, owner: int, class_id: int, keys: list[bytes],
-                 start: int, prev: int, clock: int, out: list[tuple[int, int]],
-                 checked: bool) -> tuple[int, int, int] | None:  # fmt: skip
-        """Allocate WRITING slots for ``keys[start:]`` as the page table does, appending
-        ``(index, slot)`` to ``out``, for an owner :meth:`takes` serves.
+                 prev: int, clock: int) -> tuple[list[tuple[int, int]], int] | None:  # fmt: skip
+        """Allocate WRITING slots for ``keys`` as :meth:`PageTable.allocate` says.
+
+        Each slot comes from the class's free list or the extent it is cutting, or, in C,
+        by evicting the coldest page when it is of the class; otherwise (a free extent to
+        cut, a page of another class to evict, an owner with a quota, evictions that need
+        L3, the ``arc`` policy's lists) C asks :meth:`Evictor.take_slot`, the policy. Under
+        ``arc`` each new page is admitted to T1 or T2 (:meth:`ArcState.admit`).
 
         Args:
-            prev: the slot the key at ``start`` extends (NIL: none).
+            prev: the slot ``keys[0]`` extends (NIL: none).
             clock: the table's access clock.
-            checked: an earlier call of this allocation has checked every key.
 
         Returns:
-            ``(stop, prev, clock)``: the index it stopped at (``len(keys)``: all done, or a
-            key that needs the page table's own step), the last slot of the chain and the
-            clock; None, having changed nothing, when a key is not ``bytes`` of at most 32
-            bytes.
+            ``(pairs, clock)``: ``(index into keys, slot)`` per page allocated (a shortfall
+            shows as missing pairs) and the new clock; None, having changed nothing, when
+            a key is not ``bytes`` of at most 32 bytes.
         """
         cls: PageClass = self._slots.classes[class_id]
-        ev, lru = self._ev, self._lru
+        ev, lru, arc = self._ev, self._lru, self._ev.arc
+        # 0: C may evict the coldest page; 1: not (evictions need L3, or arc's lists);
+        # 2: the evictor decides every slot (an owner with a quota: its own pages first)
+        mode = 2 if owner in ev.quota else 1 if ev.requires_l3 or arc is not None else 0
+        out: list[tuple[int, int]] = []
         done = _alloc.run(
-            self._cols, keys, start, prev, clock, ns_id, owner, class_id, cls.page_bytes,
+            self._cols, keys, 0, prev, clock, ns_id, owner, class_id, cls.page_bytes,
             self._per_extent, bool(self._slots.free_extents), cls,
             self._ready.get(ns_id, {}),  # read only: a namespace's first commit makes it
             self._writing.setdefault(ns_id, {}), self._ready, self._keys, ev.owned,
-            lru.ends, lru.own_ends, ev.log, ev.max_log, EvictedPage, out, checked,
+            lru.ends, lru.own_ends, ev.log, ev.max_log, EvictedPage, out, False,
+            ev.take_slot, None if arc is None else arc.admit, mode,
+            *((None, None) if lru.tier is None else (lru.ends2, lru.tier)),
         )  # fmt: skip
         if done is None:
             return None
-        stop, prev, clock, evictions, unlogged = done
+        _, _, clock, evictions, unlogged = done
         ev.evictions += evictions
         ev.unlogged += unlogged
-        return stop, prev, clock
+        return out, clock
 
     def commit(self, slots: Sequence[int], checksums: Sequence[int] | None,
                clock: int) -> tuple[int, int] | None:  # fmt: skip
@@ -114,9 +114,8 @@ class StoreRuns:
             return None
         lru = self._lru
         tiers = () if lru.tier is None else (lru.ends2, lru.tier)  # arc: T1 and T2
-        done: Any = _alloc.commit(
+        return _alloc.commit(
             self._cols, self._extra, slots, checksums, clock, self._per_extent,
             self._writing, self._ready, self._keys, self._slots.classes, lru.ends,
             lru.own_ends, *tiers,
         )  # fmt: skip
-        return done

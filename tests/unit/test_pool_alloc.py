@@ -1,11 +1,11 @@
 """A STORE's slot allocation in C (:mod:`kvtier.daemon.pool.storerun`) against the
-page-by-page Python path it stands in for.
+page-by-page model (``tests/pool_model.py``).
 
-Two pools get the same random operations: the host pool as the daemon runs it (allocations
-of ``ALLOC_PAGES`` keys or more go to C) and one that allocates every key in Python. The
+Two pools get the same random operations: the host pool as the daemon runs it (every
+allocation and commit in one C call) and one that allocates every key in Python. The
 pools are small and hold two page classes, so allocations evict pages of their own class,
-of the other (which C leaves to Python) and cut free extents (likewise); one owner has a
-quota (C does not apply). After every operation both must hold the same metadata columns,
+of the other (where C asks the evictor) and cut free extents (likewise); one owner has a
+quota (the evictor decides its every slot). After every operation both must hold the same metadata columns,
 private arrays, indexes, evictable lists, counters and eviction log, and have answered the
 same.
 """
@@ -15,31 +15,17 @@ from __future__ import annotations
 import random
 from typing import Any
 
-import numpy as np
 import pytest
 from kvtier.daemon.pool import storerun
 from kvtier.daemon.pool.index import HostPool, HostPoolError
 
 from tests.pool_model import page_by_page
+from tests.pool_model import observable as snapshot
 
 KIB = 1024
 EXTENT = 16 * KIB
 NAMESPACES = (1, 2)
-OWNERS = (10, 20, 30)  # 30 has a quota: its allocations stay in Python
-COLUMNS = (
-    "stamp",
-    "checksum",
-    "seal",
-    "ns",
-    "owner",
-    "length",
-    "parent",
-    "key",
-    "state",
-    "in_l3",
-    "key_len",
-    "flags",
-)
+OWNERS = (10, 20, 30)  # 30 has a quota: the evictor decides its every slot
 
 
 class Counting:
@@ -67,43 +53,6 @@ def pools(extents: int = 24) -> tuple[HostPool, HostPool]:
         assert p.register_class(4000) == 0  # 4 slots an extent
         assert p.register_class(8000) == 1  # 2 slots an extent
         p.set_quota(30, 40)
-    return out
-
-
-def snapshot(p: HostPool) -> dict[str, Any]:
-    t = p._pages
-    ev, lru, kids, slots = t.evictor, t.evictor.lru, t.kids, t.slots
-    out: dict[str, Any] = {c: t.meta.array(c).tobytes() for c in COLUMNS}
-    for name, arr in (
-        ("pins", t.pins.count),
-        ("children", kids.count),
-        ("first", kids.first),
-        ("sib_prev", kids.sib_prev),
-        ("sib_next", kids.sib_next),
-        ("prev", lru.prev),
-        ("next", lru.next),
-        ("oprev", lru.oprev),
-        ("onext", lru.onext),
-        ("ext_class", slots.ext_class),
-        ("ext_used", slots.ext_used),
-        ("ext_bump", slots.ext_bump),
-    ):
-        out[name] = arr.tobytes()
-    out.update(
-        ready=t.ready,
-        writing={ns: d for ns, d in t._writing.items() if d},
-        keys=t.keys,
-        owned={o: n for o, n in ev.owned.items() if n},
-        ends=lru.ends,
-        own_ends={o: e for o, e in lru.own_ends.items() if e != [-1, -1]},
-        classes=[(c.free, c.bump, c.extents, c.ready, c.writing) for c in slots.classes],
-        log=[(type(e), e.key, e.ns_id, e.slot, e.in_l3) for e in ev.log],
-        evictions=(ev.evictions, ev.unlogged),
-        clock=t._clock,
-        free_extents=list(slots.free_extents),
-        pinned=t.pins.pinned,
-        offsets=np.asarray(slots.offset_of).tobytes(),
-    )
     return out
 
 
