@@ -20,6 +20,7 @@ one module per concept::
     meta       PoolMeta: the metadata region, mapped as typed column views
     adopt      the adoption scan: which rows survive a restart
     records    page states, the records the pool reports, its errors
+    sizing     a daemon's configuration as the pool's geometry
 
 Restart (:meth:`HostPool.adopt`): READY pages that verify come back with their keys,
 namespaces, owners, offsets and in-L3 flags; WRITING pages and pins are dropped; the
@@ -35,22 +36,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from kvtier.config.errors import ConfigError
-from kvtier.config.sizes import format_size
 from kvtier.daemon.pool.adopt import scan_rows
 from kvtier.daemon.pool.eviction import EVICT_FACTOR, MIN_SCAN
-from kvtier.daemon.pool.layout import (
-    HAS_CHECKSUM,
-    HEADROOM_ALIGN,
-    HEADROOM_MIN_PAGE_BYTES,
-    MAX_SLOT_IDS,
-    NIL,
-    IdTable,
-    PoolLayout,
-)
+from kvtier.daemon.pool.layout import HAS_CHECKSUM, NIL, IdTable, PoolLayout
 from kvtier.daemon.pool.meta import PoolMeta, tenant_digest
 from kvtier.daemon.pool.longlookup import LongLookups
 from kvtier.daemon.pool.pages import PageTable
+from kvtier.daemon.pool.sizing import geometry_of
 from kvtier.daemon.pool.records import (
     AdoptResult,
     ClassStats,
@@ -118,30 +110,8 @@ class HostPool:
                 so large that the index cannot number its slots (the message names the
                 largest ``hicache_size`` allowed with this ``extent_size``).
         """
-        if not headroom:
-            _check_slot_ids(cfg, PoolLayout.max_capacity(cfg.extent_size))
-            return cls(cfg.hicache_size, cfg.extent_size, eviction_policy=cfg.eviction_policy)
-        _check_slot_ids(
-            cfg,
-            PoolLayout.max_capacity(
-                cfg.extent_size, HEADROOM_ALIGN, HEADROOM_MIN_PAGE_BYTES, headroom
-            ),
-        )
-        span = cfg.extent_size + cfg.extent_size // HEADROOM_MIN_PAGE_BYTES * headroom
-        if cfg.hicache_size < span:
-            raise ConfigError(
-                f"hicache_size ({cfg.hicache_size}) must hold at least one extent_size "
-                f"({cfg.extent_size}) extent with its slots' headroom ({span} bytes in all) "
-                f"when hicache_storage_backend is {cfg.hicache_storage_backend!r}"
-            )
-        return cls(
-            cfg.hicache_size,
-            cfg.extent_size,
-            HEADROOM_ALIGN,
-            min_page_bytes=HEADROOM_MIN_PAGE_BYTES,
-            headroom=headroom,
-            eviction_policy=cfg.eviction_policy,
-        )
+        args, kwargs = geometry_of(cfg, headroom)
+        return cls(*args, **kwargs)
 
     def __init__(
         self,
@@ -490,14 +460,3 @@ class HostPool:
         """Return the evictable slots, cold end first, walking the global list or
         ``owner``'s list. O(pages): for admin views and tests."""
         return self._pages.evictor.lru.walk(owner)
-
-
-def _check_slot_ids(cfg: DaemonConfig, largest: int) -> None:
-    """Raise ConfigError when ``cfg.hicache_size`` exceeds ``largest`` (slot ids run out)."""
-    if cfg.hicache_size > largest:
-        raise ConfigError(
-            f"hicache_size = {format_size(cfg.hicache_size)} ({cfg.hicache_size} bytes) is too "
-            f"large: the pool's index numbers at most {MAX_SLOT_IDS} slots (one per 4 KiB), so "
-            f"the largest hicache_size with extent_size {format_size(cfg.extent_size)} is "
-            f"{format_size(largest)} ({largest} bytes)"
-        )

@@ -146,6 +146,20 @@ class PoolVersusModel(RuleBasedStateMachine):
     def alike(self) -> None:
         assert observable(self.pools[0]) == observable(self.pools[1])
 
+    @invariant()
+    def lists_hold_exactly_the_evictable_pages(self) -> None:
+        """Code both pools share (release, eviction) is held to the rule itself: a page is
+        on the evictable lists, once, exactly when it is READY, unpinned and childless."""
+        pool = self.pools[0]
+        listed = pool.evictable_slots()
+        assert len(listed) == len(set(listed))
+        evictable = {s for s in range(pool.n_slots) if pool.describe(s).evictable}
+        assert set(listed) == evictable
+        for owner in OWNERS:
+            assert set(pool.evictable_slots(owner)) == {
+                s for s in evictable if pool.describe(s).owner == owner
+            }
+
 
 class ArcVersusModel(PoolVersusModel):
     """The same under the ``arc`` eviction policy."""

@@ -12,14 +12,29 @@ ImportError that says how to build them.
 
 from __future__ import annotations
 
-try:
-    from kvtier.daemon.pool.native import _alloc, _keyprobe, _pins
-except ImportError as e:  # pragma: no cover - an install without a C compiler
-    raise ImportError(
-        "kvtier's host pool needs its C extensions (kvtier.daemon.pool.native._alloc, _pins, "
-        "_keyprobe), which are not built: install a C compiler and the Python headers "
-        "(Debian: `make builddeps`, or apt-get install gcc libc6-dev python3-dev) and "
-        f"reinstall kvtier (`pip install -e .`, or `make venv`). ({e})"
-    ) from e
+import importlib
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 __all__ = ["_alloc", "_keyprobe", "_pins"]
+
+
+def _load(name: str) -> ModuleType:
+    """The extension ``name`` of this package, or an ImportError that says how to build it."""
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ImportError as e:  # an install without a C compiler or headers
+        raise ImportError(
+            f"kvtier's host pool needs its C extension {__name__}.{name}, which is not built: "
+            "install a C compiler, the Python headers and xxhash.h (Debian: `make builddeps`, "
+            "or apt-get install gcc libc6-dev python3-dev libxxhash-dev) and reinstall kvtier "
+            "(`make venv`, or `pip install -e .`)"
+        ) from e
+
+
+if TYPE_CHECKING:  # the stubs beside the sources (_alloc.pyi, ...)
+    from kvtier.daemon.pool.native import _alloc, _keyprobe, _pins
+else:
+    _alloc = _load("_alloc")
+    _pins = _load("_pins")
+    _keyprobe = _load("_keyprobe")
