@@ -20,7 +20,8 @@ SGLANG_DEPS := numpy msgspec pydantic pyzmq orjson psutil pybase64 requests pack
 	"openai>=2.25.0" partial_json_parser
 DEMO_STAMP := $(VENV)/.kvtier-demo-installed
 SOURCES := pyproject.toml setup.py kernels/_fileio.c kernels/_xxh3_avx2.c kernels/_guarded.c \
-           kernels/_keyprobe.c kernels/_pins.c kernels/_alloc.c
+           kernels/_packkeys.c daemon/pool/native/_keyprobe.c daemon/pool/native/_pins.c \
+           daemon/pool/native/_alloc.c
 
 .PHONY: engines gpu-wheels gpu-check venv venv-demo test test-fast test-optimized serve demo bench lint typecheck clean sysdeps builddeps
 
@@ -44,9 +45,11 @@ $(STAMP): $(SOURCES)
 	$(call install_kvtier,$(EXTRAS))
 	touch $(STAMP) $(DEMO_STAMP)
 
-# What `make demo` needs: kvtier, torch and matplotlib (the plot). No test tools, no system
-# packages (the demo runs L2 only: no C extension needed), never sudo.
+# What `make demo` needs: kvtier, torch and matplotlib (the plot), no test tools; and the C
+# compiler the host pool's extensions build with (builddeps: apt-get, with sudo unless root,
+# only where the compiler or a header is missing).
 $(DEMO_STAMP): $(SOURCES)
+	@$(MAKE) --no-print-directory builddeps
 	$(call install_kvtier,$(DEMO_EXTRAS))
 	touch $(DEMO_STAMP)
 
@@ -75,17 +78,20 @@ engines: $(ENGINES_STAMP)
 
 venv-demo: $(DEMO_STAMP)
 
-# What the C extension kvtier.kernels._fileio (the file L3 backend's batch I/O) builds with:
-# a C compiler and the xxHash header. Without them kvtier still installs and runs, slower.
+# What kvtier's C extensions build with: a C compiler, the Python headers and the xxHash
+# header. The host pool's (daemon/pool/native: allocation, pins, key probe) are required;
+# the file L3 backend's batch I/O and the copy kernels are optional (slower without).
+PY_INCLUDE = $(shell $(PYTHON) -c "import sysconfig; print(sysconfig.get_paths()['include'])")
 builddeps:
-	@if ! command -v cc >/dev/null 2>&1 || [ ! -f /usr/include/xxhash.h ]; then \
+	@if ! command -v cc >/dev/null 2>&1 || [ ! -f /usr/include/xxhash.h ] \
+			|| [ ! -f "$(PY_INCLUDE)/Python.h" ]; then \
 		if command -v apt-get >/dev/null 2>&1; then \
 			SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-			echo "==> builddeps: installing gcc libc6-dev libxxhash-dev with $${SUDO:+sudo }apt-get" \
-				"(kvtier's C extensions: file L3 I/O, copies, key probe; without them it runs, slower)"; \
+			echo "==> builddeps: installing gcc libc6-dev libxxhash-dev python3-dev with" \
+				"$${SUDO:+sudo }apt-get (kvtier's C extensions: the host pool, file L3 I/O, copies)"; \
 			$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
-				--no-install-recommends gcc libc6-dev libxxhash-dev >/dev/null; \
-		else echo "builddeps: apt-get not found; install a C compiler and xxhash.h by hand"; fi; \
+				--no-install-recommends gcc libc6-dev libxxhash-dev python3-dev >/dev/null; \
+		else echo "builddeps: apt-get not found; install a C compiler, the Python headers and xxhash.h by hand"; fi; \
 	fi
 
 # Debian packages the integration tests use (Redis server, libibverbs for Mooncake,
@@ -153,7 +159,7 @@ typecheck: venv
 	$(PY) tools/typecheck.py
 
 clean:
-	rm -rf $(VENV) $(ENGINES_VENV) build *.egg-info kernels/*.so
+	rm -rf $(VENV) $(ENGINES_VENV) build *.egg-info kernels/*.so daemon/pool/native/*.so
 
 # The wheels a bare GPU machine (Python 3.12, torch with CUDA, CuPy, no network) needs to run
 # bench/gpu_check.sh, pinned in bench/gpu-requirements.txt, fetched here on a CPU machine into

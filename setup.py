@@ -1,18 +1,41 @@
-"""Build hook for the C extensions (everything else is in pyproject.toml):
-``kvtier.kernels._fileio`` (the file L3 backend's batch I/O), ``kvtier.kernels._keyprobe``
-(the host pool's key index: a long LOOKUP's probe, an adopted pool's dict and row seals),
-``kvtier.kernels._pins`` (pin and unpin of a run of pages) and ``kvtier.kernels._guarded``
-(copies from engine memfds that may shrink; without it such memory is copied with
-pread/pwrite). All are optional: without a C compiler or the xxHash header (Debian:
-``libxxhash-dev``; ``make`` installs it) the install still succeeds, and each caller takes
-its pure-Python or numpy path (``kvtier.kernels.file_io.BUILT`` and the like are then
-False; the daemon's ``native_off`` setting turns a built kernel off, see
-``kvtier.kernels.native``)."""
+"""Build hook for the C extensions (everything else is in pyproject.toml).
+
+The host pool's state machine, required (the pool does not import without them; ``make``
+installs the C compiler they need):
+
+- ``kvtier.daemon.pool.native._alloc``: a STORE's slot allocation and commit;
+- ``kvtier.daemon.pool.native._pins``: pin and unpin of a run of pages;
+- ``kvtier.daemon.pool.native._keyprobe``: the key table's probe of a LOOKUP, an adopted
+  pool's key index and its row seals.
+
+Optional (without a C compiler or the xxHash header, Debian ``libxxhash-dev``, each caller
+takes its Python or numpy path; the daemon's ``native_off`` setting turns a built one off,
+see ``kvtier.kernels.native``):
+
+- ``kvtier.kernels._fileio``: the file L3 backend's batch I/O;
+- ``kvtier.kernels._guarded``: copies from engine memfds that may shrink;
+- ``kvtier.kernels._packkeys``: a client's page keys packed for the wire.
+"""
 
 from setuptools import Extension, setup
 
+_C = ["-O3", "-std=gnu11"]
+
+
+def _pool(name: str) -> Extension:
+    """One of the pool's required extensions, ``daemon/pool/native/<name>.c``."""
+    return Extension(
+        f"kvtier.daemon.pool.native.{name}",
+        sources=[f"daemon/pool/native/{name}.c"],
+        extra_compile_args=_C,
+    )
+
+
 setup(
     ext_modules=[
+        _pool("_alloc"),
+        _pool("_pins"),
+        _pool("_keyprobe"),
         Extension(
             "kvtier.kernels._fileio",
             sources=["kernels/_fileio.c", "kernels/_xxh3_avx2.c"],
@@ -20,27 +43,15 @@ setup(
             optional=True,
         ),
         Extension(
-            "kvtier.kernels._keyprobe",
-            sources=["kernels/_keyprobe.c"],
-            extra_compile_args=["-O3", "-std=gnu11"],
-            optional=True,
-        ),
-        Extension(
-            "kvtier.kernels._alloc",
-            sources=["kernels/_alloc.c"],
-            extra_compile_args=["-O3", "-std=gnu11"],
-            optional=True,
-        ),
-        Extension(
-            "kvtier.kernels._pins",
-            sources=["kernels/_pins.c"],
-            extra_compile_args=["-O3", "-std=gnu11"],
+            "kvtier.kernels._packkeys",
+            sources=["kernels/_packkeys.c"],
+            extra_compile_args=_C,
             optional=True,
         ),
         Extension(
             "kvtier.kernels._guarded",
             sources=["kernels/_guarded.c"],
-            extra_compile_args=["-O3", "-std=gnu11"],
+            extra_compile_args=_C,
             optional=True,
         ),
     ]

@@ -17,7 +17,7 @@ from typing import cast, overload
 from kvtier.ipc.limits import KEY_BYTES, PAGE_INDEX_BYTES
 
 try:  # the C packer (built at install; optional): a list of keys packed in one pass
-    from kvtier.kernels._keyprobe import pack_keys as _pack
+    from kvtier.kernels._packkeys import pack_keys as _pack
 except ImportError:  # pragma: no cover - no C compiler at install
     _pack = None  # type: ignore[assignment]
 PACK_NATIVE = _pack is not None
@@ -30,7 +30,7 @@ def pack_keys(keys: Sequence[bytes]) -> bytes | None:
     """``packed_keys`` for ``keys`` (page keys, :data:`KEY_BYTES` each), or None when one
     is not a bytes object of :data:`KEY_BYTES` bytes (send ``keys`` then, which the daemon
     refuses naming the key). A list is packed in C when the extension is built
-    (``kernels/_keyprobe.c: pack_keys``, which checks every key); otherwise, and for
+    (``kernels/_packkeys.c``, which checks every key); otherwise, and for
     other sequences, only the total length is checked: keys whose lengths differ but add
     up are read as the 32-byte keys their bytes make, which the daemon takes exactly as
     sent."""

@@ -22,7 +22,7 @@ from kvtier.daemon.pool.records import HostPoolError, PageState
 from kvtier.daemon.pool.seals import seals
 
 try:
-    from kvtier.kernels._keyprobe import index_keys as _index_keys
+    from kvtier.daemon.pool.native._keyprobe import index_keys as _index_keys
 except ImportError:  # built without a C compiler: the index is built in Python
     _index_keys = None  # type: ignore[assignment]
 

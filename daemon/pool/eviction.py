@@ -35,7 +35,6 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable
-from typing import Any
 
 from kvtier.daemon.pool.arc import POLICIES, ArcState
 from kvtier.daemon.pool.layout import NIL
@@ -44,7 +43,7 @@ from kvtier.daemon.pool.meta import PoolMeta
 from kvtier.daemon.pool.records import EvictedPage, HostPoolError
 from kvtier.daemon.pool.slots import SlotAllocator
 
-__all__ = ["EVICT_FACTOR", "MIN_SCAN", "Evictor", "flush_pages"]
+__all__ = ["EVICT_FACTOR", "MIN_SCAN", "Evictor"]
 
 EVICT_FACTOR = 2
 """Victims per slot allocation: at most EVICT_FACTOR x the largest slots-per-extent."""
@@ -80,6 +79,7 @@ class Evictor:
         quota: the quotas.
         requires_l3: evict only pages marked in L3 (the write-back hook).
         evictions / unlogged: evictions since construction, and those left out of the log.
+        log: the evictions logged since the last :meth:`drain` (at most ``max_log``).
     """
 
     def __init__(
@@ -106,7 +106,7 @@ class Evictor:
         self.requires_l3 = requires_l3
         self.max_log = max_log
         self.evictions = self.unlogged = 0
-        self._log: list[EvictedPage] = []
+        self.log: list[EvictedPage] = []
         self._budget = 1
         self._scan_limit = MIN_SCAN
         self._slots = slots
@@ -142,7 +142,7 @@ class Evictor:
 
     def drain(self) -> list[EvictedPage]:
         """Return the evictions logged since the last drain and clear the log."""
-        out, self._log = self._log, []
+        out, self.log = self.log, []
         return out
 
     def take_slot(self, cid: int, owner: int) -> int:
@@ -223,10 +223,10 @@ class Evictor:
         """Evict the evictable page ``s``: log it, take it off the lists, free it (with
         ``keep``, its slot stays taken, for the allocation that evicted it)."""
         self.evictions += 1
-        if len(self._log) < self.max_log:
+        if len(self.log) < self.max_log:
             key = self._keys[s]
             assert key is not None
-            self._log.append(EvictedPage(key, self._ns[s], s, bool(self._in_l3[s])))
+            self.log.append(EvictedPage(key, self._ns[s], s, bool(self._in_l3[s])))
         else:
             self.unlogged += 1
         if self.arc is not None:
@@ -235,24 +235,3 @@ class Evictor:
             self.arc.evicted_page(s, self._ns[s], key, sum(self.owned.values()))
         self.lru.dequeue(s, self._owner[s])
         self._release(s, keep)
-
-
-def flush_pages(table: Any, ns_id: int | None, owner: int | None) -> int:
-    """:meth:`~kvtier.daemon.pool.pages.PageTable.flush` of ``table``: drop its evictable
-    pages (of ``ns_id`` and ``owner`` where given), each chain tail to head, walking the
-    global lists cold end first; return how many were dropped."""
-    dropped = 0
-    lru, ns, owners, parents = table._lru, table._ns, table._owner, table._parent
-    for second in (False, True):
-        s, links = lru.start(None, second)
-        while s != NIL:
-            nxt = links[s]  # dropping s only enqueues its parent, never removes nxt
-            while (s != NIL and (ns_id is None or ns[s] == ns_id)
-                   and (owner is None or owners[s] == owner)):  # fmt: skip
-                parent = parents[s]
-                lru.dequeue(s, owners[s])
-                table._release(s)
-                dropped += 1
-                s = parent if parent != NIL and table._is_evictable(parent) else NIL
-            s = nxt
-    return dropped

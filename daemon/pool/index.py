@@ -6,9 +6,12 @@ hands out byte offsets into the arena and keeps every page's state. It is assemb
 one module per concept::
 
     index      HostPool: construction, adoption, ids, geometry, quotas, introspection
-    bulk       pin and unpin of long runs in numpy
     pages      PageTable: the index and page state machine (lookup, allocate, commit,
                abort, pin, unpin, flush)
+    storerun   StoreRuns: a STORE's allocation and commit, in C
+    pins       Pins: the pin counts, pin and unpin in C
+    longlookup LongLookups: long LOOKUPs and LOADs from the key table (keytable), in C
+    native     the pool's C code (required)
     eviction   Evictor: victim choice (lru or arc, tail first), quotas, the write-back hook
     arc        the arc policy's state: T1/T2 split, adaptive target, ghost lists
     slots      SlotAllocator: extents, page classes, free lists
@@ -17,6 +20,7 @@ one module per concept::
     meta       PoolMeta: the metadata region, mapped as typed column views
     adopt      the adoption scan: which rows survive a restart
     records    page states, the records the pool reports, its errors
+    sizing     a daemon's configuration as the pool's geometry
 
 Restart (:meth:`HostPool.adopt`): READY pages that verify come back with their keys,
 namespaces, owners, offsets and in-L3 flags; WRITING pages and pins are dropped; the
@@ -29,28 +33,16 @@ from __future__ import annotations
 import mmap
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from kvtier.config.errors import ConfigError
-from kvtier.config.sizes import format_size
-from kvtier.daemon.pool import keytable
 from kvtier.daemon.pool.adopt import scan_rows
-from kvtier.daemon.pool.bulk import pin_run, run_pages, unpin_run
 from kvtier.daemon.pool.eviction import EVICT_FACTOR, MIN_SCAN
-from kvtier.daemon.pool.keytable import KeyTable, table_keys
-from kvtier.daemon.pool.layout import (
-    HAS_CHECKSUM,
-    HEADROOM_ALIGN,
-    HEADROOM_MIN_PAGE_BYTES,
-    KEY_BYTES,
-    MAX_SLOT_IDS,
-    NIL,
-    IdTable,
-    PoolLayout,
-)
+from kvtier.daemon.pool.layout import HAS_CHECKSUM, NIL, IdTable, PoolLayout
 from kvtier.daemon.pool.meta import PoolMeta, tenant_digest
+from kvtier.daemon.pool.longlookup import LongLookups
 from kvtier.daemon.pool.pages import PageTable
+from kvtier.daemon.pool.sizing import geometry_of
 from kvtier.daemon.pool.records import (
     AdoptResult,
     ClassStats,
@@ -65,13 +57,6 @@ from kvtier.daemon.pool.records import (
 if TYPE_CHECKING:
     from kvtier.config import DaemonConfig
 
-TABLE_MIN_KEYS = 256
-"""Lookups of this many keys or more are answered from the key table (:meth:`HostPool.lookup_packed`);
-shorter ones probe the index key by key (cheaper below it)."""
-TABLE_BATCH = 4096
-"""Committed slots wait in a list until a long lookup needs the key table, or until this
-many wait: one numpy insertion for many commits instead of one per STORE."""
-
 # HostPool, and names re-exported from their homes (eviction, layout, records) for the
 # modules that import them from here
 __all__ = [
@@ -80,14 +65,15 @@ __all__ = [
 ]  # fmt: skip
 
 
-class HostPool(PageTable):
+class HostPool:
     """Slot allocator and L2 index over one host arena (see the module docstring).
 
     The constructor builds an empty pool whose metadata lives in private memory (nothing
     persists); :meth:`adopt` moves it onto persistent metadata and adopts what it holds.
     The page operations (:meth:`lookup`, :meth:`allocate`, :meth:`commit`, :meth:`abort`,
-    :meth:`pin`, :meth:`unpin`, :meth:`mark_in_l3`, :meth:`flush`) are
-    :class:`~kvtier.daemon.pool.pages.PageTable`'s.
+    :meth:`pin`, :meth:`unpin`, :meth:`mark_in_l3`, :meth:`flush`) are those of its
+    :class:`~kvtier.daemon.pool.pages.PageTable`; long lookups are answered from its key
+    table (:class:`~kvtier.daemon.pool.longlookup.LongLookups`).
 
     Args:
         capacity_bytes: arena size; ``capacity_bytes // layout.span`` extents are used
@@ -124,30 +110,8 @@ class HostPool(PageTable):
                 so large that the index cannot number its slots (the message names the
                 largest ``hicache_size`` allowed with this ``extent_size``).
         """
-        if not headroom:
-            _check_slot_ids(cfg, PoolLayout.max_capacity(cfg.extent_size))
-            return cls(cfg.hicache_size, cfg.extent_size, eviction_policy=cfg.eviction_policy)
-        _check_slot_ids(
-            cfg,
-            PoolLayout.max_capacity(
-                cfg.extent_size, HEADROOM_ALIGN, HEADROOM_MIN_PAGE_BYTES, headroom
-            ),
-        )
-        span = cfg.extent_size + cfg.extent_size // HEADROOM_MIN_PAGE_BYTES * headroom
-        if cfg.hicache_size < span:
-            raise ConfigError(
-                f"hicache_size ({cfg.hicache_size}) must hold at least one extent_size "
-                f"({cfg.extent_size}) extent with its slots' headroom ({span} bytes in all) "
-                f"when hicache_storage_backend is {cfg.hicache_storage_backend!r}"
-            )
-        return cls(
-            cfg.hicache_size,
-            cfg.extent_size,
-            HEADROOM_ALIGN,
-            min_page_bytes=HEADROOM_MIN_PAGE_BYTES,
-            headroom=headroom,
-            eviction_policy=cfg.eviction_policy,
-        )
+        args, kwargs = geometry_of(cfg, headroom)
+        return cls(*args, **kwargs)
 
     def __init__(
         self,
@@ -167,9 +131,12 @@ class HostPool(PageTable):
         # (tens of MiB for a large pool), only for adopt() to move off it
         meta = PoolMeta(mmap.mmap(-1, layout.meta_bytes), layout)
         meta.format(zero=False)
-        self._setup(
+        self.capacity_bytes, self.extent_bytes = layout.capacity_bytes, layout.extent_bytes
+        self.align, self.n_extents, self.n_slots = layout.align, layout.n_extents, layout.n_slots
+        self._pages = PageTable(
             meta, max_log=max_evicted_log, quota={}, requires_l3=False, policy=eviction_policy
         )
+        self._long = LongLookups(self._pages)
 
     def adopt(self, meta: Any, *, arena: Any | None = None,
               cold_start: bool | str | None = False) -> AdoptResult:  # fmt: skip
@@ -200,18 +167,19 @@ class HostPool(PageTable):
             HostPoolError: the pool holds pages, the buffer is read-only or too small, or
                 the arena is too small. The pool is unchanged.
         """
-        if self._index:
-            raise HostPoolError(f"adopt needs an empty pool; {len(self._index)} pages are resident")
-        old = self._meta
+        resident = self._pages.resident()
+        if resident:
+            raise HostPoolError(f"adopt needs an empty pool; {resident} pages are resident")
+        old = self._pages.meta
         result = self._bind(PoolMeta(meta, old.layout), arena, cold_start,
-                            [c.page_bytes for c in self._classes])  # fmt: skip
+                            [c.page_bytes for c in self._pages.slots.classes])  # fmt: skip
         old.release()
         return result
 
     @property
     def layout(self) -> PoolLayout:
         """The pool's geometry and metadata layout (what :func:`map_pool_file` needs)."""
-        return self._meta.layout
+        return self._pages.meta.layout
 
     def _bind(self, pm: PoolMeta, arena: Any | None, cold_start: bool | str | None,
               classes: Sequence[int]) -> AdoptResult:  # fmt: skip
@@ -232,16 +200,19 @@ class HostPool(PageTable):
         if reason is not None:
             pm.format()
         gen = 1 if reason is not None else pm.bump_generation()
-        ev = self._ev
-        self._setup(
+        ev = self._pages.evictor
+        self._long.close()  # its views of the old metadata go before that is released
+        self._pages = pages = PageTable(
             pm, max_log=ev.max_log, quota=ev.quota, requires_l3=ev.requires_l3, policy=ev.policy
         )
+        self._long = LongLookups(pages)
         for page_bytes in classes:
             self.register_class(page_bytes)
         if reason is not None:
             return AdoptResult(False, reason, 0, 0, 0, time.perf_counter() - t0, gen)
-        scan = scan_rows(pm, self._slots.usable_per_extent(), self._key, arena)
-        self._rebuild(scan.slots, scan.ready, scan.parents)
+        scan = scan_rows(pm, pages.slots.usable_per_extent(), pages.keys, arena)
+        pages.adopt_rows(scan.slots, scan.ready, scan.parents)
+        self._long.rebuild()
         return AdoptResult(True, "metadata matches the config", len(scan.slots), scan.dropped,
                            scan.payload_bytes, time.perf_counter() - t0, gen)  # fmt: skip
 
@@ -249,89 +220,19 @@ class HostPool(PageTable):
         """Release the views of the metadata buffer, so its mapping can close; the pool
         is unusable afterwards. Nothing is written: the metadata already holds everything
         (closing is not needed for a restart to adopt the pool)."""
-        self._table.close()
-        self._meta.release()
+        self._long.close()
+        self._pages.meta.release()
 
-    # ------------------------------------------------------- long lookups
-
-    def _setup(self, meta: PoolMeta, **kw: Any) -> None:
-        old: KeyTable | None = getattr(self, "_table", None)
-        if old is not None:
-            old.close()  # its views of the old metadata go before that is released
-        super()._setup(meta, **kw)
-        self._table = KeyTable(meta)
-        self._unlisted: list[int] = []  # committed, not in the table yet
-
-    def _rebuild(self, slots: Any, ready: dict[int, dict[bytes, int]], parents: Any) -> None:
-        super()._rebuild(slots, ready, parents)
-        self._table.rebuild()
-        self._unlisted = []
-
-    def commit(self, slots: Sequence[int], checksums: Sequence[int] | None = None) -> None:
-        """See :meth:`PageTable.commit`; the committed pages also enter the key table."""
-        try:
-            super().commit(slots, checksums)
-        finally:  # a commit that failed part-way made some pages READY all the same
-            self._unlisted += slots
-            if len(self._unlisted) >= TABLE_BATCH:
-                self._list()
-
-    def _pin_slots(self, out: list[int]) -> None:
-        """See :meth:`PageTable.pin`; a run of :func:`~kvtier.daemon.pool.bulk.run_pages`
-        pages or more is pinned in one pass (:func:`~kvtier.daemon.pool.bulk.pin_run`)."""
-        if len(out) < run_pages() or not pin_run(self, out):
-            super()._pin_slots(out)
-
-    def unpin(self, slots: Sequence[int]) -> None:
-        """See :meth:`PageTable.unpin`; a run of :func:`~kvtier.daemon.pool.bulk.run_pages`
-        pages or more is unpinned in one pass (:func:`~kvtier.daemon.pool.bulk.unpin_run`)."""
-        if len(slots) < run_pages() or not unpin_run(self, slots):
-            super().unpin(slots)
-
-    def _list(self) -> None:
-        """Enter the slots committed since the last time into the key table."""
-        if self._unlisted:
-            self._table.add(self._unlisted)  # a slot freed meanwhile costs an entry only
-            self._unlisted = []
+    # ------------------------------------------------------- page operations
 
     def lookup(self, ns_id: int, keys: Sequence[bytes]) -> int:
-        """See :meth:`PageTable.lookup`; a list of :data:`TABLE_MIN_KEYS` keys or more
-        is answered from the key table (:meth:`lookup_packed`)."""
-        packed = table_keys(keys, TABLE_MIN_KEYS)
-        return super().lookup(ns_id, keys) if packed is None else self.lookup_packed(ns_id, packed)
-
-    def _run_slots(self, ns_id: int, keys: Sequence[bytes]) -> list[int]:
-        """See :meth:`PageTable._run_slots`; for :data:`TABLE_MIN_KEYS` keys or more the C
-        probe of the key table returns the slots with the run (a LOAD's pin looks no key up
-        twice: 8,192 probes of the dict after a copy had flushed the caches took ms)."""
-        packed = table_keys(keys, TABLE_MIN_KEYS)
-        if packed is None or not keytable.NATIVE:
-            return super()._run_slots(ns_id, keys)
-        slots = np.empty(len(keys), dtype=np.int64)
-        return cast("list[int]", slots[: self._probe_run(ns_id, packed, slots)].tolist())
-
-    def _probe_run(
-        self, ns_id: int, packed: bytes | memoryview, slots: np.ndarray | None = None
-    ) -> int:
-        """The leading READY run of ``packed`` (whole 32-byte keys) by the C probe, each key
-        it leaves unresolved decided by the dict; with ``slots``, each key's slot is written
-        there."""
-        words = np.frombuffer(packed, dtype="<u8").reshape(-1, KEY_BYTES // 8)
-        self._list()
-        ready = self._ready.get(ns_id, {})
-        i = 0
-        while True:  # C: up to the first key not found, which may be an unfinished probe
-            i, unresolved = self._table.leading_run(ns_id, words, i, slots)
-            s = (
-                ready.get(bytes(packed[i * KEY_BYTES : (i + 1) * KEY_BYTES]))
-                if unresolved
-                else None
-            )
-            if s is None:
-                return i
-            if slots is not None:
-                slots[i] = s
-            i += 1  # the exact probe found it: go on after it
+        """See :meth:`PageTable.lookup`; a list of
+        :data:`~kvtier.daemon.pool.longlookup.TABLE_MIN_KEYS` keys or more is answered from
+        the key table (:meth:`lookup_packed`)."""
+        packed = self._long.packed(keys)
+        if packed is None:
+            return self._pages.lookup(ns_id, keys)
+        return self._long.lookup_packed(ns_id, packed)
 
     def lookup_packed(self, ns_id: int, packed: bytes | memoryview) -> int:
         """Return the length of the leading run READY in ``ns_id`` of the keys in
@@ -343,25 +244,54 @@ class HostPool(PageTable):
         Raises:
             HostPoolError: ``packed`` is not a whole number of keys.
         """
-        if len(packed) % KEY_BYTES:
-            raise HostPoolError(
-                f"packed keys of {len(packed)} bytes: not a multiple of {KEY_BYTES}"
-            )
-        n = len(packed) // KEY_BYTES
-        if not n or not self._ready.get(ns_id):
-            return 0
-        if n < TABLE_MIN_KEYS:
-            return super().lookup(ns_id, np.frombuffer(packed, dtype=f"V{KEY_BYTES}").tolist())
-        words = np.frombuffer(packed, dtype="<u8").reshape(n, KEY_BYTES // 8)
-        self._list()
-        ready = self._ready[ns_id]
-        if not keytable.NATIVE:  # numpy: every key at once, then the exact probe for the rest
-            slot, unresolved = self._table.find(ns_id, words)
-            found = slot >= 0
-            for j in unresolved.tolist():  # probe sequences too long to finish
-                found[j] = bytes(packed[j * KEY_BYTES : (j + 1) * KEY_BYTES]) in ready
-            return n if found.all() else int(found.argmin())
-        return self._probe_run(ns_id, packed)
+        return self._long.lookup_packed(ns_id, packed)
+
+    def resident_run(self, ns_id: int, keys: Sequence[bytes]) -> int:
+        """See :meth:`PageTable.resident_run`."""
+        return self._pages.resident_run(ns_id, keys)
+
+    def allocate(self, ns_id: int, owner: int, class_id: int, keys: Sequence[bytes],
+                 parent_key: bytes | None = None) -> list[tuple[int, int]]:  # fmt: skip
+        """See :meth:`PageTable.allocate`."""
+        return self._pages.allocate(ns_id, owner, class_id, keys, parent_key)
+
+    def commit(self, slots: Sequence[int], checksums: Sequence[int] | None = None) -> None:
+        """See :meth:`PageTable.commit`; the committed pages also enter the key table."""
+        try:
+            self._pages.commit(slots, checksums)
+        finally:  # a commit that failed part-way made some pages READY all the same
+            self._long.committed(slots)
+
+    def abort(self, slots: Sequence[int]) -> None:
+        """See :meth:`PageTable.abort`."""
+        self._pages.abort(slots)
+
+    def pin(self, ns_id: int, keys: Sequence[bytes], used: bool = False) -> list[int]:
+        """See :meth:`PageTable.pin`; for
+        :data:`~kvtier.daemon.pool.longlookup.TABLE_MIN_KEYS` keys or more the C probe of
+        the key table finds the slots (a LOAD's pin looks no key up twice)."""
+        out = self._run_slots(ns_id, keys)
+        self._pages.pin_slots(out, used)
+        return out
+
+    def _run_slots(self, ns_id: int, keys: Sequence[bytes]) -> list[int]:
+        """The slots of the leading run of ``keys`` READY in ``ns_id``."""
+        packed = self._long.packed(keys)
+        if packed is None:
+            return self._pages.run_slots(ns_id, keys)
+        return self._long.run_slots(ns_id, packed)
+
+    def unpin(self, slots: Sequence[int]) -> None:
+        """See :meth:`PageTable.unpin`."""
+        self._pages.unpin(slots)
+
+    def mark_in_l3(self, slots: Sequence[int]) -> None:
+        """See :meth:`PageTable.mark_in_l3`."""
+        self._pages.mark_in_l3(slots)
+
+    def flush(self, ns_id: int | None = None, owner: int | None = None) -> int:
+        """See :meth:`PageTable.flush`."""
+        return self._pages.flush(ns_id, owner)
 
     # ------------------------------------------------------------- geometry
 
@@ -378,14 +308,14 @@ class HostPool(PageTable):
         Raises:
             HostPoolError: ``page_bytes`` is not positive or its stride exceeds an extent.
         """
-        cid = self._slots.register_class(page_bytes)
-        self._ev.fit_class(self._classes[cid].n)
+        cid = self._pages.slots.register_class(page_bytes)
+        self._pages.evictor.fit_class(self._pages.slots.classes[cid].n)
         return cid
 
     def class_stride(self, class_id: int) -> int:
         """Return the slot stride in bytes of ``class_id`` (HostPoolError if unknown)."""
-        self._slots.check_class(class_id)
-        return self._classes[class_id].stride
+        self._pages.slots.check_class(class_id)
+        return self._pages.slots.classes[class_id].stride
 
     def slot_offset(self, slot: int) -> int:
         """Return the byte offset of ``slot``'s payload in the arena (a multiple of
@@ -395,7 +325,7 @@ class HostPool(PageTable):
         Raises:
             HostPoolError: the slot id is out of range or its extent has no class.
         """
-        return self._slots.slot_offset(slot)
+        return self._pages.slots.slot_offset(slot)
 
     def slot_offsets(self, slots: list[int]) -> np.ndarray:
         """The payload offsets of ``slots`` (int64, same order): :meth:`slot_offset` of
@@ -404,7 +334,7 @@ class HostPool(PageTable):
         Raises:
             HostPoolError: a slot id is out of range or its extent has no class.
         """
-        return self._slots.slot_offsets(slots)
+        return self._pages.slots.slot_offsets(slots)
 
     # ------------------------------------------------------- persistent ids
 
@@ -417,17 +347,17 @@ class HostPool(PageTable):
         Raises:
             HostPoolError: the fingerprint is not 32 bytes or the table is full.
         """
-        return self._meta.id_of(IdTable.NAMESPACES, fingerprint)
+        return self._pages.meta.id_of(IdTable.NAMESPACES, fingerprint)
 
     def namespaces(self) -> dict[bytes, int]:
         """Return a copy of the persistent ``fingerprint -> namespace id`` table."""
-        return self._meta.ids(IdTable.NAMESPACES)
+        return self._pages.meta.ids(IdTable.NAMESPACES)
 
     def owner_id(self, tenant: str) -> int:
         """Return the owner id of ``tenant``, registering it if new: 1, 2, ... in
         registration order, persistent like :meth:`namespace_id` (the table holds a
         SHA-256 of the name). Raises HostPoolError when the table is full."""
-        return self._meta.id_of(IdTable.OWNERS, tenant_digest(tenant))
+        return self._pages.meta.id_of(IdTable.OWNERS, tenant_digest(tenant))
 
     # ------------------------------------------------------------- eviction
 
@@ -435,11 +365,11 @@ class HostPool(PageTable):
     def evict_requires_l3(self) -> bool:
         """The write-back hook: when True, eviction takes only pages marked in L3
         (:meth:`mark_in_l3`). Kept across :meth:`adopt`."""
-        return self._ev.requires_l3
+        return self._pages.evictor.requires_l3
 
     @evict_requires_l3.setter
     def evict_requires_l3(self, value: bool) -> None:
-        self._ev.requires_l3 = value
+        self._pages.evictor.requires_l3 = value
 
     def set_quota(self, owner: int, max_pages: int | None) -> None:
         """Limit the resident (READY + WRITING) pages of ``owner``.
@@ -454,15 +384,15 @@ class HostPool(PageTable):
         Raises:
             HostPoolError: ``max_pages`` is negative.
         """
-        self._ev.set_quota(owner, max_pages)
+        self._pages.evictor.set_quota(owner, max_pages)
 
     def owned_pages(self, owner: int) -> int:
         """Return the resident (READY + WRITING) pages charged to ``owner``."""
-        return self._owned.get(owner, 0)
+        return self._pages.evictor.owned.get(owner, 0)
 
     def drain_evicted(self) -> list[EvictedPage]:
         """Return the evictions logged since the last drain and clear the log."""
-        return self._ev.drain()
+        return self._pages.evictor.drain()
 
     # --------------------------------------------------------- introspection
 
@@ -470,69 +400,63 @@ class HostPool(PageTable):
         """Return a snapshot of the pool's counters."""
         classes = tuple(
             ClassStats(c, k.page_bytes, k.stride, k.n, k.extents, k.ready, k.writing)
-            for c, k in enumerate(self._classes)
+            for c, k in enumerate(self._pages.slots.classes)
         )
         return HostPoolStats(
             capacity_bytes=self.capacity_bytes,
             used_bytes=sum((c.pages_ready + c.pages_writing) * c.stride for c in classes),
             pages_ready=sum(c.pages_ready for c in classes),
             pages_writing=sum(c.pages_writing for c in classes),
-            pages_pinned=self._n_pinned,
-            evictions=self._ev.evictions,
-            evicted_unlogged=self._ev.unlogged,
-            extents_free=len(self._slots.free_extents),
+            pages_pinned=self._pages.pins.pinned,
+            evictions=self._pages.evictor.evictions,
+            evicted_unlogged=self._pages.evictor.unlogged,
+            extents_free=len(self._pages.slots.free_extents),
             extents_total=self.n_extents,
             classes=classes,
-            eviction_policy=self._ev.policy,
-            evictions_by_reason=self._ev.by_reason(),
+            eviction_policy=self._pages.evictor.policy,
+            evictions_by_reason=self._pages.evictor.by_reason(),
         )
 
     def describe(self, slot: int) -> PageInfo:
         """Return what the pool records about ``slot`` (HostPoolError if out of range)."""
-        self._check_slot(slot)
-        cid = self._ext_class[slot // self._per_extent]
-        meta, ready = self._meta, self._state[slot] == PageState.READY
+        pages = self._pages
+        pages.check_slot(slot)
+        meta = pages.meta
+        cid = pages.slots.ext_class[slot // pages.slots.per_extent]
+        state = PageState(meta.state[slot])
         return PageInfo(
-            slot, PageState(self._state[slot]), self._key[slot], self._ns[slot],
-            self._owner[slot], cid, self.slot_offset(slot) if cid != NIL else NIL,
-            self._pins[slot], self._parent[slot], self._children[slot],
-            bool(self._in_l3[slot]), self._stamp[slot], self._is_evictable(slot),
-            meta.checksum[slot] if ready and meta.flags[slot] & HAS_CHECKSUM else None,
+            slot, state, pages.keys[slot], meta.ns[slot], meta.owner[slot], cid,
+            self.slot_offset(slot) if cid != NIL else NIL, pages.pins.count[slot],
+            meta.parent[slot], pages.kids.count[slot], bool(meta.in_l3[slot]),
+            meta.stamp[slot], pages.is_evictable(slot),
+            meta.checksum[slot]
+            if state == PageState.READY and meta.flags[slot] & HAS_CHECKSUM else None,
         )  # fmt: skip
 
     def chain_link(self, slot: int) -> tuple[bytes | None, int, int, bool, int]:
         """Return (key, namespace id, parent slot, in L3, class id) of ``slot``: the
         few fields a walk up a chain needs, without building a :class:`PageInfo`."""
-        self._check_slot(slot)
+        pages = self._pages
+        pages.check_slot(slot)
+        meta = pages.meta
         return (
-            self._key[slot],
-            self._ns[slot],
-            self._parent[slot],
-            bool(self._in_l3[slot]),
-            self._ext_class[slot // self._per_extent],
+            pages.keys[slot],
+            meta.ns[slot],
+            meta.parent[slot],
+            bool(meta.in_l3[slot]),
+            pages.slots.ext_class[slot // pages.slots.per_extent],
         )
 
     def ready_pages(self, ns_id: int) -> list[tuple[bytes, bytes | None]]:
         """Return ``(key, parent key or None)`` of every READY page of ``ns_id``.
         O(pages): for FLUSH's KV events and tests."""
-        keys, parent = self._key, self._parent
+        keys, parent = self._pages.keys, self._pages.meta.parent
         return [
             (key, keys[parent[s]] if parent[s] != NIL else None)
-            for key, s in self._ready.get(ns_id, {}).items()
+            for key, s in self._pages.ready.get(ns_id, {}).items()
         ]
 
     def evictable_slots(self, owner: int | None = None) -> list[int]:
         """Return the evictable slots, cold end first, walking the global list or
         ``owner``'s list. O(pages): for admin views and tests."""
-        return self._lru.walk(owner)
-
-
-def _check_slot_ids(cfg: DaemonConfig, largest: int) -> None:
-    """Raise ConfigError when ``cfg.hicache_size`` exceeds ``largest`` (slot ids run out)."""
-    if cfg.hicache_size > largest:
-        raise ConfigError(
-            f"hicache_size = {format_size(cfg.hicache_size)} ({cfg.hicache_size} bytes) is too "
-            f"large: the pool's index numbers at most {MAX_SLOT_IDS} slots (one per 4 KiB), so "
-            f"the largest hicache_size with extent_size {format_size(cfg.extent_size)} is "
-            f"{format_size(largest)} ({largest} bytes)"
-        )
+        return self._pages.evictor.lru.walk(owner)

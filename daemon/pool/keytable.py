@@ -1,10 +1,11 @@
-"""A hash table of the READY pages that answers a whole LOOKUP in a few numpy passes.
+"""A hash table of the READY pages that answers a whole LOOKUP in one C call.
 
 The page table's dict answers one key at a time: a long key list (8,192 keys for a 128K
 token context) costs a Python object, a hash and a probe per key. :class:`KeyTable` holds
-the same pages in an open-addressing array of slot ids, probed for every key of a request
-at once, and checks each candidate against the pool's own columns (key bytes, key length,
-namespace, state) before it counts: the table only proposes slots, the metadata decides.
+the same pages in an open-addressing array of slot ids (filled in numpy), probed for the
+keys of a request in one call of ``daemon/pool/native/_keyprobe.c``, which checks each
+candidate against the pool's own columns (key bytes, key length, namespace, state) before
+it counts: the table only proposes slots, the metadata decides.
 
 So the table never has to forget a page: a freed or reused slot left behind fails the
 check, and an entry of a slot re-committed under another key is just a dead entry. Dead
@@ -38,16 +39,9 @@ from kvtier.daemon.pool.meta import PoolMeta
 from kvtier.daemon.pool.records import PageState
 from kvtier.ipc.packed import PACK_NATIVE, PackedKeyList, pack_keys
 
-try:
-    from kvtier.kernels import _keyprobe
-except ImportError:  # built without a C compiler: the numpy probe serves
-    _keyprobe = None  # type: ignore[assignment]
+from kvtier.daemon.pool.native import _keyprobe
 
-__all__ = ["MAX_ROUNDS", "MIN_CAPACITY", "NATIVE", "KeyTable", "table_keys"]
-
-NATIVE = _keyprobe is not None
-"""Whether :meth:`KeyTable.leading_run` probes in C (``kernels/_keyprobe.c``); else it runs
-:meth:`KeyTable.find` (numpy). The tests run both."""
+__all__ = ["MAX_ROUNDS", "MIN_CAPACITY", "KeyTable", "table_keys"]
 
 MAX_ROUNDS = 4
 """Probe rounds a lookup runs; keys still open then are left to the exact probe."""
@@ -59,7 +53,6 @@ at twice LOAD_LIMIT entries per READY page: most keys are found at their first p
 _EMPTY = -1
 _WORDS = KEY_BYTES // 8
 _READY = int(PageState.READY)
-_ALL_WORDS = np.frombuffer(b"\x01" * _WORDS, dtype="<u4")[0]  # four True bytes as one uint32
 
 
 class KeyTable:
@@ -102,16 +95,6 @@ class KeyTable:
             h *= self._mult[0]
         h >>= self._shift
         return cast("np.ndarray", h.astype(np.intp))
-
-    def _match(self, cand: np.ndarray, words: np.ndarray, ns_id: int) -> np.ndarray:
-        """Whether each candidate slot (-1: none) is the READY page of its key in ``ns_id``."""
-        same = self._keys.take(cand, axis=0) == words  # n x 4 bools, one row per key
-        hit = same.view("<u4").ravel() == _ALL_WORDS
-        hit &= cand >= 0
-        hit &= self._ns.take(cand) == ns_id
-        hit &= self._state.take(cand) == _READY
-        hit &= self._key_len.take(cand) == KEY_BYTES
-        return cast("np.ndarray", hit)
 
     # ------------------------------------------------------------------ updates
     def add(self, slots: Sequence[int] | np.ndarray) -> None:
@@ -156,42 +139,11 @@ class KeyTable:
         self.left_out += len(slots)
 
     # ------------------------------------------------------------------ lookups
-    def find(self, ns_id: int, words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """READY slots of keys in namespace ``ns_id``.
-
-        Args:
-            ns_id: the namespace.
-            words: the keys, one row of four little-endian uint64 each (32-byte keys).
-
-        Returns:
-            ``(slot, unresolved)``: per key its READY slot or -1 (not READY in ``ns_id``),
-            and the indexes of the keys whose probing did not finish (their ``slot`` is -1;
-            the caller decides them by an exact probe).
-        """
-        table, mask = self._table, len(self._table) - 1
-        pos = self._hash(words, ns_id)
-        cand = table.take(pos)
-        hit = self._match(cand, words, ns_id)
-        out = np.where(hit, cand, -1)
-        more = (cand >= 0) & ~hit  # an empty entry ends a probe: that key is not here
-        idx = np.flatnonzero(more)
-        for _ in range(MAX_ROUNDS - 1):
-            if not len(idx):
-                break
-            pos, words = (pos[more] + 1) & mask, words[more]
-            cand = table.take(pos)
-            hit = self._match(cand, words, ns_id)
-            out[idx[hit]] = cand[hit]
-            more = (cand >= 0) & ~hit
-            idx = idx[more]
-        return out, idx  # empty unless MAX_ROUNDS ran out
-
     def leading_run(
         self, ns_id: int, words: np.ndarray, start: int = 0, slots: np.ndarray | None = None
     ) -> tuple[int, bool]:
-        """The first key from ``start`` that is not READY in ``ns_id``, by the probe of
-        :meth:`find`, in C (it stops at that key). Only with :data:`NATIVE`; without it,
-        :meth:`find` probes every key at once.
+        """The first key from ``start`` that is not READY in ``ns_id``, probed in C (it
+        stops at that key).
 
         Args:
             ns_id: the namespace.
@@ -205,11 +157,7 @@ class KeyTable:
             whether its probe ran out of :data:`MAX_ROUNDS` rounds (the caller's exact
             probe decides it) rather than ended at an empty entry (a true miss).
 
-        Raises:
-            RuntimeError: the extension is not built.
         """
-        if not NATIVE or _keyprobe is None:
-            raise RuntimeError("the C key probe is not built (kvtier.kernels._keyprobe)")
         i, open_ = _keyprobe.leading_run(
             self._table,
             self._keys,

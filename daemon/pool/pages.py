@@ -15,24 +15,27 @@ safe: a row is completed while WRITING and its state flips to READY last; freein
 flips the state first. Which page to evict is :mod:`~kvtier.daemon.pool.eviction`.
 
 Hot paths: lookup is a dict probe per key at C speed (``_ready``: the READY pages of each
-namespace, key -> slot); commit adds one xxh3 of the key (the seal); the per-page loops of
-pin, unpin, commit and release update inline (the host pool pins long runs in numpy). A key
-is one bytes object, in ``_key`` (slot -> key) and its namespace's dict (built in C at adoption).
+namespace, key -> slot); allocate and commit run in C (:class:`~kvtier.daemon.pool.storerun.
+StoreRuns`, which asks the evictor's policy for the slots it does not take itself), pin and
+unpin too (:class:`~kvtier.daemon.pool.pins.Pins`), whatever the number of pages; eviction
+and release (:meth:`PageTable._release`) outside a STORE's run stay in Python. A key is one bytes
+object, in ``_key`` (slot -> key) and its namespace's dict (built in C at adoption).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
-from kvtier.daemon.pool.eviction import Evictor, flush_pages
-from kvtier.daemon.pool.layout import HAS_CHECKSUM, KEY_BYTES, NIL
-from kvtier.daemon.pool.links import ChildLists, filled
+from kvtier.daemon.pool.eviction import Evictor
+from kvtier.daemon.pool.layout import KEY_BYTES, NIL
+from kvtier.daemon.pool.links import ChildLists
 from kvtier.daemon.pool.meta import PoolMeta
+from kvtier.daemon.pool.pins import Pins
 from kvtier.daemon.pool.records import HostPoolError, PageState, PageStateError, ResidentPages
 from kvtier.daemon.pool.slots import PageClass, SlotAllocator
-from kvtier.daemon.pool.storerun import RUN_PAGES, allocate_run, commit_run
-from xxhash import xxh3_64_intdigest
+from kvtier.daemon.pool.storerun import StoreRuns
 
 __all__ = ["PageTable"]
 
@@ -46,54 +49,67 @@ _WRITING = int(PageState.WRITING)
 class PageTable:
     """The pages of one host pool: index, states, pins, parent links, LRU placement.
 
-    Not built on its own: :class:`~kvtier.daemon.pool.index.HostPool` (its subclass, which
-    adds construction, adoption, ids and introspection) binds it to a metadata region
-    with :meth:`_setup` and refills it from an adoption scan with :meth:`_rebuild`.
-    Slots come from an :class:`~kvtier.daemon.pool.eviction.Evictor`, which evicts
-    through :meth:`_release`.
+    Built over a metadata region (formatted, or about to be adopted: :meth:`adopt_rows`
+    then refills it from the adoption scan). :class:`~kvtier.daemon.pool.index.HostPool`
+    holds one and adds geometry, ids, adoption and introspection. Slots come from an
+    :class:`~kvtier.daemon.pool.eviction.Evictor`, which evicts through :meth:`_release`.
+
+    Args:
+        meta: the metadata region.
+        max_log / quota / requires_l3 / policy: the eviction settings (see
+            :class:`Evictor`).
+
+    Attributes (for reading; the operations below change them):
+        meta: the metadata region.
+        slots: the slot allocator (extents, page classes, free lists).
+        evictor: victim choice, quotas, the evictable lists, the eviction log.
+        pins: the pin counts.
+        kids: each page's resident children.
+        keys: the key of each slot (None: FREE).
+        ready: ``ns -> key -> slot`` of the READY pages.
+        n_slots: slot ids of the pool.
     """
 
-    def _setup(self, meta: PoolMeta, *, max_log: int, quota: dict[int, int],
-               requires_l3: bool, policy: str = "lru") -> None:  # fmt: skip
-        """Bind the metadata columns and create the private arrays (an empty pool).
-
-        Args:
-            meta: the metadata region, formatted or about to be adopted.
-            max_log / quota / requires_l3 / policy: the eviction settings (see
-                :class:`Evictor`).
-        """
+    def __init__(self, meta: PoolMeta, *, max_log: int, quota: dict[int, int],
+                 requires_l3: bool, policy: str = "lru") -> None:  # fmt: skip
         layout = meta.layout
-        self.capacity_bytes, self.extent_bytes = layout.capacity_bytes, layout.extent_bytes
-        self.align, self.n_extents, self.n_slots = layout.align, layout.n_extents, layout.n_slots
+        self.n_slots = layout.n_slots
         self._per_extent = layout.per_extent
-        self._meta = meta
-        self._slots = slots = SlotAllocator(layout, meta.ext_bytes)
+        self.meta = self._meta = meta
+        self.slots = self._slots = slots = SlotAllocator(layout, meta.ext_bytes)
         self._classes: list[PageClass] = slots.classes
         self._ext_class = slots.ext_class
         # persistent columns (shared memory for a daemon's pool), then private arrays
         self._state, self._in_l3, self._stamp = meta.state, meta.in_l3, meta.stamp
         self._ns, self._owner, self._parent = meta.ns, meta.owner, meta.parent
-        self._pins = filled("i", 0, self.n_slots)
-        self._kids = ChildLists(self.n_slots, meta.parent)  # resident children per page
+        self.kids = self._kids = ChildLists(self.n_slots, meta.parent)  # resident children
         self._children = self._kids.count
         self._key: list[bytes | None] = [None] * self.n_slots
+        self.keys = self._key
         # ns_id -> key -> slot of the READY pages (LOOKUP's hot path) and of the WRITING
         # ones; a key is only ever seen from its own namespace, so one tenant cannot even
         # probe another's keys
         self._ready: dict[int, dict[bytes, int]] = {}
+        self.ready = self._ready
         self._writing: dict[int, dict[bytes, int]] = {}
         self._index = ResidentPages(self._ready, self._writing)  # len: resident pages
-        self._ev = Evictor(slots, meta, self._key, self._release, max_log=max_log,
-                           quota=quota, requires_l3=requires_l3, policy=policy)  # fmt: skip
+        self.evictor = self._ev = Evictor(
+            slots, meta, self._key, self._release, max_log=max_log, quota=quota,
+            requires_l3=requires_l3, policy=policy,
+        )  # fmt: skip
         self._arc = self._ev.arc  # the arc policy's state (None: lru)
         self._lru = self._ev.lru  # the evictable pages
         self._owned = self._ev.owned
+        self.pins = self._pin = Pins(self.n_slots, meta.stamp, meta.state, meta.owner,
+                                     self._children, self._lru)  # fmt: skip
+        self._pins = self._pin.count
+        self._runs = StoreRuns(meta, slots, self._kids, self._ev, self._pins, self._key,
+                               self._ready, self._writing)  # fmt: skip
         self._clock = 0
-        self._n_pinned = 0
 
-    def _rebuild(self, slots: np.ndarray, ready: dict[int, dict[bytes, int]],
-                 parents: np.ndarray) -> None:  # fmt: skip
-        """Rebuild the private state of an empty table from adopted READY rows.
+    def adopt_rows(self, slots: np.ndarray, ready: dict[int, dict[bytes, int]],
+                   parents: np.ndarray) -> None:  # fmt: skip
+        """Fill the private state of an empty table from adopted READY rows.
 
         Everything is built in numpy: no Python loop per page.
 
@@ -105,9 +121,7 @@ class PageTable:
         """
         meta = self._meta
         self._slots.rebuild(slots)
-        self._ready = ready
-        self._writing = {}
-        self._index = ResidentPages(self._ready, self._writing)
+        self._ready.update(ready)  # in place: the index dicts are shared (StoreRuns)
         cids = np.frombuffer(self._ext_class, dtype=np.int32)[slots // self._per_extent]
         for cid, count in enumerate(np.bincount(cids, minlength=len(self._classes)).tolist()):
             self._classes[cid].ready = count
@@ -192,69 +206,17 @@ class PageTable:
             HostPoolError: unknown class id, or a key longer than 32 bytes.
         """
         self._slots.check_class(class_id)
-        if len(keys) >= RUN_PAGES:  # in one C call where it applies
-            out = allocate_run(self, ns_id, owner, class_id, keys, parent_key)
-            if out is not None:
-                return out
-        return self._allocate(ns_id, owner, class_id, keys, parent_key)
-
-    def _allocate(self, ns_id: int, owner: int, class_id: int, keys: Sequence[bytes],
-                  parent_key: bytes | None) -> list[tuple[int, int]]:  # fmt: skip
-        """:meth:`allocate`, page by page in Python."""
-        if keys and max(map(len, keys)) > KEY_BYTES:
-            raise HostPoolError(f"page keys must have at most {KEY_BYTES} bytes")
-        cls = self._classes[class_id]
-        ready = self._ready.get(ns_id, _NO_PAGES)  # evictions below only remove from it
-        writing = self._writing.get(ns_id)
-        if writing is None:
-            writing = self._writing[ns_id] = {}
-        meta = self._meta
-        pack_key, key_col, key_len, length = meta.pack_key, meta.key, meta.key_len, meta.length
-        state, stamp, ns, owners = self._state, self._stamp, self._ns, self._owner
-        children, pins, take_slot = self._children, self._pins, self._ev.take_slot
-        out: list[tuple[int, int]] = []
+        keys = keys if type(keys) is list else list(keys)
         prev = NIL
         if parent_key is not None:
-            p = ready.get(parent_key)
+            p = self._ready.get(ns_id, _NO_PAGES).get(parent_key)
             if p is None:
-                p = writing.get(parent_key)
-            if p is not None:
-                prev = p
-        for i, key in enumerate(keys):
-            s = ready.get(key)
-            if s is None:
-                s = writing.get(key)
-            if s is not None:
-                prev = s
-                continue
-            if prev != NIL:  # a child's reference shields prev from the evictions below
-                if children[prev] == 0 and state[prev] == _READY and pins[prev] == 0:
-                    self._lru.dequeue(prev, owners[prev])
-                children[prev] += 1
-            s = take_slot(class_id, owner)
-            if s == NIL:
-                if prev != NIL:
-                    self._drop_child_ref(prev)
-                break
-            pack_key(key_col, s * KEY_BYTES, key)  # the row first, the state byte last
-            key_len[s] = len(key)
-            ns[s] = ns_id
-            owners[s] = owner
-            length[s] = cls.page_bytes
-            self._parent[s] = prev
-            self._clock += 1
-            stamp[s] = self._clock
-            state[s] = _WRITING
-            self._key[s] = key
-            if prev != NIL:
-                self._kids.link(prev, s)
-            writing[key] = s
-            if self._arc is not None:
-                self._arc.admit(s, ns_id, key)
-            cls.writing += 1
-            self._owned[owner] = self._owned.get(owner, 0) + 1
-            out.append((i, s))
-            prev = s
+                p = self._writing.get(ns_id, _NO_PAGES).get(parent_key)
+            prev = NIL if p is None else p
+        done = self._runs.allocate(ns_id, owner, class_id, keys, prev, self._clock)
+        if done is None:  # checked before any change
+            raise HostPoolError(f"page keys must be bytes of at most {KEY_BYTES} bytes")
+        out, self._clock = done
         return out
 
     def commit(self, slots: Sequence[int], checksums: Sequence[int] | None = None) -> None:
@@ -275,48 +237,24 @@ class PageTable:
             HostPoolError: a slot id is out of range, or ``checksums`` does not match
                 ``slots`` (length, or a value outside 64 bits).
         """
-        if len(slots) >= RUN_PAGES and commit_run(self, slots, checksums):
-            return
-        meta, state, keys, n_slots = self._meta, self._state, self._key, self.n_slots
-        for s in slots:  # checked inline: this runs for every page a store moved
-            if not 0 <= s < n_slots or state[s] != _WRITING:
-                self._expect(s, PageState.WRITING, "commit")  # raises, naming what is wrong
+        done = self._runs.commit(slots, checksums, self._clock)
+        if done is None:  # refused, having changed nothing: name why, else ints that are not int
+            self._check_commit(slots, checksums)
+            sums = None if checksums is None else list(map(int, checksums))
+            done = self._runs.commit(list(map(int, slots)), sums, self._clock)
+            if done is None:  # pragma: no cover - _check_commit names every refusal
+                raise HostPoolError(f"cannot commit slots {list(slots)[:8]}")
+        stop, self._clock = done
+        if stop:  # listed twice: no longer WRITING
+            self._expect(slots[stop - 1], PageState.WRITING, "commit")
+
+    def _check_commit(self, slots: Sequence[int], checksums: Sequence[int] | None) -> None:
+        """Raise the error that names what :meth:`commit` refuses in its arguments."""
+        for s in slots:
+            self._expect(s, PageState.WRITING, "commit")
         if checksums is not None and (len(checksums) != len(slots) or (
                 checksums and (min(checksums) < 0 or max(checksums) > _MAX_U64))):  # fmt: skip
             raise HostPoolError(f"need one 64-bit checksum per slot ({len(slots)})")
-        checksum, flags, seal, stamp = meta.checksum, meta.flags, meta.seal, self._stamp
-        nss, children, owner, ext_class = self._ns, self._children, self._owner, self._ext_class
-        per_extent, classes, lru = self._per_extent, self._classes, self._lru
-        digest = xxh3_64_intdigest
-        clock = self._clock
-        for j in range(len(slots) - 1, -1, -1):
-            s = slots[j]
-            if state[s] != _WRITING:  # listed twice
-                self._clock = clock
-                self._expect(s, PageState.WRITING, "commit")
-            key = keys[s]
-            assert key is not None
-            ns = nss[s]
-            if checksums is None:
-                csum = flags[s] = 0
-            else:
-                csum = checksum[s] = checksums[j]
-                flags[s] = HAS_CHECKSUM
-            seal[s] = digest(key, (csum ^ ns) & _MAX_U64)  # = seal_of(key, ns, csum)
-            clock += 1  # the access clock, one tick a page
-            stamp[s] = clock
-            state[s] = _READY  # last: the row is complete
-            del self._writing[ns][key]
-            by_key = self._ready.get(ns)
-            if by_key is None:
-                by_key = self._ready[ns] = {}
-            by_key[key] = s
-            cls = classes[ext_class[s // per_extent]]
-            cls.writing -= 1
-            cls.ready += 1
-            if children[s] == 0:
-                lru.enqueue(s, owner[s])
-        self._clock = clock
 
     def abort(self, slots: Sequence[int]) -> None:
         """Free pages whose fill failed (WRITING -> FREE, keys leave the index).
@@ -350,30 +288,20 @@ class PageTable:
         Returns:
             The pinned slots, one per key of the leading READY run.
         """
-        out = self._run_slots(ns_id, keys)
-        self._pin_slots(out)
-        if used and self._arc is not None:  # off the lists now: into T2
-            self._arc.reused(out)
+        out = self.run_slots(ns_id, keys)
+        self.pin_slots(out, used)
         return out
 
-    def _run_slots(self, ns_id: int, keys: Sequence[bytes]) -> list[int]:
+    def pin_slots(self, out: list[int], used: bool = False) -> None:
+        """Pin and touch the READY slots ``out`` found by a lookup, as :meth:`pin` does."""
+        self._clock = self._pin.pin(out, self._clock)
+        if used and self._arc is not None:  # off the lists now: into T2
+            self._arc.reused(out)
+
+    def run_slots(self, ns_id: int, keys: Sequence[bytes]) -> list[int]:
         """The slots of the leading run of ``keys`` READY in ``ns_id`` (:meth:`lookup`'s)."""
         n = self.lookup(ns_id, keys)
         return list(map(self._ready[ns_id].__getitem__, keys[:n])) if n else []
-
-    def _pin_slots(self, out: list[int]) -> None:
-        """Pin and touch the READY slots ``out`` of :meth:`pin`, the last first."""
-        pins, children, stamp, owner = self._pins, self._children, self._stamp, self._owner
-        clock = self._clock
-        for s in reversed(out):
-            if pins[s] == 0:
-                self._n_pinned += 1
-                if children[s] == 0:
-                    self._lru.dequeue(s, owner[s])
-            pins[s] += 1
-            clock += 1  # the access clock, one tick a page
-            stamp[s] = clock
-        self._clock = clock
 
     def unpin(self, slots: Sequence[int]) -> None:
         """Drop one pin per slot; pages left unpinned and childless become evictable.
@@ -382,28 +310,24 @@ class PageTable:
             slots: slots returned by :meth:`pin`.
 
         Raises:
-            PageStateError: a slot is not a pinned READY page. Checked before any
-                change, except a slot listed more often than pinned.
+            PageStateError: a slot is not a pinned READY page, or is listed more often
+                than pinned. Checked before any change.
             HostPoolError: a slot id is out of range.
         """
-        pins, state, children, owner, n = (
-            self._pins,
-            self._state,
-            self._children,
-            self._owner,
-            self.n_slots,
-        )
-        for s in slots:  # checked inline: this runs for every page a load moved
-            if not 0 <= s < n or state[s] != _READY or pins[s] == 0:
-                self._expect(s, PageState.READY, "unpin")  # raises, naming what is wrong
+        if not self._pin.unpin(slots):
+            self._refuse_unpin(slots)
+
+    def _refuse_unpin(self, slots: Sequence[int]) -> None:
+        """Raise the error that names why :class:`Pins` refused to unpin ``slots``."""
         for s in slots:
-            if pins[s] == 0:  # listed more often than pinned
-                self._expect(s, PageState.READY, "unpin")
-            pins[s] -= 1
-            if pins[s] == 0:
-                self._n_pinned -= 1
-                if children[s] == 0:
-                    self._lru.enqueue(s, owner[s])
+            self._expect(s, PageState.READY, "unpin")
+        listed = Counter(slots)
+        for s, times in listed.items():
+            if times > self._pins[s]:
+                raise PageStateError(
+                    f"cannot unpin slot {s}: listed {times} times, pinned {self._pins[s]}"
+                )
+        raise PageStateError(f"cannot unpin slots {list(slots)[:8]}...")  # pragma: no cover
 
     def mark_in_l3(self, slots: Sequence[int]) -> None:
         """Record that these pages are in L3 (evictable under ``evict_requires_l3``).
@@ -416,7 +340,7 @@ class PageTable:
             HostPoolError: a slot id is out of range.
         """
         for s in slots:
-            self._check_slot(s)
+            self.check_slot(s)
             if self._state[s] == PageState.FREE:
                 raise PageStateError(f"cannot mark slot {s} in L3: it is FREE")
         for s in slots:
@@ -435,7 +359,21 @@ class PageTable:
         Returns:
             The number of pages dropped.
         """
-        return flush_pages(self, ns_id, owner)
+        dropped = 0
+        lru, ns, owners, parents = self._lru, self._ns, self._owner, self._parent
+        for second in (False, True):
+            s, links = lru.start(None, second)
+            while s != NIL:
+                nxt = links[s]  # dropping s only enqueues its parent, never removes nxt
+                while (s != NIL and (ns_id is None or ns[s] == ns_id)
+                       and (owner is None or owners[s] == owner)):  # fmt: skip
+                    parent = parents[s]
+                    lru.dequeue(s, owners[s])
+                    self._release(s)
+                    dropped += 1
+                    s = parent if parent != NIL and self.is_evictable(parent) else NIL
+                s = nxt
+        return dropped
 
     def _release(self, s: int, keep: bool = False) -> None:
         """Turn the READY or WRITING page ``s``, off the evictable lists, FREE (``keep``:
@@ -456,7 +394,7 @@ class PageTable:
         kids = self._kids
         if p != NIL:
             kids.unlink(p, s)
-            children = self._children  # _drop_child_ref(p), inline: this runs per eviction
+            children = self._children  # the child reference dropped: this runs per eviction
             children[p] -= 1
             if children[p] == 0 and state[p] == _READY and self._pins[p] == 0:
                 self._lru.enqueue(p, self._owner[p])
@@ -473,23 +411,23 @@ class PageTable:
 
     # ------------------------------------------------------ intrusive lists
 
-    def _is_evictable(self, s: int) -> bool:
+    def is_evictable(self, s: int) -> bool:
+        """Whether the page ``s`` is READY, unpinned and childless."""
         return self._state[s] == PageState.READY and self._pins[s] == 0 and self._children[s] == 0
-
-    def _drop_child_ref(self, p: int) -> None:
-        self._children[p] -= 1
-        assert self._children[p] >= 0
-        if self._is_evictable(p):
-            self._lru.enqueue(p, self._owner[p])
 
     # ---------------------------------------------------------------- checks
 
-    def _check_slot(self, slot: int) -> None:
+    def resident(self) -> int:
+        """Resident (READY + WRITING) pages."""
+        return len(self._index)
+
+    def check_slot(self, slot: int) -> None:
+        """Raise HostPoolError when ``slot`` is out of range."""
         if not 0 <= slot < self.n_slots:
             raise HostPoolError(f"slot {slot} out of range [0, {self.n_slots})")
 
     def _expect(self, s: int, want: PageState, op: str) -> None:
-        self._check_slot(s)
+        self.check_slot(s)
         state = self._state[s]
         if state != want:
             raise PageStateError(

@@ -11,7 +11,7 @@ bytes of a row's key are read, whatever lies past them in the key column.
 The constants are XXH3's (xxhash 0.8): ``PRIME64_1``, the first 32 bytes of its default
 secret (which a seeded hash of at most 240 bytes uses as it is) and the avalanche
 multiplier. :func:`seals` is checked against ``xxhash`` for every length by the tests.
-Where the C extension is built (``kvtier.kernels._keyprobe.seals``), it hashes the rows of
+Where the C extension is built (``kvtier.daemon.pool.native._keyprobe.seals``), it hashes the rows of
 17 to 32 bytes instead of numpy, several times faster (a million-page pool's adoption
 hashes a million rows).
 """
@@ -24,7 +24,7 @@ import numpy as np
 import xxhash
 
 try:
-    from kvtier.kernels._keyprobe import seals as _native
+    from kvtier.daemon.pool.native._keyprobe import seals as _native
 except ImportError:  # built without a C compiler: numpy hashes the columns
     _native = None  # type: ignore[assignment]
 

@@ -6,156 +6,116 @@ evicts a cold one), that costs microseconds of event-loop time a page: an 8,192-
 of a long context would hold the loop for a large fraction of a second, during which no
 other engine is answered.
 
-Where the C extension is built (``kvtier.kernels._alloc``), :func:`allocate_run` and
-:func:`commit_run` do the same steps in the same order, from :data:`RUN_PAGES` pages on, so
-the pool's metadata, indexes, evictable lists, counters and eviction log end up exactly as
-page by page (``tests/unit/test_pool_alloc.py`` holds them to it). What they leave to the
-page-by-page path: an allocation for an owner with a quota, in a pool whose evictions
-require L3 or under the ``arc`` eviction policy (all of it), and each key whose slot needs a free extent cut or a page of another
-class evicted (that key alone; C goes on after it); a commit whose slots or checksums the
-Python path would refuse (all of it, so that path names what is wrong).
+:class:`StoreRuns`, which the page table owns, holds the pool's columns as
+``daemon/pool/native/_alloc.c`` takes them and makes those calls, for any number of pages.
+The C code does the same steps in the same order as the page-by-page model
+(``tests/pool_model.py``), which the tests hold it to: the pool's metadata, indexes,
+evictable lists, counters and eviction log end up exactly as page by page. Where a slot
+needs the eviction policy's judgement (a free extent to cut, another class's page to
+evict, a quota, evictions that need L3, the ``arc`` lists), C calls
+:meth:`~kvtier.daemon.pool.eviction.Evictor.take_slot` for that slot and goes on; a
+commit that the page table refuses changes nothing, and the table names what is wrong.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
-from typing import Any
 
-from kvtier.daemon.pool.layout import NIL
-from kvtier.daemon.pool.records import EvictedPage, PageState
+from kvtier.daemon.pool.eviction import Evictor
+from kvtier.daemon.pool.links import ChildLists
+from kvtier.daemon.pool.meta import PoolMeta
+from kvtier.daemon.pool.native import _alloc
+from kvtier.daemon.pool.records import EvictedPage
+from kvtier.daemon.pool.slots import PageClass, SlotAllocator
 
-try:
-    from kvtier.kernels import _alloc
-except ImportError:  # built without a C compiler: page by page in Python
-    _alloc = None  # type: ignore[assignment]
-
-__all__ = ["NATIVE", "RUN_PAGES", "allocate_run", "commit_run"]
-
-NATIVE = _alloc is not None
-"""Whether STOREs are allocated and committed in C (``kernels/_alloc.c``)."""
-RUN_PAGES = 8
-"""Allocations and commits of at least this many pages go to C (when built)."""
+__all__ = ["StoreRuns"]
 
 
-def _cols(table: Any) -> tuple[Any, ...]:
-    """The 21 columns ``_alloc`` works on, in its order."""
-    meta, kids, lru, slots = table._meta, table._kids, table._lru, table._slots
-    return (
-        meta.stamp,
-        meta.ns,
-        meta.owner,
-        meta.length,
-        meta.parent,
-        meta.key,
-        meta.state,
-        meta.in_l3,
-        meta.key_len,
-        table._pins,
-        kids.count,
-        kids.first,
-        kids.sib_prev,
-        kids.sib_next,
-        lru.prev,
-        lru.next,
-        lru.oprev,
-        lru.onext,
-        slots.ext_class,
-        slots.ext_used,
-        slots.ext_bump,
-    )
+class StoreRuns:
+    """A STORE's allocation and commit over one page table's state, in C.
 
+    Args:
+        meta / slots / kids / evictor: the table's metadata, slot allocator, child lists
+            and evictor (whose evictable lists, owner counts and log C updates).
+        pins: the pin count of each slot.
+        keys: the key of each slot (None: FREE).
+        ready / writing: the table's index, ``ns -> key -> slot``, READY and WRITING.
+    """
 
-def allocate_run(table: Any, ns_id: int, owner: int, class_id: int, keys: Sequence[bytes],
-                 parent_key: bytes | None) -> list[tuple[int, int]] | None:  # fmt: skip
-    """:meth:`~kvtier.daemon.pool.pages.PageTable.allocate` of ``table`` in C, for a
-    registered ``class_id``; None, having changed nothing, where it does not apply: the
-    extension is not built, the owner has a quota, evictions require L3, or a key is not
-    ``bytes`` of at most 32 bytes (the page-by-page path then names it); under the ``arc``
-    eviction policy (its ghost lists and T1/T2 split are kept in Python)."""
-    ev = table._ev
-    if _alloc is None or owner in ev.quota or ev.requires_l3 or ev.arc is not None:
-        return None
-    keys = keys if type(keys) is list else list(keys)
-    ready = table._ready.get(ns_id, {})  # read only: a namespace's first commit makes it
-    writing = table._writing.setdefault(ns_id, {})
-    prev = NIL
-    if parent_key is not None:
-        p = ready.get(parent_key, writing.get(parent_key))
-        prev = NIL if p is None else p
-    cols, lru, cls = _cols(table), table._lru, table._classes[class_id]
-    out: list[tuple[int, int]] = []
-    i, n = 0, len(keys)
-    while i < n:
+    def __init__(self, meta: PoolMeta, slots: SlotAllocator, kids: ChildLists,
+                 evictor: Evictor, pins: array[int], keys: list[bytes | None],
+                 ready: dict[int, dict[bytes, int]],
+                 writing: dict[int, dict[bytes, int]]) -> None:  # fmt: skip
+        lru = evictor.lru
+        self._cols = (
+            meta.stamp, meta.ns, meta.owner, meta.length, meta.parent, meta.key, meta.state,
+            meta.in_l3, meta.key_len, pins, kids.count, kids.first, kids.sib_prev,
+            kids.sib_next, lru.prev, lru.next, lru.oprev, lru.onext, slots.ext_class,
+            slots.ext_used, slots.ext_bump,
+        )  # fmt: skip
+        self._extra = (meta.checksum, meta.seal, meta.flags)
+        self._slots, self._ev, self._lru = slots, evictor, lru
+        self._keys, self._ready, self._writing = keys, ready, writing
+        self._per_extent = slots.per_extent
+
+    def allocate(self, ns_id: int, owner: int, class_id: int, keys: list[bytes],
+                 prev: int, clock: int) -> tuple[list[tuple[int, int]], int] | None:  # fmt: skip
+        """Allocate WRITING slots for ``keys`` as :meth:`PageTable.allocate` says.
+
+        Each slot comes from the class's free list or the extent it is cutting, or, in C,
+        by evicting the coldest page when it is of the class; otherwise (a free extent to
+        cut, a page of another class to evict, an owner with a quota, evictions that need
+        L3, the ``arc`` policy's lists) C asks :meth:`Evictor.take_slot`, the policy. Under
+        ``arc`` each new page is admitted to T1 or T2 (:meth:`ArcState.admit`).
+
+        Args:
+            prev: the slot ``keys[0]`` extends (NIL: none).
+            clock: the table's access clock.
+
+        Returns:
+            ``(pairs, clock)``: ``(index into keys, slot)`` per page allocated (a shortfall
+            shows as missing pairs) and the new clock; None, having changed nothing, when
+            a key is not ``bytes`` of at most 32 bytes.
+        """
+        cls: PageClass = self._slots.classes[class_id]
+        ev, lru, arc = self._ev, self._lru, self._ev.arc
+        # 0: C may evict the coldest page; 1: not (evictions need L3, or arc's lists);
+        # 2: the evictor decides every slot (an owner with a quota: its own pages first)
+        mode = 2 if owner in ev.quota else 1 if ev.requires_l3 or arc is not None else 0
+        out: list[tuple[int, int]] = []
         done = _alloc.run(
-            cols,
-            keys,
-            i,
-            prev,
-            table._clock,
-            ns_id,
-            owner,
-            class_id,
-            cls.page_bytes,
-            table._per_extent,
-            bool(table._slots.free_extents),
-            cls,
-            ready,
-            writing,
-            table._ready,
-            table._key,
-            table._owned,
-            lru.ends,
-            lru.own_ends,
-            ev._log,
-            ev.max_log,
-            EvictedPage,
-            out,
-            i > 0,
-        )  # the first call checked every key
-        if done is None:  # only ever before the first change: every key is checked first
+            self._cols, keys, 0, prev, clock, ns_id, owner, class_id, cls.page_bytes,
+            self._per_extent, bool(self._slots.free_extents), cls,
+            self._ready.get(ns_id, {}),  # read only: a namespace's first commit makes it
+            self._writing.setdefault(ns_id, {}), self._ready, self._keys, ev.owned,
+            lru.ends, lru.own_ends, ev.log, ev.max_log, EvictedPage, out, False,
+            ev.take_slot, None if arc is None else arc.admit, mode,
+            *((None, None) if lru.tier is None else (lru.ends2, lru.tier)),
+        )  # fmt: skip
+        if done is None:
             return None
-        i, prev, table._clock, evictions, unlogged = done
+        _, _, clock, evictions, unlogged = done
         ev.evictions += evictions
         ev.unlogged += unlogged
-        if i == n:
-            break
-        # key i needs a free extent cut or another class's page evicted: the Python path
-        one = table._allocate(
-            ns_id, owner, class_id, [keys[i]], None if prev == NIL else table._key[prev]
-        )
-        if not one:  # a shortfall: later pages are useless without this one
-            break
-        prev = one[0][1]
-        out.append((i, prev))
-        i += 1
-    return out
+        return out, clock
 
+    def commit(self, slots: Sequence[int], checksums: Sequence[int] | None,
+               clock: int) -> tuple[int, int] | None:  # fmt: skip
+        """Commit the WRITING ``slots`` as the page table does (under ``arc``, each page
+        enters T1 or T2 by its tier).
 
-def commit_run(table: Any, slots: Sequence[int], checksums: Sequence[int] | None) -> bool:
-    """:meth:`~kvtier.daemon.pool.pages.PageTable.commit` of ``table`` in C; False, having
-    changed nothing, where it does not apply (not built, the ``arc`` eviction policy, or
-    something the Python path refuses: it names it). Raises as that path does for a slot listed twice."""
-    if _alloc is None or table._ev.arc is not None or type(slots) is not list or (
-            checksums is not None and type(checksums) is not list):  # fmt: skip
-        return False
-    meta = table._meta
-    done = _alloc.commit(
-        _cols(table),
-        (meta.checksum, meta.seal, meta.flags),
-        slots,
-        checksums,
-        table._clock,
-        table._per_extent,
-        table._writing,
-        table._ready,
-        table._key,
-        table._classes,
-        table._lru.ends,
-        table._lru.own_ends,
-    )
-    if done is None:
-        return False
-    stop, table._clock = done
-    if stop:  # listed twice: no longer WRITING
-        table._expect(slots[stop - 1], PageState.WRITING, "commit")
-    return True
+        Returns:
+            ``(stop, clock)``: ``stop`` is 0, or ``j + 1`` where ``slots[j]`` was listed
+            twice (those after it are committed); None, having changed nothing, when a
+            slot or checksum is refused (the page table names it).
+        """
+        if type(slots) is not list or (checksums is not None and type(checksums) is not list):
+            return None
+        lru = self._lru
+        tiers = () if lru.tier is None else (lru.ends2, lru.tier)  # arc: T1 and T2
+        return _alloc.commit(
+            self._cols, self._extra, slots, checksums, clock, self._per_extent,
+            self._writing, self._ready, self._keys, self._slots.classes, lru.ends,
+            lru.own_ends, *tiers,
+        )  # fmt: skip

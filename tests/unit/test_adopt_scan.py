@@ -52,7 +52,7 @@ def seal_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     if request.param == "numpy":
         monkeypatch.setattr(mod, "_native", None)
     elif mod._native is None:
-        pytest.skip("kvtier.kernels._keyprobe is not built (no C compiler at install)")
+        pytest.skip("kvtier.daemon.pool.native._keyprobe is not built (no C compiler at install)")
     return str(request.param)
 
 
@@ -101,8 +101,8 @@ def test_seals_of_no_rows(seal_path: str) -> None:
 def test_the_c_seals_refuse_lengths_and_sizes_they_cannot_hash() -> None:
     """The extension hashes 17 to 32 bytes per 32-byte row; another length, or buffers of
     other sizes, are a ValueError and nothing is written."""
-    probe = pytest.importorskip("kvtier.kernels._keyprobe",
-                                reason="kvtier.kernels._keyprobe is not built")  # fmt: skip
+    probe = pytest.importorskip("kvtier.daemon.pool.native._keyprobe",
+                                reason="kvtier.daemon.pool.native._keyprobe is not built")  # fmt: skip
     rows = np.frombuffer(digest("a") + digest("b"), dtype=np.uint8).reshape(2, KEY_BYTES)
     seeds = np.array([1, 2], dtype=np.uint64)
     for lengths in ([32, 16], [33, 32], [0, 32]):
@@ -311,7 +311,7 @@ def test_the_index_built_in_c_equals_the_one_built_in_python(
     from kvtier.daemon.pool.layout import PoolLayout
 
     if adopt._index_keys is None:
-        pytest.skip("kvtier.kernels._keyprobe is not built (no C compiler at install)")
+        pytest.skip("kvtier.daemon.pool.native._keyprobe is not built (no C compiler at install)")
     pf = PoolFile(tmp_path / "pool", PoolLayout.plan(8 * 64 * 1024, 64 * 1024, 4096))
     pool, _ = pf.start()
     arena = pf.arena()
@@ -327,16 +327,16 @@ def test_the_index_built_in_c_equals_the_one_built_in_python(
     calls = []
     monkeypatch.setattr(adopt, "_index_keys",
                         lambda *a: calls.append(len(a[1])) or adopt_c(*a))  # fmt: skip
-    adopt_c = __import__("kvtier.kernels._keyprobe", fromlist=["x"]).index_keys
+    adopt_c = __import__("kvtier.daemon.pool.native._keyprobe", fromlist=["x"]).index_keys
     c_pool, res = pf.start()
     assert res.pages_adopted == 65
     assert sorted(calls) == ([5, 30, 30] if keys_of == "digests" else [])
     monkeypatch.setattr(adopt, "_index_keys", None)
     py_pool, _ = pf.start()
-    assert c_pool._ready == py_pool._ready and c_pool._key == py_pool._key
-    assert sum(map(len, c_pool._ready.values())) == 65
-    for index in c_pool._ready.values():
-        assert all(c_pool._key[s] is key for key, s in index.items())
+    assert c_pool._pages.ready == py_pool._pages.ready and c_pool._pages.keys == py_pool._pages.keys
+    assert sum(map(len, c_pool._pages.ready.values())) == 65
+    for index in c_pool._pages.ready.values():
+        assert all(c_pool._pages.keys[s] is key for key, s in index.items())
     for ns, keys in stored.items():
         assert c_pool.lookup(ns, keys) == len(keys) and c_pool.lookup(ns, keys[::-1][:1]) == 1
 
@@ -348,8 +348,8 @@ def test_index_keys_checks_every_slot_and_changes_nothing_on_failure() -> None:
     (its reference count shows no leak and no reference too few)."""
     import sys
 
-    probe = pytest.importorskip("kvtier.kernels._keyprobe",
-                                reason="kvtier.kernels._keyprobe is not built")  # fmt: skip
+    probe = pytest.importorskip("kvtier.daemon.pool.native._keyprobe",
+                                reason="kvtier.daemon.pool.native._keyprobe is not built")  # fmt: skip
     rows = np.frombuffer(b"".join(digest(f"r{i}") for i in range(4)), dtype=np.uint8)
     rows = rows.reshape(4, KEY_BYTES)
     good = np.array([0, 2, 5, 7], dtype=np.int64)
@@ -396,8 +396,8 @@ def test_a_duplicate_in_a_later_namespace_rebuilds_the_whole_index(pool_file: Po
     meta.release()
     pool, res = pool_file.start(verify=False)
     assert (res.pages_adopted, res.pages_dropped) == (3, 1)
-    assert pool._ready == {NS: {digest("a"): a}, NS2: {digest("b"): b}, 3: {digest("c0"): c1}}
-    assert [s for s, key in enumerate(pool._key) if key is not None] == sorted((a, b, c1))
+    assert pool._pages.ready == {NS: {digest("a"): a}, NS2: {digest("b"): b}, 3: {digest("c0"): c1}}
+    assert [s for s, key in enumerate(pool._pages.keys) if key is not None] == sorted((a, b, c1))
     assert pool.describe(c0).state is PageState.FREE
 
 

@@ -24,7 +24,8 @@ from kvtier.daemon.pool.index import (
     PageStateError,
 )
 from kvtier.daemon.pool.slots import SMALL_BATCH
-from kvtier.daemon.pool.storerun import RUN_PAGES
+
+RUN_PAGES = 8  # a STORE of several pages (C allocates any number)
 
 KIB = 1024
 EXTENT = 16 * KIB

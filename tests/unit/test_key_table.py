@@ -1,7 +1,7 @@
 """The pool's key table answers long LOOKUPs exactly as the key-by-key index does (no mocks).
 
 ``HostPool.lookup_packed`` (and ``lookup`` of a long list) go through the key table, probed
-in C (``kernels/_keyprobe.c``) and, for every case again, in numpy;
+in C (``daemon/pool/native/_keyprobe.c``);
 ``PageTable.lookup`` probes the index key by key and is the reference. Every case compares
 the two and, where the answer is known by construction, the number itself: hostile lists
 (not a chain, duplicates, another namespace's keys, absent keys between present ones),
@@ -19,8 +19,9 @@ import random
 import numpy as np
 import pytest
 from kvtier.daemon.pool import keytable
-from kvtier.daemon.pool.index import TABLE_MIN_KEYS, HostPool, HostPoolError
+from kvtier.daemon.pool.index import HostPool, HostPoolError
 from kvtier.daemon.pool.keytable import MAX_ROUNDS
+from kvtier.daemon.pool.longlookup import TABLE_MIN_KEYS
 from kvtier.daemon.pool.pages import PageTable
 
 KIB = 1024
@@ -28,17 +29,6 @@ PAGE = 4 * KIB
 NS, NS2 = 1, 2
 OWNER = 7
 N = max(512, 2 * TABLE_MIN_KEYS)  # long enough for the key table
-
-
-@pytest.fixture(autouse=True, params=["native", "numpy"])
-def probe(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every test runs with the C probe and with the numpy one."""
-    if request.param == "native":
-        if not keytable.NATIVE:
-            pytest.skip("kvtier.kernels._keyprobe is not built (no C compiler at install)")
-    else:
-        monkeypatch.setattr(keytable, "NATIVE", False)
-    return request.param
 
 
 def new_pool(pages: int = 4 * N) -> HostPool:
@@ -70,9 +60,9 @@ def run(pool: HostPool, ns: int, keys: list[bytes]) -> int:
     """The table's answer, checked against the key-by-key reference and the list form; the
     slots the probe returns for a pin, against the index's."""
     packed = pool.lookup_packed(ns, b"".join(keys))
-    assert packed == PageTable.lookup(pool, ns, keys)
+    assert packed == pool._pages.lookup(ns, keys)
     assert pool.lookup(ns, keys) == packed
-    assert pool._run_slots(ns, keys) == PageTable._run_slots(pool, ns, keys)
+    assert pool._run_slots(ns, keys) == pool._pages.run_slots(ns, keys)
     return packed
 
 
@@ -136,19 +126,19 @@ def test_eviction_leaves_only_what_is_resident() -> None:
     assert run(pool, NS, second) == N
     held = run(pool, NS, first)
     assert held < N
-    assert held == PageTable.lookup(pool, NS, first)
+    assert held == pool._pages.lookup(NS, first)
 
 
 def test_growth_rebuilds_and_random_lists_agree() -> None:
     rng = random.Random(5)
     pool = new_pool(pages=16 * N)
-    table = pool._table
+    table = pool._long.table
     caps, stored = {table.capacity}, []
     for _ in range(24):  # many small commits: the table grows by rebuilds
         batch = keys_of(rng, rng.randint(1, 3 * N // 4))
         store(pool, batch)
         stored += batch
-        caps.add(pool._table.capacity)
+        caps.add(pool._long.table.capacity)
     assert len(caps) > 1
     for _ in range(40):
         n = rng.randint(TABLE_MIN_KEYS, 2 * N)
@@ -159,8 +149,8 @@ def test_growth_rebuilds_and_random_lists_agree() -> None:
 def test_same_bucket_in_another_namespace_is_not_a_hit() -> None:
     rng = random.Random(9)
     pool = new_pool()
-    pool._table._mult[1] = 0  # the namespace no longer moves the bucket: probes meet
-    pool._table.rebuild()
+    pool._long.table._mult[1] = 0  # the namespace no longer moves the bucket: probes meet
+    pool._long.table.rebuild()
     keys = keys_of(rng, N)
     store(pool, keys, ns=NS2)
     store(pool, keys_of(rng, 4))  # NS holds pages too
@@ -177,7 +167,7 @@ def test_crafted_keys_overflowing_a_bucket_stay_exact() -> None:
     crafted = [head + rng.randbytes(24) for _ in range(N)]
     store(pool, crafted)
     assert run(pool, NS, crafted) == N
-    assert pool._table.left_out >= N - MAX_ROUNDS  # past the bucket's run: the exact way
+    assert pool._long.table.left_out >= N - MAX_ROUNDS  # past the bucket's run: the exact way
     other = [head + rng.randbytes(24) for _ in range(3)]
     assert run(pool, NS, crafted[: N // 2] + other + crafted) == N // 2
     plain = keys_of(rng, N)
@@ -242,14 +232,12 @@ def test_an_adopted_pool_finds_its_pages() -> None:
     second.close()
 
 
-def test_stale_entries_pointing_anywhere_read_nothing_outside(probe: str) -> None:
+def test_stale_entries_pointing_anywhere_read_nothing_outside() -> None:
     # a table entry only proposes a slot: the C probe must check ids past the columns,
     # never read there, and leave the answer exact
-    if probe == "numpy":
-        pytest.skip("numpy's take refuses such ids itself (IndexError); only C reads raw memory")
     rng = random.Random(10)
     pool, keys = stored_pool(rng)
-    table = pool._table._table
+    table = pool._long.table._table
     empty = np.flatnonzero(table < 0)
     table[empty[: len(empty) // 2]] = np.int32(2**31 - 1)  # far past the slots
     table[empty[len(empty) // 2 :]] = np.int32(pool.layout.n_slots)  # just past them
@@ -257,14 +245,12 @@ def test_stale_entries_pointing_anywhere_read_nothing_outside(probe: str) -> Non
     assert run(pool, NS, keys[: N // 4] + keys_of(rng, 2) + keys) == N // 4
 
 
-def test_leading_run_starts_where_asked_and_tells_a_miss_from_an_open_probe(probe: str) -> None:
-    if probe == "numpy":
-        pytest.skip("leading_run is the C probe; the numpy one is find(), run by every test")
+def test_leading_run_starts_where_asked_and_tells_a_miss_from_an_open_probe() -> None:
     rng = random.Random(11)
     pool, keys = stored_pool(rng)
     words = np.frombuffer(b"".join(keys + keys_of(rng, 1)), dtype="<u8").reshape(-1, 4)
-    pool._list()  # the commits' slots enter the table (a lookup does this first)
-    t = pool._table
+    pool._long.flush()  # the commits' slots enter the table (a lookup does this first)
+    t = pool._long.table
 
     def run_from(start: int) -> int:
         # a page the table left out beside a crowded bucket ends a call with an open
@@ -283,12 +269,10 @@ def test_leading_run_starts_where_asked_and_tells_a_miss_from_an_open_probe(prob
     assert run(pool, NS, keys) == N  # the exact probe decides each open key
 
 
-def test_the_c_probe_refuses_columns_that_do_not_agree(probe: str) -> None:
-    if probe == "numpy":
-        pytest.skip("the C call's own checks: nothing to run on the numpy probe")
-    from kvtier.kernels import _keyprobe
+def test_the_c_probe_refuses_columns_that_do_not_agree() -> None:
+    from kvtier.daemon.pool.native import _keyprobe
 
-    t = new_pool()._table
+    t = new_pool()._long.table
     words = np.zeros((4, 4), dtype="<u8")
     good = [t._table, t._keys, t._ns, t._state, t._key_len, words]
     tail = [NS, 3, 5, int(t._shift), 0, MAX_ROUNDS, 1]
@@ -312,16 +296,16 @@ def test_the_c_probe_refuses_columns_that_do_not_agree(probe: str) -> None:
             _keyprobe.leading_run(*good, *args2)
 
 
-def test_keys_left_to_the_exact_probe_cost_one_pass_each(probe: str, monkeypatch) -> None:
-    # crafted keys sharing a bucket leave every probe open: numpy probes the list once and
-    # C resumes after each key the exact probe found, never probing the rest again
+def test_keys_left_to_the_exact_probe_cost_one_pass_each(monkeypatch) -> None:
+    # crafted keys sharing a bucket leave every probe open: C resumes after each key the
+    # exact probe found, never probing the rest again
     rng = random.Random(12)
     pool = new_pool()
     head = rng.randbytes(8)
     crafted = [head + rng.randbytes(24) for _ in range(N)]
     store(pool, crafted)
     keys_probed: list[int] = []
-    for name in ("find", "leading_run"):
+    for name in ("leading_run",):
         real = getattr(keytable.KeyTable, name)
 
         def counted(self, ns_id, words, *rest, _real=real):
@@ -330,29 +314,25 @@ def test_keys_left_to_the_exact_probe_cost_one_pass_each(probe: str, monkeypatch
 
         monkeypatch.setattr(keytable.KeyTable, name, counted)
     assert pool.lookup_packed(NS, b"".join(crafted)) == N
-    if probe == "numpy":
-        assert keys_probed == [N]
-    else:  # C: each call starts after the key the exact probe found before it
-        assert keys_probed[0] == N and len(keys_probed) <= N + 1
-        assert all(a > b for a, b in itertools.pairwise(keys_probed))
+    # each call starts after the key the exact probe found before it
+    assert keys_probed[0] == N and len(keys_probed) <= N + 1
+    assert all(a > b for a, b in itertools.pairwise(keys_probed))
 
 
-def test_the_c_probe_returns_the_run_s_slots_and_a_pin_uses_them(probe: str) -> None:
-    if probe == "numpy":
-        pytest.skip("the slots come from the C probe; without it a pin looks them up")
+def test_the_c_probe_returns_the_run_s_slots_and_a_pin_uses_them() -> None:
     rng = random.Random(12)
     pool, keys = stored_pool(rng)
-    expected = [pool._ready[NS][k] for k in keys]
+    expected = [pool._pages.ready[NS][k] for k in keys]
     words = np.frombuffer(b"".join(keys), dtype="<u8").reshape(-1, 4)
-    pool._list()
-    t = pool._table
+    pool._long.flush()
+    t = pool._long.table
 
     def run_from(start: int, slots: np.ndarray) -> int:
         # a page the table left out (its hashing is drawn per table) ends a call with an
         # open probe: its slot is the exact probe's to write, as the pool's own loop does
         i, open_ = t.leading_run(NS, words, start, slots)
         while open_ and i < N:
-            slots[i] = pool._ready[NS][keys[i]]
+            slots[i] = pool._pages.ready[NS][keys[i]]
             i, open_ = t.leading_run(NS, words, i + 1, slots)
         return i
 
@@ -369,16 +349,16 @@ def test_the_c_probe_returns_the_run_s_slots_and_a_pin_uses_them(probe: str) -> 
     with pytest.raises(TypeError):
         t.leading_run(NS, words, 0, np.empty(N, dtype=np.int64).tobytes())  # read-only
     calls: list[int] = []
-    original = PageTable._run_slots
+    original = PageTable.run_slots
 
     def spy(self: PageTable, ns: int, ks: list[bytes]) -> list[int]:
         calls.append(len(ks))
         return original(self, ns, ks)
 
-    PageTable._run_slots = spy  # type: ignore[method-assign]
+    PageTable.run_slots = spy  # type: ignore[method-assign]
     try:
         assert pool.pin(NS, keys + keys_of(rng, 1)) == expected  # no dict look-up of each key
     finally:
-        PageTable._run_slots = original  # type: ignore[method-assign]
+        PageTable.run_slots = original  # type: ignore[method-assign]
     assert calls == []
     pool.unpin(expected)

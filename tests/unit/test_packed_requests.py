@@ -24,11 +24,11 @@ KEYS = [RNG.randbytes(KEY_BYTES) for _ in range(300)]
 
 @pytest.mark.skipif(
     not PK.PACK_NATIVE,
-    reason="kvtier.kernels._keyprobe is not built "
+    reason="kvtier.kernels._packkeys is not built "
     "(no C compiler at install): pack_keys joins in Python",
 )
 def test_c_packer_equals_join_and_refuses_what_is_not_a_key() -> None:
-    from kvtier.kernels._keyprobe import pack_keys
+    from kvtier.kernels._packkeys import pack_keys
 
     assert pack_keys(KEYS) == b"".join(KEYS)
     assert pack_keys([]) == b""

@@ -1,11 +1,11 @@
 """A STORE's slot allocation in C (:mod:`kvtier.daemon.pool.storerun`) against the
-page-by-page Python path it stands in for.
+page-by-page model (``tests/pool_model.py``).
 
-Two pools get the same random operations: the host pool as the daemon runs it (allocations
-of ``ALLOC_PAGES`` keys or more go to C) and one that allocates every key in Python. The
+Two pools get the same random operations: the host pool as the daemon runs it (every
+allocation and commit in one C call) and one that allocates every key in Python. The
 pools are small and hold two page classes, so allocations evict pages of their own class,
-of the other (which C leaves to Python) and cut free extents (likewise); one owner has a
-quota (C does not apply). After every operation both must hold the same metadata columns,
+of the other (where C asks the evictor) and cut free extents (likewise); one owner has a
+quota (the evictor decides its every slot). After every operation both must hold the same metadata columns,
 private arrays, indexes, evictable lists, counters and eviction log, and have answered the
 same.
 """
@@ -13,53 +13,19 @@ same.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import pytest
 from kvtier.daemon.pool import storerun
 from kvtier.daemon.pool.index import HostPool, HostPoolError
-from kvtier.daemon.pool.pages import PageTable
 
-pytestmark = pytest.mark.skipif(
-    not storerun.NATIVE, reason="kvtier.kernels._alloc is not built (no C compiler at install)"
-)
+from tests.pool_model import page_by_page
+from tests.pool_model import observable as snapshot
 
 KIB = 1024
 EXTENT = 16 * KIB
 NAMESPACES = (1, 2)
-OWNERS = (10, 20, 30)  # 30 has a quota: its allocations stay in Python
-COLUMNS = (
-    "stamp",
-    "checksum",
-    "seal",
-    "ns",
-    "owner",
-    "length",
-    "parent",
-    "key",
-    "state",
-    "in_l3",
-    "key_len",
-    "flags",
-)
-
-
-class PageByPage(HostPool):
-    """The host pool allocating every key in Python (the reference)."""
-
-    def allocate(self, ns_id: int, owner: int, class_id: int, keys: Sequence[bytes],
-                 parent_key: bytes | None = None) -> list[tuple[int, int]]:  # fmt: skip
-        self._slots.check_class(class_id)
-        return PageTable._allocate(self, ns_id, owner, class_id, keys, parent_key)
-
-    def commit(self, slots: Sequence[int], checksums: Sequence[int] | None = None) -> None:
-        native, storerun._alloc = storerun._alloc, None  # PageTable.commit's own loop
-        try:
-            super().commit(slots, checksums)
-        finally:
-            storerun._alloc = native
+OWNERS = (10, 20, 30)  # 30 has a quota: the evictor decides its every slot
 
 
 class Counting:
@@ -81,48 +47,12 @@ class Counting:
 def pools(extents: int = 24) -> tuple[HostPool, HostPool]:
     out = (
         HostPool(extents * EXTENT, EXTENT, 4 * KIB),
-        PageByPage(extents * EXTENT, EXTENT, 4 * KIB),
+        page_by_page(HostPool(extents * EXTENT, EXTENT, 4 * KIB)),
     )
     for p in out:
         assert p.register_class(4000) == 0  # 4 slots an extent
         assert p.register_class(8000) == 1  # 2 slots an extent
         p.set_quota(30, 40)
-    return out
-
-
-def snapshot(p: HostPool) -> dict[str, Any]:
-    ev, lru, kids, slots = p._ev, p._lru, p._kids, p._slots
-    out: dict[str, Any] = {c: p._meta.array(c).tobytes() for c in COLUMNS}
-    for name, arr in (
-        ("pins", p._pins),
-        ("children", kids.count),
-        ("first", kids.first),
-        ("sib_prev", kids.sib_prev),
-        ("sib_next", kids.sib_next),
-        ("prev", lru.prev),
-        ("next", lru.next),
-        ("oprev", lru.oprev),
-        ("onext", lru.onext),
-        ("ext_class", slots.ext_class),
-        ("ext_used", slots.ext_used),
-        ("ext_bump", slots.ext_bump),
-    ):
-        out[name] = arr.tobytes()
-    out.update(
-        ready=p._ready,
-        writing={ns: d for ns, d in p._writing.items() if d},
-        keys=p._key,
-        owned={o: n for o, n in p._owned.items() if n},
-        ends=lru.ends,
-        own_ends={o: e for o, e in lru.own_ends.items() if e != [-1, -1]},
-        classes=[(c.free, c.bump, c.extents, c.ready, c.writing) for c in p._classes],
-        log=[(type(e), e.key, e.ns_id, e.slot, e.in_l3) for e in ev._log],
-        evictions=(ev.evictions, ev.unlogged),
-        clock=p._clock,
-        free_extents=list(slots.free_extents),
-        pinned=p._n_pinned,
-        offsets=np.asarray(slots.offset_of).tobytes(),
-    )
     return out
 
 
@@ -211,7 +141,7 @@ def test_a_full_pool_evicts_in_c_and_keeps_counting() -> None:
     included."""
     fast, ref = pools(extents=8)
     for p in (fast, ref):
-        p._ev.max_log = 50
+        p._pages.evictor.max_log = 50
     for chain in range(30):
         keys = [b"f%d-%d" % (chain, i) for i in range(16)]
         owner = OWNERS[chain % 2]
@@ -220,16 +150,8 @@ def test_a_full_pool_evicts_in_c_and_keeps_counting() -> None:
         for p in (fast, ref):
             p.commit([s for _, s in got[0]])
         assert snapshot(fast) == snapshot(ref)
-    assert fast._ev.evictions > 300 and fast._ev.unlogged > 0
+    assert fast._pages.evictor.evictions > 300 and fast._pages.evictor.unlogged > 0
     assert fast.drain_evicted() == ref.drain_evicted()
-
-
-def test_without_the_extension_allocation_stays_in_python(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(storerun, "_alloc", None)
-    fast, ref = pools()
-    keys = [b"n%d" % i for i in range(20)]
-    assert fast.allocate(1, 10, 0, keys) == ref.allocate(1, 10, 0, keys)
-    assert snapshot(fast) == snapshot(ref)
 
 
 @pytest.mark.parametrize("bad", ["twice", "negative checksum", "not writing"])
@@ -262,11 +184,12 @@ def test_the_c_call_refuses_a_start_outside_the_keys() -> None:
     """``_alloc.run`` checks its index before reading a key (a negative one read before the
     list)."""
     fast, _ = pools()
-    table, ev, cls = fast, fast._ev, fast._classes[0]
+    table = fast._pages
+    ev, cls = table.evictor, table.slots.classes[0]
     for start in (-1, 3):
         with pytest.raises(ValueError, match="outside the 2 keys"):
             storerun._alloc.run(
-                storerun._cols(table),
+                table._runs._cols,
                 [b"a", b"b"],
                 start,
                 -1,
@@ -282,10 +205,10 @@ def test_the_c_call_refuses_a_start_outside_the_keys() -> None:
                 {},
                 {},
                 table._key,
-                table._owned,
-                table._lru.ends,
-                table._lru.own_ends,
-                ev._log,
+                ev.owned,
+                ev.lru.ends,
+                ev.lru.own_ends,
+                ev.log,
                 ev.max_log,
                 storerun.EvictedPage,
                 [],

@@ -9,16 +9,20 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
-from kvtier.daemon.pool import bulk, storerun
 from kvtier.daemon.pool.index import HostPool, HostPoolError, PageState
+
+from tests.pool_model import page_by_page
 
 KIB = 1024
 EXTENT = 16 * KIB
 NS, OWNER = 1, 10
 
 
-def pool_of(extents: int, policy: str = "arc") -> tuple[HostPool, int]:
+def pool_of(extents: int, policy: str = "arc", model: bool = False) -> tuple[HostPool, int]:
+    """A pool of ``extents`` extents (``model``: with the page-by-page table)."""
     pool = HostPool(extents * EXTENT, EXTENT, 4 * KIB, eviction_policy=policy)
+    if model:
+        page_by_page(pool)
     return pool, pool.register_class(4000)
 
 
@@ -90,7 +94,7 @@ def test_chain_goes_tail_first_and_parent_keeps_its_list() -> None:
 
 def t2_list(pool: HostPool) -> list[int]:
     out = []
-    s, nxt = pool._ev.lru.start(None, second=True)
+    s, nxt = pool._pages.evictor.lru.start(None, second=True)
     while s != -1:
         out.append(s)
         s = nxt[s]
@@ -101,7 +105,7 @@ def test_write_back_pin_is_not_a_use() -> None:
     pool, cls = pool_of(1)
     (s,) = store(pool, cls, [b"x"])
     pool.unpin(pool.pin(NS, [b"x"]))  # a pin that is not a LOAD (L3 write)
-    arc = pool._ev.arc
+    arc = pool._pages.evictor.arc
     assert arc is not None and arc.tier[s] == 0 and arc.t2 == 0
     load(pool, [b"x"])
     assert arc.tier[s] == 1 and arc.t2 == 1
@@ -113,30 +117,24 @@ def test_flush_drops_both_lists() -> None:
     store(pool, cls, [b"z"])
     load(pool, [b"z"])
     assert pool.flush() == 3
-    assert len(pool.evictable_slots()) == 0 and pool._ev.arc is not None
-    assert pool._ev.arc.t2 == 0
+    assert len(pool.evictable_slots()) == 0 and pool._pages.evictor.arc is not None
+    assert pool._pages.evictor.arc.t2 == 0
 
 
-def _long_runs(native: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[bytes], list[int]]:
-    """Long chains stored, loaded and evicted under arc; the C pin path or numpy's."""
-    if not native:
-        monkeypatch.setattr(bulk, "_pins", None)
-        monkeypatch.setattr(storerun, "_alloc", None)
-    pool, cls = pool_of(8)  # 32 pages
+def _long_runs(native: bool) -> tuple[list[bytes], list[int]]:
+    """Long chains stored, loaded and evicted under arc; in C or by the page-by-page model."""
+    pool, cls = pool_of(8, model=not native)  # 32 pages
     out: list[bytes] = []
     for r in range(12):
         keys = [f"c{r % 5}-{i}".encode() for i in range(10 + r % 3)]
         load(pool, keys)
         store(pool, cls, keys)
         out += evicted(pool)
-    monkeypatch.undo()
     return out, pool.evictable_slots()
 
 
-def test_c_and_python_paths_evict_alike(monkeypatch: pytest.MonkeyPatch) -> None:
-    if not (bulk.NATIVE and storerun.NATIVE):
-        pytest.skip("the C extensions are not built: only one path to compare")
-    assert _long_runs(True, monkeypatch) == _long_runs(False, monkeypatch)
+def test_c_and_the_page_by_page_model_evict_alike() -> None:
+    assert _long_runs(True) == _long_runs(False)
 
 
 class ArcModel(RuleBasedStateMachine):
@@ -155,7 +153,7 @@ class ArcModel(RuleBasedStateMachine):
     @invariant()
     def lists_hold_exactly_the_evictable_pages(self) -> None:
         pool = self.pool
-        arc = pool._ev.arc
+        arc = pool._pages.evictor.arc
         assert arc is not None
         listed = pool.evictable_slots()
         assert len(listed) == len(set(listed))
@@ -189,14 +187,14 @@ def test_adoption_keeps_pages_and_recency_not_the_split() -> None:
     (x,) = store(pool, cls, [b"x"])
     (y,) = store(pool, cls, [b"y"])
     load(pool, [b"x"])  # x: T2 and the most recent
-    arc = pool._ev.arc
+    arc = pool._pages.evictor.arc
     assert arc is not None and arc.t2 == 1
     pool.close()
     again = HostPool(EXTENT, EXTENT, 4 * KIB, eviction_policy="arc")
     again.register_class(4000)
     res = again.adopt(meta)
     assert res.adopted and res.pages_adopted == 2
-    arc = again._ev.arc
+    arc = again._pages.evictor.arc
     assert arc is not None and arc.t2 == 0 and not any(arc.tier) and arc.p == 0.0
     assert again.evictable_slots() == [y, x]  # T1 only, by last access
     assert again.stats().eviction_policy == "arc"

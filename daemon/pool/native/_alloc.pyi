@@ -1,5 +1,5 @@
-"""Types of the ``_alloc`` C extension (``kernels/_alloc.c``): a STORE's slots allocated and
-committed in C, as :mod:`kvtier.daemon.pool.storerun` calls it."""
+"""Types of the ``_alloc`` C extension (``daemon/pool/native/_alloc.c``): a STORE's slots
+allocated and committed in C, as :mod:`kvtier.daemon.pool.storerun` calls it."""
 
 from typing import Any
 
@@ -8,4 +8,5 @@ def run(*args: Any) -> tuple[int, int, int, int, int] | None:
     unlogged)``, or None when a key is not a bytes object of at most 32 bytes."""
 
 def commit(*args: Any) -> tuple[int, int] | None:
-    """Commit a STORE's filled slots: ``(stop, clock)``, or None to take the Python path."""
+    """Commit a STORE's filled slots: ``(stop, clock)``, or None (nothing changed) when a
+    slot or checksum is refused."""

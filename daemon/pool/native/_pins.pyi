@@ -1,4 +1,4 @@
-"""Types of the ``_pins`` C extension (``kernels/_pins.c``): pin and unpin a run of pages."""
+"""Types of the ``_pins`` C extension (``daemon/pool/native/_pins.c``): pin and unpin a run of pages."""
 
 from typing import Any, TypeAlias
 

@@ -1,24 +1,23 @@
-"""Pin and unpin of runs in C or numpy (:mod:`kvtier.daemon.pool.bulk`) against the
-page-by-page path they stand in for; every test runs with each of the two.
+"""Pin and unpin in C (:class:`kvtier.daemon.pool.pins.Pins`) against the page-by-page
+model (``tests/pool_model.py``).
 
-Two pools get the same operations: the host pool as the daemon runs it (runs of
-``run_pages()`` pages or more go to C, or to numpy) and one that pins and unpins every run
-page by page. After every operation both must hold the same pins, access stamps, pinned-page
-count and evictable lists, answer with the same slots or the same error, and evict the
-same pages later.
+Two pools get the same operations: the host pool as the daemon runs it (every pin and unpin
+in one C call) and one that pins and unpins page by page. After every operation both must
+hold the same pins, access stamps, pinned-page count and evictable lists, answer with the
+same slots or the same error, and evict the same pages later.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
 
 import numpy as np
 import pytest
-from kvtier.daemon.pool import bulk as bulk_mod
-from kvtier.daemon.pool.bulk import run_pages
+from kvtier.daemon.pool import pins as pins_mod
 from kvtier.daemon.pool.index import HostPool, HostPoolError
-from kvtier.daemon.pool.pages import PageTable
+from kvtier.daemon.pool.native import _pins
+
+from tests.pool_model import page_by_page
 
 KIB = 1024
 EXTENT = 16 * KIB
@@ -26,30 +25,10 @@ NS = 1
 OWNERS = (10, 20)
 
 
-@pytest.fixture(autouse=True, params=["C", "numpy"])
-def run_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each test once with the C extension's pins and once with numpy's."""
-    if request.param == "numpy":
-        monkeypatch.setattr(bulk_mod, "_pins", None)
-    elif not bulk_mod.NATIVE:
-        pytest.skip("kvtier.kernels._pins is not built (no C compiler at install)")
-    return str(request.param)
-
-
-class PageByPage(HostPool):
-    """The host pool with every pin and unpin done page by page (the reference)."""
-
-    def _pin_slots(self, out: list[int]) -> None:
-        PageTable._pin_slots(self, out)
-
-    def unpin(self, slots: Sequence[int]) -> None:
-        PageTable.unpin(self, slots)
-
-
 def pools(extents: int = 96) -> tuple[HostPool, HostPool]:
     out = (
         HostPool(extents * EXTENT, EXTENT, 4 * KIB),
-        PageByPage(extents * EXTENT, EXTENT, 4 * KIB),
+        page_by_page(HostPool(extents * EXTENT, EXTENT, 4 * KIB)),
     )
     for p in out:
         assert p.register_class(4000) == 0
@@ -58,12 +37,12 @@ def pools(extents: int = 96) -> tuple[HostPool, HostPool]:
 
 def snapshot(p: HostPool) -> tuple:
     return (
-        np.frombuffer(p._pins, dtype=np.int32).tolist(),
-        p._meta.array("stamp").tolist(),
+        np.frombuffer(p._pages.pins.count, dtype=np.int32).tolist(),
+        p._pages.meta.array("stamp").tolist(),
         p.stats().pages_pinned,
         p.evictable_slots(),
         [p.evictable_slots(o) for o in OWNERS],
-        p._clock,
+        p._pages._clock,
     )
 
 
@@ -115,8 +94,8 @@ def test_long_runs_pin_and_unpin_as_page_by_page() -> None:
             slots = held.pop(rng.randrange(len(held)))
             bad = rng.random()
             if bad < 0.1:
-                both(bulk, ref, "unpin", slots + slots)  # more often than pinned, unless
-                # pinned twice: refused part-way (each slot's first listing unpinned) alike
+                if isinstance(both(bulk, ref, "unpin", slots + slots), str):
+                    held.append(slots)  # more often than pinned: refused before any change
             elif bad < 0.15:
                 both(bulk, ref, "unpin", slots + [bulk.n_slots])
                 held.append(slots)
@@ -133,30 +112,32 @@ def test_long_runs_pin_and_unpin_as_page_by_page() -> None:
     assert [e.key for e in bulk.drain_evicted()] == [e.key for e in ref.drain_evicted()]
 
 
-def test_a_long_run_is_pinned_in_one_pass(run_path: str) -> None:
-    """The bulk path really runs (and the page-by-page one does not) for long runs: from
-    8 pages with the C extension, from 64 without it."""
-    assert run_pages() == (8 if run_path == "C" else 64)
-    bulk, _ = pools()
-    keys = [f"k{i}".encode() for i in range(run_pages())]
-    slots = [s for _, s in bulk.allocate(NS, OWNERS[0], 0, keys)]
-    bulk.commit(slots)
-    calls = []
-    original = PageTable._pin_slots
+@pytest.mark.parametrize("n", [1, 2, 8, 300])
+def test_every_run_is_pinned_in_one_c_call(n: int) -> None:
+    """Pin and unpin go to C whatever the number of pages: one call each."""
+    pool, _ = pools()
+    keys = [f"k{i}".encode() for i in range(n)]
+    slots = [s for _, s in pool.allocate(NS, OWNERS[0], 0, keys)]
+    pool.commit(slots)
+    calls: list[str] = []
+    real_pin, real_unpin = _pins.pin, _pins.unpin
 
-    def spy(self: PageTable, out: list[int]) -> None:
-        calls.append(len(out))
-        original(self, out)
+    def pin(*args: object) -> object:
+        calls.append("pin")
+        return real_pin(*args)
 
-    PageTable._pin_slots = spy  # type: ignore[method-assign]
-    try:
-        assert bulk.pin(NS, keys) == slots
-        assert bulk.pin(NS, keys[: run_pages() - 1]) == slots[:-1]
-    finally:
-        PageTable._pin_slots = original  # type: ignore[method-assign]
-    assert calls == [run_pages() - 1]
-    assert bulk.stats().pages_pinned == run_pages()
-    assert bulk.evictable_slots() == []
+    def unpin(*args: object) -> object:
+        calls.append("unpin")
+        return real_unpin(*args)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pins_mod._pins, "pin", pin)
+        mp.setattr(pins_mod._pins, "unpin", unpin)
+        assert pool.pin(NS, keys) == slots
+        assert pool.stats().pages_pinned == n and pool.evictable_slots() == []
+        pool.unpin(slots)
+    assert calls == ["pin", "unpin"]
+    assert pool.stats().pages_pinned == 0
 
 
 @pytest.mark.parametrize("bad", ["twice", "free", "unpinned", "negative"])
@@ -172,7 +153,7 @@ def test_a_refused_bulk_unpin_changes_nothing_and_names_the_slot(bad: str) -> No
     extra = {
         "twice": slots[3],
         "free": bulk.n_slots - 1,
-        "unpinned": bulk._ready[NS][keys[-1]],
+        "unpinned": bulk._pages.ready[NS][keys[-1]],
         "negative": -1,
     }[bad]
     before = snapshot(bulk)
@@ -185,15 +166,13 @@ def test_a_refused_bulk_unpin_changes_nothing_and_names_the_slot(bad: str) -> No
     both(bulk, ref, "unpin", slots)
 
 
-def test_the_c_pins_check_every_slot_before_any_change(run_path: str) -> None:
-    """``kernels/_pins.c`` called directly: a slot outside the columns (however large) or
+def test_the_c_pins_check_every_slot_before_any_change() -> None:
+    """``daemon/pool/native/_pins.c`` called directly: a slot outside the columns (however large) or
     columns of different sizes are a ValueError, an item that is not an int a TypeError; an unpin of a slot not pinned, not READY or listed
     more often than pinned is refused (None); none of these changes a pin or a stamp."""
-    if run_path != "C":
-        pytest.skip("the C extension's own checks")
     from array import array
 
-    from kvtier.kernels import _pins
+    from kvtier.daemon.pool.native import _pins
 
     n = 8
     pins, kids, stamp = array("i", [0] * n), array("i", [0] * n), array("q", [0] * n)

@@ -1,4 +1,4 @@
-/* kvtier.kernels._pins: the host pool's pin and unpin of a run of pages, in one C call.
+/* kvtier.daemon.pool.native._pins: the host pool's pin and unpin of a run of pages, in one C call.
  *
  * pin(pins, stamp, children, slots, clock) -> (clock, newly_pinned, childless)
  * unpin(pins, state, children, slots, ready) -> (unpinned, childless) or None

@@ -1,9 +1,8 @@
-/* kvtier.kernels._keyprobe: the host pool's key index in C. Two functions:
+/* kvtier.daemon.pool.native._keyprobe: the host pool's key index in C. Three functions:
  *
  * - leading_run: the key table's probe of a whole LOOKUP, in one call (below);
  * - index_keys: the dict of an adopted pool's pages, built in one pass (further down);
  * - seals: the adoption scan's row seals (xxh3 of keys of 17 to 32 bytes), further still;
- * - pack_keys: a client's list of 32-byte keys as one byte string (at the end).
  *
  * leading_run(table, keys, ns, state, key_len, words, ns_id, mult0, mult1, shift, start,
  *             max_rounds, ready[, slots]) -> (index, unresolved)
@@ -248,34 +247,6 @@ end:
     return ret;
 }
 
-/* pack_keys(keys) -> bytes | None: the 32-byte keys of the list `keys` back to back, as a
- * packed LOOKUP, LOAD or STORE carries them; None when an item is not a bytes object of
- * exactly 32 bytes (the caller then sends the list, which the daemon refuses naming the
- * key). b"".join does the same in two passes and fills a Py_buffer per item first (80
- * bytes each); one pass over the list's own objects is several times faster.
- */
-static PyObject *pack_keys(PyObject *self, PyObject *keys) {
-    (void)self;
-    if (!PyList_Check(keys)) {
-        PyErr_SetString(PyExc_TypeError, "pack_keys takes a list of bytes");
-        return NULL;
-    }
-    Py_ssize_t n = PyList_GET_SIZE(keys);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *k = PyList_GET_ITEM(keys, i);
-        if (!PyBytes_CheckExact(k) || PyBytes_GET_SIZE(k) != 8 * WORDS)
-            Py_RETURN_NONE;
-    }
-    PyObject *out = PyBytes_FromStringAndSize(NULL, n * 8 * WORDS);
-    if (out == NULL)
-        return NULL;
-    char *dst = PyBytes_AS_STRING(out);
-    /* the list cannot change meanwhile: nothing here runs Python code or drops the GIL */
-    for (Py_ssize_t i = 0; i < n; i++, dst += 8 * WORDS)
-        memcpy(dst, PyBytes_AS_STRING(PyList_GET_ITEM(keys, i)), 8 * WORDS);
-    return out;
-}
-
 static PyMethodDef methods[] = {
     {"leading_run", leading_run, METH_VARARGS,
      "leading_run(table, keys, ns, state, key_len, words, ns_id, mult0, mult1, shift, start, "
@@ -287,16 +258,13 @@ static PyMethodDef methods[] = {
     {"seals", seals, METH_VARARGS,
      "seals(rows, lengths, seeds, out) -> None: xxh3_64 of each 32-byte row's first "
      "lengths[i] bytes (17 to 32) with seeds[i], written to out (uint64)"},
-    {"pack_keys", pack_keys, METH_O,
-     "pack_keys(keys) -> bytes | None: a list of 32-byte bytes objects back to back (None when "
-     "an item is anything else)"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_keyprobe",
     "The host pool's key index in C: the key table's probe of a whole LOOKUP, the index of an "
-    "adopted pool's keys, their row seals, and a client's keys packed for the wire.", -1,
+    "adopted pool's keys and their row seals.", -1,
     methods, NULL, NULL, NULL, NULL,
 };
 

@@ -1,25 +1,27 @@
-/* kvtier.kernels._alloc: the host pool's slot allocation for a STORE, page by page in C.
+/* kvtier.daemon.pool.native._alloc: the host pool's slot allocation for a STORE, page by page in C.
  *
  * run(cols, keys, start, prev, clock, ns_id, owner, cid, page_bytes, per_extent,
  *     free_extents, cls, ready_ns, writing_ns, ready, slot_keys, owned, ends, own_ends,
- *     log, max_log, evicted, out[, checked]) -> (stop, prev, clock, evictions, unlogged)
- *     or None
+ *     log, max_log, evicted, out[, checked, take, admit, mode, ends2, tier])
+ *     -> (stop, prev, clock, evictions, unlogged) or None
  *
- * The same steps as daemon/pool/pages.py's PageTable.allocate, with the eviction of
- * daemon/pool/eviction.py's Evictor._reclaim and evict and PageTable._release, in the same
- * order, for the keys from `start` on: a key the namespace holds (READY or WRITING) is
- * skipped and parents the next; any other gets a slot from the class's free list, from the
- * extent it is cutting, or by evicting the coldest evictable page when that page is of the
- * same class (its slot is reused at once), and its row is written, the state byte last.
- * What it leaves to the page-by-page path, stopping before the key at `stop` has changed
- * anything: a slot that would need a free extent cut (`free_extents` true), or an eviction
- * of a page of another class or from an empty list. The caller runs that key in Python and
- * calls again from the next, with `checked` true. None, having changed nothing: a key from
- * `start` on is not bytes of at most 32 bytes (the Python path names it); `checked` says a
- * first call has looked at every key already, so calling again looks at none of them (a
- * request whose every key goes through Python is not checked n times over).
+ * daemon/pool/pages.py's PageTable.allocate, for the keys from `start` on: a key the
+ * namespace holds (READY or WRITING) is skipped and parents the next; any other gets a slot
+ * and its row is written, the state byte last, with the steps and order of the page-by-page
+ * model (tests/pool_model.py). The slot comes from the class's free list, from the extent
+ * it is cutting, or (mode 0) by evicting the coldest evictable page when it is of the same
+ * class (daemon/pool/eviction.py's Evictor.evict and PageTable._release, its slot reused at
+ * once). Anything else asks `take(cid, owner)` (Evictor.take_slot: a free extent cut, a
+ * page of another class evicted, quotas, evictions that need L3, the arc lists), with the
+ * counters and list ends this call caches written back before and read again after; mode
+ * 1 never evicts here (evictions need L3, or arc), mode 2 asks `take` for every slot (an
+ * owner with a quota). `take` answering NIL is a shortfall: the call stops at that key
+ * (`stop`); without `take` it stops where `take` would be asked. `admit(slot, ns, key)`,
+ * when given, is called for each new page (ArcState.admit); `ends2` and `tier` are the arc
+ * policy's second global list and each slot's list. None, having changed nothing: a key
+ * from `start` on is not bytes of at most 32 bytes; `checked` says an earlier call has
+ * looked at every key already.
  *
- * Not for an owner with a quota or a pool whose evictions require L3 (the caller checks).
  * The counters of `cls` (free, bump, ready, writing) are read once and written back at the
  * end; the evictions are appended to `log` (as `evicted(key, ns, slot, in_l3)`) while it
  * holds fewer than `max_log`, else counted in `unlogged`.
@@ -138,6 +140,8 @@ typedef struct {
     int64_t owner;
     int have_owner;
     PyObject *own_ends;
+    Ends g2;              /* the second global list (arc's T2), used where tier[s] is 1 */
+    const uint8_t *tier;  /* per slot, which global list; NULL: the first only */
 } Lists;
 
 static int lists_flush(Lists *l) {
@@ -154,9 +158,14 @@ static Ends *owner_list(Lists *l, int64_t owner, int create) {
     return &l->o;
 }
 
+/* The global list `s` is on (RecencyLists.enqueue's choice by tier). */
+static Ends *global_list(Lists *l, int32_t s) {
+    return l->tier != NULL && l->tier[s] ? &l->g2 : &l->g;
+}
+
 /* RecencyLists.dequeue: the global list and the owner's. */
 static int dequeue(Cols *c, Lists *l, int32_t s) {
-    unlink_(c->prev, c->next, &l->g, s);
+    unlink_(c->prev, c->next, global_list(l, s), s);
     Ends *o = owner_list(l, c->owner[s], 0);
     if (o == NULL) return -1;
     unlink_(c->oprev, c->onext, o, s);
@@ -165,7 +174,7 @@ static int dequeue(Cols *c, Lists *l, int32_t s) {
 
 /* RecencyLists.enqueue */
 static int enqueue(Cols *c, Lists *l, int32_t s) {
-    push_(c->prev, c->next, &l->g, c->stamp, s);
+    push_(c->prev, c->next, global_list(l, s), c->stamp, s);
     Ends *o = owner_list(l, c->owner[s], 1);
     if (o == NULL) return -1;
     push_(c->oprev, c->onext, o, c->stamp, s);
@@ -281,21 +290,50 @@ static PyObject *record(PyObject *evicted, PyObject *key, int64_t ns, long long 
     return rec;
 }
 
+/* Before a call into Python that may evict (the `take` hook): the cached class counters,
+ * list ends and owner count written back to their Python objects. */
+static int sync_out(PyObject *cls, Class *k, Lists *l, PyObject *owned, int64_t owner,
+                    long long *own_delta) {
+    if (class_io(cls, k, 1) < 0 || ends_write(&l->g) < 0 || lists_flush(l) < 0) return -1;
+    if (l->tier != NULL && ends_write(&l->g2) < 0) return -1;
+    if (*own_delta && add_owned(owned, owner, *own_delta) < 0) return -1;
+    *own_delta = 0;
+    return 0;
+}
+
+/* After it: the same read back. */
+static int sync_in(PyObject *cls, Class *k, Lists *l, PyObject *ends_list) {
+    if (class_io(cls, k, 0) < 0 || ends_read(&l->g, ends_list) < 0) return -1;
+    return l->tier != NULL && ends_read(&l->g2, l->g2.list) < 0 ? -1 : 0;
+}
+
 static PyObject *run(PyObject *self, PyObject *args) {
     PyObject *cols, *keys, *cls, *ready_ns, *writing_ns, *ready, *slot_keys, *owned, *ends_list;
-    PyObject *own_ends, *log, *evicted, *out;
+    PyObject *own_ends, *log, *evicted, *out, *take = Py_None, *admit = Py_None;
+    PyObject *ends2 = Py_None, *tier_obj = Py_None;
     Py_ssize_t start, max_log;
     long long prev, clock, ns_id, owner, cid, page_bytes, per_extent;
-    int free_extents, checked = 0;
+    int free_extents, checked = 0, mode = 0;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OO!nLLLLLLLpOO!O!O!O!O!O!O!O!nOO!|p:run", &cols, &PyList_Type,
+    if (!PyArg_ParseTuple(args, "OO!nLLLLLLLpOO!O!O!O!O!O!O!O!nOO!|pOOiOO:run", &cols, &PyList_Type,
                           &keys, &start, &prev, &clock, &ns_id, &owner, &cid, &page_bytes,
                           &per_extent, &free_extents, &cls, &PyDict_Type, &ready_ns,
                           &PyDict_Type, &writing_ns, &PyDict_Type, &ready, &PyList_Type,
                           &slot_keys, &PyDict_Type, &owned, &PyList_Type, &ends_list,
                           &PyDict_Type, &own_ends, &PyList_Type, &log, &max_log, &evicted,
-                          &PyList_Type, &out, &checked))
+                          &PyList_Type, &out, &checked, &take, &admit, &mode, &ends2,
+                          &tier_obj))
         return NULL;
+    if ((ends2 == Py_None) != (tier_obj == Py_None) ||
+        (ends2 != Py_None && !PyList_Check(ends2))) {
+        PyErr_SetString(PyExc_TypeError, "run takes ends2 (a list) and tier together");
+        return NULL;
+    }
+    if ((take != Py_None && !PyCallable_Check(take)) ||
+        (admit != Py_None && !PyCallable_Check(admit)) || mode < 0 || mode > 2) {
+        PyErr_SetString(PyExc_TypeError, "take and admit must be callables or None, mode 0-2");
+        return NULL;
+    }
     if (!PyType_Check(evicted) || !PyType_IsSubtype((PyTypeObject *)evicted, &PyTuple_Type)) {
         PyErr_SetString(PyExc_TypeError, "evicted must be a tuple subclass (EvictedPage)");
         return NULL;
@@ -310,7 +348,8 @@ static PyObject *run(PyObject *self, PyObject *args) {
         if (!PyBytes_CheckExact(key) || PyBytes_GET_SIZE(key) > KEY_BYTES)
             Py_RETURN_NONE;
     }
-    Py_buffer views[N_COLS];
+    Py_buffer views[N_COLS], tv;
+    int have_tv = 0;
     Cols c;
     if (get_cols(&c, views, cols) < 0) return NULL;
     Class k;
@@ -325,6 +364,16 @@ static PyObject *run(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "per_extent %lld does not fit %zd slots in %zd extents",
                      per_extent, c.n_slots, c.n_extents);
         goto done;
+    }
+    if (tier_obj != Py_None) {  /* arc: the T1/T2 split of the global list */
+        if (PyObject_GetBuffer(tier_obj, &tv, PyBUF_SIMPLE) < 0) goto done;
+        have_tv = 1;
+        if (tv.len < c.n_slots) {
+            PyErr_SetString(PyExc_ValueError, "tier is shorter than the columns");
+            goto done;
+        }
+        if (ends_read(&l.g2, ends2) < 0) goto done;
+        l.tier = tv.buf;
     }
     if (class_io(cls, &k, 0) < 0 || ends_read(&l.g, ends_list) < 0)
         goto done;
@@ -351,29 +400,51 @@ static PyObject *run(PyObject *self, PyObject *args) {
                      c.pins[prev] == 0;
         /* where the slot comes from, decided before anything changes */
         long long v = NIL;
-        int source;  /* 0: free list, 1: the extent being cut, 2: eviction of v */
-        if (k.free != NIL) {
-            if (!in_pool(&c, k.free)) break;
+        int source = 3;  /* 0: free list, 1: the extent being cut, 2: eviction of v, 3: take */
+        if (mode == 2) {
+            source = 3;  /* an owner with a quota: the evictor decides every slot */
+        } else if (k.free != NIL && in_pool(&c, k.free)) {
             source = 0;
-        } else if (k.bump != NIL) {
-            if (k.bump < 0 || k.bump >= c.n_extents) break;
+        } else if (k.free == NIL && k.bump != NIL && k.bump >= 0 && k.bump < c.n_extents) {
             source = 1;
-        } else if (free_extents) {
-            break;
-        } else {
+        } else if (mode == 0 && k.free == NIL && k.bump == NIL && !free_extents) {
             v = l.g.cold;
             if (shield && v == prev) v = c.next[prev];
-            if (!in_pool(&c, v) || c.ext_class[v / per_extent] != cid || c.state[v] != READY
-                || c.pins[v] || c.children[v] || c.first[v] != NIL)
-                break;
-            source = 2;
+            if (in_pool(&c, v) && c.ext_class[v / per_extent] == cid && c.state[v] == READY
+                && !c.pins[v] && !c.children[v] && c.first[v] == NIL)
+                source = 2;
         }
+        if (source == 3 && take == Py_None) break;  /* the caller's step takes this key */
         if (prev != NIL) {  /* a child's reference shields prev from the eviction below */
             if (shield && dequeue(&c, &l, (int32_t)prev) < 0) goto fail;
             c.children[prev] += 1;
         }
         long long s;
-        if (source == 0) {  /* SlotAllocator.take: the free list */
+        if (source == 3) {  /* Evictor.take_slot, in Python: quotas, L3, arc, other classes */
+            if (sync_out(cls, &k, &l, owned, owner, &own_delta) < 0) goto fail;
+            PyObject *got = PyObject_CallFunction(take, "LL", cid, owner);
+            if (sync_in(cls, &k, &l, ends_list) < 0) {
+                Py_XDECREF(got);
+                goto fail;
+            }
+            if (got == NULL) goto fail;
+            s = PyLong_AsLongLong(got);
+            Py_DECREF(got);
+            if (s == -1 && PyErr_Occurred()) goto fail;
+            if (s == NIL) {  /* a shortfall: PageTable._drop_child_ref(prev), then stop */
+                if (prev != NIL) {
+                    c.children[prev] -= 1;
+                    if (c.children[prev] == 0 && c.state[prev] == READY && c.pins[prev] == 0 &&
+                        enqueue(&c, &l, (int32_t)prev) < 0)
+                        goto fail;
+                }
+                break;
+            }
+            if (!in_pool(&c, s) || c.state[s] != FREE) {
+                PyErr_Format(PyExc_ValueError, "take gave slot %lld, not a free one", s);
+                goto fail;
+            }
+        } else if (source == 0) {  /* SlotAllocator.take: the free list */
             s = k.free;
             int32_t p = c.prev[s], nx = c.next[s];
             if (p == NIL) k.free = nx; else c.next[p] = nx;
@@ -478,11 +549,17 @@ static PyObject *run(PyObject *self, PyObject *args) {
         rc = pair == NULL ? -1 : PyList_Append(out, pair);
         Py_XDECREF(pair);
         if (rc < 0) goto fail;
+        if (admit != Py_None) {  /* ArcState.admit(s, ns, key): T1, or T2 for a ghost */
+            PyObject *r = PyObject_CallFunction(admit, "LLO", s, ns_id, key);
+            if (r == NULL) goto fail;
+            Py_DECREF(r);
+        }
         k.writing += 1;
         own_delta += 1;
         prev = s;
     }
-    if (class_io(cls, &k, 1) < 0 || ends_write(&l.g) < 0 || lists_flush(&l) < 0 ||
+    if (class_io(cls, &k, 1) < 0 || ends_write(&l.g) < 0 ||
+        (l.tier != NULL && ends_write(&l.g2) < 0) || lists_flush(&l) < 0 ||
         (own_delta && add_owned(owned, owner, own_delta) < 0))
         goto done;
     result = Py_BuildValue("(nLLLL)", i, prev, clock, evictions, unlogged);
@@ -493,17 +570,19 @@ fail:  /* as the page-by-page path would be left: what happened so far stays */
         PyErr_Fetch(&t, &val, &tb);
         class_io(cls, &k, 1);
         ends_write(&l.g);
+        if (l.tier != NULL) ends_write(&l.g2);
         lists_flush(&l);
         if (own_delta) add_owned(owned, owner, own_delta);
         PyErr_Restore(t, val, tb);
     }
 done:
+    if (have_tv) PyBuffer_Release(&tv);
     for (int j = 0; j < N_COLS; j++) PyBuffer_Release(&views[j]);
     return result;
 }
 
 /* commit(cols, extra, slots, checksums, clock, per_extent, writing, ready, slot_keys, classes,
- *        ends, own_ends) -> (stop, clock) or None
+ *        ends, own_ends[, ends2, tier]) -> (stop, clock) or None
  *
  * PageTable.commit in C: the slots, last first, become READY (checksum, flags, the row's
  * seal XXH3-64(key, seed checksum ^ ns), the next access stamp, then the state byte), move
@@ -513,19 +592,27 @@ done:
  * path names it). `stop` is 0 when every slot is committed, else j + 1 where the slot at j
  * was listed twice (no longer WRITING): those after it are committed, as the Python path
  * leaves them before it raises.
- * `extra` is (checksum, seal: uint64; flags: uint8) a slot.
+ * `extra` is (checksum, seal: uint64; flags: uint8) a slot. With `ends2` and `tier` (one
+ * byte a slot: the arc policy's T1/T2 split), a page whose tier is 1 enters the second
+ * global list, as RecencyLists.enqueue puts it.
  */
 static PyObject *commit(PyObject *self, PyObject *args) {
     PyObject *cols, *extra, *slots, *checksums, *writing, *ready, *slot_keys, *classes;
-    PyObject *ends_list, *own_ends;
+    PyObject *ends_list, *own_ends, *ends2 = NULL, *tier_obj = NULL;
     long long clock, per_extent;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OOO!OLLO!O!O!O!O!O!:commit", &cols, &extra, &PyList_Type,
+    if (!PyArg_ParseTuple(args, "OOO!OLLO!O!O!O!O!O!|O!O:commit", &cols, &extra, &PyList_Type,
                           &slots, &checksums, &clock, &per_extent, &PyDict_Type, &writing,
                           &PyDict_Type, &ready, &PyList_Type, &slot_keys, &PyList_Type,
-                          &classes, &PyList_Type, &ends_list, &PyDict_Type, &own_ends))
+                          &classes, &PyList_Type, &ends_list, &PyDict_Type, &own_ends,
+                          &PyList_Type, &ends2, &tier_obj))
         return NULL;
-    Py_buffer views[N_COLS], xv[3];
+    if ((ends2 == NULL) != (tier_obj == NULL)) {
+        PyErr_SetString(PyExc_TypeError, "commit takes ends2 and tier together");
+        return NULL;
+    }
+    Py_buffer views[N_COLS], xv[3], tv;
+    int have_tv = 0;
     Cols c;
     if (get_cols(&c, views, cols) < 0) return NULL;
     PyObject *result = NULL;
@@ -578,6 +665,16 @@ static PyObject *commit(PyObject *self, PyObject *args) {
         }
     }
     Lists l = {.have_owner = 0, .own_ends = own_ends};
+    if (tier_obj != NULL) {
+        if (PyObject_GetBuffer(tier_obj, &tv, PyBUF_SIMPLE) < 0) goto done;
+        have_tv = 1;
+        if (tv.len < c.n_slots) {
+            PyErr_SetString(PyExc_ValueError, "tier is shorter than the columns");
+            goto done;
+        }
+        if (ends_read(&l.g2, ends2) < 0) goto done;
+        l.tier = tv.buf;
+    }
     if (ends_read(&l.g, ends_list) < 0) goto done;
     PyObject *by_key = NULL, *from = NULL;  /* ready[ns], writing[ns] of the last ns */
     PyObject *cls = NULL;  /* the last slot's class, its counters in k */
@@ -640,7 +737,8 @@ static PyObject *commit(PyObject *self, PyObject *args) {
         k.ready += 1;
         if (c.children[s] == 0 && enqueue(&c, &l, (int32_t)s) < 0) goto fail;
     }
-    if (ends_write(&l.g) < 0 || lists_flush(&l) < 0 || (cls != NULL && class_io(cls, &k, 1) < 0))
+    if (ends_write(&l.g) < 0 || (l.tier != NULL && ends_write(&l.g2) < 0) ||
+        lists_flush(&l) < 0 || (cls != NULL && class_io(cls, &k, 1) < 0))
         goto done;
     result = Py_BuildValue("(nL)", j + 1, clock);
     goto done;
@@ -649,12 +747,14 @@ fail:
         PyObject *t, *val, *tb;
         PyErr_Fetch(&t, &val, &tb);
         ends_write(&l.g);
+        if (l.tier != NULL) ends_write(&l.g2);
         lists_flush(&l);
         if (cls != NULL) class_io(cls, &k, 1);
         PyErr_Restore(t, val, tb);
     }
 done:
     if (result == Py_None) Py_INCREF(result);
+    if (have_tv) PyBuffer_Release(&tv);
     for (int i = 0; i < nx; i++) PyBuffer_Release(&xv[i]);
     for (int i = 0; i < N_COLS; i++) PyBuffer_Release(&views[i]);
     PyMem_Free(at);

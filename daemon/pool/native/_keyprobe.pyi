@@ -1,5 +1,5 @@
-"""Types of the ``_keyprobe`` C extension (``kernels/_keyprobe.c``): the host pool's key
-table probe, an adopted pool's key index and row seals, and key packing."""
+"""Types of the ``_keyprobe`` C extension (``daemon/pool/native/_keyprobe.c``): the host pool's key
+table probe, an adopted pool's key index and row seals."""
 
 from typing import Any, TypeAlias
 
@@ -33,6 +33,3 @@ def index_keys(rows: Buffer, slots: Buffer, by_slot: list[bytes | None]) -> dict
 
 def seals(rows: Buffer, lengths: Buffer, seeds: Buffer, out: Buffer) -> None:
     """Each row's seal into ``out``."""
-
-def pack_keys(keys: list[bytes], /) -> bytes | None:
-    """The 32-byte keys back to back; None when an item is not bytes of exactly 32."""

@@ -1,0 +1,78 @@
+"""The pins of the host pool's pages: a count per page, set and dropped a run at a time in C.
+
+A LOAD pins the pages it reads (a pinned page is never evicted) and unpins them when its
+copy ends; a LOAD of a 128K-token context pins 8,192 pages. :class:`Pins` keeps the count
+of each page and the number of pinned pages, and does both steps in one call of
+``daemon/pool/native/_pins.c`` for any number of pages: the per-page steps in the
+page-by-page order (a slot listed twice is pinned twice). The evictable lists stay in
+Python: the few pages that leave them (pinned, and childless) or enter them (unpinned, and
+childless) are moved one by one, in the same order.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+
+from kvtier.daemon.pool.links import RecencyLists, filled
+from kvtier.daemon.pool.native import _pins
+from kvtier.daemon.pool.records import PageState
+
+__all__ = ["Pins"]
+
+_READY = int(PageState.READY)
+
+
+class Pins:
+    """The pin count of each page of a pool, and how many pages are pinned.
+
+    Args:
+        n_slots: slot ids of the pool.
+        stamp / state / owner: the pool's last-access, state and owner columns.
+        children: each page's resident children (:attr:`ChildLists.count`).
+        lru: the evictable lists (a page is on them while READY, unpinned, childless).
+
+    Attributes:
+        count: pins per slot (``array('i')``).
+        pinned: pages with at least one pin.
+    """
+
+    def __init__(self, n_slots: int, stamp: memoryview, state: memoryview, owner: memoryview,
+                 children: array[int], lru: RecencyLists) -> None:  # fmt: skip
+        self.count = filled("i", 0, n_slots)
+        self.pinned = 0
+        self._stamp, self._state, self._owner = stamp, state, owner
+        self._children, self._lru = children, lru
+
+    def pin(self, slots: list[int], clock: int) -> int:
+        """Pin the READY ``slots`` and touch them, the last first (access stamps
+        ``clock + 1`` onwards); the pages pinned for the first time leave the evictable
+        lists. Returns the new clock."""
+        clock, newly, childless = _pins.pin(self.count, self._stamp, self._children, slots, clock)
+        self.pinned += newly
+        owner, lru = self._owner, self._lru
+        for s in childless:  # off the evictable lists
+            lru.dequeue(s, owner[s])
+        return clock
+
+    def unpin(self, slots: Sequence[int]) -> bool:
+        """Drop one pin of each of ``slots``; the pages left unpinned and childless enter
+        the evictable lists, in ``slots`` order. False, having changed nothing, when a slot
+        is outside the pool, not READY, not pinned, or listed more often than pinned."""
+        try:
+            done = _pins.unpin(
+                self.count,
+                self._state,
+                self._children,
+                slots if type(slots) is list else list(slots),
+                _READY,
+            )
+        except ValueError:  # a slot outside the pool
+            return False
+        if done is None:
+            return False
+        self.pinned -= done[0]
+        owner, lru = self._owner, self._lru
+        for s in done[1]:  # onto the evictable lists
+            lru.enqueue(s, owner[s])
+        return True

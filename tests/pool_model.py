@@ -1,0 +1,223 @@
+"""The host pool's state machine page by page in Python: the oracle its C paths are held to.
+
+:class:`PageByPage` is the page table with allocate, commit, pin and unpin done one page
+at a time, step for step as ``daemon/pool/native/_alloc.c`` and ``_pins.c`` say they do
+them; :func:`page_by_page` gives a host pool this table. Tests run the same operations on
+a pool of each kind and compare everything observable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvtier.daemon.pool.index import HostPool
+from kvtier.daemon.pool.layout import HAS_CHECKSUM, KEY_BYTES, NIL
+from kvtier.daemon.pool.longlookup import LongLookups
+from kvtier.daemon.pool.pages import PageTable
+from kvtier.daemon.pool.records import HostPoolError, PageState
+from xxhash import xxh3_64_intdigest
+
+_READY, _WRITING = int(PageState.READY), int(PageState.WRITING)
+_NO_PAGES: dict[bytes, int] = {}
+_MAX_U64 = (1 << 64) - 1
+
+
+class PageByPage(PageTable):
+    """The page table, every allocation, commit, pin and unpin page by page in Python."""
+
+    def allocate(self, ns_id: int, owner: int, class_id: int, keys: Sequence[bytes],
+                 parent_key: bytes | None = None) -> list[tuple[int, int]]:  # fmt: skip
+        self.slots.check_class(class_id)
+        return self._allocate(ns_id, owner, class_id, keys, parent_key)
+
+    def _allocate(self, ns_id: int, owner: int, class_id: int, keys: Sequence[bytes],
+                  parent_key: bytes | None) -> list[tuple[int, int]]:  # fmt: skip
+        """:meth:`PageTable.allocate`, page by page: each slot from the evictor."""
+        if keys and max(map(len, keys)) > KEY_BYTES:
+            raise HostPoolError(f"page keys must have at most {KEY_BYTES} bytes")
+        cls = self._classes[class_id]
+        ready = self._ready.get(ns_id, _NO_PAGES)  # evictions below only remove from it
+        writing = self._writing.get(ns_id)
+        if writing is None:
+            writing = self._writing[ns_id] = {}
+        meta = self._meta
+        pack_key, key_col, key_len, length = meta.pack_key, meta.key, meta.key_len, meta.length
+        state, stamp, ns, owners = self._state, self._stamp, self._ns, self._owner
+        children, pins, take_slot = self._children, self._pins, self._ev.take_slot
+        out: list[tuple[int, int]] = []
+        prev = NIL
+        if parent_key is not None:
+            p = ready.get(parent_key)
+            if p is None:
+                p = writing.get(parent_key)
+            if p is not None:
+                prev = p
+        for i, key in enumerate(keys):
+            s = ready.get(key)
+            if s is None:
+                s = writing.get(key)
+            if s is not None:
+                prev = s
+                continue
+            if prev != NIL:  # a child's reference shields prev from the evictions below
+                if children[prev] == 0 and state[prev] == _READY and pins[prev] == 0:
+                    self._lru.dequeue(prev, owners[prev])
+                children[prev] += 1
+            s = take_slot(class_id, owner)
+            if s == NIL:
+                if prev != NIL:
+                    self._drop_child_ref(prev)
+                break
+            pack_key(key_col, s * KEY_BYTES, key)  # the row first, the state byte last
+            key_len[s] = len(key)
+            ns[s] = ns_id
+            owners[s] = owner
+            length[s] = cls.page_bytes
+            self._parent[s] = prev
+            self._clock += 1
+            stamp[s] = self._clock
+            state[s] = _WRITING
+            self._key[s] = key
+            if prev != NIL:
+                self._kids.link(prev, s)
+            writing[key] = s
+            if self._arc is not None:
+                self._arc.admit(s, ns_id, key)
+            cls.writing += 1
+            self._owned[owner] = self._owned.get(owner, 0) + 1
+            out.append((i, s))
+            prev = s
+        return out
+
+    def _drop_child_ref(self, p: int) -> None:
+        self._children[p] -= 1
+        assert self._children[p] >= 0
+        if self.is_evictable(p):
+            self._lru.enqueue(p, self._owner[p])
+
+    def commit(self, slots: Sequence[int], checksums: Sequence[int] | None = None) -> None:
+        meta, state, keys, n_slots = self.meta, self._state, self._key, self.n_slots
+        for s in slots:
+            if not 0 <= s < n_slots or state[s] != _WRITING:
+                self._expect(s, PageState.WRITING, "commit")
+        if checksums is not None and (len(checksums) != len(slots) or (
+                checksums and (min(checksums) < 0 or max(checksums) > _MAX_U64))):  # fmt: skip
+            raise HostPoolError(f"need one 64-bit checksum per slot ({len(slots)})")
+        clock = self._clock
+        for j in range(len(slots) - 1, -1, -1):
+            s = slots[j]
+            if state[s] != _WRITING:  # listed twice
+                self._clock = clock
+                self._expect(s, PageState.WRITING, "commit")
+            key = keys[s]
+            assert key is not None
+            ns = self._ns[s]
+            if checksums is None:
+                csum = meta.flags[s] = 0
+            else:
+                csum = meta.checksum[s] = checksums[j]
+                meta.flags[s] = HAS_CHECKSUM
+            meta.seal[s] = xxh3_64_intdigest(key, (csum ^ ns) & _MAX_U64)
+            clock += 1
+            self._stamp[s] = clock
+            state[s] = _READY
+            del self._writing[ns][key]
+            self._ready.setdefault(ns, {})[key] = s
+            cls = self._classes[self._ext_class[s // self._per_extent]]
+            cls.writing -= 1
+            cls.ready += 1
+            if self._children[s] == 0:
+                self._lru.enqueue(s, self._owner[s])
+        self._clock = clock
+
+    def pin_slots(self, out: list[int], used: bool = False) -> None:
+        pins, children, stamp, owner = self._pins, self._children, self._stamp, self._owner
+        for s in reversed(out):
+            if pins[s] == 0:
+                self._pin.pinned += 1
+                if children[s] == 0:
+                    self._lru.dequeue(s, owner[s])
+            pins[s] += 1
+            self._clock += 1
+            stamp[s] = self._clock
+        if used and self._arc is not None:
+            self._arc.reused(out)
+
+    def unpin(self, slots: Sequence[int]) -> None:
+        pins, state, children, owner = self._pins, self._state, self._children, self._owner
+        for s in slots:
+            if not 0 <= s < self.n_slots or state[s] != _READY or pins[s] == 0:
+                self._expect(s, PageState.READY, "unpin")
+        if any(slots.count(s) > pins[s] for s in set(slots)):  # type: ignore[attr-defined]
+            self._refuse_unpin(slots)
+        for s in slots:
+            pins[s] -= 1
+            if pins[s] == 0:
+                self._pin.pinned -= 1
+                if children[s] == 0:
+                    self._lru.enqueue(s, owner[s])
+
+
+def page_by_page(pool: HostPool) -> HostPool:
+    """Give the empty ``pool`` a :class:`PageByPage` table (its settings kept); returns it."""
+    old = pool._pages
+    ev = old.evictor
+    pool._long.close()
+    pool._pages = PageByPage(old.meta, max_log=ev.max_log, quota=ev.quota,
+                             requires_l3=ev.requires_l3, policy=ev.policy)  # fmt: skip
+    pool._long = LongLookups(pool._pages)
+    return pool
+
+
+COLUMNS = (
+    "stamp", "checksum", "seal", "ns", "owner", "length", "parent", "key", "state", "in_l3",
+    "key_len", "flags",
+)  # fmt: skip
+"""The metadata columns :func:`observable` compares."""
+
+
+def observable(p: HostPool) -> dict[str, Any]:
+    """Everything the pool holds and reports, for comparing two pools."""
+    t = p._pages
+    ev, lru, kids, slots = t.evictor, t.evictor.lru, t.kids, t.slots
+    out: dict[str, Any] = {c: t.meta.array(c).tobytes() for c in COLUMNS}
+    for name, arr in (
+        ("pins", t.pins.count),
+        ("children", kids.count),
+        ("first", kids.first),
+        ("sib_prev", kids.sib_prev),
+        ("sib_next", kids.sib_next),
+        ("prev", lru.prev),
+        ("next", lru.next),
+        ("oprev", lru.oprev),
+        ("onext", lru.onext),
+        ("ext_class", slots.ext_class),
+        ("ext_used", slots.ext_used),
+        ("ext_bump", slots.ext_bump),
+    ):
+        out[name] = arr.tobytes()
+    out.update(
+        ready=t.ready,
+        writing={ns: d for ns, d in t._writing.items() if d},
+        keys=t.keys,
+        owned={o: n for o, n in ev.owned.items() if n},
+        ends=lru.ends,
+        own_ends={o: e for o, e in lru.own_ends.items() if e != [-1, -1]},
+        classes=[(c.free, c.bump, c.extents, c.ready, c.writing) for c in slots.classes],
+        log=[(type(e), e.key, e.ns_id, e.slot, e.in_l3) for e in ev.log],
+        evictions=(ev.evictions, ev.unlogged),
+        clock=t._clock,
+        free_extents=list(slots.free_extents),
+        pinned=t.pins.pinned,
+        offsets=np.asarray(slots.offset_of).tobytes(),
+        stats=p.stats(),
+        evictable=[p.evictable_slots(o) for o in (None, *ev.owned)],
+    )
+    arc = ev.arc
+    if arc is not None:
+        out.update(arc=(arc.p, arc.t2, arc.capacity, bytes(arc.tier), [list(g) for g in arc.ghosts],
+                        list(arc.evicted), ev.lru.ends2))  # fmt: skip
+    return out
