@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kvtier.client.admin import AdminClient
+from kvtier.client.connection.admin import AdminClient
 
 from tests.engine_child import TINY
 from tests.engines import engine, fill_page, page_bytes, tokens
