@@ -433,17 +433,7 @@ class Handlers:
             return P.StoreAccepted(req_id=m.req_id, epoch=ctx.epoch, count=count, writing=0)
         host = [slot for _, slot in allocated]
         if ctx.events is not None:  # what the BlockStored of the committed pages will say
-            ctx.events.store_started(
-                s.ns_id,
-                s.session_id,
-                m.slot,
-                m.seq,
-                keys,
-                None if every else [i for i, _ in allocated],
-                m.parent_key,
-                m.engine,
-                s.geometry.page_size,
-            )
+            ctx.events.store_of(s, m, keys, None if every else [i for i, _ in allocated])
         if every:
             self.transfers.start(s, Direction.STORE, m.slot, m.seq, host, pages, keys)
         else:

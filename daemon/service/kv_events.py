@@ -51,7 +51,8 @@ PagesHeld = tuple[list[tuple[bytes, bytes | None]], Callable[[Sequence[bytes]], 
 if TYPE_CHECKING:
     from kvtier.daemon.pool.records import EvictedPage
     from kvtier.daemon.tier.tier import TierStore
-    from kvtier.ipc.protocol import EngineBlocks
+    from kvtier.daemon.service.sessions import Session
+    from kvtier.ipc.protocol import EngineBlocks, Store
 
 __all__ = [
     "ANNOUNCE_PAGES",
@@ -219,6 +220,23 @@ class KvEventPublisher:
             parent_key,
             engine,
             engine.block_size or page_size if engine is not None else page_size,
+        )
+
+    def store_of(
+        self, s: Session, m: Store, keys: Sequence[bytes], index: list[int] | None
+    ) -> None:
+        """:meth:`store_started` for STORE ``m`` of session ``s``, copying ``keys[i]`` for
+        each ``i`` of ``index`` (None: every key)."""
+        self.store_started(
+            s.ns_id,
+            s.session_id,
+            m.slot,
+            m.seq,
+            keys,
+            index,
+            m.parent_key,
+            m.engine,
+            s.geometry.page_size,
         )
 
     def store_ended(self, session_id: int, slot: int, seq: int, committed: bool) -> None:

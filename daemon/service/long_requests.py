@@ -84,17 +84,7 @@ class LongRequests:
             return P.StoreAccepted(req_id=m.req_id, epoch=ctx.epoch, count=got.count, writing=0)
         every = len(host) == n
         if ctx.events is not None:  # what the BlockStored of the committed pages will say
-            ctx.events.store_started(
-                s.ns_id,
-                s.session_id,
-                m.slot,
-                m.seq,
-                keys,
-                None if every else got.indexes,
-                m.parent_key,
-                m.engine,
-                s.geometry.page_size,
-            )
+            ctx.events.store_of(s, m, keys, None if every else got.indexes)
         if not every:
             idx = got.indexes
             pages = cast("Sequence[int]", np.asarray(pages)[idx])  # an array serves as one
