@@ -77,10 +77,10 @@ SPLIT_BYTES = 16 << 20
 """A transfer of at least twice this many bytes (32 MiB) is split in parts of consecutive
 pages, copied by several copy threads at once (one part per ``SPLIT_BYTES``, at most one
 per thread); each layer is announced once every part has copied it. SGLang's 128-page
-batches of 256 KiB pages (32 MiB) are split: its prefetch through the real controller went
-from 3.0-3.4x to 3.2-4.2x HiCacheFile, four runs each. Smaller ones stay whole: split from
-16 MiB, vLLM's 24 MiB prefill loads were no faster inside a real vLLM, whose own threads
-want the same cores."""
+batches of 256 KiB pages (32 MiB) are split, which speeds up its prefetch through the real
+controller (`kvtier bench sglang`). Smaller ones stay whole: a prefill load of a few tens
+of MiB inside a real vLLM, whose own threads want the same cores, gains nothing from
+being split."""
 INLINE_BYTES = 256 << 10
 """Transfers of at most this many bytes are copied on the event loop: tens of microseconds
 of copying, less than handing them to a thread and back costs, so the loop is never held
