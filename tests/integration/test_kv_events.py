@@ -198,6 +198,9 @@ def test_l3_writes_and_l3_flush(daemon_factory, short_tmp):
         assert sorted(hashes(events(msgs, E.BlockStored, "FILE"))) == list(range(6))
         flush(d, "l2")
         assert sorted(hashes(events(drain(sub), E.BlockRemoved, "CPU"))) == list(range(6))
+        # the counters agree with the stream: 6 stored in CPU and 6 in FILE, 6 removed
+        c = counters(d)
+        assert (c["kv_events_stored_blocks"], c["kv_events_removed_blocks"]) == (12, 6)
         conn.prefetch(keys)  # back from L3 into L2: stored in CPU again, same hashes
         assert conn.claim(keys, policy="wait_complete") == 6
         assert sorted(hashes(events(drain(sub), E.BlockStored, "CPU"))) == list(range(6))
