@@ -6,11 +6,14 @@ copy kernels: kvtierd's kernels run in its own CUDA context, and kernels of diff
 turns with the engine's attention kernels for layer ``i``. The copy engines are scheduled apart
 from the compute units, so a DMA copy overlaps the engine's computing.
 
-One ``cudaMemcpyAsync`` (kind ``cudaMemcpyDefault``: unified addressing tells host from device)
-per segment of :func:`~kvtier.kernels.cuda_segments.plan_segments`, merged beforehand wherever
-pages continue one another on both sides, all on the caller's stream; nothing here waits for
-the GPU. CuPy's runtime binding issues the calls: ``cupy.cuda.runtime.memcpyAsync`` exists in
-every CuPy release for CUDA 11 to 13. A batched copy (``cudaMemcpyBatchAsync``, CUDA 12.8+) is not
+The copies are planned by :mod:`kvtier.kernels.cuda_segments`: byte segments merged wherever
+pages continue one another on both sides, then grouped into 2-D copies where they repeat at a
+fixed distance (consecutive pages into consecutive slots: a slot holds every layer of a page, so
+one layer's parts lie a slot apart). Each is one ``cudaMemcpyAsync`` or ``cudaMemcpy2DAsync``
+(kind ``cudaMemcpyDefault``: unified addressing tells host from device) on the caller's stream;
+nothing here waits for the GPU. CuPy's runtime binding issues the calls:
+``cupy.cuda.runtime.memcpyAsync`` and ``memcpy2DAsync`` exist in every CuPy release for CUDA 11
+to 13. A batched copy (``cudaMemcpyBatchAsync``, CUDA 12.8+) is not
 used: CuPy does not expose it and its C signature differs between CUDA 12.8 and 13, so calling it
 through ``ctypes`` unverified could corrupt memory rather than fail.
 
@@ -23,10 +26,10 @@ from __future__ import annotations
 
 from typing import Any, Literal, TypeAlias, get_args
 
-from kvtier.kernels.cuda_segments import Segments
+from kvtier.kernels.cuda_segments import Rows
 from kvtier.kernels.plan import PageCopyError
 
-__all__ = ["CopyMode", "check_mode", "issue_segments", "use_device"]
+__all__ = ["CopyMode", "check_mode", "issue_rows", "use_device"]
 
 CopyMode: TypeAlias = Literal["dma", "kernel"]
 """How a GPU transfer moves bytes: ``dma`` (copy engines, the default) or ``kernel`` (a copy
@@ -58,24 +61,35 @@ def use_device(cupy: Any, index: int) -> None:
         runtime.setDevice(index)
 
 
-def issue_segments(
-    cupy: Any, segments: Segments, *, engine_base: int, host_base: int, stream: int
-) -> None:
-    """Enqueue one ``cudaMemcpyAsync`` per segment on ``stream``; returns without waiting.
+def issue_rows(cupy: Any, rows: Rows, *, engine_base: int, host_base: int, stream: int) -> None:
+    """Enqueue the planned copies on ``stream``; returns without waiting.
 
-    The caller made the stream's device current (:func:`use_device`) and keeps both sides'
-    memory alive and unchanged until the stream has run the copies. Host memory must be pinned
+    A copy of height 1 is one ``cudaMemcpyAsync``, a taller one one ``cudaMemcpy2DAsync``. The
+    caller made the stream's device current (:func:`use_device`) and keeps both sides' memory
+    alive and unchanged until the stream has run the copies. Host memory must be pinned
     (page-locked or ``cudaHostRegister``-ed), or the copies would not be asynchronous.
 
     Args:
         cupy: The cupy module.
-        segments: The planned copies (offsets relative to the two bases).
+        rows: The planned copies (offsets relative to the two bases).
         engine_base: Address the engine regions' offsets are relative to (0 when the regions
             hold absolute device addresses).
         host_base: Address of the host arena's first byte.
         stream: The raw ``cudaStream_t`` handle.
     """
-    src, dst = segments.addresses(engine_base=engine_base, host_base=host_base)
-    memcpy = cupy.cuda.runtime.memcpyAsync
-    for s, d, n in zip(src.tolist(), dst.tolist(), segments.nbytes.tolist(), strict=True):
-        memcpy(d, s, n, _MEMCPY_DEFAULT, stream)
+    src, dst = rows.addresses(engine_base=engine_base, host_base=host_base)
+    runtime = cupy.cuda.runtime
+    memcpy, memcpy_2d = runtime.memcpyAsync, runtime.memcpy2DAsync
+    for s, d, w, h, sp, dp in zip(
+        src.tolist(),
+        dst.tolist(),
+        rows.width.tolist(),
+        rows.height.tolist(),
+        rows.src_pitch.tolist(),
+        rows.dst_pitch.tolist(),
+        strict=True,
+    ):
+        if h == 1:
+            memcpy(d, s, w, _MEMCPY_DEFAULT, stream)
+        else:
+            memcpy_2d(d, dp, s, sp, w, h, _MEMCPY_DEFAULT, stream)

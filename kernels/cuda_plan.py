@@ -5,8 +5,9 @@ with the CPU copies). Methods mirror :class:`~kvtier.kernels.page_copy.CopyPlan`
 ``stream``; see :mod:`kvtier.kernels.cuda_copy` for the memory each side must be in. Two modes:
 
 - ``dma`` (the default): each call plans its byte segments
-  (:func:`~kvtier.kernels.cuda_segments.plan_segments`, merged where pages continue one another)
-  and enqueues one ``cudaMemcpyAsync`` per segment (:mod:`kvtier.kernels.cuda_dma`). The copy
+  (:func:`~kvtier.kernels.cuda_segments.plan_segments`, merged where pages continue one another,
+  grouped into 2-D copies where they repeat) and enqueues one ``cudaMemcpyAsync`` or
+  ``cudaMemcpy2DAsync`` per copy (:mod:`kvtier.kernels.cuda_dma`). The copy
   engines run them, apart from the engine's compute kernels.
 - ``kernel``: the per-page byte offsets are uploaded to the GPU once at :meth:`~CudaCopyPlan.build`,
   and each (layer, component) buffer costs one kernel launch
@@ -24,14 +25,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from kvtier.kernels.cuda_buffers import DeviceArena, DeviceBuffer
-from kvtier.kernels.cuda_dma import CopyMode, check_mode, issue_segments, use_device
+from kvtier.kernels.cuda_dma import CopyMode, check_mode, issue_rows, use_device
 from kvtier.kernels.cuda_kernel import (
     alignment_of_offsets,
     import_cupy,
     launch_copy,
     require_cuda,
 )
-from kvtier.kernels.cuda_segments import plan_segments
+from kvtier.kernels.cuda_segments import plan_rows, plan_segments
 from kvtier.kernels.plan import IndexArray, PageCopyError, PagePlan, select_layers
 
 __all__ = ["CudaCopyPlan"]
@@ -46,8 +47,8 @@ class CudaCopyPlan:
 
     Wraps a :class:`~kvtier.kernels.plan.PagePlan` (all index checks). Methods mirror
     ``CopyPlan``'s and take a ``stream``; each enqueues its copies on that stream and returns at
-    once, without synchronising the device: one ``cudaMemcpyAsync`` per merged byte segment in
-    ``dma`` mode, one kernel per (layer, component) buffer in ``kernel`` mode.
+    once, without synchronising the device: one ``cudaMemcpyAsync`` / ``cudaMemcpy2DAsync`` per
+    planned copy in ``dma`` mode, one kernel per (layer, component) buffer in ``kernel`` mode.
 
     Every call leaves :attr:`device` current on the calling thread (``cudaSetDevice``; see
     :mod:`kvtier.kernels.cuda_dma` for why it is not switched back).
@@ -283,7 +284,7 @@ class CudaCopyPlan:
         *,
         to_host: bool,
     ) -> None:
-        """Plan the byte segments of every job together (so neighbours merge) and copy them."""
+        """Plan the copies of every job together (so neighbours merge) and enqueue them."""
         launch_stream = self._stream(stream)
         regions = [b.region for b, _, _ in jobs]
         segments = plan_segments(
@@ -297,8 +298,12 @@ class CudaCopyPlan:
         cupy = import_cupy()
         assert self.device.index is not None
         use_device(cupy, self.device.index)
-        issue_segments(
-            cupy, segments, engine_base=0, host_base=arena.address, stream=launch_stream.cuda_stream
+        issue_rows(
+            cupy,
+            plan_rows(segments),
+            engine_base=0,
+            host_base=arena.address,
+            stream=launch_stream.cuda_stream,
         )
 
     def _launch(

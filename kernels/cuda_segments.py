@@ -29,6 +29,11 @@ of a contiguous region whose slots are consecutive too, or the K and V parts of 
 lie side by side in engine memory and in the slot. Every destination byte is written at most
 once: the plan refuses a transfer whose destinations overlap, naming the regions and pages.
 
+:func:`plan_rows` then groups segments that repeat at a fixed distance on both sides into 2-D
+copies (``cudaMemcpy2DAsync``): one layer's part of consecutive pages going to consecutive slots
+lies a whole slot apart in the host arena, so it cannot merge into one 1-D copy, but it is one
+2-D copy instead of one call per page.
+
 Offsets are int64 throughout; nothing is narrowed to 32 bits (pools and engine allocations
 exceed 4 GiB).
 """
@@ -42,10 +47,14 @@ import numpy as np
 import numpy.typing as npt
 from kvtier.kernels.plan import PageCopyError, PagePlan
 
-__all__ = ["EngineRegion", "Segments", "default_part_offsets", "plan_segments"]
+__all__ = ["EngineRegion", "Rows", "Segments", "default_part_offsets", "plan_rows", "plan_segments"]
 
 _MAX_EXTENT = 1 << 62
 """Offsets and extents above this are refused, so that no sum of two of them overflows int64."""
+
+MAX_PITCH = (1 << 31) - 1
+"""The largest pitch a 2-D copy is given (``cudaDevAttrMaxPitch`` is at least this on current
+GPUs); copies further apart stay 1-D."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +132,118 @@ class Segments:
         """
         src_base, dst_base = (engine_base, host_base) if self.to_host else (host_base, engine_base)
         return _shifted(self.src, src_base, "src"), _shifted(self.dst, dst_base, "dst")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Rows:
+    """Copies grouped into 2-D copies: ``height`` rows of ``width`` bytes, a pitch apart.
+
+    Row ``k`` of copy ``i`` moves ``width[i]`` bytes from ``src[i] + k * src_pitch[i]`` to
+    ``dst[i] + k * dst_pitch[i]``; a copy of height 1 is a plain 1-D copy (its pitches equal
+    its width). All arrays int64, aligned.
+
+    Attributes:
+        src: Source offset of each copy's first row.
+        dst: Destination offset of each copy's first row.
+        width: Bytes per row.
+        height: Rows.
+        src_pitch: Bytes between rows at the source (at least ``width``).
+        dst_pitch: Bytes between rows at the destination (at least ``width``).
+        to_host: True for a store, False for a load.
+    """
+
+    src: npt.NDArray[np.int64]
+    dst: npt.NDArray[np.int64]
+    width: npt.NDArray[np.int64]
+    height: npt.NDArray[np.int64]
+    src_pitch: npt.NDArray[np.int64]
+    dst_pitch: npt.NDArray[np.int64]
+    to_host: bool
+
+    def __len__(self) -> int:
+        """Number of copies (1-D and 2-D)."""
+        return int(self.width.size)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes the copies move."""
+        return int((self.width * self.height).sum())
+
+    def addresses(
+        self, *, engine_base: int, host_base: int
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """The copies' absolute ``(src, dst)`` first-row addresses; as :meth:`Segments.addresses`.
+
+        The last row of a copy lies ``(height - 1) * pitch`` past its first; those addresses
+        are within the sides' extents, which the planner checked.
+        """
+        src_base, dst_base = (engine_base, host_base) if self.to_host else (host_base, engine_base)
+        return _shifted(self.src, src_base, "src"), _shifted(self.dst, dst_base, "dst")
+
+
+def plan_rows(segments: Segments) -> Rows:
+    """Group copies that repeat at a fixed distance on both sides into 2-D copies.
+
+    Neighbours in engine order (ascending engine offset) of equal size whose sources and
+    destinations step by the same two distances form one 2-D copy: consecutive pages of a
+    region into consecutive slots, when each slot holds every layer (one copy per page per
+    buffer otherwise). Only steps seen for at least two consecutive pairs start a 2-D copy (three
+    copies or more), so where two such runs touch, the later one gives up its first copy and
+    still has two: no run is cut to nothing, which keeps the grouping one vectorised pass.
+
+    Args:
+        segments: Merged copies from :func:`plan_segments`.
+
+    Returns:
+        The same bytes as 2-D copies where they repeat and 1-D copies (height 1) elsewhere, in
+        ascending order of their first engine byte.
+    """
+    # in engine order: there one buffer's pages follow one another; on the host, the parts of
+    # a page (K, V, other layers) interleave
+    order = np.argsort(segments.src if segments.to_host else segments.dst, kind="stable")
+    src, dst, n = segments.src[order], segments.dst[order], segments.nbytes[order]
+    m = int(n.size)
+    if m < 3:
+        return Rows(src, dst, n, np.ones(m, np.int64), n, n, segments.to_host)
+    # pair i joins copies i and i + 1; it can be a step of a 2-D copy when both are one size
+    # and both sides step forward by at least that size
+    ds, dd = np.diff(src), np.diff(dst)
+    ok = (n[1:] == n[:-1]) & (ds >= n[:-1]) & (dd >= n[:-1]) & (ds <= MAX_PITCH) & (dd <= MAX_PITCH)
+    same = np.zeros(ok.size, dtype=np.bool_)  # pair i continues pair i - 1's steps
+    same[1:] = ok[1:] & ok[:-1] & (ds[1:] == ds[:-1]) & (dd[1:] == dd[:-1])
+    is_start = ok & ~same
+    run_of_pair = np.cumsum(is_start) - 1
+    starts = np.flatnonzero(is_start)
+    lengths = np.bincount(run_of_pair[ok], minlength=starts.size)  # pairs per run
+    keep = lengths >= 2
+    first, last = starts[keep], starts[keep] + lengths[keep] - 1
+    in_run = _cover(first, last, ok.size)
+    # a run whose first copy ends the run before it gives that copy up (it keeps >= 2 copies)
+    first = first + ((first > 0) & in_run[np.maximum(first - 1, 0)])
+    single = ~_cover(first, last + 1, m)
+    pick = np.concatenate((first, np.flatnonzero(single)))
+    order = np.argsort((src if segments.to_host else dst)[pick], kind="stable")
+    n_single = int(single.sum())
+    rows = Rows(
+        src=src[pick][order],
+        dst=dst[pick][order],
+        width=n[pick][order],
+        height=np.concatenate((last - first + 2, np.ones(n_single, np.int64)))[order],
+        src_pitch=np.concatenate((ds[first], n[single]))[order],
+        dst_pitch=np.concatenate((dd[first], n[single]))[order],
+        to_host=segments.to_host,
+    )
+    return rows
+
+
+def _cover(
+    first: npt.NDArray[np.int64], last: npt.NDArray[np.int64], size: int
+) -> npt.NDArray[np.bool_]:
+    """A mask of ``size`` entries, True on every ``[first[j], last[j]]`` (inclusive)."""
+    marks = np.zeros(size + 1, dtype=np.int64)
+    np.add.at(marks, first, 1)
+    np.add.at(marks, last + 1, -1)
+    return np.cumsum(marks[:size]) > 0
 
 
 def default_part_offsets(regions: Sequence[EngineRegion]) -> list[int]:

@@ -3,7 +3,7 @@
 No GPU here, so the one thing that cannot run, CuPy's ``cudaMemcpyAsync`` binding, is replaced by
 a stand-in that says what it is (``FakeRuntime``: a ``memmove`` between host addresses, recording
 its calls). Everything else is the real code: :class:`DeviceBuffer` reading a torch tensor's
-strides, :func:`plan_segments`, :func:`issue_segments` and its argument order. The same paths on
+strides, :func:`plan_segments`, :func:`plan_rows`, :func:`issue_rows` and its argument order. The same paths on
 a GPU are in ``tests/cuda/test_cuda_dma.py``.
 """
 
@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 from kvtier.kernels.cuda_buffers import DeviceBuffer
-from kvtier.kernels.cuda_dma import check_mode, issue_segments, use_device
+from kvtier.kernels.cuda_dma import check_mode, issue_rows, use_device
 from kvtier.kernels.cuda_plan import CudaCopyPlan
-from kvtier.kernels.cuda_segments import plan_segments
+from kvtier.kernels.cuda_segments import plan_rows, plan_segments
 from kvtier.kernels.plan import PageCopyError, PagePlan
 
 CPU = torch.device("cpu")
@@ -27,16 +27,32 @@ CHUNK = HEADS * BLOCK * DIM * 2
 
 
 class FakeRuntime:
-    """A stand-in for ``cupy.cuda.runtime`` (no GPU here): ``memcpyAsync`` is a host ``memmove``."""
+    """A stand-in for ``cupy.cuda.runtime`` (no GPU here): its copies are host ``memmove``s."""
 
     def __init__(self, device: int = 0) -> None:
         self.device = device
         self.calls: list[tuple[int, int, int, int, int]] = []
+        self.calls_2d: list[tuple[int, int, int, int, int, int, int, int]] = []
         self.set_devices: list[int] = []
 
     def memcpyAsync(self, dst: int, src: int, size: int, kind: int, stream: int) -> None:
         self.calls.append((dst, src, size, kind, stream))
         ctypes.memmove(dst, src, size)
+
+    def memcpy2DAsync(
+        self,
+        dst: int,
+        dpitch: int,
+        src: int,
+        spitch: int,
+        width: int,
+        height: int,
+        kind: int,
+        stream: int,
+    ) -> None:
+        self.calls_2d.append((dst, dpitch, src, spitch, width, height, kind, stream))
+        for row in range(height):
+            ctypes.memmove(dst + row * dpitch, src + row * spitch, width)
 
     def getDevice(self) -> int:
         return self.device
@@ -69,8 +85,12 @@ def _copy(
         to_host=to_host,
     )
     runtime = FakeRuntime()
-    issue_segments(
-        _fake_cupy(runtime), segments, engine_base=0, host_base=arena.data_ptr(), stream=77
+    issue_rows(
+        _fake_cupy(runtime),
+        plan_rows(segments),
+        engine_base=0,
+        host_base=arena.data_ptr(),
+        stream=77,
     )
     return runtime
 
@@ -123,6 +143,39 @@ def test_a_region_as_a_strided_uint8_view_copies_the_described_bytes() -> None:
     arena = torch.zeros(5 * nbytes, dtype=torch.uint8)
     _copy(plan, [view], arena, to_host=True)
     assert torch.equal(arena, expected)
+
+
+def test_one_layer_of_consecutive_pages_is_one_2d_copy_per_buffer() -> None:
+    gen = torch.Generator().manual_seed(9)
+    bufs = [
+        [torch.randint(0, 256, (P, 64), dtype=torch.uint8, generator=gen) for _ in range(2)]
+        for _ in range(2)
+    ]
+    slot_bytes = 4 * 64  # 2 layers x (K, V)
+    pages = np.arange(3, 9, dtype=np.int64)
+    plan = PagePlan.build(
+        pages, np.arange(6, dtype=np.int64) * slot_bytes, 64, slot_bytes=slot_bytes
+    )
+    arena = torch.zeros(6 * slot_bytes, dtype=torch.uint8)
+    views = [DeviceBuffer.of(b, f"engine_bufs[1][{c}]", CPU) for c, b in enumerate(bufs[1])]
+    segments = plan_segments(
+        plan, [v.region for v in views], [128, 192], arena_nbytes=arena.numel(), to_host=True
+    )
+    runtime = FakeRuntime()
+    issue_rows(
+        _fake_cupy(runtime),
+        plan_rows(segments),
+        engine_base=0,
+        host_base=arena.data_ptr(),
+        stream=5,
+    )
+    assert runtime.calls == []
+    assert [
+        (w, h, sp, dp, kind, stream) for _, dp, _, sp, w, h, kind, stream in runtime.calls_2d
+    ] == [(64, 6, 64, slot_bytes, 4, 5)] * 2
+    slots = arena.view(6, 4, 64)
+    assert torch.equal(slots[:, 2], bufs[1][0][3:9]) and torch.equal(slots[:, 3], bufs[1][1][3:9])
+    assert int(slots[:, :2].count_nonzero()) == 0  # layer 0's parts untouched
 
 
 def test_device_buffer_reads_strides_and_refuses_what_is_not_pages() -> None:

@@ -9,9 +9,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from kvtier.kernels.cuda_segments import (
+    MAX_PITCH,
     EngineRegion,
+    Rows,
     Segments,
     default_part_offsets,
+    plan_rows,
     plan_segments,
 )
 from kvtier.kernels.plan import PageCopyError, PagePlan
@@ -25,6 +28,29 @@ def _apply(segments: Segments, engine: np.ndarray, arena: np.ndarray) -> None:
     src, dst = (engine, arena) if segments.to_host else (arena, engine)
     for s, d, n in zip(segments.src.tolist(), segments.dst.tolist(), segments.nbytes.tolist()):
         dst[d : d + n] = src[s : s + n]
+
+
+def _apply_rows(rows: Rows, engine: np.ndarray, arena: np.ndarray) -> None:
+    """Move the bytes the 2-D copies describe, one numpy slice per row."""
+    src, dst = (engine, arena) if rows.to_host else (arena, engine)
+    for s, d, w, h, sp, dp in zip(
+        rows.src.tolist(),
+        rows.dst.tolist(),
+        rows.width.tolist(),
+        rows.height.tolist(),
+        rows.src_pitch.tolist(),
+        rows.dst_pitch.tolist(),
+    ):
+        assert w > 0 and h > 0 and sp >= w and dp >= w
+        for k in range(h):
+            dst[d + k * dp : d + k * dp + w] = src[s + k * sp : s + k * sp + w]
+
+
+def _segments(src: list[int], dst: list[int], nbytes: list[int], to_host: bool = True) -> Segments:
+    def arr(values: list[int]) -> np.ndarray:
+        return np.array(values, dtype=np.int64)
+
+    return Segments(arr(src), arr(dst), arr(nbytes), to_host)
 
 
 def _reference(
@@ -130,11 +156,18 @@ def test_segments_match_the_page_by_page_copy(layout: str, order: str, to_host: 
     arena = rng.integers(0, 256, base + NUM_SLOTS * slot_bytes + 7, dtype=np.uint8)
 
     segments = plan_segments(plan, regions, arena_nbytes=arena.size, to_host=to_host)
+    rows = plan_rows(segments)
     got_engine, got_arena = engine.copy(), arena.copy()
     _apply(segments, got_engine, got_arena)
+    rows_engine, rows_arena = engine.copy(), arena.copy()
+    _apply_rows(rows, rows_engine, rows_arena)
     _reference(plan, regions, parts, engine, arena, to_host=to_host)
     assert np.array_equal(got_engine, engine)
     assert np.array_equal(got_arena, arena)
+    assert np.array_equal(rows_engine, engine)
+    assert np.array_equal(rows_arena, arena)
+    assert rows.total_bytes == segments.total_bytes
+    assert len(rows) <= len(segments)
     assert segments.total_bytes == len(plan) * slot_bytes
     assert segments.src.dtype == segments.dst.dtype == segments.nbytes.dtype == np.int64
     assert np.all(np.diff(segments.src) > 0)
@@ -201,10 +234,68 @@ def test_k_and_v_side_by_side_on_both_sides_merge_into_one_copy_per_page() -> No
     assert segments.nbytes.tolist() == [slot_bytes, slot_bytes]
 
 
+@pytest.mark.parametrize("to_host", [True, False], ids=["store", "load"])
+def test_one_layer_of_consecutive_pages_into_page_major_slots_is_one_2d_copy_per_buffer(
+    to_host: bool,
+) -> None:
+    chunk, n_layers = 48, 3
+    regions = _layer_first(n_layers, 2, chunk)
+    slot_bytes = n_layers * 2 * chunk
+    plan = PagePlan.build(
+        np.arange(2, 20), np.arange(5, 23) * slot_bytes, chunk, slot_bytes=slot_bytes
+    )
+    layer = slice(2, 4)  # layer 1's K and V
+    parts = default_part_offsets(regions)[layer]
+    segments = plan_segments(
+        plan, regions[layer], parts, arena_nbytes=NUM_SLOTS * slot_bytes, to_host=to_host
+    )
+    assert len(segments) == 2 * 18  # a slot apart on the host: no 1-D merging
+    rows = plan_rows(segments)
+    engine_first = [regions[2].offset + 2 * chunk, regions[3].offset + 2 * chunk]
+    host_first = [5 * slot_bytes + parts[0], 5 * slot_bytes + parts[1]]
+    src, dst = (engine_first, host_first) if to_host else (host_first, engine_first)
+    order = np.argsort(src)
+    assert rows.src.tolist() == np.array(src)[order].tolist()
+    assert rows.dst.tolist() == np.array(dst)[order].tolist()
+    assert rows.height.tolist() == [18, 18]
+    assert rows.width.tolist() == [chunk, chunk]
+    engine_pitch, host_pitch = chunk, slot_bytes
+    assert rows.src_pitch.tolist() == [engine_pitch if to_host else host_pitch] * 2
+    assert rows.dst_pitch.tolist() == [host_pitch if to_host else engine_pitch] * 2
+
+
+def test_touching_runs_with_different_steps_give_the_shared_copy_to_the_first() -> None:
+    # steps of 10 for copies 0-3, then steps of 20 from copy 3 on: copy 3 belongs to both
+    segments = _segments([0, 10, 20, 30, 50, 70, 90], [0, 10, 20, 30, 50, 70, 90], [5] * 7)
+    rows = plan_rows(segments)
+    assert rows.src.tolist() == [0, 50]
+    assert rows.height.tolist() == [4, 3]
+    assert rows.src_pitch.tolist() == [10, 20]
+    assert rows.dst_pitch.tolist() == [10, 20]
+
+
+def test_runs_shorter_than_three_copies_and_uneven_ones_stay_1d() -> None:
+    rows = plan_rows(_segments([0, 10, 100, 200], [0, 10, 300, 310], [5, 5, 5, 5]))
+    assert rows.height.tolist() == [1, 1, 1, 1]
+    assert rows.src_pitch.tolist() == rows.width.tolist() == [5, 5, 5, 5]
+    rows = plan_rows(_segments([0, 10, 20, 30], [0, 10, 20, 30], [5, 5, 6, 5]))
+    assert rows.height.tolist() == [1, 1, 1, 1]
+    # a store reading the same engine bytes into three parts: a pitch below the width (0 here)
+    # is not a 2-D copy cudaMemcpy2DAsync accepts
+    rows = plan_rows(_segments([0, 0, 0], [0, 8, 16], [8, 8, 8]))
+    assert rows.height.tolist() == [1, 1, 1]
+    far = MAX_PITCH + 1
+    rows = plan_rows(_segments([0, far, 2 * far], [0, 8, 16], [8, 8, 8]))
+    assert rows.height.tolist() == [1, 1, 1]
+    rows = plan_rows(_segments([0, 8, 16], [0, 8, 16], [8, 8, 8]))  # 1-D neighbours: pitch = width
+    assert rows.height.tolist() == [3] and rows.src_pitch.tolist() == [8]
+
+
 def test_empty_transfer_has_no_segments() -> None:
     plan = PagePlan.build(np.empty(0, np.int64), np.empty(0, np.int64), 8)
     segments = plan_segments(plan, [EngineRegion(0, 8, 8, 4)], arena_nbytes=64, to_host=True)
     assert len(segments) == 0 and segments.total_bytes == 0
+    assert len(plan_rows(segments)) == 0
 
 
 # -- offsets past 4 GiB, on the arrays alone ---------------------------------------------------
