@@ -3,7 +3,8 @@
 ``kvtier.kernels.plan`` checks and coalesces a transfer's page and slot pairs once (both back ends
 start from it); ``kvtier.kernels.page_copy`` is the CPU implementation (numpy strided copies and
 ``memmove``); ``kvtier.kernels.cuda_copy`` has the same signatures for CUDA engine buffers (plan in
-``cuda_plan``, kernel in ``cuda_kernel``) and imports cupy only when used.
+``cuda_plan``; DMA by default, ``cuda_segments`` planning its byte segments and ``cuda_dma``
+issuing them; the copy kernel in ``cuda_kernel``) and imports cupy only when used.
 """
 
 from kvtier.kernels.page_copy import (

@@ -1,22 +1,25 @@
-"""Page copies between CUDA engine buffers and the pinned host arena (a CuPy kernel).
+"""Page copies between CUDA engine buffers and the pinned host arena (DMA, or a CuPy kernel).
 
 The functions and the plan mirror :mod:`kvtier.kernels.page_copy` (same layouts, same arguments,
-same checks and :class:`~kvtier.kernels.plan.PageCopyError` messages) and add one keyword,
-``stream``: a ``torch.cuda.Stream`` to launch on (default: the current stream of the engine
-buffer's device). Copies are asynchronous on that stream; synchronise it, or record an event on it,
-before reading the destination.
+same checks and :class:`~kvtier.kernels.plan.PageCopyError` messages) and add two keywords:
+``stream``, a ``torch.cuda.Stream`` to copy on (default: the current stream of the engine
+buffer's device), and ``mode``: ``dma`` (the default: ``cudaMemcpyAsync`` on the copy engines,
+:mod:`kvtier.kernels.cuda_dma`) or ``kernel`` (:mod:`kvtier.kernels.cuda_kernel`). Copies are
+asynchronous on that stream; synchronise it, or record an event on it, before reading the
+destination.
 
-- Engine buffers are CUDA tensors (contiguous, first dimension the page id), typically opened from
-  the engine's CUDA IPC handles.
-- The arena is a 1-D uint8 CPU tensor over host memory that is pinned and mapped: the daemon's
-  shared-memory pool after ``cudaHostRegister`` (mapped), or a ``pin_memory()`` tensor. The kernel
-  reaches it through its device pointer (``cudaPointerGetAttributes``). A CUDA tensor is accepted
-  as the arena too (then it is device memory).
+- Engine buffers are CUDA tensors whose first dimension is the page id, typically opened from
+  the engine's CUDA IPC handles: contiguous, or pages of dense bytes a larger stride apart
+  (a strided region).
+- The arena is a 1-D uint8 CPU tensor over pinned host memory: the daemon's shared-memory pool
+  after ``cudaHostRegister``, or a ``pin_memory()`` tensor. DMA uses its host address; the kernel
+  reaches it through its device pointer (``cudaPointerGetAttributes``), so in ``kernel`` mode it
+  must be registered as mapped too. A CUDA tensor is accepted as the arena too (then it is
+  device memory).
 
-This module holds the one-shot functions (plan, upload and launch in one call); the plan is
-:class:`~kvtier.kernels.cuda_plan.CudaCopyPlan` and the kernel lives in
-:mod:`kvtier.kernels.cuda_kernel`. Both are imported here, so ``cuda_copy.CudaCopyPlan`` and
-``cuda_copy.CudaCopyUnavailable`` keep working.
+This module holds the one-shot functions (plan and copy in one call); the plan is
+:class:`~kvtier.kernels.cuda_plan.CudaCopyPlan`. It is imported here, so
+``cuda_copy.CudaCopyPlan`` and ``cuda_copy.CudaCopyUnavailable`` keep working.
 
 cupy is imported on first use, so this module imports on machines with neither cupy nor a GPU; a
 call there raises :class:`CudaCopyUnavailable`.
@@ -31,11 +34,13 @@ import math
 from collections.abc import Sequence
 
 import torch
+from kvtier.kernels.cuda_dma import CopyMode
 from kvtier.kernels.cuda_kernel import CudaCopyUnavailable, require_cuda
 from kvtier.kernels.cuda_plan import CudaCopyPlan
 from kvtier.kernels.plan import IndexArray, PageCopyError, positive_int
 
 __all__ = [
+    "CopyMode",
     "CudaCopyPlan",
     "CudaCopyUnavailable",
     "copy_layer_from_host",
@@ -58,12 +63,13 @@ def copy_layer_to_host(
     chunk_offset: int,
     *,
     stream: torch.cuda.Stream | None = None,
+    mode: CopyMode = "dma",
 ) -> None:
     """Store one (layer, component) CUDA buffer; see ``page_copy.copy_layer_to_host``.
 
     Asynchronous on ``stream`` (default: the buffer's current stream).
     """
-    plan = _plan_for_buffer(slot_offsets, engine_buf, page_ids, chunk_offset, stream)
+    plan = _plan_for_buffer(slot_offsets, engine_buf, page_ids, chunk_offset, stream, mode)
     plan.to_host(arena, engine_buf, chunk_offset, stream=stream)
 
 
@@ -75,9 +81,10 @@ def copy_layer_from_host(
     chunk_offset: int,
     *,
     stream: torch.cuda.Stream | None = None,
+    mode: CopyMode = "dma",
 ) -> None:
     """Load one (layer, component) CUDA buffer; see ``page_copy.copy_layer_from_host``."""
-    plan = _plan_for_buffer(slot_offsets, engine_buf, page_ids, chunk_offset, stream)
+    plan = _plan_for_buffer(slot_offsets, engine_buf, page_ids, chunk_offset, stream, mode)
     plan.from_host(arena, engine_buf, chunk_offset, stream=stream)
 
 
@@ -90,9 +97,10 @@ def copy_layer_kv_to_host(
     n_layers: int,
     *,
     stream: torch.cuda.Stream | None = None,
+    mode: CopyMode = "dma",
 ) -> None:
     """Store every component of one layer; see ``page_copy.copy_layer_kv_to_host``."""
-    plan = _plan_for_layers(slot_offsets, layer_bufs, page_ids, n_layers, stream)
+    plan = _plan_for_layers(slot_offsets, layer_bufs, page_ids, n_layers, stream, mode)
     plan.layer_to_host(arena, layer_bufs, layer, stream=stream)
 
 
@@ -105,9 +113,10 @@ def copy_layer_kv_from_host(
     n_layers: int,
     *,
     stream: torch.cuda.Stream | None = None,
+    mode: CopyMode = "dma",
 ) -> None:
     """Load every component of one layer; see ``page_copy.copy_layer_kv_from_host``."""
-    plan = _plan_for_layers(slot_offsets, layer_bufs, page_ids, n_layers, stream)
+    plan = _plan_for_layers(slot_offsets, layer_bufs, page_ids, n_layers, stream, mode)
     plan.layer_from_host(arena, layer_bufs, layer, stream=stream)
 
 
@@ -118,9 +127,10 @@ def copy_layers_to_host(
     page_ids: IndexArray,
     *,
     stream: torch.cuda.Stream | None = None,
+    mode: CopyMode = "dma",
 ) -> None:
     """Store whole pages from CUDA buffers; see ``page_copy.copy_layers_to_host``."""
-    plan = _plan_for_engine(slot_offsets, engine_bufs, page_ids, stream)
+    plan = _plan_for_engine(slot_offsets, engine_bufs, page_ids, stream, mode)
     plan.layers_to_host(arena, engine_bufs, stream=stream)
 
 
@@ -131,9 +141,10 @@ def copy_layers_from_host(
     page_ids: IndexArray,
     *,
     stream: torch.cuda.Stream | None = None,
+    mode: CopyMode = "dma",
 ) -> None:
     """Load whole pages into CUDA buffers; see ``page_copy.copy_layers_from_host``."""
-    plan = _plan_for_engine(slot_offsets, engine_bufs, page_ids, stream)
+    plan = _plan_for_engine(slot_offsets, engine_bufs, page_ids, stream, mode)
     plan.layers_from_host(arena, engine_bufs, stream=stream)
 
 
@@ -160,6 +171,7 @@ def _plan_for_buffer(
     page_ids: IndexArray,
     chunk_offset: int,
     stream: torch.cuda.Stream | None,
+    mode: CopyMode,
 ) -> CudaCopyPlan:
     """Plan a single-buffer copy: each slot owns ``chunk_offset + chunk_bytes`` bytes."""
     require_cuda()
@@ -174,6 +186,7 @@ def _plan_for_buffer(
         device=buf.device,
         slot_bytes=chunk_offset + chunk,
         stream=stream,
+        mode=mode,
     )
 
 
@@ -183,6 +196,7 @@ def _plan_for_layers(
     page_ids: IndexArray,
     n_layers: int,
     stream: torch.cuda.Stream | None,
+    mode: CopyMode,
 ) -> CudaCopyPlan:
     """Plan a copy of one layer's components; each slot owns a full host page."""
     require_cuda()
@@ -197,6 +211,7 @@ def _plan_for_layers(
         device=buf.device,
         slot_bytes=slot_bytes,
         stream=stream,
+        mode=mode,
     )
 
 
@@ -205,6 +220,7 @@ def _plan_for_engine(
     engine_bufs: Sequence[Sequence[torch.Tensor]],
     page_ids: IndexArray,
     stream: torch.cuda.Stream | None,
+    mode: CopyMode,
 ) -> CudaCopyPlan:
     """Plan a copy of whole host pages for ``engine_bufs[layer][component]``."""
     require_cuda()
@@ -219,4 +235,5 @@ def _plan_for_engine(
         device=buf.device,
         slot_bytes=slot_bytes,
         stream=stream,
+        mode=mode,
     )

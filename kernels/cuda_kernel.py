@@ -21,6 +21,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 from kvtier.config.errors import KvtierError
+from kvtier.kernels.cuda_dma import use_device
 
 __all__ = [
     "CudaCopyUnavailable",
@@ -125,10 +126,10 @@ def require_cuda() -> None:
 def _kernel(device_index: int, width: int) -> Any:
     """The compiled copy kernel for ``width``-byte words on one device (compiled once)."""
     cupy = import_cupy()
-    with cupy.cuda.Device(device_index):
-        options = ("--std=c++14", f"-DKVTIER_UNROLL={_UNROLL}", f"-DKVTIER_THREADS={_THREADS}")
-        module = cupy.RawModule(code=_SOURCE, options=options)
-        return module.get_function(f"kvtier_copy_w{width}")
+    use_device(cupy, device_index)  # not cupy.cuda.Device: its exit may touch device 0
+    options = ("--std=c++14", f"-DKVTIER_UNROLL={_UNROLL}", f"-DKVTIER_THREADS={_THREADS}")
+    module = cupy.RawModule(code=_SOURCE, options=options)
+    return module.get_function(f"kvtier_copy_w{width}")
 
 
 def _alignment(value: int) -> int:

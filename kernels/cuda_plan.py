@@ -1,122 +1,79 @@
-"""The page copies of one transfer on one GPU: a checked plan whose offsets live on the device.
+"""The page copies of one transfer on one GPU: a checked plan, issued as DMA or as kernels.
 
 :class:`CudaCopyPlan` wraps a :class:`~kvtier.kernels.plan.PagePlan` (every index check, shared
-with the CPU copies) and uploads the per-page byte offsets to the GPU once, so each (layer,
-component) buffer of the transfer costs one kernel launch and nothing else. Methods mirror
-:class:`~kvtier.kernels.page_copy.CopyPlan`'s and add a ``stream``; see
-:mod:`kvtier.kernels.cuda_copy` for the memory each side must be in.
+with the CPU copies). Methods mirror :class:`~kvtier.kernels.page_copy.CopyPlan`'s and add a
+``stream``; see :mod:`kvtier.kernels.cuda_copy` for the memory each side must be in. Two modes:
+
+- ``dma`` (the default): each call plans its byte segments
+  (:func:`~kvtier.kernels.cuda_segments.plan_segments`, merged where pages continue one another,
+  grouped into 2-D copies where they repeat) and enqueues one ``cudaMemcpyAsync`` or
+  ``cudaMemcpy2DAsync`` per copy (:mod:`kvtier.kernels.cuda_dma`). The copy
+  engines run them, apart from the engine's compute kernels.
+- ``kernel``: the per-page byte offsets are uploaded to the GPU once at :meth:`~CudaCopyPlan.build`,
+  and each (layer, component) buffer costs one kernel launch
+  (:mod:`kvtier.kernels.cuda_kernel`) reading and writing the mapped host arena.
+
+Engine buffers may be strided: pages of contiguous bytes any stride apart (see
+:class:`~kvtier.kernels.cuda_buffers.DeviceBuffer`), in both modes.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from kvtier.kernels.cuda_buffers import DeviceArena, DeviceBuffer
+from kvtier.kernels.cuda_dma import CopyMode, check_mode, issue_rows, use_device
 from kvtier.kernels.cuda_kernel import (
     alignment_of_offsets,
     import_cupy,
     launch_copy,
     require_cuda,
 )
+from kvtier.kernels.cuda_segments import plan_rows, plan_segments
 from kvtier.kernels.plan import IndexArray, PageCopyError, PagePlan, select_layers
 
 __all__ = ["CudaCopyPlan"]
 
-_CUDA_MEMORY_TYPE_HOST = 1  # cudaMemoryTypeHost in cudaPointerAttributes.type
-
-
-@dataclass(frozen=True, slots=True)
-class _DeviceArena:
-    """A checked arena: device-visible address and size in bytes."""
-
-    address: int
-    nbytes: int
-
-    @classmethod
-    def of(cls, arena: torch.Tensor, device: torch.device) -> _DeviceArena:
-        """Check the arena and find the address the kernel uses for it."""
-        if not isinstance(arena, torch.Tensor):
-            raise PageCopyError(f"arena must be a torch.Tensor, got {type(arena).__name__}")
-        if arena.dtype != torch.uint8 or arena.dim() != 1 or not arena.is_contiguous():
-            raise PageCopyError(
-                "arena must be a 1-D contiguous uint8 tensor, got "
-                f"{arena.dtype} of shape {tuple(arena.shape)}"
-            )
-        if arena.is_cuda:
-            if arena.device != device:
-                raise PageCopyError(f"arena is on {arena.device}, the engine buffers on {device}")
-            return cls(arena.data_ptr(), arena.numel())
-        if arena.device.type != "cpu":
-            raise PageCopyError(f"arena must be a CPU or CUDA tensor, got device {arena.device}")
-        if arena.numel() == 0:
-            return cls(0, 0)
-        cupy = import_cupy()
-        try:
-            with cupy.cuda.Device(device.index):
-                attrs = cupy.cuda.runtime.pointerGetAttributes(arena.data_ptr())
-        except cupy.cuda.runtime.CUDARuntimeError as err:
-            raise PageCopyError(
-                "arena is not pinned host memory: register it with cudaHostRegister (mapped)"
-            ) from err
-        if attrs.type != _CUDA_MEMORY_TYPE_HOST or not attrs.devicePointer:
-            raise PageCopyError(
-                "arena is not pinned and mapped host memory (cudaPointerGetAttributes type "
-                f"{attrs.type}): register it with cudaHostRegister (mapped) first"
-            )
-        return cls(int(attrs.devicePointer), arena.numel())
-
-
-@dataclass(frozen=True, slots=True)
-class _DeviceBuffer:
-    """A checked engine buffer on the GPU seen as ``[num_pages, row_bytes]`` bytes."""
-
-    address: int
-    num_pages: int
-    row_bytes: int
-
-    @classmethod
-    def of(cls, buf: torch.Tensor, name: str, device: torch.device) -> _DeviceBuffer:
-        """Check that ``buf`` is a contiguous CUDA tensor on ``device``."""
-        if not isinstance(buf, torch.Tensor):
-            raise PageCopyError(f"{name} must be a torch.Tensor, got {type(buf).__name__}")
-        if buf.device != device:
-            raise PageCopyError(f"{name} must be on {device}, got device {buf.device}")
-        if buf.dim() < 1 or not buf.is_contiguous():
-            raise PageCopyError(
-                f"{name} must be contiguous with the page id as first dimension, got shape "
-                f"{tuple(buf.shape)} and strides {buf.stride()}"
-            )
-        row_bytes = math.prod(buf.shape[1:]) * buf.element_size()
-        return cls(buf.data_ptr(), int(buf.shape[0]), row_bytes)
+_Job = tuple[DeviceBuffer, int, str]
+"""One checked (layer, component) copy: the buffer, its chunk offset in a slot, its name."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
 class CudaCopyPlan:
     """The page copies of one transfer on one GPU, validated once, reused for every layer.
 
-    Wraps a :class:`~kvtier.kernels.plan.PagePlan` (all index checks) and holds the
-    per-page byte offsets on the device, uploaded once. Methods mirror ``CopyPlan``'s and take a
-    ``stream``; each launches one kernel per (layer, component) buffer and returns at once.
+    Wraps a :class:`~kvtier.kernels.plan.PagePlan` (all index checks). Methods mirror
+    ``CopyPlan``'s and take a ``stream``; each enqueues its copies on that stream and returns at
+    once, without synchronising the device: one ``cudaMemcpyAsync`` / ``cudaMemcpy2DAsync`` per
+    planned copy in ``dma`` mode, one kernel per (layer, component) buffer in ``kernel`` mode.
+
+    Every call leaves :attr:`device` current on the calling thread (``cudaSetDevice``; see
+    :mod:`kvtier.kernels.cuda_dma` for why it is not switched back).
 
     Attributes:
         plan: The validated CPU plan (page ids, slot offsets, sizes, bounds).
         device: The GPU of the engine buffers.
-        page_bytes: ``page_ids * chunk_bytes`` on the device, int64, in the caller's order.
-        slot_offsets: The slot offsets on the device, int64, aligned with ``page_bytes``.
+        mode: ``dma`` or ``kernel``.
+        page_bytes: ``kernel`` mode: ``page_ids * chunk_bytes`` on the device, int64, in the
+            caller's order; None in ``dma`` mode.
+        slot_offsets: ``kernel`` mode: the slot offsets on the device, int64, aligned with
+            ``page_bytes``; None in ``dma`` mode.
         offsets_alignment: The largest copy width (16, 8, 4, 2, 1) dividing every slot offset.
-        uploaded: Recorded on the upload stream after the offsets were copied; every launch
-            stream waits for it, so a plan can be used on any stream of its device.
+        uploaded: ``kernel`` mode: recorded on the upload stream after the offsets were copied;
+            every launch stream waits for it, so a plan can be used on any stream of its
+            device. None in ``dma`` mode.
     """
 
     plan: PagePlan
     device: torch.device
-    page_bytes: torch.Tensor
-    slot_offsets: torch.Tensor
+    page_bytes: torch.Tensor | None
+    slot_offsets: torch.Tensor | None
     offsets_alignment: int
-    uploaded: torch.cuda.Event
+    uploaded: torch.cuda.Event | None
+    mode: CopyMode = "dma"
 
     @classmethod
     def build(
@@ -128,8 +85,10 @@ class CudaCopyPlan:
         device: torch.device | int | str,
         slot_bytes: int | None = None,
         stream: torch.cuda.Stream | None = None,
+        mode: CopyMode = "dma",
     ) -> CudaCopyPlan:
-        """Validate a transfer's index arrays (as :meth:`PagePlan.build`) and upload its offsets.
+        """Validate a transfer's index arrays (as :meth:`PagePlan.build`); in ``kernel`` mode,
+        upload its offsets.
 
         Args:
             page_ids: Engine page ids, 1-D int64 (numpy array or CPU tensor); each at most once.
@@ -137,12 +96,16 @@ class CudaCopyPlan:
             chunk_bytes: Bytes of one page of one (layer, component) buffer.
             device: The GPU holding the engine buffers.
             slot_bytes: Bytes each slot owns; defaults to ``chunk_bytes``.
-            stream: Stream the upload is ordered on (default: the device's current stream).
+            stream: Stream the upload is ordered on (``kernel`` mode; default: the device's
+                current stream). A ``dma`` plan touches no stream until a copy.
+            mode: ``dma`` (copy engines) or ``kernel`` (copy kernels).
 
         Raises:
-            PageCopyError: As :meth:`PagePlan.build`, or ``device`` is not a CUDA device.
+            PageCopyError: As :meth:`PagePlan.build`, ``device`` is not a CUDA device, or
+                ``mode`` is neither ``dma`` nor ``kernel``.
             CudaCopyUnavailable: No GPU or no cupy.
         """
+        copy_mode = check_mode(mode)
         require_cuda()
         plan = PagePlan.build(page_ids, slot_offsets, chunk_bytes, slot_bytes=slot_bytes)
         dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
@@ -150,15 +113,16 @@ class CudaCopyPlan:
             raise PageCopyError(f"device must be a CUDA device, got {dev}")
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
+        alignment = alignment_of_offsets(plan.slot_offsets)
+        if copy_mode == "dma":
+            return cls(plan, dev, None, None, alignment, None, copy_mode)
         host = torch.from_numpy(np.stack([plan.page_ids * plan.chunk_bytes, plan.slot_offsets]))
         upload_stream = stream if stream is not None else torch.cuda.current_stream(dev)
         with torch.cuda.device(dev), torch.cuda.stream(upload_stream):
             offsets = host.pin_memory().to(dev, non_blocking=True)
             uploaded = torch.cuda.Event()
             uploaded.record(upload_stream)
-        return cls(
-            plan, dev, offsets[0], offsets[1], alignment_of_offsets(plan.slot_offsets), uploaded
-        )
+        return cls(plan, dev, offsets[0], offsets[1], alignment, uploaded, copy_mode)
 
     def __len__(self) -> int:
         """Number of pages the transfer moves."""
@@ -175,11 +139,12 @@ class CudaCopyPlan:
         """Store: launch the copy of one engine buffer's pages into their slots.
 
         Args and errors as :meth:`CopyPlan.to_host`; ``engine_buf`` is a CUDA tensor on
-        :attr:`device`; ``arena`` is pinned and mapped host memory (see the module docstring).
+        :attr:`device` (its pages may lie any stride apart); ``arena`` is pinned host memory,
+        mapped too in ``kernel`` mode (see :mod:`kvtier.kernels.cuda_copy`).
         """
-        target = _DeviceArena.of(arena, self.device)
+        target = self._arena(arena)
         job = self._checked(target, engine_buf, "engine_buf", chunk_offset)
-        self._launch(target, [job], stream, to_host=True)
+        self._issue(target, [job], stream, to_host=True)
 
     def from_host(
         self,
@@ -193,9 +158,9 @@ class CudaCopyPlan:
 
         Args and errors as :meth:`to_host`.
         """
-        target = _DeviceArena.of(arena, self.device)
+        target = self._arena(arena)
         job = self._checked(target, engine_buf, "engine_buf", chunk_offset)
-        self._launch(target, [job], stream, to_host=False)
+        self._issue(target, [job], stream, to_host=False)
 
     def layer_to_host(
         self,
@@ -245,6 +210,10 @@ class CudaCopyPlan:
 
     # -- internals -------------------------------------------------------------------------------
 
+    def _arena(self, arena: torch.Tensor) -> DeviceArena:
+        """Check the arena; a kernel needs its mapped device address, DMA its host address."""
+        return DeviceArena.of(arena, self.device, mapped=self.mode == "kernel")
+
     def _run_layers(
         self,
         arena: torch.Tensor,
@@ -254,9 +223,9 @@ class CudaCopyPlan:
         *,
         to_host: bool,
     ) -> None:
-        """Check every buffer of the selected layers, then launch their copies in order."""
-        target = _DeviceArena.of(arena, self.device)
-        jobs: list[tuple[_DeviceBuffer, int]] = []
+        """Check every buffer of the selected layers, then issue their copies in order."""
+        target = self._arena(arena)
+        jobs: list[_Job] = []
         for layer, bufs in selected:
             if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
                 raise PageCopyError(f"layer must be a non-negative int, got {layer!r}")
@@ -268,13 +237,13 @@ class CudaCopyPlan:
                 chunk_offset = (layer * n_components + c) * self.plan.chunk_bytes
                 name = f"engine_bufs[{layer}][{c}]"
                 jobs.append(self._checked(target, buf, name, chunk_offset))
-        self._launch(target, jobs, stream, to_host=to_host)
+        self._issue(target, jobs, stream, to_host=to_host)
 
     def _checked(
-        self, arena: _DeviceArena, engine_buf: torch.Tensor, name: str, chunk_offset: int
-    ) -> tuple[_DeviceBuffer, int]:
-        """Check one copy; return the buffer's view and its chunk offset."""
-        view = _DeviceBuffer.of(engine_buf, name, self.device)
+        self, arena: DeviceArena, engine_buf: torch.Tensor, name: str, chunk_offset: int
+    ) -> _Job:
+        """Check one copy; return the buffer's view, its chunk offset and its name."""
+        view = DeviceBuffer.of(engine_buf, name, self.device)
         self.plan.check_copy(
             arena_nbytes=arena.nbytes,
             num_pages=view.num_pages,
@@ -282,34 +251,87 @@ class CudaCopyPlan:
             chunk_offset=chunk_offset,
             name=name,
         )
-        return view, chunk_offset
+        return view, chunk_offset, name
+
+    def _stream(self, stream: torch.cuda.Stream | None) -> torch.cuda.Stream:
+        """The stream to issue on: ``stream``, or the device's current one; on the plan's GPU."""
+        chosen = stream if stream is not None else torch.cuda.current_stream(self.device)
+        if chosen.device != self.device:
+            raise PageCopyError(f"stream is on {chosen.device}, the plan on {self.device}")
+        return chosen
+
+    def _issue(
+        self,
+        arena: DeviceArena,
+        jobs: Sequence[_Job],
+        stream: torch.cuda.Stream | None,
+        *,
+        to_host: bool,
+    ) -> None:
+        """Enqueue the checked copies on ``stream`` in the plan's mode."""
+        if len(self.plan) == 0 or not jobs:
+            return
+        if self.mode == "dma":
+            self._issue_dma(arena, jobs, stream, to_host=to_host)
+        else:
+            self._launch(arena, jobs, stream, to_host=to_host)
+
+    def _issue_dma(
+        self,
+        arena: DeviceArena,
+        jobs: Sequence[_Job],
+        stream: torch.cuda.Stream | None,
+        *,
+        to_host: bool,
+    ) -> None:
+        """Plan the copies of every job together (so neighbours merge) and enqueue them."""
+        launch_stream = self._stream(stream)
+        regions = [b.region for b, _, _ in jobs]
+        segments = plan_segments(
+            self.plan,
+            regions,
+            [chunk_offset for _, chunk_offset, _ in jobs],
+            arena_nbytes=arena.nbytes,
+            to_host=to_host,
+            names=[name for _, _, name in jobs],
+        )
+        cupy = import_cupy()
+        assert self.device.index is not None
+        use_device(cupy, self.device.index)
+        issue_rows(
+            cupy,
+            plan_rows(segments),
+            engine_base=0,
+            host_base=arena.address,
+            stream=launch_stream.cuda_stream,
+        )
 
     def _launch(
         self,
-        arena: _DeviceArena,
-        jobs: Sequence[tuple[_DeviceBuffer, int]],
+        arena: DeviceArena,
+        jobs: Sequence[_Job],
         stream: torch.cuda.Stream | None,
         *,
         to_host: bool,
     ) -> None:
         """Launch one kernel per checked (buffer, chunk offset) on ``stream``."""
-        n = len(self.plan)
-        if n == 0 or not jobs:
-            return
+        assert self.page_bytes is not None and self.slot_offsets is not None
+        assert self.uploaded is not None and self.device.index is not None
         cupy = import_cupy()
-        launch_stream = stream if stream is not None else torch.cuda.current_stream(self.device)
-        if launch_stream.device != self.device:
-            raise PageCopyError(f"stream is on {launch_stream.device}, the plan on {self.device}")
+        launch_stream = self._stream(stream)
         launch_stream.wait_event(self.uploaded)
         # the offsets were allocated on the upload stream: keep them alive for this one too
         self.page_bytes.record_stream(launch_stream)
         self.slot_offsets.record_stream(launch_stream)
         chunk = self.plan.chunk_bytes
-        page_off = np.uint64(self.page_bytes.data_ptr())
         slot_off = np.uint64(self.slot_offsets.data_ptr())
         index = self.device.index
-        with cupy.cuda.Device(index), cupy.cuda.ExternalStream(launch_stream.cuda_stream, index):
-            for buf, chunk_offset in jobs:
+        use_device(cupy, index)  # not cupy.cuda.Device: its exit may switch to device 0
+        strided: dict[int, torch.Tensor] = {}  # page offsets per stride, alive until launched
+        with cupy.cuda.ExternalStream(launch_stream.cuda_stream, index):
+            for buf, chunk_offset, _ in jobs:
+                page_offsets = self._page_offsets(buf.page_stride, launch_stream, strided)
+                page_off = np.uint64(page_offsets.data_ptr())
                 host_base = arena.address + chunk_offset
                 if to_host:
                     src, dst, src_off, dst_off = buf.address, host_base, page_off, slot_off
@@ -317,11 +339,33 @@ class CudaCopyPlan:
                     src, dst, src_off, dst_off = host_base, buf.address, slot_off, page_off
                 launch_copy(
                     index,
-                    n_chunks=n,
+                    n_chunks=len(self.plan),
                     chunk_bytes=chunk,
                     src=src,
                     dst=dst,
                     src_off=src_off,
                     dst_off=dst_off,
-                    offsets_align=self.offsets_alignment,
+                    offsets_align=min(
+                        self.offsets_alignment,
+                        alignment_of_offsets(np.array([buf.page_stride], dtype=np.int64)),
+                    ),
                 )
+
+    def _page_offsets(
+        self, page_stride: int, stream: torch.cuda.Stream, made: dict[int, torch.Tensor]
+    ) -> torch.Tensor:
+        """Device byte offsets of the plan's pages in a buffer whose pages lie ``page_stride`` apart.
+
+        The uploaded ``page_bytes`` for a contiguous buffer; otherwise computed on ``stream``
+        (so ordered before the launch that reads them) and kept in ``made``.
+        """
+        assert self.page_bytes is not None
+        chunk = self.plan.chunk_bytes
+        if page_stride == chunk:
+            return self.page_bytes
+        if page_stride not in made:
+            with torch.cuda.stream(stream):
+                made[page_stride] = (
+                    torch.div(self.page_bytes, chunk, rounding_mode="floor") * page_stride
+                )
+        return made[page_stride]

@@ -215,11 +215,45 @@ class PagePlan:
                 f"{name} holds {row_bytes} bytes per page, the plan copies chunks of "
                 f"{self.chunk_bytes}"
             )
-        if isinstance(chunk_offset, bool) or not isinstance(chunk_offset, int):
-            raise PageCopyError(f"chunk_offset must be an int, got {chunk_offset!r}")
-        if chunk_offset < 0 or chunk_offset + self.chunk_bytes > self.slot_bytes:
+        self.check_part(
+            arena_nbytes=arena_nbytes,
+            num_pages=num_pages,
+            part_offset=chunk_offset,
+            part_bytes=self.chunk_bytes,
+            name=name,
+        )
+
+    def check_part(
+        self,
+        *,
+        arena_nbytes: int,
+        num_pages: int,
+        part_offset: int,
+        part_bytes: int,
+        name: str,
+        offset_name: str = "chunk_offset",
+    ) -> None:
+        """Check that ``part_bytes`` at ``part_offset`` of every slot and every page fit.
+
+        The bounds half of :meth:`check_copy`, for a part of a page of any size (a region of
+        :mod:`kvtier.kernels.cuda_segments` whose page bytes differ from ``chunk_bytes``).
+
+        Args:
+            arena_nbytes: Size of the host arena in bytes.
+            num_pages: Pages on the engine side.
+            part_offset: Where the part sits inside each slot.
+            part_bytes: Bytes of the part.
+            name: How the engine side is named in error messages.
+            offset_name: How ``part_offset`` is named in error messages.
+
+        Raises:
+            PageCopyError: The part does not fit in a slot; a page id or slot is out of bounds.
+        """
+        if isinstance(part_offset, bool) or not isinstance(part_offset, int):
+            raise PageCopyError(f"{offset_name} must be an int, got {part_offset!r}")
+        if part_offset < 0 or part_offset + part_bytes > self.slot_bytes:
             raise PageCopyError(
-                f"chunk_offset = {chunk_offset} puts a {self.chunk_bytes}-byte chunk outside a "
+                f"{offset_name} = {part_offset} puts a {part_bytes}-byte chunk outside a "
                 f"{self.slot_bytes}-byte slot"
             )
         if self.max_page_id >= num_pages:
@@ -228,12 +262,12 @@ class PagePlan:
                 f"page_ids[{i}] = {int(self.page_ids[i])} is out of range for {name} with "
                 f"{num_pages} pages"
             )
-        limit = arena_nbytes - chunk_offset - self.chunk_bytes
+        limit = arena_nbytes - part_offset - part_bytes
         if self.max_slot_offset > limit:
             i = int(np.flatnonzero(self.slot_offsets > limit)[0])
             raise PageCopyError(
-                f"slot_offsets[{i}] = {int(self.slot_offsets[i])} puts chunk_offset "
-                f"{chunk_offset} + {self.chunk_bytes} bytes past the end of a {arena_nbytes}-byte "
+                f"slot_offsets[{i}] = {int(self.slot_offsets[i])} puts {offset_name} "
+                f"{part_offset} + {part_bytes} bytes past the end of a {arena_nbytes}-byte "
                 "arena"
             )
 
