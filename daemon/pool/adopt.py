@@ -60,7 +60,8 @@ def scan_rows(meta: PoolMeta, usable: np.ndarray, by_slot: list[bytes | None],
     namespace (of equally recent ones, the lowest slot). Every other non-FREE row
     (WRITING, failed, duplicate) is set FREE, state byte first. Parent links are kept
     only to an adopted page of the same namespace, and cut on any cycle (which only
-    corruption could make); the cleaned links are written back.
+    corruption could make); the cleaned links are written back, and each adopted row's
+    key bytes past its length are zeroed (as allocation writes them).
 
     The checks run as numpy columns (:func:`~kvtier.daemon.pool.seals.seals` for the
     seals); only the payload hashes (with ``arena``) are a Python loop over every row.
@@ -126,10 +127,25 @@ def scan_rows(meta: PoolMeta, usable: np.ndarray, by_slot: list[bytes | None],
     kept = in_l3[slots]
     in_l3[:] = 0
     in_l3[slots] = kept
+    _clear_past_lengths(meta, slots)
     parents = _clean_parents(meta, slots)
     del state, in_l3
     return AdoptScan(slots, ready, parents, n_gone,
                      int(meta.array("length")[slots].sum()))  # fmt: skip
+
+
+def _clear_past_lengths(meta: PoolMeta, slots: np.ndarray) -> None:
+    """Zero the key column past each adopted key's length, as allocation leaves it: the key
+    table (:mod:`~kvtier.daemon.pool.keytable`) hashes and compares whole 32-byte rows.
+    Those bytes are part of neither the key nor its seal, so this changes no page."""
+    key_len = meta.array("key_len")[slots]
+    short = slots[key_len < KEY_BYTES]
+    if len(short):
+        col = meta.array("key").reshape(-1, KEY_BYTES)
+        rows = col[short]
+        rows[np.arange(KEY_BYTES) >= key_len[key_len < KEY_BYTES][:, None]] = 0
+        col[short] = rows
+        del col
 
 
 def _payloads_match(meta: PoolMeta, arena: Any, cand: np.ndarray, sums: np.ndarray) -> np.ndarray:
