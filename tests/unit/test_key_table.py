@@ -302,8 +302,10 @@ def test_the_c_probe_refuses_columns_that_do_not_agree() -> None:
             probe.leading_run(words, NS, start)
     with pytest.raises(ValueError, match="lengths has"):
         probe.leading_run(words, NS, 0, None, b"\x20" * 3)
-    with pytest.raises(TypeError):
-        probe.add(["not a slot"])
+    assert probe.add(["not a slot", -1, 2**70, t._n_slots]) == 0  # nothing to enter
+    assert (t._table == -1).all()
+    with pytest.raises(TypeError, match="int64"):
+        probe.add(np.zeros(2, dtype=np.int32))
     probe.close()
     with pytest.raises(ValueError, match="closed"):
         probe.leading_run(words, NS, 0)

@@ -17,7 +17,8 @@
  *
  * add(slots) -> left_out: enters each slot (an int64 buffer, or a sequence of ints) at the
  * first empty entry of its run, reading its key and namespace from the columns; ids out
- * of range are skipped; returns how many found no empty entry there (left out).
+ * of range, and items that are not ints (a commit the pool refused may list them), are
+ * skipped; returns how many found no empty entry there (left out).
  *
  * leading_run(words, ns_id, start[, slots[, lengths]]) -> (index, unresolved): key after
  * key of `words` (32-byte keys back to back, each zero-padded past its length) from
@@ -157,9 +158,14 @@ static PyObject *probe_add(Probe *p, PyObject *arg) {
     PyObject **items = PySequence_Fast_ITEMS(seq);
     for (Py_ssize_t i = 0; i < n; i++) {
         long long s = PyLong_AsLongLong(items[i]);
-        if (s == -1 && PyErr_Occurred()) {
-            Py_DECREF(seq);
-            return NULL;
+        if (s == -1 && PyErr_Occurred()) {  /* not a slot id: skipped, as one out of range */
+            if (!PyErr_ExceptionMatches(PyExc_TypeError) &&
+                !PyErr_ExceptionMatches(PyExc_OverflowError)) {
+                Py_DECREF(seq);
+                return NULL;
+            }
+            PyErr_Clear();
+            continue;
         }
         if (s >= 0 && s < p->n_slots)
             left += !place(p, s);
@@ -273,8 +279,8 @@ static PyObject *probe_close(Probe *p, PyObject *unused) {
 
 static PyMethodDef probe_methods[] = {
     {"add", (PyCFunction)probe_add, METH_O,
-     "add(slots) -> left_out: enter the slots (int64 buffer or ints; ids out of range "
-     "skipped); returns how many found no empty entry within max_rounds of their bucket"},
+     "add(slots) -> left_out: enter the slots (int64 buffer or ints; ids out of range or "
+     "not ints skipped); returns how many found no empty entry within max_rounds of their bucket"},
     {"leading_run", (PyCFunction)probe_leading_run, METH_VARARGS,
      "leading_run(words, ns_id, start[, slots[, lengths]]) -> (index, unresolved): the first "
      "key from start not READY in ns_id (with slots, an int64 buffer, the slot of each key of "
