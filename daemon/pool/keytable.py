@@ -122,7 +122,7 @@ class KeyTable:
         ns_id: int,
         packed: bytes | memoryview,
         start: int = 0,
-        slots: np.ndarray | None = None,
+        slots: list[int] | None = None,
         lengths: bytes | None = None,
     ) -> tuple[int, bool]:
         """The first key from ``start`` that is not READY in ``ns_id``, probed in C (it
@@ -133,8 +133,8 @@ class KeyTable:
             packed: the keys, 32 bytes each, back to back (each zero-padded past its
                 length).
             start: the key to begin with (those before it are taken as found).
-            slots: a writable int64 array of one entry per key, or None; the slot found
-                for each key from ``start`` up to the returned index is written to it.
+            slots: a list, or None; the slot found for each key from ``start`` up to the
+                returned index is appended to it.
             lengths: one byte per key, its length; None: every key is 32 bytes.
 
         Returns:
@@ -152,12 +152,12 @@ def table_keys(keys: Sequence[bytes]) -> tuple[bytes | memoryview, bytes | None]
     (:class:`~kvtier.ipc.protocol.PackedKeyList`) are probed as they came; a key that no
     page can hold (not bytes, or longer than 32 bytes) ends the list, it and the keys after
     it left out (a lookup's run stops there anyway)."""
-    if isinstance(keys, PackedKeyList):
-        return keys.packed, None
-    if type(keys) is list and PACK_NATIVE:
+    if type(keys) is list and PACK_NATIVE:  # first: a list is the usual case
         packed = pack_keys(keys)  # in C: None unless every key is 32 bytes
         if packed is not None:
             return packed, None
+    elif isinstance(keys, PackedKeyList):
+        return keys.packed, None
     elif keys and min(map(len, keys)) == KEY_BYTES == max(map(len, keys)):
         joined = b"".join(keys)
         if len(joined) == KEY_BYTES * len(keys):  # all bytes-like of 32 bytes

@@ -12,9 +12,6 @@ slots enter the key table as it is made (:meth:`KeyLookups.committed`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import cast
-
-import numpy as np
 from kvtier.daemon.pool.keytable import KeyTable, table_keys
 from kvtier.daemon.pool.layout import KEY_BYTES
 from kvtier.daemon.pool.pages import PageTable
@@ -68,14 +65,14 @@ class KeyLookups:
         """The slots of the leading READY run of ``keys`` in ``ns_id`` (a LOAD's pin
         looks no key up twice)."""
         packed, lengths = table_keys(keys)
-        slots = np.empty(len(packed) // KEY_BYTES, dtype=np.int64)
-        n = self._run(ns_id, packed, lengths, slots)
-        return cast("list[int]", slots[:n].tolist()) if n else []
+        slots: list[int] = []
+        self._run(ns_id, packed, lengths, slots)
+        return slots
 
     def _run(self, ns_id: int, packed: bytes | memoryview, lengths: bytes | None,
-             slots: np.ndarray | None) -> int:  # fmt: skip
+             slots: list[int] | None) -> int:  # fmt: skip
         """The leading READY run of ``packed`` by the C probe, each key it leaves
-        unresolved decided by the dict; with ``slots``, each key's slot is written there."""
+        unresolved decided by the dict; with ``slots``, each key's slot is appended to it."""
         leading_run = self.table.leading_run
         i, unresolved = leading_run(ns_id, packed, 0, slots, lengths)
         while unresolved:  # C stopped at an unfinished probe: the exact way decides the key
@@ -85,6 +82,6 @@ class KeyLookups:
             if s is None:
                 return i
             if slots is not None:
-                slots[i] = s
+                slots.append(s)
             i, unresolved = leading_run(ns_id, packed, i + 1, slots, lengths)
         return i

@@ -25,9 +25,8 @@
  * `start`, the first that is not confirmed READY in namespace `ns_id`: its index is
  * returned (the number of keys when all are), with `unresolved` = 1 when its probe met
  * `max_rounds` taken entries (the caller's exact probe decides it) and 0 for a true miss.
- * With `slots` (a writable int64 buffer of one entry per key; None: none), the slot found
- * for each key of the run is written to it: a LOAD pins the pages it found without looking
- * them up again. With `lengths` (one byte per key; None: none), key i is lengths[i] bytes
+ * With `slots` (a list; None: none), the slot found for each key of the run from `start`
+ * is appended to it: a LOAD pins the pages it found without looking them up again. With `lengths` (one byte per key; None: none), key i is lengths[i] bytes
  * long; else 32.
  *
  * A table entry only proposes a slot: a slot counts when it is inside the columns, its key
@@ -175,23 +174,17 @@ static PyObject *probe_add(Probe *p, PyObject *arg) {
 }
 
 static PyObject *probe_leading_run(Probe *p, PyObject *args) {
-    Py_buffer words, slots = {0}, lengths = {0};
+    Py_buffer words, lengths = {0};
     long long ns_id, start;
-    PyObject *out = NULL, *slots_obj = Py_None, *lengths_obj = Py_None;
+    PyObject *out = NULL, *slots = Py_None, *lengths_obj = Py_None;
+    int64_t *found_at = NULL;
     if (!probe_open(p))
         return NULL;
-    if (!PyArg_ParseTuple(args, "y*LL|OO", &words, &ns_id, &start, &slots_obj, &lengths_obj))
+    if (!PyArg_ParseTuple(args, "y*LL|OO", &words, &ns_id, &start, &slots, &lengths_obj))
         return NULL;
-    if (slots_obj != Py_None && PyObject_GetBuffer(slots_obj, &slots, PyBUF_WRITABLE) < 0) {
-        PyBuffer_Release(&words);
-        return NULL;
-    }
     if (lengths_obj != Py_None && PyObject_GetBuffer(lengths_obj, &lengths, PyBUF_SIMPLE) < 0) {
-        slots.buf = NULL;  /* released below, once */
-        PyBuffer_Release(&words);
-        if (slots_obj != Py_None)
-            PyBuffer_Release(&slots);
-        return NULL;
+        lengths.buf = NULL;
+        goto end;
     }
     Py_ssize_t n = words.len / (8 * WORDS);
     if (words.len % (8 * WORDS) || start < 0 || start > n) {
@@ -199,9 +192,8 @@ static PyObject *probe_leading_run(Probe *p, PyObject *args) {
                      words.len, start);
         goto end;
     }
-    if (slots.buf != NULL && slots.len < n * 8) {
-        PyErr_Format(PyExc_ValueError, "slots has %zd bytes, %zd keys need %zd", slots.len, n,
-                     n * 8);
+    if (slots != Py_None && !PyList_Check(slots)) {
+        PyErr_Format(PyExc_TypeError, "slots: a list or None, not %.100s", Py_TYPE(slots)->tp_name);
         goto end;
     }
     if (lengths.buf != NULL && lengths.len != n) {
@@ -209,8 +201,12 @@ static PyObject *probe_leading_run(Probe *p, PyObject *args) {
                      lengths.len, n);
         goto end;
     }
+    if (slots != Py_None && n > start &&
+        (found_at = PyMem_Malloc((size_t)(n - start) * sizeof(int64_t))) == NULL) {
+        PyErr_NoMemory();
+        goto end;
+    }
     {
-        int64_t *found_at = slots.buf;
         const uint8_t *want_len = lengths.buf;
         const int32_t *tab = p->table.buf;
         const uint64_t *kcol = p->keys.buf, *w = words.buf;
@@ -249,7 +245,7 @@ static PyObject *probe_leading_run(Probe *p, PyObject *args) {
                     ncol[c] == ns_id && scol[c] == ready && lcol[c] == klen) {
                     found = 1;
                     if (found_at != NULL)
-                        found_at[i] = c;
+                        found_at[i - start] = c;
                     break;
                 }
             }
@@ -260,12 +256,18 @@ static PyObject *probe_leading_run(Probe *p, PyObject *args) {
         }
         if (ts != NULL)
             PyEval_RestoreThread(ts);
+        for (Py_ssize_t j = 0; found_at != NULL && j < i - start; j++) {
+            PyObject *v = PyLong_FromLongLong(found_at[j]);
+            int rc = v == NULL ? -1 : PyList_Append(slots, v);
+            Py_XDECREF(v);
+            if (rc < 0)
+                goto end;
+        }
         out = Py_BuildValue("ni", i, unresolved);
     }
 end:
+    PyMem_Free(found_at);
     PyBuffer_Release(&words);
-    if (slots.buf != NULL)
-        PyBuffer_Release(&slots);
     if (lengths.buf != NULL)
         PyBuffer_Release(&lengths);
     return out;
@@ -283,8 +285,8 @@ static PyMethodDef probe_methods[] = {
      "not ints skipped); returns how many found no empty entry within max_rounds of their bucket"},
     {"leading_run", (PyCFunction)probe_leading_run, METH_VARARGS,
      "leading_run(words, ns_id, start[, slots[, lengths]]) -> (index, unresolved): the first "
-     "key from start not READY in ns_id (with slots, an int64 buffer, the slot of each key of "
-     "the run is written there; with lengths, one byte per key, each key's length)"},
+     "key from start not READY in ns_id (with slots, a list, the slot of each key of the run "
+     "is appended to it; with lengths, one byte per key, each key's length)"},
     {"close", (PyCFunction)probe_close, METH_NOARGS,
      "close(): release the buffers (the probe refuses every call afterwards)"},
     {NULL, NULL, 0, NULL},

@@ -33,7 +33,7 @@ class Probe:
         words: Buffer,
         ns_id: int,
         start: int,
-        slots: Buffer | None = ...,
+        slots: list[int] | None = ...,
         lengths: Buffer | None = ...,
         /,
     ) -> tuple[int, int]:
