@@ -6,7 +6,7 @@ hands out byte offsets into the arena and keeps every page's state. It is assemb
 one module per concept::
 
     index      HostPool: construction, adoption, ids, geometry, quotas, introspection
-    pages      PageTable: the index and page state machine (lookup, allocate, commit,
+    pages      PageTable: the exact index and page state machine (allocate, commit,
                abort, pin, unpin, flush)
     storerun   StoreRuns: a STORE's allocation and commit, in C
     pins       Pins: the pin counts, pin and unpin in C
