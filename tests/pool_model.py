@@ -2,8 +2,10 @@
 
 :class:`PageByPage` is the page table with allocate, commit, pin and unpin done one page
 at a time, step for step as ``daemon/pool/native/_alloc.c`` and ``_pins.c`` say they do
-them; :func:`page_by_page` gives a host pool this table. Tests run the same operations on
-a pool of each kind and compare everything observable.
+them; :class:`DictLookups` answers lookups key by key from the page table's dict, where
+the pool probes its key table (``daemon/pool/native/_keyprobe.c``); :func:`page_by_page`
+gives a host pool both. Tests run the same operations on a pool of each kind and compare
+everything observable.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import numpy as np
 
 from kvtier.daemon.pool.index import HostPool
 from kvtier.daemon.pool.layout import HAS_CHECKSUM, KEY_BYTES, NIL
-from kvtier.daemon.pool.longlookup import LongLookups
 from kvtier.daemon.pool.pages import PageTable
 from kvtier.daemon.pool.records import HostPoolError, PageState
 from xxhash import xxh3_64_intdigest
@@ -161,14 +162,59 @@ class PageByPage(PageTable):
                     self._lru.enqueue(s, owner[s])
 
 
+def dict_run(table: PageTable, ns_id: int, keys: Sequence[bytes]) -> list[int]:
+    """The slots of the leading run of ``keys`` READY in ``ns_id``, key by key from the
+    page table's dict: what the key table's probe must answer."""
+    ready = table.ready.get(ns_id, _NO_PAGES)
+    out = []
+    for key in keys:
+        s = ready.get(key) if isinstance(key, bytes) else None
+        if s is None:
+            break
+        out.append(s)
+    return out
+
+
+class DictLookups:
+    """The host pool's lookups (:class:`~kvtier.daemon.pool.lookups.KeyLookups`) key by key
+    from the page table's dict, no key table."""
+
+    def __init__(self, pages: PageTable) -> None:
+        self._pages = pages
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+    def rebuild(self) -> None:
+        """Nothing to rebuild."""
+
+    def committed(self, slots: Sequence[int]) -> None:
+        """Nothing to enter."""
+
+    def lookup(self, ns_id: int, keys: Sequence[bytes]) -> int:
+        return len(dict_run(self._pages, ns_id, keys))
+
+    def lookup_packed(self, ns_id: int, packed: bytes | memoryview) -> int:
+        if len(packed) % KEY_BYTES:
+            raise HostPoolError(
+                f"packed keys of {len(packed)} bytes: not a multiple of {KEY_BYTES}"
+            )
+        keys = [bytes(packed[i : i + KEY_BYTES]) for i in range(0, len(packed), KEY_BYTES)]
+        return self.lookup(ns_id, keys)
+
+    def run_slots(self, ns_id: int, keys: Sequence[bytes]) -> list[int]:
+        return dict_run(self._pages, ns_id, keys)
+
+
 def page_by_page(pool: HostPool) -> HostPool:
-    """Give the empty ``pool`` a :class:`PageByPage` table (its settings kept); returns it."""
+    """Give the empty ``pool`` a :class:`PageByPage` table and :class:`DictLookups` (its
+    settings kept); returns it."""
     old = pool._pages
     ev = old.evictor
-    pool._long.close()
+    pool._lookups.close()
     pool._pages = PageByPage(old.meta, max_log=ev.max_log, quota=ev.quota,
                              requires_l3=ev.requires_l3, policy=ev.policy)  # fmt: skip
-    pool._long = LongLookups(pool._pages)
+    pool._lookups = DictLookups(pool._pages)  # type: ignore[assignment]
     return pool
 
 
@@ -201,6 +247,9 @@ def observable(p: HostPool) -> dict[str, Any]:
         out[name] = arr.tobytes()
     out.update(
         ready=t.ready,
+        # every READY page as a LOAD finds it: from the key table's probe (the pool) or
+        # key by key from the dict (the model); a page the table calls absent differs
+        found={ns: p._lookups.run_slots(ns, list(d)) for ns, d in t.ready.items()},
         writing={ns: d for ns, d in t._writing.items() if d},
         keys=t.keys,
         owned={o: n for o, n in ev.owned.items() if n},

@@ -21,10 +21,7 @@ from kvtier.daemon.pool.meta import PoolMeta
 from kvtier.daemon.pool.records import HostPoolError, PageState
 from kvtier.daemon.pool.seals import seals
 
-try:
-    from kvtier.daemon.pool.native._keyprobe import index_keys as _index_keys
-except ImportError:  # built without a C compiler: the index is built in Python
-    _index_keys = None  # type: ignore[assignment]
+from kvtier.daemon.pool.native import _keyprobe
 
 __all__ = ["AdoptScan", "scan_rows"]
 
@@ -60,10 +57,11 @@ def scan_rows(meta: PoolMeta, usable: np.ndarray, by_slot: list[bytes | None],
     namespace (of equally recent ones, the lowest slot). Every other non-FREE row
     (WRITING, failed, duplicate) is set FREE, state byte first. Parent links are kept
     only to an adopted page of the same namespace, and cut on any cycle (which only
-    corruption could make); the cleaned links are written back.
+    corruption could make); the cleaned links are written back, and each adopted row's
+    key bytes past its length are zeroed (as allocation writes them).
 
-    The checks run as numpy columns (:func:`~kvtier.daemon.pool.seals.seals` for the
-    seals); only the payload hashes (with ``arena``) are a Python loop over every row.
+    The checks run as numpy columns (:func:`~kvtier.daemon.pool.seals.seals`, in C, for
+    the seals); only the payload hashes (with ``arena``) are a Python loop over every row.
     Duplicates: with 32-byte keys throughout (engines' page keys), the index is built
     first, in C, and that finds them at no extra cost (a dict that does not grow); only
     when it does are they resolved and the index built again. Otherwise they are found
@@ -109,7 +107,7 @@ def scan_rows(meta: PoolMeta, usable: np.ndarray, by_slot: list[bytes | None],
         cand, rows, key_len = cand[ok], rows[ok], key_len[ok]
     del pbs
     ready = _index(meta.array("ns")[cand], cand, rows, key_len, by_slot, strict=True)
-    if ready is None:  # a key comes twice (or keys of other lengths, or no C extension)
+    if ready is None:  # a key comes twice (or keys of other lengths)
         latest = _latest_per_key(meta, cand, rows, key_len)
         if not latest.all():
             cand, rows, key_len = cand[latest], rows[latest], key_len[latest]
@@ -126,10 +124,25 @@ def scan_rows(meta: PoolMeta, usable: np.ndarray, by_slot: list[bytes | None],
     kept = in_l3[slots]
     in_l3[:] = 0
     in_l3[slots] = kept
+    _clear_past_lengths(meta, slots)
     parents = _clean_parents(meta, slots)
     del state, in_l3
     return AdoptScan(slots, ready, parents, n_gone,
                      int(meta.array("length")[slots].sum()))  # fmt: skip
+
+
+def _clear_past_lengths(meta: PoolMeta, slots: np.ndarray) -> None:
+    """Zero the key column past each adopted key's length, as allocation leaves it: the key
+    table (:mod:`~kvtier.daemon.pool.keytable`) hashes and compares whole 32-byte rows.
+    Those bytes are part of neither the key nor its seal, so this changes no page."""
+    key_len = meta.array("key_len")[slots]
+    short = slots[key_len < KEY_BYTES]
+    if len(short):
+        col = meta.array("key").reshape(-1, KEY_BYTES)
+        rows = col[short]
+        rows[np.arange(KEY_BYTES) >= key_len[key_len < KEY_BYTES][:, None]] = 0
+        col[short] = rows
+        del col
 
 
 def _payloads_match(meta: PoolMeta, arena: Any, cand: np.ndarray, sums: np.ndarray) -> np.ndarray:
@@ -162,21 +175,20 @@ def _index(
     """The index of the rows: per namespace id, key -> slot.
 
     Each key becomes one bytes object, shared by the index and ``by_slot`` (slot -> key),
-    where it is put at its slot. With 32-byte keys throughout (engines' page keys) the C
-    extension makes the objects and the dicts in one pass (``index_keys``, hashing each key
-    as it is made), and finds a key that comes twice in a namespace. Otherwise, or
-    without the extension, numpy and ``dict(zip(...))`` do, and the rows must hold no
-    (namespace, key) twice.
+    where it is put at its slot. With 32-byte keys throughout (engines' page keys) C makes
+    the objects and the dicts in one pass (``index_keys``, hashing each key as it is made),
+    and finds a key that comes twice in a namespace. Otherwise numpy and ``dict(zip(...))``
+    do, and the rows must hold no (namespace, key) twice.
 
     Args:
         nss / slots / rows / key_len: the rows' namespaces, slots (ascending), key rows
             (``(n, KEY_BYTES)`` uint8) and key lengths.
         by_slot: one entry per slot of the pool, None at every slot of ``slots``.
-        strict: return None, ``by_slot`` untouched, rather than take the Python path, or
-            when the C path finds a key twice.
+        strict: return None, ``by_slot`` untouched, for keys of other lengths than 32
+            (rather than index them), or when C finds a key twice.
     """
     n = len(slots)
-    native = _index_keys is not None and n and bool((key_len == KEY_BYTES).all())
+    native = n and bool((key_len == KEY_BYTES).all())
     if strict and not native:
         return None
     if n and (nss == nss[0]).all():  # one namespace: the usual case
@@ -187,13 +199,13 @@ def _index(
     if native:
         if len(parts) == 1:
             try:
-                return {int(nss[0]): _index_keys(rows, slots, by_slot)}
+                return {int(nss[0]): _keyprobe.index_keys(rows, slots, by_slot)}
             except ValueError:
                 return None  # a key twice; by_slot is as it was
         ready: dict[int, dict[bytes, int]] = {}
         for p in parts:
             try:
-                ready[int(nss[p[0]])] = _index_keys(rows[p], slots[p], by_slot)
+                ready[int(nss[p[0]])] = _keyprobe.index_keys(rows[p], slots[p], by_slot)
             except ValueError:
                 for s in slots.tolist():  # the namespaces indexed already give theirs back
                     by_slot[s] = None
@@ -210,8 +222,6 @@ def _index(
 def _key_objects(rows: np.ndarray, key_len: np.ndarray) -> list[bytes]:
     """The key of each row as a bytes object (its first ``key_len`` bytes), row order."""
     n = len(key_len)
-    if n and (key_len == KEY_BYTES).all():  # the usual case: 32-byte digests
-        return np.ascontiguousarray(rows).view(f"V{KEY_BYTES}").ravel().tolist()
     out = np.empty(n, dtype=object)
     for length in sorted(set(key_len.tolist())):  # not np.unique: it imports numpy.ma
         at = np.flatnonzero(key_len == length)

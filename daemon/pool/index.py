@@ -6,11 +6,11 @@ hands out byte offsets into the arena and keeps every page's state. It is assemb
 one module per concept::
 
     index      HostPool: construction, adoption, ids, geometry, quotas, introspection
-    pages      PageTable: the index and page state machine (lookup, allocate, commit,
+    pages      PageTable: the exact index and page state machine (allocate, commit,
                abort, pin, unpin, flush)
     storerun   StoreRuns: a STORE's allocation and commit, in C
     pins       Pins: the pin counts, pin and unpin in C
-    longlookup LongLookups: long LOOKUPs and LOADs from the key table (keytable), in C
+    lookups    KeyLookups: every LOOKUP and LOAD from the key table (keytable), in C
     native     the pool's C code (required)
     eviction   Evictor: victim choice (lru or arc, tail first), quotas, the write-back hook
     arc        the arc policy's state: T1/T2 split, adaptive target, ghost lists
@@ -40,7 +40,7 @@ from kvtier.daemon.pool.adopt import scan_rows
 from kvtier.daemon.pool.eviction import EVICT_FACTOR, MIN_SCAN
 from kvtier.daemon.pool.layout import HAS_CHECKSUM, NIL, IdTable, PoolLayout
 from kvtier.daemon.pool.meta import PoolMeta, tenant_digest
-from kvtier.daemon.pool.longlookup import LongLookups
+from kvtier.daemon.pool.lookups import KeyLookups
 from kvtier.daemon.pool.pages import PageTable
 from kvtier.daemon.pool.sizing import geometry_of
 from kvtier.daemon.pool.records import (
@@ -70,10 +70,10 @@ class HostPool:
 
     The constructor builds an empty pool whose metadata lives in private memory (nothing
     persists); :meth:`adopt` moves it onto persistent metadata and adopts what it holds.
-    The page operations (:meth:`lookup`, :meth:`allocate`, :meth:`commit`, :meth:`abort`,
-    :meth:`pin`, :meth:`unpin`, :meth:`mark_in_l3`, :meth:`flush`) are those of its
-    :class:`~kvtier.daemon.pool.pages.PageTable`; long lookups are answered from its key
-    table (:class:`~kvtier.daemon.pool.longlookup.LongLookups`).
+    The page operations (:meth:`allocate`, :meth:`commit`, :meth:`abort`, :meth:`pin`,
+    :meth:`unpin`, :meth:`mark_in_l3`, :meth:`flush`) are those of its
+    :class:`~kvtier.daemon.pool.pages.PageTable`; lookups (and a pin's) are answered from
+    its key table (:class:`~kvtier.daemon.pool.lookups.KeyLookups`).
 
     Args:
         capacity_bytes: arena size; ``capacity_bytes // layout.span`` extents are used
@@ -136,7 +136,7 @@ class HostPool:
         self._pages = PageTable(
             meta, max_log=max_evicted_log, quota={}, requires_l3=False, policy=eviction_policy
         )
-        self._long = LongLookups(self._pages)
+        self._lookups = KeyLookups(self._pages)
 
     def adopt(self, meta: Any, *, arena: Any | None = None,
               cold_start: bool | str | None = False) -> AdoptResult:  # fmt: skip
@@ -201,18 +201,18 @@ class HostPool:
             pm.format()
         gen = 1 if reason is not None else pm.bump_generation()
         ev = self._pages.evictor
-        self._long.close()  # its views of the old metadata go before that is released
+        self._lookups.close()  # its views of the old metadata go before that is released
         self._pages = pages = PageTable(
             pm, max_log=ev.max_log, quota=ev.quota, requires_l3=ev.requires_l3, policy=ev.policy
         )
-        self._long = LongLookups(pages)
+        self._lookups = KeyLookups(pages)
         for page_bytes in classes:
             self.register_class(page_bytes)
         if reason is not None:
             return AdoptResult(False, reason, 0, 0, 0, time.perf_counter() - t0, gen)
         scan = scan_rows(pm, pages.slots.usable_per_extent(), pages.keys, arena)
         pages.adopt_rows(scan.slots, scan.ready, scan.parents)
-        self._long.rebuild()
+        self._lookups.rebuild()
         return AdoptResult(True, "metadata matches the config", len(scan.slots), scan.dropped,
                            scan.payload_bytes, time.perf_counter() - t0, gen)  # fmt: skip
 
@@ -220,19 +220,27 @@ class HostPool:
         """Release the views of the metadata buffer, so its mapping can close; the pool
         is unusable afterwards. Nothing is written: the metadata already holds everything
         (closing is not needed for a restart to adopt the pool)."""
-        self._long.close()
+        self._lookups.close()
         self._pages.meta.release()
 
     # ------------------------------------------------------- page operations
 
     def lookup(self, ns_id: int, keys: Sequence[bytes]) -> int:
-        """See :meth:`PageTable.lookup`; a list of
-        :data:`~kvtier.daemon.pool.longlookup.TABLE_MIN_KEYS` keys or more is answered from
-        the key table (:meth:`lookup_packed`)."""
-        packed = self._long.packed(keys)
-        if packed is None:
-            return self._pages.lookup(ns_id, keys)
-        return self._long.lookup_packed(ns_id, packed)
+        """Return the length of the leading run of ``keys`` READY in ``ns_id``.
+
+        Pages of other namespaces are never seen; recency is not touched. Answered from
+        the key table in C, whatever the number of keys
+        (:class:`~kvtier.daemon.pool.lookups.KeyLookups`).
+
+        Args:
+            ns_id: the caller's namespace.
+            keys: page keys in chain order (a key that no page can hold, not bytes or
+                longer than 32 bytes, ends the run).
+
+        Returns:
+            How many leading keys are READY.
+        """
+        return self._lookups.lookup(ns_id, keys)
 
     def lookup_packed(self, ns_id: int, packed: bytes | memoryview) -> int:
         """Return the length of the leading run READY in ``ns_id`` of the keys in
@@ -244,7 +252,7 @@ class HostPool:
         Raises:
             HostPoolError: ``packed`` is not a whole number of keys.
         """
-        return self._long.lookup_packed(ns_id, packed)
+        return self._lookups.lookup_packed(ns_id, packed)
 
     def resident_run(self, ns_id: int, keys: Sequence[bytes]) -> int:
         """See :meth:`PageTable.resident_run`."""
@@ -260,26 +268,31 @@ class HostPool:
         try:
             self._pages.commit(slots, checksums)
         finally:  # a commit that failed part-way made some pages READY all the same
-            self._long.committed(slots)
+            self._lookups.committed(slots)
 
     def abort(self, slots: Sequence[int]) -> None:
         """See :meth:`PageTable.abort`."""
         self._pages.abort(slots)
 
     def pin(self, ns_id: int, keys: Sequence[bytes], used: bool = False) -> list[int]:
-        """See :meth:`PageTable.pin`; for
-        :data:`~kvtier.daemon.pool.longlookup.TABLE_MIN_KEYS` keys or more the C probe of
-        the key table finds the slots (a LOAD's pin looks no key up twice)."""
-        out = self._run_slots(ns_id, keys)
+        """Pin the leading READY run of ``keys`` and touch it, the last key first.
+
+        Pinned pages are not evictable. The caller keeps the returned slots and hands
+        them to :meth:`unpin` once. The key table's probe finds the slots, as for
+        :meth:`lookup` (a LOAD's pin looks no key up twice); :meth:`PageTable.pin_slots`
+        pins them.
+
+        Args:
+            ns_id: the caller's namespace.
+            keys: page keys in chain order.
+            used: the pages are being used (a LOAD): under ``arc`` they move to T2.
+
+        Returns:
+            The pinned slots, one per key of the leading READY run.
+        """
+        out = self._lookups.run_slots(ns_id, keys)
         self._pages.pin_slots(out, used)
         return out
-
-    def _run_slots(self, ns_id: int, keys: Sequence[bytes]) -> list[int]:
-        """The slots of the leading run of ``keys`` READY in ``ns_id``."""
-        packed = self._long.packed(keys)
-        if packed is None:
-            return self._pages.run_slots(ns_id, keys)
-        return self._long.run_slots(ns_id, packed)
 
     def unpin(self, slots: Sequence[int]) -> None:
         """See :meth:`PageTable.unpin`."""

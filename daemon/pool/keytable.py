@@ -1,11 +1,10 @@
-"""A hash table of the READY pages that answers a whole LOOKUP in one C call.
+"""The host pool's LOOKUP index: a hash table of the READY pages, probed in C.
 
-The page table's dict answers one key at a time: a long key list (8,192 keys for a 128K
-token context) costs a Python object, a hash and a probe per key. :class:`KeyTable` holds
-the same pages in an open-addressing array of slot ids (filled in numpy), probed for the
-keys of a request in one call of ``daemon/pool/native/_keyprobe.c``, which checks each
-candidate against the pool's own columns (key bytes, key length, namespace, state) before
-it counts: the table only proposes slots, the metadata decides.
+:class:`KeyTable` holds the READY pages of a pool in an open-addressing array of slot ids,
+probed for the keys of a request in one call of ``daemon/pool/native/_keyprobe.c`` (its
+``Probe``), which checks each candidate against the pool's own columns (key bytes, key
+length, namespace, state) before it counts: the table only proposes slots, the metadata
+decides. Every LOOKUP, of one key or of 8,192, and every LOAD's pin find their pages here.
 
 So the table never has to forget a page: a freed or reused slot left behind fails the
 check, and an entry of a slot re-committed under another key is just a dead entry. Dead
@@ -13,13 +12,12 @@ entries only cost probes; the table is rebuilt from the READY rows once a quarte
 is used, at eight entries per READY page (32 bytes per page at most).
 
 What the table must never do is call a READY page absent. Every commit's slots are added
-(:meth:`add`; the host pool batches them and adds them before any probe of the table) and
-an adoption rebuilds it (:meth:`rebuild`). A probe runs at most
+(:meth:`add`, in C) and an adoption rebuilds it (:meth:`rebuild`). A probe runs at most
 :data:`MAX_ROUNDS` entries from its bucket, and so does an insertion: a page that finds
 no free entry there is left out of the table, and since entries are never emptied (until
 a rebuild, which enters every READY page again) a lookup of it meets
 :data:`MAX_ROUNDS` taken entries too and reports it *unresolved*, for the caller's exact
-probe to decide. An empty entry ends a probe with a true "absent".
+probe (the page table's dict) to decide. An empty entry ends a probe with a true "absent".
 
 Buckets come from the key's first 8 bytes and the namespace by multiply-shift hashing
 with a multiplier drawn per table. Page keys are SHA-256 digests, so buckets spread; keys
@@ -31,7 +29,6 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
-from typing import cast
 
 import numpy as np
 from kvtier.daemon.pool.layout import KEY_BYTES
@@ -59,7 +56,7 @@ class KeyTable:
     """Slot ids of the READY pages of one pool, by (namespace, key); see the module docstring.
 
     Args:
-        meta: the pool's metadata region; the table keeps numpy views of its ``key``,
+        meta: the pool's metadata region; the table keeps views of its ``key``,
             ``key_len``, ``ns`` and ``state`` columns until :meth:`close`.
     """
 
@@ -70,15 +67,28 @@ class KeyTable:
         self._ns = meta.array("ns")
         self._state = meta.array("state")
         self._mult = np.array([secrets.randbits(64) | 1 for _ in range(2)], dtype=np.uint64)
-        self._table = np.full(MIN_CAPACITY, _EMPTY, dtype=np.int32)
-        self._shift = np.uint64(64 - (MIN_CAPACITY.bit_length() - 1))
         self._used = 0
         self.left_out = 0
         """Pages that found no entry near their bucket since the table was made (their
         lookups take the exact probe)."""
+        self._new_table(MIN_CAPACITY)
+
+    def _new_table(self, capacity: int) -> None:
+        """An empty table of ``capacity`` entries, and the C probe over it."""
+        old = getattr(self, "_probe", None)
+        if old is not None:
+            old.close()
+        self._table = np.full(capacity, _EMPTY, dtype=np.int32)
+        self._shift = 64 - (capacity.bit_length() - 1)
+        self._used = 0
+        self._probe = _keyprobe.Probe(
+            self._table, self._keys, self._ns, self._state, self._key_len,
+            int(self._mult[0]), int(self._mult[1]), self._shift, MAX_ROUNDS, _READY,
+        )  # fmt: skip
 
     def close(self) -> None:
         """Drop the views of the metadata (the table is unusable afterwards)."""
+        self._probe.close()
         del self._keys, self._key_len, self._ns, self._state
 
     @property
@@ -86,108 +96,75 @@ class KeyTable:
         """Entries of the table (a power of two)."""
         return len(self._table)
 
-    # ------------------------------------------------------------------ hashing
-    def _hash(self, words: np.ndarray, ns: np.ndarray | int) -> np.ndarray:
-        """Bucket of each row of ``words`` (n x 4 uint64) in namespace(s) ``ns``."""
-        with np.errstate(over="ignore"):
-            h = np.asarray(ns, dtype=np.int64).astype(np.uint64) * self._mult[1]
-            h ^= words[:, 0]
-            h *= self._mult[0]
-        h >>= self._shift
-        return cast("np.ndarray", h.astype(np.intp))
-
     # ------------------------------------------------------------------ updates
     def add(self, slots: Sequence[int] | np.ndarray) -> None:
         """Enter committed ``slots`` (ids out of range are ignored; a slot that is not
         READY costs an entry and nothing else)."""
-        s = np.asarray(slots, dtype=np.int64)
-        s = s[(s >= 0) & (s < self._n_slots)]
-        if not len(s):
+        if LOAD_LIMIT * (self._used + len(slots)) > len(self._table):
+            self.rebuild()  # the pages of slots are READY by now: the rebuild takes them
             return
-        if LOAD_LIMIT * (self._used + len(s)) > len(self._table):
-            self.rebuild()  # the pages of s are READY by now: the rebuild takes them
-            return
-        self._place(s.astype(np.int32))
+        self._used += len(slots)
+        self.left_out += self._probe.add(slots)
 
     def rebuild(self) -> None:
         """Refill the table from the READY rows of the metadata, sized for them."""
-        ready = np.flatnonzero(self._state == _READY).astype(np.int32)
+        ready = np.flatnonzero(self._state == _READY)
         cap = MIN_CAPACITY
         while cap < 2 * LOAD_LIMIT * len(ready):
             cap *= 2
-        self._table = np.full(cap, _EMPTY, dtype=np.int32)
-        self._shift = np.uint64(64 - (cap.bit_length() - 1))
-        self._used = 0
-        self._place(ready)
-
-    def _place(self, slots: np.ndarray) -> None:
-        """Insert ``slots`` by linear probing, a batch of probes per round, at most
-        :data:`MAX_ROUNDS` entries from each one's bucket (the rest stay out)."""
-        table, mask = self._table, len(self._table) - 1
-        self._used += len(slots)
-        pos = self._hash(self._keys[slots], self._ns[slots])
-        for _ in range(MAX_ROUNDS):
-            if not len(slots):
-                return
-            free = np.flatnonzero(table.take(pos) == _EMPTY)
-            # of the slots landing on one free entry, one takes it (whichever numpy wrote
-            # last); reading the entries back tells which (slot ids are distinct)
-            table[pos[free]] = slots[free]
-            left = np.ones(len(slots), dtype=bool)
-            left[free[table.take(pos[free]) == slots[free]]] = False
-            slots, pos = slots[left], (pos[left] + 1) & mask
-        self.left_out += len(slots)
+        self._new_table(cap)
+        self._used = len(ready)
+        self.left_out += self._probe.add(ready)
 
     # ------------------------------------------------------------------ lookups
     def leading_run(
-        self, ns_id: int, words: np.ndarray, start: int = 0, slots: np.ndarray | None = None
+        self,
+        ns_id: int,
+        packed: bytes | memoryview,
+        start: int = 0,
+        slots: list[int] | None = None,
+        lengths: bytes | None = None,
     ) -> tuple[int, bool]:
         """The first key from ``start`` that is not READY in ``ns_id``, probed in C (it
         stops at that key).
 
         Args:
             ns_id: the namespace.
-            words: the keys, a C-contiguous n x 4 array of little-endian uint64.
+            packed: the keys, 32 bytes each, back to back (each zero-padded past its
+                length).
             start: the key to begin with (those before it are taken as found).
-            slots: a writable int64 array of one entry per key, or None; the slot found
-                for each key from ``start`` up to the returned index is written to it.
+            slots: a list, or None; the slot found for each key from ``start`` up to the
+                returned index is appended to it.
+            lengths: one byte per key, its length; None: every key is 32 bytes.
 
         Returns:
             ``(index, unresolved)``: the index of that key (``n`` when all are READY), and
             whether its probe ran out of :data:`MAX_ROUNDS` rounds (the caller's exact
             probe decides it) rather than ended at an empty entry (a true miss).
-
         """
-        i, open_ = _keyprobe.leading_run(
-            self._table,
-            self._keys,
-            self._ns,
-            self._state,
-            self._key_len,
-            words,
-            ns_id,
-            int(self._mult[0]),
-            int(self._mult[1]),
-            int(self._shift),
-            start,
-            MAX_ROUNDS,
-            _READY,
-            *(() if slots is None else (slots,)),
-        )
+        i, open_ = self._probe.leading_run(packed, ns_id, start, slots, lengths)
         return i, bool(open_)
 
 
-def table_keys(keys: Sequence[bytes], min_keys: int) -> bytes | memoryview | None:
-    """``keys`` packed back to back for a probe of the table, or None when there are fewer
-    than ``min_keys`` or one is not a table's key (32 bytes). Keys that came packed
-    (:class:`~kvtier.ipc.protocol.PackedKeyList`) are probed as they came."""
-    if len(keys) < min_keys:
-        return None
-    if isinstance(keys, PackedKeyList):
-        return keys.packed
-    if type(keys) is list and PACK_NATIVE:
-        return pack_keys(keys)  # in C: every key checked to be 32 bytes
-    if max(map(len, keys)) != KEY_BYTES:
-        return None
-    packed = b"".join(keys)
-    return packed if len(packed) == KEY_BYTES * len(keys) else None  # a shorter key too
+def table_keys(keys: Sequence[bytes]) -> tuple[bytes | memoryview, bytes | None]:
+    """``keys`` as :meth:`KeyTable.leading_run` takes them: packed back to back, and their
+    lengths (None: all 32 bytes). Keys that came packed
+    (:class:`~kvtier.ipc.protocol.PackedKeyList`) are probed as they came; a key that no
+    page can hold (not bytes, or longer than 32 bytes) ends the list, it and the keys after
+    it left out (a lookup's run stops there anyway)."""
+    if type(keys) is list and PACK_NATIVE:  # first: a list is the usual case
+        packed = pack_keys(keys)  # in C: None unless every key is 32 bytes
+        if packed is not None:
+            return packed, None
+    elif isinstance(keys, PackedKeyList):
+        return keys.packed, None
+    elif keys and min(map(len, keys)) == KEY_BYTES == max(map(len, keys)):
+        joined = b"".join(keys)
+        if len(joined) == KEY_BYTES * len(keys):  # all bytes-like of 32 bytes
+            return joined, None
+    end = next(
+        (i for i, k in enumerate(keys) if not isinstance(k, bytes) or len(k) > KEY_BYTES),
+        len(keys),
+    )
+    held = keys[:end]
+    return b"".join(k.ljust(KEY_BYTES, b"\0") for k in held), bytes(map(len, held))

@@ -14,12 +14,16 @@ resident children (pages that extend it). Write order makes a crash at any insta
 safe: a row is completed while WRITING and its state flips to READY last; freeing
 flips the state first. Which page to evict is :mod:`~kvtier.daemon.pool.eviction`.
 
-Hot paths: lookup is a dict probe per key at C speed (``_ready``: the READY pages of each
-namespace, key -> slot); allocate and commit run in C (:class:`~kvtier.daemon.pool.storerun.
-StoreRuns`, which asks the evictor's policy for the slots it does not take itself), pin and
-unpin too (:class:`~kvtier.daemon.pool.pins.Pins`), whatever the number of pages; eviction
-and release (:meth:`PageTable._release`) outside a STORE's run stay in Python. A key is one bytes
-object, in ``_key`` (slot -> key) and its namespace's dict (built in C at adoption).
+The exact index is a dict per namespace, key -> slot, of the READY pages (``_ready``) and
+one of the WRITING pages (``_writing``): allocation asks it which keys are present,
+commit, eviction and release move keys in and out of it. LOOKUPs and a LOAD's pin are
+answered by the host pool's key table in C (:mod:`~kvtier.daemon.pool.lookups`), which
+asks this dict only about a key its probe leaves unresolved. Allocate and commit run in C
+(:class:`~kvtier.daemon.pool.storerun.StoreRuns`, which asks the evictor's policy for the
+slots it does not take itself), pin and unpin too (:class:`~kvtier.daemon.pool.pins.Pins`),
+whatever the number of pages; eviction and release (:meth:`PageTable._release`) outside a
+STORE's run stay in Python. A key is one bytes object, in ``_key`` (slot -> key) and its
+namespace's dict (built in C at adoption).
 """
 
 from __future__ import annotations
@@ -86,9 +90,9 @@ class PageTable:
         self._children = self._kids.count
         self._key: list[bytes | None] = [None] * self.n_slots
         self.keys = self._key
-        # ns_id -> key -> slot of the READY pages (LOOKUP's hot path) and of the WRITING
-        # ones; a key is only ever seen from its own namespace, so one tenant cannot even
-        # probe another's keys
+        # ns_id -> key -> slot of the READY pages and of the WRITING ones (the exact index);
+        # a key is only ever seen from its own namespace, so one tenant cannot even probe
+        # another's keys
         self._ready: dict[int, dict[bytes, int]] = {}
         self.ready = self._ready
         self._writing: dict[int, dict[bytes, int]] = {}
@@ -142,24 +146,6 @@ class PageTable:
         self._clock = int(stamps.max()) if len(stamps) else 0
 
     # ------------------------------------------------------------ page index
-
-    def lookup(self, ns_id: int, keys: Sequence[bytes]) -> int:
-        """Return the length of the leading run of ``keys`` READY in ``ns_id``.
-
-        Pages of other namespaces are never seen. Recency is not touched.
-
-        Args:
-            ns_id: the caller's namespace.
-            keys: page keys in chain order.
-
-        Returns:
-            How many leading keys are READY.
-        """
-        ready = self._ready.get(ns_id)
-        if not ready:
-            return 0
-        found = list(map(ready.__contains__, keys))
-        return len(found) if all(found) else found.index(False)
 
     def resident_run(self, ns_id: int, keys: Sequence[bytes]) -> int:
         """Return the length of the leading run of ``keys`` resident in ``ns_id``,
@@ -274,40 +260,20 @@ class PageTable:
             self._expect(slots[j], PageState.WRITING, "abort")
             self._release(slots[j])
 
-    def pin(self, ns_id: int, keys: Sequence[bytes], used: bool = False) -> list[int]:
-        """Pin the leading READY run of ``keys`` and touch it, the last key first.
-
-        Pinned pages are not evictable. The caller keeps the returned slots and hands
-        them to :meth:`unpin` once.
-
-        Args:
-            ns_id: the caller's namespace.
-            keys: page keys in chain order.
-            used: the pages are being used (a LOAD): under ``arc`` they move to T2.
-
-        Returns:
-            The pinned slots, one per key of the leading READY run.
-        """
-        out = self.run_slots(ns_id, keys)
-        self.pin_slots(out, used)
-        return out
-
     def pin_slots(self, out: list[int], used: bool = False) -> None:
-        """Pin and touch the READY slots ``out`` found by a lookup, as :meth:`pin` does."""
+        """Pin the READY slots ``out`` (a lookup's leading run, in chain order) and touch
+        them, the last first; pinned pages are not evictable. The caller hands them to
+        :meth:`unpin` once. ``used``: the pages are being used (a LOAD), under ``arc``
+        they move to T2."""
         self._clock = self._pin.pin(out, self._clock)
         if used and self._arc is not None:  # off the lists now: into T2
             self._arc.reused(out)
-
-    def run_slots(self, ns_id: int, keys: Sequence[bytes]) -> list[int]:
-        """The slots of the leading run of ``keys`` READY in ``ns_id`` (:meth:`lookup`'s)."""
-        n = self.lookup(ns_id, keys)
-        return list(map(self._ready[ns_id].__getitem__, keys[:n])) if n else []
 
     def unpin(self, slots: Sequence[int]) -> None:
         """Drop one pin per slot; pages left unpinned and childless become evictable.
 
         Args:
-            slots: slots returned by :meth:`pin`.
+            slots: slots pinned by :meth:`pin_slots`.
 
         Raises:
             PageStateError: a slot is not a pinned READY page, or is listed more often

@@ -1,7 +1,7 @@
 """Exact tests of the column-wise adoption scan with page keys of 17 to 32 bytes.
 
 The persistence tests (test_pool_persistence) mostly use short keys, which the scan hashes
-one by one; engines' keys are 32-byte digests, which it hashes as numpy columns
+one by one; engines' keys are 32-byte digests, which it hashes in one C call
 (:mod:`kvtier.daemon.pool.seals`) and deduplicates by a 64-bit fingerprint. These tests
 corrupt such rows the way a careless column parser would get wrong: bytes past a key's
 length, a key length off by one, a byte of either 16-byte half, duplicates, and two
@@ -21,7 +21,7 @@ import pytest
 from kvtier.daemon.pool.adopt import _MULTIPLIERS, _fingerprints
 from kvtier.daemon.pool.index import PageState
 from kvtier.daemon.pool.layout import KEY_BYTES, seal_of
-from kvtier.daemon.pool.seals import CHUNK_ROWS, VECTOR_MIN_LEN, seals
+from kvtier.daemon.pool.seals import VECTOR_MIN_LEN, seals
 
 from tests.unit.test_pool_persistence import NS, NS2, PoolFile, rows, store
 from tests.xxh3_reference import xxh3_64
@@ -44,20 +44,8 @@ def pool_file(tmp_path: Path) -> PoolFile:
 # ------------------------------------------------------------------ seals
 
 
-@pytest.fixture(params=["C", "numpy"])
-def seal_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run a seals test with the C extension's hashing and with numpy's columns."""
-    from kvtier.daemon.pool import seals as mod
-
-    if request.param == "numpy":
-        monkeypatch.setattr(mod, "_native", None)
-    elif mod._native is None:
-        pytest.skip("kvtier.daemon.pool.native._keyprobe is not built (no C compiler at install)")
-    return str(request.param)
-
-
 @pytest.mark.parametrize("length", range(KEY_BYTES + 1))
-def test_seals_match_the_reference_xxh3_for_every_key_length(length: int, seal_path: str) -> None:
+def test_seals_match_the_reference_xxh3_for_every_key_length(length: int) -> None:
     """Column hashes equal the tests' own XXH3 (tests/xxh3_reference.py) for each length
     alone (the one-length fast path) and mixed with every other length; the bytes past a
     row's length never count."""
@@ -78,11 +66,11 @@ def test_seals_match_the_reference_xxh3_for_every_key_length(length: int, seal_p
 
 
 @pytest.mark.parametrize("mixed", [False, True])
-def test_seals_across_several_chunks(mixed: bool, seal_path: str) -> None:
-    """More rows than one numpy pass takes (CHUNK_ROWS): every chunk lands in its place,
-    with one key length throughout or a few rows of other lengths among them."""
+def test_seals_of_many_rows(mixed: bool) -> None:
+    """Many rows: every digest lands in its place, with one key length throughout or a few
+    rows of other lengths (hashed one by one) among them."""
     rng = random.Random(7)
-    n = 2 * CHUNK_ROWS + 123
+    n = 20_000
     keys = np.frombuffer(rng.randbytes(n * KEY_BYTES), dtype=np.uint8).reshape(n, KEY_BYTES)
     lengths = np.full(n, KEY_BYTES)
     if mixed:
@@ -93,16 +81,21 @@ def test_seals_across_several_chunks(mixed: bool, seal_path: str) -> None:
     assert seals(keys, lengths, seeds).tolist() == want
 
 
-def test_seals_of_no_rows(seal_path: str) -> None:
+def test_seals_of_no_rows_and_rows_that_are_not_keys() -> None:
     out = seals(np.zeros((0, KEY_BYTES), np.uint8), np.zeros(0, np.int64), np.zeros(0, np.uint64))
     assert out.shape == (0,) and out.dtype == np.uint64
+    seeds = np.zeros(2, np.uint64)
+    with pytest.raises(ValueError, match="key rows of shape"):
+        seals(np.zeros((2, 16), np.uint8), np.full(2, 16), seeds)  # rows of 16 bytes
+    with pytest.raises(ValueError, match="key rows of shape"):
+        seals(np.zeros((2, KEY_BYTES), np.uint8), np.full(2, 33), seeds)
 
 
 def test_the_c_seals_refuse_lengths_and_sizes_they_cannot_hash() -> None:
     """The extension hashes 17 to 32 bytes per 32-byte row; another length, or buffers of
     other sizes, are a ValueError and nothing is written."""
-    probe = pytest.importorskip("kvtier.daemon.pool.native._keyprobe",
-                                reason="kvtier.daemon.pool.native._keyprobe is not built")  # fmt: skip
+    from kvtier.daemon.pool.native import _keyprobe as probe
+
     rows = np.frombuffer(digest("a") + digest("b"), dtype=np.uint8).reshape(2, KEY_BYTES)
     seeds = np.array([1, 2], dtype=np.uint64)
     for lengths in ([32, 16], [33, 32], [0, 32]):
@@ -300,18 +293,16 @@ def test_the_column_path_covers_digest_keys() -> None:
 
 
 @pytest.mark.parametrize("keys_of", ["digests", "mixed lengths"])
-def test_the_index_built_in_c_equals_the_one_built_in_python(
+def test_the_adopted_index_holds_every_adopted_row(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keys_of: str
 ) -> None:
-    """Three namespaces, pages freed among them (gaps in the slots): the C extension's
-    index (``index_keys``, one call per namespace) and the numpy/dict one hold the same
-    keys, slots and slot -> key list, each key one object shared by both; with keys of
-    other lengths than 32 the Python path serves either way."""
+    """Three namespaces, pages freed among them (gaps in the slots): the adopted index
+    (built in C by ``index_keys``, one call per namespace, for 32-byte keys; by numpy and
+    dicts for keys of other lengths) holds exactly the READY rows, key -> slot, each key
+    one object shared with the slot -> key list."""
     from kvtier.daemon.pool import adopt
     from kvtier.daemon.pool.layout import PoolLayout
 
-    if adopt._index_keys is None:
-        pytest.skip("kvtier.daemon.pool.native._keyprobe is not built (no C compiler at install)")
     pf = PoolFile(tmp_path / "pool", PoolLayout.plan(8 * 64 * 1024, 64 * 1024, 4096))
     pool, _ = pf.start()
     arena = pf.arena()
@@ -324,16 +315,19 @@ def test_the_index_built_in_c_equals_the_one_built_in_python(
     pool.flush(NS2)  # gaps
     stored[NS2] = [digest(f"late{i}") for i in range(5)]
     store(pool, arena, stored[NS2], ns=NS2)
+    expected: dict[int, dict[bytes, int]] = {}
+    for s in range(pool.layout.n_slots):
+        d = pool.describe(s)
+        if d.state is PageState.READY:
+            expected.setdefault(d.ns_id, {})[d.key] = s
     calls = []
-    monkeypatch.setattr(adopt, "_index_keys",
+    adopt_c = adopt._keyprobe.index_keys
+    monkeypatch.setattr(adopt._keyprobe, "index_keys",
                         lambda *a: calls.append(len(a[1])) or adopt_c(*a))  # fmt: skip
-    adopt_c = __import__("kvtier.daemon.pool.native._keyprobe", fromlist=["x"]).index_keys
     c_pool, res = pf.start()
     assert res.pages_adopted == 65
     assert sorted(calls) == ([5, 30, 30] if keys_of == "digests" else [])
-    monkeypatch.setattr(adopt, "_index_keys", None)
-    py_pool, _ = pf.start()
-    assert c_pool._pages.ready == py_pool._pages.ready and c_pool._pages.keys == py_pool._pages.keys
+    assert c_pool._pages.ready == expected
     assert sum(map(len, c_pool._pages.ready.values())) == 65
     for index in c_pool._pages.ready.values():
         assert all(c_pool._pages.keys[s] is key for key, s in index.items())
@@ -348,8 +342,8 @@ def test_index_keys_checks_every_slot_and_changes_nothing_on_failure() -> None:
     (its reference count shows no leak and no reference too few)."""
     import sys
 
-    probe = pytest.importorskip("kvtier.daemon.pool.native._keyprobe",
-                                reason="kvtier.daemon.pool.native._keyprobe is not built")  # fmt: skip
+    from kvtier.daemon.pool.native import _keyprobe as probe
+
     rows = np.frombuffer(b"".join(digest(f"r{i}") for i in range(4)), dtype=np.uint8)
     rows = rows.reshape(4, KEY_BYTES)
     good = np.array([0, 2, 5, 7], dtype=np.int64)

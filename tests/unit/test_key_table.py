@@ -1,8 +1,9 @@
-"""The pool's key table answers long LOOKUPs exactly as the key-by-key index does (no mocks).
+"""The pool's key table answers LOOKUPs exactly as the key-by-key index does (no mocks).
 
-``HostPool.lookup_packed`` (and ``lookup`` of a long list) go through the key table, probed
-in C (``daemon/pool/native/_keyprobe.c``);
-``PageTable.lookup`` probes the index key by key and is the reference. Every case compares
+``HostPool.lookup_packed``, ``lookup`` and ``pin`` go through the key table, probed in C
+(``daemon/pool/native/_keyprobe.c``), whatever the number of keys; ``dict_run``
+(``tests/pool_model.py``) probes the page table's dict key by key and is the reference.
+Every case compares
 the two and, where the answer is known by construction, the number itself: hostile lists
 (not a chain, duplicates, another namespace's keys, absent keys between present ones),
 pages that left (evicted, flushed, aborted, slots reused under other keys), pages still
@@ -21,14 +22,15 @@ import pytest
 from kvtier.daemon.pool import keytable
 from kvtier.daemon.pool.index import HostPool, HostPoolError
 from kvtier.daemon.pool.keytable import MAX_ROUNDS
-from kvtier.daemon.pool.longlookup import TABLE_MIN_KEYS
-from kvtier.daemon.pool.pages import PageTable
+from kvtier.daemon.pool.native import _keyprobe
+
+from tests.pool_model import dict_run
 
 KIB = 1024
 PAGE = 4 * KIB
 NS, NS2 = 1, 2
 OWNER = 7
-N = max(512, 2 * TABLE_MIN_KEYS)  # long enough for the key table
+N = 512  # keys of the test's chains
 
 
 def new_pool(pages: int = 4 * N) -> HostPool:
@@ -59,11 +61,12 @@ def stored_pool(rng: random.Random) -> tuple[HostPool, list[bytes]]:
 def run(pool: HostPool, ns: int, keys: list[bytes]) -> int:
     """The table's answer, checked against the key-by-key reference and the list form; the
     slots the probe returns for a pin, against the index's."""
-    packed = pool.lookup_packed(ns, b"".join(keys))
-    assert packed == pool._pages.lookup(ns, keys)
-    assert pool.lookup(ns, keys) == packed
-    assert pool._run_slots(ns, keys) == pool._pages.run_slots(ns, keys)
-    return packed
+    expected = dict_run(pool._pages, ns, keys)
+    packed = pool.lookup_packed(ns, b"".join(keys)) if all(len(k) == 32 for k in keys) else None
+    assert packed in (None, len(expected))
+    assert pool.lookup(ns, keys) == len(expected)
+    assert pool._lookups.run_slots(ns, keys) == expected
+    return len(expected)
 
 
 def test_chains_prefixes_and_misses() -> None:
@@ -126,22 +129,22 @@ def test_eviction_leaves_only_what_is_resident() -> None:
     assert run(pool, NS, second) == N
     held = run(pool, NS, first)
     assert held < N
-    assert held == pool._pages.lookup(NS, first)
+    assert held == len(dict_run(pool._pages, NS, first))
 
 
 def test_growth_rebuilds_and_random_lists_agree() -> None:
     rng = random.Random(5)
     pool = new_pool(pages=16 * N)
-    table = pool._long.table
+    table = pool._lookups.table
     caps, stored = {table.capacity}, []
     for _ in range(24):  # many small commits: the table grows by rebuilds
         batch = keys_of(rng, rng.randint(1, 3 * N // 4))
         store(pool, batch)
         stored += batch
-        caps.add(pool._long.table.capacity)
+        caps.add(pool._lookups.table.capacity)
     assert len(caps) > 1
     for _ in range(40):
-        n = rng.randint(TABLE_MIN_KEYS, 2 * N)
+        n = rng.choice((1, 2, 8, 64, rng.randint(1, 2 * N)))
         keys = [rng.choice(stored) if rng.random() < 0.97 else rng.randbytes(32) for _ in range(n)]
         run(pool, NS, keys)
 
@@ -149,8 +152,8 @@ def test_growth_rebuilds_and_random_lists_agree() -> None:
 def test_same_bucket_in_another_namespace_is_not_a_hit() -> None:
     rng = random.Random(9)
     pool = new_pool()
-    pool._long.table._mult[1] = 0  # the namespace no longer moves the bucket: probes meet
-    pool._long.table.rebuild()
+    pool._lookups.table._mult[1] = 0  # the namespace no longer moves the bucket: probes meet
+    pool._lookups.table.rebuild()
     keys = keys_of(rng, N)
     store(pool, keys, ns=NS2)
     store(pool, keys_of(rng, 4))  # NS holds pages too
@@ -167,7 +170,7 @@ def test_crafted_keys_overflowing_a_bucket_stay_exact() -> None:
     crafted = [head + rng.randbytes(24) for _ in range(N)]
     store(pool, crafted)
     assert run(pool, NS, crafted) == N
-    assert pool._long.table.left_out >= N - MAX_ROUNDS  # past the bucket's run: the exact way
+    assert pool._lookups.table.left_out >= N - MAX_ROUNDS  # past the bucket's run: the exact way
     other = [head + rng.randbytes(24) for _ in range(3)]
     assert run(pool, NS, crafted[: N // 2] + other + crafted) == N // 2
     plain = keys_of(rng, N)
@@ -195,7 +198,8 @@ def test_a_key_sharing_all_but_its_last_bytes_with_a_stored_one_is_not_it(shared
     store(pool, [twin(x) for x in keys[: N // 2]])
     twins = [twin(x) for x in keys[: N // 2]]
     assert run(pool, NS, twins + [twin(keys[N // 2])]) == N // 2
-    assert set(pool._run_slots(NS, twins)).isdisjoint(pool._run_slots(NS, keys[: N // 2]))
+    slots = pool._lookups.run_slots
+    assert set(slots(NS, twins)).isdisjoint(slots(NS, keys[: N // 2]))
 
 
 def test_a_short_key_is_not_a_padded_one() -> None:
@@ -237,7 +241,7 @@ def test_stale_entries_pointing_anywhere_read_nothing_outside() -> None:
     # never read there, and leave the answer exact
     rng = random.Random(10)
     pool, keys = stored_pool(rng)
-    table = pool._long.table._table
+    table = pool._lookups.table._table
     empty = np.flatnonzero(table < 0)
     table[empty[: len(empty) // 2]] = np.int32(2**31 - 1)  # far past the slots
     table[empty[len(empty) // 2 :]] = np.int32(pool.layout.n_slots)  # just past them
@@ -249,8 +253,7 @@ def test_leading_run_starts_where_asked_and_tells_a_miss_from_an_open_probe() ->
     rng = random.Random(11)
     pool, keys = stored_pool(rng)
     words = np.frombuffer(b"".join(keys + keys_of(rng, 1)), dtype="<u8").reshape(-1, 4)
-    pool._long.flush()  # the commits' slots enter the table (a lookup does this first)
-    t = pool._long.table
+    t = pool._lookups.table
 
     def run_from(start: int) -> int:
         # a page the table left out beside a crowded bucket ends a call with an open
@@ -270,30 +273,42 @@ def test_leading_run_starts_where_asked_and_tells_a_miss_from_an_open_probe() ->
 
 
 def test_the_c_probe_refuses_columns_that_do_not_agree() -> None:
-    from kvtier.daemon.pool.native import _keyprobe
-
-    t = new_pool()._long.table
+    t = new_pool()._lookups.table
     words = np.zeros((4, 4), dtype="<u8")
-    good = [t._table, t._keys, t._ns, t._state, t._key_len, words]
-    tail = [NS, 3, 5, int(t._shift), 0, MAX_ROUNDS, 1]
-    assert _keyprobe.leading_run(*good, *tail) == (0, False)
+    good = [t._table, t._keys, t._ns, t._state, t._key_len]
+    tail = [3, 5, t._shift, MAX_ROUNDS, 1]
+    assert _keyprobe.Probe(*good, *tail).leading_run(words, NS, 0) == (0, False)
     for i, bad in (
         (1, t._keys[:-1]),
         (2, t._ns[:-1]),
         (3, t._state[:-1]),
         (4, t._key_len[1:]),
         (0, t._table[:-1]),
-        (5, words.ravel()[:-1]),
     ):
         args = list(good)
         args[i] = bad
-        with pytest.raises(ValueError):
-            _keyprobe.leading_run(*args, *tail)
-    for j, value in ((3, 64), (4, -1), (4, 5), (5, 0)):
+        with pytest.raises(ValueError, match=r"do not agree|power of two"):
+            _keyprobe.Probe(*args, *tail)
+    for j, value in ((2, 64), (3, 0)):
         args2 = list(tail)
         args2[j] = value
-        with pytest.raises(ValueError):
-            _keyprobe.leading_run(*good, *args2)
+        with pytest.raises(ValueError, match=r"shift|max_rounds"):
+            _keyprobe.Probe(*good, *args2)
+    probe = _keyprobe.Probe(*good, *tail)
+    with pytest.raises(ValueError, match="words of"):
+        probe.leading_run(words.ravel()[:-1], NS, 0)
+    for start in (-1, 5):
+        with pytest.raises(ValueError, match="start"):
+            probe.leading_run(words, NS, start)
+    with pytest.raises(ValueError, match="lengths has"):
+        probe.leading_run(words, NS, 0, None, b"\x20" * 3)
+    assert probe.add(["not a slot", -1, 2**70, t._n_slots]) == 0  # nothing to enter
+    assert (t._table == -1).all()
+    with pytest.raises(TypeError, match="int64"):
+        probe.add(np.zeros(2, dtype=np.int32))
+    probe.close()
+    with pytest.raises(ValueError, match="closed"):
+        probe.leading_run(words, NS, 0)
 
 
 def test_keys_left_to_the_exact_probe_cost_one_pass_each(monkeypatch) -> None:
@@ -308,9 +323,9 @@ def test_keys_left_to_the_exact_probe_cost_one_pass_each(monkeypatch) -> None:
     for name in ("leading_run",):
         real = getattr(keytable.KeyTable, name)
 
-        def counted(self, ns_id, words, *rest, _real=real):
-            keys_probed.append(len(words) - (rest[0] if rest else 0))
-            return _real(self, ns_id, words, *rest)
+        def counted(self, ns_id, packed, *rest, _real=real):
+            keys_probed.append(len(packed) // 32 - (rest[0] if rest else 0))
+            return _real(self, ns_id, packed, *rest)
 
         monkeypatch.setattr(keytable.KeyTable, name, counted)
     assert pool.lookup_packed(NS, b"".join(crafted)) == N
@@ -324,41 +339,52 @@ def test_the_c_probe_returns_the_run_s_slots_and_a_pin_uses_them() -> None:
     pool, keys = stored_pool(rng)
     expected = [pool._pages.ready[NS][k] for k in keys]
     words = np.frombuffer(b"".join(keys), dtype="<u8").reshape(-1, 4)
-    pool._long.flush()
-    t = pool._long.table
+    t = pool._lookups.table
 
-    def run_from(start: int, slots: np.ndarray) -> int:
+    def run_from(start: int, slots: list[int]) -> int:
         # a page the table left out (its hashing is drawn per table) ends a call with an
-        # open probe: its slot is the exact probe's to write, as the pool's own loop does
+        # open probe: its slot is the exact probe's to add, as the pool's own loop does
         i, open_ = t.leading_run(NS, words, start, slots)
         while open_ and i < N:
-            slots[i] = pool._pages.ready[NS][keys[i]]
+            slots.append(pool._pages.ready[NS][keys[i]])
             i, open_ = t.leading_run(NS, words, i + 1, slots)
         return i
 
-    slots = np.full(N, -5, dtype=np.int64)
+    slots = [-5]
     assert run_from(0, slots) == N
-    assert slots.tolist() == expected
-    slots[:] = -5
+    assert slots == [-5, *expected]  # appended
+    slots = []
     assert run_from(N - 10, slots) == N  # only from start on
-    assert (
-        slots[: N - 10].tolist() == [-5] * (N - 10) and slots[N - 10 :].tolist() == expected[-10:]
-    )
-    with pytest.raises(ValueError, match="slots has"):
-        t.leading_run(NS, words, 0, np.empty(N - 1, dtype=np.int64))
-    with pytest.raises(TypeError):
-        t.leading_run(NS, words, 0, np.empty(N, dtype=np.int64).tobytes())  # read-only
-    calls: list[int] = []
-    original = PageTable.run_slots
-
-    def spy(self: PageTable, ns: int, ks: list[bytes]) -> list[int]:
-        calls.append(len(ks))
-        return original(self, ns, ks)
-
-    PageTable.run_slots = spy  # type: ignore[method-assign]
-    try:
-        assert pool.pin(NS, keys + keys_of(rng, 1)) == expected  # no dict look-up of each key
-    finally:
-        PageTable.run_slots = original  # type: ignore[method-assign]
-    assert calls == []
+    assert slots == expected[-10:]
+    slots = []
+    assert t.leading_run(NS, words[: N // 2].tobytes() + b"\1" * 32, 0, slots)[0] <= N // 2
+    assert slots == expected[: len(slots)]  # the run's slots only, up to where it stopped
+    with pytest.raises(TypeError, match="a list or None"):
+        t.leading_run(NS, words, 0, np.empty(N, dtype=np.int64))  # type: ignore[arg-type]
+    assert pool.pin(NS, keys + keys_of(rng, 1)) == expected
     pool.unpin(expected)
+
+
+@pytest.mark.parametrize("n", [1, 2, 8, 64, 256, N])
+def test_every_size_and_key_length_is_answered_by_the_table(n: int) -> None:
+    # one path for every LOOKUP: with the dict hidden, the table alone finds the pages of
+    # lists of any length, keys of 32 bytes and shorter alike (at their own lengths)
+    rng = random.Random(20 + n)
+    pool = new_pool()
+    table = pool._lookups.table
+    table._mult[:] = (0x9E3779B185EBCA87, 0xC2B2AE3D27D4EB4F)  # fixed hashing: no page left out
+    table.rebuild()
+    keys = list(dict.fromkeys(rng.randbytes(rng.choice((32, 32, 31, 17, 5, 2))) for _ in range(n)))
+    keys += [rng.randbytes(32) for _ in range(n - len(keys))]  # distinct, n of them
+    slots = store(pool, keys)
+    assert run(pool, NS, keys) == n
+    assert table.left_out == 0  # every page has its entry (else its key is the dict's)
+    pool._pages.ready = {}  # the exact probe's dict: absent, so only the table answers
+    assert pool.lookup(NS, keys) == n
+    assert pool._lookups.run_slots(NS, keys) == slots
+    assert pool.pin(NS, keys) == slots
+    pool.unpin(slots)
+    padded = [k.ljust(32, b"\0") for k in keys]  # a shorter key is not its padded bytes
+    assert pool.lookup(NS, padded) == next((i for i, k in enumerate(keys) if len(k) < 32), n)
+    assert pool.lookup(NS, keys[: n // 2] + [keys[-1] + b"\1" * 32] + keys) == n // 2
+    assert pool.lookup(NS, keys[: n // 2] + ["not bytes"] + keys) == n // 2  # type: ignore[list-item]

@@ -71,11 +71,15 @@ def test_packed_key_list_is_the_list_it_stands_for() -> None:
     with pytest.raises(ValueError, match="not whole 32-byte keys"):
         P.PackedKeyList(b"\0" * 33)
     # the key table probes it as it came, without packing it again
-    packed = keytable.table_keys(keys, 256)
-    assert packed is keys.packed
-    assert keytable.table_keys(keys[:255], 256) is None
-    assert keytable.table_keys(KEYS, 256) == b"".join(KEYS)
-    assert keytable.table_keys(KEYS[:-1] + [KEYS[-1][:31]], 256) is None
+    packed, lengths = keytable.table_keys(keys)
+    assert packed is keys.packed and lengths is None
+    assert keytable.table_keys(keys[:1])[0] == KEYS[0]
+    assert keytable.table_keys(KEYS) == (b"".join(KEYS), None)
+    short = KEYS[:-1] + [KEYS[-1][:31]]  # a shorter key: each padded, with the lengths
+    assert keytable.table_keys(short) == (
+        b"".join(KEYS[:-1]) + KEYS[-1][:31] + b"\0",
+        bytes([32] * (len(KEYS) - 1) + [31]),
+    )
 
 
 def load(**fields: object) -> P.Load:

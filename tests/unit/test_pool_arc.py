@@ -88,7 +88,7 @@ def test_chain_goes_tail_first_and_parent_keeps_its_list() -> None:
     store(pool, cls, [b"c0"])  # full (8): T1 over p = 0, its coldest evictable is a2
     assert evicted(pool) == [b"a2"]
     assert pool.lookup(NS, [b"a0", b"a1", b"a2"]) == 2
-    a1 = pool._run_slots(NS, [b"a0", b"a1"])[1]
+    a1 = pool._lookups.run_slots(NS, [b"a0", b"a1"])[1]
     assert t2_list(pool) == [a1]  # a1 lost its only child: evictable again, in T2
 
 

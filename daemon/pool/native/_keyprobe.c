@@ -1,25 +1,40 @@
-/* kvtier.daemon.pool.native._keyprobe: the host pool's key index in C. Three functions:
+/* kvtier.daemon.pool.native._keyprobe: the host pool's key index in C. Three parts:
  *
- * - leading_run: the key table's probe of a whole LOOKUP, in one call (below);
+ * - Probe: the key table's insertions and its probe of a LOOKUP, over the table and the
+ *   pool's columns (below);
  * - index_keys: the dict of an adopted pool's pages, built in one pass (further down);
- * - seals: the adoption scan's row seals (xxh3 of keys of 17 to 32 bytes), further still;
+ * - seals: the adoption scan's row seals (xxh3 of keys of 17 to 32 bytes), further still.
  *
- * leading_run(table, keys, ns, state, key_len, words, ns_id, mult0, mult1, shift, start,
- *             max_rounds, ready[, slots]) -> (index, unresolved)
+ * Probe(table, keys, ns, state, key_len, mult0, mult1, shift, max_rounds, ready)
  *
- * The same probe as daemon/pool/keytable.py's KeyTable.find, key after key from `start`,
- * stopping at the first key that is not confirmed READY in namespace `ns_id`: its index is
+ * holds the buffers of the key table (an int32 array of slot ids, -1: empty; a power of
+ * two entries) and of the pool's key, ns, state and key_len columns, checked against each
+ * other once, here, so that a call is one hash and a few loads per key. The key table's
+ * owner (daemon/pool/keytable.py) makes a new Probe whenever it replaces the table.
+ *
+ * A key's bucket is ((ns * mult1) ^ first 8 bytes of its key) * mult0 >> shift; both
+ * insertion and probe run at most `max_rounds` entries on from it (linear probing).
+ *
+ * add(slots) -> left_out: enters each slot (an int64 buffer, or a sequence of ints) at the
+ * first empty entry of its run, reading its key and namespace from the columns; ids out
+ * of range, and items that are not ints (a commit the pool refused may list them), are
+ * skipped; returns how many found no empty entry there (left out).
+ *
+ * leading_run(words, ns_id, start[, slots[, lengths]]) -> (index, unresolved): key after
+ * key of `words` (32-byte keys back to back, each zero-padded past its length) from
+ * `start`, the first that is not confirmed READY in namespace `ns_id`: its index is
  * returned (the number of keys when all are), with `unresolved` = 1 when its probe met
  * `max_rounds` taken entries (the caller's exact probe decides it) and 0 for a true miss.
- * With `slots` (a writable int64 buffer of one entry per key), the slot found for each key
- * of the run is written to it: a LOAD pins the pages it found without looking them up again.
+ * With `slots` (a list; None: none), the slot found for each key of the run from `start`
+ * is appended to it: a LOAD pins the pages it found without looking them up again. With `lengths` (one byte per key; None: none), key i is lengths[i] bytes
+ * long; else 32.
  *
  * A table entry only proposes a slot: a slot counts when it is inside the columns, its key
- * bytes equal the key's, its key length is 32, its namespace is `ns_id` and its state
- * `ready`. Every buffer's size is checked against the others before the first probe, so no
- * table entry, however stale, reads outside them (a prefetch reads nothing: it only asks
- * for a line, and only of a slot inside the columns). The GIL is released while probing: only
- * the caller's thread changes these arrays.
+ * bytes equal the key's, its key length is the key's, its namespace is `ns_id` and its
+ * state `ready`. So no table entry, however stale, reads outside the columns (a prefetch
+ * reads nothing: it only asks for a line, and only of a slot inside the columns). Long
+ * probes release the GIL (only the caller's thread changes these arrays); short ones keep
+ * it, since taking it back can wait for another thread's switch interval.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -30,55 +45,187 @@
 #define AHEAD 16 /* keys between a bucket's prefetch and its probe: a long LOOKUP's rows lie
                   * all over the columns, and out of the caches once copies have run, so each
                   * key would wait for its misses one after another; fetched ahead, they overlap */
+#define NOGIL_KEYS 1024 /* probes of this many keys or more run without the GIL */
 
-static PyObject *leading_run(PyObject *self, PyObject *args) {
-    Py_buffer table, keys, ns, state, key_len, words, slots = {0};
-    long long ns_id, start, max_rounds, ready;
-    unsigned long long mult0, mult1, shift;
-    PyObject *out = NULL;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*LKKKLLL|w*", &table, &keys, &ns, &state, &key_len,
-                          &words, &ns_id, &mult0, &mult1, &shift, &start, &max_rounds, &ready,
-                          &slots))
-        return NULL;
-    Py_ssize_t n_slots = ns.len / 8, n_entries = table.len / 4, n = words.len / (8 * WORDS);
-    if (ns.len % 8 || keys.len != n_slots * 8 * WORDS || state.len != n_slots ||
-        key_len.len != n_slots || table.len % 4 || words.len % (8 * WORDS)) {
+typedef struct {
+    PyObject_HEAD
+    Py_buffer table, keys, ns, state, key_len;
+    int held; /* the buffers are held (0 after close or a failed init) */
+    Py_ssize_t n_slots, n_entries;
+    uint64_t mult0, mult1, shift, mask;
+    long long max_rounds, ready;
+} Probe;
+
+static void probe_release(Probe *p) {
+    if (p->held) {
+        PyBuffer_Release(&p->table);
+        PyBuffer_Release(&p->keys);
+        PyBuffer_Release(&p->ns);
+        PyBuffer_Release(&p->state);
+        PyBuffer_Release(&p->key_len);
+        p->held = 0;
+    }
+}
+
+static void probe_dealloc(Probe *p) {
+    probe_release(p);
+    Py_TYPE(p)->tp_free((PyObject *)p);
+}
+
+static int probe_init(Probe *p, PyObject *args, PyObject *kwds) {
+    (void)kwds;
+    probe_release(p);
+    if (!PyArg_ParseTuple(args, "w*y*y*y*y*KKKLL", &p->table, &p->keys, &p->ns, &p->state,
+                          &p->key_len, &p->mult0, &p->mult1, &p->shift, &p->max_rounds,
+                          &p->ready))
+        return -1;  /* PyArg_ParseTuple released what it had taken */
+    p->held = 1;
+    p->n_slots = p->ns.len / 8;
+    p->n_entries = p->table.len / 4;
+    if (p->ns.len % 8 || p->keys.len != p->n_slots * 8 * WORDS || p->state.len != p->n_slots ||
+        p->key_len.len != p->n_slots || p->table.len % 4) {
         PyErr_Format(PyExc_ValueError, "column sizes do not agree: ns %zd, keys %zd, state %zd, "
-                     "key_len %zd bytes; table %zd, words %zd bytes", ns.len, keys.len,
-                     state.len, key_len.len, table.len, words.len);
-        goto end;
+                     "key_len %zd bytes; table %zd bytes", p->ns.len, p->keys.len, p->state.len,
+                     p->key_len.len, p->table.len);
+        probe_release(p);
+        return -1;
     }
-    if (n_entries == 0 || (n_entries & (n_entries - 1)) || shift >= 64 || start < 0 ||
-        start > n || max_rounds < 1) {
+    if (p->n_entries == 0 || (p->n_entries & (p->n_entries - 1)) || p->shift >= 64 ||
+        p->n_slots > INT32_MAX || p->max_rounds < 1) {
         PyErr_Format(PyExc_ValueError, "table of %zd entries (a power of two), shift %llu, "
-                     "start %lld of %zd keys, max_rounds %lld", n_entries, shift, start, n,
-                     max_rounds);
+                     "%zd slots, max_rounds %lld", p->n_entries,
+                     (unsigned long long)p->shift, p->n_slots, p->max_rounds);
+        probe_release(p);
+        return -1;
+    }
+    p->mask = (uint64_t)p->n_entries - 1;
+    return 0;
+}
+
+static int probe_open(Probe *p) {
+    if (!p->held) {
+        PyErr_SetString(PyExc_ValueError, "the probe is closed");
+        return 0;
+    }
+    return 1;
+}
+
+static inline uint64_t bucket(const Probe *p, uint64_t nsh, uint64_t word0) {
+    return (((nsh ^ word0) * p->mult0) >> p->shift) & p->mask;
+}
+
+/* Enter slot s at the first empty entry of its run; 0 when there is none. */
+static inline int place(Probe *p, int64_t s) {
+    const uint64_t *kcol = p->keys.buf;
+    const int64_t *ncol = p->ns.buf;
+    int32_t *tab = p->table.buf;
+    uint64_t pos = bucket(p, (uint64_t)ncol[s] * p->mult1, kcol[s * WORDS]);
+    for (long long r = 0; r < p->max_rounds; r++, pos = (pos + 1) & p->mask)
+        if (tab[pos] < 0) {
+            tab[pos] = (int32_t)s;
+            return 1;
+        }
+    return 0;
+}
+
+static PyObject *probe_add(Probe *p, PyObject *arg) {
+    if (!probe_open(p))
+        return NULL;
+    Py_ssize_t left = 0;
+    if (PyObject_CheckBuffer(arg)) {
+        Py_buffer b;
+        if (PyObject_GetBuffer(arg, &b, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
+            return NULL;
+        if (b.itemsize != 8 || b.format == NULL || (strcmp(b.format, "q") && strcmp(b.format, "l") &&
+                                                    strcmp(b.format, "<q") && strcmp(b.format, "=q"))) {
+            PyErr_Format(PyExc_TypeError, "slots: an int64 buffer, not format %s",
+                         b.format == NULL ? "?" : b.format);
+            PyBuffer_Release(&b);
+            return NULL;
+        }
+        const int64_t *s = b.buf;
+        for (Py_ssize_t i = 0; i < b.len / 8; i++)
+            if (s[i] >= 0 && s[i] < p->n_slots)
+                left += !place(p, s[i]);
+        PyBuffer_Release(&b);
+        return PyLong_FromSsize_t(left);
+    }
+    PyObject *seq = PySequence_Fast(arg, "slots: an int64 buffer or a sequence of ints");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long s = PyLong_AsLongLong(items[i]);
+        if (s == -1 && PyErr_Occurred()) {  /* not a slot id: skipped, as one out of range */
+            if (!PyErr_ExceptionMatches(PyExc_TypeError) &&
+                !PyErr_ExceptionMatches(PyExc_OverflowError)) {
+                Py_DECREF(seq);
+                return NULL;
+            }
+            PyErr_Clear();
+            continue;
+        }
+        if (s >= 0 && s < p->n_slots)
+            left += !place(p, s);
+    }
+    Py_DECREF(seq);
+    return PyLong_FromSsize_t(left);
+}
+
+static PyObject *probe_leading_run(Probe *p, PyObject *args) {
+    Py_buffer words, lengths = {0};
+    long long ns_id, start;
+    PyObject *out = NULL, *slots = Py_None, *lengths_obj = Py_None;
+    int64_t *found_at = NULL;
+    if (!probe_open(p))
+        return NULL;
+    if (!PyArg_ParseTuple(args, "y*LL|OO", &words, &ns_id, &start, &slots, &lengths_obj))
+        return NULL;
+    if (lengths_obj != Py_None && PyObject_GetBuffer(lengths_obj, &lengths, PyBUF_SIMPLE) < 0) {
+        lengths.buf = NULL;
         goto end;
     }
-    if (slots.buf != NULL && slots.len < n * 8) {
-        PyErr_Format(PyExc_ValueError, "slots has %zd bytes, %zd keys need %zd", slots.len, n,
-                     n * 8);
+    Py_ssize_t n = words.len / (8 * WORDS);
+    if (words.len % (8 * WORDS) || start < 0 || start > n) {
+        PyErr_Format(PyExc_ValueError, "words of %zd bytes (whole 32-byte keys), start %lld",
+                     words.len, start);
+        goto end;
+    }
+    if (slots != Py_None && !PyList_Check(slots)) {
+        PyErr_Format(PyExc_TypeError, "slots: a list or None, not %.100s", Py_TYPE(slots)->tp_name);
+        goto end;
+    }
+    if (lengths.buf != NULL && lengths.len != n) {
+        PyErr_Format(PyExc_ValueError, "lengths has %zd bytes, not one per key (%zd)",
+                     lengths.len, n);
+        goto end;
+    }
+    if (slots != Py_None && n > start &&
+        (found_at = PyMem_Malloc((size_t)(n - start) * sizeof(int64_t))) == NULL) {
+        PyErr_NoMemory();
         goto end;
     }
     {
-        int64_t *found_at = slots.buf;
-        const int32_t *tab = table.buf;
-        const uint64_t *kcol = keys.buf, *w = words.buf;
-        const int64_t *ncol = ns.buf;
-        const int8_t *scol = state.buf;
-        const uint8_t *lcol = key_len.buf;
-        uint64_t mask = (uint64_t)n_entries - 1, nsh = (uint64_t)ns_id * mult1;
+        const uint8_t *want_len = lengths.buf;
+        const int32_t *tab = p->table.buf;
+        const uint64_t *kcol = p->keys.buf, *w = words.buf;
+        const int64_t *ncol = p->ns.buf;
+        const int8_t *scol = p->state.buf;
+        const uint8_t *lcol = p->key_len.buf;
+        const Py_ssize_t n_slots = p->n_slots;
+        const uint64_t mask = p->mask, nsh = (uint64_t)ns_id * p->mult1;
+        const long long max_rounds = p->max_rounds, ready = p->ready;
         Py_ssize_t i = start;
         int unresolved = 0;
-        Py_BEGIN_ALLOW_THREADS
+        PyThreadState *ts = n - start >= NOGIL_KEYS ? PyEval_SaveThread() : NULL;
         for (; i < n; i++) {
             const uint64_t *k = w + i * WORDS;
-            uint64_t pos = ((nsh ^ k[0]) * mult0) >> shift;
+            uint64_t pos = bucket(p, nsh, k[0]);
             if (i + AHEAD < n)  /* the bucket of a key AHEAD keys on */
-                __builtin_prefetch(tab + ((((nsh ^ w[(i + AHEAD) * WORDS]) * mult0) >> shift) & mask));
+                __builtin_prefetch(tab + bucket(p, nsh, w[(i + AHEAD) * WORDS]));
             if (i + AHEAD / 2 < n) {  /* the row its bucket proposes, for a key half as far on */
-                int32_t c = tab[(((nsh ^ w[(i + AHEAD / 2) * WORDS]) * mult0) >> shift) & mask];
+                int32_t c = tab[bucket(p, nsh, w[(i + AHEAD / 2) * WORDS])];
                 if (c >= 0 && c < n_slots) {
                     __builtin_prefetch(kcol + (Py_ssize_t)c * WORDS);
                     __builtin_prefetch(ncol + c);
@@ -86,18 +233,19 @@ static PyObject *leading_run(PyObject *self, PyObject *args) {
                     __builtin_prefetch(lcol + c);
                 }
             }
+            const unsigned klen = want_len == NULL ? 8 * WORDS : want_len[i];
             int found = 0, open = 1;
             for (long long r = 0; r < max_rounds; r++, pos = (pos + 1) & mask) {
-                int32_t c = tab[pos & mask];
+                int32_t c = tab[pos];
                 if (c < 0) {  /* an empty entry ends the probe: not here */
                     open = 0;
                     break;
                 }
                 if (c < n_slots && memcmp(kcol + (Py_ssize_t)c * WORDS, k, 8 * WORDS) == 0 &&
-                    ncol[c] == ns_id && scol[c] == ready && lcol[c] == 8 * WORDS) {
+                    ncol[c] == ns_id && scol[c] == ready && lcol[c] == klen) {
                     found = 1;
                     if (found_at != NULL)
-                        found_at[i] = c;
+                        found_at[i - start] = c;
                     break;
                 }
             }
@@ -106,20 +254,55 @@ static PyObject *leading_run(PyObject *self, PyObject *args) {
                 break;
             }
         }
-        Py_END_ALLOW_THREADS
+        if (ts != NULL)
+            PyEval_RestoreThread(ts);
+        for (Py_ssize_t j = 0; found_at != NULL && j < i - start; j++) {
+            PyObject *v = PyLong_FromLongLong(found_at[j]);
+            int rc = v == NULL ? -1 : PyList_Append(slots, v);
+            Py_XDECREF(v);
+            if (rc < 0)
+                goto end;
+        }
         out = Py_BuildValue("ni", i, unresolved);
     }
 end:
-    PyBuffer_Release(&table);
-    PyBuffer_Release(&keys);
-    PyBuffer_Release(&ns);
-    PyBuffer_Release(&state);
-    PyBuffer_Release(&key_len);
+    PyMem_Free(found_at);
     PyBuffer_Release(&words);
-    if (slots.buf != NULL)
-        PyBuffer_Release(&slots);
+    if (lengths.buf != NULL)
+        PyBuffer_Release(&lengths);
     return out;
 }
+
+static PyObject *probe_close(Probe *p, PyObject *unused) {
+    (void)unused;
+    probe_release(p);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef probe_methods[] = {
+    {"add", (PyCFunction)probe_add, METH_O,
+     "add(slots) -> left_out: enter the slots (int64 buffer or ints; ids out of range or "
+     "not ints skipped); returns how many found no empty entry within max_rounds of their bucket"},
+    {"leading_run", (PyCFunction)probe_leading_run, METH_VARARGS,
+     "leading_run(words, ns_id, start[, slots[, lengths]]) -> (index, unresolved): the first "
+     "key from start not READY in ns_id (with slots, a list, the slot of each key of the run "
+     "is appended to it; with lengths, one byte per key, each key's length)"},
+    {"close", (PyCFunction)probe_close, METH_NOARGS,
+     "close(): release the buffers (the probe refuses every call afterwards)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject ProbeType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvtier.daemon.pool.native._keyprobe.Probe",
+    .tp_basicsize = sizeof(Probe),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Probe(table, keys, ns, state, key_len, mult0, mult1, shift, max_rounds, ready): "
+              "the key table's insertions and probes over its buffers (see the module source)",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)probe_init,
+    .tp_dealloc = (destructor)probe_dealloc,
+    .tp_methods = probe_methods,
+};
 
 /* index_keys(rows, slots, by_slot) -> dict: the index of adopted pages of one namespace.
  *
@@ -248,10 +431,6 @@ end:
 }
 
 static PyMethodDef methods[] = {
-    {"leading_run", leading_run, METH_VARARGS,
-     "leading_run(table, keys, ns, state, key_len, words, ns_id, mult0, mult1, shift, start, "
-     "max_rounds, ready[, slots]) -> (index, unresolved): the first key from start not READY "
-     "in ns_id (with slots, an int64 buffer, the slot of each key of the run is written there)"},
     {"index_keys", index_keys, METH_VARARGS,
      "index_keys(rows, slots, by_slot) -> dict: 32-byte keys (rows) as bytes objects, each "
      "put into the list by_slot at its slot (int64 slots) and into a dict key -> slot"},
@@ -263,9 +442,16 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_keyprobe",
-    "The host pool's key index in C: the key table's probe of a whole LOOKUP, the index of an "
-    "adopted pool's keys and their row seals.", -1,
+    "The host pool's key index in C: the key table's insertions and its probe of a LOOKUP, "
+    "the index of an adopted pool's keys and their row seals.", -1,
     methods, NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__keyprobe(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__keyprobe(void) {
+    if (PyType_Ready(&ProbeType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddObjectRef(m, "Probe", (PyObject *)&ProbeType) < 0)
+        Py_CLEAR(m);
+    return m;
+}

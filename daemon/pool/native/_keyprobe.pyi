@@ -1,6 +1,7 @@
 """Types of the ``_keyprobe`` C extension (``daemon/pool/native/_keyprobe.c``): the host pool's key
-table probe, an adopted pool's key index and row seals."""
+table's insertions and probe, an adopted pool's key index and row seals."""
 
+from collections.abc import Sequence
 from typing import Any, TypeAlias
 
 from numpy.typing import NDArray
@@ -8,25 +9,38 @@ from typing_extensions import Buffer as _Bytes
 
 Buffer: TypeAlias = _Bytes | NDArray[Any]
 
-def leading_run(
-    table: Buffer,
-    keys: Buffer,
-    ns: Buffer,
-    state: Buffer,
-    key_len: Buffer,
-    words: Buffer,
-    ns_id: int,
-    mult0: int,
-    mult1: int,
-    shift: int,
-    start: int,
-    max_rounds: int,
-    ready: int,
-    slots: Buffer = ...,
-    /,
-) -> tuple[int, int]:
-    """The leading run of the packed ``words`` found from ``start`` on: ``(the index it
-    stopped at, whether a key was left unresolved)``."""
+class Probe:
+    """The key table's insertions and probes over its table and the pool's columns."""
+
+    def __init__(
+        self,
+        table: Buffer,
+        keys: Buffer,
+        ns: Buffer,
+        state: Buffer,
+        key_len: Buffer,
+        mult0: int,
+        mult1: int,
+        shift: int,
+        max_rounds: int,
+        ready: int,
+        /,
+    ) -> None: ...
+    def add(self, slots: Buffer | Sequence[int], /) -> int:
+        """Enter ``slots``; returns how many found no empty entry near their bucket."""
+    def leading_run(
+        self,
+        words: Buffer,
+        ns_id: int,
+        start: int,
+        slots: list[int] | None = ...,
+        lengths: Buffer | None = ...,
+        /,
+    ) -> tuple[int, int]:
+        """The leading run of the packed ``words`` found from ``start`` on: ``(the index it
+        stopped at, whether a key was left unresolved)``."""
+    def close(self) -> None:
+        """Release the buffers."""
 
 def index_keys(rows: Buffer, slots: Buffer, by_slot: list[bytes | None]) -> dict[bytes, int]:
     """Key → slot for ``rows``; raises ValueError for a key twice (``by_slot`` unchanged)."""

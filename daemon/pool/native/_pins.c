@@ -3,7 +3,7 @@
  * pin(pins, stamp, children, slots, clock) -> (clock, newly_pinned, childless)
  * unpin(pins, state, children, slots, ready) -> (unpinned, childless) or None
  *
- * The same per-page steps as daemon/pool/pages.py's PageTable._pin_slots and unpin, in the
+ * The same per-page steps as daemon/pool/pages.py's PageTable.pin_slots and unpin, in the
  * same order, so a slot listed twice is pinned (or unpinned) twice, as page by page. What
  * stays in Python is the evictable lists: `childless` lists, in order, the pages that leave
  * them (pin: pinned for the first time and without resident children) or enter them
