@@ -12,9 +12,11 @@ the CUDA calls run unchanged:
   file is gone (destroyed) or whose creator is dead raises :class:`FakeCudaError` and writes a
   ``BAD`` line to the journal: on a GPU that is undefined behaviour (a hang in practice);
 - copies are numpy copies done at once, in order, so every "stream" is always complete;
-- faults are asked for by writing ``copy_error`` (the next copies raise as they are enqueued) or
-  ``gpu_fault`` (waiting for the GPU reports an error: the copies' fate is unknown) to the file
-  ``fault`` in the fake's directory;
+- faults are asked for by writing one word to the file ``fault`` in the fake's directory:
+  ``copy_error`` (copies raise as they are enqueued), ``gpu_fault`` (waiting for the GPU reports
+  an error: the copies' fate is unknown), ``hold`` (the copies of transfers enqueued meanwhile
+  "run on the GPU" until the word changes: their layers are recorded, their end is not) or
+  ``pause`` (each layer's copy waits, as it is enqueued, until the word changes);
 - every operation that matters to the lifecycle is appended to ``journal``
   (``<pid> <op> <what>``), so a test can check the order of what the daemon did.
 
@@ -28,6 +30,7 @@ import itertools
 import mmap
 import os
 import struct
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -283,9 +286,12 @@ class FakeCuda:
         return self._fault()
 
     def query(self, event: str) -> bool:
-        """Complete, unless a GPU fault was asked for."""
+        """Complete, unless a GPU fault was asked for, or a hold still is."""
         if event == "gpu_fault":
             raise FakeCudaError("fake GPU fault while waiting for the copies")
+        if event == "hold" and self._fault() == "hold":
+            time.sleep(0.01)  # the caller polls: keep that cheap
+            return False
         return True
 
     def copy_plan(
@@ -313,8 +319,12 @@ class _Plan:
         return base[:, None] + np.arange(self.chunk, dtype=np.int64)[None, :]
 
     def _check(self) -> None:
-        if self.fake._fault() == "copy_error":
+        fault = self.fake._fault()
+        if fault == "copy_error":
             raise FakeCudaError("fake copy error")
+        while fault == "pause":
+            time.sleep(0.01)
+            fault = self.fake._fault()
 
     def layer_to_host(
         self, arena: np.ndarray, row: Sequence[np.ndarray], layer: int, *, stream: Any
