@@ -18,7 +18,8 @@ the CUDA calls run unchanged:
   "run on the GPU" until the word changes: their layers are recorded, their end is not) or
   ``pause`` (each layer's copy waits, as it is enqueued, until the word changes);
 - every operation that matters to the lifecycle is appended to ``journal``
-  (``<pid> <op> <what>``), so a test can check the order of what the daemon did.
+  (``<pid> <thread> <op> <what>``), so a test can check the order of what the daemon did, and
+  on which of its threads.
 
 The daemon runs with it through :mod:`tests.fake_cuda_kvtierd`; the engine side passes a
 :class:`FakeCuda` to ``CudaKVPool(..., backend=...)``.
@@ -30,6 +31,7 @@ import itertools
 import mmap
 import os
 import struct
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -116,19 +118,20 @@ class FakeCuda:
 
     # ------------------------------------------------------------------ journal and faults
     def log(self, op: str, what: object = "") -> None:
-        """Append ``<pid> <op> <what>`` to the journal."""
+        """Append ``<pid> <thread> <op> <what>`` to the journal."""
+        thread = threading.current_thread().name.replace(" ", "_")
         with open(self.root / "journal", "a") as fh:
-            fh.write(f"{os.getpid()} {op} {what}\n")
+            fh.write(f"{os.getpid()} {thread} {op} {what}\n")
 
-    def journal(self) -> list[tuple[int, str, str]]:
-        """The journal's lines as ``(pid, op, what)``."""
+    def journal(self) -> list[tuple[int, str, str, str]]:
+        """The journal's lines as ``(pid, op, what, thread)``."""
         path = self.root / "journal"
         if not path.exists():
             return []
         out = []
         for line in path.read_text().splitlines():
-            pid, op, what = (line.split(" ", 2) + [""])[:3]
-            out.append((int(pid), op, what))
+            pid, thread, op, what = (line.split(" ", 3) + [""])[:4]
+            out.append((int(pid), op, what, thread))
         return out
 
     def set_fault(self, fault: str | None) -> None:

@@ -105,7 +105,12 @@ def wait_for(d: DaemonProcess, ok, what: str) -> dict:
 
 
 def ops(fake: FakeCuda, pid: int, op: str) -> list[str]:
-    return [what for p, o, what in fake.journal() if p == pid and o == op]
+    return [what for p, o, what, _ in fake.journal() if p == pid and o == op]
+
+
+def threads(fake: FakeCuda, pid: int, *names: str) -> set[str]:
+    """The threads of ``pid`` that did the operations ``names``."""
+    return {t.rsplit("_", 1)[0] for p, o, _, t in fake.journal() if p == pid and o in names}
 
 
 def keys_for(conn: Connection, salt: int) -> list[bytes]:
@@ -120,6 +125,8 @@ def test_register_opens_memory_and_returns_one_event_per_layer(fake_daemon, fake
     assert ops(fake, dpid, "open_mem") == [pool.export().segments[0].name.split(":", 1)[1]]
     assert len(ops(fake, dpid, "create_stream")) == 1
     assert ops(fake, dpid, "pin_host")  # the pool is pinned for the session's copies
+    # none of it on the event loop (the main thread): all on the daemon's CUDA thread
+    assert threads(fake, dpid, "open_mem", "create_stream", "pin_host") == {"kvtier-cuda"}
 
 
 def test_store_then_load_round_trip_layer_by_layer(fake_daemon, fake, engine):
@@ -147,6 +154,8 @@ def test_store_then_load_round_trip_layer_by_layer(fake_daemon, fake, engine):
         rest = [p for p in range(PAGES) if p not in dst]
         assert torch.equal(b1[rest], b0[rest])  # nothing else touched
     assert conn._cuda is not None and conn._cuda._ready.records == 2  # ready before each
+    ready = f"e{fake_daemon.pid}-{layer_event_ids(fake, fake_daemon.pid)[-1] + 1}"
+    assert ops(fake, fake_daemon.pid, "stream_wait") == [ready, ready]  # the copies wait for it
     c = stats(fake_daemon)["counters"]
     assert c["transfers_cuda"] == 2
     assert (c["transfers_inline"], c["transfers_shared"], c["transfers_split"]) == (0, 0, 0)
@@ -227,10 +236,11 @@ def test_session_close_closes_the_copier_before_the_memory(fake_daemon, fake, en
     while not ops(fake, dpid, "close_mem"):  # on the daemon's kvtier-cuda thread
         assert time.monotonic() < end, fake.journal()
         time.sleep(0.05)
-    order = [op for p, op, _ in fake.journal() if p == dpid]
+    order = [op for p, op, _, _ in fake.journal() if p == dpid]
     closing = order[order.index("destroy_event") :]
     assert closing == ["destroy_event"] * (G.num_layers + 1) + ["destroy_stream", "close_mem"]
     assert ops(fake, ME, "close_event")  # the engine dropped its opened events too
+    assert threads(fake, dpid, "destroy_stream", "close_mem") == {"kvtier-cuda"}
 
 
 def test_daemon_restart_reregisters_and_never_waits_on_the_old_events(fake_daemon, fake, engine):
