@@ -47,10 +47,11 @@ def fake(short_tmp: Path) -> FakeCuda:
 
 @pytest.fixture
 def fake_daemon(short_tmp: Path, fake: FakeCuda) -> Iterator[DaemonProcess]:
-    """A real kvtierd with the fake CUDA backend installed."""
+    """A real kvtierd with the fake CUDA backend installed; it checksums the pages it stores
+    and checks them when it adopts its pool after a restart."""
     d = DaemonProcess(
         short_tmp / "d0",
-        _daemon_flags(short_tmp, "d0"),
+        _daemon_flags(short_tmp, "d0", "--verify-on-adopt"),
         env={"FAKE_CUDA_DIR": str(fake.root)},
         module="tests.fake_cuda_kvtierd",
     )
@@ -267,7 +268,7 @@ def test_daemon_restart_reregisters_and_never_waits_on_the_old_events(fake_daemo
     assert new_pid != old_pid
     fake.set_fault("hold")
     h2 = conn.load(keys, dst)  # re-registers first: the new daemon's events
-    assert h2.count == N
+    assert h2.count == N  # adopted, checksums verified
     assert old_waiter is not None and old_waiter.closed and conn._cuda is not old_waiter
     for layer in range(G.num_layers):
         assert h2.wait_layer(layer)
