@@ -137,6 +137,15 @@ class CudaLayerWaiter:
             raise CudaIpcError(f"layer = {layer!r} is outside [0, {len(self._layers)})")
         self._backend.stream_wait(self._stream(stream), self._layers[layer])
 
+    def wait_if_open(self, layer: int, stream: Any = None) -> bool:
+        """:meth:`wait_layer`, or False (no wait) when the events were dropped meanwhile,
+        e.g. by another thread's re-registration."""
+        layers, ready = self._layers, self._ready  # held: another thread may close
+        if ready is None or not 0 <= layer < len(layers):
+            return False
+        self._backend.stream_wait(self._stream(stream), layers[layer])
+        return True
+
     def close(self) -> None:
         """Drop the opened events. Idempotent."""
         events = [*self._layers, *([self._ready] if self._ready is not None else [])]

@@ -49,8 +49,9 @@ class LayerEvents(Protocol):
         """The events were dropped (their registration is over)."""
         ...
 
-    def wait_layer(self, layer: int, stream: Any = None) -> None:
-        """Make the current stream wait for layer ``layer``'s copies."""
+    def wait_if_open(self, layer: int, stream: Any = None) -> bool:
+        """Make the current stream wait for layer ``layer``'s copies; False (no wait) when
+        the events were dropped."""
         ...
 
 
@@ -153,10 +154,9 @@ class TransferHandle:
     def _stream_wait(self, layer: int) -> bool:
         """The current stream waits for layer ``layer``'s event, unless its daemon is gone."""
         assert self._cuda is not None and self._conn is not None
-        if self._cuda.closed or not self._conn.daemon_alive():
+        if self._cuda.closed or not self._conn.daemon_alive() or not self._cuda.wait_if_open(layer):
             self._end(TransferStatus.FAILED)  # its events are gone: a miss, never a wait
             return False
-        self._cuda.wait_layer(layer)
         return True
 
     def wait(self, timeout: float | None = None) -> bool:

@@ -42,9 +42,10 @@ class CudaSessions:
     Creating this imports nothing of CUDA and starts no thread.
     """
 
-    __slots__ = ("_arena", "_pool", "_runtime")
+    __slots__ = ("_arena", "_closed", "_pool", "_runtime")
 
     def __init__(self) -> None:
+        self._closed = False
         self._arena: np.ndarray | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._runtime: CudaRuntime | None = None
@@ -67,6 +68,10 @@ class CudaSessions:
             CudaMemoryError: (an EngineMemoryError) the daemon has no usable GPU, or the export
                 cannot be opened; nothing stays open then.
         """
+        if self._closed:
+            from kvtier.daemon.transfer.cuda.memory import CudaMemoryError
+
+            raise CudaMemoryError("kvtierd is stopping: its CUDA runtime is closed")
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._thread(), self._open, geometry, memory)
 
@@ -101,12 +106,17 @@ class CudaSessions:
         return run_cuda_transfer(t, self._arena, memory, memory.geometry.chunk_bytes, block, copier)
 
     def close_session(self, copier: Any, memory: Any) -> None:
-        """Close a session's copier, then its memory, on the ``kvtier-cuda`` thread."""
-        self._thread().submit(_close_session, copier, memory)
+        """Close a session's copier, then its memory, on the ``kvtier-cuda`` thread (here,
+        once that thread has ended at shutdown)."""
+        if self._closed:
+            _close_session(copier, memory)
+        else:
+            self._thread().submit(_close_session, copier, memory)
 
     def close(self) -> None:
         """Wait for the closes queued, then close the runtime (unpins the pool). Call it
         after every session was finalized and before the arena is unmapped."""
+        self._closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         if self._runtime is not None:

@@ -255,7 +255,7 @@ def test_daemon_restart_reregisters_and_never_waits_on_the_old_events(fake_daemo
     old_waiter = conn._cuda
     fake.set_fault("hold")  # a load whose layers are recorded when its daemon dies
     h = conn.load(keys, dst)
-    assert (h.count == N and h.layers_ready() == 0) or True
+    assert h.count == N
     end = time.monotonic() + DEADLINE_S
     while h.layers_ready() < G.num_layers:
         assert time.monotonic() < end

@@ -38,6 +38,7 @@ import time
 from typing import Any
 
 import numpy as np
+from kvtier.daemon.pool.layout import page_checksums
 from kvtier.daemon.transfer.cuda.memory import CudaEngineMemory, CudaMemoryError
 from kvtier.daemon.transfer.transfer import Direction, Transfer
 from kvtier.ipc.completion import CompletionBlock, TransferStatus
@@ -210,9 +211,10 @@ def run_cuda_transfer(
     launched = False
     done: Any = None
     backend = copier.backend
+    buffers = memory.buffers
+    n_comp = len(buffers[0]) if buffers else 0
+    slot_bytes = len(buffers) * n_comp * chunk_bytes  # a whole host page
     try:
-        buffers = memory.buffers
-        n_comp = len(buffers[0]) if buffers else 0
         with copier.lock:
             backend.use_device(copier.ordinal)
             host = backend.host_arena(arena)
@@ -221,7 +223,7 @@ def run_cuda_transfer(
                 t.page_ids,
                 t.offsets,
                 chunk_bytes,
-                len(buffers) * n_comp * chunk_bytes,
+                slot_bytes,
                 copier.ordinal,
                 stream,
             )
@@ -266,5 +268,8 @@ def run_cuda_transfer(
             memory.stuck = True
             copier.stuck = True
             status = TransferStatus.FAILED
+    if status is TransferStatus.DONE and t.direction is Direction.STORE and t.checksum:
+        # verify_on_adopt: the pages are in the host pool now, checksummed on the CPU
+        t.checksums = page_checksums(arena, t.offsets.tolist(), slot_bytes)
     t.status = status
     return status
