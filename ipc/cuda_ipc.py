@@ -264,8 +264,8 @@ def open_mem_handle(handle: bytes, ordinal: int) -> int:
     handle = check_ipc_handle(handle, "the memory handle")
     cupy = cupy_module()
     try:
-        with cupy.cuda.Device(ordinal):
-            return int(cupy.cuda.runtime.ipcOpenMemHandle(handle))
+        cupy.cuda.runtime.setDevice(ordinal)  # no Device(...) block: its exit switches to GPU 0
+        return int(cupy.cuda.runtime.ipcOpenMemHandle(handle))
     except cuda_error_types() as err:
         raise CudaIpcError(
             f"cudaIpcOpenMemHandle on cuda:{ordinal} failed: {err}. The exporting process must "
@@ -282,8 +282,8 @@ def close_mem_handle(ptr: int, ordinal: int) -> None:
     """
     cupy = cupy_module()
     try:
-        with cupy.cuda.Device(ordinal):
-            cupy.cuda.runtime.ipcCloseMemHandle(ptr)
+        cupy.cuda.runtime.setDevice(ordinal)
+        cupy.cuda.runtime.ipcCloseMemHandle(ptr)
     except cuda_error_types() as err:
         raise CudaIpcError(
             f"cudaIpcCloseMemHandle({ptr:#x}) on cuda:{ordinal} failed: {err}"

@@ -125,6 +125,12 @@ Name = Annotated[str, Meta(max_length=MAX_NAME, pattern=_NO_NUL)]
 Text = Annotated[str, Meta(max_length=MAX_TEXT, pattern=_NO_NUL)]
 SegmentName = Annotated[str, Meta(max_length=MAX_SEGMENT_NAME, pattern=_NO_NUL)]
 Handle = Annotated[bytes, Meta(max_length=MAX_HANDLE_BYTES)]
+EventHandle = Annotated[bytes, Meta(min_length=MAX_HANDLE_BYTES, max_length=MAX_HANDLE_BYTES)]
+"""A CUDA IPC event handle (``cudaIpcEventHandle_t``): exactly 64 bytes, any byte values."""
+EventHandles = Annotated[list[EventHandle], Meta(max_length=MAX_LAYERS)]
+"""One event handle per layer of a CUDA session (at most ``MAX_LAYERS``)."""
+OptionalEventHandle = Annotated[bytes, Meta(max_length=MAX_HANDLE_BYTES)]
+"""An event handle, or empty when the session has none (length checked after decoding)."""
 HandoverToken = Annotated[bytes, Meta(max_length=HANDOVER_TOKEN_BYTES)]
 """The token of a memory handover (empty: none; the daemon then refuses the REGISTER)."""
 Fingerprint = Annotated[str, Meta(pattern="^(?:[0-9a-fA-F]{64})?\\Z")]

@@ -38,6 +38,7 @@ from kvtier.ipc.geometry import (  # re-exported: P.Geometry, P.KVMemory, ...
 from kvtier.ipc.limits import (
     KEY_BYTES,
     MAX_ERROR_CHARS,
+    MAX_HANDLE_BYTES,
     U63,
     BlockHash,
     BlockHashes,
@@ -45,10 +46,12 @@ from kvtier.ipc.limits import (
     ClaimPolicy,
     Fingerprint,
     FlushTier,
+    EventHandles,
     HandoverToken,
     Key,
     Keys,
     Name,
+    OptionalEventHandle,
     PackedKeys,
     PackedPages,
     PackedTokens,
@@ -317,6 +320,12 @@ class Registered(_Rep, tag="registered", kw_only=True):
     so a client reads False and sends ``keys``); ``packed_transfers``: the same for LOAD's
     and STORE's ``packed_keys`` and ``packed_pages``; ``kv_events``: the daemon publishes
     KV events, so a STORE's ``engine`` hashes are worth sending.
+
+    A session whose memory is ``cuda_ipc`` also gets the daemon's interprocess CUDA events
+    (docs/gpu.md): ``event_handles``, one 64-byte ``cudaIpcEventHandle_t`` per layer, which
+    the daemon records after that layer's copies, and ``ready_event``, the one the engine
+    records before each STORE or LOAD. Both are empty for every other session; decoding
+    refuses a reply that has one without the other.
     """
 
     session_id: U63
@@ -328,6 +337,20 @@ class Registered(_Rep, tag="registered", kw_only=True):
     packed_lookup: bool = False
     packed_transfers: bool = False
     kv_events: bool = False
+    event_handles: EventHandles = []
+    ready_event: OptionalEventHandle = b""
+
+    def __post_init__(self) -> None:
+        if bool(self.event_handles) != bool(self.ready_event):
+            raise ValueError(
+                f"event_handles ({len(self.event_handles)}) and ready_event "
+                f"({len(self.ready_event)} bytes) come together: both or neither"
+            )
+        if self.ready_event and len(self.ready_event) != MAX_HANDLE_BYTES:
+            raise ValueError(
+                f"ready_event must be a {MAX_HANDLE_BYTES}-byte CUDA IPC event handle, "
+                f"got {len(self.ready_event)} bytes"
+            )
 
 
 class Ack(_Rep, tag="ack", kw_only=True):

@@ -42,6 +42,8 @@ class DaemonProcess:
         isolated: configure the daemon by ``args`` (and ``env``) only: the caller's
             ``KVTIER_*`` variables, ``$KVTIER_CONFIG`` included, are not passed on (the demo
             uses this so that a user's settings cannot point its daemon at their files).
+        module: the module run with ``python -m`` (a launcher that runs the daemon's own
+            ``main`` after setting something up, e.g. a test's CUDA backend).
     """
 
     def __init__(
@@ -52,6 +54,7 @@ class DaemonProcess:
         log_path: str | Path | None = None,
         state_dir: str | Path | None = None,
         isolated: bool = False,
+        module: str = "kvtier.daemon",
     ) -> None:
         self.runtime_dir = Path(runtime_dir)
         self.state_dir = Path(state_dir) if state_dir else self.runtime_dir / "state"
@@ -59,6 +62,7 @@ class DaemonProcess:
         self.env = dict(env or {})
         self.log_path = Path(log_path) if log_path else self.runtime_dir / "kvtierd.log"
         self.isolated = isolated
+        self.module = module
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -92,7 +96,7 @@ class DaemonProcess:
         # stays open while the daemon runs (its stdout and stderr); _reap closes it
         self._log = open(self.log_path, "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvtier.daemon", *self.args],
+            [sys.executable, "-m", self.module, *self.args],
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=self._log,

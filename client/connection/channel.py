@@ -22,11 +22,13 @@ import os
 import secrets
 import threading
 import time
+from pathlib import Path
 
 import msgspec
 import zmq
-from kvtier.client.connection.replies import DaemonUnavailable, rep_is_late
+from kvtier.client.connection.replies import DaemonError, DaemonUnavailable, rep_is_late
 from kvtier.ipc import protocol as P
+from kvtier.ipc.fdpass import HandoverBusy, HandoverError, HandoverUnavailable, hand_over
 from kvtier.ipc.sockets import make_zmq_socket
 
 __all__ = ["LIVENESS_POLL_S", "DaemonChannel"]
@@ -175,6 +177,25 @@ class DaemonChannel:
                     continue
             if watch_pid and not self.daemon_alive():
                 return None
+
+    def hand_over(self, path: str | Path, token: bytes, fds: list[int]) -> int:
+        """Hand ``fds`` (a pool's descriptors) to the daemon under ``token``; the completion
+        block's descriptor.
+
+        Raises:
+            DaemonUnavailable: no daemon answers on the handover socket.
+            DaemonError: BAD_MEMORY, the daemon refused the handover (its reason); BUSY,
+                it stayed at a limit until ``request_timeout_s`` (the limit's name).
+        """
+        try:
+            return hand_over(path, token, fds, self.request_timeout_s)
+        except HandoverUnavailable as err:
+            self.mark_down()
+            raise DaemonUnavailable(str(err)) from err
+        except HandoverBusy as err:
+            raise DaemonError(P.ErrorCode.BUSY, str(err)) from err
+        except HandoverError as err:
+            raise DaemonError(P.ErrorCode.BAD_MEMORY, str(err)) from err
 
     def close(self) -> None:
         """Close the socket (unsent requests dropped) and end the ZeroMQ context. Idempotent."""

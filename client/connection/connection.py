@@ -54,13 +54,7 @@ from kvtier.config import ClientConfig, runtime_dir, socket_path
 from kvtier.config.models import PrefetchPolicy
 from kvtier.ipc import protocol as P
 from kvtier.ipc.completion import CompletionBlock, TransferStatus
-from kvtier.ipc.fdpass import (
-    HandoverBusy,
-    HandoverError,
-    HandoverUnavailable,
-    hand_over,
-    handover_path_for,
-)
+from kvtier.ipc.fdpass import handover_path_for
 from kvtier.ipc.limits import HANDOVER_TOKEN_BYTES
 from kvtier.ipc.sockets import ipc_endpoint
 
@@ -68,6 +62,8 @@ if TYPE_CHECKING:
     from typing import Self
 
     import numpy as np
+    from kvtier.client.connection.cuda_wait import CudaLayerWaiter
+    from kvtier.client.kv_pool.cuda import CudaKVPool
 
 __all__ = [
     "Connection",
@@ -85,7 +81,10 @@ class Connection:
     """A registered engine (one TP rank) talking to kvtierd.
 
     Args:
-        pool: the engine's KV pool in shared memory (handed over at each registration).
+        pool: the engine's KV pool: in shared memory (handed over at each registration), or
+            on a GPU (a :class:`~kvtier.client.kv_pool.cuda.CudaKVPool`, exported by CUDA IPC;
+            each registration then opens that daemon's events, and the events of an earlier
+            registration are dropped first: docs/gpu.md).
         model_id / revision: identify the model; with the geometry they form the namespace.
         config: client settings (timeouts, tenant); default from ``ClientConfig()``.
         tp_rank / tp_size: tensor-parallel position.
@@ -94,7 +93,7 @@ class Connection:
 
     def __init__(
         self,
-        pool: SharedKVPool,
+        pool: SharedKVPool | CudaKVPool,
         model_id: str,
         revision: str = "",
         config: ClientConfig | None = None,
@@ -123,6 +122,7 @@ class Connection:
         self._packed_transfers = False
         self._kv_events = False
         self._block: CompletionBlock | None = None
+        self._cuda: CudaLayerWaiter | None = None
         self._closed = False
         self._hb_stop = threading.Event()
         self._hb: threading.Thread | None = None
@@ -146,11 +146,17 @@ class Connection:
             UnexpectedReply: the daemon answered with another reply than REGISTERED.
         """
         with self._lock:
+            self._drop_cuda()  # the events of the daemon registered with before: never again
             self._channel.check_socket_file()
             self._channel.connect()
             token = self.config.token.get_secret_value() if self.config.token else ""
             handover = secrets.token_bytes(HANDOVER_TOKEN_BYTES)
-            completion_fd = self._hand_over(handover)
+            memory_fds = getattr(self.pool, "memory_fds", None)
+            completion_fd = self._channel.hand_over(
+                handover_path_for(self.endpoint, runtime_dir(self.config.runtime_dir)),
+                handover,
+                memory_fds() if memory_fds is not None else [],
+            )
             try:
                 msg = P.Register(
                     req_id=0,
@@ -170,6 +176,7 @@ class Connection:
                 block = CompletionBlock.from_fd(completion_fd, rep.completion_slots)
             finally:
                 os.close(completion_fd)
+            self._cuda = self._open_cuda(rep)
             if self._block is not None:
                 self._block.close()
             self._block = block
@@ -186,26 +193,20 @@ class Connection:
             )
             self._hb.start()
 
-    def _hand_over(self, token: bytes) -> int:
-        """Hand the pool's descriptors to the daemon under ``token``; the completion block's fd.
+    def _open_cuda(self, rep: P.Registered) -> CudaLayerWaiter | None:
+        """A GPU pool's waiter over the events of ``rep`` (None for a shared-memory pool);
+        DaemonError (BAD_MEMORY) when they cannot be opened."""
+        if getattr(self.pool, "cuda_backend", None) is None:
+            return None
+        from kvtier.client.connection.cuda_wait import waiter_for  # torch: for GPU pools only
 
-        Raises:
-            DaemonUnavailable: no daemon answers on the handover socket.
-            DaemonError: BAD_MEMORY, the daemon refused the handover (its reason); BUSY,
-                it stayed at a limit until ``request_timeout_s`` (the limit's name).
-        """
-        memory_fds = getattr(self.pool, "memory_fds", None)
-        fds = memory_fds() if memory_fds is not None else []
-        path = handover_path_for(self.endpoint, runtime_dir(self.config.runtime_dir))
-        try:
-            return hand_over(path, token, fds, self.config.request_timeout_s)
-        except HandoverUnavailable as err:
-            self._channel.mark_down()
-            raise DaemonUnavailable(str(err)) from err
-        except HandoverBusy as err:
-            raise DaemonError(P.ErrorCode.BUSY, str(err)) from err
-        except HandoverError as err:
-            raise DaemonError(P.ErrorCode.BAD_MEMORY, str(err)) from err
+        return waiter_for(self.pool, rep, self.geometry.num_layers)
+
+    def _drop_cuda(self) -> None:
+        """Close the events of the current registration (its daemon may be gone)."""
+        waiter, self._cuda = self._cuda, None
+        if waiter is not None:
+            waiter.close()
 
     def _heartbeat_loop(self) -> None:
         while not self._hb_stop.wait(self.config.heartbeat_interval_s):
@@ -393,7 +394,9 @@ class Connection:
                 return TransferHandle(None, None, -1, 0, 0, 0, n_layers)
             seq = next(self._seqs)
 
-            def make(sid: int) -> P.Request:
+            def make(sid: int) -> P.Request:  # called once registered (again, maybe)
+                if self._cuda is not None:  # the daemon's copies wait for the engine's work
+                    self._cuda.record_ready()
                 return transfer_request(
                     kind, sid, keys, pages, slot, seq, self._packed_transfers, parent_key, engine
                 )
@@ -418,7 +421,8 @@ class Connection:
             if writing == 0:
                 self._slots.give_back(slot)
                 return TransferHandle(None, None, -1, 0, count, 0, n_layers)
-            return TransferHandle(self, self._block, slot, seq, count, writing, n_layers)
+            cuda = self._cuda if kind is P.Load else None
+            return TransferHandle(self, self._block, slot, seq, count, writing, n_layers, cuda)
 
     def _slot_done(self, slot: int, seq: int, status: TransferStatus) -> None:
         with self._lock:
@@ -463,6 +467,7 @@ class Connection:
                 except (DaemonUnavailable, DaemonError, zmq.ZMQError):
                     pass  # at interpreter exit the context may be gone already: nothing to tell
             self._closed = True
+            self._drop_cuda()
             if self._block is not None:
                 self._block.close()
                 self._block = None

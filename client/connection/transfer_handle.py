@@ -9,7 +9,7 @@ small :class:`TransferOwner` protocol, so this module does not import the connec
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvtier.config import ClientConfig
 from kvtier.ipc.completion import CompletionBlock, CompletionTimeout, TransferStatus
@@ -40,12 +40,31 @@ class TransferOwner(Protocol):
         ...
 
 
+class LayerEvents(Protocol):
+    """A CUDA session's events in the engine
+    (:class:`~kvtier.client.connection.cuda_wait.CudaLayerWaiter`)."""
+
+    @property
+    def closed(self) -> bool:
+        """The events were dropped (their registration is over)."""
+        ...
+
+    def wait_if_open(self, layer: int, stream: Any = None) -> bool:
+        """Make the current stream wait for layer ``layer``'s copies; False (no wait) when
+        the events were dropped."""
+        ...
+
+
 class TransferHandle:
     """A STORE or LOAD in flight.
 
     Made by :meth:`Connection.store <kvtier.client.connection.connection.Connection.store>` and
     :meth:`~kvtier.client.connection.connection.Connection.load`; a handle without an owner
     (``conn`` None) is one that never ran: a miss, a dropped store, or nothing to copy.
+
+    On a GPU (``cuda``: the session's events) a layer is "in place" once the engine's
+    current stream waits for its copies; a handle whose events were dropped (the daemon died
+    or the connection re-registered) reports a miss, and never waits on them.
 
     Attributes:
         count: for a load, the leading pages being loaded (0: a miss, nothing runs); for a
@@ -56,6 +75,7 @@ class TransferHandle:
     __slots__ = (
         "_block",
         "_conn",
+        "_cuda",
         "_layers_ok",
         "_status",
         "count",
@@ -74,8 +94,10 @@ class TransferHandle:
         count: int,
         writing: int,
         num_layers: int,
+        cuda: LayerEvents | None = None,
     ) -> None:
         self._conn = conn
+        self._cuda = cuda
         self._block = block
         self.slot = slot
         self.seq = seq
@@ -122,10 +144,20 @@ class TransferHandle:
         except (TypeError, ValueError):  # the block was closed under us (re-registration)
             st = TransferStatus.FAILED
         if st is TransferStatus.RUNNING:
+            if self._cuda is not None and not self._stream_wait(layer):
+                return False
             self._layers_ok = layer + 1
             return True
-        self._end(st)
+        self._end(st)  # DONE: the daemon saw every copy finish on the GPU, nothing to wait for
         return st is TransferStatus.DONE
+
+    def _stream_wait(self, layer: int) -> bool:
+        """The current stream waits for layer ``layer``'s event, unless its daemon is gone."""
+        assert self._cuda is not None and self._conn is not None
+        if self._cuda.closed or not self._conn.daemon_alive() or not self._cuda.wait_if_open(layer):
+            self._end(TransferStatus.FAILED)  # its events are gone: a miss, never a wait
+            return False
+        return True
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the whole transfer ends; True when it succeeded.

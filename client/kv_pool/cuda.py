@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from kvtier.client.kv_pool.shared import TORCH_DTYPES
 from kvtier.ipc import cuda_ipc
-from kvtier.ipc.cuda_ipc import AllocationRange, CudaExport, CudaIpcError
+from kvtier.ipc.cuda_backend import EngineCudaBackend, TorchEngineBackend
+from kvtier.ipc.cuda_ipc import CudaExport, CudaIpcError, CudaUnavailable
 from kvtier.ipc.protocol import Geometry, KVMemory
 
 __all__ = ["Allocator", "CudaKVPool", "unexportable_allocator_requested"]
@@ -70,11 +71,14 @@ class CudaKVPool:
         num_pages: pages per buffer (> 0).
         device: the GPU (``"cuda"``: the current device).
         allocator: ``auto``, ``torch`` or ``cudamalloc`` (see the module docstring).
+        backend: the CUDA operations; None (the default) is torch and CuPy. Another one
+            allocates and exports the memory itself (``allocator`` is then not used).
 
     Attributes:
         geometry / num_pages: as given.
         device: the GPU, with its index.
         allocator: the allocator actually used (``torch`` or ``cudamalloc``).
+        cuda_backend: the CUDA operations (the connection opens the daemon's events with it).
         k / v: per-layer tensors ``[num_pages, page_size, kv_heads, head_dim]`` of the
             geometry's dtype (MHA); for MLA ``k`` holds the latent and ``v`` is empty. Zeroed.
 
@@ -91,6 +95,7 @@ class CudaKVPool:
         device: torch.device | int | str = "cuda",
         *,
         allocator: Allocator = "auto",
+        backend: EngineCudaBackend | None = None,
     ) -> None:
         geometry.validate()
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
@@ -99,10 +104,13 @@ class CudaKVPool:
             raise ValueError(
                 f"allocator must be 'auto', 'torch' or 'cudamalloc', got {allocator!r}"
             )
-        cuda_ipc.require_cuda("CudaKVPool")
+        self.cuda_backend: EngineCudaBackend = backend or TorchEngineBackend()
+        reason = self.cuda_backend.unavailable_reason()
+        if reason is not None:
+            raise CudaUnavailable(f"CudaKVPool {reason}")
         self.geometry = geometry
         self.num_pages = num_pages
-        self.device = torch.device("cuda", cuda_ipc.ordinal_of(device))
+        self.device = torch.device("cuda", self.cuda_backend.ordinal_of(device))
         if allocator == "auto":
             allocator = "cudamalloc" if unexportable_allocator_requested() else "torch"
         self.allocator: Literal["torch", "cudamalloc"] = allocator
@@ -111,8 +119,10 @@ class CudaKVPool:
         self._stride = -(-self._buf_bytes // _ALIGN) * _ALIGN
         n_buf = g.num_layers * g.components
         total = n_buf * self._stride
-        self._known: tuple[AllocationRange, ...] = ()
-        if allocator == "torch":
+        self._known: Any = ()
+        if backend is not None:
+            flat, self._known = backend.allocate(total, self.device.index or 0)
+        elif allocator == "torch":
             try:
                 flat = torch.empty(total, dtype=torch.uint8, device=self.device)
             except torch.OutOfMemoryError as err:
@@ -151,11 +161,10 @@ class CudaKVPool:
         if self._flat is None:
             raise CudaIpcError("the CudaKVPool is closed")
         if self._export is None:
-            whole = cuda_ipc.export_tensors([self._flat], known=self._known)
-            base = whole.buffer_offsets[0]
+            segment, base = self.cuda_backend.export(self._flat, self._known)
             n_buf = self.geometry.num_layers * self.geometry.components
             self._export = CudaExport(
-                whole.segments, [0] * n_buf, [base + i * self._stride for i in range(n_buf)]
+                [segment], [0] * n_buf, [base + i * self._stride for i in range(n_buf)]
             )
         return self._export.memory(self.num_pages)
 

@@ -151,6 +151,9 @@ class Service:
         executor = FairExecutor(self.ctx.cfg.copy_threads, "kvtier-copy")
         self.transfers.open(executor, self._arena, self.ctx.cfg.copy_threads)
         stack.callback(self.transfers.close)
+        assert self._arena is not None, "open_pool() first"
+        self.ctx.cuda.attach(self._arena)  # unpinned once every session is finalized:
+        stack.push_async_callback(asyncio.to_thread, self.ctx.cuda.close)  # before the unmap
         stack.callback(finalize_remaining)  # runs once the copy threads have ended
         # waited for off the loop, so a second SIGTERM can still end the process at once
         stack.push_async_callback(

@@ -18,6 +18,7 @@ from kvtier.config import DaemonConfig
 from kvtier.daemon.counters import Counters, HitWindow
 from kvtier.daemon.pool.index import HostPool
 from kvtier.daemon.pool.layout import AdoptResult
+from kvtier.daemon.service.cuda_sessions import CudaSessions
 from kvtier.daemon.service.handover import HandoverServer
 from kvtier.daemon.service.quotas import Quotas
 from kvtier.daemon.service.sessions import Session, SessionState, SessionTable
@@ -53,6 +54,7 @@ class ServiceContext:
         quotas: what each user and tenant holds, against its bounds.
         prefaults: the threads that build page tables over engines' memory, users taking
             turns.
+        cuda: the CUDA sessions' runtime and thread (docs/gpu.md), made on first use.
         metrics: the Prometheus endpoint when ``metrics_port`` is set, else None.
         adopt: what the start made of the pool file it found (set once mapped).
         started: wall-clock start time (``uptime_s``).
@@ -80,6 +82,7 @@ class ServiceContext:
         self.quotas = Quotas(lambda: self.cfg)
         self.prefaults = PrefaultQueue(cfg.prefault_threads)
         self.handovers = HandoverServer(handover_path(rdir), lambda: self.cfg, self.strain)
+        self.cuda = CudaSessions()
         self.metrics: DaemonMetrics | None = None
         self.events: KvEventPublisher | None = None
         self.adopt: AdoptResult | None = None
@@ -148,7 +151,10 @@ class ServiceContext:
         self.sessions.remove(s)
         self.tier.session_closed(s)
         self.quotas.remove(s.session_id)
-        s.memory.close()  # never an unlink: the engine's memory has no name the daemon knows
+        if s.cuda is not None:  # its events and stream go before its memory, off the loop
+            self.cuda.close_session(s.cuda, s.memory)
+        else:
+            s.memory.close()  # never an unlink: the engine's memory has no name the daemon knows
         s.completion.close()
         s.transition(SessionState.CLOSED)
         self.counters.sessions_closed += 1

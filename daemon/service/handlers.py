@@ -15,21 +15,16 @@ arrival to its reply, the deferred part included.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
-import os
 import time
 from collections.abc import Coroutine
 from typing import Any
 
-from kvtier.config import format_size
-from kvtier.daemon.pool.index import HostPoolError
 from kvtier.daemon.service.answers import Answer, Deferred, Handler
 from kvtier.daemon.service.context import ServiceContext
-from kvtier.daemon.service.handover import Handover, HandoverNotYours, HandoverRefused
-from kvtier.daemon.service.quotas import LimitExceeded
 from kvtier.daemon.service.sessions import Session
 from kvtier.daemon.service.long_requests import LongRequests
+from kvtier.daemon.service.registration import Registration
 from kvtier.daemon.service.transfers import Transfers
 from kvtier.daemon.service.validation import (
     RequestError,
@@ -39,22 +34,11 @@ from kvtier.daemon.service.validation import (
     check_slot,
     transfer_keys,
 )
-from kvtier.daemon.tier.rank_groups import GroupKey
-from kvtier.daemon.transfer.engine_memory import (
-    NAMES_REFUSED,
-    EngineMemory,
-    EngineMemoryError,
-    EngineMemoryExhausted,
-    NoMemory,
-)
 from kvtier.daemon.transfer.transfer import Direction
 from kvtier.ipc import protocol as P
 from kvtier.ipc.fdpass import PeerCred
-from kvtier.ipc.namespace import namespace_fingerprint
 
 log = logging.getLogger("kvtier.daemon")
-DEFAULT_TENANT = "default"
-"""The tenant of every session when no tenants are configured."""
 
 
 class Handlers:
@@ -73,6 +57,7 @@ class Handlers:
         self.ctx = ctx
         self.transfers = transfers
         self.long = LongRequests(ctx, transfers)
+        self.registration = Registration(ctx)
 
     def table(self) -> dict[type, Handler]:
         """The handler of each engine request type."""
@@ -102,202 +87,10 @@ class Handlers:
             s.renew(time.monotonic())
 
     # ------------------------------------------------------------------ sessions
-    def register(self, identity: bytes, m: P.Register, peer: PeerCred | None = None) -> P.Reply:
-        """REGISTER: check, authenticate, map the handed-over memory, open a session.
-
-        Args:
-            identity: the connection's ZeroMQ identity.
-            m: the request.
-            peer: the sender's credentials when the transport tells them (``ipc://``);
-                the handover must then come from the same process.
-
-        Returns:
-            :class:`~kvtier.ipc.protocol.Registered`.
-
-        Raises:
-            RequestError: refused. The request's own fields are checked before its
-                handover is claimed; once claimed, the handover is spent either way (the
-                daemon keeps no descriptor of it).
-        """
-        tenant = self._check_register(m)
-        try:
-            h = self.ctx.handovers.claim(m.handover, peer)
-        except HandoverNotYours as err:
-            raise RequestError(P.ErrorCode.UNAUTHORIZED, str(err)) from err
-        except HandoverRefused as err:
-            raise RequestError(P.ErrorCode.BAD_MEMORY, str(err)) from err
-        if m.pid and m.pid != h.peer.pid:
-            log.info("REGISTER says pid %d; the handover's process is %d (used)", m.pid, h.peer.pid)
-        try:
-            return self._open_session(identity, m, h, tenant)
-        except BaseException:
-            h.completion.close()
-            raise
-        finally:
-            h.close_fds()  # mapped, or refused
-
-    def _check_register(self, m: P.Register) -> str:
-        """A REGISTER's fields (not yet its memory); returns the tenant it authenticated as."""
-        ctx, cfg = self.ctx, self.ctx.cfg
-        if m.protocol_version != P.PROTOCOL_VERSION:
-            raise RequestError(
-                P.ErrorCode.PROTOCOL_VERSION,
-                f"protocol_version = {m.protocol_version!r}; this daemon speaks "
-                f"{P.PROTOCOL_VERSION}",
-            )
-        if m.memory.kind == "shm":
-            raise RequestError(P.ErrorCode.BAD_MEMORY, NAMES_REFUSED)
-        if len(ctx.sessions) >= cfg.max_sessions:
-            raise RequestError(P.ErrorCode.BUSY, f"max_sessions ({cfg.max_sessions}) reached")
-        tenant = self._authenticate(m)
-        g = m.geometry
-        try:
-            g.validate()
-        except ValueError as err:
-            raise RequestError(P.ErrorCode.GEOMETRY_MISMATCH, str(err)) from err
-        if m.tp_rank >= m.tp_size:  # each within its wire bounds (checked at decode)
-            raise RequestError(
-                P.ErrorCode.GEOMETRY_MISMATCH,
-                f"tp_rank = {m.tp_rank!r} / tp_size = {m.tp_size!r} are inconsistent",
-            )
-        if g.page_bytes > cfg.extent_size:
-            raise RequestError(
-                P.ErrorCode.GEOMETRY_MISMATCH,
-                f"a page of {g.page_bytes} bytes does not fit the pool's "
-                f"extent_size ({cfg.extent_size})",
-            )
-        return tenant
-
-    def _open_session(self, identity: bytes, m: P.Register, h: Handover, tenant: str) -> P.Reply:
-        """Map the handover's memory and open the session (taking its completion block)."""
-        ctx, cfg, g = self.ctx, self.ctx.cfg, m.geometry
-        control = m.memory.kind == "none"
-        uid = h.peer.uid
-        try:
-            ctx.quotas.check_session(uid, tenant)
-            if control:
-                NoMemory.check(m.memory, h.fds)
-                memory: EngineMemory | NoMemory = NoMemory()
-            else:
-                memory = EngineMemory(g, m.memory, h.fds, ctx.quotas.admitter(uid, tenant))
-        except LimitExceeded as err:
-            log.info("registration of pid %d uid %d refused: %s", h.peer.pid, uid, err)
-            raise RequestError(P.ErrorCode.BUSY, str(err)) from err
-        except (EngineMemoryExhausted, MemoryError) as err:
-            ctx.strain.note(f"REGISTER from uid {uid}: cannot map its memory: {err}")
-            raise RequestError(
-                P.ErrorCode.BUSY,
-                f"the daemon is short of address space or memory to map this memory: {err}",
-            ) from err
-        except EngineMemoryError as err:
-            raise RequestError(P.ErrorCode.BAD_MEMORY, str(err)) from err
-        try:
-            fp = namespace_fingerprint(m.namespace, g, m.tp_rank, m.tp_size, tenant)
-            try:
-                ns_id, owner = ctx.pool.namespace_id(fp), ctx.pool.owner_id(tenant)
-            except HostPoolError as err:
-                raise RequestError(P.ErrorCode.BUSY, str(err)) from err
-        except BaseException:
-            memory.close()
-            raise
-        sid = ctx.sessions.new_id()
-        block = h.completion
-        s = Session(
-            session_id=sid,
-            identity=identity,
-            tenant=tenant,
-            owner=owner,
-            ns_id=ns_id,
-            ns_fingerprint=fp,
-            geometry=g,
-            class_id=ctx.pool.register_class(g.page_bytes),
-            memory=memory,
-            completion=block,
-            pid=h.peer.pid,
-            uid=h.peer.uid,
-            tp_rank=m.tp_rank,
-            tp_size=m.tp_size,
-            lease_s=cfg.lease_s,
-        )
-        s.renew(time.monotonic())
-        ctx.tier.register(ns_id, fp, tenant, s.class_id, g.page_bytes)
-        if ctx.events is not None:
-            ctx.events.name(ns_id, m.namespace.model_id, fp, g.page_size)
-        if control:  # no rank group: a scheduler asks for itself, one session per rank
-            s.control_only = True
-        else:
-            s.member = ctx.tier.groups.join(
-                GroupKey(
-                    tenant=tenant,
-                    model_id=m.namespace.model_id,
-                    revision=m.namespace.revision,
-                    cache_salt=m.namespace.cache_salt,
-                    attention=g.attention,
-                    tp_size=m.tp_size,
-                    tp_group=m.tp_group,
-                ),
-                m.tp_rank,
-                sid,
-            )
-        ctx.sessions.add(s)
-        ctx.quotas.add(
-            sid,
-            uid,
-            tenant,
-            getattr(memory, "mapped_bytes", 0),
-            len(getattr(memory, "segments", ())),
-        )
-        ctx.counters.sessions_opened += 1
-        if isinstance(memory, EngineMemory):
-            memory.start_prefault(f"session {sid}", ctx.prefaults, uid)
-        log.info(
-            "session %d registered: tenant %s, model %s, pid %d uid %d, rank %d/%d, %s of %s",
-            sid,
-            tenant,
-            m.namespace.model_id,
-            s.pid,
-            s.uid,
-            m.tp_rank,
-            m.tp_size,
-            "control only, no pages"
-            if control
-            else f"{m.memory.num_pages} pages{'' if memory.mapped else ' (unmapped, by I/O)'}",
-            format_size(g.page_bytes),
-        )
-        return P.Registered(
-            req_id=m.req_id,
-            epoch=ctx.epoch,
-            session_id=sid,
-            lease_s=cfg.lease_s,
-            ns_fingerprint=fp,
-            completion_name=f"memfd:completion-{ctx.epoch:x}-{sid}",
-            completion_slots=block.slots,
-            daemon_pid=os.getpid(),
-            packed_lookup=True,
-            packed_transfers=True,
-            kv_events=ctx.events is not None,
-        )
-
-    def _authenticate(self, m: P.Register) -> str:
-        """The tenant a REGISTER may act as (the default one when none are configured)."""
-        tenants = self.ctx.cfg.tenants
-        if not tenants:
-            return DEFAULT_TENANT
-        t = tenants.get(m.tenant)
-        ok = t is not None and hmac.compare_digest(
-            t.token.get_secret_value().encode(), m.token.encode()
-        )
-        if not ok:
-            log.warning(
-                "registration refused: tenant %r from pid %d presented a %s token",
-                m.tenant,
-                m.pid,
-                "missing" if not m.token else "wrong",
-            )
-            raise RequestError(
-                P.ErrorCode.UNAUTHORIZED, f"tenant = {m.tenant!r}: missing or wrong token"
-            )
-        return m.tenant
+    def register(self, identity: bytes, m: P.Register, peer: PeerCred | None = None) -> Answer:
+        """REGISTER: see :meth:`Registration.register
+        <kvtier.daemon.service.registration.Registration.register>`."""
+        return self.registration.register(identity, m, peer)
 
     def heartbeat(self, identity: bytes, m: P.Heartbeat) -> P.Reply:
         """HEARTBEAT: renew the session's lease."""

@@ -124,6 +124,24 @@ _COUNTER_SPECS: tuple[_Spec, ...] = (
         (((), "transfers_shared"),),
     ),
     (
+        "kvtier_transfers_inline",
+        "STORE and LOAD copies done on the event loop before the reply (small ones).",
+        (),
+        (((), "transfers_inline"),),
+    ),
+    (
+        "kvtier_transfers_cuda",
+        "STORE and LOAD copies of CUDA sessions, on each session's own CUDA stream.",
+        (),
+        (((), "transfers_cuda"),),
+    ),
+    (
+        "kvtier_cuda_held_pages",
+        "Host pages of failed CUDA stores kept out of use: their copies may still write them.",
+        (),
+        (((), "cuda_held_pages"),),
+    ),
+    (
         "kvtier_requests_sliced",
         "STOREs and LOADs of more than slice_pages pages, whose page-table work went in slices.",
         (),

@@ -28,6 +28,8 @@ from kvtier.ipc.protocol import Geometry
 if TYPE_CHECKING:
     from kvtier.daemon.tier.prefetch import PrefetchJob
     from kvtier.daemon.tier.rank_groups import Member
+    from kvtier.daemon.transfer.cuda.executor import CudaSessionCopier
+    from kvtier.daemon.transfer.cuda.memory import CudaEngineMemory
     from kvtier.daemon.transfer.engine_memory import EngineMemory, NoMemory
     from kvtier.daemon.transfer.transfer import Transfer
 
@@ -61,6 +63,8 @@ class Session:
             control-only session).
         control_only: it registered no memory (``memory.kind = "none"``): LOOKUP only.
         waiting: requests of this session being answered later (a claim, a group round).
+        cuda: for ``memory.kind = "cuda_ipc"``, the session's copy stream and interprocess
+            events (docs/gpu.md); None for every other session.
     """
 
     session_id: int
@@ -71,7 +75,7 @@ class Session:
     ns_fingerprint: bytes
     geometry: Geometry
     class_id: int
-    memory: EngineMemory | NoMemory
+    memory: EngineMemory | NoMemory | CudaEngineMemory
     completion: CompletionBlock
     pid: int
     tp_rank: int
@@ -85,6 +89,7 @@ class Session:
     member: Member | None = None
     control_only: bool = False
     waiting: int = 0
+    cuda: CudaSessionCopier | None = None
     created: float = field(default_factory=time.time)
 
     def is_open(self) -> bool:

@@ -205,11 +205,17 @@ class Transfers:
         )
         s.completion.begin(slot, seq, g.num_layers)
         s.transfers[slot] = t
+        if s.cuda is not None:  # on the session's stream, from a copy thread: never inline,
+            self.ctx.counters.transfers_cuda += 1  # shared or split (docs/gpu.md)
+            fut = self._submit(s, self.ctx.cuda.run, t, s.memory, s.completion, s.cuda)
+            self._watch(fut, lambda f: self._finish(s, t, f))
+            return
         n_regions = len(s.memory.regions)
         cheap = n_regions <= INLINE_REGIONS or (
             s.memory.table is not None and n_regions <= INLINE_TABLE_ROWS
         )
         if t.nbytes <= INLINE_BYTES and cheap:  # ends before the reply: nobody to wake
+            self.ctx.counters.transfers_inline += 1
             run_transfer(
                 t,
                 self._arena,
@@ -398,6 +404,9 @@ class Transfers:
         """A copy thread's transfer ended: settle it."""
         self.inflight.discard(fut)
         ok = not fut.cancelled() and fut.exception() is None and t.status is TransferStatus.DONE
+        if t.extra.get("gpu_pending") and t.direction is Direction.STORE:  # a CUDA copy may
+            self.ctx.counters.cuda_held_pages += len(t.host_slots)  # still write its slots:
+            t.host_slots = []  # never committed nor freed, out of use for good (docs/gpu.md)
         self._settle(s, t, ok)
 
     def _settle(self, s: Session, t: Transfer, ok: bool, wake: bool = True) -> None:

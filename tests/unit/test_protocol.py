@@ -355,3 +355,53 @@ def test_the_daemon_socket_refuses_frames_past_the_ceiling(tmp_path, socket_type
         sock.close(0)
     finally:
         ctx.term()
+
+
+# -- a CUDA session's event handles in Registered ------------------------------------------------
+
+EVENT_HANDLES = [bytes(64), b"\xff" * 64, bytes(range(64)), bytes([0x00, 0xFF]) * 32]
+"""64-byte CUDA IPC event handles, zero and 0xff bytes anywhere (none may be lost or cut)."""
+
+
+def registered_doc(**fields: object) -> bytes:
+    """A Registered reply on the wire with ``fields`` set (encoded as they are)."""
+    doc = msgspec.to_builtins(replies()[P.Registered], builtin_types=(bytes,))
+    doc.update(fields)
+    return msgspec.msgpack.encode(doc)
+
+
+def test_registered_event_handles_round_trip_byte_for_byte():
+    ready = bytes([0xFF, 0x00]) * 32
+    msg = msgspec.structs.replace(
+        replies()[P.Registered], event_handles=EVENT_HANDLES, ready_event=ready
+    )
+    back = P.decode_reply(P.encode(msg))
+    assert isinstance(back, P.Registered)
+    assert back.event_handles == EVENT_HANDLES and back.ready_event == ready
+    plain = P.decode_reply(P.encode(replies()[P.Registered]))  # every other session: none
+    assert isinstance(plain, P.Registered)
+    assert plain.event_handles == [] and plain.ready_event == b""
+
+
+@pytest.mark.parametrize(
+    "fields,words",
+    [
+        ({"event_handles": [bytes(63)], "ready_event": bytes(64)}, "`$.event_handles[0]`"),
+        ({"event_handles": [bytes(65)], "ready_event": bytes(64)}, "`$.event_handles[0]`"),
+        (
+            {"event_handles": [bytes(64)] * (L.MAX_LAYERS + 1), "ready_event": bytes(64)},
+            "`$.event_handles`",
+        ),
+        ({"event_handles": [bytes(64)], "ready_event": bytes(65)}, "`$.ready_event`"),
+        ({"event_handles": [bytes(64)], "ready_event": bytes(63)}, "64-byte CUDA IPC event"),
+        ({"event_handles": [bytes(64)]}, "both or neither"),
+        ({"ready_event": bytes(64)}, "both or neither"),
+        ({"event_handles": ["x" * 64], "ready_event": bytes(64)}, "`$.event_handles[0]`"),
+    ],
+    ids=["short", "long", "too-many", "ready-long", "ready-short", "no-ready", "no-handles", "str"],
+)
+def test_registered_event_handles_are_bounded_and_checked(fields, words):
+    with pytest.raises(msgspec.ValidationError) as info:
+        P.decode_reply(registered_doc(**fields))
+    assert words in str(info.value), info.value
+    assert len(str(info.value)) <= L.MAX_ERROR_CHARS

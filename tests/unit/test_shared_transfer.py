@@ -148,6 +148,7 @@ def _setup(executor: Executor, verify: bool = False) -> tuple[Transfers, Any, An
         transfers={},
         state=SessionState.OPEN,
         memory=SimpleNamespace(regions=regions, table=None),
+        cuda=None,
         mem=mem,
     )
     tr = Transfers(ctx)  # type: ignore[arg-type]

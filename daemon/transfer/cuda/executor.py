@@ -23,6 +23,9 @@ events that the engine opens from the handles in its registration reply::
   does only once the GPU finished every copy: a store's pages are then in the host pool, and the
   engine may reuse the device pages once it sees DONE.
 
+Every CUDA operation goes through the runtime's backend
+(:class:`~kvtier.ipc.cuda_backend.DaemonCudaBackend`), each thread setting its GPU explicitly.
+
 Events are reused by every transfer of a session. That is safe because all of them run on one
 in-order stream: a wait that picks up a later record than the one it needs only waits longer.
 """
@@ -32,14 +35,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Any
 
 import numpy as np
-import torch
-from kvtier.daemon.transfer.cuda.memory import CudaEngineMemory, CudaMemoryError, arena_tensor
+from kvtier.daemon.pool.layout import page_checksums
+from kvtier.daemon.transfer.cuda.memory import CudaEngineMemory, CudaMemoryError
 from kvtier.daemon.transfer.transfer import Direction, Transfer
-from kvtier.ipc import cuda_ipc
 from kvtier.ipc.completion import CompletionBlock, TransferStatus
-from kvtier.kernels.cuda_copy import CudaCopyPlan
+from kvtier.ipc.cuda_backend import DaemonCudaBackend
+from kvtier.ipc.cuda_ipc import CudaIpcError
 
 __all__ = ["GPU_TIMEOUT_S", "CudaSessionCopier", "run_cuda_transfer"]
 
@@ -48,30 +52,31 @@ log = logging.getLogger("kvtier.daemon.cuda")
 GPU_TIMEOUT_S = 120.0
 """How long a transfer waits for its copies to finish on the GPU (they wait for the engine's
 ``ready`` record, so a long engine kernel delays them) before it is declared stuck."""
-_STREAM_NON_BLOCKING = 0x01  # cudaStreamNonBlocking: no implicit sync with the legacy stream
 
 
 class CudaSessionCopier:
     """One session's copy stream and interprocess events, created once and reused.
 
     Attributes:
-        device: the session's GPU (daemon numbering).
-        stream: the session's own non-blocking CUDA stream (not one of torch's pooled
+        backend: the CUDA operations.
+        ordinal: the session's GPU (daemon numbering).
+        stream: the session's own non-blocking stream (not one of torch's pooled
             streams, so sessions never wait for each other's copies).
         layer_events: one interprocess event per layer, recorded after that layer's copies.
         ready_event: the interprocess event the engine records before each request.
         event_handles: the 64-byte handles of ``layer_events``, for the registration reply.
         ready_handle: the handle of ``ready_event``.
         lock: held while a transfer enqueues, so transfers of a session enqueue one at a time.
-        stuck: a copy never finished on the GPU; the stream is then never destroyed.
+        stuck: a copy never finished on the GPU; the stream and events are then never
+            destroyed.
     """
 
     __slots__ = (
-        "_raw_stream",
-        "device",
+        "backend",
         "event_handles",
         "layer_events",
         "lock",
+        "ordinal",
         "ready_event",
         "ready_handle",
         "stream",
@@ -80,53 +85,48 @@ class CudaSessionCopier:
 
     def __init__(
         self,
-        device: torch.device,
-        raw_stream: int,
-        layer_events: list[torch.cuda.Event],
-        event_handles: list[bytes],
-        ready_event: torch.cuda.Event,
-        ready_handle: bytes,
+        backend: DaemonCudaBackend,
+        ordinal: int,
+        stream: Any,
+        events: list[tuple[Any, bytes]],
     ) -> None:
-        self.device = device
-        self._raw_stream = raw_stream
-        self.stream = torch.cuda.ExternalStream(raw_stream, device=device)
-        self.layer_events = layer_events
-        self.event_handles = event_handles
-        self.ready_event = ready_event
-        self.ready_handle = ready_handle
+        self.backend = backend
+        self.ordinal = ordinal
+        self.stream: Any = stream
+        (self.ready_event, self.ready_handle), layers = events[-1], events[:-1]
+        self.layer_events = [e for e, _ in layers]
+        self.event_handles = [h for _, h in layers]
         self.lock = threading.Lock()
         self.stuck = False
 
     @classmethod
-    def create(cls, memory: CudaEngineMemory) -> CudaSessionCopier:
-        """Make the stream and ``num_layers + 1`` events for a session on ``memory.device``.
+    def create(cls, memory: CudaEngineMemory, backend: DaemonCudaBackend) -> CudaSessionCopier:
+        """Make the stream and ``num_layers + 1`` events for a session on ``memory``'s GPU.
 
         Raises:
             CudaMemoryError: the stream or an event cannot be created (the daemon answers
-                BAD_MEMORY, as for memory it cannot open).
+                BAD_MEMORY, as for memory it cannot open); nothing stays created then.
         """
-        cupy = cuda_ipc.cupy_module()
-        device = memory.device
-        ordinal = cuda_ipc.ordinal_of(device)
+        ordinal = memory.ordinal
         try:
-            with cupy.cuda.Device(ordinal):
-                raw = int(cupy.cuda.runtime.streamCreateWithFlags(_STREAM_NON_BLOCKING))
-        except cupy.cuda.runtime.CUDARuntimeError as err:
-            raise CudaMemoryError(f"cannot create a CUDA stream on cuda:{ordinal}: {err}") from err
+            backend.use_device(ordinal)
+            stream = backend.create_stream(ordinal)
+        except CudaIpcError as err:
+            raise CudaMemoryError(str(err)) from err
+        made: list[tuple[Any, bytes]] = []
         try:
-            made = [
-                cuda_ipc.create_ipc_event(device) for _ in range(memory.geometry.num_layers + 1)
-            ]
+            for _ in range(memory.geometry.num_layers + 1):
+                made.append(backend.create_ipc_event(ordinal))
         except BaseException as err:
-            with cupy.cuda.Device(ordinal):
-                cupy.cuda.runtime.streamDestroy(raw)
-            if isinstance(err, (cuda_ipc.CudaIpcError, RuntimeError)):
+            for event, _ in made:
+                backend.destroy_event(event)
+            backend.destroy_stream(stream)
+            if isinstance(err, CudaIpcError):
                 raise CudaMemoryError(
                     f"cannot create interprocess events on cuda:{ordinal}: {err}"
                 ) from err
             raise
-        (ready, ready_handle), layers = made[-1], made[:-1]
-        return cls(device, raw, [e for e, _ in layers], [h for _, h in layers], ready, ready_handle)
+        return cls(backend, ordinal, stream, made)
 
     @property
     def num_layers(self) -> int:
@@ -134,35 +134,39 @@ class CudaSessionCopier:
         return len(self.layer_events)
 
     def close(self) -> None:
-        """Destroy the stream (unless a copy on it is stuck) and drop the events. Idempotent.
+        """Destroy the events and the stream (unless a copy on it is stuck). Idempotent.
 
-        Call only after every transfer of the session returned.
+        Call only after every transfer of the session returned, and before the session's
+        engine memory is closed.
         """
-        raw, self._raw_stream = self._raw_stream, 0
+        stream, self.stream = self.stream, None
+        events = [*self.layer_events, self.ready_event]
         self.layer_events = []
-        if not raw:
+        if stream is None:
             return
         if self.stuck:
             log.error(
-                "copy stream of a session on %s left alive: a copy never finished", self.device
+                "copy stream of a session on cuda:%d left alive: a copy never finished",
+                self.ordinal,
             )
             return
-        cupy = cuda_ipc.cupy_module()
         try:
-            with cupy.cuda.Device(cuda_ipc.ordinal_of(self.device)):
-                cupy.cuda.runtime.streamDestroy(raw)
-        except cupy.cuda.runtime.CUDARuntimeError as err:
-            log.warning("cudaStreamDestroy failed: %s", err)
+            self.backend.use_device(self.ordinal)
+            for event in events:
+                self.backend.destroy_event(event)
+            self.backend.destroy_stream(stream)
+        except CudaIpcError as err:
+            log.warning("%s", err)
 
 
-def _wait_gpu(event: torch.cuda.Event, deadline: float) -> bool:
+def _wait_gpu(backend: DaemonCudaBackend, event: Any, deadline: float) -> bool:
     """Poll ``event`` until it completes (True) or ``deadline`` passes (False).
 
     Polling with short sleeps instead of ``synchronize()`` keeps a worker thread from spinning a
     core, and lets the wait give up.
     """
     delay = 20e-6
-    while not event.query():
+    while not backend.query(event):
         if time.monotonic() >= deadline:
             return False
         time.sleep(delay)
@@ -172,7 +176,7 @@ def _wait_gpu(event: torch.cuda.Event, deadline: float) -> bool:
 
 def run_cuda_transfer(
     t: Transfer,
-    arena: np.ndarray | torch.Tensor,
+    arena: np.ndarray,
     memory: CudaEngineMemory,
     chunk_bytes: int,
     block: CompletionBlock,
@@ -190,8 +194,7 @@ def run_cuda_transfer(
 
     Args:
         t: the transfer (its slot was begun by the event loop before the reply went out).
-        arena: the host pool as a flat uint8 numpy array (the daemon's; a torch view of it is
-            made here) or CPU tensor, pinned by ``CudaRuntime.pin_arena``.
+        arena: the host pool as a flat uint8 numpy array, pinned by ``CudaRuntime.pin_arena``.
         memory: the session's engine memory.
         chunk_bytes: bytes of one page of one buffer.
         block: the session's completion block.
@@ -199,53 +202,54 @@ def run_cuda_transfer(
         gpu_timeout_s: how long to wait for the GPU before declaring the copies stuck.
 
     Returns:
-        DONE, CANCELLED or FAILED. When the GPU did not finish in time the transfer is FAILED,
-        ``t.extra["gpu_pending"]`` is True, and ``memory.stuck`` / ``copier.stuck`` are set: a
-        store's slots may still be written, so the event loop must not free them (it should
-        keep them out of use), and the engine memory stays mapped.
+        DONE, CANCELLED or FAILED. When the GPU did not finish in time (or reported an error
+        while the copies may still run) the transfer is FAILED, ``t.extra["gpu_pending"]`` is
+        True, and ``memory.stuck`` / ``copier.stuck`` are set: a store's slots may still be
+        written, so the event loop must keep them out of use, and the engine memory stays mapped.
     """
     status = TransferStatus.DONE
     launched = False
-    done: torch.cuda.Event | None = None
+    done: Any = None
+    backend = copier.backend
+    buffers = memory.buffers
+    n_comp = len(buffers[0]) if buffers else 0
+    slot_bytes = len(buffers) * n_comp * chunk_bytes  # a whole host page
     try:
-        arena = arena_tensor(arena)
-        buffers = memory.buffers
-        n_comp = len(buffers[0]) if buffers else 0
-        with copier.lock, torch.cuda.device(copier.device):
+        with copier.lock:
+            backend.use_device(copier.ordinal)
+            host = backend.host_arena(arena)
             stream = copier.stream
-            plan = CudaCopyPlan.build(
+            plan = backend.copy_plan(
                 t.page_ids,
                 t.offsets,
                 chunk_bytes,
-                device=copier.device,
-                slot_bytes=len(buffers) * n_comp * chunk_bytes,
-                stream=stream,
+                slot_bytes,
+                copier.ordinal,
+                stream,
             )
             launched = True  # the plan's offsets are uploading on the stream
-            stream.wait_event(copier.ready_event)
+            backend.stream_wait(stream, copier.ready_event)
             try:
                 for layer, row in enumerate(buffers):
                     if t.cancelled:
                         status = TransferStatus.CANCELLED
                         break
                     if t.direction is Direction.STORE:
-                        plan.layer_to_host(arena, row, layer, stream=stream)
+                        plan.layer_to_host(host, row, layer, stream=stream)
                     else:
-                        plan.layer_from_host(arena, row, layer, stream=stream)
-                    copier.layer_events[layer].record(stream)
+                        plan.layer_from_host(host, row, layer, stream=stream)
+                    backend.record(copier.layer_events[layer], stream)
                     block.layer_done(t.slot, layer + 1)
             finally:
-                marker = torch.cuda.Event()
-                marker.record(stream)
-                done = marker  # only once recorded: an unrecorded event always reads as complete
+                done = backend.marker(stream)  # only once recorded: an unrecorded one reads done
     except Exception:  # a bug, a bad index or a CUDA error: the transfer fails, the daemon stays up
         log.exception("CUDA transfer session=%d slot=%d failed", t.session_id, t.slot)
         status = TransferStatus.FAILED
     if launched:
         deadline = time.monotonic() + gpu_timeout_s
         try:
-            finished = done is not None and _wait_gpu(done, deadline)
-        except RuntimeError:  # torch reports a CUDA error (e.g. a fault) as RuntimeError
+            finished = done is not None and _wait_gpu(backend, done, deadline)
+        except RuntimeError:  # a CUDA error (e.g. a fault) while waiting: the copies' fate unknown
             log.exception(
                 "CUDA transfer session=%d slot=%d: waiting for the GPU failed", t.session_id, t.slot
             )
@@ -264,5 +268,8 @@ def run_cuda_transfer(
             memory.stuck = True
             copier.stuck = True
             status = TransferStatus.FAILED
+    if status is TransferStatus.DONE and t.direction is Direction.STORE and t.checksum:
+        # verify_on_adopt: the pages are in the host pool now, checksummed on the CPU
+        t.checksums = page_checksums(arena, t.offsets.tolist(), slot_bytes)
     t.status = status
     return status

@@ -25,14 +25,16 @@ it write past an allocation by declaring a larger one.
 from __future__ import annotations
 
 import logging
-import resource
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
+from kvtier.daemon.transfer.cuda.backend import daemon_backend
 from kvtier.daemon.transfer.engine_memory import EngineMemoryError, check_buffers
 from kvtier.ipc import cuda_ipc
+from kvtier.ipc.cuda_backend import DaemonCudaBackend
 from kvtier.ipc.cuda_ipc import CudaIpcError
 from kvtier.ipc.protocol import Geometry, KVMemory
 
@@ -45,10 +47,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("kvtier.daemon.cuda")
-
-_HOST_REGISTER_PORTABLE = 0x01
-_HOST_REGISTER_MAPPED = 0x02
-_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
 
 
 class CudaMemoryError(EngineMemoryError):
@@ -127,22 +125,33 @@ class CudaRuntime:
 
     Creating it touches no GPU. Thread-safe: registrations open memory from worker threads.
     Close it after every session's memory is closed and before the arena is unmapped.
+
+    Args:
+        backend: the CUDA operations (default: the process's, :func:`daemon_backend`).
     """
 
-    __slots__ = ("_closed", "_lock", "_mappings", "_ordinals", "_pinned", "_pinned_here")
+    __slots__ = (
+        "_closed",
+        "_lock",
+        "_mappings",
+        "_ordinals",
+        "_pinned",
+        "_pinned_here",
+        "backend",
+    )
 
-    def __init__(self) -> None:
+    def __init__(self, backend: DaemonCudaBackend | None = None) -> None:
+        self.backend = backend if backend is not None else daemon_backend()
         self._lock = threading.Lock()
         self._ordinals: dict[str, int] = {}
         self._mappings: dict[tuple[int, bytes], _Mapping] = {}
-        self._pinned: tuple[int, int, int] | None = None  # (address, bytes, ordinal)
+        self._pinned: tuple[np.ndarray, int] | None = None  # (arena, ordinal)
         self._pinned_here = False
         self._closed = False
 
-    @staticmethod
-    def unavailable_reason() -> str | None:
+    def unavailable_reason(self) -> str | None:
         """Why this daemon cannot serve CUDA engines (no GPU, no cupy), or None."""
-        return cuda_ipc.cuda_unavailable_reason()
+        return self.backend.unavailable_reason()
 
     def require(self) -> None:
         """Raise :class:`CudaMemoryError` unless CUDA engines can be served."""
@@ -162,7 +171,7 @@ class CudaRuntime:
         with self._lock:
             if uuid not in self._ordinals:
                 try:
-                    self._ordinals[uuid] = cuda_ipc.device_ordinal(uuid)
+                    self._ordinals[uuid] = self.backend.device_ordinal(uuid)
                 except CudaIpcError as err:
                     raise CudaMemoryError(str(err)) from err
             return self._ordinals[uuid]
@@ -172,50 +181,35 @@ class CudaRuntime:
         """Whether the host arena is pinned."""
         return self._pinned is not None
 
-    def pin_arena(self, arena: np.ndarray | torch.Tensor, ordinal: int = 0) -> None:
-        """Pin the host pool with ``cudaHostRegister`` (portable, mapped); idempotent.
+    def pin_arena(self, arena: np.ndarray, ordinal: int = 0) -> None:
+        """Pin the host pool (``cudaHostRegister``, portable and mapped); idempotent.
 
         Pinning touches every page of the pool (seconds for hundreds of GiB): call it from a
-        worker thread, or at start.
+        worker thread.
 
         Args:
-            arena: the pool as a flat uint8 numpy array (or CPU tensor) over shared memory.
+            arena: the pool as a flat uint8 numpy array over shared memory.
             ordinal: the GPU whose context performs the call (portable: every GPU sees it).
 
         Raises:
             CudaMemoryError: the driver refused (the message has the RLIMIT_MEMLOCK limits).
         """
         self.require()
-        arena = arena_tensor(arena)
-        if arena.device.type != "cpu" or arena.dtype != torch.uint8 or arena.dim() != 1:
+        if not isinstance(arena, np.ndarray) or arena.dtype != np.uint8 or arena.ndim != 1:
             raise CudaMemoryError(
-                f"the arena must be a flat uint8 CPU tensor, got {arena.dtype} "
-                f"{tuple(arena.shape)} on {arena.device}"
+                f"the arena must be a flat uint8 numpy array, got {type(arena).__name__}"
             )
-        ptr, nbytes = arena.data_ptr(), arena.numel()
-        cupy = cuda_ipc.cupy_module()
         with self._lock:
             if self._pinned is not None:
-                if self._pinned[:2] != (ptr, nbytes):
+                if self._pinned[0] is not arena:
                     raise CudaMemoryError("a different host arena is already pinned")
                 return
             try:
-                with cupy.cuda.Device(ordinal):
-                    cupy.cuda.runtime.hostRegister(
-                        ptr, nbytes, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED
-                    )
-                self._pinned_here = True
-            except cupy.cuda.runtime.CUDARuntimeError as err:
-                if getattr(err, "status", None) != _ERROR_HOST_MEMORY_ALREADY_REGISTERED:
-                    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-                    raise CudaMemoryError(
-                        f"cannot pin the host pool ({nbytes} bytes) with cudaHostRegister: {err} "
-                        f"(RLIMIT_MEMLOCK soft={soft} hard={hard}; run kvtierd with "
-                        "LimitMEMLOCK=infinity)"
-                    ) from err
-                self._pinned_here = False  # pinned by someone else in this process: keep it
-            self._pinned = (ptr, nbytes, ordinal)
-            log.info("host pool pinned for CUDA: %d bytes at %#x", nbytes, ptr)
+                self._pinned_here = self.backend.pin_host(arena, ordinal)
+            except CudaIpcError as err:
+                raise CudaMemoryError(str(err)) from err
+            self._pinned = (arena, ordinal)
+            log.info("host pool pinned for CUDA: %d bytes", arena.nbytes)
 
     def acquire(self, ordinal: int, handle: bytes) -> tuple[int, int | None]:
         """Open ``handle`` on GPU ``ordinal`` (or share the mapping a session already has).
@@ -231,11 +225,11 @@ class CudaRuntime:
             m = self._mappings.get(key)
             if m is None:
                 try:
-                    ptr = cuda_ipc.open_mem_handle(handle, ordinal)
+                    ptr = self.backend.open_mem(handle, ordinal)
                 except CudaIpcError as err:
                     raise CudaMemoryError(str(err)) from err
-                rng = cuda_ipc.mapped_range(ptr)
-                m = _Mapping(ptr, rng.size if rng is not None else -1, 0)
+                size = self.backend.mapped_size(ptr)
+                m = _Mapping(ptr, size if size is not None else -1, 0)
                 self._mappings[key] = m
             m.refs += 1
             return m.ptr, (m.size if m.size >= 0 else None)
@@ -251,7 +245,7 @@ class CudaRuntime:
                 return
             del self._mappings[key]
         try:
-            cuda_ipc.close_mem_handle(m.ptr, ordinal)
+            self.backend.close_mem(m.ptr, ordinal)
         except CudaIpcError as err:  # the mapping is gone either way; the daemon keeps serving
             log.warning("%s", err)
 
@@ -279,26 +273,27 @@ class CudaRuntime:
         if left:
             log.warning("closing the CUDA runtime with %d IPC mappings still open", left)
         if pinned is not None and self._pinned_here:
-            cupy = cuda_ipc.cupy_module()
             try:
-                with cupy.cuda.Device(pinned[2]):
-                    cupy.cuda.runtime.hostUnregister(pinned[0])
-            except cupy.cuda.runtime.CUDARuntimeError as err:
-                log.warning("cudaHostUnregister of the host pool failed: %s", err)
+                self.backend.unpin_host(*pinned)
+            except CudaIpcError as err:
+                log.warning("%s", err)
 
 
 class CudaEngineMemory:
     """An engine's KV pool as the daemon sees it on a GPU: opened CUDA IPC allocations.
 
     Same surface as :class:`~kvtier.daemon.transfer.engine_memory.EngineMemory`: ``buffers[layer]
-    [component]`` are uint8 CUDA tensors ``[num_pages, chunk_bytes]``; :meth:`close`.
+    [component]`` are flat-page buffers ``[num_pages, chunk_bytes]`` (uint8 CUDA tensors with
+    the real backend); :meth:`close`.
 
     Attributes:
         geometry / num_pages: as registered.
-        device: the GPU, in the daemon's numbering.
+        ordinal: the GPU, in the daemon's numbering.
         device_uuid: the GPU's UUID.
-        buffers: ``[layer][component]`` tensors over the engine's memory.
+        buffers: ``[layer][component]`` buffers over the engine's memory.
         paths: always empty (nothing of the engine's lives on disk).
+        regions / table: always empty / None (the CPU copy path's description of where pages
+            lie; a CUDA session never takes that path).
         stuck: set by the CUDA executor when a copy never finished on the GPU; then
             :meth:`close` keeps the mappings open, so that the late copy cannot fault.
 
@@ -311,34 +306,43 @@ class CudaEngineMemory:
         "_opened",
         "_runtime",
         "buffers",
-        "device",
         "device_uuid",
         "geometry",
         "num_pages",
+        "ordinal",
         "paths",
+        "regions",
         "stuck",
+        "table",
     )
 
     def __init__(self, geometry: Geometry, memory: KVMemory, runtime: CudaRuntime) -> None:
         self.geometry = geometry
         self.num_pages = memory.num_pages
         self.device_uuid = check_cuda_export(geometry, memory)
-        self.buffers: list[list[torch.Tensor]] = []
+        self.buffers: list[list[Any]] = []
         self.paths: list[str] = []
+        self.regions: list[Any] = []
+        self.table: None = None
         self.stuck = False
         self._runtime = runtime
         self._opened: list[tuple[int, bytes]] = []
-        ordinal = runtime.ordinal_of(self.device_uuid)
-        self.device = torch.device("cuda", ordinal)
+        self.ordinal = runtime.ordinal_of(self.device_uuid)
         try:
-            self._open(memory, ordinal)
+            runtime.backend.use_device(self.ordinal)
+            self._open(memory, self.ordinal)
         except BaseException:
             self.close()
             raise
 
+    @property
+    def device(self) -> torch.device:
+        """The GPU as a torch device."""
+        return torch.device("cuda", self.ordinal)
+
     def _open(self, memory: KVMemory, ordinal: int) -> None:
         g = self.geometry
-        whole: list[torch.Tensor] = []
+        whole: list[Any] = []
         for i, seg in enumerate(memory.segments):
             handle = bytes(seg.handle)
             ptr, mapped = self._runtime.acquire(ordinal, handle)
@@ -348,7 +352,7 @@ class CudaEngineMemory:
                     f"memory.segments[{i}].size = {seg.size} but the driver mapped {mapped} bytes"
                 )
             try:
-                whole.append(cuda_ipc.device_tensor(ptr, seg.size, self.device))
+                whole.append(self._runtime.backend.device_bytes(ptr, seg.size, ordinal))
             except CudaIpcError as err:
                 raise CudaMemoryError(str(err)) from err
         buf_bytes = memory.num_pages * g.chunk_bytes
@@ -357,11 +361,11 @@ class CudaEngineMemory:
             for comp in range(g.components):
                 i = layer * g.components + comp
                 seg_t, off = whole[memory.buffer_segments[i]], memory.buffer_offsets[i]
-                row.append(seg_t[off : off + buf_bytes].view(memory.num_pages, g.chunk_bytes))
+                row.append(seg_t[off : off + buf_bytes].reshape(memory.num_pages, g.chunk_bytes))
             self.buffers.append(row)
 
     def close(self) -> None:
-        """Drop the tensors and release the mappings (the engine owns the memory). Idempotent.
+        """Drop the buffers and release the mappings (the engine owns the memory). Idempotent.
 
         When :attr:`stuck` is set the mappings stay open for the life of the daemon: a copy
         the GPU never finished must not find its memory unmapped.
