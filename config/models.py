@@ -86,6 +86,12 @@ class DaemonConfig(_Frozen):
         "bandwidth) and verify each one when a restarted daemon adopts the pool. Off: "
         "adoption relies on the write order and the sealed index rows.",
     )
+    cuda_copy: Literal["dma", "kernel"] = Field(
+        default="dma",
+        description="How kvtierd copies a CUDA engine's pages (copy_mode daemon): dma, "
+        "cudaMemcpyAsync on the GPU's copy engines, scheduled apart from the engine's compute "
+        "kernels; kernel, copy kernels of its own (time-sliced against the engine's kernels).",
+    )
     keep_pool_on_stop: bool = Field(
         default=True,
         description="Leave the pool file in place at a planned stop, for the next start.",
@@ -207,8 +213,8 @@ class DaemonConfig(_Frozen):
         description="Which L2 page a full pool evicts (never one with a resident child, so "
         "chains go tail first): lru, the least recently used; arc, ARC's adaptive split "
         "between pages stored once and pages used again (more prefix hits from the same "
-        "memory on traffic that comes back after a while; STOREs are allocated in Python "
-        "instead of C). Under arc a restart keeps the pages and their recency but not the "
+        "memory on traffic that comes back after a while; its admissions and evictions run in "
+        "Python, called from the C allocator). Under arc a restart keeps the pages and their recency but not the "
         "split, nor its memory of recent evictions.",
     )
     prefetch_threshold: int = Field(

@@ -131,8 +131,10 @@ class DaemonCudaBackend(Protocol):
         slot_bytes: int,
         ordinal: int,
         stream: Any,
+        mode: str = "dma",
     ) -> CopyPlan:
-        """Plan a transfer's copies (its index arrays uploading on ``stream``)."""
+        """Plan a transfer's copies (its index arrays uploading on ``stream``), by DMA
+        (``mode="dma"``) or by copy kernels (``"kernel"``)."""
 
 
 class TorchEngineBackend:

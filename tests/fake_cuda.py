@@ -305,10 +305,12 @@ class FakeCuda:
         slot_bytes: int,
         ordinal: int,
         stream: _Stream,
+        mode: str = "dma",
     ) -> _Plan:
-        """Numpy copies of whole chunks."""
+        """Numpy copies of whole chunks (``mode`` is journaled: the copies are the same)."""
         if not stream.alive:
             raise FakeCudaError("copy on a destroyed stream")
+        self.log("copy_plan", mode)
         return _Plan(self, np.asarray(page_ids), np.asarray(offsets), chunk_bytes)
 
 

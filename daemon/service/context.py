@@ -82,7 +82,7 @@ class ServiceContext:
         self.quotas = Quotas(lambda: self.cfg)
         self.prefaults = PrefaultQueue(cfg.prefault_threads)
         self.handovers = HandoverServer(handover_path(rdir), lambda: self.cfg, self.strain)
-        self.cuda = CudaSessions()
+        self.cuda = CudaSessions(lambda: self.cfg.cuda_copy)
         self.metrics: DaemonMetrics | None = None
         self.events: KvEventPublisher | None = None
         self.adopt: AdoptResult | None = None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -40,11 +41,15 @@ class CudaSessions:
     """The daemon's CUDA runtime and its ``kvtier-cuda`` thread, both made on first use.
 
     Creating this imports nothing of CUDA and starts no thread.
+
+    Args:
+        copy_mode: the daemon's ``cuda_copy`` setting, read at each registration.
     """
 
-    __slots__ = ("_arena", "_closed", "_pool", "_runtime")
+    __slots__ = ("_arena", "_closed", "_copy_mode", "_pool", "_runtime")
 
-    def __init__(self) -> None:
+    def __init__(self, copy_mode: Callable[[], str] = lambda: "dma") -> None:
+        self._copy_mode = copy_mode
         self._closed = False
         self._arena: np.ndarray | None = None
         self._pool: ThreadPoolExecutor | None = None
@@ -91,7 +96,7 @@ class CudaSessions:
         mem = runtime.open_memory(geometry, memory)
         try:
             runtime.pin_arena(self._arena, mem.ordinal)
-            copier = CudaSessionCopier.create(mem, runtime.backend)
+            copier = CudaSessionCopier.create(mem, runtime.backend, self._copy_mode())
         except BaseException:
             mem.close()
             raise

@@ -157,10 +157,31 @@ def test_store_then_load_round_trip_layer_by_layer(fake_daemon, fake, engine):
     assert conn._cuda is not None and conn._cuda._ready.records == 2  # ready before each
     ready = f"e{fake_daemon.pid}-{layer_event_ids(fake, fake_daemon.pid)[-1] + 1}"
     assert ops(fake, fake_daemon.pid, "stream_wait") == [ready, ready]  # the copies wait for it
+    assert ops(fake, fake_daemon.pid, "copy_plan") == ["dma", "dma"]  # cuda_copy's default
     c = stats(fake_daemon)["counters"]
     assert c["transfers_cuda"] == 2
     assert (c["transfers_inline"], c["transfers_shared"], c["transfers_split"]) == (0, 0, 0)
     assert ops(fake, fake_daemon.pid, "BAD") == ops(fake, ME, "BAD") == []
+
+
+def test_cuda_copy_setting_reaches_the_copy_plan(short_tmp, fake):
+    d = DaemonProcess(
+        short_tmp / "dk",
+        _daemon_flags(short_tmp, "dk", "--cuda-copy", "kernel"),
+        env={"FAKE_CUDA_DIR": str(fake.root)},
+        module="tests.fake_cuda_kvtierd",
+    )
+    d.start()
+    pool = CudaKVPool(G, PAGES, backend=fake)
+    conn = Connection(pool, model_id="fake-cuda", config=client_config(d.runtime_dir))
+    try:
+        assert conn.store(keys_for(conn, 7), list(range(N))).wait()
+        assert ops(fake, d.pid, "copy_plan") == ["kernel"]
+    finally:
+        conn.close()
+        pool.close()
+        d.stop()
+        d.remove_pool()
 
 
 def layer_event_ids(fake: FakeCuda, dpid: int) -> list[int]:

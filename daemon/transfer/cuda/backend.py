@@ -186,9 +186,11 @@ class TorchCupyBackend:
         slot_bytes: int,
         ordinal: int,
         stream: Any,
+        mode: str = "dma",
     ) -> CopyPlan:
-        """:class:`~kvtier.kernels.cuda_plan.CudaCopyPlan` on ``stream``."""
+        """:class:`~kvtier.kernels.cuda_plan.CudaCopyPlan` on ``stream``, by ``mode``."""
         from kvtier.kernels.cuda_copy import CudaCopyPlan
+        from kvtier.kernels.cuda_dma import check_mode
 
         plan = CudaCopyPlan.build(
             page_ids,
@@ -197,6 +199,7 @@ class TorchCupyBackend:
             device=torch.device("cuda", ordinal),
             slot_bytes=slot_bytes,
             stream=stream.torch,
+            mode=check_mode(mode),
         )
         return _TorchPlan(plan)
 

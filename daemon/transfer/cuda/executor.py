@@ -73,6 +73,7 @@ class CudaSessionCopier:
 
     __slots__ = (
         "backend",
+        "copy_mode",
         "event_handles",
         "layer_events",
         "lock",
@@ -89,8 +90,10 @@ class CudaSessionCopier:
         ordinal: int,
         stream: Any,
         events: list[tuple[Any, bytes]],
+        copy_mode: str = "dma",
     ) -> None:
         self.backend = backend
+        self.copy_mode = copy_mode
         self.ordinal = ordinal
         self.stream: Any = stream
         (self.ready_event, self.ready_handle), layers = events[-1], events[:-1]
@@ -100,8 +103,11 @@ class CudaSessionCopier:
         self.stuck = False
 
     @classmethod
-    def create(cls, memory: CudaEngineMemory, backend: DaemonCudaBackend) -> CudaSessionCopier:
-        """Make the stream and ``num_layers + 1`` events for a session on ``memory``'s GPU.
+    def create(
+        cls, memory: CudaEngineMemory, backend: DaemonCudaBackend, copy_mode: str = "dma"
+    ) -> CudaSessionCopier:
+        """Make the stream and ``num_layers + 1`` events for a session on ``memory``'s GPU;
+        its copies go by ``copy_mode`` (the daemon's ``cuda_copy``: ``dma`` or ``kernel``).
 
         Raises:
             CudaMemoryError: the stream or an event cannot be created (the daemon answers
@@ -126,7 +132,7 @@ class CudaSessionCopier:
                     f"cannot create interprocess events on cuda:{ordinal}: {err}"
                 ) from err
             raise
-        return cls(backend, ordinal, stream, made)
+        return cls(backend, ordinal, stream, made, copy_mode)
 
     @property
     def num_layers(self) -> int:
@@ -226,6 +232,7 @@ def run_cuda_transfer(
                 slot_bytes,
                 copier.ordinal,
                 stream,
+                copier.copy_mode,
             )
             launched = True  # the plan's offsets are uploading on the stream
             backend.stream_wait(stream, copier.ready_event)
