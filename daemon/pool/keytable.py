@@ -9,7 +9,8 @@ decides. Every LOOKUP, of one key or of 8,192, and every LOAD's pin find their p
 So the table never has to forget a page: a freed or reused slot left behind fails the
 check, and an entry of a slot re-committed under another key is just a dead entry. Dead
 entries only cost probes; the table is rebuilt from the READY rows once a quarter of it
-is used, at eight entries per READY page (32 bytes per page at most).
+is used, at eight entries per READY page (capacity: the power of two at or above that,
+so at most 64 bytes per page).
 
 What the table must never do is call a READY page absent. Every commit's slots are added
 (:meth:`add`, in C) and an adoption rebuilds it (:meth:`rebuild`). A probe runs at most
@@ -89,7 +90,8 @@ class KeyTable:
     def close(self) -> None:
         """Drop the views of the metadata (the table is unusable afterwards)."""
         self._probe.close()
-        del self._keys, self._key_len, self._ns, self._state
+        for name in ("_keys", "_key_len", "_ns", "_state"):  # a second close is a no-op
+            self.__dict__.pop(name, None)
 
     @property
     def capacity(self) -> int:
@@ -158,10 +160,8 @@ def table_keys(keys: Sequence[bytes]) -> tuple[bytes | memoryview, bytes | None]
             return packed, None
     elif isinstance(keys, PackedKeyList):
         return keys.packed, None
-    elif keys and min(map(len, keys)) == KEY_BYTES == max(map(len, keys)):
-        joined = b"".join(keys)
-        if len(joined) == KEY_BYTES * len(keys):  # all bytes-like of 32 bytes
-            return joined, None
+    elif keys and all(type(k) is bytes and len(k) == KEY_BYTES for k in keys):
+        return b"".join(keys), None
     end = next(
         (i for i, k in enumerate(keys) if not isinstance(k, bytes) or len(k) > KEY_BYTES),
         len(keys),

@@ -388,3 +388,40 @@ def test_every_size_and_key_length_is_answered_by_the_table(n: int) -> None:
     assert pool.lookup(NS, padded) == next((i for i, k in enumerate(keys) if len(k) < 32), n)
     assert pool.lookup(NS, keys[: n // 2] + [keys[-1] + b"\1" * 32] + keys) == n // 2
     assert pool.lookup(NS, keys[: n // 2] + ["not bytes"] + keys) == n // 2  # type: ignore[list-item]
+
+
+def test_the_c_probe_runs_no_python_code_that_could_pull_its_memory_away() -> None:
+    """An argument whose conversion runs Python code (``__index__``) could close the probe or
+    empty the list it is reading: the probe never converts a slot that is not an int, and it
+    checks that it is open only after its arguments are parsed."""
+    pool = new_pool()
+    t = pool._lookups.table
+    probe = _keyprobe.Probe(t._table, t._keys, t._ns, t._state, t._key_len, 3, 5, t._shift, 4, 1)
+    slots: list[object] = []
+
+    class EmptiesTheList:
+        def __index__(self) -> int:
+            slots.clear()
+            return 0
+
+    slots[:] = [EmptiesTheList(), *(object() for _ in range(10_000))]
+    assert probe.add(slots) == 0 and len(slots) == 10_001  # skipped, never converted
+
+    class ClosesTheProbe:
+        def __index__(self) -> int:
+            probe.close()
+            return NS
+
+    with pytest.raises(ValueError, match="closed"):
+        probe.leading_run(np.zeros((4, 4), dtype="<u8"), ClosesTheProbe(), 0)
+
+
+def test_keys_that_are_not_bytes_end_the_run_in_any_sequence() -> None:
+    pool, keys = stored_pool(random.Random(7))
+    assert pool.lookup(NS, tuple(keys[:3])) == run(pool, NS, keys[:3]) == 3
+    assert pool.lookup(NS, ("a" * 32, keys[0])) == 0
+    assert pool.lookup(NS, (keys[0], 1, keys[1])) == 1
+    assert pool.lookup(NS, (keys[0], bytearray(keys[1]))) == 1  # bytes only, as in a list:
+    assert pool.lookup(NS, [keys[0], bytearray(keys[1])]) == 1
+    pool.close()
+    pool.close()  # a second close does nothing

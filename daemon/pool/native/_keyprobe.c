@@ -26,15 +26,18 @@
  * returned (the number of keys when all are), with `unresolved` = 1 when its probe met
  * `max_rounds` taken entries (the caller's exact probe decides it) and 0 for a true miss.
  * With `slots` (a list; None: none), the slot found for each key of the run from `start`
- * is appended to it: a LOAD pins the pages it found without looking them up again. With `lengths` (one byte per key; None: none), key i is lengths[i] bytes
- * long; else 32.
+ * is appended to it: a LOAD pins the pages it found without looking them up again. With
+ * `lengths` (one byte per key; None: none), key i is lengths[i] bytes long; else 32.
  *
  * A table entry only proposes a slot: a slot counts when it is inside the columns, its key
  * bytes equal the key's, its key length is the key's, its namespace is `ns_id` and its
  * state `ready`. So no table entry, however stale, reads outside the columns (a prefetch
  * reads nothing: it only asks for a line, and only of a slot inside the columns). Long
- * probes release the GIL (only the caller's thread changes these arrays); short ones keep
- * it, since taking it back can wait for another thread's switch interval.
+ * probes from the first key of a request release the GIL (only the caller's thread changes
+ * these arrays); short ones, and the probe that resumes after a key the caller decided, keep
+ * it, since taking it back can wait for another thread's switch interval. While a probe runs
+ * without the GIL the Probe is busy: close() and a new __init__ refuse, so its buffers stay.
+ * No Python code runs inside a call once its arguments are parsed.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -51,6 +54,7 @@ typedef struct {
     PyObject_HEAD
     Py_buffer table, keys, ns, state, key_len;
     int held; /* the buffers are held (0 after close or a failed init) */
+    int busy; /* a probe runs without the GIL: close and __init__ refuse */
     Py_ssize_t n_slots, n_entries;
     uint64_t mult0, mult1, shift, mask;
     long long max_rounds, ready;
@@ -72,8 +76,18 @@ static void probe_dealloc(Probe *p) {
     Py_TYPE(p)->tp_free((PyObject *)p);
 }
 
+static int probe_busy(Probe *p) {
+    if (p->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "the probe is in use by another thread");
+        return 1;
+    }
+    return 0;
+}
+
 static int probe_init(Probe *p, PyObject *args, PyObject *kwds) {
     (void)kwds;
+    if (probe_busy(p))
+        return -1;
     probe_release(p);
     if (!PyArg_ParseTuple(args, "w*y*y*y*y*KKKLL", &p->table, &p->keys, &p->ns, &p->state,
                           &p->key_len, &p->mult0, &p->mult1, &p->shift, &p->max_rounds,
@@ -110,8 +124,13 @@ static int probe_open(Probe *p) {
     return 1;
 }
 
+static inline uint64_t bucket_of(uint64_t mult0, uint64_t shift, uint64_t mask, uint64_t nsh,
+                                 uint64_t word0) {
+    return (((nsh ^ word0) * mult0) >> shift) & mask;
+}
+
 static inline uint64_t bucket(const Probe *p, uint64_t nsh, uint64_t word0) {
-    return (((nsh ^ word0) * p->mult0) >> p->shift) & p->mask;
+    return bucket_of(p->mult0, p->shift, p->mask, nsh, word0);
 }
 
 /* Enter slot s at the first empty entry of its run; 0 when there is none. */
@@ -136,8 +155,9 @@ static PyObject *probe_add(Probe *p, PyObject *arg) {
         Py_buffer b;
         if (PyObject_GetBuffer(arg, &b, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
             return NULL;
-        if (b.itemsize != 8 || b.format == NULL || (strcmp(b.format, "q") && strcmp(b.format, "l") &&
-                                                    strcmp(b.format, "<q") && strcmp(b.format, "=q"))) {
+        const char *f = b.format;
+        if (b.itemsize != 8 || f == NULL ||
+            (strcmp(f, "q") && strcmp(f, "l") && strcmp(f, "<q") && strcmp(f, "=q"))) {
             PyErr_Format(PyExc_TypeError, "slots: an int64 buffer, not format %s",
                          b.format == NULL ? "?" : b.format);
             PyBuffer_Release(&b);
@@ -156,13 +176,11 @@ static PyObject *probe_add(Probe *p, PyObject *arg) {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
     for (Py_ssize_t i = 0; i < n; i++) {
+        /* only ints: converting anything else could run Python code that changes the list */
+        if (!PyLong_Check(items[i]))
+            continue;  /* not a slot id: skipped, as one out of range */
         long long s = PyLong_AsLongLong(items[i]);
-        if (s == -1 && PyErr_Occurred()) {  /* not a slot id: skipped, as one out of range */
-            if (!PyErr_ExceptionMatches(PyExc_TypeError) &&
-                !PyErr_ExceptionMatches(PyExc_OverflowError)) {
-                Py_DECREF(seq);
-                return NULL;
-            }
+        if (s == -1 && PyErr_Occurred()) {  /* beyond 64 bits: out of range */
             PyErr_Clear();
             continue;
         }
@@ -178,10 +196,12 @@ static PyObject *probe_leading_run(Probe *p, PyObject *args) {
     long long ns_id, start;
     PyObject *out = NULL, *slots = Py_None, *lengths_obj = Py_None;
     int64_t *found_at = NULL;
-    if (!probe_open(p))
-        return NULL;
     if (!PyArg_ParseTuple(args, "y*LL|OO", &words, &ns_id, &start, &slots, &lengths_obj))
         return NULL;
+    if (!probe_open(p)) {  /* after the parse: converting an argument may run Python code */
+        PyBuffer_Release(&words);
+        return NULL;
+    }
     if (lengths_obj != Py_None && PyObject_GetBuffer(lengths_obj, &lengths, PyBUF_SIMPLE) < 0) {
         lengths.buf = NULL;
         goto end;
@@ -215,17 +235,23 @@ static PyObject *probe_leading_run(Probe *p, PyObject *args) {
         const uint8_t *lcol = p->key_len.buf;
         const Py_ssize_t n_slots = p->n_slots;
         const uint64_t mask = p->mask, nsh = (uint64_t)ns_id * p->mult1;
+        const uint64_t mult0 = p->mult0, shift = p->shift;
         const long long max_rounds = p->max_rounds, ready = p->ready;
         Py_ssize_t i = start;
         int unresolved = 0;
-        PyThreadState *ts = n - start >= NOGIL_KEYS ? PyEval_SaveThread() : NULL;
+        PyThreadState *ts = NULL;
+        if (start == 0 && n >= NOGIL_KEYS) {
+            p->busy++;
+            ts = PyEval_SaveThread();
+        }
         for (; i < n; i++) {
             const uint64_t *k = w + i * WORDS;
-            uint64_t pos = bucket(p, nsh, k[0]);
+            uint64_t pos = bucket_of(mult0, shift, mask, nsh, k[0]);
             if (i + AHEAD < n)  /* the bucket of a key AHEAD keys on */
-                __builtin_prefetch(tab + bucket(p, nsh, w[(i + AHEAD) * WORDS]));
+                __builtin_prefetch(tab + bucket_of(mult0, shift, mask, nsh,
+                                                   w[(i + AHEAD) * WORDS]));
             if (i + AHEAD / 2 < n) {  /* the row its bucket proposes, for a key half as far on */
-                int32_t c = tab[bucket(p, nsh, w[(i + AHEAD / 2) * WORDS])];
+                int32_t c = tab[bucket_of(mult0, shift, mask, nsh, w[(i + AHEAD / 2) * WORDS])];
                 if (c >= 0 && c < n_slots) {
                     __builtin_prefetch(kcol + (Py_ssize_t)c * WORDS);
                     __builtin_prefetch(ncol + c);
@@ -254,8 +280,10 @@ static PyObject *probe_leading_run(Probe *p, PyObject *args) {
                 break;
             }
         }
-        if (ts != NULL)
+        if (ts != NULL) {
             PyEval_RestoreThread(ts);
+            p->busy--;
+        }
         for (Py_ssize_t j = 0; found_at != NULL && j < i - start; j++) {
             PyObject *v = PyLong_FromLongLong(found_at[j]);
             int rc = v == NULL ? -1 : PyList_Append(slots, v);
@@ -275,6 +303,8 @@ end:
 
 static PyObject *probe_close(Probe *p, PyObject *unused) {
     (void)unused;
+    if (probe_busy(p))
+        return NULL;
     probe_release(p);
     Py_RETURN_NONE;
 }
