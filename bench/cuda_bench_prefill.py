@@ -13,7 +13,6 @@ logits must be equal.
 from __future__ import annotations
 
 import os
-import select
 import signal
 import statistics
 import subprocess
@@ -38,63 +37,81 @@ __all__ = ["PAGE", "Contender", "build_model", "prefill_overlap"]
 
 PAGE = 64
 
-# A second process's compute on the same GPU: bf16 matmuls, synchronized every few so no long
-# queue is left behind, for at most argv[1] seconds. "ready" once its first matmul has run.
+# A second process's compute on the same GPU: matmuls, synchronized every few so no long queue
+# is left behind, for at most argv[1] seconds, on device argv[2] with argv[3]-square matrices.
+# "ready" once its first matmul has run.
 _CONTENDER = r"""
 import sys, time, torch
 end = time.monotonic() + float(sys.argv[1])
-a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+dev, n = sys.argv[2], int(sys.argv[3])
+dtype = torch.bfloat16 if dev.startswith("cuda") else torch.float32
+a = torch.randn(n, n, device=dev, dtype=dtype)
 b = torch.randn_like(a)
 c = a @ b
-torch.cuda.synchronize()
+if dev.startswith("cuda"):
+    torch.cuda.synchronize()
 print("ready", flush=True)
 while time.monotonic() < end:
     for _ in range(4):
         torch.mm(a, b, out=c)
-    torch.cuda.synchronize()
+    if dev.startswith("cuda"):
+        torch.cuda.synchronize()
 """
 
 
 class Contender:
-    """A child process running matmuls on the GPU while the block runs, in its own process
-    group; killed (the whole group) on exit. It ends by itself after ``limit_s`` seconds.
+    """A child process running matmuls while the block runs, in its own process group;
+    killed (the whole group) on exit. It ends by itself after ``limit_s`` seconds.
+
+    Args:
+        limit_s: its own bound, in case nothing kills it.
+        log: where its output goes (read for its "ready" line).
+        device / size: the device it computes on, and its matrices' side.
+        start_timeout_s: how long it may take to start computing.
 
     Raises (on entry):
-        BenchCheckFailed: it did not start computing within ``start_timeout_s``.
+        BenchCheckFailed: it exited, or did not start computing within ``start_timeout_s``.
     """
 
-    def __init__(self, limit_s: float, start_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        limit_s: float,
+        log: Path,
+        device: str = "cuda",
+        size: int = 8192,
+        start_timeout_s: float = 60.0,
+    ) -> None:
         self.limit_s = limit_s
+        self.log = log
+        self.device, self.size = device, size
         self.start_timeout_s = start_timeout_s
-        self.proc: subprocess.Popen[str] | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> Contender:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", _CONTENDER, str(self.limit_s)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            start_new_session=True,
-        )
-        assert self.proc.stdout is not None
+        with self.log.open("wb") as out:  # a file, not a pipe: its output can never block it
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", _CONTENDER, str(self.limit_s), self.device, str(self.size)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + self.start_timeout_s
-        lines: list[str] = []
         try:
             while True:
-                left = deadline - time.monotonic()
-                if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
+                text = self.log.read_text(errors="replace")
+                if "ready" in text.splitlines():
+                    return self
+                if self.proc.poll() is not None:
+                    tail = " | ".join(text.strip().splitlines()[-5:])
+                    raise BenchCheckFailed(
+                        f"the GPU contender exited ({self.proc.returncode}): {tail}"
+                    )
+                if time.monotonic() > deadline:
                     raise BenchCheckFailed(
                         f"the GPU contender did not start within {self.start_timeout_s:.0f}s"
                     )
-                line = self.proc.stdout.readline()
-                if not line:
-                    raise BenchCheckFailed(
-                        "the GPU contender exited: " + " | ".join(lines[-5:]).strip()
-                    )
-                if line.strip() == "ready":
-                    return self
-                lines.append(line.rstrip())
+                time.sleep(0.05)
         except BaseException:
             self.stop()
             raise
@@ -114,8 +131,6 @@ class Contender:
         try:
             self.proc.wait(timeout=10)
         finally:
-            if self.proc.stdout is not None:
-                self.proc.stdout.close()
             self.proc = None
 
     def __exit__(self, *exc: object) -> None:
@@ -192,6 +207,7 @@ def prefill_overlap(
     n_pages, n_cached = -(-prompt_tokens // PAGE), cached_tokens // PAGE
     blocks = n_pages + n_cached + 1
     prompt = tokens(prompt_tokens, salt=salt, vocab=cfg.vocab_size)
+    contender_log = rdir.parent / f"contender-{salt}.log"  # beside the daemon's runtime dir
     table_a = list(range(n_pages))  # the prefix's KV computed here, the suffix's pages
     table_b = list(range(n_pages, n_pages + n_cached)) + table_a[n_cached:]  # prefix loaded
     pool: Any = None
@@ -244,7 +260,7 @@ def prefill_overlap(
 
         res.update(_figures(prefix, *_alternate(alone, overlapped, repeats), out))
         if contender_s is not None:
-            with Contender(contender_s) as contender:
+            with Contender(contender_s, contender_log) as contender:
                 contended = _alternate(alone, overlapped, repeats)
                 if not contender.running():
                     raise BenchCheckFailed(

@@ -7,6 +7,8 @@ The figures below are made-up inputs of the verdict, not measurements.
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -143,3 +145,41 @@ def test_without_a_gpu_main_writes_why_and_returns_0(
     assert summary["reason"] and summary["reason"] in capsys.readouterr().out
     assert summary["targets"] == cb.TARGETS
     assert "bandwidth" not in summary  # gpu_check.sh accepts only "measured" with figures
+
+
+# The contender runs here on the CPU (the bench runs it on the GPU): the same child process,
+# started in its own process group, bounded, and killed as a group.
+@pytest.mark.timeout(120)
+def test_contender_computes_until_stopped_and_its_group_is_killed(tmp_path: Path) -> None:
+    from kvtier.bench.cuda_bench_prefill import Contender
+
+    with Contender(60.0, tmp_path / "c.log", device="cpu", size=64) as c:
+        assert c.proc is not None
+        pid = c.proc.pid
+        assert os.getpgid(pid) == pid  # its own process group
+        time.sleep(0.3)
+        assert c.running()
+    assert c.proc is None
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pid, 0)
+
+
+@pytest.mark.timeout(120)
+def test_contender_that_cannot_compute_names_why(tmp_path: Path) -> None:
+    from kvtier.bench.cuda_bench_copies import BenchCheckFailed
+    from kvtier.bench.cuda_bench_prefill import Contender
+
+    contender = Contender(60.0, tmp_path / "c.log", device="no-such-device", size=8)
+    with pytest.raises(BenchCheckFailed, match="contender exited"):
+        contender.__enter__()
+    assert contender.proc is None  # reaped
+
+
+@pytest.mark.timeout(120)
+def test_contender_ends_by_itself_within_its_limit(tmp_path: Path) -> None:
+    from kvtier.bench.cuda_bench_prefill import Contender
+
+    with Contender(0.5, tmp_path / "c.log", device="cpu", size=8) as c:
+        assert c.proc is not None
+        c.proc.wait(timeout=60)
+        assert not c.running()
