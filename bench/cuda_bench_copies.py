@@ -69,12 +69,17 @@ def connect(memory: Any, rdir: Path) -> Any:
     return Connection(memory, model_id=MODEL_ID, config=cfg)
 
 
+def _sync() -> None:
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def timed(fn: Callable[[], object]) -> float:
     """Seconds ``fn`` takes, with the device idle before and after."""
-    torch.cuda.synchronize()
+    _sync()
     t0 = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    _sync()
     return time.perf_counter() - t0
 
 
@@ -176,15 +181,23 @@ def daemon_bandwidth(
 # ---------------------------------------------------------------------- engine copy mode
 class StagedKV:
     """An engine in the engine copy mode: its KV in plain device tensors (one K and one V
-    ``[blocks, page_size, kv_heads, head_dim]`` per layer), a pinned staging area of
-    ``staging_pages`` pages registered with the kvtierd of ``rdir``, and the copier between
-    them.
+    ``[blocks, page_size, kv_heads, head_dim]`` per layer on ``device``), a staging area of
+    ``staging_pages`` pages (pinned for a CUDA device) registered with the kvtierd of
+    ``rdir``, and the copier between them. The bench runs it on CUDA; the same code runs on
+    the CPU (synchronous copies), where the unit tests run it.
 
     Raises:
         OSError: the staging area cannot be page-locked.
     """
 
-    def __init__(self, geometry: Geometry, blocks: int, staging_pages: int, rdir: Path) -> None:
+    def __init__(
+        self,
+        geometry: Geometry,
+        blocks: int,
+        staging_pages: int,
+        rdir: Path,
+        device: str = "cuda",
+    ) -> None:
         from kvtier.client.kv_pool.shared import TORCH_DTYPES
         from kvtier.client.staging.area import StagingArea, StagingPart
         from kvtier.client.staging.copies import StagedCopier
@@ -194,13 +207,13 @@ class StagedKV:
         shape = (g.page_size, g.kv_heads, g.head_dim)
         self.geometry = g
         self.k = [
-            torch.zeros((blocks, *shape), dtype=dtype, device="cuda") for _ in range(g.num_layers)
+            torch.zeros((blocks, *shape), dtype=dtype, device=device) for _ in range(g.num_layers)
         ]
         self.v = [
-            torch.zeros((blocks, *shape), dtype=dtype, device="cuda") for _ in range(g.num_layers)
+            torch.zeros((blocks, *shape), dtype=dtype, device=device) for _ in range(g.num_layers)
         ]
         parts = [StagingPart(layer, shape, dtype) for layer in range(g.num_layers) for _ in "kv"]
-        self.area = StagingArea(parts, staging_pages, pin=True)
+        self.area = StagingArea(parts, staging_pages, pin=torch.device(device).type == "cuda")
         self.conn: Any = None
         try:
             self.copier = StagedCopier(self.area, [t for kv in zip(self.k, self.v) for t in kv])
@@ -295,7 +308,9 @@ class StagedLoad:
             self.kv.area.release(self.slots, None if ok else self.handle.copying)
 
 
-def engine_bandwidth(rdir: Path, pages: int, repeats: int, salt: int) -> dict[str, Any]:
+def engine_bandwidth(
+    rdir: Path, pages: int, repeats: int, salt: int, device: str = "cuda"
+) -> dict[str, Any]:
     """Store and load ``pages`` pages through a staging area (engine copy mode).
 
     Returns:
@@ -305,7 +320,7 @@ def engine_bandwidth(rdir: Path, pages: int, repeats: int, salt: int) -> dict[st
         BenchCheckFailed: a transfer failed or the loaded bytes differ.
     """
     g = BANDWIDTH_GEOMETRY
-    kv = StagedKV(g, 2 * pages, pages, rdir)
+    kv = StagedKV(g, 2 * pages, pages, rdir, device)
     src, dst = list(range(pages)), list(range(pages, 2 * pages))
     store_s: list[float] = []
     load_s: list[float] = []

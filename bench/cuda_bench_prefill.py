@@ -179,6 +179,7 @@ def prefill_overlap(
     contender_s: float | None,
     prefix: str,
     salt: int,
+    device: str = "cuda",
 ) -> dict[str, Any]:
     """Layer-wise loaded prefill against the same prefill over resident KV.
 
@@ -189,6 +190,8 @@ def prefill_overlap(
             seconds (None: alone only).
         prefix: put before every field name (``engine_``, ...).
         salt: makes this run's page keys its own.
+        device: the model's device (the engine mode also runs on the CPU; the daemon mode
+            needs CUDA).
 
     Returns:
         ``{prefix}prefill_overlap`` (overlapped / alone, medians), their milliseconds, whether
@@ -221,7 +224,7 @@ def prefill_overlap(
             raise
         k, v = pool.k, pool.v
     else:
-        staged = StagedKV(geometry, blocks, n_cached, rdir)
+        staged = StagedKV(geometry, blocks, n_cached, rdir, device)
         conn, k, v = staged.conn, staged.k, staged.v
     out: dict[str, torch.Tensor] = {}
     res: dict[str, Any] = {}
@@ -260,7 +263,8 @@ def prefill_overlap(
 
         res.update(_figures(prefix, *_alternate(alone, overlapped, repeats), out))
         if contender_s is not None:
-            with Contender(contender_s, contender_log) as contender:
+            size = 8192 if torch.device(device).type == "cuda" else 64  # small on a CPU
+            with Contender(contender_s, contender_log, device, size) as contender:
                 contended = _alternate(alone, overlapped, repeats)
                 if not contender.running():
                     raise BenchCheckFailed(

@@ -183,3 +183,44 @@ def test_contender_ends_by_itself_within_its_limit(tmp_path: Path) -> None:
         assert c.proc is not None
         c.proc.wait(timeout=60)
         assert not c.running()
+
+
+# The engine copy mode's sections run unchanged on the CPU (StagedCopier copies at once there):
+# against a real kvtierd, they move real bytes through a staging area, layer by layer.
+@pytest.mark.timeout(180)
+def test_engine_mode_bandwidth_moves_the_bytes_on_the_cpu(daemon_factory: Any) -> None:
+    from kvtier.bench.cuda_bench_copies import engine_bandwidth
+
+    d = daemon_factory("--hicache-size", "128MiB", "--extent-size", "16MiB")
+    res = cb.derive({"baseline_h2d_gbps": 1.0, "baseline_d2h_gbps": 1.0})
+    res.update(engine_bandwidth(d.runtime_dir, pages=2, repeats=2, salt=7, device="cpu"))
+    cb.derive(res)
+    assert res["engine_load_gbps"] > 0 and res["engine_store_gbps"] > 0
+    assert res["engine_load_over_baseline"] == res["engine_load_gbps"]
+
+
+@pytest.mark.timeout(240)
+def test_engine_mode_prefill_loads_layer_by_layer_on_the_cpu(
+    daemon_factory: Any, tmp_path: Path
+) -> None:
+    import torch
+    from kvtier.bench.cuda_bench_prefill import prefill_overlap
+    from kvtier.engine.model import ModelConfig, TinyLlama
+
+    cfg = ModelConfig(
+        vocab_size=512,
+        hidden_size=64,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        ffn_size=128,
+        dtype=torch.float32,
+    )
+    d = daemon_factory("--hicache-size", "64MiB", "--extent-size", "4MiB")
+    res = prefill_overlap(
+        "engine", d.runtime_dir, (TinyLlama(cfg), cfg), 320, 192, 2, 60.0, "engine_", 11, "cpu"
+    )
+    assert res["engine_logits_equal"] and res["engine_contended_logits_equal"], res
+    assert res["engine_prefill_overlap"] > 0 and res["engine_contended_prefill_overlap"] > 0
+    assert res["kv_bytes_loaded"] == 3 * cfg.n_layers * 2 * 64 * 2 * 16 * 4
