@@ -203,7 +203,13 @@ class _Run:
         self.budget_s = budget_s
         self.errors: list[str] = []
 
+    def over_budget(self) -> bool:
+        """Whether the budget has passed (no section starts any more)."""
+        return time.monotonic() - self.start > self.budget_s
+
     def section(self, name: str, into: dict[str, Any], fn: Callable[[], dict[str, Any]]) -> None:
+        """Run ``fn`` and merge its figures into ``into``; record its error, or that it was
+        not started because the budget had passed."""
         elapsed = time.monotonic() - self.start
         if elapsed > self.budget_s:
             self.errors.append(f"{name}: not started, {elapsed:.0f}s past --budget-s")
@@ -260,25 +266,31 @@ def _measure(args: argparse.Namespace, results: dict[str, Any], run: _Run, tmp: 
             ],
         )
         rdir = daemon.runtime_dir
-        P = functools.partial
+        part = functools.partial
         pages, reps = args.pages, args.repeats
         sections: list[tuple[str, dict[str, Any], Callable[[], dict[str, Any]]]] = []
         if cuda_copy == "dma":
             sections += [
-                ("daemon bandwidth", bw, P(daemon_bandwidth, rdir, pages, reps, "", 1000)),
-                ("engine bandwidth", bw, P(engine_bandwidth, rdir, pages, reps, 2000)),
+                ("daemon bandwidth", bw, part(daemon_bandwidth, rdir, pages, reps, "", 1000)),
+                ("engine bandwidth", bw, part(engine_bandwidth, rdir, pages, reps, 2000)),
             ]
             if not args.skip_prefill:
                 sections += [
-                    ("daemon prefill", pf, P(prefill, "daemon", rdir, "", 3000)),
-                    ("engine prefill", pf, P(prefill, "engine", rdir, "engine_", 4000)),
+                    ("daemon prefill", pf, part(prefill, "daemon", rdir, "", 3000)),
+                    ("engine prefill", pf, part(prefill, "engine", rdir, "engine_", 4000)),
                 ]
         else:
             sections.append(
-                ("daemon bandwidth", bw, P(daemon_bandwidth, rdir, pages, reps, "kernel_", 5000))
+                ("daemon bandwidth", bw, part(daemon_bandwidth, rdir, pages, reps, "kernel_", 5000))
             )
             if not args.skip_prefill:
-                sections.append(("daemon prefill", pf, P(prefill, "daemon", rdir, "kernel_", 6000)))
+                sections.append(
+                    ("daemon prefill", pf, part(prefill, "daemon", rdir, "kernel_", 6000))
+                )
+        if run.over_budget():  # record each section as not started; start no daemon
+            for name, into, fn in sections:
+                run.section(f"{name} (--cuda-copy {cuda_copy})", into, fn)
+            continue
         errors_before = len(run.errors)
         try:
             print(f"[kvtierd --cuda-copy {cuda_copy}: starting]", flush=True)

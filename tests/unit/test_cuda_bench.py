@@ -147,6 +147,25 @@ def test_without_a_gpu_main_writes_why_and_returns_0(
     assert "bandwidth" not in summary  # gpu_check.sh accepts only "measured" with figures
 
 
+def test_sections_record_errors_and_start_none_past_the_budget() -> None:
+    run = cb._Run(budget_s=60.0)
+    into: dict[str, Any] = {}
+    run.section("good", into, lambda: {"x": 1})
+
+    def broken() -> dict[str, Any]:
+        raise cb.BenchCheckFailed("loaded pages differ")
+
+    run.section("bad", into, broken)
+    assert into == {"x": 1} and run.errors == ["bad: BenchCheckFailed: loaded pages differ"]
+    late = cb._Run(budget_s=1e-9)
+    time.sleep(0.01)
+    assert late.over_budget()
+    called: list[int] = []
+    late.section("late", into, lambda: {"y": called.append(1) or 2})
+    assert not called and "y" not in into
+    assert late.errors and late.errors[0].startswith("late: not started")
+
+
 # The contender runs here on the CPU (the bench runs it on the GPU): the same child process,
 # started in its own process group, bounded, and killed as a group.
 @pytest.mark.timeout(120)
