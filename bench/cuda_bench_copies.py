@@ -34,6 +34,7 @@ __all__ = [
     "MODEL_ID",
     "BenchCheckFailed",
     "StagedKV",
+    "StagedLoad",
     "baseline",
     "connect",
     "daemon_bandwidth",
