@@ -1,25 +1,33 @@
-"""GPU benchmark of kvtier's CUDA path: copy bandwidth through kvtierd, and per-layer overlap.
+"""GPU benchmark of kvtier's CUDA paths: copy bandwidth of both copy modes, and per-layer overlap.
 
 Run ``python -m kvtier.bench.cuda_bench [--json out.json]`` on a machine with an NVIDIA GPU and
-the ``cuda`` extra. One prepared run, sized to finish in 2-4 minutes on an H200 (well inside 10),
-against a private kvtierd with an 8 GiB host pool. Without a GPU it says why and exits 0.
+the ``cuda`` extra. One prepared run, sized to finish in 2-3 minutes on an H200, against private
+kvtierd processes with an 8 GiB host pool (one after the other: ``--cuda-copy dma``, then
+``--cuda-copy kernel``). Without a GPU it says why, writes ``{"status": "no_gpu", ...}`` to
+``--json`` and exits 0 (``bench/gpu_check.sh`` runs it only once a GPU was found, and accepts
+only ``"status": "measured"``).
 
-1. Bandwidth. 128 whole pages of a Llama-3-8B-like rank (32 layers, 8 KV heads of 128, bf16,
-   64-token pages: 8 MiB a page, 1 GiB a transfer) are stored (GPU → host pool) and loaded back
-   (host pool → other GPU pages) through the daemon. A store is timed from the request to DONE;
-   a load from the request to the engine's stream having waited for every layer's event. The
-   baseline moves the same bytes with ``copy_(non_blocking=True)`` between one pinned host tensor
-   and one device tensor (a single ``cudaMemcpyAsync``). Target: kvtier / baseline >= 0.8, both
-   directions. The loaded bytes are checked.
-2. Prefill overlap. The reference model (bf16, 16 layers, ~0.9 B parameters) prefills an
-   8192-token prompt whose first 4096 tokens' KV is loaded by kvtier, each layer waiting for its
-   event just before it reads its KV, against the same prefill with that KV already on the GPU
-   (compute alone). Target: overlapped / compute alone <= 1.1. The logits are checked equal.
+1. Bandwidth (:mod:`~kvtier.bench.cuda_bench_copies`). 128 whole pages of a Llama-3-8B-like rank
+   (32 layers, 8 KV heads of 128, bf16, 64-token pages: 8 MiB a page, 1 GiB a transfer) are
+   stored and loaded back into other pages in each copy mode: the daemon mode (CUDA IPC, kvtierd
+   copies; fields ``load_gbps`` ...), the engine mode (a pinned staging area, the engine copies;
+   ``engine_load_gbps`` ...), and the daemon mode with kvtierd's copy kernels instead of DMA
+   (``kernel_load_gbps`` ...; ``faster_cuda_copy`` says which of the two was faster). The
+   baseline moves the same bytes with one pinned ``cudaMemcpyAsync`` each way. Targets:
+   ``load_over_baseline``, ``store_over_baseline`` and their ``engine_`` twins >= 0.8. The
+   loaded bytes are checked.
+2. Prefill overlap (:mod:`~kvtier.bench.cuda_bench_prefill`): an 8192-token prefill whose first
+   4096 tokens' KV is loaded layer by layer, against the same prefill over resident KV, alone
+   on the GPU and with a second process running matmuls on it (``contended_``), in both copy
+   modes (and the daemon mode with copy kernels, ``kernel_``). Targets: ``prefill_overlap``,
+   ``contended_prefill_overlap`` and their ``engine_`` twins <= 1.1; every ``*logits_equal``
+   true. The ``kernel_`` figures have no target: they tell which daemon copy to choose.
 
-Every figure is the median of ``--repeats`` runs after a warm-up (best also reported).
+Every figure is the median of the timed runs after a warm-up (best also reported).
 
 Exit status: 0 when every target is met (or there is no GPU), 2 when measured but a target is
-missed or a check failed, 1 when a section could not run (its error is printed).
+missed or the logits differ, 1 when a section could not run or failed a check (wrong bytes, a
+failed transfer; its error is printed), or was not started because ``--budget-s`` had passed.
 """
 
 from __future__ import annotations
@@ -28,7 +36,6 @@ import argparse
 import functools
 import json
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -38,21 +45,45 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from kvtier.config import ClientConfig, KvtierError
-from kvtier.ipc.cuda_ipc import cuda_unavailable_reason
-from kvtier.ipc.protocol import Geometry
-
-__all__ = ["BANDWIDTH_GEOMETRY", "TARGETS", "main"]
-
-BANDWIDTH_GEOMETRY = Geometry(
-    num_layers=32, page_size=64, kv_heads=8, head_dim=128, dtype="bfloat16"
+from kvtier.bench.cuda_bench_copies import (
+    BenchCheckFailed,
+    baseline,
+    daemon_bandwidth,
+    engine_bandwidth,
 )
-TARGETS = {"load_over_baseline": 0.8, "store_over_baseline": 0.8, "prefill_overlap": 1.1}
-MODEL_ID = "kvtier-cuda-bench"
+from kvtier.bench.cuda_bench_prefill import build_model, prefill_overlap
+from kvtier.config import KvtierError
+from kvtier.ipc.cuda_ipc import cuda_unavailable_reason
 
+__all__ = [
+    "BANDWIDTH_MODES",
+    "TARGETS",
+    "BenchCheckFailed",
+    "derive",
+    "main",
+    "parse_args",
+    "required_targets",
+    "verdict",
+]
 
-class BenchCheckFailed(KvtierError):
-    """A correctness check inside the benchmark failed (wrong bytes, a failed transfer)."""
+TARGETS = {
+    "load_over_baseline": 0.8,
+    "store_over_baseline": 0.8,
+    "engine_load_over_baseline": 0.8,
+    "engine_store_over_baseline": 0.8,
+    "prefill_overlap": 1.1,
+    "contended_prefill_overlap": 1.1,
+    "engine_prefill_overlap": 1.1,
+    "engine_contended_prefill_overlap": 1.1,
+}
+"""Bandwidth ratios (``*_over_baseline``) must reach their target, prefill ratios stay under it."""
+
+BANDWIDTH_MODES = {
+    "": "daemon mode, DMA",
+    "engine_": "engine mode",
+    "kernel_": "daemon mode, kernels",
+}
+"""Field prefix of each measured copy path."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -63,245 +94,219 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--pages", type=int, default=128, help="pages per bandwidth transfer (8 MiB each)"
     )
-    p.add_argument("--repeats", type=int, default=5, help="timed runs per figure")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per bandwidth figure")
     p.add_argument("--prompt-tokens", type=int, default=8192)
     p.add_argument("--cached-tokens", type=int, default=4096, help="a multiple of 64")
-    p.add_argument("--skip-prefill", action="store_true", help="only the bandwidth section")
+    p.add_argument("--prefill-repeats", type=int, default=8, help="timed runs per prefill figure")
+    p.add_argument(
+        "--contender-s",
+        type=float,
+        default=60.0,
+        help="the GPU contender ends by itself after this many seconds (default 60)",
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=170.0,
+        help="start no section past this many seconds (default 170; it then counts as failed)",
+    )
+    p.add_argument("--skip-prefill", action="store_true", help="only the bandwidth sections")
+    p.add_argument("--skip-contended", action="store_true", help="no prefill with a second process")
+    p.add_argument(
+        "--skip-kernel", action="store_true", help="no second kvtierd with --cuda-copy kernel"
+    )
     p.add_argument("--json", type=Path, help="also write the results here")
     return p
 
 
-def _tokens(n: int, salt: int, vocab: int = 32000) -> list[int]:
-    return [(i * 7919 + salt * 104729) % vocab for i in range(n)]
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse the command line; exits 2 with a message on a bad value."""
+    p = _parser()
+    args = p.parse_args(argv)
+    for name in ("pages", "repeats", "prefill_repeats"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.contender_s <= 0 or args.budget_s <= 0:
+        p.error("--contender-s and --budget-s must be > 0")
+    return args
 
 
-def _raw(buf: torch.Tensor) -> torch.Tensor:
-    return buf.view(torch.uint8).view(buf.shape[0], -1)
+def required_targets(args: argparse.Namespace) -> list[str]:
+    """The targets this run must measure (the sections it skips have none)."""
+    names = [n for n in TARGETS if n.endswith("_over_baseline")]
+    if not args.skip_prefill:
+        names += ["prefill_overlap", "engine_prefill_overlap"]
+        if not args.skip_contended:
+            names += ["contended_prefill_overlap", "engine_contended_prefill_overlap"]
+    return names
 
 
-def _connect(pool: Any, rdir: Path) -> Any:
-    from kvtier.client.connection.connection import Connection
-
-    # generous timeouts: the daemon's first CUDA registration creates a context and pins the pool
-    cfg = ClientConfig(runtime_dir=rdir, request_timeout_s=120.0, load_timeout_s=120.0)
-    return Connection(pool, model_id=MODEL_ID, config=cfg)
-
-
-def _timed(fn: Callable[[], object]) -> float:
-    """Seconds ``fn`` takes, with the device idle before and after."""
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
+def derive(bw: dict[str, Any]) -> dict[str, Any]:
+    """Add each path's ratios to the baseline, and which daemon copy was faster, to ``bw``
+    (the bandwidth figures) where both sides were measured; returns it."""
+    for p in BANDWIDTH_MODES:
+        for name, base in (("load", "baseline_h2d_gbps"), ("store", "baseline_d2h_gbps")):
+            if f"{p}{name}_gbps" in bw and base in bw:
+                bw[f"{p}{name}_over_baseline"] = bw[f"{p}{name}_gbps"] / bw[base]
+    if all(f"{p}{d}_gbps" in bw for p in ("", "kernel_") for d in ("load", "store")):
+        bw["faster_cuda_copy"] = {
+            d: "dma" if bw[f"{d}_gbps"] >= bw[f"kernel_{d}_gbps"] else "kernel"
+            for d in ("load", "store")
+        }
+    return bw
 
 
-def _summary(samples: Sequence[float]) -> dict[str, float]:
-    return {"median_s": statistics.median(samples), "best_s": min(samples)}
-
-
-def bandwidth(rdir: Path, pages: int, repeats: int) -> dict[str, Any]:
-    """Store and load ``pages`` pages through kvtierd; the same bytes by cudaMemcpyAsync.
-
-    Returns:
-        GB/s (medians), the ratios to the baseline, and the samples.
-
-    Raises:
-        BenchCheckFailed: a transfer failed or the loaded bytes differ.
-    """
-    from kvtier.client.kv_pool.cuda import CudaKVPool
-
-    g = BANDWIDTH_GEOMETRY
-    nbytes = pages * g.page_bytes
-    pool = CudaKVPool(g, 2 * pages)
-    conn = _connect(pool, rdir)
-    src, dst = list(range(pages)), list(range(pages, 2 * pages))
-    bufs = [b for pair in zip(pool.k, pool.v) for b in pair]
-    store_s: list[float] = []
-    load_s: list[float] = []
-    try:
-        for b in bufs:
-            _raw(b)[:pages].random_(0, 256)
-        for r in range(repeats + 1):  # run 0 warms up (kernel compile, first transfer)
-            keys = conn.page_keys(_tokens(pages * g.page_size, salt=r))
-            t_store = _timed(functools.partial(_store, conn, keys, src, pages))
-            t_load = _timed(functools.partial(_load, conn, keys, dst, pages, g.num_layers))
-            if r:
-                store_s.append(t_store)
-                load_s.append(t_load)
-        for b in bufs:
-            if not torch.equal(_raw(b)[:pages], _raw(b)[pages : 2 * pages]):
-                raise BenchCheckFailed("loaded pages differ from the stored ones")
-    finally:
-        conn.close()
-        pool.close()
-    h2d, d2h = _baseline(nbytes, repeats)
-
-    def gbps(samples: list[float]) -> float:
-        return nbytes / statistics.median(samples) / 1e9
-
-    res: dict[str, Any] = {
-        "bytes_per_transfer": nbytes,
-        "pages": pages,
-        "page_bytes": g.page_bytes,
-        "load_gbps": gbps(load_s),
-        "store_gbps": gbps(store_s),
-        "baseline_h2d_gbps": gbps(h2d),
-        "baseline_d2h_gbps": gbps(d2h),
-        "load": _summary(load_s),
-        "store": _summary(store_s),
-        "baseline_h2d": _summary(h2d),
-        "baseline_d2h": _summary(d2h),
-    }
-    res["load_over_baseline"] = res["load_gbps"] / res["baseline_h2d_gbps"]
-    res["store_over_baseline"] = res["store_gbps"] / res["baseline_d2h_gbps"]
-    return res
-
-
-def _baseline(nbytes: int, repeats: int) -> tuple[list[float], list[float]]:
-    """Seconds of ``copy_(non_blocking=True)`` of ``nbytes`` host -> device and device -> host,
-    between one pinned host tensor and one device tensor (one cudaMemcpyAsync each)."""
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    h2d = [
-        _timed(functools.partial(dev.copy_, host, non_blocking=True)) for _ in range(repeats + 1)
-    ]
-    d2h = [
-        _timed(functools.partial(host.copy_, dev, non_blocking=True)) for _ in range(repeats + 1)
-    ]
-    return h2d[1:], d2h[1:]
-
-
-def _store(conn: Any, keys: list[bytes], pages: list[int], n: int) -> None:
-    h = conn.store(keys, pages)
-    if h.writing != n or not h.wait():
-        raise BenchCheckFailed(f"store of {n} pages: {h.writing} written, ok={h.ok}")
-
-
-def _load(conn: Any, keys: list[bytes], pages: list[int], n: int, layers: int) -> None:
-    h = conn.load(keys, pages)
-    if h.count != n:
-        raise BenchCheckFailed(f"load of {n} pages found {h.count} in L2")
-    for layer in range(layers):
-        if not h.wait_layer(layer):
-            raise BenchCheckFailed(f"load failed at layer {layer}")
-    torch.cuda.current_stream().synchronize()  # the engine's stream passed every layer's copies
-    if not h.wait():
-        raise BenchCheckFailed("load did not end DONE")
-
-
-def prefill_overlap(
-    rdir: Path, prompt_tokens: int, cached_tokens: int, repeats: int
-) -> dict[str, Any]:
-    """Prefill over KV loaded layer by layer by kvtier, against the same prefill over resident KV.
-
-    Returns:
-        Median and best milliseconds of both, their ratio, and whether the logits are equal.
-
-    Raises:
-        BenchCheckFailed: a load failed.
-    """
-    from kvtier.client.kv_pool.cuda import CudaKVPool
-    from kvtier.engine.engine import geometry_for
-    from kvtier.engine.model import ModelConfig, TinyLlama
-
-    page = 64
-    if cached_tokens % page or not 0 < cached_tokens < prompt_tokens:
-        raise KvtierError(f"--cached-tokens must be a multiple of {page} in (0, prompt_tokens)")
-    cfg = ModelConfig(
-        vocab_size=32000,
-        hidden_size=2048,
-        n_layers=16,
-        n_heads=16,
-        n_kv_heads=8,
-        head_dim=128,
-        ffn_size=5632,
-        dtype=torch.bfloat16,
-    )
-    model = TinyLlama(cfg).to("cuda")
-    n_pages, n_cached = -(-prompt_tokens // page), cached_tokens // page
-    pool = CudaKVPool(geometry_for(cfg, page), n_pages + n_cached + 1)
-    conn = _connect(pool, rdir)
-    prompt = _tokens(prompt_tokens, salt=99, vocab=cfg.vocab_size)
-    table_a = list(range(n_pages))  # the prefix's KV computed here, the suffix's pages
-    table_b = list(range(n_pages, n_pages + n_cached)) + table_a[n_cached:]  # prefix loaded
-    alone_s: list[float] = []
-    overlap_s: list[float] = []
-    try:
-        model.prefill(prompt, 0, table_a, pool.k, pool.v)  # KV of the whole prompt
-        keys = conn.page_keys(prompt[:cached_tokens])
-        _store(conn, keys, table_a[:n_cached], n_cached)
-        out: dict[str, torch.Tensor] = {}
-
-        def alone() -> None:
-            out["alone"] = model.prefill(prompt, cached_tokens, table_a, pool.k, pool.v)
-
-        def overlapped() -> None:
-            h = conn.load(keys, table_b[:n_cached])
-            if h.count != n_cached:
-                raise BenchCheckFailed(f"load found {h.count} of {n_cached} pages")
-
-            def gate(layer: int) -> None:
-                if not h.wait_layer(layer):
-                    raise BenchCheckFailed(f"load failed at layer {layer}")
-
-            out["overlap"] = model.prefill(
-                prompt, cached_tokens, table_b, pool.k, pool.v, layer_wait=gate
-            )
-            h.wait()
-
-        for r in range(repeats + 1):  # alternate the order; run 0 warms up
-            first, second = (alone, overlapped) if r % 2 else (overlapped, alone)
-            t1, t2 = _timed(first), _timed(second)
-            if r:
-                (alone_s if first is alone else overlap_s).append(t1)
-                (overlap_s if first is alone else alone_s).append(t2)
-        equal = bool(torch.equal(out["alone"], out["overlap"]))
-        diff = float((out["alone"] - out["overlap"]).abs().max())
-    finally:
-        conn.close()
-        pool.close()
-    return {
-        "prompt_tokens": prompt_tokens,
-        "cached_tokens": cached_tokens,
-        "layers": cfg.n_layers,
-        "kv_bytes_loaded": n_cached * geometry_for(cfg, page).page_bytes,
-        "compute_alone_ms": statistics.median(alone_s) * 1e3,
-        "overlapped_ms": statistics.median(overlap_s) * 1e3,
-        "compute_alone_best_ms": min(alone_s) * 1e3,
-        "overlapped_best_ms": min(overlap_s) * 1e3,
-        "prefill_overlap": statistics.median(overlap_s) / statistics.median(alone_s),
-        "logits_equal": equal,
-        "max_abs_logit_diff": diff,
-    }
-
-
-def _verdict(results: dict[str, Any]) -> tuple[bool, list[str]]:
-    """Lines comparing each measured ratio with its target, and whether all are met."""
-    lines, ok = [], True
-    bw, pf = results.get("bandwidth"), results.get("prefill")
-    if bw is not None:
-        for name, base in (("load", "baseline_h2d"), ("store", "baseline_d2h")):
-            ratio, target = bw[f"{name}_over_baseline"], TARGETS[f"{name}_over_baseline"]
-            met = ratio >= target
-            ok &= met
-            lines.append(
-                f"{name:5s}: {bw[f'{name}_gbps']:6.1f} GB/s through kvtierd vs "
-                f"{bw[f'{base}_gbps']:6.1f} GB/s cudaMemcpyAsync (pinned) -> ratio "
-                f"{ratio:.2f} (target >= {target}) {'OK' if met else 'MISSED'}"
-            )
-    if pf is not None:
-        ratio, target = pf["prefill_overlap"], TARGETS["prefill_overlap"]
-        met = ratio <= target and pf["logits_equal"]
+def verdict(results: dict[str, Any], required: Sequence[str]) -> tuple[bool, list[str]]:
+    """Lines comparing each required ratio with its target (a missing one is missed), the
+    logits checks and the informational figures; and whether all targets are met."""
+    lines: list[str] = []
+    ok = True
+    bw, pf = results.get("bandwidth") or {}, results.get("prefill") or {}
+    for p, label in BANDWIDTH_MODES.items():
+        for d, base in (("load", "baseline_h2d_gbps"), ("store", "baseline_d2h_gbps")):
+            if f"{p}{d}_gbps" in bw and base in bw:
+                lines.append(
+                    f"{d:5s} {label:20s}: {bw[f'{p}{d}_gbps']:6.1f} GB/s vs {bw[base]:6.1f} GB/s "
+                    f"cudaMemcpyAsync (pinned)"
+                )
+    for name in required:
+        group = bw if name.endswith("_over_baseline") else pf
+        target = TARGETS[name]
+        value = group.get(name)
+        if value is None:
+            ok = False
+            lines.append(f"{name}: not measured (target {target}) MISSED")
+            continue
+        met = value >= target if name.endswith("_over_baseline") else value <= target
         ok &= met
-        lines.append(
-            f"prefill {pf['prompt_tokens']} tokens, {pf['cached_tokens']} loaded per "
-            f"layer: {pf['overlapped_ms']:.2f} ms overlapped vs "
-            f"{pf['compute_alone_ms']:.2f} ms compute alone -> ratio {ratio:.3f} "
-            f"(target <= {target}) {'OK' if ratio <= target else 'MISSED'}; logits "
-            f"equal: {pf['logits_equal']} (max |diff| {pf['max_abs_logit_diff']:.2e})"
-        )
+        op = ">=" if name.endswith("_over_baseline") else "<="
+        lines.append(f"{name} = {value:.3f} (target {op} {target}) {'OK' if met else 'MISSED'}")
+    for name in sorted(pf):
+        if name.endswith("prefill_overlap") and name not in required:
+            lines.append(f"{name} = {pf[name]:.3f} (no target)")
+        if name.endswith("logits_equal"):
+            diff = pf.get(name.replace("logits_equal", "max_abs_logit_diff"), float("nan"))
+            ok &= bool(pf[name])
+            lines.append(
+                f"{name}: {pf[name]} (max |diff| {diff:.2e}) {'OK' if pf[name] else 'MISSED'}"
+            )
+    if "faster_cuda_copy" in bw:
+        lines.append(f"faster daemon copy (--cuda-copy): {bw['faster_cuda_copy']}")
     return ok, lines
+
+
+class _Run:
+    """The sections of one run: each timed, its error recorded, none started past the budget."""
+
+    def __init__(self, budget_s: float) -> None:
+        self.start = time.monotonic()
+        self.budget_s = budget_s
+        self.errors: list[str] = []
+
+    def over_budget(self) -> bool:
+        """Whether the budget has passed (no section starts any more)."""
+        return time.monotonic() - self.start > self.budget_s
+
+    def section(self, name: str, into: dict[str, Any], fn: Callable[[], dict[str, Any]]) -> None:
+        """Run ``fn`` and merge its figures into ``into``; record its error, or that it was
+        not started because the budget had passed."""
+        elapsed = time.monotonic() - self.start
+        if elapsed > self.budget_s:
+            self.errors.append(f"{name}: not started, {elapsed:.0f}s past --budget-s")
+            print(f"[{name}: skipped, past the budget]", flush=True)
+            return
+        print(f"[{name} at {elapsed:.1f}s]", flush=True)
+        t0 = time.monotonic()
+        try:
+            into.update(fn())
+        except (KvtierError, RuntimeError, ValueError, OSError) as err:  # report, run the next
+            self.errors.append(f"{name}: {type(err).__name__}: {err}")
+            traceback.print_exc()
+        print(f"[{name}: {time.monotonic() - t0:.1f}s]", flush=True)
+
+
+def _measure(args: argparse.Namespace, results: dict[str, Any], run: _Run, tmp: Path) -> None:
+    from kvtier.launch.daemon_process import DaemonProcess
+
+    bw: dict[str, Any] = results["bandwidth"]
+    pf: dict[str, Any] = results["prefill"]
+    model: list[Any] = []
+
+    def prefill(mode: Any, rdir: Path, prefix: str, salt: int) -> dict[str, Any]:
+        if not model:
+            model.append(build_model())
+        contender = None if args.skip_contended else args.contender_s
+        return prefill_overlap(
+            mode,
+            rdir,
+            model[0],
+            args.prompt_tokens,
+            args.cached_tokens,
+            args.prefill_repeats,
+            contender,
+            prefix,
+            salt,
+        )
+
+    run.section("baseline", bw, lambda: baseline(args.pages, args.repeats))
+    for cuda_copy in ("dma",) if args.skip_kernel else ("dma", "kernel"):
+        daemon = DaemonProcess(
+            tmp / cuda_copy,
+            [
+                "--hicache-storage-backend",
+                "none",
+                "--hicache-size",
+                args.pool,
+                "--extent-size",
+                "64MiB",
+                "--cuda-copy",
+                cuda_copy,
+                "--log-level",
+                "warning",
+            ],
+        )
+        rdir = daemon.runtime_dir
+        part = functools.partial
+        pages, reps = args.pages, args.repeats
+        sections: list[tuple[str, dict[str, Any], Callable[[], dict[str, Any]]]] = []
+        if cuda_copy == "dma":
+            sections += [
+                ("daemon bandwidth", bw, part(daemon_bandwidth, rdir, pages, reps, "", 1000)),
+                ("engine bandwidth", bw, part(engine_bandwidth, rdir, pages, reps, 2000)),
+            ]
+            if not args.skip_prefill:
+                sections += [
+                    ("daemon prefill", pf, part(prefill, "daemon", rdir, "", 3000)),
+                    ("engine prefill", pf, part(prefill, "engine", rdir, "engine_", 4000)),
+                ]
+        else:
+            sections.append(
+                ("daemon bandwidth", bw, part(daemon_bandwidth, rdir, pages, reps, "kernel_", 5000))
+            )
+            if not args.skip_prefill:
+                sections.append(
+                    ("daemon prefill", pf, part(prefill, "daemon", rdir, "kernel_", 6000))
+                )
+        if run.over_budget():  # record each section as not started; start no daemon
+            for name, into, fn in sections:
+                run.section(f"{name} (--cuda-copy {cuda_copy})", into, fn)
+            continue
+        errors_before = len(run.errors)
+        try:
+            print(f"[kvtierd --cuda-copy {cuda_copy}: starting]", flush=True)
+            try:
+                daemon.start(timeout=120.0)
+            except (KvtierError, RuntimeError, OSError, TimeoutError) as err:
+                run.errors.append(f"kvtierd --cuda-copy {cuda_copy}: {type(err).__name__}: {err}")
+                continue
+            for name, into, fn in sections:
+                run.section(f"{name} (--cuda-copy {cuda_copy})", into, fn)
+        finally:
+            daemon.stop()
+            if len(run.errors) > errors_before:
+                print(f"kvtierd --cuda-copy {cuda_copy} log tail:\n{daemon.log_tail(60)}")
+            daemon.remove_pool()
+    derive(bw)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -313,75 +318,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         The exit status.
     """
-    args = _parser().parse_args(argv)
+    args = parse_args(argv)
     reason = cuda_unavailable_reason()
     if reason is not None:
         print(f"cuda_bench: nothing measured: kvtier's GPU path {reason}")
+        if args.json is not None:
+            args.json.write_text(
+                json.dumps({"status": "no_gpu", "reason": reason, "targets": TARGETS}, indent=2)
+            )
         return 0
-    from kvtier.launch.daemon_process import DaemonProcess
-
     results: dict[str, Any] = {
+        "status": "measured",
         "device": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
+        "bandwidth": {},
+        "prefill": {},
     }
     print(
         f"cuda_bench on {results['device']} (torch {results['torch']}, CUDA {results['cuda']})",
         flush=True,
     )
+    run = _Run(args.budget_s)
     tmp = Path(tempfile.mkdtemp(prefix="kvt-cb-", dir="/tmp"))
-    daemon = DaemonProcess(
-        tmp / "d",
-        [
-            "--hicache-storage-backend",
-            "none",
-            "--hicache-size",
-            args.pool,
-            "--extent-size",
-            "64MiB",
-            "--log-level",
-            "warning",
-        ],
-    )
-    errors: list[str] = []
-    t_start = time.monotonic()
     try:
-        daemon.start(timeout=120.0)
-        sections: list[tuple[str, Callable[[], dict[str, Any]]]] = [
-            ("bandwidth", lambda: bandwidth(daemon.runtime_dir, args.pages, args.repeats))
-        ]
-        if not args.skip_prefill:
-            sections.append(
-                (
-                    "prefill",
-                    lambda: prefill_overlap(
-                        daemon.runtime_dir, args.prompt_tokens, args.cached_tokens, 2 * args.repeats
-                    ),
-                )
-            )
-        for name, run in sections:
-            t0 = time.monotonic()
-            try:
-                results[name] = run()
-            except (KvtierError, RuntimeError, ValueError) as err:  # report it, run the next one
-                errors.append(f"{name}: {type(err).__name__}: {err}")
-                traceback.print_exc()
-            print(f"[{name} section: {time.monotonic() - t0:.1f}s]", flush=True)
+        _measure(args, results, run, tmp)
     finally:
-        daemon.stop()
-        if errors:
-            print(f"kvtierd log tail:\n{daemon.log_tail(60)}")
-        daemon.remove_pool()
         shutil.rmtree(tmp, ignore_errors=True)
-    ok, lines = _verdict(results)
-    results["errors"] = errors
+    ok, lines = verdict(results, required_targets(args))
+    results["errors"] = run.errors
     results["targets"] = TARGETS
-    results["wall_s"] = time.monotonic() - t_start
-    for line in lines + [f"error in {e}" for e in errors]:
+    results["wall_s"] = time.monotonic() - run.start
+    for line in lines + [f"error in {e}" for e in run.errors]:
         print(line)
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2, default=str))
-    if errors:
+    if run.errors:
         return 1
     return 0 if ok else 2
 
