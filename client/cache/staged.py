@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from kvtier.client.connection.connection import Connection
 from kvtier.client.connection.replies import LookupReply
 from kvtier.client.connection.transfer_handle import TransferHandle
@@ -47,6 +48,7 @@ class StagedLoad:
         "_copier",
         "_copies",
         "_handle",
+        "_marker",
         "_next",
         "_ok",
         "_pages",
@@ -67,6 +69,8 @@ class StagedLoad:
         self.count = self.writing = handle.count if handle is not None else 0
         self._slots, self._pages = list(slots[: self.count]), list(pages[: self.count])
         self._next = 0  # the first layer not copied to the device yet
+        # the copies wait for the kernels issued before the load (they may read these pages)
+        self._marker: torch.cuda.Event | None = copier.compute_marker() if self.count else None
         self._copies: list[CopyDone] = []
         self._ok: bool | None = None if self.count else True
 
@@ -86,7 +90,7 @@ class StagedLoad:
                 self._finish(False)
                 return False
             parts = self._copier.parts_of(self._next)
-            done = self._copier.to_device(parts, self._slots, self._pages)
+            done = self._copier.to_device(parts, self._slots, self._pages, after=self._marker)
             done.wait_on_compute()
             self._copies.append(done)
             self._next += 1

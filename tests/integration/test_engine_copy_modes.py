@@ -184,8 +184,17 @@ def test_a_small_staging_area_bounds_each_transfer_and_outputs_stay_equal(
     got = reader.generate(full, 6)  # L2 holds 7 pages; a load takes at most 3
     assert (got.l2_found, got.cached_l2, got.computed) == (7 * PAGE, 3 * PAGE, 4 * PAGE + 11)
     assert_same(got, off.generate(full, 6))
-    area = reader._kv.link.area  # type: ignore[union-attr]
-    assert area.free == area.capacity  # every slot back once the request ended
+    link = reader.connection
+    assert isinstance(link, StagedConnection)
+    assert link.area.free == link.area.capacity  # every slot back once the request ended
+    reader.flush_l1()
+    held = link.area.acquire(link.area.capacity, 0.0)  # the area is full: a miss, not a wait
+    assert held is not None
+    other = prefix + prompt(5, vocab, 11)
+    got = reader.generate(other, 3)
+    assert (got.l2_found, got.cached_l2, got.computed) == (7 * PAGE, 0, len(other))
+    assert_same(got, off.generate(other, 3))
+    link.area.release(held)
 
 
 def test_bad_engine_settings_are_refused_naming_the_value(tiny: TinyLlama) -> None:
