@@ -28,8 +28,6 @@ from kvtier.client.cache.staged import StagedConnection
 from kvtier.client.connection.connection import Connection
 from kvtier.client.kv_pool.cuda import CudaKVPool
 from kvtier.client.kv_pool.shared import SharedKVPool
-from kvtier.client.staging.area import StagingArea, StagingPart
-from kvtier.client.staging.copies import StagedCopier
 from kvtier.config import ClientConfig
 from kvtier.engine.model import EngineInputError, ModelConfig, new_kv_cache
 from kvtier.ipc.cuda_backend import EngineCudaBackend
@@ -149,14 +147,14 @@ def open_kv(
             closers.insert(0, conn.close)
             return EngineKV(pool.k, pool.v, conn, closers)
         k_cache, v_cache = new_kv_cache(cfg, num_pages, geometry.page_size, device)
-        page = tuple(cfg.kv_page_shape(geometry.page_size))
-        parts = [StagingPart(layer, page, cfg.dtype) for layer in range(cfg.n_layers) for _ in "kv"]
-        area = StagingArea(parts, staging_pages, pin=device.type == "cuda")
-        closers.append(area.close)
-        copier = StagedCopier(area, [t for kv in zip(k_cache, v_cache) for t in kv])
-        memory = area.memory(geometry, label="engine-staging")
-        conn = Connection(memory, model_id, config=client_config)  # type: ignore[arg-type]
-        staged = StagedConnection(conn, area, copier, staging_wait_s)
+        staged = StagedConnection.over(
+            [t for kv in zip(k_cache, v_cache) for t in kv],
+            geometry,
+            model_id,
+            staging_pages=staging_pages,
+            wait_s=staging_wait_s,
+            config=client_config,
+        )
         closers.insert(0, staged.close)
         return EngineKV(k_cache, v_cache, staged, closers)
     except BaseException:

@@ -30,8 +30,10 @@ import torch
 from kvtier.client.connection.connection import Connection
 from kvtier.client.connection.replies import LookupReply
 from kvtier.client.connection.transfer_handle import TransferHandle
-from kvtier.client.staging.area import StagingArea
+from kvtier.client.staging.area import StagingArea, StagingPart
 from kvtier.client.staging.copies import CopyDone, StagedCopier
+from kvtier.config import ClientConfig
+from kvtier.ipc.protocol import Geometry
 
 __all__ = ["StagedConnection", "StagedLoad", "StagedStore"]
 
@@ -154,11 +156,14 @@ class StagedStore:
 class StagedConnection:
     """A :class:`Connection` registered over a staging area, speaking of device pages.
 
+    :meth:`over` builds one over an engine's KV tensors (the usual way).
+
     Args:
         connection: registered with ``area.memory(geometry)`` as its pool.
-        area: the staging area (owned by the caller; close it after the connection).
+        area: the staging area.
         copier: copies between the engine's KV tensors and ``area``.
         wait_s: longest wait for free slots; past it a load is a miss, a store dropped.
+        owns_area: :meth:`close` closes the area too (after the connection).
 
     Attributes:
         connection / area / copier / wait_s: as given.
@@ -166,13 +171,68 @@ class StagedConnection:
     """
 
     def __init__(
-        self, connection: Connection, area: StagingArea, copier: StagedCopier, wait_s: float
+        self,
+        connection: Connection,
+        area: StagingArea,
+        copier: StagedCopier,
+        wait_s: float,
+        owns_area: bool = False,
     ) -> None:
         if copier.area is not area:
             raise ValueError("the copier copies into another staging area")
         self.connection, self.area, self.copier, self.wait_s = connection, area, copier, wait_s
         self.geometry = connection.geometry
         self.config = connection.config
+        self._owns_area = owns_area
+
+    @classmethod
+    def over(
+        cls,
+        kv: Sequence[torch.Tensor],
+        geometry: Geometry,
+        model_id: str,
+        *,
+        staging_pages: int = 64,
+        wait_s: float = 0.05,
+        config: ClientConfig | None = None,
+        revision: str = "",
+    ) -> StagedConnection:
+        """Stage an engine's ``layer_first`` KV tensors and register the staging area.
+
+        Args:
+            kv: per layer, K then V (MHA) or the latent (MLA): ``[num_pages, page_size,
+                kv_heads, head_dim]`` tensors of the geometry's dtype, on one device (a GPU or
+                the CPU). Pages are staged in that order, the bytes a
+                :class:`~kvtier.client.kv_pool.shared.SharedKVPool` holds, so engines of
+                either copy mode share pages.
+            geometry / model_id / revision / config: as for :class:`Connection`.
+            staging_pages: slots of the staging area (pinned on CUDA): at most this many
+                pages per load or store.
+            wait_s: longest wait for free slots.
+
+        Raises:
+            ValueError: tensors that do not match the geometry, or a bad staging size.
+            DaemonUnavailable / DaemonError / UnexpectedReply: REGISTER failed (nothing is
+                left behind).
+        """
+        g = geometry
+        if len(kv) != g.num_layers * g.components:
+            raise ValueError(
+                f"{len(kv)} KV tensors; the geometry has {g.num_layers} layers of "
+                f"{g.components} buffers"
+            )
+        parts = [
+            StagingPart(i // g.components, tuple(t.shape[1:]), t.dtype) for i, t in enumerate(kv)
+        ]
+        area = StagingArea(parts, staging_pages, pin=kv[0].device.type == "cuda")
+        try:
+            copier = StagedCopier(area, kv)
+            memory = area.memory(g, label="engine-staging")
+            conn = Connection(memory, model_id, revision, config)  # type: ignore[arg-type]
+        except BaseException:
+            area.close()
+            raise
+        return cls(conn, area, copier, wait_s, owns_area=True)
 
     @property
     def ns_fingerprint(self) -> bytes:
@@ -223,6 +283,20 @@ class StagedConnection:
         assert handle is not None
         return StagedStore(self.area, handle, slots if handle.writing else [])
 
+    def page_keys(self, tokens: Sequence[int], parent: bytes | None = None) -> list[bytes]:
+        """Keys of the full pages of ``tokens`` (the connection's)."""
+        return self.connection.page_keys(tokens, parent)
+
     def close(self) -> None:
-        """Close the connection (the caller closes the area after it)."""
-        self.connection.close()
+        """Close the connection, then the area if it owns it. Idempotent."""
+        try:
+            self.connection.close()
+        finally:
+            if self._owns_area:
+                self.area.close()
+
+    def __enter__(self) -> StagedConnection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
