@@ -32,11 +32,19 @@ from kvtier.client.cache.manager import (
     LoadHandle,
     MatchResult,
 )
-from kvtier.client.connection.connection import Connection
-from kvtier.client.kv_pool.shared import SharedKVPool
+from kvtier.client.cache.link import CacheLink
 from kvtier.config import ClientConfig
 from kvtier.engine.allocator import PageAllocator
+from kvtier.engine.kv import (
+    COPY_MODES,
+    CopyMode,
+    EngineKV,
+    default_copy_mode,
+    engine_device,
+    open_kv,
+)
 from kvtier.engine.model import EngineInputError, ModelConfig, TinyLlama, new_kv_cache
+from kvtier.ipc.cuda_backend import EngineCudaBackend
 from kvtier.ipc.limits import DType
 from kvtier.ipc.protocol import Geometry
 
@@ -154,8 +162,11 @@ class _LayerGate:
 class ReferenceEngine:
     """A single-request engine over a paged KV pool, with kvtier on, L1-only or off.
 
-    With kvtier on the pool is a :class:`SharedKVPool` (the daemon maps it); otherwise it is
-    process-private memory of the same layout.
+    With kvtier on, ``copy_mode`` says who copies pages between the engine's KV and kvtierd
+    (:mod:`kvtier.engine.kv`): ``daemon`` (the KV is a pool the daemon maps: shared memory on
+    the CPU, CUDA IPC on a GPU) or ``engine`` (plain device tensors, copied through a bounded
+    staging area the daemon maps). Otherwise the KV is process-private memory of the same
+    layout. Every tensor lives on ``device``, the model's.
 
     Args:
         model_config: the model (default :meth:`ModelConfig.default`); ignored when ``model``
@@ -168,8 +179,19 @@ class ReferenceEngine:
         model_id: namespace model id (default: :func:`model_id_for` of the config).
         cache_factory: builds the cache manager, called as ``(allocator, connection, config,
             page_size=...)``; a subclass can observe or inject faults.
+        device: ``cpu`` (default) or a CUDA device; the model is moved there (a shared
+            ``model`` must be there already).
+        copy_mode: ``daemon`` or ``engine`` (default: ``engine`` on CUDA, whose daemon path is
+            not verified on a device yet, ``daemon`` on the CPU).
+        staging_pages: pages of the staging area (``engine`` mode): at most this many pages
+            per load or store; more is computed or dropped, never more memory.
+        staging_wait_s: longest wait for free staging pages (then a miss, or a dropped store).
+        cuda_backend: the CUDA operations of ``daemon`` mode's CUDA pool (None: torch and
+            CuPy); a fake one runs that pool over CPU tensors (tests without a GPU).
 
     Raises:
+        EngineInputError: a bad mode, device, copy mode or staging size, or a model on
+            another device.
         DaemonUnavailable / DaemonError / UnexpectedReply: mode ``on`` and the daemon is not
             there, refuses, or answers REGISTER with another reply.
     """
@@ -185,32 +207,59 @@ class ReferenceEngine:
         model: TinyLlama | None = None,
         model_id: str | None = None,
         cache_factory: CacheFactory = CacheManager,
+        device: torch.device | str = "cpu",
+        copy_mode: CopyMode | None = None,
+        staging_pages: int = 64,
+        staging_wait_s: float = 0.05,
+        cuda_backend: EngineCudaBackend | None = None,
     ) -> None:
         if mode not in ("on", "l1", "off"):
             raise EngineInputError(f"mode must be 'on', 'l1' or 'off', got {mode!r}")
-        self.model = (
-            model if model is not None else TinyLlama(model_config or ModelConfig.default())
-        )
+        self.device = engine_device(device)
+        mode_of_copies = default_copy_mode(self.device) if copy_mode is None else copy_mode
+        if mode_of_copies not in COPY_MODES:
+            raise EngineInputError(f"copy_mode must be 'daemon' or 'engine', got {copy_mode!r}")
+        if isinstance(staging_pages, bool) or not isinstance(staging_pages, int):
+            raise EngineInputError(f"staging_pages must be an int, got {staging_pages!r}")
+        if staging_pages < 1 or not staging_wait_s >= 0:
+            raise EngineInputError(
+                f"staging_pages must be >= 1 and staging_wait_s >= 0, got {staging_pages!r} "
+                f"and {staging_wait_s!r}"
+            )
+        self.copy_mode: CopyMode = mode_of_copies
+        if model is None:
+            model = TinyLlama(model_config or ModelConfig.default()).to(self.device)
+        elif model.embed.device != self.device:
+            raise EngineInputError(
+                f"the model is on {model.embed.device}, the engine's device is {self.device}: "
+                "move it first (model.to(device))"
+            )
+        self.model = model
         self.mode: EngineMode = mode
         self.page_size = page_size
         self.client_config = client_config or ClientConfig()
         self.geometry = geometry_for(self.model.cfg, page_size)
-        # Only a daemon needs to map the KV: other modes keep it private. The shared pool is a
+        # Only a daemon needs to reach the KV: other modes keep it private. Shared memory is a
         # sealed memfd handed to kvtierd by descriptor: nothing is left in /dev/shm either way.
-        self.pool = SharedKVPool(self.geometry, num_pages) if mode == "on" else None
-        if self.pool is not None:
-            self.k_cache, self.v_cache = self.pool.k, self.pool.v
-        else:
-            self.k_cache, self.v_cache = new_kv_cache(self.model.cfg, num_pages, page_size)
+        self._kv: EngineKV = open_kv(
+            self.model.cfg,
+            self.geometry,
+            num_pages,
+            self.device,
+            kvtier=mode == "on",
+            copy_mode=self.copy_mode,
+            client_config=self.client_config,
+            model_id=model_id or model_id_for(self.model.cfg),
+            staging_pages=staging_pages,
+            staging_wait_s=staging_wait_s,
+            cuda_backend=cuda_backend,
+        )
+        self.k_cache, self.v_cache = self._kv.k_cache, self._kv.v_cache
+        self.connection: CacheLink | None = self._kv.link
         self.allocator = PageAllocator(num_pages)
-        self.connection: Connection | None = None
         self.cache: CacheManager | None = None
         self._closed = False
         try:
-            if self.pool is not None:
-                self.connection = Connection(
-                    self.pool, model_id or model_id_for(self.model.cfg), config=self.client_config
-                )
             if mode != "off":
                 self.cache = cache_factory(
                     self.allocator, self.connection, self.client_config, page_size=page_size
@@ -262,7 +311,7 @@ class ReferenceEngine:
         size = self.page_size
         n = max(tokens, 2 * size + 1)
         pages = -(-(n + 1) // size)
-        k, v = new_kv_cache(self.model.cfg, pages, size)
+        k, v = new_kv_cache(self.model.cfg, pages, size, self.device)
         table = list(range(pages))
         toks = [i % self.model.cfg.vocab_size for i in range(n)]
         self.model.prefill(toks, 0, table, k, v)
@@ -278,7 +327,7 @@ class ReferenceEngine:
         return self.cache.flush_l1() if self.cache is not None else 0
 
     def close(self) -> None:
-        """Wait for stores in flight, unregister from the daemon, remove the pool. Idempotent."""
+        """Wait for stores in flight, unregister from the daemon, free the KV. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -286,10 +335,8 @@ class ReferenceEngine:
             if self.cache is not None:
                 self.cache.close()
         finally:
-            if self.connection is not None:
-                self.connection.close()
-            if self.pool is not None:
-                self.pool.close()
+            self._kv.close()
+            self.connection = None
             self.k_cache, self.v_cache = [], []
 
     def __enter__(self) -> ReferenceEngine:

@@ -34,6 +34,7 @@ from typing import IO, Any
 
 from kvtier.config import ClientConfig, KvtierError
 from kvtier.engine.engine import ReferenceEngine
+from kvtier.engine.kv import engine_device
 from kvtier.engine.model import ModelConfig, TinyLlama
 
 __all__ = ["MODELS", "build_parser", "main", "model_config", "serve"]
@@ -78,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="write_through",
         choices=("write_through", "write_through_selective", "write_back"),
     )
+    p.add_argument("--device", default="cpu", help="cpu or a CUDA device (e.g. cuda:0)")
+    p.add_argument(
+        "--copy-mode",
+        choices=("daemon", "engine"),
+        help="who copies pages to and from kvtierd (default: engine on CUDA, daemon on the CPU)",
+    )
+    p.add_argument("--staging-pages", type=int, default=64, help="staging area (engine mode)")
     p.add_argument("--threads", type=int, help="torch compute threads (default: torch's choice)")
     p.add_argument(
         "--no-compare",
@@ -166,20 +174,27 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ClientConfig(
         runtime_dir=args.runtime_dir, endpoint=args.endpoint, hicache_write_policy=args.write_policy
     )
-    model = TinyLlama(model_config(args.model))
+    model = TinyLlama(model_config(args.model)).to(engine_device(args.device))
     engine = ReferenceEngine(
         mode=args.mode,
         page_size=args.page_size,
         num_pages=args.num_pages,
         client_config=cfg,
         model=model,
+        device=args.device,
+        copy_mode=args.copy_mode,
+        staging_pages=args.staging_pages,
     )
     reference = None
     try:
         engine.warm_up()
         if not args.no_compare:
             reference = ReferenceEngine(
-                mode="off", page_size=args.page_size, num_pages=args.num_pages, model=model
+                mode="off",
+                page_size=args.page_size,
+                num_pages=args.num_pages,
+                model=model,
+                device=args.device,
             )
         ready = {
             "ok": True,
@@ -187,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
             "pid": os.getpid(),
             "mode": args.mode,
             "model": args.model,
+            "device": str(engine.device),
+            "copy_mode": engine.copy_mode,
         }
         sys.stdout.write(json.dumps(ready) + "\n")
         sys.stdout.flush()

@@ -40,9 +40,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvtier.client.cache.counters import CacheCounters
+from kvtier.client.cache.link import CacheLink
 from kvtier.client.cache.request import LoadHandle, MatchResult
 from kvtier.client.cache.store_tracker import StoreTracker
-from kvtier.client.connection.connection import Connection
 from kvtier.client.page_keys import page_keys
 from kvtier.client.radix.tree import RadixTree
 from kvtier.config import ClientConfig, KvtierError
@@ -93,7 +93,9 @@ class CacheManager:
 
     Args:
         allocator: the engine's device page allocator; evicted pages are freed into it.
-        connection: a registered connection (None: a plain L1 prefix cache, nothing stored).
+        connection: a registered link to kvtierd: a :class:`~kvtier.client.connection.connection.Connection`
+            or a :class:`~kvtier.client.cache.staged.StagedConnection` (None: a plain L1 prefix
+            cache, nothing stored).
         config: write policy and threshold, timeouts (default: the connection's, else defaults).
         page_size: tokens per page; required without a connection (else the geometry's).
         key_seed: chain seed without a connection (default: a fixed local seed).
@@ -118,7 +120,7 @@ class CacheManager:
     def __init__(
         self,
         allocator: DeviceAllocator,
-        connection: Connection | None = None,
+        connection: CacheLink | None = None,
         config: ClientConfig | None = None,
         page_size: int | None = None,
         key_seed: bytes | None = None,

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
 
-from kvtier.client.connection.transfer_handle import TransferHandle
+from kvtier.client.cache.link import Transfer
 from kvtier.client.radix.tree import TreeNode
 
 __all__ = ["LoadHandle", "MatchResult", "SettledCallback"]
@@ -84,7 +84,7 @@ class LoadHandle:
     def __init__(
         self,
         match: MatchResult,
-        transfer: TransferHandle | None,
+        transfer: Transfer | None,
         page_ids: Sequence[int],
         on_settled: SettledCallback,
     ) -> None:

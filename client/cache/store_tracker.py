@@ -16,8 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvtier.client.cache.counters import CacheCounters
-from kvtier.client.connection.connection import Connection
-from kvtier.client.connection.transfer_handle import TransferHandle
+from kvtier.client.cache.link import CacheLink, Transfer
 from kvtier.client.radix.tree import RadixTree
 
 __all__ = ["StoreTracker"]
@@ -35,7 +34,7 @@ class _Unbacked:
 class _Store:
     """A STORE in flight: its handle and the keys and device pages it reads."""
 
-    handle: TransferHandle
+    handle: Transfer
     keys: list[bytes]
     pages: list[int]
 
@@ -65,7 +64,7 @@ class StoreTracker:
 
     def __init__(
         self,
-        connection: Connection | None,
+        connection: CacheLink | None,
         tree: RadixTree,
         counters: CacheCounters,
         store_threshold: int,

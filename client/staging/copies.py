@@ -112,9 +112,18 @@ class StagedCopier:
         return ev
 
     def to_device(
-        self, parts: Sequence[int], slots: Sequence[int], blocks: Sequence[int]
+        self,
+        parts: Sequence[int],
+        slots: Sequence[int],
+        blocks: Sequence[int],
+        after: torch.cuda.Event | None = None,
     ) -> CopyDone:
-        """Copy staging ``slots`` into the engine's ``blocks`` (same order) for ``parts``."""
+        """Copy staging ``slots`` into the engine's ``blocks`` (same order) for ``parts``.
+
+        Args:
+            after: an event from :meth:`compute_marker`: the copy starts after it (so it
+                never overwrites blocks that earlier kernels still read).
+        """
         assert len(slots) == len(blocks)
         keep: list[torch.Tensor] = []
         if not self.cuda:
@@ -125,6 +134,8 @@ class StagedCopier:
         assert self.stream is not None
         with torch.cuda.stream(self.stream):
             runs = self._runs(slots, blocks)
+            if after is not None:
+                self.stream.wait_event(after)
             for i in parts:
                 self._h2d(i, runs, keep)
             ev = torch.cuda.Event()

@@ -18,7 +18,6 @@ On a GPU (all against a kvtierd subprocess):
 
 from __future__ import annotations
 
-import inspect
 import os
 import random
 import signal
@@ -585,11 +584,6 @@ def test_reference_engine_on_cuda_matches_uncached(daemon_factory) -> None:
 
     from tests.engines import client_config
 
-    if "device" not in inspect.signature(ReferenceEngine).parameters:
-        pytest.skip(
-            "ReferenceEngine has no device parameter yet: the model-level test above "
-            "covers the GPU path"
-        )
     d = start_daemon(daemon_factory)
     model = TinyLlama(ModelConfig.tiny()).to("cuda")
     cfg = client_config(d.runtime_dir, request_timeout_s=60.0, load_timeout_s=60.0)
@@ -597,15 +591,16 @@ def test_reference_engine_on_cuda_matches_uncached(daemon_factory) -> None:
         mode="on",
         page_size=16,
         num_pages=64,
-        client_config=cfg,  # type: ignore[call-arg]
+        client_config=cfg,
         model=model,
         device="cuda",
+        copy_mode="daemon",
     )
     off = ReferenceEngine(
         mode="off",
         page_size=16,
         num_pages=64,
-        model=model,  # type: ignore[call-arg]
+        model=model,
         device="cuda",
     )
     try:

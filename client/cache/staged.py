@@ -1,0 +1,302 @@
+"""The engine-side copy path (``copy_mode = "engine"``) as a link the cache manager uses.
+
+An engine that keeps its KV cache where kvtierd cannot map it (GPU memory it allocated
+itself, or private CPU memory) registers a :class:`~kvtier.client.staging.area.StagingArea`
+instead and copies pages between its cache and the area's slots with a
+:class:`~kvtier.client.staging.copies.StagedCopier`. :class:`StagedConnection` does that
+behind the :class:`~kvtier.client.cache.link.CacheLink` interface, so the
+:class:`~kvtier.client.cache.manager.CacheManager` and the engine's forward pass speak of their
+own device pages only::
+
+    load:  take slots ─▶ LOAD into slots ─▶ wait_layer(i): the daemon filled layer i of the
+           slots (completion block) ─▶ host → device copy of layer i ─▶ compute stream waits
+           for its event ─▶ layer i runs ─▶ ... ─▶ wait(): slots back
+    store: take slots ─▶ mark the compute stream ─▶ device → host copy after the mark ─▶
+           STORE from the slots ─▶ wait(): slots back
+
+The area is bounded: a transfer takes at most ``capacity`` slots and waits at most
+``wait_s`` for them; past it a load is a miss (the engine computes) and a store is dropped.
+A transfer that failed while the daemon may still copy keeps its slots out of use until it
+stopped (:meth:`StagingArea.release <kvtier.client.staging.area.StagingArea.release>`).
+The daemon never touches the engine's device memory on this path, so it needs no CUDA
+context, and a failed load never leaves a late write in the engine's pages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from kvtier.client.connection.connection import Connection
+from kvtier.client.connection.replies import LookupReply
+from kvtier.client.connection.transfer_handle import TransferHandle
+from kvtier.client.staging.area import StagingArea, StagingPart
+from kvtier.client.staging.copies import CopyDone, StagedCopier
+from kvtier.config import ClientConfig
+from kvtier.ipc.protocol import Geometry
+
+__all__ = ["StagedConnection", "StagedLoad", "StagedStore"]
+
+
+class StagedLoad:
+    """A LOAD into staging slots, copied to the engine's pages layer by layer.
+
+    Attributes:
+        count / writing: leading pages being loaded (0: a miss, nothing runs).
+    """
+
+    __slots__ = (
+        "_area",
+        "_copier",
+        "_copies",
+        "_handle",
+        "_marker",
+        "_next",
+        "_ok",
+        "_pages",
+        "_slots",
+        "count",
+        "writing",
+    )
+
+    def __init__(
+        self,
+        area: StagingArea,
+        copier: StagedCopier,
+        handle: TransferHandle | None,
+        slots: Sequence[int],
+        pages: Sequence[int],
+    ) -> None:
+        self._area, self._copier, self._handle = area, copier, handle
+        self.count = self.writing = handle.count if handle is not None else 0
+        self._slots, self._pages = list(slots[: self.count]), list(pages[: self.count])
+        self._next = 0  # the first layer not copied to the device yet
+        # the copies wait for the kernels issued before the load (they may read these pages)
+        self._marker: torch.cuda.Event | None = copier.compute_marker() if self.count else None
+        self._copies: list[CopyDone] = []
+        self._ok: bool | None = None if self.count else True
+
+    @property
+    def ok(self) -> bool:
+        """True once the load ended with every page in the engine's memory."""
+        return self._ok is True
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> bool:
+        """Copy layers up to ``layer`` to the device once the daemon has staged each; the
+        current (compute) stream waits for the copies. False: the load failed, recompute."""
+        if self._ok is not None:
+            return self._ok
+        assert self._handle is not None
+        while self._next <= layer:
+            if not self._handle.wait_layer(self._next, timeout):
+                self._finish(False)
+                return False
+            parts = self._copier.parts_of(self._next)
+            done = self._copier.to_device(parts, self._slots, self._pages, after=self._marker)
+            done.wait_on_compute()
+            self._copies.append(done)
+            self._next += 1
+        return True
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Copy every layer, wait for the copies and give the slots back; True when the
+        pages are in place. Idempotent."""
+        if self._ok is None:
+            assert self._handle is not None
+            last = self._handle.num_layers - 1
+            ok = self.wait_layer(last, timeout) and self._handle.wait_loaded(timeout)
+            if self._ok is None:
+                self._finish(ok)
+        return self._ok is True
+
+    def _finish(self, ok: bool) -> None:
+        for c in self._copies:
+            c.synchronize()
+        self._copies = []
+        handle = self._handle
+        self._area.release(self._slots, None if ok or handle is None else handle.copying)
+        self._ok = ok
+
+
+class StagedStore:
+    """A STORE from staging slots the engine's pages were copied into.
+
+    Attributes:
+        count: leading keys now in L2 or being written (the rest were dropped).
+        writing: pages actually being copied.
+    """
+
+    __slots__ = ("_area", "_handle", "_slots", "count", "writing")
+
+    def __init__(self, area: StagingArea, handle: TransferHandle | None, slots: list[int]) -> None:
+        self._area, self._handle, self._slots = area, handle, slots
+        self.count = handle.count if handle is not None else 0
+        self.writing = handle.writing if handle is not None else 0
+
+    @property
+    def ok(self) -> bool:
+        """True when the store ended in success (a dropped store is a success of 0 pages)."""
+        return self._handle is None or self._handle.ok
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> bool:
+        """Block until layer ``layer`` is in L2's slots."""
+        return self._handle is None or self._handle.wait_layer(layer, timeout)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the STORE ends, then give the slots back; True when it succeeded."""
+        if self._handle is None:
+            return True
+        ok = self._handle.wait(timeout)
+        if self._slots:
+            slots, self._slots = self._slots, []
+            self._area.release(slots, None if ok else self._handle.copying)
+        return ok
+
+
+class StagedConnection:
+    """A :class:`Connection` registered over a staging area, speaking of device pages.
+
+    :meth:`over` builds one over an engine's KV tensors (the usual way).
+
+    Args:
+        connection: registered with ``area.memory(geometry)`` as its pool.
+        area: the staging area.
+        copier: copies between the engine's KV tensors and ``area``.
+        wait_s: longest wait for free slots; past it a load is a miss, a store dropped.
+        owns_area: :meth:`close` closes the area too (after the connection).
+
+    Attributes:
+        connection / area / copier / wait_s: as given.
+        geometry / config: the connection's.
+    """
+
+    def __init__(
+        self,
+        connection: Connection,
+        area: StagingArea,
+        copier: StagedCopier,
+        wait_s: float,
+        owns_area: bool = False,
+    ) -> None:
+        if copier.area is not area:
+            raise ValueError("the copier copies into another staging area")
+        self.connection, self.area, self.copier, self.wait_s = connection, area, copier, wait_s
+        self.geometry = connection.geometry
+        self.config = connection.config
+        self._owns_area = owns_area
+
+    @classmethod
+    def over(
+        cls,
+        kv: Sequence[torch.Tensor],
+        geometry: Geometry,
+        model_id: str,
+        *,
+        staging_pages: int = 64,
+        wait_s: float = 0.05,
+        config: ClientConfig | None = None,
+        revision: str = "",
+    ) -> StagedConnection:
+        """Stage an engine's ``layer_first`` KV tensors and register the staging area.
+
+        Args:
+            kv: per layer, K then V (MHA) or the latent (MLA): ``[num_pages, page_size,
+                kv_heads, head_dim]`` tensors of the geometry's dtype, on one device (a GPU or
+                the CPU). Pages are staged in that order, the bytes a
+                :class:`~kvtier.client.kv_pool.shared.SharedKVPool` holds, so engines of
+                either copy mode share pages.
+            geometry / model_id / revision / config: as for :class:`Connection`.
+            staging_pages: slots of the staging area (pinned on CUDA): at most this many
+                pages per load or store.
+            wait_s: longest wait for free slots.
+
+        Raises:
+            ValueError: tensors that do not match the geometry, or a bad staging size.
+            DaemonUnavailable / DaemonError / UnexpectedReply: REGISTER failed (nothing is
+                left behind).
+        """
+        g = geometry
+        if len(kv) != g.num_layers * g.components:
+            raise ValueError(
+                f"{len(kv)} KV tensors; the geometry has {g.num_layers} layers of "
+                f"{g.components} buffers"
+            )
+        parts = [
+            StagingPart(i // g.components, tuple(t.shape[1:]), t.dtype) for i, t in enumerate(kv)
+        ]
+        area = StagingArea(parts, staging_pages, pin=kv[0].device.type == "cuda")
+        try:
+            copier = StagedCopier(area, kv)
+            memory = area.memory(g, label="engine-staging")
+            conn = Connection(memory, model_id, revision, config)  # type: ignore[arg-type]
+        except BaseException:
+            area.close()
+            raise
+        return cls(conn, area, copier, wait_s, owns_area=True)
+
+    @property
+    def ns_fingerprint(self) -> bytes:
+        """The connection's namespace fingerprint."""
+        return self.connection.ns_fingerprint
+
+    def lookup(self, keys: Sequence[bytes]) -> LookupReply:
+        """The connection's lookup."""
+        return self.connection.lookup(keys)
+
+    def daemon_alive(self) -> bool:
+        """Whether the daemon lives (the connection's view)."""
+        return self.connection.daemon_alive()
+
+    def load(self, keys: Sequence[bytes], pages: Sequence[int]) -> StagedLoad:
+        """Load the leading L2 run of ``keys`` (at most the area's capacity) through slots;
+        the device ``pages`` are written layer by layer by :meth:`StagedLoad.wait_layer`."""
+        n = min(len(keys), len(pages), self.area.capacity)
+        slots = self.area.acquire(n, self.wait_s) if n else None
+        if slots is None:  # nothing asked, or the area stayed full: a miss
+            return StagedLoad(self.area, self.copier, None, [], [])
+        try:
+            handle = self.connection.load(keys[:n], slots)
+        except BaseException:
+            self.area.release(slots)
+            raise
+        if handle.count < n:  # the daemon writes only the first count slots
+            self.area.release(slots[handle.count :])
+        return StagedLoad(self.area, self.copier, handle, slots, pages)
+
+    def store(
+        self, keys: Sequence[bytes], pages: Sequence[int], parent_key: bytes | None = None
+    ) -> StagedStore:
+        """Copy device ``pages`` into slots (after the compute that wrote them) and STORE
+        them under ``keys``; at most the area's capacity, the rest dropped."""
+        n = min(len(keys), len(pages), self.area.capacity)
+        slots = self.area.acquire(n, self.wait_s) if n else None
+        if slots is None:  # nothing asked, or the area stayed full: dropped
+            return StagedStore(self.area, None, [])
+        handle: TransferHandle | None = None
+        try:
+            marker = self.copier.compute_marker()
+            self.copier.to_host(slots, pages[:n], after=marker).synchronize()
+            handle = self.connection.store(keys[:n], slots, parent_key=parent_key)
+        finally:
+            if handle is None or not handle.writing:  # nothing reads the slots
+                self.area.release(slots)
+        assert handle is not None
+        return StagedStore(self.area, handle, slots if handle.writing else [])
+
+    def page_keys(self, tokens: Sequence[int], parent: bytes | None = None) -> list[bytes]:
+        """Keys of the full pages of ``tokens`` (the connection's)."""
+        return self.connection.page_keys(tokens, parent)
+
+    def close(self) -> None:
+        """Close the connection, then the area if it owns it. Idempotent."""
+        try:
+            self.connection.close()
+        finally:
+            if self._owns_area:
+                self.area.close()
+
+    def __enter__(self) -> StagedConnection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,67 @@
+"""``StagedConnection`` (the engine-side copy path for any engine) against a real kvtierd.
+
+The engine's KV tensors are plain CPU tensors here; on a GPU the same calls copy by DMA on a
+copy stream (tests/cuda/test_cuda_engine.py runs them through the reference engine).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvtier.client.cache.staged import StagedConnection
+from kvtier.client.connection.connection import Connection
+from kvtier.client.kv_pool.shared import SharedKVPool
+
+from tests.engines import SMALL, client_config
+
+pytestmark = [pytest.mark.timeout(60)]
+
+PAGES = 12
+
+
+def kv_tensors(seed: int | None) -> list[torch.Tensor]:
+    """Per layer K then V of SMALL; random with a seed, else zeros."""
+    g = SMALL
+    shape = (PAGES, g.page_size, g.kv_heads, g.head_dim)
+    if seed is None:
+        return [torch.zeros(shape) for _ in range(g.num_layers * 2)]
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=gen) for _ in range(g.num_layers * 2)]
+
+
+def test_store_then_load_round_trips_the_bytes_and_matches_the_shared_pool(daemon) -> None:
+    cfg = client_config(daemon.runtime_dir)
+    src = kv_tensors(1)
+    with StagedConnection.over(src, SMALL, "staged", staging_pages=4, config=cfg) as conn:
+        keys = [bytes([i]) * 32 for i in range(6)]
+        st = conn.store(keys, [7, 2, 9, 4, 0, 11])
+        assert st.wait() and st.count == 4  # at most the staging area's 4 pages
+        dst = kv_tensors(None)
+    with StagedConnection.over(dst, SMALL, "staged", staging_pages=8, config=cfg) as conn:
+        assert conn.lookup(keys).l2 == 4
+        ld = conn.load(keys, [1, 3, 5, 6])
+        assert ld.count == 4
+        assert all(ld.wait_layer(layer) for layer in range(SMALL.num_layers)) and ld.wait()
+        assert conn.area.free == conn.area.capacity
+    for s, d in zip(src, dst, strict=True):
+        assert torch.equal(d[[1, 3, 5, 6]], s[[7, 2, 9, 4]])
+        assert not d[[0, 2, 4, 7, 8, 9, 10, 11]].any()  # pages not loaded stay untouched
+    # a daemon-mode engine reads the same page bytes
+    with (
+        SharedKVPool(SMALL, PAGES) as pool,
+        Connection(pool, "staged", config=cfg) as plain,
+    ):
+        assert plain.load(keys[:4], [0, 1, 2, 3]).wait()
+        for layer in range(SMALL.num_layers):
+            assert torch.equal(pool.k[layer][:4], src[2 * layer][[7, 2, 9, 4]])
+            assert torch.equal(pool.v[layer][:4], src[2 * layer + 1][[7, 2, 9, 4]])
+
+
+def test_tensors_that_do_not_match_the_geometry_are_refused(daemon) -> None:
+    cfg = client_config(daemon.runtime_dir)
+    kv = kv_tensors(None)
+    with pytest.raises(ValueError, match="7 KV tensors; the geometry has 4 layers of 2 buffers"):
+        StagedConnection.over(kv[:7], SMALL, "staged", config=cfg)
+    bad = [*kv[:-1], torch.zeros(PAGES, SMALL.page_size, 1, SMALL.head_dim)]
+    with pytest.raises(ValueError, match="bytes per page"):
+        StagedConnection.over(bad, SMALL, "staged", config=cfg)
