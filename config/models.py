@@ -91,6 +91,23 @@ class DaemonConfig(_Frozen):
         description="Leave the pool file in place at a planned stop, for the next start.",
     )
     copy_threads: int = Field(default=2, ge=1, le=64, description="Worker threads that copy pages.")
+    copy_nice: int = Field(
+        default=19,
+        ge=0,
+        le=19,
+        description="Nice value of the copy threads (theirs only; 0 keeps the daemon's): a "
+        "thread that wakes up to answer a request (the event loop, an engine) runs before "
+        "them, so a long STORE's copies do not make every other engine's LOOKUP wait for a "
+        "core. They still get every CPU nobody else wants.",
+    )
+    loop_slice_us: int = Field(
+        default=100,
+        ge=0,
+        le=100_000,
+        description="Time slice (µs) the event loop and the ZeroMQ I/O threads ask the kernel "
+        "for (Linux 6.12 or later; 0 keeps the default): a shorter slice lets them preempt a "
+        "copy when they wake up, their share of the CPU unchanged.",
+    )
     slice_pages: int = Field(
         default=512,
         ge=1,
