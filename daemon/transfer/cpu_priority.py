@@ -11,10 +11,12 @@ for the CPU.
 Two settings of the kernel's scheduler fix that without privileges:
 
 - each copy thread runs at a higher nice value (:func:`lower_this_thread`, the
-  ``copy_nice`` setting): its weight against a nice-0 thread is small (at nice 19, 15
-  against 1,024), so a thread that wakes up to answer runs before it. A copy still has
-  every CPU nobody else wants: it yields only to threads that have work. An unprivileged
-  process cannot lower a nice value again, hence one value for the threads' life.
+  ``copy_nice`` setting): its weight against a nice-0 thread is smaller (335 against 1,024
+  at nice 5; 15 at nice 19), so a thread that wakes up to answer gets a core sooner. A copy
+  still has every CPU nobody else wants, but it yields to every busy thread of the node,
+  the engines' and unrelated processes' too: at nice 19, eight engines' copies crawled on
+  cores that other processes kept busy, hence a mild default. An unprivileged process
+  cannot lower a nice value again, hence one value for the threads' life.
 - the event loop and the process's ZeroMQ I/O threads ask for a short time slice
   (:func:`ask_short_slice`, ``sched_setattr``'s ``sched_runtime`` for a normal thread):
   from Linux 6.12 (EEVDF's custom slices) a thread with a shorter slice preempts on its

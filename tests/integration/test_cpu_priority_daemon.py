@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from kvtier.config import DaemonConfig
 
 pytestmark = [
     pytest.mark.timeout(60),
@@ -40,15 +41,17 @@ def slice_ns(pid: int, tid: int) -> int | None:
     return None
 
 
-def test_the_copy_threads_run_at_copy_nice_and_nothing_else_does(daemon_factory):
+@pytest.mark.parametrize("flags", [(), ("--copy-nice", "19")], ids=["default", "19"])
+def test_the_copy_threads_run_at_copy_nice_and_nothing_else_does(daemon_factory, flags):
+    want = int(flags[1]) if flags else DaemonConfig().copy_nice
     base = os.getpriority(os.PRIO_PROCESS, 0)
-    if base >= 19:
+    if base >= want:
         pytest.skip(f"the tests run at nice {base} already")
-    d = daemon_factory("--copy-threads", "3", "--copy-nice", "19")
+    d = daemon_factory("--copy-threads", "3", *flags)
     nice = nice_of_threads(d.pid)
-    assert sorted(n for n in nice.values() if n == 19) == [19] * 3, nice
+    assert sorted(n for n in nice.values() if n == want) == [want] * 3, nice
     assert nice[d.pid] == base
-    assert all(n in (base, 19) for n in nice.values()), nice
+    assert all(n in (base, want) for n in nice.values()), nice
 
 
 def test_copy_nice_0_keeps_the_copy_threads_at_the_daemons_priority(daemon_factory):
