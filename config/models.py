@@ -97,6 +97,24 @@ class DaemonConfig(_Frozen):
         description="Leave the pool file in place at a planned stop, for the next start.",
     )
     copy_threads: int = Field(default=2, ge=1, le=64, description="Worker threads that copy pages.")
+    copy_nice: int = Field(
+        default=5,
+        ge=0,
+        le=19,
+        description="Nice value of the copy threads (theirs only; 0 keeps the daemon's): a "
+        "thread that wakes up to answer a request (the event loop, an engine) gets a core "
+        "before them, so a long STORE's copies make other engines' LOOKUPs wait less. A "
+        "higher value makes the copies yield more, also to every other busy process of the "
+        "node: at 19 the copies of eight engines crawled on a node whose cores were busy.",
+    )
+    loop_slice_us: int = Field(
+        default=100,
+        ge=0,
+        le=100_000,
+        description="Time slice (µs) the event loop and the ZeroMQ I/O threads ask the kernel "
+        "for (Linux 6.12 or later; 0 keeps the default): a shorter slice lets them preempt a "
+        "copy when they wake up, their share of the CPU unchanged.",
+    )
     slice_pages: int = Field(
         default=512,
         ge=1,

@@ -75,10 +75,24 @@ def run(cfg: DaemonConfig, reload=None) -> int:
         # frozen out of the collector's sight once serving, a full collection scans only
         # what came after (a scan of everything would hold the event loop for milliseconds,
         # every engine waiting). Only here, in kvtierd's own process, not in one embedding it.
-        await daemon.run(on_ready=lambda _d: gc.freeze())
+        # The threads that answer requests preempt the copy threads when they wake up (a
+        # process-wide setting of its threads: kvtierd's own process only, as above).
+        await daemon.run(on_ready=lambda _d: (gc.freeze(), _answering_first(cfg)))
 
     uvloop.run(main())
     return 0
+
+
+def _answering_first(cfg: DaemonConfig) -> None:
+    """Shorter time slices for the event loop and the ZeroMQ I/O threads
+    (:mod:`~kvtier.daemon.transfer.cpu_priority`)."""
+    from kvtier.daemon.transfer.cpu_priority import answering_threads_first
+
+    got = answering_threads_first(cfg.loop_slice_us)
+    if got:
+        logging.getLogger("kvtier.daemon").debug(
+            "a %d µs time slice for threads %s", cfg.loop_slice_us, got
+        )
 
 
 def main(argv: list[str] | None = None, prog: str = "kvtierd") -> int:

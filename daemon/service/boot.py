@@ -43,6 +43,7 @@ from kvtier.daemon.service.transfers import Transfers
 from kvtier.daemon.storage.base import HostArena
 from kvtier.daemon.storage.registry import slot_headroom
 from kvtier.daemon.tier.tier import TierStore
+from kvtier.daemon.transfer.cpu_priority import lower_this_thread
 from kvtier.daemon.transfer.fair_pool import FairExecutor
 from kvtier.ipc.shm import SharedMemorySegment
 from kvtier.kernels import native
@@ -148,7 +149,10 @@ class Service:
         stack.push_async_callback(self.tier.close)
         self.ctx.prefaults.start()
         stack.callback(self.ctx.prefaults.close)  # after every session's memory is unmapped
-        executor = FairExecutor(self.ctx.cfg.copy_threads, "kvtier-copy")
+        nice = self.ctx.cfg.copy_nice
+        executor = FairExecutor(
+            self.ctx.cfg.copy_threads, "kvtier-copy", lambda: lower_this_thread(nice)
+        )
         self.transfers.open(executor, self._arena, self.ctx.cfg.copy_threads)
         stack.callback(self.transfers.close)
         assert self._arena is not None, "open_pool() first"

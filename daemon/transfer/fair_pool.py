@@ -34,9 +34,16 @@ class FairExecutor:
     Args:
         threads: how many threads (all started here).
         name: thread name prefix.
+        initializer: run by each thread before its first callable (e.g. its CPU priority).
     """
 
-    def __init__(self, threads: int, name: str = "kvtier-copy") -> None:
+    def __init__(
+        self,
+        threads: int,
+        name: str = "kvtier-copy",
+        initializer: Callable[[], object] | None = None,
+    ) -> None:
+        self._initializer = initializer
         self._cond = threading.Condition()
         self._users: OrderedDict[int, deque[_Work]] = OrderedDict()
         self._shutdown = False
@@ -101,6 +108,8 @@ class FairExecutor:
             return work
 
     def _work(self) -> None:
+        if self._initializer is not None:
+            self._initializer()
         while (work := self._next()) is not None:
             fut, fn, args = work
             if not fut.set_running_or_notify_cancel():
