@@ -71,13 +71,18 @@ def run(cfg: DaemonConfig, reload=None) -> int:
     async def main() -> None:
         daemon = Daemon(cfg, reload=reload)
         install_signal_handlers(daemon)
+
         # What the start made (modules, the pool's index) lives as long as the process:
         # frozen out of the collector's sight once serving, a full collection scans only
         # what came after (a scan of everything would hold the event loop for milliseconds,
         # every engine waiting). Only here, in kvtierd's own process, not in one embedding it.
         # The threads that answer requests preempt the copy threads when they wake up (a
         # process-wide setting of its threads: kvtierd's own process only, as above).
-        await daemon.run(on_ready=lambda _d: (gc.freeze(), _answering_first(cfg)))
+        def ready(_d: Daemon) -> None:
+            gc.freeze()
+            _answering_first(cfg)
+
+        await daemon.run(on_ready=ready)
 
     uvloop.run(main())
     return 0

@@ -14,8 +14,8 @@ Two settings of the kernel's scheduler fix that without privileges:
   ``copy_nice`` setting): its weight against a nice-0 thread is smaller (335 against 1,024
   at nice 5; 15 at nice 19), so a thread that wakes up to answer gets a core sooner. A copy
   still has every CPU nobody else wants, but it yields to every busy thread of the node,
-  the engines' and unrelated processes' too: at nice 19, eight engines' copies crawled on
-  cores that other processes kept busy, hence a mild default. An unprivileged process
+  the engines' and unrelated processes' too: at nice 19 copies crawl on a node whose cores
+  other processes keep busy, hence a mild default. An unprivileged process
   cannot lower a nice value again, hence one value for the threads' life.
 - the event loop and the process's ZeroMQ I/O threads ask for a short time slice
   (:func:`ask_short_slice`, ``sched_setattr``'s ``sched_runtime`` for a normal thread):
