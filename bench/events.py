@@ -172,12 +172,14 @@ def run_events_bench(
                     speeds[on].append(_round(conns[on], chains, pages, salt=r))
             assert late is not None
             cpu = {on: _cpu_s(pid) - cpu0[on] for on, pid in pids.items()}
-            with AdminClient(daemons[True].endpoint, timeout_s=10) as admin:
-                st = cast("dict[str, Any]", admin.stats())
             caught_up = list(late.iter(1.0))
             msgs = list(collector.iter(1.0))
             if collector.next_seq is not None:  # refused after the last batch it saw
                 msgs += collector.replay(collector.next_seq)
+            # counted once the stream went quiet: the last STORE's batch goes out
+            # kv_events_interval_s after it, so counting at once would miss it
+            with AdminClient(daemons[True].endpoint, timeout_s=10) as admin:
+                st = cast("dict[str, Any]", admin.stats())
             late.close()
             collector.close()
         finally:
