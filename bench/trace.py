@@ -242,7 +242,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speedup", type=float, default=100.0, help="time compression")
     p.add_argument(
         "--policy",
-        choices=("lru", "arc"),
+        choices=("lru", "arc", "reuse"),
         default=None,
         help="the daemon's eviction_policy (default: its default)",
     )

@@ -25,6 +25,13 @@ skipped, which orders victims exactly as such a list would.
   goes to Q. S is pruned from its bottom to a LIR block (amortized O(1)). Leaf-only: the
   victim is the first leaf of Q (a Q block with a resident child waits for it).
 
+- :func:`reuse_hit_rate`: the host pool's ``reuse`` policy (:mod:`kvtier.daemon.pool.policies`),
+  block for block: T1 (blocks seen once) and T2 (hit, or stored again while a ghost); one
+  ghost FIFO of 4 x capacity ids, each with its list and that list's eviction count; a ghost
+  hit from within a quarter of the other list's target (in its list's evictions) moves
+  ``1 / (0.25 x the other list's share)`` of the cache to its list's target; T1's target
+  starts at 5% and neither drops below 1%.
+
 - :func:`reused_min_hit_rate`: a reference, not a policy: blocks seen once wait in an
   LRU list of a fixed share of the cache, blocks seen twice or more are kept by Belady's MIN
   (knowing their future) in the rest; per block, like :func:`min_hit_rate`. What a policy
@@ -48,6 +55,7 @@ __all__ = [
     "CANDIDATES",
     "lirs_hit_rate",
     "main",
+    "reuse_hit_rate",
     "reused_min_hit_rate",
     "twoq_hit_rate",
     "wtinylfu_hit_rate",
@@ -269,6 +277,50 @@ def lirs_hit_rate(chains: Chains, capacity: int, hir: float = 0.01) -> float:
     return hits / total if total else 0.0
 
 
+def reuse_hit_rate(chains: Chains, capacity: int, ghost: float = 4.0) -> float:
+    """Hit rate of the pool's ``reuse`` policy (see the module docstring); ``ghost``: the
+    ghost FIFO's length as a multiple of the capacity."""
+    c = _Lists(2)  # 0: T1, 1: T2
+    ghosts: OrderedDict[int, tuple[int, int]] = OrderedDict()  # id -> (list, its evictions)
+    evicted = [0, 0]
+    share, shadow, floor, glen = 0.05, 0.25, 0.01, int(ghost * capacity)
+    hits = total = 0
+    for chain in chains:
+        total += len(chain)
+        n = _hits(chain, c.where)
+        hits += n
+        lst = []
+        for i, b in enumerate(chain):
+            if b in c.where:
+                lst.append(1 if i < n else c.where[b])  # a hit is a use: into T2
+                continue
+            got = ghosts.pop(b, None)
+            if got is not None:
+                k, then = got
+                mine = share if k == 0 else 1.0 - share
+                region = shadow * capacity * (1.0 - mine)
+                if region > 0 and evicted[k] - then <= region:
+                    mine = min(mine + 1.0 / region, 1.0 - floor)
+                    share = mine if k == 0 else 1.0 - mine
+            lst.append(0 if got is None else 1)
+        c.insert(chain, lst)
+        for b, k in zip(reversed(chain), reversed(lst), strict=True):
+            c.touch(b, k)
+        while len(c) > capacity:
+            k = 0 if c.size[0] > share * len(c) else 1
+            v = c.coldest(k)
+            if v is None:
+                k = 1 - k
+                v = c.coldest(k)
+            assert v is not None
+            c.evict(v)
+            evicted[k] += 1
+            ghosts[v] = (k, evicted[k])
+            if len(ghosts) > glen:
+                ghosts.popitem(last=False)
+    return hits / total if total else 0.0
+
+
 def reused_min_hit_rate(chains: Chains, capacity: int, first_share: float = 0.25) -> float:
     """Hit rate of the reference above: blocks seen once in an LRU list of
     ``first_share`` x capacity, blocks seen again kept by MIN in the rest."""
@@ -315,6 +367,7 @@ CANDIDATES: dict[str, Callable[[Chains, int], float]] = {
     "2q": twoq_hit_rate,
     "2q ghost 4C": functools.partial(twoq_hit_rate, ghost=4.0),
     "lirs": lirs_hit_rate,
+    "reuse": reuse_hit_rate,
     "w-tinylfu": wtinylfu_hit_rate,
 }
 """Each candidate's simulation: ``(chains, capacity) -> hit rate``."""

@@ -226,14 +226,17 @@ class DaemonConfig(_Frozen):
     hicache_write_policy: Literal["write_through", "write_back"] = Field(
         default="write_through", description="When L2 pages are written to L3."
     )
-    eviction_policy: Literal["lru", "arc"] = Field(
+    eviction_policy: Literal["lru", "arc", "reuse"] = Field(
         default="lru",
         description="Which L2 page a full pool evicts (never one with a resident child, so "
         "chains go tail first): lru, the least recently used; arc, ARC's adaptive split "
-        "between pages stored once and pages used again (more prefix hits from the same "
-        "memory on traffic that comes back after a while; its admissions and evictions run in "
-        "Python, called from the C allocator). Under arc a restart keeps the pages and their recency but not the "
-        "split, nor its memory of recent evictions.",
+        "between pages stored once and pages used again; reuse, the same split with a long "
+        "memory of evicted keys, so a page stored again minutes after its eviction counts "
+        "as reused, and a target that moves toward the list whose recent evictions come "
+        "back. arc and reuse keep more prefix hits from the same memory on traffic that "
+        "comes back after a while; their admissions and evictions run in Python, called "
+        "from the C allocator. A restart keeps the pages and their recency but not the "
+        "split, nor the memory of recent evictions.",
     )
     prefetch_threshold: int = Field(
         default=256, ge=0, description="Tokens an L3 run must reach before it is prefetched."

@@ -85,8 +85,8 @@ class PageByPage(PageTable):
             if prev != NIL:
                 self._kids.link(prev, s)
             writing[key] = s
-            if self._arc is not None:
-                self._arc.admit(s, ns_id, key)
+            if self._split is not None:
+                self._split.admit(s, ns_id, key)
             cls.writing += 1
             self._owned[owner] = self._owned.get(owner, 0) + 1
             out.append((i, s))
@@ -144,8 +144,8 @@ class PageByPage(PageTable):
             pins[s] += 1
             self._clock += 1
             stamp[s] = self._clock
-        if used and self._arc is not None:
-            self._arc.reused(out)
+        if used and self._split is not None:
+            self._split.reused(out)
 
     def unpin(self, slots: Sequence[int]) -> None:
         pins, state, children, owner = self._pins, self._state, self._children, self._owner
@@ -265,8 +265,8 @@ def observable(p: HostPool) -> dict[str, Any]:
         stats=p.stats(),
         evictable=[p.evictable_slots(o) for o in (None, *ev.owned)],
     )
-    arc = ev.arc
-    if arc is not None:
-        out.update(arc=(arc.p, arc.t2, arc.capacity, bytes(arc.tier), [list(g) for g in arc.ghosts],
-                        list(arc.evicted), ev.lru.ends2))  # fmt: skip
+    split = ev.split
+    if split is not None:
+        out.update(split=(split.t2, split.capacity, bytes(split.tier), list(split.evicted),
+                          ev.lru.ends2, vars(split)))  # fmt: skip
     return out

@@ -20,10 +20,10 @@ Policy, LRU and tail first:
   ``c`` itself (bounded scan). Otherwise the allocation fails (a shortfall).
 - An owner at its quota evicts only its own pages, coldest first, same bounds.
 
-Policy ``arc`` (:mod:`~kvtier.daemon.pool.arc`): the global list is two, T1 (pages stored
-once) and T2 (pages used again); the victim is the cold end of the one ARC's adaptive
-target names (the other when it has none within the scan). Owner quotas still evict from
-the owner's single recency list.
+Policies ``arc`` and ``reuse`` (:mod:`~kvtier.daemon.pool.policies`): the global list is
+two, T1 (pages stored once) and T2 (pages used again); the victim is the cold end of the
+one the policy's adaptive target names (the other when it has none within the scan).
+Owner quotas still evict from the owner's single recency list.
 
 Write-back hook: with :attr:`Evictor.requires_l3` set (the pool's
 ``evict_requires_l3``), eviction skips pages not marked in L3 (within the bounded
@@ -36,7 +36,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable
 
-from kvtier.daemon.pool.arc import POLICIES, ArcState
+from kvtier.daemon.pool.policies import POLICIES, SplitState, split_state
 from kvtier.daemon.pool.layout import NIL
 from kvtier.daemon.pool.links import RecencyLists
 from kvtier.daemon.pool.meta import PoolMeta
@@ -69,12 +69,12 @@ class Evictor:
         max_log: evictions kept for :meth:`drain`; more are counted only.
         quota: ``owner -> max resident pages`` (kept by reference; see :meth:`set_quota`).
         requires_l3: initial :attr:`requires_l3`.
-        policy: ``"lru"`` or ``"arc"`` (see the module docstring).
+        policy: ``"lru"``, ``"arc"`` or ``"reuse"`` (see the module docstring).
 
     Attributes:
         lru: the evictable pages, cold end first (global and per owner).
         policy: the eviction policy.
-        arc: the ``arc`` policy's state (None under ``lru``).
+        split: the two-list policy's state (None under ``lru``).
         owned: resident (READY + WRITING) pages per owner, kept by the page table.
         quota: the quotas.
         requires_l3: evict only pages marked in L3 (the write-back hook).
@@ -97,9 +97,9 @@ class Evictor:
         if policy not in POLICIES:
             raise HostPoolError(f"eviction_policy must be one of {POLICIES}, got {policy!r}")
         self.policy = policy
-        self.arc = ArcState(len(slots.prev)) if policy == "arc" else None
+        self.split: SplitState | None = split_state(policy, len(slots.prev))
         self.lru = RecencyLists(
-            slots.prev, slots.next, meta.stamp, None if self.arc is None else self.arc.tier
+            slots.prev, slots.next, meta.stamp, None if self.split is None else self.split.tier
         )
         self.owned: dict[int, int] = {}
         self.quota = quota
@@ -136,9 +136,9 @@ class Evictor:
 
     def by_reason(self) -> dict[str, int]:
         """Evictions by the list the victim came from (see :class:`HostPoolStats`)."""
-        if self.arc is None:
+        if self.split is None:
             return {"lru": self.evictions}
-        return {"t1": self.arc.evicted[0], "t2": self.arc.evicted[1]}
+        return {"t1": self.split.evicted[0], "t2": self.split.evicted[1]}
 
     def drain(self) -> list[EvictedPage]:
         """Return the evictions logged since the last drain and clear the log."""
@@ -197,10 +197,10 @@ class Evictor:
     def coldest(self, owner: int | None, cid: int) -> int:
         """Return the coldest page eviction may take from the global (or ``owner``'s)
         list, of class ``cid`` unless NIL; NIL if none within the scan limit."""
-        arc = self.arc
-        if arc is None or owner is not None:
+        split = self.split
+        if split is None or owner is not None:
             return self._scan(self.lru.start(owner), cid)
-        second = arc.victim_list(sum(self.owned.values())) == 1
+        second = split.victim_list(sum(self.owned.values())) == 1
         s = self._scan(self.lru.start(None, second), cid)
         return s if s != NIL else self._scan(self.lru.start(None, not second), cid)
 
@@ -229,9 +229,9 @@ class Evictor:
             self.log.append(EvictedPage(key, self._ns[s], s, bool(self._in_l3[s])))
         else:
             self.unlogged += 1
-        if self.arc is not None:
+        if self.split is not None:
             key = self._keys[s]
             assert key is not None
-            self.arc.evicted_page(s, self._ns[s], key, sum(self.owned.values()))
+            self.split.evicted_page(s, self._ns[s], key, sum(self.owned.values()))
         self.lru.dequeue(s, self._owner[s])
         self._release(s, keep)

@@ -12,8 +12,8 @@ one module per concept::
     pins       Pins: the pin counts, pin and unpin in C
     lookups    KeyLookups: every LOOKUP and LOAD from the key table (keytable), in C
     native     the pool's C code (required)
-    eviction   Evictor: victim choice (lru or arc, tail first), quotas, the write-back hook
-    arc        the arc policy's state: T1/T2 split, adaptive target, ghost lists
+    eviction   Evictor: victim choice (lru, arc or reuse, tail first), quotas, write-back
+    policies   arc's and reuse's state: T1/T2 split, adaptive target, ghosts
     slots      SlotAllocator: extents, page classes, free lists
     links      the intrusive lists: evictable pages (recency), each page's children
     layout     the pool file's format: header, id tables, columns; mapping the file
@@ -89,7 +89,8 @@ class HostPool:
             Extents grow by ``headroom`` per slot id, so a class cuts as many pages from
             one as without (see :class:`PoolLayout`).
         max_evicted_log: evictions kept for :meth:`drain_evicted`; more are counted only.
-        eviction_policy: ``"lru"`` or ``"arc"`` (:mod:`~kvtier.daemon.pool.eviction`).
+        eviction_policy: ``"lru"``, ``"arc"`` or ``"reuse"``
+            (:mod:`~kvtier.daemon.pool.eviction`).
 
     Raises:
         HostPoolError: the geometry is invalid or the arena holds no extent.
@@ -285,7 +286,8 @@ class HostPool:
         Args:
             ns_id: the caller's namespace.
             keys: page keys in chain order.
-            used: the pages are being used (a LOAD): under ``arc`` they move to T2.
+            used: the pages are being used (a LOAD): under ``arc`` or ``reuse`` they
+                move to T2.
 
         Returns:
             The pinned slots, one per key of the leading READY run.

@@ -101,7 +101,7 @@ class PageTable:
             slots, meta, self._key, self._release, max_log=max_log, quota=quota,
             requires_l3=requires_l3, policy=policy,
         )  # fmt: skip
-        self._arc = self._ev.arc  # the arc policy's state (None: lru)
+        self._split = self._ev.split  # a two-list policy's state (None: lru)
         self._lru = self._ev.lru  # the evictable pages
         self._owned = self._ev.owned
         self.pins = self._pin = Pins(self.n_slots, meta.stamp, meta.state, meta.owner,
@@ -263,11 +263,11 @@ class PageTable:
     def pin_slots(self, out: list[int], used: bool = False) -> None:
         """Pin the READY slots ``out`` (a lookup's leading run, in chain order) and touch
         them, the last first; pinned pages are not evictable. The caller hands them to
-        :meth:`unpin` once. ``used``: the pages are being used (a LOAD), under ``arc``
+        :meth:`unpin` once. ``used``: the pages are being used (a LOAD), under ``arc`` or ``reuse``
         they move to T2."""
         self._clock = self._pin.pin(out, self._clock)
-        if used and self._arc is not None:  # off the lists now: into T2
-            self._arc.reused(out)
+        if used and self._split is not None:  # off the lists now: into T2
+            self._split.reused(out)
 
     def unpin(self, slots: Sequence[int]) -> None:
         """Drop one pin per slot; pages left unpinned and childless become evictable.
@@ -354,8 +354,8 @@ class PageTable:
         ns = self._ns[s]
         del (self._ready if was_ready else self._writing)[ns][key]
         keys[s] = None
-        if self._arc is not None:
-            self._arc.released(s)
+        if self._split is not None:
+            self._split.released(s)
         p = self._parent[s]
         kids = self._kids
         if p != NIL:

@@ -126,7 +126,7 @@ class HostPoolStats:
         classes: per-class counters, by class id.
         eviction_policy: the pool's eviction policy.
         evictions_by_reason: evictions by the list the victim came from (``lru``: "lru";
-            ``arc``: "t1", stored once, and "t2", used again).
+            ``arc``, ``reuse``: "t1", stored once, and "t2", used again).
     """
 
     capacity_bytes: int

@@ -12,7 +12,7 @@ The C code does the same steps in the same order as the page-by-page model
 (``tests/pool_model.py``), which the tests hold it to: the pool's metadata, indexes,
 evictable lists, counters and eviction log end up exactly as page by page. Where a slot
 needs the eviction policy's judgement (a free extent to cut, another class's page to
-evict, a quota, evictions that need L3, the ``arc`` lists), C calls
+evict, a quota, evictions that need L3, a two-list policy), C calls
 :meth:`~kvtier.daemon.pool.eviction.Evictor.take_slot` for that slot and goes on; a
 commit that the page table refuses changes nothing, and the table names what is wrong.
 """
@@ -66,8 +66,8 @@ class StoreRuns:
         Each slot comes from the class's free list or the extent it is cutting, or, in C,
         by evicting the coldest page when it is of the class; otherwise (a free extent to
         cut, a page of another class to evict, an owner with a quota, evictions that need
-        L3, the ``arc`` policy's lists) C asks :meth:`Evictor.take_slot`, the policy. Under
-        ``arc`` each new page is admitted to T1 or T2 (:meth:`ArcState.admit`).
+        L3, the ``arc`` or ``reuse`` lists) C asks :meth:`Evictor.take_slot`, the policy.
+        Under those each new page is admitted to T1 or T2 (:meth:`SplitState.admit`).
 
         Args:
             prev: the slot ``keys[0]`` extends (NIL: none).
@@ -79,10 +79,10 @@ class StoreRuns:
             a key is not ``bytes`` of at most 32 bytes.
         """
         cls: PageClass = self._slots.classes[class_id]
-        ev, lru, arc = self._ev, self._lru, self._ev.arc
-        # 0: C may evict the coldest page; 1: not (evictions need L3, or arc's lists);
+        ev, lru, split = self._ev, self._lru, self._ev.split
+        # 0: C may evict the coldest page; 1: not (evictions need L3, or two lists);
         # 2: the evictor decides every slot (an owner with a quota: its own pages first)
-        mode = 2 if owner in ev.quota else 1 if ev.requires_l3 or arc is not None else 0
+        mode = 2 if owner in ev.quota else 1 if ev.requires_l3 or split is not None else 0
         out: list[tuple[int, int]] = []
         done = _alloc.run(
             self._cols, keys, 0, prev, clock, ns_id, owner, class_id, cls.page_bytes,
@@ -90,7 +90,7 @@ class StoreRuns:
             self._ready.get(ns_id, {}),  # read only: a namespace's first commit makes it
             self._writing.setdefault(ns_id, {}), self._ready, self._keys, ev.owned,
             lru.ends, lru.own_ends, ev.log, ev.max_log, EvictedPage, out, False,
-            ev.take_slot, None if arc is None else arc.admit, mode,
+            ev.take_slot, None if split is None else split.admit, mode,
             *((None, None) if lru.tier is None else (lru.ends2, lru.tier)),
         )  # fmt: skip
         if done is None:
@@ -102,7 +102,7 @@ class StoreRuns:
 
     def commit(self, slots: Sequence[int], checksums: Sequence[int] | None,
                clock: int) -> tuple[int, int] | None:  # fmt: skip
-        """Commit the WRITING ``slots`` as the page table does (under ``arc``, each page
+        """Commit the WRITING ``slots`` as the page table does (under a two-list policy, each page
         enters T1 or T2 by its tier).
 
         Returns:
@@ -113,7 +113,7 @@ class StoreRuns:
         if type(slots) is not list or (checksums is not None and type(checksums) is not list):
             return None
         lru = self._lru
-        tiers = () if lru.tier is None else (lru.ends2, lru.tier)  # arc: T1 and T2
+        tiers = () if lru.tier is None else (lru.ends2, lru.tier)  # arc, reuse: T1 and T2
         return _alloc.commit(
             self._cols, self._extra, slots, checksums, clock, self._per_extent,
             self._writing, self._ready, self._keys, self._slots.classes, lru.ends,

@@ -358,8 +358,8 @@ def _pool_families(pool: Mapping[str, Any]) -> Iterator[Metric]:
         fam = CounterMetricFamily(
             "kvtier_evictions_by_reason",
             "L2 pages evicted, by eviction "
-            "policy and the list the victim came from (lru: lru; arc: t1, "
-            "stored once, or t2, used again).",
+            "policy and the list the victim came from (lru: lru; arc, reuse: "
+            "t1, stored once, or t2, used again).",
             labels=["policy", "reason"],
         )
         policy = str(pool.get("eviction_policy", ""))

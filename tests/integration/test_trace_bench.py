@@ -60,7 +60,8 @@ def test_trace_bench_one_engine_matches_lru_simulation(
     assert "mismatched bytes: 0" in capsys.readouterr().out
 
 
-def test_trace_bench_arc_over_two_engines(tmp_path: Path) -> None:
+@pytest.mark.parametrize("policy", ["arc", "reuse"])
+def test_trace_bench_two_list_policies_over_two_engines(tmp_path: Path, policy: str) -> None:
     out = tmp_path / "trace.json"
     assert (
         main(
@@ -74,7 +75,7 @@ def test_trace_bench_arc_over_two_engines(tmp_path: Path) -> None:
                 "--speedup",
                 "100000",
                 "--policy",
-                "arc",
+                policy,
                 "--json",
                 str(out),
             ]
@@ -82,5 +83,23 @@ def test_trace_bench_arc_over_two_engines(tmp_path: Path) -> None:
         == 0
     )
     r = json.loads(out.read_text())
-    assert r["eviction_policy"] == "arc" and r["mismatched_bytes"] == 0
+    assert r["eviction_policy"] == policy and r["mismatched_bytes"] == 0
     assert r["hit_rate"][0] > 0
+
+
+def test_trace_bench_reuse_serves_what_its_simulation_counts(tmp_path: Path) -> None:
+    """One engine: the daemon's ``reuse`` policy against its block-for-block simulation
+    (bench/trace_policies.py) over the same sequence, long enough for ghosts to return."""
+    from kvtier.bench.trace_policies import reuse_hit_rate
+    from kvtier.bench.trace_sim import load_trace
+
+    out = tmp_path / "trace.json"
+    args = ["--limit", "3000", "--blocks", "1000", "--engines", "1", "--speedup", "100000"]
+    assert main([*args, "--policy", "reuse", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["eviction_policy"] == "reuse" and r["mismatched_bytes"] == 0
+    chains = load_trace(limit=3000)[0]
+    sim = reuse_hit_rate(chains, 1000)
+    (hit,), (lru,) = r["hit_rate"], r["lru_hit_rate"]
+    assert abs(hit - sim) <= 0.1 * sim, (hit, sim)
+    assert sim > lru + 0.02, (sim, lru)  # the slice has returns a ghost catches

@@ -1,4 +1,4 @@
-"""Exact tests of the host pool's ``arc`` eviction policy (no mocks).
+"""Exact tests of the host pool's two-list eviction policies, ``arc`` and ``reuse`` (no mocks).
 
 Geometry: align 4 KiB, extents of 16 KiB, one class of 4000 B pages (4 slots an extent).
 """
@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from kvtier.daemon.pool.index import HostPool, HostPoolError, PageState
+from kvtier.daemon.pool.policies import FLOOR, GHOST_FACTOR, SHADOW, START, ArcState, ReuseState
 
 from tests.pool_model import page_by_page
 
@@ -49,7 +50,9 @@ def test_unknown_policy_is_refused() -> None:
         HostPool(EXTENT, EXTENT, 4 * KIB, eviction_policy="mru")
 
 
-@pytest.mark.parametrize(("policy", "order"), [("lru", [b"x"]), ("arc", [b"y", b"z"])])
+@pytest.mark.parametrize(
+    ("policy", "order"), [("lru", [b"x"]), ("arc", [b"y", b"z"]), ("reuse", [b"y", b"z"])]
+)
 def test_reused_page_outlives_newer_pages_stored_once(policy: str, order: list[bytes]) -> None:
     pool, cls = pool_of(1, policy)
     store(pool, cls, [b"x"])
@@ -57,11 +60,11 @@ def test_reused_page_outlives_newer_pages_stored_once(policy: str, order: list[b
     for key in (b"y", b"z", b"w"):
         store(pool, cls, [key])  # T1, all more recent than x
     store(pool, cls, [b"v"])  # full: lru takes x, arc T1's coldest (p = 0)
-    store(pool, cls, [b"y"])  # lru: still resident; arc: found in B1 (p grows), into T2
+    store(pool, cls, [b"y"])  # lru: still resident; arc, reuse: a ghost, into T2
     assert evicted(pool) == order
     stats = pool.stats()
     assert stats.eviction_policy == policy
-    assert stats.evictions_by_reason == ({"t1": 2, "t2": 0} if policy == "arc" else {"lru": 1})
+    assert stats.evictions_by_reason == ({"lru": 1} if policy == "lru" else {"t1": 2, "t2": 0})
 
 
 def test_ghost_hit_in_t2_shrinks_t1_target() -> None:
@@ -80,8 +83,62 @@ def test_ghost_hit_in_t2_shrinks_t1_target() -> None:
     assert pool.stats().evictions_by_reason == {"t1": 2, "t2": 2}
 
 
-def test_chain_goes_tail_first_and_parent_keeps_its_list() -> None:
-    pool, cls = pool_of(2)
+def test_reuse_ghost_hit_grows_its_lists_target() -> None:
+    pool, cls = pool_of(2, "reuse")  # 8 pages; T1's target starts at START of them
+    for key in (b"a", b"b", b"c", b"d", b"e", b"f", b"g", b"h"):
+        store(pool, cls, [key])  # chains of one page each
+    load(pool, [b"a"])
+    load(pool, [b"b"])  # a, b in T2
+    store(pool, cls, [b"i"])  # T1 = {c .. h} over its target: c, its coldest
+    store(pool, cls, [b"c"])  # d goes first; then c, a T1 ghost one T1 eviction deep,
+    # within T2's shadow (SHADOW x 0.95 x 8 pages): into T2, T1's target grows
+    split = pool._pages.evictor.split
+    assert isinstance(split, ReuseState) and split.t2 == 3
+    assert split.share == pytest.approx(START + 1.0 / (SHADOW * 8 * (1.0 - START)))
+    store(pool, cls, [b"j"])  # T1 = {e .. i}: 5 pages, over 0.58 x 8: e
+    load(pool, [b"f"])  # f into T2: T1 = {g, h, i, j} is within its target now
+    store(pool, cls, [b"k"])  # so T2's coldest goes: a
+    assert evicted(pool) == [b"c", b"d", b"e", b"a"]
+    assert pool.stats().evictions_by_reason == {"t1": 3, "t2": 1}
+
+
+def test_reuse_adapts_by_ghost_depth_and_bounds_its_memory() -> None:
+    st = ReuseState(8)
+    ns = 3
+    for i in range(500):  # T1 evictions with 100 pages resident
+        st.evicted_page(0, ns, b"k%d" % i, 100)
+    assert len(st.ghost) == GHOST_FACTOR * 100
+    assert st.evicted == [500, 0] and st.capacity == 100
+    st.admit(0, ns, b"k99")  # forgotten: the oldest of the 500
+    assert st.tier[0] == 0 and st.t2 == 0
+    region = SHADOW * 100 * (1.0 - START)  # T2's shadow: 23.75 evictions
+    st.admit(1, ns, b"k450")  # left T1 49 evictions ago: beyond the shadow, no change
+    assert st.tier[1] == 1 and st.t2 == 1 and st.share == START
+    st.admit(2, ns, b"k490")  # 9 evictions ago: within it
+    assert st.tier[2] == 1 and st.share == pytest.approx(START + 1.0 / region)
+    st.admit(3, ns, b"k490")  # a ghost counts once
+    st.admit(4, 99, b"k491")  # another namespace's key is not this one's ghost
+    assert st.tier[3] == st.tier[4] == 0 and st.t2 == 2
+    st.tier[5] = 1
+    st.t2 += 1
+    share = st.share
+    st.evicted_page(5, ns, b"t2", 1000)  # a T2 eviction, back at once: T1's target shrinks
+    st.released(5)
+    st.admit(5, ns, b"t2")
+    assert st.share == pytest.approx(share - 1.0 / (SHADOW * 1000 * share))
+    st.tier[6] = 1
+    st.t2 += 1
+    for i in range(1000):  # T2's evictions keep coming back: T1's target stops at FLOOR
+        st.evicted_page(6, ns, b"w%d" % i, 100)
+        st.released(6)
+        st.admit(6, ns, b"w%d" % i)
+    assert st.share == pytest.approx(FLOOR)
+    assert st.victim_list(100) == (0 if 100 - st.t2 > FLOOR * 100 else 1)
+
+
+@pytest.mark.parametrize("policy", ["arc", "reuse"])
+def test_chain_goes_tail_first_and_parent_keeps_its_list(policy: str) -> None:
+    pool, cls = pool_of(2, policy)
     store(pool, cls, [b"a0", b"a1", b"a2"])
     load(pool, [b"a0", b"a1"])  # a0, a1 in T2; a2 (their child) stays in T1
     store(pool, cls, [b"b0", b"b1", b"b2", b"b3", b"b4"])
@@ -101,29 +158,31 @@ def t2_list(pool: HostPool) -> list[int]:
     return out
 
 
-def test_write_back_pin_is_not_a_use() -> None:
-    pool, cls = pool_of(1)
+@pytest.mark.parametrize("policy", ["arc", "reuse"])
+def test_write_back_pin_is_not_a_use(policy: str) -> None:
+    pool, cls = pool_of(1, policy)
     (s,) = store(pool, cls, [b"x"])
     pool.unpin(pool.pin(NS, [b"x"]))  # a pin that is not a LOAD (L3 write)
-    arc = pool._pages.evictor.arc
+    arc = pool._pages.evictor.split
     assert arc is not None and arc.tier[s] == 0 and arc.t2 == 0
     load(pool, [b"x"])
     assert arc.tier[s] == 1 and arc.t2 == 1
 
 
-def test_flush_drops_both_lists() -> None:
-    pool, cls = pool_of(1)
+@pytest.mark.parametrize("policy", ["arc", "reuse"])
+def test_flush_drops_both_lists(policy: str) -> None:
+    pool, cls = pool_of(1, policy)
     store(pool, cls, [b"x", b"y"])
     store(pool, cls, [b"z"])
     load(pool, [b"z"])
     assert pool.flush() == 3
-    assert len(pool.evictable_slots()) == 0 and pool._pages.evictor.arc is not None
-    assert pool._pages.evictor.arc.t2 == 0
+    assert len(pool.evictable_slots()) == 0 and pool._pages.evictor.split is not None
+    assert pool._pages.evictor.split.t2 == 0
 
 
-def _long_runs(native: bool) -> tuple[list[bytes], list[int]]:
-    """Long chains stored, loaded and evicted under arc; in C or by the page-by-page model."""
-    pool, cls = pool_of(8, model=not native)  # 32 pages
+def _long_runs(native: bool, policy: str) -> tuple[list[bytes], list[int]]:
+    """Long chains stored, loaded and evicted; in C or by the page-by-page model."""
+    pool, cls = pool_of(8, policy, model=not native)  # 32 pages
     out: list[bytes] = []
     for r in range(12):
         keys = [f"c{r % 5}-{i}".encode() for i in range(10 + r % 3)]
@@ -133,16 +192,19 @@ def _long_runs(native: bool) -> tuple[list[bytes], list[int]]:
     return out, pool.evictable_slots()
 
 
-def test_c_and_the_page_by_page_model_evict_alike() -> None:
-    assert _long_runs(True) == _long_runs(False)
+@pytest.mark.parametrize("policy", ["arc", "reuse"])
+def test_c_and_the_page_by_page_model_evict_alike(policy: str) -> None:
+    assert _long_runs(True, policy) == _long_runs(False, policy)
 
 
 class ArcModel(RuleBasedStateMachine):
     """Random stores and loads of short chains over a small pool, under arc."""
 
+    policy = "arc"
+
     def __init__(self) -> None:
         super().__init__()
-        self.pool, self.cls = pool_of(2)  # 8 pages
+        self.pool, self.cls = pool_of(2, self.policy)  # 8 pages
 
     @rule(c=st.integers(0, 5), n=st.integers(1, 4))
     def request(self, c: int, n: int) -> None:
@@ -153,7 +215,7 @@ class ArcModel(RuleBasedStateMachine):
     @invariant()
     def lists_hold_exactly_the_evictable_pages(self) -> None:
         pool = self.pool
-        arc = pool._pages.evictor.arc
+        arc = pool._pages.evictor.split
         assert arc is not None
         listed = pool.evictable_slots()
         assert len(listed) == len(set(listed))
@@ -163,41 +225,58 @@ class ArcModel(RuleBasedStateMachine):
         assert sorted(listed) == sorted(evictable)
         assert arc.t2 == sum(arc.tier[s] for s in resident)
         assert all(arc.tier[s] == 0 for s in range(pool.n_slots) if s not in resident)
-        assert 0.0 <= arc.p <= arc.capacity <= pool.n_slots
-        assert all(len(g) <= arc.capacity for g in arc.ghosts)
+        assert arc.capacity <= pool.n_slots
+        if isinstance(arc, ArcState):
+            assert 0.0 <= arc.p <= arc.capacity
+            assert all(len(g) <= arc.capacity for g in arc.ghosts)
+        else:
+            assert isinstance(arc, ReuseState)
+            assert FLOOR <= arc.share <= 1.0 - FLOOR
+            assert len(arc.ghost) <= GHOST_FACTOR * arc.capacity
         for s in resident:  # no chain is cut: a resident page's parent is resident
             parent = pool.describe(s).parent
             assert parent == -1 or pool.describe(parent).state != PageState.FREE
 
 
-TestArcModel = ArcModel.TestCase
-TestArcModel.settings = settings(
+class ReuseModel(ArcModel):
+    """The same, under reuse."""
+
+    policy = "reuse"
+
+
+_SETTINGS = settings(
     max_examples=60,
     stateful_step_count=30,
     derandomize=True,
     deadline=None,
     suppress_health_check=list(HealthCheck),
 )
+TestArcModel = ArcModel.TestCase
+TestArcModel.settings = _SETTINGS
+TestReuseModel = ReuseModel.TestCase
+TestReuseModel.settings = _SETTINGS
 
 
-def test_adoption_keeps_pages_and_recency_not_the_split() -> None:
-    pool, cls = pool_of(1)
+@pytest.mark.parametrize("policy", ["arc", "reuse"])
+def test_adoption_keeps_pages_and_recency_not_the_split(policy: str) -> None:
+    pool, cls = pool_of(1, policy)
     meta = bytearray(pool.layout.meta_bytes)
     pool.adopt(meta)
     (x,) = store(pool, cls, [b"x"])
     (y,) = store(pool, cls, [b"y"])
     load(pool, [b"x"])  # x: T2 and the most recent
-    arc = pool._pages.evictor.arc
+    arc = pool._pages.evictor.split
     assert arc is not None and arc.t2 == 1
     pool.close()
-    again = HostPool(EXTENT, EXTENT, 4 * KIB, eviction_policy="arc")
+    again = HostPool(EXTENT, EXTENT, 4 * KIB, eviction_policy=policy)
     again.register_class(4000)
     res = again.adopt(meta)
     assert res.adopted and res.pages_adopted == 2
-    arc = again._pages.evictor.arc
-    assert arc is not None and arc.t2 == 0 and not any(arc.tier) and arc.p == 0.0
+    arc = again._pages.evictor.split
+    assert arc is not None and arc.t2 == 0 and not any(arc.tier)
+    assert arc.p == 0.0 if isinstance(arc, ArcState) else arc.share == START
     assert again.evictable_slots() == [y, x]  # T1 only, by last access
-    assert again.stats().eviction_policy == "arc"
+    assert again.stats().eviction_policy == policy
 
 
 def test_config_selects_the_policy() -> None:

@@ -1,0 +1,203 @@
+"""The host pool's two-list eviction policies: ``arc`` and ``reuse``.
+
+Both split the evictable pages into two recency lists (the pool's intrusive lists,
+:class:`~kvtier.daemon.pool.links.RecencyLists`: the first global list and the second, by
+a page's ``tier`` byte) and take each victim from the cold end of one of them; ``lru`` has
+one list and no state here. The lists hold only evictable pages (no resident children),
+so chains stay whole for every policy.
+
+- T1 holds pages stored once and not used since; T2 pages used again: pinned by a LOAD,
+  or stored again soon after their eviction (their key is a ghost: a key of a recent
+  eviction, remembered without its page).
+- ``arc``: ARC (Megiddo and Modha, FAST'03). Each list leaves its evictions' keys in its
+  own ghost list (B1, B2), each at most as long as the pool holds pages; a store of a key
+  found in B1 means T1 was too small (its target ``p`` grows by ``max(|B2| / |B1|, 1)``),
+  one found in B2 that T2 was (``p`` shrinks by ``max(|B1| / |B2|, 1)``).
+- ``reuse``: one ghost FIFO of ``GHOST_FACTOR`` x the resident pages, each key with the
+  list it left and that list's eviction count then. A ghost hit counts only when the key
+  left its list recently: fewer than ``SHADOW`` x (the other list's target) evictions of
+  that list ago, so the returning key would still have been resident had its list been
+  that much larger. Each such hit moves ``1 / (SHADOW x the other list's share)`` of the
+  pool from the other list's target to its own, so each list grows in proportion to the
+  hits it would gain per page it takes. T1's target starts at ``START`` of the pool and
+  neither target drops below ``FLOOR``. Remembering keys four times past the pool is what
+  lets a page that comes back after a long gap (the next turn of a conversation, minutes
+  later) be recognised as reused; a ghost costs about 100 bytes against a page's
+  kilobytes to megabytes.
+
+In both, the victim comes from T1 while T1 holds more pages than its target, else from
+T2 (from the other when that list has no evictable page within the scan).
+
+Pure and synchronous. What a restart keeps: the pages and their recency (the stamp
+column); what it loses: the T1/T2 split (adopted pages start in T1), the targets and the
+ghosts (private memory).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+__all__ = ["POLICIES", "ArcState", "ReuseState", "SplitState", "split_state"]
+
+POLICIES = ("lru", "arc", "reuse")
+"""The host pool's eviction policies (``eviction_policy``)."""
+
+
+class SplitState:
+    """T1/T2 membership of each slot and the eviction counts: what both policies share.
+
+    Args:
+        n_slots: slot ids of the pool.
+
+    Attributes:
+        tier: per slot, 1 when the page is in T2 (0: T1, or no page).
+        t2: resident pages in T2.
+        capacity: the resident pages at the last eviction (the pool was full then).
+        evicted: evictions from T1 and from T2 (the metrics' eviction reasons).
+    """
+
+    def __init__(self, n_slots: int) -> None:
+        self.tier = bytearray(n_slots)
+        self.t2 = 0
+        self.capacity = 0
+        self.evicted = [0, 0]
+
+    def admit(self, s: int, ns: int, key: bytes) -> None:
+        """A new page ``s`` was allocated for ``key``: T2 when its key is a ghost."""
+        if self._returning(hash((ns, key))):
+            self.tier[s] = 1
+            self.t2 += 1
+
+    def _returning(self, g: int) -> bool:
+        """Whether the ghost ``g`` is remembered (dropping it, adapting the split)."""
+        raise NotImplementedError
+
+    def reused(self, slots: Iterable[int]) -> None:
+        """The pages ``slots`` (off the evictable lists: pinned) were used: into T2."""
+        tier = self.tier
+        for s in slots:
+            if not tier[s]:
+                tier[s] = 1
+                self.t2 += 1
+
+    def victim_list(self, resident: int) -> int:
+        """Which list the next victim comes from (0: T1, 1: T2), ``resident`` pages in
+        all."""
+        raise NotImplementedError
+
+    def evicted_page(self, s: int, ns: int, key: bytes, resident: int) -> None:
+        """Record the eviction of ``s`` (still resident: ``resident`` pages)."""
+        k = self.tier[s]
+        self.evicted[k] += 1
+        self.capacity = resident
+        self._remember(hash((ns, key)), k, resident)
+
+    def _remember(self, g: int, k: int, resident: int) -> None:
+        """Keep the ghost ``g`` of a page evicted from list ``k``."""
+        raise NotImplementedError
+
+    def released(self, s: int) -> None:
+        """The page ``s`` left the pool (evicted, flushed or aborted)."""
+        if self.tier[s]:
+            self.tier[s] = 0
+            self.t2 -= 1
+
+
+class ArcState(SplitState):
+    """ARC's state: the target ``p`` and the ghost lists (see the module docstring).
+
+    Attributes:
+        p: the target size of T1, in pages (at most :attr:`capacity`).
+        ghosts: B1 and B2: ``hash((namespace, key)) -> None``, oldest first (private to
+            the process, so Python's hash is enough).
+    """
+
+    def __init__(self, n_slots: int) -> None:
+        super().__init__(n_slots)
+        self.p = 0.0
+        self.ghosts: tuple[OrderedDict[int, None], OrderedDict[int, None]] = (
+            OrderedDict(),
+            OrderedDict(),
+        )
+
+    def _returning(self, g: int) -> bool:
+        b1, b2 = self.ghosts
+        if g in b1:
+            self.p = min(float(self.capacity), self.p + max(len(b2) / len(b1), 1.0))
+            del b1[g]
+        elif g in b2:
+            self.p = max(0.0, self.p - max(len(b1) / len(b2), 1.0))
+            del b2[g]
+        else:
+            return False
+        return True
+
+    def victim_list(self, resident: int) -> int:
+        return 0 if resident - self.t2 > self.p else 1
+
+    def _remember(self, g: int, k: int, resident: int) -> None:
+        ghost = self.ghosts[k]
+        ghost[g] = None
+        while len(ghost) > resident:
+            ghost.popitem(last=False)
+
+
+GHOST_FACTOR = 4
+"""``reuse``: ghosts kept, as a multiple of the resident pages."""
+
+SHADOW = 0.25
+"""``reuse``: a ghost hit adapts the split when its key left its list within this share
+of the other list's target, in that list's evictions."""
+
+START = 0.05
+"""``reuse``: T1's target at the start, a share of the pool."""
+
+FLOOR = 0.01
+"""``reuse``: the least share of the pool either target keeps."""
+
+
+class ReuseState(SplitState):
+    """The ``reuse`` policy's state (see the module docstring).
+
+    Attributes:
+        share: T1's target, a share of the resident pages (T2's: ``1 - share``).
+        ghost: ``hash((namespace, key)) -> (list, that list's evictions then)``, oldest
+            first, at most ``GHOST_FACTOR`` x :attr:`capacity` keys.
+    """
+
+    def __init__(self, n_slots: int) -> None:
+        super().__init__(n_slots)
+        self.share = START
+        self.ghost: OrderedDict[int, tuple[int, int]] = OrderedDict()
+
+    def _returning(self, g: int) -> bool:
+        got = self.ghost.pop(g, None)
+        if got is None:
+            return False
+        k, then = got
+        mine = self.share if k == 0 else 1.0 - self.share
+        region = SHADOW * self.capacity * (1.0 - mine)  # the other list's shadow, in pages
+        if region > 0 and self.evicted[k] - then <= region:
+            mine = min(mine + 1.0 / region, 1.0 - FLOOR)
+            self.share = mine if k == 0 else 1.0 - mine
+        return True
+
+    def victim_list(self, resident: int) -> int:
+        return 0 if resident - self.t2 > self.share * resident else 1
+
+    def _remember(self, g: int, k: int, resident: int) -> None:
+        ghost = self.ghost
+        ghost[g] = (k, self.evicted[k])
+        ghost.move_to_end(g)
+        while len(ghost) > GHOST_FACTOR * resident:
+            ghost.popitem(last=False)
+
+
+def split_state(policy: str, n_slots: int) -> SplitState | None:
+    """The state of ``policy`` over ``n_slots`` slots (None for ``lru``)."""
+    if policy == "arc":
+        return ArcState(n_slots)
+    if policy == "reuse":
+        return ReuseState(n_slots)
+    return None
