@@ -22,8 +22,8 @@ so chains stay whole for every policy.
   hits it would gain per page it takes. T1's target starts at ``START`` of the pool and
   neither target drops below ``FLOOR``. Remembering keys four times past the pool is what
   lets a page that comes back after a long gap (the next turn of a conversation, minutes
-  later) be recognised as reused; a ghost costs about 100 bytes against a page's
-  kilobytes to megabytes.
+  later) be recognised as reused; a ghost costs about 160 bytes of private memory (up to
+  about 650 a page of the pool) against a page's kilobytes to megabytes.
 
 In both, the victim comes from T1 while T1 holds more pages than its target, else from
 T2 (from the other when that list has no evictable page within the scan).
@@ -162,20 +162,20 @@ class ReuseState(SplitState):
 
     Attributes:
         share: T1's target, a share of the resident pages (T2's: ``1 - share``).
-        ghost: ``hash((namespace, key)) -> (list, that list's evictions then)``, oldest
-            first, at most ``GHOST_FACTOR`` x :attr:`capacity` keys.
+        ghost: ``hash((namespace, key)) -> 2 x (that list's evictions then) + list``,
+            oldest first, at most ``GHOST_FACTOR`` x :attr:`capacity` keys.
     """
 
     def __init__(self, n_slots: int) -> None:
         super().__init__(n_slots)
         self.share = START
-        self.ghost: OrderedDict[int, tuple[int, int]] = OrderedDict()
+        self.ghost: OrderedDict[int, int] = OrderedDict()
 
     def _returning(self, g: int) -> bool:
         got = self.ghost.pop(g, None)
         if got is None:
             return False
-        k, then = got
+        k, then = got & 1, got >> 1
         mine = self.share if k == 0 else 1.0 - self.share
         region = SHADOW * self.capacity * (1.0 - mine)  # the other list's shadow, in pages
         if region > 0 and self.evicted[k] - then <= region:
@@ -188,7 +188,7 @@ class ReuseState(SplitState):
 
     def _remember(self, g: int, k: int, resident: int) -> None:
         ghost = self.ghost
-        ghost[g] = (k, self.evicted[k])
+        ghost[g] = 2 * self.evicted[k] + k
         ghost.move_to_end(g)
         while len(ghost) > GHOST_FACTOR * resident:
             ghost.popitem(last=False)
