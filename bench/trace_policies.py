@@ -112,6 +112,16 @@ class _Lists:
             heapq.heappop(hp)
         return None
 
+    def victim(self, k: int) -> tuple[int, int]:
+        """``(list, leaf)``: the coldest leaf of list ``k``, or of the other (of two) when
+        ``k`` has none."""
+        v = self.coldest(k)
+        if v is None:
+            k = 1 - k
+            v = self.coldest(k)
+        assert v is not None
+        return k, v
+
     def evict(self, b: int) -> None:
         """Drop leaf ``b``; its parent, if now a leaf, rejoins its list at its position."""
         self.size[self.where.pop(b)] -= 1
@@ -149,12 +159,7 @@ def twoq_hit_rate(chains: Chains, capacity: int, ghost: float = 1.0) -> float:
         for b in reversed(chain):
             c.touch(b, c.where[b])
         while len(c) > capacity:
-            k = 0 if c.size[0] > a1_share else 1
-            v = c.coldest(k)
-            if v is None:
-                k = 1 - k
-                v = c.coldest(k)
-            assert v is not None
+            k, v = c.victim(0 if c.size[0] > a1_share else 1)
             c.evict(v)
             if k == 0:
                 a1out[v] = None
@@ -307,12 +312,7 @@ def reuse_hit_rate(chains: Chains, capacity: int, ghost: float = 4.0) -> float:
         for b, k in zip(reversed(chain), reversed(lst), strict=True):
             c.touch(b, k)
         while len(c) > capacity:
-            k = 0 if c.size[0] > share * len(c) else 1
-            v = c.coldest(k)
-            if v is None:
-                k = 1 - k
-                v = c.coldest(k)
-            assert v is not None
+            k, v = c.victim(0 if c.size[0] > share * len(c) else 1)
             c.evict(v)
             evicted[k] += 1
             ghosts[v] = (k, evicted[k])

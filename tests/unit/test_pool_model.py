@@ -167,6 +167,12 @@ class ArcVersusModel(PoolVersusModel):
     POLICY = "arc"
 
 
+class ReuseVersusModel(PoolVersusModel):
+    """The same under the ``reuse`` eviction policy."""
+
+    POLICY = "reuse"
+
+
 MODEL_SETTINGS = settings(
     max_examples=150,
     stateful_step_count=50,
@@ -181,3 +187,5 @@ TestPoolVersusModel = PoolVersusModel.TestCase
 TestPoolVersusModel.settings = MODEL_SETTINGS
 TestArcVersusModel = ArcVersusModel.TestCase
 TestArcVersusModel.settings = MODEL_SETTINGS
+TestReuseVersusModel = ReuseVersusModel.TestCase
+TestReuseVersusModel.settings = MODEL_SETTINGS
