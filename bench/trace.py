@@ -17,37 +17,37 @@ Default trace: the Mooncake FAST'25 conversation trace shipped gzipped in ``benc
 ``min_hit_rate``, ``gap_closed`` (lists aligned with ``sizes``), ``mismatched_bytes``,
 ``requests``, and ``eviction_policy``, ``engines``, ``speedup``, ``daemon_cpu_ms_per_request``,
 ``latency_ms`` (per size and operation: p50, p99).
+
+``--restart``: each size is replayed twice, in two phases over the same requests: the
+first half (every engine's requests before the midpoint, in trace order) to completion,
+then the second half by fresh engine processes. In one run the same daemon serves both
+phases; in the other it is killed with SIGKILL between them and a new kvtierd, same flags
+and runtime directory, adopts the pool (:mod:`kvtier.bench.trace_replay`). The fields
+above come from the run without the restart; added: ``restart_window`` (the first
+``min(1000, N / 4)`` requests after the midpoint), ``pages_adopted`` (by the new daemon),
+``hit_rate_after_restart`` and ``hit_rate_after_no_restart`` (pages loaded over the
+prompt blocks of those requests, in each run) and ``restart_hit_ratio`` (the first over
+the second): what an eviction policy's private state, lost at a restart, is worth.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from kvtier.bench import write_json
-from kvtier.bench.scale_baselines import ScaleBenchError, cpu_seconds, read_line
+from kvtier.bench.trace_replay import TraceBenchError, replay
 from kvtier.bench.trace_sim import DEFAULT_TRACE, load_trace, lru_hit_rate, min_hit_rate
 
 __all__ = ["TraceBenchError", "add_arguments", "main", "run_from_args", "run_trace_bench"]
 
-PAGE_BYTES = 4096  # GEOMETRY.page_bytes: one slot of the host pool
-
-
-class TraceBenchError(RuntimeError):
-    """The replay could not run (a worker or the daemon failed, or it ran out of time)."""
-
-
-def _extent_pages(n: int) -> int:
-    """Pages per extent: the largest divisor of ``n`` up to 64, so the pool is exactly n."""
-    return max(d for d in range(1, 65) if n % d == 0)
+RESTART_WINDOW = 1000
+"""``--restart``: phase 2's first requests counted, at most (and at most a quarter of them)."""
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -57,99 +57,10 @@ def _pct(values: list[float], q: float) -> float:
     return v[min(len(v) - 1, math.ceil(q * len(v)) - 1)]
 
 
-def _replay(root: Path, chains: list[list[int]], stamps: list[int], size: int, engines: int,
-            speedup: float, policy: str | None, timeout_s: float) -> dict[str, Any]:  # fmt: skip
-    """One daemon of ``size`` pages, ``engines`` workers; what they saw."""
-    from kvtier.launch.daemon_process import DaemonProcess
-
-    ext = _extent_pages(size) * PAGE_BYTES
-    flags = [
-        "--hicache-size",
-        str(size * PAGE_BYTES),
-        "--extent-size",
-        str(ext),
-        "--log-level",
-        "warning",
-        "--hicache-storage-backend",
-        "none",
-    ]
-    if policy is not None:
-        flags += ["--eviction-policy", policy]
-    daemon = DaemonProcess(root / f"d{size}", flags)
-    daemon.start(timeout=60)
-    deadline = time.monotonic() + timeout_s
-    procs: list[subprocess.Popen[bytes]] = []
-    logs = [root / f"engine-{size}-{i}.log" for i in range(engines)]
-    t_first = stamps[0] if stamps else 0
-    try:
-        for i in range(engines):
-            mine = range(i, len(chains), engines)
-            s = {
-                "runtime_dir": str(daemon.runtime_dir),
-                "chains": [chains[r] for r in mine],
-                "due": [(stamps[r] - t_first) / 1000.0 / speedup for r in mine],
-            }
-            with open(logs[i], "wb") as log:
-                p = subprocess.Popen(
-                    [sys.executable, "-m", "kvtier.bench.trace_worker"],
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    stderr=log,
-                )
-            procs.append(p)
-            assert p.stdin is not None
-            p.stdin.write(json.dumps(s).encode() + b"\n")
-            p.stdin.flush()
-        for i, p in enumerate(procs):
-            _expect(p, deadline, logs[i], b"ready")
-        cpu0 = cpu_seconds(daemon.pid)
-        for p in procs:
-            assert p.stdin is not None
-            p.stdin.write(b"go\n")
-            p.stdin.flush()
-        results = [json.loads(_expect(p, deadline, logs[i], None)) for i, p in enumerate(procs)]
-        cpu = cpu_seconds(daemon.pid) - cpu0
-        for p in procs:
-            p.wait(max(1.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            for stream in (p.stdin, p.stdout):
-                if stream is not None:
-                    stream.close()
-        daemon.stop()
-        daemon.remove_pool()
-    order: list[tuple[float, int]] = []  # (LOOKUP sent, request), every engine's
-    hits = [0] * len(chains)
-    for i, r in enumerate(results):
-        for j, (t, h) in enumerate(zip(r["sent"], r["hits"], strict=True)):
-            req = i + j * engines
-            order.append((t, req))
-            hits[req] = h
-    order.sort()
-    return {"order": [req for _, req in order], "hits": sum(hits),
-            "mismatched_bytes": sum(r["mismatched_bytes"] for r in results), "cpu": cpu,
-            "lat": {op: [x for r in results for x in r["lat"][op]]
-                    for op in ("lookup", "load", "store")}}  # fmt: skip
-
-
-def _expect(p: subprocess.Popen[bytes], deadline: float, log: Path, want: bytes | None) -> bytes:
-    assert p.stdout is not None
-    try:
-        line = read_line(p.stdout, deadline, f"trace engine {log.stem}")
-    except ScaleBenchError as err:
-        raise TraceBenchError(f"{err}:\n{log.read_text(errors='replace')[-2000:]}") from err
-    if want is not None and line != want:
-        raise TraceBenchError(f"trace engine {log.stem} said {line[:200]!r}")
-    return line
-
-
 def run_trace_bench(trace: str | Path = DEFAULT_TRACE, sizes: Sequence[int] = (2000, 5000,
                     10000, 20000), engines: int = 4, speedup: float = 100.0,
                     policy: str | None = None, limit: int | None = None,
-                    timeout_s: float = 1800.0) -> dict[str, Any]:  # fmt: skip
+                    timeout_s: float = 1800.0, restart: bool = False) -> dict[str, Any]:  # fmt: skip
     """Replay ``trace`` once per size (see the module docstring); return the JSON result.
 
     Args:
@@ -160,7 +71,9 @@ def run_trace_bench(trace: str | Path = DEFAULT_TRACE, sizes: Sequence[int] = (2
         policy: the daemon's ``eviction_policy`` (None: its default, ``KVTIER_EVICTION_POLICY``
             or the config's).
         limit: replay only the first ``limit`` requests.
-        timeout_s: bound on each size's replay.
+        timeout_s: bound on each size's replay (each of the two with ``restart``).
+        restart: replay each size twice in two phases, the daemon killed and restarted on
+            its pool between them in the second (the ``restart_*`` fields).
     """
     if policy is None:  # the daemon's own default, as the environment may set it
         from kvtier.config import DaemonConfig
@@ -185,11 +98,27 @@ def run_trace_bench(trace: str | Path = DEFAULT_TRACE, sizes: Sequence[int] = (2
         "daemon_cpu_ms_per_request": [],
         "latency_ms": [],
     }
+    mid = len(chains) // 2
+    window = range(mid, mid + min(RESTART_WINDOW, len(chains) // 4))
+    if restart:
+        out.update(restart_window=len(window), pages_adopted=[], hit_rate_after_restart=[],
+                   hit_rate_after_no_restart=[], restart_hit_ratio=[])  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="kvt-trace-", dir="/tmp") as d:
         for size in sizes:
-            r = _replay(Path(d), chains, stamps, size, engines, speedup, policy, timeout_s)
+            split = mid if restart else None
+            r = replay(Path(d), chains, stamps, size, engines, speedup, policy, timeout_s, split)
+            if restart:
+                k = replay(Path(d), chains, stamps, size, engines, speedup, policy, timeout_s,
+                           split, restart=True)  # fmt: skip
+                out["mismatched_bytes"] += k["mismatched_bytes"]
+                after, before = _window_rate(k, chains, window), _window_rate(r, chains, window)
+                out["pages_adopted"].append(k["adopted"])
+                out["hit_rate_after_restart"].append(round(after, 4))
+                out["hit_rate_after_no_restart"].append(round(before, 4))
+                out["restart_hit_ratio"].append(round(after / before, 3) if before else 0.0)
             seq = [chains[i] for i in r["order"]]
-            hit, lru, best = r["hits"] / total, lru_hit_rate(seq, size), min_hit_rate(seq, size)
+            hit = sum(r["hits"]) / total
+            lru, best = lru_hit_rate(seq, size), min_hit_rate(seq, size)
             out["hit_rate"].append(round(hit, 4))
             out["lru_hit_rate"].append(round(lru, 4))
             out["min_hit_rate"].append(round(best, 4))
@@ -200,6 +129,12 @@ def run_trace_bench(trace: str | Path = DEFAULT_TRACE, sizes: Sequence[int] = (2
                                            "p99": round(1000 * _pct(v, 0.99), 3)}
                                       for op, v in r["lat"].items()})  # fmt: skip
     return out
+
+
+def _window_rate(r: dict[str, Any], chains: list[list[int]], window: range) -> float:
+    """Pages loaded over the prompt blocks of the requests in ``window``."""
+    blocks = sum(len(chains[i]) for i in window)
+    return sum(r["hits"][i] for i in window) / blocks if blocks else 0.0
 
 
 def print_table(r: dict[str, Any]) -> None:
@@ -222,6 +157,17 @@ def print_table(r: dict[str, Any]) -> None:
             f"{r['min_hit_rate'][i]:7.3f} {r['gap_closed'][i]:10.2f} "
             f"{r['daemon_cpu_ms_per_request'][i]:10.2f}  {ops}"
         )
+    if "restart_hit_ratio" in r:
+        print(
+            f"restart after request {r['requests'] // 2}: hit rate of the next "
+            f"{r['restart_window']} requests"
+        )
+        print(f"{'blocks':>7} {'adopted':>8} {'restart':>8} {'no restart':>10} {'ratio':>6}")
+        for i, size in enumerate(r["sizes"]):
+            print(
+                f"{size:>7} {r['pages_adopted'][i]:>8} {r['hit_rate_after_restart'][i]:8.3f} "
+                f"{r['hit_rate_after_no_restart'][i]:10.3f} {r['restart_hit_ratio'][i]:6.3f}"
+            )
     print(f"mismatched bytes: {r['mismatched_bytes']}")
 
 
@@ -247,6 +193,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the daemon's eviction_policy (default: its default)",
     )
     p.add_argument("--limit", type=int, default=None, help="replay the first N requests")
+    p.add_argument(
+        "--restart",
+        action="store_true",
+        help="also measure the hit rate right after a SIGKILL and restart of kvtierd at the "
+        "trace's midpoint (each size replayed twice: with and without the restart)",
+    )
     p.add_argument("--json", default=None, help="write the result here")
     p.add_argument("--plot", default=None, help="write a PNG of hit rate per size here")
 
@@ -256,7 +208,15 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
     sizes = [int(x) for x in str(args.blocks).split(",") if x.strip()]
     if not sizes or min(sizes) <= 0 or args.engines <= 0 or args.speedup <= 0:
         raise SystemExit("kvtier bench trace: --blocks, --engines and --speedup must be > 0")
-    r = run_trace_bench(args.trace, sizes, args.engines, args.speedup, args.policy, args.limit)
+    r = run_trace_bench(
+        args.trace,
+        sizes,
+        args.engines,
+        args.speedup,
+        args.policy,
+        args.limit,
+        restart=args.restart,
+    )
     print_table(r)
     if args.json:
         write_json(args.json, r)
