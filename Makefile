@@ -143,7 +143,7 @@ bench: venv sysdeps engines
 	$(VENV)/bin/kvtier bench restart --json bench/results/restart.json
 	$(VENV)/bin/kvtier bench scale --json bench/results/scale.json
 	$(VENV)/bin/kvtier bench trace --json bench/results/trace.json
-	$(VENV)/bin/kvtier bench trace --policy reuse --json bench/results/trace_reuse.json
+	$(VENV)/bin/kvtier bench trace --policy reuse --restart --json bench/results/trace_reuse.json
 	$(ENGINES_VENV)/bin/kvtier bench sglang --json bench/results/sglang.json
 	$(ENGINES_VENV)/bin/kvtier bench vllm --json bench/results/vllm.json
 	$(ENGINES_VENV)/bin/kvtier bench events --json bench/results/events.json
