@@ -47,6 +47,7 @@ __all__ = [
     "memory_status",
     "p50",
     "read_line",
+    "reap",
 ]
 
 MEMCPY_MAX_BYTES = 512 << 20
@@ -152,6 +153,17 @@ def _copy_cpu(maps: list[Any], size: int, threads: int, repeats: int) -> float:
             for shares in ways:
                 list(pool.map(lambda pair: np.copyto(pair[0], pair[1]), shares))
         return time.process_time() - t0
+
+
+def reap(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Kill the child processes still running, wait for them and close their pipes."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        for stream in (p.stdin, p.stdout):
+            if stream is not None:
+                stream.close()
 
 
 def read_line(stream: IO[bytes], deadline: float, what: str) -> bytes:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.scale_baselines import ScaleBenchError, read_line
+from kvtier.bench.scale_baselines import ScaleBenchError, read_line, reap
 from kvtier.ipc import protocol as P
 
 __all__ = ["Aggregate", "run_workers"]
@@ -119,13 +119,7 @@ def run_workers(
             except subprocess.TimeoutExpired as err:
                 raise ScaleBenchError(f"engine worker {logs[i].stem} did not exit") from err
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            for stream in (p.stdin, p.stdout):
-                if stream is not None:
-                    stream.close()
+        reap(procs)
     return Aggregate(
         workers=n,
         ops=sum(r["ops"] for r in results),

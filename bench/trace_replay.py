@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.scale_baselines import ScaleBenchError, cpu_seconds, read_line
+from kvtier.bench.scale_baselines import ScaleBenchError, cpu_seconds, read_line, reap
 
 __all__ = ["PAGE_BYTES", "TraceBenchError", "replay"]
 
@@ -163,13 +163,7 @@ def _phase(root: Path, tag: str, daemon: Any, chains: list[list[int]], stamps: l
         for p in procs:
             p.wait(max(1.0, deadline - time.monotonic()))
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            for stream in (p.stdin, p.stdout):
-                if stream is not None:
-                    stream.close()
+        reap(procs)
     order: list[tuple[float, int]] = []  # (LOOKUP sent, request), every engine's
     hits: dict[int, int] = {}
     for i, r in enumerate(results):
