@@ -3,7 +3,8 @@
 The host pool's state machine, required (the pool does not import without them; ``make``
 installs the C compiler they need):
 
-- ``kvtier.daemon.pool.native._alloc``: a STORE's slot allocation and commit;
+- ``kvtier.daemon.pool.native._alloc``: a STORE's slot allocation and commit, and the
+  ``reuse`` eviction policy's state (``_reuse.h``);
 - ``kvtier.daemon.pool.native._pins``: pin and unpin of a run of pages;
 - ``kvtier.daemon.pool.native._keyprobe``: the key table's probe of a LOOKUP, an adopted
   pool's key index and its row seals.
@@ -22,18 +23,20 @@ from setuptools import Extension, setup
 _C = ["-O3", "-std=gnu11"]
 
 
-def _pool(name: str) -> Extension:
-    """One of the pool's required extensions, ``daemon/pool/native/<name>.c``."""
+def _pool(name: str, headers: tuple[str, ...] = ()) -> Extension:
+    """One of the pool's required extensions, ``daemon/pool/native/<name>.c`` (and the
+    ``headers`` beside it that it includes)."""
     return Extension(
         f"kvtier.daemon.pool.native.{name}",
         sources=[f"daemon/pool/native/{name}.c"],
+        depends=[f"daemon/pool/native/{h}" for h in headers],
         extra_compile_args=_C,
     )
 
 
 setup(
     ext_modules=[
-        _pool("_alloc"),
+        _pool("_alloc", ("_reuse.h",)),
         _pool("_pins"),
         _pool("_keyprobe"),
         Extension(

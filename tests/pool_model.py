@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.daemon.pool.index import HostPool
-from kvtier.daemon.pool.layout import HAS_CHECKSUM, KEY_BYTES, NIL
+from kvtier.daemon.pool.layout import HAS_CHECKSUM, KEY_BYTES, NIL, USED_AGAIN
 from kvtier.daemon.pool.pages import PageTable
 from kvtier.daemon.pool.records import HostPoolError, PageState
 from xxhash import xxh3_64_intdigest
@@ -116,11 +116,13 @@ class PageByPage(PageTable):
             key = keys[s]
             assert key is not None
             ns = self._ns[s]
+            used = USED_AGAIN if self._split is not None and self._split.tier[s] else 0
             if checksums is None:
-                csum = meta.flags[s] = 0
+                csum = 0
+                meta.flags[s] = used
             else:
                 csum = meta.checksum[s] = checksums[j]
-                meta.flags[s] = HAS_CHECKSUM
+                meta.flags[s] = HAS_CHECKSUM | used
             meta.seal[s] = xxh3_64_intdigest(key, (csum ^ ns) & _MAX_U64)
             clock += 1
             self._stamp[s] = clock
@@ -267,6 +269,8 @@ def observable(p: HostPool) -> dict[str, Any]:
     )
     split = ev.split
     if split is not None:
+        core = getattr(split, "core", None)  # reuse: its targets and ghosts are C's
+        policy = vars(split) if core is None else (core.share, core.ghost_list())
         out.update(split=(split.t2, split.capacity, bytes(split.tier), list(split.evicted),
-                          ev.lru.ends2, vars(split)))  # fmt: skip
+                          ev.lru.ends2, policy))  # fmt: skip
     return out

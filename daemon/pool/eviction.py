@@ -97,7 +97,7 @@ class Evictor:
         if policy not in POLICIES:
             raise HostPoolError(f"eviction_policy must be one of {POLICIES}, got {policy!r}")
         self.policy = policy
-        self.split: SplitState | None = split_state(policy, len(slots.prev))
+        self.split: SplitState | None = split_state(policy, len(slots.prev), meta.flags)
         self.lru = RecencyLists(
             slots.prev, slots.next, meta.stamp, None if self.split is None else self.split.tier
         )

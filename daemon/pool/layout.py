@@ -75,9 +75,9 @@ __all__ = [
     "COLUMNS", "DIGEST_BYTES", "FORMAT_VERSION", "GENERATION_OFFSET", "HAS_CHECKSUM",
     "HEADER_BYTES", "HEADER_REGION", "HEADROOM_ALIGN", "HEADROOM_MIN_PAGE_BYTES",
     "ID_CAPACITY", "KEY_BYTES", "MAGIC", "MAX_SLOT_IDS", "META_ROUND", "NIL", "SLOT_HEADROOM",
-    "SLOT_META_BYTES", "AdoptResult", "ClassStats", "EvictedPage", "HostPoolError",
-    "HostPoolStats", "IdTable", "PageInfo", "PageState", "PoolLayout", "map_pool_file",
-    "page_checksum", "page_checksums", "round_up", "seal_of",
+    "SLOT_META_BYTES", "USED_AGAIN", "AdoptResult", "ClassStats", "EvictedPage",
+    "HostPoolError", "HostPoolStats", "IdTable", "PageInfo", "PageState", "PoolLayout",
+    "map_pool_file", "page_checksum", "page_checksums", "round_up", "seal_of",
 ]  # fmt: skip
 
 
@@ -119,6 +119,10 @@ META_ROUND = 2 << 20
 
 HAS_CHECKSUM = 1
 """Bit of the per-slot flags byte: the checksum column holds the payload's xxh3-64."""
+
+USED_AGAIN = 2
+"""Bit of the per-slot flags byte: the page was used again since it was stored (T2 of the
+``arc`` and ``reuse`` eviction policies), so an adopted pool keeps their split."""
 
 NIL = -1
 

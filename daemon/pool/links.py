@@ -137,14 +137,19 @@ class RecencyLists:
         return out
 
     def rebuild(self, cold_first: np.ndarray, owners: np.ndarray) -> None:
-        """Link empty lists from the evictable slots ``cold_first`` (adoption; all on
-        the first global list: the tiers start at 0).
+        """Link empty lists from the evictable slots ``cold_first`` (adoption), each on
+        the global list its tier names (set before this).
 
         Args:
             cold_first: slot ids, coldest first.
             owners: the owner of each, same order.
         """
-        self.ends = link_in_order(self.prev, self.next, cold_first)
+        if self.tier is None:
+            self.ends = link_in_order(self.prev, self.next, cold_first)
+        else:
+            second = np.frombuffer(self.tier, dtype=np.uint8)[cold_first] != 0
+            self.ends = link_in_order(self.prev, self.next, cold_first[~second])
+            self.ends2 = link_in_order(self.prev, self.next, cold_first[second])
         if len(owners) and (owners == owners[0]).all():  # one owner: the usual case
             self.own_ends[int(owners[0])] = link_in_order(self.oprev, self.onext, cold_first)
             return

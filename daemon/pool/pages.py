@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import numpy as np
 from kvtier.daemon.pool.eviction import Evictor
-from kvtier.daemon.pool.layout import KEY_BYTES, NIL
+from kvtier.daemon.pool.layout import KEY_BYTES, NIL, USED_AGAIN
 from kvtier.daemon.pool.links import ChildLists
 from kvtier.daemon.pool.meta import PoolMeta
 from kvtier.daemon.pool.pins import Pins
@@ -138,6 +138,10 @@ class PageTable:
             for o, count in zip(*np.unique(owners, return_counts=True)):
                 self._owned[int(o)] = int(count)
         self._kids.rebuild(slots, parents)
+        if self._split is not None:  # the pages used again: T2, as before the restart
+            used = slots[(meta.array("flags")[slots] & USED_AGAIN) != 0]
+            np.frombuffer(self._split.tier, dtype=np.uint8)[used] = 1
+            self._split.t2 = len(used)
         # evictable lists: childless pages by last access, cold end first
         stamps = meta.array("stamp")[slots]
         ev = np.frombuffer(self._children, dtype=np.int32)[slots] == 0

@@ -38,6 +38,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
+from kvtier.daemon.pool.layout import USED_AGAIN
+from kvtier.daemon.pool.native import _alloc
+
 __all__ = ["POLICIES", "ArcState", "ReuseState", "SplitState", "split_state"]
 
 POLICIES = ("lru", "arc", "reuse")
@@ -45,10 +48,13 @@ POLICIES = ("lru", "arc", "reuse")
 
 
 class SplitState:
-    """T1/T2 membership of each slot and the eviction counts: what both policies share.
+    """T1/T2 membership of each slot, and what both policies keep and answer.
 
     Args:
         n_slots: slot ids of the pool.
+        flags: the pool's flags column, where a page used again is marked
+            :data:`~kvtier.daemon.pool.layout.USED_AGAIN` (the page table's commit marks
+            a page admitted to T2), so an adopted pool keeps the split; None: not kept.
 
     Attributes:
         tier: per slot, 1 when the page is in T2 (0: T1, or no page).
@@ -57,29 +63,27 @@ class SplitState:
         evicted: evictions from T1 and from T2 (the metrics' eviction reasons).
     """
 
-    def __init__(self, n_slots: int) -> None:
+    t2: int
+    capacity: int
+    evicted: list[int]
+
+    def __init__(self, n_slots: int, flags: memoryview | None = None) -> None:
         self.tier = bytearray(n_slots)
-        self.t2 = 0
-        self.capacity = 0
-        self.evicted = [0, 0]
+        self._flags = flags
 
     def admit(self, s: int, ns: int, key: bytes) -> None:
         """A new page ``s`` was allocated for ``key``: T2 when its key is a ghost."""
-        if self._returning(hash((ns, key))):
-            self.tier[s] = 1
-            self.t2 += 1
-
-    def _returning(self, g: int) -> bool:
-        """Whether the ghost ``g`` is remembered (dropping it, adapting the split)."""
         raise NotImplementedError
 
     def reused(self, slots: Iterable[int]) -> None:
         """The pages ``slots`` (off the evictable lists: pinned) were used: into T2."""
-        tier = self.tier
+        tier, flags = self.tier, self._flags
         for s in slots:
             if not tier[s]:
                 tier[s] = 1
                 self.t2 += 1
+                if flags is not None:
+                    flags[s] |= USED_AGAIN
 
     def victim_list(self, resident: int) -> int:
         """Which list the next victim comes from (0: T1, 1: T2), ``resident`` pages in
@@ -88,13 +92,6 @@ class SplitState:
 
     def evicted_page(self, s: int, ns: int, key: bytes, resident: int) -> None:
         """Record the eviction of ``s`` (still resident: ``resident`` pages)."""
-        k = self.tier[s]
-        self.evicted[k] += 1
-        self.capacity = resident
-        self._remember(hash((ns, key)), k, resident)
-
-    def _remember(self, g: int, k: int, resident: int) -> None:
-        """Keep the ghost ``g`` of a page evicted from list ``k``."""
         raise NotImplementedError
 
     def released(self, s: int) -> None:
@@ -113,15 +110,23 @@ class ArcState(SplitState):
             the process, so Python's hash is enough).
     """
 
-    def __init__(self, n_slots: int) -> None:
-        super().__init__(n_slots)
+    def __init__(self, n_slots: int, flags: memoryview | None = None) -> None:
+        super().__init__(n_slots, flags)
+        self.t2 = self.capacity = 0
+        self.evicted = [0, 0]
         self.p = 0.0
         self.ghosts: tuple[OrderedDict[int, None], OrderedDict[int, None]] = (
             OrderedDict(),
             OrderedDict(),
         )
 
+    def admit(self, s: int, ns: int, key: bytes) -> None:
+        if self._returning(hash((ns, key))):
+            self.tier[s] = 1
+            self.t2 += 1
+
     def _returning(self, g: int) -> bool:
+        """Whether ``g`` is a ghost of B1 or B2 (dropping it, adapting ``p``)."""
         b1, b2 = self.ghosts
         if g in b1:
             self.p = min(float(self.capacity), self.p + max(len(b2) / len(b1), 1.0))
@@ -136,8 +141,12 @@ class ArcState(SplitState):
     def victim_list(self, resident: int) -> int:
         return 0 if resident - self.t2 > self.p else 1
 
-    def _remember(self, g: int, k: int, resident: int) -> None:
+    def evicted_page(self, s: int, ns: int, key: bytes, resident: int) -> None:
+        k = self.tier[s]
+        self.evicted[k] += 1
+        self.capacity = resident
         ghost = self.ghosts[k]
+        g = hash((ns, key))
         ghost[g] = None
         while len(ghost) > resident:
             ghost.popitem(last=False)
@@ -158,46 +167,72 @@ FLOOR = 0.01
 
 
 class ReuseState(SplitState):
-    """The ``reuse`` policy's state (see the module docstring).
+    """The ``reuse`` policy's state (see the module docstring), kept by its C core
+    (``_alloc.Reuse``, ``daemon/pool/native/_reuse.h``), which the pool's allocation loop
+    runs inline; these methods are the same steps for the evictor's Python path.
 
     Attributes:
-        share: T1's target, a share of the resident pages (T2's: ``1 - share``).
-        ghost: ``hash((namespace, key)) -> 2 x (that list's evictions then) + list``,
-            oldest first, at most ``GHOST_FACTOR`` x :attr:`capacity` keys.
+        core: the targets, counts and ghosts.
     """
 
-    def __init__(self, n_slots: int) -> None:
-        super().__init__(n_slots)
-        self.share = START
-        self.ghost: OrderedDict[int, int] = OrderedDict()
+    def __init__(self, n_slots: int, flags: memoryview | None = None) -> None:
+        self.core = _alloc.Reuse(GHOST_FACTOR, SHADOW, START, FLOOR)
+        super().__init__(n_slots, flags)
 
-    def _returning(self, g: int) -> bool:
-        got = self.ghost.pop(g, None)
-        if got is None:
-            return False
-        k, then = got & 1, got >> 1
-        mine = self.share if k == 0 else 1.0 - self.share
-        region = SHADOW * self.capacity * (1.0 - mine)  # the other list's shadow, in pages
-        if region > 0 and self.evicted[k] - then <= region:
-            mine = min(mine + 1.0 / region, 1.0 - FLOOR)
-            self.share = mine if k == 0 else 1.0 - mine
-        return True
+    @property
+    def t2(self) -> int:
+        """Resident pages in T2."""
+        return self.core.t2
+
+    @t2.setter
+    def t2(self, n: int) -> None:
+        self.core.t2 = n
+
+    @property
+    def capacity(self) -> int:
+        """The resident pages at the last eviction."""
+        return self.core.capacity
+
+    @capacity.setter
+    def capacity(self, n: int) -> None:
+        raise AttributeError("capacity is the core's: set by its evictions")
+
+    @property
+    def evicted(self) -> list[int]:
+        """Evictions from T1 and from T2 (a copy)."""
+        return self.core.evicted
+
+    @evicted.setter
+    def evicted(self, counts: list[int]) -> None:
+        raise AttributeError("evicted is the core's: counted by its evictions")
+
+    @property
+    def share(self) -> float:
+        """T1's target, a share of the resident pages (T2's: ``1 - share``)."""
+        return self.core.share
+
+    @property
+    def ghosts(self) -> int:
+        """Ghosts remembered (at most ``GHOST_FACTOR`` x :attr:`capacity`)."""
+        return self.core.ghosts
+
+    def admit(self, s: int, ns: int, key: bytes) -> None:
+        if self.core.returning(ns, key):
+            self.tier[s] = 1
+            self.core.t2 += 1
 
     def victim_list(self, resident: int) -> int:
-        return 0 if resident - self.t2 > self.share * resident else 1
+        return self.core.victim_list(resident)
 
-    def _remember(self, g: int, k: int, resident: int) -> None:
-        ghost = self.ghost
-        ghost[g] = 2 * self.evicted[k] + k
-        ghost.move_to_end(g)
-        while len(ghost) > GHOST_FACTOR * resident:
-            ghost.popitem(last=False)
+    def evicted_page(self, s: int, ns: int, key: bytes, resident: int) -> None:
+        self.core.record_eviction(self.tier[s], ns, key, resident)
 
 
-def split_state(policy: str, n_slots: int) -> SplitState | None:
-    """The state of ``policy`` over ``n_slots`` slots (None for ``lru``)."""
+def split_state(policy: str, n_slots: int, flags: memoryview | None = None) -> SplitState | None:
+    """The state of ``policy`` over ``n_slots`` slots, marking pages used again in
+    ``flags`` (None for ``lru``)."""
     if policy == "arc":
-        return ArcState(n_slots)
+        return ArcState(n_slots, flags)
     if policy == "reuse":
-        return ReuseState(n_slots)
+        return ReuseState(n_slots, flags)
     return None

@@ -12,8 +12,10 @@ The C code does the same steps in the same order as the page-by-page model
 (``tests/pool_model.py``), which the tests hold it to: the pool's metadata, indexes,
 evictable lists, counters and eviction log end up exactly as page by page. Where a slot
 needs the eviction policy's judgement (a free extent to cut, another class's page to
-evict, a quota, evictions that need L3, a two-list policy), C calls
-:meth:`~kvtier.daemon.pool.eviction.Evictor.take_slot` for that slot and goes on; a
+evict, a quota, evictions that need L3, ``arc``'s lists), C calls
+:meth:`~kvtier.daemon.pool.eviction.Evictor.take_slot` for that slot and goes on. The
+``reuse`` policy's state is C's own (``_alloc.Reuse``), so C evicts from the list it
+names and admits each new page to T1 or T2 itself; a
 commit that the page table refuses changes nothing, and the table names what is wrong.
 """
 
@@ -26,6 +28,7 @@ from kvtier.daemon.pool.eviction import Evictor
 from kvtier.daemon.pool.links import ChildLists
 from kvtier.daemon.pool.meta import PoolMeta
 from kvtier.daemon.pool.native import _alloc
+from kvtier.daemon.pool.policies import ReuseState
 from kvtier.daemon.pool.records import EvictedPage
 from kvtier.daemon.pool.slots import PageClass, SlotAllocator
 
@@ -66,8 +69,9 @@ class StoreRuns:
         Each slot comes from the class's free list or the extent it is cutting, or, in C,
         by evicting the coldest page when it is of the class; otherwise (a free extent to
         cut, a page of another class to evict, an owner with a quota, evictions that need
-        L3, the ``arc`` or ``reuse`` lists) C asks :meth:`Evictor.take_slot`, the policy.
-        Under those each new page is admitted to T1 or T2 (:meth:`SplitState.admit`).
+        L3, ``arc``'s lists) C asks :meth:`Evictor.take_slot`, the policy. Under ``arc``
+        and ``reuse`` each new page is admitted to T1 or T2 (:meth:`SplitState.admit`;
+        ``reuse``'s in C).
 
         Args:
             prev: the slot ``keys[0]`` extends (NIL: none).
@@ -80,9 +84,12 @@ class StoreRuns:
         """
         cls: PageClass = self._slots.classes[class_id]
         ev, lru, split = self._ev, self._lru, self._ev.split
-        # 0: C may evict the coldest page; 1: not (evictions need L3, or two lists);
-        # 2: the evictor decides every slot (an owner with a quota: its own pages first)
-        mode = 2 if owner in ev.quota else 1 if ev.requires_l3 or split is not None else 0
+        core = split.core if isinstance(split, ReuseState) else None  # reuse runs in C
+        # 0: C may evict the coldest page (of the list reuse names); 1: not (evictions
+        # need L3, or arc's lists); 2: the evictor decides every slot (an owner with a
+        # quota: its own pages first)
+        admit = split.admit if split is not None and core is None else None  # arc's
+        mode = 2 if owner in ev.quota else 1 if ev.requires_l3 or admit else 0
         out: list[tuple[int, int]] = []
         done = _alloc.run(
             self._cols, keys, 0, prev, clock, ns_id, owner, class_id, cls.page_bytes,
@@ -90,8 +97,8 @@ class StoreRuns:
             self._ready.get(ns_id, {}),  # read only: a namespace's first commit makes it
             self._writing.setdefault(ns_id, {}), self._ready, self._keys, ev.owned,
             lru.ends, lru.own_ends, ev.log, ev.max_log, EvictedPage, out, False,
-            ev.take_slot, None if split is None else split.admit, mode,
-            *((None, None) if lru.tier is None else (lru.ends2, lru.tier)),
+            ev.take_slot, admit, mode,
+            *((None, None) if lru.tier is None else (lru.ends2, lru.tier)), core,
         )  # fmt: skip
         if done is None:
             return None

@@ -107,7 +107,7 @@ def test_reuse_adapts_by_ghost_depth_and_bounds_its_memory() -> None:
     ns = 3
     for i in range(500):  # T1 evictions with 100 pages resident
         st.evicted_page(0, ns, b"k%d" % i, 100)
-    assert len(st.ghost) == GHOST_FACTOR * 100
+    assert st.ghosts == GHOST_FACTOR * 100
     assert st.evicted == [500, 0] and st.capacity == 100
     st.admit(0, ns, b"k99")  # forgotten: the oldest of the 500
     assert st.tier[0] == 0 and st.t2 == 0
@@ -232,7 +232,7 @@ class ArcModel(RuleBasedStateMachine):
         else:
             assert isinstance(arc, ReuseState)
             assert FLOOR <= arc.share <= 1.0 - FLOOR
-            assert len(arc.ghost) <= GHOST_FACTOR * arc.capacity
+            assert arc.ghosts <= GHOST_FACTOR * arc.capacity
         for s in resident:  # no chain is cut: a resident page's parent is resident
             parent = pool.describe(s).parent
             assert parent == -1 or pool.describe(parent).state != PageState.FREE
@@ -258,24 +258,29 @@ TestReuseModel.settings = _SETTINGS
 
 
 @pytest.mark.parametrize("policy", ["arc", "reuse"])
-def test_adoption_keeps_pages_and_recency_not_the_split(policy: str) -> None:
+def test_adoption_keeps_pages_recency_and_the_split(policy: str) -> None:
+    """The split survives a restart (the flags column's USED_AGAIN bit); the targets and the
+    ghosts, private memory, start afresh."""
     pool, cls = pool_of(1, policy)
     meta = bytearray(pool.layout.meta_bytes)
     pool.adopt(meta)
     (x,) = store(pool, cls, [b"x"])
-    (y,) = store(pool, cls, [b"y"])
-    load(pool, [b"x"])  # x: T2 and the most recent
-    arc = pool._pages.evictor.split
-    assert arc is not None and arc.t2 == 1
+    load(pool, [b"x"])  # x: T2
+    (y,) = store(pool, cls, [b"y"])  # y: T1, and more recent than x
+    store(pool, cls, [b"a", b"b"])  # the pool's 4 slots are full
     pool.close()
     again = HostPool(EXTENT, EXTENT, 4 * KIB, eviction_policy=policy)
     again.register_class(4000)
     res = again.adopt(meta)
-    assert res.adopted and res.pages_adopted == 2
-    arc = again._pages.evictor.split
-    assert arc is not None and arc.t2 == 0 and not any(arc.tier)
-    assert arc.p == 0.0 if isinstance(arc, ArcState) else arc.share == START
-    assert again.evictable_slots() == [y, x]  # T1 only, by last access
+    assert res.adopted and res.pages_adopted == 4
+    split = again._pages.evictor.split
+    assert split is not None and split.t2 == 1 and split.tier[x] == 1 and not split.tier[y]
+    assert split.p == 0.0 if isinstance(split, ArcState) else split.share == START
+    assert (split.ghosts == 0) if isinstance(split, ReuseState) else not any(split.ghosts)
+    assert again.evictable_slots()[-1] == x  # T1 (y, then b), then T2
+    assert again.evictable_slots(OWNER)[0] == x  # by last access alone: x is the coldest
+    store(again, cls, [b"c"])
+    assert evicted(again) == [b"y"]  # T1's coldest, not x (the coldest of all)
     assert again.stats().eviction_policy == policy
 
 

@@ -37,6 +37,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <stdint.h>
 #include <string.h>
 #define XXH_INLINE_ALL
@@ -49,6 +50,9 @@
 #define FREE 0
 #define WRITING 1
 #define HAS_CHECKSUM 1
+#define USED_AGAIN 2
+
+#include "_reuse.h"
 
 enum { STAMP, NS, OWNER, LENGTH, PARENT, KEY, STATE, IN_L3, KEY_LEN, PINS, CHILDREN, FIRST,
        SIB_PREV, SIB_NEXT, PREV, NEXT, OPREV, ONEXT, EXT_CLASS, EXT_USED, EXT_BUMP };
@@ -195,6 +199,19 @@ static int add_owned(PyObject *owned, int64_t owner, long long delta) {
     return rc;
 }
 
+/* The resident pages: the sum of owned's values (-1 with an error set). */
+static long long sum_owned(PyObject *owned) {
+    PyObject *k, *v;
+    Py_ssize_t pos = 0;
+    long long total = 0;
+    while (PyDict_Next(owned, &pos, &k, &v)) {
+        long long n = PyLong_AsLongLong(v);
+        if (n == -1 && PyErr_Occurred()) return -1;
+        total += n;
+    }
+    return total;
+}
+
 static int in_pool(const Cols *c, long long s) { return s >= 0 && s < c->n_slots; }
 
 /* A slot found by the dicts: an int inside the pool, else -2 (with an error set). */
@@ -310,20 +327,28 @@ static int sync_in(PyObject *cls, Class *k, Lists *l, PyObject *ends_list) {
 static PyObject *run(PyObject *self, PyObject *args) {
     PyObject *cols, *keys, *cls, *ready_ns, *writing_ns, *ready, *slot_keys, *owned, *ends_list;
     PyObject *own_ends, *log, *evicted, *out, *take = Py_None, *admit = Py_None;
-    PyObject *ends2 = Py_None, *tier_obj = Py_None;
+    PyObject *ends2 = Py_None, *tier_obj = Py_None, *core_obj = Py_None;
     Py_ssize_t start, max_log;
     long long prev, clock, ns_id, owner, cid, page_bytes, per_extent;
     int free_extents, checked = 0, mode = 0;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OO!nLLLLLLLpOO!O!O!O!O!O!O!O!nOO!|pOOiOO:run", &cols, &PyList_Type,
+    if (!PyArg_ParseTuple(args, "OO!nLLLLLLLpOO!O!O!O!O!O!O!O!nOO!|pOOiOOO:run", &cols, &PyList_Type,
                           &keys, &start, &prev, &clock, &ns_id, &owner, &cid, &page_bytes,
                           &per_extent, &free_extents, &cls, &PyDict_Type, &ready_ns,
                           &PyDict_Type, &writing_ns, &PyDict_Type, &ready, &PyList_Type,
                           &slot_keys, &PyDict_Type, &owned, &PyList_Type, &ends_list,
                           &PyDict_Type, &own_ends, &PyList_Type, &log, &max_log, &evicted,
                           &PyList_Type, &out, &checked, &take, &admit, &mode, &ends2,
-                          &tier_obj))
+                          &tier_obj, &core_obj))
         return NULL;
+    Reuse *core = NULL;  /* the reuse policy, run here: victims by its lists, admissions */
+    if (core_obj != Py_None) {
+        if (!PyObject_TypeCheck(core_obj, &ReuseType) || tier_obj == Py_None) {
+            PyErr_SetString(PyExc_TypeError, "core must be a Reuse, given with ends2 and tier");
+            return NULL;
+        }
+        core = (Reuse *)core_obj;
+    }
     if ((ends2 == Py_None) != (tier_obj == Py_None) ||
         (ends2 != Py_None && !PyList_Check(ends2))) {
         PyErr_SetString(PyExc_TypeError, "run takes ends2 (a list) and tier together");
@@ -357,7 +382,8 @@ static PyObject *run(PyObject *self, PyObject *args) {
     long long own_delta = 0;  /* owned[owner], written back at the end */
     PyObject *by_key = NULL;  /* ready[ns] of the last victim's ns */
     long long by_key_ns = 0;
-    long long evictions = 0, unlogged = 0;
+    long long evictions = 0, unlogged = 0, resident = 0;
+    uint8_t *tierw = NULL;  /* the tier column, written under the reuse policy */
     Py_ssize_t i = start;
     PyObject *result = NULL;
     if (per_extent <= 0 || c.n_slots > c.n_extents * per_extent) {
@@ -365,8 +391,9 @@ static PyObject *run(PyObject *self, PyObject *args) {
                      per_extent, c.n_slots, c.n_extents);
         goto done;
     }
-    if (tier_obj != Py_None) {  /* arc: the T1/T2 split of the global list */
-        if (PyObject_GetBuffer(tier_obj, &tv, PyBUF_SIMPLE) < 0) goto done;
+    if (tier_obj != Py_None) {  /* arc, reuse: the T1/T2 split of the global list */
+        if (PyObject_GetBuffer(tier_obj, &tv, core ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0)
+            goto done;
         have_tv = 1;
         if (tv.len < c.n_slots) {
             PyErr_SetString(PyExc_ValueError, "tier is shorter than the columns");
@@ -374,7 +401,9 @@ static PyObject *run(PyObject *self, PyObject *args) {
         }
         if (ends_read(&l.g2, ends2) < 0) goto done;
         l.tier = tv.buf;
+        if (core) tierw = tv.buf;
     }
+    if (core && (resident = sum_owned(owned)) < 0) goto done;
     if (class_io(cls, &k, 0) < 0 || ends_read(&l.g, ends_list) < 0)
         goto done;
     if (PyList_GET_SIZE(slot_keys) < c.n_slots) {
@@ -396,6 +425,11 @@ static PyObject *run(PyObject *self, PyObject *args) {
             prev = s;
             continue;
         }
+        uint64_t h_new = 0, h_v = 0;  /* reuse: the ghost hashes of the key and the victim */
+        if (core) {
+            h_new = ghost_hash(ns_id, PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key));
+            reuse_prefetch(core, h_new);
+        }
         int shield = prev != NIL && c.children[prev] == 0 && c.state[prev] == READY &&
                      c.pins[prev] == 0;
         /* where the slot comes from, decided before anything changes */
@@ -408,11 +442,22 @@ static PyObject *run(PyObject *self, PyObject *args) {
         } else if (k.free == NIL && k.bump != NIL && k.bump >= 0 && k.bump < c.n_extents) {
             source = 1;
         } else if (mode == 0 && k.free == NIL && k.bump == NIL && !free_extents) {
-            v = l.g.cold;
+            Ends *from = core && reuse_victim_list(core, resident) == 1 ? &l.g2 : &l.g;
+            v = from->cold;
             if (shield && v == prev) v = c.next[prev];
             if (in_pool(&c, v) && c.ext_class[v / per_extent] == cid && c.state[v] == READY
-                && !c.pins[v] && !c.children[v] && c.first[v] == NIL)
+                && !c.pins[v] && !c.children[v] && c.first[v] == NIL) {
                 source = 2;
+                if (core) {
+                    PyObject *vk = PyList_GET_ITEM(slot_keys, v);
+                    if (!PyBytes_Check(vk)) {
+                        PyErr_Format(PyExc_ValueError, "READY slot %lld has no key", v);
+                        goto fail;
+                    }
+                    h_v = ghost_hash(c.ns[v], PyBytes_AS_STRING(vk), PyBytes_GET_SIZE(vk));
+                    reuse_prefetch(core, h_v);
+                }
+            }
         }
         if (source == 3 && take == Py_None) break;  /* the caller's step takes this key */
         if (prev != NIL) {  /* a child's reference shields prev from the eviction below */
@@ -423,7 +468,8 @@ static PyObject *run(PyObject *self, PyObject *args) {
         if (source == 3) {  /* Evictor.take_slot, in Python: quotas, L3, arc, other classes */
             if (sync_out(cls, &k, &l, owned, owner, &own_delta) < 0) goto fail;
             PyObject *got = PyObject_CallFunction(take, "LL", cid, owner);
-            if (sync_in(cls, &k, &l, ends_list) < 0) {
+            if (sync_in(cls, &k, &l, ends_list) < 0 ||
+                (core && (resident = sum_owned(owned)) < 0)) {
                 Py_XDECREF(got);
                 goto fail;
             }
@@ -474,7 +520,14 @@ static PyObject *run(PyObject *self, PyObject *args) {
             } else {
                 unlogged += 1;
             }
+            /* ReuseState.evicted_page: a ghost of v, then off its list */
+            if (core && reuse_evicted(core, tierw[v], h_v, resident) < 0) goto fail;
             if (dequeue(&c, &l, (int32_t)v) < 0) goto fail;
+            if (core && tierw[v]) {  /* ReuseState.released */
+                tierw[v] = 0;
+                core->t2 -= 1;
+            }
+            resident -= 1;
             c.state[v] = FREE;  /* first: from here on a crash leaves the slot free */
             __atomic_signal_fence(__ATOMIC_SEQ_CST);
             c.in_l3[v] = 0;
@@ -549,6 +602,11 @@ static PyObject *run(PyObject *self, PyObject *args) {
         rc = pair == NULL ? -1 : PyList_Append(out, pair);
         Py_XDECREF(pair);
         if (rc < 0) goto fail;
+        resident += 1;
+        if (core && reuse_returning(core, h_new)) {
+            tierw[s] = 1;  /* ReuseState.admit: a ghost's key returns into T2 */
+            core->t2 += 1;
+        }
         if (admit != Py_None) {  /* ArcState.admit(s, ns, key): T1, or T2 for a ghost */
             PyObject *r = PyObject_CallFunction(admit, "LLO", s, ns_id, key);
             if (r == NULL) goto fail;
@@ -593,8 +651,8 @@ done:
  * was listed twice (no longer WRITING): those after it are committed, as the Python path
  * leaves them before it raises.
  * `extra` is (checksum, seal: uint64; flags: uint8) a slot. With `ends2` and `tier` (one
- * byte a slot: the arc policy's T1/T2 split), a page whose tier is 1 enters the second
- * global list, as RecencyLists.enqueue puts it.
+ * byte a slot: the arc and reuse policies' T1/T2 split), a page whose tier is 1 enters the
+ * second global list, as RecencyLists.enqueue puts it, and its flags byte says USED_AGAIN.
  */
 static PyObject *commit(PyObject *self, PyObject *args) {
     PyObject *cols, *extra, *slots, *checksums, *writing, *ready, *slot_keys, *classes;
@@ -687,11 +745,12 @@ static PyObject *commit(PyObject *self, PyObject *args) {
         PyObject *key = PyList_GET_ITEM(slot_keys, s);
         int64_t ns = c.ns[s];
         uint64_t csum = 0;
+        uint8_t used = l.tier != NULL && l.tier[s] ? USED_AGAIN : 0;  /* T2: kept */
         if (with_sums) {
             csum = checksum[s] = sums[j];
-            flags[s] = HAS_CHECKSUM;
+            flags[s] = HAS_CHECKSUM | used;
         } else {
-            flags[s] = 0;
+            flags[s] = used;
         }
         seal[s] = XXH3_64bits_withSeed(PyBytes_AS_STRING(key), (size_t)PyBytes_GET_SIZE(key),
                                        csum ^ (uint64_t)ns);
@@ -772,4 +831,13 @@ static struct PyModuleDef module = {
     "The host pool's slot allocation for a STORE, page by page in C.", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__alloc(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__alloc(void) {
+    if (PyType_Ready(&ReuseType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    if (PyModule_AddObjectRef(m, "Reuse", (PyObject *)&ReuseType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -10,3 +10,21 @@ def run(*args: Any) -> tuple[int, int, int, int, int] | None:
 def commit(*args: Any) -> tuple[int, int] | None:
     """Commit a STORE's filled slots: ``(stop, clock)``, or None (nothing changed) when a
     slot or checksum is refused."""
+
+class Reuse:
+    """The ``reuse`` eviction policy's targets, counts and ghosts (``_reuse.h``)."""
+
+    share: float
+    capacity: int
+    t2: int
+    ghosts: int
+    evicted: list[int]
+    def __init__(self, ghost_factor: float, shadow: float, start: float, floor: float) -> None: ...
+    def returning(self, ns: int, key: bytes) -> bool:
+        """Whether the key is a ghost (dropping it, adapting the targets)."""
+    def record_eviction(self, k: int, ns: int, key: bytes, resident: int) -> None:
+        """Record an eviction from T1 (0) or T2 (1)."""
+    def victim_list(self, resident: int) -> int:
+        """The list the next victim comes from (0: T1, 1: T2)."""
+    def ghost_list(self) -> list[tuple[int, int]]:
+        """The ghosts, oldest first: ``(hash, 2 x that list's evictions then + list)``."""
