@@ -227,17 +227,17 @@ class DaemonConfig(_Frozen):
         default="write_through", description="When L2 pages are written to L3."
     )
     eviction_policy: Literal["lru", "arc", "reuse"] = Field(
-        default="lru",
+        default="reuse",
         description="Which L2 page a full pool evicts (never one with a resident child, so "
         "chains go tail first): lru, the least recently used; arc, ARC's adaptive split "
         "between pages stored once and pages used again; reuse, the same split with a long "
-        "memory of evicted keys (4 a page of the pool, about 650 bytes of daemon memory a "
-        "page), so a page stored again minutes after its eviction counts as reused, and a "
-        "target that moves toward the list whose recent evictions come back. arc and reuse "
-        "keep more prefix hits from the same memory on traffic that comes back after a "
-        "while; their admissions and evictions run in Python, called from the C allocator. "
-        "A restart keeps the pages and their recency but not the split, nor the memory of "
-        "recent evictions.",
+        "memory of evicted keys (4 a page of the pool, at most about 500 bytes of daemon "
+        "memory a page), so a page stored again minutes after its eviction counts as reused, "
+        "and a target that moves toward the list whose recent evictions come back. reuse "
+        "keeps more prefix hits than lru from the same memory on traffic that comes back "
+        "after a while, and runs in C with the allocator; arc's steps run in Python. A "
+        "restart keeps the pages, their recency and the split, not the targets nor the "
+        "memory of recent evictions.",
     )
     prefetch_threshold: int = Field(
         default=256, ge=0, description="Tokens an L3 run must reach before it is prefetched."

@@ -90,7 +90,9 @@ class HostPool:
             one as without (see :class:`PoolLayout`).
         max_evicted_log: evictions kept for :meth:`drain_evicted`; more are counted only.
         eviction_policy: ``"lru"``, ``"arc"`` or ``"reuse"``
-            (:mod:`~kvtier.daemon.pool.eviction`).
+            (:mod:`~kvtier.daemon.pool.eviction`); a pool built here defaults to plain
+            recency, the daemon's (:meth:`from_config`) to its configuration's default,
+            ``"reuse"``.
 
     Raises:
         HostPoolError: the geometry is invalid or the arena holds no extent.

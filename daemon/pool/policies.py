@@ -22,15 +22,19 @@ so chains stay whole for every policy.
   hits it would gain per page it takes. T1's target starts at ``START`` of the pool and
   neither target drops below ``FLOOR``. Remembering keys four times past the pool is what
   lets a page that comes back after a long gap (the next turn of a conversation, minutes
-  later) be recognised as reused; a ghost costs about 160 bytes of private memory (up to
-  about 650 a page of the pool) against a page's kilobytes to megabytes.
+  later) be recognised as reused. The state is C's (``_alloc.Reuse``,
+  ``daemon/pool/native/_reuse.h``), which the allocation loop runs inline: the ghosts are
+  a ring of 16-byte entries indexed by a table of 16-byte entries, at most half full, so a
+  ghost costs at most about 130 bytes of private memory (about 500 a page of the pool)
+  against a page's kilobytes to megabytes.
 
 In both, the victim comes from T1 while T1 holds more pages than its target, else from
 T2 (from the other when that list has no evictable page within the scan).
 
-Pure and synchronous. What a restart keeps: the pages and their recency (the stamp
-column); what it loses: the T1/T2 split (adopted pages start in T1), the targets and the
-ghosts (private memory).
+Pure and synchronous. What a restart keeps: the pages, their recency (the stamp column)
+and the T1/T2 split (a page in T2 is marked :data:`~kvtier.daemon.pool.layout.USED_AGAIN`
+in the flags column: by the commit that makes it READY, or by the LOAD that uses it); what
+it loses: the targets (back to their start) and the ghosts (private memory).
 """
 
 from __future__ import annotations

@@ -294,6 +294,8 @@ def test_config_selects_the_policy() -> None:
     )
     assert cfg.eviction_policy == "arc"
     assert HostPool.from_config(cfg).stats().eviction_policy == "arc"
-    assert load_config(DaemonConfig, env={}).eviction_policy == "lru"
+    default = load_config(DaemonConfig, env={"KVTIER_HICACHE_SIZE": "64MiB"})
+    assert default.eviction_policy == "reuse"  # the daemon's default
+    assert HostPool.from_config(default).stats().eviction_policy == "reuse"
     with pytest.raises(ConfigError, match=r"eviction_policy.*'mru'"):
         load_config(DaemonConfig, env={}, cli={"eviction_policy": "mru"})
