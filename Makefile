@@ -142,8 +142,8 @@ bench: venv sysdeps engines
 	$(VENV)/bin/kvtier bench l3 --backend mooncake --json bench/results/l3_mooncake.json
 	$(VENV)/bin/kvtier bench restart --json bench/results/restart.json
 	$(VENV)/bin/kvtier bench scale --json bench/results/scale.json
-	$(VENV)/bin/kvtier bench trace --json bench/results/trace.json
-	$(VENV)/bin/kvtier bench trace --policy reuse --restart --json bench/results/trace_reuse.json
+	$(VENV)/bin/kvtier bench trace --restart --json bench/results/trace.json
+	$(VENV)/bin/kvtier bench trace --policy lru --restart --json bench/results/trace_lru.json
 	$(ENGINES_VENV)/bin/kvtier bench sglang --json bench/results/sglang.json
 	$(ENGINES_VENV)/bin/kvtier bench vllm --json bench/results/vllm.json
 	$(ENGINES_VENV)/bin/kvtier bench events --json bench/results/events.json
