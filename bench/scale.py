@@ -203,6 +203,11 @@ def run_scale_bench(settings: ScaleSettings) -> dict[str, Any]:
             str(s.copy_threads),
             "--hicache-storage-backend",
             "none",
+            # its engines store fresh pages and load them at once, to measure the copy path:
+            # under recency a page just stored is never the first victim of a full pool (the
+            # million part measures eviction under the daemon's own policy)
+            "--eviction-policy",
+            "lru",
         ]  # the host pool alone
         daemon = DaemonProcess(root / "main", flags)
         daemon.start(timeout=s.timeout_s)

@@ -36,7 +36,8 @@ from kvtier.bench import write_json
 from kvtier.bench.scale_baselines import ScaleBenchError, memory_status, p50
 from kvtier.client.connection.connection import Connection
 from kvtier.client.kv_pool.shared import SharedKVPool
-from kvtier.config import ClientConfig
+from kvtier.config import ClientConfig, DaemonConfig
+from kvtier.config.loader import load_config
 from kvtier.ipc import protocol as P
 from kvtier.launch.daemon_process import DaemonProcess
 
@@ -105,6 +106,7 @@ def run_million(
         "million_pages": pages,
         "million_page_bytes": GEOMETRY.page_bytes,
         "million_pool_bytes": size,
+        "million_eviction_policy": load_config(DaemonConfig).eviction_policy,
     }
     # an installed kvtier reads cached bytecode (pip compiles it): the first daemon writes it
     # to a private cache the restarted one reads, as `kvtier bench restart` does
