@@ -419,6 +419,7 @@ class HostPool:
             ClassStats(c, k.page_bytes, k.stride, k.n, k.extents, k.ready, k.writing)
             for c, k in enumerate(self._pages.slots.classes)
         )
+        split = self._pages.evictor.split
         return HostPoolStats(
             capacity_bytes=self.capacity_bytes,
             used_bytes=sum((c.pages_ready + c.pages_writing) * c.stride for c in classes),
@@ -432,6 +433,7 @@ class HostPool:
             classes=classes,
             eviction_policy=self._pages.evictor.policy,
             evictions_by_reason=self._pages.evictor.by_reason(),
+            eviction_split={} if split is None else split.summary(),
         )
 
     def describe(self, slot: int) -> PageInfo:

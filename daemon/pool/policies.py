@@ -98,6 +98,11 @@ class SplitState:
         """Record the eviction of ``s`` (still resident: ``resident`` pages)."""
         raise NotImplementedError
 
+    def summary(self) -> dict[str, float]:
+        """``t2_pages``, ``t1_target_ratio`` (T1's target over the resident pages at the
+        last eviction) and ``ghosts``: :attr:`HostPoolStats.eviction_split`."""
+        raise NotImplementedError
+
     def released(self, s: int) -> None:
         """The page ``s`` left the pool (evicted, flushed or aborted)."""
         if self.tier[s]:
@@ -144,6 +149,10 @@ class ArcState(SplitState):
 
     def victim_list(self, resident: int) -> int:
         return 0 if resident - self.t2 > self.p else 1
+
+    def summary(self) -> dict[str, float]:
+        share = self.p / self.capacity if self.capacity else 0.0
+        return {"t2_pages": self.t2, "t1_target_ratio": share, "ghosts": sum(map(len, self.ghosts))}
 
     def evicted_page(self, s: int, ns: int, key: bytes, resident: int) -> None:
         k = self.tier[s]
@@ -227,6 +236,10 @@ class ReuseState(SplitState):
 
     def victim_list(self, resident: int) -> int:
         return self.core.victim_list(resident)
+
+    def summary(self) -> dict[str, float]:
+        core = self.core
+        return {"t2_pages": core.t2, "t1_target_ratio": core.share, "ghosts": core.ghosts}
 
     def evicted_page(self, s: int, ns: int, key: bytes, resident: int) -> None:
         self.core.record_eviction(self.tier[s], ns, key, resident)

@@ -127,6 +127,10 @@ class HostPoolStats:
         eviction_policy: the pool's eviction policy.
         evictions_by_reason: evictions by the list the victim came from (``lru``: "lru";
             ``arc``, ``reuse``: "t1", stored once, and "t2", used again).
+        eviction_split: under ``arc`` and ``reuse`` (empty under ``lru``): ``t2_pages``,
+            resident pages used again; ``t1_target_ratio``, the share of the resident
+            pages that pages stored once may hold before they are evicted first;
+            ``ghosts``, keys of recent evictions remembered.
     """
 
     capacity_bytes: int
@@ -141,6 +145,7 @@ class HostPoolStats:
     classes: tuple[ClassStats, ...]
     eviction_policy: str = "lru"
     evictions_by_reason: dict[str, int] = field(default_factory=dict)
+    eviction_split: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -258,6 +258,22 @@ _L3_SPECS: tuple[tuple[str, str, str], ...] = (
     ("kvtier_l3_gets", "Objects read from L3 and verified.", "gets"),
 )
 
+_SPLIT_GAUGES = (
+    ("kvtier_l2_t2_pages", "L2 pages used again (T2 of arc and reuse), by policy.", "t2_pages"),
+    (
+        "kvtier_l2_t1_target_ratio",
+        "The share of L2 that pages stored once may hold before they are evicted first "
+        "(arc and reuse adapt it).",
+        "t1_target_ratio",
+    ),
+    (
+        "kvtier_l2_eviction_ghosts",
+        "Keys of recent L2 evictions the policy remembers (arc and reuse).",
+        "ghosts",
+    ),
+)
+"""The two-list policies' gauges: ``(name, help, key of pool.eviction_split)``."""
+
 
 def _number(value: object) -> float | None:
     """``value`` as a float when it is a real number (bools count as 0/1), else None."""
@@ -368,6 +384,15 @@ def _pool_families(pool: Mapping[str, Any]) -> Iterator[Metric]:
                 fam.add_metric([policy, str(reason)], float(value))
         if fam.samples:
             yield fam
+    split = pool.get("eviction_split")
+    if isinstance(split, Mapping):
+        policy = str(pool.get("eviction_policy", ""))
+        for name, text, key in _SPLIT_GAUGES:
+            v = _number(split.get(key))
+            if v is not None:
+                g = GaugeMetricFamily(name, text, labels=["policy"])
+                g.add_metric([policy], v)
+                yield g
     classes = pool.get("classes")
     if isinstance(classes, Sequence) and not isinstance(classes, (str, bytes)):
         ext = GaugeMetricFamily(

@@ -125,6 +125,10 @@ def test_scrape_counts_lookups_hits_saved_tokens_and_bytes(daemon_factory):
     assert value(after, "kvtier_pool_pages", state="writing") == 0
     assert value(after, "kvtier_pool_used_bytes") >= 4 * SMALL.page_bytes
     assert value(after, "kvtier_pool_capacity_bytes") == 64 << 20
+    # the default policy, reuse: the four loaded pages are used again; nothing evicted yet
+    assert value(after, "kvtier_l2_t2_pages", policy="reuse") == 4
+    assert value(after, "kvtier_l2_eviction_ghosts", policy="reuse") == 0
+    assert 0 < value(after, "kvtier_l2_t1_target_ratio", policy="reuse") < 1
     assert value(after, "kvtier_sessions") == 1
     assert value(after, "kvtier_load_duration_seconds_count") == 1
     assert value(after, "kvtier_load_duration_seconds_sum") > 0
@@ -238,6 +242,7 @@ FULL: dict[str, Any] = {
         "evictions": 9,
         "eviction_policy": "arc",
         "evictions_by_reason": {"t1": 7, "t2": 2},
+        "eviction_split": {"t2_pages": 40, "t1_target_ratio": 0.25, "ghosts": 90},
         "extents_free": 3,
         "extents_total": 32,
         "classes": [{"class_id": 0, "page_bytes": 16384, "extents": 1}],
@@ -318,6 +323,9 @@ def test_every_snapshot_section_maps_to_its_series(metrics_for):
     assert value(s, "kvtier_l2_page_hit_ratio_window", seconds="60") == 0.4
     assert value(s, "kvtier_evictions_by_reason_total", policy="arc", reason="t1") == 7
     assert value(s, "kvtier_evictions_by_reason_total", policy="arc", reason="t2") == 2
+    assert value(s, "kvtier_l2_t2_pages", policy="arc") == 40
+    assert value(s, "kvtier_l2_t1_target_ratio", policy="arc") == 0.25
+    assert value(s, "kvtier_l2_eviction_ghosts", policy="arc") == 90
     assert value(s, "kvtier_pool_free_extents") == 3
     assert value(s, "kvtier_pool_class_extents", page_bytes="16384") == 1
     assert value(s, "kvtier_sessions") == 2

@@ -65,6 +65,7 @@ def test_reused_page_outlives_newer_pages_stored_once(policy: str, order: list[b
     stats = pool.stats()
     assert stats.eviction_policy == policy
     assert stats.evictions_by_reason == ({"lru": 1} if policy == "lru" else {"t1": 2, "t2": 0})
+    assert (stats.eviction_split == {}) == (policy == "lru")
 
 
 def test_ghost_hit_in_t2_shrinks_t1_target() -> None:
@@ -100,6 +101,9 @@ def test_reuse_ghost_hit_grows_its_lists_target() -> None:
     store(pool, cls, [b"k"])  # so T2's coldest goes: a
     assert evicted(pool) == [b"c", b"d", b"e", b"a"]
     assert pool.stats().evictions_by_reason == {"t1": 3, "t2": 1}
+    assert pool.stats().eviction_split == {  # c returned; d, e and a are ghosts
+        "t2_pages": 3, "t1_target_ratio": split.share, "ghosts": 3,
+    }  # fmt: skip
 
 
 def test_reuse_adapts_by_ghost_depth_and_bounds_its_memory() -> None:
