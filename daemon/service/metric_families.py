@@ -390,9 +390,7 @@ def _pool_families(pool: Mapping[str, Any]) -> Iterator[Metric]:
         for name, text, key in _SPLIT_GAUGES:
             v = _number(split.get(key))
             if v is not None:
-                g = GaugeMetricFamily(name, text, labels=["policy"])
-                g.add_metric([policy], v)
-                yield g
+                yield _gauge(name, text, "policy", policy, v)
     classes = pool.get("classes")
     if isinstance(classes, Sequence) and not isinstance(classes, (str, bytes)):
         ext = GaugeMetricFamily(
