@@ -30,7 +30,7 @@ skipped, which orders victims exactly as such a list would.
   ghost FIFO of 4 x capacity ids, each with its list and that list's eviction count; a ghost
   hit from within a quarter of the other list's target (in its list's evictions) moves
   ``1 / (0.25 x the other list's share)`` of the cache to its list's target; T1's target
-  starts at 5% and neither drops below 1%.
+  starts, at the first eviction, as T1's share of the cache, and neither drops below 1%.
 
 - :func:`reused_min_hit_rate`: a reference, not a policy: blocks seen once wait in an
   LRU list of a fixed share of the cache, blocks seen twice or more are kept by Belady's MIN
@@ -288,7 +288,7 @@ def reuse_hit_rate(chains: Chains, capacity: int, ghost: float = 4.0) -> float:
     c = _Lists(2)  # 0: T1, 1: T2
     ghosts: OrderedDict[int, tuple[int, int]] = OrderedDict()  # id -> (list, its evictions)
     evicted = [0, 0]
-    share, shadow, floor, glen = 0.05, 0.25, 0.01, int(ghost * capacity)
+    share, shadow, floor, glen = 0.99, 0.25, 0.01, int(ghost * capacity)
     hits = total = 0
     for chain in chains:
         total += len(chain)
@@ -312,7 +312,9 @@ def reuse_hit_rate(chains: Chains, capacity: int, ghost: float = 4.0) -> float:
         for b, k in zip(reversed(chain), reversed(lst), strict=True):
             c.touch(b, k)
         while len(c) > capacity:
-            k, v = c.victim(0 if c.size[0] > share * len(c) else 1)
+            if evicted[0] + evicted[1] == 0:  # the first eviction: the split the cache filled with
+                share = min(max(c.size[0] / len(c), floor), 1.0 - floor)
+            k, v = c.victim(0 if c.size[0] >= share * len(c) else 1)
             c.evict(v)
             evicted[k] += 1
             ghosts[v] = (k, evicted[k])

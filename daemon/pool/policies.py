@@ -19,8 +19,10 @@ so chains stay whole for every policy.
   that list ago, so the returning key would still have been resident had its list been
   that much larger. Each such hit moves ``1 / (SHADOW x the other list's share)`` of the
   pool from the other list's target to its own, so each list grows in proportion to the
-  hits it would gain per page it takes. T1's target starts at ``START`` of the pool and
-  neither target drops below ``FLOOR``. Remembering keys four times past the pool is what
+  hits it would gain per page it takes. The targets start, at the pool's first eviction, as
+  the split the pool filled with (T1's share of the resident pages then), so a pool that
+  filled with pages stored once does not start by evicting them in a rush; neither target
+  drops below ``FLOOR``. Remembering keys four times past the pool is what
   lets a page that comes back after a long gap (the next turn of a conversation, minutes
   later) be recognised as reused. The state is C's (``_alloc.Reuse``,
   ``daemon/pool/native/_reuse.h``), which the allocation loop runs inline: the ghosts are
@@ -28,8 +30,9 @@ so chains stay whole for every policy.
   ghost costs at most about 130 bytes of private memory (about 500 a page of the pool)
   against a page's kilobytes to megabytes.
 
-In both, the victim comes from T1 while T1 holds more pages than its target, else from
-T2 (from the other when that list has no evictable page within the scan).
+In both, the victim comes from T1 while T1 holds more pages than its target (under
+``reuse``, at least as many), else from T2 (from the other when that list has no
+evictable page within the scan).
 
 Pure and synchronous. What a restart keeps: the pages, their recency (the stamp column)
 and the T1/T2 split (a page in T2 is marked :data:`~kvtier.daemon.pool.layout.USED_AGAIN`
@@ -172,9 +175,6 @@ SHADOW = 0.25
 """``reuse``: a ghost hit adapts the split when its key left its list within this share
 of the other list's target, in that list's evictions."""
 
-START = 0.05
-"""``reuse``: T1's target at the start, a share of the pool."""
-
 FLOOR = 0.01
 """``reuse``: the least share of the pool either target keeps."""
 
@@ -189,7 +189,7 @@ class ReuseState(SplitState):
     """
 
     def __init__(self, n_slots: int, flags: memoryview | None = None) -> None:
-        self.core = _alloc.Reuse(GHOST_FACTOR, SHADOW, START, FLOOR)
+        self.core = _alloc.Reuse(GHOST_FACTOR, SHADOW, FLOOR)
         super().__init__(n_slots, flags)
 
     @property

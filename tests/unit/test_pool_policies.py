@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from kvtier.daemon.pool.index import HostPool, HostPoolError, PageState
-from kvtier.daemon.pool.policies import FLOOR, GHOST_FACTOR, SHADOW, START, ArcState, ReuseState
+from kvtier.daemon.pool.policies import FLOOR, GHOST_FACTOR, SHADOW, ArcState, ReuseState
 
 from tests.pool_model import page_by_page
 
@@ -85,41 +85,45 @@ def test_ghost_hit_in_t2_shrinks_t1_target() -> None:
 
 
 def test_reuse_ghost_hit_grows_its_lists_target() -> None:
-    pool, cls = pool_of(2, "reuse")  # 8 pages; T1's target starts at START of them
+    pool, cls = pool_of(2, "reuse")  # 8 pages
     for key in (b"a", b"b", b"c", b"d", b"e", b"f", b"g", b"h"):
         store(pool, cls, [key])  # chains of one page each
     load(pool, [b"a"])
     load(pool, [b"b"])  # a, b in T2
-    store(pool, cls, [b"i"])  # T1 = {c .. h} over its target: c, its coldest
-    store(pool, cls, [b"c"])  # d goes first; then c, a T1 ghost one T1 eviction deep,
-    # within T2's shadow (SHADOW x 0.95 x 8 pages): into T2, T1's target grows
-    split = pool._pages.evictor.split
-    assert isinstance(split, ReuseState) and split.t2 == 3
-    assert split.share == pytest.approx(START + 1.0 / (SHADOW * 8 * (1.0 - START)))
-    store(pool, cls, [b"j"])  # T1 = {e .. i}: 5 pages, over 0.58 x 8: e
-    load(pool, [b"f"])  # f into T2: T1 = {g, h, i, j} is within its target now
-    store(pool, cls, [b"k"])  # so T2's coldest goes: a
-    assert evicted(pool) == [b"c", b"d", b"e", b"a"]
-    assert pool.stats().evictions_by_reason == {"t1": 3, "t2": 1}
-    assert pool.stats().eviction_split == {  # c returned; d, e and a are ghosts
-        "t2_pages": 3, "t1_target_ratio": split.share, "ghosts": 3,
+    store(pool, cls, [b"i"])  # the first eviction: T1's target is the share T1 filled, 6 of
+    split = pool._pages.evictor.split  # 8 pages, and T1 holds that many: its coldest, c
+    assert isinstance(split, ReuseState) and split.share == 0.75
+    load(pool, [b"d"])  # d into T2: T1 = {e .. i}, 5 pages, under its target
+    store(pool, cls, [b"c"])  # so T2's coldest goes, a; c, a T1 ghost no T1 eviction deep,
+    # is within T2's shadow (SHADOW x 0.25 x 8 pages): into T2, T1's target grows
+    assert split.t2 == 3
+    assert split.share == pytest.approx(min(0.75 + 1.0 / (SHADOW * 8 * 0.25), 1.0 - FLOOR))
+    store(pool, cls, [b"j"])  # T1 = {e .. i}, 5 pages, under 0.99 x 8: T2's coldest, b
+    assert evicted(pool) == [b"c", b"a", b"b"]
+    assert pool.stats().evictions_by_reason == {"t1": 1, "t2": 2}
+    assert pool.stats().eviction_split == {  # c returned; a and b are ghosts
+        "t2_pages": 2, "t1_target_ratio": split.share, "ghosts": 2,
     }  # fmt: skip
 
 
 def test_reuse_adapts_by_ghost_depth_and_bounds_its_memory() -> None:
     st = ReuseState(8)
     ns = 3
+    st.t2 = 95  # the first eviction, T1 holding 5 of 100 pages: its target, 0.05
+    assert st.victim_list(100) == 0 and st.share == pytest.approx(0.05)
+    start = st.share
+    st.t2 = 0
     for i in range(500):  # T1 evictions with 100 pages resident
         st.evicted_page(0, ns, b"k%d" % i, 100)
     assert st.ghosts == GHOST_FACTOR * 100
     assert st.evicted == [500, 0] and st.capacity == 100
     st.admit(0, ns, b"k99")  # forgotten: the oldest of the 500
     assert st.tier[0] == 0 and st.t2 == 0
-    region = SHADOW * 100 * (1.0 - START)  # T2's shadow: 23.75 evictions
+    region = SHADOW * 100 * (1.0 - start)  # T2's shadow: 23.75 evictions
     st.admit(1, ns, b"k450")  # left T1 49 evictions ago: beyond the shadow, no change
-    assert st.tier[1] == 1 and st.t2 == 1 and st.share == START
+    assert st.tier[1] == 1 and st.t2 == 1 and st.share == start
     st.admit(2, ns, b"k490")  # 9 evictions ago: within it
-    assert st.tier[2] == 1 and st.share == pytest.approx(START + 1.0 / region)
+    assert st.tier[2] == 1 and st.share == pytest.approx(start + 1.0 / region)
     st.admit(3, ns, b"k490")  # a ghost counts once
     st.admit(4, 99, b"k491")  # another namespace's key is not this one's ghost
     assert st.tier[3] == st.tier[4] == 0 and st.t2 == 2
@@ -279,7 +283,7 @@ def test_adoption_keeps_pages_recency_and_the_split(policy: str) -> None:
     assert res.adopted and res.pages_adopted == 4
     split = again._pages.evictor.split
     assert split is not None and split.t2 == 1 and split.tier[x] == 1 and not split.tier[y]
-    assert split.p == 0.0 if isinstance(split, ArcState) else split.share == START
+    assert split.p == 0.0 if isinstance(split, ArcState) else split.share == 1.0 - FLOOR
     assert (split.ghosts == 0) if isinstance(split, ReuseState) else not any(split.ghosts)
     assert again.evictable_slots()[-1] == x  # T1 (y, then b), then T2
     assert again.evictable_slots(OWNER)[0] == x  # by last access alone: x is the coldest

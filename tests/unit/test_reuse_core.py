@@ -17,16 +17,16 @@ from hypothesis import strategies as st
 from xxhash import xxh3_64_intdigest
 
 from kvtier.daemon.pool.native import _alloc
-from kvtier.daemon.pool.policies import FLOOR, GHOST_FACTOR, SHADOW, START
+from kvtier.daemon.pool.policies import FLOOR, GHOST_FACTOR, SHADOW
 
 
 class GhostModel:
     """The ``reuse`` policy's targets, counts and ghosts, as the module docstring of
     :mod:`kvtier.daemon.pool.policies` states them."""
 
-    def __init__(self, factor: float, shadow: float, start: float, floor: float) -> None:
+    def __init__(self, factor: float, shadow: float, floor: float) -> None:
         self.factor, self.shadow, self.floor = factor, shadow, floor
-        self.share = start
+        self.share = 1.0 - floor
         self.capacity = 0
         self.evicted = [0, 0]
         self.ghost: OrderedDict[tuple[int, bytes], int] = OrderedDict()
@@ -51,6 +51,11 @@ class GhostModel:
         while len(self.ghost) > self.factor * resident:
             self.ghost.popitem(last=False)
 
+    def victim_list(self, resident: int, t2: int) -> int:
+        if self.evicted == [0, 0]:  # the first eviction: the split the pool filled with
+            self.share = min(max((resident - t2) / resident, self.floor), 1.0 - self.floor)
+        return 0 if resident - t2 >= self.share * resident else 1
+
     def ghost_list(self) -> list[tuple[int, int]]:
         return [(xxh3_64_intdigest(key, seed=ns), v) for (ns, key), v in self.ghost.items()]
 
@@ -65,7 +70,7 @@ def alike(core: _alloc.Reuse, model: GhostModel) -> None:
 
 OPS = st.lists(
     st.tuples(
-        st.booleans(),  # True: an eviction; False: a store that may return a ghost
+        st.integers(0, 2),  # 0: an eviction; 1: a store that may return a ghost; 2: a victim
         st.integers(0, 2),  # namespace
         st.integers(0, 40),  # key
         st.integers(0, 1),  # list
@@ -77,16 +82,19 @@ OPS = st.lists(
 
 @settings(max_examples=300, deadline=None, derandomize=True)
 @given(OPS)
-def test_core_answers_as_the_model(ops: list[tuple[bool, int, int, int, int]]) -> None:
-    core = _alloc.Reuse(GHOST_FACTOR, SHADOW, START, FLOOR)
-    model = GhostModel(GHOST_FACTOR, SHADOW, START, FLOOR)
-    for evict, ns, i, k, resident in ops:
+def test_core_answers_as_the_model(ops: list[tuple[int, int, int, int, int]]) -> None:
+    core = _alloc.Reuse(GHOST_FACTOR, SHADOW, FLOOR)
+    model = GhostModel(GHOST_FACTOR, SHADOW, FLOOR)
+    for op, ns, i, k, resident in ops:
         key = b"key-%d" % i
-        if evict:
+        if op == 0:
             core.record_eviction(k, ns, key, resident)
             model.record_eviction(k, ns, key, resident)
-        else:
+        elif op == 1:
             assert core.returning(ns, key) == model.returning(ns, key)
+        else:  # i of the resident pages in T2
+            core.t2 = t2 = min(i, resident)
+            assert core.victim_list(resident) == model.victim_list(resident, t2)
         alike(core, model)
 
 
@@ -96,8 +104,8 @@ def test_core_through_growth_and_compaction(resident: int) -> None:
     ghosts return (dropped entries to compact), and at ``resident`` 3 the FIFO bound pops
     all the time."""
     rng = random.Random(7)
-    core = _alloc.Reuse(GHOST_FACTOR, SHADOW, START, FLOOR)
-    model = GhostModel(GHOST_FACTOR, SHADOW, START, FLOOR)
+    core = _alloc.Reuse(GHOST_FACTOR, SHADOW, FLOOR)
+    model = GhostModel(GHOST_FACTOR, SHADOW, FLOOR)
     for step in range(60_000):
         key = b"%d" % rng.randrange(30_000)
         if rng.random() < 0.55:
@@ -114,10 +122,10 @@ def test_core_through_growth_and_compaction(resident: int) -> None:
 
 def test_core_refuses_bad_arguments() -> None:
     with pytest.raises(ValueError, match="ghost_factor"):
-        _alloc.Reuse(0.0, SHADOW, START, FLOOR)
-    with pytest.raises(ValueError, match="start"):
-        _alloc.Reuse(GHOST_FACTOR, SHADOW, 0.999, FLOOR)
-    core = _alloc.Reuse(GHOST_FACTOR, SHADOW, START, FLOOR)
+        _alloc.Reuse(0.0, SHADOW, FLOOR)
+    with pytest.raises(ValueError, match="floor"):
+        _alloc.Reuse(GHOST_FACTOR, SHADOW, 0.5)
+    core = _alloc.Reuse(GHOST_FACTOR, SHADOW, FLOOR)
     with pytest.raises(ValueError, match="at most 32 bytes, got 33"):
         core.returning(0, b"x" * 33)
     with pytest.raises(ValueError, match="list must be 0 or 1, got 2"):

@@ -19,12 +19,13 @@ class Reuse:
     t2: int
     ghosts: int
     evicted: list[int]
-    def __init__(self, ghost_factor: float, shadow: float, start: float, floor: float) -> None: ...
+    def __init__(self, ghost_factor: float, shadow: float, floor: float) -> None: ...
     def returning(self, ns: int, key: bytes) -> bool:
         """Whether the key is a ghost (dropping it, adapting the targets)."""
     def record_eviction(self, k: int, ns: int, key: bytes, resident: int) -> None:
         """Record an eviction from T1 (0) or T2 (1)."""
     def victim_list(self, resident: int) -> int:
-        """The list the next victim comes from (0: T1, 1: T2)."""
+        """The list the next victim comes from (0: T1, 1: T2); before the first eviction it
+        sets T1's target to T1's share of the ``resident`` pages."""
     def ghost_list(self) -> list[tuple[int, int]]:
         """The ghosts, oldest first: ``(hash, 2 x that list's evictions then + list)``."""

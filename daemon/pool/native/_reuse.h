@@ -3,7 +3,7 @@
  * daemon/pool/policies.py's ReuseState wraps for the evictor's Python steps (one
  * implementation for both).
  *
- * Reuse(ghost_factor, shadow, start, floor): the rules are policies.py's module docstring.
+ * Reuse(ghost_factor, shadow, floor): the rules are policies.py's module docstring.
  *
  * State: T1's target `share` of the resident pages, the resident pages at the last
  * eviction (`capacity`), the pages in T2 (`t2`), the evictions from each list, and the
@@ -169,9 +169,14 @@ static int reuse_returning(Reuse *r, uint64_t h) {
     return 1;
 }
 
-/* The list the next victim comes from (0: T1, 1: T2), `resident` pages in all. */
-static int reuse_victim_list(const Reuse *r, long long resident) {
-    return (double)(resident - r->t2) > r->share * (double)resident ? 0 : 1;
+/* The list the next victim comes from (0: T1, 1: T2), `resident` pages in all. Before the
+ * first eviction the targets are set from the split the pool filled with. */
+static int reuse_victim_list(Reuse *r, long long resident) {
+    if (r->evicted[0] + r->evicted[1] == 0 && resident > 0) {
+        double t1 = (double)(resident - r->t2) / (double)resident;
+        r->share = fmin(fmax(t1, r->floor_), 1.0 - r->floor_);
+    }
+    return (double)(resident - r->t2) >= r->share * (double)resident ? 0 : 1;
 }
 
 /* Record an eviction from list `k` of the key hashed `h`, `resident` pages resident. */
@@ -197,23 +202,20 @@ static int reuse_evicted(Reuse *r, int k, uint64_t h, long long resident) {
 }
 
 static int reuse_init(PyObject *self, PyObject *args, PyObject *kw) {
-    static char *names[] = {"ghost_factor", "shadow", "start", "floor", NULL};
+    static char *names[] = {"ghost_factor", "shadow", "floor", NULL};
     Reuse *r = (Reuse *)self;
-    double factor, shadow, start, floor_;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "dddd:Reuse", names, &factor, &shadow, &start,
-                                     &floor_))
+    double factor, shadow, floor_;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "ddd:Reuse", names, &factor, &shadow, &floor_))
         return -1;
-    if (!(factor > 0) || !(shadow > 0) || !(floor_ >= 0 && floor_ < 0.5) ||
-        !(start >= floor_ && start <= 1.0 - floor_)) {
+    if (!(factor > 0) || !(shadow > 0) || !(floor_ >= 0 && floor_ < 0.5)) {
         PyErr_Format(PyExc_ValueError,
-                     "Reuse needs ghost_factor > 0, shadow > 0, 0 <= floor < 0.5 and start "
-                     "within [floor, 1 - floor]; got %R",
+                     "Reuse needs ghost_factor > 0, shadow > 0 and 0 <= floor < 0.5; got %R",
                      args);
         return -1;
     }
     r->factor = factor;
     r->shadow = shadow;
-    r->share = start;
+    r->share = 1.0 - floor_;  /* until the first eviction sets it */
     r->floor_ = floor_;
     r->capacity = r->t2 = r->evicted[0] = r->evicted[1] = 0;
     PyMem_Free(r->ring);
@@ -312,7 +314,8 @@ static PyMethodDef reuse_methods[] = {
     {"record_eviction", reuse_py_evicted, METH_VARARGS,
      "record_eviction(list, ns, key, resident): record an eviction from T1 (0) or T2 (1)."},
     {"victim_list", reuse_py_victim_list, METH_O,
-     "victim_list(resident) -> 0 or 1: the list the next victim comes from."},
+     "victim_list(resident) -> 0 or 1: the list the next victim comes from (before the first "
+     "eviction, setting T1's target to T1's share of the resident pages)."},
     {NULL, NULL, 0, NULL},
 };
 
