@@ -2,7 +2,7 @@
  *
  * run(cols, keys, start, prev, clock, ns_id, owner, cid, page_bytes, per_extent,
  *     free_extents, cls, ready_ns, writing_ns, ready, slot_keys, owned, ends, own_ends,
- *     log, max_log, evicted, out[, checked, take, admit, mode, ends2, tier])
+ *     log, max_log, evicted, out[, checked, take, admit, mode, ends2, tier, core])
  *     -> (stop, prev, clock, evictions, unlogged) or None
  *
  * daemon/pool/pages.py's PageTable.allocate, for the keys from `start` on: a key the
@@ -12,15 +12,17 @@
  * it is cutting, or (mode 0) by evicting the coldest evictable page when it is of the same
  * class (daemon/pool/eviction.py's Evictor.evict and PageTable._release, its slot reused at
  * once). Anything else asks `take(cid, owner)` (Evictor.take_slot: a free extent cut, a
- * page of another class evicted, quotas, evictions that need L3, the arc lists), with the
+ * page of another class evicted, quotas, evictions that need L3, arc's lists), with the
  * counters and list ends this call caches written back before and read again after; mode
  * 1 never evicts here (evictions need L3, or arc), mode 2 asks `take` for every slot (an
  * owner with a quota). `take` answering NIL is a shortfall: the call stops at that key
  * (`stop`); without `take` it stops where `take` would be asked. `admit(slot, ns, key)`,
  * when given, is called for each new page (ArcState.admit); `ends2` and `tier` are the arc
- * policy's second global list and each slot's list. None, having changed nothing: a key
- * from `start` on is not bytes of at most 32 bytes; `checked` says an earlier call has
- * looked at every key already.
+ * and reuse policies' second global list and each slot's list. `core` (a Reuse, _reuse.h)
+ * runs the reuse policy here: the mode-0 victim is the cold end of the list it names, and
+ * each new page enters T2 when its key is a ghost (ReuseState.admit). None, having changed
+ * nothing: a key from `start` on is not bytes of at most 32 bytes; `checked` says an
+ * earlier call has looked at every key already.
  *
  * The counters of `cls` (free, bump, ready, writing) are read once and written back at the
  * end; the evictions are appended to `log` (as `evicted(key, ns, slot, in_l3)`) while it
