@@ -107,6 +107,16 @@ class DaemonConfig(_Frozen):
         "higher value makes the copies yield more, also to every other busy process of the "
         "node: at 19 the copies of eight engines crawled on a node whose cores were busy.",
     )
+    copy_yield_kib: int = Field(
+        default=256,
+        ge=0,
+        le=1 << 20,
+        description="The copy of a STORE of more than slice_pages pages gives its CPU up after "
+        "every this many KiB (0: never): a thread that wakes up to answer a request (the event "
+        "loop, another engine's) runs at once instead of at the scheduler's next tick. Only "
+        "long STOREs yield: nobody's time to first token waits on them, whereas a LOAD's "
+        "engine waits on its copy.",
+    )
     loop_slice_us: int = Field(
         default=100,
         ge=0,

@@ -1,6 +1,6 @@
 /* kvtier.kernels._guarded: page copies over memory that may vanish under them.
 
-   copy_pages(dsts, srcs, length, stream=False) -> int
+   copy_pages(dsts, srcs, length, stream=False, yield_bytes=0) -> int
        For each i, memcpy(dsts[i], srcs[i], length) (addresses as ints), with the GIL
        released. Returns how many pages were copied: len(dsts) when all were, fewer when a
        page faulted with SIGBUS (a shared mapping whose file shrank under it: an engine
@@ -14,7 +14,7 @@
    before (faulthandler's, or the default: the process ends as it would have).
 
    copy_strided(host, host_nbytes, offsets, host_add, engine, engine_pages, page_ids,
-                stride, length, to_host, stream=False) -> int
+                stride, length, to_host, stream=False, yield_bytes=0) -> int
        One region of a transfer in one call: for each i, the ``length`` bytes at
        ``engine + page_ids[i] * stride`` and those at ``host + offsets[i] + host_add`` are
        copied one way (into the host arena when ``to_host``). ``offsets`` and ``page_ids``
@@ -24,7 +24,7 @@
        copy_pages does (GIL released, stopping at a SIGBUS) and the count is returned.
        Planning a copy in numpy takes longer than moving a 64 KiB page.
 
-   copy_regions(host, host_nbytes, offsets, page_ids, table, to_host, stream) -> int
+   copy_regions(host, host_nbytes, offsets, page_ids, table, to_host, stream=False, yield_bytes=0) -> int
        Several regions of a transfer in one call: ``table`` is an int64 buffer of rows
        (host_add, engine, engine_pages, stride, length), one per region, copied in row
        order as copy_strided copies one. Every row and index is checked first (nothing is
@@ -33,7 +33,16 @@
        One call for all regions: with one call per region, a transfer of a few pages (a
        1-page LOAD) spends as long in the Python around the calls as in the copies.
 
-   All take an optional last argument ``stream`` (default false): copy each page with
+   All take two optional last arguments. ``yield_bytes`` (default 0: never): after each
+   page that brings the bytes copied since the last yield to at least this many, the thread
+   calls sched_yield(). A thread that woke up on this CPU (the event loop, another engine
+   answering its own request) then runs within microseconds instead of at the next
+   scheduler tick (4 ms at HZ=250: the kernel lets the running thread finish its slice, and
+   checks that only at the tick); with no other thread waiting, the call returns at once.
+   The daemon asks for it only where nobody waits on the copy's end (a long STORE). It is
+   checked (not negative) before anything is copied.
+
+   ``stream`` (default false): copy each page with
    non-temporal stores (AVX2 where the CPU has it, else SSE2; plain memcpy off x86-64),
    which write the destination straight to memory instead of first reading every line of
    it into the cache and evicting the cache's contents. For a transfer larger than the
@@ -49,6 +58,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <sched.h>
 #include <setjmp.h>
 #include <signal.h>
 #include <stdint.h>
@@ -123,6 +133,17 @@ static void detect_cpu(void) {}
 #endif
 
 static __thread sigjmp_buf *guard = NULL;
+
+/* Yield the CPU once ``*since`` (bytes copied since the last yield, plus ``n``) reaches
+   ``every`` (0: never). */
+static inline void pace(size_t *since, size_t n, size_t every) {
+    if (every == 0) return;
+    *since += n;
+    if (*since >= every) {
+        *since = 0;
+        sched_yield();
+    }
+}
 static struct sigaction previous;
 
 static void on_sigbus(int sig, siginfo_t *info, void *uctx) {
@@ -168,14 +189,16 @@ static int addresses(PyObject *seq, const char *name, uintptr_t **out, Py_ssize_
 }
 
 static Py_ssize_t guarded_copy(uintptr_t *d, uintptr_t *s, Py_ssize_t n, size_t length,
-                               int stream) {
+                               int stream, size_t every) {
     volatile Py_ssize_t done = 0;
+    size_t since = 0;
     sigjmp_buf env;
     if (sigsetjmp(env, 1) == 0) {
         guard = &env;
         while (done < n) {
             page_copy((void *)d[done], (const void *)s[done], length, stream);
             done = done + 1;
+            pace(&since, length, every);
         }
     }
     guard = NULL;
@@ -185,13 +208,17 @@ static Py_ssize_t guarded_copy(uintptr_t *d, uintptr_t *s, Py_ssize_t n, size_t 
 
 static PyObject *copy_pages(PyObject *self, PyObject *args) {
     PyObject *dsts, *srcs;
-    Py_ssize_t length, nd, ns, done;
+    Py_ssize_t length, nd, ns, done, every = 0;
     uintptr_t *d = NULL, *s = NULL;
     int stream = 0;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OOn|p", &dsts, &srcs, &length, &stream)) return NULL;
+    if (!PyArg_ParseTuple(args, "OOn|pn", &dsts, &srcs, &length, &stream, &every)) return NULL;
     if (length <= 0) {
         PyErr_Format(PyExc_ValueError, "length = %zd must be > 0", length);
+        return NULL;
+    }
+    if (every < 0) {
+        PyErr_Format(PyExc_ValueError, "yield_bytes = %zd must not be negative", every);
         return NULL;
     }
     if (addresses(dsts, "dsts must be a sequence of ints", &d, &nd) < 0) return NULL;
@@ -206,7 +233,7 @@ static PyObject *copy_pages(PyObject *self, PyObject *args) {
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    done = guarded_copy(d, s, nd, (size_t)length, stream);
+    done = guarded_copy(d, s, nd, (size_t)length, stream, (size_t)every);
     Py_END_ALLOW_THREADS
     free(d);
     free(s);
@@ -222,8 +249,10 @@ static int64_t at(const char *base, Py_ssize_t i) {
 enum { ROW_ADD, ROW_ENGINE, ROW_PAGES, ROW_STRIDE, ROW_LENGTH, ROW_WORDS };
 
 static Py_ssize_t regions_copy(char *host, const char *offs, const char *pids, const char *rows,
-                               Py_ssize_t nrows, Py_ssize_t n, int to_host, int stream) {
+                               Py_ssize_t nrows, Py_ssize_t n, int to_host, int stream,
+                               size_t every) {
     volatile Py_ssize_t done = 0;
+    size_t since = 0;
     sigjmp_buf env;
     if (sigsetjmp(env, 1) == 0) {
         guard = &env;
@@ -240,6 +269,7 @@ static Py_ssize_t regions_copy(char *host, const char *offs, const char *pids, c
                 else
                     page_copy(e, h, length, stream);
                 done = done + 1;
+                pace(&since, length, every);
             }
         }
     }
@@ -250,15 +280,19 @@ static Py_ssize_t regions_copy(char *host, const char *offs, const char *pids, c
 
 static PyObject *copy_strided(PyObject *self, PyObject *args) {
     unsigned long long host, engine;
-    Py_ssize_t host_nbytes, host_add, engine_pages, stride, length, n, done = 0;
+    Py_ssize_t host_nbytes, host_add, engine_pages, stride, length, n, done = 0, every = 0;
     int64_t row[ROW_WORDS];
     Py_buffer offs, pids;
     int to_host, stream = 0;
     PyObject *out = NULL;
     (void)self;
-    if (!PyArg_ParseTuple(args, "Kny*nKny*nnp|p", &host, &host_nbytes, &offs, &host_add, &engine,
-                          &engine_pages, &pids, &stride, &length, &to_host, &stream))
+    if (!PyArg_ParseTuple(args, "Kny*nKny*nnp|pn", &host, &host_nbytes, &offs, &host_add, &engine,
+                          &engine_pages, &pids, &stride, &length, &to_host, &stream, &every))
         return NULL;
+    if (every < 0) {
+        PyErr_Format(PyExc_ValueError, "yield_bytes = %zd must not be negative", every);
+        goto end;
+    }
     n = offs.len / 8;
     if (offs.len % 8 != 0 || pids.len != offs.len) {
         PyErr_Format(PyExc_ValueError, "offsets (%zd bytes) and page_ids (%zd bytes) must be "
@@ -294,7 +328,7 @@ static PyObject *copy_strided(PyObject *self, PyObject *args) {
     row[ROW_LENGTH] = length;
     Py_BEGIN_ALLOW_THREADS
     done = regions_copy((char *)(uintptr_t)host, offs.buf, pids.buf, (const char *)row, 1, n,
-                        to_host, stream);
+                        to_host, stream, (size_t)every);
     Py_END_ALLOW_THREADS
     out = PyLong_FromSsize_t(done);
 end:
@@ -305,14 +339,18 @@ end:
 
 static PyObject *copy_regions(PyObject *self, PyObject *args) {
     unsigned long long host;
-    Py_ssize_t host_nbytes, n, nrows, done = 0, min_pages = PY_SSIZE_T_MAX, reach = 0;
+    Py_ssize_t host_nbytes, n, nrows, done = 0, min_pages = PY_SSIZE_T_MAX, reach = 0, every = 0;
     Py_buffer offs, pids, rows;
     int to_host, stream = 0;
     PyObject *out = NULL;
     (void)self;
-    if (!PyArg_ParseTuple(args, "Kny*y*y*p|p", &host, &host_nbytes, &offs, &pids, &rows,
-                          &to_host, &stream))
+    if (!PyArg_ParseTuple(args, "Kny*y*y*p|pn", &host, &host_nbytes, &offs, &pids, &rows,
+                          &to_host, &stream, &every))
         return NULL;
+    if (every < 0) {
+        PyErr_Format(PyExc_ValueError, "yield_bytes = %zd must not be negative", every);
+        goto end;
+    }
     n = offs.len / 8;
     nrows = rows.len / (ROW_WORDS * 8);
     if (offs.len % 8 != 0 || pids.len != offs.len || rows.len % (ROW_WORDS * 8) != 0) {
@@ -352,7 +390,7 @@ static PyObject *copy_regions(PyObject *self, PyObject *args) {
     }
     Py_BEGIN_ALLOW_THREADS
     done = regions_copy((char *)(uintptr_t)host, offs.buf, pids.buf, rows.buf, nrows, n,
-                        to_host, stream);
+                        to_host, stream, (size_t)every);
     Py_END_ALLOW_THREADS
     out = PyLong_FromSsize_t(done);
 end:
@@ -364,15 +402,15 @@ end:
 
 static PyMethodDef methods[] = {
     {"copy_regions", copy_regions, METH_VARARGS,
-     "copy_regions(host, host_nbytes, offsets, page_ids, table, to_host, stream=False) -> int: "
+     "copy_regions(host, host_nbytes, offsets, page_ids, table, to_host, stream=False, yield_bytes=0) -> int: "
      "the pages of every region row (host_add, engine, engine_pages, stride, length), every "
      "index checked first; the number copied before a SIGBUS (rows x pages when none)."},
     {"copy_strided", copy_strided, METH_VARARGS,
      "copy_strided(host, host_nbytes, offsets, host_add, engine, engine_pages, page_ids, "
-     "stride, length, to_host, stream=False) -> int: one region's pages, every index checked first; the "
+     "stride, length, to_host, stream=False, yield_bytes=0) -> int: one region's pages, every index checked first; the "
      "number copied before a SIGBUS (all of them when none)."},
     {"copy_pages", copy_pages, METH_VARARGS,
-     "copy_pages(dsts, srcs, length, stream=False) -> int: memcpy each page; the number copied before a "
+     "copy_pages(dsts, srcs, length, stream=False, yield_bytes=0) -> int: memcpy each page; the number copied before a "
      "SIGBUS (all of them when none)."},
     {NULL, NULL, 0, NULL},
 };

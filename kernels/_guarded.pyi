@@ -9,7 +9,14 @@ from typing_extensions import Buffer as _Bytes
 
 Buffer: TypeAlias = _Bytes | NDArray[Any]
 
-def copy_pages(dsts: Sequence[int], srcs: Sequence[int], length: int, stream: bool = ..., /) -> int:
+def copy_pages(
+    dsts: Sequence[int],
+    srcs: Sequence[int],
+    length: int,
+    stream: bool = ...,
+    yield_bytes: int = ...,
+    /,
+) -> int:
     """``memcpy`` per page, stopping at a page that faults: the pages copied."""
 
 def copy_strided(
@@ -24,6 +31,7 @@ def copy_strided(
     length: int,
     to_host: bool,
     stream: bool = ...,
+    yield_bytes: int = ...,
     /,
 ) -> int:
     """One region's pages between the arena and an engine's memory: the pages copied."""
@@ -36,6 +44,7 @@ def copy_regions(
     table: Buffer,
     to_host: bool,
     stream: bool = ...,
+    yield_bytes: int = ...,
     /,
 ) -> int:
     """Several regions' pages in one call: the pages copied."""

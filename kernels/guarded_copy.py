@@ -50,10 +50,16 @@ def strided() -> bool:
 _NO_REGION_COPY = "region copies are not in use (kvtier.kernels._guarded: check strided())"
 
 
-def copy_pages(dsts: Sequence[int], srcs: Sequence[int], length: int, stream: bool = False) -> int:
+def copy_pages(
+    dsts: Sequence[int],
+    srcs: Sequence[int],
+    length: int,
+    stream: bool = False,
+    yield_bytes: int = 0,
+) -> int:
     """``memcpy(dsts[i], srcs[i], length)`` for each page, the GIL released.
 
-    ``stream``: copy with non-temporal stores (see :func:`copy_strided`).
+    ``stream`` / ``yield_bytes``: as for :func:`copy_strided`.
 
     Returns:
         Pages copied: all of them, or fewer when a page faulted (its mapping's file shrank);
@@ -67,7 +73,7 @@ def copy_pages(dsts: Sequence[int], srcs: Sequence[int], length: int, stream: bo
             "guarded copies are not in use (kvtier.kernels._guarded: "
             f"{'turned off' if BUILT else 'not built'})"
         )
-    return _guarded.copy_pages(dsts, srcs, length, stream)
+    return _guarded.copy_pages(dsts, srcs, length, stream, yield_bytes)
 
 
 def copy_strided(
@@ -82,6 +88,7 @@ def copy_strided(
     length: int,
     to_host: bool,
     stream: bool = False,
+    yield_bytes: int = 0,
 ) -> int:
     """Copy one region's pages between the host arena and an engine's memory, in C.
 
@@ -102,14 +109,17 @@ def copy_strided(
         to_host: the direction (True: engine → arena).
         stream: write the destination with non-temporal stores, past the cache (faster
             for a transfer larger than the cache holds; the copy ends with a store fence).
+        yield_bytes: give the CPU up (``sched_yield``) after every this many bytes (0:
+            never), so that a thread that woke up on this CPU runs now rather than at the
+            scheduler's next tick; for a copy nobody waits on (a long STORE).
 
     Returns:
         Pages copied: all of them, or fewer when a page faulted; the copy stopped there.
 
     Raises:
         ValueError: a page id outside ``[0, engine_pages)``, a slot range outside the arena,
-            arrays of different lengths, or ``length`` not in ``(0, stride]``; nothing was
-            copied.
+            arrays of different lengths, ``length`` not in ``(0, stride]``, or a negative
+            ``yield_bytes``; nothing was copied.
         RuntimeError: region copies are not in use (check :func:`strided` first).
     """
     if _guarded is None or not strided():
@@ -127,6 +137,7 @@ def copy_strided(
             length,
             to_host,
             stream,
+            yield_bytes,
         )
     )
 
@@ -139,6 +150,7 @@ def copy_regions(
     table: np.ndarray,
     to_host: bool,
     stream: bool = False,
+    yield_bytes: int = 0,
 ) -> int:
     """Copy several regions' pages in one call, as :func:`copy_strided` copies one each.
 
@@ -148,7 +160,7 @@ def copy_regions(
             length (the same pages in every region).
         table: a C-contiguous int64 array of rows ``(host_add, engine, engine_pages,
             stride, length)``, one per region, copied in row order.
-        to_host / stream: as for :func:`copy_strided`.
+        to_host / stream / yield_bytes: as for :func:`copy_strided`.
 
     Returns:
         Pages copied over all rows: ``rows * len(page_ids)`` when all were, fewer when a
@@ -162,4 +174,8 @@ def copy_regions(
     """
     if _guarded is None or not strided():
         raise RuntimeError(_NO_REGION_COPY)
-    return int(_guarded.copy_regions(host, host_nbytes, offsets, page_ids, table, to_host, stream))
+    return int(
+        _guarded.copy_regions(
+            host, host_nbytes, offsets, page_ids, table, to_host, stream, yield_bytes
+        )
+    )

@@ -55,6 +55,7 @@ from concurrent.futures import Executor, Future
 from typing import Any
 
 import numpy as np
+from kvtier.config import DaemonConfig
 from kvtier.daemon.service import slices
 from kvtier.daemon.service.context import ServiceContext
 from kvtier.daemon.service.sessions import Session, SessionState
@@ -105,6 +106,17 @@ LOOP_SHARE_BYTES = 4 << 20
 """The most the event loop copies of a shared transfer (:meth:`Transfers._share`: half of
 one of at most twice this; larger ones are not shared): a fraction of a millisecond of
 copying, about as long as an 8,192-key LOOKUP holds the loop."""
+
+
+def copy_yield_bytes(cfg: DaemonConfig, direction: Direction, pages: int) -> int:
+    """How often the copy of a transfer of ``pages`` pages gives its CPU up
+    (:attr:`~kvtier.daemon.transfer.transfer.Transfer.yield_bytes`): a long STORE's (more
+    than ``slice_pages`` pages) every ``copy_yield_kib`` KiB, so that the threads answering
+    other engines run as soon as they wake up; any other copy never (its engine waits on a
+    LOAD, and a short STORE ends within a time slice)."""
+    if direction is Direction.STORE and pages > cfg.slice_pages:
+        return cfg.copy_yield_kib * 1024
+    return 0
 
 
 def _cpus() -> int:
@@ -202,6 +214,7 @@ class Transfers:
             started=time.monotonic(),
             keys=keys,
             checksum=direction is Direction.STORE and self.ctx.cfg.verify_on_adopt,
+            yield_bytes=copy_yield_bytes(self.ctx.cfg, direction, len(host)),
         )
         s.completion.begin(slot, seq, g.num_layers)
         s.transfers[slot] = t

@@ -74,6 +74,9 @@ class Transfer:
             prefetched-page accounting after a load).
         checksums: a finished store's page checksums (the pool records them, so a restart
             can verify the pages it adopts); None otherwise.
+        yield_bytes: the copy gives its CPU up after every this many bytes (0: never;
+            :func:`~kvtier.kernels.guarded_copy.copy_strided`): set for a copy nobody
+            waits on, so that the threads answering others run as soon as they wake up.
     """
 
     direction: Direction
@@ -91,6 +94,7 @@ class Transfer:
     checksum: bool = False  # a store records its pages' checksums (verify_on_adopt)
     checksums: list[int] | None = None
     extra: dict[str, object] = field(default_factory=dict)
+    yield_bytes: int = 0
 
 
 def run_transfer(
@@ -177,6 +181,7 @@ def copy_part(
                     host,
                     r,
                     t.nbytes >= STREAM_BYTES,
+                    t.yield_bytes,
                 )
                 nxt = order[i + 1].layer if i + 1 < len(order) else num_layers
                 if nxt > r.layer >= 0:
@@ -279,7 +284,9 @@ def _copy_table(
     for a, b, layers in groups:
         if t.cancelled:
             return TransferStatus.CANCELLED
-        done = copy_regions(host.address, host.nbytes, offsets, page_ids, rows[a:b], store, stream)
+        done = copy_regions(
+            host.address, host.nbytes, offsets, page_ids, rows[a:b], store, stream, t.yield_bytes
+        )
         if done < (b - a) * n:
             raise RegionIOError(
                 f"engine memory: page {int(page_ids[done % n])} of a region is "
@@ -299,13 +306,14 @@ def _copy_region(
     arena: ArenaView,
     r: RegionView,
     stream: bool = False,
+    yield_bytes: int = 0,
 ) -> None:
     """Move one region's bytes of the pages ``page_ids`` (host slots at ``offsets``).
 
     Mapped memory, sealed or not, is copied by :func:`copy_strided` when the native
     extension is there: every index checked, then one ``memcpy`` per page in C, stopping
     at a page gone from a mapping that shrank (``stream``: with non-temporal stores, see
-    :data:`STREAM_BYTES`). Without it: numpy plans on a sealed
+    :data:`STREAM_BYTES`; ``yield_bytes``: as :attr:`Transfer.yield_bytes`). Without it: numpy plans on a sealed
     mapping (``plans`` caches them per region size, for the transfer), guarded copies on
     one that may shrink, ``pread``/``pwrite`` on an unmapped descriptor."""
     store = direction is Direction.STORE
@@ -332,6 +340,7 @@ def _copy_region(
             r.page_bytes,
             store,
             stream,
+            yield_bytes,
         )
         if done < len(page_ids):
             raise RegionIOError(
@@ -361,9 +370,9 @@ def _copy_region(
         engine = (page_ids * r.page_stride + r.address).tolist()
         host = (offsets + (arena.address + r.host_offset)).tolist()
         done = (
-            copy_pages(host, engine, r.page_bytes, stream)
+            copy_pages(host, engine, r.page_bytes, stream, yield_bytes)
             if store
-            else copy_pages(engine, host, r.page_bytes, stream)
+            else copy_pages(engine, host, r.page_bytes, stream, yield_bytes)
         )
         if done < len(host):
             raise RegionIOError(
