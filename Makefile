@@ -20,7 +20,7 @@ SGLANG_DEPS := numpy msgspec pydantic pyzmq orjson psutil pybase64 requests pack
 	"openai>=2.25.0" partial_json_parser
 DEMO_STAMP := $(VENV)/.kvtier-demo-installed
 SOURCES := pyproject.toml setup.py kernels/_fileio.c kernels/_xxh3_avx2.c kernels/_guarded.c \
-           kernels/_packkeys.c daemon/pool/native/_keyprobe.c daemon/pool/native/_pins.c \
+           kernels/_packkeys.c kernels/_pagekeys.c daemon/pool/native/_keyprobe.c daemon/pool/native/_pins.c \
            daemon/pool/native/_alloc.c
 
 .PHONY: engines gpu-wheels gpu-check venv venv-demo test test-fast test-optimized serve demo bench lint typecheck clean sysdeps builddeps

@@ -16,6 +16,7 @@ see ``kvtier.kernels.native``):
 - ``kvtier.kernels._fileio``: the file L3 backend's batch I/O;
 - ``kvtier.kernels._guarded``: copies from engine memfds that may shrink;
 - ``kvtier.kernels._packkeys``: a client's page keys packed for the wire.
+- ``kvtier.kernels._pagekeys``: the SHA-256 chain of page keys (a client's prompts).
 """
 
 from setuptools import Extension, setup
@@ -48,6 +49,12 @@ setup(
         Extension(
             "kvtier.kernels._packkeys",
             sources=["kernels/_packkeys.c"],
+            extra_compile_args=_C,
+            optional=True,
+        ),
+        Extension(
+            "kvtier.kernels._pagekeys",
+            sources=["kernels/_pagekeys.c"],
             extra_compile_args=_C,
             optional=True,
         ),

@@ -9,6 +9,9 @@ figures on a shared machine are noise:
   request until the completion block says the last layer landed.
 - ``zmq_echo_rtt_us_p50``: a DEALER → ROUTER echo over ipc:// to a uvloop server, with the
   payload of a 64-key LOOKUP; ``lookup_rtt_us_p50``: a real 64-key LOOKUP.
+- ``page_keys_us``: an engine keying a 128K-token prompt (8,192 pages of 16 tokens, from a
+  list of ints), against the same keys hashed with hashlib in Python
+  (``page_keys_hashlib_us``).
 
 The daemon runs with L3 off (``--hicache-storage-backend none``, not the default ``file``):
 this measures the host pool alone, without write-through to disk competing for the copies
@@ -27,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 from kvtier.client.connection.connection import Connection
+from kvtier.client.page_keys import page_keys
 from kvtier.client.kv_pool.shared import SharedKVPool
 from kvtier.config import ClientConfig
 from kvtier.ipc import protocol as P
@@ -86,6 +90,27 @@ def measure_echo(endpoint_dir: Path, payload: bytes, n: int) -> float:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+KEYED_TOKENS = 131_072
+"""Tokens of the prompt :func:`measure_page_keys` keys (a 128K-token context)."""
+KEYED_PAGE_SIZE = 16
+"""Its tokens per page (vLLM's default block size): 8,192 keys."""
+
+
+def measure_page_keys(repeats: int = REPEATS) -> tuple[float, float]:
+    """Median µs to key a :data:`KEYED_TOKENS`-token prompt given as a list of ints (as an
+    engine's scheduler has it), as shipped (C where built) and with hashlib in Python, the
+    two alternated in one run."""
+    native: list[float] = []
+    python: list[float] = []
+    for rep in range(repeats):
+        tokens = list(range(rep, rep + KEYED_TOKENS))
+        for out, flag in ((native, True), (python, False)):
+            t0 = time.perf_counter()
+            page_keys(b"\x00" * 32, tokens, KEYED_PAGE_SIZE, native=flag)
+            out.append(time.perf_counter() - t0)
+    return statistics.median(native) * 1e6, statistics.median(python) * 1e6
 
 
 def run_l2_bench(mib: int = 256, rtt_samples: int = 2000) -> dict:
@@ -153,6 +178,7 @@ def run_l2_bench(mib: int = 256, rtt_samples: int = 2000) -> dict:
             daemon.stop()
             daemon.remove_pool()  # a benchmark's pool is not kept for a next start
     memcpy = measure_memcpy(nbytes)
+    keys_us, keys_python_us = measure_page_keys()
     store = _gbps(nbytes, statistics.median(store_t))
     load = _gbps(nbytes, statistics.median(load_t))
     return {
@@ -166,6 +192,9 @@ def run_l2_bench(mib: int = 256, rtt_samples: int = 2000) -> dict:
         "store_over_memcpy": round(store / memcpy, 3),
         "load_over_memcpy": round(load / memcpy, 3),
         "lookup_over_echo": round(lookup_p50 / echo_p50, 3),
+        "page_keys_us": round(keys_us, 1),
+        "page_keys_hashlib_us": round(keys_python_us, 1),
+        "page_keys_over_hashlib": round(keys_us / keys_python_us, 3),
         "cpu_count": os.cpu_count(),
     }
 
@@ -193,4 +222,9 @@ def print_table(r: dict) -> None:
         f"{r['lookup_over_echo']:.2f}",
         "<= 1.30",
     )
+    if "page_keys_us" in r:  # results written before it was measured lack it
+        t.add_row("page_keys_hashlib_us (8,192 keys)", f"{r['page_keys_hashlib_us']:.1f}",
+                  "1.00", "baseline")  # fmt: skip
+        t.add_row("page_keys_us (8,192 keys)", f"{r['page_keys_us']:.1f}",
+                  f"{r['page_keys_over_hashlib']:.2f}", "")  # fmt: skip
     Console().print(t)
