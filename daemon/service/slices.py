@@ -33,6 +33,7 @@ event loop's turn) as an argument, so that a test can stop it at every slice bou
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -49,7 +50,13 @@ Turn = Callable[[], Awaitable[None]]
 
 async def turn() -> None:
     """One turn of the event loop: ready callbacks run and the sockets are polled (the
-    control socket's reader answers what is queued) before the caller goes on."""
+    control socket's reader answers what is queued) before the caller goes on.
+
+    First the thread offers its CPU to any thread waiting for it (``sched_yield``; it
+    returns at once when none is): slices follow one another for milliseconds, and an
+    engine whose thread woke up on this CPU to send its LOOKUP would otherwise wait for the
+    scheduler's tick before its request even reaches the socket the loop polls."""
+    os.sched_yield()
     await asyncio.sleep(0)
 
 

@@ -207,3 +207,24 @@ def test_a_sliced_abort_frees_every_slot():
     run(slices.abort(p, slots, SIZE, at_each(lambda: writing.append(p.stats().pages_writing))))
     assert writing == sorted(writing, reverse=True) and writing[0] < CHAIN
     assert p.stats().pages_writing == 0 and p.resident_run(NS, keys) == 0
+
+
+def test_the_turn_between_slices_offers_the_cpu_before_the_loop_goes_on(monkeypatch):
+    """Each turn yields the thread's CPU (an engine thread waiting for that core runs now,
+    not at the scheduler's tick) and then gives the event loop its turn: a callback queued
+    before the turn has run when it returns."""
+    offered: list[int] = []
+    monkeypatch.setattr(slices.os, "sched_yield", lambda: offered.append(1))
+    ran: list[int] = []
+
+    async def main() -> None:
+        asyncio.get_running_loop().call_soon(ran.append, 1)
+        await slices.turn()
+        assert ran == [1] and offered == [1]
+        p, cls = pool()
+        got = await slices.allocate(p, NS, OWNER, cls, chain("y"), None, SIZE, lambda: False,
+                                    noop)  # fmt: skip
+        assert got is not None and len(got.slots) == CHAIN
+        assert len(offered) == 1 + (CHAIN - 1) // SIZE  # one per turn between two slices
+
+    run(main())
