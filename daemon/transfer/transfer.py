@@ -313,9 +313,10 @@ def _copy_region(
     Mapped memory, sealed or not, is copied by :func:`copy_strided` when the native
     extension is there: every index checked, then one ``memcpy`` per page in C, stopping
     at a page gone from a mapping that shrank (``stream``: with non-temporal stores, see
-    :data:`STREAM_BYTES`; ``yield_bytes``: as :attr:`Transfer.yield_bytes`). Without it: numpy plans on a sealed
-    mapping (``plans`` caches them per region size, for the transfer), guarded copies on
-    one that may shrink, ``pread``/``pwrite`` on an unmapped descriptor."""
+    :data:`STREAM_BYTES`; ``yield_bytes``: as :attr:`Transfer.yield_bytes`). Without it:
+    numpy plans on a sealed mapping (``plans`` caches them per region size, for the
+    transfer), guarded copies on one that may shrink, ``pread``/``pwrite`` on an unmapped
+    descriptor (these never yield)."""
     store = direction is Direction.STORE
     view = r.view
     mapped: tuple[int, int, int] | None = None  # (page 0's address, pages, page stride)
