@@ -315,8 +315,8 @@ def _copy_region(
     at a page gone from a mapping that shrank (``stream``: with non-temporal stores, see
     :data:`STREAM_BYTES`; ``yield_bytes``: as :attr:`Transfer.yield_bytes`). Without it:
     numpy plans on a sealed mapping (``plans`` caches them per region size, for the
-    transfer), guarded copies on one that may shrink, ``pread``/``pwrite`` on an unmapped
-    descriptor (these never yield)."""
+    transfer; they never yield), guarded copies on one that may shrink, ``pread``/``pwrite``
+    on an unmapped descriptor (never yielding either)."""
     store = direction is Direction.STORE
     view = r.view
     mapped: tuple[int, int, int] | None = None  # (page 0's address, pages, page stride)
