@@ -23,7 +23,9 @@ only ``"status": "measured"``).
    ``contended_prefill_overlap`` and their ``engine_`` twins <= 1.1; every ``*logits_equal``
    true. The ``kernel_`` figures have no target: they tell which daemon copy to choose.
 
-Every figure is the median of the timed runs after a warm-up (best also reported).
+Every figure is the median of the timed runs after a warm-up (best also reported). Each
+section prints its figures as it ends, and ``--json`` is rewritten then with ``"status":
+"partial"``, so what was measured survives a run stopped from outside.
 
 Exit status: 0 when every target is met (or there is no GPU), 2 when measured but a target is
 missed or the logits differ, 1 when a section could not run or failed a check (wrong bytes, a
@@ -198,10 +200,11 @@ def verdict(results: dict[str, Any], required: Sequence[str]) -> tuple[bool, lis
 class _Run:
     """The sections of one run: each timed, its error recorded, none started past the budget."""
 
-    def __init__(self, budget_s: float) -> None:
+    def __init__(self, budget_s: float, checkpoint: Callable[[], None] | None = None) -> None:
         self.start = time.monotonic()
         self.budget_s = budget_s
         self.errors: list[str] = []
+        self.checkpoint = checkpoint
 
     def over_budget(self) -> bool:
         """Whether the budget has passed (no section starts any more)."""
@@ -218,11 +221,15 @@ class _Run:
         print(f"[{name} at {elapsed:.1f}s]", flush=True)
         t0 = time.monotonic()
         try:
-            into.update(fn())
+            figures = fn()
+            into.update(figures)
+            print(json.dumps(figures, default=str), flush=True)
         except (KvtierError, RuntimeError, ValueError, OSError) as err:  # report, run the next
             self.errors.append(f"{name}: {type(err).__name__}: {err}")
             traceback.print_exc()
         print(f"[{name}: {time.monotonic() - t0:.1f}s]", flush=True)
+        if self.checkpoint is not None:  # what is measured so far survives a kill
+            self.checkpoint()
 
 
 def _measure(args: argparse.Namespace, results: dict[str, Any], run: _Run, tmp: Path) -> None:
@@ -339,7 +346,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"cuda_bench on {results['device']} (torch {results['torch']}, CUDA {results['cuda']})",
         flush=True,
     )
-    run = _Run(args.budget_s)
+
+    def checkpoint() -> None:
+        if args.json is not None:
+            partial = dict(results, status="partial", errors=run.errors)
+            args.json.write_text(json.dumps(partial, indent=2, default=str))
+
+    run = _Run(args.budget_s, checkpoint)
     tmp = Path(tempfile.mkdtemp(prefix="kvt-cb-", dir="/tmp"))
     try:
         _measure(args, results, run, tmp)

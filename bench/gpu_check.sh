@@ -17,7 +17,9 @@
 #
 # Every step runs under `timeout -k` in its own process group, and whatever a step started that
 # outlived it (kvtierd, engine children) is killed by the marker in its environment. The whole
-# run is bounded by GPU_CHECK_LIMIT_S (default 360 s). One JSON summary is written.
+# run is bounded by GPU_CHECK_LIMIT_S (default 360 s; the tests' and the bench's own parts by
+# GPU_CHECK_TESTS_S, default 180, and GPU_CHECK_BENCH_S, default 210). One JSON summary is
+# written, and beside it every step's whole output (GPU_CHECK_LOGS; empty: none).
 # KVTIER_GPU_CHECK_VENV names a venv prepared by hand, to use instead of making one.
 #
 #   bash bench/gpu_check.sh [SUMMARY_JSON]        (default: $OUT/gpu_check.json or ./gpu_check.json)
@@ -31,6 +33,8 @@ ROOT=$PWD
 PY=${PYTHON:-python3}
 WHEELS=${KVTIER_WHEELS:-$ROOT/.whl}
 SUMMARY=${1:-${OUT:-$ROOT}/gpu_check.json}
+LOGS=${GPU_CHECK_LOGS-${SUMMARY%.json}_logs.tar.gz}  # every step's output; empty: none
+[ -n "$LOGS" ] && LOGS=$(realpath -m "$LOGS")
 WORK=$(mktemp -d /tmp/kvtier-gpu-check.XXXXXX)
 START=$(date +%s)
 TOTAL_LIMIT_S=${GPU_CHECK_LIMIT_S:-360}
@@ -115,6 +119,9 @@ EOF
 finish() {  # finish STATUS REASON EXIT
     say "$1: $2"
     summary "$1" "$2"
+    if [ -n "$LOGS" ]; then  # every step's whole output, beside the summary
+        (cd "$WORK" && tar -czf "$LOGS" -- $(ls -- *.txt *.xml *.json 2>/dev/null)) 2>/dev/null
+    fi
     exit "$3"
 }
 
@@ -189,25 +196,49 @@ EOF
 [ "$(cat "$WORK/shm.rc")" = 0 ] || finish error "$(tail -1 "$WORK/shm.txt")" 1
 
 # 4. A venv over the machine's torch and CuPy; the pinned wheels; kvtier.
+# The machine's python3 may itself be a venv (its torch and CuPy in that venv's site-packages),
+# which a --system-site-packages venv made from it would not see, and its pip may lack ensurepip:
+# so the venv is made without pip, a .pth file names the machine's site folders (after the venv's
+# own, so the pinned wheels come first), and the machine's pip installs into the venv's folder.
+# kvtier is built from this tree with the pinned setuptools; where the machine cannot compile C
+# for Python (no Python.h), a kvtier wheel built for this Python on another machine and left in
+# .whl/ is used instead, and the log says so.
 VENV=${KVTIER_GPU_CHECK_VENV:-$WORK/venv}
 install() {
     set -e
+    local check="import kvtier.daemon.service.server, kvtier.kernels.cuda_copy, zmq, msgspec, pydantic, pytest, pytest_asyncio, torch"
     if [ -n "${KVTIER_GPU_CHECK_VENV:-}" ]; then  # a venv prepared by hand: use it as it is
-        "$VENV/bin/python" -c "import kvtier.daemon.service.server, kvtier.kernels.cuda_copy, zmq, msgspec, pydantic, pytest"
+        "$VENV/bin/python" -c "$check"
         return
     fi
-    "$PY" -m venv --system-site-packages "$VENV"
-    if [ -d "$WHEELS" ]; then
-        "$VENV/bin/python" -m pip install -q --no-index --find-links "$WHEELS" \
-            -r "$ROOT/bench/gpu-requirements.txt"
-    else
-        echo "no $WHEELS: using what the machine has (make gpu-wheels fills it)"
+    "$PY" -m venv --without-pip --system-site-packages "$VENV"
+    local site
+    site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    "$PY" -c 'import sys; print("\n".join(p for p in sys.path if p.endswith(("site-packages", "dist-packages"))))' \
+        >"$site/zz_machine_site.pth"
+    echo "machine site folders: $(tr '\n' ' ' <"$site/zz_machine_site.pth")"
+    if [ ! -d "$WHEELS" ]; then
+        echo "no $WHEELS (make gpu-wheels fills it)"
+        return 1
     fi
-    "$VENV/bin/python" -m pip install -q --no-index --no-deps --no-build-isolation -e "$ROOT"
-    "$VENV/bin/python" -c "import kvtier.daemon.service.server, kvtier.kernels.cuda_copy, zmq, msgspec, pydantic, pytest"
+    "$PY" -m pip install -q --no-index --no-deps --find-links "$WHEELS" --target "$site" \
+        -r "$ROOT/bench/gpu-requirements.txt"
+    local whl=""
+    if PYTHONPATH="$site" "$PY" -m pip wheel -q --no-index --no-deps --no-build-isolation \
+        -w "$WORK/dist" "$ROOT"; then
+        whl=$(ls "$WORK"/dist/kvtier-*.whl)
+        echo "kvtier built here: $whl"
+    else
+        whl=$(ls "$WHEELS"/kvtier-*-cp"$("$PY" -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')"-*.whl 2>/dev/null | head -1)
+        [ -n "$whl" ] || { echo "kvtier does not build here and .whl/ has no kvtier wheel for this Python"; return 1; }
+        echo "kvtier does not build here: using the prebuilt $whl"
+    fi
+    "$PY" -m pip install -q --no-index --no-deps --target "$site" "$whl"
+    "$VENV/bin/python" -c "$check"
+    "$VENV/bin/python" -c 'import kvtier.daemon, torch, pytest; print("kvtier", kvtier.daemon.__file__, "torch", torch.__version__, "pytest", pytest.__version__)'
 }
 export -f install
-export VENV WHEELS ROOT PY
+export VENV WHEELS ROOT PY WORK
 step install 150 bash -c install </dev/null
 case $(cat "$WORK/install.rc") in
     0) say "installed into $VENV" ;;
@@ -215,10 +246,13 @@ case $(cat "$WORK/install.rc") in
     *) finish error "installing failed: $(tail -1 "$WORK/install.txt")" 1 ;;
 esac
 
-# 5. The CUDA tests. Passing means: some CUDA test passed, none failed or errored.
+# 5. The CUDA tests. Passing means: some CUDA test passed, none failed or errored. The machine's
+# own pytest plugins are not loaded (they may not match the pinned pytest); warnings are shown,
+# not turned into errors, since the machine's torch and CuPy may warn about their own versions.
 say "tests/cuda"
-step tests 180 "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/cuda -m cuda \
-    --timeout 120 --junitxml="$WORK/tests.xml" </dev/null
+step tests "${GPU_CHECK_TESTS_S:-180}" env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 "$VENV/bin/python" -m pytest -q \
+    -p no:cacheprovider -p pytest_asyncio.plugin -p pytest_timeout -W default \
+    tests/cuda -m cuda -rfEs -v --durations=15 --timeout 120 --junitxml="$WORK/tests.xml" </dev/null
 TRC=$(cat "$WORK/tests.rc")
 tail -3 "$WORK/tests.txt" >&2
 PASSED=$("$PY" - "$WORK/tests.xml" <<'EOF'
@@ -232,17 +266,25 @@ except (OSError, ET.ParseError):
 print(sum(1 for c in cases if not any(ch.tag in ("failure", "error", "skipped") for ch in c)))
 EOF
 )
+TESTS_VERDICT=""
 case $TRC in
-    124|137) finish error "tests/cuda ran past its limit" 1 ;;
-    0) [ "$PASSED" -gt 0 ] || finish failed "no CUDA test passed (all skipped)" 2 ;;
-    *) finish failed "tests/cuda failed (rc $TRC, $PASSED passed)" 2 ;;
+    124|137) TESTS_VERDICT="error:tests/cuda ran past its limit" ;;
+    0) [ "$PASSED" -gt 0 ] || TESTS_VERDICT="failed:no CUDA test passed (all skipped)" ;;
+    *) TESTS_VERDICT="failed:tests/cuda failed (rc $TRC, $PASSED passed)" ;;
 esac
 
-# 6. The GPU bench.
+# 6. The GPU bench: run even after a test failed, for its figures; the verdict stays the tests'.
 say "bench/cuda_bench.py"
-step bench 210 "$VENV/bin/python" -m kvtier.bench.cuda_bench --json "$WORK/bench.json" </dev/null
+BENCH_S=${GPU_CHECK_BENCH_S:-210}
+[ "$(left)" -lt "$BENCH_S" ] && BENCH_S=$(left)
+step bench "$BENCH_S" "$VENV/bin/python" -m kvtier.bench.cuda_bench --json "$WORK/bench.json" \
+    --budget-s $((BENCH_S * 3 / 5)) </dev/null
 BRC=$(cat "$WORK/bench.rc")
 tail -25 "$WORK/bench.txt" >&2
+case $TESTS_VERDICT in
+    error:*) finish error "${TESTS_VERDICT#error:}" 1 ;;
+    failed:*) finish failed "${TESTS_VERDICT#failed:}" 2 ;;
+esac
 case $BRC in
     0) "$PY" - "$WORK/bench.json" <<'EOF' 2>/dev/null || finish failed "the bench wrote no figures" 2
 import json, sys
