@@ -15,7 +15,9 @@ only ``"status": "measured"``).
    (``kernel_load_gbps`` ...; ``faster_cuda_copy`` says which of the two was faster). The
    baseline moves the same bytes with one pinned ``cudaMemcpyAsync`` each way. Targets:
    ``load_over_baseline``, ``store_over_baseline`` and their ``engine_`` twins >= 0.8. The
-   loaded bytes are checked.
+   engine mode is measured again against a kvtierd with ``--engine-copy-threads`` copy
+   threads (``engine_threads_load_gbps`` ..., no target): its staging ↔ pool copies run on the
+   daemon's CPU threads, which bound that mode. The loaded bytes are checked.
 2. Prefill overlap (:mod:`~kvtier.bench.cuda_bench_prefill`): an 8192-token prefill whose first
    4096 tokens' KV is loaded layer by layer, against the same prefill over resident KV, alone
    on the GPU and with a second process running matmuls on it (``contended_``), in both copy
@@ -84,6 +86,7 @@ BANDWIDTH_MODES = {
     "": "daemon mode, DMA",
     "engine_": "engine mode",
     "kernel_": "daemon mode, kernels",
+    "engine_threads_": "engine, copy threads",
 }
 """Field prefix of each measured copy path."""
 
@@ -117,6 +120,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--skip-kernel", action="store_true", help="no second kvtierd with --cuda-copy kernel"
     )
+    p.add_argument(
+        "--engine-copy-threads",
+        type=int,
+        default=8,
+        help="also measure the engine mode against a kvtierd with this many copy threads "
+        "(its CPU copies bound that mode; default 8, 0 = not)",
+    )
     p.add_argument("--json", type=Path, help="also write the results here")
     return p
 
@@ -128,6 +138,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for name in ("pages", "repeats", "prefill_repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 <= args.engine_copy_threads <= 64:
+        p.error(f"--engine-copy-threads must be in 0..64, got {args.engine_copy_threads}")
     if args.contender_s <= 0 or args.budget_s <= 0:
         p.error("--contender-s and --budget-s must be > 0")
     return args
@@ -256,9 +268,15 @@ def _measure(args: argparse.Namespace, results: dict[str, Any], run: _Run, tmp: 
         )
 
     run.section("baseline", bw, lambda: baseline(args.pages, args.repeats))
-    for cuda_copy in ("dma",) if args.skip_kernel else ("dma", "kernel"):
+    daemons = ["dma"] if args.skip_kernel else ["dma", "kernel"]
+    if args.engine_copy_threads:
+        daemons.append("threads")
+    for which in daemons:
+        cuda_copy = "dma" if which == "threads" else which
+        threads = ["--copy-threads", str(args.engine_copy_threads)] if which == "threads" else []
+        label = " ".join(threads) if threads else f"--cuda-copy {cuda_copy}"
         daemon = DaemonProcess(
-            tmp / cuda_copy,
+            tmp / which,
             [
                 "--hicache-storage-backend",
                 "none",
@@ -268,6 +286,7 @@ def _measure(args: argparse.Namespace, results: dict[str, Any], run: _Run, tmp: 
                 "64MiB",
                 "--cuda-copy",
                 cuda_copy,
+                *threads,
                 "--log-level",
                 "warning",
             ],
@@ -276,7 +295,15 @@ def _measure(args: argparse.Namespace, results: dict[str, Any], run: _Run, tmp: 
         part = functools.partial
         pages, reps = args.pages, args.repeats
         sections: list[tuple[str, dict[str, Any], Callable[[], dict[str, Any]]]] = []
-        if cuda_copy == "dma":
+        if which == "threads":
+            sections.append(
+                (
+                    "engine bandwidth",
+                    bw,
+                    part(engine_bandwidth, rdir, pages, reps, 7000, prefix="engine_threads_"),
+                )
+            )
+        elif cuda_copy == "dma":
             sections += [
                 ("daemon bandwidth", bw, part(daemon_bandwidth, rdir, pages, reps, "", 1000)),
                 ("engine bandwidth", bw, part(engine_bandwidth, rdir, pages, reps, 2000)),
@@ -296,22 +323,22 @@ def _measure(args: argparse.Namespace, results: dict[str, Any], run: _Run, tmp: 
                 )
         if run.over_budget():  # record each section as not started; start no daemon
             for name, into, fn in sections:
-                run.section(f"{name} (--cuda-copy {cuda_copy})", into, fn)
+                run.section(f"{name} ({label})", into, fn)
             continue
         errors_before = len(run.errors)
         try:
-            print(f"[kvtierd --cuda-copy {cuda_copy}: starting]", flush=True)
+            print(f"[kvtierd {label}: starting]", flush=True)
             try:
                 daemon.start(timeout=120.0)
             except (KvtierError, RuntimeError, OSError, TimeoutError) as err:
-                run.errors.append(f"kvtierd --cuda-copy {cuda_copy}: {type(err).__name__}: {err}")
+                run.errors.append(f"kvtierd {label}: {type(err).__name__}: {err}")
                 continue
             for name, into, fn in sections:
-                run.section(f"{name} (--cuda-copy {cuda_copy})", into, fn)
+                run.section(f"{name} ({label})", into, fn)
         finally:
             daemon.stop()
             if len(run.errors) > errors_before:
-                print(f"kvtierd --cuda-copy {cuda_copy} log tail:\n{daemon.log_tail(60)}")
+                print(f"kvtierd {label} log tail:\n{daemon.log_tail(60)}")
             daemon.remove_pool()
     derive(bw)
 

@@ -310,12 +310,17 @@ class StagedLoad:
 
 
 def engine_bandwidth(
-    rdir: Path, pages: int, repeats: int, salt: int, device: str = "cuda"
+    rdir: Path,
+    pages: int,
+    repeats: int,
+    salt: int,
+    device: str = "cuda",
+    prefix: str = "engine_",
 ) -> dict[str, Any]:
     """Store and load ``pages`` pages through a staging area (engine copy mode).
 
     Returns:
-        ``engine_load_gbps`` and ``engine_store_gbps`` (medians) and the best seconds.
+        ``<prefix>load_gbps`` and ``<prefix>store_gbps`` (medians) and the best seconds.
 
     Raises:
         BenchCheckFailed: a transfer failed or the loaded bytes differ.
@@ -340,4 +345,4 @@ def engine_bandwidth(
                 raise BenchCheckFailed("pages loaded through staging differ from the stored ones")
     finally:
         kv.close()
-    return _figures("engine_", pages * g.page_bytes, store_s, load_s)
+    return _figures(prefix, pages * g.page_bytes, store_s, load_s)

@@ -39,7 +39,7 @@ WORK=$(mktemp -d /tmp/kvtier-gpu-check.XXXXXX)
 START=$(date +%s)
 TOTAL_LIMIT_S=${GPU_CHECK_LIMIT_S:-360}
 SHM_MIN_GIB=${GPU_CHECK_SHM_MIN_GIB:-12}
-MARK="KVTIER_GPU_CHECK_RUN=$WORK"
+MARK="GPU_CHECK_RUN_MARK=$WORK"  # not KVTIER_*: kvtierd refuses unknown KVTIER_ variables
 
 say() { echo "gpu-check: $*" >&2; }
 

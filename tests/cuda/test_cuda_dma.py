@@ -278,7 +278,8 @@ def test_slots_across_and_above_4_gib(mode: str) -> None:
 @needs_gpu
 def test_dma_refuses_pageable_host_memory_and_overlapping_buffers() -> None:
     buf = torch.zeros((8, 64), dtype=torch.uint8, device="cuda")
-    pages, offsets = np.array([0, 1], dtype=np.int64), np.array([0, 64], dtype=np.int64)
+    # two slots of two 64-byte chunks (a layer's two components) each
+    pages, offsets = np.array([0, 1], dtype=np.int64), np.array([0, 128], dtype=np.int64)
     plan = cuda_copy.CudaCopyPlan.build(pages, offsets, 64, device=buf.device, slot_bytes=128)
     with pytest.raises(PageCopyError, match="not pinned"):
         plan.to_host(torch.zeros(256, dtype=torch.uint8), buf, 0)
