@@ -21,9 +21,11 @@ only ``"status": "measured"``).
 2. Prefill overlap (:mod:`~kvtier.bench.cuda_bench_prefill`): an 8192-token prefill whose first
    4096 tokens' KV is loaded layer by layer, against the same prefill over resident KV, alone
    on the GPU and with a second process running matmuls on it (``contended_``), in both copy
-   modes (and the daemon mode with copy kernels, ``kernel_``). Targets: ``prefill_overlap``,
+   modes (and the daemon mode with copy kernels, ``kernel_``, and the engine mode with more
+   copy threads, ``engine_threads_``). Targets: ``prefill_overlap``,
    ``contended_prefill_overlap`` and their ``engine_`` twins <= 1.1; every ``*logits_equal``
-   true. The ``kernel_`` figures have no target: they tell which daemon copy to choose.
+   true. The ``kernel_`` and ``engine_threads_`` figures have no target: they tell which
+   daemon copy to choose, and what the engine mode gains from more copy threads.
 
 Every figure is the median of the timed runs after a warm-up (best also reported). Each
 section prints its figures as it ends, and ``--json`` is rewritten then with ``"status":
@@ -303,6 +305,10 @@ def _measure(args: argparse.Namespace, results: dict[str, Any], run: _Run, tmp: 
                     part(engine_bandwidth, rdir, pages, reps, 7000, prefix="engine_threads_"),
                 )
             )
+            if not args.skip_prefill:
+                sections.append(
+                    ("engine prefill", pf, part(prefill, "engine", rdir, "engine_threads_", 8000))
+                )
         elif cuda_copy == "dma":
             sections += [
                 ("daemon bandwidth", bw, part(daemon_bandwidth, rdir, pages, reps, "", 1000)),
