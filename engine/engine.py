@@ -19,6 +19,7 @@ first logits, so it includes the lookup, the allocation (and any eviction) and t
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -44,14 +45,17 @@ from kvtier.engine.kv import (
     open_kv,
 )
 from kvtier.engine.model import EngineInputError, ModelConfig, TinyLlama, new_kv_cache
+from kvtier.client.connection.replies import DaemonError
 from kvtier.ipc.cuda_backend import EngineCudaBackend
+from kvtier.ipc.cuda_runtime import CudaIpcError
 from kvtier.ipc.limits import DType
-from kvtier.ipc.protocol import Geometry
+from kvtier.ipc.protocol import ErrorCode, Geometry
 
 __all__ = ["EngineMode", "GenerationResult", "ReferenceEngine", "geometry_for", "model_id_for"]
 
 EngineMode = Literal["on", "l1", "off"]
 CacheFactory = Callable[..., CacheManager]
+log = logging.getLogger("kvtier.engine")
 _DTYPE_NAMES: dict[torch.dtype, DType] = {
     torch.float32: "float32",
     torch.float16: "float16",
@@ -181,8 +185,11 @@ class ReferenceEngine:
             page_size=...)``; a subclass can observe or inject faults.
         device: ``cpu`` (default) or a CUDA device; the model is moved there (a shared
             ``model`` must be there already).
-        copy_mode: ``daemon`` or ``engine`` (default: ``engine`` on CUDA, whose daemon path is
-            not verified on a device yet, ``daemon`` on the CPU).
+        copy_mode: ``daemon`` or ``engine``. Default: :func:`~kvtier.engine.kv.default_copy_mode`
+            (``daemon``, except on CUDA without CuPy); when that default is ``daemon`` over GPU
+            memory and kvtierd refuses the memory (BAD_MEMORY: a kvtierd without a GPU or
+            CuPy) or this process cannot export it, the engine logs a warning and uses
+            ``engine``. ``copy_mode`` after construction is the mode in use.
         staging_pages: pages of the staging area (``engine`` mode): at most this many pages
             per load or store; more is computed or dropped, never more memory.
         staging_wait_s: longest wait for free staging pages (then a miss, or a dropped store).
@@ -239,21 +246,36 @@ class ReferenceEngine:
         self.page_size = page_size
         self.client_config = client_config or ClientConfig()
         self.geometry = geometry_for(self.model.cfg, page_size)
+
         # Only a daemon needs to reach the KV: other modes keep it private. Shared memory is a
         # sealed memfd handed to kvtierd by descriptor: nothing is left in /dev/shm either way.
-        self._kv: EngineKV = open_kv(
-            self.model.cfg,
-            self.geometry,
-            num_pages,
-            self.device,
-            kvtier=mode == "on",
-            copy_mode=self.copy_mode,
-            client_config=self.client_config,
-            model_id=model_id or model_id_for(self.model.cfg),
-            staging_pages=staging_pages,
-            staging_wait_s=staging_wait_s,
-            cuda_backend=cuda_backend,
-        )
+        def open_as(copies: CopyMode) -> EngineKV:
+            return open_kv(
+                self.model.cfg,
+                self.geometry,
+                num_pages,
+                self.device,
+                kvtier=mode == "on",
+                copy_mode=copies,
+                client_config=self.client_config,
+                model_id=model_id or model_id_for(self.model.cfg),
+                staging_pages=staging_pages,
+                staging_wait_s=staging_wait_s,
+                cuda_backend=cuda_backend,
+            )
+
+        gpu_pool = self.device.type == "cuda" or cuda_backend is not None
+        try:
+            self._kv: EngineKV = open_as(self.copy_mode)
+        except (DaemonError, CudaIpcError) as err:
+            refused = isinstance(err, CudaIpcError) or err.code == ErrorCode.BAD_MEMORY
+            if not (copy_mode is None and self.copy_mode == "daemon" and gpu_pool and refused):
+                raise
+            log.warning(
+                "copy_mode 'daemon' is not possible here (%s); using copy_mode 'engine'", err
+            )
+            self.copy_mode = "engine"
+            self._kv = open_as("engine")
         self.k_cache, self.v_cache = self._kv.k_cache, self._kv.v_cache
         self.connection: CacheLink | None = self._kv.link
         self.allocator = PageAllocator(num_pages)

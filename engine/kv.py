@@ -31,6 +31,7 @@ from kvtier.client.kv_pool.shared import SharedKVPool
 from kvtier.config import ClientConfig
 from kvtier.engine.model import EngineInputError, ModelConfig, new_kv_cache
 from kvtier.ipc.cuda_backend import EngineCudaBackend
+from kvtier.ipc.cuda_runtime import cuda_unavailable_reason
 from kvtier.ipc.protocol import Geometry
 
 __all__ = ["COPY_MODES", "CopyMode", "EngineKV", "default_copy_mode", "engine_device", "open_kv"]
@@ -65,9 +66,14 @@ def engine_device(device: torch.device | str) -> torch.device:
 
 
 def default_copy_mode(device: torch.device) -> CopyMode:
-    """``engine`` on CUDA (the daemon's CUDA path is not verified on a device yet; see
-    docs/gpu.md), ``daemon`` on the CPU."""
-    return "engine" if device.type == "cuda" else "daemon"
+    """``daemon`` on the CPU, and on CUDA where this process has CuPy: kvtierd then copies by
+    DMA straight into the KV cache, one copy fewer than ``engine``, and its layer-wise loads
+    overlap the forward pass also beside other work on the GPU (docs/gpu.md); ``engine`` on
+    CUDA without CuPy. :class:`~kvtier.engine.engine.ReferenceEngine` also falls back to
+    ``engine`` when kvtierd refuses the GPU memory."""
+    if device.type != "cuda":
+        return "daemon"
+    return "daemon" if cuda_unavailable_reason() is None else "engine"
 
 
 class EngineKV:

@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--copy-mode",
         choices=("daemon", "engine"),
-        help="who copies pages to and from kvtierd (default: engine on CUDA, daemon on the CPU)",
+        help="who copies pages to and from kvtierd (default: daemon; engine on CUDA without "
+        "CuPy, or when kvtierd refuses the GPU memory)",
     )
     p.add_argument("--staging-pages", type=int, default=64, help="staging area (engine mode)")
     p.add_argument("--threads", type=int, help="torch compute threads (default: torch's choice)")

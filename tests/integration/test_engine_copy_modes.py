@@ -23,9 +23,11 @@ import pytest
 import torch
 from kvtier.client.cache.staged import StagedConnection
 from kvtier.client.connection.connection import Connection
+from kvtier.client.connection.replies import DaemonError
 from kvtier.client.kv_pool.cuda import CudaKVPool
 from kvtier.engine.engine import GenerationResult, ReferenceEngine
 from kvtier.engine.model import EngineInputError, ModelConfig, TinyLlama
+from kvtier.ipc.protocol import ErrorCode
 from kvtier.launch.daemon_process import DaemonProcess
 
 from tests.conftest import _daemon_flags
@@ -195,6 +197,56 @@ def test_a_small_staging_area_bounds_each_transfer_and_outputs_stay_equal(
     assert (got.l2_found, got.cached_l2, got.computed) == (7 * PAGE, 0, len(other))
     assert_same(got, off.generate(other, 3))
     link.area.release(held)
+
+
+@pytest.mark.parametrize("kvtierd", ["daemon", "fake-cuda"], indirect=True)
+def test_the_default_copy_mode_falls_back_to_engine_when_kvtierd_refuses_gpu_memory(
+    engines: MakeEngine,
+    kvtierd: DaemonProcess,
+    tiny: TinyLlama,
+    short_tmp: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A GPU pool (here the FAKE CUDA backend) under the default copy mode: a kvtierd that can
+    copy GPU memory (``fake-cuda``) keeps ``daemon``; a plain one answers BAD_MEMORY and the
+    engine goes on in ``engine`` mode, warning once. Given explicitly, ``daemon`` is not
+    replaced: the refusal reaches the caller."""
+    vocab = tiny.cfg.vocab_size
+    can_copy_gpu = kvtierd.module == "tests.fake_cuda_kvtierd"
+    off = engines("off")
+    with caplog.at_level("WARNING", logger="kvtier.engine"):
+        first = engines(copy_mode=None, cuda_backend=FakeCuda(short_tmp / "fc"))
+    warned = [r for r in caplog.records if "using copy_mode 'engine'" in r.getMessage()]
+    if can_copy_gpu:
+        assert first.copy_mode == "daemon" and not warned
+        assert isinstance(first.connection, Connection)
+        assert isinstance(first.connection.pool, CudaKVPool)
+    else:
+        assert first.copy_mode == "engine" and len(warned) == 1
+        assert "BAD_MEMORY" in warned[0].getMessage()
+        assert isinstance(first.connection, StagedConnection)
+        with pytest.raises(DaemonError, match="BAD_MEMORY") as refused:
+            engines(copy_mode="daemon", cuda_backend=FakeCuda(short_tmp / "fc"))
+        assert refused.value.code == ErrorCode.BAD_MEMORY
+    prefix = prompt(5 * PAGE, vocab, 12)
+    assert_same(first.generate(prefix + [3], 2), off.generate(prefix + [3], 2))
+    full = prefix + prompt(7, vocab, 13)
+    got = engines(copy_mode="engine").generate(full, 4)
+    assert got.cached_l2 == 5 * PAGE
+    assert_same(got, off.generate(full, 4))
+
+
+def test_default_copy_mode_is_daemon_except_on_cuda_without_cupy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import kvtier.engine.kv as kv
+
+    assert kv.default_copy_mode(torch.device("cpu")) == "daemon"
+    monkeypatch.setattr(kv, "cuda_unavailable_reason", lambda: None)
+    assert kv.default_copy_mode(torch.device("cuda", 0)) == "daemon"
+    monkeypatch.setattr(kv, "cuda_unavailable_reason", lambda: "needs cupy")
+    assert kv.default_copy_mode(torch.device("cuda", 0)) == "engine"
+    assert kv.default_copy_mode(torch.device("cpu")) == "daemon"
 
 
 def test_bad_engine_settings_are_refused_naming_the_value(tiny: TinyLlama) -> None:
