@@ -20,6 +20,7 @@
 # run is bounded by GPU_CHECK_LIMIT_S (default 360 s; the tests' and the bench's own parts by
 # GPU_CHECK_TESTS_S, default 180, and GPU_CHECK_BENCH_S, default 210). One JSON summary is
 # written, and beside it every step's whole output (GPU_CHECK_LOGS; empty: none).
+# GPU_CHECK_REQUIREMENTS names another list of pinned wheels than bench/gpu-requirements.txt.
 # KVTIER_GPU_CHECK_VENV names a venv prepared by hand, to use instead of making one.
 #
 #   bash bench/gpu_check.sh [SUMMARY_JSON]        (default: $OUT/gpu_check.json or ./gpu_check.json)
@@ -222,7 +223,7 @@ install() {
         return 1
     fi
     "$PY" -m pip install -q --no-index --no-deps --find-links "$WHEELS" --target "$site" \
-        -r "$ROOT/bench/gpu-requirements.txt"
+        -r "$REQUIREMENTS"
     local whl=""
     if PYTHONPATH="$site" "$PY" -m pip wheel -q --no-index --no-deps --no-build-isolation \
         -w "$WORK/dist" "$ROOT"; then
@@ -238,7 +239,8 @@ install() {
     "$VENV/bin/python" -c 'import kvtier.daemon, torch, pytest; print("kvtier", kvtier.daemon.__file__, "torch", torch.__version__, "pytest", pytest.__version__)'
 }
 export -f install
-export VENV WHEELS ROOT PY WORK
+REQUIREMENTS=${GPU_CHECK_REQUIREMENTS:-$ROOT/bench/gpu-requirements.txt}
+export VENV WHEELS ROOT PY WORK REQUIREMENTS
 step install 150 bash -c install </dev/null
 case $(cat "$WORK/install.rc") in
     0) say "installed into $VENV" ;;

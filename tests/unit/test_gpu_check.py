@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 import textwrap
 from pathlib import Path
 
@@ -141,6 +142,39 @@ def test_all_cuda_tests_skipped_is_a_failure_not_ok(tmp_path: Path) -> None:
     assert "no CUDA test passed" in str(summary["reason"]), summary
     tests = summary["tests"]
     assert isinstance(tests, dict) and tests["passed"] == 0 and tests["skipped"] > 0, tests
+
+
+@pytest.mark.timeout(600)
+def test_the_install_step_makes_a_venv_that_sees_a_venv_pythons_packages(tmp_path: Path) -> None:
+    """The machine's Python here is this test's venv, as on a GPU machine whose python3 is a
+    venv holding torch and CuPy: the check's own venv must still see them (through its .pth),
+    build kvtier from this tree into itself, run the CUDA tests with that kvtier, and run the
+    bench even though no CUDA test passed. Everything the pins name is in this venv already,
+    so the list of wheels to install is empty."""
+    reqs, wheels = tmp_path / "requirements.txt", tmp_path / "wheels"
+    reqs.write_text("# nothing: this venv has every pinned package\n")
+    wheels.mkdir()
+    rc, summary, out = _run(
+        tmp_path,
+        {"torch": FAKE_TORCH, "cupy": FAKE_CUPY_WORKING},
+        {
+            "GPU_CHECK_SHM_MIN_GIB": "0",
+            "KVTIER_WHEELS": str(wheels),
+            "GPU_CHECK_REQUIREMENTS": str(reqs),
+        },
+    )
+    _assert_not_ok(rc, summary, out)
+    assert summary["status"] == "failed" and "no CUDA test passed" in str(summary["reason"])
+    steps = summary["steps"]
+    assert isinstance(steps, dict) and steps["install"]["rc"] == 0, steps
+    installed = "\n".join(steps["install"]["tail"])
+    built = [line for line in steps["install"]["tail"] if "kvtier built here" in line]
+    assert built and "/kvtier-gpu-check." in built[0] and "/dist/kvtier-" in built[0], installed
+    assert "/venv/lib/" in installed and "kvtier/daemon/__init__.py" in installed, installed
+    assert "bench" in steps, steps  # it ran after the tests failed
+    with tarfile.open(tmp_path / "summary_logs.tar.gz") as logs:
+        names = set(logs.getnames())
+    assert {"install.txt", "tests.txt", "tests.xml", "bench.txt"} <= names, names
 
 
 def test_pinned_gpu_wheels_cover_what_kvtier_needs() -> None:
