@@ -527,6 +527,8 @@ def test_engine_killed_mid_transfer_leaves_the_daemon_healthy(daemon_factory, mo
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 @pytest.mark.cuda
