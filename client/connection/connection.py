@@ -64,6 +64,7 @@ if TYPE_CHECKING:
     import numpy as np
     from kvtier.client.connection.cuda_wait import CudaLayerWaiter
     from kvtier.client.kv_pool.cuda import CudaKVPool
+    from kvtier.client.kv_pool.cuda_regions import CudaRegionMemory
 
 __all__ = [
     "Connection",
@@ -82,9 +83,10 @@ class Connection:
 
     Args:
         pool: the engine's KV pool: in shared memory (handed over at each registration), or
-            on a GPU (a :class:`~kvtier.client.kv_pool.cuda.CudaKVPool`, exported by CUDA IPC;
-            each registration then opens that daemon's events, and the events of an earlier
-            registration are dropped first: docs/gpu.md).
+            on a GPU (a :class:`~kvtier.client.kv_pool.cuda.CudaKVPool`, or an engine's own
+            tensors as a :class:`~kvtier.client.kv_pool.cuda_regions.CudaRegionMemory`,
+            exported by CUDA IPC; each registration then opens that daemon's events, and the
+            events of an earlier registration are dropped first: docs/gpu.md).
         model_id / revision: identify the model; with the geometry they form the namespace.
         config: client settings (timeouts, tenant); default from ``ClientConfig()``.
         tp_rank / tp_size: tensor-parallel position.
@@ -93,7 +95,7 @@ class Connection:
 
     def __init__(
         self,
-        pool: SharedKVPool | CudaKVPool,
+        pool: SharedKVPool | CudaKVPool | CudaRegionMemory,
         model_id: str,
         revision: str = "",
         config: ClientConfig | None = None,

@@ -3,6 +3,8 @@
 - :mod:`~kvtier.client.kv_pool.shared`: a paged KV pool in shared memory (engines without a
   GPU, the reference engine);
 - :mod:`~kvtier.client.kv_pool.cuda`: a paged KV pool in GPU memory, exported by CUDA IPC;
+- :mod:`~kvtier.client.kv_pool.cuda_regions`: KV tensors an engine allocated on a GPU in its
+  own layout, exported by CUDA IPC and described as regions;
 - :mod:`~kvtier.client.kv_pool.regions`: memory an engine lays out itself, described page by
   page as regions (the adapters), or none at all (a control-only session).
 

@@ -155,6 +155,77 @@ BAD_EXPORTS: dict[str, tuple[dict[str, Any], str]] = {
 }
 
 
+def _hnd(geometry: P.Geometry = SMALL, num_pages: int = 4) -> list[P.MemoryRegion]:
+    """vLLM's HND layout as regions: per layer ``[pages, 2, chunk]``, K and V side by side."""
+    chunk, layer_bytes = geometry.chunk_bytes, num_pages * 2 * geometry.chunk_bytes
+    return [
+        P.MemoryRegion(0, layer * layer_bytes + c * chunk, 2 * chunk, chunk, layer)
+        for layer in range(geometry.num_layers)
+        for c in range(2)
+    ]
+
+
+def _regions(**change: Any) -> dict[str, Any]:
+    """The changes that turn :func:`_export` into the region form, then ``change``."""
+    return {"buffer_segments": [], "buffer_offsets": [], "regions": _hnd(), **change}
+
+
+def test_a_strided_cuda_export_in_the_region_form_is_accepted() -> None:
+    memory = _export(**_regions())
+    back = P.decode_request(
+        P.encode(
+            P.Register(
+                req_id=1,
+                protocol_version=P.PROTOCOL_VERSION,
+                namespace=P.NamespaceSpec(model_id="m"),
+                geometry=SMALL,
+                memory=memory,
+            )
+        )
+    )
+    assert isinstance(back, P.Register) and back.memory.regions == _hnd()
+    assert check_cuda_export(SMALL, back.memory) == UUID
+
+
+CHUNK = SMALL.chunk_bytes
+BAD_REGION_EXPORTS: dict[str, tuple[dict[str, Any], str]] = {
+    "both_forms": (_regions(buffer_offsets=[0] * 16, buffer_segments=[0] * 16), "not both"),
+    "count": (_regions(regions=_hnd()[:15]), "memory.regions has 15 entries.*16"),
+    "layer": (
+        _regions(regions=[*_hnd()[:3], P.MemoryRegion(0, 0, 2 * CHUNK, CHUNK, 0), *_hnd()[4:]]),
+        r"memory.regions\[3\].layer = 0: region 3 must hold layer 1",
+    ),
+    "page_bytes": (
+        _regions(regions=[P.MemoryRegion(0, 0, 4 * CHUNK, 2 * CHUNK, 0), *_hnd()[1:]]),
+        r"memory.regions\[0\].page_bytes = .*one layer's component",
+    ),
+    "stride": (
+        _regions(regions=[P.MemoryRegion(0, 0, CHUNK // 2, CHUNK, 0), *_hnd()[1:]]),
+        r"memory.regions\[0\].page_stride = .* smaller than its page_bytes",
+    ),
+    "segment": (
+        _regions(regions=[*_hnd()[:15], P.MemoryRegion(1, 0, 2 * CHUNK, CHUNK, 7)]),
+        r"memory.regions\[15\].segment = 1 is out of range",
+    ),
+    "past_the_end": (
+        _regions(regions=[*_hnd()[:15], P.MemoryRegion(0, 16 * 4 * CHUNK, 2 * CHUNK, CHUNK, 7)]),
+        r"memory.regions\[15\].offset = .* end at byte .* of segment 0",
+    ),
+    "last_page_past_the_end": (
+        _regions(regions=[*_hnd()[:15], P.MemoryRegion(0, 0, 16 * 4 * CHUNK, CHUNK, 7)]),
+        r"memory.regions\[15\].offset = 0: its 4 pages",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_REGION_EXPORTS))
+def test_invalid_region_cuda_exports_are_refused_naming_the_field(case: str) -> None:
+    change, message = BAD_REGION_EXPORTS[case]
+    with pytest.raises(CudaMemoryError, match=message) as info:
+        check_cuda_export(SMALL, _export(**change))
+    assert isinstance(info.value, EngineMemoryError)  # the daemon answers BAD_MEMORY
+
+
 @pytest.mark.parametrize("case", sorted(BAD_EXPORTS))
 def test_invalid_cuda_exports_are_refused_before_anything_is_opened(case: str) -> None:
     change, message = BAD_EXPORTS[case]
@@ -375,6 +446,55 @@ def test_bytes_identical_after_store_and_load(daemon_factory, allocator: str) ->
     finally:
         conn.close()
         pool.close()
+
+
+@pytest.mark.cuda
+@needs_gpu
+@pytest.mark.timeout(180)
+def test_an_engines_own_hnd_layout_round_trips_and_shares_pages(daemon_factory) -> None:
+    """KV tensors an engine allocated itself with torch, one per layer as vLLM's HND cache
+    ``[pages, 2, kv_heads, page_size, head_dim]`` (K and V of a page side by side), registered
+    as regions (:class:`CudaRegionMemory`): the daemon's DMA copies reach exactly the pages
+    asked for through the strides, and a ``CudaKVPool`` engine loads the same pages."""
+    from kvtier.client.kv_pool.cuda_regions import CudaRegionMemory
+
+    d = start_daemon(daemon_factory)
+    g, n = SMALL, 64
+    chunk = g.chunk_bytes
+    layers = [
+        torch.randint(0, 256, (n, 2, chunk), dtype=torch.uint8, device="cuda")
+        for _ in range(g.num_layers)
+    ]
+    mem = CudaRegionMemory(g, n, [t[:, c] for t in layers for c in range(2)])
+    assert {r.page_stride for r in mem.export().regions} == {2 * chunk}
+    conn = connect(mem, d.runtime_dir)
+    pool = CudaKVPool(g, n)
+    other = connect(pool, d.runtime_dir)
+    try:
+        before = [t.clone() for t in layers]
+        src, dst = list(range(4, 20)), list(range(40, 56))
+        keys = conn.page_keys(tokens(len(src) * g.page_size, salt=21))
+        assert conn.store(keys, src).wait()
+        h = conn.load(keys, dst)
+        assert h.count == len(dst)
+        for layer in range(g.num_layers):
+            assert h.wait_layer(layer)
+        assert h.wait()
+        torch.cuda.synchronize()
+        rest = [p for p in range(n) if p not in dst]
+        for t0, t1 in zip(before, layers, strict=True):
+            assert torch.equal(t1[dst], t0[src])  # both halves of each loaded page
+            assert torch.equal(t1[rest], t0[rest])  # nothing else
+        assert other.load(keys, list(range(len(src)))).wait()
+        torch.cuda.synchronize()
+        got = page_bytes(pool, list(range(len(src))))
+        want = torch.cat([t[src, c] for t in before for c in range(2)], dim=1)
+        assert torch.equal(got, want)
+    finally:
+        other.close()
+        pool.close()
+        conn.close()
+        mem.close()
 
 
 def _ordered_check(

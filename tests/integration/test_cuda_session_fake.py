@@ -23,6 +23,7 @@ import torch
 from kvtier.client.connection.connection import Connection
 from kvtier.client.connection.replies import DaemonError
 from kvtier.client.kv_pool.cuda import CudaKVPool
+from kvtier.client.kv_pool.cuda_regions import CudaRegionMemory
 from kvtier.ipc import protocol as P
 from kvtier.client.connection.admin import AdminClient
 from kvtier.launch.daemon_process import DaemonProcess
@@ -318,3 +319,45 @@ def test_cuda_register_to_a_daemon_without_cuda_is_bad_memory(daemon, fake):
         assert not st["sessions"] and st["counters"]["sessions_opened"] == 0
     finally:
         pool.close()
+
+
+def test_an_engines_own_strided_layout_round_trips_and_shares_pages(fake_daemon, fake, engine):
+    """An engine that allocated its KV itself, one allocation per layer laid out as vLLM's
+    HND cache ``[pages, 2, chunk]`` (a page's K and V side by side), registers it as regions
+    (:class:`CudaRegionMemory`): stores and loads copy only the pages asked for, in both
+    components, and its pages are the ``CudaKVPool`` engine's pages of the same prompt."""
+    chunk = G.chunk_bytes
+    layers = [fake.allocate(PAGES * 2 * chunk, 0) for _ in range(G.num_layers)]
+    hnd = [flat.view(PAGES, 2, chunk) for flat, _ in layers]
+    buffers = [t[:, c] for t in hnd for c in range(2)]
+    mem = CudaRegionMemory(G, PAGES, buffers, layers, backend=fake)
+    export = mem.export()
+    assert len(export.segments) == G.num_layers and not export.buffer_offsets
+    assert [(r.segment, r.offset, r.page_stride, r.layer) for r in export.regions[:2]] == [
+        (0, 0, 2 * chunk, 0),
+        (0, chunk, 2 * chunk, 0),
+    ]
+    conn = Connection(mem, model_id="fake-cuda", config=client_config(fake_daemon.runtime_dir))
+    try:
+        gen = torch.Generator().manual_seed(5)
+        for t in hnd:
+            t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=gen))
+        before = [t.clone() for t in hnd]
+        src, dst = [3, 4, 5, 6, 7, 8], [20, 21, 22, 23, 24, 25]
+        keys = keys_for(conn, 7)
+        assert conn.store(keys, src).wait()
+        h = conn.load(keys, dst)
+        assert h.count == N and all(h.wait_layer(i) for i in range(G.num_layers)) and h.wait()
+        rest = [p for p in range(PAGES) if p not in dst]
+        for t0, t1 in zip(before, hnd, strict=True):
+            assert torch.equal(t1[dst], t0[src])  # both components of each page
+            assert torch.equal(t1[rest], t0[rest])  # no other byte
+        pool, kv_conn = engine  # a CudaKVPool engine of the same geometry finds the pages
+        assert kv_conn.lookup(keys).l2 == N
+        assert kv_conn.load(keys, list(range(N))).wait()
+        for layer, t in enumerate(before):
+            got_k, got_v = (raw(pool)[j][:N] for j in (layer, G.num_layers + layer))
+            assert torch.equal(got_k, t[src, 0]) and torch.equal(got_v, t[src, 1])
+    finally:
+        conn.close()
+        mem.close()

@@ -14,10 +14,13 @@ GPU the engine exports CUDA IPC handles instead, and this module opens them::
 
     CudaEngineMemory (one per session): ``buffers[layer][component]`` are uint8 CUDA tensors
       ``[num_pages, chunk_bytes]`` over the mapped engine memory, as EngineMemory's are over
-      shared memory.
+      shared memory; their pages lie ``chunk_bytes`` apart (the per-buffer form) or any
+      stride apart (``regions``: an engine's own layout, e.g. vLLM's HND cache, K and V
+      of a block side by side).
 
 Checks before anything is opened (:func:`check_cuda_export`, pure, tested without a GPU): kind,
-page count, buffer count, 64-byte handles, one GPU per registration, every buffer inside its
+page count, buffer count (or one region per layer and component, in order, each page one
+chunk), 64-byte handles, one GPU per registration, every buffer's last page inside its
 segment. After opening, the daemon asks the driver for the mapped size, so an engine cannot make
 it write past an allocation by declaring a larger one.
 """
@@ -34,6 +37,7 @@ import torch
 from kvtier.daemon.transfer.cuda.backend import daemon_backend
 from kvtier.daemon.transfer.engine_memory import EngineMemoryError, check_buffers
 from kvtier.ipc import cuda_ipc
+from kvtier.ipc.limits import MAX_PAGES
 from kvtier.ipc.cuda_backend import DaemonCudaBackend
 from kvtier.ipc.cuda_ipc import CudaIpcError
 from kvtier.ipc.protocol import Geometry, KVMemory
@@ -81,7 +85,10 @@ def check_cuda_export(geometry: Geometry, memory: KVMemory) -> str:
     g = geometry
     if memory.kind != "cuda_ipc":
         raise CudaMemoryError(f"memory.kind = {memory.kind!r}: CudaEngineMemory opens 'cuda_ipc'")
-    check_buffers(g, memory, CudaMemoryError)
+    if memory.regions:
+        _check_regions(g, memory)
+    else:
+        check_buffers(g, memory, CudaMemoryError)
     uuid: bytes | None = None
     for i, seg in enumerate(memory.segments):
         try:
@@ -107,8 +114,65 @@ def check_cuda_export(geometry: Geometry, memory: KVMemory) -> str:
                 f"memory.buffer_offsets[{i}] = {off!r}: {buf_bytes} bytes do "
                 f"not fit in segment {s_idx} of {size} bytes"
             )
+    for i, r in enumerate(memory.regions):
+        if not 0 <= r.segment < len(memory.segments):
+            raise CudaMemoryError(f"memory.regions[{i}].segment = {r.segment!r} is out of range")
+        size = memory.segments[r.segment].size
+        end = r.offset + (memory.num_pages - 1) * r.page_stride + r.page_bytes
+        if r.offset < 0 or end > size:
+            raise CudaMemoryError(
+                f"memory.regions[{i}].offset = {r.offset!r}: its {memory.num_pages} pages, "
+                f"{r.page_stride} bytes apart, end at byte {end} of segment {r.segment} of "
+                f"{size} bytes"
+            )
     assert uuid is not None
     return cuda_ipc.format_device_uuid(uuid)
+
+
+def _check_regions(g: Geometry, memory: KVMemory) -> None:
+    """A ``cuda_ipc`` export in the region form: one region per (layer, component), in
+    order, each page one chunk (``geometry.chunk_bytes``) of contiguous bytes, pages at
+    least a chunk apart; segment bounds are checked by the caller."""
+    if not 1 <= memory.num_pages <= MAX_PAGES:
+        raise CudaMemoryError(f"memory.num_pages = {memory.num_pages!r} is out of range")
+    if memory.buffer_offsets or memory.buffer_segments:
+        raise CudaMemoryError(
+            "memory: a cuda_ipc export gives regions or buffer_offsets / buffer_segments, not both"
+        )
+    n_buf = g.num_layers * g.components
+    if len(memory.regions) != n_buf:
+        raise CudaMemoryError(
+            f"memory.regions has {len(memory.regions)} entries; a cuda_ipc session needs one "
+            f"per layer and component: {n_buf} ({g.num_layers} layers x {g.components})"
+        )
+    if not 1 <= len(memory.segments) <= n_buf:
+        raise CudaMemoryError(f"memory.segments has {len(memory.segments)} entries")
+    for i, r in enumerate(memory.regions):
+        if r.layer != i // g.components:
+            raise CudaMemoryError(
+                f"memory.regions[{i}].layer = {r.layer!r}: region {i} must hold layer "
+                f"{i // g.components} (one region per layer and component, in order)"
+            )
+        if r.page_bytes != g.chunk_bytes:
+            raise CudaMemoryError(
+                f"memory.regions[{i}].page_bytes = {r.page_bytes!r}: a cuda_ipc region's page "
+                f"is one layer's component, {g.chunk_bytes} bytes"
+            )
+        if r.page_stride < r.page_bytes:
+            raise CudaMemoryError(
+                f"memory.regions[{i}].page_stride = {r.page_stride!r} is smaller than its "
+                f"page_bytes = {r.page_bytes}"
+            )
+
+
+def _page_view(seg: Any, offset: int, stride: int, nbytes: int, pages: int) -> Any:
+    """``pages`` pages of ``nbytes`` bytes, ``stride`` bytes apart from ``offset`` on, as a
+    ``[pages, nbytes]`` uint8 view of ``seg`` (a CUDA tensor; numpy with a fake backend)."""
+    if stride == nbytes:
+        return seg[offset : offset + pages * nbytes].reshape(pages, nbytes)
+    if isinstance(seg, np.ndarray):
+        return np.lib.stride_tricks.as_strided(seg[offset:], (pages, nbytes), (stride, 1))
+    return seg[offset:].as_strided((pages, nbytes), (stride, 1))
 
 
 @dataclass(slots=True)
@@ -355,13 +419,16 @@ class CudaEngineMemory:
                 whole.append(self._runtime.backend.device_bytes(ptr, seg.size, ordinal))
             except CudaIpcError as err:
                 raise CudaMemoryError(str(err)) from err
-        buf_bytes = memory.num_pages * g.chunk_bytes
+        regions = memory.layout_regions(g)
         for layer in range(g.num_layers):
             row = []
             for comp in range(g.components):
-                i = layer * g.components + comp
-                seg_t, off = whole[memory.buffer_segments[i]], memory.buffer_offsets[i]
-                row.append(seg_t[off : off + buf_bytes].reshape(memory.num_pages, g.chunk_bytes))
+                r = regions[layer * g.components + comp]
+                row.append(
+                    _page_view(
+                        whole[r.segment], r.offset, r.page_stride, r.page_bytes, memory.num_pages
+                    )
+                )
             self.buffers.append(row)
 
     def close(self) -> None:
