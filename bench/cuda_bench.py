@@ -22,10 +22,12 @@ only ``"status": "measured"``).
    4096 tokens' KV is loaded layer by layer, against the same prefill over resident KV, alone
    on the GPU and with a second process running matmuls on it (``contended_``), in both copy
    modes (and the daemon mode with copy kernels, ``kernel_``, and the engine mode with more
-   copy threads, ``engine_threads_``). Targets: ``prefill_overlap``,
+   copy threads, ``engine_threads_``, and the engine mode with its copies gathered and
+   scattered through a device buffer, ``engine_gathered_``). Targets: ``prefill_overlap``,
    ``contended_prefill_overlap`` and their ``engine_`` twins <= 1.1; every ``*logits_equal``
-   true. The ``kernel_`` and ``engine_threads_`` figures have no target: they tell which
-   daemon copy to choose, and what the engine mode gains from more copy threads.
+   true. The ``kernel_``, ``engine_threads_`` and ``engine_gathered_`` figures have no
+   target: they tell which daemon copy to choose, what the engine mode gains from more copy
+   threads, and from copying consecutive blocks directly.
 
 Every figure is the median of the timed runs after a warm-up (best also reported). Each
 section prints its figures as it ends, and ``--json`` is rewritten then with ``"status":
@@ -253,7 +255,9 @@ def _measure(args: argparse.Namespace, results: dict[str, Any], run: _Run, tmp: 
     pf: dict[str, Any] = results["prefill"]
     model: list[Any] = []
 
-    def prefill(mode: Any, rdir: Path, prefix: str, salt: int) -> dict[str, Any]:
+    def prefill(
+        mode: Any, rdir: Path, prefix: str, salt: int, direct: bool = True
+    ) -> dict[str, Any]:
         if not model:
             model.append(build_model())
         contender = None if args.skip_contended else args.contender_s
@@ -267,6 +271,7 @@ def _measure(args: argparse.Namespace, results: dict[str, Any], run: _Run, tmp: 
             contender,
             prefix,
             salt,
+            direct=direct,
         )
 
     run.section("baseline", bw, lambda: baseline(args.pages, args.repeats))
@@ -318,6 +323,11 @@ def _measure(args: argparse.Namespace, results: dict[str, Any], run: _Run, tmp: 
                 sections += [
                     ("daemon prefill", pf, part(prefill, "daemon", rdir, "", 3000)),
                     ("engine prefill", pf, part(prefill, "engine", rdir, "engine_", 4000)),
+                    (
+                        "engine prefill, gathered copies",
+                        pf,
+                        part(prefill, "engine", rdir, "engine_gathered_", 9000, direct=False),
+                    ),
                 ]
         else:
             sections.append(

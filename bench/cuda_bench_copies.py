@@ -184,8 +184,9 @@ class StagedKV:
     """An engine in the engine copy mode: its KV in plain device tensors (one K and one V
     ``[blocks, page_size, kv_heads, head_dim]`` per layer on ``device``), a staging area of
     ``staging_pages`` pages (pinned for a CUDA device) registered with the kvtierd of
-    ``rdir``, and the copier between them. The bench runs it on CUDA; the same code runs on
-    the CPU (synchronous copies), where the unit tests run it.
+    ``rdir``, and the copier between them (``direct``: see
+    :class:`~kvtier.client.staging.copies.StagedCopier`). The bench runs it on CUDA; the same
+    code runs on the CPU (synchronous copies), where the unit tests run it.
 
     Raises:
         OSError: the staging area cannot be page-locked.
@@ -198,6 +199,7 @@ class StagedKV:
         staging_pages: int,
         rdir: Path,
         device: str = "cuda",
+        direct: bool = True,
     ) -> None:
         from kvtier.client.kv_pool.shared import TORCH_DTYPES
         from kvtier.client.staging.area import StagingArea, StagingPart
@@ -217,7 +219,9 @@ class StagedKV:
         self.area = StagingArea(parts, staging_pages, pin=torch.device(device).type == "cuda")
         self.conn: Any = None
         try:
-            self.copier = StagedCopier(self.area, [t for kv in zip(self.k, self.v) for t in kv])
+            self.copier = StagedCopier(
+                self.area, [t for kv in zip(self.k, self.v) for t in kv], direct=direct
+            )
             self.conn = connect(self.area.memory(g, label="cuda-bench-staging"), rdir)
         except BaseException:
             self.area.close()

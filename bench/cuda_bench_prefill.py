@@ -180,6 +180,7 @@ def prefill_overlap(
     prefix: str,
     salt: int,
     device: str = "cuda",
+    direct: bool = True,
 ) -> dict[str, Any]:
     """Layer-wise loaded prefill against the same prefill over resident KV.
 
@@ -192,6 +193,8 @@ def prefill_overlap(
         salt: makes this run's page keys its own.
         device: the model's device (the engine mode also runs on the CPU; the daemon mode
             needs CUDA).
+        direct: the engine mode's copies of consecutive blocks are direct (False: gathered
+            and scattered through a device buffer, with a kernel).
 
     Returns:
         ``{prefix}prefill_overlap`` (overlapped / alone, medians), their milliseconds, whether
@@ -224,7 +227,7 @@ def prefill_overlap(
             raise
         k, v = pool.k, pool.v
     else:
-        staged = StagedKV(geometry, blocks, n_cached, rdir, device)
+        staged = StagedKV(geometry, blocks, n_cached, rdir, device, direct)
         conn, k, v = staged.conn, staged.k, staged.v
     out: dict[str, torch.Tensor] = {}
     res: dict[str, Any] = {}

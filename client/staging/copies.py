@@ -3,13 +3,18 @@
 Plain torch mechanisms only, so the same code runs on CPU tensors (synchronous copies) and
 on CUDA tensors:
 
-- on CUDA, every copy is issued on one dedicated ``torch.cuda.Stream``: host → device is a
-  ``copy_(non_blocking=True)`` out of the page-locked staging area (DMA) into a device
-  buffer, scattered into the engine's blocks with ``index_copy_``; device → host gathers
-  the blocks with ``index_select`` and copies them to staging the same way. Each copy ends
-  with an event recorded on that stream: the compute stream waits for it
+- on CUDA, every copy is issued on one dedicated ``torch.cuda.Stream``. Where consecutive
+  staging slots hold consecutive blocks, a run is one ``copy_(non_blocking=True)`` between
+  the page-locked staging area and the blocks themselves: DMA, no kernel. Otherwise
+  (``direct=False``, or blocks so scattered that direct copies would more than double the
+  number of copies) host → device copies a run of slots into a device buffer and scatters
+  it into the engine's blocks with ``index_copy_``; device → host gathers the blocks with
+  ``index_select`` and copies them to staging the same way. Each copy ends with an event
+  recorded on that stream: the compute stream waits for it
   (:meth:`CopyDone.wait_on_compute`, no CPU sync) or the CPU does
-  (:meth:`CopyDone.synchronize`);
+  (:meth:`CopyDone.synchronize`). Direct copies matter beside other processes' work on the
+  GPU: a kernel of this engine's (``index_copy_``) runs only in its time slices, the copy
+  engines do not wait for them;
 - on the CPU, the same calls copy at once and :class:`CopyDone` has nothing to wait for.
 
 A copy from the engine's blocks must start after the compute that wrote them:
@@ -25,6 +30,20 @@ import torch
 from kvtier.client.staging.area import StagingArea, slot_runs
 
 __all__ = ["CopyDone", "StagedCopier"]
+
+_Run = tuple[int, int, int | torch.Tensor]
+"""(first staging slot, count, the first of count consecutive blocks or their indices)."""
+
+
+def _consecutive(blocks: Sequence[int], start: int, end: int) -> list[tuple[int, int]]:
+    """``[i, j)`` index ranges of ``blocks[start:end]`` whose block numbers follow one another."""
+    out: list[tuple[int, int]] = []
+    i = start
+    for j in range(start + 1, end + 1):
+        if j == end or blocks[j] != blocks[j - 1] + 1:
+            out.append((i, j))
+            i = j
+    return out
 
 
 class CopyDone:
@@ -65,12 +84,16 @@ class StagedCopier:
         area: the staging area (its ``parts`` in the order of ``device_parts``).
         device_parts: per part, the engine's tensor ``[num_blocks, *part.shape]`` (any
             strides; all on one device).
+        direct: copy runs of consecutive slots holding consecutive blocks directly (the
+            module docstring); False always gathers and scatters through a device buffer.
 
     Raises:
         ValueError: the tensors do not match the area's parts, or lie on several devices.
     """
 
-    def __init__(self, area: StagingArea, device_parts: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self, area: StagingArea, device_parts: Sequence[torch.Tensor], direct: bool = True
+    ) -> None:
         if len(device_parts) != len(area.parts):
             raise ValueError(
                 f"{len(device_parts)} engine tensors for {len(area.parts)} staging parts"
@@ -85,6 +108,7 @@ class StagedCopier:
                     f"{t.dtype}, the staging part holds {p.shape} {p.dtype}"
                 )
         self.area = area
+        self.direct = direct
         self.parts = list(device_parts)
         self.device: torch.device = devices.pop()
         self.cuda = self.device.type == "cuda"
@@ -142,12 +166,13 @@ class StagedCopier:
             ev.record(self.stream)
         return CopyDone(ev, keep, self.device)
 
-    def _h2d(
-        self, part: int, runs: list[tuple[int, int, torch.Tensor]], keep: list[torch.Tensor]
-    ) -> None:
+    def _h2d(self, part: int, runs: list[_Run], keep: list[torch.Tensor]) -> None:
         stage, dev = self.area.views[part], self.parts[part]
         for s0, n, idx in runs:
             src = stage[s0 : s0 + n]
+            if isinstance(idx, int):  # consecutive blocks from idx on
+                dev[idx : idx + n].copy_(src, non_blocking=self.cuda)
+                continue
             if self.cuda:
                 src = src.to(self.device, non_blocking=True)
                 keep += (src, idx)
@@ -181,20 +206,30 @@ class StagedCopier:
             ev.record(self.stream)
         return CopyDone(ev, keep, self.device)
 
-    def _runs(
-        self, slots: Sequence[int], blocks: Sequence[int]
-    ) -> list[tuple[int, int, torch.Tensor]]:
-        """(first slot, count, block indices on the device) per run of consecutive slots."""
+    def _runs(self, slots: Sequence[int], blocks: Sequence[int]) -> list[_Run]:
+        """Per run of consecutive slots, ``(first slot, count, blocks)``: the blocks as the
+        first of ``count`` consecutive ones (an int; runs split where blocks are not
+        consecutive), or as indices on the device (see the module docstring)."""
+        runs = slot_runs(slots)
+        if self.direct:
+            direct = [
+                (s0 + i - at, j - i, int(blocks[i]))
+                for s0, n, at in runs
+                for i, j in _consecutive(blocks, at, at + n)
+            ]
+            if len(direct) <= 2 * len(runs):
+                return list(direct)
         return [
             (s0, n, torch.tensor(blocks[at : at + n], dtype=torch.long, device=self.device))
-            for s0, n, at in slot_runs(slots)
+            for s0, n, at in runs
         ]
 
-    def _d2h(
-        self, part: int, runs: list[tuple[int, int, torch.Tensor]], keep: list[torch.Tensor]
-    ) -> None:
+    def _d2h(self, part: int, runs: list[_Run], keep: list[torch.Tensor]) -> None:
         stage, dev = self.area.views[part], self.parts[part]
         for s0, n, idx in runs:
+            if isinstance(idx, int):  # consecutive blocks from idx on
+                stage[s0 : s0 + n].copy_(dev[idx : idx + n], non_blocking=self.cuda)
+                continue
             if self.cuda:
                 tmp = dev.index_select(0, idx)
                 stage[s0 : s0 + n].copy_(tmp, non_blocking=True)

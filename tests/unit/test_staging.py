@@ -14,6 +14,8 @@ import time
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kvtier.client.staging.area import StagingArea, StagingPart, slot_runs
 from kvtier.client.staging.copies import StagedCopier
 from kvtier.ipc.protocol import Geometry
@@ -214,3 +216,50 @@ def test_a_block_strided_across_memory_is_staged_in_logical_order():
         assert not dst[[0, 2, 3, 5]].any()
     finally:
         area.close()
+
+
+def test_runs_of_consecutive_slots_and_blocks_are_copied_directly(area):
+    _, parts = _engine_layers(16, "blocks_first", seed=4)
+    copier = StagedCopier(area, parts)
+    # slots 2..5 hold blocks 7..10: one direct run; slots 0,1 hold 3,9: split in two
+    assert copier._runs([2, 3, 4, 5], [7, 8, 9, 10]) == [(2, 4, 7)]
+    assert copier._runs([0, 1, 6], [3, 9, 10]) == [(0, 1, 3), (1, 1, 9), (6, 1, 10)]
+    # scattered blocks would more than double the copies: gathered through indices
+    scattered = copier._runs([0, 1, 2, 3, 4, 5], [5, 1, 9, 3, 14, 0])
+    assert len(scattered) == 1 and scattered[0][:2] == (0, 6)
+    assert scattered[0][2].tolist() == [5, 1, 9, 3, 14, 0]
+    indexed = StagedCopier(area, parts, direct=False)._runs([2, 3, 4, 5], [7, 8, 9, 10])
+    assert [(s, n, i.tolist()) for s, n, i in indexed] == [(2, 4, [7, 8, 9, 10])]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    pairs=st.lists(st.tuples(st.integers(0, 7), st.integers(0, 15)), min_size=1, max_size=8).map(
+        lambda ps: list({s: b for s, b in ps}.items())
+    ),
+    layout=st.sampled_from(["k_v_first", "blocks_first"]),
+    sort=st.booleans(),
+)
+def test_direct_and_indexed_copies_move_the_same_bytes(pairs, layout, sort):
+    """Whatever the slots and blocks (distinct blocks), both ways leave staging and the
+    engine's blocks identical."""
+    pairs = list({b: s for s, b in pairs}.items())  # distinct blocks too: (block, slot)
+    if sort:
+        pairs.sort(key=lambda p: p[1])
+    blocks, slots = [b for b, _ in pairs], [s for _, s in pairs]
+    results = []
+    for direct in (True, False):
+        a = StagingArea(kv_parts(), capacity=8)
+        try:
+            _, src = _engine_layers(16, layout, seed=5)
+            StagedCopier(a, src, direct=direct).to_host(slots, blocks).synchronize()
+            staged = [v.clone() for v in a.views]
+            layers, dst = _engine_layers(16, layout, seed=6)
+            back = StagedCopier(a, dst, direct=direct)
+            back.to_device(range(len(dst)), slots, [15 - b for b in blocks]).synchronize()
+            results.append((staged, [t.clone() for t in layers]))
+        finally:
+            a.close()
+    (staged_d, engine_d), (staged_i, engine_i) = results
+    for x, y in zip(staged_d + engine_d, staged_i + engine_i, strict=True):
+        assert torch.equal(x.view(torch.int16), y.view(torch.int16))
