@@ -164,13 +164,22 @@ clean:
 
 # The wheels a bare GPU machine (Python 3.12, torch with CUDA, CuPy, no network) needs to run
 # bench/gpu_check.sh, pinned in bench/gpu-requirements.txt, fetched here on a CPU machine into
-# ./.whl (about 12 MiB; see docs/gpu.md).
+# ./.whl (about 12 MiB; see docs/gpu.md). Where a Python $(GPU_PY) with setuptools is here
+# ($(GPU_PYTHON)), also a kvtier wheel built by it: the check uses that one only when kvtier
+# does not build on the GPU machine (its C extensions need xxhash.h, libxxhash-dev).
 GPU_PY ?= 3.12
+GPU_PYTHON ?= python$(GPU_PY)
 gpu-wheels:
 	@echo "gpu-wheels: downloading the pins of bench/gpu-requirements.txt for Python $(GPU_PY) into .whl/"
 	$(PYTHON) -m pip download -q --only-binary=:all: --no-deps --python-version $(GPU_PY) \
 		--implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
 		--platform manylinux_2_28_x86_64 --platform any -d .whl -r bench/gpu-requirements.txt
+	@if $(GPU_PYTHON) -c "import setuptools, wheel" >/dev/null 2>&1; then \
+		rm -f .whl/kvtier-*.whl; \
+		$(GPU_PYTHON) -m pip wheel -q --no-deps --no-build-isolation -w .whl . && ls .whl/kvtier-*.whl; \
+	else \
+		echo "gpu-wheels: no $(GPU_PYTHON) with setuptools and wheel here: no prebuilt kvtier wheel"; \
+	fi
 	@du -sh .whl
 
 # Run on the GPU machine (after `make gpu-wheels` here and copying the tree with .whl/ there).
