@@ -174,8 +174,8 @@ gpu-wheels:
 	$(PYTHON) -m pip download -q --only-binary=:all: --no-deps --python-version $(GPU_PY) \
 		--implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
 		--platform manylinux_2_28_x86_64 --platform any -d .whl -r bench/gpu-requirements.txt
-	@if $(GPU_PYTHON) -c "import setuptools, wheel" >/dev/null 2>&1; then \
-		rm -f .whl/kvtier-*.whl; \
+	@rm -f .whl/kvtier-*.whl; \
+	if $(GPU_PYTHON) -c "import setuptools, wheel" >/dev/null 2>&1; then \
 		$(GPU_PYTHON) -m pip wheel -q --no-deps --no-build-isolation -w .whl . && ls .whl/kvtier-*.whl; \
 	else \
 		echo "gpu-wheels: no $(GPU_PYTHON) with setuptools and wheel here: no prebuilt kvtier wheel"; \
