@@ -174,9 +174,10 @@ gpu-wheels:
 	$(PYTHON) -m pip download -q --only-binary=:all: --no-deps --python-version $(GPU_PY) \
 		--implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
 		--platform manylinux_2_28_x86_64 --platform any -d .whl -r bench/gpu-requirements.txt
-	@rm -f .whl/kvtier-*.whl; \
+	@rm -f .whl/kvtier-*.whl .whl/kvtier-source.sha256; \
 	if $(GPU_PYTHON) -c "import setuptools, wheel" >/dev/null 2>&1; then \
-		$(GPU_PYTHON) -m pip wheel -q --no-deps --no-build-isolation -w .whl . && ls .whl/kvtier-*.whl; \
+		$(GPU_PYTHON) -m pip wheel -q --no-deps --no-build-isolation -w .whl . && \
+		bash bench/source_digest.sh > .whl/kvtier-source.sha256 && ls .whl/kvtier-*.whl; \
 	else \
 		echo "gpu-wheels: no $(GPU_PYTHON) with setuptools and wheel here: no prebuilt kvtier wheel"; \
 	fi

@@ -110,7 +110,10 @@ if os.path.exists(junit):
     out["tests"]["failed_names"] = [f"{c.get('classname')}::{c.get('name')}"
                                     for c, k in zip(cases, kinds) if k in ("failure", "error")][:40]
 bench = read("bench.json")
-out["bench"] = json.loads(bench) if bench else None
+try:
+    out["bench"] = json.loads(bench) if bench else None
+except ValueError as err:  # the bench was stopped while writing it
+    out["bench"] = {"status": "unreadable", "error": str(err)}
 with open(path, "w") as f:
     json.dump(out, f, indent=2)
 print(json.dumps({k: out[k] for k in ("status", "reason", "seconds")}))
@@ -232,7 +235,14 @@ install() {
     else
         whl=$(ls "$WHEELS"/kvtier-*-cp"$("$PY" -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')"-*.whl 2>/dev/null | head -1)
         [ -n "$whl" ] || { echo "kvtier does not build here and .whl/ has no kvtier wheel for this Python"; return 1; }
-        echo "kvtier does not build here: using the prebuilt $whl"
+        local built_from here
+        built_from=$(cat "$WHEELS/kvtier-source.sha256" 2>/dev/null || echo none)
+        here=$(bash "$ROOT/bench/source_digest.sh")
+        if [ "$built_from" != "$here" ]; then
+            echo "kvtier does not build here, and $whl was built from other sources ($built_from, this tree $here): make gpu-wheels again"
+            return 1
+        fi
+        echo "kvtier does not build here: using the prebuilt $whl, built from these sources ($here)"
     fi
     "$PY" -m pip install -q --no-index --no-deps --target "$site" "$whl"
     "$VENV/bin/python" -c "$check"
@@ -252,7 +262,7 @@ esac
 # own pytest plugins are not loaded (they may not match the pinned pytest); warnings are shown,
 # not turned into errors, since the machine's torch and CuPy may warn about their own versions.
 say "tests/cuda"
-step tests "${GPU_CHECK_TESTS_S:-180}" env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 "$VENV/bin/python" -m pytest -q \
+step tests "${GPU_CHECK_TESTS_S:-180}" env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 "$VENV/bin/python" -m pytest \
     -p no:cacheprovider -p pytest_asyncio.plugin -p pytest_timeout -W default \
     tests/cuda -m cuda -rfEs -v --durations=15 --timeout 120 --junitxml="$WORK/tests.xml" </dev/null
 TRC=$(cat "$WORK/tests.rc")

@@ -163,6 +163,15 @@ class _LayerGate:
             raise _LoadFailed(layer)
 
 
+def _refused_gpu_memory(err: DaemonError | CudaIpcError) -> bool:
+    """Whether ``err`` says the daemon copy mode cannot work with this GPU memory: kvtierd
+    refused it (BAD_MEMORY), or it cannot be exported; not a GPU out of memory, which the
+    engine copy mode's own KV cache would meet too."""
+    if isinstance(err, DaemonError):
+        return err.code == ErrorCode.BAD_MEMORY
+    return not isinstance(err.__cause__, torch.OutOfMemoryError)
+
+
 class ReferenceEngine:
     """A single-request engine over a paged KV pool, with kvtier on, L1-only or off.
 
@@ -265,14 +274,17 @@ class ReferenceEngine:
             )
 
         gpu_pool = self.device.type == "cuda" or cuda_backend is not None
+        fallback = copy_mode is None and self.copy_mode == "daemon" and gpu_pool
+        why = ""
         try:
             self._kv: EngineKV = open_as(self.copy_mode)
         except (DaemonError, CudaIpcError) as err:
-            refused = isinstance(err, CudaIpcError) or err.code == ErrorCode.BAD_MEMORY
-            if not (copy_mode is None and self.copy_mode == "daemon" and gpu_pool and refused):
+            if not (fallback and _refused_gpu_memory(err)):
                 raise
+            why = str(err)
+        if why:  # outside the handler: its traceback would keep the first pool's memory alive
             log.warning(
-                "copy_mode 'daemon' is not possible here (%s); using copy_mode 'engine'", err
+                "copy_mode 'daemon' is not possible here (%s); using copy_mode 'engine'", why
             )
             self.copy_mode = "engine"
             self._kv = open_as("engine")

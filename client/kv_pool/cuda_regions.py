@@ -9,8 +9,10 @@ contiguous bytes, the pages any stride apart. :class:`CudaRegionMemory` exports 
 those views live in and describes each view as a :class:`~kvtier.ipc.protocol.MemoryRegion`
 (offset, page stride); kvtierd copies pages by DMA straight from and into them, as it does for a
 ``CudaKVPool``. A kvtier page is the concatenation of the views' pages in order (layer 0's K,
-V, then layer 1's ...), so engines share pages with ``CudaKVPool`` engines of the same
-geometry.
+V, then layer 1's ...). Engines share pages when their geometries are equal, its ``layout``
+label included: an engine whose pages order their elements otherwise than ``CudaKVPool``'s
+``[page_size, kv_heads, head_dim]`` (HND's ``[kv_heads, block_size, head_dim]``) names its
+layout in ``Geometry(layout=...)``, so that its pages are never read as another's.
 
 Close the :class:`~kvtier.client.connection.connection.Connection` before freeing the tensors:
 the daemon keeps the memory mapped until the session ends.
@@ -83,8 +85,12 @@ class CudaRegionMemory:
                 f"{len(buffers)} buffers; the geometry needs one per layer and component: "
                 f"{n_buf} ({g.num_layers} layers x {g.components})"
             )
+        seen: dict[tuple[int, int], int] = {}
         for i, t in enumerate(buffers):
             _check_view(t, i, num_pages, g.chunk_bytes)
+            first = seen.setdefault((t.data_ptr(), t.stride(0)), i)
+            if first != i:
+                raise ValueError(f"buffers[{i}] is buffers[{first}] again")
             if t.device != buffers[0].device:
                 raise ValueError(
                     f"buffers[{i}] is on {t.device}, buffers[0] on {buffers[0].device}: one "
@@ -113,31 +119,41 @@ class CudaRegionMemory:
 
         Raises:
             CudaIpcError: an allocation cannot be exported, or the memory was closed.
+            ValueError: a view lies in none of the allocations.
         """
         if not self.buffers:
             raise CudaIpcError("the CudaRegionMemory is closed")
         if self._memory is not None:
             return self._memory
         g = self.geometry
-        segments: list[MemorySegment] = []
-        index_of: dict[str, int] = {}  # the backends name a segment after its allocation
-        placed: list[tuple[int, int, int, int]] = []  # (address, end, segment, offset)
-        for flat, known in self._allocations:
-            segment, base = self.cuda_backend.export(flat, known)
-            index = index_of.setdefault(segment.name, len(segments))
-            if index == len(segments):
-                segments.append(segment)
-            start = flat.data_ptr()
-            placed.append((start, start + flat.numel() * flat.element_size(), index, base))
-        regions: list[MemoryRegion] = []
+        ranges = [
+            (flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size())
+            for flat, _ in self._allocations
+        ]
+        home: list[int] = []  # each view's allocation
         for i, t in enumerate(self.buffers):
-            ptr, stride, span = _span(t, self.num_pages, g.chunk_bytes)
-            where = next((p for p in placed if p[0] <= ptr and ptr + span <= p[1]), None)
+            ptr, _, span = _span(t, self.num_pages, g.chunk_bytes)
+            where = next((a for a, (lo, hi) in enumerate(ranges) if lo <= ptr <= hi - span), None)
             if where is None:
                 raise ValueError(
                     f"buffers[{i}] ({span} bytes at {ptr:#x}) lies in none of the allocations"
                 )
-            start, _, index, base = where
+            home.append(where)
+        segments: list[MemorySegment] = []
+        index_of: dict[str, int] = {}  # the backends name a segment after its allocation
+        exported: dict[int, tuple[int, int]] = {}  # allocation -> (segment, its offset there)
+        for a in sorted(set(home)):  # only the allocations a view lies in
+            flat, known = self._allocations[a]
+            segment, base = self.cuda_backend.export(flat, known)
+            index = index_of.setdefault(segment.name, len(segments))
+            if index == len(segments):
+                segments.append(segment)
+            exported[a] = (index, base)
+        regions: list[MemoryRegion] = []
+        for i, (t, a) in enumerate(zip(self.buffers, home, strict=True)):
+            ptr, stride, _ = _span(t, self.num_pages, g.chunk_bytes)
+            index, base = exported[a]
+            start = ranges[a][0]
             regions.append(
                 MemoryRegion(
                     segment=index,

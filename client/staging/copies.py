@@ -5,7 +5,9 @@ on CUDA tensors:
 
 - on CUDA, every copy is issued on one dedicated ``torch.cuda.Stream``. Where consecutive
   staging slots hold consecutive blocks, a run is one ``copy_(non_blocking=True)`` between
-  the page-locked staging area and the blocks themselves: DMA, no kernel. Otherwise
+  the page-locked staging area and the blocks themselves: DMA and no kernel where those
+  blocks lie contiguous in memory (a part whose blocks are strided, such as vLLM's
+  blocks-first K and V, goes through torch's strided copy, a kernel). Otherwise
   (``direct=False``, or blocks so scattered that direct copies would more than double the
   number of copies) host → device copies a run of slots into a device buffer and scatters
   it into the engine's blocks with ``index_copy_``; device → host gathers the blocks with
@@ -14,7 +16,7 @@ on CUDA tensors:
   (:meth:`CopyDone.wait_on_compute`, no CPU sync) or the CPU does
   (:meth:`CopyDone.synchronize`). Direct copies matter beside other processes' work on the
   GPU: a kernel of this engine's (``index_copy_``) runs only in its time slices, the copy
-  engines do not wait for them;
+  engines do not wait for them. A block outside the engine's tensors is an ``IndexError``;
 - on the CPU, the same calls copy at once and :class:`CopyDone` has nothing to wait for.
 
 A copy from the engine's blocks must start after the compute that wrote them:
@@ -110,6 +112,7 @@ class StagedCopier:
         self.area = area
         self.direct = direct
         self.parts = list(device_parts)
+        self._num_blocks = min(t.shape[0] for t in self.parts)
         self.device: torch.device = devices.pop()
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
@@ -210,6 +213,9 @@ class StagedCopier:
         """Per run of consecutive slots, ``(first slot, count, blocks)``: the blocks as the
         first of ``count`` consecutive ones (an int; runs split where blocks are not
         consecutive), or as indices on the device (see the module docstring)."""
+        if len(blocks) and not 0 <= min(blocks) <= max(blocks) < self._num_blocks:
+            bad = next(b for b in blocks if not 0 <= b < self._num_blocks)
+            raise IndexError(f"block {bad} is outside the engine's {self._num_blocks} blocks")
         runs = slot_runs(slots)
         if self.direct:
             direct = [

@@ -455,7 +455,8 @@ def test_an_engines_own_hnd_layout_round_trips_and_shares_pages(daemon_factory) 
     """KV tensors an engine allocated itself with torch, one per layer as vLLM's HND cache
     ``[pages, 2, kv_heads, page_size, head_dim]`` (K and V of a page side by side), registered
     as regions (:class:`CudaRegionMemory`): the daemon's DMA copies reach exactly the pages
-    asked for through the strides, and a ``CudaKVPool`` engine loads the same pages."""
+    asked for through the strides, and a page's bytes are the views' pages in order, as a
+    ``CudaKVPool`` engine of the same geometry loads them (raw bytes here)."""
     from kvtier.client.kv_pool.cuda_regions import CudaRegionMemory
 
     d = start_daemon(daemon_factory)

@@ -325,7 +325,9 @@ def test_an_engines_own_strided_layout_round_trips_and_shares_pages(fake_daemon,
     """An engine that allocated its KV itself, one allocation per layer laid out as vLLM's
     HND cache ``[pages, 2, chunk]`` (a page's K and V side by side), registers it as regions
     (:class:`CudaRegionMemory`): stores and loads copy only the pages asked for, in both
-    components, and its pages are the ``CudaKVPool`` engine's pages of the same prompt."""
+    components, and a page's bytes are the views' pages in order, as a ``CudaKVPool`` engine
+    of the same geometry reads them. (The bytes here are raw; a real HND engine, whose pages
+    order heads before tokens, names its layout in its geometry.)"""
     chunk = G.chunk_bytes
     layers = [fake.allocate(PAGES * 2 * chunk, 0) for _ in range(G.num_layers)]
     hnd = [flat.view(PAGES, 2, chunk) for flat, _ in layers]

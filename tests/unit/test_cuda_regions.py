@@ -107,3 +107,15 @@ def test_a_closed_memory_cannot_be_exported(fake) -> None:
         m.export()
     with pytest.raises(CudaIpcError, match="closed"):
         m.export()
+
+
+def test_only_allocations_a_view_lies_in_are_exported_and_a_view_twice_is_refused(fake) -> None:
+    allocs, buffers = _hnd(fake)
+    unused = fake.allocate(4096, 0)
+    mem = CudaRegionMemory(G, PAGES, buffers, [unused, *allocs], backend=fake).export()
+    assert len(mem.segments) == 2 and not any(unused[1].name in s.name for s in mem.segments)
+    assert [r.segment for r in mem.regions] == [0, 0, 1, 1]
+    with pytest.raises(ValueError, match=r"buffers\[2\] is buffers\[0\] again"):
+        CudaRegionMemory(
+            G, PAGES, [buffers[0], buffers[1], buffers[0], buffers[3]], allocs, backend=fake
+        )

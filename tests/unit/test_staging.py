@@ -263,3 +263,14 @@ def test_direct_and_indexed_copies_move_the_same_bytes(pairs, layout, sort):
     (staged_d, engine_d), (staged_i, engine_i) = results
     for x, y in zip(staged_d + engine_d, staged_i + engine_i, strict=True):
         assert torch.equal(x.view(torch.int16), y.view(torch.int16))
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_block_outside_the_engines_tensors_is_an_index_error(area, direct):
+    _, parts = _engine_layers(4, "k_v_first", seed=7)
+    copier = StagedCopier(area, parts, direct=direct)
+    for blocks in ([2, 3, 4], [-1, 0, 1]):  # one past the end; negative
+        with pytest.raises(IndexError, match=rf"block {blocks[-1] if blocks[0] >= 0 else -1} "):
+            copier.to_device(range(len(parts)), [0, 1, 2], blocks)
+        with pytest.raises(IndexError, match="outside the engine's 4 blocks"):
+            copier.to_host([0, 1, 2], blocks)
