@@ -3,6 +3,7 @@ pool's page tables built after the daemon serves (``populate``)."""
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -88,8 +89,10 @@ def test_a_message_of_the_wrong_frame_count_is_refused():
 
 @pytest.fixture
 def segment(tmp_path: Path):
+    # the pid too: a run that was killed leaves its file, and the next run's tmp_path has the same name
+    name = f"kvt-populate-{os.getpid()}-{tmp_path.name}"
     seg = SharedMemorySegment.create(
-        Path("/dev/shm") / f"kvt-populate-{tmp_path.name}", 2 * POPULATE_STEP + 4096, prefault=False
+        Path("/dev/shm") / name, 2 * POPULATE_STEP + 4096, prefault=False
     )
     try:
         yield seg
