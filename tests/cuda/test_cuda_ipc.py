@@ -218,17 +218,12 @@ BAD_REGION_EXPORTS: dict[str, tuple[dict[str, Any], str]] = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(BAD_REGION_EXPORTS))
-def test_invalid_region_cuda_exports_are_refused_naming_the_field(case: str) -> None:
-    change, message = BAD_REGION_EXPORTS[case]
-    with pytest.raises(CudaMemoryError, match=message) as info:
-        check_cuda_export(SMALL, _export(**change))
-    assert isinstance(info.value, EngineMemoryError)  # the daemon answers BAD_MEMORY
+ALL_BAD_EXPORTS = {**BAD_EXPORTS, **{f"regions_{k}": v for k, v in BAD_REGION_EXPORTS.items()}}
 
 
-@pytest.mark.parametrize("case", sorted(BAD_EXPORTS))
+@pytest.mark.parametrize("case", sorted(ALL_BAD_EXPORTS))
 def test_invalid_cuda_exports_are_refused_before_anything_is_opened(case: str) -> None:
-    change, message = BAD_EXPORTS[case]
+    change, message = ALL_BAD_EXPORTS[case]
     with pytest.raises(CudaMemoryError, match=message) as info:
         check_cuda_export(SMALL, _export(**change))
     assert isinstance(info.value, EngineMemoryError)  # the daemon answers BAD_MEMORY
