@@ -363,3 +363,57 @@ def test_an_engines_own_strided_layout_round_trips_and_shares_pages(fake_daemon,
     finally:
         conn.close()
         mem.close()
+
+
+def test_regions_that_lie_or_overflow_are_refused_and_the_daemon_keeps_serving(
+    fake_daemon, fake, engine
+):
+    """A client that lies in its regions (pages past its allocation, a huge stride, a
+    segment it does not have, layers out of order) gets BAD_MEMORY naming the field; no
+    mapping is opened for it, and an honest engine is served meanwhile."""
+    chunk = G.chunk_bytes
+    flat, path = fake.allocate(PAGES * 2 * chunk, 0)
+    seg, _ = fake.export(flat, path)
+    good = [
+        P.MemoryRegion(0, c * chunk, 2 * chunk, chunk, layer)
+        for layer in range(G.num_layers)
+        for c in range(2)
+    ]
+    lies = {
+        "past the end": (
+            good[:-1] + [P.MemoryRegion(0, chunk, 2 * chunk * PAGES, chunk, 3)],
+            r"regions\[7\].offset",
+        ),
+        "huge stride": (
+            good[:-1] + [P.MemoryRegion(0, chunk, 1 << 47, chunk, 3)],
+            r"regions\[7\].offset",
+        ),
+        "foreign segment": (
+            good[:-1] + [P.MemoryRegion(5, 0, 2 * chunk, chunk, 3)],
+            r"regions\[7\].segment = 5",
+        ),
+        "layer order": ([good[2], *good[1:]], r"regions\[0\].layer = 1"),
+    }
+
+    class Liar:
+        geometry, num_pages, cuda_backend, device = G, PAGES, fake, torch.device("cuda", 0)
+
+        def __init__(self, regions):
+            self.regions = regions
+
+        def export(self):
+            return P.KVMemory(
+                kind="cuda_ipc", num_pages=PAGES, segments=[seg], regions=self.regions
+            )
+
+    opened = len(ops(fake, fake_daemon.pid, "open_mem"))
+    for name, (regions, field) in lies.items():
+        with pytest.raises(DaemonError, match=field) as info:
+            Connection(
+                Liar(regions), model_id="liar", config=client_config(fake_daemon.runtime_dir)
+            )
+        assert info.value.code == P.ErrorCode.BAD_MEMORY, name
+    assert len(ops(fake, fake_daemon.pid, "open_mem")) == opened  # nothing was mapped
+    _, conn = engine
+    keys = keys_for(conn, 11)
+    assert conn.store(keys, list(range(N))).wait() and conn.lookup(keys).l2 == N
