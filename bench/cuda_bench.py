@@ -17,7 +17,10 @@ only ``"status": "measured"``).
    ``load_over_baseline``, ``store_over_baseline`` and their ``engine_`` twins >= 0.8. The
    engine mode is measured again against a kvtierd with ``--engine-copy-threads`` copy
    threads (``engine_threads_load_gbps`` ..., no target): its staging ↔ pool copies run on the
-   daemon's CPU threads, which bound that mode. The loaded bytes are checked.
+   daemon's CPU threads, which bound that mode. A plain host copy of the same bytes between
+   shared memory and pinned memory with 2 and ``--engine-copy-threads`` threads
+   (``host_copy_t2_load_gbps`` ...) gives the bound those two stages allow on this host
+   (``engine_load_over_host_bound`` ..., no target). The loaded bytes are checked.
 2. Prefill overlap (:mod:`~kvtier.bench.cuda_bench_prefill`): an 8192-token prefill whose first
    4096 tokens' KV is loaded layer by layer, against the same prefill over resident KV, alone
    on the GPU and with a second process running matmuls on it (``contended_``), in both copy
@@ -59,6 +62,7 @@ from kvtier.bench.cuda_bench_copies import (
     BenchCheckFailed,
     baseline,
     daemon_bandwidth,
+    host_copy,
     engine_bandwidth,
 )
 from kvtier.bench.cuda_bench_prefill import build_model, prefill_overlap
@@ -161,13 +165,28 @@ def required_targets(args: argparse.Namespace) -> list[str]:
     return names
 
 
-def derive(bw: dict[str, Any]) -> dict[str, Any]:
+def derive(bw: dict[str, Any], engine_copy_threads: int = 8) -> dict[str, Any]:
     """Add each path's ratios to the baseline, and which daemon copy was faster, to ``bw``
-    (the bandwidth figures) where both sides were measured; returns it."""
+    (the bandwidth figures) where both sides were measured; returns it.
+
+    The engine mode's figures are also put against the bound its two stages allow on this
+    host (``engine_load_over_host_bound`` ..., no target): a plain host copy with as many
+    threads as kvtierd copies with (2, its default, and ``engine_copy_threads`` for the
+    ``engine_threads_`` run) combined with the pinned ``cudaMemcpyAsync`` baseline."""
     for p in BANDWIDTH_MODES:
         for name, base in (("load", "baseline_h2d_gbps"), ("store", "baseline_d2h_gbps")):
             if f"{p}{name}_gbps" in bw and base in bw:
                 bw[f"{p}{name}_over_baseline"] = bw[f"{p}{name}_gbps"] / bw[base]
+    for p, threads in (("engine_", 2), ("engine_threads_", engine_copy_threads)):
+        host = f"host_copy_t{threads}_"
+        if all(k in bw for k in (f"{p}load_gbps", f"{host}load_gbps", "baseline_h2d_gbps")):
+            # a load's layers flow through both stages at once: the slower one bounds it
+            bound = min(bw[f"{host}load_gbps"], bw["baseline_h2d_gbps"])
+            bw[f"{p}load_over_host_bound"] = bw[f"{p}load_gbps"] / bound
+        if all(k in bw for k in (f"{p}store_gbps", f"{host}store_gbps", "baseline_d2h_gbps")):
+            # a store copies every page to staging, then STOREs them: the stages add up
+            bound = 1.0 / (1.0 / bw[f"{host}store_gbps"] + 1.0 / bw["baseline_d2h_gbps"])
+            bw[f"{p}store_over_host_bound"] = bw[f"{p}store_gbps"] / bound
     if all(f"{p}{d}_gbps" in bw for p in ("", "kernel_") for d in ("load", "store")):
         bw["faster_cuda_copy"] = {
             d: "dma" if bw[f"{d}_gbps"] >= bw[f"kernel_{d}_gbps"] else "kernel"
@@ -201,6 +220,9 @@ def verdict(results: dict[str, Any], required: Sequence[str]) -> tuple[bool, lis
         ok &= met
         op = ">=" if name.endswith("_over_baseline") else "<="
         lines.append(f"{name} = {value:.3f} (target {op} {target}) {'OK' if met else 'MISSED'}")
+    for name in sorted(bw):
+        if name.endswith("_over_host_bound"):
+            lines.append(f"{name} = {bw[name]:.3f} (no target)")
     for name in sorted(pf):
         if name.endswith("prefill_overlap") and name not in required:
             lines.append(f"{name} = {pf[name]:.3f} (no target)")
@@ -286,6 +308,13 @@ def _measure(args: argparse.Namespace, results: dict[str, Any], run: _Run, tmp: 
         )
 
     run.section("baseline", bw, lambda: baseline(args.pages, args.repeats))
+    for threads in sorted({2, args.engine_copy_threads} - {0}):
+        run.section(
+            f"host copy, {threads} threads",
+            bw,
+            functools.partial(host_copy, args.pages, args.repeats, threads),
+            False,
+        )
     daemons = ["dma"] if args.skip_kernel else ["dma", "kernel"]
     if args.engine_copy_threads:
         daemons.append("threads")
@@ -368,7 +397,7 @@ def _measure(args: argparse.Namespace, results: dict[str, Any], run: _Run, tmp: 
             if len(run.errors) > errors_before:
                 print(f"kvtierd {label} log tail:\n{daemon.log_tail(60)}")
             daemon.remove_pool()
-    derive(bw)
+    derive(bw, args.engine_copy_threads)
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:

@@ -41,6 +41,7 @@ __all__ = [
     "daemon_load",
     "daemon_store",
     "engine_bandwidth",
+    "host_copy",
     "timed",
     "tokens",
 ]
@@ -117,6 +118,48 @@ def baseline(pages: int, repeats: int) -> dict[str, Any]:
         "baseline_h2d_gbps": _gbps(nbytes, h2d[1:]),
         "baseline_d2h_gbps": _gbps(nbytes, d2h[1:]),
     }
+
+
+def host_copy(pages: int, repeats: int, threads: int) -> dict[str, Any]:
+    """GB/s of a plain host copy of ``pages`` pages' bytes between a shared-memory file (as
+    kvtierd's pool is) and pinned memory (as an engine's staging area is), in both directions,
+    split over ``threads`` threads: what the engine copy mode's CPU stage can reach at best
+    with kvtierd's copy threads. Fields ``host_copy_t<threads>_load_gbps`` (shared memory →
+    pinned, a load's CPU stage) and ``..._store_gbps``.
+
+    Raises:
+        BenchCheckFailed: the copied bytes differ.
+        OSError: no room in ``/dev/shm`` or the pinned memory cannot be allocated.
+    """
+    import mmap
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    nbytes = pages * BANDWIDTH_GEOMETRY.page_bytes
+    pin = torch.cuda.is_available()  # pageable without a GPU (the unit tests)
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    with tempfile.TemporaryFile(dir="/dev/shm") as f, ThreadPoolExecutor(threads) as pool:
+        f.truncate(nbytes)
+        with mmap.mmap(f.fileno(), nbytes) as mm:
+            shm = torch.frombuffer(mm, dtype=torch.uint8)
+            try:
+                shm.random_(0, 256)  # faults every page in, as the pool's are
+                step = -(-nbytes // threads)
+                cuts = [(i, min(i + step, nbytes)) for i in range(0, nbytes, step)]
+
+                def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+                    # torch releases the GIL in copy_: the threads copy in parallel
+                    list(pool.map(lambda c: dst[c[0] : c[1]].copy_(src[c[0] : c[1]]), cuts))
+
+                load = [timed(functools.partial(copy, pinned, shm)) for _ in range(repeats + 1)]
+                same = torch.equal(pinned, shm)
+                pinned.random_(0, 256)
+                store = [timed(functools.partial(copy, shm, pinned)) for _ in range(repeats + 1)]
+                if not (same and torch.equal(pinned, shm)):
+                    raise BenchCheckFailed("the host copy's bytes differ from its source")
+            finally:
+                del shm  # the view must go before the mapping closes
+    return _figures(f"host_copy_t{threads}_", nbytes, store[1:], load[1:])
 
 
 # ---------------------------------------------------------------------- daemon copy mode

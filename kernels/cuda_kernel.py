@@ -26,6 +26,7 @@ from kvtier.kernels.cuda_dma import use_device
 __all__ = [
     "CudaCopyUnavailable",
     "alignment_of_offsets",
+    "cupy_stream",
     "import_cupy",
     "launch_copy",
     "require_cuda",
@@ -106,6 +107,29 @@ def import_cupy() -> Any:
             "kvtier.kernels.cuda_copy needs cupy (pip install 'kvtier[cuda]') and an NVIDIA GPU"
         ) from err
     return cupy
+
+
+class _StreamHandle:
+    """A raw ``cudaStream_t`` behind the CUDA stream protocol (``__cuda_stream__``)."""
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
+
+
+def cupy_stream(cupy: Any, handle: int, device: int) -> Any:
+    """A CuPy stream object for the existing CUDA stream ``handle`` of GPU ``device``, to use
+    as a context manager around launches; CuPy neither owns nor destroys the stream.
+
+    CuPy 14 and later wrap it with ``Stream.from_external`` (``ExternalStream`` is deprecated
+    there); earlier releases only have ``ExternalStream``.
+    """
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None:
+        return from_external(_StreamHandle(handle))
+    return cupy.cuda.ExternalStream(handle, device)
 
 
 def require_cuda() -> None:

@@ -28,6 +28,7 @@ from kvtier.kernels.cuda_buffers import DeviceArena, DeviceBuffer
 from kvtier.kernels.cuda_dma import CopyMode, check_mode, issue_rows, use_device
 from kvtier.kernels.cuda_kernel import (
     alignment_of_offsets,
+    cupy_stream,
     import_cupy,
     launch_copy,
     require_cuda,
@@ -328,7 +329,7 @@ class CudaCopyPlan:
         index = self.device.index
         use_device(cupy, index)  # not cupy.cuda.Device: its exit may switch to device 0
         strided: dict[int, torch.Tensor] = {}  # page offsets per stride, alive until launched
-        with cupy.cuda.ExternalStream(launch_stream.cuda_stream, index):
+        with cupy_stream(cupy, launch_stream.cuda_stream, index):
             for buf, chunk_offset, _ in jobs:
                 page_offsets = self._page_offsets(buf.page_stride, launch_stream, strided)
                 page_off = np.uint64(page_offsets.data_ptr())

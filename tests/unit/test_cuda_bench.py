@@ -243,3 +243,30 @@ def test_engine_mode_prefill_loads_layer_by_layer_on_the_cpu(
     assert res["engine_logits_equal"] and res["engine_contended_logits_equal"], res
     assert res["engine_prefill_overlap"] > 0 and res["engine_contended_prefill_overlap"] > 0
     assert res["kv_bytes_loaded"] == 3 * cfg.n_layers * 2 * 64 * 2 * 16 * 4
+
+
+def test_the_engine_mode_is_put_against_its_host_copy_bound() -> None:
+    """A load's two stages overlap (the slower bounds it); a store's add up."""
+    bw = _bandwidth(
+        host_copy_t2_load_gbps=21.0,
+        host_copy_t2_store_gbps=40.0,
+        host_copy_t8_load_gbps=100.0,
+        engine_threads_load_gbps=25.0,
+        engine_threads_store_gbps=10.0,
+    )
+    assert bw["engine_load_over_host_bound"] == pytest.approx(42.0 / 21.0)
+    assert bw["engine_store_over_host_bound"] == pytest.approx(34.0 / 20.0)  # 1/(1/40 + 1/40)
+    assert bw["engine_threads_load_over_host_bound"] == pytest.approx(25.0 / 50.0)  # DMA bounds
+    assert "engine_threads_store_over_host_bound" not in bw  # no 8-thread store copy measured
+    _, lines = cb.verdict({"bandwidth": bw, "prefill": _prefill()}, [])
+    assert "engine_load_over_host_bound = 2.000 (no target)" in lines
+
+
+def test_host_copy_moves_the_bytes_both_ways_in_threads() -> None:
+    from kvtier.bench.cuda_bench_copies import host_copy
+
+    figures = host_copy(pages=2, repeats=1, threads=3)
+    assert set(figures) == {
+        f"host_copy_t3_{d}_{f}" for d in ("load", "store") for f in ("gbps", "best_s")
+    }
+    assert all(v > 0 for v in figures.values())

@@ -17,6 +17,7 @@ import pytest
 import torch
 from kvtier.kernels.cuda_buffers import DeviceBuffer
 from kvtier.kernels.cuda_dma import check_mode, issue_rows, use_device
+from kvtier.kernels.cuda_kernel import cupy_stream
 from kvtier.kernels.cuda_plan import CudaCopyPlan
 from kvtier.kernels.cuda_segments import plan_rows, plan_segments
 from kvtier.kernels.plan import PageCopyError, PagePlan
@@ -213,3 +214,27 @@ def test_an_unknown_mode_is_refused_naming_it() -> None:
             device=0,
             mode="fast",  # type: ignore[arg-type]
         )
+
+
+def test_cupy_stream_wraps_the_handle_by_the_stream_protocol_where_cupy_has_it() -> None:
+    """CuPy 14 deprecates ``ExternalStream`` for ``Stream.from_external`` (the CUDA stream
+    protocol); older CuPy has only ``ExternalStream``. Stand-ins for both (no CuPy here)."""
+    wrapped: list[object] = []
+
+    class NewStream:
+        @staticmethod
+        def from_external(obj: object) -> str:
+            wrapped.append(obj.__cuda_stream__())  # type: ignore[attr-defined]
+            return "from_external"
+
+    new = SimpleNamespace(cuda=SimpleNamespace(Stream=NewStream))
+    assert cupy_stream(new, 0xFFFF_0000_1234, 3) == "from_external"
+    assert wrapped == [(0, 0xFFFF_0000_1234)]
+
+    class OldStream:
+        pass
+
+    old = SimpleNamespace(
+        cuda=SimpleNamespace(Stream=OldStream, ExternalStream=lambda h, d: ("external", h, d))
+    )
+    assert cupy_stream(old, 77, 1) == ("external", 77, 1)
