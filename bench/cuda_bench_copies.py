@@ -123,14 +123,17 @@ def baseline(pages: int, repeats: int) -> dict[str, Any]:
 def host_copy(pages: int, repeats: int, threads: int) -> dict[str, Any]:
     """GB/s of a plain host copy of ``pages`` pages' bytes between a shared-memory file (as
     kvtierd's pool is) and pinned memory (as an engine's staging area is), in both directions,
-    split over ``threads`` threads: what the engine copy mode's CPU stage can reach at best
-    with kvtierd's copy threads. Fields ``host_copy_t<threads>_load_gbps`` (shared memory →
-    pinned, a load's CPU stage) and ``..._store_gbps``.
+    by ``threads`` threads each calling ``memmove`` on its share: what the engine copy mode's
+    CPU stage can reach at best with kvtierd's copy threads. (Not torch's ``copy_``: it copies
+    on all of the host's cores, whatever the threads calling it.) Fields
+    ``host_copy_t<threads>_load_gbps`` (shared memory → pinned, a load's CPU stage) and
+    ``..._store_gbps``.
 
     Raises:
         BenchCheckFailed: the copied bytes differ.
         OSError: no room in ``/dev/shm`` or the pinned memory cannot be allocated.
     """
+    import ctypes
     import mmap
     import tempfile
     from concurrent.futures import ThreadPoolExecutor
@@ -138,6 +141,7 @@ def host_copy(pages: int, repeats: int, threads: int) -> dict[str, Any]:
     nbytes = pages * BANDWIDTH_GEOMETRY.page_bytes
     pin = torch.cuda.is_available()  # pageable without a GPU (the unit tests)
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    piece = 64 << 20  # one memmove call's bytes: ctypes releases the GIL for each
     with tempfile.TemporaryFile(dir="/dev/shm") as f, ThreadPoolExecutor(threads) as pool:
         f.truncate(nbytes)
         with mmap.mmap(f.fileno(), nbytes) as mm:
@@ -145,16 +149,20 @@ def host_copy(pages: int, repeats: int, threads: int) -> dict[str, Any]:
             try:
                 shm.random_(0, 256)  # faults every page in, as the pool's are
                 step = -(-nbytes // threads)
-                cuts = [(i, min(i + step, nbytes)) for i in range(0, nbytes, step)]
+                shares = [(i, min(i + step, nbytes)) for i in range(0, nbytes, step)]
 
-                def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-                    # torch releases the GIL in copy_: the threads copy in parallel
-                    list(pool.map(lambda c: dst[c[0] : c[1]].copy_(src[c[0] : c[1]]), cuts))
+                def copy(dst: int, src: int) -> None:
+                    def share(cut: tuple[int, int]) -> None:
+                        for at in range(cut[0], cut[1], piece):
+                            ctypes.memmove(dst + at, src + at, min(piece, cut[1] - at))
 
-                load = [timed(functools.partial(copy, pinned, shm)) for _ in range(repeats + 1)]
+                    list(pool.map(share, shares))
+
+                a_pin, a_shm = pinned.data_ptr(), shm.data_ptr()
+                load = [timed(functools.partial(copy, a_pin, a_shm)) for _ in range(repeats + 1)]
                 same = torch.equal(pinned, shm)
                 pinned.random_(0, 256)
-                store = [timed(functools.partial(copy, shm, pinned)) for _ in range(repeats + 1)]
+                store = [timed(functools.partial(copy, a_shm, a_pin)) for _ in range(repeats + 1)]
                 if not (same and torch.equal(pinned, shm)):
                     raise BenchCheckFailed("the host copy's bytes differ from its source")
             finally:
