@@ -62,8 +62,8 @@ from kvtier.bench.cuda_bench_copies import (
     BenchCheckFailed,
     baseline,
     daemon_bandwidth,
-    host_copy,
     engine_bandwidth,
+    host_copy,
 )
 from kvtier.bench.cuda_bench_prefill import build_model, prefill_overlap
 from kvtier.config import KvtierError
