@@ -222,7 +222,7 @@ def print_table(r: dict) -> None:
         f"{r['lookup_over_echo']:.2f}",
         "<= 1.30",
     )
-    if "page_keys_us" in r:  # results written before it was measured lack it
+    if "page_keys_us" in r:  # a results file without the keying figures shows the rest
         t.add_row("page_keys_hashlib_us (8,192 keys)", f"{r['page_keys_hashlib_us']:.1f}",
                   "1.00", "baseline")  # fmt: skip
         t.add_row("page_keys_us (8,192 keys)", f"{r['page_keys_us']:.1f}",

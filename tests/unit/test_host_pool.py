@@ -451,8 +451,8 @@ def test_a_pinned_parent_stays_off_the_lru_when_its_last_child_leaves() -> None:
 
 
 def test_a_pinned_parent_stays_off_the_lru_when_a_long_store_evicts_its_child() -> None:
-    """As above, for an allocation of RUN_PAGES keys or more (in C where it is built), whose
-    evictions drop the pinned parent's last child."""
+    """As above, for one allocation of many keys (C's allocation loop), whose evictions drop
+    the pinned parent's last child."""
     pool = pool_of(3)  # 12 slots
     small = pool.register_class(4000)
     (p,) = store(pool, [k("p")], small)
