@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.daemon.pool.index import HostPool
+from kvtier.daemon.pool.host_pool import HostPool
 from kvtier.daemon.pool.layout import HAS_CHECKSUM, KEY_BYTES, NIL, USED_AGAIN
 from kvtier.daemon.pool.pages import PageTable
 from kvtier.daemon.pool.records import HostPoolError, PageState

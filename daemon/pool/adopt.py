@@ -6,7 +6,7 @@ byte first), and a seal binds each row's key, namespace and payload checksum, so
 stray write is a dropped page, never a page served under the wrong key. This module
 decides, in bulk with numpy, which rows pass, and builds their index (key -> slot); the
 pool rebuilds the rest of its private state (free lists, LRU, child lists) from the result
-(:meth:`~kvtier.daemon.pool.index.HostPool.adopt`).
+(:meth:`~kvtier.daemon.pool.host_pool.HostPool.adopt`).
 """
 
 from __future__ import annotations

@@ -49,12 +49,12 @@ class KeyLookups:
         self.table.add(slots)
 
     def lookup(self, ns_id: int, keys: Sequence[bytes]) -> int:
-        """See :meth:`~kvtier.daemon.pool.index.HostPool.lookup`."""
+        """See :meth:`~kvtier.daemon.pool.host_pool.HostPool.lookup`."""
         packed, lengths = table_keys(keys)
         return self._run(ns_id, packed, lengths, None)
 
     def lookup_packed(self, ns_id: int, packed: bytes | memoryview) -> int:
-        """See :meth:`~kvtier.daemon.pool.index.HostPool.lookup_packed`."""
+        """See :meth:`~kvtier.daemon.pool.host_pool.HostPool.lookup_packed`."""
         if len(packed) % KEY_BYTES:
             raise HostPoolError(
                 f"packed keys of {len(packed)} bytes: not a multiple of {KEY_BYTES}"

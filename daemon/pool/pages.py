@@ -54,7 +54,7 @@ class PageTable:
     """The pages of one host pool: index, states, pins, parent links, LRU placement.
 
     Built over a metadata region (formatted, or about to be adopted: :meth:`adopt_rows`
-    then refills it from the adoption scan). :class:`~kvtier.daemon.pool.index.HostPool`
+    then refills it from the adoption scan). :class:`~kvtier.daemon.pool.host_pool.HostPool`
     holds one and adds geometry, ids, adoption and introspection. Slots come from an
     :class:`~kvtier.daemon.pool.eviction.Evictor`, which evicts through :meth:`_release`.
 

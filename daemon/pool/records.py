@@ -1,6 +1,6 @@
 """What the host pool reports, and how it fails: page states, records, errors.
 
-The pool (:class:`~kvtier.daemon.pool.index.HostPool`) and its persistence
+The pool (:class:`~kvtier.daemon.pool.host_pool.HostPool`) and its persistence
 (:mod:`~kvtier.daemon.pool.meta`, :mod:`~kvtier.daemon.pool.adopt`) share these, so they
 live apart from both: plain values and an error hierarchy, nothing that touches a slot.
 """

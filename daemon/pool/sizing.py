@@ -26,7 +26,7 @@ __all__ = ["geometry_of"]
 
 
 def geometry_of(cfg: DaemonConfig, headroom: int) -> tuple[tuple[int, ...], dict[str, Any]]:
-    """The arguments of :class:`~kvtier.daemon.pool.index.HostPool` for ``cfg``.
+    """The arguments of :class:`~kvtier.daemon.pool.host_pool.HostPool` for ``cfg``.
 
     Args:
         cfg: the daemon's configuration (``hicache_size``, ``extent_size``,

@@ -1,6 +1,6 @@
 """Slot geometry of the host arena: extents, page classes, free lists, intrusive links.
 
-Pure and synchronous bookkeeping under :class:`kvtier.daemon.pool.index.HostPool`: which
+Pure and synchronous bookkeeping under :class:`kvtier.daemon.pool.host_pool.HostPool`: which
 extent belongs to which page class, which slots of a class are free, and where a slot
 lies in the arena. The arena is cut into ``n_extents`` extents; an extent is free or
 belongs to one page class, which cuts it into slots of its stride (``page_bytes``

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 from kvtier.config import DaemonConfig
 from kvtier.daemon.counters import Counters
-from kvtier.daemon.pool.index import HostPool
+from kvtier.daemon.pool.host_pool import HostPool
 from kvtier.daemon.pool.layout import map_pool_file
 from kvtier.daemon.pool.poolfile import populate
 from kvtier.daemon.service.admin import Admin

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from kvtier.config import DaemonConfig
 from kvtier.daemon.counters import Counters, HitWindow
-from kvtier.daemon.pool.index import HostPool
+from kvtier.daemon.pool.host_pool import HostPool
 from kvtier.daemon.pool.layout import AdoptResult
 from kvtier.daemon.service.cuda_sessions import CudaSessions
 from kvtier.daemon.service.handover import HandoverServer

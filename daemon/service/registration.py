@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING
 
 from kvtier.config import format_size
-from kvtier.daemon.pool.index import HostPoolError
+from kvtier.daemon.pool.host_pool import HostPoolError
 from kvtier.daemon.service.answers import Answer, Deferred
 from kvtier.daemon.service.context import ServiceContext
 from kvtier.daemon.service.handover import Handover, HandoverNotYours, HandoverRefused

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from kvtier.daemon.pool.index import HostPool
+    from kvtier.daemon.pool.host_pool import HostPool
 
 __all__ = ["Allocated", "abort", "allocate", "commit", "pin", "turn", "unpin"]
 

@@ -35,7 +35,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.daemon.counters import Counters
-from kvtier.daemon.pool.index import HostPool
+from kvtier.daemon.pool.host_pool import HostPool
 
 log = logging.getLogger("kvtier.daemon.tier.prefetch")
 

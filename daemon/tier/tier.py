@@ -27,7 +27,7 @@ from pathlib import Path
 
 from kvtier.config import DaemonConfig
 from kvtier.daemon.counters import Counters
-from kvtier.daemon.pool.index import EvictedPage, HostPool
+from kvtier.daemon.pool.host_pool import EvictedPage, HostPool
 from kvtier.daemon.storage.base import HostArena
 from kvtier.daemon.tier.guard import L3Backend
 from kvtier.daemon.tier.prefetch import Prefetcher, PrefetchJob

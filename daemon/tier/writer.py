@@ -41,7 +41,7 @@ from typing import Protocol
 
 from kvtier.config import DaemonConfig
 from kvtier.daemon.counters import Counters
-from kvtier.daemon.pool.index import HostPool, PageState
+from kvtier.daemon.pool.host_pool import HostPool, PageState
 
 log = logging.getLogger("kvtier.daemon.tier.writer")
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from kvtier.daemon.pool.adopt import _MULTIPLIERS, _fingerprints
-from kvtier.daemon.pool.index import PageState
+from kvtier.daemon.pool.host_pool import PageState
 from kvtier.daemon.pool.layout import KEY_BYTES, seal_of
 from kvtier.daemon.pool.seals import VECTOR_MIN_LEN, seals
 
@@ -405,7 +405,7 @@ def test_starting_and_adopting_an_empty_pool_imports_no_tomllib_and_no_numpy_ma(
     code = (
         "import mmap, sys\n"
         "import kvtier.daemon.service.server, kvtier.daemon.service.boot\n"
-        "from kvtier.daemon.pool.index import HostPool\n"
+        "from kvtier.daemon.pool.host_pool import HostPool\n"
         "p = HostPool(4 << 20, 1 << 20, 4096)\n"
         "buf = mmap.mmap(-1, p.layout.meta_bytes)\n"
         "p.adopt(buf, cold_start=True)\n"

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from kvtier.config.errors import KvtierError
-from kvtier.daemon.pool.index import (
+from kvtier.daemon.pool.host_pool import (
     NIL,
     EvictedPage,
     HostPool,

@@ -20,7 +20,7 @@ import random
 import numpy as np
 import pytest
 from kvtier.daemon.pool import keytable
-from kvtier.daemon.pool.index import HostPool, HostPoolError
+from kvtier.daemon.pool.host_pool import HostPool, HostPoolError
 from kvtier.daemon.pool.keytable import MAX_ROUNDS
 from kvtier.daemon.pool.native import _keyprobe
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from kvtier.daemon.pool import storerun
-from kvtier.daemon.pool.index import HostPool, HostPoolError
+from kvtier.daemon.pool.host_pool import HostPool, HostPoolError
 
 from tests.pool_model import page_by_page
 from tests.pool_model import observable as snapshot

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from kvtier.config import DaemonConfig, load_config
 from kvtier.config.errors import ConfigError
-from kvtier.daemon.pool.index import HostPool
+from kvtier.daemon.pool.host_pool import HostPool
 from kvtier.daemon.pool.inventory import inspect_pool_file, list_pool_files
 from kvtier.daemon.pool.layout import PoolLayout, map_pool_file
 from kvtier.daemon.pool.poolfile import PoolFileError, PoolSpaceError, read_owner_tag

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 from kvtier.config import DaemonConfig
-from kvtier.daemon.pool.index import AdoptResult, HostPool, HostPoolError, PageState
+from kvtier.daemon.pool.host_pool import AdoptResult, HostPool, HostPoolError, PageState
 from kvtier.daemon.pool.layout import (
     FORMAT_VERSION,
     HEADROOM_ALIGN,

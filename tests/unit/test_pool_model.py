@@ -18,7 +18,7 @@ from typing import Any
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from kvtier.daemon.pool.index import HostPool, HostPoolError
+from kvtier.daemon.pool.host_pool import HostPool, HostPoolError
 
 from tests.pool_model import observable, page_by_page
 

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
-from kvtier.daemon.pool.index import NIL, AdoptResult, HostPool, HostPoolError, PageState
+from kvtier.daemon.pool.host_pool import NIL, AdoptResult, HostPool, HostPoolError, PageState
 from kvtier.daemon.pool.layout import (
     FORMAT_VERSION,
     HAS_CHECKSUM,

@@ -14,7 +14,7 @@ import random
 import numpy as np
 import pytest
 from kvtier.daemon.pool import pins as pins_mod
-from kvtier.daemon.pool.index import HostPool, HostPoolError
+from kvtier.daemon.pool.host_pool import HostPool, HostPoolError
 from kvtier.daemon.pool.native import _pins
 
 from tests.pool_model import page_by_page

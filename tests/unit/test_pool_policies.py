@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
-from kvtier.daemon.pool.index import HostPool, HostPoolError, PageState
+from kvtier.daemon.pool.host_pool import HostPool, HostPoolError, PageState
 from kvtier.daemon.pool.policies import FLOOR, GHOST_FACTOR, SHADOW, ArcState, ReuseState
 
 from tests.pool_model import page_by_page

@@ -12,7 +12,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from kvtier.daemon.pool.index import PageState
+from kvtier.daemon.pool.host_pool import PageState
 from kvtier.daemon.tier.prefetch import Fate, Fill, Prefetcher, read_batch
 
 from tests.unit.test_tier_store import GEOMETRY, Rig, chain, open_rig, until, written_to_l3

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from kvtier.daemon.pool.index import HostPool
+from kvtier.daemon.pool.host_pool import HostPool
 from kvtier.daemon.service import slices
 
 KIB = 1024

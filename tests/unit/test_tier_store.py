@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from kvtier.config import DaemonConfig
 from kvtier.daemon.counters import Counters
-from kvtier.daemon.pool.index import HostPool
+from kvtier.daemon.pool.host_pool import HostPool
 from kvtier.daemon.storage.base import HostArena, StorageBackend
 from kvtier.daemon.storage.file import FileBackend
 from kvtier.daemon.storage.registry import slot_headroom

@@ -5,7 +5,7 @@ metadata are mapped elsewhere (:func:`~kvtier.daemon.pool.layout.map_pool_file`)
 hands out byte offsets into the arena and keeps every page's state. It is assembled from
 one module per concept::
 
-    index      HostPool: construction, adoption, ids, geometry, quotas, introspection
+    host_pool  HostPool: construction, adoption, ids, geometry, quotas, introspection
     pages      PageTable: the exact index and page state machine (allocate, commit,
                abort, pin, unpin, flush)
     storerun   StoreRuns: a STORE's allocation and commit, in C
