@@ -223,8 +223,16 @@ def print_table(r: dict) -> None:
         "<= 1.30",
     )
     if "page_keys_us" in r:  # a results file without the keying figures shows the rest
-        t.add_row("page_keys_hashlib_us (8,192 keys)", f"{r['page_keys_hashlib_us']:.1f}",
-                  "1.00", "baseline")  # fmt: skip
-        t.add_row("page_keys_us (8,192 keys)", f"{r['page_keys_us']:.1f}",
-                  f"{r['page_keys_over_hashlib']:.2f}", "")  # fmt: skip
+        t.add_row(
+            "page_keys_hashlib_us (8,192 keys)",
+            f"{r['page_keys_hashlib_us']:.1f}",
+            "1.00",
+            "baseline",
+        )
+        t.add_row(
+            "page_keys_us (8,192 keys)",
+            f"{r['page_keys_us']:.1f}",
+            f"{r['page_keys_over_hashlib']:.2f}",
+            "",
+        )
     Console().print(t)

@@ -13,11 +13,18 @@ from kvtier.bench.scale_baselines import ScaleBenchError
 
 __all__ = ["RATIOS", "plot", "print_table"]
 
-RATIOS = ("transfer_fixed_cost_over_lookup_rtt", "transfer_64_over_memcpy",
-          "l2_aggregate_over_memcpy_8", "l2_aggregate_over_cpu_bound_8",
-          "daemon_cpu_s_per_gb_over_memcpy", "lookup_throughput_over_echo_8",
-          "lookup_8192_over_echo", "load_8192_over_memcpy", "stall_lookup_p99_over_idle",
-          "million_lookup_p50_over_small")  # fmt: skip
+RATIOS = (
+    "transfer_fixed_cost_over_lookup_rtt",
+    "transfer_64_over_memcpy",
+    "l2_aggregate_over_memcpy_8",
+    "l2_aggregate_over_cpu_bound_8",
+    "daemon_cpu_s_per_gb_over_memcpy",
+    "lookup_throughput_over_echo_8",
+    "lookup_8192_over_echo",
+    "load_8192_over_memcpy",
+    "stall_lookup_p99_over_idle",
+    "million_lookup_p50_over_small",
+)
 """The scalar ratios (``l2_aggregate_over_memcpy`` is a dict of them, one per N)."""
 
 

@@ -57,10 +57,16 @@ def _pct(values: list[float], q: float) -> float:
     return v[min(len(v) - 1, math.ceil(q * len(v)) - 1)]
 
 
-def run_trace_bench(trace: str | Path = DEFAULT_TRACE, sizes: Sequence[int] = (2000, 5000,
-                    10000, 20000), engines: int = 4, speedup: float = 100.0,
-                    policy: str | None = None, limit: int | None = None,
-                    timeout_s: float = 1800.0, restart: bool = False) -> dict[str, Any]:  # fmt: skip
+def run_trace_bench(
+    trace: str | Path = DEFAULT_TRACE,
+    sizes: Sequence[int] = (2000, 5000, 10000, 20000),
+    engines: int = 4,
+    speedup: float = 100.0,
+    policy: str | None = None,
+    limit: int | None = None,
+    timeout_s: float = 1800.0,
+    restart: bool = False,
+) -> dict[str, Any]:
     """Replay ``trace`` once per size (see the module docstring); return the JSON result.
 
     Args:
@@ -101,15 +107,30 @@ def run_trace_bench(trace: str | Path = DEFAULT_TRACE, sizes: Sequence[int] = (2
     mid = len(chains) // 2
     window = range(mid, mid + min(RESTART_WINDOW, len(chains) // 4))
     if restart:
-        out.update(restart_window=len(window), pages_adopted=[], hit_rate_after_restart=[],
-                   hit_rate_after_no_restart=[], restart_hit_ratio=[])  # fmt: skip
+        out.update(
+            restart_window=len(window),
+            pages_adopted=[],
+            hit_rate_after_restart=[],
+            hit_rate_after_no_restart=[],
+            restart_hit_ratio=[],
+        )
     with tempfile.TemporaryDirectory(prefix="kvt-trace-", dir="/tmp") as d:
         for size in sizes:
             split = mid if restart else None
             r = replay(Path(d), chains, stamps, size, engines, speedup, policy, timeout_s, split)
             if restart:
-                k = replay(Path(d), chains, stamps, size, engines, speedup, policy, timeout_s,
-                           split, restart=True)  # fmt: skip
+                k = replay(
+                    Path(d),
+                    chains,
+                    stamps,
+                    size,
+                    engines,
+                    speedup,
+                    policy,
+                    timeout_s,
+                    split,
+                    restart=True,
+                )
                 out["mismatched_bytes"] += k["mismatched_bytes"]
                 after, before = _window_rate(k, chains, window), _window_rate(r, chains, window)
                 out["pages_adopted"].append(k["adopted"])
@@ -125,9 +146,15 @@ def run_trace_bench(trace: str | Path = DEFAULT_TRACE, sizes: Sequence[int] = (2
             out["gap_closed"].append(round((hit - lru) / (best - lru), 3) if best > lru else 0.0)
             out["mismatched_bytes"] += r["mismatched_bytes"]
             out["daemon_cpu_ms_per_request"].append(round(1000 * r["cpu"] / len(chains), 3))
-            out["latency_ms"].append({op: {"p50": round(1000 * _pct(v, 0.5), 3),
-                                           "p99": round(1000 * _pct(v, 0.99), 3)}
-                                      for op, v in r["lat"].items()})  # fmt: skip
+            out["latency_ms"].append(
+                {
+                    op: {
+                        "p50": round(1000 * _pct(v, 0.5), 3),
+                        "p99": round(1000 * _pct(v, 0.99), 3),
+                    }
+                    for op, v in r["lat"].items()
+                }
+            )
     return out
 
 

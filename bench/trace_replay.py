@@ -52,9 +52,18 @@ def _flags(size: int, policy: str | None) -> list[str]:
     return flags if policy is None else [*flags, "--eviction-policy", policy]
 
 
-def replay(root: Path, chains: list[list[int]], stamps: list[int], size: int, engines: int,
-           speedup: float, policy: str | None, timeout_s: float, split: int | None = None,
-           restart: bool = False) -> dict[str, Any]:  # fmt: skip
+def replay(
+    root: Path,
+    chains: list[list[int]],
+    stamps: list[int],
+    size: int,
+    engines: int,
+    speedup: float,
+    policy: str | None,
+    timeout_s: float,
+    split: int | None = None,
+    restart: bool = False,
+) -> dict[str, Any]:
     """Replay the trace through a daemon of ``size`` pages (see the module docstring).
 
     Args:
@@ -85,8 +94,14 @@ def replay(root: Path, chains: list[list[int]], stamps: list[int], size: int, en
     n = len(chains)
     bounds = [(0, n)] if split is None else [(0, split), (split, n)]
     hits = [0] * n
-    out: dict[str, Any] = {"order": [], "hits": hits, "mismatched_bytes": 0, "cpu": 0.0,
-                           "lat": {"lookup": [], "load": [], "store": []}, "adopted": 0}  # fmt: skip
+    out: dict[str, Any] = {
+        "order": [],
+        "hits": hits,
+        "mismatched_bytes": 0,
+        "cpu": 0.0,
+        "lat": {"lookup": [], "load": [], "store": []},
+        "adopted": 0,
+    }
     try:
         for phase, (lo, hi) in enumerate(bounds):
             if phase and restart:
@@ -94,8 +109,17 @@ def replay(root: Path, chains: list[list[int]], stamps: list[int], size: int, en
                 daemon = DaemonProcess(root / tag, flags)
                 daemon.start(timeout=60)
                 out["adopted"] = _adopted(daemon)
-            r = _phase(root, f"{tag}-{phase}", daemon, chains, stamps, range(lo, hi), engines,
-                       speedup, deadline)  # fmt: skip
+            r = _phase(
+                root,
+                f"{tag}-{phase}",
+                daemon,
+                chains,
+                stamps,
+                range(lo, hi),
+                engines,
+                speedup,
+                deadline,
+            )
             out["order"] += r["order"]
             for req, h in r["hits"].items():
                 hits[req] = h
@@ -126,8 +150,17 @@ def _adopted(daemon: Any) -> int:
     return pages
 
 
-def _phase(root: Path, tag: str, daemon: Any, chains: list[list[int]], stamps: list[int],
-           reqs: range, engines: int, speedup: float, deadline: float) -> dict[str, Any]:  # fmt: skip
+def _phase(
+    root: Path,
+    tag: str,
+    daemon: Any,
+    chains: list[list[int]],
+    stamps: list[int],
+    reqs: range,
+    engines: int,
+    speedup: float,
+    deadline: float,
+) -> dict[str, Any]:
     """Requests ``reqs`` by ``engines`` fresh engine processes; what they saw."""
     procs: list[subprocess.Popen[bytes]] = []
     logs = [root / f"engine-{tag}-{i}.log" for i in range(engines)]
@@ -171,10 +204,15 @@ def _phase(root: Path, tag: str, daemon: Any, chains: list[list[int]], stamps: l
             order.append((t, req))
             hits[req] = h
     order.sort()
-    return {"order": [req for _, req in order], "hits": hits,
-            "mismatched_bytes": sum(r["mismatched_bytes"] for r in results), "cpu": cpu,
-            "lat": {op: [x for r in results for x in r["lat"][op]]
-                    for op in ("lookup", "load", "store")}}  # fmt: skip
+    return {
+        "order": [req for _, req in order],
+        "hits": hits,
+        "mismatched_bytes": sum(r["mismatched_bytes"] for r in results),
+        "cpu": cpu,
+        "lat": {
+            op: [x for r in results for x in r["lat"][op]] for op in ("lookup", "load", "store")
+        },
+    }
 
 
 def _expect(p: subprocess.Popen[bytes], deadline: float, log: Path, want: bytes | None) -> bytes:

@@ -57,8 +57,9 @@ class TraceError(ValueError):
     """A trace file that cannot be read as the Mooncake format (names line and field)."""
 
 
-def load_trace(path: str | Path = DEFAULT_TRACE, limit: int | None = None
-               ) -> tuple[list[list[int]], list[int]]:  # fmt: skip
+def load_trace(
+    path: str | Path = DEFAULT_TRACE, limit: int | None = None
+) -> tuple[list[list[int]], list[int]]:
     """Read a Mooncake-format trace (``.jsonl`` or ``.jsonl.gz``).
 
     Args:

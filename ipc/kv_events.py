@@ -31,9 +31,19 @@ import msgspec
 import numpy as np
 
 __all__ = [
-    "END_SEQ", "MEDIUM_L2", "AllBlocksCleared", "BlockHash", "BlockRemoved", "BlockStored",
-    "KVEventBatch", "decode_batch", "encode_batch", "namespace_topic", "replay_request", "seq_of",
-]  # fmt: skip
+    "END_SEQ",
+    "MEDIUM_L2",
+    "AllBlocksCleared",
+    "BlockHash",
+    "BlockRemoved",
+    "BlockStored",
+    "KVEventBatch",
+    "decode_batch",
+    "encode_batch",
+    "namespace_topic",
+    "replay_request",
+    "seq_of",
+]
 
 MEDIUM_L2 = "CPU"
 """The medium of L2 pages (host memory), vLLM's ``MEDIUM_CPU``. L3 pages carry the storage

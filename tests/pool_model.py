@@ -29,13 +29,20 @@ _MAX_U64 = (1 << 64) - 1
 class PageByPage(PageTable):
     """The page table, every allocation, commit, pin and unpin page by page in Python."""
 
-    def allocate(self, ns_id: int, owner: int, class_id: int, keys: Sequence[bytes],
-                 parent_key: bytes | None = None) -> list[tuple[int, int]]:  # fmt: skip
+    def allocate(
+        self,
+        ns_id: int,
+        owner: int,
+        class_id: int,
+        keys: Sequence[bytes],
+        parent_key: bytes | None = None,
+    ) -> list[tuple[int, int]]:
         self.slots.check_class(class_id)
         return self._allocate(ns_id, owner, class_id, keys, parent_key)
 
-    def _allocate(self, ns_id: int, owner: int, class_id: int, keys: Sequence[bytes],
-                  parent_key: bytes | None) -> list[tuple[int, int]]:  # fmt: skip
+    def _allocate(
+        self, ns_id: int, owner: int, class_id: int, keys: Sequence[bytes], parent_key: bytes | None
+    ) -> list[tuple[int, int]]:
         """:meth:`PageTable.allocate`, page by page: each slot from the evictor."""
         if keys and max(map(len, keys)) > KEY_BYTES:
             raise HostPoolError(f"page keys must have at most {KEY_BYTES} bytes")
@@ -104,8 +111,10 @@ class PageByPage(PageTable):
         for s in slots:
             if not 0 <= s < n_slots or state[s] != _WRITING:
                 self._expect(s, PageState.WRITING, "commit")
-        if checksums is not None and (len(checksums) != len(slots) or (
-                checksums and (min(checksums) < 0 or max(checksums) > _MAX_U64))):  # fmt: skip
+        if checksums is not None and (
+            len(checksums) != len(slots)
+            or (checksums and (min(checksums) < 0 or max(checksums) > _MAX_U64))
+        ):
             raise HostPoolError(f"need one 64-bit checksum per slot ({len(slots)})")
         clock = self._clock
         for j in range(len(slots) - 1, -1, -1):
@@ -214,16 +223,27 @@ def page_by_page(pool: HostPool) -> HostPool:
     old = pool._pages
     ev = old.evictor
     pool._lookups.close()
-    pool._pages = PageByPage(old.meta, max_log=ev.max_log, quota=ev.quota,
-                             requires_l3=ev.requires_l3, policy=ev.policy)  # fmt: skip
+    pool._pages = PageByPage(
+        old.meta, max_log=ev.max_log, quota=ev.quota, requires_l3=ev.requires_l3, policy=ev.policy
+    )
     pool._lookups = DictLookups(pool._pages)  # type: ignore[assignment]
     return pool
 
 
 COLUMNS = (
-    "stamp", "checksum", "seal", "ns", "owner", "length", "parent", "key", "state", "in_l3",
-    "key_len", "flags",
-)  # fmt: skip
+    "stamp",
+    "checksum",
+    "seal",
+    "ns",
+    "owner",
+    "length",
+    "parent",
+    "key",
+    "state",
+    "in_l3",
+    "key_len",
+    "flags",
+)
 """The metadata columns :func:`observable` compares."""
 
 
@@ -271,6 +291,14 @@ def observable(p: HostPool) -> dict[str, Any]:
     if split is not None:
         core = getattr(split, "core", None)  # reuse: its targets and ghosts are C's
         policy = vars(split) if core is None else (core.share, core.ghost_list())
-        out.update(split=(split.t2, split.capacity, bytes(split.tier), list(split.evicted),
-                          ev.lru.ends2, policy))  # fmt: skip
+        out.update(
+            split=(
+                split.t2,
+                split.capacity,
+                bytes(split.tier),
+                list(split.evicted),
+                ev.lru.ends2,
+                policy,
+            )
+        )
     return out

@@ -46,8 +46,9 @@ class AdoptScan:
     payload_bytes: int
 
 
-def scan_rows(meta: PoolMeta, usable: np.ndarray, by_slot: list[bytes | None],
-              arena: Any | None = None) -> AdoptScan:  # fmt: skip
+def scan_rows(
+    meta: PoolMeta, usable: np.ndarray, by_slot: list[bytes | None], arena: Any | None = None
+) -> AdoptScan:
     """Decide which rows survive an adoption, leave only those non-FREE, and index them.
 
     A row is adopted when it is READY; its extent's class cuts its slot (``usable``)
@@ -127,8 +128,7 @@ def scan_rows(meta: PoolMeta, usable: np.ndarray, by_slot: list[bytes | None],
     _clear_past_lengths(meta, slots)
     parents = _clean_parents(meta, slots)
     del state, in_l3
-    return AdoptScan(slots, ready, parents, n_gone,
-                     int(meta.array("length")[slots].sum()))  # fmt: skip
+    return AdoptScan(slots, ready, parents, n_gone, int(meta.array("length")[slots].sum()))
 
 
 def _clear_past_lengths(meta: PoolMeta, slots: np.ndarray) -> None:
@@ -157,10 +157,13 @@ def _payloads_match(meta: PoolMeta, arena: Any, cand: np.ndarray, sums: np.ndarr
     digest = xxhash.xxh3_64_intdigest
     with memoryview(arena) as raw, raw.cast("B") as view:
         if view.nbytes < lay.n_extents * lay.span:
-            raise HostPoolError(f"the arena has {view.nbytes} bytes, the pool needs "
-                                f"{lay.n_extents * lay.span}")  # fmt: skip
-        got = [digest(view[off : off + nbytes])
-               for off, nbytes in zip(offsets.tolist(), length.tolist())]  # fmt: skip
+            raise HostPoolError(
+                f"the arena has {view.nbytes} bytes, the pool needs {lay.n_extents * lay.span}"
+            )
+        got = [
+            digest(view[off : off + nbytes])
+            for off, nbytes in zip(offsets.tolist(), length.tolist())
+        ]
     return cast("np.ndarray", np.array(got, dtype=np.uint64).reshape(-1) == sums)
 
 
@@ -215,8 +218,9 @@ def _index(
     objs[:] = _key_objects(rows, key_len)
     for s, key in zip(slots.tolist(), objs.tolist()):
         by_slot[s] = key
-    return {int(nss[p[0]]): dict(zip(objs[p].tolist(), slots[p].tolist()))
-            for p in (parts if n else [])}  # fmt: skip
+    return {
+        int(nss[p[0]]): dict(zip(objs[p].tolist(), slots[p].tolist())) for p in (parts if n else [])
+    }
 
 
 def _key_objects(rows: np.ndarray, key_len: np.ndarray) -> list[bytes]:
@@ -233,8 +237,9 @@ def _key_objects(rows: np.ndarray, key_len: np.ndarray) -> list[bytes]:
     return out.tolist()
 
 
-def _latest_per_key(meta: PoolMeta, cand: np.ndarray, rows: np.ndarray,
-                    key_len: np.ndarray) -> np.ndarray:  # fmt: skip
+def _latest_per_key(
+    meta: PoolMeta, cand: np.ndarray, rows: np.ndarray, key_len: np.ndarray
+) -> np.ndarray:
     """Mask of the candidates that hold their (namespace, key) most recently: of rows
     with the same namespace and key, the one with the largest stamp, the lowest slot of
     a tie.

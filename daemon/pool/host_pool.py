@@ -60,9 +60,20 @@ if TYPE_CHECKING:
 # HostPool, and names re-exported from their homes (eviction, layout, records) for the
 # modules that import them from here
 __all__ = [
-    "EVICT_FACTOR", "MIN_SCAN", "NIL", "AdoptResult", "ClassStats", "EvictedPage", "HostPool",
-    "HostPoolError", "HostPoolStats", "PageInfo", "PageState", "PageStateError", "PoolLayout",
-]  # fmt: skip
+    "EVICT_FACTOR",
+    "MIN_SCAN",
+    "NIL",
+    "AdoptResult",
+    "ClassStats",
+    "EvictedPage",
+    "HostPool",
+    "HostPoolError",
+    "HostPoolStats",
+    "PageInfo",
+    "PageState",
+    "PageStateError",
+    "PoolLayout",
+]
 
 
 class HostPool:
@@ -141,8 +152,9 @@ class HostPool:
         )
         self._lookups = KeyLookups(self._pages)
 
-    def adopt(self, meta: Any, *, arena: Any | None = None,
-              cold_start: bool | str | None = False) -> AdoptResult:  # fmt: skip
+    def adopt(
+        self, meta: Any, *, arena: Any | None = None, cold_start: bool | str | None = False
+    ) -> AdoptResult:
         """Move this pool, still empty, onto persistent metadata and adopt what it holds.
 
         When the stored header matches :attr:`layout` (magic, format version, checksum,
@@ -174,8 +186,12 @@ class HostPool:
         if resident:
             raise HostPoolError(f"adopt needs an empty pool; {resident} pages are resident")
         old = self._pages.meta
-        result = self._bind(PoolMeta(meta, old.layout), arena, cold_start,
-                            [c.page_bytes for c in self._pages.slots.classes])  # fmt: skip
+        result = self._bind(
+            PoolMeta(meta, old.layout),
+            arena,
+            cold_start,
+            [c.page_bytes for c in self._pages.slots.classes],
+        )
         old.release()
         return result
 
@@ -184,8 +200,9 @@ class HostPool:
         """The pool's geometry and metadata layout (what :func:`map_pool_file` needs)."""
         return self._pages.meta.layout
 
-    def _bind(self, pm: PoolMeta, arena: Any | None, cold_start: bool | str | None,
-              classes: Sequence[int]) -> AdoptResult:  # fmt: skip
+    def _bind(
+        self, pm: PoolMeta, arena: Any | None, cold_start: bool | str | None, classes: Sequence[int]
+    ) -> AdoptResult:
         """Check, then format or adopt ``pm``, and rebuild this pool over it."""
         t0 = time.perf_counter()
         need = pm.layout.n_extents * pm.layout.span
@@ -216,8 +233,15 @@ class HostPool:
         scan = scan_rows(pm, pages.slots.usable_per_extent(), pages.keys, arena)
         pages.adopt_rows(scan.slots, scan.ready, scan.parents)
         self._lookups.rebuild()
-        return AdoptResult(True, "metadata matches the config", len(scan.slots), scan.dropped,
-                           scan.payload_bytes, time.perf_counter() - t0, gen)  # fmt: skip
+        return AdoptResult(
+            True,
+            "metadata matches the config",
+            len(scan.slots),
+            scan.dropped,
+            scan.payload_bytes,
+            time.perf_counter() - t0,
+            gen,
+        )
 
     def close(self) -> None:
         """Release the views of the metadata buffer, so its mapping can close; the pool
@@ -261,8 +285,14 @@ class HostPool:
         """See :meth:`PageTable.resident_run`."""
         return self._pages.resident_run(ns_id, keys)
 
-    def allocate(self, ns_id: int, owner: int, class_id: int, keys: Sequence[bytes],
-                 parent_key: bytes | None = None) -> list[tuple[int, int]]:  # fmt: skip
+    def allocate(
+        self,
+        ns_id: int,
+        owner: int,
+        class_id: int,
+        keys: Sequence[bytes],
+        parent_key: bytes | None = None,
+    ) -> list[tuple[int, int]]:
         """See :meth:`PageTable.allocate`."""
         return self._pages.allocate(ns_id, owner, class_id, keys, parent_key)
 
@@ -444,13 +474,23 @@ class HostPool:
         cid = pages.slots.ext_class[slot // pages.slots.per_extent]
         state = PageState(meta.state[slot])
         return PageInfo(
-            slot, state, pages.keys[slot], meta.ns[slot], meta.owner[slot], cid,
-            self.slot_offset(slot) if cid != NIL else NIL, pages.pins.count[slot],
-            meta.parent[slot], pages.kids.count[slot], bool(meta.in_l3[slot]),
-            meta.stamp[slot], pages.is_evictable(slot),
+            slot,
+            state,
+            pages.keys[slot],
+            meta.ns[slot],
+            meta.owner[slot],
+            cid,
+            self.slot_offset(slot) if cid != NIL else NIL,
+            pages.pins.count[slot],
+            meta.parent[slot],
+            pages.kids.count[slot],
+            bool(meta.in_l3[slot]),
+            meta.stamp[slot],
+            pages.is_evictable(slot),
             meta.checksum[slot]
-            if state == PageState.READY and meta.flags[slot] & HAS_CHECKSUM else None,
-        )  # fmt: skip
+            if state == PageState.READY and meta.flags[slot] & HAS_CHECKSUM
+            else None,
+        )
 
     def chain_link(self, slot: int) -> tuple[bytes | None, int, int, bool, int]:
         """Return (key, namespace id, parent slot, in L3, class id) of ``slot``: the

@@ -78,8 +78,9 @@ def inspect_pool_file(path: str | Path) -> PoolFileInfo:
     """
     path = Path(path)
     st = os.lstat(path)
-    kind = ("file" if stat.S_ISREG(st.st_mode) else
-            "symlink" if stat.S_ISLNK(st.st_mode) else "other")  # fmt: skip
+    kind = (
+        "file" if stat.S_ISREG(st.st_mode) else "symlink" if stat.S_ISLNK(st.st_mode) else "other"
+    )
     rdir: Path | None = None
     if kind != "file":
         header = f"not a regular file ({kind})"

@@ -83,9 +83,17 @@ class KeyTable:
         self._shift = 64 - (capacity.bit_length() - 1)
         self._used = 0
         self._probe = _keyprobe.Probe(
-            self._table, self._keys, self._ns, self._state, self._key_len,
-            int(self._mult[0]), int(self._mult[1]), self._shift, MAX_ROUNDS, _READY,
-        )  # fmt: skip
+            self._table,
+            self._keys,
+            self._ns,
+            self._state,
+            self._key_len,
+            int(self._mult[0]),
+            int(self._mult[1]),
+            self._shift,
+            MAX_ROUNDS,
+            _READY,
+        )
 
     def close(self) -> None:
         """Drop the views of the metadata (the table is unusable afterwards)."""

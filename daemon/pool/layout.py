@@ -72,13 +72,39 @@ from kvtier.ipc.shm import SharedMemorySegment
 # before the split): AdoptResult, ClassStats, EvictedPage, HostPoolError, HostPoolStats,
 # PageInfo, PageState.
 __all__ = [
-    "COLUMNS", "DIGEST_BYTES", "FORMAT_VERSION", "GENERATION_OFFSET", "HAS_CHECKSUM",
-    "HEADER_BYTES", "HEADER_REGION", "HEADROOM_ALIGN", "HEADROOM_MIN_PAGE_BYTES",
-    "ID_CAPACITY", "KEY_BYTES", "MAGIC", "MAX_SLOT_IDS", "META_ROUND", "NIL", "SLOT_HEADROOM",
-    "SLOT_META_BYTES", "USED_AGAIN", "AdoptResult", "ClassStats", "EvictedPage",
-    "HostPoolError", "HostPoolStats", "IdTable", "PageInfo", "PageState", "PoolLayout",
-    "map_pool_file", "page_checksum", "page_checksums", "round_up", "seal_of",
-]  # fmt: skip
+    "COLUMNS",
+    "DIGEST_BYTES",
+    "FORMAT_VERSION",
+    "GENERATION_OFFSET",
+    "HAS_CHECKSUM",
+    "HEADER_BYTES",
+    "HEADER_REGION",
+    "HEADROOM_ALIGN",
+    "HEADROOM_MIN_PAGE_BYTES",
+    "ID_CAPACITY",
+    "KEY_BYTES",
+    "MAGIC",
+    "MAX_SLOT_IDS",
+    "META_ROUND",
+    "NIL",
+    "SLOT_HEADROOM",
+    "SLOT_META_BYTES",
+    "USED_AGAIN",
+    "AdoptResult",
+    "ClassStats",
+    "EvictedPage",
+    "HostPoolError",
+    "HostPoolStats",
+    "IdTable",
+    "PageInfo",
+    "PageState",
+    "PoolLayout",
+    "map_pool_file",
+    "page_checksum",
+    "page_checksums",
+    "round_up",
+    "seal_of",
+]
 
 
 MAGIC = b"KVTPOOL\x00"
@@ -147,10 +173,19 @@ runtime-directory tag at 1 KiB (:func:`~kvtier.daemon.pool.poolfile.write_owner_
 outside the checksum: adoption never reads it."""
 
 COLUMNS = (
-    ("stamp", "q", 8), ("checksum", "Q", 8), ("seal", "Q", 8), ("ns", "q", 8),
-    ("owner", "q", 8), ("length", "q", 8), ("parent", "i", 4), ("key", "B", KEY_BYTES),
-    ("state", "b", 1), ("in_l3", "b", 1), ("key_len", "B", 1), ("flags", "B", 1),
-)  # fmt: skip
+    ("stamp", "q", 8),
+    ("checksum", "Q", 8),
+    ("seal", "Q", 8),
+    ("ns", "q", 8),
+    ("owner", "q", 8),
+    ("length", "q", 8),
+    ("parent", "i", 4),
+    ("key", "B", KEY_BYTES),
+    ("state", "b", 1),
+    ("in_l3", "b", 1),
+    ("key_len", "B", 1),
+    ("flags", "B", 1),
+)
 """The per-slot columns, in file order: ``(name, memoryview format, bytes per slot)``,
 widest first (so each stays aligned to its width)."""
 
@@ -290,8 +325,10 @@ class PoolLayout:
         if extent_bytes <= 0 or extent_bytes % align:
             raise HostPoolError(f"extent_bytes={extent_bytes} is not a multiple of {align}")
         if headroom and (headroom < SLOT_HEADROOM or headroom % align):
-            raise HostPoolError(f"headroom must be 0 or a multiple of align={align} of at "
-                                f"least {SLOT_HEADROOM}, got {headroom}")  # fmt: skip
+            raise HostPoolError(
+                f"headroom must be 0 or a multiple of align={align} of at "
+                f"least {SLOT_HEADROOM}, got {headroom}"
+            )
         min_stride = round_up(max(1, min_page_bytes or align), align)
         if min_stride > extent_bytes:
             raise HostPoolError(f"min_page_bytes={min_page_bytes} exceeds extent_bytes")
@@ -321,9 +358,20 @@ class PoolLayout:
             columns.append((name, fmt, off))
             off = round_up(off + size * n_slots, 64)
         meta_bytes = round_up(off, max(META_ROUND, align))
-        return cls(capacity_bytes, extent_bytes, align, per_extent, n_extents, n_slots,
-                   id_capacity, ids_off, ext_off, tuple(columns), meta_bytes,
-                   headroom)  # fmt: skip
+        return cls(
+            capacity_bytes,
+            extent_bytes,
+            align,
+            per_extent,
+            n_extents,
+            n_slots,
+            id_capacity,
+            ids_off,
+            ext_off,
+            tuple(columns),
+            meta_bytes,
+            headroom,
+        )
 
     @staticmethod
     def max_capacity(
@@ -365,10 +413,20 @@ class PoolLayout:
     def header(self, generation: int) -> bytes:
         """Return the header bytes that describe this layout (checksum included)."""
         fixed = _HEADER.pack(
-            MAGIC, FORMAT_VERSION, HEADER_BYTES, self.capacity_bytes, self.extent_bytes,
-            self.align, self.per_extent, self.n_extents, self.n_slots, KEY_BYTES,
-            self.id_capacity, self.meta_bytes, self.headroom,
-        )  # fmt: skip
+            MAGIC,
+            FORMAT_VERSION,
+            HEADER_BYTES,
+            self.capacity_bytes,
+            self.extent_bytes,
+            self.align,
+            self.per_extent,
+            self.n_extents,
+            self.n_slots,
+            KEY_BYTES,
+            self.id_capacity,
+            self.meta_bytes,
+            self.headroom,
+        )
         return fixed + _SUM.pack(xxhash.xxh3_64_intdigest(fixed)) + _SUM.pack(generation)
 
     def mismatch(self, header: bytes | memoryview) -> str | None:
@@ -390,9 +448,21 @@ class PoolLayout:
         if xxhash.xxh3_64_intdigest(raw[:_SUM_OFF]) != want_sum:
             return "pool header checksum mismatch (corrupted header)"
         ours = _HEADER.unpack_from(self.header(0))
-        names = ("magic", "version", "header_bytes", "capacity_bytes", "extent_bytes",
-                 "align", "slot ids per extent", "extents", "slots", "key_bytes",
-                 "id_capacity", "meta_bytes", "headroom")  # fmt: skip
+        names = (
+            "magic",
+            "version",
+            "header_bytes",
+            "capacity_bytes",
+            "extent_bytes",
+            "align",
+            "slot ids per extent",
+            "extents",
+            "slots",
+            "key_bytes",
+            "id_capacity",
+            "meta_bytes",
+            "headroom",
+        )
         diffs = [f"{n} {old} -> {new}" for n, old, new in zip(names, fields, ours) if old != new]
         return "geometry changed: " + ", ".join(diffs) if diffs else None
 

@@ -91,8 +91,9 @@ class RecencyLists:
         tier: per slot, which global list (0 or 1) a page goes on; None: the first.
     """
 
-    def __init__(self, prev: array[int], nxt: array[int], stamp: memoryview,
-                 tier: bytearray | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, prev: array[int], nxt: array[int], stamp: memoryview, tier: bytearray | None = None
+    ) -> None:
         self.prev, self.next = prev, nxt
         self.oprev = filled("i", NIL, len(prev))
         self.onext = filled("i", NIL, len(prev))

@@ -69,8 +69,9 @@ class KeyLookups:
         self._run(ns_id, packed, lengths, slots)
         return slots
 
-    def _run(self, ns_id: int, packed: bytes | memoryview, lengths: bytes | None,
-             slots: list[int] | None) -> int:  # fmt: skip
+    def _run(
+        self, ns_id: int, packed: bytes | memoryview, lengths: bytes | None, slots: list[int] | None
+    ) -> int:
         """The leading READY run of ``packed`` by the C probe, each key it leaves
         unresolved decided by the dict; with ``slots``, each key's slot is appended to it."""
         leading_run = self.table.leading_run

@@ -74,8 +74,15 @@ class PageTable:
         n_slots: slot ids of the pool.
     """
 
-    def __init__(self, meta: PoolMeta, *, max_log: int, quota: dict[int, int],
-                 requires_l3: bool, policy: str = "lru") -> None:  # fmt: skip
+    def __init__(
+        self,
+        meta: PoolMeta,
+        *,
+        max_log: int,
+        quota: dict[int, int],
+        requires_l3: bool,
+        policy: str = "lru",
+    ) -> None:
         layout = meta.layout
         self.n_slots = layout.n_slots
         self._per_extent = layout.per_extent
@@ -98,21 +105,30 @@ class PageTable:
         self._writing: dict[int, dict[bytes, int]] = {}
         self._index = ResidentPages(self._ready, self._writing)  # len: resident pages
         self.evictor = self._ev = Evictor(
-            slots, meta, self._key, self._release, max_log=max_log, quota=quota,
-            requires_l3=requires_l3, policy=policy,
-        )  # fmt: skip
+            slots,
+            meta,
+            self._key,
+            self._release,
+            max_log=max_log,
+            quota=quota,
+            requires_l3=requires_l3,
+            policy=policy,
+        )
         self._split = self._ev.split  # a two-list policy's state (None: lru)
         self._lru = self._ev.lru  # the evictable pages
         self._owned = self._ev.owned
-        self.pins = self._pin = Pins(self.n_slots, meta.stamp, meta.state, meta.owner,
-                                     self._children, self._lru)  # fmt: skip
+        self.pins = self._pin = Pins(
+            self.n_slots, meta.stamp, meta.state, meta.owner, self._children, self._lru
+        )
         self._pins = self._pin.count
-        self._runs = StoreRuns(meta, slots, self._kids, self._ev, self._pins, self._key,
-                               self._ready, self._writing)  # fmt: skip
+        self._runs = StoreRuns(
+            meta, slots, self._kids, self._ev, self._pins, self._key, self._ready, self._writing
+        )
         self._clock = 0
 
-    def adopt_rows(self, slots: np.ndarray, ready: dict[int, dict[bytes, int]],
-                   parents: np.ndarray) -> None:  # fmt: skip
+    def adopt_rows(
+        self, slots: np.ndarray, ready: dict[int, dict[bytes, int]], parents: np.ndarray
+    ) -> None:
         """Fill the private state of an empty table from adopted READY rows.
 
         Everything is built in numpy: no Python loop per page.
@@ -171,8 +187,14 @@ class PageTable:
             n += 1
         return n
 
-    def allocate(self, ns_id: int, owner: int, class_id: int, keys: Sequence[bytes],
-                 parent_key: bytes | None = None) -> list[tuple[int, int]]:  # fmt: skip
+    def allocate(
+        self,
+        ns_id: int,
+        owner: int,
+        class_id: int,
+        keys: Sequence[bytes],
+        parent_key: bytes | None = None,
+    ) -> list[tuple[int, int]]:
         """Allocate WRITING slots for the keys the pool lacks (the store path).
 
         Present keys (READY or WRITING) are skipped but parent the next key. A new
@@ -242,8 +264,10 @@ class PageTable:
         """Raise the error that names what :meth:`commit` refuses in its arguments."""
         for s in slots:
             self._expect(s, PageState.WRITING, "commit")
-        if checksums is not None and (len(checksums) != len(slots) or (
-                checksums and (min(checksums) < 0 or max(checksums) > _MAX_U64))):  # fmt: skip
+        if checksums is not None and (
+            len(checksums) != len(slots)
+            or (checksums and (min(checksums) < 0 or max(checksums) > _MAX_U64))
+        ):
             raise HostPoolError(f"need one 64-bit checksum per slot ({len(slots)})")
 
     def abort(self, slots: Sequence[int]) -> None:
@@ -335,8 +359,11 @@ class PageTable:
             s, links = lru.start(None, second)
             while s != NIL:
                 nxt = links[s]  # dropping s only enqueues its parent, never removes nxt
-                while (s != NIL and (ns_id is None or ns[s] == ns_id)
-                       and (owner is None or owners[s] == owner)):  # fmt: skip
+                while (
+                    s != NIL
+                    and (ns_id is None or ns[s] == ns_id)
+                    and (owner is None or owners[s] == owner)
+                ):
                     parent = parents[s]
                     lru.dequeue(s, owners[s])
                     self._release(s)

@@ -37,8 +37,15 @@ class Pins:
         pinned: pages with at least one pin.
     """
 
-    def __init__(self, n_slots: int, stamp: memoryview, state: memoryview, owner: memoryview,
-                 children: array[int], lru: RecencyLists) -> None:  # fmt: skip
+    def __init__(
+        self,
+        n_slots: int,
+        stamp: memoryview,
+        state: memoryview,
+        owner: memoryview,
+        children: array[int],
+        lru: RecencyLists,
+    ) -> None:
         self.count = filled("i", 0, n_slots)
         self.pinned = 0
         self._stamp, self._state, self._owner = stamp, state, owner

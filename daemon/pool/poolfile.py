@@ -47,11 +47,23 @@ from kvtier.ipc.shm import SharedMemorySegment
 import contextlib
 
 __all__ = [
-    "MADV_POPULATE_WRITE", "OWNER_TAG_MAGIC", "OWNER_TAG_MAX", "OWNER_TAG_OFFSET",
-    "POPULATE_STEP", "PoolFileError", "PoolSpaceError", "Refusal", "check_pool_stat",
-    "create_pool_segment", "discard_pool_file", "free_bytes", "open_pool_segment", "populate",
-    "read_owner_tag", "write_owner_tag",
-]  # fmt: skip
+    "MADV_POPULATE_WRITE",
+    "OWNER_TAG_MAGIC",
+    "OWNER_TAG_MAX",
+    "OWNER_TAG_OFFSET",
+    "POPULATE_STEP",
+    "PoolFileError",
+    "PoolSpaceError",
+    "Refusal",
+    "check_pool_stat",
+    "create_pool_segment",
+    "discard_pool_file",
+    "free_bytes",
+    "open_pool_segment",
+    "populate",
+    "read_owner_tag",
+    "write_owner_tag",
+]
 
 POOL_MODE = 0o600
 """The only permission bits a pool file may have."""
@@ -154,9 +166,13 @@ def discard_pool_file(path: str | Path, refusal: Refusal, st: os.stat_result) ->
     return f"pool file {path} {refusal.reason}: discarded"
 
 
-def open_pool_segment(path: str | Path, size: int, *, populate: bool,
-                      explain: Callable[[bytes, int], str] | None = None,
-                      ) -> tuple[SharedMemorySegment | None, str | None]:  # fmt: skip
+def open_pool_segment(
+    path: str | Path,
+    size: int,
+    *,
+    populate: bool,
+    explain: Callable[[bytes, int], str] | None = None,
+) -> tuple[SharedMemorySegment | None, str | None]:
     """Map the existing pool file at ``path`` if it is the daemon's alone and ``size`` bytes.
 
     A file that fails a check and is the daemon's, or that has another size, is removed,
@@ -213,8 +229,13 @@ def open_pool_segment(path: str | Path, size: int, *, populate: bool,
             os.close(fd)
 
 
-def create_pool_segment(path: str | Path, size: int, *, capacity: int, prefault: bool,
-                        ) -> SharedMemorySegment:  # fmt: skip
+def create_pool_segment(
+    path: str | Path,
+    size: int,
+    *,
+    capacity: int,
+    prefault: bool,
+) -> SharedMemorySegment:
     """Create the pool file exclusively (mode 0600, this uid) and map it.
 
     Args:

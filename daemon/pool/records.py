@@ -14,9 +14,16 @@ from typing import NamedTuple
 from kvtier.config.errors import KvtierError
 
 __all__ = [
-    "AdoptResult", "ClassStats", "EvictedPage", "HostPoolError", "HostPoolStats", "PageInfo",
-    "PageState", "PageStateError", "ResidentPages",
-]  # fmt: skip
+    "AdoptResult",
+    "ClassStats",
+    "EvictedPage",
+    "HostPoolError",
+    "HostPoolStats",
+    "PageInfo",
+    "PageState",
+    "PageStateError",
+    "ResidentPages",
+]
 
 
 class HostPoolError(KvtierError):
@@ -175,9 +182,11 @@ class AdoptResult:
         """One log line: what was adopted, or what was discarded and why."""
         if not self.adopted:
             return f"host pool started empty (generation 1): {self.reason}"
-        return (f"host pool adopted (generation {self.generation}): {self.pages_adopted} pages, "
-                f"{self.bytes_adopted / 2**20:.1f} MiB, {self.pages_dropped} dropped, "
-                f"in {self.seconds * 1e3:.0f} ms")  # fmt: skip
+        return (
+            f"host pool adopted (generation {self.generation}): {self.pages_adopted} pages, "
+            f"{self.bytes_adopted / 2**20:.1f} MiB, {self.pages_dropped} dropped, "
+            f"in {self.seconds * 1e3:.0f} ms"
+        )
 
 
 class ResidentPages:

@@ -46,24 +46,49 @@ class StoreRuns:
         ready / writing: the table's index, ``ns -> key -> slot``, READY and WRITING.
     """
 
-    def __init__(self, meta: PoolMeta, slots: SlotAllocator, kids: ChildLists,
-                 evictor: Evictor, pins: array[int], keys: list[bytes | None],
-                 ready: dict[int, dict[bytes, int]],
-                 writing: dict[int, dict[bytes, int]]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        meta: PoolMeta,
+        slots: SlotAllocator,
+        kids: ChildLists,
+        evictor: Evictor,
+        pins: array[int],
+        keys: list[bytes | None],
+        ready: dict[int, dict[bytes, int]],
+        writing: dict[int, dict[bytes, int]],
+    ) -> None:
         lru = evictor.lru
         self._cols = (
-            meta.stamp, meta.ns, meta.owner, meta.length, meta.parent, meta.key, meta.state,
-            meta.in_l3, meta.key_len, pins, kids.count, kids.first, kids.sib_prev,
-            kids.sib_next, lru.prev, lru.next, lru.oprev, lru.onext, slots.ext_class,
-            slots.ext_used, slots.ext_bump,
-        )  # fmt: skip
+            meta.stamp,
+            meta.ns,
+            meta.owner,
+            meta.length,
+            meta.parent,
+            meta.key,
+            meta.state,
+            meta.in_l3,
+            meta.key_len,
+            pins,
+            kids.count,
+            kids.first,
+            kids.sib_prev,
+            kids.sib_next,
+            lru.prev,
+            lru.next,
+            lru.oprev,
+            lru.onext,
+            slots.ext_class,
+            slots.ext_used,
+            slots.ext_bump,
+        )
         self._extra = (meta.checksum, meta.seal, meta.flags)
         self._slots, self._ev, self._lru = slots, evictor, lru
         self._keys, self._ready, self._writing = keys, ready, writing
         self._per_extent = slots.per_extent
 
-    def allocate(self, ns_id: int, owner: int, class_id: int, keys: list[bytes],
-                 prev: int, clock: int) -> tuple[list[tuple[int, int]], int] | None:  # fmt: skip
+    def allocate(
+        self, ns_id: int, owner: int, class_id: int, keys: list[bytes], prev: int, clock: int
+    ) -> tuple[list[tuple[int, int]], int] | None:
         """Allocate WRITING slots for ``keys`` as :meth:`PageTable.allocate` says.
 
         Each slot comes from the class's free list or the extent it is cutting, or, in C,
@@ -92,14 +117,36 @@ class StoreRuns:
         mode = 2 if owner in ev.quota else 1 if ev.requires_l3 or admit else 0
         out: list[tuple[int, int]] = []
         done = _alloc.run(
-            self._cols, keys, 0, prev, clock, ns_id, owner, class_id, cls.page_bytes,
-            self._per_extent, bool(self._slots.free_extents), cls,
+            self._cols,
+            keys,
+            0,
+            prev,
+            clock,
+            ns_id,
+            owner,
+            class_id,
+            cls.page_bytes,
+            self._per_extent,
+            bool(self._slots.free_extents),
+            cls,
             self._ready.get(ns_id, {}),  # read only: a namespace's first commit makes it
-            self._writing.setdefault(ns_id, {}), self._ready, self._keys, ev.owned,
-            lru.ends, lru.own_ends, ev.log, ev.max_log, EvictedPage, out, False,
-            ev.take_slot, admit, mode,
-            *((None, None) if lru.tier is None else (lru.ends2, lru.tier)), core,
-        )  # fmt: skip
+            self._writing.setdefault(ns_id, {}),
+            self._ready,
+            self._keys,
+            ev.owned,
+            lru.ends,
+            lru.own_ends,
+            ev.log,
+            ev.max_log,
+            EvictedPage,
+            out,
+            False,
+            ev.take_slot,
+            admit,
+            mode,
+            *((None, None) if lru.tier is None else (lru.ends2, lru.tier)),
+            core,
+        )
         if done is None:
             return None
         _, _, clock, evictions, unlogged = done
@@ -107,8 +154,9 @@ class StoreRuns:
         ev.unlogged += unlogged
         return out, clock
 
-    def commit(self, slots: Sequence[int], checksums: Sequence[int] | None,
-               clock: int) -> tuple[int, int] | None:  # fmt: skip
+    def commit(
+        self, slots: Sequence[int], checksums: Sequence[int] | None, clock: int
+    ) -> tuple[int, int] | None:
         """Commit the WRITING ``slots`` as the page table does (under a two-list policy, each page
         enters T1 or T2 by its tier).
 
@@ -122,7 +170,17 @@ class StoreRuns:
         lru = self._lru
         tiers = () if lru.tier is None else (lru.ends2, lru.tier)  # arc, reuse: T1 and T2
         return _alloc.commit(
-            self._cols, self._extra, slots, checksums, clock, self._per_extent,
-            self._writing, self._ready, self._keys, self._slots.classes, lru.ends,
-            lru.own_ends, *tiers,
-        )  # fmt: skip
+            self._cols,
+            self._extra,
+            slots,
+            checksums,
+            clock,
+            self._per_extent,
+            self._writing,
+            self._ready,
+            self._keys,
+            self._slots.classes,
+            lru.ends,
+            lru.own_ends,
+            *tiers,
+        )

@@ -55,7 +55,7 @@ __all__ = [
     "lock_path",
     "prepare_runtime_dir",
     "remove_stale_files",
-]  # fmt: skip
+]
 
 RUNTIME_DIR_MODE = 0o750
 """Mode of a runtime directory the daemon creates (group members, the engines, may enter)."""
@@ -288,8 +288,13 @@ def remove_stale_files(rdir: str | Path) -> list[Path]:
     removed = []
     with os.scandir(rdir) as entries:
         for entry in entries:
-            want = (stat.S_ISSOCK if entry.name in STALE_SOCKETS else
-                    stat.S_ISREG if STALE_PATTERN.fullmatch(entry.name) else None)  # fmt: skip
+            want = (
+                stat.S_ISSOCK
+                if entry.name in STALE_SOCKETS
+                else stat.S_ISREG
+                if STALE_PATTERN.fullmatch(entry.name)
+                else None
+            )
             if want is None:
                 continue
             try:

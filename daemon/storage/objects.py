@@ -191,8 +191,12 @@ def _native_headers() -> tuple[Any, Any, Any, Any] | None:
     try:
         from kvtier.kernels import _fileio
 
-        fns = (_fileio.seal_headers, _fileio.check_headers, _fileio.write_headers,
-               _fileio.recorded_checksums)  # fmt: skip
+        fns = (
+            _fileio.seal_headers,
+            _fileio.check_headers,
+            _fileio.write_headers,
+            _fileio.recorded_checksums,
+        )
     except (ImportError, AttributeError):
         return None
     seal, check, write, recorded = fns

@@ -23,8 +23,15 @@ from tests.servers import find_binary
 
 pytestmark = pytest.mark.timeout(180)
 
-KEYS = ("put_gbps", "get_gbps", "direct_put_gbps", "direct_get_gbps", "put_over_direct",
-        "get_over_direct", "exists_us_per_key")  # fmt: skip
+KEYS = (
+    "put_gbps",
+    "get_gbps",
+    "direct_put_gbps",
+    "direct_get_gbps",
+    "put_over_direct",
+    "get_over_direct",
+    "exists_us_per_key",
+)
 
 
 def _needs(backend: str) -> None:
@@ -44,7 +51,11 @@ def test_the_bench_moves_and_verifies_every_page(backend: str) -> None:
     for key in KEYS:
         assert result[key] > 0, key
     assert {k: len(v) for k, v in result["samples"].items()} == {
-        "put": 2, "get": 2, "direct_put": 2, "direct_get": 2}  # fmt: skip
+        "put": 2,
+        "get": 2,
+        "direct_put": 2,
+        "direct_get": 2,
+    }
     for op in ("put", "get"):  # a pass's ratio: its two sides' times over the same batches
         per_pass = [k / d for k, d in zip(result["samples"][op], result["samples"][f"direct_{op}"])]
         assert result["ratios"][op] == pytest.approx(per_pass)
@@ -57,8 +68,10 @@ def test_the_mooncake_bench_lays_slots_out_as_the_daemon_does() -> None:
     from kvtier.bench.l3_cluster import _slot_stride
 
     assert slot_headroom("mooncake") > 0 and slot_headroom("redis") == 0
-    assert _slot_stride("mooncake", 64 * 1024) == (slot_headroom("mooncake") + 64 * 1024,
-                                                    slot_headroom("mooncake"))  # fmt: skip
+    assert _slot_stride("mooncake", 64 * 1024) == (
+        slot_headroom("mooncake") + 64 * 1024,
+        slot_headroom("mooncake"),
+    )
     assert _slot_stride("redis", 5000) == (8192, 0)
 
 
@@ -67,10 +80,28 @@ def test_the_cli_writes_its_json(tmp_path: Path) -> None:
     _needs("redis")
     out = tmp_path / "redis.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "kvtier.bench.l3_cluster", "--backend", "redis", "--pages", "16",
-         "--page-bytes", "65536", "--batch", "8", "--repeats", "1", "--json", str(out)],
-        capture_output=True, text=True, timeout=150, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvtier.bench.l3_cluster",
+            "--backend",
+            "redis",
+            "--pages",
+            "16",
+            "--page-bytes",
+            "65536",
+            "--batch",
+            "8",
+            "--repeats",
+            "1",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads(out.read_text())
     runs = data if isinstance(data, list) else [data]

@@ -15,8 +15,14 @@ from kvtier.bench.l3 import run_file_bench
 
 pytestmark = pytest.mark.timeout(240)
 
-RATIOS = ("backend_put_over_raw_write", "backend_get_over_raw_read", "put_over_raw_write",
-          "store_put_over_raw_write", "store_over_raw_write", "get_over_raw_read")  # fmt: skip
+RATIOS = (
+    "backend_put_over_raw_write",
+    "backend_get_over_raw_read",
+    "put_over_raw_write",
+    "store_put_over_raw_write",
+    "store_over_raw_write",
+    "get_over_raw_read",
+)
 
 
 def test_the_file_bench_reports_every_figure(tmp_path: Path) -> None:
@@ -24,8 +30,18 @@ def test_the_file_bench_reports_every_figure(tmp_path: Path) -> None:
     from disk with every object."""
     result = run_file_bench(str(tmp_path), pages=32, page_bytes=64 * 1024, batch=8, repeats=2)
     assert result["backend"] == "file" and result["pages"] == 32 and result["repeats"] == 2
-    for name in ("raw_write", "raw_read", "put", "get", "store_put", "store",
-                 "backend_raw_write", "backend_raw_read", "backend_put", "backend_get"):  # fmt: skip
+    for name in (
+        "raw_write",
+        "raw_read",
+        "put",
+        "get",
+        "store_put",
+        "store",
+        "backend_raw_write",
+        "backend_raw_read",
+        "backend_put",
+        "backend_get",
+    ):
         assert result[f"{name}_gbps"] > 0, name
     for name in RATIOS:
         assert result[name] > 0, name

@@ -128,9 +128,11 @@ def test_a_load_during_a_long_store_of_its_chain_gets_the_stored_prefix(sliced):
                     pool_b.k[0][p].zero_()
                 loaded: list = []
                 caught = catch_half_allocated(
-                    admin, N - prefix, t.is_alive,
+                    admin,
+                    N - prefix,
+                    t.is_alive,
                     lambda keys=keys, loaded=loaded: loaded.append(b.load(keys, list(range(N)))),
-                )  # fmt: skip
+                )
                 if loaded:
                     assert loaded[0].wait()
                     got = [page_bytes(pool_b, p) == want[p] for p in sampled if p < prefix]

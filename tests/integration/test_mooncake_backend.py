@@ -434,7 +434,8 @@ async def test_with_headroom_a_page_moves_with_its_header_in_front(
         after = bytearray(arena.view)
         for s in range(8, 12):  # what a get may write: each object's header and payload
             after[at(arena, s) - HEADER_SIZE : at(arena, s) + PAGE] = whole[
-                at(arena, s) - HEADER_SIZE : at(arena, s) + PAGE]  # fmt: skip
+                at(arena, s) - HEADER_SIZE : at(arena, s) + PAGE
+            ]
         assert after == whole
         for s in range(8, 12):
             assert bytes(arena.view[at(arena, s) - LEAD : at(arena, s) - HEADER_SIZE]) == sentinel
@@ -470,8 +471,9 @@ async def test_each_page_of_a_batch_gets_its_own_result(
         for i in corrupt:
             flipped = bytearray(pages[i])
             flipped[PAGE // 2] ^= 0x10
-            raw.upsert(store.key_name(NS, keys[i]),
-                       encode_header(NS, keys[i], pages[i]) + bytes(flipped))  # fmt: skip
+            raw.upsert(
+                store.key_name(NS, keys[i]), encode_header(NS, keys[i], pages[i]) + bytes(flipped)
+            )
     finally:
         raw.close()
     dst = list(range(32, 32 + n))

@@ -20,20 +20,49 @@ from kvtier.bench.scale_worker import run_workers
 
 pytestmark = pytest.mark.timeout(240)
 
-RATIOS = ("transfer_fixed_cost_over_lookup_rtt", "transfer_64_over_memcpy",
-          "l2_aggregate_over_memcpy_8", "lookup_throughput_over_echo_8", "lookup_8192_over_echo",
-          "load_8192_over_memcpy", "million_lookup_p50_over_small", "daemon_cpu_s_per_gb",
-          "million_adopt_seconds", "l2_aggregate_over_cpu_bound_8", "memcpy_cpu_s_per_gb",
-          "daemon_cpu_s_per_gb_over_memcpy")  # fmt: skip
-FIGURES = ("transfer_fixed_cost_us", "lookup_rtt_us_p50", "transfer_memcpy_gbps",
-           "lookups_per_s", "echo_per_s", "lookup_long_us_p50", "echo_long_us_p50",
-           "load_long_gbps", "load_long_memcpy_gbps", "million_store_pages_per_s",
-           "million_evict_pages_per_s", "million_lookup_p50_us", "million_small_lookup_p50_us",
-           "million_restart_to_healthy_seconds", "million_rss_beyond_pool_bytes",
-           "daemon_bytes_moved", "stall_store_accept_ms_p50", "stall_lookup_idle_us_p99",
-           "stall_lookup_busy_us_p99", "stall_lookup_p99_over_idle", "stall_stores")  # fmt: skip
-PER_SIZE = ("transfer_store_us_p50", "transfer_load_us_p50", "transfer_store_gbps",
-            "transfer_load_gbps")  # fmt: skip
+RATIOS = (
+    "transfer_fixed_cost_over_lookup_rtt",
+    "transfer_64_over_memcpy",
+    "l2_aggregate_over_memcpy_8",
+    "lookup_throughput_over_echo_8",
+    "lookup_8192_over_echo",
+    "load_8192_over_memcpy",
+    "million_lookup_p50_over_small",
+    "daemon_cpu_s_per_gb",
+    "million_adopt_seconds",
+    "l2_aggregate_over_cpu_bound_8",
+    "memcpy_cpu_s_per_gb",
+    "daemon_cpu_s_per_gb_over_memcpy",
+)
+FIGURES = (
+    "transfer_fixed_cost_us",
+    "lookup_rtt_us_p50",
+    "transfer_memcpy_gbps",
+    "lookups_per_s",
+    "echo_per_s",
+    "lookup_long_us_p50",
+    "echo_long_us_p50",
+    "load_long_gbps",
+    "load_long_memcpy_gbps",
+    "million_store_pages_per_s",
+    "million_evict_pages_per_s",
+    "million_lookup_p50_us",
+    "million_small_lookup_p50_us",
+    "million_restart_to_healthy_seconds",
+    "million_rss_beyond_pool_bytes",
+    "daemon_bytes_moved",
+    "stall_store_accept_ms_p50",
+    "stall_lookup_idle_us_p99",
+    "stall_lookup_busy_us_p99",
+    "stall_lookup_p99_over_idle",
+    "stall_stores",
+)
+PER_SIZE = (
+    "transfer_store_us_p50",
+    "transfer_load_us_p50",
+    "transfer_store_gbps",
+    "transfer_load_gbps",
+)
 PER_N = ("l2_aggregate_gbps", "l2_memcpy_gbps", "l2_aggregate_over_memcpy", "l2_cpu_bound_gbps")
 
 
@@ -78,9 +107,13 @@ def test_the_quick_scale_bench_reports_every_figure(
     assert r["million_evicted_pages"] > 0
     printed = capsys.readouterr().out
     assert "kvtier bench scale" in printed
-    for row in ("2 engines: L2 aggregate vs memcpy", "lookups/s vs echoes/s",
-                "adopt after SIGKILL", "vs what the CPU per GB allows",
-                "vs memcpy shm <-> memfd"):  # fmt: skip
+    for row in (
+        "2 engines: L2 aggregate vs memcpy",
+        "lookups/s vs echoes/s",
+        "adopt after SIGKILL",
+        "vs what the CPU per GB allows",
+        "vs memcpy shm <-> memfd",
+    ):
         assert row in printed, row
     if plotting:
         assert (tmp_path / "scale.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -121,8 +121,12 @@ def test_trace_bench_restart_measures_the_hit_rate_after_adoption(
     r = json.loads(out.read_text())
     assert r["eviction_policy"] == policy and r["mismatched_bytes"] == 0
     assert r["restart_window"] == 150  # min(1000, 600 / 4)
-    for key in ("pages_adopted", "hit_rate_after_restart", "hit_rate_after_no_restart",
-                "restart_hit_ratio"):  # fmt: skip
+    for key in (
+        "pages_adopted",
+        "hit_rate_after_restart",
+        "hit_rate_after_no_restart",
+        "restart_hit_ratio",
+    ):
         assert len(r[key]) == len(r["sizes"]) == 1, key
     assert 0 < r["pages_adopted"][0] <= 8000
     (after,), (before,) = r["hit_rate_after_restart"], r["hit_rate_after_no_restart"]

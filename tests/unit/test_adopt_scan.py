@@ -57,8 +57,7 @@ def test_seals_match_the_reference_xxh3_for_every_key_length(length: int) -> Non
     same = np.full(n, length)
     assert seals(keys, same, seeds).tolist() == want
     mixed = np.array([length if i % 2 else rng.randrange(KEY_BYTES + 1) for i in range(n)])
-    want_mixed = [xxh3_64(keys[i, : mixed[i]].tobytes(), int(seeds[i]))
-                  for i in range(n)]  # fmt: skip
+    want_mixed = [xxh3_64(keys[i, : mixed[i]].tobytes(), int(seeds[i])) for i in range(n)]
     assert seals(keys, mixed, seeds).tolist() == want_mixed
     garbled = keys.copy()
     garbled[:, length:] ^= 0xA5
@@ -76,8 +75,7 @@ def test_seals_of_many_rows(mixed: bool) -> None:
     if mixed:
         lengths[rng.sample(range(n), 300)] = [rng.randrange(KEY_BYTES) for _ in range(300)]
     seeds = np.array([rng.getrandbits(64) for _ in range(n)], dtype=np.uint64)
-    want = [xxh3_64(keys[i, : lengths[i]].tobytes(), int(seeds[i]))
-            for i in range(n)]  # fmt: skip
+    want = [xxh3_64(keys[i, : lengths[i]].tobytes(), int(seeds[i])) for i in range(n)]
     assert seals(keys, lengths, seeds).tolist() == want
 
 
@@ -149,11 +147,22 @@ def test_bytes_past_a_keys_length_are_not_part_of_it(pool_file: PoolFile) -> Non
     assert pool.lookup(NS, keys) == 3
 
 
-@pytest.mark.parametrize(("n", "where"), [
-    (32, "byte 0"), (32, "byte 15"), (32, "byte 16"), (32, "byte 31"), (24, "byte 8"),
-    (24, "byte 23"), (32, "length 31"), (20, "length 21"), (20, "length 16"),
-    (32, "namespace"), (32, "checksum"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("n", "where"),
+    [
+        (32, "byte 0"),
+        (32, "byte 15"),
+        (32, "byte 16"),
+        (32, "byte 31"),
+        (24, "byte 8"),
+        (24, "byte 23"),
+        (32, "length 31"),
+        (20, "length 21"),
+        (20, "length 16"),
+        (32, "namespace"),
+        (32, "checksum"),
+    ],
+)
 def test_a_stray_write_to_a_digest_row_drops_it(pool_file: PoolFile, n: int, where: str) -> None:
     """One changed byte anywhere in a key that long, its length off by one (or below the
     column path's 17), or another namespace or checksum: the seal no longer matches."""
@@ -322,8 +331,9 @@ def test_the_adopted_index_holds_every_adopted_row(
             expected.setdefault(d.ns_id, {})[d.key] = s
     calls = []
     adopt_c = adopt._keyprobe.index_keys
-    monkeypatch.setattr(adopt._keyprobe, "index_keys",
-                        lambda *a: calls.append(len(a[1])) or adopt_c(*a))  # fmt: skip
+    monkeypatch.setattr(
+        adopt._keyprobe, "index_keys", lambda *a: calls.append(len(a[1])) or adopt_c(*a)
+    )
     c_pool, res = pf.start()
     assert res.pages_adopted == 65
     assert sorted(calls) == ([5, 30, 30] if keys_of == "digests" else [])

@@ -92,9 +92,19 @@ def test_a_negative_yield_is_refused_before_any_byte_moves():
     table = np.array([(0, engine.ctypes.data, N, PAGE, PAGE)], dtype=np.int64)
     with pytest.raises(ValueError, match=r"yield_bytes = -1 must not be negative"):
         guarded_copy.copy_strided(
-            arena.ctypes.data, arena.size, offsets, 0, engine.ctypes.data, N, pids, PAGE, PAGE,
-            True, False, -1,
-        )  # fmt: skip
+            arena.ctypes.data,
+            arena.size,
+            offsets,
+            0,
+            engine.ctypes.data,
+            N,
+            pids,
+            PAGE,
+            PAGE,
+            True,
+            False,
+            -1,
+        )
     with pytest.raises(ValueError, match=r"yield_bytes = -7 must not be negative"):
         guarded_copy.copy_regions(
             arena.ctypes.data, arena.size, offsets, pids, table, True, False, -7

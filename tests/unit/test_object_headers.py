@@ -22,8 +22,10 @@ def _impls(python: tuple, native: tuple) -> list:
     return [pytest.param(python, id="python"), pytest.param(native, id="native", marks=skip)]
 
 
-IMPLS = _impls((objects.py_seal_headers, objects.py_check_headers),
-               (objects.seal_headers, objects.check_headers))  # fmt: skip
+IMPLS = _impls(
+    (objects.py_seal_headers, objects.py_check_headers),
+    (objects.seal_headers, objects.check_headers),
+)
 
 NS = bytes(range(32))
 
@@ -146,14 +148,26 @@ def test_bad_arguments_raise_before_anything_is_written(
     impl: tuple, change: dict, message: str
 ) -> None:
     seal, check = impl
-    args = {"headers": [0, 96], "payloads": [0, 512], "length": 512, "ns": NS,
-            "keys": [b"k" * 32, b"l" * 32]}  # fmt: skip
+    args = {
+        "headers": [0, 96],
+        "payloads": [0, 512],
+        "length": 512,
+        "ns": NS,
+        "keys": [b"k" * 32, b"l" * 32],
+    }
     args.update(change)
     hbuf, pbuf = bytearray(4096), bytearray(os.urandom(4096))
     for fn in (seal, check):
         with pytest.raises(ValueError, match=message):
-            fn(hbuf, args["headers"], pbuf, args["payloads"], args["length"], args["ns"],
-               args["keys"])  # fmt: skip
+            fn(
+                hbuf,
+                args["headers"],
+                pbuf,
+                args["payloads"],
+                args["length"],
+                args["ns"],
+                args["keys"],
+            )
         assert hbuf == bytes(4096)
 
 
@@ -162,8 +176,10 @@ def test_sealing_needs_a_writable_header_buffer() -> None:
         objects.seal_headers(bytes(96), [0], bytes(64), [0], 64, NS, [b"k" * 32])
 
 
-RECORD_IMPLS = _impls((objects.py_write_headers, objects.py_recorded_checksums),
-                      (objects.write_headers, objects.recorded_checksums))  # fmt: skip
+RECORD_IMPLS = _impls(
+    (objects.py_write_headers, objects.py_recorded_checksums),
+    (objects.write_headers, objects.recorded_checksums),
+)
 
 
 @pytest.mark.parametrize("impl", RECORD_IMPLS)
@@ -183,7 +199,11 @@ def test_headers_with_known_checksums_and_reading_them_back(impl: tuple) -> None
     table[at[2] + 50] ^= 0x80
     assert recorded(table, at, length, NS, keys) == [sums[0], sums[1], None, sums[3]]
     assert recorded(table, at, length, NS, [keys[0], keys[0], keys[2], keys[3]]) == [
-        sums[0], None, None, sums[3]]  # fmt: skip
+        sums[0],
+        None,
+        None,
+        sums[3],
+    ]
     assert recorded(table, at, length + 1, NS, keys) == [None] * n
     assert recorded(bytes(n * stride), at, length, NS, keys) == [None] * n
 

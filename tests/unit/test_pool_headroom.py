@@ -169,8 +169,7 @@ def test_payloads_are_aligned_and_slots_with_their_headroom_never_overlap(
     n_ext = len(MIXED)
     per = EXTENT // up(min_page or align, align)
     span = EXTENT + per * headroom
-    pool = HostPool(n_ext * span + 500, EXTENT, align, min_page_bytes=min_page,
-                    headroom=headroom)  # fmt: skip
+    pool = HostPool(n_ext * span + 500, EXTENT, align, min_page_bytes=min_page, headroom=headroom)
     assert (pool.n_extents, pool.layout.per_extent, pool.layout.span) == (n_ext, per, span)
     cids = [pool.register_class(pb) for pb in MIXED]
     first = {cid: [s for _, s in pool.allocate(NS, A, cid, chain(f"c{cid}-", 2))] for cid in cids}
@@ -187,7 +186,10 @@ def test_payloads_are_aligned_and_slots_with_their_headroom_never_overlap(
     assert tiny and pool.stats().evictions > 0  # evicted class 3 pages for an extent
     pool.abort(tiny[1::2])  # holes on class 0's free list
     assert {MIXED[pool.describe(s).class_id] for _, _, s in live_ranges(pool)} >= {
-        MIXED[0], MIXED[4], MIXED[5]}  # fmt: skip
+        MIXED[0],
+        MIXED[4],
+        MIXED[5],
+    }
     tiny2 = [s for _, s in pool.allocate(NS, A, cids[0], chain("tiny2-", 2))]
     assert set(tiny2) <= set(tiny[1::2])  # the holes were reused
     pool.commit(tiny[::2] + tiny2)
@@ -221,9 +223,10 @@ def test_headroom_bytes_and_payloads_written_through_every_slot_stay_apart() -> 
         assert arena[off : off + pb] == bytes([n % 251 + 2]) * pb, s
 
 
-@pytest.mark.parametrize(("align", "headroom"),
-                         [(128, 64), (128, 100), (128, 130), (128, 192), (128, -128),
-                          (64, 64), (256, 128), (4096, 128)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("align", "headroom"),
+    [(128, 64), (128, 100), (128, 130), (128, 192), (128, -128), (64, 64), (256, 128), (4096, 128)],
+)
 def test_bad_headroom_is_refused(align: int, headroom: int) -> None:
     """A headroom that is not a multiple of align, or under SLOT_HEADROOM, or negative, is
     refused by the layout and by the pool, naming the headroom."""
@@ -233,8 +236,9 @@ def test_bad_headroom_is_refused(align: int, headroom: int) -> None:
         HostPool(4 * EXTENT, EXTENT, align, headroom=headroom)
 
 
-@pytest.mark.parametrize(("align", "headroom"), [(128, 0), (128, 128), (128, 384), (64, 192),
-                                                 (4096, 0), (4096, 4096)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("align", "headroom"), [(128, 0), (128, 128), (128, 384), (64, 192), (4096, 0), (4096, 4096)]
+)
 def test_good_headroom_is_accepted(align: int, headroom: int) -> None:
     """0 (none) and any multiple of align of at least SLOT_HEADROOM are accepted, and the
     layout records it."""
@@ -256,16 +260,23 @@ class Started:
     """One start of a daemon over the pool file: the mapped file, the pool adopted over
     it and the adoption's result (``arena`` is the arena part of the mapping)."""
 
-    def __init__(self, path: Path, lay: PoolLayout, *, verify: bool = True,
-                 arena_bytes: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, path: Path, lay: PoolLayout, *, verify: bool = True, arena_bytes: int | None = None
+    ) -> None:
         self.seg, why = map_pool_file(path, lay, prefault=False)
         view = self.seg.view
         self.arena = view[lay.arena_offset : lay.arena_offset + lay.capacity_bytes]
-        self.pool = HostPool(lay.capacity_bytes, lay.extent_bytes, lay.align,
-                             min_page_bytes=MIN_PAGE, headroom=lay.headroom)  # fmt: skip
+        self.pool = HostPool(
+            lay.capacity_bytes,
+            lay.extent_bytes,
+            lay.align,
+            min_page_bytes=MIN_PAGE,
+            headroom=lay.headroom,
+        )
         arena = self.arena[: arena_bytes or lay.capacity_bytes] if verify else None
-        self.res: AdoptResult = self.pool.adopt(view[: lay.meta_bytes], arena=arena,
-                                                cold_start=why or False)  # fmt: skip
+        self.res: AdoptResult = self.pool.adopt(
+            view[: lay.meta_bytes], arena=arena, cold_start=why or False
+        )
 
     def stop(self) -> None:
         """A planned stop: close the pool and the mapping, keep the file."""
@@ -309,8 +320,10 @@ def test_a_restarted_pool_adopts_pages_at_the_same_payload_offsets(pool_path: Pa
     run = Started(pool_path, layout())
     assert run.res.adopted is False and run.res.reason == "no pool file (first start)"
     assert run.pool.layout.headroom == H
-    pages = {5000: store(run, 5000, chain("a", 8)),  # 6 per extent: two extents
-             4096: store(run, 4096, chain("b", 3))}  # fmt: skip
+    pages = {
+        5000: store(run, 5000, chain("a", 8)),  # 6 per extent: two extents
+        4096: store(run, 4096, chain("b", 3)),
+    }
     extents = {s // PER for got in pages.values() for s, _ in got.values()}
     assert extents == {0, 1, 2}
     assert all(off % ALIGN == 0 and off >= H for got in pages.values() for _, off in got.values())
@@ -399,17 +412,19 @@ def test_a_version_1_header_is_discarded(pool_path: Path) -> None:
 # ------------------------------------------------------------------ the daemon
 
 
-@pytest.mark.parametrize(("backend", "headroom"),
-                         [("mooncake", SLOT_HEADROOM), ("file", 0), ("redis", 0), ("none", 0),
-                          ("dynamic", 0)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("backend", "headroom"),
+    [("mooncake", SLOT_HEADROOM), ("file", 0), ("redis", 0), ("none", 0), ("dynamic", 0)],
+)
 def test_slot_headroom_per_backend(backend: str, headroom: int) -> None:
     """Only Mooncake gets slot headroom."""
     assert slot_headroom(backend) == headroom
 
 
-@pytest.mark.parametrize(("backend", "headroom", "align", "n_extents"),
-                         [("mooncake", 128, 128, 3), ("file", 0, 4096, 4),
-                          ("none", 0, 4096, 4)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("backend", "headroom", "align", "n_extents"),
+    [("mooncake", 128, 128, 3), ("file", 0, 4096, 4), ("none", 0, 4096, 4)],
+)
 def test_the_daemon_pool_has_headroom_for_mooncake_only(
     backend: str, headroom: int, align: int, n_extents: int
 ) -> None:
@@ -418,8 +433,7 @@ def test_the_daemon_pool_has_headroom_for_mooncake_only(
     the others; 1 MiB holds three 256 KiB extents with their headroom, four without."""
 
     assert (HEADROOM_ALIGN, HEADROOM_MIN_PAGE_BYTES) == (128, 4096)
-    cfg = DaemonConfig(hicache_size=1 << 20, extent_size=256 * KIB,
-                       hicache_storage_backend=backend)  # fmt: skip
+    cfg = DaemonConfig(hicache_size=1 << 20, extent_size=256 * KIB, hicache_storage_backend=backend)
     pool = HostPool.from_config(cfg, slot_headroom(cfg.hicache_storage_backend))
     lay = pool.layout
     assert (lay.headroom, lay.align, lay.per_extent) == (headroom, align, 64)
@@ -437,16 +451,22 @@ def test_a_pool_too_small_for_one_extent_with_headroom_is_a_config_error() -> No
     fields and the bytes needed; the file backend's pool keeps working with it."""
     from kvtier.config.errors import ConfigError
 
-    cfg = DaemonConfig(hicache_size=256 * KIB, extent_size=256 * KIB,
-                       hicache_storage_backend="mooncake")  # fmt: skip
-    with pytest.raises(ConfigError, match=r"hicache_size \(262144\).*extent_size \(262144\)"
-                                          r".*270336 bytes"):  # fmt: skip
+    cfg = DaemonConfig(
+        hicache_size=256 * KIB, extent_size=256 * KIB, hicache_storage_backend="mooncake"
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"hicache_size \(262144\).*extent_size \(262144\)"
+        r".*270336 bytes",
+    ):
         HostPool.from_config(cfg, slot_headroom(cfg.hicache_storage_backend))
-    ok = DaemonConfig(hicache_size=256 * KIB + 64 * 128, extent_size=256 * KIB,
-                      hicache_storage_backend="mooncake")  # fmt: skip
+    ok = DaemonConfig(
+        hicache_size=256 * KIB + 64 * 128, extent_size=256 * KIB, hicache_storage_backend="mooncake"
+    )
     assert HostPool.from_config(ok, slot_headroom(ok.hicache_storage_backend)).layout.n_extents == 1
-    plain = DaemonConfig(hicache_size=256 * KIB, extent_size=256 * KIB,
-                         hicache_storage_backend="file")  # fmt: skip
+    plain = DaemonConfig(
+        hicache_size=256 * KIB, extent_size=256 * KIB, hicache_storage_backend="file"
+    )
     assert (
         HostPool.from_config(plain, slot_headroom(plain.hicache_storage_backend)).layout.n_extents
         == 1

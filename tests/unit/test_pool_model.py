@@ -63,11 +63,19 @@ class PoolVersusModel(RuleBasedStateMachine):
         assert got[0] == got[1], op
         return got[0][1] if got[0][0] == "ok" else None
 
-    @rule(chain=st.integers(0, 11), first=st.integers(0, 4), n=st.sampled_from((1, 2, 5, 9)),
-          ns=st.sampled_from(NAMESPACES), owner=st.sampled_from(OWNERS), cid=st.integers(0, 2),
-          parent=st.booleans(), fate=st.sampled_from(("commit", "abort", "later", "sums")))  # fmt: skip
-    def store(self, chain: int, first: int, n: int, ns: int, owner: int, cid: int,
-              parent: bool, fate: str) -> None:  # fmt: skip
+    @rule(
+        chain=st.integers(0, 11),
+        first=st.integers(0, 4),
+        n=st.sampled_from((1, 2, 5, 9)),
+        ns=st.sampled_from(NAMESPACES),
+        owner=st.sampled_from(OWNERS),
+        cid=st.integers(0, 2),
+        parent=st.booleans(),
+        fate=st.sampled_from(("commit", "abort", "later", "sums")),
+    )
+    def store(
+        self, chain: int, first: int, n: int, ns: int, owner: int, cid: int, parent: bool, fate: str
+    ) -> None:
         keys = [key(chain, first + i) for i in range(n)]
         up = key(chain, first - 1) if parent and first else None
         got = self.both("allocate", ns, owner, cid, keys, up)
@@ -87,8 +95,12 @@ class PoolVersusModel(RuleBasedStateMachine):
         slots = self.pending.pop(i % len(self.pending))
         self.both("commit" if ok else "abort", slots)
 
-    @rule(chain=st.integers(0, 11), n=st.integers(1, 8), ns=st.sampled_from(NAMESPACES),
-          used=st.booleans())  # fmt: skip
+    @rule(
+        chain=st.integers(0, 11),
+        n=st.integers(1, 8),
+        ns=st.sampled_from(NAMESPACES),
+        used=st.booleans(),
+    )
     def load(self, chain: int, n: int, ns: int, used: bool) -> None:
         keys = [key(chain, i) for i in range(n)]
         self.both("lookup", ns, keys)
@@ -96,8 +108,9 @@ class PoolVersusModel(RuleBasedStateMachine):
         if slots:
             self.held.append(slots)
 
-    @rule(picks=st.lists(st.integers(0, 999), min_size=2, max_size=8),
-          ns=st.sampled_from(NAMESPACES))  # fmt: skip
+    @rule(
+        picks=st.lists(st.integers(0, 999), min_size=2, max_size=8), ns=st.sampled_from(NAMESPACES)
+    )
     def load_any(self, picks: list[int], ns: int) -> None:
         """A LOAD of READY pages from many chains: several childless pages in one run."""
         ready = sorted(k for k, _ in self.pools[0].ready_pages(ns))

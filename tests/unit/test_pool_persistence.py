@@ -88,15 +88,21 @@ class PoolFile:
         self.maps.append(mm)
         return memoryview(mm)
 
-    def start(self, layout: PoolLayout | None = None, *, verify: bool = True,
-              cold_start: bool | str = False) -> tuple[HostPool, AdoptResult]:  # fmt: skip
+    def start(
+        self,
+        layout: PoolLayout | None = None,
+        *,
+        verify: bool = True,
+        cold_start: bool | str = False,
+    ) -> tuple[HostPool, AdoptResult]:
         """Map the file and open a pool over it (the daemon's start)."""
         lay = layout or self.layout
         view = self.map()
         arena = view[lay.arena_offset : lay.arena_offset + lay.capacity_bytes]
         pool = new_pool(lay)
-        res = pool.adopt(view[: lay.meta_bytes], arena=arena if verify else None,
-                         cold_start=cold_start)  # fmt: skip
+        res = pool.adopt(
+            view[: lay.meta_bytes], arena=arena if verify else None, cold_start=cold_start
+        )
         return pool, res
 
     def arena(self) -> memoryview:
@@ -118,8 +124,15 @@ def payload(key: bytes, nbytes: int = SMALL) -> bytes:
     return (key * (nbytes // len(key) + 1))[:nbytes]
 
 
-def store(pool: HostPool, arena: memoryview, keys: list[bytes], ns: int = NS, owner: int = A,
-          parent: bytes | None = None, checksums: bool = True) -> list[int]:  # fmt: skip
+def store(
+    pool: HostPool,
+    arena: memoryview,
+    keys: list[bytes],
+    ns: int = NS,
+    owner: int = A,
+    parent: bytes | None = None,
+    checksums: bool = True,
+) -> list[int]:
     """Allocate ``keys``, write their payloads into the arena, commit with checksums."""
     got = pool.allocate(ns, owner, pool.register_class(SMALL), keys, parent)
     slots = [s for _, s in got]
@@ -139,8 +152,16 @@ def rows(pool: HostPool) -> dict[int, tuple]:
         d = pool.describe(s)
         if d.state is PageState.READY:
             page_bytes = pool.stats().classes[d.class_id].page_bytes
-            out[s] = (d.key, d.ns_id, d.owner, page_bytes, d.offset, d.in_l3, d.last_access,
-                      d.parent)  # fmt: skip
+            out[s] = (
+                d.key,
+                d.ns_id,
+                d.owner,
+                page_bytes,
+                d.offset,
+                d.in_l3,
+                d.last_access,
+                d.parent,
+            )
     return out
 
 
@@ -444,15 +465,27 @@ def test_page_checksums_of_the_pool_file_s_arena(pool_file: PoolFile) -> None:
     arena = pool_file.arena()
     arena[4096:8192] = bytes(range(256)) * 16
     assert page_checksums(arena, [0, 4096], 4096) == [  # the tests' own XXH3
-        xxh3_64(bytes(4096)), xxh3_64(bytes(range(256)) * 16)
-    ]  # fmt: skip
+        xxh3_64(bytes(4096)),
+        xxh3_64(bytes(range(256)) * 16),
+    ]
 
 
 # ------------------------------------------------------ crash between writes
 
 
-ROW_FIELDS = ("key", "key_len", "ns", "owner", "length", "parent", "checksum", "flags",
-              "seal", "state", "in_l3")  # fmt: skip
+ROW_FIELDS = (
+    "key",
+    "key_len",
+    "ns",
+    "owner",
+    "length",
+    "parent",
+    "checksum",
+    "flags",
+    "seal",
+    "state",
+    "in_l3",
+)
 
 
 def row(meta: PoolMeta, s: int) -> tuple:
@@ -516,8 +549,11 @@ def test_a_crash_between_any_two_writes_never_adopts_a_page_under_a_wrong_key(
             meta.release()
             pool, _ = f.start(verify=verify)
             d = pool.describe(s)
-            visible = {key for key in (k0, k1, k("K1")) if pool.lookup(NS, [key]) or
-                       pool.lookup(NS2, [key])}  # fmt: skip
+            visible = {
+                key
+                for key in (k0, k1, k("K1"))
+                if pool.lookup(NS, [key]) or pool.lookup(NS2, [key])
+            }
             if case == steps[: len(case)] and len(case) == 0:
                 assert visible == {k0} and bytes(ar[off : off + SMALL]) == payload(k0)
             elif case == steps:
@@ -673,11 +709,17 @@ class RestartMachine(PoolMachine):
     @rule(verify=st.booleans())
     def restart(self, verify: bool) -> None:
         old = self.pool
-        before = {s: (old.describe(s), old.stats().classes[old.describe(s).class_id].page_bytes)
-                  for s in self.ready}  # fmt: skip
+        before = {
+            s: (old.describe(s), old.stats().classes[old.describe(s).class_id].page_bytes)
+            for s in self.ready
+        }
         writing = sorted(set(self.live) - self.ready)
-        probes = [(ns, [k(f"c{c}.{i}") for i in range(start, start + 5)])
-                  for ns in (NS, NS2) for c in range(4) for start in range(5)]  # fmt: skip
+        probes = [
+            (ns, [k(f"c{c}.{i}") for i in range(start, start + 5)])
+            for ns in (NS, NS2)
+            for c in range(4)
+            for start in range(5)
+        ]
         lookups = [old.lookup(ns, keys) for ns, keys in probes]
         arena = self.arena if verify else None
         self.pool = new_pool(self.layout)
@@ -691,7 +733,13 @@ class RestartMachine(PoolMachine):
         for s, (d, page_bytes) in before.items():
             now = self.pool.describe(s)
             assert (now.key, now.ns_id, now.owner, now.offset, now.in_l3, now.last_access) == (
-                d.key, d.ns_id, d.owner, d.offset, d.in_l3, d.last_access)  # fmt: skip
+                d.key,
+                d.ns_id,
+                d.owner,
+                d.offset,
+                d.in_l3,
+                d.last_access,
+            )
             assert self.pool.stats().classes[now.class_id].page_bytes == page_bytes
             assert self.pool.lookup(d.ns_id, [d.key]) == 1 and now.pins == 0
         assert [self.pool.lookup(ns, keys) for ns, keys in probes] == lookups
@@ -750,9 +798,11 @@ def test_adopting_1gib_of_ready_pages_timing(shm_dir: Path) -> None:
     pool.close()
     pool = new_pool(lay)
     res2 = pool.adopt(seg2.view[: lay.meta_bytes])
-    print(f"\n1 GiB, 4096 x 256 KiB READY pages: fill+checksum {t_store:.3f} s; "
-          f"remap (MAP_POPULATE) {t_map:.3f} s; adopt verified {res.seconds:.3f} s; "
-          f"adopt unverified {res2.seconds:.3f} s; metadata {lay.meta_bytes >> 20} MiB")  # fmt: skip
+    print(
+        f"\n1 GiB, 4096 x 256 KiB READY pages: fill+checksum {t_store:.3f} s; "
+        f"remap (MAP_POPULATE) {t_map:.3f} s; adopt verified {res.seconds:.3f} s; "
+        f"adopt unverified {res2.seconds:.3f} s; metadata {lay.meta_bytes >> 20} MiB"
+    )
     pool.close()
     seg.close()
     seg2.close()

@@ -102,8 +102,10 @@ def test_reuse_ghost_hit_grows_its_lists_target() -> None:
     assert evicted(pool) == [b"c", b"a", b"b"]
     assert pool.stats().evictions_by_reason == {"t1": 1, "t2": 2}
     assert pool.stats().eviction_split == {  # c returned; a and b are ghosts
-        "t2_pages": 2, "t1_target_ratio": split.share, "ghosts": 2,
-    }  # fmt: skip
+        "t2_pages": 2,
+        "t1_target_ratio": split.share,
+        "ghosts": 2,
+    }
 
 
 def test_reuse_adapts_by_ghost_depth_and_bounds_its_memory() -> None:
@@ -227,8 +229,7 @@ class ArcModel(RuleBasedStateMachine):
         assert arc is not None
         listed = pool.evictable_slots()
         assert len(listed) == len(set(listed))
-        resident = [s for s in range(pool.n_slots)
-                    if pool.describe(s).state != PageState.FREE]  # fmt: skip
+        resident = [s for s in range(pool.n_slots) if pool.describe(s).state != PageState.FREE]
         evictable = [s for s in resident if pool.describe(s).evictable]
         assert sorted(listed) == sorted(evictable)
         assert arc.t2 == sum(arc.tier[s] for s in resident)

@@ -222,8 +222,7 @@ def test_the_turn_between_slices_offers_the_cpu_before_the_loop_goes_on(monkeypa
         await slices.turn()
         assert ran == [1] and offered == [1]
         p, cls = pool()
-        got = await slices.allocate(p, NS, OWNER, cls, chain("y"), None, SIZE, lambda: False,
-                                    noop)  # fmt: skip
+        got = await slices.allocate(p, NS, OWNER, cls, chain("y"), None, SIZE, lambda: False, noop)
         assert got is not None and len(got.slots) == CHAIN
         assert len(offered) == 1 + (CHAIN - 1) // SIZE  # one per turn between two slices
 

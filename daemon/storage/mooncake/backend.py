@@ -61,8 +61,9 @@ class MooncakeBackend(StorageBackend):
         self._probe_key = f"{self.options.prefix}:health"
         self._breaker = Breaker(
             f"mooncake backend: master {self.options.master_server_address}",
-            cooldown_s=self.options.retry_interval_s, log=_log,
-        )  # fmt: skip
+            cooldown_s=self.options.retry_interval_s,
+            log=_log,
+        )
 
     @property
     def store(self) -> Any:
@@ -111,9 +112,15 @@ class MooncakeBackend(StorageBackend):
         self._jobs = Jobs(store, arena, scratch)
         self._state = _State.OPEN
         setup = functools.partial(
-            store.setup, opts.local_hostname, opts.metadata_server, opts.global_segment_size,
-            opts.local_buffer_size, opts.protocol, opts.device_name, opts.master_server_address,
-        )  # fmt: skip
+            store.setup,
+            opts.local_hostname,
+            opts.metadata_server,
+            opts.global_segment_size,
+            opts.local_buffer_size,
+            opts.protocol,
+            opts.device_name,
+            opts.master_server_address,
+        )
         try:
             # Setup and registration run on the loop's executor, not on the lowered workers:
             # the threads Mooncake starts here inherit the priority of the one that starts them.

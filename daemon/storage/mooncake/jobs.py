@@ -65,9 +65,10 @@ class Jobs:
             )
         else:
             codes = self.store.batch_put_from_multi_buffers(
-                names, [[hbase + at, arena.address + off] for at, off in zip(hpos, offsets)],
+                names,
+                [[hbase + at, arena.address + off] for at, off in zip(hpos, offsets)],
                 [[HEADER_SIZE, length]] * len(hpos),
-            )  # fmt: skip
+            )
         return [(int(code), code == 0) for code in codes]
 
     def get(
@@ -95,14 +96,20 @@ class Jobs:
             )
         else:
             codes = self.store.batch_get_into_multi_buffers(
-                names, [[hbase + at, arena.address + off] for at, off in zip(hpos, offsets)],
+                names,
+                [[hbase + at, arena.address + off] for at, off in zip(hpos, offsets)],
                 [[HEADER_SIZE, length]] * len(hpos),
-            )  # fmt: skip
+            )
         landed = [i for i, code in enumerate(codes) if code == whole]
         verified = check_headers(
-            hview, [hpos[i] for i in landed], arena.view, [offsets[i] for i in landed], length,
-            ns, [keys[i] for i in landed],
-        )  # fmt: skip
+            hview,
+            [hpos[i] for i in landed],
+            arena.view,
+            [offsets[i] for i in landed],
+            length,
+            ns,
+            [keys[i] for i in landed],
+        )
         ok = [False] * len(codes)
         for i, good in zip(landed, verified):
             ok[i] = good

@@ -21,9 +21,11 @@ _log = logging.getLogger(__name__)
 def worker_pool(workers: int, nice: int) -> ThreadPoolExecutor:
     """Return a pool of ``workers`` threads, each ``nice`` lower in priority than the daemon."""
     return ThreadPoolExecutor(
-        workers, thread_name_prefix="kvtier-mooncake",
-        initializer=_lower_priority, initargs=(nice,),
-    )  # fmt: skip
+        workers,
+        thread_name_prefix="kvtier-mooncake",
+        initializer=_lower_priority,
+        initargs=(nice,),
+    )
 
 
 def _lower_priority(nice: int) -> None:
