@@ -3,20 +3,21 @@
 Engines call kvtier from their scheduler and I/O threads (SGLang counts a slow backend
 against every rank). When kvtierd's process is gone, a call must become a miss at once:
 before sending (the pid is checked) and while waiting for a reply (checked every few
-milliseconds). The bound asserted is half the configured timeout, which is set long.
+milliseconds). The configured timeouts are an hour: a call that waited for one would run
+past the test's own time limit (pytest-timeout), which fails it; no elapsed time is
+asserted.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 
 from kvtier.client.connection.connection import Connection
 from kvtier.client.kv_pool.shared import SharedKVPool
 
 from tests.engines import SMALL, client_config, tokens
 
-LONG_S = 30.0  # request_timeout_s and the rank-group wait: far beyond what a miss may take
+LONG_S = 3600.0  # request_timeout_s and the rank-group wait: far past the test time limit
 
 
 def test_a_call_to_a_dead_daemon_is_a_miss_at_once(daemon_factory):
@@ -30,11 +31,9 @@ def test_a_call_to_a_dead_daemon_is_a_miss_at_once(daemon_factory):
             assert conn.store(keys, [0, 1]).wait(10.0)
             assert conn.lookup(keys).l2 == 2
             d.kill()
-            start = time.monotonic()
             assert conn.lookup(keys).l2 == 0
             assert conn.claim(keys) == 0
             assert conn.load(keys, [2, 3]).count == 0
-            assert time.monotonic() - start < LONG_S / 2
         finally:
             conn.close()
 
@@ -54,9 +53,7 @@ def test_a_call_waiting_when_the_daemon_dies_returns_at_once(daemon_factory):
             keys = conn.page_keys(tokens(2 * SMALL.page_size))
             killer = threading.Timer(0.5, d.kill)
             killer.start()
-            start = time.monotonic()
             assert conn.lookup(keys).l2 == 0
-            assert time.monotonic() - start < LONG_S / 2
             killer.join()
         finally:
             conn.close()
