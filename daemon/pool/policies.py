@@ -46,7 +46,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 from kvtier.daemon.pool.layout import USED_AGAIN
-from kvtier.daemon.pool.native import _alloc
+from kvtier.daemon.pool.native import _alloc, _pins
 
 __all__ = ["POLICIES", "ArcState", "ReuseState", "SplitState", "split_state"]
 
@@ -83,14 +83,14 @@ class SplitState:
         raise NotImplementedError
 
     def reused(self, slots: Iterable[int]) -> None:
-        """The pages ``slots`` (off the evictable lists: pinned) were used: into T2."""
-        tier, flags = self.tier, self._flags
-        for s in slots:
-            if not tier[s]:
-                tier[s] = 1
-                self.t2 += 1
-                if flags is not None:
-                    flags[s] |= USED_AGAIN
+        """The pages ``slots`` (off the evictable lists: pinned) were used: into T2 (and
+        marked :data:`~kvtier.daemon.pool.layout.USED_AGAIN`), in one C call.
+
+        Raises:
+            ValueError: a slot outside the pool (nothing changed).
+        """
+        run = slots if type(slots) is list else list(slots)
+        self.t2 += _pins.mark_used(self.tier, self._flags, run, USED_AGAIN)
 
     def victim_list(self, resident: int) -> int:
         """Which list the next victim comes from (0: T1, 1: T2), ``resident`` pages in

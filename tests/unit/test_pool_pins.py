@@ -203,3 +203,39 @@ def test_the_c_pins_check_every_slot_before_any_change() -> None:
     kids[2] = 1  # slot 2 has a resident child: it never enters the evictable lists
     assert _pins.unpin(pins, state, kids, [2, 1, 2], ready) == (2, [1])
     assert list(pins) == [0] * n
+
+
+def test_mark_used_puts_each_slot_in_t2_once_and_sets_its_flag() -> None:
+    tier, flags = bytearray(8), bytearray([0, 1, 0, 0, 0, 0, 2, 0])
+    assert _pins.mark_used(tier, memoryview(flags), [6, 1, 6, 3], 4) == 3  # 6 listed twice
+    assert list(tier) == [0, 1, 0, 1, 0, 0, 1, 0]
+    assert list(flags) == [0, 5, 0, 4, 0, 0, 6, 0]  # other bits kept
+    assert _pins.mark_used(tier, None, [1, 2], 4) == 1  # 1 was in T2 already
+    assert list(tier) == [0, 1, 1, 1, 0, 0, 1, 0] and list(flags)[2] == 0
+
+
+@pytest.mark.parametrize("bad", [8, -1, 1 << 70])
+def test_mark_used_checks_every_slot_before_any_change(bad: int) -> None:
+    tier, flags = bytearray(8), bytearray(8)
+    with pytest.raises(ValueError, match="outside the pool"):
+        _pins.mark_used(tier, memoryview(flags), [0, 1, bad], 4)
+    assert tier == bytearray(8) and flags == bytearray(8)
+    short = bytearray(4)  # the flags column bounds the slots too
+    with pytest.raises(ValueError, match=r"slot 5 is outside the pool \[0, 4\)"):
+        _pins.mark_used(tier, memoryview(short), [5], 4)
+
+
+@pytest.mark.parametrize("policy", ["arc", "reuse"])
+def test_a_load_moves_its_pages_to_t2_once(policy: str) -> None:
+    from kvtier.daemon.pool.layout import USED_AGAIN
+    from kvtier.daemon.pool.policies import split_state
+
+    flags = bytearray(16)
+    split = split_state(policy, 16, memoryview(flags))
+    assert split is not None
+    split.reused([3, 4, 4])
+    split.reused(iter([4, 5]))  # any iterable of slots
+    assert split.t2 == 3 and [i for i, t in enumerate(split.tier) if t] == [3, 4, 5]
+    assert [i for i, f in enumerate(flags) if f & USED_AGAIN] == [3, 4, 5]
+    split.released(4)
+    assert split.t2 == 2

@@ -2,6 +2,7 @@
  *
  * pin(pins, stamp, children, slots, clock) -> (clock, newly_pinned, childless)
  * unpin(pins, state, children, slots, ready) -> (unpinned, childless) or None
+ * mark_used(tier, flags, slots, bit) -> newly_marked
  *
  * The same per-page steps as daemon/pool/pages.py's PageTable.pin_slots and unpin, in the
  * same order, so a slot listed twice is pinned (or unpinned) twice, as page by page. What
@@ -17,6 +18,11 @@
  * error. Every slot is checked against the columns before any change (ValueError), and the
  * columns' sizes against each other. (Only running out of memory for the returned list,
  * after the pins changed, leaves a run half done: MemoryError.)
+ *
+ * mark_used is the two-list policies' step for a LOAD's pinned pages (policies.py's
+ * SplitState.reused): each slot whose `tier` byte is 0 gets 1 and, unless `flags` is None,
+ * `bit` set in its flags byte; it returns how many were 0 (the pages entering T2). Every
+ * slot is checked against both columns before any change (ValueError).
  *
  * Buffers: pins int32, children int32, stamp int64, state int8, one entry per slot; slots
  * a list of ints (the pool's own: read once, here, with no array made of them first).
@@ -159,6 +165,63 @@ static PyObject *unpin(PyObject *self, PyObject *args) {
     return out;
 }
 
+static PyObject *mark_used(PyObject *self, PyObject *args) {
+    Py_buffer tier, flags = {0};
+    PyObject *flags_obj, *slots, *out = NULL;
+    int bit;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "w*OO!i", &tier, &flags_obj, &PyList_Type, &slots, &bit))
+        return NULL;
+    int has_flags = flags_obj != Py_None;
+    if (has_flags && PyObject_GetBuffer(flags_obj, &flags, PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&tier);
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(slots), limit = tier.len;
+    if (has_flags && flags.len < limit)
+        limit = flags.len;
+    int64_t *at = PyMem_Malloc((size_t)(n ? n : 1) * 8);
+    if (at == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (bit < 0 || bit > 255) {
+        PyErr_Format(PyExc_ValueError, "bit %d is not a flags byte's mask", bit);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long s = PyLong_AsLongLong(PyList_GET_ITEM(slots, i));
+        if (s == -1 && PyErr_Occurred()) {
+            if (!PyErr_ExceptionMatches(PyExc_OverflowError))
+                goto done;
+            PyErr_Clear();
+        }
+        if (s < 0 || s >= limit) {
+            PyErr_Format(PyExc_ValueError, "slot %lld is outside the pool [0, %zd)", s, limit);
+            goto done;
+        }
+        at[i] = s;
+    }
+    uint8_t *t = tier.buf, *f = has_flags ? flags.buf : NULL;
+    Py_ssize_t newly = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t s = at[i];
+        if (!t[s]) {
+            t[s] = 1;
+            newly++;
+            if (f != NULL)
+                f[s] |= (uint8_t)bit;
+        }
+    }
+    out = PyLong_FromSsize_t(newly);
+done:
+    PyMem_Free(at);
+    PyBuffer_Release(&tier);
+    if (has_flags)
+        PyBuffer_Release(&flags);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"pin", pin, METH_VARARGS,
      "pin(pins, stamp, children, slots, clock) -> (clock, newly_pinned, childless): pin and "
@@ -166,6 +229,9 @@ static PyMethodDef methods[] = {
     {"unpin", unpin, METH_VARARGS,
      "unpin(pins, state, children, slots, ready) -> (unpinned, childless) or None: drop one "
      "pin per slot; None, nothing changed, when a slot is not a pinned READY page"},
+    {"mark_used", mark_used, METH_VARARGS,
+     "mark_used(tier, flags, slots, bit) -> newly_marked: tier 1 (and bit in flags, unless "
+     "flags is None) for each slot whose tier was 0; returns how many were"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -16,3 +16,6 @@ def unpin(
     pins: Buffer, state: Buffer, children: Buffer, slots: list[int], ready: int
 ) -> tuple[int, list[int]]:
     """Unpin ``slots``: ``(unpinned, those now unpinned, ready and childless)``."""
+
+def mark_used(tier: Buffer, flags: Buffer | None, slots: list[int], bit: int) -> int:
+    """Put ``slots`` in T2 (``tier`` 1, ``bit`` set in ``flags``): how many were not."""
