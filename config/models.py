@@ -126,7 +126,7 @@ class DaemonConfig(_Frozen):
         "copy when they wake up, their share of the CPU unchanged.",
     )
     slice_pages: int = Field(
-        default=512,
+        default=256,
         ge=1,
         le=1 << 20,
         description="A STORE or LOAD of more pages allocates, commits, pins and unpins them in "
