@@ -4,13 +4,15 @@ Engines call kvtier from their scheduler and I/O threads (SGLang counts a slow b
 against every rank). When kvtierd's process is gone, a call must become a miss at once:
 before sending (the pid is checked) and while waiting for a reply (checked every few
 milliseconds). The configured timeouts are an hour: a call that waited for one would run
-past the test's own time limit (pytest-timeout), which fails it; no elapsed time is
-asserted.
+past each test's time limit (``pytest.mark.timeout``, far above what a miss takes and far
+below any timeout), which fails it; no elapsed time is asserted.
 """
 
 from __future__ import annotations
 
 import threading
+
+import pytest
 
 from kvtier.client.connection.connection import Connection
 from kvtier.client.kv_pool.shared import SharedKVPool
@@ -20,6 +22,7 @@ from tests.engines import SMALL, client_config, tokens
 LONG_S = 3600.0  # request_timeout_s and the rank-group wait: far past the test time limit
 
 
+@pytest.mark.timeout(30)
 def test_a_call_to_a_dead_daemon_is_a_miss_at_once(daemon_factory):
     d = daemon_factory()
     with SharedKVPool(SMALL, 8) as pool:
@@ -38,6 +41,7 @@ def test_a_call_to_a_dead_daemon_is_a_miss_at_once(daemon_factory):
             conn.close()
 
 
+@pytest.mark.timeout(30)
 def test_a_call_waiting_when_the_daemon_dies_returns_at_once(daemon_factory):
     """Rank 0 of a TP group of 2 waits in the daemon for rank 1 (which never asks) when the
     daemon is killed: its LOOKUP must end then, not at the group's or the request's timeout."""

@@ -220,6 +220,10 @@ def test_mark_used_checks_every_slot_before_any_change(bad: int) -> None:
     with pytest.raises(ValueError, match="outside the pool"):
         _pins.mark_used(tier, memoryview(flags), [0, 1, bad], 4)
     assert tier == bytearray(8) and flags == bytearray(8)
+    with pytest.raises(ValueError, match=r"slot 1180591620717411303424 is outside"):
+        _pins.mark_used(tier, None, [1 << 70], 4)  # named as given
+    with pytest.raises(ValueError, match="columns of bytes"):
+        _pins.mark_used(np.zeros(8, np.int32), None, [1], 4)
     short = bytearray(4)  # the flags column bounds the slots too
     with pytest.raises(ValueError, match=r"slot 5 is outside the pool \[0, 4\)"):
         _pins.mark_used(tier, memoryview(short), [5], 4)
@@ -239,3 +243,22 @@ def test_a_load_moves_its_pages_to_t2_once(policy: str) -> None:
     assert [i for i, f in enumerate(flags) if f & USED_AGAIN] == [3, 4, 5]
     split.released(4)
     assert split.t2 == 2
+
+
+def test_a_slot_whose_index_empties_the_list_is_refused_not_read_past() -> None:
+    class Shrinks:
+        def __init__(self, run: list[object]) -> None:
+            self.run = run
+
+        def __index__(self) -> int:
+            self.run.clear()
+            return 1
+
+    for call in (
+        lambda run: _pins.mark_used(bytearray(8), None, run, 4),
+        lambda run: _pins.pin(bytearray(32), bytearray(64), bytearray(32), run, 0),
+    ):
+        run: list[object] = [None, 1, 1, 1]
+        run[0] = Shrinks(run)
+        with pytest.raises(ValueError, match="slots changed while being read"):
+            call(run)

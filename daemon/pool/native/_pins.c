@@ -1,4 +1,5 @@
-/* kvtier.daemon.pool.native._pins: the host pool's pin and unpin of a run of pages, in one C call.
+/* kvtier.daemon.pool.native._pins: the host pool's pin and unpin of a run of pages, and a LOAD's
+ * move of its pages to T2, each in one C call.
  *
  * pin(pins, stamp, children, slots, clock) -> (clock, newly_pinned, childless)
  * unpin(pins, state, children, slots, ready) -> (unpinned, childless) or None
@@ -57,17 +58,27 @@ static int prepare(Run *run, PyObject *slots, Py_ssize_t pins, Py_ssize_t childr
         return -1;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        long long s = PyLong_AsLongLong(PyList_GET_ITEM(slots, i));
+        if (i >= PyList_GET_SIZE(slots)) { /* an item's __index__ shrank the list */
+            PyErr_SetString(PyExc_ValueError, "slots changed while being read");
+            return -1;
+        }
+        PyObject *item = PyList_GET_ITEM(slots, i);
+        Py_INCREF(item);
+        long long s = PyLong_AsLongLong(item);
         if (s == -1 && PyErr_Occurred()) {
-            if (!PyErr_ExceptionMatches(PyExc_OverflowError))
+            if (!PyErr_ExceptionMatches(PyExc_OverflowError)) {
+                Py_DECREF(item);
                 return -1;
+            }
             PyErr_Clear();
         }
         if (s < 0 || s >= n_slots) {
             PyErr_Format(PyExc_ValueError, "slot %R (index %zd) is outside the %zd slots",
-                         PyList_GET_ITEM(slots, i), i, n_slots);
+                         item, i, n_slots);
+            Py_DECREF(item);
             return -1;
         }
+        Py_DECREF(item);
         run->at[i] = s;
     }
     return 0;
@@ -185,21 +196,35 @@ static PyObject *mark_used(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
+    if (tier.itemsize != 1 || (has_flags && flags.itemsize != 1)) {
+        PyErr_SetString(PyExc_ValueError, "tier and flags must be columns of bytes");
+        goto done;
+    }
     if (bit < 0 || bit > 255) {
         PyErr_Format(PyExc_ValueError, "bit %d is not a flags byte's mask", bit);
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        long long s = PyLong_AsLongLong(PyList_GET_ITEM(slots, i));
-        if (s == -1 && PyErr_Occurred()) {
-            if (!PyErr_ExceptionMatches(PyExc_OverflowError))
-                goto done;
-            PyErr_Clear();
-        }
-        if (s < 0 || s >= limit) {
-            PyErr_Format(PyExc_ValueError, "slot %lld is outside the pool [0, %zd)", s, limit);
+        if (i >= PyList_GET_SIZE(slots)) { /* an item's __index__ shrank the list */
+            PyErr_SetString(PyExc_ValueError, "slots changed while being read");
             goto done;
         }
+        PyObject *item = PyList_GET_ITEM(slots, i);
+        Py_INCREF(item);
+        long long s = PyLong_AsLongLong(item);
+        int bad = s == -1 && PyErr_Occurred();
+        if (bad && PyErr_ExceptionMatches(PyExc_OverflowError))
+            PyErr_Clear(); /* out of range: named below */
+        else if (bad) {
+            Py_DECREF(item);
+            goto done;
+        }
+        if (bad || s < 0 || s >= limit) {
+            PyErr_Format(PyExc_ValueError, "slot %R is outside the pool [0, %zd)", item, limit);
+            Py_DECREF(item);
+            goto done;
+        }
+        Py_DECREF(item);
         at[i] = s;
     }
     uint8_t *t = tier.buf, *f = has_flags ? flags.buf : NULL;

@@ -1,4 +1,5 @@
-"""Types of the ``_pins`` C extension (``daemon/pool/native/_pins.c``): pin and unpin a run of pages."""
+"""Types of the ``_pins`` C extension (``daemon/pool/native/_pins.c``): pin and unpin a run of
+pages, and move a LOAD's pages to T2."""
 
 from typing import Any, TypeAlias
 
