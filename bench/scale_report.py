@@ -98,6 +98,12 @@ def _rows(r: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             f"{r['daemon_cpu_s_per_gb_over_memcpy']:.2f}",
         ),
         (
+            "  the same, engines' sessions opened and closed included",
+            f"{r['daemon_cpu_s_per_gb_with_sessions']:.3f}",
+            f"{r['memcpy_cpu_s_per_gb']:.3f}",
+            f"{r['daemon_cpu_s_per_gb_with_sessions_over_memcpy']:.2f}",
+        ),
+        (
             f"{n} engines: lookups/s vs echoes/s",
             f"{r['lookups_per_s']}",
             f"{r['echo_per_s']}",

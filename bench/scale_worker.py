@@ -8,8 +8,11 @@ runs a fixed number of operations, and prints one JSON line: the operations, the
 moved, ``t0``/``t1`` from ``time.monotonic()`` (one clock for every process on Linux), and
 the CPU seconds the worker itself used meanwhile (``cpu``: what an engine spends on its
 requests and waits, next to the daemon's share).
-The launcher starts all N, waits for every ``ready``, says ``go`` to all, and reduces the
-results to one aggregate rate over the span from the first start to the last end.
+The launcher starts all N, waits for every ``ready``, says ``go`` to all, reads every
+result, then says ``done``: only then does a worker close its session and exit, so that
+what the daemon spends between ``go`` and the last result is the timed operations' alone
+(no REGISTER, first mapping or teardown of any engine). It reduces the results to one
+aggregate rate over the span from the first start to the last end.
 
 Modes:
     ``transfer``: ``iters`` times, STORE ``pages`` fresh pages, then LOAD them back (one
@@ -32,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.scale_baselines import ScaleBenchError, read_line, reap
+from kvtier.bench.scale_baselines import ScaleBenchError, cpu_seconds, read_line, reap
 from kvtier.ipc import protocol as P
 
 __all__ = ["Aggregate", "run_workers"]
@@ -51,6 +54,8 @@ class Aggregate:
         nbytes: page bytes all workers moved (0 for lookups and echoes).
         seconds: from the first worker's start to the last one's end.
         cpu_seconds: CPU time all workers used over their runs.
+        watched_cpu_seconds: CPU time the watched process (``watch_pid``) used from ``go``
+            to the last result (0.0 when none was watched).
         details: each worker's own result line, in worker order.
     """
 
@@ -59,6 +64,7 @@ class Aggregate:
     nbytes: int
     seconds: float
     cpu_seconds: float = 0.0
+    watched_cpu_seconds: float = 0.0
     details: tuple[dict[str, Any], ...] = ()
 
     @property
@@ -73,7 +79,12 @@ class Aggregate:
 
 
 def run_workers(
-    mode: str, n: int, settings: dict[str, Any], log_dir: Path, timeout_s: float = 300.0
+    mode: str,
+    n: int,
+    settings: dict[str, Any],
+    log_dir: Path,
+    timeout_s: float = 300.0,
+    watch_pid: int | None = None,
 ) -> Aggregate:
     """Run ``n`` workers of ``mode`` at once and aggregate what they did.
 
@@ -84,6 +95,8 @@ def run_workers(
             ``geometry``, ``pages``, ``iters``, ``tag``); each also gets its ``index``.
         log_dir: where each worker's stderr goes (``<tag>-<index>.log``).
         timeout_s: bound on the whole run, start to last result.
+        watch_pid: a process (the daemon) whose CPU time from ``go`` to the last result
+            is reported as ``watched_cpu_seconds``.
 
     Returns:
         The aggregate over all ``n``.
@@ -108,11 +121,12 @@ def run_workers(
                 )
         for i, p in enumerate(procs):
             _expect(p, deadline, b"ready", logs[i])
-        for p in procs:
-            assert p.stdin is not None
-            p.stdin.write(b"go\n")
-            p.stdin.flush()
+        watched = cpu_seconds(watch_pid) if watch_pid is not None else 0.0
+        _say(procs, b"go\n")
         results = [json.loads(_expect(p, deadline, None, logs[i])) for i, p in enumerate(procs)]
+        if watch_pid is not None:
+            watched = cpu_seconds(watch_pid) - watched
+        _say(procs, b"done\n")
         for i, p in enumerate(procs):
             try:
                 p.wait(max(1.0, deadline - time.monotonic()))
@@ -126,8 +140,16 @@ def run_workers(
         nbytes=sum(r["nbytes"] for r in results),
         seconds=max(r["t1"] for r in results) - min(r["t0"] for r in results),
         cpu_seconds=sum(r.get("cpu", 0.0) for r in results),
+        watched_cpu_seconds=watched,
         details=tuple(results),
     )
+
+
+def _say(procs: list[subprocess.Popen[bytes]], line: bytes) -> None:
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write(line)
+        p.stdin.flush()
 
 
 def _expect(p: subprocess.Popen[bytes], deadline: float, want: bytes | None, log: Path) -> bytes:
@@ -251,7 +273,10 @@ def _go() -> None:
 
 
 def _report(result: dict[str, Any]) -> None:
+    """Print ``result`` and wait for the launcher's ``done`` (or its exit) before the caller
+    closes its session: the teardown stays out of the launcher's timed window."""
     print(json.dumps(result), flush=True)
+    sys.stdin.readline()
 
 
 def main(argv: list[str]) -> int:

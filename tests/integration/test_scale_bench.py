@@ -33,6 +33,8 @@ RATIOS = (
     "l2_aggregate_over_cpu_bound_8",
     "memcpy_cpu_s_per_gb",
     "daemon_cpu_s_per_gb_over_memcpy",
+    "daemon_cpu_s_per_gb_with_sessions",
+    "daemon_cpu_s_per_gb_with_sessions_over_memcpy",
 )
 FIGURES = (
     "transfer_fixed_cost_us",
@@ -102,6 +104,8 @@ def test_the_quick_scale_bench_reports_every_figure(
     assert r["l2_aggregate_over_cpu_bound_8"] == round(
         r["l2_aggregate_gbps"]["2"] / r["l2_cpu_bound_gbps"]["2"], 3
     )
+    # the timed windows lie inside the whole part, sessions' setup and teardown outside them
+    assert r["daemon_cpu_s_per_gb_with_sessions"] >= r["daemon_cpu_s_per_gb"]
     assert r["million_pages_stored"] == r["million_pages"] == 4096
     assert r["million_pages_found_after_restart"] == r["million_pages_stored"]
     assert r["million_evicted_pages"] > 0
@@ -113,6 +117,7 @@ def test_the_quick_scale_bench_reports_every_figure(
         "adopt after SIGKILL",
         "vs what the CPU per GB allows",
         "vs memcpy shm <-> memfd",
+        "sessions opened and closed included",
     ):
         assert row in printed, row
     if plotting:
