@@ -35,17 +35,16 @@ adopted. The other intrusive lists through slot ids (LRU, children) are
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from kvtier.daemon.pool.layout import NIL, PoolLayout, round_up
 from kvtier.daemon.pool.links import filled, link_in_order
+from kvtier.daemon.pool.native import _alloc
 from kvtier.daemon.pool.records import HostPoolError
 
-__all__ = ["SMALL_BATCH", "PageClass", "SlotAllocator"]
-
-SMALL_BATCH = 16
-"""Up to this many slots, :meth:`SlotAllocator.slot_offsets` computes offsets one by one."""
+__all__ = ["PageClass", "SlotAllocator"]
 
 
 @dataclass(slots=True)
@@ -153,23 +152,23 @@ class SlotAllocator:
             e * self.span + (slot - e * self.per_extent) * self.classes[cid].stride + self.headroom
         )
 
-    def slot_offsets(self, slots: list[int]) -> np.ndarray:
+    def slot_offsets(self, slots: Sequence[int]) -> np.ndarray:
         """The payload offsets of ``slots`` (int64, same order), as :meth:`slot_offset`
-        gives them one by one.
+        gives them one by one (in one C call over :attr:`offset_of`).
 
         Raises:
             HostPoolError: a slot id is out of range or its extent has no class.
         """
-        if len(slots) <= SMALL_BATCH:  # a few slots: plain Python beats a dozen numpy calls
-            return np.array([self.slot_offset(slot) for slot in slots], dtype=np.int64)
-        lo, hi = min(slots), max(slots)
-        if lo < 0 or hi >= self.n_slots:
-            raise HostPoolError(f"slot {lo if lo < 0 else hi} out of range [0, {self.n_slots})")
-        out = self.offset_of[slots]
-        if out.min() < 0:
-            bad = int(np.asarray(slots)[np.flatnonzero(out < 0)[0]])
-            raise HostPoolError(f"slot {bad} (extent {bad // self.per_extent}) is not allocated")
-        return out
+        if type(slots) is not list:
+            slots = list(slots)
+        out = np.empty(len(slots), dtype=np.int64)
+        bad = _alloc.offsets(self.offset_of, slots, out)
+        if bad is None:
+            return out
+        slot = slots[bad]
+        if not 0 <= slot < self.n_slots:
+            raise HostPoolError(f"slot {slot} out of range [0, {self.n_slots})")
+        raise HostPoolError(f"slot {slot} (extent {slot // self.per_extent}) is not allocated")
 
     def _cut(self, e: int, cls: PageClass) -> None:
         """Record the payload offsets of the ``cls.n`` slots extent ``e`` cuts for ``cls``."""

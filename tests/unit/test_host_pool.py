@@ -23,7 +23,6 @@ from kvtier.daemon.pool.host_pool import (
     PageState,
     PageStateError,
 )
-from kvtier.daemon.pool.slots import SMALL_BATCH
 
 RUN_PAGES = 8  # a STORE of several pages (C allocates any number)
 
@@ -743,9 +742,9 @@ class PoolMachine(RuleBasedStateMachine):
             assert (d.parent == NIL) == (want is None)
             if want is not None:
                 assert infos[d.parent].key == want
-        if live:  # the batch path (a gather from the offsets column) agrees, extents reused
-            many = [d.slot for d in live] * (SMALL_BATCH + 1)
-            assert pool.slot_offsets(many).tolist() == [d.offset for d in live] * (SMALL_BATCH + 1)
+        if live:  # every slot at once (one C call over the offsets column) agrees, extents reused
+            many = [d.slot for d in live] * 17
+            assert pool.slot_offsets(many).tolist() == [d.offset for d in live] * 17
         spans.sort()
         assert all(a[1] <= b[0] for a, b in pairwise(spans))
         assert all(lo >= 0 and hi <= pool.n_extents * EXTENT for lo, hi in spans)

@@ -34,6 +34,14 @@
  * ext_bump). Their sizes are checked against each other; every slot read from them is
  * checked against the pool before it is used (a stop, never a stray write).
  *
+ * offsets(offset_of, slots, out) -> None or the index of the first refused slot
+ *
+ * The payload offset of each slot of `slots` (a list of ints) from `offset_of` (int64, one
+ * per slot, -1 where the slot's extent is not cut for a class) into `out` (int64, as long
+ * as `slots`): what daemon/pool/slots.py's SlotAllocator.slot_offsets answers. A slot
+ * outside `offset_of`, or whose offset is -1, stops it: its index is returned (the caller
+ * names what is wrong); None when every offset was written.
+ *
  * Why in C: in Python each page of a STORE into a full pool (an eviction a page) costs
  * microseconds of the event loop, and a long context's STORE has thousands of pages.
  */
@@ -822,9 +830,51 @@ done:
     return result;
 }
 
+static PyObject *offsets(PyObject *self, PyObject *args) {
+    Py_buffer table, out;
+    PyObject *slots, *result = NULL;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*O!w*", &table, &PyList_Type, &slots, &out))
+        return NULL;
+    Py_ssize_t n_slots = table.len / 8, n = PyList_GET_SIZE(slots);
+    const int64_t *tab = table.buf;
+    int64_t *o = out.buf;
+    if (table.len % 8 || out.len != n * 8) {
+        PyErr_Format(PyExc_ValueError, "offsets: offset_of has %zd bytes and out %zd, for %zd "
+                     "slots", table.len, out.len, n);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i >= PyList_GET_SIZE(slots)) { /* an item's __index__ shrank the list */
+            PyErr_SetString(PyExc_ValueError, "slots changed while being read");
+            goto done;
+        }
+        PyObject *item = PyList_GET_ITEM(slots, i);
+        Py_INCREF(item);
+        long long s = PyLong_AsLongLong(item);
+        Py_DECREF(item);
+        if (s == -1 && PyErr_Occurred()) {
+            if (!PyErr_ExceptionMatches(PyExc_OverflowError))
+                goto done;
+            PyErr_Clear();  /* too large for any pool: refused below, as -1 is */
+        }
+        if (s < 0 || s >= n_slots || tab[s] < 0) {
+            result = PyLong_FromSsize_t(i);
+            goto done;
+        }
+        o[i] = tab[s];
+    }
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&table);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"run", run, METH_VARARGS, "Allocate slots for a STORE's keys from `start` on (see the module)."},
     {"commit", commit, METH_VARARGS, "Commit a STORE's filled slots (see commit above)."},
+    {"offsets", offsets, METH_VARARGS, "Payload offsets of a list of slots (see the module)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -11,6 +11,10 @@ def commit(*args: Any) -> tuple[int, int] | None:
     """Commit a STORE's filled slots: ``(stop, clock)``, or None (nothing changed) when a
     slot or checksum is refused."""
 
+def offsets(offset_of: Any, slots: list[int], out: Any) -> int | None:
+    """Write the payload offset of each of ``slots`` into ``out`` (int64): None, or the
+    index of the first slot outside ``offset_of`` or whose offset there is -1."""
+
 class Reuse:
     """The ``reuse`` eviction policy's targets, counts and ghosts (``_reuse.h``)."""
 
