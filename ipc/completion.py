@@ -17,8 +17,10 @@ never mistaken for progress. Each field is one aligned 8-byte store (atomic on t
 platforms kvtier runs on; on x86-64 stores are not reordered with earlier stores, so the
 page bytes are visible before the counter that announces them).
 
-After each ``layers_done`` or ``status`` store the daemon also bumps the low 32 bits of
-``wakes`` and wakes the futex on that word (:mod:`kvtier.ipc.futex`). A waiting client reads
+After each ``layers_done`` store of a LOAD, and after the final ``status`` store of any
+transfer, the daemon also bumps the low 32 bits of ``wakes`` and wakes the futex on that
+word (:mod:`kvtier.ipc.futex`); a STORE's layers are written without a wake-up, as its
+engine waits for its end only. A waiting client reads
 ``wakes``, checks the slot, and sleeps on the futex only while ``wakes`` is unchanged, so it
 wakes as soon as the slot moves and never misses a change; it still re-checks the slot at
 least every :data:`POLL_S`, so a daemon that does not wake is only slower to notice.

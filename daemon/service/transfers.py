@@ -64,6 +64,7 @@ from kvtier.daemon.transfer.fair_pool import FairExecutor
 from kvtier.daemon.transfer.transfer import (
     Direction,
     LayerGate,
+    LayerSink,
     Transfer,
     combine,
     copy_part,
@@ -243,6 +244,10 @@ class Transfers:
             return
         parts = self._parts(t)
         assert self._executor is not None, "open() first"
+        # a STORE's engine waits for its end only: its layers are written without waking
+        # it, and a short one is copied in one call (no turn back to Python between layers)
+        store = direction is Direction.STORE
+        sink = s.completion.unannounced() if store else s.completion
         if (
             parts == 1
             and cheap
@@ -252,7 +257,7 @@ class Transfers:
             and len(host) > 1
             and not self.requests_waiting()
         ):
-            self._share(s, t)
+            self._share(s, t, sink)
             return
         if parts == 1:
             self._watch(
@@ -264,14 +269,15 @@ class Transfers:
                     s.memory.regions,
                     g.num_layers,
                     g.page_bytes,
-                    s.completion,
+                    sink,
                     s.memory.table,
+                    store and len(host) <= self.ctx.cfg.slice_pages,
                 ),
                 lambda f: self._finish(s, t, f),
             )
             return
         self.ctx.counters.transfers_split += 1
-        gate = LayerGate(s.completion, parts)
+        gate = LayerGate(sink, parts)
         bounds = [len(host) * i // parts for i in range(parts + 1)]
         futs = [
             self._submit(
@@ -323,7 +329,7 @@ class Transfers:
         if err is not None and not isinstance(err, RequestError):  # a refusal is replied
             log.error("a long request failed", exc_info=(type(err), err, err.__traceback__))
 
-    def _share(self, s: Session, t: Transfer) -> None:
+    def _share(self, s: Session, t: Transfer, sink: LayerSink) -> None:
         """Copy ``t`` in two halves at once: the second on a copy thread, the first here on
         the event loop (the copy releases the GIL). Each layer is announced once both
         halves have copied it. The transfer is settled when the thread's half has ended:
@@ -331,11 +337,12 @@ class Transfers:
         ended first; otherwise on the loop once it ends (never before the loop's half).
         Half and half, rather than less for the thread so that it ends first more often:
         the thread starts late, and a smaller share for it leaves the whole transfer
-        longer."""
+        longer. ``sink`` is where the layers are announced (the session's block, or the
+        block without wake-ups for a STORE)."""
         g, n = s.geometry, len(t.host_slots)
         assert self._executor is not None, "open() first"
         self.ctx.counters.transfers_shared += 1
-        gate = LayerGate(s.completion, 2)
+        gate = LayerGate(sink, 2)
         cut = n // 2
         fut = self._submit(
             s,

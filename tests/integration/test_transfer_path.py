@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,47 @@ def test_a_large_transfer_runs_on_a_copy_thread_and_moves_the_same_bytes(daemon)
             assert h.wait() and h.ok
         for i, p in enumerate(dst[::-1]):
             assert page_bytes(pool, p) == page_bytes(pool, i), f"page {i} differs"
+    finally:
+        conn.close()
+        pool.close()
+
+
+def _wakes(conn, slot: int) -> int:
+    """The wake counter of ``slot`` in the engine's view of its completion block."""
+    return int(conn._block._w[2 * (slot * SLOT_WORDS + WAKES)])
+
+
+def _wakes_after(conn, slot: int, before: int, at_least: int) -> int:
+    """The wakes of ``slot`` since ``before`` once there are ``at_least`` (the last one, at
+    the end, may land just after the engine read DONE), or as many as came by the deadline."""
+    deadline = time.monotonic() + DEADLINE_S
+    while (_wakes(conn, slot) - before) % (1 << 32) < at_least and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return (_wakes(conn, slot) - before) % (1 << 32)
+
+
+def test_a_store_wakes_its_engine_at_its_end_only_and_a_load_at_each_layer(daemon):
+    """Nobody follows a STORE's layers: its engine is woken once, when it ended; a LOAD's
+    engine once per layer and at the end. Every layer's wake comes before the end's."""
+    pages = 2 * LOOP_SHARE_BYTES // SMALL.page_bytes + 8  # on a copy thread, not shared
+    assert SMALL.num_layers >= 2
+    pool, conn = engine(daemon.runtime_dir, num_pages=2 * pages, model="wakes")
+    try:
+        for p in range(pages):
+            fill_page(pool, p, seed=3000 + p)
+        for i in range(3):
+            keys = conn.page_keys(tokens(pages * P, salt=300 + i))
+            before = [_wakes(conn, s) for s in range(COMPLETION_SLOTS)]
+            h = conn.store(keys, list(range(pages)))
+            assert h.writing == pages and h.wait()
+            assert _wakes_after(conn, h.slot, before[h.slot], 1) == 1, f"store {i}"
+            before = [_wakes(conn, s) for s in range(COMPLETION_SLOTS)]
+            h = conn.load(keys, list(range(pages, 2 * pages)))
+            assert h.count == pages and h.wait()
+            want = SMALL.num_layers + 1
+            assert _wakes_after(conn, h.slot, before[h.slot], want) == want, f"load {i}"
+            for p in range(pages):
+                assert page_bytes(pool, pages + p) == page_bytes(pool, p), f"page {p} differs"
     finally:
         conn.close()
         pool.close()
