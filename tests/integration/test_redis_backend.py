@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
 import redis
+from redis.asyncio.connection import Connection as RedisConnection
 from kvtier.config.errors import StorageError
 from kvtier.daemon.storage.base import HostArena
 from kvtier.daemon.storage.objects import HEADER_SIZE
@@ -32,6 +32,53 @@ async def opened(server: RedisServer, arena: HostArena, **extra: Any) -> RedisBa
     backend = RedisBackend({"url": server.url, "timeout_s": 1.0, **extra})
     await backend.open(arena)
     return backend
+
+
+class Tries:
+    """What redis-py's TCP connections do in a test: each connection try (None when it
+    connected, else its exception) and each failed read of a reply (its exception). The real
+    methods run, wrapped to record; the record starts empty at :meth:`clear`."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.connects: list[BaseException | None] = []
+        self.failed_reads: list[BaseException] = []
+        connect, read_response = RedisConnection._connect, RedisConnection.read_response
+
+        async def connect_spy(conn: RedisConnection) -> None:
+            try:
+                await connect(conn)
+            except BaseException as err:
+                self.connects.append(err)
+                raise
+            self.connects.append(None)
+
+        async def read_spy(conn: RedisConnection, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return await read_response(conn, *args, **kwargs)
+            except BaseException as err:
+                self.failed_reads.append(err)
+                raise
+
+        monkeypatch.setattr(RedisConnection, "_connect", connect_spy)
+        monkeypatch.setattr(RedisConnection, "read_response", read_spy)
+
+    def clear(self) -> None:
+        self.connects.clear()
+        self.failed_reads.clear()
+
+    def refused_at_once(self) -> bool:
+        """Whether the connection tries were one and at most the one immediate retry, each
+        refused by the OS, and no read waited out ``timeout_s``."""
+        return (
+            1 <= len(self.connects) <= 2
+            and all(isinstance(err, ConnectionRefusedError) for err in self.connects)
+            and not any(isinstance(err, redis.TimeoutError) for err in self.failed_reads)
+        )
+
+
+@pytest.fixture
+def tries(monkeypatch: pytest.MonkeyPatch) -> Tries:
+    return Tries(monkeypatch)
 
 
 @pytest.fixture
@@ -176,7 +223,9 @@ async def test_ttl_expires_pages(redis_server: RedisServer, arena: HostArena) ->
         await backend.close()
 
 
-async def test_server_killed_then_restarted(redis_server: RedisServer, arena: HostArena) -> None:
+async def test_server_killed_then_restarted(
+    redis_server: RedisServer, arena: HostArena, tries: Tries
+) -> None:
     backend = await opened(redis_server, arena)
     try:
         keys = [key(i) for i in range(3)]
@@ -184,13 +233,18 @@ async def test_server_killed_then_restarted(redis_server: RedisServer, arena: Ho
         assert await backend.put_from(NS, keys, [0, 0, 0], PAGE) == [True] * 3
         assert await backend.health()
         redis_server.kill()
-        start = time.monotonic()
-        assert await backend.exists(NS, keys) == 0
-        assert await backend.get_into(NS, keys, offsets([1, 2, 3]), PAGE) == [False] * 3
-        assert await backend.put_from(NS, keys, [0, 0, 0], PAGE) == [False] * 3
-        assert await backend.delete(NS, keys) == 0
-        assert not await backend.health()
-        assert time.monotonic() - start < 5
+        calls = [
+            (lambda: backend.exists(NS, keys), 0),
+            (lambda: backend.get_into(NS, keys, offsets([1, 2, 3]), PAGE), [False] * 3),
+            (lambda: backend.put_from(NS, keys, [0, 0, 0], PAGE), [False] * 3),
+            (lambda: backend.delete(NS, keys), 0),
+            (backend.health, False),
+        ]
+        for i, (call, answer) in enumerate(calls):
+            tries.clear()
+            assert await call() == answer, i
+            # each call fails on the refused connection, not after a retry loop or a timeout
+            assert tries.refused_at_once(), (i, tries.connects, tries.failed_reads)
         assert backend.stats.errors >= 4
         # the server comes back (empty: nothing is persisted); so does the backend
         redis_server.restart()
@@ -205,7 +259,7 @@ async def test_server_killed_then_restarted(redis_server: RedisServer, arena: Ho
 
 
 async def test_a_frozen_server_times_out_and_recovers(
-    redis_server: RedisServer, arena: HostArena
+    redis_server: RedisServer, arena: HostArena, tries: Tries
 ) -> None:
     backend = await opened(redis_server, arena, timeout_s=0.5)
     try:
@@ -213,10 +267,14 @@ async def test_a_frozen_server_times_out_and_recovers(
         assert await backend.put_from(NS, [key(1)], [0], PAGE) == [True]
         redis_server.pause()
         try:
-            start = time.monotonic()
+            # each call waits out one read timeout (timeout_s) and gives up: a timeout is
+            # not retried (a call that never times out is ended by the test's timeout)
+            tries.clear()
             assert await backend.get_into(NS, [key(1)], [PAGE], PAGE) == [False]
+            assert [type(err) for err in tries.failed_reads] == [redis.TimeoutError]
+            tries.clear()
             assert await backend.exists(NS, [key(1)]) == 0
-            assert time.monotonic() - start < 3
+            assert [type(err) for err in tries.failed_reads] == [redis.TimeoutError]
             assert backend.stats.errors >= 2
         finally:
             redis_server.resume()
@@ -245,12 +303,11 @@ async def test_a_cancelled_get_leaves_no_stale_replies(
         assert page(arena, 40) == page(arena, 5)
 
 
-async def test_open_against_nothing_is_a_storage_error(arena: HostArena) -> None:
+async def test_open_against_nothing_is_a_storage_error(arena: HostArena, tries: Tries) -> None:
     backend = RedisBackend({"host": "127.0.0.1", "port": free_port(), "timeout_s": 0.5})
-    start = time.monotonic()
     with pytest.raises(StorageError, match=r"did not answer PING: .*(refused|Connect)"):
         await backend.open(arena)
-    assert time.monotonic() - start < 5  # refused at once, not after retries
+    assert tries.refused_at_once(), (tries.connects, tries.failed_reads)  # not after retries
     await backend.close()
 
 

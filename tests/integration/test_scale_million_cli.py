@@ -32,6 +32,8 @@ def test_the_million_part_runs_alone_and_reports_adoption(
         "million_lookup_p50_over_small",
     ):
         assert isinstance(r[name], float) and math.isfinite(r[name]) and r[name] > 0, name
-    assert r["million_find_all_seconds"] <= r["million_adopt_seconds"]
+    # the adoption figure spans the restart: it counts from the same start as the time to a
+    # healthy daemon and ends later, on a monotonic clock, so this holds however long each took
+    assert r["million_restart_to_healthy_seconds"] <= r["million_adopt_seconds"]
     printed = capsys.readouterr().out
     assert "million_adopt_seconds" in printed and "million_pages_found_after_restart" in printed

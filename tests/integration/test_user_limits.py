@@ -294,8 +294,9 @@ def test_a_handover_flood_by_one_user_keeps_no_other_users_engines_out(
         assert d.proc.poll() is None, d.log_tail()
     finally:
         ended = finish(flood)
+    # every honest engine got in: one kept out until its deadline (request_timeout_s) is
+    # refused (BUSY, or no answer) and listed in errors
     assert got["uid"] == HONEST and got["errors"] == [] and len(got["times"]) == 5, got
-    assert max(got["times"]) < 20.0  # each within its deadline: the client's retries got it in
     bound = min(
         during["bounds"]["max_handover_connections_per_user"],
         during["bounds"]["max_handover_connections"],

@@ -8,7 +8,6 @@ import os
 import shutil
 import sysconfig
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -129,31 +128,37 @@ def test_bad_arguments_raise_before_any_io(
 
 
 @needs_native
+@pytest.mark.timeout(60)
 def test_native_batch_runs_without_the_gil(fd: int) -> None:
-    # while one thread reads 256 MiB, this thread keeps running Python
-    length, n = 1 << 20, 256
-    src = bytearray(length)
-    for i in range(n):
-        os.pwrite(fd, src, i * length)
+    # Another thread makes one read_pages call, which fills the destination page by page;
+    # this thread keeps looking at the first byte of every page. Seeing the destination part
+    # filled (some pages landed, others not yet) means this thread ran Python in the middle
+    # of that one C call. A batch that held the GIL would let it look only before the first
+    # page lands or after the last, never in between. One such look is enough; the further
+    # tries only cover a batch during which this thread was not scheduled at all.
+    length, n, tries = 1 << 20, 64, 50
+    os.pwrite(fd, b"\xff" * (n * length), 0)
     dst = bytearray(n * length)
-    done = threading.Event()
-    ticks = 0
+    firsts = slice(0, n * length, length)  # the first byte of every page
+    places = [i * length for i in range(n)]
+    landed: set[int] = set()  # how many pages had landed, at each look
 
-    def read() -> None:
-        _fileio.read_pages(
-            fd, dst, [i * length for i in range(n)], length, [i * length for i in range(n)]
-        )
+    def read(done: threading.Event) -> None:
+        _fileio.read_pages(fd, dst, places, length, places)
         done.set()
 
-    t = threading.Thread(target=read)
-    t.start()
-    start = time.perf_counter()
-    while not done.is_set():
-        ticks += 1
-    elapsed = time.perf_counter() - start
-    t.join()
-    # a batch that held the GIL would leave this loop a tick per switch interval at most
-    assert ticks > 50 * max(1.0, elapsed / 0.005), (ticks, elapsed)
+    for _ in range(tries):
+        dst[firsts] = bytes(n)
+        done = threading.Event()
+        t = threading.Thread(target=read, args=(done,))
+        t.start()
+        while not done.is_set():
+            landed.add(dst[firsts].count(0xFF))
+        t.join()
+        assert dst[firsts] == b"\xff" * n
+        if any(0 < k < n for k in landed):
+            return
+    pytest.fail(f"never saw a batch part done in {tries} batches: looked at {sorted(landed)}")
 
 
 def test_native_io_is_built_where_its_build_dependencies_are() -> None:
