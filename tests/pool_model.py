@@ -19,6 +19,7 @@ from kvtier.daemon.pool.host_pool import HostPool
 from kvtier.daemon.pool.layout import HAS_CHECKSUM, KEY_BYTES, NIL, USED_AGAIN
 from kvtier.daemon.pool.pages import PageTable
 from kvtier.daemon.pool.records import HostPoolError, PageState
+from kvtier.daemon.pool.slots import SlotAllocator
 from xxhash import xxh3_64_intdigest
 
 _READY, _WRITING = int(PageState.READY), int(PageState.WRITING)
@@ -171,6 +172,70 @@ class PageByPage(PageTable):
                 self._pin.pinned -= 1
                 if children[s] == 0:
                     self._lru.enqueue(s, owner[s])
+
+    def abort(self, slots: Sequence[int]) -> None:
+        for s in slots:
+            self._expect(s, PageState.WRITING, "abort")
+        for j in range(len(slots) - 1, -1, -1):
+            self._expect(slots[j], PageState.WRITING, "abort")
+            self.release(slots[j])
+
+    def release(self, s: int, keep: bool = False) -> None:
+        """:meth:`PageTable.release`, in Python."""
+        assert self._pins[s] == 0
+        keys, state = self._key, self._state
+        key = keys[s]
+        assert key is not None
+        was_ready = state[s] == _READY
+        state[s] = int(PageState.FREE)  # first: from here on a crash leaves the slot free
+        self._in_l3[s] = 0
+        ns = self._ns[s]
+        del (self._ready if was_ready else self._writing)[ns][key]
+        keys[s] = None
+        if self._split is not None:
+            self._split.released(s)
+        p = self._parent[s]
+        kids = self._kids
+        if p != NIL:
+            kids.unlink(p, s)
+            self._drop_child_ref(p)
+        if kids.first[s] != NIL or kids.count[s]:
+            kids.orphan_all(s)  # only an aborted page can still have children
+        cls = self._classes[self._ext_class[s // self._per_extent]]
+        if was_ready:
+            cls.ready -= 1
+        else:
+            cls.writing -= 1
+        self._owned[self._owner[s]] -= 1
+        if not keep:
+            give_back(self._slots, s)
+
+
+def give_back(a: SlotAllocator, s: int) -> None:
+    """Return the FREE slot ``s`` to its class; an emptied extent is freed (what
+    :meth:`PageTable.release` does to the slot allocator without ``keep``)."""
+    e = s // a.per_extent
+    cls = a.classes[a.ext_class[e]]
+    a.ext_used[e] -= 1
+    if a.ext_used[e] > 0:
+        head = cls.free
+        a.prev[s], a.next[s] = NIL, head
+        if head != NIL:
+            a.prev[head] = s
+        cls.free = s
+        return
+    base = e * a.per_extent  # the extent is empty: its other slots off the free list
+    for t in range(base, base + a.ext_bump[e]):
+        if t != s:
+            a.free_unlink(cls, t)
+    if cls.bump == e:
+        cls.bump = NIL
+    a.ext_class[e] = NIL
+    a.ext_bump[e] = 0
+    a.offset_of[base : base + a.per_extent] = -1
+    a.ext_bytes[e] = 0
+    cls.extents -= 1
+    a.free_extents.append(e)
 
 
 def dict_run(table: PageTable, ns_id: int, keys: Sequence[bytes]) -> list[int]:

@@ -21,8 +21,8 @@ answered by the host pool's key table in C (:mod:`~kvtier.daemon.pool.lookups`),
 asks this dict only about a key its probe leaves unresolved. Allocate and commit run in C
 (:class:`~kvtier.daemon.pool.storerun.StoreRuns`, which asks the evictor's policy for the
 slots it does not take itself), pin and unpin too (:class:`~kvtier.daemon.pool.pins.Pins`),
-whatever the number of pages; eviction and release (:meth:`PageTable._release`) outside a
-STORE's run stay in Python. A key is one bytes object, in ``_key`` (slot -> key) and its
+and so does freeing a page (:meth:`PageTable.release`: an abort, an eviction the policy
+chose outside a STORE's run, a flush), whatever the number of pages. A key is one bytes object, in ``_key`` (slot -> key) and its
 namespace's dict (built in C at adoption).
 """
 
@@ -56,7 +56,7 @@ class PageTable:
     Built over a metadata region (formatted, or about to be adopted: :meth:`adopt_rows`
     then refills it from the adoption scan). :class:`~kvtier.daemon.pool.host_pool.HostPool`
     holds one and adds geometry, ids, adoption and introspection. Slots come from an
-    :class:`~kvtier.daemon.pool.eviction.Evictor`, which evicts through :meth:`_release`.
+    :class:`~kvtier.daemon.pool.eviction.Evictor`, which evicts through :meth:`release`.
 
     Args:
         meta: the metadata region.
@@ -108,7 +108,7 @@ class PageTable:
             slots,
             meta,
             self._key,
-            self._release,
+            self.release,
             max_log=max_log,
             quota=quota,
             requires_l3=requires_l3,
@@ -284,9 +284,10 @@ class PageTable:
         """
         for s in slots:
             self._expect(s, PageState.WRITING, "abort")
-        for j in range(len(slots) - 1, -1, -1):
-            self._expect(slots[j], PageState.WRITING, "abort")
-            self._release(slots[j])
+        order = [int(s) for s in reversed(slots)]
+        done = self._runs.release(order, False)
+        if done < len(order):  # listed twice: FREE at its second occurrence
+            self._expect(order[done], PageState.WRITING, "abort")
 
     def pin_slots(self, out: list[int], used: bool = False) -> None:
         """Pin the READY slots ``out`` (a lookup's leading run, in chain order) and touch
@@ -366,45 +367,28 @@ class PageTable:
                 ):
                     parent = parents[s]
                     lru.dequeue(s, owners[s])
-                    self._release(s)
+                    self.release(s)
                     dropped += 1
                     s = parent if parent != NIL and self.is_evictable(parent) else NIL
                 s = nxt
         return dropped
 
-    def _release(self, s: int, keep: bool = False) -> None:
-        """Turn the READY or WRITING page ``s``, off the evictable lists, FREE (``keep``:
-        its slot stays taken, for the allocation that evicted it; else it goes back)."""
-        assert self._pins[s] == 0
-        keys, state = self._key, self._state
-        key = keys[s]
-        assert key is not None
-        was_ready = state[s] == _READY
-        state[s] = _FREE  # first: from here on a crash leaves the slot free
-        self._in_l3[s] = 0
-        ns = self._ns[s]
-        del (self._ready if was_ready else self._writing)[ns][key]
-        keys[s] = None
-        if self._split is not None:
-            self._split.released(s)
-        p = self._parent[s]
-        kids = self._kids
-        if p != NIL:
-            kids.unlink(p, s)
-            children = self._children  # the child reference dropped: this runs per eviction
-            children[p] -= 1
-            if children[p] == 0 and state[p] == _READY and self._pins[p] == 0:
-                self._lru.enqueue(p, self._owner[p])
-        if kids.first[s] != NIL or kids.count[s]:
-            kids.orphan_all(s)  # only an aborted page can still have children
-        cls = self._classes[self._ext_class[s // self._per_extent]]
-        if was_ready:
-            cls.ready -= 1
-        else:
-            cls.writing -= 1
-        self._owned[self._owner[s]] -= 1
-        if not keep:
-            self._slots.give_back(s)
+    def release(self, s: int, keep: bool = False) -> None:
+        """Turn the READY or WRITING page ``s``, off the evictable lists, FREE (in C:
+        :meth:`StoreRuns.release`). Its parent loses a resident child (and becomes
+        evictable when that was its last), its children lose their parent link, and,
+        unless ``keep`` (the slot stays taken, for the allocation that evicted it), the
+        slot goes back to its class.
+
+        Raises:
+            PageStateError: ``s`` is FREE, pinned or not a slot of the pool.
+        """
+        if self._runs.release([s], keep) != 1:
+            self.check_slot(s)
+            raise PageStateError(
+                f"cannot release slot {s}: it is {PageState(self._state[s]).name} "
+                f"with {self._pins[s]} pins"
+            )
 
     # ------------------------------------------------------ intrusive lists
 

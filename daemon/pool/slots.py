@@ -23,8 +23,9 @@ extent_bytes + M * H`` apart, so a class cuts as many slots from an extent as wi
 A free slot of a class is taken from, in order: the class's free list (an intrusive
 doubly linked list through :attr:`SlotAllocator.prev` / ``next``), a fresh slot
 of the extent the class is cutting (ascending offsets, so consecutive allocations are
-contiguous), a free extent (lowest first). A slot given back goes to its class's free
-list; the last slot of an extent gives the whole extent back.
+contiguous), a free extent (lowest first). A slot given back (by the page table's
+release, in C: :meth:`~kvtier.daemon.pool.storerun.StoreRuns.release`) goes to its
+class's free list; the last slot of an extent gives the whole extent back.
 
 Each extent's page size is mirrored into the persistent extent table (0 = free):
 written before the extent's first slot is handed out, cleared after its last slot is
@@ -100,7 +101,7 @@ class SlotAllocator:
         self.free_extents = list(range(layout.n_extents - 1, -1, -1))  # pop() -> lowest first
         self.classes: list[PageClass] = []
         self.class_of_bytes: dict[int, int] = {}
-        self._ext_bytes = ext_bytes
+        self.ext_bytes = ext_bytes
 
     def register_class(self, page_bytes: int) -> int:
         """Register a page size; the same size always gets the same class id.
@@ -193,7 +194,7 @@ class SlotAllocator:
             if not self.free_extents:
                 return NIL
             e = self.free_extents.pop()
-            self._ext_bytes[e] = cls.page_bytes  # persisted before any slot of it is used
+            self.ext_bytes[e] = cls.page_bytes  # persisted before any slot of it is used
             self.ext_class[e] = cid
             self.ext_bump[e] = 0
             self._cut(e, cls)
@@ -206,33 +207,11 @@ class SlotAllocator:
         self.ext_used[e] += 1
         return e * self.per_extent + i
 
-    def give_back(self, s: int) -> None:
-        """Return the slot ``s`` (already FREE) to its class; an emptied extent is freed."""
-        e = s // self.per_extent
-        cls = self.classes[self.ext_class[e]]
-        self.ext_used[e] -= 1
-        if self.ext_used[e] > 0:
-            self._free_push(cls, s)
-            return
-        # The extent is empty: pull its other slots off the free list and give it back.
-        base = e * self.per_extent
-        for t in range(base, base + self.ext_bump[e]):
-            if t != s:
-                self.free_unlink(cls, t)
-        if cls.bump == e:
-            cls.bump = NIL
-        self.ext_class[e] = NIL
-        self.ext_bump[e] = 0
-        self.offset_of[base : base + self.per_extent] = -1
-        self._ext_bytes[e] = 0  # after every slot of it is FREE
-        cls.extents -= 1
-        self.free_extents.append(e)
-
     def usable_per_extent(self) -> np.ndarray:
         """Register the class of every extent the persistent table names (smallest page
         size first) and return, per extent, how many slots its class cuts (0 for a free
         extent or one whose page size cannot be a class). For adoption."""
-        pbs = np.frombuffer(self._ext_bytes, dtype=np.int64)
+        pbs = np.frombuffer(self.ext_bytes, dtype=np.int64)
         usable = np.zeros(self.n_extents, dtype=np.int64)
         for pb in sorted(set(pbs[pbs > 0].tolist())):
             if round_up(pb, self.align) <= self.extent_bytes:
@@ -247,7 +226,7 @@ class SlotAllocator:
         slots go to the free list, lowest first); every other extent becomes free.
         :meth:`usable_per_extent` registered the classes before.
         """
-        pbs = np.frombuffer(self._ext_bytes, dtype=np.int64)
+        pbs = np.frombuffer(self.ext_bytes, dtype=np.int64)
         counts = np.bincount(used // self.per_extent, minlength=self.n_extents)
         self.free_extents = [e for e in range(self.n_extents - 1, -1, -1) if counts[e] == 0]
         pbs[counts == 0] = 0
@@ -265,13 +244,6 @@ class SlotAllocator:
         del pbs
         for cid, parts in free_by_class.items():
             self.classes[cid].free = link_in_order(self.prev, self.next, np.concatenate(parts))[0]
-
-    def _free_push(self, cls: PageClass, s: int) -> None:
-        head = cls.free
-        self.prev[s], self.next[s] = NIL, head
-        if head != NIL:
-            self.prev[head] = s
-        cls.free = s
 
     def free_unlink(self, cls: PageClass, s: int) -> None:
         """Take the free slot ``s`` off the free list of ``cls``."""

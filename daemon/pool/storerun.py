@@ -1,4 +1,5 @@
-"""A STORE's page-table steps in one C call each: allocating its slots, committing them.
+"""The page table's steps in one C call each: a STORE's allocation and commit, and the
+release of pages (an abort, an eviction, a flush).
 
 A STORE allocates a WRITING slot per key the pool lacks and, once the copy has landed,
 commits them READY. Page by page in Python, into a full pool (where every new page first
@@ -36,7 +37,8 @@ __all__ = ["StoreRuns"]
 
 
 class StoreRuns:
-    """A STORE's allocation and commit over one page table's state, in C.
+    """A STORE's allocation and commit, and the release of pages, over one page table's
+    state, in C.
 
     Args:
         meta / slots / kids / evictor: the table's metadata, slot allocator, child lists
@@ -82,6 +84,7 @@ class StoreRuns:
             slots.ext_bump,
         )
         self._extra = (meta.checksum, meta.seal, meta.flags)
+
         self._slots, self._ev, self._lru = slots, evictor, lru
         self._keys, self._ready, self._writing = keys, ready, writing
         self._per_extent = slots.per_extent
@@ -182,5 +185,33 @@ class StoreRuns:
             self._slots.classes,
             lru.ends,
             lru.own_ends,
+            *tiers,
+        )
+
+    def release(self, slots: list[int], keep: bool) -> int:
+        """Free the READY or WRITING pages ``slots``, each off the evictable lists, in
+        order, as :meth:`PageTable.release` says (``keep``: their slots stay taken).
+
+        Returns:
+            How many were freed: ``len(slots)``, or the index of the first that is not a
+            page that can be freed (FREE, pinned, outside the pool), those before it freed.
+        """
+        lru, slots_ = self._lru, self._slots
+        tiers = () if lru.tier is None else (lru.ends2, lru.tier, self._ev.split)
+        return _alloc.release(
+            self._cols,
+            slots,
+            keep,
+            self._per_extent,
+            slots_.classes,
+            self._ready,
+            self._writing,
+            self._keys,
+            self._ev.owned,
+            lru.ends,
+            lru.own_ends,
+            slots_.offset_of,
+            slots_.ext_bytes,
+            slots_.free_extents,  # read at each call: adoption replaces the list
             *tiers,
         )

@@ -43,6 +43,9 @@ class Counting:
         self.commits += done is not None
         return done
 
+    def release(self, *args: Any) -> Any:
+        return self.real.release(*args)
+
 
 def pools(extents: int = 24) -> tuple[HostPool, HostPool]:
     out = (
@@ -213,3 +216,34 @@ def test_the_c_call_refuses_a_start_outside_the_keys() -> None:
                 storerun.EvictedPage,
                 [],
             )
+
+
+@pytest.mark.parametrize("bad", ["twice", "free", "pinned", "outside"])
+def test_a_refused_release_ends_as_page_by_page(bad: str) -> None:
+    """An abort that lists a slot twice frees up to its second occurrence, then is refused,
+    as page by page; a FREE, pinned or unknown slot is refused by the page table's release
+    in C, named, and changes nothing."""
+    fast, ref = pools()
+    keys = [b"a%d" % i for i in range(10)]
+    got = [p.allocate(1, 10, 0, keys) for p in (fast, ref)]
+    assert got[0] == got[1]
+    slots = [s for _, s in got[0]]
+    if bad == "twice":
+        errors = []
+        for p in (fast, ref):
+            with pytest.raises(HostPoolError) as err:
+                p.abort(slots[:4] + [slots[1]] + slots[4:])
+            errors.append(str(err.value))
+        assert errors[0] == errors[1] and f"slot {slots[1]}" in errors[0]
+        assert snapshot(fast) == snapshot(ref)
+        return
+    for p in (fast, ref):
+        p.commit(slots)
+    if bad == "pinned":
+        for p in (fast, ref):
+            p.pin(1, keys)
+    victim = {"free": slots[-1] + 1000, "pinned": slots[-1], "outside": fast.layout.n_slots}[bad]
+    before = snapshot(fast)
+    with pytest.raises(HostPoolError, match=f"slot {victim}"):
+        fast._pages.release(victim)
+    assert snapshot(fast) == before == snapshot(ref)

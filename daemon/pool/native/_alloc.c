@@ -1,4 +1,5 @@
-/* kvtier.daemon.pool.native._alloc: the host pool's slot allocation for a STORE, page by page in C.
+/* kvtier.daemon.pool.native._alloc: the host pool's slot allocation for a STORE, its commit and
+ * the release of pages, page by page in C.
  *
  * run(cols, keys, start, prev, clock, ns_id, owner, cid, page_bytes, per_extent,
  *     free_extents, cls, ready_ns, writing_ns, ready, slot_keys, owned, ends, own_ends,
@@ -33,6 +34,12 @@
  * sib_prev, sib_next, prev, next, oprev, onext; then int32 an extent: ext_class, ext_used,
  * ext_bump). Their sizes are checked against each other; every slot read from them is
  * checked against the pool before it is used (a stop, never a stray write).
+ *
+ * release(cols, slots, keep, per_extent, classes, ready, writing, slot_keys, owned, ends,
+ *         own_ends, offset_of, ext_bytes, free_extents[, ends2, tier, split]) -> int
+ *
+ * PageTable.release for each slot of `slots`: the page becomes FREE and its slot goes back
+ * to its class (see release below).
  *
  * offsets(offset_of, slots, out) -> None or the index of the first refused slot
  *
@@ -830,6 +837,240 @@ done:
     return result;
 }
 
+/* release(cols, slots, keep, per_extent, classes, ready, writing, slot_keys, owned, ends,
+ *         own_ends, offset_of, ext_bytes, free_extents[, ends2, tier, split]) -> int
+ *
+ * PageTable.release in C: each slot of `slots` (a list of ints), in order, a READY or
+ * WRITING page that is off the evictable lists, becomes FREE (the state byte first, then
+ * its in-L3 flag), leaves the index (`ready` or `writing`, ns -> key -> slot) and
+ * `slot_keys`, and leaves T2 (`tier`, and `split.t2`, under arc and reuse); its parent loses
+ * a child (and enters the evictable lists when that leaves it READY, unpinned and
+ * childless); its own children, which only an aborted page can have, lose their parent
+ * link; its class and owner count one page less. Unless `keep`, the slot goes back to its
+ * class: onto the free list, or, when it was the last slot of its extent in use, the
+ * extent is freed (its slots off the free list, its class and persistent page bytes
+ * cleared, its offsets -1 in `offset_of`, appended to `free_extents`).
+ *
+ * Returns len(slots) when every slot was released, else the index of the first slot that
+ * is not a releasable page (outside the pool, FREE, pinned, or without a key): those
+ * before it are released, as page by page. ValueError: a column or table disagrees with
+ * the pool (nothing released from that slot on).
+ *
+ * offset_of and ext_bytes: int64, one per slot and one per extent; classes: the
+ * PageClass objects (free, bump, n, ready, writing and extents read and written back). */
+typedef struct {
+    PyObject *classes;
+    long long cid;  /* the class in `k` (-1: none) */
+    Class k;
+} ClassCache;
+
+static int cache_class(ClassCache *cc, long long cid) {
+    if (cc->cid == cid) return 0;
+    if (cc->cid >= 0 && class_io(PyList_GET_ITEM(cc->classes, cc->cid), &cc->k, 1) < 0)
+        return -1;
+    cc->cid = -1;
+    if (cid < 0 || cid >= PyList_GET_SIZE(cc->classes)) {
+        PyErr_Format(PyExc_ValueError, "page class %lld is not registered", cid);
+        return -1;
+    }
+    if (class_io(PyList_GET_ITEM(cc->classes, cid), &cc->k, 0) < 0) return -1;
+    cc->cid = cid;
+    return 0;
+}
+
+static int add_attr(PyObject *obj, const char *name, long long delta) {
+    PyObject *v = PyObject_GetAttrString(obj, name);
+    if (v == NULL) return -1;
+    long long now = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    if (now == -1 && PyErr_Occurred()) return -1;
+    PyObject *nv = PyLong_FromLongLong(now + delta);
+    int rc = nv == NULL ? -1 : PyObject_SetAttrString(obj, name, nv);
+    Py_XDECREF(nv);
+    return rc;
+}
+
+/* SlotAllocator.free_unlink */
+static void free_unlink(Cols *c, Class *k, int32_t s) {
+    int32_t p = c->prev[s], n = c->next[s];
+    if (p == NIL) k->free = n; else c->next[p] = n;
+    if (n != NIL) c->prev[n] = p;
+    c->prev[s] = c->next[s] = NIL;
+}
+
+/* SlotAllocator.give_back: the FREE slot `s` back to its class (cached in `cc`). */
+static int give_back(Cols *c, ClassCache *cc, int32_t s, long long per_extent,
+                     int64_t *offset_of, int64_t *ext_bytes, PyObject *free_extents) {
+    Class *k = &cc->k;
+    long long e = s / per_extent;
+    c->ext_used[e] -= 1;
+    if (c->ext_used[e] > 0) {  /* _free_push */
+        c->prev[s] = NIL;
+        c->next[s] = (int32_t)k->free;
+        if (k->free != NIL) c->prev[k->free] = s;
+        k->free = s;
+        return 0;
+    }
+    long long base = e * per_extent;  /* the extent is empty: its slots off the free list */
+    for (long long t = base; t < base + c->ext_bump[e]; t++)
+        if (t != s) free_unlink(c, k, (int32_t)t);
+    if (k->bump == e) k->bump = NIL;
+    c->ext_class[e] = NIL;
+    c->ext_bump[e] = 0;
+    for (long long t = base; t < base + per_extent && t < c->n_slots; t++) offset_of[t] = -1;
+    ext_bytes[e] = 0;  /* after every slot of it is FREE */
+    if (add_attr(PyList_GET_ITEM(cc->classes, cc->cid), "extents", -1) < 0) return -1;
+    PyObject *ev = PyLong_FromLongLong(e);
+    int rc = ev == NULL ? -1 : PyList_Append(free_extents, ev);
+    Py_XDECREF(ev);
+    return rc;
+}
+
+static PyObject *release(PyObject *self, PyObject *args) {
+    PyObject *cols, *slots, *classes, *ready, *writing, *slot_keys, *owned, *ends_list;
+    PyObject *own_ends, *offset_obj, *ext_obj, *free_extents;
+    PyObject *ends2 = Py_None, *tier_obj = Py_None, *split = Py_None;
+    long long per_extent;
+    int keep;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OO!pLO!O!O!O!O!O!O!OOO!|OOO:release", &cols, &PyList_Type,
+                          &slots, &keep, &per_extent, &PyList_Type, &classes, &PyDict_Type,
+                          &ready, &PyDict_Type, &writing, &PyList_Type, &slot_keys,
+                          &PyDict_Type, &owned, &PyList_Type, &ends_list, &PyDict_Type,
+                          &own_ends, &offset_obj, &ext_obj, &PyList_Type, &free_extents,
+                          &ends2, &tier_obj, &split))
+        return NULL;
+    if ((ends2 == Py_None) != (tier_obj == Py_None) || (ends2 == Py_None) != (split == Py_None) ||
+        (ends2 != Py_None && !PyList_Check(ends2))) {
+        PyErr_SetString(PyExc_TypeError, "release takes ends2 (a list), tier and split together");
+        return NULL;
+    }
+    Py_buffer views[N_COLS], ov, xv, tv;
+    int have_ov = 0, have_xv = 0, have_tv = 0;
+    Cols c;
+    if (get_cols(&c, views, cols) < 0) return NULL;
+    Lists l = {.have_owner = 0, .own_ends = own_ends};
+    ClassCache cc = {.classes = classes, .cid = -1};
+    long long t2_delta = 0;
+    Py_ssize_t n = PyList_GET_SIZE(slots), j = 0;
+    PyObject *result = NULL;
+    int lists_read = 0;
+    if (PyObject_GetBuffer(offset_obj, &ov, PyBUF_WRITABLE) < 0) goto done;
+    have_ov = 1;
+    if (PyObject_GetBuffer(ext_obj, &xv, PyBUF_WRITABLE) < 0) goto done;
+    have_xv = 1;
+    if (per_extent <= 0 || c.n_slots > c.n_extents * per_extent || ov.len < c.n_slots * 8 ||
+        xv.len < c.n_extents * 8 || PyList_GET_SIZE(slot_keys) < c.n_slots) {
+        PyErr_SetString(PyExc_ValueError, "release: column sizes do not agree");
+        goto done;
+    }
+    if (tier_obj != Py_None) {
+        if (PyObject_GetBuffer(tier_obj, &tv, PyBUF_WRITABLE) < 0) goto done;
+        have_tv = 1;
+        if (tv.len < c.n_slots) {
+            PyErr_SetString(PyExc_ValueError, "tier is shorter than the columns");
+            goto done;
+        }
+        if (ends_read(&l.g2, ends2) < 0) goto done;
+        l.tier = tv.buf;
+    }
+    if (ends_read(&l.g, ends_list) < 0) goto done;
+    lists_read = 1;
+    int64_t *offset_of = ov.buf, *ext_bytes = xv.buf;
+    uint8_t *tierw = have_tv ? tv.buf : NULL;
+    for (; j < n; j++) {
+        if (j >= PyList_GET_SIZE(slots)) break;  /* shrunk by an item's __index__ */
+        PyObject *item = PyList_GET_ITEM(slots, j);
+        Py_INCREF(item);
+        long long s = PyLong_AsLongLong(item);
+        Py_DECREF(item);
+        if (s == -1 && PyErr_Occurred()) {
+            if (!PyErr_ExceptionMatches(PyExc_OverflowError)) goto fail;
+            PyErr_Clear();
+        }
+        if (!in_pool(&c, s) || (c.state[s] != READY && c.state[s] != WRITING) || c.pins[s])
+            break;
+        PyObject *key = PyList_GET_ITEM(slot_keys, s);
+        if (!PyBytes_Check(key)) break;
+        int was_ready = c.state[s] == READY;
+        if (cache_class(&cc, c.ext_class[s / per_extent]) < 0) goto fail;
+        PyObject *nsk = PyLong_FromLongLong(c.ns[s]);
+        if (nsk == NULL) goto fail;
+        PyObject *idx = PyDict_GetItemWithError(was_ready ? ready : writing, nsk);
+        Py_DECREF(nsk);
+        if (idx == NULL || !PyDict_Check(idx)) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_ValueError, "namespace %lld has no index of slot %lld",
+                             (long long)c.ns[s], s);
+            goto fail;
+        }
+        c.state[s] = FREE;  /* first: from here on a crash leaves the slot free */
+        __atomic_signal_fence(__ATOMIC_SEQ_CST);
+        c.in_l3[s] = 0;
+        Py_INCREF(key);
+        int rc = PyDict_DelItem(idx, key);
+        Py_INCREF(Py_None);
+        PyList_SetItem(slot_keys, s, Py_None);  /* steals; drops the list's reference */
+        Py_DECREF(key);
+        if (rc < 0) goto fail;
+        if (tierw != NULL && tierw[s]) {  /* SplitState.released */
+            tierw[s] = 0;
+            t2_delta -= 1;
+        }
+        int32_t p = c.parent[s];
+        if (p != NIL) {  /* ChildLists.unlink(p, s), then the child reference */
+            int32_t sp = c.sib_prev[s], sn = c.sib_next[s];
+            if (sp == NIL) c.first[p] = sn; else c.sib_next[sp] = sn;
+            if (sn != NIL) c.sib_prev[sn] = sp;
+            c.parent[s] = c.sib_prev[s] = c.sib_next[s] = NIL;
+            c.children[p] -= 1;
+            if (c.children[p] == 0 && c.state[p] == READY && c.pins[p] == 0 &&
+                enqueue(&c, &l, p) < 0)
+                goto fail;
+        }
+        if (c.first[s] != NIL || c.children[s]) {  /* ChildLists.orphan_all(s) */
+            for (int32_t ch = c.first[s], steps = 0; ch != NIL && steps < c.n_slots; steps++) {
+                int32_t nx = c.sib_next[ch];
+                c.parent[ch] = c.sib_prev[ch] = c.sib_next[ch] = NIL;
+                ch = nx;
+            }
+            c.first[s] = NIL;
+            c.children[s] = 0;
+        }
+        if (was_ready) cc.k.ready -= 1; else cc.k.writing -= 1;
+        if (add_owned(owned, c.owner[s], -1) < 0) goto fail;
+        if (!keep &&
+            give_back(&c, &cc, (int32_t)s, per_extent, offset_of, ext_bytes, free_extents) < 0)
+            goto fail;
+    }
+    if (cc.cid >= 0 && class_io(PyList_GET_ITEM(classes, cc.cid), &cc.k, 1) < 0) goto done;
+    cc.cid = -1;
+    if (ends_write(&l.g) < 0 || (l.tier != NULL && ends_write(&l.g2) < 0) ||
+        lists_flush(&l) < 0 || (t2_delta && add_attr(split, "t2", t2_delta) < 0))
+        goto done;
+    result = PyLong_FromSsize_t(j);
+    goto done;
+fail:  /* what was released so far stays, with its counters and lists written back */
+    {
+        PyObject *t, *val, *tb;
+        PyErr_Fetch(&t, &val, &tb);
+        if (cc.cid >= 0) class_io(PyList_GET_ITEM(classes, cc.cid), &cc.k, 1);
+        if (lists_read) {
+            ends_write(&l.g);
+            if (l.tier != NULL) ends_write(&l.g2);
+            lists_flush(&l);
+        }
+        if (t2_delta) add_attr(split, "t2", t2_delta);
+        PyErr_Restore(t, val, tb);
+    }
+done:
+    if (have_ov) PyBuffer_Release(&ov);
+    if (have_xv) PyBuffer_Release(&xv);
+    if (have_tv) PyBuffer_Release(&tv);
+    for (int q = 0; q < N_COLS; q++) PyBuffer_Release(&views[q]);
+    return result;
+}
+
 static PyObject *offsets(PyObject *self, PyObject *args) {
     Py_buffer table, out;
     PyObject *slots, *result = NULL;
@@ -875,6 +1116,7 @@ static PyMethodDef methods[] = {
     {"run", run, METH_VARARGS, "Allocate slots for a STORE's keys from `start` on (see the module)."},
     {"commit", commit, METH_VARARGS, "Commit a STORE's filled slots (see commit above)."},
     {"offsets", offsets, METH_VARARGS, "Payload offsets of a list of slots (see the module)."},
+    {"release", release, METH_VARARGS, "Free READY or WRITING pages (see release above)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -11,6 +11,9 @@ def commit(*args: Any) -> tuple[int, int] | None:
     """Commit a STORE's filled slots: ``(stop, clock)``, or None (nothing changed) when a
     slot or checksum is refused."""
 
+def release(*args: Any) -> int:
+    """Free READY or WRITING pages, in order: how many were (the first refused stops it)."""
+
 def offsets(offset_of: Any, slots: list[int], out: Any) -> int | None:
     """Write the payload offset of each of ``slots`` into ``out`` (int64): None, or the
     index of the first slot outside ``offset_of`` or whose offset there is -1."""
