@@ -1,8 +1,9 @@
 """The host pool's state machine page by page in Python: the oracle its C paths are held to.
 
-:class:`PageByPage` is the page table with allocate, commit, pin and unpin done one page
-at a time, step for step as ``daemon/pool/native/_alloc.c`` and ``_pins.c`` say they do
-them; :class:`DictLookups` answers lookups key by key from the page table's dict, where
+:class:`PageByPage` is the page table with allocate, commit, pin, unpin and release
+done one page at a time, and the eviction policy's steps (``take_slot``: quotas, free
+extents, victims of other classes, L3, ``arc``'s and ``reuse``'s lists), step for step as
+``daemon/pool/native/_alloc.c`` and ``_pins.c`` say they do them; :class:`DictLookups` answers lookups key by key from the page table's dict, where
 the pool probes its key table (``daemon/pool/native/_keyprobe.c``); :func:`page_by_page`
 gives a host pool both. Tests run the same operations on a pool of each kind and compare
 everything observable.
@@ -18,7 +19,7 @@ import numpy as np
 from kvtier.daemon.pool.host_pool import HostPool
 from kvtier.daemon.pool.layout import HAS_CHECKSUM, KEY_BYTES, NIL, USED_AGAIN
 from kvtier.daemon.pool.pages import PageTable
-from kvtier.daemon.pool.records import HostPoolError, PageState
+from kvtier.daemon.pool.records import EvictedPage, HostPoolError, PageState
 from kvtier.daemon.pool.slots import SlotAllocator
 from xxhash import xxh3_64_intdigest
 
@@ -55,7 +56,7 @@ class PageByPage(PageTable):
         meta = self._meta
         pack_key, key_col, key_len, length = meta.pack_key, meta.key, meta.key_len, meta.length
         state, stamp, ns, owners = self._state, self._stamp, self._ns, self._owner
-        children, pins, take_slot = self._children, self._pins, self._ev.take_slot
+        children, pins, take_slot = self._children, self._pins, self.take_slot
         out: list[tuple[int, int]] = []
         prev = NIL
         if parent_key is not None:
@@ -210,6 +211,126 @@ class PageByPage(PageTable):
         if not keep:
             give_back(self._slots, s)
 
+    # -- the eviction policy's steps (C's take_slot), page by page -----------------------
+    def take_slot(self, cid: int, owner: int) -> int:
+        """A slot of class ``cid`` for ``owner``, evicting if needed, or NIL (a shortfall):
+        an owner at its quota replaces its own pages first; then a free slot; then
+        :meth:`_reclaim`."""
+        ev = self._ev
+        quota = ev.quota.get(owner)
+        scope: int | None = None  # whose pages may be evicted; None: anyone's
+        if quota is not None and ev.owned.get(owner, 0) >= quota:
+            scope, budget = owner, ev.budget
+            while ev.owned.get(owner, 0) >= quota:  # replace own pages first
+                v = self.coldest(owner, NIL)
+                if v == NIL or budget == 0:
+                    return NIL
+                self.evict(v)
+                budget -= 1
+        s = slot_take(self._slots, cid)
+        return s if s != NIL else self._reclaim(cid, scope)
+
+    def _reclaim(self, cid: int, owner: int | None) -> int:
+        """Evict (anyone's, or only ``owner``'s pages) until a slot of ``cid`` frees."""
+        budget = self._ev.budget
+        ext_class, per_extent = self._ext_class, self._per_extent
+        while budget > 0:
+            v = self.coldest(owner, NIL)
+            if v == NIL:
+                break
+            if ext_class[v // per_extent] == cid:
+                self.evict(v, keep=True)
+                return v
+            self.evict(v)
+            budget -= 1
+            s = slot_take(self._slots, cid)
+            if s != NIL:
+                return s
+        v = self.coldest(owner, cid)  # fall back to the class's own pages
+        if v == NIL:
+            return NIL
+        self.evict(v, keep=True)
+        return v
+
+    def coldest(self, owner: int | None, cid: int) -> int:
+        """The coldest page eviction may take from the global (or ``owner``'s) list, of
+        class ``cid`` unless NIL; NIL if none within the scan limit."""
+        ev = self._ev
+        split = ev.split
+        if split is None or owner is not None:
+            return self._scan(ev.lru.start(owner), cid)
+        second = split.victim_list(sum(ev.owned.values())) == 1
+        s = self._scan(ev.lru.start(None, second), cid)
+        return s if s != NIL else self._scan(ev.lru.start(None, not second), cid)
+
+    def _scan(self, start: tuple[int, Any], cid: int) -> int:
+        s, nxt = start
+        ev = self._ev
+        steps = ev.scan_limit
+        while s != NIL and steps > 0:
+            if (not ev.requires_l3 or self._in_l3[s]) and (
+                cid == NIL or self._ext_class[s // self._per_extent] == cid
+            ):
+                return s
+            s = nxt[s]
+            steps -= 1
+        return NIL
+
+    def evict(self, s: int, keep: bool = False) -> None:
+        """Evict the evictable page ``s``: log it, tell the policy, take it off the lists,
+        free it (with ``keep``, its slot stays taken)."""
+        ev = self._ev
+        key = self._key[s]
+        assert key is not None
+        ev.evictions += 1
+        if len(ev.log) < ev.max_log:
+            ev.log.append(EvictedPage(key, self._ns[s], s, bool(self._in_l3[s])))
+        else:
+            ev.unlogged += 1
+        if ev.split is not None:
+            ev.split.evicted_page(s, self._ns[s], key, sum(ev.owned.values()))
+        ev.lru.dequeue(s, self._owner[s])
+        self.release(s, keep)
+
+
+def slot_take(a: SlotAllocator, cid: int) -> int:
+    """A free slot of ``cid`` (free list, fresh slot, free extent), or NIL."""
+    cls = a.classes[cid]
+    s = cls.free
+    if s != NIL:
+        free_unlink(a, cls, s)
+        a.ext_used[s // a.per_extent] += 1
+        return s
+    e = cls.bump
+    if e == NIL:
+        if not a.free_extents:
+            return NIL
+        e = a.free_extents.pop()
+        a.ext_bytes[e] = cls.page_bytes  # persisted before any slot of it is used
+        a.ext_class[e] = cid
+        a.ext_bump[e] = 0
+        a.cut(e, cls)
+        cls.extents += 1
+        cls.bump = e
+    i = a.ext_bump[e]
+    a.ext_bump[e] = i + 1
+    if i + 1 == cls.n:
+        cls.bump = NIL
+    a.ext_used[e] += 1
+    return e * a.per_extent + i
+
+
+def free_unlink(a: SlotAllocator, cls: Any, s: int) -> None:
+    """Take the free slot ``s`` off the free list of ``cls``."""
+    p, n = a.prev[s], a.next[s]
+    if p == NIL:
+        cls.free = n
+    else:
+        a.next[p] = n
+    if n != NIL:
+        a.prev[n] = p
+    a.prev[s] = a.next[s] = NIL
+
 
 def give_back(a: SlotAllocator, s: int) -> None:
     """Return the FREE slot ``s`` to its class; an emptied extent is freed (what
@@ -227,7 +348,7 @@ def give_back(a: SlotAllocator, s: int) -> None:
     base = e * a.per_extent  # the extent is empty: its other slots off the free list
     for t in range(base, base + a.ext_bump[e]):
         if t != s:
-            a.free_unlink(cls, t)
+            free_unlink(a, cls, t)
     if cls.bump == e:
         cls.bump = NIL
     a.ext_class[e] = NIL

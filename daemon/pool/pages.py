@@ -56,7 +56,7 @@ class PageTable:
     Built over a metadata region (formatted, or about to be adopted: :meth:`adopt_rows`
     then refills it from the adoption scan). :class:`~kvtier.daemon.pool.host_pool.HostPool`
     holds one and adds geometry, ids, adoption and introspection. Slots come from an
-    :class:`~kvtier.daemon.pool.eviction.Evictor`, which evicts through :meth:`release`.
+    :class:`~kvtier.daemon.pool.eviction.Evictor`, whose victims C frees as :meth:`release` does.
 
     Args:
         meta: the metadata region.
@@ -107,8 +107,6 @@ class PageTable:
         self.evictor = self._ev = Evictor(
             slots,
             meta,
-            self._key,
-            self.release,
             max_log=max_log,
             quota=quota,
             requires_l3=requires_l3,

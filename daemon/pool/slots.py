@@ -171,7 +171,7 @@ class SlotAllocator:
             raise HostPoolError(f"slot {slot} out of range [0, {self.n_slots})")
         raise HostPoolError(f"slot {slot} (extent {slot // self.per_extent}) is not allocated")
 
-    def _cut(self, e: int, cls: PageClass) -> None:
+    def cut(self, e: int, cls: PageClass) -> None:
         """Record the payload offsets of the ``cls.n`` slots extent ``e`` cuts for ``cls``."""
         base = e * self.per_extent
         self.offset_of[base : base + cls.n] = np.arange(
@@ -180,32 +180,6 @@ class SlotAllocator:
             cls.stride,
             dtype=np.int64,
         )
-
-    def take(self, cid: int) -> int:
-        """Hand out a free slot of ``cid`` (free list, fresh slot, free extent), or NIL."""
-        cls = self.classes[cid]
-        s = cls.free
-        if s != NIL:
-            self.free_unlink(cls, s)
-            self.ext_used[s // self.per_extent] += 1
-            return s
-        e = cls.bump
-        if e == NIL:
-            if not self.free_extents:
-                return NIL
-            e = self.free_extents.pop()
-            self.ext_bytes[e] = cls.page_bytes  # persisted before any slot of it is used
-            self.ext_class[e] = cid
-            self.ext_bump[e] = 0
-            self._cut(e, cls)
-            cls.extents += 1
-            cls.bump = e
-        i = self.ext_bump[e]
-        self.ext_bump[e] = i + 1
-        if i + 1 == cls.n:
-            cls.bump = NIL
-        self.ext_used[e] += 1
-        return e * self.per_extent + i
 
     def usable_per_extent(self) -> np.ndarray:
         """Register the class of every extent the persistent table names (smallest page
@@ -237,21 +211,10 @@ class SlotAllocator:
             cid = self.class_of_bytes[int(pbs[e])]
             cls = self.classes[cid]
             self.ext_class[e], self.ext_used[e], self.ext_bump[e] = cid, int(counts[e]), cls.n
-            self._cut(e, cls)
+            self.cut(e, cls)
             cls.extents += 1
             ids = np.arange(e * self.per_extent, e * self.per_extent + cls.n)
             free_by_class.setdefault(cid, []).append(ids[~in_use[ids]])
         del pbs
         for cid, parts in free_by_class.items():
             self.classes[cid].free = link_in_order(self.prev, self.next, np.concatenate(parts))[0]
-
-    def free_unlink(self, cls: PageClass, s: int) -> None:
-        """Take the free slot ``s`` off the free list of ``cls``."""
-        p, n = self.prev[s], self.next[s]
-        if p == NIL:
-            cls.free = n
-        else:
-            self.next[p] = n
-        if n != NIL:
-            self.prev[n] = p
-        self.prev[s] = self.next[s] = NIL

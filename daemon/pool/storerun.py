@@ -12,12 +12,13 @@ other engine is answered.
 The C code does the same steps in the same order as the page-by-page model
 (``tests/pool_model.py``), which the tests hold it to: the pool's metadata, indexes,
 evictable lists, counters and eviction log end up exactly as page by page. Where a slot
-needs the eviction policy's judgement (a free extent to cut, another class's page to
-evict, a quota, evictions that need L3, ``arc``'s lists), C calls
-:meth:`~kvtier.daemon.pool.eviction.Evictor.take_slot` for that slot and goes on. The
-``reuse`` policy's state is C's own (``_alloc.Reuse``), so C evicts from the list it
-names and admits each new page to T1 or T2 itself; a
-commit that the page table refuses changes nothing, and the table names what is wrong.
+needs more than the class's free slots or its coldest page (a free extent to cut,
+another class's page to evict, a quota, evictions that need L3, ``arc``'s lists), C's
+``take_slot`` takes every step of the policy (:mod:`~kvtier.daemon.pool.eviction`),
+asking ``arc``'s target and ghosts of its Python state. The ``reuse`` policy's state is
+C's own (``_alloc.Reuse``), so C evicts from the list it names and admits each new page
+to T1 or T2 itself; a commit that the page table refuses changes nothing, and the table
+names what is wrong.
 """
 
 from __future__ import annotations
@@ -97,9 +98,10 @@ class StoreRuns:
         Each slot comes from the class's free list or the extent it is cutting, or, in C,
         by evicting the coldest page when it is of the class; otherwise (a free extent to
         cut, a page of another class to evict, an owner with a quota, evictions that need
-        L3, ``arc``'s lists) C asks :meth:`Evictor.take_slot`, the policy. Under ``arc``
-        and ``reuse`` each new page is admitted to T1 or T2 (:meth:`SplitState.admit`;
-        ``reuse``'s in C).
+        L3, ``arc``'s lists) by C's ``take_slot``, the policy's every step (``arc``'s
+        target and ghosts asked of :class:`~kvtier.daemon.pool.policies.ArcState`). Under
+        ``arc`` and ``reuse`` each new page is admitted to T1 or T2
+        (:meth:`SplitState.admit`; ``reuse``'s in C).
 
         Args:
             prev: the slot ``keys[0]`` extends (NIL: none).
@@ -144,7 +146,7 @@ class StoreRuns:
             EvictedPage,
             out,
             False,
-            ev.take_slot,
+            self._env(),
             admit,
             mode,
             *((None, None) if lru.tier is None else (lru.ends2, lru.tier)),
@@ -196,22 +198,38 @@ class StoreRuns:
             How many were freed: ``len(slots)``, or the index of the first that is not a
             page that can be freed (FREE, pinned, outside the pool), those before it freed.
         """
-        lru, slots_ = self._lru, self._slots
-        tiers = () if lru.tier is None else (lru.ends2, lru.tier, self._ev.split)
+        lru = self._lru
         return _alloc.release(
             self._cols,
             slots,
             keep,
             self._per_extent,
-            slots_.classes,
+            self._env(),
             self._ready,
-            self._writing,
             self._keys,
             self._ev.owned,
             lru.ends,
             lru.own_ends,
-            slots_.offset_of,
-            slots_.ext_bytes,
-            slots_.free_extents,  # read at each call: adoption replaces the list
-            *tiers,
+        )
+
+    def _env(self) -> tuple[object, ...]:
+        """What C's ``take_slot`` and ``release`` read besides the columns, as they are now
+        (adoption replaces the free extents' list, a drain the log)."""
+        ev, slots, lru = self._ev, self._slots, self._lru
+        return (
+            self._writing,
+            slots.classes,
+            slots.offset_of,
+            slots.ext_bytes,
+            slots.free_extents,
+            slots.span,
+            slots.headroom,
+            ev.quota,
+            ev.requires_l3,
+            ev.budget,
+            ev.scan_limit,
+            ev.log,
+            ev.max_log,
+            EvictedPage,
+            *((None, None, None) if lru.tier is None else (lru.ends2, lru.tier, ev.split)),
         )

@@ -247,3 +247,33 @@ def test_a_refused_release_ends_as_page_by_page(bad: str) -> None:
     with pytest.raises(HostPoolError, match=f"slot {victim}"):
         fast._pages.release(victim)
     assert snapshot(fast) == before == snapshot(ref)
+
+
+def test_an_owner_far_over_a_lowered_quota_evicts_at_most_the_budget_per_slot() -> None:
+    """An owner whose quota was lowered far below its pages replaces at most ``budget`` of
+    them for one new page; short of its quota then, the page is not stored (a shortfall),
+    in C as page by page."""
+    fast, ref = pools()
+    keys = [b"q%d" % i for i in range(20)]
+    for p in (fast, ref):
+        got = p.allocate(1, 30, 0, keys)
+        assert len(got) == 20
+        p.commit([s for _, s in got])
+        p.set_quota(30, 2)
+    budget = fast._pages.evictor.budget
+    assert budget < 20 - 2
+    owned, tries = 20, 0
+    while True:  # each try evicts at most `budget` of the owner's own pages
+        tries += 1
+        before = fast._pages.evictor.evictions
+        got = [p.allocate(1, 30, 0, [b"new"]) for p in (fast, ref)]
+        assert got[0] == got[1]
+        assert snapshot(fast) == snapshot(ref)
+        need = owned - 2 + 1  # down to one below the quota, then a page of its own
+        if need > budget:
+            assert got[0] == [] and fast._pages.evictor.evictions - before == budget
+            owned -= budget
+            continue
+        assert len(got[0]) == 1 and fast._pages.evictor.evictions - before == need
+        break
+    assert tries == 3

@@ -3,7 +3,7 @@
  *
  * run(cols, keys, start, prev, clock, ns_id, owner, cid, page_bytes, per_extent,
  *     free_extents, cls, ready_ns, writing_ns, ready, slot_keys, owned, ends, own_ends,
- *     log, max_log, evicted, out[, checked, take, admit, mode, ends2, tier, core])
+ *     log, max_log, evicted, out[, checked, env, admit, mode, ends2, tier, core])
  *     -> (stop, prev, clock, evictions, unlogged) or None
  *
  * daemon/pool/pages.py's PageTable.allocate, for the keys from `start` on: a key the
@@ -11,19 +11,30 @@
  * and its row is written, the state byte last, with the steps and order of the page-by-page
  * model (tests/pool_model.py). The slot comes from the class's free list, from the extent
  * it is cutting, or (mode 0) by evicting the coldest evictable page when it is of the same
- * class (daemon/pool/eviction.py's Evictor.evict and PageTable._release, its slot reused at
- * once). Anything else asks `take(cid, owner)` (Evictor.take_slot: a free extent cut, a
- * page of another class evicted, quotas, evictions that need L3, arc's lists), with the
- * counters and list ends this call caches written back before and read again after; mode
- * 1 never evicts here (evictions need L3, or arc), mode 2 asks `take` for every slot (an
- * owner with a quota). `take` answering NIL is a shortfall: the call stops at that key
- * (`stop`); without `take` it stops where `take` would be asked. `admit(slot, ns, key)`,
+ * class (its slot reused at once). Anything else is take_slot's (below, over `env`: a free
+ * extent cut, a page of another class evicted, quotas, evictions that need L3, arc's
+ * lists), with the counters and list ends this call caches written back before and read
+ * again after; mode 1 never evicts in the loop itself (evictions need L3, or arc), mode 2
+ * asks take_slot for every slot (an owner with a quota). take_slot answering NIL is a
+ * shortfall: the call stops at that key (`stop`); without `env` it stops where take_slot
+ * would be asked. `admit(slot, ns, key)`,
  * when given, is called for each new page (ArcState.admit); `ends2` and `tier` are the arc
  * and reuse policies' second global list and each slot's list. `core` (a Reuse, _reuse.h)
  * runs the reuse policy here: the mode-0 victim is the cold end of the list it names, and
  * each new page enters T2 when its key is a ghost (ReuseState.admit). None, having changed
  * nothing: a key from `start` on is not bytes of at most 32 bytes; `checked` says an
  * earlier call has looked at every key already.
+ *
+ * take_slot (daemon/pool/eviction.py's policy, page by page in tests/pool_model.py): an
+ * owner at its quota evicts its own coldest pages first (at most the victim budget); then a
+ * free slot of the class (a free extent cut if need be, the lowest first); then victims
+ * from the cold ends of the global lists (the one arc's or reuse's target names first),
+ * or the owner's: one of the class gives its slot, one of another class frees its own
+ * (and its extent when that was the extent's last page in use), at most the budget of
+ * them; then the coldest page of the class itself. Victims must be in L3 when evictions
+ * require it; scans stop after the scan limit. Each victim is logged, told to the policy
+ * (arc's and reuse's Python state: `split.evicted_page`, `split.victim_list`) and freed as
+ * release frees a page.
  *
  * The counters of `cls` (free, bump, ready, writing) are read once and written back at the
  * end; the evictions are appended to `log` (as `evicted(key, ns, slot, in_l3)`) while it
@@ -35,8 +46,7 @@
  * ext_bump). Their sizes are checked against each other; every slot read from them is
  * checked against the pool before it is used (a stop, never a stray write).
  *
- * release(cols, slots, keep, per_extent, classes, ready, writing, slot_keys, owned, ends,
- *         own_ends, offset_of, ext_bytes, free_extents[, ends2, tier, split]) -> int
+ * release(cols, slots, keep, per_extent, env, ready, slot_keys, owned, ends, own_ends) -> int
  *
  * PageTable.release for each slot of `slots`: the page becomes FREE and its slot goes back
  * to its class (see release below).
@@ -341,6 +351,435 @@ static int sync_in(PyObject *cls, Class *k, Lists *l, PyObject *ends_list) {
     return l->tier != NULL && ends_read(&l->g2, l->g2.list) < 0 ? -1 : 0;
 }
 
+/* ---- Freeing pages and choosing victims outside the allocation loop's own fast path ----
+ *
+ * A Pool is the page table's state as these steps need it, over the Python objects the
+ * page table keeps (read at the start of a call, written back at its end): the columns, the
+ * index dicts, the evictable lists, the page classes (their counters cached one class at a
+ * time), the slot allocator's free extents and offsets, the eviction settings and log. */
+typedef struct {
+    PyObject *classes;
+    long long cid;  /* the class in `k` (-1: none) */
+    Class k;
+} ClassCache;
+
+static int cache_class(ClassCache *cc, long long cid) {
+    if (cc->cid == cid) return 0;
+    if (cc->cid >= 0 && class_io(PyList_GET_ITEM(cc->classes, cc->cid), &cc->k, 1) < 0)
+        return -1;
+    cc->cid = -1;
+    if (cid < 0 || cid >= PyList_GET_SIZE(cc->classes)) {
+        PyErr_Format(PyExc_ValueError, "page class %lld is not registered", cid);
+        return -1;
+    }
+    if (class_io(PyList_GET_ITEM(cc->classes, cid), &cc->k, 0) < 0) return -1;
+    cc->cid = cid;
+    return 0;
+}
+
+static int add_attr(PyObject *obj, const char *name, long long delta) {
+    PyObject *v = PyObject_GetAttrString(obj, name);
+    if (v == NULL) return -1;
+    long long now = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    if (now == -1 && PyErr_Occurred()) return -1;
+    PyObject *nv = PyLong_FromLongLong(now + delta);
+    int rc = nv == NULL ? -1 : PyObject_SetAttrString(obj, name, nv);
+    Py_XDECREF(nv);
+    return rc;
+}
+
+static long long int_attr(PyObject *obj, const char *name) {
+    PyObject *v = PyObject_GetAttrString(obj, name);
+    if (v == NULL) return -1;
+    long long n = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    return n;
+}
+
+typedef struct {
+    Cols *c;
+    long long per_extent, span, headroom, budget, scan_limit;
+    int requires_l3;
+    PyObject *ready, *writing, *slot_keys, *owned, *ends_list, *own_ends, *ends2;
+    PyObject *free_extents, *quota, *split, *log, *evicted;
+    Py_ssize_t max_log;
+    int64_t *offset_of, *ext_bytes;
+    uint8_t *tier;  /* arc's and reuse's T1/T2 byte a slot (NULL: lru) */
+    Lists l;
+    ClassCache cc;
+    long long evictions, unlogged;
+    Py_buffer ov, xv, tv;
+    int have_ov, have_xv, have_tv, lists_read;
+} Pool;
+
+/* The Pool over `env`, a tuple (writing, classes, offset_of, ext_bytes, free_extents, span,
+ * headroom, quota, requires_l3, budget, scan_limit, log, max_log, evicted, ends2, tier,
+ * split) (the last three None under lru) and the columns, dicts and lists given. */
+static int pool_open(Pool *P, Cols *c, long long per_extent, PyObject *env, PyObject *ready,
+                     PyObject *slot_keys, PyObject *owned, PyObject *ends_list,
+                     PyObject *own_ends) {
+    memset(P, 0, sizeof *P);
+    P->c = c;
+    P->per_extent = per_extent;
+    P->cc.cid = -1;
+    P->l.own_ends = own_ends;
+    P->ready = ready, P->slot_keys = slot_keys, P->owned = owned;
+    P->ends_list = ends_list, P->own_ends = own_ends;
+    PyObject *classes, *offset_obj, *ext_obj, *tier_obj;
+    int requires_l3;
+    if (!PyTuple_Check(env) ||
+        !PyArg_ParseTuple(env, "O!O!OOO!LLO!pLLO!nOOOO:env", &PyDict_Type, &P->writing,
+                          &PyList_Type, &classes, &offset_obj,
+                          &ext_obj, &PyList_Type, &P->free_extents, &P->span, &P->headroom,
+                          &PyDict_Type, &P->quota, &requires_l3, &P->budget, &P->scan_limit,
+                          &PyList_Type, &P->log, &P->max_log, &P->evicted, &P->ends2,
+                          &tier_obj, &P->split)) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "env must be a tuple");
+        return -1;
+    }
+    P->cc.classes = classes;
+    P->requires_l3 = requires_l3;
+    if ((P->ends2 == Py_None) != (tier_obj == Py_None) ||
+        (P->ends2 == Py_None) != (P->split == Py_None) ||
+        (P->ends2 != Py_None && !PyList_Check(P->ends2))) {
+        PyErr_SetString(PyExc_TypeError, "env takes ends2 (a list), tier and split together");
+        return -1;
+    }
+    if (!PyType_Check(P->evicted) ||
+        !PyType_IsSubtype((PyTypeObject *)P->evicted, &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, "evicted must be a tuple subclass (EvictedPage)");
+        return -1;
+    }
+    if (PyObject_GetBuffer(offset_obj, &P->ov, PyBUF_WRITABLE) < 0) return -1;
+    P->have_ov = 1;
+    if (PyObject_GetBuffer(ext_obj, &P->xv, PyBUF_WRITABLE) < 0) return -1;
+    P->have_xv = 1;
+    if (per_extent <= 0 || c->n_slots > c->n_extents * per_extent ||
+        P->ov.len < c->n_slots * 8 || P->xv.len < c->n_extents * 8 ||
+        PyList_GET_SIZE(slot_keys) < c->n_slots || P->budget < 0 || P->scan_limit < 0) {
+        PyErr_SetString(PyExc_ValueError, "the pool's columns and settings do not agree");
+        return -1;
+    }
+    P->offset_of = P->ov.buf;
+    P->ext_bytes = P->xv.buf;
+    if (tier_obj != Py_None) {
+        if (PyObject_GetBuffer(tier_obj, &P->tv, PyBUF_WRITABLE) < 0) return -1;
+        P->have_tv = 1;
+        if (P->tv.len < c->n_slots) {
+            PyErr_SetString(PyExc_ValueError, "tier is shorter than the columns");
+            return -1;
+        }
+        if (ends_read(&P->l.g2, P->ends2) < 0) return -1;
+        P->l.tier = P->tier = P->tv.buf;
+    }
+    if (ends_read(&P->l.g, ends_list) < 0) return -1;
+    P->lists_read = 1;
+    return 0;
+}
+
+/* Write back what the Pool cached (also after an error, which it keeps) and let go. */
+static int pool_close(Pool *P) {
+    PyObject *t, *val, *tb;
+    PyErr_Fetch(&t, &val, &tb);
+    int rc = 0;
+    if (P->cc.cid >= 0 && class_io(PyList_GET_ITEM(P->cc.classes, P->cc.cid), &P->cc.k, 1) < 0)
+        rc = -1;
+    if (P->lists_read) {
+        if (ends_write(&P->l.g) < 0 || (P->l.tier != NULL && ends_write(&P->l.g2) < 0) ||
+            lists_flush(&P->l) < 0)
+            rc = -1;
+    }
+    if (P->have_ov) PyBuffer_Release(&P->ov);
+    if (P->have_xv) PyBuffer_Release(&P->xv);
+    if (P->have_tv) PyBuffer_Release(&P->tv);
+    P->have_ov = P->have_xv = P->have_tv = P->lists_read = 0;
+    if (t != NULL) {
+        PyErr_Restore(t, val, tb);  /* the first error wins */
+        return -1;
+    }
+    return rc;
+}
+
+/* SlotAllocator.free_unlink */
+static void free_unlink(Cols *c, Class *k, int32_t s) {
+    int32_t p = c->prev[s], n = c->next[s];
+    if (p == NIL) k->free = n; else c->next[p] = n;
+    if (n != NIL) c->prev[n] = p;
+    c->prev[s] = c->next[s] = NIL;
+}
+
+/* SlotAllocator.give_back: the FREE slot `s` back to its class (cached). */
+static int give_back(Pool *P, int32_t s) {
+    Cols *c = P->c;
+    Class *k = &P->cc.k;
+    long long e = s / P->per_extent;
+    c->ext_used[e] -= 1;
+    if (c->ext_used[e] > 0) {  /* onto the free list */
+        c->prev[s] = NIL;
+        c->next[s] = (int32_t)k->free;
+        if (k->free != NIL) c->prev[k->free] = s;
+        k->free = s;
+        return 0;
+    }
+    long long base = e * P->per_extent;  /* the extent is empty: its slots off the free list */
+    for (long long t = base; t < base + c->ext_bump[e]; t++)
+        if (t != s) free_unlink(c, k, (int32_t)t);
+    if (k->bump == e) k->bump = NIL;
+    c->ext_class[e] = NIL;
+    c->ext_bump[e] = 0;
+    for (long long t = base; t < base + P->per_extent && t < c->n_slots; t++)
+        P->offset_of[t] = -1;
+    P->ext_bytes[e] = 0;  /* after every slot of it is FREE */
+    if (add_attr(PyList_GET_ITEM(P->cc.classes, P->cc.cid), "extents", -1) < 0) return -1;
+    PyObject *ev = PyLong_FromLongLong(e);
+    int rc = ev == NULL ? -1 : PyList_Append(P->free_extents, ev);
+    Py_XDECREF(ev);
+    return rc;
+}
+
+/* SlotAllocator.take: a free slot of `cid` (its free list, the extent it is cutting, a free
+ * extent: the lowest), or NIL. */
+static long long slot_take(Pool *P, long long cid) {
+    Cols *c = P->c;
+    if (cache_class(&P->cc, cid) < 0) return -2;
+    Class *k = &P->cc.k;
+    long long s = k->free;
+    if (s != NIL) {
+        if (!in_pool(c, s)) {
+            PyErr_Format(PyExc_ValueError, "class %lld's free list names slot %lld", cid, s);
+            return -2;
+        }
+        free_unlink(c, k, (int32_t)s);
+        c->ext_used[s / P->per_extent] += 1;
+        return s;
+    }
+    long long e = k->bump;
+    if (e == NIL) {
+        Py_ssize_t n_free = PyList_GET_SIZE(P->free_extents);
+        if (n_free == 0) return NIL;
+        e = PyLong_AsLongLong(PyList_GET_ITEM(P->free_extents, n_free - 1));
+        if (e == -1 && PyErr_Occurred()) return -2;
+        if (e < 0 || e >= c->n_extents) {
+            PyErr_Format(PyExc_ValueError, "free extent %lld is outside the pool", e);
+            return -2;
+        }
+        if (PyList_SetSlice(P->free_extents, n_free - 1, n_free, NULL) < 0) return -2;
+        PyObject *cls = PyList_GET_ITEM(P->cc.classes, cid);
+        long long page_bytes = int_attr(cls, "page_bytes"), stride = int_attr(cls, "stride");
+        if (PyErr_Occurred()) return -2;
+        P->ext_bytes[e] = page_bytes;  /* persisted before any slot of it is used */
+        c->ext_class[e] = (int32_t)cid;
+        c->ext_bump[e] = 0;
+        long long base = e * P->per_extent, at = e * P->span + P->headroom;
+        for (long long i = 0; i < k->n && base + i < c->n_slots; i++)
+            P->offset_of[base + i] = at + i * stride;  /* SlotAllocator._cut */
+        if (add_attr(cls, "extents", 1) < 0) return -2;
+        k->bump = e;
+    }
+    long long i = c->ext_bump[e];
+    c->ext_bump[e] = (int32_t)(i + 1);
+    if (i + 1 == k->n) k->bump = NIL;
+    c->ext_used[e] += 1;
+    s = e * P->per_extent + i;
+    if (!in_pool(c, s)) {
+        PyErr_Format(PyExc_ValueError, "extent %lld cuts slot %lld, outside the pool", e, s);
+        return -2;
+    }
+    return s;
+}
+
+/* PageTable.release of the page `s` (off the evictable lists): 1, or 0 when `s` is not a
+ * page that can be freed (outside the pool, FREE, pinned, without a key), -1 on error. */
+static int release_one(Pool *P, long long s, int keep) {
+    Cols *c = P->c;
+    if (!in_pool(c, s) || (c->state[s] != READY && c->state[s] != WRITING) || c->pins[s])
+        return 0;
+    PyObject *key = PyList_GET_ITEM(P->slot_keys, s);
+    if (!PyBytes_Check(key)) return 0;
+    int was_ready = c->state[s] == READY;
+    if (cache_class(&P->cc, c->ext_class[s / P->per_extent]) < 0) return -1;
+    PyObject *nsk = PyLong_FromLongLong(c->ns[s]);
+    if (nsk == NULL) return -1;
+    PyObject *idx = PyDict_GetItemWithError(was_ready ? P->ready : P->writing, nsk);
+    Py_DECREF(nsk);
+    if (idx == NULL || !PyDict_Check(idx)) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ValueError, "namespace %lld has no index of slot %lld",
+                         (long long)c->ns[s], s);
+        return -1;
+    }
+    c->state[s] = FREE;  /* first: from here on a crash leaves the slot free */
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);
+    c->in_l3[s] = 0;
+    Py_INCREF(key);
+    int rc = PyDict_DelItem(idx, key);
+    Py_INCREF(Py_None);
+    PyList_SetItem(P->slot_keys, s, Py_None);  /* steals; drops the list's reference */
+    Py_DECREF(key);
+    if (rc < 0) return -1;
+    if (P->tier != NULL && P->tier[s]) {  /* SplitState.released */
+        P->tier[s] = 0;
+        if (add_attr(P->split, "t2", -1) < 0) return -1;
+    }
+    int32_t p = c->parent[s];
+    if (p != NIL) {  /* ChildLists.unlink(p, s), then the child reference */
+        int32_t sp = c->sib_prev[s], sn = c->sib_next[s];
+        if (sp == NIL) c->first[p] = sn; else c->sib_next[sp] = sn;
+        if (sn != NIL) c->sib_prev[sn] = sp;
+        c->parent[s] = c->sib_prev[s] = c->sib_next[s] = NIL;
+        c->children[p] -= 1;
+        if (c->children[p] == 0 && c->state[p] == READY && c->pins[p] == 0 &&
+            enqueue(c, &P->l, p) < 0)
+            return -1;
+    }
+    if (c->first[s] != NIL || c->children[s]) {  /* ChildLists.orphan_all(s) */
+        for (int32_t ch = c->first[s], steps = 0; ch != NIL && steps < c->n_slots; steps++) {
+            int32_t nx = c->sib_next[ch];
+            c->parent[ch] = c->sib_prev[ch] = c->sib_next[ch] = NIL;
+            ch = nx;
+        }
+        c->first[s] = NIL;
+        c->children[s] = 0;
+    }
+    if (was_ready) P->cc.k.ready -= 1; else P->cc.k.writing -= 1;
+    if (add_owned(P->owned, c->owner[s], -1) < 0) return -1;
+    if (!keep && give_back(P, (int32_t)s) < 0) return -1;
+    return 1;
+}
+
+/* evict: the page `s` evicted: the eviction logged (or counted), the policy told, the page off
+ * the evictable lists and freed. */
+static int evict_one(Pool *P, long long s, int keep) {
+    Cols *c = P->c;
+    PyObject *key = PyList_GET_ITEM(P->slot_keys, s);
+    if (!PyBytes_Check(key)) {
+        PyErr_Format(PyExc_ValueError, "evictable slot %lld has no key", s);
+        return -1;
+    }
+    P->evictions += 1;
+    if (PyList_GET_SIZE(P->log) < P->max_log) {
+        PyObject *rec = record(P->evicted, key, c->ns[s], s, c->in_l3[s]);
+        int rc = rec == NULL ? -1 : PyList_Append(P->log, rec);
+        Py_XDECREF(rec);
+        if (rc < 0) return -1;
+    } else {
+        P->unlogged += 1;
+    }
+    if (P->split != Py_None) {  /* SplitState.evicted_page(s, ns, key, resident) */
+        long long resident = sum_owned(P->owned);
+        if (resident < 0) return -1;
+        PyObject *r = PyObject_CallMethod(P->split, "evicted_page", "LLOL", s,
+                                          (long long)c->ns[s], key, resident);
+        if (r == NULL) return -1;
+        Py_DECREF(r);
+    }
+    if (dequeue(c, &P->l, (int32_t)s) < 0) return -1;
+    int done = release_one(P, s, keep);
+    if (done == 0)
+        PyErr_Format(PyExc_ValueError, "evictable slot %lld could not be freed", s);
+    return done == 1 ? 0 : -1;
+}
+
+/* scan: the first page from `s` on (through `nxt`), within the scan limit, that
+ * eviction may take: in L3 when that is required, of class `cid` unless NIL. */
+static long long scan(Pool *P, long long s, const int32_t *nxt, long long cid) {
+    Cols *c = P->c;
+    for (long long steps = P->scan_limit; s != NIL && steps > 0; steps--) {
+        if (!in_pool(c, s)) {
+            PyErr_Format(PyExc_ValueError, "an evictable list names slot %lld", s);
+            return -2;
+        }
+        if ((!P->requires_l3 || c->in_l3[s]) &&
+            (cid == NIL || c->ext_class[s / P->per_extent] == cid))
+            return s;
+        s = nxt[s];
+    }
+    return NIL;
+}
+
+/* coldest: the coldest page eviction may take from the global lists (the one the
+ * policy names first), or from `owner`'s list when `scoped`; of class `cid` unless NIL. */
+static long long coldest(Pool *P, int scoped, long long owner, long long cid) {
+    Cols *c = P->c;
+    if (scoped) {
+        PyObject *k = PyLong_FromLongLong(owner);
+        if (k == NULL) return -2;
+        int has = PyDict_Contains(P->own_ends, k);
+        Py_DECREF(k);
+        if (has < 0) return -2;
+        if (!has) return NIL;
+        Ends *o = owner_list(&P->l, owner, 0);
+        return o == NULL ? -2 : scan(P, o->cold, c->onext, cid);
+    }
+    if (P->split == Py_None) return scan(P, P->l.g.cold, c->next, cid);
+    long long resident = sum_owned(P->owned);
+    if (resident < 0) return -2;
+    PyObject *r = PyObject_CallMethod(P->split, "victim_list", "L", resident);
+    if (r == NULL) return -2;
+    long long second = PyLong_AsLongLong(r);
+    Py_DECREF(r);
+    if (second == -1 && PyErr_Occurred()) return -2;
+    Ends *first = second == 1 ? &P->l.g2 : &P->l.g, *other = second == 1 ? &P->l.g : &P->l.g2;
+    long long s = scan(P, first->cold, c->next, cid);
+    return s != NIL ? s : scan(P, other->cold, c->next, cid);
+}
+
+static long long owned_of(Pool *P, long long owner) {
+    PyObject *k = PyLong_FromLongLong(owner);
+    if (k == NULL) return -1;
+    PyObject *v = PyDict_GetItemWithError(P->owned, k);
+    Py_DECREF(k);
+    if (v == NULL) return PyErr_Occurred() ? -1 : 0;
+    return PyLong_AsLongLong(v);
+}
+
+/* take_slot: a slot of class `cid` for `owner`, evicting as the policy says: an
+ * owner at its quota replaces its own pages first (at most `budget` of them); then a free
+ * slot (SlotAllocator.take); then victims from the cold ends (anyone's, or only the owner's
+ * when it had reached its quota): one of `cid` gives its slot, one of another class frees
+ * its own, after which a slot of `cid` may be free (at most `budget` such victims); then
+ * the coldest page of `cid` itself. NIL: a shortfall; -2: an error. */
+static long long take_slot(Pool *P, long long cid, long long owner) {
+    Cols *c = P->c;
+    int scoped = 0;
+    PyObject *ok = PyLong_FromLongLong(owner);
+    if (ok == NULL) return -2;
+    PyObject *qv = PyDict_GetItemWithError(P->quota, ok);
+    Py_DECREF(ok);
+    if (qv == NULL && PyErr_Occurred()) return -2;
+    if (qv != NULL) {
+        long long quota = PyLong_AsLongLong(qv), have = owned_of(P, owner);
+        if (PyErr_Occurred()) return -2;
+        if (have >= quota) {
+            scoped = 1;
+            for (long long budget = P->budget; have >= quota; budget--) {
+                long long v = coldest(P, 1, owner, NIL);
+                if (v == -2) return -2;
+                if (v == NIL || budget == 0) return NIL;
+                if (evict_one(P, v, 0) < 0) return -2;
+                if ((have = owned_of(P, owner)) < 0 && PyErr_Occurred()) return -2;
+            }
+        }
+    }
+    long long s = slot_take(P, cid);
+    if (s != NIL) return s;
+    for (long long budget = P->budget; budget > 0; budget--) {  /* reclaim */
+        long long v = coldest(P, scoped, owner, NIL);
+        if (v == -2) return -2;
+        if (v == NIL) break;
+        if (c->ext_class[v / P->per_extent] == cid) {
+            if (evict_one(P, v, 1) < 0) return -2;
+            return v;
+        }
+        if (evict_one(P, v, 0) < 0) return -2;
+        if ((s = slot_take(P, cid)) != NIL) return s;
+    }
+    long long v = coldest(P, scoped, owner, cid);  /* the class's own pages */
+    if (v == NIL || v == -2) return v;
+    return evict_one(P, v, 1) < 0 ? -2 : v;
+}
+
 static PyObject *run(PyObject *self, PyObject *args) {
     PyObject *cols, *keys, *cls, *ready_ns, *writing_ns, *ready, *slot_keys, *owned, *ends_list;
     PyObject *own_ends, *log, *evicted, *out, *take = Py_None, *admit = Py_None;
@@ -371,9 +810,10 @@ static PyObject *run(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_TypeError, "run takes ends2 (a list) and tier together");
         return NULL;
     }
-    if ((take != Py_None && !PyCallable_Check(take)) ||
+    if ((take != Py_None && !PyTuple_Check(take)) ||
         (admit != Py_None && !PyCallable_Check(admit)) || mode < 0 || mode > 2) {
-        PyErr_SetString(PyExc_TypeError, "take and admit must be callables or None, mode 0-2");
+        PyErr_SetString(PyExc_TypeError, "env must be a tuple or None, admit a callable or "
+                        "None, mode 0-2");
         return NULL;
     }
     if (!PyType_Check(evicted) || !PyType_IsSubtype((PyTypeObject *)evicted, &PyTuple_Type)) {
@@ -482,18 +922,18 @@ static PyObject *run(PyObject *self, PyObject *args) {
             c.children[prev] += 1;
         }
         long long s;
-        if (source == 3) {  /* Evictor.take_slot, in Python: quotas, L3, arc, other classes */
+        if (source == 3) {  /* take_slot: quotas, L3, arc, other classes, a free extent */
             if (sync_out(cls, &k, &l, owned, owner, &own_delta) < 0) goto fail;
-            PyObject *got = PyObject_CallFunction(take, "LL", cid, owner);
+            Pool P;
+            s = pool_open(&P, &c, per_extent, take, ready, slot_keys, owned, ends_list,
+                          own_ends) < 0 ? -2 : take_slot(&P, cid, owner);
+            evictions += P.evictions;
+            unlogged += P.unlogged;
+            if (pool_close(&P) < 0) s = -2;
+            by_key = NULL;  /* the victims' namespaces are looked up afresh */
             if (sync_in(cls, &k, &l, ends_list) < 0 ||
-                (core && (resident = sum_owned(owned)) < 0)) {
-                Py_XDECREF(got);
+                (core && (resident = sum_owned(owned)) < 0) || s == -2)
                 goto fail;
-            }
-            if (got == NULL) goto fail;
-            s = PyLong_AsLongLong(got);
-            Py_DECREF(got);
-            if (s == -1 && PyErr_Occurred()) goto fail;
             if (s == NIL) {  /* a shortfall: PageTable._drop_child_ref(prev), then stop */
                 if (prev != NIL) {
                     c.children[prev] -= 1;
@@ -525,7 +965,7 @@ static PyObject *run(PyObject *self, PyObject *args) {
                              e, s);
                 goto fail;
             }
-        } else {  /* Evictor.evict(v, keep=True), PageTable._release(v, keep=True) */
+        } else {  /* evict_one(v, keep) and release_one(v, keep), inline: the common case */
             s = v;
             evictions += 1;
             PyObject *vkey = PyList_GET_ITEM(slot_keys, v);
@@ -837,236 +1277,55 @@ done:
     return result;
 }
 
-/* release(cols, slots, keep, per_extent, classes, ready, writing, slot_keys, owned, ends,
- *         own_ends, offset_of, ext_bytes, free_extents[, ends2, tier, split]) -> int
+
+/* release(cols, slots, keep, per_extent, env, ready, slot_keys, owned, ends, own_ends) -> int
  *
  * PageTable.release in C: each slot of `slots` (a list of ints), in order, a READY or
  * WRITING page that is off the evictable lists, becomes FREE (the state byte first, then
  * its in-L3 flag), leaves the index (`ready` or `writing`, ns -> key -> slot) and
- * `slot_keys`, and leaves T2 (`tier`, and `split.t2`, under arc and reuse); its parent loses
- * a child (and enters the evictable lists when that leaves it READY, unpinned and
- * childless); its own children, which only an aborted page can have, lose their parent
- * link; its class and owner count one page less. Unless `keep`, the slot goes back to its
- * class: onto the free list, or, when it was the last slot of its extent in use, the
- * extent is freed (its slots off the free list, its class and persistent page bytes
- * cleared, its offsets -1 in `offset_of`, appended to `free_extents`).
+ * `slot_keys`, and leaves T2 (the tier byte, and the policy's `t2`, under arc and reuse);
+ * its parent loses a child (and enters the evictable lists when that leaves it READY,
+ * unpinned and childless); its own children, which only an aborted page can have, lose
+ * their parent link; its class and owner count one page less. Unless `keep`, the slot goes
+ * back to its class: onto the free list, or, when it was the last slot of its extent in
+ * use, the extent is freed (its slots off the free list, its class and persistent page
+ * bytes cleared, its offsets -1, appended to the free extents).
  *
  * Returns len(slots) when every slot was released, else the index of the first slot that
- * is not a releasable page (outside the pool, FREE, pinned, or without a key): those
- * before it are released, as page by page. ValueError: a column or table disagrees with
- * the pool (nothing released from that slot on).
- *
- * offset_of and ext_bytes: int64, one per slot and one per extent; classes: the
- * PageClass objects (free, bump, n, ready, writing and extents read and written back). */
-typedef struct {
-    PyObject *classes;
-    long long cid;  /* the class in `k` (-1: none) */
-    Class k;
-} ClassCache;
-
-static int cache_class(ClassCache *cc, long long cid) {
-    if (cc->cid == cid) return 0;
-    if (cc->cid >= 0 && class_io(PyList_GET_ITEM(cc->classes, cc->cid), &cc->k, 1) < 0)
-        return -1;
-    cc->cid = -1;
-    if (cid < 0 || cid >= PyList_GET_SIZE(cc->classes)) {
-        PyErr_Format(PyExc_ValueError, "page class %lld is not registered", cid);
-        return -1;
-    }
-    if (class_io(PyList_GET_ITEM(cc->classes, cid), &cc->k, 0) < 0) return -1;
-    cc->cid = cid;
-    return 0;
-}
-
-static int add_attr(PyObject *obj, const char *name, long long delta) {
-    PyObject *v = PyObject_GetAttrString(obj, name);
-    if (v == NULL) return -1;
-    long long now = PyLong_AsLongLong(v);
-    Py_DECREF(v);
-    if (now == -1 && PyErr_Occurred()) return -1;
-    PyObject *nv = PyLong_FromLongLong(now + delta);
-    int rc = nv == NULL ? -1 : PyObject_SetAttrString(obj, name, nv);
-    Py_XDECREF(nv);
-    return rc;
-}
-
-/* SlotAllocator.free_unlink */
-static void free_unlink(Cols *c, Class *k, int32_t s) {
-    int32_t p = c->prev[s], n = c->next[s];
-    if (p == NIL) k->free = n; else c->next[p] = n;
-    if (n != NIL) c->prev[n] = p;
-    c->prev[s] = c->next[s] = NIL;
-}
-
-/* SlotAllocator.give_back: the FREE slot `s` back to its class (cached in `cc`). */
-static int give_back(Cols *c, ClassCache *cc, int32_t s, long long per_extent,
-                     int64_t *offset_of, int64_t *ext_bytes, PyObject *free_extents) {
-    Class *k = &cc->k;
-    long long e = s / per_extent;
-    c->ext_used[e] -= 1;
-    if (c->ext_used[e] > 0) {  /* _free_push */
-        c->prev[s] = NIL;
-        c->next[s] = (int32_t)k->free;
-        if (k->free != NIL) c->prev[k->free] = s;
-        k->free = s;
-        return 0;
-    }
-    long long base = e * per_extent;  /* the extent is empty: its slots off the free list */
-    for (long long t = base; t < base + c->ext_bump[e]; t++)
-        if (t != s) free_unlink(c, k, (int32_t)t);
-    if (k->bump == e) k->bump = NIL;
-    c->ext_class[e] = NIL;
-    c->ext_bump[e] = 0;
-    for (long long t = base; t < base + per_extent && t < c->n_slots; t++) offset_of[t] = -1;
-    ext_bytes[e] = 0;  /* after every slot of it is FREE */
-    if (add_attr(PyList_GET_ITEM(cc->classes, cc->cid), "extents", -1) < 0) return -1;
-    PyObject *ev = PyLong_FromLongLong(e);
-    int rc = ev == NULL ? -1 : PyList_Append(free_extents, ev);
-    Py_XDECREF(ev);
-    return rc;
-}
-
+ * is not a page that can be freed (outside the pool, FREE, pinned, or without a key):
+ * those before it are released, as page by page. `env` is the tuple run() takes (the
+ * slot allocator's and the policy's objects). */
 static PyObject *release(PyObject *self, PyObject *args) {
-    PyObject *cols, *slots, *classes, *ready, *writing, *slot_keys, *owned, *ends_list;
-    PyObject *own_ends, *offset_obj, *ext_obj, *free_extents;
-    PyObject *ends2 = Py_None, *tier_obj = Py_None, *split = Py_None;
+    PyObject *cols, *slots, *env, *ready, *slot_keys, *owned, *ends_list, *own_ends;
     long long per_extent;
     int keep;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OO!pLO!O!O!O!O!O!O!OOO!|OOO:release", &cols, &PyList_Type,
-                          &slots, &keep, &per_extent, &PyList_Type, &classes, &PyDict_Type,
-                          &ready, &PyDict_Type, &writing, &PyList_Type, &slot_keys,
-                          &PyDict_Type, &owned, &PyList_Type, &ends_list, &PyDict_Type,
-                          &own_ends, &offset_obj, &ext_obj, &PyList_Type, &free_extents,
-                          &ends2, &tier_obj, &split))
+    if (!PyArg_ParseTuple(args, "OO!pLOO!O!O!O!O!:release", &cols, &PyList_Type, &slots,
+                          &keep, &per_extent, &env, &PyDict_Type, &ready, &PyList_Type,
+                          &slot_keys, &PyDict_Type, &owned, &PyList_Type, &ends_list,
+                          &PyDict_Type, &own_ends))
         return NULL;
-    if ((ends2 == Py_None) != (tier_obj == Py_None) || (ends2 == Py_None) != (split == Py_None) ||
-        (ends2 != Py_None && !PyList_Check(ends2))) {
-        PyErr_SetString(PyExc_TypeError, "release takes ends2 (a list), tier and split together");
-        return NULL;
-    }
-    Py_buffer views[N_COLS], ov, xv, tv;
-    int have_ov = 0, have_xv = 0, have_tv = 0;
+    Py_buffer views[N_COLS];
     Cols c;
     if (get_cols(&c, views, cols) < 0) return NULL;
-    Lists l = {.have_owner = 0, .own_ends = own_ends};
-    ClassCache cc = {.classes = classes, .cid = -1};
-    long long t2_delta = 0;
-    Py_ssize_t n = PyList_GET_SIZE(slots), j = 0;
+    Pool P;
     PyObject *result = NULL;
-    int lists_read = 0;
-    if (PyObject_GetBuffer(offset_obj, &ov, PyBUF_WRITABLE) < 0) goto done;
-    have_ov = 1;
-    if (PyObject_GetBuffer(ext_obj, &xv, PyBUF_WRITABLE) < 0) goto done;
-    have_xv = 1;
-    if (per_extent <= 0 || c.n_slots > c.n_extents * per_extent || ov.len < c.n_slots * 8 ||
-        xv.len < c.n_extents * 8 || PyList_GET_SIZE(slot_keys) < c.n_slots) {
-        PyErr_SetString(PyExc_ValueError, "release: column sizes do not agree");
-        goto done;
-    }
-    if (tier_obj != Py_None) {
-        if (PyObject_GetBuffer(tier_obj, &tv, PyBUF_WRITABLE) < 0) goto done;
-        have_tv = 1;
-        if (tv.len < c.n_slots) {
-            PyErr_SetString(PyExc_ValueError, "tier is shorter than the columns");
-            goto done;
-        }
-        if (ends_read(&l.g2, ends2) < 0) goto done;
-        l.tier = tv.buf;
-    }
-    if (ends_read(&l.g, ends_list) < 0) goto done;
-    lists_read = 1;
-    int64_t *offset_of = ov.buf, *ext_bytes = xv.buf;
-    uint8_t *tierw = have_tv ? tv.buf : NULL;
-    for (; j < n; j++) {
-        if (j >= PyList_GET_SIZE(slots)) break;  /* shrunk by an item's __index__ */
-        PyObject *item = PyList_GET_ITEM(slots, j);
-        Py_INCREF(item);
-        long long s = PyLong_AsLongLong(item);
-        Py_DECREF(item);
-        if (s == -1 && PyErr_Occurred()) {
-            if (!PyErr_ExceptionMatches(PyExc_OverflowError)) goto fail;
-            PyErr_Clear();
-        }
-        if (!in_pool(&c, s) || (c.state[s] != READY && c.state[s] != WRITING) || c.pins[s])
-            break;
-        PyObject *key = PyList_GET_ITEM(slot_keys, s);
-        if (!PyBytes_Check(key)) break;
-        int was_ready = c.state[s] == READY;
-        if (cache_class(&cc, c.ext_class[s / per_extent]) < 0) goto fail;
-        PyObject *nsk = PyLong_FromLongLong(c.ns[s]);
-        if (nsk == NULL) goto fail;
-        PyObject *idx = PyDict_GetItemWithError(was_ready ? ready : writing, nsk);
-        Py_DECREF(nsk);
-        if (idx == NULL || !PyDict_Check(idx)) {
-            if (!PyErr_Occurred())
-                PyErr_Format(PyExc_ValueError, "namespace %lld has no index of slot %lld",
-                             (long long)c.ns[s], s);
-            goto fail;
-        }
-        c.state[s] = FREE;  /* first: from here on a crash leaves the slot free */
-        __atomic_signal_fence(__ATOMIC_SEQ_CST);
-        c.in_l3[s] = 0;
-        Py_INCREF(key);
-        int rc = PyDict_DelItem(idx, key);
-        Py_INCREF(Py_None);
-        PyList_SetItem(slot_keys, s, Py_None);  /* steals; drops the list's reference */
-        Py_DECREF(key);
-        if (rc < 0) goto fail;
-        if (tierw != NULL && tierw[s]) {  /* SplitState.released */
-            tierw[s] = 0;
-            t2_delta -= 1;
-        }
-        int32_t p = c.parent[s];
-        if (p != NIL) {  /* ChildLists.unlink(p, s), then the child reference */
-            int32_t sp = c.sib_prev[s], sn = c.sib_next[s];
-            if (sp == NIL) c.first[p] = sn; else c.sib_next[sp] = sn;
-            if (sn != NIL) c.sib_prev[sn] = sp;
-            c.parent[s] = c.sib_prev[s] = c.sib_next[s] = NIL;
-            c.children[p] -= 1;
-            if (c.children[p] == 0 && c.state[p] == READY && c.pins[p] == 0 &&
-                enqueue(&c, &l, p) < 0)
-                goto fail;
-        }
-        if (c.first[s] != NIL || c.children[s]) {  /* ChildLists.orphan_all(s) */
-            for (int32_t ch = c.first[s], steps = 0; ch != NIL && steps < c.n_slots; steps++) {
-                int32_t nx = c.sib_next[ch];
-                c.parent[ch] = c.sib_prev[ch] = c.sib_next[ch] = NIL;
-                ch = nx;
+    Py_ssize_t j = 0;
+    if (pool_open(&P, &c, per_extent, env, ready, slot_keys, owned, ends_list, own_ends) == 0) {
+        for (; j < PyList_GET_SIZE(slots); j++) {
+            PyObject *item = PyList_GET_ITEM(slots, j);
+            Py_INCREF(item);
+            long long s = PyLong_AsLongLong(item);
+            Py_DECREF(item);
+            if (s == -1 && PyErr_Occurred()) {
+                if (!PyErr_ExceptionMatches(PyExc_OverflowError)) break;
+                PyErr_Clear();  /* too large for any pool: refused as one outside it */
             }
-            c.first[s] = NIL;
-            c.children[s] = 0;
+            int done = release_one(&P, s, keep);
+            if (done != 1) break;
         }
-        if (was_ready) cc.k.ready -= 1; else cc.k.writing -= 1;
-        if (add_owned(owned, c.owner[s], -1) < 0) goto fail;
-        if (!keep &&
-            give_back(&c, &cc, (int32_t)s, per_extent, offset_of, ext_bytes, free_extents) < 0)
-            goto fail;
     }
-    if (cc.cid >= 0 && class_io(PyList_GET_ITEM(classes, cc.cid), &cc.k, 1) < 0) goto done;
-    cc.cid = -1;
-    if (ends_write(&l.g) < 0 || (l.tier != NULL && ends_write(&l.g2) < 0) ||
-        lists_flush(&l) < 0 || (t2_delta && add_attr(split, "t2", t2_delta) < 0))
-        goto done;
-    result = PyLong_FromSsize_t(j);
-    goto done;
-fail:  /* what was released so far stays, with its counters and lists written back */
-    {
-        PyObject *t, *val, *tb;
-        PyErr_Fetch(&t, &val, &tb);
-        if (cc.cid >= 0) class_io(PyList_GET_ITEM(classes, cc.cid), &cc.k, 1);
-        if (lists_read) {
-            ends_write(&l.g);
-            if (l.tier != NULL) ends_write(&l.g2);
-            lists_flush(&l);
-        }
-        if (t2_delta) add_attr(split, "t2", t2_delta);
-        PyErr_Restore(t, val, tb);
-    }
-done:
-    if (have_ov) PyBuffer_Release(&ov);
-    if (have_xv) PyBuffer_Release(&xv);
-    if (have_tv) PyBuffer_Release(&tv);
+    if (pool_close(&P) == 0 && !PyErr_Occurred()) result = PyLong_FromSsize_t(j);
     for (int q = 0; q < N_COLS; q++) PyBuffer_Release(&views[q]);
     return result;
 }
