@@ -122,11 +122,11 @@ def run_workers(
         for i, p in enumerate(procs):
             _expect(p, deadline, b"ready", logs[i])
         watched = cpu_seconds(watch_pid) if watch_pid is not None else 0.0
-        _say(procs, b"go\n")
+        _say(procs, logs, b"go\n")
         results = [json.loads(_expect(p, deadline, None, logs[i])) for i, p in enumerate(procs)]
         if watch_pid is not None:
             watched = cpu_seconds(watch_pid) - watched
-        _say(procs, b"done\n")
+        _say(procs, logs, b"done\n")
         for i, p in enumerate(procs):
             try:
                 p.wait(max(1.0, deadline - time.monotonic()))
@@ -145,11 +145,14 @@ def run_workers(
     )
 
 
-def _say(procs: list[subprocess.Popen[bytes]], line: bytes) -> None:
-    for p in procs:
+def _say(procs: list[subprocess.Popen[bytes]], logs: list[Path], line: bytes) -> None:
+    for p, log in zip(procs, logs, strict=True):
         assert p.stdin is not None
-        p.stdin.write(line)
-        p.stdin.flush()
+        try:
+            p.stdin.write(line)
+            p.stdin.flush()
+        except BrokenPipeError as err:  # the worker died: its log says why
+            raise ScaleBenchError(f"engine worker {log.stem} went away; its log: {log}") from err
 
 
 def _expect(p: subprocess.Popen[bytes], deadline: float, want: bytes | None, log: Path) -> bytes:

@@ -156,8 +156,9 @@ class CompletionBlock:
             self._wake(slot)
 
     def unannounced(self) -> CompletionBlock:
-        """This block for a transfer that ends before its reply is sent: its layers are
-        written without waking anyone (nobody waits on it yet), saving a system call each."""
+        """This block for a transfer whose layers nobody waits on (one that ends before its
+        reply is sent, or a STORE, whose engine waits for its end only): its layers are
+        written without waking anyone, saving a system call each."""
         return _Unannounced(self)  # type: ignore[return-value]
 
     def _wake(self, slot: int) -> None:

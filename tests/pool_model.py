@@ -19,7 +19,7 @@ import numpy as np
 from kvtier.daemon.pool.host_pool import HostPool
 from kvtier.daemon.pool.layout import HAS_CHECKSUM, KEY_BYTES, NIL, USED_AGAIN
 from kvtier.daemon.pool.pages import PageTable
-from kvtier.daemon.pool.records import EvictedPage, HostPoolError, PageState
+from kvtier.daemon.pool.records import EvictedPage, HostPoolError, PageState, PageStateError
 from kvtier.daemon.pool.slots import SlotAllocator
 from xxhash import xxh3_64_intdigest
 
@@ -179,10 +179,29 @@ class PageByPage(PageTable):
             self._expect(s, PageState.WRITING, "abort")
         for j in range(len(slots) - 1, -1, -1):
             self._expect(slots[j], PageState.WRITING, "abort")
-            self.release(slots[j])
+            self._free(slots[j])
 
-    def release(self, s: int, keep: bool = False) -> None:
-        """:meth:`PageTable.release`, in Python."""
+    def release(self, s: int) -> None:
+        """:meth:`PageTable.release`, in Python: a WRITING or evictable page, off the
+        evictable lists, FREE."""
+        self.check_slot(s)
+        state = self._state[s]
+        if (
+            self._pins[s]
+            or self._key[s] is None
+            or (state != _WRITING and (state != _READY or self._children[s]))
+        ):
+            raise PageStateError(
+                f"cannot release slot {s}: it is {PageState(state).name} "
+                f"with {self._pins[s]} pins and {self._children[s]} resident children"
+            )
+        if state == _READY:
+            self._lru.dequeue(s, self._owner[s])
+        self._free(s)
+
+    def _free(self, s: int, keep: bool = False) -> None:
+        """A page off the evictable lists FREE (``keep``: its slot stays taken, for the
+        allocation that evicted it)."""
         assert self._pins[s] == 0
         keys, state = self._key, self._state
         key = keys[s]
@@ -290,7 +309,7 @@ class PageByPage(PageTable):
         if ev.split is not None:
             ev.split.evicted_page(s, self._ns[s], key, sum(ev.owned.values()))
         ev.lru.dequeue(s, self._owner[s])
-        self.release(s, keep)
+        self._free(s, keep)
 
 
 def slot_take(a: SlotAllocator, cid: int) -> int:

@@ -19,10 +19,10 @@ one of the WRITING pages (``_writing``): allocation asks it which keys are prese
 commit, eviction and release move keys in and out of it. LOOKUPs and a LOAD's pin are
 answered by the host pool's key table in C (:mod:`~kvtier.daemon.pool.lookups`), which
 asks this dict only about a key its probe leaves unresolved. Allocate and commit run in C
-(:class:`~kvtier.daemon.pool.storerun.StoreRuns`, which asks the evictor's policy for the
-slots it does not take itself), pin and unpin too (:class:`~kvtier.daemon.pool.pins.Pins`),
-and so does freeing a page (:meth:`PageTable.release`: an abort, an eviction the policy
-chose outside a STORE's run, a flush), whatever the number of pages. A key is one bytes object, in ``_key`` (slot -> key) and its
+(:class:`~kvtier.daemon.pool.storerun.StoreRuns`, the eviction policy's steps within the
+allocation), pin and unpin too (:class:`~kvtier.daemon.pool.pins.Pins`), and so does
+freeing a page (:meth:`PageTable.release`: an abort, a flush), whatever the number of
+pages. A key is one bytes object, in ``_key`` (slot -> key) and its
 namespace's dict (built in C at adoption).
 """
 
@@ -283,9 +283,10 @@ class PageTable:
         for s in slots:
             self._expect(s, PageState.WRITING, "abort")
         order = [int(s) for s in reversed(slots)]
-        done = self._runs.release(order, False)
+        done = self._runs.release(order)
         if done < len(order):  # listed twice: FREE at its second occurrence
             self._expect(order[done], PageState.WRITING, "abort")
+            raise PageStateError(f"cannot abort slot {order[done]}")  # pragma: no cover
 
     def pin_slots(self, out: list[int], used: bool = False) -> None:
         """Pin the READY slots ``out`` (a lookup's leading run, in chain order) and touch
@@ -364,28 +365,27 @@ class PageTable:
                     and (owner is None or owners[s] == owner)
                 ):
                     parent = parents[s]
-                    lru.dequeue(s, owners[s])
-                    self.release(s)
+                    self.release(s)  # off the evictable lists, then FREE
                     dropped += 1
                     s = parent if parent != NIL and self.is_evictable(parent) else NIL
                 s = nxt
         return dropped
 
-    def release(self, s: int, keep: bool = False) -> None:
-        """Turn the READY or WRITING page ``s``, off the evictable lists, FREE (in C:
-        :meth:`StoreRuns.release`). Its parent loses a resident child (and becomes
-        evictable when that was its last), its children lose their parent link, and,
-        unless ``keep`` (the slot stays taken, for the allocation that evicted it), the
-        slot goes back to its class.
+    def release(self, s: int) -> None:
+        """Turn the WRITING or evictable (READY, unpinned, childless) page ``s`` FREE, in
+        C (:meth:`StoreRuns.release`): an evictable page leaves the evictable lists first;
+        its parent loses a resident child (and becomes evictable when that was its last),
+        its children lose their parent link, and its slot goes back to its class.
 
         Raises:
-            PageStateError: ``s`` is FREE, pinned or not a slot of the pool.
+            PageStateError: ``s`` is FREE, pinned, or READY with resident children.
+            HostPoolError: ``s`` is not a slot of the pool.
         """
-        if self._runs.release([s], keep) != 1:
+        if self._runs.release([s]) != 1:
             self.check_slot(s)
             raise PageStateError(
                 f"cannot release slot {s}: it is {PageState(self._state[s]).name} "
-                f"with {self._pins[s]} pins"
+                f"with {self._pins[s]} pins and {self._children[s]} resident children"
             )
 
     # ------------------------------------------------------ intrusive lists

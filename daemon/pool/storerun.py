@@ -190,19 +190,19 @@ class StoreRuns:
             *tiers,
         )
 
-    def release(self, slots: list[int], keep: bool) -> int:
-        """Free the READY or WRITING pages ``slots``, each off the evictable lists, in
-        order, as :meth:`PageTable.release` says (``keep``: their slots stay taken).
+    def release(self, slots: list[int]) -> int:
+        """Free the WRITING or evictable pages ``slots``, in order, as
+        :meth:`PageTable.release` says.
 
         Returns:
             How many were freed: ``len(slots)``, or the index of the first that is not a
-            page that can be freed (FREE, pinned, outside the pool), those before it freed.
+            page this frees (FREE, pinned, READY with resident children, outside the pool),
+            those before it freed.
         """
         lru = self._lru
         return _alloc.release(
             self._cols,
             slots,
-            keep,
             self._per_extent,
             self._env(),
             self._ready,
@@ -214,7 +214,8 @@ class StoreRuns:
 
     def _env(self) -> tuple[object, ...]:
         """What C's ``take_slot`` and ``release`` read besides the columns, as they are now
-        (adoption replaces the free extents' list, a drain the log)."""
+        (adoption replaces the free extents' list, a drain the log); the evictor counts
+        ``take_slot``'s evictions itself, also when an error stops it."""
         ev, slots, lru = self._ev, self._slots, self._lru
         return (
             self._writing,
@@ -232,4 +233,5 @@ class StoreRuns:
             ev.max_log,
             EvictedPage,
             *((None, None, None) if lru.tier is None else (lru.ends2, lru.tier, ev.split)),
+            ev,
         )

@@ -219,9 +219,12 @@ class Transfers:
         )
         s.completion.begin(slot, seq, g.num_layers)
         s.transfers[slot] = t
+        # a STORE's engine waits for its end only: its layers are written without waking it
+        store = direction is Direction.STORE
+        sink = s.completion.unannounced() if store else s.completion
         if s.cuda is not None:  # on the session's stream, from a copy thread: never inline,
             self.ctx.counters.transfers_cuda += 1  # shared or split (docs/gpu.md)
-            fut = self._submit(s, self.ctx.cuda.run, t, s.memory, s.completion, s.cuda)
+            fut = self._submit(s, self.ctx.cuda.run, t, s.memory, sink, s.cuda)
             self._watch(fut, lambda f: self._finish(s, t, f))
             return
         n_regions = len(s.memory.regions)
@@ -244,10 +247,6 @@ class Transfers:
             return
         parts = self._parts(t)
         assert self._executor is not None, "open() first"
-        # a STORE's engine waits for its end only: its layers are written without waking
-        # it, and a short one is copied in one call (no turn back to Python between layers)
-        store = direction is Direction.STORE
-        sink = s.completion.unannounced() if store else s.completion
         if (
             parts == 1
             and cheap
@@ -271,6 +270,7 @@ class Transfers:
                     g.page_bytes,
                     sink,
                     s.memory.table,
+                    # a short STORE in one call: no turn back to Python between its layers
                     store and len(host) <= self.ctx.cfg.slice_pages,
                 ),
                 lambda f: self._finish(s, t, f),

@@ -123,7 +123,8 @@ def run_transfer(
         table: ``regions`` as the native copy takes them (one C call per announced layer),
             when all are mapped; None copies region by region.
         whole: with ``table``, copy every region in one call and announce the layers at the
-            end (a transfer that ends before its reply: nobody follows its layers).
+            end (for a transfer whose layers nobody follows: one that ends before its reply,
+            or a STORE).
 
     Returns:
         The final status. The event loop writes it to the block once the pages are

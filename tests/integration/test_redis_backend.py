@@ -42,6 +42,7 @@ class Tries:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.connects: list[BaseException | None] = []
         self.failed_reads: list[BaseException] = []
+        self.read_timeouts: list[float | None] = []  # the socket timeout of each failed read
         connect, read_response = RedisConnection._connect, RedisConnection.read_response
 
         async def connect_spy(conn: RedisConnection) -> None:
@@ -57,6 +58,7 @@ class Tries:
                 return await read_response(conn, *args, **kwargs)
             except BaseException as err:
                 self.failed_reads.append(err)
+                self.read_timeouts.append(conn.socket_timeout)
                 raise
 
         monkeypatch.setattr(RedisConnection, "_connect", connect_spy)
@@ -65,6 +67,7 @@ class Tries:
     def clear(self) -> None:
         self.connects.clear()
         self.failed_reads.clear()
+        self.read_timeouts.clear()
 
     def refused_at_once(self) -> bool:
         """Whether the connection tries were one and at most the one immediate retry, each
@@ -272,9 +275,11 @@ async def test_a_frozen_server_times_out_and_recovers(
             tries.clear()
             assert await backend.get_into(NS, [key(1)], [PAGE], PAGE) == [False]
             assert [type(err) for err in tries.failed_reads] == [redis.TimeoutError]
+            assert tries.read_timeouts == [0.5]  # the read waited timeout_s, not longer
             tries.clear()
             assert await backend.exists(NS, [key(1)]) == 0
             assert [type(err) for err in tries.failed_reads] == [redis.TimeoutError]
+            assert tries.read_timeouts == [0.5]
             assert backend.stats.errors >= 2
         finally:
             redis_server.resume()

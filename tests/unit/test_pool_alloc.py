@@ -4,8 +4,8 @@ page-by-page model (``tests/pool_model.py``).
 Two pools get the same random operations: the host pool as the daemon runs it (every
 allocation and commit in one C call) and one that allocates every key in Python. The
 pools are small and hold two page classes, so allocations evict pages of their own class,
-of the other (where C asks the evictor) and cut free extents (likewise); one owner has a
-quota (the evictor decides its every slot). After every operation both must hold the same metadata columns,
+of the other (C's take_slot) and cut free extents (likewise); one owner has a quota
+(take_slot decides its every slot). After every operation both must hold the same metadata columns,
 private arrays, indexes, evictable lists, counters and eviction log, and have answered the
 same.
 """
@@ -25,7 +25,7 @@ from tests.pool_model import observable as snapshot
 KIB = 1024
 EXTENT = 16 * KIB
 NAMESPACES = (1, 2)
-OWNERS = (10, 20, 30)  # 30 has a quota: the evictor decides its every slot
+OWNERS = (10, 20, 30)  # 30 has a quota: take_slot decides its every slot
 
 
 class Counting:
@@ -242,7 +242,9 @@ def test_a_refused_release_ends_as_page_by_page(bad: str) -> None:
     if bad == "pinned":
         for p in (fast, ref):
             p.pin(1, keys)
-    victim = {"free": slots[-1] + 1000, "pinned": slots[-1], "outside": fast.layout.n_slots}[bad]
+    if bad == "free":
+        assert fast._pages.keys[slots[-1] + 1] is None  # the next slot of the extent: FREE
+    victim = {"free": slots[-1] + 1, "pinned": slots[-1], "outside": fast.layout.n_slots}[bad]
     before = snapshot(fast)
     with pytest.raises(HostPoolError, match=f"slot {victim}"):
         fast._pages.release(victim)
@@ -277,3 +279,82 @@ def test_an_owner_far_over_a_lowered_quota_evicts_at_most_the_budget_per_slot() 
         assert len(got[0]) == 1 and fast._pages.evictor.evictions - before == need
         break
     assert tries == 3
+
+
+def test_release_frees_an_evictable_page_and_refuses_a_parent() -> None:
+    """The page table's release takes an evictable page off the evictable lists first, as
+    page by page; a READY page with a resident child is refused and nothing changes."""
+    fast, ref = pools()
+    keys = [b"e%d" % i for i in range(6)]
+    got = [p.allocate(1, 10, 0, keys) for p in (fast, ref)]
+    for p in (fast, ref):
+        p.commit([s for _, s in got[0]])
+    tail, parent = got[0][-1][1], got[0][-2][1]
+    for p in (fast, ref):
+        p._pages.release(tail)
+    assert snapshot(fast) == snapshot(ref)
+    assert tail not in fast.evictable_slots() and parent in fast.evictable_slots()
+    for p in (fast, ref):
+        p._pages.release(parent)  # childless now
+    assert snapshot(fast) == snapshot(ref)
+    before = snapshot(fast)
+    grand = got[0][-4][1]  # its child got[0][-3] is still resident
+    for p in (fast, ref):
+        with pytest.raises(HostPoolError, match=f"cannot release slot {grand}: it is READY"):
+            p._pages.release(grand)
+    assert snapshot(fast) == before == snapshot(ref)
+
+
+def test_release_reads_every_slot_before_it_frees_one() -> None:
+    """A slot id whose ``__index__`` empties the pool's key list runs before anything is
+    freed; the call then refuses the pool as it stands (its key list no longer covers its
+    slots), never reads past the list."""
+    fast, _ = pools()
+    got = fast.allocate(1, 10, 0, [b"x%d" % i for i in range(4)])
+    table = fast._pages
+    saved = list(table.keys)
+
+    class Sneaky:
+        def __index__(self) -> int:
+            table.keys[:] = []
+            return got[0][1]
+
+    try:
+        with pytest.raises(ValueError, match="do not agree"):
+            table._runs.release([Sneaky()])  # type: ignore[list-item]
+    finally:
+        table.keys[:] = saved
+    assert table.keys[got[0][1]] == b"x0"  # nothing freed
+
+
+def test_an_error_inside_the_policy_leaves_the_pool_as_page_by_page() -> None:
+    """When the policy's Python state raises in the middle of a slot's evictions (arc's
+    ``evicted_page``), what was done stays done and is written back, in C as page by page:
+    the lists, counters and index agree with the model's, and the next STORE works."""
+    fast, ref = (
+        HostPool(6 * EXTENT, EXTENT, 4 * KIB, eviction_policy="arc"),
+        page_by_page(HostPool(6 * EXTENT, EXTENT, 4 * KIB, eviction_policy="arc")),
+    )
+    for p in (fast, ref):
+        assert p.register_class(4000) == 0 and p.register_class(8000) == 1
+        got = p.allocate(1, 20, 0, [b"f%d" % i for i in range(24)])
+        assert len(got) == 24  # six extents of four pages: full
+        p.commit([s for _, s in got])
+    for p in (fast, ref):
+        split = p._pages.evictor.split
+        real, calls = split.evicted_page, []
+
+        def failing(*args, real=real, calls=calls):
+            calls.append(args)
+            if len(calls) == 2:
+                raise RuntimeError("policy failed")
+            return real(*args)
+
+        split.evicted_page = failing
+        with pytest.raises(RuntimeError, match="policy failed"):
+            p.allocate(1, 20, 1, [b"big"])  # a free extent of class 1: four evictions
+        del split.evicted_page
+    assert snapshot(fast) == snapshot(ref)
+    got = [p.allocate(1, 20, 1, [b"big"]) for p in (fast, ref)]
+    assert got[0] == got[1] and len(got[0]) == 1
+    assert snapshot(fast) == snapshot(ref)

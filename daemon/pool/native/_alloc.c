@@ -46,7 +46,7 @@
  * ext_bump). Their sizes are checked against each other; every slot read from them is
  * checked against the pool before it is used (a stop, never a stray write).
  *
- * release(cols, slots, keep, per_extent, env, ready, slot_keys, owned, ends, own_ends) -> int
+ * release(cols, slots, per_extent, env, ready, slot_keys, owned, ends, own_ends) -> int
  *
  * PageTable.release for each slot of `slots`: the page becomes FREE and its slot goes back
  * to its class (see release below).
@@ -309,7 +309,7 @@ static int class_io(PyObject *cls, Class *k, int write) {
             if (v == NULL) return -1;
             *f[i] = PyLong_AsLongLong(v);
             Py_DECREF(v);
-            if (PyErr_Occurred()) return -1;
+            if (*f[i] == -1 && PyErr_Occurred()) return -1;
         }
     }
     return 0;
@@ -402,7 +402,7 @@ typedef struct {
     long long per_extent, span, headroom, budget, scan_limit;
     int requires_l3;
     PyObject *ready, *writing, *slot_keys, *owned, *ends_list, *own_ends, *ends2;
-    PyObject *free_extents, *quota, *split, *log, *evicted;
+    PyObject *free_extents, *quota, *split, *log, *evicted, *evictor;
     Py_ssize_t max_log;
     int64_t *offset_of, *ext_bytes;
     uint8_t *tier;  /* arc's and reuse's T1/T2 byte a slot (NULL: lru) */
@@ -415,7 +415,9 @@ typedef struct {
 
 /* The Pool over `env`, a tuple (writing, classes, offset_of, ext_bytes, free_extents, span,
  * headroom, quota, requires_l3, budget, scan_limit, log, max_log, evicted, ends2, tier,
- * split) (the last three None under lru) and the columns, dicts and lists given. */
+ * split, evictor) (ends2, tier and split None under lru; the evictor's `evictions` and
+ * `unlogged` count this Pool's evictions when it closes) and the columns, dicts and lists
+ * given. */
 static int pool_open(Pool *P, Cols *c, long long per_extent, PyObject *env, PyObject *ready,
                      PyObject *slot_keys, PyObject *owned, PyObject *ends_list,
                      PyObject *own_ends) {
@@ -429,12 +431,12 @@ static int pool_open(Pool *P, Cols *c, long long per_extent, PyObject *env, PyOb
     PyObject *classes, *offset_obj, *ext_obj, *tier_obj;
     int requires_l3;
     if (!PyTuple_Check(env) ||
-        !PyArg_ParseTuple(env, "O!O!OOO!LLO!pLLO!nOOOO:env", &PyDict_Type, &P->writing,
+        !PyArg_ParseTuple(env, "O!O!OOO!LLO!pLLO!nOOOOO:env", &PyDict_Type, &P->writing,
                           &PyList_Type, &classes, &offset_obj,
                           &ext_obj, &PyList_Type, &P->free_extents, &P->span, &P->headroom,
                           &PyDict_Type, &P->quota, &requires_l3, &P->budget, &P->scan_limit,
                           &PyList_Type, &P->log, &P->max_log, &P->evicted, &P->ends2,
-                          &tier_obj, &P->split)) {
+                          &tier_obj, &P->split, &P->evictor)) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "env must be a tuple");
         return -1;
     }
@@ -485,6 +487,10 @@ static int pool_close(Pool *P) {
     int rc = 0;
     if (P->cc.cid >= 0 && class_io(PyList_GET_ITEM(P->cc.classes, P->cc.cid), &P->cc.k, 1) < 0)
         rc = -1;
+    if ((P->evictions && add_attr(P->evictor, "evictions", P->evictions) < 0) ||
+        (P->unlogged && add_attr(P->evictor, "unlogged", P->unlogged) < 0))
+        rc = -1;
+    P->evictions = P->unlogged = 0;
     if (P->lists_read) {
         if (ends_write(&P->l.g) < 0 || (P->l.tier != NULL && ends_write(&P->l.g2) < 0) ||
             lists_flush(&P->l) < 0)
@@ -501,7 +507,7 @@ static int pool_close(Pool *P) {
     return rc;
 }
 
-/* SlotAllocator.free_unlink */
+/* free_unlink (tests/pool_model.py's): the free slot `s` off its class's free list. */
 static void free_unlink(Cols *c, Class *k, int32_t s) {
     int32_t p = c->prev[s], n = c->next[s];
     if (p == NIL) k->free = n; else c->next[p] = n;
@@ -509,7 +515,7 @@ static void free_unlink(Cols *c, Class *k, int32_t s) {
     c->prev[s] = c->next[s] = NIL;
 }
 
-/* SlotAllocator.give_back: the FREE slot `s` back to its class (cached). */
+/* give_back (tests/pool_model.py's): the FREE slot `s` back to its class (cached). */
 static int give_back(Pool *P, int32_t s) {
     Cols *c = P->c;
     Class *k = &P->cc.k;
@@ -523,7 +529,8 @@ static int give_back(Pool *P, int32_t s) {
         return 0;
     }
     long long base = e * P->per_extent;  /* the extent is empty: its slots off the free list */
-    for (long long t = base; t < base + c->ext_bump[e]; t++)
+    long long cut = c->ext_bump[e] < P->per_extent ? c->ext_bump[e] : P->per_extent;
+    for (long long t = base; t < base + cut && t < c->n_slots; t++)
         if (t != s) free_unlink(c, k, (int32_t)t);
     if (k->bump == e) k->bump = NIL;
     c->ext_class[e] = NIL;
@@ -538,8 +545,8 @@ static int give_back(Pool *P, int32_t s) {
     return rc;
 }
 
-/* SlotAllocator.take: a free slot of `cid` (its free list, the extent it is cutting, a free
- * extent: the lowest), or NIL. */
+/* slot_take (tests/pool_model.py's): a free slot of `cid` (its free list, the extent it is
+ * cutting, a free extent: the lowest), or NIL. */
 static long long slot_take(Pool *P, long long cid) {
     Cols *c = P->c;
     if (cache_class(&P->cc, cid) < 0) return -2;
@@ -555,9 +562,18 @@ static long long slot_take(Pool *P, long long cid) {
         return s;
     }
     long long e = k->bump;
+    if (e != NIL && (e < 0 || e >= c->n_extents)) {
+        PyErr_Format(PyExc_ValueError, "class %lld cuts extent %lld, outside the pool", cid, e);
+        return -2;
+    }
     if (e == NIL) {
         Py_ssize_t n_free = PyList_GET_SIZE(P->free_extents);
         if (n_free == 0) return NIL;
+        PyObject *cls = PyList_GET_ITEM(P->cc.classes, cid);
+        long long page_bytes = int_attr(cls, "page_bytes");
+        if (page_bytes == -1 && PyErr_Occurred()) return -2;
+        long long stride = int_attr(cls, "stride");
+        if (stride == -1 && PyErr_Occurred()) return -2;
         e = PyLong_AsLongLong(PyList_GET_ITEM(P->free_extents, n_free - 1));
         if (e == -1 && PyErr_Occurred()) return -2;
         if (e < 0 || e >= c->n_extents) {
@@ -565,15 +581,12 @@ static long long slot_take(Pool *P, long long cid) {
             return -2;
         }
         if (PyList_SetSlice(P->free_extents, n_free - 1, n_free, NULL) < 0) return -2;
-        PyObject *cls = PyList_GET_ITEM(P->cc.classes, cid);
-        long long page_bytes = int_attr(cls, "page_bytes"), stride = int_attr(cls, "stride");
-        if (PyErr_Occurred()) return -2;
         P->ext_bytes[e] = page_bytes;  /* persisted before any slot of it is used */
         c->ext_class[e] = (int32_t)cid;
         c->ext_bump[e] = 0;
         long long base = e * P->per_extent, at = e * P->span + P->headroom;
         for (long long i = 0; i < k->n && base + i < c->n_slots; i++)
-            P->offset_of[base + i] = at + i * stride;  /* SlotAllocator._cut */
+            P->offset_of[base + i] = at + i * stride;  /* SlotAllocator.cut */
         if (add_attr(cls, "extents", 1) < 0) return -2;
         k->bump = e;
     }
@@ -593,7 +606,8 @@ static long long slot_take(Pool *P, long long cid) {
  * page that can be freed (outside the pool, FREE, pinned, without a key), -1 on error. */
 static int release_one(Pool *P, long long s, int keep) {
     Cols *c = P->c;
-    if (!in_pool(c, s) || (c->state[s] != READY && c->state[s] != WRITING) || c->pins[s])
+    if (!in_pool(c, s) || (c->state[s] != READY && c->state[s] != WRITING) || c->pins[s] ||
+        s >= PyList_GET_SIZE(P->slot_keys))
         return 0;
     PyObject *key = PyList_GET_ITEM(P->slot_keys, s);
     if (!PyBytes_Check(key)) return 0;
@@ -614,10 +628,14 @@ static int release_one(Pool *P, long long s, int keep) {
     c->in_l3[s] = 0;
     Py_INCREF(key);
     int rc = PyDict_DelItem(idx, key);
-    Py_INCREF(Py_None);
-    PyList_SetItem(P->slot_keys, s, Py_None);  /* steals; drops the list's reference */
     Py_DECREF(key);
     if (rc < 0) return -1;
+    if (s >= PyList_GET_SIZE(P->slot_keys)) {  /* the key's __eq__ or __del__ shrank it */
+        PyErr_SetString(PyExc_ValueError, "slot_keys changed while a page was freed");
+        return -1;
+    }
+    Py_INCREF(Py_None);
+    PyList_SetItem(P->slot_keys, s, Py_None);  /* steals; drops the list's reference */
     if (P->tier != NULL && P->tier[s]) {  /* SplitState.released */
         P->tier[s] = 0;
         if (add_attr(P->split, "t2", -1) < 0) return -1;
@@ -648,15 +666,29 @@ static int release_one(Pool *P, long long s, int keep) {
     return 1;
 }
 
+static int evict_held(Pool *P, long long s, int keep, PyObject *key);
+
 /* evict: the page `s` evicted: the eviction logged (or counted), the policy told, the page off
  * the evictable lists and freed. */
 static int evict_one(Pool *P, long long s, int keep) {
     Cols *c = P->c;
+    if (!in_pool(c, s) || s >= PyList_GET_SIZE(P->slot_keys)) {
+        PyErr_Format(PyExc_ValueError, "evictable slot %lld is outside the pool", s);
+        return -1;
+    }
     PyObject *key = PyList_GET_ITEM(P->slot_keys, s);
     if (!PyBytes_Check(key)) {
         PyErr_Format(PyExc_ValueError, "evictable slot %lld has no key", s);
         return -1;
     }
+    Py_INCREF(key);  /* held across the policy's Python calls below */
+    int rc = evict_held(P, s, keep, key);
+    Py_DECREF(key);
+    return rc;
+}
+
+static int evict_held(Pool *P, long long s, int keep, PyObject *key) {
+    Cols *c = P->c;
     P->evictions += 1;
     if (PyList_GET_SIZE(P->log) < P->max_log) {
         PyObject *rec = record(P->evicted, key, c->ns[s], s, c->in_l3[s]);
@@ -736,7 +768,7 @@ static long long owned_of(Pool *P, long long owner) {
 
 /* take_slot: a slot of class `cid` for `owner`, evicting as the policy says: an
  * owner at its quota replaces its own pages first (at most `budget` of them); then a free
- * slot (SlotAllocator.take); then victims from the cold ends (anyone's, or only the owner's
+ * slot (slot_take); then victims from the cold ends (anyone's, or only the owner's
  * when it had reached its quota): one of `cid` gives its slot, one of another class frees
  * its own, after which a slot of `cid` may be free (at most `budget` such victims); then
  * the coldest page of `cid` itself. NIL: a shortfall; -2: an error. */
@@ -749,8 +781,10 @@ static long long take_slot(Pool *P, long long cid, long long owner) {
     Py_DECREF(ok);
     if (qv == NULL && PyErr_Occurred()) return -2;
     if (qv != NULL) {
-        long long quota = PyLong_AsLongLong(qv), have = owned_of(P, owner);
-        if (PyErr_Occurred()) return -2;
+        long long quota = PyLong_AsLongLong(qv);
+        if (quota == -1 && PyErr_Occurred()) return -2;
+        long long have = owned_of(P, owner);
+        if (have == -1 && PyErr_Occurred()) return -2;
         if (have >= quota) {
             scoped = 1;
             for (long long budget = P->budget; have >= quota; budget--) {
@@ -758,7 +792,7 @@ static long long take_slot(Pool *P, long long cid, long long owner) {
                 if (v == -2) return -2;
                 if (v == NIL || budget == 0) return NIL;
                 if (evict_one(P, v, 0) < 0) return -2;
-                if ((have = owned_of(P, owner)) < 0 && PyErr_Occurred()) return -2;
+                if ((have = owned_of(P, owner)) == -1 && PyErr_Occurred()) return -2;
             }
         }
     }
@@ -840,6 +874,7 @@ static PyObject *run(PyObject *self, PyObject *args) {
     PyObject *by_key = NULL;  /* ready[ns] of the last victim's ns */
     long long by_key_ns = 0;
     long long evictions = 0, unlogged = 0, resident = 0;
+    int stale = 0;  /* the cached class and list ends are older than the Python objects */
     uint8_t *tierw = NULL;  /* the tier column, written under the reuse policy */
     Py_ssize_t i = start;
     PyObject *result = NULL;
@@ -927,14 +962,26 @@ static PyObject *run(PyObject *self, PyObject *args) {
             Pool P;
             s = pool_open(&P, &c, per_extent, take, ready, slot_keys, owned, ends_list,
                           own_ends) < 0 ? -2 : take_slot(&P, cid, owner);
-            evictions += P.evictions;
-            unlogged += P.unlogged;
-            if (pool_close(&P) < 0) s = -2;
+            if (pool_close(&P) < 0) s = -2;  /* it counts its evictions in the evictor */
             by_key = NULL;  /* the victims' namespaces are looked up afresh */
+            /* what take_slot wrote back is read back even after its error, so that the
+             * fail path writes the pool's state, not this loop's copy from before it */
+            PyObject *et = NULL, *ev = NULL, *etb = NULL;
+            if (s == -2) PyErr_Fetch(&et, &ev, &etb);
             if (sync_in(cls, &k, &l, ends_list) < 0 ||
-                (core && (resident = sum_owned(owned)) < 0) || s == -2)
+                (core && (resident = sum_owned(owned)) < 0)) {
+                stale = 1;  /* the fail path must not write this loop's copies back */
+                if (s == -2) {
+                    PyErr_Clear();
+                    PyErr_Restore(et, ev, etb);
+                }
                 goto fail;
-            if (s == NIL) {  /* a shortfall: PageTable._drop_child_ref(prev), then stop */
+            }
+            if (s == -2) {
+                PyErr_Restore(et, ev, etb);
+                goto fail;
+            }
+            if (s == NIL) {  /* a shortfall: prev's child reference dropped, then stop */
                 if (prev != NIL) {
                     c.children[prev] -= 1;
                     if (c.children[prev] == 0 && c.state[prev] == READY && c.pins[prev] == 0 &&
@@ -947,7 +994,7 @@ static PyObject *run(PyObject *self, PyObject *args) {
                 PyErr_Format(PyExc_ValueError, "take gave slot %lld, not a free one", s);
                 goto fail;
             }
-        } else if (source == 0) {  /* SlotAllocator.take: the free list */
+        } else if (source == 0) {  /* slot_take: the free list */
             s = k.free;
             int32_t p = c.prev[s], nx = c.next[s];
             if (p == NIL) k.free = nx; else c.next[p] = nx;
@@ -1083,10 +1130,12 @@ fail:  /* as the page-by-page path would be left: what happened so far stays */
     {
         PyObject *t, *val, *tb;
         PyErr_Fetch(&t, &val, &tb);
-        class_io(cls, &k, 1);
-        ends_write(&l.g);
-        if (l.tier != NULL) ends_write(&l.g2);
-        lists_flush(&l);
+        if (!stale) {
+            class_io(cls, &k, 1);
+            ends_write(&l.g);
+            if (l.tier != NULL) ends_write(&l.g2);
+            lists_flush(&l);
+        }
         if (own_delta) add_owned(owned, owner, own_delta);
         PyErr_Restore(t, val, tb);
     }
@@ -1278,55 +1327,78 @@ done:
 }
 
 
-/* release(cols, slots, keep, per_extent, env, ready, slot_keys, owned, ends, own_ends) -> int
+/* release(cols, slots, per_extent, env, ready, slot_keys, owned, ends, own_ends) -> int
  *
- * PageTable.release in C: each slot of `slots` (a list of ints), in order, a READY or
- * WRITING page that is off the evictable lists, becomes FREE (the state byte first, then
- * its in-L3 flag), leaves the index (`ready` or `writing`, ns -> key -> slot) and
- * `slot_keys`, and leaves T2 (the tier byte, and the policy's `t2`, under arc and reuse);
- * its parent loses a child (and enters the evictable lists when that leaves it READY,
- * unpinned and childless); its own children, which only an aborted page can have, lose
- * their parent link; its class and owner count one page less. Unless `keep`, the slot goes
- * back to its class: onto the free list, or, when it was the last slot of its extent in
- * use, the extent is freed (its slots off the free list, its class and persistent page
- * bytes cleared, its offsets -1, appended to the free extents).
+ * PageTable.release in C: each slot of `slots` (a list of ints, all read before any
+ * change), in order, a WRITING page or an evictable one (READY, unpinned, without resident
+ * children: it is taken off the evictable lists first), becomes FREE (the state byte
+ * first, then its in-L3 flag), leaves the index (`ready` or `writing`, ns -> key -> slot)
+ * and `slot_keys`, and leaves T2 (the tier byte, and the policy's `t2`, under arc and
+ * reuse); its parent loses a child (and enters the evictable lists when that leaves it
+ * READY, unpinned and childless); its own children, which only an aborted page can have,
+ * lose their parent link; its class and owner count one page less; its slot goes back to
+ * its class: onto the free list, or, when it was the last slot of its extent in use, the
+ * extent is freed (its slots off the free list, its class and persistent page bytes
+ * cleared, its offsets -1, appended to the free extents).
  *
  * Returns len(slots) when every slot was released, else the index of the first slot that
- * is not a page that can be freed (outside the pool, FREE, pinned, or without a key):
- * those before it are released, as page by page. `env` is the tuple run() takes (the
- * slot allocator's and the policy's objects). */
+ * is not a page this frees (outside the pool, FREE, pinned, READY with resident children,
+ * or without a key): those before it are released, as page by page. `env` is the tuple
+ * run() takes (the slot allocator's and the policy's objects). */
 static PyObject *release(PyObject *self, PyObject *args) {
     PyObject *cols, *slots, *env, *ready, *slot_keys, *owned, *ends_list, *own_ends;
     long long per_extent;
-    int keep;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OO!pLOO!O!O!O!O!:release", &cols, &PyList_Type, &slots,
-                          &keep, &per_extent, &env, &PyDict_Type, &ready, &PyList_Type,
-                          &slot_keys, &PyDict_Type, &owned, &PyList_Type, &ends_list,
-                          &PyDict_Type, &own_ends))
+    if (!PyArg_ParseTuple(args, "OO!LOO!O!O!O!O!:release", &cols, &PyList_Type, &slots,
+                          &per_extent, &env, &PyDict_Type, &ready, &PyList_Type, &slot_keys,
+                          &PyDict_Type, &owned, &PyList_Type, &ends_list, &PyDict_Type,
+                          &own_ends))
         return NULL;
+    /* every slot id first: an item's __index__ (Python code) runs before the pool opens */
+    Py_ssize_t n = PyList_GET_SIZE(slots);
+    long long *at = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(long long));
+    if (at == NULL) return PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i >= PyList_GET_SIZE(slots)) {  /* an item's __index__ shrank the list */
+            n = i;
+            break;
+        }
+        PyObject *item = PyList_GET_ITEM(slots, i);
+        Py_INCREF(item);
+        long long v = PyLong_AsLongLong(item);
+        Py_DECREF(item);
+        if (v == -1 && PyErr_Occurred()) {
+            if (!PyErr_ExceptionMatches(PyExc_OverflowError)) {
+                PyMem_Free(at);
+                return NULL;
+            }
+            PyErr_Clear();  /* too large for any pool: refused as one outside it */
+        }
+        at[i] = v;
+    }
     Py_buffer views[N_COLS];
     Cols c;
-    if (get_cols(&c, views, cols) < 0) return NULL;
+    if (get_cols(&c, views, cols) < 0) {
+        PyMem_Free(at);
+        return NULL;
+    }
     Pool P;
     PyObject *result = NULL;
     Py_ssize_t j = 0;
     if (pool_open(&P, &c, per_extent, env, ready, slot_keys, owned, ends_list, own_ends) == 0) {
-        for (; j < PyList_GET_SIZE(slots); j++) {
-            PyObject *item = PyList_GET_ITEM(slots, j);
-            Py_INCREF(item);
-            long long s = PyLong_AsLongLong(item);
-            Py_DECREF(item);
-            if (s == -1 && PyErr_Occurred()) {
-                if (!PyErr_ExceptionMatches(PyExc_OverflowError)) break;
-                PyErr_Clear();  /* too large for any pool: refused as one outside it */
-            }
-            int done = release_one(&P, s, keep);
-            if (done != 1) break;
+        for (; j < n; j++) {
+            long long s = at[j];
+            if (!in_pool(&c, s) || s >= PyList_GET_SIZE(slot_keys) || c.pins[s] ||
+                !PyBytes_Check(PyList_GET_ITEM(slot_keys, s)) ||
+                (c.state[s] != WRITING && (c.state[s] != READY || c.children[s])))
+                break;
+            if (c.state[s] == READY && dequeue(&c, &P.l, (int32_t)s) < 0) break;
+            if (release_one(&P, s, 0) != 1) break;
         }
     }
     if (pool_close(&P) == 0 && !PyErr_Occurred()) result = PyLong_FromSsize_t(j);
     for (int q = 0; q < N_COLS; q++) PyBuffer_Release(&views[q]);
+    PyMem_Free(at);
     return result;
 }
 
