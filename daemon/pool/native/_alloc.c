@@ -1327,6 +1327,38 @@ done:
 }
 
 
+/* The slot ids of `slots` (a list) into a new array (*n of them; the caller frees it): an
+ * int too large for any pool reads as -1 (refused as outside the pool). Each item's
+ * __index__ (Python code) runs here, before anything reads the pool; one that shrinks the
+ * list ends the ids there. NULL with an error set: an item is not an int, or no memory. */
+static long long *read_ids(PyObject *slots, Py_ssize_t *n) {
+    *n = PyList_GET_SIZE(slots);
+    long long *at = PyMem_Malloc((size_t)(*n ? *n : 1) * sizeof(long long));
+    if (at == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < *n; i++) {
+        if (i >= PyList_GET_SIZE(slots)) {
+            *n = i;
+            break;
+        }
+        PyObject *item = PyList_GET_ITEM(slots, i);
+        Py_INCREF(item);
+        long long v = PyLong_AsLongLong(item);
+        Py_DECREF(item);
+        if (v == -1 && PyErr_Occurred()) {
+            if (!PyErr_ExceptionMatches(PyExc_OverflowError)) {
+                PyMem_Free(at);
+                return NULL;
+            }
+            PyErr_Clear();
+        }
+        at[i] = v;
+    }
+    return at;
+}
+
 /* release(cols, slots, per_extent, env, ready, slot_keys, owned, ends, own_ends) -> int
  *
  * PageTable.release in C: each slot of `slots` (a list of ints, all read before any
@@ -1354,28 +1386,9 @@ static PyObject *release(PyObject *self, PyObject *args) {
                           &PyDict_Type, &owned, &PyList_Type, &ends_list, &PyDict_Type,
                           &own_ends))
         return NULL;
-    /* every slot id first: an item's __index__ (Python code) runs before the pool opens */
-    Py_ssize_t n = PyList_GET_SIZE(slots);
-    long long *at = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(long long));
-    if (at == NULL) return PyErr_NoMemory();
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (i >= PyList_GET_SIZE(slots)) {  /* an item's __index__ shrank the list */
-            n = i;
-            break;
-        }
-        PyObject *item = PyList_GET_ITEM(slots, i);
-        Py_INCREF(item);
-        long long v = PyLong_AsLongLong(item);
-        Py_DECREF(item);
-        if (v == -1 && PyErr_Occurred()) {
-            if (!PyErr_ExceptionMatches(PyExc_OverflowError)) {
-                PyMem_Free(at);
-                return NULL;
-            }
-            PyErr_Clear();  /* too large for any pool: refused as one outside it */
-        }
-        at[i] = v;
-    }
+    Py_ssize_t n;
+    long long *at = read_ids(slots, &n);  /* every id first: no Python code runs after */
+    if (at == NULL) return NULL;
     Py_buffer views[N_COLS];
     Cols c;
     if (get_cols(&c, views, cols) < 0) {
@@ -1408,28 +1421,18 @@ static PyObject *offsets(PyObject *self, PyObject *args) {
     (void)self;
     if (!PyArg_ParseTuple(args, "y*O!w*", &table, &PyList_Type, &slots, &out))
         return NULL;
-    Py_ssize_t n_slots = table.len / 8, n = PyList_GET_SIZE(slots);
+    Py_ssize_t n_slots = table.len / 8, n;
+    long long *at = read_ids(slots, &n);
     const int64_t *tab = table.buf;
     int64_t *o = out.buf;
-    if (table.len % 8 || out.len != n * 8) {
+    if (at == NULL) goto done;
+    if (table.len % 8 || out.len != PyList_GET_SIZE(slots) * 8 || n != PyList_GET_SIZE(slots)) {
         PyErr_Format(PyExc_ValueError, "offsets: offset_of has %zd bytes and out %zd, for %zd "
-                     "slots", table.len, out.len, n);
+                     "slots", table.len, out.len, PyList_GET_SIZE(slots));
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (i >= PyList_GET_SIZE(slots)) { /* an item's __index__ shrank the list */
-            PyErr_SetString(PyExc_ValueError, "slots changed while being read");
-            goto done;
-        }
-        PyObject *item = PyList_GET_ITEM(slots, i);
-        Py_INCREF(item);
-        long long s = PyLong_AsLongLong(item);
-        Py_DECREF(item);
-        if (s == -1 && PyErr_Occurred()) {
-            if (!PyErr_ExceptionMatches(PyExc_OverflowError))
-                goto done;
-            PyErr_Clear();  /* too large for any pool: refused below, as -1 is */
-        }
+        long long s = at[i];
         if (s < 0 || s >= n_slots || tab[s] < 0) {
             result = PyLong_FromSsize_t(i);
             goto done;
@@ -1438,6 +1441,7 @@ static PyObject *offsets(PyObject *self, PyObject *args) {
     }
     result = Py_NewRef(Py_None);
 done:
+    PyMem_Free(at);
     PyBuffer_Release(&table);
     PyBuffer_Release(&out);
     return result;
