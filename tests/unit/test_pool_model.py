@@ -36,7 +36,7 @@ def key(chain: int, i: int) -> bytes:
 
 
 class PoolVersusModel(RuleBasedStateMachine):
-    """Random STOREs, LOADs, aborts, flushes, quotas and L3 marks on both pools."""
+    """Random STOREs, LOADs, aborts, releases, flushes, quotas and L3 marks on both pools."""
 
     POLICY = "lru"
 
@@ -151,6 +151,20 @@ class PoolVersusModel(RuleBasedStateMachine):
     def flush(self, ns: int | None, owner: int | None) -> None:
         self.both("flush", ns, owner)
 
+    @rule(pick=st.integers(0, 9999))
+    def release(self, pick: int) -> None:
+        """The page table's release of any slot: an evictable or WRITING page is freed (a
+        pending STORE's page too: its commit is then refused alike), any other refused."""
+        s = pick % self.pools[0].n_slots
+        got = []
+        for p in self.pools:
+            try:
+                p._pages.release(s)
+                got.append("freed")
+            except HostPoolError as err:  # PageStateError too
+                got.append(str(err))
+        assert got[0] == got[1]
+
     @rule()
     def drain(self) -> None:
         self.both("drain_evicted")
@@ -161,8 +175,8 @@ class PoolVersusModel(RuleBasedStateMachine):
 
     @invariant()
     def lists_hold_exactly_the_evictable_pages(self) -> None:
-        """Code both pools share (release, eviction) is held to the rule itself: a page is
-        on the evictable lists, once, exactly when it is READY, unpinned and childless."""
+        """The rule itself, which both pools could break alike: a page is on the
+        evictable lists, once, exactly when it is READY, unpinned and childless."""
         pool = self.pools[0]
         listed = pool.evictable_slots()
         assert len(listed) == len(set(listed))
