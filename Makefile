@@ -20,7 +20,7 @@ SGLANG_DEPS := numpy msgspec pydantic pyzmq orjson psutil pybase64 requests pack
 	"openai>=2.25.0" partial_json_parser
 DEMO_STAMP := $(VENV)/.kvtier-demo-installed
 SOURCES := pyproject.toml setup.py kernels/_fileio.c kernels/_xxh3_avx2.c kernels/_guarded.c \
-           kernels/_packkeys.c kernels/_pagekeys.c daemon/pool/native/_keyprobe.c daemon/pool/native/_pins.c \
+           ipc/_packkeys.c kernels/_pagekeys.c daemon/pool/native/_keyprobe.c daemon/pool/native/_pins.c \
            daemon/pool/native/_alloc.c
 
 .PHONY: engines gpu-wheels gpu-check venv venv-demo test test-fast test-optimized serve demo bench lint typecheck clean sysdeps builddeps
@@ -160,7 +160,7 @@ typecheck: venv
 	$(PY) tools/typecheck.py
 
 clean:
-	rm -rf $(VENV) $(ENGINES_VENV) build *.egg-info kernels/*.so daemon/pool/native/*.so
+	rm -rf $(VENV) $(ENGINES_VENV) build *.egg-info kernels/*.so ipc/*.so daemon/pool/native/*.so
 
 # The wheels a bare GPU machine (Python 3.12, torch with CUDA, CuPy, no network) needs to run
 # bench/gpu_check.sh, pinned in bench/gpu-requirements.txt, fetched here on a CPU machine into

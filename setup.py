@@ -1,22 +1,23 @@
 """Build hook for the C extensions (everything else is in pyproject.toml).
 
-The host pool's state machine, required (the pool does not import without them; ``make``
-installs the C compiler they need):
+Required (kvtier does not import without them; ``make`` installs the C compiler and the
+Python headers they need), each the one implementation of what it does, with no Python
+path beside it and no switch:
 
 - ``kvtier.daemon.pool.native._alloc``: a STORE's slot allocation and commit, and the
   ``reuse`` eviction policy's state (``_reuse.h``);
 - ``kvtier.daemon.pool.native._pins``: pin and unpin of a run of pages;
 - ``kvtier.daemon.pool.native._keyprobe``: the key table's probe of a LOOKUP, an adopted
-  pool's key index and its row seals.
+  pool's key index and its row seals;
+- ``kvtier.ipc._packkeys``: page keys packed for the wire (``packed_keys``);
+- ``kvtier.kernels._pagekeys``: the SHA-256 chain of page keys (a client's prompts).
 
 Optional (without a C compiler or the xxHash header, Debian ``libxxhash-dev``, each caller
 takes its Python or numpy path; the daemon's ``native_off`` setting turns a built one off,
 see ``kvtier.kernels.native``):
 
 - ``kvtier.kernels._fileio``: the file L3 backend's batch I/O;
-- ``kvtier.kernels._guarded``: copies from engine memfds that may shrink;
-- ``kvtier.kernels._packkeys``: a client's page keys packed for the wire.
-- ``kvtier.kernels._pagekeys``: the SHA-256 chain of page keys (a client's prompts).
+- ``kvtier.kernels._guarded``: copies from engine memfds that may shrink.
 """
 
 from setuptools import Extension, setup
@@ -37,8 +38,8 @@ def _pool(name: str, headers: tuple[str, ...] = ()) -> Extension:
 
 setup(
     ext_modules=[
-        _pool("_alloc", ("_reuse.h",)),
-        _pool("_pins"),
+        _pool("_alloc", ("_reuse.h", "_lists.h")),
+        _pool("_pins", ("_lists.h",)),
         _pool("_keyprobe"),
         Extension(
             "kvtier.kernels._fileio",
@@ -46,17 +47,9 @@ setup(
             extra_compile_args=["-O3", "-std=c11", "-D_GNU_SOURCE"],
             optional=True,
         ),
+        Extension("kvtier.ipc._packkeys", sources=["ipc/_packkeys.c"], extra_compile_args=_C),
         Extension(
-            "kvtier.kernels._packkeys",
-            sources=["kernels/_packkeys.c"],
-            extra_compile_args=_C,
-            optional=True,
-        ),
-        Extension(
-            "kvtier.kernels._pagekeys",
-            sources=["kernels/_pagekeys.c"],
-            extra_compile_args=_C,
-            optional=True,
+            "kvtier.kernels._pagekeys", sources=["kernels/_pagekeys.c"], extra_compile_args=_C
         ),
         Extension(
             "kvtier.kernels._guarded",

@@ -20,6 +20,7 @@ this measures the host pool alone, without write-through to disk competing for t
 
 from __future__ import annotations
 
+import hashlib
 import os
 import statistics
 import subprocess
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 from kvtier.client.connection.connection import Connection
+from kvtier.client.connection.request_codec import lookup_request
 from kvtier.client.page_keys import page_keys
 from kvtier.client.kv_pool.shared import SharedKVPool
 from kvtier.config import ClientConfig
@@ -98,17 +100,35 @@ KEYED_PAGE_SIZE = 16
 """Its tokens per page (vLLM's default block size): 8,192 keys."""
 
 
+def hashlib_page_keys(seed: bytes, tokens: list[int], page_size: int) -> list[bytes]:
+    """The page-key chain hashed with hashlib in Python, page by page: the baseline
+    :func:`measure_page_keys` holds kvtier's (C) :func:`~kvtier.client.page_keys.page_keys`
+    to (the same keys)."""
+    pages = np.asarray(tokens, dtype=np.int64)
+    n = pages.size // page_size
+    raw = pages[: n * page_size].astype("<u4").tobytes()
+    step = page_size * 4
+    keys: list[bytes] = []
+    prev = seed
+    for i in range(n):
+        h = hashlib.sha256(prev)
+        h.update(raw[i * step : (i + 1) * step])
+        prev = h.digest()
+        keys.append(prev)
+    return keys
+
+
 def measure_page_keys(repeats: int = REPEATS) -> tuple[float, float]:
     """Median µs to key a :data:`KEYED_TOKENS`-token prompt given as a list of ints (as an
-    engine's scheduler has it), as shipped (C where built) and with hashlib in Python, the
-    two alternated in one run."""
+    engine's scheduler has it), as shipped (in C) and with hashlib in Python
+    (:func:`hashlib_page_keys`), the two alternated in one run."""
     native: list[float] = []
     python: list[float] = []
     for rep in range(repeats):
         tokens = list(range(rep, rep + KEYED_TOKENS))
-        for out, flag in ((native, True), (python, False)):
+        for out, keyed in ((native, page_keys), (python, hashlib_page_keys)):
             t0 = time.perf_counter()
-            page_keys(b"\x00" * 32, tokens, KEYED_PAGE_SIZE, native=flag)
+            keyed(b"\x00" * 32, tokens, KEYED_PAGE_SIZE)
             out.append(time.perf_counter() - t0)
     return statistics.median(native) * 1e6, statistics.median(python) * 1e6
 
@@ -169,7 +189,7 @@ def run_l2_bench(mib: int = 256, rtt_samples: int = 2000) -> dict:
                             f"a lookup of {len(lookup_keys)} stored pages found {r.l2} in L2"
                         )
                 lookup_p50 = statistics.median(rtts) * 1e6
-                payload = P.encode(P.Lookup(req_id=1, session_id=1, keys=lookup_keys))
+                payload = P.encode(lookup_request(1, lookup_keys, True))  # as the client sends it
             finally:
                 conn.close()
                 kv.close()

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.scale_baselines import ScaleBenchError, cpu_seconds, read_line, reap
+from kvtier.client.connection.request_codec import lookup_request
 from kvtier.ipc import protocol as P
 
 __all__ = ["Aggregate", "run_workers"]
@@ -248,9 +249,8 @@ def _latency(conn: Any, s: dict[str, Any]) -> dict[str, Any]:
 def _echo(s: dict[str, Any]) -> None:
     import zmq
 
-    payload = P.encode(
-        P.Lookup(req_id=1, session_id=1, keys=[bytes([i % 256]) * 32 for i in range(s["pages"])])
-    )
+    keys = [bytes([i % 256]) * 32 for i in range(s["pages"])]
+    payload = P.encode(lookup_request(1, keys, True))  # as the client sends it
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)

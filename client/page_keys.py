@@ -7,34 +7,26 @@ every process, rank and restart computes the same keys.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from typing import cast
 
 import numpy as np
-
-try:  # the chain in C (built at install; optional): SHA-NI where the CPU has it
-    from kvtier.kernels._pagekeys import chain as _chain
-except ImportError:  # pragma: no cover - no C compiler at install
-    _chain = None  # type: ignore[assignment]
-NATIVE = _chain is not None
-"""Whether :func:`page_keys` hashes in C (``kernels/_pagekeys.c``); the keys are the same
-bytes either way."""
+from kvtier.kernels._pagekeys import chain as _chain
 
 
-def page_keys(
-    seed: bytes, tokens: Sequence[int] | np.ndarray, page_size: int, native: bool = True
-) -> list[bytes]:
+def page_keys(seed: bytes, tokens: Sequence[int] | np.ndarray, page_size: int) -> list[bytes]:
     """Return the keys of the full pages of ``tokens``.
+
+    Hashed in C (``kernels/_pagekeys.c``, a required extension: the one implementation;
+    the CPU's SHA extensions where it has them, else portable C, the same bytes as
+    hashlib's SHA-256). A list or tuple of plain ints is read by C itself; any other form
+    (a range, a numpy array, a list holding numpy integers) is converted to uint32 first.
 
     Args:
         seed: the namespace fingerprint for a chain that starts at token 0, or the key of
             the page just before ``tokens[0]`` to continue a chain.
         tokens: token ids (each < 2**32).
         page_size: tokens per page.
-        native: hash in C where it is built (:data:`NATIVE`); False hashes with hashlib
-            in Python (the same keys, several times slower: the baseline ``kvtier bench l2``
-            measures against).
 
     Returns:
         ``len(tokens) // page_size`` keys of 32 bytes.
@@ -44,7 +36,7 @@ def page_keys(
     """
     if page_size <= 0:
         raise ValueError(f"page_size must be > 0, got {page_size!r}")
-    if native and _chain is not None and isinstance(tokens, list | tuple):
+    if isinstance(tokens, list | tuple):
         read = _chain(seed, tokens, page_size * 4)  # reads and checks plain ints itself
         if read is not None:
             return read
@@ -56,16 +48,4 @@ def page_keys(
         raise ValueError("tokens must be in [0, 2**32)")
     n = arr.size // page_size
     pages = arr[: n * page_size].astype("<u4")
-    if native and _chain is not None:
-        return cast("list[bytes]", _chain(seed, pages, page_size * 4))  # None: lists only
-    raw = pages.tobytes()
-    step = page_size * 4
-    keys: list[bytes] = []
-    prev = seed
-    sha = hashlib.sha256
-    for i in range(n):
-        h = sha(prev)
-        h.update(raw[i * step : (i + 1) * step])
-        prev = h.digest()
-        keys.append(prev)
-    return keys
+    return cast("list[bytes]", _chain(seed, pages, page_size * 4))  # None: lists only

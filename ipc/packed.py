@@ -14,30 +14,19 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import cast, overload
 
+from kvtier.ipc._packkeys import pack_keys as _pack
 from kvtier.ipc.limits import KEY_BYTES, PAGE_INDEX_BYTES
 
-try:  # the C packer (built at install; optional): a list of keys packed in one pass
-    from kvtier.kernels._packkeys import pack_keys as _pack
-except ImportError:  # pragma: no cover - no C compiler at install
-    _pack = None  # type: ignore[assignment]
-PACK_NATIVE = _pack is not None
-"""Whether :func:`pack_keys` packs lists in C (checking every key's length)."""
-
-__all__ = ["PACK_NATIVE", "PackedKeyList", "pack_keys", "pack_pages", "pack_tokens", "split_keys"]
+__all__ = ["PackedKeyList", "pack_keys", "pack_pages", "pack_tokens", "split_keys"]
 
 
 def pack_keys(keys: Sequence[bytes]) -> bytes | None:
     """``packed_keys`` for ``keys`` (page keys, :data:`KEY_BYTES` each), or None when one
-    is not a bytes object of :data:`KEY_BYTES` bytes (send ``keys`` then, which the daemon
-    refuses naming the key). A list is packed in C when the extension is built
-    (``kernels/_packkeys.c``, which checks every key); otherwise, and for
-    other sequences, only the total length is checked: keys whose lengths differ but add
-    up are read as the 32-byte keys their bytes make, which the daemon takes exactly as
-    sent."""
-    if _pack is not None and type(keys) is list:
-        return _pack(keys)
-    packed = b"".join(keys)
-    return packed if len(packed) == KEY_BYTES * len(keys) else None
+    is not a bytes object of exactly :data:`KEY_BYTES` bytes. Packed in C
+    (``ipc/_packkeys.c``, a required extension: the one implementation), which checks every
+    key, whatever the sequence (a list or a tuple read as it is, any other made a list
+    first)."""
+    return _pack(keys)
 
 
 def pack_pages(pages: Sequence[int]) -> bytes | None:

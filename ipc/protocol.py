@@ -67,7 +67,6 @@ from kvtier.ipc.limits import (
     TpSize,
 )
 from kvtier.ipc.packed import (  # re-exported: P.pack_keys, P.PackedKeyList, ...
-    PACK_NATIVE,  # noqa: F401
     PackedKeyList,  # noqa: F401
     pack_keys,  # noqa: F401
     pack_pages,  # noqa: F401

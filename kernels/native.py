@@ -1,8 +1,14 @@
 """Which of kvtier's switchable C kernels this process uses: the one place that says so.
 
-The C extensions are built at install when a compiler is there (``setup.py``); without one,
-each caller takes its Python or numpy path. Three of them can also be turned off, each
-named by the path it takes over:
+Most of kvtier's C is required and switches nothing: the host pool's extensions
+(``daemon/pool/native``: allocation, pins, the key table's probe, an adopted pool's index
+and row seals), the page-key chain (``kernels/_pagekeys.c``, :mod:`kvtier.client.page_keys`)
+and the packer of wire keys (``ipc/_packkeys.c``, :func:`kvtier.ipc.packed.pack_keys`) are
+built at install (``setup.py``; kvtier does not import without them) and are the one
+implementation of what they do, for every input, with no Python path and no switch. The
+other two, ``_fileio`` and ``_guarded``, are optional (``_fileio`` also needs
+``xxhash.h``): where one is not built, its callers take their Python or numpy path. Three
+kernels of theirs can also be turned off, each named by the path it takes over:
 
 - ``file_io``: ``_fileio``, the file L3 backend's page I/O and the L3 object headers
   (:mod:`kvtier.kernels.file_io`, :mod:`kvtier.daemon.storage.objects`); off: the same

@@ -1,16 +1,23 @@
 """The host pool's state machine page by page in Python: the oracle its C paths are held to.
 
-:class:`PageByPage` is the page table with allocate, commit, pin, unpin and release
+:class:`PageByPage` is the page table with allocate, commit, pin, unpin, release and flush
 done one page at a time, and the eviction policy's steps (``take_slot``: quotas, free
 extents, victims of other classes, L3, ``arc``'s and ``reuse``'s lists), step for step as
-``daemon/pool/native/_alloc.c`` and ``_pins.c`` say they do them; :class:`DictLookups` answers lookups key by key from the page table's dict, where
-the pool probes its key table (``daemon/pool/native/_keyprobe.c``); :func:`page_by_page`
-gives a host pool both. Tests run the same operations on a pool of each kind and compare
-everything observable.
+``daemon/pool/native/_alloc.c`` and ``_pins.c`` say they do them. Its evictable pages are
+:class:`EvictableLists` and each page's children :class:`ResidentChildren`: plain Python
+lists written here from the rules, not the pool's intrusive lists. The model takes no step
+of ``kvtier.daemon.pool.links`` (the page table it extends still builds the pool's own
+lists, which it replaces at once and never uses).
+:class:`DictLookups` answers lookups key by key from the page table's dict, where the pool
+probes its key table (``daemon/pool/native/_keyprobe.c``); :func:`page_by_page` gives a
+host pool both. Tests run the same operations on a pool of each kind and compare
+everything observable (:func:`observable`), the lists as the pool lays them out: link
+columns and the ends of each list.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,8 +35,186 @@ _NO_PAGES: dict[bytes, int] = {}
 _MAX_U64 = (1 << 64) - 1
 
 
+class EvictableLists:
+    """The evictable pages (READY, unpinned, childless) in recency order, the model's own:
+    each list a Python list of slot ids, the cold end (the next victim) first.
+
+    Every evictable page is on one global list and on its owner's list. Under a two-list
+    policy (``arc``, ``reuse``) the global list is two: a page whose ``tier`` byte is 1 (T2,
+    used again) is on the second, any other on the first; under ``lru`` (``tier`` None)
+    every page is on the first. An owner's list holds its pages of both tiers.
+
+    A page entering a list goes to the cold end if its last access (``stamp``) is not more
+    recent than that of the page at the cold end, else to the hot end. So a chain
+    committed or pinned (stamped from its tail back to its head) keeps its tail colder, and
+    a parent that becomes evictable when its last child leaves, older than the pages
+    listed, goes first.
+
+    Args:
+        stamp: the pool's last-access column (larger is more recent).
+        tier: per slot, which global list a page goes on (a two-list policy's T1/T2
+            bytes); None: one global list.
+    """
+
+    def __init__(self, stamp: memoryview, tier: bytearray | None) -> None:
+        self._stamp = stamp
+        self._tier = tier
+        self.globals: tuple[list[int], list[int]] = ([], [])  # T1 (or the only one), T2
+        self.owners: dict[int, list[int]] = {}
+        self._where: dict[int, tuple[int, int]] = {}  # slot -> (global list, owner)
+
+    def _place(self, order: list[int], s: int) -> None:
+        """Put ``s`` at the cold end of ``order`` if it is not more recent than the page
+        there, else at the hot end (an empty list: either)."""
+        if order and self._stamp[s] <= self._stamp[order[0]]:
+            order.insert(0, s)
+        else:
+            order.append(s)
+
+    def enqueue(self, s: int, owner: int) -> None:
+        """Put the page ``s`` of ``owner`` on its global list and on its owner's."""
+        assert s not in self._where, f"slot {s} is listed already"
+        which = 1 if self._tier is not None and self._tier[s] else 0
+        self._place(self.globals[which], s)
+        self._place(self.owners.setdefault(owner, []), s)
+        self._where[s] = (which, owner)
+
+    def dequeue(self, s: int, owner: int) -> None:
+        """Take the page ``s`` of ``owner`` off its lists: the global one it was put on
+        (its tier byte changes only while it is off the lists) and its owner's."""
+        which, listed_owner = self._where.pop(s)
+        assert listed_owner == owner, f"slot {s} is listed for owner {listed_owner}"
+        self.globals[which].remove(s)
+        self.owners[owner].remove(s)
+
+    def global_list(self, second: bool = False) -> list[int]:
+        """The first global list (the second with ``second``), cold end first."""
+        return self.globals[1 if second else 0]
+
+    def owner_list(self, owner: int) -> list[int]:
+        """``owner``'s list, cold end first."""
+        return self.owners.get(owner, [])
+
+    def walk(self, owner: int | None) -> list[int]:
+        """The global lists, first then second (or ``owner``'s list), cold end first: what
+        :meth:`HostPool.evictable_slots` answers."""
+        if owner is not None:
+            return list(self.owner_list(owner))
+        return self.globals[0] + self.globals[1]
+
+    def laid_out(self, free_prev: array[int], free_next: array[int]) -> dict[str, Any]:
+        """These lists as the pool lays its own out: the global lists threaded through
+        the link pair that the free lists (``free_prev`` / ``free_next``, the model's,
+        holding nothing else) also use, the owner lists through a pair of their own
+        (``oprev`` / ``onext``, NIL off every list), and each list's ``[cold, hot]`` ends
+        (``[NIL, NIL]`` when empty; the owners whose lists are empty left out)."""
+        prev, nxt = array("i", free_prev), array("i", free_next)
+        oprev, onext = array("i", [NIL]) * len(prev), array("i", [NIL]) * len(prev)
+        for order in self.globals:
+            for s in order:
+                assert prev[s] == nxt[s] == NIL, f"slot {s} is on a free list and evictable"
+            _thread(prev, nxt, order)
+        for order in self.owners.values():
+            _thread(oprev, onext, order)
+        return {
+            "prev": prev.tobytes(),
+            "next": nxt.tobytes(),
+            "oprev": oprev.tobytes(),
+            "onext": onext.tobytes(),
+            "ends": _ends(self.globals[0]),
+            "ends2": _ends(self.globals[1]),
+            "own_ends": {o: _ends(order) for o, order in self.owners.items() if order},
+        }
+
+
+class ResidentChildren:
+    """Each page's resident children, the model's own: per parent a Python list, the child
+    linked last first, and a count per page.
+
+    Args:
+        n_slots: slot ids of the pool.
+        parent: the pool's parent column, cleared here when a child leaves its parent.
+
+    Attributes:
+        count: per page, its resident children (an allocation counts the page it adds
+            after a parent before that page has a slot, so that the evictions making room
+            for it leave the parent alone).
+        of: parent -> its linked children, the child linked last first (parents with
+            none left out).
+    """
+
+    def __init__(self, n_slots: int, parent: memoryview) -> None:
+        self.count = array("i", [0]) * n_slots
+        self.of: dict[int, list[int]] = {}
+        self._parent = parent
+
+    def link(self, p: int, c: int) -> None:
+        """Add ``c`` (whose parent column already says ``p``) to ``p``'s children."""
+        self.of.setdefault(p, []).insert(0, c)
+
+    def unlink(self, p: int, c: int) -> None:
+        """Take ``c`` off ``p``'s children and clear its parent (the count is the
+        caller's)."""
+        kids = self.of[p]
+        kids.remove(c)
+        if not kids:
+            del self.of[p]
+        self._parent[c] = NIL
+
+    def has_any(self, p: int) -> bool:
+        """Whether ``p`` has a linked child or counts one."""
+        return p in self.of or self.count[p] != 0
+
+    def orphan_all(self, p: int) -> None:
+        """Clear the parent of every child of ``p``, which then has none."""
+        for c in self.of.pop(p, []):
+            self._parent[c] = NIL
+        self.count[p] = 0
+
+    def laid_out(self) -> dict[str, bytes]:
+        """These lists as the pool lays its own out: per parent its first child
+        (``first``), each child linked to its siblings (``sib_prev`` / ``sib_next``), NIL
+        elsewhere."""
+        n = len(self.count)
+        first, sib_prev, sib_next = (array("i", [NIL]) * n for _ in range(3))
+        for p, kids in self.of.items():
+            first[p] = kids[0]
+            _thread(sib_prev, sib_next, kids)
+        return {
+            "first": first.tobytes(),
+            "sib_prev": sib_prev.tobytes(),
+            "sib_next": sib_next.tobytes(),
+        }
+
+
+def _thread(prev: array[int], nxt: array[int], order: list[int]) -> None:
+    """Link the slots of ``order`` one after the other: each one's ``prev`` is the slot
+    before it, its ``nxt`` the slot after it, NIL at either end."""
+    for i, s in enumerate(order):
+        prev[s] = order[i - 1] if i > 0 else NIL
+        nxt[s] = order[i + 1] if i + 1 < len(order) else NIL
+
+
+def _ends(order: list[int]) -> list[int]:
+    """``[cold end, hot end]`` of ``order``; ``[NIL, NIL]`` when it is empty."""
+    return [order[0], order[-1]] if order else [NIL, NIL]
+
+
 class PageByPage(PageTable):
-    """The page table, every allocation, commit, pin and unpin page by page in Python."""
+    """The page table, every allocation, commit, pin, unpin, release and flush page by
+    page in Python, its evictable pages on :class:`EvictableLists` and each page's children
+    on :class:`ResidentChildren`."""
+
+    def __init__(self, meta: Any, **settings: Any) -> None:
+        super().__init__(meta, **settings)
+        split = self._ev.split
+        self.lists = EvictableLists(meta.stamp, None if split is None else split.tier)
+        # the model's lists from here on, where the pool looks for them (HostPool's
+        # evictable_slots and describe): a step of the pool's own list code run by
+        # mistake fails on them
+        self._lru = self._ev.lru = self.lists  # type: ignore[assignment]
+        self.kids = self._kids = ResidentChildren(self.n_slots, meta.parent)  # type: ignore[assignment]
+        self._children = self._kids.count
 
     def allocate(
         self,
@@ -74,7 +259,7 @@ class PageByPage(PageTable):
                 continue
             if prev != NIL:  # a child's reference shields prev from the evictions below
                 if children[prev] == 0 and state[prev] == _READY and pins[prev] == 0:
-                    self._lru.dequeue(prev, owners[prev])
+                    self.lists.dequeue(prev, owners[prev])
                 children[prev] += 1
             s = take_slot(class_id, owner)
             if s == NIL:
@@ -106,7 +291,7 @@ class PageByPage(PageTable):
         self._children[p] -= 1
         assert self._children[p] >= 0
         if self.is_evictable(p):
-            self._lru.enqueue(p, self._owner[p])
+            self.lists.enqueue(p, self._owner[p])
 
     def commit(self, slots: Sequence[int], checksums: Sequence[int] | None = None) -> None:
         meta, state, keys, n_slots = self.meta, self._state, self._key, self.n_slots
@@ -144,7 +329,7 @@ class PageByPage(PageTable):
             cls.writing -= 1
             cls.ready += 1
             if self._children[s] == 0:
-                self._lru.enqueue(s, self._owner[s])
+                self.lists.enqueue(s, self._owner[s])
         self._clock = clock
 
     def pin_slots(self, out: list[int], used: bool = False) -> None:
@@ -153,7 +338,7 @@ class PageByPage(PageTable):
             if pins[s] == 0:
                 self._pin.pinned += 1
                 if children[s] == 0:
-                    self._lru.dequeue(s, owner[s])
+                    self.lists.dequeue(s, owner[s])
             pins[s] += 1
             self._clock += 1
             stamp[s] = self._clock
@@ -172,7 +357,7 @@ class PageByPage(PageTable):
             if pins[s] == 0:
                 self._pin.pinned -= 1
                 if children[s] == 0:
-                    self._lru.enqueue(s, owner[s])
+                    self.lists.enqueue(s, owner[s])
 
     def abort(self, slots: Sequence[int]) -> None:
         for s in slots:
@@ -180,6 +365,33 @@ class PageByPage(PageTable):
         for j in range(len(slots) - 1, -1, -1):
             self._expect(slots[j], PageState.WRITING, "abort")
             self._free(slots[j])
+
+    def flush(self, ns_id: int | None = None, owner: int | None = None) -> int:
+        """:meth:`PageTable.flush`, over the model's lists: each global list (the first,
+        then the second) from its cold end, every evictable page of ``ns_id`` and
+        ``owner`` (None: any) released, and with it each ancestor that this leaves
+        evictable and that matches too, before the walk goes on to the page that followed
+        it on the list when it was reached (releasing a page enqueues only its ancestors,
+        none of which was on a list then)."""
+        ns, owners, parents = self._ns, self._owner, self._parent
+
+        def matches(s: int) -> bool:
+            return (ns_id is None or ns[s] == ns_id) and (owner is None or owners[s] == owner)
+
+        dropped = 0
+        for second in (False, True):
+            order = self.lists.global_list(second)
+            s = order[0] if order else NIL
+            while s != NIL:
+                i = order.index(s)
+                following = order[i + 1] if i + 1 < len(order) else NIL
+                while s != NIL and matches(s):
+                    parent = parents[s]
+                    self.release(s)
+                    dropped += 1
+                    s = parent if parent != NIL and self.is_evictable(parent) else NIL
+                s = following
+        return dropped
 
     def release(self, s: int) -> None:
         """:meth:`PageTable.release`, in Python: a WRITING or evictable page, off the
@@ -196,7 +408,7 @@ class PageByPage(PageTable):
                 f"with {self._pins[s]} pins and {self._children[s]} resident children"
             )
         if state == _READY:
-            self._lru.dequeue(s, self._owner[s])
+            self.lists.dequeue(s, self._owner[s])
         self._free(s)
 
     def _free(self, s: int, keep: bool = False) -> None:
@@ -219,7 +431,7 @@ class PageByPage(PageTable):
         if p != NIL:
             kids.unlink(p, s)
             self._drop_child_ref(p)
-        if kids.first[s] != NIL or kids.count[s]:
+        if kids.has_any(s):
             kids.orphan_all(s)  # only an aborted page can still have children
         cls = self._classes[self._ext_class[s // self._per_extent]]
         if was_ready:
@@ -272,27 +484,28 @@ class PageByPage(PageTable):
         return v
 
     def coldest(self, owner: int | None, cid: int) -> int:
-        """The coldest page eviction may take from the global (or ``owner``'s) list, of
-        class ``cid`` unless NIL; NIL if none within the scan limit."""
-        ev = self._ev
+        """The coldest page eviction may take from ``owner``'s list (None: the global
+        list; under a two-list policy the one the policy names, then the other), of class
+        ``cid`` unless NIL; NIL if none within the scan limit."""
+        ev, lists = self._ev, self.lists
         split = ev.split
-        if split is None or owner is not None:
-            return self._scan(ev.lru.start(owner), cid)
+        if owner is not None:
+            return self._scan(lists.owner_list(owner), cid)
+        if split is None:
+            return self._scan(lists.global_list(), cid)
         second = split.victim_list(sum(ev.owned.values())) == 1
-        s = self._scan(ev.lru.start(None, second), cid)
-        return s if s != NIL else self._scan(ev.lru.start(None, not second), cid)
+        s = self._scan(lists.global_list(second), cid)
+        return s if s != NIL else self._scan(lists.global_list(not second), cid)
 
-    def _scan(self, start: tuple[int, Any], cid: int) -> int:
-        s, nxt = start
+    def _scan(self, order: list[int], cid: int) -> int:
+        """The first of the ``scan_limit`` coldest pages of ``order`` that eviction may
+        take (marked in L3 when that is required; of class ``cid`` unless NIL), or NIL."""
         ev = self._ev
-        steps = ev.scan_limit
-        while s != NIL and steps > 0:
+        for s in order[: ev.scan_limit]:
             if (not ev.requires_l3 or self._in_l3[s]) and (
                 cid == NIL or self._ext_class[s // self._per_extent] == cid
             ):
                 return s
-            s = nxt[s]
-            steps -= 1
         return NIL
 
     def evict(self, s: int, keep: bool = False) -> None:
@@ -308,7 +521,7 @@ class PageByPage(PageTable):
             ev.unlogged += 1
         if ev.split is not None:
             ev.split.evicted_page(s, self._ns[s], key, sum(ev.owned.values()))
-        ev.lru.dequeue(s, self._owner[s])
+        self.lists.dequeue(s, self._owner[s])
         self._free(s, keep)
 
 
@@ -452,21 +665,47 @@ COLUMNS = (
 """The metadata columns :func:`observable` compares."""
 
 
+def laid_out_children(t: PageTable) -> dict[str, bytes]:
+    """The child lists of the page table ``t`` as the pool lays them out (see
+    :meth:`ResidentChildren.laid_out`): the model's built from its plain lists, the pool's
+    read as they are."""
+    kids = t.kids
+    if isinstance(kids, ResidentChildren):
+        return kids.laid_out()
+    return {name: getattr(kids, name).tobytes() for name in ("first", "sib_prev", "sib_next")}
+
+
+def laid_out_lists(t: PageTable) -> dict[str, Any]:
+    """The evictable lists of the page table ``t`` as the pool lays them out (see
+    :meth:`EvictableLists.laid_out`): the model's built from its plain lists, the pool's
+    read as they are (its link columns, global pair shared with the free lists, and its
+    lists' ends)."""
+    lists = t.evictor.lru
+    if isinstance(lists, EvictableLists):
+        return lists.laid_out(t.slots.prev, t.slots.next)
+    return {
+        "prev": t.slots.prev.tobytes(),
+        "next": t.slots.next.tobytes(),
+        "oprev": lists.oprev.tobytes(),
+        "onext": lists.onext.tobytes(),
+        "ends": list(lists.ends),
+        "ends2": list(lists.ends2),
+        "own_ends": {o: list(e) for o, e in lists.own_ends.items() if e != [NIL, NIL]},
+    }
+
+
 def observable(p: HostPool) -> dict[str, Any]:
     """Everything the pool holds and reports, for comparing two pools."""
     t = p._pages
-    ev, lru, kids, slots = t.evictor, t.evictor.lru, t.kids, t.slots
+    ev, kids, slots = t.evictor, t.kids, t.slots
+    links = laid_out_lists(t)
     out: dict[str, Any] = {c: t.meta.array(c).tobytes() for c in COLUMNS}
+    for name in ("prev", "next", "oprev", "onext"):
+        out[name] = links[name]
+    out.update(laid_out_children(t))
     for name, arr in (
         ("pins", t.pins.count),
         ("children", kids.count),
-        ("first", kids.first),
-        ("sib_prev", kids.sib_prev),
-        ("sib_next", kids.sib_next),
-        ("prev", lru.prev),
-        ("next", lru.next),
-        ("oprev", lru.oprev),
-        ("onext", lru.onext),
         ("ext_class", slots.ext_class),
         ("ext_used", slots.ext_used),
         ("ext_bump", slots.ext_bump),
@@ -480,8 +719,8 @@ def observable(p: HostPool) -> dict[str, Any]:
         writing={ns: d for ns, d in t._writing.items() if d},
         keys=t.keys,
         owned={o: n for o, n in ev.owned.items() if n},
-        ends=lru.ends,
-        own_ends={o: e for o, e in lru.own_ends.items() if e != [-1, -1]},
+        ends=links["ends"],
+        own_ends=links["own_ends"],
         classes=[(c.free, c.bump, c.extents, c.ready, c.writing) for c in slots.classes],
         log=[(type(e), e.key, e.ns_id, e.slot, e.in_l3) for e in ev.log],
         evictions=(ev.evictions, ev.unlogged),
@@ -502,7 +741,7 @@ def observable(p: HostPool) -> dict[str, Any]:
                 split.capacity,
                 bytes(split.tier),
                 list(split.evicted),
-                ev.lru.ends2,
+                links["ends2"],
                 policy,
             )
         )

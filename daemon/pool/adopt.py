@@ -6,7 +6,7 @@ byte first), and a seal binds each row's key, namespace and payload checksum, so
 stray write is a dropped page, never a page served under the wrong key. This module
 decides, in bulk with numpy, which rows pass, and builds their index (key -> slot); the
 pool rebuilds the rest of its private state (free lists, LRU, child lists) from the result
-(:meth:`~kvtier.daemon.pool.host_pool.HostPool.adopt`).
+(a :class:`~kvtier.daemon.pool.host_pool.HostPool` built over the pool file's metadata).
 """
 
 from __future__ import annotations
@@ -63,11 +63,10 @@ def scan_rows(
 
     The checks run as numpy columns (:func:`~kvtier.daemon.pool.seals.seals`, in C, for
     the seals); only the payload hashes (with ``arena``) are a Python loop over every row.
-    Duplicates: with 32-byte keys throughout (engines' page keys), the index is built
-    first, in C, and that finds them at no extra cost (a dict that does not grow); only
-    when it does are they resolved and the index built again. Otherwise they are found
-    first, by a 64-bit hash of each (namespace, key): rows whose hashes collide are then
-    compared whole, one by one.
+    Duplicates: the index is built first, in C, and that finds them at no extra cost (a
+    dict that does not grow); only when it does are they resolved, by a 64-bit hash of
+    each (namespace, key) (rows whose hashes collide are then compared whole, one by one),
+    and the index built again.
 
     Args:
         meta: the mapped metadata; its state, in-L3 and parent columns are rewritten.
@@ -107,12 +106,12 @@ def scan_rows(
         ok = _payloads_match(meta, arena, cand, sums)
         cand, rows, key_len = cand[ok], rows[ok], key_len[ok]
     del pbs
-    ready = _index(meta.array("ns")[cand], cand, rows, key_len, by_slot, strict=True)
-    if ready is None:  # a key comes twice (or keys of other lengths)
+    ready = _index(meta.array("ns")[cand], cand, rows, key_len, by_slot)
+    if ready is None:  # a key comes twice
         latest = _latest_per_key(meta, cand, rows, key_len)
         if not latest.all():
             cand, rows, key_len = cand[latest], rows[latest], key_len[latest]
-        ready = _index(meta.array("ns")[cand], cand, rows, key_len, by_slot, strict=False)
+        ready = _index(meta.array("ns")[cand], cand, rows, key_len, by_slot)
         if ready is None:
             raise HostPoolError("adopted rows still hold a key twice after deduplication")
     slots = cand
@@ -173,68 +172,40 @@ def _index(
     rows: np.ndarray,
     key_len: np.ndarray,
     by_slot: list[bytes | None],
-    strict: bool,
 ) -> dict[int, dict[bytes, int]] | None:
-    """The index of the rows: per namespace id, key -> slot.
+    """The index of the rows: per namespace id, key -> slot; None when a key comes twice
+    in a namespace (``by_slot`` then as it was).
 
-    Each key becomes one bytes object, shared by the index and ``by_slot`` (slot -> key),
-    where it is put at its slot. With 32-byte keys throughout (engines' page keys) C makes
-    the objects and the dicts in one pass (``index_keys``, hashing each key as it is made),
-    and finds a key that comes twice in a namespace. Otherwise numpy and ``dict(zip(...))``
-    do, and the rows must hold no (namespace, key) twice.
+    Each key (its row's first ``key_len`` bytes) becomes one bytes object, shared by the
+    index and ``by_slot`` (slot -> key), where it is put at its slot. C makes the objects
+    and the dicts in one pass per namespace (``index_keys``, hashing each key as it is
+    made), and finds a key that comes twice in a namespace.
 
     Args:
         nss / slots / rows / key_len: the rows' namespaces, slots (ascending), key rows
-            (``(n, KEY_BYTES)`` uint8) and key lengths.
+            (``(n, KEY_BYTES)`` uint8) and key lengths (each at most ``KEY_BYTES``).
         by_slot: one entry per slot of the pool, None at every slot of ``slots``.
-        strict: return None, ``by_slot`` untouched, for keys of other lengths than 32
-            (rather than index them), or when C finds a key twice.
     """
     n = len(slots)
-    native = n and bool((key_len == KEY_BYTES).all())
-    if strict and not native:
-        return None
-    if n and (nss == nss[0]).all():  # one namespace: the usual case
-        parts = [np.arange(n)]
-    else:
-        order = np.argsort(nss, kind="stable")
-        parts = np.split(order, np.flatnonzero(nss[order][1:] != nss[order][:-1]) + 1)
-    if native:
-        if len(parts) == 1:
-            try:
-                return {int(nss[0]): _keyprobe.index_keys(rows, slots, by_slot)}
-            except ValueError:
-                return None  # a key twice; by_slot is as it was
-        ready: dict[int, dict[bytes, int]] = {}
-        for p in parts:
-            try:
-                ready[int(nss[p[0]])] = _keyprobe.index_keys(rows[p], slots[p], by_slot)
-            except ValueError:
-                for s in slots.tolist():  # the namespaces indexed already give theirs back
-                    by_slot[s] = None
-                return None
-        return ready
-    objs = np.empty(n, dtype=object)
-    objs[:] = _key_objects(rows, key_len)
-    for s, key in zip(slots.tolist(), objs.tolist()):
-        by_slot[s] = key
-    return {
-        int(nss[p[0]]): dict(zip(objs[p].tolist(), slots[p].tolist())) for p in (parts if n else [])
-    }
-
-
-def _key_objects(rows: np.ndarray, key_len: np.ndarray) -> list[bytes]:
-    """The key of each row as a bytes object (its first ``key_len`` bytes), row order."""
-    n = len(key_len)
-    out = np.empty(n, dtype=object)
-    for length in sorted(set(key_len.tolist())):  # not np.unique: it imports numpy.ma
-        at = np.flatnonzero(key_len == length)
-        if length == 0:
-            out[at] = b""
-            continue
-        part = np.ascontiguousarray(rows[at, :length]).view(f"V{length}").ravel()
-        out[at] = part.tolist()  # the object array keeps these bytes objects
-    return out.tolist()
+    if not n:
+        return {}
+    lengths = key_len.astype(np.uint8)
+    if (nss == nss[0]).all():  # one namespace: the usual case
+        try:
+            return {int(nss[0]): _keyprobe.index_keys(rows, lengths, slots, by_slot)}
+        except ValueError:
+            return None  # a key twice; by_slot is as it was
+    order = np.argsort(nss, kind="stable")
+    parts = np.split(order, np.flatnonzero(nss[order][1:] != nss[order][:-1]) + 1)
+    ready: dict[int, dict[bytes, int]] = {}
+    for p in parts:
+        try:
+            ready[int(nss[p[0]])] = _keyprobe.index_keys(rows[p], lengths[p], slots[p], by_slot)
+        except ValueError:
+            for s in slots.tolist():  # the namespaces indexed already give theirs back
+                by_slot[s] = None
+            return None
+    return ready
 
 
 def _latest_per_key(

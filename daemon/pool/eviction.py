@@ -58,7 +58,7 @@ class Evictor:
     scan limit, and the eviction log. The steps that choose and evict victims run in C
     (``daemon/pool/native/_alloc.c``: the allocation loop's own cold-end eviction, and
     ``take_slot`` for every other case), over this state, through
-    :class:`~kvtier.daemon.pool.storerun.StoreRuns`.
+    :class:`~kvtier.daemon.pool.page_steps.PageSteps`.
 
     Args:
         slots: the pool's slot allocator (the global evictable list shares its link pair).
@@ -99,7 +99,7 @@ class Evictor:
         self.policy = policy
         self.split: SplitState | None = split_state(policy, len(slots.prev), meta.flags)
         self.lru = RecencyLists(
-            slots.prev, slots.next, meta.stamp, None if self.split is None else self.split.tier
+            slots.prev, slots.next, None if self.split is None else self.split.tier
         )
         self.owned: dict[int, int] = {}
         self.quota = quota

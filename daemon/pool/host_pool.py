@@ -5,24 +5,24 @@ metadata are mapped elsewhere (:func:`~kvtier.daemon.pool.layout.map_pool_file`)
 hands out byte offsets into the arena and keeps every page's state. It is assembled from
 one module per concept::
 
-    host_pool  HostPool: construction, adoption, ids, geometry, quotas, introspection
-    pages      PageTable: the exact index and page state machine (allocate, commit,
-               abort, pin, unpin, flush)
-    storerun   StoreRuns: a STORE's allocation and commit, in C
-    pins       Pins: the pin counts, pin and unpin in C
-    lookups    KeyLookups: every LOOKUP and LOAD from the key table (keytable), in C
-    native     the pool's C code (required)
-    eviction   Evictor: victim choice (lru, arc or reuse, tail first), quotas, write-back
-    policies   arc's and reuse's state: T1/T2 split, adaptive target, ghosts
-    slots      SlotAllocator: extents, page classes, free lists
-    links      the intrusive lists: evictable pages (recency), each page's children
-    layout     the pool file's format: header, id tables, columns; mapping the file
-    meta       PoolMeta: the metadata region, mapped as typed column views
-    adopt      the adoption scan: which rows survive a restart
-    records    page states, the records the pool reports, its errors
-    sizing     a daemon's configuration as the pool's geometry
+    host_pool   HostPool: construction (adoption), ids, geometry, quotas, introspection
+    pages       PageTable: the exact index and page state machine (allocate, commit,
+                abort, pin, unpin, flush)
+    page_steps  PageSteps: a STORE's allocation, its commit, the release of pages, in C
+    pins        Pins: the pin counts, pin and unpin in C
+    lookups     KeyLookups: every LOOKUP and LOAD from the key table (keytable), in C
+    native      the pool's C code (required)
+    eviction    Evictor: victim choice (lru, arc or reuse, tail first), quotas, write-back
+    policies    arc's and reuse's state: T1/T2 split, adaptive target, ghosts
+    slots       SlotAllocator: extents, page classes, free lists
+    links       the intrusive lists: evictable pages (recency), each page's children
+    layout      the pool file's format: header, id tables, columns; mapping the file
+    meta        PoolMeta: the metadata region, mapped as typed column views
+    adopt       the adoption scan: which rows survive a restart
+    records     page states, the records the pool reports, its errors
+    sizing      a daemon's configuration as the pool's geometry
 
-Restart (:meth:`HostPool.adopt`): READY pages that verify come back with their keys,
+Restart (a :class:`HostPool` built over the pool file's metadata): READY pages that verify come back with their keys,
 namespaces, owners, offsets and in-L3 flags; WRITING pages and pins are dropped; the
 rest is rebuilt (the evictable lists by last-access stamp). Names other modules import
 from here (records, eviction constants, :class:`PoolLayout`) are re-exported.
@@ -73,18 +73,32 @@ __all__ = [
     "PageState",
     "PageStateError",
     "PoolLayout",
+    "plan_layout",
 ]
+
+
+def plan_layout(
+    capacity_bytes: int,
+    extent_bytes: int,
+    align: int = 4096,
+    min_page_bytes: int | None = None,
+    headroom: int = 0,
+    **_: Any,
+) -> PoolLayout:
+    """The layout of a pool built with these arguments (:class:`HostPool`'s; the others
+    are ignored). Raises HostPoolError when the geometry is invalid."""
+    return PoolLayout.plan(capacity_bytes, extent_bytes, align, min_page_bytes, headroom=headroom)
 
 
 class HostPool:
     """Slot allocator and L2 index over one host arena (see the module docstring).
 
-    The constructor builds an empty pool whose metadata lives in private memory (nothing
-    persists); :meth:`adopt` moves it onto persistent metadata and adopts what it holds.
-    The page operations (:meth:`allocate`, :meth:`commit`, :meth:`abort`, :meth:`pin`,
-    :meth:`unpin`, :meth:`mark_in_l3`, :meth:`flush`) are those of its
-    :class:`~kvtier.daemon.pool.pages.PageTable`; lookups (and a pin's) are answered from
-    its key table (:class:`~kvtier.daemon.pool.lookups.KeyLookups`).
+    Built over the metadata it is given (``meta``): the pages a previous pool left in it
+    are adopted, or it is formatted (see :attr:`adopted`); without ``meta``, over private
+    memory (nothing persists). The page operations (:meth:`allocate`, :meth:`commit`,
+    :meth:`abort`, :meth:`pin`, :meth:`unpin`, :meth:`mark_in_l3`, :meth:`flush`) are
+    those of its :class:`~kvtier.daemon.pool.pages.PageTable`; lookups (and a pin's) are
+    answered from its key table (:class:`~kvtier.daemon.pool.lookups.KeyLookups`).
 
     Args:
         capacity_bytes: arena size; ``capacity_bytes // layout.span`` extents are used
@@ -104,14 +118,43 @@ class HostPool:
             (:mod:`~kvtier.daemon.pool.eviction`); a pool built here defaults to plain
             recency, the daemon's (:meth:`from_config`) to its configuration's default,
             ``"reuse"``.
+        meta: writable buffer of at least ``layout.meta_bytes`` bytes (the first bytes of
+            the pool file's mapping), kept in views until :meth:`close`. When its header
+            matches the layout (magic, format version, checksum, geometry), the generation
+            is incremented and READY pages that verify come back; WRITING pages and all
+            pins are dropped (whoever held them is gone). Otherwise, or with
+            ``cold_start``, it is formatted: an empty pool, generation 1. None: private
+            memory.
+        arena: the arena (``capacity_bytes`` from ``layout.arena_offset``), to verify each
+            adopted READY page's payload against its checksum; pages committed without
+            one are then dropped. None adopts payloads unverified (row seals are checked
+            either way).
+        cold_start: discard what ``meta`` holds on purpose; a string is the reason to
+            report (such as the ``why_new`` of :func:`map_pool_file`).
+        classes: page sizes registered first, in this order (class ids 0, 1, ...); an
+            adoption then registers its extents' other page sizes, smallest first.
+
+    Attributes:
+        adopted: what was adopted from ``meta`` or why nothing was (``summary`` is the
+            line to log); None over private memory.
 
     Raises:
-        HostPoolError: the geometry is invalid or the arena holds no extent.
+        HostPoolError: the geometry is invalid, the arena holds no extent, ``meta`` is
+            read-only or too small, or ``arena`` is too small.
     """
 
     @classmethod
-    def from_config(cls, cfg: DaemonConfig, headroom: int = 0) -> HostPool:
-        """The daemon's empty host pool for ``cfg``.
+    def from_config(
+        cls,
+        cfg: DaemonConfig,
+        headroom: int = 0,
+        *,
+        meta: Any | None = None,
+        arena: Any | None = None,
+        cold_start: bool | str | None = False,
+    ) -> HostPool:
+        """The daemon's host pool for ``cfg``, over ``meta`` (``arena``, ``cold_start``:
+        see the constructor).
 
         Args:
             cfg: the daemon's configuration (``hicache_size``, ``extent_size``).
@@ -124,8 +167,15 @@ class HostPool:
                 so large that the index cannot number its slots (the message names the
                 largest ``hicache_size`` allowed with this ``extent_size``).
         """
-        args, kwargs = geometry_of(cfg, headroom)
-        return cls(*args, **kwargs)
+        args, geometry = geometry_of(cfg, headroom)
+        return cls(*args, **geometry, meta=meta, arena=arena, cold_start=cold_start)
+
+    @staticmethod
+    def layout_of(cfg: DaemonConfig, headroom: int = 0) -> PoolLayout:
+        """The layout :meth:`from_config` gives the pool (what :func:`map_pool_file` maps
+        before the pool is built over it). Raises ConfigError as :meth:`from_config`."""
+        args, geometry = geometry_of(cfg, headroom)
+        return plan_layout(*args, **geometry)
 
     def __init__(
         self,
@@ -137,103 +187,52 @@ class HostPool:
         max_evicted_log: int = 65536,
         headroom: int = 0,
         eviction_policy: str = "lru",
+        meta: Any | None = None,
+        arena: Any | None = None,
+        cold_start: bool | str | None = False,
+        classes: Sequence[int] = (),
     ) -> None:
-        layout = PoolLayout.plan(
-            capacity_bytes, extent_bytes, align, min_page_bytes, headroom=headroom
-        )
-        # anonymous memory is zero until touched: a bytearray would clear every byte now
-        # (tens of MiB for a large pool), only for adopt() to move off it
-        meta = PoolMeta(mmap.mmap(-1, layout.meta_bytes), layout)
-        meta.format(zero=False)
+        t0 = time.perf_counter()
+        layout = plan_layout(capacity_bytes, extent_bytes, align, min_page_bytes, headroom)
+        if meta is None:
+            # anonymous memory is zero until touched: nothing to clear
+            pm = PoolMeta(mmap.mmap(-1, layout.meta_bytes), layout)
+            pm.format(zero=False)
+            reason: str | None = "private memory"
+        else:
+            need = layout.n_extents * layout.span
+            if arena is not None:
+                with memoryview(arena) as view:
+                    nbytes = view.nbytes
+                if nbytes < need:
+                    raise HostPoolError(f"the arena has {nbytes} bytes, the pool needs {need}")
+            pm = PoolMeta(meta, layout)
+            reason = (
+                pm.mismatch()
+                if not cold_start
+                else (cold_start if isinstance(cold_start, str) else "cold start requested")
+            )
+            if reason is not None:
+                pm.format()
+        gen = 1 if reason is not None else pm.bump_generation()
         self.capacity_bytes, self.extent_bytes = layout.capacity_bytes, layout.extent_bytes
         self.align, self.n_extents, self.n_slots = layout.align, layout.n_extents, layout.n_slots
-        self._pages = PageTable(
-            meta, max_log=max_evicted_log, quota={}, requires_l3=False, policy=eviction_policy
-        )
-        self._lookups = KeyLookups(self._pages)
-
-    def adopt(
-        self, meta: Any, *, arena: Any | None = None, cold_start: bool | str | None = False
-    ) -> AdoptResult:
-        """Move this pool, still empty, onto persistent metadata and adopt what it holds.
-
-        When the stored header matches :attr:`layout` (magic, format version, checksum,
-        geometry), the generation is incremented and READY pages that verify come back;
-        WRITING pages and all pins are dropped (whoever held them is gone). Otherwise, or
-        with ``cold_start``, the metadata is formatted: an empty pool, generation 1.
-        Quotas, :attr:`evict_requires_l3` and registered classes (with their ids) are
-        kept; the eviction counters restart; namespace and owner ids come from the
-        adopted tables, so ask for them (:meth:`namespace_id`, :meth:`owner_id`) after.
-
-        Args:
-            meta: writable buffer of at least ``layout.meta_bytes`` bytes (the first bytes
-                of the pool file's mapping); the pool keeps views of it until :meth:`close`.
-            arena: the arena (``capacity_bytes`` from ``layout.arena_offset``), to verify
-                each READY page's payload against its checksum; pages committed without
-                one are then dropped. None adopts payloads unverified (row seals are
-                checked either way).
-            cold_start: discard on purpose; a string is the reason to report (such as
-                the ``why_new`` of :func:`map_pool_file`); None or False adopts.
-
-        Returns:
-            What was adopted or why nothing was; ``summary`` is the line to log.
-
-        Raises:
-            HostPoolError: the pool holds pages, the buffer is read-only or too small, or
-                the arena is too small. The pool is unchanged.
-        """
-        resident = self._pages.resident()
-        if resident:
-            raise HostPoolError(f"adopt needs an empty pool; {resident} pages are resident")
-        old = self._pages.meta
-        result = self._bind(
-            PoolMeta(meta, old.layout),
-            arena,
-            cold_start,
-            [c.page_bytes for c in self._pages.slots.classes],
-        )
-        old.release()
-        return result
-
-    @property
-    def layout(self) -> PoolLayout:
-        """The pool's geometry and metadata layout (what :func:`map_pool_file` needs)."""
-        return self._pages.meta.layout
-
-    def _bind(
-        self, pm: PoolMeta, arena: Any | None, cold_start: bool | str | None, classes: Sequence[int]
-    ) -> AdoptResult:
-        """Check, then format or adopt ``pm``, and rebuild this pool over it."""
-        t0 = time.perf_counter()
-        need = pm.layout.n_extents * pm.layout.span
-        if arena is not None:
-            with memoryview(arena) as view:
-                nbytes = view.nbytes
-            if nbytes < need:
-                pm.release()
-                raise HostPoolError(f"the arena has {nbytes} bytes, the pool needs {need}")
-        reason = (
-            pm.mismatch()
-            if not cold_start
-            else (cold_start if isinstance(cold_start, str) else "cold start requested")
-        )
-        if reason is not None:
-            pm.format()
-        gen = 1 if reason is not None else pm.bump_generation()
-        ev = self._pages.evictor
-        self._lookups.close()  # its views of the old metadata go before that is released
         self._pages = pages = PageTable(
-            pm, max_log=ev.max_log, quota=ev.quota, requires_l3=ev.requires_l3, policy=ev.policy
+            pm, max_log=max_evicted_log, quota={}, requires_l3=False, policy=eviction_policy
         )
         self._lookups = KeyLookups(pages)
         for page_bytes in classes:
             self.register_class(page_bytes)
+        self.adopted: AdoptResult | None = None
+        if meta is None:
+            return
         if reason is not None:
-            return AdoptResult(False, reason, 0, 0, 0, time.perf_counter() - t0, gen)
+            self.adopted = AdoptResult(False, reason, 0, 0, 0, time.perf_counter() - t0, gen)
+            return
         scan = scan_rows(pm, pages.slots.usable_per_extent(), pages.keys, arena)
         pages.adopt_rows(scan.slots, scan.ready, scan.parents)
         self._lookups.rebuild()
-        return AdoptResult(
+        self.adopted = AdoptResult(
             True,
             "metadata matches the config",
             len(scan.slots),
@@ -242,6 +241,11 @@ class HostPool:
             time.perf_counter() - t0,
             gen,
         )
+
+    @property
+    def layout(self) -> PoolLayout:
+        """The pool's geometry and metadata layout (what :func:`map_pool_file` needs)."""
+        return self._pages.meta.layout
 
     def close(self) -> None:
         """Release the views of the metadata buffer, so its mapping can close; the pool
@@ -349,8 +353,8 @@ class HostPool:
             page_bytes: bytes of one page of an engine's model.
 
         Returns:
-            The class id (0, 1, ... in registration order; :meth:`adopt` keeps the ids
-            given before it, then registers its extents' page sizes, smallest first).
+            The class id (0, 1, ... in registration order; an adopted pool has
+            registered its extents' page sizes, smallest first, after ``classes``).
 
         Raises:
             HostPoolError: ``page_bytes`` is not positive or its stride exceeds an extent.
@@ -411,7 +415,7 @@ class HostPool:
     @property
     def evict_requires_l3(self) -> bool:
         """The write-back hook: when True, eviction takes only pages marked in L3
-        (:meth:`mark_in_l3`). Kept across :meth:`adopt`."""
+        (:meth:`mark_in_l3`)."""
         return self._pages.evictor.requires_l3
 
     @evict_requires_l3.setter

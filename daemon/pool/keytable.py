@@ -35,7 +35,7 @@ import numpy as np
 from kvtier.daemon.pool.layout import KEY_BYTES
 from kvtier.daemon.pool.meta import PoolMeta
 from kvtier.daemon.pool.records import PageState
-from kvtier.ipc.packed import PACK_NATIVE, PackedKeyList, pack_keys
+from kvtier.ipc.packed import PackedKeyList, pack_keys
 
 from kvtier.daemon.pool.native import _keyprobe
 
@@ -162,14 +162,11 @@ def table_keys(keys: Sequence[bytes]) -> tuple[bytes | memoryview, bytes | None]
     (:class:`~kvtier.ipc.protocol.PackedKeyList`) are probed as they came; a key that no
     page can hold (not bytes, or longer than 32 bytes) ends the list, it and the keys after
     it left out (a lookup's run stops there anyway)."""
-    if type(keys) is list and PACK_NATIVE:  # first: a list is the usual case
-        packed = pack_keys(keys)  # in C: None unless every key is 32 bytes
-        if packed is not None:
-            return packed, None
-    elif isinstance(keys, PackedKeyList):
+    if isinstance(keys, PackedKeyList):
         return keys.packed, None
-    elif keys and all(type(k) is bytes and len(k) == KEY_BYTES for k in keys):
-        return b"".join(keys), None
+    packed = pack_keys(keys)  # in C: None unless every key is a bytes object of 32 bytes
+    if packed is not None:
+        return packed, None
     end = next(
         (i for i, k in enumerate(keys) if not isinstance(k, bytes) or len(k) > KEY_BYTES),
         len(keys),

@@ -507,7 +507,7 @@ def map_pool_file(
 
     Returns:
         ``(segment, why_new)``: ``why_new`` is None when an existing file was mapped,
-        else why a new one was created (pass it as ``cold_start`` to :meth:`HostPool.adopt`).
+        else why a new one was created (pass it as :class:`HostPool`'s ``cold_start``).
 
     Raises:
         PoolFileError: the file is someone else's, a symlink or not a regular file (it is

@@ -1,8 +1,9 @@
 """Intrusive doubly linked lists threaded through slot ids: the LRU and the child lists.
 
 Every list here is a pair of ``array('i')`` link arrays indexed by slot id plus its two
-ends, created once per pool: linking and unlinking a page allocates nothing, and a whole
-list is relinked at C speed (numpy over the same arrays) when a pool is adopted.
+ends, created once per pool: linking and unlinking a page allocates nothing. The
+evictable lists are linked and unlinked page by page in C (``daemon/pool/native/_lists.h``)
+and relinked whole with numpy when a pool is adopted.
 :class:`RecencyLists` holds the evictable pages (its global list shares the free lists'
 link pair, since a FREE slot is never evictable); :class:`ChildLists` holds each page's
 resident children. The free lists themselves are
@@ -16,41 +17,12 @@ from array import array
 import numpy as np
 from kvtier.daemon.pool.layout import NIL
 
-__all__ = ["ChildLists", "RecencyLists", "filled", "link_in_order", "push", "unlink"]
+__all__ = ["ChildLists", "RecencyLists", "filled", "link_in_order"]
 
 
 def filled(typecode: str, value: int, n: int) -> array[int]:
     """Return an ``array(typecode)`` of ``n`` copies of ``value``."""
     return array(typecode, [value]) * n
-
-
-def push(prev: array[int], nxt: array[int], ends: list[int], stamp: memoryview, s: int) -> None:
-    """Link ``s`` into the list ``ends = [cold, hot]``: at the cold end if it is not
-    more recent than the current cold end, else at the hot end."""
-    cold, hot = ends
-    if cold == NIL:
-        prev[s] = nxt[s] = NIL
-        ends[0] = ends[1] = s
-    elif stamp[s] <= stamp[cold]:
-        prev[s], nxt[s], prev[cold] = NIL, cold, s
-        ends[0] = s
-    else:
-        prev[s], nxt[s], nxt[hot] = hot, NIL, s
-        ends[1] = s
-
-
-def unlink(prev: array[int], nxt: array[int], ends: list[int], s: int) -> None:
-    """Unlink ``s`` from the list ``ends = [cold, hot]``."""
-    p, n = prev[s], nxt[s]
-    if p == NIL:
-        ends[0] = n
-    else:
-        nxt[p] = n
-    if n == NIL:
-        ends[1] = p
-    else:
-        prev[n] = p
-    prev[s] = nxt[s] = NIL
 
 
 def link_in_order(prev: array[int], nxt: array[int], order: np.ndarray) -> list[int]:
@@ -81,19 +53,17 @@ class RecencyLists:
     two lists by ``tier`` (the ``arc`` policy's T1 and T2; with ``tier`` None, as for
     ``lru``, every page is on the first): both thread through the allocator's link pair
     (:attr:`SlotAllocator.prev` / ``next``), which a FREE slot uses for its free list
-    instead, since a page is on one of them at most. A page is placed by :func:`push`: at
-    the cold end if not more recent than it, else at the hot end.
+    instead, since a page is on one of them at most. The C code moves pages on them
+    (``daemon/pool/native/_lists.h``): a page enters at the cold end if it is not more
+    recent than the page there, else at the hot end.
 
     Args:
         prev / nxt: the link pair the global lists share with the free lists (one entry
             per slot id).
-        stamp: the last-access column (larger is more recent).
         tier: per slot, which global list (0 or 1) a page goes on; None: the first.
     """
 
-    def __init__(
-        self, prev: array[int], nxt: array[int], stamp: memoryview, tier: bytearray | None = None
-    ) -> None:
+    def __init__(self, prev: array[int], nxt: array[int], tier: bytearray | None = None) -> None:
         self.prev, self.next = prev, nxt
         self.oprev = filled("i", NIL, len(prev))
         self.onext = filled("i", NIL, len(prev))
@@ -101,22 +71,6 @@ class RecencyLists:
         self.ends2 = [NIL, NIL]  # second global list (tier 1)
         self.own_ends: dict[int, list[int]] = {}  # per owner, created on first use
         self.tier = tier
-        self._stamp = stamp
-
-    def enqueue(self, s: int, owner: int) -> None:
-        """Put ``s`` on its global list and on ``owner``'s."""
-        tier = self.tier
-        push(self.prev, self.next, self.ends2 if tier and tier[s] else self.ends, self._stamp, s)
-        ends = self.own_ends.get(owner)
-        if ends is None:
-            ends = self.own_ends[owner] = [NIL, NIL]
-        push(self.oprev, self.onext, ends, self._stamp, s)
-
-    def dequeue(self, s: int, owner: int) -> None:
-        """Take ``s`` off its global list and off ``owner``'s."""
-        tier = self.tier
-        unlink(self.prev, self.next, self.ends2 if tier and tier[s] else self.ends, s)
-        unlink(self.oprev, self.onext, self.own_ends[owner], s)
 
     def start(self, owner: int | None, second: bool = False) -> tuple[int, array[int]]:
         """Return the cold end of the first global list (the second with ``second``, or

@@ -19,7 +19,7 @@ one of the WRITING pages (``_writing``): allocation asks it which keys are prese
 commit, eviction and release move keys in and out of it. LOOKUPs and a LOAD's pin are
 answered by the host pool's key table in C (:mod:`~kvtier.daemon.pool.lookups`), which
 asks this dict only about a key its probe leaves unresolved. Allocate and commit run in C
-(:class:`~kvtier.daemon.pool.storerun.StoreRuns`, the eviction policy's steps within the
+(:class:`~kvtier.daemon.pool.page_steps.PageSteps`, the eviction policy's steps within the
 allocation), pin and unpin too (:class:`~kvtier.daemon.pool.pins.Pins`), and so does
 freeing a page (:meth:`PageTable.release`: an abort, a flush), whatever the number of
 pages. A key is one bytes object, in ``_key`` (slot -> key) and its
@@ -39,7 +39,7 @@ from kvtier.daemon.pool.meta import PoolMeta
 from kvtier.daemon.pool.pins import Pins
 from kvtier.daemon.pool.records import HostPoolError, PageState, PageStateError, ResidentPages
 from kvtier.daemon.pool.slots import PageClass, SlotAllocator
-from kvtier.daemon.pool.storerun import StoreRuns
+from kvtier.daemon.pool.page_steps import PageSteps
 
 __all__ = ["PageTable"]
 
@@ -119,7 +119,7 @@ class PageTable:
             self.n_slots, meta.stamp, meta.state, meta.owner, self._children, self._lru
         )
         self._pins = self._pin.count
-        self._runs = StoreRuns(
+        self._steps = PageSteps(
             meta, slots, self._kids, self._ev, self._pins, self._key, self._ready, self._writing
         )
         self._clock = 0
@@ -139,7 +139,7 @@ class PageTable:
         """
         meta = self._meta
         self._slots.rebuild(slots)
-        self._ready.update(ready)  # in place: the index dicts are shared (StoreRuns)
+        self._ready.update(ready)  # in place: the index dicts are shared (PageSteps)
         cids = np.frombuffer(self._ext_class, dtype=np.int32)[slots // self._per_extent]
         for cid, count in enumerate(np.bincount(cids, minlength=len(self._classes)).tolist()):
             self._classes[cid].ready = count
@@ -223,7 +223,7 @@ class PageTable:
             if p is None:
                 p = self._writing.get(ns_id, _NO_PAGES).get(parent_key)
             prev = NIL if p is None else p
-        done = self._runs.allocate(ns_id, owner, class_id, keys, prev, self._clock)
+        done = self._steps.allocate(ns_id, owner, class_id, keys, prev, self._clock)
         if done is None:  # checked before any change
             raise HostPoolError(f"page keys must be bytes of at most {KEY_BYTES} bytes")
         out, self._clock = done
@@ -239,7 +239,7 @@ class PageTable:
             slots: WRITING slots, in chain order (the tail ends up coldest).
             checksums: the payload checksum of each slot (:func:`page_checksum` of its
                 page bytes, computed once they landed), same order; None records none
-                (such pages are not adopted by a verifying :meth:`HostPool.adopt`).
+                (such pages are not adopted by a pool that verifies its arena).
 
         Raises:
             PageStateError: a slot is not WRITING. Checked before any change, except a
@@ -247,11 +247,11 @@ class PageTable:
             HostPoolError: a slot id is out of range, or ``checksums`` does not match
                 ``slots`` (length, or a value outside 64 bits).
         """
-        done = self._runs.commit(slots, checksums, self._clock)
+        done = self._steps.commit(slots, checksums, self._clock)
         if done is None:  # refused, having changed nothing: name why, else ints that are not int
             self._check_commit(slots, checksums)
             sums = None if checksums is None else list(map(int, checksums))
-            done = self._runs.commit(list(map(int, slots)), sums, self._clock)
+            done = self._steps.commit(list(map(int, slots)), sums, self._clock)
             if done is None:  # pragma: no cover - _check_commit names every refusal
                 raise HostPoolError(f"cannot commit slots {list(slots)[:8]}")
         stop, self._clock = done
@@ -283,7 +283,7 @@ class PageTable:
         for s in slots:
             self._expect(s, PageState.WRITING, "abort")
         order = [int(s) for s in reversed(slots)]
-        done = self._runs.release(order)
+        done = self._steps.release(order)
         if done < len(order):  # listed twice: FREE at its second occurrence
             self._expect(order[done], PageState.WRITING, "abort")
             raise PageStateError(f"cannot abort slot {order[done]}")  # pragma: no cover
@@ -373,7 +373,7 @@ class PageTable:
 
     def release(self, s: int) -> None:
         """Turn the WRITING or evictable (READY, unpinned, childless) page ``s`` FREE, in
-        C (:meth:`StoreRuns.release`): an evictable page leaves the evictable lists first;
+        C (:meth:`PageSteps.release`): an evictable page leaves the evictable lists first;
         its parent loses a resident child (and becomes evictable when that was its last),
         its children lose their parent link, and its slot goes back to its class.
 
@@ -381,7 +381,7 @@ class PageTable:
             PageStateError: ``s`` is FREE, pinned, or READY with resident children.
             HostPoolError: ``s`` is not a slot of the pool.
         """
-        if self._runs.release([s]) != 1:
+        if self._steps.release([s]) != 1:
             self.check_slot(s)
             raise PageStateError(
                 f"cannot release slot {s}: it is {PageState(self._state[s]).name} "

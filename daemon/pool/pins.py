@@ -4,9 +4,8 @@ A LOAD pins the pages it reads (a pinned page is never evicted) and unpins them 
 copy ends; a LOAD of a 128K-token context pins 8,192 pages. :class:`Pins` keeps the count
 of each page and the number of pinned pages, and does both steps in one call of
 ``daemon/pool/native/_pins.c`` for any number of pages: the per-page steps in the
-page-by-page order (a slot listed twice is pinned twice). The evictable lists stay in
-Python: the few pages that leave them (pinned, and childless) or enter them (unpinned, and
-childless) are moved one by one, in the same order.
+page-by-page order (a slot listed twice is pinned twice), and the moves of the pages that
+leave the evictable lists (pinned, and childless) or enter them (unpinned, and childless).
 """
 
 from __future__ import annotations
@@ -48,18 +47,24 @@ class Pins:
     ) -> None:
         self.count = filled("i", 0, n_slots)
         self.pinned = 0
-        self._stamp, self._state, self._owner = stamp, state, owner
+        self._stamp, self._state = stamp, state
         self._children, self._lru = children, lru
+        self._links = (lru.prev, lru.next, lru.oprev, lru.onext, stamp, owner)
+
+    def _lists(self) -> tuple[object, ...]:
+        """The evictable lists as ``_pins`` takes them (their ends as they are now)."""
+        lru = self._lru
+        tiers = (None, None) if lru.tier is None else (lru.ends2, lru.tier)
+        return (*self._links, lru.ends, lru.own_ends, *tiers)
 
     def pin(self, slots: list[int], clock: int) -> int:
         """Pin the READY ``slots`` and touch them, the last first (access stamps
         ``clock + 1`` onwards); the pages pinned for the first time leave the evictable
         lists. Returns the new clock."""
-        clock, newly, childless = _pins.pin(self.count, self._stamp, self._children, slots, clock)
+        clock, newly = _pins.pin(
+            self.count, self._stamp, self._children, slots, clock, self._lists()
+        )
         self.pinned += newly
-        owner, lru = self._owner, self._lru
-        for s in childless:  # off the evictable lists
-            lru.dequeue(s, owner[s])
         return clock
 
     def unpin(self, slots: Sequence[int]) -> bool:
@@ -67,19 +72,17 @@ class Pins:
         the evictable lists, in ``slots`` order. False, having changed nothing, when a slot
         is outside the pool, not READY, not pinned, or listed more often than pinned."""
         try:
-            done = _pins.unpin(
+            unpinned = _pins.unpin(
                 self.count,
                 self._state,
                 self._children,
                 slots if type(slots) is list else list(slots),
                 _READY,
+                self._lists(),
             )
         except ValueError:  # a slot outside the pool
             return False
-        if done is None:
+        if unpinned is None:
             return False
-        self.pinned -= done[0]
-        owner, lru = self._owner, self._lru
-        for s in done[1]:  # onto the evictable lists
-            lru.enqueue(s, owner[s])
+        self.pinned -= unpinned
         return True

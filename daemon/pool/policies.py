@@ -181,8 +181,9 @@ FLOOR = 0.01
 
 class ReuseState(SplitState):
     """The ``reuse`` policy's state (see the module docstring), kept by its C core
-    (``_alloc.Reuse``, ``daemon/pool/native/_reuse.h``), which the pool's allocation loop
-    runs inline; these methods are the same steps for the evictor's Python path.
+    (``_alloc.Reuse``, ``daemon/pool/native/_reuse.h``), which the pool's C code runs
+    itself; these methods take the same steps one call at a time (the page-by-page model
+    of ``tests/pool_model.py`` calls them).
 
     Attributes:
         core: the targets, counts and ghosts.

@@ -157,7 +157,8 @@ class HostPoolStats:
 
 @dataclass(frozen=True, slots=True)
 class AdoptResult:
-    """What :meth:`HostPool.adopt` did with the metadata it found.
+    """What a :class:`HostPool` built over metadata did with what it found
+    (:attr:`HostPool.adopted`).
 
     Attributes:
         adopted: True when the pages were adopted, False when everything was discarded.
@@ -165,7 +166,7 @@ class AdoptResult:
         pages_adopted: READY pages visible again.
         pages_dropped: pages found but not adopted (WRITING, failed checks); 0 on a discard.
         bytes_adopted: payload bytes of the adopted pages.
-        seconds: time :meth:`HostPool.adopt` took (header, scan, verification, rebuild).
+        seconds: time the adoption took (header, scan, verification, rebuild).
         generation: the pool's generation now (1 after a discard, +1 per adoption).
     """
 

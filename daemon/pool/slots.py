@@ -24,7 +24,7 @@ A free slot of a class is taken from, in order: the class's free list (an intrus
 doubly linked list through :attr:`SlotAllocator.prev` / ``next``), a fresh slot
 of the extent the class is cutting (ascending offsets, so consecutive allocations are
 contiguous), a free extent (lowest first). A slot given back (by the page table's
-release, in C: :meth:`~kvtier.daemon.pool.storerun.StoreRuns.release`) goes to its
+release, in C: :meth:`~kvtier.daemon.pool.page_steps.PageSteps.release`) goes to its
 class's free list; the last slot of an extent gives the whole extent back.
 
 Each extent's page size is mirrored into the persistent extent table (0 = free):

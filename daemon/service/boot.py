@@ -57,7 +57,11 @@ class Service:
     """The parts that answer requests: pool, tier, handlers, copy threads.
 
     Build it with :func:`build_service` (on a worker thread), then :meth:`open` it on the
-    event loop.
+    event loop. The constructor maps the pool file and builds the pool over it, adopting
+    the pages a previous kvtierd left in it (unless it does not fit this configuration, or
+    ``cold_start``); ``stack`` closes both. A new file is reserved and pre-faulted when
+    ``prefault`` is set; an existing one is mapped as it is (see :meth:`prefault`). The
+    file outlives the daemon unless ``keep_pool_on_stop`` is off.
 
     Args:
         cfg: the configuration.
@@ -65,10 +69,12 @@ class Service:
         epoch: the daemon's boot epoch.
         notifier: tells systemd about reloads.
         reload: re-reads the configuration (SIGHUP); None when there is nothing to re-read.
+        ppath: the pool file.
+        stack: unmaps the pool file (and releases the pool's views of it first).
 
     Attributes:
         pool, counters, tier, ctx, transfers, handlers, admin, dispatcher: the parts.
-        seg: the mapped pool file (None until :meth:`open_pool`).
+        seg: the mapped pool file.
     """
 
     def __init__(
@@ -78,53 +84,55 @@ class Service:
         epoch: int,
         notifier: SystemdNotifier,
         reload: Callable[[], DaemonConfig] | None,
+        ppath: Path,
+        stack: contextlib.ExitStack,
     ) -> None:
-        self.pool = HostPool.from_config(cfg, slot_headroom(cfg.hicache_storage_backend))
-        self.counters = Counters()
-        self.tier = TierStore(cfg, self.pool, self.counters, rdir)
-        self.ctx = ServiceContext(cfg, self.pool, self.tier, self.counters, rdir, epoch=epoch)
-        self.transfers = Transfers(self.ctx)
-        self.handlers = Handlers(self.ctx, self.transfers)
-        self.admin = Admin(self.ctx, notifier, reload)
-        self.dispatcher = Dispatcher(self.ctx, {**self.handlers.table(), **self.admin.table()})
-        self.seg: SharedMemorySegment | None = None
-        self._arena_view: memoryview | None = None
-        self._arena: np.ndarray | None = None  # what the copy threads copy through
-        self._created = False  # the pool file was made by this start (pre-faulted then)
-        self._stop_prefault = threading.Event()
-
-    def open_pool(self, ppath: Path, stack: contextlib.ExitStack) -> None:
-        """Map the pool file and adopt the pages a previous kvtierd left in it (unless it
-        does not fit this configuration, or ``cold_start``); ``stack`` closes both.
-
-        A new file is reserved and pre-faulted here when ``prefault`` is set; an existing
-        one is mapped as it is (see :meth:`prefault`). The file outlives the daemon unless
-        ``keep_pool_on_stop`` is off.
-        """
-        cfg, layout = self.ctx.cfg, self.pool.layout
+        headroom = slot_headroom(cfg.hicache_storage_backend)
+        layout = HostPool.layout_of(cfg, headroom)
         seg, why_new = map_pool_file(
-            ppath, layout, prefault=cfg.prefault, populate_existing=False, runtime_dir=self.ctx.rdir
+            ppath, layout, prefault=cfg.prefault, populate_existing=False, runtime_dir=rdir
         )
-        stack.callback(lambda: seg.close(unlink=not self.ctx.cfg.keep_pool_on_stop))
-        self.seg, self._created = seg, why_new is not None
+        stack.callback(self._unmap, seg, cfg)
+        self.seg: SharedMemorySegment = seg
+        self._created = why_new is not None  # made by this start (pre-faulted then)
         arena_view = seg.view[layout.arena_offset : layout.arena_offset + layout.capacity_bytes]
         stack.callback(arena_view.release)
         self._arena_view = arena_view
         # a numpy array: the CPU copy path imports no torch (a CUDA back end would take a
         # torch view of it, ``torch.from_numpy``, when the first CUDA session needs one)
-        self._arena = seg.array(np.uint8, layout.arena_offset, layout.capacity_bytes)
+        self._arena: np.ndarray | None = seg.array(
+            np.uint8, layout.arena_offset, layout.capacity_bytes
+        )
         stack.callback(setattr, self, "_arena", None)  # before the mapping closes
-        cold = "cold start requested (cold_start)" if cfg.cold_start else why_new
-        self.ctx.adopt = self.pool.adopt(
-            seg.view[: layout.meta_bytes],
-            cold_start=cold,
+        self.pool = HostPool.from_config(
+            cfg,
+            headroom,
+            meta=seg.view[: layout.meta_bytes],
             arena=arena_view if cfg.verify_on_adopt else None,
+            cold_start="cold start requested (cold_start)" if cfg.cold_start else why_new,
         )
         stack.callback(self.pool.close)  # its views of the metadata go before the mapping
-        log.info("%s", self.ctx.adopt.summary)
+        adopted = self.pool.adopted
+        assert adopted is not None, "a pool over a file has adopted it or started empty"
+        log.info("%s", adopted.summary)
         for name, t in cfg.tenants.items():  # owner ids come from the adopted table
             if t.quota_pages is not None:
                 self.pool.set_quota(self.pool.owner_id(name), t.quota_pages)
+        self.counters = Counters()
+        self.tier = TierStore(cfg, self.pool, self.counters, rdir)
+        self.ctx = ServiceContext(cfg, self.pool, self.tier, self.counters, rdir, epoch=epoch)
+        self.ctx.adopt = adopted
+        self.transfers = Transfers(self.ctx)
+        self.handlers = Handlers(self.ctx, self.transfers)
+        self.admin = Admin(self.ctx, notifier, reload)
+        self.dispatcher = Dispatcher(self.ctx, {**self.handlers.table(), **self.admin.table()})
+        self._stop_prefault = threading.Event()
+
+    def _unmap(self, seg: SharedMemorySegment, cfg: DaemonConfig) -> None:
+        """Unmap the pool file; remove it unless ``keep_pool_on_stop`` (as configured now:
+        a reload may have changed it; ``cfg`` when the service was never built)."""
+        ctx: ServiceContext | None = getattr(self, "ctx", None)
+        seg.close(unlink=not (ctx.cfg if ctx is not None else cfg).keep_pool_on_stop)
 
     async def open(
         self, stack: contextlib.AsyncExitStack, finalize_remaining: Callable[[], None]
@@ -137,7 +145,6 @@ class Service:
                 sessions whose copies outlived the drain).
         """
         seg, arena_view, layout = self.seg, self._arena_view, self.pool.layout
-        assert seg is not None and arena_view is not None, "open_pool() first"
         await self.tier.open(
             HostArena(
                 view=arena_view,
@@ -155,7 +162,7 @@ class Service:
         )
         self.transfers.open(executor, self._arena, self.ctx.cfg.copy_threads)
         stack.callback(self.transfers.close)
-        assert self._arena is not None, "open_pool() first"
+        assert self._arena is not None, "the pool file is mapped until the stack closes"
         self.ctx.cuda.attach(self._arena)  # unpinned once every session is finalized:
         stack.push_async_callback(asyncio.to_thread, self.ctx.cuda.close)  # before the unmap
         stack.callback(finalize_remaining)  # runs once the copy threads have ended
@@ -171,7 +178,7 @@ class Service:
         ``prefault``; a new file was pre-faulted when it was created). Cancelling it stops
         the thread at its next 64 MiB step and waits for it, so the mapping outlives it."""
         seg = self.seg
-        if seg is None or self._created or not self.ctx.cfg.prefault:
+        if self._created or not self.ctx.cfg.prefault:
             return
         t0 = time.perf_counter()
         work = asyncio.ensure_future(asyncio.to_thread(populate, seg, self._stop_prefault.is_set))
@@ -210,6 +217,5 @@ def build_service(
     if cfg.native_off:
         log.info("C kernels turned off (native_off): %s", ", ".join(cfg.native_off))
     with contextlib.ExitStack() as stack:
-        service = Service(cfg, rdir, epoch, notifier, reload)
-        service.open_pool(ppath, stack)
+        service = Service(cfg, rdir, epoch, notifier, reload, ppath, stack)
         return service, stack.pop_all()

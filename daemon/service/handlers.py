@@ -107,8 +107,9 @@ class Handlers:
     def lookup(self, identity: bytes, m: P.Lookup) -> Answer:
         """LOOKUP: the leading run of keys in L2, then (when asked) the run after it in L3.
 
-        Keys come as a list or packed (``packed_keys``); a long packed list is answered by
-        the pool's key table without a Python object per key (:meth:`HostPool.lookup_packed`).
+        Keys come packed (``packed_keys``, as every kvtier client sends them), answered by the
+        pool's key table without a Python object per key (:meth:`HostPool.lookup_packed`),
+        or as a list (older and other clients).
         """
         start = time.perf_counter()
         ctx = self.ctx

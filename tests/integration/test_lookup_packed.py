@@ -1,6 +1,6 @@
 """LOOKUP with packed keys, through a real kvtierd: the same answers as a key list, for any list.
 
-The daemon answers a long packed LOOKUP from its key table; these tests hold it to the
+The daemon answers a packed LOOKUP from its key table; these tests hold it to the
 list form's answer (the leading run of the keys present in the session's namespace) for
 chains, lists that are no chain, duplicates, another namespace's keys and absent keys,
 and to the list form's refusals: too many keys, a partial key, both forms at once.
@@ -12,13 +12,13 @@ import random
 
 import pytest
 from kvtier.client.connection.replies import DaemonError
-from kvtier.client.connection.request_codec import PACKED_MIN_KEYS, lookup_request
+from kvtier.client.connection.request_codec import lookup_request
 from kvtier.ipc import protocol as P
 from kvtier.ipc.limits import KEY_BYTES, MAX_KEYS
 
 from tests.engines import SMALL, engine, tokens
 
-PAGES = 2 * PACKED_MIN_KEYS
+PAGES = 512
 
 
 def ask(conn, **fields) -> P.LookupResult:
@@ -63,8 +63,12 @@ def test_packed_lookup_matches_the_list_for_any_list(two_engines) -> None:
     assert both(a, a_keys[:300] + b_keys) == 300
     assert both(b, b_keys + a_keys) == PAGES
     assert both(a, absent + a_keys) == 0
-    # the client sends long lists packed, and gets the same answers
-    assert lookup_request(a.session_id, a_keys, True).packed_keys
+    # the client sends every list packed, however short, and gets the same answers
+    for n in (1, 2, PAGES):
+        req = lookup_request(a.session_id, a_keys[:n], True)
+        assert bytes(req.packed_keys) == b"".join(a_keys[:n]) and not req.keys
+        assert a.lookup(a_keys[:n]).l2 == n
+    assert a.lookup(absent[:1] + a_keys[:1]).l2 == 0
     assert a.lookup(a_keys[: PAGES - 1] + absent[:1]).l2 == PAGES - 1
 
 

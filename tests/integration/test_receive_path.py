@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import select
 import threading
 import time
 
@@ -65,12 +66,22 @@ def test_replies_from_tasks_and_from_the_reader_lose_no_request(daemon_factory, 
             pool.close()
 
 
+def signalled(fd: int, timeout_s: float) -> bool:
+    """Whether ZeroMQ's descriptor ``fd`` is readable within ``timeout_s`` (polling it does
+    not consume the signal: only the socket's owner processing its commands does)."""
+    readable, _, _ = select.select([fd], [], [], timeout_s)
+    return bool(readable)
+
+
 def test_a_request_whose_signal_a_task_reply_took_is_still_answered(short_tmp):
     """Made to happen, not waited for: the daemon (in this process, on uvloop) is held in a
     callback while a request reaches its socket, then sends a reply the way a task does
     (``Receiver.reply_later``). That send processes ZeroMQ's pending commands and clears the
     descriptor's signal of the request; unless the daemon checks its queue after sending,
-    the request waits until some other message arrives."""
+    the request waits until some other message arrives. The daemon is released once its
+    descriptor is seen to signal (quiet before the request, readable after it), and replies
+    as a task does until one of its replies is seen to have taken that signal, so the
+    situation is reached whatever the timing."""
     cfg = load_config(
         DaemonConfig,
         env={},
@@ -112,25 +123,40 @@ def test_a_request_whose_signal_a_task_reply_took_is_still_answered(short_tmp):
         assert client.poll(30_000), "no reply to the first HEALTH"
         client.recv()
         held, release = threading.Event(), threading.Event()
+        descriptor: list[int] = []
+        replies: list[bool] = []  # per task reply: whether the signal was still there after it
 
         def hold_then_reply_as_a_task_does() -> None:
+            receiver = daemon.receiver
+            assert receiver is not None
+            descriptor.append(receiver.sock.getsockopt(zmq.FD))
             held.set()
             release.wait(30)
-            # reply_later of a reply already made: it runs to its end in one step
-            assert daemon.receiver is not None
-            step = daemon.receiver.reply_later(
-                b"a-peer-that-left", P.Ack(req_id=9, epoch=daemon.epoch)
-            )
-            with contextlib.suppress(StopIteration):
-                step.send(None)
+            # a send processes ZeroMQ's pending commands only if it has not done so within
+            # the last max_command_delay CPU clock ticks: reply until one has taken the
+            # signal, which the first does if the daemon then checks its queue
+            deadline = time.monotonic() + 30
+            while not replies or replies[-1]:
+                if time.monotonic() > deadline:
+                    return
+                # reply_later of a reply already made: it runs to its end in one step
+                step = receiver.reply_later(
+                    b"a-peer-that-left", P.Ack(req_id=9, epoch=daemon.epoch)
+                )
+                with contextlib.suppress(StopIteration):
+                    step.send(None)
+                replies.append(signalled(descriptor[0], 0))
 
         loop.call_soon_threadsafe(hold_then_reply_as_a_task_does)
         assert held.wait(30)
+        (fd,) = descriptor
+        assert not signalled(fd, 0), "the descriptor signalled before the request was sent"
         client.send(P.encode(P.Health(req_id=2)))
-        time.sleep(0.3)  # the request reaches the daemon's queue and signals its descriptor
+        assert signalled(fd, 30), "the request never signalled the daemon's descriptor"
         release.set()
         assert client.poll(30_000), "the request stayed unanswered after the task's reply"
         assert P.decode_reply(client.recv()).req_id == 2
+        assert replies and not replies[-1], f"no task reply took the signal ({len(replies)})"
     finally:
         client.close()
         ctx.term()

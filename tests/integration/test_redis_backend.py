@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -20,6 +21,8 @@ from tests.servers import RedisServer, free_port, serve_redis
 import contextlib
 
 pytestmark = pytest.mark.timeout(60)
+EXPIRY_BOUND_S = 30.0
+"""How long a page stored with a 0.3 s TTL may take to be seen gone before a test fails."""
 arena = arenas.arena  # the shared fixture, bound here so the tests below can request it by name
 
 
@@ -214,14 +217,40 @@ async def test_delete_counts_present_keys(store: RedisBackend, arena: HostArena)
     assert await store.delete(NS, []) == 0
 
 
+async def test_ttl_is_set_on_store_and_renewed_by_a_read(
+    redis_server: RedisServer, arena: HostArena
+) -> None:
+    """With ``ttl_s`` a stored page carries that expiry on the server (``SET ... PX``), and a
+    read sets it back to ``ttl_s`` (``GETEX ... PX``). The expiry is read from the server
+    (``PTTL``), and the TTL is long enough that nothing expires during the test, so no check
+    depends on how fast the steps ran."""
+    backend = await opened(redis_server, arena, ttl_s=60)
+    try:
+        assert backend.client is not None
+        name = backend.key_name(NS, key(1))
+        fill(arena, 0)
+        assert await backend.put_from(NS, [key(1)], [0], PAGE) == [True]
+        assert 0 < await backend.client.pttl(name) <= 60_000
+        assert await backend.client.pexpire(name, 3_600_000)  # an hour: the read must undo it
+        assert await backend.get_into(NS, [key(1)], [PAGE], PAGE) == [True]
+        assert 0 < await backend.client.pttl(name) <= 60_000
+        assert page(arena, 1) == page(arena, 0)
+    finally:
+        await backend.close()
+
+
 async def test_ttl_expires_pages(redis_server: RedisServer, arena: HostArena) -> None:
+    """A page stored with a short ``ttl_s`` is gone once the server expires it. The test
+    waits for the expiry (polling ``exists``, failing only after a generous bound), rather
+    than sleeping a fixed time and hoping the server got there."""
     backend = await opened(redis_server, arena, ttl_s=0.3)
     try:
         fill(arena, 0)
         assert await backend.put_from(NS, [key(1)], [0], PAGE) == [True]
-        assert await backend.get_into(NS, [key(1)], [PAGE], PAGE) == [True]
-        await asyncio.sleep(0.6)
-        assert await backend.exists(NS, [key(1)]) == 0
+        deadline = time.monotonic() + EXPIRY_BOUND_S
+        while await backend.exists(NS, [key(1)]) != 0:
+            assert time.monotonic() < deadline, "the page never expired"
+            await asyncio.sleep(0.01)
     finally:
         await backend.close()
 

@@ -1,25 +1,25 @@
 """LOAD and STORE with packed keys and pages, through a real kvtierd.
 
-A connection sends transfers of :data:`~kvtier.client.connection.request_codec.PACKED_MIN_KEYS` pages
-or more packed (``packed_keys``, ``packed_pages``) to a daemon that says
-``packed_transfers``. These tests hold the packed form to the list form: the same pages
-stored and loaded (byte for byte, into the pages named), the same partial runs, the same
-refusals (too many keys, a partial key, pages that do not match the keys, a page outside
-the engine's memory or named twice, both forms at once), and the daemon serving on after
-each refusal.
+A connection sends every transfer packed (``packed_keys``, ``packed_pages``), one page or
+thousands, to a daemon that says ``packed_transfers``
+(:mod:`kvtier.client.connection.request_codec`). These tests hold the packed form to the
+list form: the same pages stored and loaded (byte for byte, into the pages named), the
+same partial runs, the same refusals (too many keys, a partial key, pages that do not
+match the keys, a page outside the engine's memory or named twice, both forms at once),
+and the daemon serving on after each refusal.
 """
 
 from __future__ import annotations
 
 import pytest
 from kvtier.client.connection.replies import DaemonError
-from kvtier.client.connection.request_codec import PACKED_MIN_KEYS, transfer_request
+from kvtier.client.connection.request_codec import transfer_request
 from kvtier.ipc import protocol as P
 from kvtier.ipc.limits import KEY_BYTES
 
 from tests.engines import engine, fill_page, page_bytes, tokens
 
-PAGES = 2 * PACKED_MIN_KEYS
+PAGES = 512
 
 
 def send(conn, **fields):
@@ -69,7 +69,8 @@ def test_packed_store_and_load_move_the_same_bytes_as_lists(packed_engine) -> No
 def test_packed_load_stops_where_the_run_ends(packed_engine) -> None:
     pool, conn, keys = packed_engine
     half = PAGES // 2
-    assert conn.store(keys[:half], list(range(half))).wait()  # list form (short)
+    assert transfer_request(P.Store, 1, keys[:1], [0], 0, 1, True).packed_keys  # short: packed
+    assert conn.store(keys[:half], list(range(half))).wait()
     assert conn.store(keys[half + 1 :], list(range(half + 1, PAGES))).wait()  # packed, a gap
     h = conn.load(keys, list(range(PAGES, 2 * PAGES)))
     assert h.count == half and h.wait()

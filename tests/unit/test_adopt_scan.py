@@ -1,11 +1,11 @@
-"""Exact tests of the column-wise adoption scan with page keys of 17 to 32 bytes.
+"""Exact tests of the column-wise adoption scan with page keys of 0 to 32 bytes.
 
-The persistence tests (test_pool_persistence) mostly use short keys, which the scan hashes
-one by one; engines' keys are 32-byte digests, which it hashes in one C call
-(:mod:`kvtier.daemon.pool.seals`) and deduplicates by a 64-bit fingerprint. These tests
-corrupt such rows the way a careless column parser would get wrong: bytes past a key's
-length, a key length off by one, a byte of either 16-byte half, duplicates, and two
-distinct keys whose fingerprints collide. Pools live over real files, as in
+The scan hashes every row's seal in one C call (:mod:`kvtier.daemon.pool.seals`), whatever
+its key's length (engines' keys are 32-byte digests; the persistence tests,
+test_pool_persistence, mostly use short keys), indexes the rows in C and deduplicates by a
+64-bit fingerprint. These tests corrupt rows the way a careless column parser would get
+wrong: bytes past a key's length, a key length off by one, a byte of either 16-byte half,
+duplicates, and two distinct keys whose fingerprints collide. Pools live over real files, as in
 test_pool_persistence; crash states are written into the metadata directly.
 """
 
@@ -21,7 +21,7 @@ import pytest
 from kvtier.daemon.pool.adopt import _MULTIPLIERS, _fingerprints
 from kvtier.daemon.pool.host_pool import PageState
 from kvtier.daemon.pool.layout import KEY_BYTES, seal_of
-from kvtier.daemon.pool.seals import VECTOR_MIN_LEN, seals
+from kvtier.daemon.pool.seals import seals
 
 from tests.unit.test_pool_persistence import NS, NS2, PoolFile, rows, store
 from tests.xxh3_reference import xxh3_64
@@ -47,8 +47,7 @@ def pool_file(tmp_path: Path) -> PoolFile:
 @pytest.mark.parametrize("length", range(KEY_BYTES + 1))
 def test_seals_match_the_reference_xxh3_for_every_key_length(length: int) -> None:
     """Column hashes equal the tests' own XXH3 (tests/xxh3_reference.py) for each length
-    alone (the one-length fast path) and mixed with every other length; the bytes past a
-    row's length never count."""
+    alone and mixed with every other length; the bytes past a row's length never count."""
     rng = random.Random(length)
     n = 64
     keys = np.frombuffer(rng.randbytes(n * KEY_BYTES), dtype=np.uint8).reshape(n, KEY_BYTES)
@@ -67,7 +66,7 @@ def test_seals_match_the_reference_xxh3_for_every_key_length(length: int) -> Non
 @pytest.mark.parametrize("mixed", [False, True])
 def test_seals_of_many_rows(mixed: bool) -> None:
     """Many rows: every digest lands in its place, with one key length throughout or a few
-    rows of other lengths (hashed one by one) among them."""
+    rows of other lengths among them."""
     rng = random.Random(7)
     n = 20_000
     keys = np.frombuffer(rng.randbytes(n * KEY_BYTES), dtype=np.uint8).reshape(n, KEY_BYTES)
@@ -89,16 +88,42 @@ def test_seals_of_no_rows_and_rows_that_are_not_keys() -> None:
         seals(np.zeros((2, KEY_BYTES), np.uint8), np.full(2, 33), seeds)
 
 
+def test_the_c_seals_are_xxh3_for_every_key_length_and_seed() -> None:
+    """The extension itself, one call for rows of every length from 0 to 32 (each of XXH3's
+    short-input paths: 0, 1-3, 4-8, 9-16, 17-32 bytes), with seeds whose halves matter (the
+    4-8 byte path folds the seed's low half into its high one): each digest is the xxhash
+    package's and the tests' own XXH3's."""
+    import xxhash
+
+    from kvtier.daemon.pool.native import _keyprobe as probe
+
+    rng = random.Random(17)
+    lengths = [n for n in range(KEY_BYTES + 1) for _ in range(40)]
+    n = len(lengths)
+    rows = np.frombuffer(rng.randbytes(n * KEY_BYTES), dtype=np.uint8).reshape(n, KEY_BYTES)
+    special = [0, 1, _MASK, 0xFFFFFFFF, 1 << 32, 0xFFFFFFFF << 32, 0x8000000000000000]
+    seeds = np.array(  # every fifth seed a special one: each length meets all of them
+        [special[i // 5 % len(special)] if i % 5 == 0 else rng.getrandbits(64) for i in range(n)],
+        dtype=np.uint64,
+    )
+    out = np.zeros(n, dtype=np.uint64)
+    probe.seals(rows, np.array(lengths, dtype=np.uint8), seeds, out)
+    for i, length in enumerate(lengths):
+        key, seed = rows[i, :length].tobytes(), int(seeds[i])
+        want = xxhash.xxh3_64_intdigest(key, seed)
+        assert int(out[i]) == want == xxh3_64(key, seed), (length, seed)
+
+
 def test_the_c_seals_refuse_lengths_and_sizes_they_cannot_hash() -> None:
-    """The extension hashes 17 to 32 bytes per 32-byte row; another length, or buffers of
+    """The extension hashes 0 to 32 bytes per 32-byte row; a longer length, or buffers of
     other sizes, are a ValueError and nothing is written."""
     from kvtier.daemon.pool.native import _keyprobe as probe
 
     rows = np.frombuffer(digest("a") + digest("b"), dtype=np.uint8).reshape(2, KEY_BYTES)
     seeds = np.array([1, 2], dtype=np.uint64)
-    for lengths in ([32, 16], [33, 32], [0, 32]):
+    for lengths in ([32, 33], [33, 32], [0, 255]):
         out = np.zeros(2, dtype=np.uint64)
-        with pytest.raises(ValueError, match="not 17 to 32"):
+        with pytest.raises(ValueError, match="not 0 to 32"):
             probe.seals(rows, np.array(lengths, dtype=np.uint8), seeds, out)
         assert not out.any()
     with pytest.raises(ValueError, match="not one 32-byte row"):
@@ -111,8 +136,8 @@ def test_the_c_seals_refuse_lengths_and_sizes_they_cannot_hash() -> None:
 
 
 def test_digest_keys_come_back_exactly(pool_file: PoolFile) -> None:
-    """32-byte keys (column path), a 20-byte key (column path, one length of its own) and
-    a 5-byte key (one by one), in two namespaces: every row and lookup comes back."""
+    """32-byte keys, a 20-byte key and a 5-byte key (one C call seals and one indexes
+    them all), in two namespaces: every row and lookup comes back."""
     pool, _ = pool_file.start()
     arena = pool_file.arena()
     a = [digest(f"a{i}") for i in range(3)]
@@ -159,13 +184,19 @@ def test_bytes_past_a_keys_length_are_not_part_of_it(pool_file: PoolFile) -> Non
         (32, "length 31"),
         (20, "length 21"),
         (20, "length 16"),
+        (12, "byte 7"),
+        (6, "byte 2"),
+        (5, "length 4"),
+        (3, "byte 1"),
+        (1, "byte 0"),
         (32, "namespace"),
         (32, "checksum"),
     ],
 )
 def test_a_stray_write_to_a_digest_row_drops_it(pool_file: PoolFile, n: int, where: str) -> None:
-    """One changed byte anywhere in a key that long, its length off by one (or below the
-    column path's 17), or another namespace or checksum: the seal no longer matches."""
+    """One changed byte anywhere in a key that long (through each of XXH3's short-input
+    paths), its length off by one (or into another path), or another namespace or
+    checksum: the seal no longer matches."""
     pool, _ = pool_file.start()
     key, other = digest("victim", n), digest("bystander")
     slot, kept = store(pool, pool_file.arena(), [key, other])
@@ -293,11 +324,6 @@ def test_a_verified_adoption_checks_digest_rows_payloads(pool_file: PoolFile) ->
     assert pool.describe(s0).key == digest("p0") and pool.describe(s1).state is PageState.FREE
 
 
-def test_the_column_path_covers_digest_keys() -> None:
-    """The lengths these tests rely on being hashed as columns are."""
-    assert VECTOR_MIN_LEN <= 20 <= KEY_BYTES
-
-
 # ------------------------------------------------------------ the adopted index
 
 
@@ -306,9 +332,9 @@ def test_the_adopted_index_holds_every_adopted_row(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keys_of: str
 ) -> None:
     """Three namespaces, pages freed among them (gaps in the slots): the adopted index
-    (built in C by ``index_keys``, one call per namespace, for 32-byte keys; by numpy and
-    dicts for keys of other lengths) holds exactly the READY rows, key -> slot, each key
-    one object shared with the slot -> key list."""
+    (built in C by ``index_keys``, one call per namespace, for keys of every length) holds
+    exactly the READY rows, key -> slot, each key one object shared with the slot -> key
+    list."""
     from kvtier.daemon.pool import adopt
     from kvtier.daemon.pool.layout import PoolLayout
 
@@ -319,7 +345,9 @@ def test_the_adopted_index_holds_every_adopted_row(
     stored = {}
     for ns in (NS, NS2, 3):
         n = KEY_BYTES if keys_of == "digests" else None
-        stored[ns] = [digest(f"{ns}-{i}", n or rng.choice([KEY_BYTES, 20, 5])) for i in range(30)]
+        stored[ns] = [
+            digest(f"{ns}-{i}", n or rng.choice([KEY_BYTES, 20, 12, 5, 3])) for i in range(30)
+        ]
         store(pool, arena, stored[ns], ns=ns)
     pool.flush(NS2)  # gaps
     stored[NS2] = [digest(f"late{i}") for i in range(5)]
@@ -332,11 +360,11 @@ def test_the_adopted_index_holds_every_adopted_row(
     calls = []
     adopt_c = adopt._keyprobe.index_keys
     monkeypatch.setattr(
-        adopt._keyprobe, "index_keys", lambda *a: calls.append(len(a[1])) or adopt_c(*a)
+        adopt._keyprobe, "index_keys", lambda *a: calls.append(len(a[2])) or adopt_c(*a)
     )
     c_pool, res = pf.start()
     assert res.pages_adopted == 65
-    assert sorted(calls) == ([5, 30, 30] if keys_of == "digests" else [])
+    assert sorted(calls) == [5, 30, 30]
     assert c_pool._pages.ready == expected
     assert sum(map(len, c_pool._pages.ready.values())) == 65
     for index in c_pool._pages.ready.values():
@@ -347,40 +375,66 @@ def test_the_adopted_index_holds_every_adopted_row(
 
 def test_index_keys_checks_every_slot_and_changes_nothing_on_failure() -> None:
     """The C index of adopted keys: sizes that do not agree, slots outside the list, a
-    slot already holding a key or named twice, a key given twice: ValueError, and the
-    list is as it was; on success each key is one object held by the list and the dict
-    (its reference count shows no leak and no reference too few)."""
+    slot already holding a key or named twice, a key longer than a row, a key given twice:
+    ValueError, and the list is as it was; on success each key is one object held by the
+    list and the dict (its reference count shows no leak and no reference too few)."""
     import sys
 
     from kvtier.daemon.pool.native import _keyprobe as probe
 
     rows = np.frombuffer(b"".join(digest(f"r{i}") for i in range(4)), dtype=np.uint8)
     rows = rows.reshape(4, KEY_BYTES)
+    full = np.full(4, KEY_BYTES, dtype=np.uint8)
     good = np.array([0, 2, 5, 7], dtype=np.int64)
     by_slot: list[bytes | None] = [None] * 8
-    index = probe.index_keys(rows, good, by_slot)
+    index = probe.index_keys(rows, full, good, by_slot)
     assert index == {digest(f"r{i}"): s for i, s in enumerate(good.tolist())}
     assert [by_slot[s] for s in good.tolist()] == [digest(f"r{i}") for i in range(4)]
     assert all(by_slot[s] is key for key, s in index.items())
     refs = [sys.getrefcount(by_slot[s]) for s in good.tolist()]
     assert refs == [3] * 4  # the dict, the list, the call's argument
+    slots4 = np.array([0, 1, 2, 3], dtype=np.int64)
+    alike = rows.copy()
+    alike[3, :5] = alike[2, :5]  # rows 2 and 3 differ, their first 5 bytes do not
     bad = [
-        (rows[:3], good),  # three keys, four slots
-        (rows, good[:3]),
-        (rows, np.array([0, 1, 2, 8], dtype=np.int64)),  # outside the 8 slots
-        (rows, np.array([0, 1, -1, 3], dtype=np.int64)),
-        (rows, np.array([0, 1, 2, 1], dtype=np.int64)),  # slot 1 twice
-        (rows[[0, 1, 2, 1]], np.array([0, 1, 2, 3], dtype=np.int64)),  # a key twice
+        (rows[:3], full, good),  # three keys, four slots
+        (rows, full, good[:3]),
+        (rows, full[:3], good),  # three lengths
+        (rows, full, np.array([0, 1, 2, 8], dtype=np.int64)),  # outside the 8 slots
+        (rows, full, np.array([0, 1, -1, 3], dtype=np.int64)),
+        (rows, full, np.array([0, 1, 2, 1], dtype=np.int64)),  # slot 1 twice
+        (rows, np.array([32, 32, 33, 32], dtype=np.uint8), good),  # longer than its row
+        (rows[[0, 1, 2, 1]], full, slots4),  # a key twice
+        (alike, np.array([32, 20, 5, 5], dtype=np.uint8), slots4),  # a 5-byte key twice
     ]
-    for r, s in bad:
+    for r, n, s in bad:
         fresh: list[bytes | None] = [None] * 8
         with pytest.raises(ValueError):
-            probe.index_keys(np.ascontiguousarray(r), s, fresh)
+            probe.index_keys(np.ascontiguousarray(r), n, s, fresh)
         assert fresh == [None] * 8
     with pytest.raises(ValueError, match="already holds"):
-        probe.index_keys(rows, good, by_slot)  # the same slots again
+        probe.index_keys(rows, full, good, by_slot)  # the same slots again
     with pytest.raises(TypeError):
-        probe.index_keys(rows, good, tuple(by_slot))
+        probe.index_keys(rows, full, good, tuple(by_slot))
+
+
+def test_index_keys_cuts_each_row_to_its_length() -> None:
+    """Keys of every length from 0 to 32 in one call: each key is its row's first
+    ``lengths[i]`` bytes (the bytes past it, garbage here, are no part of it), so keys
+    that share a prefix but differ in length are different keys."""
+    from kvtier.daemon.pool.native import _keyprobe as probe
+
+    n = KEY_BYTES + 1
+    rows = np.frombuffer(digest("same") * n, dtype=np.uint8).reshape(n, KEY_BYTES).copy()
+    lengths = np.arange(n, dtype=np.uint8)
+    for i in range(n):
+        rows[i, i:] ^= 0xEE  # past the key: not read
+    slots = np.arange(n, dtype=np.int64)[::-1].copy()
+    by_slot: list[bytes | None] = [None] * n
+    index = probe.index_keys(rows, lengths, slots, by_slot)
+    want = {digest("same")[:i]: int(slots[i]) for i in range(n)}
+    assert index == want and len(index) == n
+    assert all(by_slot[s] == key and by_slot[s] is key for key, s in index.items())
 
 
 def test_a_duplicate_in_a_later_namespace_rebuilds_the_whole_index(pool_file: PoolFile) -> None:
@@ -416,10 +470,9 @@ def test_starting_and_adopting_an_empty_pool_imports_no_tomllib_and_no_numpy_ma(
         "import mmap, sys\n"
         "import kvtier.daemon.service.server, kvtier.daemon.service.boot\n"
         "from kvtier.daemon.pool.host_pool import HostPool\n"
-        "p = HostPool(4 << 20, 1 << 20, 4096)\n"
-        "buf = mmap.mmap(-1, p.layout.meta_bytes)\n"
-        "p.adopt(buf, cold_start=True)\n"
-        "assert HostPool(4 << 20, 1 << 20, 4096).adopt(buf).adopted\n"
+        "buf = mmap.mmap(-1, HostPool(4 << 20, 1 << 20, 4096).layout.meta_bytes)\n"
+        "HostPool(4 << 20, 1 << 20, 4096, meta=buf, cold_start=True)\n"
+        "assert HostPool(4 << 20, 1 << 20, 4096, meta=buf).adopted.adopted\n"
         "print(sorted(m for m in ('tomllib', 'numpy.ma') if m in sys.modules))\n"
     )
     out = subprocess.run(

@@ -148,6 +148,9 @@ def test_without_a_gpu_main_writes_why_and_returns_0(
 
 
 def test_sections_record_errors_and_start_none_past_the_budget() -> None:
+    """A section's figures are merged and a failing one's error recorded, and once the run's
+    clock is past the budget no section starts (the run's start is moved back, not waited
+    out)."""
     run = cb._Run(budget_s=60.0)
     into: dict[str, Any] = {}
     run.section("good", into, lambda: {"x": 1})
@@ -157,8 +160,8 @@ def test_sections_record_errors_and_start_none_past_the_budget() -> None:
 
     run.section("bad", into, broken)
     assert into == {"x": 1} and run.errors == ["bad: BenchCheckFailed: loaded pages differ"]
-    late = cb._Run(budget_s=1e-9)
-    time.sleep(0.01)
+    late = cb._Run(budget_s=1.0)
+    late.start -= 2.0  # started two seconds ago by its clock: past the budget, no waiting
     assert late.over_budget()
     called: list[int] = []
     late.section("late", into, lambda: {"y": called.append(1) or 2})
@@ -166,17 +169,31 @@ def test_sections_record_errors_and_start_none_past_the_budget() -> None:
     assert late.errors and late.errors[0].startswith("late: not started")
 
 
+def _cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) process ``pid`` has used, from ``/proc/<pid>/stat``."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 # The contender runs here on the CPU (the bench runs it on the GPU): the same child process,
 # started in its own process group, bounded, and killed as a group.
 @pytest.mark.timeout(120)
 def test_contender_computes_until_stopped_and_its_group_is_killed(tmp_path: Path) -> None:
+    """Once ready, the contender goes on computing (its CPU time keeps growing, waited for
+    without a fixed sleep, bounded far below its own 600 s limit) and is still running;
+    leaving the block kills its whole process group."""
     from kvtier.bench.cuda_bench_prefill import Contender
 
-    with Contender(60.0, tmp_path / "c.log", device="cpu", size=64) as c:
+    with Contender(600.0, tmp_path / "c.log", device="cpu", size=64) as c:
         assert c.proc is not None
         pid = c.proc.pid
         assert os.getpgid(pid) == pid  # its own process group
-        time.sleep(0.3)
+        at_ready = _cpu_seconds(pid)
+        deadline = time.monotonic() + 60
+        while _cpu_seconds(pid) < at_ready + 0.25:
+            assert c.running(), "the contender ended by itself"
+            assert time.monotonic() < deadline, "the contender used no CPU after it was ready"
+            time.sleep(0.01)
         assert c.running()
     assert c.proc is None
     with pytest.raises(ProcessLookupError):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from typing import Any
 
 import numpy as np
 import pytest
@@ -33,8 +34,8 @@ OWNER = 7
 N = 512  # keys of the test's chains
 
 
-def new_pool(pages: int = 4 * N) -> HostPool:
-    return HostPool(pages * PAGE, 64 * KIB)
+def new_pool(pages: int = 4 * N, **kwargs: Any) -> HostPool:
+    return HostPool(pages * PAGE, 64 * KIB, **kwargs)
 
 
 def keys_of(rng: random.Random, n: int) -> list[bytes]:
@@ -221,15 +222,14 @@ def test_partial_key_is_refused() -> None:
 
 def test_an_adopted_pool_finds_its_pages() -> None:
     rng = random.Random(8)
-    first = new_pool()
-    meta = bytearray(first.layout.meta_bytes)
-    first.adopt(meta)
+    meta = bytearray(new_pool().layout.meta_bytes)
+    first = new_pool(meta=meta)
     keys = keys_of(rng, N)
     store(first, keys)
     assert run(first, NS, keys) == N
-    second = new_pool()
-    res = second.adopt(meta)  # a restart over the same metadata
-    assert res.adopted and res.pages_adopted == N
+    second = new_pool(meta=meta)  # a restart over the same metadata
+    res = second.adopted
+    assert res is not None and res.adopted and res.pages_adopted == N
     assert run(second, NS, keys) == N
     assert run(second, NS, keys[: N // 3] + keys_of(rng, 1)) == N // 3
     first.close()

@@ -1,20 +1,23 @@
-"""Packed keys and pages (``ipc/packed.py``) and the daemon's check of a packed LOAD or
-STORE (``daemon/service/validation.py: transfer_keys``), without a daemon.
+"""Packed keys and pages (``ipc/packed.py``), the requests a connection builds from them
+(``client/connection/request_codec.py``) and the daemon's check of a packed LOAD or STORE
+(``daemon/service/validation.py: transfer_keys``), without a daemon.
 
-The C packer is held to ``b"".join`` and to its own refusals (anything but a list of
-32-byte bytes objects); :class:`PackedKeyList` to the list it stands for; ``transfer_keys``
-to the list form's refusals, each naming the field and the value.
+The C packer (``ipc/_packkeys.c``, the one implementation) is held to ``b"".join`` and to
+its own refusals (anything but a sequence of 32-byte bytes objects); the codec to one form
+for every length of request; :class:`PackedKeyList` to the list it stands for;
+``transfer_keys`` to the list form's refusals, each naming the field and the value.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import pytest
+from kvtier.client.connection.request_codec import lookup_request, transfer_request
 from kvtier.daemon.pool import keytable
 from kvtier.daemon.service.validation import RequestError, transfer_keys
-from kvtier.ipc import packed as PK
 from kvtier.ipc import protocol as P
 from kvtier.ipc.limits import KEY_BYTES
 
@@ -22,25 +25,81 @@ RNG = random.Random(5)
 KEYS = [RNG.randbytes(KEY_BYTES) for _ in range(300)]
 
 
-@pytest.mark.skipif(
-    not PK.PACK_NATIVE,
-    reason="kvtier.kernels._packkeys is not built "
-    "(no C compiler at install): pack_keys joins in Python",
-)
-def test_c_packer_equals_join_and_refuses_what_is_not_a_key() -> None:
-    from kvtier.kernels._packkeys import pack_keys
+class _Keys(Sequence[bytes]):
+    """A sequence that is neither a list nor a tuple (as a caller's own may be)."""
 
-    assert pack_keys(KEYS) == b"".join(KEYS)
-    assert pack_keys([]) == b""
+    def __init__(self, keys: list[bytes]) -> None:
+        self._keys = keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __getitem__(self, i):
+        return self._keys[i]
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self._keys)
+
+
+def test_c_packer_equals_join_and_refuses_what_is_not_a_key() -> None:
+    from kvtier.ipc._packkeys import pack_keys
+
+    for form in (list, tuple, _Keys, P.PackedKeyList):
+        keys = form(b"".join(KEYS)) if form is P.PackedKeyList else form(KEYS)
+        assert pack_keys(keys) == P.pack_keys(keys) == b"".join(KEYS), form
+        bad = KEYS[:5] + [KEYS[5][:31]]
+        if form is not P.PackedKeyList:
+            assert pack_keys(form(bad)) is None, form  # a short key, whatever the sequence
+    assert pack_keys([]) == pack_keys(()) == b""
+    assert pack_keys(KEYS[:1]) == KEYS[0]
     assert pack_keys(KEYS[:5] + [KEYS[5][:31]]) is None  # short
     assert pack_keys(KEYS[:5] + [KEYS[5] + b"\0"]) is None  # long
     assert pack_keys(KEYS[:5] + [bytearray(KEYS[5])]) is None  # not bytes
     assert pack_keys(KEYS[:5] + [None]) is None
     assert pack_keys([KEYS[0][:16], KEYS[0][:48]]) is None  # lengths adding up are no keys
-    with pytest.raises(TypeError, match="list"):
-        pack_keys(tuple(KEYS))
-    # every sequence packs through the module function, in C or by joining
-    assert P.pack_keys(KEYS) == P.pack_keys(tuple(KEYS)) == b"".join(KEYS)
+    assert pack_keys((KEYS[0][:16], KEYS[0][:48])) is None  # in a tuple too
+    with pytest.raises(TypeError, match="sequence of bytes"):
+        pack_keys(5)
+
+
+@pytest.mark.parametrize("n", [1, 2, 31, 255, 256, 257, 1000])
+def test_the_codec_packs_every_length_of_request(n: int) -> None:
+    """One key or a thousand: a LOOKUP, LOAD or STORE goes packed to a daemon that takes
+    packed requests (no length sends lists), with the keys and pages it was given."""
+    keys = [RNG.randbytes(KEY_BYTES) for _ in range(n)]
+    pages = list(range(n))
+    look = lookup_request(7, keys, True)
+    assert bytes(look.packed_keys) == b"".join(keys) and not look.keys
+    assert look.key_count() == n
+    for kind in (P.Load, P.Store):
+        req = transfer_request(kind, 7, keys, pages, 3, 9, True, parent_key=None)
+        assert isinstance(req, kind) and not req.keys and not req.pages
+        assert bytes(req.packed_keys) == b"".join(keys)
+        assert np.frombuffer(req.packed_pages, dtype="<u4").tolist() == pages
+        assert (req.session_id, req.slot, req.seq) == (7, 3, 9)
+        # as the daemon checks it: the same keys and pages
+        m = P.decode_request(P.encode(req))
+        assert isinstance(m, kind)
+        got_keys, got_pages = transfer_keys(m, 2000, 2000)
+        assert list(got_keys) == keys and list(got_pages) == pages
+
+
+def test_the_codec_sends_lists_only_to_an_older_daemon_or_for_items_it_cannot_pack() -> None:
+    """Lists go to a daemon that did not say it takes packed requests, and for a key or a
+    page the packed form cannot carry (the daemon then refuses it naming the item)."""
+    keys = KEYS[:3]
+    assert lookup_request(1, keys, False).keys == keys
+    req = transfer_request(P.Load, 1, keys, [0, 1, 2], 0, 1, False)
+    assert req.keys == keys and req.pages == [0, 1, 2] and not req.packed_keys
+    short = [*keys[:2], keys[2][:31]]
+    assert lookup_request(1, short, True).keys == short
+    req = transfer_request(P.Store, 1, short, [0, 1, 2], 0, 1, True)
+    assert req.keys == short and not req.packed_keys
+    req = transfer_request(P.Store, 1, keys, [0, -1, 2], 0, 1, True)
+    assert req.pages == [0, -1, 2] and not req.packed_pages
+    # counts that differ still go packed: the daemon refuses them (packed_pages' length)
+    req = transfer_request(P.Load, 1, keys, [0, 1], 0, 1, True)
+    assert bytes(req.packed_keys) == b"".join(keys) and len(req.packed_pages) == 8
 
 
 def test_pack_pages_is_little_endian_uint32_or_none() -> None:

@@ -1,4 +1,4 @@
-"""A STORE's slot allocation in C (:mod:`kvtier.daemon.pool.storerun`) against the
+"""A STORE's slot allocation in C (:mod:`kvtier.daemon.pool.page_steps`) against the
 page-by-page model (``tests/pool_model.py``).
 
 Two pools get the same random operations: the host pool as the daemon runs it (every
@@ -16,7 +16,7 @@ import random
 from typing import Any
 
 import pytest
-from kvtier.daemon.pool import storerun
+from kvtier.daemon.pool import page_steps
 from kvtier.daemon.pool.host_pool import HostPool, HostPoolError
 
 from tests.pool_model import page_by_page
@@ -70,8 +70,8 @@ def run_ops(seed: int, ops: int = 400) -> tuple[int, int]:
     and commits C did."""
     rng = random.Random(seed)
     fast, ref = pools()
-    counting = Counting(storerun._alloc)
-    storerun._alloc = counting
+    counting = Counting(page_steps._alloc)
+    page_steps._alloc = counting
     pending: list[tuple[list[int], bool]] = []  # WRITING slots left for later
     chains = 0
     try:
@@ -118,7 +118,7 @@ def run_ops(seed: int, ops: int = 400) -> tuple[int, int]:
                 assert fast.drain_evicted() == ref.drain_evicted()
             assert snapshot(fast) == snapshot(ref)
     finally:
-        storerun._alloc = counting.real
+        page_steps._alloc = counting.real
     return counting.runs, counting.commits
 
 
@@ -183,39 +183,36 @@ def test_a_refused_commit_ends_as_page_by_page(bad: str) -> None:
     assert snapshot(fast) == snapshot(ref)
 
 
-def test_the_c_call_refuses_a_start_outside_the_keys() -> None:
-    """``_alloc.run`` checks its index before reading a key (a negative one read before the
-    list)."""
+def test_the_c_call_refuses_a_prev_outside_the_pool() -> None:
+    """``_alloc.run`` checks the slot a STORE extends before reading its column, and
+    changes nothing then."""
     fast, _ = pools()
     table = fast._pages
-    ev, cls = table.evictor, table.slots.classes[0]
-    for start in (-1, 3):
-        with pytest.raises(ValueError, match="outside the 2 keys"):
-            storerun._alloc.run(
-                table._runs._cols,
+    runs, cls = table._steps, table.slots.classes[0]
+    before = snapshot(fast)
+    for prev in (-2, table.slots.n_slots):
+        with pytest.raises(ValueError, match="outside the pool"):
+            page_steps._alloc.run(
+                runs._cols,
                 [b"a", b"b"],
-                start,
-                -1,
+                prev,
                 0,
                 1,
                 10,
                 0,
                 cls.page_bytes,
                 table._per_extent,
-                True,
-                cls,
                 {},
                 {},
                 {},
                 table._key,
-                ev.owned,
-                ev.lru.ends,
-                ev.lru.own_ends,
-                ev.log,
-                ev.max_log,
-                storerun.EvictedPage,
+                table.evictor.owned,
+                table.evictor.lru.ends,
+                table.evictor.lru.own_ends,
                 [],
+                runs._env(),
             )
+    assert snapshot(fast) == before
 
 
 @pytest.mark.parametrize("bad", ["twice", "free", "pinned", "outside"])
@@ -321,7 +318,7 @@ def test_release_reads_every_slot_before_it_frees_one() -> None:
 
     try:
         with pytest.raises(ValueError, match="do not agree"):
-            table._runs.release([Sneaky()])  # type: ignore[list-item]
+            table._steps.release([Sneaky()])  # type: ignore[list-item]
     finally:
         table.keys[:] = saved
     assert table.keys[got[0][1]] == b"x0"  # nothing freed

@@ -40,8 +40,7 @@ def adoptable_pool(path: Path, rdir: Path | None = None) -> int:
     lay = layout()
     tag = {} if rdir is None else {"runtime_dir": rdir}
     seg, why = map_pool_file(path, lay, prefault=False, **tag)
-    pool = new_pool(lay)
-    pool.adopt(seg.view[: lay.meta_bytes], cold_start=why)
+    pool = new_pool(lay, meta=seg.view[: lay.meta_bytes], cold_start=why)
     arena = seg.view[lay.arena_offset :]
     store(pool, arena, chain("a", 2))
     pool.close()
@@ -54,10 +53,10 @@ def adopted_pages(path: Path) -> tuple[int, str | None]:
     """Map ``path`` as a restarted daemon would; return (pages adopted, why new)."""
     lay = layout()
     seg, why = map_pool_file(path, lay, prefault=False)
-    pool = new_pool(lay)
+    pool = new_pool(lay, meta=seg.view[: lay.meta_bytes], cold_start=why)
     try:
-        res = pool.adopt(seg.view[: lay.meta_bytes], cold_start=why)
-        return res.pages_adopted, why
+        assert pool.adopted is not None
+        return pool.adopted.pages_adopted, why
     finally:
         pool.close()
         seg.close()

@@ -57,9 +57,17 @@ def chain(prefix: str, n: int) -> list[bytes]:
     return [k(f"{prefix}{i}") for i in range(n)]
 
 
-def new_pool(layout: PoolLayout) -> HostPool:
-    """An empty pool of ``layout``'s geometry, as the daemon builds before adopting."""
-    return HostPool(layout.capacity_bytes, layout.extent_bytes, layout.align)
+def new_pool(layout: PoolLayout, **kwargs: Any) -> HostPool:
+    """A pool of ``layout``'s geometry (``kwargs``: ``meta``, ``arena``, ``cold_start``,
+    ``classes``: built over metadata, as the daemon builds it over its pool file)."""
+    return HostPool(layout.capacity_bytes, layout.extent_bytes, layout.align, **kwargs)
+
+
+def opened(layout: PoolLayout, meta: Any, **kwargs: Any) -> tuple[HostPool, AdoptResult]:
+    """A pool of ``layout`` built over ``meta``, and what it adopted."""
+    pool = new_pool(layout, meta=meta, **kwargs)
+    assert pool.adopted is not None
+    return pool, pool.adopted
 
 
 class PoolFile:
@@ -99,11 +107,9 @@ class PoolFile:
         lay = layout or self.layout
         view = self.map()
         arena = view[lay.arena_offset : lay.arena_offset + lay.capacity_bytes]
-        pool = new_pool(lay)
-        res = pool.adopt(
-            view[: lay.meta_bytes], arena=arena if verify else None, cold_start=cold_start
+        return opened(
+            lay, view[: lay.meta_bytes], arena=arena if verify else None, cold_start=cold_start
         )
-        return pool, res
 
     def arena(self) -> memoryview:
         lay = self.layout
@@ -189,9 +195,9 @@ def test_layout_geometry_and_a_fresh_file_starts_empty(pool_file: PoolFile) -> N
     _, res = pool_file.start()
     assert res.generation == 3
     with pytest.raises(HostPoolError, match="needs"):
-        new_pool(lay).adopt(bytearray(lay.meta_bytes - 1))
+        new_pool(lay, meta=bytearray(lay.meta_bytes - 1))
     with pytest.raises(HostPoolError, match="read-only"):
-        new_pool(lay).adopt(bytes(lay.meta_bytes))
+        new_pool(lay, meta=bytes(lay.meta_bytes))
 
 
 # ------------------------------------------------------------ crash, adopt
@@ -294,28 +300,27 @@ def test_id_tables_fill_up() -> None:
     assert meta.ids(ns) == {bytes([1]) * 32: 1, bytes([2]) * 32: 2}
 
 
-def test_adopt_keeps_config_state_and_refuses_a_pool_with_pages(pool_file: PoolFile) -> None:
+def test_an_adopted_pool_keeps_the_classes_it_is_built_with(pool_file: PoolFile) -> None:
+    """Page sizes given to the constructor keep their class ids; an adoption registers its
+    extents' other sizes after them; a too-small arena is refused before anything is built;
+    quotas and the write-back hook apply to the adopted pages."""
     pool, _ = pool_file.start()
     store(pool, pool_file.arena(), chain("a", 2))
-    del pool
-    pool = new_pool(pool_file.layout)  # the daemon builds and configures it first
-    big = pool.register_class(3 * SMALL)  # an engine registered before the adoption
-    pool.set_quota(A, 3)
-    pool.evict_requires_l3 = True
+    pool.close()
     view = pool_file.map()
     lay = pool_file.layout
     with pytest.raises(HostPoolError, match="the arena has 100 bytes, the pool needs 49152"):
-        pool.adopt(view[: lay.meta_bytes], arena=bytearray(100))
-    assert pool.lookup(NS, chain("a", 2)) == 0  # unchanged: still the empty pool
-    res = pool.adopt(view[: lay.meta_bytes], arena=view[lay.arena_offset :])
+        new_pool(lay, meta=view[: lay.meta_bytes], arena=bytearray(100))
+    pool, res = opened(
+        lay, view[: lay.meta_bytes], arena=view[lay.arena_offset :], classes=[3 * SMALL]
+    )
     assert (res.adopted, res.pages_adopted) == (True, 2)
-    assert pool.register_class(3 * SMALL) == big  # ids handed out before stay valid
+    assert pool.register_class(3 * SMALL) == 0  # the ids given first stay valid
     assert pool.register_class(SMALL) == 1 and pool.lookup(NS, chain("a", 2)) == 2
-    assert pool.evict_requires_l3 is True
+    pool.set_quota(A, 3)
+    pool.evict_requires_l3 = True
     assert pool.allocate(NS, A, 1, [k("a2")], k("a1")) == [(0, 2)]
     assert pool.allocate(NS, A, 1, [k("a3")], k("a2")) == []  # quota 3, nothing in L3
-    with pytest.raises(HostPoolError, match="needs an empty pool; 3 pages are resident"):
-        pool.adopt(view[: lay.meta_bytes])
     assert pool.layout == lay
 
 
@@ -380,8 +385,7 @@ def test_map_pool_file_keeps_a_matching_file_and_replaces_another(tmp_path: Path
     lay = PoolLayout.plan(3 * EXTENT, EXTENT, 4 * KIB)
     seg, why = map_pool_file(path, lay, prefault=False)
     assert why == "no pool file (first start)" and seg.size == lay.file_bytes
-    pool = new_pool(lay)
-    res = pool.adopt(seg.view[: lay.meta_bytes], cold_start=why)
+    pool, res = opened(lay, seg.view[: lay.meta_bytes], cold_start=why)
     assert res.reason == why
     arena = seg.view[lay.arena_offset :]
     store(pool, arena, chain("a", 2))
@@ -392,8 +396,7 @@ def test_map_pool_file_keeps_a_matching_file_and_replaces_another(tmp_path: Path
 
     seg, why = map_pool_file(path, lay, prefault=True)
     assert why is None
-    pool = new_pool(lay)
-    res = pool.adopt(seg.view[: lay.meta_bytes], arena=seg.view[lay.arena_offset :])
+    pool, res = opened(lay, seg.view[: lay.meta_bytes], arena=seg.view[lay.arena_offset :])
     assert (res.adopted, res.pages_adopted) == (True, 2)
     pool.close()
     seg.close()
@@ -683,8 +686,8 @@ class RestartMachine(PoolMachine):
         self.view = memoryview(self.file)
         self.arena = self.view[self.layout.arena_offset :]
         self.filled = 0
-        pool = new_pool(self.layout)
-        assert not pool.adopt(self.view[: self.layout.meta_bytes]).adopted
+        pool = new_pool(self.layout, meta=self.view[: self.layout.meta_bytes])
+        assert pool.adopted is not None and not pool.adopted.adopted
         return pool
 
     def commit(self, slots: list[int]) -> None:
@@ -722,8 +725,7 @@ class RestartMachine(PoolMachine):
         ]
         lookups = [old.lookup(ns, keys) for ns, keys in probes]
         arena = self.arena if verify else None
-        self.pool = new_pool(self.layout)
-        res = self.pool.adopt(self.view[: self.layout.meta_bytes], arena=arena)
+        self.pool, res = opened(self.layout, self.view[: self.layout.meta_bytes], arena=arena)
         del old  # crashed: never touched again
         assert res.adopted and (res.pages_adopted, res.pages_dropped) == (len(before), len(writing))
         self.cls = [self.pool.register_class(b) for b in CLASS_BYTES]
@@ -774,8 +776,7 @@ def test_adopting_1gib_of_ready_pages_timing(shm_dir: Path) -> None:
     lay = PoolLayout.plan(1 << 30, 32 << 20)  # the daemon's default geometry
     seg, why = map_pool_file(shm_dir / "pool", lay, prefault=True)
     assert why is not None
-    pool = new_pool(lay)
-    pool.adopt(seg.view[: lay.meta_bytes])
+    pool = new_pool(lay, meta=seg.view[: lay.meta_bytes])
     arena = seg.view[lay.arena_offset :]
     cls = pool.register_class(page)
     t0 = time.perf_counter()
@@ -792,12 +793,10 @@ def test_adopting_1gib_of_ready_pages_timing(shm_dir: Path) -> None:
     seg2, why = map_pool_file(shm_dir / "pool", lay, prefault=True)
     t_map = time.perf_counter() - t0
     assert why is None
-    pool = new_pool(lay)
-    res = pool.adopt(seg2.view[: lay.meta_bytes], arena=seg2.view[lay.arena_offset :])
+    pool, res = opened(lay, seg2.view[: lay.meta_bytes], arena=seg2.view[lay.arena_offset :])
     assert (res.adopted, res.pages_adopted, res.bytes_adopted) == (True, 4096, 1 << 30)
     pool.close()
-    pool = new_pool(lay)
-    res2 = pool.adopt(seg2.view[: lay.meta_bytes])
+    pool, res2 = opened(lay, seg2.view[: lay.meta_bytes])
     print(
         f"\n1 GiB, 4096 x 256 KiB READY pages: fill+checksum {t_store:.3f} s; "
         f"remap (MAP_POPULATE) {t_map:.3f} s; adopt verified {res.seconds:.3f} s; "

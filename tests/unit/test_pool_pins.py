@@ -9,12 +9,15 @@ same slots or the same error, and evict the same pages later.
 
 from __future__ import annotations
 
+import itertools
 import random
+from array import array
 
 import numpy as np
 import pytest
 from kvtier.daemon.pool import pins as pins_mod
 from kvtier.daemon.pool.host_pool import HostPool, HostPoolError
+from kvtier.daemon.pool.links import link_in_order
 from kvtier.daemon.pool.native import _pins
 
 from tests.pool_model import page_by_page
@@ -166,43 +169,78 @@ def test_a_refused_bulk_unpin_changes_nothing_and_names_the_slot(bad: str) -> No
     both(bulk, ref, "unpin", slots)
 
 
+def lists_of(stamp: array[int], owner: array[int], on: list[int]) -> tuple[object, ...]:
+    """``_pins``'s ``lists`` for a pool of ``len(stamp)`` slots, the pages ``on`` linked
+    into the global list and their owners' in that order (cold end first)."""
+    n = len(stamp)
+    links = [array("i", [-1] * n) for _ in range(4)]
+    ends = link_in_order(links[0], links[1], np.array(on, dtype=np.int64))
+    own_ends: dict[int, list[int]] = {}
+    for o in sorted({owner[s] for s in on}):
+        mine = np.array([s for s in on if owner[s] == o], dtype=np.int64)
+        own_ends[o] = link_in_order(links[2], links[3], mine)
+    return (*links, stamp, owner, ends, own_ends, None, None)
+
+
+def walk(lists: tuple[object, ...]) -> list[int]:
+    """The global list's slots, cold end first (checked against its hot end)."""
+    prev, nxt, ends = lists[0], lists[1], lists[6]
+    assert isinstance(prev, array) and isinstance(nxt, array) and isinstance(ends, list)
+    out, s = [], ends[0]
+    while s != -1:
+        out.append(s)
+        s = nxt[s]
+    assert (out[-1] if out else -1) == ends[1]
+    assert all(prev[b] == a for a, b in itertools.pairwise(out))
+    return out
+
+
 def test_the_c_pins_check_every_slot_before_any_change() -> None:
-    """``daemon/pool/native/_pins.c`` called directly: a slot outside the columns (however large) or
-    columns of different sizes are a ValueError, an item that is not an int a TypeError; an unpin of a slot not pinned, not READY or listed
-    more often than pinned is refused (None); none of these changes a pin or a stamp."""
-    from array import array
-
-    from kvtier.daemon.pool.native import _pins
-
+    """``daemon/pool/native/_pins.c`` called directly: a slot outside the columns (however
+    large) or columns of different sizes are a ValueError, an item that is not an int a
+    TypeError; an unpin of a slot not pinned, not READY or listed more often than pinned is
+    refused (None); none of these changes a pin, a stamp or a list. The pages pinned first
+    and childless leave the evictable lists; those unpinned and childless enter them, at the
+    hot end when more recent than the cold end."""
     n = 8
-    pins, kids, stamp = array("i", [0] * n), array("i", [0] * n), array("q", [0] * n)
+    pins, kids, stamp = array("i", [0] * n), array("i", [0] * n), array("q", range(n))
+    owner = array("q", [7, 7, 9, 7, 9, 7, 7, 7])
+    lists = lists_of(stamp, owner, list(range(n)))
     state = array("b", [1] * n)  # READY
     ready = 1
-    assert _pins.pin(pins, stamp, kids, [1, 2, 2], 10) == (13, 2, [2, 1])
+    assert _pins.pin(pins, stamp, kids, [1, 2, 2], 10, lists) == (13, 2)
     assert list(pins) == [0, 1, 2, 0, 0, 0, 0, 0] and list(stamp)[:3] == [0, 13, 12]
-    before = (list(pins), list(stamp))
+    assert walk(lists) == [0, 3, 4, 5, 6, 7]
+    assert lists[7] == {7: [0, 7], 9: [4, 4]}
+    before = (list(pins), list(stamp), walk(lists))
     for bad in ([1, 8], [-1], [2, 1 << 40], [1 << 70]):
         with pytest.raises(ValueError, match="outside the 8 slots"):
-            _pins.pin(pins, stamp, kids, bad, 0)
+            _pins.pin(pins, stamp, kids, bad, 0, lists)
         with pytest.raises(ValueError, match="outside the 8 slots"):
-            _pins.unpin(pins, state, kids, bad, ready)
+            _pins.unpin(pins, state, kids, bad, ready, lists)
     with pytest.raises(ValueError, match="do not agree"):
-        _pins.pin(pins, array("q", [0] * (n - 1)), kids, [1], 0)
+        _pins.pin(pins, array("q", [0] * (n - 1)), kids, [1], 0, lists)
     with pytest.raises(TypeError):
-        _pins.pin(pins, stamp, kids, [1, "2"], 0)
+        _pins.pin(pins, stamp, kids, [1, "2"], 0, lists)
     with pytest.raises(TypeError):
-        _pins.pin(pins, stamp, kids, (1, 2), 0)  # a list only
+        _pins.pin(pins, stamp, kids, (1, 2), 0, lists)  # a list only
+    with pytest.raises(TypeError, match="lists"):
+        _pins.pin(pins, stamp, kids, [1], 0, lists[:-1])
+    with pytest.raises(ValueError, match="shorter than the pool"):
+        _pins.pin(pins, stamp, kids, [1], 0, (array("i", [-1] * (n - 1)), *lists[1:]))
     with pytest.raises(ValueError, match="do not agree"):
-        _pins.unpin(pins, array("b", [1] * (n + 1)), kids, [1], ready)
-    assert _pins.unpin(pins, state, kids, [1, 3], ready) is None  # 3: not pinned
-    assert _pins.unpin(pins, state, kids, [1, 2, 1], ready) is None  # 1 twice
+        _pins.unpin(pins, array("b", [1] * (n + 1)), kids, [1], ready, lists)
+    assert _pins.unpin(pins, state, kids, [1, 3], ready, lists) is None  # 3: not pinned
+    assert _pins.unpin(pins, state, kids, [1, 2, 1], ready, lists) is None  # 1 twice
     state[2] = 0
-    assert _pins.unpin(pins, state, kids, [2], ready) is None  # not READY
-    assert (list(pins), list(stamp)) == before
+    assert _pins.unpin(pins, state, kids, [2], ready, lists) is None  # not READY
+    assert (list(pins), list(stamp), walk(lists)) == before
     state[2] = ready
     kids[2] = 1  # slot 2 has a resident child: it never enters the evictable lists
-    assert _pins.unpin(pins, state, kids, [2, 1, 2], ready) == (2, [1])
+    assert _pins.unpin(pins, state, kids, [2, 1, 2], ready, lists) == 2
     assert list(pins) == [0] * n
+    assert walk(lists) == [0, 3, 4, 5, 6, 7, 1]  # stamp 13: the hot end
+    assert lists[7] == {7: [0, 1], 9: [4, 4]}
 
 
 def test_mark_used_puts_each_slot_in_t2_once_and_sets_its_flag() -> None:
@@ -256,7 +294,14 @@ def test_a_slot_whose_index_empties_the_list_is_refused_not_read_past() -> None:
 
     for call in (
         lambda run: _pins.mark_used(bytearray(8), None, run, 4),
-        lambda run: _pins.pin(bytearray(32), bytearray(64), bytearray(32), run, 0),
+        lambda run: _pins.pin(
+            bytearray(32),
+            bytearray(64),
+            bytearray(32),
+            run,
+            0,
+            lists_of(array("q", [0] * 8), array("q", [0] * 8), []),
+        ),
     ):
         run: list[object] = [None, 1, 1, 1]
         run[0] = Shrinks(run)

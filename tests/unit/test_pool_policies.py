@@ -270,18 +270,17 @@ TestReuseModel.settings = _SETTINGS
 def test_adoption_keeps_pages_recency_and_the_split(policy: str) -> None:
     """The split survives a restart (the flags column's USED_AGAIN bit); the targets and the
     ghosts, private memory, start afresh."""
-    pool, cls = pool_of(1, policy)
-    meta = bytearray(pool.layout.meta_bytes)
-    pool.adopt(meta)
+    meta = bytearray(pool_of(1, policy)[0].layout.meta_bytes)
+    pool = HostPool(EXTENT, EXTENT, 4 * KIB, eviction_policy=policy, meta=meta)
+    cls = pool.register_class(4000)
     (x,) = store(pool, cls, [b"x"])
     load(pool, [b"x"])  # x: T2
     (y,) = store(pool, cls, [b"y"])  # y: T1, and more recent than x
     store(pool, cls, [b"a", b"b"])  # the pool's 4 slots are full
     pool.close()
-    again = HostPool(EXTENT, EXTENT, 4 * KIB, eviction_policy=policy)
-    again.register_class(4000)
-    res = again.adopt(meta)
-    assert res.adopted and res.pages_adopted == 4
+    again = HostPool(EXTENT, EXTENT, 4 * KIB, eviction_policy=policy, meta=meta, classes=[4000])
+    res = again.adopted
+    assert res is not None and res.adopted and res.pages_adopted == 4
     split = again._pages.evictor.split
     assert split is not None and split.t2 == 1 and split.tier[x] == 1 and not split.tier[y]
     assert split.p == 0.0 if isinstance(split, ArcState) else split.share == 1.0 - FLOOR

@@ -1,44 +1,35 @@
 /* kvtier.daemon.pool.native._alloc: the host pool's slot allocation for a STORE, its commit and
  * the release of pages, page by page in C.
  *
- * run(cols, keys, start, prev, clock, ns_id, owner, cid, page_bytes, per_extent,
- *     free_extents, cls, ready_ns, writing_ns, ready, slot_keys, owned, ends, own_ends,
- *     log, max_log, evicted, out[, checked, env, admit, mode, ends2, tier, core])
- *     -> (stop, prev, clock, evictions, unlogged) or None
+ * run(cols, keys, prev, clock, ns_id, owner, cid, page_bytes, per_extent, ready_ns,
+ *     writing_ns, ready, slot_keys, owned, ends, own_ends, out, env[, admit])
+ *     -> (stop, prev, clock) or None
  *
- * daemon/pool/pages.py's PageTable.allocate, for the keys from `start` on: a key the
- * namespace holds (READY or WRITING) is skipped and parents the next; any other gets a slot
- * and its row is written, the state byte last, with the steps and order of the page-by-page
- * model (tests/pool_model.py). The slot comes from the class's free list, from the extent
- * it is cutting, or (mode 0) by evicting the coldest evictable page when it is of the same
- * class (its slot reused at once). Anything else is take_slot's (below, over `env`: a free
- * extent cut, a page of another class evicted, quotas, evictions that need L3, arc's
- * lists), with the counters and list ends this call caches written back before and read
- * again after; mode 1 never evicts in the loop itself (evictions need L3, or arc), mode 2
- * asks take_slot for every slot (an owner with a quota). take_slot answering NIL is a
- * shortfall: the call stops at that key (`stop`); without `env` it stops where take_slot
- * would be asked. `admit(slot, ns, key)`,
- * when given, is called for each new page (ArcState.admit); `ends2` and `tier` are the arc
- * and reuse policies' second global list and each slot's list. `core` (a Reuse, _reuse.h)
- * runs the reuse policy here: the mode-0 victim is the cold end of the list it names, and
- * each new page enters T2 when its key is a ghost (ReuseState.admit). None, having changed
- * nothing: a key from `start` on is not bytes of at most 32 bytes; `checked` says an
- * earlier call has looked at every key already.
+ * daemon/pool/pages.py's PageTable.allocate: a key the namespace holds (READY or WRITING)
+ * is skipped and parents the next; any other gets a slot from take_slot and its row is
+ * written, the state byte last, with the steps and order of the page-by-page model
+ * (tests/pool_model.py); `(index into keys, slot)` is appended to `out` for each. take_slot
+ * answering NIL is a shortfall: the call stops at that key (`stop`). `admit(slot, ns,
+ * key)`, when given, is called for each new page (ArcState.admit); under reuse each new
+ * page enters T2 when its key is a ghost (ReuseState.admit). None, having changed nothing:
+ * a key is not bytes of at most 32 bytes.
  *
  * take_slot (daemon/pool/eviction.py's policy, page by page in tests/pool_model.py): an
  * owner at its quota evicts its own coldest pages first (at most the victim budget); then a
- * free slot of the class (a free extent cut if need be, the lowest first); then victims
- * from the cold ends of the global lists (the one arc's or reuse's target names first),
- * or the owner's: one of the class gives its slot, one of another class frees its own
- * (and its extent when that was the extent's last page in use), at most the budget of
- * them; then the coldest page of the class itself. Victims must be in L3 when evictions
- * require it; scans stop after the scan limit. Each victim is logged, told to the policy
- * (arc's and reuse's Python state: `split.evicted_page`, `split.victim_list`) and freed as
- * release frees a page.
+ * free slot of the class (its free list, the extent it is cutting, a free extent cut: the
+ * lowest first); then victims from the cold ends of the global lists (the one arc's or
+ * reuse's target names first), or the owner's: one of the class gives its slot, one of
+ * another class frees its own (and its extent when that was the extent's last page in
+ * use), at most the budget of them; then the coldest page of the class itself. Victims
+ * must be in L3 when evictions require it; scans stop after the scan limit. Each victim is
+ * logged, told to the policy (reuse's state here, `split.core`; arc's Python state:
+ * `split.evicted_page`, `split.victim_list`) and freed as release frees a page.
  *
- * The counters of `cls` (free, bump, ready, writing) are read once and written back at the
- * end; the evictions are appended to `log` (as `evicted(key, ns, slot, in_l3)`) while it
- * holds fewer than `max_log`, else counted in `unlogged`.
+ * Every step works on a Pool (below): the page table's state as read at the start of a
+ * call and written back at its end, also after an error, which leaves what happened so far
+ * as the page-by-page path would. The evictions are appended to the log (as
+ * `evicted(key, ns, slot, in_l3)`) while it holds fewer than `max_log`, else counted in
+ * `unlogged`; both counts are added to the evictor's.
  *
  * cols: the 21 buffers (stamp, ns, owner, length: int64; parent: int32; key: 32 bytes a
  * slot; state, in_l3: int8; key_len: uint8; then int32 a slot: pins, children, first,
@@ -95,121 +86,22 @@ typedef struct {
     Py_ssize_t n_slots, n_extents;
 } Cols;
 
-/* The ends [cold, hot] of a list: a Python list of two ints. */
-typedef struct {
-    PyObject *list;
-    long long cold, hot;
-} Ends;
+#include "_lists.h"
 
-static int ends_read(Ends *e, PyObject *list) {
-    if (!PyList_Check(list) || PyList_GET_SIZE(list) != 2) {
-        PyErr_SetString(PyExc_TypeError, "list ends must be a list of two ints");
-        return -1;
-    }
-    e->list = list;
-    e->cold = PyLong_AsLongLong(PyList_GET_ITEM(list, 0));
-    e->hot = PyLong_AsLongLong(PyList_GET_ITEM(list, 1));
-    return PyErr_Occurred() ? -1 : 0;
-}
-
-static int ends_write(Ends *e) {
-    PyObject *c = PyLong_FromLongLong(e->cold), *h = PyLong_FromLongLong(e->hot);
-    if (c == NULL || h == NULL) {
-        Py_XDECREF(c);
-        Py_XDECREF(h);
-        return -1;
-    }
-    PyList_SetItem(e->list, 0, c);  /* steals */
-    PyList_SetItem(e->list, 1, h);
-    return 0;
-}
-
-/* links.unlink */
-static void unlink_(int32_t *prev, int32_t *nxt, Ends *e, int32_t s) {
-    int32_t p = prev[s], n = nxt[s];
-    if (p == NIL) e->cold = n; else nxt[p] = n;
-    if (n == NIL) e->hot = p; else prev[n] = p;
-    prev[s] = nxt[s] = NIL;
-}
-
-/* links.push */
-static void push_(int32_t *prev, int32_t *nxt, Ends *e, const int64_t *stamp, int32_t s) {
-    if (e->cold == NIL) {
-        prev[s] = nxt[s] = NIL;
-        e->cold = e->hot = s;
-    } else if (stamp[s] <= stamp[e->cold]) {
-        prev[s] = NIL; nxt[s] = (int32_t)e->cold; prev[e->cold] = s;
-        e->cold = s;
-    } else {
-        prev[s] = (int32_t)e->hot; nxt[s] = NIL; nxt[e->hot] = s;
-        e->hot = s;
-    }
-}
-
-/* The owner's ends in `own_ends` (created as [NIL, NIL] when `create`), read into `e`. */
-static int owner_ends(Ends *e, PyObject *own_ends, int64_t owner, int create) {
-    PyObject *k = PyLong_FromLongLong(owner);
-    if (k == NULL) return -1;
-    PyObject *list = PyDict_GetItemWithError(own_ends, k);  /* borrowed */
-    if (list == NULL && !PyErr_Occurred()) {
-        if (!create) {
-            PyErr_Format(PyExc_KeyError, "owner %lld has no evictable list", (long long)owner);
-        } else if ((list = Py_BuildValue("[ii]", NIL, NIL)) != NULL) {
-            int rc = PyDict_SetItem(own_ends, k, list);
-            Py_DECREF(list);  /* the dict holds it */
-            if (rc < 0) list = NULL;
-        }
-    }
-    Py_DECREF(k);
-    return list == NULL ? -1 : ends_read(e, list);
-}
-
-/* The evictable lists: the global one's ends and the last owner's list used, written back
- * to their Python lists when another owner's is needed and at the end. */
-typedef struct {
-    Ends g, o;
-    int64_t owner;
-    int have_owner;
-    PyObject *own_ends;
-    Ends g2;              /* the second global list (arc's T2), used where tier[s] is 1 */
-    const uint8_t *tier;  /* per slot, which global list; NULL: the first only */
-} Lists;
-
-static int lists_flush(Lists *l) {
-    if (l->have_owner && ends_write(&l->o) < 0) return -1;
-    l->have_owner = 0;
-    return 0;
-}
-
-static Ends *owner_list(Lists *l, int64_t owner, int create) {
-    if (l->have_owner && l->owner == owner) return &l->o;
-    if (lists_flush(l) < 0 || owner_ends(&l->o, l->own_ends, owner, create) < 0) return NULL;
-    l->owner = owner;
-    l->have_owner = 1;
-    return &l->o;
-}
-
-/* The global list `s` is on (RecencyLists.enqueue's choice by tier). */
-static Ends *global_list(Lists *l, int32_t s) {
-    return l->tier != NULL && l->tier[s] ? &l->g2 : &l->g;
+static Links links_of(const Cols *c) {
+    return (Links){c->prev, c->next, c->oprev, c->onext, c->stamp, c->owner};
 }
 
 /* RecencyLists.dequeue: the global list and the owner's. */
 static int dequeue(Cols *c, Lists *l, int32_t s) {
-    unlink_(c->prev, c->next, global_list(l, s), s);
-    Ends *o = owner_list(l, c->owner[s], 0);
-    if (o == NULL) return -1;
-    unlink_(c->oprev, c->onext, o, s);
-    return 0;
+    Links k = links_of(c);
+    return links_dequeue(&k, l, s);
 }
 
 /* RecencyLists.enqueue */
 static int enqueue(Cols *c, Lists *l, int32_t s) {
-    push_(c->prev, c->next, global_list(l, s), c->stamp, s);
-    Ends *o = owner_list(l, c->owner[s], 1);
-    if (o == NULL) return -1;
-    push_(c->oprev, c->onext, o, c->stamp, s);
-    return 0;
+    Links k = links_of(c);
+    return links_enqueue(&k, l, s);
 }
 
 /* owned[owner] += delta */
@@ -334,23 +226,6 @@ static PyObject *record(PyObject *evicted, PyObject *key, int64_t ns, long long 
     return rec;
 }
 
-/* Before a call into Python that may evict (the `take` hook): the cached class counters,
- * list ends and owner count written back to their Python objects. */
-static int sync_out(PyObject *cls, Class *k, Lists *l, PyObject *owned, int64_t owner,
-                    long long *own_delta) {
-    if (class_io(cls, k, 1) < 0 || ends_write(&l->g) < 0 || lists_flush(l) < 0) return -1;
-    if (l->tier != NULL && ends_write(&l->g2) < 0) return -1;
-    if (*own_delta && add_owned(owned, owner, *own_delta) < 0) return -1;
-    *own_delta = 0;
-    return 0;
-}
-
-/* After it: the same read back. */
-static int sync_in(PyObject *cls, Class *k, Lists *l, PyObject *ends_list) {
-    if (class_io(cls, k, 0) < 0 || ends_read(&l->g, ends_list) < 0) return -1;
-    return l->tier != NULL && ends_read(&l->g2, l->g2.list) < 0 ? -1 : 0;
-}
-
 /* ---- Freeing pages and choosing victims outside the allocation loop's own fast path ----
  *
  * A Pool is the page table's state as these steps need it, over the Python objects the
@@ -406,18 +281,28 @@ typedef struct {
     Py_ssize_t max_log;
     int64_t *offset_of, *ext_bytes;
     uint8_t *tier;  /* arc's and reuse's T1/T2 byte a slot (NULL: lru) */
+    Reuse *core;    /* reuse's state, run here (NULL: lru, arc: arc asks `split`) */
     Lists l;
     ClassCache cc;
     long long evictions, unlogged;
+    long long resident;      /* the resident pages (-1: not summed yet) */
+    int64_t own_owner;       /* owned[own_owner] += own_delta, not written yet */
+    long long own_delta;
+    int own_pending;
+    PyObject *idx[2];        /* the last namespace index used (borrowed): writing, ready */
+    long long idx_ns[2];
+    int64_t q_owner;         /* the quota last looked up: q_state 0 none yet, 1 none, 2 q_quota */
+    long long q_quota;
+    int q_state;
     Py_buffer ov, xv, tv;
     int have_ov, have_xv, have_tv, lists_read;
 } Pool;
 
 /* The Pool over `env`, a tuple (writing, classes, offset_of, ext_bytes, free_extents, span,
  * headroom, quota, requires_l3, budget, scan_limit, log, max_log, evicted, ends2, tier,
- * split, evictor) (ends2, tier and split None under lru; the evictor's `evictions` and
- * `unlogged` count this Pool's evictions when it closes) and the columns, dicts and lists
- * given. */
+ * split, evictor) (ends2, tier and split None under lru; a split whose `core` is a Reuse is
+ * run here; the evictor's `evictions` and `unlogged` count this Pool's evictions when it
+ * closes) and the columns, dicts and lists given. */
 static int pool_open(Pool *P, Cols *c, long long per_extent, PyObject *env, PyObject *ready,
                      PyObject *slot_keys, PyObject *owned, PyObject *ends_list,
                      PyObject *own_ends) {
@@ -425,6 +310,8 @@ static int pool_open(Pool *P, Cols *c, long long per_extent, PyObject *env, PyOb
     P->c = c;
     P->per_extent = per_extent;
     P->cc.cid = -1;
+    P->resident = -1;
+    P->idx_ns[0] = P->idx_ns[1] = -1;
     P->l.own_ends = own_ends;
     P->ready = ready, P->slot_keys = slot_keys, P->owned = owned;
     P->ends_list = ends_list, P->own_ends = own_ends;
@@ -453,6 +340,17 @@ static int pool_open(Pool *P, Cols *c, long long per_extent, PyObject *env, PyOb
         PyErr_SetString(PyExc_TypeError, "evicted must be a tuple subclass (EvictedPage)");
         return -1;
     }
+    if (P->split != Py_None) {  /* reuse's state is its `core`; arc's is Python's */
+        PyObject *core = PyObject_GetAttrString(P->split, "core");
+        if (core != NULL && PyObject_TypeCheck(core, &ReuseType))
+            P->core = (Reuse *)core;  /* a reference, dropped by pool_close */
+        else if (core != NULL)
+            Py_DECREF(core);
+        else if (PyErr_ExceptionMatches(PyExc_AttributeError))
+            PyErr_Clear();
+        else
+            return -1;
+    }
     if (PyObject_GetBuffer(offset_obj, &P->ov, PyBUF_WRITABLE) < 0) return -1;
     P->have_ov = 1;
     if (PyObject_GetBuffer(ext_obj, &P->xv, PyBUF_WRITABLE) < 0) return -1;
@@ -480,6 +378,56 @@ static int pool_open(Pool *P, Cols *c, long long per_extent, PyObject *env, PyOb
     return 0;
 }
 
+/* owned[own_owner] += own_delta, written now. */
+static int own_flush(Pool *P) {
+    int rc = 0;
+    if (P->own_pending && P->own_delta)
+        rc = add_owned(P->owned, P->own_owner, P->own_delta);
+    P->own_pending = 0;
+    P->own_delta = 0;
+    return rc;
+}
+
+/* owned[owner] += delta (kept here while the same owner's pages come and go). */
+static int own_add(Pool *P, int64_t owner, long long delta) {
+    if (P->own_pending && P->own_owner != owner && own_flush(P) < 0) return -1;
+    P->own_owner = owner;
+    P->own_pending = 1;
+    P->own_delta += delta;
+    if (P->resident >= 0) P->resident += delta;
+    return 0;
+}
+
+/* The resident pages (the sum of owned's values), -1 with an error set. */
+static long long pool_resident(Pool *P) {
+    if (P->resident < 0) {
+        if (own_flush(P) < 0) return -1;
+        P->resident = sum_owned(P->owned);
+    }
+    return P->resident;
+}
+
+/* After Python code ran (the policy's, a key's): the borrowed indexes are looked up again. */
+static void forget(Pool *P) { P->idx[0] = P->idx[1] = NULL; }
+
+/* The index of namespace `ns` (`ready`: the READY one, else the WRITING one), borrowed. */
+static PyObject *ns_index(Pool *P, int ready, long long ns, long long s) {
+    if (P->idx[ready] != NULL && P->idx_ns[ready] == ns) return P->idx[ready];
+    PyObject *nsk = PyLong_FromLongLong(ns);
+    if (nsk == NULL) return NULL;
+    PyObject *idx = PyDict_GetItemWithError(ready ? P->ready : P->writing, nsk);
+    Py_DECREF(nsk);
+    if (idx == NULL || !PyDict_Check(idx)) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ValueError, "namespace %lld has no index of slot %lld", ns, s);
+        P->idx[ready] = NULL;
+        return NULL;
+    }
+    P->idx[ready] = idx;
+    P->idx_ns[ready] = ns;
+    return idx;
+}
+
 /* Write back what the Pool cached (also after an error, which it keeps) and let go. */
 static int pool_close(Pool *P) {
     PyObject *t, *val, *tb;
@@ -487,6 +435,7 @@ static int pool_close(Pool *P) {
     int rc = 0;
     if (P->cc.cid >= 0 && class_io(PyList_GET_ITEM(P->cc.classes, P->cc.cid), &P->cc.k, 1) < 0)
         rc = -1;
+    if (own_flush(P) < 0) rc = -1;
     if ((P->evictions && add_attr(P->evictor, "evictions", P->evictions) < 0) ||
         (P->unlogged && add_attr(P->evictor, "unlogged", P->unlogged) < 0))
         rc = -1;
@@ -499,6 +448,7 @@ static int pool_close(Pool *P) {
     if (P->have_ov) PyBuffer_Release(&P->ov);
     if (P->have_xv) PyBuffer_Release(&P->xv);
     if (P->have_tv) PyBuffer_Release(&P->tv);
+    Py_CLEAR(P->core);
     P->have_ov = P->have_xv = P->have_tv = P->lists_read = 0;
     if (t != NULL) {
         PyErr_Restore(t, val, tb);  /* the first error wins */
@@ -613,16 +563,8 @@ static int release_one(Pool *P, long long s, int keep) {
     if (!PyBytes_Check(key)) return 0;
     int was_ready = c->state[s] == READY;
     if (cache_class(&P->cc, c->ext_class[s / P->per_extent]) < 0) return -1;
-    PyObject *nsk = PyLong_FromLongLong(c->ns[s]);
-    if (nsk == NULL) return -1;
-    PyObject *idx = PyDict_GetItemWithError(was_ready ? P->ready : P->writing, nsk);
-    Py_DECREF(nsk);
-    if (idx == NULL || !PyDict_Check(idx)) {
-        if (!PyErr_Occurred())
-            PyErr_Format(PyExc_ValueError, "namespace %lld has no index of slot %lld",
-                         (long long)c->ns[s], s);
-        return -1;
-    }
+    PyObject *idx = ns_index(P, was_ready, c->ns[s], s);
+    if (idx == NULL) return -1;
     c->state[s] = FREE;  /* first: from here on a crash leaves the slot free */
     __atomic_signal_fence(__ATOMIC_SEQ_CST);
     c->in_l3[s] = 0;
@@ -638,7 +580,10 @@ static int release_one(Pool *P, long long s, int keep) {
     PyList_SetItem(P->slot_keys, s, Py_None);  /* steals; drops the list's reference */
     if (P->tier != NULL && P->tier[s]) {  /* SplitState.released */
         P->tier[s] = 0;
-        if (add_attr(P->split, "t2", -1) < 0) return -1;
+        if (P->core != NULL)
+            P->core->t2 -= 1;
+        else if (add_attr(P->split, "t2", -1) < 0)
+            return -1;
     }
     int32_t p = c->parent[s];
     if (p != NIL) {  /* ChildLists.unlink(p, s), then the child reference */
@@ -661,7 +606,7 @@ static int release_one(Pool *P, long long s, int keep) {
         c->children[s] = 0;
     }
     if (was_ready) P->cc.k.ready -= 1; else P->cc.k.writing -= 1;
-    if (add_owned(P->owned, c->owner[s], -1) < 0) return -1;
+    if (own_add(P, c->owner[s], -1) < 0) return -1;
     if (!keep && give_back(P, (int32_t)s) < 0) return -1;
     return 1;
 }
@@ -699,12 +644,18 @@ static int evict_held(Pool *P, long long s, int keep, PyObject *key) {
         P->unlogged += 1;
     }
     if (P->split != Py_None) {  /* SplitState.evicted_page(s, ns, key, resident) */
-        long long resident = sum_owned(P->owned);
+        long long resident = pool_resident(P);
         if (resident < 0) return -1;
-        PyObject *r = PyObject_CallMethod(P->split, "evicted_page", "LLOL", s,
-                                          (long long)c->ns[s], key, resident);
-        if (r == NULL) return -1;
-        Py_DECREF(r);
+        if (P->core != NULL) {
+            uint64_t h = ghost_hash(c->ns[s], PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key));
+            if (reuse_evicted(P->core, P->tier[s] ? 1 : 0, h, resident) < 0) return -1;
+        } else {
+            PyObject *r = PyObject_CallMethod(P->split, "evicted_page", "LLOL", s,
+                                              (long long)c->ns[s], key, resident);
+            forget(P);
+            if (r == NULL) return -1;
+            Py_DECREF(r);
+        }
     }
     if (dequeue(c, &P->l, (int32_t)s) < 0) return -1;
     int done = release_one(P, s, keep);
@@ -745,25 +696,50 @@ static long long coldest(Pool *P, int scoped, long long owner, long long cid) {
         return o == NULL ? -2 : scan(P, o->cold, c->onext, cid);
     }
     if (P->split == Py_None) return scan(P, P->l.g.cold, c->next, cid);
-    long long resident = sum_owned(P->owned);
+    long long resident = pool_resident(P), second;
     if (resident < 0) return -2;
-    PyObject *r = PyObject_CallMethod(P->split, "victim_list", "L", resident);
-    if (r == NULL) return -2;
-    long long second = PyLong_AsLongLong(r);
-    Py_DECREF(r);
-    if (second == -1 && PyErr_Occurred()) return -2;
+    if (P->core != NULL) {
+        second = reuse_victim_list(P->core, resident);
+    } else {
+        PyObject *r = PyObject_CallMethod(P->split, "victim_list", "L", resident);
+        forget(P);
+        if (r == NULL) return -2;
+        second = PyLong_AsLongLong(r);
+        Py_DECREF(r);
+        if (second == -1 && PyErr_Occurred()) return -2;
+    }
     Ends *first = second == 1 ? &P->l.g2 : &P->l.g, *other = second == 1 ? &P->l.g : &P->l.g2;
     long long s = scan(P, first->cold, c->next, cid);
     return s != NIL ? s : scan(P, other->cold, c->next, cid);
 }
 
+/* owned[owner] (-1 with an error set). */
 static long long owned_of(Pool *P, long long owner) {
+    if (own_flush(P) < 0) return -1;
     PyObject *k = PyLong_FromLongLong(owner);
     if (k == NULL) return -1;
     PyObject *v = PyDict_GetItemWithError(P->owned, k);
     Py_DECREF(k);
     if (v == NULL) return PyErr_Occurred() ? -1 : 0;
     return PyLong_AsLongLong(v);
+}
+
+/* The quota of `owner`: 1 with it in `*quota`, 0 for none, -1 on error. */
+static int quota_of(Pool *P, long long owner, long long *quota) {
+    if (P->q_state == 0 || P->q_owner != owner) {
+        PyObject *ok = PyLong_FromLongLong(owner);
+        if (ok == NULL) return -1;
+        PyObject *qv = PyDict_GetItemWithError(P->quota, ok);
+        Py_DECREF(ok);
+        if (qv == NULL && PyErr_Occurred()) return -1;
+        long long q = 0;
+        if (qv != NULL && (q = PyLong_AsLongLong(qv)) == -1 && PyErr_Occurred()) return -1;
+        P->q_owner = owner;
+        P->q_state = qv == NULL ? 1 : 2;
+        P->q_quota = q;
+    }
+    *quota = P->q_quota;
+    return P->q_state == 2;
 }
 
 /* take_slot: a slot of class `cid` for `owner`, evicting as the policy says: an
@@ -775,14 +751,10 @@ static long long owned_of(Pool *P, long long owner) {
 static long long take_slot(Pool *P, long long cid, long long owner) {
     Cols *c = P->c;
     int scoped = 0;
-    PyObject *ok = PyLong_FromLongLong(owner);
-    if (ok == NULL) return -2;
-    PyObject *qv = PyDict_GetItemWithError(P->quota, ok);
-    Py_DECREF(ok);
-    if (qv == NULL && PyErr_Occurred()) return -2;
-    if (qv != NULL) {
-        long long quota = PyLong_AsLongLong(qv);
-        if (quota == -1 && PyErr_Occurred()) return -2;
+    long long quota;
+    int has_quota = quota_of(P, owner, &quota);
+    if (has_quota < 0) return -2;
+    if (has_quota) {
         long long have = owned_of(P, owner);
         if (have == -1 && PyErr_Occurred()) return -2;
         if (have >= quota) {
@@ -814,261 +786,93 @@ static long long take_slot(Pool *P, long long cid, long long owner) {
     return evict_one(P, v, 1) < 0 ? -2 : v;
 }
 
+/* run(cols, keys, prev, clock, ns_id, owner, cid, page_bytes, per_extent, ready_ns,
+ *     writing_ns, ready, slot_keys, owned, ends, own_ends, out, env[, admit])
+ *     -> (stop, prev, clock) or None: see the module's comment. */
 static PyObject *run(PyObject *self, PyObject *args) {
-    PyObject *cols, *keys, *cls, *ready_ns, *writing_ns, *ready, *slot_keys, *owned, *ends_list;
-    PyObject *own_ends, *log, *evicted, *out, *take = Py_None, *admit = Py_None;
-    PyObject *ends2 = Py_None, *tier_obj = Py_None, *core_obj = Py_None;
-    Py_ssize_t start, max_log;
+    PyObject *cols, *keys, *ready_ns, *writing_ns, *ready, *slot_keys, *owned, *ends_list;
+    PyObject *own_ends, *out, *env, *admit = Py_None;
     long long prev, clock, ns_id, owner, cid, page_bytes, per_extent;
-    int free_extents, checked = 0, mode = 0;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OO!nLLLLLLLpOO!O!O!O!O!O!O!O!nOO!|pOOiOOO:run", &cols, &PyList_Type,
-                          &keys, &start, &prev, &clock, &ns_id, &owner, &cid, &page_bytes,
-                          &per_extent, &free_extents, &cls, &PyDict_Type, &ready_ns,
-                          &PyDict_Type, &writing_ns, &PyDict_Type, &ready, &PyList_Type,
-                          &slot_keys, &PyDict_Type, &owned, &PyList_Type, &ends_list,
-                          &PyDict_Type, &own_ends, &PyList_Type, &log, &max_log, &evicted,
-                          &PyList_Type, &out, &checked, &take, &admit, &mode, &ends2,
-                          &tier_obj, &core_obj))
+    if (!PyArg_ParseTuple(args, "OO!LLLLLLLO!O!O!O!O!O!O!O!O|O:run", &cols, &PyList_Type, &keys,
+                          &prev, &clock, &ns_id, &owner, &cid, &page_bytes, &per_extent,
+                          &PyDict_Type, &ready_ns, &PyDict_Type, &writing_ns, &PyDict_Type,
+                          &ready, &PyList_Type, &slot_keys, &PyDict_Type, &owned, &PyList_Type,
+                          &ends_list, &PyDict_Type, &own_ends, &PyList_Type, &out, &env,
+                          &admit))
         return NULL;
-    Reuse *core = NULL;  /* the reuse policy, run here: victims by its lists, admissions */
-    if (core_obj != Py_None) {
-        if (!PyObject_TypeCheck(core_obj, &ReuseType) || tier_obj == Py_None) {
-            PyErr_SetString(PyExc_TypeError, "core must be a Reuse, given with ends2 and tier");
-            return NULL;
-        }
-        core = (Reuse *)core_obj;
-    }
-    if ((ends2 == Py_None) != (tier_obj == Py_None) ||
-        (ends2 != Py_None && !PyList_Check(ends2))) {
-        PyErr_SetString(PyExc_TypeError, "run takes ends2 (a list) and tier together");
-        return NULL;
-    }
-    if ((take != Py_None && !PyTuple_Check(take)) ||
-        (admit != Py_None && !PyCallable_Check(admit)) || mode < 0 || mode > 2) {
-        PyErr_SetString(PyExc_TypeError, "env must be a tuple or None, admit a callable or "
-                        "None, mode 0-2");
-        return NULL;
-    }
-    if (!PyType_Check(evicted) || !PyType_IsSubtype((PyTypeObject *)evicted, &PyTuple_Type)) {
-        PyErr_SetString(PyExc_TypeError, "evicted must be a tuple subclass (EvictedPage)");
+    if (admit != Py_None && !PyCallable_Check(admit)) {
+        PyErr_SetString(PyExc_TypeError, "admit must be a callable or None");
         return NULL;
     }
     Py_ssize_t n = PyList_GET_SIZE(keys);
-    if (start < 0 || start > n) {
-        PyErr_Format(PyExc_ValueError, "start %zd is outside the %zd keys", start, n);
-        return NULL;
-    }
-    for (Py_ssize_t i = checked ? n : start; i < n; i++) {
+    for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *key = PyList_GET_ITEM(keys, i);
         if (!PyBytes_CheckExact(key) || PyBytes_GET_SIZE(key) > KEY_BYTES)
             Py_RETURN_NONE;
     }
-    Py_buffer views[N_COLS], tv;
-    int have_tv = 0;
+    Py_buffer views[N_COLS];
     Cols c;
     if (get_cols(&c, views, cols) < 0) return NULL;
-    Class k;
-    Lists l = {.have_owner = 0, .own_ends = own_ends};
-    long long own_delta = 0;  /* owned[owner], written back at the end */
-    PyObject *by_key = NULL;  /* ready[ns] of the last victim's ns */
-    long long by_key_ns = 0;
-    long long evictions = 0, unlogged = 0, resident = 0;
-    int stale = 0;  /* the cached class and list ends are older than the Python objects */
-    uint8_t *tierw = NULL;  /* the tier column, written under the reuse policy */
-    Py_ssize_t i = start;
+    Pool P;
     PyObject *result = NULL;
-    if (per_extent <= 0 || c.n_slots > c.n_extents * per_extent) {
-        PyErr_Format(PyExc_ValueError, "per_extent %lld does not fit %zd slots in %zd extents",
-                     per_extent, c.n_slots, c.n_extents);
+    Py_ssize_t i = 0;
+    if (pool_open(&P, &c, per_extent, env, ready, slot_keys, owned, ends_list, own_ends) < 0)
         goto done;
-    }
-    if (tier_obj != Py_None) {  /* arc, reuse: the T1/T2 split of the global list */
-        if (PyObject_GetBuffer(tier_obj, &tv, core ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0)
-            goto done;
-        have_tv = 1;
-        if (tv.len < c.n_slots) {
-            PyErr_SetString(PyExc_ValueError, "tier is shorter than the columns");
-            goto done;
-        }
-        if (ends_read(&l.g2, ends2) < 0) goto done;
-        l.tier = tv.buf;
-        if (core) tierw = tv.buf;
-    }
-    if (core && (resident = sum_owned(owned)) < 0) goto done;
-    if (class_io(cls, &k, 0) < 0 || ends_read(&l.g, ends_list) < 0)
-        goto done;
-    if (PyList_GET_SIZE(slot_keys) < c.n_slots) {
-        PyErr_SetString(PyExc_ValueError, "slot_keys is shorter than the pool");
-        goto done;
-    }
     if (prev != NIL && !in_pool(&c, prev)) {
         PyErr_Format(PyExc_ValueError, "prev %lld is outside the pool", prev);
         goto done;
     }
     for (; i < n; i++) {
+        if (i >= PyList_GET_SIZE(keys)) {  /* the policy's Python code shrank it */
+            PyErr_SetString(PyExc_ValueError, "keys changed during the allocation");
+            goto done;
+        }
         PyObject *key = PyList_GET_ITEM(keys, i);
+        if (!PyBytes_CheckExact(key) || PyBytes_GET_SIZE(key) > KEY_BYTES) {
+            PyErr_SetString(PyExc_ValueError, "keys changed during the allocation");
+            goto done;
+        }
         PyObject *hit = PyDict_GetItemWithError(ready_ns, key);
         if (hit == NULL && !PyErr_Occurred()) hit = PyDict_GetItemWithError(writing_ns, key);
-        if (PyErr_Occurred()) goto fail;
+        if (PyErr_Occurred()) goto done;
         if (hit != NULL) {
             long long s = slot_of(&c, hit);
-            if (s == -2) goto fail;
+            if (s == -2) goto done;
             prev = s;
             continue;
         }
-        uint64_t h_new = 0, h_v = 0;  /* reuse: the ghost hashes of the key and the victim */
-        if (core) {
+        Py_INCREF(key);  /* held across the policy's Python calls */
+        uint64_t h_new = 0;  /* reuse: the key's ghost hash */
+        if (P.core != NULL) {
             h_new = ghost_hash(ns_id, PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key));
-            reuse_prefetch(core, h_new);
+            reuse_prefetch(P.core, h_new);
         }
-        int shield = prev != NIL && c.children[prev] == 0 && c.state[prev] == READY &&
-                     c.pins[prev] == 0;
-        /* where the slot comes from, decided before anything changes */
-        long long v = NIL;
-        int source = 3;  /* 0: free list, 1: the extent being cut, 2: eviction of v, 3: take */
-        if (mode == 2) {
-            source = 3;  /* an owner with a quota: the evictor decides every slot */
-        } else if (k.free != NIL && in_pool(&c, k.free)) {
-            source = 0;
-        } else if (k.free == NIL && k.bump != NIL && k.bump >= 0 && k.bump < c.n_extents) {
-            source = 1;
-        } else if (mode == 0 && k.free == NIL && k.bump == NIL && !free_extents) {
-            Ends *from = core && reuse_victim_list(core, resident) == 1 ? &l.g2 : &l.g;
-            v = from->cold;
-            if (shield && v == prev) v = c.next[prev];
-            if (in_pool(&c, v) && c.ext_class[v / per_extent] == cid && c.state[v] == READY
-                && !c.pins[v] && !c.children[v] && c.first[v] == NIL) {
-                source = 2;
-                if (core) {
-                    PyObject *vk = PyList_GET_ITEM(slot_keys, v);
-                    if (!PyBytes_Check(vk)) {
-                        PyErr_Format(PyExc_ValueError, "READY slot %lld has no key", v);
-                        goto fail;
-                    }
-                    h_v = ghost_hash(c.ns[v], PyBytes_AS_STRING(vk), PyBytes_GET_SIZE(vk));
-                    reuse_prefetch(core, h_v);
-                }
+        /* a child's reference shields prev from the evictions that take its slot */
+        if (prev != NIL) {
+            if (c.children[prev] == 0 && c.state[prev] == READY && c.pins[prev] == 0 &&
+                dequeue(&c, &P.l, (int32_t)prev) < 0) {
+                Py_DECREF(key);
+                goto done;
             }
-        }
-        if (source == 3 && take == Py_None) break;  /* the caller's step takes this key */
-        if (prev != NIL) {  /* a child's reference shields prev from the eviction below */
-            if (shield && dequeue(&c, &l, (int32_t)prev) < 0) goto fail;
             c.children[prev] += 1;
         }
-        long long s;
-        if (source == 3) {  /* take_slot: quotas, L3, arc, other classes, a free extent */
-            if (sync_out(cls, &k, &l, owned, owner, &own_delta) < 0) goto fail;
-            Pool P;
-            s = pool_open(&P, &c, per_extent, take, ready, slot_keys, owned, ends_list,
-                          own_ends) < 0 ? -2 : take_slot(&P, cid, owner);
-            if (pool_close(&P) < 0) s = -2;  /* it counts its evictions in the evictor */
-            by_key = NULL;  /* the victims' namespaces are looked up afresh */
-            /* what take_slot wrote back is read back even after its error, so that the
-             * fail path writes the pool's state, not this loop's copy from before it */
-            PyObject *et = NULL, *ev = NULL, *etb = NULL;
-            if (s == -2) PyErr_Fetch(&et, &ev, &etb);
-            if (sync_in(cls, &k, &l, ends_list) < 0 ||
-                (core && (resident = sum_owned(owned)) < 0)) {
-                stale = 1;  /* the fail path must not write this loop's copies back */
-                if (s == -2) {
-                    PyErr_Clear();
-                    PyErr_Restore(et, ev, etb);
-                }
-                goto fail;
-            }
-            if (s == -2) {
-                PyErr_Restore(et, ev, etb);
-                goto fail;
-            }
-            if (s == NIL) {  /* a shortfall: prev's child reference dropped, then stop */
-                if (prev != NIL) {
-                    c.children[prev] -= 1;
-                    if (c.children[prev] == 0 && c.state[prev] == READY && c.pins[prev] == 0 &&
-                        enqueue(&c, &l, (int32_t)prev) < 0)
-                        goto fail;
-                }
-                break;
-            }
-            if (!in_pool(&c, s) || c.state[s] != FREE) {
-                PyErr_Format(PyExc_ValueError, "take gave slot %lld, not a free one", s);
-                goto fail;
-            }
-        } else if (source == 0) {  /* slot_take: the free list */
-            s = k.free;
-            int32_t p = c.prev[s], nx = c.next[s];
-            if (p == NIL) k.free = nx; else c.next[p] = nx;
-            if (nx != NIL) c.prev[nx] = p;
-            c.prev[s] = c.next[s] = NIL;
-            c.ext_used[s / per_extent] += 1;
-        } else if (source == 1) {  /* the extent being cut */
-            long long e = k.bump, j = c.ext_bump[e];
-            c.ext_bump[e] = (int32_t)(j + 1);
-            if (j + 1 == k.n) k.bump = NIL;
-            c.ext_used[e] += 1;
-            s = e * per_extent + j;
-            if (!in_pool(&c, s)) {
-                PyErr_Format(PyExc_ValueError, "extent %lld cuts slot %lld, outside the pool",
-                             e, s);
-                goto fail;
-            }
-        } else {  /* evict_one(v, keep) and release_one(v, keep), inline: the common case */
-            s = v;
-            evictions += 1;
-            PyObject *vkey = PyList_GET_ITEM(slot_keys, v);
-            if (PyList_GET_SIZE(log) < max_log) {
-                PyObject *rec = record(evicted, vkey, c.ns[v], v, c.in_l3[v]);
-                int rc = rec == NULL ? -1 : PyList_Append(log, rec);
-                Py_XDECREF(rec);
-                if (rc < 0) goto fail;
-            } else {
-                unlogged += 1;
-            }
-            /* ReuseState.evicted_page: a ghost of v, then off its list */
-            if (core && reuse_evicted(core, tierw[v], h_v, resident) < 0) goto fail;
-            if (dequeue(&c, &l, (int32_t)v) < 0) goto fail;
-            if (core && tierw[v]) {  /* ReuseState.released */
-                tierw[v] = 0;
-                core->t2 -= 1;
-            }
-            resident -= 1;
-            c.state[v] = FREE;  /* first: from here on a crash leaves the slot free */
-            __atomic_signal_fence(__ATOMIC_SEQ_CST);
-            c.in_l3[v] = 0;
-            if (by_key == NULL || by_key_ns != c.ns[v]) {
-                PyObject *nsk = PyLong_FromLongLong(c.ns[v]);
-                if (nsk == NULL) goto fail;
-                by_key = PyDict_GetItemWithError(ready, nsk);  /* borrowed: ready keeps it */
-                Py_DECREF(nsk);
-                if (by_key == NULL || !PyDict_Check(by_key)) {
-                    if (!PyErr_Occurred())
-                        PyErr_Format(PyExc_KeyError, "namespace %lld has no index",
-                                     (long long)c.ns[v]);
-                    by_key = NULL;
-                    goto fail;
-                }
-                by_key_ns = c.ns[v];
-            }
-            Py_INCREF(vkey);
-            int rc = PyDict_DelItem(by_key, vkey);
-            Py_INCREF(Py_None);
-            PyList_SetItem(slot_keys, v, Py_None);  /* steals; drops the list's reference */
-            Py_DECREF(vkey);
-            if (rc < 0) goto fail;
-            int32_t p = c.parent[v];
-            if (p != NIL) {  /* ChildLists.unlink(p, v), then the child reference */
-                int32_t sp = c.sib_prev[v], sn = c.sib_next[v];
-                if (sp == NIL) c.first[p] = sn; else c.sib_next[sp] = sn;
-                if (sn != NIL) c.sib_prev[sn] = sp;
-                c.parent[v] = c.sib_prev[v] = c.sib_next[v] = NIL;
-                c.children[p] -= 1;
-                if (c.children[p] == 0 && c.state[p] == READY && c.pins[p] == 0 &&
-                    enqueue(&c, &l, p) < 0)
-                    goto fail;
-            }
-            k.ready -= 1;
-            if (c.owner[v] == owner) own_delta -= 1;
-            else if (add_owned(owned, c.owner[v], -1) < 0) goto fail;
+        long long s = take_slot(&P, cid, owner);
+        if (s == NIL && prev != NIL) {  /* a shortfall: prev's child reference dropped */
+            c.children[prev] -= 1;
+            if (c.children[prev] == 0 && c.state[prev] == READY && c.pins[prev] == 0 &&
+                enqueue(&c, &P.l, (int32_t)prev) < 0)
+                s = -2;
+        }
+        if (s != NIL && s != -2 && (!in_pool(&c, s) || c.state[s] != FREE)) {
+            PyErr_Format(PyExc_ValueError, "take gave slot %lld, not a free one", s);
+            s = -2;
+        }
+        if (s >= 0 && cache_class(&P.cc, cid) < 0) s = -2;
+        if (s < 0) {
+            Py_DECREF(key);
+            if (s == -2) goto done;
+            break;  /* a shortfall: stop at this key */
         }
         /* the row first, the state byte last */
         Py_ssize_t len = PyBytes_GET_SIZE(key);
@@ -1084,7 +888,7 @@ static PyObject *run(PyObject *self, PyObject *args) {
         __atomic_signal_fence(__ATOMIC_SEQ_CST);
         c.state[s] = WRITING;
         Py_INCREF(key);
-        PyList_SetItem(slot_keys, s, key);
+        PyList_SetItem(slot_keys, s, key);  /* steals the reference just taken */
         if (prev != NIL) {  /* ChildLists.link(prev, s) */
             int32_t head = c.first[prev];
             c.sib_prev[s] = NIL;
@@ -1093,54 +897,38 @@ static PyObject *run(PyObject *self, PyObject *args) {
             c.first[prev] = (int32_t)s;
         }
         PyObject *sv = PyLong_FromLongLong(s);
-        if (sv == NULL) goto fail;
-        int rc = PyDict_SetItem(writing_ns, key, sv);
+        int rc = sv == NULL ? -1 : PyDict_SetItem(writing_ns, key, sv);
+        if (rc == 0 && P.core != NULL && reuse_returning(P.core, h_new)) {
+            P.tier[s] = 1;  /* ReuseState.admit: a ghost's key returns into T2 */
+            P.core->t2 += 1;
+        }
+        if (rc == 0 && admit != Py_None) {  /* ArcState.admit(s, ns, key): T1, or T2 */
+            PyObject *r = PyObject_CallFunction(admit, "LLO", s, ns_id, key);
+            forget(&P);
+            if (r == NULL) rc = -1;
+            Py_XDECREF(r);
+        }
+        if (rc == 0) {
+            P.cc.k.writing += 1;
+            rc = own_add(&P, owner, 1);
+        }
         PyObject *pair = rc < 0 ? NULL : PyTuple_New(2), *at = NULL;
         if (pair != NULL && (at = PyLong_FromSsize_t(i)) == NULL) Py_CLEAR(pair);
         if (pair != NULL) {
             PyTuple_SET_ITEM(pair, 0, at);
             PyTuple_SET_ITEM(pair, 1, sv);  /* steals */
         } else {
-            Py_DECREF(sv);
+            Py_XDECREF(sv);
         }
         rc = pair == NULL ? -1 : PyList_Append(out, pair);
         Py_XDECREF(pair);
-        if (rc < 0) goto fail;
-        resident += 1;
-        if (core && reuse_returning(core, h_new)) {
-            tierw[s] = 1;  /* ReuseState.admit: a ghost's key returns into T2 */
-            core->t2 += 1;
-        }
-        if (admit != Py_None) {  /* ArcState.admit(s, ns, key): T1, or T2 for a ghost */
-            PyObject *r = PyObject_CallFunction(admit, "LLO", s, ns_id, key);
-            if (r == NULL) goto fail;
-            Py_DECREF(r);
-        }
-        k.writing += 1;
-        own_delta += 1;
+        Py_DECREF(key);
+        if (rc < 0) goto done;
         prev = s;
     }
-    if (class_io(cls, &k, 1) < 0 || ends_write(&l.g) < 0 ||
-        (l.tier != NULL && ends_write(&l.g2) < 0) || lists_flush(&l) < 0 ||
-        (own_delta && add_owned(owned, owner, own_delta) < 0))
-        goto done;
-    result = Py_BuildValue("(nLLLL)", i, prev, clock, evictions, unlogged);
-    goto done;
-fail:  /* as the page-by-page path would be left: what happened so far stays */
-    {
-        PyObject *t, *val, *tb;
-        PyErr_Fetch(&t, &val, &tb);
-        if (!stale) {
-            class_io(cls, &k, 1);
-            ends_write(&l.g);
-            if (l.tier != NULL) ends_write(&l.g2);
-            lists_flush(&l);
-        }
-        if (own_delta) add_owned(owned, owner, own_delta);
-        PyErr_Restore(t, val, tb);
-    }
+    result = Py_BuildValue("(nLL)", i, prev, clock);
 done:
-    if (have_tv) PyBuffer_Release(&tv);
+    if (pool_close(&P) < 0) Py_CLEAR(result);
     for (int j = 0; j < N_COLS; j++) PyBuffer_Release(&views[j]);
     return result;
 }
@@ -1448,7 +1236,7 @@ done:
 }
 
 static PyMethodDef methods[] = {
-    {"run", run, METH_VARARGS, "Allocate slots for a STORE's keys from `start` on (see the module)."},
+    {"run", run, METH_VARARGS, "Allocate slots for a STORE's keys (see the module)."},
     {"commit", commit, METH_VARARGS, "Commit a STORE's filled slots (see commit above)."},
     {"offsets", offsets, METH_VARARGS, "Payload offsets of a list of slots (see the module)."},
     {"release", release, METH_VARARGS, "Free READY or WRITING pages (see release above)."},

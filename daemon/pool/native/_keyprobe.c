@@ -3,7 +3,7 @@
  * - Probe: the key table's insertions and its probe of a LOOKUP, over the table and the
  *   pool's columns (below);
  * - index_keys: the dict of an adopted pool's pages, built in one pass (further down);
- * - seals: the adoption scan's row seals (xxh3 of keys of 17 to 32 bytes), further still.
+ * - seals: the adoption scan's row seals (xxh3 of keys of 0 to 32 bytes), further still.
  *
  * Probe(table, keys, ns, state, key_len, mult0, mult1, shift, max_rounds, ready)
  *
@@ -334,41 +334,50 @@ static PyTypeObject ProbeType = {
     .tp_methods = probe_methods,
 };
 
-/* index_keys(rows, slots, by_slot) -> dict: the index of adopted pages of one namespace.
+/* index_keys(rows, lengths, slots, by_slot) -> dict: the index of adopted pages of one
+ * namespace.
  *
- * `rows` holds n 32-byte keys back to back and `slots` (int64) their n slot ids; each key
- * becomes one bytes object, put into `by_slot` (a list: slot -> key) at its slot and into
- * the returned dict (key -> slot), which is sized for n keys up front. Each key is hashed
- * the moment it is made, while it is in the cache: a dict of a million keys built from a
- * list of them (dict(zip(...))) spends most of its time waiting on memory, each key read
- * back from RAM to be hashed. Every slot is checked
- * against the list before anything is changed; a key that comes twice is a ValueError (the
- * adoption scan keeps one row per key), and so is any slot named twice.
+ * `rows` holds n 32-byte key rows back to back, `lengths` (uint8) each key's length (0 to
+ * 32: the key is its row's first lengths[i] bytes) and `slots` (int64) their n slot ids;
+ * each key becomes one bytes object, put into `by_slot` (a list: slot -> key) at its slot
+ * and into the returned dict (key -> slot), which is sized for n keys up front. Each key is
+ * hashed the moment it is made, while it is in the cache: a dict of a million keys built
+ * from a list of them (dict(zip(...))) spends most of its time waiting on memory, each key
+ * read back from RAM to be hashed. Every slot and length is checked against the list
+ * before anything is changed; a key that comes twice is a ValueError (the adoption scan
+ * keeps one row per key), and so is any slot named twice.
  */
 static PyObject *index_keys(PyObject *self, PyObject *args) {
-    Py_buffer rows, slots;
+    Py_buffer rows, lengths, slots;
     PyObject *by_slot, *index = NULL;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*y*O!", &rows, &slots, &PyList_Type, &by_slot))
+    if (!PyArg_ParseTuple(args, "y*y*y*O!", &rows, &lengths, &slots, &PyList_Type, &by_slot))
         return NULL;
     Py_ssize_t n = slots.len / 8, size = PyList_GET_SIZE(by_slot);
     const int64_t *at = slots.buf;
+    const uint8_t *len = lengths.buf;
     const char *key = rows.buf;
-    if (slots.len % 8 || rows.len != n * 8 * WORDS) {
-        PyErr_Format(PyExc_ValueError, "rows has %zd bytes and slots %zd: not one 32-byte key "
-                     "per int64 slot", rows.len, slots.len);
+    if (slots.len % 8 || rows.len != n * 8 * WORDS || lengths.len != n) {
+        PyErr_Format(PyExc_ValueError, "rows has %zd bytes, lengths %zd and slots %zd: not one "
+                     "32-byte key row and length per int64 slot", rows.len, lengths.len,
+                     slots.len);
         goto end;
     }
-    for (Py_ssize_t i = 0; i < n; i++)
+    for (Py_ssize_t i = 0; i < n; i++) {
         if (at[i] < 0 || at[i] >= size || PyList_GET_ITEM(by_slot, at[i]) != Py_None) {
             PyErr_Format(PyExc_ValueError, "slot %lld (index %zd) is outside the %zd slots "
                          "or already holds a key", (long long)at[i], i, size);
             goto end;
         }
+        if (len[i] > 8 * WORDS) {
+            PyErr_Format(PyExc_ValueError, "key %zd is %d bytes long, not 0 to 32", i, len[i]);
+            goto end;
+        }
+    }
     index = _PyDict_NewPresized(n);
     Py_ssize_t i = 0;
     for (; index != NULL && i < n; i++, key += 8 * WORDS) {
-        PyObject *k = PyBytes_FromStringAndSize(key, 8 * WORDS), *v = NULL;
+        PyObject *k = PyBytes_FromStringAndSize(key, len[i]), *v = NULL;
         if (k == NULL || PyObject_Hash(k) == -1 || (v = PyLong_FromLongLong(at[i])) == NULL ||
             PyList_GET_ITEM(by_slot, at[i]) != Py_None || PyDict_SetItem(index, k, v) < 0 ||
             PyDict_GET_SIZE(index) != i + 1) {
@@ -393,28 +402,106 @@ static PyObject *index_keys(PyObject *self, PyObject *args) {
         }
 end:
     PyBuffer_Release(&rows);
+    PyBuffer_Release(&lengths);
     PyBuffer_Release(&slots);
     return index;
 }
 
 /* seals(rows, lengths, seeds, out) -> None: xxh3_64(rows[i][:lengths[i]], seeds[i]) per row.
  *
- * The adoption scan's row seals (daemon/pool/seals.py, whose numpy columns this replaces
- * when built) for keys of 17 to 32 bytes: XXH3 hashes such an input with two 16-byte mixes
- * (of its first and of its last 16 bytes) and an avalanche. `rows` holds n keys of `width`
- * (32) bytes each; `lengths` n uint8, each from 17 to 32 (else ValueError, nothing written);
- * `seeds` and `out` n uint64 each.
+ * The adoption scan's row seals (daemon/pool/seals.py) for keys of every length a row can
+ * hold, 0 to 32 bytes: XXH3-64 with a seed (XXH3_64bits_withSeed, whose output is frozen
+ * since xxHash 0.8.0), written out for those lengths from the specification with the
+ * default secret's first 72 bytes, so that the pool's required extension needs no xxHash
+ * header. XXH3 hashes an input of at most 32 bytes by its length: 0 (the seed and the
+ * secret alone), 1-3 (the first, middle and last byte), 4-8 (the first and last 4 bytes),
+ * 9-16 (the first and last 8) or 17-32 (two 16-byte mixes, of the first and of the last 16
+ * bytes), each ending in an avalanche. Only a row's first lengths[i] bytes are read.
+ * `rows` holds n keys of 32 bytes each; `lengths` n uint8, each at most 32 (else
+ * ValueError, nothing written); `seeds` and `out` n uint64 each. The unit tests hold every
+ * length to the xxhash package and to their own XXH3.
  */
+static const uint8_t SECRET[72] = {
+    0xb8, 0xfe, 0x6c, 0x39, 0x23, 0xa4, 0x4b, 0xbe, 0x7c, 0x01, 0x81, 0x2c, 0xf7, 0x21, 0xad,
+    0x1c, 0xde, 0xd4, 0x6d, 0xe9, 0x83, 0x90, 0x97, 0xdb, 0x72, 0x40, 0xa4, 0xa4, 0xb7, 0xb3,
+    0x67, 0x1f, 0xcb, 0x79, 0xe6, 0x4e, 0xcc, 0xc0, 0xe5, 0x78, 0x82, 0x5a, 0xd0, 0x7d, 0xcc,
+    0xff, 0x72, 0x21, 0xb8, 0x08, 0x46, 0x74, 0xf7, 0x43, 0x24, 0x8e, 0xe0, 0x35, 0x90, 0xe6,
+    0x81, 0x3a, 0x26, 0x4c, 0x3c, 0x28, 0x52, 0xbb, 0x91, 0xc3, 0x00, 0xcb,
+}; /* XXH3's default secret (kSecret), its first 72 bytes: all that inputs of <= 32 read */
+
+#define PRIME64_1 0x9E3779B185EBCA87ULL
+#define PRIME64_2 0xC2B2AE3D27D4EB4FULL
+#define PRIME64_3 0x165667B19E3779F9ULL
+#define PRIME_MX1 0x165667919E3779F9ULL
+#define PRIME_MX2 0x9FB21C651E98DF25ULL
+
 static inline uint64_t read64(const uint8_t *p) {
     uint64_t v;
     memcpy(&v, p, 8);
     return v; /* little-endian machines only (x86-64, aarch64), as the key columns are */
 }
 
-static inline uint64_t mix16(const uint8_t *in, uint64_t s0, uint64_t s1, uint64_t seed) {
-    unsigned __int128 m = (unsigned __int128)(read64(in) ^ (s0 + seed)) *
-                          (read64(in + 8) ^ (s1 - seed));
+static inline uint32_t read32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+static inline uint64_t fold64(uint64_t a, uint64_t b) {
+    unsigned __int128 m = (unsigned __int128)a * b;
     return (uint64_t)m ^ (uint64_t)(m >> 64);
+}
+
+static inline uint64_t mix16(const uint8_t *in, const uint8_t *secret, uint64_t seed) {
+    return fold64(read64(in) ^ (read64(secret) + seed), read64(in + 8) ^ (read64(secret + 8) - seed));
+}
+
+static inline uint64_t xxh64_avalanche(uint64_t h) {
+    h ^= h >> 33;
+    h *= PRIME64_2;
+    h ^= h >> 29;
+    h *= PRIME64_3;
+    return h ^ (h >> 32);
+}
+
+static inline uint64_t xxh3_avalanche(uint64_t h) {
+    h ^= h >> 37;
+    h *= PRIME_MX1;
+    return h ^ (h >> 32);
+}
+
+static inline uint64_t rotl64(uint64_t x, unsigned r) { return (x << r) | (x >> (64 - r)); }
+
+/* XXH3_64bits_withSeed(key, len, seed) for len <= 32 (the caller checks it). */
+static inline uint64_t xxh3_upto32(const uint8_t *key, unsigned len, uint64_t seed) {
+    if (len > 16) {
+        uint64_t acc = len * PRIME64_1;
+        acc += mix16(key, SECRET, seed);
+        acc += mix16(key + len - 16, SECRET + 16, seed);
+        return xxh3_avalanche(acc);
+    }
+    if (len > 8) {
+        uint64_t lo = read64(key) ^ ((read64(SECRET + 24) ^ read64(SECRET + 32)) + seed);
+        uint64_t hi = read64(key + len - 8) ^ ((read64(SECRET + 40) ^ read64(SECRET + 48)) - seed);
+        return xxh3_avalanche(len + __builtin_bswap64(lo) + hi + fold64(lo, hi));
+    }
+    if (len >= 4) {
+        seed ^= (uint64_t)__builtin_bswap32((uint32_t)seed) << 32;
+        uint64_t in64 = read32(key + len - 4) + ((uint64_t)read32(key) << 32);
+        uint64_t h = in64 ^ ((read64(SECRET + 8) ^ read64(SECRET + 16)) - seed);
+        h ^= rotl64(h, 49) ^ rotl64(h, 24);
+        h *= PRIME_MX2;
+        h ^= (h >> 35) + len;
+        h *= PRIME_MX2;
+        return h ^ (h >> 28);
+    }
+    if (len > 0) {
+        uint32_t combined = ((uint32_t)key[0] << 16) | ((uint32_t)key[len >> 1] << 24) |
+                            (uint32_t)key[len - 1] | ((uint32_t)len << 8);
+        return xxh64_avalanche((uint64_t)combined ^
+                               ((uint64_t)(read32(SECRET) ^ read32(SECRET + 4)) + seed));
+    }
+    return xxh64_avalanche(seed ^ read64(SECRET + 56) ^ read64(SECRET + 64));
 }
 
 static PyObject *seals(PyObject *self, PyObject *args) {
@@ -432,23 +519,16 @@ static PyObject *seals(PyObject *self, PyObject *args) {
     }
     const uint8_t *key = rows.buf, *len = lengths.buf;
     for (Py_ssize_t i = 0; i < n; i++)
-        if (len[i] < 17 || len[i] > 8 * WORDS) {
-            PyErr_Format(PyExc_ValueError, "key %zd is %d bytes long, not 17 to 32", i, len[i]);
+        if (len[i] > 8 * WORDS) {
+            PyErr_Format(PyExc_ValueError, "key %zd is %d bytes long, not 0 to 32", i, len[i]);
             goto end;
         }
     {
         const uint64_t *seed = seeds.buf;
         uint64_t *digest = out.buf;
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < n; i++, key += 8 * WORDS) {
-            uint64_t acc = len[i] * 0x9E3779B185EBCA87ULL; /* PRIME64_1 */
-            acc += mix16(key, 0xbe4ba423396cfeb8ULL, 0x1cad21f72c81017cULL, seed[i]);
-            acc += mix16(key + len[i] - 16, 0xdb979083e96dd4deULL, 0x1f67b3b7a4a44072ULL,
-                         seed[i]);
-            acc ^= acc >> 37;
-            acc *= 0x165667919E3779F9ULL;
-            digest[i] = acc ^ (acc >> 32);
-        }
+        for (Py_ssize_t i = 0; i < n; i++, key += 8 * WORDS)
+            digest[i] = xxh3_upto32(key, len[i], seed[i]);
         Py_END_ALLOW_THREADS
     }
     ret = Py_NewRef(Py_None);
@@ -462,11 +542,12 @@ end:
 
 static PyMethodDef methods[] = {
     {"index_keys", index_keys, METH_VARARGS,
-     "index_keys(rows, slots, by_slot) -> dict: 32-byte keys (rows) as bytes objects, each "
-     "put into the list by_slot at its slot (int64 slots) and into a dict key -> slot"},
+     "index_keys(rows, lengths, slots, by_slot) -> dict: each 32-byte row's first lengths[i] "
+     "bytes (0 to 32) as a bytes object, put into the list by_slot at its slot (int64 slots) "
+     "and into a dict key -> slot"},
     {"seals", seals, METH_VARARGS,
      "seals(rows, lengths, seeds, out) -> None: xxh3_64 of each 32-byte row's first "
-     "lengths[i] bytes (17 to 32) with seeds[i], written to out (uint64)"},
+     "lengths[i] bytes (0 to 32) with seeds[i], written to out (uint64)"},
     {NULL, NULL, 0, NULL},
 };
 

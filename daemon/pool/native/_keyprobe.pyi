@@ -42,8 +42,11 @@ class Probe:
     def close(self) -> None:
         """Release the buffers."""
 
-def index_keys(rows: Buffer, slots: Buffer, by_slot: list[bytes | None]) -> dict[bytes, int]:
-    """Key → slot for ``rows``; raises ValueError for a key twice (``by_slot`` unchanged)."""
+def index_keys(
+    rows: Buffer, lengths: Buffer, slots: Buffer, by_slot: list[bytes | None], /
+) -> dict[bytes, int]:
+    """Key (each row's first ``lengths[i]`` bytes) → slot; raises ValueError for a key twice
+    (``by_slot`` unchanged)."""
 
-def seals(rows: Buffer, lengths: Buffer, seeds: Buffer, out: Buffer) -> None:
-    """Each row's seal into ``out``."""
+def seals(rows: Buffer, lengths: Buffer, seeds: Buffer, out: Buffer, /) -> None:
+    """Each row's seal (XXH3-64 of its first ``lengths[i]`` bytes, 0 to 32) into ``out``."""

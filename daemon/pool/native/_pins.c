@@ -1,22 +1,24 @@
 /* kvtier.daemon.pool.native._pins: the host pool's pin and unpin of a run of pages, and a LOAD's
  * move of its pages to T2, each in one C call.
  *
- * pin(pins, stamp, children, slots, clock) -> (clock, newly_pinned, childless)
- * unpin(pins, state, children, slots, ready) -> (unpinned, childless) or None
+ * pin(pins, stamp, children, slots, clock, lists) -> (clock, newly_pinned)
+ * unpin(pins, state, children, slots, ready, lists) -> unpinned or None
  * mark_used(tier, flags, slots, bit) -> newly_marked
  *
  * The same per-page steps as daemon/pool/pages.py's PageTable.pin_slots and unpin, in the
- * same order, so a slot listed twice is pinned (or unpinned) twice, as page by page. What
- * stays in Python is the evictable lists: `childless` lists, in order, the pages that leave
- * them (pin: pinned for the first time and without resident children) or enter them
- * (unpin: left unpinned and without children), for the caller to move.
+ * same order, so a slot listed twice is pinned (or unpinned) twice, as page by page. The
+ * pages that leave the evictable lists (pin: pinned for the first time and without
+ * resident children) or enter them (unpin: left unpinned and without children) are moved,
+ * in order, after the counts (_lists.h). `lists` is (prev, next, oprev, onext: int32 a
+ * slot; stamp, owner: int64 a slot; ends, own_ends, ends2, tier): the lists' link columns,
+ * the columns that place a page, the first global list's ends, the owners' ends by owner,
+ * and the second global list's ends with each slot's tier byte (both None under lru).
  *
  * pin walks `slots` from the last to the first (a chain's tail is touched first): each
  * page gets one more pin and the next tick of the access clock, `clock` + 1 onwards; the
  * new clock is returned. unpin checks every slot first (inside the columns, state `ready`,
  * pinned) and returns None, having changed nothing, when one is not, or when a slot is
- * listed more often than it is pinned: the caller's page-by-page path then names it in its
- * error. Every slot is checked against the columns before any change (ValueError), and the
+ * listed more often than it is pinned: the caller then names it in its error. Every slot is checked against the columns before any change (ValueError), and the
  * columns' sizes against each other. (Only running out of memory for the returned list,
  * after the pins changed, leaves a run half done: MemoryError.)
  *
@@ -33,6 +35,92 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <string.h>
+
+#define NIL (-1)
+#include "_lists.h"
+
+/* The evictable lists as `lists` gives them (see the module's comment), their ends read. */
+typedef struct {
+    Links k;
+    Lists l;
+    Py_buffer v[6], tv;
+    int have, have_tv;
+} PinLists;
+
+static void lists_release(PinLists *p) {
+    for (int i = 0; i < p->have; i++) PyBuffer_Release(&p->v[i]);
+    if (p->have_tv) PyBuffer_Release(&p->tv);
+    p->have = p->have_tv = 0;
+}
+
+/* Read `lists` for a pool of `n_slots` slots; 0, or -1 with an error set (released). */
+static int lists_open(PinLists *p, PyObject *lists, Py_ssize_t n_slots) {
+    PyObject *cols[6], *ends, *own_ends, *ends2, *tier;
+    static const Py_ssize_t width[6] = {4, 4, 4, 4, 8, 8};
+    memset(p, 0, sizeof *p);
+    if (!PyTuple_Check(lists) ||
+        !PyArg_ParseTuple(lists, "OOOOOOO!O!OO:lists", &cols[0], &cols[1], &cols[2], &cols[3],
+                          &cols[4], &cols[5], &PyList_Type, &ends, &PyDict_Type, &own_ends,
+                          &ends2, &tier)) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "lists must be a tuple");
+        return -1;
+    }
+    for (; p->have < 6; p->have++) {
+        if (PyObject_GetBuffer(cols[p->have], &p->v[p->have], PyBUF_WRITABLE) < 0) {
+            lists_release(p);
+            return -1;
+        }
+        if (p->v[p->have].len < n_slots * width[p->have]) {
+            p->have++;
+            lists_release(p);
+            PyErr_SetString(PyExc_ValueError, "a list column is shorter than the pool");
+            return -1;
+        }
+    }
+    p->k = (Links){p->v[0].buf, p->v[1].buf, p->v[2].buf, p->v[3].buf, p->v[4].buf,
+                   p->v[5].buf};
+    p->l.own_ends = own_ends;
+    if ((ends2 == Py_None) != (tier == Py_None)) {
+        lists_release(p);
+        PyErr_SetString(PyExc_TypeError, "lists takes ends2 and tier together");
+        return -1;
+    }
+    if (tier != Py_None) {
+        if (PyObject_GetBuffer(tier, &p->tv, PyBUF_SIMPLE) < 0) {
+            lists_release(p);
+            return -1;
+        }
+        p->have_tv = 1;
+        if (p->tv.len < n_slots || ends_read(&p->l.g2, ends2) < 0) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "tier is shorter than the pool");
+            lists_release(p);
+            return -1;
+        }
+        p->l.tier = p->tv.buf;
+    }
+    if (ends_read(&p->l.g, ends) < 0) {
+        lists_release(p);
+        return -1;
+    }
+    return 0;
+}
+
+/* Write the ends back and let go; -1 when that failed (or `rc` was already -1). */
+static int lists_close(PinLists *p, int rc) {
+    PyObject *t, *val, *tb;
+    PyErr_Fetch(&t, &val, &tb);
+    if (ends_write(&p->l.g) < 0 || (p->l.tier != NULL && ends_write(&p->l.g2) < 0) ||
+        lists_flush(&p->l) < 0)
+        rc = -1;
+    lists_release(p);
+    if (t != NULL) {
+        PyErr_Restore(t, val, tb);
+        return -1;
+    }
+    return rc;
+}
 
 /* A run's slots and scratch, read from the caller's list before any change. */
 typedef struct {
@@ -84,29 +172,18 @@ static int prepare(Run *run, PyObject *slots, Py_ssize_t pins, Py_ssize_t childr
     return 0;
 }
 
-/* The k pages from `v` as a list of ints (NULL: out of memory). */
-static PyObject *as_list(const int64_t *v, Py_ssize_t k) {
-    PyObject *list = PyList_New(k);
-    for (Py_ssize_t i = 0; list != NULL && i < k; i++) {
-        PyObject *x = PyLong_FromLongLong(v[i]);
-        if (x == NULL)
-            Py_CLEAR(list);
-        else
-            PyList_SET_ITEM(list, i, x);
-    }
-    return list;
-}
-
 static PyObject *pin(PyObject *self, PyObject *args) {
     Py_buffer pins, stamp, children;
-    PyObject *slots, *out = NULL, *list;
+    PyObject *slots, *lists, *out = NULL;
     long long clock;
     Run run;
+    PinLists pl;
     (void)self;
-    if (!PyArg_ParseTuple(args, "w*w*y*O!L", &pins, &stamp, &children, &PyList_Type, &slots,
-                          &clock))
+    if (!PyArg_ParseTuple(args, "w*w*y*O!LO", &pins, &stamp, &children, &PyList_Type, &slots,
+                          &clock, &lists))
         return NULL;
-    if (prepare(&run, slots, pins.len, children.len, stamp.len, 8) == 0) {
+    if (prepare(&run, slots, pins.len, children.len, stamp.len, 8) == 0 &&
+        lists_open(&pl, lists, pins.len / 4) == 0) {
         int32_t *pin_col = pins.buf;
         const int32_t *kids = children.buf;
         int64_t *stamps = stamp.buf, *childless = run.at + run.n;
@@ -121,8 +198,11 @@ static PyObject *pin(PyObject *self, PyObject *args) {
             pin_col[s]++;
             stamps[s] = ++clock;
         }
-        if ((list = as_list(childless, k)) != NULL)
-            out = Py_BuildValue("LnN", clock, newly, list);
+        int rc = 0;
+        for (Py_ssize_t j = 0; j < k && rc == 0; j++)  /* off the evictable lists */
+            rc = links_dequeue(&pl.k, &pl.l, (int32_t)childless[j]);
+        if (lists_close(&pl, rc) == 0)
+            out = Py_BuildValue("Ln", clock, newly);
     }
     PyMem_Free(run.at);
     PyBuffer_Release(&pins);
@@ -133,14 +213,16 @@ static PyObject *pin(PyObject *self, PyObject *args) {
 
 static PyObject *unpin(PyObject *self, PyObject *args) {
     Py_buffer pins, state, children;
-    PyObject *slots, *out = NULL, *list;
+    PyObject *slots, *lists, *out = NULL;
     long long ready;
     Run run;
+    PinLists pl;
     (void)self;
-    if (!PyArg_ParseTuple(args, "w*y*y*O!L", &pins, &state, &children, &PyList_Type, &slots,
-                          &ready))
+    if (!PyArg_ParseTuple(args, "w*y*y*O!LO", &pins, &state, &children, &PyList_Type, &slots,
+                          &ready, &lists))
         return NULL;
-    if (prepare(&run, slots, pins.len, children.len, state.len, 1) == 0) {
+    if (prepare(&run, slots, pins.len, children.len, state.len, 1) == 0 &&
+        lists_open(&pl, lists, pins.len / 4) == 0) {
         int32_t *pin_col = pins.buf;
         const int32_t *kids = children.buf;
         const int8_t *states = state.buf;
@@ -164,10 +246,11 @@ static PyObject *unpin(PyObject *self, PyObject *args) {
                         childless[k++] = s;
                 }
             }
-        if (i != n)
-            out = Py_NewRef(Py_None);
-        else if ((list = as_list(childless, k)) != NULL)
-            out = Py_BuildValue("nN", unpinned, list);
+        int rc = 0;
+        for (Py_ssize_t j = 0; i == n && j < k && rc == 0; j++)  /* onto the evictable lists */
+            rc = links_enqueue(&pl.k, &pl.l, (int32_t)childless[j]);
+        if (lists_close(&pl, rc) == 0)
+            out = i != n ? Py_NewRef(Py_None) : PyLong_FromSsize_t(unpinned);
     }
     PyMem_Free(run.at);
     PyBuffer_Release(&pins);
@@ -249,11 +332,12 @@ done:
 
 static PyMethodDef methods[] = {
     {"pin", pin, METH_VARARGS,
-     "pin(pins, stamp, children, slots, clock) -> (clock, newly_pinned, childless): pin and "
-     "touch slots, the last first; childless lists the pages that leave the evictable lists"},
+     "pin(pins, stamp, children, slots, clock, lists) -> (clock, newly_pinned): pin and "
+     "touch slots, the last first; the pages pinned first and childless leave the lists"},
     {"unpin", unpin, METH_VARARGS,
-     "unpin(pins, state, children, slots, ready) -> (unpinned, childless) or None: drop one "
-     "pin per slot; None, nothing changed, when a slot is not a pinned READY page"},
+     "unpin(pins, state, children, slots, ready, lists) -> unpinned or None: drop one pin "
+     "per slot (the childless pages left unpinned enter the lists); None, nothing changed, "
+     "when a slot is not a pinned READY page"},
     {"mark_used", mark_used, METH_VARARGS,
      "mark_used(tier, flags, slots, bit) -> newly_marked: tier 1 (and bit in flags, unless "
      "flags is None) for each slot whose tier was 0; returns how many were"},

@@ -7,18 +7,17 @@ evicts a cold one), that costs microseconds of event-loop time a page: an 8,192-
 of a long context would hold the loop for a large fraction of a second, during which no
 other engine is answered.
 
-:class:`StoreRuns`, which the page table owns, holds the pool's columns as
+:class:`PageSteps`, which the page table owns, holds the pool's columns as
 ``daemon/pool/native/_alloc.c`` takes them and makes those calls, for any number of pages.
 The C code does the same steps in the same order as the page-by-page model
 (``tests/pool_model.py``), which the tests hold it to: the pool's metadata, indexes,
-evictable lists, counters and eviction log end up exactly as page by page. Where a slot
-needs more than the class's free slots or its coldest page (a free extent to cut,
-another class's page to evict, a quota, evictions that need L3, ``arc``'s lists), C's
-``take_slot`` takes every step of the policy (:mod:`~kvtier.daemon.pool.eviction`),
-asking ``arc``'s target and ghosts of its Python state. The ``reuse`` policy's state is
-C's own (``_alloc.Reuse``), so C evicts from the list it names and admits each new page
-to T1 or T2 itself; a commit that the page table refuses changes nothing, and the table
-names what is wrong.
+evictable lists, counters and eviction log end up exactly as page by page. Every slot comes
+from C's ``take_slot``, which takes every step of the policy
+(:mod:`~kvtier.daemon.pool.eviction`): a free slot of the class, else the victims the policy
+names (quotas, evictions that need L3, another class's pages), asking ``arc``'s target and
+ghosts of its Python state. The ``reuse`` policy's state is C's own (``_alloc.Reuse``), so C
+evicts from the list it names and admits each new page to T1 or T2 itself; a commit that the
+page table refuses changes nothing, and the table names what is wrong.
 """
 
 from __future__ import annotations
@@ -34,10 +33,10 @@ from kvtier.daemon.pool.policies import ReuseState
 from kvtier.daemon.pool.records import EvictedPage
 from kvtier.daemon.pool.slots import PageClass, SlotAllocator
 
-__all__ = ["StoreRuns"]
+__all__ = ["PageSteps"]
 
 
-class StoreRuns:
+class PageSteps:
     """A STORE's allocation and commit, and the release of pages, over one page table's
     state, in C.
 
@@ -93,13 +92,10 @@ class StoreRuns:
     def allocate(
         self, ns_id: int, owner: int, class_id: int, keys: list[bytes], prev: int, clock: int
     ) -> tuple[list[tuple[int, int]], int] | None:
-        """Allocate WRITING slots for ``keys`` as :meth:`PageTable.allocate` says.
-
-        Each slot comes from the class's free list or the extent it is cutting, or, in C,
-        by evicting the coldest page when it is of the class; otherwise (a free extent to
-        cut, a page of another class to evict, an owner with a quota, evictions that need
-        L3, ``arc``'s lists) by C's ``take_slot``, the policy's every step (``arc``'s
-        target and ghosts asked of :class:`~kvtier.daemon.pool.policies.ArcState`). Under
+        """Allocate WRITING slots for ``keys`` as :meth:`PageTable.allocate` says: each
+        slot by C's ``take_slot``, the policy's every step (a free slot of the class, else
+        the victims it names; ``arc``'s target and ghosts asked of
+        :class:`~kvtier.daemon.pool.policies.ArcState`, ``reuse``'s state run in C). Under
         ``arc`` and ``reuse`` each new page is admitted to T1 or T2
         (:meth:`SplitState.admit`; ``reuse``'s in C).
 
@@ -113,18 +109,12 @@ class StoreRuns:
             a key is not ``bytes`` of at most 32 bytes.
         """
         cls: PageClass = self._slots.classes[class_id]
-        ev, lru, split = self._ev, self._lru, self._ev.split
-        core = split.core if isinstance(split, ReuseState) else None  # reuse runs in C
-        # 0: C may evict the coldest page (of the list reuse names); 1: not (evictions
-        # need L3, or arc's lists); 2: the evictor decides every slot (an owner with a
-        # quota: its own pages first)
-        admit = split.admit if split is not None and core is None else None  # arc's
-        mode = 2 if owner in ev.quota else 1 if ev.requires_l3 or admit else 0
+        split = self._ev.split
+        admit = split.admit if split is not None and not isinstance(split, ReuseState) else None
         out: list[tuple[int, int]] = []
         done = _alloc.run(
             self._cols,
             keys,
-            0,
             prev,
             clock,
             ns_id,
@@ -132,32 +122,20 @@ class StoreRuns:
             class_id,
             cls.page_bytes,
             self._per_extent,
-            bool(self._slots.free_extents),
-            cls,
             self._ready.get(ns_id, {}),  # read only: a namespace's first commit makes it
             self._writing.setdefault(ns_id, {}),
             self._ready,
             self._keys,
-            ev.owned,
-            lru.ends,
-            lru.own_ends,
-            ev.log,
-            ev.max_log,
-            EvictedPage,
+            self._ev.owned,
+            self._lru.ends,
+            self._lru.own_ends,
             out,
-            False,
             self._env(),
             admit,
-            mode,
-            *((None, None) if lru.tier is None else (lru.ends2, lru.tier)),
-            core,
         )
         if done is None:
             return None
-        _, _, clock, evictions, unlogged = done
-        ev.evictions += evictions
-        ev.unlogged += unlogged
-        return out, clock
+        return out, done[2]
 
     def commit(
         self, slots: Sequence[int], checksums: Sequence[int] | None, clock: int
@@ -215,7 +193,7 @@ class StoreRuns:
     def _env(self) -> tuple[object, ...]:
         """What C's ``take_slot`` and ``release`` read besides the columns, as they are now
         (adoption replaces the free extents' list, a drain the log); the evictor counts
-        ``take_slot``'s evictions itself, also when an error stops it."""
+        the evictions itself, also when an error stops a call."""
         ev, slots, lru = self._ev, self._slots, self._lru
         return (
             self._writing,

@@ -1,0 +1,139 @@
+/* The host pool's evictable lists, shared by _alloc.c and _pins.c: intrusive doubly linked
+ * lists threaded through slot ids (two int32 link columns each), cold end first, whose ends
+ * [cold, hot] live in Python lists of two ints (daemon/pool/links.py's RecencyLists holds
+ * them). An evictable page is on one global list (the second, `g2`, when its tier byte is
+ * 1: arc's and reuse's T2) and on its owner's list; a FREE slot uses the global link pair
+ * for its class's free list instead.
+ *
+ * Ends and the last owner list used are read once and written back by the caller
+ * (ends_write, lists_flush). Included after Python.h, NIL defined. */
+#ifndef KVTIER_LISTS_H
+#define KVTIER_LISTS_H
+
+#include <stdint.h>
+
+/* The ends [cold, hot] of a list: a Python list of two ints. */
+typedef struct {
+    PyObject *list;
+    long long cold, hot;
+} Ends;
+
+static int ends_read(Ends *e, PyObject *list) {
+    if (!PyList_Check(list) || PyList_GET_SIZE(list) != 2) {
+        PyErr_SetString(PyExc_TypeError, "list ends must be a list of two ints");
+        return -1;
+    }
+    e->list = list;
+    e->cold = PyLong_AsLongLong(PyList_GET_ITEM(list, 0));
+    e->hot = PyLong_AsLongLong(PyList_GET_ITEM(list, 1));
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+static int ends_write(Ends *e) {
+    PyObject *c = PyLong_FromLongLong(e->cold), *h = PyLong_FromLongLong(e->hot);
+    if (c == NULL || h == NULL) {
+        Py_XDECREF(c);
+        Py_XDECREF(h);
+        return -1;
+    }
+    PyList_SetItem(e->list, 0, c);  /* steals */
+    PyList_SetItem(e->list, 1, h);
+    return 0;
+}
+
+/* Unlink `s` from the list `e` (its links `prev`, `nxt`). */
+static void unlink_(int32_t *prev, int32_t *nxt, Ends *e, int32_t s) {
+    int32_t p = prev[s], n = nxt[s];
+    if (p == NIL) e->cold = n; else nxt[p] = n;
+    if (n == NIL) e->hot = p; else prev[n] = p;
+    prev[s] = nxt[s] = NIL;
+}
+
+/* Link `s` into the list `e`: at the cold end if it is not more recent than the cold end
+ * (by `stamp`), else at the hot end. */
+static void push_(int32_t *prev, int32_t *nxt, Ends *e, const int64_t *stamp, int32_t s) {
+    if (e->cold == NIL) {
+        prev[s] = nxt[s] = NIL;
+        e->cold = e->hot = s;
+    } else if (stamp[s] <= stamp[e->cold]) {
+        prev[s] = NIL; nxt[s] = (int32_t)e->cold; prev[e->cold] = s;
+        e->cold = s;
+    } else {
+        prev[s] = (int32_t)e->hot; nxt[s] = NIL; nxt[e->hot] = s;
+        e->hot = s;
+    }
+}
+
+/* The owner's ends in `own_ends` (created as [NIL, NIL] when `create`), read into `e`. */
+static int owner_ends(Ends *e, PyObject *own_ends, int64_t owner, int create) {
+    PyObject *k = PyLong_FromLongLong(owner);
+    if (k == NULL) return -1;
+    PyObject *list = PyDict_GetItemWithError(own_ends, k);  /* borrowed */
+    if (list == NULL && !PyErr_Occurred()) {
+        if (!create) {
+            PyErr_Format(PyExc_KeyError, "owner %lld has no evictable list", (long long)owner);
+        } else if ((list = Py_BuildValue("[ii]", NIL, NIL)) != NULL) {
+            int rc = PyDict_SetItem(own_ends, k, list);
+            Py_DECREF(list);  /* the dict holds it */
+            if (rc < 0) list = NULL;
+        }
+    }
+    Py_DECREF(k);
+    return list == NULL ? -1 : ends_read(e, list);
+}
+
+/* The evictable lists: the global one's ends and the last owner's list used, written back
+ * to their Python lists when another owner's is needed and at the end. */
+typedef struct {
+    Ends g, o;
+    int64_t owner;
+    int have_owner;
+    PyObject *own_ends;
+    Ends g2;              /* the second global list (arc's T2), used where tier[s] is 1 */
+    const uint8_t *tier;  /* per slot, which global list; NULL: the first only */
+} Lists;
+
+static int lists_flush(Lists *l) {
+    if (l->have_owner && ends_write(&l->o) < 0) return -1;
+    l->have_owner = 0;
+    return 0;
+}
+
+static Ends *owner_list(Lists *l, int64_t owner, int create) {
+    if (l->have_owner && l->owner == owner) return &l->o;
+    if (lists_flush(l) < 0 || owner_ends(&l->o, l->own_ends, owner, create) < 0) return NULL;
+    l->owner = owner;
+    l->have_owner = 1;
+    return &l->o;
+}
+
+/* The global list `s` is on (by its tier byte). */
+static Ends *global_list(Lists *l, int32_t s) {
+    return l->tier != NULL && l->tier[s] ? &l->g2 : &l->g;
+}
+
+/* The link columns the lists thread through, and what placing a page reads. */
+typedef struct {
+    int32_t *prev, *next, *oprev, *onext;
+    const int64_t *stamp, *owner;
+} Links;
+
+/* Take `s` off its global list and off its owner's. */
+static int links_dequeue(const Links *k, Lists *l, int32_t s) {
+    unlink_(k->prev, k->next, global_list(l, s), s);
+    Ends *o = owner_list(l, k->owner[s], 0);
+    if (o == NULL) return -1;
+    unlink_(k->oprev, k->onext, o, s);
+    return 0;
+}
+
+/* Put `s` on its global list and on its owner's (created on first use). */
+static int links_enqueue(const Links *k, Lists *l, int32_t s) {
+    push_(k->prev, k->next, global_list(l, s), k->stamp, s);
+    Ends *o = owner_list(l, k->owner[s], 1);
+    if (o == NULL) return -1;
+    push_(k->oprev, k->onext, o, k->stamp, s);
+    return 0;
+}
+
+#endif
