@@ -282,6 +282,8 @@ typedef struct {
     int64_t *offset_of, *ext_bytes;
     uint8_t *tier;  /* arc's and reuse's T1/T2 byte a slot (NULL: lru) */
     Reuse *core;    /* reuse's state, run here (NULL: lru, arc: arc asks `split`) */
+    long long hashed;  /* reuse: the last victim chosen (-1: none), its key's ghost hash */
+    uint64_t hash;
     Lists l;
     ClassCache cc;
     long long evictions, unlogged;
@@ -311,6 +313,7 @@ static int pool_open(Pool *P, Cols *c, long long per_extent, PyObject *env, PyOb
     P->per_extent = per_extent;
     P->cc.cid = -1;
     P->resident = -1;
+    P->hashed = -1;
     P->idx_ns[0] = P->idx_ns[1] = -1;
     P->l.own_ends = own_ends;
     P->ready = ready, P->slot_keys = slot_keys, P->owned = owned;
@@ -647,7 +650,9 @@ static int evict_held(Pool *P, long long s, int keep, PyObject *key) {
         long long resident = pool_resident(P);
         if (resident < 0) return -1;
         if (P->core != NULL) {
-            uint64_t h = ghost_hash(c->ns[s], PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key));
+            uint64_t h = P->hashed == s ? P->hash
+                : ghost_hash(c->ns[s], PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key));
+            P->hashed = -1;
             if (reuse_evicted(P->core, P->tier[s] ? 1 : 0, h, resident) < 0) return -1;
         } else {
             PyObject *r = PyObject_CallMethod(P->split, "evicted_page", "LLOL", s,
@@ -710,7 +715,17 @@ static long long coldest(Pool *P, int scoped, long long owner, long long cid) {
     }
     Ends *first = second == 1 ? &P->l.g2 : &P->l.g, *other = second == 1 ? &P->l.g : &P->l.g2;
     long long s = scan(P, first->cold, c->next, cid);
-    return s != NIL ? s : scan(P, other->cold, c->next, cid);
+    if (s == NIL) s = scan(P, other->cold, c->next, cid);
+    if (P->core != NULL && s >= 0 && s < PyList_GET_SIZE(P->slot_keys)) {
+        /* the victim's ghost entry fetched while its eviction is prepared */
+        PyObject *key = PyList_GET_ITEM(P->slot_keys, s);
+        if (PyBytes_Check(key)) {
+            P->hash = ghost_hash(c->ns[s], PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key));
+            P->hashed = s;
+            reuse_prefetch(P->core, P->hash);
+        }
+    }
+    return s;
 }
 
 /* owned[owner] (-1 with an error set). */
