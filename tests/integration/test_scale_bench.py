@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 from kvtier.bench.scale import main
-from kvtier.bench.scale_baselines import ScaleBenchError
-from kvtier.bench.scale_worker import run_workers
+from kvtier.bench.scale.baselines import ScaleBenchError
+from kvtier.bench.scale.worker import run_workers
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -1,4 +1,4 @@
-"""``python -m kvtier.bench.scale_million``: the million-page part of the scale bench alone.
+"""``python -m kvtier.bench.scale.million``: the million-page part of the scale bench alone.
 
 Run with a tiny pool (2,048 pages): the command starts its own kvtierd, fills the pool,
 SIGKILLs and restarts the daemon, and must report every page found again, with the
@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 
 import pytest
-from kvtier.bench.scale_million import main
+from kvtier.bench.scale.million import main
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -91,9 +91,9 @@ def test_trace_bench_two_list_policies_over_two_engines(tmp_path: Path, policy: 
 
 def test_trace_bench_reuse_serves_what_its_simulation_counts(tmp_path: Path) -> None:
     """One engine: the daemon's ``reuse`` policy against its block-for-block simulation
-    (bench/trace_policies.py) over the same sequence, long enough for ghosts to return."""
-    from kvtier.bench.trace_policies import reuse_hit_rate
-    from kvtier.bench.trace_sim import load_trace
+    (bench/trace/policies.py) over the same sequence, long enough for ghosts to return."""
+    from kvtier.bench.trace.policies import reuse_hit_rate
+    from kvtier.bench.trace.sim import load_trace
 
     out = tmp_path / "trace.json"
     args = ["--limit", "3000", "--blocks", "1000", "--engines", "1", "--speedup", "100000"]

@@ -1,15 +1,15 @@
-"""Exact eviction orders of the candidate policies (bench/trace_policies.py) on tiny traces."""
+"""Exact eviction orders of the candidate policies (bench/trace/policies.py) on tiny traces."""
 
 from __future__ import annotations
 
 import pytest
-from kvtier.bench.trace_policies import (
+from kvtier.bench.trace.policies import (
     lirs_hit_rate,
     reused_min_hit_rate,
     twoq_hit_rate,
     wtinylfu_hit_rate,
 )
-from kvtier.bench.trace_sim import lru_hit_rate
+from kvtier.bench.trace.sim import lru_hit_rate
 
 
 def test_twoq_keeps_a_ghost_hit_through_a_scan() -> None:

@@ -1,4 +1,4 @@
-"""Exact tests of the trace simulations (bench/trace_sim.py) on hand-made traces."""
+"""Exact tests of the trace simulations (bench/trace/sim.py) on hand-made traces."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import gzip
 from pathlib import Path
 
 import pytest
-from kvtier.bench.trace_sim import (
+from kvtier.bench.trace.sim import (
     DEFAULT_TRACE,
     TraceError,
     arc_hit_rate,

@@ -20,7 +20,7 @@ smaller page would cost the same pool bytes). One engine then:
 
 Run alone (the million-page part of ``kvtier bench scale`` only)::
 
-    python -m kvtier.bench.scale_million [--pages N] [--json PATH]
+    python -m kvtier.bench.scale.million [--pages N] [--json PATH]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench import write_json
-from kvtier.bench.scale_baselines import ScaleBenchError, memory_status, p50
+from kvtier.bench.scale.baselines import ScaleBenchError, memory_status, p50
 from kvtier.client.connection.connection import Connection
 from kvtier.client.kv_pool.shared import SharedKVPool
 from kvtier.config import ClientConfig, DaemonConfig
@@ -232,9 +232,9 @@ def _evictions(conn: Connection) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kvtier.bench.scale_million [--pages N] [--json PATH]``: print the results."""
+    """``python -m kvtier.bench.scale.million [--pages N] [--json PATH]``: print the results."""
     p = argparse.ArgumentParser(
-        prog="python -m kvtier.bench.scale_million",
+        prog="python -m kvtier.bench.scale.million",
         description="the million-page part of kvtier bench scale",
     )
     p.add_argument("--pages", type=int, default=1_000_000, help="pages (default 1,000,000)")

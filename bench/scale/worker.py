@@ -1,6 +1,6 @@
 """Engine processes for ``kvtier bench scale``: the worker entry and the launcher that runs N.
 
-Each worker is a separate Python process (``python -m kvtier.bench.scale_worker ARGS``),
+Each worker is a separate Python process (``python -m kvtier.bench.scale.worker ARGS``),
 as a real engine is, so N engines compete for the daemon and not for one client's GIL.
 A worker gets its settings as one JSON argument, prepares (connects, registers, hashes
 its keys, stores what it will look up), prints ``ready``, waits for ``go`` on stdin,
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.scale_baselines import ScaleBenchError, cpu_seconds, read_line, reap
+from kvtier.bench.scale.baselines import ScaleBenchError, cpu_seconds, read_line, reap
 from kvtier.client.connection.request_codec import lookup_request
 from kvtier.ipc import protocol as P
 
@@ -114,7 +114,7 @@ def run_workers(
             with open(logs[i], "wb") as log:
                 procs.append(
                     subprocess.Popen(
-                        [sys.executable, "-m", "kvtier.bench.scale_worker", arg],
+                        [sys.executable, "-m", "kvtier.bench.scale.worker", arg],
                         stdin=subprocess.PIPE,
                         stdout=subprocess.PIPE,
                         stderr=log,
@@ -283,7 +283,7 @@ def _report(result: dict[str, Any]) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """Worker entry: ``python -m kvtier.bench.scale_worker JSON`` (see the module docstring)."""
+    """Worker entry: ``python -m kvtier.bench.scale.worker JSON`` (see the module docstring)."""
     s = json.loads(argv[0])
     if s["mode"] == "echo":
         _echo(s)

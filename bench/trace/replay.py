@@ -1,7 +1,7 @@
 """The replay of ``kvtier bench trace``: a private kvtierd and engine processes, per size.
 
 :func:`replay` starts a kvtierd whose host pool holds exactly ``size`` pages (L3 off) and
-runs ``engines`` engine processes (:mod:`kvtier.bench.trace_worker`) over the trace's
+runs ``engines`` engine processes (:mod:`kvtier.bench.trace.worker`) over the trace's
 requests. With ``split``, it runs in two phases: requests ``[0, split)`` with one set of
 engine processes, to completion, then ``[split, N)`` with fresh ones. With ``restart``
 too, the daemon is killed with SIGKILL between the phases and a new one is started with
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.scale_baselines import ScaleBenchError, cpu_seconds, read_line, reap
+from kvtier.bench.scale.baselines import ScaleBenchError, cpu_seconds, read_line, reap
 
 __all__ = ["PAGE_BYTES", "TraceBenchError", "replay"]
 
@@ -175,7 +175,7 @@ def _phase(
             }
             with open(logs[i], "wb") as log:
                 p = subprocess.Popen(
-                    [sys.executable, "-m", "kvtier.bench.trace_worker"],
+                    [sys.executable, "-m", "kvtier.bench.trace.worker"],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=log,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtier.bench.scale_baselines import ScaleBenchError
+from kvtier.bench.scale.baselines import ScaleBenchError
 
 __all__ = ["RATIOS", "plot", "print_table"]
 

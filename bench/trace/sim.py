@@ -19,7 +19,7 @@ the middle):
   future), counted per block; a reference for what knowing the future could keep.
 
 Used by ``kvtier bench trace`` (beside the hit rate of a real kvtierd) and on its own:
-``python -m kvtier.bench.trace_sim [--trace FILE] [--blocks N,...]`` prints every policy
+``python -m kvtier.bench.trace.sim [--trace FILE] [--blocks N,...]`` prints every policy
 on the whole trace, its halves and a synthetic workload.
 """
 
@@ -47,7 +47,7 @@ __all__ = [
     "workloads",
 ]
 
-DEFAULT_TRACE = Path(__file__).parent / "data" / "mooncake_conversation_trace.jsonl.gz"
+DEFAULT_TRACE = Path(__file__).parent.parent / "data" / "mooncake_conversation_trace.jsonl.gz"
 """The Mooncake FAST'25 conversation trace (Apache-2.0; bench/data/NOTICE), gzipped."""
 
 Chains = Sequence[Sequence[int]]
@@ -312,7 +312,7 @@ def workloads(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Print every policy's hit rate (and ARC's gap closed) per size and workload."""
-    sizes, work = workloads("python -m kvtier.bench.trace_sim", __doc__, argv)
+    sizes, work = workloads("python -m kvtier.bench.trace.sim", __doc__, argv)
     print(
         f"{'workload':<12} {'blocks':>7} "
         + " ".join(f"{k:>6}" for k in POLICIES)

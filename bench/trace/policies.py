@@ -1,7 +1,7 @@
-"""More leaf-only eviction policies for the trace simulation (bench/trace_sim.py).
+"""More leaf-only eviction policies for the trace simulation (bench/trace/sim.py).
 
 Candidates measured against LRU and Belady's MIN on the conversation trace; each keeps the
-rule of :mod:`kvtier.bench.trace_sim`: a block is useful only with its whole prefix, so only
+rule of :mod:`kvtier.bench.trace.sim`: a block is useful only with its whole prefix, so only
 leaves (blocks without a resident child) are evicted, and a request touches its chain tail
 first (the tail is the colder end). Each policy is a few LRU lists of leaves; a victim is the
 cold end of one list, so each maps onto the host pool's intrusive lists with O(1) work per
@@ -37,7 +37,7 @@ skipped, which orders victims exactly as such a list would.
   (knowing their future) in the rest; per block, like :func:`min_hit_rate`. What a policy
   could reach that knows nothing of a block before its second use but everything after.
 
-``python -m kvtier.bench.trace_policies [--trace FILE] [--blocks N,...]`` prints a Markdown
+``python -m kvtier.bench.trace.policies [--trace FILE] [--blocks N,...]`` prints a Markdown
 table: each candidate's hit rate and gap closed (LRU -> MIN) on the whole trace, its halves
 and the synthetic workload.
 """
@@ -49,7 +49,7 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from kvtier.bench.trace_sim import arc_hit_rate, lru_hit_rate, min_hit_rate, workloads
+from kvtier.bench.trace.sim import arc_hit_rate, lru_hit_rate, min_hit_rate, workloads
 
 __all__ = [
     "CANDIDATES",
@@ -377,7 +377,7 @@ CANDIDATES: dict[str, Callable[[Chains, int], float]] = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Print the candidates' hit rates and gap closed as a Markdown table."""
-    sizes, work = workloads("python -m kvtier.bench.trace_policies", __doc__, argv)
+    sizes, work = workloads("python -m kvtier.bench.trace.policies", __doc__, argv)
     print("| workload | policy | " + " | ".join(str(s) for s in sizes) + " | gap closed |")
     print("|---|---|" + "---|" * len(sizes) + "---|")
     for name, ch in work.items():

@@ -1,6 +1,6 @@
 """Engine processes of ``kvtier bench trace``: each replays its share of a trace.
 
-``python -m kvtier.bench.trace_worker JSON`` connects to the daemon (one model id for all
+``python -m kvtier.bench.trace.worker JSON`` connects to the daemon (one model id for all
 engines, so they share one namespace), prints ``ready``, waits for ``go`` on stdin, then for
 each of its requests (every ``engines``-th of the trace, from its ``index``), at the
 request's compressed arrival time or as soon as it can: LOOKUP the chain's keys, LOAD the

@@ -13,7 +13,7 @@ private kvtierd
   for reference: it may come out negative on a noisy machine), set against a 1-key
   LOOKUP's round trip (``transfer_fixed_cost_over_lookup_rtt``);
   the 64-page LOAD's GB/s against memcpy (``transfer_64_over_memcpy``).
-- **N engines** (1, 2, 4, 8 engine processes, :mod:`kvtier.bench.scale_worker`) storing
+- **N engines** (1, 2, 4, 8 engine processes, :mod:`kvtier.bench.scale.worker`) storing
   fresh pages and loading them back in 64-page requests: aggregate GB/s against a memcpy
   of the same bytes by as many threads as the daemon copies with (``--copy-threads``):
   ``l2_aggregate_over_memcpy`` per N, and ``l2_aggregate_over_memcpy_8``. The daemon's CPU
@@ -35,8 +35,8 @@ private kvtierd
   8,192 pages against memcpy of the same bytes (``load_8192_over_memcpy``).
 - **stall**: another engine's 64-key LOOKUP p99 while this one stores 8,192-page chains
   into the full pool, against the same engine's p99 with the daemon idle
-  (``stall_lookup_p99_over_idle``; :mod:`kvtier.bench.scale_stall`).
-- **a million pages** in a second daemon (:mod:`kvtier.bench.scale_million`).
+  (``stall_lookup_p99_over_idle``; :mod:`kvtier.bench.scale.stall`).
+- **a million pages** in a second daemon (:mod:`kvtier.bench.scale.million`).
 
 ``--quick`` runs tiny sizes (N up to 2, a small "million" pool) in seconds; the field
 names stay the same and ``lookup_clients``, ``long_context_pages`` and ``million_pages``
@@ -57,7 +57,7 @@ from typing import Any
 
 import numpy as np
 from kvtier.bench import write_json
-from kvtier.bench.scale_baselines import (
+from kvtier.bench.scale.baselines import (
     EchoServer,
     ScaleBenchError,
     cpu_seconds,
@@ -67,10 +67,10 @@ from kvtier.bench.scale_baselines import (
     memcpy_gbps,
     p50,
 )
-from kvtier.bench.scale_million import run_million
-from kvtier.bench.scale_report import plot, print_table
-from kvtier.bench.scale_stall import run_stall
-from kvtier.bench.scale_worker import run_workers
+from kvtier.bench.scale.million import run_million
+from kvtier.bench.scale.report import plot, print_table
+from kvtier.bench.scale.stall import run_stall
+from kvtier.bench.scale.worker import run_workers
 from kvtier.client.connection.connection import Connection
 from kvtier.client.connection.request_codec import lookup_request
 from kvtier.client.kv_pool.shared import SharedKVPool
@@ -116,7 +116,7 @@ class ScaleSettings:
         long_pages: pages of the long context (8,192: 128K tokens of 16-token pages).
         long_repeats: timed LOADs of the long context.
         stall_seconds: each span of the stall part (the other engine idle, then during
-            back-to-back STOREs of ``long_pages`` into the full pool; see :mod:`kvtier.bench.scale_stall`).
+            back-to-back STOREs of ``long_pages`` into the full pool; see :mod:`kvtier.bench.scale.stall`).
         million_pages / million_batch / million_samples: see :func:`run_million`.
         pool_bytes / extent_bytes: the main daemon's host pool.
         copy_threads: the daemons' ``--copy-threads`` (and the memcpy baselines' threads).

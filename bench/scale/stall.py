@@ -1,7 +1,7 @@
 """The stall part of ``kvtier bench scale``: what one engine waits while another stores
 128K-token contexts into a full pool.
 
-One engine process (a ``latency`` worker of :mod:`kvtier.bench.scale_worker`) LOOKUPs 64
+One engine process (a ``latency`` worker of :mod:`kvtier.bench.scale.worker`) LOOKUPs 64
 keys over and over, pausing a millisecond between round trips, while this process fills
 the pool and then takes turns, :data:`WINDOW_S` each: a window of nothing (the daemon
 otherwise idle), then a window of STOREs of ``pages`` fresh pages back to back (each into
@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from kvtier.bench.scale_baselines import ScaleBenchError, p50
-from kvtier.bench.scale_worker import Aggregate, run_workers
+from kvtier.bench.scale.baselines import ScaleBenchError, p50
+from kvtier.bench.scale.worker import Aggregate, run_workers
 from kvtier.client.connection.connection import Connection
 from kvtier.client.kv_pool.shared import SharedKVPool
 from kvtier.config import ClientConfig

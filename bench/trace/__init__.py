@@ -1,14 +1,14 @@
 """``kvtier bench trace``: replay real traffic through a real kvtierd, per pool size.
 
 For each size N (in trace blocks), a private kvtierd whose host pool holds exactly N pages
-(L3 off) serves ``--engines`` engine processes (:mod:`kvtier.bench.trace_worker`) that
+(L3 off) serves ``--engines`` engine processes (:mod:`kvtier.bench.trace.worker`) that
 replay the trace as engines would: each request LOOKUPs its chain of blocks, LOADs the
 leading hit (every byte checked) and STOREs the rest, at its arrival time compressed
 ``--speedup`` times (or as soon as its engine is free). One trace block is one 4 KiB page.
 
 Printed per size: the daemon's hit rate (pages loaded / all blocks of all requests) and,
 over the same access sequence (the requests in the order their LOOKUPs were sent), the
-simulated hit rates of leaf-only LRU and of Belady's MIN (:mod:`kvtier.bench.trace_sim`),
+simulated hit rates of leaf-only LRU and of Belady's MIN (:mod:`kvtier.bench.trace.sim`),
 and ``gap_closed`` = (kvtier - LRU) / (MIN - LRU); the daemon's CPU seconds per request;
 LOOKUP, LOAD and STORE latencies (p50, p99) seen by the engines.
 
@@ -22,7 +22,7 @@ Default trace: the Mooncake FAST'25 conversation trace shipped gzipped in ``benc
 first half (every engine's requests before the midpoint, in trace order) to completion,
 then the second half by fresh engine processes. In one run the same daemon serves both
 phases; in the other it is killed with SIGKILL between them and a new kvtierd, same flags
-and runtime directory, adopts the pool (:mod:`kvtier.bench.trace_replay`). The fields
+and runtime directory, adopts the pool (:mod:`kvtier.bench.trace.replay`). The fields
 above come from the run without the restart; added: ``restart_window`` (the first
 ``min(1000, N / 4)`` requests after the midpoint), ``pages_adopted`` (by the new daemon),
 ``hit_rate_after_restart`` and ``hit_rate_after_no_restart`` (pages loaded over the
@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench import write_json
-from kvtier.bench.trace_replay import TraceBenchError, replay
-from kvtier.bench.trace_sim import DEFAULT_TRACE, load_trace, lru_hit_rate, min_hit_rate
+from kvtier.bench.trace.replay import TraceBenchError, replay
+from kvtier.bench.trace.sim import DEFAULT_TRACE, load_trace, lru_hit_rate, min_hit_rate
 
 __all__ = ["TraceBenchError", "add_arguments", "main", "run_from_args", "run_trace_bench"]
 
