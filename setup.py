@@ -1,8 +1,8 @@
 """Build hook for the C extensions (everything else is in pyproject.toml).
 
-Required (kvtier does not import without them; ``make`` installs the C compiler and the
-Python headers they need), each the one implementation of what it does, with no Python
-path beside it and no switch:
+Required (kvtier does not import without them; ``make`` installs the C compiler, the
+Python headers and the xxHash header, Debian ``libxxhash-dev``, that they need), each the
+one implementation of what it does, with no Python path beside it and no switch:
 
 - ``kvtier.daemon.pool.native._alloc``: a STORE's slot allocation and commit, and the
   ``reuse`` eviction policy's state (``_reuse.h``);
@@ -12,9 +12,8 @@ path beside it and no switch:
 - ``kvtier.ipc._packkeys``: page keys packed for the wire (``packed_keys``);
 - ``kvtier.kernels._pagekeys``: the SHA-256 chain of page keys (a client's prompts).
 
-Optional (without a C compiler or the xxHash header, Debian ``libxxhash-dev``, each caller
-takes its Python or numpy path; the daemon's ``native_off`` setting turns a built one off,
-see ``kvtier.kernels.native``):
+Optional (where one does not build, its caller takes its Python or numpy path; the
+daemon's ``native_off`` setting turns a built one off, see ``kvtier.kernels.native``):
 
 - ``kvtier.kernels._fileio``: the file L3 backend's batch I/O;
 - ``kvtier.kernels._guarded``: copies from engine memfds that may shrink.
@@ -40,7 +39,7 @@ setup(
     ext_modules=[
         _pool("_alloc", ("_reuse.h", "_lists.h")),
         _pool("_pins", ("_lists.h",)),
-        _pool("_keyprobe"),
+        _pool("_keyprobe"),  # xxhash.h, inlined: the row seals
         Extension(
             "kvtier.kernels._fileio",
             sources=["kernels/_fileio.c", "kernels/_xxh3_avx2.c"],

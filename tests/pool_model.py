@@ -261,7 +261,12 @@ class PageByPage(PageTable):
                 if children[prev] == 0 and state[prev] == _READY and pins[prev] == 0:
                     self.lists.dequeue(prev, owners[prev])
                 children[prev] += 1
-            s = take_slot(class_id, owner)
+            try:
+                s = take_slot(class_id, owner)
+            except BaseException:  # the policy failed: prev's child reference dropped
+                if prev != NIL:
+                    self._drop_child_ref(prev)
+                raise
             if s == NIL:
                 if prev != NIL:
                     self._drop_child_ref(prev)

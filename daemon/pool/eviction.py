@@ -56,8 +56,8 @@ class Evictor:
 
     Owns the evictable lists, the per-owner page counts and quotas, the victim budget and
     scan limit, and the eviction log. The steps that choose and evict victims run in C
-    (``daemon/pool/native/_alloc.c``: the allocation loop's own cold-end eviction, and
-    ``take_slot`` for every other case), over this state, through
+    (``daemon/pool/native/_alloc.c``'s ``take_slot``, for every slot a STORE allocates),
+    over this state, through
     :class:`~kvtier.daemon.pool.page_steps.PageSteps`.
 
     Args:

@@ -30,6 +30,7 @@ from here (records, eviction constants, :class:`PoolLayout`) are re-exported.
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import time
 from collections.abc import Sequence
@@ -193,12 +194,10 @@ class HostPool:
         classes: Sequence[int] = (),
     ) -> None:
         t0 = time.perf_counter()
+        self.adopted: AdoptResult | None = None
         layout = plan_layout(capacity_bytes, extent_bytes, align, min_page_bytes, headroom)
-        if meta is None:
-            # anonymous memory is zero until touched: nothing to clear
+        if meta is None:  # anonymous memory is zero until touched: nothing to clear
             pm = PoolMeta(mmap.mmap(-1, layout.meta_bytes), layout)
-            pm.format(zero=False)
-            reason: str | None = "private memory"
         else:
             need = layout.n_extents * layout.span
             if arena is not None:
@@ -207,13 +206,39 @@ class HostPool:
                 if nbytes < need:
                     raise HostPoolError(f"the arena has {nbytes} bytes, the pool needs {need}")
             pm = PoolMeta(meta, layout)
-            reason = (
-                pm.mismatch()
-                if not cold_start
-                else (cold_start if isinstance(cold_start, str) else "cold start requested")
-            )
-            if reason is not None:
-                pm.format()
+        try:
+            if meta is None:
+                pm.format(zero=False)
+                reason: str | None = "private memory"
+            else:
+                reason = (
+                    pm.mismatch()
+                    if not cold_start
+                    else (cold_start if isinstance(cold_start, str) else "cold start requested")
+                )
+                if reason is not None:
+                    pm.format()
+            self._build(pm, meta is None, reason, arena, classes, max_evicted_log, eviction_policy)
+        except BaseException:  # nothing keeps a view of the caller's buffer
+            pm.release()
+            raise
+        if self.adopted is not None:
+            self.adopted = dataclasses.replace(self.adopted, seconds=time.perf_counter() - t0)
+
+    def _build(
+        self,
+        pm: PoolMeta,
+        private: bool,
+        reason: str | None,
+        arena: Any | None,
+        classes: Sequence[int],
+        max_evicted_log: int,
+        eviction_policy: str,
+    ) -> None:
+        """The constructor's second half, over the checked metadata ``pm``: the page table,
+        its lookups, the classes given, and the adoption of what ``pm`` holds (unless
+        ``reason`` says why it was formatted)."""
+        layout = pm.layout
         gen = 1 if reason is not None else pm.bump_generation()
         self.capacity_bytes, self.extent_bytes = layout.capacity_bytes, layout.extent_bytes
         self.align, self.n_extents, self.n_slots = layout.align, layout.n_extents, layout.n_slots
@@ -223,11 +248,11 @@ class HostPool:
         self._lookups = KeyLookups(pages)
         for page_bytes in classes:
             self.register_class(page_bytes)
-        self.adopted: AdoptResult | None = None
-        if meta is None:
+        self.adopted = None
+        if private:
             return
         if reason is not None:
-            self.adopted = AdoptResult(False, reason, 0, 0, 0, time.perf_counter() - t0, gen)
+            self.adopted = AdoptResult(False, reason, 0, 0, 0, 0.0, gen)
             return
         scan = scan_rows(pm, pages.slots.usable_per_extent(), pages.keys, arena)
         pages.adopt_rows(scan.slots, scan.ready, scan.parents)
@@ -238,7 +263,7 @@ class HostPool:
             len(scan.slots),
             scan.dropped,
             scan.payload_bytes,
-            time.perf_counter() - t0,
+            0.0,  # the constructor's whole time, set by it
             gen,
         )
 

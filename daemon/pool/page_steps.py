@@ -90,8 +90,8 @@ class PageSteps:
         self._per_extent = slots.per_extent
 
     def allocate(
-        self, ns_id: int, owner: int, class_id: int, keys: list[bytes], prev: int, clock: int
-    ) -> tuple[list[tuple[int, int]], int] | None:
+        self, ns_id: int, owner: int, class_id: int, keys: list[bytes], prev: int, clock: list[int]
+    ) -> list[tuple[int, int]] | None:
         """Allocate WRITING slots for ``keys`` as :meth:`PageTable.allocate` says: each
         slot by C's ``take_slot``, the policy's every step (a free slot of the class, else
         the victims it names; ``arc``'s target and ghosts asked of
@@ -101,12 +101,13 @@ class PageSteps:
 
         Args:
             prev: the slot ``keys[0]`` extends (NIL: none).
-            clock: the table's access clock.
+            clock: the table's access clock, in a one-item list: advanced by one a page
+                allocated, also when an error stops the allocation.
 
         Returns:
-            ``(pairs, clock)``: ``(index into keys, slot)`` per page allocated (a shortfall
-            shows as missing pairs) and the new clock; None, having changed nothing, when
-            a key is not ``bytes`` of at most 32 bytes.
+            ``(index into keys, slot)`` per page allocated (a shortfall shows as missing
+            pairs); None, having changed nothing, when a key is not ``bytes`` of at most 32
+            bytes.
         """
         cls: PageClass = self._slots.classes[class_id]
         split = self._ev.split
@@ -133,9 +134,7 @@ class PageSteps:
             self._env(),
             admit,
         )
-        if done is None:
-            return None
-        return out, done[2]
+        return None if done is None else out
 
     def commit(
         self, slots: Sequence[int], checksums: Sequence[int] | None, clock: int

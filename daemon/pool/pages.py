@@ -223,10 +223,13 @@ class PageTable:
             if p is None:
                 p = self._writing.get(ns_id, _NO_PAGES).get(parent_key)
             prev = NIL if p is None else p
-        done = self._steps.allocate(ns_id, owner, class_id, keys, prev, self._clock)
-        if done is None:  # checked before any change
+        clock = [self._clock]
+        try:
+            out = self._steps.allocate(ns_id, owner, class_id, keys, prev, clock)
+        finally:  # the pages an error leaves allocated keep their stamps: so does the clock
+            self._clock = clock[0]
+        if out is None:  # checked before any change
             raise HostPoolError(f"page keys must be bytes of at most {KEY_BYTES} bytes")
-        out, self._clock = done
         return out
 
     def commit(self, slots: Sequence[int], checksums: Sequence[int] | None = None) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 
+import numpy as np
 from kvtier.daemon.pool.links import RecencyLists, filled
 from kvtier.daemon.pool.native import _pins
 from kvtier.daemon.pool.records import PageState
@@ -51,6 +52,10 @@ class Pins:
         self._children, self._lru = children, lru
         self._links = (lru.prev, lru.next, lru.oprev, lru.onext, stamp, owner)
 
+    def _recount(self) -> None:
+        """Count the pinned pages again (after an error left a run half done)."""
+        self.pinned = int(np.count_nonzero(np.frombuffer(self.count, dtype=np.int32)))
+
     def _lists(self) -> tuple[object, ...]:
         """The evictable lists as ``_pins`` takes them (their ends as they are now)."""
         lru = self._lru
@@ -61,9 +66,13 @@ class Pins:
         """Pin the READY ``slots`` and touch them, the last first (access stamps
         ``clock + 1`` onwards); the pages pinned for the first time leave the evictable
         lists. Returns the new clock."""
-        clock, newly = _pins.pin(
-            self.count, self._stamp, self._children, slots, clock, self._lists()
-        )
+        try:
+            clock, newly = _pins.pin(
+                self.count, self._stamp, self._children, slots, clock, self._lists()
+            )
+        except BaseException:  # a corrupt list stopped it after the counts changed
+            self._recount()
+            raise
         self.pinned += newly
         return clock
 
@@ -80,8 +89,11 @@ class Pins:
                 _READY,
                 self._lists(),
             )
-        except ValueError:  # a slot outside the pool
+        except ValueError:  # a slot outside the pool: refused before any change
             return False
+        except BaseException:  # a corrupt list stopped it after the counts changed
+            self._recount()
+            raise
         if unpinned is None:
             return False
         self.pinned -= unpinned

@@ -25,7 +25,7 @@ so chains stay whole for every policy.
   drops below ``FLOOR``. Remembering keys four times past the pool is what
   lets a page that comes back after a long gap (the next turn of a conversation, minutes
   later) be recognised as reused. The state is C's (``_alloc.Reuse``,
-  ``daemon/pool/native/_reuse.h``), which the allocation loop runs inline: the ghosts are
+  ``daemon/pool/native/_reuse.h``), which the pool's C code runs itself: the ghosts are
   a ring of 16-byte entries indexed by a table of 16-byte entries, at most half full, so a
   ghost costs at most about 130 bytes of private memory (about 500 a page of the pool)
   against a page's kilobytes to megabytes.

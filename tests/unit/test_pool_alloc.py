@@ -196,7 +196,7 @@ def test_the_c_call_refuses_a_prev_outside_the_pool() -> None:
                 runs._cols,
                 [b"a", b"b"],
                 prev,
-                0,
+                [0],
                 1,
                 10,
                 0,
@@ -324,19 +324,27 @@ def test_release_reads_every_slot_before_it_frees_one() -> None:
     assert table.keys[got[0][1]] == b"x0"  # nothing freed
 
 
-def test_an_error_inside_the_policy_leaves_the_pool_as_page_by_page() -> None:
+@pytest.mark.parametrize(
+    ("parent", "cls", "keys"),
+    [(None, 1, [b"big"]), (b"f23", 0, [b"n1", b"n2", b"n3"])],
+)
+def test_an_error_inside_the_policy_leaves_the_pool_as_page_by_page(
+    parent: bytes | None, cls: int, keys: list[bytes]
+) -> None:
     """When the policy's Python state raises in the middle of a slot's evictions (arc's
     ``evicted_page``), what was done stays done and is written back, in C as page by page:
-    the lists, counters and index agree with the model's, and the next STORE works."""
+    the lists, counters, clock and index agree with the model's (the page the STORE
+    extends has no child from it), and the next STORE works."""
     fast, ref = (
         HostPool(6 * EXTENT, EXTENT, 4 * KIB, eviction_policy="arc"),
         page_by_page(HostPool(6 * EXTENT, EXTENT, 4 * KIB, eviction_policy="arc")),
     )
     for p in (fast, ref):
         assert p.register_class(4000) == 0 and p.register_class(8000) == 1
-        got = p.allocate(1, 20, 0, [b"f%d" % i for i in range(24)])
-        assert len(got) == 24  # six extents of four pages: full
-        p.commit([s for _, s in got])
+        for i in range(24):  # six extents of four pages: full, of 24 one-page chains
+            got = p.allocate(1, 20, 0, [b"f%d" % i])
+            assert len(got) == 1
+            p.commit([s for _, s in got])
     for p in (fast, ref):
         split = p._pages.evictor.split
         real, calls = split.evicted_page, []
@@ -349,9 +357,61 @@ def test_an_error_inside_the_policy_leaves_the_pool_as_page_by_page() -> None:
 
         split.evicted_page = failing
         with pytest.raises(RuntimeError, match="policy failed"):
-            p.allocate(1, 20, 1, [b"big"])  # a free extent of class 1: four evictions
+            p.allocate(1, 20, cls, keys, parent)  # evictions: a free extent, or slots
         del split.evicted_page
     assert snapshot(fast) == snapshot(ref)
-    got = [p.allocate(1, 20, 1, [b"big"]) for p in (fast, ref)]
+    got = [p.allocate(1, 20, cls, keys[-1:], parent) for p in (fast, ref)]
     assert got[0] == got[1] and len(got[0]) == 1
     assert snapshot(fast) == snapshot(ref)
+
+
+@pytest.mark.parametrize("fail_at", [1, 3])
+def test_an_error_inside_the_allocation_keeps_the_clock_of_the_pages_it_wrote(
+    fail_at: int,
+) -> None:
+    """When the policy's Python code raises part way through a STORE's allocation, the
+    pages already written keep their access stamps and the table's clock has counted them
+    (a later page never gets an older stamp)."""
+    pool = HostPool(4 * EXTENT, EXTENT, 4 * KIB, eviction_policy="arc")
+    cls = pool.register_class(4000)
+    table = pool._pages
+    split = table.evictor.split
+    assert split is not None
+    calls = [0]
+    real = split.admit
+
+    def admit(s: int, ns: int, k: bytes) -> None:
+        calls[0] += 1
+        if calls[0] == fail_at + 1:
+            raise RuntimeError("the policy failed")
+        real(s, ns, k)
+
+    split.admit = admit  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="the policy failed"):
+        pool.allocate(1, 10, cls, [b"k%d" % i for i in range(6)])
+    stamps = [table.meta.stamp[s] for s in range(table.n_slots) if table.meta.state[s]]
+    assert len(stamps) == fail_at + 1 and table._clock == max(stamps)
+    split.admit = real  # type: ignore[method-assign]
+    ((_, s),) = pool.allocate(1, 10, cls, [b"later"])
+    assert table.meta.stamp[s] == max(stamps) + 1
+
+
+def test_an_error_while_a_slot_is_taken_drops_the_child_reference_it_took() -> None:
+    """A STORE extending a READY page shields it (a child reference) while its slot is
+    taken; when the policy raises then, the page gets no child and is evictable again."""
+    pool = HostPool(4 * EXTENT, EXTENT, 4 * KIB, eviction_policy="arc")
+    cls = pool.register_class(4000)
+    keys = [b"k%d" % i for i in range(pool.n_slots)]
+    pool.commit([s for _, s in pool.allocate(1, 10, cls, keys)])  # full: the next evicts
+    tail = pool._pages.ready[1][keys[-1]]
+    assert tail in pool.evictable_slots()
+    split = pool._pages.evictor.split
+    assert split is not None
+
+    def victim_list(resident: int) -> int:
+        raise RuntimeError("the policy failed")
+
+    split.victim_list = victim_list  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="the policy failed"):
+        pool.allocate(1, 10, cls, [b"next"], keys[-1])
+    assert pool._pages.kids.count[tail] == 0 and tail in pool.evictable_slots()

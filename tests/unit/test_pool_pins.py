@@ -226,7 +226,7 @@ def test_the_c_pins_check_every_slot_before_any_change() -> None:
         _pins.pin(pins, stamp, kids, (1, 2), 0, lists)  # a list only
     with pytest.raises(TypeError, match="lists"):
         _pins.pin(pins, stamp, kids, [1], 0, lists[:-1])
-    with pytest.raises(ValueError, match="shorter than the pool"):
+    with pytest.raises(RuntimeError, match="shorter than the pool"):
         _pins.pin(pins, stamp, kids, [1], 0, (array("i", [-1] * (n - 1)), *lists[1:]))
     with pytest.raises(ValueError, match="do not agree"):
         _pins.unpin(pins, array("b", [1] * (n + 1)), kids, [1], ready, lists)
@@ -241,6 +241,22 @@ def test_the_c_pins_check_every_slot_before_any_change() -> None:
     assert list(pins) == [0] * n
     assert walk(lists) == [0, 3, 4, 5, 6, 7, 1]  # stamp 13: the hot end
     assert lists[7] == {7: [0, 1], 9: [4, 4]}
+
+
+@pytest.mark.parametrize("bad", ["ends", "link"])
+def test_a_corrupt_evictable_list_is_an_error_not_a_stray_write(bad: str) -> None:
+    """List ends or links naming no slot of the pool stop the move with a RuntimeError
+    (never a write outside the columns); the pin counts are counted again by ``Pins``."""
+    n = 8
+    pins, kids, stamp = array("i", [0] * n), array("i", [0] * n), array("q", range(n))
+    owner = array("q", [7] * n)
+    lists = lists_of(stamp, owner, list(range(n)))
+    if bad == "ends":
+        lists[6][:] = [1 << 30, 1 << 30]  # type: ignore[index]
+    else:
+        lists[1][3] = 1 << 20  # type: ignore[index]  # slot 3's next
+    with pytest.raises(RuntimeError, match="not slots of the pool"):
+        _pins.pin(pins, stamp, kids, [3], 0, lists)
 
 
 def test_mark_used_puts_each_slot_in_t2_once_and_sets_its_flag() -> None:
@@ -307,3 +323,17 @@ def test_a_slot_whose_index_empties_the_list_is_refused_not_read_past() -> None:
         run[0] = Shrinks(run)
         with pytest.raises(ValueError, match="slots changed while being read"):
             call(run)
+
+
+def test_a_pin_stopped_by_a_corrupt_list_leaves_the_pinned_count_true() -> None:
+    """A pin that a corrupt evictable list stops after the counts changed raises, and the
+    number of pinned pages the pool reports is the number with a pin."""
+    pool, _ = pools()
+    keys = [f"k{i}".encode() for i in range(4)]
+    pool.commit([s for _, s in pool.allocate(NS, OWNERS[0], 0, keys)])
+    lru = pool._pages.evictor.lru
+    lru.next[lru.ends[0]] = 1 << 20  # the cold end's next names no slot
+    with pytest.raises(RuntimeError, match="not slots of the pool"):
+        pool.pin(NS, keys)
+    count = np.frombuffer(pool._pages.pins.count, dtype=np.int32)
+    assert pool.stats().pages_pinned == int(np.count_nonzero(count)) > 0

@@ -3,12 +3,14 @@
  *
  * run(cols, keys, prev, clock, ns_id, owner, cid, page_bytes, per_extent, ready_ns,
  *     writing_ns, ready, slot_keys, owned, ends, own_ends, out, env[, admit])
- *     -> (stop, prev, clock) or None
+ *     -> (stop, prev) or None
  *
  * daemon/pool/pages.py's PageTable.allocate: a key the namespace holds (READY or WRITING)
  * is skipped and parents the next; any other gets a slot from take_slot and its row is
  * written, the state byte last, with the steps and order of the page-by-page model
- * (tests/pool_model.py); `(index into keys, slot)` is appended to `out` for each. take_slot
+ * (tests/pool_model.py); `(index into keys, slot)` is appended to `out` for each, and
+ * `clock` (a list of one int, the access clock) advances by one a page, written back also
+ * when an error stops the call. take_slot
  * answering NIL is a shortfall: the call stops at that key (`stop`). `admit(slot, ns,
  * key)`, when given, is called for each new page (ArcState.admit); under reuse each new
  * page enters T2 when its key is a ghost (ReuseState.admit). None, having changed nothing:
@@ -226,7 +228,7 @@ static PyObject *record(PyObject *evicted, PyObject *key, int64_t ns, long long 
     return rec;
 }
 
-/* ---- Freeing pages and choosing victims outside the allocation loop's own fast path ----
+/* ---- Taking slots, choosing victims and freeing pages ----
  *
  * A Pool is the page table's state as these steps need it, over the Python objects the
  * page table keeps (read at the start of a call, written back at its end): the columns, the
@@ -316,6 +318,7 @@ static int pool_open(Pool *P, Cols *c, long long per_extent, PyObject *env, PyOb
     P->hashed = -1;
     P->idx_ns[0] = P->idx_ns[1] = -1;
     P->l.own_ends = own_ends;
+    P->l.n = c->n_slots;
     P->ready = ready, P->slot_keys = slot_keys, P->owned = owned;
     P->ends_list = ends_list, P->own_ends = own_ends;
     PyObject *classes, *offset_obj, *ext_obj, *tier_obj;
@@ -369,14 +372,14 @@ static int pool_open(Pool *P, Cols *c, long long per_extent, PyObject *env, PyOb
     if (tier_obj != Py_None) {
         if (PyObject_GetBuffer(tier_obj, &P->tv, PyBUF_WRITABLE) < 0) return -1;
         P->have_tv = 1;
-        if (P->tv.len < c->n_slots) {
-            PyErr_SetString(PyExc_ValueError, "tier is shorter than the columns");
+        if (P->tv.len < c->n_slots || P->tv.itemsize != 1) {
+            PyErr_SetString(PyExc_ValueError, "tier is not a byte a slot of the columns");
             return -1;
         }
-        if (ends_read(&P->l.g2, P->ends2) < 0) return -1;
+        if (ends_read(&P->l.g2, P->ends2, c->n_slots) < 0) return -1;
         P->l.tier = P->tier = P->tv.buf;
     }
-    if (ends_read(&P->l.g, ends_list) < 0) return -1;
+    if (ends_read(&P->l.g, ends_list, c->n_slots) < 0) return -1;
     P->lists_read = 1;
     return 0;
 }
@@ -803,14 +806,15 @@ static long long take_slot(Pool *P, long long cid, long long owner) {
 
 /* run(cols, keys, prev, clock, ns_id, owner, cid, page_bytes, per_extent, ready_ns,
  *     writing_ns, ready, slot_keys, owned, ends, own_ends, out, env[, admit])
- *     -> (stop, prev, clock) or None: see the module's comment. */
+ *     -> (stop, prev) or None: see the module's comment. */
 static PyObject *run(PyObject *self, PyObject *args) {
     PyObject *cols, *keys, *ready_ns, *writing_ns, *ready, *slot_keys, *owned, *ends_list;
-    PyObject *own_ends, *out, *env, *admit = Py_None;
+    PyObject *own_ends, *out, *env, *admit = Py_None, *clock_cell;
     long long prev, clock, ns_id, owner, cid, page_bytes, per_extent;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OO!LLLLLLLO!O!O!O!O!O!O!O!O|O:run", &cols, &PyList_Type, &keys,
-                          &prev, &clock, &ns_id, &owner, &cid, &page_bytes, &per_extent,
+    if (!PyArg_ParseTuple(args, "OO!LO!LLLLLO!O!O!O!O!O!O!O!O|O:run", &cols, &PyList_Type, &keys,
+                          &prev, &PyList_Type, &clock_cell, &ns_id, &owner, &cid, &page_bytes,
+                          &per_extent,
                           &PyDict_Type, &ready_ns, &PyDict_Type, &writing_ns, &PyDict_Type,
                           &ready, &PyList_Type, &slot_keys, &PyDict_Type, &owned, &PyList_Type,
                           &ends_list, &PyDict_Type, &own_ends, &PyList_Type, &out, &env,
@@ -820,6 +824,13 @@ static PyObject *run(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_TypeError, "admit must be a callable or None");
         return NULL;
     }
+    if (PyList_GET_SIZE(clock_cell) != 1) {
+        PyErr_SetString(PyExc_TypeError, "clock must be a list of one int");
+        return NULL;
+    }
+    clock = PyLong_AsLongLong(PyList_GET_ITEM(clock_cell, 0));
+    if (clock == -1 && PyErr_Occurred()) return NULL;
+    const long long clock0 = clock;
     Py_ssize_t n = PyList_GET_SIZE(keys);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *key = PyList_GET_ITEM(keys, i);
@@ -873,11 +884,17 @@ static PyObject *run(PyObject *self, PyObject *args) {
             c.children[prev] += 1;
         }
         long long s = take_slot(&P, cid, owner);
-        if (s == NIL && prev != NIL) {  /* a shortfall: prev's child reference dropped */
+        if (s < 0 && prev != NIL) {  /* a shortfall or an error: prev's child reference dropped */
+            PyObject *t, *v, *tb;
+            PyErr_Fetch(&t, &v, &tb);
             c.children[prev] -= 1;
             if (c.children[prev] == 0 && c.state[prev] == READY && c.pins[prev] == 0 &&
                 enqueue(&c, &P.l, (int32_t)prev) < 0)
                 s = -2;
+            if (t != NULL) {  /* the first error wins */
+                PyErr_Clear();
+                PyErr_Restore(t, v, tb);
+            }
         }
         if (s != NIL && s != -2 && (!in_pool(&c, s) || c.state[s] != FREE)) {
             PyErr_Format(PyExc_ValueError, "take gave slot %lld, not a free one", s);
@@ -898,6 +915,11 @@ static PyObject *run(PyObject *self, PyObject *args) {
         c.owner[s] = owner;
         c.length[s] = page_bytes;
         c.parent[s] = (int32_t)prev;
+        if (s >= PyList_GET_SIZE(slot_keys)) {  /* the policy's Python code shrank it */
+            PyErr_SetString(PyExc_ValueError, "slot_keys changed during the allocation");
+            Py_DECREF(key);
+            goto done;
+        }
         clock += 1;
         c.stamp[s] = clock;
         __atomic_signal_fence(__ATOMIC_SEQ_CST);
@@ -941,9 +963,26 @@ static PyObject *run(PyObject *self, PyObject *args) {
         if (rc < 0) goto done;
         prev = s;
     }
-    result = Py_BuildValue("(nLL)", i, prev, clock);
+    result = Py_BuildValue("(nL)", i, prev);
 done:
     if (pool_close(&P) < 0) Py_CLEAR(result);
+    if (clock != clock0) {  /* the pages written keep their stamps: the clock keeps up */
+        PyObject *t, *v, *tb;
+        PyErr_Fetch(&t, &v, &tb);
+        PyObject *cv = PyLong_FromLongLong(clock);
+        if (cv == NULL || PyList_GET_SIZE(clock_cell) != 1) {
+            Py_XDECREF(cv);
+            Py_CLEAR(result);
+            if (t == NULL && !PyErr_Occurred())
+                PyErr_SetString(PyExc_RuntimeError, "clock changed size during the allocation");
+        } else {
+            PyList_SetItem(clock_cell, 0, cv);  /* steals */
+        }
+        if (t != NULL) {
+            PyErr_Clear();
+            PyErr_Restore(t, v, tb);
+        }
+    }
     for (int j = 0; j < N_COLS; j++) PyBuffer_Release(&views[j]);
     return result;
 }
@@ -1031,18 +1070,18 @@ static PyObject *commit(PyObject *self, PyObject *args) {
             }
         }
     }
-    Lists l = {.have_owner = 0, .own_ends = own_ends};
+    Lists l = {.have_owner = 0, .own_ends = own_ends, .n = c.n_slots};
     if (tier_obj != NULL) {
         if (PyObject_GetBuffer(tier_obj, &tv, PyBUF_SIMPLE) < 0) goto done;
         have_tv = 1;
-        if (tv.len < c.n_slots) {
-            PyErr_SetString(PyExc_ValueError, "tier is shorter than the columns");
+        if (tv.len < c.n_slots || tv.itemsize != 1) {
+            PyErr_SetString(PyExc_ValueError, "tier is not a byte a slot of the columns");
             goto done;
         }
-        if (ends_read(&l.g2, ends2) < 0) goto done;
+        if (ends_read(&l.g2, ends2, c.n_slots) < 0) goto done;
         l.tier = tv.buf;
     }
-    if (ends_read(&l.g, ends_list) < 0) goto done;
+    if (ends_read(&l.g, ends_list, c.n_slots) < 0) goto done;
     PyObject *by_key = NULL, *from = NULL;  /* ready[ns], writing[ns] of the last ns */
     PyObject *cls = NULL;  /* the last slot's class, its counters in k */
     Class k;

@@ -3,9 +3,9 @@ allocated and committed in C, as :mod:`kvtier.daemon.pool.page_steps` calls it."
 
 from typing import Any
 
-def run(*args: Any) -> tuple[int, int, int] | None:
-    """Allocate slots for a STORE's keys: ``(stop, prev, clock)``, or None when a key is
-    not a bytes object of at most 32 bytes."""
+def run(*args: Any) -> tuple[int, int] | None:
+    """Allocate slots for a STORE's keys: ``(stop, prev)`` (the clock, a one-item list,
+    advanced in place), or None when a key is not a bytes object of at most 32 bytes."""
 
 def commit(*args: Any) -> tuple[int, int] | None:
     """Commit a STORE's filled slots: ``(stop, clock)``, or None (nothing changed) when a

@@ -43,6 +43,8 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#define XXH_INLINE_ALL
+#include <xxhash.h>
 
 #define WORDS 4 /* a 32-byte key as four 64-bit words */
 #define AHEAD 16 /* keys between a bucket's prefetch and its probe: a long LOOKUP's rows lie
@@ -410,100 +412,12 @@ end:
 /* seals(rows, lengths, seeds, out) -> None: xxh3_64(rows[i][:lengths[i]], seeds[i]) per row.
  *
  * The adoption scan's row seals (daemon/pool/seals.py) for keys of every length a row can
- * hold, 0 to 32 bytes: XXH3-64 with a seed (XXH3_64bits_withSeed, whose output is frozen
- * since xxHash 0.8.0), written out for those lengths from the specification with the
- * default secret's first 72 bytes, so that the pool's required extension needs no xxHash
- * header. XXH3 hashes an input of at most 32 bytes by its length: 0 (the seed and the
- * secret alone), 1-3 (the first, middle and last byte), 4-8 (the first and last 4 bytes),
- * 9-16 (the first and last 8) or 17-32 (two 16-byte mixes, of the first and of the last 16
- * bytes), each ending in an avalanche. Only a row's first lengths[i] bytes are read.
+ * hold, 0 to 32 bytes: XXH3-64 with a seed (xxHash's XXH3_64bits_withSeed, inlined; its
+ * output is frozen since xxHash 0.8.0). Only a row's first lengths[i] bytes are read.
  * `rows` holds n keys of 32 bytes each; `lengths` n uint8, each at most 32 (else
  * ValueError, nothing written); `seeds` and `out` n uint64 each. The unit tests hold every
  * length to the xxhash package and to their own XXH3.
  */
-static const uint8_t SECRET[72] = {
-    0xb8, 0xfe, 0x6c, 0x39, 0x23, 0xa4, 0x4b, 0xbe, 0x7c, 0x01, 0x81, 0x2c, 0xf7, 0x21, 0xad,
-    0x1c, 0xde, 0xd4, 0x6d, 0xe9, 0x83, 0x90, 0x97, 0xdb, 0x72, 0x40, 0xa4, 0xa4, 0xb7, 0xb3,
-    0x67, 0x1f, 0xcb, 0x79, 0xe6, 0x4e, 0xcc, 0xc0, 0xe5, 0x78, 0x82, 0x5a, 0xd0, 0x7d, 0xcc,
-    0xff, 0x72, 0x21, 0xb8, 0x08, 0x46, 0x74, 0xf7, 0x43, 0x24, 0x8e, 0xe0, 0x35, 0x90, 0xe6,
-    0x81, 0x3a, 0x26, 0x4c, 0x3c, 0x28, 0x52, 0xbb, 0x91, 0xc3, 0x00, 0xcb,
-}; /* XXH3's default secret (kSecret), its first 72 bytes: all that inputs of <= 32 read */
-
-#define PRIME64_1 0x9E3779B185EBCA87ULL
-#define PRIME64_2 0xC2B2AE3D27D4EB4FULL
-#define PRIME64_3 0x165667B19E3779F9ULL
-#define PRIME_MX1 0x165667919E3779F9ULL
-#define PRIME_MX2 0x9FB21C651E98DF25ULL
-
-static inline uint64_t read64(const uint8_t *p) {
-    uint64_t v;
-    memcpy(&v, p, 8);
-    return v; /* little-endian machines only (x86-64, aarch64), as the key columns are */
-}
-
-static inline uint32_t read32(const uint8_t *p) {
-    uint32_t v;
-    memcpy(&v, p, 4);
-    return v;
-}
-
-static inline uint64_t fold64(uint64_t a, uint64_t b) {
-    unsigned __int128 m = (unsigned __int128)a * b;
-    return (uint64_t)m ^ (uint64_t)(m >> 64);
-}
-
-static inline uint64_t mix16(const uint8_t *in, const uint8_t *secret, uint64_t seed) {
-    return fold64(read64(in) ^ (read64(secret) + seed), read64(in + 8) ^ (read64(secret + 8) - seed));
-}
-
-static inline uint64_t xxh64_avalanche(uint64_t h) {
-    h ^= h >> 33;
-    h *= PRIME64_2;
-    h ^= h >> 29;
-    h *= PRIME64_3;
-    return h ^ (h >> 32);
-}
-
-static inline uint64_t xxh3_avalanche(uint64_t h) {
-    h ^= h >> 37;
-    h *= PRIME_MX1;
-    return h ^ (h >> 32);
-}
-
-static inline uint64_t rotl64(uint64_t x, unsigned r) { return (x << r) | (x >> (64 - r)); }
-
-/* XXH3_64bits_withSeed(key, len, seed) for len <= 32 (the caller checks it). */
-static inline uint64_t xxh3_upto32(const uint8_t *key, unsigned len, uint64_t seed) {
-    if (len > 16) {
-        uint64_t acc = len * PRIME64_1;
-        acc += mix16(key, SECRET, seed);
-        acc += mix16(key + len - 16, SECRET + 16, seed);
-        return xxh3_avalanche(acc);
-    }
-    if (len > 8) {
-        uint64_t lo = read64(key) ^ ((read64(SECRET + 24) ^ read64(SECRET + 32)) + seed);
-        uint64_t hi = read64(key + len - 8) ^ ((read64(SECRET + 40) ^ read64(SECRET + 48)) - seed);
-        return xxh3_avalanche(len + __builtin_bswap64(lo) + hi + fold64(lo, hi));
-    }
-    if (len >= 4) {
-        seed ^= (uint64_t)__builtin_bswap32((uint32_t)seed) << 32;
-        uint64_t in64 = read32(key + len - 4) + ((uint64_t)read32(key) << 32);
-        uint64_t h = in64 ^ ((read64(SECRET + 8) ^ read64(SECRET + 16)) - seed);
-        h ^= rotl64(h, 49) ^ rotl64(h, 24);
-        h *= PRIME_MX2;
-        h ^= (h >> 35) + len;
-        h *= PRIME_MX2;
-        return h ^ (h >> 28);
-    }
-    if (len > 0) {
-        uint32_t combined = ((uint32_t)key[0] << 16) | ((uint32_t)key[len >> 1] << 24) |
-                            (uint32_t)key[len - 1] | ((uint32_t)len << 8);
-        return xxh64_avalanche((uint64_t)combined ^
-                               ((uint64_t)(read32(SECRET) ^ read32(SECRET + 4)) + seed));
-    }
-    return xxh64_avalanche(seed ^ read64(SECRET + 56) ^ read64(SECRET + 64));
-}
-
 static PyObject *seals(PyObject *self, PyObject *args) {
     Py_buffer rows, lengths, seeds, out;
     PyObject *ret = NULL;
@@ -528,7 +442,7 @@ static PyObject *seals(PyObject *self, PyObject *args) {
         uint64_t *digest = out.buf;
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t i = 0; i < n; i++, key += 8 * WORDS)
-            digest[i] = xxh3_upto32(key, len[i], seed[i]);
+            digest[i] = XXH3_64bits_withSeed(key, len[i], seed[i]);
         Py_END_ALLOW_THREADS
     }
     ret = Py_NewRef(Py_None);

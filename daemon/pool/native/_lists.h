@@ -6,7 +6,9 @@
  * for its class's free list instead.
  *
  * Ends and the last owner list used are read once and written back by the caller
- * (ends_write, lists_flush). Included after Python.h, NIL defined. */
+ * (ends_write, lists_flush). Every slot id read from the ends or the links is checked
+ * against the pool's size before it is used: a corrupt list is a RuntimeError, never a
+ * stray write. Included after Python.h, NIL defined. */
 #ifndef KVTIER_LISTS_H
 #define KVTIER_LISTS_H
 
@@ -18,7 +20,11 @@ typedef struct {
     long long cold, hot;
 } Ends;
 
-static int ends_read(Ends *e, PyObject *list) {
+/* Whether `x` is NIL or a slot of a pool of `n` slots. */
+static inline int in_list_range(long long x, Py_ssize_t n) { return x == NIL || (x >= 0 && x < n); }
+
+/* Read `list`'s ends, each NIL or a slot of a pool of `n` slots. */
+static int ends_read(Ends *e, PyObject *list, Py_ssize_t n) {
     if (!PyList_Check(list) || PyList_GET_SIZE(list) != 2) {
         PyErr_SetString(PyExc_TypeError, "list ends must be a list of two ints");
         return -1;
@@ -26,31 +32,48 @@ static int ends_read(Ends *e, PyObject *list) {
     e->list = list;
     e->cold = PyLong_AsLongLong(PyList_GET_ITEM(list, 0));
     e->hot = PyLong_AsLongLong(PyList_GET_ITEM(list, 1));
-    return PyErr_Occurred() ? -1 : 0;
+    if (PyErr_Occurred()) return -1;
+    if (!in_list_range(e->cold, n) || !in_list_range(e->hot, n) ||
+        (e->cold == NIL) != (e->hot == NIL)) {
+        PyErr_Format(PyExc_RuntimeError, "an evictable list's ends [%lld, %lld] are not slots "
+                     "of the pool's %zd", e->cold, e->hot, n);
+        return -1;
+    }
+    return 0;
 }
 
 static int ends_write(Ends *e) {
+    if (PyList_GET_SIZE(e->list) != 2) {
+        PyErr_SetString(PyExc_RuntimeError, "an evictable list's ends changed size");
+        return -1;
+    }
     PyObject *c = PyLong_FromLongLong(e->cold), *h = PyLong_FromLongLong(e->hot);
     if (c == NULL || h == NULL) {
         Py_XDECREF(c);
         Py_XDECREF(h);
         return -1;
     }
-    PyList_SetItem(e->list, 0, c);  /* steals */
+    PyList_SetItem(e->list, 0, c);  /* steals; the list has two items */
     PyList_SetItem(e->list, 1, h);
     return 0;
 }
 
-/* Unlink `s` from the list `e` (its links `prev`, `nxt`). */
-static void unlink_(int32_t *prev, int32_t *nxt, Ends *e, int32_t s) {
+/* Unlink `s` (a slot of a pool of `n`) from the list `e` (its links `prev`, `nxt`). */
+static int unlink_(int32_t *prev, int32_t *nxt, Ends *e, int32_t s, Py_ssize_t n_slots) {
     int32_t p = prev[s], n = nxt[s];
+    if (!in_list_range(p, n_slots) || !in_list_range(n, n_slots)) {
+        PyErr_Format(PyExc_RuntimeError, "an evictable list links slot %d to %d and %d, not "
+                     "slots of the pool's %zd", (int)s, (int)p, (int)n, n_slots);
+        return -1;
+    }
     if (p == NIL) e->cold = n; else nxt[p] = n;
     if (n == NIL) e->hot = p; else prev[n] = p;
     prev[s] = nxt[s] = NIL;
+    return 0;
 }
 
 /* Link `s` into the list `e`: at the cold end if it is not more recent than the cold end
- * (by `stamp`), else at the hot end. */
+ * (by `stamp`), else at the hot end. The ends are the pool's slots (read by ends_read). */
 static void push_(int32_t *prev, int32_t *nxt, Ends *e, const int64_t *stamp, int32_t s) {
     if (e->cold == NIL) {
         prev[s] = nxt[s] = NIL;
@@ -65,7 +88,7 @@ static void push_(int32_t *prev, int32_t *nxt, Ends *e, const int64_t *stamp, in
 }
 
 /* The owner's ends in `own_ends` (created as [NIL, NIL] when `create`), read into `e`. */
-static int owner_ends(Ends *e, PyObject *own_ends, int64_t owner, int create) {
+static int owner_ends(Ends *e, PyObject *own_ends, int64_t owner, int create, Py_ssize_t n) {
     PyObject *k = PyLong_FromLongLong(owner);
     if (k == NULL) return -1;
     PyObject *list = PyDict_GetItemWithError(own_ends, k);  /* borrowed */
@@ -79,7 +102,7 @@ static int owner_ends(Ends *e, PyObject *own_ends, int64_t owner, int create) {
         }
     }
     Py_DECREF(k);
-    return list == NULL ? -1 : ends_read(e, list);
+    return list == NULL ? -1 : ends_read(e, list, n);
 }
 
 /* The evictable lists: the global one's ends and the last owner's list used, written back
@@ -88,6 +111,7 @@ typedef struct {
     Ends g, o;
     int64_t owner;
     int have_owner;
+    Py_ssize_t n;         /* the pool's slots */
     PyObject *own_ends;
     Ends g2;              /* the second global list (arc's T2), used where tier[s] is 1 */
     const uint8_t *tier;  /* per slot, which global list; NULL: the first only */
@@ -101,7 +125,8 @@ static int lists_flush(Lists *l) {
 
 static Ends *owner_list(Lists *l, int64_t owner, int create) {
     if (l->have_owner && l->owner == owner) return &l->o;
-    if (lists_flush(l) < 0 || owner_ends(&l->o, l->own_ends, owner, create) < 0) return NULL;
+    if (lists_flush(l) < 0 || owner_ends(&l->o, l->own_ends, owner, create, l->n) < 0)
+        return NULL;
     l->owner = owner;
     l->have_owner = 1;
     return &l->o;
@@ -120,11 +145,10 @@ typedef struct {
 
 /* Take `s` off its global list and off its owner's. */
 static int links_dequeue(const Links *k, Lists *l, int32_t s) {
-    unlink_(k->prev, k->next, global_list(l, s), s);
+    if (unlink_(k->prev, k->next, global_list(l, s), s, l->n) < 0) return -1;
     Ends *o = owner_list(l, k->owner[s], 0);
     if (o == NULL) return -1;
-    unlink_(k->oprev, k->onext, o, s);
-    return 0;
+    return unlink_(k->oprev, k->onext, o, s, l->n);
 }
 
 /* Put `s` on its global list and on its owner's (created on first use). */

@@ -18,9 +18,11 @@
  * page gets one more pin and the next tick of the access clock, `clock` + 1 onwards; the
  * new clock is returned. unpin checks every slot first (inside the columns, state `ready`,
  * pinned) and returns None, having changed nothing, when one is not, or when a slot is
- * listed more often than it is pinned: the caller then names it in its error. Every slot is checked against the columns before any change (ValueError), and the
- * columns' sizes against each other. (Only running out of memory for the returned list,
- * after the pins changed, leaves a run half done: MemoryError.)
+ * listed more often than it is pinned: the caller then names it in its error. Every slot
+ * is checked against the columns before any change (ValueError), and the columns' sizes
+ * against each other. Only a corrupt evictable list, found while the pages move after the
+ * counts changed, leaves a run half done (RuntimeError, KeyError for an owner without a
+ * list; the caller counts the pinned pages again).
  *
  * mark_used is the two-list policies' step for a LOAD's pinned pages (policies.py's
  * SplitState.reused): each slot whose `tier` byte is 0 gets 1 and, unless `flags` is None,
@@ -74,13 +76,14 @@ static int lists_open(PinLists *p, PyObject *lists, Py_ssize_t n_slots) {
         if (p->v[p->have].len < n_slots * width[p->have]) {
             p->have++;
             lists_release(p);
-            PyErr_SetString(PyExc_ValueError, "a list column is shorter than the pool");
+            PyErr_SetString(PyExc_RuntimeError, "a list column is shorter than the pool");
             return -1;
         }
     }
     p->k = (Links){p->v[0].buf, p->v[1].buf, p->v[2].buf, p->v[3].buf, p->v[4].buf,
                    p->v[5].buf};
     p->l.own_ends = own_ends;
+    p->l.n = n_slots;
     if ((ends2 == Py_None) != (tier == Py_None)) {
         lists_release(p);
         PyErr_SetString(PyExc_TypeError, "lists takes ends2 and tier together");
@@ -92,15 +95,15 @@ static int lists_open(PinLists *p, PyObject *lists, Py_ssize_t n_slots) {
             return -1;
         }
         p->have_tv = 1;
-        if (p->tv.len < n_slots || ends_read(&p->l.g2, ends2) < 0) {
+        if (p->tv.len < n_slots || p->tv.itemsize != 1 || ends_read(&p->l.g2, ends2, n_slots) < 0) {
             if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_ValueError, "tier is shorter than the pool");
+                PyErr_SetString(PyExc_RuntimeError, "tier is not a byte a slot of the pool");
             lists_release(p);
             return -1;
         }
         p->l.tier = p->tv.buf;
     }
-    if (ends_read(&p->l.g, ends) < 0) {
+    if (ends_read(&p->l.g, ends, n_slots) < 0) {
         lists_release(p);
         return -1;
     }
