@@ -207,14 +207,14 @@ class PageByPage(PageTable):
 
     def __init__(self, meta: Any, **settings: Any) -> None:
         super().__init__(meta, **settings)
-        split = self._ev.split
+        split = self.evictor.split
         self.lists = EvictableLists(meta.stamp, None if split is None else split.tier)
         # the model's lists from here on, where the pool looks for them (HostPool's
         # evictable_slots and describe): a step of the pool's own list code run by
         # mistake fails on them
-        self._lru = self._ev.lru = self.lists  # type: ignore[assignment]
-        self.kids = self._kids = ResidentChildren(self.n_slots, meta.parent)  # type: ignore[assignment]
-        self._children = self._kids.count
+        self._lru = self.evictor.lru = self.lists  # type: ignore[assignment]
+        self.kids = ResidentChildren(self.n_slots, meta.parent)  # type: ignore[assignment]
+        self._children = self.kids.count
 
     def allocate(
         self,
@@ -234,11 +234,11 @@ class PageByPage(PageTable):
         if keys and max(map(len, keys)) > KEY_BYTES:
             raise HostPoolError(f"page keys must have at most {KEY_BYTES} bytes")
         cls = self._classes[class_id]
-        ready = self._ready.get(ns_id, _NO_PAGES)  # evictions below only remove from it
+        ready = self.ready.get(ns_id, _NO_PAGES)  # evictions below only remove from it
         writing = self._writing.get(ns_id)
         if writing is None:
             writing = self._writing[ns_id] = {}
-        meta = self._meta
+        meta = self.meta
         pack_key, key_col, key_len, length = meta.pack_key, meta.key, meta.key_len, meta.length
         state, stamp, ns, owners = self._state, self._stamp, self._ns, self._owner
         children, pins, take_slot = self._children, self._pins, self.take_slot
@@ -280,9 +280,9 @@ class PageByPage(PageTable):
             self._clock += 1
             stamp[s] = self._clock
             state[s] = _WRITING
-            self._key[s] = key
+            self.keys[s] = key
             if prev != NIL:
-                self._kids.link(prev, s)
+                self.kids.link(prev, s)
             writing[key] = s
             if self._split is not None:
                 self._split.admit(s, ns_id, key)
@@ -299,7 +299,7 @@ class PageByPage(PageTable):
             self.lists.enqueue(p, self._owner[p])
 
     def commit(self, slots: Sequence[int], checksums: Sequence[int] | None = None) -> None:
-        meta, state, keys, n_slots = self.meta, self._state, self._key, self.n_slots
+        meta, state, keys, n_slots = self.meta, self._state, self.keys, self.n_slots
         for s in slots:
             if not 0 <= s < n_slots or state[s] != _WRITING:
                 self._expect(s, PageState.WRITING, "commit")
@@ -329,7 +329,7 @@ class PageByPage(PageTable):
             self._stamp[s] = clock
             state[s] = _READY
             del self._writing[ns][key]
-            self._ready.setdefault(ns, {})[key] = s
+            self.ready.setdefault(ns, {})[key] = s
             cls = self._classes[self._ext_class[s // self._per_extent]]
             cls.writing -= 1
             cls.ready += 1
@@ -341,7 +341,7 @@ class PageByPage(PageTable):
         pins, children, stamp, owner = self._pins, self._children, self._stamp, self._owner
         for s in reversed(out):
             if pins[s] == 0:
-                self._pin.pinned += 1
+                self.pins.pinned += 1
                 if children[s] == 0:
                     self.lists.dequeue(s, owner[s])
             pins[s] += 1
@@ -360,7 +360,7 @@ class PageByPage(PageTable):
         for s in slots:
             pins[s] -= 1
             if pins[s] == 0:
-                self._pin.pinned -= 1
+                self.pins.pinned -= 1
                 if children[s] == 0:
                     self.lists.enqueue(s, owner[s])
 
@@ -405,7 +405,7 @@ class PageByPage(PageTable):
         state = self._state[s]
         if (
             self._pins[s]
-            or self._key[s] is None
+            or self.keys[s] is None
             or (state != _WRITING and (state != _READY or self._children[s]))
         ):
             raise PageStateError(
@@ -420,19 +420,19 @@ class PageByPage(PageTable):
         """A page off the evictable lists FREE (``keep``: its slot stays taken, for the
         allocation that evicted it)."""
         assert self._pins[s] == 0
-        keys, state = self._key, self._state
+        keys, state = self.keys, self._state
         key = keys[s]
         assert key is not None
         was_ready = state[s] == _READY
         state[s] = int(PageState.FREE)  # first: from here on a crash leaves the slot free
         self._in_l3[s] = 0
         ns = self._ns[s]
-        del (self._ready if was_ready else self._writing)[ns][key]
+        del (self.ready if was_ready else self._writing)[ns][key]
         keys[s] = None
         if self._split is not None:
             self._split.released(s)
         p = self._parent[s]
-        kids = self._kids
+        kids = self.kids
         if p != NIL:
             kids.unlink(p, s)
             self._drop_child_ref(p)
@@ -445,14 +445,14 @@ class PageByPage(PageTable):
             cls.writing -= 1
         self._owned[self._owner[s]] -= 1
         if not keep:
-            give_back(self._slots, s)
+            give_back(self.slots, s)
 
     # -- the eviction policy's steps (C's take_slot), page by page -----------------------
     def take_slot(self, cid: int, owner: int) -> int:
         """A slot of class ``cid`` for ``owner``, evicting if needed, or NIL (a shortfall):
         an owner at its quota replaces its own pages first; then a free slot; then
         :meth:`_reclaim`."""
-        ev = self._ev
+        ev = self.evictor
         quota = ev.quota.get(owner)
         scope: int | None = None  # whose pages may be evicted; None: anyone's
         if quota is not None and ev.owned.get(owner, 0) >= quota:
@@ -463,12 +463,12 @@ class PageByPage(PageTable):
                     return NIL
                 self.evict(v)
                 budget -= 1
-        s = slot_take(self._slots, cid)
+        s = slot_take(self.slots, cid)
         return s if s != NIL else self._reclaim(cid, scope)
 
     def _reclaim(self, cid: int, owner: int | None) -> int:
         """Evict (anyone's, or only ``owner``'s pages) until a slot of ``cid`` frees."""
-        budget = self._ev.budget
+        budget = self.evictor.budget
         ext_class, per_extent = self._ext_class, self._per_extent
         while budget > 0:
             v = self.coldest(owner, NIL)
@@ -479,7 +479,7 @@ class PageByPage(PageTable):
                 return v
             self.evict(v)
             budget -= 1
-            s = slot_take(self._slots, cid)
+            s = slot_take(self.slots, cid)
             if s != NIL:
                 return s
         v = self.coldest(owner, cid)  # fall back to the class's own pages
@@ -492,7 +492,7 @@ class PageByPage(PageTable):
         """The coldest page eviction may take from ``owner``'s list (None: the global
         list; under a two-list policy the one the policy names, then the other), of class
         ``cid`` unless NIL; NIL if none within the scan limit."""
-        ev, lists = self._ev, self.lists
+        ev, lists = self.evictor, self.lists
         split = ev.split
         if owner is not None:
             return self._scan(lists.owner_list(owner), cid)
@@ -505,7 +505,7 @@ class PageByPage(PageTable):
     def _scan(self, order: list[int], cid: int) -> int:
         """The first of the ``scan_limit`` coldest pages of ``order`` that eviction may
         take (marked in L3 when that is required; of class ``cid`` unless NIL), or NIL."""
-        ev = self._ev
+        ev = self.evictor
         for s in order[: ev.scan_limit]:
             if (not ev.requires_l3 or self._in_l3[s]) and (
                 cid == NIL or self._ext_class[s // self._per_extent] == cid
@@ -516,8 +516,8 @@ class PageByPage(PageTable):
     def evict(self, s: int, keep: bool = False) -> None:
         """Evict the evictable page ``s``: log it, tell the policy, take it off the lists,
         free it (with ``keep``, its slot stays taken)."""
-        ev = self._ev
-        key = self._key[s]
+        ev = self.evictor
+        key = self.keys[s]
         assert key is not None
         ev.evictions += 1
         if len(ev.log) < ev.max_log:

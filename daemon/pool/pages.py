@@ -22,7 +22,7 @@ asks this dict only about a key its probe leaves unresolved. Allocate and commit
 (:class:`~kvtier.daemon.pool.page_steps.PageSteps`, the eviction policy's steps within the
 allocation), pin and unpin too (:class:`~kvtier.daemon.pool.pins.Pins`), and so does
 freeing a page (:meth:`PageTable.release`: an abort, a flush), whatever the number of
-pages. A key is one bytes object, in ``_key`` (slot -> key) and its
+pages. A key is one bytes object, in ``keys`` (slot -> key) and its
 namespace's dict (built in C at adoption).
 """
 
@@ -86,25 +86,23 @@ class PageTable:
         layout = meta.layout
         self.n_slots = layout.n_slots
         self._per_extent = layout.per_extent
-        self.meta = self._meta = meta
-        self.slots = self._slots = slots = SlotAllocator(layout, meta.ext_bytes)
+        self.meta = meta
+        self.slots = slots = SlotAllocator(layout, meta.ext_bytes)
         self._classes: list[PageClass] = slots.classes
         self._ext_class = slots.ext_class
         # persistent columns (shared memory for a daemon's pool), then private arrays
         self._state, self._in_l3, self._stamp = meta.state, meta.in_l3, meta.stamp
         self._ns, self._owner, self._parent = meta.ns, meta.owner, meta.parent
-        self.kids = self._kids = ChildLists(self.n_slots, meta.parent)  # resident children
-        self._children = self._kids.count
-        self._key: list[bytes | None] = [None] * self.n_slots
-        self.keys = self._key
+        self.kids = ChildLists(self.n_slots, meta.parent)  # resident children
+        self._children = self.kids.count
+        self.keys: list[bytes | None] = [None] * self.n_slots
         # ns_id -> key -> slot of the READY pages and of the WRITING ones (the exact index);
         # a key is only ever seen from its own namespace, so one tenant cannot even probe
         # another's keys
-        self._ready: dict[int, dict[bytes, int]] = {}
-        self.ready = self._ready
+        self.ready: dict[int, dict[bytes, int]] = {}
         self._writing: dict[int, dict[bytes, int]] = {}
-        self._index = ResidentPages(self._ready, self._writing)  # len: resident pages
-        self.evictor = self._ev = Evictor(
+        self._index = ResidentPages(self.ready, self._writing)  # len: resident pages
+        self.evictor = Evictor(
             slots,
             meta,
             max_log=max_log,
@@ -112,15 +110,15 @@ class PageTable:
             requires_l3=requires_l3,
             policy=policy,
         )
-        self._split = self._ev.split  # a two-list policy's state (None: lru)
-        self._lru = self._ev.lru  # the evictable pages
-        self._owned = self._ev.owned
-        self.pins = self._pin = Pins(
+        self._split = self.evictor.split  # a two-list policy's state (None: lru)
+        self._lru = self.evictor.lru  # the evictable pages
+        self._owned = self.evictor.owned
+        self.pins = Pins(
             self.n_slots, meta.stamp, meta.state, meta.owner, self._children, self._lru
         )
-        self._pins = self._pin.count
+        self._pins = self.pins.count
         self._steps = PageSteps(
-            meta, slots, self._kids, self._ev, self._pins, self._key, self._ready, self._writing
+            meta, slots, self.kids, self.evictor, self._pins, self.keys, self.ready, self._writing
         )
         self._clock = 0
 
@@ -135,23 +133,23 @@ class PageTable:
             slots: the adopted slot ids, ascending; ``parents`` (after cleaning, NIL: none)
                 in the same order.
             ready: their index (:func:`~kvtier.daemon.pool.adopt.scan_rows`, which has
-                put each key into ``_key`` too).
+                put each key into ``keys`` too).
         """
-        meta = self._meta
-        self._slots.rebuild(slots)
-        self._ready.update(ready)  # in place: the index dicts are shared (PageSteps)
+        meta = self.meta
+        self.slots.rebuild(slots)
+        self.ready.update(ready)  # in place: the index dicts are shared (PageSteps)
         cids = np.frombuffer(self._ext_class, dtype=np.int32)[slots // self._per_extent]
         for cid, count in enumerate(np.bincount(cids, minlength=len(self._classes)).tolist()):
             self._classes[cid].ready = count
         for cls in self._classes:
-            self._ev.fit_class(cls.n)
+            self.evictor.fit_class(cls.n)
         owners = meta.array("owner")[slots]
         if len(owners) and (owners == owners[0]).all():  # one owner: the usual case
             self._owned[int(owners[0])] = len(owners)
         else:
             for o, count in zip(*np.unique(owners, return_counts=True)):
                 self._owned[int(o)] = int(count)
-        self._kids.rebuild(slots, parents)
+        self.kids.rebuild(slots, parents)
         if self._split is not None:  # the pages used again: T2, as before the restart
             used = slots[(meta.array("flags")[slots] & USED_AGAIN) != 0]
             np.frombuffer(self._split.tier, dtype=np.uint8)[used] = 1
@@ -176,7 +174,7 @@ class PageTable:
         Returns:
             How many leading keys are READY or WRITING.
         """
-        ready = self._ready.get(ns_id, _NO_PAGES)
+        ready = self.ready.get(ns_id, _NO_PAGES)
         writing = self._writing.get(ns_id, _NO_PAGES)
         n = 0
         for key in keys:
@@ -215,11 +213,11 @@ class PageTable:
         Raises:
             HostPoolError: unknown class id, or a key longer than 32 bytes.
         """
-        self._slots.check_class(class_id)
+        self.slots.check_class(class_id)
         keys = keys if type(keys) is list else list(keys)
         prev = NIL
         if parent_key is not None:
-            p = self._ready.get(ns_id, _NO_PAGES).get(parent_key)
+            p = self.ready.get(ns_id, _NO_PAGES).get(parent_key)
             if p is None:
                 p = self._writing.get(ns_id, _NO_PAGES).get(parent_key)
             prev = NIL if p is None else p
@@ -296,7 +294,7 @@ class PageTable:
         them, the last first; pinned pages are not evictable. The caller hands them to
         :meth:`unpin` once. ``used``: the pages are being used (a LOAD), under ``arc`` or ``reuse``
         they move to T2."""
-        self._clock = self._pin.pin(out, self._clock)
+        self._clock = self.pins.pin(out, self._clock)
         if used and self._split is not None:  # off the lists now: into T2
             self._split.reused(out)
 
@@ -311,7 +309,7 @@ class PageTable:
                 than pinned. Checked before any change.
             HostPoolError: a slot id is out of range.
         """
-        if not self._pin.unpin(slots):
+        if not self.pins.unpin(slots):
             self._refuse_unpin(slots)
 
     def _refuse_unpin(self, slots: Sequence[int]) -> None:

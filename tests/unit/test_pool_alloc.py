@@ -205,7 +205,7 @@ def test_the_c_call_refuses_a_prev_outside_the_pool() -> None:
                 {},
                 {},
                 {},
-                table._key,
+                table.keys,
                 table.evictor.owned,
                 table.evictor.lru.ends,
                 table.evictor.lru.own_ends,
