@@ -5,13 +5,14 @@ tests/adapters/vllm/test_vllm_kv_events.py."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ import zmq
 from kvtier.client.connection.events import EventMessage, EventSubscriber
 from kvtier.ipc import kv_events as E
 from kvtier.ipc import protocol as P
+from kvtier.launch.daemon_process import DaemonProcess
 
 from tests.engines import SMALL, engine, tokens
 from tests.integration.test_admin_cli import kvtier
@@ -45,8 +47,11 @@ def event_flags(root: Path, *extra: str) -> list[str]:
 
 
 def subscriber(root: Path, **kw: object) -> EventSubscriber:
+    """A subscriber that reads the stream from its start (sequence 0) and does not wait for
+    its subscription to reach the daemon: what is sent before it gets there comes by replay
+    (a first live batch past 0 is a gap; :func:`drain` asks for the rest)."""
     sub = EventSubscriber(f"ipc://{root}/ev.sock", replay=f"ipc://{root}/evr.sock", **kw)
-    time.sleep(0.2)  # the subscription reaches the publisher
+    sub.next_seq = 0
     return sub
 
 
@@ -64,7 +69,39 @@ def hashes(evs: list) -> list:
 
 
 def drain(sub: EventSubscriber, timeout_s: float = 2.0) -> list[EventMessage]:
-    return list(sub.iter(timeout_s))
+    """The batches from ``sub``'s next sequence number on, until none came for
+    ``timeout_s``: as received, gaps filled by replay, then by replay those sent before its
+    subscription reached the daemon that no batch received came after."""
+    got = list(sub.iter(timeout_s))
+    assert sub.next_seq is not None
+    missed = sub.replay(sub.next_seq)
+    if missed:
+        sub.next_seq = missed[-1].seq + 1
+    return got + missed
+
+
+def published(d: DaemonProcess) -> int:
+    """The batches ``d`` has published (sent, or refused by a full queue)."""
+    c = counters(d)
+    return c["kv_events_batches"] + c["kv_events_dropped_batches"]
+
+
+def until_live(
+    d: DaemonProcess, sub: EventSubscriber, publish: Callable[[], object], timeout_s: float = 30
+) -> list[EventMessage]:
+    """Call ``publish`` (it makes ``d`` publish a batch on ``sub``'s topic) until a batch
+    reaches ``sub`` as sent, not by replay: its subscription is in place at the daemon then,
+    however long it took to get there. After each call, once ``d`` has published, what is
+    new is read (:func:`drain`). Returns the batches read; fails after ``timeout_s``."""
+    got: list[EventMessage] = []
+    deadline = time.monotonic() + timeout_s
+    while all(m.replayed for m in got):
+        assert time.monotonic() < deadline, "no batch reached the subscriber as sent"
+        before = published(d)
+        publish()
+        wait_for(lambda n=before: published(d) > n, what="a batch published")
+        got += drain(sub, 0.5)
+    return got
 
 
 def engine_blocks(n: int, base: int, page_size: int = SMALL.page_size) -> P.EngineBlocks:
@@ -103,11 +140,19 @@ def test_store_publishes_engine_hashes_and_keys_otherwise(daemon_factory, short_
         assert third.parent_block_hash is None
         topic = E.namespace_topic("m/x", conn.ns_fingerprint)
         assert {m.topic for m in msgs} == {topic}
-        assert [m.seq for m in drain(exact)] == [m.seq for m in msgs]  # a 90-byte subscription
+        assert [m.seq for m in drain(exact)] == [m.seq for m in msgs]
         assert counters(d)["kv_events_stored_blocks"] == 10
         # a page stored again is not announced again (it was skipped)
         assert conn.store(keys[:4], list(range(4)), engine=engine_blocks(4, 1000)).wait()
         assert events(drain(sub, 0.5), E.BlockStored) == []
+        # the daemon took the 90-byte subscription: a STORE's batch reaches it as sent
+        salts = itertools.count(100)
+
+        def store_a_page() -> None:
+            page = conn.page_keys(tokens(SMALL.page_size, salt=next(salts)))
+            assert conn.store(page, [0]).wait()
+
+        assert {m.topic for m in until_live(d, exact, store_a_page)} == {topic}
     finally:
         exact.close()
         sub.close()
@@ -339,6 +384,12 @@ def test_a_damaged_hashes_file_is_ignored_and_named(daemon_factory, short_tmp):
 def test_replay_recovers_what_a_late_subscriber_missed(daemon_factory, short_tmp):
     d = daemon_factory(*event_flags(short_tmp))
     pool, conn = engine(d.runtime_dir)
+    salts = itertools.count(9)
+
+    def store_a_chain() -> None:
+        keys = conn.page_keys(tokens(4 * SMALL.page_size, salt=next(salts)))
+        assert conn.store(keys, list(range(4))).wait()
+
     try:
         for c in range(3):
             keys = conn.page_keys(tokens(4 * SMALL.page_size, salt=c))
@@ -349,11 +400,13 @@ def test_replay_recovers_what_a_late_subscriber_missed(daemon_factory, short_tmp
             assert [m.seq for m in msgs] == list(range(n)) and all(m.replayed for m in msgs)
             assert len(events(msgs, E.BlockStored)) == 3
             assert len(hashes(events(msgs, E.BlockStored))) == 12
-            keys = conn.page_keys(tokens(4 * SMALL.page_size, salt=9))
-            assert conn.store(keys, list(range(4))).wait()
-            live = list(late.iter(1.0))
-            assert [m.seq for m in live] == [n] and not live[0].replayed
-            assert late.gaps == 0
+            # then it follows the stream as sent, from where the replay ended: STOREs until
+            # one's batch reaches it so (one sent before its subscription reached the
+            # daemon comes by replay), a batch each, no gap
+            live = until_live(d, late, store_a_chain)
+            assert [m.seq for m in live] == list(range(n, n + len(live)))
+            assert len(hashes(events(live, E.BlockStored))) == 4 * len(live)
+            assert not live[-1].replayed and late.gaps == 0
     finally:
         conn.close()
         pool.close()

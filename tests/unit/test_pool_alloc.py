@@ -5,9 +5,10 @@ Two pools get the same random operations: the host pool as the daemon runs it (e
 allocation and commit in one C call) and one that allocates every key in Python. The
 pools are small and hold two page classes, so allocations evict pages of their own class,
 of the other (C's take_slot) and cut free extents (likewise); one owner has a quota
-(take_slot decides its every slot). After every operation both must hold the same metadata columns,
-private arrays, indexes, evictable lists, counters and eviction log, and have answered the
-same.
+(take_slot decides its every slot). STOREs extend chains and branch off resident pages
+(pages with several children, siblings evicted and aborted). After every operation both
+must hold the same metadata columns, private arrays, indexes, evictable lists, counters
+and eviction log, and have answered the same.
 """
 
 from __future__ import annotations
@@ -90,6 +91,11 @@ def run_ops(seed: int, ops: int = 400) -> tuple[int, int]:
                     keys[-1] = keys[0]  # a request that repeats a key
                 parent = key(rng, chain, first - 1) if first and rng.random() < 0.7 else None
                 ns, owner = rng.choice(NAMESPACES), rng.choice(OWNERS)
+                if rng.random() < 0.25:  # a branch off any resident page: several children
+                    t = fast._pages
+                    resident = sorted(t.ready.get(ns, {})) + sorted(t._writing.get(ns, {}))
+                    if resident:
+                        parent = resident[rng.randrange(len(resident))]
                 cid = 0 if rng.random() < 0.7 else 1
                 got = [p.allocate(ns, owner, cid, keys, parent) for p in (fast, ref)]
                 assert got[0] == got[1]

@@ -6,21 +6,23 @@ Python (``tests/pool_model.py``). After every step everything observable must ag
 answers (slots, errors, lookups), the metadata columns, the private arrays, indexes,
 evictable lists, counters, the eviction log and, under ``arc``, T1/T2, the target and the
 ghost lists. The pools are small (evictions from the first stores), hold three page
-classes (evictions of other classes, extents cut and given back), one owner has a quota
-that changes, and evictions may require L3. The machines run derandomized: a fixed seed,
-the same sequences every run.
+classes (evictions of other classes, extents cut and given back), owners get quotas that
+change (an owner at its quota evicts from its own list), and evictions may require L3.
+STOREs extend chains and also branch off resident pages, so pages have several children
+and first, middle and last siblings leave (released, evicted, aborted, orphaned). The
+machines run derandomized: a fixed seed, the same sequences every run.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from kvtier.daemon.pool.host_pool import HostPool, HostPoolError
 
-from tests.pool_model import observable, page_by_page
+from tests.pool_model import ResidentChildren, observable, page_by_page
 
 KIB = 1024
 EXTENT = 16 * KIB
@@ -36,7 +38,8 @@ def key(chain: int, i: int) -> bytes:
 
 
 class PoolVersusModel(RuleBasedStateMachine):
-    """Random STOREs, LOADs, aborts, releases, flushes, quotas and L3 marks on both pools."""
+    """Random STOREs (chains and branches), LOADs, aborts, releases, flushes, quotas and L3
+    marks on both pools."""
 
     POLICY = "lru"
 
@@ -88,6 +91,65 @@ class PoolVersusModel(RuleBasedStateMachine):
             self.both("abort", slots)
         elif slots:
             self.pending.append(slots)
+
+    @rule(
+        pick=st.integers(0, 999),
+        twigs=st.lists(
+            st.tuples(
+                st.integers(0, 15),
+                st.sampled_from((1, 1, 3)),
+                st.sampled_from(("commit", "abort", "later")),
+            ),
+            min_size=2,
+            max_size=4,
+        ),
+        onto=st.sampled_from(("any", "writing", "writing, then aborted")),
+        ns=st.sampled_from(NAMESPACES),
+        owner=st.sampled_from(OWNERS),
+        cid=st.integers(0, 2),
+    )
+    def branch(
+        self,
+        pick: int,
+        twigs: list[tuple[int, int, str]],
+        onto: str,
+        ns: int,
+        owner: int,
+        cid: int,
+    ) -> None:
+        """STOREs that branch off one resident page, named by ``parent_key``: each twig is
+        a new chain under it, so the page gets several children (each linked ahead of its
+        siblings), and this rule's aborts and the releases, evictions, settles and flushes
+        of the others take first, middle and last siblings off their lists. The page is
+        READY or WRITING (``onto`` "writing": WRITING, of a pending STORE, a new one if
+        there is none; "then aborted": that STORE is aborted after the twigs, which
+        orphans them all). A twig's keys may be resident already (under another parent):
+        the STORE goes on from there."""
+        t = self.pools[0]._pages
+        if onto != "any" and not t._writing.get(ns):  # a pending STORE to branch off
+            got = self.both("allocate", ns, owner, cid, [key(99, pick % 8)])
+            if got:
+                self.pending.append([s for _, s in got])
+        ready, writing = sorted(t.ready.get(ns, {})), sorted(t._writing.get(ns, {}))
+        under = writing if onto != "any" and writing else ready + writing
+        if not under:
+            return
+        up = under[pick % len(under)]
+        for twig, n, fate in twigs:
+            got = self.both("allocate", ns, owner, cid, [key(100 + twig, i) for i in range(n)], up)
+            slots = [s for _, s in got]
+            if fate == "commit":
+                self.both("commit", slots)
+            elif fate == "abort":
+                self.both("abort", slots)
+            elif slots:
+                self.pending.append(slots)
+        s = t._writing.get(ns, {}).get(up)
+        if onto == "writing, then aborted" and s is not None:
+            for i, slots in enumerate(self.pending):
+                if s in slots:
+                    self.both("abort", self.pending.pop(i))
+                    break
 
     @precondition(lambda self: self.pending)
     @rule(i=st.integers(0, 99), ok=st.booleans())
@@ -143,9 +205,10 @@ class PoolVersusModel(RuleBasedStateMachine):
         for p in self.pools:
             p.evict_requires_l3 = on
 
-    @rule(limit=st.sampled_from((None, 0, 3, 8)))
-    def quota(self, limit: int | None) -> None:
-        self.both("set_quota", 30, limit)
+    @rule(owner=st.sampled_from(OWNERS), limit=st.sampled_from((None, 0, 2, 3, 8)))
+    def quota(self, owner: int, limit: int | None) -> None:
+        """Any owner's quota set or lifted: an owner at it evicts from its own list."""
+        self.both("set_quota", owner, limit)
 
     @rule(ns=st.sampled_from((None, *NAMESPACES)), owner=st.sampled_from((None, *OWNERS)))
     def flush(self, ns: int | None, owner: int | None) -> None:
@@ -155,7 +218,18 @@ class PoolVersusModel(RuleBasedStateMachine):
     def release(self, pick: int) -> None:
         """The page table's release of any slot: an evictable or WRITING page is freed (a
         pending STORE's page too: its commit is then refused alike), any other refused."""
-        s = pick % self.pools[0].n_slots
+        self.release_slot(pick % self.pools[0].n_slots)
+
+    @rule(pick=st.integers(0, 999))
+    def release_sibling(self, pick: int) -> None:
+        """The same of a page with siblings (the first, a middle or the last child of a
+        page that has several): one leaves its parent's child list."""
+        model = cast(ResidentChildren, self.pools[1]._pages.kids)  # the oracle's child lists
+        siblings = sorted(c for kids in model.of.values() if len(kids) > 1 for c in kids)
+        if siblings:
+            self.release_slot(siblings[pick % len(siblings)])
+
+    def release_slot(self, s: int) -> None:
         got = []
         for p in self.pools:
             try:

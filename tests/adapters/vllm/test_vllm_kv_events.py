@@ -6,7 +6,6 @@ advertising them after the engine dropped them and after it restarted."""
 
 from __future__ import annotations
 
-import time
 import warnings
 from pathlib import Path
 
@@ -30,22 +29,64 @@ pytestmark = pytest.mark.timeout(600)
 VLLM_DECODER = msgspec.msgpack.Decoder(V.KVEventBatch)
 
 
-class RawStream:
-    """A SUB socket whose batches are decoded by vLLM's decoder only."""
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+"""The sequence number that ends a replay's answer (kvtierd's and vLLM's alike)."""
 
-    def __init__(self, endpoint: str) -> None:
+
+class RawStream:
+    """A SUB socket whose batches are decoded by vLLM's decoder only, read from the
+    stream's start (sequence 0) without waiting for the subscription to reach the
+    publisher: what it misses (sent before the subscription got there, or dropped) comes
+    from the publisher's replay socket, as vLLM's own subscriber does it."""
+
+    def __init__(self, endpoint: str, replay: str) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.SUB)
         self.sock.setsockopt(zmq.SUBSCRIBE, b"")
         self.sock.connect(endpoint)
-        time.sleep(0.2)
+        self.replay_endpoint = replay
+        self.next_seq = 0
+
+    def replay(self, upto: int | None = None) -> list[tuple[str, int, V.KVEventBatch]]:
+        """The batches from ``next_seq`` (below ``upto``) as the replay socket answers: each
+        ``[b"", topic, seq, batch]`` from kvtierd, ``[b"", seq, batch]`` from vLLM."""
+        req = self.ctx.socket(zmq.DEALER)
+        req.setsockopt(zmq.LINGER, 0)
+        out = []
+        try:
+            req.connect(self.replay_endpoint)
+            req.send_multipart((b"", self.next_seq.to_bytes(8, "big")))
+            while True:
+                assert req.poll(30_000), f"no answer from {self.replay_endpoint}"
+                frames = req.recv_multipart()
+                seq, payload = frames[-2], frames[-1]
+                if seq == END_SEQ:
+                    return out
+                n = int.from_bytes(seq, "big")
+                if n >= self.next_seq and (upto is None or n < upto):
+                    topic = frames[1].decode() if len(frames) == 4 else ""
+                    out.append((topic, n, VLLM_DECODER.decode(payload)))
+        finally:
+            req.close(linger=0)
 
     def batches(self, quiet_s: float = 2.0) -> list[tuple[str, int, V.KVEventBatch]]:
+        """The batches from ``next_seq`` on, until none came for ``quiet_s``: as received,
+        gaps filled by replay, then by replay those sent before the subscription reached
+        the publisher that no batch received came after."""
         out = []
         while self.sock.poll(int(quiet_s * 1000)):
             topic, seq, payload = self.sock.recv_multipart()
-            out.append((topic.decode(), int.from_bytes(seq, "big"), VLLM_DECODER.decode(payload)))
-        return out
+            n = int.from_bytes(seq, "big")
+            if n < self.next_seq:
+                continue  # had it by replay
+            if n > self.next_seq:
+                out += self.replay(upto=n)
+            out.append((topic.decode(), n, VLLM_DECODER.decode(payload)))
+            self.next_seq = n + 1
+        missed = self.replay()
+        if missed:
+            self.next_seq = missed[-1][1] + 1
+        return out + missed
 
     def close(self) -> None:
         self.ctx.destroy(linger=0)
@@ -68,6 +109,8 @@ def test_every_kvtierd_event_decodes_with_vllms_types(daemon_factory, short_tmp)
     d = daemon_factory(
         "--kv-events-endpoint",
         f"ipc://{short_tmp}/ev.sock",
+        "--kv-events-replay-endpoint",
+        f"ipc://{short_tmp}/evr.sock",
         "--hicache-storage-backend",
         "file",
         "--hicache-size",
@@ -77,7 +120,7 @@ def test_every_kvtierd_event_decodes_with_vllms_types(daemon_factory, short_tmp)
         "--state-dir",
         str(short_tmp / "st"),
     )
-    stream = RawStream(f"ipc://{short_tmp}/ev.sock")
+    stream = RawStream(f"ipc://{short_tmp}/ev.sock", f"ipc://{short_tmp}/evr.sock")
     pool, conn = engine(d.runtime_dir, num_pages=200)
     try:
         for c in range(4):  # 800 pages through 512: stores, evictions, L3 writes
@@ -115,9 +158,9 @@ def test_every_kvtierd_event_decodes_with_vllms_types(daemon_factory, short_tmp)
         pool.close()
 
 
-def _engine(tiny_model: Path, rdir: Path, log: Path, ev: str) -> EngineProcess:
-    """vLLM with prefix caching, KV events on ``ev`` and the kvtier connector; a KV cache of
-    48 blocks, so a few prompts evict the first one's."""
+def _engine(tiny_model: Path, rdir: Path, log: Path, ev: str, replay: str) -> EngineProcess:
+    """vLLM with prefix caching, KV events on ``ev`` (replayed on ``replay``) and the
+    kvtier connector; a KV cache of 48 blocks, so a few prompts evict the first one's."""
     return EngineProcess(
         tiny_model,
         {"runtime_dir": str(rdir)},
@@ -129,6 +172,7 @@ def _engine(tiny_model: Path, rdir: Path, log: Path, ev: str) -> EngineProcess:
             "enable_kv_cache_events": True,
             "publisher": "zmq",
             "endpoint": ev,
+            "replay_endpoint": replay,
             "topic": "vllm",
         },
     ).wait_ready()
@@ -141,9 +185,10 @@ def test_a_vllm_engine_and_kvtierd_advertise_the_same_blocks(daemon_factory, sho
         "--kv-events-replay-endpoint",
         f"ipc://{short_tmp}/kvr.sock",
     )
-    node = RawStream(f"ipc://{short_tmp}/kv.sock")
-    e = _engine(tiny_model, d.runtime_dir, short_tmp / "e0.log", f"ipc://{short_tmp}/vl.sock")
-    gpu = RawStream(f"ipc://{short_tmp}/vl.sock")
+    node = RawStream(f"ipc://{short_tmp}/kv.sock", f"ipc://{short_tmp}/kvr.sock")
+    vl, vlr = f"ipc://{short_tmp}/vl.sock", f"ipc://{short_tmp}/vlr.sock"
+    e = _engine(tiny_model, d.runtime_dir, short_tmp / "e0.log", vl, vlr)
+    gpu = RawStream(vl, vlr)
     try:
         a = prompt(7, 8 * BLOCK + 1)  # 8 full blocks
         e.generate([a], max_tokens=2)
@@ -178,7 +223,8 @@ def test_a_vllm_engine_and_kvtierd_advertise_the_same_blocks(daemon_factory, sho
                 for h in ev.block_hashes
             }
         assert set(a_hashes) <= known
-        e = _engine(tiny_model, d.runtime_dir, short_tmp / "e1.log", f"ipc://{short_tmp}/vl2.sock")
+        vl2, vlr2 = f"ipc://{short_tmp}/vl2.sock", f"ipc://{short_tmp}/vlr2.sock"
+        e = _engine(tiny_model, d.runtime_dir, short_tmp / "e1.log", vl2, vlr2)
         out = e.generate([a], max_tokens=2)
         assert out[0]["cached"] == 8 * BLOCK  # and the node serves them
     finally:
