@@ -21,6 +21,7 @@ daemon refuses those naming the item, and the connection takes the refusal as a 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from kvtier.ipc import protocol as P
 
@@ -76,37 +77,19 @@ def transfer_request(
     """
     packed = P.pack_keys(keys) if packed_ok else None
     packed_pages = P.pack_pages(pages) if packed is not None else None
-    if packed is not None and packed_pages is not None:
-        if kind is P.Store:
-            return P.Store(
-                req_id=0,
-                session_id=session_id,
-                packed_keys=memoryview(packed),
-                packed_pages=memoryview(packed_pages),
-                parent_key=parent_key,
-                slot=slot,
-                seq=seq,
-                engine=engine,
-            )
-        return P.Load(
-            req_id=0,
-            session_id=session_id,
-            packed_keys=memoryview(packed),
-            packed_pages=memoryview(packed_pages),
-            slot=slot,
-            seq=seq,
-        )
+    body: dict[str, Any] = (
+        {"packed_keys": memoryview(packed), "packed_pages": memoryview(packed_pages)}
+        if packed is not None and packed_pages is not None
+        else {"keys": list(keys), "pages": list(pages)}
+    )
     if kind is P.Store:
         return P.Store(
             req_id=0,
             session_id=session_id,
-            keys=list(keys),
-            pages=list(pages),
             parent_key=parent_key,
             slot=slot,
             seq=seq,
             engine=engine,
+            **body,
         )
-    return P.Load(
-        req_id=0, session_id=session_id, keys=list(keys), pages=list(pages), slot=slot, seq=seq
-    )
+    return P.Load(req_id=0, session_id=session_id, slot=slot, seq=seq, **body)
