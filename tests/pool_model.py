@@ -26,9 +26,13 @@ import numpy as np
 from kvtier.daemon.pool.host_pool import HostPool
 from kvtier.daemon.pool.layout import HAS_CHECKSUM, KEY_BYTES, NIL, USED_AGAIN
 from kvtier.daemon.pool.pages import PageTable
+from kvtier.daemon.pool.policies import ReuseState
 from kvtier.daemon.pool.records import EvictedPage, HostPoolError, PageState, PageStateError
 from kvtier.daemon.pool.slots import SlotAllocator
 from xxhash import xxh3_64_intdigest
+
+RECENCY_WALK = 16
+"""The most recent pages a page entering a list may pass over (``_lists.h``)."""
 
 _READY, _WRITING = int(PageState.READY), int(PageState.WRITING)
 _NO_PAGES: dict[bytes, int] = {}
@@ -45,10 +49,12 @@ class EvictableLists:
     every page is on the first. An owner's list holds its pages of both tiers.
 
     A page entering a list goes to the cold end if its last access (``stamp``) is not more
-    recent than that of the page at the cold end, else to the hot end. So a chain
-    committed or pinned (stamped from its tail back to its head) keeps its tail colder, and
-    a parent that becomes evictable when its last child leaves, older than the pages
-    listed, goes first.
+    recent than that of the page at the cold end; else after the first page, from the hot
+    end, that is not more recent, looking at :data:`RECENCY_WALK` + 1 pages at most (when
+    all are more recent, before the last one looked at). So a chain committed or pinned (stamped from
+    its tail back to its head) keeps its tail colder, and a parent that becomes evictable
+    when its last child leaves goes where its last access puts it among the most recent
+    pages, or first when it is older than every page listed.
 
     Args:
         stamp: the pool's last-access column (larger is more recent).
@@ -64,12 +70,17 @@ class EvictableLists:
         self._where: dict[int, tuple[int, int]] = {}  # slot -> (global list, owner)
 
     def _place(self, order: list[int], s: int) -> None:
-        """Put ``s`` at the cold end of ``order`` if it is not more recent than the page
-        there, else at the hot end (an empty list: either)."""
-        if order and self._stamp[s] <= self._stamp[order[0]]:
+        """Put ``s`` into ``order`` (cold end first) by its last access, as above."""
+        stamp = self._stamp
+        if not order or stamp[s] <= stamp[order[0]]:
             order.insert(0, s)
-        else:
-            order.append(s)
+            return
+        i = len(order) - 1  # the hot end
+        for _ in range(RECENCY_WALK):
+            if i == 0 or stamp[order[i]] <= stamp[s]:
+                break
+            i -= 1
+        order.insert(i if stamp[order[i]] > stamp[s] else i + 1, s)
 
     def enqueue(self, s: int, owner: int) -> None:
         """Put the page ``s`` of ``owner`` on its global list and on its owner's."""
@@ -285,7 +296,7 @@ class PageByPage(PageTable):
                 self.kids.link(prev, s)
             writing[key] = s
             if self._split is not None:
-                self._split.admit(s, ns_id, key)
+                self._split.admit(s, ns_id, key, self._clock)
             cls.writing += 1
             self._owned[owner] = self._owned.get(owner, 0) + 1
             out.append((i, s))
@@ -339,6 +350,8 @@ class PageByPage(PageTable):
 
     def pin_slots(self, out: list[int], used: bool = False) -> None:
         pins, children, stamp, owner = self._pins, self._children, self._stamp, self._owner
+        if used and self._split is not None:
+            self._split.using(out, stamp, self._clock + 1)
         for s in reversed(out):
             if pins[s] == 0:
                 self.pins.pinned += 1
@@ -498,7 +511,19 @@ class PageByPage(PageTable):
             return self._scan(lists.owner_list(owner), cid)
         if split is None:
             return self._scan(lists.global_list(), cid)
-        second = split.victim_list(sum(ev.owned.values())) == 1
+        resident = sum(ev.owned.values())
+        if isinstance(split, ReuseState):  # each list's coldest page; reuse picks one
+            s1 = self._scan(lists.global_list(False), cid)
+            s2 = self._scan(lists.global_list(True), cid)
+            stamp = self._stamp
+            k = split.pick(
+                None if s1 == NIL else int(stamp[s1]),
+                None if s2 == NIL else int(stamp[s2]),
+                self._clock,
+                resident,
+            )
+            return s2 if k else s1
+        second = split.victim_list(resident) == 1
         s = self._scan(lists.global_list(second), cid)
         return s if s != NIL else self._scan(lists.global_list(not second), cid)
 
@@ -525,7 +550,7 @@ class PageByPage(PageTable):
         else:
             ev.unlogged += 1
         if ev.split is not None:
-            ev.split.evicted_page(s, self._ns[s], key, sum(ev.owned.values()))
+            ev.split.evicted_page(s, self._ns[s], key, int(self._stamp[s]), sum(ev.owned.values()))
         self.lists.dequeue(s, self._owner[s])
         self._free(s, keep)
 
@@ -738,8 +763,8 @@ def observable(p: HostPool) -> dict[str, Any]:
     )
     split = ev.split
     if split is not None:
-        core = getattr(split, "core", None)  # reuse: its targets and ghosts are C's
-        policy = vars(split) if core is None else (core.share, core.ghost_list())
+        core = getattr(split, "core", None)  # reuse: its lifetime and ghosts are C's
+        policy = vars(split) if core is None else (core.life, core.histogram(), core.ghost_list())
         out.update(
             split=(
                 split.t2,

@@ -27,10 +27,14 @@ skipped, which orders victims exactly as such a list would.
 
 - :func:`reuse_hit_rate`: the host pool's ``reuse`` policy (:mod:`kvtier.daemon.pool.policies`),
   block for block: T1 (blocks seen once) and T2 (hit, or stored again while a ghost); one
-  ghost FIFO of 4 x capacity ids, each with its list and that list's eviction count; a ghost
-  hit from within a quarter of the other list's target (in its list's evictions) moves
-  ``1 / (0.25 x the other list's share)`` of the cache to its list's target; T1's target
-  starts, at the first eviction, as T1's share of the cache, and neither drops below 1%.
+  ghost FIFO of 4 x capacity ids, each with its block's last access tick; the victim is T1's
+  coldest leaf unless T2's coldest leaf has been idle for more than the lifetime and is
+  colder; the lifetime is the 0.95 quantile of the re-use distances (ticks from a block's
+  last use to a hit on it, or to its return as a ghost), counted in powers of two and set
+  each time the counts add up to as many as the cache holds blocks (the counts then
+  halved), and four times the resident blocks before that. The clock here advances once a
+  block touched; the pool's twice a page stored (allocation, commit), so its starting
+  lifetime covers about half as many stored pages.
 
 - :func:`reused_min_hit_rate`: a reference, not a policy: blocks seen once wait in an
   LRU list of a fixed share of the cache, blocks seen twice or more are kept by Belady's MIN
@@ -282,13 +286,33 @@ def lirs_hit_rate(chains: Chains, capacity: int, hir: float = 0.01) -> float:
     return hits / total if total else 0.0
 
 
-def reuse_hit_rate(chains: Chains, capacity: int, ghost: float = 4.0) -> float:
+def reuse_hit_rate(
+    chains: Chains, capacity: int, ghost: float = 4.0, quantile: float = 0.95
+) -> float:
     """Hit rate of the pool's ``reuse`` policy (see the module docstring); ``ghost``: the
-    ghost FIFO's length as a multiple of the capacity."""
+    ghost FIFO's length as a multiple of the capacity; ``quantile``: the re-use distances'
+    quantile that is the lifetime."""
     c = _Lists(2)  # 0: T1, 1: T2
-    ghosts: OrderedDict[int, tuple[int, int]] = OrderedDict()  # id -> (list, its evictions)
-    evicted = [0, 0]
-    share, shadow, floor, glen = 0.99, 0.25, 0.01, int(ghost * capacity)
+    ghosts: OrderedDict[int, int] = OrderedDict()  # id -> its block's last access tick
+    glen = int(ghost * capacity)
+    hist = [0] * 64
+    state = {"life": -1, "cap": 0}
+
+    def observe(d: int) -> None:
+        if d <= 0:
+            return
+        hist[d.bit_length() - 1] += 1
+        n = sum(hist)
+        if state["cap"] <= 0 or n < state["cap"]:
+            return
+        target, acc = quantile * n, 0.0
+        for b in range(64):
+            if acc + hist[b] >= target:
+                break
+            acc += hist[b]
+        state["life"] = int(2.0**b * (1.0 + (target - acc) / hist[b]))
+        hist[:] = [h >> 1 for h in hist]
+
     hits = total = 0
     for chain in chains:
         total += len(chain)
@@ -297,27 +321,29 @@ def reuse_hit_rate(chains: Chains, capacity: int, ghost: float = 4.0) -> float:
         lst = []
         for i, b in enumerate(chain):
             if b in c.where:
-                lst.append(1 if i < n else c.where[b])  # a hit is a use: into T2
+                if i < n:  # a hit is a use: into T2
+                    observe(c.clock + 1 - c.pos[b])
+                lst.append(1 if i < n else c.where[b])
                 continue
             got = ghosts.pop(b, None)
             if got is not None:
-                k, then = got
-                mine = share if k == 0 else 1.0 - share
-                region = shadow * capacity * (1.0 - mine)
-                if region > 0 and evicted[k] - then <= region:
-                    mine = min(mine + 1.0 / region, 1.0 - floor)
-                    share = mine if k == 0 else 1.0 - mine
+                observe(c.clock - got)
             lst.append(0 if got is None else 1)
         c.insert(chain, lst)
         for b, k in zip(reversed(chain), reversed(lst), strict=True):
             c.touch(b, k)
         while len(c) > capacity:
-            if evicted[0] + evicted[1] == 0:  # the first eviction: the split the cache filled with
-                share = min(max(c.size[0] / len(c), floor), 1.0 - floor)
-            k, v = c.victim(0 if c.size[0] >= share * len(c) else 1)
+            a, v2 = c.coldest(0), c.coldest(1)
+            life = state["life"] if state["life"] >= 0 else 4 * len(c)
+            old = v2 is not None and (
+                a is None or (c.clock - c.pos[v2] > life and c.pos[v2] < c.pos[a])
+            )
+            v = v2 if old else a
+            assert v is not None
+            state["cap"] = len(c)
+            ghosts[v] = c.pos[v]
+            ghosts.move_to_end(v)
             c.evict(v)
-            evicted[k] += 1
-            ghosts[v] = (k, evicted[k])
             if len(ghosts) > glen:
                 ghosts.popitem(last=False)
     return hits / total if total else 0.0

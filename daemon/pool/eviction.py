@@ -14,7 +14,8 @@ Policy, LRU and tail first:
   Touching a chain ``k0..kn`` (commit, pin) stamps it in reverse, so its tail is the
   colder end. A page that becomes evictable (its last child left, its last pin
   dropped) goes to the cold end if it is not more recent than the current cold end,
-  else to the hot end.
+  else where its last access puts it among the 17 most recent pages (before all 17 when
+  it is older than they are: the walk is bounded).
 - A slot of class ``c`` comes from, in order: the free list of ``c``; a fresh slot of
   the extent ``c`` is cutting; a free extent; eviction from the cold end of the global
   list, any class (a victim of ``c`` frees a slot of ``c``; one of another class frees
@@ -25,7 +26,8 @@ Policy, LRU and tail first:
 
 Policies ``arc`` and ``reuse`` (:mod:`~kvtier.daemon.pool.policies`): the global list is
 two, T1 (pages stored once) and T2 (pages used again); the victim is the cold end of the
-one the policy's adaptive target names (the other when it has none within the scan).
+one the policy names (``arc``: by its adaptive target, the other when it has none within
+the scan; ``reuse``: by the two cold ends' last accesses and its lifetime).
 Owner quotas still evict from the owner's single recency list.
 
 Write-back hook: with :attr:`Evictor.requires_l3` set (the pool's
@@ -97,7 +99,9 @@ class Evictor:
         if policy not in POLICIES:
             raise HostPoolError(f"eviction_policy must be one of {POLICIES}, got {policy!r}")
         self.policy = policy
-        self.split: SplitState | None = split_state(policy, len(slots.prev), meta.flags)
+        self.split: SplitState | None = split_state(
+            policy, len(slots.prev), meta.flags, meta.policy_state
+        )
         self.lru = RecencyLists(
             slots.prev, slots.next, None if self.split is None else self.split.tier
         )

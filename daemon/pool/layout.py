@@ -19,7 +19,8 @@ the geometry (capacity, extent size, alignment, slot ids per extent, extents, sl
 bytes, id-table capacity, metadata size, slot headroom), an xxh3 checksum of those, and
 a generation counter that each adoption increments (outside the checksum, so bumping it can never
 corrupt the header). At 1 KiB, also outside the checksum, the file names the runtime
-directory of the daemon that maps it (for ``kvtier pools``).
+directory of the daemon that maps it (for ``kvtier pools``); at 3.5 KiB it keeps the
+``reuse`` eviction policy's lifetime (:data:`POLICY_OFFSET`), so a restart keeps it.
 
 Crash safety comes from write order alone, since a killed process loses no store it
 already made to shared memory: a page's key, namespace, owner, length, parent, payload
@@ -87,6 +88,7 @@ __all__ = [
     "MAX_SLOT_IDS",
     "META_ROUND",
     "NIL",
+    "POLICY_OFFSET",
     "SLOT_HEADROOM",
     "SLOT_META_BYTES",
     "USED_AGAIN",
@@ -169,8 +171,15 @@ GENERATION_OFFSET = _SUM_OFF + 8
 
 HEADER_BYTES = GENERATION_OFFSET + 8
 """Bytes of the header proper. The rest of :data:`HEADER_REGION` is zeros but for the
-runtime-directory tag at 1 KiB (:func:`~kvtier.daemon.pool.poolfile.write_owner_tag`),
-outside the checksum: adoption never reads it."""
+runtime-directory tag at 1 KiB (:func:`~kvtier.daemon.pool.poolfile.write_owner_tag`) and
+the policy's lifetime at :data:`POLICY_OFFSET`, outside the checksum: adoption never
+trusts them (the lifetime is checked, and ignored when out of range)."""
+
+POLICY_OFFSET = 3584
+"""Offset in the pool file of the ``reuse`` policy's lifetime (int64, in access ticks; 0:
+none), written as the policy re-estimates it and read back by the pool that adopts the
+file. Outside the header's checksum, past the runtime-directory tag's room (1 KiB + 2 KiB),
+cleared by a format."""
 
 COLUMNS = (
     ("stamp", "q", 8),

@@ -50,12 +50,13 @@ class RecencyLists:
     """The evictable pages in recency order: global lists and one list per owner.
 
     All are intrusive doubly linked lists, cold end first. The global pages are split in
-    two lists by ``tier`` (the ``arc`` policy's T1 and T2; with ``tier`` None, as for
-    ``lru``, every page is on the first): both thread through the allocator's link pair
-    (:attr:`SlotAllocator.prev` / ``next``), which a FREE slot uses for its free list
-    instead, since a page is on one of them at most. The C code moves pages on them
+    two lists by ``tier`` (the ``arc`` and ``reuse`` policies' T1 and T2; with ``tier``
+    None, as for ``lru``, every page is on the first): both thread through the allocator's
+    link pair (:attr:`SlotAllocator.prev` / ``next``), which a FREE slot uses for its free
+    list instead, since a page is on one of them at most. The C code moves pages on them
     (``daemon/pool/native/_lists.h``): a page enters at the cold end if it is not more
-    recent than the page there, else at the hot end.
+    recent than the page there, else where its last access puts it among the 17 most
+    recent pages (before all 17 when it is older than they are).
 
     Args:
         prev / nxt: the link pair the global lists share with the free lists (one entry

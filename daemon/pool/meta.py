@@ -18,6 +18,7 @@ from kvtier.daemon.pool.layout import (
     COLUMNS,
     DIGEST_BYTES,
     GENERATION_OFFSET,
+    POLICY_OFFSET,
     HEADER_BYTES,
     HEADER_REGION,
     KEY_BYTES,
@@ -40,7 +41,8 @@ class PoolMeta:
     ``owner``, ``length``, ``parent``, ``key``, ``state``, ``in_l3``, ``key_len``,
     ``flags``) is a memoryview indexed by slot id (``key`` by byte: slot ``s`` owns
     ``key[32 s : 32 s + 32]``); ``ext_bytes`` holds the page bytes of each extent's class
-    (0: free). Writes through them are the persistence: there is no separate flush.
+    (0: free); ``policy_state`` (one int64) the ``reuse`` policy's lifetime. Writes through
+    them are the persistence: there is no separate flush.
 
     Args:
         buf: a writable buffer of at least ``layout.meta_bytes`` bytes (the start of the
@@ -81,7 +83,15 @@ class PoolMeta:
         self.ns, self.owner, self.length = cols["ns"], cols["owner"], cols["length"]
         self.parent, self.key, self.state = cols["parent"], cols["key"], cols["state"]
         self.in_l3, self.key_len, self.flags = cols["in_l3"], cols["key_len"], cols["flags"]
-        self._views = [self._raw, self.ext_bytes, *self._digests, *self._used, *cols.values()]
+        self.policy_state = self._raw[POLICY_OFFSET : POLICY_OFFSET + 8].cast("q")
+        self._views = [
+            self._raw,
+            self.ext_bytes,
+            self.policy_state,
+            *self._digests,
+            *self._used,
+            *cols.values(),
+        ]
         self._id_cache = [self._read_ids(t) for t in IdTable]
         self.pack_key = struct.Struct(f"{KEY_BYTES}s").pack_into
 
@@ -117,6 +127,7 @@ class PoolMeta:
             body = np.frombuffer(self._raw, dtype=np.uint8)
             body[HEADER_REGION:] = 0
             del body
+        self.policy_state[0] = 0  # a lifetime belongs to the pages it was measured on
         head = self.layout.header(1)
         self._raw[len(MAGIC) : len(head)] = head[len(MAGIC) :]
         self._raw[: len(MAGIC)] = MAGIC

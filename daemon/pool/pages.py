@@ -226,6 +226,8 @@ class PageTable:
             out = self._steps.allocate(ns_id, owner, class_id, keys, prev, clock)
         finally:  # the pages an error leaves allocated keep their stamps: so does the clock
             self._clock = clock[0]
+            if self._split is not None:  # a ghost's return may have moved the lifetime
+                self._split.save()
         if out is None:  # checked before any change
             raise HostPoolError(f"page keys must be bytes of at most {KEY_BYTES} bytes")
         return out
@@ -294,6 +296,9 @@ class PageTable:
         them, the last first; pinned pages are not evictable. The caller hands them to
         :meth:`unpin` once. ``used``: the pages are being used (a LOAD), under ``arc`` or ``reuse``
         they move to T2."""
+        if used and self._split is not None:  # their last use, before the pin restamps them
+            self._split.using(out, self._stamp, self._clock + 1)
+            self._split.save()
         self._clock = self.pins.pin(out, self._clock)
         if used and self._split is not None:  # off the lists now: into T2
             self._split.reused(out)

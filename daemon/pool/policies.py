@@ -13,31 +13,37 @@ so chains stay whole for every policy.
   own ghost list (B1, B2), each at most as long as the pool holds pages; a store of a key
   found in B1 means T1 was too small (its target ``p`` grows by ``max(|B2| / |B1|, 1)``),
   one found in B2 that T2 was (``p`` shrinks by ``max(|B1| / |B2|, 1)``).
-- ``reuse``: one ghost FIFO of ``GHOST_FACTOR`` x the resident pages, each key with the
-  list it left and that list's eviction count then. A ghost hit counts only when the key
-  left its list recently: fewer than ``SHADOW`` x (the other list's target) evictions of
-  that list ago, so the returning key would still have been resident had its list been
-  that much larger. Each such hit moves ``1 / (SHADOW x the other list's share)`` of the
-  pool from the other list's target to its own, so each list grows in proportion to the
-  hits it would gain per page it takes. The targets start, at the pool's first eviction, as
-  the split the pool filled with (T1's share of the resident pages then), so a pool that
-  filled with pages stored once does not start by evicting them in a rush; neither target
-  drops below ``FLOOR``. Remembering keys four times past the pool is what
-  lets a page that comes back after a long gap (the next turn of a conversation, minutes
-  later) be recognised as reused. The state is C's (``_alloc.Reuse``,
-  ``daemon/pool/native/_reuse.h``), which the pool's C code runs itself: the ghosts are
-  a ring of 16-byte entries indexed by a table of 16-byte entries, at most half full, so a
-  ghost costs at most about 130 bytes of private memory (about 500 a page of the pool)
-  against a page's kilobytes to megabytes.
+- ``reuse``: a page used again is worth more than one stored once, for a while. The
+  victim is the coldest page of T1, unless T2's coldest page has not been used for more
+  than the *lifetime* and is colder than it (or T1 has no evictable page). The lifetime is
+  the ``LIFE_QUANTILE`` quantile of the *re-use distances*: the ticks of the pool's access
+  clock (which advances as pages are stored and loaded) between a page's last use and its
+  next one, counted when a LOAD pins a resident page and when a STORE brings back the key
+  of a page evicted lately (a *ghost*: one FIFO of ``GHOST_FACTOR`` x the resident pages,
+  each key with the list it left and its page's last access tick). The distances are
+  counted in powers of two; each time they add up to as many as the pool holds pages (the
+  counts are halved after each estimate), the lifetime is set from them (the quantile found in its power of two, linearly between
+  its bounds) and every count is halved, so it follows the traffic. Before the first
+  estimate the lifetime is four times the resident pages. This is the rule of the
+  Multi-Queue policy (Zhou, Philbin and Li, USENIX ATC'01, for second-level caches, whose
+  re-use distances are long) on two queues: a page whose reuse was seen keeps its place
+  for as long as nearly every reuse takes, and no longer, so neither list needs a target
+  size. Remembering keys four times past the pool is what lets a page that comes back
+  after a long gap (the next turn of a conversation, minutes later) be recognised as
+  reused. The state is C's (``_alloc.Reuse``, ``daemon/pool/native/_reuse.h``), which the
+  pool's C code runs itself: the ghosts are a ring of 16-byte entries indexed by a table
+  of 16-byte entries, at most half full, so a ghost costs at most about 130 bytes of
+  private memory (about 500 a page of the pool) against a page's kilobytes to megabytes.
 
-In both, the victim comes from T1 while T1 holds more pages than its target (under
-``reuse``, at least as many), else from T2 (from the other when that list has no
-evictable page within the scan).
+Under ``arc`` the victim comes from T1 while T1 holds more pages than its target, else from
+T2 (from the other when that list has no evictable page within the scan).
 
-Pure and synchronous. What a restart keeps: the pages, their recency (the stamp column)
-and the T1/T2 split (a page in T2 is marked :data:`~kvtier.daemon.pool.layout.USED_AGAIN`
-in the flags column: by the commit that makes it READY, or by the LOAD that uses it); what
-it loses: the targets (back to their start) and the ghosts (private memory).
+Pure and synchronous. What a restart keeps: the pages, their recency (the stamp column),
+the T1/T2 split (a page in T2 is marked :data:`~kvtier.daemon.pool.layout.USED_AGAIN` in
+the flags column: by the commit that makes it READY, or by the LOAD that uses it) and
+``reuse``'s lifetime (the pool file's :data:`~kvtier.daemon.pool.layout.POLICY_OFFSET`,
+written when it changes); what it loses: ``arc``'s target (back to its start), the
+re-use distances counted since the last estimate and the ghosts (private memory).
 """
 
 from __future__ import annotations
@@ -78,9 +84,19 @@ class SplitState:
         self.tier = bytearray(n_slots)
         self._flags = flags
 
-    def admit(self, s: int, ns: int, key: bytes) -> None:
-        """A new page ``s`` was allocated for ``key``: T2 when its key is a ghost."""
+    def admit(self, s: int, ns: int, key: bytes, clock: int) -> None:
+        """A new page ``s`` was allocated for ``key`` at access tick ``clock``: T2 when its
+        key is a ghost."""
         raise NotImplementedError
+
+    def save(self) -> None:
+        """Write what a restart keeps of the policy's private state (``reuse``: its
+        lifetime) into the pool file; nothing here."""
+
+    def using(self, slots: list[int], stamp: memoryview, clock: int) -> None:
+        """The resident pages ``slots`` are about to be used (a LOAD pins them) at access
+        tick ``clock``; ``stamp`` is the pool's stamp column (their last use). Nothing
+        here; ``reuse`` counts their re-use distances."""
 
     def reused(self, slots: Iterable[int]) -> None:
         """The pages ``slots`` (off the evictable lists: pinned) were used: into T2 (and
@@ -97,13 +113,15 @@ class SplitState:
         all."""
         raise NotImplementedError
 
-    def evicted_page(self, s: int, ns: int, key: bytes, resident: int) -> None:
-        """Record the eviction of ``s`` (still resident: ``resident`` pages)."""
+    def evicted_page(self, s: int, ns: int, key: bytes, stamp: int, resident: int) -> None:
+        """Record the eviction of ``s``, last used at tick ``stamp`` (still resident:
+        ``resident`` pages)."""
         raise NotImplementedError
 
     def summary(self) -> dict[str, float]:
-        """``t2_pages``, ``t1_target_ratio`` (T1's target over the resident pages at the
-        last eviction) and ``ghosts``: :attr:`HostPoolStats.eviction_split`."""
+        """:attr:`HostPoolStats.eviction_split`: ``t2_pages``, ``ghosts``, and ``arc``'s
+        ``t1_target_ratio`` (T1's target over the resident pages at the last eviction) or
+        ``reuse``'s ``lifetime_ratio`` (the lifetime over them)."""
         raise NotImplementedError
 
     def released(self, s: int) -> None:
@@ -132,7 +150,7 @@ class ArcState(SplitState):
             OrderedDict(),
         )
 
-    def admit(self, s: int, ns: int, key: bytes) -> None:
+    def admit(self, s: int, ns: int, key: bytes, clock: int) -> None:
         if self._returning(hash((ns, key))):
             self.tier[s] = 1
             self.t2 += 1
@@ -157,7 +175,7 @@ class ArcState(SplitState):
         share = self.p / self.capacity if self.capacity else 0.0
         return {"t2_pages": self.t2, "t1_target_ratio": share, "ghosts": sum(map(len, self.ghosts))}
 
-    def evicted_page(self, s: int, ns: int, key: bytes, resident: int) -> None:
+    def evicted_page(self, s: int, ns: int, key: bytes, stamp: int, resident: int) -> None:
         k = self.tier[s]
         self.evicted[k] += 1
         self.capacity = resident
@@ -171,12 +189,12 @@ class ArcState(SplitState):
 GHOST_FACTOR = 4
 """``reuse``: ghosts kept, as a multiple of the resident pages."""
 
-SHADOW = 0.25
-"""``reuse``: a ghost hit adapts the split when its key left its list within this share
-of the other list's target, in that list's evictions."""
+MAX_LIFE = 9 * 10**18
+"""``reuse``: the longest lifetime, in access ticks (the core's bound)."""
 
-FLOOR = 0.01
-"""``reuse``: the least share of the pool either target keeps."""
+LIFE_QUANTILE = 0.95
+"""``reuse``: the lifetime is this quantile of the re-use distances: a page seen reused
+keeps its place as long as 19 in 20 reuses take, then goes as an old page does."""
 
 
 class ReuseState(SplitState):
@@ -186,12 +204,26 @@ class ReuseState(SplitState):
     of ``tests/pool_model.py`` calls them).
 
     Attributes:
-        core: the targets, counts and ghosts.
+        core: the lifetime, the re-use distances, the counts and the ghosts.
     """
 
-    def __init__(self, n_slots: int, flags: memoryview | None = None) -> None:
-        self.core = _alloc.Reuse(GHOST_FACTOR, SHADOW, FLOOR)
+    def __init__(
+        self, n_slots: int, flags: memoryview | None = None, saved: memoryview | None = None
+    ) -> None:
+        self.core = _alloc.Reuse(GHOST_FACTOR, LIFE_QUANTILE)
         super().__init__(n_slots, flags)
+        self._saved = saved
+        self._life = -1
+        if saved is not None and 0 < saved[0] <= MAX_LIFE:  # a lifetime measured before
+            self.core.restore(saved[0])  # a restart (anything else in the file: ignored)
+            self._life = saved[0]
+
+    def save(self) -> None:
+        """Write the lifetime where a restart finds it (when it changed)."""
+        life = self.core.life
+        if life != self._life and self._saved is not None:
+            self._saved[0] = max(life, 0)
+            self._life = life
 
     @property
     def t2(self) -> int:
@@ -221,36 +253,59 @@ class ReuseState(SplitState):
         raise AttributeError("evicted is the core's: counted by its evictions")
 
     @property
-    def share(self) -> float:
-        """T1's target, a share of the resident pages (T2's: ``1 - share``)."""
-        return self.core.share
+    def life(self) -> int:
+        """The lifetime estimated from the re-use distances, in access ticks (-1: none
+        yet; :meth:`lifetime` gives the one in use)."""
+        return self.core.life
+
+    def lifetime(self, resident: int) -> int:
+        """The lifetime in use with ``resident`` pages resident."""
+        return self.core.lifetime(resident)
 
     @property
     def ghosts(self) -> int:
         """Ghosts remembered (at most ``GHOST_FACTOR`` x :attr:`capacity`)."""
         return self.core.ghosts
 
-    def admit(self, s: int, ns: int, key: bytes) -> None:
-        if self.core.returning(ns, key):
+    def admit(self, s: int, ns: int, key: bytes, clock: int) -> None:
+        if self.core.returning(ns, key, clock):
             self.tier[s] = 1
             self.core.t2 += 1
 
-    def victim_list(self, resident: int) -> int:
-        return self.core.victim_list(resident)
+    def using(self, slots: list[int], stamp: memoryview, clock: int) -> None:
+        self.core.used(stamp, slots, clock)
+
+    def pick(self, stamp1: int | None, stamp2: int | None, clock: int, resident: int) -> int:
+        """The list the next victim comes from (0: T1, 1: T2), given the stamps of each
+        list's coldest evictable page (None: it has none), the access clock and the
+        resident pages."""
+        return self.core.pick(stamp1, stamp2, clock, resident)
 
     def summary(self) -> dict[str, float]:
         core = self.core
-        return {"t2_pages": core.t2, "t1_target_ratio": core.share, "ghosts": core.ghosts}
+        out: dict[str, float] = {"t2_pages": core.t2, "ghosts": core.ghosts}
+        cap = core.capacity  # resident pages at the last eviction (0: none since the start)
+        if cap:
+            out["lifetime_ratio"] = core.lifetime(cap) / cap
+        elif core.life < 0:  # the starting rule: 4 x the resident pages
+            out["lifetime_ratio"] = 4.0
+        return out
 
-    def evicted_page(self, s: int, ns: int, key: bytes, resident: int) -> None:
-        self.core.record_eviction(self.tier[s], ns, key, resident)
+    def evicted_page(self, s: int, ns: int, key: bytes, stamp: int, resident: int) -> None:
+        self.core.record_eviction(self.tier[s], ns, key, stamp, resident)
 
 
-def split_state(policy: str, n_slots: int, flags: memoryview | None = None) -> SplitState | None:
+def split_state(
+    policy: str,
+    n_slots: int,
+    flags: memoryview | None = None,
+    saved: memoryview | None = None,
+) -> SplitState | None:
     """The state of ``policy`` over ``n_slots`` slots, marking pages used again in
-    ``flags`` (None for ``lru``)."""
+    ``flags``, ``reuse`` keeping its lifetime in ``saved`` (one int64: the pool file's;
+    None for ``lru``)."""
     if policy == "arc":
         return ArcState(n_slots, flags)
     if policy == "reuse":
-        return ReuseState(n_slots, flags)
+        return ReuseState(n_slots, flags, saved)
     return None

@@ -135,9 +135,12 @@ class HostPoolStats:
         evictions_by_reason: evictions by the list the victim came from (``lru``: "lru";
             ``arc``, ``reuse``: "t1", stored once, and "t2", used again).
         eviction_split: under ``arc`` and ``reuse`` (empty under ``lru``): ``t2_pages``,
-            resident pages used again; ``t1_target_ratio``, the share of the resident
-            pages that pages stored once may hold before they are evicted first;
-            ``ghosts``, keys of recent evictions remembered.
+            resident pages used again; ``arc``'s ``t1_target_ratio``, the share of the
+            resident pages that pages stored once may hold before they are evicted first;
+            ``reuse``'s ``lifetime_ratio``, how long a page used again keeps its place (in
+            access-clock ticks) over the resident pages at the last eviction (absent after
+            a restart until the first eviction); ``ghosts``, keys of recent evictions
+            remembered.
     """
 
     capacity_bytes: int

@@ -263,8 +263,15 @@ _SPLIT_GAUGES = (
     (
         "kvtier_l2_t1_target_ratio",
         "The share of L2 that pages stored once may hold before they are evicted first "
-        "(arc and reuse adapt it).",
+        "(arc adapts it).",
         "t1_target_ratio",
+    ),
+    (
+        "kvtier_l2_reuse_lifetime_ratio",
+        "How long a page used again keeps its place under reuse, in access-clock ticks, over "
+        "the pages L2 held at its last eviction (the measured 0.95 quantile of the re-use "
+        "distances).",
+        "lifetime_ratio",
     ),
     (
         "kvtier_l2_eviction_ghosts",

@@ -128,7 +128,9 @@ def test_scrape_counts_lookups_hits_saved_tokens_and_bytes(daemon_factory):
     # the default policy, reuse: the four loaded pages are used again; nothing evicted yet
     assert value(after, "kvtier_l2_t2_pages", policy="reuse") == 4
     assert value(after, "kvtier_l2_eviction_ghosts", policy="reuse") == 0
-    assert 0 < value(after, "kvtier_l2_t1_target_ratio", policy="reuse") < 1
+    # no eviction yet: the lifetime is its starting rule, four times the resident pages
+    assert value(after, "kvtier_l2_reuse_lifetime_ratio", policy="reuse") == 4.0
+    assert "kvtier_l2_t1_target_ratio" not in names(after)  # arc's
     assert value(after, "kvtier_sessions") == 1
     assert value(after, "kvtier_load_duration_seconds_count") == 1
     assert value(after, "kvtier_load_duration_seconds_sum") > 0

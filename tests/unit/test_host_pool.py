@@ -344,7 +344,24 @@ def test_parent_placement_when_its_last_child_leaves() -> None:
     store(pool2, [k("t")], small)
     pool2.allocate(NS, A, small, [k("n")])
     assert evicted_keys(pool2) == [k("b1")]
-    assert pool2.evictable_slots() == [r, 3, b0]  # b0 goes to the hot end
+    assert pool2.evictable_slots() == [r, b0, 3]  # b0: after r, before t, by its last use
+
+
+def test_a_parent_passes_over_at_most_the_walk_of_recent_pages() -> None:
+    """A parent that becomes evictable goes where its last access puts it among the 17 most
+    recent pages of its list (``RECENCY_WALK`` + 1); older than those, it goes before the
+    17th (not further back: the walk is bounded)."""
+    pool = pool_of(6)  # 24 slots
+    small = pool.register_class(4000)
+    (_, a0), (_, a1) = pool.allocate(NS, A, small, [k("a0"), k("a1")])
+    pool.commit([a1])  # the oldest evictable page; its parent a0 is not evictable yet
+    y = store(pool, [k("y")], small)[0]
+    pool.commit([a0])
+    xs = [store(pool, [k(f"x{i}")], small)[0] for i in range(21)]  # the pool is full
+    assert pool.evictable_slots() == [a1, y, *xs]
+    pool.allocate(NS, A, small, [k("n")])  # evicts a1: a0 is evictable, more recent than y
+    assert evicted_keys(pool) == [k("a1")]
+    assert pool.evictable_slots() == [y, *xs[:4], a0, *xs[4:]]  # x20 .. x4 looked at
 
 
 def test_pins_block_eviction_and_full_pool_is_a_shortfall() -> None:

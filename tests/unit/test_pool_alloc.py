@@ -386,11 +386,11 @@ def test_an_error_inside_the_allocation_keeps_the_clock_of_the_pages_it_wrote(
     calls = [0]
     real = split.admit
 
-    def admit(s: int, ns: int, k: bytes) -> None:
+    def admit(s: int, ns: int, k: bytes, clock: int) -> None:
         calls[0] += 1
         if calls[0] == fail_at + 1:
             raise RuntimeError("the policy failed")
-        real(s, ns, k)
+        real(s, ns, k, clock)
 
     split.admit = admit  # type: ignore[method-assign]
     with pytest.raises(RuntimeError, match="the policy failed"):

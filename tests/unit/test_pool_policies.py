@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from kvtier.daemon.pool.host_pool import HostPool, HostPoolError, PageState
-from kvtier.daemon.pool.policies import FLOOR, GHOST_FACTOR, SHADOW, ArcState, ReuseState
+import numpy as np
+from kvtier.daemon.pool.policies import GHOST_FACTOR, LIFE_QUANTILE, ArcState, ReuseState
 
 from tests.pool_model import page_by_page
 
@@ -84,66 +85,81 @@ def test_ghost_hit_in_t2_shrinks_t1_target() -> None:
     assert pool.stats().evictions_by_reason == {"t1": 2, "t2": 2}
 
 
-def test_reuse_ghost_hit_grows_its_lists_target() -> None:
-    pool, cls = pool_of(2, "reuse")  # 8 pages
-    for key in (b"a", b"b", b"c", b"d", b"e", b"f", b"g", b"h"):
-        store(pool, cls, [key])  # chains of one page each
-    load(pool, [b"a"])
-    load(pool, [b"b"])  # a, b in T2
-    store(pool, cls, [b"i"])  # the first eviction: T1's target is the share T1 filled, 6 of
-    split = pool._pages.evictor.split  # 8 pages, and T1 holds that many: its coldest, c
-    assert isinstance(split, ReuseState) and split.share == 0.75
-    load(pool, [b"d"])  # d into T2: T1 = {e .. i}, 5 pages, under its target
-    store(pool, cls, [b"c"])  # so T2's coldest goes, a; c, a T1 ghost no T1 eviction deep,
-    # is within T2's shadow (SHADOW x 0.25 x 8 pages): into T2, T1's target grows
-    assert split.t2 == 3
-    assert split.share == pytest.approx(min(0.75 + 1.0 / (SHADOW * 8 * 0.25), 1.0 - FLOOR))
-    store(pool, cls, [b"j"])  # T1 = {e .. i}, 5 pages, under 0.99 x 8: T2's coldest, b
-    assert evicted(pool) == [b"c", b"a", b"b"]
-    assert pool.stats().evictions_by_reason == {"t1": 1, "t2": 2}
-    assert pool.stats().eviction_split == {  # c returned; a and b are ghosts
-        "t2_pages": 2,
-        "t1_target_ratio": split.share,
-        "ghosts": 2,
-    }
+def stamps(pool: HostPool, keys: list[bytes]) -> list[int]:
+    """The access ticks of the resident pages ``keys``."""
+    slots = pool._lookups.run_slots(NS, keys)
+    return [int(pool._pages.meta.array("stamp")[s]) for s in slots]
 
 
-def test_reuse_adapts_by_ghost_depth_and_bounds_its_memory() -> None:
+def test_reuse_keeps_a_reused_page_for_its_lifetime_then_lets_it_go() -> None:
+    pool, cls = pool_of(1, "reuse")  # 4 pages
+    store(pool, cls, [b"a"])  # a store takes two ticks (allocation, commit)
+    store(pool, cls, [b"b"])
+    load(pool, [b"a"])  # a: T2, last used at tick 5
+    store(pool, cls, [b"c"])
+    store(pool, cls, [b"d"])  # full; clock 9
+    split = pool._pages.evictor.split
+    assert isinstance(split, ReuseState) and split.life == -1  # no estimate yet:
+    assert split.lifetime(4) == 16  # four times the resident pages
+    assert stamps(pool, [b"a"]) == [5]
+    for key in (b"e", b"f", b"g"):  # a is colder than every page of T1 but within its
+        store(pool, cls, [key])  # lifetime: T1's coldest go, b, c, d
+    assert evicted(pool) == [b"b", b"c", b"d"]
+    # each eviction is decided at the clock before the new page's tick: 15 for h
+    for key in (b"h", b"i", b"j", b"k"):  # a idle 10, 12, 14, 16 ticks: <= 16, T1's go
+        store(pool, cls, [key])
+    store(pool, cls, [b"l"])  # idle 18 > 16, and a (5) is colder than T1's coldest: a
+    assert evicted(pool) == [b"e", b"f", b"g", b"h", b"a"]
+    assert pool.stats().evictions_by_reason == {"t1": 7, "t2": 1}
+    assert pool.stats().eviction_split == {"t2_pages": 0, "lifetime_ratio": 4.0, "ghosts": 8}
+
+
+def test_reuse_sets_its_lifetime_from_a_quantile_of_the_reuse_distances() -> None:
     st = ReuseState(8)
-    ns = 3
-    st.t2 = 95  # the first eviction, T1 holding 5 of 100 pages: its target, 0.05
-    assert st.victim_list(100) == 0 and st.share == pytest.approx(0.05)
-    start = st.share
-    st.t2 = 0
+    assert st.pick(10, 5, 100, 10) == 1  # life 4 x 10 = 40: idle 95 ticks, colder: T2's
+    assert st.pick(10, 5, 45, 10) == 0  # idle 40: within the lifetime
+    assert st.pick(3, 5, 100, 10) == 0  # T1's is colder
+    assert st.pick(None, 5, 6, 10) == 1 and st.pick(3, None, 100, 10) == 0
+    st.evicted_page(0, 1, b"x", 3, 100)  # an eviction with 100 pages resident: capacity 100
+    assert st.capacity == 100 and st.life == -1
+    stamp = np.zeros(8, dtype=np.int64)
+    stamp[1], stamp[2] = 9000, 5000
+    for _ in range(59):  # 59 uses 1,000 ticks after the last, 40 uses 5,000 after
+        st.using([1], memoryview(stamp), 10000)
+    for _ in range(40):
+        st.using([2], memoryview(stamp), 10000)
+    assert st.life == -1  # 99 distances: fewer than the pool holds pages
+    st.admit(3, 1, b"x", 1003)  # x's page, last used at tick 3, comes back: distance 1000
+    assert st.tier[3] == 1 and st.t2 == 1
+    # 100 distances: 60 in [512, 1024), 40 in [4096, 8192); the quantile's rank, 95 of
+    # them, falls in the second, 35 of its 40 in: linearly, 4096 x (1 + 35 / 40)
+    assert LIFE_QUANTILE == 0.95 and st.life == int(4096 * (1 + (95.0 - 60) / 40))
+    hist = st.core.histogram()  # the counts halved once the estimate is made
+    assert hist[9] == 30 and hist[12] == 20 and sum(hist) == 50
+    assert st.lifetime(1) == st.life
+    life = st.life
+    assert st.pick(10**6, 10**6 - life - 1, 10**6, 100) == 1
+    assert st.pick(10**6, 10**6 - life, 10**6, 100) == 0
+    st.admit(4, 1, b"x", 2000)  # a ghost counts once
+    assert st.tier[4] == 0
+    with pytest.raises(ValueError, match="slot 8 is outside"):
+        st.using([1, 8], memoryview(stamp), 10**6)
+    assert sum(st.core.histogram()) == 50  # nothing counted
+
+
+def test_reuse_bounds_its_ghosts() -> None:
+    st = ReuseState(8)
     for i in range(500):  # T1 evictions with 100 pages resident
-        st.evicted_page(0, ns, b"k%d" % i, 100)
+        st.evicted_page(0, 3, b"k%d" % i, i, 100)
     assert st.ghosts == GHOST_FACTOR * 100
     assert st.evicted == [500, 0] and st.capacity == 100
-    st.admit(0, ns, b"k99")  # forgotten: the oldest of the 500
+    st.admit(0, 3, b"k99", 600)  # forgotten: the oldest of the 500
     assert st.tier[0] == 0 and st.t2 == 0
-    region = SHADOW * 100 * (1.0 - start)  # T2's shadow: 23.75 evictions
-    st.admit(1, ns, b"k450")  # left T1 49 evictions ago: beyond the shadow, no change
-    assert st.tier[1] == 1 and st.t2 == 1 and st.share == start
-    st.admit(2, ns, b"k490")  # 9 evictions ago: within it
-    assert st.tier[2] == 1 and st.share == pytest.approx(start + 1.0 / region)
-    st.admit(3, ns, b"k490")  # a ghost counts once
-    st.admit(4, 99, b"k491")  # another namespace's key is not this one's ghost
-    assert st.tier[3] == st.tier[4] == 0 and st.t2 == 2
-    st.tier[5] = 1
-    st.t2 += 1
-    share = st.share
-    st.evicted_page(5, ns, b"t2", 1000)  # a T2 eviction, back at once: T1's target shrinks
-    st.released(5)
-    st.admit(5, ns, b"t2")
-    assert st.share == pytest.approx(share - 1.0 / (SHADOW * 1000 * share))
-    st.tier[6] = 1
-    st.t2 += 1
-    for i in range(1000):  # T2's evictions keep coming back: T1's target stops at FLOOR
-        st.evicted_page(6, ns, b"w%d" % i, 100)
-        st.released(6)
-        st.admit(6, ns, b"w%d" % i)
-    assert st.share == pytest.approx(FLOOR)
-    assert st.victim_list(100) == (0 if 100 - st.t2 > FLOOR * 100 else 1)
+    st.admit(1, 99, b"k450", 600)  # another namespace's key is not this one's ghost
+    assert st.tier[1] == 0
+    st.admit(2, 3, b"k450", 600)
+    assert st.tier[2] == 1 and st.t2 == 1 and st.ghosts == GHOST_FACTOR * 100 - 1
+    assert sum(st.core.histogram()) == 1  # 600 - 450 = 150 ticks
 
 
 @pytest.mark.parametrize("policy", ["arc", "reuse"])
@@ -240,7 +256,7 @@ class ArcModel(RuleBasedStateMachine):
             assert all(len(g) <= arc.capacity for g in arc.ghosts)
         else:
             assert isinstance(arc, ReuseState)
-            assert FLOOR <= arc.share <= 1.0 - FLOOR
+            assert arc.life == -1 or arc.life >= 1
             assert arc.ghosts <= GHOST_FACTOR * arc.capacity
         for s in resident:  # no chain is cut: a resident page's parent is resident
             parent = pool.describe(s).parent
@@ -268,8 +284,8 @@ TestReuseModel.settings = _SETTINGS
 
 @pytest.mark.parametrize("policy", ["arc", "reuse"])
 def test_adoption_keeps_pages_recency_and_the_split(policy: str) -> None:
-    """The split survives a restart (the flags column's USED_AGAIN bit); the targets and the
-    ghosts, private memory, start afresh."""
+    """The split survives a restart (the flags column's USED_AGAIN bit); the target, the
+    lifetime and the ghosts, private memory, start afresh."""
     meta = bytearray(pool_of(1, policy)[0].layout.meta_bytes)
     pool = HostPool(EXTENT, EXTENT, 4 * KIB, eviction_policy=policy, meta=meta)
     cls = pool.register_class(4000)
@@ -283,13 +299,84 @@ def test_adoption_keeps_pages_recency_and_the_split(policy: str) -> None:
     assert res is not None and res.adopted and res.pages_adopted == 4
     split = again._pages.evictor.split
     assert split is not None and split.t2 == 1 and split.tier[x] == 1 and not split.tier[y]
-    assert split.p == 0.0 if isinstance(split, ArcState) else split.share == 1.0 - FLOOR
+    assert split.p == 0.0 if isinstance(split, ArcState) else split.life == -1
     assert (split.ghosts == 0) if isinstance(split, ReuseState) else not any(split.ghosts)
     assert again.evictable_slots()[-1] == x  # T1 (y, then b), then T2
     assert again.evictable_slots(OWNER)[0] == x  # by last access alone: x is the coldest
     store(again, cls, [b"c"])
     assert evicted(again) == [b"y"]  # T1's coldest, not x (the coldest of all)
     assert again.stats().eviction_policy == policy
+
+
+def test_reuse_keeps_its_lifetime_through_a_restart() -> None:
+    """The lifetime is written to the pool file as it is estimated and taken back by the
+    pool that adopts the file; a value out of range there, or a formatted file, gives none."""
+    import struct
+
+    from kvtier.daemon.pool.layout import POLICY_OFFSET
+
+    meta = bytearray(pool_of(1, "reuse")[0].layout.meta_bytes)
+    pool = HostPool(EXTENT, EXTENT, 4 * KIB, eviction_policy="reuse", meta=meta)
+    cls = pool.register_class(4000)
+    for key in (b"a", b"b", b"c", b"d", b"e"):  # 4 slots: e evicts a, capacity 4
+        store(pool, cls, [key])
+    for key in (b"b", b"c", b"d", b"e"):  # 4 re-uses: as many as the pool holds pages
+        load(pool, [key])
+    split = pool._pages.evictor.split
+    assert isinstance(split, ReuseState) and split.life > 0
+    life = split.life
+    assert struct.unpack_from("<q", meta, POLICY_OFFSET)[0] == life
+    pool.close()
+
+    def adopted(cold: bool = False) -> ReuseState:
+        again = HostPool(
+            EXTENT,
+            EXTENT,
+            4 * KIB,
+            eviction_policy="reuse",
+            meta=meta,
+            classes=[4000],
+            cold_start=cold,
+        )
+        st = again._pages.evictor.split
+        again.close()
+        assert isinstance(st, ReuseState)
+        return st
+
+    assert adopted().life == life
+    struct.pack_into("<q", meta, POLICY_OFFSET, -5)  # not a lifetime: ignored
+    assert adopted().life == -1
+    struct.pack_into("<q", meta, POLICY_OFFSET, life)
+    assert adopted(cold=True).life == -1  # a formatted pool starts afresh
+    assert struct.unpack_from("<q", meta, POLICY_OFFSET)[0] == 0
+
+
+def test_the_saved_lifetime_has_its_own_bytes_in_the_header_region() -> None:
+    from kvtier.daemon.pool.layout import HEADER_BYTES, HEADER_REGION, POLICY_OFFSET
+    from kvtier.daemon.pool.poolfile import OWNER_TAG_MAGIC, OWNER_TAG_MAX, OWNER_TAG_OFFSET
+
+    tag_end = OWNER_TAG_OFFSET + len(OWNER_TAG_MAGIC) + 2 + OWNER_TAG_MAX  # magic, length
+    assert HEADER_BYTES <= OWNER_TAG_OFFSET and tag_end <= POLICY_OFFSET
+    assert POLICY_OFFSET + 8 <= HEADER_REGION
+
+
+def test_reuse_core_survives_stamps_from_a_corrupt_file() -> None:
+    """Stamps adopted from a file may be anything: the ghosts keep their bound and no
+    distance or comparison overflows."""
+    st = ReuseState(8)
+    for i, stamp in enumerate([2**63 - 1, -(2**63), 2**62, -1] * 50):
+        st.evicted_page(0, 1, b"k%d" % i, stamp, 2)
+        assert st.ghosts <= GHOST_FACTOR * 2
+    st.admit(0, 1, b"k199", -(2**63))  # a distance below zero: not counted
+    st.admit(1, 1, b"k198", 2**63 - 1)  # 2^63 - 1 - 2^61: counted
+    assert sum(st.core.histogram()) == 1
+    assert st.pick(2**63 - 1, -(2**63), 2**63 - 1, 2) == 1  # idle "forever": T2's
+    assert st.pick(-(2**63), 2**63 - 1, -(2**63), 2) == 0
+    stamp = np.array([2**63 - 1, -(2**63)], dtype=np.int64)
+    st.using([0, 1], memoryview(stamp), -(2**63))  # no overflow, nothing counted
+    assert st.life == -1
+    st.using([0, 1], memoryview(stamp), 2**63 - 1)  # the second saturates: counted, and
+    assert 2**62 < st.life <= 9 * 10**18  # with 2 distances (2 pages resident): an estimate
 
 
 def test_config_selects_the_policy() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from kvtier.bench.trace.policies import (
     lirs_hit_rate,
+    reuse_hit_rate,
     reused_min_hit_rate,
     twoq_hit_rate,
     wtinylfu_hit_rate,
@@ -61,3 +62,17 @@ def test_reused_min_keeps_only_what_was_seen_twice_by_its_future() -> None:
     # with no room for reused blocks, only the second uses of 1, 2 and 3 (still in the
     # first-use list) hit; they are dropped as they move to the reused side
     assert reused_min_hit_rate(chains, 2, first_share=1.0) == pytest.approx(3 / 10)
+
+
+def test_reuse_keeps_a_reused_block_for_its_lifetime_only() -> None:
+    # capacity 2: 1 is hit (T2) at tick 2; new blocks then pass through T1. Before any
+    # re-use distance is known the lifetime is 4 x the 3 blocks resident at an eviction,
+    # 12 ticks: 1 outlives ten newer blocks (the last eviction at tick 12, 10 ticks idle)
+    # and hits again, where LRU lost it at the first eviction
+    chains = [[1], [1]] + [[b] for b in range(2, 12)] + [[1]]
+    assert reuse_hit_rate(chains, 2) == pytest.approx(2 / 13)
+    assert lru_hit_rate(chains, 2) == pytest.approx(1 / 13)
+    # two more: at tick 15 block 1 has been idle 13 > 12 ticks and is colder than T1's
+    # coldest, so it goes, and the last [1] misses
+    chains = [[1], [1]] + [[b] for b in range(2, 16)] + [[1]]
+    assert reuse_hit_rate(chains, 2) == pytest.approx(1 / 17)

@@ -12,7 +12,7 @@
  * `clock` (a list of one int, the access clock) advances by one a page, written back also
  * when an error stops the call. take_slot
  * answering NIL is a shortfall: the call stops at that key (`stop`). `admit(slot, ns,
- * key)`, when given, is called for each new page (ArcState.admit); under reuse each new
+ * key, clock)`, when given, is called for each new page (ArcState.admit); under reuse each new
  * page enters T2 when its key is a ghost (ReuseState.admit). None, having changed nothing:
  * a key is not bytes of at most 32 bytes.
  *
@@ -25,7 +25,8 @@
  * use), at most the budget of them; then the coldest page of the class itself. Victims
  * must be in L3 when evictions require it; scans stop after the scan limit. Each victim is
  * logged, told to the policy (reuse's state here, `split.core`; arc's Python state:
- * `split.evicted_page`, `split.victim_list`) and freed as release frees a page.
+ * `split.evicted_page`, `split.victim_list`) and freed as release frees a page; reuse
+ * picks between the coldest pages of T1 and T2 by their stamps and the clock.
  *
  * Every step works on a Pool (below): the page table's state as read at the start of a
  * call and written back at its end, also after an error, which leaves what happened so far
@@ -285,6 +286,7 @@ typedef struct {
     uint8_t *tier;  /* arc's and reuse's T1/T2 byte a slot (NULL: lru) */
     Reuse *core;    /* reuse's state, run here (NULL: lru, arc: arc asks `split`) */
     long long hashed;  /* reuse: the last victim chosen (-1: none), its key's ghost hash */
+    long long clock;   /* the access clock (reuse's choice of list compares it to stamps) */
     uint64_t hash;
     Lists l;
     ClassCache cc;
@@ -316,6 +318,7 @@ static int pool_open(Pool *P, Cols *c, long long per_extent, PyObject *env, PyOb
     P->cc.cid = -1;
     P->resident = -1;
     P->hashed = -1;
+    P->clock = 0;
     P->idx_ns[0] = P->idx_ns[1] = -1;
     P->l.own_ends = own_ends;
     P->l.n = c->n_slots;
@@ -649,17 +652,19 @@ static int evict_held(Pool *P, long long s, int keep, PyObject *key) {
     } else {
         P->unlogged += 1;
     }
-    if (P->split != Py_None) {  /* SplitState.evicted_page(s, ns, key, resident) */
+    if (P->split != Py_None) {  /* SplitState.evicted_page(s, ns, key, stamp, resident) */
         long long resident = pool_resident(P);
         if (resident < 0) return -1;
         if (P->core != NULL) {
             uint64_t h = P->hashed == s ? P->hash
                 : ghost_hash(c->ns[s], PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key));
             P->hashed = -1;
-            if (reuse_evicted(P->core, P->tier[s] ? 1 : 0, h, resident) < 0) return -1;
+            if (reuse_evicted(P->core, P->tier[s] ? 1 : 0, h, c->stamp[s], resident) < 0)
+                return -1;
         } else {
-            PyObject *r = PyObject_CallMethod(P->split, "evicted_page", "LLOL", s,
-                                              (long long)c->ns[s], key, resident);
+            PyObject *r = PyObject_CallMethod(P->split, "evicted_page", "LLOLL", s,
+                                              (long long)c->ns[s], key,
+                                              (long long)c->stamp[s], resident);
             forget(P);
             if (r == NULL) return -1;
             Py_DECREF(r);
@@ -704,21 +709,24 @@ static long long coldest(Pool *P, int scoped, long long owner, long long cid) {
         return o == NULL ? -2 : scan(P, o->cold, c->onext, cid);
     }
     if (P->split == Py_None) return scan(P, P->l.g.cold, c->next, cid);
-    long long resident = pool_resident(P), second;
+    long long resident = pool_resident(P), s;
     if (resident < 0) return -2;
-    if (P->core != NULL) {
-        second = reuse_victim_list(P->core, resident);
+    if (P->core != NULL) {  /* each list's coldest page; reuse picks one */
+        long long s1 = scan(P, P->l.g.cold, c->next, cid), s2;
+        if (s1 == -2 || (s2 = scan(P, P->l.g2.cold, c->next, cid)) == -2) return -2;
+        s = reuse_pick(P->core, s1 != NIL, s1 != NIL ? c->stamp[s1] : 0, s2 != NIL,
+                       s2 != NIL ? c->stamp[s2] : 0, P->clock, resident) ? s2 : s1;
     } else {
         PyObject *r = PyObject_CallMethod(P->split, "victim_list", "L", resident);
         forget(P);
         if (r == NULL) return -2;
-        second = PyLong_AsLongLong(r);
+        long long second = PyLong_AsLongLong(r);
         Py_DECREF(r);
         if (second == -1 && PyErr_Occurred()) return -2;
+        Ends *first = second == 1 ? &P->l.g2 : &P->l.g, *other = second == 1 ? &P->l.g : &P->l.g2;
+        s = scan(P, first->cold, c->next, cid);
+        if (s == NIL) s = scan(P, other->cold, c->next, cid);
     }
-    Ends *first = second == 1 ? &P->l.g2 : &P->l.g, *other = second == 1 ? &P->l.g : &P->l.g2;
-    long long s = scan(P, first->cold, c->next, cid);
-    if (s == NIL) s = scan(P, other->cold, c->next, cid);
     if (P->core != NULL && s >= 0 && s < PyList_GET_SIZE(P->slot_keys)) {
         /* the victim's ghost entry fetched while its eviction is prepared */
         PyObject *key = PyList_GET_ITEM(P->slot_keys, s);
@@ -883,6 +891,7 @@ static PyObject *run(PyObject *self, PyObject *args) {
             }
             c.children[prev] += 1;
         }
+        P.clock = clock;
         long long s = take_slot(&P, cid, owner);
         if (s < 0 && prev != NIL) {  /* a shortfall or an error: prev's child reference dropped */
             PyObject *t, *v, *tb;
@@ -935,12 +944,12 @@ static PyObject *run(PyObject *self, PyObject *args) {
         }
         PyObject *sv = PyLong_FromLongLong(s);
         int rc = sv == NULL ? -1 : PyDict_SetItem(writing_ns, key, sv);
-        if (rc == 0 && P.core != NULL && reuse_returning(P.core, h_new)) {
+        if (rc == 0 && P.core != NULL && reuse_returning(P.core, h_new, clock)) {
             P.tier[s] = 1;  /* ReuseState.admit: a ghost's key returns into T2 */
             P.core->t2 += 1;
         }
-        if (rc == 0 && admit != Py_None) {  /* ArcState.admit(s, ns, key): T1, or T2 */
-            PyObject *r = PyObject_CallFunction(admit, "LLO", s, ns_id, key);
+        if (rc == 0 && admit != Py_None) {  /* ArcState.admit(s, ns, key, clock): T1 or T2 */
+            PyObject *r = PyObject_CallFunction(admit, "LLOL", s, ns_id, key, clock);
             forget(&P);
             if (r == NULL) rc = -1;
             Py_XDECREF(r);

@@ -19,20 +19,31 @@ def offsets(offset_of: Any, slots: list[int], out: Any) -> int | None:
     index of the first slot outside ``offset_of`` or whose offset there is -1."""
 
 class Reuse:
-    """The ``reuse`` eviction policy's targets, counts and ghosts (``_reuse.h``)."""
+    """The ``reuse`` eviction policy's lifetime, re-use distances, counts and ghosts
+    (``_reuse.h``)."""
 
-    share: float
+    life: int
     capacity: int
     t2: int
     ghosts: int
     evicted: list[int]
-    def __init__(self, ghost_factor: float, shadow: float, floor: float) -> None: ...
-    def returning(self, ns: int, key: bytes) -> bool:
-        """Whether the key is a ghost (dropping it, adapting the targets)."""
-    def record_eviction(self, k: int, ns: int, key: bytes, resident: int) -> None:
-        """Record an eviction from T1 (0) or T2 (1)."""
-    def victim_list(self, resident: int) -> int:
-        """The list the next victim comes from (0: T1, 1: T2); before the first eviction it
-        sets T1's target to T1's share of the ``resident`` pages."""
+    def __init__(self, ghost_factor: float, quantile: float) -> None: ...
+    def returning(self, ns: int, key: bytes, clock: int) -> bool:
+        """Whether the key is a ghost, stored again at tick ``clock`` (dropping it, counting
+        the ticks since its page's last use as a re-use distance)."""
+    def record_eviction(self, k: int, ns: int, key: bytes, stamp: int, resident: int) -> None:
+        """Record an eviction from T1 (0) or T2 (1) of a page last used at tick ``stamp``."""
+    def pick(self, stamp1: int | None, stamp2: int | None, clock: int, resident: int) -> int:
+        """The list the next victim comes from (0: T1, 1: T2), given the stamps of each
+        list's coldest evictable page (None: it has none)."""
+    def used(self, stamp: Any, slots: list[int], clock: int) -> None:
+        """The pages ``slots`` (stamps in the int64 buffer ``stamp``) are used again at tick
+        ``clock``: count their re-use distances (every slot checked first)."""
+    def restore(self, life: int) -> None:
+        """Take a lifetime estimated before a restart (1 to 9e18 ticks)."""
+    def lifetime(self, resident: int) -> int:
+        """The lifetime now (before the first estimate, 4 x ``resident``)."""
+    def histogram(self) -> list[int]:
+        """The re-use distances counted in ``[2^b, 2^(b+1))``, by ``b`` (64 counts)."""
     def ghost_list(self) -> list[tuple[int, int]]:
-        """The ghosts, oldest first: ``(hash, 2 x that list's evictions then + list)``."""
+        """The ghosts, oldest first: ``(hash, 2 x its page's last access tick + list)``."""

@@ -72,19 +72,45 @@ static int unlink_(int32_t *prev, int32_t *nxt, Ends *e, int32_t s, Py_ssize_t n
     return 0;
 }
 
-/* Link `s` into the list `e`: at the cold end if it is not more recent than the cold end
- * (by `stamp`), else at the hot end. The ends are the pool's slots (read by ends_read). */
-static void push_(int32_t *prev, int32_t *nxt, Ends *e, const int64_t *stamp, int32_t s) {
+/* How many of a list's most recent pages a page entering it may pass over (push_). */
+#define RECENCY_WALK 16
+
+/* Link `s` into the list `e` by its last access (`stamp`): at the cold end if it is not more
+ * recent than the page there; else after the first page, from the hot end, that is not more
+ * recent than it, looking at RECENCY_WALK + 1 pages at most (when all of them are more
+ * recent, it goes before the last one looked at). A page stored or loaded now goes to the hot end at once; a parent
+ * that becomes evictable when its last child leaves goes where its last access puts it
+ * among the most recent pages, or at the cold end when it is older than every page
+ * listed. The ends are the pool's slots (read by ends_read); a link the walk would follow
+ * outside a pool of `n_slots` slots ends the walk where it is (never a stray read or
+ * write: unlink_ reports the corrupt list). */
+static void push_(int32_t *prev, int32_t *nxt, Ends *e, const int64_t *stamp, int32_t s,
+                  Py_ssize_t n_slots) {
     if (e->cold == NIL) {
         prev[s] = nxt[s] = NIL;
         e->cold = e->hot = s;
-    } else if (stamp[s] <= stamp[e->cold]) {
+        return;
+    }
+    if (stamp[s] <= stamp[e->cold]) {
         prev[s] = NIL; nxt[s] = (int32_t)e->cold; prev[e->cold] = s;
         e->cold = s;
-    } else {
-        prev[s] = (int32_t)e->hot; nxt[s] = NIL; nxt[e->hot] = s;
-        e->hot = s;
+        return;
     }
+    int32_t a = (int32_t)e->hot, b = NIL;  /* s goes between a and b (b: a's successor) */
+    for (int w = 0; w < RECENCY_WALK && stamp[a] > stamp[s]; w++) {
+        int32_t p = prev[a];
+        if (p == NIL || !in_list_range(p, n_slots)) break;
+        b = a;
+        a = p;
+    }
+    if (stamp[a] > stamp[s]) {  /* before a (a passed over, or the cold end) */
+        b = a;
+        a = prev[a];
+        if (!in_list_range(a, n_slots)) a = NIL;
+    }
+    prev[s] = a; nxt[s] = b;
+    if (a == NIL) e->cold = s; else nxt[a] = s;
+    if (b == NIL) e->hot = s; else prev[b] = s;
 }
 
 /* The owner's ends in `own_ends` (created as [NIL, NIL] when `create`), read into `e`. */
@@ -153,10 +179,10 @@ static int links_dequeue(const Links *k, Lists *l, int32_t s) {
 
 /* Put `s` on its global list and on its owner's (created on first use). */
 static int links_enqueue(const Links *k, Lists *l, int32_t s) {
-    push_(k->prev, k->next, global_list(l, s), k->stamp, s);
+    push_(k->prev, k->next, global_list(l, s), k->stamp, s, l->n);
     Ends *o = owner_list(l, k->owner[s], 1);
     if (o == NULL) return -1;
-    push_(k->oprev, k->onext, o, k->stamp, s);
+    push_(k->oprev, k->onext, o, k->stamp, s, l->n);
     return 0;
 }
 
