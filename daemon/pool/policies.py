@@ -21,10 +21,10 @@ so chains stay whole for every policy.
   next one, counted when a LOAD pins a resident page and when a STORE brings back the key
   of a page evicted lately (a *ghost*: one FIFO of ``GHOST_FACTOR`` x the resident pages,
   each key with the list it left and its page's last access tick). The distances are
-  counted in powers of two; each time they add up to as many as the pool holds pages (the
-  counts are halved after each estimate), the lifetime is set from them (the quantile found in its power of two, linearly between
-  its bounds) and every count is halved, so it follows the traffic. Before the first
-  estimate the lifetime is four times the resident pages. This is the rule of the
+  counted in powers of two; each time the counts add up to as many as the pool holds
+  pages, the lifetime is set from them (the quantile found in its power of two, linearly
+  between its bounds) and every count is halved, so it follows the traffic. Before the
+  first estimate the lifetime is four times the resident pages. This is the rule of the
   Multi-Queue policy (Zhou, Philbin and Li, USENIX ATC'01, for second-level caches, whose
   re-use distances are long) on two queues: a page whose reuse was seen keeps its place
   for as long as nearly every reuse takes, and no longer, so neither list needs a target
