@@ -17,7 +17,7 @@ WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
 PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
 StorageBackendName = Literal["none", "file", "mooncake", "redis", "dynamic"]
 LogLevel = Literal["debug", "info", "warning", "error"]
-NativeKernel = Literal["file_io", "guarded_copy", "region_copy"]
+NativeKernel = Literal["copy_threads", "file_io", "guarded_copy", "region_copy"]
 """kvtier's switchable C kernels (:mod:`kvtier.kernels.native`)."""
 
 
@@ -332,7 +332,9 @@ class DaemonConfig(_Frozen):
         description="C kernels not to use; each then takes its Python or "
         "numpy path: file_io (file L3 page I/O and L3 object headers), guarded_copy (copies of "
         "engine memory that may shrink: such memory is then copied with pread/pwrite), "
-        "region_copy (one-call copies of mapped regions: numpy copy plans then). Default: none "
+        "region_copy (one-call copies of mapped regions: numpy copy plans then), copy_threads "
+        "(copy threads that run region copies without the GIL: Python copy threads then). "
+        "Default: none "
         "(every kernel that is built runs). E.g. '[\"file_io\"]'.",
     )
 

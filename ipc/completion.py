@@ -155,6 +155,14 @@ class CompletionBlock:
         if wake:
             self._wake(slot)
 
+    def addresses(self, slot: int) -> tuple[int, int]:
+        """The addresses of ``slot``'s ``layers_done`` word and of its 32-bit wake counter,
+        for a copy thread that announces layers itself (:meth:`layer_done`'s stores, in C)."""
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"slot {slot} is outside the block's {self.slots} slots")
+        row = self._wbase + 8 * SLOT_WORDS * slot
+        return row + 8 * LAYERS_DONE, row + 8 * WAKES
+
     def unannounced(self) -> CompletionBlock:
         """This block for a transfer whose layers nobody waits on (one that ends before its
         reply is sent, or a STORE, whose engine waits for its end only): its layers are

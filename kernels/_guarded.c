@@ -337,9 +337,46 @@ end:
     return out;
 }
 
+/* Check a region copy's table and indexes (nothing is copied when one is bad): 0, or -1
+   with ValueError set naming the row or index. */
+static int check_regions(Py_ssize_t host_nbytes, const char *offs, const char *pids, Py_ssize_t n,
+                         const char *rows, Py_ssize_t nrows) {
+    Py_ssize_t min_pages = PY_SSIZE_T_MAX, reach = 0;
+    for (Py_ssize_t r = 0; r < nrows; r++) {
+        const char *row = rows + r * ROW_WORDS * 8;
+        int64_t add = at(row, ROW_ADD), pages = at(row, ROW_PAGES), stride = at(row, ROW_STRIDE),
+                length = at(row, ROW_LENGTH);
+        if (length <= 0 || stride < length || pages < 0 || add < 0 ||
+            length > (int64_t)host_nbytes || add > (int64_t)host_nbytes - length) {
+            PyErr_Format(PyExc_ValueError, "table row %zd: length = %lld must be > 0 and at "
+                         "most stride = %lld and host_nbytes = %zd; engine_pages = %lld and "
+                         "host_add = %lld must not be negative, nor host_add + length over "
+                         "host_nbytes", r, (long long)length, (long long)stride, host_nbytes,
+                         (long long)pages, (long long)add);
+            return -1;
+        }
+        if (pages < min_pages) min_pages = (Py_ssize_t)pages;
+        if (add + length > reach) reach = (Py_ssize_t)(add + length);
+    }
+    for (Py_ssize_t i = 0; i < n && nrows > 0; i++) {
+        int64_t p = at(pids, i), o = at(offs, i);
+        if (p < 0 || p >= min_pages) {
+            PyErr_Format(PyExc_ValueError, "page_ids[%zd] = %lld is outside the regions' %zd "
+                         "pages", i, (long long)p, min_pages);
+            return -1;
+        }
+        if (o < 0 || o > (int64_t)(host_nbytes - reach)) {
+            PyErr_Format(PyExc_ValueError, "offsets[%zd] = %lld: the %zd bytes of a page there "
+                         "are outside the arena's %zd", i, (long long)o, reach, host_nbytes);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 static PyObject *copy_regions(PyObject *self, PyObject *args) {
     unsigned long long host;
-    Py_ssize_t host_nbytes, n, nrows, done = 0, min_pages = PY_SSIZE_T_MAX, reach = 0, every = 0;
+    Py_ssize_t host_nbytes, n, nrows, done = 0, every = 0;
     Py_buffer offs, pids, rows;
     int to_host, stream = 0;
     PyObject *out = NULL;
@@ -359,35 +396,7 @@ static PyObject *copy_regions(PyObject *self, PyObject *args) {
                      offs.len, pids.len, rows.len, (int)ROW_WORDS);
         goto end;
     }
-    for (Py_ssize_t r = 0; r < nrows; r++) {
-        const char *row = (const char *)rows.buf + r * ROW_WORDS * 8;
-        int64_t add = at(row, ROW_ADD), pages = at(row, ROW_PAGES), stride = at(row, ROW_STRIDE),
-                length = at(row, ROW_LENGTH);
-        if (length <= 0 || stride < length || pages < 0 || add < 0 ||
-            length > (int64_t)host_nbytes || add > (int64_t)host_nbytes - length) {
-            PyErr_Format(PyExc_ValueError, "table row %zd: length = %lld must be > 0 and at "
-                         "most stride = %lld and host_nbytes = %zd; engine_pages = %lld and "
-                         "host_add = %lld must not be negative, nor host_add + length over "
-                         "host_nbytes", r, (long long)length, (long long)stride, host_nbytes,
-                         (long long)pages, (long long)add);
-            goto end;
-        }
-        if (pages < min_pages) min_pages = (Py_ssize_t)pages;
-        if (add + length > reach) reach = (Py_ssize_t)(add + length);
-    }
-    for (Py_ssize_t i = 0; i < n && nrows > 0; i++) {
-        int64_t p = at(pids.buf, i), o = at(offs.buf, i);
-        if (p < 0 || p >= min_pages) {
-            PyErr_Format(PyExc_ValueError, "page_ids[%zd] = %lld is outside the regions' %zd "
-                         "pages", i, (long long)p, min_pages);
-            goto end;
-        }
-        if (o < 0 || o > (int64_t)(host_nbytes - reach)) {
-            PyErr_Format(PyExc_ValueError, "offsets[%zd] = %lld: the %zd bytes of a page there "
-                         "are outside the arena's %zd", i, (long long)o, reach, host_nbytes);
-            goto end;
-        }
-    }
+    if (check_regions(host_nbytes, offs.buf, pids.buf, n, rows.buf, nrows) < 0) goto end;
     Py_BEGIN_ALLOW_THREADS
     done = regions_copy((char *)(uintptr_t)host, offs.buf, pids.buf, rows.buf, nrows, n,
                         to_host, stream, (size_t)every);
@@ -399,6 +408,551 @@ end:
     PyBuffer_Release(&rows);
     return out;
 }
+
+/* ---- CopyPool: copy threads that take the GIL only for work written in Python ----------
+
+   CopyPool() -> pool: the queue of a fixed set of copy threads. The threads are Python
+   threads (started by the caller) that call ``pool.serve()``: it releases the GIL and
+   runs region copies submitted with ``submit_copy`` itself, in C, without ever taking the
+   GIL back; it returns only to hand the thread a job written in Python (``submit_call``:
+   its id) or, once the pool is shut down and its queue empty, None. Users (any int64)
+   take turns: the next free thread takes the oldest job of the user whose turn it is,
+   then that user goes to the back of the line.
+
+   The end of a region copy is reported through ``fd``, an eventfd that becomes readable
+   when the list of ended copies goes from empty to not empty, and ``reap()``, which takes
+   that list: (id, status, pages) per copy, status 0 DONE (pages: all pages copied),
+   1 SHORT (a page faulted: pages is its index in the request), 2 CANCELLED (``cancel``).
+   A region copy announces its layers itself: after each group of rows but the last, the
+   group's layer count goes to ``layers_addr`` (an int64) and, when ``wake_addr`` is not 0,
+   the 32-bit counter there is bumped and its futex woken; after the last group, every
+   layer (``num_layers``). Those addresses are the caller's to keep mapped until the copy
+   is reaped. */
+
+#include <errno.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sys/eventfd.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+enum { JOB_COPY, JOB_CALL };
+enum { END_DONE = 0, END_SHORT = 1, END_CANCELLED = 2 };
+
+typedef struct Job {
+    struct Job *next;               /* in a user's queue, then in the ended list */
+    struct Job *rnext, *rprev;      /* among the running copies */
+    long long id, user;
+    int kind, to_host, stream, status, cancelled;
+    char *host;
+    int64_t *offs, *pids, *rows, *groups; /* one allocation, in this order */
+    Py_ssize_t n, nrows, ngroups, done;
+    size_t every;
+    int64_t *layers_word;
+    uint32_t *wake_word;
+    int64_t num_layers;
+} Job;
+
+typedef struct User {
+    struct User *next;
+    long long uid;
+    Job *head, *tail;
+    Py_ssize_t count;
+} User;
+
+typedef struct {
+    PyObject_HEAD
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    User *turn_head, *turn_tail; /* users with queued jobs, in turn order */
+    Py_ssize_t queued;
+    Job *running;
+    Job *ended_head, *ended_tail;
+    int efd;
+    int closed;
+} CopyPool;
+
+static void job_free(Job *j) {
+    if (j == NULL) return;
+    free(j->offs);
+    free(j);
+}
+
+/* Queue ``j`` in its user's turn; called with the lock held. 0, or -1 out of memory. */
+static int enqueue(CopyPool *p, Job *j) {
+    User *u = p->turn_head;
+    while (u != NULL && u->uid != j->user) u = u->next;
+    if (u == NULL) {
+        u = calloc(1, sizeof *u);
+        if (u == NULL) return -1;
+        u->uid = j->user;
+        if (p->turn_tail != NULL)
+            p->turn_tail->next = u;
+        else
+            p->turn_head = u;
+        p->turn_tail = u;
+    }
+    j->next = NULL;
+    if (u->tail != NULL)
+        u->tail->next = j;
+    else
+        u->head = j;
+    u->tail = j;
+    u->count++;
+    p->queued++;
+    return 0;
+}
+
+/* The next job in turn (the lock held, at least one queued): its user goes to the back. */
+static Job *dequeue(CopyPool *p) {
+    User *u = p->turn_head;
+    Job *j = u->head;
+    u->head = j->next;
+    if (u->head == NULL) u->tail = NULL;
+    u->count--;
+    p->queued--;
+    p->turn_head = u->next;
+    if (p->turn_head == NULL) p->turn_tail = NULL;
+    u->next = NULL;
+    if (u->count > 0) {
+        if (p->turn_tail != NULL)
+            p->turn_tail->next = u;
+        else
+            p->turn_head = u;
+        p->turn_tail = u;
+    } else {
+        free(u);
+    }
+    j->next = NULL;
+    return j;
+}
+
+/* Add ``j`` to the ended list (the lock held); whether the list was empty (signal fd). */
+static int ended(CopyPool *p, Job *j) {
+    int was_empty = p->ended_head == NULL;
+    j->next = NULL;
+    if (p->ended_tail != NULL)
+        p->ended_tail->next = j;
+    else
+        p->ended_head = j;
+    p->ended_tail = j;
+    return was_empty;
+}
+
+static void signal_fd(CopyPool *p) {
+    uint64_t one = 1;
+    ssize_t r;
+    do r = write(p->efd, &one, sizeof one);
+    while (r < 0 && errno == EINTR);
+    /* EAGAIN: the counter is at its maximum, the fd is readable anyway */
+}
+
+static void announce(Job *j, int64_t layers) {
+    if (j->layers_word != NULL) __atomic_store_n(j->layers_word, layers, __ATOMIC_RELEASE);
+    if (j->wake_word != NULL) {
+        uint32_t w = __atomic_load_n(j->wake_word, __ATOMIC_RELAXED) + 1u;
+        __atomic_store_n(j->wake_word, w, __ATOMIC_RELEASE);
+        syscall(SYS_futex, j->wake_word, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+    }
+}
+
+/* Copy every group of rows of ``j`` (no GIL, no lock), announcing layers as it goes. */
+static void run_copy(Job *j) {
+    int status = END_DONE;
+    Py_ssize_t done = 0;
+    for (Py_ssize_t g = 0; g < j->ngroups; g++) {
+        int64_t a = j->groups[3 * g], b = j->groups[3 * g + 1], layers = j->groups[3 * g + 2];
+        if (__atomic_load_n(&j->cancelled, __ATOMIC_ACQUIRE)) {
+            status = END_CANCELLED;
+            break;
+        }
+        Py_ssize_t want = (Py_ssize_t)(b - a) * j->n;
+        Py_ssize_t got = regions_copy(j->host, (const char *)j->offs, (const char *)j->pids,
+                                      (const char *)(j->rows + a * ROW_WORDS), (Py_ssize_t)(b - a),
+                                      j->n, j->to_host, j->stream, j->every);
+        if (got < want) {
+            status = END_SHORT;
+            done = j->n > 0 ? got % j->n : 0;
+            break;
+        }
+        if (layers && b < j->nrows) announce(j, layers);
+    }
+    if (status == END_DONE) {
+        announce(j, j->num_layers);
+        done = j->n;
+    }
+    j->status = status;
+    j->done = done;
+}
+
+static PyObject *pool_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kw[] = {NULL};
+    CopyPool *p;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, ":CopyPool", kw)) return NULL;
+    p = (CopyPool *)type->tp_alloc(type, 0);
+    if (p == NULL) return NULL;
+    p->efd = -1;
+    if (pthread_mutex_init(&p->mu, NULL) != 0 || pthread_cond_init(&p->cv, NULL) != 0) {
+        Py_DECREF(p);
+        return PyErr_NoMemory();
+    }
+    p->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (p->efd < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        Py_DECREF(p);
+        return NULL;
+    }
+    return (PyObject *)p;
+}
+
+static void pool_dealloc(CopyPool *p) {
+    /* no thread is inside serve(): each holds a reference while it is */
+    while (p->turn_head != NULL) {
+        User *u = p->turn_head;
+        p->turn_head = u->next;
+        while (u->head != NULL) {
+            Job *j = u->head;
+            u->head = j->next;
+            job_free(j);
+        }
+        free(u);
+    }
+    while (p->ended_head != NULL) {
+        Job *j = p->ended_head;
+        p->ended_head = j->next;
+        job_free(j);
+    }
+    if (p->efd >= 0) close(p->efd);
+    pthread_mutex_destroy(&p->mu);
+    pthread_cond_destroy(&p->cv);
+    Py_TYPE(p)->tp_free((PyObject *)p);
+}
+
+static PyObject *pool_submit_copy(CopyPool *p, PyObject *args) {
+    long long id, user, num_layers;
+    unsigned long long host, layers_addr, wake_addr;
+    Py_ssize_t host_nbytes, n, nrows, ngroups, every = 0;
+    Py_buffer offs, pids, rows, groups;
+    int to_host, stream;
+    Job *j = NULL;
+    PyObject *out = NULL;
+    if (!PyArg_ParseTuple(args, "LLKny*y*y*y*ppnKKL", &id, &user, &host, &host_nbytes, &offs,
+                          &pids, &rows, &groups, &to_host, &stream, &every, &layers_addr,
+                          &wake_addr, &num_layers))
+        return NULL;
+    n = offs.len / 8;
+    nrows = rows.len / (ROW_WORDS * 8);
+    ngroups = groups.len / 24;
+    if (offs.len % 8 != 0 || pids.len != offs.len || rows.len % (ROW_WORDS * 8) != 0 ||
+        groups.len % 24 != 0) {
+        PyErr_Format(PyExc_ValueError, "offsets (%zd bytes) and page_ids (%zd bytes) must be "
+                     "int64 arrays of one length, table (%zd bytes) int64 rows of %d, groups "
+                     "(%zd bytes) int64 rows of 3", offs.len, pids.len, rows.len,
+                     (int)ROW_WORDS, groups.len);
+        goto end;
+    }
+    if (every < 0) {
+        PyErr_Format(PyExc_ValueError, "yield_bytes = %zd must not be negative", every);
+        goto end;
+    }
+    if (num_layers < 0) {
+        PyErr_Format(PyExc_ValueError, "num_layers = %lld must not be negative", num_layers);
+        goto end;
+    }
+    for (Py_ssize_t g = 0, prev = 0; g < ngroups; g++) {
+        int64_t a = at(groups.buf, 3 * g), b = at(groups.buf, 3 * g + 1);
+        if (a != prev || b <= a || b > nrows) {
+            PyErr_Format(PyExc_ValueError, "groups[%zd] = (%lld, %lld): groups must cover the "
+                         "table's %zd rows in order", g, (long long)a, (long long)b, nrows);
+            goto end;
+        }
+        prev = (Py_ssize_t)b;
+        if (g == ngroups - 1 && b != nrows) {
+            PyErr_Format(PyExc_ValueError, "groups end at row %lld of %zd", (long long)b, nrows);
+            goto end;
+        }
+    }
+    if (ngroups == 0 && nrows > 0) {
+        PyErr_SetString(PyExc_ValueError, "a table with rows needs groups");
+        goto end;
+    }
+    if (check_regions(host_nbytes, offs.buf, pids.buf, n, rows.buf, nrows) < 0) goto end;
+    j = calloc(1, sizeof *j);
+    if (j == NULL) {
+        PyErr_NoMemory();
+        goto end;
+    }
+    j->offs = malloc((size_t)(offs.len + pids.len + rows.len + groups.len) + 8);
+    if (j->offs == NULL) {
+        free(j);
+        j = NULL;
+        PyErr_NoMemory();
+        goto end;
+    }
+    memcpy(j->offs, offs.buf, (size_t)offs.len);
+    j->pids = j->offs + n;
+    memcpy(j->pids, pids.buf, (size_t)pids.len);
+    j->rows = j->pids + n;
+    memcpy(j->rows, rows.buf, (size_t)rows.len);
+    j->groups = j->rows + nrows * ROW_WORDS;
+    memcpy(j->groups, groups.buf, (size_t)groups.len);
+    j->id = id;
+    j->user = user;
+    j->kind = JOB_COPY;
+    j->host = (char *)(uintptr_t)host;
+    j->n = n;
+    j->nrows = nrows;
+    j->ngroups = ngroups;
+    j->to_host = to_host;
+    j->stream = stream;
+    j->every = (size_t)every;
+    j->layers_word = (int64_t *)(uintptr_t)layers_addr;
+    j->wake_word = (uint32_t *)(uintptr_t)wake_addr;
+    j->num_layers = num_layers;
+    pthread_mutex_lock(&p->mu);
+    if (p->closed) {
+        pthread_mutex_unlock(&p->mu);
+        job_free(j);
+        PyErr_SetString(PyExc_RuntimeError, "the copy threads have shut down");
+        goto end;
+    }
+    if (enqueue(p, j) < 0) {
+        pthread_mutex_unlock(&p->mu);
+        job_free(j);
+        PyErr_NoMemory();
+        goto end;
+    }
+    pthread_cond_signal(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+    out = Py_NewRef(Py_None);
+end:
+    PyBuffer_Release(&offs);
+    PyBuffer_Release(&pids);
+    PyBuffer_Release(&rows);
+    PyBuffer_Release(&groups);
+    return out;
+}
+
+static PyObject *pool_submit_call(CopyPool *p, PyObject *args) {
+    long long id, user;
+    Job *j;
+    if (!PyArg_ParseTuple(args, "LL", &id, &user)) return NULL;
+    j = calloc(1, sizeof *j);
+    if (j == NULL) return PyErr_NoMemory();
+    j->id = id;
+    j->user = user;
+    j->kind = JOB_CALL;
+    pthread_mutex_lock(&p->mu);
+    if (p->closed) {
+        pthread_mutex_unlock(&p->mu);
+        free(j);
+        PyErr_SetString(PyExc_RuntimeError, "the copy threads have shut down");
+        return NULL;
+    }
+    if (enqueue(p, j) < 0) {
+        pthread_mutex_unlock(&p->mu);
+        free(j);
+        return PyErr_NoMemory();
+    }
+    pthread_cond_signal(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+    Py_RETURN_NONE;
+}
+
+static PyObject *pool_serve(CopyPool *p, PyObject *unused) {
+    Job *j;
+    long long id = 0;
+    int call = 0;
+    (void)unused;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&p->mu);
+    for (;;) {
+        while (!p->closed && p->queued == 0) pthread_cond_wait(&p->cv, &p->mu);
+        if (p->queued == 0) break; /* shut down, and nothing left */
+        j = dequeue(p);
+        if (j->kind == JOB_CALL) {
+            call = 1;
+            id = j->id;
+            free(j);
+            break;
+        }
+        j->rnext = p->running;
+        j->rprev = NULL;
+        if (p->running != NULL) p->running->rprev = j;
+        p->running = j;
+        pthread_mutex_unlock(&p->mu);
+        run_copy(j);
+        pthread_mutex_lock(&p->mu);
+        if (j->rprev != NULL)
+            j->rprev->rnext = j->rnext;
+        else
+            p->running = j->rnext;
+        if (j->rnext != NULL) j->rnext->rprev = j->rprev;
+        if (ended(p, j)) {
+            pthread_mutex_unlock(&p->mu);
+            signal_fd(p);
+            pthread_mutex_lock(&p->mu);
+        }
+    }
+    pthread_mutex_unlock(&p->mu);
+    Py_END_ALLOW_THREADS
+    if (call) return PyLong_FromLongLong(id);
+    Py_RETURN_NONE;
+}
+
+static PyObject *pool_reap(CopyPool *p, PyObject *unused) {
+    uint64_t count;
+    Job *head, *j;
+    Py_ssize_t n = 0, i = 0;
+    PyObject *out;
+    (void)unused;
+    /* read first: a copy that ends after this read signals again */
+    while (read(p->efd, &count, sizeof count) < 0 && errno == EINTR) {
+    }
+    pthread_mutex_lock(&p->mu);
+    head = p->ended_head;
+    p->ended_head = p->ended_tail = NULL;
+    pthread_mutex_unlock(&p->mu);
+    for (j = head; j != NULL; j = j->next) n++;
+    out = PyList_New(n);
+    if (out == NULL) { /* put them back: the next reap returns them */
+        pthread_mutex_lock(&p->mu);
+        if (head != NULL) {
+            Job *tail = head;
+            while (tail->next != NULL) tail = tail->next;
+            tail->next = p->ended_head;
+            if (p->ended_head == NULL) p->ended_tail = tail;
+            p->ended_head = head;
+        }
+        pthread_mutex_unlock(&p->mu);
+        return NULL;
+    }
+    for (j = head; j != NULL; i++) {
+        Job *next = j->next;
+        PyObject *row = Py_BuildValue("(Lin)", j->id, j->status, j->done);
+        if (row == NULL) {
+            Py_DECREF(out);
+            return NULL; /* the rest are lost with the error: out of memory */
+        }
+        PyList_SET_ITEM(out, i, row);
+        job_free(j);
+        j = next;
+    }
+    return out;
+}
+
+static PyObject *pool_cancel(CopyPool *p, PyObject *arg) {
+    long long id = PyLong_AsLongLong(arg);
+    int found = 0;
+    if (id == -1 && PyErr_Occurred()) return NULL;
+    pthread_mutex_lock(&p->mu);
+    for (Job *j = p->running; j != NULL && !found; j = j->rnext)
+        if (j->id == id) {
+            __atomic_store_n(&j->cancelled, 1, __ATOMIC_RELEASE);
+            found = 1;
+        }
+    for (User *u = p->turn_head; u != NULL && !found; u = u->next)
+        for (Job *j = u->head; j != NULL; j = j->next)
+            if (j->id == id && j->kind == JOB_COPY) {
+                __atomic_store_n(&j->cancelled, 1, __ATOMIC_RELEASE);
+                found = 1;
+                break;
+            }
+    pthread_mutex_unlock(&p->mu);
+    return PyBool_FromLong(found);
+}
+
+static PyObject *pool_queued(CopyPool *p, PyObject *unused) {
+    PyObject *out = PyDict_New();
+    (void)unused;
+    if (out == NULL) return NULL;
+    pthread_mutex_lock(&p->mu);
+    for (User *u = p->turn_head; u != NULL; u = u->next) {
+        PyObject *k = PyLong_FromLongLong(u->uid), *v = PyLong_FromSsize_t(u->count);
+        int bad = k == NULL || v == NULL || PyDict_SetItem(out, k, v) < 0;
+        Py_XDECREF(k);
+        Py_XDECREF(v);
+        if (bad) {
+            pthread_mutex_unlock(&p->mu);
+            Py_DECREF(out);
+            return NULL;
+        }
+    }
+    pthread_mutex_unlock(&p->mu);
+    return out;
+}
+
+static PyObject *pool_shutdown(CopyPool *p, PyObject *args) {
+    int cancel = 0, wake = 0;
+    PyObject *calls = PyList_New(0);
+    if (calls == NULL) return NULL;
+    if (!PyArg_ParseTuple(args, "|p", &cancel)) {
+        Py_DECREF(calls);
+        return NULL;
+    }
+    pthread_mutex_lock(&p->mu);
+    p->closed = 1;
+    while (cancel && p->queued > 0) {
+        Job *j = dequeue(p);
+        if (j->kind == JOB_CALL) {
+            PyObject *id = PyLong_FromLongLong(j->id);
+            if (id == NULL || PyList_Append(calls, id) < 0) PyErr_Clear();
+            Py_XDECREF(id);
+            free(j);
+        } else {
+            j->status = END_CANCELLED;
+            wake |= ended(p, j);
+        }
+    }
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+    if (wake) signal_fd(p);
+    return calls;
+}
+
+static PyObject *pool_fd(CopyPool *p, void *closure) {
+    (void)closure;
+    return PyLong_FromLong(p->efd);
+}
+
+static PyMethodDef pool_methods[] = {
+    {"submit_copy", (PyCFunction)pool_submit_copy, METH_VARARGS,
+     "submit_copy(id, user, host, host_nbytes, offsets, page_ids, table, groups, to_host, "
+     "stream, yield_bytes, layers_addr, wake_addr, num_layers): queue a region copy, every "
+     "row and index checked first (ValueError, nothing queued)."},
+    {"submit_call", (PyCFunction)pool_submit_call, METH_VARARGS,
+     "submit_call(id, user): queue a job written in Python; serve() hands its id to a thread."},
+    {"serve", (PyCFunction)pool_serve, METH_NOARGS,
+     "serve() -> int | None: run region copies (GIL released) until a Python job's id is "
+     "due (returned), or the pool is shut down and empty (None)."},
+    {"reap", (PyCFunction)pool_reap, METH_NOARGS,
+     "reap() -> list[(id, status, pages)]: the region copies that ended (0 DONE, 1 SHORT: "
+     "pages is the faulting page's index, 2 CANCELLED)."},
+    {"cancel", (PyCFunction)pool_cancel, METH_O,
+     "cancel(id) -> bool: a queued or running region copy stops before its next group."},
+    {"queued", (PyCFunction)pool_queued, METH_NOARGS, "queued() -> {user: jobs waiting}."},
+    {"shutdown", (PyCFunction)pool_shutdown, METH_VARARGS,
+     "shutdown(cancel=False) -> list[int]: take no more jobs; with cancel, drop the queued "
+     "ones (region copies end CANCELLED) and return the dropped Python jobs' ids."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef pool_getset[] = {
+    {"fd", (getter)pool_fd, NULL, "the eventfd readable when region copies have ended", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject CopyPoolType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvtier.kernels._guarded.CopyPool",
+    .tp_basicsize = sizeof(CopyPool),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The queue of the copy threads (see the module's source).",
+    .tp_new = pool_new,
+    .tp_dealloc = (destructor)pool_dealloc,
+    .tp_methods = pool_methods,
+    .tp_getset = pool_getset,
+};
 
 static PyMethodDef methods[] = {
     {"copy_regions", copy_regions, METH_VARARGS,
@@ -422,6 +976,7 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__guarded(void) {
     struct sigaction sa;
+    PyObject *m;
     detect_cpu();
     memset(&sa, 0, sizeof sa);
     sa.sa_sigaction = on_sigbus;
@@ -431,5 +986,12 @@ PyMODINIT_FUNC PyInit__guarded(void) {
         PyErr_SetFromErrno(PyExc_OSError);
         return NULL;
     }
-    return PyModule_Create(&module);
+    if (PyType_Ready(&CopyPoolType) < 0) return NULL;
+    m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    if (PyModule_AddType(m, &CopyPoolType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

@@ -48,3 +48,40 @@ def copy_regions(
     /,
 ) -> int:
     """Several regions' pages in one call: the pages copied."""
+
+class CopyPool:
+    """The queue of the copy threads: region copies run in C, Python jobs handed out."""
+
+    fd: int
+    def __init__(self) -> None: ...
+    def submit_copy(
+        self,
+        id: int,
+        user: int,
+        host: int,
+        host_nbytes: int,
+        offsets: Buffer,
+        page_ids: Buffer,
+        table: Buffer,
+        groups: Buffer,
+        to_host: bool,
+        stream: bool,
+        yield_bytes: int,
+        layers_addr: int,
+        wake_addr: int,
+        num_layers: int,
+        /,
+    ) -> None:
+        """Queue a region copy (every row and index checked first)."""
+    def submit_call(self, id: int, user: int, /) -> None:
+        """Queue a Python job; :meth:`serve` hands its id to a thread."""
+    def serve(self) -> int | None:
+        """Run region copies until a Python job is due (its id) or the pool ends (None)."""
+    def reap(self) -> list[tuple[int, int, int]]:
+        """The region copies that ended: (id, status, pages)."""
+    def cancel(self, id: int, /) -> bool:
+        """Stop a queued or running region copy before its next group."""
+    def queued(self) -> dict[int, int]:
+        """Jobs waiting, per user."""
+    def shutdown(self, cancel: bool = ..., /) -> list[int]:
+        """Take no more jobs; with ``cancel``, drop the queued ones (the Python jobs' ids)."""

@@ -20,6 +20,7 @@ The guarded copies of unsealed memory and the region copies are switched separat
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from kvtier.kernels import native
@@ -29,7 +30,15 @@ try:
 except ImportError:  # built without a C compiler
     _guarded = None  # type: ignore[assignment]
 
-__all__ = ["BUILT", "available", "copy_pages", "copy_regions", "copy_strided", "strided"]
+__all__ = [
+    "BUILT",
+    "available",
+    "copy_pages",
+    "copy_regions",
+    "copy_strided",
+    "native_module",
+    "strided",
+]
 
 BUILT: bool = _guarded is not None
 """Whether the extension is built (whatever the switches say)."""
@@ -45,6 +54,11 @@ def strided() -> bool:
     """Whether :func:`copy_strided` and :func:`copy_regions` are in use: the extension is
     built and ``region_copy`` is not turned off."""
     return _guarded is not None and native.enabled("region_copy")
+
+
+def native_module() -> Any:
+    """The ``_guarded`` extension module (its ``CopyPool``), or None when not built."""
+    return _guarded
 
 
 _NO_REGION_COPY = "region copies are not in use (kvtier.kernels._guarded: check strided())"

@@ -7,7 +7,7 @@ and the packer of wire keys (``ipc/_packkeys.c``, :func:`kvtier.ipc.packed.pack_
 built at install (``setup.py``; kvtier does not import without them) and are the one
 implementation of what they do, for every input, with no Python path and no switch. The
 other two, ``_fileio`` and ``_guarded``, are optional (``_fileio`` also needs
-``xxhash.h``): where one is not built, its callers take their Python or numpy path. Three
+``xxhash.h``): where one is not built, its callers take their Python or numpy path. Four
 kernels of theirs can also be turned off, each named by the path it takes over:
 
 - ``file_io``: ``_fileio``, the file L3 backend's page I/O and the L3 object headers
@@ -19,6 +19,11 @@ kernels of theirs can also be turned off, each named by the path it takes over:
 - ``region_copy``: ``_guarded``'s one-call copies of mapped regions
   (:func:`~kvtier.kernels.guarded_copy.copy_strided`, ``copy_regions``); off: numpy copy
   plans.
+- ``copy_threads``: ``_guarded``'s queue of the daemon's copy threads, which run a
+  transfer's region copies in C without taking the GIL
+  (:class:`~kvtier.daemon.transfer.copy_threads.CopyThreads`); off (or with
+  ``region_copy`` off): every copy is a Python callable on the threads
+  (:class:`~kvtier.daemon.transfer.fair_pool.FairExecutor`).
 
 The daemon applies its ``native_off`` setting here at start (:func:`configure`): in TOML
 ``native_off = ["file_io"]``, on the command line ``--native-off '["file_io"]'``, and, as

@@ -44,6 +44,7 @@ from kvtier.daemon.storage.base import HostArena
 from kvtier.daemon.storage.registry import slot_headroom
 from kvtier.daemon.tier.tier import TierStore
 from kvtier.daemon.transfer.cpu_priority import lower_this_thread
+from kvtier.daemon.transfer.copy_threads import CopyThreads
 from kvtier.daemon.transfer.fair_pool import FairExecutor
 from kvtier.ipc.shm import SharedMemorySegment
 from kvtier.kernels import native
@@ -157,7 +158,8 @@ class Service:
         self.ctx.prefaults.start()
         stack.callback(self.ctx.prefaults.close)  # after every session's memory is unmapped
         nice = self.ctx.cfg.copy_nice
-        executor = FairExecutor(
+        threads = CopyThreads if CopyThreads.available() else FairExecutor
+        executor = threads(
             self.ctx.cfg.copy_threads, "kvtier-copy", lambda: lower_this_thread(nice)
         )
         self.transfers.open(executor, self._arena, self.ctx.cfg.copy_threads)

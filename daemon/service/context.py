@@ -135,7 +135,7 @@ class ServiceContext:
         log.info("session %d closing: %s", s.session_id, reason)
         self.tier.session_closed(s)
         for t in s.transfers.values():
-            t.cancelled = True
+            t.cancel()
         if not s.transfers:
             self.finalize_session(s)
 

@@ -275,7 +275,7 @@ class Handlers:
         for slot in m.slots:
             t = s.transfers.get(slot)
             if t is not None:
-                t.cancelled = True
+                t.cancel()
         return P.Ack(req_id=m.req_id, epoch=self.ctx.epoch)
 
 

@@ -293,7 +293,7 @@ class Daemon:
             log.info(
                 "stopping: %d sessions, %d transfers in flight",
                 len(self.sessions),
-                len(self.svc.transfers.inflight),
+                self.svc.transfers.copies,
             )
             for task in loops:
                 task.cancel()
@@ -315,15 +315,11 @@ class Daemon:
         deadline = time.monotonic() + timeout
         for s in self.sessions:
             svc.ctx.close_session(s, "daemon stopping")
-        inflight = svc.transfers.inflight
-        if inflight:
-            # each copy settles on the loop before its wrapped future wakes this wait
-            _, pending = await asyncio.wait(
-                {asyncio.wrap_future(f) for f in inflight}, timeout=timeout
-            )
-            if pending:
+        if svc.transfers.copies:
+            left = await svc.transfers.wait_copies(timeout)
+            if left:
                 log.warning(
-                    "%d transfers still running after %.1fs; abandoning them", len(pending), timeout
+                    "%d transfers still running after %.1fs; abandoning them", left, timeout
                 )
         if svc.transfers.pending:  # long requests settling in slices (or stopping: cancelled)
             await asyncio.wait(

@@ -9,8 +9,12 @@ Where a copy runs depends on its size:
   block, by the time the engine reads the reply;
 - larger, on a thread of the copy pool (the copy itself releases the GIL), started at once
   so the copy overlaps the reply; the threads serve users (uids) in turn
-  (:class:`~kvtier.daemon.transfer.fair_pool.FairExecutor`), so no user's copies hold
-  another's back for more than one copy per thread;
+  (:class:`~kvtier.daemon.transfer.copy_threads.CopyThreads`, or
+  :class:`~kvtier.daemon.transfer.fair_pool.FairExecutor` without the native queue), so no
+  user's copies hold another's back for more than one copy per thread. A whole transfer
+  whose regions are one native table runs on the thread in C from start to end
+  (:meth:`Transfers._copy_native`): it never takes the GIL, announces its layers itself,
+  and its end reaches the loop through the threads' eventfd;
 - from :data:`SHARE_MIN_BYTES` (1 MiB) up to ``2 × LOOP_SHARE_BYTES`` (8 MiB), while no
   copy thread is busy, no other request waits and the daemon may use more than one CPU, in
   two halves at once: one on a copy thread, the other on the event loop before the reply
@@ -29,8 +33,9 @@ Where a copy runs depends on its size:
   instead.
 
 The end of a copy is settled on the event loop, where the pool, the counters and the
-session are updated, so nothing here takes a lock; the copy thread hands it over with one
-thread-safe callback (an asyncio future chained to the thread's would cost a future, a
+session are updated, so nothing here takes a lock; a native copy thread adds it to the
+list the loop reaps when the threads' eventfd is readable (:meth:`Transfers._reap`), any
+other copy thread hands it over with one thread-safe callback (an asyncio future chained to the thread's would cost a future, a
 chain of callbacks and the same wake-up: a large share of the event loop's CPU time per
 small LOAD). The engine follows a copy layer by layer
 through its completion block, not through a reply.
@@ -60,8 +65,11 @@ from kvtier.daemon.service import slices
 from kvtier.daemon.service.context import ServiceContext
 from kvtier.daemon.service.sessions import Session, SessionState
 from kvtier.daemon.service.validation import RequestError
+from kvtier.daemon.transfer import copy_threads
+from kvtier.daemon.transfer.copy_threads import CopyThreads
 from kvtier.daemon.transfer.fair_pool import FairExecutor
 from kvtier.daemon.transfer.transfer import (
+    STREAM_BYTES,
     Direction,
     LayerGate,
     LayerSink,
@@ -135,8 +143,9 @@ class Transfers:
         ctx: the daemon's shared state.
 
     Attributes:
-        inflight: futures of the copies running on the copy threads, one per part (the
-            drain at shutdown waits on them; each is dropped once its end is settled).
+        inflight: futures of the copies running on the copy threads as Python callables,
+            one per part (the drain at shutdown waits on them, and on the native copies:
+            :meth:`wait_copies`; each is dropped once its end is settled).
         pending: the tasks of long requests (:mod:`~kvtier.daemon.service.slices`) still
             allocating, pinning or settling in slices (the drain waits on them too).
         requests_waiting: whether a request is queued, not read yet (the server sets it;
@@ -147,14 +156,18 @@ class Transfers:
         self.ctx = ctx
         self.inflight: set[Future[Any]] = set()
         self.pending: set[asyncio.Task[Any]] = set()
-        self._executor: Executor | FairExecutor | None = None
+        self._executor: Executor | FairExecutor | CopyThreads | None = None
+        self._native: CopyThreads | None = None
+        self._jobs: dict[int, tuple[Session, Transfer]] = {}  # native copies running
         self._loop: asyncio.AbstractEventLoop | None = None
         self._threads = 1
         self._share_ok = False
         self._arena: Any = None
         self.requests_waiting: Callable[[], bool] = lambda: False
 
-    def open(self, executor: Executor | FairExecutor, arena: Any, threads: int = 1) -> None:
+    def open(
+        self, executor: Executor | FairExecutor | CopyThreads, arena: Any, threads: int = 1
+    ) -> None:
         """Start accepting copies (on the event loop, which settles them).
 
         Args:
@@ -166,10 +179,32 @@ class Transfers:
         self._executor, self._arena, self._threads = executor, ArenaView.of(arena), threads
         self._share_ok = _cpus() > 1  # on one CPU the loop and a thread would take turns
         self._loop = asyncio.get_running_loop()
+        if isinstance(executor, CopyThreads):
+            self._native = executor
+            self._loop.add_reader(executor.fd, self._reap)
 
     def close(self) -> None:
         """Drop the arena; call it once the copy threads have ended."""
         self._arena = None
+        if self._native is not None and self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._native.fd)
+        self._native = None
+
+    @property
+    def copies(self) -> int:
+        """Copies running or queued on the copy threads (their parts, for a split one)."""
+        return len(self.inflight) + len(self._jobs)
+
+    async def wait_copies(self, timeout: float) -> int:
+        """Wait until every copy on the copy threads has been settled, at most ``timeout``
+        seconds; how many were still running then."""
+        deadline = time.monotonic() + timeout
+        if self.inflight:
+            # each copy settles on the loop before its wrapped future wakes this wait
+            await asyncio.wait({asyncio.wrap_future(f) for f in self.inflight}, timeout=timeout)
+        while self._jobs and time.monotonic() < deadline:  # reaped by the loop as they end
+            await asyncio.sleep(0.005)
+        return self.copies
 
     def start(
         self,
@@ -252,11 +287,24 @@ class Transfers:
             and cheap
             and self._share_ok
             and not self.inflight
+            and not self._jobs
             and SHARE_MIN_BYTES <= t.nbytes <= 2 * LOOP_SHARE_BYTES
             and len(host) > 1
             and not self.requests_waiting()
         ):
             self._share(s, t, sink)
+            return
+        # a short STORE in one call: no turn back to Python between its layers
+        whole = store and len(host) <= self.ctx.cfg.slice_pages
+        table = s.memory.table
+        if (
+            parts == 1
+            and self._native is not None
+            and table is not None
+            and (store or table.writable)
+            and not t.checksum
+        ):
+            self._copy_native(s, t, whole)
             return
         if parts == 1:
             self._watch(
@@ -270,8 +318,7 @@ class Transfers:
                     g.page_bytes,
                     sink,
                     s.memory.table,
-                    # a short STORE in one call: no turn back to Python between its layers
-                    store and len(host) <= self.ctx.cfg.slice_pages,
+                    whole,
                 ),
                 lambda f: self._finish(s, t, f),
             )
@@ -390,12 +437,75 @@ class Transfers:
         if fut.done():
             ended(fut, wake=False)
 
+    def _copy_native(self, s: Session, t: Transfer, whole: bool) -> None:
+        """Run ``t`` on a native copy thread, in C from start to end
+        (:class:`~kvtier.daemon.transfer.copy_threads.CopyThreads`): its layers announced
+        there as :func:`~kvtier.daemon.transfer.transfer.run_transfer` would (a STORE's
+        without waking the engine; ``whole``: none before the end), its end settled by
+        :meth:`_reap`. A row or index the copy refuses fails it here."""
+        native, table, arena = self._native, s.memory.table, self._arena
+        assert native is not None and table is not None and arena is not None
+        store = t.direction is Direction.STORE
+        layers, wake = s.completion.addresses(t.slot)
+        try:
+            job = native.submit_copy(
+                s.uid,
+                arena.address,
+                arena.nbytes,
+                np.ascontiguousarray(t.offsets, dtype=np.int64),
+                np.ascontiguousarray(t.page_ids, dtype=np.int64),
+                table.table,
+                table.whole_rows if whole else table.group_rows,
+                store,
+                t.nbytes >= STREAM_BYTES,
+                t.yield_bytes,
+                layers,
+                0 if store else wake,
+                s.geometry.num_layers,
+            )
+        except (ValueError, RuntimeError):  # a bug, or stopping: this transfer fails
+            log.exception("transfer session=%d slot=%d failed", t.session_id, t.slot)
+            t.status = TransferStatus.FAILED
+            self._settle(s, t, False, wake=False)  # before its reply: nobody waits yet
+            return
+        self._jobs[job] = (s, t)
+        t.stop = lambda: native.cancel(job)
+
+    def _reap(self) -> None:
+        """The native copy threads' eventfd is readable: settle the copies that ended."""
+        native = self._native
+        if native is None:
+            return
+        for job, status, pages in native.reap():
+            entry = self._jobs.pop(job, None)
+            if entry is None:
+                continue
+            s, t = entry
+            t.stop = None
+            if status == copy_threads.DONE:
+                t.status = TransferStatus.DONE
+            elif status == copy_threads.CANCELLED:
+                t.status = TransferStatus.CANCELLED
+            else:
+                log.error(
+                    "transfer session=%d slot=%d failed: engine memory: page %d of a region "
+                    "is gone (the engine shrank its memfd)",
+                    t.session_id,
+                    t.slot,
+                    int(t.page_ids[pages]) if 0 <= pages < len(t.page_ids) else -1,
+                )
+                t.status = TransferStatus.FAILED
+            try:
+                self._settle(s, t, t.status is TransferStatus.DONE)
+            except Exception:  # a bug: the others that ended are still settled
+                log.exception("settling transfer session=%d slot=%d failed", s.session_id, t.slot)
+
     def _submit(self, s: Session, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         """Queue ``fn(*args)`` on the copy threads, in the turn of ``s``'s user when they
         take turns (:class:`~kvtier.daemon.transfer.fair_pool.FairExecutor`)."""
         ex = self._executor
         assert ex is not None, "open() first"
-        if isinstance(ex, FairExecutor):
+        if isinstance(ex, (FairExecutor, CopyThreads)):
             return ex.submit_for(s.uid, fn, *args)
         return ex.submit(fn, *args)
 

@@ -273,11 +273,16 @@ class RegionTable:
             layers are the last region's layer + 1 (the caller announces every layer once
             the last group is in place).
         writable: every region may be written (a LOAD may use the table).
+        group_rows: ``groups`` as int64 rows, for the native copy threads.
+        whole_rows: one group of every row, announcing no layer before the end (a copy
+            whose layers nobody follows).
     """
 
     table: npt.NDArray[np.int64]
     groups: tuple[tuple[int, int, int], ...]
     writable: bool
+    group_rows: npt.NDArray[np.int64]
+    whole_rows: npt.NDArray[np.int64]
 
     @classmethod
     def of(cls, regions: list[RegionView]) -> RegionTable | None:
@@ -304,7 +309,13 @@ class RegionTable:
             if nxt is None or nxt > r.layer >= 0:
                 groups.append((first, i + 1, r.layer + 1 if r.layer >= 0 else 0))
                 first = i + 1
-        return cls(np.array(rows, dtype=np.int64).reshape(-1, 5), tuple(groups), writable)
+        return cls(
+            np.array(rows, dtype=np.int64).reshape(-1, 5),
+            tuple(groups),
+            writable,
+            np.array(groups, dtype=np.int64).reshape(-1, 3),
+            np.array([(0, len(rows), 0)], dtype=np.int64),
+        )
 
 
 class EngineMemory:

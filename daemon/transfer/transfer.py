@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -77,6 +77,7 @@ class Transfer:
         yield_bytes: the copy gives its CPU up after every this many bytes (0: never;
             :func:`~kvtier.kernels.guarded_copy.copy_strided`): set for a copy nobody
             waits on, so that the threads answering others run as soon as they wake up.
+        stop: stops the copy where it runs in C (a native copy thread's), or None.
     """
 
     direction: Direction
@@ -95,6 +96,14 @@ class Transfer:
     checksums: list[int] | None = None
     extra: dict[str, object] = field(default_factory=dict)
     yield_bytes: int = 0
+    stop: Callable[[], object] | None = None
+
+    def cancel(self) -> None:
+        """Stop the copy before its next layer (it ends CANCELLED, or DONE when it was past
+        its last); the event loop settles it as usual."""
+        self.cancelled = True
+        if self.stop is not None:
+            self.stop()
 
 
 def run_transfer(

@@ -15,7 +15,9 @@ split over several (32 MiB and more).
 The window is opened on purpose rather than waited for: the daemon (the real one, in this
 process, on uvloop) runs its copies behind a gate the test opens only once it holds the
 daemon's event loop in a callback. The copy then ends while the loop cannot settle it, and
-the engine's completion block must not say DONE until the test lets the loop go.
+the engine's completion block must not say DONE until the test lets the loop go. A whole
+copy on one thread runs in C on the native copy threads (where they are built): its gate
+is a job of the same user on every thread, queued before it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import select
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -36,6 +39,7 @@ from kvtier.client.connection.transfer_handle import TransferHandle
 from kvtier.config import DaemonConfig
 from kvtier.config.loader import load_config
 from kvtier.daemon.service.server import Daemon
+from kvtier.daemon.transfer.copy_threads import CopyThreads
 from kvtier.daemon.service.transfers import (
     INLINE_BYTES,
     LOOP_SHARE_BYTES,
@@ -93,6 +97,17 @@ class InProcess:
     def copies_in_flight(self) -> list[concurrent.futures.Future]:
         """The copy threads' futures (read while the loop is held: nothing changes them)."""
         return list(self.daemon.svc.transfers.inflight)
+
+    def native_copies(self) -> int:
+        """Copies running in C on the native copy threads, not reaped yet."""
+        return len(self.daemon.svc.transfers._jobs)
+
+    def native_ended(self, timeout: float) -> bool:
+        """Whether the native copy threads report an ended copy within ``timeout`` (their
+        eventfd readable; not read here: the daemon's loop reaps it)."""
+        executor = self.daemon.svc.transfers._executor
+        assert isinstance(executor, CopyThreads)
+        return bool(select.select([executor.fd], [], [], timeout)[0])
 
     def paths_taken(self) -> tuple[int, int]:
         """(transfers split, transfers shared) so far, by the daemon's counters."""
@@ -158,6 +173,15 @@ def kvtierd(short_tmp: Path) -> Iterator[InProcess]:
 
         executor.submit_for = gated_submit_for  # type: ignore[method-assign]
         executor.submit = gated_submit  # type: ignore[method-assign]
+        if isinstance(executor, CopyThreads):  # a native copy waits behind the gate on every
+            submit_copy = executor.submit_copy  # thread: jobs of its user, queued before it
+
+            def gated_submit_copy(user: int, *args: Any) -> int:
+                for _ in range(cfg.copy_threads):
+                    submit_for(user, gate.wait, 60)
+                return submit_copy(user, *args)
+
+            executor.submit_copy = gated_submit_copy  # type: ignore[method-assign]
         yield InProcess(daemon, loops[0], daemon.rdir, gate)
     finally:
         if server.is_alive() and loops:
@@ -182,13 +206,14 @@ def copy_ended_unsettled(
     engine sees every layer in place but not DONE (the pages are not settled yet).
     ``before``: :meth:`InProcess.paths_taken` before ``h`` was started."""
     with d.loop_held():
-        futs = d.copies_in_flight()
-        assert futs, "the copy runs on a copy thread"
+        futs, native = d.copies_in_flight(), d.native_copies()
+        assert futs or native, "the copy runs on a copy thread"
         split, shared = (now - was for now, was in zip(d.paths_taken(), before))
         assert (split, shared) == {"split": (1, 0), "shared": (0, 1), "thread": (0, 0)}[path]
         d.gate.set()
         done, _ = concurrent.futures.wait(futs, timeout=30)
         assert len(done) == len(futs), "the copy did not end"
+        assert not native or d.native_ended(30), "the copy did not end"
         layers, status = seen(h)
         assert layers == BIG.num_layers, "every layer is copied"
         assert status is TransferStatus.RUNNING, (

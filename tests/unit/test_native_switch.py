@@ -27,7 +27,7 @@ def test_an_unknown_kernel_is_refused_by_name_and_changes_nothing(native_off) ->
     with pytest.raises(
         ValueError,
         match=r"native_off: 'fileio' is not a kernel \(known: "
-        r"file_io, guarded_copy, region_copy\)",
+        r"copy_threads, file_io, guarded_copy, region_copy\)",
     ):
         native.configure(["fileio"])  # type: ignore[list-item]
     assert native.turned_off() == {"file_io"}
