@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from kvtier.client.connection.admin import AdminClient
 from kvtier.client.connection.connection import Connection
@@ -209,6 +210,54 @@ def test_a_memfd_that_may_shrink_fails_only_its_own_copies(daemon_factory, seals
             h = conn.load(keys, [3])
             assert h.wait(WAIT_S) is (not seals and not guarded) and h.done
             assert conn.lookup(more).l2 == 0  # a failed store leaves nothing behind
+        finally:
+            conn.close()
+            os.close(fd)
+    healthy(daemon)
+
+
+BIG = P.Geometry(num_layers=4, page_size=16, kv_heads=8, head_dim=256, dtype="float32")
+"""1 MiB pages: 10 of them (10 MiB) are copied whole on one copy thread (neither on the
+event loop, nor shared with it, nor split)."""
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native_threads", "python_threads"])
+def test_a_memfd_shrunk_under_a_thread_copy_fails_it_and_the_daemon_serves_on(
+    daemon_factory, native
+):
+    """The same hostile truncation under a copy large enough for a copy thread: in C on the
+    native copy threads (the SIGBUS ends the copy there, the loop reaps it as failed), or as
+    a Python callable. The failed STORE leaves nothing behind; the daemon serves on."""
+    if not guarded_copy.BUILT:
+        pytest.skip("kvtier.kernels._guarded was not built (no C compiler at install time)")
+    assert BIG.page_bytes == 1 << 20
+    daemon = daemon_factory(env=None if native else {"KVTIER_NATIVE_OFF": '["copy_threads"]'})
+    n = 10
+    with SharedKVPool(BIG, 2 * n) as src:
+        size = src.segment.size
+        fd = bare_memfd(size)
+        mem = RegionMemory(BIG, 2 * n, [fd], [size], src.export().layout_regions(BIG))
+        conn = Connection(mem, model_id="m", config=client_config(daemon.runtime_dir))
+        try:
+            for p in range(n):
+                fill_page(src, p, seed=p)
+            os.pwrite(fd, bytes(src.segment.tensor().numpy()), 0)
+            keys = conn.page_keys(tokens(BIG.page_size * n, salt=5))
+            h = conn.store(keys, list(range(n)))
+            assert h.wait(WAIT_S) and h.ok
+            h = conn.load(keys, list(range(n, 2 * n)))
+            assert h.wait(WAIT_S) and h.ok
+            want = [page_bytes(src, p) for p in range(n)]
+            src.segment.tensor().numpy()[:] = np.frombuffer(os.pread(fd, size, 0), np.uint8)
+            assert [page_bytes(src, n + p) for p in range(n)] == want
+            os.ftruncate(fd, 0)
+            more = conn.page_keys(tokens(BIG.page_size * n, salt=6))
+            h = conn.store(more, list(range(n)))
+            assert not h.wait(WAIT_S) and h.done and not h.ok
+            h = conn.load(keys, list(range(n, 2 * n)))
+            assert not h.wait(WAIT_S) and h.done and not h.ok
+            assert conn.lookup(more).l2 == 0  # a failed store leaves nothing behind
+            assert conn.lookup(keys).l2 == n  # nor loses what was there
         finally:
             conn.close()
             os.close(fd)
