@@ -105,9 +105,7 @@ class DaemonConfig(_Frozen):
         "thread that wakes up to answer a request (the event loop, an engine) gets a core "
         "before them, so a long STORE's copies make other engines' LOOKUPs wait less. A "
         "higher value makes the copies yield more, also to every other busy process of the "
-        "node: at 19 the copies of eight engines crawled on a node whose cores were busy. "
-        "Above 0 the copy threads also run under SCHED_BATCH: waking up, they never preempt "
-        "the running thread (the event loop finishes its reply first).",
+        "node: at 19 the copies of eight engines crawled on a node whose cores were busy.",
     )
     copy_yield_kib: int = Field(
         default=256,

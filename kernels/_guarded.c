@@ -911,6 +911,15 @@ static PyObject *pool_shutdown(CopyPool *p, PyObject *args) {
     return calls;
 }
 
+static PyObject *pool_ended(CopyPool *p, PyObject *unused) {
+    Py_ssize_t n = 0;
+    (void)unused;
+    pthread_mutex_lock(&p->mu);
+    for (Job *j = p->ended_head; j != NULL; j = j->next) n++;
+    pthread_mutex_unlock(&p->mu);
+    return PyLong_FromSsize_t(n);
+}
+
 static PyObject *pool_fd(CopyPool *p, void *closure) {
     (void)closure;
     return PyLong_FromLong(p->efd);
@@ -932,6 +941,8 @@ static PyMethodDef pool_methods[] = {
     {"cancel", (PyCFunction)pool_cancel, METH_O,
      "cancel(id) -> bool: a queued or running region copy stops before its next group."},
     {"queued", (PyCFunction)pool_queued, METH_NOARGS, "queued() -> {user: jobs waiting}."},
+    {"ended", (PyCFunction)pool_ended, METH_NOARGS,
+     "ended() -> int: region copies that ended and were not reaped yet."},
     {"shutdown", (PyCFunction)pool_shutdown, METH_VARARGS,
      "shutdown(cancel=False) -> list[int]: take no more jobs; with cancel, drop the queued "
      "ones (region copies end CANCELLED) and return the dropped Python jobs' ids."},

@@ -83,5 +83,7 @@ class CopyPool:
         """Stop a queued or running region copy before its next group."""
     def queued(self) -> dict[int, int]:
         """Jobs waiting, per user."""
+    def ended(self) -> int:
+        """Region copies that ended and were not reaped yet."""
     def shutdown(self, cancel: bool = ..., /) -> list[int]:
         """Take no more jobs; with ``cancel``, drop the queued ones (the Python jobs' ids)."""

@@ -26,7 +26,11 @@ Where a copy runs depends on its size:
 - from ``2 × SPLIT_BYTES`` on, in parts of consecutive pages on several copy threads at
   once (one part per :data:`SPLIT_BYTES`, at most one per thread). A layer is announced
   when every part has copied it (:class:`~kvtier.daemon.transfer.transfer.LayerGate`), and
-  the transfer ends when its last part does. A long-context LOAD (hundreds of MiB) then
+  the transfer ends when its last part does. A STORE's parts run in C on the native copy
+  threads (:meth:`Transfers._split_native`; its engine follows no layer, so the parts
+  announce none and the loop writes them all at the end): as Python callables each part
+  takes the GIL back between layers, and a copy thread that holds it while the kernel runs
+  another thread on its core holds up the event loop, and every other engine, with it. A long-context LOAD (hundreds of MiB) then
   runs at the speed of several threads. Smaller transfers stay whole: inside a real engine
   (its forward threads on the same cores) a split load of a few tens of MiB is no shorter
   for the request that waits on it, and the threads serve several whole transfers at once
@@ -52,6 +56,7 @@ transfer keeps its completion slot until it is settled.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import time
@@ -158,7 +163,8 @@ class Transfers:
         self.pending: set[asyncio.Task[Any]] = set()
         self._executor: Executor | FairExecutor | CopyThreads | None = None
         self._native: CopyThreads | None = None
-        self._jobs: dict[int, tuple[Session, Transfer]] = {}  # native copies running
+        # native copies running: their transfer, and the parts it is split in (or None)
+        self._jobs: dict[int, tuple[Session, Transfer, _Parts | None]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._threads = 1
         self._share_ok = False
@@ -323,6 +329,9 @@ class Transfers:
                 lambda f: self._finish(s, t, f),
             )
             return
+        if self._native is not None and table is not None and store and not t.checksum:
+            self._split_native(s, t, parts)
+            return
         self.ctx.counters.transfers_split += 1
         gate = LayerGate(sink, parts)
         bounds = [len(host) * i // parts for i in range(parts + 1)]
@@ -468,8 +477,52 @@ class Transfers:
             t.status = TransferStatus.FAILED
             self._settle(s, t, False, wake=False)  # before its reply: nobody waits yet
             return
-        self._jobs[job] = (s, t)
+        self._jobs[job] = (s, t, None)
         t.stop = lambda: native.cancel(job)
+
+    def _split_native(self, s: Session, t: Transfer, parts: int) -> None:
+        """Run STORE ``t`` in ``parts`` parts of consecutive pages on the native copy
+        threads, each in C from start to end (its layers announced by nobody: a STORE's
+        engine waits for its end, written when the last part is reaped)."""
+        native, table, arena = self._native, s.memory.table, self._arena
+        assert native is not None and table is not None and arena is not None
+        self.ctx.counters.transfers_split += 1
+        n = len(t.host_slots)
+        bounds = [n * i // parts for i in range(parts + 1)]
+        offsets = np.ascontiguousarray(t.offsets, dtype=np.int64)
+        pages = np.ascontiguousarray(t.page_ids, dtype=np.int64)
+        split = _Parts(bounds)
+        jobs = split.jobs
+        try:
+            for a, b in itertools.pairwise(bounds):
+                job = native.submit_copy(
+                    s.uid,
+                    arena.address,
+                    arena.nbytes,
+                    offsets[a:b],
+                    pages[a:b],
+                    table.table,
+                    table.whole_rows,
+                    True,
+                    t.nbytes >= STREAM_BYTES,
+                    t.yield_bytes,
+                    0,
+                    0,
+                    0,
+                )
+                jobs.append(job)
+                split.left += 1
+                self._jobs[job] = (s, t, split)
+        except (ValueError, RuntimeError):  # a bug, or stopping: this transfer fails
+            log.exception("transfer session=%d slot=%d failed", t.session_id, t.slot)
+            split.failed = True  # the parts queued end (cancelled) before it is settled
+            for job in jobs:
+                native.cancel(job)
+            if not jobs:
+                t.status = TransferStatus.FAILED
+                self._settle(s, t, False, wake=False)  # before its reply: nobody waits yet
+                return
+        t.stop = lambda: [native.cancel(job) for job in jobs]
 
     def _reap(self) -> None:
         """The native copy threads' eventfd is readable: settle the copies that ended."""
@@ -480,20 +533,28 @@ class Transfers:
             entry = self._jobs.pop(job, None)
             if entry is None:
                 continue
-            s, t = entry
+            s, t, split = entry
+            if status == copy_threads.SHORT:
+                at = pages + (split.first(job) if split is not None else 0)
+                log.error(
+                    "transfer session=%d slot=%d failed: engine memory: page %d of a region "
+                    "is gone (the engine shrank its memfd)",
+                    t.session_id,
+                    t.slot,
+                    int(t.page_ids[at]) if 0 <= at < len(t.page_ids) else -1,
+                )
+            if split is not None:
+                status = split.ended(status)
+                if split.left:
+                    continue  # the transfer ends with its last part, never before
+                if status == copy_threads.DONE:  # every layer: the parts announced none
+                    s.completion.unannounced().layer_done(t.slot, s.geometry.num_layers)
             t.stop = None
             if status == copy_threads.DONE:
                 t.status = TransferStatus.DONE
             elif status == copy_threads.CANCELLED:
                 t.status = TransferStatus.CANCELLED
             else:
-                log.error(
-                    "transfer session=%d slot=%d failed: engine memory: page %d of a region "
-                    "is gone (the engine shrank its memfd)",
-                    t.session_id,
-                    t.slot,
-                    int(t.page_ids[pages]) if 0 <= pages < len(t.page_ids) else -1,
-                )
                 t.status = TransferStatus.FAILED
             try:
                 self._settle(s, t, t.status is TransferStatus.DONE)
@@ -624,3 +685,36 @@ class Transfers:
                 ctx.metrics.observe_load(time.monotonic() - t.started)
         else:
             c.load_failed_pages += n
+
+
+class _Parts:
+    """The parts of a STORE split over the native copy threads: which are still running,
+    and the transfer's status once the last ends (as :func:`combine` gives it: DONE when
+    every part is; else CANCELLED when one was cancelled; else FAILED, as SHORT).
+
+    Args:
+        bounds: the parts' first pages, and the end of the last.
+    """
+
+    __slots__ = ("bounds", "failed", "jobs", "left", "statuses")
+
+    def __init__(self, bounds: list[int]) -> None:
+        self.bounds = bounds
+        self.jobs: list[int] = []  # the parts' job ids, in page order
+        self.left = 0  # parts queued and not reaped yet
+        self.failed = False  # a part could not be queued
+        self.statuses: list[int] = []
+
+    def first(self, job: int) -> int:
+        """The index of part ``job``'s first page in the transfer."""
+        return self.bounds[self.jobs.index(job)]
+
+    def ended(self, status: int) -> int:
+        """A part ended with ``status``; the transfer's status (final once none is left)."""
+        self.left -= 1
+        self.statuses.append(status)
+        if not self.failed and all(st == copy_threads.DONE for st in self.statuses):
+            return copy_threads.DONE
+        if copy_threads.CANCELLED in self.statuses:
+            return copy_threads.CANCELLED
+        return copy_threads.SHORT

@@ -149,6 +149,10 @@ class CopyThreads:
         readable; an empty list when it was woken for copies an earlier call took)."""
         return self._pool.reap()
 
+    def ended(self) -> int:
+        """Region copies that have ended and wait for :meth:`reap`."""
+        return self._pool.ended()
+
     def cancel(self, job: int) -> bool:
         """Stop region copy ``job`` before its next group of rows (it ends CANCELLED, or
         DONE when it was past its last); whether it was queued or running."""

@@ -8,7 +8,7 @@ wake-up, behind copies that could as well run a millisecond later: another engin
 daemon's own steps are short (sliced, :mod:`~kvtier.daemon.service.slices`); the wait is
 for the CPU.
 
-Three settings of the kernel's scheduler fix that without privileges:
+Two settings of the kernel's scheduler fix that without privileges:
 
 - each copy thread runs at a higher nice value (:func:`lower_this_thread`, the
   ``copy_nice`` setting): its weight against a nice-0 thread is smaller (335 against 1,024
@@ -17,10 +17,6 @@ Three settings of the kernel's scheduler fix that without privileges:
   the engines' and unrelated processes' too: at nice 19 copies crawl on a node whose cores
   other processes keep busy, hence a mild default. An unprivileged process
   cannot lower a nice value again, hence one value for the threads' life.
-- each copy thread runs under ``SCHED_BATCH`` (also :func:`lower_this_thread`, with a
-  ``copy_nice`` above 0): it never preempts the running thread when it wakes up, so the
-  event loop that hands it a copy finishes its reply first, and an engine's thread is not
-  interrupted by a copy that can start a moment later.
 - the event loop and the process's ZeroMQ I/O threads ask for a short time slice
   (:func:`ask_short_slice`, ``sched_setattr``'s ``sched_runtime`` for a normal thread):
   from Linux 6.12 (EEVDF's custom slices) a thread with a shorter slice preempts on its
@@ -58,21 +54,13 @@ _SCHED_OTHER = 0
 
 
 def lower_this_thread(nice: int) -> bool:
-    """Raise the calling thread's nice value to ``nice`` and put it under ``SCHED_BATCH``
-    (0 leaves both); False when the nice value was refused.
+    """Raise the calling thread's nice value to ``nice`` (0 leaves it); False when refused.
 
-    Linux keeps a nice value and a policy per thread (``setpriority`` on its thread id,
-    ``sched_setscheduler`` on 0), so the rest of the process keeps its own. A
-    ``SCHED_BATCH`` thread never preempts the running one when it wakes up: a copy handed
-    to a copy thread starts once the event loop has sent its reply, or at the running
-    thread's next tick, instead of taking the CPU from the loop (or an engine) mid-request.
+    Linux keeps a nice value per thread (``setpriority`` on its thread id), so the rest of
+    the process keeps its own.
     """
     if nice <= 0:
         return True
-    try:  # the calling thread's policy (pid 0); its nice value is kept
-        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
-    except (OSError, AttributeError) as err:  # not Linux, or refused
-        log.info("copy threads keep their scheduling policy: SCHED_BATCH refused (%s)", err)
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
     except (OSError, AttributeError) as err:  # not Linux, or refused

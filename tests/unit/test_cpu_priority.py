@@ -60,23 +60,6 @@ def test_lowering_a_thread_leaves_the_others_alone():
     assert _nice(threading.get_native_id()) == base
 
 
-def test_a_lowered_thread_runs_under_sched_batch_and_the_others_keep_their_policy():
-    before = os.sched_getscheduler(0)
-    base = _nice(threading.get_native_id())
-    if base >= 3:
-        pytest.skip(f"this test runs at nice {base} already")
-
-    def lower() -> tuple[bool, int, int]:
-        return lower_this_thread(3), os.sched_getscheduler(0), _nice(threading.get_native_id())
-
-    (ok, policy, nice), _tid = _in_thread(lower)
-    assert policy == os.SCHED_BATCH
-    assert ok and nice == 3
-    assert os.sched_getscheduler(0) == before
-    (ok, policy), _tid = _in_thread(lambda: (lower_this_thread(0), os.sched_getscheduler(0)))
-    assert ok and policy == before  # copy_nice = 0 keeps the daemon's scheduling
-
-
 def test_the_copy_threads_run_their_initializer_before_any_copy():
     base = _nice(threading.get_native_id())
     if base >= 12:
