@@ -28,6 +28,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
+from kvtier.daemon.transfer.fair_pool import run_work, start_threads
 from kvtier.kernels import guarded_copy, native
 
 __all__ = ["CopyThreads", "Ended"]
@@ -71,14 +72,7 @@ class CopyThreads:
         self._calls: dict[int, _Work] = {}
         self._ids = itertools.count(1)
         self._threads: list[threading.Thread] = []
-        try:
-            for i in range(threads):
-                t = threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True)
-                t.start()
-                self._threads.append(t)
-        except BaseException:
-            self.shutdown(wait=False)
-            raise
+        start_threads(self._threads, threads, name, self._work, self.shutdown)
 
     @staticmethod
     def available() -> bool:
@@ -199,14 +193,5 @@ class CopyThreads:
             self._initializer()
         while (job := self._pool.serve()) is not None:
             work = self._calls.pop(job, None)
-            if work is None:
-                continue
-            fut, fn, args = work
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                result = fn(*args)
-            except BaseException as err:
-                fut.set_exception(err)
-            else:
-                fut.set_result(result)
+            if work is not None:
+                run_work(work)

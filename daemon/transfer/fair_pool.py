@@ -21,7 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-__all__ = ["FairExecutor"]
+__all__ = ["FairExecutor", "run_work", "start_threads"]
 
 log = logging.getLogger("kvtier.daemon")
 
@@ -48,14 +48,7 @@ class FairExecutor:
         self._users: OrderedDict[int, deque[_Work]] = OrderedDict()
         self._shutdown = False
         self._threads: list[threading.Thread] = []
-        try:
-            for i in range(threads):
-                t = threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True)
-                t.start()
-                self._threads.append(t)
-        except BaseException:
-            self.shutdown(wait=False)
-            raise
+        start_threads(self._threads, threads, name, self._work, self.shutdown)
 
     def submit_for(self, user: int, fn: Callable[..., Any], *args: Any) -> Future:
         """Run ``fn(*args)`` in ``user``'s turn; its future.
@@ -111,12 +104,36 @@ class FairExecutor:
         if self._initializer is not None:
             self._initializer()
         while (work := self._next()) is not None:
-            fut, fn, args = work
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                result = fn(*args)
-            except BaseException as err:
-                fut.set_exception(err)
-            else:
-                fut.set_result(result)
+            run_work(work)
+
+
+def start_threads(
+    into: list[threading.Thread],
+    count: int,
+    name: str,
+    target: Callable[[], None],
+    shutdown: Callable[..., None],
+) -> None:
+    """Start ``count`` daemon threads running ``target``, named ``name_0``, ``name_1``...,
+    into ``into``; when one cannot start, ``shutdown(wait=False)`` and raise."""
+    try:
+        for i in range(count):
+            t = threading.Thread(target=target, name=f"{name}_{i}", daemon=True)
+            t.start()
+            into.append(t)
+    except BaseException:
+        shutdown(wait=False)
+        raise
+
+
+def run_work(work: _Work) -> None:
+    """Run one queued callable on this thread and set its future (unless cancelled)."""
+    fut, fn, args = work
+    if not fut.set_running_or_notify_cancel():
+        return
+    try:
+        result = fn(*args)
+    except BaseException as err:
+        fut.set_exception(err)
+    else:
+        fut.set_result(result)

@@ -59,6 +59,46 @@ def groups_of(rows: list[tuple[int, int, int]]) -> np.ndarray:
     return np.array(rows, dtype=np.int64).reshape(-1, 3)
 
 
+def submit(
+    pool: CopyThreads,
+    arena: np.ndarray,
+    offsets: np.ndarray,
+    pids: np.ndarray,
+    rows: np.ndarray,
+    groups: np.ndarray,
+    *,
+    user: int = 1,
+    to_host: bool = True,
+    stream: bool = False,
+    yield_bytes: int = 0,
+    layers: int = 0,
+    wake: int = 0,
+    num_layers: int = 1,
+) -> int:
+    """``pool.submit_copy`` between ``arena`` and the engine regions ``rows``."""
+    return pool.submit_copy(
+        user,
+        arena.ctypes.data,
+        arena.size,
+        offsets,
+        pids,
+        rows,
+        groups,
+        to_host,
+        stream,
+        yield_bytes,
+        layers,
+        wake,
+        num_layers,
+    )
+
+
+def one_page(pool: CopyThreads, arena: np.ndarray, view: np.ndarray, **kw: int) -> int:
+    """``submit`` of engine page 0 to arena offset 0 over :func:`four_rows` of ``view``."""
+    zero = np.zeros(1, dtype=np.int64)
+    return submit(pool, arena, zero, zero, table_of(four_rows(view)), groups_of([(0, 4, 0)]), **kw)
+
+
 def reap_all(pool: CopyThreads, jobs: int, timeout: float = 10.0) -> dict[int, tuple[int, int]]:
     """Wait on the eventfd until ``jobs`` copies have ended: {job: (status, pages)}."""
     out: dict[int, tuple[int, int]] = {}
@@ -98,20 +138,18 @@ def test_a_region_copy_moves_what_the_one_call_copy_moves(engine, threads, strea
             want_engine = view.copy()
             mm[:] = engine_start.tobytes()
             got = start.copy()
-            job = pool.submit_copy(
-                7,
-                got.ctypes.data,
-                got.size,
+            job = submit(
+                pool,
+                got,
                 offsets,
                 pids,
                 rows,
                 groups_of([(0, 4, 0)]),
-                to_host,
-                stream,
-                0,
-                layers,
-                0,
-                3,
+                user=7,
+                to_host=to_host,
+                stream=stream,
+                layers=layers,
+                num_layers=3,
             )
             assert reap_all(pool, 1) == {job: (ct.DONE, len(pids))}
             assert np.array_equal(got, want if to_host else start)
@@ -138,20 +176,17 @@ def test_layers_are_announced_group_by_group_and_woken_only_when_asked(engine, t
             layers, wake = block.addresses(slot)
             assert layers == block._wbase + 8 * (slot * SLOT_WORDS + LAYERS_DONE)
             before = int(words[slot, WAKES])
-            job = pool.submit_copy(
-                1,
-                arena.ctypes.data,
-                arena.size,
+            job = submit(
+                pool,
+                arena,
                 offsets,
                 pids,
                 rows,
                 groups,
-                False,
-                False,
-                0,
-                layers,
-                wake if woken else 0,
-                5,
+                to_host=False,
+                layers=layers,
+                wake=wake if woken else 0,
+                num_layers=5,
             )
             assert reap_all(pool, 1) == {job: (ct.DONE, 4)}
             assert int(words[slot, LAYERS_DONE]) == 5
@@ -175,20 +210,14 @@ def test_users_take_turns_across_native_and_python_jobs(engine, threads):
     rows = table_of(four_rows(view))
 
     def copy(user: int, at: int) -> int:  # engine page 0 to host page ``at``
-        return pool.submit_copy(
-            user,
-            arena.ctypes.data,
-            arena.size,
+        return submit(
+            pool,
+            arena,
             np.array([at * PAGE], dtype=np.int64),
             np.zeros(1, dtype=np.int64),
             rows,
             groups_of([(0, 4, 0)]),
-            True,
-            False,
-            0,
-            0,
-            0,
-            1,
+            user=user,
         )
 
     def seen() -> tuple[bool, bool]:  # which of the two copies had written its page
@@ -219,20 +248,13 @@ def test_a_cancelled_copy_ends_cancelled_and_moves_nothing(engine, threads):
     gate = threading.Event()
     wait_running(pool.submit_for(1, gate.wait, 10))
     arena = np.zeros(N * PAGE, dtype=np.uint8)
-    job = pool.submit_copy(
-        1,
-        arena.ctypes.data,
-        arena.size,
+    job = submit(
+        pool,
+        arena,
         np.arange(4, dtype=np.int64) * PAGE,
         np.arange(4, dtype=np.int64),
         table_of(four_rows(view)),
         groups_of([(0, 4, 0)]),
-        True,
-        False,
-        0,
-        0,
-        0,
-        1,
     )
     assert pool.cancel(job)
     gate.set()
@@ -249,20 +271,15 @@ def test_a_shrunken_engine_memfd_ends_the_copy_short_naming_the_page(engine, thr
     rows = table_of([(0, base, N, ROW, ROW), (ROW, base + 2 * N * ROW, N, ROW, ROW)])
     arena = np.zeros(N * PAGE, dtype=np.uint8)
     pids = np.array([0, 4, 7, 1], dtype=np.int64)
-    job = pool.submit_copy(
-        3,
-        arena.ctypes.data,
-        arena.size,
+    job = submit(
+        pool,
+        arena,
         np.arange(4, dtype=np.int64) * PAGE,
         pids,
         rows,
         groups_of([(0, 1, 1), (1, 2, 2)]),
-        True,
-        False,
-        0,
-        0,
-        0,
-        2,
+        user=3,
+        num_layers=2,
     )
     assert reap_all(pool, 1) == {job: (ct.SHORT, 2)}  # index 2: page id 7 faulted
 
@@ -283,20 +300,13 @@ def test_bad_groups_are_refused_and_nothing_is_queued(engine, threads, groups, m
     pool = threads()
     arena = np.zeros(N * PAGE, dtype=np.uint8)
     with pytest.raises(ValueError, match=match):
-        pool.submit_copy(
-            1,
-            arena.ctypes.data,
-            arena.size,
+        submit(
+            pool,
+            arena,
             np.zeros(1, dtype=np.int64),
             np.zeros(1, dtype=np.int64),
             table_of(four_rows(view)),
             groups_of(groups),
-            True,
-            False,
-            0,
-            0,
-            0,
-            1,
         )
     assert pool.queued() == {}
     assert pool.reap() == []
@@ -307,37 +317,16 @@ def test_a_bad_index_is_refused_as_the_one_call_copy_refuses_it(engine, threads)
     pool = threads()
     arena = np.zeros(N * PAGE, dtype=np.uint8)
     with pytest.raises(ValueError, match=r"page_ids\[1\] = 16 is outside the regions' 16 pages"):
-        pool.submit_copy(
-            1,
-            arena.ctypes.data,
-            arena.size,
+        submit(
+            pool,
+            arena,
             np.zeros(2, dtype=np.int64),
             np.array([0, 16], dtype=np.int64),
             table_of(four_rows(view)),
             groups_of([(0, 4, 0)]),
-            True,
-            False,
-            0,
-            0,
-            0,
-            1,
         )
     with pytest.raises(ValueError, match=r"yield_bytes = -1 must not be negative"):
-        pool.submit_copy(
-            1,
-            arena.ctypes.data,
-            arena.size,
-            np.zeros(1, dtype=np.int64),
-            np.zeros(1, dtype=np.int64),
-            table_of(four_rows(view)),
-            groups_of([(0, 4, 0)]),
-            True,
-            False,
-            -1,
-            0,
-            0,
-            1,
-        )
+        one_page(pool, arena, view, yield_bytes=-1)
     assert pool.queued() == {}
 
 
@@ -348,21 +337,7 @@ def test_shutdown_cancels_what_is_queued_and_takes_no_more(engine, threads):
     running = pool.submit_for(1, gate.wait, 10)
     waiting = pool.submit_for(2, time.sleep, 0)
     arena = np.zeros(N * PAGE, dtype=np.uint8)
-    job = pool.submit_copy(
-        3,
-        arena.ctypes.data,
-        arena.size,
-        np.zeros(1, dtype=np.int64),
-        np.zeros(1, dtype=np.int64),
-        table_of(four_rows(view)),
-        groups_of([(0, 4, 0)]),
-        True,
-        False,
-        0,
-        0,
-        0,
-        1,
-    )
+    job = one_page(pool, arena, view, user=3)
     wait_running(running)
     stopper = threading.Thread(target=pool.shutdown, kwargs={"cancel_futures": True})
     stopper.start()
@@ -374,18 +349,4 @@ def test_shutdown_cancels_what_is_queued_and_takes_no_more(engine, threads):
     with pytest.raises(RuntimeError, match="the copy threads have shut down"):
         pool.submit_for(1, time.sleep, 0)
     with pytest.raises(RuntimeError, match="the copy threads have shut down"):
-        pool.submit_copy(
-            1,
-            arena.ctypes.data,
-            arena.size,
-            np.zeros(1, dtype=np.int64),
-            np.zeros(1, dtype=np.int64),
-            table_of(four_rows(view)),
-            groups_of([(0, 4, 0)]),
-            True,
-            False,
-            0,
-            0,
-            0,
-            1,
-        )
+        one_page(pool, arena, view)
