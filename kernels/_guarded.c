@@ -440,6 +440,16 @@ end:
 enum { JOB_COPY, JOB_CALL };
 enum { END_DONE = 0, END_SHORT = 1, END_CANCELLED = 2 };
 
+/* The layers of a copy split in parts: layer l is announced once every part has copied
+   it (the smallest of the parts' levels). Freed with its last part. */
+typedef struct Gate {
+    pthread_mutex_t mu;
+    int refs;       /* parts not freed yet (changed with the GIL held) */
+    int64_t shown;  /* the level announced */
+    Py_ssize_t parts;
+    int64_t levels[];
+} Gate;
+
 typedef struct Job {
     struct Job *next;               /* in a user's queue, then in the ended list */
     struct Job *rnext, *rprev;      /* among the running copies */
@@ -452,6 +462,8 @@ typedef struct Job {
     int64_t *layers_word;
     uint32_t *wake_word;
     int64_t num_layers;
+    Gate *gate;                     /* a part's, or NULL */
+    Py_ssize_t part;
 } Job;
 
 typedef struct User {
@@ -475,6 +487,10 @@ typedef struct {
 
 static void job_free(Job *j) {
     if (j == NULL) return;
+    if (j->gate != NULL && --j->gate->refs == 0) {
+        pthread_mutex_destroy(&j->gate->mu);
+        free(j->gate);
+    }
     free(j->offs);
     free(j);
 }
@@ -548,13 +564,33 @@ static void signal_fd(CopyPool *p) {
     /* EAGAIN: the counter is at its maximum, the fd is readable anyway */
 }
 
-static void announce(Job *j, int64_t layers) {
+static void announce_now(Job *j, int64_t layers) {
     if (j->layers_word != NULL) __atomic_store_n(j->layers_word, layers, __ATOMIC_RELEASE);
     if (j->wake_word != NULL) {
         uint32_t w = __atomic_load_n(j->wake_word, __ATOMIC_RELAXED) + 1u;
         __atomic_store_n(j->wake_word, w, __ATOMIC_RELEASE);
         syscall(SYS_futex, j->wake_word, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
     }
+}
+
+/* Announce that ``j`` has copied its first ``layers`` layers: at once, or for a part, once
+   every part has (under the gate's lock, so two parts never write the slot at once). */
+static void announce(Job *j, int64_t layers) {
+    Gate *g = j->gate;
+    if (g == NULL) {
+        announce_now(j, layers);
+        return;
+    }
+    pthread_mutex_lock(&g->mu);
+    if (layers > g->levels[j->part]) g->levels[j->part] = layers;
+    int64_t low = g->levels[0];
+    for (Py_ssize_t i = 1; i < g->parts; i++)
+        if (g->levels[i] < low) low = g->levels[i];
+    if (low > g->shown) {
+        g->shown = low;
+        announce_now(j, low);
+    }
+    pthread_mutex_unlock(&g->mu);
 }
 
 /* Copy every group of rows of ``j`` (no GIL, no lock), announcing layers as it goes. */
@@ -629,17 +665,41 @@ static void pool_dealloc(CopyPool *p) {
     Py_TYPE(p)->tp_free((PyObject *)p);
 }
 
+/* A job copying pages [a, b) of a request: its own copy of them, of the table and of the
+   groups (the caller's buffers may go once it is queued). NULL when out of memory. */
+static Job *make_job(const char *offs, const char *pids, Py_ssize_t a, Py_ssize_t b,
+                     const Py_buffer *rows, const Py_buffer *groups) {
+    Py_ssize_t n = b - a;
+    Job *j = calloc(1, sizeof *j);
+    if (j == NULL) return NULL;
+    j->offs = malloc((size_t)(16 * n + rows->len + groups->len) + 8);
+    if (j->offs == NULL) {
+        free(j);
+        return NULL;
+    }
+    memcpy(j->offs, offs + 8 * a, (size_t)(8 * n));
+    j->pids = j->offs + n;
+    memcpy(j->pids, pids + 8 * a, (size_t)(8 * n));
+    j->rows = j->pids + n;
+    memcpy(j->rows, rows->buf, (size_t)rows->len);
+    j->groups = j->rows + rows->len / 8;
+    memcpy(j->groups, groups->buf, (size_t)groups->len);
+    j->n = n;
+    return j;
+}
+
 static PyObject *pool_submit_copy(CopyPool *p, PyObject *args) {
     long long id, user, num_layers;
     unsigned long long host, layers_addr, wake_addr;
-    Py_ssize_t host_nbytes, n, nrows, ngroups, every = 0;
-    Py_buffer offs, pids, rows, groups;
+    Py_ssize_t host_nbytes, n, nrows, ngroups, nparts = 1, every = 0, made = 0;
+    Py_buffer offs, pids, rows, groups, bounds = {0};
     int to_host, stream;
-    Job *j = NULL;
+    Job **jobs = NULL;
+    Gate *gate = NULL;
     PyObject *out = NULL;
-    if (!PyArg_ParseTuple(args, "LLKny*y*y*y*ppnKKL", &id, &user, &host, &host_nbytes, &offs,
+    if (!PyArg_ParseTuple(args, "LLKny*y*y*y*ppnKKL|y*", &id, &user, &host, &host_nbytes, &offs,
                           &pids, &rows, &groups, &to_host, &stream, &every, &layers_addr,
-                          &wake_addr, &num_layers))
+                          &wake_addr, &num_layers, &bounds))
         return NULL;
     n = offs.len / 8;
     nrows = rows.len / (ROW_WORDS * 8);
@@ -677,60 +737,105 @@ static PyObject *pool_submit_copy(CopyPool *p, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "a table with rows needs groups");
         goto end;
     }
+    if (bounds.buf != NULL) {
+        nparts = bounds.len / 8 - 1;
+        if (bounds.len % 8 != 0 || nparts < 1 || at(bounds.buf, 0) != 0 ||
+            at(bounds.buf, nparts) != n) {
+            PyErr_Format(PyExc_ValueError, "bounds (%zd bytes) must be int64 part starts from 0 "
+                         "and the end, %zd", bounds.len, n);
+            goto end;
+        }
+        for (Py_ssize_t i = 0; i < nparts; i++)
+            if (at(bounds.buf, i + 1) <= at(bounds.buf, i)) {
+                PyErr_Format(PyExc_ValueError, "bounds[%zd] = %lld: each part needs a page",
+                             i + 1, (long long)at(bounds.buf, i + 1));
+                goto end;
+            }
+    }
     if (check_regions(host_nbytes, offs.buf, pids.buf, n, rows.buf, nrows) < 0) goto end;
-    j = calloc(1, sizeof *j);
-    if (j == NULL) {
+    jobs = calloc((size_t)nparts, sizeof *jobs);
+    if (jobs == NULL) {
         PyErr_NoMemory();
         goto end;
     }
-    j->offs = malloc((size_t)(offs.len + pids.len + rows.len + groups.len) + 8);
-    if (j->offs == NULL) {
-        free(j);
-        j = NULL;
-        PyErr_NoMemory();
-        goto end;
+    if (bounds.buf != NULL) {
+        gate = calloc(1, sizeof *gate + (size_t)nparts * sizeof(int64_t));
+        if (gate == NULL || pthread_mutex_init(&gate->mu, NULL) != 0) {
+            free(gate);
+            gate = NULL;
+            PyErr_NoMemory();
+            goto end;
+        }
+        gate->parts = nparts;
     }
-    memcpy(j->offs, offs.buf, (size_t)offs.len);
-    j->pids = j->offs + n;
-    memcpy(j->pids, pids.buf, (size_t)pids.len);
-    j->rows = j->pids + n;
-    memcpy(j->rows, rows.buf, (size_t)rows.len);
-    j->groups = j->rows + nrows * ROW_WORDS;
-    memcpy(j->groups, groups.buf, (size_t)groups.len);
-    j->id = id;
-    j->user = user;
-    j->kind = JOB_COPY;
-    j->host = (char *)(uintptr_t)host;
-    j->n = n;
-    j->nrows = nrows;
-    j->ngroups = ngroups;
-    j->to_host = to_host;
-    j->stream = stream;
-    j->every = (size_t)every;
-    j->layers_word = (int64_t *)(uintptr_t)layers_addr;
-    j->wake_word = (uint32_t *)(uintptr_t)wake_addr;
-    j->num_layers = num_layers;
+    for (; made < nparts; made++) {
+        Py_ssize_t a = bounds.buf != NULL ? (Py_ssize_t)at(bounds.buf, made) : 0;
+        Py_ssize_t b = bounds.buf != NULL ? (Py_ssize_t)at(bounds.buf, made + 1) : n;
+        Job *j = make_job(offs.buf, pids.buf, a, b, &rows, &groups);
+        if (j == NULL) {
+            PyErr_NoMemory();
+            goto end;
+        }
+        j->id = id + made;
+        j->user = user;
+        j->kind = JOB_COPY;
+        j->host = (char *)(uintptr_t)host;
+        j->nrows = nrows;
+        j->ngroups = ngroups;
+        j->to_host = to_host;
+        j->stream = stream;
+        j->every = (size_t)every;
+        j->layers_word = (int64_t *)(uintptr_t)layers_addr;
+        j->wake_word = (uint32_t *)(uintptr_t)wake_addr;
+        j->num_layers = num_layers;
+        if (gate != NULL) {
+            j->gate = gate;
+            j->part = made;
+            gate->refs++;
+        }
+        jobs[made] = j;
+    }
     pthread_mutex_lock(&p->mu);
     if (p->closed) {
         pthread_mutex_unlock(&p->mu);
-        job_free(j);
         PyErr_SetString(PyExc_RuntimeError, "the copy threads have shut down");
         goto end;
     }
-    if (enqueue(p, j) < 0) {
-        pthread_mutex_unlock(&p->mu);
-        job_free(j);
-        PyErr_NoMemory();
-        goto end;
+    for (Py_ssize_t i = 0; i < nparts; i++) {
+        if (enqueue(p, jobs[i]) < 0) { /* the ones queued run; the rest end CANCELLED */
+            int wake = 0;
+            for (Py_ssize_t k = i; k < nparts; k++) {
+                jobs[k]->status = END_CANCELLED;
+                wake |= ended(p, jobs[k]);
+            }
+            pthread_cond_broadcast(&p->cv);
+            pthread_mutex_unlock(&p->mu);
+            if (wake) signal_fd(p);
+            made = 0; /* every job is the pool's now */
+            out = Py_NewRef(Py_None);
+            goto end;
+        }
     }
-    pthread_cond_signal(&p->cv);
+    if (nparts > 1)
+        pthread_cond_broadcast(&p->cv);
+    else
+        pthread_cond_signal(&p->cv);
     pthread_mutex_unlock(&p->mu);
+    made = 0;
     out = Py_NewRef(Py_None);
 end:
+    if (made > 0) {
+        for (Py_ssize_t i = 0; i < made; i++) job_free(jobs[i]); /* not queued; the last */
+    } else if (gate != NULL && gate->refs == 0) {                 /* frees the gate */
+        pthread_mutex_destroy(&gate->mu);
+        free(gate);
+    }
+    free(jobs);
     PyBuffer_Release(&offs);
     PyBuffer_Release(&pids);
     PyBuffer_Release(&rows);
     PyBuffer_Release(&groups);
+    if (bounds.buf != NULL) PyBuffer_Release(&bounds);
     return out;
 }
 
@@ -928,8 +1033,10 @@ static PyObject *pool_fd(CopyPool *p, void *closure) {
 static PyMethodDef pool_methods[] = {
     {"submit_copy", (PyCFunction)pool_submit_copy, METH_VARARGS,
      "submit_copy(id, user, host, host_nbytes, offsets, page_ids, table, groups, to_host, "
-     "stream, yield_bytes, layers_addr, wake_addr, num_layers): queue a region copy, every "
-     "row and index checked first (ValueError, nothing queued)."},
+     "stream, yield_bytes, layers_addr, wake_addr, num_layers, bounds=None): queue a region "
+     "copy, every row and index checked first (ValueError, nothing queued); with bounds "
+     "(int64 part starts, then the end), one part per pair, ids id, id + 1, ..., a layer "
+     "announced once every part has copied it."},
     {"submit_call", (PyCFunction)pool_submit_call, METH_VARARGS,
      "submit_call(id, user): queue a job written in Python; serve() hands its id to a thread."},
     {"serve", (PyCFunction)pool_serve, METH_NOARGS,

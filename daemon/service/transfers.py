@@ -56,7 +56,6 @@ transfer keeps its completion slot until it is settled.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 import time
@@ -329,7 +328,12 @@ class Transfers:
                 lambda f: self._finish(s, t, f),
             )
             return
-        if self._native is not None and table is not None and store and not t.checksum:
+        if (
+            self._native is not None
+            and table is not None
+            and (store or table.writable)
+            and not t.checksum
+        ):
             self._split_native(s, t, parts)
             return
         self.ctx.counters.transfers_split += 1
@@ -457,7 +461,7 @@ class Transfers:
         store = t.direction is Direction.STORE
         layers, wake = s.completion.addresses(t.slot)
         try:
-            job = native.submit_copy(
+            (job,) = native.submit_copy(
                 s.uid,
                 arena.address,
                 arena.nbytes,
@@ -481,47 +485,42 @@ class Transfers:
         t.stop = lambda: native.cancel(job)
 
     def _split_native(self, s: Session, t: Transfer, parts: int) -> None:
-        """Run STORE ``t`` in ``parts`` parts of consecutive pages on the native copy
-        threads, each in C from start to end (its layers announced by nobody: a STORE's
-        engine waits for its end, written when the last part is reaped)."""
+        """Run ``t`` in ``parts`` parts of consecutive pages on the native copy threads at
+        once, each in C from start to end; a layer is announced once every part has copied
+        it (a STORE's without waking its engine, and only at the end: nobody follows its
+        layers), the transfer settled once :meth:`_reap` has had its last part."""
         native, table, arena = self._native, s.memory.table, self._arena
         assert native is not None and table is not None and arena is not None
         self.ctx.counters.transfers_split += 1
+        store = t.direction is Direction.STORE
         n = len(t.host_slots)
         bounds = [n * i // parts for i in range(parts + 1)]
-        offsets = np.ascontiguousarray(t.offsets, dtype=np.int64)
-        pages = np.ascontiguousarray(t.page_ids, dtype=np.int64)
-        split = _Parts(bounds)
-        jobs = split.jobs
+        layers, wake = s.completion.addresses(t.slot)
         try:
-            for a, b in itertools.pairwise(bounds):
-                job = native.submit_copy(
-                    s.uid,
-                    arena.address,
-                    arena.nbytes,
-                    offsets[a:b],
-                    pages[a:b],
-                    table.table,
-                    table.whole_rows,
-                    True,
-                    t.nbytes >= STREAM_BYTES,
-                    t.yield_bytes,
-                    0,
-                    0,
-                    0,
-                )
-                jobs.append(job)
-                split.left += 1
-                self._jobs[job] = (s, t, split)
+            jobs = native.submit_copy(
+                s.uid,
+                arena.address,
+                arena.nbytes,
+                np.ascontiguousarray(t.offsets, dtype=np.int64),
+                np.ascontiguousarray(t.page_ids, dtype=np.int64),
+                table.table,
+                table.whole_rows if store else table.group_rows,
+                store,
+                t.nbytes >= STREAM_BYTES,
+                t.yield_bytes,
+                layers,
+                0 if store else wake,
+                s.geometry.num_layers,
+                np.array(bounds, dtype=np.int64),
+            )
         except (ValueError, RuntimeError):  # a bug, or stopping: this transfer fails
             log.exception("transfer session=%d slot=%d failed", t.session_id, t.slot)
-            split.failed = True  # the parts queued end (cancelled) before it is settled
-            for job in jobs:
-                native.cancel(job)
-            if not jobs:
-                t.status = TransferStatus.FAILED
-                self._settle(s, t, False, wake=False)  # before its reply: nobody waits yet
-                return
+            t.status = TransferStatus.FAILED
+            self._settle(s, t, False, wake=False)  # before its reply: nobody waits yet
+            return
+        split = _Parts(bounds, jobs)
+        for job in jobs:
+            self._jobs[job] = (s, t, split)
         t.stop = lambda: [native.cancel(job) for job in jobs]
 
     def _reap(self) -> None:
@@ -547,8 +546,6 @@ class Transfers:
                 status = split.ended(status)
                 if split.left:
                     continue  # the transfer ends with its last part, never before
-                if status == copy_threads.DONE:  # every layer: the parts announced none
-                    s.completion.unannounced().layer_done(t.slot, s.geometry.num_layers)
             t.stop = None
             if status == copy_threads.DONE:
                 t.status = TransferStatus.DONE
@@ -688,21 +685,19 @@ class Transfers:
 
 
 class _Parts:
-    """The parts of a STORE split over the native copy threads: which are still running,
-    and the transfer's status once the last ends (as :func:`combine` gives it: DONE when
-    every part is; else CANCELLED when one was cancelled; else FAILED, as SHORT).
+    """The parts of a transfer split over the native copy threads: how many are still
+    running, and the transfer's status once the last ends (as :func:`combine` gives it:
+    DONE when every part is; else CANCELLED when one was cancelled; else FAILED, as SHORT).
 
     Args:
         bounds: the parts' first pages, and the end of the last.
+        jobs: the parts' job ids, in page order.
     """
 
-    __slots__ = ("bounds", "failed", "jobs", "left", "statuses")
+    __slots__ = ("bounds", "jobs", "left", "statuses")
 
-    def __init__(self, bounds: list[int]) -> None:
-        self.bounds = bounds
-        self.jobs: list[int] = []  # the parts' job ids, in page order
-        self.left = 0  # parts queued and not reaped yet
-        self.failed = False  # a part could not be queued
+    def __init__(self, bounds: list[int], jobs: list[int]) -> None:
+        self.bounds, self.jobs, self.left = bounds, jobs, len(jobs)
         self.statuses: list[int] = []
 
     def first(self, job: int) -> int:
@@ -713,7 +708,7 @@ class _Parts:
         """A part ended with ``status``; the transfer's status (final once none is left)."""
         self.left -= 1
         self.statuses.append(status)
-        if not self.failed and all(st == copy_threads.DONE for st in self.statuses):
+        if all(st == copy_threads.DONE for st in self.statuses):
             return copy_threads.DONE
         if copy_threads.CANCELLED in self.statuses:
             return copy_threads.CANCELLED

@@ -70,7 +70,9 @@ class CopyThreads:
         self._pool = native.CopyPool()
         self._initializer = initializer
         self._calls: dict[int, _Work] = {}
-        self._ids = itertools.count(1)
+        self._ids = itertools.count(1)  # the callables'
+        self._copy_lock = threading.Lock()
+        self._next_copy = 1  # the region copies' (a part each; a copy's parts consecutive)
         self._threads: list[threading.Thread] = []
         start_threads(self._threads, threads, name, self._work, self.shutdown)
 
@@ -104,24 +106,32 @@ class CopyThreads:
         layers_addr: int,
         wake_addr: int,
         num_layers: int,
-    ) -> int:
-        """Queue a region copy in ``user``'s turn; its job id (:meth:`reap`, :meth:`cancel`).
+        bounds: np.ndarray | None = None,
+    ) -> list[int]:
+        """Queue a region copy in ``user``'s turn; its job ids (:meth:`reap`, :meth:`cancel`):
+        one, or one per part.
 
         The arguments are :func:`~kvtier.kernels.guarded_copy.copy_regions`'s, plus
         ``groups``: int64 rows (first row, end row, layers done after them) covering the
         table in order; ``layers_addr``: the int64 where each group's layers are announced
         (0: nowhere); ``wake_addr``: the 32-bit wake counter bumped, and woken, with each
-        announcement (0: no wake-up); ``num_layers``: announced once every row is copied.
-        Every row and index is checked here: ValueError names a bad one, and nothing is
-        queued. The addresses must stay mapped until the copy is reaped.
+        announcement (0: no wake-up); ``num_layers``: announced once every row is copied;
+        ``bounds``: int64 part starts and the end (``[0, ..., len(page_ids)]``) to copy the
+        pages in parts on several threads at once, a layer announced once every part has
+        copied it (None: one part). Every row, index and bound is checked here: ValueError
+        names a bad one, and nothing is queued. The addresses must stay mapped until every
+        part is reaped.
 
         Raises:
             ValueError: a bad row, index, group or count.
             RuntimeError: after :meth:`shutdown`.
         """
-        job = next(self._ids)
+        parts = 1 if bounds is None else max(1, len(bounds) - 1)
+        with self._copy_lock:
+            first = self._next_copy
+            self._next_copy += parts
         self._pool.submit_copy(
-            job,
+            first,
             user,
             host,
             host_nbytes,
@@ -135,8 +145,9 @@ class CopyThreads:
             layers_addr,
             wake_addr,
             num_layers,
+            *(() if bounds is None else (bounds,)),
         )
-        return job
+        return list(range(first, first + parts))
 
     def reap(self) -> list[Ended]:
         """The region copies that ended since the last call (read once :attr:`fd` is

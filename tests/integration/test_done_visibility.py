@@ -221,9 +221,7 @@ def copy_ended_unsettled(
         assert len(done) == len(futs), "the copy did not end"
         assert not native or d.native_ended(native, 30), "the copy did not end"
         layers, status = seen(h)
-        # a STORE split in C announces its layers when its last part is reaped (its engine
-        # waits for its end only); every other copy has announced them as it went
-        assert layers == (0 if native > 1 else BIG.num_layers), "every layer is copied"
+        assert layers == BIG.num_layers, "every layer is copied"
         assert status is TransferStatus.RUNNING, (
             f"{n} pages ({path}): the engine sees {status.name} before the daemon settled it"
         )

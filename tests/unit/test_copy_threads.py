@@ -75,8 +75,8 @@ def submit(
     wake: int = 0,
     num_layers: int = 1,
 ) -> int:
-    """``pool.submit_copy`` between ``arena`` and the engine regions ``rows``."""
-    return pool.submit_copy(
+    """``pool.submit_copy`` between ``arena`` and the engine regions ``rows``: its job."""
+    (job,) = pool.submit_copy(
         user,
         arena.ctypes.data,
         arena.size,
@@ -91,6 +91,7 @@ def submit(
         wake,
         num_layers,
     )
+    return job
 
 
 def one_page(pool: CopyThreads, arena: np.ndarray, view: np.ndarray, **kw: int) -> int:
@@ -350,3 +351,133 @@ def test_shutdown_cancels_what_is_queued_and_takes_no_more(engine, threads):
         pool.submit_for(1, time.sleep, 0)
     with pytest.raises(RuntimeError, match="the copy threads have shut down"):
         one_page(pool, arena, view)
+
+
+def test_a_split_copy_moves_what_one_copy_moves_and_announces_a_layer_once_every_part_has(
+    engine, threads
+):
+    """Two parts on one busy thread, with another user's job between them: after the first
+    part nothing is announced (the second has copied no layer); after both, every layer,
+    with as many wake-ups as an unsplit copy makes."""
+    _, _, view = engine
+    pool = threads(1)
+    gate = threading.Event()
+    wait_running(pool.submit_for(9, gate.wait, 10))
+    rows = table_of(four_rows(view))
+    groups = groups_of([(0, 1, 1), (1, 3, 2), (3, 4, 4)])
+    offsets = np.arange(6, dtype=np.int64) * PAGE
+    pids = np.array([3, 0, 9, 15, 4, 7], dtype=np.int64)
+    want = np.zeros(6 * PAGE, dtype=np.uint8)
+    assert guarded_copy.copy_regions(want.ctypes.data, want.size, offsets, pids, rows, True) == 24
+    arena = np.zeros(6 * PAGE, dtype=np.uint8)
+    block = CompletionBlock.create_memfd(4)
+    try:
+        layers, wake = block.addresses(2)
+        words = block._a
+        before = int(words[2, WAKES])
+        jobs = pool.submit_copy(
+            1,
+            arena.ctypes.data,
+            arena.size,
+            offsets,
+            pids,
+            rows,
+            groups,
+            True,
+            False,
+            0,
+            layers,
+            wake,
+            5,
+            np.array([0, 2, 6], dtype=np.int64),
+        )
+        between = pool.submit_for(2, lambda: (int(words[2, LAYERS_DONE]), bool(arena.any())))
+        gate.set()
+        assert between.result(10) == (0, True)  # part 0 copied, nothing announced
+        assert reap_all(pool, 2) == {jobs[0]: (ct.DONE, 2), jobs[1]: (ct.DONE, 4)}
+        assert np.array_equal(arena, want)
+        assert int(words[2, LAYERS_DONE]) == 5
+        assert int(words[2, WAKES]) - before == 3
+    finally:
+        block.close()
+
+
+def test_a_part_that_faults_ends_short_and_the_others_still_end(engine, threads):
+    fd, _, view = engine
+    pool = threads()
+    base = view.ctypes.data
+    os.ftruncate(fd, N * ROW + 5 * ROW)  # row 0 (pages 0..15) stays; row 1 is gone
+    rows = table_of([(0, base, N, ROW, ROW)])
+    arena = np.zeros(N * PAGE, dtype=np.uint8)
+    pids = np.array([0, 4, 7, 1], dtype=np.int64)
+    ok = pool.submit_copy(
+        1,
+        arena.ctypes.data,
+        arena.size,
+        np.arange(4, dtype=np.int64) * PAGE,
+        pids,
+        rows,
+        groups_of([(0, 1, 0)]),
+        True,
+        False,
+        0,
+        0,
+        0,
+        1,
+        np.array([0, 1, 4], dtype=np.int64),
+    )
+    assert reap_all(pool, 2) == {ok[0]: (ct.DONE, 1), ok[1]: (ct.DONE, 3)}
+    rows = table_of([(0, base + N * ROW, N, ROW, ROW)])  # pages 5.. of this row are gone
+    jobs = pool.submit_copy(
+        1,
+        arena.ctypes.data,
+        arena.size,
+        np.arange(4, dtype=np.int64) * PAGE,
+        pids,
+        rows,
+        groups_of([(0, 1, 0)]),
+        True,
+        False,
+        0,
+        0,
+        0,
+        1,
+        np.array([0, 2, 4], dtype=np.int64),
+    )
+    # part 0 (page ids 0, 4) copies; part 1 (7, 1) faults at its first page
+    assert reap_all(pool, 2) == {jobs[0]: (ct.DONE, 2), jobs[1]: (ct.SHORT, 0)}
+
+
+@pytest.mark.parametrize(
+    ("bounds", "match"),
+    [
+        ([1, 4], r"bounds \(16 bytes\) must be int64 part starts from 0 and the end, 4"),
+        ([0, 3], r"bounds \(16 bytes\) must be int64 part starts from 0 and the end, 4"),
+        ([0], r"bounds \(8 bytes\) must be int64 part starts"),
+        ([0, 2, 2, 4], r"bounds\[2\] = 2: each part needs a page"),
+        ([0, 3, 1, 4], r"bounds\[2\] = 1: each part needs a page"),
+    ],
+)
+def test_bad_bounds_are_refused_and_nothing_is_queued(engine, threads, bounds, match):
+    _, _, view = engine
+    pool = threads()
+    arena = np.zeros(N * PAGE, dtype=np.uint8)
+    with pytest.raises(ValueError, match=match):
+        pool.submit_copy(
+            1,
+            arena.ctypes.data,
+            arena.size,
+            np.arange(4, dtype=np.int64) * PAGE,
+            np.arange(4, dtype=np.int64),
+            table_of(four_rows(view)),
+            groups_of([(0, 4, 0)]),
+            True,
+            False,
+            0,
+            0,
+            0,
+            1,
+            np.array(bounds, dtype=np.int64),
+        )
+    assert pool.queued() == {}
+    assert pool.reap() == []
