@@ -26,9 +26,8 @@ Where a copy runs depends on its size:
 - from ``2 × SPLIT_BYTES`` on, in parts of consecutive pages on several copy threads at
   once (one part per :data:`SPLIT_BYTES`, at most one per thread). A layer is announced
   when every part has copied it (:class:`~kvtier.daemon.transfer.transfer.LayerGate`), and
-  the transfer ends when its last part does. A STORE's parts run in C on the native copy
-  threads (:meth:`Transfers._split_native`; its engine follows no layer, so the parts
-  announce none and the loop writes them all at the end): as Python callables each part
+  the transfer ends when its last part does. On the native copy threads the parts run in
+  C, sharing a gate there (:meth:`Transfers._split_native`): as Python callables each part
   takes the GIL back between layers, and a copy thread that holds it while the kernel runs
   another thread on its core holds up the event loop, and every other engine, with it. A long-context LOAD (hundreds of MiB) then
   runs at the speed of several threads. Smaller transfers stay whole: inside a real engine

@@ -11,8 +11,10 @@ thread takes the oldest job of the user whose turn it is) in C
 (``kvtier.kernels._guarded.CopyPool``), and runs a transfer whose regions are one native
 table (:meth:`submit_copy`) entirely there: the thread copies, announces each layer in the
 session's completion block (waking the engine's futex for a LOAD), and adds the copy to a
-list of ended ones whose eventfd (:attr:`fd`) the event loop reads (:meth:`reap`). Other
-copies (a CUDA session, regions copied one by one, a STORE that checksums its pages) are
+list of ended ones whose eventfd (:attr:`fd`) the event loop reads (:meth:`reap`). A copy
+split in parts (``bounds``) runs each part so on its own thread, the parts sharing a gate
+that announces a layer once every part has copied it. Other copies (a CUDA session, regions
+copied one by one, a STORE that checksums its pages, one shared with the event loop) are
 Python callables (:meth:`submit_for`), run by the same threads in the same turns.
 
 Its threads are all started with it, at daemon start, as :class:`FairExecutor`'s are.
