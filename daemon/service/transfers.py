@@ -27,10 +27,10 @@ Where a copy runs depends on its size:
   once (one part per :data:`SPLIT_BYTES`, at most one per thread). A layer is announced
   when every part has copied it (:class:`~kvtier.daemon.transfer.transfer.LayerGate`), and
   the transfer ends when its last part does. On the native copy threads the parts run in
-  C, sharing a gate there (:meth:`Transfers._split_native`): as Python callables each part
+  C, sharing a gate there (:meth:`Transfers._copy_native`): as Python callables each part
   takes the GIL back between layers, and a copy thread that holds it while the kernel runs
-  another thread on its core holds up the event loop, and every other engine, with it. A long-context LOAD (hundreds of MiB) then
-  runs at the speed of several threads. Smaller transfers stay whole: inside a real engine
+  another thread on its core holds up the event loop, and every other engine, with it. A
+  long-context LOAD (hundreds of MiB) then runs at the speed of several threads. Smaller transfers stay whole: inside a real engine
   (its forward threads on the same cores) a split load of a few tens of MiB is no shorter
   for the request that waits on it, and the threads serve several whole transfers at once
   instead.
@@ -38,9 +38,9 @@ Where a copy runs depends on its size:
 The end of a copy is settled on the event loop, where the pool, the counters and the
 session are updated, so nothing here takes a lock; a native copy thread adds it to the
 list the loop reaps when the threads' eventfd is readable (:meth:`Transfers._reap`), any
-other copy thread hands it over with one thread-safe callback (an asyncio future chained to the thread's would cost a future, a
-chain of callbacks and the same wake-up: a large share of the event loop's CPU time per
-small LOAD). The engine follows a copy layer by layer
+other copy thread hands it over with one thread-safe callback (an asyncio future chained
+to the thread's would cost a future, a chain of callbacks and the same wake-up: a large
+share of the event loop's CPU time per small LOAD). The engine follows a copy layer by layer
 through its completion block, not through a reply.
 
 A session that closed while its copies ran is finalized by the last one to end: its memory
@@ -302,13 +302,12 @@ class Transfers:
         whole = store and len(host) <= self.ctx.cfg.slice_pages
         table = s.memory.table
         if (
-            parts == 1
-            and self._native is not None
+            self._native is not None
             and table is not None
             and (store or table.writable)
             and not t.checksum
-        ):
-            self._copy_native(s, t, whole)
+        ):  # a split STORE's parts in one call each too: nobody follows its layers
+            self._copy_native(s, t, whole or (store and parts > 1), parts)
             return
         if parts == 1:
             self._watch(
@@ -326,14 +325,6 @@ class Transfers:
                 ),
                 lambda f: self._finish(s, t, f),
             )
-            return
-        if (
-            self._native is not None
-            and table is not None
-            and (store or table.writable)
-            and not t.checksum
-        ):
-            self._split_native(s, t, parts)
             return
         self.ctx.counters.transfers_split += 1
         gate = LayerGate(sink, parts)
@@ -449,18 +440,24 @@ class Transfers:
         if fut.done():
             ended(fut, wake=False)
 
-    def _copy_native(self, s: Session, t: Transfer, whole: bool) -> None:
-        """Run ``t`` on a native copy thread, in C from start to end
-        (:class:`~kvtier.daemon.transfer.copy_threads.CopyThreads`): its layers announced
-        there as :func:`~kvtier.daemon.transfer.transfer.run_transfer` would (a STORE's
-        without waking the engine; ``whole``: none before the end), its end settled by
-        :meth:`_reap`. A row or index the copy refuses fails it here."""
+    def _copy_native(self, s: Session, t: Transfer, whole: bool, parts: int = 1) -> None:
+        """Run ``t`` on the native copy threads, in C from start to end
+        (:class:`~kvtier.daemon.transfer.copy_threads.CopyThreads`), in ``parts`` parts of
+        consecutive pages at once: its layers announced there as
+        :func:`~kvtier.daemon.transfer.transfer.run_transfer` would (a STORE's without
+        waking the engine; ``whole``: none before the end; a split one's once every part
+        has copied them), its end settled by :meth:`_reap` once its last part has ended.
+        A row or index the copy refuses fails it here."""
         native, table, arena = self._native, s.memory.table, self._arena
         assert native is not None and table is not None and arena is not None
         store = t.direction is Direction.STORE
+        n = len(t.host_slots)
+        bounds = [n * i // parts for i in range(parts + 1)]
+        if parts > 1:
+            self.ctx.counters.transfers_split += 1
         layers, wake = s.completion.addresses(t.slot)
         try:
-            (job,) = native.submit_copy(
+            jobs = native.submit_copy(
                 s.uid,
                 arena.address,
                 arena.nbytes,
@@ -474,50 +471,14 @@ class Transfers:
                 layers,
                 0 if store else wake,
                 s.geometry.num_layers,
+                np.array(bounds, dtype=np.int64) if parts > 1 else None,
             )
         except (ValueError, RuntimeError):  # a bug, or stopping: this transfer fails
             log.exception("transfer session=%d slot=%d failed", t.session_id, t.slot)
             t.status = TransferStatus.FAILED
             self._settle(s, t, False, wake=False)  # before its reply: nobody waits yet
             return
-        self._jobs[job] = (s, t, None)
-        t.stop = lambda: native.cancel(job)
-
-    def _split_native(self, s: Session, t: Transfer, parts: int) -> None:
-        """Run ``t`` in ``parts`` parts of consecutive pages on the native copy threads at
-        once, each in C from start to end; a layer is announced once every part has copied
-        it (a STORE's without waking its engine, and only at the end: nobody follows its
-        layers), the transfer settled once :meth:`_reap` has had its last part."""
-        native, table, arena = self._native, s.memory.table, self._arena
-        assert native is not None and table is not None and arena is not None
-        self.ctx.counters.transfers_split += 1
-        store = t.direction is Direction.STORE
-        n = len(t.host_slots)
-        bounds = [n * i // parts for i in range(parts + 1)]
-        layers, wake = s.completion.addresses(t.slot)
-        try:
-            jobs = native.submit_copy(
-                s.uid,
-                arena.address,
-                arena.nbytes,
-                np.ascontiguousarray(t.offsets, dtype=np.int64),
-                np.ascontiguousarray(t.page_ids, dtype=np.int64),
-                table.table,
-                table.whole_rows if store else table.group_rows,
-                store,
-                t.nbytes >= STREAM_BYTES,
-                t.yield_bytes,
-                layers,
-                0 if store else wake,
-                s.geometry.num_layers,
-                np.array(bounds, dtype=np.int64),
-            )
-        except (ValueError, RuntimeError):  # a bug, or stopping: this transfer fails
-            log.exception("transfer session=%d slot=%d failed", t.session_id, t.slot)
-            t.status = TransferStatus.FAILED
-            self._settle(s, t, False, wake=False)  # before its reply: nobody waits yet
-            return
-        split = _Parts(bounds, jobs)
+        split = _Parts(bounds, jobs) if parts > 1 else None
         for job in jobs:
             self._jobs[job] = (s, t, split)
         t.stop = lambda: [native.cancel(job) for job in jobs]
