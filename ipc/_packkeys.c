@@ -1,8 +1,11 @@
 /* kvtier.ipc._packkeys: a client's 32-byte page keys as one byte string, the packed_keys of
- * a LOOKUP, LOAD or STORE (kvtier.ipc.packed.pack_keys, its one implementation).
+ * a LOOKUP, LOAD or STORE (kvtier.ipc.packed.pack_keys, its one implementation), and the
+ * daemon's check of a packed request's engine pages (check_pages).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define KEY_BYTES 32
@@ -39,7 +42,71 @@ end:
     return out;
 }
 
+/* The page at index i of packed little-endian uint32 pages. */
+static inline uint64_t page_at(const unsigned char *b, Py_ssize_t i) {
+    const unsigned char *q = b + 4 * i;
+    return (uint64_t)q[0] | (uint64_t)q[1] << 8 | (uint64_t)q[2] << 16 | (uint64_t)q[3] << 24;
+}
+
+/* check_pages(packed_pages, num_pages) -> None | (reason, index): None when every page of
+ * the little-endian uint32 pages is below num_pages and none is there twice; otherwise the
+ * first fault in page order: (1, i) when pages[i] >= num_pages, (2, i) when pages[i] is an
+ * earlier page's. One pass with a hash set of twice as many entries as pages (8 bytes
+ * each): a sort of a STORE's 8,192 pages costs the event loop ten times as long.
+ */
+static PyObject *check_pages(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer buf;
+    unsigned long long num_pages;
+    if (!PyArg_ParseTuple(args, "y*K:check_pages", &buf, &num_pages))
+        return NULL;
+    PyObject *out = NULL;
+    if (buf.len % 4) {
+        PyErr_Format(PyExc_ValueError, "packed pages of %zd bytes: not whole uint32 pages",
+                     buf.len);
+        goto end;
+    }
+    Py_ssize_t n = buf.len / 4;
+    const unsigned char *b = (const unsigned char *)buf.buf;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (page_at(b, i) >= num_pages) {
+            out = Py_BuildValue("(in)", 1, i);
+            goto end;
+        }
+    if (n < 2) {
+        out = Py_NewRef(Py_None);
+        goto end;
+    }
+    size_t cap = 16;
+    while (cap < 2 * (size_t)n)
+        cap <<= 1;
+    uint64_t *set = calloc(cap, sizeof *set); /* page + 1; 0: empty */
+    if (set == NULL) {
+        PyErr_NoMemory();
+        goto end;
+    }
+    Py_ssize_t twice = -1;
+    for (Py_ssize_t i = 0; i < n && twice < 0; i++) {
+        uint64_t p = page_at(b, i) + 1;
+        size_t h = (size_t)((p * 0x9E3779B97F4A7C15ull) >> 32) & (cap - 1);
+        while (set[h] != 0 && set[h] != p)
+            h = (h + 1) & (cap - 1);
+        if (set[h] == p)
+            twice = i;
+        set[h] = p;
+    }
+    free(set);
+    out = twice < 0 ? Py_NewRef(Py_None) : Py_BuildValue("(in)", 2, twice);
+end:
+    PyBuffer_Release(&buf);
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"check_pages", check_pages, METH_VARARGS,
+     "check_pages(packed_pages, num_pages) -> None | (reason, index): None when every "
+     "little-endian uint32 page is below num_pages and none is there twice; else (1, i) for "
+     "pages[i] out of range, (2, i) for pages[i] there before"},
     {"pack_keys", pack_keys, METH_O,
      "pack_keys(keys) -> bytes | None: a sequence of 32-byte bytes objects back to back (None "
      "when an item is anything else)"},
@@ -47,7 +114,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_packkeys", "A client's page keys packed for the wire, in C.", -1,
+    PyModuleDef_HEAD_INIT, "_packkeys", "Packed page keys and pages of requests, in C.", -1,
     methods, NULL, NULL, NULL, NULL,
 };
 

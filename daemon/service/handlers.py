@@ -213,10 +213,10 @@ class Handlers:
         if s.geometry.attention == "mla" and s.tp_rank > 0:
             # MLA pages are the same on every rank: rank 0 stores them for all
             return P.StoreAccepted(req_id=m.req_id, epoch=ctx.epoch, count=len(keys), writing=0)
+        if self.long.wanted(len(keys)):  # packed keys are split slice by slice there
+            return self._long(s, self.long.store(s, m, keys, pages))
         if m.packed_keys:  # the pool indexes each new key: the store needs them as objects
             keys = P.split_keys(m.packed_keys)
-        if self.long.wanted(len(keys)):
-            return self._long(s, self.long.store(s, m, keys, pages))
         allocated = ctx.pool.allocate(s.ns_id, s.owner, s.class_id, keys, m.parent_key)
         every = len(allocated) == len(keys)  # all new (WRITING now): the usual long STORE
         count = len(keys) if every else ctx.pool.resident_run(s.ns_id, keys)

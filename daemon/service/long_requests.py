@@ -52,8 +52,8 @@ class LongRequests:
     async def store(
         self, s: Session, m: P.Store, keys: Sequence[bytes], pages: Sequence[int]
     ) -> P.Reply:
-        """A checked STORE (``keys`` split into objects), allocated in slices, its copy
-        started: the reply :meth:`Handlers.store` would give."""
+        """A checked STORE (``keys`` a list, or packed: split slice by slice), allocated in
+        slices, its copy started: the reply :meth:`Handlers.store` would give."""
         ctx, pool = self.ctx, self.ctx.pool
         ctx.counters.requests_sliced += 1
         hold = self.reserve(s, Direction.STORE, m.slot, m.seq)
@@ -76,6 +76,7 @@ class LongRequests:
             self.unreserve(s, hold)
             return self._cancelled(s, m, P.Store)
         n, host = len(keys), got.slots
+        keys = got.keys  # as objects, as far as the allocation went (every index is in it)
         c = ctx.counters
         c.store_skipped_pages += got.count - len(host)
         c.store_failed_pages += n - got.count

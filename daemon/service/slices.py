@@ -62,12 +62,14 @@ async def turn() -> None:
 
 class Allocated:
     """What :func:`allocate` made: ``slots`` (WRITING, in key order), the index of each
-    one's key in ``indexes``, their arena offsets by slice in ``offsets``, and ``count``,
-    the leading run of keys resident (stored before, or being stored now)."""
+    one's key in ``indexes``, their arena offsets by slice in ``offsets``, ``count``, the
+    leading run of keys resident (stored before, or being stored now), and ``keys``, the
+    keys of the slices it went through, as bytes objects (``keys[i]`` for each index)."""
 
-    __slots__ = ("count", "indexes", "offsets", "slots")
+    __slots__ = ("count", "indexes", "keys", "offsets", "slots")
 
     def __init__(self) -> None:
+        self.keys: list[bytes] = []
         self.slots: list[int] = []
         self.indexes: list[int] = []
         self.offsets: list[np.ndarray] = []
@@ -92,7 +94,8 @@ async def allocate(
     Args:
         pool: the host pool.
         ns_id / owner / class_id: as for :meth:`HostPool.allocate`.
-        keys: the chain's keys, in order.
+        keys: the chain's keys, in order (a list, or a packed request's
+            :class:`~kvtier.ipc.packed.PackedKeyList`).
         parent_key: the key the chain's first page extends, if any.
         size: keys per slice (at least 1).
         cancelled: asked after each turn; True stops the allocation.
@@ -114,6 +117,9 @@ async def allocate(
             if pool.resident_run(ns_id, [keys[a - 1]]) == 0:
                 break  # the present page that ends the last slice left the pool meanwhile
         part = keys[a : a + size]
+        if not isinstance(part, list):  # packed keys: the pool indexes each new one as an
+            part = list(part)  # object; made slice by slice, not all before the first
+        out.keys += part
         got = pool.allocate(ns_id, owner, class_id, part, parent)
         run = len(part) if len(got) == len(part) else pool.resident_run(ns_id, part)
         on_slice(len(part), run)

@@ -15,6 +15,7 @@ from typing import cast
 from kvtier.config import KvtierError
 from kvtier.daemon.service.sessions import Session
 from kvtier.ipc import protocol as P
+from kvtier.ipc._packkeys import check_pages
 from kvtier.ipc.limits import PAGE_INDEX_BYTES
 
 
@@ -99,19 +100,24 @@ def transfer_keys(
             f"packed_pages has {pb} bytes; {n} keys need {n * PAGE_INDEX_BYTES} "
             f"(one little-endian uint{8 * PAGE_INDEX_BYTES} page each)",
         )
+    fault = check_pages(m.packed_pages, num_pages)  # one pass, in C
+    if fault is not None:
+        reason, i = fault
+        page = int.from_bytes(
+            m.packed_pages[i * PAGE_INDEX_BYTES : (i + 1) * PAGE_INDEX_BYTES], "little"
+        )
+        if reason == 1:
+            raise RequestError(
+                P.ErrorCode.OUT_OF_RANGE,
+                f"packed_pages[{i}] = {page} is outside the engine's {num_pages} pages",
+            )
+        raise RequestError(
+            P.ErrorCode.BAD_MESSAGE,
+            f"packed_pages contains the same page twice (packed_pages[{i}] = {page})",
+        )
     import numpy as np  # here, not at import: the control socket binds before numpy loads
 
     pages = np.frombuffer(m.packed_pages, dtype=f"<u{PAGE_INDEX_BYTES}")
-    if n and int(pages.max()) >= num_pages:
-        i = int(np.argmax(pages >= num_pages))
-        raise RequestError(
-            P.ErrorCode.OUT_OF_RANGE,
-            f"packed_pages[{i}] = {int(pages[i])} is outside the engine's {num_pages} pages",
-        )
-    if n > 1:
-        ordered = np.sort(pages)
-        if (ordered[1:] == ordered[:-1]).any():
-            raise RequestError(P.ErrorCode.BAD_MESSAGE, "packed_pages contains the same page twice")
     return P.PackedKeyList(m.packed_keys), cast("Sequence[int]", pages)  # an array serves as one
 
 

@@ -206,7 +206,7 @@ def test_transfer_keys_refusals_name_the_field_and_value() -> None:
     refused(
         load(packed_keys=packed, packed_pages=P.pack_pages([*range(299), 17])),
         P.ErrorCode.BAD_MESSAGE,
-        "packed_pages contains the same page twice",
+        "packed_pages contains the same page twice \\(packed_pages\\[299\\] = 17\\)",
     )
     refused(
         load(keys=KEYS[:1], packed_keys=packed[32:64], packed_pages=pages[:4]),
@@ -217,3 +217,49 @@ def test_transfer_keys_refusals_name_the_field_and_value() -> None:
     # the list form keeps its own refusals
     refused(load(keys=KEYS[:2], pages=[1]), P.ErrorCode.BAD_MESSAGE, "2 keys but 1 pages")
     refused(load(keys=KEYS[:2], pages=[1, 1]), P.ErrorCode.BAD_MESSAGE, "same page twice")
+
+
+def pages_bytes(pages: list[int]) -> bytes:
+    out = P.pack_pages(pages)
+    assert out is not None
+    return out
+
+
+def test_check_pages_names_the_first_fault_in_page_order():
+    from kvtier.ipc._packkeys import check_pages
+
+    assert check_pages(pages_bytes([]), 0) is None
+    assert check_pages(pages_bytes([0]), 1) is None
+    assert check_pages(pages_bytes(list(range(5000))[::-1]), 5000) is None
+    assert check_pages(pages_bytes([3, 1, 4, 5]), 5) == (1, 3)  # 5 of 5 pages: out
+    assert check_pages(pages_bytes([3, 1, 3, 9]), 5) == (1, 3)  # range first, whole pass
+    assert check_pages(pages_bytes([3, 1, 4, 1, 4]), 5) == (2, 3)  # the second 1
+    assert check_pages(pages_bytes([7, *range(100, 9000), 7]), 9000) == (2, 8901)
+    top = 2**32 - 1  # the largest page index the wire carries, and its neighbours
+    assert check_pages(pages_bytes([top, top - 1, 0]), 2**32) is None
+    assert check_pages(pages_bytes([top, 0, top]), 2**32) == (2, 2)
+    assert check_pages(pages_bytes([top]), top) == (1, 0)
+    assert check_pages(memoryview(pages_bytes([2, 2])), 3) == (2, 1)  # any buffer
+    with pytest.raises(ValueError, match="packed pages of 6 bytes"):
+        check_pages(b"\0" * 6, 10)
+
+
+def test_check_pages_agrees_with_a_set_on_random_pages():
+    from kvtier.ipc._packkeys import check_pages
+
+    rng = random.Random(7)
+    for _ in range(300):
+        n, limit = rng.randrange(0, 80), rng.randrange(1, 120)
+        pages = [rng.randrange(0, limit + 3) for _ in range(n)]
+        seen: set[int] = set()
+        want = None
+        bad = next((i for i, pg in enumerate(pages) if pg >= limit), None)
+        if bad is not None:
+            want = (1, bad)
+        else:
+            for i, pg in enumerate(pages):
+                if pg in seen:
+                    want = (2, i)
+                    break
+                seen.add(pg)
+        assert check_pages(pages_bytes(pages), limit) == want, (pages, limit)

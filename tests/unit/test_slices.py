@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from kvtier.daemon.pool.host_pool import HostPool
 from kvtier.daemon.service import slices
+from kvtier.ipc.packed import PackedKeyList
 
 KIB = 1024
 EXTENT = 64 * KIB
@@ -108,6 +109,46 @@ def test_a_sliced_allocation_links_its_slices_and_stays_invisible():
     assert parents[1:] == got.slots[:-1]
     offsets = [int(o) for part in got.offsets for o in part]
     assert offsets == [p.slot_offset(s) for s in got.slots]
+
+
+def test_a_packed_chain_is_allocated_as_its_list_would_be():
+    keys = chain("p")
+    results = []
+    for given in (keys, PackedKeyList(b"".join(keys))):
+        p, cid = pool()
+        got = run(
+            slices.allocate(
+                p, NS, OWNER, cid, given, None, SIZE, lambda: False, noop, at_each(lambda: None)
+            )
+        )
+        assert got is not None and got.count == CHAIN
+        assert got.keys == keys  # as bytes objects, every slice's
+        assert all(type(k) is bytes for k in got.keys)
+        results.append(([p.chain_link(s)[2] for s in got.slots], got.indexes))
+        assert p.resident_run(NS, keys) == CHAIN
+    assert results[0] == results[1]
+
+
+def test_a_short_allocation_keeps_the_keys_of_the_slices_it_went_through():
+    p, cid = pool(extents=1)  # 64 pages
+    keys = chain("q")
+    present = [s for _, s in p.allocate(NS, OWNER, cid, keys[:SIZE])]
+    p.commit(present)
+    got = run(
+        slices.allocate(
+            p,
+            NS,
+            OWNER,
+            cid,
+            PackedKeyList(b"".join(keys)),
+            None,
+            SIZE,
+            lambda: False,
+            noop,
+            at_each(lambda: p.flush(NS)),
+        )
+    )
+    assert got is not None and got.count == SIZE and got.keys == keys[:SIZE]
 
 
 def test_a_second_store_of_the_same_chain_between_slices_shares_it():
