@@ -6,7 +6,9 @@ from collections.abc import Sequence
 def pack_keys(keys: Sequence[bytes], /) -> bytes | None:
     """The 32-byte keys back to back; None when an item is not bytes of exactly 32."""
 
-def check_pages(packed_pages: bytes | bytearray | memoryview, num_pages: int, /) -> tuple[int, int] | None:
+def check_pages(
+    packed_pages: bytes | bytearray | memoryview, num_pages: int, /
+) -> tuple[int, int] | None:
     """None when every little-endian uint32 page is below ``num_pages`` and none is there
     twice; else the first fault in page order: ``(1, i)`` for ``pages[i]`` out of range,
     ``(2, i)`` for ``pages[i]`` an earlier page's. ValueError: not whole uint32 pages."""

@@ -17,12 +17,14 @@ Where a copy runs depends on its size:
   and its end reaches the loop through the threads' eventfd;
 - from :data:`SHARE_MIN_BYTES` (1 MiB) up to ``2 × LOOP_SHARE_BYTES`` (8 MiB), while no
   copy thread is busy, no other request waits and the daemon may use more than one CPU, in
-  two halves at once: one on a copy thread, the other on the event loop before the reply
-  goes out (:meth:`Transfers._share`). Otherwise an idle daemon would leave a transfer of
-  a few MiB to one thread while the loop sat waiting, and a thread that was asleep starts
-  late (a fraction of a millisecond before it moves its first byte). Under load the loop
-  keeps to answering: sharing whenever the copy threads are idle lowers the aggregate
-  bandwidth of many engines;
+  two halves at once: where the copy can run on the native copy threads, as a split of two
+  parts there (below), the event loop free to answer; otherwise one half on a copy thread,
+  the other on the event loop before the reply goes out (:meth:`Transfers._share`), as a
+  Python copy thread's half moves the GIL for every layer. Otherwise an idle daemon would
+  leave a transfer of a few MiB to one thread while the others sat idle, and a thread that
+  was asleep starts late (a fraction of a millisecond before it moves its first byte).
+  Under load each copy stays whole: halving whenever the copy threads are idle lowers the
+  aggregate bandwidth of many engines;
 - from ``2 × SPLIT_BYTES`` on, in parts of consecutive pages on several copy threads at
   once (one part per :data:`SPLIT_BYTES`, at most one per thread). A layer is announced
   when every part has copied it (:class:`~kvtier.daemon.transfer.transfer.LayerGate`), and
@@ -286,6 +288,13 @@ class Transfers:
             return
         parts = self._parts(t)
         assert self._executor is not None, "open() first"
+        table = s.memory.table
+        native = (
+            self._native is not None
+            and table is not None
+            and (store or table.writable)
+            and not t.checksum
+        )
         if (
             parts == 1
             and cheap
@@ -296,17 +305,14 @@ class Transfers:
             and len(host) > 1
             and not self.requests_waiting()
         ):
-            self._share(s, t, sink)
+            if native:  # both halves on the copy threads, in C: the loop stays free
+                self._copy_native(s, t, store, 2)
+            else:
+                self._share(s, t, sink)
             return
         # a short STORE in one call: no turn back to Python between its layers
         whole = store and len(host) <= self.ctx.cfg.slice_pages
-        table = s.memory.table
-        if (
-            self._native is not None
-            and table is not None
-            and (store or table.writable)
-            and not t.checksum
-        ):  # a split STORE's parts in one call each too: nobody follows its layers
+        if native:  # a split STORE's parts in one call each too: nobody follows its layers
             self._copy_native(s, t, whole or (store and parts > 1), parts)
             return
         if parts == 1:
