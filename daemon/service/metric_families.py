@@ -113,7 +113,7 @@ _COUNTER_SPECS: tuple[_Spec, ...] = (
     ),
     (
         "kvtier_transfers_split",
-        "STORE and LOAD copies large enough to be split over several copy threads.",
+        "STORE and LOAD copies split over several copy threads at once.",
         (),
         (((), "transfers_split"),),
     ),
