@@ -49,10 +49,11 @@ static inline uint64_t page_at(const unsigned char *b, Py_ssize_t i) {
 }
 
 /* check_pages(packed_pages, num_pages) -> None | (reason, index): None when every page of
- * the little-endian uint32 pages is below num_pages and none is there twice; otherwise the
- * first fault in page order: (1, i) when pages[i] >= num_pages, (2, i) when pages[i] is an
- * earlier page's. One pass with a hash set of twice as many entries as pages (8 bytes
- * each): a sort of a STORE's 8,192 pages costs the event loop ten times as long.
+ * the little-endian uint32 pages is below num_pages and none is there twice; otherwise
+ * (1, i) for the first page at or above num_pages, or, when there is none, (2, i) for the
+ * first page that an earlier one repeats. Linear: a pass for the range, one with a hash set
+ * of twice as many entries as pages (8 bytes each), on the event loop of the daemon, where
+ * a sort of a long STORE's pages would hold every other engine's request.
  */
 static PyObject *check_pages(PyObject *self, PyObject *args) {
     (void)self;
@@ -106,7 +107,7 @@ static PyMethodDef methods[] = {
     {"check_pages", check_pages, METH_VARARGS,
      "check_pages(packed_pages, num_pages) -> None | (reason, index): None when every "
      "little-endian uint32 page is below num_pages and none is there twice; else (1, i) for "
-     "pages[i] out of range, (2, i) for pages[i] there before"},
+     "the first page out of range, or (2, i) for the first page given before"},
     {"pack_keys", pack_keys, METH_O,
      "pack_keys(keys) -> bytes | None: a sequence of 32-byte bytes objects back to back (None "
      "when an item is anything else)"},

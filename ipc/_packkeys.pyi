@@ -10,5 +10,5 @@ def check_pages(
     packed_pages: bytes | bytearray | memoryview, num_pages: int, /
 ) -> tuple[int, int] | None:
     """None when every little-endian uint32 page is below ``num_pages`` and none is there
-    twice; else the first fault in page order: ``(1, i)`` for ``pages[i]`` out of range,
-    ``(2, i)`` for ``pages[i]`` an earlier page's. ValueError: not whole uint32 pages."""
+    twice; else ``(1, i)`` for the first page out of range, or, when none is, ``(2, i)`` for
+    the first page an earlier one repeats. ValueError: not whole uint32 pages."""

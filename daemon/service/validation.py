@@ -100,7 +100,7 @@ def transfer_keys(
             f"packed_pages has {pb} bytes; {n} keys need {n * PAGE_INDEX_BYTES} "
             f"(one little-endian uint{8 * PAGE_INDEX_BYTES} page each)",
         )
-    fault = check_pages(m.packed_pages, num_pages)  # one pass, in C
+    fault = check_pages(m.packed_pages, num_pages)  # in C, linear in the pages
     if fault is not None:
         reason, i = fault
         page = int.from_bytes(

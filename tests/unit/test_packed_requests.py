@@ -225,7 +225,7 @@ def pages_bytes(pages: list[int]) -> bytes:
     return out
 
 
-def test_check_pages_names_the_first_fault_in_page_order():
+def test_check_pages_names_the_first_page_out_of_range_else_the_first_repeat():
     from kvtier.ipc._packkeys import check_pages
 
     assert check_pages(pages_bytes([]), 0) is None
