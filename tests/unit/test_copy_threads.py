@@ -407,43 +407,30 @@ def test_a_part_that_faults_ends_short_and_the_others_still_end(engine, threads)
     pool = threads()
     base = view.ctypes.data
     os.ftruncate(fd, N * ROW + 5 * ROW)  # row 0 (pages 0..15) stays; row 1 is gone
-    rows = table_of([(0, base, N, ROW, ROW)])
     arena = np.zeros(N * PAGE, dtype=np.uint8)
     pids = np.array([0, 4, 7, 1], dtype=np.int64)
-    ok = pool.submit_copy(
-        1,
-        arena.ctypes.data,
-        arena.size,
-        np.arange(4, dtype=np.int64) * PAGE,
-        pids,
-        rows,
-        groups_of([(0, 1, 0)]),
-        True,
-        False,
-        0,
-        0,
-        0,
-        1,
-        np.array([0, 1, 4], dtype=np.int64),
-    )
+
+    def split(rows: np.ndarray, bounds: list[int]) -> list[int]:  # a STORE in two parts
+        return pool.submit_copy(
+            1,
+            arena.ctypes.data,
+            arena.size,
+            np.arange(4, dtype=np.int64) * PAGE,
+            pids,
+            rows,
+            groups_of([(0, 1, 0)]),
+            True,
+            False,
+            0,
+            0,
+            0,
+            1,
+            np.array(bounds, dtype=np.int64),
+        )
+
+    ok = split(table_of([(0, base, N, ROW, ROW)]), [0, 1, 4])
     assert reap_all(pool, 2) == {ok[0]: (ct.DONE, 1), ok[1]: (ct.DONE, 3)}
-    rows = table_of([(0, base + N * ROW, N, ROW, ROW)])  # pages 5.. of this row are gone
-    jobs = pool.submit_copy(
-        1,
-        arena.ctypes.data,
-        arena.size,
-        np.arange(4, dtype=np.int64) * PAGE,
-        pids,
-        rows,
-        groups_of([(0, 1, 0)]),
-        True,
-        False,
-        0,
-        0,
-        0,
-        1,
-        np.array([0, 2, 4], dtype=np.int64),
-    )
+    jobs = split(table_of([(0, base + N * ROW, N, ROW, ROW)]), [0, 2, 4])  # pages 5.. gone
     # part 0 (page ids 0, 4) copies; part 1 (7, 1) faults at its first page
     assert reap_all(pool, 2) == {jobs[0]: (ct.DONE, 2), jobs[1]: (ct.SHORT, 0)}
 
