@@ -5,12 +5,16 @@ One engine process (a ``latency`` worker of :mod:`kvtier.bench.scale.worker`) LO
 keys over and over, pausing a millisecond between round trips, while this process fills
 the pool and then takes turns, :data:`WINDOW_S` each: a window of nothing (the daemon
 otherwise idle), then a window of STOREs of ``pages`` fresh pages back to back (each into
-the full pool, so each evicts as many pages as it stores). A round trip that overlaps a
-STORE window (from its first request to its last one's completion) is a busy sample, the
-others idle ones: both kinds are taken in the same seconds, so a machine whose other load
-comes and goes weighs on both alike. The ratio is the p99 round trip of the busy samples
-against the idle ones'. Each STORE's accept time (the request until its reply, before the
-copy) is what the daemon's allocation costs the storing engine.
+the full pool, so each evicts as many pages as it stores). The storing engine's keys are
+hashed before any window, as a real engine's are when a request arrives (it looked them up
+before its prefill, long before it stores): its STOREs take turns over a few chains, each
+evicted again before its next turn, so every STORE is of fresh pages and a window holds
+what storing costs, not the storing engine's hashing on a shared core. A round trip that
+overlaps a STORE window (from its first request to its last one's completion) is a busy
+sample, the others idle ones: both kinds are taken in the same seconds, so a machine whose
+other load comes and goes weighs on both alike. The ratio is the p99 round trip of the busy
+samples against the idle ones'. Each STORE's accept time (the request until its reply,
+before the copy) is what the daemon's allocation costs the storing engine.
 """
 
 from __future__ import annotations
@@ -76,13 +80,16 @@ def run_stall(
         "pause_s": PAUSE_S,
         "geometry": {f: getattr(g, f) for f in g.__struct_fields__},
     }
+    fit = pool_bytes // (pages * g.page_bytes)  # chains the pool holds
     with SharedKVPool(g, pages) as kv, Connection(kv, model_id="scale-stall", config=cfg) as conn:
-        chains = [0]
+        tokens = pages * g.page_size
+        chains = [conn.page_keys(range(c * tokens, (c + 1) * tokens)) for c in range(fit + 3)]
+        turn = [0]
 
         def store() -> float:
-            first = chains[0] * pages * g.page_size
-            chains[0] += 1
-            keys = conn.page_keys(range(first, first + pages * g.page_size))
+            # a chain comes back after fit + 2 others: evicted by then (the pool holds fit)
+            keys = chains[turn[0] % len(chains)]
+            turn[0] += 1
             t0 = time.perf_counter()
             h = conn.store(keys, list(range(pages)))
             accept = time.perf_counter() - t0
@@ -90,7 +97,7 @@ def run_stall(
                 raise ScaleBenchError(f"a STORE into the full pool moved {h.writing}/{pages} pages")
             return accept
 
-        for _ in range(pool_bytes // (pages * g.page_bytes) + 1):  # the pool is full after
+        for _ in range(fit + 1):  # the pool is full after
             store()
         accepts: list[float] = []
         lat, at, windows = _alternating(
