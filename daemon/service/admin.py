@@ -281,6 +281,8 @@ class Admin:
             "users": {str(uid): use for uid, use in sorted(users.items())},
             "tenants": {t: dataclasses.asdict(u) for t, u in sorted(ctx.quotas.tenants.items())},
             "mapped_bytes": ctx.quotas.mapped_bytes,
+            "unmap_pending_bytes": ctx.unmaps.pending_bytes,
+            "unmaps": {"thread": ctx.unmaps.queued, "at_once": ctx.unmaps.inline},
             "refusals": {**ctx.handovers.refusals, **ctx.quotas.refusals},
             "shortages": ctx.strain.count,
         }

@@ -157,6 +157,8 @@ class Service:
         stack.push_async_callback(self.tier.close)
         self.ctx.prefaults.start()
         stack.callback(self.ctx.prefaults.close)  # after every session's memory is unmapped
+        # the unmaps queued by the sessions finalized up to then, waited for off the loop
+        stack.push_async_callback(asyncio.to_thread, self.ctx.unmaps.shutdown)
         nice = self.ctx.cfg.copy_nice
         threads = CopyThreads if CopyThreads.available() else FairExecutor
         executor = threads(

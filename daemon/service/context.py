@@ -23,8 +23,10 @@ from kvtier.daemon.service.handover import HandoverServer
 from kvtier.daemon.service.quotas import Quotas
 from kvtier.daemon.service.sessions import Session, SessionState, SessionTable
 from kvtier.daemon.service.strain import Strain
+from kvtier.daemon.service.unmaps import Unmaps
 from kvtier.daemon.service.validation import RequestError
 from kvtier.daemon.tier.tier import TierStore
+from kvtier.daemon.transfer.cpu_priority import lower_this_thread
 from kvtier.daemon.transfer.prefault import PrefaultQueue
 from kvtier.ipc import protocol as P
 from kvtier.ipc.fdpass import handover_path
@@ -83,6 +85,12 @@ class ServiceContext:
         self.prefaults = PrefaultQueue(cfg.prefault_threads)
         self.handovers = HandoverServer(handover_path(rdir), lambda: self.cfg, self.strain)
         self.cuda = CudaSessions(lambda: self.cfg.cuda_copy)
+        # what waits to be unmapped is bounded as what is mapped is, by max_mapped_bytes;
+        # the thread yields its CPU as the copy threads do: nobody waits on an unmap
+        self.unmaps = Unmaps(
+            lambda: self.quotas.limits()["max_mapped_bytes"],
+            lambda: lower_this_thread(self.cfg.copy_nice),
+        )
         self.metrics: DaemonMetrics | None = None
         self.events: KvEventPublisher | None = None
         self.adopt: AdoptResult | None = None
@@ -153,8 +161,8 @@ class ServiceContext:
         self.quotas.remove(s.session_id)
         if s.cuda is not None:  # its events and stream go before its memory, off the loop
             self.cuda.close_session(s.cuda, s.memory)
-        else:
-            s.memory.close()  # never an unlink: the engine's memory has no name the daemon knows
+        else:  # off the loop (its munmap takes long for a large memory); never an unlink:
+            self.unmaps.close(s.memory)  # the engine's memory has no name the daemon knows
         s.completion.close()
         s.transition(SessionState.CLOSED)
         self.counters.sessions_closed += 1

@@ -582,6 +582,26 @@ def _limit_families(limits: Mapping[str, Any]) -> Iterator[Metric]:
             "Bytes of engine memory mapped now, all users together (bounded by max_mapped_bytes).",
             value=mapped,
         )
+    pending = _number(limits.get("unmap_pending_bytes"))
+    if pending is not None:
+        yield GaugeMetricFamily(
+            "kvtier_unmap_pending_bytes",
+            "Bytes of closed sessions' engine memory waiting to be unmapped off the event loop "
+            "(at most max_mapped_bytes wait).",
+            value=pending,
+        )
+    unmaps = CounterMetricFamily(
+        "kvtier_unmaps",
+        "Closed sessions' engine memories unmapped, by where: thread (the unmap thread, off "
+        "the event loop), at_once (over the cap of bytes waiting, or while stopping).",
+        labels=["on"],
+    )
+    for where, count in sorted(_section(limits, "unmaps").items()):
+        value = _number(count)
+        if value is not None:
+            unmaps.add_metric([str(where)], value)
+    if unmaps.samples:
+        yield unmaps
     refusals = CounterMetricFamily(
         "kvtier_limit_refusals",
         "Handovers and registrations "

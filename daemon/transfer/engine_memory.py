@@ -45,7 +45,7 @@ import numpy as np
 import numpy.typing as npt
 from kvtier.config.errors import KvtierError
 from kvtier.daemon.transfer.mapping_plan import Window, plan_windows
-from kvtier.daemon.transfer.prefault import Prefaulter, PrefaultQueue
+from kvtier.daemon.transfer.prefault import Prefaulter, PrefaultQueue, drop_page_tables
 from kvtier.ipc.limits import MAX_PAGES
 from kvtier.ipc.protocol import Geometry, KVMemory, MemoryRegion
 from kvtier.ipc.shm import SharedMemoryError, SharedMemorySegment
@@ -486,6 +486,17 @@ class EngineMemory:
                 queue.submit(self._prefault, user)
             else:
                 self._prefault.start()
+
+    def drop_page_tables(self) -> None:
+        """Stop the prefault, then empty the page tables of every mapped segment a step at a
+        time (:func:`~kvtier.daemon.transfer.prefault.drop_page_tables`): :meth:`close`
+        then unmaps at once. For a closed session's memory only (nothing copies from or into
+        it any more); the engine's bytes are untouched."""
+        if self._prefault is not None:
+            self._prefault.stop()
+        for seg in self.segments:
+            if not seg.closed:
+                drop_page_tables(seg.address, seg.size)
 
     def close(self) -> None:
         """Drop the views, unmap every segment and close the kept descriptors (nothing is

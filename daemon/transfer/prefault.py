@@ -32,11 +32,14 @@ from collections import OrderedDict, deque
 import numpy as np
 
 __all__ = [
+    "DROP_STEP",
+    "MADV_DONTNEED",
     "MADV_POPULATE_WRITE",
     "PAGE",
     "STEP",
     "PrefaultQueue",
     "Prefaulter",
+    "drop_page_tables",
     "populate_resident",
 ]
 
@@ -80,6 +83,41 @@ def populate_resident(address: int, size: int) -> tuple[int, bool]:
             return done, False
         done += (e - s) * PAGE
     return done, True
+
+
+MADV_DONTNEED = 4
+"""``madvise`` advice: drop the range's page tables (a shared mapping's bytes stay in its
+file; touching them again faults them back in)."""
+DROP_STEP = 16 << 20
+"""Bytes :func:`drop_page_tables` empties per ``madvise``."""
+
+
+def drop_page_tables(address: int, size: int, step: int = DROP_STEP) -> int:
+    """Empty this process's page tables over the shared mapping ``[address, address + size)``,
+    ``step`` bytes per ``madvise(MADV_DONTNEED)``; the bytes stay in the mapped file.
+
+    An ``munmap`` of a mapping whose page tables are built holds the process's memory map
+    (its ``mmap_lock``) for as long as it takes to tear them down, in proportion to the
+    pages mapped; every other thread that maps or unmaps anything meanwhile (an allocation
+    of the event loop) waits for it. Emptied a step at a time first, the mapping is then
+    unmapped at once, and no thread waits for more than a step.
+
+    Args:
+        address: page-aligned start of a shared mapping of this process.
+        size: its bytes.
+        step: bytes per call (a multiple of :data:`PAGE`).
+
+    Returns:
+        The bytes emptied (less than ``size`` when the kernel refused a step: the rest is
+        left to the unmap).
+    """
+    done = 0
+    while done < size:
+        n = min(step, size - done)
+        if _libc.madvise(address + done, n, MADV_DONTNEED) != 0:
+            break
+        done += n
+    return done
 
 
 class Prefaulter:

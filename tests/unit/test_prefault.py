@@ -13,7 +13,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kvtier.daemon.transfer.prefault import PAGE, STEP, Prefaulter, populate_resident
+from kvtier.daemon.transfer.prefault import (
+    PAGE,
+    STEP,
+    Prefaulter,
+    drop_page_tables,
+    populate_resident,
+)
 
 MiB = 1 << 20
 
@@ -117,3 +123,26 @@ def test_stop_waits_for_the_step_in_progress(memfds):
     pf._thread.join(30)
     assert pf.populated == after
     assert mapped_kib(m.address) == after // 1024
+
+
+def test_dropped_page_tables_leave_the_engine_s_bytes_in_place(memfds):
+    """drop_page_tables empties this process's mapping step by step (its Rss goes to 0) and
+    only that: the file keeps its memory and its bytes, read back through the same mapping."""
+    m = memfds(3 * MiB + PAGE, [(0, 3 * MiB + PAGE)])
+    pattern = np.random.default_rng(5).integers(0, 256, m.size, dtype=np.uint8)
+    m.map[:] = pattern.tobytes()
+    assert mapped_kib(m.address) == m.size // 1024
+    assert drop_page_tables(m.address, m.size, step=MiB) == m.size  # 4 steps, the last short
+    assert mapped_kib(m.address) == 0
+    assert m.allocated() == m.size
+    assert bytes(m.map[:]) == pattern.tobytes()
+
+
+def test_a_refused_drop_stops_and_says_how_far_it_got(memfds):
+    """A step the kernel refuses (here: an address not on a page boundary) ends the drop
+    with what came before it; nothing was dropped then."""
+    m = memfds(2 * MiB, [(0, 2 * MiB)])
+    m.map[:PAGE] = b"\x07" * PAGE  # this mapping's one page with a page table entry
+    assert mapped_kib(m.address) == PAGE // 1024
+    assert drop_page_tables(m.address + 1, m.size - PAGE, step=MiB) == 0
+    assert mapped_kib(m.address) == PAGE // 1024 and m.map[0] == 7
