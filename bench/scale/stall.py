@@ -8,8 +8,9 @@ otherwise idle), then a window of STOREs of ``pages`` fresh pages back to back (
 the full pool, so each evicts as many pages as it stores). The storing engine's keys are
 hashed before any window, as a real engine's are when a request arrives (it looked them up
 before its prefill, long before it stores): its STOREs take turns over a few chains, each
-evicted again before its next turn, so every STORE is of fresh pages and a window holds
-what storing costs, not the storing engine's hashing on a shared core. A round trip that
+evicted again before its next turn, so every STORE is of pages the pool does not hold (the
+daemon evicts by ``lru``, which keeps no trace of an evicted key) and a window holds what
+storing costs, not the storing engine's hashing on a shared core. A round trip that
 overlaps a STORE window (from its first request to its last one's completion) is a busy
 sample, the others idle ones: both kinds are taken in the same seconds, so a machine whose
 other load comes and goes weighs on both alike. The ratio is the p99 round trip of the busy

@@ -26,7 +26,6 @@ from kvtier.daemon.service.strain import Strain
 from kvtier.daemon.service.unmaps import Unmaps
 from kvtier.daemon.service.validation import RequestError
 from kvtier.daemon.tier.tier import TierStore
-from kvtier.daemon.transfer.cpu_priority import lower_this_thread
 from kvtier.daemon.transfer.prefault import PrefaultQueue
 from kvtier.ipc import protocol as P
 from kvtier.ipc.fdpass import handover_path
@@ -81,16 +80,12 @@ class ServiceContext:
         self.epoch = epoch
         self.sessions = SessionTable()
         self.strain = Strain()
-        self.quotas = Quotas(lambda: self.cfg)
+        self.quotas = Quotas(lambda: self.cfg, unmapping=lambda: self.unmaps.pending_bytes)
         self.prefaults = PrefaultQueue(cfg.prefault_threads)
         self.handovers = HandoverServer(handover_path(rdir), lambda: self.cfg, self.strain)
         self.cuda = CudaSessions(lambda: self.cfg.cuda_copy)
-        # what waits to be unmapped is bounded as what is mapped is, by max_mapped_bytes;
-        # the thread yields its CPU as the copy threads do: nobody waits on an unmap
-        self.unmaps = Unmaps(
-            lambda: self.quotas.limits()["max_mapped_bytes"],
-            lambda: lower_this_thread(self.cfg.copy_nice),
-        )
+        # what is mapped and what waits to be unmapped stay within max_mapped_bytes together
+        self.unmaps = Unmaps(self.quotas.unmap_room)
         self.metrics: DaemonMetrics | None = None
         self.events: KvEventPublisher | None = None
         self.adopt: AdoptResult | None = None

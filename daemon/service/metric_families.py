@@ -579,7 +579,8 @@ def _limit_families(limits: Mapping[str, Any]) -> Iterator[Metric]:
     if mapped is not None:
         yield GaugeMetricFamily(
             "kvtier_mapped_bytes",
-            "Bytes of engine memory mapped now, all users together (bounded by max_mapped_bytes).",
+            "Bytes of engine memory open sessions map now, all users together (bounded, with "
+            "kvtier_unmap_pending_bytes, by max_mapped_bytes).",
             value=mapped,
         )
     pending = _number(limits.get("unmap_pending_bytes"))
@@ -587,13 +588,13 @@ def _limit_families(limits: Mapping[str, Any]) -> Iterator[Metric]:
         yield GaugeMetricFamily(
             "kvtier_unmap_pending_bytes",
             "Bytes of closed sessions' engine memory waiting to be unmapped off the event loop "
-            "(at most max_mapped_bytes wait).",
+            "(counted with kvtier_mapped_bytes against max_mapped_bytes).",
             value=pending,
         )
     unmaps = CounterMetricFamily(
         "kvtier_unmaps",
         "Closed sessions' engine memories unmapped, by where: thread (the unmap thread, off "
-        "the event loop), at_once (over the cap of bytes waiting, or while stopping).",
+        "the event loop), at_once (no room under max_mapped_bytes for them to wait).",
         labels=["on"],
     )
     for where, count in sorted(_section(limits, "unmaps").items()):

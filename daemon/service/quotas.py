@@ -76,11 +76,20 @@ class Quotas:
         settings: returns the current configuration (a reload may change the bounds; a
             lowered bound refuses new sessions only, it ends none).
         physical: the node's memory in bytes (the defaults of the mapped-byte bounds).
+        unmapping: bytes of closed sessions still mapped, waiting to be unmapped
+            (:mod:`~kvtier.daemon.service.unmaps`): they count against ``max_mapped_bytes``
+            with what open sessions map.
     """
 
-    def __init__(self, settings: Callable[[], DaemonConfig], physical: int | None = None) -> None:
+    def __init__(
+        self,
+        settings: Callable[[], DaemonConfig],
+        physical: int | None = None,
+        unmapping: Callable[[], int] = lambda: 0,
+    ) -> None:
         self._settings = settings
         self._physical = node_memory() if physical is None else physical
+        self._unmapping = unmapping
         self.users: dict[int, Use] = {}
         self.tenants: dict[str, Use] = {}
         self.mapped_bytes = 0
@@ -192,12 +201,19 @@ class Quotas:
                     f"would map {format_size(have + nbytes)} (this session {nbytes} bytes)",
                 )
         bound = lim["max_mapped_bytes"]
-        if self.mapped_bytes + nbytes > bound:
+        closing = self._unmapping()
+        if self.mapped_bytes + closing + nbytes > bound:
             raise self._refuse(
                 "max_mapped_bytes",
                 f"max_mapped_bytes = {format_size(bound)} exceeded: all sessions would map "
-                f"{format_size(self.mapped_bytes + nbytes)} (this session {nbytes} bytes)",
+                f"{format_size(self.mapped_bytes + closing + nbytes)} (this session {nbytes} "
+                f"bytes{f', closed sessions not unmapped yet {closing}' if closing else ''})",
             )
+
+    def unmap_room(self) -> int:
+        """Bytes of closed sessions' memory that may wait to be unmapped now: what
+        ``max_mapped_bytes`` leaves beside the open sessions' mappings."""
+        return max(0, self.limits()["max_mapped_bytes"] - self.mapped_bytes)
 
     # ------------------------------------------------------------------ accounting
     def add(

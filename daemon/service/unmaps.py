@@ -11,10 +11,13 @@ memory after another, first emptying the mapping's page tables a step at a time
 the process's memory map for its whole length, and the event loop waits for that too
 whenever it maps or unmaps memory of its own.
 
-The session's bounds (:mod:`~kvtier.daemon.service.quotas`) are released when it ends, so
-the memory waiting to be unmapped is bounded apart: once more than ``cap()`` bytes wait, a
-closing memory is unmapped at once, on the caller's thread, as it would be without a
-thread. A memory closed after :meth:`Unmaps.shutdown` is unmapped at once too.
+A closing memory's prefault is stopped at once, on the caller's thread (it waits for one
+step at most): no thread builds page tables the unmap would then empty. What waits to be
+unmapped still counts against the daemon's address-space bound: the caller's ``room()``
+says how many bytes may wait, and a memory that would exceed it is unmapped at once, on the
+caller's thread, as it would be without a thread; so is one closed after
+:meth:`Unmaps.shutdown`. A memory that maps nothing (a control-only session's) is closed at
+once and not counted.
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ log = logging.getLogger("kvtier.daemon")
 
 
 class Closable(Protocol):
-    """Engine memory as :class:`Unmaps` sees it (its ``mapped_bytes``, where it has them,
-    count against the cap)."""
+    """Engine memory as :class:`Unmaps` sees it. Its ``mapped_bytes`` (where it has them)
+    count while it waits; ``stop_prefault`` and ``drop_page_tables`` (where it has them) run
+    first."""
 
     def close(self) -> None:
         """Unmap it and close its descriptors."""
@@ -43,15 +47,11 @@ class Unmaps:
     """Closes engine memories on a ``kvtier-unmap`` thread (see the module docstring).
 
     Args:
-        cap: the most bytes that may wait to be unmapped (read at each :meth:`close`).
-        initializer: run first on the thread (e.g. to lower its CPU priority).
+        room: the most bytes that may wait to be unmapped now (read at each :meth:`close`).
     """
 
-    def __init__(
-        self, cap: Callable[[], int], initializer: Callable[[], object] | None = None
-    ) -> None:
-        self._cap = cap
-        self._initializer = initializer
+    def __init__(self, room: Callable[[], int]) -> None:
+        self._room = room
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
@@ -60,28 +60,30 @@ class Unmaps:
         self.queued = 0
         """Memories handed to the thread so far."""
         self.inline = 0
-        """Memories unmapped at once, over the cap or after :meth:`shutdown`."""
+        """Memories unmapped at once: no room for them to wait, or after :meth:`shutdown`."""
 
     def close(self, memory: Closable) -> None:
-        """Unmap ``memory`` on the thread, or at once when more than the cap would wait or
-        after :meth:`shutdown`. Nothing may use ``memory`` afterwards."""
+        """Stop ``memory``'s prefault, then unmap it on the thread, or at once when it would
+        exceed the room or after :meth:`shutdown`. Nothing may use ``memory`` afterwards."""
         nbytes = max(0, int(getattr(memory, "mapped_bytes", 0)))
+        if nbytes == 0:  # nothing mapped: nothing to wait for
+            _close(memory)
+            return
+        stop = getattr(memory, "stop_prefault", None)
+        if stop is not None:
+            stop()
         with self._lock:
-            queue = not self._closed and self.pending_bytes + nbytes <= self._cap()
+            queue = not self._closed and self.pending_bytes + nbytes <= self._room()
             if queue:
                 if self._pool is None:
-                    self._pool = ThreadPoolExecutor(
-                        1, thread_name_prefix="kvtier-unmap", initializer=self._initializer
-                    )
+                    self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-unmap")
+                self._pool.submit(self._run, memory, nbytes)
                 self.pending_bytes += nbytes
                 self.queued += 1
-                pool = self._pool
             else:
                 self.inline += 1
         if not queue:
             _close(memory)
-            return
-        pool.submit(self._run, memory, nbytes)
 
     def _run(self, memory: Closable, nbytes: int) -> None:
         try:
@@ -103,8 +105,10 @@ class Unmaps:
 def _close(memory: Closable) -> None:
     try:
         drop = getattr(memory, "drop_page_tables", None)
-        if drop is not None:  # a step at a time: the loop's own mappings never wait long
-            drop()
-        memory.close()
+        try:
+            if drop is not None:  # a step at a time: the loop's own mappings never wait long
+                drop()
+        finally:
+            memory.close()
     except Exception:  # close boundary: the daemon keeps serving the other sessions
         log.exception("unmapping a closed session's engine memory failed")

@@ -487,13 +487,18 @@ class EngineMemory:
             else:
                 self._prefault.start()
 
+    def stop_prefault(self) -> None:
+        """Stop building page tables over this memory (waits for the step in progress);
+        :meth:`close` does it too."""
+        if self._prefault is not None:
+            self._prefault.stop()
+
     def drop_page_tables(self) -> None:
         """Stop the prefault, then empty the page tables of every mapped segment a step at a
         time (:func:`~kvtier.daemon.transfer.prefault.drop_page_tables`): :meth:`close`
         then unmaps at once. For a closed session's memory only (nothing copies from or into
         it any more); the engine's bytes are untouched."""
-        if self._prefault is not None:
-            self._prefault.stop()
+        self.stop_prefault()
         for seg in self.segments:
             if not seg.closed:
                 drop_page_tables(seg.address, seg.size)

@@ -1,6 +1,7 @@
 """A closed session's engine memory is unmapped on the ``kvtier-unmap`` thread, never holding
-up its caller (the event loop), within a cap of bytes waiting; at once over the cap and after
-shutdown (``daemon/service/unmaps.py``).
+up its caller (the event loop), its prefault stopped first on the caller's thread, within the
+room its caller gives for bytes waiting; at once beyond that room and after shutdown
+(``daemon/service/unmaps.py``).
 
 The memories here are small objects that record where and when they were closed: what is
 tested is the hand-off, not ``munmap`` itself (``test_prefault.py`` tests the page-table
@@ -20,23 +21,34 @@ WAIT_S = 10.0
 
 
 class Memory:
-    """Engine memory that records its close: on which thread, after its page tables were
-    dropped or not; ``gate`` (when given) holds the close until it is set."""
+    """Engine memory that records its close: on which thread, after its prefault was stopped
+    (and where) and its page tables dropped; ``gate`` (when given) holds the close until it
+    is set; ``fail`` makes the close raise, ``fail_drop`` the drop."""
 
     def __init__(
-        self, mapped_bytes: int, gate: threading.Event | None = None, fail: bool = False
+        self,
+        mapped_bytes: int,
+        gate: threading.Event | None = None,
+        fail: bool = False,
+        fail_drop: bool = False,
     ) -> None:
         self.mapped_bytes = mapped_bytes
         self.gate = gate
         self.fail = fail
-        self.dropped = False
+        self.fail_drop = fail_drop
+        self.stopped_on: int | None = None
         self.closed_on: int | None = None
         self.closed = threading.Event()
         self.order: list[str] = []
 
+    def stop_prefault(self) -> None:
+        self.stopped_on = threading.get_ident()
+        self.order.append("stop")
+
     def drop_page_tables(self) -> None:
-        self.dropped = True
         self.order.append("drop")
+        if self.fail_drop:
+            raise OSError("madvise failed")
 
     def close(self) -> None:
         if self.gate is not None:
@@ -62,8 +74,8 @@ class Bare:
 def unmaps():
     made: list[Unmaps] = []
 
-    def make(cap: int = 1 << 40) -> Unmaps:
-        made.append(Unmaps(lambda: cap))
+    def make(room: int = 1 << 40) -> Unmaps:
+        made.append(Unmaps(lambda: room))
         return made[-1]
 
     yield make
@@ -77,12 +89,13 @@ def test_close_returns_before_the_memory_is_unmapped_on_its_thread(unmaps):
     m = Memory(3 << 20, gate)
     u.close(m)  # would block here until the gate opens if it ran on this thread
     assert not m.closed.is_set()
+    assert m.stopped_on == threading.get_ident()  # the prefault stopped before close returned
     assert u.pending_bytes == 3 << 20 and u.queued == 1 and u.inline == 0
     gate.set()
     assert m.closed.wait(WAIT_S)
     u.shutdown()
     assert m.closed_on != threading.get_ident()
-    assert m.order == ["drop", "close"]  # page tables first: the unmap then has none
+    assert m.order == ["stop", "drop", "close"]  # page tables emptied: the unmap has none
     assert u.pending_bytes == 0
 
 
@@ -100,17 +113,17 @@ def test_memories_are_unmapped_one_after_another_in_order(unmaps):
     assert u.pending_bytes == 0 and u.queued == 2
 
 
-def test_over_the_cap_a_memory_is_unmapped_at_once_on_the_caller_s_thread(unmaps):
-    u = unmaps(cap=10)
+def test_beyond_the_room_a_memory_is_unmapped_at_once_on_the_caller_s_thread(unmaps):
+    u = unmaps(room=10)
     gate = threading.Event()
     waiting = Memory(8, gate)
     u.close(waiting)
-    exactly = Memory(2)  # 8 + 2 = the cap: still queued
+    exactly = Memory(2)  # 8 + 2 = the room: still queued
     u.close(exactly)
     over = Memory(1)
     u.close(over)  # 8 + 2 + 1 > 10: unmapped here, before close returns
     assert over.closed.is_set() and over.closed_on == threading.get_ident()
-    assert over.order == ["drop", "close"]
+    assert over.order == ["stop", "drop", "close"]
     assert u.inline == 1 and u.queued == 2 and u.pending_bytes == 10
     gate.set()
     u.shutdown()
@@ -143,9 +156,20 @@ def test_a_failed_unmap_is_logged_and_the_next_memory_is_still_unmapped(unmaps, 
     assert u.pending_bytes == 0
 
 
-def test_memory_without_page_tables_or_a_size_is_closed_too(unmaps):
-    u = unmaps(cap=0)  # nothing may wait: a memory of 0 bytes still fits
+def test_a_failed_drop_still_unmaps_the_memory(unmaps, caplog):
+    u = unmaps()
+    m = Memory(1, fail_drop=True)
+    with caplog.at_level(logging.ERROR, logger="kvtier.daemon"):
+        u.close(m)
+        u.shutdown()
+    assert m.order == ["stop", "drop", "close"] and m.closed.is_set()
+    assert "unmapping a closed session's engine memory failed" in caplog.text
+
+
+def test_a_memory_that_maps_nothing_is_closed_at_once_and_not_counted(unmaps):
+    """A control-only session's memory: closed before close returns, on no thread."""
+    u = unmaps()
     m = Bare()
     u.close(m)
-    u.shutdown()
-    assert m.closed.is_set() and u.queued == 1 and u.inline == 0
+    assert m.closed.is_set()
+    assert u.queued == 0 and u.inline == 0 and u.pending_bytes == 0

@@ -80,6 +80,26 @@ def test_sessions_segments_and_the_total_have_their_own_bounds():
     assert q.users[7] == Use(sessions=2, mapped_bytes=20 * MiB, mapped_segments=3)
 
 
+def test_memory_waiting_to_be_unmapped_counts_against_the_total():
+    """A closed session's memory not unmapped yet still takes address space: a REGISTER
+    counts it against max_mapped_bytes, and the room for more to wait is what the open
+    sessions leave."""
+    waiting = [0]
+    c = DaemonConfig(max_mapped_bytes="100MiB")
+    q = Quotas(lambda: c, physical=16 * GiB, unmapping=lambda: waiting[0])
+    q.add(1, 7, None, 30 * MiB, 1)
+    assert q.unmap_room() == 70 * MiB
+    q.check_mapping(8, None, 70 * MiB, 1)  # fits while nothing waits
+    waiting[0] = 20 * MiB
+    with pytest.raises(LimitExceeded, match=r"closed sessions not unmapped yet 20971520"):
+        q.check_mapping(8, None, 70 * MiB, 1)
+    q.check_mapping(8, None, 50 * MiB, 1)
+    q.remove(1)
+    assert q.unmap_room() == 100 * MiB  # the bound alone: what waits is the caller's to add
+    q.add(2, 7, None, 120 * MiB, 1)  # above the bound (a lowered bound ends no session)
+    assert q.unmap_room() == 0
+
+
 def test_a_tenant_is_bounded_across_its_users():
     q = quotas(tenants={"a": TenantConfig(token="t", max_sessions=1, max_mapped_bytes="8MiB")})
     q.add(1, 10, "a", 6 * MiB, 1)
