@@ -546,6 +546,17 @@ _USE_KEYS = (
 """Per-user use reported in ``snapshot["limits"]["users"]``, as ``resource`` label values."""
 
 
+def _counter_by(name: str, text: str, label: str, counts: Mapping[str, Any]) -> Metric:
+    """A counter family with one sample per key of ``counts`` (its label ``label``), the
+    keys in order; values that are not numbers are left out."""
+    fam = CounterMetricFamily(name, text, labels=[label])
+    for key, count in sorted(counts.items()):
+        value = _number(count)
+        if value is not None:
+            fam.add_metric([str(key)], value)
+    return fam
+
+
 def _limit_families(limits: Mapping[str, Any]) -> Iterator[Metric]:
     """The per-user bounds, each user's use of them, and the refusals they caused."""
     if not limits:
@@ -591,30 +602,23 @@ def _limit_families(limits: Mapping[str, Any]) -> Iterator[Metric]:
             "(counted with kvtier_mapped_bytes against max_mapped_bytes).",
             value=pending,
         )
-    unmaps = CounterMetricFamily(
+    unmaps = _counter_by(
         "kvtier_unmaps",
         "Closed sessions' engine memories unmapped, by where: thread (the unmap thread, off "
         "the event loop), at_once (no room under max_mapped_bytes for them to wait).",
-        labels=["on"],
+        "on",
+        _section(limits, "unmaps"),
     )
-    for where, count in sorted(_section(limits, "unmaps").items()):
-        value = _number(count)
-        if value is not None:
-            unmaps.add_metric([str(where)], value)
     if unmaps.samples:
         yield unmaps
-    refusals = CounterMetricFamily(
+    yield _counter_by(
         "kvtier_limit_refusals",
         "Handovers and registrations "
         "refused because a bound was reached, by setting (memory: "
         "the daemon was short of memory or descriptors).",
-        labels=["setting"],
+        "setting",
+        _section(limits, "refusals"),
     )
-    for name, count in sorted(_section(limits, "refusals").items()):
-        value = _number(count)
-        if value is not None:
-            refusals.add_metric([str(name)], value)
-    yield refusals
     short = _number(limits.get("shortages"))
     if short is not None:
         yield CounterMetricFamily(
