@@ -36,6 +36,9 @@ private kvtierd
 - **stall**: another engine's 64-key LOOKUP p99 while this one stores 8,192-page chains
   into the full pool, against the same engine's p99 with the daemon idle
   (``stall_lookup_p99_over_idle``; :mod:`kvtier.bench.scale.stall`).
+- **leave**: another engine's worst 64-key LOOKUP in the second after an engine of 2 GiB of
+  KV memory, every page of it stored, UNREGISTERs, against its p99 before
+  (``leave_lookup_max_after_over_p99_before``; :mod:`kvtier.bench.scale.leave`).
 - **a million pages** in a second daemon (:mod:`kvtier.bench.scale.million`).
 
 ``--quick`` runs tiny sizes (N up to 2, a small "million" pool) in seconds; the field
@@ -67,6 +70,7 @@ from kvtier.bench.scale.baselines import (
     memcpy_gbps,
     p50,
 )
+from kvtier.bench.scale.leave import run_leave
 from kvtier.bench.scale.million import run_million
 from kvtier.bench.scale.report import plot, print_table
 from kvtier.bench.scale.stall import run_stall
@@ -96,7 +100,7 @@ SIZES = (1, 8, 64, 512)
 """Pages per transfer, as engines issue them."""
 REQUEST_PAGES = 64
 """Pages per request of the N-engine and control-plane runs."""
-PARTS = ("sizes", "engines", "control", "long", "stall", "million")
+PARTS = ("sizes", "engines", "control", "long", "stall", "leave", "million")
 """The bench's parts, in the order they run (``--only`` picks some)."""
 
 
@@ -117,6 +121,8 @@ class ScaleSettings:
         long_repeats: timed LOADs of the long context.
         stall_seconds: each span of the stall part (the other engine idle, then during
             back-to-back STOREs of ``long_pages`` into the full pool; see :mod:`kvtier.bench.scale.stall`).
+        leave_bytes / leave_seconds: the KV memory of the engine that leaves, and how long
+            the other engine measures (see :mod:`kvtier.bench.scale.leave`).
         million_pages / million_batch / million_samples: see :func:`run_million`.
         pool_bytes / extent_bytes: the main daemon's host pool.
         copy_threads: the daemons' ``--copy-threads`` (and the memcpy baselines' threads).
@@ -134,6 +140,8 @@ class ScaleSettings:
     long_pages: int = 8192
     long_repeats: int = 5
     stall_seconds: float = 5.0
+    leave_bytes: int = 2 << 30
+    leave_seconds: float = 3.0
     million_pages: int = 1_000_000
     million_batch: int = 1024
     million_samples: int = 500
@@ -162,6 +170,8 @@ class ScaleSettings:
             "long_pages": 256,
             "long_repeats": 2,
             "stall_seconds": 1.0,
+            "leave_bytes": 64 << 20,
+            "leave_seconds": 1.0,
             "million_pages": 4096,
             "million_batch": 512,
             "million_samples": 30,
@@ -237,6 +247,12 @@ def run_scale_bench(settings: ScaleSettings) -> dict[str, Any]:
                         s.pool_bytes,
                         s.stall_seconds,
                         s.timeout_s,
+                    )
+                )
+            if "leave" in s.parts:
+                out.update(
+                    run_leave(
+                        daemon, root, cfg, GEOMETRY, s.leave_bytes, s.leave_seconds, s.timeout_s
                     )
                 )
         finally:

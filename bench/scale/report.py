@@ -23,6 +23,7 @@ RATIOS = (
     "lookup_8192_over_echo",
     "load_8192_over_memcpy",
     "stall_lookup_p99_over_idle",
+    "leave_lookup_max_after_over_p99_before",
     "million_lookup_p50_over_small",
 )
 """The scalar ratios (``l2_aggregate_over_memcpy`` is a dict of them, one per N)."""
@@ -134,6 +135,14 @@ def _rows(r: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             "",
             "",
         ),
+        (
+            f"64-key lookup, worst in the second after an engine of "
+            f"{r['leave_engine_bytes'] >> 20} MiB leaves vs p99 before, us",
+            f"{r['leave_lookup_max_after_us']:.0f}",
+            f"{r['leave_lookup_p99_before_us']:.0f}",
+            f"{r['leave_lookup_max_after_over_p99_before']:.2f}",
+        ),
+        ("that engine's UNREGISTER, ms", f"{r['leave_unregister_ms']:.1f}", "", ""),
         (
             f"{r['million_pages']} pages: lookup p50 vs small pool, us",
             f"{r['million_lookup_p50_us']:.0f}",

@@ -58,6 +58,11 @@ FIGURES = (
     "stall_lookup_busy_us_p99",
     "stall_lookup_p99_over_idle",
     "stall_stores",
+    "leave_engine_bytes",
+    "leave_unregister_ms",
+    "leave_lookup_p99_before_us",
+    "leave_lookup_max_after_us",
+    "leave_lookup_max_after_over_p99_before",
 )
 PER_SIZE = (
     "transfer_store_us_p50",
