@@ -70,21 +70,43 @@
 
 static int have_avx2 = 0;
 
+/* One 128-byte line group of the source at s + off, streamed to d + off. */
+#define STREAM128(d, s, off)                                                           \
+    do {                                                                               \
+        __m256i a_ = _mm256_loadu_si256((const __m256i *)((s) + (off)));               \
+        __m256i b_ = _mm256_loadu_si256((const __m256i *)((s) + (off) + 32));          \
+        __m256i c_ = _mm256_loadu_si256((const __m256i *)((s) + (off) + 64));          \
+        __m256i e_ = _mm256_loadu_si256((const __m256i *)((s) + (off) + 96));          \
+        _mm256_stream_si256((__m256i *)((d) + (off)), a_);                             \
+        _mm256_stream_si256((__m256i *)((d) + (off) + 32), b_);                        \
+        _mm256_stream_si256((__m256i *)((d) + (off) + 64), c_);                        \
+        _mm256_stream_si256((__m256i *)((d) + (off) + 96), e_);                        \
+    } while (0)
+
+#define BLOCK 4096
+
+/* Non-temporal copy: the destination aligned first, then blocks of 4 x 4 KiB (or 2 x 4 KiB)
+   copied together, a line group of each block in turn, so that several streams of loads
+   and stores are in flight at once (as glibc's large memcpy does), then the rest line group
+   by line group. With one stream at a time the same copy costs about a third more CPU. */
 __attribute__((target("avx2"))) static void stream_avx2(char *d, const char *s, size_t n) {
     size_t head = (32 - ((uintptr_t)d & 31)) & 31, i = 0;
     if (head > n) head = n;
     memcpy(d, s, head);
     d += head, s += head, n -= head;
-    for (; i + 128 <= n; i += 128) {
-        __m256i a = _mm256_loadu_si256((const __m256i *)(s + i));
-        __m256i b = _mm256_loadu_si256((const __m256i *)(s + i + 32));
-        __m256i c = _mm256_loadu_si256((const __m256i *)(s + i + 64));
-        __m256i e = _mm256_loadu_si256((const __m256i *)(s + i + 96));
-        _mm256_stream_si256((__m256i *)(d + i), a);
-        _mm256_stream_si256((__m256i *)(d + i + 32), b);
-        _mm256_stream_si256((__m256i *)(d + i + 64), c);
-        _mm256_stream_si256((__m256i *)(d + i + 96), e);
-    }
+    for (; n >= 4 * BLOCK; d += 4 * BLOCK, s += 4 * BLOCK, n -= 4 * BLOCK)
+        for (size_t o = 0; o < BLOCK; o += 128) {
+            STREAM128(d, s, o);
+            STREAM128(d, s, o + BLOCK);
+            STREAM128(d, s, o + 2 * BLOCK);
+            STREAM128(d, s, o + 3 * BLOCK);
+        }
+    for (; n >= 2 * BLOCK; d += 2 * BLOCK, s += 2 * BLOCK, n -= 2 * BLOCK)
+        for (size_t o = 0; o < BLOCK; o += 128) {
+            STREAM128(d, s, o);
+            STREAM128(d, s, o + BLOCK);
+        }
+    for (; i + 128 <= n; i += 128) STREAM128(d, s, i);
     memcpy(d + i, s + i, n - i);
 }
 

@@ -65,10 +65,18 @@ def test_pages_are_copied_both_ways(mapped, stream):
     assert mm[:] == bytes([7]) * (N * PAGE)
 
 
-@pytest.mark.parametrize("length", [1, 31, 127, 128, 129, 1000, 4096 + 77])
+@pytest.mark.parametrize(
+    "length",
+    [1, 31, 127, 128, 129, 1000, 4096 + 77]
+    # blocks of 4 x 4 KiB, then of 2 x 4 KiB, then line groups: each path alone, the three
+    # in turn, and the lengths around each step
+    + [2 * 4096, 2 * 4096 + 129, 4 * 4096 - 1, 4 * 4096, 4 * 4096 + 4096 + 129]
+    + [6 * 4096 + 100, 7 * 4096 + 4095, 65536, 65536 + 33, 11 * 4096 + 31],
+)
 def test_streamed_copies_are_exact_at_any_alignment_and_length(length):
-    """Non-temporal stores need aligned destinations: the unaligned head and the tail past
-    the last whole vector are copied apart; every byte lands, none around it is touched."""
+    """Non-temporal stores need aligned destinations: the unaligned head, the blocks copied
+    several at a time and the tail past the last whole vector are copied apart; every byte
+    lands, none around it is touched."""
     rng = np.random.default_rng(length)
     src = rng.integers(0, 256, 64 + 8 * (length + 64), dtype=np.uint8)
     out = np.full(64 + 8 * (length + 64), 0xAB, dtype=np.uint8)
