@@ -48,7 +48,12 @@
    it into the cache and evicting the cache's contents. For a transfer larger than the
    cache holds, that moves fewer bytes over the memory bus (two passes instead of three),
    which is what glibc's memcpy does for a single copy above its own threshold; data still
-   hot in the cache copies slower streamed, so the caller streams only large transfers. The copy
+   hot in the cache copies slower streamed, so the caller streams only large transfers.
+   With AVX2, pages go four at a time (a 128-byte line group of each in turn; within a page
+   4 KiB blocks go four at a time the same way): several streams of loads and stores in
+   flight at once cost a quarter to a third less CPU per byte than one, for pages of any
+   size. A page that faults inside such a group is found by copying the group again page by
+   page, so the count stays exact. The copy
    ends with a store fence, so the bytes are visible to other threads before the caller
    announces them.
 
@@ -137,6 +142,30 @@ static void page_copy(void *d, const void *s, size_t n, int stream) {
         stream_sse2(d, s, n);
 }
 
+/* Four pages of ``n`` bytes streamed together, a 128-byte line group of each in turn (four
+   streams of loads and stores in flight, as in stream_avx2, for pages of any size: a page
+   of a few KiB copied alone gets no such overlap). Whether it could: it needs AVX2 and
+   every destination 32-byte aligned (non-temporal stores fault otherwise); when it returns
+   0 nothing was copied. */
+__attribute__((target("avx2"))) static int stream4_avx2(char *const d[4], const char *const s[4],
+                                                         size_t n) {
+    size_t o = 0;
+    for (; o + 128 <= n; o += 128) {
+        STREAM128(d[0], s[0], o);
+        STREAM128(d[1], s[1], o);
+        STREAM128(d[2], s[2], o);
+        STREAM128(d[3], s[3], o);
+    }
+    for (int k = 0; k < 4; k++) memcpy(d[k] + o, s[k] + o, n - o);
+    return 1;
+}
+
+static int group_copy(char *const d[4], const char *const s[4], size_t n) {
+    if (!have_avx2 || (((uintptr_t)d[0] | (uintptr_t)d[1] | (uintptr_t)d[2] | (uintptr_t)d[3]) & 31))
+        return 0;
+    return stream4_avx2(d, s, n);
+}
+
 static void fence(void) { _mm_sfence(); }
 
 static void detect_cpu(void) {
@@ -147,6 +176,11 @@ static void detect_cpu(void) {
 static void page_copy(void *d, const void *s, size_t n, int stream) {
     (void)stream;
     memcpy(d, s, n);
+}
+
+static int group_copy(char *const d[4], const char *const s[4], size_t n) {
+    (void)d, (void)s, (void)n;
+    return 0;
 }
 
 static void fence(void) {}
@@ -210,19 +244,40 @@ static int addresses(PyObject *seq, const char *name, uintptr_t **out, Py_ssize_
     return 0;
 }
 
+/* Streamed copies go four pages at a time (group_copy). A fault inside a group leaves its
+   pages partly copied, so the group is copied again page by page from its first page, which
+   stops at the page that faults: the count is exact either way. */
 static Py_ssize_t guarded_copy(uintptr_t *d, uintptr_t *s, Py_ssize_t n, size_t length,
                                int stream, size_t every) {
     volatile Py_ssize_t done = 0;
+    volatile int grouped = stream, in_group = 0;
     size_t since = 0;
     sigjmp_buf env;
-    if (sigsetjmp(env, 1) == 0) {
-        guard = &env;
-        while (done < n) {
-            page_copy((void *)d[done], (const void *)s[done], length, stream);
-            done = done + 1;
-            pace(&since, length, every);
-        }
+    if (sigsetjmp(env, 1) != 0) {
+        if (!in_group) goto out;
+        in_group = 0, grouped = 0; /* again from the group's first page, one by one */
     }
+    guard = &env;
+    while (done < n) {
+        if (grouped && n - done >= 4) {
+            char *dd[4] = {(char *)d[done], (char *)d[done + 1], (char *)d[done + 2],
+                           (char *)d[done + 3]};
+            const char *ss[4] = {(const char *)s[done], (const char *)s[done + 1],
+                                 (const char *)s[done + 2], (const char *)s[done + 3]};
+            in_group = 1;
+            int ok = group_copy(dd, ss, length);
+            in_group = 0;
+            if (ok) {
+                done = done + 4;
+                pace(&since, 4 * length, every);
+                continue;
+            }
+        }
+        page_copy((void *)d[done], (const void *)s[done], length, stream);
+        done = done + 1;
+        pace(&since, length, every);
+    }
+out:
     guard = NULL;
     fence();
     return done;
@@ -273,28 +328,49 @@ enum { ROW_ADD, ROW_ENGINE, ROW_PAGES, ROW_STRIDE, ROW_LENGTH, ROW_WORDS };
 static Py_ssize_t regions_copy(char *host, const char *offs, const char *pids, const char *rows,
                                Py_ssize_t nrows, Py_ssize_t n, int to_host, int stream,
                                size_t every) {
+    /* rows in order, each row's pages four at a time when streamed (as guarded_copy) */
     volatile Py_ssize_t done = 0;
+    volatile int grouped = stream, in_group = 0;
     size_t since = 0;
     sigjmp_buf env;
-    if (sigsetjmp(env, 1) == 0) {
-        guard = &env;
-        for (Py_ssize_t r = 0; r < nrows; r++) {
-            const char *row = rows + r * ROW_WORDS * (Py_ssize_t)sizeof(int64_t);
-            Py_ssize_t add = at(row, ROW_ADD), stride = at(row, ROW_STRIDE);
-            size_t length = (size_t)at(row, ROW_LENGTH);
-            char *engine = (char *)(uintptr_t)at(row, ROW_ENGINE);
-            for (Py_ssize_t i = 0; i < n; i++) {
-                char *h = host + at(offs, i) + add;
-                char *e = engine + at(pids, i) * stride;
-                if (to_host)
-                    page_copy(h, e, length, stream);
-                else
-                    page_copy(e, h, length, stream);
-                done = done + 1;
-                pace(&since, length, every);
+    if (sigsetjmp(env, 1) != 0) {
+        if (!in_group) goto out;
+        in_group = 0, grouped = 0;
+    }
+    guard = &env;
+    for (Py_ssize_t r = n > 0 ? done / n : nrows; r < nrows; r++) {
+        const char *row = rows + r * ROW_WORDS * (Py_ssize_t)sizeof(int64_t);
+        Py_ssize_t add = at(row, ROW_ADD), stride = at(row, ROW_STRIDE);
+        size_t length = (size_t)at(row, ROW_LENGTH);
+        char *engine = (char *)(uintptr_t)at(row, ROW_ENGINE);
+        for (Py_ssize_t i = done - r * n; i < n;) {
+            if (grouped && n - i >= 4) {
+                char *h[4], *e[4];
+                for (int k = 0; k < 4; k++) {
+                    h[k] = host + at(offs, i + k) + add;
+                    e[k] = engine + at(pids, i + k) * stride;
+                }
+                in_group = 1;
+                int ok = to_host ? group_copy(h, (const char *const *)e, length)
+                                 : group_copy(e, (const char *const *)h, length);
+                in_group = 0;
+                if (ok) {
+                    i += 4, done = done + 4;
+                    pace(&since, 4 * length, every);
+                    continue;
+                }
             }
+            char *h = host + at(offs, i) + add;
+            char *e = engine + at(pids, i) * stride;
+            if (to_host)
+                page_copy(h, e, length, stream);
+            else
+                page_copy(e, h, length, stream);
+            i++, done = done + 1;
+            pace(&since, length, every);
         }
     }
+out:
     guard = NULL;
     fence();
     return done;

@@ -93,6 +93,31 @@ def test_streamed_copies_are_exact_at_any_alignment_and_length(length):
     assert (out == want).all()
 
 
+@pytest.mark.parametrize("length", [1, 100, 128, 2048, 4096 + 77, 65536])
+def test_streamed_pages_copied_four_at_a_time_land_exactly(length):
+    """Streamed pages go four at a time when all four destinations are 32-byte aligned (one
+    line group of each in turn), else one by one: 9 pages make two groups and one alone,
+    and a group with one unaligned destination goes page by page; every byte lands, none
+    around it is touched."""
+    rng = np.random.default_rng(length)
+    gap = length + 96
+    src = rng.integers(0, 256, 32 + 12 * gap, dtype=np.uint8)
+    step = (gap + 31) // 32 * 32
+    out = np.full(128 + 12 * step, 0xAB, dtype=np.uint8)
+    base = out.ctypes.data + (-out.ctypes.data % 64)
+    slots = list(rng.permutation(12)[:9])  # destinations in any order, 32-byte aligned
+    for batch in ([0] * 9, [0, 0, 8, 0] + [0] * 5):  # then page 2's destination unaligned
+        out[:] = 0xAB
+        dsts = [base + int(k) * step + sh for k, sh in zip(slots, batch)]
+        srcs = [src.ctypes.data + 5 + i * gap for i in range(9)]
+        assert guarded_copy.copy_pages(dsts, srcs, length, True) == 9
+        want = np.full_like(out, 0xAB)
+        for d, s_ in zip(dsts, srcs):
+            a, b = d - out.ctypes.data, s_ - src.ctypes.data
+            want[a : a + length] = src[b : b + length]
+        assert (out == want).all()
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["memcpy", "stream"])
 def test_a_shrunken_mapping_stops_the_copy_where_it_faults_from_any_thread(mapped, stream):
     fd, _, view = mapped
@@ -379,6 +404,38 @@ def test_region_tables_copy_each_row_as_a_strided_copy_would(mapped, stream):
         ) == 4 * len(pids)
         assert np.array_equal(got, want)
         assert np.array_equal(np.frombuffer(mm, dtype=np.uint8), want_engine)
+
+
+@strided
+@pytest.mark.parametrize("to_host", [True, False], ids=["store", "load"])
+def test_a_region_table_that_faults_inside_a_group_counts_exactly(mapped, to_host):
+    """Streamed pages go four at a time; a page that faults inside a group leaves the group
+    partly copied, so it is copied again page by page: the count names the page that faulted
+    (here row 1's fourth page), and every page before it is whole."""
+    fd, mm, view = mapped
+    offsets = np.arange(5, dtype=np.int64) * PAGE
+    pids = np.arange(5, dtype=np.int64)
+    base = view.ctypes.data
+    # row 0: the first ROW bytes of engine pages 0..4; row 1: the next ROW bytes of pages 2..6
+    rows = [(0, base, N, PAGE, ROW), (ROW, base + 2 * PAGE + ROW, N - 3, PAGE, ROW)]
+    arena = np.random.default_rng(5).integers(0, 256, 8 * PAGE, dtype=np.uint8)
+    host0, engine0 = arena.tobytes(), mm[: 5 * PAGE]
+    os.ftruncate(fd, 5 * PAGE)  # row 1's fourth page is engine page 5: gone
+    got = guarded_copy.copy_regions(
+        arena.ctypes.data, arena.size, offsets, pids, table_of(rows), to_host, True
+    )
+    assert got == 5 + 3
+    host, engine = arena.tobytes(), mm[: 5 * PAGE]  # (a repr of the mapping would fault)
+    copied = [(0, p, p) for p in range(5)] + [(ROW, p, p + 2) for p in range(3)]
+    for add, slot, page in copied:
+        h, e = slot * PAGE + add, page * PAGE + add
+        if to_host:
+            assert host[h : h + ROW] == engine0[e : e + ROW], (add, slot)
+        else:
+            assert engine[e : e + ROW] == host0[h : h + ROW], (add, slot)
+    if to_host:  # row 1's slot 3, whose page faulted, keeps what it held
+        h = 3 * PAGE + ROW
+        assert host[h : h + ROW] == host0[h : h + ROW]
 
 
 @strided
