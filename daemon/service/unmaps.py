@@ -9,7 +9,12 @@ whenever one engine leaves. :class:`Unmaps` does it on a thread of its own inste
 memory after another, first emptying the mapping's page tables a step at a time
 (:func:`~kvtier.daemon.transfer.prefault.drop_page_tables`): a whole ``munmap`` would hold
 the process's memory map for its whole length, and the event loop waits for that too
-whenever it maps or unmaps memory of its own.
+whenever it maps or unmaps memory of its own. The thread runs at nice :data:`UNMAP_NICE`:
+unmapping and closing an engine's memory is kernel work of tens of milliseconds (the last
+close of a memfd frees its pages), and a thread that wakes up on the same CPU (the event
+loop, an engine answering its own request) would otherwise wait for the end of the unmap
+thread's time slice, even with another CPU idle. The unmap is never urgent: what waits
+counts against the address-space bound (below), not against anyone's latency.
 
 A closing memory's prefault is stopped at once, on the caller's thread (it waits for one
 step at most): no thread builds page tables the unmap would then empty. What waits to be
@@ -28,9 +33,14 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
-__all__ = ["Closable", "Unmaps"]
+from kvtier.daemon.transfer.cpu_priority import lower_this_thread
+
+__all__ = ["UNMAP_NICE", "Closable", "Unmaps"]
 
 log = logging.getLogger("kvtier.daemon")
+
+UNMAP_NICE = 19
+"""The unmap thread's nice value."""
 
 
 class Closable(Protocol):
@@ -76,7 +86,9 @@ class Unmaps:
             queue = not self._closed and self.pending_bytes + nbytes <= self._room()
             if queue:
                 if self._pool is None:
-                    self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-unmap")
+                    self._pool = ThreadPoolExecutor(
+                        1, thread_name_prefix="kvtier-unmap", initializer=_lowest_priority
+                    )
                 self._pool.submit(self._run, memory, nbytes)
                 self.pending_bytes += nbytes
                 self.queued += 1
@@ -100,6 +112,11 @@ class Unmaps:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
+
+
+def _lowest_priority() -> None:
+    """The unmap thread's nice value: UNMAP_NICE."""
+    lower_this_thread(UNMAP_NICE)
 
 
 def _close(memory: Closable) -> None:

@@ -1,6 +1,7 @@
 """A real kvtierd's threads as the kernel sees them (``/proc``): its copy threads run at
-``copy_nice``, every other thread at the process's own nice value, and its event loop and
-ZeroMQ I/O thread ask for ``loop_slice_us``."""
+``copy_nice``, every other thread at the process's own nice value (the unmap thread, made
+when a session first ends, at nice 19: ``tests/unit/test_unmaps.py``), and its event loop
+and ZeroMQ I/O thread ask for ``loop_slice_us``."""
 
 from __future__ import annotations
 

@@ -12,10 +12,11 @@ unmaps a closed session's memory).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 import pytest
-from kvtier.daemon.service.unmaps import Unmaps
+from kvtier.daemon.service.unmaps import UNMAP_NICE, Unmaps
 
 WAIT_S = 10.0
 
@@ -38,6 +39,7 @@ class Memory:
         self.fail_drop = fail_drop
         self.stopped_on: int | None = None
         self.closed_on: int | None = None
+        self.nice: int | None = None  # the closing thread's
         self.closed = threading.Event()
         self.order: list[str] = []
 
@@ -55,6 +57,7 @@ class Memory:
             assert self.gate.wait(WAIT_S)
         self.order.append("close")
         self.closed_on = threading.get_ident()
+        self.nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
         self.closed.set()
         if self.fail:
             raise OSError("munmap failed")
@@ -97,6 +100,20 @@ def test_close_returns_before_the_memory_is_unmapped_on_its_thread(unmaps):
     assert m.closed_on != threading.get_ident()
     assert m.order == ["stop", "drop", "close"]  # page tables emptied: the unmap has none
     assert u.pending_bytes == 0
+
+
+def test_the_unmap_thread_runs_at_the_lowest_priority_and_its_caller_keeps_its_own(unmaps):
+    """A waking thread (the event loop, an engine) gets the CPU from the unmap thread at
+    once, instead of waiting for the end of its time slice while the kernel frees memory."""
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    if base >= UNMAP_NICE:
+        pytest.skip(f"the tests run at nice {base} already")
+    u = unmaps()
+    m = Memory(1 << 20)
+    u.close(m)
+    u.shutdown()
+    assert m.closed_on != threading.get_ident() and m.nice == UNMAP_NICE
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base
 
 
 def test_memories_are_unmapped_one_after_another_in_order(unmaps):
