@@ -256,6 +256,7 @@ static Py_ssize_t guarded_copy(uintptr_t *d, uintptr_t *s, Py_ssize_t n, size_t 
     if (sigsetjmp(env, 1) != 0) {
         if (!in_group) goto out;
         in_group = 0, grouped = 0; /* again from the group's first page, one by one */
+        since = 0;                 /* (not volatile: its value is lost with the jump) */
     }
     guard = &env;
     while (done < n) {
@@ -336,6 +337,7 @@ static Py_ssize_t regions_copy(char *host, const char *offs, const char *pids, c
     if (sigsetjmp(env, 1) != 0) {
         if (!in_group) goto out;
         in_group = 0, grouped = 0;
+        since = 0;
     }
     guard = &env;
     for (Py_ssize_t r = n > 0 ? done / n : nrows; r < nrows; r++) {
