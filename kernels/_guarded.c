@@ -4,7 +4,9 @@
        For each i, memcpy(dsts[i], srcs[i], length) (addresses as ints), with the GIL
        released. Returns how many pages were copied: len(dsts) when all were, fewer when a
        page faulted with SIGBUS (a shared mapping whose file shrank under it: an engine
-       truncated the memfd it handed over). The copy stops there; nothing else happens.
+       truncated the memfd it handed over). The copy stops there: pages before the count
+       are whole; a streamed copy may have written part of the (at most three) pages after
+       the one that faulted, which went in the same group of four (see ``stream``).
 
    Why: an engine's memfd that is not sealed against shrinking (SGLang creates its host
    pool's without MFD_ALLOW_SEALING) can be truncated at any time by its owner. A plain copy
@@ -190,6 +192,10 @@ static void detect_cpu(void) {}
 
 static __thread sigjmp_buf *guard = NULL;
 
+/* No memory access moves across it: ``in_group`` is set before every access of a group
+   copy and cleared after the last, even were the copy inlined. */
+#define BARRIER() __asm__ volatile("" ::: "memory")
+
 /* Yield the CPU once ``*since`` (bytes copied since the last yield, plus ``n``) reaches
    ``every`` (0: never). */
 static inline void pace(size_t *since, size_t n, size_t every) {
@@ -266,7 +272,9 @@ static Py_ssize_t guarded_copy(uintptr_t *d, uintptr_t *s, Py_ssize_t n, size_t 
             const char *ss[4] = {(const char *)s[done], (const char *)s[done + 1],
                                  (const char *)s[done + 2], (const char *)s[done + 3]};
             in_group = 1;
+            BARRIER();
             int ok = group_copy(dd, ss, length);
+            BARRIER();
             in_group = 0;
             if (ok) {
                 done = done + 4;
@@ -353,8 +361,10 @@ static Py_ssize_t regions_copy(char *host, const char *offs, const char *pids, c
                     e[k] = engine + at(pids, i + k) * stride;
                 }
                 in_group = 1;
+                BARRIER();
                 int ok = to_host ? group_copy(h, (const char *const *)e, length)
                                  : group_copy(e, (const char *const *)h, length);
+                BARRIER();
                 in_group = 0;
                 if (ok) {
                     i += 4, done = done + 4;

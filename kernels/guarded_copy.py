@@ -77,7 +77,9 @@ def copy_pages(
 
     Returns:
         Pages copied: all of them, or fewer when a page faulted (its mapping's file shrank);
-        the copy stopped there.
+        the copy stopped there. Pages before the count are whole; a streamed copy, which
+        goes four pages at a time, may have written part of the pages after the faulting
+        one in its group of four.
 
     Raises:
         RuntimeError: guarded copies are not in use (check :func:`available` first).
