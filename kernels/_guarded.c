@@ -53,7 +53,7 @@
    hot in the cache copies slower streamed, so the caller streams only large transfers.
    With AVX2, pages go four at a time (a 128-byte line group of each in turn; within a page
    4 KiB blocks go four at a time the same way): several streams of loads and stores in
-   flight at once cost a quarter to a third less CPU per byte than one, for pages of any
+   flight at once cost less CPU per byte than one stream, for pages of any
    size. A page that faults inside such a group is found by copying the group again page by
    page, so the count stays exact. The copy
    ends with a store fence, so the bytes are visible to other threads before the caller
@@ -95,7 +95,8 @@ static int have_avx2 = 0;
 /* Non-temporal copy: the destination aligned first, then blocks of 4 x 4 KiB (or 2 x 4 KiB)
    copied together, a line group of each block in turn, so that several streams of loads
    and stores are in flight at once (as glibc's large memcpy does), then the rest line group
-   by line group. With one stream at a time the same copy costs about a third more CPU. */
+   by line group. One stream at a time leaves the memory system waiting: the same copy
+   costs more CPU. */
 __attribute__((target("avx2"))) static void stream_avx2(char *d, const char *s, size_t n) {
     size_t head = (32 - ((uintptr_t)d & 31)) & 31, i = 0;
     if (head > n) head = n;

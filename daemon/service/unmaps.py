@@ -10,7 +10,7 @@ memory after another, first emptying the mapping's page tables a step at a time
 (:func:`~kvtier.daemon.transfer.prefault.drop_page_tables`): a whole ``munmap`` would hold
 the process's memory map for its whole length, and the event loop waits for that too
 whenever it maps or unmaps memory of its own. The thread runs at nice :data:`UNMAP_NICE`:
-unmapping and closing an engine's memory is kernel work of tens of milliseconds (the last
+unmapping and closing an engine's memory is kernel work that grows with its size (the last
 close of a memfd frees its pages), and a thread that wakes up on the same CPU (the event
 loop, an engine answering its own request) would otherwise wait for the end of the unmap
 thread's time slice, even with another CPU idle. The unmap is never urgent: what waits
