@@ -52,9 +52,28 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["KvtierConnector"]
+__all__ = ["KvtierConnector", "allow_amx"]
 
 log = logging.getLogger("kvtier.vllm")
+
+
+def allow_amx() -> bool:
+    """Ask Linux for this process's AMX tile state, where the CPU has AMX; whether it is
+    granted (False without AMX).
+
+    vLLM's CPU attention runs AMX tile instructions (bfloat16 KV, blocks of a multiple of
+    32 tokens) over cached context without asking for the tile state, and Linux gives it
+    only to a process that asked (``arch_prctl(ARCH_REQ_XCOMP_PERM)``, which torch's
+    ``_init_amx`` makes): the first tile instruction of one that has not ends it with
+    SIGILL. With the connector, a fresh engine's first request can be a hit loaded from
+    kvtierd, its first forward pass then attends over cached context before anything in
+    the process has asked, and the engine dies in ``cpu_attention_with_kv_cache``.
+    """
+    supported = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    init = getattr(torch.cpu, "_init_amx", None)
+    if supported is None or init is None or not supported():
+        return False
+    return bool(init())
 
 
 class KvtierConnector(KVConnectorBase_V1):
@@ -103,6 +122,8 @@ class KvtierConnector(KVConnectorBase_V1):
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             assert kv_cache_config is not None
+            if platform == "cpu":
+                allow_amx()
             worker = StagedWorkerSide if self.copy_mode == "engine" else WorkerSide
             self._worker = worker(
                 geometry,
