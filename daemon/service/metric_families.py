@@ -586,22 +586,24 @@ def _limit_families(limits: Mapping[str, Any]) -> Iterator[Metric]:
                 if value is not None:
                     use.add_metric([str(uid), key], value)
     yield use
-    mapped = _number(limits.get("mapped_bytes"))
-    if mapped is not None:
-        yield GaugeMetricFamily(
+    simple = (
+        (
             "kvtier_mapped_bytes",
             "Bytes of engine memory open sessions map now, all users together (bounded, with "
             "kvtier_unmap_pending_bytes, by max_mapped_bytes).",
-            value=mapped,
-        )
-    pending = _number(limits.get("unmap_pending_bytes"))
-    if pending is not None:
-        yield GaugeMetricFamily(
+            "mapped_bytes",
+        ),
+        (
             "kvtier_unmap_pending_bytes",
             "Bytes of closed sessions' engine memory waiting to be unmapped off the event loop "
             "(counted with kvtier_mapped_bytes against max_mapped_bytes).",
-            value=pending,
-        )
+            "unmap_pending_bytes",
+        ),
+    )
+    for name, text, key in simple:
+        value = _number(limits.get(key))
+        if value is not None:
+            yield GaugeMetricFamily(name, text, value=value)
     unmaps = _counter_by(
         "kvtier_unmaps",
         "Closed sessions' engine memories unmapped, by where: thread (the unmap thread, off "
