@@ -16,7 +16,9 @@ with its loads and stores going through staging slots:
   waits for the copy before the request is reported loaded;
 - a store: ``wait_for_save`` marks the compute stream (the forward wrote the blocks); on the
   I/O thread the blocks are copied device → host into slots after that mark, then STOREd
-  from the slots, at most half the area per STORE.
+  from the slots, at most half the area per STORE. Each STORE carries vLLM's hashes of its
+  blocks and, once it ended, they are published on vLLM's KV event stream as in the
+  daemon copy mode (:mod:`~kvtier.client.adapters.vllm.events`).
 
 Slots are waited for at most ``staging_wait_s``; past it a load is recomputed and a store
 dropped. One kvtier page is one vLLM block: per layer, the block in vLLM's logical order
@@ -278,12 +280,15 @@ class StagedWorkerSide(WorkerSide):
                 return
             handle: TransferHandle | None = None
             ok = False
+            eng, tokens = self._engine_blocks(spec, at, len(blocks))
             try:
                 self.copier.to_host(slots, blocks, after=marker).synchronize()
-                handle = conn.store(page_keys, slots, parent_key=parent)
+                handle = conn.store(page_keys, slots, parent_key=parent, engine=eng)
                 ok = handle.wait()
             finally:
                 self._release(slots, handle, ok or handle is None or not handle.writing)
+            if ok:
+                self._advertise(spec, at, handle.count, tokens)
             if not ok or handle.count < len(blocks):
                 return  # the chain is broken: later pages would have no parent in L2
             parent = page_keys[-1]

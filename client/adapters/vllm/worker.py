@@ -344,27 +344,46 @@ class WorkerSide:
             return
         keys = self._keys(conn, spec)
         parent = keys[spec.start - 1] if spec.start else None
-        bs, n = self.geometry.page_size, len(spec.block_ids)
-        tokens = [int(t) for t in spec.tokens[spec.start * bs : (spec.start + n) * bs]]
-        eng = (
-            P.EngineBlocks(
-                hashes=spec.block_hashes,
-                parent=spec.parent_hash,
-                token_ids=P.pack_tokens(tokens),
-                block_size=bs,
-                lora_name=spec.lora_name,
-            )
-            if spec.block_hashes
-            else None
-        )
+        eng, tokens = self._engine_blocks(spec, 0, len(spec.block_ids))
         h = conn.store(keys[spec.start :], spec.block_ids, parent_key=parent, engine=eng)
-        if h.wait() and h.count and spec.block_hashes:  # kvtierd holds the leading h.count
+        if h.wait():
+            self._advertise(spec, 0, h.count, tokens)
+
+    def _engine_blocks(
+        self, spec: StoreSpec, at: int, n: int
+    ) -> tuple[P.EngineBlocks | None, list[int]]:
+        """vLLM's view of the ``n`` pages of ``spec`` from its ``at``-th on: the
+        ``EngineBlocks`` a STORE of them carries (kvtierd's KV events name them with vLLM's
+        hashes; None when vLLM does not hash blocks), and their tokens."""
+        bs = self.geometry.page_size
+        first = spec.start + at
+        tokens = [int(t) for t in spec.tokens[first * bs : (first + n) * bs]]
+        if not spec.block_hashes:
+            return None, tokens
+        eng = P.EngineBlocks(
+            hashes=spec.block_hashes[at : at + n],
+            parent=self._parent_hash(spec, at),
+            token_ids=P.pack_tokens(tokens),
+            block_size=bs,
+            lora_name=spec.lora_name,
+        )
+        return eng, tokens
+
+    @staticmethod
+    def _parent_hash(spec: StoreSpec, at: int) -> Any:
+        """vLLM's hash of the block before the ``at``-th page of ``spec``."""
+        return spec.block_hashes[at - 1] if at else spec.parent_hash
+
+    def _advertise(self, spec: StoreSpec, at: int, count: int, tokens: list[int]) -> None:
+        """Publish (vLLM's KV event stream, medium ``KVTIER``) that kvtierd holds ``count``
+        pages of ``spec`` from its ``at``-th on, whose tokens begin ``tokens``."""
+        if count and spec.block_hashes:
             self.events.add(
                 stored_event(
-                    spec.block_hashes[: h.count],
-                    spec.parent_hash,
-                    tokens[: h.count * bs],
-                    bs,
+                    spec.block_hashes[at : at + count],
+                    self._parent_hash(spec, at),
+                    tokens[: count * self.geometry.page_size],
+                    self.geometry.page_size,
                     spec.lora_name,
                 )
             )

@@ -6,6 +6,7 @@ advertising them after the engine dropped them and after it restarted."""
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from pathlib import Path
 
@@ -158,12 +159,19 @@ def test_every_kvtierd_event_decodes_with_vllms_types(daemon_factory, short_tmp)
         pool.close()
 
 
-def _engine(tiny_model: Path, rdir: Path, log: Path, ev: str, replay: str) -> EngineProcess:
+STAGED = {"copy_mode": "engine", "staging_pages": 6}
+"""The engine copy mode, its staging area so small that 8 blocks are stored 3 at a time."""
+
+
+def _engine(
+    tiny_model: Path, rdir: Path, log: Path, ev: str, replay: str, extra: dict | None = None
+) -> EngineProcess:
     """vLLM with prefix caching, KV events on ``ev`` (replayed on ``replay``) and the
-    kvtier connector; a KV cache of 48 blocks, so a few prompts evict the first one's."""
+    kvtier connector (``extra``: more of its config); a KV cache of 48 blocks, so a few
+    prompts evict the first one's."""
     return EngineProcess(
         tiny_model,
-        {"runtime_dir": str(rdir)},
+        {"runtime_dir": str(rdir), **(extra or {})},
         log,
         prefix_caching=True,
         kv_bytes=48 * 64 * 1024,
@@ -178,7 +186,10 @@ def _engine(tiny_model: Path, rdir: Path, log: Path, ev: str, replay: str) -> En
     ).wait_ready()
 
 
-def test_a_vllm_engine_and_kvtierd_advertise_the_same_blocks(daemon_factory, short_tmp, tiny_model):
+@pytest.mark.parametrize("extra", [{}, STAGED], ids=["daemon-copies", "engine-copies"])
+def test_a_vllm_engine_and_kvtierd_advertise_the_same_blocks(
+    daemon_factory, short_tmp, tiny_model, extra
+):
     d = daemon_factory(
         "--kv-events-endpoint",
         f"ipc://{short_tmp}/kv.sock",
@@ -187,7 +198,7 @@ def test_a_vllm_engine_and_kvtierd_advertise_the_same_blocks(daemon_factory, sho
     )
     node = RawStream(f"ipc://{short_tmp}/kv.sock", f"ipc://{short_tmp}/kvr.sock")
     vl, vlr = f"ipc://{short_tmp}/vl.sock", f"ipc://{short_tmp}/vlr.sock"
-    e = _engine(tiny_model, d.runtime_dir, short_tmp / "e0.log", vl, vlr)
+    e = _engine(tiny_model, d.runtime_dir, short_tmp / "e0.log", vl, vlr, extra)
     gpu = RawStream(vl, vlr)
     try:
         a = prompt(7, 8 * BLOCK + 1)  # 8 full blocks
@@ -199,11 +210,19 @@ def test_a_vllm_engine_and_kvtierd_advertise_the_same_blocks(daemon_factory, sho
         a_hashes = [h for ev in mine for h in ev.block_hashes][:8]
         assert len(a_hashes) == 8
         # the connector's own events: the same blocks, loadable from kvtierd
-        assert flat(of(vllm_batches, V.BlockStored, "KVTIER"))[:8] == a_hashes
+        kvtier_stored = of(vllm_batches, V.BlockStored, "KVTIER")
+        assert flat(kvtier_stored)[:8] == a_hashes
         # kvtierd's events carry the engine's hashes for the same tokens
         node_stored = of(node.batches(), V.BlockStored, "CPU")
         assert flat(node_stored)[:8] == a_hashes
-        assert node_stored[0].token_ids == a[: 8 * BLOCK]
+        for stored in (kvtier_stored, node_stored):  # one event per STORE, chained
+            firsts = [ev for ev in stored if set(ev.block_hashes) <= set(a_hashes)]
+            assert [t for ev in firsts for t in ev.token_ids] == a[: 8 * BLOCK]
+            assert [ev.parent_block_hash for ev in firsts] == [
+                None if i == 0 else a_hashes[i - 1]
+                for i in itertools.accumulate([0] + [len(ev.block_hashes) for ev in firsts[:-1]])
+            ]
+            assert len(firsts) == (3 if extra else 1)
         # other prompts fill the engine's 48 blocks: it drops a's blocks from its cache
         for s in range(6):
             e.generate([prompt(100 + s, 12 * BLOCK + 1)], max_tokens=1)
@@ -224,7 +243,7 @@ def test_a_vllm_engine_and_kvtierd_advertise_the_same_blocks(daemon_factory, sho
             }
         assert set(a_hashes) <= known
         vl2, vlr2 = f"ipc://{short_tmp}/vl2.sock", f"ipc://{short_tmp}/vlr2.sock"
-        e = _engine(tiny_model, d.runtime_dir, short_tmp / "e1.log", vl2, vlr2)
+        e = _engine(tiny_model, d.runtime_dir, short_tmp / "e1.log", vl2, vlr2, extra)
         out = e.generate([a], max_tokens=2)
         assert out[0]["cached"] == 8 * BLOCK  # and the node serves them
     finally:
