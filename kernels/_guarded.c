@@ -209,6 +209,18 @@ static inline void pace(size_t *since, size_t n, size_t every) {
 }
 static struct sigaction previous;
 
+/* After a jump out of the SIGBUS handler. The guards save no signal mask (sigsetjmp(env, 0):
+   saving it is a system call per guarded copy); the handler runs with SIGBUS unblocked
+   (SA_NODEFER), so nothing is left to restore, unless another handler, installed over ours,
+   called ours with SIGBUS blocked. SIGBUS is unblocked here for that case: a later fault
+   with it blocked would end the process. */
+static void unblock_sigbus(void) {
+    sigset_t bus;
+    sigemptyset(&bus);
+    sigaddset(&bus, SIGBUS);
+    pthread_sigmask(SIG_UNBLOCK, &bus, NULL);
+}
+
 static void on_sigbus(int sig, siginfo_t *info, void *uctx) {
     sigjmp_buf *g = guard;
     if (g != NULL) {
@@ -260,7 +272,8 @@ static Py_ssize_t guarded_copy(uintptr_t *d, uintptr_t *s, Py_ssize_t n, size_t 
     volatile int grouped = stream, in_group = 0;
     size_t since = 0;
     sigjmp_buf env;
-    if (sigsetjmp(env, 1) != 0) {
+    if (sigsetjmp(env, 0) != 0) {
+        unblock_sigbus();
         if (!in_group) goto out;
         in_group = 0, grouped = 0; /* again from the group's first page, one by one */
         since = 0;                 /* (not volatile: its value is lost with the jump) */
@@ -343,7 +356,8 @@ static Py_ssize_t regions_copy(char *host, const char *offs, const char *pids, c
     volatile int grouped = stream, in_group = 0;
     size_t since = 0;
     sigjmp_buf env;
-    if (sigsetjmp(env, 1) != 0) {
+    if (sigsetjmp(env, 0) != 0) {
+        unblock_sigbus();
         if (!in_group) goto out;
         in_group = 0, grouped = 0;
         since = 0;

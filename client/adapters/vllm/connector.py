@@ -116,7 +116,16 @@ class KvtierConnector(KVConnectorBase_V1):
             return
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(
-                geometry, self.settings, model_id, revision, pc.tensor_parallel_size
+                geometry,
+                self.settings,
+                model_id,
+                revision,
+                pc.tensor_parallel_size,
+                max_load_pages=(
+                    StagedWorkerSide.load_capacity(self.settings.staging_pages)
+                    if self.copy_mode == "engine"
+                    else None
+                ),
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -163,6 +172,14 @@ class KvtierConnector(KVConnectorBase_V1):
         except ValueError as err:
             log.warning("kvtier cannot store this KV cache (%s); the connector is off", err)
             return None
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """True: a hit in L2 loads layer by layer (``wait_for_layer_load`` before each
+        layer), and the replay of a full CUDA graph calls nothing between layers, so it
+        would run over blocks not loaded yet. vLLM then captures its graphs piecewise,
+        attention outside them."""
+        return True
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -78,6 +78,8 @@ class SchedulerSide:
         settings: the connector settings.
         model_id / revision: the namespace's model.
         tp_size: the engine's tensor-parallel size.
+        max_load_pages: the most pages one request loads (the engine copy mode's share of
+            its staging area); the rest of a longer hit is computed. None: no bound.
     """
 
     def __init__(
@@ -87,8 +89,10 @@ class SchedulerSide:
         model_id: str,
         revision: str,
         tp_size: int,
+        max_load_pages: int | None = None,
     ) -> None:
         self.geometry = geometry
+        self.max_load_pages = max_load_pages
         self.block_size = geometry.page_size
         self.settings = settings
         self.links = [
@@ -125,6 +129,8 @@ class SchedulerSide:
         conns = [link.get() for link in self.links]
         if any(conn is None for conn in conns):
             return 0, False
+        if self.max_load_pages is not None:  # what does not fit is computed, not loaded
+            pages = min(pages, local + self.max_load_pages)
         total, in_l2 = pages, pages
         for rank, conn in enumerate(conns):
             assert conn is not None

@@ -57,9 +57,12 @@ class ConnectorSettings:
             only), ``engine`` (vLLM allocates its KV cache as usual and copies pages to and
             from a staging area kvtierd maps: :mod:`kvtier.client.adapters.vllm.staged_worker`),
             or ``auto`` (default: ``daemon`` on the CPU, ``engine`` on CUDA).
-        staging_pages: pages (vLLM blocks) the staging area of ``engine`` mode holds.
-        staging_wait_s: longest wait for free staging pages; past it a load is recomputed
-            and a store dropped.
+        staging_pages: pages (vLLM blocks) the staging area of ``engine`` mode holds; a
+            request loads at most half of them (the rest of a longer hit is computed), the
+            other half is for stores.
+        staging_wait_s: longest wait of a load for free staging pages; past it the load is
+            recomputed (a store, on the I/O thread, waits longer:
+            :data:`~kvtier.client.adapters.vllm.staged_worker.STORE_SLOT_WAIT_S`).
     """
 
     client: ClientConfig

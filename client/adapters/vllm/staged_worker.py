@@ -14,14 +14,23 @@ with its loads and stores going through staging slots:
   the step ends (the copies are done by then);
 - an asynchronous load (I/O thread) loads into slots, copies every layer to the device and
   waits for the copy before the request is reported loaded;
+- every copy to the device starts after the kernels issued before its load started (an
+  event recorded on the compute stream then): they may still read the blocks it overwrites;
 - a store: ``wait_for_save`` marks the compute stream (the forward wrote the blocks); on the
   I/O thread the blocks are copied device → host into slots after that mark, then STOREd
   from the slots, at most half the area per STORE. Each STORE carries vLLM's hashes of its
   blocks and, once it ended, they are published on vLLM's KV event stream as in the
   daemon copy mode (:mod:`~kvtier.client.adapters.vllm.events`).
 
-Slots are waited for at most ``staging_wait_s``; past it a load is recomputed and a store
-dropped. One kvtier page is one vLLM block: per layer, the block in vLLM's logical order
+A request loads at most half the area (:meth:`StagedWorkerSide.load_capacity`: the scheduler
+side computes the rest of a longer hit), and a STORE takes at most the other half, so a
+layer-wise load finds its slots while a store is copied. A layer-wise load waits for slots at
+most ``staging_wait_s`` (the forward waits with it; past it the load is recomputed); a store,
+on the I/O thread, at most :data:`STORE_SLOT_WAIT_S` (past it the rest of the store is
+dropped). A copy or a daemon call that raises fails its own load or store only: the blocks
+are recomputed, and the I/O thread goes on with the next job.
+
+One kvtier page is one vLLM block: per layer, the block in vLLM's logical order
 (:func:`~kvtier.client.adapters.vllm.copy_mode.engine_parts`), so on the CPU both copy
 modes share pages (the same layout label).
 """
@@ -49,6 +58,10 @@ __all__ = ["StagedWorkerSide"]
 
 log = logging.getLogger("kvtier.vllm")
 
+STORE_SLOT_WAIT_S = 1.0
+"""Longest wait of a store for free staging slots. Stores wait on the I/O thread, not in
+the forward pass, so longer than a load may; bounded, as asynchronous loads queue behind."""
+
 
 @dataclass(slots=True)
 class _StagedLoad:
@@ -58,6 +71,7 @@ class _StagedLoad:
     handle: TransferHandle
     slots: list[int]
     started: float
+    marker: Any = None  # the compute stream when the load started (None on the CPU)
     next_layer: int = 0
     failed: bool = False
     copies: list[CopyDone] = field(default_factory=list)
@@ -72,7 +86,13 @@ class StagedWorkerSide(WorkerSide):
         self.allocation = None  # vLLM allocates its KV cache itself
         self.area: StagingArea | None = None
         self.copier: StagedCopier | None = None
-        self._markers: dict[int, Any] = {}  # id(store spec) → compute-stream event
+        self._markers: dict[int, Any] = {}  # id(I/O thread's spec) → compute-stream event
+
+    @staticmethod
+    def load_capacity(staging_pages: int) -> int:
+        """Pages one request loads at most through a staging area of ``staging_pages``: half
+        of it, the other half for a store."""
+        return max(1, staging_pages // 2)
 
     # ------------------------------------------------------------------ setup
     def register_kv_caches(
@@ -137,6 +157,13 @@ class StagedWorkerSide(WorkerSide):
         n = min(len(spec.block_ids), self.area.capacity)
         conn = self.link.get()
         slots = self.area.acquire(n, self.settings.staging_wait_s) if conn is not None else None
+        if conn is not None and slots is None:
+            log.warning(
+                "kvtier load of %s: no %d free staging pages within %.3f s; recomputed",
+                spec.req_id,
+                n,
+                self.settings.staging_wait_s,
+            )
         handle = None
         if conn is not None and slots is not None:
             try:
@@ -149,9 +176,11 @@ class StagedWorkerSide(WorkerSide):
             with self._cv:
                 self._load_errors.update(spec.block_ids)
             return
-        assert slots is not None
-        # the base class's list of this step's layer-wise loads holds staged ones here
-        self._layerwise.append(cast(Any, _StagedLoad(spec, handle, slots, started)))
+        assert slots is not None and self.copier is not None
+        # the base class's list of this step's layer-wise loads holds staged ones here; its
+        # copies wait for the kernels issued before it (they may still read those blocks)
+        marker = self.copier.compute_marker()
+        self._layerwise.append(cast(Any, _StagedLoad(spec, handle, slots, started, marker)))
 
     def _copy_layers(self, load: _StagedLoad, upto: int) -> None:
         """Issue the host → device copies of layers ``next_layer .. upto`` once the daemon
@@ -165,10 +194,18 @@ class StagedWorkerSide(WorkerSide):
             if not load.handle.wait_layer(layer):
                 load.failed = True
                 break
-            done = self.copier.to_device(
-                self.copier.parts_of(layer), load.slots[:count], load.spec.block_ids[:count]
-            )
-            done.wait_on_compute()
+            try:
+                done = self.copier.to_device(
+                    self.copier.parts_of(layer),
+                    load.slots[:count],
+                    load.spec.block_ids[:count],
+                    after=load.marker,
+                )
+                done.wait_on_compute()
+            except Exception:  # a miss, never the engine's failure (e.g. out of memory)
+                log.exception("kvtier load of %s: copy of layer %d failed", load.spec.req_id, layer)
+                load.failed = True
+                break
             load.copies.append(done)
             load.next_layer = layer + 1
 
@@ -186,10 +223,13 @@ class StagedWorkerSide(WorkerSide):
         self._layerwise.clear()
         last = self.geometry.num_layers - 1
         for load in done:
-            self._copy_layers(load, last)
-            ok = not load.failed and load.handle.wait_loaded()
-            for c in load.copies:
-                c.synchronize()
+            ok = False
+            try:
+                self._copy_layers(load, last)
+                ok = not load.failed and load.handle.wait_loaded()
+            except Exception:  # a miss, never the engine's failure; the other loads go on
+                log.exception("kvtier load of %s failed", load.spec.req_id)
+            ok = self._synchronized(load) and ok  # every load gives its slots back
             self._release(load.slots, load.handle, ok)
             spec = load.spec
             good = load.handle.count if ok else 0
@@ -212,10 +252,35 @@ class StagedWorkerSide(WorkerSide):
             else:
                 self.load_times.append(time.perf_counter() - load.started)
 
+    @staticmethod
+    def _synchronized(load: _StagedLoad) -> bool:
+        """Wait for the load's device copies; False when one failed (the blocks are then
+        recomputed; the slots are free either way, no copy still reads them)."""
+        ok = True
+        for c in load.copies:
+            try:
+                c.synchronize()
+            except Exception:
+                log.exception("kvtier load of %s: a copy to the device failed", load.spec.req_id)
+                ok = False
+        return ok
+
     # ------------------------------------------------------------------ I/O thread
+    def start_loads(self, meta: KvtierMetadata, idle: bool = False) -> None:
+        """Mark the compute stream for the asynchronous loads (their copies to the device
+        wait for the kernels issued before), then start the step's loads."""
+        if self.copier is not None and self.copier.cuda and self._io_alive():
+            specs = [s for s in meta.loads if not s.layerwise]
+            if specs:
+                marker = self.copier.compute_marker()
+                for spec in specs:
+                    self._markers[id(spec)] = marker
+        super().start_loads(meta, idle)
+
     def _load(self, spec: LoadSpec) -> list[int]:
         """Claim and load one request's pages through staging; the blocks not loaded."""
         assert self.link is not None and self.area is not None and self.copier is not None
+        marker = self._markers.pop(id(spec), None)
         conn = self.link.get()
         if conn is None:
             return list(spec.block_ids)
@@ -236,7 +301,7 @@ class StagedWorkerSide(WorkerSide):
             good = handle.count if handle.count and handle.wait_loaded() else 0
             if good:
                 self.copier.to_device(
-                    range(len(self.area.parts)), slots[:good], spec.block_ids[:good]
+                    range(len(self.area.parts)), slots[:good], spec.block_ids[:good], after=marker
                 ).synchronize()
         finally:
             self._release(slots, handle, ok=bool(good) or handle is None or not handle.count)
@@ -270,10 +335,12 @@ class StagedWorkerSide(WorkerSide):
         for at in range(0, len(spec.block_ids), step):
             blocks = spec.block_ids[at : at + step]
             page_keys = keys[spec.start + at : spec.start + at + len(blocks)]
-            slots = self.area.acquire(len(blocks), self.settings.staging_wait_s)
+            slots = self.area.acquire(
+                len(blocks), max(STORE_SLOT_WAIT_S, self.settings.staging_wait_s)
+            )
             if slots is None:
-                log.info(
-                    "kvtier store of %s: the staging area is full; %d pages dropped",
+                log.warning(
+                    "kvtier store of %s: the staging area stayed full; %d pages dropped",
                     spec.req_id,
                     len(spec.block_ids) - at,
                 )
@@ -294,8 +361,13 @@ class StagedWorkerSide(WorkerSide):
             parent = page_keys[-1]
 
     def close(self) -> None:
-        """Stop the I/O thread, unregister, then unpin and close the staging area."""
+        """Stop the I/O thread, unregister, then unpin and close the staging area (left
+        mapped when the I/O thread did not stop in time: it may still copy into it)."""
+        thread = self._thread
         super().close()
+        if thread is not None and thread.is_alive():
+            log.warning("the kvtier I/O thread did not stop; its staging area stays mapped")
+            self.area = None
         if self.area is not None:
             self.area.close()
             self.area = None

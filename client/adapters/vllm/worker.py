@@ -289,6 +289,9 @@ class WorkerSide:
                     self._store(job)
             except (KvtierError, OSError) as err:  # a miss, never the engine's failure
                 log.warning("kvtier %s of %s failed: %s", type(job).__name__, job.req_id, err)
+            except Exception:  # anything else (a device copy out of memory, a bug): the same,
+                # and the thread goes on: the jobs queued behind must end too
+                log.exception("kvtier %s of %s failed", type(job).__name__, job.req_id)
             finally:  # even on a bug: the request must not wait forever
                 self._job_ended(job, failed)
 

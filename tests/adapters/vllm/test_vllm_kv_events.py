@@ -245,7 +245,8 @@ def test_a_vllm_engine_and_kvtierd_advertise_the_same_blocks(
         vl2, vlr2 = f"ipc://{short_tmp}/vl2.sock", f"ipc://{short_tmp}/vlr2.sock"
         e = _engine(tiny_model, d.runtime_dir, short_tmp / "e1.log", vl2, vlr2, extra)
         out = e.generate([a], max_tokens=2)
-        assert out[0]["cached"] == 8 * BLOCK  # and the node serves them
+        # and the node serves them (a staged load takes at most half the area: 3 pages)
+        assert out[0]["cached"] == (3 if extra else 8) * BLOCK
     finally:
         e.close()
         gpu.close()
