@@ -175,11 +175,11 @@ class KvtierConnector(KVConnectorBase_V1):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        """True: a hit in L2 loads layer by layer (``wait_for_layer_load`` before each
-        layer), and the replay of a full CUDA graph calls nothing between layers, so it
-        would run over blocks not loaded yet. vLLM then captures its graphs piecewise,
-        attention outside them."""
-        return True
+        """True unless ``layerwise_loads`` is off: a hit in L2 then loads layer by layer
+        (``wait_for_layer_load`` before each layer), and the replay of a full CUDA graph
+        calls nothing between layers, so it would run over blocks not loaded yet. vLLM then
+        captures its graphs piecewise, attention outside them."""
+        return (extra_config or {}).get("layerwise_loads", True) is not False
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -78,8 +78,10 @@ class SchedulerSide:
         settings: the connector settings.
         model_id / revision: the namespace's model.
         tp_size: the engine's tensor-parallel size.
-        max_load_pages: the most pages one request loads (the engine copy mode's share of
-            its staging area); the rest of a longer hit is computed. None: no bound.
+        max_load_pages: the most pages loaded at once (the engine copy mode's share of its
+            staging area): by one request, and by the layer-wise loads of one step together
+            (they hold their pages until the step ends); the rest of a longer hit is
+            computed. None: no bound.
     """
 
     def __init__(
@@ -93,6 +95,14 @@ class SchedulerSide:
     ) -> None:
         self.geometry = geometry
         self.max_load_pages = max_load_pages
+        self._step_pages = 0  # pages of this step's layer-wise loads, planned so far
+        if max_load_pages is not None and max_load_pages < settings.min_load_pages:
+            log.warning(
+                "kvtier loads at most %d pages at once (half of staging_pages) and "
+                "min_load_pages is %d: nothing will be loaded",
+                max_load_pages,
+                settings.min_load_pages,
+            )
         self.block_size = geometry.page_size
         self.settings = settings
         self.links = [
@@ -146,6 +156,10 @@ class SchedulerSide:
             if total - local < self.settings.min_load_pages:
                 return 0, False
         layerwise = self.settings.layerwise_loads and in_l2 >= total
+        if layerwise and self.max_load_pages is not None:  # what this step's loads have left
+            total = min(total, local + max(0, self.max_load_pages - self._step_pages))
+            if total - local < self.settings.min_load_pages:
+                return 0, False
         self._hits[request.request_id] = _Hit(
             local=local, total=total, in_l2=in_l2, seed=seed, keys=keys[:total], layerwise=layerwise
         )
@@ -190,6 +204,8 @@ class SchedulerSide:
             )
         )
         hit.total = total
+        if hit.layerwise:
+            self._step_pages += total - hit.local
         tracked.stored = max(tracked.stored, hit.total)
         tracked.load_start, tracked.in_l2, tracked.load_blocks = hit.local, hit.in_l2, set(blocks)
 
@@ -201,6 +217,7 @@ class SchedulerSide:
             loads=self._loads, preempted=sorted(scheduler_output.preempted_req_ids or ())
         )
         self._loads = []
+        self._step_pages = 0
         bs = self.block_size
         for rid, n_new in scheduler_output.num_scheduled_tokens.items():
             t = self._tracked.get(rid)

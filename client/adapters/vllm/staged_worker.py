@@ -153,9 +153,16 @@ class StagedWorkerSide(WorkerSide):
     def _start_layerwise(self, spec: LoadSpec) -> None:
         """Take slots and send the LOAD into them; the forward copies them per layer."""
         started = time.perf_counter()
-        assert self.link is not None and self.area is not None
+        assert self.link is not None and self.area is not None and self.copier is not None
         n = min(len(spec.block_ids), self.area.capacity)
         conn = self.link.get()
+        marker = None
+        if conn is not None:
+            try:  # the copies wait for the kernels issued before the load (they may read
+                marker = self.copier.compute_marker()  # the blocks it overwrites)
+            except Exception:
+                log.exception("kvtier load of %s: no event on the compute stream", spec.req_id)
+                conn = None
         slots = self.area.acquire(n, self.settings.staging_wait_s) if conn is not None else None
         if conn is not None and slots is None:
             log.warning(
@@ -176,10 +183,8 @@ class StagedWorkerSide(WorkerSide):
             with self._cv:
                 self._load_errors.update(spec.block_ids)
             return
-        assert slots is not None and self.copier is not None
-        # the base class's list of this step's layer-wise loads holds staged ones here; its
-        # copies wait for the kernels issued before it (they may still read those blocks)
-        marker = self.copier.compute_marker()
+        assert slots is not None
+        # the base class's list of this step's layer-wise loads holds staged ones here
         self._layerwise.append(cast(Any, _StagedLoad(spec, handle, slots, started, marker)))
 
     def _copy_layers(self, load: _StagedLoad, upto: int) -> None:
@@ -226,7 +231,8 @@ class StagedWorkerSide(WorkerSide):
             ok = False
             try:
                 self._copy_layers(load, last)
-                ok = not load.failed and load.handle.wait_loaded()
+                # the handle ends (its completion slot comes back) even when a copy failed
+                ok = load.handle.wait_loaded() and not load.failed
             except Exception:  # a miss, never the engine's failure; the other loads go on
                 log.exception("kvtier load of %s failed", load.spec.req_id)
             ok = self._synchronized(load) and ok  # every load gives its slots back
@@ -335,6 +341,7 @@ class StagedWorkerSide(WorkerSide):
         for at in range(0, len(spec.block_ids), step):
             blocks = spec.block_ids[at : at + step]
             page_keys = keys[spec.start + at : spec.start + at + len(blocks)]
+            eng, tokens = self._engine_blocks(spec, at, len(blocks))
             slots = self.area.acquire(
                 len(blocks), max(STORE_SLOT_WAIT_S, self.settings.staging_wait_s)
             )
@@ -347,7 +354,6 @@ class StagedWorkerSide(WorkerSide):
                 return
             handle: TransferHandle | None = None
             ok = False
-            eng, tokens = self._engine_blocks(spec, at, len(blocks))
             try:
                 self.copier.to_host(slots, blocks, after=marker).synchronize()
                 handle = conn.store(page_keys, slots, parent_key=parent, engine=eng)

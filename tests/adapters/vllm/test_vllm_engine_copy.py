@@ -94,6 +94,24 @@ def test_a_small_staging_area_splits_stores_and_computes_what_does_not_fit(
     assert [(len(x["block_ids"]), x["errors"]) for x in loads] == [(2, [])]
 
 
+def test_the_loads_of_one_step_share_half_the_staging_area(
+    daemon_factory, engines, reference, tiny_model
+):
+    d = daemon_factory()
+    p, q = prompt(38, 120), prompt(39, 120)  # 3 pages each
+    want = reference.generate([p, q])
+    e = engines(d.runtime_dir, staging_pages=8, **ENGINE)
+    assert same_output(e.generate([p, q]), want)
+    wait_for_pages(d.runtime_dir, tiny_model, p, 3)
+    wait_for_pages(d.runtime_dir, tiny_model, q, 3)
+    fresh = engines(d.runtime_dir, staging_pages=8, **ENGINE)
+    out = fresh.generate([p, q])  # one step: 4 pages for both loads, the rest computed
+    assert same_output(out, want)
+    assert sorted(o["cached"] for o in out) == [1 * BLOCK, 3 * BLOCK]
+    loads = fresh.loads()
+    assert sorted((len(x["block_ids"]), x["errors"]) for x in loads) == [(1, []), (3, [])]
+
+
 def test_both_copy_modes_share_pages(daemon_factory, engines, reference, tiny_model):
     d = daemon_factory()
     p, q = prompt(36, 150), prompt(37, 140)

@@ -101,6 +101,9 @@ def test_a_copy_that_raises_fails_its_job_and_the_next_ones_still_run(daemon_fac
             time.sleep(0.01)
         assert "c" in loaded and not w.load_errors()
         assert all(torch.equal(t[8:11], x) for t, x in zip(layers, want))
+        assert w.area is not None
+        free = w.area.acquire(w.area.capacity, 0.0)  # the failed store's slots came back too
+        assert free is not None and len(free) == w.area.capacity
     finally:
         w.close()
 
@@ -122,7 +125,9 @@ def test_a_layerwise_load_whose_copy_raises_is_recomputed_and_frees_its_slots(da
             KvtierMetadata(loads=[LoadSpec("c", b, "", 0, [8, 9, 10], in_l2=3, layerwise=True)])
         )
         w.wait_for_layer("model.layers.0.self_attn.attn")  # raises nothing into the forward
+        handle = w._layerwise[0].handle  # type: ignore[attr-defined]
         w.get_finished(set())
+        assert handle.done  # its completion slot is the connection's again
         assert w.load_errors() == {8, 9, 10}  # vLLM recomputes them
         free = w.area.acquire(w.area.capacity, 0.0)  # every slot came back
         assert free is not None and len(free) == w.area.capacity
@@ -134,7 +139,9 @@ def test_a_layerwise_load_whose_copy_raises_is_recomputed_and_frees_its_slots(da
 def test_vllm_captures_cuda_graphs_piecewise_with_the_connector():
     """vLLM asks the connector class it resolves from the transfer config whether full CUDA
     graphs must be split (their replay would skip ``wait_for_layer_load``)."""
-    for extra in ({}, {"copy_mode": "engine"}, {"copy_mode": "daemon"}):
+    cases = [({}, True), ({"copy_mode": "engine"}, True), ({"copy_mode": "daemon"}, True)]
+    cases.append(({"layerwise_loads": False}, False))  # every load asynchronous: no waits
+    for extra, piecewise in cases:
         tc = KVTransferConfig(
             kv_connector="KvtierConnector",
             kv_connector_module_path="kvtier.client.adapters.vllm",
@@ -142,7 +149,7 @@ def test_vllm_captures_cuda_graphs_piecewise_with_the_connector():
             kv_connector_extra_config=extra,
         )
         cls = KVConnectorFactory.get_connector_class(tc)
-        assert cls.requires_piecewise_for_cudagraph(tc.kv_connector_extra_config) is True
+        assert cls.requires_piecewise_for_cudagraph(tc.kv_connector_extra_config) is piecewise
 
 
 def test_a_load_takes_at_most_half_the_staging_area():
