@@ -60,6 +60,7 @@ class Counters:
     transfers_split: int = 0  # STOREs and LOADs copied in parts by several copy threads
     transfers_shared: int = 0  # STOREs and LOADs copied half on the event loop, half on a thread
     transfers_inline: int = 0  # STOREs and LOADs copied on the event loop before the reply
+    transfers_expired: int = 0  # STOREs and LOADs whose engine stopped waiting: nothing copied
     transfers_cuda: int = 0  # STOREs and LOADs of CUDA sessions (copied on the session's stream)
     cuda_held_pages: int = 0  # host slots of failed CUDA stores kept out of use (see docs/gpu.md)
     requests_sliced: int = 0  # STOREs and LOADs of more than slice_pages pages, done in slices

@@ -185,6 +185,7 @@ class Store(_Req, tag="store", kw_only=True):
     The daemon signals completion in transfer slot ``slot`` tagged with ``seq``. The keys
     and pages may come packed instead, as for :class:`Load`. ``engine``: the engine's own
     block hashes (sent only to a daemon whose :class:`Registered` says ``kv_events``).
+    ``deadline_ns``: as for :class:`Load`.
     """
 
     session_id: U63
@@ -196,6 +197,7 @@ class Store(_Req, tag="store", kw_only=True):
     slot: Slot
     seq: U63
     engine: EngineBlocks | None = None
+    deadline_ns: U63 = 0
 
 
 class Load(_Req, tag="load", kw_only=True):
@@ -208,6 +210,12 @@ class Load(_Req, tag="load", kw_only=True):
     are then two byte strings instead of 16,384 objects to encode, decode and check. A
     request mixing the two forms is refused (``BAD_MESSAGE``), as is a packed one whose
     lengths do not make whole keys with one page each.
+
+    ``deadline_ns``: when the engine stops waiting for the reply, in ``CLOCK_MONOTONIC``
+    nanoseconds of the node (0: never). A copy that would start later starts nothing: the
+    engine, having heard no answer, may already use its pages again. Its slot shows the
+    transfer begun, then FAILED; it is begun before the clock is read, so an engine that reads
+    the slot after its deadline and does not find ``seq`` there knows no copy will run.
     """
 
     session_id: U63
@@ -217,6 +225,7 @@ class Load(_Req, tag="load", kw_only=True):
     packed_pages: PackedPages = b""  # type: ignore[assignment]
     slot: Slot
     seq: U63
+    deadline_ns: U63 = 0
 
 
 class Release(_Req, tag="release", kw_only=True):

@@ -31,6 +31,7 @@ import logging
 import os
 import secrets
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -76,6 +77,19 @@ __all__ = [
 ]
 
 log = logging.getLogger("kvtier.client")
+
+
+UNANSWERED_POLL_S = 0.001
+"""How often a transfer whose reply never came is looked at in its slot while it runs."""
+
+
+class _Unanswered(Exception):
+    """A STORE or LOAD got no reply in time (the daemon may have started it): ``slot``,
+    ``seq``."""
+
+    def __init__(self, slot: int, seq: int) -> None:
+        super().__init__(slot, seq)
+        self.slot, self.seq = slot, seq
 
 
 class Connection:
@@ -390,41 +404,103 @@ class Connection:
         n_layers = self.geometry.num_layers
         if not keys:
             return TransferHandle(None, None, -1, 0, 0, 0, n_layers)
-        with self._lock:
-            slot = self._slots.take(self._block)
-            if slot is None:
-                return TransferHandle(None, None, -1, 0, 0, 0, n_layers)
-            seq = next(self._seqs)
+        try:
+            with self._lock:
+                return self._transfer_locked(kind, keys, pages, parent_key, engine)
+        except _Unanswered as u:  # a miss, once no copy of it can run any more
+            self._settle_unanswered(u.slot, u.seq)
+        return TransferHandle(None, None, -1, 0, 0, 0, n_layers)
 
-            def make(sid: int) -> P.Request:  # called once registered (again, maybe)
-                if self._cuda is not None:  # the daemon's copies wait for the engine's work
-                    self._cuda.record_ready()
-                return transfer_request(
-                    kind, sid, keys, pages, slot, seq, self._packed_transfers, parent_key, engine
-                )
+    def _transfer_locked(
+        self,
+        kind: type[P.Store | P.Load],
+        keys: Sequence[bytes],
+        pages: Sequence[int],
+        parent_key: bytes | None,
+        engine: P.EngineBlocks | None,
+    ) -> TransferHandle:
+        n_layers = self.geometry.num_layers
+        slot = self._slots.take(self._block)
+        if slot is None:
+            return TransferHandle(None, None, -1, 0, 0, 0, n_layers)
+        seq = next(self._seqs)
 
-            epoch = self.epoch
-            accepted: type[P.StoreAccepted | P.LoadAccepted] = (
-                P.StoreAccepted if kind is P.Store else P.LoadAccepted
+        def make(sid: int) -> P.Request:  # called once registered (again, maybe)
+            if self._cuda is not None:  # the daemon's copies wait for the engine's work
+                self._cuda.record_ready()
+            # no copy starts once this call stops waiting for the reply (at least this
+            # long after the request is sent): see _settle_unanswered
+            deadline = time.monotonic_ns() + int(self.config.request_timeout_s * 1e9)
+            return transfer_request(
+                kind,
+                sid,
+                keys,
+                pages,
+                slot,
+                seq,
+                self._packed_transfers,
+                parent_key,
+                engine,
+                deadline,
             )
+
+        epoch = self.epoch
+        accepted: type[P.StoreAccepted | P.LoadAccepted] = (
+            P.StoreAccepted if kind is P.Store else P.LoadAccepted
+        )
+        try:
+            rep = self._session_call(make, accepted)
+        except (DaemonUnavailable, DaemonError, replies.UnexpectedReply) as err:
+            log.debug("%s treated as a miss: %s", kind.__name__, err)
+            if self.epoch == epoch:
+                self._slots.abandon(slot, seq)  # the daemon may still run it
+                if isinstance(err, DaemonUnavailable):
+                    raise _Unanswered(slot, seq) from err
+            return TransferHandle(None, None, -1, 0, 0, 0, n_layers)
+        if self.epoch != epoch:  # re-registered: slots were reset
+            self._slots.keep(slot)
+        if isinstance(rep, P.LoadAccepted):
+            count, writing = rep.count, rep.count
+        else:
+            count, writing = rep.count, rep.writing
+        if writing == 0:
+            self._slots.give_back(slot)
+            return TransferHandle(None, None, -1, 0, count, 0, n_layers)
+        cuda = self._cuda if kind is P.Load else None
+        return TransferHandle(self, self._block, slot, seq, count, writing, n_layers, cuda)
+
+    def _settle_unanswered(self, slot: int, seq: int) -> None:
+        """A STORE or LOAD got no reply in time: make sure no copy of it runs when the
+        caller, told it is a miss, uses its pages again.
+
+        Its ``deadline_ns`` has passed, so the daemon starts no copy of it any more (it begins
+        the slot before it reads the clock). Whether it started one before: the slot shows
+        ``seq`` running. Such a copy is waited for, without the connection's lock, until it
+        ended or the daemon is gone, at most ``load_timeout_s``; past that it is logged, and
+        the pages may still be written (a daemon stalled that long in the middle of a copy).
+        """
+        block = self._block
+        if block is None:
+            return
+
+        def running() -> bool:
             try:
-                rep = self._session_call(make, accepted)
-            except (DaemonUnavailable, DaemonError, replies.UnexpectedReply) as err:
-                log.debug("%s treated as a miss: %s", kind.__name__, err)
-                if self.epoch == epoch:
-                    self._slots.abandon(slot, seq)  # the daemon may still run it
-                return TransferHandle(None, None, -1, 0, 0, 0, n_layers)
-            if self.epoch != epoch:  # re-registered: slots were reset
-                self._slots.keep(slot)
-            if isinstance(rep, P.LoadAccepted):
-                count, writing = rep.count, rep.count
-            else:
-                count, writing = rep.count, rep.writing
-            if writing == 0:
-                self._slots.give_back(slot)
-                return TransferHandle(None, None, -1, 0, count, 0, n_layers)
-            cuda = self._cuda if kind is P.Load else None
-            return TransferHandle(self, self._block, slot, seq, count, writing, n_layers, cuda)
+                s, _, status = block.read(slot)
+            except (TypeError, ValueError, AttributeError):  # closed: re-registered
+                return False
+            return s == seq and status == TransferStatus.RUNNING and self.daemon_alive()
+
+        end = time.monotonic() + self.config.load_timeout_s
+        while running():
+            if time.monotonic() > end:
+                log.error(
+                    "kvtierd started a transfer (slot %d) whose reply never came and has not "
+                    "ended it in %.1f s; its pages may still be written",
+                    slot,
+                    self.config.load_timeout_s,
+                )
+                return
+            time.sleep(UNANSWERED_POLL_S)
 
     def _slot_done(self, slot: int, seq: int, status: TransferStatus) -> None:
         with self._lock:

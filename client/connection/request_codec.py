@@ -57,6 +57,7 @@ def transfer_request(
     packed_ok: bool,
     parent_key: bytes | None = None,
     engine: P.EngineBlocks | None = None,
+    deadline_ns: int = 0,
 ) -> P.Load | P.Store:
     """The LOAD or STORE (``kind``) of ``keys`` into or from engine ``pages``.
 
@@ -69,6 +70,8 @@ def transfer_request(
             (``Registered.packed_transfers``).
         parent_key: a STORE's key before ``keys[0]`` (None for a chain start).
         engine: a STORE's engine block hashes (:class:`~kvtier.ipc.protocol.EngineBlocks`).
+        deadline_ns: when the caller stops waiting for the reply (``CLOCK_MONOTONIC`` ns; 0:
+            never): a copy that would start later starts nothing.
 
     Returns:
         The request with ``packed_keys`` and ``packed_pages`` when allowed, every key is a
@@ -90,6 +93,9 @@ def transfer_request(
             slot=slot,
             seq=seq,
             engine=engine,
+            deadline_ns=deadline_ns,
             **body,
         )
-    return P.Load(req_id=0, session_id=session_id, slot=slot, seq=seq, **body)
+    return P.Load(
+        req_id=0, session_id=session_id, slot=slot, seq=seq, deadline_ns=deadline_ns, **body
+    )

@@ -229,7 +229,9 @@ class Handlers:
         if ctx.events is not None:  # what the BlockStored of the committed pages will say
             ctx.events.store_of(s, m, keys, None if every else [i for i, _ in allocated])
         if every:
-            self.transfers.start(s, Direction.STORE, m.slot, m.seq, host, pages, keys)
+            self.transfers.start(
+                s, Direction.STORE, m.slot, m.seq, host, pages, keys, deadline_ns=m.deadline_ns
+            )
         else:
             idx = [i for i, _ in allocated]
             self.transfers.start(
@@ -240,6 +242,7 @@ class Handlers:
                 host,
                 [pages[i] for i in idx],
                 [keys[i] for i in idx],
+                deadline_ns=m.deadline_ns,
             )
         return P.StoreAccepted(req_id=m.req_id, epoch=ctx.epoch, count=count, writing=len(host))
 
@@ -259,7 +262,14 @@ class Handlers:
         )  # packed keys: the key table probes them as they came
         if host:
             self.transfers.start(
-                s, Direction.LOAD, m.slot, m.seq, host, pages[: len(host)], keys[: len(host)]
+                s,
+                Direction.LOAD,
+                m.slot,
+                m.seq,
+                host,
+                pages[: len(host)],
+                keys[: len(host)],
+                deadline_ns=m.deadline_ns,
             )
         return P.LoadAccepted(req_id=m.req_id, epoch=ctx.epoch, count=len(host))
 

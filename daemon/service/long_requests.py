@@ -91,7 +91,15 @@ class LongRequests:
             pages = cast("Sequence[int]", np.asarray(pages)[idx])  # an array serves as one
             keys = [keys[i] for i in idx]
         self.transfers.start(
-            s, Direction.STORE, m.slot, m.seq, host, pages, keys, np.concatenate(got.offsets)
+            s,
+            Direction.STORE,
+            m.slot,
+            m.seq,
+            host,
+            pages,
+            keys,
+            np.concatenate(got.offsets),
+            deadline_ns=m.deadline_ns,
         )
         return P.StoreAccepted(req_id=m.req_id, epoch=ctx.epoch, count=got.count, writing=len(host))
 
@@ -117,7 +125,16 @@ class LongRequests:
             self.unreserve(s, hold)
         else:
             n = len(host)
-            self.transfers.start(s, Direction.LOAD, m.slot, m.seq, host, pages[:n], keys[:n])
+            self.transfers.start(
+                s,
+                Direction.LOAD,
+                m.slot,
+                m.seq,
+                host,
+                pages[:n],
+                keys[:n],
+                deadline_ns=m.deadline_ns,
+            )
         return P.LoadAccepted(req_id=m.req_id, epoch=ctx.epoch, count=len(host))
 
     def reserve(self, s: Session, direction: Direction, slot: int, seq: int) -> Transfer:

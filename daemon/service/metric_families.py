@@ -130,6 +130,12 @@ _COUNTER_SPECS: tuple[_Spec, ...] = (
         (((), "transfers_inline"),),
     ),
     (
+        "kvtier_transfers_expired",
+        "STORE and LOAD copies not started: the engine had stopped waiting for the reply.",
+        (),
+        (((), "transfers_expired"),),
+    ),
+    (
         "kvtier_transfers_cuda",
         "STORE and LOAD copies of CUDA sessions, on each session's own CUDA stream.",
         (),

@@ -222,6 +222,7 @@ class Transfers:
         pages: Sequence[int],
         keys: Sequence[bytes],
         offsets: np.ndarray | None = None,
+        deadline_ns: int = 0,
     ) -> None:
         """Copy pages between ``s``'s memory and host slots.
 
@@ -240,6 +241,10 @@ class Transfers:
             keys: the page keys, one per host slot (a packed request's stay packed).
             offsets: the arena offsets of ``host`` when the caller has them (a long
                 request computes them slice by slice).
+            deadline_ns: the request's ``deadline_ns`` (0: none). Past it the engine has
+                stopped waiting for the reply and may use its pages again: the transfer fails
+                at once, nothing copied (its slot shows it begun, then FAILED; begun before
+                the clock is read, see :class:`~kvtier.ipc.protocol.Load`).
         """
         if offsets is None:
             offsets = self.ctx.pool.slot_offsets(host)
@@ -260,6 +265,11 @@ class Transfers:
         )
         s.completion.begin(slot, seq, g.num_layers)
         s.transfers[slot] = t
+        if deadline_ns and time.monotonic_ns() > deadline_ns:
+            self.ctx.counters.transfers_expired += 1
+            t.status = TransferStatus.FAILED
+            self._settle(s, t, False, wake=False)  # its pins drop, its pages are aborted
+            return
         # a STORE's engine waits for its end only: its layers are written without waking it
         store = direction is Direction.STORE
         sink = s.completion.unannounced() if store else s.completion
