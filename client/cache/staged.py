@@ -19,11 +19,14 @@ The area is bounded: a transfer takes at most ``capacity`` slots and waits at mo
 A transfer that failed while the daemon may still copy keeps its slots out of use until it
 stopped (:meth:`StagingArea.release <kvtier.client.staging.area.StagingArea.release>`).
 The daemon never touches the engine's device memory on this path, so it needs no CUDA
-context, and a failed load never leaves a late write in the engine's pages.
+context, and a failed load never leaves a late write in the engine's pages. A copy between
+the engine's memory and the area that raises (out of memory, a CUDA error) makes that load a
+miss and that store dropped, and gives its slots back: nothing reaches the forward pass.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -34,6 +37,8 @@ from kvtier.client.staging.area import StagingArea, StagingPart
 from kvtier.client.staging.copies import CopyDone, StagedCopier
 from kvtier.config import ClientConfig
 from kvtier.ipc.protocol import Geometry
+
+log = logging.getLogger("kvtier.staged")
 
 __all__ = ["StagedConnection", "StagedLoad", "StagedStore"]
 
@@ -91,9 +96,15 @@ class StagedLoad:
             if not self._handle.wait_layer(self._next, timeout):
                 self._finish(False)
                 return False
-            parts = self._copier.parts_of(self._next)
-            done = self._copier.to_device(parts, self._slots, self._pages, after=self._marker)
-            done.wait_on_compute()
+            try:
+                parts = self._copier.parts_of(self._next)
+                done = self._copier.to_device(parts, self._slots, self._pages, after=self._marker)
+                done.wait_on_compute()
+            except Exception:  # a miss, never the engine's failure (e.g. out of memory)
+                log.exception("staged load: the copy of layer %d to the device failed", self._next)
+                self._handle.wait_loaded(timeout)  # its slot ends; then the slots are free
+                self._finish(False)
+                return False
             self._copies.append(done)
             self._next += 1
         return True
@@ -111,7 +122,11 @@ class StagedLoad:
 
     def _finish(self, ok: bool) -> None:
         for c in self._copies:
-            c.synchronize()
+            try:
+                c.synchronize()
+            except Exception:  # the copy failed: the pages are recomputed
+                log.exception("staged load: a copy to the device failed")
+                ok = False
         self._copies = []
         handle = self._handle
         self._area.release(self._slots, None if ok or handle is None else handle.copying)
@@ -277,6 +292,9 @@ class StagedConnection:
             marker = self.copier.compute_marker()
             self.copier.to_host(slots, pages[:n], after=marker).synchronize()
             handle = self.connection.store(keys[:n], slots, parent_key=parent_key)
+        except Exception:  # dropped, never the engine's failure (e.g. out of memory)
+            log.exception("staged store: the copy from the device failed; dropped")
+            return StagedStore(self.area, None, [])
         finally:
             if handle is None or not handle.writing:  # nothing reads the slots
                 self.area.release(slots)

@@ -65,3 +65,33 @@ def test_tensors_that_do_not_match_the_geometry_are_refused(daemon) -> None:
     bad = [*kv[:-1], torch.zeros(PAGES, SMALL.page_size, 1, SMALL.head_dim)]
     with pytest.raises(ValueError, match="bytes per page"):
         StagedConnection.over(bad, SMALL, "staged", config=cfg)
+
+
+def test_a_device_copy_that_raises_is_a_miss_and_gives_every_slot_back(daemon) -> None:
+    """A copy between the engine's memory and the staging area that raises (a GPU out of
+    memory, a CUDA error) ends that load as a miss and that store as dropped, never as an
+    exception in the engine's forward pass, and leaves no staging slot in use."""
+    cfg = client_config(daemon.runtime_dir)
+    src = kv_tensors(3)
+    keys = [bytes([40 + i]) * 32 for i in range(4)]
+    with StagedConnection.over(src, SMALL, "staged", staging_pages=4, config=cfg) as conn:
+        real_to_host, real_to_device = conn.copier.to_host, conn.copier.to_device
+
+        def boom(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("CUDA out of memory (raised by the test)")
+
+        conn.copier.to_host = boom  # type: ignore[method-assign,assignment]
+        st = conn.store(keys, [0, 1, 2, 3])
+        assert st.count == 0 and st.wait()  # dropped
+        assert conn.area.free == conn.area.capacity and conn.lookup(keys).l2 == 0
+        conn.copier.to_host = real_to_host  # type: ignore[method-assign]
+        assert conn.store(keys, [0, 1, 2, 3]).wait()
+        conn.copier.to_device = boom  # type: ignore[method-assign,assignment]
+        ld = conn.load(keys, [4, 5, 6, 7])
+        assert ld.count == 4
+        assert not ld.wait_layer(0) and not ld.wait()  # a miss: the engine recomputes
+        assert conn.area.free == conn.area.capacity
+        conn.copier.to_device = real_to_device  # type: ignore[method-assign]
+        ld = conn.load(keys, [4, 5, 6, 7])  # and the next load is served
+        assert ld.count == 4 and ld.wait()
+        assert all(torch.equal(t[4:8], t[0:4]) for t in src)
