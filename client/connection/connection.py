@@ -313,10 +313,24 @@ class Connection:
         Returns:
             Pages whose reads started (0 if none, or if the daemon is away).
         """
+        rep = self._prefetch(keys, skip, request_id)
+        return rep.started if rep is not None else 0
+
+    def prefetch_coming(self, keys: Sequence[bytes], skip: int = 0, request_id: str = "") -> int:
+        """:meth:`prefetch`, answered with the pages of ``keys[skip:]`` in L2 now or on their
+        way there: those whose reads it started and those of prefetches already running
+        (another request's, another rank's). 0: nothing comes (L3 holds too little there, is
+        unreachable, or the daemon is away)."""
+        rep = self._prefetch(keys, skip, request_id)
+        return max(rep.started, rep.coming) if rep is not None else 0
+
+    def _prefetch(
+        self, keys: Sequence[bytes], skip: int, request_id: str
+    ) -> P.PrefetchReply | None:
         if not keys:
-            return 0
+            return None
         try:
-            rep = self._session_call(
+            return self._session_call(
                 lambda sid: P.Prefetch(
                     req_id=0, session_id=sid, keys=list(keys), skip=skip, request_id=request_id
                 ),
@@ -324,8 +338,7 @@ class Connection:
             )
         except (DaemonUnavailable, DaemonError, replies.UnexpectedReply) as err:
             log.debug("prefetch not started: %s", err)
-            return 0
-        return rep.started
+            return None
 
     def claim(
         self,

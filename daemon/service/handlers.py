@@ -169,8 +169,16 @@ class Handlers:
         return self.later(s, self._prefetch_async(s, m))
 
     async def _prefetch_async(self, s: Session, m: P.Prefetch) -> P.Reply:
-        started = await self.ctx.tier.prefetch(s, m.keys, m.request_id, skip=m.skip)
-        return P.PrefetchReply(req_id=m.req_id, epoch=self.ctx.epoch, started=started)
+        tier = self.ctx.tier
+        started = await tier.prefetch(s, m.keys, m.request_id, skip=m.skip)
+        # in L2 now (filled by another prefetch since the engine looked) or on their way
+        there = self.ctx.pool.resident_run(s.ns_id, m.keys[m.skip :])
+        coming = min(
+            len(m.keys) - m.skip, max(started, there + tier.coming(s, m.keys, m.request_id))
+        )
+        return P.PrefetchReply(
+            req_id=m.req_id, epoch=self.ctx.epoch, started=started, coming=coming
+        )
 
     def claim(self, identity: bytes, m: P.Claim) -> Answer:
         """CLAIM: the L2 run, once the session's prefetch is done (per its policy)."""

@@ -260,6 +260,12 @@ class TierStore:
             del s.prefetches[name]
         return job.fill.pages if job.fill is not None else 0
 
+    def coming(self, s: TierSession, keys: list[bytes], request_id: str) -> int:
+        """Pages on their way into L2 for the prefetch of ``keys`` named ``request_id`` (its
+        own reads and those of the prefetches it waits on); 0 when none is tracked."""
+        job = s.prefetches.get(request_id or keys[-1]) if keys else None
+        return job.pages if job is not None else 0
+
     def _track(self, s: TierSession, name: str | bytes, job: PrefetchJob) -> None:
         s.prefetches[name] = job
         while len(s.prefetches) > MAX_JOBS_PER_SESSION:

@@ -181,6 +181,7 @@ def test_prefetch_threshold_and_partial_l3_run(daemon_factory):
         wait_written(d, 6)
         flush(d, "l2")
         assert conn.prefetch(keys[:3]) == 0  # 48 tokens < the 64-token threshold
+        assert conn.prefetch_coming(keys[:3]) == 0  # and nothing else brings them
         assert conn.claim(keys[:3]) == 0
         longer = keys + conn.page_keys(tokens(2 * SMALL.page_size, salt=5), parent=keys[-1])
         assert runs(conn, longer) == (0, 6)
@@ -581,3 +582,26 @@ def test_prefetch_skip_leaves_the_leading_keys_to_the_caller(daemon_factory):
     finally:
         conn.close()
         pool.close()
+
+
+@pytest.mark.timeout(60)
+def test_prefetch_coming_counts_the_pages_another_prefetch_brings(slow_daemon):
+    """A second engine asking for pages another engine's prefetch is reading is told they
+    are coming (its own prefetch starts nothing), and so is one asking once they are in L2:
+    what the SGLang backend offers SGLang as a hit."""
+    d = slow_daemon(0.5)
+    pool, conn, keys, expected = stored_then_evicted(d, 8)
+    pool_b, conn_b = engine(d.runtime_dir)
+    try:
+        assert conn.prefetch(keys) == 8
+        assert conn_b.prefetch(keys) == 0  # every page is being read for the first engine
+        assert conn_b.prefetch_coming(keys) == 8
+        assert conn.claim(keys, policy="wait_complete") == 8
+        assert conn_b.prefetch_coming(keys) == 8  # now in L2
+        assert conn_b.prefetch_coming(keys, skip=8) == 0
+        load_and_compare(pool, conn, keys, expected)
+    finally:
+        for c in (conn, conn_b):
+            c.close()
+        for p in (pool, pool_b):
+            p.close()

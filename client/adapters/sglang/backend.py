@@ -213,7 +213,9 @@ class KvtierHiCacheStorage(HiCacheStorage):
     def batch_exists(
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
-        """Leading pages of ``keys`` kvtierd holds (L2, then L3); starts reading the L3 part.
+        """Leading pages of ``keys`` kvtierd holds (L2, then the L3 run a prefetch brings);
+        starts reading the L3 part (an L3 run nothing will bring, below kvtierd's
+        ``prefetch_threshold``, is not offered).
 
         The same on every TP rank (kvtierd answers the minimum over the rank group).
         """
@@ -224,14 +226,15 @@ class KvtierHiCacheStorage(HiCacheStorage):
         kb = [_key(k) for k in keys]
         rep = conn.lookup(kb)
         n = rep.l2 + rep.l3
-        if rep.l3:
-            self._start_prefetch(conn, kb[:n], rep.l2)
+        if rep.l3 and self._start_prefetch(conn, kb[:n], rep.l2) is None:
+            n = rep.l2  # nothing comes from L3 (too little there, or unreachable): no hit
         self.counters["hit_pages"] += n
         return n
 
     def _start_prefetch(self, conn: Connection, keys: Sequence[bytes], skip: int) -> float | None:
-        """PREFETCH ``keys[skip:]`` from L3; remember their deadline (None: nothing comes)."""
-        if not conn.prefetch(keys, skip=skip):
+        """PREFETCH ``keys[skip:]`` from L3; remember their deadline (None: nothing comes,
+        neither by this prefetch nor by one already running, another request's or rank's)."""
+        if not conn.prefetch_coming(keys, skip=skip):
             return None
         assert self._memory is not None
         deadline = time.monotonic() + self._timeout.seconds(

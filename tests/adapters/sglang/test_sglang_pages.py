@@ -95,3 +95,19 @@ def test_a_killed_instance_finds_its_pages_again(instances, extra) -> None:
     again = instances("pages-k2", "page_first_direct", extra)
     got = again.call("prefetch", seq=3, pages=8)
     assert (got["hit"], got["done"], got["bad"]) == (8 * PAGE, 8 * PAGE, 0)
+
+
+def test_an_l3_run_no_prefetch_brings_is_not_offered(daemons, instances) -> None:
+    """Pages only in L3, fewer than kvtierd's ``prefetch_threshold``: no prefetch will read
+    them, so SGLang is not offered them as a hit (it would allocate host pages for them and
+    then log their load as failed)."""
+    d = daemons("threshold", "--hicache-storage-backend", "file", "--prefetch-threshold", "64")
+    inst = instances("pages-threshold", "page_first", extra_config(d.runtime_dir, model_id="t"))
+    assert inst.call("store", seq=4, pages=3)["tokens"] == 3 * PAGE  # 48 tokens < 64
+    assert flush_l2(d) >= 3
+    got = inst.call("prefetch", seq=4, pages=3)
+    assert (got["hit"], got["done"], got["bad"]) == (0, 0, 0)
+    assert inst.call("store", seq=6, pages=5)["tokens"] == 5 * PAGE  # 80 tokens: read
+    assert flush_l2(d) >= 5
+    got = inst.call("prefetch", seq=6, pages=5)
+    assert (got["hit"], got["done"], got["bad"]) == (5 * PAGE, 5 * PAGE, 0)
