@@ -22,9 +22,10 @@ with its loads and stores going through staging slots:
   blocks and, once it ended, they are published on vLLM's KV event stream as in the
   daemon copy mode (:mod:`~kvtier.client.adapters.vllm.events`).
 
-A request loads at most half the area (:meth:`StagedWorkerSide.load_capacity`: the scheduler
-side computes the rest of a longer hit), and a STORE takes at most the other half, so a
-layer-wise load finds its slots while a store is copied. A layer-wise load waits for slots at
+The layer-wise loads of one step take at most half the area together, and an asynchronous
+load as much (:meth:`StagedWorkerSide.load_capacity`: the scheduler side offers no more, the
+rest of a longer hit is computed); a STORE takes at most the other half, so a step's loads
+find their slots while a store is copied. A layer-wise load waits for slots at
 most ``staging_wait_s`` (the forward waits with it; past it the load is recomputed); a store,
 on the I/O thread, at most :data:`STORE_SLOT_WAIT_S` (past it the rest of the store is
 dropped). A copy or a daemon call that raises fails its own load or store only: the blocks
@@ -90,8 +91,8 @@ class StagedWorkerSide(WorkerSide):
 
     @staticmethod
     def load_capacity(staging_pages: int) -> int:
-        """Pages one request loads at most through a staging area of ``staging_pages``: half
-        of it, the other half for a store."""
+        """Pages the loads of one step take at most (together) from a staging area of
+        ``staging_pages``: half of it, the other half for a store."""
         return max(1, staging_pages // 2)
 
     # ------------------------------------------------------------------ setup
