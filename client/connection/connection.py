@@ -515,26 +515,46 @@ class Connection:
                 return
             time.sleep(UNANSWERED_POLL_S)
 
-    def _slot_done(self, slot: int, seq: int, status: TransferStatus) -> None:
+    def _slot_done(
+        self, block: CompletionBlock | None, slot: int, seq: int, status: TransferStatus
+    ) -> None:
+        """A handle's transfer ended: its slot may be reused. A handle of an earlier
+        registration (``block`` is not the current one) changes nothing: its slot number
+        belongs to the new registration's table now, maybe to a transfer running in it."""
         with self._lock:
-            self._slots.done(slot, seq, status)
+            if block is self._block:
+                self._slots.done(slot, seq, status)
 
     def _abandon(self, h: TransferHandle) -> None:
-        """A transfer timed out: ask the daemon to cancel it; its slot waits in limbo."""
+        """A transfer timed out: ask the daemon to cancel it; its slot waits in limbo.
+        A handle of an earlier registration is left alone: cancelling its slot number now
+        would cancel whatever transfer of the new session uses it."""
         with self._lock:
+            if h.block is not self._block:
+                return
             self._slots.abandon(h.slot, h.seq)
             with contextlib.suppress(DaemonUnavailable, DaemonError, replies.UnexpectedReply):
-                self._session_call(
-                    lambda sid: P.Release(req_id=0, session_id=sid, slots=[h.slot]), P.Ack
+                self._session_call(  # nothing to cancel if it re-registers first
+                    lambda sid: P.Release(
+                        req_id=0, session_id=sid, slots=[h.slot] if h.block is self._block else []
+                    ),
+                    P.Ack,
                 )
 
     def release(self, handles: Sequence[TransferHandle]) -> None:
         """Cancel transfers that are still running (their pins drop when they stop)."""
-        slots = [h.slot for h in handles if not h.done and h.slot >= 0]
-        if not slots:
+        if not any(not h.done and h.slot >= 0 for h in handles):
             return
+
+        def make(sid: int) -> P.Request:  # after a re-registration, if one happens first
+            # a handle of an earlier registration has nothing to cancel in this one
+            slots = [
+                h.slot for h in handles if not h.done and h.slot >= 0 and h.block is self._block
+            ]
+            return P.Release(req_id=0, session_id=sid, slots=slots)
+
         try:
-            self._session_call(lambda sid: P.Release(req_id=0, session_id=sid, slots=slots), P.Ack)
+            self._session_call(make, P.Ack)
         except (DaemonUnavailable, DaemonError, replies.UnexpectedReply) as err:
             log.debug("release: %s", err)
 

@@ -35,8 +35,11 @@ class TransferOwner(Protocol):
         """A wait for ``handle`` timed out: cancel it in the daemon; its slot waits in limbo."""
         ...
 
-    def _slot_done(self, slot: int, seq: int, status: TransferStatus) -> None:
-        """The transfer ``seq`` in ``slot`` ended with ``status``: the slot may be reused."""
+    def _slot_done(
+        self, block: CompletionBlock | None, slot: int, seq: int, status: TransferStatus
+    ) -> None:
+        """The transfer ``seq`` in ``slot`` of ``block`` ended with ``status``: the slot may
+        be reused (unless ``block`` belongs to an earlier registration)."""
         ...
 
 
@@ -106,6 +109,12 @@ class TransferHandle:
         self.num_layers = num_layers
         self._status: TransferStatus | None = None if writing else TransferStatus.DONE
         self._layers_ok = num_layers if not writing else 0
+
+    @property
+    def block(self) -> CompletionBlock | None:
+        """The completion block this transfer reports in (its registration's); None for a
+        handle that never ran."""
+        return self._block
 
     @property
     def done(self) -> bool:
@@ -203,7 +212,7 @@ class TransferHandle:
         if self._status is None:  # every layer landed, not settled yet: the slot waits
             self._status = TransferStatus.DONE
             if self._conn is not None:
-                self._conn._slot_done(self.slot, self.seq, TransferStatus.RUNNING)
+                self._conn._slot_done(self._block, self.slot, self.seq, TransferStatus.RUNNING)
         return True
 
     def layers_ready(self) -> int:
@@ -241,4 +250,4 @@ class TransferHandle:
             if st is TransferStatus.DONE:
                 self._layers_ok = self.num_layers
             if self._conn is not None:
-                self._conn._slot_done(self.slot, self.seq, st)
+                self._conn._slot_done(self._block, self.slot, self.seq, st)

@@ -59,6 +59,32 @@ def test_sigkill_then_restart_serves_the_pages_from_l2(daemon_factory, flags):
         pool.close()
 
 
+def test_a_handle_from_before_a_restart_leaves_the_new_sessions_slots_alone(daemon_factory):
+    """A handle of the old registration ends after the connection registered again: the
+    slot number it held now belongs to a transfer of the new session, which keeps it."""
+    d = daemon_factory()
+    pool, conn, keys, expected = stored_pages(d)
+    try:
+        old = conn.load(keys, list(range(16, 24)))  # never waited before the restart
+        assert old.count == len(keys) and not old.done
+        d.kill()
+        daemon_factory()
+        first = conn.load(keys, list(range(24, 32)))  # registers again: a fresh slot table
+        new = conn.load(keys, list(range(32, 40)))
+        assert first.count == new.count == len(keys)
+        assert new.slot == old.slot  # the new session's transfer has the old one's number
+        assert not old.wait()  # its registration is over: a miss
+        other = conn.load(keys, list(range(40, 48)))
+        assert other.count == len(keys)
+        assert other.slot != new.slot, "an old handle gave away a slot a transfer still uses"
+        assert first.wait() and new.wait() and other.wait()
+        for start in (24, 32, 40):
+            assert [page_bytes(pool, p) for p in range(start, start + len(keys))] == expected
+    finally:
+        conn.close()
+        pool.close()
+
+
 def test_sigterm_then_restart_serves_the_pages_from_l2(daemon_factory):
     d = daemon_factory()
     pool, conn, keys, expected = stored_pages(d)

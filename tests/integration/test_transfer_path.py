@@ -305,7 +305,9 @@ class _Owner:
     def _abandon(self, handle: TransferHandle) -> None:
         raise AssertionError("no wait here may time out")
 
-    def _slot_done(self, slot: int, seq: int, status: TransferStatus) -> None:
+    def _slot_done(
+        self, block: CompletionBlock | None, slot: int, seq: int, status: TransferStatus
+    ) -> None:
         self.slots_done.append((slot, seq, status))
 
 
