@@ -78,3 +78,9 @@ class CacheLink(Protocol):
     def daemon_alive(self) -> bool:
         """False when the daemon's process is known to be gone."""
         ...
+
+    @property
+    def store_room(self) -> tuple[int, int]:
+        """``(stores, pages)``: how many STOREs, of how many pages in all, may be in flight
+        before a new one would find the link's slots taken (and be dropped)."""
+        ...

@@ -262,6 +262,14 @@ class StagedConnection:
         """Whether the daemon lives (the connection's view)."""
         return self.connection.daemon_alive()
 
+    @property
+    def store_room(self) -> tuple[int, int]:
+        """``(stores, pages)`` a caller may keep in flight as STOREs: the connection's
+        stores, and half the staging area's slots (the other half is for loads). A STORE
+        holds its slots until it is waited for; one that finds none free within ``wait_s``
+        is dropped."""
+        return self.connection.store_room[0], max(1, self.area.capacity // 2)
+
     def load(self, keys: Sequence[bytes], pages: Sequence[int]) -> StagedLoad:
         """Load the leading L2 run of ``keys`` (at most the area's capacity) through slots;
         the device ``pages`` are written layer by layer by :meth:`StagedLoad.wait_layer`."""

@@ -7,6 +7,12 @@ tracker remembers, per page key L2 is not known to hold, its chain parent and ho
 used it; to keep device pages safe it remembers which STORE reads which page, so a page goes
 back to the allocator only after every STORE reading it has completed.
 
+STOREs in flight hold the link's slots (completion slots; staging slots in the engine copy
+mode) until they are reaped, and a STORE that finds none free is dropped. So the tracker
+keeps its STOREs within the link's ``store_room``: before it issues one that would not fit,
+it waits for its oldest. An eviction that writes back many chains thus issues them as
+earlier ones complete instead of dropping most of them.
+
 Not thread-safe: the manager calls it from the engine's scheduler thread.
 """
 
@@ -56,6 +62,7 @@ class StoreTracker:
         "_counters",
         "_page_stores",
         "_pending",
+        "_pending_pages",
         "_storing",
         "_threshold",
         "_tree",
@@ -74,7 +81,8 @@ class StoreTracker:
         self._counters = counters
         self._threshold = store_threshold
         self._unbacked: dict[bytes, _Unbacked] = {}
-        self._pending: dict[_Store, None] = {}
+        self._pending: dict[_Store, None] = {}  # in issue order
+        self._pending_pages = 0
         self._page_stores: dict[int, _Store] = {}
         self._storing: set[bytes] = set()
 
@@ -181,9 +189,15 @@ class StoreTracker:
     def _issue(self, keys: list[bytes], pages: list[int], parent: bytes | None) -> _Store:
         """Send one STORE and remember the keys and pages it reads."""
         assert self._conn is not None
+        stores, room = self._conn.store_room
+        while self._pending and (
+            len(self._pending) >= stores or self._pending_pages + len(keys) > room
+        ):
+            self._reap(next(iter(self._pending)))  # the oldest: its slots are needed
         st = _Store(self._conn.store(keys, pages, parent_key=parent), keys, pages)
         self._counters.stores_issued += 1
         self._pending[st] = None
+        self._pending_pages += len(keys)
         self._storing.update(keys)
         for p in pages:
             self._page_stores[p] = st
@@ -195,6 +209,7 @@ class StoreTracker:
             return st.handle.ok
         ok = st.handle.wait()
         del self._pending[st]
+        self._pending_pages -= len(st.keys)
         self._storing.difference_update(st.keys)
         for p in st.pages:
             if self._page_stores.get(p) is st:

@@ -30,6 +30,7 @@ import itertools
 import logging
 import os
 import secrets
+import sys
 import threading
 import time
 import warnings
@@ -242,6 +243,13 @@ class Connection:
     def daemon_alive(self) -> bool:
         """False when the daemon's process is known to be gone."""
         return self._channel.daemon_alive()
+
+    @property
+    def store_room(self) -> tuple[int, int]:
+        """``(stores, pages)`` a caller may keep in flight as STOREs: half the completion
+        slots (the other half is for loads), pages unbounded. A STORE or LOAD that finds
+        every slot busy is dropped or missed, not queued."""
+        return max(1, self._slots.count // 2), sys.maxsize
 
     # ------------------------------------------------------------------ requests
     def _call(self, msg: P.Request, raw: bool = False, timeout: float | None = None) -> P.Reply:

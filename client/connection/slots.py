@@ -21,11 +21,14 @@ class CompletionSlots:
     """Which slots of a session's completion block a new transfer may take."""
 
     def __init__(self) -> None:
+        self.count = 0
+        """Slots of the current registration's block."""
         self._free: list[int] = []
         self._limbo: dict[int, int] = {}  # slot -> seq of an abandoned transfer
 
     def reset(self, count: int) -> None:
         """A new registration: ``count`` slots, all free (the daemon's block is new)."""
+        self.count = count
         self._free = list(range(count - 1, -1, -1))
         self._limbo.clear()
 

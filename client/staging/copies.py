@@ -17,6 +17,8 @@ on CUDA tensors:
   (:meth:`CopyDone.synchronize`). Direct copies matter beside other processes' work on the
   GPU: a kernel of this engine's (``index_copy_``) runs only in its time slices, the copy
   engines do not wait for them. A block outside the engine's tensors is an ``IndexError``;
+  A copy that raises after issuing some of its parts waits for those before the exception
+  reaches the caller, who then reuses the slots and recomputes the blocks;
 - on the CPU, the same calls copy at once and :class:`CopyDone` has nothing to wait for.
 
 A copy from the engine's blocks must start after the compute that wrote them:
@@ -26,10 +28,14 @@ thread) and :meth:`StagedCopier.to_host` makes the copy stream wait for it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
 
 import torch
 from kvtier.client.staging.area import StagingArea, slot_runs
+
+log = logging.getLogger("kvtier.staged")
 
 __all__ = ["CopyDone", "StagedCopier"]
 
@@ -159,7 +165,7 @@ class StagedCopier:
                 self._h2d(i, runs, keep)
             return CopyDone(None, keep)
         assert self.stream is not None
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.stream(self.stream), self._drained_on_error():
             runs = self._runs(slots, blocks)
             if after is not None:
                 self.stream.wait_event(after)
@@ -197,7 +203,7 @@ class StagedCopier:
                 self._d2h(i, runs, keep)
             return CopyDone(None, keep)
         assert self.stream is not None
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.stream(self.stream), self._drained_on_error():
             # the block indices go to the device before the wait: a copy from pageable
             # memory would block this thread until the forward pass ended
             runs = self._runs(slots, blocks)
@@ -208,6 +214,21 @@ class StagedCopier:
             ev = torch.cuda.Event()
             ev.record(self.stream)
         return CopyDone(ev, keep, self.device)
+
+    @contextlib.contextmanager
+    def _drained_on_error(self) -> Iterator[None]:
+        """Copies that raise after issuing some parts: wait for the parts issued before the
+        exception goes on. The caller then reuses the staging slots and recomputes the
+        blocks, which no copy still in flight may read or write."""
+        try:
+            yield
+        except BaseException:
+            assert self.stream is not None
+            try:
+                self.stream.synchronize()
+            except Exception:  # a sticky CUDA error: the context is lost, nothing runs
+                log.exception("staged copy: the copy stream could not be drained")
+            raise
 
     def _runs(self, slots: Sequence[int], blocks: Sequence[int]) -> list[_Run]:
         """Per run of consecutive slots, ``(first slot, count, blocks)``: the blocks as the
