@@ -139,8 +139,6 @@ class SchedulerSide:
         conns = [link.get() for link in self.links]
         if any(conn is None for conn in conns):
             return 0, False
-        if self.max_load_pages is not None:  # what does not fit is computed, not loaded
-            pages = min(pages, local + self.max_load_pages)
         total, in_l2 = pages, pages
         for rank, conn in enumerate(conns):
             assert conn is not None
@@ -153,6 +151,10 @@ class SchedulerSide:
             # the daemon prefetches an L3 run only from prefetch_threshold tokens on
             l3 = rep.l3 if rep.l3 * bs >= self.settings.client.prefetch_threshold else 0
             total, in_l2 = min(total, rep.l2 + l3), min(in_l2, rep.l2)
+            if total - local < self.settings.min_load_pages:
+                return 0, False
+        if self.max_load_pages is not None:  # what does not fit is computed, not loaded
+            total = min(total, local + self.max_load_pages)  # (L2 keeps the rest: not stored)
             if total - local < self.settings.min_load_pages:
                 return 0, False
         layerwise = self.settings.layerwise_loads and in_l2 >= total
@@ -206,7 +208,9 @@ class SchedulerSide:
         hit.total = total
         if hit.layerwise:
             self._step_pages += total - hit.local
-        tracked.stored = max(tracked.stored, hit.total)
+        # pages L2 holds past the load (a hit capped to what a step's loads can take, or
+        # trimmed by vLLM) are computed again but not stored again
+        tracked.stored = max(tracked.stored, hit.total, hit.in_l2)
         tracked.load_start, tracked.in_l2, tracked.load_blocks = hit.local, hit.in_l2, set(blocks)
 
     # ------------------------------------------------------------------ per step

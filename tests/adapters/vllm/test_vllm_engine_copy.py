@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from kvtier.client.connection.admin import AdminClient
 from vllm_harness import BLOCK, kvtier_pages, prompt, same_output, wait_for_pages
 
 pytestmark = pytest.mark.timeout(600)
@@ -19,6 +20,12 @@ pytestmark = pytest.mark.timeout(600)
 ENGINE = {"copy_mode": "engine"}
 PROMPTS = [prompt(31, 200), prompt(32, 97), prompt(33, 20)]  # 6 pages, 3 pages, none
 PAGES = [(len(p) - 1) // BLOCK for p in PROMPTS]
+
+
+def store_counters(d) -> dict:
+    """kvtierd's counters (STATS)."""
+    with AdminClient(d.endpoint) as admin:
+        return dict(admin.stats()["counters"])
 
 
 def mapped_memfds(pid: int) -> set[str]:
@@ -84,6 +91,7 @@ def test_a_small_staging_area_splits_stores_and_computes_what_does_not_fit(
     e = engines(d.runtime_dir, staging_pages=4, **ENGINE)
     assert same_output(e.generate([p]), want)
     wait_for_pages(d.runtime_dir, tiny_model, p, 7)  # stored 2 pages at a time
+    skipped = store_counters(d)["store_skipped_pages"]
     fresh = engines(d.runtime_dir, staging_pages=4, **ENGINE)
     out = fresh.generate([p])
     # the hit is offered as what one load takes (half the area, the other half for a
@@ -92,6 +100,9 @@ def test_a_small_staging_area_splits_stores_and_computes_what_does_not_fit(
     assert out[0]["cached"] == 2 * BLOCK
     loads = fresh.loads()
     assert [(len(x["block_ids"]), x["errors"]) for x in loads] == [(2, [])]
+    assert fresh.close() == 0  # its stores have ended
+    # the 5 computed pages were in L2 already: not stored again
+    assert store_counters(d)["store_skipped_pages"] == skipped
 
 
 def test_the_loads_of_one_step_share_half_the_staging_area(
