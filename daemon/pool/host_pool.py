@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import mmap
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -357,6 +357,11 @@ class HostPool:
         self._pages.pin_slots(out, used)
         return out
 
+    def pin_slots(self, slots: list[int]) -> None:
+        """Pin READY ``slots`` (see :meth:`PageTable.pin_slots`); hand them to
+        :meth:`unpin` once."""
+        self._pages.pin_slots(slots)
+
     def unpin(self, slots: Sequence[int]) -> None:
         """See :meth:`PageTable.unpin`."""
         self._pages.unpin(slots)
@@ -364,6 +369,10 @@ class HostPool:
     def mark_in_l3(self, slots: Sequence[int]) -> None:
         """See :meth:`PageTable.mark_in_l3`."""
         self._pages.mark_in_l3(slots)
+
+    def clear_in_l3(self, ns_id: int, keys: Iterable[bytes] | None = None) -> int:
+        """See :meth:`PageTable.clear_in_l3`."""
+        return self._pages.clear_in_l3(ns_id, keys)
 
     def flush(self, ns_id: int | None = None, owner: int | None = None) -> int:
         """See :meth:`PageTable.flush`."""

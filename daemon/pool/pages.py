@@ -29,7 +29,7 @@ namespace's dict (built in C at adoption).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 from kvtier.daemon.pool.eviction import Evictor
@@ -345,6 +345,32 @@ class PageTable:
                 raise PageStateError(f"cannot mark slot {s} in L3: it is FREE")
         for s in slots:
             self._in_l3[s] = 1
+
+    def clear_in_l3(self, ns_id: int, keys: Iterable[bytes] | None = None) -> int:
+        """Record that READY pages of ``ns_id`` are no longer in L3 (their objects were
+        deleted or dropped there): a write to L3 backs them up again, and under
+        ``evict_requires_l3`` they are not evicted before it.
+
+        Args:
+            ns_id: the pages' namespace.
+            keys: the pages' keys (None: every READY page of the namespace); keys of no
+                READY page are skipped.
+
+        Returns:
+            Pages whose flag was set.
+        """
+        ready = self.ready.get(ns_id)
+        if not ready:
+            return 0
+        slots = (
+            ready.values() if keys is None else [s for k in keys if (s := ready.get(k)) is not None]
+        )
+        in_l3, n = self._in_l3, 0
+        for s in slots:
+            if in_l3[s]:
+                in_l3[s] = 0
+                n += 1
+        return n
 
     def flush(self, ns_id: int | None = None, owner: int | None = None) -> int:
         """Drop every evictable page, optionally only of one namespace and/or owner.

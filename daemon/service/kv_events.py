@@ -489,7 +489,7 @@ def open_publisher(
         ids = tier.pool.namespaces()  # fingerprint -> pool namespace id
         pub.l3_dropped([(ids[fp], key) for fp, key in dropped if fp in ids])
 
-    tier.l3.on_dropped = l3_dropped
+    tier.on_l3_dropped = l3_dropped
     pool = tier.pool
 
     def held(ns_id: int) -> PagesHeld:

@@ -18,7 +18,10 @@ methods only):
   cannot place (the pages after it would be useless).
 - :func:`commit`, tail first, as the pool commits one call's slots: the chain's head turns
   READY last, so a LOOKUP (the leading READY run) sees the STORE's pages all at once or
-  not at all, never a half, and a LOAD pins none of them before all are READY.
+  not at all, never a half, and a LOAD pins none of them before all are READY. The slices
+  before the head's stay pinned until the head is READY: no other request's allocation
+  evicts a page of the STORE before the STORE has ended (and been announced to KV event
+  subscribers, which would otherwise hear of its removal first).
 - :func:`abort`, tail first.
 - :func:`pin`, head first: a pinned page is not evicted; a slice that finds fewer READY
   pages than it asks for (the chain's tail was evicted meanwhile) ends the run there.
@@ -143,13 +146,23 @@ async def commit(
     step: Turn = turn,
 ) -> None:
     """Commit ``slots`` (a chain's WRITING pages, in order) ``size`` at a time, tail first
-    (:meth:`HostPool.commit` per slice): the head turns READY last."""
+    (:meth:`HostPool.commit` per slice): the head turns READY last. Each slice but the
+    head's is pinned from its commit until the head's (unpinned before this returns)."""
     n = len(slots)
-    for b in range(n, 0, -size):
-        if b < n:
-            await step()
-        a = max(0, b - size)
-        pool.commit(slots[a:b], None if checksums is None else checksums[a:b])
+    held: list[int] = []
+    try:
+        for b in range(n, 0, -size):
+            if b < n:
+                await step()
+            a = max(0, b - size)
+            part = slots[a:b]
+            pool.commit(part, None if checksums is None else checksums[a:b])
+            if a:
+                pool.pin_slots(part)
+                held += part
+    finally:
+        if held:
+            pool.unpin(held)
 
 
 async def abort(pool: HostPool, slots: list[int], size: int, step: Turn = turn) -> None:

@@ -95,6 +95,8 @@ class Fill:
         cancelled: ended by a claim or its session rather than by a failed read.
         allocating: more pages may still be added (the fill is not done before).
         parent_key: the key the chain run extends (None: a chain start).
+        users: prefetches that wait for it (the one that started it, and those that found
+            some of their pages in it): it is cut only when none of them wants it any more.
         done: resolved once allocation is over and every page is committed or aborted.
     """
 
@@ -112,6 +114,7 @@ class Fill:
     allocating: bool = False
     ended: int = 0
     parent_key: bytes | None = None  # the key before keys[0] in its chain
+    users: int = 1
 
     @property
     def pages(self) -> int:
@@ -130,6 +133,8 @@ class PrefetchJob:
         deps: fills of other prefetches that hold pages of this chain.
         pages: pages the claim may wait for (own and dependencies').
         started: loop time of the PREFETCH (the ``timeout`` policy counts from it).
+        released: its claim, its session's end or a newer prefetch of the same name let
+            its fills go (:meth:`Prefetcher.release`).
     """
 
     ns_id: int
@@ -137,6 +142,7 @@ class PrefetchJob:
     deps: list[Fill] = field(default_factory=list)
     pages: int = 0
     started: float = 0.0
+    released: bool = False
 
     @property
     def fills(self) -> list[Fill]:
@@ -178,13 +184,32 @@ class Prefetcher:
         self._sem = asyncio.Semaphore(n)
         self._concurrency = n
 
-    def dependencies(self, ns_id: int, keys: Sequence[bytes]) -> list[Fill]:
-        """Return the running fills that hold any of ``keys`` of ``ns_id`` (each once)."""
+    def dependencies(
+        self, ns_id: int, keys: Sequence[bytes], known: Sequence[Fill] = ()
+    ) -> list[Fill]:
+        """Return the running fills that hold any of ``keys`` of ``ns_id``, each once and
+        none of ``known`` (those the caller found before). The caller waits for them: it
+        counts as one more user of each (:meth:`release`)."""
         if not self._filling:
             return []
         get = self._filling.get
         found = {id(f): f for k in keys if (f := get((ns_id, k))) is not None}
+        for f in known:
+            found.pop(id(f), None)
+        for f in found.values():
+            f.users += 1
         return list(found.values())
+
+    def release(self, job: PrefetchJob) -> None:
+        """``job`` no longer waits for its fills (claimed, its session closed, replaced):
+        each fill no other prefetch waits for is cancelled (:meth:`cancel`). Idempotent."""
+        if job.released:
+            return
+        job.released = True
+        for f in job.fills:
+            f.users -= 1
+            if f.users <= 0:
+                self.cancel(f)
 
     def new_fill(self, ns: bytes, ns_id: int, page_bytes: int) -> Fill:
         """An empty fill for :meth:`fill` to allocate into (tracked from now on)."""
@@ -252,7 +277,8 @@ class Prefetcher:
         return fill.pages
 
     def cancel(self, fill: Fill | None) -> None:
-        """Keep the verified leading run of ``fill``; give up the rest (idempotent)."""
+        """Keep the verified leading run of ``fill``; give up the rest (idempotent), whoever
+        waits for it (at shutdown; otherwise :meth:`release`)."""
         if fill is None or fill.done.done():
             return
         fill.cancelled = True

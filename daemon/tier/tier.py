@@ -64,6 +64,7 @@ class TierStore:
         self.counters = counters
         self.l3 = L3Backend(cfg, counters, rdir)
         self.l3.on_open = self.apply_write_policy
+        self.l3.on_dropped = self._l3_dropped
         self._ns: dict[int, bytes] = {}
         self._ns_tenant: dict[bytes, str] = {}
         self._class_bytes: dict[int, int] = {}
@@ -72,6 +73,8 @@ class TierStore:
         self.groups = RankGroups(cfg.tp_group_timeout_s, on_round=self._on_round)
         self.on_evicted: Callable[[list[EvictedPage]], None] | None = None
         """Told the pool's evictions after each allocation (the KV event publisher)."""
+        self.on_l3_dropped: Callable[[list[tuple[bytes, bytes]]], None] | None = None
+        """Told ``(namespace, key)`` of the objects the backend dropped on its own."""
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -184,7 +187,7 @@ class TierStore:
     def session_closed(self, s: TierSession) -> None:
         """Cancel the session's prefetches and take it out of its rank group."""
         for job in s.prefetches.values():
-            self.prefetcher.cancel(job.fill)
+            self.prefetcher.release(job)
         s.prefetches.clear()
         if s.member is not None:
             self.groups.leave(s.member)
@@ -231,7 +234,7 @@ class TierStore:
         name: str | bytes = request_id or keys[-1]
         old = s.prefetches.pop(name, None)
         if old is not None:
-            self.prefetcher.cancel(old.fill)
+            self.prefetcher.release(old)
         loop = asyncio.get_running_loop()
         assert 0 <= skip <= len(keys), "the service checks PREFETCH.skip"
         start = skip + self.pool.resident_run(s.ns_id, keys[skip:])
@@ -248,16 +251,16 @@ class TierStore:
             )
             self.allocated(len(run), got)
             mine = set(job.fill.keys)
-            job.deps += [
-                f
-                for f in self.prefetcher.dependencies(s.ns_id, [k for k in run if k not in mine])
-                if f not in job.deps
-            ]
+            job.deps += self.prefetcher.dependencies(
+                s.ns_id, [k for k in run if k not in mine], known=[*job.deps, job.fill]
+            )
         job.pages = sum(f.pages for f in job.fills)
         if job.fill is None and job.pages and s.is_open():  # waits on other prefetches only
             self._track(s, name, job)
         elif not job.pages and s.prefetches.get(name) is job:
             del s.prefetches[name]
+        if s.prefetches.get(name) is not job:  # no claim will come for it
+            self.prefetcher.release(job)
         return job.fill.pages if job.fill is not None else 0
 
     def coming(self, s: TierSession, keys: list[bytes], request_id: str) -> int:
@@ -270,7 +273,7 @@ class TierStore:
         s.prefetches[name] = job
         while len(s.prefetches) > MAX_JOBS_PER_SESSION:
             stale = s.prefetches.pop(next(iter(s.prefetches)))
-            self.prefetcher.cancel(stale.fill)
+            self.prefetcher.release(stale)
 
     def claim_deadline(self, s: TierSession, job: PrefetchJob | None, policy: str) -> float:
         """Loop time at which a claim under ``policy`` stops waiting for ``job``.
@@ -306,7 +309,7 @@ class TierStore:
         async def mine() -> tuple[int]:
             if job is not None:
                 await self.prefetcher.wait(job.fills, deadline - loop.time())
-                self.prefetcher.cancel(job.fill)
+                self.prefetcher.release(job)
             return (self.pool.lookup(s.ns_id, keys),)
 
         if s.member is not None:
@@ -316,7 +319,7 @@ class TierStore:
         else:
             (n,) = await mine()
         if job is not None:
-            self.prefetcher.cancel(job.fill)
+            self.prefetcher.release(job)
         self.counters.claim_pages += n
         return n
 
@@ -345,8 +348,27 @@ class TierStore:
 
     async def flush(self, namespaces: list[bytes] | None, reclaim: bool = True) -> int:
         """Delete from L3 every page of ``namespaces`` (None: of every namespace); with
-        ``reclaim``, the store then gives the freed disk space back."""
-        return await self.l3.flush(namespaces, reclaim=reclaim)
+        ``reclaim``, the store then gives the freed disk space back. The L2 pages of those
+        namespaces are no longer in L3: a SYNC or a write policy writes them again."""
+        deleted = await self.l3.flush(namespaces, reclaim=reclaim)
+        ids = self.pool.namespaces()
+        for fp in ids if namespaces is None else namespaces:
+            if fp in ids:
+                self.pool.clear_in_l3(ids[fp])
+        return deleted
+
+    def _l3_dropped(self, dropped: list[tuple[bytes, bytes]]) -> None:
+        """The backend dropped objects on its own (its capacity, damaged objects): their
+        L2 pages, if any, are no longer in L3."""
+        ids = self.pool.namespaces()
+        by_ns: dict[int, list[bytes]] = {}
+        for fp, key in dropped:
+            if fp in ids:
+                by_ns.setdefault(ids[fp], []).append(key)
+        for ns_id, keys in by_ns.items():
+            self.pool.clear_in_l3(ns_id, keys)
+        if self.on_l3_dropped is not None:
+            self.on_l3_dropped(dropped)
 
     # ------------------------------------------------------------------ stats
     def snapshot(self) -> dict[str, object]:

@@ -498,6 +498,21 @@ def test_evict_requires_l3_skips_pages_not_in_l3() -> None:
     assert pool.drain_evicted() == []
 
 
+def test_pages_whose_l3_copy_is_gone_are_no_longer_evicted_under_evict_requires_l3() -> None:
+    pool = pool_of(1)
+    small = pool.register_class(4000)
+    slots = store(pool, [k("a"), k("b")], small) + store(pool, [k("c"), k("d")], small)
+    pool.evict_requires_l3 = True
+    pool.mark_in_l3(slots)
+    assert pool.clear_in_l3(NS, [k("d"), k("zz")]) == 1  # a key of no page is skipped
+    assert pool.clear_in_l3(NS + 1) == 0  # another namespace holds nothing here
+    assert [pool.describe(s).in_l3 for s in slots] == [True, True, True, False]
+    assert pool.allocate(NS, A, small, [k("n")]) == [(0, slots[1])]  # d stays: in no tier
+    assert pool.clear_in_l3(NS) == 2 and pool.clear_in_l3(NS) == 0  # a and c (b left L2)
+    assert not pool.describe(slots[2]).in_l3
+    assert pool.allocate(NS, A, small, [k("m")]) == []
+
+
 def test_eviction_log_is_bounded() -> None:
     pool = pool_of(1, max_evicted_log=1)
     small = pool.register_class(4000)
