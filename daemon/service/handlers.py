@@ -34,7 +34,7 @@ from kvtier.daemon.service.validation import (
     check_slot,
     transfer_keys,
 )
-from kvtier.daemon.transfer.transfer import Direction
+from kvtier.daemon.transfer.transfer import Direction, Transfer
 from kvtier.ipc import protocol as P
 from kvtier.ipc.fdpass import PeerCred
 
@@ -222,7 +222,8 @@ class Handlers:
             # MLA pages are the same on every rank: rank 0 stores them for all
             return P.StoreAccepted(req_id=m.req_id, epoch=ctx.epoch, count=len(keys), writing=0)
         if self.long.wanted(len(keys)):  # packed keys are split slice by slice there
-            return self._long(s, self.long.store(s, m, keys, pages))
+            hold = self.long.reserve(s, Direction.STORE, m.slot, m.seq)  # busy from now on
+            return self._long(s, hold, self.long.store(s, m, keys, pages, hold))
         if m.packed_keys:  # the pool indexes each new key: the store needs them as objects
             keys = P.split_keys(m.packed_keys)
         allocated = ctx.pool.allocate(s.ns_id, s.owner, s.class_id, keys, m.parent_key)
@@ -264,7 +265,8 @@ class Handlers:
         check_slot(s, m.slot)
         ctx.counters.loads += 1
         if self.long.wanted(len(keys)):
-            return self._long(s, self.long.load(s, m, keys, pages))
+            hold = self.long.reserve(s, Direction.LOAD, m.slot, m.seq)  # busy from now on
+            return self._long(s, hold, self.long.load(s, m, keys, pages, hold))
         host = ctx.pool.pin(
             s.ns_id, keys, used=True
         )  # packed keys: the key table probes them as they came
@@ -281,10 +283,20 @@ class Handlers:
             )
         return P.LoadAccepted(req_id=m.req_id, epoch=ctx.epoch, count=len(host))
 
-    def _long(self, s: Session, work: Coroutine[Any, Any, P.Reply]) -> Deferred:
+    def _long(self, s: Session, hold: Transfer, work: Coroutine[Any, Any, P.Reply]) -> Deferred:
         """Answer a long request once its slices are done: ``work`` runs in a task the
-        daemon's drain waits for, whatever becomes of the reply's own task."""
+        daemon's drain waits for, whatever becomes of the reply's own task.
+
+        Its completion slot was taken (``hold``) before this returns, so that a request
+        read right after it finds the slot busy; a task cancelled before it ran gives the
+        slot back here (``work`` gives it back itself otherwise)."""
         task = self.transfers.spawn(work)
+
+        def ended(t: asyncio.Task[P.Reply]) -> None:
+            if t.cancelled() and s.transfers.get(hold.slot) is hold:
+                self.long.unreserve(s, hold)
+
+        task.add_done_callback(ended)
         return self.later(s, _shielded(task))
 
     def release(self, identity: bytes, m: P.Release) -> P.Reply:

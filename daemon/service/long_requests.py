@@ -1,8 +1,10 @@
 """The STOREs and LOADs of more than ``slice_pages`` pages: their page-table work in slices
 (:mod:`~kvtier.daemon.service.slices`), the event loop answering others in between.
 
-Such a request holds its completion slot from its start (a placeholder transfer in the
-session's ``transfers``, :meth:`LongRequests.reserve`): the slot is busy for other requests,
+Such a request holds its completion slot from the moment it is read (a placeholder
+transfer in the session's ``transfers``, :meth:`LongRequests.reserve`, taken by the handler
+before its task is spawned): the slot is busy for other requests, even those read in the
+same burst,
 a RELEASE of it or the session's end cancels it at the next slice, and a closing session is
 finalized only once it has given the slot back. It is answered once its copy has started,
 with the reply a short one gets; its copy's end is settled in slices too
@@ -50,13 +52,13 @@ class LongRequests:
         return pages > self.ctx.cfg.slice_pages
 
     async def store(
-        self, s: Session, m: P.Store, keys: Sequence[bytes], pages: Sequence[int]
+        self, s: Session, m: P.Store, keys: Sequence[bytes], pages: Sequence[int], hold: Transfer
     ) -> P.Reply:
         """A checked STORE (``keys`` a list, or packed: split slice by slice), allocated in
-        slices, its copy started: the reply :meth:`Handlers.store` would give."""
+        slices, its copy started: the reply :meth:`Handlers.store` would give. ``hold``:
+        its slot, taken by :meth:`reserve` when the request was read."""
         ctx, pool = self.ctx, self.ctx.pool
         ctx.counters.requests_sliced += 1
-        hold = self.reserve(s, Direction.STORE, m.slot, m.seq)
         try:
             got = await allocate(
                 pool,
@@ -104,13 +106,13 @@ class LongRequests:
         return P.StoreAccepted(req_id=m.req_id, epoch=ctx.epoch, count=got.count, writing=len(host))
 
     async def load(
-        self, s: Session, m: P.Load, keys: Sequence[bytes], pages: Sequence[int]
+        self, s: Session, m: P.Load, keys: Sequence[bytes], pages: Sequence[int], hold: Transfer
     ) -> P.Reply:
         """A checked LOAD, its run pinned in slices, its copy started: the reply
-        :meth:`Handlers.load` would give."""
+        :meth:`Handlers.load` would give. ``hold``: its slot, taken by :meth:`reserve` when
+        the request was read."""
         ctx = self.ctx
         ctx.counters.requests_sliced += 1
-        hold = self.reserve(s, Direction.LOAD, m.slot, m.seq)
         try:
             host = await pin(
                 ctx.pool, s.ns_id, keys, ctx.cfg.slice_pages, lambda: _stopped(s, hold)

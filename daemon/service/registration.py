@@ -112,6 +112,16 @@ class Registration:
             try:
                 if self.ctx.stopping:
                     raise RequestError(P.ErrorCode.SHUTTING_DOWN, "kvtierd is stopping")
+                # the bounds again: other REGISTERs may have opened sessions meanwhile
+                cfg = self.ctx.cfg
+                if len(self.ctx.sessions) >= cfg.max_sessions:
+                    raise RequestError(
+                        P.ErrorCode.BUSY, f"max_sessions ({cfg.max_sessions}) reached"
+                    )
+                try:
+                    self.ctx.quotas.check_session(h.peer.uid, tenant)
+                except LimitExceeded as err:
+                    raise RequestError(P.ErrorCode.BUSY, str(err)) from err
                 return self._start_session(identity, m, h, tenant, memory, copier)
             except BaseException:
                 self.ctx.cuda.close_session(copier, memory)
