@@ -240,6 +240,7 @@ class Registration:
         else:
             s.member = ctx.tier.groups.join(
                 GroupKey(
+                    uid=uid,
                     tenant=tenant,
                     model_id=m.namespace.model_id,
                     revision=m.namespace.revision,

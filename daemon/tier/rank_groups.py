@@ -44,6 +44,8 @@ class GroupKey:
     """What names one TP engine: its ranks share every field.
 
     Attributes:
+        uid: the user the ranks' processes run as (another user's session never joins an
+            engine's group, nor takes a rank's place in it).
         tenant: the tenant the ranks authenticated as.
         model_id / revision / cache_salt: the model namespace.
         attention: ``mha`` or ``mla``.
@@ -52,6 +54,7 @@ class GroupKey:
             model and TP size on one node must set distinct names.
     """
 
+    uid: int
     tenant: str
     model_id: str
     revision: str

@@ -22,9 +22,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+from kvtier.client.connection.admin import AdminClient
+
+from tests.integration.test_tp_groups import Ranks, runs
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0, reason="needs root: runs the daemon and engines as distinct uids"
@@ -44,7 +48,7 @@ import zmq
 from kvtier.client.connection.connection import Connection, DaemonError, DaemonUnavailable
 from kvtier.client.kv_pool.shared import SharedKVPool
 from kvtier.ipc import protocol as P
-from tests.engines import SMALL, engine, fill_page, page_bytes, tokens
+from tests.engines import SMALL, client_config, engine, fill_page, page_bytes, tokens
 
 role, uid, groups, rdir = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), Path(sys.argv[4])
 os.setgroups(groups)
@@ -88,6 +92,16 @@ elif role == "outsider":
     except (DaemonUnavailable, DaemonError, PermissionError) as err:
         out["error"] = type(err).__name__
     print(json.dumps(out), flush=True)
+elif role == "tp_rank":  # rank 1 of a TP engine of another user's model, never asking
+    pool = SharedKVPool(SMALL, 4)
+    conn = Connection(pool, model_id=sys.argv[5], config=client_config(rdir), tp_rank=1, tp_size=2)
+    out["registered"] = conn.session_id != 0
+    print(json.dumps(out), flush=True)
+    out["l2"] = conn.lookup(conn.page_keys(tokens(4 * SMALL.page_size))).l2  # nothing stored
+    print(json.dumps(out), flush=True)
+    sys.stdin.readline()
+    conn.close()
+    pool.close()
 else:  # snoop: victim pid and descriptor number in argv
     victim, fd = int(sys.argv[5]), int(sys.argv[6])
     try:
@@ -176,3 +190,31 @@ def test_engines_in_the_daemons_group_register_and_others_cannot_reach_them(grou
     finally:
         a.stdin.close()
         assert a.wait(timeout=WAIT_S) == 0, a.stderr.read()[-3000:]
+
+
+def test_another_user_cannot_take_a_rank_of_an_engines_tp_group(group_daemon):
+    """A TP engine's ranks agree on every LOOKUP (the minimum over the ranks). A session of
+    another user that registers as rank 1 of the same model and TP size, and asks a LOOKUP
+    of pages it does not have, joins a group of its own: the engine's ranks still answer
+    each other with their full run (its own round times out, answering 0)."""
+    rdir = group_daemon.runtime_dir
+    ranks = Ranks(rdir, model="tp-shared")  # this process's user (root), ranks 0 and 1
+    try:
+        keys = ranks.keys(4)
+        ranks.each(lambda r: ranks.store(r, keys[r]))
+        with AdminClient(group_daemon.endpoint, timeout_s=10.0) as admin:
+            asked = admin.stats()["counters"]["lookups"]
+            intruder, seen = child("tp_rank", SNOOP, [GROUP], rdir, "tp-shared", wait=False)
+            try:
+                assert seen == {"uid": SNOOP, "pid": seen["pid"], "registered": True}, seen
+                deadline = time.monotonic() + WAIT_S  # its LOOKUP is in: a round is open
+                while admin.stats()["counters"]["lookups"] == asked:
+                    assert time.monotonic() < deadline, "the other user's LOOKUP never came"
+                    time.sleep(0.01)
+                assert ranks.each(lambda r: runs(ranks.conns[r], keys[r])) == [(4, 0), (4, 0)]
+                assert json.loads(intruder.stdout.readline())["l2"] == 0
+            finally:
+                intruder.stdin.close()
+                assert intruder.wait(timeout=WAIT_S) == 0, intruder.stderr.read()[-3000:]
+    finally:
+        ranks.close()

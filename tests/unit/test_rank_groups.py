@@ -16,6 +16,7 @@ pytestmark = pytest.mark.timeout(30)
 
 def key(tp_size: int) -> GroupKey:
     return GroupKey(
+        uid=1000,
         tenant="t",
         model_id="m",
         revision="",
