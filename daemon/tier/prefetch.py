@@ -88,6 +88,8 @@ class Fill:
         page_bytes: bytes per page.
         keys / slots / offsets: the pages, their WRITING slots and arena offsets, in
             chain order.
+        parents: each page's parent key (the page before it in the chain, which is not
+            the fill's previous page where the fill skipped a page already in L2).
         fate: per page, a :class:`Fate`.
         committed: leading pages committed so far.
         cut: pages at and after ``cut`` are given up (a failed read, a cancellation);
@@ -115,6 +117,7 @@ class Fill:
     ended: int = 0
     parent_key: bytes | None = None  # the key before keys[0] in its chain
     users: int = 1
+    parents: list[bytes | None] = field(default_factory=list)
 
     @property
     def pages(self) -> int:
@@ -172,7 +175,8 @@ class Prefetcher:
         self._tasks: set[asyncio.Task[None]] = set()
         self._fetched: OrderedDict[tuple[int, bytes], None] = OrderedDict()  # not loaded yet
         self.on_committed: Callable[[int, list[bytes], bytes | None], None] | None = None
-        """Told ``(ns_id, keys, parent key)`` of pages a fill committed to L2."""
+        """Told ``(ns_id, keys, parent key)`` of each chain run of pages a fill committed
+        to L2."""
 
     @property
     def active(self) -> int:
@@ -257,6 +261,7 @@ class Prefetcher:
                 pairs = self.pool.allocate(fill.ns_id, owner, class_id, batch, parent)
                 first = fill.pages
                 for i, slot in pairs:
+                    fill.parents.append(batch[i - 1] if i else parent)
                     fill.keys.append(batch[i])
                     fill.slots.append(slot)
                     fill.offsets.append(self.pool.slot_offset(slot))
@@ -353,10 +358,12 @@ class Prefetcher:
             slots = fill.slots[c:j]
             self.pool.commit(slots)
             self.pool.mark_in_l3(slots)
-            if self.on_committed is not None:
-                self.on_committed(
-                    fill.ns_id, fill.keys[c:j], fill.keys[c - 1] if c else fill.parent_key
-                )
+            if self.on_committed is not None:  # one call per chain run (a skipped page splits)
+                keys, parents, a = fill.keys, fill.parents, c
+                for k in range(c + 1, j + 1):
+                    if k == j or parents[k] != keys[k - 1]:
+                        self.on_committed(fill.ns_id, keys[a:k], parents[a])
+                        a = k
             for i in range(c, j):
                 fate[i] = Fate.COMMITTED
                 self._release_key(fill, i)

@@ -165,3 +165,33 @@ async def test_close_gives_every_fill_up(tmp_path: Path) -> None:
         await closing
         assert fill.done.done() and pf.active == 0
         assert resident(rig) == (0, 0)
+
+
+async def test_committed_runs_are_told_with_their_own_parents_around_a_skipped_page(
+    tmp_path: Path,
+) -> None:
+    """A page of the run is already in L2 (a STORE of it is being copied): the fill skips
+    it, and what it commits is told as two chain runs, the second parented by the skipped
+    page (a KV event subscriber builds its tree from these)."""
+    async with open_rig(tmp_path) as rig:
+        keys, payloads = await in_l3_only(rig, PAGES)
+        s = rig.session
+        gap = BATCH - 2  # inside the first read batch
+        storing = rig.pool.allocate(s.ns_id, s.owner, s.class_id, [keys[gap]], keys[gap - 1])
+        assert len(storing) == 1  # WRITING: a STORE's copy in flight
+        told: list[tuple[list[bytes], bytes | None]] = []
+        pf = Prefetcher(rig.pool, rig.counters, rig.tier.l3.get, CONCURRENCY)
+        pf.on_committed = lambda ns_id, ks, parent: told.append((list(ks), parent))
+        fill, task = start(rig, pf, keys)
+        assert await task == PAGES - 1
+        await pf.wait([fill], 10.0)
+        assert fill.committed == PAGES - 1
+        assert [rig.payload(x) for x in fill.slots] == payloads[:gap] + payloads[gap + 1 :]
+        runs = [(ks, parent) for ks, parent in told]
+        flat = [k for ks, _ in runs for k in ks]
+        assert flat == keys[:gap] + keys[gap + 1 :]
+        for ks, parent in runs:  # each run's parent is the key before its first in the chain
+            i = keys.index(ks[0])
+            assert parent == (keys[i - 1] if i else None)
+            assert ks == keys[i : i + len(ks)]
+        rig.pool.abort([slot for _, slot in storing])
