@@ -174,6 +174,9 @@ class Prefetcher:
         self._fills: set[Fill] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._fetched: OrderedDict[tuple[int, bytes], None] = OrderedDict()  # not loaded yet
+        self.on_allocated: Callable[[int, int], None] | None = None
+        """Told ``(pages asked, pages allocated)`` after each batch's allocation, so that
+        what it evicted is announced before anything else is committed."""
         self.on_committed: Callable[[int, list[bytes], bytes | None], None] | None = None
         """Told ``(ns_id, keys, parent key)`` of each chain run of pages a fill committed
         to L2."""
@@ -259,6 +262,8 @@ class Prefetcher:
                     break
                 batch = keys[a : a + size]
                 pairs = self.pool.allocate(fill.ns_id, owner, class_id, batch, parent)
+                if self.on_allocated is not None:
+                    self.on_allocated(len(batch), len(pairs))
                 first = fill.pages
                 for i, slot in pairs:
                     fill.parents.append(batch[i - 1] if i else parent)

@@ -69,6 +69,7 @@ class TierStore:
         self._ns_tenant: dict[bytes, str] = {}
         self._class_bytes: dict[int, int] = {}
         self.prefetcher = Prefetcher(pool, counters, self.l3.get, cfg.prefetch_concurrency)
+        self.prefetcher.on_allocated = self.allocated
         self.writer = L3Writer(cfg, self.l3, self, pool, counters)
         self.groups = RankGroups(cfg.tp_group_timeout_s, on_round=self._on_round)
         self.on_evicted: Callable[[list[EvictedPage]], None] | None = None
@@ -246,10 +247,9 @@ class TierStore:
             job.fill = self.prefetcher.new_fill(s.ns_fingerprint, s.ns_id, s.geometry.page_bytes)
             job.pages = n3 + sum(f.pages for f in job.deps)
             self._track(s, name, job)  # a claim may come while the slots are allocated
-            got = await self.prefetcher.fill(
+            await self.prefetcher.fill(  # each batch's evictions announced at once
                 job.fill, s.owner, s.class_id, run, keys[start - 1] if start else None
             )
-            self.allocated(len(run), got)
             mine = set(job.fill.keys)
             job.deps += self.prefetcher.dependencies(
                 s.ns_id, [k for k in run if k not in mine], known=[*job.deps, job.fill]

@@ -24,7 +24,7 @@ from kvtier.daemon.pool.host_pool import HostPool
 from kvtier.daemon.storage.base import HostArena, StorageBackend
 from kvtier.daemon.storage.file import FileBackend
 from kvtier.daemon.storage.registry import slot_headroom
-from kvtier.daemon.tier.prefetch import PrefetchJob
+from kvtier.daemon.tier.prefetch import MAX_READ_BATCH, PrefetchJob
 from kvtier.daemon.tier.rank_groups import Member
 from kvtier.daemon.tier.tier import TierStore
 from kvtier.ipc.protocol import Geometry
@@ -263,3 +263,28 @@ async def test_flush_of_an_unlistable_store_deletes_what_this_daemon_wrote(tmp_p
         assert await rig.tier.flush(None) == 3
         assert await rig.tier.l3_run(FINGERPRINT, mine) == 0
         assert await rig.tier.l3_run(FINGERPRINT, theirs) == 4
+
+
+async def test_a_prefetch_tells_each_batchs_evictions_before_the_next_batch(
+    tmp_path: Path,
+) -> None:
+    """A prefetch into a full pool evicts as it allocates, batch by batch: what each batch
+    evicted is told (to the KV event publisher) before the next batch is allocated, so that
+    no page the fill commits meanwhile is announced before the removals that made room."""
+    async with open_rig(tmp_path, prefetch_concurrency=1) as rig:
+        s = rig.session
+        keys = chain(2 * MAX_READ_BATCH)  # two read batches
+        rig.store(keys)
+        await written_to_l3(rig, keys)
+        assert rig.pool.flush(s.ns_id) == len(keys)
+        filler = chain(1024, salt="filler")  # more than the 4 MiB pool holds
+        for i in range(0, len(filler), 16):  # L2 full of other chains
+            got = rig.pool.allocate(s.ns_id, s.owner, s.class_id, filler[i : i + 16], None)
+            rig.pool.commit([slot for _, slot in got])
+        assert rig.pool.stats().pages_writing == 0
+        rig.pool.drain_evicted()
+        told: list[int] = []
+        rig.tier.on_evicted = lambda pages: told.append(len(pages))
+        assert await rig.tier.prefetch(s, keys, "") == len(keys)
+        assert len(told) == 2 and sum(told) == len(keys), told  # one call per batch
+        assert await rig.tier.claim(s, keys, "", "wait_complete") == len(keys)
