@@ -424,9 +424,9 @@ class SyncReply(_Rep, tag="sync_reply", kw_only=True):
 
 
 class PrefetchReply(_Rep, tag="prefetch_reply", kw_only=True):
-    """``started`` pages are being fetched from L3 into L2 by this prefetch; ``coming``: at most
-    the pages of ``keys[skip:]``, those in L2 now or on their way there, by this prefetch or by
-    ones already running that it waits on (0: nothing comes: L3 holds less than
+    """``started`` pages are being fetched from L3 into L2 by this prefetch; ``coming``: the
+    leading run of ``keys[skip:]`` in L2 now or on its way there (being read by this prefetch
+    or by ones already running, or stored); 0: nothing comes (L3 holds less than
     ``prefetch_threshold`` tokens there, or is unreachable)."""
 
     started: int

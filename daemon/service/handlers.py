@@ -171,11 +171,10 @@ class Handlers:
     async def _prefetch_async(self, s: Session, m: P.Prefetch) -> P.Reply:
         tier = self.ctx.tier
         started = await tier.prefetch(s, m.keys, m.request_id, skip=m.skip)
-        # in L2 now (filled by another prefetch since the engine looked) or on their way
-        there = self.ctx.pool.resident_run(s.ns_id, m.keys[m.skip :])
-        coming = min(
-            len(m.keys) - m.skip, max(started, there + tier.coming(s, m.keys, m.request_id))
-        )
+        # the leading run in L2 now or being filled (WRITING: this prefetch's pages, another
+        # prefetch's or a STORE's); pages another prefetch has still to allocate are not
+        # promised
+        coming = self.ctx.pool.resident_run(s.ns_id, m.keys[m.skip :])
         return P.PrefetchReply(
             req_id=m.req_id, epoch=self.ctx.epoch, started=started, coming=coming
         )

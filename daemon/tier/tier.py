@@ -234,13 +234,13 @@ class TierStore:
         self.counters.prefetches += 1
         name: str | bytes = request_id or keys[-1]
         old = s.prefetches.pop(name, None)
-        if old is not None:
-            self.prefetcher.release(old)
         loop = asyncio.get_running_loop()
         assert 0 <= skip <= len(keys), "the service checks PREFETCH.skip"
         start = skip + self.pool.resident_run(s.ns_id, keys[skip:])
         job = PrefetchJob(ns_id=s.ns_id, fill=None, started=loop.time())
         job.deps = self.prefetcher.dependencies(s.ns_id, keys[:start])
+        if old is not None:  # after the new job took its fills: those it shares go on
+            self.prefetcher.release(old)
         n3 = await self.l3_run(s.ns_fingerprint, keys[start:]) if start < len(keys) else 0
         if n3 and n3 * s.geometry.page_size >= self.setting("prefetch_threshold") and s.is_open():
             run = keys[start : start + n3]
@@ -262,12 +262,6 @@ class TierStore:
         if s.prefetches.get(name) is not job:  # no claim will come for it
             self.prefetcher.release(job)
         return job.fill.pages if job.fill is not None else 0
-
-    def coming(self, s: TierSession, keys: list[bytes], request_id: str) -> int:
-        """Pages on their way into L2 for the prefetch of ``keys`` named ``request_id`` (its
-        own reads and those of the prefetches it waits on); 0 when none is tracked."""
-        job = s.prefetches.get(request_id or keys[-1]) if keys else None
-        return job.pages if job is not None else 0
 
     def _track(self, s: TierSession, name: str | bytes, job: PrefetchJob) -> None:
         s.prefetches[name] = job

@@ -225,29 +225,35 @@ class KvtierHiCacheStorage(HiCacheStorage):
             return 0
         kb = [_key(k) for k in keys]
         rep = conn.lookup(kb)
-        n = rep.l2 + rep.l3
-        if rep.l3 and self._start_prefetch(conn, kb[:n], rep.l2) is None:
-            n = rep.l2  # nothing comes from L3 (too little there, or unreachable): no hit
+        n = rep.l2
+        if rep.l3:  # only what a prefetch brings (all of it, or as much as L2 can take)
+            started = self._start_prefetch(conn, kb[: rep.l2 + rep.l3], rep.l2)
+            n += min(rep.l3, started[1]) if started is not None else 0
         self.counters["hit_pages"] += n
         return n
 
-    def _start_prefetch(self, conn: Connection, keys: Sequence[bytes], skip: int) -> float | None:
-        """PREFETCH ``keys[skip:]`` from L3; remember their deadline (None: nothing comes,
-        neither by this prefetch nor by one already running, another request's or rank's)."""
-        if not conn.prefetch_coming(keys, skip=skip):
+    def _start_prefetch(
+        self, conn: Connection, keys: Sequence[bytes], skip: int
+    ) -> tuple[float, int] | None:
+        """PREFETCH ``keys[skip:]`` from L3; remember the deadline of the pages coming.
+
+        Returns:
+            ``(deadline, pages coming)``, or None when nothing comes, neither by this
+            prefetch nor by one already running (another request's or rank's).
+        """
+        coming = min(len(keys) - skip, conn.prefetch_coming(keys, skip=skip))
+        if coming <= 0:
             return None
         assert self._memory is not None
-        deadline = time.monotonic() + self._timeout.seconds(
-            (len(keys) - skip) * self._memory.page_size
-        )
+        deadline = time.monotonic() + self._timeout.seconds(coming * self._memory.page_size)
         self.counters["prefetches"] += 1
         with self._lock:
-            for k in keys[skip:]:
+            for k in keys[skip : skip + coming]:
                 self._prefetching[k] = deadline
                 self._prefetching.move_to_end(k)
             while len(self._prefetching) > MAX_TRACKED_KEYS:
                 self._prefetching.popitem(last=False)
-        return deadline
+        return deadline, coming
 
     def _l3_deadline(self, conn: Connection, keys: Sequence[bytes], start: int) -> float | None:
         """Until when ``keys[start]`` may still arrive from L3 (None: it will not)."""
@@ -256,7 +262,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
             deadline = self._prefetching.get(keys[start])
         if deadline is not None and deadline > now:
             return deadline
-        return self._start_prefetch(conn, keys, start)
+        started = self._start_prefetch(conn, keys, start)
+        return started[0] if started is not None else None
 
     @_misses_on_error(lambda self, keys, *a, **k: [False] * len(keys))
     def batch_get_v1(
