@@ -128,6 +128,10 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {str(path)!r} does not exist") from err
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"config file {str(path)!r} is not valid TOML: {err}") from err
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text: {err}") from err
+    except OSError as err:  # a directory, no permission, an I/O error
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {err}") from err
 
 
 def _from_env(model: type[BaseModel], env: Mapping[str, str]) -> dict[str, Any]:
@@ -205,8 +209,14 @@ def load_config(
 def _describe(err: ValidationError, values: Mapping[str, Any], sources: Mapping[str, str]) -> str:
     lines = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "(config)"
-        top = str(e["loc"][0]) if e["loc"] else ""
+        if not e["loc"]:  # a check across fields: its message names them and their values
+            msg = e["msg"].removeprefix("Value error, ")
+            named = [k for k in values if k in msg]
+            src = ", ".join(f"{k} from {sources.get(k, 'defaults')}" for k in named)
+            lines.append(f"{msg} ({src})" if src else msg)
+            continue
+        loc = ".".join(str(p) for p in e["loc"])
+        top = str(e["loc"][0])
         value = e.get("input", values.get(top))
         if isinstance(value, dict) and top in values and len(e["loc"]) == 1:
             value = values[top]
@@ -217,7 +227,14 @@ def _describe(err: ValidationError, values: Mapping[str, Any], sources: Mapping[
 
 
 def _redact(loc: str, value: Any) -> Any:
-    return "<redacted>" if "token" in loc else value
+    """``value`` with every token hidden (a ``*token*`` field, or one inside a table)."""
+    if "token" in loc:
+        return "<redacted>"
+    if isinstance(value, dict):
+        return {k: _redact(f"{loc}.{k}", v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_redact(loc, v) for v in value]
+    return value
 
 
 # Help for fields whose description (in models.py) does not say how to write the value or

@@ -356,6 +356,10 @@ class DaemonConfig(_Frozen):
 
     @model_validator(mode="after")
     def _check(self) -> DaemonConfig:
+        if self.extent_size % 4096:
+            raise ValueError(
+                f"extent_size ({self.extent_size}) must be a multiple of 4096 bytes (4KiB)"
+            )
         if self.extent_size > self.hicache_size:
             raise ValueError(
                 f"extent_size ({self.extent_size}) must not exceed hicache_size ({self.hicache_size})"

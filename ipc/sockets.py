@@ -55,21 +55,25 @@ def make_zmq_socket(
         sock.setsockopt(zmq.RECONNECT_IVL, 50)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         sock.setsockopt(zmq.IMMEDIATE, 1)
-    if bind:
-        if endpoint.startswith("ipc://"):
-            path = Path(endpoint[len("ipc://") :])
-            if path.exists() or path.is_symlink():
-                path.unlink()
-            old = os.umask(0o117)
-            try:
+    try:
+        if bind:
+            if endpoint.startswith("ipc://"):
+                path = Path(endpoint[len("ipc://") :])
+                if path.exists() or path.is_symlink():
+                    path.unlink()
+                old = os.umask(0o117)
+                try:
+                    sock.bind(endpoint)
+                finally:
+                    os.umask(old)
+                os.chmod(path, 0o660)
+            else:
                 sock.bind(endpoint)
-            finally:
-                os.umask(old)
-            os.chmod(path, 0o660)
         else:
-            sock.bind(endpoint)
-    else:
-        sock.connect(endpoint)
+            sock.connect(endpoint)
+    except BaseException:  # closed here: an open socket would keep its context from ending
+        sock.close(linger=0)
+        raise
     return sock
 
 

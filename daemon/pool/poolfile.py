@@ -243,8 +243,9 @@ def create_pool_segment(
             first).
         size: bytes of the file (metadata region plus ``capacity``).
         capacity: ``hicache_size``, for the messages.
-        prefault: reserve the memory now (``posix_fallocate``) and pre-fault the mapping;
-            the free space of the directory is checked first.
+        prefault: reserve the memory now (``posix_fallocate``) and pre-fault the mapping.
+            Either way the directory's free space is checked first: a sparse file larger
+            than the room left would fail its copies later, one page at a time.
 
     Returns:
         The mapped segment, as a peer (closing it keeps the file).
@@ -254,10 +255,9 @@ def create_pool_segment(
         PoolFileError: the file exists already or cannot be created or mapped.
     """
     path = str(path)
-    if prefault:
-        free = free_bytes(Path(path).parent)
-        if free is not None and free < size:
-            raise PoolSpaceError(_space_message(path, size, capacity, free, "too little space"))
+    free = free_bytes(Path(path).parent)
+    if free is not None and free < size:
+        raise PoolSpaceError(_space_message(path, size, capacity, free, "too little space"))
     try:
         fd = os.open(
             path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, POOL_MODE

@@ -391,10 +391,19 @@ class Admin:
             return
         self.notifier.reloading()
         try:
+            self._reload()
+        finally:  # systemd waits for READY=1 after RELOADING=1, whatever happened
+            self.notifier.ready()
+
+    def _reload(self) -> None:
+        assert self.reload_source is not None
+        try:
             new = self.reload_source()
         except KvtierError as err:
             log.error("reload rejected, configuration unchanged: %s", err)
-            self.notifier.ready()
+            return
+        except Exception as err:  # a bug: still one line, and the daemon goes on
+            log.exception("reload rejected, configuration unchanged: %s", err)
             return
         old = self.ctx.cfg
         changed = {k for k in DaemonConfig.model_fields if getattr(new, k) != getattr(old, k)}
@@ -410,4 +419,3 @@ class Admin:
             self.ctx.tier.reconfigure(new)
             logging.getLogger("kvtier").setLevel(new.log_level.upper())
             log.info("reload: applied %s", ", ".join(sorted(changed)) or "no changes")
-        self.notifier.ready()

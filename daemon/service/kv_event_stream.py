@@ -21,7 +21,7 @@ from collections import deque
 from typing import Any, cast
 
 import zmq
-from kvtier.config import DaemonConfig
+from kvtier.config import ConfigError, DaemonConfig
 from kvtier.daemon.counters import Counters
 from kvtier.ipc import kv_events as E
 from kvtier.ipc.sockets import make_zmq_socket
@@ -62,7 +62,7 @@ class EventStream:
         zctx: the daemon's ZeroMQ context.
 
     Raises:
-        zmq.ZMQError: an endpoint cannot be bound (in use, bad address).
+        ConfigError: an endpoint cannot be bound (in use, bad address), naming its setting.
     """
 
     def __init__(self, cfg: DaemonConfig, counters: Counters, zctx: zmq.Context[Any]) -> None:
@@ -72,14 +72,19 @@ class EventStream:
         self._buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=cfg.kv_events_buffer_steps)
         self._seq = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._pub = make_zmq_socket(
-            zctx,
-            cfg.kv_events_endpoint,
-            zmq.XPUB,
-            bind=True,
-            hwm=cfg.kv_events_hwm,
-            max_msg_bytes=SUBSCRIPTION_MAX_FRAME,
-        )
+        try:
+            self._pub = make_zmq_socket(
+                zctx,
+                cfg.kv_events_endpoint,
+                zmq.XPUB,
+                bind=True,
+                hwm=cfg.kv_events_hwm,
+                max_msg_bytes=SUBSCRIPTION_MAX_FRAME,
+            )
+        except zmq.ZMQError as err:
+            raise ConfigError(
+                f"kv_events_endpoint = {cfg.kv_events_endpoint!r} cannot be bound: {err}"
+            ) from err
         self._pub.setsockopt(zmq.XPUB_NODROP, 1)
         self._replay: zmq.Socket[Any] | None = None
         try:
@@ -93,8 +98,13 @@ class EventStream:
                     max_msg_bytes=REPLAY_MAX_FRAME,
                 )
                 self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        except BaseException:
+        except BaseException as err:
             self._pub.close(linger=0)
+            if isinstance(err, zmq.ZMQError):
+                raise ConfigError(
+                    f"kv_events_replay_endpoint = {cfg.kv_events_replay_endpoint!r} cannot be "
+                    f"bound: {err}"
+                ) from err
             raise
 
     def start(self) -> None:

@@ -471,7 +471,7 @@ def open_publisher(
     :meth:`KvEventPublisher.close`).
 
     Raises:
-        zmq.ZMQError: an endpoint cannot be bound (in use, bad address).
+        ConfigError: an endpoint cannot be bound (in use, bad address), naming its setting.
     """
     pub = KvEventPublisher(
         cfg, counters, zctx, tier.namespace_of, state_dir(cfg.state_dir) / kv_event_state.FILE_NAME

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import zmq
-from kvtier.config import DaemonConfig, format_size, runtime_dir, socket_path
+from kvtier.config import ConfigError, DaemonConfig, format_size, runtime_dir, socket_path
 from kvtier.config.loader import pool_path
 from kvtier.daemon.service.receiver import Receiver, watch_disconnects
 from kvtier.daemon.service.runtime import SocketFile, claim_runtime_dir
@@ -171,8 +171,14 @@ class Daemon:
             # first of all: no other daemon on this runtime dir (before the pool and socket)
             stack.enter_context(claim_runtime_dir(self.rdir))
             zctx = self._zctx = zmq.Context()
-            stack.callback(zctx.term)
-            self._sock = make_zmq_socket(zctx, self.endpoint, zmq.ROUTER, bind=True)
+            stack.callback(zctx.destroy, linger=0)  # whatever socket is still open
+            try:
+                self._sock = make_zmq_socket(zctx, self.endpoint, zmq.ROUTER, bind=True)
+            except zmq.ZMQError as err:
+                raise ConfigError(
+                    f"runtime_dir {str(self.rdir)!r}: cannot bind the control socket "
+                    f"{self.endpoint}: {err}"
+                ) from err
             stack.callback(self._close_socket)
             self._sock_file = SocketFile.record(socket_path(self.rdir))
             self._share_with_group([socket_path(self.rdir)])
