@@ -167,9 +167,9 @@ class StoreTracker:
                 run_pages.append(page)
                 continue
             if run_keys:
-                stores.append(self._issue(run_keys, run_pages, run_parent))
+                stores += self._issue(run_keys, run_pages, run_parent)
             run_keys, run_pages, run_parent = [key], [page], parent
-        stores.append(self._issue(run_keys, run_pages, run_parent))
+        stores += self._issue(run_keys, run_pages, run_parent)
         for st in stores:
             if self._reap(st):
                 self._counters.written_back_pages += st.handle.writing
@@ -186,8 +186,19 @@ class StoreTracker:
             self._issue(keys[a:b], pages[a:b], keys[a - 1] if a else None)
             start = end
 
-    def _issue(self, keys: list[bytes], pages: list[int], parent: bytes | None) -> _Store:
-        """Send one STORE and remember the keys and pages it reads."""
+    def _issue(self, keys: list[bytes], pages: list[int], parent: bytes | None) -> list[_Store]:
+        """STORE a chain run, one STORE per ``room`` pages of it (each chained to the piece
+        before: a link in the engine copy mode takes at most its staging area's pages in
+        one), and remember the keys and pages each reads."""
+        assert self._conn is not None
+        room = self._conn.store_room[1]
+        return [
+            self._issue_one(keys[a : a + room], pages[a : a + room], keys[a - 1] if a else parent)
+            for a in range(0, len(keys), room)
+        ]
+
+    def _issue_one(self, keys: list[bytes], pages: list[int], parent: bytes | None) -> _Store:
+        """Send one STORE (of at most ``room`` pages) once it fits the link's room."""
         assert self._conn is not None
         stores, room = self._conn.store_room
         while self._pending and (

@@ -325,12 +325,12 @@ class Connection:
         return rep.started if rep is not None else 0
 
     def prefetch_coming(self, keys: Sequence[bytes], skip: int = 0, request_id: str = "") -> int:
-        """:meth:`prefetch`, answered with the pages of ``keys[skip:]`` in L2 now or on their
-        way there: those whose reads it started and those of prefetches already running
-        (another request's, another rank's). 0: nothing comes (L3 holds too little there, is
-        unreachable, or the daemon is away)."""
+        """:meth:`prefetch`, answered with the leading run of ``keys[skip:]`` in L2 now or on
+        its way there: pages whose reads it started, those of prefetches already running
+        (another request's, another rank's) or being stored. 0: nothing comes (L3 holds too
+        little there, is unreachable, or the daemon is away)."""
         rep = self._prefetch(keys, skip, request_id)
-        return max(rep.started, rep.coming) if rep is not None else 0
+        return rep.coming if rep is not None else 0
 
     def _prefetch(
         self, keys: Sequence[bytes], skip: int, request_id: str
@@ -465,7 +465,7 @@ class Connection:
                 deadline,
             )
 
-        epoch = self.epoch
+        block = self._block  # a re-registration (even with the same daemon) makes a new one
         accepted: type[P.StoreAccepted | P.LoadAccepted] = (
             P.StoreAccepted if kind is P.Store else P.LoadAccepted
         )
@@ -473,12 +473,13 @@ class Connection:
             rep = self._session_call(make, accepted)
         except (DaemonUnavailable, DaemonError, replies.UnexpectedReply) as err:
             log.debug("%s treated as a miss: %s", kind.__name__, err)
-            if self.epoch == epoch:
-                self._slots.abandon(slot, seq)  # the daemon may still run it
-                if isinstance(err, DaemonUnavailable):
-                    raise _Unanswered(slot, seq) from err
+            if self._block is not block:  # registered again meanwhile: the request went to
+                self._slots.keep(slot)  # the new session, in this slot of its table
+            self._slots.abandon(slot, seq)  # the daemon may still run it
+            if isinstance(err, DaemonUnavailable):
+                raise _Unanswered(slot, seq) from err
             return TransferHandle(None, None, -1, 0, 0, 0, n_layers)
-        if self.epoch != epoch:  # re-registered: slots were reset
+        if self._block is not block:  # re-registered: slots were reset
             self._slots.keep(slot)
         if isinstance(rep, P.LoadAccepted):
             count, writing = rep.count, rep.count

@@ -288,11 +288,12 @@ class Handlers:
 
         Its completion slot was taken (``hold``) before this returns, so that a request
         read right after it finds the slot busy; a task cancelled before it ran gives the
-        slot back here (``work`` gives it back itself otherwise)."""
+        slot back here, as does one that raised past its own handling; ``work`` gives it
+        back itself otherwise, or hands it to the copy it started."""
         task = self.transfers.spawn(work)
 
         def ended(t: asyncio.Task[P.Reply]) -> None:
-            if t.cancelled() and s.transfers.get(hold.slot) is hold:
+            if (t.cancelled() or t.exception() is not None) and s.transfers.get(hold.slot) is hold:
                 self.long.unreserve(s, hold)
 
         task.add_done_callback(ended)

@@ -213,7 +213,12 @@ class Prefetcher:
         if job.released:
             return
         job.released = True
-        for f in job.fills:
+        self.drop(job.fills)
+
+    def drop(self, fills: Sequence[Fill]) -> None:
+        """One user of each of ``fills`` no longer waits for it (one that :meth:`dependencies`
+        counted); a fill nobody waits for is cancelled."""
+        for f in fills:
             f.users -= 1
             if f.users <= 0:
                 self.cancel(f)

@@ -241,19 +241,11 @@ class TierStore:
         job.deps = self.prefetcher.dependencies(s.ns_id, keys[:start])
         if old is not None:  # after the new job took its fills: those it shares go on
             self.prefetcher.release(old)
-        n3 = await self.l3_run(s.ns_fingerprint, keys[start:]) if start < len(keys) else 0
-        if n3 and n3 * s.geometry.page_size >= self.setting("prefetch_threshold") and s.is_open():
-            run = keys[start : start + n3]
-            job.fill = self.prefetcher.new_fill(s.ns_fingerprint, s.ns_id, s.geometry.page_bytes)
-            job.pages = n3 + sum(f.pages for f in job.deps)
-            self._track(s, name, job)  # a claim may come while the slots are allocated
-            await self.prefetcher.fill(  # each batch's evictions announced at once
-                job.fill, s.owner, s.class_id, run, keys[start - 1] if start else None
-            )
-            mine = set(job.fill.keys)
-            job.deps += self.prefetcher.dependencies(
-                s.ns_id, [k for k in run if k not in mine], known=[*job.deps, job.fill]
-            )
+        try:
+            await self._fetch(s, name, job, keys, start)
+        except BaseException:  # cancelled (the daemon stops): no fill waits for it any more
+            self.prefetcher.release(job)
+            raise
         job.pages = sum(f.pages for f in job.fills)
         if job.fill is None and job.pages and s.is_open():  # waits on other prefetches only
             self._track(s, name, job)
@@ -262,6 +254,33 @@ class TierStore:
         if s.prefetches.get(name) is not job:  # no claim will come for it
             self.prefetcher.release(job)
         return job.fill.pages if job.fill is not None else 0
+
+    async def _fetch(
+        self, s: TierSession, name: str | bytes, job: PrefetchJob, keys: list[bytes], start: int
+    ) -> None:
+        """:meth:`prefetch`'s reads: the L3 run after ``keys[:start]`` into a fill of
+        ``job``'s (when L3 holds enough), then the fills of other prefetches that hold pages
+        of the run this fill skipped."""
+        n3 = await self.l3_run(s.ns_fingerprint, keys[start:]) if start < len(keys) else 0
+        if not (n3 and n3 * s.geometry.page_size >= self.setting("prefetch_threshold")):
+            return
+        if not s.is_open() or job.released:
+            return
+        run = keys[start : start + n3]
+        job.fill = self.prefetcher.new_fill(s.ns_fingerprint, s.ns_id, s.geometry.page_bytes)
+        job.pages = n3 + sum(f.pages for f in job.deps)
+        self._track(s, name, job)  # a claim may come while the slots are allocated
+        await self.prefetcher.fill(  # each batch's evictions announced at once
+            job.fill, s.owner, s.class_id, run, keys[start - 1] if start else None
+        )
+        mine = set(job.fill.keys)
+        more = self.prefetcher.dependencies(
+            s.ns_id, [k for k in run if k not in mine], known=[*job.deps, job.fill]
+        )
+        if job.released:  # claimed, replaced or its session closed during the allocation
+            self.prefetcher.drop(more)
+        else:
+            job.deps += more
 
     def _track(self, s: TierSession, name: str | bytes, job: PrefetchJob) -> None:
         s.prefetches[name] = job

@@ -98,30 +98,31 @@ def test_a_device_copy_that_raises_is_a_miss_and_gives_every_slot_back(daemon) -
 
 
 def test_a_write_back_of_more_chains_than_the_staging_area_holds_stores_them_all(daemon) -> None:
-    """Evicting many chains writes each back through a staging area that holds a few at a
-    time: the manager waits for earlier STOREs instead of having later ones dropped."""
+    """Evicting many chains writes each back through a staging area that holds a few pages
+    at a time: the manager waits for earlier STOREs instead of having later ones dropped,
+    and a chain longer than the area goes in pieces, each chained to the one before."""
     from kvtier.client.cache.manager import CacheManager
     from kvtier.engine.allocator import PageAllocator
 
     cfg = client_config(daemon.runtime_dir, hicache_write_policy="write_back")
     src = kv_tensors(5)
-    chains, per_chain = 5, 2  # 10 pages to write back, 4 staging slots
+    lengths = [2, 2, 2, 6]  # 12 pages to write back, 4 staging slots
     with StagedConnection.over(src, SMALL, "staged-wb", staging_pages=4, config=cfg) as conn:
         cm = CacheManager(PageAllocator(PAGES), conn)
         try:
             keys = []
-            for c in range(chains):
-                toks = [1000 * c + t for t in range(per_chain * SMALL.page_size)]
+            for c, n in enumerate(lengths):
+                toks = [1000 * c + t for t in range(n * SMALL.page_size)]
                 m = cm.match(toks)
-                cm.insert(m, cm.alloc(per_chain))
+                cm.insert(m, cm.alloc(n))
                 cm.release(m)
                 keys.append(m.keys)
             assert cm.counters.stores_issued == 0  # write_back: nothing stored on insert
-            assert cm.flush_l1() == chains * per_chain
+            assert cm.flush_l1() == sum(lengths)
             assert cm.counters.store_dropped_pages == 0 and cm.counters.store_failures == 0
-            assert cm.counters.written_back_pages == chains * per_chain
-            for chain in keys:
-                assert conn.lookup(chain).l2 == per_chain
+            assert cm.counters.written_back_pages == sum(lengths)
+            for chain, n in zip(keys, lengths, strict=True):
+                assert conn.lookup(chain).l2 == n
             assert conn.area.free == conn.area.capacity
         finally:
             cm.close()

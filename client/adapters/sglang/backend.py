@@ -228,13 +228,15 @@ class KvtierHiCacheStorage(HiCacheStorage):
         n = rep.l2
         if rep.l3:  # only what a prefetch brings (all of it, or as much as L2 can take)
             started = self._start_prefetch(conn, kb[: rep.l2 + rep.l3], rep.l2)
-            if started is not None:
-                # with several TP ranks, every rank answers the group's L3 run: SGLang
+            if self.storage_config.tp_size > 1:
+                # every rank answers the group's L3 run (the LOOKUP's, agreed): SGLang
                 # decides per rank whether to look up its next batch, before it takes the
                 # minimum, and the daemon pairs the ranks' LOOKUPs in order; what each
-                # rank's prefetch brings may differ
-                tp = self.storage_config.tp_size
-                n += rep.l3 if tp > 1 else min(rep.l3, started[1])
+                # rank's own prefetch brings may differ (a page that does not come is then
+                # recomputed, never waited for past its deadline)
+                n += rep.l3
+            elif started is not None:
+                n += min(rep.l3, started[1])
         self.counters["hit_pages"] += n
         return n
 

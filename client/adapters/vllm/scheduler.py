@@ -118,6 +118,7 @@ class SchedulerSide:
             for rank in range(tp_size)
         ]
         self._hits: dict[str, _Hit] = {}
+        self._in_l2: dict[str, int] = {}  # the last lookup's leading pages in L2 (all ranks)
         self._chains: dict[str, tuple[bytes, list[bytes]]] = {}  # the last lookup's keys
         self._tracked: dict[str, _Tracked] = {}
         self._loads: list[LoadSpec] = []
@@ -134,6 +135,7 @@ class SchedulerSide:
         pages = (len(tokens) - 1) // bs  # leave at least one token to compute
         local = num_computed_tokens // bs
         self._hits.pop(request.request_id, None)
+        self._in_l2.pop(request.request_id, None)
         if pages - local < self.settings.min_load_pages:
             return 0, False
         conns = [link.get() for link in self.links]
@@ -153,6 +155,7 @@ class SchedulerSide:
             total, in_l2 = min(total, rep.l2 + l3), min(in_l2, rep.l2)
             if total - local < self.settings.min_load_pages:
                 return 0, False
+        self._in_l2[request.request_id] = in_l2  # not stored again, whatever is loaded
         if self.max_load_pages is not None:  # what does not fit is computed, not loaded
             total = min(total, local + self.max_load_pages)  # (L2 keeps the rest: not stored)
             if total - local < self.settings.min_load_pages:
@@ -186,6 +189,9 @@ class SchedulerSide:
         chain = self._chains.pop(rid, None)
         if chain is not None and not tracked.seed:
             tracked.seed, tracked.keys = chain[0], list(chain[1])
+        # pages L2 holds (past a hit capped to what a step's loads can take, trimmed by vLLM,
+        # or too short to load) are computed again but not stored again
+        tracked.stored = max(tracked.stored, self._in_l2.pop(rid, 0))
         hit = self._hits.pop(rid, None)
         if num_external_tokens == 0 or hit is None:
             return
@@ -208,9 +214,7 @@ class SchedulerSide:
         hit.total = total
         if hit.layerwise:
             self._step_pages += total - hit.local
-        # pages L2 holds past the load (a hit capped to what a step's loads can take, or
-        # trimmed by vLLM) are computed again but not stored again
-        tracked.stored = max(tracked.stored, hit.total, hit.in_l2)
+        tracked.stored = max(tracked.stored, hit.total)
         tracked.load_start, tracked.in_l2, tracked.load_blocks = hit.local, hit.in_l2, set(blocks)
 
     # ------------------------------------------------------------------ per step
@@ -284,6 +288,7 @@ class SchedulerSide:
         """Forget the request; True when its blocks must outlive it until the workers
         report its stores done (``finished_sending``)."""
         self._hits.pop(request.request_id, None)
+        self._in_l2.pop(request.request_id, None)
         self._chains.pop(request.request_id, None)
         t = self._tracked.pop(request.request_id, None)
         return t is not None and t.stores > 0
