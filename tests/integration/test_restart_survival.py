@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,8 +18,8 @@ from tests.engines import SMALL, engine, fill_page, page_bytes, tokens
 REPO = Path(__file__).resolve().parents[2]
 
 
-def stored_pages(d, n=8):
-    pool, conn = engine(d.runtime_dir, request_timeout_s=5.0)
+def stored_pages(d, n=8, **cfg):
+    pool, conn = engine(d.runtime_dir, **{"request_timeout_s": 5.0, **cfg})
     keys = conn.page_keys(tokens(n * SMALL.page_size, salt=3))
     for p in range(n):
         fill_page(pool, p, seed=500 + p)
@@ -179,3 +180,36 @@ def test_sigkill_in_the_middle_of_stores_never_adopts_a_bad_page(daemon_factory,
         # the engine died while no daemon knew it: nobody else will remove its KV segment
         for leftover in Path("/dev/shm").glob(f"kvtier-engine-{child.pid}-*"):
             leftover.unlink(missing_ok=True)
+
+
+def test_a_transfer_sent_as_the_session_expired_keeps_its_slot(daemon_factory):
+    """The same daemon forgets an expired session (its lease ran out while the engine
+    sent nothing): the next LOAD registers again, into a fresh slot table, and goes out
+    in the slot it took from the old one; that slot stays its own in the new table."""
+    d = daemon_factory("--lease-s", "1")
+    pool, conn, keys, expected = stored_pages(d, heartbeat_interval_s=60.0)  # no renewals
+    try:
+        old = conn.load(keys, list(range(8, 16)))  # slot 0, never waited
+        epoch = conn.epoch
+        deadline = time.monotonic() + 30
+        while stats_sessions(d):  # the lease runs out
+            assert time.monotonic() < deadline, "the session did not expire"
+            time.sleep(0.1)
+        first = conn.load(keys, list(range(16, 24)))  # registers again, then sent in slot 1
+        assert conn.epoch == epoch and first.count == len(keys)
+        second = conn.load(keys, list(range(24, 32)))
+        third = conn.load(keys, list(range(32, 40)))
+        slots = [first.slot, second.slot, third.slot]
+        assert len(set(slots)) == 3, f"two transfers in one slot: {slots}"
+        assert first.wait() and second.wait() and third.wait()
+        for start in (16, 24, 32):
+            assert [page_bytes(pool, p) for p in range(start, start + len(keys))] == expected
+        assert not old.wait()  # its session is gone
+    finally:
+        conn.close()
+        pool.close()
+
+
+def stats_sessions(d) -> int:
+    with AdminClient(d.endpoint) as admin:
+        return len(admin.stats()["sessions"])
