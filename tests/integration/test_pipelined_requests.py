@@ -221,6 +221,10 @@ def key(i: int, salt: int = 0) -> bytes:
     return (i + 1000 * salt).to_bytes(8, "little") * 4
 
 
+BIG = P.Geometry(num_layers=4, page_size=16, kv_heads=8, head_dim=128, dtype="float32")
+"""512 KiB pages."""
+
+
 @pytest.fixture
 def sliced(daemon_factory) -> DaemonProcess:
     return daemon_factory("--slice-pages", "4")
@@ -229,10 +233,11 @@ def sliced(daemon_factory) -> DaemonProcess:
 @pytest.mark.parametrize("packed", [False, True])
 def test_two_long_stores_pipelined_on_one_slot_one_is_busy(sliced, packed):
     """Two long STOREs on one slot read in the same burst: the second finds the slot busy
-    (refused), never two copies in one slot."""
-    e = RawEngine(sliced)
+    (refused), never two copies in one slot. Each copies 24 MiB in 12 slices, so the second
+    finds the first still running even when it is read a little later."""
+    n = 48
+    e = RawEngine(sliced, num_pages=2 * n, geometry=BIG)
     try:
-        n = 12
         both = []
         for attempt in range(8):  # the two must be read in one burst: retry, bounded
             msgs = []
@@ -255,10 +260,6 @@ def test_two_long_stores_pipelined_on_one_slot_one_is_busy(sliced, packed):
         assert not both, f"two transfers accepted in one slot at once: {both}"
     finally:
         e.close()
-
-
-BIG = P.Geometry(num_layers=4, page_size=16, kv_heads=8, head_dim=128, dtype="float32")
-"""512 KiB pages."""
 
 
 def test_a_copy_orphaned_by_slot_reuse_outlives_its_sessions_memory(daemon_factory):
