@@ -301,6 +301,14 @@ class Prefetcher:
         fill.cut = min(fill.cut, fill.committed)
         self._settle(fill)
 
+    def cancel_namespaces(self, namespaces: set[bytes] | None) -> None:
+        """Cancel every fill of ``namespaces`` (None: of every namespace), whoever waits for
+        it: their L3 objects are about to be deleted (a FLUSH), and a read that lands after
+        that must not make a page READY as held by L3."""
+        for fill in list(self._fills):
+            if namespaces is None or fill.ns in namespaces:
+                self.cancel(fill)
+
     async def wait(self, fills: Sequence[Fill], timeout: float) -> None:
         """Wait until every fill is done or ``timeout`` seconds have passed."""
         pending = [f.done for f in fills if not f.done.done()]

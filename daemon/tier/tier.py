@@ -363,6 +363,7 @@ class TierStore:
         """Delete from L3 every page of ``namespaces`` (None: of every namespace); with
         ``reclaim``, the store then gives the freed disk space back. The L2 pages of those
         namespaces are no longer in L3: a SYNC or a write policy writes them again."""
+        self.prefetcher.cancel_namespaces(None if namespaces is None else set(namespaces))
         deleted = await self.l3.flush(namespaces, reclaim=reclaim)
         ids = self.pool.namespaces()
         for fp in ids if namespaces is None else namespaces:

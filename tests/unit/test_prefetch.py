@@ -195,3 +195,30 @@ async def test_committed_runs_are_told_with_their_own_parents_around_a_skipped_p
             assert parent == (keys[i - 1] if i else None)
             assert ks == keys[i : i + len(ks)]
         rig.pool.abort([slot for _, slot in storing])
+
+
+async def test_a_flush_of_l3_cancels_the_fills_reading_from_it(tmp_path: Path) -> None:
+    """A FLUSH of L3 while a prefetch's reads are in flight: the reads that land after it
+    do not make their pages READY (they would be marked as held by L3, whose objects are
+    gone); what had verified before stays, and is no longer marked in L3."""
+    async with open_rig(tmp_path) as rig:
+        keys, _ = await in_l3_only(rig, PAGES)
+        gate = asyncio.Event()
+
+        async def read_then_wait(ns: bytes, ks: list[bytes], offs: list[int], n: int) -> list[bool]:
+            flags = await rig.tier.l3.get(ns, ks, offs, n)  # the bytes are read ...
+            if ks[0] == keys[BATCH]:
+                await gate.wait()  # ... and the second batch's read returns after the flush
+            return flags
+
+        pf = rig.tier.prefetcher = Prefetcher(rig.pool, rig.counters, read_then_wait, CONCURRENCY)
+        fill, task = start(rig, pf, keys)
+        await task
+        await until(lambda: fill.committed == BATCH, "the first batch")
+        assert await rig.tier.flush([rig.session.ns_fingerprint]) == PAGES
+        gate.set()
+        await pf.wait([fill], 10.0)
+        s = rig.session
+        assert fill.committed == BATCH and rig.pool.lookup(s.ns_id, keys) == BATCH
+        assert not any(rig.pool.describe(x).in_l3 for x in fill.slots[:BATCH])
+        assert rig.pool.resident_run(s.ns_id, keys[BATCH:]) == 0
