@@ -608,3 +608,26 @@ async def test_release_space_gives_never_used_slots_back_too(
     assert await store.exists(NS, keys[1:8]) == 7
     assert all(await store.get_into(NS, keys[1:8], offsets[1:8], PAGE))
     await store.close()
+
+
+async def test_segments_are_readable_by_the_daemons_user_only(
+    tmp_path: Path, arena: HostArena
+) -> None:
+    """Segments hold every tenant's pages: mode 0600 even in a directory others can list."""
+    path = tmp_path / "l3"
+    path.mkdir(mode=0o755)
+    backend = await opened(path, arena)
+    try:
+        offs = [0]
+        fill(arena, offs, PAGE)
+        assert await backend.put_from(NS, [key("a")], offs, PAGE) == [True]
+    finally:
+        await backend.close()
+    files = segment_files(path)
+    assert files and all(f.stat().st_mode & 0o777 == 0o600 for f in files)
+    files[0].chmod(0o644)  # as an earlier version left it
+    backend = await opened(path, arena)
+    try:
+        assert files[0].stat().st_mode & 0o777 == 0o600
+    finally:
+        await backend.close()

@@ -94,7 +94,9 @@ class FileBackend(StorageBackend):
         start, path = time.perf_counter(), self.config.path
         try:
             path.mkdir(mode=0o700, parents=True, exist_ok=True)  # tenants' pages: owner only
-            self._fds.append(os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC))
+            self._fds.append(
+                os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            )
             fcntl.flock(self._fds[0], fcntl.LOCK_EX | fcntl.LOCK_NB)
             for name in sorted(os.listdir(path)):
                 parsed = parse_segment_name(name)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import contextlib
 import os
 import re
 import struct
@@ -155,7 +156,10 @@ def open_segment(
     """
     path = directory / f"seg-{slot}x{slots}-{seq:06d}.kvt"
     flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
-    fd = os.open(path, flags, 0o644)
+    fd = os.open(path, flags, 0o600)  # every tenant's pages: the daemon's user only
+    if not create:  # one an earlier version made readable by others
+        with contextlib.suppress(OSError):
+            os.fchmod(fd, 0o600)
     seg = Segment(seq, slot, slots, fd)
     try:
         have = 0 if create else os.fstat(fd).st_size
