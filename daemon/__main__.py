@@ -116,6 +116,9 @@ def main(argv: list[str] | None = None, prog: str = "kvtierd") -> int:
     configure_logging(cfg.log_level)
     try:
         return run(cfg, reload=load)
+    except ConfigError as err:  # a setting the start could not apply: restarting will not help
+        logging.getLogger("kvtier.daemon").error("%s", err)
+        return 2
     except KvtierError as err:
         logging.getLogger("kvtier.daemon").error("%s", err)
         return 1

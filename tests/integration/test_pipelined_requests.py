@@ -163,54 +163,18 @@ class RawEngine:
         self._req += 1
         return self._req
 
-    def store(self, keys, pages, slot=0, seq=1, packed=False, **kw) -> P.Reply:
-        if packed:
-            m = P.Store(
+    def store(self, keys, pages, slot=0, seq=1) -> P.Reply:
+        """A packed STORE of ``keys`` from ``pages``, answered."""
+        return self.raw.ask(
+            P.Store(
                 req_id=self.req(),
                 session_id=self.sid,
                 packed_keys=P.pack_keys(keys),
                 packed_pages=P.pack_pages(pages),
                 slot=slot,
                 seq=seq,
-                **kw,
             )
-        else:
-            m = P.Store(
-                req_id=self.req(),
-                session_id=self.sid,
-                keys=keys,
-                pages=pages,
-                slot=slot,
-                seq=seq,
-                **kw,
-            )
-        return self.raw.ask(m)
-
-    def load(self, keys, pages, slot=0, seq=1, packed=False, **kw) -> P.Reply:
-        if packed:
-            m = P.Load(
-                req_id=self.req(),
-                session_id=self.sid,
-                packed_keys=P.pack_keys(keys),
-                packed_pages=P.pack_pages(pages),
-                slot=slot,
-                seq=seq,
-                **kw,
-            )
-        else:
-            m = P.Load(
-                req_id=self.req(),
-                session_id=self.sid,
-                keys=keys,
-                pages=pages,
-                slot=slot,
-                seq=seq,
-                **kw,
-            )
-        return self.raw.ask(m)
-
-    def lookup(self, keys) -> P.Reply:
-        return self.raw.ask(P.Lookup(req_id=self.req(), session_id=self.sid, keys=keys))
+        )
 
     def close(self) -> None:
         self.raw.close()
@@ -272,7 +236,7 @@ def test_a_copy_orphaned_by_slot_reuse_outlives_its_sessions_memory(daemon_facto
     e = RawEngine(d, num_pages=n_b, geometry=BIG)
     try:
         keys = [key(i, salt=40) for i in range(n_b)]
-        rep = e.store(keys, list(range(n_b)), slot=0, seq=1, packed=True)
+        rep = e.store(keys, list(range(n_b)), slot=0, seq=1)
         assert isinstance(rep, P.StoreAccepted) and rep.count == n_b, rep
         settled(d, 60)
         both = []

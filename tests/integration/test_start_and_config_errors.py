@@ -134,6 +134,21 @@ def test_reload_of_an_undecodable_config_file_is_refused_with_a_log_line(daemon_
 # ---------------------------------------------------------------- failed starts
 
 
+def failed_start(rdir: Path, *args: str) -> str:
+    """Run ``kvtierd`` expecting it to refuse to start, at once: its output (no traceback)."""
+    try:
+        r = kvtierd(rdir, *args, timeout=20)
+    except subprocess.TimeoutExpired as err:
+        out = (err.stdout or b"").decode(errors="replace") + (err.stderr or b"").decode(
+            errors="replace"
+        )
+        pytest.fail(f"kvtierd still running 20 s after its start failed:\n{out[-1500:]}")
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out[-1500:]
+    assert "Traceback" not in out, out[-1500:]
+    return out
+
+
 def test_kv_events_endpoint_that_cannot_be_bound_stops_the_start_promptly(short_tmp):
     """A bind failure of the events socket ends the start at once with an error naming
     kv_events_endpoint (no socket is left open to keep the daemon's ZeroMQ context alive)."""
@@ -142,40 +157,11 @@ def test_kv_events_endpoint_that_cannot_be_bound_stops_the_start_promptly(short_
     busy.bind(("127.0.0.1", 0))
     busy.listen(1)
     port = busy.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    env.pop("NOTIFY_SOCKET", None)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvtier.daemon",
-            "--runtime-dir",
-            str(rt),
-            *BASE,
-            "--kv-events-endpoint",
-            f"tcp://127.0.0.1:{port}",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        text=True,
-        env=env,
-    )
     try:
-        try:
-            out, _ = proc.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, _ = proc.communicate()
-            pytest.fail(f"kvtierd still running 20 s after its start failed:\n{out[-1500:]}")
-        assert proc.returncode not in (0, None)
-        assert "Traceback" not in out, out[-1500:]
+        out = failed_start(rt, "--kv-events-endpoint", f"tcp://127.0.0.1:{port}")
         assert "kv_events_endpoint" in out, out[-1500:]
     finally:
         busy.close()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
         pool_path(Path("/dev/shm"), rt).unlink(missing_ok=True)
 
 
@@ -183,28 +169,8 @@ def test_runtime_dir_too_long_for_a_socket_path_is_a_clear_error(short_tmp):
     """ipc:// socket paths are limited to about 107 bytes: a longer runtime_dir makes the
     control socket's bind fail, and kvtierd exits at once naming runtime_dir."""
     rt = short_tmp / ("r" * 110)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvtier.daemon", "--runtime-dir", str(rt), *BASE],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        text=True,
-        env={k: v for k, v in os.environ.items() if not k.startswith(("KVTIER_", "NOTIFY_"))},
-    )
-    try:
-        try:
-            out, _ = proc.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, _ = proc.communicate()
-            pytest.fail(f"kvtierd still running 20 s after its bind failed:\n{out[-1500:]}")
-        assert proc.returncode not in (0, None)
-        assert "Traceback" not in out, out[-1500:]
-        assert "runtime_dir" in out or str(rt) in out, out[-1500:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    out = failed_start(rt)
+    assert "runtime_dir" in out, out[-1500:]
 
 
 # ---------------------------------------------------------------- pool_dir without room
