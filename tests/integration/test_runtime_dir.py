@@ -247,7 +247,7 @@ def test_a_symlinked_pool_file_is_refused(daemon_factory, short_tmp: Path) -> No
 def test_ten_terabytes_is_a_config_error_naming_hicache_size(daemon_factory) -> None:
     d = daemon_factory("--hicache-size", "10TB", "--extent-size", "32MiB", start=False)
     code, log = exited(d)
-    assert code == 1 and "hicache_size = 9.1 TiB (10000000000000 bytes) is too large" in log
+    assert code == 2 and "hicache_size = 9.1 TiB (10000000000000 bytes) is too large" in log
     assert "the largest hicache_size with extent_size 32.0 MiB is 8.0 TiB" in log
     assert "min_page_bytes" not in log and "Traceback" not in log
 
