@@ -49,12 +49,14 @@ def test_sync_after_an_l3_flush_writes_the_l2_pages_again(daemon_factory):
         pool.close()
 
 
-def test_one_sessions_best_effort_claim_does_not_cancel_anothers_prefetch(
-    daemon_factory, short_tmp
+@pytest.mark.parametrize("first_leaves_by", ["best_effort_claim", "closing"])
+def test_one_session_leaving_does_not_cancel_anothers_prefetch(
+    daemon_factory, short_tmp, first_leaves_by
 ):
     """Two sessions prefetch the same chain: the second's pages are "on their way" by the
-    first's fill (PREFETCH coming = 64). The first claims best_effort and stops waiting;
-    the fill goes on for the second, whose wait_complete CLAIM gets every page."""
+    first's fill (PREFETCH coming = 64). The first stops waiting (a best_effort CLAIM) or
+    goes away (its engine closes); the fill goes on for the second, whose wait_complete
+    CLAIM gets every page."""
     d = daemon_factory(*slow_flags(short_tmp, 0.5), env={"PYTHONPATH": REPO})
     pool, conn = engine(d.runtime_dir, num_pages=128)
     pool2, conn2 = engine(d.runtime_dir, num_pages=128)
@@ -64,30 +66,10 @@ def test_one_sessions_best_effort_claim_does_not_cancel_anothers_prefetch(
         flush(d, "l2")
         assert conn.prefetch(keys) == 64
         assert conn2.prefetch_coming(keys) == 64  # all of it comes, by the first's fill
-        conn.claim(keys, policy="best_effort")  # the first gives up waiting
-        got = conn2.claim(keys, policy="wait_complete")
-        assert got == 64, f"wait_complete claim got {got} of 64 pages"
-        load_and_compare(pool2, conn2, keys, expected, first_page=64)
-    finally:
-        conn2.close()
-        pool2.close()
-        conn.close()
-        pool.close()
-
-
-def test_one_session_closing_does_not_cancel_anothers_prefetch(daemon_factory, short_tmp):
-    """As above, with the first session closing (an engine going away) instead of
-    claiming: the fill the second session waits for goes on."""
-    d = daemon_factory(*slow_flags(short_tmp, 0.5), env={"PYTHONPATH": REPO})
-    pool, conn = engine(d.runtime_dir, num_pages=128)
-    pool2, conn2 = engine(d.runtime_dir, num_pages=128)
-    try:
-        keys, expected = store_pages(pool, conn, 64)
-        wait_written(d, 64)
-        flush(d, "l2")
-        assert conn.prefetch(keys) == 64
-        assert conn2.prefetch_coming(keys) == 64
-        conn.close()
+        if first_leaves_by == "closing":
+            conn.close()
+        else:
+            conn.claim(keys, policy="best_effort")
         got = conn2.claim(keys, policy="wait_complete")
         assert got == 64, f"wait_complete claim got {got} of 64 pages"
         load_and_compare(pool2, conn2, keys, expected, first_page=64)
