@@ -95,15 +95,15 @@ builddeps:
 	fi
 
 # Debian packages the integration tests use (Redis server, libibverbs for Mooncake,
-# systemd-analyze to verify the unit).
+# systemd-analyze to verify the unit, strace to hold a command inside a system call).
 sysdeps:
 	@if ! command -v redis-server >/dev/null 2>&1 || ! ldconfig -p | grep -q libibverbs.so.1 \
-			|| ! command -v systemd-analyze >/dev/null 2>&1; then \
+			|| ! command -v systemd-analyze >/dev/null 2>&1 || ! command -v strace >/dev/null 2>&1; then \
 		if command -v apt-get >/dev/null 2>&1; then \
 			SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 			$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
-				--no-install-recommends redis-server libibverbs1 systemd >/dev/null; \
-		else echo "sysdeps: apt-get not found; install redis-server, libibverbs1, systemd by hand"; fi; \
+				--no-install-recommends redis-server libibverbs1 systemd strace >/dev/null; \
+		else echo "sysdeps: apt-get not found; install redis-server, libibverbs1, systemd, strace by hand"; fi; \
 	fi
 
 test: venv sysdeps engines lint

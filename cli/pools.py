@@ -12,7 +12,9 @@ runtime directory its header names and whether a daemon holds it::
                         directory cannot be entered): never removed
 
 ``kvtier pools --remove PATH`` removes one pool no daemon holds; ``--stale`` removes all
-of them. A held pool is never removed (the command refuses, exit 1).
+of them. A held pool is never removed (the command refuses, exit 1). The removal holds the
+runtime directory's lock while it asks again and unlinks, so a daemon starting there at
+that moment cannot adopt the file and lose it (its start fails on the lock instead).
 
 Exit codes: 0 success; 1 a pool could not be removed (held, unknown, permission); 2 bad
 usage.
@@ -21,6 +23,8 @@ usage.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import sys
@@ -38,7 +42,7 @@ from kvtier.daemon.pool.inventory import (
     inspect_pool_file,
     list_pool_files,
 )
-from kvtier.daemon.service.runtime import lock_holder
+from kvtier.daemon.service.runtime import lock_holder, lock_path
 
 __all__ = ["Holder", "build_parser", "holder_of", "main"]
 
@@ -190,13 +194,62 @@ def _remove(info: PoolFileInfo, holder: Holder) -> str | None:
         )
     if holder.state != "no":
         return f"{info.path}: cannot tell whether a daemon holds it ({holder.why}); not removed"
+    with contextlib.ExitStack() as held:
+        if info.runtime_dir is not None:
+            try:
+                fd = _lock_runtime_dir(info.runtime_dir)
+            except BlockingIOError:
+                return (
+                    f"{info.path}: a kvtierd took the lock of {info.runtime_dir} meanwhile; "
+                    "not removed"
+                )
+            except OSError as err:
+                return f"{info.path}: cannot lock {info.runtime_dir}: {err.strerror}; not removed"
+            if fd is not None:
+                held.callback(os.close, fd)
+        # no daemon can start on the runtime directory now: ask once more whether any
+        # process maps the file
+        pids, _ = _mapped_by(info.path, info.uid)
+        if pids:
+            return f"{info.path} is mapped by pid {pids[0]} (a kvtierd started meanwhile)"
+        try:
+            os.unlink(info.path)
+        except FileNotFoundError:
+            return None
+        except OSError as err:
+            return f"cannot remove {info.path}: {err.strerror} (owner uid {info.uid})"
+    return None
+
+
+def _lock_runtime_dir(rdir: Path) -> int | None:
+    """Take the lock a kvtierd on ``rdir`` holds (without waiting); its descriptor (closing
+    it lets go), or None when ``rdir`` does not exist (no daemon runs there).
+
+    A missing lock file is created as a daemon would create it, owned by the runtime
+    directory's owner (when this user may give it away), so the daemon can open it later.
+
+    Raises:
+        BlockingIOError: a daemon holds it.
+        OSError: it cannot be opened or created.
+    """
+    path = lock_path(rdir)
     try:
-        os.unlink(info.path)
+        dir_st = os.stat(rdir)
     except FileNotFoundError:
         return None
-    except OSError as err:
-        return f"cannot remove {info.path}: {err.strerror} (owner uid {info.uid})"
-    return None
+    try:  # a read-only descriptor takes a flock too: no write permission needed
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != dir_st.st_uid and os.geteuid() == 0:
+            os.fchown(fd, dir_st.st_uid, dir_st.st_gid)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def main(argv: Sequence[str]) -> int:

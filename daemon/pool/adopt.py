@@ -69,7 +69,7 @@ def scan_rows(
     and the index built again.
 
     Args:
-        meta: the mapped metadata; its state, in-L3 and parent columns are rewritten.
+        meta: the mapped metadata; its state, in-L3 (cleared) and parent columns are rewritten.
         usable: per extent, the slots its class cuts (0: free or unusable), from
             :meth:`~kvtier.daemon.pool.slots.SlotAllocator.usable_per_extent`.
         by_slot: the pool's slot -> key list, None throughout: each adopted key is put
@@ -120,10 +120,13 @@ def scan_rows(
     gone[state == PageState.FREE] = False
     n_gone = int(np.count_nonzero(gone))
     state[gone] = PageState.FREE  # first: the rows are free from here on
-    in_l3 = meta.array("in_l3")  # allocate leaves it alone: no FREE row may keep it
-    kept = in_l3[slots]
+    # No row keeps its in-L3 mark: the store may have been emptied, replaced or reconfigured
+    # while no daemon ran, and a page marked in L3 that is not there would be evicted by
+    # write-back into no tier (or skipped by SYNC). The writer asks L3 what it holds
+    # (``exists``) before it writes, so a page L3 still has is marked again for the cost of
+    # that question. Allocation leaves the column alone, so FREE rows must not keep it either.
+    in_l3 = meta.array("in_l3")
     in_l3[:] = 0
-    in_l3[slots] = kept
     _clear_past_lengths(meta, slots)
     parents = _clean_parents(meta, slots)
     del state, in_l3

@@ -365,6 +365,9 @@ class Admin:
 
     async def _sync_async(self, m: P.Sync) -> P.Reply:
         start = time.perf_counter()
+        # a health check first: a store found replaced (a restarted Redis) loses its
+        # in-L3 marks before the pages to write are chosen
+        await self.ctx.tier.l3.check()
         pages, written, failed, left = await self.ctx.tier.writer.sync(m.timeout_s)
         log.info(
             "sync: %d pages, %d written, %d not written, %d left, in %.3f s",

@@ -10,9 +10,10 @@ When ``kv_events_endpoint`` is set, kvtierd publishes (:mod:`kvtier.ipc.kv_event
   written to L3 (or found there by the writer);
 - ``BlockRemoved`` with the L3 backend's name when the backend drops pages on its own
   (evicted for room, discarded as damaged), for backends that can tell
-  (:meth:`~kvtier.daemon.storage.base.StorageBackend.dropped`: ``file``);
-- ``AllBlocksCleared`` when FLUSH empties L3 of a namespace, followed by a ``BlockStored``
-  of what L2 still holds of it.
+  (:meth:`~kvtier.daemon.storage.base.StorageBackend.dropped`: ``file``, ``redis``);
+- ``AllBlocksCleared`` when FLUSH empties L3 of a namespace, or the store may have lost
+  everything (:meth:`~kvtier.daemon.storage.base.StorageBackend.replaced`: a Redis server
+  that restarted), followed by a ``BlockStored`` of what L2 still holds of it.
 
 Each namespace publishes on its own topic (:func:`~kvtier.ipc.kv_events.namespace_topic`).
 A page is named by the engine's block hash where its STORE carried one
@@ -491,6 +492,13 @@ def open_publisher(
 
     tier.on_l3_dropped = l3_dropped
     pool = tier.pool
+
+    def l3_replaced() -> None:  # as after a FLUSH of every namespace
+        for ns_id in sorted(set(pool.namespaces().values())):
+            if ns_id >= 0:
+                pub.l3_cleared(ns_id, pool.ready_pages(ns_id))
+
+    tier.on_l3_replaced = l3_replaced
 
     def held(ns_id: int) -> PagesHeld:
         return pool.ready_pages(ns_id), lambda keys: pool.lookup(ns_id, keys)

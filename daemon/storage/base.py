@@ -104,6 +104,10 @@ class StorageBackend(abc.ABC):
         """Set by the owner; a store that learns of drops outside its batches (a server's
         notification) calls it from the event loop, and the owner then calls
         :meth:`dropped`."""
+        self.on_suspect: Callable[[], None] | None = None
+        """Set by the owner; a store that sees a sign its server may have been replaced (a
+        broken connection) calls it from the event loop, and the owner then checks its
+        :meth:`health` (and :meth:`replaced`) soon."""
 
     @abc.abstractmethod
     async def open(self, arena: HostArena) -> None:
@@ -164,6 +168,15 @@ class StorageBackend(abc.ABC):
         an empty list.
         """
         return []
+
+    def replaced(self) -> bool:
+        """Whether the store may have lost everything it held since the last call (its
+        server restarted without its data, or another took its place), as found by
+        :meth:`health`; the owner then takes none of its objects as present any more.
+
+        The default, for stores that cannot tell, is False.
+        """
+        return False
 
     @abc.abstractmethod
     async def health(self) -> bool:

@@ -113,6 +113,8 @@ class L3Backend:
         on_dropped: called with ``(namespace, key)`` of the objects the backend dropped on
             its own (:meth:`~kvtier.daemon.storage.base.StorageBackend.dropped`), after
             the read or write batch that saw them go.
+        on_replaced: called when a health check finds the store may have lost everything
+            it held (:meth:`~kvtier.daemon.storage.base.StorageBackend.replaced`).
         faults: the current failing spell (its cause), logged once and then rarely.
 
     Raises:
@@ -134,6 +136,7 @@ class L3Backend:
         self.healthy = False
         self.on_open: Callable[[], None] | None = None
         self.on_dropped: Callable[[list[tuple[bytes, bytes]]], None] | None = None
+        self.on_replaced: Callable[[], None] | None = None
         self.faults = FaultLog(log, f"L3 backend {self.name}", clock=clock)
         self._arena: HostArena | None = None
         self._faults: tuple[type[BaseException], ...] = (
@@ -176,6 +179,7 @@ class L3Backend:
             return
         self.backend, self.healthy = backend, True
         backend.on_drop = self._drop_soon
+        backend.on_suspect = self._check_now.set
         self._lists = type(backend).list_keys is not StorageBackend.list_keys
         self.faults.recovered("open")
         log.info(
@@ -233,6 +237,10 @@ class L3Backend:
             ok, cause = False, f"health check failed: {describe_fault(err)}"
         if ok:
             self.faults.recovered()
+            if self.backend is not None and self.backend.replaced():
+                self._known.clear()
+                if self.on_replaced is not None:
+                    self.on_replaced()
         else:
             self.faults.failed(
                 cause or "health check failed (the backend's log says why)",

@@ -65,6 +65,7 @@ class TierStore:
         self.l3 = L3Backend(cfg, counters, rdir)
         self.l3.on_open = self.apply_write_policy
         self.l3.on_dropped = self._l3_dropped
+        self.l3.on_replaced = self._l3_replaced
         self._ns: dict[int, bytes] = {}
         self._ns_tenant: dict[bytes, str] = {}
         self._class_bytes: dict[int, int] = {}
@@ -76,6 +77,9 @@ class TierStore:
         """Told the pool's evictions after each allocation (the KV event publisher)."""
         self.on_l3_dropped: Callable[[list[tuple[bytes, bytes]]], None] | None = None
         """Told ``(namespace, key)`` of the objects the backend dropped on its own."""
+        self.on_l3_replaced: Callable[[], None] | None = None
+        """Told when the store may have lost everything (after the in-L3 marks were
+        cleared)."""
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -370,6 +374,15 @@ class TierStore:
             if fp in ids:
                 self.pool.clear_in_l3(ids[fp])
         return deleted
+
+    def _l3_replaced(self) -> None:
+        """The store may have lost everything it held (its server restarted): no L2 page is
+        taken as in L3 any more, so write-back writes each again before evicting it (the
+        writer asks the store first) and a SYNC writes them all."""
+        for ns_id in sorted(set(self.pool.namespaces().values())):
+            self.pool.clear_in_l3(ns_id)
+        if self.on_l3_replaced is not None:
+            self.on_l3_replaced()
 
     def _l3_dropped(self, dropped: list[tuple[bytes, bytes]]) -> None:
         """The backend dropped objects on its own (its capacity, damaged objects): their

@@ -625,9 +625,56 @@ async def test_segments_are_readable_by_the_daemons_user_only(
         await backend.close()
     files = segment_files(path)
     assert files and all(f.stat().st_mode & 0o777 == 0o600 for f in files)
-    files[0].chmod(0o644)  # as an earlier version left it
+    files[0].chmod(0o644)  # readable by others: put back to its user's alone
     backend = await opened(path, arena)
     try:
         assert files[0].stat().st_mode & 0o777 == 0o600
     finally:
         await backend.close()
+
+
+@pytest.mark.parametrize("how", ["group_writable", "world_writable", "symlink", "not_a_dir"])
+async def test_a_store_directory_others_could_write_is_refused(
+    tmp_path: Path, arena: HostArena, how: str
+) -> None:
+    """The store's objects are served to every engine and their checksums are no signature:
+    a directory another user may write (or a link to one) is refused, naming the path."""
+    path = tmp_path / "l3"
+    if how == "symlink":
+        (tmp_path / "real").mkdir(mode=0o700)
+        path.symlink_to(tmp_path / "real")
+    elif how == "not_a_dir":
+        path.write_bytes(b"")
+    else:
+        path.mkdir()
+        path.chmod(0o770 if how == "group_writable" else 0o777)
+    why = {"symlink": "symlink", "not_a_dir": "exists"}.get(how, "written by other")
+    with pytest.raises(StorageError, match=f"path='{path}'.*{why}"):
+        await opened(path, arena)
+
+
+async def test_a_second_name_of_a_file_is_not_taken_as_a_segment(
+    tmp_path: Path, arena: HostArena
+) -> None:
+    """A segment name hard-linked to another file (which the store would write into) or a
+    symlinked one is refused: the store does not open, and the linked file is untouched."""
+    path = tmp_path / "l3"
+    backend = await opened(path, arena)
+    try:
+        offs = [0]
+        fill(arena, offs, PAGE)
+        assert await backend.put_from(NS, [key("a")], offs, PAGE) == [True]
+    finally:
+        await backend.close()
+    seg = segment_files(path)[0]
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    seg.unlink()
+    os.link(victim, seg)
+    with pytest.raises(StorageError, match="links"):
+        await opened(path, arena)
+    seg.unlink()
+    seg.symlink_to(victim)
+    with pytest.raises(StorageError, match=str(path)):
+        await opened(path, arena)
+    assert victim.read_bytes() == b"precious"

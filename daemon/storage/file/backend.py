@@ -32,6 +32,7 @@ from kvtier.daemon.storage.file.segments import (
     LOCK_NAME,
     Segment,
     Slot,
+    check_store_dir,
     close_fds,
     fresh_slots,
     open_segment,
@@ -94,6 +95,7 @@ class FileBackend(StorageBackend):
         start, path = time.perf_counter(), self.config.path
         try:
             path.mkdir(mode=0o700, parents=True, exist_ok=True)  # tenants' pages: owner only
+            check_store_dir(path)
             self._fds.append(
                 os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             )

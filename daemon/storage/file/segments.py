@@ -26,10 +26,12 @@ import errno
 import contextlib
 import os
 import re
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtier.config.errors import StorageError
 from kvtier.daemon.storage.objects import HEADER_SIZE, MAGIC, check_header
 
 __all__ = [
@@ -38,6 +40,7 @@ __all__ = [
     "LOCK_NAME",
     "Segment",
     "Slot",
+    "check_store_dir",
     "close_fds",
     "fresh_slots",
     "open_segment",
@@ -135,6 +138,30 @@ def parse_segment_name(name: str) -> tuple[int, int, int] | None:
     return (slot, slots, seq) if slot > 0 and slot % ALIGN == 0 and slots > 0 else None
 
 
+def check_store_dir(path: Path) -> None:
+    """Refuse a store directory another user could have written: every tenant's pages are
+    read back from it and served to engines, and a header's checksums are no signature.
+
+    Raises:
+        StorageError: ``path`` is a symlink or not a directory, belongs to a uid other than
+            this process's and root, or its group or every user may write it.
+    """
+    st = os.lstat(path)
+    euid = os.geteuid()
+    what = f"owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}"
+    if stat.S_ISLNK(st.st_mode):
+        why = "is a symlink; name the directory it points to"
+    elif not stat.S_ISDIR(st.st_mode):
+        why = "is not a directory"
+    elif st.st_uid not in (euid, 0):
+        why = f"belongs to another user ({what}); kvtierd runs as uid {euid}"
+    elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        why = f"may be written by other users ({what}); make it 0700"
+    else:
+        return
+    raise StorageError(f"file backend: path={str(path)!r} {why}")
+
+
 def open_segment(
     directory: Path, seq: int, slot: int, slots: int, create: bool, durable: bool
 ) -> Segment:
@@ -155,10 +182,19 @@ def open_segment(
             created is removed again).
     """
     path = directory / f"seg-{slot}x{slots}-{seq:06d}.kvt"
-    flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
+    flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0)
     fd = os.open(path, flags, 0o600)  # every tenant's pages: the daemon's user only
-    if not create:  # one an earlier version made readable by others
-        with contextlib.suppress(OSError):
+    if not create:
+        st = os.fstat(fd)
+        # a file someone else made (or a second name of one) is not a segment of this store
+        if not stat.S_ISREG(st.st_mode) or st.st_uid not in (os.geteuid(), 0) or st.st_nlink != 1:
+            os.close(fd)
+            raise PermissionError(
+                errno.EPERM,
+                f"segment {path.name} is not a file of this store's user "
+                f"(owner uid {st.st_uid}, {st.st_nlink} links)",
+            )
+        with contextlib.suppress(OSError):  # readable by its user alone
             os.fchmod(fd, 0o600)
     seg = Segment(seq, slot, slots, fd)
     try:

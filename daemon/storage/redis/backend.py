@@ -51,6 +51,19 @@ return n
 """
 """Server-side leading run: one round trip, a few times cheaper per key than pipelined EXISTS."""
 _EXISTS_SHA = hashlib.sha1(_EXISTS_SCRIPT).hexdigest().encode()
+_DROP_DAMAGED_SCRIPT = b"""
+local n = 0
+for i, k in ipairs(KEYS) do
+  local v = redis.call('GET', k)
+  if v and redis.sha1hex(v) == ARGV[i] then
+    redis.call('DEL', k)
+    n = n + 1
+  end
+end
+return n
+"""
+"""Deletes each damaged value read, unless it changed since (its SHA-1 is the one read): a
+good copy written meanwhile, by this daemon or another sharing the server, stays."""
 _ERRORS: tuple[type[BaseException], ...] = (RedisError, OSError, asyncio.TimeoutError)
 
 
@@ -76,6 +89,9 @@ class RedisBackend(StorageBackend):
         self._arena: HostArena | None = None
         self._names = ObjectNames(self.options.prefix)
         self._drops: DropWatch | None = None
+        self._damaged: list[tuple[bytes, bytes]] = []  # deleted after a failed verification
+        self._run_id: bytes | None = None  # the server's, to tell a restart (health checks)
+        self._replaced = False
         ttl_s = self.options.ttl_s
         self._ttl_arg = None if ttl_s is None else b"%d" % max(1, int(ttl_s * 1000))
         self._script_sha: bytes | None = _EXISTS_SHA
@@ -133,6 +149,7 @@ class RedisBackend(StorageBackend):
             raise StorageError(
                 f"redis backend: {redact(opts.address)!r} did not answer PING: {cause}"
             ) from err
+        self._run_id = await self._server_run_id()
         if opts.watch_drops:
             db = int(pool.connection_kwargs.get("db", 0) or 0)
             self._drops = DropWatch(self._client, self._names, db, self._dropping)
@@ -171,7 +188,10 @@ class RedisBackend(StorageBackend):
 
         One pipeline of ``GET`` (``GETEX`` with a TTL). A missing key, a value of the wrong
         size, a header naming another namespace or key, or a checksum mismatch reads ``False``
-        (the last three count in ``stats.corrupt``); a fault reads all ``False``.
+        (the last three count in ``stats.corrupt``); a fault reads all ``False``. A value that
+        did not verify is deleted (unless it changed since it was read) and reported by
+        :meth:`dropped`: while it stayed, it would read as present to every ``exists`` and
+        the next write of the page would skip it.
         """
         arena = self._check_batch(keys, offsets, length)
         if not keys:
@@ -190,15 +210,43 @@ class RedisBackend(StorageBackend):
             flags, missing, corrupt, faults = landing()
         else:
             flags, missing, corrupt, faults = await run_to_completion(landing)
+        damaged = [(i, hashlib.sha1(values[i]).hexdigest().encode()) for i in corrupt]
         del values
         found = sum(flags)
         self.stats.gets += found
         self.stats.get_bytes += found * length
-        self.stats.misses += missing + corrupt + len(faults)
-        self.stats.corrupt += corrupt
+        self.stats.misses += missing + len(corrupt) + len(faults)
+        self.stats.corrupt += len(corrupt)
         if faults:
             self._failed(faults[0])
+        if damaged:
+            await self._drop_damaged(ns, keys, damaged)
         return flags
+
+    async def _drop_damaged(
+        self, ns: bytes, keys: Sequence[bytes], damaged: list[tuple[int, bytes]]
+    ) -> None:
+        """Delete the values of ``keys`` that failed verification (index, SHA-1 of the value
+        read), each only if it still holds what was read; report them as dropped. Where
+        scripting is unavailable they are deleted unconditionally."""
+        names = [self._names.encoded(ns, [keys[i]])[0] for i, _ in damaged]
+        if self._script_sha is not None:
+            frames = command(
+                b"EVAL",
+                _DROP_DAMAGED_SCRIPT,
+                b"%d" % len(names),
+                *names,
+                *(digest for _, digest in damaged),
+            )
+        else:
+            frames = command(b"DEL", *names)
+        replies = await self._roundtrip([frames], 1)
+        if replies is not None and isinstance(replies[0], BaseException):
+            _log.warning(
+                "redis backend: deleting %d damaged values failed: %s", len(names), replies[0]
+            )
+            return
+        self._damaged.extend((ns, keys[i]) for i, _ in damaged)
 
     async def put_from(
         self, ns: bytes, keys: Sequence[bytes], offsets: Sequence[int], length: int
@@ -291,16 +339,47 @@ class RedisBackend(StorageBackend):
             self._note_down(err)
             return False
         self._note_up()
+        run_id = await self._server_run_id()
+        if run_id is not None:
+            if self._run_id is not None and run_id != self._run_id:
+                _log.warning(
+                    "redis backend: %s restarted or was replaced (its run_id changed): the "
+                    "pages it held are taken as gone",
+                    redact(self.options.address),
+                )
+                self._replaced = True
+            self._run_id = run_id
         return True
+
+    def replaced(self) -> bool:
+        """Whether a health check found another server process since the last call (its
+        ``run_id`` changed: a restart, which may have lost every value, or another server)."""
+        replaced, self._replaced = self._replaced, False
+        return replaced
+
+    async def _server_run_id(self) -> bytes | None:
+        """The server's ``run_id`` (``INFO server``); None when it cannot tell (a fault, or
+        a compatible server without one)."""
+        client = self._client
+        if client is None:
+            return None
+        try:
+            info = await asyncio.wait_for(client.info("server"), self.options.timeout_s)
+        except self._errors as err:
+            _log.debug("redis backend: INFO server: %s", err)
+            return None
+        run_id = info.get("run_id") if isinstance(info, dict) else None
+        return str(run_id).encode() if run_id else None
 
     def _dropping(self) -> None:
         if self.on_drop is not None:
             self.on_drop()
 
     def dropped(self) -> list[tuple[bytes, bytes]]:
-        """Pages the server evicted or expired since the last call (with ``watch_drops``;
-        else none are known)."""
-        return self._drops.take() if self._drops is not None else []
+        """Pages deleted as damaged, and those the server evicted or expired (known with
+        ``watch_drops`` only), since the last call."""
+        damaged, self._damaged = self._damaged, []
+        return damaged + (self._drops.take() if self._drops is not None else [])
 
     async def close(self) -> None:
         """Close every pooled connection; idempotent."""
@@ -405,6 +484,8 @@ class RedisBackend(StorageBackend):
                 # unread replies would answer the next user of this connection
                 await conn.disconnect(nowait=True)
                 if attempt == 1 and isinstance(err, _ConnectionError):
+                    if self.on_suspect is not None:  # the server may have restarted: its
+                        self.on_suspect()  # owner checks its health (and run_id) soon
                     continue
                 if isinstance(err, self._errors):
                     self._failed(err)

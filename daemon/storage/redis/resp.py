@@ -33,7 +33,7 @@ def land(
     offsets: Sequence[int],
     length: int,
     values: Sequence[Any],
-) -> tuple[list[bool], int, int, list[BaseException]]:
+) -> tuple[list[bool], int, list[int], list[BaseException]]:
     """Verify each value read and copy its payload into the arena.
 
     Args:
@@ -43,14 +43,16 @@ def land(
 
     Returns:
         (flags, missing, corrupt, faults): one flag per key, how many keys were absent,
-        how many values did not verify, and the per-command errors the server sent.
+        the indexes of the values that did not verify, and the per-command errors the
+        server sent.
         Counters go back to the caller, which owns ``stats`` on the event loop.
     """
     flags: list[bool] = []
-    missing = corrupt = 0
+    missing = 0
+    corrupt: list[int] = []
     faults: list[BaseException] = []
     size = HEADER_SIZE + length
-    for key, off, value in zip(keys, offsets, values):
+    for i, (key, off, value) in enumerate(zip(keys, offsets, values)):
         if value is None:
             missing += 1
             flags.append(False)
@@ -61,7 +63,7 @@ def land(
             continue
         data = memoryview(value)
         if len(data) != size or not verify_object(data[:HEADER_SIZE], data[HEADER_SIZE:], ns, key):
-            corrupt += 1
+            corrupt.append(i)
             flags.append(False)
             continue
         view[off : off + length] = data[HEADER_SIZE:]
