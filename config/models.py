@@ -397,8 +397,10 @@ class ClientConfig(_Frozen):
     write_through_threshold: int = Field(
         default=2, ge=1, description="Hits before write_through_selective backs a page up."
     )
-    hicache_storage_prefetch_policy: PrefetchPolicy = Field(
-        default="timeout", description="How a claim ends a prefetch."
+    hicache_storage_prefetch_policy: PrefetchPolicy | None = Field(
+        default=None,
+        description="How a claim that names no policy ends a prefetch "
+        "(None: the daemon's hicache_storage_prefetch_policy).",
     )
     prefetch_threshold: int = Field(
         default=256, ge=0, description="Tokens before L3 is prefetched."

@@ -44,6 +44,11 @@ class Transfer(Protocol):
         """Block until the transfer ends; True when it succeeded."""
         ...
 
+    def copying(self) -> bool:
+        """Whether kvtierd may still copy to or from the engine's pages of a transfer whose
+        wait failed (those pages stay out of use until this returns False)."""
+        ...
+
 
 class CacheLink(Protocol):
     """A registered engine rank's link to kvtierd, as the cache manager uses it.

@@ -108,6 +108,7 @@ class CacheManager:
         "_alloc",
         "_cfg",
         "_conn",
+        "_deferred",
         "_page_size",
         "_quarantine",
         "_quarantined",
@@ -141,6 +142,7 @@ class CacheManager:
         self._tree = RadixTree(page_size)
         self._quarantine: list[_Quarantine] = []
         self._quarantined: set[int] = set()
+        self._deferred: set[int] = set()  # freed while a failed STORE may still read them
         self.counters = CacheCounters()
         policy = self._cfg.hicache_write_policy
         threshold = (
@@ -169,8 +171,9 @@ class CacheManager:
 
     @property
     def quarantined_pages(self) -> int:
-        """Device pages held back after failed loads (a live daemon might still write them)."""
-        return len(self._quarantined)
+        """Device pages held back after failed loads and stores (a live daemon might still
+        write or read them)."""
+        return len(self._quarantined) + len(self._deferred)
 
     @property
     def pending_stores(self) -> int:
@@ -207,6 +210,9 @@ class CacheManager:
             l2 = min(rep.l2, len(rest))
             l3 = min(rep.l3, len(rest) - l2)
             self._tree.mark_in_l2(rest[:l2])
+            # L2 lost what the tree took for held there (evicted by others, flushed, a cold
+            # restart): unmarked, so an eviction writes them back and a STORE sends them
+            self._tree.set_in_l2(rest[l2:], False)
         c = self.counters
         c.requests += 1
         c.prompt_tokens += len(toks)
@@ -344,7 +350,7 @@ class CacheManager:
         """
         pages = [p for p in pages if p not in self._quarantined]
         self._stores.reap_pages(pages)
-        self._alloc.free(pages)
+        self._release(pages)
 
     # ------------------------------------------------------------------ maintenance
     def sync(self) -> None:
@@ -392,7 +398,7 @@ class CacheManager:
                 backup.append((e.key, e.page_id, parent))
         if backup and self._cfg.hicache_write_policy == "write_back":
             self._stores.write_back(backup)
-        self._alloc.free(e.page_id for e in evicted)
+        self._release([e.page_id for e in evicted])
         self.counters.evicted_pages += len(evicted)
         return len(evicted)
 
@@ -412,7 +418,22 @@ class CacheManager:
             deadline = time.monotonic() + self._cfg.load_timeout_s
             self._quarantine.append(_Quarantine(deadline, list(load.page_ids)))
 
+    def _release(self, pages: list[int]) -> None:
+        """Give ``pages`` back to the allocator, except those a STORE whose wait failed may
+        still read (a stalled daemon that resumes would store what a new owner wrote there
+        under the old keys): those go back once it has ended (:meth:`_drain_quarantine`)."""
+        still = self._stores.still_read
+        held = [p for p in pages if still(p)]
+        if held:
+            self._deferred.update(held)
+            pages = [p for p in pages if p not in self._deferred]
+        self._alloc.free(pages)
+
     def _drain_quarantine(self) -> None:
+        if self._deferred:
+            done = [p for p in self._deferred if not self._stores.still_read(p)]
+            self._deferred.difference_update(done)
+            self._alloc.free(done)
         if not self._quarantine:
             return
         gone = self._conn is None or not self._conn.daemon_alive()

@@ -120,6 +120,10 @@ class StagedLoad:
                 self._finish(ok)
         return self._ok is True
 
+    def copying(self) -> bool:
+        """False: kvtierd copies into staging slots, never into the engine's pages."""
+        return False
+
     def _finish(self, ok: bool) -> None:
         for c in self._copies:
             try:
@@ -156,6 +160,11 @@ class StagedStore:
     def wait_layer(self, layer: int, timeout: float | None = None) -> bool:
         """Block until layer ``layer`` is in L2's slots."""
         return self._handle is None or self._handle.wait_layer(layer, timeout)
+
+    def copying(self) -> bool:
+        """False: kvtierd reads the staging slots (held until it ends), never the engine's
+        pages."""
+        return False
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the STORE ends, then give the slots back; True when it succeeded."""

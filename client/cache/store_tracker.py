@@ -60,6 +60,7 @@ class StoreTracker:
     __slots__ = (
         "_conn",
         "_counters",
+        "_held",
         "_page_stores",
         "_pending",
         "_pending_pages",
@@ -85,6 +86,7 @@ class StoreTracker:
         self._pending_pages = 0
         self._page_stores: dict[int, _Store] = {}
         self._storing: set[bytes] = set()
+        self._held: dict[int, Transfer] = {}  # pages of failed STOREs kvtierd may still read
 
     @property
     def pending(self) -> int:
@@ -234,4 +236,18 @@ class StoreTracker:
             self._counters.store_dropped_pages += len(st.keys) - st.handle.count
         else:
             self._counters.store_failures += 1
+            if st.handle.copying():  # a stalled daemon may still read them, and would store
+                for p in st.pages:  # what another request wrote there under these keys
+                    self._held[p] = st.handle
         return ok
+
+    def still_read(self, page: int) -> bool:
+        """Whether kvtierd may still read device page ``page`` for a STORE whose wait failed
+        (the page must not be reused until this returns False)."""
+        handle = self._held.get(page)
+        if handle is None:
+            return False
+        if handle.copying():
+            return True
+        del self._held[page]
+        return False

@@ -363,8 +363,8 @@ class Connection:
 
         Args:
             keys: the same keys as the prefetch (or name it with ``request_id``).
-            policy: one of the three, or None for the daemon's
-                ``hicache_storage_prefetch_policy``.
+            policy: one of the three, or None for this client's
+                ``hicache_storage_prefetch_policy`` (when that is None too, the daemon's).
             request_id: the prefetch's request id, if it was given one.
             timeout: longest wait for the reply (default ``claim_timeout_s``).
 
@@ -381,7 +381,7 @@ class Connection:
                     session_id=sid,
                     keys=list(keys),
                     request_id=request_id,
-                    policy=policy or "",
+                    policy=policy or self.config.hicache_storage_prefetch_policy or "",
                 ),
                 P.ClaimReply,
                 timeout=wait_s,
