@@ -3,7 +3,10 @@
 A router reads the stream with its own decoder (vLLM's format: :mod:`kvtier.ipc.kv_events`);
 this subscriber is the reference reader: it follows the sequence numbers and, when it sees a
 gap (its queue overflowed, or it connected late), asks the replay socket for the missing
-batches, as vLLM's subscriber does::
+batches, as vLLM's subscriber does, as many times as the daemon's answers (at most
+``kv_events_replay_max`` batches each) take to cover it. A batch numbered below the next
+one expected that no replay brought is a new stream (the daemon restarted): it is followed
+from there, after the replay of the new stream's earlier batches::
 
     with EventSubscriber("ipc:///run/kvtier/events.sock",
                          replay="ipc:///run/kvtier/events-replay.sock") as sub:
@@ -68,6 +71,9 @@ class EventSubscriber:
         self.next_seq: int | None = None  # the sequence number expected next
         self.replayed = 0  # batches recovered by replay
         self.gaps = 0  # gaps seen in the sequence numbers
+        self.lost = 0  # batches of gaps the daemon no longer buffered
+        self.restarts = 0  # new streams seen (a daemon restarted)
+        self._by_replay: set[int] = set()  # sequence numbers the last replays brought
 
     def __enter__(self) -> Self:
         return self
@@ -107,7 +113,11 @@ class EventSubscriber:
             if msg is None:
                 return
             if self.next_seq is not None and msg.seq < self.next_seq:
-                continue  # already had it by replay
+                if msg.seq in self._by_replay:
+                    continue  # already had it by replay
+                self.restarts += 1  # a new stream: its earlier batches first
+                self._by_replay.clear()
+                self.next_seq = 0
             if self.next_seq is not None and msg.seq > self.next_seq:
                 self.gaps += 1
                 yield from self.replay(self.next_seq, upto=msg.seq)
@@ -118,25 +128,48 @@ class EventSubscriber:
         self, start_seq: int, upto: int | None = None, timeout_s: float = 5.0
     ) -> list[EventMessage]:
         """Ask the replay socket for the batches from ``start_seq`` (below ``upto``), in
-        order, keeping this subscriber's topics; [] without a replay endpoint."""
+        order, keeping this subscriber's topics; [] without a replay endpoint. Asks again
+        from past the last batch an answer brought until ``upto`` (or an answer brings
+        nothing new); batches the daemon no longer buffers count in :attr:`lost`."""
         if self._replay_endpoint is None:
             return []
+        out: list[EventMessage] = []
+        start, first = start_seq, True
+        while upto is None or start < upto:
+            seqs, got = self._replay_once(start, upto, timeout_s)
+            if not seqs or max(seqs) < start:
+                break  # nothing (more) buffered from ``start``
+            if first and min(seqs) > start_seq:
+                self.lost += min(seqs) - start_seq
+            first = False
+            out.extend(got)
+            self._by_replay.update(seqs)
+            start = max(seqs) + 1
+        self.replayed += len(out)
+        return out
+
+    def _replay_once(
+        self, start: int, upto: int | None, timeout_s: float
+    ) -> tuple[list[int], list[EventMessage]]:
+        """One replay request: the sequence numbers of every batch the answer brought, and
+        those of this subscriber's topics below ``upto``."""
         req = self._ctx.socket(zmq.DEALER)
         req.setsockopt(zmq.LINGER, 0)
+        seqs: list[int] = []
         out: list[EventMessage] = []
         try:
-            req.connect(self._replay_endpoint)
-            req.send_multipart((b"", E.replay_request(start_seq)))
+            req.connect(self._replay_endpoint or "")
+            req.send_multipart((b"", E.replay_request(start)))
             while req.poll(int(timeout_s * 1000)):
                 _, topic, seq, payload = req.recv_multipart()
-                n = E.seq_of(seq)
                 if seq == E.END_SEQ:
                     break
+                n = E.seq_of(seq)
+                seqs.append(n)
                 if (upto is None or n < upto) and topic.decode().startswith(self._topic):
                     out.append(
                         EventMessage(topic.decode(), n, E.decode_batch(payload), True, payload)
                     )
         finally:
             req.close(linger=0)
-        self.replayed += len(out)
-        return out
+        return seqs, out

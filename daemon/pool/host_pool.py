@@ -114,7 +114,9 @@ class HostPool:
             header (0: none; else a multiple of ``align`` of at least ``SLOT_HEADROOM``).
             Extents grow by ``headroom`` per slot id, so a class cuts as many pages from
             one as without (see :class:`PoolLayout`).
-        max_evicted_log: evictions kept for :meth:`drain_evicted`; more are counted only.
+        max_evicted_log: evictions kept for :meth:`drain_evicted`; more are counted only
+            (None: as many as the pool has slots, so that no single allocation, which evicts
+            each page at most once, overflows it between two drains).
         eviction_policy: ``"lru"``, ``"arc"`` or ``"reuse"``
             (:mod:`~kvtier.daemon.pool.eviction`); a pool built here defaults to plain
             recency, the daemon's (:meth:`from_config`) to its configuration's default,
@@ -185,7 +187,7 @@ class HostPool:
         align: int = 4096,
         *,
         min_page_bytes: int | None = None,
-        max_evicted_log: int = 65536,
+        max_evicted_log: int | None = None,
         headroom: int = 0,
         eviction_policy: str = "lru",
         meta: Any | None = None,
@@ -232,7 +234,7 @@ class HostPool:
         reason: str | None,
         arena: Any | None,
         classes: Sequence[int],
-        max_evicted_log: int,
+        max_evicted_log: int | None,
         eviction_policy: str,
     ) -> None:
         """The constructor's second half, over the checked metadata ``pm``: the page table,
@@ -243,7 +245,11 @@ class HostPool:
         self.capacity_bytes, self.extent_bytes = layout.capacity_bytes, layout.extent_bytes
         self.align, self.n_extents, self.n_slots = layout.align, layout.n_extents, layout.n_slots
         self._pages = pages = PageTable(
-            pm, max_log=max_evicted_log, quota={}, requires_l3=False, policy=eviction_policy
+            pm,
+            max_log=layout.n_slots if max_evicted_log is None else max_evicted_log,
+            quota={},
+            requires_l3=False,
+            policy=eviction_policy,
         )
         self._lookups = KeyLookups(pages)
         for page_bytes in classes:
@@ -543,6 +549,18 @@ class HostPool:
             bool(meta.in_l3[slot]),
             pages.slots.ext_class[slot // pages.slots.per_extent],
         )
+
+    def parent_keys(self, ns_id: int, keys: Sequence[bytes]) -> list[bytes | None]:
+        """The key of each READY page's parent, for ``keys`` of ``ns_id`` (None: a chain's
+        head, or a key not READY here)."""
+        ready = self._pages.ready.get(ns_id, {})
+        col, parent = self._pages.keys, self._pages.meta.parent
+        out: list[bytes | None] = []
+        for key in keys:
+            s = ready.get(key)
+            p = NIL if s is None else parent[s]
+            out.append(col[p] if p != NIL else None)
+        return out
 
     def ready_pages(self, ns_id: int) -> list[tuple[bytes, bytes | None]]:
         """Return ``(key, parent key or None)`` of every READY page of ``ns_id``.

@@ -4,9 +4,10 @@ it holds, and which runs of pages to announce again.
 A router matches kvtierd's events against the hashes the engine computes, which kvtierd
 learns only from STOREs (:class:`~kvtier.ipc.protocol.EngineBlocks`). The pages themselves
 survive a restart (the pool is adopted); so that their names do too, the publisher saves
-the hashes it remembers, and each namespace's block size, to
-``<state_dir>/kv-event-hashes.msgpack`` when the daemon stops (:func:`save`), and reads them
-back at start (:func:`load`). A restarted daemon then announces the pages it adopted
+the hashes it remembers (each under its namespace's fingerprint and its page key: engines
+of several namespaces may name pages by the same keys), each namespace's block size and
+model id (its topic), to ``<state_dir>/kv-event-hashes.msgpack`` when the daemon stops
+(:func:`save`), and reads them back at start (:func:`load`). A restarted daemon then announces the pages it adopted
 (:func:`chain_runs`) under the same names on its new stream. After a crash the file is the
 one the previous clean stop wrote: a key's hash never changes (the key is a digest of the
 same tokens), so what it has is still true, and pages stored since are named by their keys.
@@ -25,20 +26,22 @@ from pathlib import Path
 from typing import Annotated
 
 import msgspec
-from kvtier.ipc.limits import KEY_BYTES, BlockHash, BlockSize
+from kvtier.ipc.limits import KEY_BYTES, BlockHash, BlockSize, Text
 
-__all__ = ["FILE_NAME", "Saved", "chain_runs", "load", "save"]
+__all__ = ["FILE_NAME", "Loaded", "Saved", "chain_runs", "load", "save"]
 
 log = logging.getLogger("kvtier.daemon.events")
 
 FILE_NAME = "kv-event-hashes.msgpack"
 """The file in the state directory."""
 
-_VERSION = 1
-_BYTES_PER_ENTRY = 128  # a generous bound on one saved (key, hash) pair, for the size check
+_VERSION = 2
+_BYTES_PER_ENTRY = 160  # a generous bound on one saved (key, hash) pair, for the size check
+FP_BYTES = 32
+"""A namespace fingerprint's length: a saved key is the fingerprint then the page key."""
 
-PageKey = Annotated[bytes, msgspec.Meta(min_length=1, max_length=KEY_BYTES)]
-NamespaceId = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
+NamespacedKey = Annotated[bytes, msgspec.Meta(min_length=1, max_length=FP_BYTES + KEY_BYTES)]
+NamespaceId = Annotated[bytes, msgspec.Meta(min_length=FP_BYTES, max_length=FP_BYTES)]
 """A namespace fingerprint (SHA-256)."""
 
 
@@ -46,24 +49,44 @@ class Saved(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     """The saved state (a MessagePack array).
 
     Attributes:
-        version: the format (1).
-        keys / hashes: page key -> the engine's hash, oldest first, as long as each other.
+        version: the format (2; a version 1 file has keys without fingerprints and no
+            models: its hashes are taken only when it names one namespace).
+        keys / hashes: namespace fingerprint ‖ page key -> the engine's hash, oldest first,
+            as long as each other.
         block_sizes: namespace fingerprint -> the tokens per block its sessions named.
+        models: namespace fingerprint -> the model id its sessions named (the topic).
     """
 
     version: int
-    keys: list[PageKey]
+    keys: list[NamespacedKey]
     hashes: list[BlockHash]
     block_sizes: dict[NamespaceId, BlockSize]
+    models: dict[NamespaceId, Text] = {}
 
 
-def save(path: Path, hashes: dict[bytes, BlockHash], block_sizes: dict[bytes, int]) -> None:
+class Loaded(msgspec.Struct):
+    """What :func:`load` read: ``hashes`` (fingerprint ‖ page key -> engine hash, oldest
+    first), ``block_sizes`` and ``models`` per namespace fingerprint."""
+
+    hashes: dict[bytes, BlockHash]
+    block_sizes: dict[bytes, int]
+    models: dict[bytes, str]
+
+
+def save(
+    path: Path,
+    hashes: dict[bytes, BlockHash],
+    block_sizes: dict[bytes, int],
+    models: dict[bytes, str] | None = None,
+) -> None:
     """Write the state to ``path`` atomically (a temporary file renamed over it, mode 0600).
 
     Raises:
         OSError: the directory cannot be written.
     """
-    body = msgspec.msgpack.encode(Saved(_VERSION, list(hashes), list(hashes.values()), block_sizes))
+    body = msgspec.msgpack.encode(
+        Saved(_VERSION, list(hashes), list(hashes.values()), block_sizes, models or {})
+    )
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -76,25 +99,39 @@ def save(path: Path, hashes: dict[bytes, BlockHash], block_sizes: dict[bytes, in
         raise
 
 
-def load(path: Path, max_hashes: int) -> tuple[dict[bytes, BlockHash], dict[bytes, int]]:
+def load(path: Path, max_hashes: int) -> Loaded:
     """Read the state :func:`save` wrote; empty when there is none or it is refused (logged,
     naming the file and the problem). At most ``max_hashes`` hashes, the newest."""
+    empty = Loaded({}, {}, {})
     try:
         size = path.stat().st_size
         if size > max(1, max_hashes) * _BYTES_PER_ENTRY + (1 << 20):
             raise ValueError(f"{size} bytes is more than {max_hashes} hashes take")
         saved = msgspec.msgpack.decode(path.read_bytes(), type=Saved)
-        if saved.version != _VERSION:
+        if saved.version not in (1, _VERSION):
             raise ValueError(f"version {saved.version}, not {_VERSION}")
         if len(saved.keys) != len(saved.hashes):
             raise ValueError(f"{len(saved.keys)} keys but {len(saved.hashes)} hashes")
     except FileNotFoundError:
-        return {}, {}
+        return empty
     except (OSError, ValueError, msgspec.DecodeError) as err:
         log.warning("KV events: ignoring %s: %s", path, err)
-        return {}, {}
+        return empty
     start = max(0, len(saved.keys) - max_hashes)
-    return dict(zip(saved.keys[start:], saved.hashes[start:])), dict(saved.block_sizes)
+    keys = saved.keys[start:]
+    if saved.version == 1:  # page keys alone: whose they are is known with one namespace
+        if len(saved.block_sizes) != 1:
+            log.warning(
+                "KV events: ignoring the hashes of %s: a version 1 file of %d namespaces",
+                path,
+                len(saved.block_sizes),
+            )
+            return Loaded({}, dict(saved.block_sizes), {})
+        fp = next(iter(saved.block_sizes))
+        keys = [fp + k for k in keys]
+    return Loaded(
+        dict(zip(keys, saved.hashes[start:])), dict(saved.block_sizes), dict(saved.models)
+    )
 
 
 def chain_runs(

@@ -17,7 +17,7 @@ When ``kv_events_endpoint`` is set, kvtierd publishes (:mod:`kvtier.ipc.kv_event
 
 Each namespace publishes on its own topic (:func:`~kvtier.ipc.kv_events.namespace_topic`).
 A page is named by the engine's block hash where its STORE carried one
-(:class:`~kvtier.ipc.protocol.EngineBlocks`; remembered per key, up to
+(:class:`~kvtier.ipc.protocol.EngineBlocks`; remembered per namespace and key, up to
 ``kv_events_max_hashes``, so its eviction names it the same way), else by its page key.
 
 Never in the event loop's way: events gather for ``kv_events_interval_s`` and go out as
@@ -117,12 +117,18 @@ class KvEventPublisher:
         self._topics: dict[int, bytes] = {}
         self._block_size: dict[int, int] = {}
         self._state = state
-        # page key -> engine hash, insertion order: the oldest first; fingerprint -> block size
-        self._hashes: dict[bytes, E.BlockHash]
-        self._fp_block_size: dict[bytes, int]
-        self._hashes, self._fp_block_size = (
-            kv_event_state.load(state, self._max_hashes) if state is not None else ({}, {})
+        # fingerprint ‖ page key -> engine hash, insertion order: the oldest first (engines
+        # of several namespaces may name pages by the same keys); per fingerprint: block
+        # size, model id
+        loaded = (
+            kv_event_state.load(state, self._max_hashes)
+            if state is not None
+            else kv_event_state.Loaded({}, {}, {})
         )
+        self._hashes: dict[bytes, E.BlockHash] = loaded.hashes
+        self._fp_block_size: dict[bytes, int] = loaded.block_sizes
+        self._fp_model: dict[bytes, str] = loaded.models
+        self._fps: dict[int, bytes] = {}  # pool namespace id -> fingerprint
         self._announcing: asyncio.Task[None] | None = None
         self._stores: dict[tuple[int, int, int], _PendingStore] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -144,7 +150,7 @@ class KvEventPublisher:
             self._flush()
         if self._state is not None:
             try:
-                kv_event_state.save(self._state, self._hashes, self._fp_block_size)
+                kv_event_state.save(self._state, self._hashes, self._fp_block_size, self._fp_model)
             except OSError as err:
                 log.warning("KV events: cannot save engine hashes to %s: %s", self._state, err)
         self._stream.close()
@@ -155,6 +161,8 @@ class KvEventPublisher:
         """A session registered namespace ``ns_id``: its topic and block size."""
         self._topics[ns_id] = E.namespace_topic(model_id, fingerprint).encode()
         self._block_size[ns_id] = self._fp_block_size[fingerprint] = page_size
+        self._fp_model[fingerprint] = model_id
+        self._fps[ns_id] = fingerprint
 
     def announce_held(
         self, namespaces: dict[bytes, int], held: Callable[[int], PagesHeld]
@@ -192,12 +200,23 @@ class KvEventPublisher:
 
     def _topic(self, ns_id: int) -> bytes:
         topic = self._topics.get(ns_id)
-        if topic is None:  # adopted from before a restart, not named since
-            fp = self._fingerprint_of(ns_id)
-            topic = E.namespace_topic("", fp or b"").encode()
+        if topic is None:  # adopted from before a restart, not named since: the model id
+            fp = self._fingerprint_of(ns_id)  # saved with it then
+            topic = E.namespace_topic(self._fp_model.get(fp or b"", ""), fp or b"").encode()
             if fp is not None:
                 self._topics[ns_id] = topic
         return topic
+
+    def _fp(self, ns_id: int) -> bytes:
+        """The fingerprint of pool namespace ``ns_id``: the first half of its pages' keys in
+        :attr:`_hashes` (zeros for one the pool does not know)."""
+        fp = self._fps.get(ns_id)
+        if fp is None:
+            fp = self._fingerprint_of(ns_id)
+            if fp is None:
+                return bytes(kv_event_state.FP_BYTES)
+            self._fps[ns_id] = fp
+        return fp
 
     # ------------------------------------------------------------------ STORE
     def store_started(
@@ -254,6 +273,7 @@ class KvEventPublisher:
         if eng is not None:
             hashes: Sequence[E.BlockHash] = eng.hashes
             self._remember(
+                p.ns_id,
                 keys if p.index is None else [keys[i] for i in index],
                 hashes if p.index is None else [hashes[i] for i in index],
             )
@@ -320,12 +340,14 @@ class KvEventPublisher:
         keys, nss, _, in_l3 = zip(*pages)
         ns0 = nss[0]
         if nss.count(ns0) == len(nss) and not any(in_l3):  # the usual case, at C speed
-            self._removed(ns0, E.MEDIUM_L2, list(map(hashes.pop, keys, keys)))
+            named = map(self._fp(ns0).__add__, keys)
+            self._removed(ns0, E.MEDIUM_L2, list(map(hashes.pop, named, keys)))
             return
-        get, pop = hashes.get, hashes.pop
+        get, pop, fp = hashes.get, hashes.pop, self._fp
         by_ns: dict[int, list[E.BlockHash]] = {}
         for key, ns_id, l3 in zip(keys, nss, in_l3):
-            by_ns.setdefault(ns_id, []).append(get(key, key) if l3 else pop(key, key))
+            named = fp(ns_id) + key
+            by_ns.setdefault(ns_id, []).append(get(named, key) if l3 else pop(named, key))
         for ns_id, hs in by_ns.items():
             self._removed(ns_id, E.MEDIUM_L2, hs)
 
@@ -334,15 +356,24 @@ class KvEventPublisher:
         self._defer(self._l2_dropped, ns_id, list(keys))
 
     def _l2_dropped(self, ns_id: int, keys: list[bytes]) -> None:
-        self._removed(ns_id, E.MEDIUM_L2, [self._hashes.get(k, k) for k in keys])
+        get, fp = self._hashes.get, self._fp(ns_id)
+        self._removed(ns_id, E.MEDIUM_L2, [get(fp + k, k) for k in keys])
 
-    def l3_written(self, pages: Sequence[tuple[int, bytes]]) -> None:
-        """Pages ``(ns_id, key)`` are in L3 (written, or found there), in chain order."""
+    def l3_written(
+        self,
+        pages: Sequence[tuple[int, bytes]],
+        parents: Callable[[int, Sequence[bytes]], list[bytes | None]] | None = None,
+    ) -> None:
+        """Pages ``(ns_id, key)`` are in L3 (written, or found there), in any order: one
+        BlockStored per chain run, head first, naming its parent (``parents`` tells each
+        page's parent key in L2; None: every page a run of its own without one)."""
         by_ns: dict[int, list[bytes]] = {}
         for ns_id, key in pages:
             by_ns.setdefault(ns_id, []).append(key)
         for ns_id, keys in by_ns.items():
-            self.stored(ns_id, self.l3_medium, keys, None)
+            ups = parents(ns_id, keys) if parents is not None else [None] * len(keys)
+            for run, parent in kv_event_state.chain_runs(list(zip(keys, ups))):
+                self.stored(ns_id, self.l3_medium, run, parent)
 
     def l3_dropped(self, pages: Sequence[tuple[int, bytes]]) -> None:
         """Pages ``(ns_id, key)`` the L3 backend dropped on its own: one BlockRemoved per
@@ -352,9 +383,9 @@ class KvEventPublisher:
 
     def _l3_dropped(self, pages: Sequence[tuple[int, bytes]]) -> None:
         by_ns: dict[int, list[E.BlockHash]] = {}
-        hashes = self._hashes
+        get, fp = self._hashes.get, self._fp
         for ns_id, key in pages:
-            by_ns.setdefault(ns_id, []).append(hashes.get(key, key))
+            by_ns.setdefault(ns_id, []).append(get(fp(ns_id) + key, key))
         for ns_id, hs in by_ns.items():
             self._removed(ns_id, self.l3_medium, hs)
 
@@ -378,14 +409,12 @@ class KvEventPublisher:
     def _stored(
         self, ns_id: int, medium: str, keys: Sequence[bytes], parent_key: bytes | None
     ) -> None:
-        hashes = self._hashes
+        get, fp = self._hashes.get, self._fp(ns_id)
         self._add(
             ns_id,
             E.BlockStored(
-                block_hashes=[hashes.get(k, k) for k in keys],
-                parent_block_hash=None
-                if parent_key is None
-                else hashes.get(parent_key, parent_key),
+                block_hashes=[get(fp + k, k) for k in keys],
+                parent_block_hash=None if parent_key is None else get(fp + parent_key, parent_key),
                 token_ids=[],
                 block_size=self._block_size.get(ns_id, 0),
                 lora_id=None,
@@ -404,10 +433,11 @@ class KvEventPublisher:
             )
         self.counters.kv_events_removed_blocks += len(hashes)
 
-    def _remember(self, keys: Sequence[bytes], hs: Sequence[E.BlockHash]) -> None:
-        """Remember the engine's hash of each key; the oldest go beyond the bound."""
+    def _remember(self, ns_id: int, keys: Sequence[bytes], hs: Sequence[E.BlockHash]) -> None:
+        """Remember the engine's hash of each key of ``ns_id``; the oldest go beyond the
+        bound."""
         hashes = self._hashes
-        hashes.update(zip(keys, hs))
+        hashes.update(zip(map(self._fp(ns_id).__add__, keys), hs))
         excess = len(hashes) - self._max_hashes
         if excess > 0:
             for key in list(itertools.islice(hashes, excess)):
@@ -484,7 +514,7 @@ def open_publisher(
         raise
     tier.on_evicted = pub.evicted
     tier.prefetcher.on_committed = pub.l2_filled
-    tier.writer.on_written = pub.l3_written
+    tier.writer.on_written = lambda pages: pub.l3_written(pages, tier.pool.parent_keys)
 
     def l3_dropped(dropped: list[tuple[bytes, bytes]]) -> None:
         ids = tier.pool.namespaces()  # fingerprint -> pool namespace id

@@ -147,6 +147,9 @@ class L3Backend:
         self._known: dict[tuple[bytes, bytes], None] = {}  # (ns, key) written, if unlistable
         self._lists = False  # whether the open backend implements list_keys
         self._drop_pending = False
+        self._drops_seen = 0  # drops handed on so far
+        self._dropped_at: dict[tuple[bytes, bytes], int] = {}  # recent drops: their number
+        self._putting: dict[tuple[bytes, bytes], int] = {}  # pages of puts in flight
 
     @property
     def available(self) -> bool:
@@ -290,10 +293,19 @@ class L3Backend:
             return
         if not dropped:
             return
+        at = self._dropped_at
         for ident in dropped:
             self._known.pop(ident, None)
-        if self.on_dropped is not None:
-            self.on_dropped(dropped)
+            self._drops_seen += 1
+            at.pop(ident, None)
+            at[ident] = self._drops_seen
+        while len(at) > MAX_KNOWN:
+            del at[next(iter(at))]
+        # a page whose own put is still in flight was never told as stored: its put reads
+        # as not written (None), so nothing is told of it either way
+        told = [i for i in dropped if i not in self._putting] if self._putting else dropped
+        if told and self.on_dropped is not None:
+            self.on_dropped(told)
 
     # ------------------------------------------------------------------ backend calls
     async def exists(self, ns: bytes, keys: Sequence[bytes]) -> int:
@@ -335,19 +347,38 @@ class L3Backend:
 
     async def put(
         self, ns: bytes, keys: list[bytes], offsets: list[int], length: int
-    ) -> list[bool]:
-        """Write pages from arena offsets; one flag per page (all False on a fault)."""
+    ) -> list[bool | None]:
+        """Write pages from arena offsets; one flag per page: True written, False not
+        (all False on a fault), None written and dropped by the store before this returned
+        (another batch written meanwhile made room): its drop was handed on already, so it
+        must not be taken as in L3."""
         backend = self.backend
         if backend is None or not self.healthy:
             return [False] * len(keys)
         before = backend.stats.errors
+        drops_before = self._drops_seen
+        putting = self._putting
+        idents = [(ns, k) for k in keys]
+        for i in idents:
+            putting[i] = putting.get(i, 0) + 1
         try:
-            flags = await backend.put_from(ns, keys, offsets, length)
+            flags: list[bool | None] = list(await backend.put_from(ns, keys, offsets, length))
+            self._take_dropped(backend)  # still in flight: its own pages' drops go untold
         except self._faults as err:
             self._fault("put_from failed", err)
             return [False] * len(keys)
+        finally:
+            for i in idents:
+                if putting[i] > 1:
+                    putting[i] -= 1
+                else:
+                    del putting[i]
         self._watch(backend, before)
-        self._take_dropped(backend)
+        if self._drops_seen > drops_before:
+            at = self._dropped_at
+            flags = [
+                None if f and at.get((ns, k), 0) > drops_before else f for k, f in zip(keys, flags)
+            ]
         if not self._lists:
             self._note_known(ns, [k for k, f in zip(keys, flags) if f])
         return flags

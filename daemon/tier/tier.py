@@ -99,8 +99,8 @@ class TierStore:
     async def put(
         self, ns: bytes, keys: list[bytes], offsets: list[int], length: int
     ) -> list[bool]:
-        """Write pages from arena offsets to L3; one flag per page."""
-        return await self.l3.put(ns, keys, offsets, length)
+        """Write pages from arena offsets to L3; one flag per page (True: in L3 now)."""
+        return [f is True for f in await self.l3.put(ns, keys, offsets, length)]
 
     def setting(self, name: str) -> float:
         """A prefetch setting: the extra config's override, else the daemon's field."""

@@ -89,8 +89,9 @@ class L3Store(Protocol):
 
     async def put(
         self, ns: bytes, keys: list[bytes], offsets: list[int], length: int
-    ) -> list[bool]:
-        """Write pages from arena offsets; one flag per page (all False on a fault)."""
+    ) -> list[bool | None]:
+        """Write pages from arena offsets; one flag per page: True written, False not (all
+        False on a fault), None written and dropped by the store already."""
         ...
 
 
@@ -395,11 +396,15 @@ class L3Writer:
             )
             ok = [s for s, f in zip(rest_slots, flags) if f]
             pool.mark_in_l3(ok)
-            c.l3_write_written_pages += len(ok)
-            c.bytes_to_l3 += len(ok) * length
+            written = sum(f is not False for f in flags)
+            c.l3_write_written_pages += written
+            c.bytes_to_l3 += written * length
             self._settle([it for it, f in zip(rest, flags) if f], written=True)
+            # written, then dropped by the store to make room for another batch: not in L3
+            # (a later write-back or SYNC picks it again), and not a failure to retry
+            self._settle([it for it, f in zip(rest, flags) if f is None], written=False)
             for it, slot, f in zip(rest, rest_slots, flags):
-                if not f:
+                if f is False:
                     self._failed(it, slot)
         finally:
             for it in batch:

@@ -453,10 +453,30 @@ def test_replay_answers_at_most_replay_max(daemon_factory, short_tmp):
             time.sleep(0.1)  # a batch each (stores ending in one loop turn share one)
         total = counters(d)["kv_events_batches"]
         assert total >= 3
-        with subscriber(short_tmp) as sub:
-            assert [m.seq for m in sub.replay(0)] == [0, 1]
-            assert [m.seq for m in sub.replay(total - 2)] == [total - 2, total - 1]
-            assert sub.replay(total) == []  # nothing past the end, but an answer
+        ctx = zmq.Context()
+        req = ctx.socket(zmq.DEALER)
+        req.setsockopt(zmq.LINGER, 0)
+        req.connect(f"ipc://{short_tmp}/evr.sock")
+
+        def answer(start: int) -> list[int]:
+            req.send_multipart((b"", E.replay_request(start)))
+            got = []
+            while req.poll(5000):
+                _, _, seq, _ = req.recv_multipart()
+                if seq == E.END_SEQ:
+                    return got
+                got.append(E.seq_of(seq))
+            raise AssertionError("no end marker")
+
+        try:
+            assert answer(0) == [0, 1]
+            assert answer(total - 2) == [total - 2, total - 1]
+            assert answer(total) == []  # nothing past the end, but an answer
+        finally:
+            req.close(linger=0)
+            ctx.term()
+        with subscriber(short_tmp) as sub:  # the subscriber asks until it has them all
+            assert [m.seq for m in sub.replay(0)] == list(range(total))
     finally:
         conn.close()
         pool.close()

@@ -1,4 +1,4 @@
-"""The KV-event state a restart keeps (engine hashes, block sizes) and the chains a restarted
+"""The KV-event state a restart keeps (engine hashes, block sizes, model ids) and the chains a restarted
 daemon announces (the daemon round trip is in tests/integration/test_kv_events.py)."""
 
 from __future__ import annotations
@@ -31,25 +31,44 @@ def test_a_cycle_in_a_damaged_table_cannot_spin() -> None:
     assert S.chain_runs(pages) == [([k(3)], None)]  # the cycle has no head: not announced
 
 
+FP, FP2 = b"f" * 32, b"g" * 32
+EMPTY = S.Loaded({}, {}, {})
+
+
 def test_saved_state_reads_back_newest_first_within_the_bound(tmp_path: Path) -> None:
     path = tmp_path / S.FILE_NAME
-    hashes = {k(i): (i if i % 2 else k(i)[:8]) for i in range(10)}
-    S.save(path, hashes, {b"f" * 32: 16})
+    hashes = {(FP if i % 3 else FP2) + k(i): (i if i % 2 else k(i)[:8]) for i in range(10)}
+    S.save(path, hashes, {FP: 16, FP2: 32}, {FP: "model/a", FP2: "b"})
     assert os.stat(path).st_mode & 0o777 == 0o600
-    assert S.load(path, 100) == (hashes, {b"f" * 32: 16})
-    newest, _ = S.load(path, 3)
-    assert list(newest) == [k(7), k(8), k(9)]
+    assert S.load(path, 100) == S.Loaded(hashes, {FP: 16, FP2: 32}, {FP: "model/a", FP2: "b"})
+    newest = S.load(path, 3).hashes
+    assert [key[32:] for key in newest] == [k(7), k(8), k(9)]
+
+
+def test_a_version_1_file_is_read_for_the_one_namespace_it_names(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Version 1 saved page keys without their namespace: with one namespace they are its;
+    with several, whose each is cannot be told (the block sizes are kept, not the hashes)."""
+    path = tmp_path / S.FILE_NAME
+    path.write_bytes(msgspec.msgpack.encode([1, [k(1), k(2)], [11, 12], {FP: 16}]))
+    assert S.load(path, 10) == S.Loaded({FP + k(1): 11, FP + k(2): 12}, {FP: 16}, {})
+    path.write_bytes(msgspec.msgpack.encode([1, [k(1)], [11], {FP: 16, FP2: 16}]))
+    with caplog.at_level(logging.WARNING, "kvtier.daemon.events"):
+        assert S.load(path, 10) == S.Loaded({}, {FP: 16, FP2: 16}, {})
+    assert "version 1 file of 2 namespaces" in caplog.text
 
 
 @pytest.mark.parametrize(
     ("body", "problem"),
     [
         (b"\x00garbage", "Expected"),
-        (msgspec.msgpack.encode([2, [], [], {}]), "version 2"),
-        (msgspec.msgpack.encode([1, [k(1)], [], {}]), "1 keys but 0 hashes"),
-        (msgspec.msgpack.encode([1, [b"x" * 33], [1], {}]), "length <= 32"),
-        (msgspec.msgpack.encode([1, [], [], {b"short": 16}]), "length >= 32"),
-        (msgspec.msgpack.encode([1, [k(1)], [b""], {}]), "length >= 1"),
+        (msgspec.msgpack.encode([3, [], [], {}]), "version 3"),
+        (msgspec.msgpack.encode([2, [k(1)], [], {}]), "1 keys but 0 hashes"),
+        (msgspec.msgpack.encode([2, [b"x" * 65], [1], {}]), "length <= 64"),
+        (msgspec.msgpack.encode([2, [], [], {b"short": 16}]), "length >= 32"),
+        (msgspec.msgpack.encode([2, [k(1)], [b""], {}]), "length >= 1"),
+        (msgspec.msgpack.encode([2, [], [], {}, {FP: "a\x00b"}]), "at `$[4]"),
     ],
 )
 def test_a_damaged_file_is_refused_whole_and_named(
@@ -58,7 +77,7 @@ def test_a_damaged_file_is_refused_whole_and_named(
     path = tmp_path / S.FILE_NAME
     path.write_bytes(body)
     with caplog.at_level(logging.WARNING, "kvtier.daemon.events"):
-        assert S.load(path, 100) == ({}, {})
+        assert S.load(path, 100) == EMPTY
     assert str(path) in caplog.text and problem in caplog.text
 
 
@@ -69,9 +88,9 @@ def test_a_file_larger_than_the_bound_is_not_read(
     with path.open("wb") as f:
         f.truncate(2 << 20)  # sparse: costs no disk
     with caplog.at_level(logging.WARNING, "kvtier.daemon.events"):
-        assert S.load(path, 10) == ({}, {})
+        assert S.load(path, 10) == EMPTY
     assert "more than 10 hashes" in caplog.text
 
 
 def test_no_file_is_no_state(tmp_path: Path) -> None:
-    assert S.load(tmp_path / "absent", 10) == ({}, {})
+    assert S.load(tmp_path / "absent", 10) == EMPTY
