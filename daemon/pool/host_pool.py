@@ -115,8 +115,9 @@ class HostPool:
             Extents grow by ``headroom`` per slot id, so a class cuts as many pages from
             one as without (see :class:`PoolLayout`).
         max_evicted_log: evictions kept for :meth:`drain_evicted`; more are counted only
-            (None: as many as the pool has slots, so that no single allocation, which evicts
-            each page at most once, overflows it between two drains).
+            (None: 65,536, or as many as the pool has slots if more, so that no single
+            allocation, which evicts each page at most once, overflows it between two
+            drains).
         eviction_policy: ``"lru"``, ``"arc"`` or ``"reuse"``
             (:mod:`~kvtier.daemon.pool.eviction`); a pool built here defaults to plain
             recency, the daemon's (:meth:`from_config`) to its configuration's default,
@@ -246,7 +247,7 @@ class HostPool:
         self.align, self.n_extents, self.n_slots = layout.align, layout.n_extents, layout.n_slots
         self._pages = pages = PageTable(
             pm,
-            max_log=layout.n_slots if max_evicted_log is None else max_evicted_log,
+            max_log=max(layout.n_slots, 1 << 16) if max_evicted_log is None else max_evicted_log,
             quota={},
             requires_l3=False,
             policy=eviction_policy,
