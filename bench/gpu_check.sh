@@ -17,8 +17,9 @@
 #
 # Every step runs under `timeout -k` in its own process group, and whatever a step started that
 # outlived it (kvtierd, engine children) is killed by the marker in its environment. The whole
-# run is bounded by GPU_CHECK_LIMIT_S (default 360 s; the tests' and the bench's own parts by
-# GPU_CHECK_TESTS_S, default 180, and GPU_CHECK_BENCH_S, default 210). One JSON summary is
+# run is bounded by GPU_CHECK_LIMIT_S (default 330 s: with the last step's kill grace and the
+# summary, within 6 minutes; the tests' and the bench's own parts by GPU_CHECK_TESTS_S,
+# default 180, and GPU_CHECK_BENCH_S, default 210). One JSON summary is
 # written, and beside it every step's whole output (GPU_CHECK_LOGS; empty: none).
 # GPU_CHECK_REQUIREMENTS names another list of pinned wheels than bench/gpu-requirements.txt.
 # KVTIER_GPU_CHECK_VENV names a venv prepared by hand, to use instead of making one.
@@ -38,7 +39,8 @@ LOGS=${GPU_CHECK_LOGS-${SUMMARY%.json}_logs.tar.gz}  # every step's output; empt
 [ -n "$LOGS" ] && LOGS=$(realpath -m "$LOGS")
 WORK=$(mktemp -d /tmp/kvtier-gpu-check.XXXXXX)
 START=$(date +%s)
-TOTAL_LIMIT_S=${GPU_CHECK_LIMIT_S:-360}
+TOTAL_LIMIT_S=${GPU_CHECK_LIMIT_S:-330}  # 6 minutes less the kill grace and the summary
+END_RESERVE_S=15  # kept after the last step: its kill grace (10 s), the summary, the logs
 SHM_MIN_GIB=${GPU_CHECK_SHM_MIN_GIB:-12}
 MARK="GPU_CHECK_RUN_MARK=$WORK"  # not KVTIER_*: kvtierd refuses unknown KVTIER_ variables
 
@@ -59,7 +61,7 @@ left() { echo $((TOTAL_LIMIT_S - ($(date +%s) - START))); }
 step() {  # step NAME LIMIT_S CMD...: run CMD bounded, in its own process group; rc in $WORK/NAME.rc
     local name=$1 limit=$2 rest
     shift 2
-    rest=$(left)
+    rest=$(($(left) - END_RESERVE_S))
     [ "$rest" -lt "$limit" ] && limit=$rest
     if [ "$limit" -le 5 ]; then
         echo 124 >"$WORK/$name.rc"
@@ -98,8 +100,11 @@ for name in ("probe", "cupy", "shm", "install", "tests", "bench"):
         steps[name] = {"rc": int(rc), "tail": tail(name + ".txt")}
 out["steps"] = steps
 junit = os.path.join(work, "tests.xml")
-if os.path.exists(junit):
-    cases = list(ET.parse(junit).getroot().iter("testcase"))
+try:
+    cases = list(ET.parse(junit).getroot().iter("testcase")) if os.path.exists(junit) else None
+except (OSError, ET.ParseError) as err:  # pytest was stopped while writing it
+    cases, out["tests"] = None, {"unreadable": str(err)}
+if cases is not None:
     def kind(case):
         for child in case:
             if child.tag in ("failure", "error", "skipped"):
@@ -137,7 +142,8 @@ try:
 except ImportError as err:
     sys.exit(f"torch does not import: {err}")
 if not torch.cuda.is_available():
-    sys.exit(f"torch {torch.__version__} sees no CUDA device")
+    print(f"torch {torch.__version__} sees no CUDA device")
+    sys.exit(3)
 p = torch.cuda.get_device_properties(0)
 json.dump({"name": p.name, "memory_gib": round(p.total_memory / 2**30, 1),
            "capability": f"{p.major}.{p.minor}", "torch": torch.__version__,
@@ -147,7 +153,8 @@ EOF
 case $? in
     0) say "GPU: $(cat "$WORK/probe.json")" ;;
     124|137) finish error "the GPU probe ran past its limit" 1 ;;
-    *) finish no_gpu "no GPU: $(tail -1 "$WORK/probe.txt")" 3 ;;
+    3) finish no_gpu "no GPU: $(tail -1 "$WORK/probe.txt")" 3 ;;
+    *) finish error "the GPU probe failed: $(tail -1 "$WORK/probe.txt")" 1 ;;
 esac
 
 # 2. CuPy, and NVRTC able to compile and run a kernel. pip's NVRTC (nvidia-cuda-nvrtc) lives

@@ -36,6 +36,7 @@ __all__ = [
     "empty_ipc_capable",
     "mapped_range",
     "range_from_snapshot",
+    "use_device",
 ]
 
 # CUpointer_attribute values (cuda.h, stable since CUDA 10.2).
@@ -157,11 +158,21 @@ class _CudaMallocBlock:
         self._finalizer = weakref.finalize(self, _cuda_free, ptr, ordinal)
 
 
+def use_device(cupy: Any, ordinal: int) -> None:
+    """Make GPU ``ordinal`` current on the calling thread, and leave it current: never
+    ``with cupy.cuda.Device(...)``, whose exit makes current again the device that was
+    current before it: GPU 0 on a thread that never chose one (a CUDA context there,
+    hundreds of MiB, on a GPU the engine does not use)."""
+    runtime = cupy.cuda.runtime
+    if runtime.getDevice() != ordinal:
+        runtime.setDevice(ordinal)
+
+
 def _cuda_free(ptr: int, ordinal: int) -> None:
     cupy = cupy_module()
     try:
-        with cupy.cuda.Device(ordinal):
-            cupy.cuda.runtime.free(ptr)  # synchronises the device: no copy still uses it
+        use_device(cupy, ordinal)
+        cupy.cuda.runtime.free(ptr)  # synchronises the device: no copy still uses it
     except cupy.cuda.runtime.CUDARuntimeError:
         pass  # the CUDA runtime is already shut down at interpreter exit: the driver frees it
 
@@ -233,8 +244,8 @@ def empty_ipc_capable(
     cupy = cupy_module()
     ordinal = ordinal_of(device)
     try:
-        with cupy.cuda.Device(ordinal):
-            ptr = int(cupy.cuda.runtime.malloc(nbytes))
+        use_device(cupy, ordinal)
+        ptr = int(cupy.cuda.runtime.malloc(nbytes))
     except cuda_error_types() as err:
         raise CudaIpcError(f"cudaMalloc of {nbytes} bytes on cuda:{ordinal} failed: {err}") from err
     block = _CudaMallocBlock(ptr, nbytes, ordinal)

@@ -65,6 +65,9 @@ class EngineCudaBackend(Protocol):
     def stream_wait(self, stream: Any, event: Any) -> None:
         """Make ``stream`` (None: the current stream) wait for ``event``'s latest record."""
 
+    def synchronize(self, ordinal: int) -> None:
+        """Wait until GPU ``ordinal`` has run everything issued to it, on every stream."""
+
 
 class DaemonCudaBackend(Protocol):
     """What kvtierd needs to serve a CUDA session (see docs/gpu.md)."""
@@ -185,3 +188,9 @@ class TorchEngineBackend:
     def stream_wait(self, stream: Any, event: Any) -> None:
         """``stream.wait_event(event)``."""
         stream.wait_event(event)
+
+    def synchronize(self, ordinal: int) -> None:
+        """``torch.cuda.synchronize(ordinal)``."""
+        import torch
+
+        torch.cuda.synchronize(ordinal)

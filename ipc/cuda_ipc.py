@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 from kvtier.ipc.cuda_alloc import (
+    use_device,
     AllocationRange,
     allocation_range,
     device_tensor,
@@ -187,7 +188,8 @@ def export_tensors(
     index_of: dict[int, int] = {}
     seg_of: list[int] = []
     offsets: list[int] = []
-    with torch.cuda.device(ordinal), cupy.cuda.Device(ordinal):
+    use_device(cupy, ordinal)
+    with torch.cuda.device(ordinal):
         for i, t in enumerate(tensors):
             ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
             rng = allocation_range(ptr, ordinal, known)

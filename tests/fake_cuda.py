@@ -209,6 +209,10 @@ class FakeCuda:
         """The fake has no streams on the engine side."""
         return None
 
+    def synchronize(self, ordinal: int) -> None:
+        """Nothing queued on a fake GPU; journaled (the order of a close matters)."""
+        self.log("synchronize", ordinal)
+
     # ------------------------------------------------------------------ daemon side
     def device_ordinal(self, uuid: str) -> int:
         """0 for the fake GPU; others are not visible."""

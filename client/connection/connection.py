@@ -581,6 +581,11 @@ class Connection:
         if self._hb is not None and self._hb is not threading.current_thread():
             self._hb.join(timeout=self.config.request_timeout_s + 1)
         with self._lock:
+            if self._cuda is not None:  # no stream may still wait on the events UNREGISTER ends
+                try:
+                    self._cuda.drain()
+                except Exception as err:  # a GPU fault: the daemon's events go anyway
+                    log.warning("close: waiting for the GPU failed: %s", err)
             if self.session_id and self._channel.connected and not self._channel.context.closed:
                 try:
                     self._call(P.Unregister(req_id=0, session_id=self.session_id))

@@ -146,6 +146,14 @@ class CudaLayerWaiter:
         self._backend.stream_wait(self._stream(stream), layers[layer])
         return True
 
+    def drain(self) -> None:
+        """Wait until the GPU has run what was issued to it, on every stream: no stream still
+        has a wait on these events queued. Call before the registration ends (the daemon
+        then destroys the events; a queued wait on a destroyed event is undefined, a hang in
+        practice)."""
+        if self._ready is not None:
+            self._backend.synchronize(self._ordinal)
+
     def close(self) -> None:
         """Drop the opened events. Idempotent."""
         events = [*self._layers, *([self._ready] if self._ready is not None else [])]

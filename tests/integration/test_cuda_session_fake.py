@@ -264,6 +264,10 @@ def test_session_close_closes_the_copier_before_the_memory(fake_daemon, fake, en
     assert closing == ["destroy_event"] * (G.num_layers + 1) + ["destroy_stream", "close_mem"]
     assert ops(fake, ME, "close_event")  # the engine dropped its opened events too
     assert threads(fake, dpid, "destroy_stream", "close_mem") == {"kvtier-cuda"}
+    # the engine's GPU ran every queued wait on the events before the daemon destroyed them
+    lines = [(p, op) for p, op, _, _ in fake.journal()]
+    assert (ME, "synchronize") in lines
+    assert lines.index((ME, "synchronize")) < lines.index((dpid, "destroy_event"))
 
 
 def test_daemon_restart_reregisters_and_never_waits_on_the_old_events(fake_daemon, fake, engine):

@@ -112,6 +112,27 @@ def test_without_a_gpu_the_check_ends_no_gpu_and_never_ok(tmp_path: Path) -> Non
     assert "no CUDA device" in str(summary["reason"])
 
 
+FAKE_TORCH_BROKEN = '''
+"""FAKE torch for tests/unit/test_gpu_check.py: sees a device, then fails to describe it."""
+__version__ = "0.0-fake"
+class cuda:
+    @staticmethod
+    def is_available(): return True
+    @staticmethod
+    def get_device_properties(i): raise RuntimeError("CUDA driver error: unknown error (fake)")
+'''
+
+
+@pytest.mark.timeout(300)
+def test_a_probe_that_fails_on_a_gpu_is_an_error_not_no_gpu(tmp_path: Path) -> None:
+    """A torch that sees a device but fails to use it is a broken install, not a machine
+    without a GPU: status error, naming what failed."""
+    rc, summary, out = _run(tmp_path, {"torch": FAKE_TORCH_BROKEN})
+    _assert_not_ok(rc, summary, out)
+    assert rc == 1 and summary["status"] == "error", (rc, summary)
+    assert "probe failed" in str(summary["reason"]) and "unknown error" in out
+
+
 @pytest.mark.timeout(300)
 def test_a_gpu_without_cupy_is_an_error_naming_cupy(tmp_path: Path) -> None:
     rc, summary, out = _run(tmp_path, {"torch": FAKE_TORCH})
