@@ -73,7 +73,8 @@ class GenerationResult:
         prompt_tokens: prompt length.
         cached_l1: prompt tokens whose KV was already on the device.
         cached_l2: prompt tokens whose KV was loaded from L2 and used.
-        cached_l3: prompt tokens served from L3 (0 until L3 prefetch is wired in).
+        cached_l3: prompt tokens served from L3: loaded from L2 after a prefetch brought
+            them there (the cache manager claims the prefetch it started at the match).
         l2_found / l3_found: tokens the lookup found in L2 / L3 after the L1 hit.
         computed: prompt tokens the prefill computed.
         ttft_s: seconds to the first logits (lookup, allocation and load included).
@@ -409,7 +410,7 @@ class ReferenceEngine:
             l1 = len(m.l1_pages)
             new = cache.alloc(self._pages_for(n, max_new) - l1)
             owned = list(new)
-            load = cache.load(m, new[: m.l2_pages])
+            load = cache.load(m, new[: m.l2_pages + m.l3_coming])
             table = m.l1_pages + new
             cached = l1 + load.pages
             logits = self._prefill(toks, cached * size, table, load)
@@ -432,8 +433,8 @@ class ReferenceEngine:
             logits,
             n,
             l1 * size,
-            (cached - l1) * size,
-            0,
+            min(cached - l1, m.l2_pages) * size,
+            max(0, cached - l1 - m.l2_pages) * size,
             m.l2_tokens,
             m.l3_tokens,
             computed,

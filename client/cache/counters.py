@@ -14,6 +14,8 @@ class CacheCounters:
     Attributes:
         requests / prompt_tokens: matches made and the prompt tokens they covered.
         l1_hit_tokens / l2_hit_tokens / l3_hit_tokens: usable prefix found per tier at match.
+        l3_claimed_tokens: tokens a prefetch brought from L3 into L2 by the time the load
+            claimed them (loaded with the L2 run).
         loaded_tokens: tokens whose L2 load completed (used by the prefill).
         load_failures: loads that failed part-way (the engine recomputed).
         computed_tokens: prompt tokens the engine computed (:meth:`CacheManager.record_computed`).
@@ -28,6 +30,7 @@ class CacheCounters:
     l1_hit_tokens: int = 0
     l2_hit_tokens: int = 0
     l3_hit_tokens: int = 0
+    l3_claimed_tokens: int = 0
     loaded_tokens: int = 0
     load_failures: int = 0
     computed_tokens: int = 0

@@ -84,6 +84,16 @@ class CacheLink(Protocol):
         """False when the daemon's process is known to be gone."""
         ...
 
+    def prefetch_coming(self, keys: Sequence[bytes], skip: int = 0) -> int:
+        """Start filling L2 from L3 with the run of ``keys`` after the first ``skip``; how
+        many of those pages are in L2 or coming (0: none)."""
+        ...
+
+    def claim(self, keys: Sequence[bytes]) -> int:
+        """End the prefetch of ``keys`` as the prefetch policy says; the leading run of
+        ``keys`` now in L2."""
+        ...
+
     @property
     def store_room(self) -> tuple[int, int]:
         """``(stores, pages)``: how many STOREs, of how many pages in all, may be in flight

@@ -199,7 +199,7 @@ class CacheManager:
         keys = pm.keys + page_keys(seed, toks[pm.matched_tokens : n_full * size], size)
         l1 = pm.device_pages
         self._tree.lock(pm.last_node)
-        l2 = l3 = 0
+        l2 = l3 = coming = 0
         rest = keys[l1:usable]
         if self._conn is not None and rest:
             try:
@@ -209,6 +209,12 @@ class CacheManager:
                 raise
             l2 = min(rep.l2, len(rest))
             l3 = min(rep.l3, len(rest) - l2)
+            if l3 and l3 * size >= self._cfg.prefetch_threshold:
+                try:  # L3 to L2 from now on: load() claims what came (HiCache's prefetch)
+                    coming = min(l3, self._conn.prefetch_coming(rest[: l2 + l3], skip=l2))
+                except BaseException:
+                    self._tree.unlock(pm.last_node)
+                    raise
             self._tree.mark_in_l2(rest[:l2])
             # L2 lost what the tree took for held there (evicted by others, flushed, a cold
             # restart): unmarked, so an eviction writes them back and a STORE sends them
@@ -220,7 +226,15 @@ class CacheManager:
         c.l2_hit_tokens += l2 * size
         c.l3_hit_tokens += l3 * size
         return MatchResult(
-            toks, keys, size, pm.device_page_ids, pm.in_l2[:l1], l2, l3, pm.last_node
+            toks,
+            keys,
+            size,
+            pm.device_page_ids,
+            pm.in_l2[:l1],
+            l2,
+            l3,
+            pm.last_node,
+            l3_coming=coming,
         )
 
     def alloc(self, n: int) -> list[int]:
@@ -250,20 +264,30 @@ class CacheManager:
         return pages
 
     def load(self, match: MatchResult, device_pages: Sequence[int]) -> LoadHandle:
-        """Start loading the L2 run of ``match`` into ``device_pages``.
+        """Start loading the L2 run of ``match`` into ``device_pages``: with a prefetch from
+        L3 running (``match.l3_coming``), first claim it, as the client's
+        ``hicache_storage_prefetch_policy`` says (else the daemon's), and load the run L2
+        then holds.
 
         Args:
             match: from :meth:`match`.
-            device_pages: at least ``match.l2_pages`` pages from :meth:`alloc`.
+            device_pages: pages from :meth:`alloc`: ``match.l2_pages`` to load the L2 run,
+                ``match.l2_pages + match.l3_coming`` to load what the prefetch brings too.
 
         Returns:
-            The handle; ``handle.pages`` may be below ``match.l2_pages`` (L2 evicted some
-            meanwhile, or the daemon is away): compute the rest.
+            The handle; ``handle.pages`` may be below what was asked for (L2 evicted some
+            meanwhile, a prefetch ended short, or the daemon is away): compute the rest.
         """
-        n = min(match.l2_pages, len(device_pages))
+        l1 = len(match.l1_pages)
+        want = min(match.l2_pages + match.l3_coming, len(device_pages))
+        if match.l3_coming and self._conn is not None:
+            held = self._conn.claim(match.keys[l1 : l1 + match.l2_pages + match.l3_coming])
+            self.counters.l3_claimed_tokens += max(0, held - match.l2_pages) * self._page_size
+            n = min(held, want)
+        else:
+            n = min(match.l2_pages, want)
         transfer = None
         if n and self._conn is not None:
-            l1 = len(match.l1_pages)
             transfer = self._conn.load(match.keys[l1 : l1 + n], list(device_pages[:n]))
         handle = LoadHandle(match, transfer, device_pages, self._load_settled)
         match.load = handle

@@ -30,7 +30,11 @@ class MatchResult:
         l1_pages: device pages of the L1 hit, in order; locked until release.
         l1_in_l2: per L1 page, whether the tree knows L2 holds it.
         l2_pages: pages right after the L1 hit that L2 holds (usable: the last token is kept).
-        l3_pages: pages right after those that L3 holds (reported; loading them needs a prefetch).
+        l3_pages: pages right after those that L3 holds.
+        l3_coming: of those, pages the prefetch started by :meth:`CacheManager.match` brings
+            into L2 (0: none started: L3 holds fewer than ``prefetch_threshold`` tokens
+            there, or none of it can come); :meth:`CacheManager.load` claims them and loads
+            what has arrived, as the prefetch policy says.
         node: the tree node locked for the request (moved by :meth:`CacheManager.insert`).
         load: the load started for the request, if any.
         loaded_pages: pages whose load completed (set when the load finishes).
@@ -45,6 +49,7 @@ class MatchResult:
     l2_pages: int
     l3_pages: int
     node: TreeNode | None
+    l3_coming: int = 0
     load: LoadHandle | None = None
     loaded_pages: int = 0
     released: bool = False

@@ -271,6 +271,14 @@ class StagedConnection:
         """Whether the daemon lives (the connection's view)."""
         return self.connection.daemon_alive()
 
+    def prefetch_coming(self, keys: Sequence[bytes], skip: int = 0) -> int:
+        """The connection's prefetch (L3 to L2: no staging involved)."""
+        return self.connection.prefetch_coming(keys, skip=skip)
+
+    def claim(self, keys: Sequence[bytes]) -> int:
+        """The connection's claim, with its client's prefetch policy."""
+        return self.connection.claim(keys)
+
     @property
     def store_room(self) -> tuple[int, int]:
         """``(stores, pages)`` a caller may keep in flight as STOREs: the connection's

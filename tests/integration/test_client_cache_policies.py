@@ -33,7 +33,13 @@ from kvtier.engine.model import ModelConfig, TinyLlama
 from kvtier.ipc import protocol as P
 
 from tests.engines import SMALL, client_config, engine, fill_page, page_bytes, tokens
-from tests.integration.test_l3_tier import REPO, slow_flags, stored_then_evicted
+from tests.integration.test_l3_tier import (
+    REPO,
+    l3_flags,
+    slow_flags,
+    stored_then_evicted,
+    wait_written,
+)
 
 PAGE = 16
 TOL = 1e-4
@@ -95,9 +101,9 @@ def test_write_back_backs_a_prefix_up_again_after_l2_lost_it(
     """Under write_back an L1 page reaches L2 only when L1 evicts it. Pages the engine once
     loaded from L2 are recorded in the L1 tree as held by L2; when L2 loses them (evicted for
     other engines' pages, flushed, or a kvtierd restarted cold) and a lookup has shown the
-    engine that they are gone (it recomputes them), the next eviction must store them again.
-    Today the tree's stale flag says "in L2" for ever: the eviction skips them, and the prefix
-    is recomputed on every request from then on, never stored again."""
+    engine that they are gone (it recomputes them), the next eviction must store them again:
+    a mark "in L2" kept for ever would make every eviction skip them, and the prefix would be
+    recomputed on every request from then on, never stored again."""
     d = daemon_factory()
     on = engines(d.runtime_dir, hicache_write_policy="write_back")
     off = engines(d.runtime_dir, mode="off")
@@ -135,12 +141,10 @@ def test_write_back_backs_a_prefix_up_again_after_l2_lost_it(
 
 @pytest.mark.timeout(60)
 def test_claim_without_a_policy_follows_the_clients_prefetch_policy(daemon_factory, short_tmp):
-    """``ClientConfig.hicache_storage_prefetch_policy`` is documented as what the client
-    library's connection reads: "how a claim ends a prefetch" (docs/configuration.md,
-    Engines). A claim that names no policy must therefore end the prefetch per the client's
-    setting (here ``wait_complete``: every page), whatever the daemon's default
-    (``best_effort``: only what is read by then, nothing on a slow L3). Today the connection
-    sends an empty policy and the daemon's default decides."""
+    """``ClientConfig.hicache_storage_prefetch_policy`` says how a claim that names no policy
+    ends a prefetch (docs/configuration.md, Engines): here ``wait_complete`` (every page),
+    whatever the daemon's default (``best_effort``: only what is read by then, nothing on a
+    slow L3)."""
     delay = 0.3
     d = daemon_factory(
         *slow_flags(short_tmp, delay, hicache_storage_prefetch_policy="best_effort"),
@@ -380,3 +384,59 @@ def test_concurrent_requests_sharing_a_prefix_load_insert_and_free_exactly(daemo
         cm.close()
         conn.close()
         pool.close()
+
+
+# ---------------------------------------------------------------------------- L3 prefetch
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("policy", ["wait_complete", "timeout"])
+def test_a_prefix_only_l3_holds_is_prefetched_claimed_and_loaded(
+    daemon_factory, engines, tiny, short_tmp, policy
+):
+    """HiCache's prefetch in the client library: a prefix L3 holds (L2 lost it) is read
+    into L2 from the match on (PREFETCH), claimed by the load as the prefetch policy says,
+    and loaded with the L2 run; the output equals the model's without kvtier."""
+    d = daemon_factory(
+        *l3_flags("file", {"path": str(short_tmp / "l3")}, prefetch_threshold="0"),
+        "--hicache-write-policy",
+        "write_through",
+    )
+    on = engines(d.runtime_dir, prefetch_threshold=0, hicache_storage_prefetch_policy=policy)
+    off = engines(d.runtime_dir, mode="off")
+    p = prompt(10 * PAGE + 5, tiny.cfg.vocab_size, 51)
+    first = on.generate(p, 3)
+    assert first.cached_l2 == first.cached_l3 == 0
+    wait_written(d, 10)
+    assert on.flush_l1() == 10 and flush_l2(d.endpoint) == 10
+    assert on.cache is not None and on.cache.stored_prefix_tokens(p) == 0  # in L3 alone
+    got = on.generate(p, 3)
+    assert (got.l2_found, got.l3_found) == (0, 10 * PAGE)
+    assert (got.cached_l1, got.cached_l2, got.cached_l3) == (0, 0, 10 * PAGE)
+    assert got.computed == len(p) - 10 * PAGE
+    assert on.cache.counters.l3_claimed_tokens == 10 * PAGE
+    assert_same(got, off.generate(p, 3))
+    again = on.generate(p, 3)  # now in L1
+    assert again.cached_l1 == 10 * PAGE
+    assert_same(again, off.generate(p, 3))
+
+
+@pytest.mark.timeout(120)
+def test_a_prefix_in_l3_below_the_prefetch_threshold_is_computed(
+    daemon_factory, engines, tiny, short_tmp
+):
+    """A run in L3 shorter than the client's ``prefetch_threshold`` is not read: the engine
+    computes it (nothing claimed), and the output is the model's."""
+    d = daemon_factory(
+        *l3_flags("file", {"path": str(short_tmp / "l3")}, prefetch_threshold="0"),
+    )
+    on = engines(d.runtime_dir, prefetch_threshold=4 * PAGE)
+    off = engines(d.runtime_dir, mode="off")
+    p = prompt(3 * PAGE + 1, tiny.cfg.vocab_size, 52)
+    on.generate(p, 2)
+    wait_written(d, 3)
+    assert on.flush_l1() == 3 and flush_l2(d.endpoint) == 3
+    got = on.generate(p, 2)
+    assert (got.l3_found, got.cached_l3, got.computed) == (3 * PAGE, 0, len(p))
+    assert on.cache is not None and on.cache.counters.l3_claimed_tokens == 0
+    assert_same(got, off.generate(p, 2))
