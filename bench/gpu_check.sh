@@ -295,7 +295,7 @@ esac
 # 6. The GPU bench: run even after a test failed, for its figures; the verdict stays the tests'.
 say "bench/cuda_bench.py"
 BENCH_S=${GPU_CHECK_BENCH_S:-210}
-[ "$(left)" -lt "$BENCH_S" ] && BENCH_S=$(left)
+[ "$(($(left) - END_RESERVE_S))" -lt "$BENCH_S" ] && BENCH_S=$(($(left) - END_RESERVE_S))
 step bench "$BENCH_S" "$VENV/bin/python" -m kvtier.bench.cuda_bench --json "$WORK/bench.json" \
     --budget-s $((BENCH_S * 3 / 5)) </dev/null
 BRC=$(cat "$WORK/bench.rc")
