@@ -74,8 +74,9 @@ class LongRequests:
         except BaseException:
             self.unreserve(s, hold)
             raise
-        if got is None:
+        if got is None:  # stopped between slices: every page it named is not stored
             self.unreserve(s, hold)
+            ctx.counters.store_failed_pages += len(keys)
             return self._cancelled(s, m, P.Store)
         n, host = len(keys), got.slots
         keys = got.keys  # as objects, as far as the allocation went (every index is in it)

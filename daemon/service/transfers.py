@@ -588,10 +588,19 @@ class Transfers:
             else:
                 pool.abort(t.host_slots)
                 self._not_stored(t)
+                ok = self._discarded(t, ok)
         else:
             pool.unpin(t.host_slots)
             self._loaded(s, t, ok)
         self._end(s, t, ok, wake)
+
+    @staticmethod
+    def _discarded(t: Transfer, ok: bool) -> bool:
+        """A STORE whose pages were aborted: copied whole (``ok``) but its session ended
+        first, it ends CANCELLED, never DONE (DONE says its pages are in L2). False."""
+        if ok:
+            t.status = TransferStatus.CANCELLED
+        return False
 
     async def _settle_long(self, s: Session, t: Transfer, ok: bool) -> None:
         """:meth:`_settle` in slices (:mod:`~kvtier.daemon.service.slices`); the transfer
@@ -605,6 +614,7 @@ class Transfers:
                 else:
                     await slices.abort(pool, t.host_slots, size)
                     self._not_stored(t)
+                    ok = self._discarded(t, ok)
             else:
                 await slices.unpin(pool, t.host_slots, size)
                 self._loaded(s, t, ok)
