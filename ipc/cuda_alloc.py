@@ -169,11 +169,17 @@ def use_device(cupy: Any, ordinal: int) -> None:
 
 
 def _cuda_free(ptr: int, ordinal: int) -> None:
+    """Free a block (a finalizer: it runs in whatever thread drops the last reference). A
+    thread that had a GPU current gets it back; one that had none is not given GPU 0."""
     cupy = cupy_module()
+    runtime = cupy.cuda.runtime
     try:
+        before = runtime.getDevice() if cupy.cuda.driver.ctxGetCurrent() != 0 else None
         use_device(cupy, ordinal)
-        cupy.cuda.runtime.free(ptr)  # synchronises the device: no copy still uses it
-    except cupy.cuda.runtime.CUDARuntimeError:
+        runtime.free(ptr)  # synchronises the device: no copy still uses it
+        if before is not None and before != ordinal:
+            runtime.setDevice(before)
+    except runtime.CUDARuntimeError:
         pass  # the CUDA runtime is already shut down at interpreter exit: the driver frees it
 
 

@@ -34,6 +34,7 @@ STORE bookkeeping of the write policies in :mod:`kvtier.client.cache.store_track
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ from kvtier.client.cache.link import CacheLink
 from kvtier.client.cache.request import LoadHandle, MatchResult
 from kvtier.client.cache.store_tracker import StoreTracker
 from kvtier.client.page_keys import page_keys
+from kvtier.client.radix.results import EvictedPage
 from kvtier.client.radix.tree import RadixTree
 from kvtier.config import ClientConfig, KvtierError
 
@@ -55,6 +57,8 @@ __all__ = [
     "LoadHandle",
     "MatchResult",
 ]
+
+log = logging.getLogger("kvtier.client")
 
 _LOCAL_SEED = hashlib.sha256(b"kvtier local L1 namespace").digest()
 
@@ -259,7 +263,7 @@ class CacheManager:
                     f"{n} device pages needed, {self._alloc.free_count} free; "
                     f"{self._tree.device_page_count} held by L1 "
                     f"({self._tree.evictable_page_count} evictable), "
-                    f"{len(self._quarantined)} quarantined"
+                    f"{len(self._quarantined) + len(self._deferred)} quarantined"
                 )
         return pages
 
@@ -415,16 +419,45 @@ class CacheManager:
             return 0
         self.sync()  # the tree must know what L2 holds before it picks pages to drop
         evicted = self._tree.evict(n)
-        backup = []
-        for e in evicted:
-            parent = self._stores.forget(e.key)
-            if not e.in_l2:
-                backup.append((e.key, e.page_id, parent))
-        if backup and self._cfg.hicache_write_policy == "write_back":
+        parents = [self._stores.forget(e.key) for e in evicted]
+        if self._cfg.hicache_write_policy == "write_back":
+            lost = self._lost_from_l2(evicted, parents)
+            backup = [
+                (e.key, e.page_id, parent)
+                for e, parent in zip(evicted, parents)
+                if not e.in_l2 or e.key in lost
+            ]
             self._stores.write_back(backup)
         self._release([e.page_id for e in evicted])
         self.counters.evicted_pages += len(evicted)
         return len(evicted)
+
+    def _lost_from_l2(
+        self, evicted: Sequence[EvictedPage], parents: list[bytes | None]
+    ) -> set[bytes]:
+        """Keys of evicted pages marked as held by L2 that L2 no longer holds (evicted there
+        while the page stayed on the device, where hits never refresh L2's copy): one LOOKUP
+        per chain run of them, parent first (eviction runs tail first); the pages past each
+        run's leading L2 run."""
+        if self._conn is None:
+            return set()
+        runs: list[list[bytes]] = []
+        for e, parent in zip(reversed(evicted), reversed(parents)):
+            if not e.in_l2:
+                continue
+            if runs and parent == runs[-1][-1]:
+                runs[-1].append(e.key)
+            else:
+                runs.append([e.key])
+        lost: set[bytes] = set()
+        for run in runs:
+            try:
+                held = self._conn.lookup(run).l2
+            except Exception as err:  # the daemon is away: no STORE would land either
+                log.debug("write-back lookup failed: %s", err)
+                return lost
+            lost.update(run[held:])
+        return lost
 
     def _load_settled(self, load: LoadHandle, match: MatchResult, ok: bool) -> None:
         """Record a load's outcome; quarantine its pages if a live daemon might still write them."""
@@ -446,18 +479,17 @@ class CacheManager:
         """Give ``pages`` back to the allocator, except those a STORE whose wait failed may
         still read (a stalled daemon that resumes would store what a new owner wrote there
         under the old keys): those go back once it has ended (:meth:`_drain_quarantine`)."""
-        still = self._stores.still_read
-        held = [p for p in pages if still(p)]
+        held = self._stores.still_read(pages)
         if held:
             self._deferred.update(held)
-            pages = [p for p in pages if p not in self._deferred]
+            pages = [p for p in pages if p not in held]
         self._alloc.free(pages)
 
     def _drain_quarantine(self) -> None:
         if self._deferred:
-            done = [p for p in self._deferred if not self._stores.still_read(p)]
-            self._deferred.difference_update(done)
-            self._alloc.free(done)
+            done = self._deferred - self._stores.still_read(self._deferred)
+            self._deferred -= done
+            self._alloc.free(sorted(done))
         if not self._quarantine:
             return
         gone = self._conn is None or not self._conn.daemon_alive()

@@ -241,13 +241,23 @@ class StoreTracker:
                     self._held[p] = st.handle
         return ok
 
-    def still_read(self, page: int) -> bool:
-        """Whether kvtierd may still read device page ``page`` for a STORE whose wait failed
-        (the page must not be reused until this returns False)."""
-        handle = self._held.get(page)
-        if handle is None:
-            return False
-        if handle.copying():
-            return True
-        del self._held[page]
-        return False
+    def still_read(self, pages: Iterable[int]) -> set[int]:
+        """Of ``pages``, those kvtierd may still read for a STORE whose wait failed (they
+        must not be reused yet); each such STORE is asked once."""
+        held = self._held
+        if not held:
+            return set()
+        copying: dict[int, bool] = {}
+        out: set[int] = set()
+        for page in pages:
+            handle = held.get(page)
+            if handle is None:
+                continue
+            busy = copying.get(id(handle))
+            if busy is None:
+                busy = copying[id(handle)] = handle.copying()
+            if busy:
+                out.add(page)
+            else:
+                del held[page]
+        return out

@@ -16,6 +16,7 @@ from there, after the replay of the new stream's earlier batches::
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -73,7 +74,8 @@ class EventSubscriber:
         self.gaps = 0  # gaps seen in the sequence numbers
         self.lost = 0  # batches of gaps the daemon no longer buffered
         self.restarts = 0  # new streams seen (a daemon restarted)
-        self._by_replay: set[int] = set()  # sequence numbers the last replays brought
+        # what replays brought and the live stream has not passed yet: seq -> payload digest
+        self._by_replay: dict[int, bytes] = {}
 
     def __enter__(self) -> Self:
         return self
@@ -113,15 +115,19 @@ class EventSubscriber:
             if msg is None:
                 return
             if self.next_seq is not None and msg.seq < self.next_seq:
-                if msg.seq in self._by_replay:
+                if self._by_replay.get(msg.seq) == _digest(msg.payload):
                     continue  # already had it by replay
-                self.restarts += 1  # a new stream: its earlier batches first
+                self.restarts += 1  # a new stream (its batches differ): its earlier ones first
                 self._by_replay.clear()
                 self.next_seq = 0
             if self.next_seq is not None and msg.seq > self.next_seq:
                 self.gaps += 1
                 yield from self.replay(self.next_seq, upto=msg.seq)
             self.next_seq = msg.seq + 1
+            # live batches come in order: none at or below this one comes live again
+            seen = self._by_replay
+            while seen and next(iter(seen)) <= msg.seq:
+                del seen[next(iter(seen))]
             yield msg
 
     def replay(
@@ -136,26 +142,29 @@ class EventSubscriber:
         out: list[EventMessage] = []
         start, first = start_seq, True
         while upto is None or start < upto:
-            seqs, got = self._replay_once(start, upto, timeout_s)
-            if not seqs or max(seqs) < start:
+            brought, got = self._replay_once(start, upto, timeout_s)
+            seqs = sorted(brought)
+            if not seqs or seqs[-1] < start:
                 break  # nothing (more) buffered from ``start``
-            if first and min(seqs) > start_seq:
-                self.lost += min(seqs) - start_seq
+            if first and seqs[0] > start_seq:
+                self.lost += (seqs[0] if upto is None else min(seqs[0], upto)) - start_seq
             first = False
             out.extend(got)
-            self._by_replay.update(seqs)
-            start = max(seqs) + 1
+            for n in seqs:  # ascending, after what is there: the live stream prunes in order
+                self._by_replay.pop(n, None)
+                self._by_replay[n] = brought[n]
+            start = seqs[-1] + 1
         self.replayed += len(out)
         return out
 
     def _replay_once(
         self, start: int, upto: int | None, timeout_s: float
-    ) -> tuple[list[int], list[EventMessage]]:
-        """One replay request: the sequence numbers of every batch the answer brought, and
-        those of this subscriber's topics below ``upto``."""
+    ) -> tuple[dict[int, bytes], list[EventMessage]]:
+        """One replay request: the sequence number of every batch the answer brought, with
+        its payload's digest, and the batches of this subscriber's topics below ``upto``."""
         req = self._ctx.socket(zmq.DEALER)
         req.setsockopt(zmq.LINGER, 0)
-        seqs: list[int] = []
+        seqs: dict[int, bytes] = {}
         out: list[EventMessage] = []
         try:
             req.connect(self._replay_endpoint or "")
@@ -165,7 +174,7 @@ class EventSubscriber:
                 if seq == E.END_SEQ:
                     break
                 n = E.seq_of(seq)
-                seqs.append(n)
+                seqs[n] = _digest(payload)
                 if (upto is None or n < upto) and topic.decode().startswith(self._topic):
                     out.append(
                         EventMessage(topic.decode(), n, E.decode_batch(payload), True, payload)
@@ -173,3 +182,9 @@ class EventSubscriber:
         finally:
             req.close(linger=0)
         return seqs, out
+
+
+def _digest(payload: bytes) -> bytes:
+    """A batch's fingerprint, to tell a batch replay brought from another stream's batch of
+    the same number."""
+    return hashlib.blake2b(payload, digest_size=16).digest()

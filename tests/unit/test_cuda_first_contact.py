@@ -40,6 +40,10 @@ class _Runtime:
         self.set_devices.append(device)
         self._current.device = device
 
+    def ctxGetCurrent(self) -> int:
+        """``cuCtxGetCurrent`` (CuPy's driver module): 0 on a thread that never set one."""
+        return 0x1000 + self._current.device if hasattr(self._current, "device") else 0
+
     def malloc(self, nbytes: int) -> int:
         return 0x7F0000000000
 
@@ -65,7 +69,8 @@ def _fake_cupy() -> tuple[Any, _Runtime]:
         def __exit__(self, *exc: object) -> None:
             runtime.setDevice(stack.pop())
 
-    cupy = SimpleNamespace(cuda=SimpleNamespace(runtime=runtime, Device=Device))
+    driver = SimpleNamespace(ctxGetCurrent=runtime.ctxGetCurrent)
+    cupy = SimpleNamespace(cuda=SimpleNamespace(runtime=runtime, driver=driver, Device=Device))
     return cupy, runtime
 
 

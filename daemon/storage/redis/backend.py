@@ -241,9 +241,11 @@ class RedisBackend(StorageBackend):
         else:
             frames = command(b"DEL", *names)
         replies = await self._roundtrip([frames], 1)
-        if replies is not None and isinstance(replies[0], BaseException):
+        if replies is None or isinstance(replies[0], BaseException):
             _log.warning(
-                "redis backend: deleting %d damaged values failed: %s", len(names), replies[0]
+                "redis backend: deleting %d damaged values failed: %s",
+                len(names),
+                "no answer" if replies is None else replies[0],
             )
             return
         self._damaged.extend((ns, keys[i]) for i, _ in damaged)
@@ -348,6 +350,8 @@ class RedisBackend(StorageBackend):
                     redact(self.options.address),
                 )
                 self._replaced = True
+                if self._drops is not None:  # its configuration is its own
+                    await self._drops.ensure_notify()
             self._run_id = run_id
         return True
 

@@ -81,10 +81,22 @@ class DropWatch:
         self._subscribed = asyncio.Event()
         self.lost = 0
         self.watching = False
+        self._timeout_s = 5.0
 
     async def start(self, timeout_s: float) -> None:
         """Make sure the server notifies, then subscribe (waits up to ``timeout_s`` for the
         subscription; a failure is logged, never raised: the backend works without it)."""
+        self._timeout_s = timeout_s
+        await self.ensure_notify()
+        self._task = asyncio.create_task(self._run(), name="kvtier-redis-drops")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._subscribed.wait(), timeout_s)
+
+    async def ensure_notify(self) -> None:
+        """Make sure the server publishes evictions and expiries (``notify-keyspace-events``
+        has :data:`NOTIFY_FLAGS`): at start, and again for a server that restarted (its
+        configuration is its own); a failure is logged, never raised."""
+        timeout_s = self._timeout_s
         try:
             current = await asyncio.wait_for(
                 self._client.config_get("notify-keyspace-events"), timeout_s
@@ -102,9 +114,6 @@ class DropWatch:
                 err,
                 NOTIFY_FLAGS,
             )
-        self._task = asyncio.create_task(self._run(), name="kvtier-redis-drops")
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._subscribed.wait(), timeout_s)
 
     def take(self) -> list[tuple[bytes, bytes]]:
         """The pages dropped since the last take, oldest first."""
@@ -122,7 +131,11 @@ class DropWatch:
         self.watching = False
 
     async def _run(self) -> None:
+        first = True
         while True:
+            if not first:  # subscribing again: the server may have restarted, unset
+                await self.ensure_notify()
+            first = False
             pubsub = self._client.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(*self._channels)
