@@ -42,7 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.platforms import current_platform
-from vllm.v1.kv_cache_interface import AttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 if TYPE_CHECKING:
@@ -111,7 +111,9 @@ class KvtierConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         platform = "cpu" if current_platform.is_cpu() else current_platform.device_type
         self.copy_mode = copy_mode_for(self.settings.copy_mode, platform)
-        geometry = self._geometry(kv_cache_config, platform, self.copy_mode)
+        geometry = self._geometry(
+            kv_cache_config, platform, self.copy_mode, str(vllm_config.cache_config.cache_dtype)
+        )
         if geometry is None:
             return
         if role == KVConnectorRole.SCHEDULER:
@@ -146,7 +148,10 @@ class KvtierConnector(KVConnectorBase_V1):
 
     @staticmethod
     def _geometry(
-        kv_cache_config: KVCacheConfig | None, platform: str, copy_mode: str | None
+        kv_cache_config: KVCacheConfig | None,
+        platform: str,
+        copy_mode: str | None,
+        cache_dtype: str = "auto",
     ) -> Any:
         """The page geometry, or None (with a warning) for a setup kvtier does not serve."""
         if kv_cache_config is None or copy_mode is None:
@@ -158,16 +163,15 @@ class KvtierConnector(KVConnectorBase_V1):
             return None
         groups = kv_cache_config.kv_cache_groups
         sizes = {t.size for t in kv_cache_config.kv_cache_tensors}
-        if (
-            len(groups) != 1
-            or not isinstance(groups[0].kv_cache_spec, AttentionSpec)
-            or len(sizes) != 1
-        ):
+        if len(groups) != 1 or not _full_attention(groups[0].kv_cache_spec) or len(sizes) != 1:
             log.warning("kvtier needs one full-attention KV cache group; the connector is off")
             return None
         try:
             return geometry_from_spec(
-                groups[0].kv_cache_spec, len(groups[0].layer_names), layout_for(platform)
+                groups[0].kv_cache_spec,
+                len(groups[0].layer_names),
+                layout_for(platform),
+                cache_dtype,
             )
         except ValueError as err:
             log.warning("kvtier cannot store this KV cache (%s); the connector is off", err)
@@ -315,3 +319,15 @@ class KvtierConnector(KVConnectorBase_V1):
         if self._scheduler is None:
             return False, None
         return self._scheduler.request_finished(request), None
+
+
+def _full_attention(spec: Any) -> bool:
+    """Whether a KV cache spec is plain full attention: every block of a request stays its
+    own for the request's life. A sliding window or chunked local attention frees blocks
+    out of the window (stores may still read them, loads would fill freed blocks); its
+    subclasses (MLA, sinks, windows) lay pages out otherwise."""
+    return (
+        type(spec) is FullAttentionSpec
+        and getattr(spec, "sliding_window", None) is None
+        and getattr(spec, "attention_chunk_size", None) is None
+    )

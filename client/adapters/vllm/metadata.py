@@ -33,6 +33,7 @@ class LoadSpec:
         seed / keys: the key chain's seed the scheduler used and the page keys it computed
             (pages ``0 .. start + len(block_ids)``); a worker whose own seed is ``seed``
             uses them instead of hashing ``tokens`` again.
+        lora: the request's LoRA adapter ("" for none; it enters the chain's seed).
     """
 
     req_id: str
@@ -44,6 +45,7 @@ class LoadSpec:
     layerwise: bool = False
     seed: bytes = b""
     keys: list[bytes] = field(default_factory=list)
+    lora: str = ""
 
 
 @dataclass(slots=True)
@@ -59,7 +61,8 @@ class StoreSpec:
         seed / keys: as in :class:`LoadSpec` (empty when the scheduler has no keys).
         block_hashes / parent_hash / lora_name: vLLM's external hashes of the pages (empty
             when vLLM does not hash blocks), of the block before ``start``, and the LoRA,
-            for KV events (:mod:`~kvtier.client.adapters.vllm.events`).
+            for KV events (:mod:`~kvtier.client.adapters.vllm.events`; the LoRA enters the key
+            chain's seed too).
     """
 
     req_id: str

@@ -33,7 +33,7 @@ from typing import Any
 from kvtier.client.adapters.daemon_link import DaemonLink
 from kvtier.client.adapters.vllm.events import KvtierEvents, engine_blocks
 from kvtier.client.adapters.vllm.metadata import KvtierMetadata, LoadSpec, StoreSpec
-from kvtier.client.adapters.vllm.namespace import chain_seed
+from kvtier.client.adapters.vllm.namespace import chain_seed, request_lora, unkeyable
 from kvtier.client.adapters.vllm.settings import ConnectorSettings
 from kvtier.client.kv_pool.regions import ControlOnly
 from kvtier.client.page_keys import page_keys
@@ -136,7 +136,7 @@ class SchedulerSide:
         local = num_computed_tokens // bs
         self._hits.pop(request.request_id, None)
         self._in_l2.pop(request.request_id, None)
-        if pages - local < self.settings.min_load_pages:
+        if pages - local < self.settings.min_load_pages or unkeyable(request):
             return 0, False
         conns = [link.get() for link in self.links]
         if any(conn is None for conn in conns):
@@ -144,7 +144,9 @@ class SchedulerSide:
         total, in_l2 = pages, pages
         for rank, conn in enumerate(conns):
             assert conn is not None
-            rank_seed = chain_seed(conn.ns_fingerprint, request.cache_salt or "")
+            rank_seed = chain_seed(
+                conn.ns_fingerprint, request.cache_salt or "", request_lora(request)
+            )
             rank_keys = page_keys(rank_seed, tokens[: pages * bs], bs)
             if rank == 0:  # rank 0's chain goes to the workers (a rank of another seed hashes)
                 seed, keys = rank_seed, rank_keys
@@ -183,6 +185,8 @@ class SchedulerSide:
     ) -> None:
         """Plan the load of the hit into the blocks vLLM just allocated."""
         rid = request.request_id
+        if unkeyable(request):  # its pages are named by more than its tokens: not stored
+            return
         tracked = self._tracked.get(rid)
         if tracked is None:
             tracked = self._tracked[rid] = _Tracked(request)
@@ -209,6 +213,7 @@ class SchedulerSide:
                 layerwise=hit.layerwise,
                 seed=hit.seed,
                 keys=hit.keys[:total],
+                lora=request_lora(request),
             )
         )
         hit.total = total

@@ -183,6 +183,7 @@ class StagedWorkerSide(WorkerSide):
                 self._release(slots, handle, ok=False)
             with self._cv:
                 self._load_errors.update(spec.block_ids)
+                self._step_missed.add(spec.req_id)
             return
         assert slots is not None
         # the base class's list of this step's layer-wise loads holds staged ones here
@@ -223,11 +224,13 @@ class StagedWorkerSide(WorkerSide):
         for load in cast(list[_StagedLoad], self._layerwise):
             self._copy_layers(load, layer)
 
-    def _end_layerwise(self) -> None:
-        """Finish the step's layer-wise loads, give their slots back, note their misses."""
+    def _end_layerwise(self) -> set[str]:
+        """Finish the step's layer-wise loads, give their slots back, note their misses;
+        the requests whose load missed blocks."""
         done = list(cast(list[_StagedLoad], self._layerwise))
         self._layerwise.clear()
         last = self.geometry.num_layers - 1
+        missed: set[str] = set()
         for load in done:
             ok = False
             try:
@@ -241,6 +244,7 @@ class StagedWorkerSide(WorkerSide):
             spec = load.spec
             good = load.handle.count if ok else 0
             if good < len(spec.block_ids):
+                missed.add(spec.req_id)
                 if ok:  # the rest was not in L2, or did not fit in the staging area
                     log.info(
                         "kvtier load of %s: %d of %d blocks loaded, the rest is recomputed",
@@ -258,6 +262,7 @@ class StagedWorkerSide(WorkerSide):
                     self._load_errors.update(spec.block_ids[good:])
             else:
                 self.load_times.append(time.perf_counter() - load.started)
+        return missed
 
     @staticmethod
     def _synchronized(load: _StagedLoad) -> bool:
@@ -328,6 +333,10 @@ class StagedWorkerSide(WorkerSide):
             for spec in meta.stores:
                 self._markers[id(spec)] = marker
         super().start_stores(meta)
+
+    def _store_skipped(self, spec: StoreSpec) -> None:
+        """A store not queued: its marker goes."""
+        self._markers.pop(id(spec), None)
 
     def _store(self, spec: StoreSpec) -> None:
         """Copy the blocks into slots and STORE them, at most half the area at a time."""

@@ -50,6 +50,9 @@ from kvtier.ipc.protocol import Geometry
 
 __all__ = ["WorkerSide"]
 
+UNTIL_ENDED_POLL_S = 0.01
+"""How often a failed transfer still being copied is looked at (:func:`_until_ended`)."""
+
 log = logging.getLogger("kvtier.vllm")
 
 _STOP = object()
@@ -92,6 +95,7 @@ class WorkerSide:
         self._loading: set[str] = set()
         self._loaded: set[str] = set()  # loads ended since the last report
         self._load_errors: set[int] = set()
+        self._step_missed: set[str] = set()  # requests whose layer-wise LOAD this step failed
         self._step_errors: set[int] = set()
         self._thread: threading.Thread | None = None
         self._idle = False
@@ -167,6 +171,8 @@ class WorkerSide:
             idle: the step ran no forward pass (vLLM only polls for finished transfers).
         """
         self._idle = idle
+        with self._cv:
+            self._step_missed = set()
         if not self._io_alive():
             with self._cv:
                 for spec in meta.loads:
@@ -199,6 +205,7 @@ class WorkerSide:
         if handle is None or not handle.count:
             with self._cv:
                 self._load_errors.update(spec.block_ids)
+                self._step_missed.add(spec.req_id)
             return
         self._layerwise.append((spec, handle, started))
 
@@ -211,12 +218,17 @@ class WorkerSide:
         for _, handle, _ in self._layerwise:
             handle.wait_layer(layer)
 
-    def _end_layerwise(self) -> None:
-        """Wait for the rest of this step's layer-wise loads; note the blocks they missed."""
+    def _end_layerwise(self) -> set[str]:
+        """Wait for the rest of this step's layer-wise loads; note the blocks they missed.
+        Returns the requests whose load missed blocks."""
         done, self._layerwise = self._layerwise, []
+        missed: set[str] = set()
         for spec, handle, started in done:
             good = handle.count if handle.wait_loaded() else 0
+            if not good:
+                _until_ended(handle, spec.req_id)
             if good < len(spec.block_ids):
+                missed.add(spec.req_id)
                 log.warning(
                     "kvtier load of %s: %d of %d blocks loaded, the rest is recomputed",
                     spec.req_id,
@@ -227,16 +239,31 @@ class WorkerSide:
                     self._load_errors.update(spec.block_ids[good:] if good else spec.block_ids)
             else:
                 self.load_times.append(time.perf_counter() - started)
+        return missed
 
     def start_stores(self, meta: KvtierMetadata) -> None:
-        """Queue this step's stores (the forward has written their blocks)."""
+        """Queue this step's stores (the forward has written their blocks), except those of
+        requests whose layer-wise load of this step missed blocks: the forward computed
+        their new pages over KV that was not there (vLLM computes them again, and the
+        scheduler stores them then)."""
+        missed = self._end_layerwise() if self._layerwise else set()
+        with self._cv:
+            missed |= self._step_missed
+            self._step_missed = set()
         for spec in meta.stores:
             with self._cv:
-                self._stored.add(spec.req_id)
-                if not self._io_alive():
-                    continue
-                self._outstanding[spec.req_id] = self._outstanding.get(spec.req_id, 0) + 1
+                self._stored.add(spec.req_id)  # its finish still waits for its stores' end
+                skip = not self._io_alive() or spec.req_id in missed
+                if not skip:
+                    self._outstanding[spec.req_id] = self._outstanding.get(spec.req_id, 0) + 1
+            if skip:
+                self._store_skipped(spec)
+                continue
             self._jobs.put(spec)
+
+    def _store_skipped(self, spec: StoreSpec) -> None:
+        """A store not queued (the I/O thread is gone, or its pages were computed over a
+        failed load); nothing to undo here."""
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(requests whose stores ended after they finished, requests whose loads ended).
@@ -321,6 +348,8 @@ class WorkerSide:
             conn.claim(keys, policy=self.settings.prefetch_policy or None)
         handle = conn.load(keys[spec.start :], spec.block_ids)
         good = handle.count if handle.count and handle.wait_loaded() else 0
+        if handle.count and not good:
+            _until_ended(handle, spec.req_id)
         if good < len(spec.block_ids):
             log.warning(
                 "kvtier load of %s: %d of %d blocks loaded, the rest is recomputed",
@@ -333,7 +362,8 @@ class WorkerSide:
     def _keys(self, conn: Any, spec: LoadSpec | StoreSpec) -> list[bytes]:
         """The keys of a spec's pages ``0 .. start + len(block_ids)``: the scheduler's when
         this worker's chain seed is the one it used, else hashed here."""
-        seed = chain_seed(conn.ns_fingerprint, spec.salt)
+        lora = spec.lora if isinstance(spec, LoadSpec) else (spec.lora_name or "")
+        seed = chain_seed(conn.ns_fingerprint, spec.salt, lora)
         end = spec.start + len(spec.block_ids)
         if spec.seed == seed and len(spec.keys) >= end:
             return spec.keys[:end]
@@ -351,6 +381,8 @@ class WorkerSide:
         h = conn.store(keys[spec.start :], spec.block_ids, parent_key=parent, engine=eng)
         if h.wait():
             self._advertise(spec, 0, h.count, tokens)
+        else:
+            _until_ended(h, spec.req_id)
 
     def _engine_blocks(
         self, spec: StoreSpec, at: int, n: int
@@ -401,3 +433,21 @@ class WorkerSide:
             self.link.close()
         if self.allocation is not None:
             self.allocation.close()
+
+
+def _until_ended(handle: Any, req_id: str) -> None:
+    """Return once kvtierd can no longer copy to or from the blocks of a transfer whose wait
+    failed (it ended it, or its process is gone): vLLM reuses the blocks of a failed store
+    and recomputes a failed load into the same blocks, and a stalled daemon resuming its
+    copy would store another request's KV under these keys, or overwrite the recomputed
+    KV. Normally immediate: the daemon ends a transfer whose wait failed promptly."""
+    logged = False
+    while handle.copying():
+        if not logged:
+            log.warning(
+                "kvtier transfer of %s failed but kvtierd is still copying it; its blocks "
+                "are held until it stops",
+                req_id,
+            )
+            logged = True
+        time.sleep(UNTIL_ENDED_POLL_S)
