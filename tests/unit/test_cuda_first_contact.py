@@ -125,3 +125,21 @@ def test_freeing_a_cudamalloc_block_of_a_second_gpu_never_makes_gpu_0_current(fa
     assert 0 not in fake_cupy.set_devices, (
         f"setDevice calls {fake_cupy.set_devices}: freeing cuda:1 memory made GPU 0 current"
     )
+
+
+def test_a_block_freed_in_a_thread_working_on_another_gpu_leaves_that_gpu_current(
+    fake_cupy,
+) -> None:
+    """The finalizer may run in an engine thread working on GPU 2 (the garbage collector
+    runs where it runs): after freeing a block of GPU 1 there, GPU 2 must be current again,
+    or that thread's later torch, CuPy and runtime calls would go to GPU 1."""
+    current: list[int] = []
+
+    def engine_thread() -> None:
+        fake_cupy.setDevice(2)  # this thread's engine chose GPU 2
+        cuda_alloc._cuda_free(0x7F0000000000, 1)
+        current.append(fake_cupy.getDevice())
+
+    _in_fresh_thread(engine_thread)
+    assert fake_cupy.freed == [0x7F0000000000]
+    assert current == [2], f"freeing a GPU 1 block left GPU {current} current in a GPU 2 thread"
