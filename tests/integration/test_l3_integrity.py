@@ -197,9 +197,12 @@ def test_a_redis_that_refuses_writes_leaves_l2_serving_and_shows_in_stats(
         assert rep.failed > 0 and rep.left == 0
         flush(d, "l2")
         l2, l3 = runs(conn, keys)
-        assert l2 == 0 and 0 < l3 < 192
-        assert fetch_back(conn, keys) == l3
-        load_and_compare(pool, conn, keys[:l3], expected[:l3], first_page=0)
+        # which batches the server refused is a race between concurrent writes: the leading
+        # run L3 holds may be empty (the first batch refused) but never the whole chain
+        assert l2 == 0 and l3 < 192
+        if l3:
+            assert fetch_back(conn, keys) == l3
+            load_and_compare(pool, conn, keys[:l3], expected[:l3], first_page=0)
     finally:
         conn.close()
         pool.close()
