@@ -94,11 +94,10 @@ WIDE = P.Geometry(num_layers=1, page_size=16, kv_heads=1, head_dim=64, dtype="fl
 def test_a_router_sees_every_eviction_of_one_allocation_that_empties_a_large_extent(
     daemon_factory, short_tmp
 ):
-    """FAILS NOW. One extent of 66,560 slots full of 4 KiB pages; a STORE of one 8 KiB page
-    (another class) must empty the extent, so that allocation evicts all 66,000 pages. The
-    pool's eviction log keeps 65,536 entries per drain and only counts the rest
-    (``evicted_unlogged``), so 464 pages leave L2 without a BlockRemoved: the router keeps
-    them forever and sends requests to a node that no longer holds them."""
+    """One extent of 66,560 slots full of 4 KiB pages; a STORE of one 8 KiB page (another
+    class) must empty the extent, so that one allocation evicts all 66,000 pages, more than
+    65,536. Every one of them is a BlockRemoved (none only counted in ``evicted_unlogged``):
+    a router must not keep pages the node no longer holds."""
     extent = 66560 * 4096  # a multiple of 4 KiB that holds more than 65,536 4-KiB pages
     d = daemon_factory(
         *event_flags(short_tmp),
@@ -140,11 +139,10 @@ def test_a_router_sees_every_eviction_of_one_allocation_that_empties_a_large_ext
 
 # ---------------------------------------------------------------------------- L3 parents
 def test_l3_block_stored_of_a_continued_chain_names_its_parent(daemon_factory, short_tmp):
-    """FAILS NOW. A chain stored in two STOREs (the second extends the first by
-    ``parent_key``) is written to L3 in two batches. Its CPU BlockStored events say that
-    page 4 follows page 3; its FILE events say page 4 starts a chain of its own
-    (``parent_block_hash`` None), so a router matching a prompt's prefix in FILE finds
-    pages 4.. under the root, not under page 3."""
+    """A chain stored in two STOREs (the second extends the first by ``parent_key``) is
+    written to L3 in two batches. Its FILE BlockStored events say, as its CPU ones do, that
+    page 4 follows page 3 (``parent_block_hash``), so a router matching a prompt's prefix in
+    FILE finds pages 4.. under page 3, not under the root."""
     d = daemon_factory(
         *event_flags(short_tmp),
         *l3_flags("file", prefetch_threshold="0"),
@@ -171,9 +169,9 @@ def test_l3_block_stored_of_a_continued_chain_names_its_parent(daemon_factory, s
 
 
 def test_l3_block_stored_of_one_write_batch_keeps_two_chains_apart(daemon_factory, short_tmp):
-    """FAILS NOW. Under write-back, a SYNC queues every page not in L3; the writer puts
-    pages of one namespace in one batch, and the publisher announces the batch as one
-    chain with no parent: chain Y's head is made the child of chain X's tail."""
+    """Under write-back, a SYNC queues every page not in L3 and the writer puts pages of one
+    namespace in one batch: the FILE BlockStored events keep two chains of one batch
+    apart (chain Y's head is never made the child of chain X's tail)."""
     d = daemon_factory(
         *event_flags(short_tmp),
         *l3_flags("file", prefetch_threshold="0"),
@@ -203,12 +201,11 @@ def test_l3_block_stored_of_one_write_batch_keeps_two_chains_apart(daemon_factor
 
 
 def test_a_router_holds_in_l3_exactly_the_pages_the_file_store_keeps(daemon_factory, short_tmp):
-    """FAILS NOW. 256 pages written through to a 1 MiB file store, in concurrent batches:
-    the store evicts for room, and pages of one batch are dropped by another batch's put
-    before the first batch's own put has come back. The drops are handed to the publisher
-    inside that put (``L3Backend.put`` -> ``_take_dropped``) and the writer announces its
-    batch as written right after: BlockRemoved (FILE) goes out before BlockStored (FILE) of
-    the same page, and a router following the stream holds pages L3 no longer has."""
+    """256 pages written through to a 1 MiB file store, in concurrent batches: the store
+    evicts for room, and pages of one batch may be dropped by another batch's put before
+    the first batch's own put has come back. A router following the stream must end up
+    holding in FILE exactly the pages L3 keeps: never a BlockRemoved (FILE) before the
+    BlockStored (FILE) of the same page."""
     extra = {"capacity": "1MiB", "segment_bytes": "512KiB"}
     d = daemon_factory(
         *event_flags(short_tmp),
@@ -248,12 +245,10 @@ def test_a_router_holds_in_l3_exactly_the_pages_the_file_store_keeps(daemon_fact
 def test_the_same_page_key_in_two_namespaces_is_removed_from_each_by_its_engine_hash(
     daemon_factory, short_tmp
 ):
-    """FAILS NOW. SGLang's page keys are its own page hashes, the same for every TP rank,
-    tenant or model that sees the same tokens, each in its own namespace (topic), with the
-    same engine hash (``hash_str_to_int64`` of the key). The publisher remembers engine
-    hashes by page key alone and forgets one at the first eviction of that key: the second
-    namespace's copy is then removed under its page key, a block its router never heard
-    of, and the router keeps the engine hash forever."""
+    """SGLang's page keys are its own page hashes, the same for every TP rank, tenant or
+    model that sees the same tokens, each in its own namespace (topic), with the same engine
+    hash (``hash_str_to_int64`` of the key). Each namespace's copy is removed under the
+    engine hash it was stored under, whichever namespace evicts its copy first."""
     d = daemon_factory(*event_flags(short_tmp), "--hicache-size", "8MiB", "--extent-size", "4MiB")
     pool_a, conn_a = engine(d.runtime_dir, num_pages=128, model="a")
     pool_b, conn_b = engine(d.runtime_dir, num_pages=128, model="b")
@@ -285,11 +280,10 @@ def test_the_same_page_key_in_two_namespaces_is_removed_from_each_by_its_engine_
 def test_a_restarted_daemon_announces_adopted_pages_on_their_models_topic(
     daemon_factory, short_tmp
 ):
-    """FAILS NOW. docs/events.md: a router subscribes to ``kvtier/<model id>/``, and a
-    restarted kvtierd announces the L2 pages it adopted at the start of its new stream. The
-    announcement goes out on ``kvtier//<fingerprint>`` (the model id is not saved), which a
-    router of the model never receives: after a restart it believes the node holds
-    nothing."""
+    """docs/events.md: a router subscribes to ``kvtier/<model id>/``, and a restarted
+    kvtierd announces the L2 pages it adopted at the start of its new stream, on the same
+    model's topic (the model id saved with the namespace): otherwise the router would take
+    the node for empty after a restart."""
     d = daemon_factory(*event_flags(short_tmp))
     pool, conn = engine(d.runtime_dir, model="m/x")
     try:
@@ -313,12 +307,10 @@ def test_a_restarted_daemon_announces_adopted_pages_on_their_models_topic(
 
 
 def test_a_following_subscriber_reads_a_restarted_daemons_new_stream(daemon_factory, short_tmp):
-    """FAILS NOW. The reference subscriber follows a daemon's stream up to sequence N; the
-    daemon restarts (a new stream from 0, on the same endpoints). Every batch of the new
-    stream has a sequence number below N, and ``EventSubscriber.iter`` drops each as
-    "already had by replay": a router built on it sees nothing until the new stream passes
-    N (never, for a quiet node). It should take a sequence number going back as a new
-    stream and read it from its start."""
+    """The reference subscriber follows a daemon's stream up to sequence N; the daemon
+    restarts (a new stream from 0, on the same endpoints). Every batch of the new stream has
+    a sequence number below N: ``EventSubscriber.iter`` takes a sequence number going back
+    (a batch no replay brought) as a new stream and reads it from its start."""
     d = daemon_factory(*event_flags(short_tmp))
     pool, conn = engine(d.runtime_dir)
     sub = EventSubscriber(f"ipc://{short_tmp}/ev.sock", replay=f"ipc://{short_tmp}/evr.sock")
@@ -361,9 +353,8 @@ _salts = itertools.count(2000)
 
 # ---------------------------------------------------------------------------- replay
 def test_a_subscriber_recovers_a_gap_longer_than_one_replay_answer(daemon_factory, short_tmp):
-    """FAILS NOW. A replay answer holds at most ``kv_events_replay_max`` batches. The
-    reference subscriber fills a gap with one replay request and moves on, so batches
-    past the first answer are lost without a trace (``gaps`` counts one gap, recovered)."""
+    """A replay answer holds at most ``kv_events_replay_max`` batches: the reference
+    subscriber asks again from past the last batch received until the gap is filled."""
     d = daemon_factory(*event_flags(short_tmp, "--kv-events-replay-max", "2"))
     pool, conn = engine(d.runtime_dir)
     try:

@@ -42,10 +42,9 @@ def test_a_subscriber_that_replayed_from_zero_follows_a_restarted_daemons_new_st
 ):
     """``EventSubscriber.iter(timeout, start_seq=0)`` (docs: "replay from this sequence
     number first ... then follow the stream") reads a quiet daemon's 8 batches by replay.
-    The daemon restarts and starts a new stream at 0. Every sequence number of the new
-    stream below 8 was brought by that old replay, so the subscriber takes each batch for
-    one it already had and drops it: it never notices the restart, and a router built on
-    it never learns of the pages stored after the restart."""
+    The daemon restarts and starts a new stream at 0: its batches carry sequence numbers the
+    old replay brought, but other contents, and the subscriber must read them as the new
+    stream they are, not drop them as batches it already had."""
     d = daemon_factory(*event_flags(short_tmp))
     pool, conn = engine(d.runtime_dir)
     sub: EventSubscriber | None = None
@@ -90,10 +89,9 @@ def test_pages_a_restarted_redis_expires_are_still_announced_with_watch_drops(
     daemon_factory, short_tmp, redis_server
 ):
     """With ``watch_drops`` the backend turns on the server's keyspace notifications
-    (``CONFIG SET notify-keyspace-events``) when it opens. The change detects a restarted
-    Redis (its run_id) and announces AllBlocksCleared, but the new server starts with its
-    own configuration: no notifications, so every page it expires from then on leaves L3
-    unannounced and a router keeps it for ever."""
+    (``CONFIG SET notify-keyspace-events``). A restarted Redis starts with its own
+    configuration: the backend turns them on again, so every page the new server expires is
+    still announced (a router would otherwise keep it for ever)."""
     extra = {"url": redis_server.url, "ttl_s": 1.0, "watch_drops": True}
     d = daemon_factory(*event_flags(short_tmp), *l3_flags("redis", extra, prefetch_threshold="0"))
     pool, conn = engine(d.runtime_dir)
@@ -143,10 +141,10 @@ def tiny() -> TinyLlama:
 def test_write_back_backs_up_l1_pages_whose_l2_copy_was_lost_while_on_the_device(
     daemon_factory, tiny
 ):
-    """The change unmarks pages at a lookup that shows L2 lost them, but a lookup asks only
-    for the pages past the L1 hit. A prefix that stays hot in L1 is never looked up, and
-    its L2 copy is exactly what L2's own recency evicts first (L1 hits never touch it).
-    When L1 finally evicts it, write_back skips it as "in L2": the prefix is in no tier."""
+    """A prefix that stays hot in L1 is never looked up past the L1 hit, and its L2 copy is
+    exactly what L2's own recency evicts first (L1 hits never touch it). When L1 finally
+    evicts it, write_back must find out that L2 lost it and store it again: the prefix must
+    never end up in no tier."""
     d = daemon_factory()
     on = ReferenceEngine(
         mode="on",
