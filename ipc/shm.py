@@ -327,11 +327,13 @@ class SharedMemorySegment:
             mm.close()
         except BufferError:
             pass  # arrays still reference it; the mapping goes with the last of them
-        if self.fd is not None:
-            fd, self.fd = self.fd, None
-            os.close(fd)
-        elif self.owner if unlink is None else unlink:
+        fd, self.fd = self.fd, None
+        # a file kept open (a pool file's lock) is removed before its descriptor closes
+        remove = (self.owner and fd is None) if unlink is None else unlink
+        if remove and not self.path.startswith("memfd:"):
             _unlink_quietly(self.path)
+        if fd is not None:
+            os.close(fd)
 
     def __enter__(self) -> Self:
         return self
@@ -342,7 +344,11 @@ class SharedMemorySegment:
 
 def _leak(path: str | None, fd: int | None = None) -> None:
     if fd is not None:
-        warnings.warn(f"memfd {fd} was not closed; closing it", ResourceWarning, stacklevel=1)
+        warnings.warn(
+            f"descriptor {fd} of shared memory was not closed; closing it",
+            ResourceWarning,
+            stacklevel=1,
+        )
         try:
             os.close(fd)
         except OSError:

@@ -25,6 +25,12 @@ The file also records which runtime directory it belongs to (:func:`write_owner_
 the header region past the header proper: outside the header's checksum, so writing it
 never changes adoption and needs no format version. ``kvtier pools`` reads it.
 
+The daemon holds an exclusive ``flock`` on the pool file for as long as it maps it (the
+descriptor stays open with the mapping): the runtime directory's lock is what keeps a second
+daemon away, and a runtime directory removed and made again under a running daemon gives a
+new, free lock with the same pool file name. A file another process holds is refused
+(:class:`PoolFileError`), never adopted, discarded or resized.
+
 An existing file is mapped without ``MAP_POPULATE`` at a restart (its pages are resident):
 :func:`populate` builds the page tables later, on a thread, while the daemon serves.
 """
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import mmap
 import os
 import stat
@@ -217,13 +224,16 @@ def open_pool_segment(
             os.close(fd)
             fd = -1
             return None, discard_pool_file(path, refusal, fst)
+        _lock(fd, path)  # before the size check: another daemon's file is never removed
         if fst.st_size != size:
             why = f"pool file has {fst.st_size} bytes, expected {size}"
             if explain is not None:
                 why = explain(os.pread(fd, _HEAD_READ, 0), fst.st_size)
             _unlink_quietly(path)
             return None, why
-        return _map(fd, path, size, populate, owner=False), None
+        seg = _map(fd, path, size, populate, owner=False)
+        fd = -1  # the segment keeps it, and the lock with it, until it is closed
+        return seg, None
     finally:
         if fd >= 0:
             os.close(fd)
@@ -265,6 +275,7 @@ def create_pool_segment(
     except OSError as err:
         raise PoolFileError(f"cannot create the pool file {path}: {err.strerror}") from err
     try:
+        _lock(fd, path)
         os.fchmod(fd, POOL_MODE)  # the umask may have cleared bits; it never adds any
         try:
             if prefault:
@@ -285,7 +296,9 @@ def create_pool_segment(
             raise PoolFileError(
                 f"cannot size the pool file {path} to {size} bytes: {err.strerror}"
             ) from err
-        return _map(fd, path, size, prefault, owner=False)
+        seg = _map(fd, path, size, prefault, owner=False)
+        fd = -1  # the segment keeps it, and the lock with it, until it is closed
+        return seg
     except BaseException:
         os.close(fd)
         fd = -1
@@ -369,6 +382,20 @@ def populate(seg: SharedMemorySegment, stopped: Callable[[], bool] | None = None
     return True
 
 
+def _lock(fd: int, path: str) -> None:
+    """Take the pool file's exclusive lock, or refuse the file another process holds."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError as err:
+        raise PoolFileError(
+            f"the pool file {path} is held by another running kvtierd (its runtime directory "
+            "was removed or replaced while it ran?): stop that daemon first, or give this "
+            "one another runtime_dir"
+        ) from err
+    except OSError as err:
+        raise PoolFileError(f"cannot lock the pool file {path}: {err.strerror}") from err
+
+
 def _map(fd: int, path: str, size: int, populate: bool, *, owner: bool) -> SharedMemorySegment:
     flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
     try:
@@ -377,7 +404,7 @@ def _map(fd: int, path: str, size: int, populate: bool, *, owner: bool) -> Share
         raise PoolFileError(
             f"cannot map the pool file {path} ({size} bytes): {err.strerror}"
         ) from err
-    return SharedMemorySegment(path, size, mm, owner=owner, writable=True)
+    return SharedMemorySegment(path, size, mm, owner=owner, writable=True, fd=fd)
 
 
 def _space_message(path: str, size: int, capacity: int, free: int | None, what: str) -> str:

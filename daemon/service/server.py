@@ -146,9 +146,13 @@ class Daemon:
 
     def reload(self) -> None:
         """Re-read the configuration (SIGHUP) and apply the fields that can change live
-        (while starting, the configuration just read is in force already: nothing to do)."""
+        (while starting, the configuration just read is in force already: nothing to do;
+        once a stop has begun, nothing is applied or announced)."""
         if self.service is None:
             log.info("reload: still starting; the configuration read at start applies")
+            return
+        if self._stop.is_set():  # systemd has been told STOPPING=1: no RELOADING/READY now
+            log.info("reload ignored: stopping")
             return
         self.service.admin.reload()
 

@@ -268,16 +268,21 @@ class Started:
         view = self.seg.view
         self.arena = view[lay.arena_offset : lay.arena_offset + lay.capacity_bytes]
         arena = self.arena[: arena_bytes or lay.capacity_bytes] if verify else None
-        self.pool = HostPool(
-            lay.capacity_bytes,
-            lay.extent_bytes,
-            lay.align,
-            min_page_bytes=MIN_PAGE,
-            headroom=lay.headroom,
-            meta=view[: lay.meta_bytes],
-            arena=arena,
-            cold_start=why or False,
-        )
+        try:
+            self.pool = HostPool(
+                lay.capacity_bytes,
+                lay.extent_bytes,
+                lay.align,
+                min_page_bytes=MIN_PAGE,
+                headroom=lay.headroom,
+                meta=view[: lay.meta_bytes],
+                arena=arena,
+                cold_start=why or False,
+            )
+        except BaseException:  # a refused start ends its process: its lock on the file goes
+            self.arena.release()
+            self.seg.close()
+            raise
         assert self.pool.adopted is not None
         self.res: AdoptResult = self.pool.adopted
 

@@ -795,7 +795,8 @@ def test_adopting_1gib_of_ready_pages_timing(shm_dir: Path) -> None:
         pool.commit(slots, page_checksums(arena, [pool.slot_offset(s) for s in slots], page))
     t_store = time.perf_counter() - t0
     assert pool.stats().pages_ready == 4096
-    del pool, arena  # the crash
+    del pool, arena  # the crash: the process's mapping and its lock on the file go
+    seg.close(unlink=False)
     t0 = time.perf_counter()
     seg2, why = map_pool_file(shm_dir / "pool", lay, prefault=True)
     t_map = time.perf_counter() - t0
