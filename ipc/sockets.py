@@ -11,6 +11,15 @@ from kvtier.ipc.limits import MAX_MESSAGE_BYTES
 
 _Socket = TypeVar("_Socket", bound="zmq.Socket[Any]")
 
+POLL_MAX_MS = (1 << 31) - 1
+"""The longest wait ``zmq.Socket.poll`` takes (a C int of milliseconds: about 24.8 days)."""
+
+
+def poll_ms(seconds: float) -> int:
+    """``seconds`` as a ``poll`` timeout: whole milliseconds in ``[0, POLL_MAX_MS]`` (a longer
+    wait is as good as endless; a longer value would overflow the C int)."""
+    return max(0, min(int(min(seconds, POLL_MAX_MS / 1000) * 1000), POLL_MAX_MS))
+
 
 def make_zmq_socket(
     ctx: zmq.Context[_Socket],

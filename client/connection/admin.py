@@ -14,7 +14,7 @@ import zmq
 from kvtier.client.connection.replies import ReplyT, UnexpectedReply
 from kvtier.config import KvtierError
 from kvtier.ipc import protocol as P
-from kvtier.ipc.sockets import ipc_endpoint, make_zmq_socket
+from kvtier.ipc.sockets import ipc_endpoint, make_zmq_socket, poll_ms
 
 if TYPE_CHECKING:
     from typing import Self
@@ -80,14 +80,14 @@ class AdminClient:
         """
         msg.req_id = next(self._ids)
         try:
-            if not self._sock.poll(int(self.timeout_s * 1000), zmq.POLLOUT):
+            if not self._sock.poll(poll_ms(self.timeout_s), zmq.POLLOUT):
                 raise zmq.Again()
             self._sock.send(P.encode(msg), flags=zmq.NOBLOCK)
         except zmq.Again as err:
             raise AdminError(f"kvtierd is not reachable at {self.endpoint}") from err
         wait = self.timeout_s if wait_s is None else wait_s
         deadline = time.monotonic() + wait
-        while self._sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+        while self._sock.poll(poll_ms(deadline - time.monotonic())):
             try:
                 rep = P.decode_reply(self._sock.recv())
             except (msgspec.DecodeError, msgspec.ValidationError):

@@ -29,7 +29,7 @@ import zmq
 from kvtier.client.connection.replies import DaemonError, DaemonUnavailable, rep_is_late
 from kvtier.ipc import protocol as P
 from kvtier.ipc.fdpass import HandoverBusy, HandoverError, HandoverUnavailable, hand_over
-from kvtier.ipc.sockets import make_zmq_socket
+from kvtier.ipc.sockets import make_zmq_socket, poll_ms
 
 __all__ = ["LIVENESS_POLL_S", "DaemonChannel"]
 
@@ -140,7 +140,7 @@ class DaemonChannel:
                     self._sock.send(body, flags=zmq.NOBLOCK)
                 except zmq.Again:
                     # not connected (yet, or any more): wait for the connection up to the timeout
-                    if not self._sock.poll(int(self.request_timeout_s * 1000), zmq.POLLOUT):
+                    if not self._sock.poll(poll_ms(self.request_timeout_s), zmq.POLLOUT):
                         raise
                     self._sock.send(body, flags=zmq.NOBLOCK)
             except zmq.Again as err:

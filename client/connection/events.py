@@ -24,6 +24,7 @@ from typing import Self
 
 import zmq
 from kvtier.ipc import kv_events as E
+from kvtier.ipc.sockets import poll_ms
 
 __all__ = ["EventMessage", "EventSubscriber"]
 
@@ -90,7 +91,7 @@ class EventSubscriber:
 
     def recv(self, timeout_s: float) -> EventMessage | None:
         """The next batch as published (no gap handling), or None after ``timeout_s``."""
-        if not self._sub.poll(int(timeout_s * 1000)):
+        if not self._sub.poll(poll_ms(timeout_s)):
             return None
         topic, seq, payload = self._sub.recv_multipart()
         return EventMessage(topic.decode(), E.seq_of(seq), E.decode_batch(payload), False, payload)
@@ -169,7 +170,7 @@ class EventSubscriber:
         try:
             req.connect(self._replay_endpoint or "")
             req.send_multipart((b"", E.replay_request(start)))
-            while req.poll(int(timeout_s * 1000)):
+            while req.poll(poll_ms(timeout_s)):
                 _, topic, seq, payload = req.recv_multipart()
                 if seq == E.END_SEQ:
                     break

@@ -6,8 +6,8 @@ These are what ``kvtier health|stats|sessions|flush|sync`` and the metrics endpo
 Who sees what (the admin token is compared in constant time):
 
 - No tenants configured: as the admin token says. None set: everyone sees and flushes
-  everything; one set: STATS, SYNC and FLUSH must present it (a session may FLUSH its own
-  pages without it).
+  everything; one set: STATS, SYNC and FLUSH must present it. Either way a FLUSH that
+  names a session (no token needed) drops that session's own namespace's pages only.
 - Tenants configured: the admin token, when one is set, sees and flushes everything. Any
   other STATS or FLUSH is scoped to one caller's tenants: the tenant of the session a FLUSH
   names, else the tenants of the sessions registered over the requesting connection, else
@@ -16,7 +16,7 @@ Who sees what (the admin token is compared in constant time):
   numbers: they would tell one tenant about another's traffic); a scoped FLUSH drops only
   their pages. A request with none of these is refused UNAUTHORIZED, naming
   ``admin_token``: with tenants, nobody sees every tenant's data without it. SYNC is
-  admin-only.
+  admin-only: with tenants and no admin token set, nobody may SYNC.
 
 HEALTH is ``ok``, ``stopping``, or ``degraded: <what>`` while L3 is configured but not
 serving (the guard's cause: not open, or down, and why; L2 keeps serving then), or for a
@@ -295,9 +295,12 @@ class Admin:
         if m.tier not in FLUSH_TIERS:
             raise RequestError(P.ErrorCode.BAD_MESSAGE, f"tier = {m.tier!r} is not l2, l3 or all")
         ns_id = None
-        scope: frozenset[str] | None
-        if m.session_id:  # a session may flush only its own tenant's pages
+        scope: frozenset[str] | None = None
+        own: bytes | None = None
+        if m.session_id and ctx.cfg.tenants:  # a session may flush its own tenant's pages
             scope = frozenset((ctx.session(identity, m.session_id).tenant,))
+        elif m.session_id:  # one tenant for all: the session's own namespace only
+            own = ctx.session(identity, m.session_id).ns_fingerprint
         else:
             scope = self.scope(identity, m.admin_token)
         fps: list[bytes] | None = None
@@ -305,7 +308,10 @@ class Admin:
         if scope is not None:
             fps = [fp for t in sorted(scope) for fp in ctx.tier.tenant_namespaces(t)]
             owners = [ctx.pool.owner_id(t) for t in sorted(scope)]
-        if m.namespace:
+        if own is not None:
+            fps = [own] if not m.namespace or bytes.fromhex(m.namespace) == own else []
+            ns_id = ctx.pool.namespaces().get(own, -1) if fps else -1
+        elif m.namespace:
             fp = bytes.fromhex(m.namespace)  # 64 hex digits: checked at decode
             ns_id = ctx.pool.namespaces().get(fp, -1)
             fps = [fp] if fps is None or fp in fps else []
@@ -351,6 +357,15 @@ class Admin:
     def sync(self, identity: bytes, m: P.Sync) -> Answer:
         """SYNC: wait until the pages queued for L3 are written (or ``timeout_s`` passes)."""
         ctx = self.ctx
+        if ctx.cfg.tenants and not self.is_admin(m.admin_token):
+            log.warning("SYNC refused: tenants are configured and it has no admin token")
+            raise RequestError(
+                P.ErrorCode.UNAUTHORIZED,
+                "admin_token: "
+                + ("missing or wrong" if ctx.cfg.admin_token is not None else "not set")
+                + "; with tenants configured SYNC needs the admin token (its reply counts "
+                "every tenant's pages)",
+            )
         self.check_admin(m.admin_token)
         if ctx.tier.l3.name == "none":
             raise RequestError(
