@@ -1,7 +1,7 @@
 """Configuration: frozen pydantic models and their loader (TOML file, ``KVTIER_*`` env, CLI)."""
 
 from kvtier.config.errors import ConfigError, KvtierError, ProtocolError, StorageError
-from kvtier.config.loader import load_config, runtime_dir, socket_path
+from kvtier.config.loader import client_config, load_config, runtime_dir, socket_path
 from kvtier.config.models import ClientConfig, DaemonConfig, TenantConfig
 from kvtier.config.sizes import ByteSize, format_size, parse_size
 
@@ -14,6 +14,7 @@ __all__ = [
     "ProtocolError",
     "StorageError",
     "TenantConfig",
+    "client_config",
     "format_size",
     "load_config",
     "parse_size",

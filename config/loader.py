@@ -165,6 +165,7 @@ def load_config(
     file: str | Path | None = None,
     env: Mapping[str, str] | None = None,
     cli: Mapping[str, Any] | None = None,
+    cli_source: str | None = None,
 ) -> M:
     """Build a frozen config from defaults, a TOML file, the environment and CLI values.
 
@@ -173,6 +174,8 @@ def load_config(
         file: a TOML file with top-level keys named like the fields (tables for dict fields).
         env: the environment to read ``KVTIER_*`` from (default ``os.environ``).
         cli: values from CLI flags, keyed by field name; ``None`` values are ignored.
+        cli_source: where ``cli`` came from, for the messages (default: flags, named
+            ``--field-name``); e.g. an engine's own settings.
 
     Returns:
         The validated, frozen model.
@@ -197,13 +200,27 @@ def load_config(
         if val is None:
             continue
         if key not in model.model_fields:
+            if cli_source is not None:
+                raise ConfigError(f"unknown key {key!r} (value {val!r}) in {cli_source}")
             raise ConfigError(f"unknown option --{key.replace('_', '-')} (value {val!r})")
-        values[key] = _parse_structured(model, key, val, "the command line")
-        sources[key] = f"flag --{key.replace('_', '-')}"
+        values[key] = _parse_structured(model, key, val, cli_source or "the command line")
+        sources[key] = cli_source or f"flag --{key.replace('_', '-')}"
     try:
         return model.model_validate(values)
     except ValidationError as err:
         raise ConfigError(_describe(err, values, sources)) from err
+
+
+def client_config(
+    given: Mapping[str, Any] | None = None, source: str = "arguments"
+) -> ClientConfig:
+    """An engine's :class:`ClientConfig`: defaults, then the ``KVTIER_*`` environment, then
+    ``given`` (an engine's or adapter's own settings, named ``source`` in messages).
+
+    Raises:
+        ConfigError: an unknown key or a bad value, named with its source.
+    """
+    return load_config(ClientConfig, cli=given, cli_source=source)
 
 
 def _describe(err: ValidationError, values: Mapping[str, Any], sources: Mapping[str, str]) -> str:

@@ -35,6 +35,7 @@ from kvtier.client.cache.manager import (
 )
 from kvtier.client.cache.link import CacheLink
 from kvtier.config import ClientConfig
+from kvtier.config import client_config as load_client_config
 from kvtier.engine.allocator import PageAllocator
 from kvtier.engine.kv import (
     COPY_MODES,
@@ -254,7 +255,7 @@ class ReferenceEngine:
         self.model = model
         self.mode: EngineMode = mode
         self.page_size = page_size
-        self.client_config = client_config or ClientConfig()
+        self.client_config = client_config or load_client_config()
         self.geometry = geometry_for(self.model.cfg, page_size)
 
         # Only a daemon needs to reach the KV: other modes keep it private. Shared memory is a

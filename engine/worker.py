@@ -32,7 +32,7 @@ import sys
 from dataclasses import asdict
 from typing import IO, Any
 
-from kvtier.config import ClientConfig, KvtierError
+from kvtier.config import KvtierError, client_config
 from kvtier.engine.engine import ReferenceEngine
 from kvtier.engine.kv import engine_device
 from kvtier.engine.model import ModelConfig, TinyLlama
@@ -172,8 +172,12 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    cfg = ClientConfig(
-        runtime_dir=args.runtime_dir, endpoint=args.endpoint, hicache_write_policy=args.write_policy
+    cfg = client_config(
+        {
+            "runtime_dir": args.runtime_dir,
+            "endpoint": args.endpoint,
+            "hicache_write_policy": args.write_policy,
+        }
     )
     model = TinyLlama(model_config(args.model)).to(engine_device(args.device))
     engine = ReferenceEngine(

@@ -47,7 +47,7 @@ from kvtier.client.cache.store_tracker import StoreTracker
 from kvtier.client.page_keys import page_keys
 from kvtier.client.radix.results import EvictedPage
 from kvtier.client.radix.tree import RadixTree
-from kvtier.config import ClientConfig, KvtierError
+from kvtier.config import ClientConfig, KvtierError, client_config
 
 __all__ = [
     "CacheCounters",
@@ -138,7 +138,7 @@ class CacheManager:
             raise KvtierError("page_size is required without a connection")
         self._alloc = allocator
         self._conn = connection
-        self._cfg = config or (connection.config if connection is not None else ClientConfig())
+        self._cfg = config or (connection.config if connection is not None else client_config())
         self._page_size = page_size
         self._seed = (
             connection.ns_fingerprint if connection is not None else (key_seed or _LOCAL_SEED)

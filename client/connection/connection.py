@@ -52,7 +52,7 @@ from kvtier.client.connection.slots import CompletionSlots
 from kvtier.client.connection.transfer_handle import TransferHandle
 from kvtier.client.kv_pool.shared import SharedKVPool
 from kvtier.client.page_keys import page_keys
-from kvtier.config import ClientConfig, runtime_dir, socket_path
+from kvtier.config import ClientConfig, client_config, runtime_dir, socket_path
 from kvtier.config.models import PrefetchPolicy
 from kvtier.ipc import protocol as P
 from kvtier.ipc.completion import CompletionBlock, TransferStatus
@@ -103,7 +103,8 @@ class Connection:
             exported by CUDA IPC; each registration then opens that daemon's events, and the
             events of an earlier registration are dropped first: docs/gpu.md).
         model_id / revision: identify the model; with the geometry they form the namespace.
-        config: client settings (timeouts, tenant); default from ``ClientConfig()``.
+        config: client settings (timeouts, tenant); default: the ``KVTIER_*`` environment
+            over the defaults (:func:`~kvtier.config.client_config`).
         tp_rank / tp_size: tensor-parallel position.
         register: connect and register now (else call :meth:`register`).
     """
@@ -118,7 +119,7 @@ class Connection:
         tp_size: int = 1,
         register: bool = True,
     ) -> None:  # tp_group comes from config.tp_group
-        self.config = config or ClientConfig()
+        self.config = config or client_config()
         self.pool = pool
         self.geometry = pool.geometry
         self.namespace = P.NamespaceSpec(

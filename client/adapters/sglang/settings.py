@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtier.config import ClientConfig, KvtierError
+from kvtier.config import ClientConfig, ConfigError, KvtierError, client_config
 
 __all__ = ["KNOWN_KEYS", "BackendSettings", "PrefetchTimeout", "SettingsError", "prefetch_timeout"]
 
@@ -94,10 +94,12 @@ class BackendSettings:
         client_kw = {k: extra[k] for k in _CLIENT_KEYS if k in extra}
         if "runtime_dir" in client_kw:
             client_kw["runtime_dir"] = Path(str(client_kw["runtime_dir"]))
-        try:
-            client = ClientConfig(**client_kw)
+        try:  # over the KVTIER_* environment
+            client = client_config(client_kw, "hicache storage extra config")
             retry = float(extra.get("retry_interval_s", 1.0))
-        except (ValueError, TypeError) as err:  # pydantic's ValidationError is a ValueError
+        except ConfigError as err:
+            raise SettingsError(str(err)) from err
+        except (ValueError, TypeError) as err:
             raise SettingsError(f"hicache storage extra config: {err}") from err
         if not retry > 0:
             raise SettingsError(

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, cast
 
-from kvtier.config import ClientConfig, KvtierError
+from kvtier.config import ClientConfig, ConfigError, KvtierError, client_config
 from kvtier.config.models import PrefetchPolicy
 
 __all__ = ["ConnectorSettings", "SettingsError"]
@@ -102,10 +102,10 @@ class ConnectorSettings:
         client_kw = {k: extra[k] for k in _CLIENT_KEYS if k in extra}
         if "runtime_dir" in client_kw:
             client_kw["runtime_dir"] = Path(client_kw["runtime_dir"])
-        try:
-            client = ClientConfig(**client_kw)
-        except ValueError as err:  # pydantic's ValidationError is a ValueError
-            raise SettingsError(f"kv_connector_extra_config: {err}") from err
+        try:  # over the KVTIER_* environment
+            client = client_config(client_kw, "kv_connector_extra_config")
+        except ConfigError as err:
+            raise SettingsError(str(err)) from err
         policy = str(extra.get("prefetch_policy", ""))
         if policy not in ("", "best_effort", "wait_complete", "timeout"):
             raise SettingsError(
