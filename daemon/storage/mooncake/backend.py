@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import secrets
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -59,6 +60,12 @@ class MooncakeBackend(StorageBackend):
         self._pool: ThreadPoolExecutor | None = None
         self._object_names = ObjectNames(self.options.prefix)
         self._probe_key = f"{self.options.prefix}:health"
+        # an object of this open's own: a master that restarted without its data lacks it
+        self._epoch_key = f"{self.options.prefix}:epoch:{secrets.token_hex(8)}"
+        self._epoch_put = False
+        self._replaced = False
+        self._set_up = False  # setup() ran: close() must close the client
+        self._registered: list[int] = []  # buffers to unregister at close()
         self._breaker = Breaker(
             f"mooncake backend: master {self.options.master_server_address}",
             cooldown_s=self.options.retry_interval_s,
@@ -126,6 +133,7 @@ class MooncakeBackend(StorageBackend):
             # the threads Mooncake starts here inherit the priority of the one that starts them.
             # The transfer engine's TCP bind address is set for the setup call only.
             rc = await self._setup_call(setup_with_bind_address, setup, opts.local_hostname)
+            self._set_up = True
             if rc != 0:
                 raise StorageError(
                     f"mooncake backend: setup failed ({rc}) with master_server_address="
@@ -140,6 +148,8 @@ class MooncakeBackend(StorageBackend):
                     raise StorageError(
                         f"mooncake backend: register_buffer of the {what} ({size} B) failed ({rc})"
                     )
+                self._registered.append(buf_address)
+            self._epoch_put = await self._setup_call(store.put, self._epoch_key, b"1") == 0
         except BaseException:
             await self.close()
             raise
@@ -150,7 +160,7 @@ class MooncakeBackend(StorageBackend):
         if not keys or not self._admit():
             return 0
         names = self._names(ns, keys)
-        answers: list[int] = await self._call(self._store.batch_is_exist, names)
+        answers: list[int] = await self._ask(self._store.batch_is_exist, names)
         run = 0
         for answer in answers:
             if answer != 1:
@@ -205,7 +215,7 @@ class MooncakeBackend(StorageBackend):
                 "mooncake backend: %d object(s) failed verification; removing them",
                 len(corrupt_names),
             )
-            await self._call(self._store.batch_remove, corrupt_names, True)
+            await self._ask(self._store.batch_remove, corrupt_names, True)
         return flags
 
     async def put_from(
@@ -244,24 +254,41 @@ class MooncakeBackend(StorageBackend):
         if not keys or not self._admit():
             return 0
         names = self._names(ns, keys)
-        codes: list[int] = await self._call(self._store.batch_remove, names, True)
+        codes: list[int] = await self._ask(self._store.batch_remove, names, True)
         fault = next((c for c in codes if c < 0 and c != OBJECT_NOT_FOUND), 0)
         if fault:
             self._failed(fault)
         return sum(1 for code in codes if code == 0)
 
     async def health(self) -> bool:
-        """Return True when the client is healthy and the master answers a lookup."""
+        """Return True when the client is healthy and the master answers a lookup.
+
+        The answer also tells whether the master still has this open's epoch object: one
+        that lost it restarted without its data (or was replaced), which :meth:`replaced`
+        reports once; the object is then put again. An object Mooncake evicted for room
+        reads the same way, which costs rewrites only (nothing is taken as present that
+        is not)."""
         if self._state is not _State.OPEN:
             return False
         if not self._admit(count=False):
             return False
-        answer: list[int] = await self._call(self._store.batch_is_exist, [self._probe_key])
-        if answer and answer[0] >= 0:
-            self._note_up()
-            return True
-        self._breaker.failed(f"code {answer[0] if answer else None}")
-        return False
+        answer: list[int] = await self._ask(
+            self._store.batch_is_exist, [self._probe_key, self._epoch_key]
+        )
+        if not answer or answer[0] < 0:
+            self._breaker.failed(f"code {answer[0] if answer else None}")
+            return False
+        self._note_up()
+        if len(answer) > 1 and answer[1] == 0:
+            self._replaced = self._replaced or self._epoch_put
+            self._epoch_put = await self._ask(self._store.put, self._epoch_key, b"1") == 0
+        return True
+
+    def replaced(self) -> bool:
+        """Whether a health check found the master without this open's epoch object since
+        the last call (a restart that lost its data, or another master)."""
+        replaced, self._replaced = self._replaced, False
+        return replaced
 
     async def close(self) -> None:
         """Unregister buffers, unmount the segment and close the client; idempotent.
@@ -271,20 +298,22 @@ class MooncakeBackend(StorageBackend):
         """
         if self._state is _State.CLOSED:
             return
-        was_open = self._state is _State.OPEN
         self._state = _State.CLOSED
+        set_up, self._set_up = self._set_up, False
+        registered, self._registered = self._registered, []
+        epoch_put, epoch_key = self._epoch_put, self._epoch_key
         store, self._store = self._store, None
-        arena, self._arena = self._arena, None
+        self._arena = None
         scratch, self._scratch = self._scratch, None
         pool, self._pool = self._pool, None
         self._jobs = None
 
-        def teardown() -> None:
-            if store is not None and was_open:
-                if arena is not None:
-                    store.unregister_buffer(arena.address)
-                if scratch is not None:
-                    store.unregister_buffer(scratch.address)
+        def teardown() -> None:  # only what setup() made: on a client never set up these
+            if store is not None and set_up:  # calls crash the process
+                if epoch_put:
+                    store.remove(epoch_key)
+                for address in registered:
+                    store.unregister_buffer(address)
                 store.close()
 
         if pool is not None:
@@ -340,6 +369,13 @@ class MooncakeBackend(StorageBackend):
 
     async def _call(self, fn: Callable[..., _T], *args: Any) -> _T:
         return await run_to_completion(functools.partial(fn, *args), self._pool)
+
+    async def _ask(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """Run a call that touches no arena memory (lookups, removals) on the workers; the
+        caller may stop waiting for it (a stalled master holds the worker, not the caller)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, functools.partial(fn, *args)
+        )
 
     async def _setup_call(self, fn: Callable[..., _T], *args: Any) -> _T:
         return await run_to_completion(functools.partial(fn, *args), None)

@@ -5,9 +5,12 @@ from __future__ import annotations
 from typing import Literal
 
 from kvtier.config.sizes import ByteSize
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 __all__ = ["MooncakeOptions"]
+
+MAX_BYTES = 1 << 50
+"""The largest size a byte-size key takes (1 PiB): Mooncake takes sizes as 64-bit integers."""
 
 
 class MooncakeOptions(BaseModel):
@@ -22,9 +25,9 @@ class MooncakeOptions(BaseModel):
     local_hostname: str = Field(default="127.0.0.1", min_length=1)
     """Address this daemon's segment is advertised at; also its TCP bind address when it is
     an IP literal and ``MC_TCP_BIND_ADDRESS`` is not set."""
-    global_segment_size: ByteSize = Field(default=1 << 30, ge=0)
+    global_segment_size: ByteSize = Field(default=1 << 30, ge=0, le=MAX_BYTES)
     """Memory this daemon contributes to the cluster store (``"4GiB"`` style or bytes); 0 = none."""
-    local_buffer_size: ByteSize = Field(default=16 << 20, ge=0)
+    local_buffer_size: ByteSize = Field(default=16 << 20, ge=0, le=MAX_BYTES)
     """Mooncake's client-side staging buffer (zero-copy transfers do not use it)."""
     protocol: Literal["tcp", "rdma"] = "tcp"
     """Transfer protocol."""
@@ -50,3 +53,16 @@ class MooncakeOptions(BaseModel):
     completes; at a lower priority that poll gives way to the transfer's own threads (and to
     the rest of the daemon) when the CPUs are all busy, instead of taking a core from them.
     Mooncake's own threads keep the daemon's priority. 0 leaves the workers as they are."""
+
+    @field_validator("master_server_address")
+    @classmethod
+    def _host_and_port(cls, value: str) -> str:
+        """``host:port`` (port 1-65535), or a URL-like form Mooncake resolves itself
+        (``etcd://...``): an address without a port would leave Mooncake retrying for
+        about 90 s."""
+        if "://" in value:
+            return value
+        host, _, port = value.rpartition(":")
+        if not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{value!r} is not host:port (e.g. 127.0.0.1:50051)")
+        return value
