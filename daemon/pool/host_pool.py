@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from kvtier.daemon.pool.adopt import scan_rows
 from kvtier.daemon.pool.eviction import EVICT_FACTOR, MIN_SCAN
-from kvtier.daemon.pool.layout import HAS_CHECKSUM, NIL, IdTable, PoolLayout
+from kvtier.daemon.pool.layout import DIGEST_BYTES, HAS_CHECKSUM, NIL, IdTable, PoolLayout
 from kvtier.daemon.pool.meta import PoolMeta, tenant_digest
 from kvtier.daemon.pool.lookups import KeyLookups
 from kvtier.daemon.pool.pages import PageTable
@@ -430,16 +430,43 @@ class HostPool:
 
     # ------------------------------------------------------- persistent ids
 
-    def namespace_id(self, fingerprint: bytes) -> int:
+    def namespace_id(self, fingerprint: bytes, in_use: Iterable[int] = ()) -> int:
         """Return the id of a namespace fingerprint (32 bytes), registering it if new.
 
         Ids are 1, 2, ... in registration order and persist with the pool: an adopted
-        pool gives every fingerprint the id its pages were stored under.
+        pool gives every fingerprint the id its pages were stored under. When the table is
+        full, the id of a namespace that holds no page (in any state) and is not in
+        ``in_use`` (the open sessions' namespaces) is given to the new fingerprint: models
+        that come and go never fill the table for good.
 
         Raises:
-            HostPoolError: the fingerprint is not 32 bytes or the table is full.
+            HostPoolError: the fingerprint is not 32 bytes, or the table is full of
+                namespaces that hold pages or are in use.
         """
-        return self._pages.meta.id_of(IdTable.NAMESPACES, fingerprint)
+        meta = self._pages.meta
+        try:
+            return meta.id_of(IdTable.NAMESPACES, fingerprint)
+        except HostPoolError as err:
+            if len(fingerprint) != DIGEST_BYTES:
+                raise
+            idle = self._idle_namespace(set(in_use))
+            if idle is None:
+                raise HostPoolError(
+                    f"{err}: every namespace in it holds pages or has an open session"
+                ) from err
+            meta.release_id(IdTable.NAMESPACES, idle)
+            return meta.id_of(IdTable.NAMESPACES, fingerprint)
+
+    def _idle_namespace(self, in_use: set[int]) -> int | None:
+        """The lowest namespace id no page (in any state) and nothing in ``in_use`` has."""
+        meta = self._pages.meta
+        ns, state = meta.array("ns"), meta.array("state")
+        try:
+            held = set(np.unique(ns[state != PageState.FREE]).tolist())
+        finally:
+            del ns, state
+        idle = [i for i in meta.ids(IdTable.NAMESPACES).values() if i not in held | in_use]
+        return min(idle) if idle else None
 
     def namespaces(self) -> dict[bytes, int]:
         """Return a copy of the persistent ``fingerprint -> namespace id`` table."""

@@ -178,6 +178,19 @@ class PoolMeta:
         known[digest] = i + 1
         return i + 1
 
+    def release_id(self, table: IdTable, id_: int) -> None:
+        """Free entry ``id_`` of ``table`` for :meth:`id_of` to give to another digest (used
+        flag first, so a crash never leaves the old digest in use half-cleared). The caller
+        makes sure nothing refers to the id any more."""
+        known = self._id_cache[table]
+        digest = next((d for d, i in known.items() if i == id_), None)
+        if digest is None:
+            return
+        i = id_ - 1
+        self._used[table][i] = 0
+        self._digests[table][i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES] = bytes(DIGEST_BYTES)
+        del known[digest]
+
     def _read_ids(self, table: IdTable) -> dict[bytes, int]:
         digests = self._digests[table]
         used = np.flatnonzero(np.frombuffer(self._used[table], dtype=np.uint8)).tolist()

@@ -208,7 +208,8 @@ class Registration:
         uid = h.peer.uid
         fp = namespace_fingerprint(m.namespace, g, m.tp_rank, m.tp_size, tenant)
         try:
-            ns_id, owner = ctx.pool.namespace_id(fp), ctx.pool.owner_id(tenant)
+            in_use = (s.ns_id for s in ctx.sessions)
+            ns_id, owner = ctx.pool.namespace_id(fp, in_use), ctx.pool.owner_id(tenant)
         except HostPoolError as err:
             raise RequestError(P.ErrorCode.BUSY, str(err)) from err
         sid = ctx.sessions.new_id()

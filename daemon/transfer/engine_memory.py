@@ -34,6 +34,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import mmap
 import os
 import stat
 import struct
@@ -223,7 +224,28 @@ def check_region_fits(
 
 
 NO_ROOM = (errno.ENOMEM, errno.EAGAIN, errno.ENFILE, errno.EMFILE)
-"""``mmap`` errors that mean the daemon ran out of room, not that the descriptor is bad."""
+"""``mmap`` errors that mean the daemon ran out of room, not that the descriptor is bad
+(an ENOMEM the daemon's own mapping of the same size does not meet is the descriptor's:
+:func:`_room_for`)."""
+
+
+def _room_for(nbytes: int) -> bool:
+    """Whether the daemon can map ``nbytes`` of its own now (address space and mapping
+    count: an anonymous mapping that reserves no memory), to tell an ENOMEM of its own from
+    one of an engine's memory (a hugetlbfs file with no huge pages free behind it)."""
+    try:
+        probe = mmap.mmap(
+            -1,
+            max(nbytes, 1),
+            flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0),
+            prot=0,  # PROT_NONE: address space only
+        )
+    except OSError:
+        return False
+    probe.close()
+    return True
+
+
 Admit = Callable[[int, int], None]
 """Called with (bytes, mappings) planned before mapping; raises to refuse them."""
 
@@ -430,7 +452,14 @@ class EngineMemory:
                     fds[w.segment], w.end - w.start, writable=True, label=what, offset=w.start
                 )
             except SharedMemoryError as err:
-                if isinstance(err.__cause__, OSError) and err.__cause__.errno in NO_ROOM:
+                cause = err.__cause__
+                if isinstance(cause, OSError) and cause.errno in NO_ROOM:
+                    if cause.errno == errno.ENOMEM and _room_for(w.end - w.start):
+                        raise EngineMemoryError(  # the daemon could map as much of its own
+                            f"{what}: {err}; the daemon has room for a mapping of this size, so "
+                            "this memory cannot be mapped (huge pages the node has none "
+                            "free of?)"
+                        ) from err
                     raise EngineMemoryExhausted(f"{what}: {err}") from err
                 raise EngineMemoryError(str(err)) from err
             self.segments.append(seg)

@@ -813,3 +813,24 @@ def test_adopting_1gib_of_ready_pages_timing(shm_dir: Path) -> None:
     pool.close()
     seg.close()
     seg2.close()
+
+
+def test_a_full_namespace_table_gives_an_idle_namespaces_id_to_a_new_one() -> None:
+    """With every namespace id taken, a new fingerprint gets the lowest id that holds no
+    page (in any state) and is not in use by an open session; the old fingerprint is
+    forgotten. A table whose namespaces all hold pages or are in use stays full."""
+    lay = PoolLayout.plan(EXTENT, EXTENT, 4 * KIB)
+    pool = new_pool(lay)
+    cap = lay.id_capacity
+    fps = [i.to_bytes(32, "little") for i in range(1, cap + 1)]
+    assert [pool.namespace_id(fp) for fp in fps] == list(range(1, cap + 1))
+    cls = pool.register_class(SMALL)
+    assert len(pool.allocate(1, A, cls, chain("w", 1))) == 1  # a WRITING page in ns 1
+    pool.commit([s for _, s in pool.allocate(2, A, cls, chain("r", 1))], [0])  # READY in ns 2
+    new = b"\xff" * 32
+    assert pool.namespace_id(new, in_use=[3]) == 4  # 1, 2 hold pages, 3 is in use
+    assert new in pool.namespaces() and fps[3] not in pool.namespaces()
+    assert pool.namespace_id(new) == 4 and pool.lookup(2, chain("r", 1)) == 1
+    busy = [n for n in range(1, cap + 1) if n not in (1, 2)]
+    with pytest.raises(HostPoolError, match="holds pages or has an open session"):
+        pool.namespace_id(b"\xfe" * 32, in_use=busy)
