@@ -387,20 +387,22 @@ class HostPool:
 
     # ------------------------------------------------------------- geometry
 
-    def register_class(self, page_bytes: int) -> int:
+    def register_class(self, page_bytes: int, max_classes: int | None = None) -> int:
         """Register a page size; the same size always gets the same class id.
 
         Args:
             page_bytes: bytes of one page of an engine's model.
+            max_classes: refuse a new size when this many classes exist (None: no bound).
 
         Returns:
             The class id (0, 1, ... in registration order; an adopted pool has
             registered its extents' page sizes, smallest first, after ``classes``).
 
         Raises:
-            HostPoolError: ``page_bytes`` is not positive or its stride exceeds an extent.
+            HostPoolError: ``page_bytes`` is not positive, its stride exceeds an extent,
+                or it is new past ``max_classes``.
         """
-        cid = self._pages.slots.register_class(page_bytes)
+        cid = self._pages.slots.register_class(page_bytes, max_classes)
         self._pages.evictor.fit_class(self._pages.slots.classes[cid].n)
         return cid
 

@@ -45,7 +45,12 @@ from kvtier.daemon.pool.links import filled, link_in_order
 from kvtier.daemon.pool.native import _alloc
 from kvtier.daemon.pool.records import HostPoolError
 
-__all__ = ["PageClass", "SlotAllocator"]
+__all__ = ["MAX_NEW_CLASSES", "PageClass", "SlotAllocator"]
+
+MAX_NEW_CLASSES = 256
+"""The most page sizes engines may register in one pool (an adopted pool's extents bring
+theirs regardless): every honest deployment has a few, and each class costs the daemon state
+and the metrics endpoint a series for as long as it runs."""
 
 
 @dataclass(slots=True)
@@ -103,15 +108,25 @@ class SlotAllocator:
         self.class_of_bytes: dict[int, int] = {}
         self.ext_bytes = ext_bytes
 
-    def register_class(self, page_bytes: int) -> int:
+    def register_class(self, page_bytes: int, max_classes: int | None = None) -> int:
         """Register a page size; the same size always gets the same class id.
 
+        Args:
+            page_bytes: the page size.
+            max_classes: refuse a new size when this many classes exist (None: no bound).
+
         Raises:
-            HostPoolError: ``page_bytes`` is not positive or its stride exceeds an extent.
+            HostPoolError: ``page_bytes`` is not positive, its stride exceeds an extent, or
+                it is new and ``max_classes`` classes exist.
         """
         cid = self.class_of_bytes.get(page_bytes)
         if cid is not None:
             return cid
+        if max_classes is not None and len(self.classes) >= max_classes:
+            raise HostPoolError(
+                f"page_bytes={page_bytes} would be a page size past the {max_classes} this "
+                "pool takes from engines"
+            )
         if page_bytes <= 0:
             raise HostPoolError(f"page_bytes must be positive, got {page_bytes}")
         payload = round_up(page_bytes, self.align)

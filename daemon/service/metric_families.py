@@ -409,8 +409,8 @@ def _pool_families(pool: Mapping[str, Any]) -> Iterator[Metric]:
         ext = GaugeMetricFamily(
             "kvtier_pool_class_extents", "Extents held by each page class.", labels=["page_bytes"]
         )
-        for c in classes:
-            if isinstance(c, Mapping) and _number(c.get("extents")) is not None:
+        for c in classes:  # a class holding no extent has nothing to report
+            if isinstance(c, Mapping) and (_number(c.get("extents")) or 0) > 0:
                 ext.add_metric([str(c.get("page_bytes", ""))], float(c["extents"]))
         if ext.samples:
             yield ext

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from kvtier.config import format_size
 from kvtier.daemon.pool.host_pool import HostPoolError
+from kvtier.daemon.pool.slots import MAX_NEW_CLASSES
 from kvtier.daemon.service.answers import Answer, Deferred
 from kvtier.daemon.service.context import ServiceContext
 from kvtier.daemon.service.handover import Handover, HandoverNotYours, HandoverRefused
@@ -210,6 +211,7 @@ class Registration:
         try:
             in_use = (s.ns_id for s in ctx.sessions)
             ns_id, owner = ctx.pool.namespace_id(fp, in_use), ctx.pool.owner_id(tenant)
+            class_id = ctx.pool.register_class(g.page_bytes, MAX_NEW_CLASSES)
         except HostPoolError as err:
             raise RequestError(P.ErrorCode.BUSY, str(err)) from err
         sid = ctx.sessions.new_id()
@@ -222,7 +224,7 @@ class Registration:
             ns_id=ns_id,
             ns_fingerprint=fp,
             geometry=g,
-            class_id=ctx.pool.register_class(g.page_bytes),
+            class_id=class_id,
             memory=memory,
             completion=block,
             pid=h.peer.pid,
