@@ -26,13 +26,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvtier.config import DaemonConfig
+from kvtier.config.loader import state_dir
 from kvtier.daemon.counters import Counters
 from kvtier.daemon.pool.host_pool import EvictedPage, HostPool
 from kvtier.daemon.storage.base import HostArena
 from kvtier.daemon.tier.guard import L3Backend
 from kvtier.daemon.tier.prefetch import Prefetcher, PrefetchJob
 from kvtier.daemon.tier.rank_groups import RankGroups
+from kvtier.daemon.tier import tenant_namespaces
 from kvtier.daemon.tier.session import TierSession
+from kvtier.daemon.tier.tenant_namespaces import TenantNamespaces
 from kvtier.daemon.tier.writer import L3Writer
 
 log = logging.getLogger("kvtier.daemon.l3")
@@ -67,7 +70,10 @@ class TierStore:
         self.l3.on_dropped = self._l3_dropped
         self.l3.on_replaced = self._l3_replaced
         self._ns: dict[int, bytes] = {}
-        self._ns_tenant: dict[bytes, str] = {}
+        # kept across restarts for a tenant's FLUSH of L3 (only with tenants configured)
+        self._tenant_ns = TenantNamespaces(
+            state_dir(cfg.state_dir) / tenant_namespaces.FILE_NAME if cfg.tenants else None
+        )
         self._class_bytes: dict[int, int] = {}
         self.prefetcher = Prefetcher(pool, counters, self.l3.get, cfg.prefetch_concurrency)
         self.prefetcher.on_allocated = self.allocated
@@ -130,7 +136,8 @@ class TierStore:
         await self.writer.drain(deadline)
 
     async def close(self) -> None:
-        """Close the backend (idempotent)."""
+        """Close the backend and save the tenants' namespaces (idempotent)."""
+        self._tenant_ns.save()
         await self.l3.close()
 
     def reconfigure(self, cfg: DaemonConfig) -> None:
@@ -166,7 +173,7 @@ class TierStore:
     ) -> None:
         """Remember a namespace and page class a session registered with."""
         self._ns[ns_id] = fingerprint
-        self._ns_tenant[fingerprint] = tenant
+        self._tenant_ns.note(fingerprint, tenant)
         self._class_bytes[class_id] = page_bytes
 
     def namespace_of(self, ns_id: int) -> bytes | None:
@@ -186,8 +193,9 @@ class TierStore:
         return pb
 
     def tenant_namespaces(self, tenant: str | None) -> list[bytes]:
-        """Fingerprints registered here by ``tenant`` (None: by anyone)."""
-        return [fp for fp, t in self._ns_tenant.items() if tenant is None or t == tenant]
+        """Fingerprints registered by ``tenant`` (None: by anyone), also before a restart
+        when tenants are configured (:mod:`~kvtier.daemon.tier.tenant_namespaces`)."""
+        return self._tenant_ns.of(tenant)
 
     def session_closed(self, s: TierSession) -> None:
         """Cancel the session's prefetches and take it out of its rank group."""

@@ -1,0 +1,115 @@
+"""Which tenant each namespace belongs to, kept across restarts.
+
+A tenant's scoped FLUSH of L3 deletes the objects of its namespaces (L3 objects are named by
+namespace fingerprint, not by tenant), and a fingerprint's tenant is known from the
+REGISTER that named it. So that a tenant can still flush its L3 data after kvtierd
+restarted, before its engines register again, the map is saved to
+``<state_dir>/tenant-namespaces.msgpack``: a second after a namespace is first seen (one
+write for a burst of registrations) and when the daemon stops, and read back at start.
+
+The file is read as untrusted input: bounded in size, decoded against the limits below, and
+refused whole (logged, naming the file and what is wrong) on any error; the daemon then
+starts without it. It holds at most :data:`MAX_ENTRIES` namespaces, the latest seen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+
+log = logging.getLogger("kvtier.daemon")
+
+__all__ = ["FILE_NAME", "MAX_ENTRIES", "TenantNamespaces"]
+
+FILE_NAME = "tenant-namespaces.msgpack"
+MAX_ENTRIES = 65536
+"""Namespaces the file remembers at most (the latest seen)."""
+SAVE_DELAY_S = 1.0
+"""How long after a new namespace the map is written (the writes of a burst are one)."""
+_VERSION = 1
+_FP = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
+_NAME = Annotated[str, msgspec.Meta(max_length=256)]
+
+
+class _Saved(msgspec.Struct, array_like=True):
+    version: int
+    fingerprints: Annotated[list[_FP], msgspec.Meta(max_length=MAX_ENTRIES)]
+    tenants: Annotated[list[_NAME], msgspec.Meta(max_length=MAX_ENTRIES)]
+
+
+class TenantNamespaces:
+    """``fingerprint -> tenant`` of the namespaces engines registered, saved to ``path``.
+
+    Args:
+        path: the file (None: kept in memory only).
+    """
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._map: dict[bytes, str] = _load(path) if path is not None else {}
+        self._pending: asyncio.TimerHandle | None = None
+
+    def note(self, fingerprint: bytes, tenant: str) -> None:
+        """Remember that ``tenant`` registered ``fingerprint``; a new pair is saved soon."""
+        if self._map.get(fingerprint) == tenant:
+            return
+        self._map.pop(fingerprint, None)
+        self._map[fingerprint] = tenant
+        while len(self._map) > MAX_ENTRIES:
+            del self._map[next(iter(self._map))]
+        if self.path is not None and self._pending is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no loop (a test driving the tier directly): now
+                self.save()
+                return
+            self._pending = loop.call_later(SAVE_DELAY_S, self.save)
+
+    def of(self, tenant: str | None) -> list[bytes]:
+        """Fingerprints registered by ``tenant`` (None: by anyone)."""
+        return [fp for fp, t in self._map.items() if tenant is None or t == tenant]
+
+    def save(self) -> None:
+        """Write the map now (atomically: a temporary file renamed over it, mode 0600); a
+        failure is logged, the map stays in memory."""
+        if self._pending is not None:
+            self._pending.cancel()
+            self._pending = None
+        if self.path is None:
+            return
+        body = msgspec.msgpack.encode(_Saved(_VERSION, list(self._map), list(self._map.values())))
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(body)
+            os.replace(tmp, self.path)
+        except OSError as err:
+            tmp.unlink(missing_ok=True)
+            log.warning("cannot save the tenants' namespaces to %s: %s", self.path, err)
+
+
+def _load(path: Path) -> dict[bytes, str]:
+    """The saved map; empty when there is none or it is refused (logged)."""
+    try:
+        if path.stat().st_size > MAX_ENTRIES * 320 + 4096:
+            raise ValueError(f"{path.stat().st_size} bytes is more than {MAX_ENTRIES} entries take")
+        saved = msgspec.msgpack.decode(path.read_bytes(), type=_Saved)
+        if saved.version != _VERSION:
+            raise ValueError(f"version {saved.version}, not {_VERSION}")
+        if len(saved.fingerprints) != len(saved.tenants):
+            raise ValueError(
+                f"{len(saved.fingerprints)} fingerprints but {len(saved.tenants)} tenants"
+            )
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, msgspec.DecodeError) as err:
+        log.warning("ignoring the tenants' namespaces in %s: %s", path, err)
+        return {}
+    return dict(zip(saved.fingerprints, saved.tenants, strict=True))

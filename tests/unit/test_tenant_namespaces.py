@@ -1,0 +1,54 @@
+"""The saved map of namespaces to tenants: read back as written, bounded, and a damaged
+file refused whole (the daemon then starts without it)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import msgspec
+import pytest
+from kvtier.daemon.tier import tenant_namespaces as tn
+from kvtier.daemon.tier.tenant_namespaces import TenantNamespaces
+
+
+def fp(i: int) -> bytes:
+    return i.to_bytes(32, "little")
+
+
+def test_the_map_is_read_back_as_saved(tmp_path: Path) -> None:
+    path = tmp_path / "state" / tn.FILE_NAME
+    m = TenantNamespaces(path)
+    m.note(fp(1), "a")  # no running loop: written at once
+    m.note(fp(2), "b")
+    m.note(fp(1), "c")  # a fingerprint registered again under another tenant moves
+    assert path.stat().st_mode & 0o777 == 0o600
+    again = TenantNamespaces(path)
+    assert (again.of("a"), again.of("b"), again.of("c")) == ([], [fp(2)], [fp(1)])
+    assert again.of(None) == [fp(2), fp(1)]
+
+
+def test_the_map_keeps_the_latest_namespaces(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(tn, "MAX_ENTRIES", 3)
+    m = TenantNamespaces(tmp_path / tn.FILE_NAME)
+    for i in range(5):
+        m.note(fp(i), "a")
+    assert TenantNamespaces(tmp_path / tn.FILE_NAME).of("a") == [fp(2), fp(3), fp(4)]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"\x00not msgpack",
+        msgspec.msgpack.encode([1, [b"short"], ["a"]]),
+        msgspec.msgpack.encode([1, [fp(1)], ["a", "b"]]),
+        msgspec.msgpack.encode([2, [fp(1)], ["a"]]),
+        msgspec.msgpack.encode([1, [fp(1)], ["x" * 300]]),
+    ],
+)
+def test_a_damaged_file_is_refused_whole(tmp_path: Path, caplog, body: bytes) -> None:
+    path = tmp_path / tn.FILE_NAME
+    path.write_bytes(body)
+    with caplog.at_level(logging.WARNING, logger="kvtier.daemon"):
+        assert TenantNamespaces(path).of(None) == []
+    assert str(path) in caplog.text
