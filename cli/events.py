@@ -14,7 +14,7 @@ import sys
 
 from kvtier.client.connection.events import EventSubscriber
 from kvtier.config import ConfigError, DaemonConfig
-from kvtier.config.loader import load_config
+from kvtier.config.loader import add_version_flag, load_config
 from kvtier.ipc.kv_events import as_dict
 
 __all__ = ["main"]
@@ -28,6 +28,7 @@ def main(argv: list[str]) -> int:
     """Entry point of ``kvtier events``; exit 0 when the stream went quiet or ``--count``
     events were printed, 2 when no endpoint is configured."""
     ap = argparse.ArgumentParser(prog="kvtier events", description=__doc__.split("\n")[0])
+    add_version_flag(ap, "kvtier")
     ap.add_argument("--endpoint", help="the daemon's kv_events_endpoint")
     ap.add_argument("--replay", help="its kv_events_replay_endpoint (fills gaps, --from)")
     ap.add_argument("--config", help="read the endpoints from this kvtierd config file")

@@ -263,12 +263,21 @@ _HELP_REPLACED = {
 }
 _HELP_NOTES = {
     "tenants": 'Format: a JSON object {"NAME": {"token": "SECRET", "quota_pages": N}, ...} '
-    "(quota_pages optional: no quota); in TOML, one [tenants.NAME] table each. "
+    "(quota_pages optional: no quota; max_sessions and max_mapped_bytes optional: the "
+    "per-user bounds); in TOML, one [tenants.NAME] table each. "
     "Engines register with ClientConfig tenant and token.",
     "hicache_storage_backend_extra_config": 'E.g. \'{"path": "/data/kvtier", "capacity": '
     '"64GiB"}\' for file; the keys of each backend are '
-    "in the README (Configuration).",
+    "in docs/configuration.md.",
 }
+
+
+def _is_size(field: Any) -> bool:
+    """Whether a field takes a byte size (``ByteSize``, or ``ByteSize | None``)."""
+    metadata = [*field.metadata]
+    for arg in get_args(field.annotation):
+        metadata.extend(getattr(arg, "__metadata__", ()))
+    return any(getattr(m, "func", None) is parse_size for m in metadata)
 
 
 def _default_text(field: Any) -> str:
@@ -281,7 +290,7 @@ def _default_text(field: Any) -> str:
         return "unset"
     if isinstance(value, bool):
         return "true" if value else "false"
-    if any(getattr(m, "func", None) is parse_size for m in field.metadata):
+    if _is_size(field):
         return format_size(int(value))
     return str(value)
 
@@ -302,7 +311,7 @@ def _metavar(model: type[BaseModel], name: str, field: Any) -> str:
         return "{" + ",".join(str(a) for a in get_args(field.annotation)) + "}"
     if field.annotation is bool:
         return "BOOL"
-    if any(getattr(m, "func", None) is parse_size for m in field.metadata):
+    if _is_size(field):
         return "SIZE"
     if _is_structured(model, name):
         return "JSON"
@@ -330,7 +339,7 @@ def flag_help(name: str, field: Any) -> str:
     bounds = _bounds_text(field)
     if bounds:
         parts.append(f"Range: {bounds}.")
-    if any(getattr(m, "func", None) is parse_size for m in field.metadata):
+    if _is_size(field):
         parts.append("Bytes, or a size such as 512MiB, 4GiB.")
     if "Default:" not in parts[0]:  # else the description says how the default is derived
         parts.append(f"Default: {_default_text(field)}.")

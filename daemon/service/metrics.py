@@ -38,7 +38,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kvtier.config import KvtierError
+from kvtier.config import ConfigError
 
 try:
     from kvtier.daemon.service.metric_families import SnapshotCollector
@@ -115,8 +115,9 @@ CLAIM_BUCKETS: tuple[float, ...] = (
 )
 
 
-class MetricsError(KvtierError):
-    """The metrics endpoint cannot start (port in use, bad address, library missing)."""
+class MetricsError(ConfigError):
+    """The metrics endpoint cannot start (port in use, bad address, library missing): a
+    setting the start cannot apply, so kvtierd exits 2 (a restart would not help)."""
 
 
 class DaemonMetrics:

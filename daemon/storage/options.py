@@ -13,7 +13,6 @@ This module imports no backend: backends import it, and the registry imports bac
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -87,10 +86,8 @@ def _load_file(path_text: str, value: str) -> dict[str, Any]:
         ) from err
     if suffix == ".toml":
         # imported here: a daemon whose options are not in a TOML file never needs it (an import of milliseconds)
-        if sys.version_info >= (3, 11):
-            import tomllib
-        else:  # pragma: no cover - Python 3.10
-            import tomli as tomllib
+        import tomllib
+
         try:
             parsed: Any = tomllib.loads(data.decode("utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:

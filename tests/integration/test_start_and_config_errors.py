@@ -202,3 +202,14 @@ def test_prefault_off_pool_larger_than_pool_dir_is_refused_at_start(daemon_facto
 
     with pytest.raises(DaemonStartError, match="hicache_size"):
         daemon_factory("--pool-dir", str(small_tmpfs), "--prefault", "false")
+
+
+def test_a_metrics_port_in_use_stops_the_start_with_status_2(short_tmp: Path) -> None:
+    """A ``metrics_port`` another process holds is a setting the start cannot apply: exit 2
+    (systemd's RestartPreventExitStatus), the message naming the setting."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = failed_start(short_tmp / "rt", "--metrics-port", str(port))
+    assert "metrics_port" in out and str(port) in out, out[-1500:]

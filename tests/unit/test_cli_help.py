@@ -35,6 +35,9 @@ def test_kvtierd_help_shows_defaults_choices_and_how_to_write_structured_values(
         "Range: >= 1, <= 64. Default: 2.",  # copy_threads
         '{"NAME": {"token": "SECRET", "quota_pages": N}',  # the tenants format
         "kvtier stats, sessions, flush and sync",  # the admin token's scope
+        "--max-mapped-bytes-per-user SIZE",  # an optional size is still a size
+        "max_sessions and max_mapped_bytes optional",  # the tenants' own bounds
+        "keys of each backend are in docs/configuration.md",
         "--version",
     ):
         assert expected in text, f"{expected!r} missing from kvtierd --help"
@@ -52,6 +55,10 @@ def test_kvtier_version_and_admin_command_version(capsys):
     assert kvtier_main.main(["--version"]) == 0
     assert capsys.readouterr().out.strip() == f"kvtier {VERSION}"
     assert admin.main(["stats", "--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"kvtier {VERSION}"
+    with pytest.raises(SystemExit) as stop:
+        kvtier_main.main(["events", "--version"])
+    assert stop.value.code == 0
     assert capsys.readouterr().out.strip() == f"kvtier {VERSION}"
 
 

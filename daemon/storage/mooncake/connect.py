@@ -73,7 +73,7 @@ async def unreachable(address: str, timeout_s: float) -> str | None:
         return None
     try:
         _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
-    except (OSError, asyncio.TimeoutError) as err:
+    except (OSError, TimeoutError) as err:
         return f"{type(err).__name__}: {err}" if str(err) else f"no connection within {timeout_s} s"
     writer.close()
     try:
