@@ -5,7 +5,8 @@ adopts it), so the pools of throwaway runtime directories stay in ``/dev/shm`` u
 someone removes them. For each ``kvtier-pool-*`` file this shows its size, age, owner, the
 runtime directory its header names and whether a daemon holds it::
 
-    held  yes (pid N)   the runtime directory's lock is held, or a process maps the file
+    held  yes (pid N)   the runtime directory's lock is held, a process maps the file, or
+                        a kvtierd holds the pool file's own lock (``/proc/locks``)
           no            neither: nothing uses it, ``--remove`` / ``--stale`` may remove it
           unknown       this user cannot tell (no runtime directory recorded and the
                         processes' mappings are not all readable, or the runtime
@@ -70,8 +71,9 @@ class Holder:
 def holder_of(info: PoolFileInfo) -> Holder:
     """Find out whether a daemon holds the pool file ``info`` describes.
 
-    Held when the lock of the runtime directory its header names is held, or when a
-    process maps the file (``/proc/<pid>/maps``).
+    Held when the lock of the runtime directory its header names is held, when a daemon
+    holds the file's own lock (a kvtierd locks the pool file it maps), or when a process
+    maps the file (``/proc/<pid>/maps``).
     """
     if info.runtime_dir is not None:
         try:
@@ -85,6 +87,9 @@ def holder_of(info: PoolFileInfo) -> Holder:
     pids, complete = _mapped_by(info.path, info.uid)
     if pids:
         return Holder("yes", pids[0], "a process maps it")
+    pid = _flock_holder(info.path)
+    if pid is not None:
+        return Holder("yes", pid, "a kvtierd holds the pool file's lock")
     if info.runtime_dir is None and not complete:
         return Holder(
             "unknown",
@@ -207,8 +212,13 @@ def _remove(info: PoolFileInfo, holder: Holder) -> str | None:
                 return f"{info.path}: cannot lock {info.runtime_dir}: {err.strerror}; not removed"
             if fd is not None:
                 held.callback(os.close, fd)
-        # no daemon can start on the runtime directory now: ask once more whether any
-        # process maps the file
+        # no daemon can start on the runtime directory now, nor adopt the file while its
+        # lock is held here: ask once more whether any process maps the file
+        fd = _lock_pool_file(info.path)
+        if fd == -1:
+            return f"{info.path}: a kvtierd holds the pool file's lock; not removed"
+        if fd is not None:
+            held.callback(os.close, fd)
         pids, _ = _mapped_by(info.path, info.uid)
         if pids:
             return f"{info.path} is mapped by pid {pids[0]} (a kvtierd started meanwhile)"
@@ -219,6 +229,42 @@ def _remove(info: PoolFileInfo, holder: Holder) -> str | None:
         except OSError as err:
             return f"cannot remove {info.path}: {err.strerror} (owner uid {info.uid})"
     return None
+
+
+def _flock_holder(path: Path) -> int | None:
+    """The pid holding a ``flock`` on ``path`` (``/proc/locks``, which takes no lock
+    itself), or None when nobody does or it cannot be told."""
+    try:
+        st = os.stat(path)
+        with open("/proc/locks", encoding="ascii", errors="replace") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return None
+    want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in lines:  # "1: FLOCK  ADVISORY  WRITE 1234 00:1a:5678 0 EOF"
+        f = line.split()
+        if len(f) >= 6 and f[1] == "FLOCK" and f[5] == want and f[4].isdigit():
+            return int(f[4])
+    return None
+
+
+def _lock_pool_file(path: Path) -> int | None:
+    """Take the exclusive lock a kvtierd holds on the pool file it maps, without waiting:
+    its descriptor (closing it lets go), -1 when a daemon holds it, None when this user
+    cannot open the file (or it is gone): the other checks decide then."""
+    try:  # a read-only descriptor takes a flock too; O_NONBLOCK: never hang on a FIFO
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return -1
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def _lock_runtime_dir(rdir: Path) -> int | None:

@@ -105,3 +105,39 @@ def test_pools_removes_a_file_another_uid_planted_where_a_pool_goes(short_tmp: P
     done = pools("--pool-dir", str(short_tmp), "--remove", str(planted))
     assert done.returncode == 0, done.stderr
     assert not planted.exists()
+
+
+def test_a_pool_file_whose_lock_is_held_is_held_and_never_removed(short_tmp: Path) -> None:
+    """A kvtierd holds an exclusive lock on the pool file it maps: a file whose lock a
+    process holds is listed held by that pid, and ``--remove`` refuses it, even when its
+    runtime directory is gone and the process does not map it (here: a process that only
+    locks it)."""
+    shm = short_tmp / "shm"
+    shm.mkdir()
+    path = shm / "kvtier-pool-0123456789abcdef"
+    path.write_bytes(b"\0" * 4096)
+    path.chmod(0o600)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys, time\n"
+            f"fd = os.open({str(path)!r}, os.O_RDONLY)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+            "print('locked', flush=True)\n"
+            "time.sleep(60)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        row = listing(shm)[str(path)]
+        assert (row["held"], row["holder_pid"]) == ("yes", holder.pid), row
+        refused = pools("--pool-dir", str(shm), "--remove", str(path))
+        assert refused.returncode == 1 and "held" in refused.stderr, refused.stderr
+        assert path.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert listing(shm)[str(path)]["held"] != "yes"  # its lock went with its holder
