@@ -28,10 +28,11 @@ private kvtierd
   daemon's CPU per GB against a plain copy's between the same kinds of memory (shared
   memory and a memfd, both ways, as many threads: ``memcpy_cpu_s_per_gb``).
 - **control plane**: 64-key LOOKUPs/s from 8 engine processes against a bare ZeroMQ ROUTER
-  echo server (:mod:`kvtier.bench.echo_server`) answering 8 clients with the same payload
-  (``lookup_throughput_over_echo_8``: above 1 is faster than the echo).
-- **long contexts** (128K tokens: 8,192 pages): a LOOKUP of 8,192 keys against an echo of
-  the same payload (``lookup_8192_over_echo``: a latency ratio, 1 is the echo's); a LOAD of
+  echo server (:mod:`kvtier.bench.echo_server`) sent the same payload by 8 clients, each
+  answered with a reply as large as a LOOKUP's (``lookup_throughput_over_echo_8``: above 1
+  is faster than the echo).
+- **long contexts** (128K tokens: 8,192 pages): a LOOKUP of 8,192 keys against an echo sent
+  the same payload and answering as a LOOKUP does (``lookup_8192_over_echo``: a latency ratio, 1 is the echo's); a LOAD of
   8,192 pages against memcpy of the same bytes (``load_8192_over_memcpy``).
 - **stall**: another engine's 64-key LOOKUP p99 while this one stores 8,192-page chains
   into the full pool, against the same engine's p99 with the daemon idle

@@ -6,7 +6,8 @@ each of its requests (every ``engines``-th of the trace, from its ``index``), at
 request's compressed arrival time or as soon as it can: LOOKUP the chain's keys, LOAD the
 leading hit into its pages and check every byte, STORE the rest after it. One trace block
 is one page; a page's bytes are its block id as int64, repeated (V: the id's complement),
-so a LOAD that brings the wrong page, or a torn one, shows. It prints one JSON line: per
+so a LOAD that brings the wrong page, or a torn one, shows (the pages a LOAD goes to are
+first filled with bytes no block has, so a page it leaves unwritten shows too). It prints one JSON line: per
 request the hit (pages loaded) and the LOOKUP's send time, the latencies, the mismatched
 bytes and its CPU seconds.
 """
@@ -62,6 +63,10 @@ def _replay(conn: Any, kv: Any, s: dict[str, Any]) -> dict[str, Any]:
         lat["lookup"].append(time.perf_counter() - a)
         got = 0
         if n:
+            # no block's bytes: a LOAD that leaves a page unwritten cannot pass for one that
+            # brought it (the same prefix was loaded into the same pages before)
+            k_pages[half : half + n] = -1
+            v_pages[half : half + n] = 0
             a = time.perf_counter()
             h = conn.load(keys[:n], list(range(half, half + n)))
             if h.count and h.wait():
