@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import logging
 import os
 import threading
 import time
@@ -39,12 +40,17 @@ from kvtier.daemon.storage.file.segments import (
     parse_segment_name,
     payload_slot,
     scan_segment,
+    segment_name,
 )
 from kvtier.daemon.storage.options import validate_options
 
 __all__ = ["FileBackend"]
 
 _ID_BYTES = 32
+PUNCH_WAIT_S = 1.0
+"""How long a put short of free slots waits, at a time, for a release_space pass to give
+the slots it is punching back (rather than evict while slots are free)."""
+_log = logging.getLogger("kvtier.daemon")
 
 
 class FileBackend(StorageBackend):
@@ -72,6 +78,8 @@ class FileBackend(StorageBackend):
         self.config = validate_options(FileBackendConfig, extra_config, self.name)
         self.rebuild_seconds = 0.0
         self._lock = threading.Lock()  # guards self._slots
+        self._punched = threading.Condition(self._lock)  # a release_space pass ended
+        self._punching = 0  # release_space passes holding free slots
         self._gate = WorkerGate()
         self._arena: HostArena | None = None
         self._fds: list[int] = []  # every open fd: closed by close(), or at collection
@@ -138,6 +146,20 @@ class FileBackend(StorageBackend):
         )
         self._fds.append(seg.fd)
         return seg
+
+    def _retire(self, seg: Segment) -> None:
+        """Remove a segment :meth:`SlotIndex.reclaim` gave up: its file is emptied and
+        unlinked, its descriptor closed (a read in flight through it fails its checks: a
+        miss)."""
+        with self._lock:
+            self._fds.remove(seg.fd)
+        try:
+            os.ftruncate(seg.fd, 0)
+            os.unlink(self.config.path / segment_name(seg.payload_slot, seg.slots, seg.seq))
+        except OSError as err:
+            _log.warning("file backend: cannot remove a reclaimed segment: %s", err)
+        finally:
+            os.close(seg.fd)
 
     def _grow(self, slot: int, reservation: tuple[int, int]) -> bool:
         """Create a reserved segment (outside the lock) and free its slots; False on failure."""
@@ -223,7 +245,7 @@ class FileBackend(StorageBackend):
         mine: Segment | None = None  # the segment this batch writes to now
         touched: list[Segment] = []  # segments this batch counts itself a writer of
         while pending:
-            reservation = None
+            reservation = retired = None
             with self._lock:
                 while pending:
                     ident = (ns, keys[pending[-1]])
@@ -239,7 +261,14 @@ class FileBackend(StorageBackend):
                         and (reservation := slots.reserve_segment(size))
                     ):
                         break
-                    slot = slot or cls.take(mine, shared=True) or slots.evict(cls, batch)
+                    slot = slot or cls.take(mine, shared=True)
+                    while slot is None and self._punching:  # free slots are being punched
+                        self._punched.wait(PUNCH_WAIT_S)
+                        slot = cls.take(mine, shared=True)
+                    slot = slot or slots.evict(cls, batch)
+                    if slot is None and (retired := slots.reclaim(size)) is not None:
+                        may_grow = True  # another size's segment gave its bytes back
+                        break
                     if slot is None:
                         pending.clear()  # full: refuse the tail rather than evict its prefix
                         break
@@ -251,6 +280,8 @@ class FileBackend(StorageBackend):
                     slot.gen += 1
                     slots.index[ident] = slot
                     plan.append((pending.pop(), slot))
+            if retired is not None:
+                self._retire(retired)
             if reservation is not None:
                 may_grow = self._grow(size, reservation)
         written = self._write(arena, ns, keys, offsets, length, plan)
@@ -363,11 +394,14 @@ class FileBackend(StorageBackend):
     def _release_sync(self) -> int:
         with self._lock:
             free = self._slots.take_free()
+            self._punching += 1  # a put short of slots waits for these, never evicts
         try:
             errors = free_payloads(free)
         finally:
             with self._lock:
                 self._slots.release(free)
+                self._punching -= 1
+                self._punched.notify_all()
         with self._lock:
             self.stats.errors += errors
         return sum(slot.seg.payload_slot for slot in free)

@@ -32,6 +32,10 @@ class FileBackendConfig(BaseModel):
     @field_validator("path", mode="before")
     @classmethod
     def _names_a_directory(cls, value: object) -> object:
-        if isinstance(value, (str, os.PathLike)) and not os.fspath(value):
-            raise ValueError("must name a directory")
+        if isinstance(value, (str, os.PathLike)):
+            text = os.fspath(value)
+            if not text:
+                raise ValueError("must name a directory")
+            if "\x00" in str(text):
+                raise ValueError("a path cannot contain a NUL byte")
         return value

@@ -108,6 +108,7 @@ class SlotIndex:
         "evictions",
         "index",
         "segment_bytes",
+        "segments",
     )
 
     def __init__(self, capacity: int, segment_bytes: int) -> None:
@@ -118,12 +119,14 @@ class SlotIndex:
         self.allocated = 0
         self.evictions = 0
         self.dropped: deque[tuple[bytes, bytes]] = deque(maxlen=DROP_LOG)
+        self.segments: dict[Segment, list[Slot]] = {}  # every open segment's slots
         self._next_seq = 0
 
     def clear(self) -> None:
         """Forget every segment (after a failed open)."""
         self.index.clear()
         self.classes.clear()
+        self.segments.clear()
         self.allocated = self._next_seq = 0
 
     def size_class(self, size: int) -> SizeClass:
@@ -136,6 +139,7 @@ class SlotIndex:
         by :meth:`reserve_segment` already."""
         self._next_seq = max(self._next_seq, seg.seq + 1)
         self.allocated += 0 if reserved else seg.size
+        self.segments[seg] = slots
         cls = self.size_class(seg.payload_slot)
         for slot in reversed(slots):
             if slot.ident is not None and slot.ident not in self.index:
@@ -153,17 +157,66 @@ class SlotIndex:
         """
 
         def fit(room: int) -> int:  # most slots whose segment fits in room bytes
-            n = room // (slot + HEADER_STRIDE)
+            n = max(0, room // (slot + HEADER_STRIDE))  # none when the store is over capacity
             while n and table_bytes(n) + n * slot > room:
                 n -= 1
             return n
 
         slots = min(max(1, fit(self.segment_bytes)), fit(self.capacity - self.allocated))
-        if not slots:
+        if slots <= 0:
             return None
         self.allocated += table_bytes(slots) + slots * slot
         self._next_seq += 1
         return self._next_seq - 1, slots
+
+    def reclaim(self, size: int) -> Segment | None:
+        """Give up a whole segment of another size class, so that payload slot ``size``
+        (whose own class has nothing to evict) gets room: a segment with no object first,
+        else the segment of the coldest object of the class holding the most bytes. Its
+        objects are evicted (dropped), its slots forgotten (their generation bumped, so a
+        read in flight frees nothing) and its bytes given back; the caller removes its file.
+        A segment a batch is writing to is never chosen. None when no segment qualifies.
+        """
+
+        def idle(cls: SizeClass, seg: Segment) -> bool:
+            return not cls.writers.get(seg) and not any(
+                s.ident is not None and not s.ready for s in self.segments[seg]
+            )
+
+        others = [(c, cls) for c, cls in self.classes.items() if c != size]
+        victim = next(
+            (
+                (cls, seg)
+                for _, cls in others
+                for seg, slots in cls.free.items()
+                if len(slots) == seg.slots and idle(cls, seg)
+            ),
+            None,
+        )
+        if victim is None:
+            held = {
+                c: sum(seg.size for seg in self.segments if seg.payload_slot == c)
+                for c, _ in others
+            }
+            for _, cls in sorted(others, key=lambda o: -held[o[0]]):
+                coldest = next(iter(cls.lru), None)
+                if coldest is not None and idle(cls, coldest.seg):
+                    victim = (cls, coldest.seg)
+                    break
+        if victim is None:
+            return None
+        cls, seg = victim
+        for s in self.segments.pop(seg):
+            if s.ready:
+                del self.index[s.ident]  # type: ignore[arg-type]
+                del cls.lru[s]
+                self.dropped.append(s.ident)  # type: ignore[arg-type]
+                self.evictions += 1
+            s.ident, s.ready = None, False
+            s.gen += 1
+        cls.free.pop(seg, None)
+        self.allocated -= seg.size
+        return seg
 
     def unreserve(self, slot: int, slots: int) -> None:
         """Give back a reservation whose segment could not be created."""

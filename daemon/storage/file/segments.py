@@ -162,6 +162,11 @@ def check_store_dir(path: Path) -> None:
     raise StorageError(f"file backend: path={str(path)!r} {why}")
 
 
+def segment_name(slot: int, slots: int, seq: int) -> str:
+    """The file name of segment ``seq`` of ``slots`` payload slots of ``slot`` bytes."""
+    return f"seg-{slot}x{slots}-{seq:06d}.kvt"
+
+
 def open_segment(
     directory: Path, seq: int, slot: int, slots: int, create: bool, durable: bool
 ) -> Segment:
@@ -181,7 +186,7 @@ def open_segment(
         OSError: the file cannot be opened, created or preallocated (a file this call
             created is removed again).
     """
-    path = directory / f"seg-{slot}x{slots}-{seq:06d}.kvt"
+    path = directory / segment_name(slot, slots, seq)
     flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0)
     fd = os.open(path, flags, 0o600)  # every tenant's pages: the daemon's user only
     if not create:
@@ -200,7 +205,14 @@ def open_segment(
     try:
         have = 0 if create else os.fstat(fd).st_size
         if have < seg.size:  # a new segment, or a truncated one: (re)allocate the rest
-            os.posix_fallocate(fd, have, seg.size - have)
+            try:
+                os.posix_fallocate(fd, have, seg.size - have)
+            except OSError as err:
+                if create or err.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                # a full disk: the rest stays a hole (reads as free slots; a write there
+                # fails as a write to a full disk does), the store opens anyway
+                os.ftruncate(fd, seg.size)
         if create and durable:
             os.fsync(fd)
             dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
