@@ -22,7 +22,10 @@ NativeKernel = Literal["copy_threads", "file_io", "guarded_copy", "region_copy"]
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+    # no setting is infinite or NaN: a timeout of inf seconds overflows ZeroMQ's poll
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", validate_default=True, allow_inf_nan=False
+    )
 
 
 class TenantConfig(_Frozen):
@@ -422,3 +425,12 @@ class ClientConfig(_Frozen):
     tenant: str = Field(default="default", description="Tenant name sent at registration.")
     token: SecretStr | None = Field(default=None, description="Tenant token.")
     cache_salt: str = Field(default="", description="Extra salt entering the namespace.")
+
+    @field_validator("endpoint", mode="before")
+    @classmethod
+    def _check_endpoint(cls, value: object) -> object:
+        if isinstance(value, str) and not value.strip():
+            return None  # KVTIER_ENDPOINT= means "not set"
+        if isinstance(value, str) and not value.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"{value!r} is not a tcp:// or ipc:// endpoint")
+        return value

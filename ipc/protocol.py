@@ -147,9 +147,10 @@ class Lookup(_Req, tag="lookup", kw_only=True):
     session_id: U63
     keys: Keys = []
     packed_keys: PackedKeys = b""  # type: ignore[assignment]  # bytes to send, a view decoded
+    round: U63 = 0  # a TP rank's count of its LOOKUPs, this one included (0: not counted)
 
     def key_count(self) -> int:
-        """How many keys the request carries, in either form (a partial one counts)."""
+        """How many keys the request carries (in either form; a partial one counts)."""
         return len(self.keys) + -(-len(self.packed_keys) // KEY_BYTES)
 
     def key_list(self) -> list[bytes]:
@@ -295,6 +296,7 @@ class Claim(_Req, tag="claim", kw_only=True):
     keys: Keys
     request_id: Name = ""
     policy: ClaimPolicy = ""
+    round: U63 = 0  # a TP rank's count of its CLAIMs, this one included (0: not counted)
 
 
 Request = (

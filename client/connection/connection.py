@@ -126,6 +126,9 @@ class Connection:
             model_id=model_id, revision=revision, cache_salt=self.config.cache_salt
         )
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        # a TP rank counts its LOOKUPs and CLAIMs, those it could not send included, so the
+        # daemon pairs them with the other ranks' by count (rank_groups)
+        self._rounds = {"lookup": 0, "claim": 0}
         self.endpoint = self.config.endpoint or ipc_endpoint(
             socket_path(runtime_dir(self.config.runtime_dir))
         )
@@ -288,6 +291,15 @@ class Connection:
                 rep = self._call(msg, timeout=timeout)
             return replies.expect(msg, rep, kind)
 
+    def _count(self, op: str) -> int:
+        """A TP rank's count of its ``op`` requests, this one included (0 for one rank:
+        nothing to pair)."""
+        if self.tp_size <= 1:
+            return 0
+        with self._lock:
+            self._rounds[op] += 1
+            return self._rounds[op]
+
     def page_keys(
         self, tokens: Sequence[int] | np.ndarray, parent: bytes | None = None
     ) -> list[bytes]:
@@ -298,9 +310,10 @@ class Connection:
         """Leading run of ``keys`` in L2 (and L3); ``LookupReply(0, 0)`` if the daemon is away."""
         if not keys:
             return LookupReply(0, 0)
+        n = self._count("lookup")
         try:
             rep = self._session_call(
-                lambda sid: lookup_request(sid, keys, self._packed_lookup), P.LookupResult
+                lambda sid: lookup_request(sid, keys, self._packed_lookup, n), P.LookupResult
             )
         except (DaemonUnavailable, DaemonError, replies.UnexpectedReply) as err:
             log.debug("lookup treated as a miss: %s", err)
@@ -375,6 +388,7 @@ class Connection:
         if not keys:
             return 0
         wait_s = self.config.claim_timeout_s if timeout is None else timeout
+        n = self._count("claim")
         try:
             rep = self._session_call(
                 lambda sid: P.Claim(
@@ -383,6 +397,7 @@ class Connection:
                     keys=list(keys),
                     request_id=request_id,
                     policy=policy or self.config.hicache_storage_prefetch_policy or "",
+                    round=n,
                 ),
                 P.ClaimReply,
                 timeout=wait_s,

@@ -28,13 +28,16 @@ from kvtier.ipc import protocol as P
 __all__ = ["lookup_request", "transfer_request"]
 
 
-def lookup_request(session_id: int, keys: Sequence[bytes], packed_ok: bool) -> P.Lookup:
+def lookup_request(
+    session_id: int, keys: Sequence[bytes], packed_ok: bool, count: int = 0
+) -> P.Lookup:
     """The LOOKUP of ``keys`` for session ``session_id`` (``req_id`` is set when sent).
 
     Args:
         session_id: the session asking.
         keys: page keys in chain order.
         packed_ok: the daemon takes ``packed_keys`` (``Registered.packed_lookup``).
+        count: a TP rank's count of its LOOKUPs, this one included (``round``; 0: none).
 
     Returns:
         A LOOKUP with ``packed_keys`` when allowed and every key is a bytes object of
@@ -43,8 +46,10 @@ def lookup_request(session_id: int, keys: Sequence[bytes], packed_ok: bool) -> P
     """
     packed = P.pack_keys(keys) if packed_ok else None
     if packed is not None:
-        return P.Lookup(req_id=0, session_id=session_id, packed_keys=memoryview(packed))
-    return P.Lookup(req_id=0, session_id=session_id, keys=list(keys))
+        return P.Lookup(
+            req_id=0, session_id=session_id, packed_keys=memoryview(packed), round=count
+        )
+    return P.Lookup(req_id=0, session_id=session_id, keys=list(keys), round=count)
 
 
 def transfer_request(

@@ -9,10 +9,17 @@ small :class:`TransferOwner` protocol, so this module does not import the connec
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any, Protocol
 
 from kvtier.config import ClientConfig
 from kvtier.ipc.completion import CompletionBlock, CompletionTimeout, TransferStatus
+
+log = logging.getLogger("kvtier.client")
+
+UNTIL_ENDED_POLL_S = 0.01
+"""How often :meth:`TransferHandle.until_ended` looks at a failed transfer still copied."""
 
 __all__ = ["TransferHandle", "TransferOwner"]
 
@@ -242,6 +249,29 @@ class TransferHandle:
         except (TypeError, ValueError, AttributeError):  # the block was closed: re-registered
             return False
         return seq == self.seq and status == TransferStatus.RUNNING
+
+    def until_ended(self, what: str = "") -> None:
+        """Return once kvtierd can no longer copy this transfer's pages: call it after a
+        wait that failed, before the pages are used again. An engine reuses the pages of a
+        failed store and recomputes a failed load into the same pages, and a stalled
+        daemon resuming its copy would store other KV under these keys, or overwrite the
+        recomputed KV. Normally immediate: the daemon ends a transfer whose wait failed
+        promptly; while it is still copying (stalled), this waits, logged once, until it
+        ends the transfer or its process is gone.
+
+        Args:
+            what: names the transfer in the log line (a request id).
+        """
+        logged = False
+        while self.copying():
+            if not logged:
+                log.warning(
+                    "kvtier transfer%s failed but kvtierd is still copying it; its pages are "
+                    "held until it stops",
+                    f" of {what}" if what else "",
+                )
+                logged = True
+            time.sleep(UNTIL_ENDED_POLL_S)
 
     def _end(self, st: TransferStatus) -> None:
         """Record the final status once and give the completion slot back to the owner."""

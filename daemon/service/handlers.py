@@ -145,7 +145,7 @@ class Handlers:
 
     async def _lookup_more(self, s: Session, m: P.Lookup, n: int, start: float) -> P.Reply:
         """The L3 part of a LOOKUP (and the rank group's agreement)."""
-        l2, l3 = await self.ctx.tier.lookup_l3(s, m.key_list(), n)
+        l2, l3 = await self.ctx.tier.lookup_l3(s, m.key_list(), n, m.round)
         self._observe_lookup(start)
         return P.LookupResult(req_id=m.req_id, epoch=self.ctx.epoch, l2=l2, l3=l3)
 
@@ -195,7 +195,7 @@ class Handlers:
         return self.later(s, self._claim_async(s, m, start))
 
     async def _claim_async(self, s: Session, m: P.Claim, start: float) -> P.Reply:
-        n = await self.ctx.tier.claim(s, m.keys, m.request_id, m.policy)
+        n = await self.ctx.tier.claim(s, m.keys, m.request_id, m.policy, m.round)
         self._observe_claim(start)
         return P.ClaimReply(req_id=m.req_id, epoch=self.ctx.epoch, l2=n)
 

@@ -21,6 +21,11 @@ says, on arrival, how long its own work may take (a CLAIM waits for its prefetch
 
 A rank that joins a group whose other ranks are inside a round joins that round; else it
 starts at the others' next round, so a restarted rank falls into step again.
+
+A rank may also count its requests itself (``round`` in LOOKUP and CLAIM: 1, 2, ... per
+operation, counting those it could not send, e.g. while its connection backs off after a
+timeout). Its rounds then follow its count from the first counted request on: one it
+skipped leaves a gap instead of shifting every later round against the other ranks'.
 """
 
 from __future__ import annotations
@@ -84,12 +89,15 @@ class Member:
         rank: the TP rank.
         session_id: the rank's session.
         seq: rounds entered so far, per operation.
+        offset: per operation the rank counts itself, its seq minus its count (fixed by its
+            first counted request).
     """
 
     group: RankGroup
     rank: int
     session_id: int
     seq: dict[str, int] = field(default_factory=dict)
+    offset: dict[str, int] = field(default_factory=dict)  # round -> seq, per operation
 
 
 @dataclass(eq=False, slots=True)
@@ -182,6 +190,7 @@ class RankGroups:
         arity: int,
         compute: Callable[[], Awaitable[tuple[int, ...]]],
         wait_s: float = 0.0,
+        count: int = 0,
     ) -> tuple[int, ...]:
         """Contribute this rank's answer to its next ``op`` round; return the group's.
 
@@ -191,6 +200,8 @@ class RankGroups:
             arity: values in an answer; the answer is the element-wise minimum.
             compute: produces this rank's answer (not called when the round is already over).
             wait_s: how long ``compute`` may take; the round's deadline allows for it.
+            count: the rank's own count of its ``op`` requests, this one included (0: it
+                does not count; its rounds follow the order of arrival).
 
         Returns:
             The element-wise minimum over the group's ranks, or zeros when a rank did not
@@ -198,6 +209,8 @@ class RankGroups:
         """
         group = member.group
         seq = member.seq.get(op, 0)
+        if count > 0:  # requests the rank counted but never sent leave their rounds unused
+            seq = max(seq, count + member.offset.setdefault(op, seq - count))
         member.seq[op] = seq + 1
         rnd = group.rounds.get((op, seq))
         if rnd is None:

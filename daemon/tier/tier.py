@@ -321,10 +321,13 @@ class TierStore:
             + self.setting("prefetch_timeout_per_ki_token") * tokens / 1024,
         )
 
-    async def claim(self, s: TierSession, keys: list[bytes], request_id: str, policy: str) -> int:
+    async def claim(
+        self, s: TierSession, keys: list[bytes], request_id: str, policy: str, count: int = 0
+    ) -> int:
         """End the session's prefetch of ``keys`` per ``policy``; return the L2 run now.
 
-        For a rank of a TP group the answer is the minimum over the group's ranks.
+        For a rank of a TP group the answer is the minimum over the group's ranks (``count``:
+        the rank's own count of its CLAIMs, :meth:`RankGroups.agree`).
         """
         self.counters.claims += 1
         job = s.prefetches.pop(request_id or keys[-1], None) if keys else None
@@ -339,7 +342,7 @@ class TierStore:
 
         if s.member is not None:
             (n,) = await self.groups.agree(
-                s.member, "claim", 1, mine, max(0.0, deadline - loop.time())
+                s.member, "claim", 1, mine, max(0.0, deadline - loop.time()), count
             )
         else:
             (n,) = await mine()
@@ -348,11 +351,22 @@ class TierStore:
         self.counters.claim_pages += n
         return n
 
-    async def lookup_l3(self, s: TierSession, keys: list[bytes], l2: int) -> tuple[int, int]:
-        """``(l2, l3)`` for a LOOKUP whose L2 run is ``l2``; the group minimum for TP ranks."""
+    async def lookup_l3(
+        self, s: TierSession, keys: list[bytes], l2: int, count: int = 0
+    ) -> tuple[int, int]:
+        """``(l2, l3)`` for a LOOKUP whose L2 run is ``l2``; the group minimum for TP ranks
+        (``count``: the rank's own count of its LOOKUPs, :meth:`RankGroups.agree`), whose L3
+        run is 0 below ``prefetch_threshold`` tokens (no prefetch would bring it)."""
 
         async def mine() -> tuple[int, int]:
             l3 = await self.l3_run(s.ns_fingerprint, keys[l2:]) if l2 < len(keys) else 0
+            if (
+                s.member is not None
+                and l3 * s.geometry.page_size < self.setting("prefetch_threshold")
+            ):
+                # a TP rank's answer must be what its prefetch brings, the same on every
+                # rank: a run below the threshold is never read (prefetch), so never offered
+                l3 = 0
             if l2 < len(keys) and self.available:
                 c = self.counters
                 c.l3_lookups += 1
@@ -362,7 +376,9 @@ class TierStore:
             return l2, l2 + l3
 
         if s.member is not None:
-            a, b = await self.groups.agree(s.member, "lookup", 2, mine, self.cfg.storage_timeout_s)
+            a, b = await self.groups.agree(
+                s.member, "lookup", 2, mine, self.cfg.storage_timeout_s, count
+            )
         else:
             a, b = await mine()
         return a, b - a

@@ -103,6 +103,24 @@ async def test_rounds_are_matched_in_order_per_operation() -> None:
     assert await claim == (1,) and r.ended == [False, False, False]
 
 
+async def test_a_rank_that_counts_its_requests_stays_paired_after_one_it_never_sent() -> None:
+    """A rank whose LOOKUP 2 never reached the daemon (its connection backed off) still has
+    its LOOKUP 3 paired with the other rank's LOOKUP 3, not with its LOOKUP 2: rounds
+    follow the ranks' counts; the round of the request that never came ends without it."""
+    r = Rounds(timeout_s=0.05)
+    m0, m1 = r.join(2)
+    t = later(r.groups.agree(m0, "lookup", 1, answer(4), count=1))
+    assert await r.groups.agree(m1, "lookup", 1, answer(6), count=1) == (4,)
+    assert await t == (4,)
+    # round 2: rank 1 asks, rank 0 never does; it ends at its deadline with 0
+    assert await r.groups.agree(m1, "lookup", 1, answer(9), count=2) == (0,)
+    for n, (v0, v1) in enumerate([(7, 8), (3, 5), (11, 2)], start=3):
+        t = later(r.groups.agree(m0, "lookup", 1, answer(v0), count=n))
+        assert await r.groups.agree(m1, "lookup", 1, answer(v1), count=n) == (min(v0, v1),)
+        assert await t == (min(v0, v1),)
+    assert r.ended == [False, True, False, False, False]
+
+
 async def test_the_last_rank_leaving_ends_its_open_rounds_with_zero() -> None:
     r = Rounds()
     m0, m1 = r.join(2)

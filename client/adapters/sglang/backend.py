@@ -53,7 +53,11 @@ from typing import Any, TypeVar
 import torch
 from kvtier.client.adapters.daemon_link import DaemonLink
 from kvtier.client.adapters.sglang.host_pool import HostPoolMemory, describe_host_pool
-from kvtier.client.adapters.sglang.settings import BackendSettings, prefetch_timeout
+from kvtier.client.adapters.sglang.settings import (
+    BackendSettings,
+    SettingsError,
+    prefetch_timeout,
+)
 from kvtier.client.connection.connection import Connection
 from kvtier.ipc import protocol as P
 from sglang.srt.mem_cache.hicache_storage import (
@@ -143,6 +147,12 @@ class KvtierHiCacheStorage(HiCacheStorage):
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None) -> None:
         self.storage_config = storage_config
+        if not (storage_config.extra_config or {}).get("interface_v1"):
+            raise SettingsError(
+                'hicache storage extra config: the kvtier backend needs "interface_v1": 1 '
+                "(SGLang then hands it host-pool pages to copy; without it SGLang copies "
+                "through batch_get/batch_set, which kvtier answers as misses)"
+            )
         self.settings = BackendSettings.from_extra_config(storage_config.extra_config)
         self.counters: Counter[str] = Counter()
         self._timeout = prefetch_timeout()
@@ -297,7 +307,10 @@ class KvtierHiCacheStorage(HiCacheStorage):
             handle = conn.load(kb[got:], pages[got:])
             if handle.count:
                 if not handle.wait_loaded():
-                    break  # failed, cancelled or timed out: none of its pages count
+                    # failed, cancelled or timed out: none of its pages count, and SGLang
+                    # reuses them once this returns: not while kvtierd may still write them
+                    handle.until_ended()
+                    break
                 got += handle.count
                 continue
             # kb[got] is not in L2 (yet): wait for it only while a prefetch brings it
@@ -340,6 +353,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
             engine=_event_hashes(keys, prefix[-1] if prefix else None),
         )
         ok = handle.wait() if handle.writing else True
+        if not ok:  # SGLang reuses the pages once this returns: not while kvtierd reads them
+            handle.until_ended()
         count = handle.count if ok else 0
         self.counters["stored_pages"] += count
         return [i < count for i in range(n)]

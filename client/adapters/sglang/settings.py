@@ -15,6 +15,8 @@ takes the two numbers from the published server arguments, as SGLang does.
 
 from __future__ import annotations
 
+import math
+
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -96,14 +98,17 @@ class BackendSettings:
             client_kw["runtime_dir"] = Path(str(client_kw["runtime_dir"]))
         try:  # over the KVTIER_* environment
             client = client_config(client_kw, "hicache storage extra config")
-            retry = float(extra.get("retry_interval_s", 1.0))
         except ConfigError as err:
             raise SettingsError(str(err)) from err
-        except (ValueError, TypeError) as err:
-            raise SettingsError(f"hicache storage extra config: {err}") from err
-        if not retry > 0:
+        raw = extra.get("retry_interval_s", 1.0)
+        try:
+            retry = float(raw)
+        except (ValueError, TypeError):
+            retry = math.nan
+        if isinstance(raw, bool) or not (retry > 0 and math.isfinite(retry)):
             raise SettingsError(
-                f"hicache storage extra config: retry_interval_s must be > 0, got {retry!r}"
+                "hicache storage extra config: retry_interval_s must be a finite number of "
+                f"seconds > 0, got {raw!r}"
             )
         model = extra.get("model_id")
         return cls(client=client, model_id=str(model) if model else None, retry_interval_s=retry)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -112,11 +114,21 @@ class ConnectorSettings:
                 f"kv_connector_extra_config: prefetch_policy {policy!r} is not "
                 "one of best_effort, wait_complete, timeout"
             )
-        retry = float(extra.get("retry_interval_s", 1.0))
-        min_pages = int(extra.get("min_load_pages", 1))
-        if retry <= 0 or min_pages < 1:
+        raw = extra.get("retry_interval_s", 1.0)
+        try:
+            retry = float(raw)
+        except (ValueError, TypeError):
+            retry = math.nan
+        if isinstance(raw, bool) or not (retry > 0 and math.isfinite(retry)):
             raise SettingsError(
-                "kv_connector_extra_config: retry_interval_s must be > 0 and min_load_pages >= 1"
+                "kv_connector_extra_config: retry_interval_s must be a finite number of "
+                f"seconds > 0, got {raw!r}"
+            )
+        min_pages = extra.get("min_load_pages", 1)
+        if isinstance(min_pages, bool) or not isinstance(min_pages, int) or min_pages < 1:
+            raise SettingsError(
+                f"kv_connector_extra_config: min_load_pages must be an integer >= 1, got "
+                f"{min_pages!r}"
             )
         layerwise = extra.get("layerwise_loads", True)
         if not isinstance(layerwise, bool):

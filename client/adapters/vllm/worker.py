@@ -50,8 +50,6 @@ from kvtier.ipc.protocol import Geometry
 
 __all__ = ["WorkerSide"]
 
-UNTIL_ENDED_POLL_S = 0.01
-"""How often a failed transfer still being copied is looked at (:func:`_until_ended`)."""
 
 log = logging.getLogger("kvtier.vllm")
 
@@ -437,17 +435,6 @@ class WorkerSide:
 
 def _until_ended(handle: Any, req_id: str) -> None:
     """Return once kvtierd can no longer copy to or from the blocks of a transfer whose wait
-    failed (it ended it, or its process is gone): vLLM reuses the blocks of a failed store
-    and recomputes a failed load into the same blocks, and a stalled daemon resuming its
-    copy would store another request's KV under these keys, or overwrite the recomputed
-    KV. Normally immediate: the daemon ends a transfer whose wait failed promptly."""
-    logged = False
-    while handle.copying():
-        if not logged:
-            log.warning(
-                "kvtier transfer of %s failed but kvtierd is still copying it; its blocks "
-                "are held until it stops",
-                req_id,
-            )
-            logged = True
-        time.sleep(UNTIL_ENDED_POLL_S)
+    failed (:meth:`~kvtier.client.connection.transfer_handle.TransferHandle.until_ended`):
+    vLLM reuses the blocks of a failed store and recomputes a failed load into them."""
+    handle.until_ended(req_id)
