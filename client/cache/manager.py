@@ -419,7 +419,9 @@ class CacheManager:
             return 0
         self.sync()  # the tree must know what L2 holds before it picks pages to drop
         evicted = self._tree.evict(n)
-        parents = [self._stores.forget(e.key) for e in evicted]
+        for e in evicted:
+            self._stores.forget(e.key)
+        parents = [e.parent for e in evicted]  # the tree's chain, also for pages L2 held
         if self._cfg.hicache_write_policy == "write_back":
             lost = self._lost_from_l2(evicted, parents)
             backup = [

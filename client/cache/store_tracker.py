@@ -125,17 +125,13 @@ class StoreTracker:
         if todo and self._conn is not None:
             self._store_runs(list(keys), list(pages), todo)
 
-    def forget(self, key: bytes) -> bytes | None:
-        """Stop tracking an evicted page; return its chain parent if it was tracked.
+    def forget(self, key: bytes) -> None:
+        """Stop tracking an evicted page.
 
         Args:
             key: the evicted page's key.
-
-        Returns:
-            The key of the page before it in its chain, or None (the first page, or untracked).
         """
-        rec = self._unbacked.pop(key, None)
-        return rec.parent if rec is not None else None
+        self._unbacked.pop(key, None)
 
     def reap_pages(self, pages: Iterable[int]) -> None:
         """Wait for every STORE that reads one of ``pages`` (before the pages are reused)."""

@@ -73,9 +73,11 @@ class EvictedPage:
         in_l2: Whether L2 holds the page; if so it stays in the tree without a device page,
             otherwise it left the tree (together with every page after it).
         tokens: The page's tokens.
+        parent: The key of the page before it in its chain (None: the chain's first page).
     """
 
     page_id: int
     key: bytes
     in_l2: bool
     tokens: tuple[int, ...]
+    parent: bytes | None = None

@@ -390,7 +390,9 @@ class RadixTree:
             node.device[i] = None
             flag = node.in_l2[i]
             tokens = tuple(node.tokens[i * size : (i + 1) * size])
-            out.append(EvictedPage(page_id, node.keys[i], flag, tokens))
+            above = node.parent.keys[-1] if node.parent is not None and node.parent.keys else None
+            parent = node.keys[i - 1] if i else above
+            out.append(EvictedPage(page_id, node.keys[i], flag, tokens, parent))
             if not flag:
                 cut = i
         freed = node.n_device - stop

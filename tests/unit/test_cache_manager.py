@@ -7,8 +7,11 @@ tests/integration/test_cache_manager_l2.py.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from kvtier.client.cache.manager import CacheManager, DevicePoolExhausted
+from kvtier.config import ClientConfig
 from kvtier.engine.allocator import PageAllocator, PageAllocatorError
 
 from tests.engines import SMALL, tokens
@@ -58,3 +61,78 @@ def test_alloc_evicts_unlocked_pages_and_refuses_locked_ones():
     assert cm.match(toks).l1_pages == pages[:4]
     with pytest.raises(PageAllocatorError):
         alloc.free([got[0], got[0]])
+
+
+class _H:
+    """A transfer that ended at once (the fake L2 below copies nothing)."""
+
+    def __init__(self, n: int) -> None:
+        self.count = self.writing = n
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return True
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> bool:
+        return True
+
+    def copying(self) -> bool:
+        return False
+
+
+class _L2:
+    """Stands in for a kvtierd connection (an L2 as a set of keys): which pages the
+    manager stores, and with which chain parent."""
+
+    store_room = (64, 64)
+
+    def __init__(self, policy: str) -> None:
+        self.geometry = SimpleNamespace(page_size=4)
+        self.config = ClientConfig(hicache_write_policy=policy)
+        self.ns_fingerprint = bytes(32)
+        self.held: set[bytes] = set()
+        self.stores: list[tuple[list[bytes], bytes | None]] = []
+
+    def lookup(self, keys):
+        n = 0
+        while n < len(keys) and keys[n] in self.held:
+            n += 1
+        return SimpleNamespace(l2=n, l3=0)
+
+    def store(self, keys, pages, parent_key=None):
+        self.stores.append((list(keys), parent_key))
+        self.held.update(keys)
+        return _H(len(keys))
+
+    def load(self, keys, pages):
+        return _H(min(len(keys), len(pages)))
+
+    def daemon_alive(self) -> bool:
+        return True
+
+
+def test_write_back_stores_pages_l2_lost_with_their_chain_parents() -> None:
+    """Under write_back, pages loaded back from L2 and then lost there (evicted by the daemon)
+    are stored again when L1 evicts them, as one chain run with its parent: kvtierd's
+    eviction never takes a page with a resident child, which it knows by the parents."""
+    l2 = _L2("write_back")
+    cm = CacheManager(PageAllocator(8), l2)
+    toks = list(range(1, 14))  # three full pages of 4 tokens
+    m = cm.match(toks)
+    cm.insert(m, cm.alloc(3))
+    cm.release(m)
+    cm.flush_l1()  # written back
+    m = cm.match([*toks, 99])
+    pages = cm.alloc(3)
+    cm.load(m, pages).finish()
+    cm.insert(m, m.l1_pages + pages)
+    cm.release(m)
+    keys = m.keys
+    l2.held.clear()  # the daemon evicted them while L1 held them
+    l2.stores.clear()
+    cm.flush_l1()
+    stored = {k: parent for ks, parent in l2.stores for k in [ks[0]]}
+    assert sorted(k for ks, _ in l2.stores for k in ks) == sorted(keys[:3])
+    for ks, parent in l2.stores:  # each run's parent is the page before it in the chain
+        first = keys.index(ks[0])
+        assert parent == (keys[first - 1] if first else None), (first, stored)
+        assert ks == keys[first : first + len(ks)]
