@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -86,9 +85,9 @@ class DeviceAllocator(Protocol):
 
 @dataclass(slots=True)
 class _Quarantine:
-    """Pages of a failed load kept out of use until ``deadline`` (or the daemon's death)."""
+    """Pages of a failed load kept out of use while kvtierd may still write them."""
 
-    deadline: float
+    load: LoadHandle
     pages: list[int]
 
 
@@ -469,13 +468,13 @@ class CacheManager:
             return
         match.loaded_pages = 0
         self.counters.load_failures += 1
-        if load.page_ids and self._conn is not None and self._conn.daemon_alive():
+        if load.page_ids and load.copying():
             # A live daemon may still copy one more layer into these pages (it checks a
-            # cancel between layers): keep them out of use until no late write can land.
+            # cancel between layers, and a stalled one copies when it resumes): keep them
+            # out of use until it has ended the load or is gone.
             load.quarantined = True
             self._quarantined.update(load.page_ids)
-            deadline = time.monotonic() + self._cfg.load_timeout_s
-            self._quarantine.append(_Quarantine(deadline, list(load.page_ids)))
+            self._quarantine.append(_Quarantine(load, list(load.page_ids)))
 
     def _release(self, pages: list[int]) -> None:
         """Give ``pages`` back to the allocator, except those a STORE whose wait failed may
@@ -494,11 +493,9 @@ class CacheManager:
             self._alloc.free(sorted(done))
         if not self._quarantine:
             return
-        gone = self._conn is None or not self._conn.daemon_alive()
-        now = time.monotonic()
         keep = []
         for q in self._quarantine:
-            if gone or q.deadline <= now:
+            if not q.load.copying():
                 self._quarantined.difference_update(q.pages)
                 self._alloc.free(q.pages)
             else:

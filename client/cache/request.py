@@ -120,6 +120,10 @@ class LoadHandle:
         """True once a wait reported a failure (the pages must not be used)."""
         return self._ok is False
 
+    def copying(self) -> bool:
+        """Whether kvtierd may still write this load's pages (it has not ended it, and lives)."""
+        return self._transfer is not None and self._transfer.copying()
+
     def wait_layer(self, layer: int) -> bool:
         """Block until layer ``layer`` of every loaded page is in place.
 

@@ -136,3 +136,46 @@ def test_write_back_stores_pages_l2_lost_with_their_chain_parents() -> None:
         first = keys.index(ks[0])
         assert parent == (keys[first - 1] if first else None), (first, stored)
         assert ks == keys[first : first + len(ks)]
+
+
+class _FailedLoad(_H):
+    """A LOAD whose wait failed; ``still`` says whether the daemon is still copying it."""
+
+    def __init__(self, n: int, still: list[bool]) -> None:
+        super().__init__(n)
+        self.still = still
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return False
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> bool:
+        return False
+
+    def copying(self) -> bool:
+        return self.still[0]
+
+
+@pytest.mark.parametrize("copying", [False, True])
+def test_a_failed_loads_pages_are_held_exactly_while_kvtierd_may_write_them(copying) -> None:
+    """A failed LOAD's pages are quarantined only while kvtierd may still write them (its
+    transfer not ended): none when it has ended (or never writes the engine's pages, as in
+    the engine copy mode); else until it ends, however long that takes."""
+    l2 = _L2("write_through")
+    cm = CacheManager(PageAllocator(8), l2)
+    toks = list(range(1, 14))
+    m = cm.match(toks)
+    cm.insert(m, cm.alloc(3))
+    cm.release(m)
+    cm.flush_l1()
+    still = [copying]
+    l2.load = lambda keys, pages: _FailedLoad(min(len(keys), len(pages)), still)  # type: ignore[method-assign]
+    m = cm.match([*toks, 99])
+    pages = cm.alloc(3)
+    load = cm.load(m, pages)
+    assert not load.wait_layer(0)
+    cm.release(m)
+    cm.free(pages)
+    assert cm.quarantined_pages == (3 if copying else 0)
+    still[0] = False  # the daemon ended it: the next allocation takes the pages back
+    cm.free(cm.alloc(1))
+    assert cm.quarantined_pages == 0
