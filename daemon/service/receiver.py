@@ -159,8 +159,10 @@ class Receiver:
         if frames != 2 or body is None:
             return identity, dispatcher.refuse_frames(frames)
         frame = body
+        # decoded from the frame's own memory, not a copy: a long LOOKUP's keys are read
+        # where ZeroMQ put them (a field kept as a view, packed keys, keeps the frame alive)
         return identity, dispatcher.handle(
-            identity, frame.bytes, lambda: zmq_peer(cast(str, frame.get("Peer-Address")))
+            identity, frame.buffer, lambda: zmq_peer(cast(str, frame.get("Peer-Address")))
         )
 
 
