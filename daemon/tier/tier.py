@@ -360,9 +360,8 @@ class TierStore:
 
         async def mine() -> tuple[int, int]:
             l3 = await self.l3_run(s.ns_fingerprint, keys[l2:]) if l2 < len(keys) else 0
-            if (
-                s.member is not None
-                and l3 * s.geometry.page_size < self.setting("prefetch_threshold")
+            if s.member is not None and l3 * s.geometry.page_size < self.setting(
+                "prefetch_threshold"
             ):
                 # a TP rank's answer must be what its prefetch brings, the same on every
                 # rank: a run below the threshold is never read (prefetch), so never offered
