@@ -56,6 +56,9 @@ log = logging.getLogger("kvtier.daemon")
 
 COMPLETION_SLOTS = 64
 """Completion slots per session: the transfers one engine may have running at once."""
+COMPLETION_FDS = 2
+"""Descriptors a waiting handover's completion block holds: its memfd, and the duplicate
+Python's ``mmap`` keeps of it while it is mapped."""
 HANDOVER_TTL_S = 10.0
 """How long a handover waits for its REGISTER before its descriptors are closed."""
 CONNECTION_DEADLINE_S = 2.0
@@ -337,7 +340,7 @@ class HandoverServer:
         """Stop ``h`` waiting (its descriptors stay open)."""
         if self._pending.get(h.token) is h:
             del self._pending[h.token]
-            uid, n = h.peer.uid, len(h.fds) + 1
+            uid, n = h.peer.uid, len(h.fds) + COMPLETION_FDS
             self._held_total -= n
             if self._waiting[uid] > 1:
                 self._waiting[uid] -= 1
@@ -443,7 +446,7 @@ class HandoverServer:
                 f"max_handovers_waiting = {b.max_handovers_waiting} reached: "
                 f"{len(self._pending)} handovers are waiting for their REGISTER",
             )
-        held = self._held.get(peer.uid, 0) + len(fds) + 1  # the completion block's too
+        held = self._held.get(peer.uid, 0) + len(fds) + COMPLETION_FDS
         if held > b.max_handover_descriptors_per_user:
             raise HandoverBusy(
                 "max_handover_descriptors_per_user",
@@ -452,7 +455,7 @@ class HandoverServer:
                 f"waiting handovers would hold {held} descriptors",
             )
         budget = descriptor_limit() // 2
-        if self._held_total + len(fds) + 1 > budget:
+        if self._held_total + len(fds) + COMPLETION_FDS > budget:
             raise HandoverBusy(
                 "descriptors",
                 f"waiting handovers hold {self._held_total} descriptors, half the "
@@ -470,7 +473,7 @@ class HandoverServer:
         self._pending[token] = h
         self._waiting[peer.uid] = mine + 1
         self._held[peer.uid] = held
-        self._held_total += len(fds) + 1
+        self._held_total += len(fds) + COMPLETION_FDS
         return h
 
 

@@ -15,7 +15,14 @@ setting                                   counts
 ``max_mapped_segments_per_user``          mappings held for one uid's sessions
 ``max_mapped_bytes``                      bytes mapped for everyone (address space)
 tenant ``max_sessions`` / ``max_mapped_bytes``  the same, per tenant (default: per user)
+descriptors                               mappings of everyone: at most half the
+                                          daemon's ``RLIMIT_NOFILE``
 ========================================  ==========================================
+
+Each mapping of engine memory keeps a descriptor of its own for as long as it is mapped
+(Python's ``mmap`` holds a duplicate of the descriptor it maps), so the mappings of all
+sessions together are bounded by half the daemon's descriptor limit (the handover socket
+takes the other half for the handovers waiting for their REGISTER).
 
 The handover socket bounds its connections and waiting handovers per uid itself
 (:mod:`~kvtier.daemon.service.handover`). Everything here runs on the event loop.
@@ -28,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvtier.config import DaemonConfig, KvtierError, format_size
+from kvtier.daemon.service.strain import descriptor_limit
 
 __all__ = ["LimitExceeded", "Quotas", "Use", "node_memory"]
 
@@ -93,6 +101,7 @@ class Quotas:
         self.users: dict[int, Use] = {}
         self.tenants: dict[str, Use] = {}
         self.mapped_bytes = 0
+        self.mapped_segments = 0
         self._charges: dict[int, _Charge] = {}
         self.refusals: dict[str, int] = {}
         """Requests refused, per setting."""
@@ -200,6 +209,14 @@ class Quotas:
                     f"tenant {tenant!r}: max_mapped_bytes = {format_size(tb[1])} exceeded: it "
                     f"would map {format_size(have + nbytes)} (this session {nbytes} bytes)",
                 )
+        budget = descriptor_limit() // 2
+        if self.mapped_segments + segments > budget:
+            raise self._refuse(
+                "descriptors",
+                f"the sessions' mappings would hold {self.mapped_segments + segments} "
+                f"descriptors (this session {segments}), more than half the daemon's limit "
+                f"({budget * 2}, RLIMIT_NOFILE)",
+            )
         bound = lim["max_mapped_bytes"]
         closing = self._unmapping()
         if self.mapped_bytes + closing + nbytes > bound:
@@ -228,6 +245,7 @@ class Quotas:
             use.mapped_bytes += nbytes
             use.mapped_segments += segments
         self.mapped_bytes += nbytes
+        self.mapped_segments += segments
 
     def remove(self, session_id: int) -> None:
         """Forget a finalized session's use (nothing when it was never counted)."""
@@ -239,6 +257,7 @@ class Quotas:
             use.mapped_bytes -= c.mapped_bytes
             use.mapped_segments -= c.mapped_segments
         self.mapped_bytes -= c.mapped_bytes
+        self.mapped_segments -= c.mapped_segments
         if self.users.get(c.uid) == Use():
             del self.users[c.uid]
         if c.tenant is not None and self.tenants.get(c.tenant) == Use():
