@@ -82,12 +82,13 @@ def test_waiting_handovers_are_bounded_per_user_and_a_retry_gets_in_once_one_is_
 def test_descriptors_held_by_waiting_handovers_are_bounded_per_user(daemon_factory):
     d = daemon_factory("--max-handover-descriptors-per-user", "64")
     with SharedKVPool(SMALL, 4) as pool:
-        fds = pool.memory_fds() * 20  # 20 descriptors (+ the completion block) a handover
-        for _ in range(3):
+        # 20 descriptors a handover, + its completion block's 2 (its memfd, mmap's duplicate)
+        fds = pool.memory_fds() * 20
+        for _ in range(2):
             hand(d.runtime_dir, fds, 5.0)
         with pytest.raises(fdpass.HandoverBusy, match="max_handover_descriptors_per_user = 64"):
             hand(d.runtime_dir, fds, 0.5)
-        hand(d.runtime_dir, [], 5.0)  # its completion block, the 64th, still fits
+        hand(d.runtime_dir, pool.memory_fds() * 18, 5.0)  # 20 more: the 64th still fits
     seen = limits(d)
     assert seen["refusals"]["max_handover_descriptors_per_user"] >= 1, seen
 
