@@ -343,6 +343,10 @@ class HostPool:
         """See :meth:`PageTable.abort`."""
         self._pages.abort(slots)
 
+    def detach(self, slots: Sequence[int]) -> None:
+        """See :meth:`PageTable.detach`."""
+        self._pages.detach(slots)
+
     def pin(self, ns_id: int, keys: Sequence[bytes], used: bool = False) -> list[int]:
         """Pin the leading READY run of ``keys`` and touch it, the last key first.
 

@@ -291,6 +291,25 @@ class PageTable:
             self._expect(order[done], PageState.WRITING, "abort")
             raise PageStateError(f"cannot abort slot {order[done]}")  # pragma: no cover
 
+    def detach(self, slots: Sequence[int]) -> None:
+        """Take the keys of WRITING pages whose fill will be aborted (their STORE was
+        cancelled) out of the index now, the pages staying WRITING for the copy that may
+        still write them: another STORE of those keys then writes them itself, rather than
+        count on pages that will never be READY. :meth:`abort` frees them later. A slot
+        that is not WRITING, or whose key names another page, is left alone.
+
+        Args:
+            slots: WRITING slots of one cancelled STORE.
+        """
+        for s in slots:
+            s = int(s)
+            key = self.keys[s]
+            if key is None or self._state[s] != PageState.WRITING:
+                continue
+            idx = self._writing.get(int(self._ns[s]))
+            if idx is not None and idx.get(key) == s:
+                del idx[key]
+
     def pin_slots(self, out: list[int], used: bool = False) -> None:
         """Pin the READY slots ``out`` (a lookup's leading run, in chain order) and touch
         them, the last first; pinned pages are not evictable. The caller hands them to

@@ -26,6 +26,7 @@ from kvtier.daemon.service.strain import Strain
 from kvtier.daemon.service.unmaps import Unmaps
 from kvtier.daemon.service.validation import RequestError
 from kvtier.daemon.tier.tier import TierStore
+from kvtier.daemon.transfer.transfer import Direction, Transfer
 from kvtier.daemon.transfer.prefault import PrefaultQueue
 from kvtier.ipc import protocol as P
 from kvtier.ipc.fdpass import handover_path
@@ -138,9 +139,18 @@ class ServiceContext:
         log.info("session %d closing: %s", s.session_id, reason)
         self.tier.session_closed(s)
         for t in s.transfers.values():
-            t.cancel()
+            self.cancel_transfer(t)
         if not s.transfers:
             self.finalize_session(s)
+
+    def cancel_transfer(self, t: Transfer) -> None:
+        """Cancel ``t`` (RELEASE, or its session closing). A STORE's keys leave the pool's
+        index of pages being written at once (:meth:`HostPool.detach`): its pages will be
+        aborted, so another session's STORE of the same keys must write them itself."""
+        t.cancel()
+        if t.direction is Direction.STORE and t.host_slots and not t.detached:
+            self.pool.detach(t.host_slots)
+            t.detached = True
 
     def finalize_session(self, s: Session) -> None:
         """Forget ``s``, unmap its engine memory and remove its completion block.

@@ -305,7 +305,7 @@ class Handlers:
         for slot in m.slots:
             t = s.transfers.get(slot)
             if t is not None:
-                t.cancel()
+                self.ctx.cancel_transfer(t)
         return P.Ack(req_id=m.req_id, epoch=self.ctx.epoch)
 
 

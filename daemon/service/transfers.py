@@ -582,7 +582,7 @@ class Transfers:
             self.spawn(self._settle_long(s, t, ok))
             return
         if t.direction is Direction.STORE:
-            if ok and s.state is SessionState.OPEN:
+            if ok and s.state is SessionState.OPEN and not t.detached:
                 pool.commit(t.host_slots, checksums=t.checksums)
                 self._stored(s, t)
             else:
@@ -608,7 +608,7 @@ class Transfers:
         pool, size = self.ctx.pool, self.ctx.cfg.slice_pages
         try:
             if t.direction is Direction.STORE:
-                if ok and s.state is SessionState.OPEN:
+                if ok and s.state is SessionState.OPEN and not t.detached:
                     await slices.commit(pool, t.host_slots, t.checksums, size)
                     self._stored(s, t)
                 else:

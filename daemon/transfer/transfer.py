@@ -68,6 +68,8 @@ class Transfer:
         offsets: byte offsets of the host slots in the arena.
         nbytes: bytes moved (pages x page bytes).
         cancelled: set by the event loop; the worker stops before the next layer.
+        detached: a cancelled STORE whose keys left the pool's index at once
+            (:meth:`HostPool.detach`): it is aborted when settled, never committed.
         status: the outcome, set by the worker.
         started: monotonic start time (load latency).
         keys: the page keys of ``host_slots``, same order (write-through after a store,
@@ -89,6 +91,7 @@ class Transfer:
     offsets: np.ndarray
     nbytes: int
     cancelled: bool = False
+    detached: bool = False
     status: TransferStatus = TransferStatus.RUNNING
     started: float = 0.0
     keys: Sequence[bytes] = field(default_factory=list)

@@ -200,6 +200,26 @@ def test_writing_pages_are_invisible_and_not_evictable() -> None:
     assert pool.stats().evictions == 0
 
 
+def test_detached_writing_pages_let_another_store_write_their_keys() -> None:
+    """A cancelled STORE's WRITING pages are detached: their keys leave the index at once,
+    so another STORE of the same keys allocates pages of its own; aborting the detached
+    pages later frees them and leaves the new pages' index entries alone."""
+    pool = pool_of(2)
+    small = pool.register_class(4000)
+    keys = chain("d", 3)
+    old = [s for _, s in pool.allocate(NS, A, small, keys)]
+    assert pool.allocate(NS, B, small, keys) == []  # being written: skipped
+    pool.detach(old)
+    pool.detach(old)  # twice: nothing more happens
+    new = [s for _, s in pool.allocate(NS, B, small, keys)]
+    assert len(new) == 3 and not set(new) & set(old)
+    pool.abort(old)
+    assert all(pool.describe(s).state is PageState.FREE for s in old)
+    assert pool.lookup(NS, keys) == 0  # the new pages are still WRITING
+    pool.commit(new)
+    assert pool.lookup(NS, keys) == 3 and pool.pin(NS, keys) == new
+
+
 def test_abort_frees_slots_and_parent_becomes_evictable() -> None:
     pool = pool_of(1)
     small = pool.register_class(4000)

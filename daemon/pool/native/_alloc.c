@@ -578,7 +578,15 @@ static int release_one(Pool *P, long long s, int keep) {
     __atomic_signal_fence(__ATOMIC_SEQ_CST);
     c->in_l3[s] = 0;
     Py_INCREF(key);
-    int rc = PyDict_DelItem(idx, key);
+    /* the key leaves the index only where it names this page: a WRITING page detached from
+     * it (its STORE cancelled) may see its key name another page, or none */
+    PyObject *at = PyDict_GetItemWithError(idx, key);  /* borrowed */
+    int rc = at == NULL ? (PyErr_Occurred() ? -1 : 0) : 0;
+    if (at != NULL) {
+        long long named = PyLong_AsLongLong(at);
+        if (named == -1 && PyErr_Occurred()) rc = -1;
+        else if (named == s) rc = PyDict_DelItem(idx, key);
+    }
     Py_DECREF(key);
     if (rc < 0) return -1;
     if (s >= PyList_GET_SIZE(P->slot_keys)) {  /* the key's __eq__ or __del__ shrank it */

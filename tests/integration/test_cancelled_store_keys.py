@@ -39,12 +39,6 @@ def store(e: BlockEngine, keys: list[bytes], slot: int, seq: int) -> P.Store:
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a cancelled STORE's keys stay in the pool's index of pages being written until "
-    "its copy ends, so another session's STORE of them writes nothing (daemon/pool/pages.py "
-    "allocate skips WRITING keys; the fix detaches a cancelled transfer's keys at once)",
-)
 @pytest.mark.parametrize("stop", ["unregister", "release"])
 def test_a_store_read_after_anothers_was_stopped_writes_the_shared_keys_itself(
     daemon_factory, stop
