@@ -229,6 +229,10 @@ class SchedulerSide:
         meta = KvtierMetadata(
             loads=self._loads, preempted=sorted(scheduler_output.preempted_req_ids or ())
         )
+        for rid in meta.preempted:  # the workers wait for their stores to end this step:
+            t = self._tracked.get(rid)  # its finish waits only for stores made after it
+            if t is not None:
+                t.stores = 0
         self._loads = []
         self._step_pages = 0
         bs = self.block_size

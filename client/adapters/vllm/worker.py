@@ -157,6 +157,12 @@ class WorkerSide:
                 lambda: not any(self._outstanding.get(r) for r in meta.preempted),
                 timeout=max(0.0, deadline - time.monotonic()),
             )
+            # their stores ended: their finish no longer waits on them (the scheduler side
+            # forgot them too), so a finish while a resumed load runs is vLLM's to delay
+            ended = {r for r in meta.preempted if not self._outstanding.get(r)}
+            self._stored -= ended
+            for r in ended:
+                self._outstanding.pop(r, None)
 
     def _io_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
