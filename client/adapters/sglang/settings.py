@@ -15,7 +15,6 @@ takes the two numbers from the published server arguments, as SGLang does.
 
 from __future__ import annotations
 
-import math
 
 import json
 from collections.abc import Mapping
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtier.client.adapters import positive_seconds
 from kvtier.config import ClientConfig, ConfigError, KvtierError, client_config
 
 __all__ = ["KNOWN_KEYS", "BackendSettings", "PrefetchTimeout", "SettingsError", "prefetch_timeout"]
@@ -101,11 +101,8 @@ class BackendSettings:
         except ConfigError as err:
             raise SettingsError(str(err)) from err
         raw = extra.get("retry_interval_s", 1.0)
-        try:
-            retry = float(raw)
-        except (ValueError, TypeError):
-            retry = math.nan
-        if isinstance(raw, bool) or not (retry > 0 and math.isfinite(retry)):
+        retry = positive_seconds(raw)
+        if retry is None:
             raise SettingsError(
                 "hicache storage extra config: retry_interval_s must be a finite number of "
                 f"seconds > 0, got {raw!r}"

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import math
 
 import logging
 from collections.abc import Mapping
@@ -11,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, cast
 
+from kvtier.client.adapters import positive_seconds
 from kvtier.config import ClientConfig, ConfigError, KvtierError, client_config
 from kvtier.config.models import PrefetchPolicy
 
@@ -115,11 +115,8 @@ class ConnectorSettings:
                 "one of best_effort, wait_complete, timeout"
             )
         raw = extra.get("retry_interval_s", 1.0)
-        try:
-            retry = float(raw)
-        except (ValueError, TypeError):
-            retry = math.nan
-        if isinstance(raw, bool) or not (retry > 0 and math.isfinite(retry)):
+        retry = positive_seconds(raw)
+        if retry is None:
             raise SettingsError(
                 "kv_connector_extra_config: retry_interval_s must be a finite number of "
                 f"seconds > 0, got {raw!r}"
