@@ -440,7 +440,9 @@ class PageByPage(PageTable):
         state[s] = int(PageState.FREE)  # first: from here on a crash leaves the slot free
         self._in_l3[s] = 0
         ns = self._ns[s]
-        del (self.ready if was_ready else self._writing)[ns][key]
+        idx = (self.ready if was_ready else self._writing)[ns]
+        if idx.get(key) == s:  # a detached page's key may name another page, or none
+            del idx[key]
         keys[s] = None
         if self._split is not None:
             self._split.released(s)

@@ -641,7 +641,8 @@ class PoolMachine(RuleBasedStateMachine):
         self.live: dict[int, tuple[bytes, int]] = {}  # slot -> (key, ns)
         self.ready: set[int] = set()
         self.pins: dict[int, int] = {}
-        self.parent_key: dict[int, bytes | None] = {}
+        self.parent_key: dict[int, int | None] = {}  # slot -> the slot of its parent page
+        self.detached: set[int] = set()  # WRITING pages of a cancelled STORE: aborted later
 
     def make_pool(self) -> HostPool:
         """The pool under test (a subclass may back it with persistent metadata)."""
@@ -652,12 +653,13 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool.commit(slots)
 
     def _forget(self, slot: int, aborted: bool = False) -> None:
-        key, ns = self.live.pop(slot)
+        self.live.pop(slot)
         self.ready.discard(slot)
+        self.detached.discard(slot)
         self.parent_key.pop(slot)
         if aborted:  # only an aborted page may leave while pages extending it stay
-            for child, pk in self.parent_key.items():
-                if pk == key and self.live[child][1] == ns:
+            for child, parent in self.parent_key.items():
+                if parent == slot:
                     self.parent_key[child] = None
 
     def _absorb_evictions(self) -> None:
@@ -678,19 +680,21 @@ class PoolMachine(RuleBasedStateMachine):
     def allocate(self, ns, owner, cls, chain_id, start, n, with_parent) -> None:
         keys = [k(f"c{chain_id}.{i}") for i in range(start, start + n)]
         pk = k(f"c{chain_id}.{start - 1}") if with_parent and start > 0 else None
-        before = set(self.live.values())  # (key, ns): a key is a page only within its namespace
+        # (key, ns): a key is a page only within its namespace; a detached page is none
+        before = {v: s for s, v in self.live.items() if s not in self.detached}
         got = self.pool.allocate(ns, owner, self.cls[cls], keys, pk)
         self._absorb_evictions()  # may include later keys of this very call
-        resident = set(self.live.values())
+        resident = {v for s, v in self.live.items() if s not in self.detached}
         idx = [i for i, _ in got]
         assert idx == sorted(set(idx))
         assert len({s for _, s in got}) == len(got)
+        new = dict(got)
         for i, s in got:
             assert s not in self.live and (keys[i], ns) not in resident  # never double-allocated
-            if i > 0:
-                parent: bytes | None = keys[i - 1]
+            if i > 0:  # the page of the key before: allocated here, or resident before
+                parent = new.get(i - 1, before.get((keys[i - 1], ns)))
             else:
-                parent = pk if pk is not None and (pk, ns) in before else None
+                parent = before.get((pk, ns)) if pk is not None else None
             self.live[s] = (keys[i], ns)
             self.parent_key[s] = parent
 
@@ -703,10 +707,32 @@ class PoolMachine(RuleBasedStateMachine):
         chain_id, start = map(int, key.decode()[1:].split("."))
         self.allocate(ns, owner, cls, chain_id, start + 1, n, True)
 
-    @precondition(lambda self: len(self.live) > len(self.ready))  # a page is WRITING
+    @precondition(lambda self: len(self.live) > len(self.ready) + len(self.detached))
+    @rule(data=st.data())
+    def detach(self, data) -> None:
+        """A STORE cancelled: its WRITING pages leave the index (aborted later, never
+        committed); the same keys may be allocated again meanwhile."""
+        writing = sorted(set(self.live) - self.ready - self.detached)
+        chosen = data.draw(st.lists(st.sampled_from(writing), unique=True, min_size=1, max_size=4))
+        self.pool.detach(chosen)
+        self.detached.update(chosen)
+        for s in chosen:  # a detached page's children no longer find it by its key
+            assert self.pool.describe(s).state is PageState.WRITING
+
+    @precondition(lambda self: self.detached)
+    @rule(data=st.data())
+    def abort_detached(self, data) -> None:
+        chosen = data.draw(
+            st.lists(st.sampled_from(sorted(self.detached)), unique=True, min_size=1)
+        )
+        self.pool.abort(chosen)
+        for s in chosen:
+            self._forget(s, aborted=True)
+
+    @precondition(lambda self: len(self.live) > len(self.ready) + len(self.detached))
     @rule(data=st.data())
     def commit_or_abort(self, data) -> None:
-        writing = sorted(set(self.live) - self.ready)
+        writing = sorted(set(self.live) - self.ready - self.detached)
         chosen = data.draw(st.lists(st.sampled_from(writing), unique=True, min_size=1, max_size=4))
         if not data.draw(st.booleans()):  # False, hypothesis's simplest draw, commits
             self.commit(chosen)
@@ -779,20 +805,20 @@ class PoolMachine(RuleBasedStateMachine):
         infos = [pool.describe(s) for s in range(pool.n_slots)]
         live = [d for d in infos if d.state is not PageState.FREE]
         assert {d.slot for d in live} == set(self.live)
-        assert len({(d.key, d.ns_id) for d in live}) == len(live)
+        indexed = [d for d in live if d.slot not in self.detached]
+        assert len({(d.key, d.ns_id) for d in indexed}) == len(indexed)
         spans = []
         for d in live:
             assert (d.key, d.ns_id) == self.live[d.slot]
             assert (d.state is PageState.READY) == (d.slot in self.ready)
             assert d.pins == self.pins.get(d.slot, 0)
-            assert pool.lookup(d.ns_id, [d.key]) == (d.state is PageState.READY)
+            if d.slot not in self.detached:  # a detached page's key may name another page
+                assert pool.lookup(d.ns_id, [d.key]) == (d.state is PageState.READY)
             spans.append((d.offset, d.offset + pool.class_stride(d.class_id)))
             children = [c for c in live if c.parent == d.slot]
             assert d.children == len(children)
             want = self.parent_key[d.slot]  # tail first: a linked parent is still there
-            assert (d.parent == NIL) == (want is None)
-            if want is not None:
-                assert infos[d.parent].key == want
+            assert d.parent == (NIL if want is None else want)
         if live:  # every slot at once (one C call over the offsets column) agrees, extents reused
             many = [d.slot for d in live] * 17
             assert pool.slot_offsets(many).tolist() == [d.offset for d in live] * 17

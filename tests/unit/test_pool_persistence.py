@@ -710,8 +710,9 @@ class RestartMachine(PoolMachine):
 
     @rule()
     def commit_all(self) -> None:
-        """Commit every WRITING page (more READY pages for restarts to adopt)."""
-        writing = sorted(set(self.live) - self.ready)
+        """Commit every WRITING page (more READY pages for restarts to adopt) but the
+        detached ones (a cancelled STORE's: aborted, never committed)."""
+        writing = sorted(set(self.live) - self.ready - self.detached)
         self.commit(writing)
         self.ready.update(writing)
 
