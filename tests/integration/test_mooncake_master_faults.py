@@ -55,22 +55,31 @@ def _timed_lookup(conn, keys: list[bytes]) -> tuple[float, object]:
     return time.monotonic() - t0, answer
 
 
+STALL_TIMEOUT_S = 0.3
+"""``storage_timeout_s`` of the stalled-master tests."""
+
+
+def _stall_daemon(mooncake_master, daemon_factory):
+    """A kvtierd on ``mooncake_master`` that gives up on L3 after :data:`STALL_TIMEOUT_S`."""
+    return daemon_factory(
+        *l3_flags(
+            "mooncake",
+            mooncake_master.extra_config(retry_interval_s=0.5),
+            prefetch_threshold="0",
+            storage_timeout_s=str(STALL_TIMEOUT_S),
+        ),
+        env=ENV,
+    )
+
+
 @pytest.mark.timeout(90)
 def test_a_stalled_master_delays_no_lookup_past_the_storage_timeout(
     mooncake_master, daemon_factory
 ):
     """A mooncake_master that stops answering (SIGSTOP) costs a LOOKUP at most about
     ``storage_timeout_s``: the L2 run is answered and the L3 part counts as a miss."""
-    timeout_s = 0.3
-    d = daemon_factory(
-        *l3_flags(
-            "mooncake",
-            mooncake_master.extra_config(retry_interval_s=0.5),
-            prefetch_threshold="0",
-            storage_timeout_s=str(timeout_s),
-        ),
-        env=ENV,
-    )
+    timeout_s = STALL_TIMEOUT_S
+    d = _stall_daemon(mooncake_master, daemon_factory)
     pool, conn = engine(d.runtime_dir, request_timeout_s=45.0)
     stalled = False
     try:
@@ -95,16 +104,8 @@ def test_a_stalled_master_delays_no_lookup_past_the_storage_timeout(
 def test_a_stalled_master_leaves_other_engines_lookups_fast(mooncake_master, daemon_factory):
     """While one engine's LOOKUP waits on a stalled mooncake_master, another engine's LOOKUP
     (of another model) is answered within about ``storage_timeout_s``."""
-    timeout_s = 0.3
-    d = daemon_factory(
-        *l3_flags(
-            "mooncake",
-            mooncake_master.extra_config(retry_interval_s=0.5),
-            prefetch_threshold="0",
-            storage_timeout_s=str(timeout_s),
-        ),
-        env=ENV,
-    )
+    timeout_s = STALL_TIMEOUT_S
+    d = _stall_daemon(mooncake_master, daemon_factory)
     pool, conn = engine(d.runtime_dir, request_timeout_s=45.0)
     pool_b, conn_b = engine(d.runtime_dir, model="other", request_timeout_s=45.0)
     stalled = False
