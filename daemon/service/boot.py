@@ -76,6 +76,8 @@ class Service:
     Attributes:
         pool, counters, tier, ctx, transfers, handlers, admin, dispatcher: the parts.
         seg: the mapped pool file.
+        serving: set once requests reach the service (the start succeeded); until then a
+            pool file this start created is removed when the service is unmapped.
     """
 
     def __init__(
@@ -93,9 +95,10 @@ class Service:
         seg, why_new = map_pool_file(
             ppath, layout, prefault=cfg.prefault, populate_existing=False, runtime_dir=rdir
         )
+        self._created = why_new is not None  # made by this start (pre-faulted then)
+        self.serving = False
         stack.callback(self._unmap, seg, cfg)
         self.seg: SharedMemorySegment = seg
-        self._created = why_new is not None  # made by this start (pre-faulted then)
         arena_view = seg.view[layout.arena_offset : layout.arena_offset + layout.capacity_bytes]
         stack.callback(arena_view.release)
         self._arena_view = arena_view
@@ -131,9 +134,13 @@ class Service:
 
     def _unmap(self, seg: SharedMemorySegment, cfg: DaemonConfig) -> None:
         """Unmap the pool file; remove it unless ``keep_pool_on_stop`` (as configured now:
-        a reload may have changed it; ``cfg`` when the service was never built)."""
+        a reload may have changed it; ``cfg`` when the service was never built). A file this
+        start created is removed when the start failed (:attr:`serving` never set): it holds
+        no page, and a daemon that does not start again (a bad setting) would leave memory
+        of the size of the pool in its file system for nobody."""
         ctx: ServiceContext | None = getattr(self, "ctx", None)
-        seg.close(unlink=not (ctx.cfg if ctx is not None else cfg).keep_pool_on_stop)
+        keep = (ctx.cfg if ctx is not None else cfg).keep_pool_on_stop
+        seg.close(unlink=not keep or (self._created and not self.serving))
 
     async def open(
         self, stack: contextlib.AsyncExitStack, finalize_remaining: Callable[[], None]

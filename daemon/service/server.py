@@ -241,6 +241,7 @@ class Daemon:
         gate = self.dispatcher
         assert isinstance(gate, StartGate)
         self.dispatcher = service.dispatcher
+        service.serving = True  # from here on pages may be stored: the pool file stays
         held = gate.release()
         assert self.receiver is not None, "run() starts it before the service"
         for h in held:  # in arrival order, before anything received from now on

@@ -213,3 +213,48 @@ def test_a_metrics_port_in_use_stops_the_start_with_status_2(short_tmp: Path) ->
         port = busy.getsockname()[1]
         out = failed_start(short_tmp / "rt", "--metrics-port", str(port))
     assert "metrics_port" in out and str(port) in out, out[-1500:]
+
+
+def test_a_failed_start_removes_the_pool_file_it_created(short_tmp: Path) -> None:
+    """A start that fails after making its pool file (here: the metrics port is taken)
+    removes that file: it holds no page, and a daemon that systemd does not restart (exit 2)
+    would leave memory the size of its pool in ``/dev/shm`` for nobody."""
+    rt = short_tmp / "rt"
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        out = failed_start(rt, "--metrics-port", str(busy.getsockname()[1]))
+    assert "metrics_port" in out, out[-1500:]
+    assert not pool_path(Path("/dev/shm"), rt).exists(), "the failed start left its pool file"
+
+
+def test_a_failed_start_keeps_the_pool_it_adopted(daemon_factory, short_tmp: Path) -> None:
+    """A pool file a previous kvtierd left (pages in it) survives a start that fails: the
+    next start adopts its pages."""
+    from tests.engines import SMALL, engine, tokens
+
+    d = daemon_factory()
+    pool, conn = engine(d.runtime_dir, request_timeout_s=5.0)
+    try:
+        keys = conn.page_keys(tokens(4 * SMALL.page_size, salt=5))
+        h = conn.store(keys, list(range(4)))
+        assert h.count == 4 and h.wait()
+    finally:
+        conn.close()
+        pool.close()
+    d.stop()
+    path = pool_path(Path("/dev/shm"), d.runtime_dir)
+    assert path.exists()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        failed_start(d.runtime_dir, "--state-dir", str(short_tmp / "state"), "--metrics-port", port)
+    assert path.exists(), "a failed start removed a pool it had adopted"
+    d.start()
+    pool, conn = engine(d.runtime_dir, request_timeout_s=5.0)
+    try:
+        assert conn.lookup(keys).l2 == 4, "the pages did not survive the failed start"
+    finally:
+        conn.close()
+        pool.close()
