@@ -13,6 +13,10 @@ from typing import cast
 import numpy as np
 from kvtier.kernels._pagekeys import chain as _chain
 
+MAX_PAGE_TOKENS = 1 << 28
+"""The largest page :func:`page_keys` keys (1 GiB of uint32 tokens; engines' pages hold tens
+to hundreds of tokens)."""
+
 
 def page_keys(seed: bytes, tokens: Sequence[int] | np.ndarray, page_size: int) -> list[bytes]:
     """Return the keys of the full pages of ``tokens``.
@@ -32,10 +36,11 @@ def page_keys(seed: bytes, tokens: Sequence[int] | np.ndarray, page_size: int) -
         ``len(tokens) // page_size`` keys of 32 bytes.
 
     Raises:
-        ValueError: ``page_size`` not positive, or a token outside ``[0, 2**32)``.
+        ValueError: ``page_size`` outside ``[1, MAX_PAGE_TOKENS]``, or a token outside
+            ``[0, 2**32)``.
     """
-    if page_size <= 0:
-        raise ValueError(f"page_size must be > 0, got {page_size!r}")
+    if not 0 < page_size <= MAX_PAGE_TOKENS:
+        raise ValueError(f"page_size must be in [1, {MAX_PAGE_TOKENS}], got {page_size!r}")
     if isinstance(tokens, list | tuple):
         read = _chain(seed, tokens, page_size * 4)  # reads and checks plain ints itself
         if read is not None:

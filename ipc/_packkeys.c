@@ -58,10 +58,14 @@ static inline uint64_t page_at(const unsigned char *b, Py_ssize_t i) {
 static PyObject *check_pages(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer buf;
-    unsigned long long num_pages;
-    if (!PyArg_ParseTuple(args, "y*K:check_pages", &buf, &num_pages))
+    Py_ssize_t num_pages; /* "n": a negative or too large int is refused, never wrapped */
+    if (!PyArg_ParseTuple(args, "y*n:check_pages", &buf, &num_pages))
         return NULL;
     PyObject *out = NULL;
+    if (num_pages < 0) {
+        PyErr_Format(PyExc_ValueError, "num_pages = %zd must not be negative", num_pages);
+        goto end;
+    }
     if (buf.len % 4) {
         PyErr_Format(PyExc_ValueError, "packed pages of %zd bytes: not whole uint32 pages",
                      buf.len);
@@ -70,7 +74,7 @@ static PyObject *check_pages(PyObject *self, PyObject *args) {
     Py_ssize_t n = buf.len / 4;
     const unsigned char *b = (const unsigned char *)buf.buf;
     for (Py_ssize_t i = 0; i < n; i++)
-        if (page_at(b, i) >= num_pages) {
+        if (page_at(b, i) >= (uint64_t)num_pages) {
             out = Py_BuildValue("(in)", 1, i);
             goto end;
         }

@@ -192,6 +192,13 @@ def copy_regions(
         raise RuntimeError(_NO_REGION_COPY)
     return int(
         _guarded.copy_regions(
-            host, host_nbytes, offsets, page_ids, table, to_host, stream, yield_bytes
+            host,
+            host_nbytes,
+            np.ascontiguousarray(offsets, dtype=np.int64),  # C reads 8-byte words: an int32
+            np.ascontiguousarray(page_ids, dtype=np.int64),  # array would be misread
+            np.ascontiguousarray(table, dtype=np.int64),
+            to_host,
+            stream,
+            yield_bytes,
         )
     )
