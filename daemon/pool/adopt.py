@@ -16,14 +16,18 @@ from typing import Any, cast
 
 import numpy as np
 import xxhash
-from kvtier.daemon.pool.layout import HAS_CHECKSUM, KEY_BYTES, NIL
+from kvtier.daemon.pool.layout import HAS_CHECKSUM, KEY_BYTES, NIL, IdTable
 from kvtier.daemon.pool.meta import PoolMeta
 from kvtier.daemon.pool.records import HostPoolError, PageState
 from kvtier.daemon.pool.seals import seals
 
 from kvtier.daemon.pool.native import _keyprobe
 
-__all__ = ["AdoptScan", "scan_rows"]
+__all__ = ["STAMP_LIMIT", "AdoptScan", "scan_rows"]
+
+STAMP_LIMIT = 1 << 62
+"""Access stamps an adopted row may hold: the pool's clock counts accesses from 0 and never
+comes near it; a larger one is damage, and a clock continued from it would overflow."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +56,10 @@ def scan_rows(
     """Decide which rows survive an adoption, leave only those non-FREE, and index them.
 
     A row is adopted when it is READY; its extent's class cuts its slot (``usable``)
-    and matches its payload length; its key fits; its seal matches its key,
+    and matches its payload length; its key fits; its namespace and owner are ids the
+    file's tables hold (an id no fingerprint holds would be handed to the next new
+    namespace, its pages with it); its access stamp is in ``[0, STAMP_LIMIT)`` (the pool's
+    clock continues from the largest); its seal matches its key,
     namespace and checksum; with ``arena``, it has a checksum and its payload still
     hashes to it; and no more recent READY row holds the same key in the same
     namespace (of equally recent ones, the lowest slot). Every other non-FREE row
@@ -93,6 +100,11 @@ def scan_rows(
     flags = meta.array("flags")[cand]
     ok = (cand - e * per < usable[e]) & (meta.array("length")[cand] == pbs[e])
     ok &= meta.array("key_len")[cand] <= KEY_BYTES
+    ok &= np.isin(meta.array("ns")[cand], list(meta.ids(IdTable.NAMESPACES).values()))
+    ok &= np.isin(meta.array("owner")[cand], [0, *meta.ids(IdTable.OWNERS).values()])
+    stamp = meta.array("stamp")[cand]
+    ok &= (stamp >= 0) & (stamp < STAMP_LIMIT)
+    del stamp
     if arena is not None:
         ok &= (flags & HAS_CHECKSUM) != 0
     cand, flags = cand[ok], flags[ok]

@@ -261,7 +261,11 @@ class HostPool:
         if reason is not None:
             self.adopted = AdoptResult(False, reason, 0, 0, 0, 0.0, gen)
             return
-        scan = scan_rows(pm, pages.slots.usable_per_extent(), pages.keys, arena)
+        ready = np.flatnonzero(pm.array("state") == PageState.READY)
+        holding = np.zeros(layout.n_extents, dtype=bool)
+        holding[ready // layout.per_extent] = True
+        del ready
+        scan = scan_rows(pm, pages.slots.usable_per_extent(holding), pages.keys, arena)
         pages.adopt_rows(scan.slots, scan.ready, scan.parents)
         self._lookups.rebuild()
         self.adopted = AdoptResult(

@@ -335,15 +335,20 @@ def write_owner_tag(view: memoryview, runtime_dir: str | Path) -> None:
 
 
 def read_owner_tag(head: bytes) -> Path | None:
-    """Return the runtime directory recorded in ``head`` (the file's first bytes), or None."""
+    """Return the runtime directory recorded in ``head`` (the file's first bytes), or None:
+    also for a tag no daemon writes (not an absolute path, a NUL byte, not UTF-8), as anyone
+    may write a file of this name into a shared ``/dev/shm``."""
     start = OWNER_TAG_OFFSET + len(OWNER_TAG_MAGIC)
     if len(head) < start + _TAG_LEN.size or head[OWNER_TAG_OFFSET:start] != OWNER_TAG_MAGIC:
         return None
     (n,) = _TAG_LEN.unpack_from(head, start)
     raw = head[start + _TAG_LEN.size : start + _TAG_LEN.size + n]
-    if n == 0 or n > OWNER_TAG_MAX or len(raw) != n:
+    if n == 0 or n > OWNER_TAG_MAX or len(raw) != n or b"\0" in raw or raw[:1] != b"/":
         return None
-    return Path(os.fsdecode(raw))
+    try:
+        return Path(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        return None
 
 
 _libc = ctypes.CDLL(None, use_errno=True)

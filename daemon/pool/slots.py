@@ -196,15 +196,19 @@ class SlotAllocator:
             dtype=np.int64,
         )
 
-    def usable_per_extent(self) -> np.ndarray:
-        """Register the class of every extent the persistent table names (smallest page
-        size first) and return, per extent, how many slots its class cuts (0 for a free
-        extent or one whose page size cannot be a class). For adoption."""
+    def usable_per_extent(self, holding: np.ndarray) -> np.ndarray:
+        """Register the class of every extent the persistent table names that ``holding``
+        (a bool per extent: it holds a READY row) marks, smallest page size first, and
+        return, per extent, how many slots its class cuts (0 for a free extent, one that
+        holds no READY row, or one whose page size cannot be a class). For adoption: an
+        extent left with no page is freed by :meth:`rebuild` and registers no class, so
+        page sizes of the past never use up the classes the pool takes
+        (``MAX_NEW_CLASSES``)."""
         pbs = np.frombuffer(self.ext_bytes, dtype=np.int64)
         usable = np.zeros(self.n_extents, dtype=np.int64)
-        for pb in sorted(set(pbs[pbs > 0].tolist())):
+        for pb in sorted(set(pbs[(pbs > 0) & holding].tolist())):
             if round_up(pb, self.align) <= self.extent_bytes:
-                usable[pbs == pb] = self.classes[self.register_class(pb)].n
+                usable[(pbs == pb) & holding] = self.classes[self.register_class(pb)].n
         del pbs
         return usable
 
