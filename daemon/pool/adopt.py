@@ -16,7 +16,7 @@ from typing import Any, cast
 
 import numpy as np
 import xxhash
-from kvtier.daemon.pool.layout import HAS_CHECKSUM, KEY_BYTES, NIL, IdTable
+from kvtier.daemon.pool.layout import HAS_CHECKSUM, KEY_BYTES, NIL
 from kvtier.daemon.pool.meta import PoolMeta
 from kvtier.daemon.pool.records import HostPoolError, PageState
 from kvtier.daemon.pool.seals import seals
@@ -56,10 +56,8 @@ def scan_rows(
     """Decide which rows survive an adoption, leave only those non-FREE, and index them.
 
     A row is adopted when it is READY; its extent's class cuts its slot (``usable``)
-    and matches its payload length; its key fits; its namespace and owner are ids the
-    file's tables hold (an id no fingerprint holds would be handed to the next new
-    namespace, its pages with it); its access stamp is in ``[0, STAMP_LIMIT)`` (the pool's
-    clock continues from the largest); its seal matches its key,
+    and matches its payload length; its key fits; its access stamp is in ``[0,
+    STAMP_LIMIT)`` (the pool's clock continues from the largest); its seal matches its key,
     namespace and checksum; with ``arena``, it has a checksum and its payload still
     hashes to it; and no more recent READY row holds the same key in the same
     namespace (of equally recent ones, the lowest slot). Every other non-FREE row
@@ -100,8 +98,6 @@ def scan_rows(
     flags = meta.array("flags")[cand]
     ok = (cand - e * per < usable[e]) & (meta.array("length")[cand] == pbs[e])
     ok &= meta.array("key_len")[cand] <= KEY_BYTES
-    ok &= np.isin(meta.array("ns")[cand], list(meta.ids(IdTable.NAMESPACES).values()))
-    ok &= np.isin(meta.array("owner")[cand], [0, *meta.ids(IdTable.OWNERS).values()])
     stamp = meta.array("stamp")[cand]
     ok &= (stamp >= 0) & (stamp < STAMP_LIMIT)
     del stamp

@@ -256,6 +256,9 @@ class HostPool:
         for page_bytes in classes:
             self.register_class(page_bytes)
         self.adopted = None
+        # ids adopted pages carry that their table does not hold: never given to a new
+        # namespace or tenant, which would be served those pages (only damage makes them)
+        self._stray_ids: dict[IdTable, frozenset[int]] = {t: frozenset() for t in IdTable}
         if private:
             return
         if reason is not None:
@@ -267,6 +270,7 @@ class HostPool:
         del ready
         scan = scan_rows(pm, pages.slots.usable_per_extent(holding), pages.keys, arena)
         pages.adopt_rows(scan.slots, scan.ready, scan.parents)
+        self._stray_ids = {t: _stray_ids(pm, t, scan.slots) for t in IdTable}
         self._lookups.rebuild()
         self.adopted = AdoptResult(
             True,
@@ -454,8 +458,9 @@ class HostPool:
                 namespaces that hold pages or are in use.
         """
         meta = self._pages.meta
+        stray = self._stray_ids[IdTable.NAMESPACES]
         try:
-            return meta.id_of(IdTable.NAMESPACES, fingerprint)
+            return meta.id_of(IdTable.NAMESPACES, fingerprint, stray)
         except HostPoolError as err:
             if len(fingerprint) != DIGEST_BYTES:
                 raise
@@ -465,7 +470,7 @@ class HostPool:
                     f"{err}: every namespace in it holds pages or has an open session"
                 ) from err
             meta.release_id(IdTable.NAMESPACES, idle)
-            return meta.id_of(IdTable.NAMESPACES, fingerprint)
+            return meta.id_of(IdTable.NAMESPACES, fingerprint, stray)
 
     def _idle_namespace(self, in_use: set[int]) -> int | None:
         """The lowest namespace id no page (in any state) and nothing in ``in_use`` has."""
@@ -486,7 +491,9 @@ class HostPool:
         """Return the owner id of ``tenant``, registering it if new: 1, 2, ... in
         registration order, persistent like :meth:`namespace_id` (the table holds a
         SHA-256 of the name). Raises HostPoolError when the table is full."""
-        return self._pages.meta.id_of(IdTable.OWNERS, tenant_digest(tenant))
+        return self._pages.meta.id_of(
+            IdTable.OWNERS, tenant_digest(tenant), self._stray_ids[IdTable.OWNERS]
+        )
 
     # ------------------------------------------------------------- eviction
 
@@ -613,3 +620,15 @@ class HostPool:
         """Return the evictable slots, cold end first, walking the global list or
         ``owner``'s list. O(pages): for admin views and tests."""
         return self._pages.evictor.lru.walk(owner)
+
+
+def _stray_ids(meta: PoolMeta, table: IdTable, slots: np.ndarray) -> frozenset[int]:
+    """The ids of ``table`` (namespaces: the ``ns`` column; owners: ``owner``) that the
+    adopted rows ``slots`` carry and the table does not hold."""
+    col = meta.array("ns" if table is IdTable.NAMESPACES else "owner")
+    try:
+        # with counts: np.unique alone imports numpy.ma, start-up time
+        carried = set(np.unique(col[slots], return_counts=True)[0].tolist())
+    finally:
+        del col
+    return frozenset(carried - set(meta.ids(table).values()) - {0})

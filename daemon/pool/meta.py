@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Container
 from typing import Any
 
 import numpy as np
@@ -154,9 +155,10 @@ class PoolMeta:
         """Return a copy of ``digest -> id`` of ``table`` (ids are 1-based)."""
         return dict(self._id_cache[table])
 
-    def id_of(self, table: IdTable, digest: bytes) -> int:
+    def id_of(self, table: IdTable, digest: bytes, avoid: Container[int] = ()) -> int:
         """Return the id of ``digest`` in ``table``, appending it if new (digest bytes
-        first, used flag last, so a crash never leaves a half-written entry in use).
+        first, used flag last, so a crash never leaves a half-written entry in use) in the
+        first free entry whose id is not in ``avoid``.
 
         Raises:
             HostPoolError: the digest is not :data:`DIGEST_BYTES` long or the table is full.
@@ -168,7 +170,10 @@ class PoolMeta:
         if len(digest) != DIGEST_BYTES:
             raise HostPoolError(f"an id digest must have {DIGEST_BYTES} bytes, got {len(digest)}")
         used = self._used[table]
-        i = used.tobytes().find(b"\x00")
+        flags = used.tobytes()
+        i = flags.find(b"\x00")
+        while i >= 0 and i + 1 in avoid:
+            i = flags.find(b"\x00", i + 1)
         if i < 0:
             raise HostPoolError(
                 f"the {table.name.lower()} table is full ({self.layout.id_capacity} entries)"

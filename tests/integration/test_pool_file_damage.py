@@ -94,9 +94,9 @@ def test_a_namespace_entry_freed_in_the_table_does_not_give_its_pages_to_another
     """Pages are stored under a namespace id; the namespace table of the pool file maps
     fingerprints (model, tenant, geometry...) to those ids. When that table no longer names
     the id (its entry's used flag cleared, as a stray write or a torn release leaves it),
-    the rows that carry the id belong to no namespace: adoption drops them, so the next
-    namespace to register (another model here; another tenant alike, since the tenant is in
-    the fingerprint), which may be given that id, is never served the other's bytes."""
+    the rows that carry the id belong to no namespace, and the id is never given to the
+    next namespace to register (another model here; another tenant alike, since the tenant
+    is in the fingerprint): it is never served the other's bytes."""
     d = daemon_factory()
     pool, conn = engine(d.runtime_dir, model="model-a")
     try:
