@@ -15,7 +15,9 @@ changes to sessions, counters and the pool; a loop that does not answer within
 ``snapshot_timeout_s`` costs that scrape its snapshot series (the histograms are still
 served and ``kvtier_metrics_snapshot_failures_total`` counts the failure).
 
-Which snapshot key becomes which series is :mod:`~kvtier.daemon.service.metric_families`.
+Which snapshot key becomes which series is :mod:`~kvtier.daemon.service.metric_families`;
+the HTTP server, and what bounds the cost of each client, is
+:mod:`~kvtier.daemon.service.metrics_http`.
 Every name, type and label is documented in ``docs/metrics.md``.
 
 Typical use in the daemon::
@@ -42,8 +44,8 @@ from kvtier.config import ConfigError
 
 try:
     from kvtier.daemon.service.metric_families import SnapshotCollector
+    from kvtier.daemon.service.metrics_http import MetricsHTTPServer, serve_metrics
     from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-    from prometheus_client.exposition import start_http_server
 except ImportError as _err:  # the optional ``metrics`` extra is not installed
     _IMPORT_ERROR: ImportError | None = _err
 else:
@@ -152,7 +154,7 @@ class DaemonMetrics:
         self._timeout_s = snapshot_timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
-        self._server: Any = None
+        self._server: MetricsHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(SnapshotCollector(self._take_snapshot))
@@ -210,7 +212,10 @@ class DaemonMetrics:
     def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Serve ``/metrics`` over HTTP on ``host:port`` from a daemon thread.
 
-        Call it from the daemon's event loop so that snapshots are taken there.
+        Call it from the daemon's event loop so that snapshots are taken there. Each
+        client costs a bounded share of the daemon: a connection silent for
+        ``CONNECTION_TIMEOUT_S`` is closed, and at most ``MAX_CONNECTIONS`` are served at
+        once (see :mod:`~kvtier.daemon.service.metrics_http`).
 
         Args:
             host: bind address; loopback by default (the endpoint has no authentication).
@@ -231,7 +236,7 @@ class DaemonMetrics:
         except RuntimeError:
             self._loop, self._loop_thread = None, 0
         try:
-            self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+            self._server, self._thread = serve_metrics(host, port, self.registry)
         except OSError as err:
             raise MetricsError(
                 f"cannot serve metrics on {host}:{port} (metrics_host / "
