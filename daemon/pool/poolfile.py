@@ -48,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier.config.errors import KvtierError
+from kvtier.config.errors import ConfigError, KvtierError
 from kvtier.config.sizes import format_size
 from kvtier.ipc.shm import SharedMemorySegment
 import contextlib
@@ -60,15 +60,18 @@ __all__ = [
     "OWNER_TAG_OFFSET",
     "POPULATE_STEP",
     "PoolFileError",
+    "PoolSettingError",
     "PoolSpaceError",
     "Refusal",
     "check_pool_stat",
     "create_pool_segment",
     "discard_pool_file",
     "free_bytes",
+    "memory_limit",
     "open_pool_segment",
     "populate",
     "read_owner_tag",
+    "total_bytes",
     "write_owner_tag",
 ]
 
@@ -97,6 +100,13 @@ class PoolFileError(KvtierError):
 class PoolSpaceError(PoolFileError):
     """Not enough room for a new pool file (the message names ``hicache_size``, the
     directory and its free space)."""
+
+
+class PoolSettingError(PoolSpaceError, ConfigError):
+    """A pool no start can create: ``hicache_size`` larger than the whole file system of
+    ``pool_dir``, or a ``pool_dir`` that does not exist. A :class:`ConfigError` (kvtierd
+    exits 2, which systemd does not restart), where too little *free* space is not: others
+    may free it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,12 +276,29 @@ def create_pool_segment(
     """
     path = str(path)
     free = free_bytes(Path(path).parent)
+    total = total_bytes(Path(path).parent)
+    if total is not None and total < size:
+        raise PoolSettingError(
+            _space_message(path, size, capacity, free, f"{format_size(total)} in all")
+        )
     if free is not None and free < size:
         raise PoolSpaceError(_space_message(path, size, capacity, free, "too little space"))
+    limit = memory_limit()
+    if limit is not None and limit[0] < size:
+        raise PoolSettingError(
+            f"cannot create the host pool: hicache_size = {format_size(capacity)} needs a "
+            f"{format_size(size)} pool file, charged to kvtierd's memory cgroup, whose limit "
+            f"is {format_size(limit[0])} ({limit[1]}); lower hicache_size or raise the limit"
+        )
     try:
         fd = os.open(
             path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, POOL_MODE
         )
+    except FileNotFoundError as err:
+        raise PoolSettingError(
+            f"pool_dir {os.path.dirname(path) or '.'!r} does not exist: cannot create the "
+            "pool file there"
+        ) from err
     except OSError as err:
         raise PoolFileError(f"cannot create the pool file {path}: {err.strerror}") from err
     try:
@@ -307,6 +334,52 @@ def create_pool_segment(
     finally:
         if fd >= 0:
             os.close(fd)
+
+
+_UNLIMITED = 1 << 60
+"""cgroup v1 writes "no limit" as a number near 2**63."""
+
+
+def memory_limit(proc_cgroup: str | Path = "/proc/self/cgroup") -> tuple[int, str] | None:
+    """The memory limit of this process's cgroup: the smallest set on its path up (cgroup
+    v2 ``memory.max``, v1 ``memory.limit_in_bytes``), and the file that sets it; None
+    without one. A pool file's pages (tmpfs) are charged to the cgroup of the process that
+    touches them first: in a container with a memory limit (a Kubernetes pod), a pool
+    larger than it would have kvtierd killed by the kernel, without a word."""
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    best: tuple[int, str] | None = None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[1] == "":
+            root, name = Path("/sys/fs/cgroup"), "memory.max"
+        elif "memory" in parts[1].split(","):
+            root, name = Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes"
+        else:
+            continue
+        where = Path(parts[2])
+        for d in (where, *where.parents):
+            f = root / str(d).lstrip("/") / name
+            try:
+                value = int(f.read_text().strip())
+            except (OSError, ValueError):  # none here, or "max"
+                continue
+            if value < _UNLIMITED and (best is None or value < best[0]):
+                best = (value, str(f))
+    return best
+
+
+def total_bytes(directory: str | Path) -> int | None:
+    """Bytes of the whole file system ``directory`` is on (None if unknown)."""
+    try:
+        vfs = os.statvfs(directory)
+    except OSError:
+        return None
+    return vfs.f_blocks * vfs.f_frsize
 
 
 def free_bytes(directory: str | Path) -> int | None:

@@ -175,7 +175,8 @@ class DaemonLock:
 
         Raises:
             DaemonRunningError: another process holds it (the message names its pid).
-            RuntimeDirError: the lock file cannot be opened or is not a regular file.
+            RuntimeDirError: the lock file cannot be opened or written, or is not a regular
+                file.
         """
         assert self._fd < 0, "the lock is held already"
         try:
@@ -189,8 +190,13 @@ class DaemonLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 raise DaemonRunningError(self.rdir, _read_pid(fd)) from None
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            except OSError as err:  # a full file system, a quota
+                raise RuntimeDirError(
+                    f"cannot write the lock file {self.path}: {err.strerror}"
+                ) from err
         except BaseException:
             os.close(fd)
             raise

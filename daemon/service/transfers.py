@@ -512,11 +512,11 @@ class Transfers:
             if status == copy_threads.SHORT:
                 at = pages + (split.first(job) if split is not None else 0)
                 log.error(
-                    "transfer session=%d slot=%d failed: engine memory: page %d of a region "
-                    "is gone (the engine shrank its memfd)",
+                    "transfer session=%d slot=%d failed at page %d: %s",
                     t.session_id,
                     t.slot,
                     int(t.page_ids[at]) if 0 <= at < len(t.page_ids) else -1,
+                    self._fault_cause(),
                 )
             if split is not None:
                 status = split.ended(status)
@@ -533,6 +533,23 @@ class Transfers:
                 self._settle(s, t, t.status is TransferStatus.DONE)
             except Exception:  # a bug: the others that ended are still settled
                 log.exception("settling transfer session=%d slot=%d failed", s.session_id, t.slot)
+
+    def _fault_cause(self) -> str:
+        """Why a copy faulted on a page: the host pool's file system could not back it (a
+        pool not pre-faulted whose ``pool_dir`` filled up), else the engine's memory is
+        gone (only an unsealed memfd can shrink)."""
+        cfg = self.ctx.cfg
+        if not cfg.prefault:
+            try:
+                vfs = os.statvfs(cfg.pool_dir)
+            except OSError:
+                vfs = None
+            if vfs is not None and vfs.f_bavail * vfs.f_frsize < cfg.extent_size:
+                return (
+                    f"the host pool: pool_dir {str(cfg.pool_dir)!r} has no space left to back "
+                    "its pages (prefault is off)"
+                )
+        return "engine memory: a page of a region is gone (the engine shrank its memfd)"
 
     def _submit(self, s: Session, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         """Queue ``fn(*args)`` on the copy threads, in the turn of ``s``'s user when they

@@ -302,8 +302,9 @@ def _copy_table(
         )
         if done < (b - a) * n:
             raise RegionIOError(
-                f"engine memory: page {int(page_ids[done % n])} of a region is "
-                "gone (the engine shrank its memfd)"
+                f"page {int(page_ids[done % n])} could not be copied: a page of the engine's "
+                "memory is gone (its memfd shrank), or of the host pool (its pool_dir is "
+                "full, with prefault off)"
             )
         if layers and b < len(rows):
             block.layer_done(t.slot, layers)

@@ -8,6 +8,7 @@ plans each batch under one lock (the index: :mod:`.index`), then runs its I/O ou
 from __future__ import annotations
 
 import asyncio
+import errno
 import fcntl
 import logging
 import os
@@ -84,6 +85,9 @@ class FileBackend(StorageBackend):
         self._arena: HostArena | None = None
         self._fds: list[int] = []  # every open fd: closed by close(), or at collection
         self._slots = SlotIndex(self.config.capacity, self.config.segment_bytes)
+        # why a segment could not be created for want of disk (ENOSPC, EDQUOT), until one
+        # is created or a page written again: the store is unhealthy meanwhile
+        self._disk_full: str | None = None
         weakref.finalize(self, close_fds, self._fds)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -134,9 +138,18 @@ class FileBackend(StorageBackend):
         close_fds(self._fds)
 
     async def health(self) -> bool:
-        """Return True while open and the store directory is writable."""
+        """Return True while open, the store directory is writable and its file system had
+        room for the segment the store last needed (or has room for one now)."""
         if self._arena is None or self._gate.closed:
             return False
+        if self._disk_full is not None:
+            try:
+                vfs = os.statvfs(self.config.path)
+            except OSError:
+                return False
+            if vfs.f_bavail * vfs.f_frsize < self.config.segment_bytes:
+                return False
+            self._disk_full = None  # room again: the next put creates its segment
         return os.access(self.config.path, os.W_OK | os.X_OK)
 
     # -- segments --------------------------------------------------------------------------
@@ -166,11 +179,21 @@ class FileBackend(StorageBackend):
         seq, count = reservation
         try:
             seg = self._open_segment(seq, slot, count, create=True)
-        except OSError:
+        except OSError as err:
             with self._lock:
                 self._slots.unreserve(slot, count)
                 self.stats.errors += 1
+            if err.errno in (errno.ENOSPC, errno.EDQUOT):
+                if self._disk_full is None:
+                    _log.warning(
+                        "file backend: path=%r: cannot create a segment of %d bytes: %s",
+                        str(self.config.path),
+                        count * slot,
+                        err.strerror,
+                    )
+                self._disk_full = err.strerror or str(err)
             return False
+        self._disk_full = None
         with self._lock:
             self._slots.add_segment(seg, fresh_slots(seg), reserved=True)
         return True
@@ -285,6 +308,8 @@ class FileBackend(StorageBackend):
             if reservation is not None:
                 may_grow = self._grow(size, reservation)
         written = self._write(arena, ns, keys, offsets, length, plan)
+        if any(written.values()):
+            self._disk_full = None  # pages fit again (a slot freed by eviction)
         planned = dict(plan)
         with self._lock:
             for seg in touched:

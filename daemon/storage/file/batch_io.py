@@ -106,8 +106,9 @@ def read_runs(
 
     Returns:
         ``(found, bad, errors)``: one flag per key of the batch (True: read and verified),
-        the key indexes of planned objects that did not verify, and how many planned keys
-        an I/O error kept from being read.
+        the key indexes of planned objects that were read and did not verify, or whose
+        payload the file no longer holds (damaged: the caller deletes them), and how many
+        planned keys an I/O error kept from being read (such an object stays).
     """
     found = [False] * len(keys)
     bad: list[int] = []
@@ -140,10 +141,29 @@ def read_runs(
             length,
             [slot.dpos for _, slot, _ in wanted],
         )
-        for (i, _, expected), checksum in zip(wanted, sums):
-            found[i] = checksum == expected
-        bad.extend(i for i, _ in run if not found[i])
+        unread: set[int] = set()
+        size: int | None = None
+        for (i, slot, expected), checksum in zip(wanted, sums):
+            if checksum is None:  # a failed read: damage only where the file lost the
+                if size is None:  # payload (cut short); an I/O error, or an arena that
+                    size = _size(fd)  # cannot take the bytes (a full pool_dir), is a miss
+                if size < slot.dpos + length:
+                    continue
+                unread.add(i)
+            else:
+                found[i] = checksum == expected
+        errors += len(unread)
+        bad.extend(i for i, _ in run if not found[i] and i not in unread)
     return found, bad, errors
+
+
+def _size(fd: int) -> int:
+    """The file's size; its largest possible one when it cannot be read (nothing it holds
+    is then taken for cut short)."""
+    try:
+        return os.fstat(fd).st_size
+    except OSError:
+        return 1 << 62
 
 
 def wipe_headers(slots: list[Slot]) -> int:

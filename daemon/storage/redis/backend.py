@@ -205,7 +205,9 @@ class RedisBackend(StorageBackend):
         if values is None:
             self.stats.misses += len(keys)
             return [False] * len(keys)
-        landing = functools.partial(land, arena.view, ns, keys, offsets, length, values)
+        landing = functools.partial(
+            land, arena.view, ns, keys, offsets, length, values, arena.address
+        )
         if length * len(keys) <= _INLINE_BYTES:
             flags, missing, corrupt, faults = landing()
         else:

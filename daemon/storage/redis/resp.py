@@ -11,7 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 from kvtier.daemon.storage.objects import HEADER_SIZE, verify_object
+from kvtier.kernels import guarded_copy
 
 __all__ = ["bulk", "command", "land"]
 
@@ -33,6 +35,7 @@ def land(
     offsets: Sequence[int],
     length: int,
     values: Sequence[Any],
+    address: int | None = None,
 ) -> tuple[list[bool], int, list[int], list[BaseException]]:
     """Verify each value read and copy its payload into the arena.
 
@@ -40,10 +43,14 @@ def land(
         view: the arena.
         ns, keys, offsets, length: the get batch.
         values: one reply per key: the value, None (absent) or the server's error.
+        address: the arena's address: the payloads are then copied by the guarded copy
+            (:func:`~kvtier.kernels.guarded_copy.copy_pages`) when it is in use, so that
+            an arena page its file system cannot back (a pool not pre-faulted whose
+            ``pool_dir`` filled up) is a miss, not the daemon's end by SIGBUS.
 
     Returns:
-        (flags, missing, corrupt, faults): one flag per key, how many keys were absent,
-        the indexes of the values that did not verify, and the per-command errors the
+        (flags, missing, corrupt, faults): one flag per key, how many keys were absent
+        (or could not land in the arena), the indexes of the values that did not verify, and the per-command errors the
         server sent.
         Counters go back to the caller, which owns ``stats`` on the event loop.
     """
@@ -52,6 +59,8 @@ def land(
     corrupt: list[int] = []
     faults: list[BaseException] = []
     size = HEADER_SIZE + length
+    guarded = address is not None and guarded_copy.available()
+    copies: list[tuple[int, int, bytes]] = []  # (key index, arena offset, value), guarded
     for i, (key, off, value) in enumerate(zip(keys, offsets, values)):
         if value is None:
             missing += 1
@@ -66,6 +75,17 @@ def land(
             corrupt.append(i)
             flags.append(False)
             continue
+        if guarded:
+            copies.append((i, off, value))
+            flags.append(False)  # set once copied
+            continue
         view[off : off + length] = data[HEADER_SIZE:]
         flags.append(True)
+    if copies:
+        assert address is not None
+        srcs = [np.frombuffer(v, dtype=np.uint8).ctypes.data + HEADER_SIZE for _, _, v in copies]
+        done = guarded_copy.copy_pages([address + off for _, off, _ in copies], srcs, length)
+        for i, _, _ in copies[:done]:  # a page that faulted, and those after it, are misses
+            flags[i] = True
+        missing += len(copies) - done
     return flags, missing, corrupt, faults
