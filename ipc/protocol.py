@@ -74,7 +74,22 @@ from kvtier.ipc.packed import (  # re-exported: P.pack_keys, P.PackedKeyList, ..
     split_keys,
 )
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+"""The protocol this build speaks (REGISTER's ``protocol_version``; HEALTH tells it).
+
+1. The first: engine memory named by path, then handed over as descriptors on the
+   handover socket; LOAD/STORE without ``deadline_ns``, PREFETCH's reply without
+   ``coming``.
+2. A client counts on the daemon honouring LOAD's and STORE's ``deadline_ns`` (an
+   unanswered LOAD's pages are the engine's again: a daemon that ignored it could copy
+   into them later) and on PREFETCH's reply saying what is ``coming``.
+
+A daemon serves clients of every version in :data:`SERVED_PROTOCOL_VERSIONS` (an older
+client never sends what it does not know, and the daemon answers it as it expects); a
+client registers only with a daemon of its own version, which refuses it otherwise
+(PROTOCOL_VERSION, naming both), so upgrade kvtierd before the engines."""
+SERVED_PROTOCOL_VERSIONS = frozenset({1, 2})
+"""Versions of the clients a daemon of this build registers."""
 
 
 class ErrorCode(enum.IntEnum):
@@ -403,7 +418,7 @@ class HealthReply(_Rep, tag="health_reply", kw_only=True):
 
     status: str
     sessions: int
-    protocol_version: int = PROTOCOL_VERSION
+    protocol_version: int = 1  # absent: a daemon that predates the field speaks version 1
 
 
 class FlushReply(_Rep, tag="flush_reply", kw_only=True):

@@ -185,17 +185,42 @@ class DaemonChannel:
         Raises:
             DaemonUnavailable: no daemon answers on the handover socket.
             DaemonError: BAD_MEMORY, the daemon refused the handover (its reason); BUSY,
-                it stayed at a limit until ``request_timeout_s`` (the limit's name).
+                it stayed at a limit until ``request_timeout_s`` (the limit's name);
+                PROTOCOL_VERSION, no handover socket answers but a daemon of another
+                protocol answers the control socket.
         """
         try:
             return hand_over(path, token, fds, self.request_timeout_s)
         except HandoverUnavailable as err:
+            if not os.path.exists(path):  # no such socket: a daemon of another protocol?
+                self._check_version()
             self.mark_down()
             raise DaemonUnavailable(str(err)) from err
         except HandoverBusy as err:
             raise DaemonError(P.ErrorCode.BUSY, str(err)) from err
         except HandoverError as err:
             raise DaemonError(P.ErrorCode.BAD_MEMORY, str(err)) from err
+
+    def _check_version(self) -> None:
+        """Ask the control socket's daemon (if one answers, within ``request_timeout_s``)
+        which protocol it speaks.
+
+        Raises:
+            DaemonError: PROTOCOL_VERSION, naming both versions, when it speaks another
+                one: it is running, and this client cannot register with it (engines take
+                :class:`DaemonUnavailable` for a daemon that is away, to try again later).
+        """
+        try:
+            rep = self.call(P.Health(req_id=0), raw=True)
+        except DaemonUnavailable:
+            return
+        if isinstance(rep, P.HealthReply) and rep.protocol_version != P.PROTOCOL_VERSION:
+            raise DaemonError(
+                P.ErrorCode.PROTOCOL_VERSION,
+                f"kvtierd at {self.endpoint} speaks protocol {rep.protocol_version}; this "
+                f"client speaks {P.PROTOCOL_VERSION}: upgrade kvtierd (it registers clients "
+                "of older versions too)",
+            )
 
     def close(self) -> None:
         """Close the socket (unsent requests dropped) and end the ZeroMQ context. Idempotent."""

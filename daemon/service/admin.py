@@ -189,7 +189,11 @@ class Admin:
             else "degraded: " + "; ".join(problems)
         )
         return P.HealthReply(
-            req_id=m.req_id, epoch=ctx.epoch, status=status, sessions=len(ctx.sessions)
+            req_id=m.req_id,
+            epoch=ctx.epoch,
+            status=status,
+            sessions=len(ctx.sessions),
+            protocol_version=P.PROTOCOL_VERSION,
         )
 
     # ------------------------------------------------------------------ STATS

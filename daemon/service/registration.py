@@ -136,11 +136,12 @@ class Registration:
     def _check_register(self, m: P.Register) -> str:
         """A REGISTER's fields (not yet its memory); returns the tenant it authenticated as."""
         ctx, cfg = self.ctx, self.ctx.cfg
-        if m.protocol_version != P.PROTOCOL_VERSION:
+        if m.protocol_version not in P.SERVED_PROTOCOL_VERSIONS:
             raise RequestError(
                 P.ErrorCode.PROTOCOL_VERSION,
                 f"protocol_version = {m.protocol_version!r}; this daemon speaks "
-                f"{P.PROTOCOL_VERSION}",
+                f"{P.PROTOCOL_VERSION} and registers clients of versions "
+                f"{', '.join(map(str, sorted(P.SERVED_PROTOCOL_VERSIONS)))}",
             )
         if m.memory.kind == "shm":
             raise RequestError(P.ErrorCode.BAD_MEMORY, NAMES_REFUSED)

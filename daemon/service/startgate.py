@@ -86,7 +86,13 @@ class StartGate:
         except (msgspec.DecodeError, msgspec.ValidationError):
             msg = None  # the dispatcher answers it (BAD_MESSAGE) and counts it
         if isinstance(msg, P.Health):
-            return P.HealthReply(req_id=msg.req_id, epoch=self.epoch, status=STARTING, sessions=0)
+            return P.HealthReply(
+                req_id=msg.req_id,
+                epoch=self.epoch,
+                status=STARTING,
+                sessions=0,
+                protocol_version=P.PROTOCOL_VERSION,
+            )
         if len(self.held) >= MAX_HELD or self.held_bytes + len(body) > MAX_HELD_BYTES:
             return P.ErrorReply(
                 req_id=P.peek_req_id(body),

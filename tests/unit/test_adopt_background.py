@@ -37,7 +37,9 @@ def no_peer() -> PeerCred | None:
 def test_health_is_answered_at_once_as_starting():
     gate = StartGate(EPOCH)
     rep = gate.handle(b"id", P.encode(P.Health(req_id=7)), no_peer)
-    assert rep == P.HealthReply(req_id=7, epoch=EPOCH, status=STARTING, sessions=0)
+    assert rep == P.HealthReply(
+        req_id=7, epoch=EPOCH, status=STARTING, sessions=0, protocol_version=P.PROTOCOL_VERSION
+    )
     assert gate.held == []
 
 
