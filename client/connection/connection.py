@@ -25,7 +25,6 @@ connection re-register by itself.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import os
@@ -146,7 +145,11 @@ class Connection:
         self._cuda: CudaLayerWaiter | None = None
         self._closed = False
         self._hb_stop = threading.Event()
+        self._hb_wake = threading.Event()  # stop, or abandoned slots to release
         self._hb: threading.Thread | None = None
+        # (block, slot) of transfers given up on, whose RELEASE the heartbeat thread sends
+        self._to_release: list[tuple[CompletionBlock, int]] = []
+        self._release_lock = threading.Lock()
         self._finalizer = weakref.finalize(self, _leaked, self._channel.context, self.endpoint)
         if register:
             try:
@@ -230,9 +233,20 @@ class Connection:
             waiter.close()
 
     def _heartbeat_loop(self) -> None:
-        while not self._hb_stop.wait(self.config.heartbeat_interval_s):
+        """Send a HEARTBEAT every ``heartbeat_interval_s``, and the RELEASE of transfers
+        given up on (:meth:`_abandon`) as soon as there are some, until :meth:`close`."""
+        interval = self.config.heartbeat_interval_s
+        beat = time.monotonic() + interval
+        while not self._hb_stop.is_set():
+            self._hb_wake.wait(max(0.0, beat - time.monotonic()))
+            self._hb_wake.clear()
+            if self._hb_stop.is_set():
+                return
             try:
-                self._session_call(lambda sid: P.Heartbeat(req_id=0, session_id=sid), P.Ack)
+                self._release_abandoned()
+                if time.monotonic() >= beat:
+                    beat = time.monotonic() + interval
+                    self._session_call(lambda sid: P.Heartbeat(req_id=0, session_id=sid), P.Ack)
             except (DaemonUnavailable, DaemonError, replies.UnexpectedReply) as err:
                 log.debug("heartbeat: %s", err)
             except zmq.ZMQError as err:  # the context was destroyed under us (interpreter exit)
@@ -551,20 +565,36 @@ class Connection:
                 self._slots.done(slot, seq, status)
 
     def _abandon(self, h: TransferHandle) -> None:
-        """A transfer timed out: ask the daemon to cancel it; its slot waits in limbo.
-        A handle of an earlier registration is left alone: cancelling its slot number now
-        would cancel whatever transfer of the new session uses it."""
+        """A transfer timed out: its slot waits in limbo at once, and the heartbeat thread
+        asks the daemon to cancel it (RELEASE), so the caller (an engine's forward pass)
+        never waits for it: a daemon that let the wait time out may not answer that either,
+        and the connection's lock may be held by a request to it meanwhile. A handle of an
+        earlier registration is left alone: cancelling its slot number now would cancel
+        whatever transfer of the new session uses it."""
+        block = h.block
+        if block is None or block is not self._block:
+            return
+        self._slots.abandon(h.slot, h.seq)
+        with self._release_lock:
+            self._to_release.append((block, h.slot))
+        self._hb_wake.set()
+
+    def _release_abandoned(self) -> None:
+        """Send the RELEASE of the transfers :meth:`_abandon` gave up on (those of the
+        current registration: after a re-registration there is nothing to cancel)."""
+        with self._release_lock:
+            pending, self._to_release = self._to_release, []
+        if not pending:
+            return
+
+        def make(sid: int) -> P.Request:  # after a re-registration, if one happens first
+            return P.Release(
+                req_id=0, session_id=sid, slots=[s for b, s in pending if b is self._block]
+            )
+
         with self._lock:
-            if h.block is not self._block:
-                return
-            self._slots.abandon(h.slot, h.seq)
-            with contextlib.suppress(DaemonUnavailable, DaemonError, replies.UnexpectedReply):
-                self._session_call(  # nothing to cancel if it re-registers first
-                    lambda sid: P.Release(
-                        req_id=0, session_id=sid, slots=[h.slot] if h.block is self._block else []
-                    ),
-                    P.Ack,
-                )
+            if any(b is self._block for b, _ in pending):
+                self._session_call(make, P.Ack)
 
     def release(self, handles: Sequence[TransferHandle]) -> None:
         """Cancel transfers that are still running (their pins drop when they stop)."""
@@ -594,6 +624,7 @@ class Connection:
         if self._closed:
             return
         self._hb_stop.set()
+        self._hb_wake.set()
         if self._hb is not None and self._hb is not threading.current_thread():
             self._hb.join(timeout=self.config.request_timeout_s + 1)
         with self._lock:

@@ -7,10 +7,14 @@ or the request's reply never came) and the daemon may still be writing to it. A 
 is reused only once the block shows that transfer no longer running (another sequence number
 there, or a final status), so a late write never lands in a newer transfer's slot.
 
-Not locked: the connection calls it under its own lock.
+Locked by its own lock, held for a few dictionary and list steps: an engine's thread that
+gives a transfer up marks its slot without waiting for the connection's lock, which a
+request to a daemon that does not answer may hold for ``request_timeout_s``.
 """
 
 from __future__ import annotations
+
+import threading
 
 from kvtier.ipc.completion import CompletionBlock, TransferStatus
 
@@ -25,12 +29,14 @@ class CompletionSlots:
         """Slots of the current registration's block."""
         self._free: list[int] = []
         self._limbo: dict[int, int] = {}  # slot -> seq of an abandoned transfer
+        self._lock = threading.Lock()
 
     def reset(self, count: int) -> None:
         """A new registration: ``count`` slots, all free (the daemon's block is new)."""
-        self.count = count
-        self._free = list(range(count - 1, -1, -1))
-        self._limbo.clear()
+        with self._lock:
+            self.count = count
+            self._free = list(range(count - 1, -1, -1))
+            self._limbo.clear()
 
     def take(self, block: CompletionBlock | None) -> int | None:
         """A free slot for a new transfer, or None when every slot is busy.
@@ -38,34 +44,39 @@ class CompletionSlots:
         When none is free, the slots in limbo whose transfer ``block`` shows ended are freed
         first.
         """
-        if not self._free and self._limbo and block is not None:
-            for slot, seq in list(self._limbo.items()):
-                s, _, status = block.read(slot)
-                if s != seq or status != TransferStatus.RUNNING:
-                    del self._limbo[slot]
-                    self._free.append(slot)
-        return self._free.pop() if self._free else None
+        with self._lock:
+            if not self._free and self._limbo and block is not None:
+                for slot, seq in list(self._limbo.items()):
+                    s, _, status = block.read(slot)
+                    if s != seq or status != TransferStatus.RUNNING:
+                        del self._limbo[slot]
+                        self._free.append(slot)
+            return self._free.pop() if self._free else None
 
     def give_back(self, slot: int) -> None:
         """``slot`` was taken but nothing runs in it: free again."""
-        self._free.append(slot)
+        with self._lock:
+            self._free.append(slot)
 
     def keep(self, slot: int) -> None:
         """``slot`` was taken before a re-registration reset the table: take it out of the
         new table's free slots, since a transfer of the new session now uses it."""
-        if slot in self._free:
-            self._free.remove(slot)
+        with self._lock:
+            if slot in self._free:
+                self._free.remove(slot)
 
     def abandon(self, slot: int, seq: int) -> None:
         """The transfer ``seq`` in ``slot`` was given up on; the daemon may still run it."""
-        self._limbo[slot] = seq
+        with self._lock:
+            self._limbo[slot] = seq
 
     def done(self, slot: int, seq: int, status: TransferStatus) -> None:
         """The transfer ``seq`` in ``slot`` ended with ``status`` as its handle saw it: the
         slot is free, or in limbo while the block still shows it running."""
-        if slot in self._limbo or slot in self._free:
-            return
-        if status is TransferStatus.RUNNING:
-            self._limbo[slot] = seq
-        else:
-            self._free.append(slot)
+        with self._lock:
+            if slot in self._limbo or slot in self._free:
+                return
+            if status is TransferStatus.RUNNING:
+                self._limbo[slot] = seq
+            else:
+                self._free.append(slot)

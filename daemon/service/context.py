@@ -192,6 +192,12 @@ class ServiceContext:
                 log.exception("reaper: checking session %d failed; closing it", s.session_id)
                 self._close_broken(s)
 
+    def extend_leases(self, seconds: float) -> None:
+        """Give every session's lease ``seconds`` more: the daemon did not run for that
+        long, so its engines' heartbeats could not be read."""
+        for s in self.sessions:
+            s.deadline += seconds
+
     def _close_broken(self, s: Session) -> None:
         """Close a session the reaper could not check; a second failure is logged only."""
         try:

@@ -349,10 +349,20 @@ class Daemon:
 
     # ------------------------------------------------------------------ loops
     async def _lease_loop(self) -> None:
+        """Reap sessions every quarter lease (at most a second). A wake-up later than that
+        by more than a period means kvtierd itself did not run (stopped, starved, its loop
+        held): the heartbeats its engines sent meanwhile wait unread in its socket, so every
+        lease gets that time back and the reaping waits a period, for them to be read."""
         period = min(1.0, self.cfg.lease_s / 4)
         ticks = 0
+        last = time.monotonic()
         while True:
             await asyncio.sleep(period)
+            now = time.monotonic()
+            late, last = now - last - period, now
+            if late > period:
+                self.svc.ctx.extend_leases(late)
+                continue
             self.svc.ctx.reap_sessions()
             ticks += 1
             if ticks % max(1, int(5 / period)) == 0:
