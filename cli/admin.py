@@ -13,12 +13,14 @@ Exit codes, for scripts and probes::
 
     0  success (health: the daemon answers and is serving: ``ok``, or ``degraded``, L3
        failing, without ``--strict``)
-    1  the daemon refused the request, is unhealthy (``--strict``: or degraded), or did
-       not answer
+    1  the daemon refused the request, is unhealthy (``--strict``: or degraded), cannot
+       be reached (no socket, or one this user may not connect to) or did not answer
     2  bad usage (unknown flag, bad value); nothing was sent
     130  interrupted (Ctrl-C) outside ``stats --watch``
 
-Errors print one line on stderr: ``kvtier <command>: <what went wrong>``.
+Errors print one line on stderr: ``kvtier <command>: <what went wrong>``, except that
+``health`` prints a daemon it cannot reach or that does not answer as ``unhealthy: <why>``
+on stdout, the line probes read (bad usage stays on stderr).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from kvtier.cli.admin_args import (
     COMMANDS,
     CliError,
     build_parser,
+    check_reachable,
     default_timeout,
     resolve_endpoint,
 )
@@ -69,7 +72,16 @@ START_HINT = (
 
 # ---------------------------------------------------------------------------- requests
 def _open(endpoint: str, timeout_s: float, admin_token: str = "") -> AdminClient:
-    """An AdminClient on ``endpoint``; fails at once when an ipc:// socket file is missing."""
+    """An AdminClient on ``endpoint``.
+
+    Fails at once, with what to do, when an ipc:// socket cannot be reached by this user
+    (see :func:`~kvtier.cli.admin_args.check_reachable`) or its file is missing, and when
+    the endpoint is malformed.
+
+    Raises:
+        CliError: (code 1) one of those.
+    """
+    check_reachable(endpoint)
     if endpoint.startswith("ipc://"):
         path = Path(endpoint[len("ipc://") :])
         if not path.exists():
@@ -78,6 +90,10 @@ def _open(endpoint: str, timeout_s: float, admin_token: str = "") -> AdminClient
         return AdminClient(endpoint, timeout_s=timeout_s, admin_token=admin_token)
     except zmq.ZMQError as err:  # a malformed endpoint, e.g. tcp://no-port
         raise CliError(1, f"cannot open {endpoint}: {err}") from err
+    except UnicodeEncodeError as err:  # $KVTIER_ENDPOINT of bytes that are not UTF-8
+        raise CliError(
+            1, f"cannot open {endpoint!r}: not UTF-8 (an undecodable byte at character {err.start})"
+        ) from err
 
 
 def _request(

@@ -1,5 +1,7 @@
 """Arguments of ``kvtier stats | sessions | flush | sync | health``: one parser per command,
-the argument types that check values before anything is sent, and where the daemon is.
+the argument types of their own that check values before anything is sent (the shared ones
+and the one-line parser: :mod:`kvtier.cli.arg_types`), where the daemon is, and whether this
+user may reach it.
 
 Where the daemon is, lowest precedence first: the default runtime directory, then
 ``KVTIER_RUNTIME_DIR`` / ``KVTIER_ENDPOINT`` (read by the config loader, as engines read
@@ -9,15 +11,20 @@ them), then ``--runtime-dir`` / ``--endpoint``.
 from __future__ import annotations
 
 import argparse
-import math
 import os
+import stat
 from pathlib import Path
-from typing import NoReturn
 
+from kvtier.cli.arg_types import (
+    CliError,
+    OneLineParser,
+    positive_int,
+    positive_seconds,
+    utf8_text,
+)
 from kvtier.config import (
     ClientConfig,
     ConfigError,
-    KvtierError,
     load_config,
     runtime_dir,
     socket_path,
@@ -44,52 +51,14 @@ ADMIN_TOKEN_ENV = "KVTIER_ADMIN_TOKEN"
 FLUSH_DEFAULT_TIER = "l2"
 
 
-class CliError(KvtierError):
-    """A command failed; ``code`` is the exit status (1: daemon side, 2: usage)."""
-
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
 # ---------------------------------------------------------------------------- arguments
-class _Parser(argparse.ArgumentParser):
-    """An argument parser whose usage errors are one line (a :class:`CliError`, code 2)."""
-
-    def error(self, message: str) -> NoReturn:
-        """Raise instead of printing the usage block and exiting."""
-        raise CliError(2, f"{message} (see {self.prog} --help)")
-
-
-def _positive_seconds(text: str) -> float:
-    """argparse type: a finite number of seconds > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of seconds")
-    return value
-
-
 def _watch_seconds(text: str) -> float:
     """argparse type: the ``--watch`` interval, bounded to [WATCH_MIN_S, WATCH_MAX_S]."""
-    value = _positive_seconds(text)
+    value = positive_seconds(text)
     if not WATCH_MIN_S <= value <= WATCH_MAX_S:
         raise argparse.ArgumentTypeError(
             f"{text!r} is outside [{WATCH_MIN_S}, {WATCH_MAX_S:.0f}] seconds"
         )
-    return value
-
-
-def _positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
     return value
 
 
@@ -107,9 +76,22 @@ def _namespace_hex(text: str) -> str:
     return raw.hex()
 
 
+def _admin_token(text: str) -> str:
+    """argparse type: an admin token that can be sent (as UTF-8). A bad one is refused
+    without being echoed: terminals and CI logs keep what is printed."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise argparse.ArgumentTypeError(
+            f"the token (from --admin-token or ${ADMIN_TOKEN_ENV}) is not UTF-8: an "
+            f"undecodable byte at character {err.start} (the token is not shown)"
+        ) from None
+    return text
+
+
 def _sync_seconds(text: str) -> float:
     """argparse type: the ``sync --wait`` deadline, in (0, SYNC_MAX_S] seconds."""
-    value = _positive_seconds(text)
+    value = positive_seconds(text)
     if value > SYNC_MAX_S:
         raise argparse.ArgumentTypeError(f"{text!r} is more than {SYNC_MAX_S:.0f} seconds")
     return value
@@ -138,7 +120,7 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         raise ValueError(f"command = {command!r} is not one of {', '.join(COMMANDS)}")
     # Defaults are spelled out in each help text (ArgumentDefaultsHelpFormatter would print
     # the admin token taken from the environment).
-    p = _Parser(prog=f"kvtier {command}", description=texts[command])
+    p = OneLineParser(prog=f"kvtier {command}", description=texts[command])
     add_version_flag(p, "kvtier")
     where = p.add_mutually_exclusive_group()
     where.add_argument(
@@ -151,13 +133,14 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     where.add_argument(
         "--endpoint",
         metavar="ENDPOINT",
+        type=utf8_text,
         help="ZeroMQ endpoint (ipc://PATH or tcp://HOST:PORT) or a socket path; "
         "default: $KVTIER_ENDPOINT, else the runtime directory's socket",
     )
     p.add_argument(
         "--timeout",
         metavar="SECONDS",
-        type=_positive_seconds,
+        type=positive_seconds,
         default=None,
         help="wait this long for each reply (default: request_timeout_s, 2)",
     )
@@ -165,6 +148,7 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         p.add_argument(
             "--admin-token",
             metavar="TOKEN",
+            type=_admin_token,  # argparse checks a str default with it too: the variable
             default=os.environ.get(ADMIN_TOKEN_ENV, ""),  # read once, as a default
             help=f"the daemon's admin credential, needed by stats, sessions, flush "
             f"and sync when kvtierd has an admin_token (its --admin-token flag, "
@@ -185,7 +169,7 @@ def build_parser(command: str) -> argparse.ArgumentParser:
             f"{WATCH_MAX_S:.0f}]) until Ctrl-C; with --json, one line per refresh",
         )
         p.add_argument(
-            "--count", metavar="N", type=_positive_int, help="with --watch: stop after N refreshes"
+            "--count", metavar="N", type=positive_int, help="with --watch: stop after N refreshes"
         )
     if command == "flush":
         p.add_argument(
@@ -221,7 +205,8 @@ def build_parser(command: str) -> argparse.ArgumentParser:
 
 
 def resolve_endpoint(runtime_dir_flag: Path | None, endpoint_flag: str | None) -> str:
-    """Where the daemon listens, as engines would find it.
+    """Where the daemon listens, as engines would find it (whether this user may reach it
+    is for :func:`check_reachable`, when the command opens it).
 
     Args:
         runtime_dir_flag: ``--runtime-dir``, or None.
@@ -231,13 +216,8 @@ def resolve_endpoint(runtime_dir_flag: Path | None, endpoint_flag: str | None) -
         A ZeroMQ endpoint (``ipc://...`` or ``tcp://...``).
 
     Raises:
-        CliError: (code 2) a ``KVTIER_*`` variable holds a bad value; (code 1) this user
-            cannot enter the socket's directory (see :func:`check_reachable`).
+        CliError: (code 2) a ``KVTIER_*`` variable holds a bad value.
     """
-    return check_reachable(_endpoint(runtime_dir_flag, endpoint_flag))
-
-
-def _endpoint(runtime_dir_flag: Path | None, endpoint_flag: str | None) -> str:
     if endpoint_flag:
         return endpoint_flag if "://" in endpoint_flag else ipc_endpoint(endpoint_flag)
     cli = {"runtime_dir": runtime_dir_flag} if runtime_dir_flag is not None else {}
@@ -251,26 +231,38 @@ def _endpoint(runtime_dir_flag: Path | None, endpoint_flag: str | None) -> str:
 
 
 def check_reachable(endpoint: str) -> str:
-    """Return ``endpoint``, after checking that this user may reach an ``ipc://`` socket's
-    directory (a missing socket is for the command to report).
+    """Return ``endpoint``, after checking that this user may connect to an ``ipc://``
+    socket: enter every directory on the way and write to the socket file (a missing
+    socket is for the command to report).
+
+    Without this check a socket of another user looks like a hung daemon: ZeroMQ retries
+    the refused connect in the background and the request times out, saying nothing of
+    permissions.
 
     Raises:
-        CliError: (code 1) a directory on the way cannot be entered; the message names it,
-            its owner and mode, and this user.
+        CliError: (code 1) a directory on the way cannot be entered, or the socket cannot
+            be written to; the message names it, its owner, group and mode, and this user.
     """
     if not endpoint.startswith("ipc://"):
         return endpoint
     sock = Path(endpoint[len("ipc://") :])
     try:
-        os.stat(sock)
+        st = os.stat(sock)
     except PermissionError as err:
-        raise CliError(1, _permission_message(sock)) from err
+        raise CliError(1, _directory_message(sock)) from err
     except OSError:
-        pass  # missing, or not a directory on the way: the command says so
+        return endpoint  # missing, or not a directory on the way: the command says so
+    if not os.access(sock, os.W_OK):
+        raise CliError(
+            1,
+            f"cannot connect to kvtierd's socket {sock}: permission denied ({_owner(st)}; "
+            f"{_this_user()}); run as the daemon's user or join its group, or point "
+            "--runtime-dir / --endpoint elsewhere",
+        )
     return endpoint
 
 
-def _permission_message(sock: Path) -> str:
+def _directory_message(sock: Path) -> str:
     """Name the first directory above ``sock`` that this user cannot enter."""
     blocked = sock.parent
     for d in reversed(sock.parents):
@@ -278,16 +270,25 @@ def _permission_message(sock: Path) -> str:
             blocked = d
             break
     try:
-        st = os.stat(blocked)
-        what = f"owner uid {st.st_uid}, group gid {st.st_gid}, mode {st.st_mode & 0o7777:04o}"
+        what = _owner(os.stat(blocked))
     except OSError:
         what = "its owner and mode unreadable"
     return (
         f"cannot reach kvtierd's socket {sock}: permission denied entering {blocked} "
-        f"({what}; this user is uid {os.getuid()}, groups "
-        f"{','.join(str(g) for g in os.getgroups()) or '-'}); run as the daemon's user or "
-        "a member of its group, or point --runtime-dir / --endpoint elsewhere"
+        f"({what}; {_this_user()}); run as the daemon's user or a member of its group, or "
+        "point --runtime-dir / --endpoint elsewhere"
     )
+
+
+def _owner(st: os.stat_result) -> str:
+    """A file's owner, group and permission bits, as a permission error names them."""
+    return f"owner uid {st.st_uid}, group gid {st.st_gid}, mode {stat.S_IMODE(st.st_mode):04o}"
+
+
+def _this_user() -> str:
+    """This process's uid and groups, as a permission error names them."""
+    groups = ",".join(str(g) for g in os.getgroups()) or "-"
+    return f"this user is uid {os.getuid()}, groups {groups}"
 
 
 def default_timeout(flag: float | None) -> float:

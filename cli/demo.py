@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
+from kvtier.cli.arg_types import CliError, OneLineParser, bounded_int, positive_int
 from kvtier.cli.demo_report import (
     header,
     print_lines,
@@ -318,7 +319,7 @@ def _summarize(cfg: DemoConfig, rows: list[dict[str, Any]], elapsed: float) -> d
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser of ``kvtier demo``."""
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="kvtier demo",
         description=__doc__.splitlines()[0],
         epilog="The demo always starts a private kvtierd under /tmp (256 MiB pool in /dev/shm, "
@@ -339,22 +340,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--conversations",
-        type=int,
+        type=positive_int,
         default=3,
         help="conversations, one table row each per turn (default: 3)",
     )
     p.add_argument(
         "--turns",
-        type=int,
+        type=positive_int,
         default=6,
         help="turns per conversation; the restart comes before turn TURNS // 2 (default: 6)",
     )
-    p.add_argument("--page-size", type=int, help="tokens per KV page (default: per model)")
-    p.add_argument("--system-tokens", type=int, help="shared system prompt (default: per model)")
-    p.add_argument("--user-tokens", type=int, help="each user message (default: per model)")
-    p.add_argument("--reply-tokens", type=int, help="each reply (default: per model)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the token streams (default: 0)")
-    p.add_argument("--threads", type=int, default=1, help="engine compute threads (default: 1)")
+    p.add_argument("--page-size", type=positive_int, help="tokens per KV page (default: per model)")
+    p.add_argument(
+        "--system-tokens", type=positive_int, help="shared system prompt (default: per model)"
+    )
+    p.add_argument(
+        "--user-tokens", type=positive_int, help="each user message (default: per model)"
+    )
+    p.add_argument("--reply-tokens", type=positive_int, help="each reply (default: per model)")
+    p.add_argument(
+        "--seed", type=bounded_int(0), default=0, help="seed of the token streams (default: 0)"
+    )
+    p.add_argument(
+        "--threads", type=positive_int, default=1, help="engine compute threads (default: 1)"
+    )
     p.add_argument(
         "--own-daemon",
         action="store_true",
@@ -382,7 +391,11 @@ def main(argv: list[str]) -> int:
         0 when every turn matched the uncached run and the restart reuse ratio is at least
         0.99, 1 when not, 2 when the demo could not run.
     """
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except CliError as err:
+        print(f"kvtier demo: {err}", file=sys.stderr)
+        return err.code
     page, system, user, reply = _DEFAULTS[args.model]
     cfg = DemoConfig(
         model=args.model,

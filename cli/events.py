@@ -12,40 +12,70 @@ import argparse
 import json
 import sys
 
+from kvtier.cli.arg_types import (
+    CliError,
+    OneLineParser,
+    bounded_int,
+    non_negative_seconds,
+    sequence_number,
+    utf8_text,
+)
 from kvtier.client.connection.events import EventSubscriber
 from kvtier.config import ConfigError, DaemonConfig
 from kvtier.config.loader import add_version_flag, load_config
 from kvtier.ipc.kv_events import as_dict
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
 
 def _short(h: object) -> str:
     return h.hex()[:16] if isinstance(h, bytes) else str(h)
 
 
-def main(argv: list[str]) -> int:
-    """Entry point of ``kvtier events``; exit 0 when the stream went quiet or ``--count``
-    events were printed, 2 when no endpoint is configured."""
-    ap = argparse.ArgumentParser(prog="kvtier events", description=__doc__.split("\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    """Return the argument parser of ``kvtier events`` (usage errors: one line, code 2)."""
+    ap = OneLineParser(prog="kvtier events", description=__doc__.split("\n")[0])
     add_version_flag(ap, "kvtier")
-    ap.add_argument("--endpoint", help="the daemon's kv_events_endpoint")
-    ap.add_argument("--replay", help="its kv_events_replay_endpoint (fills gaps, --from)")
+    ap.add_argument("--endpoint", type=utf8_text, help="the daemon's kv_events_endpoint")
+    ap.add_argument(
+        "--replay", type=utf8_text, help="its kv_events_replay_endpoint (fills gaps, --from)"
+    )
     ap.add_argument("--config", help="read the endpoints from this kvtierd config file")
-    ap.add_argument("--topic", default="", help="topic prefix, e.g. kvtier/<model id>/")
+    ap.add_argument(
+        "--topic", type=utf8_text, default="", help="topic prefix, e.g. kvtier/<model id>/"
+    )
     ap.add_argument(
         "--from",
         dest="start",
-        type=int,
+        type=sequence_number,
         metavar="SEQ",
-        help="replay from this sequence number first (0: all the daemon keeps)",
+        help="replay from this sequence number first (0: all the daemon keeps; below 2**64)",
     )
     ap.add_argument("--json", action="store_true", help="one JSON object per event")
     ap.add_argument(
-        "--timeout", type=float, default=0.0, help="stop after this many quiet seconds (0: never)"
+        "--timeout",
+        type=non_negative_seconds,
+        default=0.0,
+        help="stop after this many quiet seconds (0: never)",
     )
-    ap.add_argument("--count", type=int, default=0, help="stop after this many events")
-    args = ap.parse_args(argv)
+    ap.add_argument(
+        "--count",
+        type=bounded_int(0),
+        default=0,
+        help="stop after this many events (0: no limit)",
+    )
+    return ap
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``kvtier events``; exit 0 when the stream went quiet or ``--count``
+    events were printed, 2 on bad usage (a bad value, no endpoint configured, an endpoint
+    ZeroMQ cannot connect to), 130 when interrupted."""
+    try:
+        args = build_parser().parse_args(argv)
+    except CliError as err:
+        print(f"kvtier events: {err}", file=sys.stderr)
+        return err.code
     endpoint, replay = args.endpoint, args.replay
     if endpoint is None:
         try:
@@ -59,6 +89,17 @@ def main(argv: list[str]) -> int:
             "kvtier events: no endpoint: pass --endpoint or set kv_events_endpoint", file=sys.stderr
         )
         return 2
+    try:
+        return _tail(args, endpoint, replay)
+    except ConfigError as err:  # an endpoint or topic ZeroMQ refuses
+        print(f"kvtier events: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _tail(args: argparse.Namespace, endpoint: str, replay: str | None) -> int:
+    """Print the events of ``endpoint`` until the stream is quiet or ``--count`` is reached."""
     printed = 0
     quiet = args.timeout if args.timeout > 0 else 1e9
     with EventSubscriber(endpoint, replay=replay, topic=args.topic) as sub:

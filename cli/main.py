@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from kvtier.bench import write_json
+from kvtier.cli.arg_types import CliError, OneLineParser, bounded_int, directory, positive_int
 
 
 def _serve(argv: list[str]) -> int:
@@ -16,6 +16,10 @@ def _serve(argv: list[str]) -> int:
     os.execv(sys.executable, [sys.executable, "-m", "kvtier.daemon", *argv])
     return 0  # not reached
 
+
+MIN_L2_MIB = 256
+"""Least MiB ``kvtier bench l2`` moves per measurement: less than that times caches and
+per-request overhead, not the bandwidth the bench reports (see :mod:`kvtier.bench.l2`)."""
 
 ENGINE_BENCHES = {
     "sglang": "SGLang's HiCache controller: backup/prefetch vs HiCacheFile; shared vs private L2",
@@ -36,9 +40,7 @@ def _bench(argv: list[str]) -> int:
         from kvtier.bench import trace
 
         return trace.main(argv[1:])
-    p = argparse.ArgumentParser(
-        prog="kvtier bench", description="Measure kvtier against baselines."
-    )
+    p = OneLineParser(prog="kvtier bench", description="Measure kvtier against baselines.")
     sub = p.add_subparsers(dest="what", required=True)
     for name, text in ENGINE_BENCHES.items():
         sub.add_parser(name, help=f"{text} (run `kvtier bench {name} --help`)")
@@ -49,30 +51,43 @@ def _bench(argv: list[str]) -> int:
     )
     l2 = sub.add_parser("l2", help="host pool load/store bandwidth and lookup latency")
     l2.add_argument("--json", metavar="PATH", help="write the results here")
-    l2.add_argument("--mib", type=int, default=256, help="MiB moved per measurement (>= 256)")
+    l2.add_argument(
+        "--mib",
+        type=bounded_int(MIN_L2_MIB),
+        default=MIN_L2_MIB,
+        help=f"MiB moved per measurement (>= {MIN_L2_MIB})",
+    )
     e2e = sub.add_parser("e2e", help="TTFT with an L2 hit vs recompute, and the miss overhead")
     e2e.add_argument("--json", metavar="PATH")
-    e2e.add_argument("--runs", type=int, default=5)
+    e2e.add_argument(
+        "--runs", type=positive_int, default=5, help="timed runs of each case (default 5)"
+    )
     l3 = sub.add_parser("l3", help="L3 backend bandwidth against its raw baseline")
     l3.add_argument("--backend", choices=["file", "redis", "mooncake"], default="file")
     l3.add_argument("--json", metavar="PATH")
-    l3.add_argument("--path", help="directory for the file backend (default: a temp dir)")
+    l3.add_argument(
+        "--path",
+        type=directory,
+        help="an existing directory for the file backend's files (default: a temp dir)",
+    )
     rs = sub.add_parser("restart", help="how fast a restarted daemon adopts its host pool")
     rs.add_argument("--json", metavar="PATH")
-    rs.add_argument("--mib", type=int, default=1024)
+    rs.add_argument(
+        "--mib", type=positive_int, default=1024, help="size of the host pool (default 1024)"
+    )
     sc = sub.add_parser("scale", help="eight engines, 128K-token contexts, a million pages")
     sc.add_argument("--json", metavar="PATH", help="write the results here")
     sc.add_argument("--plot", metavar="PNG", help="draw the N-engine curves here (matplotlib)")
     sc.add_argument("--quick", action="store_true", help="tiny sizes: seconds, not minutes")
     sc.add_argument(
         "--million-pages",
-        type=int,
+        type=positive_int,
         metavar="N",
         help="pages of the big pool (default 1,000,000; --quick: 4,096)",
     )
     sc.add_argument(
         "--copy-threads",
-        type=int,
+        type=positive_int,
         default=2,
         help="the daemons' copy threads, and the memcpy baselines' (default 2)",
     )
@@ -82,7 +97,11 @@ def _bench(argv: list[str]) -> int:
         help="run only these parts, of sizes, engines, control, long, stall, million "
         "(e.g. stall: under a minute)",
     )
-    args = p.parse_args(argv)
+    try:
+        args = p.parse_args(argv)
+    except CliError as err:
+        print(f"kvtier bench: {err}", file=sys.stderr)
+        return err.code
     result: dict[str, Any]
     print_table: Callable[[dict[str, Any]], None]
     if args.what == "l2":
@@ -106,7 +125,12 @@ def _bench(argv: list[str]) -> int:
 
         from kvtier.bench import l3 as l3_mod
 
-        with tempfile.TemporaryDirectory(prefix="kvtier-l3-", dir=args.path) as d:
+        try:
+            scratch = tempfile.TemporaryDirectory(prefix="kvtier-l3-", dir=args.path)
+        except OSError as err:  # e.g. --path not writable by this user
+            print(f"kvtier bench: --path {args.path}: {err.strerror}", file=sys.stderr)
+            return 2
+        with scratch as d:
             result, print_table = l3_mod.run_file_bench(d), l3_mod.print_table
     else:
         from kvtier.bench import l3_cluster as l3_cluster_mod
@@ -165,14 +189,18 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"kvtier {package_version()}")
         return 0
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+    if argv and argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
+        # one line naming the word, on stderr as every usage error: not the usage block
+        print(f"kvtier: {argv[0]!r} is not a command (see kvtier --help)", file=sys.stderr)
+        return 2
+    if not argv or argv[0] in ("-h", "--help"):
         print(
             "usage: kvtier COMMAND [ARGS]   (kvtier COMMAND --help: its options; "
             "kvtier --version)\n\ncommands:"
         )
         for name, (_, text) in COMMANDS.items():
             print(f"  {name:<10} {text}")
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+        return 0 if argv else 2
     fn, _ = COMMANDS[argv[0]]
     return fn(argv if fn is _admin else argv[1:])
 

@@ -23,10 +23,15 @@ from dataclasses import dataclass
 from typing import Self
 
 import zmq
+from kvtier.config import ConfigError
 from kvtier.ipc import kv_events as E
 from kvtier.ipc.sockets import poll_ms
 
-__all__ = ["EventMessage", "EventSubscriber"]
+__all__ = ["REPLAY_TIMEOUT_S", "EventMessage", "EventSubscriber"]
+
+REPLAY_TIMEOUT_S = 5.0
+"""Longest wait for a replay answer: a replay socket that does not answer must not hold up
+the live stream, whose batches queue (and, past the high-water mark, drop) meanwhile."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +56,11 @@ class EventSubscriber:
         hwm: the receive high-water mark (batches queued here before ZeroMQ drops; 0: no
             limit).
         rcvbuf: the kernel receive buffer in bytes (-1: the system's default).
+
+    Raises:
+        ConfigError: ``endpoint`` or ``replay`` is not an endpoint ZeroMQ can connect to
+            (``foo``, ``tcp://host`` without a port, bytes that are not UTF-8), or
+            ``topic`` is not UTF-8.
     """
 
     def __init__(
@@ -63,11 +73,28 @@ class EventSubscriber:
     ) -> None:
         self._ctx = zmq.Context()
         self._sub = self._ctx.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.LINGER, 0)
-        self._sub.setsockopt(zmq.RCVHWM, hwm)
-        self._sub.setsockopt(zmq.RCVBUF, rcvbuf)
-        self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
-        self._sub.connect(endpoint)
+        try:
+            self._sub.setsockopt(zmq.LINGER, 0)
+            self._sub.setsockopt(zmq.RCVHWM, hwm)
+            self._sub.setsockopt(zmq.RCVBUF, rcvbuf)
+            try:
+                self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+            except UnicodeEncodeError as err:
+                raise ConfigError(
+                    f"topic = {topic!r} is not UTF-8 (an undecodable byte at character {err.start})"
+                ) from err
+            _connect(self._sub, "endpoint", endpoint)
+            if replay is not None:
+                # each replay request connects a socket of its own: try the endpoint once
+                # here, so that a malformed one fails now and not at the first gap
+                probe = self._ctx.socket(zmq.DEALER)
+                try:
+                    _connect(probe, "replay", replay)
+                finally:
+                    probe.close(linger=0)
+        except BaseException:  # closed here: an open socket would keep the context from ending
+            self.close()
+            raise
         self._replay_endpoint = replay
         self._topic = topic
         self.next_seq: int | None = None  # the sequence number expected next
@@ -101,14 +128,16 @@ class EventSubscriber:
         ``timeout_s`` seconds.
 
         Args:
-            timeout_s: how long to wait for the next batch.
+            timeout_s: how long to wait for the next batch; a replay answer is awaited as
+                long, at most :data:`REPLAY_TIMEOUT_S`.
             start_seq: replay from this sequence number first (e.g. 0: everything the
                 daemon still buffers), then follow the stream.
         """
+        replay_wait = min(timeout_s, REPLAY_TIMEOUT_S)
         if start_seq is not None and self._replay_endpoint is not None:
             self.next_seq = start_seq
             time.sleep(0.05)  # let the subscription reach the publisher before asking
-            for old in self.replay(start_seq):
+            for old in self.replay(start_seq, timeout_s=replay_wait):
                 yield old
                 self.next_seq = old.seq + 1
         while True:
@@ -123,7 +152,7 @@ class EventSubscriber:
                 self.next_seq = 0
             if self.next_seq is not None and msg.seq > self.next_seq:
                 self.gaps += 1
-                yield from self.replay(self.next_seq, upto=msg.seq)
+                yield from self.replay(self.next_seq, upto=msg.seq, timeout_s=replay_wait)
             self.next_seq = msg.seq + 1
             # live batches come in order: none at or below this one comes live again
             seen = self._by_replay
@@ -132,12 +161,13 @@ class EventSubscriber:
             yield msg
 
     def replay(
-        self, start_seq: int, upto: int | None = None, timeout_s: float = 5.0
+        self, start_seq: int, upto: int | None = None, timeout_s: float = REPLAY_TIMEOUT_S
     ) -> list[EventMessage]:
         """Ask the replay socket for the batches from ``start_seq`` (below ``upto``), in
         order, keeping this subscriber's topics; [] without a replay endpoint. Asks again
         from past the last batch an answer brought until ``upto`` (or an answer brings
-        nothing new); batches the daemon no longer buffers count in :attr:`lost`."""
+        nothing new); batches the daemon no longer buffers count in :attr:`lost`. Each
+        answer is awaited at most ``timeout_s`` seconds per message."""
         if self._replay_endpoint is None:
             return []
         out: list[EventMessage] = []
@@ -183,6 +213,19 @@ class EventSubscriber:
         finally:
             req.close(linger=0)
         return seqs, out
+
+
+def _connect(sock: zmq.Socket[bytes], field: str, endpoint: str) -> None:
+    """Connect ``sock`` to ``endpoint``; an endpoint ZeroMQ refuses is a ConfigError that
+    names ``field`` and the endpoint."""
+    try:
+        sock.connect(endpoint)
+    except zmq.ZMQError as err:
+        raise ConfigError(f"{field} = {endpoint!r} cannot be connected to: {err}") from err
+    except UnicodeEncodeError as err:
+        raise ConfigError(
+            f"{field} = {endpoint!r} is not UTF-8 (an undecodable byte at character {err.start})"
+        ) from err
 
 
 def _digest(payload: bytes) -> bytes:
