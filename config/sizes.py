@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import re
 from typing import Annotated, Any
 
@@ -56,7 +58,10 @@ def parse_size(value: Any) -> int:
     if isinstance(value, str):
         m = _SIZE_RE.match(value)
         if m and m.group(2).lower() in _UNITS:
-            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+            size = float(m.group(1)) * _UNITS[m.group(2).lower()]
+            if not math.isfinite(size):  # more digits than a float holds
+                raise ValueError(f"size {value[:40]!r}... is too large")
+            return int(size)
     raise ValueError(f"expected a size like '4GiB', got {value!r}")
 
 

@@ -6,15 +6,26 @@ import argparse
 import gc
 import logging
 import os
+import signal
 import sys
+
+# SIGHUP asks a running daemon to reload; its default action ends the process. Ignored from
+# here (before the configuration's modules load) until the event loop handles it, and again
+# once the loop has closed: a reload requested while starting or stopping never kills it.
+signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
 # numpy's OpenBLAS starts a thread per core as it loads (numpy comes with the wire format's
 # packed keys, before the socket is bound), CPU spent before the daemon is healthy; the
 # daemon does no floating-point linear algebra. Set before anything imports numpy.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from kvtier.config import ConfigError, DaemonConfig, KvtierError
-from kvtier.config.loader import add_config_flags, add_version_flag, flags_to_dict, load_config
+from kvtier.config import ConfigError, DaemonConfig, KvtierError  # noqa: E402
+from kvtier.config.loader import (  # noqa: E402
+    add_config_flags,
+    add_version_flag,
+    flags_to_dict,
+    load_config,
+)
 
 _EPILOG = """\
 Where it listens: ipc://<runtime_dir>/kvtierd.sock. With the defaults it keeps a 1 GiB host
@@ -84,7 +95,10 @@ def run(cfg: DaemonConfig, reload=None) -> int:
 
         await daemon.run(on_ready=ready)
 
-    uvloop.run(main())
+    try:
+        uvloop.run(main())
+    finally:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the closed loop gave it back to default
     return 0
 
 

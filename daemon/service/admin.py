@@ -29,17 +29,20 @@ the whole reload, so a configuration is never half applied.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hmac
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from kvtier.config import DaemonConfig, KvtierError
 from kvtier.daemon.service.answers import Answer, Deferred, Handler
 from kvtier.daemon.service.context import ServiceContext
 from kvtier.daemon.service.sdnotify import SystemdNotifier
 from kvtier.daemon.service.validation import RequestError
+from kvtier.daemon.storage.options import EXTRA_CONFIG_FIELD, parse_extra_config
 from kvtier.ipc import protocol as P
 
 log = logging.getLogger("kvtier.daemon")
@@ -50,6 +53,10 @@ ADMIN_TOKEN_HINT = (
     "with that tenant's token); set admin_token on kvtierd for the whole view"
 )
 """Appended to an UNAUTHORIZED refusal when tenants are configured and no scope was found."""
+
+RELOAD_READ_S = 10.0
+"""The longest a reload waits for the configuration to be read (a file on a stuck mount, a
+FIFO): past it the reload is refused and the configuration in force stays."""
 
 LIVE_FIELDS = frozenset(
     {
@@ -102,6 +109,12 @@ class Admin:
         self.ctx = ctx
         self.notifier = notifier
         self.reload_source = reload_source
+        self._reloading: asyncio.Task[None] | None = None
+        self._reload_again = False
+        try:  # what the L3 backend was opened with (an "@file" read now, as it was)
+            self._extra_in_force = parse_extra_config(getattr(ctx.cfg, EXTRA_CONFIG_FIELD))
+        except KvtierError:  # none such opened; any setting read at a reload then differs
+            self._extra_in_force = {}
 
     def table(self) -> dict[type, Handler]:
         """The handler of each operator request type."""
@@ -407,28 +420,66 @@ class Admin:
 
     # ------------------------------------------------------------------ RELOAD
     def reload(self) -> None:
-        """Re-read the configuration (SIGHUP) and apply the fields that can change live."""
+        """Re-read the configuration (SIGHUP) and apply the fields that can change live.
+
+        The file is read and checked on a thread (a slow or stuck file system never holds
+        the event loop, at most :data:`RELOAD_READ_S`), the result applied on the loop. One
+        reload at a time: a SIGHUP during one makes another run after it."""
         if self.reload_source is None:
             log.warning("reload: no configuration source to re-read")
             return
-        self.notifier.reloading()
-        try:
-            self._reload()
-        finally:  # systemd waits for READY=1 after RELOADING=1, whatever happened
-            self.notifier.ready()
+        if self._reloading is not None:
+            self._reload_again = True
+            return
+        self._reloading = asyncio.get_running_loop().create_task(self._reloads())
 
-    def _reload(self) -> None:
-        assert self.reload_source is not None
+    async def _reloads(self) -> None:
         try:
-            new = self.reload_source()
+            again = True
+            while again:
+                self._reload_again = False
+                self.notifier.reloading()
+                try:
+                    await self._reload()
+                finally:  # systemd waits for READY=1 after RELOADING=1, whatever happened
+                    self.notifier.ready()
+                again = self._reload_again
+        finally:
+            self._reloading = None
+
+    async def _reload(self) -> None:
+        assert self.reload_source is not None
+        read = asyncio.ensure_future(asyncio.to_thread(self._read))
+        try:
+            new, extra = await asyncio.wait_for(asyncio.shield(read), RELOAD_READ_S)
+        except TimeoutError:
+            log.error(
+                "reload rejected, configuration unchanged: reading it took more than %g s",
+                RELOAD_READ_S,
+            )
+            return
         except KvtierError as err:
             log.error("reload rejected, configuration unchanged: %s", err)
             return
         except Exception as err:  # a bug: still one line, and the daemon goes on
             log.exception("reload rejected, configuration unchanged: %s", err)
             return
+        self._apply(new, extra)
+
+    def _read(self) -> tuple[DaemonConfig, dict[str, Any]]:
+        """The configuration as its sources say now, and the L3 backend's settings it names
+        (an ``@file`` read too: its contents may have changed under the same name)."""
+        assert self.reload_source is not None
+        new = self.reload_source()
+        return new, parse_extra_config(getattr(new, EXTRA_CONFIG_FIELD))
+
+    def _apply(self, new: DaemonConfig, extra: dict[str, Any]) -> None:
+        """Apply ``new`` if every field that differs can change live, else nothing;
+        ``extra`` is its L3 backend settings, set against those the backend runs with."""
         old = self.ctx.cfg
         changed = {k for k in DaemonConfig.model_fields if getattr(new, k) != getattr(old, k)}
+        if extra != self._extra_in_force:
+            changed.add(EXTRA_CONFIG_FIELD)
         fixed = sorted(changed - LIVE_FIELDS)
         if fixed:
             log.error(
@@ -439,5 +490,10 @@ class Admin:
         else:
             self.ctx.cfg = new
             self.ctx.tier.reconfigure(new)
+            if "lease_s" in changed:  # each session renews by the lease it was given
+                for sess in self.ctx.sessions:
+                    sess.lease_s = new.lease_s
+            # before the level changes, and at a level every setting shows: the operator's
+            # confirmation that the reload was read
+            log.warning("reload: applied %s", ", ".join(sorted(changed)) or "no changes")
             logging.getLogger("kvtier").setLevel(new.log_level.upper())
-            log.info("reload: applied %s", ", ".join(sorted(changed)) or "no changes")

@@ -107,6 +107,7 @@ class Daemon:
         self._sock_file: SocketFile | None = None
         self.receiver: Receiver | None = None
         self._reap_later: asyncio.TimerHandle | None = None
+        self._reload_pending = False  # a SIGHUP came before the service was up
 
     # ------------------------------------------------------------------ state
     @property
@@ -146,10 +147,11 @@ class Daemon:
 
     def reload(self) -> None:
         """Re-read the configuration (SIGHUP) and apply the fields that can change live
-        (while starting, the configuration just read is in force already: nothing to do;
-        once a stop has begun, nothing is applied or announced)."""
+        (while starting, once the service is up: the file may have changed since the start
+        read it; once a stop has begun, nothing is applied or announced)."""
         if self.service is None:
-            log.info("reload: still starting; the configuration read at start applies")
+            log.info("reload: still starting; it runs once kvtierd is ready")
+            self._reload_pending = True
             return
         if self._stop.is_set():  # systemd has been told STOPPING=1: no RELOADING/READY now
             log.info("reload ignored: stopping")
@@ -204,6 +206,9 @@ class Daemon:
             )
             self.notifier.ready()
             self._update_status()
+            if self._reload_pending:  # a SIGHUP came while starting
+                self._reload_pending = False
+                self.reload()
             if on_ready is not None:
                 on_ready(self)
             await self._serve(recv)
@@ -353,10 +358,10 @@ class Daemon:
         by more than a period means kvtierd itself did not run (stopped, starved, its loop
         held): the heartbeats its engines sent meanwhile wait unread in its socket, so every
         lease gets that time back and the reaping waits a period, for them to be read."""
-        period = min(1.0, self.cfg.lease_s / 4)
         ticks = 0
         last = time.monotonic()
         while True:
+            period = min(1.0, self.cfg.lease_s / 4)  # lease_s may change by a reload
             await asyncio.sleep(period)
             now = time.monotonic()
             late, last = now - last - period, now
