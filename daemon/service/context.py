@@ -146,9 +146,11 @@ class ServiceContext:
     def cancel_transfer(self, t: Transfer) -> None:
         """Cancel ``t`` (RELEASE, or its session closing). A STORE's keys leave the pool's
         index of pages being written at once (:meth:`HostPool.detach`): its pages will be
-        aborted, so another session's STORE of the same keys must write them itself."""
+        aborted, so another session's STORE of the same keys must write them itself. A
+        STORE copied whole whose commit runs in slices is left to end it: its pages are
+        READY the moment it does."""
         t.cancel()
-        if t.direction is Direction.STORE and t.host_slots and not t.detached:
+        if t.direction is Direction.STORE and t.host_slots and not t.detached and not t.committing:
             self.pool.detach(t.host_slots)
             t.detached = True
 

@@ -114,7 +114,8 @@ async def allocate(
     for a in range(0, n, size):
         if a:
             await step()
-            if cancelled():
+            if cancelled():  # its keys leave the index of pages being written at once: a
+                pool.detach(out.slots)  # STORE of them during the abort's slices writes them
                 await abort(pool, out.slots, size, step)
                 return None
             if pool.resident_run(ns_id, [keys[a - 1]]) == 0:

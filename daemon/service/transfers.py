@@ -626,9 +626,13 @@ class Transfers:
         try:
             if t.direction is Direction.STORE:
                 if ok and s.state is SessionState.OPEN and not t.detached:
+                    t.committing = True  # a cancel from here on lets the commit end
                     await slices.commit(pool, t.host_slots, t.checksums, size)
                     self._stored(s, t)
                 else:
+                    if not t.detached:  # its keys leave the index before the first slice:
+                        pool.detach(t.host_slots)  # a STORE of them meanwhile writes them
+                        t.detached = True
                     await slices.abort(pool, t.host_slots, size)
                     self._not_stored(t)
                     ok = self._discarded(t, ok)
