@@ -284,7 +284,9 @@ class CacheManager:
         l1 = len(match.l1_pages)
         want = min(match.l2_pages + match.l3_coming, len(device_pages))
         if match.l3_coming and self._conn is not None:
-            held = self._conn.claim(match.keys[l1 : l1 + match.l2_pages + match.l3_coming])
+            # the keys the prefetch was started with (the whole L3 run, however many of
+            # its pages come): the daemon finds a prefetch by its last key
+            held = self._conn.claim(match.keys[l1 : l1 + match.l2_pages + match.l3_pages])
             self.counters.l3_claimed_tokens += max(0, held - match.l2_pages) * self._page_size
             n = min(held, want)
         else:
