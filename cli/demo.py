@@ -25,6 +25,7 @@ that conversation's prefix that L2 held before the restart (1.0: nothing was los
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import selectors
@@ -34,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -381,6 +383,40 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _unwritable(path: str | None) -> str | None:
+    """Why a file cannot be written at ``path`` (its directory is made if missing), or
+    None when it can (or ``path`` is None)."""
+    if path is None:
+        return None
+    directory = os.path.dirname(path)
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as err:
+        return f"cannot make its directory: {err.strerror}"
+    if os.path.isdir(path):
+        return "is a directory"
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return f"its directory {directory} is not writable"
+    return None
+
+
+@contextlib.contextmanager
+def _cleanup_on_signals() -> Iterator[None]:
+    """SIGTERM and SIGHUP (a ``kill``, a closed terminal, a cancelled job) end the demo as
+    Ctrl-C does, through its ``finally``: its private kvtierd stopped, its pool and runtime
+    directory removed, rather than left behind by the signal's default action."""
+
+    def stop(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    before = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
 def main(argv: list[str]) -> int:
     """Entry point of ``kvtier demo``.
 
@@ -409,27 +445,35 @@ def main(argv: list[str]) -> int:
         seed=args.seed,
         threads=args.threads,
     )
+    plot = None if args.no_plot else os.path.abspath(args.plot)
+    path = os.path.abspath(args.json) if args.json else None
+    for flag, target in (("--plot", plot), ("--json", path)):
+        why = _unwritable(target)
+        if why is not None:  # said now: the demo takes minutes, and its numbers would be lost
+            print(f"kvtier demo: {flag} {target}: {why}", file=sys.stderr)
+            return 2
     try:
-        result = run_demo(cfg, out=sys.stdout)
+        with _cleanup_on_signals():
+            result = run_demo(cfg, out=sys.stdout)
     except KvtierError as err:
         print(f"kvtier demo: {err}", file=sys.stderr)
         return 2
     outputs: list[tuple[str, str]] = []
-    if not args.no_plot:
-        plot = os.path.abspath(args.plot)
-        try:
-            os.makedirs(os.path.dirname(plot), exist_ok=True)
-            write_plot(result, plot)
-            outputs.append(("plot", plot))
-        except ImportError:
-            missing = "not written: matplotlib is missing (pip install 'kvtier[plot]')"
-            outputs.append(("plot", missing))
-    if args.json:
-        path = os.path.abspath(args.json)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as fh:
-            json.dump(result, fh, indent=2)
-        outputs.append(("json", path))
+    try:
+        if plot is not None:
+            try:
+                write_plot(result, plot)
+                outputs.append(("plot", plot))
+            except ImportError:
+                missing = "not written: matplotlib is missing (pip install 'kvtier[plot]')"
+                outputs.append(("plot", missing))
+        if path is not None:
+            with open(path, "w") as fh:
+                json.dump(result, fh, indent=2)
+            outputs.append(("json", path))
+    except OSError as err:
+        print(f"kvtier demo: cannot write {err.filename}: {err.strerror}", file=sys.stderr)
+        return 2
     print_lines(["", *summary_lines(result, outputs)], sys.stdout)
     ratio = result["restart_reuse_ratio"]
     ok = bool(result["all_match"]) and (ratio is None or float(ratio) >= 0.99)

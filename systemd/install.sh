@@ -134,6 +134,26 @@ if [[ -n $KVTIERD ]]; then
     # Characters systemd would read as quotes, specifiers (%) or variables ($) are refused.
     [[ $KVTIERD =~ ^[A-Za-z0-9._/+@-]+$ ]] || die "--kvtierd path has characters a unit file cannot hold as is: '$KVTIERD'"
     [[ -x $ROOT$KVTIERD && ! -d $ROOT$KVTIERD ]] || die "--kvtierd '$ROOT$KVTIERD' is not an executable file"
+    # The interpreter kvtierd runs (its #! line), followed through symlinks inside ROOT: a
+    # venv made from a pyenv or uv Python links to an interpreter under a home directory
+    # wherever the venv itself lives.
+    interp=""
+    if IFS= read -r first <"$ROOT$KVTIERD" && [[ $first == '#!'* ]]; then
+        interp=${first#\#!}
+        interp=${interp#"${interp%%[! ]*}"}
+        interp=${interp%% *}
+        hops=0
+        while [[ $interp == /* && -L $ROOT$interp && $hops -lt 40 ]]; do
+            target=$(readlink -- "$ROOT$interp")
+            [[ $target == /* ]] || target=$(dirname -- "$interp")/$target
+            interp=$(realpath -m -s -- "$target")
+            hops=$((hops + 1))
+        done
+    fi
+    home_path=""
+    for p in "$KVTIERD" "$interp"; do
+        case "$p" in /home/* | /root/*) home_path=$p ;; esac
+    done
     tmp=$(mktemp)
     trap 'rm -f -- "$tmp"' EXIT
     {
@@ -141,19 +161,16 @@ if [[ -n $KVTIERD ]]; then
         echo "[Service]"
         echo "ExecStart="
         echo "ExecStart=$KVTIERD --config $CONFIG_PATH"
-        case "$KVTIERD" in
-            /home/* | /root/*)
-                echo "# kvtierd lives under a home directory: read-only instead of hidden."
-                echo "ProtectHome=read-only"
-                ;;
-        esac
+        if [[ -n $home_path ]]; then
+            echo "# kvtierd or its interpreter ($home_path) lives under a home directory:"
+            echo "# read-only instead of hidden."
+            echo "ProtectHome=read-only"
+        fi
     } >"$tmp"
     install_file "$tmp" "$dropin" 0644
-    case "$KVTIERD" in
-        /home/* | /root/*)
-            warn "user kvtier must be able to read and execute $KVTIERD and its Python environment (check the home directory's mode)"
-            ;;
-    esac
+    if [[ -n $home_path ]]; then
+        warn "user kvtier must be able to read and execute $home_path and its Python environment (check the home directory's mode)"
+    fi
 elif [[ -f $dropin ]]; then
     echo "kept       $dropin (ExecStart from an earlier --kvtierd)"
 elif [[ ! -x $ROOT$DEFAULT_KVTIERD ]]; then
