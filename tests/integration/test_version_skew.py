@@ -247,25 +247,22 @@ _OLD_CLIENT = textwrap.dedent(
 )
 
 
-@pytest.mark.timeout(120)
-def test_older_client_library_stores_and_loads_exactly_through_current_daemon(old_tree, versions):
-    """An engine still on the client library of e91aaa8 registers with the
-    current kvtierd, stores and loads its pages byte for byte (newer reply fields are
-    ignored, the optional request fields it lacks take their defaults); the engine upgraded
-    to the current library then finds those pages warm (README: "an engine that ... is
-    upgraded finds its cache warm")."""
-    d = versions(None)
+def _run_old_client(tree: _Worktree, runtime_dir: Path) -> None:
+    """Run :data:`_OLD_CLIENT` with ``tree``'s client library against ``runtime_dir``."""
     run = subprocess.run(
-        [sys.executable, "-c", _OLD_CLIENT, str(d.runtime_dir)],
-        env={**os.environ, "PYTHONPATH": f"{old_tree.pythonpath}:{old_tree.tree}"},
+        [sys.executable, "-c", _OLD_CLIENT, str(runtime_dir)],
+        env={**os.environ, "PYTHONPATH": f"{tree.pythonpath}:{tree.tree}"},
         cwd="/tmp",
         capture_output=True,
         text=True,
         timeout=90,
     )
     assert run.returncode == 0 and "OLD CLIENT OK" in run.stdout, run.stderr[-3000:]
-    # the engine upgraded to this client library finds what the older one stored
-    pool, conn = engine(d.runtime_dir)
+
+
+def _loads_what_the_old_client_stored(runtime_dir: Path) -> None:
+    """This client library loads, byte for byte, the pages :data:`_OLD_CLIENT` stored."""
+    pool, conn = engine(runtime_dir)
     try:
         keys = conn.page_keys(tokens(8 * SMALL.page_size, salt=21))
         for p in range(8):
@@ -276,6 +273,19 @@ def test_older_client_library_stores_and_loads_exactly_through_current_daemon(ol
     finally:
         conn.close()
         pool.close()
+
+
+@pytest.mark.timeout(120)
+def test_older_client_library_stores_and_loads_exactly_through_current_daemon(old_tree, versions):
+    """An engine still on the client library of e91aaa8 registers with the
+    current kvtierd, stores and loads its pages byte for byte (newer reply fields are
+    ignored, the optional request fields it lacks take their defaults); the engine upgraded
+    to the current library then finds those pages warm (README: "an engine that ... is
+    upgraded finds its cache warm")."""
+    d = versions(None)
+    _run_old_client(old_tree, d.runtime_dir)
+    # the engine upgraded to this client library finds what the older one stored
+    _loads_what_the_old_client_stored(d.runtime_dir)
 
 
 # ----------------------------------------------------------------- pool files across versions
@@ -288,30 +298,12 @@ def test_older_daemons_pool_file_is_adopted_exactly_by_current_daemon(old_tree, 
     for byte into an engine of this version."""
     old = versions(old_tree)
     _imports_old(old, old_tree)
-    run = subprocess.run(
-        [sys.executable, "-c", _OLD_CLIENT, str(old.runtime_dir)],
-        env={**os.environ, "PYTHONPATH": f"{old_tree.pythonpath}:{old_tree.tree}"},
-        cwd="/tmp",
-        capture_output=True,
-        text=True,
-        timeout=90,
-    )
-    assert run.returncode == 0 and "OLD CLIENT OK" in run.stdout, run.stderr[-3000:]
+    _run_old_client(old_tree, old.runtime_dir)
     old.stop()
     assert pool_path(Path("/dev/shm"), old.runtime_dir).exists()
     new = versions(None)  # the same runtime dir, so the same pool file
     assert "host pool adopted" in new.log_path.read_text()
-    pool, conn = engine(new.runtime_dir)
-    try:
-        keys = conn.page_keys(tokens(8 * SMALL.page_size, salt=21))
-        for p in range(8):
-            fill_page(pool, p, 300 + p)
-        h = conn.load(keys, list(range(16, 24)))
-        assert h.count == 8 and h.wait()
-        assert all(page_bytes(pool, 16 + i) == page_bytes(pool, i) for i in range(8))
-    finally:
-        conn.close()
-        pool.close()
+    _loads_what_the_old_client_stored(new.runtime_dir)
 
 
 @pytest.mark.timeout(120)
