@@ -178,6 +178,10 @@ class StorageBackend(abc.ABC):
         """
         return False
 
+    health_cause: str | None = None
+    """Why the last :meth:`health` check said False, when the backend can tell (HEALTH shows
+    it as ``down: CAUSE``); None otherwise."""
+
     @abc.abstractmethod
     async def health(self) -> bool:
         """Return True when the store answers."""

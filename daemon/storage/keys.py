@@ -13,6 +13,8 @@ from collections.abc import Sequence
 __all__ = ["ObjectNames"]
 
 _HEX = re.compile(r"(?:[0-9a-f]{2})+")
+_NS_HEX = re.compile(r"[0-9a-f]{64}")
+"""A namespace is its 32-byte fingerprint: a name with another is not one of ours."""
 _GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
 
 
@@ -52,7 +54,9 @@ class ObjectNames:
 
     def parse(self, name: str | bytes) -> tuple[bytes, bytes] | None:
         """Return ``(ns, key)`` of a page's name; None for a name that is not one of ours
-        (another prefix, or not two lowercase hex components after it)."""
+        (another prefix, or not two lowercase hex components after it, the first of a
+        namespace's 32 bytes): another application's keys in the same key space are never
+        listed, hence never flushed."""
         if isinstance(name, bytes):
             try:
                 name = name.decode("ascii")
@@ -61,6 +65,6 @@ class ObjectNames:
         if not name.startswith(self.prefix + ":"):
             return None
         ns_hex, sep, key_hex = name[len(self.prefix) + 1 :].partition(":")
-        if not sep or not _HEX.fullmatch(ns_hex) or not _HEX.fullmatch(key_hex):
+        if not sep or not _NS_HEX.fullmatch(ns_hex) or not _HEX.fullmatch(key_hex):
             return None
         return bytes.fromhex(ns_hex), bytes.fromhex(key_hex)

@@ -245,8 +245,11 @@ class L3Backend:
                 if self.on_replaced is not None:
                     self.on_replaced()
         else:
+            told = getattr(self.backend, "health_cause", None)
             self.faults.failed(
-                cause or "health check failed (the backend's log says why)",
+                cause
+                or (f"health check failed: {told}" if told else None)
+                or "health check failed (the backend's log says why)",
                 "reads are misses, L2 keeps serving",
             )
         self.healthy = ok

@@ -16,7 +16,7 @@ from kvtier.daemon.storage.base import BackendState as _State
 from kvtier.daemon.storage.base import HostArena, StorageBackend, check_pages, run_to_completion
 from kvtier.daemon.storage.breaker import Breaker
 from kvtier.daemon.storage.keys import ObjectNames
-from kvtier.daemon.storage.objects import HEADER_SIZE, seal_headers
+from kvtier.daemon.storage.objects import HEADER_SIZE, MAGIC, seal_headers
 from kvtier.daemon.storage.options import validate_options
 from kvtier.daemon.storage.redis.drops import DropWatch
 from kvtier.daemon.storage.redis.options import RedisOptions, redact
@@ -24,7 +24,7 @@ from kvtier.daemon.storage.redis.resp import bulk, command, land
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as _ConnectionError
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError, OutOfMemoryError, ReadOnlyError, RedisError
 from redis.exceptions import ResponseError as _ResponseError
 
 __all__ = ["RedisBackend"]
@@ -64,7 +64,22 @@ return n
 """
 """Deletes each damaged value read, unless it changed since (its SHA-1 is the one read): a
 good copy written meanwhile, by this daemon or another sharing the server, stays."""
+_DELETE_PAGES_SCRIPT = b"""
+local n = 0
+for i, k in ipairs(KEYS) do
+  if redis.call('TYPE', k).ok == 'string' and redis.call('GETRANGE', k, 0, 3) == ARGV[1] then
+    redis.call('DEL', k)
+    n = n + 1
+  end
+end
+return n
+"""
+"""Deletes each key that holds a page object (a string starting with the object header's
+magic), so that another application's key that merely has a page's name stays."""
 _ERRORS: tuple[type[BaseException], ...] = (RedisError, OSError, asyncio.TimeoutError)
+_REFUSED_WRITES = (OutOfMemoryError, ReadOnlyError)
+"""How a server that answers but stores nothing refuses a write (``maxmemory`` with
+``noeviction``; a replica after a failover): L3 is unhealthy until it takes one again."""
 
 
 class RedisBackend(StorageBackend):
@@ -91,6 +106,7 @@ class RedisBackend(StorageBackend):
         self._drops: DropWatch | None = None
         self._damaged: list[tuple[bytes, bytes]] = []  # deleted after a failed verification
         self._run_id: bytes | None = None  # the server's, to tell a restart (health checks)
+        self._write_fault: str | None = None  # a refused write (OOM, READONLY), until one is taken
         self._replaced = False
         ttl_s = self.options.ttl_s
         self._ttl_arg = None if ttl_s is None else b"%d" % max(1, int(ttl_s * 1000))
@@ -130,9 +146,10 @@ class RedisBackend(StorageBackend):
                 # pooled connection is stale and the retry reconnects; timeouts are not retried
                 retry=Retry(NoBackoff(), 1, (_ConnectionError,)),
             )
-        except ValueError as err:
+        except ValueError as err:  # its text may quote a password: not shown
             raise ConfigError(
-                f"redis extra config: 'url' = {redact(opts.address)!r}: {err}"
+                f"redis extra config: 'url' = {redact(opts.address)!r} is not a redis URL "
+                "(percent-encode '@', ':' and '/' in a user name or password)"
             ) from err
         self._client = redis_asyncio.Redis.from_pool(pool)
         self._arena = arena
@@ -273,16 +290,26 @@ class RedisBackend(StorageBackend):
         fault = next((reply for reply in replies if isinstance(reply, BaseException)), None)
         if fault is not None:
             self._failed(fault)
+            if isinstance(fault, _REFUSED_WRITES):  # the server answers, writes nothing
+                self._write_fault = f"{type(fault).__name__}: {fault}"
+        elif any(flags):
+            self._write_fault = None
         self.stats.puts += sum(flags)
         self.stats.put_bytes += sum(flags) * length
         return flags
 
     async def delete(self, ns: bytes, keys: Sequence[bytes]) -> int:
-        """Delete the pages with one ``DEL``; return how many existed (0 on a fault)."""
+        """Delete the pages (each key only if it holds a page object; one ``DEL`` where
+        scripting is unavailable); return how many were deleted (0 on a fault)."""
         self._check_open()
         if not keys:
             return 0
-        replies = await self._roundtrip([command(b"DEL", *self._names.encoded(ns, keys))], 1)
+        names = self._names.encoded(ns, keys)
+        if self._script_sha is not None:
+            frames = command(b"EVAL", _DELETE_PAGES_SCRIPT, b"%d" % len(names), *names, MAGIC)
+        else:
+            frames = command(b"DEL", *names)
+        replies = await self._roundtrip([frames], 1)
         if not replies or not isinstance(replies[0], int):
             if replies:
                 self._failed(replies[0])
@@ -333,15 +360,28 @@ class RedisBackend(StorageBackend):
         return list(found)
 
     async def health(self) -> bool:
-        """Return True when the server answers ``PING`` within ``timeout_s``."""
+        """Return True when the server answers ``PING`` within ``timeout_s`` and, after a
+        write it refused (out of memory, a read-only replica), takes a probe write again;
+        :attr:`health_cause` says why not (a refused login, a refused write, no answer)."""
         client = self._client
         if self._state is not _State.OPEN or client is None:
             return False
         try:
             await asyncio.wait_for(client.ping(), self.options.timeout_s)
+            if self._write_fault is not None:  # cleared once the server takes a write again
+                await asyncio.wait_for(
+                    client.set(f"{self.options.prefix}:health-probe", b"1", px=1000),
+                    self.options.timeout_s,
+                )
+                self._write_fault = None
         except self._errors as err:
             self._note_down(err)
+            cause = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+            if isinstance(err, _REFUSED_WRITES):
+                self._write_fault = cause
+            self.health_cause = f"writes refused: {cause}" if self._write_fault else cause
             return False
+        self.health_cause = None
         self._note_up()
         run_id = await self._server_run_id()
         if run_id is not None:

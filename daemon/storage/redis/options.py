@@ -56,10 +56,20 @@ class RedisOptions(BaseModel):
 
 
 def redact(url: str) -> str:
-    """Drop a password from a URL before it reaches a log line or an error."""
+    """Drop a password from a URL before it reaches a log line or an error: the one after
+    ``user:`` and a ``password=`` query parameter (redis-py reads both)."""
     scheme, sep, rest = url.partition("://")
-    if sep and "@" in rest:
+    if not sep:
+        return url
+    rest, qmark, query = rest.partition("?")
+    if qmark:
+        params = [
+            f"{k}=***" if k.lower() == "password" else f"{k}={v}" if eq else k
+            for k, eq, v in (part.partition("=") for part in query.split("&"))
+        ]
+        query = "&".join(params)
+    if "@" in rest:
         creds, _, host = rest.rpartition("@")
         user = creds.split(":", 1)[0]
-        return f"{scheme}://{user}:***@{host}" if ":" in creds else f"{scheme}://{user}@{host}"
-    return url
+        rest = f"{user}:***@{host}" if ":" in creds else f"{user}@{host}"
+    return f"{scheme}://{rest}{qmark}{query}"
