@@ -34,15 +34,22 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from kvtier.bench import write_json
 from kvtier.bench.trace.replay import TraceBenchError, replay
-from kvtier.bench.trace.sim import DEFAULT_TRACE, load_trace, lru_hit_rate, min_hit_rate
+from kvtier.bench.trace.sim import (
+    DEFAULT_TRACE,
+    TraceError,
+    load_trace,
+    lru_hit_rate,
+    min_hit_rate,
+)
 
 __all__ = ["TraceBenchError", "add_arguments", "main", "run_from_args", "run_trace_bench"]
 
@@ -88,6 +95,8 @@ def run_trace_bench(
         policy = load_config(DaemonConfig).eviction_policy
     chains, stamps = load_trace(trace, limit)
     total = sum(map(len, chains))
+    if total == 0:
+        raise TraceError(f"{trace}: no request with a block to replay")
     out: dict[str, Any] = {
         "trace": Path(trace).name,
         "requests": len(chains),
@@ -208,18 +217,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--blocks",
-        default="2000,5000,10000,20000",
+        type=_sizes,
+        default=_sizes("2000,5000,10000,20000"),
         help="pool sizes in trace blocks (pages), comma-separated",
     )
-    p.add_argument("--engines", type=int, default=4, help="engine processes")
-    p.add_argument("--speedup", type=float, default=100.0, help="time compression")
+    p.add_argument("--engines", type=_positive_int, default=4, help="engine processes")
+    p.add_argument("--speedup", type=_positive_float, default=100.0, help="time compression")
     p.add_argument(
         "--policy",
         choices=("lru", "arc", "reuse"),
         default=None,
         help="the daemon's eviction_policy (default: its default)",
     )
-    p.add_argument("--limit", type=int, default=None, help="replay the first N requests")
+    p.add_argument("--limit", type=_positive_int, default=None, help="replay the first N requests")
     p.add_argument(
         "--restart",
         action="store_true",
@@ -230,11 +240,60 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, help="write a PNG of hit rate per size here")
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number > 0")
+    return value
+
+
+def _sizes(text: str) -> list[int]:
+    """argparse type: comma-separated pool sizes, each >= 1 (at least one)."""
+    sizes = [_positive_int(x.strip()) for x in text.split(",") if x.strip()]
+    if not sizes:
+        raise argparse.ArgumentTypeError(f"{text!r} names no pool size")
+    return sizes
+
+
+def _writable(flag: str, path: str | None) -> None:
+    """Refuse (TraceError naming ``flag``) an output path that cannot be written, before
+    the replay: its figures would be lost."""
+    if path is None:
+        return
+    target = Path(path).absolute()
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise TraceError(f"{flag} {path}: cannot make its directory: {err.strerror}") from err
+    if target.is_dir() or not os.access(target.parent, os.W_OK | os.X_OK):
+        raise TraceError(f"{flag} {path}: cannot be written there")
+
+
 def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """Run with parsed flags; print, write the JSON and the plot."""
-    sizes = [int(x) for x in str(args.blocks).split(",") if x.strip()]
-    if not sizes or min(sizes) <= 0 or args.engines <= 0 or args.speedup <= 0:
-        raise SystemExit("kvtier bench trace: --blocks, --engines and --speedup must be > 0")
+    """Run with parsed flags; print, write the JSON and the plot.
+
+    Raises:
+        TraceError: the trace cannot be read or holds nothing to replay, or an output path
+            cannot be written (checked before the replay).
+    """
+    sizes = args.blocks if isinstance(args.blocks, list) else _sizes(str(args.blocks))
+    _writable("--json", args.json)
+    _writable("--plot", args.plot)
     r = run_trace_bench(
         args.trace,
         sizes,
@@ -275,15 +334,29 @@ def _plot(r: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """Usage errors in one line naming the flag (not the whole usage block), exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        """Print ``message`` in one line and exit 2."""
+        print(f"{self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m kvtier.bench.trace`` / ``kvtier bench trace``."""
-    p = argparse.ArgumentParser(
+    p = _OneLineParser(
         prog="kvtier bench trace",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(p)
-    run_from_args(p.parse_args(argv))
+    args = p.parse_args(argv)  # a bad flag: one line, exit 2
+    try:
+        run_from_args(args)
+    except (TraceError, TraceBenchError) as err:
+        print(f"kvtier bench trace: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

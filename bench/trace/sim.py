@@ -29,6 +29,7 @@ import argparse
 import gzip
 import heapq
 import json
+import math
 import random
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -71,8 +72,16 @@ def load_trace(
         ``(chains, timestamps)``, in file order.
 
     Raises:
-        TraceError: a line is not such an object (naming the line and what is wrong).
+        TraceError: the file cannot be read, or a line is not such an object (naming the
+            line and what is wrong), or holds a block twice.
     """
+    try:
+        return _read_trace(path, limit)
+    except (OSError, EOFError) as err:  # missing, a directory, a corrupt or cut gzip
+        raise TraceError(f"{path}: cannot read it: {err}") from err
+
+
+def _read_trace(path: str | Path, limit: int | None) -> tuple[list[list[int]], list[int]]:
     opener = gzip.open if str(path).endswith(".gz") else open
     chains: list[list[int]] = []
     stamps: list[int] = []
@@ -93,8 +102,10 @@ def load_trace(
                 raise TraceError(
                     f"{path}:{n}: hash_ids must be a list of ints in [0, 2**64), got {ids!r:.80}"
                 )
+            if len(set(ids)) != len(ids):  # a block names its whole prefix: never twice
+                raise TraceError(f"{path}:{n}: hash_ids holds a block twice: {ids!r:.80}")
             ts = row.get("timestamp", 0)
-            if not isinstance(ts, int | float) or isinstance(ts, bool):
+            if not isinstance(ts, int | float) or isinstance(ts, bool) or not math.isfinite(ts):
                 raise TraceError(f"{path}:{n}: timestamp must be a number, got {ts!r:.80}")
             chains.append(ids)
             stamps.append(int(ts))
@@ -123,7 +134,7 @@ def lru_hit_rate(chains: Chains, capacity: int) -> float:
         for i, b in enumerate(chain):
             if b not in stamp:
                 kids[b] = 0
-                if i:
+                if i:  # the parent it has now (a block evicted may come back under another)
                     parent[b] = chain[i - 1]
                     kids[chain[i - 1]] += 1
                 stamp[b] = 0
@@ -132,12 +143,12 @@ def lru_hit_rate(chains: Chains, capacity: int) -> float:
             stamp[b] = clock
             if kids[b] == 0:
                 heapq.heappush(heap, (clock, b))
-        while len(stamp) > capacity:
+        while len(stamp) > capacity and heap:
             st, b = heapq.heappop(heap)
             if stamp.get(b) != st or kids[b]:
                 continue
             del stamp[b], kids[b]
-            p = parent.get(b)
+            p = parent.pop(b, None)
             if p is not None and p in stamp:
                 kids[p] -= 1
                 if kids[p] == 0:
@@ -211,7 +222,7 @@ def arc_hit_rate(chains: Chains, capacity: int, ghost: float = 1.0) -> float:
             gone[b] = None
             if len(gone) > glen:
                 gone.popitem(last=False)
-            pb = parent.get(b)
+            pb = parent.pop(b, None)
             if pb is not None and pb in stamp:
                 kids[pb] -= 1
                 if kids[pb] == 0:
