@@ -10,17 +10,19 @@ import signal
 import sys
 
 # SIGHUP asks a running daemon to reload; its default action ends the process. Ignored from
-# here (before the configuration's modules load) until the event loop handles it, and again
-# once the loop has closed: a reload requested while starting or stopping never kills it.
-signal.signal(signal.SIGHUP, signal.SIG_IGN)
+# here (before the configuration's modules load; `kvtier serve`: from main()) until the event
+# loop handles it, and again once the loop has closed: a reload requested while starting or
+# stopping never kills kvtierd. Only in kvtierd's own process, not in one importing this.
+if __name__ == "__main__":
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
 # numpy's OpenBLAS starts a thread per core as it loads (numpy comes with the wire format's
 # packed keys, before the socket is bound), CPU spent before the daemon is healthy; the
 # daemon does no floating-point linear algebra. Set before anything imports numpy.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from kvtier.config import ConfigError, DaemonConfig, KvtierError  # noqa: E402
-from kvtier.config.loader import (  # noqa: E402
+from kvtier.config import ConfigError, DaemonConfig, KvtierError
+from kvtier.config.loader import (
     add_config_flags,
     add_version_flag,
     flags_to_dict,
@@ -116,6 +118,7 @@ def _answering_first(cfg: DaemonConfig) -> None:
 
 def main(argv: list[str] | None = None, prog: str = "kvtierd") -> int:
     """Entry point of ``kvtierd``."""
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the `kvtierd` script and `kvtier serve`
     args = build_parser(prog).parse_args(argv)
     cli = flags_to_dict(args, DaemonConfig)
 

@@ -418,7 +418,7 @@ class HealthReply(_Rep, tag="health_reply", kw_only=True):
 
     status: str
     sessions: int
-    protocol_version: int = 1  # absent: a daemon that predates the field speaks version 1
+    protocol_version: int = PROTOCOL_VERSION
 
 
 class FlushReply(_Rep, tag="flush_reply", kw_only=True):

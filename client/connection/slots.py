@@ -66,9 +66,12 @@ class CompletionSlots:
                 self._free.remove(slot)
 
     def abandon(self, slot: int, seq: int) -> None:
-        """The transfer ``seq`` in ``slot`` was given up on; the daemon may still run it."""
+        """The transfer ``seq`` in ``slot`` was given up on; the daemon may still run it.
+        A slot free in this table is left alone: the table was reset by a re-registration
+        since the transfer began (its slot number means another block's now)."""
         with self._lock:
-            self._limbo[slot] = seq
+            if slot not in self._free:
+                self._limbo[slot] = seq
 
     def done(self, slot: int, seq: int, status: TransferStatus) -> None:
         """The transfer ``seq`` in ``slot`` ended with ``status`` as its handle saw it: the

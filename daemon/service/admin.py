@@ -33,6 +33,7 @@ import asyncio
 import dataclasses
 import hmac
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -111,7 +112,8 @@ class Admin:
         self.reload_source = reload_source
         self._reloading: asyncio.Task[None] | None = None
         self._reload_again = False
-        try:  # what the L3 backend was opened with (an "@file" read now, as it was)
+        self._reader: threading.Thread | None = None  # the last reload's read
+        try:  # the L3 backend's settings, as it read them at its open
             self._extra_in_force = parse_extra_config(getattr(ctx.cfg, EXTRA_CONFIG_FIELD))
         except KvtierError:  # none such opened; any setting read at a reload then differs
             self._extra_in_force = {}
@@ -433,23 +435,47 @@ class Admin:
             return
         self._reloading = asyncio.get_running_loop().create_task(self._reloads())
 
+    def stop_reloading(self) -> None:
+        """A stop has begun: a reload running ends where it is, none applies or is told."""
+        if self._reloading is not None:
+            self._reloading.cancel()
+
     async def _reloads(self) -> None:
         try:
             again = True
-            while again:
+            while again and not self.ctx.stopping:
                 self._reload_again = False
                 self.notifier.reloading()
                 try:
                     await self._reload()
                 finally:  # systemd waits for READY=1 after RELOADING=1, whatever happened
-                    self.notifier.ready()
+                    if not self.ctx.stopping:
+                        self.notifier.ready()
                 again = self._reload_again
         finally:
             self._reloading = None
 
     async def _reload(self) -> None:
         assert self.reload_source is not None
-        read = asyncio.ensure_future(asyncio.to_thread(self._read))
+        if self._reader is not None and self._reader.is_alive():
+            log.error(
+                "reload rejected, configuration unchanged: the last read of it has not "
+                "returned (a file on a stuck mount, a FIFO?)"
+            )
+            return
+        loop = asyncio.get_running_loop()
+        read: asyncio.Future[tuple[DaemonConfig, dict[str, Any]]] = loop.create_future()
+
+        def work() -> None:  # a thread of its own: one stuck for good never holds the exit
+            try:
+                result = self._read()
+            except BaseException as err:  # handed to the loop, which logs it
+                _settle(loop, read, error=err)
+            else:
+                _settle(loop, read, result=result)
+
+        self._reader = threading.Thread(target=work, name="kvtier-reload", daemon=True)
+        self._reader.start()
         try:
             new, extra = await asyncio.wait_for(asyncio.shield(read), RELOAD_READ_S)
         except TimeoutError:
@@ -464,7 +490,8 @@ class Admin:
         except Exception as err:  # a bug: still one line, and the daemon goes on
             log.exception("reload rejected, configuration unchanged: %s", err)
             return
-        self._apply(new, extra)
+        if not self.ctx.stopping:
+            self._apply(new, extra)
 
     def _read(self) -> tuple[DaemonConfig, dict[str, Any]]:
         """The configuration as its sources say now, and the L3 backend's settings it names
@@ -478,6 +505,7 @@ class Admin:
         ``extra`` is its L3 backend settings, set against those the backend runs with."""
         old = self.ctx.cfg
         changed = {k for k in DaemonConfig.model_fields if getattr(new, k) != getattr(old, k)}
+        changed.discard(EXTRA_CONFIG_FIELD)  # its settings count, not how they are written
         if extra != self._extra_in_force:
             changed.add(EXTRA_CONFIG_FIELD)
         fixed = sorted(changed - LIVE_FIELDS)
@@ -497,3 +525,26 @@ class Admin:
             # confirmation that the reload was read
             log.warning("reload: applied %s", ", ".join(sorted(changed)) or "no changes")
             logging.getLogger("kvtier").setLevel(new.log_level.upper())
+
+
+def _settle(
+    loop: asyncio.AbstractEventLoop,
+    fut: asyncio.Future[Any],
+    result: Any = None,
+    error: BaseException | None = None,
+) -> None:
+    """From another thread: give ``fut`` its result or error on ``loop`` (unless it was
+    given up on, or the loop has closed)."""
+
+    def give() -> None:
+        if fut.done():
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
+    try:
+        loop.call_soon_threadsafe(give)
+    except RuntimeError:  # the loop has closed: nobody waits any more
+        pass

@@ -305,6 +305,7 @@ class Daemon:
             await asyncio.wait([accept])
             ctx.handovers.stop_accepting()
             ctx.stopping = True
+            self.svc.admin.stop_reloading()
             self.notifier.stopping()
             log.info(
                 "stopping: %d sessions, %d transfers in flight",
@@ -357,7 +358,7 @@ class Daemon:
         """Reap sessions every quarter lease (at most a second). A wake-up later than that
         by more than a period means kvtierd itself did not run (stopped, starved, its loop
         held): the heartbeats its engines sent meanwhile wait unread in its socket, so every
-        lease gets that time back and the reaping waits a period, for them to be read."""
+        lease gets that time back first."""
         ticks = 0
         last = time.monotonic()
         while True:
@@ -365,9 +366,8 @@ class Daemon:
             await asyncio.sleep(period)
             now = time.monotonic()
             late, last = now - last - period, now
-            if late > period:
+            if late > period:  # no lease ends for the time kvtierd did not run
                 self.svc.ctx.extend_leases(late)
-                continue
             self.svc.ctx.reap_sessions()
             ticks += 1
             if ticks % max(1, int(5 / period)) == 0:

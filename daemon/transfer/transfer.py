@@ -70,8 +70,8 @@ class Transfer:
         cancelled: set by the event loop; the worker stops before the next layer.
         detached: a cancelled STORE whose keys left the pool's index at once
             (:meth:`HostPool.detach`): it is aborted when settled, never committed.
-        committing: a copied STORE whose commit runs in slices: a cancel no longer
-            detaches its keys (its pages are whole; the commit ends as it began).
+        committing: a copied STORE whose commit runs in slices: a cancel does not
+            detach its keys (its pages are whole; the commit ends as it began).
         status: the outcome, set by the worker.
         started: monotonic start time (load latency).
         keys: the page keys of ``host_slots``, same order (write-through after a store,

@@ -332,7 +332,9 @@ def test_every_snapshot_section_maps_to_its_series(metrics_for):
     assert value(s, "kvtier_pool_class_extents", page_bytes="16384") == 1
     assert value(s, "kvtier_sessions") == 2
     assert value(s, "kvtier_transfers_in_flight") == 3
-    assert value(s, "kvtier_daemon_info", epoch="ab12", protocol_version="1") == 1
+    assert (
+        value(s, "kvtier_daemon_info", epoch="ab12", protocol_version=str(P.PROTOCOL_VERSION)) == 1
+    )
     assert value(s, "kvtier_uptime_seconds") == 12.5
 
 

@@ -305,11 +305,16 @@ class RedisBackend(StorageBackend):
         if not keys:
             return 0
         names = self._names.encoded(ns, keys)
+        replies = None
         if self._script_sha is not None:
             frames = command(b"EVAL", _DELETE_PAGES_SCRIPT, b"%d" % len(names), *names, MAGIC)
-        else:
-            frames = command(b"DEL", *names)
-        replies = await self._roundtrip([frames], 1)
+            replies = await self._roundtrip([frames], 1)
+            if replies and isinstance(replies[0], _ResponseError):  # no scripting here
+                _log.info("redis backend: scripting unavailable (%s); delete uses DEL", replies[0])
+                self._script_sha = None
+                replies = None
+        if self._script_sha is None:
+            replies = await self._roundtrip([command(b"DEL", *names)], 1)
         if not replies or not isinstance(replies[0], int):
             if replies:
                 self._failed(replies[0])
