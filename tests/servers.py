@@ -380,3 +380,18 @@ class RawDealer:
         """Close the socket and its context."""
         self.sock.close(0)
         self.ctx.term()
+
+
+def run_kvtierd(rdir: Path, *args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+    """Run ``kvtierd --runtime-dir rdir ARGS`` to its end (a start expected to be refused),
+    with no ``KVTIER_*`` variable and no systemd notify socket of the caller's."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    env.pop("NOTIFY_SOCKET", None)
+    return subprocess.run(
+        [sys.executable, "-m", "kvtier.daemon", "--runtime-dir", str(rdir), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )

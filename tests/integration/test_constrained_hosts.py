@@ -36,7 +36,7 @@ from kvtier.config.loader import pool_path
 from kvtier.ipc import protocol as P
 
 from tests.engines import SMALL, engine, handover, tokens
-from tests.servers import RawDealer, serve_redis
+from tests.servers import RawDealer, run_kvtierd, serve_redis
 
 BASE = ["--hicache-storage-backend", "none", "--hicache-size", "16MiB", "--extent-size", "4MiB"]
 
@@ -77,17 +77,9 @@ def fill(directory: Path) -> None:
 
 
 def kvtierd(rdir: Path, *args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
-    """Run ``kvtierd`` to its end (it is expected to refuse to start)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    env.pop("NOTIFY_SOCKET", None)
-    return subprocess.run(
-        [sys.executable, "-m", "kvtier.daemon", "--runtime-dir", str(rdir), *BASE, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        stdin=subprocess.DEVNULL,
-    )
+    """Run ``kvtierd`` with this module's :data:`BASE` flags to its end (it is expected to
+    refuse to start)."""
+    return run_kvtierd(rdir, *BASE, *args, timeout=timeout)
 
 
 def health(d) -> str:

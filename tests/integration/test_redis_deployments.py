@@ -9,12 +9,10 @@ reach the log, stderr or HEALTH; keys of other applications must never be touche
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +22,7 @@ import redis
 
 from tests.integration.test_admin_cli import kvtier, one_line, stored
 from tests.integration.test_l3_tier import l3_flags, wait_for
-from tests.servers import free_port
+from tests.servers import free_port, run_kvtierd
 
 SECRET = "Zq7SecretPw"
 """A password whose every appearance in a log line, stderr or HEALTH is a leak."""
@@ -39,17 +37,9 @@ def closed_port() -> int:
 
 
 def kvtierd(rdir: Path, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
-    """Run ``kvtierd`` to its end (it is expected to refuse to start)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    env.pop("NOTIFY_SOCKET", None)
-    return subprocess.run(
-        [sys.executable, "-m", "kvtier.daemon", "--runtime-dir", str(rdir), *BASE, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        stdin=subprocess.DEVNULL,
-    )
+    """Run ``kvtierd`` with this module's :data:`BASE` flags to its end (it is expected to
+    refuse to start)."""
+    return run_kvtierd(rdir, *BASE, *args, timeout=timeout)
 
 
 def health(d) -> str:

@@ -13,12 +13,13 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from kvtier.config.loader import pool_path
+
+from tests.servers import run_kvtierd
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -26,17 +27,9 @@ BASE = ["--hicache-storage-backend", "none", "--hicache-size", "64MiB", "--exten
 
 
 def kvtierd(rdir: Path, *args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
-    """Run ``kvtierd`` to its end (it is expected to refuse to start)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    env.pop("NOTIFY_SOCKET", None)
-    return subprocess.run(
-        [sys.executable, "-m", "kvtier.daemon", "--runtime-dir", str(rdir), *BASE, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        stdin=subprocess.DEVNULL,
-    )
+    """Run ``kvtierd`` with this module's :data:`BASE` flags to its end (it is expected to
+    refuse to start)."""
+    return run_kvtierd(rdir, *BASE, *args, timeout=timeout)
 
 
 def wait_log(d, needle: str, timeout: float = 10.0) -> str:
