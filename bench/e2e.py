@@ -136,8 +136,7 @@ def _measure(runs: int) -> dict:
     finally:
         for e in reversed(engines):
             e.close()
-        daemon.stop()
-        daemon.remove_pool()
+        daemon.discard()
         shutil.rmtree(tmp, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in samples.items()}
     hit_ratio = med["hit"] / med["recompute"]

@@ -188,8 +188,7 @@ def run_events_bench(
             for kv in kvs:
                 kv.close()
             for d in daemons.values():
-                d.stop()
-                d.remove_pool()
+                d.discard()
     published = st["counters"]["kv_events_batches"] + st["counters"]["kv_events_dropped_batches"]
     stored = sum(
         len(e.block_hashes)

@@ -203,8 +203,7 @@ def run_l2_bench(mib: int = 256, rtt_samples: int = 2000) -> dict:
                 kv.close()
             echo_p50 = measure_echo(rdir, payload, rtt_samples)
         finally:
-            daemon.stop()
-            daemon.remove_pool()  # a benchmark's pool is not kept for a next start
+            daemon.discard()  # a benchmark's pool is not kept for a next start
     memcpy = max(measure_memcpy(nbytes), memcpy_gbps(nbytes, COPY_THREADS, REPEATS))
     keys_us, keys_python_us = measure_page_keys()
     store = _gbps(nbytes, statistics.median(store_t))

@@ -133,8 +133,7 @@ def run_throughput(pages: int = 256, repeats: int = 5) -> dict[str, Any]:
     finally:
         for s in stacks:
             s.close()
-        daemon.stop()
-        daemon.remove_pool()
+        daemon.discard()
         shutil.rmtree(tmp, ignore_errors=True)
 
     def rate(name: str, k: int) -> float:

@@ -118,8 +118,7 @@ def run_sharing(instances: int = 4, pool_pages: int = 512) -> dict[str, object]:
                 for p in pools:
                     p.close()
                 for d in daemons:
-                    d.stop()
-                    d.remove_pool()
+                    d.discard()
     return {
         "instances": instances,
         "pool_pages": pool_pages,

@@ -186,8 +186,7 @@ def run_vllm_bench(tokens: int = 4096, prompts: int = 3, copy_mode: str = "auto"
     finally:
         for e in engines.values():
             e.close()
-        daemon.stop()
-        daemon.remove_pool()
+        daemon.discard()
         shutil.rmtree(tmp, ignore_errors=True)
     kv, plain, ex = runs["kvtier"], runs["none"], runs["example"]
 

@@ -1,6 +1,6 @@
 """Arguments of ``kvtier stats | sessions | flush | sync | health``: one parser per command,
 the argument types of their own that check values before anything is sent (the shared ones
-and the one-line parser: :mod:`kvtier.cli.arg_types`), where the daemon is, and whether this
+and the one-line parser: :mod:`kvtier.config.arg_types`), where the daemon is, and whether this
 user may reach it.
 
 Where the daemon is, lowest precedence first: the default runtime directory, then
@@ -15,7 +15,7 @@ import os
 import stat
 from pathlib import Path
 
-from kvtier.cli.arg_types import (
+from kvtier.config.arg_types import (
     CliError,
     OneLineParser,
     positive_int,

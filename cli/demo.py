@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
-from kvtier.cli.arg_types import CliError, OneLineParser, bounded_int, positive_int
+from kvtier.config.arg_types import CliError, OneLineParser, bounded_int, positive_int
 from kvtier.cli.demo_report import (
     header,
     print_lines,
@@ -286,8 +286,7 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> dict[str, Any]:
         if worker is not None:
             worker.kill()
         if daemon is not None:
-            daemon.stop()
-            daemon.remove_pool()
+            daemon.discard()
         shutil.rmtree(rdir, ignore_errors=True)
     return _summarize(cfg, rows, time.monotonic() - t0)
 

@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from kvtier.cli.arg_types import (
+from kvtier.config.arg_types import (
     CliError,
     OneLineParser,
     bounded_int,

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvtier.bench import write_json
-from kvtier.cli.arg_types import CliError, OneLineParser, bounded_int, directory, positive_int
+from kvtier.config.arg_types import CliError, OneLineParser, bounded_int, directory, positive_int
 
 
 def _serve(argv: list[str]) -> int:

@@ -159,6 +159,15 @@ class DaemonProcess:
         self.proc.wait()
         return self._reap()
 
+    def discard(self, timeout: float = 20.0) -> int:
+        """Stop the daemon and remove its pool file, also when the stop is interrupted (a
+        Ctrl-C while waiting): for runs whose pool is not kept for a next start (benchmarks,
+        the demo). Returns the exit code."""
+        try:
+            return self.stop(timeout)
+        finally:
+            self.remove_pool()
+
     def remove_pool(self, pool_dir: str | Path = "/dev/shm") -> None:
         """Remove the host pool file a killed daemon left behind."""
         pool_path(Path(pool_dir), self.runtime_dir).unlink(missing_ok=True)

@@ -257,8 +257,7 @@ def run_scale_bench(settings: ScaleSettings) -> dict[str, Any]:
                     )
                 )
         finally:
-            daemon.stop()
-            daemon.remove_pool()  # a benchmark's pool is not kept for a next start
+            daemon.discard()  # a benchmark's pool is not kept for a next start
         if "million" in s.parts:
             out.update(
                 run_million(

@@ -39,10 +39,11 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from kvtier.bench import write_json
 from kvtier.bench.trace.replay import TraceBenchError, replay
+from kvtier.config.arg_types import CliError, OneLineParser, positive_int, positive_number
 from kvtier.bench.trace.sim import (
     DEFAULT_TRACE,
     TraceError,
@@ -221,15 +222,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=_sizes("2000,5000,10000,20000"),
         help="pool sizes in trace blocks (pages), comma-separated",
     )
-    p.add_argument("--engines", type=_positive_int, default=4, help="engine processes")
-    p.add_argument("--speedup", type=_positive_float, default=100.0, help="time compression")
+    p.add_argument("--engines", type=positive_int, default=4, help="engine processes")
+    p.add_argument("--speedup", type=positive_number, default=100.0, help="time compression")
     p.add_argument(
         "--policy",
         choices=("lru", "arc", "reuse"),
         default=None,
         help="the daemon's eviction_policy (default: its default)",
     )
-    p.add_argument("--limit", type=_positive_int, default=None, help="replay the first N requests")
+    p.add_argument("--limit", type=positive_int, default=None, help="replay the first N requests")
     p.add_argument(
         "--restart",
         action="store_true",
@@ -240,31 +241,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, help="write a PNG of hit rate per size here")
 
 
-def _positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    """argparse type: a finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number > 0")
-    return value
-
-
 def _sizes(text: str) -> list[int]:
     """argparse type: comma-separated pool sizes, each >= 1 (at least one)."""
-    sizes = [_positive_int(x.strip()) for x in text.split(",") if x.strip()]
+    sizes = [positive_int(x.strip()) for x in text.split(",") if x.strip()]
     if not sizes:
         raise argparse.ArgumentTypeError(f"{text!r} names no pool size")
     return sizes
@@ -334,27 +313,17 @@ def _plot(r: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """Usage errors in one line naming the flag (not the whole usage block), exit 2."""
-
-    def error(self, message: str) -> NoReturn:
-        """Print ``message`` in one line and exit 2."""
-        print(f"{self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)
-        sys.exit(2)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m kvtier.bench.trace`` / ``kvtier bench trace``."""
-    p = _OneLineParser(
+    p = OneLineParser(
         prog="kvtier bench trace",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(p)
-    args = p.parse_args(argv)  # a bad flag: one line, exit 2
     try:
-        run_from_args(args)
-    except (TraceError, TraceBenchError) as err:
+        run_from_args(p.parse_args(argv))  # a bad flag: one line, exit 2
+    except (CliError, TraceError, TraceBenchError) as err:
         print(f"kvtier bench trace: {err}", file=sys.stderr)
         return 2
     return 0

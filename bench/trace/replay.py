@@ -128,8 +128,7 @@ def replay(
             for op, v in r["lat"].items():
                 out["lat"][op] += v
     finally:
-        daemon.stop()
-        daemon.remove_pool()
+        daemon.discard()
     return out
 
 

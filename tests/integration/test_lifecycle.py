@@ -428,3 +428,33 @@ def session_with_pid(pid: int) -> Session:
         tp_size=1,
         lease_s=5.0,
     )
+
+
+def test_discard_removes_the_pool_file_also_when_the_stop_is_interrupted(short_tmp):
+    """``DaemonProcess.discard`` (benchmarks, the demo): the daemon's pool file is gone
+    afterwards, also when its stop raised (a Ctrl-C while waiting for the exit)."""
+    for interrupted in (False, True):
+        d = DaemonProcess(
+            short_tmp / f"d{int(interrupted)}",
+            ["--hicache-size", str(16 << 20), "--extent-size", str(4 << 20)],
+        )
+        d.start()
+        path = pool_path(Path("/dev/shm"), d.runtime_dir)
+        assert path.exists()
+        real_stop = d.stop
+        if interrupted:
+
+            def stop(timeout: float = 20.0) -> int:
+                raise KeyboardInterrupt
+
+            d.stop = stop  # type: ignore[method-assign]
+        try:
+            if interrupted:
+                with pytest.raises(KeyboardInterrupt):
+                    d.discard()
+            else:
+                assert d.discard() == 0
+            assert not path.exists()
+        finally:
+            real_stop()
+            d.remove_pool()

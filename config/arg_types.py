@@ -25,6 +25,7 @@ __all__ = [
     "directory",
     "non_negative_seconds",
     "positive_int",
+    "positive_number",
     "positive_seconds",
     "sequence_number",
     "utf8_text",
@@ -63,6 +64,17 @@ def positive_seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
     if not (value > 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of seconds")
+    return value
+
+
+def positive_number(text: str) -> float:
+    """argparse type: a finite number > 0 (a rate, a factor)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number > 0")
     return value
 
 
