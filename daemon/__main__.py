@@ -61,11 +61,16 @@ def build_parser(prog: str = "kvtierd") -> argparse.ArgumentParser:
 
 
 def configure_logging(level: str) -> None:
-    """Log one line per event to stderr (journald adds timestamps under systemd)."""
-    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    if os.environ.get("INVOCATION_ID"):  # under systemd
-        fmt = "%(levelname)s %(name)s: %(message)s"
-    logging.basicConfig(level=level.upper(), format=fmt, stream=sys.stderr, force=True)
+    """Log one line per event to stderr, control characters escaped
+    (:class:`~kvtier.daemon.log_lines.LineFormatter`); under systemd without a timestamp
+    (journald adds one) and with each line's syslog priority."""
+    from kvtier.daemon.log_lines import LineFormatter
+
+    systemd = bool(os.environ.get("INVOCATION_ID"))
+    fmt = "%(levelname)s %(name)s: %(message)s"
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(LineFormatter(fmt if systemd else "%(asctime)s " + fmt, systemd))
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
 
 
 def run(cfg: DaemonConfig, reload=None) -> int:

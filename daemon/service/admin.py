@@ -43,6 +43,7 @@ from kvtier.daemon.service.answers import Answer, Deferred, Handler
 from kvtier.daemon.service.context import ServiceContext
 from kvtier.daemon.service.sdnotify import SystemdNotifier
 from kvtier.daemon.service.validation import RequestError
+from kvtier.daemon.service.refusal_log import RefusalLog
 from kvtier.daemon.storage.options import EXTRA_CONFIG_FIELD, parse_extra_config
 from kvtier.ipc import protocol as P
 
@@ -109,6 +110,7 @@ class Admin:
     ) -> None:
         self.ctx = ctx
         self.notifier = notifier
+        self._refusals = RefusalLog(log)  # a wrong admin token's line, once per minute
         self.reload_source = reload_source
         self._reloading: asyncio.Task[None] | None = None
         self._reload_again = False
@@ -158,7 +160,9 @@ class Admin:
         if mine:
             return mine
         has_admin = self.ctx.cfg.admin_token is not None
-        log.warning(
+        self._refusals.log(
+            logging.WARNING,
+            "admin",
             "admin request refused: %s",
             "missing or wrong admin token"
             if has_admin
@@ -179,8 +183,11 @@ class Admin:
         if want is not None and not hmac.compare_digest(
             want.get_secret_value().encode(), token.encode()
         ):
-            log.warning(
-                "admin request refused: %s admin token", "missing" if not token else "wrong"
+            self._refusals.log(
+                logging.WARNING,
+                "admin",
+                "admin request refused: %s admin token",
+                "missing" if not token else "wrong",
             )
             raise RequestError(P.ErrorCode.UNAUTHORIZED, "admin_token: missing or wrong")
 

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Protocol
 
 from kvtier.config.errors import KvtierError
+from kvtier.daemon.service.refusal_log import RefusalLog
 from kvtier.daemon.service.strain import Strain, descriptor_limit
 from kvtier.ipc import fdpass
 from kvtier.ipc.completion import CompletionBlock
@@ -163,6 +164,7 @@ class HandoverServer:
         self._conns: dict[asyncio.Task[None], int] = {}  # connection → its uid (in accept order)
         self._open: dict[int, int] = {}  # connections open, per uid
         self.refusals: dict[str, int] = {}
+        self._refusals = RefusalLog(log)  # a refused connection's line, once per minute
 
     @property
     def pending(self) -> int:
@@ -355,7 +357,14 @@ class HandoverServer:
         h.close()
 
     def _expire(self, h: Handover) -> None:
-        log.info("handover from pid %d expired unclaimed after %gs", h.peer.pid, self.ttl_s)
+        self._refusals.log(
+            logging.INFO,
+            ("expired", h.peer.uid),
+            "handover from pid %d uid %d expired unclaimed after %gs",
+            h.peer.pid,
+            h.peer.uid,
+            self.ttl_s,
+        )
         self._drop(h)
 
     # ------------------------------------------------------------------ connections
@@ -368,8 +377,13 @@ class HandoverServer:
                     self._recv(conn), CONNECTION_DEADLINE_S
                 )
             except TimeoutError:
-                log.info(
-                    "handover from pid %d: no request within %gs", peer.pid, CONNECTION_DEADLINE_S
+                self._refusals.log(
+                    logging.INFO,
+                    ("silent", peer.uid),
+                    "handover from pid %d uid %d: no request within %gs",
+                    peer.pid,
+                    peer.uid,
+                    CONNECTION_DEADLINE_S,
                 )
                 return
             try:
@@ -384,7 +398,14 @@ class HandoverServer:
                 self._send(conn, fdpass.encode_reply(fdpass.BUSY, str(err)), [])
                 return
             except KvtierError as err:
-                log.info("handover from pid %d uid %d refused: %s", peer.pid, peer.uid, err)
+                self._refusals.log(
+                    logging.INFO,
+                    ("refused", peer.uid),
+                    "handover from pid %d uid %d refused: %s",
+                    peer.pid,
+                    peer.uid,
+                    err,
+                )
                 self._send(conn, fdpass.encode_reply(fdpass.REFUSED, str(err)), [])
                 return
             fds = []  # the handover owns them now

@@ -23,6 +23,7 @@ from kvtier.daemon.service.handover import Handover, HandoverNotYours, HandoverR
 from kvtier.daemon.service.quotas import LimitExceeded
 from kvtier.daemon.service.sessions import Session
 from kvtier.daemon.service.validation import RequestError
+from kvtier.daemon.service.refusal_log import RefusalLog
 from kvtier.daemon.tier.rank_groups import GroupKey
 from kvtier.daemon.transfer.engine_memory import (
     NAMES_REFUSED,
@@ -53,6 +54,7 @@ class Registration:
 
     def __init__(self, ctx: ServiceContext) -> None:
         self.ctx = ctx
+        self._refusals = RefusalLog(log)  # a wrong token's line, once per minute a tenant
 
     def register(self, identity: bytes, m: P.Register, peer: PeerCred | None = None) -> Answer:
         """REGISTER: check, authenticate, map the handed-over memory, open a session.
@@ -309,7 +311,9 @@ class Registration:
             t.token.get_secret_value().encode(), m.token.encode()
         )
         if not ok:
-            log.warning(
+            self._refusals.log(
+                logging.WARNING,
+                ("token", m.tenant),
                 "registration refused: tenant %r from pid %d presented a %s token",
                 m.tenant,
                 m.pid,

@@ -13,6 +13,7 @@ This module imports no backend: backends import it, and the registry imports bac
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -20,7 +21,14 @@ from typing import Any, TypeVar
 from kvtier.config.errors import ConfigError
 from pydantic import BaseModel, ValidationError
 
-__all__ = ["EXTRA_CONFIG_FIELD", "parse_extra_config", "validate_options"]
+__all__ = [
+    "EXTRA_CONFIG_FIELD",
+    "parse_extra_config",
+    "redact_text",
+    "redact_url",
+    "redact_value",
+    "validate_options",
+]
 
 EXTRA_CONFIG_FIELD = "hicache_storage_backend_extra_config"
 """The configuration field every extra-config error names."""
@@ -46,10 +54,11 @@ def parse_extra_config(value: str | Mapping[str, Any] | None) -> dict[str, Any]:
     if value is None:
         return {}
     if isinstance(value, Mapping):
-        return _string_keys(dict(value), repr(value))
+        return _string_keys(dict(value), "the mapping")
     if not isinstance(value, str):
         raise ConfigError(
-            f"{EXTRA_CONFIG_FIELD}: expected JSON text, '@file' or a mapping, got {value!r}"
+            f"{EXTRA_CONFIG_FIELD}: expected JSON text, '@file' or a mapping, got "
+            f"{type(value).__name__}"
         )
     text = value.strip()
     if not text:
@@ -61,11 +70,13 @@ def parse_extra_config(value: str | Mapping[str, Any] | None) -> dict[str, Any]:
     except json.JSONDecodeError as err:
         raise ConfigError(
             f"{EXTRA_CONFIG_FIELD}: invalid JSON ({err.msg} at line {err.lineno} column "
-            f"{err.colno}) in {value!r}"
+            f"{err.colno}) in {redact_text(value)!r}"
         ) from err
     if not isinstance(parsed, dict):
-        raise ConfigError(f"{EXTRA_CONFIG_FIELD}: expected a JSON object, got {value!r}")
-    return _string_keys(parsed, repr(value))
+        raise ConfigError(
+            f"{EXTRA_CONFIG_FIELD}: expected a JSON object, got {type(parsed).__name__}"
+        )
+    return _string_keys(parsed, "the JSON object")
 
 
 def _load_file(path_text: str, value: str) -> dict[str, Any]:
@@ -105,7 +116,9 @@ def _load_file(path_text: str, value: str) -> dict[str, Any]:
 def _string_keys(parsed: dict[Any, Any], where: str) -> dict[str, Any]:
     for key in parsed:
         if not isinstance(key, str):
-            raise ConfigError(f"{EXTRA_CONFIG_FIELD}: key {key!r} in {where} is not a string")
+            raise ConfigError(
+                f"{EXTRA_CONFIG_FIELD}: key {redact_value(key)!r} in {where} is not a string"
+            )
     return parsed
 
 
@@ -134,7 +147,62 @@ def validate_options(
             key = ".".join(str(part) for part in problem["loc"]) or "(config)"
             if problem["type"] == "extra_forbidden":
                 accepted = ", ".join(model.model_fields)
-                lines.append(f"unknown key {key!r} = {problem['input']!r} (accepted: {accepted})")
+                given = redact_value(problem["input"], key)
+                lines.append(f"unknown key {key!r} = {given!r} (accepted: {accepted})")
             else:
-                lines.append(f"{key!r} = {problem['input']!r}: {problem['msg']}")
+                given = redact_value(problem["input"], key)
+                lines.append(f"{key!r} = {given!r}: {problem['msg']}")
         raise ConfigError(f"{EXTRA_CONFIG_FIELD} for {backend!r}: " + "; ".join(lines)) from err
+
+
+def redact_url(url: str) -> str:
+    """Drop a password from a URL before it reaches a log line or an error: the one after
+    ``user:`` and a ``password=`` query parameter (redis-py reads both)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    rest, qmark, query = rest.partition("?")
+    if qmark:
+        params = [
+            f"{k}=***" if k.lower() == "password" else f"{k}={v}" if eq else k
+            for k, eq, v in (part.partition("=") for part in query.split("&"))
+        ]
+        query = "&".join(params)
+    if "@" in rest:
+        creds, _, host = rest.rpartition("@")
+        user = creds.split(":", 1)[0]
+        rest = f"{user}:***@{host}" if ":" in creds else f"{user}@{host}"
+    return f"{scheme}://{rest}{qmark}{query}"
+
+
+_SECRET_WORDS = ("password", "passwd", "secret", "token", "credential")
+
+_URL_PASSWORD = re.compile(r"(://[^:/@\s\"']*:)[^@\s\"']*@")
+_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&\s\"']*", re.IGNORECASE)
+_SECRET_ITEM = re.compile(
+    r"(\"[^\"]*(?:" + "|".join(_SECRET_WORDS) + r")[^\"]*\"\s*[:=]\s*)(\"[^\"]*\"?|[^,}\s]*)",
+    re.IGNORECASE,
+)
+
+
+def redact_text(text: str) -> str:
+    """Text that did not parse (a broken JSON extra config), as an error may quote it: the
+    passwords of URLs in it, and the values of keys naming a secret, as ``***``."""
+    text = _URL_PASSWORD.sub(r"\1***@", text)
+    text = _QUERY_PASSWORD.sub(r"\1***", text)
+    return _SECRET_ITEM.sub(r'\1"***"', text)
+
+
+def redact_value(value: Any, key: str = "") -> Any:
+    """``value`` as an error or a log line may quote it: under a key naming a secret
+    (``password``, ``token``, ...) ``***``; a string holding a URL without its password
+    (:func:`redact_url`); mappings and lists item by item."""
+    if any(word in key.lower() for word in _SECRET_WORDS):
+        return "***"
+    if isinstance(value, str):
+        return redact_url(value) if "://" in value else value
+    if isinstance(value, Mapping):
+        return {k: redact_value(v, str(k)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redact_value(v, key) for v in value]
+    return value

@@ -28,7 +28,7 @@ from kvtier.daemon.storage.mooncake.options import MooncakeOptions
 from kvtier.daemon.storage.mooncake.scratch import Scratch
 from kvtier.daemon.storage.mooncake.workers import shutdown_then, worker_pool
 from kvtier.daemon.storage.objects import HEADER_SIZE
-from kvtier.daemon.storage.options import validate_options
+from kvtier.daemon.storage.options import redact_url, validate_options
 
 __all__ = ["MooncakeBackend"]
 
@@ -67,7 +67,7 @@ class MooncakeBackend(StorageBackend):
         self._set_up = False  # setup() ran: close() must close the client
         self._registered: list[int] = []  # buffers to unregister at close()
         self._breaker = Breaker(
-            f"mooncake backend: master {self.options.master_server_address}",
+            f"mooncake backend: master {redact_url(self.options.master_server_address)}",
             cooldown_s=self.options.retry_interval_s,
             log=_log,
         )
@@ -109,7 +109,7 @@ class MooncakeBackend(StorageBackend):
             problem = await unreachable(address, opts.timeout_s)
             if problem is not None:
                 raise StorageError(
-                    f"mooncake backend: {what} = {address!r} is unreachable: {problem}"
+                    f"mooncake backend: {what} = {redact_url(address)!r} is unreachable: {problem}"
                 )
         self._pool = worker_pool(opts.max_inflight + 1, opts.worker_nice)
         self._scratch = scratch = Scratch(opts.max_inflight, opts.sub_batch_keys)
@@ -137,7 +137,8 @@ class MooncakeBackend(StorageBackend):
             if rc != 0:
                 raise StorageError(
                     f"mooncake backend: setup failed ({rc}) with master_server_address="
-                    f"{opts.master_server_address!r}, metadata_server={opts.metadata_server!r}"
+                    f"{redact_url(opts.master_server_address)!r}, "
+                    f"metadata_server={redact_url(opts.metadata_server)!r}"
                 )
             for what, buf_address, size in (
                 ("arena", arena.address, arena.size),

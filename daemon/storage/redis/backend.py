@@ -19,7 +19,8 @@ from kvtier.daemon.storage.keys import ObjectNames
 from kvtier.daemon.storage.objects import HEADER_SIZE, MAGIC, seal_headers
 from kvtier.daemon.storage.options import validate_options
 from kvtier.daemon.storage.redis.drops import DropWatch
-from kvtier.daemon.storage.redis.options import RedisOptions, redact
+from kvtier.daemon.storage.options import redact_url as redact
+from kvtier.daemon.storage.redis.options import RedisOptions
 from kvtier.daemon.storage.redis.resp import bulk, command, land
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from kvtier.daemon.storage.options import redact_url
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["RedisOptions", "redact"]
+__all__ = ["RedisOptions"]
 
 
 class RedisOptions(BaseModel):
@@ -42,7 +43,8 @@ class RedisOptions(BaseModel):
             raise ValueError("'port' and 'db' need 'host' (or put them in 'url')")
         if not self.url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(
-                f"'url' must start with redis://, rediss:// or unix://, got {self.url!r}"
+                "'url' must start with redis://, rediss:// or unix://, got "
+                f"{redact_url(self.url)!r}"
             )
         return self
 
@@ -53,23 +55,3 @@ class RedisOptions(BaseModel):
             host = f"[{self.host}]" if ":" in self.host else self.host
             return f"redis://{host}:{self.port}/{self.db}"
         return self.url
-
-
-def redact(url: str) -> str:
-    """Drop a password from a URL before it reaches a log line or an error: the one after
-    ``user:`` and a ``password=`` query parameter (redis-py reads both)."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    rest, qmark, query = rest.partition("?")
-    if qmark:
-        params = [
-            f"{k}=***" if k.lower() == "password" else f"{k}={v}" if eq else k
-            for k, eq, v in (part.partition("=") for part in query.split("&"))
-        ]
-        query = "&".join(params)
-    if "@" in rest:
-        creds, _, host = rest.rpartition("@")
-        user = creds.split(":", 1)[0]
-        rest = f"{user}:***@{host}" if ":" in creds else f"{user}@{host}"
-    return f"{scheme}://{rest}{qmark}{query}"
