@@ -399,12 +399,17 @@ class HostPool:
 
     # ------------------------------------------------------------- geometry
 
-    def register_class(self, page_bytes: int, max_classes: int | None = None) -> int:
-        """Register a page size; the same size always gets the same class id.
+    def register_class(
+        self, page_bytes: int, max_classes: int | None = None, in_use: Iterable[int] = ()
+    ) -> int:
+        """Register a page size; the same size always gets the same class id while it has
+        one (:meth:`SlotAllocator.register_class`).
 
         Args:
             page_bytes: bytes of one page of an engine's model.
-            max_classes: refuse a new size when this many classes exist (None: no bound).
+            max_classes: past this many classes, a new size takes over an idle class's id
+                (no page, not in ``in_use``), or is refused (None: no bound).
+            in_use: the class ids of the open sessions.
 
         Returns:
             The class id (0, 1, ... in registration order; an adopted pool has
@@ -412,9 +417,9 @@ class HostPool:
 
         Raises:
             HostPoolError: ``page_bytes`` is not positive, its stride exceeds an extent,
-                or it is new past ``max_classes``.
+                or it is new past ``max_classes`` and no class is idle.
         """
-        cid = self._pages.slots.register_class(page_bytes, max_classes)
+        cid = self._pages.slots.register_class(page_bytes, max_classes, in_use)
         self._pages.evictor.fit_class(self._pages.slots.classes[cid].n)
         return cid
 

@@ -36,7 +36,7 @@ adopted. The other intrusive lists through slot ids (LRU, children) are
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,9 +48,10 @@ from kvtier.daemon.pool.records import HostPoolError
 __all__ = ["MAX_NEW_CLASSES", "PageClass", "SlotAllocator"]
 
 MAX_NEW_CLASSES = 256
-"""The most page sizes engines may register in one pool (an adopted pool's extents bring
-theirs regardless): every honest deployment has a few, and each class costs the daemon state
-and the metrics endpoint a series for as long as it runs."""
+"""The most page sizes engines may register in one pool at once (an adopted pool's extents
+bring theirs regardless): every honest deployment has a few, and each class costs the daemon
+state and the metrics endpoint a series. A class that holds no page and no open session's
+size is given to the next new size past it."""
 
 
 @dataclass(slots=True)
@@ -108,25 +109,29 @@ class SlotAllocator:
         self.class_of_bytes: dict[int, int] = {}
         self.ext_bytes = ext_bytes
 
-    def register_class(self, page_bytes: int, max_classes: int | None = None) -> int:
-        """Register a page size; the same size always gets the same class id.
+    def register_class(
+        self, page_bytes: int, max_classes: int | None = None, in_use: Iterable[int] = ()
+    ) -> int:
+        """Register a page size; the same size always gets the same class id while it has
+        one.
+
+        Past ``max_classes`` classes, a new size takes over the id of an idle class: one
+        that holds no extent and no page, and that no class id in ``in_use`` (the open
+        sessions') names. So page sizes of engines long gone never lock new ones out.
 
         Args:
             page_bytes: the page size.
-            max_classes: refuse a new size when this many classes exist (None: no bound).
+            max_classes: refuse a new size when this many classes exist and none is idle
+                (None: no bound).
+            in_use: class ids that must keep their page size.
 
         Raises:
             HostPoolError: ``page_bytes`` is not positive, its stride exceeds an extent, or
-                it is new and ``max_classes`` classes exist.
+                it is new, ``max_classes`` classes exist and none is idle.
         """
         cid = self.class_of_bytes.get(page_bytes)
         if cid is not None:
             return cid
-        if max_classes is not None and len(self.classes) >= max_classes:
-            raise HostPoolError(
-                f"page_bytes={page_bytes} would be a page size past the {max_classes} this "
-                "pool takes from engines"
-            )
         if page_bytes <= 0:
             raise HostPoolError(f"page_bytes must be positive, got {page_bytes}")
         payload = round_up(page_bytes, self.align)
@@ -135,16 +140,39 @@ class SlotAllocator:
                 f"page_bytes={page_bytes} (rounded up to {payload}) exceeds "
                 f"extent_bytes={self.extent_bytes}"
             )
-        cid = len(self.classes)
-        self.classes.append(
-            PageClass(
-                page_bytes,
-                self.layout.stride_of(page_bytes),
-                min(self.extent_bytes // payload, self.per_extent),
-            )
+        cls = PageClass(
+            page_bytes,
+            self.layout.stride_of(page_bytes),
+            min(self.extent_bytes // payload, self.per_extent),
         )
+        if max_classes is not None and len(self.classes) >= max_classes:
+            cid = self._idle_class(set(in_use))
+            if cid is None:
+                raise HostPoolError(
+                    f"page_bytes={page_bytes} would be a page size past the {max_classes} "
+                    "this pool takes from engines (each holds pages or an open session)"
+                )
+            del self.class_of_bytes[self.classes[cid].page_bytes]
+            self.classes[cid] = cls
+        else:
+            cid = len(self.classes)
+            self.classes.append(cls)
         self.class_of_bytes[page_bytes] = cid
         return cid
+
+    def _idle_class(self, in_use: set[int]) -> int | None:
+        """The lowest class id holding no extent, no page and not in ``in_use``, or None."""
+        for cid, cls in enumerate(self.classes):
+            if (
+                cid not in in_use
+                and cls.extents == 0
+                and cls.ready == 0
+                and cls.writing == 0
+                and cls.free == NIL
+                and cls.bump == NIL
+            ):
+                return cid
+        return None
 
     def check_class(self, class_id: int) -> None:
         """Raise HostPoolError unless ``class_id`` is registered."""

@@ -309,7 +309,10 @@ class Admin:
             "mapped_bytes": ctx.quotas.mapped_bytes,
             "unmap_pending_bytes": ctx.unmaps.pending_bytes,
             "unmaps": {"thread": ctx.unmaps.queued, "at_once": ctx.unmaps.inline},
-            "refusals": {**ctx.handovers.refusals, **ctx.quotas.refusals},
+            "refusals": {  # a setting both refuse by (descriptors) counts both
+                k: ctx.handovers.refusals.get(k, 0) + ctx.quotas.refusals.get(k, 0)
+                for k in ctx.handovers.refusals.keys() | ctx.quotas.refusals.keys()
+            },
             "shortages": ctx.strain.count,
         }
 

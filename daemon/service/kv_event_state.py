@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Annotated
 
 import msgspec
-from kvtier.ipc.limits import KEY_BYTES, BlockHash, BlockSize, Text
+from kvtier.ipc.limits import KEY_BYTES, MAX_TEXT, BlockHash, BlockSize, Text
 
 __all__ = ["FILE_NAME", "Loaded", "Saved", "chain_runs", "load", "save"]
 
@@ -39,6 +39,11 @@ _VERSION = 2
 _BYTES_PER_ENTRY = 160  # a generous bound on one saved (key, hash) pair, for the size check
 FP_BYTES = 32
 """A namespace fingerprint's length: a saved key is the fingerprint then the page key."""
+
+MAX_NAMESPACES = 65536
+"""The most namespaces whose block size and model id are kept (those whose engine hashes are
+kept, and the open sessions'); past it the oldest without a kept hash are forgotten."""
+_BYTES_PER_NAMESPACE = 4 * MAX_TEXT + 64  # a model id's bound (4 bytes a character), and more
 
 NamespacedKey = Annotated[bytes, msgspec.Meta(min_length=1, max_length=FP_BYTES + KEY_BYTES)]
 NamespaceId = Annotated[bytes, msgspec.Meta(min_length=FP_BYTES, max_length=FP_BYTES)]
@@ -105,7 +110,12 @@ def load(path: Path, max_hashes: int) -> Loaded:
     empty = Loaded({}, {}, {})
     try:
         size = path.stat().st_size
-        if size > max(1, max_hashes) * _BYTES_PER_ENTRY + (1 << 20):
+        bound = (
+            max(1, max_hashes) * _BYTES_PER_ENTRY
+            + min(max(1, max_hashes), MAX_NAMESPACES) * _BYTES_PER_NAMESPACE
+            + (1 << 20)
+        )
+        if size > bound:
             raise ValueError(f"{size} bytes is more than {max_hashes} hashes take")
         saved = msgspec.msgpack.decode(path.read_bytes(), type=Saved)
         if saved.version not in (1, _VERSION):

@@ -149,8 +149,14 @@ class KvEventPublisher:
         if self._pending or self._deferred:
             self._flush()
         if self._state is not None:
+            kept = self._kept_namespaces()  # those of sessions long gone are not saved
             try:
-                kv_event_state.save(self._state, self._hashes, self._fp_block_size, self._fp_model)
+                kv_event_state.save(
+                    self._state,
+                    self._hashes,
+                    {fp: n for fp, n in self._fp_block_size.items() if fp in kept},
+                    {fp: m for fp, m in self._fp_model.items() if fp in kept},
+                )
             except OSError as err:
                 log.warning("KV events: cannot save engine hashes to %s: %s", self._state, err)
         self._stream.close()
@@ -160,9 +166,29 @@ class KvEventPublisher:
     def name(self, ns_id: int, model_id: str, fingerprint: bytes, page_size: int) -> None:
         """A session registered namespace ``ns_id``: its topic and block size."""
         self._topics[ns_id] = E.namespace_topic(model_id, fingerprint).encode()
+        self._fp_block_size.pop(fingerprint, None)  # re-inserted: the newest
+        self._fp_model.pop(fingerprint, None)
         self._block_size[ns_id] = self._fp_block_size[fingerprint] = page_size
         self._fp_model[fingerprint] = model_id
         self._fps[ns_id] = fingerprint
+        if len(self._fp_model) > kv_event_state.MAX_NAMESPACES:
+            self._forget_namespaces()
+
+    def _kept_namespaces(self) -> set[bytes]:
+        """The fingerprints of kept engine hashes and of the namespaces named since start."""
+        fp = kv_event_state.FP_BYTES
+        return {key[:fp] for key in self._hashes} | set(self._fps.values())
+
+    def _forget_namespaces(self) -> None:
+        """Forget the block size and model id of the oldest namespaces without a kept hash
+        (down to half of :data:`~kvtier.daemon.service.kv_event_state.MAX_NAMESPACES`, or
+        as far as those go): sessions of many models come and go over a daemon's life."""
+        kept, target = self._kept_namespaces(), kv_event_state.MAX_NAMESPACES // 2
+        for fp in [fp for fp in self._fp_model if fp not in kept]:
+            if len(self._fp_model) <= target:
+                break
+            del self._fp_model[fp]
+            self._fp_block_size.pop(fp, None)
 
     def announce_held(
         self, namespaces: dict[bytes, int], held: Callable[[int], PagesHeld]

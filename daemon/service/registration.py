@@ -214,7 +214,8 @@ class Registration:
         try:
             in_use = (s.ns_id for s in ctx.sessions)
             ns_id, owner = ctx.pool.namespace_id(fp, in_use), ctx.pool.owner_id(tenant)
-            class_id = ctx.pool.register_class(g.page_bytes, MAX_NEW_CLASSES)
+            classes = (s.class_id for s in ctx.sessions)
+            class_id = ctx.pool.register_class(g.page_bytes, MAX_NEW_CLASSES, classes)
         except HostPoolError as err:
             raise RequestError(P.ErrorCode.BUSY, str(err)) from err
         sid = ctx.sessions.new_id()

@@ -421,3 +421,35 @@ def test_an_error_while_a_slot_is_taken_drops_the_child_reference_it_took() -> N
     with pytest.raises(RuntimeError, match="the policy failed"):
         pool.allocate(1, 10, cls, [b"next"], keys[-1])
     assert pool._pages.kids.count[tail] == 0 and tail in pool.evictable_slots()
+
+
+def test_a_new_page_size_past_the_bound_takes_an_idle_class():
+    """Past ``max_classes``, a new page size takes over the id of a class that holds no
+    page and no open session's size; a class holding pages, or named in ``in_use``, keeps
+    its size and the new one is refused. The new class allocates, commits and reads back
+    like any other."""
+    pool = HostPool(8 * EXTENT, EXTENT, 4 * KIB)
+    a = pool.register_class(4000, max_classes=2)
+    b = pool.register_class(8000, max_classes=2)
+    ns = pool.namespace_id(b"n" * 32)
+    owner = pool.owner_id("t")
+    held = pool.allocate(ns, owner, a, [b"a0", b"a1"])
+    gone = pool.allocate(ns, owner, b, [b"b0", b"b1", b"b2"])
+    pool.commit([s for _, s in held])
+    with pytest.raises(HostPoolError, match="page size past the 2"):
+        pool.register_class(12000, max_classes=2)  # a holds pages, b's are WRITING
+    pool.abort([s for _, s in gone])
+    with pytest.raises(HostPoolError, match="page size past the 2"):
+        pool.register_class(12000, max_classes=2, in_use=[b])  # an open session's size
+    c = pool.register_class(12000, max_classes=2, in_use=[a])
+    assert c == b
+    assert pool.register_class(12000, max_classes=2) == c  # the same size, the same id
+    assert pool.class_stride(c) >= 12000
+    new = pool.allocate(ns, owner, c, [b"c0", b"c1"])
+    assert len(new) == 2
+    pool.commit([s for _, s in new])
+    assert pool.lookup(ns, [b"a0", b"a1"]) == 2 and pool.lookup(ns, [b"c0", b"c1"]) == 2
+    stats = {k.page_bytes: k for k in pool.stats().classes}
+    assert 8000 not in stats and stats[12000].pages_ready == stats[4000].pages_ready == 2
+    with pytest.raises(HostPoolError, match="page size past the 2"):
+        pool.register_class(8000, max_classes=2)  # both hold pages now
