@@ -53,6 +53,8 @@ class DaemonChannel:
         self.request_timeout_s = request_timeout_s
         self.context = zmq.Context()
         self.daemon_pid = 0
+        self.pid = os.getpid()  # the process the socket belongs to (ZeroMQ is not fork-safe)
+        self.closing = threading.Event()  # set by close() first: a reply awaited is given up
         """The registered daemon's process id; 0 before a registration (never watched)."""
         self._lock = lock
         self._sock: zmq.Socket | None = None
@@ -85,6 +87,8 @@ class DaemonChannel:
         with self._lock:
             if self._sock is not None:
                 return
+            if self.closing.is_set() or self.context.closed:
+                raise DaemonUnavailable("connection is closed")
             identity = f"{os.getpid()}-{secrets.token_hex(6)}".encode()
             self._sock = make_zmq_socket(
                 self.context, self.endpoint, zmq.DEALER, bind=False, identity=identity
@@ -111,7 +115,13 @@ class DaemonChannel:
         """A daemon answered a registration: end the down window."""
         self._down_until = 0.0
 
-    def call(self, msg: P.Request, raw: bool = False, timeout: float | None = None) -> P.Reply:
+    def call(
+        self,
+        msg: P.Request,
+        raw: bool = False,
+        timeout: float | None = None,
+        interruptible: bool = True,
+    ) -> P.Reply:
         """Send ``msg`` and wait for its reply.
 
         Args:
@@ -119,6 +129,8 @@ class DaemonChannel:
             raw: a registration's call: sent even in the down window, and the daemon's process
                 is not watched (the one known may be a predecessor).
             timeout: the longest wait for the reply (default ``request_timeout_s``).
+            interruptible: give the reply up once :meth:`close` has begun (False: the
+                closing connection's own last request).
 
         Raises:
             DaemonUnavailable: the channel is closed, the daemon is known gone, in the down
@@ -148,7 +160,9 @@ class DaemonChannel:
                 raise DaemonUnavailable(f"cannot reach kvtierd at {self.endpoint}") from err
             deadline = time.monotonic() + wait_s
             while True:
-                data = self._recv_until(self._sock, deadline, watch_pid=not raw)
+                data = self._recv_until(self._sock, deadline, not raw, interruptible)
+                if data is None and interruptible and self.closing.is_set():
+                    raise DaemonUnavailable("connection is closed")
                 if data is None or (time.monotonic() > deadline and rep_is_late(data, req_id)):
                     self.mark_down()
                     if not self.daemon_alive():
@@ -163,12 +177,15 @@ class DaemonChannel:
                     return rep
                 # a late reply to a request that timed out earlier: drop it
 
-    def _recv_until(self, sock: zmq.Socket, deadline: float, watch_pid: bool) -> bytes | None:
-        """The next reply frame, or None at ``deadline`` or, with ``watch_pid``, as soon as
-        the daemon's process is seen gone (checked every :data:`LIVENESS_POLL_S`)."""
+    def _recv_until(
+        self, sock: zmq.Socket, deadline: float, watch_pid: bool, interruptible: bool = True
+    ) -> bytes | None:
+        """The next reply frame, or None at ``deadline``, with ``interruptible`` once
+        :meth:`close` has begun, or, with ``watch_pid``, as soon as the daemon's process is
+        seen gone (each checked every :data:`LIVENESS_POLL_S`)."""
         while True:
             left = deadline - time.monotonic()
-            if left <= 0:
+            if left <= 0 or (interruptible and self.closing.is_set()):
                 return None
             if sock.poll(max(1, int(min(left, LIVENESS_POLL_S) * 1000)), zmq.POLLIN):
                 try:
@@ -223,7 +240,12 @@ class DaemonChannel:
             )
 
     def close(self) -> None:
-        """Close the socket (unsent requests dropped) and end the ZeroMQ context. Idempotent."""
+        """Close the socket (unsent requests dropped) and end the ZeroMQ context. Idempotent.
+        In a process forked from the one that made it, nothing is touched (the parent's
+        socket is not this process's to close)."""
+        self.closing.set()
+        if os.getpid() != self.pid:
+            return
         with self._lock:
             if self._sock is not None:
                 self._sock.close(linger=0)

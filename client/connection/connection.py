@@ -150,7 +150,9 @@ class Connection:
         # (block, slot) of transfers given up on, whose RELEASE the heartbeat thread sends
         self._to_release: list[tuple[CompletionBlock, int]] = []
         self._release_lock = threading.Lock()
-        self._finalizer = weakref.finalize(self, _leaked, self._channel.context, self.endpoint)
+        self._finalizer = weakref.finalize(
+            self, _leaked, self._channel.context, self.endpoint, self._hb_stop, self._hb_wake
+        )
         if register:
             try:
                 self.register()
@@ -169,6 +171,7 @@ class Connection:
                 ``request_timeout_s``.
             UnexpectedReply: the daemon answered with another reply than REGISTERED.
         """
+        self._check_usable()
         with self._lock:
             self._drop_cuda()  # the events of the daemon registered with before: never again
             self._channel.check_socket_file()
@@ -211,11 +214,26 @@ class Connection:
             self._kv_events = rep.kv_events
             self._slots.reset(rep.completion_slots)
             self._channel.mark_up()
-        if self._hb is None:
+        if self._hb is None:  # it holds no reference to this connection while it sleeps
             self._hb = threading.Thread(
-                target=self._heartbeat_loop, name="kvtier-heartbeat", daemon=True
+                target=_heartbeats,
+                args=(weakref.ref(self), self._hb_stop, self._hb_wake),
+                name="kvtier-heartbeat",
+                daemon=True,
             )
             self._hb.start()
+
+    def _check_usable(self) -> None:
+        """Raise DaemonUnavailable when this connection is closed (or closing), or was made
+        by another process (a forked worker: ZeroMQ sockets and the lock of the parent are
+        not its to use)."""
+        if self._closed or self._channel.closing.is_set():
+            raise DaemonUnavailable("connection is closed")
+        if os.getpid() != self._channel.pid:
+            raise DaemonUnavailable(
+                f"this connection belongs to process {self._channel.pid}: a forked process "
+                f"(here {os.getpid()}) makes a Connection of its own"
+            )
 
     def _open_cuda(self, rep: P.Registered) -> CudaLayerWaiter | None:
         """A GPU pool's waiter over the events of ``rep`` (None for a shared-memory pool);
@@ -232,26 +250,15 @@ class Connection:
         if waiter is not None:
             waiter.close()
 
-    def _heartbeat_loop(self) -> None:
-        """Send a HEARTBEAT every ``heartbeat_interval_s``, and the RELEASE of transfers
-        given up on (:meth:`_abandon`) as soon as there are some, until :meth:`close`."""
-        interval = self.config.heartbeat_interval_s
-        beat = time.monotonic() + interval
-        while not self._hb_stop.is_set():
-            self._hb_wake.wait(max(0.0, beat - time.monotonic()))
-            self._hb_wake.clear()
-            if self._hb_stop.is_set():
-                return
-            try:
-                self._release_abandoned()
-                if time.monotonic() >= beat:
-                    beat = time.monotonic() + interval
-                    self._session_call(lambda sid: P.Heartbeat(req_id=0, session_id=sid), P.Ack)
-            except (DaemonUnavailable, DaemonError, replies.UnexpectedReply) as err:
-                log.debug("heartbeat: %s", err)
-            except zmq.ZMQError as err:  # the context was destroyed under us (interpreter exit)
-                log.debug("heartbeat stopped: %s", err)
-                return
+    def _beat(self, due: bool) -> None:
+        """One turn of the heartbeat thread: the RELEASE of transfers given up on
+        (:meth:`_abandon`), and a HEARTBEAT when ``due``."""
+        try:
+            self._release_abandoned()
+            if due:
+                self._session_call(lambda sid: P.Heartbeat(req_id=0, session_id=sid), P.Ack)
+        except (DaemonUnavailable, DaemonError, replies.UnexpectedReply) as err:
+            log.debug("heartbeat: %s", err)
 
     @property
     def daemon_pid(self) -> int:
@@ -261,6 +268,11 @@ class Connection:
     def daemon_alive(self) -> bool:
         """False when the daemon's process is known to be gone."""
         return self._channel.daemon_alive()
+
+    def serving(self) -> bool:
+        """False once :meth:`close` has begun or the daemon's process is known to be gone:
+        a wait for a transfer gives up (a miss)."""
+        return not self._channel.closing.is_set() and self._channel.daemon_alive()
 
     @property
     def store_room(self) -> tuple[int, int]:
@@ -274,8 +286,7 @@ class Connection:
         """Send ``msg`` and wait for its reply (:meth:`DaemonChannel.call
         <kvtier.client.connection.channel.DaemonChannel.call>`); ``timeout`` defaults to
         ``request_timeout_s``."""
-        if self._closed:
-            raise DaemonUnavailable("connection is closed")
+        self._check_usable()
         return self._channel.call(msg, raw=raw, timeout=timeout)
 
     def _session_call(
@@ -286,6 +297,7 @@ class Connection:
     ) -> replies.ReplyT:
         """Call with the current session id; re-register once if the daemon forgot us. The
         reply is checked to be a ``kind`` (else :class:`~.replies.UnexpectedReply`)."""
+        self._check_usable()
         with self._lock:
             if self.session_id != 0 and not self.daemon_alive():
                 self.session_id = 0  # that daemon is gone: register with its successor, if any
@@ -308,8 +320,8 @@ class Connection:
     def _count(self, op: str) -> int:
         """A TP rank's count of its ``op`` requests, this one included (0 for one rank:
         nothing to pair)."""
-        if self.tp_size <= 1:
-            return 0
+        if self.tp_size <= 1 or os.getpid() != self._channel.pid:
+            return 0  # a forked process's request fails before it is sent (_check_usable)
         with self._lock:
             self._rounds[op] += 1
             return self._rounds[op]
@@ -620,11 +632,20 @@ class Connection:
         return replies.expect(msg, self._call(msg), P.StatsReply).stats
 
     def close(self) -> None:
-        """Unregister (best effort), stop heartbeats, close the socket. Idempotent."""
+        """Unregister (best effort), stop heartbeats, close the socket. Idempotent.
+
+        A thread waiting for a reply or a transfer of this connection gives up at once (a
+        miss). In a process forked from the one that made the connection, it only marks it
+        closed: the parent's session, socket and memory are left alone."""
         if self._closed:
             return
+        self._channel.closing.set()  # waiters give up and let go of the lock
         self._hb_stop.set()
         self._hb_wake.set()
+        if os.getpid() != self._channel.pid:
+            self._closed = True
+            self._finalizer.detach()
+            return
         if self._hb is not None and self._hb is not threading.current_thread():
             self._hb.join(timeout=self.config.request_timeout_s + 1)
         with self._lock:
@@ -634,8 +655,10 @@ class Connection:
                 except Exception as err:  # a GPU fault: the daemon's events go anyway
                     log.warning("close: waiting for the GPU failed: %s", err)
             if self.session_id and self._channel.connected and not self._channel.context.closed:
-                try:
-                    self._call(P.Unregister(req_id=0, session_id=self.session_id))
+                try:  # its own reply is waited for: a socket closed at once drops it unsent
+                    self._channel.call(
+                        P.Unregister(req_id=0, session_id=self.session_id), interruptible=False
+                    )
                 except (DaemonUnavailable, DaemonError, zmq.ZMQError):
                     pass  # at interpreter exit the context may be gone already: nothing to tell
             self._closed = True
@@ -653,6 +676,40 @@ class Connection:
         self.close()
 
 
-def _leaked(ctx: zmq.Context, endpoint: str) -> None:
+def _heartbeats(
+    ref: weakref.ReferenceType[Connection], stop: threading.Event, wake: threading.Event
+) -> None:
+    """The heartbeat thread of the connection ``ref`` names: a HEARTBEAT every
+    ``heartbeat_interval_s`` and the RELEASE of transfers given up on as soon as there are
+    some (:meth:`Connection._beat`), until ``stop`` or the connection is collected. Between
+    turns it holds no reference to the connection, so an engine that drops one without
+    closing it lets it go (its session then ends with its lease)."""
+    conn = ref()
+    if conn is None:
+        return
+    interval = conn.config.heartbeat_interval_s
+    del conn
+    beat = time.monotonic() + interval
+    while not stop.is_set():
+        wake.wait(max(0.0, beat - time.monotonic()))
+        wake.clear()
+        conn = ref()
+        if stop.is_set() or conn is None:
+            return
+        due = time.monotonic() >= beat
+        if due:
+            beat = time.monotonic() + interval
+        try:
+            conn._beat(due)
+        except zmq.ZMQError as err:  # the context was destroyed under us (interpreter exit)
+            log.debug("heartbeat stopped: %s", err)
+            return
+        finally:
+            del conn
+
+
+def _leaked(ctx: zmq.Context, endpoint: str, stop: threading.Event, wake: threading.Event) -> None:
     warnings.warn(f"kvtier Connection to {endpoint} was not closed", ResourceWarning, stacklevel=1)
+    stop.set()
+    wake.set()
     ctx.destroy(linger=0)

@@ -35,7 +35,12 @@ class TransferOwner(Protocol):
     """The client settings (``load_timeout_s`` bounds each wait)."""
 
     def daemon_alive(self) -> bool:
-        """False when the daemon's process is known to be gone (waits then stop early)."""
+        """False when the daemon's process is known to be gone."""
+        ...
+
+    def serving(self) -> bool:
+        """False once the connection is closing or its daemon is known to be gone (waits
+        then stop early)."""
         ...
 
     def _abandon(self, handle: TransferHandle) -> None:
@@ -152,7 +157,7 @@ class TransferHandle:
                 self.seq,
                 layer + 1,
                 conn.config.load_timeout_s if timeout is None else timeout,
-                alive=conn.daemon_alive,
+                alive=conn.serving,
             )
         except CompletionTimeout:
             st = TransferStatus.FAILED
@@ -194,7 +199,7 @@ class TransferHandle:
                     self.seq,
                     self.num_layers,
                     self._conn.config.load_timeout_s,
-                    alive=self._conn.daemon_alive,
+                    alive=self._conn.serving,
                     end=True,
                 )
             except (CompletionTimeout, TypeError, ValueError):

@@ -216,9 +216,7 @@ def test_descriptor_refusals_counter_never_runs_backwards(daemon_factory):
     built from it) counts, per setting, the requests refused because a bound was reached.
     A counter only grows: after 3 handovers refused for ``descriptors`` and then one
     REGISTER refused for ``descriptors``, it must say 4 (at the very least not less than
-    the 3 it said before). Today it says 1: the handover socket's and the sessions'
-    refusals are two dicts merged with ``{**a, **b}``, both use the key ``descriptors``,
-    and the second hides the first."""
+    the 3 it said before)."""
     d = daemon_factory()
     # the daemon's descriptor limit, as a `LimitNOFILE=` would set it: half (40) for
     # the waiting handovers, half for the sessions' mappings
@@ -311,12 +309,7 @@ def test_page_sizes_of_sessions_long_gone_do_not_lock_new_models_out(short_tmp, 
     hold is bounded per user and that a bound reached refuses that user's request only,
     "nobody else's requests are affected". So after another user's 256 control-only
     sessions (no memory, no page stored) of 256 models have each registered and
-    unregistered, a new engine of yet another model must register.
-
-    Today it is refused BUSY "page_bytes=32768 would be a page size past the 256 this pool
-    takes from engines" until the daemon restarts: every page size ever registered keeps
-    its page class for the daemon's lifetime (``SlotAllocator.register_class``), counted
-    against ``MAX_NEW_CLASSES`` even when no session, extent or page uses it."""
+    unregistered, a new engine of yet another model must register."""
     short_tmp.chmod(0o711)
     rdir = short_tmp / "d0"
     rdir.mkdir()
@@ -364,13 +357,7 @@ def test_namespaces_that_came_and_went_do_not_cost_the_saved_engine_hashes(
     Here one engine stores 8 pages with its hashes; then 400 short-lived control-only
     sessions of 400 other models (4 KiB model ids: allowed up to 4,096 characters)
     register and unregister. After a restart the 8 pages must still be announced by the
-    engine's hashes. Today the publisher keeps the model id and block size of every
-    namespace ever registered (``KvEventPublisher.name``: ``_fp_model`` and
-    ``_fp_block_size`` only ever grow), saves them all, and the next start ignores the
-    whole file ("... bytes is more than 1000 hashes take"): the pages are announced by
-    their kvtier keys, which no router matches. With the default 2^20 hashes the same
-    happens after ~40,000 such namespaces; and the daemon's memory grows by ~4 KiB for
-    each one, forever."""
+    engine's hashes."""
     flags = (*event_flags(short_tmp), "--kv-events-max-hashes", "1000")
     d = daemon_factory(*flags)
     pool, conn = engine(d.runtime_dir, num_pages=16)
