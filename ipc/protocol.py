@@ -390,7 +390,9 @@ class LookupResult(_Rep, tag="lookup_result", kw_only=True):
 
 
 class StoreAccepted(_Rep, tag="store_accepted", kw_only=True):
-    """``keys[:count]`` are in L2 or being written; ``writing`` of them are copied now.
+    """``keys[:count]`` are in L2 or being written by this STORE (a key another transfer is
+    still writing ends the run); ``writing`` pages are copied now (those past ``count``
+    too: they are stored, after a key not yet in L2).
 
     When ``writing`` is 0 no transfer runs and the slot is not signalled.
     """

@@ -24,7 +24,7 @@ class Transfer(Protocol):
 
     Attributes:
         count: a load's leading pages being loaded (0: a miss); a store's leading keys now
-            in L2 or being written (the rest were dropped).
+            in L2 or being written by it (the rest were dropped, or are another store's).
         writing: pages actually being copied.
     """
 

@@ -141,7 +141,8 @@ class StagedStore:
     """A STORE from staging slots the engine's pages were copied into.
 
     Attributes:
-        count: leading keys now in L2 or being written (the rest were dropped).
+        count: leading keys now in L2 or being written by this store (the rest were
+            dropped, or are still another store's).
         writing: pages actually being copied.
     """
 

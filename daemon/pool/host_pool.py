@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import mmap
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -328,6 +328,10 @@ class HostPool:
     def resident_run(self, ns_id: int, keys: Sequence[bytes]) -> int:
         """See :meth:`PageTable.resident_run`."""
         return self._pages.resident_run(ns_id, keys)
+
+    def stored_run(self, ns_id: int, keys: Sequence[bytes], mine: Collection[int]) -> int:
+        """See :meth:`PageTable.stored_run`."""
+        return self._pages.stored_run(ns_id, keys, mine)
 
     def allocate(
         self,

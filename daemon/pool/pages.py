@@ -29,7 +29,7 @@ namespace's dict (built in C at adoption).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 import numpy as np
 from kvtier.daemon.pool.eviction import Evictor
@@ -179,6 +179,21 @@ class PageTable:
         n = 0
         for key in keys:
             if key not in ready and key not in writing:
+                break
+            n += 1
+        return n
+
+    def stored_run(self, ns_id: int, keys: Sequence[bytes], mine: Collection[int]) -> int:
+        """Return the length of the leading run of ``keys`` that a STORE whose own WRITING
+        slots are ``mine`` may report as stored: READY, or being written in one of
+        ``mine``. A key another transfer is still writing ends the run (that transfer may
+        yet be cancelled, and its pages discarded).
+        """
+        ready = self.ready.get(ns_id, _NO_PAGES)
+        writing = self._writing.get(ns_id, _NO_PAGES)
+        n = 0
+        for key in keys:
+            if key not in ready and writing.get(key, NIL) not in mine:
                 break
             n += 1
         return n

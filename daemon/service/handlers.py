@@ -227,12 +227,16 @@ class Handlers:
             keys = P.split_keys(m.packed_keys)
         allocated = ctx.pool.allocate(s.ns_id, s.owner, s.class_id, keys, m.parent_key)
         every = len(allocated) == len(keys)  # all new (WRITING now): the usual long STORE
-        count = len(keys) if every else ctx.pool.resident_run(s.ns_id, keys)
+        count = stored = len(keys)
+        if not every:  # present, or being written by another transfer: not failed
+            count = ctx.pool.resident_run(s.ns_id, keys)
+            # reported: a key another transfer writes is stored only once that one ends
+            stored = ctx.pool.stored_run(s.ns_id, keys[:count], {slot for _, slot in allocated})
         ctx.counters.store_skipped_pages += count - len(allocated)
         ctx.counters.store_failed_pages += len(keys) - count
         ctx.tier.allocated(len(keys), count)
         if not allocated:
-            return P.StoreAccepted(req_id=m.req_id, epoch=ctx.epoch, count=count, writing=0)
+            return P.StoreAccepted(req_id=m.req_id, epoch=ctx.epoch, count=stored, writing=0)
         host = [slot for _, slot in allocated]
         if ctx.events is not None:  # what the BlockStored of the committed pages will say
             ctx.events.store_of(s, m, keys, None if every else [i for i, _ in allocated])
@@ -252,7 +256,7 @@ class Handlers:
                 [keys[i] for i in idx],
                 deadline_ns=m.deadline_ns,
             )
-        return P.StoreAccepted(req_id=m.req_id, epoch=ctx.epoch, count=count, writing=len(host))
+        return P.StoreAccepted(req_id=m.req_id, epoch=ctx.epoch, count=stored, writing=len(host))
 
     def load(self, identity: bytes, m: P.Load) -> Answer:
         """LOAD: pin the leading run of keys in L2 and copy it to the engine's pages (a run

@@ -83,9 +83,15 @@ class LongRequests:
         c = ctx.counters
         c.store_skipped_pages += got.count - len(host)
         c.store_failed_pages += n - got.count
+        # reported: a key another transfer writes is stored only once that one ends
+        stored = (
+            got.count
+            if len(host) == got.count
+            else pool.stored_run(s.ns_id, keys[: got.count], set(host))
+        )
         if not host:
             self.unreserve(s, hold)
-            return P.StoreAccepted(req_id=m.req_id, epoch=ctx.epoch, count=got.count, writing=0)
+            return P.StoreAccepted(req_id=m.req_id, epoch=ctx.epoch, count=stored, writing=0)
         every = len(host) == n
         if ctx.events is not None:  # what the BlockStored of the committed pages will say
             ctx.events.store_of(s, m, keys, None if every else got.indexes)
@@ -104,7 +110,7 @@ class LongRequests:
             np.concatenate(got.offsets),
             deadline_ns=m.deadline_ns,
         )
-        return P.StoreAccepted(req_id=m.req_id, epoch=ctx.epoch, count=got.count, writing=len(host))
+        return P.StoreAccepted(req_id=m.req_id, epoch=ctx.epoch, count=stored, writing=len(host))
 
     async def load(
         self, s: Session, m: P.Load, keys: Sequence[bytes], pages: Sequence[int], hold: Transfer

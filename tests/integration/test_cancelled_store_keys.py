@@ -1,8 +1,8 @@
 """STOREs of the same keys by two sessions when the first one's STORE is being thrown away,
 against a real kvtierd.
 
-A STORE's reply counts the leading keys "now in L2 or being written" (docs/protocol.md,
-"STORE and LOAD"), and the reference client treats a STORE that writes nothing as done. Once
+A STORE's reply counts the leading keys "now in L2 or being written by this STORE"
+(docs/protocol.md, "STORE and LOAD"), and the reference client treats a STORE that writes nothing as done. Once
 a session's STORE has been cancelled (its slot RELEASEd) or its session UNREGISTERed, the
 pages it was writing are discarded (docs/protocol.md, "Failure semantics"): nothing is
 written there any more. Another session's STORE of the same keys, read after that, must
