@@ -43,7 +43,7 @@ from kvtier.daemon.pool.inventory import (
     inspect_pool_file,
     list_pool_files,
 )
-from kvtier.daemon.service.runtime import lock_holder, lock_path
+from kvtier.daemon.service.runtime import last_pool_file, lock_holder, lock_path
 
 __all__ = ["Holder", "build_parser", "holder_of", "main"]
 
@@ -71,8 +71,9 @@ class Holder:
 def holder_of(info: PoolFileInfo) -> Holder:
     """Find out whether a daemon holds the pool file ``info`` describes.
 
-    Held when the lock of the runtime directory its header names is held, when a daemon
-    holds the file's own lock (a kvtierd locks the pool file it maps), or when a process
+    Held when the lock of the runtime directory its header names is held (unless that
+    daemon recorded another pool file as the one it serves from), when a daemon holds the
+    file's own lock (a kvtierd locks the pool file it maps), or when a process
     maps the file (``/proc/<pid>/maps``).
     """
     if info.runtime_dir is not None:
@@ -82,7 +83,9 @@ def holder_of(info: PoolFileInfo) -> Holder:
             return Holder(
                 "unknown", why=f"cannot read the lock of {info.runtime_dir}: {err.strerror}"
             )
-        if pid is not None:
+        # that daemon serves from this file unless it recorded another (pool_dir changed)
+        served = last_pool_file(info.runtime_dir) if pid is not None else None
+        if pid is not None and (served is None or served == Path(info.path).absolute()):
             return Holder("yes", pid, f"the lock of {info.runtime_dir} is held")
     pids, complete = _mapped_by(info.path, info.uid)
     if pids:
@@ -204,10 +207,13 @@ def _remove(info: PoolFileInfo, holder: Holder) -> str | None:
             try:
                 fd = _lock_runtime_dir(info.runtime_dir)
             except BlockingIOError:
-                return (
-                    f"{info.path}: a kvtierd took the lock of {info.runtime_dir} meanwhile; "
-                    "not removed"
-                )
+                served = last_pool_file(info.runtime_dir)
+                if served is None or served == Path(info.path).absolute():
+                    return (
+                        f"{info.path}: a kvtierd took the lock of {info.runtime_dir} "
+                        "meanwhile; not removed"
+                    )
+                fd = None  # its daemon serves from another file: this one's lock suffices
             except OSError as err:
                 return f"{info.path}: cannot lock {info.runtime_dir}: {err.strerror}; not removed"
             if fd is not None:

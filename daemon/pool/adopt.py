@@ -41,6 +41,8 @@ class AdoptScan:
         parents: their parent slot ids after cleaning (NIL: none), same order as ``slots``.
         dropped: rows that were not FREE and are FREE now.
         payload_bytes: sum of the adopted pages' payload lengths.
+        unchecked: READY rows dropped only for having no checksum to verify (stored while
+            ``verify_on_adopt`` was off; adopted with verification asked for).
     """
 
     slots: np.ndarray
@@ -48,6 +50,7 @@ class AdoptScan:
     parents: np.ndarray
     dropped: int
     payload_bytes: int
+    unchecked: int = 0
 
 
 def scan_rows(
@@ -101,8 +104,11 @@ def scan_rows(
     stamp = meta.array("stamp")[cand]
     ok &= (stamp >= 0) & (stamp < STAMP_LIMIT)
     del stamp
-    if arena is not None:
-        ok &= (flags & HAS_CHECKSUM) != 0
+    unchecked = 0
+    if arena is not None:  # a page stored without a checksum cannot be verified: dropped
+        summed = (flags & HAS_CHECKSUM) != 0
+        unchecked = int(np.count_nonzero(ok & ~summed))
+        ok &= summed
     cand, flags = cand[ok], flags[ok]
     rows = meta.array("key").reshape(-1, KEY_BYTES)[cand]  # a copy, (n, KEY_BYTES)
     key_len = meta.array("key_len")[cand]
@@ -138,7 +144,9 @@ def scan_rows(
     _clear_past_lengths(meta, slots)
     parents = _clean_parents(meta, slots)
     del state, in_l3
-    return AdoptScan(slots, ready, parents, n_gone, int(meta.array("length")[slots].sum()))
+    return AdoptScan(
+        slots, ready, parents, n_gone, int(meta.array("length")[slots].sum()), unchecked
+    )
 
 
 def _clear_past_lengths(meta: PoolMeta, slots: np.ndarray) -> None:

@@ -45,6 +45,7 @@ from kvtier.daemon.pool.lookups import KeyLookups
 from kvtier.daemon.pool.pages import PageTable
 from kvtier.daemon.pool.sizing import geometry_of
 from kvtier.daemon.pool.records import (
+    MATCHED,
     AdoptResult,
     ClassStats,
     EvictedPage,
@@ -272,9 +273,15 @@ class HostPool:
         pages.adopt_rows(scan.slots, scan.ready, scan.parents)
         self._stray_ids = {t: _stray_ids(pm, t, scan.slots) for t in IdTable}
         self._lookups.rebuild()
+        reason = MATCHED
+        if scan.unchecked:
+            reason += (
+                f"; {scan.unchecked} pages stored without a checksum dropped (verify_on_adopt "
+                "is on and they were stored while it was off)"
+            )
         self.adopted = AdoptResult(
             True,
-            "metadata matches the config",
+            reason,
             len(scan.slots),
             scan.dropped,
             scan.payload_bytes,

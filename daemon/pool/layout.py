@@ -497,7 +497,8 @@ def map_pool_file(
     An existing file is first checked (see :mod:`~kvtier.daemon.pool.poolfile`): a regular
     file of this uid, mode 0600, one link. One that passes and has ``layout.file_bytes``
     bytes is mapped as it is (pre-faulted when asked), so its metadata can be adopted. One
-    of this uid that fails a check, or has another size, is removed and the file created
+    of this uid that fails a check is removed, one of another size replaced once the new
+    one is sure to fit (a start refused for its size keeps it), and the file created
     afresh (``O_EXCL``, mode 0600); the reason is returned for the caller's log line. The
     segment is opened as a peer: closing it never removes the file, so the pool survives a
     restart; remove it explicitly (``segment.close(unlink=True)``) to discard it.
@@ -527,9 +528,13 @@ def map_pool_file(
     seg, why = open_pool_segment(
         path, layout.file_bytes, populate=populate, explain=layout.explain_size
     )
-    if seg is None:
+    if seg is None:  # a file of another size is replaced once the new one is sure to fit
         seg = create_pool_segment(
-            path, layout.file_bytes, capacity=layout.capacity_bytes, prefault=prefault
+            path,
+            layout.file_bytes,
+            capacity=layout.capacity_bytes,
+            prefault=prefault,
+            replace=True,
         )
     if runtime_dir is not None:
         write_owner_tag(seg.view, runtime_dir)

@@ -71,6 +71,7 @@ __all__ = [
     "open_pool_segment",
     "populate",
     "read_owner_tag",
+    "remove_pool_file_of",
     "total_bytes",
     "write_owner_tag",
 ]
@@ -192,8 +193,9 @@ def open_pool_segment(
 ) -> tuple[SharedMemorySegment | None, str | None]:
     """Map the existing pool file at ``path`` if it is the daemon's alone and ``size`` bytes.
 
-    A file that fails a check and is the daemon's, or that has another size, is removed,
-    so that :func:`create_pool_segment` can create the file afresh.
+    A file that fails a check and is the daemon's is removed; one of another size is left
+    for :func:`create_pool_segment` (``replace``) to replace once the new file is sure to
+    fit, so that a start refused for its size keeps the warm pool.
 
     Args:
         path: the pool file.
@@ -209,13 +211,21 @@ def open_pool_segment(
 
     Raises:
         PoolFileError: the file is someone else's, a symlink not ours, not a regular file,
-            or cannot be opened or mapped.
+            or cannot be reached, opened or mapped.
+        PoolSettingError: ``pool_dir`` is not a directory.
     """
     path = str(path)
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         return None, "no pool file (first start)"
+    except NotADirectoryError as err:
+        raise PoolSettingError(
+            f"pool_dir {os.path.dirname(path) or '.'!r} is not a directory: cannot keep the "
+            "pool file there"
+        ) from err
+    except OSError as err:
+        raise PoolFileError(f"cannot reach the pool file {path}: {err.strerror}") from err
     refusal = check_pool_stat(st)
     if refusal is not None:
         return None, discard_pool_file(path, refusal, st)
@@ -239,8 +249,7 @@ def open_pool_segment(
             why = f"pool file has {fst.st_size} bytes, expected {size}"
             if explain is not None:
                 why = explain(os.pread(fd, _HEAD_READ, 0), fst.st_size)
-            _unlink_quietly(path)
-            return None, why
+            return None, why  # replaced by create_pool_segment once a new one is sure to fit
         seg = _map(fd, path, size, populate, owner=False)
         fd = -1  # the segment keeps it, and the lock with it, until it is closed
         return seg, None
@@ -255,12 +264,13 @@ def create_pool_segment(
     *,
     capacity: int,
     prefault: bool,
+    replace: bool = False,
 ) -> SharedMemorySegment:
     """Create the pool file exclusively (mode 0600, this uid) and map it.
 
     Args:
-        path: the pool file; nothing may exist there (remove a refused or mis-sized file
-            first).
+        path: the pool file; nothing may exist there (a refused file is removed first),
+            unless ``replace``.
         size: bytes of the file (metadata region plus ``capacity``).
         capacity: ``hicache_size``, for the messages.
         prefault: reserve the memory now (``posix_fallocate``) and pre-fault the mapping.
@@ -275,7 +285,10 @@ def create_pool_segment(
         PoolFileError: the file exists already or cannot be created or mapped.
     """
     path = str(path)
+    old = _replaced(path) if replace else 0
     free = free_bytes(Path(path).parent)
+    if free is not None:
+        free += old  # the room the file replaced gives back
     total = total_bytes(Path(path).parent)
     if total is not None and total < size:
         raise PoolSettingError(
@@ -290,6 +303,8 @@ def create_pool_segment(
             f"{format_size(size)} pool file, charged to kvtierd's memory cgroup, whose limit "
             f"is {format_size(limit[0])} ({limit[1]}); lower hicache_size or raise the limit"
         )
+    if replace:  # only now that the new file fits: a refused start keeps the warm pool
+        _unlink_quietly(path)
     try:
         fd = os.open(
             path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, POOL_MODE
@@ -493,6 +508,51 @@ def _space_message(path: str, size: int, capacity: int, free: int | None, what: 
         f"bytes) needs a {format_size(size)} pool file in pool_dir {where}, which has "
         f"{room} ({what}); lower hicache_size or point pool_dir at a larger filesystem"
     )
+
+
+def remove_pool_file_of(path: str | Path, runtime_dir: str | Path) -> bool:
+    """Remove the pool file at ``path`` when it is the one a daemon of ``runtime_dir`` left
+    there: a regular file of this uid, mode 0600, one link, its header naming
+    ``runtime_dir``, and no process holding its lock. Whether it was removed (a file that
+    fails any of these is left alone).
+
+    For a pool file left in a ``pool_dir`` the daemon no longer uses, or one older than the
+    file it last served from: its pages must never be adopted again.
+    """
+    path = str(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if check_pool_stat(st) is not None:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a running daemon's: kept
+        except OSError:
+            return False
+        if read_owner_tag(os.pread(fd, _HEAD_READ, 0)) != Path(runtime_dir).absolute():
+            return False
+        now = os.lstat(path)
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            return False
+        os.unlink(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _replaced(path: str) -> int:
+    """Bytes the file at ``path`` (this daemon's, of another size) holds, which its
+    replacement gives back: 0 when there is none."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return 0
+    return st.st_blocks * 512 if stat.S_ISREG(st.st_mode) else 0
 
 
 def _unlink_quietly(path: str) -> None:

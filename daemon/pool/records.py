@@ -14,6 +14,7 @@ from typing import NamedTuple
 from kvtier.config.errors import KvtierError
 
 __all__ = [
+    "MATCHED",
     "AdoptResult",
     "ClassStats",
     "EvictedPage",
@@ -158,6 +159,11 @@ class HostPoolStats:
     eviction_split: dict[str, float] = field(default_factory=dict)
 
 
+MATCHED = "metadata matches the config"
+""":attr:`AdoptResult.reason` of an adoption (what it dropped and why may follow, after
+``"; "``)."""
+
+
 @dataclass(frozen=True, slots=True)
 class AdoptResult:
     """What a :class:`HostPool` built over metadata did with what it found
@@ -186,9 +192,10 @@ class AdoptResult:
         """One log line: what was adopted, or what was discarded and why."""
         if not self.adopted:
             return f"host pool started empty (generation 1): {self.reason}"
+        note = "" if self.reason == MATCHED else f" ({self.reason.removeprefix(MATCHED + '; ')})"
         return (
             f"host pool adopted (generation {self.generation}): {self.pages_adopted} pages, "
-            f"{self.bytes_adopted / 2**20:.1f} MiB, {self.pages_dropped} dropped, "
+            f"{self.bytes_adopted / 2**20:.1f} MiB, {self.pages_dropped} dropped{note}, "
             f"in {self.seconds * 1e3:.0f} ms"
         )
 

@@ -33,13 +33,14 @@ from kvtier.config import DaemonConfig
 from kvtier.daemon.counters import Counters
 from kvtier.daemon.pool.host_pool import HostPool
 from kvtier.daemon.pool.layout import map_pool_file
-from kvtier.daemon.pool.poolfile import populate
+from kvtier.daemon.pool.poolfile import populate, remove_pool_file_of
 from kvtier.daemon.service.admin import Admin
 from kvtier.daemon.service.context import ServiceContext
 from kvtier.daemon.service.dispatch import Dispatcher
 from kvtier.daemon.service.handlers import Handlers
 from kvtier.daemon.service.sdnotify import SystemdNotifier
 from kvtier.daemon.service.transfers import Transfers
+from kvtier.daemon.service.runtime import last_pool_file, record_pool_file
 from kvtier.daemon.storage.base import HostArena
 from kvtier.daemon.storage.registry import slot_headroom
 from kvtier.daemon.tier.tier import TierStore
@@ -92,6 +93,18 @@ class Service:
     ) -> None:
         headroom = slot_headroom(cfg.hicache_storage_backend)
         layout = HostPool.layout_of(cfg, headroom)
+        self._rdir, self._ppath = rdir, ppath
+        # the daemon served from another pool file since (pool_dir changed): one here is
+        # older than that one's pages (flushed, overwritten since), never adopted
+        last = last_pool_file(rdir)
+        self._left = last if last is not None and last != ppath.absolute() else None
+        if self._left is not None and remove_pool_file_of(ppath, rdir):
+            log.warning(
+                "pool file %s discarded: older than %s, which kvtierd served from since "
+                "(pool_dir changed)",
+                ppath,
+                self._left,
+            )
         seg, why_new = map_pool_file(
             ppath, layout, prefault=cfg.prefault, populate_existing=False, runtime_dir=rdir
         )
@@ -131,6 +144,19 @@ class Service:
         self.admin = Admin(self.ctx, notifier, reload)
         self.dispatcher = Dispatcher(self.ctx, {**self.handlers.table(), **self.admin.table()})
         self._stop_prefault = threading.Event()
+
+    def start_serving(self) -> None:
+        """Requests reach the service from now on (:attr:`serving`): the pool file stays,
+        and it is recorded as the one served from (:func:`record_pool_file`); a pool file
+        left in the ``pool_dir`` used before is removed (its pages are this daemon's no
+        more, and a later start there must not adopt them)."""
+        self.serving = True
+        try:
+            record_pool_file(self._rdir, self._ppath)
+        except OSError as err:
+            log.warning("cannot record the pool file in %s: %s", self._rdir, err.strerror)
+        if self._left is not None and remove_pool_file_of(self._left, self._rdir):
+            log.info("removed the pool file %s left in the pool_dir used before", self._left)
 
     def _unmap(self, seg: SharedMemorySegment, cfg: DaemonConfig) -> None:
         """Unmap the pool file; remove it unless ``keep_pool_on_stop`` (as configured now:

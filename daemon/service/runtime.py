@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LOCK_NAME",
+    "POOL_RECORD",
     "RUNTIME_DIR_MODE",
     "STALE_PATTERN",
     "STALE_SOCKETS",
@@ -51,9 +52,11 @@ __all__ = [
     "RuntimeDirError",
     "SocketFile",
     "claim_runtime_dir",
+    "last_pool_file",
     "lock_holder",
     "lock_path",
     "prepare_runtime_dir",
+    "record_pool_file",
     "remove_stale_files",
 ]
 
@@ -70,6 +73,10 @@ removes."""
 STALE_SOCKETS = frozenset({"kvtierd.sock", "kvtierd-mem.sock"})
 """Names of the sockets (control, memory handover) an earlier daemon left bound; under the
 lock no other daemon uses them, so they are removed before binding anew."""
+
+POOL_RECORD = "kvtierd.pool"
+"""The file in the runtime directory naming the pool file the daemon last served from: a
+pool file elsewhere (a ``pool_dir`` changed since) is older, and never adopted."""
 
 _PROC_LOCKS = "/proc/locks"
 
@@ -274,6 +281,48 @@ def _held_in_proc_locks(st: os.stat_result) -> bool | None:
         if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == want:
             return True
     return False
+
+
+def last_pool_file(rdir: str | Path) -> Path | None:
+    """The pool file the daemon of ``rdir`` last served from (:func:`record_pool_file`), or
+    None when none is recorded (a first start) or the record is not a daemon's (not one
+    absolute path, not this uid's file)."""
+    path = Path(rdir) / POOL_RECORD
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size > 4096:
+            return None
+        text = os.read(fd, 4097).decode("utf-8", "replace").strip()
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if not text.startswith("/") or "\n" in text or "\0" in text:
+        return None
+    return Path(text)
+
+
+def record_pool_file(rdir: str | Path, pool_file: str | Path) -> None:
+    """Record ``pool_file`` as the one the daemon of ``rdir`` serves from (replaced
+    atomically, mode 0640: ``kvtier pools`` of the group reads it).
+
+    Raises:
+        OSError: the runtime directory cannot be written.
+    """
+    path = Path(rdir) / POOL_RECORD
+    tmp = path.with_name(f".{POOL_RECORD}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(f"{Path(pool_file).absolute()}\n")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def remove_stale_files(rdir: str | Path) -> list[Path]:

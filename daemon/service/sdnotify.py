@@ -41,7 +41,33 @@ import socket
 import time
 from collections.abc import Callable, Mapping
 
-__all__ = ["SystemdNotifier", "watchdog_loop"]
+__all__ = [
+    "SLOW_POOL_BYTES_PER_S",
+    "START_SLACK_S",
+    "STOP_SLACK_S",
+    "SystemdNotifier",
+    "start_allowance",
+    "watchdog_loop",
+]
+
+SLOW_POOL_BYTES_PER_S = 256 * 2**20
+"""A slow rate at which a start reserves and pre-faults, or adopts, the host pool: the
+time a start asks systemd for (``EXTEND_TIMEOUT_USEC``) is computed with it, so that a pool
+of hundreds of GiB gets the time it needs while a start that hangs is still stopped."""
+
+START_SLACK_S = 60.0
+"""Time a start asks for beyond its pool's (the L3 backend's open, the first requests)."""
+
+STOP_SLACK_S = 15.0
+"""Time a stop asks for beyond ``shutdown_timeout_s`` (closing the L3 backend, saving the
+engine hashes, unmapping)."""
+
+
+def start_allowance(pool_bytes: int) -> float:
+    """Seconds a start with a pool of ``pool_bytes`` asks systemd for (from its first
+    message on): :data:`START_SLACK_S` plus the pool at :data:`SLOW_POOL_BYTES_PER_S`."""
+    return START_SLACK_S + max(0, pool_bytes) / SLOW_POOL_BYTES_PER_S
+
 
 logger = logging.getLogger(__name__)
 

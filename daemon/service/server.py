@@ -56,7 +56,12 @@ from kvtier.config import ConfigError, DaemonConfig, format_size, runtime_dir, s
 from kvtier.config.loader import pool_path
 from kvtier.daemon.service.receiver import Receiver, watch_disconnects
 from kvtier.daemon.service.runtime import SocketFile, claim_runtime_dir
-from kvtier.daemon.service.sdnotify import SystemdNotifier, watchdog_loop
+from kvtier.daemon.service.sdnotify import (
+    STOP_SLACK_S,
+    SystemdNotifier,
+    start_allowance,
+    watchdog_loop,
+)
 from kvtier.daemon.service.startgate import StartGate
 from kvtier.ipc.sockets import ipc_endpoint, make_zmq_socket
 
@@ -222,6 +227,10 @@ class Daemon:
         """
         t0 = time.perf_counter()
         ppath = pool_path(self._cfg.pool_dir, self.rdir)
+        # reserving and pre-faulting (or adopting) a large pool may take longer than the
+        # unit's TimeoutStartSec: ask for the time it needs (never less than the unit's)
+        self.notifier.extend_timeout(start_allowance(self._cfg.hicache_size))
+        self.notifier.status(f"mapping the host pool ({format_size(self._cfg.hicache_size)})")
         service, unmap = await asyncio.to_thread(self._build, ppath)
         stack.enter_context(unmap)
         await service.open(stack, self._finalize_remaining)
@@ -246,7 +255,7 @@ class Daemon:
         gate = self.dispatcher
         assert isinstance(gate, StartGate)
         self.dispatcher = service.dispatcher
-        service.serving = True  # from here on pages may be stored: the pool file stays
+        service.start_serving()  # from here on pages may be stored: the pool file stays
         held = gate.release()
         assert self.receiver is not None, "run() starts it before the service"
         for h in held:  # in arrival order, before anything received from now on
@@ -307,6 +316,8 @@ class Daemon:
             ctx.stopping = True
             self.svc.admin.stop_reloading()
             self.notifier.stopping()
+            # the drain may wait shutdown_timeout_s: longer than the unit's TimeoutStopSec
+            self.notifier.extend_timeout(self.cfg.shutdown_timeout_s + STOP_SLACK_S)
             log.info(
                 "stopping: %d sessions, %d transfers in flight",
                 len(self.sessions),

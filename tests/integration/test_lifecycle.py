@@ -150,9 +150,12 @@ def test_ready_after_the_socket_exists_then_status_watchdog_stopping_and_exit_0(
     d = daemon_factory(env={"NOTIFY_SOCKET": str(listener.path), "WATCHDOG_USEC": "1000000"})
     ready = listener.wait_for(lambda f: f.get("READY") == "1")
     assert listener.messages[ready][1], "READY=1 arrived before the control socket existed"
-    status = listener.wait_for(lambda f: "STATUS" in f)
+    status = listener.wait_for(lambda f: "STATUS" in f, after=ready)
     text = listener.fields()[status]["STATUS"]
     assert "sessions" in text and "pool" in text
+    # before it: how long the start may take (a large pool's), and what it does
+    assert listener.indexes("EXTEND_TIMEOUT_USEC")[0] < ready
+    assert "mapping the host pool" in listener.fields()[listener.indexes("STATUS")[0]]["STATUS"]
     # watchdog pings while healthy: a few of them, all after READY=1
     third = listener.wait_for(
         lambda f: f.get("WATCHDOG") == "1",
