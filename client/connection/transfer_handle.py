@@ -202,7 +202,10 @@ class TransferHandle:
                     alive=self._conn.serving,
                     end=True,
                 )
-            except (CompletionTimeout, TypeError, ValueError):
+            except CompletionTimeout:  # the daemon may still hold the slot: given up on
+                st = TransferStatus.FAILED
+                self._conn._abandon(self)
+            except (TypeError, ValueError):  # the block was closed under us (re-registration)
                 st = TransferStatus.FAILED
             self._end(st)
         return self._status is TransferStatus.DONE

@@ -295,15 +295,20 @@ def test_a_layer_wakes_a_waiter_in_another_process_through_a_read_only_mapping(t
 class _Owner:
     """The two hooks a handle calls on its connection, recorded (no daemon in this test)."""
 
-    def __init__(self) -> None:
-        self.config = __import__("kvtier.config", fromlist=["ClientConfig"]).ClientConfig()
+    def __init__(self, load_timeout_s: float | None = None) -> None:
+        config = __import__("kvtier.config", fromlist=["ClientConfig"]).ClientConfig
+        self.config = config() if load_timeout_s is None else config(load_timeout_s=load_timeout_s)
         self.slots_done: list[tuple[int, int, TransferStatus]] = []
+        self.abandoned: list[tuple[int, int]] = []
 
     def daemon_alive(self) -> bool:
         return True
 
+    def serving(self) -> bool:
+        return True
+
     def _abandon(self, handle: TransferHandle) -> None:
-        raise AssertionError("no wait here may time out")
+        self.abandoned.append((handle.slot, handle.seq))
 
     def _slot_done(
         self, block: CompletionBlock | None, slot: int, seq: int, status: TransferStatus
@@ -335,6 +340,23 @@ def test_wait_loaded_ends_at_the_last_layer_and_leaves_the_slot_to_the_daemon(tm
         block.finish(2, TransferStatus.FAILED)
         assert not bad.wait_loaded(DEADLINE_S) and bad.done and not bad.ok
         assert owner.slots_done[-1] == (2, 6, TransferStatus.FAILED)
+    finally:
+        block.close()
+
+
+def test_a_wait_for_the_end_that_times_out_leaves_the_slot_in_limbo(tmp_path: Path):
+    """Every layer landed but the daemon did not settle the transfer within
+    ``load_timeout_s``: ``wait()`` reports a failure and hands the transfer to the
+    connection as given up on (its slot kept aside, a RELEASE sent), never as ended: the
+    daemon may still hold that slot, and a new transfer in it would be refused."""
+    block = CompletionBlock.create(tmp_path / "block", 4)
+    owner = _Owner(load_timeout_s=0.2)
+    try:
+        block.begin(3, seq=9, num_layers=2)
+        h = TransferHandle(owner, block, 3, 9, count=4, writing=4, num_layers=2)
+        block.layer_done(3, 2)  # every layer in place; the daemon never settles it
+        assert not h.wait() and h.done and not h.ok
+        assert owner.abandoned == [(3, 9)]
     finally:
         block.close()
 
