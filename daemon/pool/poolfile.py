@@ -389,21 +389,24 @@ def memory_limit(proc_cgroup: str | Path = "/proc/self/cgroup") -> tuple[int, st
 
 
 def total_bytes(directory: str | Path) -> int | None:
-    """Bytes of the whole file system ``directory`` is on (None if unknown)."""
+    """Bytes of the whole file system ``directory`` is on (None if unknown, or unbounded:
+    a file system that reports no blocks at all, such as hugetlbfs mounted without
+    ``size=``)."""
     try:
         vfs = os.statvfs(directory)
     except OSError:
         return None
-    return vfs.f_blocks * vfs.f_frsize
+    return vfs.f_blocks * vfs.f_frsize if vfs.f_blocks else None
 
 
 def free_bytes(directory: str | Path) -> int | None:
-    """Bytes an unprivileged file may still take in ``directory`` (None if unknown)."""
+    """Bytes an unprivileged file may still take in ``directory`` (None if unknown, or
+    unbounded, as for :func:`total_bytes`)."""
     try:
         vfs = os.statvfs(directory)
     except OSError:
         return None
-    return vfs.f_bavail * vfs.f_frsize
+    return vfs.f_bavail * vfs.f_frsize if vfs.f_blocks else None
 
 
 def write_owner_tag(view: memoryview, runtime_dir: str | Path) -> None:

@@ -265,7 +265,7 @@ class Registration:
             uid,
             tenant,
             getattr(memory, "mapped_bytes", 0),
-            len(getattr(memory, "segments", ())),
+            getattr(memory, "descriptors", 0),
         )
         ctx.counters.sessions_opened += 1
         if isinstance(memory, EngineMemory):

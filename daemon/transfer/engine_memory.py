@@ -45,7 +45,7 @@ from typing import cast
 import numpy as np
 import numpy.typing as npt
 from kvtier.config.errors import KvtierError
-from kvtier.daemon.transfer.mapping_plan import Window, plan_windows
+from kvtier.daemon.transfer.mapping_plan import Window, mapped_bytes, plan_windows
 from kvtier.daemon.transfer.prefault import Prefaulter, PrefaultQueue, drop_page_tables
 from kvtier.ipc.limits import MAX_PAGES
 from kvtier.ipc.protocol import Geometry, KVMemory, MemoryRegion
@@ -427,6 +427,8 @@ class EngineMemory:
             for i, (seg, fd) in enumerate(zip(memory.segments, fds, strict=True))
         ]
         maps = [sealed or guarded_copy.available() for sealed in sealed_of]
+        # memory of huge pages (hugetlbfs says its page size here) maps whole huge pages
+        grains = [max(mmap.ALLOCATIONGRANULARITY, os.fstat(fd).st_blksize) for fd in fds]
         windows = plan_windows(
             [seg.size for seg in memory.segments],
             [
@@ -434,14 +436,22 @@ class EngineMemory:
                 for r, span in zip(regions, spans, strict=True)
                 if maps[r.segment]
             ],
+            grains,
         )
-        self.mapped_bytes = sum(w.end - w.start for w in windows)
-        if admit is not None:
-            admit(self.mapped_bytes, len(windows))
+        self.mapped_bytes = mapped_bytes(windows, grains)
+        if admit is not None:  # a segment copied by I/O keeps a descriptor of its own
+            admit(self.mapped_bytes, len(windows) + maps.count(False))
         fd_of = [-1] * len(fds)
         for i, fd in enumerate(fds):
             if not maps[i]:
-                self._fds.append(os.dup(fd))
+                try:
+                    self._fds.append(os.dup(fd))
+                except OSError as err:
+                    if err.errno in NO_ROOM:
+                        raise EngineMemoryExhausted(
+                            f"memory.segments[{i}]: cannot keep its descriptor: {err.strerror}"
+                        ) from err
+                    raise
                 fd_of[i] = self._fds[-1]
                 self.mapped = False
         mapped: list[tuple[Window, SharedMemorySegment]] = []
@@ -548,6 +558,12 @@ class EngineMemory:
         for fd in self._fds:
             os.close(fd)
         self._fds = []
+
+    @property
+    def descriptors(self) -> int:
+        """Descriptors this memory holds: one per mapping (``mmap`` keeps a duplicate) and
+        one per segment copied by positional I/O."""
+        return len(self.segments) + len(self._fds)
 
 
 class NoMemory:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import mmap
 from dataclasses import dataclass
 
-__all__ = ["MAP_GAP", "Window", "plan_windows"]
+__all__ = ["MAP_GAP", "Window", "mapped_bytes", "plan_windows"]
 
 MAP_GAP = 2 << 20
 """Runs of a segment closer than this share one mapping (fewer mappings; the gap counts)."""
@@ -31,23 +31,27 @@ class Window:
         return segment == self.segment and self.start <= offset and offset + span <= self.end
 
 
-def plan_windows(sizes: list[int], spans: list[tuple[int, int, int]]) -> list[Window]:
+def plan_windows(
+    sizes: list[int], spans: list[tuple[int, int, int]], grains: list[int] | None = None
+) -> list[Window]:
     """The mappings that cover ``spans``, and nothing far from them.
 
     A sparse segment may declare terabytes it never uses: only the bytes the regions
-    span are mapped, each run widened to whole pages (``mmap.ALLOCATIONGRANULARITY``) and
-    cut at the segment's end; runs closer than :data:`MAP_GAP` share one mapping.
+    span are mapped, each run widened to whole pages of its segment (``grains``: a huge
+    page for memory of huge pages, whose mappings start and end on one) and cut at the
+    segment's end; runs closer than :data:`MAP_GAP` share one mapping.
 
     Args:
         sizes: each segment's declared size.
         spans: ``(segment, offset, bytes)`` of each region (checked to fit already).
+        grains: each segment's page size (default: ``mmap.ALLOCATIONGRANULARITY`` for all).
 
     Returns:
         The windows, by segment then offset.
     """
-    gran = mmap.ALLOCATIONGRANULARITY
     out: list[Window] = []
     for seg in sorted({s for s, _, _ in spans}):
+        gran = mmap.ALLOCATIONGRANULARITY if grains is None else grains[seg]
         runs = sorted(
             (off - off % gran, min(sizes[seg], -(-(off + n) // gran) * gran))
             for s, off, n in spans
@@ -62,3 +66,13 @@ def plan_windows(sizes: list[int], spans: list[tuple[int, int, int]]) -> list[Wi
                 start, end = lo, hi
         out.append(Window(seg, start, end))
     return out
+
+
+def mapped_bytes(windows: list[Window], grains: list[int] | None = None) -> int:
+    """The bytes ``windows`` take mapped: each rounded up to whole pages of its segment
+    (the kernel maps memory of huge pages a whole huge page at a time)."""
+    total = 0
+    for w in windows:
+        gran = mmap.ALLOCATIONGRANULARITY if grains is None else grains[w.segment]
+        total += -(-(w.end - w.start) // gran) * gran
+    return total
