@@ -120,18 +120,23 @@ class Handlers:
         else:
             n = ctx.pool.lookup(s.ns_id, m.keys)
         count = m.key_count()
-        c = ctx.counters
+        if s.member is None:  # a TP rank's hits are counted as agreed (_lookup_more)
+            self._count_lookup(s, count, n)
+            if n == count or not ctx.tier.available:
+                self._observe_lookup(start)
+                return P.LookupResult(req_id=m.req_id, epoch=ctx.epoch, l2=n, l3=0)
+        return self.later(s, self._lookup_more(s, m, n, count, start))
+
+    def _count_lookup(self, s: Session, count: int, n: int) -> None:
+        """Count a LOOKUP of ``count`` keys answered with an L2 run of ``n``."""
+        c = self.ctx.counters
         c.lookup_tokens += count * s.geometry.page_size
         c.lookup_hit_tokens += n * s.geometry.page_size
         c.lookups += 1
         c.lookup_keys += count
         c.lookup_hit_keys += n
         c.lookup_hits += n > 0
-        ctx.hit_window.add(count, n)
-        if s.member is None and (n == count or not ctx.tier.available):
-            self._observe_lookup(start)
-            return P.LookupResult(req_id=m.req_id, epoch=ctx.epoch, l2=n, l3=0)
-        return self.later(s, self._lookup_more(s, m, n, start))
+        self.ctx.hit_window.add(count, n)
 
     @staticmethod
     def _needs_memory(s: Session, op: str) -> None:
@@ -143,9 +148,14 @@ class Handlers:
                 f"'none'): it may LOOKUP, not {op}",
             )
 
-    async def _lookup_more(self, s: Session, m: P.Lookup, n: int, start: float) -> P.Reply:
-        """The L3 part of a LOOKUP (and the rank group's agreement)."""
+    async def _lookup_more(
+        self, s: Session, m: P.Lookup, n: int, count: int, start: float
+    ) -> P.Reply:
+        """The L3 part of a LOOKUP (and the rank group's agreement: a TP rank's LOOKUP is
+        counted with the run every rank was answered, not its own)."""
         l2, l3 = await self.ctx.tier.lookup_l3(s, m.key_list(), n, m.round)
+        if s.member is not None:
+            self._count_lookup(s, count, l2)
         self._observe_lookup(start)
         return P.LookupResult(req_id=m.req_id, epoch=self.ctx.epoch, l2=l2, l3=l3)
 

@@ -220,7 +220,7 @@ _COUNTER_SPECS: tuple[_Spec, ...] = (
     ),
     (
         "kvtier_tp_rounds",
-        "Tensor-parallel rank-group agreements (CLAIM answered to all ranks).",
+        "Tensor-parallel rank-group agreements (a LOOKUP or CLAIM answered to all ranks).",
         (),
         (((), "tp_rounds"),),
     ),
@@ -352,7 +352,11 @@ def _pool_families(pool: Mapping[str, Any]) -> Iterator[Metric]:
             "Bytes of L2 slots holding a READY or WRITING page.",
             "used_bytes",
         ),
-        ("kvtier_pool_pinned_pages", "READY L2 pages pinned by a load in flight.", "pages_pinned"),
+        (
+            "kvtier_pool_pinned_pages",
+            "READY L2 pages pinned by a load in flight, or an L3 write or flush reading them.",
+            "pages_pinned",
+        ),
         (
             "kvtier_pool_extents",
             "Extents (page-class allocation units) in the L2 pool.",

@@ -366,12 +366,6 @@ class TierStore:
                 # a TP rank's answer must be what its prefetch brings, the same on every
                 # rank: a run below the threshold is never read (prefetch), so never offered
                 l3 = 0
-            if l2 < len(keys) and self.available:
-                c = self.counters
-                c.l3_lookups += 1
-                c.lookup_l3_keys += l3
-                c.lookup_l3_hits += l3 > 0
-                c.lookup_l3_tokens += l3 * s.geometry.page_size
             return l2, l2 + l3
 
         if s.member is not None:
@@ -380,6 +374,12 @@ class TierStore:
             )
         else:
             a, b = await mine()
+        if a < len(keys) and self.available:  # counted as answered (a TP group's minimum)
+            c = self.counters
+            c.l3_lookups += 1
+            c.lookup_l3_keys += b - a
+            c.lookup_l3_hits += b > a
+            c.lookup_l3_tokens += (b - a) * s.geometry.page_size
         return a, b - a
 
     def _on_round(self, timed_out: bool) -> None:
