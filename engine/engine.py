@@ -188,7 +188,9 @@ class ReferenceEngine:
             is given.
         mode: ``on`` (kvtierd), ``l1`` (local prefix cache only) or ``off`` (no caching).
         page_size: tokens per KV page.
-        num_pages: device pages in the pool (prompt plus decode must fit one request).
+        num_pages: device pages in the pool (prompt plus decode must fit one request; a
+            load that fails while kvtierd lives keeps its pages until kvtierd ends it, so
+            room for the loaded pages twice spares the recompute that wait).
         client_config: where the daemon is, timeouts, write policy.
         model: share an existing model (weights are read-only) instead of building one.
         model_id: namespace model id (default: :func:`model_id_for` of the config).

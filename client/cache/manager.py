@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -81,6 +82,10 @@ class DeviceAllocator(Protocol):
     def free(self, pages: Iterable[int]) -> None:
         """Return pages."""
         ...
+
+
+QUARANTINE_POLL_S = 0.005
+"""How often a recompute waiting for a failed load's pages asks whether the daemon ended it."""
 
 
 @dataclass(slots=True)
@@ -254,16 +259,15 @@ class CacheManager:
         """
         self._drain_quarantine()
         pages = self._alloc.alloc(n)
-        if pages is None:
-            self._evict(n - self._alloc.free_count)
-            pages = self._alloc.alloc(n)
-            if pages is None:
+        while pages is None:  # pages a stalled STORE may still read come back later: more
+            if not self._evict(n - self._alloc.free_count):
                 raise DevicePoolExhausted(
                     f"{n} device pages needed, {self._alloc.free_count} free; "
                     f"{self._tree.device_page_count} held by L1 "
                     f"({self._tree.evictable_page_count} evictable), "
                     f"{len(self._quarantined) + len(self._deferred)} quarantined"
                 )
+            pages = self._alloc.alloc(n)
         return pages
 
     def load(self, match: MatchResult, device_pages: Sequence[int]) -> LoadHandle:
@@ -305,11 +309,32 @@ class CacheManager:
             load: a settled, failed load.
 
         Returns:
-            ``load.page_ids`` when no late write can reach them (the daemon is gone), else as
-            many fresh pages (the old ones stay quarantined, owned by the manager).
+            ``load.page_ids`` when no late write can reach them (the daemon is gone, or it
+            ended the load), else as many fresh pages (the old ones stay quarantined, owned
+            by the manager). When the pool has no room for them, the daemon is given up to
+            ``load_timeout_s`` to end the load (its RELEASE is on its way), and the same
+            pages are used then.
+
+        Raises:
+            DevicePoolExhausted: no room for fresh pages, and the daemon did not end the
+                load in time (it stays stalled: the pages may still be written).
         """
         assert load.failed, "recover_failed_load() of a load that did not fail"
-        return self.alloc(len(load.page_ids)) if load.quarantined else list(load.page_ids)
+        if not load.quarantined:
+            return list(load.page_ids)
+        try:
+            return self.alloc(len(load.page_ids))
+        except DevicePoolExhausted:
+            deadline = time.monotonic() + self._cfg.load_timeout_s
+            while load.copying() and time.monotonic() < deadline:
+                time.sleep(QUARANTINE_POLL_S)
+            if load.copying():
+                raise
+        # ended: no late write can land any more, the pages go back to the caller
+        self._quarantine = [q for q in self._quarantine if q.load is not load]
+        self._quarantined.difference_update(load.page_ids)
+        load.quarantined = False
+        return list(load.page_ids)
 
     def record_computed(self, tokens: int) -> None:
         """Count prompt tokens the engine computed (for :attr:`counters`)."""
