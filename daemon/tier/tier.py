@@ -66,7 +66,7 @@ class TierStore:
         self.pool = pool
         self.counters = counters
         self.l3 = L3Backend(cfg, counters, rdir)
-        self.l3.on_open = self.apply_write_policy
+        self.l3.on_open = self._l3_opened
         self.l3.on_dropped = self._l3_dropped
         self.l3.on_replaced = self._l3_replaced
         self._ns: dict[int, bytes] = {}
@@ -120,6 +120,13 @@ class TierStore:
         """
         await self.l3.open(arena)
         self.apply_write_policy()
+        if self.available:
+            self.writer.catch_up()  # pages adopted with the pool are in no tier but L2
+
+    def _l3_opened(self) -> None:
+        """A backend that could not open at start opened: back up what L2 took meanwhile."""
+        self.apply_write_policy()
+        self.writer.catch_up()
 
     async def run(self) -> None:
         """Keep the backend's health and run the writer until cancelled."""
@@ -144,7 +151,7 @@ class TierStore:
         """Apply a reloaded configuration's live fields.
 
         Switching from ``write_back`` to ``write_through`` queues every L2 page not yet in
-        L3, so that L2 is backed up as it stands.
+        L3 (:meth:`L3Writer.catch_up`), so that L2 is backed up as it stands.
         """
         if cfg.prefetch_concurrency != self.cfg.prefetch_concurrency:
             self.prefetcher.set_concurrency(cfg.prefetch_concurrency)
@@ -154,10 +161,8 @@ class TierStore:
         )
         self.cfg = self.l3.cfg = self.writer.cfg = cfg
         if to_through and self.available:
-            log.info(
-                "write policy now write_through: %d L2 pages queued for L3",
-                self.writer.back_up_all(),
-            )
+            log.info("write policy now write_through: the L2 pages not in L3 are queued for it")
+            self.writer.catch_up()
         self.groups.timeout_s = cfg.tp_group_timeout_s
         self.apply_write_policy()
         self.writer.poke()

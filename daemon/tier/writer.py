@@ -163,6 +163,7 @@ class L3Writer:
         self._wake = asyncio.Event()
         self._urgent = False
         self._last_scan = 0.0
+        self._catch_up = 0  # passes left of a back-up of L2 (catch_up)
         self._syncs: list[_SyncWait] = []
         self.write_back_checks = 0
         self.on_written: Callable[[list[tuple[int, bytes]]], None] | None = None
@@ -235,6 +236,19 @@ class L3Writer:
         if added:
             self._wake.set()
         return added
+
+    def catch_up(self) -> None:
+        """Back L2 up as it stands, under write-through: the pages not in L3 (adopted after
+        a restart, which keeps no L3 mark; stored while L3 was away; stored under
+        write-back before a switch) are queued ``write_back_queue`` pages at a time, chain
+        head first, each pass once the queue has emptied. A pass that queues nothing ends
+        it; so does the pool's worth of passes (pages whose writes keep failing are tried
+        again by each pass, no more)."""
+        if self.write_back:
+            return
+        window = max(1, self.cfg.write_back_queue)
+        self._catch_up = self.pool.n_slots // window + 2
+        self._wake.set()
 
     def back_up_all(self) -> int:
         """Queue every L2 page not in L3 yet, pinned while written (the policy changed
@@ -325,6 +339,15 @@ class L3Writer:
             if self._urgent or self._pressure():
                 self._urgent = False
                 self._select_cold(WRITE_BACK_WINDOW)
+        if (
+            self._catch_up
+            and not self.write_back
+            and self.l3.available
+            and not (self._queue or self._tasks or self._retry)
+        ):
+            self._catch_up -= 1
+            if not self._select_cold(max(1, self.cfg.write_back_queue), pinned=True):
+                self._catch_up = 0
         while self._queue and len(self._tasks) < WRITE_CONCURRENCY:
             batch = self._take_batch()
             task = asyncio.get_running_loop().create_task(self._write(batch))

@@ -48,7 +48,8 @@ def test_a_pool_adopted_after_its_l3_store_was_emptied_is_written_to_l3_again(
     daemon_factory, short_tmp, request, backend
 ):
     """L3 was emptied while kvtierd was down (the file store's directory removed, Redis
-    flushed): the adopted pages are in no L3, so a SYNC must write them again."""
+    flushed): the adopted pages are in no L3, so they are written again (under
+    write-through, as soon as L3 is open; a SYNC waits for what is left)."""
     if backend == "file":
         flags = l3_flags("file", prefetch_threshold="0")
     else:
@@ -70,8 +71,8 @@ def test_a_pool_adopted_after_its_l3_store_was_emptied_is_written_to_l3_again(
             info = admin.stats()["adopt"]
             assert info["adopted"] and info["pages_adopted"] == 6, info
             rep = admin.sync(30.0)
-        # L3 holds none of them: SYNC has six pages to write
-        assert (rep.pages, rep.written, rep.failed, rep.left) == (6, 6, 0, 0), rep
+        # L3 held none of them: all six written again, by the start's back-up or the SYNC
+        assert (rep.failed, rep.left) == (0, 0) and rep.written == rep.pages <= 6, rep
         assert counters(d2)["l3_write_written_pages"] == 6
     finally:
         conn.close()

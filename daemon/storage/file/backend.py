@@ -12,6 +12,7 @@ import errno
 import fcntl
 import logging
 import os
+import resource
 import threading
 import time
 import weakref
@@ -49,6 +50,22 @@ __all__ = ["FileBackend"]
 
 _ID_BYTES = 32
 PUNCH_WAIT_S = 1.0
+
+DAMAGE_LOG_S = 60.0
+"""Least time between two log lines about damaged objects found in the store."""
+
+SEGMENT_FD_SHARE = 4
+"""The store opens at most 1/this of the daemon's descriptor limit (``RLIMIT_NOFILE``) as
+segments, each of which keeps its file open: the rest is for engines' memory and sockets."""
+
+
+def _segment_limit() -> int:
+    """The most segments the store keeps open (:data:`SEGMENT_FD_SHARE`)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    limit = soft if soft != resource.RLIM_INFINITY else 1 << 20
+    return max(1, limit // SEGMENT_FD_SHARE)
+
+
 """How long a put short of free slots waits, at a time, for a release_space pass to give
 the slots it is punching back (rather than evict while slots are free)."""
 _log = logging.getLogger("kvtier.daemon")
@@ -84,10 +101,18 @@ class FileBackend(StorageBackend):
         self._gate = WorkerGate()
         self._arena: HostArena | None = None
         self._fds: list[int] = []  # every open fd: closed by close(), or at collection
-        self._slots = SlotIndex(self.config.capacity, self.config.segment_bytes)
+        # a segment keeps a descriptor open: at most a share of the daemon's limit, so that
+        # a store of many segments never leaves it none to answer engines with
+        self._slots = SlotIndex(
+            self.config.capacity,
+            self.config.segment_bytes,
+            _segment_limit(),
+        )
         # why a segment could not be created for want of disk (ENOSPC, EDQUOT), until one
         # is created or a page written again: the store is unhealthy meanwhile
         self._disk_full: str | None = None
+        self._damage_logged = -DAMAGE_LOG_S  # when damaged objects were last logged
+        self._damage_held = 0  # damaged objects found since then
         weakref.finalize(self, close_fds, self._fds)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -112,14 +137,28 @@ class FileBackend(StorageBackend):
                 os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             )
             fcntl.flock(self._fds[0], fcntl.LOCK_EX | fcntl.LOCK_NB)
+            left = 0
             for name in sorted(os.listdir(path)):
                 parsed = parse_segment_name(name)
                 if parsed is not None:  # anything else is not ours
+                    limit = self._slots.max_segments
+                    if limit is not None and len(self._slots.segments) >= limit:
+                        left += 1  # kept on disk, not opened: its objects are misses
+                        continue
                     slot, slots, seq = parsed
                     seg = self._open_segment(seq, slot, slots, create=False)
                     found = scan_segment(seg)
                     with self._lock:
                         self._slots.add_segment(seg, found, reserved=False)
+            if left:
+                _log.warning(
+                    "file backend: %s holds %d segments more than the %d this daemon opens "
+                    "(a quarter of its descriptor limit, RLIMIT_NOFILE): their pages are "
+                    "misses; raise LimitNOFILE or segment_bytes",
+                    path,
+                    left,
+                    self._slots.max_segments,
+                )
         except OSError as err:
             close_fds(self._fds)
             with self._lock:
@@ -265,6 +304,9 @@ class FileBackend(StorageBackend):
                     done[i] = True
         pending = [i for i in range(len(keys)) if not done[i]][::-1]  # popped from the end
         may_grow = True
+        limit = _segment_limit()  # as the limit stands now (an operator may change it)
+        with self._lock:
+            slots.max_segments = limit
         mine: Segment | None = None  # the segment this batch writes to now
         touched: list[Segment] = []  # segments this batch counts itself a writer of
         while pending:
@@ -391,8 +433,27 @@ class FileBackend(StorageBackend):
             self.stats.misses += len(keys) - hits
             self.stats.corrupt += len(damaged)
             self.stats.errors += errors
+            if damaged:
+                self._damage_seen(damaged)
         self._wipe(damaged)
         return found
+
+    def _damage_seen(self, damaged: Sequence[Slot]) -> None:
+        """Log objects found damaged (their payload or header no longer verifies): at once,
+        then at most once per :data:`DAMAGE_LOG_S` with the count of those not logged."""
+        now = time.monotonic()
+        self._damage_held += len(damaged)
+        if now - self._damage_logged < DAMAGE_LOG_S:
+            return
+        segs = sorted({segment_name(s.seg.payload_slot, s.seg.slots, s.seg.seq) for s in damaged})
+        _log.warning(
+            "file backend: %d damaged objects in %s dropped (they no longer verify; segments "
+            "%s): misses, recomputed by the engines",
+            self._damage_held,
+            self.config.path,
+            ", ".join(segs[:4]) + (", ..." if len(segs) > 4 else ""),
+        )
+        self._damage_logged, self._damage_held = now, 0
 
     async def delete(self, ns: bytes, keys: Sequence[bytes]) -> int:
         """Delete the keys; return how many were stored.

@@ -107,13 +107,15 @@ class SlotIndex:
         "dropped",
         "evictions",
         "index",
+        "max_segments",
         "segment_bytes",
         "segments",
     )
 
-    def __init__(self, capacity: int, segment_bytes: int) -> None:
+    def __init__(self, capacity: int, segment_bytes: int, max_segments: int | None = None) -> None:
         self.capacity = capacity
         self.segment_bytes = segment_bytes
+        self.max_segments = max_segments  # each keeps a descriptor open (None: no bound)
         self.index: dict[tuple[bytes, bytes], Slot] = {}
         self.classes: dict[int, SizeClass] = {}
         self.allocated = 0
@@ -153,8 +155,11 @@ class SlotIndex:
         """Reserve capacity for one more segment of payload slot ``slot``.
 
         Returns:
-            ``(seq, slots)`` of the segment to create, or None when the capacity is spent.
+            ``(seq, slots)`` of the segment to create, or None when the capacity is spent
+            or :attr:`max_segments` segments are open.
         """
+        if self.max_segments is not None and len(self.segments) >= self.max_segments:
+            return None
 
         def fit(room: int) -> int:  # most slots whose segment fits in room bytes
             n = max(0, room // (slot + HEADER_STRIDE))  # none when the store is over capacity
