@@ -192,19 +192,20 @@ class TransferHandle:
             and self._status is None
         ):
             # all layers landed; wait for the final status (the daemon settled it)
+            conn = self._conn
+            assert self._block is not None and conn is not None
             try:
-                assert self._block is not None and self._conn is not None
                 st = self._block.wait(
                     self.slot,
                     self.seq,
                     self.num_layers,
-                    self._conn.config.load_timeout_s,
-                    alive=self._conn.serving,
+                    conn.config.load_timeout_s,
+                    alive=conn.serving,
                     end=True,
                 )
             except CompletionTimeout:  # the daemon may still hold the slot: given up on
                 st = TransferStatus.FAILED
-                self._conn._abandon(self)
+                conn._abandon(self)
             except (TypeError, ValueError):  # the block was closed under us (re-registration)
                 st = TransferStatus.FAILED
             self._end(st)
