@@ -84,7 +84,14 @@ class Registration:
         except HandoverRefused as err:
             raise RequestError(P.ErrorCode.BAD_MEMORY, str(err)) from err
         if m.pid and m.pid != h.peer.pid:
-            log.info("REGISTER says pid %d; the handover's process is %d (used)", m.pid, h.peer.pid)
+            self._refusals.log(
+                logging.INFO,
+                ("pid", h.peer.uid),
+                "REGISTER says pid %d; the handover's process is %d uid %d (used)",
+                m.pid,
+                h.peer.pid,
+                h.peer.uid,
+            )
         if m.memory.kind == "cuda_ipc":
             return Deferred(self._register_cuda(identity, m, h, tenant))
         try:
@@ -181,7 +188,14 @@ class Registration:
             else:
                 memory = EngineMemory(g, m.memory, h.fds, ctx.quotas.admitter(uid, tenant))
         except LimitExceeded as err:
-            log.info("registration of pid %d uid %d refused: %s", h.peer.pid, uid, err)
+            self._refusals.log(
+                logging.INFO,
+                ("limit", uid),
+                "registration of pid %d uid %d refused: %s",
+                h.peer.pid,
+                uid,
+                err,
+            )
             raise RequestError(P.ErrorCode.BUSY, str(err)) from err
         except (EngineMemoryExhausted, MemoryError) as err:
             ctx.strain.note(f"REGISTER from uid {uid}: cannot map its memory: {err}")
@@ -314,7 +328,7 @@ class Registration:
         if not ok:
             self._refusals.log(
                 logging.WARNING,
-                ("token", m.tenant),
+                ("token", m.tenant if m.tenant in tenants else None),  # a name it chose: one
                 "registration refused: tenant %r from pid %d presented a %s token",
                 m.tenant,
                 m.pid,

@@ -159,7 +159,10 @@ def redact_url(url: str) -> str:
     """Drop a password from a URL before it reaches a log line or an error: the one after
     ``user:`` and a ``password=`` query parameter (redis-py reads both)."""
     scheme, sep, rest = url.partition("://")
-    if not sep:
+    if not sep:  # no scheme (a refused value): still no password before an '@'
+        creds, at, host = url.rpartition("@")
+        if at and ":" in creds:
+            return f"{creds.split(':', 1)[0]}:***@{host}"
         return url
     rest, qmark, query = rest.partition("?")
     if qmark:
@@ -200,7 +203,7 @@ def redact_value(value: Any, key: str = "") -> Any:
     if any(word in key.lower() for word in _SECRET_WORDS):
         return "***"
     if isinstance(value, str):
-        return redact_url(value) if "://" in value else value
+        return redact_url(value) if "://" in value or "@" in value else value
     if isinstance(value, Mapping):
         return {k: redact_value(v, str(k)) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from array import array
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -163,7 +164,8 @@ class L3Writer:
         self._wake = asyncio.Event()
         self._urgent = False
         self._last_scan = 0.0
-        self._catch_up = 0  # passes left of a back-up of L2 (catch_up)
+        self._backlog: array[int] = array("q")  # slots a back-up of L2 queues (catch_up)
+        self._backlog_at = 0
         self._syncs: list[_SyncWait] = []
         self.write_back_checks = 0
         self.on_written: Callable[[list[tuple[int, bytes]]], None] | None = None
@@ -240,15 +242,63 @@ class L3Writer:
     def catch_up(self) -> None:
         """Back L2 up as it stands, under write-through: the pages not in L3 (adopted after
         a restart, which keeps no L3 mark; stored while L3 was away; stored under
-        write-back before a switch) are queued ``write_back_queue`` pages at a time, chain
-        head first, each pass once the queue has emptied. A pass that queues nothing ends
-        it; so does the pool's worth of passes (pages whose writes keep failing are tried
-        again by each pass, no more)."""
+        write-back before a switch), found in one walk of the pool (as a SYNC's), each
+        chain head first, are queued ``write_back_queue`` pages at a time, a window each
+        time the queue has emptied (:meth:`_catch_up_pass`)."""
         if self.write_back:
             return
-        window = max(1, self.cfg.write_back_queue)
-        self._catch_up = self.pool.n_slots // window + 2
+        self._backlog, self._backlog_at = self._cold_order(), 0
         self._wake.set()
+
+    def _cold_order(self) -> array[int]:
+        """The slots of every L2 page not in L3 nor queued, chains head first (a shared
+        prefix once, before the pages after it)."""
+        out: array[int] = array("q")
+        seen: set[int] = set()
+        link, queued = self.pool.chain_link, self._queued
+        for leaf in self.pool.evictable_slots():
+            chain: list[int] = []
+            slot = leaf
+            while slot >= 0 and slot not in seen:
+                seen.add(slot)
+                key, ns_id, parent, in_l3, _ = link(slot)
+                if in_l3 or key is None or (ns_id, key) in queued:
+                    break
+                chain.append(slot)
+                slot = parent
+            out.extend(reversed(chain))
+        return out
+
+    def _catch_up_pass(self) -> None:
+        """Queue the next window of :meth:`catch_up`'s pages that are still in L2 and not
+        in L3 (a slot evicted since holds another page, or none: skipped if in L3)."""
+        window = max(1, self.cfg.write_back_queue)
+        part = self._backlog[self._backlog_at : self._backlog_at + window]
+        self._backlog_at += len(part)
+        if self._backlog_at >= len(self._backlog):
+            self._backlog, self._backlog_at = array("q"), 0
+        link, queued = self.pool.chain_link, self._queued
+        picked: dict[tuple[bytes, int, int], list[tuple[bytes, int]]] = {}
+        for slot in part:
+            key, ns_id, _, in_l3, class_id = link(slot)
+            if in_l3 or key is None or (ns_id, key) in queued:
+                continue
+            ns = self.names.namespace_of(ns_id)
+            if ns is None:  # a page no session has named here: it cannot be written
+                self.pool.mark_in_l3([slot])
+                continue
+            group = picked.setdefault((ns, ns_id, self.names.page_bytes_of(class_id)), [])
+            group.append((key, slot))
+        for (ns, ns_id, pb), pages in picked.items():
+            self._enqueue(
+                ns,
+                ns_id,
+                [k for k, _ in pages],
+                pb,
+                pinned=True,
+                bound=False,
+                slots=[sl for _, sl in pages],
+            )
 
     def back_up_all(self) -> int:
         """Queue every L2 page not in L3 yet, pinned while written (the policy changed
@@ -339,15 +389,13 @@ class L3Writer:
             if self._urgent or self._pressure():
                 self._urgent = False
                 self._select_cold(WRITE_BACK_WINDOW)
-        if (
-            self._catch_up
+        while (  # windows that queue nothing (pages written meanwhile) do not stop it
+            self._backlog
             and not self.write_back
             and self.l3.available
             and not (self._queue or self._tasks or self._retry)
         ):
-            self._catch_up -= 1
-            if not self._select_cold(max(1, self.cfg.write_back_queue), pinned=True):
-                self._catch_up = 0
+            self._catch_up_pass()
         while self._queue and len(self._tasks) < WRITE_CONCURRENCY:
             batch = self._take_batch()
             task = asyncio.get_running_loop().create_task(self._write(batch))

@@ -267,3 +267,24 @@ def test_a_damaged_pool_file_starts_the_daemon_empty_or_with_sound_pages_only(
     finally:
         conn.close()
         pool.close()
+
+
+def test_a_long_chain_adopted_over_an_emptied_store_is_written_whole(daemon_factory, short_tmp):
+    """The back-up of an adopted pool under write-through goes a ``write_back_queue`` of
+    pages at a time: a chain longer than that is written whole, head first, over several
+    windows (no page of it is left out of L3)."""
+    flags = l3_flags("file", prefetch_threshold="0")
+    d = daemon_factory(*flags)
+    pool, conn = engine(d.runtime_dir, num_pages=32)
+    try:
+        keys, _ = store_pages(pool, conn, 20)
+        wait_written(d, 20)
+        assert d.stop() == 0
+        shutil.rmtree(short_tmp / "d0" / "state" / "l3")
+        d2 = daemon_factory(*flags, "--write-back-queue", "4")
+        assert conn.lookup(keys).l2 == 20  # the pool was adopted
+        wait_written(d2, 20)
+        assert counters(d2)["l3_write_written_pages"] == 20
+    finally:
+        conn.close()
+        pool.close()

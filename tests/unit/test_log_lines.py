@@ -130,6 +130,9 @@ def test_a_level_not_logged_is_not_counted():
         ({"password": "pw", "x": ["http://a:b@c"]}, {"password": "***", "x": ["http://a:***@c"]}),
         ({"api_token": 5}, {"api_token": "***"}),
         ("no url", "no url"),
+        ("alice:s3cret@redis-host:6379/0", "alice:***@redis-host:6379/0"),  # no scheme
+        ({"url": "alice:s3cret@h:1"}, {"url": "alice:***@h:1"}),
+        ("ops@example.com", "ops@example.com"),
     ],
 )
 def test_redact_value(value, want):

@@ -142,10 +142,11 @@ class FileBackend(StorageBackend):
                 parsed = parse_segment_name(name)
                 if parsed is not None:  # anything else is not ours
                     limit = self._slots.max_segments
+                    slot, slots, seq = parsed
                     if limit is not None and len(self._slots.segments) >= limit:
                         left += 1  # kept on disk, not opened: its objects are misses
+                        self._slots.note_seq(seq)  # a new segment never takes its name
                         continue
-                    slot, slots, seq = parsed
                     seg = self._open_segment(seq, slot, slots, create=False)
                     found = scan_segment(seg)
                     with self._lock:

@@ -131,6 +131,10 @@ class SlotIndex:
         self.segments.clear()
         self.allocated = self._next_seq = 0
 
+    def note_seq(self, seq: int) -> None:
+        """A segment file numbered ``seq`` exists (not opened): new segments number past it."""
+        self._next_seq = max(self._next_seq, seq + 1)
+
     def size_class(self, size: int) -> SizeClass:
         """The size class of payload slot ``size`` (created empty if new)."""
         return self.classes.setdefault(size, SizeClass())
