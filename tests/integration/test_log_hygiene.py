@@ -199,7 +199,7 @@ def test_redis_password_never_logged_for_a_refused_extra_config(daemon_factory, 
 
 @pytest.mark.timeout(60)
 def test_redis_password_redacted_when_the_server_is_away(daemon_factory):
-    """a valid redis URL with a password, its server away, is logged
+    """A valid redis URL with a password, its server away, is logged
     redacted in the "could not open" line (user and query password both)."""
     extra = {
         "url": f"redis://kv:{PASSWORD}@127.0.0.1:1/0?password={PASSWORD}",

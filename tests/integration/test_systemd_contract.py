@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +27,7 @@ from kvtier.ipc.completion import TransferStatus
 from kvtier.launch.daemon_process import DaemonProcess
 
 from tests.engines import client_config
+from tests.integration.test_lifecycle import NotifyListener
 
 REPO = Path(__file__).parents[2]
 UNIT = REPO / "systemd" / "kvtier.service"
@@ -55,60 +54,9 @@ def seconds(text: str) -> float:
     return float(text.rstrip("s"))
 
 
-class Listener:
-    """Plays systemd's end of ``NOTIFY_SOCKET``: collects every datagram, in order."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(str(path))
-        self.sock.settimeout(0.05)
-        self.messages: list[Fields] = []
-        self._cond = threading.Condition()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="notify", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                data = self.sock.recv(65536)
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            fields = dict(line.split("=", 1) for line in data.decode().splitlines() if "=" in line)
-            with self._cond:
-                self.messages.append(fields)
-                self._cond.notify_all()
-
-    def wait_for(self, pred: Callable[[Fields], bool], timeout: float = 60.0) -> int:
-        """Index of the first message matching ``pred``."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                for i, f in enumerate(self.messages):
-                    if pred(f):
-                        return i
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise AssertionError(f"no matching notification in {self.messages!r}")
-                self._cond.wait(left)
-
-    def snapshot(self) -> list[Fields]:
-        with self._cond:
-            return list(self.messages)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self.sock.close()
-        self.path.unlink(missing_ok=True)
-
-
 @pytest.fixture
-def listener(short_tmp: Path) -> Iterator[Listener]:
-    made = Listener(short_tmp / "notify.sock")
+def listener(short_tmp: Path) -> Iterator[NotifyListener]:
+    made = NotifyListener(short_tmp / "notify.sock", short_tmp / "unwatched")
     try:
         yield made
     finally:
@@ -130,11 +78,7 @@ def test_a_pool_dir_that_is_a_file_is_a_config_error_exit_2_not_a_traceback(shor
     ``pool_dir`` that does not exist (which exits 2 with "pool_dir '...' does not exist:
     cannot create the pool file there"). kvtierd should print one line naming
     ``pool_dir`` and exit with status 2, which the unit's ``RestartPreventExitStatus=2``
-    keeps systemd from restarting in a loop.
-
-    NOW: ``os.lstat`` of ``<file>/kvtier-pool-...`` raises NotADirectoryError, which nothing
-    turns into a KvtierError: kvtierd dies with a Python traceback and status 1, and systemd
-    (``Restart=on-failure``) restarts it again and again until the start limit."""
+    keeps systemd from restarting in a loop."""
     rdir = short_tmp / "d"
     rdir.mkdir()
     not_a_dir = short_tmp / "pooldir-is-a-file"
@@ -167,7 +111,7 @@ def test_a_pool_dir_that_is_a_file_is_a_config_error_exit_2_not_a_traceback(shor
 
 @pytest.mark.timeout(60)
 def test_a_missing_pool_dir_exits_2_guard(short_tmp: Path):
-    """a ``pool_dir`` that does not exist is refused with one line naming
+    """A ``pool_dir`` that does not exist is refused with one line naming
     it and status 2 (no restart loop under ``RestartPreventExitStatus=2``)."""
     rdir = short_tmp / "d"
     rdir.mkdir()
@@ -199,7 +143,7 @@ def test_a_missing_pool_dir_exits_2_guard(short_tmp: Path):
 # ---------------------------------------------------------------------------- sd_notify
 @pytest.mark.timeout(120)
 def test_bogus_notify_sockets_never_stop_the_daemon_guard(daemon_factory, short_tmp: Path):
-    """a NOTIFY_SOCKET that names nothing, a directory, a regular file, a
+    """A NOTIFY_SOCKET that names nothing, a directory, a regular file, a
     bare ``@`` or an abstract name nobody listens on never stops kvtierd: it serves, and
     SIGTERM still ends it with status 0."""
     plain = short_tmp / "plain-file"
@@ -216,18 +160,14 @@ def test_bogus_notify_sockets_never_stop_the_daemon_guard(daemon_factory, short_
 
 @pytest.mark.timeout(120)
 def test_a_start_that_prefaults_a_large_pool_extends_systemds_start_timeout(
-    daemon_factory, listener: Listener
+    daemon_factory, listener: NotifyListener
 ):
-    """the unit gives the start ``TimeoutStartSec=300s`` and says "Pre-faulting a
+    """The unit gives the start ``TimeoutStartSec=300s`` and says "Pre-faulting a
     large host pool ... can take minutes; kvtierd may also extend this with
     EXTEND_TIMEOUT_USEC while it works". Pre-faulting runs at roughly a GiB a second, so a
     host pool of a few hundred GiB (usual for HiCache nodes) takes longer than 300 s: while
     it creates and pre-faults the pool, kvtierd should tell systemd it is still working
-    (``EXTEND_TIMEOUT_USEC``, sd_notify(3)) before ``READY=1``.
-
-    NOW: nothing in the daemon ever calls ``SystemdNotifier.extend_timeout`` (dead code):
-    between start and READY=1 not one datagram is sent, so systemd kills a large-pool start
-    at 300 s (SIGTERM, then SIGKILL) and restarts it into the same fate."""
+    (``EXTEND_TIMEOUT_USEC``, sd_notify(3)) before ``READY=1``."""
     d = daemon_factory(
         "--hicache-size",
         "2GiB",
@@ -236,7 +176,7 @@ def test_a_start_that_prefaults_a_large_pool_extends_systemds_start_timeout(
         env={"NOTIFY_SOCKET": str(listener.path)},
     )
     ready = listener.wait_for(lambda f: f.get("READY") == "1")
-    before = listener.snapshot()[:ready]
+    before = listener.fields()[:ready]
     assert d.stop() == 0
     assert any("EXTEND_TIMEOUT_USEC" in f for f in before), (
         f"no EXTEND_TIMEOUT_USEC before READY=1 while pre-faulting a 2 GiB pool "
@@ -273,7 +213,7 @@ def _slow_store(d: DaemonProcess) -> tuple[SharedKVPool, Connection, TransferHan
 
 @pytest.mark.timeout(120)
 def test_a_drain_longer_than_timeout_stop_sec_asks_systemd_for_the_time(
-    daemon_factory, listener: Listener
+    daemon_factory, listener: NotifyListener
 ):
     """``shutdown_timeout_s`` ("how long a stop waits for transfers in flight",
     no upper bound, changeable by a reload) is the daemon's own drain deadline, while the
@@ -281,10 +221,7 @@ def test_a_drain_longer_than_timeout_stop_sec_asks_systemd_for_the_time(
     deadline shorter than this"). When the operator sets a longer drain (here 2 minutes)
     and transfers are in flight at the stop, kvtierd should ask systemd for that time with
     ``EXTEND_TIMEOUT_USEC`` (sd_notify(3): also valid while stopping) along with or after
-    ``STOPPING=1``, so that its drain is not cut by SIGKILL.
-
-    NOW: only ``STOPPING=1`` is sent; systemd SIGKILLs a drain at 60 s whatever
-    ``shutdown_timeout_s`` says (copies and L3 write-back lost, the socket file left)."""
+    ``STOPPING=1``, so that its drain is not cut by SIGKILL."""
     limit = seconds(unit_value("TimeoutStopSec"))
     drain = 2 * limit
     d = daemon_factory(
@@ -304,7 +241,7 @@ def test_a_drain_longer_than_timeout_stop_sec_asks_systemd_for_the_time(
         stopping = listener.wait_for(lambda f: f.get("STOPPING") == "1")
         in_flight = _still_copying(h)
         d.proc.wait(timeout=100)
-        after = listener.snapshot()[stopping:]
+        after = listener.fields()[stopping:]
         if not in_flight:
             pytest.skip("the store ended before the drain began: nothing to drain")
         extends = [int(f["EXTEND_TIMEOUT_USEC"]) for f in after if "EXTEND_TIMEOUT_USEC" in f]
