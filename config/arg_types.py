@@ -56,38 +56,32 @@ class OneLineParser(argparse.ArgumentParser):
         raise CliError(2, f"{message} (see {self.prog} --help)")
 
 
-def positive_seconds(text: str) -> float:
-    """argparse type: a finite number of seconds > 0."""
+def _finite(text: str, what: str, ok: Callable[[float], bool], must: str) -> float:
+    """``text`` as a finite number for which ``ok`` holds; else ArgumentTypeError saying
+    it is not ``what`` or that it ``must`` be something else."""
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of seconds")
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+    if not (math.isfinite(value) and ok(value)):
+        raise argparse.ArgumentTypeError(f"{text!r} must be {must}")
     return value
+
+
+def positive_seconds(text: str) -> float:
+    """argparse type: a finite number of seconds > 0."""
+    return _finite(text, "a number of seconds", lambda v: v > 0, "a positive number of seconds")
 
 
 def positive_number(text: str) -> float:
     """argparse type: a finite number > 0 (a rate, a factor)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number > 0")
-    return value
+    return _finite(text, "a number", lambda v: v > 0, "a finite number > 0")
 
 
 def non_negative_seconds(text: str) -> float:
     """argparse type: a finite number of seconds >= 0 (where 0 has a meaning of its own,
     such as "never stop")."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not (value >= 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number of seconds >= 0")
-    return value
+    return _finite(text, "a number of seconds", lambda v: v >= 0, "a finite number of seconds >= 0")
 
 
 def bounded_int(low: int, high: int | None = None) -> Callable[[str], int]:

@@ -289,16 +289,7 @@ class L3Writer:
                 continue
             group = picked.setdefault((ns, ns_id, self.names.page_bytes_of(class_id)), [])
             group.append((key, slot))
-        for (ns, ns_id, pb), pages in picked.items():
-            self._enqueue(
-                ns,
-                ns_id,
-                [k for k, _ in pages],
-                pb,
-                pinned=True,
-                bound=False,
-                slots=[sl for _, sl in pages],
-            )
+        self._enqueue_picked(picked, pinned=True, bound=False)
 
     def back_up_all(self) -> int:
         """Queue every L2 page not in L3 yet, pinned while written (the policy changed
@@ -345,6 +336,16 @@ class L3Writer:
                     self.pool.mark_in_l3([slot])
                     continue
                 group.append((key, slot))
+        return self._enqueue_picked(picked, pinned=pinned, bound=window is not None)
+
+    def _enqueue_picked(
+        self,
+        picked: dict[tuple[bytes, int, int], list[tuple[bytes, int]]],
+        pinned: bool,
+        bound: bool,
+    ) -> int:
+        """Queue ``picked`` pages, ``(namespace, ns_id, page bytes) -> [(key, slot)]``;
+        how many were queued."""
         return sum(
             self._enqueue(
                 ns,
@@ -352,7 +353,7 @@ class L3Writer:
                 [k for k, _ in pages],
                 pb,
                 pinned=pinned,
-                bound=window is not None,
+                bound=bound,
                 slots=[s for _, s in pages],
             )
             for (ns, ns_id, pb), pages in picked.items()
