@@ -666,7 +666,7 @@ class Transfers:
             ctx.events.store_ended(t.session_id, t.slot, t.seq, committed=True)
         c.store_pages += len(t.host_slots)
         c.bytes_to_host += t.nbytes
-        ctx.tier.stored(s, t.keys)
+        ctx.tier.stored(s, t.keys, t.host_slots)
         if ctx.metrics is not None:
             ctx.metrics.observe_store(time.monotonic() - t.started)
 

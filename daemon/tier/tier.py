@@ -211,10 +211,12 @@ class TierStore:
             self.groups.leave(s.member)
             s.member = None
 
-    def stored(self, s: TierSession, keys: Sequence[bytes]) -> None:
-        """A STORE of ``s`` committed ``keys`` (write-through queues them)."""
+    def stored(
+        self, s: TierSession, keys: Sequence[bytes], slots: Sequence[int] | None = None
+    ) -> None:
+        """A STORE of ``s`` committed ``keys`` into ``slots`` (write-through queues them)."""
         if self.available:
-            self.writer.committed(s.ns_fingerprint, s.ns_id, keys, s.geometry.page_bytes)
+            self.writer.committed(s.ns_fingerprint, s.ns_id, keys, s.geometry.page_bytes, slots)
 
     def loaded(self, s: TierSession, keys: Sequence[bytes]) -> None:
         """An engine of ``s`` loaded these pages (prefetched pages were used)."""

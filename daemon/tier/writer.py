@@ -193,11 +193,22 @@ class L3Writer:
         self.pool.evict_requires_l3 = wb or self.writing_unpinned
 
     # ------------------------------------------------------------------ producers
-    def committed(self, ns: bytes, ns_id: int, keys: Sequence[bytes], page_bytes: int) -> None:
-        """A STORE committed these pages: under write-through, queue them for L3."""
+    def committed(
+        self,
+        ns: bytes,
+        ns_id: int,
+        keys: Sequence[bytes],
+        page_bytes: int,
+        slots: Sequence[int] | None = None,
+    ) -> None:
+        """A STORE committed these pages (into ``slots``): under write-through, queue them
+        for L3; those past the queue's room (``write_back_queue``) wait in the back-up
+        backlog (:meth:`catch_up`), queued once the queue has emptied."""
         if self.write_back or not self.l3.available:
             return
-        self._enqueue(ns, ns_id, keys, page_bytes, pinned=True)
+        self._enqueue(
+            ns, ns_id, keys, page_bytes, pinned=True, slots=None if slots is None else list(slots)
+        )
 
     def poke(self) -> None:
         """Look at the queue and the policy again now (after a reload)."""
@@ -222,12 +233,17 @@ class L3Writer:
         queued, queue = self._queued, self._queue
         room = (self.cfg.write_back_queue if bound else 1 << 62) - len(queued)
         added = dropped = 0
+        later = pinned and slots is not None and not self.write_back  # write-through
         for j, key in enumerate(keys):
             ident = (ns_id, key)
             if ident in queued:
                 continue
             if added >= room:
-                dropped += 1
+                if later:  # a STORE larger than the queue: the rest once it has emptied
+                    assert slots is not None
+                    self._backlog.append(slots[j])
+                else:
+                    dropped += 1
                 continue
             it = _Item(ns, ns_id, key, page_bytes, pinned, slots[j] if slots is not None else -1)
             queued[ident] = it

@@ -288,3 +288,19 @@ def test_a_long_chain_adopted_over_an_emptied_store_is_written_whole(daemon_fact
     finally:
         conn.close()
         pool.close()
+
+
+def test_a_store_larger_than_the_write_queue_reaches_l3_whole(daemon_factory):
+    """Under write-through a STORE of more pages than ``write_back_queue`` holds is written
+    to L3 whole: the pages past the queue's room wait and are queued once it has emptied,
+    none dropped."""
+    d = daemon_factory(*l3_flags("file", prefetch_threshold="0", write_back_queue="4"))
+    pool, conn = engine(d.runtime_dir, num_pages=32)
+    try:
+        store_pages(pool, conn, 20)
+        wait_written(d, 20)
+        c = counters(d)
+        assert c["l3_write_written_pages"] == 20 and c["l3_write_dropped_pages"] == 0, c
+    finally:
+        conn.close()
+        pool.close()
