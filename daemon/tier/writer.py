@@ -239,7 +239,9 @@ class L3Writer:
             if ident in queued:
                 continue
             if added >= room:
-                if later:  # a STORE larger than the queue: the rest once it has emptied
+                # a STORE larger than the queue: the rest once it has emptied (at most a
+                # pool's worth waiting: an L3 slower than the stores for good drops the rest)
+                if later and len(self._backlog) - self._backlog_at < self.pool.n_slots:
                     assert slots is not None
                     self._backlog.append(slots[j])
                 else:
