@@ -143,7 +143,7 @@ def _setup(executor: Executor, verify: bool = False) -> tuple[Transfers, Any, An
         counters=Counters(),
         metrics=None,
         cfg=SimpleNamespace(verify_on_adopt=verify, slice_pages=512),
-        tier=SimpleNamespace(stored=lambda s, keys: None, loaded=lambda s, keys: None),
+        tier=SimpleNamespace(stored=lambda s, keys, slots=None: None, loaded=lambda s, keys: None),
         events=None,
         finalize_session=lambda s: None,
     )
