@@ -142,11 +142,10 @@ def test_pages_stored_while_another_daemon_held_the_store_reach_it_once_it_is_fr
 def test_a_store_of_many_segments_leaves_the_daemon_descriptors_to_answer(
     daemon_factory, short_tmp
 ):
-    """The ``file`` store keeps every segment file open, one descriptor each, with no
-    bound: a store whose ``capacity`` / ``segment_bytes`` makes many segments (here one
-    page per segment, under a ``LimitNOFILE=256`` as a unit file may set) must not use
-    up the daemon's descriptors (the same happens at any limit once ``capacity`` /
-    ``segment_bytes`` exceeds it). Once L3 has grown as far as it can, kvtierd
+    """The ``file`` store keeps each segment file open, one descriptor each: a store whose
+    ``capacity`` / ``segment_bytes`` makes many segments (here one page per segment, under
+    a ``LimitNOFILE=256`` as a unit file may set) must not use up the daemon's descriptors.
+    Once L3 has grown as far as it can, kvtierd
     still answers HEALTH and STATS and a new engine still connects (L3 may refuse pages,
     counted in its errors)."""
     seg = table_bytes(1) + SMALL.page_bytes
