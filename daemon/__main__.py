@@ -62,11 +62,11 @@ def build_parser(prog: str = "kvtierd") -> argparse.ArgumentParser:
 
 def configure_logging(level: str) -> None:
     """Log one line per event to stderr, control characters escaped
-    (:class:`~kvtier.daemon.log_lines.LineFormatter`); under systemd without a timestamp
-    (journald adds one) and with each line's syslog priority."""
-    from kvtier.daemon.log_lines import LineFormatter
+    (:class:`~kvtier.daemon.log_lines.LineFormatter`); when stderr is the journal's stream
+    without a timestamp (journald adds one) and with each line's syslog priority."""
+    from kvtier.daemon.log_lines import LineFormatter, stderr_is_journal
 
-    systemd = bool(os.environ.get("INVOCATION_ID"))
+    systemd = stderr_is_journal()
     fmt = "%(levelname)s %(name)s: %(message)s"
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(LineFormatter(fmt if systemd else "%(asctime)s " + fmt, systemd))

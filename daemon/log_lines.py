@@ -4,15 +4,19 @@ A message may quote what a client chose (a model name, a tenant, an error text e
 back): a newline in it would start a line of the client's making (a forged ``ERROR``), an
 escape sequence would drive the operator's terminal. :class:`LineFormatter` writes every
 control character of a message as an escape (``\\n``, ``\\r``, ``\\x1b``); a traceback
-keeps its lines. Under systemd each line starts with its syslog priority (``<3>`` for an
-error, sd-daemon(3)), so that ``journalctl -p warning`` shows the daemon's warnings.
+keeps its lines, its exception's message escaped as a message is. When stderr is the
+journal's stream each line starts with its syslog priority (``<3>`` for an error,
+sd-daemon(3)), so that ``journalctl -p warning`` shows the daemon's warnings.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import traceback
+from types import TracebackType
 
-__all__ = ["LineFormatter", "escape_controls", "syslog_priority"]
+__all__ = ["LineFormatter", "escape_controls", "stderr_is_journal", "syslog_priority"]
 
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 _ESCAPES = {
@@ -25,6 +29,18 @@ def escape_controls(text: str) -> str:
     """``text`` with every C0/C1 control character (and the Unicode line and paragraph
     separators) written as a visible escape."""
     return text.translate(_ESCAPES)
+
+
+def stderr_is_journal(fd: int = 2) -> bool:
+    """Whether ``fd`` is the stream systemd connected to the journal: ``$JOURNAL_STREAM``
+    names its device and inode (systemd.exec(5)). A unit whose stderr goes to a file or a
+    terminal has no such match, and keeps its timestamps and no priority prefixes."""
+    dev, _, ino = os.environ.get("JOURNAL_STREAM", "").partition(":")
+    try:
+        st = os.fstat(fd)
+        return (int(dev), int(ino)) == (st.st_dev, st.st_ino)
+    except (ValueError, OSError):
+        return False
 
 
 def syslog_priority(levelno: int) -> int:
@@ -58,6 +74,24 @@ class LineFormatter(logging.Formatter):
         """The line, its message escaped."""
         record.message = escape_controls(record.message)
         return super().formatMessage(record)
+
+    def formatException(
+        self,
+        ei: tuple[type[BaseException], BaseException, TracebackType | None]
+        | tuple[None, None, None],
+    ) -> str:
+        """The traceback, its frames as Python writes them and each exception's own line
+        (type and message, which may quote a client) escaped: one line each."""
+        if ei[0] is None:
+            return ""
+        lines: list[str] = []
+        for chunk in traceback.TracebackException(*ei).format():
+            # the header, a frame (a path and the code) and the line that chains two
+            # exceptions are Python's own; the rest ("Type: message") may quote a client
+            own = chunk.startswith(("Traceback ", "  File ", "\n"))
+            text = chunk[:-1] if chunk.endswith("\n") else chunk
+            lines.append(text if own else escape_controls(text))
+        return "\n".join(lines)
 
     def format(self, record: logging.LogRecord) -> str:
         """The line and its traceback, if any; each with its priority under systemd."""

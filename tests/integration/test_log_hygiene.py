@@ -268,18 +268,36 @@ def test_wrong_admin_token_requests_do_not_flood_the_log(daemon_factory):
 
 @pytest.mark.timeout(60)
 def test_under_systemd_error_lines_carry_a_journald_priority(daemon_factory):
-    """Under systemd (``$INVOCATION_ID`` set) kvtierd drops the timestamp because journald
-    adds one, and the unit sends stderr to the journal. Each line carries its
-    level as a syslog priority prefix (``<3>`` for ERROR, ``<4>`` WARNING, sd-daemon(3)),
-    so ``journalctl -u kvtier -p warning`` shows the daemon's warnings and errors."""
+    """When stderr is the journal's stream (``$JOURNAL_STREAM`` names its device and inode,
+    as systemd sets it) kvtierd drops the timestamp because journald adds one, and each
+    line carries its level as a syslog priority prefix (``<3>`` for ERROR, ``<4>`` WARNING,
+    sd-daemon(3)), so ``journalctl -u kvtier -p warning`` shows the daemon's warnings and
+    errors. A unit whose stderr goes to a file (``INVOCATION_ID`` set, no journal stream)
+    keeps plain, timestamped lines."""
     extra = {"url": "redis://127.0.0.1:1/0", "timeout_s": 0.5}
-    d = daemon_factory(
+    flags = (
         "--hicache-storage-backend",
         "redis",
         "--hicache-storage-backend-extra-config",
         json.dumps(extra),
-        env={"INVOCATION_ID": "0123456789abcdef0123456789abcdef"},
     )
-    text = wait_for_log(d, "could not open")
+    unit = {"INVOCATION_ID": "0123456789abcdef0123456789abcdef"}
+    journal = daemon_factory(*flags, env=dict(unit), start=False)
+    journal.log_path.parent.mkdir(parents=True, exist_ok=True)
+    journal.log_path.touch()
+    st = journal.log_path.stat()
+    journal.env["JOURNAL_STREAM"] = f"{st.st_dev}:{st.st_ino}"
+    journal.start()
+    text = wait_for_log(journal, "could not open")
     line = next(x for x in text.splitlines() if "could not open" in x)
-    assert line.startswith("<3>"), f"an ERROR line reaches journald without a priority: {line!r}"
+    assert line.startswith("<3>ERROR "), (
+        f"an ERROR line reaches journald without a priority: {line!r}"
+    )
+    journal.stop()
+
+    to_file = daemon_factory(*flags, name="d1", env=dict(unit))
+    text = wait_for_log(to_file, "could not open")
+    line = next(x for x in text.splitlines() if "could not open" in x)
+    assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ ERROR ", line), (
+        f"a line written to a file has no timestamp or a journald prefix: {line!r}"
+    )

@@ -5,9 +5,15 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 
 import pytest
-from kvtier.daemon.log_lines import LineFormatter, escape_controls, syslog_priority
+from kvtier.daemon.log_lines import (
+    LineFormatter,
+    escape_controls,
+    stderr_is_journal,
+    syslog_priority,
+)
 from kvtier.daemon.service.refusal_log import MAX_KEYS, REPEAT_S, RefusalLog
 from kvtier.daemon.storage.options import redact_url, redact_value
 
@@ -53,6 +59,43 @@ def test_a_message_is_one_line_and_a_traceback_keeps_its_lines():
     assert lines[1] == "ERROR failed"
     assert lines[2].startswith("Traceback")
     assert lines[-1] == "ValueError: boom"
+
+
+def test_an_exceptions_message_in_a_traceback_stays_on_its_line():
+    """An exception's message may quote a client (a key, a model name): in a traceback it is
+    escaped as a message is, so it cannot forge a line; a chained exception's traceback
+    keeps its lines."""
+    logger, out = _logger(LineFormatter("%(levelname)s %(message)s"))
+    try:
+        try:
+            raise ValueError("bad model 'm\nERROR kvtier.daemon: forged'")
+        except ValueError as err:
+            raise KeyError("\x1b[2Kgone") from err
+    except KeyError:
+        logger.exception("failed")
+    lines = out.getvalue().splitlines()
+    assert "ValueError: bad model 'm\\nERROR kvtier.daemon: forged'" in lines
+    assert not any(line.startswith("ERROR kvtier.daemon: forged") for line in lines)
+    assert lines[-1] == "KeyError: '\\x1b[2Kgone'"
+    assert sum(line.startswith("Traceback") for line in lines) == 2
+    assert "The above exception was the direct cause of the following exception:" in lines
+
+
+def test_the_journal_is_recognised_by_its_stream(tmp_path, monkeypatch):
+    """Priorities go to the journal only: ``$JOURNAL_STREAM`` must name stderr's own device
+    and inode (a unit whose stderr goes to a file keeps plain lines)."""
+    with open(tmp_path / "err", "wb") as f, open(tmp_path / "other", "wb") as g:
+        st, other = os.fstat(f.fileno()), os.fstat(g.fileno())
+        monkeypatch.setenv("JOURNAL_STREAM", f"{st.st_dev}:{st.st_ino}")
+        assert stderr_is_journal(f.fileno())
+        assert not stderr_is_journal(g.fileno())
+        monkeypatch.setenv("JOURNAL_STREAM", f"{other.st_dev}:{other.st_ino}")
+        assert not stderr_is_journal(f.fileno())
+        for bad in ("", "x:y", "12", ":"):
+            monkeypatch.setenv("JOURNAL_STREAM", bad)
+            assert not stderr_is_journal(f.fileno())
+        monkeypatch.delenv("JOURNAL_STREAM")
+        assert not stderr_is_journal(f.fileno())
 
 
 def test_under_systemd_every_line_carries_its_priority():
