@@ -237,7 +237,7 @@ class Admin:
         quotas = ctx.cfg.tenants
         return {
             "epoch": f"{ctx.epoch:x}",
-            "uptime_s": round(time.time() - ctx.started, 3),
+            "uptime_s": round(time.monotonic() - ctx.started, 3),
             "scope": {"tenants": sorted(tenants)},
             "tenants": {
                 t: {
@@ -278,7 +278,7 @@ class Admin:
         ps = ctx.pool.stats()
         return {
             "epoch": f"{ctx.epoch:x}",
-            "uptime_s": round(time.time() - ctx.started, 3),
+            "uptime_s": round(time.monotonic() - ctx.started, 3),
             "pool": dataclasses.asdict(ps),
             "counters": ctx.counters.as_dict(),
             "window": ctx.hit_window.as_dict(),

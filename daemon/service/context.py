@@ -90,7 +90,7 @@ class ServiceContext:
         self.metrics: DaemonMetrics | None = None
         self.events: KvEventPublisher | None = None
         self.adopt: AdoptResult | None = None
-        self.started = time.time()
+        self.started = time.monotonic()  # uptime: a wall clock set back or forth leaves it
         self.stopping = False
 
     # ------------------------------------------------------------------ replies
