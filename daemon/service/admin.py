@@ -308,7 +308,7 @@ class Admin:
             "tenants": {t: dataclasses.asdict(u) for t, u in sorted(ctx.quotas.tenants.items())},
             "mapped_bytes": ctx.quotas.mapped_bytes,
             "unmap_pending_bytes": ctx.unmaps.pending_bytes,
-            "unmaps": {"thread": ctx.unmaps.queued, "at_once": ctx.unmaps.inline},
+            "unmaps": {"thread": ctx.unmaps.unmapped, "at_once": ctx.unmaps.inline},
             "refusals": {  # a setting both refuse by (descriptors) counts both
                 k: ctx.handovers.refusals.get(k, 0) + ctx.quotas.refusals.get(k, 0)
                 for k in ctx.handovers.refusals.keys() | ctx.quotas.refusals.keys()

@@ -69,6 +69,8 @@ class Unmaps:
         """Bytes queued and not unmapped yet."""
         self.queued = 0
         """Memories handed to the thread so far."""
+        self.unmapped = 0
+        """Memories the thread has unmapped (closed) so far."""
         self.inline = 0
         """Memories unmapped at once: no room for them to wait, or after :meth:`shutdown`."""
 
@@ -103,6 +105,7 @@ class Unmaps:
         finally:
             with self._lock:
                 self.pending_bytes -= nbytes
+                self.unmapped += 1
 
     def shutdown(self) -> None:
         """Wait until every queued memory is unmapped; later ones are unmapped at once.

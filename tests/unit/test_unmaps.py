@@ -94,12 +94,13 @@ def test_close_returns_before_the_memory_is_unmapped_on_its_thread(unmaps):
     assert not m.closed.is_set()
     assert m.stopped_on == threading.get_ident()  # the prefault stopped before close returned
     assert u.pending_bytes == 3 << 20 and u.queued == 1 and u.inline == 0
+    assert u.unmapped == 0  # STATS' limits.unmaps.thread counts it once it is unmapped
     gate.set()
     assert m.closed.wait(WAIT_S)
     u.shutdown()
     assert m.closed_on != threading.get_ident()
     assert m.order == ["stop", "drop", "close"]  # page tables emptied: the unmap has none
-    assert u.pending_bytes == 0
+    assert u.pending_bytes == 0 and u.unmapped == 1
 
 
 def test_the_unmap_thread_runs_at_the_lowest_priority_and_its_caller_keeps_its_own(unmaps):
