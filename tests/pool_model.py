@@ -266,6 +266,7 @@ class PageByPage(PageTable):
             if s is None:
                 s = writing.get(key)
             if s is not None:
+                self._adopt(prev, s)
                 prev = s
                 continue
             if prev != NIL:  # a child's reference shields prev from the evictions below
@@ -302,6 +303,23 @@ class PageByPage(PageTable):
             out.append((i, s))
             prev = s
         return out
+
+    def _adopt(self, p: int, s: int) -> None:
+        """The present page ``s``, parentless, linked under ``p`` (the page of the key
+        before it) unless that would close a cycle: a page stored before its prefix, or
+        left when its parent was freed, rejoins its chain."""
+        if p in (NIL, s) or self._parent[s] != NIL:
+            return
+        x = p
+        while x != NIL:
+            if x == s:
+                return
+            x = self._parent[x]
+        if self._children[p] == 0 and self._state[p] == _READY and self._pins[p] == 0:
+            self.lists.dequeue(p, self._owner[p])
+        self._children[p] += 1
+        self._parent[s] = p
+        self.kids.link(p, s)
 
     def _drop_child_ref(self, p: int) -> None:
         self._children[p] -= 1

@@ -210,7 +210,9 @@ class PageTable:
 
         Present keys (READY or WRITING) are skipped but parent the next key. A new
         page's parent is the previous key's page, or for ``keys[0]`` the page of
-        ``parent_key`` when resident in ``ns_id``. Stops at the first key that cannot
+        ``parent_key`` when resident in ``ns_id``; so is a present page's that has none (a
+        page stored before its prefix, or left when its parent was freed, rejoins its chain:
+        its prefix is no longer evicted before it), unless it is that page's ancestor. Stops at the first key that cannot
         be allocated (pool full, nothing evictable, quota) or that another namespace
         holds: later pages are useless without it.
 

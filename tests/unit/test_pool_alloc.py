@@ -453,3 +453,38 @@ def test_a_new_page_size_past_the_bound_takes_an_idle_class():
     assert 8000 not in stats and stats[12000].pages_ready == stats[4000].pages_ready == 2
     with pytest.raises(HostPoolError, match="page size past the 2"):
         pool.register_class(8000, max_classes=2)  # both hold pages now
+
+
+def test_a_page_stored_before_its_prefix_rejoins_its_chain() -> None:
+    """A resident page without a parent (stored before its prefix was back) is linked under
+    the page of the key before it when a STORE names both: that prefix page is then not
+    evictable while its extension is resident, as in any chain. A request that would make a
+    page its own ancestor links nothing."""
+    fast, ref = pools()
+    keys = [b"o%d" % i for i in range(6)]
+    tail = [p.allocate(1, 10, 0, keys[3:]) for p in (fast, ref)]  # no parent resident
+    for p in (fast, ref):
+        p.commit([s for _, s in tail[0]])
+    whole = [p.allocate(1, 10, 0, keys) for p in (fast, ref)]
+    assert whole[0] == whole[1] and [i for i, _ in whole[0]] == [0, 1, 2]
+    for p in (fast, ref):
+        p.commit([s for _, s in whole[0]])
+    assert snapshot(fast) == snapshot(ref)
+    prefix_end, tail_head = whole[0][-1][1], tail[0][0][1]
+    evictable = fast.evictable_slots()
+    assert prefix_end not in evictable, "the prefix's last page is evictable under its tail"
+    assert tail[0][-1][1] in evictable  # the chain shrinks from its tail
+    for p in (fast, ref):
+        p._pages.release(tail[0][-1][1])
+        p._pages.release(tail[0][-2][1])
+        p._pages.release(tail_head)
+    assert prefix_end in fast.evictable_slots() and snapshot(fast) == snapshot(ref)
+
+    loop = [b"l0", b"l1"]
+    made = [p.allocate(2, 10, 0, loop) for p in (fast, ref)]  # l0 <- l1
+    for p in (fast, ref):
+        p.commit([s for _, s in made[0]])
+    before = snapshot(fast)
+    again = [p.allocate(2, 10, 0, [loop[1], loop[0]]) for p in (fast, ref)]
+    assert again[0] == again[1] == []
+    assert snapshot(fast) == before == snapshot(ref)

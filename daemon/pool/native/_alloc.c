@@ -820,6 +820,32 @@ static long long take_slot(Pool *P, long long cid, long long owner) {
     return evict_one(P, v, 1) < 0 ? -2 : v;
 }
 
+/* Whether `s` is `p` or one of its ancestors (a walk bounded by the pool's size). */
+static int is_ancestor(const Cols *c, long long s, long long p) {
+    for (long long x = p, steps = 0; x != NIL && steps <= c->n_slots; x = c->parent[x], steps++)
+        if (x == s) return 1;
+    return 0;
+}
+
+/* adopt (tests/pool_model.py's): the present page `s`, which has no parent, linked under
+   `p` (the page of the key before it): a page stored before its prefix, or left when its
+   parent was freed, rejoins its chain, so that its prefix is not evicted before it.
+   0, or -1 with an error set. */
+static int adopt(Cols *c, Lists *l, long long p, long long s) {
+    if (p == NIL || p == s || c->parent[s] != NIL || is_ancestor(c, s, p)) return 0;
+    if (c->children[p] == 0 && c->state[p] == READY && c->pins[p] == 0 &&
+        dequeue(c, l, (int32_t)p) < 0)
+        return -1;
+    c->children[p] += 1;
+    c->parent[s] = (int32_t)p;
+    int32_t head = c->first[p]; /* ChildLists.link(p, s) */
+    c->sib_prev[s] = NIL;
+    c->sib_next[s] = head;
+    if (head != NIL) c->sib_prev[head] = (int32_t)s;
+    c->first[p] = (int32_t)s;
+    return 0;
+}
+
 /* run(cols, keys, prev, clock, ns_id, owner, cid, page_bytes, per_extent, ready_ns,
  *     writing_ns, ready, slot_keys, owned, ends, own_ends, out, env[, admit])
  *     -> (stop, prev) or None: see the module's comment. */
@@ -880,7 +906,7 @@ static PyObject *run(PyObject *self, PyObject *args) {
         if (PyErr_Occurred()) goto done;
         if (hit != NULL) {
             long long s = slot_of(&c, hit);
-            if (s == -2) goto done;
+            if (s == -2 || adopt(&c, &P.l, prev, s) < 0) goto done;
             prev = s;
             continue;
         }
