@@ -42,7 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--config", help="read the endpoints from this kvtierd config file")
     ap.add_argument(
-        "--topic", type=utf8_text, default="", help="topic prefix, e.g. kvtier/<model id>/"
+        "--topic",
+        type=utf8_text,
+        default="",
+        help="topic prefix, e.g. kvtier/<model id>/ (in the model id, %% as %%25 and / as %%2F)",
     )
     ap.add_argument(
         "--from",

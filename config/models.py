@@ -304,8 +304,8 @@ class DaemonConfig(_Frozen):
         default=10_000,
         ge=1,
         description="ZeroMQ high-water mark of the PUB socket: batches "
-        "queued for a subscriber before further ones are refused (counted in "
-        "kv_events_dropped_batches; every subscriber replays them).",
+        "queued for a subscriber before it misses further ones (it sees the gap and "
+        "replays them; the other subscribers get them).",
     )
     kv_events_interval_s: float = Field(
         default=0.005,

@@ -34,8 +34,8 @@ class Counters:
     - ``l3_backend_errors``: backend calls that raised or timed out (each read as a miss).
     - ``tp_rounds`` / ``tp_round_timeouts``: rank-group agreements, and those a missing
       rank ended with a 0 answer.
-    - ``kv_events_*``: KV event batches published (``batches``), those a subscriber's full
-      queue made ZeroMQ refuse (``dropped_batches``; replay recovers them), blocks announced
+    - ``kv_events_*``: KV event batches published (``batches``; a subscriber whose queue is
+      full misses some, and replays them), blocks announced
       stored and removed (one per page and medium), clears, replay requests answered
       (``replays``) and refused as malformed (``replays_refused``).
     """
@@ -93,7 +93,6 @@ class Counters:
     tp_rounds: int = 0
     tp_round_timeouts: int = 0
     kv_events_batches: int = 0
-    kv_events_dropped_batches: int = 0
     kv_events_stored_blocks: int = 0
     kv_events_removed_blocks: int = 0
     kv_events_cleared: int = 0

@@ -40,6 +40,7 @@ __all__ = [
     "KVEventBatch",
     "decode_batch",
     "encode_batch",
+    "model_topic",
     "namespace_topic",
     "replay_request",
     "seq_of",
@@ -136,13 +137,22 @@ def replay_request(start_seq: int) -> bytes:
     return start_seq.to_bytes(8, "big")
 
 
-def namespace_topic(model_id: str, fingerprint: bytes) -> str:
-    """The topic of a namespace's events: ``kvtier/<model id>/<fingerprint hex>``.
+def model_topic(model_id: str) -> str:
+    """The topic prefix of a model's events: ``kvtier/<model id>/``, the model id with each
+    ``%`` written ``%25`` and each ``/`` written ``%2F``.
 
-    ZeroMQ filters topics by prefix, so a router subscribes to ``kvtier/<model id>/`` for
-    every namespace of its model (tenants, tensor-parallel ranks), or to ``kvtier/`` for all.
+    ZeroMQ filters topics by prefix, so a router subscribes to this for every namespace of
+    its model (tenants, tensor-parallel ranks), or to ``kvtier/`` for all. The escapes keep
+    one model's prefix from matching another's: ``org`` and ``org/llama`` are ``kvtier/org/``
+    and ``kvtier/org%2Fllama/``.
     """
-    return f"kvtier/{model_id}/{fingerprint.hex()}"
+    return f"kvtier/{model_id.replace('%', '%25').replace('/', '%2F')}/"
+
+
+def namespace_topic(model_id: str, fingerprint: bytes) -> str:
+    """The topic of a namespace's events: :func:`model_topic` then the namespace's
+    fingerprint in hex."""
+    return model_topic(model_id) + fingerprint.hex()
 
 
 def as_dict(event: Any) -> dict[str, Any]:

@@ -52,7 +52,8 @@ class EventSubscriber:
     Args:
         endpoint: the daemon's ``kv_events_endpoint``.
         replay: its ``kv_events_replay_endpoint`` (None: gaps stay gaps).
-        topic: topic prefix to subscribe to (``kvtier/<model id>/``; "" for every topic).
+        topic: topic prefix to subscribe to (a model's:
+            :func:`~kvtier.ipc.kv_events.model_topic`; "" for every topic).
         hwm: the receive high-water mark (batches queued here before ZeroMQ drops; 0: no
             limit).
         rcvbuf: the kernel receive buffer in bytes (-1: the system's default).

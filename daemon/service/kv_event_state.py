@@ -11,6 +11,10 @@ model id (its topic), to ``<state_dir>/kv-event-hashes.msgpack`` when the daemon
 (:func:`chain_runs`) under the same names on its new stream. After a crash the file is the
 one the previous clean stop wrote: a key's hash never changes (the key is a digest of the
 same tokens), so what it has is still true, and pages stored since are named by their keys.
+A namespace's model id and block size cannot wait for a clean stop (without them a crash
+would move its pages to another topic): each one named since is appended to
+``<state_dir>/kv-event-namespaces.log`` at once (:class:`NameLog`), read after the saved
+state at start, and removed by the next clean stop, whose file then holds them.
 
 The file is read as untrusted input: bounded in size, decoded against the wire limits of
 keys and hashes, and refused whole (logged, naming the file and what is wrong) on any
@@ -21,19 +25,25 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated
 
 import msgspec
 from kvtier.ipc.limits import KEY_BYTES, MAX_TEXT, BlockHash, BlockSize, Text
 
-__all__ = ["FILE_NAME", "Loaded", "Saved", "chain_runs", "load", "save"]
+__all__ = ["FILE_NAME", "NAMES_FILE", "Loaded", "NameLog", "Saved", "chain_runs", "load", "save"]
 
 log = logging.getLogger("kvtier.daemon.events")
 
 FILE_NAME = "kv-event-hashes.msgpack"
 """The file in the state directory."""
+
+NAMES_FILE = "kv-event-namespaces.log"
+"""The namespaces named since the last clean stop, beside :data:`FILE_NAME`."""
+
+NAMES_MAX_BYTES = 16 << 20
+"""The name log's bound: past it, it is rewritten with the namespaces kept now."""
 
 _VERSION = 2
 _BYTES_PER_ENTRY = 160  # a generous bound on one saved (key, hash) pair, for the size check
@@ -142,6 +152,122 @@ def load(path: Path, max_hashes: int) -> Loaded:
     return Loaded(
         dict(zip(keys, saved.hashes[start:])), dict(saved.block_sizes), dict(saved.models)
     )
+
+
+class Named(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """One record of :class:`NameLog`: a namespace's fingerprint, block size and model id."""
+
+    fingerprint: NamespaceId
+    block_size: BlockSize
+    model: Text
+
+
+class NameLog:
+    """The namespaces named since the last clean stop, in a file of records appended as
+    they come: each a 4-byte big-endian length, then a :class:`Named` (MessagePack). A
+    crash may leave a torn last record: reading stops there. The file is untrusted input as
+    the saved state is: bounded, each record decoded against the wire limits, the rest
+    refused (logged) from the first bad record on.
+
+    Args:
+        path: the file (its directory is made when the first record is written).
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._warned = False
+        self._full = False  # the namespaces kept fill the file: no more records
+
+    def load(self) -> dict[bytes, tuple[int, str]]:
+        """Fingerprint -> (block size, model id), the last record of each winning."""
+        out: dict[bytes, tuple[int, str]] = {}
+        try:
+            with open(self.path, "rb") as f:
+                data = f.read(NAMES_MAX_BYTES + 1)
+        except FileNotFoundError:
+            return out
+        except OSError as err:
+            log.warning("KV events: ignoring %s: %s", self.path, err)
+            return out
+        if len(data) > NAMES_MAX_BYTES:
+            log.warning("KV events: ignoring %s: over %d bytes", self.path, NAMES_MAX_BYTES)
+            return out
+        at, decoder = 0, msgspec.msgpack.Decoder(Named)
+        while at + 4 <= len(data):
+            n = int.from_bytes(data[at : at + 4], "big")
+            if at + 4 + n > len(data):
+                break  # torn by a crash while it was written
+            try:
+                rec = decoder.decode(data[at + 4 : at + 4 + n])
+            except (msgspec.DecodeError, msgspec.ValidationError) as err:
+                log.warning("KV events: %s: ignoring it from byte %d on: %s", self.path, at, err)
+                break
+            out.pop(rec.fingerprint, None)  # re-inserted: the newest
+            out[rec.fingerprint] = (rec.block_size, rec.model)
+            at += 4 + n
+        return out
+
+    def append(
+        self,
+        fingerprint: bytes,
+        block_size: int,
+        model: str,
+        kept: Callable[[], dict[bytes, tuple[int, str]]],
+    ) -> None:
+        """Add one namespace's record; past :data:`NAMES_MAX_BYTES`, rewrite the file with
+        what ``kept()`` returns (every namespace to keep, this one included) instead. A file that cannot be
+        written is logged once; the daemon goes on without it."""
+        if self._full:
+            return
+        body = msgspec.msgpack.encode(Named(fingerprint, block_size, model))
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                size = self.path.stat().st_size
+            except FileNotFoundError:
+                size = 0
+            if size + 4 + len(body) > NAMES_MAX_BYTES:
+                self._rewrite(kept())
+                return
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            try:
+                os.write(fd, len(body).to_bytes(4, "big") + body)
+            finally:
+                os.close(fd)
+        except OSError as err:
+            if not self._warned:
+                self._warned = True
+                log.warning("KV events: cannot record namespaces in %s: %s", self.path, err)
+
+    def _rewrite(self, kept: dict[bytes, tuple[int, str]]) -> None:
+        enc = msgspec.msgpack.encode
+        records = (enc(Named(fp, bs, m)) for fp, (bs, m) in kept.items())
+        body = b"".join(len(r).to_bytes(4, "big") + r for r in records)
+        if len(body) > NAMES_MAX_BYTES // 2:  # rewriting it again at every name would cost
+            self._full = True  # more than it is worth: the oldest names are left out
+            log.warning(
+                "KV events: %s holds no more namespaces (%d kept); a crash names the pages of "
+                "those left out by their keys, on an empty model id's topic",
+                self.path,
+                len(kept),
+            )
+            body = body[: NAMES_MAX_BYTES // 2]
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(body)
+            os.replace(tmp, self.path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def remove(self) -> None:
+        """Drop the file (a clean stop saved what it held)."""
+        try:
+            self.path.unlink(missing_ok=True)
+        except OSError as err:
+            log.warning("KV events: cannot remove %s: %s", self.path, err)
 
 
 def chain_runs(

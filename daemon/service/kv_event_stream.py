@@ -1,11 +1,11 @@
 """The KV event stream's transport: the PUB socket, sequence numbers, the replay buffer and
 the replay socket (what the batches say is :mod:`~kvtier.daemon.service.kv_events`'s).
 
-Every send is NOBLOCK on an XPUB socket that refuses rather than queues past
-``kv_events_hwm`` (``XPUB_NODROP``): a refused batch is counted
-(``kv_events_dropped_batches``) and stays in the replay buffer (the last
-``kv_events_buffer_steps`` batches) like every other, so a subscriber that sees a gap in
-the sequence numbers asks the replay socket for it. The replay socket reads requests from a
+Every send is NOBLOCK on an XPUB socket: a subscriber whose queue holds ``kv_events_hwm``
+batches misses the next ones (ZeroMQ drops them for it alone; the others get them), and
+every batch stays in the replay buffer (the last ``kv_events_buffer_steps`` batches), so a
+subscriber that sees a gap in the sequence numbers asks the replay socket for it. (With
+``XPUB_NODROP`` one stalled subscriber would hold every batch back from all of them.) The replay socket reads requests from a
 reader callback, answers at most ``kv_events_replay_max`` batches per request and stops when
 the requester's queue is full; a request that is not exactly ``[b"", 8-byte start]`` (or a
 frame over 64 bytes, which ZeroMQ refuses with the connection) gets no answer. Subscription
@@ -85,7 +85,6 @@ class EventStream:
             raise ConfigError(
                 f"kv_events_endpoint = {cfg.kv_events_endpoint!r} cannot be bound: {err}"
             ) from err
-        self._pub.setsockopt(zmq.XPUB_NODROP, 1)
         self._replay: zmq.Socket[Any] | None = None
         try:
             if cfg.kv_events_replay_endpoint is not None:
@@ -130,20 +129,18 @@ class EventStream:
 
     def publish(self, topic: bytes, payload: bytes) -> None:
         """Send one batch on ``topic`` with the next sequence number, and keep it for
-        replay; a batch a subscriber's full queue refuses is counted, not retried."""
+        replay (a subscriber whose queue is full misses it, and replays it)."""
         seq = next(self._seq)
         self._buffer.append((seq, topic, payload))
         if self._pub.closed:
             return
         pub = self._pub
-        try:  # frame by frame with int flags (pyzmq's enum or-ing costs per call); a
-            pub.send(topic, _MORE)  # message is atomic: refused whole at its first frame
-            pub.send(seq.to_bytes(8, "big"), _MORE)
-            pub.send(payload, _NB)
-        except zmq.Again:  # a subscriber's queue is full: it replays what it missed
-            self.counters.kv_events_dropped_batches += 1
-        else:
-            self.counters.kv_events_batches += 1
+        # frame by frame with int flags (pyzmq's enum or-ing costs per call); a message is
+        # atomic: a full queue drops it whole, for its subscriber alone
+        pub.send(topic, _MORE)
+        pub.send(seq.to_bytes(8, "big"), _MORE)
+        pub.send(payload, _NB)
+        self.counters.kv_events_batches += 1
 
     @property
     def next_seq(self) -> int:
@@ -175,7 +172,10 @@ class EventStream:
             if frames is None or frames[1] != b"" or len(frames[2]) != 8:
                 self.counters.kv_events_replays_refused += 1
                 continue  # garbage gets nothing
-            self._answer(sock, frames[0], int.from_bytes(frames[2], "big", signed=True))
+            try:  # one request's failure (a bug) leaves the ones behind it answered
+                self._answer(sock, frames[0], int.from_bytes(frames[2], "big"))
+            except Exception:
+                log.exception("answering a replay request failed")
         self._loop.call_soon(self._read_replays)  # more may be queued: after the others
 
     def _answer(self, sock: zmq.Socket[Any], peer: bytes, start: int) -> None:
@@ -183,7 +183,8 @@ class EventStream:
         end marker; stop at the first the requester cannot take."""
         self.counters.kv_events_replays += 1
         buf = self._buffer
-        first = max(0, start - buf[0][0]) if buf else 0
+        # start is any 64-bit number: past the newest batch there is nothing to send
+        first = min(max(0, start - buf[0][0]), len(buf)) if buf else 0
         try:
             for seq, topic, payload in itertools.islice(buf, first, first + self._replay_max):
                 sock.send(peer, _MORE)

@@ -128,6 +128,21 @@ class KvEventPublisher:
         self._hashes: dict[bytes, E.BlockHash] = loaded.hashes
         self._fp_block_size: dict[bytes, int] = loaded.block_sizes
         self._fp_model: dict[bytes, str] = loaded.models
+        # the namespaces named since the last clean stop (newer than its file): what a
+        # crash would lose otherwise; and what is on disk, so a name is written once
+        self._names = (
+            kv_event_state.NameLog(state.with_name(kv_event_state.NAMES_FILE))
+            if state is not None
+            else None
+        )
+        self._recorded: dict[bytes, tuple[int, str]] = {
+            fp: (n, self._fp_model.get(fp, "")) for fp, n in self._fp_block_size.items()
+        }
+        for fp, (n, model) in (self._names.load() if self._names is not None else {}).items():
+            self._fp_block_size.pop(fp, None)
+            self._fp_model.pop(fp, None)
+            self._fp_block_size[fp], self._fp_model[fp] = n, model
+            self._recorded[fp] = (n, model)
         self._fps: dict[int, bytes] = {}  # pool namespace id -> fingerprint
         self._announcing: asyncio.Task[None] | None = None
         self._stores: dict[tuple[int, int, int], _PendingStore] = {}
@@ -159,6 +174,9 @@ class KvEventPublisher:
                 )
             except OSError as err:
                 log.warning("KV events: cannot save engine hashes to %s: %s", self._state, err)
+            else:
+                if self._names is not None:
+                    self._names.remove()  # the file just saved holds what it held
         self._stream.close()
         self._loop = None
 
@@ -173,6 +191,13 @@ class KvEventPublisher:
         self._fps[ns_id] = fingerprint
         if len(self._fp_model) > kv_event_state.MAX_NAMESPACES:
             self._forget_namespaces()
+        if self._names is not None and self._recorded.get(fingerprint) != (page_size, model_id):
+            self._recorded[fingerprint] = (page_size, model_id)
+            self._names.append(fingerprint, page_size, model_id, self._kept_names)
+
+    def _kept_names(self) -> dict[bytes, tuple[int, str]]:
+        """Fingerprint -> (block size, model id) of every namespace kept now."""
+        return {fp: (n, self._fp_model.get(fp, "")) for fp, n in self._fp_block_size.items()}
 
     def _kept_namespaces(self) -> set[bytes]:
         """The fingerprints of kept engine hashes and of the namespaces named since start."""
@@ -189,6 +214,7 @@ class KvEventPublisher:
                 break
             del self._fp_model[fp]
             self._fp_block_size.pop(fp, None)
+            self._recorded.pop(fp, None)
 
     def announce_held(
         self, namespaces: dict[bytes, int], held: Callable[[int], PagesHeld]

@@ -78,11 +78,11 @@ _COUNTER_SPECS: tuple[_Spec, ...] = (
     (
         "kvtier_kv_events_batches",
         (
-            "KV event batches published, by result: sent, dropped (a subscriber's queue was full; "
-            "the batch stays in the replay buffer)."
+            "KV event batches published, by result: sent (a subscriber whose queue was full "
+            "missed it, and replays it from the buffer)."
         ),
         ("result",),
-        ((("sent",), "kv_events_batches"), (("dropped",), "kv_events_dropped_batches")),
+        ((("sent",), "kv_events_batches"),),
     ),
     (
         "kvtier_kv_events_blocks",

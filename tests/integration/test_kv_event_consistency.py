@@ -295,7 +295,7 @@ def test_a_restarted_daemon_announces_adopted_pages_on_their_models_topic(
         pool.close()
     assert d.stop() == 0
     d = daemon_factory(*event_flags(short_tmp))
-    with subscriber(short_tmp) as every, subscriber(short_tmp, topic="kvtier/m/x/") as model:
+    with subscriber(short_tmp) as every, subscriber(short_tmp, topic=E.model_topic("m/x")) as model:
         everything = wait_for(
             lambda: events(every.replay(0), E.BlockStored, "CPU"), what="the announcement"
         )

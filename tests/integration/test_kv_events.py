@@ -81,9 +81,8 @@ def drain(sub: EventSubscriber, timeout_s: float = 2.0) -> list[EventMessage]:
 
 
 def published(d: DaemonProcess) -> int:
-    """The batches ``d`` has published (sent, or refused by a full queue)."""
-    c = counters(d)
-    return c["kv_events_batches"] + c["kv_events_dropped_batches"]
+    """The batches ``d`` has published."""
+    return counters(d)["kv_events_batches"]
 
 
 def until_live(
@@ -116,7 +115,7 @@ def engine_blocks(n: int, base: int, page_size: int = SMALL.page_size) -> P.Engi
 def test_store_publishes_engine_hashes_and_keys_otherwise(daemon_factory, short_tmp):
     d = daemon_factory(*event_flags(short_tmp))
     pool, conn = engine(d.runtime_dir, model="m/x")
-    sub = subscriber(short_tmp, topic="kvtier/m/x/")
+    sub = subscriber(short_tmp, topic=E.model_topic("m/x"))
     exact = subscriber(short_tmp, topic=E.namespace_topic("m/x", conn.ns_fingerprint))
     try:
         keys = conn.page_keys(tokens(8 * SMALL.page_size))
@@ -508,7 +507,7 @@ def test_slow_and_vanished_subscribers_cost_batches_not_service(daemon_factory, 
         time.sleep(0.3)
         os.kill(stalled.pid, signal.SIGSTOP)  # connected, reading nothing: its buffers fill
         stored = 0
-        for c in range(400):  # bounded; stops at the first refused batch
+        for c in range(40):  # far more than its queue and socket buffers hold
             keys = conn.page_keys(tokens(64 * SMALL.page_size, salt=c))
             eng = P.EngineBlocks(
                 hashes=[c * 100 + i for i in range(64)],
@@ -516,22 +515,18 @@ def test_slow_and_vanished_subscribers_cost_batches_not_service(daemon_factory, 
             )
             assert conn.store(keys, list(range(64)), engine=eng).wait()
             stored += 64
-            if counters(d)["kv_events_dropped_batches"]:
-                break
-        c = counters(d)
-        assert c["kv_events_dropped_batches"] > 0, "the stalled subscriber's queue never filled"
         os.kill(stalled.pid, signal.SIGKILL)  # vanished mid-stream
         stalled.wait()
         time.sleep(0.3)
-        with subscriber(short_tmp) as sub:  # replay recovers every batch, dropped ones too
+        with subscriber(short_tmp) as sub:  # replay recovers every batch
             got = sub.replay(0)
             assert [m.seq for m in got] == list(range(len(got)))
             assert len(hashes(events(got, E.BlockStored, "CPU"))) == stored
             keys = conn.page_keys(tokens(8 * SMALL.page_size, salt=999))
             assert conn.store(keys, list(range(8))).wait()  # after the vanished one: served
             assert conn.lookup(keys).l2 == 8
-            # its batches went out or, refused at the tiny high-water mark, are in the buffer
-            # (published within kv_events_interval_s of the STORE's end)
+            # its batch is in the buffer (published within kv_events_interval_s of the
+            # STORE's end)
             later = wait_for(
                 lambda: events(sub.replay(len(got)), E.BlockStored), what="the last batch"
             )

@@ -94,3 +94,55 @@ def test_a_file_larger_than_the_bound_is_not_read(
 
 def test_no_file_is_no_state(tmp_path: Path) -> None:
     assert S.load(tmp_path / "absent", 10) == EMPTY
+
+
+def test_the_name_log_keeps_the_last_record_of_each_namespace(tmp_path: Path) -> None:
+    """Each namespace named since the last clean stop is one appended record, the latest
+    winning; a record torn by a crash ends the reading, the records before it kept."""
+    log = S.NameLog(tmp_path / "st" / S.NAMES_FILE)
+    assert log.load() == {}
+    a, b = b"a" * 32, b"b" * 32
+    log.append(a, 16, "org/m", dict)
+    log.append(b, 32, "other", dict)
+    log.append(a, 64, "org/m2", dict)
+    assert log.load() == {b: (32, "other"), a: (64, "org/m2")}
+    assert list(log.load()) == [b, a]  # the newest last
+    assert (log.path.stat().st_mode & 0o777) == 0o600
+    with open(log.path, "ab") as f:
+        f.write((40).to_bytes(4, "big") + b"\x93")  # torn: its length promises more
+    assert log.load() == {b: (32, "other"), a: (64, "org/m2")}
+    log.remove()
+    assert not log.path.exists() and log.load() == {}
+
+
+def test_a_bad_name_record_is_refused_with_all_after_it(tmp_path: Path, caplog) -> None:
+    """A record that does not decode against the wire limits (a short fingerprint, a block
+    size of 0) is logged, naming the file; it and the records after it are ignored."""
+    log = S.NameLog(tmp_path / S.NAMES_FILE)
+    log.append(b"a" * 32, 16, "m", dict)
+    bad = msgspec.msgpack.encode([b"short", 16, "m"])
+    with open(log.path, "ab") as f:
+        f.write(len(bad).to_bytes(4, "big") + bad)
+    log.append(b"c" * 32, 8, "n", dict)
+    with caplog.at_level(logging.WARNING, logger="kvtier.daemon.events"):
+        assert log.load() == {b"a" * 32: (16, "m")}
+    assert str(log.path) in caplog.text
+
+
+def test_a_full_name_log_is_rewritten_with_what_is_kept(tmp_path: Path, monkeypatch) -> None:
+    """Past its bound the log is rewritten with the namespaces kept now; when those alone
+    fill half of it, it takes no more records (logged once) rather than rewrite at each."""
+    monkeypatch.setattr(S, "NAMES_MAX_BYTES", 4096)
+    log = S.NameLog(tmp_path / S.NAMES_FILE)
+    kept = {bytes([i]) * 32: (16, f"m{i}") for i in range(3)}
+    for i in range(200):
+        log.append(bytes([i % 7]) * 32, 16, "x" * 40, lambda: kept)
+        assert log.path.stat().st_size <= 4096
+    assert set(log.load()) <= set(kept) | {bytes([i]) * 32 for i in range(7)}
+    many = {bytes([i]) * 32: (16, "y" * 100) for i in range(60)}
+    with open(log.path, "ab") as f:
+        f.write(b"\0" * (4096 - log.path.stat().st_size))
+    log.append(b"z" * 32, 16, "z", lambda: many)
+    size = log.path.stat().st_size
+    log.append(b"w" * 32, 16, "w", lambda: many)
+    assert log.path.stat().st_size == size and b"w" * 32 not in log.load()

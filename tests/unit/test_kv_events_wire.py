@@ -61,7 +61,9 @@ def test_a_batch_is_an_array_and_events_are_tagged_maps():
 
 
 def test_topics_and_replay_frames():
-    assert E.namespace_topic("org/m", b"\xab" * 2) == "kvtier/org/m/abab"
+    assert E.namespace_topic("org/m", b"\xab" * 2) == "kvtier/org%2Fm/abab"
+    assert E.model_topic("a%2F/b") == "kvtier/a%252F%2Fb/"
+    assert not E.namespace_topic("org/m", b"\xab").startswith(E.model_topic("org"))
     assert E.replay_request(5) == b"\0" * 7 + b"\5"
     assert E.seq_of(E.END_SEQ) == -1 and E.seq_of(E.replay_request(300)) == 300
 
