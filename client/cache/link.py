@@ -66,6 +66,12 @@ class CacheLink(Protocol):
         """The namespace's fingerprint (32 bytes once registered): the key chain's seed."""
         ...
 
+    @property
+    def epoch(self) -> int:
+        """The epoch of the daemon it last registered with (a restarted daemon has another:
+        what L2 held before may be gone)."""
+        ...
+
     def lookup(self, keys: Sequence[bytes]) -> LookupReply:
         """How many leading ``keys`` L2 and L3 hold."""
         ...

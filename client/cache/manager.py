@@ -117,6 +117,7 @@ class CacheManager:
         "_cfg",
         "_conn",
         "_deferred",
+        "_marks_epoch",
         "_page_size",
         "_quarantine",
         "_quarantined",
@@ -148,6 +149,9 @@ class CacheManager:
             connection.ns_fingerprint if connection is not None else (key_seed or _LOCAL_SEED)
         )
         self._tree = RadixTree(page_size)
+        # the daemon epoch the tree's in-L2 marks were made under (another daemon may not
+        # hold those pages: a cold start, a pool discarded for a changed configuration)
+        self._marks_epoch = connection.epoch if connection is not None else 0
         self._quarantine: list[_Quarantine] = []
         self._quarantined: set[int] = set()
         self._deferred: set[int] = set()  # freed while a failed STORE may still read them
@@ -198,6 +202,7 @@ class CacheManager:
         Returns:
             The match; pass it to :meth:`load`, :meth:`insert` and :meth:`release`.
         """
+        self._forget_marks_of_another_epoch()
         toks = [int(t) for t in tokens]
         size = self._page_size
         n_full = len(toks) // size
@@ -371,9 +376,12 @@ class CacheManager:
             self._tree.unlock(match.node)
         match.node = res.last_node
         l1, loaded = len(match.l1_pages), match.loaded_pages
+        l1_in_l2 = match.l1_in_l2
+        if self._forget_marks_of_another_epoch():  # the daemon restarted since the match
+            l1_in_l2, loaded = [False] * l1, 0
         if loaded:
             self._tree.mark_in_l2(keys[l1 : l1 + loaded])
-        self._stores.inserted(keys, pages, l1, match.l1_in_l2, loaded)
+        self._stores.inserted(keys, pages, l1, l1_in_l2, loaded)
         return res.duplicate_page_ids
 
     def release(self, match: MatchResult) -> None:
@@ -407,6 +415,18 @@ class CacheManager:
         self._release(pages)
 
     # ------------------------------------------------------------------ maintenance
+    def _forget_marks_of_another_epoch(self) -> bool:
+        """When the connection has registered with another daemon epoch since the tree's
+        in-L2 marks were made, clear them all (pages only L2 held leave the tree): the new
+        daemon may hold none of those pages, and a marked L1 page is never stored again.
+        Whether it cleared them."""
+        conn = self._conn
+        if conn is None or conn.epoch == self._marks_epoch:
+            return False
+        self._marks_epoch = conn.epoch
+        self._tree.clear_l2_marks()
+        return True
+
     def sync(self) -> None:
         """Wait for every STORE in flight and record what L2 now holds."""
         self._stores.sync()

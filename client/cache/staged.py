@@ -264,6 +264,11 @@ class StagedConnection:
         """The connection's namespace fingerprint."""
         return self.connection.ns_fingerprint
 
+    @property
+    def epoch(self) -> int:
+        """The connection's daemon epoch."""
+        return self.connection.epoch
+
     def lookup(self, keys: Sequence[bytes]) -> LookupReply:
         """The connection's lookup."""
         return self.connection.lookup(keys)

@@ -305,6 +305,11 @@ class RadixTree:
                 self._truncate(node, cut)
         return changed
 
+    def clear_l2_marks(self) -> int:
+        """Record that L2 holds none of the tree's pages (as :meth:`set_in_l2` of every
+        key: pages not on the device leave the tree). The number of flags changed."""
+        return self.set_in_l2(list(self._by_key), False)
+
     def check_invariants(self) -> None:
         """Check every structural invariant of the tree, whatever the interpreter flags.
 

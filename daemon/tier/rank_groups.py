@@ -24,8 +24,12 @@ starts at the others' next round, so a restarted rank falls into step again.
 
 A rank may also count its requests itself (``round`` in LOOKUP and CLAIM: 1, 2, ... per
 operation, counting those it could not send, e.g. while its connection backs off after a
-timeout). Its rounds then follow its count from the first counted request on: one it
-skipped leaves a gap instead of shifting every later round against the other ranks'.
+timeout or the daemon restarts). The ranks of one engine count alike, so the group maps
+counts to rounds once, at the first counted request any of its ranks makes, and every
+rank's k-th request meets the others' k-th: one a rank skipped leaves a gap instead of
+shifting every later round against the other ranks'. (A rank whose count is behind the
+rounds it has entered, e.g. of an engine restarted while its old sessions lived, follows
+the order of its requests.)
 """
 
 from __future__ import annotations
@@ -89,24 +93,23 @@ class Member:
         rank: the TP rank.
         session_id: the rank's session.
         seq: rounds entered so far, per operation.
-        offset: per operation the rank counts itself, its seq minus its count (fixed by its
-            first counted request).
     """
 
     group: RankGroup
     rank: int
     session_id: int
     seq: dict[str, int] = field(default_factory=dict)
-    offset: dict[str, int] = field(default_factory=dict)  # round -> seq, per operation
 
 
 @dataclass(eq=False, slots=True)
 class RankGroup:
-    """The live ranks of one TP engine and their open rounds."""
+    """The live ranks of one TP engine, their open rounds, and per operation the ranks
+    count, the round minus the count (fixed by the first counted request of any rank)."""
 
     key: GroupKey
     members: dict[int, Member] = field(default_factory=dict)
     rounds: dict[tuple[str, int], _Round] = field(default_factory=dict)
+    offset: dict[str, int] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -209,8 +212,8 @@ class RankGroups:
         """
         group = member.group
         seq = member.seq.get(op, 0)
-        if count > 0:  # requests the rank counted but never sent leave their rounds unused
-            seq = max(seq, count + member.offset.setdefault(op, seq - count))
+        if count > 0:  # requests a rank counted but never sent leave their rounds unused
+            seq = max(seq, count + group.offset.setdefault(op, seq - count))
         member.seq[op] = seq + 1
         rnd = group.rounds.get((op, seq))
         if rnd is None:

@@ -89,6 +89,7 @@ class _L2:
         self.geometry = SimpleNamespace(page_size=4)
         self.config = ClientConfig(hicache_write_policy=policy)
         self.ns_fingerprint = bytes(32)
+        self.epoch = 1
         self.held: set[bytes] = set()
         self.stores: list[tuple[list[bytes], bytes | None]] = []
 

@@ -121,6 +121,29 @@ async def test_a_rank_that_counts_its_requests_stays_paired_after_one_it_never_s
     assert r.ended == [False, True, False, False, False]
 
 
+async def test_a_rank_that_skipped_a_request_before_it_joined_stays_paired() -> None:
+    """A daemon restarted under a running TP engine: rank 0's LOOKUP 5 opens the new
+    daemon's first round; rank 1, whose LOOKUP 5 fell into the restart (counted, never
+    sent), registers meanwhile and asks LOOKUP 6. Its 6 must meet rank 0's 6, not rank 0's
+    5 (then every later round would be shifted for good): rank 0's 5 ends without it."""
+    r = Rounds(timeout_s=0.2)
+    m0 = r.groups.join(key(2), 0, 100)
+    assert m0 is not None
+    first = later(r.groups.agree(m0, "lookup", 1, answer(4), count=5))
+    await asyncio.sleep(0.1)  # rank 0 asks its 6 once its 5 has ended: before rank 1's 6 does
+    m1 = r.groups.join(key(2), 1, 101)
+    assert m1 is not None
+    sixth = later(r.groups.agree(m1, "lookup", 1, answer(6), count=6))
+    assert await first == (0,)  # rank 1 never asked round 5
+    for n, (v0, v1) in enumerate([(7, 6), (3, 5), (11, 2)], start=6):
+        mine = later(r.groups.agree(m0, "lookup", 1, answer(v0), count=n))
+        if n == 6:
+            assert await sixth == (6,)
+        else:
+            assert await r.groups.agree(m1, "lookup", 1, answer(v1), count=n) == (min(v0, v1),)
+        assert await mine == (min(v0, v1),)
+
+
 async def test_the_last_rank_leaving_ends_its_open_rounds_with_zero() -> None:
     r = Rounds()
     m0, m1 = r.join(2)
