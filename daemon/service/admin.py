@@ -531,10 +531,16 @@ class Admin:
             if "lease_s" in changed:  # each session renews by the lease it was given
                 for sess in self.ctx.sessions:
                     sess.lease_s = new.lease_s
-            # before the level changes, and at a level every setting shows: the operator's
-            # confirmation that the reload was read
-            log.warning("reload: applied %s", ", ".join(sorted(changed)) or "no changes")
-            logging.getLogger("kvtier").setLevel(new.log_level.upper())
+            # the operator's confirmation that the reload was read: at WARNING, or at the
+            # level set before or after it when that is higher (log_level "error")
+            kvtier_log = logging.getLogger("kvtier")
+            shown = max(
+                logging.WARNING,
+                kvtier_log.getEffectiveLevel(),
+                logging.getLevelName(new.log_level.upper()),
+            )
+            log.log(shown, "reload: applied %s", ", ".join(sorted(changed)) or "no changes")
+            kvtier_log.setLevel(new.log_level.upper())
 
 
 def _settle(

@@ -13,8 +13,9 @@ Two policies, as SGLang HiCache has them (``hicache_write_policy``):
   make them the hottest); they cannot be evicted meanwhile, as they are not in L3 yet,
   and a FLUSH pins them for its duration (:meth:`L3Writer.flush_guard`).
 
-Backpressure: at most ``write_back_queue`` pages wait; a page that does not fit is dropped
-and counted, and L2 never waits for L3. A failed write is retried :data:`MAX_RETRIES`
+Backpressure: at most ``write_back_queue`` pages wait, and L2 never waits for L3; a STORE's
+page that does not fit (nor in the write-through backlog) is dropped and counted; one a
+write-back scan finds no room for is offered again by a later scan. A failed write is retried :data:`MAX_RETRIES`
 times with exponential backoff, then counted as failed and given up; under write-back a
 given-up page is marked as if in L3, so L2 can still evict it (the cache loses that page's
 L3 copy, never its L2 slot). A batch that raises (a bug, never a backend fault: the
@@ -229,7 +230,11 @@ class L3Writer:
         pinned: bool,
         bound: bool = True,
         slots: list[int] | None = None,
+        count_dropped: bool = True,
     ) -> int:
+        """Queue the pages of ``keys`` not queued yet, within the queue's room (``bound``);
+        how many were queued. Those past the room are counted as dropped only when
+        ``count_dropped`` (a STORE's: a scan that picked them offers them again later)."""
         queued, queue = self._queued, self._queue
         room = (self.cfg.write_back_queue if bound else 1 << 62) - len(queued)
         added = dropped = 0
@@ -252,7 +257,8 @@ class L3Writer:
             queue.append(it)
             added += 1
         self.counters.l3_write_queued_pages += added
-        self.counters.l3_write_dropped_pages += dropped
+        if count_dropped:
+            self.counters.l3_write_dropped_pages += dropped
         if added:
             self._wake.set()
         return added
@@ -373,6 +379,7 @@ class L3Writer:
                 pinned=pinned,
                 bound=bound,
                 slots=[s for _, s in pages],
+                count_dropped=False,
             )
             for (ns, ns_id, pb), pages in picked.items()
         )

@@ -184,3 +184,21 @@ async def test_write_back_writes_nothing_while_l2_has_room(tmp_path: Path) -> No
         writer.shortfall()
         await until(lambda: rig.counters.l3_write_written_pages == 6, "the pages written back")
         assert rig.backend.stats.puts == 6
+
+
+async def test_a_write_back_scan_past_the_queue_counts_no_page_dropped(tmp_path: Path) -> None:
+    """Pages a write-back scan finds no room for in the queue are offered again by a later
+    scan: none of them is counted as dropped."""
+    async with (
+        open_rig(tmp_path, run=False, hicache_write_policy="write_back", write_back_queue=2) as rig,
+        running(rig.tier.writer) as writer,
+    ):
+        for c in range(6):  # six chains of two pages: six tails for a scan to start from
+            keys = chain(2, salt=f"c{c} ")
+            rig.store(keys)
+            rig.tier.stored(rig.session, keys)
+        for _ in range(6):  # each shortfall scans the pool: two pages fit at a time
+            writer.shortfall()
+            await asyncio.sleep(0.05)
+        await until(lambda: rig.counters.l3_write_written_pages >= 4, "pages written back")
+        assert rig.counters.l3_write_dropped_pages == 0
