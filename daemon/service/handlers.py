@@ -182,9 +182,9 @@ class Handlers:
         tier = self.ctx.tier
         started = await tier.prefetch(s, m.keys, m.request_id, skip=m.skip)
         # the leading run in L2 now or being filled (WRITING: this prefetch's pages, another
-        # prefetch's or a STORE's); pages another prefetch has still to allocate are not
-        # promised
-        coming = self.ctx.pool.resident_run(s.ns_id, m.keys[m.skip :])
+        # prefetch's or a STORE's); pages another prefetch has still to allocate, or has
+        # given up, are not promised
+        coming = tier.coming(s.ns_id, m.keys[m.skip :])
         return P.PrefetchReply(
             req_id=m.req_id, epoch=self.ctx.epoch, started=started, coming=coming
         )

@@ -100,6 +100,9 @@ class Fill:
         users: prefetches that wait for it (the one that started it, and those that found
             some of their pages in it): it is cut only when none of them wants it any more.
         done: resolved once allocation is over and every page is committed or aborted.
+        at: each key's index in ``keys``.
+        progress: resolved (and replaced) each time pages end or allocation stops: what a
+            claim waiting for some of its pages only waits on.
     """
 
     ns: bytes
@@ -118,11 +121,19 @@ class Fill:
     parent_key: bytes | None = None  # the key before keys[0] in its chain
     users: int = 1
     parents: list[bytes | None] = field(default_factory=list)
+    at: dict[bytes, int] = field(default_factory=dict)
+    progress: asyncio.Future[None] | None = None
 
     @property
     def pages(self) -> int:
         """Pages in the fill."""
         return len(self.keys)
+
+    def giving_up(self, key: bytes) -> bool:
+        """Whether ``key``'s page is past the cut: given up, its slot aborted once its read
+        (if one is in flight) has returned, never committed."""
+        i = self.at.get(key)
+        return i is not None and i >= self.cut
 
 
 @dataclass(eq=False, slots=True)
@@ -271,6 +282,7 @@ class Prefetcher:
                     self.on_allocated(len(batch), len(pairs))
                 first = fill.pages
                 for i, slot in pairs:
+                    fill.at[batch[i]] = len(fill.keys)
                     fill.parents.append(batch[i - 1] if i else parent)
                     fill.keys.append(batch[i])
                     fill.slots.append(slot)
@@ -314,6 +326,51 @@ class Prefetcher:
         pending = [f.done for f in fills if not f.done.done()]
         if pending and timeout > 0:
             await asyncio.wait(pending, timeout=timeout)
+
+    async def wait_keys(self, keys: Sequence[bytes], fills: Sequence[Fill], timeout: float) -> None:
+        """Wait until every page of ``keys`` that ``fills`` hold has ended (committed or
+        given up) and none of them is still allocating, or ``timeout`` seconds have passed.
+        A claim of a short prefix of a long fill waits for its own pages only."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        ended = (Fate.COMMITTED, Fate.ABORTED)
+        while True:
+            waits = []
+            for f in fills:
+                if f.done.done():
+                    continue
+                at, fate = f.at, f.fate
+                if f.allocating or any(
+                    (i := at.get(k)) is not None and fate[i] not in ended for k in keys
+                ):
+                    waits.append(f)
+            left = deadline - loop.time()
+            if not waits or left <= 0:
+                return
+            await asyncio.wait([self._progress(f) for f in waits], timeout=left)
+
+    @staticmethod
+    def _progress(fill: Fill) -> asyncio.Future[None]:
+        if fill.progress is None or fill.progress.done():
+            fill.progress = asyncio.get_running_loop().create_future()
+        return fill.progress
+
+    def giving_up(self, ns_id: int, keys: Sequence[bytes]) -> tuple[int | None, list[Fill]]:
+        """The index of the first of ``keys`` whose page a fill has given up (past its cut,
+        its slot still WRITING until its read returns; None: none), and the fills giving
+        up pages of ``keys``."""
+        first, fills = None, []
+        if not self._filling:
+            return first, fills
+        get = self._filling.get
+        for i, k in enumerate(keys):
+            f = get((ns_id, k))
+            if f is not None and f.giving_up(k):
+                if first is None:
+                    first = i
+                if f not in fills:
+                    fills.append(f)
+        return first, fills
 
     async def close(self, timeout: float) -> None:
         """Give every fill up and wait (at most ``timeout``) for the reads in flight."""
@@ -405,6 +462,8 @@ class Prefetcher:
                     fate[i] = Fate.ABORTED
                     self._release_key(fill, i)
                 fill.ended += len(gone)
+        if fill.progress is not None and not fill.progress.done():
+            fill.progress.set_result(None)  # a claim waiting on some pages looks again
         if fill.ended == fill.pages and not fill.allocating and not fill.done.done():
             fill.done.set_result(None)
             self._fills.discard(fill)

@@ -31,7 +31,7 @@ from kvtier.daemon.counters import Counters
 from kvtier.daemon.pool.host_pool import EvictedPage, HostPool
 from kvtier.daemon.storage.base import HostArena
 from kvtier.daemon.tier.guard import L3Backend
-from kvtier.daemon.tier.prefetch import Prefetcher, PrefetchJob
+from kvtier.daemon.tier.prefetch import Fill, Prefetcher, PrefetchJob
 from kvtier.daemon.tier.rank_groups import RankGroups
 from kvtier.daemon.tier import tenant_namespaces
 from kvtier.daemon.tier.session import TierSession
@@ -42,6 +42,10 @@ log = logging.getLogger("kvtier.daemon.l3")
 
 MAX_JOBS_PER_SESSION = 1024
 """Prefetches a session may leave unclaimed; the oldest is cancelled beyond it."""
+
+GIVEN_UP_WAIT_S = 1.0
+"""Longest wait of a PREFETCH for the reads in flight of pages a cancelled fill gave up
+(their slots stay WRITING until the reads return), before it reads them itself."""
 
 
 class TierStore:
@@ -256,16 +260,26 @@ class TierStore:
         loop = asyncio.get_running_loop()
         assert 0 <= skip <= len(keys), "the service checks PREFETCH.skip"
         start = skip + self.pool.resident_run(s.ns_id, keys[skip:])
+        given_up, dying = self.prefetcher.giving_up(s.ns_id, keys[skip:start])
+        if dying:  # pages a cancelled fill still holds, WRITING until their reads return:
+            # they will be aborted, so this prefetch reads them itself once they are
+            await self.prefetcher.wait(dying, GIVEN_UP_WAIT_S)
+            start = skip + self.pool.resident_run(s.ns_id, keys[skip:])
+            given_up, _ = self.prefetcher.giving_up(s.ns_id, keys[skip:start])
+        fetch = given_up is None  # else (reads still out) nothing past them can be read now
+        if given_up is not None:
+            start = skip + given_up
         job = PrefetchJob(ns_id=s.ns_id, fill=None, started=loop.time())
         job.deps = self.prefetcher.dependencies(s.ns_id, keys[:start])
         if old is not None:  # after the new job took its fills: those it shares go on
             self.prefetcher.release(old)
         try:
-            await self._fetch(s, name, job, keys, start)
+            if fetch:
+                await self._fetch(s, name, job, keys, start)
         except BaseException:  # cancelled (the daemon stops): no fill waits for it any more
             self.prefetcher.release(job)
             raise
-        job.pages = sum(f.pages for f in job.fills)
+        job.pages = _held(keys, job.fills)
         if job.fill is None and job.pages and s.is_open():  # waits on other prefetches only
             self._track(s, name, job)
         elif not job.pages and s.prefetches.get(name) is job:
@@ -273,6 +287,13 @@ class TierStore:
         if s.prefetches.get(name) is not job:  # no claim will come for it
             self.prefetcher.release(job)
         return job.fill.pages if job.fill is not None else 0
+
+    def coming(self, ns_id: int, keys: Sequence[bytes]) -> int:
+        """The leading run of ``keys`` in L2 now or on its way there (WRITING: a prefetch's
+        pages, a STORE's), short of the first page a cancelled fill has given up."""
+        n = self.pool.resident_run(ns_id, keys)
+        first, _ = self.prefetcher.giving_up(ns_id, keys[:n])
+        return n if first is None else first
 
     async def _fetch(
         self, s: TierSession, name: str | bytes, job: PrefetchJob, keys: list[bytes], start: int
@@ -287,7 +308,7 @@ class TierStore:
             return
         run = keys[start : start + n3]
         job.fill = self.prefetcher.new_fill(s.ns_fingerprint, s.ns_id, s.geometry.page_bytes)
-        job.pages = n3 + sum(f.pages for f in job.deps)
+        job.pages = n3 + _held(keys[:start], job.deps)
         self._track(s, name, job)  # a claim may come while the slots are allocated
         await self.prefetcher.fill(  # each batch's evictions announced at once
             job.fill, s.owner, s.class_id, run, keys[start - 1] if start else None
@@ -342,8 +363,8 @@ class TierStore:
         deadline = self.claim_deadline(s, job, policy or self.cfg.hicache_storage_prefetch_policy)
 
         async def mine() -> tuple[int]:
-            if job is not None:
-                await self.prefetcher.wait(job.fills, deadline - loop.time())
+            if job is not None:  # until its own pages have ended, not every page of a fill
+                await self.prefetcher.wait_keys(keys, job.fills, deadline - loop.time())
                 self.prefetcher.release(job)
             return (self.pool.lookup(s.ns_id, keys),)
 
@@ -443,3 +464,8 @@ class TierStore:
             tp_groups=len(self.groups),
         )
         return out
+
+
+def _held(keys: Sequence[bytes], fills: Sequence[Fill]) -> int:
+    """How many of ``keys`` the ``fills`` hold (what a claim of them may wait for)."""
+    return sum(1 for k in keys if any(k in f.at for f in fills))
