@@ -359,7 +359,8 @@ class Prefetcher:
         """The index of the first of ``keys`` whose page a fill has given up (past its cut,
         its slot still WRITING until its read returns; None: none), and the fills giving
         up pages of ``keys``."""
-        first, fills = None, []
+        first: int | None = None
+        fills: list[Fill] = []
         if not self._filling:
             return first, fills
         get = self._filling.get
