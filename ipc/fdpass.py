@@ -41,6 +41,7 @@ import random
 import socket
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -171,7 +172,13 @@ def close_fds(fds: list[int]) -> None:
             pass  # already closed: nothing else to release
 
 
-def hand_over(path: str | Path, token: bytes, fds: list[int], timeout: float) -> int:
+def hand_over(
+    path: str | Path,
+    token: bytes,
+    fds: list[int],
+    timeout: float,
+    seen: Callable[[PeerCred], None] | None = None,
+) -> int:
     """Hand ``fds`` over to the daemon under ``token``; return the completion block's fd.
 
     A busy daemon (a ``BUSY`` reply, a full backlog, a connection closed before its
@@ -183,6 +190,9 @@ def hand_over(path: str | Path, token: bytes, fds: list[int], timeout: float) ->
         token: 16 random bytes; REGISTER names them as ``handover``.
         fds: the memory's descriptors, in segment order (at most ``MAX_HANDOVER_FDS``).
         timeout: seconds for the whole handover, tries again included.
+        seen: told the daemon's credentials (``SO_PEERCRED`` of the socket it listens on)
+            once connected: its pid as this process's pid namespace sees it (0: not
+            visible here, e.g. from a container's own namespace).
 
     Returns:
         A read-only descriptor of the session's completion block (the caller closes it).
@@ -201,7 +211,7 @@ def hand_over(path: str | Path, token: bytes, fds: list[int], timeout: float) ->
     while True:
         tries += 1
         try:
-            return _try_once(path, request, fds, max(deadline - time.monotonic(), 0.001))
+            return _try_once(path, request, fds, max(deadline - time.monotonic(), 0.001), seen)
         except _Again as again:
             left = deadline - time.monotonic()
             if left <= RETRY_FIRST_S:
@@ -217,7 +227,13 @@ class _Again(Exception):
     """One try of :func:`hand_over` met a busy daemon (the message says how)."""
 
 
-def _try_once(path: str | Path, request: bytes, fds: list[int], timeout: float) -> int:
+def _try_once(
+    path: str | Path,
+    request: bytes,
+    fds: list[int],
+    timeout: float,
+    seen: Callable[[PeerCred], None] | None,
+) -> int:
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as sock:
         sock.settimeout(timeout)
         try:
@@ -230,6 +246,8 @@ def _try_once(path: str | Path, request: bytes, fds: list[int], timeout: float) 
             if err.errno in TRANSIENT:
                 raise _Again(f"connect: {err.strerror} (backlog full)") from None
             raise HandoverError(f"memory handover at {path} failed: {err}") from err
+        if seen is not None:
+            seen(peer_credentials(sock))
         try:
             socket.send_fds(sock, [request], fds)
             data, got, flags, _ = socket.recv_fds(sock, MAX_REPLY_BYTES, 1)

@@ -28,7 +28,13 @@ import msgspec
 import zmq
 from kvtier.client.connection.replies import DaemonError, DaemonUnavailable, rep_is_late
 from kvtier.ipc import protocol as P
-from kvtier.ipc.fdpass import HandoverBusy, HandoverError, HandoverUnavailable, hand_over
+from kvtier.ipc.fdpass import (
+    HandoverBusy,
+    HandoverError,
+    HandoverUnavailable,
+    PeerCred,
+    hand_over,
+)
 from kvtier.ipc.sockets import make_zmq_socket, poll_ms
 
 __all__ = ["LIVENESS_POLL_S", "DaemonChannel"]
@@ -53,9 +59,12 @@ class DaemonChannel:
         self.request_timeout_s = request_timeout_s
         self.context = zmq.Context()
         self.daemon_pid = 0
+        """The registered daemon's process id as this process sees it; 0 before a
+        registration, or when it is not visible from here (never watched then)."""
         self.pid = os.getpid()  # the process the socket belongs to (ZeroMQ is not fork-safe)
         self.closing = threading.Event()  # set by close() first: a reply awaited is given up
-        """The registered daemon's process id; 0 before a registration (never watched)."""
+        # the daemon's pid as the last handover's socket showed it (None: no handover yet)
+        self._handover_pid: int | None = None
         self._lock = lock
         self._sock: zmq.Socket | None = None
         self._req_ids = itertools.count(1)
@@ -94,6 +103,14 @@ class DaemonChannel:
                 self.context, self.endpoint, zmq.DEALER, bind=False, identity=identity
             )
             self._sock.setsockopt(zmq.RCVTIMEO, max(1, int(self.request_timeout_s * 1000)))
+
+    def pid_to_watch(self, reported: int) -> int:
+        """The daemon pid to watch after a registration whose reply reported ``reported``:
+        the pid its handover socket showed, which the kernel gives as this process's pid
+        namespace sees it (0: the daemon is not visible from here, as from a container with
+        its own pid namespace: nothing to watch, timeouts tell); ``reported`` (the pid in
+        the daemon's own namespace) when no handover showed one."""
+        return reported if self._handover_pid is None else max(0, self._handover_pid)
 
     def daemon_alive(self) -> bool:
         """False when the daemon's process is known to be gone."""
@@ -206,8 +223,13 @@ class DaemonChannel:
                 PROTOCOL_VERSION, no handover socket answers but a daemon of another
                 protocol answers the control socket.
         """
+
+        def seen(cred: PeerCred) -> None:
+            self._handover_pid = cred.pid
+
+        self._handover_pid = None
         try:
-            return hand_over(path, token, fds, self.request_timeout_s)
+            return hand_over(path, token, fds, self.request_timeout_s, seen)
         except HandoverUnavailable as err:
             if not os.path.exists(path):  # no such socket: a daemon of another protocol?
                 self._check_version()

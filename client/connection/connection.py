@@ -208,7 +208,8 @@ class Connection:
                 self._block.close()
             self._block = block
             self.session_id, self.epoch = rep.session_id, rep.epoch
-            self.ns_fingerprint, self._channel.daemon_pid = rep.ns_fingerprint, rep.daemon_pid
+            self.ns_fingerprint = rep.ns_fingerprint
+            self._channel.daemon_pid = self._channel.pid_to_watch(rep.daemon_pid)
             self._packed_lookup = rep.packed_lookup
             self._packed_transfers = rep.packed_transfers
             self._kv_events = rep.kv_events
