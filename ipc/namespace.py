@@ -23,8 +23,8 @@ def namespace_fingerprint(
     Args:
         spec: model id, revision and cache salt.
         geometry: the KV page geometry (dtype, attention kind, layers, heads, dims, page size).
-        tp_rank / tp_size: tensor-parallel position; MLA pages are the same on every rank,
-            so MLA namespaces leave the rank out.
+        tp_rank / tp_size: tensor-parallel position; MLA pages are the same on every rank
+            and at every tensor-parallel size, so MLA namespaces leave both out.
         tenant: the tenant the session authenticated as.
     """
     doc = {
@@ -40,7 +40,7 @@ def namespace_fingerprint(
         "page_size": geometry.page_size,
         "layout": geometry.layout,
         "layout_version": LAYOUT_VERSION,
-        "tp_size": tp_size,
+        "tp_size": tp_size if geometry.attention == "mha" else None,
         "tp_rank": tp_rank if geometry.attention == "mha" else None,
     }
     canonical = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()

@@ -54,6 +54,7 @@ def spec_fingerprint_json(
     """The canonical JSON text the fingerprint hashes, written out field by field in sorted
     key order."""
     rank = str(tp_rank) if geometry.attention == "mha" else "null"
+    size = str(tp_size) if geometry.attention == "mha" else "null"
     return (
         "{"
         f'"attention":{_json_str(geometry.attention)},'
@@ -69,7 +70,7 @@ def spec_fingerprint_json(
         f'"revision":{_json_str(revision)},'
         f'"tenant":{_json_str(tenant)},'
         f'"tp_rank":{rank},'
-        f'"tp_size":{tp_size}'
+        f'"tp_size":{size}'
         "}"
     )
 

@@ -37,9 +37,9 @@ MHA_FP_HEX = "d2152b4c8ab2bb1f63cc82782e802ce791a61d197c613558e9fb613df7eaafcb"
 MLA_JSON = (
     '{"attention":"mla","cache_salt":"s","dtype":"float16","head_dim":64,"kv_heads":1,'
     '"layout":"layer_first","layout_version":1,"model_id":"m","num_layers":3,'
-    '"page_size":16,"revision":"r1","tenant":"default","tp_rank":null,"tp_size":2}'
+    '"page_size":16,"revision":"r1","tenant":"default","tp_rank":null,"tp_size":null}'
 )
-MLA_FP_HEX = "311c7def7b4f9d5fc4f00cb4fdddf892cfd1a3cd98f2f80209c9af008e81d7de"
+MLA_FP_HEX = "95fc2ce352080aa5a7ede78d79578308181e2fe0564d0d474bfb269b0ab7966a"
 
 
 def test_page_keys_match_the_pinned_chain():
@@ -83,6 +83,7 @@ def test_fingerprints_match_the_pinned_canonical_json():
     spec = P.NamespaceSpec(model_id="m", revision="r1", cache_salt="s")
     assert namespace_fingerprint(spec, MLA, 1, 2, "default").hex() == MLA_FP_HEX
     assert namespace_fingerprint(spec, MLA, 0, 2, "default").hex() == MLA_FP_HEX  # any rank
+    assert namespace_fingerprint(spec, MLA, 0, 1, "default").hex() == MLA_FP_HEX  # any TP size
 
 
 @pytest.mark.parametrize(

@@ -44,6 +44,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -409,11 +410,18 @@ def _model_id(cfg: HiCacheStorageConfig, override: str | None) -> str:
 
 
 def _default_tp_group(cfg: HiCacheStorageConfig) -> str:
-    """A TP group name of this SGLang server's own (its port) and data-parallel replica."""
+    """A TP group name of this SGLang server's own and its data-parallel replica: its
+    network namespace (servers in two containers on one node may both use the default port),
+    its host address and its port, which every rank of one server shares."""
     try:
         from sglang.srt.runtime_context import get_server_args
 
-        port = get_server_args().port
+        args = get_server_args()
+        port, host = args.port, str(getattr(args, "host", "") or "")
     except (ImportError, ValueError, AttributeError):
-        port = 0
-    return f"sglang-{port}-dp{cfg.dp_rank}"
+        port, host = 0, ""
+    try:
+        netns = f"{os.stat('/proc/self/ns/net').st_ino:x}"
+    except OSError:
+        netns = "0"
+    return f"sglang-{netns}-{host}-{port}-dp{cfg.dp_rank}"
