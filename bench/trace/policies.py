@@ -223,7 +223,7 @@ def wtinylfu_hit_rate(chains: Chains, capacity: int) -> float:
 def lirs_hit_rate(chains: Chains, capacity: int, hir: float = 0.01) -> float:
     """Hit rate of leaf-only LIRS (see the module docstring); ``hir``: Q's share of the
     cache (LIRS's own: 1%)."""
-    lir_cap = capacity - max(1, int(capacity * hir))
+    lir_cap = max(1, capacity - max(1, int(capacity * hir)))  # at least one LIR block
     stack: OrderedDict[int, None] = OrderedDict()  # S: bottom first
     q: OrderedDict[int, None] = OrderedDict()  # resident HIR: next victim first
     lir: set[int] = set()
@@ -235,7 +235,10 @@ def lirs_hit_rate(chains: Chains, capacity: int, hir: float = 0.01) -> float:
         while stack and next(iter(stack)) not in lir:
             stack.popitem(last=False)
 
-    def demote() -> None:  # the bottom LIR block of S joins Q's hot end
+    def demote() -> None:  # the bottom LIR block of S joins Q's hot end (while over the cap)
+        prune()  # the bottom is a LIR block (resident) from here on
+        if len(lir) <= lir_cap or not stack:
+            return
         b, _ = stack.popitem(last=False)
         lir.discard(b)
         q[b] = None

@@ -88,8 +88,10 @@ def replay(
 
     tag = f"d{size}{'r' if restart else ''}"
     flags = _flags(size, policy)
-    daemon = DaemonProcess(root / tag, flags)
-    daemon.start(timeout=60)
+    # configured by its flags alone: a KVTIER_* setting of the caller's (a limit, an admin
+    # token) would make its answers differ from the simulations'
+    daemon = DaemonProcess(root / tag, flags, isolated=True)
+    _start(daemon, size)
     deadline = time.monotonic() + timeout_s
     n = len(chains)
     bounds = [(0, n)] if split is None else [(0, split), (split, n)]
@@ -106,8 +108,8 @@ def replay(
         for phase, (lo, hi) in enumerate(bounds):
             if phase and restart:
                 daemon.kill()  # SIGKILL: no chance to save anything
-                daemon = DaemonProcess(root / tag, flags)
-                daemon.start(timeout=60)
+                daemon = DaemonProcess(root / tag, flags, isolated=True)
+                _start(daemon, size)
                 out["adopted"] = _adopted(daemon)
             r = _phase(
                 root,
@@ -120,6 +122,12 @@ def replay(
                 speedup,
                 deadline,
             )
+            _served(daemon)
+            if r["failed_transfers"]:
+                raise TraceBenchError(
+                    f"{r['failed_transfers']} LOADs or STOREs of the replay failed: its hit "
+                    "rate would be false"
+                )
             out["order"] += r["order"]
             for req, h in r["hits"].items():
                 hits[req] = h
@@ -130,6 +138,33 @@ def replay(
     finally:
         daemon.discard()
     return out
+
+
+def _start(daemon: Any, size: int) -> None:
+    """Start the bench's daemon; a TraceBenchError naming why it would not start."""
+    from kvtier.launch.daemon_process import DaemonStartError
+
+    try:
+        daemon.start(timeout=60)
+    except DaemonStartError as err:
+        last = str(err).strip().splitlines()
+        raise TraceBenchError(
+            f"kvtierd with a pool of {size} pages did not start: {last[-1] if last else err}"
+        ) from None
+
+
+def _served(daemon: Any) -> None:
+    """A TraceBenchError unless the daemon lived through the phase and refused nothing: a
+    request it did not serve would count as a miss, and the hit rates would be false."""
+    from kvtier.client.connection.admin import AdminClient
+
+    if daemon.proc is None or daemon.proc.poll() is not None:
+        raise TraceBenchError("kvtierd exited during the replay: its hit rate would be false")
+    with AdminClient(daemon.endpoint) as admin:
+        counters = admin.stats().get("counters", {})
+    refused = counters.get("errors_by_code", {}) if isinstance(counters, dict) else {}
+    if refused:
+        raise TraceBenchError(f"kvtierd refused requests of the replay: {refused}")
 
 
 def _adopted(daemon: Any) -> int:
@@ -207,6 +242,7 @@ def _phase(
         "order": [req for _, req in order],
         "hits": hits,
         "mismatched_bytes": sum(r["mismatched_bytes"] for r in results),
+        "failed_transfers": sum(r["failed_transfers"] for r in results),
         "cpu": cpu,
         "lat": {
             op: [x for r in results for x in r["lat"][op]] for op in ("lookup", "load", "store")

@@ -47,7 +47,7 @@ def _replay(conn: Any, kv: Any, s: dict[str, Any]) -> dict[str, Any]:
     hits: list[int] = []
     sent: list[float] = []
     lat: dict[str, list[float]] = {"lookup": [], "load": [], "store": []}
-    mismatched = 0
+    mismatched = failed = 0
     print("ready", flush=True)
     if sys.stdin.readline().strip() != "go":
         raise RuntimeError("the launcher went away before saying go")
@@ -63,38 +63,47 @@ def _replay(conn: Any, kv: Any, s: dict[str, Any]) -> dict[str, Any]:
         lat["lookup"].append(time.perf_counter() - a)
         got = 0
         if n:
-            # no block's bytes: a LOAD that leaves a page unwritten cannot pass for one that
-            # brought it (the same prefix was loaded into the same pages before)
+            # no block's bytes (every block's V half is the complement of its K half): a LOAD
+            # that leaves a page unwritten cannot pass for one that brought it
             k_pages[half : half + n] = -1
-            v_pages[half : half + n] = 0
+            v_pages[half : half + n] = -1
             a = time.perf_counter()
             h = conn.load(keys[:n], list(range(half, half + n)))
             if h.count and h.wait():
                 got = h.count
-                ids = torch.tensor(chain[:got], dtype=torch.int64).unsqueeze(1)
+                ids = torch.tensor(_signed(chain[:got]), dtype=torch.int64).unsqueeze(1)
                 bad_k = k_pages[half : half + got] != ids
                 bad_v = v_pages[half : half + got] != ~ids
                 mismatched += 8 * int(bad_k.sum() + bad_v.sum())
+            elif h.count:
+                failed += 1  # pages the LOOKUP found and the LOAD pinned, never copied
             lat["load"].append(time.perf_counter() - a)
         hits.append(got)
         rest = chain[got:]
         if rest:
-            ids = torch.tensor(rest, dtype=torch.int64).unsqueeze(1)
+            ids = torch.tensor(_signed(rest), dtype=torch.int64).unsqueeze(1)
             k_pages[: len(rest)] = ids
             v_pages[: len(rest)] = ~ids
             a = time.perf_counter()
             h = conn.store(
                 keys[got:], list(range(len(rest))), parent_key=keys[got - 1] if got else None
             )
-            h.wait()
+            if not h.wait() and h.writing:
+                failed += 1
             lat["store"].append(time.perf_counter() - a)
     return {
         "hits": hits,
         "sent": sent,
         "lat": lat,
         "mismatched_bytes": mismatched,
+        "failed_transfers": failed,
         "cpu": time.process_time() - c0,
     }
+
+
+def _signed(ids: list[int]) -> list[int]:
+    """Block ids (0 to 2**64 - 1) as the int64 words the pages hold."""
+    return [b - (1 << 64) if b >= 1 << 63 else b for b in ids]
 
 
 def main(argv: list[str]) -> int:
