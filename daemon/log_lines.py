@@ -86,11 +86,16 @@ class LineFormatter(logging.Formatter):
             return ""
         lines: list[str] = []
         for chunk in traceback.TracebackException(*ei).format():
-            # the header, a frame (a path and the code) and the line that chains two
-            # exceptions are Python's own; the rest ("Type: message") may quote a client
-            own = chunk.startswith(("Traceback ", "  File ", "\n"))
+            # the header and the line that chains two exceptions are Python's own; an
+            # indented chunk (a frame, an exception group's margin-led lines) keeps its lines,
+            # each escaped; the rest ("Type: message") may quote a client: one line
             text = chunk[:-1] if chunk.endswith("\n") else chunk
-            lines.append(text if own else escape_controls(text))
+            if chunk.startswith(("Traceback ", "\n")):
+                lines.append(text)
+            elif chunk.startswith(" "):
+                lines.extend(escape_controls(line) for line in text.split("\n"))
+            else:
+                lines.append(escape_controls(text))
         return "\n".join(lines)
 
     def format(self, record: logging.LogRecord) -> str:

@@ -248,6 +248,7 @@ class CacheManager:
             l3,
             pm.last_node,
             l3_coming=coming,
+            epoch=self._marks_epoch,
         )
 
     def alloc(self, n: int) -> list[int]:
@@ -377,8 +378,8 @@ class CacheManager:
         match.node = res.last_node
         l1, loaded = len(match.l1_pages), match.loaded_pages
         l1_in_l2 = match.l1_in_l2
-        if self._forget_marks_of_another_epoch():  # the daemon restarted since the match
-            l1_in_l2, loaded = [False] * l1, 0
+        if self._forget_marks_of_another_epoch() or match.epoch != self._marks_epoch:
+            l1_in_l2, loaded = [False] * l1, 0  # the daemon restarted since the match
         if loaded:
             self._tree.mark_in_l2(keys[l1 : l1 + loaded])
         self._stores.inserted(keys, pages, l1, l1_in_l2, loaded)

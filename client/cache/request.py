@@ -39,6 +39,8 @@ class MatchResult:
         load: the load started for the request, if any.
         loaded_pages: pages whose load completed (set when the load finishes).
         released: True once :meth:`CacheManager.release` ran.
+        epoch: the daemon epoch of the tree's in-L2 marks when it matched (what it says of
+            L2 is stale once the connection has registered with another).
     """
 
     tokens: list[int]
@@ -53,6 +55,7 @@ class MatchResult:
     load: LoadHandle | None = None
     loaded_pages: int = 0
     released: bool = False
+    epoch: int = 0
 
     @property
     def l1_tokens(self) -> int:

@@ -38,11 +38,13 @@ class _Unbacked:
 
 @dataclass(slots=True, eq=False)
 class _Store:
-    """A STORE in flight: its handle and the keys and device pages it reads."""
+    """A STORE in flight: its handle, the keys and device pages it reads, and the daemon
+    epoch it went to (pages a restarted daemon lost are not marked as in L2)."""
 
     handle: Transfer
     keys: list[bytes]
     pages: list[int]
+    epoch: int = 0
 
 
 class StoreTracker:
@@ -203,7 +205,7 @@ class StoreTracker:
             len(self._pending) >= stores or self._pending_pages + len(keys) > room
         ):
             self._reap(next(iter(self._pending)))  # the oldest: its slots are needed
-        st = _Store(self._conn.store(keys, pages, parent_key=parent), keys, pages)
+        st = _Store(self._conn.store(keys, pages, parent_key=parent), keys, pages, self._conn.epoch)
         self._counters.stores_issued += 1
         self._pending[st] = None
         self._pending_pages += len(keys)
@@ -223,14 +225,16 @@ class StoreTracker:
         for p in st.pages:
             if self._page_stores.get(p) is st:
                 del self._page_stores[p]
-        if ok:
+        # a STORE to a daemon since replaced: the new one's L2 may not hold its pages
+        stale = self._conn is not None and self._conn.epoch != st.epoch
+        if ok and not stale:
             done = st.keys[: st.handle.count]
             self._tree.mark_in_l2(done)
             for key in done:
                 self._unbacked.pop(key, None)
             self._counters.pages_stored += st.handle.writing
             self._counters.store_dropped_pages += len(st.keys) - st.handle.count
-        else:
+        elif not ok:
             self._counters.store_failures += 1
             if st.handle.copying():  # a stalled daemon may still read them, and would store
                 for p in st.pages:  # what another request wrote there under these keys

@@ -59,7 +59,7 @@ class ServiceContext:
         cuda: the CUDA sessions' runtime and thread (docs/gpu.md), made on first use.
         metrics: the Prometheus endpoint when ``metrics_port`` is set, else None.
         adopt: what the start made of the pool file it found (set once mapped).
-        started: wall-clock start time (``uptime_s``).
+        started: the monotonic clock's time at start (``uptime_s``).
         stopping: set once a stop has begun; only HEALTH, STATS and UNREGISTER are served.
     """
 

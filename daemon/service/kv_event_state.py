@@ -240,18 +240,24 @@ class NameLog:
                 log.warning("KV events: cannot record namespaces in %s: %s", self.path, err)
 
     def _rewrite(self, kept: dict[bytes, tuple[int, str]]) -> None:
-        enc = msgspec.msgpack.encode
-        records = (enc(Named(fp, bs, m)) for fp, (bs, m) in kept.items())
-        body = b"".join(len(r).to_bytes(4, "big") + r for r in records)
-        if len(body) > NAMES_MAX_BYTES // 2:  # rewriting it again at every name would cost
-            self._full = True  # more than it is worth: the oldest names are left out
-            log.warning(
-                "KV events: %s holds no more namespaces (%d kept); a crash names the pages of "
-                "those left out by their keys, on an empty model id's topic",
-                self.path,
-                len(kept),
-            )
-            body = body[: NAMES_MAX_BYTES // 2]
+        enc, room = msgspec.msgpack.encode, NAMES_MAX_BYTES // 2
+        newest: list[bytes] = []  # the newest names first, as many as half the bound holds
+        size = 0
+        for fp, (bs, m) in reversed(kept.items()):
+            r = enc(Named(fp, bs, m))
+            if size + 4 + len(r) > room:
+                # rewriting it again at every name would cost more than it is worth
+                self._full = True
+                log.warning(
+                    "KV events: %s holds no more namespaces (%d kept); a crash names the "
+                    "pages of the oldest left out by their keys, on an empty model id's topic",
+                    self.path,
+                    len(kept),
+                )
+                break
+            newest.append(len(r).to_bytes(4, "big") + r)
+            size += 4 + len(r)
+        body = b"".join(reversed(newest))  # oldest first: the newest wins at a read
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:

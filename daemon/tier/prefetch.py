@@ -340,8 +340,9 @@ class Prefetcher:
                 if f.done.done():
                     continue
                 at, fate = f.at, f.fate
+                cut = f.cut
                 if f.allocating or any(
-                    (i := at.get(k)) is not None and fate[i] not in ended for k in keys
+                    (i := at.get(k)) is not None and i < cut and fate[i] not in ended for k in keys
                 ):
                     waits.append(f)
             left = deadline - loop.time()

@@ -27,9 +27,10 @@ operation, counting those it could not send, e.g. while its connection backs off
 timeout or the daemon restarts). The ranks of one engine count alike, so the group maps
 counts to rounds once, at the first counted request any of its ranks makes, and every
 rank's k-th request meets the others' k-th: one a rank skipped leaves a gap instead of
-shifting every later round against the other ranks'. (A rank whose count is behind the
-rounds it has entered, e.g. of an engine restarted while its old sessions lived, follows
-the order of its requests.)
+shifting every later round against the other ranks'. A request counted before the group's
+first round (a rank that reaches a restarted daemon after its peer's next request did) is
+answered 0 at once. A rank that takes the place of a live one (a restarted engine whose old
+sessions are still open) makes the group map counts anew from its next counted request.
 """
 
 from __future__ import annotations
@@ -154,6 +155,8 @@ class RankGroups:
                 old.session_id,
             )
         others = [m for r, m in group.members.items() if r != rank]
+        if old is not None:  # another process's counts: they map to rounds anew
+            group.offset.clear()
         member = Member(group, rank, session_id)
         for op in {op for op, _ in group.rounds} | {op for m in others for op in m.seq}:
             open_rounds = [
@@ -213,7 +216,10 @@ class RankGroups:
         group = member.group
         seq = member.seq.get(op, 0)
         if count > 0:  # requests a rank counted but never sent leave their rounds unused
-            seq = max(seq, count + group.offset.setdefault(op, seq - count))
+            mapped = count + group.offset.setdefault(op, seq - count)
+            if mapped < 0:  # older than the group's first round: no rank will meet it
+                return (0,) * arity
+            seq = max(seq, mapped)
         member.seq[op] = seq + 1
         rnd = group.rounds.get((op, seq))
         if rnd is None:

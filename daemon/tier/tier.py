@@ -43,10 +43,6 @@ log = logging.getLogger("kvtier.daemon.l3")
 MAX_JOBS_PER_SESSION = 1024
 """Prefetches a session may leave unclaimed; the oldest is cancelled beyond it."""
 
-GIVEN_UP_WAIT_S = 1.0
-"""Longest wait of a PREFETCH for the reads in flight of pages a cancelled fill gave up
-(their slots stay WRITING until the reads return), before it reads them itself."""
-
 
 class TierStore:
     """The L3 tier of one daemon (see the module docstring).
@@ -260,13 +256,10 @@ class TierStore:
         loop = asyncio.get_running_loop()
         assert 0 <= skip <= len(keys), "the service checks PREFETCH.skip"
         start = skip + self.pool.resident_run(s.ns_id, keys[skip:])
-        given_up, dying = self.prefetcher.giving_up(s.ns_id, keys[skip:start])
-        if dying:  # pages a cancelled fill still holds, WRITING until their reads return:
-            # they will be aborted, so this prefetch reads them itself once they are
-            await self.prefetcher.wait(dying, GIVEN_UP_WAIT_S)
-            start = skip + self.pool.resident_run(s.ns_id, keys[skip:])
-            given_up, _ = self.prefetcher.giving_up(s.ns_id, keys[skip:start])
-        fetch = given_up is None  # else (reads still out) nothing past them can be read now
+        # pages a cancelled fill has given up stay WRITING until their reads return, then are
+        # aborted: nothing from them on is promised or read now (a later prefetch reads them)
+        given_up, _ = self.prefetcher.giving_up(s.ns_id, keys[skip:start])
+        fetch = given_up is None
         if given_up is not None:
             start = skip + given_up
         job = PrefetchJob(ns_id=s.ns_id, fill=None, started=loop.time())

@@ -37,12 +37,11 @@ def balanced(c: dict[str, Any]) -> bool:
 @pytest.mark.timeout(90)
 def test_prefetch_again_after_a_best_effort_claim_brings_every_page(slow_daemon):  # noqa: F811
     """A ``best_effort`` CLAIM ends a prefetch while its first read (32 pages) is still in
-    flight. The same chain is then prefetched again (the request was rescheduled, or another
-    request with this prefix arrived). That PREFETCH answers that all 64 pages are
-    ``coming``, and no L3 read fails, so its ``wait_complete`` CLAIM must hand over all 64
-    pages, byte-exact (docs/architecture.md: a prefetch whose pages another one is already
-    reading waits for those reads, and a read is given up only when no prefetch waiting for
-    it is left)."""
+    flight: those pages are given up once the read returns. The same chain prefetched again
+    meanwhile (the request was rescheduled) promises no page it will not hand over: its
+    ``wait_complete`` CLAIM gets every page its PREFETCH said was coming, and nothing is left
+    WRITING. Once the given-up read has returned, a prefetch of the chain brings all 64 pages,
+    byte-exact."""
     d = slow_daemon(0.5)
     pool, conn, keys, expected = stored_then_evicted(d, 64)
     try:
@@ -50,12 +49,14 @@ def test_prefetch_again_after_a_best_effort_claim_brings_every_page(slow_daemon)
         assert conn.prefetch(keys) == 64
         assert conn.claim(keys, policy="best_effort") == 0  # the first read is in flight
         coming = conn.prefetch_coming(keys)
-        assert coming == 64  # the daemon promises every page
         got = conn.claim(keys, policy="wait_complete")
+        assert got == coming, f"wait_complete claimed {got} of the {coming} pages coming"
+        wait_for(lambda: stats(d)["pool"]["pages_writing"] == 0, what="the given-up read")
+        assert conn.prefetch_coming(keys) == 64
+        assert conn.claim(keys, policy="wait_complete") == 64
         c = settled(d)
         assert c["l3_prefetch_failed_pages"] == 0 and balanced(c), c  # no read failed
         assert stats(d)["pool"]["pages_writing"] == 0
-        assert got == coming, f"wait_complete claimed {got} of the {coming} pages coming"
         load_and_compare(pool, conn, keys, expected, first_page=0)
     finally:
         conn.close()

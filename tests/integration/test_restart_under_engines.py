@@ -132,3 +132,49 @@ def test_write_through_sends_l1_pages_again_after_a_daemon_restart_lost_them(dae
             other_pool.close()
         conn.close()
         pool.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_request_matched_before_a_restart_stores_its_l1_pages_after_it(daemon_factory):
+    """Requests interleave with a restart: request A is matched (its L1 pages marked as in
+    L2), kvtierd restarts without its pool, request B is matched under the new epoch, then A
+    inserts. A's L1 pages are stored to the new daemon under ``write_through``: what A's
+    match said of L2 is stale."""
+    from kvtier.client.cache.manager import CacheManager
+    from kvtier.engine.allocator import PageAllocator
+
+    d = daemon_factory()
+    pool, conn = engine(d.runtime_dir, num_pages=64)
+    other_pool = other = None
+    try:
+        cm = CacheManager(PageAllocator(64), conn)
+        toks = [int(t) for t in tokens(5 * SMALL.page_size + 1, salt=43)]
+        m = cm.match(toks)
+        new = cm.alloc(6)
+        for i in range(5):
+            fill_page(pool, new[i], seed=i + 3)
+        cm.insert(m, new[:5])
+        cm.release(m)
+        cm.sync()
+        keys = conn.page_keys(toks[: 5 * SMALL.page_size])
+        assert conn.lookup(keys).l2 == 5
+
+        a = cm.match(toks)  # all 5 pages from L1, marked as in L2
+        assert len(a.l1_pages) == 5 and all(a.l1_in_l2)
+        d.kill()
+        d = daemon_factory("--cold-start")
+        assert conn.lookup(keys).l2 == 0  # re-registered with the new, empty daemon
+        b = cm.match([int(t) for t in tokens(SMALL.page_size + 1, salt=44)])
+        cm.release(b)
+        cm.insert(a, a.l1_pages[:5])
+        cm.release(a)
+        cm.sync()
+        other_pool, other = engine(d.runtime_dir, num_pages=8)
+        assert other.lookup(keys).l2 == 5, "request A's L1 pages never reached the new L2"
+    finally:
+        if other is not None:
+            other.close()
+        if other_pool is not None:
+            other_pool.close()
+        conn.close()
+        pool.close()

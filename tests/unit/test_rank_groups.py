@@ -144,6 +144,40 @@ async def test_a_rank_that_skipped_a_request_before_it_joined_stays_paired() -> 
         assert await mine == (min(v0, v1),)
 
 
+async def test_a_request_counted_before_the_groups_first_round_is_answered_at_once() -> None:
+    """The other order of a restart: rank 1 skipped its LOOKUP 5 and its LOOKUP 6 reaches
+    the new daemon first; rank 0's LOOKUP 5 comes after. Rank 0's 5 is answered 0 at once
+    (no rank will ask round 5 here) and the ranks' 6th, 7th, ... LOOKUPs meet."""
+    r = Rounds(timeout_s=5.0)
+    m0, m1 = r.join(2)
+    sixth = later(r.groups.agree(m1, "lookup", 1, answer(6), count=6))
+    await asyncio.sleep(0)
+    assert await r.groups.agree(m0, "lookup", 1, answer(4), count=5) == (0,)
+    assert await r.groups.agree(m0, "lookup", 1, answer(7), count=6) == (6,)
+    assert await sixth == (6,)
+    seventh = later(r.groups.agree(m0, "lookup", 1, answer(3), count=7))
+    assert await r.groups.agree(m1, "lookup", 1, answer(9), count=7) == (3,)
+    assert await seventh == (3,)
+
+
+async def test_a_rank_taking_a_live_ranks_place_maps_counts_anew() -> None:
+    """A restarted engine whose old sessions are still open: its ranks count from 1 again
+    and take the old ranks' places; their k-th requests meet, whatever the old engine's
+    counts were."""
+    r = Rounds(timeout_s=5.0)
+    m0, m1 = r.join(2)
+    for n in (100, 101):  # the old engine's first counted requests here
+        t = later(r.groups.agree(m0, "lookup", 1, answer(1), count=n))
+        assert await r.groups.agree(m1, "lookup", 1, answer(2), count=n) == (1,)
+        assert await t == (1,)
+    n0, n1 = (r.groups.join(key(2), rank, 300 + rank) for rank in (0, 1))
+    assert n0 is not None and n1 is not None
+    for n, (v0, v1) in enumerate([(5, 8), (9, 4)], start=1):
+        t = later(r.groups.agree(n0, "lookup", 1, answer(v0), count=n))
+        assert await r.groups.agree(n1, "lookup", 1, answer(v1), count=n) == (min(v0, v1),)
+        assert await t == (min(v0, v1),)
+
+
 async def test_the_last_rank_leaving_ends_its_open_rounds_with_zero() -> None:
     r = Rounds()
     m0, m1 = r.join(2)
