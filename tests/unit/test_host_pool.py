@@ -691,12 +691,30 @@ class PoolMachine(RuleBasedStateMachine):
         new = dict(got)
         for i, s in got:
             assert s not in self.live and (keys[i], ns) not in resident  # never double-allocated
+        for i, key in enumerate(keys):  # in key order, as the pool walks them
             if i > 0:  # the page of the key before: allocated here, or resident before
                 parent = new.get(i - 1, before.get((keys[i - 1], ns)))
             else:
                 parent = before.get((pk, ns)) if pk is not None else None
-            self.live[s] = (keys[i], ns)
-            self.parent_key[s] = parent
+            if i in new:
+                self.live[new[i]] = (key, ns)
+                self.parent_key[new[i]] = parent
+                continue
+            present = before.get((key, ns))
+            if present is None:
+                break  # a shortfall: the pool stops at this key
+            if present in self.live and self.parent_key.get(present) is None:
+                self._adopt(present, parent)
+
+    def _adopt(self, s: int, parent: int | None) -> None:
+        """A present page without a parent is linked under the page of the key before it in
+        a STORE, unless that page is itself or below it."""
+        x = parent
+        while x is not None:
+            if x == s:
+                return
+            x = self.parent_key.get(x)
+        self.parent_key[s] = parent
 
     @precondition(lambda self: self.ready)
     @rule(data=st.data(), owner=st.sampled_from([A, B]), cls=st.integers(0, 2), n=st.integers(1, 3))
