@@ -18,6 +18,7 @@ from kvtier.ipc import protocol as P
 
 from tests.engines import SMALL, engine, tokens
 from tests.integration.test_kv_events import (
+    _STALLED_SUBSCRIBER,
     event_flags,
     events,
     hashes,
@@ -50,16 +51,6 @@ def _replay_answer(root, start_frame: bytes, timeout_s: float = 3.0) -> list[int
 
 
 # ---------------------------------------------------------------------------- slow subscribers
-_STALLED_SUBSCRIBER = """
-import sys, time, zmq
-s = zmq.Context().socket(zmq.SUB)
-s.setsockopt(zmq.RCVHWM, 1)
-s.setsockopt(zmq.RCVBUF, 4096)
-s.setsockopt(zmq.SUBSCRIBE, b"")
-s.connect(sys.argv[1])
-print("ready", flush=True)
-time.sleep(600)
-"""
 
 
 @pytest.mark.timeout(120)

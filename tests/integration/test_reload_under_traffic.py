@@ -13,7 +13,6 @@ stopped, its pool removed, at the end of its test.
 from __future__ import annotations
 
 import json
-import signal
 import threading
 import time
 import traceback
@@ -26,6 +25,7 @@ from kvtier.ipc import protocol as P
 from kvtier.launch.daemon_process import DaemonProcess
 
 from tests.engines import engine, fill_page, page_bytes, tokens
+from tests.integration.test_reload_per_setting import hup, log_text, toml_value, wait_log
 
 BASE: dict[str, object] = {
     "hicache_size": "16MiB",
@@ -36,41 +36,9 @@ BASE: dict[str, object] = {
 }
 
 
-def toml_value(v: object) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    return json.dumps(str(v))
-
-
 def write_cfg(path: Path, base: dict[str, object], **fields: object) -> None:
     merged = {**base, **fields}
     path.write_text("".join(f"{k} = {toml_value(v)}\n" for k, v in merged.items() if v is not None))
-
-
-def log_text(d: DaemonProcess) -> str:
-    return d.log_path.read_text(errors="replace")
-
-
-def wait_log(d: DaemonProcess, text: str, start: int = 0, timeout: float = 30.0) -> int:
-    """Wait until the daemon's log holds ``text`` after offset ``start``; return its end."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        at = log_text(d).find(text, start)
-        if at >= 0:
-            return at + len(text)
-        if d.proc is not None and d.proc.poll() is not None:
-            break
-        time.sleep(0.05)
-    raise AssertionError(f"{text!r} not logged after offset {start}; tail:\n{d.log_tail(40)}")
-
-
-def hup(d: DaemonProcess) -> int:
-    mark = len(log_text(d))
-    assert d.proc is not None
-    d.proc.send_signal(signal.SIGHUP)
-    return mark
 
 
 def big_lookup_error(d: DaemonProcess) -> str:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.test_trace_bench_inputs import _bench
+
 PY = sys.executable
 
 
@@ -37,19 +39,6 @@ def _write(path: Path, chains: list[list[int]], step_ms: int = 1) -> Path:
         )
     )
     return path
-
-
-def _bench(
-    tmp: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 100
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [PY, "-m", "kvtier.cli.main", "bench", "trace", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=tmp,
-        env={**os.environ, **(env or {})},
-    )
 
 
 def _ref_lru(chains: list[list[int]], cap: int) -> float:

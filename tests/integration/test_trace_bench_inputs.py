@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,13 +23,17 @@ import pytest
 PY = sys.executable
 
 
-def _bench(tmp: Path, *args: str, timeout: float = 100) -> subprocess.CompletedProcess[str]:
+def _bench(
+    tmp: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 100
+) -> subprocess.CompletedProcess[str]:
+    """``kvtier bench trace ARGS`` run in ``tmp`` (``env``: added to this environment)."""
     return subprocess.run(
         [PY, "-m", "kvtier.cli.main", "bench", "trace", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
         cwd=tmp,
+        env={**os.environ, **(env or {})},
     )
 
 

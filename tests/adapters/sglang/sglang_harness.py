@@ -178,3 +178,13 @@ def flush_l2(daemon: DaemonProcess) -> int:
         rep = admin.call(P.Flush(req_id=0, admin_token="", tier="l2"))
     assert isinstance(rep, P.FlushReply), rep
     return rep.l2_pages
+
+
+def both_ranks(ranks: list[Instance], op: str, **kw: Any) -> list[dict[str, Any]]:
+    """The same command on every rank at once (SGLang's ranks run in lockstep); their
+    replies, in rank order."""
+    for r in ranks:
+        r.wait_ready()
+    for r in ranks:
+        r.send(op, **kw)
+    return [r.reply() for r in ranks]

@@ -15,20 +15,11 @@ import signal
 import time
 
 import pytest
-from sglang_harness import extra_config, flush_l2
+from sglang_harness import both_ranks, extra_config, flush_l2
 
 pytestmark = pytest.mark.timeout(300)
 
 PAGE = 16
-
-
-def _both(ranks, op: str, **kw):
-    """The same command on every rank at once (SGLang's ranks run in lockstep)."""
-    for r in ranks:
-        r.wait_ready()
-    for r in ranks:
-        r.send(op, **kw)
-    return [r.reply() for r in ranks]
 
 
 def test_tp_ranks_are_not_offered_an_l3_run_no_prefetch_brings(daemons, instances) -> None:
@@ -39,9 +30,9 @@ def test_tp_ranks_are_not_offered_an_l3_run_no_prefetch_brings(daemons, instance
     d = daemons("tp-thr", "--hicache-storage-backend", "file", "--prefetch-threshold", "64")
     extra = extra_config(d.runtime_dir, model_id="tp-thr")
     ranks = [instances(f"tp-thr-{r}", "page_first", extra, tp_rank=r, tp_size=2) for r in (0, 1)]
-    assert [g["tokens"] for g in _both(ranks, "store", seq=4, pages=3)] == [3 * PAGE] * 2
+    assert [g["tokens"] for g in both_ranks(ranks, "store", seq=4, pages=3)] == [3 * PAGE] * 2
     assert flush_l2(d) >= 6
-    got = _both(ranks, "prefetch", seq=4, pages=3)
+    got = both_ranks(ranks, "prefetch", seq=4, pages=3)
     assert [(g["hit"], g["done"], g["bad"]) for g in got] == [(0, 0, 0)] * 2, got
 
 
@@ -57,19 +48,19 @@ def test_tp_ranks_find_their_pages_again_after_one_rank_saw_kvtierd_stall(
     d = daemons("tp-stall")
     extra = extra_config(d.runtime_dir, model_id="tp-stall")
     ranks = [instances(f"tp-stall-{r}", "page_first", extra, tp_rank=r, tp_size=2) for r in (0, 1)]
-    assert [g["tokens"] for g in _both(ranks, "store", seq=1, pages=8)] == [8 * PAGE] * 2
-    got = _both(ranks, "prefetch", seq=1, pages=8)
+    assert [g["tokens"] for g in both_ranks(ranks, "store", seq=1, pages=8)] == [8 * PAGE] * 2
+    got = both_ranks(ranks, "prefetch", seq=1, pages=8)
     assert [(g["hit"], g["done"]) for g in got] == [(8 * PAGE, 8 * PAGE)] * 2
     os.kill(d.pid, signal.SIGSTOP)
     try:
         assert ranks[0].call("store", seq=2, pages=4)["tokens"] == 0  # timed out: a miss
     finally:
         os.kill(d.pid, signal.SIGCONT)
-    _both(ranks, "prefetch", seq=1, pages=8)  # rank 0 within its back-off
+    both_ranks(ranks, "prefetch", seq=1, pages=8)  # rank 0 within its back-off
     time.sleep(1.5)  # past the back-off
     seen = []
     for _ in range(4):
-        got = _both(ranks, "prefetch", seq=1, pages=8)
+        got = both_ranks(ranks, "prefetch", seq=1, pages=8)
         seen.append([(g["hit"], g["done"], round(g["seconds"], 2)) for g in got])
     assert [(h, dn) for h, dn, _ in seen[-1]] == [(8 * PAGE, 8 * PAGE)] * 2, seen
     assert all(s < 1.0 for _, _, s in seen[-1]), seen

@@ -14,7 +14,7 @@ import sys
 import time
 
 import pytest
-from sglang_harness import HERE, Instance, extra_config, start_daemon
+from sglang_harness import HERE, Instance, both_ranks, extra_config, start_daemon
 
 PAGE = 16
 
@@ -38,14 +38,6 @@ class NsInstance(Instance):
         )
         self.pid = self.proc.pid
         self._ready = False
-
-
-def _both(ranks, op: str, **kw):
-    for r in ranks:
-        r.wait_ready()
-    for r in ranks:
-        r.send(op, **kw)
-    return [r.reply() for r in ranks]
 
 
 @pytest.mark.timeout(120)
@@ -82,7 +74,7 @@ def test_mla_pages_are_shared_between_tp_sizes(daemons, instances) -> None:
         instances(f"mla-tp2-{r}", "page_first", extra, mla=True, tp_rank=r, tp_size=2)
         for r in (0, 1)
     ]
-    got = _both(ranks, "prefetch", seq=3, pages=8)
+    got = both_ranks(ranks, "prefetch", seq=3, pages=8)
     assert [(g["hit"], g["done"], g["bad"]) for g in got] == [(8 * PAGE, 8 * PAGE, 0)] * 2, got
 
 
@@ -134,14 +126,16 @@ def test_tp_ranks_started_before_kvtierd_agree_once_both_registered(instances, m
     try:
         regs = []
         for _ in range(60):  # hit queries on both ranks, as SGLang's scheduler sends them
-            _both([r0, r1], "prefetch", seq=1, pages=2)
+            both_ranks([r0, r1], "prefetch", seq=1, pages=2)
             regs = [r.call("stats")["registrations"] for r in (r0, r1)]
             if regs == [1, 1]:
                 break
             time.sleep(0.2)
         assert regs == [1, 1], regs
-        assert [g["tokens"] for g in _both([r0, r1], "store", seq=5, pages=8)] == [8 * PAGE] * 2
-        seen = [_both([r0, r1], "prefetch", seq=5, pages=8) for _ in range(3)]
+        assert [g["tokens"] for g in both_ranks([r0, r1], "store", seq=5, pages=8)] == [
+            8 * PAGE
+        ] * 2
+        seen = [both_ranks([r0, r1], "prefetch", seq=5, pages=8) for _ in range(3)]
         assert [[(g["hit"], g["done"], g["bad"]) for g in got] for got in seen] == [
             [(8 * PAGE, 8 * PAGE, 0)] * 2
         ] * 3, seen
@@ -182,7 +176,7 @@ def test_two_tp_servers_on_the_same_port_number_keep_their_own_hit_counts(
         try:
             for r in (*a, *b):
                 r.wait_ready()
-            assert [g["tokens"] for g in _both(a, "store", seq=1, pages=8)] == [8 * PAGE] * 2
+            assert [g["tokens"] for g in both_ranks(a, "store", seq=1, pages=8)] == [8 * PAGE] * 2
             seen = []
             for _ in range(3):
                 for r in a:
