@@ -245,15 +245,27 @@ def test_after_a_restart_pages_back_from_l3_keep_their_engine_hashes(daemon_fact
         conn.prefetch(a)
         assert conn.claim(a, policy="wait_complete") == 8
         wait_for(lambda: conn.lookup(a).l2 == 8, what="the chain back in L2")
-        time.sleep(0.2)
-        msgs = sub.replay(0)
-        removed = hashes(events(msgs, E.BlockRemoved, "CPU"))
+        names = set(a) | set(eng.hashes)
+
+        def announced_back() -> list[int | bytes] | None:
+            """The chain's names in the BlockStored (CPU) after the eviction that named
+            them removed (None until it is published)."""
+            msgs = sub.replay(0)
+            removal = [
+                i
+                for i, m in enumerate(msgs)
+                for e in m.batch.events
+                if isinstance(e, E.BlockRemoved) and set(eng.hashes) & set(e.block_hashes)
+            ]
+            if not removal:
+                return None
+            back = events(msgs[max(removal) :], E.BlockStored, "CPU")
+            got = [h for e in back for h in e.block_hashes if h in names]
+            return got or None
+
+        again = wait_for(announced_back, what="the prefetched pages announced")
+        removed = hashes(events(sub.replay(0), E.BlockRemoved, "CPU"))
         assert set(eng.hashes) <= set(removed)  # the eviction named them right
-        last_removal = max(
-            i for i, m in enumerate(msgs) for e in m.batch.events if isinstance(e, E.BlockRemoved)
-        )
-        back = events(msgs[last_removal:], E.BlockStored, "CPU")
-        again = [h for e in back for h in e.block_hashes if h in set(a) | set(eng.hashes)]
         assert again == eng.hashes, (
             "the prefetched pages were announced by "
             + ("kvtier's page keys" if set(again) <= set(a) else repr(again))
