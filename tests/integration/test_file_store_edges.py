@@ -272,6 +272,54 @@ def test_a_segment_cut_short_on_a_full_disk_keeps_the_other_segments_serving(
         pool.close()
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to mount a small tmpfs")
+async def test_a_store_that_fills_its_disk_stays_healthy_while_it_can_evict(
+    small_disk: Path, arena: HostArena, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store whose segments fill the disk is a full cache, not a broken one: while a put
+    whose segment could not be created (ENOSPC) writes by evicting, and after it, the
+    health check passes, so the daemon keeps sending it puts (were it unhealthy, no put
+    would run to find room and L3 would stay down for good)."""
+    page = 16384
+    path = small_disk / "l3"
+    store = FileBackend({"path": str(path), "capacity": 64 << 20, "segment_bytes": 256 << 10})
+    await store.open(arena)
+    try:
+        offsets = [i * page for i in range(8)]
+        for n in range(12):  # 1.5 MiB of pages onto a 1 MiB disk, 8 pages a batch
+            fill(arena, offsets, page, f"b{n}")
+            await store.put_from(NS, [key(f"b{n}-{i}") for i in range(8)], offsets, page)
+        assert store.stats.errors > 0, "the disk never ran out of room"
+        fill_disk(small_disk)
+        assert await store.health(), "a full store that can evict called unhealthy"
+
+        writing, go_on = threading.Event(), threading.Event()
+        real = FileBackend._write
+
+        def slow_write(self, *args, **kwargs):  # the put is past its failed segment growth
+            writing.set()
+            go_on.wait(10)
+            return real(self, *args, **kwargs)
+
+        monkeypatch.setattr(FileBackend, "_write", slow_write)
+        errors = store.stats.errors
+        fill(arena, offsets[:1], page, "last")
+        put = asyncio.ensure_future(store.put_from(NS, [key("last")], offsets[:1], page))
+        try:
+            assert await asyncio.to_thread(writing.wait, 10)
+            assert store.stats.errors > errors, "the put did not try to grow the store"
+            assert await store.health(), "unhealthy while the put makes room by evicting"
+        finally:
+            go_on.set()
+        assert await put == [True]
+        assert await store.health()
+        arena.view[:page] = bytes(page)
+        assert await store.get_into(NS, [key("last")], offsets[:1], page) == [True]
+    finally:
+        await store.close()
+
+
 # --------------------------------------------------------------------- extra config
 @pytest.mark.timeout(60)
 def test_a_path_with_a_nul_byte_stops_the_start_naming_the_key(daemon_factory, short_tmp):

@@ -328,8 +328,8 @@ def test_a_file_store_out_of_disk_space_degrades_to_misses(small_disk, daemon_fa
             what="every write settled",
         )
         assert stats(d)["l3"]["errors"] > 0
-        # a put that found no room marks the store unhealthy until a write fits again: one
-        # more page, written by evicting, and the next health check says healthy
+        # a full disk under a store that holds segments is a full cache: one more page is
+        # written by evicting, and the health check says healthy
         before = counters(d)["l3_write_written_pages"]
         store_pages(pool, conn, 1, salt=99, seed=9)
         wait_for(lambda: counters(d)["l3_write_written_pages"] > before, what="one more write")

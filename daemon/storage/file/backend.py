@@ -109,7 +109,8 @@ class FileBackend(StorageBackend):
             _segment_limit(),
         )
         # why a segment could not be created for want of disk (ENOSPC, EDQUOT), until one
-        # is created or a page written again: the store is unhealthy meanwhile
+        # is created or a page written again: meanwhile a store holding no segment is
+        # unhealthy (health)
         self._disk_full: str | None = None
         self._damage_logged = -DAMAGE_LOG_S  # when damaged objects were last logged
         self._damage_held = 0  # damaged objects found since then
@@ -178,8 +179,11 @@ class FileBackend(StorageBackend):
         close_fds(self._fds)
 
     async def health(self) -> bool:
-        """Return True while open, the store directory is writable and its file system had
-        room for the segment the store last needed (or has room for one now)."""
+        """Return True while open, the store directory is writable and a put can find room:
+        the file system had room for the segment the store last needed, has room for one
+        now, or the store holds segments whose objects it can evict instead (a full disk
+        under a store that holds pages is a full cache, not a broken one; were it taken as
+        unhealthy, no put would run to find that room)."""
         if self._arena is None or self._gate.closed:
             return False
         if self._disk_full is not None:
@@ -187,9 +191,11 @@ class FileBackend(StorageBackend):
                 vfs = os.statvfs(self.config.path)
             except OSError:
                 return False
-            if vfs.f_bavail * vfs.f_frsize < self.config.segment_bytes:
+            with self._lock:
+                holds_segments = bool(self._slots.segments)
+            if vfs.f_bavail * vfs.f_frsize < self.config.segment_bytes and not holds_segments:
                 return False
-            self._disk_full = None  # room again: the next put creates its segment
+            self._disk_full = None  # room again: the next put creates or evicts its slot
         return os.access(self.config.path, os.W_OK | os.X_OK)
 
     # -- segments --------------------------------------------------------------------------
