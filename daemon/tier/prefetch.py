@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -44,6 +44,59 @@ MIN_READ_BATCH = 16
 
 MAX_READ_BATCH = 64
 """Most pages per backend ``get_into`` call (fewer, larger calls cost less per page)."""
+
+
+class ReadLimit:
+    """At most :attr:`limit` holders at once, first come first served; the limit may change
+    while reads hold it (a lower one admits nobody until enough of them end, a higher one
+    admits waiters at once), so a reload never lets the old and the new limit's reads run
+    side by side.
+
+    Args:
+        limit: holders at once (at least 1).
+    """
+
+    __slots__ = ("_waiters", "held", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    def resize(self, limit: int) -> None:
+        """Hold at most ``limit`` from now on."""
+        self.limit = limit
+        self._admit()
+
+    async def __aenter__(self) -> None:
+        if self.held < self.limit and not self._waiters:
+            self.held += 1
+            return
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(turn)
+        try:
+            await turn
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():
+                self._release()  # admitted as the cancellation came: pass the turn on
+            else:
+                self._waiters.remove(turn)
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        self.held -= 1
+        self._admit()
+
+    def _admit(self) -> None:
+        waiters = self._waiters
+        while waiters and self.held < self.limit:
+            turn = waiters.popleft()
+            if not turn.done():
+                self.held += 1
+                turn.set_result(None)
 
 
 def read_batch(pages: int, concurrency: int) -> int:
@@ -179,8 +232,7 @@ class Prefetcher:
         self.pool = pool
         self.counters = counters
         self._read_fn = read
-        self._sem = asyncio.Semaphore(concurrency)
-        self._concurrency = concurrency
+        self._limit = ReadLimit(concurrency)
         self._filling: dict[tuple[int, bytes], Fill] = {}  # (ns_id, key) -> its fill
         self._fills: set[Fill] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -198,9 +250,8 @@ class Prefetcher:
         return len(self._fills)
 
     def set_concurrency(self, n: int) -> None:
-        """Change the read concurrency for reads that start from now on."""
-        self._sem = asyncio.Semaphore(n)
-        self._concurrency = n
+        """Change the read concurrency: reads in flight count against the new one."""
+        self._limit.resize(n)
 
     def dependencies(
         self, ns_id: int, keys: Sequence[bytes], known: Sequence[Fill] = ()
@@ -271,7 +322,7 @@ class Prefetcher:
         """
         loop = asyncio.get_running_loop()
         parent = fill.parent_key = parent_key
-        size = read_batch(len(keys), self._concurrency)
+        size = read_batch(len(keys), self._limit.limit)
         try:
             for a in range(0, len(keys), size):
                 if fill.cut != NO_CUT:
@@ -407,7 +458,7 @@ class Prefetcher:
 
     # ------------------------------------------------------------------ fills
     async def _read(self, fill: Fill, a: int, b: int) -> None:
-        async with self._sem:
+        async with self._limit:
             b = min(b, fill.cut)
             if a < b:
                 for i in range(a, b):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from kvtier.daemon.pool.host_pool import PageState
-from kvtier.daemon.tier.prefetch import Fate, Fill, Prefetcher, read_batch
+from kvtier.daemon.tier.prefetch import Fate, Fill, Prefetcher, ReadLimit, read_batch
 
 from tests.unit.test_tier_store import GEOMETRY, Rig, chain, open_rig, until, written_to_l3
 
@@ -222,3 +222,86 @@ async def test_a_flush_of_l3_cancels_the_fills_reading_from_it(tmp_path: Path) -
         assert fill.committed == BATCH and rig.pool.lookup(s.ns_id, keys) == BATCH
         assert not any(rig.pool.describe(x).in_l3 for x in fill.slots[:BATCH])
         assert rig.pool.resident_run(s.ns_id, keys[BATCH:]) == 0
+
+
+async def test_a_raised_read_limit_counts_the_reads_in_flight(tmp_path: Path) -> None:
+    """A reload that raises ``prefetch_concurrency`` while reads are in flight: those reads
+    count against the new limit, so reads in flight never exceed it (the old and the new
+    limit's reads never run side by side), and reads waiting are admitted up to it."""
+    pages = 128
+    assert pages // read_batch(pages // 2, 2) == 8  # four reads a fill, three admitted
+    async with open_rig(tmp_path) as rig:
+        keys, keys2 = chain(pages // 2), chain(pages // 2, salt="another ")
+        for ks in (keys, keys2):
+            rig.store(ks)
+            await written_to_l3(rig, ks)
+        assert rig.pool.flush(rig.session.ns_id) == pages
+        gate = asyncio.Event()
+        now = most = 0
+
+        async def counted(ns: bytes, ks: list[bytes], offs: list[int], n: int) -> list[bool]:
+            nonlocal now, most
+            now += 1
+            most = max(most, now)
+            try:
+                await gate.wait()
+                return await rig.tier.l3.get(ns, ks, offs, n)
+            finally:
+                now -= 1
+
+        pf = Prefetcher(rig.pool, rig.counters, counted, 2)
+        fill, task = start(rig, pf, keys)
+        await task
+        await until(lambda: now == 2, "two reads in flight")
+        pf.set_concurrency(3)
+        await until(lambda: now == 3, "a third read admitted")
+        more, task = start(rig, pf, keys2)  # a fill started after the reload waits its turn
+        await task
+        await asyncio.sleep(0.05)
+        assert most == 3, f"{most} reads in flight under a limit of 3"
+        gate.set()
+        await pf.wait([fill, more], 10.0)
+        assert fill.committed == more.committed == pages // 2 and most == 3
+
+
+async def test_a_read_limit_admits_in_order_across_resizes_and_cancellations() -> None:
+    """The limit admits waiters first come first served; a lower limit admits nobody new
+    until holders fall below it; a waiter cancelled before its turn (or as it came) leaves
+    the count exact."""
+    limit = ReadLimit(2)
+    order: list[int] = []
+    release = [asyncio.Event() for _ in range(6)]
+
+    async def hold(i: int) -> None:
+        async with limit:
+            order.append(i)
+            await release[i].wait()
+
+    tasks = [asyncio.create_task(hold(i)) for i in range(6)]
+    await until(lambda: order == [0, 1], "the first two admitted")
+    limit.resize(1)
+    release[0].set()
+    await asyncio.sleep(0.01)
+    assert order == [0, 1] and limit.held == 1  # one left, at the new limit: nobody new
+    tasks[2].cancel()  # a waiter gives up before its turn
+    release[1].set()
+    await until(lambda: order == [0, 1, 3], "the next waiter in line")
+    limit.resize(3)
+    await until(lambda: order == [0, 1, 3, 4, 5], "two more at the higher limit")
+    assert limit.held == 3
+    for e in release:
+        e.set()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert limit.held == 0
+
+    limit = ReadLimit(1)
+    first = asyncio.create_task(hold(0))
+    release[0].clear()
+    await until(lambda: limit.held == 1, "the first holder")
+    late = asyncio.create_task(hold(1))
+    await asyncio.sleep(0.01)
+    release[0].set()
+    await asyncio.sleep(0)  # the turn passes to the waiter ...
+    late.cancel()  # ... which is cancelled before it runs: the turn is given back
+    await asyncio.gather(first, late, return_exceptions=True)
+    assert limit.held == 0
