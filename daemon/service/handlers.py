@@ -173,9 +173,10 @@ class Handlers:
             raise RequestError(
                 P.ErrorCode.BAD_MESSAGE, f"skip = {m.skip!r} is outside [0, {len(m.keys)}]"
             )
-        if not m.keys or not ctx.tier.available:
+        if not m.keys or not ctx.tier.available:  # nothing to read: what L2 holds comes
             ctx.counters.prefetches += 1
-            return P.PrefetchReply(req_id=m.req_id, epoch=ctx.epoch, started=0)
+            coming = ctx.tier.coming(s.ns_id, m.keys[m.skip :]) if m.keys else 0
+            return P.PrefetchReply(req_id=m.req_id, epoch=ctx.epoch, started=0, coming=coming)
         return self.later(s, self._prefetch_async(s, m))
 
     async def _prefetch_async(self, s: Session, m: P.Prefetch) -> P.Reply:

@@ -15,6 +15,7 @@ from tests.integration.test_l3_tier import (
     read_batch,
     slow_daemon,  # noqa: F401  (fixture)
     stats,
+    store_pages,
     stored_then_evicted,
     wait_for,
 )
@@ -118,3 +119,20 @@ def test_closing_the_starters_session_leaves_another_engines_claim_whole(
         conn_b.close()
         pool.close()
         pool_b.close()
+
+
+@pytest.mark.timeout(60)
+def test_prefetch_without_l3_tells_what_l2_holds(daemon_factory):
+    """With no L3 a PREFETCH starts no read, and its reply still says what is coming: the
+    leading run L2 holds, as it says with an L3."""
+    d = daemon_factory()
+    pool, conn = engine(d.runtime_dir)
+    try:
+        keys, _ = store_pages(pool, conn, 8)
+        assert conn.prefetch(keys) == 0
+        assert conn.prefetch_coming(keys) == 8
+        assert conn.prefetch_coming(keys, skip=3) == 5
+        assert conn.claim(keys) == 8
+    finally:
+        conn.close()
+        pool.close()
