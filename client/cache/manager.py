@@ -223,8 +223,14 @@ class CacheManager:
             l2 = min(rep.l2, len(rest))
             l3 = min(rep.l3, len(rest) - l2)
             if l3 and l3 * size >= self._cfg.prefetch_threshold:
-                try:  # L3 to L2 from now on: load() claims what came (HiCache's prefetch)
-                    coming = min(l3, self._conn.prefetch_coming(rest[: l2 + l3], skip=l2))
+                # L3 to L2 from now on: load() claims what came (HiCache's prefetch); the
+                # last L1 key leads, skipped, so that the fetched run extends it in L2
+                lead = 1 if l1 else 0
+                try:
+                    coming = min(
+                        l3,
+                        self._conn.prefetch_coming(keys[l1 - lead : l1 + l2 + l3], skip=l2 + lead),
+                    )
                 except BaseException:
                     self._tree.unlock(pm.last_node)
                     raise

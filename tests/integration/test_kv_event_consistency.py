@@ -485,3 +485,54 @@ def test_a_late_router_replaying_from_zero_matches_one_that_followed_live(
         live.close()
         conn.close()
         pool.close()
+
+
+def test_pages_prefetched_after_an_l1_hit_name_the_l1_page_as_their_parent(
+    daemon_factory, short_tmp
+):
+    """An engine's cache manager holds a prompt's first pages on its device (L1) and L3 the
+    rest: the prefetch its match starts brings the rest into L2, and their CPU BlockStored
+    says they follow the last L1 page (``parent_block_hash``), as their first STORE did,
+    so a router's index keeps one chain."""
+    from kvtier.client.cache.manager import CacheManager
+    from kvtier.engine.allocator import PageAllocator
+
+    from tests.integration.test_l3_tier import wait_written
+
+    d = daemon_factory(
+        *event_flags(short_tmp),
+        *l3_flags("file", prefetch_threshold="0"),
+        "--state-dir",
+        str(short_tmp / "st"),
+    )
+    pool, conn = engine(
+        d.runtime_dir, num_pages=16, hicache_write_policy="write_through", prefetch_threshold=0
+    )
+    alloc = PageAllocator(16)
+    cm = CacheManager(alloc, conn)
+    sub = subscriber(short_tmp)
+    try:
+        toks = tokens(6 * SMALL.page_size + 5, salt=6).tolist()
+        m = cm.match(toks)
+        new = cm.alloc(6)
+        assert cm.insert(m, new) == []  # computed and kept: stored into L2, then L3
+        cm.release(m)
+        cm.free(cm.alloc(alloc.free_count + 3))  # L1 keeps the first three pages only
+        wait_written(d, 6)
+        flush(d, "l2")
+        m = cm.match(toks)
+        assert (len(m.l1_pages), m.l2_pages, m.l3_pages, m.l3_coming) == (3, 0, 3, 3)
+        ld = cm.load(m, cm.alloc(3))
+        assert ld.finish() and ld.pages == 3
+        cm.release(m)
+        stored = events(drain(sub), E.BlockStored, "CPU")
+        first = stored[0].block_hashes
+        assert len(first) == 6 and stored[0].parent_block_hash is None
+        fetched = [e for e in stored[1:] if e.block_hashes[0] == first[3]]
+        assert fetched and fetched[0].block_hashes == first[3:]
+        assert fetched[0].parent_block_hash == first[2], "the prefetched run starts a chain"
+    finally:
+        sub.close()
+        cm.close()
+        conn.close()
+        pool.close()
