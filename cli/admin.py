@@ -69,6 +69,10 @@ START_HINT = (
     "--endpoint at the one that runs"
 )
 
+FLUSH_REPLY_S = 300.0
+"""How much longer than ``--timeout`` ``kvtier flush`` waits for its reply: the daemon
+first waits for the L3 reads and writes in flight, then lists and deletes L3's pages."""
+
 
 # ---------------------------------------------------------------------------- requests
 def _open(endpoint: str, timeout_s: float, admin_token: str = "") -> AdminClient:
@@ -229,7 +233,8 @@ def _cmd_sessions(args: argparse.Namespace, endpoint: str, timeout_s: float) -> 
 
 
 def _cmd_flush(args: argparse.Namespace, endpoint: str, timeout_s: float) -> int:
-    """``kvtier flush``: drop pages of one tier (or all), optionally of one namespace."""
+    """``kvtier flush``: drop pages of one tier (or all), optionally of one namespace; 1
+    when L3's pages were not all deleted (the daemon says why)."""
     with _open(endpoint, timeout_s, args.admin_token) as client:
         rep = _request(
             client,
@@ -240,11 +245,15 @@ def _cmd_flush(args: argparse.Namespace, endpoint: str, timeout_s: float) -> int
                 namespace=args.namespace or "",
             ),
             P.FlushReply,
+            wait_s=timeout_s + FLUSH_REPLY_S,
         )
     scope = f"namespace {args.namespace}" if args.namespace else "every namespace"
     print(
         f"flushed {rep.l2_pages} L2 pages and {rep.l3_pages} L3 pages (tier {args.tier}, {scope})"
     )
+    if rep.l3_error:
+        print(f"kvtier flush: L3 not flushed in full: {rep.l3_error}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -632,6 +632,11 @@ class HostPool:
             for key, s in self._pages.ready.get(ns_id, {}).items()
         ]
 
+    def ready_slots(self) -> list[int]:
+        """Return the slots of every READY page, of every namespace. O(pages): for the
+        walks of a SYNC, a back-up of L2 and a shutdown's write-back."""
+        return [s for pages in self._pages.ready.values() for s in pages.values()]
+
     def evictable_slots(self, owner: int | None = None) -> list[int]:
         """Return the evictable slots, cold end first, walking the global list or
         ``owner``'s list. O(pages): for admin views and tests."""

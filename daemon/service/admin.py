@@ -90,6 +90,10 @@ LIVE_FIELDS = frozenset(
 )
 """Fields SIGHUP may change without a restart; anything else is refused with a log line."""
 FLUSH_TIERS = ("l2", "l3", "all")
+
+FLUSH_WAIT_S = 30.0
+"""Longest a FLUSH waits for the prefetch reads and L3 writes in flight before it drops
+pages (a page one of them still holds then stays: see docs/protocol.md)."""
 """Tiers a FLUSH may name."""
 
 
@@ -344,16 +348,69 @@ class Admin:
             fp = bytes.fromhex(m.namespace)  # 64 hex digits: checked at decode
             ns_id = ctx.pool.namespaces().get(fp, -1)
             fps = [fp] if fps is None or fp in fps else []
-        l2 = 0
-        if m.tier in ("l2", "all"):
-            before = self._l2_keys(ns_id) if ctx.events is not None else {}
-            with ctx.tier.writer.flush_guard():
-                l2 = sum(ctx.pool.flush(ns_id=ns_id, owner=owner) for owner in owners)
-            ctx.tier.prefetcher.sweep()
-            for ns, keys in before.items():  # BlockRemoved of what the flush dropped
-                assert ctx.events is not None
-                left = {k for k, _ in ctx.pool.ready_pages(ns)}
-                ctx.events.l2_dropped(ns, [k for k in keys if k not in left])
+        if ctx.tier.l3.name == "none":  # no read nor write of L3 to wait for
+            l2 = self._flush_l2(m, ns_id, owners, scope)
+            return P.FlushReply(req_id=m.req_id, epoch=ctx.epoch, l2_pages=l2)
+        return Deferred(self._flush_tiers(m, ns_id, owners, scope, fps))
+
+    async def _flush_tiers(
+        self,
+        m: P.Flush,
+        ns_id: int | None,
+        owners: list[int | None],
+        scope: frozenset[str] | None,
+        fps: list[bytes] | None,
+    ) -> P.Reply:
+        """FLUSH with an L3 configured: no L3 write starts meanwhile; the prefetches of the
+        scope are cancelled and their reads, and the writes in flight, waited for (at most
+        :data:`FLUSH_WAIT_S`), so that no page they hold is left behind; then L2, then L3."""
+        tier = self.ctx.tier
+        with tier.writer.paused():
+            await tier.quiesce(fps, FLUSH_WAIT_S)
+            l2 = self._flush_l2(m, ns_id, owners, scope) if m.tier in ("l2", "all") else 0
+            if m.tier == "l2":
+                return P.FlushReply(req_id=m.req_id, epoch=self.ctx.epoch, l2_pages=l2)
+            l3, problem = await tier.flush(fps, reclaim=m.reclaim)
+        events, pool = self.ctx.events, self.ctx.pool
+        if events is not None:  # AllBlocksCleared per namespace, then what L2 still holds
+            ids = pool.namespaces()
+            for fp in sorted(ids) if fps is None else fps:
+                if fp in ids:
+                    events.l3_cleared(ids[fp], pool.ready_pages(ids[fp]))
+        if problem is None:
+            log.info(
+                "flush tier=%s namespace=%s: %d L3 pages deleted", m.tier, m.namespace or "*", l3
+            )
+        else:
+            log.warning(
+                "flush tier=%s namespace=%s: %d L3 pages deleted, not all: %s",
+                m.tier,
+                m.namespace or "*",
+                l3,
+                problem,
+            )
+        return P.FlushReply(
+            req_id=m.req_id, epoch=self.ctx.epoch, l2_pages=l2, l3_pages=l3, l3_error=problem or ""
+        )
+
+    def _flush_l2(
+        self,
+        m: P.Flush,
+        ns_id: int | None,
+        owners: list[int | None],
+        scope: frozenset[str] | None,
+    ) -> int:
+        """FLUSH's L2 part (on the loop, in one go): drop the scope's evictable pages and
+        announce them removed; the pages dropped."""
+        ctx = self.ctx
+        before = self._l2_keys(ns_id) if ctx.events is not None else {}
+        with ctx.tier.writer.flush_guard():
+            l2 = sum(ctx.pool.flush(ns_id=ns_id, owner=owner) for owner in owners)
+        ctx.tier.prefetcher.sweep()
+        for ns, keys in before.items():  # BlockRemoved of what the flush dropped
+            assert ctx.events is not None
+            left = {k for k, _ in ctx.pool.ready_pages(ns)}
+            ctx.events.l2_dropped(ns, [k for k in keys if k not in left])
         log.info(
             "flush tier=%s namespace=%s tenants=%s: %d L2 pages dropped",
             m.tier,
@@ -361,26 +418,13 @@ class Admin:
             ",".join(sorted(scope)) if scope is not None else "*",
             l2,
         )
-        if m.tier == "l2" or not ctx.tier.available:
-            return P.FlushReply(req_id=m.req_id, epoch=ctx.epoch, l2_pages=l2, l3_pages=0)
-        return Deferred(self._flush_l3(m, l2, fps))
+        return l2
 
     def _l2_keys(self, ns_id: int | None) -> dict[int, list[bytes]]:
         """The READY keys of ``ns_id`` (None: of every namespace), per namespace."""
         pool = self.ctx.pool
         ids = [ns_id] if ns_id is not None else sorted(set(pool.namespaces().values()))
         return {i: [k for k, _ in pool.ready_pages(i)] for i in ids if i >= 0}
-
-    async def _flush_l3(self, m: P.Flush, l2: int, fps: list[bytes] | None) -> P.Reply:
-        l3 = await self.ctx.tier.flush(fps, reclaim=m.reclaim)
-        events, pool = self.ctx.events, self.ctx.pool
-        if events is not None:  # AllBlocksCleared per namespace, then what L2 still holds
-            ids = pool.namespaces()
-            for fp in sorted(ids) if fps is None else fps:
-                if fp in ids:
-                    events.l3_cleared(ids[fp], pool.ready_pages(ids[fp]))
-        log.info("flush tier=%s namespace=%s: %d L3 pages deleted", m.tier, m.namespace or "*", l3)
-        return P.FlushReply(req_id=m.req_id, epoch=self.ctx.epoch, l2_pages=l2, l3_pages=l3)
 
     # ------------------------------------------------------------------ SYNC
     def sync(self, identity: bytes, m: P.Sync) -> Answer:
@@ -400,10 +444,10 @@ class Admin:
             raise RequestError(
                 P.ErrorCode.BAD_MESSAGE, "sync: no L3 backend (hicache_storage_backend = 'none')"
             )
-        if not ctx.tier.available:  # down: nothing can be written now; say how much waits
-            queued = ctx.tier.writer.queued
+        if not ctx.tier.available:  # not open: nothing can be written now; say how much waits
+            unsaved = ctx.tier.writer.unsaved()
             return P.SyncReply(
-                req_id=m.req_id, epoch=ctx.epoch, pages=queued, written=0, failed=0, left=queued
+                req_id=m.req_id, epoch=ctx.epoch, pages=unsaved, written=0, failed=0, left=unsaved
             )
         return Deferred(self._sync_async(m))
 

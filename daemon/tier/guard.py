@@ -137,6 +137,8 @@ class L3Backend:
         self.on_open: Callable[[], None] | None = None
         self.on_dropped: Callable[[list[tuple[bytes, bytes]]], None] | None = None
         self.on_replaced: Callable[[], None] | None = None
+        self.on_recovered: Callable[[], None] | None = None
+        """Told when a health check passes after calls were skipped as unhealthy."""
         self.faults = FaultLog(log, f"L3 backend {self.name}", clock=clock)
         self._arena: HostArena | None = None
         self._faults: tuple[type[BaseException], ...] = (
@@ -238,12 +240,16 @@ class L3Backend:
             ok, cause = False, f"health check timed out after {limit:g} s"
         except self._faults as err:
             ok, cause = False, f"health check failed: {describe_fault(err)}"
+        was_down = not self.healthy
         if ok:
+            self.healthy = True
             self.faults.recovered()
             if self.backend is not None and self.backend.replaced():
                 self._known.clear()
                 if self.on_replaced is not None:
                     self.on_replaced()
+            if was_down and self.on_recovered is not None:
+                self.on_recovered()
         else:
             told = getattr(self.backend, "health_cause", None)
             self.faults.failed(
@@ -387,7 +393,9 @@ class L3Backend:
         return flags
 
     # ------------------------------------------------------------------ flush
-    async def flush(self, namespaces: list[bytes] | None, reclaim: bool = True) -> int:
+    async def flush(
+        self, namespaces: list[bytes] | None, reclaim: bool = True
+    ) -> tuple[int, str | None]:
         """Delete from L3 every page of ``namespaces`` (None: of every namespace); with
         ``reclaim``, then ask the backend to give the freed space back
         (:meth:`~kvtier.daemon.storage.base.StorageBackend.release_space`).
@@ -395,48 +403,67 @@ class L3Backend:
         A backend that implements :meth:`~kvtier.daemon.storage.base.StorageBackend.list_keys`
         (``file``, ``redis``) lists its objects; for the others only the pages this daemon
         wrote are known and deleted (the last :data:`MAX_KNOWN`).
+
+        Returns:
+            ``(pages deleted, why not every page was)``: the second is None when the store
+            was listed and every listed page deleted, else what failed (L3 not open or
+            down, the listing, a delete), for the FLUSH reply to say.
         """
         backend = self.backend
-        if backend is None:
-            return 0
+        if backend is None or not self.healthy:
+            state = "not open" if backend is None else "down"
+            return 0, f"L3 backend {self.name} {state}: {self.faults.cause or 'not checked yet'}"
         wanted = None if namespaces is None else set(namespaces)
+        listed, problem = await self._list(backend, wanted)
         by_ns: dict[bytes, list[bytes]] = {}
-        for ns, key in await self._list(backend, wanted):
+        for ns, key in listed:
             by_ns.setdefault(ns, []).append(key)
         deleted = 0
-        for ns, keys in by_ns.items():
-            for i in range(0, len(keys), DELETE_BATCH):
-                try:
-                    deleted += await backend.delete(ns, keys[i : i + DELETE_BATCH])
-                except self._faults as err:
-                    self._fault("delete failed", err)
-                    return deleted
+        batches = [
+            (ns, keys[i : i + DELETE_BATCH])
+            for ns, keys in by_ns.items()
+            for i in range(0, len(keys), DELETE_BATCH)
+        ]
+        for ns, keys in batches:
+            before = backend.stats.errors
+            try:
+                deleted += await backend.delete(ns, keys)
+            except self._faults as err:
+                self._fault("delete failed", err)
+                problem = f"deleting pages failed: {describe_fault(err)}"
+                break
+            if backend.stats.errors > before:
+                self._watch(backend, before)
+                problem = "deleting pages failed (the backend's log says why)"
+                break
             for k in keys:
                 self._known.pop((ns, k), None)
         self.counters.l3_flushed_pages += deleted
-        if reclaim:
+        if reclaim and problem is None:
             try:
                 await backend.release_space()
             except self._faults as err:
                 self._fault("releasing disk space failed", err)
-        return deleted
+        return deleted, problem
 
     async def _list(
         self, backend: StorageBackend, wanted: set[bytes] | None
-    ) -> list[tuple[bytes, bytes]]:
+    ) -> tuple[list[tuple[bytes, bytes]], str | None]:
         """``(ns, key)`` of the store's pages of ``wanted`` (None: all): the store's own
         listing, else the keys this daemon wrote (remembered only for a backend without
-        ``list_keys``: one with it that answers None, a fault, lists nothing)."""
+        ``list_keys``); and why the listing failed (None: it did not)."""
         before = backend.stats.errors
         try:
             listed = await backend.list_keys(wanted)
         except self._faults as err:
             self._fault("listing keys failed", err)
-            return []
+            return [], f"listing pages failed: {describe_fault(err)}"
         self._watch(backend, before)
         if listed is not None:
-            return listed
-        return [(ns, key) for ns, key in self._known if wanted is None or ns in wanted]
+            return listed, None
+        if self._lists or backend.stats.errors > before:
+            return [], "listing pages failed (the backend's log says why)"
+        return [(ns, key) for ns, key in self._known if wanted is None or ns in wanted], None
 
     def _note_known(self, ns: bytes, keys: list[bytes]) -> None:
         for k in keys:

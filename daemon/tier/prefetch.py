@@ -372,6 +372,10 @@ class Prefetcher:
             if namespaces is None or fill.ns in namespaces:
                 self.cancel(fill)
 
+    def fills_of(self, namespaces: set[bytes] | None) -> list[Fill]:
+        """The fills not done of ``namespaces`` (None: of every namespace)."""
+        return [f for f in self._fills if namespaces is None or f.ns in namespaces]
+
     async def wait(self, fills: Sequence[Fill], timeout: float) -> None:
         """Wait until every fill is done or ``timeout`` seconds have passed."""
         pending = [f.done for f in fills if not f.done.done()]

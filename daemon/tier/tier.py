@@ -69,6 +69,7 @@ class TierStore:
         self.l3.on_open = self._l3_opened
         self.l3.on_dropped = self._l3_dropped
         self.l3.on_replaced = self._l3_replaced
+        self.l3.on_recovered = self._l3_recovered
         self._ns: dict[int, bytes] = {}
         # kept across restarts for a tenant's FLUSH of L3 (only with tenants configured)
         self._tenant_ns = TenantNamespaces(
@@ -407,24 +408,52 @@ class TierStore:
         self.counters.tp_rounds += 1
         self.counters.tp_round_timeouts += timed_out
 
-    async def flush(self, namespaces: list[bytes] | None, reclaim: bool = True) -> int:
+    async def quiesce(self, namespaces: list[bytes] | None, timeout: float) -> None:
+        """Before a FLUSH: cancel the prefetches of ``namespaces`` (None: of every one) and
+        wait, at most ``timeout`` seconds, until their reads in flight have ended (a
+        cancelled fill commits what it verified: the flush then drops it) and no L3 write
+        batch is in flight (its pages are pinned until it ends; a write that landed after
+        the flush would put its pages back in L3). The caller holds the writer
+        :meth:`~kvtier.daemon.tier.writer.L3Writer.paused` meanwhile."""
+        wanted = None if namespaces is None else set(namespaces)
+        self.prefetcher.cancel_namespaces(wanted)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        await self.prefetcher.wait(self.prefetcher.fills_of(wanted), timeout)
+        await self.writer.settle(deadline - loop.time())
+
+    async def flush(
+        self, namespaces: list[bytes] | None, reclaim: bool = True
+    ) -> tuple[int, str | None]:
         """Delete from L3 every page of ``namespaces`` (None: of every namespace); with
         ``reclaim``, the store then gives the freed disk space back. The L2 pages of those
-        namespaces are no longer in L3: a SYNC or a write policy writes them again."""
+        namespaces are no longer in L3: a SYNC or a write policy writes them again.
+
+        Returns:
+            ``(pages deleted, why not every page was or None)``
+            (:meth:`~kvtier.daemon.tier.guard.L3Backend.flush`).
+        """
         self.prefetcher.cancel_namespaces(None if namespaces is None else set(namespaces))
-        deleted = await self.l3.flush(namespaces, reclaim=reclaim)
+        deleted, problem = await self.l3.flush(namespaces, reclaim=reclaim)
         ids = self.pool.namespaces()
         for fp in ids if namespaces is None else namespaces:
             if fp in ids:
                 self.pool.clear_in_l3(ids[fp])
-        return deleted
+        return deleted, problem
+
+    def _l3_recovered(self) -> None:
+        """L3 answers again after calls were skipped: the pages given up meanwhile are
+        written now."""
+        self.writer.retry_given_up()
 
     def _l3_replaced(self) -> None:
         """The store may have lost everything it held (its server restarted): no L2 page is
         taken as in L3 any more, so write-back writes each again before evicting it (the
-        writer asks the store first) and a SYNC writes them all."""
+        writer asks the store first), write-through backs L2 up again
+        (:meth:`~kvtier.daemon.tier.writer.L3Writer.catch_up`) and a SYNC writes them all."""
         for ns_id in sorted(set(self.pool.namespaces().values())):
             self.pool.clear_in_l3(ns_id)
+        self.writer.catch_up()
         if self.on_l3_replaced is not None:
             self.on_l3_replaced()
 

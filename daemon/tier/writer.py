@@ -36,7 +36,7 @@ import contextlib
 import logging
 import time
 from array import array
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -168,6 +168,9 @@ class L3Writer:
         self._backlog: array[int] = array("q")  # slots a back-up of L2 queues (catch_up)
         self._backlog_at = 0
         self._syncs: list[_SyncWait] = []
+        self._paused = 0  # FLUSHes under way: no write batch starts meanwhile
+        # pages given up while L3 was down, oldest first: queued again once it is back
+        self._given_up: OrderedDict[tuple[int, bytes], _Item] = OrderedDict()
         self.write_back_checks = 0
         self.on_written: Callable[[list[tuple[int, bytes]]], None] | None = None
         """Told ``(ns_id, key)`` of the pages now in L3 (written, or found there)."""
@@ -280,7 +283,7 @@ class L3Writer:
         out: array[int] = array("q")
         seen: set[int] = set()
         link, queued = self.pool.chain_link, self._queued
-        for leaf in self.pool.evictable_slots():
+        for leaf in self._every_chain():
             chain: list[int] = []
             slot = leaf
             while slot >= 0 and slot not in seen:
@@ -315,15 +318,62 @@ class L3Writer:
             group.append((key, slot))
         self._enqueue_picked(picked, pinned=True, bound=False)
 
+    def retry_given_up(self) -> int:
+        """Queue again the pages given up while L3 was down that L2 still holds (L3 is back,
+        or a SYNC asks for every page): a write-back page loses the in-L3 mark that let it
+        be evicted meanwhile, so it is written before it is evicted. How many were queued."""
+        items, self._given_up = list(self._given_up.values()), OrderedDict()
+        picked: dict[tuple[bytes, int, int, bool], list[_Item]] = {}
+        for it in items:
+            if (it.ns_id, it.key) in self._queued:
+                continue
+            if it.pinned:
+                if not self.pool.resident_run(it.ns_id, [it.key]):
+                    continue  # gone from L2
+            elif self._holds(it):
+                self.pool.clear_in_l3(it.ns_id, [it.key])
+            else:
+                continue
+            picked.setdefault((it.ns, it.ns_id, it.page_bytes, it.pinned), []).append(it)
+        return sum(
+            self._enqueue(
+                ns,
+                ns_id,
+                [it.key for it in group],
+                page_bytes,
+                pinned=pinned,
+                bound=False,
+                slots=None if pinned else [it.slot for it in group],
+                count_dropped=False,
+            )
+            for (ns, ns_id, page_bytes, pinned), group in picked.items()
+        )
+
+    def unsaved(self) -> int:
+        """The L2 pages not in L3 yet: those queued, those never queued, and those given
+        up while L3 was down (a write-back page is marked in L3 meanwhile, so that it can
+        be evicted): what a SYNC answered while L3 is not open leaves behind. Walks the
+        pool."""
+        given_up = sum(1 for it in self._given_up.values() if not it.pinned and self._holds(it))
+        return len(self._queued) + len(self._cold_order()) + given_up
+
     def back_up_all(self) -> int:
         """Queue every L2 page not in L3 yet, pinned while written (the policy changed
         from write-back to write-through: L2 is backed up as it stands). Walks the whole
         pool on the event loop: for a policy switch, not for a hot path."""
         return self._select_cold(None, pinned=True)
 
+    def _every_chain(self) -> Iterator[int]:
+        """Slots to walk up from to reach every READY page: the evictable ones (chain
+        tails, coldest first), then every READY page (a chain whose tail is pinned, being
+        loaded, or has a child being written or prefetched is reached through them)."""
+        yield from self.pool.evictable_slots()
+        yield from self.pool.ready_slots()
+
     def _select_cold(self, window: int | None, pinned: bool = False) -> int:
         """Queue pages not in L3, coldest chains first: from each evictable page (a chain's
-        tail) up through its ancestors until one is in L3. At most ``window`` pages, or all.
+        tail) up through its ancestors until one is in L3. At most ``window`` pages, or all
+        (then every READY page not in L3 is reached: :meth:`_every_chain`).
 
         Write-back queues them tail first, the order eviction takes them in; a back-up
         (``pinned``) queues each chain head first.
@@ -334,7 +384,8 @@ class L3Writer:
         seen: set[int] = set()
         link, queued = self.pool.chain_link, self._queued
         groups: dict[tuple[int, int], list[tuple[bytes, int]] | None] = {}  # by (ns_id, class)
-        for leaf in self.pool.evictable_slots():
+        leaves = self.pool.evictable_slots() if window is not None else self._every_chain()
+        for leaf in leaves:
             if budget <= 0:
                 break
             chain: list[tuple[int, bytes, int, int]] = []  # (slot, key, ns_id, class_id)
@@ -422,7 +473,7 @@ class L3Writer:
             and not (self._queue or self._tasks or self._retry)
         ):
             self._catch_up_pass()
-        while self._queue and len(self._tasks) < WRITE_CONCURRENCY:
+        while self._queue and len(self._tasks) < WRITE_CONCURRENCY and not self._paused:
             batch = self._take_batch()
             task = asyncio.get_running_loop().create_task(self._write(batch))
             self._tasks.add(task)
@@ -557,6 +608,12 @@ class L3Writer:
             return
         self._settle([it], written=False)
         self.counters.l3_write_failed_pages += 1
+        if not self.l3.healthy:  # an outage: written once L3 is back (retry_given_up)
+            given_up = self._given_up
+            given_up[(it.ns_id, it.key)] = it
+            given_up.move_to_end((it.ns_id, it.key))
+            while len(given_up) > self.pool.n_slots:  # at most a pool's worth
+                given_up.popitem(last=False)
         if not it.pinned and self._holds(it):
             self.pool.mark_in_l3([slot])  # give up the L3 copy, never the L2 slot
 
@@ -588,6 +645,7 @@ class L3Writer:
         Returns:
             (pages waited for, written or found in L3, given up, still pending).
         """
+        self.retry_given_up()
         self.back_up_all()
         wait = _SyncWait(set(self._queued), asyncio.Event())
         pages = len(wait.pending)
@@ -603,6 +661,24 @@ class L3Writer:
         return pages, wait.written, wait.failed, len(wait.pending)
 
     # ------------------------------------------------------------------ flush and shutdown
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Start no write batch meanwhile (a FLUSH: a write that started after its pages
+        were deleted from L3 would put them back); queued pages wait, then go on."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+            self._wake.set()
+
+    async def settle(self, timeout: float) -> bool:
+        """Wait until no write batch is in flight or ``timeout`` seconds have passed;
+        whether none is."""
+        if self._tasks and timeout > 0:
+            await asyncio.wait(set(self._tasks), timeout=timeout)
+        return not self._tasks
+
     @contextlib.contextmanager
     def flush_guard(self) -> Iterator[None]:
         """Pin the unpinned pages being written back for the duration of an L2 flush."""

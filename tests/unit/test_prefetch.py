@@ -215,7 +215,7 @@ async def test_a_flush_of_l3_cancels_the_fills_reading_from_it(tmp_path: Path) -
         fill, task = start(rig, pf, keys)
         await task
         await until(lambda: fill.committed == BATCH, "the first batch")
-        assert await rig.tier.flush([rig.session.ns_fingerprint]) == PAGES
+        assert await rig.tier.flush([rig.session.ns_fingerprint]) == (PAGES, None)
         gate.set()
         await pf.wait([fill], 10.0)
         s = rig.session

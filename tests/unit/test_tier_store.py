@@ -245,8 +245,8 @@ async def test_flush_of_l3_deletes_what_the_store_lists(tmp_path: Path) -> None:
         await written_to_l3(rig, keys)
     async with open_rig(tmp_path) as rig:
         assert await rig.tier.l3_run(FINGERPRINT, keys) == 6
-        assert await rig.tier.flush([hashlib.sha256(b"another").digest()]) == 0
-        assert await rig.tier.flush([FINGERPRINT]) == 6
+        assert await rig.tier.flush([hashlib.sha256(b"another").digest()]) == (0, None)
+        assert await rig.tier.flush([FINGERPRINT]) == (6, None)
         assert await rig.tier.l3_run(FINGERPRINT, keys) == 0
         assert rig.counters.l3_flushed_pages == 6
 
@@ -260,7 +260,7 @@ async def test_flush_of_an_unlistable_store_deletes_what_this_daemon_wrote(tmp_p
         assert isinstance(rig.backend, UnlistedFileBackend)
         rig.store(mine)
         await written_to_l3(rig, mine)
-        assert await rig.tier.flush(None) == 3
+        assert await rig.tier.flush(None) == (3, None)
         assert await rig.tier.l3_run(FINGERPRINT, mine) == 0
         assert await rig.tier.l3_run(FINGERPRINT, theirs) == 4
 

@@ -185,18 +185,29 @@ class FileBackend(StorageBackend):
         under a store that holds pages is a full cache, not a broken one; were it taken as
         unhealthy, no put would run to find that room)."""
         if self._arena is None or self._gate.closed:
+            self.health_cause = "closed"
             return False
+        where = str(self.config.path)
         if self._disk_full is not None:
             try:
                 vfs = os.statvfs(self.config.path)
-            except OSError:
+            except OSError as err:
+                self.health_cause = f"path={where!r}: {err.strerror or err}"
                 return False
             with self._lock:
                 holds_segments = bool(self._slots.segments)
             if vfs.f_bavail * vfs.f_frsize < self.config.segment_bytes and not holds_segments:
+                self.health_cause = (
+                    f"path={where!r}: no room for a segment of {self.config.segment_bytes} "
+                    f"bytes ({self._disk_full})"
+                )
                 return False
             self._disk_full = None  # room again: the next put creates or evicts its slot
-        return os.access(self.config.path, os.W_OK | os.X_OK)
+        if not os.access(self.config.path, os.W_OK | os.X_OK):
+            self.health_cause = f"path={where!r}: the directory is not writable"
+            return False
+        self.health_cause = None
+        return True
 
     # -- segments --------------------------------------------------------------------------
     def _open_segment(self, seq: int, slot: int, slots: int, create: bool) -> Segment:
