@@ -34,6 +34,7 @@ from kvtier.client.cache.manager import (
     MatchResult,
 )
 from kvtier.client.cache.link import CacheLink
+from kvtier.client.staging.area import check_staging_pages, check_wait_s
 from kvtier.config import ClientConfig
 from kvtier.config import client_config as load_client_config
 from kvtier.engine.allocator import PageAllocator
@@ -239,13 +240,11 @@ class ReferenceEngine:
         mode_of_copies = default_copy_mode(self.device) if copy_mode is None else copy_mode
         if mode_of_copies not in COPY_MODES:
             raise EngineInputError(f"copy_mode must be 'daemon' or 'engine', got {copy_mode!r}")
-        if isinstance(staging_pages, bool) or not isinstance(staging_pages, int):
-            raise EngineInputError(f"staging_pages must be an int, got {staging_pages!r}")
-        if staging_pages < 1 or not staging_wait_s >= 0:
-            raise EngineInputError(
-                f"staging_pages must be >= 1 and staging_wait_s >= 0, got {staging_pages!r} "
-                f"and {staging_wait_s!r}"
-            )
+        try:
+            check_staging_pages(staging_pages)
+            staging_wait_s = check_wait_s(staging_wait_s, "staging_wait_s")
+        except ValueError as err:
+            raise EngineInputError(str(err)) from None
         self.copy_mode: CopyMode = mode_of_copies
         if model is None:
             model = TinyLlama(model_config or ModelConfig.default()).to(self.device)

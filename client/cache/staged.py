@@ -33,7 +33,13 @@ import torch
 from kvtier.client.connection.connection import Connection
 from kvtier.client.connection.replies import LookupReply
 from kvtier.client.connection.transfer_handle import TransferHandle
-from kvtier.client.staging.area import StagingArea, StagingPart
+from kvtier.client.kv_pool.shared import TORCH_DTYPES
+from kvtier.client.staging.area import (
+    StagingArea,
+    StagingPart,
+    check_staging_pages,
+    check_wait_s,
+)
 from kvtier.client.staging.copies import CopyDone, StagedCopier
 from kvtier.config import ClientConfig
 from kvtier.ipc.protocol import Geometry
@@ -236,16 +242,28 @@ class StagedConnection:
             wait_s: longest wait for free slots.
 
         Raises:
-            ValueError: tensors that do not match the geometry, or a bad staging size.
+            ValueError: tensors that do not match the geometry (count, shape, dtype, one
+                device), or a bad ``staging_pages`` / ``wait_s`` (each named).
             DaemonUnavailable / DaemonError / UnexpectedReply: REGISTER failed (nothing is
                 left behind).
         """
         g = geometry
+        check_staging_pages(staging_pages)
+        wait_s = check_wait_s(wait_s)
         if len(kv) != g.num_layers * g.components:
             raise ValueError(
                 f"{len(kv)} KV tensors; the geometry has {g.num_layers} layers of "
                 f"{g.components} buffers"
             )
+        shape, dtype = (g.page_size, g.kv_heads, g.head_dim), TORCH_DTYPES[g.dtype]
+        for i, t in enumerate(kv):
+            if t.dim() != 4 or tuple(t.shape[1:]) != shape or t.dtype != dtype:
+                raise ValueError(
+                    f"kv[{i}]: a {t.dtype} tensor of shape {tuple(t.shape)}; the geometry's "
+                    f"are {dtype} [num_pages, {', '.join(map(str, shape))}]"
+                )
+            if t.device != kv[0].device:
+                raise ValueError(f"kv[{i}] is on {t.device}, kv[0] on {kv[0].device}")
         parts = [
             StagingPart(i // g.components, tuple(t.shape[1:]), t.dtype) for i, t in enumerate(kv)
         ]

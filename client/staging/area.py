@@ -24,6 +24,7 @@ abandoned) gives its slots back only once it has stopped (:meth:`StagingArea.rel
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from kvtier.client.kv_pool.regions import RegionMemory
+from kvtier.ipc.limits import MAX_PAGES
 from kvtier.ipc.protocol import Geometry, MemoryRegion
 from kvtier.ipc.shm import SharedMemorySegment
 
@@ -61,6 +63,43 @@ class StagingPart:
         for d in self.shape:
             n *= d
         return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+MAX_WAIT_S = 60.0
+"""Longest wait for free staging slots a setting may ask for."""
+
+
+def check_staging_pages(value: object, name: str = "staging_pages") -> int:
+    """``value`` as a staging capacity: an int in ``[1, MAX_PAGES]`` (a REGISTER's most
+    pages); otherwise ValueError naming ``name`` and the value."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_PAGES:
+        raise ValueError(f"{name} = {value!r}: must be an integer in [1, {MAX_PAGES}]")
+    return value
+
+
+def check_wait_s(value: object, name: str = "wait_s") -> float:
+    """``value`` as a wait for free slots: a finite number of seconds in
+    ``[0, MAX_WAIT_S]``; otherwise ValueError naming ``name`` and the value."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not 0 <= value <= MAX_WAIT_S
+    ):
+        raise ValueError(f"{name} = {value!r}: must be a number of seconds in [0, {MAX_WAIT_S:g}]")
+    return float(value)
+
+
+def _available_memory() -> int | None:
+    """``MemAvailable`` of /proc/meminfo in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def slot_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -93,14 +132,15 @@ class StagingArea:
         pinned: whether the mapping is page-locked.
 
     Raises:
-        ValueError: no parts, or a capacity below 1.
+        ValueError: no parts, a capacity that is not an int in ``[1, MAX_PAGES]``, or an
+            area larger than the memory available now (it is allocated and touched at once:
+            an area past it would have the kernel kill a process for memory).
     """
 
     def __init__(self, parts: Sequence[StagingPart], capacity: int, pin: bool = False) -> None:
         if not parts:
             raise ValueError("a staging area needs at least one part")
-        if capacity < 1:
-            raise ValueError(f"staging capacity must be >= 1 page, got {capacity!r}")
+        check_staging_pages(capacity, "staging capacity")
         self.parts = list(parts)
         self.capacity = capacity
         self._offsets: list[int] = []
@@ -108,6 +148,12 @@ class StagingArea:
         for p in self.parts:
             self._offsets.append(total)
             total += capacity * p.nbytes
+        available = _available_memory()
+        if available is not None and total > available:
+            raise ValueError(
+                f"staging capacity = {capacity}: {total} bytes of staging area, more than the "
+                f"{available} bytes of memory available"
+            )
         self.segment = SharedMemorySegment.create_memfd(
             f"kvtier-staging-{os.getpid()}", total, prefault=True
         )

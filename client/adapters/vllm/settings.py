@@ -13,6 +13,7 @@ from typing import Any, Literal, cast
 from kvtier.client.adapters import positive_seconds
 from kvtier.config import ClientConfig, ConfigError, KvtierError, client_config
 from kvtier.config.models import PrefetchPolicy
+from kvtier.ipc.limits import MAX_PAGES
 
 __all__ = ["ConnectorSettings", "SettingsError"]
 
@@ -137,9 +138,14 @@ class ConnectorSettings:
             )
         staging = extra.get("staging_pages", 256)
         wait = extra.get("staging_wait_s", 0.05)
-        if isinstance(staging, bool) or not isinstance(staging, int) or staging < 1:
+        if (
+            isinstance(staging, bool)
+            or not isinstance(staging, int)
+            or not 1 <= staging <= MAX_PAGES
+        ):
             raise SettingsError(
-                f"kv_connector_extra_config: staging_pages {staging!r} must be an integer >= 1"
+                f"kv_connector_extra_config: staging_pages {staging!r} must be an integer in "
+                f"[1, {MAX_PAGES}]"
             )
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 60:
             raise SettingsError(

@@ -42,6 +42,7 @@ def test_keys_reach_the_client_settings():
         ({"copy_mode": "kernel"}, "copy_mode"),
         ({"staging_pages": 0}, "staging_pages"),
         ({"staging_pages": 1.5}, "staging_pages"),
+        ({"staging_pages": 1 << 40}, "staging_pages"),
         ({"staging_wait_s": -0.1}, "staging_wait_s"),
         ({"staging_wait_s": "1"}, "staging_wait_s"),
     ],
