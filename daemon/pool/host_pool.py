@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import mmap
 import time
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -75,8 +75,14 @@ __all__ = [
     "PageState",
     "PageStateError",
     "PoolLayout",
+    "Reclaim",
     "plan_layout",
 ]
+
+Reclaim = Callable[[dict[int, list[bytes]]], None]
+"""Told the pages a namespace or page class gave up for a new one (namespace id -> the
+keys dropped), before the id changes hands: :meth:`HostPool.namespace_id`,
+:meth:`HostPool.register_class`."""
 
 
 def plan_layout(
@@ -411,7 +417,11 @@ class HostPool:
     # ------------------------------------------------------------- geometry
 
     def register_class(
-        self, page_bytes: int, max_classes: int | None = None, in_use: Iterable[int] = ()
+        self,
+        page_bytes: int,
+        max_classes: int | None = None,
+        in_use: Iterable[int] = (),
+        reclaim: Reclaim | None = None,
     ) -> int:
         """Register a page size; the same size always gets the same class id while it has
         one (:meth:`SlotAllocator.register_class`).
@@ -421,6 +431,10 @@ class HostPool:
             max_classes: past this many classes, a new size takes over an idle class's id
                 (no page, not in ``in_use``), or is refused (None: no bound).
             in_use: the class ids of the open sessions.
+            reclaim: with no idle class, the class no open session uses whose pages are all
+                READY and unpinned, its newest page the oldest, is emptied for the new size
+                (its pages dropped as a FLUSH drops them); ``reclaim`` is told what was
+                dropped, per namespace, before the id changes hands. None: refused instead.
 
         Returns:
             The class id (0, 1, ... in registration order; an adopted pool has
@@ -430,9 +444,73 @@ class HostPool:
             HostPoolError: ``page_bytes`` is not positive, its stride exceeds an extent,
                 or it is new past ``max_classes`` and no class is idle.
         """
-        cid = self._pages.slots.register_class(page_bytes, max_classes, in_use)
+        slots, used = self._pages.slots, set(in_use)
+        if (
+            reclaim is not None
+            and max_classes is not None
+            and page_bytes not in slots.class_of_bytes
+            and len(slots.classes) >= max_classes
+            and slots._idle_class(used) is None
+        ):
+            owner = self._column_of_classes()
+            victim = self._coldest(owner, used)
+            if victim is not None:
+                reclaim(self._drop(owner == victim))
+        cid = slots.register_class(page_bytes, max_classes, used)
         self._pages.evictor.fit_class(self._pages.slots.classes[cid].n)
         return cid
+
+    def _column_of_classes(self) -> np.ndarray:
+        """The class id of every slot (NIL where its extent is free)."""
+        slots = self._pages.slots
+        ext = np.frombuffer(slots.ext_class, dtype=np.int32)
+        return np.repeat(ext, slots.per_extent)[: self.n_slots]
+
+    def _coldest(self, group: np.ndarray, in_use: set[int]) -> int | None:
+        """Of the groups (a namespace or a class id per slot) holding pages, not in
+        ``in_use``, whose pages are all READY and unpinned: the one whose newest page was
+        used the longest ago, or None."""
+        meta = self._pages.meta
+        state, stamp = meta.array("state"), meta.array("stamp")
+        try:
+            pins = np.frombuffer(self._pages.pins.count, dtype=np.int32)
+            live = state != PageState.FREE
+            busy = live & ((state != PageState.READY) | (pins != 0))
+            blocked = set(np.unique(group[busy]).tolist()) | in_use
+            ids, inverse = np.unique(group[live], return_inverse=True)
+            newest = np.full(len(ids), np.iinfo(np.int64).min, dtype=np.int64)
+            np.maximum.at(newest, inverse, stamp[live].astype(np.int64))
+        finally:
+            del state, stamp
+        best: tuple[int, int] | None = None
+        for gid, when in zip(ids.tolist(), newest.tolist()):
+            if gid != NIL and gid not in blocked and (best is None or when < best[0]):
+                best = (when, gid)
+        return None if best is None else best[1]
+
+    def _drop(self, chosen: np.ndarray) -> dict[int, list[bytes]]:
+        """Drop the READY, unpinned pages of the ``chosen`` slots (a mask over every slot:
+        whole chains), children before parents, as :meth:`flush` does; their keys per
+        namespace."""
+        pages = self._pages
+        meta = pages.meta
+        state = meta.array("state")
+        try:
+            todo = np.flatnonzero(chosen & (state == PageState.READY)).tolist()
+        finally:
+            del state
+        ns, parent, keys = meta.ns, meta.parent, pages.keys
+        dropped: dict[int, list[bytes]] = {}
+        mine = set(todo)
+        for s in todo:
+            while s != NIL and s in mine and pages.is_evictable(s):
+                mine.discard(s)
+                key, up = keys[s], parent[s]
+                assert key is not None
+                dropped.setdefault(ns[s], []).append(key)
+                pages.release(s)
+                s = up
+        return dropped
 
     def class_stride(self, class_id: int) -> int:
         """Return the slot stride in bytes of ``class_id`` (HostPoolError if unknown)."""
@@ -460,18 +538,24 @@ class HostPool:
 
     # ------------------------------------------------------- persistent ids
 
-    def namespace_id(self, fingerprint: bytes, in_use: Iterable[int] = ()) -> int:
+    def namespace_id(
+        self, fingerprint: bytes, in_use: Iterable[int] = (), reclaim: Reclaim | None = None
+    ) -> int:
         """Return the id of a namespace fingerprint (32 bytes), registering it if new.
 
         Ids are 1, 2, ... in registration order and persist with the pool: an adopted
         pool gives every fingerprint the id its pages were stored under. When the table is
         full, the id of a namespace that holds no page (in any state) and is not in
         ``in_use`` (the open sessions' namespaces) is given to the new fingerprint: models
-        that come and go never fill the table for good.
+        that come and go never fill the table for good. With none such and ``reclaim``
+        given, the namespace not in ``in_use`` whose pages are all READY and unpinned, its
+        newest page the oldest, gives its pages up (dropped as a FLUSH drops them;
+        ``reclaim`` is told which, before the id changes hands) and its id: pages cached
+        for a namespace nobody uses never keep another one out.
 
         Raises:
             HostPoolError: the fingerprint is not 32 bytes, or the table is full of
-                namespaces that hold pages or are in use.
+                namespaces that hold pages being written, pinned or in use.
         """
         meta = self._pages.meta
         stray = self._stray_ids[IdTable.NAMESPACES]
@@ -480,7 +564,19 @@ class HostPool:
         except HostPoolError as err:
             if len(fingerprint) != DIGEST_BYTES:
                 raise
-            idle = self._idle_namespace(set(in_use))
+            used = set(in_use)
+            idle = self._idle_namespace(used)
+            if idle is None and reclaim is not None:
+                ns = meta.array("ns")
+                try:
+                    strays = self._stray_ids[IdTable.NAMESPACES]
+                    victim = self._coldest(ns, used | set(strays))
+                    chosen = ns == victim if victim is not None else None
+                finally:
+                    del ns
+                if chosen is not None:
+                    reclaim(self._drop(chosen))
+                    idle = self._idle_namespace(used)
             if idle is None:
                 raise HostPoolError(
                     f"{err}: every namespace in it holds pages or has an open session"

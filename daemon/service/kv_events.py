@@ -512,6 +512,12 @@ class KvEventPublisher:
             events = self._pending[topic] = []
         events.append(event)
 
+    def publish_now(self) -> None:
+        """Build and publish what is pending now (before a namespace id changes hands: the
+        events of its old namespace go to the old namespace's topic)."""
+        if self._deferred or self._pending:
+            self._flush()
+
     def _defer(self, fn: Callable[..., None], *args: object) -> None:
         """Run ``fn(*args)`` at the next flush, in call order with the other events."""
         self._deferred.append((fn, args))

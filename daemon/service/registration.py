@@ -211,6 +211,24 @@ class Registration:
             memory.close()
             raise
 
+    def _reclaimed(self, dropped: dict[int, list[bytes]]) -> None:
+        """A namespace or page class nobody uses gave its cached pages up for a new
+        registration (its table was full): they are removed in KV events, published before
+        the id changes hands, and no longer counted as prefetched."""
+        ctx = self.ctx
+        pages = [(ns, k) for ns, keys in dropped.items() for k in keys]
+        if ctx.events is not None:
+            for ns, keys in dropped.items():
+                ctx.events.l2_dropped(ns, keys)
+            ctx.events.publish_now()
+        ctx.tier.prefetcher.evicted(pages)
+        log.info(
+            "REGISTER: %d cached pages of %d namespaces nobody uses dropped to free an id "
+            "of a full table",
+            len(pages),
+            len(dropped),
+        )
+
     def _start_session(
         self,
         identity: bytes,
@@ -227,9 +245,12 @@ class Registration:
         fp = namespace_fingerprint(m.namespace, g, m.tp_rank, m.tp_size, tenant)
         try:
             in_use = (s.ns_id for s in ctx.sessions)
-            ns_id, owner = ctx.pool.namespace_id(fp, in_use), ctx.pool.owner_id(tenant)
+            ns_id = ctx.pool.namespace_id(fp, in_use, self._reclaimed)
+            owner = ctx.pool.owner_id(tenant)
             classes = (s.class_id for s in ctx.sessions)
-            class_id = ctx.pool.register_class(g.page_bytes, MAX_NEW_CLASSES, classes)
+            class_id = ctx.pool.register_class(
+                g.page_bytes, MAX_NEW_CLASSES, classes, self._reclaimed
+            )
         except HostPoolError as err:
             raise RequestError(P.ErrorCode.BUSY, str(err)) from err
         sid = ctx.sessions.new_id()

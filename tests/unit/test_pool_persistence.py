@@ -835,3 +835,58 @@ def test_a_full_namespace_table_gives_an_idle_namespaces_id_to_a_new_one() -> No
     busy = [n for n in range(1, cap + 1) if n not in (1, 2)]
     with pytest.raises(HostPoolError, match="holds pages or has an open session"):
         pool.namespace_id(b"\xfe" * 32, in_use=busy)
+
+
+def test_a_full_namespace_table_takes_the_coldest_cached_namespace_for_a_new_one() -> None:
+    """With every namespace id holding pages and a ``reclaim`` given, a new fingerprint gets
+    the id of the namespace, not in use, whose pages are all READY and unpinned and whose
+    newest page was used the longest ago: its pages are dropped (children first) and told
+    to ``reclaim`` before the id changes hands. A namespace with a page being written or
+    pinned, or in use, keeps its pages; with none left to take, the table stays full."""
+    lay = PoolLayout.plan(8 * EXTENT, EXTENT, 4 * KIB)
+    pool = new_pool(lay)
+    cap = lay.id_capacity
+    fps = [i.to_bytes(32, "little") for i in range(1, cap + 1)]
+    assert [pool.namespace_id(fp) for fp in fps] == list(range(1, cap + 1))
+    cls = pool.register_class(SMALL)
+    assert len(pool.allocate(1, A, cls, chain("w", 1))) == 1  # WRITING in ns 1
+    for ns in (3, 2, 4, 5):  # ns 3 the coldest, then 2, 4, 5
+        pool.commit([s for _, s in pool.allocate(ns, A, cls, chain(f"n{ns}-", 2))], [0, 0])
+    pool.unpin(pool.pin(2, chain("n2-", 2), used=True))  # ns 2 used again: the newest
+    assert pool.pin(4, chain("n4-", 1))  # ns 4 pinned
+    told: list[dict[int, list[bytes]]] = []
+    busy = list(range(6, cap + 1))
+    assert pool.namespace_id(b"\xff" * 32, in_use=busy, reclaim=told.append) == 3
+    assert told == [{3: [k("n3-1"), k("n3-0")]}]
+    assert fps[2] not in pool.namespaces() and pool.lookup(3, chain("n3-", 2)) == 0
+    assert pool.namespace_id(b"\xfe" * 32, in_use=[3, *busy], reclaim=told.append) == 5
+    assert told[1] == {5: [k("n5-1"), k("n5-0")]}
+    assert pool.lookup(2, chain("n2-", 2)) == 2 and pool.lookup(4, chain("n4-", 2)) == 2
+    assert pool.namespace_id(b"\xfd" * 32, in_use=[3, 5, *busy], reclaim=told.append) == 2
+    with pytest.raises(HostPoolError, match="holds pages or has an open session"):
+        pool.namespace_id(b"\xfc" * 32, in_use=[2, 3, 5, *busy], reclaim=told.append)
+    assert len(told) == 3 and pool.lookup(4, chain("n4-", 2)) == 2  # pinned: kept
+
+
+def test_a_full_class_table_takes_the_coldest_cached_class_for_a_new_page_size() -> None:
+    """Past ``max_classes`` with no idle class and a ``reclaim`` given, a new page size
+    takes the id of the class, not in use, whose pages are all READY and unpinned and whose
+    newest page was used the longest ago: its pages are dropped, its extents freed, and
+    what was dropped is told per namespace first."""
+    lay = PoolLayout.plan(8 * EXTENT, EXTENT, 4 * KIB)
+    pool = new_pool(lay)
+    small, big = pool.register_class(SMALL), pool.register_class(5000)
+    pool.commit([s for _, s in pool.allocate(1, A, small, chain("s", 2))], [0, 0])
+    pool.commit([s for _, s in pool.allocate(2, A, big, chain("b", 1))], [0])
+    told: list[dict[int, list[bytes]]] = []
+    with pytest.raises(HostPoolError, match="past the 2"):
+        pool.register_class(6000, 2, in_use=[])
+    assert pool.register_class(6000, 2, in_use=[], reclaim=told.append) == small
+    assert told == [{1: [k("s1"), k("s0")]}]
+    assert pool.lookup(1, chain("s", 2)) == 0 and pool.lookup(2, chain("b", 1)) == 1
+    assert pool.register_class(6000, 2) == small and pool.register_class(5000, 2) == big
+    slots = [s for _, s in pool.allocate(3, A, small, chain("x", 2))]
+    pool.commit(slots, [0, 0])
+    assert pool.lookup(3, chain("x", 2)) == 2
+    with pytest.raises(HostPoolError, match="past the 2"):  # both in use now
+        pool.register_class(7000, 2, in_use=[small, big], reclaim=told.append)
