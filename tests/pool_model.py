@@ -366,7 +366,7 @@ class PageByPage(PageTable):
                 self.lists.enqueue(s, self._owner[s])
         self._clock = clock
 
-    def pin_slots(self, out: list[int], used: bool = False) -> None:
+    def pin_slots(self, out: list[int], used: bool = False, touch: bool = True) -> None:
         pins, children, stamp, owner = self._pins, self._children, self._stamp, self._owner
         if used and self._split is not None:
             self._split.using(out, stamp, self._clock + 1)
@@ -376,8 +376,9 @@ class PageByPage(PageTable):
                 if children[s] == 0:
                     self.lists.dequeue(s, owner[s])
             pins[s] += 1
-            self._clock += 1
-            stamp[s] = self._clock
+            if touch:
+                self._clock += 1
+                stamp[s] = self._clock
         if used and self._split is not None:
             self._split.reused(out)
 

@@ -372,7 +372,13 @@ class HostPool:
         """See :meth:`PageTable.detach`."""
         self._pages.detach(slots)
 
-    def pin(self, ns_id: int, keys: Sequence[bytes], used: bool = False) -> list[int]:
+    def run_slots(self, ns_id: int, keys: Sequence[bytes]) -> list[int]:
+        """The slots of the leading READY run of ``keys`` (nothing pinned nor touched)."""
+        return self._lookups.run_slots(ns_id, keys)
+
+    def pin(
+        self, ns_id: int, keys: Sequence[bytes], used: bool = False, touch: bool = True
+    ) -> list[int]:
         """Pin the leading READY run of ``keys`` and touch it, the last key first.
 
         Pinned pages are not evictable. The caller keeps the returned slots and hands
@@ -385,12 +391,14 @@ class HostPool:
             keys: page keys in chain order.
             used: the pages are being used (a LOAD): under ``arc`` or ``reuse`` they
                 move to T2.
+            touch: False: their access stamps stay (the daemon's own use, a write to
+                L3: no engine used them); unpinned, they go back by those stamps.
 
         Returns:
             The pinned slots, one per key of the leading READY run.
         """
         out = self._lookups.run_slots(ns_id, keys)
-        self._pages.pin_slots(out, used)
+        self._pages.pin_slots(out, used, touch)
         return out
 
     def pin_slots(self, slots: list[int]) -> None:

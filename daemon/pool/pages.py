@@ -327,15 +327,18 @@ class PageTable:
             if idx is not None and idx.get(key) == s:
                 del idx[key]
 
-    def pin_slots(self, out: list[int], used: bool = False) -> None:
+    def pin_slots(self, out: list[int], used: bool = False, touch: bool = True) -> None:
         """Pin the READY slots ``out`` (a lookup's leading run, in chain order) and touch
         them, the last first; pinned pages are not evictable. The caller hands them to
         :meth:`unpin` once. ``used``: the pages are being used (a LOAD), under ``arc`` or ``reuse``
-        they move to T2."""
+        they move to T2. ``touch`` False: their stamps and the clock stay."""
         if used and self._split is not None:  # their last use, before the pin restamps them
             self._split.using(out, self._stamp, self._clock + 1)
             self._split.save()
-        self._clock = self.pins.pin(out, self._clock)
+        if touch:
+            self._clock = self.pins.pin(out, self._clock)
+        else:
+            self.pins.pin(out, -1)
         if used and self._split is not None:  # off the lists now: into T2
             self._split.reused(out)
 

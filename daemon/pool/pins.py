@@ -64,8 +64,8 @@ class Pins:
 
     def pin(self, slots: list[int], clock: int) -> int:
         """Pin the READY ``slots`` and touch them, the last first (access stamps
-        ``clock + 1`` onwards); the pages pinned for the first time leave the evictable
-        lists. Returns the new clock."""
+        ``clock + 1`` onwards; a negative ``clock``: no stamp changes); the pages pinned
+        for the first time leave the evictable lists. Returns the new clock."""
         try:
             clock, newly = _pins.pin(
                 self.count, self._stamp, self._children, slots, clock, self._lists()

@@ -526,12 +526,28 @@ class L3Writer:
         pool, c = self.pool, self.counters
         pins: list[int] = []
         try:
+            asked = False
+            if batch[0].pinned and self.l3.available:
+                # pages L3 holds already (a back-up after a restart finds most there) are
+                # marked without a pin: a pin takes a page off the evictable lists, and
+                # putting it back places it by a bounded walk, not where it was
+                asked = True
+                first = batch[0]
+                present = await self.l3.exists(first.ns, [it.key for it in batch])
+                if present:
+                    found = pool.run_slots(first.ns_id, [it.key for it in batch[:present]])
+                    pool.mark_in_l3(found)
+                    c.l3_write_skipped_pages += present
+                    self._settle(batch[:present], written=True)
+                    batch = batch[present:]
+                    if not batch:
+                        return
             items, slots = self._hold(batch, pins)
             if not items:
                 return
             ns, length = items[0].ns, items[0].page_bytes
             keys = [it.key for it in items]
-            present = await self.l3.exists(ns, keys) if self.l3.available else 0
+            present = await self.l3.exists(ns, keys) if self.l3.available and not asked else 0
             if present:
                 pool.mark_in_l3(slots[:present])
                 c.l3_write_skipped_pages += present
@@ -572,7 +588,8 @@ class L3Writer:
         if batch[0].pinned:  # a batch shares ns_id and pinned (_take_batch)
             ns_id, keys, i = batch[0].ns_id, [it.key for it in batch], 0
             while i < len(batch):
-                got = self.pool.pin(ns_id, keys[i:] if i else keys)  # the leading READY run
+                # the leading READY run, pinned without a touch: a write to L3 is no use
+                got = self.pool.pin(ns_id, keys[i:] if i else keys, touch=False)
                 pins += got
                 items += batch[i : i + len(got)]
                 i += len(got)
@@ -683,7 +700,7 @@ class L3Writer:
     def flush_guard(self) -> Iterator[None]:
         """Pin the unpinned pages being written back for the duration of an L2 flush."""
         held = [(it.ns_id, it.key) for it in self._writing.values()]
-        pins = [s for ns_id, key in held for s in self.pool.pin(ns_id, [key])]
+        pins = [s for ns_id, key in held for s in self.pool.pin(ns_id, [key], touch=False)]
         try:
             yield
         finally:

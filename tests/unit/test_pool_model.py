@@ -193,10 +193,11 @@ class PoolVersusModel(RuleBasedStateMachine):
         else:
             self.both("unpin", slots)
 
-    @rule(chain=st.integers(0, 11), ns=st.sampled_from(NAMESPACES))
-    def write_back(self, chain: int, ns: int) -> None:
+    @rule(chain=st.integers(0, 11), ns=st.sampled_from(NAMESPACES), touch=st.booleans())
+    def write_back(self, chain: int, ns: int, touch: bool) -> None:
+        """A write to L3: pinned (touched or not, as the writer pins), marked, unpinned."""
         keys = [key(chain, i) for i in range(6)]
-        slots = self.both("pin", ns, keys)
+        slots = self.both("pin", ns, keys, False, touch)
         self.both("mark_in_l3", slots)
         self.both("unpin", slots)
 

@@ -16,7 +16,8 @@
  *
  * pin walks `slots` from the last to the first (a chain's tail is touched first): each
  * page gets one more pin and the next tick of the access clock, `clock` + 1 onwards; the
- * new clock is returned. unpin checks every slot first (inside the columns, state `ready`,
+ * new clock is returned. A negative `clock` pins without a touch: no stamp changes, and
+ * `clock` is returned as it came. unpin checks every slot first (inside the columns, state `ready`,
  * pinned) and returns None, having changed nothing, when one is not, or when a slot is
  * listed more often than it is pinned: the caller then names it in its error. Every slot
  * is checked against the columns before any change (ValueError), and the columns' sizes
@@ -199,7 +200,8 @@ static PyObject *pin(PyObject *self, PyObject *args) {
                     childless[k++] = s;
             }
             pin_col[s]++;
-            stamps[s] = ++clock;
+            if (clock >= 0)
+                stamps[s] = ++clock;
         }
         int rc = 0;
         for (Py_ssize_t j = 0; j < k && rc == 0; j++)  /* off the evictable lists */
