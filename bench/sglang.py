@@ -105,6 +105,7 @@ def run_throughput(pages: int = 256, repeats: int = 5) -> dict[str, Any]:
             "class_name": "KvtierHiCacheStorage",
             "interface_v1": 1,
             "allocator": "shm",
+            "hicache_storage_pass_prefix_keys": True,
             "runtime_dir": str(daemon.runtime_dir),
         }
         host_tokens = (pages + 1) * ps

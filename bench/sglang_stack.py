@@ -62,6 +62,7 @@ class Stack:
     controller: Any
     page: int
     timeout_s: float = 120.0
+    pass_prefix_keys: bool = False  # hand SGLang's prefix keys over, as its radix cache does
     _rid: int = field(default=0)
 
     @property
@@ -85,7 +86,9 @@ class Stack:
     def backup(self, idx: Any, tokens: list[int], keys: list[str]) -> int:
         """Back the host pages ``idx`` up through the backup thread; tokens backed up."""
         cc = self.controller
-        op_id = cc.write_storage(idx, tokens, hash_value=keys)
+        # a sequence from the root: no prefix keys, an empty list of them when they are passed
+        prefix = [] if self.pass_prefix_keys else None
+        op_id = cc.write_storage(idx, tokens, hash_value=keys, prefix_keys=prefix)
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
@@ -110,7 +113,7 @@ class Stack:
         cc = self.controller
         self._rid += 1
         rid = f"r{self._rid}"
-        op = cc.prefetch(rid, tokens)
+        op = cc.prefetch(rid, tokens, None, [] if self.pass_prefix_keys else None)
         deadline = time.monotonic() + self.timeout_s
         while cc.prefetch_hit_queue.get(timeout=max(0.01, deadline - time.monotonic())) is not op:
             pass
@@ -272,4 +275,9 @@ def build_stack(
         storage_backend_extra_config=dict(extra),
         host_memory_mode=host_memory_mode,
     )
-    return Stack(host=host, controller=controller, page=page_size)
+    return Stack(
+        host=host,
+        controller=controller,
+        page=page_size,
+        pass_prefix_keys=bool(extra.get("hicache_storage_pass_prefix_keys", False)),
+    )

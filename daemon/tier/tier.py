@@ -296,7 +296,11 @@ class TierStore:
         ``job``'s (when L3 holds enough), then the fills of other prefetches that hold pages
         of the run this fill skipped."""
         n3 = await self.l3_run(s.ns_fingerprint, keys[start:]) if start < len(keys) else 0
-        if not (n3 and n3 * s.geometry.page_size >= self.setting("prefetch_threshold")):
+        # a TP rank reads what its group's LOOKUP agreed on (the threshold applied to the
+        # agreed run there), however little of it this rank's L2 lacks
+        if not n3 or (
+            s.member is None and n3 * s.geometry.page_size < self.setting("prefetch_threshold")
+        ):
             return
         if not s.is_open() or job.released:
             return
@@ -394,6 +398,8 @@ class TierStore:
             a, b = await self.groups.agree(
                 s.member, "lookup", 2, mine, self.cfg.storage_timeout_s, count
             )
+            if (b - a) * s.geometry.page_size < self.setting("prefetch_threshold"):
+                b = a  # the agreed run is shorter than each rank's: below it, offered to none
         else:
             a, b = await mine()
         if a < len(keys) and self.available:  # counted as answered (a TP group's minimum)

@@ -6,7 +6,7 @@ SGLang loads this class with its own dynamic loader::
         --hicache-storage-backend dynamic \\
         --hicache-storage-backend-extra-config '{"backend_name": "kvtier",
             "module_path": "kvtier.client.adapters.sglang", "class_name": "KvtierHiCacheStorage",
-            "interface_v1": 1, "allocator": "shm"}'
+            "interface_v1": 1, "allocator": "shm", "hicache_storage_pass_prefix_keys": true}'
 
 and calls it from its HiCache threads (``interface_v1``): ``batch_exists`` (prefetch thread,
 also the scheduler in PD decode), ``batch_get_v1`` (prefetch I/O thread) and
@@ -79,6 +79,11 @@ MAX_TRACKED_KEYS = 65536
 
 POLL_FIRST_S, POLL_MAX_S = 0.0005, 0.008
 """How often ``batch_get_v1`` looks again for pages a prefetch is bringing into L2."""
+
+RECHECK_S = 0.5
+"""How often ``batch_get_v1``, waiting for a page a prefetch brings, asks whether it is
+still coming (a read that failed brings nothing: the wait ends there, not at the
+prefetch's deadline)."""
 
 
 def _key(key: str) -> bytes:
@@ -303,7 +308,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
         if conn is None or pages is None:
             return out
         kb = [_key(k) for k in keys]
-        got, deadline, delay = 0, None, POLL_FIRST_S
+        got, deadline, delay, asked = 0, None, POLL_FIRST_S, 0.0
         while got < n:
             handle = conn.load(kb[got:], pages[got:])
             if handle.count:
@@ -315,9 +320,14 @@ class KvtierHiCacheStorage(HiCacheStorage):
                 got += handle.count
                 continue
             # kb[got] is not in L2 (yet): wait for it only while a prefetch brings it
+            now = time.monotonic()
             if deadline is None:
-                deadline = self._l3_deadline(conn, kb, got)
-            if deadline is None or time.monotonic() >= deadline or not conn.daemon_alive():
+                deadline, asked = self._l3_deadline(conn, kb, got), now
+            elif now - asked >= RECHECK_S:  # still coming? (a read that failed brings nothing)
+                asked = now
+                if conn.prefetch_coming(kb, skip=got) <= 0:
+                    break
+            if deadline is None or now >= deadline or not conn.daemon_alive():
                 break
             time.sleep(delay)
             delay = min(2 * delay, POLL_MAX_S)
