@@ -87,7 +87,7 @@ class Stack:
         """Back the host pages ``idx`` up through the backup thread; tokens backed up."""
         cc = self.controller
         # a sequence from the root: no prefix keys, an empty list of them when they are passed
-        prefix = [] if self.pass_prefix_keys else None
+        prefix: list[str] | None = [] if self.pass_prefix_keys else None
         op_id = cc.write_storage(idx, tokens, hash_value=keys, prefix_keys=prefix)
         deadline = time.monotonic() + self.timeout_s
         while True:

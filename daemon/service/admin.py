@@ -90,11 +90,11 @@ LIVE_FIELDS = frozenset(
 )
 """Fields SIGHUP may change without a restart; anything else is refused with a log line."""
 FLUSH_TIERS = ("l2", "l3", "all")
+"""Tiers a FLUSH may name."""
 
 FLUSH_WAIT_S = 30.0
 """Longest a FLUSH waits for the prefetch reads and L3 writes in flight before it drops
 pages (a page one of them still holds then stays: see docs/protocol.md)."""
-"""Tiers a FLUSH may name."""
 
 
 class Admin:
@@ -351,28 +351,36 @@ class Admin:
         if ctx.tier.l3.name == "none":  # no read nor write of L3 to wait for
             l2 = self._flush_l2(m, ns_id, owners, scope)
             return P.FlushReply(req_id=m.req_id, epoch=ctx.epoch, l2_pages=l2)
-        return Deferred(self._flush_tiers(m, ns_id, owners, scope, fps))
+        one = fps[0] if ns_id is not None and fps else None
+        return Deferred(self._flush_tiers(m, ns_id, one, owners, scope, fps))
 
     async def _flush_tiers(
         self,
         m: P.Flush,
         ns_id: int | None,
+        one: bytes | None,
         owners: list[int | None],
         scope: frozenset[str] | None,
         fps: list[bytes] | None,
     ) -> P.Reply:
-        """FLUSH with an L3 configured: no L3 write starts meanwhile; the prefetches of the
-        scope are cancelled and their reads, and the writes in flight, waited for (at most
-        :data:`FLUSH_WAIT_S`), so that no page they hold is left behind; then L2, then L3."""
+        """FLUSH with an L3 configured: no L3 write nor prefetch of the scope starts
+        meanwhile; the scope's prefetches are cancelled and their reads, and the writes in
+        flight, waited for (at most :data:`FLUSH_WAIT_S`), so that no page they hold is left
+        behind; then L2, then L3. ``one``: the fingerprint of the one namespace flushed,
+        whose id is looked up again after the waits (it may have changed hands)."""
         tier = self.ctx.tier
-        with tier.writer.paused():
+        with tier.writer.paused(), tier.flushing(fps):
             await tier.quiesce(fps, FLUSH_WAIT_S)
+            if one is not None:
+                ns_id = self.ctx.pool.namespaces().get(one, -1)
             l2 = self._flush_l2(m, ns_id, owners, scope) if m.tier in ("l2", "all") else 0
             if m.tier == "l2":
                 return P.FlushReply(req_id=m.req_id, epoch=self.ctx.epoch, l2_pages=l2)
             l3, problem = await tier.flush(fps, reclaim=m.reclaim)
         events, pool = self.ctx.events, self.ctx.pool
-        if events is not None:  # AllBlocksCleared per namespace, then what L2 still holds
+        if events is not None and (problem is None or l3):
+            # AllBlocksCleared per namespace, then what L2 still holds (nothing deleted for
+            # a fault, L3 down or not listed: it holds what it held)
             ids = pool.namespaces()
             for fp in sorted(ids) if fps is None else fps:
                 if fp in ids:

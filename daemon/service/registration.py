@@ -229,6 +229,13 @@ class Registration:
             len(dropped),
         )
 
+    def _namespace_reclaimed(self, dropped: dict[int, list[bytes]]) -> None:
+        """:meth:`_reclaimed`, for a namespace whose id changes hands: what the L3 writer
+        holds of it is forgotten too."""
+        self._reclaimed(dropped)
+        for ns_id in dropped:
+            self.ctx.tier.writer.forget_namespace(ns_id)
+
     def _start_session(
         self,
         identity: bytes,
@@ -244,13 +251,15 @@ class Registration:
         uid = h.peer.uid
         fp = namespace_fingerprint(m.namespace, g, m.tp_rank, m.tp_size, tenant)
         try:
-            in_use = (s.ns_id for s in ctx.sessions)
-            ns_id = ctx.pool.namespace_id(fp, in_use, self._reclaimed)
-            owner = ctx.pool.owner_id(tenant)
-            classes = (s.class_id for s in ctx.sessions)
-            class_id = ctx.pool.register_class(
-                g.page_bytes, MAX_NEW_CLASSES, classes, self._reclaimed
-            )
+            # pages being written back to L3 are pinned meanwhile: never dropped for an id
+            with ctx.tier.writer.flush_guard():
+                in_use = (s.ns_id for s in ctx.sessions)
+                ns_id = ctx.pool.namespace_id(fp, in_use, self._namespace_reclaimed)
+                owner = ctx.pool.owner_id(tenant)
+                classes = (s.class_id for s in ctx.sessions)
+                class_id = ctx.pool.register_class(
+                    g.page_bytes, MAX_NEW_CLASSES, classes, self._reclaimed
+                )
         except HostPoolError as err:
             raise RequestError(P.ErrorCode.BUSY, str(err)) from err
         sid = ctx.sessions.new_id()

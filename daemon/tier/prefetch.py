@@ -28,6 +28,7 @@ or read and then discarded by a cancellation) also count as unused.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 from collections import OrderedDict, deque
@@ -79,8 +80,9 @@ class ReadLimit:
         except asyncio.CancelledError:
             if turn.done() and not turn.cancelled():
                 self._release()  # admitted as the cancellation came: pass the turn on
-            else:
-                self._waiters.remove(turn)
+            else:  # still waiting (a turn cancelled and then popped is gone already)
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(turn)
             raise
 
     async def __aexit__(self, *exc: object) -> None:

@@ -20,9 +20,10 @@ the write policy asks for before a shutdown; :meth:`close` closes the backend.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from kvtier.config import DaemonConfig
@@ -80,6 +81,8 @@ class TierStore:
         self.prefetcher.on_allocated = self.allocated
         self.writer = L3Writer(cfg, self.l3, self, pool, counters)
         self.groups = RankGroups(cfg.tp_group_timeout_s, on_round=self._on_round)
+        # the scopes of the FLUSHes under way (None: every namespace): no fill starts there
+        self._flushes: list[frozenset[bytes] | None] = []
         self.on_evicted: Callable[[list[EvictedPage]], None] | None = None
         """Told the pool's evictions after each allocation (the KV event publisher)."""
         self.on_l3_dropped: Callable[[list[tuple[bytes, bytes]]], None] | None = None
@@ -302,7 +305,7 @@ class TierStore:
             s.member is None and n3 * s.geometry.page_size < self.setting("prefetch_threshold")
         ):
             return
-        if not s.is_open() or job.released:
+        if not s.is_open() or job.released or self._flushing(s.ns_fingerprint):
             return
         run = keys[start : start + n3]
         job.fill = self.prefetcher.new_fill(s.ns_fingerprint, s.ns_id, s.geometry.page_bytes)
@@ -414,6 +417,20 @@ class TierStore:
         self.counters.tp_rounds += 1
         self.counters.tp_round_timeouts += timed_out
 
+    @contextlib.contextmanager
+    def flushing(self, namespaces: list[bytes] | None) -> Iterator[None]:
+        """A FLUSH of ``namespaces`` (None: of every one) is under way: no prefetch of them
+        starts a fill meanwhile (its pages would be marked in L3 after L3's were deleted)."""
+        scope = None if namespaces is None else frozenset(namespaces)
+        self._flushes.append(scope)
+        try:
+            yield
+        finally:
+            self._flushes.remove(scope)
+
+    def _flushing(self, fingerprint: bytes) -> bool:
+        return any(f is None or fingerprint in f for f in self._flushes)
+
     async def quiesce(self, namespaces: list[bytes] | None, timeout: float) -> None:
         """Before a FLUSH: cancel the prefetches of ``namespaces`` (None: of every one) and
         wait, at most ``timeout`` seconds, until their reads in flight have ended (a
@@ -433,7 +450,8 @@ class TierStore:
     ) -> tuple[int, str | None]:
         """Delete from L3 every page of ``namespaces`` (None: of every namespace); with
         ``reclaim``, the store then gives the freed disk space back. The L2 pages of those
-        namespaces are no longer in L3: a SYNC or a write policy writes them again.
+        namespaces are no longer in L3 (unless a fault left L3 untouched: down, its listing
+        failed): a SYNC or a write policy writes them again.
 
         Returns:
             ``(pages deleted, why not every page was or None)``
@@ -441,10 +459,11 @@ class TierStore:
         """
         self.prefetcher.cancel_namespaces(None if namespaces is None else set(namespaces))
         deleted, problem = await self.l3.flush(namespaces, reclaim=reclaim)
-        ids = self.pool.namespaces()
-        for fp in ids if namespaces is None else namespaces:
-            if fp in ids:
-                self.pool.clear_in_l3(ids[fp])
+        if problem is None or deleted:  # untouched (down, not listed): its marks hold
+            ids = self.pool.namespaces()
+            for fp in ids if namespaces is None else namespaces:
+                if fp in ids:
+                    self.pool.clear_in_l3(ids[fp])
         return deleted, problem
 
     def _l3_recovered(self) -> None:

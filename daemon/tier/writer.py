@@ -169,6 +169,7 @@ class L3Writer:
         self._backlog_at = 0
         self._syncs: list[_SyncWait] = []
         self._paused = 0  # FLUSHes under way: no write batch starts meanwhile
+        self._draining = False  # shutting down: batches start even while paused
         # pages given up while L3 was down, oldest first: queued again once it is back
         self._given_up: OrderedDict[tuple[int, bytes], _Item] = OrderedDict()
         self.write_back_checks = 0
@@ -349,6 +350,18 @@ class L3Writer:
             for (ns, ns_id, page_bytes, pinned), group in picked.items()
         )
 
+    def forget_namespace(self, ns_id: int) -> None:
+        """Namespace id ``ns_id`` changes hands (its pages were dropped): its pages queued,
+        retrying or given up are not written (their id would name the new namespace)."""
+        mine = [ident for ident in self._queued if ident[0] == ns_id]
+        for ident in mine:
+            del self._queued[ident]
+        if mine:
+            self._queue = deque(it for it in self._queue if it.ns_id != ns_id)
+            self._retry = [it for it in self._retry if it.ns_id != ns_id]
+        for ident in [i for i in self._given_up if i[0] == ns_id]:
+            del self._given_up[ident]
+
     def unsaved(self) -> int:
         """The L2 pages not in L3 yet: those queued, those never queued, and those given
         up while L3 was down (a write-back page is marked in L3 meanwhile, so that it can
@@ -473,7 +486,11 @@ class L3Writer:
             and not (self._queue or self._tasks or self._retry)
         ):
             self._catch_up_pass()
-        while self._queue and len(self._tasks) < WRITE_CONCURRENCY and not self._paused:
+        while (
+            self._queue
+            and len(self._tasks) < WRITE_CONCURRENCY
+            and (not self._paused or self._draining)
+        ):
             batch = self._take_batch()
             task = asyncio.get_running_loop().create_task(self._write(batch))
             self._tasks.add(task)
@@ -711,6 +728,7 @@ class L3Writer:
         """Write what the policy asks for before a shutdown, until ``deadline`` (monotonic)."""
         if not self.l3.available:
             return
+        self._draining = True  # a FLUSH under way (it never ends now) holds nothing back
         if self.write_back:
             self._select_cold(None)
         while (self._queue or self._retry or self._tasks) and time.monotonic() < deadline:

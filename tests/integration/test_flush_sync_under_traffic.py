@@ -4,68 +4,28 @@ LOOKUP sees afterwards."""
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from kvtier.client.connection.admin import AdminClient
-from kvtier.daemon.storage.file import FileBackend
 from kvtier.ipc import protocol as P
 
 from tests.engines import SMALL, engine, fill_page, tokens
-from tests.integration.test_l3_tier import l3_flags, wait_for
+from tests.integration.test_l3_tier import REPO, l3_flags, slow_flags, stats, wait_for
 from tests.servers import RedisServer, serve_redis
-
-REPO = str(Path(__file__).resolve().parents[2])
-
-
-class SlowBackend(FileBackend):
-    """The file backend with ``get_into`` delayed by ``delay_s`` and ``put_from`` by
-    ``put_delay_s`` (loaded by kvtierd as a ``dynamic`` backend: a slow L3 on purpose)."""
-
-    def __init__(self, extra_config: dict[str, Any]) -> None:
-        extra = dict(extra_config)
-        self.delay_s = float(extra.pop("delay_s", 0.0))
-        self.put_delay_s = float(extra.pop("put_delay_s", 0.0))
-        super().__init__(extra)
-
-    async def get_into(
-        self, ns: bytes, keys: Sequence[bytes], offsets: Sequence[int], length: int
-    ) -> list[bool]:
-        await asyncio.sleep(self.delay_s)
-        return await super().get_into(ns, keys, offsets, length)
-
-    async def put_from(
-        self, ns: bytes, keys: Sequence[bytes], offsets: Sequence[int], length: int
-    ) -> list[bool]:
-        await asyncio.sleep(self.put_delay_s)
-        return await super().put_from(ns, keys, offsets, length)
 
 
 def slow_daemon(daemon_factory, short_tmp: Path, delay_s=0.0, put_delay_s=0.0, **more: str):
-    extra = {
-        "backend_name": "slow-file",
-        "module_path": "tests.integration.test_flush_sync_under_traffic",
-        "class_name": "SlowBackend",
-        "path": str(short_tmp / "slow-l3"),
-        "delay_s": delay_s,
-        "put_delay_s": put_delay_s,
-    }
-    flags = l3_flags("dynamic", extra, prefetch_threshold="0", **more)
+    """A daemon whose L3 reads take ``delay_s`` and writes ``put_delay_s`` seconds each."""
+    flags = slow_flags(short_tmp, delay_s, put_delay_s, **more)
     return daemon_factory(*flags, env={"PYTHONPATH": REPO})
 
 
 def admin_call(d, msg: P.Request, wait_s: float = 30.0) -> P.Reply:
     with AdminClient(d.endpoint, timeout_s=wait_s) as admin:
         return admin.call(msg, wait_s=wait_s)
-
-
-def stats(d) -> dict[str, Any]:
-    with AdminClient(d.endpoint, timeout_s=10.0) as admin:
-        return admin.stats()
 
 
 def store(conn, pool, keys: list[bytes], first_page: int = 0, seed: int = 0, parent=None) -> None:
@@ -201,7 +161,6 @@ def test_flush_all_during_a_prefetch_leaves_no_prefetched_page(daemon_factory, s
         daemon_factory,
         short_tmp,
         delay_s=delay,
-        prefetch_concurrency="1",
         hicache_write_policy="write_through",
     )
     pool, conn = engine(d.runtime_dir, num_pages=n + 8)

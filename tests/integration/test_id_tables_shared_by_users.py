@@ -14,14 +14,16 @@ short-lived session at a time keeps nobody out.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from kvtier.client.connection.admin import AdminClient
+
+from tests.integration.test_shared_node_bounds import (
+    group_rdir,  # noqa: F401  (fixture)
+)
+from tests.integration.test_shared_node_bounds import run_child as shared_run_child
 
 pytestmark = [
     pytest.mark.skipif(
@@ -30,10 +32,8 @@ pytestmark = [
     pytest.mark.timeout(300),
 ]
 
-GROUP = 4300
 ATTACKER = 4831
 HONEST = 4832
-REPO = Path(__file__).parents[2]
 WAIT_S = 200.0
 
 CHILD = r"""
@@ -125,45 +125,18 @@ elif role == "engine":  # an engine of a model nobody registered before: store a
 
 
 def run_child(role: str, uid: int, rdir: Path, **args: object) -> dict:
-    """Run CHILD as ``uid`` (in GROUP) to its end; the last JSON line it printed."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            CHILD.replace("GROUP", str(GROUP)),
-            role,
-            str(uid),
-            str(rdir),
-            json.dumps(args),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=WAIT_S,
-        env={**os.environ, "HOME": "/tmp"},
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        pytest.fail(f"{role} child failed ({proc.returncode}): {proc.stderr[-3000:]}")
-    return json.loads(lines[-1])
-
-
-@pytest.fixture
-def group_rdir(short_tmp):
-    """``short_tmp/d0``, root:GROUP 0750 (the daemon fixture's runtime directory)."""
-    short_tmp.chmod(0o711)
-    rdir = short_tmp / "d0"
-    rdir.mkdir()
-    os.chown(rdir, 0, GROUP)
-    rdir.chmod(0o750)
-    return rdir
+    """:func:`~tests.integration.test_shared_node_bounds.run_child` of this module's CHILD."""
+    return shared_run_child(role, uid, rdir, child=CHILD, wait_s=WAIT_S, **args)
 
 
 def honest_ok(got: dict) -> bool:
     return got == {"uid": HONEST, "error": None, "stored": True, "loaded": True, "exact": True}
 
 
-def test_one_users_one_page_models_do_not_keep_other_users_models_out(group_rdir, daemon_factory):
+def test_one_users_one_page_models_do_not_keep_other_users_models_out(
+    group_rdir,  # noqa: F811  (the fixture)
+    daemon_factory,
+):
     """A user that runs thousands of short-lived engines, each of a new model and each
     storing one tiny page (16 MiB of a 64 MiB pool in all, no session held for long), must
     not keep another user's engine of a new model out: that engine registers, stores and
@@ -179,7 +152,10 @@ def test_one_users_one_page_models_do_not_keep_other_users_models_out(group_rdir
     assert honest_ok(honest), (honest, churn, {k: v for k, v in pool.items() if k != "classes"})
 
 
-def test_one_users_page_sizes_do_not_keep_other_users_page_size_out(group_rdir, daemon_factory):
+def test_one_users_page_sizes_do_not_keep_other_users_page_size_out(
+    group_rdir,  # noqa: F811  (the fixture)
+    daemon_factory,
+):
     """A user that runs short-lived engines of 256 page sizes, each storing one page (a
     pool of 1,024 extents, as a 32 GiB pool of the default 32 MiB extents has), must not
     keep another user's engine of a page size not seen before out: it registers, stores

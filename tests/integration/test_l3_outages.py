@@ -30,7 +30,7 @@ from tests.integration.test_l3_tier import (
     wait_for,
     wait_written,
 )
-from tests.servers import RedisServer, _Process, redis_pong, serve_redis
+from tests.servers import RedisServer, serve_redis, start_redis
 
 
 @pytest.fixture
@@ -293,38 +293,15 @@ def test_health_names_a_full_disk_as_the_cause_of_a_file_store_outage(full_disk,
 def test_pages_stored_before_l3_first_opened_reach_it_once_it_opens(daemon_factory):
     """Redis is not running when kvtierd starts (HEALTH degraded, L2 serves). Once Redis is
     started, L3 opens by itself and the pages stored meanwhile are written to it."""
-    port = _closed_port()
-    url = f"redis://127.0.0.1:{port}/0"
+    server = start_redis()
+    server.kill()  # not running when kvtierd starts, on a port it will come back to
+    url = server.url
     d = daemon_factory(*l3_flags("redis", {"url": url, "timeout_s": 0.5}))
     pool, conn = engine(d.runtime_dir)
-    server = None
     try:
         keys, _ = store_pages(pool, conn, 5)
         assert not _healthy(d)
-        binary = shutil.which("redis-server")
-        if binary is None:
-            pytest.skip("redis-server not installed")
-        log_dir = Path(tempfile.mkdtemp(prefix="kvtier-redis-"))
-        server = _Process(
-            [
-                binary,
-                "--bind",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(log_dir),
-                "--daemonize",
-                "no",
-            ],
-            log_dir / "redis.log",
-        )
-        server.spawn()
-        server.wait_ready(lambda: redis_pong(port), "redis-server", 15.0)
+        server.restart()
         wait_for(lambda: _healthy(d), timeout=30, what="L3 open")
         wait_for(
             lambda: _in_redis(url, conn.ns_fingerprint, keys) == 5,
@@ -334,5 +311,4 @@ def test_pages_stored_before_l3_first_opened_reach_it_once_it_opens(daemon_facto
     finally:
         conn.close()
         pool.close()
-        if server is not None:
-            server.remove()
+        server.stop()

@@ -112,13 +112,21 @@ elif role == "hugetlb":  # its KV memory in a sealed hugetlb memfd the node has 
 """
 
 
-def run_child(role: str, uid: int, rdir: Path, **args: object) -> dict:
-    """Run CHILD as ``uid`` (in GROUP) to its end; the last JSON line it printed."""
+def run_child(
+    role: str,
+    uid: int,
+    rdir: Path,
+    child: str = CHILD,
+    wait_s: float = WAIT_S,
+    **args: object,
+) -> dict:
+    """Run ``child`` (a script: its role, uid, runtime directory and JSON arguments on its
+    command line) as ``uid`` (in GROUP) to its end; the last JSON line it printed."""
     proc = subprocess.run(
         [
             sys.executable,
             "-c",
-            CHILD.replace("GROUP", str(GROUP)),
+            child.replace("GROUP", str(GROUP)),
             role,
             str(uid),
             str(rdir),
@@ -127,7 +135,7 @@ def run_child(role: str, uid: int, rdir: Path, **args: object) -> dict:
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=WAIT_S,
+        timeout=wait_s,
         env={**os.environ, "HOME": "/tmp"},
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]

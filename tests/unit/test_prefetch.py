@@ -305,3 +305,23 @@ async def test_a_read_limit_admits_in_order_across_resizes_and_cancellations() -
     late.cancel()  # ... which is cancelled before it runs: the turn is given back
     await asyncio.gather(first, late, return_exceptions=True)
     assert limit.held == 0
+
+
+async def test_a_waiter_cancelled_as_its_turn_is_skipped_leaves_the_limit_exact() -> None:
+    """A read waiting for its turn is cancelled, and the holder ends before the waiter runs
+    again (its cancelled turn is passed over): the waiter ends cancelled, nothing else
+    raises, and the limit counts no holder."""
+    limit = ReadLimit(1)
+    await limit.__aenter__()
+
+    async def wait_turn() -> None:
+        async with limit:
+            pass
+
+    waiter = asyncio.create_task(wait_turn())
+    await asyncio.sleep(0)  # the waiter waits for its turn
+    waiter.cancel()
+    await limit.__aexit__(None, None, None)  # its cancelled turn is passed over
+    (ended,) = await asyncio.gather(waiter, return_exceptions=True)
+    assert isinstance(ended, asyncio.CancelledError), ended
+    assert limit.held == 0

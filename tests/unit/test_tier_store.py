@@ -288,3 +288,30 @@ async def test_a_prefetch_tells_each_batchs_evictions_before_the_next_batch(
         assert await rig.tier.prefetch(s, keys, "") == len(keys)
         assert len(told) == 2 and sum(told) == len(keys), told  # one call per batch
         assert await rig.tier.claim(s, keys, "", "wait_complete") == len(keys)
+
+
+async def test_a_shutdown_drain_writes_while_a_flush_holds_the_writer(tmp_path: Path) -> None:
+    """A daemon stopping while a FLUSH holds the L3 writer paused (the FLUSH never ends
+    now): the shutdown's drain still writes what is queued, before its deadline, and does
+    not hold the event loop meanwhile."""
+    async with open_rig(tmp_path) as rig:
+        keys = chain(6)
+        rig.store(keys)
+        writer = rig.tier.writer
+        with writer.paused():
+            rig.tier.stored(rig.session, keys)
+            ticks = 0
+
+            async def tick() -> None:
+                nonlocal ticks
+                while True:
+                    ticks += 1
+                    await asyncio.sleep(0.01)
+
+            ticker = asyncio.create_task(tick())
+            try:
+                await writer.drain(time.monotonic() + 5.0)
+            finally:
+                ticker.cancel()
+        assert writer.queued == 0 and rig.backend.stats.puts == 6
+        assert await rig.tier.l3_run(rig.session.ns_fingerprint, keys) == 6

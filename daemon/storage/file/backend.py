@@ -109,8 +109,8 @@ class FileBackend(StorageBackend):
             _segment_limit(),
         )
         # why a segment could not be created for want of disk (ENOSPC, EDQUOT), until one
-        # is created or a page written again: meanwhile a store holding no segment is
-        # unhealthy (health)
+        # is created or a health check finds room (logged once per spell): meanwhile a
+        # store holding no segment is unhealthy, one holding some evicts to write (health)
         self._disk_full: str | None = None
         self._damage_logged = -DAMAGE_LOG_S  # when damaged objects were last logged
         self._damage_held = 0  # damaged objects found since then
@@ -194,15 +194,14 @@ class FileBackend(StorageBackend):
             except OSError as err:
                 self.health_cause = f"path={where!r}: {err.strerror or err}"
                 return False
-            with self._lock:
-                holds_segments = bool(self._slots.segments)
-            if vfs.f_bavail * vfs.f_frsize < self.config.segment_bytes and not holds_segments:
+            if vfs.f_bavail * vfs.f_frsize >= self.config.segment_bytes:
+                self._disk_full = None  # room again: the next put creates its segment
+            elif not self._slots.segments:  # nothing to evict either (read without the lock)
                 self.health_cause = (
                     f"path={where!r}: no room for a segment of {self.config.segment_bytes} "
                     f"bytes ({self._disk_full})"
                 )
                 return False
-            self._disk_full = None  # room again: the next put creates or evicts its slot
         if not os.access(self.config.path, os.W_OK | os.X_OK):
             self.health_cause = f"path={where!r}: the directory is not writable"
             return False
@@ -368,8 +367,6 @@ class FileBackend(StorageBackend):
             if reservation is not None:
                 may_grow = self._grow(size, reservation)
         written = self._write(arena, ns, keys, offsets, length, plan)
-        if any(written.values()):
-            self._disk_full = None  # pages fit again (a slot freed by eviction)
         planned = dict(plan)
         with self._lock:
             for seg in touched:
