@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 from kvtier.client.connection.admin import AdminClient
-from kvtier.client.connection.replies import DaemonError
 from kvtier.ipc import protocol as P
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -232,28 +231,31 @@ def test_engines_that_left_do_not_grow_the_page_class_label_set(daemon_factory):
 
 def test_engines_bring_at_most_256_page_sizes(daemon_factory):
     """The pool holds pages of at most 256 page sizes from engines: with 256 sizes holding
-    pages, a REGISTER with a 257th is refused BUSY naming its page_bytes, one with a size
-    already known still registers, and once the pages of the others are gone (FLUSH) a
-    new size takes over the class of one."""
+    cached pages (no session open), a REGISTER with a 257th takes over the class of the
+    size used the longest ago (its page is dropped, the others stay), and a size already
+    known still registers without taking anything."""
     d = daemon_factory("--hicache-size", "64MiB", "--extent-size", "256KiB")
 
     def geometry(head_dim: int) -> P.Geometry:
         return P.Geometry(num_layers=1, page_size=1, kv_heads=1, head_dim=head_dim, dtype="float16")
+
+    def held(head_dim: int) -> int:
+        pool, conn = engine(d.runtime_dir, geometry(head_dim), num_pages=1, model="x")
+        try:
+            return conn.lookup(conn.page_keys([head_dim])).l2
+        finally:
+            conn.close()
+            pool.close()
 
     for head_dim in range(1, 257):  # each size keeps a page (and an extent) in the pool
         pool, conn = engine(d.runtime_dir, geometry(head_dim), num_pages=1, model="x")
         assert conn.store(conn.page_keys([head_dim]), [0]).wait()
         conn.close()
         pool.close()
-    with pytest.raises(DaemonError, match="page_bytes=1028") as err:
-        engine(d.runtime_dir, geometry(257), num_pages=1, model="x")
-    assert err.value.code == P.ErrorCode.BUSY
-    pool, conn = engine(d.runtime_dir, geometry(3), num_pages=1, model="x")
-    conn.close()
-    pool.close()
-    with AdminClient(d.endpoint) as admin:
-        assert isinstance(admin.call(P.Flush(req_id=0, tier="l2")), P.FlushReply)
+    assert held(3) == 1  # a known size registers and takes nothing
     pool, conn = engine(d.runtime_dir, geometry(257), num_pages=1, model="x")
     assert conn.store(conn.page_keys([257]), [0]).wait()
     conn.close()
     pool.close()
+    assert held(2) == 1 and held(257) == 1
+    assert held(1) == 0  # the oldest size's page went with its class
