@@ -129,6 +129,7 @@ class _Item:
     slot: int = -1  # write-back: the slot it was found in
     attempts: int = 0
     due: float = 0.0
+    backup: bool = False  # a back-up of L2 as it stands (catch-up, SYNC): old pages mostly
 
 
 class L3Writer:
@@ -235,10 +236,12 @@ class L3Writer:
         bound: bool = True,
         slots: list[int] | None = None,
         count_dropped: bool = True,
+        backup: bool = False,
     ) -> int:
         """Queue the pages of ``keys`` not queued yet, within the queue's room (``bound``);
         how many were queued. Those past the room are counted as dropped only when
-        ``count_dropped`` (a STORE's: a scan that picked them offers them again later)."""
+        ``count_dropped`` (a STORE's: a scan that picked them offers them again later).
+        ``backup``: a back-up of L2 as it stands (see :meth:`_write_batch`)."""
         queued, queue = self._queued, self._queue
         room = (self.cfg.write_back_queue if bound else 1 << 62) - len(queued)
         added = dropped = 0
@@ -257,6 +260,7 @@ class L3Writer:
                     dropped += 1
                 continue
             it = _Item(ns, ns_id, key, page_bytes, pinned, slots[j] if slots is not None else -1)
+            it.backup = backup
             queued[ident] = it
             queue.append(it)
             added += 1
@@ -444,6 +448,7 @@ class L3Writer:
                 bound=bound,
                 slots=[s for _, s in pages],
                 count_dropped=False,
+                backup=pinned,
             )
             for (ns, ns_id, pb), pages in picked.items()
         )
@@ -509,11 +514,12 @@ class L3Writer:
         batch = [first]
         while self._queue and len(batch) < WRITE_BATCH:
             it = self._queue[0]
-            if (it.ns, it.ns_id, it.page_bytes, it.pinned) != (
+            if (it.ns, it.ns_id, it.page_bytes, it.pinned, it.backup) != (
                 first.ns,
                 first.ns_id,
                 first.page_bytes,
                 first.pinned,
+                first.backup,
             ):
                 break
             batch.append(self._queue.popleft())
@@ -544,10 +550,12 @@ class L3Writer:
         pins: list[int] = []
         try:
             asked = False
-            if batch[0].pinned and self.l3.available:
-                # pages L3 holds already (a back-up after a restart finds most there) are
-                # marked without a pin: a pin takes a page off the evictable lists, and
-                # putting it back places it by a bounded walk, not where it was
+            if batch[0].pinned and batch[0].backup and self.l3.available:
+                # a back-up's pages L3 holds already (after a restart, most) are marked
+                # without a pin: a pin takes a page off the evictable lists, and putting it
+                # back places it by a walk from the hot end, not where an old page was. A
+                # STORE's pages (hot: placed right again) are pinned first, so that none is
+                # evicted before it is written
                 asked = True
                 first = batch[0]
                 present = await self.l3.exists(first.ns, [it.key for it in batch])

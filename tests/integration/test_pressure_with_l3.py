@@ -185,6 +185,7 @@ def test_prefetches_into_a_pool_full_of_writing_pages_stay_exact(daemon_factory,
         wait_written(d, 70)
         flush(d, "l2")
         chain(20, 2, conn_b, pool_b)
+        wait_written(d, 90)  # written: no longer pinned by their write, so evictable
         assert conn.prefetch(ka) == 40
         assert conn_b.prefetch(kc) == 24  # what the 40 WRITING slots leave
         ca = conn.claim(ka, policy="wait_complete")
