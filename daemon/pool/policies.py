@@ -10,8 +10,9 @@ so chains stay whole for every policy.
   or stored again soon after their eviction (their key is a ghost: a key of a recent
   eviction, remembered without its page).
 - ``arc``: ARC (Megiddo and Modha, FAST'03). Each list leaves its evictions' keys in its
-  own ghost list (B1, B2), each at most as long as the pool holds pages; a store of a key
-  found in B1 means T1 was too small (its target ``p`` grows by ``max(|B2| / |B1|, 1)``),
+  own ghost list (B1, B2): the two together, and T1 with B1, at most as long as the pool
+  holds pages (ARC's directory). A store of a key found in B1 means T1 was too small
+  (its target ``p`` grows by ``max(|B2| / |B1|, 1)``),
   one found in B2 that T2 was (``p`` shrinks by ``max(|B1| / |B2|, 1)``).
 - ``reuse``: a page used again is worth more than one stored once, for a while. The
   victim is the coldest page of T1, unless T2's coldest page has not been used for more
@@ -179,11 +180,13 @@ class ArcState(SplitState):
         k = self.tier[s]
         self.evicted[k] += 1
         self.capacity = resident
-        ghost = self.ghosts[k]
-        g = hash((ns, key))
-        ghost[g] = None
-        while len(ghost) > resident:
-            ghost.popitem(last=False)
+        b1, b2 = self.ghosts
+        self.ghosts[k][hash((ns, key))] = None
+        # ARC's directory: T1 + B1 at most c, and B1 + B2 at most c (the pages resident)
+        t1 = resident - self.t2
+        while len(b1) + len(b2) > resident:
+            from_b1 = b1 and (t1 + len(b1) > resident or not b2)
+            (b1 if from_b1 else b2).popitem(last=False)
 
 
 GHOST_FACTOR = 4
