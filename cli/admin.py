@@ -45,6 +45,7 @@ from kvtier.cli.admin_args import (
 )
 from kvtier.cli.stats_view import render_sessions, render_stats
 from kvtier.client.connection.admin import AdminClient, AdminError
+from kvtier.daemon.log_lines import escape_controls
 from kvtier.ipc import protocol as P
 
 __all__ = [
@@ -185,7 +186,9 @@ def _watch(args: argparse.Namespace, endpoint: str, timeout_s: float) -> int:
             if args.json:
                 print(json.dumps({"error": str(err)}), flush=True)
                 return None
-            return f"[red]kvtier stats: {err}[/] (retrying every {args.watch:g}s)"
+            from rich.markup import escape
+
+            return f"[red]kvtier stats: {escape(escape_controls(str(err)))}[/] (retrying every {args.watch:g}s)"
         rc = 0
         if args.json:
             print(json.dumps(snap, sort_keys=True), flush=True)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+from typing import Any
 
 from kvtier.config.arg_types import (
     CliError,
@@ -23,6 +25,7 @@ from kvtier.config.arg_types import (
 from kvtier.client.connection.events import EventSubscriber
 from kvtier.config import ConfigError, DaemonConfig
 from kvtier.config.loader import add_version_flag, load_config
+from kvtier.daemon.log_lines import escape_controls
 from kvtier.ipc.kv_events import as_dict
 
 __all__ = ["build_parser", "main"]
@@ -111,26 +114,51 @@ def _tail(args: argparse.Namespace, endpoint: str, replay: str | None) -> int:
                 if args.json:
                     print(
                         json.dumps(
-                            {
-                                "seq": msg.seq,
-                                "topic": msg.topic,
-                                "ts": msg.batch.ts,
-                                "replayed": msg.replayed,
-                                **as_dict(ev),
-                            }
+                            _finite(
+                                {
+                                    "seq": msg.seq,
+                                    "topic": msg.topic,
+                                    "ts": msg.batch.ts,
+                                    "replayed": msg.replayed,
+                                    **as_dict(ev),
+                                }
+                            ),
+                            allow_nan=False,
                         ),
                         flush=True,
                     )
                 else:
                     blocks = getattr(ev, "block_hashes", [])
+                    medium = escape_controls(str(getattr(ev, "medium", "") or ""))
                     print(
-                        f"{msg.seq:>8} {msg.topic} {type(ev).__name__:<16} "
-                        f"{getattr(ev, 'medium', '') or '':<8} {len(blocks):>5} "
+                        f"{msg.seq:>8} {escape_controls(msg.topic)} {type(ev).__name__:<16} "
+                        f"{medium:<8} {len(blocks):>5} "
                         f"{' '.join(_short(h) for h in blocks[:4])}"
                         f"{' ...' if len(blocks) > 4 else ''}",
                         flush=True,
                     )
                 printed += 1
                 if args.count and printed >= args.count:
-                    return 0
+                    return _skipped(sub.malformed)
+        return _skipped(sub.malformed)
+
+
+def _skipped(malformed: int) -> int:
+    """Say on stderr how many messages were not KV event batches (skipped); 0."""
+    if malformed:
+        print(
+            f"kvtier events: skipped {malformed} message(s) that were not KV event batches",
+            file=sys.stderr,
+        )
     return 0
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every float that is not finite (NaN, ±inf: not JSON) as None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value

@@ -33,10 +33,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 from kvtier.config import ConfigError, DaemonConfig, load_config
 from kvtier.config.loader import add_version_flag
 from kvtier.config.sizes import format_size
+from kvtier.daemon.log_lines import escape_controls
 from kvtier.daemon.pool.inventory import (
     POOL_PREFIX,
     PoolFileInfo,
@@ -74,8 +76,11 @@ def holder_of(info: PoolFileInfo) -> Holder:
     Held when the lock of the runtime directory its header names is held (unless that
     daemon recorded another pool file as the one it serves from), when a daemon holds the
     file's own lock (a kvtierd locks the pool file it maps), or when a process
-    maps the file (``/proc/<pid>/maps``).
+    maps the file (``/proc/<pid>/maps``). A symlink or anything else that is not a regular
+    file is no pool and held by nobody (a daemon refuses it): what it points at is not asked.
     """
+    if info.kind != "file":
+        return Holder("no", why=f"not a regular file ({info.kind})")
     if info.runtime_dir is not None:
         try:
             pid = lock_holder(info.runtime_dir)
@@ -181,13 +186,13 @@ def _age(seconds: float) -> str:
 
 def _print_table(rows: list[dict[str, object]]) -> None:
     if not rows:
-        print("no kvtier pool files")
+        _say("no kvtier pool files")
         return
-    print(f"{'PATH':<36} {'SIZE':>10} {'AGE':>5} {'UID':>6} {'HELD':<14} RUNTIME DIR")
+    _say(f"{'PATH':<36} {'SIZE':>10} {'AGE':>5} {'UID':>6} {'HELD':<14} RUNTIME DIR")
     for r in rows:
         rdir = r["runtime_dir"] or f"? ({r['header']})"
         held = "yes (pid {})".format(r["holder_pid"]) if r["holder_pid"] else str(r["held"])
-        print(
+        _say(
             f"{r['path']:<36} {format_size(int(r['size'])):>10} "  # type: ignore[call-overload]
             f"{_age(float(r['age_s'])):>5} {r['uid']:>6} {held:<14} {rdir}"  # type: ignore[arg-type]
         )
@@ -202,6 +207,8 @@ def _remove(info: PoolFileInfo, holder: Holder) -> str | None:
         )
     if holder.state != "no":
         return f"{info.path}: cannot tell whether a daemon holds it ({holder.why}); not removed"
+    if info.kind != "file":  # the link itself goes, never what it points at
+        return _unlink(info)
     with contextlib.ExitStack() as held:
         if info.runtime_dir is not None:
             try:
@@ -228,12 +235,17 @@ def _remove(info: PoolFileInfo, holder: Holder) -> str | None:
         pids, _ = _mapped_by(info.path, info.uid)
         if pids:
             return f"{info.path} is mapped by pid {pids[0]} (a kvtierd started meanwhile)"
-        try:
-            os.unlink(info.path)
-        except FileNotFoundError:
-            return None
-        except OSError as err:
-            return f"cannot remove {info.path}: {err.strerror} (owner uid {info.uid})"
+        return _unlink(info)
+
+
+def _unlink(info: PoolFileInfo) -> str | None:
+    """Unlink ``info.path`` (a symlink itself, not its target); None, or why not."""
+    try:
+        os.unlink(info.path)
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        return f"cannot remove {info.path}: {err.strerror} (owner uid {info.uid})"
     return None
 
 
@@ -314,14 +326,14 @@ def main(argv: Sequence[str]) -> int:
         cli = {"pool_dir": args.pool_dir} if args.pool_dir is not None else {}
         pool_dir = load_config(DaemonConfig, cli=cli).pool_dir
     except ConfigError as err:
-        print(f"kvtier pools: {err}", file=sys.stderr)
+        _say(f"kvtier pools: {err}", file=sys.stderr)
         return 2
     if args.remove is not None:
         return _remove_one(args.remove, pool_dir)
     try:
         infos = list_pool_files(pool_dir)
     except OSError as err:
-        print(f"kvtier pools: cannot list {pool_dir}: {err.strerror}", file=sys.stderr)
+        _say(f"kvtier pools: cannot list {pool_dir}: {err.strerror}", file=sys.stderr)
         return 1
     now = time.time()
     pairs = [(info, holder_of(info)) for info in infos]
@@ -329,7 +341,7 @@ def main(argv: Sequence[str]) -> int:
         rc = 0
         for info, holder in pairs:
             if holder.state == "unknown":
-                print(
+                _say(
                     f"kvtier pools: left {info.path}: cannot tell whether a daemon holds it "
                     f"({holder.why})",
                     file=sys.stderr,
@@ -338,9 +350,9 @@ def main(argv: Sequence[str]) -> int:
                 continue
             why = _remove(info, holder)
             if why is None:
-                print(f"removed {info.path} ({format_size(info.size)})")
+                _say(f"removed {info.path} ({format_size(info.size)})")
             else:
-                print(f"kvtier pools: {why}", file=sys.stderr)
+                _say(f"kvtier pools: {why}", file=sys.stderr)
                 rc = 1
         return rc
     rows = [_row(info, holder, now) for info, holder in pairs]
@@ -353,7 +365,7 @@ def main(argv: Sequence[str]) -> int:
 
 def _remove_one(path: Path, pool_dir: Path) -> int:
     if not path.name.startswith(POOL_PREFIX):
-        print(
+        _say(
             f"kvtier pools: {path} is not a kvtier pool file (its name does not start "
             f"with {POOL_PREFIX}); see kvtier pools",
             file=sys.stderr,
@@ -362,17 +374,24 @@ def _remove_one(path: Path, pool_dir: Path) -> int:
     try:
         info = inspect_pool_file(path)
     except FileNotFoundError:
-        print(
+        _say(
             f"kvtier pools: no such pool file: {path} (see kvtier pools --pool-dir {pool_dir})",
             file=sys.stderr,
         )
         return 1
     except OSError as err:
-        print(f"kvtier pools: cannot inspect {path}: {err.strerror}", file=sys.stderr)
+        _say(f"kvtier pools: cannot inspect {path}: {err.strerror}", file=sys.stderr)
         return 1
     why = _remove(info, holder_of(info))
     if why is not None:
-        print(f"kvtier pools: {why}", file=sys.stderr)
+        _say(f"kvtier pools: {why}", file=sys.stderr)
         return 1
-    print(f"removed {path} ({format_size(info.size)})")
+    _say(f"removed {path} ({format_size(info.size)})")
     return 0
+
+
+def _say(text: str, file: TextIO | None = None) -> None:
+    """Print ``text`` with its control characters written as escapes: paths and runtime
+    directories come from files anyone may put into the pool directory, and a newline or an
+    escape sequence in one must not forge a row or drive the terminal."""
+    print(escape_controls(text), file=file or sys.stdout)

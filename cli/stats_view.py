@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvtier.config import format_size
+from kvtier.daemon.log_lines import escape_controls
 
 __all__ = ["render_sessions", "render_stats"]
 
@@ -102,14 +103,14 @@ def render_stats(
     head.add_column(style="bold")
     head.add_column()
     if endpoint:
-        head.add_row("endpoint", endpoint)
+        head.add_row("endpoint", _plain(endpoint))
     uptime = _num(snap, "uptime_s")
     head.add_row("epoch", str(snap.get("epoch", "—")))
     head.add_row("uptime", _duration(uptime) if uptime is not None else "—")
     head.add_row("sessions", f"{len(sessions)}")
     scope = snap.get("scope")
     if isinstance(scope, Mapping):  # a tenant's view: its own numbers, nothing daemon-wide
-        head.add_row("scope", "tenant " + ", ".join(map(str, scope.get("tenants") or ())))
+        head.add_row("scope", _plain("tenant " + ", ".join(map(str, scope.get("tenants") or ()))))
         return Group(head, _tenant_table(snap.get("tenants") or {}))
     head.add_row("requests", f"{int(_num(c, 'requests') or 0):,}")
     errors = c.get("errors_by_code") or {}
@@ -194,7 +195,7 @@ def render_stats(
         lt.add_row("backend", "none")
     else:
         healthy = l3.get("healthy")
-        lt.add_row("backend", str(l3.get("backend", "—")))
+        lt.add_row("backend", _plain(l3.get("backend", "—")))
         lt.add_row(
             "health", "—" if healthy is None else ("[green]ok[/]" if healthy else "[red]failing[/]")
         )
@@ -273,7 +274,7 @@ def _tenant_table(tenants: Mapping[str, Any]) -> Any:
         row = row if isinstance(row, Mapping) else {}
         pages, quota = _num(row, "pages"), _num(row, "quota_pages")
         t.add_row(
-            str(name),
+            _plain(name),
             f"{int(pages):,}" if pages is not None else "—",
             f"{int(quota):,}" if quota is not None else "none",
         )
@@ -301,13 +302,21 @@ def render_sessions(sessions: Sequence[Mapping[str, Any]]) -> Any:
     for s in sessions:
         page = s.get("page_bytes")
         t.add_row(
-            str(s.get("session_id", "")),
-            str(s.get("tenant", "")),
-            str(s.get("pid", "")),
-            f"{s.get('tp_rank', 0)}/{s.get('tp_size', 1)}",
-            str(s.get("state", "")),
+            _plain(s.get("session_id", "")),
+            _plain(s.get("tenant", "")),
+            _plain(s.get("pid", "")),
+            _plain(f"{s.get('tp_rank', 0)}/{s.get('tp_size', 1)}"),
+            _plain(s.get("state", "")),
             format_size(int(page)) if isinstance(page, int) else "—",
-            str(s.get("num_pages", "")),
-            str(s.get("transfers", "")),
+            _plain(s.get("num_pages", "")),
+            _plain(s.get("transfers", "")),
         )
     return t
+
+
+def _plain(value: object) -> Any:
+    """``value`` as text shown as it is: never read as rich markup (a tenant named
+    ``ops[/]``), its control characters written as escapes (never sent to the terminal)."""
+    from rich.text import Text
+
+    return Text(escape_controls(str(value)))

@@ -375,7 +375,27 @@ class DaemonConfig(_Frozen):
                 f"kv_events_replay_endpoint = {self.kv_events_replay_endpoint!r} needs a "
                 f"distinct kv_events_endpoint (it is {self.kv_events_endpoint!r})"
             )
+        self._check_tokens()
         return self
+
+    def _check_tokens(self) -> None:
+        """Each tenant's token is its own: not empty, not another tenant's (a token names
+        one tenant: scoped STATS and FLUSH would cover both), not the admin token. Errors
+        name the tenants, never a token."""
+        admin = self.admin_token.get_secret_value() if self.admin_token is not None else None
+        seen: dict[str, str] = {}
+        for name, t in self.tenants.items():
+            token = t.token.get_secret_value()
+            if not token:
+                raise ValueError(f"tenants.{name}.token is empty")
+            if token in seen:
+                raise ValueError(
+                    f"tenants.{name}.token and tenants.{seen[token]}.token are the same: "
+                    "each tenant needs a token of its own"
+                )
+            if token == admin:
+                raise ValueError(f"tenants.{name}.token is the admin_token: choose another")
+            seen[token] = name
 
 
 class ClientConfig(_Frozen):

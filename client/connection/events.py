@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Self
 
+import msgspec
 import zmq
 from kvtier.config import ConfigError
 from kvtier.ipc import kv_events as E
@@ -103,6 +104,7 @@ class EventSubscriber:
         self.gaps = 0  # gaps seen in the sequence numbers
         self.lost = 0  # batches of gaps the daemon no longer buffered
         self.restarts = 0  # new streams seen (a daemon restarted)
+        self.malformed = 0  # messages skipped: not a KV event batch (parts, bytes, topic)
         # what replays brought and the live stream has not passed yet: seq -> payload digest
         self._by_replay: dict[int, bytes] = {}
 
@@ -119,10 +121,28 @@ class EventSubscriber:
 
     def recv(self, timeout_s: float) -> EventMessage | None:
         """The next batch as published (no gap handling), or None after ``timeout_s``."""
-        if not self._sub.poll(poll_ms(timeout_s)):
+        end = time.monotonic() + timeout_s
+        while self._sub.poll(poll_ms(max(0.0, end - time.monotonic()))):
+            msg = self._parse(self._sub.recv_multipart(), False)
+            if msg is not None:
+                return msg
+        return None
+
+    def _parse(self, parts: list[bytes], replayed: bool) -> EventMessage | None:
+        """``[topic, seq, payload]`` as a message; None (counted in :attr:`malformed`) for
+        anything else: another number of parts, a sequence frame not of 8 bytes, a topic
+        not UTF-8, a payload that is not a batch."""
+        if len(parts) != 3 or len(parts[1]) != 8:
+            self.malformed += 1
             return None
-        topic, seq, payload = self._sub.recv_multipart()
-        return EventMessage(topic.decode(), E.seq_of(seq), E.decode_batch(payload), False, payload)
+        topic, seq, payload = parts
+        try:
+            return EventMessage(
+                topic.decode(), E.seq_of(seq), E.decode_batch(payload), replayed, payload
+            )
+        except (UnicodeDecodeError, msgspec.DecodeError):  # ValidationError is one too
+            self.malformed += 1
+            return None
 
     def iter(self, timeout_s: float, start_seq: int | None = None) -> Iterator[EventMessage]:
         """Batches in sequence order, gaps filled by replay, until none came for
@@ -202,15 +222,17 @@ class EventSubscriber:
             req.connect(self._replay_endpoint or "")
             req.send_multipart((b"", E.replay_request(start)))
             while req.poll(poll_ms(timeout_s)):
-                _, topic, seq, payload = req.recv_multipart()
-                if seq == E.END_SEQ:
+                parts = req.recv_multipart()
+                if len(parts) == 4 and parts[2] == E.END_SEQ:
                     break
-                n = E.seq_of(seq)
-                seqs[n] = _digest(payload)
-                if (upto is None or n < upto) and topic.decode().startswith(self._topic):
-                    out.append(
-                        EventMessage(topic.decode(), n, E.decode_batch(payload), True, payload)
-                    )
+                msg = self._parse(parts[1:], True) if len(parts) == 4 else None
+                if msg is None:
+                    if len(parts) != 4:
+                        self.malformed += 1
+                    break  # an answer that is not the protocol's: what it brought so far
+                seqs[msg.seq] = _digest(msg.payload)
+                if (upto is None or msg.seq < upto) and msg.topic.startswith(self._topic):
+                    out.append(msg)
         finally:
             req.close(linger=0)
         return seqs, out

@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import mmap
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -740,6 +740,16 @@ class HostPool:
         """Return the slots of every READY page, of every namespace. O(pages): for the
         walks of a SYNC, a back-up of L2 and a shutdown's write-back."""
         return [s for pages in self._pages.ready.values() for s in pages.values()]
+
+    def iter_evictable(self, owner: int | None = None) -> Iterator[int]:
+        """The slots :meth:`evictable_slots` returns, one at a time, cold end first: what
+        a caller that needs the coldest few walks (the pool must not change meanwhile)."""
+        return self._pages.evictor.lru.cold_first(owner)
+
+    def at_quota(self, owner: int) -> bool:
+        """Whether ``owner`` holds its quota's pages (or more): it then evicts only its own."""
+        quota = self._pages.evictor.quota.get(owner)
+        return quota is not None and self.owned_pages(owner) >= quota
 
     def evictable_slots(self, owner: int | None = None) -> list[int]:
         """Return the evictable slots, cold end first, walking the global list or

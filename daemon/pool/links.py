@@ -13,6 +13,7 @@ resident children. The free lists themselves are
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterator
 
 import numpy as np
 from kvtier.daemon.pool.layout import NIL
@@ -80,6 +81,15 @@ class RecencyLists:
             return (self.ends2 if second else self.ends)[0], self.next
         ends = self.own_ends.get(owner)
         return (NIL if ends is None else ends[0]), self.onext
+
+    def cold_first(self, owner: int | None) -> Iterator[int]:
+        """The slots :meth:`walk` returns, one at a time (the lists must not change while
+        this is iterated): a caller that needs a few stops early."""
+        for second in (False, True) if owner is None else (False,):
+            s, nxt = self.start(owner, second)
+            while s != NIL:
+                yield s
+                s = nxt[s]
 
     def walk(self, owner: int | None) -> list[int]:
         """Return the slots of the global lists, first then second (or ``owner``'s

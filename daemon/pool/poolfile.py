@@ -427,7 +427,7 @@ def write_owner_tag(view: memoryview, runtime_dir: str | Path) -> None:
 
 def read_owner_tag(head: bytes) -> Path | None:
     """Return the runtime directory recorded in ``head`` (the file's first bytes), or None:
-    also for a tag no daemon writes (not an absolute path, a NUL byte, not UTF-8), as anyone
+    also for a tag no daemon writes (not an absolute path, a control character, not UTF-8), as anyone
     may write a file of this name into a shared ``/dev/shm``."""
     start = OWNER_TAG_OFFSET + len(OWNER_TAG_MAGIC)
     if len(head) < start + _TAG_LEN.size or head[OWNER_TAG_OFFSET:start] != OWNER_TAG_MAGIC:
@@ -437,9 +437,12 @@ def read_owner_tag(head: bytes) -> Path | None:
     if n == 0 or n > OWNER_TAG_MAX or len(raw) != n or b"\0" in raw or raw[:1] != b"/":
         return None
     try:
-        return Path(raw.decode("utf-8"))
+        text = raw.decode("utf-8")
     except UnicodeDecodeError:
         return None
+    if any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in text):  # no daemon's directory
+        return None
+    return Path(text)
 
 
 _libc = ctypes.CDLL(None, use_errno=True)

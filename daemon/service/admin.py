@@ -348,8 +348,8 @@ class Admin:
             fp = bytes.fromhex(m.namespace)  # 64 hex digits: checked at decode
             ns_id = ctx.pool.namespaces().get(fp, -1)
             fps = [fp] if fps is None or fp in fps else []
-        if ctx.tier.l3.name == "none":  # no read nor write of L3 to wait for
-            l2 = self._flush_l2(m, ns_id, owners, scope)
+        if ctx.tier.l3.name == "none":  # no read nor write of L3 to wait for; L3 is empty
+            l2 = self._flush_l2(m, ns_id, owners, scope) if m.tier in ("l2", "all") else 0
             return P.FlushReply(req_id=m.req_id, epoch=ctx.epoch, l2_pages=l2)
         one = fps[0] if ns_id is not None and fps else None
         return Deferred(self._flush_tiers(m, ns_id, one, owners, scope, fps))

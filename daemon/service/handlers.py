@@ -245,7 +245,7 @@ class Handlers:
             stored = ctx.pool.stored_run(s.ns_id, keys[:count], {slot for _, slot in allocated})
         ctx.counters.store_skipped_pages += count - len(allocated)
         ctx.counters.store_failed_pages += len(keys) - count
-        ctx.tier.allocated(len(keys), count)
+        ctx.tier.allocated(len(keys), count, s.owner)
         if not allocated:
             return P.StoreAccepted(req_id=m.req_id, epoch=ctx.epoch, count=stored, writing=0)
         host = [slot for _, slot in allocated]

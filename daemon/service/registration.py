@@ -76,7 +76,7 @@ class Registration:
                 handover is claimed; once claimed, the handover is spent either way (the
                 daemon keeps no descriptor of it).
         """
-        tenant = self._check_register(m)
+        tenant = self._check_register(m, peer)
         try:
             h = self.ctx.handovers.claim(m.handover, peer)
         except HandoverNotYours as err:
@@ -142,8 +142,9 @@ class Registration:
         finally:
             h.close_fds()
 
-    def _check_register(self, m: P.Register) -> str:
-        """A REGISTER's fields (not yet its memory); returns the tenant it authenticated as."""
+    def _check_register(self, m: P.Register, peer: PeerCred | None = None) -> str:
+        """A REGISTER's fields (not yet its memory); returns the tenant it authenticated as
+        (``peer``: the sender's credentials, for the log of a refusal)."""
         ctx, cfg = self.ctx, self.ctx.cfg
         if m.protocol_version not in P.SERVED_PROTOCOL_VERSIONS:
             raise RequestError(
@@ -156,7 +157,7 @@ class Registration:
             raise RequestError(P.ErrorCode.BAD_MEMORY, NAMES_REFUSED)
         if len(ctx.sessions) >= cfg.max_sessions:
             raise RequestError(P.ErrorCode.BUSY, f"max_sessions ({cfg.max_sessions}) reached")
-        tenant = self._authenticate(m)
+        tenant = self._authenticate(m, peer)
         g = m.geometry
         try:
             g.validate()
@@ -346,8 +347,10 @@ class Registration:
             ready_event=cuda.ready_handle if cuda is not None else b"",
         )
 
-    def _authenticate(self, m: P.Register) -> str:
-        """The tenant a REGISTER may act as (the default one when none are configured)."""
+    def _authenticate(self, m: P.Register, peer: PeerCred | None = None) -> str:
+        """The tenant a REGISTER may act as (the default one when none are configured). A
+        refusal's log names the sender by ``peer``, the credentials the transport tells,
+        never by the pid the request claims."""
         tenants = self.ctx.cfg.tenants
         if not tenants:
             return DEFAULT_TENANT
@@ -359,9 +362,9 @@ class Registration:
             self._refusals.log(
                 logging.WARNING,
                 ("token", m.tenant if m.tenant in tenants else None),  # a name it chose: one
-                "registration refused: tenant %r from pid %d presented a %s token",
+                "registration refused: tenant %r from %s presented a %s token",
                 m.tenant,
-                m.pid,
+                f"pid {peer.pid} uid {peer.uid}" if peer is not None else "an unknown process",
                 "missing" if not m.token else "wrong",
             )
             raise RequestError(

@@ -226,15 +226,18 @@ class TierStore:
         """An engine of ``s`` loaded these pages (prefetched pages were used)."""
         self.prefetcher.loaded(s.ns_id, keys)
 
-    def allocated(self, wanted: int, got: int) -> None:
-        """After an allocation: count evictions of prefetched pages; signal a shortfall."""
+    def allocated(self, wanted: int, got: int, owner: int | None = None) -> None:
+        """After an allocation (by ``owner``'s session): count evictions of prefetched
+        pages; signal a shortfall (the owner's, when it is at its quota: only its own pages
+        make room for it)."""
         evicted = self.pool.drain_evicted()
         if evicted:
             self.prefetcher.evicted((e.ns_id, e.key) for e in evicted)  # read only if it prefetched
             if self.on_evicted is not None:
                 self.on_evicted(evicted)
         if got < wanted:
-            self.writer.shortfall()
+            at_quota = owner is not None and self.pool.at_quota(owner)
+            self.writer.shortfall(owner if at_quota else None)
 
     # ------------------------------------------------------------------ prefetch and claim
     async def prefetch(

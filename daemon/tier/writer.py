@@ -67,6 +67,9 @@ WRITE_BACK_HIGH = 0.9
 WRITE_BACK_WINDOW = 512
 """Coldest evictable pages kept in L3 under write-back (eviction scans at least 256)."""
 
+MAX_SHORT_OWNERS = 1024
+"""Owners whose shortfall one write-back scan serves at most (more wait for the next)."""
+
 WRITE_BACK_PERIOD_S = 0.25
 """How often write-back looks at the pool while it is nearly full."""
 
@@ -165,6 +168,8 @@ class L3Writer:
         self._tasks: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
         self._urgent = False
+        self._short_pool = False  # an allocation fell short of the pool's room
+        self._short_owners: set[int] = set()  # owners at their quota that fell short
         self._last_scan = 0.0
         self._backlog: array[int] = array("q")  # slots a back-up of L2 queues (catch_up)
         self._backlog_at = 0
@@ -220,10 +225,15 @@ class L3Writer:
         """Look at the queue and the policy again now (after a reload)."""
         self._wake.set()
 
-    def shortfall(self) -> None:
-        """An allocation fell short: under write-back, make evictable pages now."""
+    def shortfall(self, owner: int | None = None) -> None:
+        """An allocation fell short: under write-back, make evictable pages now, of
+        ``owner`` (a tenant at its quota, which evicts only its own) or of the whole pool."""
         if self.write_back:
             self._urgent = True
+            if owner is None:
+                self._short_pool = True
+            elif len(self._short_owners) < MAX_SHORT_OWNERS:
+                self._short_owners.add(owner)
             self._wake.set()
 
     def _enqueue(
@@ -387,10 +397,13 @@ class L3Writer:
         yield from self.pool.evictable_slots()
         yield from self.pool.ready_slots()
 
-    def _select_cold(self, window: int | None, pinned: bool = False) -> int:
+    def _select_cold(
+        self, window: int | None, pinned: bool = False, owner: int | None = None
+    ) -> int:
         """Queue pages not in L3, coldest chains first: from each evictable page (a chain's
-        tail) up through its ancestors until one is in L3. At most ``window`` pages, or all
-        (then every READY page not in L3 is reached: :meth:`_every_chain`).
+        tail; ``owner``'s only, when given) up through its ancestors until one is in L3. At
+        most ``window`` pages, or all (then every READY page not in L3 is reached:
+        :meth:`_every_chain`).
 
         Write-back queues them tail first, the order eviction takes them in; a back-up
         (``pinned``) queues each chain head first.
@@ -401,7 +414,7 @@ class L3Writer:
         seen: set[int] = set()
         link, queued = self.pool.chain_link, self._queued
         groups: dict[tuple[int, int], list[tuple[bytes, int]] | None] = {}  # by (ns_id, class)
-        leaves = self.pool.evictable_slots() if window is not None else self._every_chain()
+        leaves = self.pool.iter_evictable(owner) if window is not None else self._every_chain()
         for leaf in leaves:
             if budget <= 0:
                 break
@@ -481,8 +494,12 @@ class L3Writer:
             and (self._urgent or now - self._last_scan >= WRITE_BACK_PERIOD_S)
         ):
             self.write_back_checks += 1
-            if self._urgent or self._pressure():
-                self._urgent = False
+            owners, self._short_owners = self._short_owners, set()
+            whole = self._short_pool or self._pressure()
+            self._urgent = self._short_pool = False
+            for owner in sorted(owners):  # their own pages: nobody else's make them room
+                self._select_cold(WRITE_BACK_WINDOW, owner=owner)
+            if whole:
                 self._select_cold(WRITE_BACK_WINDOW)
         while (  # windows that queue nothing (pages written meanwhile) do not stop it
             self._backlog

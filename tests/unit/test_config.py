@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
 
@@ -124,6 +125,27 @@ def test_tokens_are_redacted_in_errors():
     msg = str(err.value)
     assert "tenants.a.bogus" in msg and "tenants.a.token = '<redacted>'" in msg
     assert "91357" not in msg
+
+
+@pytest.mark.parametrize(
+    ("tenants", "admin", "expect"),
+    [
+        (
+            {"a": {"token": "s3cret"}, "b": {"token": "s3cret"}},
+            None,
+            r"tenants\.b\.token and tenants\.a\.token are the same",
+        ),
+        ({"a": {"token": ""}}, None, r"tenants\.a\.token is empty"),
+        ({"a": {"token": "s3cret"}}, "s3cret", r"tenants\.a\.token is the admin_token"),
+    ],
+)
+def test_each_tenant_has_a_token_of_its_own(tenants, admin, expect):
+    """A token names one tenant: two tenants with one token, an empty token or the admin
+    token is refused, naming the tenants and never the token."""
+    cli = {"tenants": json.dumps(tenants), **({"admin_token": admin} if admin else {})}
+    with pytest.raises(ConfigError, match=expect) as err:
+        load_config(DaemonConfig, env={}, cli=cli)
+    assert "s3cret" not in str(err.value)
 
 
 def test_unknown_flag_is_an_error():
