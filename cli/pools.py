@@ -212,7 +212,7 @@ def _remove(info: PoolFileInfo, holder: Holder) -> str | None:
     with contextlib.ExitStack() as held:
         if info.runtime_dir is not None:
             try:
-                fd = _lock_runtime_dir(info.runtime_dir)
+                fd = _lock_runtime_dir(info.runtime_dir, info.uid)
             except BlockingIOError:
                 served = last_pool_file(info.runtime_dir)
                 if served is None or served == Path(info.path).absolute():
@@ -235,7 +235,21 @@ def _remove(info: PoolFileInfo, holder: Holder) -> str | None:
         pids, _ = _mapped_by(info.path, info.uid)
         if pids:
             return f"{info.path} is mapped by pid {pids[0]} (a kvtierd started meanwhile)"
+        if fd is not None and not _same_file(fd, info.path):
+            return f"{info.path} was replaced meanwhile (a kvtierd made it anew); not removed"
         return _unlink(info)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether ``path`` still names the file open as ``fd`` (the one locked and checked),
+    or names nothing any more (gone: nothing to remove)."""
+    try:
+        a, b = os.fstat(fd), os.lstat(path)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def _unlink(info: PoolFileInfo) -> str | None:
@@ -285,12 +299,15 @@ def _lock_pool_file(path: Path) -> int | None:
     return fd
 
 
-def _lock_runtime_dir(rdir: Path) -> int | None:
+def _lock_runtime_dir(rdir: Path, owner: int) -> int | None:
     """Take the lock a kvtierd on ``rdir`` holds (without waiting); its descriptor (closing
     it lets go), or None when ``rdir`` does not exist (no daemon runs there).
 
     A missing lock file is created as a daemon would create it, owned by the runtime
-    directory's owner (when this user may give it away), so the daemon can open it later.
+    directory's owner (when this user may give it away), so the daemon can open it later;
+    only in a directory of the pool file's ``owner`` (a daemon's runtime directory is its
+    user's): a tag in a file anyone may plant names any directory, and nothing is created
+    in one of another user's (None: no daemon of that pool runs there).
 
     Raises:
         BlockingIOError: a daemon holds it.
@@ -304,6 +321,8 @@ def _lock_runtime_dir(rdir: Path) -> int | None:
     try:  # a read-only descriptor takes a flock too: no write permission needed
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
+        if dir_st.st_uid != owner:
+            return None
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
         st = os.fstat(fd)

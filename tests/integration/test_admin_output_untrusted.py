@@ -270,6 +270,26 @@ def test_kvtier_pools_shows_a_planted_files_name_and_tag_as_inert_text(short_tmp
     assert _controls(stale.stdout + stale.stderr) == [], f"raw: {stale!r}"
 
 
+def test_removing_a_planted_pool_creates_nothing_in_the_directory_its_tag_names(short_tmp):
+    """A pool file of one user whose header names a directory of another user (anyone may
+    plant such a file in ``/dev/shm``): ``kvtier pools --remove``, run as root, removes the
+    file and creates no lock file in that directory (a daemon's runtime directory is its
+    own user's)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the planted file belongs to another uid")
+    shm = short_tmp / "shm"
+    shm.mkdir()
+    victim = short_tmp / "victim"
+    victim.mkdir()  # root's
+    planted = shm / "kvtier-pool-planted"
+    planted.write_bytes(_pool_head(str(victim).encode()))
+    os.chown(planted, 4343, 4343)
+    r = pools("--pool-dir", str(shm), "--remove", str(planted))
+    assert r.returncode == 0, r.stderr
+    assert not planted.exists()
+    assert list(victim.iterdir()) == [], f"created in {victim}: {list(victim.iterdir())}"
+
+
 # ---------------------------------------------------------------------------- daemon log
 @pytest.mark.timeout(60)
 def test_a_refused_registration_is_logged_with_the_senders_real_pid(daemon_factory):
