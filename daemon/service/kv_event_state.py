@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Annotated
 
 import msgspec
+from kvtier.daemon.state_files import read_state_file
 from kvtier.ipc.limits import KEY_BYTES, MAX_TEXT, BlockHash, BlockSize, Text
 
 __all__ = ["FILE_NAME", "NAMES_FILE", "Loaded", "NameLog", "Saved", "chain_runs", "load", "save"]
@@ -104,7 +105,7 @@ def save(
     )
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(body)
@@ -119,15 +120,12 @@ def load(path: Path, max_hashes: int) -> Loaded:
     naming the file and the problem). At most ``max_hashes`` hashes, the newest."""
     empty = Loaded({}, {}, {})
     try:
-        size = path.stat().st_size
         bound = (
             max(1, max_hashes) * _BYTES_PER_ENTRY
             + min(max(1, max_hashes), MAX_NAMESPACES) * _BYTES_PER_NAMESPACE
             + (1 << 20)
         )
-        if size > bound:
-            raise ValueError(f"{size} bytes is more than {max_hashes} hashes take")
-        saved = msgspec.msgpack.decode(path.read_bytes(), type=Saved)
+        saved = msgspec.msgpack.decode(read_state_file(path, bound), type=Saved)
         if saved.version not in (1, _VERSION):
             raise ValueError(f"version {saved.version}, not {_VERSION}")
         if len(saved.keys) != len(saved.hashes):
@@ -182,15 +180,11 @@ class NameLog:
         """Fingerprint -> (block size, model id), the last record of each winning."""
         out: dict[bytes, tuple[int, str]] = {}
         try:
-            with open(self.path, "rb") as f:
-                data = f.read(NAMES_MAX_BYTES + 1)
+            data = read_state_file(self.path, NAMES_MAX_BYTES)
         except FileNotFoundError:
             return out
-        except OSError as err:
+        except (OSError, ValueError) as err:
             log.warning("KV events: ignoring %s: %s", self.path, err)
-            return out
-        if len(data) > NAMES_MAX_BYTES:
-            log.warning("KV events: ignoring %s: over %d bytes", self.path, NAMES_MAX_BYTES)
             return out
         at, decoder = 0, msgspec.msgpack.Decoder(Named)
         while at + 4 <= len(data):
@@ -229,7 +223,7 @@ class NameLog:
             if size + 4 + len(body) > NAMES_MAX_BYTES:
                 self._rewrite(kept())
                 return
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
             try:
                 os.write(fd, len(body).to_bytes(4, "big") + body)
             finally:
@@ -259,7 +253,7 @@ class NameLog:
             size += 4 + len(r)
         body = b"".join(reversed(newest))  # oldest first: the newest wins at a read
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(body)

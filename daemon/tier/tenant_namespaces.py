@@ -4,12 +4,16 @@ A tenant's scoped FLUSH of L3 deletes the objects of its namespaces (L3 objects 
 namespace fingerprint, not by tenant), and a fingerprint's tenant is known from the
 REGISTER that named it. So that a tenant can still flush its L3 data after kvtierd
 restarted, before its engines register again, the map is saved to
-``<state_dir>/tenant-namespaces.msgpack``: a second after a namespace is first seen (one
-write for a burst of registrations) and when the daemon stops, and read back at start.
+``<state_dir>/tenant-namespaces.msgpack``: before the first L3 write that follows a new
+namespace (so that no object of it is in L3 before the file names its tenant), a second
+after a namespace is first seen (one write for a burst of registrations) and when the
+daemon stops, and read back at start.
 
 The file is read as untrusted input: bounded in size, decoded against the limits below, and
 refused whole (logged, naming the file and what is wrong) on any error; the daemon then
-starts without it. It holds at most :data:`MAX_ENTRIES` namespaces, the latest seen.
+starts without it. It holds at most :data:`MAX_ENTRIES` namespaces; past that the tenant
+holding the most gives up its longest unseen one (one tenant's churn of namespaces pushes
+out its own, never another's).
 """
 
 from __future__ import annotations
@@ -17,10 +21,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Annotated
 
 import msgspec
+from kvtier.daemon.state_files import read_state_file
 
 log = logging.getLogger("kvtier.daemon")
 
@@ -52,16 +58,23 @@ class TenantNamespaces:
     def __init__(self, path: Path | None) -> None:
         self.path = path
         self._map: dict[bytes, str] = _load(path) if path is not None else {}
+        self._held = Counter(self._map.values())  # entries per tenant
         self._pending: asyncio.TimerHandle | None = None
+        self._dirty = False  # a pair not saved yet
 
     def note(self, fingerprint: bytes, tenant: str) -> None:
-        """Remember that ``tenant`` registered ``fingerprint``; a new pair is saved soon."""
-        if self._map.get(fingerprint) == tenant:
+        """Remember that ``tenant`` registered ``fingerprint`` (the newest seen); a new
+        pair is saved soon, and before the next L3 write (:meth:`save_if_new`)."""
+        old = self._map.pop(fingerprint, None)
+        self._map[fingerprint] = tenant  # seen again: the newest
+        if old == tenant:
             return
-        self._map.pop(fingerprint, None)
-        self._map[fingerprint] = tenant
+        if old is not None:
+            self._held[old] -= 1
+        self._held[tenant] += 1
         while len(self._map) > MAX_ENTRIES:
-            del self._map[next(iter(self._map))]
+            self._drop_one()
+        self._dirty = True
         if self.path is not None and self._pending is None:
             try:
                 loop = asyncio.get_running_loop()
@@ -69,6 +82,21 @@ class TenantNamespaces:
                 self.save()
                 return
             self._pending = loop.call_later(SAVE_DELAY_S, self.save)
+
+    def _drop_one(self) -> None:
+        """Forget the longest unseen namespace of the tenant that holds the most."""
+        most = max(self._held, key=lambda t: self._held[t])
+        fp = next(f for f, t in self._map.items() if t == most)
+        del self._map[fp]
+        self._held[most] -= 1
+        if not self._held[most]:
+            del self._held[most]
+
+    def save_if_new(self) -> None:
+        """Save now if a pair is not saved yet (before an L3 write: its objects must never
+        be in L3 while the file does not name their tenant)."""
+        if self._dirty:
+            self.save()
 
     def of(self, tenant: str | None) -> list[bytes]:
         """Fingerprints registered by ``tenant`` (None: by anyone)."""
@@ -82,6 +110,7 @@ class TenantNamespaces:
             self._pending = None
         if self.path is None:
             return
+        self._dirty = False
         body = msgspec.msgpack.encode(_Saved(_VERSION, list(self._map), list(self._map.values())))
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
         try:
@@ -89,6 +118,8 @@ class TenantNamespaces:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
             with os.fdopen(fd, "wb") as f:
                 f.write(body)
+                f.flush()
+                os.fsync(f.fileno())  # the rename below never names a file still empty
             os.replace(tmp, self.path)
         except OSError as err:
             tmp.unlink(missing_ok=True)
@@ -98,9 +129,7 @@ class TenantNamespaces:
 def _load(path: Path) -> dict[bytes, str]:
     """The saved map; empty when there is none or it is refused (logged)."""
     try:
-        if path.stat().st_size > MAX_ENTRIES * 320 + 4096:
-            raise ValueError(f"{path.stat().st_size} bytes is more than {MAX_ENTRIES} entries take")
-        saved = msgspec.msgpack.decode(path.read_bytes(), type=_Saved)
+        saved = msgspec.msgpack.decode(read_state_file(path, MAX_ENTRIES * 320 + 4096), type=_Saved)
         if saved.version != _VERSION:
             raise ValueError(f"version {saved.version}, not {_VERSION}")
         if len(saved.fingerprints) != len(saved.tenants):

@@ -194,6 +194,11 @@ class TierStore:
                 self._ns[ns_id] = fp
         return fp
 
+    def before_l3_write(self) -> None:
+        """Before an L3 write: the tenants' namespaces saved if one is new (a tenant's
+        FLUSH of L3 after a crash must reach every object written)."""
+        self._tenant_ns.save_if_new()
+
     def page_bytes_of(self, class_id: int) -> int:
         """Page bytes of pool page class ``class_id``."""
         pb = self._class_bytes.get(class_id)

@@ -111,6 +111,10 @@ class PageNames(Protocol):
         """Page bytes of pool page class ``class_id``."""
         ...
 
+    def before_l3_write(self) -> None:
+        """Called before each batch is written (what must be on disk first is saved)."""
+        ...
+
 
 @dataclass(eq=False, slots=True)
 class _SyncWait:
@@ -564,6 +568,7 @@ class L3Writer:
 
     async def _write_batch(self, batch: list[_Item]) -> None:
         pool, c = self.pool, self.counters
+        self.names.before_l3_write()
         pins: list[int] = []
         try:
             asked = False

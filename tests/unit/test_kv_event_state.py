@@ -89,7 +89,7 @@ def test_a_file_larger_than_the_bound_is_not_read(
         f.truncate(2 << 20)  # sparse: costs no disk
     with caplog.at_level(logging.WARNING, "kvtier.daemon.events"):
         assert S.load(path, 10) == EMPTY
-    assert "more than 10 hashes" in caplog.text
+    assert "2097152 bytes, more than the" in caplog.text
 
 
 def test_no_file_is_no_state(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@ file refused whole (the daemon then starts without it)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 
@@ -34,6 +35,44 @@ def test_the_map_keeps_the_latest_namespaces(tmp_path: Path, monkeypatch) -> Non
     for i in range(5):
         m.note(fp(i), "a")
     assert TenantNamespaces(tmp_path / tn.FILE_NAME).of("a") == [fp(2), fp(3), fp(4)]
+
+
+def test_the_tenant_holding_the_most_gives_up_its_longest_unseen(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Past the bound, one tenant's churn of namespaces pushes out its own, never another's;
+    a namespace seen again is the newest."""
+    monkeypatch.setattr(tn, "MAX_ENTRIES", 4)
+    m = TenantNamespaces(None)
+    m.note(fp(0), "a")
+    m.note(fp(1), "b")
+    m.note(fp(2), "a")
+    m.note(fp(0), "a")  # seen again: a's newest
+    for i in range(10, 14):
+        m.note(fp(i), "b")
+    assert m.of("a") == [fp(2), fp(0)]
+    assert m.of("b") == [fp(12), fp(13)]
+    m.note(fp(20), "a")  # a and b hold two each: a tie gives up the first found's oldest
+    assert len(m.of(None)) == 4
+
+
+def test_a_new_namespace_is_saved_before_the_next_l3_write(tmp_path: Path) -> None:
+    """On a running loop a new pair is saved a second later, or at once by
+    ``save_if_new`` (what the L3 writer calls before each batch)."""
+    path = tmp_path / tn.FILE_NAME
+
+    async def main() -> None:
+        m = TenantNamespaces(path)
+        m.note(fp(1), "a")  # the save is due a second later
+        assert not path.exists()
+        m.save_if_new()
+        assert TenantNamespaces(path).of("a") == [fp(1)]
+        m.save_if_new()  # nothing new: nothing written
+        path.unlink()
+        m.save_if_new()
+        assert not path.exists()
+
+    asyncio.run(main())
 
 
 @pytest.mark.parametrize(
