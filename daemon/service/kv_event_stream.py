@@ -6,10 +6,16 @@ batches misses the next ones (ZeroMQ drops them for it alone; the others get the
 every batch stays in the replay buffer (the last ``kv_events_buffer_steps`` batches), so a
 subscriber that sees a gap in the sequence numbers asks the replay socket for it. (With
 ``XPUB_NODROP`` one stalled subscriber would hold every batch back from all of them.) The replay socket reads requests from a
-reader callback, answers at most ``kv_events_replay_max`` batches per request and stops when
-the requester's queue is full; a request that is not exactly ``[b"", 8-byte start]`` (or a
-frame over 64 bytes, which ZeroMQ refuses with the connection) gets no answer. Subscription
-messages the XPUB hands up are read and dropped as they come.
+reader callback and answers each with at most ``kv_events_replay_max`` batches, then the end
+marker: :data:`REPLAY_CHUNK` batches per event-loop turn across the answers under way, an
+answer whose requester's queue is full waiting (polled every :data:`REPLAY_RETRY_S`) until it
+reads, and dropped after :data:`REPLAY_STALL_S` without progress. Queued answers share the
+buffer's bytes (sent without a copy), so a requester that never reads holds its queue's
+message envelopes, not copies of the batches; at most :data:`MAX_ANSWERS` answers are under
+way, a requester's in the order it asked, at most :data:`MAX_ANSWERS_PER_REQUESTER` of
+them. A request that is not exactly
+``[b"", 8-byte start]`` (or a frame over 64 bytes, which ZeroMQ refuses with the connection)
+gets no answer. Subscription messages the XPUB hands up are read and dropped as they come.
 """
 
 from __future__ import annotations
@@ -17,7 +23,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections import deque
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
 from typing import Any, cast
 
 import zmq
@@ -27,8 +35,13 @@ from kvtier.ipc import kv_events as E
 from kvtier.ipc.sockets import make_zmq_socket
 
 __all__ = [
+    "MAX_ANSWERS",
+    "MAX_ANSWERS_PER_REQUESTER",
     "REPLAY_BURST",
+    "REPLAY_CHUNK",
     "REPLAY_MAX_FRAME",
+    "REPLAY_RETRY_S",
+    "REPLAY_STALL_S",
     "SUBSCRIPTION_BURST",
     "SUBSCRIPTION_MAX_FRAME",
     "EventStream",
@@ -37,7 +50,17 @@ __all__ = [
 log = logging.getLogger("kvtier.daemon.events")
 
 REPLAY_BURST = 16
-"""Replay requests answered in a row before the event loop gets a turn."""
+"""Replay requests read in a row before the event loop gets a turn."""
+REPLAY_CHUNK = 256
+"""Batches of replay answers sent in one event-loop turn, across the answers under way."""
+REPLAY_RETRY_S = 0.005
+"""How soon answers whose requesters' queues are all full are tried again."""
+REPLAY_STALL_S = 30.0
+"""An answer that sent nothing for this long (its requester reads nothing) is dropped."""
+MAX_ANSWERS = 1024
+"""Replay answers under way at most; a request past them is refused (counted)."""
+MAX_ANSWERS_PER_REQUESTER = 16
+"""Replay answers under way for one requester at most (sent in the order it asked)."""
 SUBSCRIPTION_MAX_FRAME = 8192
 """Largest frame the PUB socket takes from a subscriber: a (un)subscription of a topic
 (``kvtier/<model id>/<fingerprint>``; a model id has at most 4,096 characters)."""
@@ -48,6 +71,18 @@ REPLAY_MAX_FRAME = 64
 and its connection, before buffering it."""
 
 _NB = int(zmq.NOBLOCK)
+
+
+@dataclass(slots=True)
+class _Answer:
+    """A replay answer under way: the next sequence number to send, the batches it may
+    still send, and since when its requester's queue has been full (None: it is not)."""
+
+    seq: int
+    left: int
+    stalled: float | None = None
+
+
 _MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
@@ -72,6 +107,10 @@ class EventStream:
         self._buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=cfg.kv_events_buffer_steps)
         self._seq = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
+        # by requester, each's in the order it asked; the first is the one being sent
+        self._answers: OrderedDict[bytes, deque[_Answer]] = OrderedDict()
+        self._under_way = 0
+        self._pump: asyncio.Handle | None = None
         try:
             self._pub = make_zmq_socket(
                 zctx,
@@ -118,6 +157,11 @@ class EventStream:
 
     def close(self) -> None:
         """Stop the readers and close the sockets (idempotent)."""
+        if self._pump is not None:
+            self._pump.cancel()
+            self._pump = None
+        self._answers.clear()
+        self._under_way = 0
         if self._replay is not None:
             if self._loop is not None and not self._replay.closed:
                 self._loop.remove_reader(cast(int, self._replay.getsockopt(zmq.FD)))
@@ -179,22 +223,110 @@ class EventStream:
         self._loop.call_soon(self._read_replays)  # more may be queued: after the others
 
     def _answer(self, sock: zmq.Socket[Any], peer: bytes, start: int) -> None:
-        """Send the buffered batches from ``start`` on (at most ``replay_max``), then the
-        end marker; stop at the first the requester cannot take."""
+        """Begin the answer to ``peer``: the buffered batches from ``start`` on (at most
+        ``replay_max``), then the end marker, sent by :meth:`_send_answers`."""
+        queue = self._answers.get(peer)
+        if self._under_way >= MAX_ANSWERS or (
+            queue is not None and len(queue) >= MAX_ANSWERS_PER_REQUESTER
+        ):
+            self.counters.kv_events_replays_refused += 1
+            return
         self.counters.kv_events_replays += 1
-        buf = self._buffer
-        # start is any 64-bit number: past the newest batch there is nothing to send
-        first = min(max(0, start - buf[0][0]), len(buf)) if buf else 0
+        if queue is None:
+            queue = self._answers[peer] = deque()
+        queue.append(_Answer(start, self._replay_max))
+        self._under_way += 1
+        self._pump_soon(0.0)
+
+    def _pump_soon(self, delay: float) -> None:
+        if self._pump is None and self._loop is not None:
+            self._pump = (
+                self._loop.call_soon(self._send_answers)
+                if delay <= 0
+                else self._loop.call_later(delay, self._send_answers)
+            )
+
+    def _send_answers(self) -> None:
+        """Send up to :data:`REPLAY_CHUNK` batches of the answers under way, in turn."""
+        self._pump = None
+        sock = self._replay
+        if sock is None or sock.closed or self._loop is None:
+            self._answers.clear()
+            self._under_way = 0
+            return
+        budget, now, moved = REPLAY_CHUNK, time.monotonic(), False
+        for peer in list(self._answers):
+            queue = self._answers[peer]
+            while queue and budget > 0:  # its answers in order, while it takes them
+                a = queue[0]
+                try:
+                    sent, done = self._send_some(sock, peer, a, budget)
+                except zmq.ZMQError as err:  # gone (unroutable): it may ask again
+                    log.debug("replay to a subscriber cut short: %s", err)
+                    self._drop(peer)
+                    break
+                budget -= sent
+                moved = moved or sent > 0 or done
+                if done:
+                    queue.popleft()
+                    self._under_way -= 1
+                    continue
+                if sent:
+                    a.stalled = None
+                elif a.stalled is None:
+                    a.stalled = now
+                elif now - a.stalled > REPLAY_STALL_S:
+                    log.debug(
+                        "replay to a subscriber dropped: it read nothing for %.0f s",
+                        now - a.stalled,
+                    )
+                    self._drop(peer)
+                break  # its queue is full (or this turn's budget spent)
+            if peer in self._answers:
+                if not self._answers[peer]:
+                    del self._answers[peer]
+                else:
+                    self._answers.move_to_end(peer)  # the others' turn first
+            if budget <= 0:
+                break
+        if self._answers:
+            self._pump_soon(0.0 if moved else REPLAY_RETRY_S)
+        if cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:
+            # a send may take the socket's edge of readiness: read what came meanwhile
+            self._loop.call_soon(self._read_replays)
+
+    def _drop(self, peer: bytes) -> None:
+        """Forget every answer to ``peer``."""
+        self._under_way -= len(self._answers.pop(peer, ()))
+
+    def _send_some(
+        self, sock: zmq.Socket[Any], peer: bytes, a: _Answer, budget: int
+    ) -> tuple[int, bool]:
+        """Send ``a``'s next batches (at most ``budget``), then its end marker once it has
+        none left; how many batches were sent, and whether the end marker was. Stops at
+        the first the requester's queue cannot take (a message is refused whole, at its
+        first frame).
+
+        Raises:
+            zmq.ZMQError: the requester is gone.
+        """
+        buf, sent = self._buffer, 0
+        # a.seq is any 64-bit number: past the newest batch there is nothing to send
+        first = min(max(0, a.seq - buf[0][0]), len(buf)) if buf else 0
         try:
-            for seq, topic, payload in itertools.islice(buf, first, first + self._replay_max):
+            for seq, topic, payload in itertools.islice(buf, first, first + min(a.left, budget)):
                 sock.send(peer, _MORE)
                 sock.send(b"", _MORE)
                 sock.send(topic, _MORE)
                 sock.send(seq.to_bytes(8, "big"), _MORE)
-                sock.send(payload, _NB)
-            sock.send_multipart((peer, b"", b"", E.END_SEQ, b""), _NB)
-        except (zmq.Again, zmq.ZMQError) as err:  # full, or gone: it may ask again
-            log.debug("replay to a subscriber cut short: %s", err)
+                sock.send(payload, _NB, copy=False)  # queued answers share the buffer's bytes
+                a.seq, a.left, sent = seq + 1, a.left - 1, sent + 1
+            if sent < budget and (a.left == 0 or first + sent >= len(buf)):
+                sock.send_multipart((peer, b"", b"", E.END_SEQ, b""), _NB)
+                return sent, True
+        except zmq.Again:  # its queue is full: the rest when it reads
+            pass
+        return sent, False
 
 
 def _read_request(sock: zmq.Socket[Any]) -> list[bytes] | None:

@@ -332,6 +332,8 @@ class KvEventPublisher:
         else:
             hashes = keys
         parent_of_first = eng.parent if eng is not None else p.parent_key
+        if eng is None and p.parent_key is not None:  # named as it was announced
+            parent_of_first = self._hashes.get(self._fp(p.ns_id) + p.parent_key, p.parent_key)
         if p.index is None:  # every key was copied: one chain
             self._stored_run(p, 0, len(keys), hashes, parent_of_first, bs)
             return
