@@ -109,48 +109,50 @@ def _tail(args: argparse.Namespace, endpoint: str, replay: str | None) -> int:
     printed = 0
     quiet = args.timeout if args.timeout > 0 else 1e9
     with EventSubscriber(endpoint, replay=replay, topic=args.topic) as sub:
-        for msg in sub.iter(quiet, start_seq=args.start):
-            for ev in msg.batch.events:
-                if args.json:
-                    print(
-                        json.dumps(
-                            _finite(
-                                {
-                                    "seq": msg.seq,
-                                    "topic": msg.topic,
-                                    "ts": msg.batch.ts,
-                                    "replayed": msg.replayed,
-                                    **as_dict(ev),
-                                }
+        try:
+            for msg in sub.iter(quiet, start_seq=args.start):
+                for ev in msg.batch.events:
+                    if args.json:
+                        print(
+                            json.dumps(
+                                _finite(
+                                    {
+                                        "seq": msg.seq,
+                                        "topic": msg.topic,
+                                        "ts": msg.batch.ts,
+                                        "replayed": msg.replayed,
+                                        **as_dict(ev),
+                                    }
+                                ),
+                                allow_nan=False,
                             ),
-                            allow_nan=False,
-                        ),
-                        flush=True,
-                    )
-                else:
-                    blocks = getattr(ev, "block_hashes", [])
-                    medium = escape_controls(str(getattr(ev, "medium", "") or ""))
-                    print(
-                        f"{msg.seq:>8} {escape_controls(msg.topic)} {type(ev).__name__:<16} "
-                        f"{medium:<8} {len(blocks):>5} "
-                        f"{' '.join(_short(h) for h in blocks[:4])}"
-                        f"{' ...' if len(blocks) > 4 else ''}",
-                        flush=True,
-                    )
-                printed += 1
-                if args.count and printed >= args.count:
-                    return _skipped(sub.malformed)
-        return _skipped(sub.malformed)
+                            flush=True,
+                        )
+                    else:
+                        blocks = getattr(ev, "block_hashes", [])
+                        medium = escape_controls(str(getattr(ev, "medium", "") or ""))
+                        print(
+                            f"{msg.seq:>8} {escape_controls(msg.topic)} {type(ev).__name__:<16} "
+                            f"{medium:<8} {len(blocks):>5} "
+                            f"{' '.join(_short(h) for h in blocks[:4])}"
+                            f"{' ...' if len(blocks) > 4 else ''}",
+                            flush=True,
+                        )
+                    printed += 1
+                    if args.count and printed >= args.count:
+                        return 0
+            return 0
+        finally:  # also on Ctrl-C
+            _skipped(sub.malformed)
 
 
-def _skipped(malformed: int) -> int:
-    """Say on stderr how many messages were not KV event batches (skipped); 0."""
+def _skipped(malformed: int) -> None:
+    """Say on stderr how many messages were not KV event batches (skipped)."""
     if malformed:
         print(
             f"kvtier events: skipped {malformed} message(s) that were not KV event batches",
             file=sys.stderr,
         )
-    return 0
 
 
 def _finite(value: Any) -> Any:

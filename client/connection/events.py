@@ -192,15 +192,14 @@ class EventSubscriber:
         if self._replay_endpoint is None:
             return []
         out: list[EventMessage] = []
-        start, first = start_seq, True
+        start = start_seq
         while upto is None or start < upto:
             brought, got = self._replay_once(start, upto, timeout_s)
             seqs = sorted(brought)
             if not seqs or seqs[-1] < start:
                 break  # nothing (more) buffered from ``start``
-            if first and seqs[0] > start_seq:
-                self.lost += (seqs[0] if upto is None else min(seqs[0], upto)) - start_seq
-            first = False
+            if seqs[0] > start:  # left the buffer before this answer reached them
+                self.lost += (seqs[0] if upto is None else min(seqs[0], upto)) - start
             out.extend(got)
             for n in seqs:  # ascending, after what is there: the live stream prunes in order
                 self._by_replay.pop(n, None)

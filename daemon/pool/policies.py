@@ -184,6 +184,8 @@ class ArcState(SplitState):
         self.ghosts[k][hash((ns, key))] = None
         # ARC's directory: T1 + B1 at most c, and B1 + B2 at most c (the pages resident)
         t1 = resident - self.t2
+        while b1 and t1 + len(b1) > resident:
+            b1.popitem(last=False)
         while len(b1) + len(b2) > resident:
             from_b1 = b1 and (t1 + len(b1) > resident or not b2)
             (b1 if from_b1 else b2).popitem(last=False)

@@ -23,8 +23,10 @@ error; the daemon then starts without it.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import stat
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated
@@ -223,8 +225,11 @@ class NameLog:
             if size + 4 + len(body) > NAMES_MAX_BYTES:
                 self._rewrite(kept())
                 return
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK
+            fd = os.open(self.path, flags, 0o600)
             try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO would block the loop
+                    raise OSError(errno.EINVAL, "not a regular file")
                 os.write(fd, len(body).to_bytes(4, "big") + body)
             finally:
                 os.close(fd)

@@ -40,6 +40,7 @@ __all__ = [
     "REPLAY_BURST",
     "REPLAY_CHUNK",
     "REPLAY_MAX_FRAME",
+    "REPLAY_RETRY_MAX_S",
     "REPLAY_RETRY_S",
     "REPLAY_STALL_S",
     "SUBSCRIPTION_BURST",
@@ -55,6 +56,8 @@ REPLAY_CHUNK = 256
 """Batches of replay answers sent in one event-loop turn, across the answers under way."""
 REPLAY_RETRY_S = 0.005
 """How soon answers whose requesters' queues are all full are tried again."""
+REPLAY_RETRY_MAX_S = 0.1
+"""The longest wait before an answer whose requester's queue stays full is tried again."""
 REPLAY_STALL_S = 30.0
 """An answer that sent nothing for this long (its requester reads nothing) is dropped."""
 MAX_ANSWERS = 1024
@@ -76,11 +79,16 @@ _NB = int(zmq.NOBLOCK)
 @dataclass(slots=True)
 class _Answer:
     """A replay answer under way: the next sequence number to send, the batches it may
-    still send, and since when its requester's queue has been full (None: it is not)."""
+    still send, whether it sent one, since when its requester's queue has been full (None:
+    it is not), and when to try it again then (the wait doubling up to
+    :data:`REPLAY_RETRY_MAX_S`)."""
 
     seq: int
     left: int
+    started: bool = False
     stalled: float | None = None
+    next_try: float = 0.0
+    wait: float = 0.0
 
 
 _MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
@@ -111,6 +119,7 @@ class EventStream:
         self._answers: OrderedDict[bytes, deque[_Answer]] = OrderedDict()
         self._under_way = 0
         self._pump: asyncio.Handle | None = None
+        self._read_pending = False  # a read of the replay socket is scheduled
         try:
             self._pub = make_zmq_socket(
                 zctx,
@@ -136,6 +145,9 @@ class EventStream:
                     max_msg_bytes=REPLAY_MAX_FRAME,
                 )
                 self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
+                # every payload sent without a copy (pyzmq copies those under 64 KiB by
+                # default): queued answers share the buffer's bytes, whatever their size
+                self._replay.copy_threshold = 0
         except BaseException as err:
             self._pub.close(linger=0)
             if isinstance(err, zmq.ZMQError):
@@ -185,6 +197,9 @@ class EventStream:
         pub.send(seq.to_bytes(8, "big"), _MORE)
         pub.send(payload, _NB)
         self.counters.kv_events_batches += 1
+        if self._loop is not None and cast(int, pub.getsockopt(_EVENTS)) & _POLLIN:
+            # a send may take the socket's edge of readiness: read what came meanwhile
+            self._loop.call_soon(self._drop_subscriptions)
 
     @property
     def next_seq(self) -> int:
@@ -204,8 +219,14 @@ class EventStream:
         self._loop.call_soon(self._drop_subscriptions)
 
     # ------------------------------------------------------------------ replay
+    def _read_soon(self) -> None:
+        if not self._read_pending and self._loop is not None:
+            self._read_pending = True
+            self._loop.call_soon(self._read_replays)
+
     def _read_replays(self) -> None:
         """Answer queued replay requests (the reader callback), a burst at a time."""
+        self._read_pending = False
         sock = self._replay
         if sock is None or sock.closed or self._loop is None:
             return
@@ -220,7 +241,7 @@ class EventStream:
                 self._answer(sock, frames[0], int.from_bytes(frames[2], "big"))
             except Exception:
                 log.exception("answering a replay request failed")
-        self._loop.call_soon(self._read_replays)  # more may be queued: after the others
+        self._read_soon()  # more may be queued: after the others
 
     def _answer(self, sock: zmq.Socket[Any], peer: bytes, start: int) -> None:
         """Begin the answer to ``peer``: the buffered batches from ``start`` on (at most
@@ -259,6 +280,8 @@ class EventStream:
             queue = self._answers[peer]
             while queue and budget > 0:  # its answers in order, while it takes them
                 a = queue[0]
+                if a.next_try > now:  # its queue was full a moment ago
+                    break
                 try:
                     sent, done = self._send_some(sock, peer, a, budget)
                 except zmq.ZMQError as err:  # gone (unroutable): it may ask again
@@ -272,7 +295,7 @@ class EventStream:
                     self._under_way -= 1
                     continue
                 if sent:
-                    a.stalled = None
+                    a.stalled, a.wait = None, 0.0
                 elif a.stalled is None:
                     a.stalled = now
                 elif now - a.stalled > REPLAY_STALL_S:
@@ -281,6 +304,10 @@ class EventStream:
                         now - a.stalled,
                     )
                     self._drop(peer)
+                    break
+                if not sent:
+                    a.wait = min(REPLAY_RETRY_MAX_S, max(REPLAY_RETRY_S, 2 * a.wait))
+                    a.next_try = now + a.wait
                 break  # its queue is full (or this turn's budget spent)
             if peer in self._answers:
                 if not self._answers[peer]:
@@ -290,10 +317,11 @@ class EventStream:
             if budget <= 0:
                 break
         if self._answers:
-            self._pump_soon(0.0 if moved else REPLAY_RETRY_S)
+            soonest = min(q[0].next_try for q in self._answers.values())
+            self._pump_soon(0.0 if moved else max(REPLAY_RETRY_S, soonest - now))
         if cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:
             # a send may take the socket's edge of readiness: read what came meanwhile
-            self._loop.call_soon(self._read_replays)
+            self._read_soon()
 
     def _drop(self, peer: bytes) -> None:
         """Forget every answer to ``peer``."""
@@ -313,6 +341,10 @@ class EventStream:
         buf, sent = self._buffer, 0
         # a.seq is any 64-bit number: past the newest batch there is nothing to send
         first = min(max(0, a.seq - buf[0][0]), len(buf)) if buf else 0
+        if a.started and buf and a.seq < buf[0][0]:
+            # what it was to send next left the buffer while it waited: end here, and a
+            # request from past its last batch finds the hole at the start of its answer
+            a.left = 0
         try:
             for seq, topic, payload in itertools.islice(buf, first, first + min(a.left, budget)):
                 sock.send(peer, _MORE)
@@ -320,7 +352,7 @@ class EventStream:
                 sock.send(topic, _MORE)
                 sock.send(seq.to_bytes(8, "big"), _MORE)
                 sock.send(payload, _NB, copy=False)  # queued answers share the buffer's bytes
-                a.seq, a.left, sent = seq + 1, a.left - 1, sent + 1
+                a.seq, a.left, sent, a.started = seq + 1, a.left - 1, sent + 1, True
             if sent < budget and (a.left == 0 or first + sent >= len(buf)):
                 sock.send_multipart((peer, b"", b"", E.END_SEQ, b""), _NB)
                 return sent, True

@@ -13,7 +13,7 @@ The file is read as untrusted input: bounded in size, decoded against the limits
 refused whole (logged, naming the file and what is wrong) on any error; the daemon then
 starts without it. It holds at most :data:`MAX_ENTRIES` namespaces; past that the tenant
 holding the most gives up its longest unseen one (one tenant's churn of namespaces pushes
-out its own, never another's).
+out its own first, and another's only down to as many as the churner holds).
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ class TenantNamespaces:
         self._held = Counter(self._map.values())  # entries per tenant
         self._pending: asyncio.TimerHandle | None = None
         self._dirty = False  # a pair not saved yet
+        self._failing = False  # the last save failed (logged)
 
     def note(self, fingerprint: bytes, tenant: str) -> None:
         """Remember that ``tenant`` registered ``fingerprint`` (the newest seen); a new
@@ -110,7 +111,6 @@ class TenantNamespaces:
             self._pending = None
         if self.path is None:
             return
-        self._dirty = False
         body = msgspec.msgpack.encode(_Saved(_VERSION, list(self._map), list(self._map.values())))
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
         try:
@@ -121,9 +121,14 @@ class TenantNamespaces:
                 f.flush()
                 os.fsync(f.fileno())  # the rename below never names a file still empty
             os.replace(tmp, self.path)
+            self._dirty = False
         except OSError as err:
             tmp.unlink(missing_ok=True)
-            log.warning("cannot save the tenants' namespaces to %s: %s", self.path, err)
+            if not self._failing:  # once a spell: it is tried again before each L3 write
+                log.warning("cannot save the tenants' namespaces to %s: %s", self.path, err)
+            self._failing = True
+        else:
+            self._failing = False
 
 
 def _load(path: Path) -> dict[bytes, str]:

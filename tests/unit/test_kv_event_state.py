@@ -146,3 +146,19 @@ def test_a_full_name_log_is_rewritten_with_what_is_kept(tmp_path: Path, monkeypa
     size = log.path.stat().st_size
     log.append(b"w" * 32, 16, "w", lambda: many)
     assert log.path.stat().st_size == size and b"w" * 32 not in log.load()
+
+
+@pytest.mark.timeout(10)
+def test_a_name_log_that_is_a_fifo_is_neither_read_nor_written(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A FIFO planted where the name log goes blocks nothing: it is refused at load and at
+    the first record (logged once), and the daemon goes on without it."""
+    path = tmp_path / S.NAMES_FILE
+    os.mkfifo(path)
+    log = S.NameLog(path)
+    with caplog.at_level(logging.WARNING, "kvtier.daemon.events"):
+        assert log.load() == {}
+        log.append(bytes(32), 16, "m", dict)
+        log.append(bytes([1]) * 32, 16, "m", dict)
+    assert "not a regular file" in caplog.text

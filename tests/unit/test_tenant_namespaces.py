@@ -40,8 +40,8 @@ def test_the_map_keeps_the_latest_namespaces(tmp_path: Path, monkeypatch) -> Non
 def test_the_tenant_holding_the_most_gives_up_its_longest_unseen(
     tmp_path: Path, monkeypatch
 ) -> None:
-    """Past the bound, one tenant's churn of namespaces pushes out its own, never another's;
-    a namespace seen again is the newest."""
+    """Past the bound, the tenant holding the most gives up its longest unseen namespace
+    (a churning tenant pushes out its own first); a namespace seen again is the newest."""
     monkeypatch.setattr(tn, "MAX_ENTRIES", 4)
     m = TenantNamespaces(None)
     m.note(fp(0), "a")
