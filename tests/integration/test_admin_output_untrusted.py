@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -22,6 +20,7 @@ from kvtier.ipc import protocol as P
 from tests.engines import SMALL, engine, tokens
 from tests.integration.test_admin_cli import kvtier
 from tests.integration.test_kv_events import event_flags
+from tests.integration.test_pools_cli import pools
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -223,17 +222,6 @@ def test_kvtier_sessions_and_stats_show_tenant_names_verbatim(daemon_factory):
 
 
 # ---------------------------------------------------------------------------- kvtier pools
-def pools(*args: str) -> subprocess.CompletedProcess[str]:
-    """Run ``kvtier pools ARGS`` as a separate process."""
-    return subprocess.run(
-        [sys.executable, "-m", "kvtier.cli.main", "pools", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-
-
 def _pool_head(runtime_dir: bytes) -> bytes:
     """The first bytes of a pool file whose owner tag names ``runtime_dir``."""
     from kvtier.daemon.pool.poolfile import OWNER_TAG_MAGIC, OWNER_TAG_OFFSET

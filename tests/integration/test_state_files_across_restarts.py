@@ -13,7 +13,8 @@ import pytest
 from kvtier.client.connection.admin import AdminClient
 from kvtier.ipc import protocol as P
 
-from tests.engines import SMALL, engine, fill_page, tokens
+from tests.engines import SMALL, engine
+from tests.integration.test_admin_plane_scope import store
 from tests.key_chain import spec_fingerprint
 
 TOKEN_A = "tok-a-p5rs1s"
@@ -41,15 +42,6 @@ def flags(state: Path, *more: str) -> list[str]:
 def call(d, msg: P.Request, token: str = "", wait_s: float = 30.0) -> P.Reply:
     with AdminClient(d.endpoint, timeout_s=15.0, admin_token=token) as admin:
         return admin.call(msg, wait_s=wait_s)
-
-
-def store(conn, pool, n: int, salt: int) -> list[bytes]:
-    keys = conn.page_keys(tokens(n * SMALL.page_size, salt=salt))
-    for p in range(n):
-        fill_page(pool, p, seed=salt + p)
-    h = conn.store(keys, list(range(n)))
-    assert h.count == n and h.wait()
-    return keys
 
 
 def sync(d) -> None:
