@@ -174,20 +174,25 @@ class ServiceContext:
         s.transition(SessionState.CLOSED)
         self.counters.sessions_closed += 1
 
-    def reap_sessions(self) -> None:
-        """Close the sessions whose engine process is gone or whose lease ran out.
+    def reap_sessions(self, now: float | None = None) -> None:
+        """Close the sessions whose engine process is gone and, given ``now``, those whose
+        lease ran out by then.
+
+        Only the lease loop passes ``now``: it alone knows whether kvtierd itself did not
+        run for a while (its engines' heartbeats then wait unread, and the leases get that
+        time back first). A check at another moment (after a peer's disconnect) looks at
+        the processes only, since it may be the first thing kvtierd runs after a pause.
 
         One session's failure is logged and closes that session only: the reaper runs
         for the daemon's lifetime, and an error escaping it would stop the daemon.
         """
-        now = time.monotonic()
         for s in self.sessions:
             if s.state is not SessionState.OPEN:
                 continue
             try:
                 if not s.engine_alive():
                     self.close_session(s, f"engine process {s.pid} is gone")
-                elif s.expired(now):
+                elif now is not None and s.expired(now):
                     self.counters.sessions_expired += 1
                     self.close_session(s, "lease expired")
             except Exception:  # reaper boundary: this session only, keep reaping the others

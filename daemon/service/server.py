@@ -379,7 +379,7 @@ class Daemon:
             late, last = now - last - period, now
             if late > period:  # no lease ends for the time kvtierd did not run
                 self.svc.ctx.extend_leases(late)
-            self.svc.ctx.reap_sessions()
+            self.svc.ctx.reap_sessions(now)
             ticks += 1
             if ticks % max(1, int(5 / period)) == 0:
                 self._update_status()

@@ -295,3 +295,35 @@ def test_wait_layer_gives_up_after_load_timeout_while_daemon_is_stopped(daemon_f
             os.kill(d.pid, signal.SIGCONT)
         conn.close()
         pool.close()
+
+
+@pytest.mark.timeout(120)
+def test_daemon_paused_right_after_a_disconnect_keeps_heartbeating_sessions(daemon_factory):
+    """A peer's disconnect makes kvtierd check its engines' processes a moment later. When
+    kvtierd is stopped in that moment for longer than its lease, the check that runs first
+    once it continues must not end sessions whose heartbeats wait unread in its socket: a
+    lease ends only after heartbeats stopped coming, never for the time kvtierd itself did
+    not run (docs/protocol.md, Failure semantics)."""
+    d = daemon_factory("--lease-s", "1")
+    cfg = dict(request_timeout_s=0.5, heartbeat_interval_s=0.1)
+    pool, conn = engine(d.runtime_dir, **cfg)
+    try:
+        sid = conn.session_id
+        for delay in (0.0, 0.002, 0.004, 0.006):
+            admin = AdminClient(d.endpoint, timeout_s=10.0)
+            admin.health()
+            admin.close()  # a peer disconnects: the daemon checks engines soon after
+            time.sleep(delay)
+            os.kill(d.pid, signal.SIGSTOP)
+            try:
+                time.sleep(2.5)  # 2.5 leases; the engine's heartbeats keep coming
+            finally:
+                os.kill(d.pid, signal.SIGCONT)
+            time.sleep(0.5)
+            assert int(_stats(d)["counters"]["sessions_expired"]) == 0, delay
+        assert conn.session_id == sid
+    finally:
+        with contextlib.suppress(OSError):
+            os.kill(d.pid, signal.SIGCONT)
+        conn.close()
+        pool.close()
