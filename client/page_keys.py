@@ -7,7 +7,8 @@ every process, rank and restart computes the same keys.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import operator
+from collections.abc import Iterable, Sequence
 from typing import cast
 
 import numpy as np
@@ -36,8 +37,9 @@ def page_keys(seed: bytes, tokens: Sequence[int] | np.ndarray, page_size: int) -
         ``len(tokens) // page_size`` keys of 32 bytes.
 
     Raises:
-        ValueError: ``page_size`` outside ``[1, MAX_PAGE_TOKENS]``, or a token outside
-            ``[0, 2**32)``.
+        ValueError: ``page_size`` outside ``[1, MAX_PAGE_TOKENS]``, a token outside
+            ``[0, 2**32)``, or token ids that are not integers (floats would be truncated
+            into another prompt's ids, and so its keys).
     """
     if not 0 < page_size <= MAX_PAGE_TOKENS:
         raise ValueError(f"page_size must be in [1, {MAX_PAGE_TOKENS}], got {page_size!r}")
@@ -48,9 +50,22 @@ def page_keys(seed: bytes, tokens: Sequence[int] | np.ndarray, page_size: int) -
     if isinstance(tokens, range):  # no list of Python ints on the way
         arr = np.arange(tokens.start, tokens.stop, tokens.step, dtype=np.int64)
     else:
-        arr = np.asarray(tokens, dtype=np.int64)
+        arr = np.asarray(tokens)
+        if arr.size == 0:
+            arr = arr.astype(np.int64)
+        elif arr.dtype.kind not in "iub":
+            raise ValueError(f"tokens must be integer token ids, got an array of {arr.dtype}")
     if arr.size and (arr.min() < 0 or arr.max() >= 1 << 32):
         raise ValueError("tokens must be in [0, 2**32)")
     n = arr.size // page_size
     pages = arr[: n * page_size].astype("<u4")
     return cast("list[bytes]", _chain(seed, pages, page_size * 4))  # None: lists only
+
+
+def token_ids(tokens: Iterable[object]) -> list[int]:
+    """``tokens`` as a list of Python ints: numpy and torch integers are taken, anything
+    that is not an integer (a float) raises ValueError, never truncated into another id."""
+    try:
+        return [operator.index(t) for t in tokens]  # type: ignore[arg-type]
+    except TypeError as err:
+        raise ValueError(f"tokens must be integer token ids: {err}") from None

@@ -29,6 +29,7 @@ least every :data:`POLL_S`, so a daemon that does not wake is only slower to not
 from __future__ import annotations
 
 import enum
+import math
 import os
 import time
 from collections.abc import Callable
@@ -60,6 +61,19 @@ class TransferStatus(enum.IntEnum):
 
 class CompletionTimeout(TimeoutError):
     """A layer did not complete within the deadline."""
+
+
+def check_timeout(value: object, name: str = "timeout") -> float:
+    """``value`` as a wait in seconds: a finite number, 0 or more (0: do not wait);
+    otherwise ValueError naming ``name`` and the value (a NaN deadline is never reached)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ValueError(f"{name} = {value!r}: must be a finite number of seconds, 0 or more")
+    return float(value)
 
 
 class CompletionBlock:
@@ -214,7 +228,7 @@ class CompletionBlock:
         i = 2 * (slot * SLOT_WORDS + WAKES)
         address = self._wbase + 4 * i
         now = time.monotonic()
-        deadline = now + timeout
+        deadline = now + check_timeout(timeout)
         next_alive = now + POLL_S
         polls = 0
         while True:

@@ -44,7 +44,7 @@ from kvtier.client.cache.counters import CacheCounters
 from kvtier.client.cache.link import CacheLink
 from kvtier.client.cache.request import LoadHandle, MatchResult
 from kvtier.client.cache.store_tracker import StoreTracker
-from kvtier.client.page_keys import page_keys
+from kvtier.client.page_keys import page_keys, token_ids
 from kvtier.client.radix.results import EvictedPage
 from kvtier.client.radix.tree import RadixTree
 from kvtier.config import ClientConfig, KvtierError, client_config
@@ -203,7 +203,7 @@ class CacheManager:
             The match; pass it to :meth:`load`, :meth:`insert` and :meth:`release`.
         """
         self._forget_marks_of_another_epoch()
-        toks = [int(t) for t in tokens]
+        toks = token_ids(tokens)
         size = self._page_size
         n_full = len(toks) // size
         usable = max(len(toks) - 1, 0) // size
@@ -457,7 +457,7 @@ class CacheManager:
         """
         if self._conn is None:
             return 0
-        keys = page_keys(self._seed, [int(t) for t in tokens], self._page_size)
+        keys = page_keys(self._seed, token_ids(tokens), self._page_size)
         return self._conn.lookup(keys).l2 * self._page_size if keys else 0
 
     def close(self) -> None:

@@ -102,7 +102,7 @@ class DaemonChannel:
             self._sock = make_zmq_socket(
                 self.context, self.endpoint, zmq.DEALER, bind=False, identity=identity
             )
-            self._sock.setsockopt(zmq.RCVTIMEO, max(1, int(self.request_timeout_s * 1000)))
+            self._sock.setsockopt(zmq.RCVTIMEO, max(1, poll_ms(self.request_timeout_s)))
 
     def pid_to_watch(self, reported: int) -> int:
         """The daemon pid to watch after a registration whose reply reported ``reported``:
@@ -181,7 +181,8 @@ class DaemonChannel:
                 if data is None and interruptible and self.closing.is_set():
                     raise DaemonUnavailable("connection is closed")
                 if data is None or (time.monotonic() > deadline and rep_is_late(data, req_id)):
-                    self.mark_down()
+                    if wait_s >= self.request_timeout_s:  # a caller's shorter wait tells nothing
+                        self.mark_down()
                     if not self.daemon_alive():
                         raise DaemonUnavailable(f"kvtierd (pid {self.daemon_pid}) has exited")
                     raise DaemonUnavailable(f"kvtierd did not answer within {wait_s}s")

@@ -54,7 +54,7 @@ from kvtier.client.page_keys import page_keys
 from kvtier.config import ClientConfig, client_config, runtime_dir, socket_path
 from kvtier.config.models import PrefetchPolicy
 from kvtier.ipc import protocol as P
-from kvtier.ipc.completion import CompletionBlock, TransferStatus
+from kvtier.ipc.completion import CompletionBlock, TransferStatus, check_timeout
 from kvtier.ipc.fdpass import handover_path_for
 from kvtier.ipc.limits import HANDOVER_TOKEN_BYTES
 from kvtier.ipc.sockets import ipc_endpoint
@@ -407,14 +407,18 @@ class Connection:
             policy: one of the three, or None for this client's
                 ``hicache_storage_prefetch_policy`` (when that is None too, the daemon's).
             request_id: the prefetch's request id, if it was given one.
-            timeout: longest wait for the reply (default ``claim_timeout_s``).
+            timeout: longest wait for the reply (default ``claim_timeout_s``); a shorter
+                wait than the reply takes is a miss for this claim only.
 
         Returns:
             Leading keys in L2 (0 when the daemon is away: recompute).
+
+        Raises:
+            ValueError: ``timeout`` is not a finite number of seconds, 0 or more.
         """
+        wait_s = self.config.claim_timeout_s if timeout is None else check_timeout(timeout)
         if not keys:
             return 0
-        wait_s = self.config.claim_timeout_s if timeout is None else timeout
         n = self._count("claim")
         try:
             rep = self._session_call(

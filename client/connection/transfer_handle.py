@@ -10,11 +10,17 @@ small :class:`TransferOwner` protocol, so this module does not import the connec
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from typing import Any, Protocol
 
 from kvtier.config import ClientConfig
-from kvtier.ipc.completion import CompletionBlock, CompletionTimeout, TransferStatus
+from kvtier.ipc.completion import (
+    CompletionBlock,
+    CompletionTimeout,
+    TransferStatus,
+    check_timeout,
+)
 
 log = logging.getLogger("kvtier.client")
 
@@ -141,10 +147,21 @@ class TransferHandle:
     def wait_layer(self, layer: int, timeout: float | None = None) -> bool:
         """Block until layer ``layer`` of this transfer is in place.
 
+        Args:
+            layer: a layer index, ``0 <= layer < num_layers``.
+            timeout: the longest wait in seconds (default ``load_timeout_s``).
+
         Returns:
             True when it is; False when the transfer failed, was cancelled or timed out
             (the engine must then treat the whole transfer as a miss and recompute).
+
+        Raises:
+            IndexError / TypeError: ``layer`` is not a layer index of this transfer.
+            ValueError: ``timeout`` is not a finite number of seconds, 0 or more.
         """
+        layer = self._layer_index(layer)
+        if timeout is not None:
+            check_timeout(timeout)
         if self._layers_ok > layer:
             return True
         if self._status is not None:
@@ -172,6 +189,19 @@ class TransferHandle:
         self._end(st)  # DONE: the daemon saw every copy finish on the GPU, nothing to wait for
         return st is TransferStatus.DONE
 
+    def _layer_index(self, layer: object) -> int:
+        """``layer`` as an index in ``[0, num_layers)``, else IndexError / TypeError naming
+        it (nothing waited on or changed: a load that copied every page stays good)."""
+        if isinstance(layer, bool):
+            raise TypeError(f"layer = {layer!r}: must be an integer layer index")
+        try:
+            i = operator.index(layer)  # type: ignore[arg-type]
+        except TypeError:
+            raise TypeError(f"layer = {layer!r}: must be an integer layer index") from None
+        if not 0 <= i < self.num_layers:
+            raise IndexError(f"layer = {i}: this transfer has layers 0 to {self.num_layers - 1}")
+        return int(i)
+
     def _stream_wait(self, layer: int) -> bool:
         """The current stream waits for layer ``layer``'s event, unless its daemon is gone."""
         assert self._cuda is not None and self._conn is not None
@@ -185,7 +215,12 @@ class TransferHandle:
 
         It has ended once the daemon has settled it: a store's pages are in L2, a load's
         pins are dropped.
+
+        Raises:
+            ValueError: ``timeout`` is not a finite number of seconds, 0 or more.
         """
+        if timeout is not None:
+            check_timeout(timeout)
         if (
             self._status is None
             and self.wait_layer(self.num_layers - 1, timeout)

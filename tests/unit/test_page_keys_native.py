@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvtier.client.page_keys import page_keys
+from kvtier.client.page_keys import page_keys, token_ids
 
 from tests.key_chain import spec_page_keys
 
@@ -96,3 +96,16 @@ def test_the_extension_refuses_bad_shapes_naming_them():
         _pagekeys.chain(b"", 12, 8)
     assert _pagekeys.chain(b"", b"", 4) == []
     assert isinstance(_pagekeys.sha_extensions(), bool)
+
+
+@pytest.mark.parametrize(
+    "tokens", [[1.5, 2.0], np.array([1.5, 2.0]), np.array([1, 2], dtype=np.float32)]
+)
+def test_token_ids_that_are_not_integers_are_refused_never_truncated(tokens):
+    """Floats would be truncated into other token ids (1.5 into 1), so another prompt's
+    keys: refused naming the tokens, by both the keying and the cache manager's reading."""
+    with pytest.raises(ValueError, match="tokens must be integer token ids"):
+        page_keys(b"s", tokens, 1)
+    with pytest.raises(ValueError, match="tokens must be integer token ids"):
+        token_ids(tokens)
+    assert token_ids([np.int64(3), True, 4]) == [3, 1, 4]

@@ -1,0 +1,257 @@
+"""The engine-side client's public API called with the inputs an engine author may plausibly
+pass: out-of-range layers, odd timeouts, token ids of another type, extreme settings.
+
+Every test runs a real kvtierd (``daemon_factory``) and the real
+:class:`~kvtier.client.connection.connection.Connection` over a real
+:class:`~kvtier.client.kv_pool.shared.SharedKVPool`. What a user expects: a clear error
+naming the argument (or a documented miss), no change to what the daemon holds, no hang,
+and no call that turns a good transfer or a healthy daemon into a miss for what follows.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import threading
+
+import numpy as np
+import pytest
+import torch
+from kvtier.client.connection.connection import Connection
+from kvtier.client.kv_pool.shared import SharedKVPool
+from kvtier.ipc import protocol as P
+
+from tests.engines import SMALL, client_config, engine, fill_page, page_bytes, tokens
+
+BIG = P.Geometry(num_layers=16, page_size=16, kv_heads=8, head_dim=128, dtype="float16")
+"""1 MiB pages: a 32-page LOAD runs long enough to be caught in the middle by SIGSTOP."""
+
+
+def stored(conn: Connection, pool: SharedKVPool, n: int, salt: int) -> list[bytes]:
+    """Fill engine pages ``0..n-1``, store them under a fresh chain; the keys."""
+    for p in range(n):
+        fill_page(pool, p, salt * 100 + p)
+    keys = conn.page_keys(tokens(n * conn.geometry.page_size, salt=salt))
+    assert len(keys) == n
+    assert conn.store(keys, list(range(n))).wait(), "the setup STORE failed"
+    assert conn.lookup(keys).l2 == n
+    return keys
+
+
+def load_caught_mid_copy(d, conn: Connection, keys: list[bytes], pages: list[int]):
+    """A LOAD of ``keys`` into ``pages`` with the daemon SIGSTOPped while it copies (the
+    caller SIGCONTs it). None when no try caught it in the middle."""
+    for _ in range(30):
+        h = conn.load(keys, pages)
+        assert h.count == len(keys)
+        os.kill(d.pid, signal.SIGSTOP)
+        if h.copying() and h.layers_ready() < h.num_layers:
+            return h
+        os.kill(d.pid, signal.SIGCONT)
+        assert h.wait()
+    return None
+
+
+# ---------------------------------------------------------------------------- claim
+
+
+@pytest.mark.timeout(120)
+def test_a_claim_with_a_zero_timeout_leaves_later_lookups_and_loads_served(daemon_factory):
+    """``claim(keys, timeout=...)`` bounds how long *that* claim waits for its reply. A
+    scheduler that claims without waiting (``timeout=0``) may get 0 (a miss) for it, but the
+    daemon is up and answering: the next ``lookup`` of the same keys still reports the pages
+    L2 holds, a ``load`` of them still runs, and ``stats()`` still answers. Nothing about
+    the daemon's health is inferred from a caller's own zero deadline."""
+    d = daemon_factory()
+    pool, conn = engine(d.runtime_dir, request_timeout_s=3.0)
+    try:
+        keys = stored(conn, pool, 4, salt=1)
+        conn.claim(keys, timeout=0.0)
+        after = conn.lookup(keys)
+        assert after.l2 == 4, (
+            f"lookup right after claim(timeout=0) reported {after} for 4 pages L2 holds"
+        )
+        h = conn.load(keys, [10, 11, 12, 13])
+        assert h.count == 4 and h.wait(), f"load after the claim: count {h.count}"
+        conn.stats()  # raises DaemonUnavailable when the connection thinks the daemon is down
+    finally:
+        conn.close()
+        pool.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_claim_with_a_nan_timeout_is_refused_naming_it(daemon_factory):
+    """``claim(keys, timeout=nan)`` is no duration: it is refused with a ValueError that
+    names ``timeout`` (or treated as a miss, 0), and the pages L2 holds stay served."""
+    d = daemon_factory()
+    pool, conn = engine(d.runtime_dir)
+    try:
+        keys = stored(conn, pool, 2, salt=2)
+        try:
+            got = conn.claim(keys, timeout=math.nan)
+        except ValueError as err:
+            assert "timeout" in str(err), f"the ValueError does not name the argument: {err}"
+        else:
+            assert got in (0, 2)
+        assert conn.lookup(keys).l2 == 2
+    finally:
+        conn.close()
+        pool.close()
+
+
+# ---------------------------------------------------------------------------- handles
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("layer", [4, 99])
+def test_wait_layer_past_the_last_layer_is_refused_and_the_load_stays_good(daemon_factory, layer):
+    """``handle.wait_layer(i)`` takes a layer index in ``[0, num_layers)``. An index past
+    the last layer (an off-by-one: ``wait_layer(num_layers)``) is a caller's mistake: it
+    raises a ValueError/IndexError naming the layer, and the load itself, which copied every
+    page, still reports success (``wait()`` True, ``ok``) with the right bytes."""
+    d = daemon_factory()
+    pool, conn = engine(d.runtime_dir, load_timeout_s=2.0)
+    try:
+        keys = stored(conn, pool, 4, salt=3)
+        h = conn.load(keys, [10, 11, 12, 13])
+        assert h.count == 4 and h.num_layers == SMALL.num_layers == 4
+        with pytest.raises((ValueError, IndexError)):
+            h.wait_layer(layer)
+        assert h.wait(), "a load whose every page was copied reports failure"
+        assert h.ok
+        for i in range(4):
+            assert page_bytes(pool, 10 + i) == page_bytes(pool, i)
+    finally:
+        conn.close()
+        pool.close()
+
+
+@pytest.mark.timeout(120)
+def test_wait_layer_of_a_negative_layer_never_reports_pages_that_are_not_there(daemon_factory):
+    """``wait_layer(-1)`` (a negative index, as Python reads "the last layer") either
+    raises a ValueError/IndexError naming the layer or waits like any layer; it never
+    returns True ("the layer is in place, read it") while the daemon has copied nothing:
+    the engine would compute on pages that hold other KV."""
+    d = daemon_factory("--hicache-size", "160MiB")
+    pool, conn = engine(d.runtime_dir, geometry=BIG, num_pages=64, load_timeout_s=1.0)
+    stopped = False
+    try:
+        keys = stored(conn, pool, 32, salt=4)
+        h = load_caught_mid_copy(d, conn, keys, list(range(32, 64)))
+        assert h is not None, "never caught a LOAD in the middle of its copy"
+        stopped = True
+        ready = h.layers_ready()
+        try:
+            got = h.wait_layer(-1, timeout=0.5)
+        except (ValueError, IndexError):
+            return
+        assert not got, (
+            f"wait_layer(-1) returned True with {ready} of {h.num_layers} layers copied "
+            "(the daemon is stopped in the middle of the load)"
+        )
+    finally:
+        if stopped:
+            os.kill(d.pid, signal.SIGCONT)
+        conn.close()
+        pool.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("call", ["wait_layer", "wait"])
+def test_a_nan_timeout_on_a_stalled_transfer_does_not_wait_forever(daemon_factory, call):
+    """A wait with ``timeout=nan`` on a transfer the daemon stalls in (SIGSTOP) returns
+    promptly: refused with a ValueError, or bounded like any wait (by ``load_timeout_s``,
+    1 s here). It never spins until the daemon happens to resume."""
+    d = daemon_factory("--hicache-size", "160MiB")
+    pool, conn = engine(d.runtime_dir, geometry=BIG, num_pages=64, load_timeout_s=1.0)
+    stopped = False
+    try:
+        keys = stored(conn, pool, 32, salt=5)
+        h = load_caught_mid_copy(d, conn, keys, list(range(32, 64)))
+        assert h is not None, "never caught a LOAD in the middle of its copy"
+        stopped = True
+        result: dict[str, object] = {}
+
+        def wait() -> None:
+            try:
+                if call == "wait":
+                    result["got"] = h.wait(timeout=math.nan)
+                else:
+                    result["got"] = h.wait_layer(h.num_layers - 1, timeout=math.nan)
+            except ValueError as err:
+                result["got"] = err
+
+        t = threading.Thread(target=wait, daemon=True)
+        t.start()
+        t.join(8.0)
+        assert not t.is_alive(), (
+            f"{call}(timeout=nan) still waiting 8 s after it began, with load_timeout_s "
+            f"{conn.config.load_timeout_s}s, on a stalled daemon"
+        )
+    finally:
+        if stopped:
+            os.kill(d.pid, signal.SIGCONT)
+        conn.close()
+        pool.close()
+
+
+# ---------------------------------------------------------------------------- page keys
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "form",
+    ["list", "numpy", "torch"],
+)
+def test_page_keys_of_non_integral_token_ids_never_equal_other_tokens_keys(daemon_factory, form):
+    """Page keys name a page's exact token ids (docs: "a SHA-256 chain over full pages of
+    tokens"). Token ids that are not integers (1.5, as floats in a list, a float64 array or
+    a float tensor) are refused with a ValueError/TypeError; they never get the keys of
+    other tokens (1), which would make a lookup serve another prompt's KV."""
+    d = daemon_factory()
+    pool, conn = engine(d.runtime_dir)
+    try:
+        n = SMALL.page_size
+        floats = {
+            "list": [1.5] * n,
+            "numpy": np.full(n, 1.5),
+            "torch": torch.full((n,), 1.5),
+        }[form]
+        try:
+            got = conn.page_keys(floats)
+        except (ValueError, TypeError):
+            return
+        assert got != conn.page_keys([1] * n), (
+            f"page_keys of {n} tokens 1.5 ({form}) equal the keys of {n} tokens 1"
+        )
+    finally:
+        conn.close()
+        pool.close()
+
+
+# ---------------------------------------------------------------------------- settings
+
+
+@pytest.mark.timeout(120)
+def test_a_long_request_timeout_the_config_accepts_lets_the_connection_register(
+    daemon_factory,
+):
+    """``ClientConfig(request_timeout_s=...)`` accepts any positive finite number; one a
+    cautious operator picks to mean "practically never give up" (30 days) must then work:
+    the connection registers and serves lookups (or the config refuses the value, naming
+    ``request_timeout_s``), never an OverflowError from inside ZeroMQ."""
+    d = daemon_factory()
+    try:
+        cfg = client_config(d.runtime_dir, request_timeout_s=30 * 86400.0)
+    except ValueError as err:  # pydantic's ValidationError is a ValueError
+        assert "request_timeout_s" in str(err)
+        return
+    pool = SharedKVPool(SMALL, 8)
+    try:
+        with Connection(pool, model_id="m", config=cfg) as conn:
+            keys = conn.page_keys(tokens(32, salt=6))
+            assert conn.lookup(keys).l2 == 0
+            assert conn.session_id != 0
+    finally:
+        pool.close()
