@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Protocol
 
 from kvtier.config.errors import KvtierError
+from kvtier.daemon.pauses import RunningTimer
 from kvtier.daemon.service.refusal_log import RefusalLog
 from kvtier.daemon.service.strain import Strain, descriptor_limit
 from kvtier.ipc import fdpass
@@ -117,7 +118,7 @@ class Handover:
     peer: PeerCred
     fds: list[int]
     completion: CompletionBlock
-    expiry: asyncio.TimerHandle | None = field(default=None)
+    expiry: RunningTimer | None = field(default=None)
 
     def close_fds(self) -> None:
         """Close the memory's descriptors (the daemon's mappings stay valid)."""
@@ -490,7 +491,7 @@ class HandoverServer:
                 "memory", f"the daemon is short of memory or descriptors: {err}"
             ) from err
         h = Handover(token=token, peer=peer, fds=fds, completion=block)
-        h.expiry = asyncio.get_running_loop().call_later(self.ttl_s, self._expire, h)
+        h.expiry = RunningTimer(self.ttl_s, self._expire, h)  # of time kvtierd ran
         self._pending[token] = h
         self._waiting[peer.uid] = mine + 1
         self._held[peer.uid] = held

@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 from kvtier.config import ConfigError, DaemonConfig, format_size, runtime_dir, socket_path
 from kvtier.config.loader import pool_path
+from kvtier.daemon.pauses import WATCH
 from kvtier.daemon.service.receiver import Receiver, watch_disconnects
 from kvtier.daemon.service.runtime import SocketFile, claim_runtime_dir
 from kvtier.daemon.service.sdnotify import (
@@ -300,6 +301,7 @@ class Daemon:
             loops = [
                 tg.create_task(_follow(recv), name="kvtier-recv-follow"),
                 tg.create_task(self._lease_loop(), name="kvtier-lease"),
+                tg.create_task(WATCH.run(), name="kvtier-pauses"),
                 tg.create_task(self._monitor_loop(), name="kvtier-monitor"),
                 tg.create_task(self.svc.tier.run(), name="kvtier-l3"),
                 tg.create_task(self.svc.prefault(), name="kvtier-prefault"),
@@ -366,23 +368,23 @@ class Daemon:
 
     # ------------------------------------------------------------------ loops
     async def _lease_loop(self) -> None:
-        """Reap sessions every quarter lease (at most a second). A wake-up later than that
-        by more than a period means kvtierd itself did not run (stopped, starved, its loop
-        held): the heartbeats its engines sent meanwhile wait unread in its socket, so every
-        lease gets that time back first."""
+        """Reap sessions every quarter lease (at most a second). The time kvtierd itself
+        did not run (stopped, starved, its loop held: :mod:`~kvtier.daemon.pauses`) is
+        given back to every lease first, since the heartbeats its engines sent meanwhile
+        wait unread in its socket."""
         ticks = 0
-        last = time.monotonic()
-        while True:
-            period = min(1.0, self.cfg.lease_s / 4)  # lease_s may change by a reload
-            await asyncio.sleep(period)
-            now = time.monotonic()
-            late, last = now - last - period, now
-            if late > period:  # no lease ends for the time kvtierd did not run
-                self.svc.ctx.extend_leases(late)
-            self.svc.ctx.reap_sessions(now)
-            ticks += 1
-            if ticks % max(1, int(5 / period)) == 0:
-                self._update_status()
+        undo = WATCH.listen(self.svc.ctx.extend_leases)
+        try:
+            while True:
+                period = min(1.0, self.cfg.lease_s / 4)  # lease_s may change by a reload
+                await asyncio.sleep(period)
+                WATCH.catch_up()  # whoever looks first after a pause records it
+                self.svc.ctx.reap_sessions(time.monotonic())
+                ticks += 1
+                if ticks % max(1, int(5 / period)) == 0:
+                    self._update_status()
+        finally:
+            undo()
 
     def _update_status(self) -> None:
         ps = self.svc.pool.stats()

@@ -30,6 +30,7 @@ from typing import Any
 from kvtier.config import ConfigError, DaemonConfig, KvtierError
 from kvtier.config.loader import state_dir
 from kvtier.daemon.counters import Counters
+from kvtier.daemon.pauses import running_timeout
 from kvtier.daemon.storage.base import BackendStats, HostArena, StorageBackend
 from kvtier.daemon.storage.registry import EXTRA_CONFIG_FIELD, create_backend, parse_extra_config
 from kvtier.daemon.tier.fault_log import FaultLog, describe_fault
@@ -234,7 +235,7 @@ class L3Backend:
         limit = self.cfg.storage_timeout_s * 4
         cause = None
         try:
-            async with asyncio.timeout(limit):
+            async with running_timeout(limit):
                 ok = await self.backend.health()
         except TimeoutError:
             ok, cause = False, f"health check timed out after {limit:g} s"
@@ -324,7 +325,7 @@ class L3Backend:
             return 0
         before = backend.stats.errors
         try:
-            async with asyncio.timeout(self.cfg.storage_timeout_s):
+            async with running_timeout(self.cfg.storage_timeout_s):
                 n = await backend.exists(ns, keys)
         except TimeoutError:
             self._fault(

@@ -36,6 +36,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.daemon.counters import Counters
+from kvtier.daemon.pauses import WATCH
 from kvtier.daemon.pool.host_pool import HostPool
 
 log = logging.getLogger("kvtier.daemon.tier.prefetch")
@@ -202,6 +203,8 @@ class PrefetchJob:
         deps: fills of other prefetches that hold pages of this chain.
         pages: pages the claim may wait for (own and dependencies').
         started: loop time of the PREFETCH (the ``timeout`` policy counts from it).
+        paused: :data:`~kvtier.daemon.pauses.WATCH`'s total then (the pauses since are
+            not counted against its budget).
         released: its claim, its session's end or a newer prefetch of the same name let
             its fills go (:meth:`Prefetcher.release`).
     """
@@ -211,6 +214,7 @@ class PrefetchJob:
     deps: list[Fill] = field(default_factory=list)
     pages: int = 0
     started: float = 0.0
+    paused: float = 0.0
     released: bool = False
 
     @property
@@ -387,9 +391,11 @@ class Prefetcher:
     async def wait_keys(self, keys: Sequence[bytes], fills: Sequence[Fill], timeout: float) -> None:
         """Wait until every page of ``keys`` that ``fills`` hold has ended (committed or
         given up) and none of them is still allocating, or ``timeout`` seconds have passed.
-        A claim of a short prefix of a long fill waits for its own pages only."""
+        A claim of a short prefix of a long fill waits for its own pages only. Time
+        kvtierd did not run (:mod:`~kvtier.daemon.pauses`) does not count."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+        paused = WATCH.catch_up()
         ended = (Fate.COMMITTED, Fate.ABORTED)
         while True:
             waits = []
@@ -402,7 +408,7 @@ class Prefetcher:
                     (i := at.get(k)) is not None and i < cut and fate[i] not in ended for k in keys
                 ):
                     waits.append(f)
-            left = deadline - loop.time()
+            left = deadline + WATCH.catch_up() - paused - loop.time()
             if not waits or left <= 0:
                 return
             await asyncio.wait([self._progress(f) for f in waits], timeout=left)

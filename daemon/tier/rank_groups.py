@@ -40,6 +40,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from kvtier.daemon.pauses import RunningTimer
+
 log = logging.getLogger("kvtier.daemon.groups")
 
 ROUND_TTL_S = 60.0
@@ -81,7 +83,7 @@ class _Round:
     values: dict[int, tuple[int, ...]] = field(default_factory=dict)
     arrived: set[int] = field(default_factory=set)
     deadline: float = 0.0
-    timer: asyncio.TimerHandle | None = None
+    timer: RunningTimer | None = None
     result: asyncio.Future[tuple[int, ...]] | None = None
 
 
@@ -258,7 +260,8 @@ class RankGroups:
         rnd.deadline = deadline
         if rnd.timer is not None:
             rnd.timer.cancel()
-        rnd.timer = asyncio.get_running_loop().call_at(deadline, self._expire, group, op, rnd)
+        delay = max(0.0, deadline - asyncio.get_running_loop().time())
+        rnd.timer = RunningTimer(delay, self._expire, group, op, rnd)  # of time kvtierd ran
 
     def _expire(self, group: RankGroup, op: str, rnd: _Round) -> None:
         rnd.timer = None

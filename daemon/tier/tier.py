@@ -29,6 +29,7 @@ from pathlib import Path
 from kvtier.config import DaemonConfig
 from kvtier.config.loader import state_dir
 from kvtier.daemon.counters import Counters
+from kvtier.daemon.pauses import WATCH
 from kvtier.daemon.pool.host_pool import EvictedPage, HostPool
 from kvtier.daemon.storage.base import HostArena
 from kvtier.daemon.tier.guard import L3Backend
@@ -274,7 +275,7 @@ class TierStore:
         fetch = given_up is None
         if given_up is not None:
             start = skip + given_up
-        job = PrefetchJob(ns_id=s.ns_id, fill=None, started=loop.time())
+        job = PrefetchJob(ns_id=s.ns_id, fill=None, started=loop.time(), paused=WATCH.catch_up())
         job.deps = self.prefetcher.dependencies(s.ns_id, keys[:start])
         if old is not None:  # after the new job took its fills: those it shares go on
             self.prefetcher.release(old)
@@ -343,16 +344,19 @@ class TierStore:
         ``best_effort``: now. ``timeout``: the prefetch's start plus
         ``min(prefetch_timeout_max, prefetch_timeout_base + prefetch_timeout_per_ki_token
         × tokens / 1024)`` for the tokens it fetches. ``wait_complete``: the prefetch's
-        start plus ``prefetch_timeout_max`` (so a stuck backend cannot hang a claim).
+        start plus ``prefetch_timeout_max`` (so a stuck backend cannot hang a claim). The
+        time kvtierd did not run since the prefetch (:mod:`~kvtier.daemon.pauses`) is not
+        counted.
         """
         now = asyncio.get_running_loop().time()
         if job is None or policy == "best_effort":
             return now
+        start = job.started + WATCH.catch_up() - job.paused  # kvtierd's pauses not counted
         cap = self.setting("prefetch_timeout_max")
         if policy == "wait_complete":
-            return job.started + cap
+            return start + cap
         tokens = job.pages * s.geometry.page_size
-        return job.started + min(
+        return start + min(
             cap,
             self.setting("prefetch_timeout_base")
             + self.setting("prefetch_timeout_per_ki_token") * tokens / 1024,
