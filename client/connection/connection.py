@@ -82,6 +82,11 @@ log = logging.getLogger("kvtier.client")
 UNANSWERED_POLL_S = 0.001
 """How often a transfer whose reply never came is looked at in its slot while it runs."""
 
+REFUSED_RETRY_S = 1.0
+"""After the daemon refused a re-registration (a token no longer valid, a bound reached),
+requests fail with that refusal for this long before the next try: each try hands memory
+over and takes the daemon's time."""
+
 
 class _Unanswered(Exception):
     """A STORE or LOAD got no reply in time (the daemon may have started it): ``slot``,
@@ -144,6 +149,7 @@ class Connection:
         self._block: CompletionBlock | None = None
         self._cuda: CudaLayerWaiter | None = None
         self._closed = False
+        self._refused: tuple[float, DaemonError] | None = None  # (until, why): see _reregister
         self._hb_stop = threading.Event()
         self._hb_wake = threading.Event()  # stop, or abandoned slots to release
         self._hb: threading.Thread | None = None
@@ -303,7 +309,7 @@ class Connection:
             if self.session_id != 0 and not self.daemon_alive():
                 self.session_id = 0  # that daemon is gone: register with its successor, if any
             if self.session_id == 0:
-                self.register()
+                self._reregister()
             msg = make(self.session_id)
             rep = self._call(msg, timeout=timeout)
             if isinstance(rep, P.ErrorReply) and rep.code == P.ErrorCode.UNKNOWN_SESSION:
@@ -313,10 +319,24 @@ class Connection:
                     self.session_id,
                 )
                 self.session_id = 0
-                self.register()
+                self._reregister()
                 msg = make(self.session_id)
                 rep = self._call(msg, timeout=timeout)
             return replies.expect(msg, rep, kind)
+
+    def _reregister(self) -> None:
+        """:meth:`register` for a request; a refusal is repeated without asking the daemon
+        again for :data:`REFUSED_RETRY_S` (an engine whose token the daemon no longer takes
+        would otherwise hand its memory over on every request)."""
+        refused = self._refused
+        if refused is not None and time.monotonic() < refused[0]:
+            raise refused[1].with_traceback(None)
+        try:
+            self.register()
+        except DaemonError as err:
+            self._refused = (time.monotonic() + REFUSED_RETRY_S, err)
+            raise
+        self._refused = None
 
     def _count(self, op: str) -> int:
         """A TP rank's count of its ``op`` requests, this one included (0 for one rank:

@@ -339,6 +339,14 @@ class HandoverServer:
         self._forget(h)
         return h
 
+    def discard(self, token: bytes, peer: PeerCred | None) -> None:
+        """Close the handover of ``token`` if ``peer`` made it: its REGISTER was refused
+        (nothing when none waits under it, the sender is unknown, or another process made
+        it)."""
+        h = self._pending.get(token) if len(token) == HANDOVER_TOKEN_BYTES else None
+        if h is not None and peer is not None and peer.pid == h.peer.pid:
+            self._drop(h)
+
     def _forget(self, h: Handover) -> None:
         """Stop ``h`` waiting (its descriptors stay open)."""
         if self._pending.get(h.token) is h:

@@ -73,10 +73,16 @@ class Registration:
 
         Raises:
             RequestError: refused. The request's own fields are checked before its
-                handover is claimed; once claimed, the handover is spent either way (the
-                daemon keeps no descriptor of it).
+                handover is claimed; a refusal then closes the handover if the sender made
+                it (another process's keeps waiting for its own REGISTER). Once claimed,
+                the handover is spent either way: the daemon keeps no descriptor of a
+                refused registration.
         """
-        tenant = self._check_register(m, peer)
+        try:
+            tenant = self._check_register(m, peer)
+        except RequestError:
+            self.ctx.handovers.discard(m.handover, peer)
+            raise
         try:
             h = self.ctx.handovers.claim(m.handover, peer)
         except HandoverNotYours as err:
@@ -362,10 +368,12 @@ class Registration:
             self._refusals.log(
                 logging.WARNING,
                 ("token", m.tenant if m.tenant in tenants else None),  # a name it chose: one
-                "registration refused: tenant %r from %s presented a %s token",
+                "registration refused: tenant %r from %s %s",
                 m.tenant,
                 f"pid {peer.pid} uid {peer.uid}" if peer is not None else "an unknown process",
-                "missing" if not m.token else "wrong",
+                "is not configured"
+                if t is None
+                else f"presented a {'missing' if not m.token else 'wrong'} token",
             )
             raise RequestError(
                 P.ErrorCode.UNAUTHORIZED, f"tenant = {m.tenant!r}: missing or wrong token"
