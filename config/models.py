@@ -413,7 +413,9 @@ class ClientConfig(_Frozen):
     load_timeout_s: float = Field(
         default=10.0, gt=0, description="Longest wait for one layer of a load before it fails."
     )
-    heartbeat_interval_s: float = Field(default=5.0, gt=0, description="Heartbeat period.")
+    heartbeat_interval_s: float = Field(
+        default=5.0, gt=0, le=86_400, description="Heartbeat period (at most a day)."
+    )
     hicache_write_policy: WritePolicy = Field(
         default="write_through", description="When L1 pages are backed up to L2."
     )

@@ -43,6 +43,18 @@ F_SEAL_FUTURE_WRITE = 0x0010
 """Linux >= 5.1: no new writable mapping (mappings made before stay writable)."""
 
 
+def available_memory() -> int | None:
+    """``MemAvailable`` of /proc/meminfo in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def seal_size(fd: int, future_write: bool = False) -> None:
     """Seal a memfd's size for good: F_SEAL_SHRINK | F_SEAL_GROW, then F_SEAL_SEAL.
 
@@ -177,10 +189,18 @@ class SharedMemorySegment:
             The segment; its ``path`` is ``memfd:<name>``.
 
         Raises:
-            SharedMemoryError: the memfd cannot be created, sized, mapped or sealed.
+            SharedMemoryError: the memfd cannot be created, sized, mapped or sealed, or
+                ``prefault`` asks for more than the memory available (reserving it would
+                have the kernel kill a process for memory).
         """
         if size <= 0:
             raise SharedMemoryError(f"memfd {name!r}: size must be > 0, got {size!r}")
+        available = available_memory() if prefault else None
+        if available is not None and size > available:
+            raise SharedMemoryError(
+                f"memfd {name!r}: {size} bytes asked for, more than the {available} bytes of "
+                "memory available"
+            )
         try:
             fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         except OSError as err:

@@ -76,8 +76,10 @@ class AdminClient:
             wait_s: how long to wait for the reply (default: ``timeout_s``).
 
         Raises:
-            AdminError: no reply in time.
+            AdminError: no reply in time, or this client is closed.
         """
+        if self._sock.closed:
+            raise AdminError("this AdminClient is closed")
         msg.req_id = next(self._ids)
         try:
             if not self._sock.poll(poll_ms(self.timeout_s), zmq.POLLOUT):

@@ -56,7 +56,7 @@ from kvtier.config.models import PrefetchPolicy
 from kvtier.ipc import protocol as P
 from kvtier.ipc.completion import CompletionBlock, TransferStatus, check_timeout
 from kvtier.ipc.fdpass import handover_path_for
-from kvtier.ipc.limits import HANDOVER_TOKEN_BYTES
+from kvtier.ipc.limits import HANDOVER_TOKEN_BYTES, KEY_BYTES
 from kvtier.ipc.sockets import ipc_endpoint
 
 if TYPE_CHECKING:
@@ -350,7 +350,15 @@ class Connection:
     def page_keys(
         self, tokens: Sequence[int] | np.ndarray, parent: bytes | None = None
     ) -> list[bytes]:
-        """Keys of the full pages of ``tokens`` (a chain from ``parent`` or the namespace)."""
+        """Keys of the full pages of ``tokens`` (a chain from ``parent``, the key of the page
+        before ``tokens[0]``, or from the namespace when None).
+
+        Raises:
+            ValueError: ``parent`` is not a page key (32 bytes), or the tokens are not
+                integer token ids in ``[0, 2**32)``.
+        """
+        if parent is not None and (not isinstance(parent, bytes) or len(parent) != KEY_BYTES):
+            raise ValueError(f"parent = {parent!r:.80}: must be a page key of {KEY_BYTES} bytes")
         return page_keys(parent or self.ns_fingerprint, tokens, self.geometry.page_size)
 
     def lookup(self, keys: Sequence[bytes]) -> LookupReply:

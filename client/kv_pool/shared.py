@@ -13,11 +13,12 @@ so no other process can reach it by a name. Layout
 
 from __future__ import annotations
 
+import operator
 import os
 from typing import TYPE_CHECKING
 
 import torch
-from kvtier.ipc.limits import DType
+from kvtier.ipc.limits import MAX_PAGES, DType
 from kvtier.ipc.protocol import Geometry, KVMemory, MemorySegment
 from kvtier.ipc.shm import SharedMemorySegment
 
@@ -43,12 +44,23 @@ class SharedKVPool:
         num_pages: pages per buffer.
         k / v: per-layer tensors ``[num_pages, page_size, kv_heads, head_dim]`` (MHA);
             for MLA ``k`` holds the latent and ``v`` is empty.
+
+    Raises:
+        TypeError / ValueError: ``num_pages`` not an integer in ``[1, 2**26]``.
+        SharedMemoryError: the memory cannot be made, or ``prefault`` asks for more than
+            the memory available.
     """
 
     def __init__(self, geometry: Geometry, num_pages: int, prefault: bool = True) -> None:
         geometry.validate()
-        if num_pages <= 0:
-            raise ValueError(f"num_pages must be > 0, got {num_pages!r}")
+        try:
+            if isinstance(num_pages, bool):
+                raise TypeError
+            num_pages = operator.index(num_pages)
+        except TypeError:
+            raise TypeError(f"num_pages = {num_pages!r}: must be an integer") from None
+        if not 0 < num_pages <= MAX_PAGES:
+            raise ValueError(f"num_pages = {num_pages!r}: must be in [1, {MAX_PAGES}]")
         self.geometry = geometry
         self.num_pages = num_pages
         g = geometry

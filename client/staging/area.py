@@ -36,7 +36,7 @@ import torch
 from kvtier.client.kv_pool.regions import RegionMemory
 from kvtier.ipc.limits import MAX_PAGES
 from kvtier.ipc.protocol import Geometry, MemoryRegion
-from kvtier.ipc.shm import SharedMemorySegment
+from kvtier.ipc.shm import SharedMemorySegment, available_memory
 
 __all__ = ["StagingArea", "StagingPart", "slot_runs"]
 
@@ -90,18 +90,6 @@ def check_wait_s(value: object, name: str = "wait_s") -> float:
     return float(value)
 
 
-def _available_memory() -> int | None:
-    """``MemAvailable`` of /proc/meminfo in bytes (None where there is none)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 def slot_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
     """Split ``slots`` into runs of consecutive slot numbers.
 
@@ -148,7 +136,7 @@ class StagingArea:
         for p in self.parts:
             self._offsets.append(total)
             total += capacity * p.nbytes
-        available = _available_memory()
+        available = available_memory()
         if available is not None and total > available:
             raise ValueError(
                 f"staging capacity = {capacity}: {total} bytes of staging area, more than the "

@@ -31,6 +31,7 @@ from typing import Any, cast
 import zmq
 from kvtier.config import ConfigError, DaemonConfig
 from kvtier.daemon.counters import Counters
+from kvtier.daemon.pauses import WATCH
 from kvtier.ipc import kv_events as E
 from kvtier.ipc.sockets import make_zmq_socket
 
@@ -80,8 +81,8 @@ _NB = int(zmq.NOBLOCK)
 class _Answer:
     """A replay answer under way: the next sequence number to send, the batches it may
     still send, whether it sent one, since when its requester's queue has been full (None:
-    it is not), and when to try it again then (the wait doubling up to
-    :data:`REPLAY_RETRY_MAX_S`)."""
+    it is not; monotonic time less kvtierd's pauses, :mod:`~kvtier.daemon.pauses`), and
+    when to try it again then (the wait doubling up to :data:`REPLAY_RETRY_MAX_S`)."""
 
     seq: int
     left: int
@@ -294,14 +295,15 @@ class EventStream:
                     queue.popleft()
                     self._under_way -= 1
                     continue
+                ran = now - WATCH.catch_up()  # kvtierd's own pauses are not the requester's
                 if sent:
                     a.stalled, a.wait = None, 0.0
                 elif a.stalled is None:
-                    a.stalled = now
-                elif now - a.stalled > REPLAY_STALL_S:
+                    a.stalled = ran
+                elif ran - a.stalled > REPLAY_STALL_S:
                     log.debug(
                         "replay to a subscriber dropped: it read nothing for %.0f s",
-                        now - a.stalled,
+                        ran - a.stalled,
                     )
                     self._drop(peer)
                     break

@@ -18,9 +18,11 @@ import threading
 import numpy as np
 import pytest
 import torch
+from kvtier.client.connection.admin import AdminClient, AdminError
 from kvtier.client.connection.connection import Connection
 from kvtier.client.kv_pool.shared import SharedKVPool
 from kvtier.ipc import protocol as P
+from kvtier.ipc.shm import SharedMemoryError
 
 from tests.engines import SMALL, client_config, engine, fill_page, page_bytes, tokens
 
@@ -253,5 +255,57 @@ def test_a_long_request_timeout_the_config_accepts_lets_the_connection_register(
             keys = conn.page_keys(tokens(32, salt=6))
             assert conn.lookup(keys).l2 == 0
             assert conn.session_id != 0
+    finally:
+        pool.close()
+
+
+# ---------------------------------------------------------------------------- more inputs
+
+
+@pytest.mark.timeout(60)
+def test_a_parent_that_is_not_a_page_key_is_refused_naming_it(daemon_factory):
+    """``page_keys(tokens, parent=...)`` continues a chain from the key of the page before
+    ``tokens``: anything but a 32-byte key (a truncated key, an empty one, a string) is
+    refused naming ``parent``; ``None`` starts from the namespace."""
+    d = daemon_factory()
+    pool, conn = engine(d.runtime_dir)
+    try:
+        toks = tokens(2 * SMALL.page_size, salt=7)
+        first = conn.page_keys(toks)
+        assert conn.page_keys(toks, None) == first
+        assert conn.page_keys(toks[SMALL.page_size :], first[0]) == first[1:]
+        for bad in (b"", b"x", first[0][:31], first[0] + b"\x00", "k" * 32):
+            with pytest.raises(ValueError, match="parent"):
+                conn.page_keys(toks, bad)  # type: ignore[arg-type]
+    finally:
+        conn.close()
+        pool.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_admin_client_used_after_close_says_it_is_closed(daemon_factory):
+    """A closed :class:`AdminClient` raises its own error (AdminError), as every failure of
+    an admin call does, not ZeroMQ's."""
+    d = daemon_factory()
+    admin = AdminClient(d.endpoint, timeout_s=5.0)
+    assert admin.health().status == "ok"
+    admin.close()
+    with pytest.raises(AdminError, match="closed"):
+        admin.health()
+
+
+def test_a_kv_pool_of_a_size_that_is_no_page_count_or_past_memory_is_refused():
+    """``SharedKVPool(geometry, num_pages)``: a count that is not an integer (``True``,
+    ``1.5``), out of ``[1, 2**26]``, or larger than the memory available is refused before
+    anything is reserved (reserving it would have the kernel kill a process)."""
+    for bad, kind in ((True, TypeError), (1.5, TypeError), (0, ValueError), (2**27, ValueError)):
+        with pytest.raises(kind, match="num_pages"):
+            SharedKVPool(SMALL, bad)  # type: ignore[arg-type]
+    huge = P.Geometry(num_layers=64, page_size=1024, kv_heads=64, head_dim=256, dtype="float32")
+    with pytest.raises(SharedMemoryError, match="memory available"):
+        SharedKVPool(huge, 1 << 20)  # 64 GiB per layer and part
+    pool = SharedKVPool(SMALL, np.int64(2))
+    try:
+        assert pool.num_pages == 2
     finally:
         pool.close()

@@ -294,3 +294,11 @@ def test_boolean_flag_without_value_means_true():
         DaemonConfig, env={}, cli=flags_to_dict(p.parse_args(["--prefault", "false"]), DaemonConfig)
     )
     assert cfg.prefault is False
+
+
+def test_a_heartbeat_interval_past_a_day_is_refused_naming_it():
+    """The heartbeat thread sleeps ``heartbeat_interval_s``: a value past what a thread
+    can wait would end it (and the session with its lease), so it is refused at load."""
+    assert load_config(ClientConfig, env={"KVTIER_HEARTBEAT_INTERVAL_S": "86400"})
+    with pytest.raises(ConfigError, match="heartbeat_interval_s"):
+        load_config(ClientConfig, env={"KVTIER_HEARTBEAT_INTERVAL_S": "1e10"})
