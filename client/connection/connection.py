@@ -334,7 +334,8 @@ class Connection:
         try:
             self.register()
         except DaemonError as err:
-            self._refused = (time.monotonic() + REFUSED_RETRY_S, err)
+            if err.code != P.ErrorCode.SHUTTING_DOWN:  # its successor may be up at once
+                self._refused = (time.monotonic() + REFUSED_RETRY_S, err)
             raise
         self._refused = None
 

@@ -340,11 +340,11 @@ class HandoverServer:
         return h
 
     def discard(self, token: bytes, peer: PeerCred | None) -> None:
-        """Close the handover of ``token`` if ``peer`` made it: its REGISTER was refused
-        (nothing when none waits under it, the sender is unknown, or another process made
-        it)."""
+        """Close the handover of ``token``, whose REGISTER was refused, as :meth:`claim`
+        would take it: when ``peer`` made it, or the transport tells no sender (the token
+        alone names it). Nothing when none waits under it or another process made it."""
         h = self._pending.get(token) if len(token) == HANDOVER_TOKEN_BYTES else None
-        if h is not None and peer is not None and peer.pid == h.peer.pid:
+        if h is not None and (peer is None or peer.pid == h.peer.pid):
             self._drop(h)
 
     def _forget(self, h: Handover) -> None:

@@ -40,7 +40,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from kvtier.daemon.pauses import RunningTimer
+from kvtier.daemon.pauses import WATCH, RunningTimer
 
 log = logging.getLogger("kvtier.daemon.groups")
 
@@ -82,7 +82,7 @@ class _Round:
     arity: int
     values: dict[int, tuple[int, ...]] = field(default_factory=dict)
     arrived: set[int] = field(default_factory=set)
-    deadline: float = 0.0
+    deadline: float = 0.0  # on the running clock: loop time less kvtierd's pauses
     timer: RunningTimer | None = None
     result: asyncio.Future[tuple[int, ...]] | None = None
 
@@ -255,13 +255,18 @@ class RankGroups:
         return rnd
 
     def _extend(self, group: RankGroup, op: str, rnd: _Round, deadline: float) -> None:
-        if deadline <= rnd.deadline:
+        """Move the round's end to loop time ``deadline`` unless it ends later already.
+        Deadlines are compared on the running clock (loop time less kvtierd's pauses), on
+        which the round's timer counts too: a pause before a later rank's arrival has
+        moved the timer on, and a shorter deadline of that rank must not undo it."""
+        now = asyncio.get_running_loop().time()
+        ran = WATCH.catch_up()
+        if deadline - ran <= rnd.deadline:
             return
-        rnd.deadline = deadline
+        rnd.deadline = deadline - ran
         if rnd.timer is not None:
             rnd.timer.cancel()
-        delay = max(0.0, deadline - asyncio.get_running_loop().time())
-        rnd.timer = RunningTimer(delay, self._expire, group, op, rnd)  # of time kvtierd ran
+        rnd.timer = RunningTimer(max(0.0, deadline - now), self._expire, group, op, rnd)
 
     def _expire(self, group: RankGroup, op: str, rnd: _Round) -> None:
         rnd.timer = None

@@ -87,3 +87,39 @@ async def test_a_running_timeout_does_not_count_a_pause_but_ends_running_time():
         with pytest.raises(TimeoutError):
             async with running_timeout(0.1, watch=watch):
                 await asyncio.sleep(10)
+
+
+async def test_a_tp_round_keeps_the_pause_its_later_rank_arrived_after():
+    """Rank 0 asks (its answer takes 1.8 s of running time, allowed 2 s); kvtierd is then
+    held for 2 s, and rank 1 arrives with a short wait of its own. The round's timer was
+    moved on by the pause; rank 1's shorter deadline must not bring it back: both ranks get
+    the agreed answer, and no round times out."""
+    from kvtier.daemon.pauses import WATCH
+    from kvtier.daemon.tier.rank_groups import GroupKey, RankGroups
+
+    loop = asyncio.get_running_loop()
+    rounds: list[bool] = []
+    groups = RankGroups(0.5, on_round=rounds.append)
+    key = GroupKey(
+        uid=1, tenant="t", model_id="m", revision="", cache_salt="", attention="mha",
+        tp_size=2, tp_group="",
+    )  # fmt: skip
+    m0, m1 = groups.join(key, 0, 1), groups.join(key, 1, 2)
+
+    async def slow() -> tuple[int]:
+        done = loop.create_future()
+        RunningTimer(1.8, done.set_result, None)
+        await done
+        return (7,)
+
+    async def fast() -> tuple[int]:
+        return (9,)
+
+    async with ticking(WATCH):
+        a = asyncio.create_task(groups.agree(m0, "claim", 1, slow, wait_s=2.0, count=1))
+        await asyncio.sleep(0.1)
+        time.sleep(2.0)  # rank 1's CLAIM waits unread meanwhile
+        await asyncio.sleep(0.05)
+        b = asyncio.create_task(groups.agree(m1, "claim", 1, fast, wait_s=0.3, count=1))
+        got = await asyncio.wait_for(asyncio.gather(a, b), 30)
+    assert got == [(7,), (7,)] and rounds == [False]
