@@ -44,6 +44,11 @@ log = logging.getLogger("kvtier.client")
 LIVENESS_POLL_S = 0.02
 """How often a request waiting for its reply checks that the daemon's process still exists."""
 
+PAUSE_SLACK_S = 0.1
+"""A look at the socket that returns this much later than it was to wait means this process
+did not run meanwhile (stopped, starved): the wait for the reply gets that time back, since
+a reply that came meanwhile waits for ZeroMQ's I/O thread of this process too."""
+
 
 class DaemonChannel:
     """The socket a connection sends its requests on, and what it knows of the daemon's life.
@@ -175,12 +180,12 @@ class DaemonChannel:
             except zmq.Again as err:
                 self.mark_down()
                 raise DaemonUnavailable(f"cannot reach kvtierd at {self.endpoint}") from err
-            deadline = time.monotonic() + wait_s
+            deadline = [time.monotonic() + wait_s]  # moved on by this process's own pauses
             while True:
                 data = self._recv_until(self._sock, deadline, not raw, interruptible)
                 if data is None and interruptible and self.closing.is_set():
                     raise DaemonUnavailable("connection is closed")
-                if data is None or (time.monotonic() > deadline and rep_is_late(data, req_id)):
+                if data is None or (time.monotonic() > deadline[0] and rep_is_late(data, req_id)):
                     if wait_s >= self.request_timeout_s:  # a caller's shorter wait tells nothing
                         self.mark_down()
                     if not self.daemon_alive():
@@ -196,16 +201,24 @@ class DaemonChannel:
                 # a late reply to a request that timed out earlier: drop it
 
     def _recv_until(
-        self, sock: zmq.Socket, deadline: float, watch_pid: bool, interruptible: bool = True
+        self, sock: zmq.Socket, deadline: list[float], watch_pid: bool, interruptible: bool = True
     ) -> bytes | None:
-        """The next reply frame, or None at ``deadline``, with ``interruptible`` once
+        """The next reply frame, or None at ``deadline[0]``, with ``interruptible`` once
         :meth:`close` has begun, or, with ``watch_pid``, as soon as the daemon's process is
-        seen gone (each checked every :data:`LIVENESS_POLL_S`)."""
+        seen gone (each checked every :data:`LIVENESS_POLL_S`). A look that returns
+        :data:`PAUSE_SLACK_S` or more late moves ``deadline[0]`` on by as much: this process
+        did not run, and the daemon's answer is not late for it."""
         while True:
-            left = deadline - time.monotonic()
+            before = time.monotonic()
+            left = deadline[0] - before
             if left <= 0 or (interruptible and self.closing.is_set()):
                 return None
-            if sock.poll(max(1, int(min(left, LIVENESS_POLL_S) * 1000)), zmq.POLLIN):
+            wait = min(left, LIVENESS_POLL_S)
+            ready = sock.poll(max(1, int(wait * 1000)), zmq.POLLIN)
+            late = time.monotonic() - before - wait
+            if late > PAUSE_SLACK_S:
+                deadline[0] += late
+            if ready:
                 try:
                     return sock.recv(flags=zmq.NOBLOCK)
                 except zmq.Again:

@@ -204,6 +204,7 @@ class Connection:
                     token=token,
                     tp_group=self.config.tp_group,
                     handover=handover,
+                    counts_continue=any(self._rounds.values()),
                 )
                 rep = replies.expect(msg, self._call(msg, raw=True), P.Registered)
                 block = CompletionBlock.from_fd(completion_fd, rep.completion_slots)

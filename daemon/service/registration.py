@@ -309,6 +309,7 @@ class Registration:
                 ),
                 m.tp_rank,
                 sid,
+                m.counts_continue,
             )
         ctx.sessions.add(s)
         ctx.quotas.add(

@@ -30,7 +30,10 @@ rank's k-th request meets the others' k-th: one a rank skipped leaves a gap inst
 shifting every later round against the other ranks'. A request counted before the group's
 first round (a rank that reaches a restarted daemon after its peer's next request did) is
 answered 0 at once. A rank that takes the place of a live one (a restarted engine whose old
-sessions are still open) makes the group map counts anew from its next counted request.
+sessions are still open) makes the group map counts anew from its next counted request. A
+rank whose session ended while its process was stopped (its lease ran out) registers again
+saying its counts go on (REGISTER's ``counts_continue``): its counts keep their rounds, and
+a request whose round ended meanwhile is answered at once with that round's answer.
 """
 
 from __future__ import annotations
@@ -96,12 +99,15 @@ class Member:
         rank: the TP rank.
         session_id: the rank's session.
         seq: rounds entered so far, per operation.
+        resumed: the rank's connection registered again with its counts going on (its
+            session ended while its process was stopped): they alone place its requests.
     """
 
     group: RankGroup
     rank: int
     session_id: int
     seq: dict[str, int] = field(default_factory=dict)
+    resumed: bool = False
 
 
 @dataclass(eq=False, slots=True)
@@ -137,11 +143,15 @@ class RankGroups:
     def __len__(self) -> int:
         return len(self._groups)
 
-    def join(self, key: GroupKey, rank: int, session_id: int) -> Member | None:
+    def join(
+        self, key: GroupKey, rank: int, session_id: int, counts_continue: bool = False
+    ) -> Member | None:
         """Add a rank's session to its group (None when ``tp_size`` is 1: nothing to agree).
 
         A session that takes the place of a live one with the same rank replaces it (the
-        old engine process is presumed gone; its rounds stay as they are).
+        old engine process is presumed gone; its rounds stay as they are). A connection
+        whose counts go on (``counts_continue``: its session ended while it was stopped,
+        REGISTER's field) meets, with each counted request, the round its count maps to.
         """
         if key.tp_size <= 1:
             return None
@@ -159,7 +169,7 @@ class RankGroups:
         others = [m for r, m in group.members.items() if r != rank]
         if old is not None:  # another process's counts: they map to rounds anew
             group.offset.clear()
-        member = Member(group, rank, session_id)
+        member = Member(group, rank, session_id, resumed=counts_continue and old is None)
         for op in {op for op, _ in group.rounds} | {op for m in others for op in m.seq}:
             open_rounds = [
                 seq
@@ -221,7 +231,9 @@ class RankGroups:
             mapped = count + group.offset.setdefault(op, seq - count)
             if mapped < 0:  # older than the group's first round: no rank will meet it
                 return (0,) * arity
-            seq = max(seq, mapped)
+            # a new connection's counts start again (behind the rounds: its place is the
+            # others' next); a resumed one's go on, and a round of them may be over
+            seq = mapped if member.resumed else max(seq, mapped)
         member.seq[op] = seq + 1
         rnd = group.rounds.get((op, seq))
         if rnd is None:
