@@ -17,120 +17,19 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from kvtier.client.connection.admin import AdminClient
 from kvtier.ipc import protocol as P
 
+from tests.driven_engine import Child
 from tests.engines import engine, fill_page, page_bytes, tokens
-
-REPO = Path(__file__).resolve().parents[2]
 
 BIG = P.Geometry(
     num_layers=8, page_size=64, kv_heads=4, head_dim=64, dtype="float32"
 )  # 1 MiB pages: a LOAD of a few hundred pages runs on the copy threads for a while
-
-# An engine process driven over stdin: one command a line, one answer a line.
-CHILD = r"""
-import hashlib, sys
-from pathlib import Path
-from tests.engines import SMALL, engine, fill_page, page_bytes, tokens
-
-rdir = Path(sys.argv[1])
-pool, conn = engine(rdir, SMALL, num_pages=32, model=sys.argv[2],
-                    request_timeout_s=1.0, load_timeout_s=5.0, heartbeat_interval_s=0.2)
-held = {}
-
-def digest(p0, n):
-    return hashlib.sha256(b"".join(page_bytes(pool, p) for p in range(p0, p0 + n))).hexdigest()
-
-def keys(salt, n):
-    return conn.page_keys(tokens(n * SMALL.page_size, salt=salt))
-
-print("ready", conn.session_id, flush=True)
-for line in sys.stdin:
-    op, *a = line.split()
-    if op == "fill":  # fill pages p0.. with the contents of chain ``salt``; their digest
-        salt, p0, n = map(int, a)
-        for i in range(n):
-            fill_page(pool, p0 + i, salt * 1000 + i)
-        print(digest(p0, n), flush=True)
-    elif op == "store":
-        salt, p0, n = map(int, a)
-        h = conn.store(keys(salt, n), list(range(p0, p0 + n)))
-        print(h.count, h.wait(), flush=True)
-    elif op == "load":
-        salt, p0, n = map(int, a)
-        h = conn.load(keys(salt, n), list(range(p0, p0 + n)))
-        ok = h.wait()
-        print(h.count, ok, digest(p0, n), flush=True)
-    elif op == "load_nowait":
-        salt, p0, n = map(int, a)
-        held["h"] = (conn.load(keys(salt, n), list(range(p0, p0 + n))), p0, n)
-        print(held["h"][0].count, flush=True)
-    elif op == "wait":
-        h, p0, n = held.pop("h")
-        ok = h.wait()
-        h.until_ended()
-        print(ok, digest(p0, n), flush=True)
-    elif op == "lookup":
-        salt, n = map(int, a)
-        print(conn.lookup(keys(salt, n)).l2, flush=True)
-    elif op == "sid":
-        print(conn.session_id, flush=True)
-    elif op == "quit":
-        conn.close()
-        pool.close()
-        print("bye", flush=True)
-        break
-"""
-
-
-class Child:
-    """An engine process running :data:`CHILD`."""
-
-    def __init__(self, rdir: Path, model: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", CHILD, str(rdir), model],
-            cwd=REPO,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        self.session_id = int(self._line().split()[1])
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def _line(self) -> str:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        assert line, f"engine process {self.pid} ended (rc {self.proc.poll()})"
-        return line.strip()
-
-    def ask(self, cmd: str) -> list[str]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(cmd + "\n")
-        self.proc.stdin.flush()
-        return self._line().split()
-
-    def stop(self) -> None:
-        with contextlib.suppress(OSError):
-            os.kill(self.pid, signal.SIGCONT)
-        if self.proc.poll() is None:
-            with contextlib.suppress(Exception):
-                self.ask("quit")
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 def _stats(d) -> dict:  # type: ignore[no-untyped-def]
@@ -174,7 +73,8 @@ def test_paused_engine_is_reaped_then_reregisters_without_leaks(daemon_factory):
     the sessions and descriptors it held before."""
     d = daemon_factory("--lease-s", "1")
     fds0 = _fds(d.pid)
-    a, b = Child(d.runtime_dir, "a"), Child(d.runtime_dir, "b")
+    cfg = dict(request_timeout_s=1.0)
+    a, b = Child(d.runtime_dir, "a", cfg=cfg), Child(d.runtime_dir, "b", cfg=cfg)
     try:
         want = a.ask("fill 7 0 4")[0]
         assert a.ask("store 7 0 4") == ["4", "True"]
