@@ -128,9 +128,9 @@ class Register(_Req, tag="register", kw_only=True):
     model id, revision, cache salt, attention kind, ``tp_size`` and ``tp_group``. LOOKUP
     and CLAIM answer every rank of a group with the minimum over its ranks. ``tp_group``
     tells apart engines that share everything else on one node (empty by default).
-    ``counts_continue``: the connection counted LOOKUPs or CLAIMs (``round``) under an
-    earlier session and its counts go on from there (that session ended while its process
-    was stopped); a new connection counts from 1 again.
+    ``counts_continue``: the connection counted LOOKUPs or CLAIMs (``round``) before this
+    registration and its counts go on from there (a session that ended while its process
+    was stopped, a daemon restart); a new connection counts from 1.
     """
 
     protocol_version: ProtocolVersion

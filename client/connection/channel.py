@@ -45,9 +45,10 @@ LIVENESS_POLL_S = 0.02
 """How often a request waiting for its reply checks that the daemon's process still exists."""
 
 PAUSE_SLACK_S = 0.1
-"""A look at the socket that returns this much later than it was to wait means this process
-did not run meanwhile (stopped, starved): the wait for the reply gets that time back, since
-a reply that came meanwhile waits for ZeroMQ's I/O thread of this process too."""
+"""A look at the socket that returns this much later than it was to wait, with nothing come,
+means this process did not run meanwhile (stopped, starved): the wait for the reply gets
+that time back, at most once its own length, since a reply that came meanwhile waits for
+ZeroMQ's I/O thread of this process too."""
 
 
 class DaemonChannel:
@@ -180,7 +181,8 @@ class DaemonChannel:
             except zmq.Again as err:
                 self.mark_down()
                 raise DaemonUnavailable(f"cannot reach kvtierd at {self.endpoint}") from err
-            deadline = [time.monotonic() + wait_s]  # moved on by this process's own pauses
+            # [when, what this process's own pauses may still move it on by]
+            deadline = [time.monotonic() + wait_s, wait_s]
             while True:
                 data = self._recv_until(self._sock, deadline, not raw, interruptible)
                 if data is None and interruptible and self.closing.is_set():
@@ -206,8 +208,9 @@ class DaemonChannel:
         """The next reply frame, or None at ``deadline[0]``, with ``interruptible`` once
         :meth:`close` has begun, or, with ``watch_pid``, as soon as the daemon's process is
         seen gone (each checked every :data:`LIVENESS_POLL_S`). A look that returns
-        :data:`PAUSE_SLACK_S` or more late moves ``deadline[0]`` on by as much: this process
-        did not run, and the daemon's answer is not late for it."""
+        :data:`PAUSE_SLACK_S` or more late with nothing come moves ``deadline[0]`` on by as
+        much, out of ``deadline[1]`` (the wait's own length: a thread starved for good still
+        gives up): this process did not run, and the daemon's answer is not late for it."""
         while True:
             before = time.monotonic()
             left = deadline[0] - before
@@ -216,8 +219,9 @@ class DaemonChannel:
             wait = min(left, LIVENESS_POLL_S)
             ready = sock.poll(max(1, int(wait * 1000)), zmq.POLLIN)
             late = time.monotonic() - before - wait
-            if late > PAUSE_SLACK_S:
-                deadline[0] += late
+            if late > PAUSE_SLACK_S and not ready and deadline[1] > 0:
+                deadline[0] += min(late, deadline[1])
+                deadline[1] -= late
             if ready:
                 try:
                     return sock.recv(flags=zmq.NOBLOCK)

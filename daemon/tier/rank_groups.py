@@ -238,7 +238,7 @@ class RankGroups:
         rnd = group.rounds.get((op, seq))
         if rnd is None:
             ahead = [m.seq.get(op, 0) for m in group.members.values() if m is not member]
-            if ahead and min(ahead) > seq + 1:  # the others are past this round: catch up
+            if ahead and min(ahead) > seq:  # the others entered this round, now forgotten
                 member.seq[op] = min(ahead)
                 return (0,) * arity
             rnd = self._open(group, op, seq, arity)

@@ -228,3 +228,35 @@ def test_a_round_ends_at_its_deadline_by_the_loop_clock() -> None:
         assert r.ended == [True]
 
     run(test)
+
+
+async def test_a_resumed_rank_keeps_its_rounds_and_a_forgotten_one_is_answered_at_once() -> None:
+    """Rank 1's session ended while its process was stopped (LOOKUP 2 went on without it
+    and ended at its deadline). It registers again saying its counts go on: its LOOKUP 2 is
+    answered at once with that round's 0, its LOOKUP 3 meets rank 0's 3. If the round of its
+    stalled request has been forgotten meanwhile, the answer is 0 at once as well, with no
+    new round opened that nobody would join."""
+    r = Rounds(timeout_s=0.05)
+    m0, m1 = r.join(2)
+    t = later(r.groups.agree(m0, "lookup", 1, answer(4), count=1))
+    assert await r.groups.agree(m1, "lookup", 1, answer(6), count=1) == (4,)
+    assert await t == (4,)
+    r.groups.leave(m1)  # its lease ran out while it was stopped
+    assert await r.groups.agree(m0, "lookup", 1, answer(5), count=2) == (0,)
+    m1 = r.groups.join(key(2), 1, 201, counts_continue=True)
+    assert m1 is not None and r.ended == [False, True]
+    assert await r.groups.agree(m1, "lookup", 1, answer(9), count=2) == (0,)  # at once
+    t = later(r.groups.agree(m0, "lookup", 1, answer(7), count=3))
+    assert await r.groups.agree(m1, "lookup", 1, answer(8), count=3) == (7,)
+    assert await t == (7,) and r.ended == [False, True, False]
+    # the same again, the stalled request's round forgotten before the rank comes back
+    r.groups.leave(m1)
+    assert await r.groups.agree(m0, "lookup", 1, answer(5), count=4) == (0,)
+    m1 = r.groups.join(key(2), 1, 202, counts_continue=True)
+    assert m1 is not None
+    m1.group.rounds.clear()
+    assert await r.groups.agree(m1, "lookup", 1, answer(9), count=4) == (0,)
+    assert r.ended == [False, True, False, True]  # no round opened for it, none timed out
+    t = later(r.groups.agree(m0, "lookup", 1, answer(3), count=5))
+    assert await r.groups.agree(m1, "lookup", 1, answer(6), count=5) == (3,)
+    assert await t == (3,)
