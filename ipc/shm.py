@@ -44,11 +44,12 @@ F_SEAL_FUTURE_WRITE = 0x0010
 
 
 def available_memory() -> int | None:
-    """``MemAvailable`` of /proc/meminfo in bytes (None where there is none)."""
+    """``MemAvailable`` of /proc/meminfo in bytes (None where there is none). Read as bytes:
+    no codec is looked up (a process whose module path it cannot read still gets it)."""
     try:
-        with open("/proc/meminfo", encoding="ascii") as f:
+        with open("/proc/meminfo", "rb") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(b"MemAvailable:"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None
