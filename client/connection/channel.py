@@ -118,12 +118,20 @@ class DaemonChannel:
         the daemon's own namespace) when no handover showed one."""
         return reported if self._handover_pid is None else max(0, self._handover_pid)
 
-    def daemon_alive(self) -> bool:
-        """False when the daemon's process is known to be gone."""
-        if self.daemon_pid <= 0:
+    @property
+    def handover_pid(self) -> int:
+        """The pid of the daemon the last handover reached, as this process sees it (0:
+        none reached, or not visible from here)."""
+        return max(0, self._handover_pid or 0)
+
+    def daemon_alive(self, pid: int | None = None) -> bool:
+        """False when the daemon's process (or process ``pid``, one that was a daemon) is
+        known to be gone."""
+        pid = self.daemon_pid if pid is None else pid
+        if pid <= 0:
             return True
         try:
-            os.kill(self.daemon_pid, 0)
+            os.kill(pid, 0)
         except ProcessLookupError:
             return False
         except PermissionError:

@@ -46,7 +46,7 @@ from kvtier.client.connection.replies import (
     LookupReply,
     rep_is_late,
 )
-from kvtier.client.connection.request_codec import lookup_request, transfer_request
+from kvtier.client.connection.request_codec import key_list, lookup_request, transfer_request
 from kvtier.client.connection.slots import CompletionSlots
 from kvtier.client.connection.transfer_handle import TransferHandle
 from kvtier.client.kv_pool.shared import SharedKVPool
@@ -149,7 +149,8 @@ class Connection:
         self._block: CompletionBlock | None = None
         self._cuda: CudaLayerWaiter | None = None
         self._closed = False
-        self._refused: tuple[float, DaemonError] | None = None  # (until, why): see _reregister
+        # (until, why, the refusing daemon's pid): see _reregister
+        self._refused: tuple[float, DaemonError, int] | None = None
         self._hb_stop = threading.Event()
         self._hb_wake = threading.Event()  # stop, or abandoned slots to release
         self._hb: threading.Thread | None = None
@@ -328,15 +329,21 @@ class Connection:
     def _reregister(self) -> None:
         """:meth:`register` for a request; a refusal is repeated without asking the daemon
         again for :data:`REFUSED_RETRY_S` (an engine whose token the daemon no longer takes
-        would otherwise hand its memory over on every request)."""
+        would otherwise hand its memory over on every request), unless the daemon that
+        refused is gone (its successor may take it: asked at once)."""
         refused = self._refused
-        if refused is not None and time.monotonic() < refused[0]:
+        if (
+            refused is not None
+            and time.monotonic() < refused[0]
+            and self._channel.daemon_alive(refused[2])
+        ):
             raise refused[1].with_traceback(None)
         try:
             self.register()
         except DaemonError as err:
             if err.code != P.ErrorCode.SHUTTING_DOWN:  # its successor may be up at once
-                self._refused = (time.monotonic() + REFUSED_RETRY_S, err)
+                until = time.monotonic() + REFUSED_RETRY_S
+                self._refused = (until, err, self._channel.handover_pid)
             raise
         self._refused = None
 
@@ -365,6 +372,7 @@ class Connection:
 
     def lookup(self, keys: Sequence[bytes]) -> LookupReply:
         """Leading run of ``keys`` in L2 (and L3); ``LookupReply(0, 0)`` if the daemon is away."""
+        keys = key_list(keys)
         if not keys:
             return LookupReply(0, 0)
         n = self._count("lookup")
@@ -406,6 +414,7 @@ class Connection:
     def _prefetch(
         self, keys: Sequence[bytes], skip: int, request_id: str
     ) -> P.PrefetchReply | None:
+        keys = key_list(keys)
         if not keys:
             return None
         try:
@@ -447,6 +456,7 @@ class Connection:
             ValueError: ``timeout`` is not a finite number of seconds, 0 or more.
         """
         wait_s = self.config.claim_timeout_s if timeout is None else check_timeout(timeout)
+        keys = key_list(keys)
         if not keys:
             return 0
         n = self._count("claim")
@@ -500,6 +510,7 @@ class Connection:
         engine: P.EngineBlocks | None = None,
     ) -> TransferHandle:
         n_layers = self.geometry.num_layers
+        keys = key_list(keys)
         if not keys:
             return TransferHandle(None, None, -1, 0, 0, 0, n_layers)
         try:

@@ -20,12 +20,38 @@ daemon refuses those naming the item, and the connection takes the refusal as a 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
 from kvtier.ipc import protocol as P
+from kvtier.ipc.limits import KEY_BYTES
 
-__all__ = ["lookup_request", "transfer_request"]
+__all__ = ["key_list", "lookup_request", "transfer_request"]
+
+
+def key_list(keys: Iterable[bytes] | np.ndarray) -> Sequence[bytes]:
+    """``keys`` as a list or tuple of page keys (a list or tuple is returned as it is).
+
+    A numpy array of fixed-width byte strings of :data:`~kvtier.ipc.limits.KEY_BYTES`
+    (``np.array(keys)``) gives its keys whole: numpy reads each item with its trailing zero
+    bytes cut, which would make such a key another (a miss). Another iterable is read into
+    a list once (a generator is consumed here, not by whichever form is tried first).
+
+    Raises:
+        TypeError: a numpy array of another dtype or shape than ``S32``, 1-D.
+    """
+    if type(keys) is list or type(keys) is tuple:
+        return keys
+    if isinstance(keys, np.ndarray):
+        if keys.ndim != 1 or keys.dtype.kind != "S" or keys.dtype.itemsize != KEY_BYTES:
+            raise TypeError(
+                f"keys = a numpy array of dtype {keys.dtype} and shape {keys.shape}: page keys "
+                f"as an array are 1-D of dtype S{KEY_BYTES}"
+            )
+        raw = np.ascontiguousarray(keys).tobytes()
+        return [raw[i : i + KEY_BYTES] for i in range(0, len(raw), KEY_BYTES)]
+    return list(keys)
 
 
 def lookup_request(

@@ -310,6 +310,7 @@ class Registration:
                 m.tp_rank,
                 sid,
                 m.counts_continue,
+                s.pid,
             )
         ctx.sessions.add(s)
         ctx.quotas.add(

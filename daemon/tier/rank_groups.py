@@ -101,6 +101,7 @@ class Member:
         seq: rounds entered so far, per operation.
         resumed: the rank's connection registered again with its counts going on (its
             session ended while its process was stopped): they alone place its requests.
+        pid: the rank's process as the daemon saw it (0: not known).
     """
 
     group: RankGroup
@@ -108,6 +109,7 @@ class Member:
     session_id: int
     seq: dict[str, int] = field(default_factory=dict)
     resumed: bool = False
+    pid: int = 0
 
 
 @dataclass(eq=False, slots=True)
@@ -144,14 +146,21 @@ class RankGroups:
         return len(self._groups)
 
     def join(
-        self, key: GroupKey, rank: int, session_id: int, counts_continue: bool = False
+        self,
+        key: GroupKey,
+        rank: int,
+        session_id: int,
+        counts_continue: bool = False,
+        pid: int = 0,
     ) -> Member | None:
         """Add a rank's session to its group (None when ``tp_size`` is 1: nothing to agree).
 
         A session that takes the place of a live one with the same rank replaces it (the
-        old engine process is presumed gone; its rounds stay as they are). A connection
-        whose counts go on (``counts_continue``: its session ended while it was stopped,
-        REGISTER's field) meets, with each counted request, the round its count maps to.
+        old engine process is presumed gone; its rounds stay as they are), unless both are
+        of one process ``pid`` (a REGISTER whose reply never reached it left the session it
+        replaces: its counts go on as before). A connection whose counts go on
+        (``counts_continue``: its session ended while it was stopped, REGISTER's field)
+        meets, with each counted request, the round its count maps to.
         """
         if key.tp_size <= 1:
             return None
@@ -167,9 +176,11 @@ class RankGroups:
                 old.session_id,
             )
         others = [m for r, m in group.members.items() if r != rank]
-        if old is not None:  # another process's counts: they map to rounds anew
+        own = old is not None and pid > 0 and old.pid == pid
+        if old is not None and not own:  # another process's counts: they map to rounds anew
             group.offset.clear()
-        member = Member(group, rank, session_id, resumed=counts_continue and old is None)
+        resumed = counts_continue and (old is None or own)
+        member = Member(group, rank, session_id, resumed=resumed, pid=pid)
         for op in {op for op, _ in group.rounds} | {op for m in others for op in m.seq}:
             open_rounds = [
                 seq

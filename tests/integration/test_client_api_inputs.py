@@ -300,3 +300,33 @@ def test_a_kv_pool_of_a_size_that_is_no_page_count_or_past_memory_is_refused():
         assert pool.num_pages == 2
     finally:
         pool.close()
+
+
+def test_keys_as_a_numpy_array_are_the_same_keys(daemon_factory):
+    """``np.array(keys)`` is a natural way to hold a chain's keys. numpy reads an item of such
+    an array with its trailing zero bytes cut, so a key ending in a zero byte would be
+    another key (a miss), and an empty check of an array raises numpy's "truth value of an
+    array" error. The keys of an ``S32`` array are taken whole by LOOKUP, LOAD, STORE,
+    PREFETCH and CLAIM; an array of another dtype is refused naming it."""
+    d = daemon_factory()
+    p, c = engine(d.runtime_dir)
+    try:
+        salt = next(s for s in range(1, 5000) if c.page_keys(tokens(4 * 16, salt=s))[-1][-1] == 0)
+        keys = c.page_keys(tokens(4 * 16, salt=salt))
+        arr = np.array(keys)
+        assert len(arr[-1]) < 32  # what numpy gives for the last key
+        for i in range(4):
+            fill_page(p, i, 100 + i)
+        h = c.store(arr, [0, 1, 2, 3])
+        assert h.count == 4 and h.wait()
+        assert c.lookup(arr).l2 == 4
+        h = c.load(arr, [4, 5, 6, 7])
+        assert h.count == 4 and h.wait()
+        for i in range(4):
+            assert page_bytes(p, 4 + i) == page_bytes(p, i)
+        assert c.lookup(np.array([], dtype="S32")).l2 == 0
+        with pytest.raises(TypeError, match="dtype"):
+            c.lookup(np.array([k.hex() for k in keys]))
+    finally:
+        c.close()
+        p.close()

@@ -116,3 +116,29 @@ def test_a_refused_re_registration_is_not_retried_on_every_request(daemon_factor
     finally:
         c.close()
         p.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_refusal_is_not_held_against_the_next_daemon(monkeypatch, daemon_factory):
+    """A refusal is repeated without asking only while the daemon that refused it runs: once
+    it is gone, its successor (restarted with the tenant configured again) is asked on the
+    next request, however long the pause after a refusal is."""
+    from kvtier.client.connection import connection
+
+    monkeypatch.setattr(connection, "REFUSED_RETRY_S", 600.0)
+    d = daemon_factory("--admin-token", ADMIN, "--tenants", tenants_json("ab"))
+    p, c = engine(d.runtime_dir, tenant="b", token="tok-b-5a9e31", num_pages=16)
+    try:
+        keys = c.page_keys(tokens(4 * 16, salt=3))
+        assert d.stop() == 0
+        d = daemon_factory("--admin-token", ADMIN, "--tenants", tenants_json("a"))
+        assert c.lookup(keys).l2 == 0
+        assert c._refused is not None, "the removed tenant's registration was not refused"
+        assert d.stop() == 0
+        d = daemon_factory("--admin-token", ADMIN, "--tenants", tenants_json("ab"))
+        h = c.store(keys, [0, 1, 2, 3])
+        assert h.count == 4 and h.wait(), "the restarted daemon was never asked"
+        assert c.lookup(keys).l2 == 4
+    finally:
+        c.close()
+        p.close()

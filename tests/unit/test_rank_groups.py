@@ -260,3 +260,27 @@ async def test_a_resumed_rank_keeps_its_rounds_and_a_forgotten_one_is_answered_a
     t = later(r.groups.agree(m0, "lookup", 1, answer(3), count=5))
     assert await r.groups.agree(m1, "lookup", 1, answer(6), count=5) == (3,)
     assert await t == (3,)
+
+
+async def test_a_rank_replacing_its_own_orphaned_session_keeps_its_rounds() -> None:
+    """Rank 1's REGISTER reached the daemon but its reply never reached the engine (a
+    timeout): the session it opened is live. The engine registers again from the same
+    process saying its counts go on; its next counted request still meets rank 0's request
+    of the same count, at once, with no round left to time out. A new process in that place
+    (another pid) maps its counts anew."""
+    r = Rounds(timeout_s=5.0)
+    m0 = r.groups.join(key(2), 0, 100, pid=500)
+    m1 = r.groups.join(key(2), 1, 101, pid=501)
+    assert m0 is not None and m1 is not None
+    for n in (1, 2):
+        t = later(r.groups.agree(m0, "lookup", 1, answer(n), count=n))
+        assert await r.groups.agree(m1, "lookup", 1, answer(9), count=n) == (n,)
+        assert await t == (n,)
+    orphan = r.groups.join(key(2), 1, 102, counts_continue=True, pid=501)  # reply lost
+    again = r.groups.join(key(2), 1, 103, counts_continue=True, pid=501)
+    assert orphan is not None and again is not None and again.resumed
+    t = later(r.groups.agree(m0, "lookup", 1, answer(4), count=3))
+    got = await asyncio.wait_for(r.groups.agree(again, "lookup", 1, answer(6), count=3), 1.0)
+    assert got == (4,) and await t == (4,) and r.ended == [False, False, False]
+    other = r.groups.join(key(2), 1, 104, counts_continue=True, pid=777)
+    assert other is not None and not other.resumed and not m0.group.offset
