@@ -439,14 +439,21 @@ class ClientConfig(_Frozen):
         description="Longest wait for a CLAIM reply (it may wait for its "
         "prefetch up to the daemon's prefetch_timeout_max, then for the other TP ranks).",
     )
+    # the length bounds are REGISTER's (kvtier.ipc.limits MAX_NAME, MAX_TEXT): a value
+    # past them is a configuration error naming the setting, not a refused registration
     tp_group: str = Field(
         default="",
+        max_length=256,
         description="Names this engine's tensor-parallel rank group; engines of the "
         "same model and tp_size on one node must use distinct names.",
     )
-    tenant: str = Field(default="default", description="Tenant name sent at registration.")
-    token: SecretStr | None = Field(default=None, description="Tenant token.")
-    cache_salt: str = Field(default="", description="Extra salt entering the namespace.")
+    tenant: str = Field(
+        default="default", max_length=256, description="Tenant name sent at registration."
+    )
+    token: SecretStr | None = Field(default=None, max_length=4096, description="Tenant token.")
+    cache_salt: str = Field(
+        default="", max_length=4096, description="Extra salt entering the namespace."
+    )
 
     @field_validator("endpoint", mode="before")
     @classmethod

@@ -57,9 +57,10 @@ MAX_MESSAGE_BYTES = 32 << 20
 """Transport ceiling on one frame (ZeroMQ ``MAXMSGSIZE`` on the daemon's socket).
 
 The largest request these bounds allow, a REGISTER of :data:`MAX_BUFFERS` segments with
-every string at its longest, encodes to under 8 MiB (a STORE of :data:`MAX_KEYS` keys and
-pages to under 3 MiB), so every valid request fits the daemon's ``max_message_bytes`` (16
-MiB by default), which answers bigger ones with an error naming the limit. A frame past
+every string at its longest in ASCII, encodes to under 8 MiB (a STORE of :data:`MAX_KEYS`
+keys and pages to under 3 MiB), within the daemon's ``max_message_bytes`` (16 MiB by
+default), which answers bigger ones with an error naming the limit. String bounds count
+characters: with 4-byte UTF-8 characters that REGISTER is about 26 MiB, past the default. A frame past
 this ceiling is dropped by ZeroMQ, with its connection, before it is buffered."""
 
 MAX_TP = 1024

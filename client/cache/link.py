@@ -105,3 +105,9 @@ class CacheLink(Protocol):
         """``(stores, pages)``: how many STOREs, of how many pages in all, may be in flight
         before a new one would find the link's slots taken (and be dropped)."""
         ...
+
+    @property
+    def load_room(self) -> tuple[int, int]:
+        """``(loads, pages)``: how many LOADs, of how many pages in all, may be in flight
+        and leave :attr:`store_room` to STOREs."""
+        ...

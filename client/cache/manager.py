@@ -37,7 +37,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvtier.client.cache.counters import CacheCounters
@@ -90,10 +90,16 @@ QUARANTINE_POLL_S = 0.005
 
 @dataclass(slots=True)
 class _Quarantine:
-    """Pages of a failed load kept out of use while kvtierd may still write them."""
+    """Pages of a failed load kept out of use while kvtierd may still write them.
+
+    ``handed``: those of them the manager gives back to the allocator once no late write
+    can land (the request took fresh pages in their place, or freed them meanwhile); the
+    others go back to the request, which frees them itself.
+    """
 
     load: LoadHandle
     pages: list[int]
+    handed: set[int] = field(default_factory=set)
 
 
 class CacheManager:
@@ -117,6 +123,7 @@ class CacheManager:
         "_cfg",
         "_conn",
         "_deferred",
+        "_loading",
         "_marks_epoch",
         "_page_size",
         "_quarantine",
@@ -155,6 +162,7 @@ class CacheManager:
         self._quarantine: list[_Quarantine] = []
         self._quarantined: set[int] = set()
         self._deferred: set[int] = set()  # freed while a failed STORE may still read them
+        self._loading = [0, 0]  # loads not yet settled, and their pages
         self.counters = CacheCounters()
         policy = self._cfg.hicache_write_policy
         threshold = (
@@ -267,20 +275,31 @@ class CacheManager:
             The page ids, owned by the caller.
 
         Raises:
-            DevicePoolExhausted: fewer than ``n`` pages even after evicting all it could.
+            DevicePoolExhausted: fewer than ``n`` pages even after evicting all it could;
+                nothing is evicted when even every L1 page could not make room.
         """
         self._drain_quarantine()
         pages = self._alloc.alloc(n)
+        if pages is None and n > (
+            self._alloc.free_count
+            + self._tree.evictable_page_count
+            + len(self._quarantined)
+            + len(self._deferred)
+        ):
+            raise DevicePoolExhausted(self._short(n))
         while pages is None:  # pages a stalled STORE may still read come back later: more
             if not self._evict(n - self._alloc.free_count):
-                raise DevicePoolExhausted(
-                    f"{n} device pages needed, {self._alloc.free_count} free; "
-                    f"{self._tree.device_page_count} held by L1 "
-                    f"({self._tree.evictable_page_count} evictable), "
-                    f"{len(self._quarantined) + len(self._deferred)} quarantined"
-                )
+                raise DevicePoolExhausted(self._short(n))
             pages = self._alloc.alloc(n)
         return pages
+
+    def _short(self, n: int) -> str:
+        return (
+            f"{n} device pages needed, {self._alloc.free_count} free; "
+            f"{self._tree.device_page_count} held by L1 "
+            f"({self._tree.evictable_page_count} evictable), "
+            f"{len(self._quarantined) + len(self._deferred)} quarantined"
+        )
 
     def load(self, match: MatchResult, device_pages: Sequence[int]) -> LoadHandle:
         """Start loading the L2 run of ``match`` into ``device_pages``: with a prefetch from
@@ -295,8 +314,16 @@ class CacheManager:
 
         Returns:
             The handle; ``handle.pages`` may be below what was asked for (L2 evicted some
-            meanwhile, a prefetch ended short, or the daemon is away): compute the rest.
+            meanwhile, a prefetch ended short, the daemon is away, or, under
+            ``write_back``, this engine's loads in flight already take the link's room for
+            loads, :attr:`CacheLink.load_room`, which keeps the rest for the STOREs of
+            evicted pages): compute the rest.
+
+        Raises:
+            KvtierError: ``device_pages`` names a page twice, or a page the tree holds (the
+                match's L1 hit among them): the load would write over KV other requests read.
         """
+        self._check_request_pages(device_pages, "device_pages")
         l1 = len(match.l1_pages)
         want = min(match.l2_pages + match.l3_coming, len(device_pages))
         if match.l3_coming and self._conn is not None:
@@ -308,11 +335,32 @@ class CacheManager:
         else:
             n = min(match.l2_pages, want)
         transfer = None
-        if n and self._conn is not None:
+        if n and self._conn is not None and self._cfg.hicache_write_policy == "write_back":
+            # an eviction's STORE is then the only copy kvtier makes of a page: loads leave
+            # it the slots it needs
+            loads, room = self._conn.load_room
+            busy = self._loading[0] + len(self._quarantine)
+            n = 0 if busy >= loads else min(n, room - self._loading[1])
+        if n > 0 and self._conn is not None:
             transfer = self._conn.load(match.keys[l1 : l1 + n], list(device_pages[:n]))
         handle = LoadHandle(match, transfer, device_pages, self._load_settled)
+        if handle.pages:
+            self._loading[0] += 1
+            self._loading[1] += handle.pages
         match.load = handle
         return handle
+
+    def _check_request_pages(self, pages: Sequence[int], name: str) -> None:
+        """Refuse ``pages`` (a request's) naming one twice or one the tree holds."""
+        tree = self._tree
+        held = next((p for p in pages if tree.holds(p)), None)
+        if held is not None:
+            raise KvtierError(
+                f"{name} names device page {held}, an L1 page the tree holds (a request's "
+                "pages are those alloc() gave it that the tree did not take)"
+            )
+        if len(set(pages)) != len(pages):
+            raise KvtierError(f"{name} names a device page twice")
 
     def recover_failed_load(self, load: LoadHandle) -> list[int]:
         """Pages to recompute into after ``load`` failed, in place of ``load.page_ids``.
@@ -335,13 +383,20 @@ class CacheManager:
         if not load.quarantined:
             return list(load.page_ids)
         try:
-            return self.alloc(len(load.page_ids))
+            fresh = self.alloc(len(load.page_ids))
         except DevicePoolExhausted:
             deadline = time.monotonic() + self._cfg.load_timeout_s
             while load.copying() and time.monotonic() < deadline:
                 time.sleep(QUARANTINE_POLL_S)
             if load.copying():
                 raise
+        else:
+            for q in self._quarantine:
+                if q.load is load:  # the old pages are the manager's from now on
+                    q.handed.update(q.pages)
+            if load.quarantined:  # (not drained by the alloc: it still runs)
+                return fresh
+            self._alloc.free(fresh)  # drained meanwhile: the request keeps its own pages
         # ended: no late write can land any more, the pages go back to the caller
         self._quarantine = [q for q in self._quarantine if q.load is not load]
         self._quarantined.difference_update(load.page_ids)
@@ -412,12 +467,22 @@ class CacheManager:
     def free(self, pages: Iterable[int]) -> None:
         """Return request-owned pages to the allocator once no STORE reads them.
 
-        Pages the manager quarantined (a failed load's) are skipped: it frees them itself.
+        Pages the manager quarantined (a failed load's) are skipped: it frees them itself,
+        once no late write can reach them.
 
         Args:
             pages: pages from :meth:`alloc` that the tree did not take.
+
+        Raises:
+            KvtierError: a page the tree holds, or one named twice (nothing is freed):
+                handed out again, an L1 page would serve another prompt's KV as a hit.
         """
-        pages = [p for p in pages if p not in self._quarantined]
+        pages = list(pages)
+        self._check_request_pages(pages, "free()")
+        if self._quarantined:
+            for q in self._quarantine:
+                q.handed.update(p for p in pages if p in q.pages)
+            pages = [p for p in pages if p not in self._quarantined]
         self._stores.reap_pages(pages)
         self._release(pages)
 
@@ -516,6 +581,8 @@ class CacheManager:
 
     def _load_settled(self, load: LoadHandle, match: MatchResult, ok: bool) -> None:
         """Record a load's outcome; quarantine its pages if a live daemon might still write them."""
+        self._loading[0] -= 1
+        self._loading[1] -= load.pages
         if ok:
             match.loaded_pages = load.pages
             self.counters.loaded_tokens += load.tokens
@@ -551,7 +618,8 @@ class CacheManager:
         for q in self._quarantine:
             if not q.load.copying():
                 self._quarantined.difference_update(q.pages)
-                self._alloc.free(q.pages)
+                q.load.quarantined = False  # those not handed are the request's again
+                self._alloc.free([p for p in q.pages if p in q.handed])
             else:
                 keep.append(q)
         self._quarantine = keep

@@ -83,8 +83,11 @@ class LoadHandle:
     Attributes:
         pages: leading pages being loaded (0: nothing to load; then every wait succeeds).
         page_ids: the device pages being written, ``pages`` of them.
-        quarantined: the load failed while the daemon lived; the manager now owns
-            ``page_ids`` and frees them once no late write can land.
+        quarantined: the load failed while the daemon lived; the manager holds
+            ``page_ids`` until no late write can land. Then it frees them if the request
+            took fresh pages in their place (:meth:`CacheManager.recover_failed_load
+            <kvtier.client.cache.manager.CacheManager.recover_failed_load>`) or freed them
+            meanwhile; else they are the request's again (and this is False).
     """
 
     __slots__ = ("_match", "_ok", "_on_settled", "_transfer", "page_ids", "pages", "quarantined")

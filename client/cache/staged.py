@@ -311,6 +311,12 @@ class StagedConnection:
         is dropped."""
         return self.connection.store_room[0], max(1, self.area.capacity // 2)
 
+    @property
+    def load_room(self) -> tuple[int, int]:
+        """``(loads, pages)`` a caller may keep in flight as LOADs: the connection's loads,
+        and the staging area's slots :attr:`store_room` leaves."""
+        return self.connection.load_room[0], max(1, self.area.capacity - self.area.capacity // 2)
+
     def load(self, keys: Sequence[bytes], pages: Sequence[int]) -> StagedLoad:
         """Load the leading L2 run of ``keys`` (at most the area's capacity) through slots;
         the device ``pages`` are written layer by layer by :meth:`StagedLoad.wait_layer`."""

@@ -290,6 +290,13 @@ class Connection:
         every slot busy is dropped or missed, not queued."""
         return max(1, self._slots.count // 2), sys.maxsize
 
+    @property
+    def load_room(self) -> tuple[int, int]:
+        """``(loads, pages)`` a caller may keep in flight as LOADs: the completion slots
+        :attr:`store_room` leaves, pages unbounded. Loads past them would take the slots a
+        write-back STORE needs (and it would be dropped)."""
+        return max(1, self._slots.count - self._slots.count // 2), sys.maxsize
+
     # ------------------------------------------------------------------ requests
     def _call(self, msg: P.Request, raw: bool = False, timeout: float | None = None) -> P.Reply:
         """Send ``msg`` and wait for its reply (:meth:`DaemonChannel.call

@@ -25,6 +25,7 @@ def check_tree_invariants(
     device_count: int,
     evictable_count: int,
     device_leaves: set[TreeNode],
+    held_ids: set[int] | None = None,
 ) -> None:
     """Check every structural invariant of a tree against the bookkeeping it keeps.
 
@@ -35,6 +36,7 @@ def check_tree_invariants(
         device_count: The tree's count of pages that hold a device page.
         evictable_count: The tree's count of device pages in unlocked nodes.
         device_leaves: The tree's eviction candidates.
+        held_ids: The tree's set of the device page ids it holds (None: not checked).
 
     Raises:
         AssertionError: An invariant does not hold; the message names it.
@@ -74,5 +76,6 @@ def check_tree_invariants(
         stack.extend(kids)
     require(seen_keys == by_key, "key map")
     require(device == device_count, "device_page_count")
+    require(held_ids is None or held_ids == seen_ids, "held device ids")
     require(evictable == evictable_count, "evictable_page_count")
     require(leaves == device_leaves, "device leaf set")

@@ -57,6 +57,7 @@ class RadixTree:
         "_device_count",
         "_device_leaves",
         "_evictable_count",
+        "_held",
         "_next_id",
         "_page_size",
         "_root",
@@ -74,6 +75,7 @@ class RadixTree:
         self._device_leaves: set[TreeNode] = set()
         self._device_count = 0
         self._evictable_count = 0
+        self._held: set[int] = set()  # the device page ids the tree holds
 
     @property
     def page_size(self) -> int:
@@ -94,6 +96,10 @@ class RadixTree:
     def device_page_count(self) -> int:
         """Pages in the tree that hold a device page."""
         return self._device_count
+
+    def holds(self, page_id: int) -> bool:
+        """Whether device page ``page_id`` is one of the tree's (L1's) pages."""
+        return page_id in self._held
 
     @property
     def evictable_page_count(self) -> int:
@@ -158,7 +164,10 @@ class RadixTree:
             The duplicates the caller must free and the last node; see :class:`InsertResult`.
 
         Raises:
-            KvtierError: ``device_pages`` or ``keys`` does not have one entry per whole page.
+            KvtierError: ``device_pages`` or ``keys`` does not have one entry per whole page,
+                or names one device page twice, or a device page the tree holds for another
+                page (nothing changed): two pages on one device page would serve one's KV
+                for the other.
         """
         size = self._page_size
         n = len(tokens) // size
@@ -168,6 +177,7 @@ class RadixTree:
                 f"got {len(device_pages)} and {len(keys)}"
             )
         toks = list(tokens[: n * size])
+        self._check_offered(toks, n, device_pages)
         tick = self._tick()
         node = self._root
         duplicates: list[int] = []
@@ -192,6 +202,7 @@ class RadixTree:
                 duplicates.extend(o for d, o in zip(child.device, offered) if d != o)
             if held < k:
                 child.device[held:k] = device_pages[page + held : page + k]
+                self._held.update(device_pages[page + held : page + k])
                 child.n_device = k
                 refilled += k - held
                 self._device_count += k - held
@@ -323,7 +334,37 @@ class RadixTree:
             self._device_count,
             self._evictable_count,
             self._device_leaves,
+            self._held,
         )
+
+    def _check_offered(self, toks: list[int], n: int, offered: Sequence[int]) -> None:
+        """Refuse ``offered`` (one device page per whole page of ``toks``) when it names a
+        page twice, or a page the tree holds anywhere but at that place in ``toks``."""
+        if len(set(offered)) != n:
+            seen: set[int] = set()
+            for p in offered:
+                if p in seen:
+                    raise KvtierError(f"device_pages names device page {p} for two pages")
+                seen.add(p)
+        held = self._held
+        if held.isdisjoint(offered):
+            return
+        size = self._page_size
+        node, page, own = self._root, 0, []  # the device pages held along toks, read only
+        while page < n:
+            child = node.children.get(tuple(toks[page * size : (page + 1) * size]))
+            if child is None:
+                break
+            k = common_pages(child, toks, page * size, size)
+            own.extend(child.device[: min(k, child.n_device)])
+            if child.n_device < k or k < child.n_pages:
+                break
+            node, page = child, page + k
+        for i, p in enumerate(offered):
+            if p in held and (i >= len(own) or own[i] != p):
+                raise KvtierError(
+                    f"device_pages[{i}] = {p}: the tree holds that device page for another page"
+                )
 
     def _tick(self) -> int:
         self._clock += 1
@@ -346,6 +387,7 @@ class RadixTree:
         before = len(self._by_key)
         self._by_key.update(zip(node.keys, repeat(node)))
         assert len(self._by_key) == before + n, "page key already in the tree"
+        self._held.update(device)
         self._device_count += n
         self._evictable_count += n
         return node
@@ -393,6 +435,7 @@ class RadixTree:
             page_id = node.device[i]
             assert page_id is not None
             node.device[i] = None
+            self._held.discard(page_id)
             flag = node.in_l2[i]
             tokens = tuple(node.tokens[i * size : (i + 1) * size])
             above = node.parent.keys[-1] if node.parent is not None and node.parent.keys else None

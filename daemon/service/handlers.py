@@ -315,8 +315,15 @@ class Handlers:
         return self.later(s, _shielded(task))
 
     def release(self, identity: bytes, m: P.Release) -> P.Reply:
-        """RELEASE: cancel the session's transfers in the given slots."""
+        """RELEASE: cancel the session's transfers in the given slots (OUT_OF_RANGE, nothing
+        cancelled, when one is not a slot of the session's completion block)."""
         s = self.ctx.session(identity, m.session_id)
+        n = s.completion.slots
+        bad = next((i for i, slot in enumerate(m.slots) if not 0 <= slot < n), None)
+        if bad is not None:
+            raise RequestError(
+                P.ErrorCode.OUT_OF_RANGE, f"slots[{bad}] = {m.slots[bad]!r} is outside [0, {n})"
+            )
         for slot in m.slots:
             t = s.transfers.get(slot)
             if t is not None:

@@ -84,6 +84,7 @@ class _L2:
     manager stores, and with which chain parent."""
 
     store_room = (64, 64)
+    load_room = (64, 64)
 
     def __init__(self, policy: str) -> None:
         self.geometry = SimpleNamespace(page_size=4)

@@ -302,3 +302,22 @@ def test_a_heartbeat_interval_past_a_day_is_refused_naming_it():
     assert load_config(ClientConfig, env={"KVTIER_HEARTBEAT_INTERVAL_S": "86400"})
     with pytest.raises(ConfigError, match="heartbeat_interval_s"):
         load_config(ClientConfig, env={"KVTIER_HEARTBEAT_INTERVAL_S": "1e10"})
+
+
+def test_client_string_settings_are_bounded_as_register_bounds_them() -> None:
+    """A ClientConfig string past REGISTER's bound is a configuration error naming the
+    setting at load, not a registration the daemon refuses naming a wire field."""
+    from kvtier.config import ClientConfig
+    from kvtier.ipc import limits as L
+
+    bound = {
+        name: next(m.max_length for m in f.metadata if hasattr(m, "max_length"))
+        for name, f in ClientConfig.model_fields.items()
+        if name in ("tp_group", "tenant", "token", "cache_salt")
+    }
+    assert bound == {
+        "tp_group": L.MAX_NAME,
+        "tenant": L.MAX_NAME,
+        "token": L.MAX_TEXT,
+        "cache_salt": L.MAX_TEXT,
+    }
