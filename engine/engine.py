@@ -429,7 +429,8 @@ class ReferenceEngine:
             out = self._decode(toks, logits, table, max_new)
         finally:
             cache.release(m)
-            cache.free(owned)
+            # the tree's pages are its own, also if insert() raised after taking them
+            cache.free([p for p in owned if not cache.tree.holds(p)])
         return GenerationResult(
             out,
             logits,

@@ -280,12 +280,8 @@ class CacheManager:
         """
         self._drain_quarantine()
         pages = self._alloc.alloc(n)
-        if pages is None and n > (
-            self._alloc.free_count
-            + self._tree.evictable_page_count
-            + len(self._quarantined)
-            + len(self._deferred)
-        ):
+        # quarantined and deferred pages come back only in a later drain, not in this loop
+        if pages is None and n > self._alloc.free_count + self._tree.evictable_page_count:
             raise DevicePoolExhausted(self._short(n))
         while pages is None:  # pages a stalled STORE may still read come back later: more
             if not self._evict(n - self._alloc.free_count):
@@ -352,8 +348,7 @@ class CacheManager:
 
     def _check_request_pages(self, pages: Sequence[int], name: str) -> None:
         """Refuse ``pages`` (a request's) naming one twice or one the tree holds."""
-        tree = self._tree
-        held = next((p for p in pages if tree.holds(p)), None)
+        held = self._tree.first_held(pages)
         if held is not None:
             raise KvtierError(
                 f"{name} names device page {held}, an L1 page the tree holds (a request's "
@@ -380,6 +375,7 @@ class CacheManager:
                 load in time (it stays stalled: the pages may still be written).
         """
         assert load.failed, "recover_failed_load() of a load that did not fail"
+        self._drain_quarantine()  # ended already: its pages are the request's again
         if not load.quarantined:
             return list(load.page_ids)
         try:
@@ -391,12 +387,13 @@ class CacheManager:
             if load.copying():
                 raise
         else:
+            if not load.quarantined:  # ended meanwhile (the alloc drained it)
+                self._alloc.free(fresh)
+                return list(load.page_ids)
             for q in self._quarantine:
                 if q.load is load:  # the old pages are the manager's from now on
                     q.handed.update(q.pages)
-            if load.quarantined:  # (not drained by the alloc: it still runs)
-                return fresh
-            self._alloc.free(fresh)  # drained meanwhile: the request keeps its own pages
+            return fresh
         # ended: no late write can land any more, the pages go back to the caller
         self._quarantine = [q for q in self._quarantine if q.load is not load]
         self._quarantined.difference_update(load.page_ids)
@@ -479,9 +476,10 @@ class CacheManager:
         """
         pages = list(pages)
         self._check_request_pages(pages, "free()")
-        if self._quarantined:
+        kept = [p for p in pages if p in self._quarantined] if self._quarantined else []
+        if kept:
             for q in self._quarantine:
-                q.handed.update(p for p in pages if p in q.pages)
+                q.handed.update(p for p in kept if p in q.pages)
             pages = [p for p in pages if p not in self._quarantined]
         self._stores.reap_pages(pages)
         self._release(pages)

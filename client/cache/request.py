@@ -84,10 +84,12 @@ class LoadHandle:
         pages: leading pages being loaded (0: nothing to load; then every wait succeeds).
         page_ids: the device pages being written, ``pages`` of them.
         quarantined: the load failed while the daemon lived; the manager holds
-            ``page_ids`` until no late write can land. Then it frees them if the request
-            took fresh pages in their place (:meth:`CacheManager.recover_failed_load
-            <kvtier.client.cache.manager.CacheManager.recover_failed_load>`) or freed them
-            meanwhile; else they are the request's again (and this is False).
+            ``page_ids`` until no late write can land, then sets this False. It frees them
+            then if the request took fresh pages in their place
+            (:meth:`CacheManager.recover_failed_load
+            <kvtier.client.cache.manager.CacheManager.recover_failed_load>`: read this right
+            after it, which tells whether the pages it returned are fresh) or freed them
+            meanwhile; else they are the request's again.
     """
 
     __slots__ = ("_match", "_ok", "_on_settled", "_transfer", "page_ids", "pages", "quarantined")

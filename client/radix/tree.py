@@ -101,6 +101,14 @@ class RadixTree:
         """Whether device page ``page_id`` is one of the tree's (L1's) pages."""
         return page_id in self._held
 
+    def first_held(self, page_ids: Iterable[int]) -> int | None:
+        """The first of ``page_ids`` the tree holds (None: none of them)."""
+        held = self._held
+        ids = page_ids if isinstance(page_ids, (list, tuple)) else list(page_ids)
+        if held.isdisjoint(ids):
+            return None
+        return next(p for p in ids if p in held)
+
     @property
     def evictable_page_count(self) -> int:
         """Device pages in nodes with no lock on them or below them."""

@@ -30,7 +30,9 @@ rank's k-th request meets the others' k-th: one a rank skipped leaves a gap inst
 shifting every later round against the other ranks'. A request counted before the group's
 first round (a rank that reaches a restarted daemon after its peer's next request did) is
 answered 0 at once. A rank that takes the place of a live one (a restarted engine whose old
-sessions are still open) makes the group map counts anew from its next counted request. A
+sessions are still open) makes the group map counts anew from its next counted request,
+unless it is the same process and its counts go on (a REGISTER whose reply was lost left
+the session it replaces). A
 rank whose session ended while its process was stopped (its lease ran out) registers again
 saying its counts go on (REGISTER's ``counts_continue``): its counts keep their rounds, and
 a request whose round ended meanwhile is answered at once with that round's answer.
@@ -157,8 +159,8 @@ class RankGroups:
 
         A session that takes the place of a live one with the same rank replaces it (the
         old engine process is presumed gone; its rounds stay as they are), unless both are
-        of one process ``pid`` (a REGISTER whose reply never reached it left the session it
-        replaces: its counts go on as before). A connection whose counts go on
+        of one process ``pid`` and its counts go on (a REGISTER whose reply never reached it
+        left the session it replaces). A connection whose counts go on
         (``counts_continue``: its session ended while it was stopped, REGISTER's field)
         meets, with each counted request, the round its count maps to.
         """
@@ -176,7 +178,7 @@ class RankGroups:
                 old.session_id,
             )
         others = [m for r, m in group.members.items() if r != rank]
-        own = old is not None and pid > 0 and old.pid == pid
+        own = old is not None and counts_continue and pid > 0 and old.pid == pid
         if old is not None and not own:  # another process's counts: they map to rounds anew
             group.offset.clear()
         resumed = counts_continue and (old is None or own)

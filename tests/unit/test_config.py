@@ -321,3 +321,9 @@ def test_client_string_settings_are_bounded_as_register_bounds_them() -> None:
         "token": L.MAX_TEXT,
         "cache_salt": L.MAX_TEXT,
     }
+    from kvtier.config import ConfigError, client_config
+
+    for name, most in bound.items():
+        assert client_config({name: "x" * most}, source="test") is not None
+        with pytest.raises(ConfigError, match=name):
+            client_config({name: "x" * (most + 1)}, source="test")
