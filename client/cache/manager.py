@@ -36,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -162,7 +163,8 @@ class CacheManager:
         self._quarantine: list[_Quarantine] = []
         self._quarantined: set[int] = set()
         self._deferred: set[int] = set()  # freed while a failed STORE may still read them
-        self._loading = [0, 0]  # loads not yet settled, and their pages
+        # loads not yet settled; one whose request dropped it unsettled leaves with it
+        self._loading: weakref.WeakSet[LoadHandle] = weakref.WeakSet()
         self.counters = CacheCounters()
         policy = self._cfg.hicache_write_policy
         threshold = (
@@ -335,14 +337,14 @@ class CacheManager:
             # an eviction's STORE is then the only copy kvtier makes of a page: loads leave
             # it the slots it needs
             loads, room = self._conn.load_room
-            busy = self._loading[0] + len(self._quarantine)
-            n = 0 if busy >= loads else min(n, room - self._loading[1])
+            busy = len(self._loading) + len(self._quarantine)
+            pages = sum(h.pages for h in self._loading)
+            n = 0 if busy >= loads else min(n, room - pages)
         if n > 0 and self._conn is not None:
             transfer = self._conn.load(match.keys[l1 : l1 + n], list(device_pages[:n]))
         handle = LoadHandle(match, transfer, device_pages, self._load_settled)
         if handle.pages:
-            self._loading[0] += 1
-            self._loading[1] += handle.pages
+            self._loading.add(handle)
         match.load = handle
         return handle
 
@@ -579,8 +581,7 @@ class CacheManager:
 
     def _load_settled(self, load: LoadHandle, match: MatchResult, ok: bool) -> None:
         """Record a load's outcome; quarantine its pages if a live daemon might still write them."""
-        self._loading[0] -= 1
-        self._loading[1] -= load.pages
+        self._loading.discard(load)
         if ok:
             match.loaded_pages = load.pages
             self.counters.loaded_tokens += load.tokens

@@ -92,7 +92,16 @@ class LoadHandle:
             meanwhile; else they are the request's again.
     """
 
-    __slots__ = ("_match", "_ok", "_on_settled", "_transfer", "page_ids", "pages", "quarantined")
+    __slots__ = (
+        "__weakref__",
+        "_match",
+        "_ok",
+        "_on_settled",
+        "_transfer",
+        "page_ids",
+        "pages",
+        "quarantined",
+    )
 
     def __init__(
         self,

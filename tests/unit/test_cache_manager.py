@@ -181,3 +181,30 @@ def test_a_failed_loads_pages_are_held_exactly_while_kvtierd_may_write_them(copy
     still[0] = False  # the daemon ended it: the next allocation takes the pages back
     cm.free(cm.alloc(1))
     assert cm.quarantined_pages == 0
+
+
+def test_loads_a_request_dropped_unsettled_do_not_hold_the_room_for_loads() -> None:
+    """Under write_back, loads in flight keep to the link's room for loads. A request that
+    drops its match without finishing the load (an engine error path that never calls
+    release) does not keep counting against that room: after such drops, loads are still
+    served instead of every one becoming a miss."""
+    import gc
+
+    l2 = _L2("write_back")
+    l2.load_room = (2, 64)
+    cm = CacheManager(PageAllocator(64), l2)
+    toks = list(range(1, 14))  # three full pages of 4 tokens
+    m = cm.match(toks)
+    cm.insert(m, cm.alloc(3))
+    cm.release(m)
+    cm.flush_l1()  # written back: L2 holds them, L1 not
+    for _ in range(4):
+        m = cm.match([*toks, 99])
+        assert cm.load(m, cm.alloc(3)).pages == 3
+        del m  # dropped unsettled, never released
+        gc.collect()
+    m = cm.match([*toks, 99])
+    ld = cm.load(m, cm.alloc(3))
+    assert ld.pages == 3
+    assert ld.finish()
+    cm.release(m)
