@@ -7,11 +7,21 @@ feed the same model (see :mod:`kvtier.config.loader`). Where a knob means what a
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from kvtier.config.sizes import ByteSize
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from typing import Self
 
 WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
 PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
@@ -26,6 +36,47 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(
         frozen=True, extra="forbid", validate_default=True, allow_inf_nan=False
     )
+
+    # A validation error shows the input it refused; a token's is hidden (the field's, and
+    # any ``*token*`` key of a table shown whole), however the model is built.
+    def __init__(self, /, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as err:
+            raise _without_secrets(err) from None
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> Self:
+        """:meth:`pydantic.BaseModel.model_validate`, its errors showing no token."""
+        try:
+            return super().model_validate(obj, **kwargs)
+        except ValidationError as err:
+            raise _without_secrets(err) from None
+
+
+def _redacted(value: Any, secret: bool = False) -> Any:
+    if secret:
+        return "<redacted>"
+    if isinstance(value, Mapping):
+        return {k: _redacted(v, "token" in str(k)) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_redacted(v) for v in value]
+    return value
+
+
+def _without_secrets(err: ValidationError) -> ValidationError:
+    """``err`` with the input of every error at a ``*token*`` field (or holding one) hidden."""
+    details: list[Any] = []
+    for e in err.errors():
+        d = {
+            "type": e["type"],
+            "loc": e["loc"],
+            "input": _redacted(e["input"], any("token" in str(p) for p in e["loc"])),
+        }
+        if "ctx" in e:
+            d["ctx"] = e["ctx"]
+        details.append(d)
+    return ValidationError.from_exception_data(err.title, details)
 
 
 class TenantConfig(_Frozen):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import traceback
 from pathlib import Path
 
 import pydantic
@@ -125,6 +126,51 @@ def test_tokens_are_redacted_in_errors():
     msg = str(err.value)
     assert "tenants.a.bogus" in msg and "tenants.a.token = '<redacted>'" in msg
     assert "91357" not in msg
+
+
+SECRET = "s3cretXYZ"
+
+
+@pytest.mark.parametrize(
+    ("build", "field"),
+    [
+        (lambda: ClientConfig(token=SECRET * 1000), "token"),
+        (lambda: ClientConfig(token=[SECRET]), "token"),
+        (lambda: ClientConfig.model_validate({"token": SECRET * 1000}), "token"),
+        (lambda: DaemonConfig(admin_token=[SECRET]), "admin_token"),
+        (
+            lambda: DaemonConfig(tenants={"a": {"token": [SECRET], "quota_pages": 1}}),
+            "tenants.a.token",
+        ),
+        (
+            lambda: DaemonConfig(tenants={"a": {"token": SECRET}, "b": {"token": SECRET}}),
+            "tenants.b.token and tenants.a.token are the same",
+        ),
+        (
+            lambda: DaemonConfig(admin_token=SECRET, tenants={"a": {"token": SECRET}}),
+            "tenants.a.token is the admin_token",
+        ),
+    ],
+)
+def test_a_model_built_in_code_shows_no_token_in_its_errors(build, field):
+    """A configuration built directly (not through the loader) names the field in its error
+    and hides the token, in the message, in ``errors()`` and in the printed traceback (no
+    chained error carries it)."""
+    with pytest.raises(pydantic.ValidationError) as err:
+        build()
+    shown = (
+        str(err.value) + repr(err.value.errors()) + "".join(traceback.format_exception(err.value))
+    )
+    assert field in str(err.value)
+    assert SECRET not in shown and "'<redacted>'" in shown
+
+
+def test_a_model_built_in_code_still_shows_other_values():
+    """Only tokens are hidden: a bad value elsewhere is shown, beside a valid token."""
+    with pytest.raises(pydantic.ValidationError) as err:
+        ClientConfig(token=SECRET, endpoint=12345)
+    assert "endpoint" in str(err.value) and "input_value=12345" in str(err.value)
+    assert SECRET not in str(err.value)
 
 
 @pytest.mark.parametrize(
