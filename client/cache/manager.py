@@ -265,6 +265,7 @@ class CacheManager:
             pm.last_node,
             l3_coming=coming,
             epoch=self._marks_epoch,
+            seed=self._seed,
         )
 
     def alloc(self, n: int) -> list[int]:
@@ -430,6 +431,10 @@ class CacheManager:
         if len(device_pages) != n:
             raise KvtierError(f"{n} full pages need {n} device pages, got {len(device_pages)}")
         pages = list(device_pages)
+        restarted = self._forget_marks_of_another_epoch() or match.epoch != self._marks_epoch
+        if restarted and match.seed != self._seed:  # keyed under the namespace's old name
+            match.keys = page_keys(self._seed, match.tokens[: len(match.keys) * size], size)
+            match.seed = self._seed
         keys = match.keys[:n]
         res = self._tree.insert(match.tokens[: n * size], pages, keys)
         self._tree.lock(res.last_node)
@@ -438,7 +443,7 @@ class CacheManager:
         match.node = res.last_node
         l1, loaded = len(match.l1_pages), match.loaded_pages
         l1_in_l2 = match.l1_in_l2
-        if self._forget_marks_of_another_epoch() or match.epoch != self._marks_epoch:
+        if restarted:
             l1_in_l2, loaded = [False] * l1, 0  # the daemon restarted since the match
         if loaded:
             self._tree.mark_in_l2(keys[l1 : l1 + loaded])
@@ -497,6 +502,10 @@ class CacheManager:
             return False
         self._marks_epoch = conn.epoch
         self._tree.clear_l2_marks()
+        seed = conn.ns_fingerprint
+        if len(seed) == 32 and seed != self._seed:  # the new daemon names the namespace anew
+            self._seed = seed
+            self._tree.rekey(seed, lambda prev, toks: page_keys(prev, toks, self._page_size))
         return True
 
     def sync(self) -> None:

@@ -41,6 +41,7 @@ class MatchResult:
         released: True once :meth:`CacheManager.release` ran.
         epoch: the daemon epoch of the tree's in-L2 marks when it matched (what it says of
             L2 is stale once the connection has registered with another).
+        seed: the key chain's seed ``keys`` were made from (the namespace fingerprint then).
     """
 
     tokens: list[int]
@@ -56,6 +57,7 @@ class MatchResult:
     loaded_pages: int = 0
     released: bool = False
     epoch: int = 0
+    seed: bytes = b""
 
     @property
     def l1_tokens(self) -> int:

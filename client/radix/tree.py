@@ -28,7 +28,7 @@ records in :mod:`kvtier.client.radix.results` and the full invariant check in
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import repeat
 
 from kvtier.client.radix.invariants import check_tree_invariants
@@ -328,6 +328,25 @@ class RadixTree:
         """Record that L2 holds none of the tree's pages (as :meth:`set_in_l2` of every
         key: pages not on the device leave the tree). The number of flags changed."""
         return self.set_in_l2(list(self._by_key), False)
+
+    def rekey(self, seed: bytes, chain: Callable[[bytes, list[int]], list[bytes]]) -> None:
+        """Name every page by a new key chain: the namespace's fingerprint changed (the
+        daemon restarted with another tenant for the engine's token, or another layout
+        version), and the KV in the pages did not.
+
+        Args:
+            seed: the new chain's seed (the namespace fingerprint).
+            chain: ``chain(prev, tokens)``: the keys of the whole pages of ``tokens``
+                continuing from ``prev`` (:func:`kvtier.client.page_keys.page_keys`).
+        """
+        by_key: dict[bytes, TreeNode] = {}
+        stack = [(child, seed) for child in self._root.children.values()]
+        while stack:
+            node, prev = stack.pop()
+            node.keys = chain(prev, node.tokens)
+            by_key.update(zip(node.keys, repeat(node)))
+            stack.extend((child, node.keys[-1]) for child in node.children.values())
+        self._by_key = by_key
 
     def check_invariants(self) -> None:
         """Check every structural invariant of the tree, whatever the interpreter flags.

@@ -178,3 +178,72 @@ def test_a_request_matched_before_a_restart_stores_its_l1_pages_after_it(daemon_
             other_pool.close()
         conn.close()
         pool.close()
+
+
+@pytest.mark.timeout(90)
+def test_an_engine_keys_its_pages_under_the_namespace_the_restarted_daemon_names(
+    daemon_factory, tmp_path
+):
+    """kvtierd is replaced under a running engine by one that names the engine's namespace
+    differently (an upgrade that changes what enters the fingerprint, which seeds every
+    page key; here the layout version, set by a ``sitecustomize`` in the new daemon's
+    process). The engine registers again; from then on it stores its pages under the new
+    keys, those a newly started engine computes, so the two share them. A request matched
+    before the restart and inserted after it is keyed anew too, and the engine's L1 hits
+    stay L1 hits."""
+    from kvtier.client.cache.manager import CacheManager
+    from kvtier.engine.allocator import PageAllocator
+
+    (tmp_path / "sitecustomize.py").write_text(
+        "import kvtier.ipc.namespace as ns\nns.LAYOUT_VERSION += 1\n"
+    )
+    d = daemon_factory()
+    pool, conn = engine(d.runtime_dir, num_pages=64)
+    other_pool = other = None
+    try:
+        cm = CacheManager(PageAllocator(64), conn)
+        first = [int(t) for t in tokens(5 * SMALL.page_size + 1, salt=45)]
+        second = first[: 3 * SMALL.page_size] + [int(t) for t in tokens(SMALL.page_size, salt=46)]
+
+        def serve(toks: list[int]) -> int:
+            m = cm.match(toks)
+            l1 = len(m.l1_pages)
+            n = len(toks) // SMALL.page_size
+            new = cm.alloc(n - l1)
+            for i in range(l1, n):
+                fill_page(pool, new[i - l1], seed=i + 11)
+            dups = cm.insert(m, m.l1_pages + new)
+            cm.release(m)
+            cm.free(list(dups))
+            return l1
+
+        serve(first)
+        old_fp = conn.ns_fingerprint
+        pending = cm.match(second)  # matched under the old name, inserted after the restart
+        assert len(pending.l1_pages) == 3
+
+        d.kill()
+        d = daemon_factory(env={"PYTHONPATH": str(tmp_path)})
+        other_pool, other = engine(d.runtime_dir, num_pages=8)
+        assert other.ns_fingerprint != old_fp
+        assert conn.lookup(other.page_keys(first)).l2 == 0  # registered again
+        assert conn.ns_fingerprint == other.ns_fingerprint
+
+        new = cm.alloc(1)
+        fill_page(pool, new[0], seed=99)
+        cm.free(list(cm.insert(pending, pending.l1_pages + new)))
+        cm.release(pending)
+        assert serve(first) == 5  # still an L1 hit of the whole prompt
+        cm.sync()
+        got = [other.lookup(other.page_keys(t)).l2 for t in (first, second)]
+        assert got == [5, 4], (
+            f"a new engine finds {got} pages of the two prompts the running engine holds in "
+            "L1 and stored (write_through) after the restart: [5, 4] expected"
+        )
+    finally:
+        if other is not None:
+            other.close()
+        if other_pool is not None:
+            other_pool.close()
+        conn.close()
+        pool.close()

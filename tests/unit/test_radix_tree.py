@@ -484,3 +484,25 @@ class TreeMachine(RuleBasedStateMachine):
 
 TestTreeMachine = TreeMachine.TestCase
 TestTreeMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+
+
+def test_rekey_names_every_page_by_the_new_chain_and_forgets_the_old_keys() -> None:
+    """After :meth:`RadixTree.rekey`, every page's key is the new seed's chain over its
+    prefix (across node boundaries), lookups by key see the new keys only, and the tree's
+    pages and structure are unchanged."""
+    from kvtier.client.page_keys import page_keys
+
+    tree = RadixTree(4)
+    put(tree, A, [1, 2, 3])
+    put(tree, A[:4] + [90, 91, 92, 93, 94, 95, 96, 97], [1, 4, 5])  # splits after page 0
+    old = chain(A, 4)
+    seed = bytes(range(32))
+    tree.rekey(seed, lambda prev, toks: page_keys(prev, toks, 4))
+    tree.check_invariants()
+    b = A[:4] + [90, 91, 92, 93, 94, 95, 96, 97]
+    for toks in (A, b):
+        m = match(tree, toks)
+        assert m.keys == page_keys(seed, toks, 4) and m.device_pages == 3
+    assert tree.set_in_l2(old, True) == 0  # the old keys name nothing now
+    assert tree.set_in_l2(page_keys(seed, A, 4), True) == 3
+    assert match(tree, A).in_l2 == [True] * 3
