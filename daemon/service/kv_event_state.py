@@ -73,6 +73,8 @@ class Saved(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
             as long as each other.
         block_sizes: namespace fingerprint -> the tokens per block its sessions named.
         models: namespace fingerprint -> the model id its sessions named (the topic).
+        left_l2: the keys among ``keys`` whose pages had left L2 (their hashes kept for
+            L3's events): a restart does not announce their removal again.
     """
 
     version: int
@@ -80,15 +82,18 @@ class Saved(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     hashes: list[BlockHash]
     block_sizes: dict[NamespaceId, BlockSize]
     models: dict[NamespaceId, Text] = {}
+    left_l2: list[NamespacedKey] = []
 
 
 class Loaded(msgspec.Struct):
     """What :func:`load` read: ``hashes`` (fingerprint ‖ page key -> engine hash, oldest
-    first), ``block_sizes`` and ``models`` per namespace fingerprint."""
+    first), ``block_sizes`` and ``models`` per namespace fingerprint, and ``left_l2``: the
+    keys of ``hashes`` whose pages had left L2."""
 
     hashes: dict[bytes, BlockHash]
     block_sizes: dict[bytes, int]
     models: dict[bytes, str]
+    left_l2: set[bytes] = set()
 
 
 def save(
@@ -96,14 +101,17 @@ def save(
     hashes: dict[bytes, BlockHash],
     block_sizes: dict[bytes, int],
     models: dict[bytes, str] | None = None,
+    left_l2: set[bytes] | None = None,
 ) -> None:
-    """Write the state to ``path`` atomically (a temporary file renamed over it, mode 0600).
+    """Write the state to ``path`` atomically (a temporary file renamed over it, mode 0600);
+    of ``left_l2``, the keys ``hashes`` holds.
 
     Raises:
         OSError: the directory cannot be written.
     """
+    gone = [k for k in left_l2 or () if k in hashes]
     body = msgspec.msgpack.encode(
-        Saved(_VERSION, list(hashes), list(hashes.values()), block_sizes, models or {})
+        Saved(_VERSION, list(hashes), list(hashes.values()), block_sizes, models or {}, gone)
     )
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -149,9 +157,9 @@ def load(path: Path, max_hashes: int) -> Loaded:
             return Loaded({}, dict(saved.block_sizes), {})
         fp = next(iter(saved.block_sizes))
         keys = [fp + k for k in keys]
-    return Loaded(
-        dict(zip(keys, saved.hashes[start:])), dict(saved.block_sizes), dict(saved.models)
-    )
+    hashes = dict(zip(keys, saved.hashes[start:]))
+    left = {k for k in saved.left_l2 if k in hashes} if saved.version != 1 else set()
+    return Loaded(hashes, dict(saved.block_sizes), dict(saved.models), left)
 
 
 class Named(msgspec.Struct, array_like=True, forbid_unknown_fields=True):

@@ -126,6 +126,9 @@ class KvEventPublisher:
             else kv_event_state.Loaded({}, {}, {})
         )
         self._hashes: dict[bytes, E.BlockHash] = loaded.hashes
+        # those of pages that left L2 (kept for L3's events): a restart names them lost
+        # no more
+        self._left_l2: set[bytes] = loaded.left_l2
         self._fp_block_size: dict[bytes, int] = loaded.block_sizes
         self._fp_model: dict[bytes, str] = loaded.models
         # the namespaces named since the last clean stop (newer than its file): what a
@@ -171,6 +174,7 @@ class KvEventPublisher:
                     self._hashes,
                     {fp: n for fp, n in self._fp_block_size.items() if fp in kept},
                     {fp: m for fp, m in self._fp_model.items() if fp in kept},
+                    self._left_l2,
                 )
             except OSError as err:
                 log.warning("KV events: cannot save engine hashes to %s: %s", self._state, err)
@@ -221,7 +225,10 @@ class KvEventPublisher:
     ) -> asyncio.Task[None]:
         """Announce, on this new stream, the L2 pages the daemon holds from before it started
         (a BlockStored per chain, by the saved engine hashes), a few thousand pages per
-        event-loop turn; pages evicted before their turn are left out.
+        event-loop turn; pages evicted before their turn are left out. Each namespace's
+        announcement starts with a BlockRemoved (``CPU``) of the pages the saved hashes
+        name that L2 does not hold (all of them after a cold start): a router that replays
+        the new stream forgets what the restart lost.
 
         Args:
             namespaces: fingerprint -> pool namespace id of the adopted pool.
@@ -232,13 +239,23 @@ class KvEventPublisher:
             if ns_id not in self._block_size and fp in self._fp_block_size:
                 self._block_size[ns_id] = self._fp_block_size[fp]
         self._announcing = asyncio.get_running_loop().create_task(
-            self._announce_held(list(namespaces.values()), held), name="kvtier-events-announce"
+            self._announce_held(dict(namespaces), held), name="kvtier-events-announce"
         )
         return self._announcing
 
-    async def _announce_held(self, ns_ids: list[int], held: Callable[[int], PagesHeld]) -> None:
-        for ns_id in ns_ids:
+    async def _announce_held(
+        self, namespaces: dict[bytes, int], held: Callable[[int], PagesHeld]
+    ) -> None:
+        fpn = kv_event_state.FP_BYTES
+        saved: dict[bytes, list[tuple[bytes, E.BlockHash]]] = {}
+        for named, h in list(self._hashes.items()):  # what the last stop named, by namespace
+            saved.setdefault(named[:fpn], []).append((named[fpn:], h))
+        for fp, ns_id in namespaces.items():
             pages, leading = held(ns_id)
+            gone = saved.pop(fp, None)
+            if gone:
+                ready = {key for key, _ in pages}
+                self._lost(fp, [(key, h) for key, h in gone if key not in ready])
             budget = ANNOUNCE_PAGES
             for run, parent in kv_event_state.chain_runs(pages):
                 n = leading(run)
@@ -249,6 +266,23 @@ class KvEventPublisher:
                     await asyncio.sleep(0)
                     budget = ANNOUNCE_PAGES
             await asyncio.sleep(0)
+        for fp, gone in saved.items():  # namespaces the pool does not hold: all lost
+            self._lost(fp, gone)
+            await asyncio.sleep(0)
+
+    def _lost(self, fp: bytes, pages: list[tuple[bytes, E.BlockHash]]) -> None:
+        """BlockRemoved (``CPU``) of ``pages`` (key, engine hash) of namespace ``fp``, which
+        the last daemon held in L2 and this one does not, on that namespace's topic (those
+        whose removal the last daemon announced left out). Their hashes stay (L3 may hold
+        the pages: its events name them), marked as out of L2."""
+        topic = E.namespace_topic(self._fp_model.get(fp, ""), fp).encode()
+        left = self._left_l2
+        hashes = [h for key, h in pages if fp + key not in left]
+        left.update(fp + key for key, _ in pages)
+        for a in range(0, len(hashes), REMOVED_CHUNK):
+            gone = E.BlockRemoved(block_hashes=hashes[a : a + REMOVED_CHUNK], medium=E.MEDIUM_L2)
+            self._defer(self._add_to, topic, gone)
+        self.counters.kv_events_removed_blocks += len(hashes)
 
     def _topic(self, ns_id: int) -> bytes:
         topic = self._topics.get(ns_id)
@@ -397,10 +431,12 @@ class KvEventPublisher:
             named = map(self._fp(ns0).__add__, keys)
             self._removed(ns0, E.MEDIUM_L2, list(map(hashes.pop, named, keys)))
             return
-        get, pop, fp = hashes.get, hashes.pop, self._fp
+        get, pop, fp, left = hashes.get, hashes.pop, self._fp, self._left_l2
         by_ns: dict[int, list[E.BlockHash]] = {}
         for key, ns_id, l3 in zip(keys, nss, in_l3):
             named = fp(ns_id) + key
+            if l3 and named in hashes:
+                left.add(named)
             by_ns.setdefault(ns_id, []).append(get(named, key) if l3 else pop(named, key))
         for ns_id, hs in by_ns.items():
             self._removed(ns_id, E.MEDIUM_L2, hs)
@@ -411,6 +447,7 @@ class KvEventPublisher:
 
     def _l2_dropped(self, ns_id: int, keys: list[bytes]) -> None:
         get, fp = self._hashes.get, self._fp(ns_id)
+        self._left_l2.update(k for k in map(fp.__add__, keys) if k in self._hashes)
         self._removed(ns_id, E.MEDIUM_L2, [get(fp + k, k) for k in keys])
 
     def l3_written(
@@ -464,6 +501,8 @@ class KvEventPublisher:
         self, ns_id: int, medium: str, keys: Sequence[bytes], parent_key: bytes | None
     ) -> None:
         get, fp = self._hashes.get, self._fp(ns_id)
+        if medium == E.MEDIUM_L2 and self._left_l2:  # back in L2
+            self._left_l2.difference_update(map(fp.__add__, keys))
         self._add(
             ns_id,
             E.BlockStored(
@@ -490,12 +529,16 @@ class KvEventPublisher:
     def _remember(self, ns_id: int, keys: Sequence[bytes], hs: Sequence[E.BlockHash]) -> None:
         """Remember the engine's hash of each key of ``ns_id``; the oldest go beyond the
         bound."""
-        hashes = self._hashes
-        hashes.update(zip(map(self._fp(ns_id).__add__, keys), hs))
+        hashes, left = self._hashes, self._left_l2
+        named = list(map(self._fp(ns_id).__add__, keys))
+        hashes.update(zip(named, hs))
+        if left:  # stored: in L2 again
+            left.difference_update(named)
         excess = len(hashes) - self._max_hashes
         if excess > 0:
             for key in list(itertools.islice(hashes, excess)):
                 del hashes[key]
+                left.discard(key)
 
     @property
     def next_seq(self) -> int:
@@ -508,7 +551,10 @@ class KvEventPublisher:
         if not self._flushing:
             self._defer(self._add, ns_id, event)
             return
-        topic = self._topic(ns_id)
+        self._add_to(self._topic(ns_id), event)
+
+    def _add_to(self, topic: bytes, event: E.Event) -> None:
+        """Queue ``event`` on ``topic`` (while the flush builds events)."""
         events = self._pending.get(topic)
         if events is None:
             events = self._pending[topic] = []

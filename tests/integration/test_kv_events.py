@@ -364,6 +364,82 @@ def test_a_restarted_daemon_announces_what_it_adopted_by_engine_hashes(daemon_fa
         pool.close()
 
 
+def test_a_restart_that_lost_l2_announces_the_pages_gone_once(daemon_factory, short_tmp):
+    """SIGTERM, then a restart without the pool (``--cold-start``): the new stream names,
+    by the engines' hashes and on the namespace's topic, a BlockRemoved (CPU) of every page
+    the last daemon held in L2, so that a router replaying the new stream forgets them. The
+    restart after it, which adopts the new (empty) pool, does not name them again."""
+    d = daemon_factory(*event_flags(short_tmp))
+    pool, conn = engine(d.runtime_dir, num_pages=16, model="m/lost")
+    try:
+        a = conn.page_keys(tokens(4 * SMALL.page_size, salt=31))
+        b = conn.page_keys(tokens(3 * SMALL.page_size, salt=32))
+        assert conn.store(
+            a, list(range(4)), engine=P.EngineBlocks(hashes=[2000, 2001, 2002, 2003])
+        ).wait()
+        assert conn.store(
+            b, list(range(3)), engine=P.EngineBlocks(hashes=[3000, 3001, 3002])
+        ).wait()
+        topic = E.namespace_topic("m/lost", conn.ns_fingerprint)
+        assert d.stop() == 0
+
+        d = daemon_factory(*event_flags(short_tmp), "--cold-start")
+        with subscriber(short_tmp) as sub:
+            got = wait_for(lambda s=sub: s.replay(0), what="the new stream")
+        removed = events(got, E.BlockRemoved, "CPU")
+        assert sorted(hashes(removed)) == [2000, 2001, 2002, 2003, 3000, 3001, 3002]
+        assert {m.topic for m in got if events([m], E.BlockRemoved)} == {topic}
+        assert events(got, E.BlockStored) == []  # the pool is new: nothing held
+        assert d.stop() == 0
+
+        d = daemon_factory(*event_flags(short_tmp))
+        with subscriber(short_tmp) as sub:
+            seen = drain(sub, 1.0)
+        assert events(seen, E.BlockRemoved) == [], "the removal was announced again"
+    finally:
+        conn.close()
+        pool.close()
+
+
+def test_a_restart_that_lost_l2_does_not_name_again_what_had_left_it(daemon_factory, short_tmp):
+    """Pages in L3 that had left L2 (dropped by ``kvtier flush --tier l2``: their removal from
+    CPU was announced then) are not named as removed again by a restart without the pool;
+    the pages L2 held are. Pages brought back into L2 from L3 count as held again."""
+    flags = (
+        *event_flags(short_tmp),
+        *l3_flags("file", prefetch_threshold="0"),
+        "--state-dir",
+        str(short_tmp / "st"),
+    )
+    d = daemon_factory(*flags)
+    pool, conn = engine(d.runtime_dir, num_pages=16)
+    try:
+        keys = conn.page_keys(tokens(6 * SMALL.page_size, salt=33))
+        more = conn.page_keys(tokens(2 * SMALL.page_size, salt=34))
+        assert conn.store(keys, list(range(6)), engine=P.EngineBlocks(hashes=list(range(6)))).wait()
+        wait_for(lambda: counters(d)["l3_write_written_pages"] >= 6, what="6 pages in L3")
+        flush(d, "l2")
+        assert conn.store(more, [0, 1], engine=P.EngineBlocks(hashes=[100, 101])).wait()
+        assert d.stop() == 0
+
+        def restarted_removes() -> list:
+            d = daemon_factory(*flags, "--cold-start")
+            with subscriber(short_tmp) as sub:
+                got = drain(sub, 1.0)
+            return d, sorted(hashes(events(got, E.BlockRemoved, "CPU")))
+
+        d, removed = restarted_removes()
+        assert removed == [100, 101]
+        conn.prefetch(keys)  # back from L3 into L2
+        assert conn.claim(keys, policy="wait_complete") == 6
+        assert d.stop() == 0
+        d, removed = restarted_removes()
+        assert removed == list(range(6))
+    finally:
+        conn.close()
+        pool.close()
+
+
 def test_a_damaged_hashes_file_is_ignored_and_named(daemon_factory, short_tmp):
     state = short_tmp / "d0" / "state"
     state.mkdir(parents=True)

@@ -45,6 +45,19 @@ def test_saved_state_reads_back_newest_first_within_the_bound(tmp_path: Path) ->
     assert [key[32:] for key in newest] == [k(7), k(8), k(9)]
 
 
+def test_the_keys_that_left_l2_read_back_within_the_hashes_kept(tmp_path: Path) -> None:
+    """``left_l2`` keeps the keys (among those with a hash) whose pages had left L2; a key
+    without a hash is not saved, one whose hash falls past the bound is not read, and a file
+    written without the field reads as none left."""
+    path = tmp_path / S.FILE_NAME
+    hashes = {FP + k(i): i for i in range(6)}
+    S.save(path, hashes, {FP: 16}, {FP: "m"}, {FP + k(1), FP + k(4), FP + k(99)})
+    assert S.load(path, 100).left_l2 == {FP + k(1), FP + k(4)}
+    assert S.load(path, 3).left_l2 == {FP + k(4)}  # hashes 3, 4, 5 kept
+    path.write_bytes(msgspec.msgpack.encode([2, [FP + k(1)], [11], {FP: 16}, {FP: "m"}]))
+    assert S.load(path, 10) == S.Loaded({FP + k(1): 11}, {FP: 16}, {FP: "m"}, set())
+
+
 def test_a_version_1_file_is_read_for_the_one_namespace_it_names(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
