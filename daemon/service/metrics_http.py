@@ -16,6 +16,11 @@ bounded cost per client::
 
 - a connection silent for :data:`CONNECTION_TIMEOUT_S` (sending its request or taking
   the reply) is closed, as the handover socket closes one that sends no request in time;
+- a request must arrive whole (its line and headers) within :data:`REQUEST_TIMEOUT_S` of
+  the connection, and in at most :data:`MAX_REQUEST_BYTES` (a scrape sends a few hundred);
+  a longer one is answered 431 and closed, a slower one closed: a client that sends a byte
+  now and then holds its connection for no longer than that, and one that sends megabytes
+  of headers costs the daemon no more than that;
 - at most :data:`MAX_CONNECTIONS` connections have a handler thread at once; one that
   arrives beyond them is closed at once, so the accept thread never waits and
   ``shutdown()`` is prompt;
@@ -32,6 +37,7 @@ Typical use (what :meth:`~kvtier.daemon.service.metrics.DaemonMetrics.start` doe
 
 from __future__ import annotations
 
+import io
 import logging
 import socket
 import socketserver
@@ -46,6 +52,8 @@ __all__ = [
     "BACKLOG",
     "CONNECTION_TIMEOUT_S",
     "MAX_CONNECTIONS",
+    "MAX_REQUEST_BYTES",
+    "REQUEST_TIMEOUT_S",
     "MetricsHTTPServer",
     "serve_metrics",
 ]
@@ -55,6 +63,10 @@ log = logging.getLogger("kvtier.daemon.service.metrics_http")
 CONNECTION_TIMEOUT_S = 3.0
 """How long a metrics connection may stay silent (its request, or taking the reply) before
 it is closed."""
+REQUEST_TIMEOUT_S = 5.0
+"""How long a metrics connection may take to send its whole request (line and headers)."""
+MAX_REQUEST_BYTES = 16384
+"""The longest request (line and headers) a metrics connection may send; past it, 431."""
 MAX_CONNECTIONS = 64
 """Connections served at once, each by its own thread; further ones are closed at once."""
 BACKLOG = 128
@@ -72,11 +84,40 @@ class _MetricsRequestHandler(WSGIRequestHandler):
     def handle(self) -> None:
         """Serve the request; a client that goes silent or away only loses its reply."""
         try:
+            head = self._read_request()
+            if head is None:
+                return
+            self.rfile = io.BytesIO(head)  # what the WSGI handler parses, whole and bounded
             super().handle()
         except TimeoutError:
-            log.debug("metrics: %s silent for %gs, closed", self.client_address, self.timeout)
+            log.debug("metrics: %s too slow, closed", self.client_address)
         except ConnectionError as err:
             log.debug("metrics: %s went away: %s", self.client_address, err)
+
+    def _read_request(self) -> bytes | None:
+        """The request's line and headers, read within :data:`REQUEST_TIMEOUT_S` (else
+        TimeoutError); None when it is longer than :data:`MAX_REQUEST_BYTES` (answered 431)."""
+        sock: socket.socket = self.connection
+        deadline = time.monotonic() + REQUEST_TIMEOUT_S
+        buf = bytearray()
+        while b"\r\n\r\n" not in buf and b"\n\n" not in buf:
+            if len(buf) > MAX_REQUEST_BYTES:
+                sock.sendall(
+                    b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+                    b"Content-Length: 0\r\nConnection: close\r\n\r\n"
+                )
+                log.debug("metrics: %s sent a request over %d bytes", self.client_address, len(buf))
+                return None
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            sock.settimeout(min(left, self.timeout))
+            chunk = sock.recv(4096)
+            if not chunk:  # the client closed: what came is all there is
+                break
+            buf += chunk
+        sock.settimeout(self.timeout)
+        return bytes(buf)
 
     def log_message(self, format: str, *args: Any) -> None:
         """Log nothing: requests are not logged, errors go through ``handle_error``."""

@@ -217,8 +217,12 @@ class Daemon:
                 self.reload()
             if on_ready is not None:
                 on_ready(self)
-            await self._serve(recv)
-            await self._drain()
+            try:
+                await self._serve(recv)
+                await self._drain()  # HEALTH, STATS and UNREGISTER still answered meanwhile
+            finally:
+                recv.cancel()
+                await asyncio.wait([recv])
 
     async def _start(self, stack: contextlib.AsyncExitStack) -> Path:
         """Build the service off the loop, open it, then answer the held requests.
@@ -421,9 +425,9 @@ def _given(peer: PeerCred | None) -> PeerCred | None:
 
 
 async def _follow(task: asyncio.Task[None]) -> None:
-    """Wait for ``task`` (started before the task group): its failure fails the group, and
-    cancelling this cancels it."""
-    await task
+    """Wait for ``task`` (started before the task group): its failure fails the group;
+    cancelling this leaves it running (the receive loop answers through the stop's drain)."""
+    await asyncio.shield(task)
 
 
 def install_signal_handlers(daemon: Daemon) -> None:

@@ -55,6 +55,10 @@ WRITE_CONCURRENCY = 4
 write speed through the daemon (a core waits while a batch is settled on the event loop);
 more batches than cores keep every core writing."""
 
+CANCEL_WAIT_S = 1.0
+"""At a stop, how long the write batches abandoned at its deadline get to end once
+cancelled (each only unwinds: its pages are unpinned)."""
+
 MAX_RETRIES = 3
 """Attempts after the first before a page is given up."""
 
@@ -169,7 +173,7 @@ class L3Writer:
         # (ns_id, key) -> its item: queued, retrying or being written
         self._queued: dict[tuple[int, bytes], _Item] = {}
         self._writing: dict[tuple[int, bytes], _Item] = {}  # write-back pages being written
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: dict[asyncio.Task[None], int] = {}  # batch being written -> its pages
         self._wake = asyncio.Event()
         self._urgent = False
         self._short_pool = False  # an allocation fell short of the pool's room
@@ -519,7 +523,7 @@ class L3Writer:
         ):
             batch = self._take_batch()
             task = asyncio.get_running_loop().create_task(self._write(batch))
-            self._tasks.add(task)
+            self._tasks[task] = len(batch)
             task.add_done_callback(self._batch_done)
 
     def _next_wakeup(self) -> float | None:
@@ -547,7 +551,7 @@ class L3Writer:
         return batch
 
     def _batch_done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
+        self._tasks.pop(task, None)
         if not task.cancelled() and task.exception() is not None:
             # its pages were failed already (_write); this is the bug's only trace
             log.error("an L3 write batch failed", exc_info=task.exception())
@@ -769,8 +773,14 @@ class L3Writer:
                 await asyncio.wait(waits, timeout=min(timeout, 0.1))
             elif self._retry:
                 await asyncio.sleep(min(timeout, self._next_wakeup() or 0.0))
-        left = len(self._queue) + len(self._retry)
-        if left:
-            log.warning("shutdown: %d pages were not written to L3 in time", left)
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=max(0.0, deadline - time.monotonic()))
+        left = len(self._queue) + len(self._retry) + sum(self._tasks.values())
+        if self._tasks:
+            # abandoned: cancelled (each unpins its pages) while the pool is still mapped;
+            # a batch in a backend's thread is waited for by the backend's close
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.wait(set(self._tasks), timeout=CANCEL_WAIT_S)
+        if left:
+            log.warning("shutdown: %d pages were not written to L3 in time", left)
