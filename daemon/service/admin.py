@@ -571,11 +571,21 @@ class Admin:
         if extra != self._extra_in_force:
             changed.add(EXTRA_CONFIG_FIELD)
         fixed = sorted(changed - LIVE_FIELDS)
+        overrides = self.ctx.tier.l3.overrides
+        shadowed = sorted(k for k in changed if k in overrides)
         if fixed:
             log.error(
                 "reload: %s cannot change while running (restart kvtierd to apply); "
                 "nothing was changed",
                 ", ".join(fixed),
+            )
+        elif shadowed:  # the change would be logged as applied and have no effect
+            log.error(
+                "reload: %s set in %s overrides %s; nothing was changed (change it there "
+                "and restart kvtierd, or remove it there to use the setting)",
+                ", ".join(f"{k} = {overrides[k]:g}" for k in shadowed),
+                EXTRA_CONFIG_FIELD,
+                ", ".join(shadowed),
             )
         else:
             self.ctx.cfg = new

@@ -87,6 +87,15 @@ def storage_settings(cfg: DaemonConfig, rdir: Path) -> tuple[dict[str, Any], dic
             if key == "prefetch_timeout_max" and value == 0:
                 raise ConfigError(f"{EXTRA_CONFIG_FIELD}: {key!r} = {value!r} must be > 0")
             overrides[key] = value
+            if key in cfg.model_fields_set and getattr(cfg, key) != value:
+                log.warning(
+                    "%s = %s set in %s overrides %s = %s",
+                    key,
+                    value,
+                    EXTRA_CONFIG_FIELD,
+                    key,
+                    getattr(cfg, key),
+                )
     if cfg.hicache_storage_backend == "file" and "path" not in extra:
         extra["path"] = str(state_dir(cfg.state_dir) / "l3")
         log.info("file L3 store in %s (the default under the state directory)", extra["path"])

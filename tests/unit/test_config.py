@@ -83,6 +83,20 @@ def test_unknown_env_variable_is_an_error():
         load_config(DaemonConfig, env={"KVTIER_HICACHE_SISE": "1"})
 
 
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"KVTIER_TENANTS": '{"a": {"token": "S3CRET-TOK"'},  # broken JSON
+        {"KVTIER_ADMIN_TOKENS": "S3CRET-TOK"},  # no such key
+        {"KVTIER_EXTRA_CONFIG": "redis://kv:S3CRET-TOK@h:6379"},  # no such key
+    ],
+)
+def test_an_environment_variable_refused_shows_no_secret(env):
+    with pytest.raises(ConfigError) as err:
+        load_config(DaemonConfig, env=env)
+    assert next(iter(env)) in str(err.value) and "S3CRET" not in str(err.value)
+
+
 def test_client_variables_are_not_daemon_errors():
     cfg = load_config(DaemonConfig, env={"KVTIER_REQUEST_TIMEOUT_S": "3"})
     assert cfg.lease_s == 30.0
