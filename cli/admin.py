@@ -59,12 +59,7 @@ __all__ = [
 ]
 
 # One line each, appended to a refusal: what the user can do about it.
-TOKEN_HINT = (
-    f"pass the daemon's admin token (with tenants and no admin token: your tenant's "
-    f"token, for your tenant's view) with --admin-token or ${ADMIN_TOKEN_ENV}; the "
-    "daemon takes it from its admin_token setting (kvtierd --admin-token, "
-    "KVTIER_ADMIN_TOKEN in its environment, or admin_token in its TOML file)"
-)
+TOKEN_HINT = f"a token goes in --admin-token or ${ADMIN_TOKEN_ENV}"
 START_HINT = (
     "start one with `kvtier serve` (or `make serve`), or point --runtime-dir / "
     "--endpoint at the one that runs"
@@ -274,6 +269,7 @@ def _cmd_sync(args: argparse.Namespace, endpoint: str, timeout_s: float) -> int:
     print(
         f"{rep.written} of {rep.pages} pages written to L3 in {took:.2f} s"
         f" ({rep.failed} not written, {rep.left} still pending)"
+        + (f"; {rep.l3_error}" if rep.l3_error else "")
     )
     return 0 if rep.failed == 0 and rep.left == 0 else 1
 

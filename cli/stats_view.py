@@ -291,6 +291,8 @@ def render_sessions(sessions: Sequence[Mapping[str, Any]]) -> Any:
     for name, justify in (
         ("id", "right"),
         ("tenant", "left"),
+        ("model", "left"),
+        ("namespace", "left"),
         ("pid", "right"),
         ("rank", "right"),
         ("state", "left"),
@@ -304,6 +306,8 @@ def render_sessions(sessions: Sequence[Mapping[str, Any]]) -> Any:
         t.add_row(
             _plain(s.get("session_id", "")),
             _plain(s.get("tenant", "")),
+            _plain(s.get("model_id", "")),
+            _plain(str(s.get("namespace", ""))[:12] + "…") if s.get("namespace") else "—",
             _plain(s.get("pid", "")),
             _plain(f"{s.get('tp_rank', 0)}/{s.get('tp_size', 1)}"),
             _plain(s.get("state", "")),

@@ -441,12 +441,14 @@ class SyncReply(_Rep, tag="sync_reply", kw_only=True):
     """What a SYNC waited for: ``pages`` (the L2 pages not in L3 when it arrived, queued
     then or before), of which ``written`` reached L3 (or were found there), ``failed`` were
     not written (given up after their retries, or gone from L2 before their turn), and
-    ``left`` were still pending at the deadline."""
+    ``left`` were still pending at the deadline; ``l3_error``: why L3 took none of them
+    (not open, or down), empty while it is healthy."""
 
     pages: int
     written: int
     failed: int
     left: int
+    l3_error: str = ""
 
 
 class PrefetchReply(_Rep, tag="prefetch_reply", kw_only=True):

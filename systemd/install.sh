@@ -151,8 +151,9 @@ if [[ -n $KVTIERD ]]; then
         done
     fi
     home_path=""
+    tmp_path=""
     for p in "$KVTIERD" "$interp"; do
-        case "$p" in /home/* | /root/*) home_path=$p ;; esac
+        case "$p" in /home/* | /root/*) home_path=$p ;; /tmp/* | /var/tmp/*) tmp_path=$p ;; esac
     done
     tmp=$(mktemp)
     trap 'rm -f -- "$tmp"' EXIT
@@ -166,10 +167,18 @@ if [[ -n $KVTIERD ]]; then
             echo "# read-only instead of hidden."
             echo "ProtectHome=read-only"
         fi
+        if [[ -n $tmp_path ]]; then
+            echo "# kvtierd or its interpreter ($tmp_path) lives in a temporary directory,"
+            echo "# which the unit's PrivateTmp=yes would hide: the host's /tmp instead."
+            echo "PrivateTmp=no"
+        fi
     } >"$tmp"
     install_file "$tmp" "$dropin" 0644
     if [[ -n $home_path ]]; then
         warn "user kvtier must be able to read and execute $home_path and its Python environment (check the home directory's mode)"
+    fi
+    if [[ -n $tmp_path ]]; then
+        warn "$tmp_path is in a temporary directory (cleaned at boot, PrivateTmp=no written for it): install kvtier somewhere lasting, such as /opt"
     fi
 elif [[ -f $dropin ]]; then
     echo "kept       $dropin (ExecStart from an earlier --kvtierd)"

@@ -49,12 +49,20 @@ from kvtier.ipc import protocol as P
 
 log = logging.getLogger("kvtier.daemon")
 
-ADMIN_TOKEN_HINT = (
-    "tenants are configured: a request without the admin token sees and flushes "
-    "only its own tenant's data (from a registered engine's connection, or "
-    "with that tenant's token); set admin_token on kvtierd for the whole view"
-)
-"""Appended to an UNAUTHORIZED refusal when tenants are configured and no scope was found."""
+
+def _unauthorized(has_admin: bool) -> str:
+    """An UNAUTHORIZED refusal's message when tenants are configured and the request
+    carried neither the admin token nor a tenant's: what would be accepted."""
+    if has_admin:
+        return (
+            "admin_token missing or wrong: pass the admin token for the whole view, or a "
+            "tenant's token for that tenant's"
+        )
+    return (
+        "no tenant token: pass a tenant's token for that tenant's view (admin_token is not "
+        "set on kvtierd: set it there for the whole view)"
+    )
+
 
 RELOAD_READ_S = 10.0
 """The longest a reload waits for the configuration to be read (a file on a stuck mount, a
@@ -172,10 +180,7 @@ class Admin:
             if has_admin
             else "tenants are configured, no admin_token is set, no tenant credential",
         )
-        raise RequestError(
-            P.ErrorCode.UNAUTHORIZED,
-            f"admin_token: {'missing or wrong' if has_admin else 'not set'}; {ADMIN_TOKEN_HINT}",
-        )
+        raise RequestError(P.ErrorCode.UNAUTHORIZED, _unauthorized(has_admin))
 
     def check_admin(self, token: str) -> None:
         """Check an operator request's admin token (anything passes when none is set).
@@ -258,6 +263,8 @@ class Admin:
             {
                 "session_id": s.session_id,
                 "tenant": s.tenant,
+                "model_id": s.model_id,
+                "namespace": s.ns_fingerprint.hex(),
                 "pid": s.pid,
                 "tp_rank": s.tp_rank,
                 "tp_size": s.tp_size,
@@ -455,7 +462,13 @@ class Admin:
         if not ctx.tier.available:  # not open: nothing can be written now; say how much waits
             unsaved = ctx.tier.writer.unsaved()
             return P.SyncReply(
-                req_id=m.req_id, epoch=ctx.epoch, pages=unsaved, written=0, failed=0, left=unsaved
+                req_id=m.req_id,
+                epoch=ctx.epoch,
+                pages=unsaved,
+                written=0,
+                failed=0,
+                left=unsaved,
+                l3_error=ctx.tier.l3.problem() or "",
             )
         return Deferred(self._sync_async(m))
 
@@ -473,6 +486,7 @@ class Admin:
             left,
             time.perf_counter() - start,
         )
+        l3 = self.ctx.tier.l3
         return P.SyncReply(
             req_id=m.req_id,
             epoch=self.ctx.epoch,
@@ -480,6 +494,7 @@ class Admin:
             written=written,
             failed=failed,
             left=left,
+            l3_error=l3.problem() or "",
         )
 
     # ------------------------------------------------------------------ RELOAD

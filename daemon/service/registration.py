@@ -287,6 +287,7 @@ class Registration:
             tp_rank=m.tp_rank,
             tp_size=m.tp_size,
             lease_s=cfg.lease_s,
+            model_id=m.namespace.model_id,
             cuda=cuda,
         )
         s.renew(time.monotonic())

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvtier.config.errors import KvtierError
+from kvtier.config.errors import ConfigError, KvtierError
 
 if TYPE_CHECKING:
     from typing import Self
@@ -50,6 +50,7 @@ __all__ = [
     "DaemonLock",
     "DaemonRunningError",
     "RuntimeDirError",
+    "RuntimeDirRefused",
     "SocketFile",
     "claim_runtime_dir",
     "last_pool_file",
@@ -85,6 +86,12 @@ class RuntimeDirError(KvtierError):
     """The runtime directory cannot be used (the message names the path and why)."""
 
 
+class RuntimeDirRefused(RuntimeDirError, ConfigError):
+    """The runtime directory is one kvtierd must not use (a symlink, not a directory,
+    another user's, writable by every user): a setting to change, which a restart cannot
+    fix (``kvtierd`` exits 2, as for a bad configuration)."""
+
+
 class DaemonRunningError(RuntimeDirError):
     """Another kvtierd holds the runtime directory's lock."""
 
@@ -110,8 +117,9 @@ def prepare_runtime_dir(rdir: str | Path, mode: int = RUNTIME_DIR_MODE) -> Path:
         ``rdir`` as a Path.
 
     Raises:
-        RuntimeDirError: it cannot be created, is a symlink or not a directory, is
-            writable by every user, or is owned by a uid other than this one and root.
+        RuntimeDirError: it cannot be created or reached.
+        RuntimeDirRefused: it is a symlink or not a directory, is writable by every
+            user, or is owned by a uid other than this one and root.
     """
     rdir = Path(rdir)
     try:
@@ -123,19 +131,19 @@ def prepare_runtime_dir(rdir: str | Path, mode: int = RUNTIME_DIR_MODE) -> Path:
     euid = os.geteuid()
     what = f"owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}"
     if stat.S_ISLNK(st.st_mode):
-        raise RuntimeDirError(
+        raise RuntimeDirRefused(
             f"the runtime directory {rdir} is a symlink; use the directory "
             "it points to, or remove the link"
         )
     if not stat.S_ISDIR(st.st_mode):
-        raise RuntimeDirError(f"the runtime directory {rdir} is not a directory")
+        raise RuntimeDirRefused(f"the runtime directory {rdir} is not a directory")
     if st.st_uid not in (euid, 0):
-        raise RuntimeDirError(
+        raise RuntimeDirRefused(
             f"the runtime directory {rdir} belongs to another user ({what}); "
             f"this daemon runs as uid {euid}: choose another runtime_dir"
         )
     if st.st_mode & stat.S_IWOTH:
-        raise RuntimeDirError(
+        raise RuntimeDirRefused(
             f"the runtime directory {rdir} is writable by every user ({what});"
             f" make it {RUNTIME_DIR_MODE:04o} or choose another runtime_dir"
         )

@@ -51,6 +51,7 @@ class Session:
         tenant / owner: the tenant it authenticated as and its pool owner id.
         ns_id / ns_fingerprint: its namespace (pool id, and the fingerprint that names
             its pages in L3).
+        model_id: the model it named at registration.
         geometry / class_id: page shape and host-pool page class.
         memory / completion: the engine's mapped KV memory and completion block.
         pid / uid: the engine process and its user, as the kernel reported them on the
@@ -82,6 +83,7 @@ class Session:
     tp_size: int
     lease_s: float
     uid: int = -1
+    model_id: str = ""
     deadline: float = 0.0
     state: SessionState = SessionState.OPEN
     transfers: dict[int, Transfer] = field(default_factory=dict)  # by completion slot

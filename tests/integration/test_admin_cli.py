@@ -143,8 +143,8 @@ def test_stats_watch_refreshes_a_bounded_number_of_times(daemon):
 def test_sessions_table_and_json(daemon):
     r = kvtier("sessions", "--runtime-dir", str(daemon.runtime_dir))
     assert r.returncode == 0 and one_line(r.stdout) == "no sessions"
-    pa, ca, _ = stored(daemon.runtime_dir, n=1, model="a")
-    pb, cb, _ = stored(daemon.runtime_dir, n=1, model="b", geometry=OTHER)
+    pa, ca, ka = stored(daemon.runtime_dir, n=1, model="a")
+    pb, cb, kb = stored(daemon.runtime_dir, n=1, model="b", geometry=OTHER)
     try:
         r = kvtier("sessions", "--runtime-dir", str(daemon.runtime_dir))
         assert r.returncode == 0, r.stderr
@@ -158,6 +158,12 @@ def test_sessions_table_and_json(daemon):
         assert sorted(s["session_id"] for s in sessions) == sorted([ca.session_id, cb.session_id])
         assert {s["tenant"] for s in sessions} == {"default"}
         assert {s["page_bytes"] for s in sessions} == {SMALL.page_bytes, OTHER.page_bytes}
+        # each session's model and namespace: what `kvtier flush --namespace HEX` takes
+        named = {s["model_id"]: s["namespace"] for s in sessions}
+        assert named == {"a": ca.ns_fingerprint.hex(), "b": cb.ns_fingerprint.hex()}
+        r = kvtier("flush", "--namespace", named["a"], "--runtime-dir", str(daemon.runtime_dir))
+        assert r.returncode == 0 and "flushed 1 L2 pages" in r.stdout, r.stdout + r.stderr
+        assert (ca.lookup(ka).l2, cb.lookup(kb).l2) == (0, 1)  # b's page stays
     finally:
         for c, p in ((ca, pa), (cb, pb)):
             c.close()

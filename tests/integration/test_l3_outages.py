@@ -132,8 +132,10 @@ def test_sync_while_l3_never_opened_does_not_report_l2_as_backed_up(daemon_facto
         with AdminClient(d.endpoint, timeout_s=10.0) as admin:
             rep = admin.sync(2.0)
         assert rep.failed + rep.left >= 5, rep
+        assert rep.l3_error.startswith("L3 backend redis not open: "), rep
         r = kvtier("sync", "--wait", "2", "--runtime-dir", str(d.runtime_dir))
         assert r.returncode == 1, r.stdout + r.stderr
+        assert "L3 backend redis not open" in r.stdout, r.stdout  # says why
     finally:
         conn.close()
         pool.close()
@@ -164,8 +166,10 @@ def test_sync_during_a_write_back_outage_does_not_report_l2_as_backed_up(
         with AdminClient(d.endpoint, timeout_s=20.0) as admin:
             rep = admin.sync(5.0)
         assert rep.failed + rep.left >= 1, rep
+        assert rep.l3_error.startswith("L3 backend redis down: "), rep
         r = kvtier("sync", "--wait", "5", "--runtime-dir", str(d.runtime_dir))
         assert r.returncode == 1, r.stdout + r.stderr
+        assert "L3 backend redis down" in r.stdout, r.stdout
     finally:
         redis_server.resume()
         conn.close()

@@ -262,3 +262,28 @@ def test_install_sh_unhides_home_when_the_venvs_python_lives_there(tmp_path: Pat
         "kvtierd's interpreter resolves to /home/alice/.pyenv/..., hidden by the unit's "
         f"ProtectHome=yes; drop-in:\n{text}\nstderr:\n{r.stderr}"
     )
+
+
+@pytest.mark.timeout(60)
+def test_install_sh_unhides_tmp_when_kvtierd_lives_there(tmp_path: Path) -> None:
+    """A checkout under /tmp (``install.sh --kvtierd /tmp/kvtier/.venv/bin/kvtierd``): the
+    unit's PrivateTmp=yes gives kvtierd a /tmp of its own, where its ExecStart is not found.
+    install.sh writes PrivateTmp=no into its drop-in for it, and warns that a temporary
+    directory is no place to install to."""
+    root = tmp_path / "root"
+    venv_bin = root / "tmp" / "kvtier" / ".venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    kvtierd = venv_bin / "kvtierd"
+    kvtierd.write_text("#!/usr/bin/python3\nraise SystemExit(0)\n")
+    kvtierd.chmod(0o755)
+    r = subprocess.run(
+        ["bash", str(INSTALL), "--root", str(root), "--kvtierd", "/tmp/kvtier/.venv/bin/kvtierd"],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr
+    text = (root / "etc/systemd/system/kvtier.service.d/10-kvtierd-path.conf").read_text()
+    assert "PrivateTmp=no" in text and "ProtectHome" not in text, text
+    assert "temporary directory" in r.stderr

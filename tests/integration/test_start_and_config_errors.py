@@ -166,6 +166,23 @@ def test_runtime_dir_too_long_for_a_socket_path_is_a_clear_error(short_tmp):
     assert "runtime_dir" in out, out[-1500:]
 
 
+@pytest.mark.parametrize("kind", ["world_writable", "symlink"])
+def test_a_runtime_dir_kvtierd_must_not_use_stops_the_start_with_status_2(short_tmp, kind):
+    """A runtime directory that every user may write, or a symlink, is a setting to change:
+    kvtierd exits 2 naming it, which the unit's RestartPreventExitStatus=2 does not retry
+    (a restart cannot fix it)."""
+    real = short_tmp / "real"
+    real.mkdir()
+    if kind == "world_writable":
+        real.chmod(0o1777)
+        rt = real
+    else:
+        rt = short_tmp / "link"
+        rt.symlink_to(real)
+    out = failed_start(rt)
+    assert str(rt) in out and ("writable by every user" in out or "symlink" in out), out[-1500:]
+
+
 # ---------------------------------------------------------------- pool_dir without room
 
 
