@@ -155,7 +155,7 @@ class Connection:
         self._hb_wake = threading.Event()  # stop, or abandoned slots to release
         self._hb: threading.Thread | None = None
         # (block, slot) of transfers given up on, whose RELEASE the heartbeat thread sends
-        self._to_release: list[tuple[CompletionBlock, int]] = []
+        self._to_release: list[tuple[CompletionBlock, int, int]] = []  # block, slot, seq
         self._release_lock = threading.Lock()
         self._finalizer = weakref.finalize(
             self, _leaked, self._channel.context, self.endpoint, self._hb_stop, self._hb_wake
@@ -536,6 +536,13 @@ class Connection:
         engine: P.EngineBlocks | None,
     ) -> TransferHandle:
         n_layers = self.geometry.num_layers
+        if self._block is None:  # never registered (register=False): first, or a miss
+            try:
+                self._check_usable()
+                self._reregister()
+            except (DaemonUnavailable, DaemonError, replies.UnexpectedReply) as err:
+                log.debug("%s treated as a miss: %s", kind.__name__, err)
+                return TransferHandle(None, None, -1, 0, 0, 0, n_layers)
         slot = self._slots.take(self._block)
         if slot is None:
             return TransferHandle(None, None, -1, 0, 0, 0, n_layers)
@@ -641,24 +648,39 @@ class Connection:
             return
         self._slots.abandon(h.slot, h.seq)
         with self._release_lock:
-            self._to_release.append((block, h.slot))
+            self._to_release.append((block, h.slot, h.seq))
         self._hb_wake.set()
 
     def _release_abandoned(self) -> None:
-        """Send the RELEASE of the transfers :meth:`_abandon` gave up on (those of the
-        current registration: after a re-registration there is nothing to cancel)."""
+        """Send the RELEASE of the transfers :meth:`_abandon` gave up on that still run:
+        those of the current registration (after a re-registration there is nothing to
+        cancel) whose slot still shows them running. One that ended meanwhile may have
+        given its slot to a new transfer, which a RELEASE of the slot would cancel; none
+        starts while the connection's lock is held, so the check made under it holds
+        until the daemon has the RELEASE."""
         with self._release_lock:
             pending, self._to_release = self._to_release, []
         if not pending:
             return
 
+        def running() -> list[int]:
+            out = []
+            for block, slot, seq in pending:
+                if block is not self._block:
+                    continue
+                try:
+                    s, _, status = block.read(slot)
+                except (TypeError, ValueError, AttributeError):  # closed: re-registered
+                    continue
+                if s == seq and status == TransferStatus.RUNNING:
+                    out.append(slot)
+            return out
+
         def make(sid: int) -> P.Request:  # after a re-registration, if one happens first
-            return P.Release(
-                req_id=0, session_id=sid, slots=[s for b, s in pending if b is self._block]
-            )
+            return P.Release(req_id=0, session_id=sid, slots=running())
 
         with self._lock:
-            if any(b is self._block for b, _ in pending):
+            if running():
                 self._session_call(make, P.Ack)
 
     def release(self, handles: Sequence[TransferHandle]) -> None:

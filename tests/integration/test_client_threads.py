@@ -1,0 +1,190 @@
+"""One Connection used by several threads at once, as engines use it.
+
+vLLM's scheduler and worker threads, SGLang's HiCache controller threads and kvtier's own
+heartbeat thread all use one :class:`~kvtier.client.connection.connection.Connection`
+(docs/protocol.md, "Failure semantics": "The reference client's ``Connection`` may be
+shared by threads"). Each test runs a real kvtierd (the ``daemon`` fixtures).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tests.engines import engine, fill_page, page_bytes, tokens
+
+LONG = 200
+"""Pages of a LOAD that runs on a copy thread for a while (3.2 MiB of SMALL pages)."""
+HELD = 60
+"""Completion slots (of 64) kept busy by LOADs in flight, so that few circulate."""
+WORKERS = 4
+ROUNDS = 300
+
+
+@pytest.mark.timeout(240)
+def test_release_of_an_abandoned_load_never_cancels_the_next_transfer_in_its_slot(daemon):
+    """Forward-pass threads give up on some LOADs (``wait_layer`` with a timeout of 0, as
+    under a tight latency budget), call ``until_ended()`` and recompute; their other LOADs
+    go on, while a scheduler thread looks up. Every LOAD whose wait did not time out must
+    succeed with its bytes (the daemon is healthy): the RELEASE that the heartbeat thread
+    sends for an abandoned transfer must cancel that transfer only, never a newer transfer
+    that took its completion slot once the abandoned one had ended."""
+    pool, conn = engine(daemon.runtime_dir, num_pages=(WORKERS + 1) * LONG + HELD)
+    held = []
+    try:
+        keys = conn.page_keys(tokens(LONG * 16 + 1, salt=7))[:LONG]
+        for i in range(LONG):
+            fill_page(pool, i, seed=1000 + i)
+        assert conn.store(keys, list(range(LONG))).wait()
+        want = [page_bytes(pool, p) for p in range(LONG)]
+        one = conn.page_keys(tokens(17, salt=8))[:1]
+        assert conn.store(one, [0]).wait()
+        # requests in flight hold most completion slots: an ended transfer's slot is
+        # reused at once by the next transfer
+        base = (WORKERS + 1) * LONG
+        held = [conn.load(one, [base + i]) for i in range(HELD)]
+        assert all(h.count == 1 for h in held)
+        stop = threading.Event()
+        errors: list[str] = []
+        abandoned = [0]
+
+        def scheduler() -> None:
+            for _ in range(1_000_000):
+                if stop.is_set():
+                    return
+                conn.lookup(keys)
+
+        def worker(w: int) -> None:
+            dst = list(range((w + 1) * LONG, (w + 2) * LONG))
+            for rnd in range(ROUNDS):
+                h = conn.load(keys, dst)
+                if h.count == 0:  # every slot busy: a miss, allowed
+                    continue
+                if rnd % 2 == 0 and not h.wait_layer(h.num_layers - 1, timeout=0):
+                    abandoned[0] += 1
+                    h.until_ended()
+                    continue
+                if not h.wait_loaded():
+                    seq, _, status = h.block.read(h.slot)
+                    errors.append(
+                        f"worker {w} round {rnd}: LOAD seq {h.seq} in slot {h.slot} failed "
+                        f"(slot shows seq {seq} status {status})"
+                    )
+                elif [page_bytes(pool, p) for p in dst] != want:
+                    errors.append(f"worker {w} round {rnd}: wrong bytes")
+
+        workers = [threading.Thread(target=worker, args=(w,)) for w in range(WORKERS)]
+        sched = threading.Thread(target=scheduler)
+        sched.start()
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join(180)
+        stop.set()
+        sched.join(30)
+        assert not any(t.is_alive() for t in [*workers, sched])
+        assert abandoned[0] > 0
+        assert errors == [], f"{len(errors)} LOADs failed: {errors[:4]}"
+    finally:
+        for h in held:
+            h.wait()
+        conn.close()
+        pool.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_connection_made_without_registering_registers_on_a_first_store(daemon):
+    """An engine makes its Connection with ``register=False`` (it may start before
+    kvtierd) and its first request is a STORE from its write-through thread.
+    docs/protocol.md: "A Connection made with register=False registers on its first
+    request instead": that STORE (or, at worst, the next ones) registers and stores; an
+    engine that only stores must not stay unregistered with every store dropped."""
+    from kvtier.client.connection.connection import Connection
+    from kvtier.client.kv_pool.shared import SharedKVPool
+
+    from tests.engines import SMALL, client_config
+
+    pool = SharedKVPool(SMALL, 16)
+    conn = Connection(pool, model_id="m", config=client_config(daemon.runtime_dir), register=False)
+    try:
+        counts = []
+        for rnd in range(5):
+            keys = [bytes([rnd + 1]) * 32]
+            fill_page(pool, rnd, seed=rnd)
+            h = conn.store(keys, [rnd])
+            counts.append((h.count, h.wait()))
+        assert conn.session_id != 0, f"never registered; stores answered {counts}"
+        assert counts[0] == (1, True), counts
+    finally:
+        conn.close()
+        pool.close()
+
+
+@pytest.mark.timeout(240)
+def test_threads_through_a_daemon_restart_never_raise_and_never_load_wrong_bytes(
+    daemon_factory,
+):
+    """Three engine threads store and load their own pages through one Connection while
+    kvtierd is killed and restarted on the same runtime directory (the heartbeat thread
+    re-registers meanwhile). No call raises into the engine ("Failure is never fatal"),
+    every LOAD that reports success holds exactly the bytes stored under its keys, and
+    once the new daemon is up the threads get hits again."""
+    d = daemon_factory()
+    pool, conn = engine(d.runtime_dir, num_pages=64)
+    errors: list[str] = []
+    hits_after = [0]
+    restarted = threading.Event()
+    stop = threading.Event()
+
+    def worker(t: int) -> None:
+        src, dst = list(range(16 * t, 16 * t + 4)), list(range(16 * t + 8, 16 * t + 12))
+        for rnd in range(400):
+            if stop.is_set():
+                return
+            try:
+                keys = conn.page_keys(tokens(65, salt=5000 + 1000 * t + rnd))[:4]
+                for i, p in enumerate(src):
+                    fill_page(pool, p, seed=100_000 * t + 10 * rnd + i)
+                want = [page_bytes(pool, p) for p in src]
+                st = conn.store(keys, src)
+                if not st.wait():
+                    st.until_ended()
+                    continue
+                h = conn.load(keys, dst)
+                if h.count == 0:
+                    continue
+                if not h.wait():
+                    h.until_ended()
+                    continue
+                got = [page_bytes(pool, p) for p in dst[: h.count]]
+                if got != want[: h.count]:
+                    errors.append(f"thread {t} round {rnd}: wrong bytes in a LOAD of {h.count}")
+                elif restarted.is_set():
+                    hits_after[0] += 1
+            except Exception as err:  # what escapes into the engine is the finding
+                errors.append(f"thread {t} round {rnd}: {err!r}")
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(3)]
+    try:
+        for th in threads:
+            th.start()
+        time.sleep(1.0)
+        d.kill()
+        d = daemon_factory()
+        restarted.set()
+        for _ in range(300):
+            if hits_after[0] >= 10 or not any(th.is_alive() for th in threads):
+                break
+            time.sleep(0.1)
+        stop.set()
+        for th in threads:
+            th.join(60)
+        assert not any(th.is_alive() for th in threads)
+        assert errors == [], errors[:5]
+        assert hits_after[0] > 0
+    finally:
+        stop.set()
+        conn.close()
+        pool.close()
