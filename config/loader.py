@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
 from kvtier.config.errors import ConfigError
-from kvtier.config.models import ClientConfig, DaemonConfig
-from kvtier.config.redact import redact_text, redact_value
+from kvtier.config.models import ClientConfig, DaemonConfig, shown
 from kvtier.config.sizes import format_size, parse_size
 from pydantic import BaseModel, ValidationError
 
@@ -143,9 +142,8 @@ def _from_env(model: type[BaseModel], env: Mapping[str, str]) -> dict[str, Any]:
             continue
         name = var[len(ENV_PREFIX) :].lower()
         if name not in known:
-            shown = redact_value(redact_text(raw), name)  # a misspelt key may hold a token
-            raise ConfigError(
-                f"unknown environment variable {var}={shown!r} (no such config key {name!r})"
+            raise ConfigError(  # its value unquoted: a misspelt key may hold a secret
+                f"unknown environment variable {var} (no such config key {name!r})"
             )
         if name not in model.model_fields:
             continue
@@ -158,8 +156,8 @@ def _parse_structured(model: type[BaseModel], name: str, raw: Any, source: str) 
         try:
             return json.loads(raw)
         except json.JSONDecodeError as err:
-            shown = redact_text(raw)  # tenants' tokens, an extra config's passwords
-            raise ConfigError(f"{name} = {shown!r} from {source}: not valid JSON ({err})") from err
+            # where, not what: the text may hold tokens or passwords anywhere
+            raise ConfigError(f"{name} from {source}: not valid JSON ({err})") from err
     return raw
 
 
@@ -193,9 +191,8 @@ def load_config(
     if file is not None:
         for key, val in _read_toml(Path(file)).items():
             if key not in model.model_fields:
-                raise ConfigError(
-                    f"unknown key {key!r} (value {_redact(key, val)!r}) in config file "
-                    f"{str(file)!r}"
+                raise ConfigError(  # its value unquoted: a misspelt key may hold a secret
+                    f"unknown key {key!r} in config file {str(file)!r}"
                 )
             values[key], sources[key] = val, f"config file {str(file)!r}"
     for key, val in _from_env(model, env).items():
@@ -204,10 +201,9 @@ def load_config(
         if val is None:
             continue
         if key not in model.model_fields:
-            shown = _redact(key, val)
             if cli_source is not None:
-                raise ConfigError(f"unknown key {key!r} (value {shown!r}) in {cli_source}")
-            raise ConfigError(f"unknown option --{key.replace('_', '-')} (value {shown!r})")
+                raise ConfigError(f"unknown key {key!r} in {cli_source}")
+            raise ConfigError(f"unknown option --{key.replace('_', '-')}")
         values[key] = _parse_structured(model, key, val, cli_source or "the command line")
         sources[key] = cli_source or f"flag --{key.replace('_', '-')}"
     try:
@@ -244,21 +240,8 @@ def _describe(err: ValidationError, values: Mapping[str, Any], sources: Mapping[
             value = values[top]
         src = sources.get(top, "defaults")
         msg = e["msg"].removeprefix("Value error, ")
-        lines.append(f"{loc} = {_redact(loc, value)!r} (from {src}): {msg}")
+        lines.append(f"{loc} = {shown(e['loc'], value, e['type'])!r} (from {src}): {msg}")
     return "invalid configuration: " + "; ".join(lines)
-
-
-def _redact(loc: str, value: Any) -> Any:
-    """``value`` with every secret hidden: a token (a ``*token*`` field, or one inside a
-    table) as ``<redacted>``, a URL's password and the value of any other key naming a
-    secret as ``***`` (:func:`~kvtier.config.redact.redact_value`)."""
-    if "token" in loc:
-        return "<redacted>"
-    if isinstance(value, dict):
-        return {k: _redact(f"{loc}.{k}", v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_redact(loc, v) for v in value]
-    return redact_value(value, loc.rsplit(".", 1)[-1])
 
 
 # Help for fields whose description (in models.py) does not say how to write the value or

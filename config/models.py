@@ -7,10 +7,11 @@ feed the same model (see :mod:`kvtier.config.loader`). Where a knob means what a
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from kvtier.config.redact import SECRET_WORDS, redact_value
 from kvtier.config.sizes import ByteSize
 from pydantic import (
     BaseModel,
@@ -54,25 +55,40 @@ class _Frozen(BaseModel):
             raise _without_secrets(err) from None
 
 
-def _redacted(value: Any, secret: bool = False) -> Any:
-    if secret:
+_TENANT_SHOWN = ("quota_pages", "max_sessions", "max_mapped_bytes")
+"""The fields of a tenant's table an error may quote (not its token, nor a misspelt one)."""
+
+
+def hides(loc: Sequence[str | int], kind: str = "") -> bool:
+    """Whether an error about the value at ``loc`` (pydantic's error type ``kind``) must
+    not quote it: a key naming a secret, a key no model has (a misspelt secret one, maybe),
+    or in the tenants' tables anything but a tenant's quotas (a tenant written as its bare
+    token, a misspelt ``token``)."""
+    parts = [str(p) for p in loc]
+    if kind == "extra_forbidden":
+        return True
+    if any(word in p.lower() for p in parts for word in SECRET_WORDS):
+        return True
+    return parts[:1] == ["tenants"] and (len(parts) < 3 or parts[2] not in _TENANT_SHOWN)
+
+
+def shown(loc: Sequence[str | int], value: Any, kind: str = "") -> Any:
+    """``value`` (found at ``loc``) as an error may quote it: ``<redacted>`` where
+    :func:`hides` says so, tables item by item, URLs without their password."""
+    if hides(loc, kind):
         return "<redacted>"
     if isinstance(value, Mapping):
-        return {k: _redacted(v, "token" in str(k)) for k, v in value.items()}
+        return {k: shown([*loc, str(k)], v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_redacted(v) for v in value]
-    return value
+        return [shown(loc, v) for v in value]
+    return redact_value(value)
 
 
 def _without_secrets(err: ValidationError) -> ValidationError:
-    """``err`` with the input of every error at a ``*token*`` field (or holding one) hidden."""
+    """``err`` with every input an error must not quote hidden (:func:`shown`)."""
     details: list[Any] = []
     for e in err.errors():
-        d = {
-            "type": e["type"],
-            "loc": e["loc"],
-            "input": _redacted(e["input"], any("token" in str(p) for p in e["loc"])),
-        }
+        d = {"type": e["type"], "loc": e["loc"], "input": shown(e["loc"], e["input"], e["type"])}
         if "ctx" in e:
             d["ctx"] = e["ctx"]
         details.append(d)

@@ -11,7 +11,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["redact_text", "redact_url", "redact_value"]
+__all__ = ["SECRET_WORDS", "redact_text", "redact_url", "redact_value"]
 
 
 def redact_url(url: str) -> str:
@@ -37,12 +37,13 @@ def redact_url(url: str) -> str:
     return f"{scheme}://{rest}{qmark}{query}"
 
 
-_SECRET_WORDS = ("password", "passwd", "secret", "token", "credential")
+SECRET_WORDS = ("password", "passwd", "secret", "token", "credential")
+"""A key holding one of these (any case) holds a secret."""
 
 _URL_PASSWORD = re.compile(r"(://[^:/@\s\"']*:)[^@\s\"']*@")
 _QUERY_PASSWORD = re.compile(r"([?&]password=)[^&\s\"']*", re.IGNORECASE)
 _SECRET_ITEM = re.compile(
-    r"(\"[^\"]*(?:" + "|".join(_SECRET_WORDS) + r")[^\"]*\"\s*[:=]\s*)(\"[^\"]*\"?|[^,}\s]*)",
+    r"(\"[^\"]*(?:" + "|".join(SECRET_WORDS) + r")[^\"]*\"\s*[:=]\s*)(\"[^\"]*\"?|[^,}\s]*)",
     re.IGNORECASE,
 )
 
@@ -59,7 +60,7 @@ def redact_value(value: Any, key: str = "") -> Any:
     """``value`` as an error or a log line may quote it: under a key naming a secret
     (``password``, ``token``, ...) ``***``; a string holding a URL without its password
     (:func:`redact_url`); mappings and lists item by item."""
-    if any(word in key.lower() for word in _SECRET_WORDS):
+    if any(word in key.lower() for word in SECRET_WORDS):
         return "***"
     if isinstance(value, str):
         return redact_url(value) if "://" in value or "@" in value else value

@@ -505,7 +505,8 @@ class CacheManager:
         seed = conn.ns_fingerprint
         if len(seed) == 32 and seed != self._seed:  # the new daemon names the namespace anew
             self._seed = seed
-            self._tree.rekey(seed, lambda prev, toks: page_keys(prev, toks, self._page_size))
+            new_of = self._tree.rekey(seed, lambda p, toks: page_keys(p, toks, self._page_size))
+            self._stores.rekey(new_of)
         return True
 
     def sync(self) -> None:

@@ -90,6 +90,15 @@ class StoreTracker:
         self._storing: set[bytes] = set()
         self._held: dict[int, Transfer] = {}  # pages of failed STOREs kvtierd may still read
 
+    def rekey(self, new_of: dict[bytes, bytes]) -> None:
+        """The tree's pages were named anew (:meth:`RadixTree.rekey`): the pages L2 lacks
+        are tracked under their new keys, those the tree no longer holds forgotten."""
+        self._unbacked = {
+            new_of[key]: _Unbacked(new_of.get(u.parent, u.parent) if u.parent else None, u.uses)
+            for key, u in self._unbacked.items()
+            if key in new_of
+        }
+
     @property
     def pending(self) -> int:
         """STOREs issued and not yet reaped."""

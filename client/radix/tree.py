@@ -329,7 +329,9 @@ class RadixTree:
         key: pages not on the device leave the tree). The number of flags changed."""
         return self.set_in_l2(list(self._by_key), False)
 
-    def rekey(self, seed: bytes, chain: Callable[[bytes, list[int]], list[bytes]]) -> None:
+    def rekey(
+        self, seed: bytes, chain: Callable[[bytes, list[int]], list[bytes]]
+    ) -> dict[bytes, bytes]:
         """Name every page by a new key chain: the namespace's fingerprint changed (the
         daemon restarted with another tenant for the engine's token, or another layout
         version), and the KV in the pages did not.
@@ -338,15 +340,21 @@ class RadixTree:
             seed: the new chain's seed (the namespace fingerprint).
             chain: ``chain(prev, tokens)``: the keys of the whole pages of ``tokens``
                 continuing from ``prev`` (:func:`kvtier.client.page_keys.page_keys`).
+
+        Returns:
+            Each page's new key by its old one.
         """
         by_key: dict[bytes, TreeNode] = {}
+        new_of: dict[bytes, bytes] = {}
         stack = [(child, seed) for child in self._root.children.values()]
         while stack:
             node, prev = stack.pop()
-            node.keys = chain(prev, node.tokens)
+            old, node.keys = node.keys, chain(prev, node.tokens)
+            new_of.update(zip(old, node.keys))
             by_key.update(zip(node.keys, repeat(node)))
             stack.extend((child, node.keys[-1]) for child in node.children.values())
         self._by_key = by_key
+        return new_of
 
     def check_invariants(self) -> None:
         """Check every structural invariant of the tree, whatever the interpreter flags.

@@ -48,7 +48,7 @@ NAMES_FILE = "kv-event-namespaces.log"
 NAMES_MAX_BYTES = 16 << 20
 """The name log's bound: past it, it is rewritten with the namespaces kept now."""
 
-_VERSION = 2
+_VERSION = 3
 _BYTES_PER_ENTRY = 160  # a generous bound on one saved (key, hash) pair, for the size check
 FP_BYTES = 32
 """A namespace fingerprint's length: a saved key is the fingerprint then the page key."""
@@ -67,8 +67,10 @@ class Saved(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     """The saved state (a MessagePack array).
 
     Attributes:
-        version: the format (2; a version 1 file has keys without fingerprints and no
-            models: its hashes are taken only when it names one namespace).
+        version: the format (3; a version 2 file has no ``left_l2``; a version 1 file
+            has keys without fingerprints and no models: its hashes are taken only when it
+            names one namespace). An older kvtierd refuses a newer file (logged) and
+            starts without the hashes.
         keys / hashes: namespace fingerprint ‖ page key -> the engine's hash, oldest first,
             as long as each other.
         block_sizes: namespace fingerprint -> the tokens per block its sessions named.
@@ -136,8 +138,8 @@ def load(path: Path, max_hashes: int) -> Loaded:
             + (1 << 20)
         )
         saved = msgspec.msgpack.decode(read_state_file(path, bound), type=Saved)
-        if saved.version not in (1, _VERSION):
-            raise ValueError(f"version {saved.version}, not {_VERSION}")
+        if saved.version not in (1, 2, _VERSION):
+            raise ValueError(f"version {saved.version}, not {_VERSION} or older")
         if len(saved.keys) != len(saved.hashes):
             raise ValueError(f"{len(saved.keys)} keys but {len(saved.hashes)} hashes")
     except FileNotFoundError:

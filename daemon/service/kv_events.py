@@ -238,24 +238,23 @@ class KvEventPublisher:
         for fp, ns_id in namespaces.items():
             if ns_id not in self._block_size and fp in self._fp_block_size:
                 self._block_size[ns_id] = self._fp_block_size[fp]
+        # what the restart lost first, at once: before any engine can store a page again
+        fpn = kv_event_state.FP_BYTES
+        saved: dict[bytes, list[tuple[bytes, E.BlockHash]]] = {}
+        for named, h in self._hashes.items():  # what the last stop named, by namespace
+            saved.setdefault(named[:fpn], []).append((named[fpn:], h))
+        for fp, gone in saved.items():
+            kept = namespaces.get(fp)
+            ready = {key for key, _ in held(kept)[0]} if kept is not None else set()
+            self._lost(fp, [(key, h) for key, h in gone if key not in ready])
         self._announcing = asyncio.get_running_loop().create_task(
-            self._announce_held(dict(namespaces), held), name="kvtier-events-announce"
+            self._announce_held(list(namespaces.values()), held), name="kvtier-events-announce"
         )
         return self._announcing
 
-    async def _announce_held(
-        self, namespaces: dict[bytes, int], held: Callable[[int], PagesHeld]
-    ) -> None:
-        fpn = kv_event_state.FP_BYTES
-        saved: dict[bytes, list[tuple[bytes, E.BlockHash]]] = {}
-        for named, h in list(self._hashes.items()):  # what the last stop named, by namespace
-            saved.setdefault(named[:fpn], []).append((named[fpn:], h))
-        for fp, ns_id in namespaces.items():
+    async def _announce_held(self, ns_ids: list[int], held: Callable[[int], PagesHeld]) -> None:
+        for ns_id in ns_ids:
             pages, leading = held(ns_id)
-            gone = saved.pop(fp, None)
-            if gone:
-                ready = {key for key, _ in pages}
-                self._lost(fp, [(key, h) for key, h in gone if key not in ready])
             budget = ANNOUNCE_PAGES
             for run, parent in kv_event_state.chain_runs(pages):
                 n = leading(run)
@@ -265,9 +264,6 @@ class KvEventPublisher:
                 if budget <= 0:
                     await asyncio.sleep(0)
                     budget = ANNOUNCE_PAGES
-            await asyncio.sleep(0)
-        for fp, gone in saved.items():  # namespaces the pool does not hold: all lost
-            self._lost(fp, gone)
             await asyncio.sleep(0)
 
     def _lost(self, fp: bytes, pages: list[tuple[bytes, E.BlockHash]]) -> None:

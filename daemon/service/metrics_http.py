@@ -101,7 +101,7 @@ class _MetricsRequestHandler(WSGIRequestHandler):
         deadline = time.monotonic() + REQUEST_TIMEOUT_S
         buf = bytearray()
         while b"\r\n\r\n" not in buf and b"\n\n" not in buf:
-            if len(buf) > MAX_REQUEST_BYTES:
+            if len(buf) >= MAX_REQUEST_BYTES:
                 sock.sendall(
                     b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
                     b"Content-Length: 0\r\nConnection: close\r\n\r\n"
@@ -112,7 +112,7 @@ class _MetricsRequestHandler(WSGIRequestHandler):
             if left <= 0:
                 raise TimeoutError
             sock.settimeout(min(left, self.timeout))
-            chunk = sock.recv(4096)
+            chunk = sock.recv(min(4096, MAX_REQUEST_BYTES - len(buf)))
             if not chunk:  # the client closed: what came is all there is
                 break
             buf += chunk

@@ -223,6 +223,8 @@ class Daemon:
             finally:
                 recv.cancel()
                 await asyncio.wait([recv])
+                if not recv.cancelled() and recv.exception() is not None:
+                    log.error("the receive loop failed", exc_info=recv.exception())
 
     async def _start(self, stack: contextlib.AsyncExitStack) -> Path:
         """Build the service off the loop, open it, then answer the held requests.

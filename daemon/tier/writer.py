@@ -775,12 +775,18 @@ class L3Writer:
                 await asyncio.sleep(min(timeout, self._next_wakeup() or 0.0))
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=max(0.0, deadline - time.monotonic()))
-        left = len(self._queue) + len(self._retry) + sum(self._tasks.values())
+        left = len(self._queue) + len(self._retry)
+        abandoned = sum(self._tasks.values())
         if self._tasks:
             # abandoned: cancelled (each unpins its pages) while the pool is still mapped;
             # a batch in a backend's thread is waited for by the backend's close
             for task in list(self._tasks):
                 task.cancel()
             await asyncio.wait(set(self._tasks), timeout=CANCEL_WAIT_S)
-        if left:
-            log.warning("shutdown: %d pages were not written to L3 in time", left)
+        if left or abandoned:
+            log.warning(
+                "shutdown: %d pages were not written to L3 in time, and %d more were in "
+                "writes given up at the deadline (some of those may have been written)",
+                left,
+                abandoned,
+            )

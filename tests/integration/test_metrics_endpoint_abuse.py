@@ -129,3 +129,21 @@ def test_huge_request_headers_do_not_blow_up_the_daemons_memory(daemon_factory):
     assert d.proc.poll() is None
     scrape(port)
     assert grown < 512, f"64 requests with large headers grew kvtierd's peak RSS by {grown} MiB"
+
+
+def test_a_request_head_past_the_bound_is_refused_431(daemon_factory):
+    """A request whose line and headers pass ``MAX_REQUEST_BYTES`` is answered 431 however
+    its bytes arrive (here: in one send, just past the bound); one within it is served."""
+    from kvtier.daemon.service.metrics_http import MAX_REQUEST_BYTES
+
+    port = free_port()
+    daemon_factory("--metrics-port", str(port))
+
+    def status(extra: int) -> bytes:
+        head = b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * extra + b"\r\n\r\n"
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(head)
+            return s.recv(64).split(b"\r\n", 1)[0]
+
+    assert status(MAX_REQUEST_BYTES - 200).endswith(b"200 OK")
+    assert status(MAX_REQUEST_BYTES + 100).endswith(b"431 Request Header Fields Too Large")

@@ -71,16 +71,37 @@ def test_defaults_and_frozen():
         cfg.hicache_size = 1  # type: ignore[misc]
 
 
-def test_unknown_key_in_file_names_key_and_value(tmp_path):
+def test_unknown_key_in_file_names_the_key_and_not_its_value(tmp_path):
+    """An unknown key may be a misspelt secret one (``admin-token``): named, its value not."""
     f = tmp_path / "k.toml"
-    f.write_text('hicache_sise = "2GiB"\n')
-    with pytest.raises(ConfigError, match=r"unknown key 'hicache_sise' \(value '2GiB'\)"):
+    f.write_text('hicache_sise = "2GiB"\nadmin-token = "S3CRET"\n')
+    with pytest.raises(ConfigError, match=r"unknown key 'hicache_sise' in config file") as err:
         load_config(DaemonConfig, file=f, env={})
+    assert "2GiB" not in str(err.value)
+    f.write_text('admin-token = "S3CRET"\n')
+    with pytest.raises(ConfigError, match=r"unknown key 'admin-token'") as err:
+        load_config(DaemonConfig, file=f, env={})
+    assert "S3CRET" not in str(err.value)
 
 
 def test_unknown_env_variable_is_an_error():
-    with pytest.raises(ConfigError, match=r"KVTIER_HICACHE_SISE='1'"):
+    with pytest.raises(ConfigError, match=r"unknown environment variable KVTIER_HICACHE_SISE "):
         load_config(DaemonConfig, env={"KVTIER_HICACHE_SISE": "1"})
+
+
+@pytest.mark.parametrize(
+    "cli",
+    [
+        {"tenants": '{"x": "S3CRET"}'},  # a tenant written as its bare token
+        {"tenants": '{"x": {"tokne": "S3CRET"}}'},  # a misspelt token key
+        {"tenants": "{'x': {'token': 'S3CRET'}}"},  # not JSON (Python's quotes)
+        {"tenants": '{"x": {"token": "S3CRET"tail"}}'},  # not JSON past the secret
+    ],
+)
+def test_a_tenants_table_written_wrong_shows_no_token(cli):
+    with pytest.raises(ConfigError, match="tenants") as err:
+        load_config(DaemonConfig, env={}, cli=cli)
+    assert "S3CRET" not in str(err.value) and "tail" not in str(err.value)
 
 
 @pytest.mark.parametrize(
@@ -121,7 +142,7 @@ def test_client_variables_are_not_daemon_errors():
         ),
         (
             {"cli": {"tenants": "{not json"}},
-            r"tenants = '\{not json' from the command line: not valid JSON",
+            r"tenants from the command line: not valid JSON \(Expecting",
         ),
         (
             {"cli": {"extent_size": "2GiB", "hicache_size": "1GiB"}},

@@ -76,7 +76,7 @@ def test_a_version_1_file_is_read_for_the_one_namespace_it_names(
     ("body", "problem"),
     [
         (b"\x00garbage", "Expected"),
-        (msgspec.msgpack.encode([3, [], [], {}]), "version 3"),
+        (msgspec.msgpack.encode([4, [], [], {}]), "version 4"),
         (msgspec.msgpack.encode([2, [k(1)], [], {}]), "1 keys but 0 hashes"),
         (msgspec.msgpack.encode([2, [b"x" * 65], [1], {}]), "length <= 64"),
         (msgspec.msgpack.encode([2, [], [], {b"short": 16}]), "length >= 32"),

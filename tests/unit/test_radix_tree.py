@@ -506,3 +506,28 @@ def test_rekey_names_every_page_by_the_new_chain_and_forgets_the_old_keys() -> N
     assert tree.set_in_l2(old, True) == 0  # the old keys name nothing now
     assert tree.set_in_l2(page_keys(seed, A, 4), True) == 3
     assert match(tree, A).in_l2 == [True] * 3
+
+
+def test_the_store_tracker_follows_a_rekey_and_forgets_pages_the_tree_dropped() -> None:
+    """After the tree's pages are named anew, the store tracker tracks the pages L2 lacks
+    under the new keys (their chain parents too) and drops entries of keys the tree no
+    longer holds: none is left under an old key, where nothing would ever remove it."""
+    from kvtier.client.cache.counters import CacheCounters
+    from kvtier.client.cache.store_tracker import StoreTracker
+    from kvtier.client.page_keys import page_keys
+
+    tree = RadixTree(4)
+    keys = chain(A, 4)
+    tree.insert(A, [1, 2, 3], keys)
+    tracker = StoreTracker(None, tree, CacheCounters(), store_threshold=2)
+    tracker.inserted(keys, [1, 2, 3], 0, [], 0)
+    tracker.inserted([b"gone" * 8], [9], 0, [], 0)  # a page the tree does not hold
+    new_of = tree.rekey(bytes(32), lambda prev, toks: page_keys(prev, toks, 4))
+    tracker.rekey(new_of)
+    new = page_keys(bytes(32), A, 4)
+    got = tracker._unbacked  # the tracker's own record of pages L2 lacks
+    assert list(got) == new and [u.parent for u in got.values()] == [None, new[0], new[1]]
+    assert all(u.uses == 1 for u in got.values())
+    for key in new:
+        tracker.forget(key)
+    assert not tracker._unbacked
