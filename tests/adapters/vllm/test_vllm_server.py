@@ -69,18 +69,17 @@ def free_port() -> int:
 
 
 class Server:
-    """The README's server on ``model``, its connector pointed at ``runtime_dir``."""
+    """The README's server on ``model``, run as written: its connector finds kvtierd where
+    engines look by default, here ``$KVTIER_RUNTIME_DIR`` set to ``runtime_dir``."""
 
     def __init__(self, model: Path, runtime_dir: Path, log: Path) -> None:
         env_add, argv = readme_server_command()
         assert argv[0] == "python", f"the README's command starts with {argv[0]!r}"
         argv = [sys.executable, *argv[1:]]
         argv[argv.index("MODEL")] = str(model)
-        i = argv.index("--kv-transfer-config") + 1
-        kv = json.loads(argv[i])
-        assert kv["kv_connector_extra_config"]["runtime_dir"] == "/run/kvtier"
-        kv["kv_connector_extra_config"]["runtime_dir"] = str(runtime_dir)
-        argv[i] = json.dumps(kv)
+        kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+        assert "runtime_dir" not in kv["kv_connector_extra_config"]  # the default's
+        env_add["KVTIER_RUNTIME_DIR"] = str(runtime_dir)
         self.port = free_port()
         self.model = str(model)
         self.log_path = log
