@@ -100,6 +100,10 @@ class StorageBackend(abc.ABC):
     def __init__(self, extra_config: dict[str, Any]) -> None:
         self.extra_config = dict(extra_config)
         self.stats = BackendStats()
+        self.delete_faults = 0
+        """:meth:`delete` calls that failed on the backend's side (each also counts in
+        ``stats.errors``): what a FLUSH reads to tell its own failed delete from a fault of
+        another batch running meanwhile."""
         self.on_drop: Callable[[], None] | None = None
         """Set by the owner; a store that learns of drops outside its batches (a server's
         notification) calls it from the event loop, and the owner then calls
@@ -136,7 +140,8 @@ class StorageBackend(abc.ABC):
 
     @abc.abstractmethod
     async def delete(self, ns: bytes, keys: Sequence[bytes]) -> int:
-        """Delete the keys; return how many were present."""
+        """Delete the keys; return how many were present. A fault adds one to
+        :attr:`delete_faults` (and to ``stats.errors``)."""
 
     async def list_keys(
         self, namespaces: AbstractSet[bytes] | None = None

@@ -435,15 +435,15 @@ class L3Backend:
             for i in range(0, len(keys), DELETE_BATCH)
         ]
         for ns, keys in batches:
-            before = backend.stats.errors
+            before, failed = backend.stats.errors, backend.delete_faults
             try:
                 deleted += await backend.delete(ns, keys)
             except self._faults as err:
                 self._fault("delete failed", err)
                 problem = f"deleting pages failed: {describe_fault(err)}"
                 break
-            if backend.stats.errors > before:
-                self._watch(backend, before)
+            self._watch(backend, before)
+            if backend.delete_faults > failed:
                 problem = "deleting pages failed (the backend's log says why)"
                 break
             for k in keys:
@@ -471,7 +471,7 @@ class L3Backend:
         self._watch(backend, before)
         if listed is not None:
             return listed, None
-        if self._lists or backend.stats.errors > before:
+        if self._lists:  # a store that lists answers None on a fault
             return [], "listing pages failed (the backend's log says why)"
         return [(ns, key) for ns, key in self._known if wanted is None or ns in wanted], None
 

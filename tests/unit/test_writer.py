@@ -202,3 +202,24 @@ async def test_a_write_back_scan_past_the_queue_counts_no_page_dropped(tmp_path:
             await asyncio.sleep(0.05)
         await until(lambda: rig.counters.l3_write_written_pages >= 4, "pages written back")
         assert rig.counters.l3_write_dropped_pages == 0
+
+
+async def test_a_fault_of_another_batch_during_a_flush_does_not_stop_it(tmp_path: Path) -> None:
+    """A FLUSH stops at a delete that failed, not at a fault another batch counted while
+    the delete ran (the read below stands for any such batch: its fault lands in the same
+    ``stats.errors``); the reply then tells every page deleted and no problem."""
+    async with open_rig(tmp_path) as rig:
+        pages = chain(8)
+        rig.store(pages)
+        await written_to_l3(rig, pages)
+        backend = rig.backend
+        real_delete = backend.delete
+
+        async def delete_while_a_read_fails(ns: bytes, keys: Sequence[bytes]) -> int:
+            backend.stats.errors += 1  # a read of another batch failed meanwhile
+            return await real_delete(ns, keys)
+
+        backend.delete = delete_while_a_read_fails  # type: ignore[method-assign]
+        deleted, problem = await rig.tier.l3.flush(None)
+        assert (deleted, problem) == (8, None)
+        assert backend.delete_faults == 0

@@ -482,7 +482,9 @@ class FileBackend(StorageBackend):
             victims = self._slots.detach(
                 [slot for key in keys if (slot := self._slots.index.get((ns, key)))]
             )
-        self._wipe(victims)
+        if self._wipe(victims):
+            with self._lock:
+                self.delete_faults += 1
         return len(victims)
 
     async def release_space(self) -> int:
@@ -507,12 +509,14 @@ class FileBackend(StorageBackend):
             self.stats.errors += errors
         return sum(slot.seg.payload_slot for slot in free)
 
-    def _wipe(self, slots: list[Slot]) -> None:
-        """Zero detached slots' headers, so they stay gone after a restart; then free them."""
+    def _wipe(self, slots: list[Slot]) -> int:
+        """Zero detached slots' headers, so they stay gone after a restart; then free them.
+        Returns the headers that could not be zeroed."""
         errors = wipe_headers(slots)
         with self._lock:
             self.stats.errors += errors
             self._slots.release(slots)
+        return errors
 
     # -- introspection ---------------------------------------------------------------------
     async def list_keys(

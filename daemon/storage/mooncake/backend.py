@@ -252,12 +252,16 @@ class MooncakeBackend(StorageBackend):
     async def delete(self, ns: bytes, keys: Sequence[bytes]) -> int:
         """Remove the pages (force: ignores read leases); return how many were removed."""
         self._check_open()
-        if not keys or not self._admit():
+        if not keys:
+            return 0
+        if not self._admit():
+            self.delete_faults += 1
             return 0
         names = self._names(ns, keys)
         codes: list[int] = await self._ask(self._store.batch_remove, names, True)
         fault = next((c for c in codes if c < 0 and c != OBJECT_NOT_FOUND), 0)
         if fault:
+            self.delete_faults += 1
             self._failed(fault)
         return sum(1 for code in codes if code == 0)
 

@@ -319,6 +319,7 @@ class RedisBackend(StorageBackend):
         if not replies or not isinstance(replies[0], int):
             if replies:
                 self._failed(replies[0])
+            self.delete_faults += 1
             return 0
         return int(replies[0])
 
