@@ -230,7 +230,8 @@ def _users_table(limits: Mapping[str, Any]) -> Any:
         return None
     bounds: Mapping[str, Any] = limits.get("bounds") or {}
     t = Table(title="Users (per-user bounds)", title_justify="left")
-    for name in ("uid", "sessions", "mapped", "mappings", "handover conns", "handovers waiting"):
+    columns = ("uid", "sessions", "mapped", "mappings", "connections", "handover conns")
+    for name in (*columns, "handovers waiting"):
         t.add_column(
             name,
             style="bold" if name == "uid" else None,
@@ -253,6 +254,7 @@ def _users_table(limits: Mapping[str, Any]) -> Any:
                 of(use, "sessions", "max_sessions_per_user"),
                 of(use, "mapped_bytes", "max_mapped_bytes_per_user", size=True),
                 of(use, "mapped_segments", "max_mapped_segments_per_user"),
+                of(use, "connections", "connections_per_user"),
                 of(use, "handover_connections", "max_handover_connections_per_user"),
                 of(use, "handovers_waiting", "max_handovers_waiting_per_user"),
             )

@@ -72,6 +72,7 @@ __all__ = [
     "populate",
     "read_owner_tag",
     "remove_pool_file_of",
+    "reserve_pool_file",
     "total_bytes",
     "write_owner_tag",
 ]
@@ -450,6 +451,30 @@ MADV_POPULATE_WRITE = 23
 """``madvise`` advice (Linux 5.14): fault the range in, writable, without touching it."""
 POPULATE_STEP = 64 << 20
 """Bytes :func:`populate` pre-faults per ``madvise`` call (it checks its stop flag between)."""
+
+
+def reserve_pool_file(seg: SharedMemorySegment) -> str | None:
+    """Give the holes of an adopted pool file memory (``posix_fallocate``), as a new file
+    gets it when created with ``prefault``: a file a daemon with ``prefault = false`` left
+    sparse would otherwise fault on the pages its file system cannot back.
+
+    Returns:
+        None when every page is backed; else why not (``pool_dir`` is short of space).
+    """
+    fd = seg.fd
+    if fd is None:
+        return None
+    st = os.fstat(fd)
+    if st.st_blocks * 512 >= st.st_size:  # no hole (the usual case: nothing to do)
+        return None
+    try:
+        os.posix_fallocate(fd, 0, st.st_size)
+    except OSError as err:
+        return (
+            f"{format_size(st.st_size - st.st_blocks * 512)} of the pool file could not be "
+            f"reserved: {err.strerror}"
+        )
+    return None
 
 
 def populate(seg: SharedMemorySegment, stopped: Callable[[], bool] | None = None) -> bool:

@@ -313,16 +313,28 @@ class Admin:
             )
         for uid, queued in ctx.prefaults.queued().items():
             users.setdefault(uid, {})["prefaults_queued"] = queued
+        for uid, conns in ctx.connections.use().items():  # uid -1: tcp peers
+            users.setdefault(uid, {})["connections"] = conns
+        total, per_user = ctx.connections.bounds()
+        refusals = ctx.connections.refusals
         return {
-            "bounds": ctx.quotas.limits(),
+            "bounds": {
+                **ctx.quotas.limits(),
+                "connections": total,
+                "connections_per_user": per_user,
+            },
             "users": {str(uid): use for uid, use in sorted(users.items())},
             "tenants": {t: dataclasses.asdict(u) for t, u in sorted(ctx.quotas.tenants.items())},
             "mapped_bytes": ctx.quotas.mapped_bytes,
             "unmap_pending_bytes": ctx.unmaps.pending_bytes,
             "unmaps": {"thread": ctx.unmaps.unmapped, "at_once": ctx.unmaps.inline},
-            "refusals": {  # a setting both refuse by (descriptors) counts both
-                k: ctx.handovers.refusals.get(k, 0) + ctx.quotas.refusals.get(k, 0)
-                for k in ctx.handovers.refusals.keys() | ctx.quotas.refusals.keys()
+            "refusals": {  # a setting several refuse by (descriptors) counts them all
+                k: ctx.handovers.refusals.get(k, 0)
+                + ctx.quotas.refusals.get(k, 0)
+                + refusals.get(k, 0)
+                for k in ctx.handovers.refusals.keys()
+                | ctx.quotas.refusals.keys()
+                | refusals.keys()
             },
             "shortages": ctx.strain.count,
         }

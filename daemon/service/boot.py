@@ -33,7 +33,7 @@ from kvtier.config import DaemonConfig
 from kvtier.daemon.counters import Counters
 from kvtier.daemon.pool.host_pool import HostPool
 from kvtier.daemon.pool.layout import map_pool_file
-from kvtier.daemon.pool.poolfile import populate, remove_pool_file_of
+from kvtier.daemon.pool.poolfile import populate, remove_pool_file_of, reserve_pool_file
 from kvtier.daemon.service.admin import Admin
 from kvtier.daemon.service.context import ServiceContext
 from kvtier.daemon.service.dispatch import Dispatcher
@@ -218,6 +218,15 @@ class Service:
         if self._created or not self.ctx.cfg.prefault:
             return
         t0 = time.perf_counter()
+        short = await asyncio.to_thread(reserve_pool_file, seg)
+        if short is not None:  # a file left sparse by a start with prefault = false
+            self.ctx.pool_unbacked = True
+            log.warning(
+                "pool_dir %s cannot back the whole adopted pool file (%s): storing into "
+                "its unbacked pages fails until space is freed there",
+                self.ctx.cfg.pool_dir,
+                short,
+            )
         work = asyncio.ensure_future(asyncio.to_thread(populate, seg, self._stop_prefault.is_set))
         try:
             done = await asyncio.shield(work)

@@ -22,6 +22,7 @@ from kvtier.daemon.service.cuda_sessions import CudaSessions
 from kvtier.daemon.service.handover import HandoverServer
 from kvtier.daemon.service.quotas import Quotas
 from kvtier.daemon.service.sessions import Session, SessionState, SessionTable
+from kvtier.daemon.service.connections import ConnectionGuard
 from kvtier.daemon.service.strain import Strain
 from kvtier.daemon.service.unmaps import Unmaps
 from kvtier.daemon.service.validation import RequestError
@@ -81,6 +82,7 @@ class ServiceContext:
         self.epoch = epoch
         self.sessions = SessionTable()
         self.strain = Strain()
+        self.connections = ConnectionGuard(self.strain)
         self.quotas = Quotas(lambda: self.cfg, unmapping=lambda: self.unmaps.pending_bytes)
         self.prefaults = PrefaultQueue(cfg.prefault_threads)
         self.handovers = HandoverServer(handover_path(rdir), lambda: self.cfg, self.strain)
@@ -92,6 +94,9 @@ class ServiceContext:
         self.adopt: AdoptResult | None = None
         self.started = time.monotonic()  # uptime: a wall clock set back or forth leaves it
         self.stopping = False
+        self.pool_unbacked = not cfg.prefault
+        """Whether pages of the pool file may lack memory behind them (``prefault`` off, or
+        an adopted file that ``pool_dir`` could not back in full)."""
 
     # ------------------------------------------------------------------ replies
     def error(self, req_id: int, code: P.ErrorCode, message: str) -> P.ErrorReply:

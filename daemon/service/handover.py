@@ -20,8 +20,9 @@ loop, non-blocking throughout, so a slow or hostile peer cannot stall it:
   wait per user and ``max_handovers_waiting`` in all, holding at most
   ``max_handover_descriptors_per_user`` descriptors per user and half the daemon's
   descriptor limit in all (past them: busy);
-- running out of descriptors or memory (``accept`` fails with ``EMFILE``, a completion
-  block cannot be made) refuses that connection only and is noted for HEALTH.
+- running out of descriptors or memory (``accept`` fails with ``EMFILE``, the kernel
+  cannot install the descriptors an engine sent, a completion block cannot be made)
+  answers that connection busy and is noted for HEALTH.
 
 A busy answer is status ``BUSY`` naming the setting; the client tries again until its
 deadline (:func:`kvtier.ipc.fdpass.hand_over`).
@@ -51,8 +52,9 @@ from kvtier.daemon.service.refusal_log import RefusalLog
 from kvtier.daemon.service.strain import Strain, descriptor_limit
 from kvtier.ipc import fdpass
 from kvtier.ipc.completion import CompletionBlock
-from kvtier.ipc.fdpass import PeerCred
+from kvtier.ipc.fdpass import REQUEST_BYTES, PeerCred
 from kvtier.ipc.limits import HANDOVER_TOKEN_BYTES, MAX_HANDOVER_FDS
+from kvtier.ipc.shm import SharedMemoryError
 
 log = logging.getLogger("kvtier.daemon")
 
@@ -396,6 +398,15 @@ class HandoverServer:
                 )
                 return
             try:
+                if truncated and len(fds) < MAX_HANDOVER_FDS and len(data) <= REQUEST_BYTES:
+                    # the kernel could not install the descriptors sent: this process is
+                    # at its limit (EMFILE), not the engine at fault
+                    self._strain.note("handover socket: no descriptor for an engine's memory")
+                    raise HandoverBusy(
+                        "descriptors",
+                        "the daemon is out of descriptors (RLIMIT_NOFILE): the engine's "
+                        "memory could not be received",
+                    )
                 if truncated:
                     raise HandoverRefused(
                         f"request too long or more than {MAX_HANDOVER_FDS} descriptors"
@@ -493,7 +504,7 @@ class HandoverServer:
             )
         try:
             block = CompletionBlock.create_memfd(COMPLETION_SLOTS)
-        except (OSError, MemoryError) as err:
+        except (OSError, MemoryError, SharedMemoryError) as err:
             self._strain.note(f"handover socket: no completion block: {err}")
             raise HandoverBusy(
                 "memory", f"the daemon is short of memory or descriptors: {err}"

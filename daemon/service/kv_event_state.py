@@ -175,7 +175,9 @@ class Named(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
 class NameLog:
     """The namespaces named since the last clean stop, in a file of records appended as
     they come: each a 4-byte big-endian length, then a :class:`Named` (MessagePack). A
-    crash may leave a torn last record: reading stops there. The file is untrusted input as
+    crash may leave a torn last record: reading stops there, and cuts the file back to the
+    records before it so that the next ones are read after them (a write that a full file
+    system takes in part is cut back at once). The file is untrusted input as
     the saved state is: bounded, each record decoded against the wire limits, the rest
     refused (logged) from the first bad record on.
 
@@ -211,7 +213,21 @@ class NameLog:
             out.pop(rec.fingerprint, None)  # re-inserted: the newest
             out[rec.fingerprint] = (rec.block_size, rec.model)
             at += 4 + n
+        if at < len(data):
+            self._cut(at)  # records appended from here on are read back
         return out
+
+    def _cut(self, size: int) -> None:
+        """Truncate the file to its first ``size`` bytes (a torn or refused tail)."""
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            try:
+                if stat.S_ISREG(os.fstat(fd).st_mode):
+                    os.ftruncate(fd, size)
+            finally:
+                os.close(fd)
+        except OSError as err:
+            log.warning("KV events: cannot cut %s back to %d bytes: %s", self.path, size, err)
 
     def append(
         self,
@@ -238,9 +254,13 @@ class NameLog:
             flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK
             fd = os.open(self.path, flags, 0o600)
             try:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO would block the loop
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):  # a FIFO would block the loop
                     raise OSError(errno.EINVAL, "not a regular file")
-                os.write(fd, len(body).to_bytes(4, "big") + body)
+                record = len(body).to_bytes(4, "big") + body
+                if os.write(fd, record) < len(record):  # a full file system: no torn record
+                    os.ftruncate(fd, st.st_size)  # is left for the next ones to follow
+                    raise OSError(errno.ENOSPC, "record written in part (cut back)")
             finally:
                 os.close(fd)
         except OSError as err:

@@ -25,8 +25,9 @@ import itertools
 import logging
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import zmq
 from kvtier.config import ConfigError, DaemonConfig
@@ -34,6 +35,9 @@ from kvtier.daemon.counters import Counters
 from kvtier.daemon.pauses import WATCH
 from kvtier.ipc import kv_events as E
 from kvtier.ipc.sockets import make_zmq_socket
+
+if TYPE_CHECKING:
+    from kvtier.daemon.service.connections import ConnectionGuard
 
 __all__ = [
     "MAX_ANSWERS",
@@ -121,6 +125,7 @@ class EventStream:
         self._under_way = 0
         self._pump: asyncio.Handle | None = None
         self._read_pending = False  # a read of the replay socket is scheduled
+        self._unwatch: list[Callable[[], None]] = []  # stop watching the connections
         try:
             self._pub = make_zmq_socket(
                 zctx,
@@ -158,9 +163,12 @@ class EventStream:
                 ) from err
             raise
 
-    def start(self) -> None:
-        """Begin reading subscriptions and answering replay requests (from the event loop)."""
+    def start(self, guard: ConnectionGuard | None = None) -> None:
+        """Begin reading subscriptions and answering replay requests (from the event loop);
+        ``guard`` counts and bounds the sockets' connections."""
         self._loop = asyncio.get_running_loop()
+        if guard is not None:
+            self._unwatch = [guard.watch(s) for s in (self._pub, self._replay) if s is not None]
         self._loop.add_reader(cast(int, self._pub.getsockopt(zmq.FD)), self._drop_subscriptions)
         self._drop_subscriptions()
         if self._replay is not None:
@@ -175,6 +183,9 @@ class EventStream:
             self._pump = None
         self._answers.clear()
         self._under_way = 0
+        for stop in self._unwatch:
+            stop()
+        self._unwatch = []
         if self._replay is not None:
             if self._loop is not None and not self._replay.closed:
                 self._loop.remove_reader(cast(int, self._replay.getsockopt(zmq.FD)))

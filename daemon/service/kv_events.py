@@ -51,6 +51,7 @@ PagesHeld = tuple[list[tuple[bytes, bytes | None]], Callable[[Sequence[bytes]], 
 
 if TYPE_CHECKING:
     from kvtier.daemon.pool.records import EvictedPage
+    from kvtier.daemon.service.connections import ConnectionGuard
     from kvtier.daemon.tier.tier import TierStore
     from kvtier.daemon.service.sessions import Session
     from kvtier.ipc.protocol import EngineBlocks, Store
@@ -153,10 +154,11 @@ class KvEventPublisher:
         self._stream = EventStream(cfg, counters, zctx)
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self) -> None:
-        """Begin answering replay requests (call from the event loop)."""
+    def start(self, guard: ConnectionGuard | None = None) -> None:
+        """Begin answering replay requests (call from the event loop); ``guard`` bounds
+        the sockets' connections (subscribers, replay requesters)."""
         self._loop = asyncio.get_running_loop()
-        self._stream.start()
+        self._stream.start(guard)
 
     def close(self) -> None:
         """Send what is pending, stop the replay reader, close the sockets, save the engine
@@ -597,11 +599,15 @@ class KvEventPublisher:
 
 
 def open_publisher(
-    cfg: DaemonConfig, counters: Counters, tier: TierStore, zctx: zmq.Context[Any]
+    cfg: DaemonConfig,
+    counters: Counters,
+    tier: TierStore,
+    zctx: zmq.Context[Any],
+    guard: ConnectionGuard | None = None,
 ) -> KvEventPublisher:
     """Bind the publisher's sockets, start its replay reader and hook it to the tier's
     evictions, prefetch commits and L3 writes (call from the event loop; close it with
-    :meth:`KvEventPublisher.close`).
+    :meth:`KvEventPublisher.close`). ``guard`` bounds the sockets' connections.
 
     Raises:
         ConfigError: an endpoint cannot be bound (in use, bad address), naming its setting.
@@ -610,7 +616,7 @@ def open_publisher(
         cfg, counters, zctx, tier.namespace_of, state_dir(cfg.state_dir) / kv_event_state.FILE_NAME
     )
     try:
-        pub.start()
+        pub.start(guard)
     except BaseException:
         pub.close()
         raise

@@ -16,7 +16,8 @@ asyncio socket would spend a future, several callbacks and a raised ``zmq.Again`
 request: a large share of the daemon's CPU time under a stream of small requests, and of a
 LOOKUP's round trip.
 
-The socket monitor (disconnects) is read the same way (:func:`watch_disconnects`).
+The socket monitor (connections accepted and closed) is read the same way
+(:meth:`~kvtier.daemon.service.connections.ConnectionGuard.watch`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
     from kvtier.daemon.service.dispatch import Dispatcher
     from kvtier.daemon.service.startgate import StartGate
 
-__all__ = ["MONITOR_BURST", "RECV_BURST", "Receiver", "queued", "watch_disconnects"]
+__all__ = ["RECV_BURST", "Receiver", "queued"]
 
 log = logging.getLogger("kvtier.daemon")
 
@@ -45,9 +46,6 @@ _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 RECV_BURST = 64
 """Requests read in a row from a non-empty queue before the event loop gets a turn (copy
 completions, handovers, the lease loop)."""
-MONITOR_BURST = 256
-"""Socket monitor events read in a row before the event loop gets a turn (a client that
-connects and disconnects in a loop makes them as fast as it can)."""
 
 
 class Receiver:
@@ -164,39 +162,6 @@ class Receiver:
         return identity, dispatcher.handle(
             identity, frame.buffer, lambda: zmq_peer(cast(str, frame.get("Peer-Address")))
         )
-
-
-async def watch_disconnects(sock: zmq.Socket[Any], on_disconnect: Callable[[], None]) -> None:
-    """Call ``on_disconnect`` after each wake-up that read ``DISCONNECTED`` events of
-    ``sock``'s monitor, until cancelled.
-
-    The monitor is read by a reader callback, as the control socket is: every pending event
-    is read without waiting (:data:`MONITOR_BURST` at a time, then the loop gets a turn). A
-    monitor read slowly lets its queue fill, and then libzmq blocks the socket's I/O thread
-    and stalls every engine (libzmq#3575).
-    """
-    loop = asyncio.get_running_loop()
-    mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-    fd = cast(int, mon.getsockopt(zmq.FD))
-
-    def read_events() -> None:
-        seen = 0
-        while seen < MONITOR_BURST and not mon.closed and queued(mon):
-            mon.recv_multipart(zmq.NOBLOCK)
-            seen += 1
-        if seen == MONITOR_BURST:
-            loop.call_soon(read_events)
-        if seen:
-            on_disconnect()
-
-    loop.add_reader(fd, read_events)
-    try:
-        read_events()  # those that came before the reader was registered
-        await loop.create_future()  # until cancelled
-    finally:
-        loop.remove_reader(fd)
-        sock.disable_monitor()
-        mon.close(linger=0)
 
 
 def queued(sock: zmq.Socket[Any]) -> bool:

@@ -55,7 +55,7 @@ import zmq
 from kvtier.config import ConfigError, DaemonConfig, format_size, runtime_dir, socket_path
 from kvtier.config.loader import pool_path
 from kvtier.daemon.pauses import WATCH
-from kvtier.daemon.service.receiver import Receiver, watch_disconnects
+from kvtier.daemon.service.receiver import Receiver
 from kvtier.daemon.service.runtime import SocketFile, claim_runtime_dir
 from kvtier.daemon.service.sdnotify import (
     STOP_SLACK_S,
@@ -250,7 +250,7 @@ class Daemon:
 
             assert self._zctx is not None, "run() makes it first"
             service.ctx.events = open_publisher(
-                self.cfg, service.ctx.counters, service.tier, self._zctx
+                self.cfg, service.ctx.counters, service.tier, self._zctx, service.ctx.connections
             )
             stack.callback(service.ctx.events.close)
         if self.cfg.metrics_port is not None:
@@ -405,7 +405,8 @@ class Daemon:
         ZeroMQ's monitor names the connection, not the routing identity, so a disconnect
         triggers a liveness check of every session's engine process, shortly after (the
         process may still be exiting), at most one scheduled at a time
-        (:func:`~kvtier.daemon.service.receiver.watch_disconnects`).
+        The same monitor counts the connections, and refuses those past the bounds
+        (:class:`~kvtier.daemon.service.connections.ConnectionGuard`).
         """
         assert self._sock is not None
         loop = asyncio.get_running_loop()
@@ -414,7 +415,11 @@ class Daemon:
             if self._reap_later is None:
                 self._reap_later = loop.call_later(REAP_DELAY_S, self._reap_after_disconnect)
 
-        await watch_disconnects(self._sock, disconnected)
+        stop = self.svc.ctx.connections.watch(self._sock, disconnected)
+        try:
+            await loop.create_future()  # until cancelled
+        finally:
+            stop()
 
     def _reap_after_disconnect(self) -> None:
         self._reap_later = None

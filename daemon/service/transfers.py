@@ -536,10 +536,10 @@ class Transfers:
 
     def _fault_cause(self) -> str:
         """Why a copy faulted on a page: the host pool's file system could not back it (a
-        pool not pre-faulted whose ``pool_dir`` filled up), else the engine's memory is
-        gone (only an unsealed memfd can shrink)."""
+        pool not pre-faulted, or adopted sparse, whose ``pool_dir`` filled up), else the
+        engine's memory is gone (only an unsealed memfd can shrink)."""
         cfg = self.ctx.cfg
-        if not cfg.prefault:
+        if self.ctx.pool_unbacked:
             try:
                 vfs = os.statvfs(cfg.pool_dir)
             except OSError:
@@ -547,7 +547,7 @@ class Transfers:
             if vfs is not None and vfs.f_bavail * vfs.f_frsize < cfg.extent_size:
                 return (
                     f"the host pool: pool_dir {str(cfg.pool_dir)!r} has no space left to back "
-                    "its pages (prefault is off)"
+                    "its pages (prefault is off, or the adopted pool file was sparse)"
                 )
         return "engine memory: a page of a region is gone (the engine shrank its memfd)"
 

@@ -605,3 +605,42 @@ def test_prefetch_coming_counts_the_pages_another_prefetch_brings(slow_daemon):
             c.close()
         for p in (pool, pool_b):
             p.close()
+
+
+@pytest.mark.timeout(90)
+def test_write_through_backs_l2_up_again_after_a_flush_of_l3(daemon_factory):
+    """Under ``write_through`` (the default) an operator runs ``kvtier flush --tier l3``
+    while L2 still holds a prompt's 100 pages: the write policy writes them to L3 again
+    (docs/architecture.md, "L3 flag": no page leaves L2 while in no tier), so after other
+    traffic evicts them from L2 a LOOKUP still finds all 100, in L2 or in L3."""
+    d = daemon_factory(
+        *l3_flags("file", prefetch_threshold="0"), "--hicache-size", "4MiB", "--extent-size", "1MiB"
+    )  # 128 slots of 32 KiB
+    pool, conn = engine(d.runtime_dir, num_pages=20)
+
+    def store_chain(salt: int, n: int = 100) -> list[bytes]:
+        keys = conn.page_keys(tokens(n * SMALL.page_size, salt=salt))
+        for s in range(0, n, 20):
+            for i in range(20):
+                fill_page(pool, i, seed=salt * 1000 + s + i)
+            h = conn.store(keys[s : s + 20], list(range(20)), parent_key=keys[s - 1] if s else None)
+            assert h.wait()
+        return keys
+
+    try:
+        a = store_chain(1)
+        wait_written(d, 100)
+        assert flush(d, "l3").l3_pages == 100
+        deadline = time.monotonic() + 5  # time for the write policy to back L2 up again
+        while counters(d)["l3_write_written_pages"] < 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        store_chain(2)  # other traffic: evicts most of A from the 128-slot pool
+        r = conn.lookup(a)
+        assert r.l2 + r.l3 == 100, (
+            f"after `flush --tier l3` and other traffic, A's 100 pages are l2={r.l2}, "
+            f"l3={r.l3}: {100 - r.l2 - r.l3} left L2 while in no tier "
+            f"(l3_write_written_pages = {counters(d)['l3_write_written_pages']})"
+        )
+    finally:
+        conn.close()
+        pool.close()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import urllib.request
@@ -56,6 +57,10 @@ if role != "flood":
     from kvtier.ipc import protocol as P
     from kvtier.ipc.shm import seal_size
     from tests.engines import SMALL, client_config, engine, fill_page, page_bytes, tokens
+if role == "leak":  # imported, and its descriptor limit raised, while still root
+    import resource
+    import zmq
+    resource.setrlimit(resource.RLIMIT_NOFILE, (4096, 4096))
 os.setgroups([GROUP])
 os.setgid(GROUP)
 os.setuid(uid)
@@ -101,6 +106,21 @@ if role == "flood":  # silent connections, reopened as fast as the daemon drops 
                 time.sleep(0.001)
                 break
     emit(opened=opened, again=again)
+
+elif role == "leak":  # ZeroMQ connections to the control socket, one at a time, held
+    ctx = zmq.Context()
+    socks = []
+    for _ in range(args["n"]):
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect("ipc://" + str(rdir / "kvtierd.sock"))
+        socks.append(s)
+        time.sleep(0.002)
+    emit(leaking=len(socks))
+    sys.stdin.readline()
+    for s in socks:
+        s.close(0)
+    ctx.term()
 
 elif role == "engines":  # honest engines, one after another, each timed (after "go")
     print(json.dumps({"ready": True}), flush=True)
@@ -372,3 +392,30 @@ def test_64_engines_of_one_user_starting_at_once_all_register(group_rdir, daemon
     finally:
         finish(burst)
     assert got == {"uid": BURST, "ok": 64, "errors": []}, got
+
+
+def test_a_user_leaking_control_connections_meets_its_share_and_keeps_no_one_out(
+    group_rdir, daemon_factory
+):
+    """A user's process opens ZeroMQ connections to the control socket and never closes
+    them (a client that makes a socket per request). Each holds one of kvtierd's
+    descriptors, and at its limit libzmq aborts the process, so past half the connections
+    bound (1/8 of the descriptor limit) each of that user's new connections is shut down:
+    the daemon lives, and another user's engines register and store."""
+    d = daemon_factory()
+    resource.prlimit(d.pid, resource.RLIMIT_NOFILE, (512, 512))
+    leak = spawn("leak", ATTACKER, d.runtime_dir, n=600)  # more than the limit
+    try:
+        assert line(leak) == {"uid": ATTACKER, "leaking": 600}
+        honest = spawn("engines", HONEST, d.runtime_dir, n=3, timeout_s=20.0)
+        got = go(honest)
+        assert finish(honest) is None
+        limits = stats(d)["limits"]
+        assert d.proc.poll() is None, d.log_tail()
+    finally:
+        finish(leak)
+    total, per_user = limits["bounds"]["connections"], limits["bounds"]["connections_per_user"]
+    assert (total, per_user) == (512 // 8, 512 // 16)
+    assert got["uid"] == HONEST and got["errors"] == [] and len(got["times"]) == 3, got
+    assert limits["refusals"]["connections_per_user"] >= 600 - per_user, limits["refusals"]
+    assert limits["users"][str(ATTACKER)]["connections"] < total, limits["users"]

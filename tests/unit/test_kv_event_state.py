@@ -128,6 +128,21 @@ def test_the_name_log_keeps_the_last_record_of_each_namespace(tmp_path: Path) ->
     assert not log.path.exists() and log.load() == {}
 
 
+def test_records_appended_after_a_torn_one_are_read_back(tmp_path: Path) -> None:
+    """A crash tore the log's last record; the next start reads the log (cutting the torn
+    tail off), names another namespace, crashes too: the new record is read back, not
+    lost behind the torn one."""
+    log = S.NameLog(tmp_path / S.NAMES_FILE)
+    a, b = b"a" * 32, b"b" * 32
+    log.append(a, 16, "m", dict)
+    with open(log.path, "ab") as f:
+        f.write((40).to_bytes(4, "big") + b"\x93")  # torn: its length promises more
+    restarted = S.NameLog(log.path)
+    assert restarted.load() == {a: (16, "m")}
+    restarted.append(b, 32, "other", dict)
+    assert S.NameLog(log.path).load() == {a: (16, "m"), b: (32, "other")}
+
+
 def test_a_bad_name_record_is_refused_with_all_after_it(tmp_path: Path, caplog) -> None:
     """A record that does not decode against the wire limits (a short fingerprint, a block
     size of 0) is logged, naming the file; it and the records after it are ignored."""

@@ -1,0 +1,271 @@
+"""kvtierd when the host runs out of something: space in pool_dir or state_dir, descriptors.
+
+Not repeated here (see test_constrained_hosts.py, test_host_memory_limits.py): a pool_dir too
+small at start, a new sparse pool whose pool_dir fills up, a full runtime dir, a full L3 file
+store, unsealed memfds' descriptors.
+
+Mounting tests mount their own small tmpfs (root only; skipped elsewhere) and unmount it at
+teardown; descriptor tests lower the running daemon's ``RLIMIT_NOFILE`` with ``prlimit``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import time
+
+import pytest
+import zmq
+from kvtier.bench.local_servers import free_ports
+from kvtier.client.connection.admin import AdminClient
+from kvtier.ipc import kv_events as E
+
+from tests.engines import SMALL, engine, fill_page, tokens
+from tests.integration.test_constrained_hosts import fill, tmpfs, wait_log
+from tests.integration.test_kv_events import event_flags, events, hashes, subscriber
+from tests.integration.test_l3_tier import wait_for
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _lower_fd_limit(pid: int, soft: int) -> int:
+    """Lower ``pid``'s soft RLIMIT_NOFILE to ``soft`` (its hard one stays); the old soft."""
+    old, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
+    return old
+
+
+def _restore_fd_limit(d, soft: int) -> None:
+    if d.proc is not None and d.proc.poll() is None:
+        with contextlib.suppress(OSError):
+            hard = resource.prlimit(d.pid, resource.RLIMIT_NOFILE)[1]
+            resource.prlimit(d.pid, resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def _died(d) -> str:
+    code = d.proc.poll()
+    return f"kvtierd exited with {code}:\n{d.log_tail(5)}"
+
+
+# ------------------------------------------------ pool_dir: an adopted pool that is sparse
+
+
+@needs_root
+@pytest.mark.timeout(90)
+def test_an_adopted_sparse_pool_on_a_full_pool_dir_is_not_blamed_on_the_engine(
+    daemon_factory, short_tmp
+):
+    """An operator ran kvtierd with ``prefault = false`` (the pool file is sparse), then
+    restarts it with the default ``prefault = true``: the new daemon adopts the file as it
+    is (no ``posix_fallocate``, and the ``MADV_POPULATE_WRITE`` of its mapping fails
+    silently once another process filled the shared /dev/shm). The next STORE into slots
+    the file system cannot back fails, and the log blames the engine ("engine memory: a
+    page of a region is gone (the engine shrank its memfd)") instead of naming pool_dir /
+    no space, as it does for a sparse pool the daemon created itself."""
+    shm = short_tmp / "shm"
+    with tmpfs(shm, "32m"):
+        flags = ("--pool-dir", str(shm), "--hicache-size", "16MiB")
+        a = daemon_factory(*flags, "--prefault", "false")
+        try:
+            pool, conn = engine(a.runtime_dir)
+            try:
+                fill_page(pool, 0, seed=1)
+                assert conn.store(conn.page_keys(tokens(SMALL.page_size, salt=1)), [0]).wait()
+            finally:
+                conn.close()
+                pool.close()
+            assert a.stop() == 0
+            fill(shm)  # another container / process writes to the same /dev/shm
+            b = daemon_factory(*flags)  # prefault = true: the default
+            try:
+                pool, conn = engine(b.runtime_dir, request_timeout_s=3.0, load_timeout_s=5.0)
+                try:
+                    keys = conn.page_keys(tokens(32 * SMALL.page_size, salt=3))
+                    stored = conn.store(keys, list(range(32))).wait()
+                finally:
+                    conn.close()
+                    pool.close()
+                assert b.proc.poll() is None, _died(b)
+                assert stored is False
+                text = wait_log(b, "failed")
+                failures = [ln for ln in text.splitlines() if "failed" in ln and "ERROR" in ln]
+                assert failures, text[-2000:]
+                for line in failures:
+                    assert "engine shrank" not in line and (
+                        "pool_dir" in line or "space" in line.lower()
+                    ), f"the failure names the wrong cause: {line}"
+            finally:
+                b.stop()
+        finally:
+            a.stop()
+            a.remove_pool(shm)
+
+
+# ------------------------------------------------ state_dir: the KV events' name log
+
+
+@needs_root
+@pytest.mark.timeout(120)
+def test_a_name_record_cut_short_by_a_full_state_dir_loses_no_later_namespace(
+    daemon_factory, short_tmp
+):
+    """The state directory fills up while engines register (a full /var/lib volume): the
+    record of one new namespace is appended to ``kv-event-namespaces.log`` only in part (a
+    short ``write``, which the daemon takes for a whole one). Space comes back, an engine
+    of model D registers and stores, and kvtierd crashes. The restarted daemon must
+    announce D's adopted pages on D's model topic (docs/events.md: a namespace's model id
+    "cannot wait for a clean stop"); instead the torn record in the middle of the log makes
+    the reader drop everything after it ("ignoring it from byte N on"), and a router
+    subscribed to D's topic never hears of D's pages."""
+    st = short_tmp / "state"
+    with tmpfs(st, "1m"):
+        flags = (*event_flags(short_tmp), "--state-dir", str(st))
+        d = daemon_factory(*flags)
+        try:
+
+            def register(model: str, store: bool = False) -> str | None:
+                pool, conn = engine(d.runtime_dir, model=model)
+                try:
+                    if store:
+                        keys = conn.page_keys(tokens(4 * SMALL.page_size, salt=7))
+                        assert conn.store(keys, [0, 1, 2, 3]).wait()
+                        return E.namespace_topic(model, conn.ns_fingerprint)
+                    return None
+                finally:
+                    conn.close()
+                    pool.close()
+
+            long_ids = [c * 1500 for c in "ABC"]  # ~1.5 KiB records: the third crosses 4 KiB
+            register(long_ids[0])
+            fill(st)
+            register(long_ids[1])
+            register(long_ids[2])  # cut short: the file system had part of a page left
+            (st / "filler").unlink()  # space comes back
+            model_d = "model-d"
+            topic = register(model_d, store=True)
+            d.kill()  # a crash: no clean stop saved the names
+            d = daemon_factory(*flags)
+            with (
+                subscriber(short_tmp) as every,
+                subscriber(short_tmp, topic=E.model_topic(model_d)) as model,
+            ):
+                announced = wait_for(
+                    lambda: every.replay(0) or None, what="the announcement of the adopted pages"
+                )
+                seen = {m.topic for m in announced}
+                got = model.replay(0)
+                assert {m.topic for m in got} == {topic}, (
+                    f"{model_d}'s pages announced on {seen}, not on {topic}"
+                )
+                assert len(hashes(events(got, E.BlockStored, "CPU"))) == 4
+        finally:
+            d.stop()
+            d.remove_pool()
+
+
+# ------------------------------------------------ descriptors
+
+
+@pytest.mark.timeout(90)
+def test_a_handover_cut_short_by_the_daemons_descriptor_limit_is_busy_not_bad_memory(
+    daemon_factory,
+):
+    """kvtierd at its descriptor limit (``LimitNOFILE``, a container's ``ulimit -n``) while
+    engines register: the kernel cannot install an engine's memfd on the handover socket
+    (``MSG_CTRUNC``), or the completion block cannot be made. The engine is refused as busy
+    (or its connection is shut down), never ``BAD_MEMORY`` as if its memory were bad (which
+    it would not retry), and HEALTH says ``degraded`` (README: running out of descriptors
+    refuses the one request)."""
+    d = daemon_factory()
+    old = _lower_fd_limit(d.pid, _fds(d.pid) + 24)
+    engines, refusal = [], None
+    try:
+        for i in range(40):
+            try:
+                engines.append(engine(d.runtime_dir, model=f"m{i}", request_timeout_s=2.0))
+            except Exception as err:
+                refusal = err
+                break
+        assert d.proc.poll() is None, _died(d)
+        assert refusal is not None, "40 engines registered under a limit of about 50 descriptors"
+        assert "more than 64 descriptors" not in str(refusal) and "BAD_MEMORY" not in str(
+            refusal
+        ), f"an engine is blamed for the daemon's descriptor shortage: {refusal}"
+    finally:
+        for pool, conn in engines:
+            conn.close()
+            pool.close()
+    try:  # asked once the engines are gone (the shortage is reported for a minute after)
+        with AdminClient(d.endpoint, timeout_s=5.0) as admin:
+            status = admin.health().status
+        assert status.startswith("degraded"), f"HEALTH {status!r} after the descriptor limit"
+    finally:
+        _restore_fd_limit(d, old)
+
+
+def _limits(d) -> dict:
+    with AdminClient(d.endpoint, timeout_s=5.0) as admin:
+        return admin.stats()["limits"]
+
+
+@pytest.mark.timeout(90)
+def test_kv_event_subscribers_past_their_share_are_shut_down_and_engines_still_connect(
+    daemon_factory,
+):
+    """KV events on TCP and routers' subscribers connecting without end (a subscriber that
+    leaks sockets): each connection holds one of kvtierd's descriptors, and at its limit
+    libzmq aborts the process. The peers of a ``tcp://`` endpoint count as one user: past
+    half the connections bound (1/8 of the descriptor limit) each new one is shut down, the
+    daemon lives, and an engine still registers and stores."""
+    pub, rep = free_ports(2)
+    d = daemon_factory(
+        "--kv-events-endpoint", f"tcp://127.0.0.1:{pub}",
+        "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{rep}",
+    )  # fmt: skip
+    hard = resource.prlimit(d.pid, resource.RLIMIT_NOFILE)[1]
+    resource.prlimit(d.pid, resource.RLIMIT_NOFILE, (512, min(hard, 512)))
+    total, per_user = (
+        _limits(d)["bounds"]["connections"],
+        _limits(d)["bounds"]["connections_per_user"],
+    )
+    assert (total, per_user) == (512 // 8, 512 // 16)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # ours: 600 sockets' descriptors
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+    ctx = zmq.Context()
+    socks = []
+    try:
+        for _ in range(600):  # a leak past the limit: one at a time, never closed
+            s = ctx.socket(zmq.SUB)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SUBSCRIBE, b"")
+            s.connect(f"tcp://127.0.0.1:{pub}")
+            socks.append(s)
+            time.sleep(0.002)
+        wait_for(
+            lambda: _limits(d)["refusals"].get("connections_per_user", 0) >= per_user,
+            timeout=10.0,
+            what="the subscribers past the share shut down",
+        )
+        assert d.proc.poll() is None, _died(d)
+        pool, conn = engine(d.runtime_dir, request_timeout_s=5.0)
+        try:
+            keys = conn.page_keys(tokens(2 * SMALL.page_size, salt=5))
+            fill_page(pool, 0, seed=1)
+            fill_page(pool, 1, seed=2)
+            assert conn.store(keys, [0, 1]).wait()
+            assert conn.lookup(keys).l2 == 2
+        finally:
+            conn.close()
+            pool.close()
+        limits = _limits(d)
+        assert limits["users"]["-1"]["connections"] < total, limits["users"]
+    finally:
+        for s in socks:
+            s.close(0)
+        ctx.term()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
