@@ -546,6 +546,7 @@ def _session_families(sessions: object) -> Iterator[Metric]:
 
 
 _USE_KEYS = (
+    "connections",
     "handover_connections",
     "handovers_waiting",
     "sessions",
@@ -584,7 +585,7 @@ def _limit_families(limits: Mapping[str, Any]) -> Iterator[Metric]:
         yield fam
     use = GaugeMetricFamily(
         "kvtier_user_use",
-        "What each user id holds now, by resource: "
+        "What each user id holds now, by resource: connections (ZeroMQ; uid -1: tcp peers), "
         "handover_connections, handovers_waiting, sessions, mapped_bytes, "
         "mapped_segments, prefaults_queued.",
         labels=["uid", "resource"],

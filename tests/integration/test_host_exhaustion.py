@@ -61,12 +61,11 @@ def test_an_adopted_sparse_pool_on_a_full_pool_dir_is_not_blamed_on_the_engine(
     daemon_factory, short_tmp
 ):
     """An operator ran kvtierd with ``prefault = false`` (the pool file is sparse), then
-    restarts it with the default ``prefault = true``: the new daemon adopts the file as it
-    is (no ``posix_fallocate``, and the ``MADV_POPULATE_WRITE`` of its mapping fails
-    silently once another process filled the shared /dev/shm). The next STORE into slots
-    the file system cannot back fails, and the log blames the engine ("engine memory: a
-    page of a region is gone (the engine shrank its memfd)") instead of naming pool_dir /
-    no space, as it does for a sparse pool the daemon created itself."""
+    restarts it with the default ``prefault = true`` after another process filled the
+    shared /dev/shm: the new daemon cannot reserve the adopted file's holes, says so, and a
+    STORE into slots the file system cannot back fails naming pool_dir / no space (as for a
+    sparse pool the daemon created itself), never blaming the engine's memory ("the engine
+    shrank its memfd")."""
     shm = short_tmp / "shm"
     with tmpfs(shm, "32m"):
         flags = ("--pool-dir", str(shm), "--hicache-size", "16MiB")
@@ -115,13 +114,11 @@ def test_a_name_record_cut_short_by_a_full_state_dir_loses_no_later_namespace(
     daemon_factory, short_tmp
 ):
     """The state directory fills up while engines register (a full /var/lib volume): the
-    record of one new namespace is appended to ``kv-event-namespaces.log`` only in part (a
-    short ``write``, which the daemon takes for a whole one). Space comes back, an engine
-    of model D registers and stores, and kvtierd crashes. The restarted daemon must
-    announce D's adopted pages on D's model topic (docs/events.md: a namespace's model id
-    "cannot wait for a clean stop"); instead the torn record in the middle of the log makes
-    the reader drop everything after it ("ignoring it from byte N on"), and a router
-    subscribed to D's topic never hears of D's pages."""
+    record of one new namespace fits ``kv-event-namespaces.log`` only in part (a short
+    ``write``, cut back). Space comes back, an engine of model D registers and stores, and
+    kvtierd crashes. The restarted daemon announces D's adopted pages on D's model topic
+    (docs/events.md: a namespace's model id does not wait for a clean stop): no torn record
+    in the middle of the log hides the records after it."""
     st = short_tmp / "state"
     with tmpfs(st, "1m"):
         flags = (*event_flags(short_tmp), "--state-dir", str(st))
