@@ -453,13 +453,31 @@ POPULATE_STEP = 64 << 20
 """Bytes :func:`populate` pre-faults per ``madvise`` call (it checks its stop flag between)."""
 
 
-def reserve_pool_file(seg: SharedMemorySegment) -> str | None:
-    """Give the holes of an adopted pool file memory (``posix_fallocate``), as a new file
-    gets it when created with ``prefault``: a file a daemon with ``prefault = false`` left
-    sparse would otherwise fault on the pages its file system cannot back.
+RESERVE_STEP = 1 << 30
+"""Bytes one ``fallocate`` of :func:`reserve_pool_file` reserves (a stop is asked between)."""
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_fallocate = getattr(_libc, "fallocate", None)
+if _fallocate is not None:
+    _fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+    _fallocate.restype = ctypes.c_int
+
+
+def reserve_pool_file(
+    seg: SharedMemorySegment, stopped: Callable[[], bool] | None = None
+) -> str | None:
+    """Give the holes of an adopted pool file memory, as a new file gets it when created
+    with ``prefault``: a file a daemon with ``prefault = false`` left sparse would
+    otherwise fault on the pages its file system cannot back.
+
+    ``fallocate(2)`` itself, :data:`RESERVE_STEP` bytes at a time (``stopped`` asked
+    before each), never glibc's ``posix_fallocate`` fallback, which writes a byte per
+    block where the file system cannot reserve and would race the daemon's copies into the
+    pool. Runs without the GIL (ctypes releases it).
 
     Returns:
-        None when every page is backed; else why not (``pool_dir`` is short of space).
+        None when every page is backed (or the reservation was stopped); else why not
+        (``pool_dir`` is short of space, or its file system cannot reserve).
     """
     fd = seg.fd
     if fd is None:
@@ -467,13 +485,17 @@ def reserve_pool_file(seg: SharedMemorySegment) -> str | None:
     st = os.fstat(fd)
     if st.st_blocks * 512 >= st.st_size:  # no hole (the usual case: nothing to do)
         return None
-    try:
-        os.posix_fallocate(fd, 0, st.st_size)
-    except OSError as err:
-        return (
-            f"{format_size(st.st_size - st.st_blocks * 512)} of the pool file could not be "
-            f"reserved: {err.strerror}"
-        )
+    if _fallocate is None:
+        return "the C library has no fallocate"
+    for at in range(0, st.st_size, RESERVE_STEP):
+        if stopped is not None and stopped():
+            return None
+        if _fallocate(fd, 0, at, min(RESERVE_STEP, st.st_size - at)) != 0:
+            err = ctypes.get_errno()
+            return (
+                f"{format_size(st.st_size - os.fstat(fd).st_blocks * 512)} of the pool file "
+                f"could not be reserved: {os.strerror(err)}"
+            )
     return None
 
 

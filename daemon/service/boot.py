@@ -211,29 +211,37 @@ class Service:
         stack.callback(self.ctx.handovers.close)
 
     async def prefault(self) -> None:
-        """Build the page tables of an adopted pool's mapping on a thread (with
-        ``prefault``; a new file was pre-faulted when it was created). Cancelling it stops
-        the thread at its next 64 MiB step and waits for it, so the mapping outlives it."""
+        """Reserve the holes of an adopted pool file (one a start with ``prefault = false``
+        left sparse), then build the page tables of its mapping, on a thread (with
+        ``prefault``; a new file was reserved and pre-faulted when it was created).
+        Cancelling it stops the thread at its next step (1 GiB reserved, 64 MiB mapped)
+        and waits for it, so the mapping outlives it."""
         seg = self.seg
         if self._created or not self.ctx.cfg.prefault:
             return
         t0 = time.perf_counter()
-        short = await asyncio.to_thread(reserve_pool_file, seg)
-        if short is not None:  # a file left sparse by a start with prefault = false
-            self.ctx.pool_unbacked = True
+        stopped = self._stop_prefault.is_set
+
+        def reserve_and_populate() -> tuple[str | None, bool]:
+            short = reserve_pool_file(seg, stopped)
+            if short is not None:  # before the copies that fault are explained
+                self.ctx.pool_unbacked = True
+            return short, populate(seg, stopped)
+
+        work = asyncio.ensure_future(asyncio.to_thread(reserve_and_populate))
+        try:
+            short, done = await asyncio.shield(work)
+        except asyncio.CancelledError:
+            self._stop_prefault.set()
+            await asyncio.wait([work])
+            raise
+        if short is not None:
             log.warning(
                 "pool_dir %s cannot back the whole adopted pool file (%s): storing into "
                 "its unbacked pages fails until space is freed there",
                 self.ctx.cfg.pool_dir,
                 short,
             )
-        work = asyncio.ensure_future(asyncio.to_thread(populate, seg, self._stop_prefault.is_set))
-        try:
-            done = await asyncio.shield(work)
-        except asyncio.CancelledError:
-            self._stop_prefault.set()
-            await asyncio.wait([work])
-            raise
         log.debug(
             "pool mapping pre-faulted %s in %.3fs",
             "whole" if done else "in part",

@@ -12,23 +12,27 @@ connections well below the limit:
   reader callback as the control socket is; the peer's uid comes from the accepted socket
   (``SO_PEERCRED``; the peers of a ``tcp://`` endpoint count as one user, :data:`TCP_PEERS`);
 - a connection is shut down at once (``shutdown(2)``: ZeroMQ then closes it itself) when
-  its user already holds :data:`USER_SHARE` of the bound, when the daemon holds the bound
-  in all (:data:`TOTAL_SHARE` of its descriptor limit), or when fewer than :data:`RESERVE`
-  descriptors are free; a client's ZeroMQ socket tries again after its reconnect interval
-  and is refused again while its user holds as many;
+  its user then holds more than 1/:data:`USER_SHARE` of the bound, when the daemon holds
+  more than the bound in all (1/:data:`TOTAL_SHARE` of its descriptor limit, at least
+  :data:`MIN_BOUND`), or when fewer than :data:`RESERVE` descriptors are free; a client's
+  ZeroMQ socket tries again after its reconnect interval and is refused again while its
+  user holds as many;
 - each refusal is counted (``limits.refusals``: ``connections_per_user``, ``connections``,
-  ``descriptors``) and noted for HEALTH, which answers ``degraded`` for a minute after.
+  ``descriptors``) and logged at most once a minute per user; a shortage of descriptors is
+  also noted for HEALTH (``degraded`` for a minute after), one user's bound is not.
 
-A connection is shut down only when the accepted descriptor still is a socket of the same
-listening address whose peer is of the refused user (a descriptor closed and reused before
-its event was read is left alone). What is not bounded: a flood of connections faster than
-the event loop reads the monitor is accepted before it is counted; the descriptors kept
-free are what it may take meanwhile.
+The socket is checked and shut down through a duplicate of the accepted descriptor, and
+only when it is a connection of the same listening address (ZeroMQ may have closed the
+number meanwhile, and the process reused it). What is not bounded: a flood of connections
+faster than the event loop reads the monitor is accepted before it is counted; the
+descriptors kept free are what it may take meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import logging
 import os
 import socket
@@ -39,7 +43,8 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import zmq
-from kvtier.daemon.service.strain import Strain, descriptor_limit
+from kvtier.daemon.service.refusal_log import RefusalLog
+from kvtier.daemon.service.strain import descriptor_limit
 
 __all__ = [
     "MIN_BOUND",
@@ -90,7 +95,8 @@ class ConnectionGuard:
     the module docstring).
 
     Args:
-        strain: where a refusal is noted for HEALTH.
+        note: where a shortage of descriptors is noted (for HEALTH); a refusal by a bound
+            is logged instead, at most once a minute per user.
         limit: the descriptor limit now (read at each connection: an operator may change
             it while the daemon runs).
         open_descriptors: the descriptors open now.
@@ -101,24 +107,25 @@ class ConnectionGuard:
 
     def __init__(
         self,
-        strain: Strain,
+        note: Callable[[str], None],
         limit: Callable[[], int] = descriptor_limit,
         open_descriptors: Callable[[], int] = _open_descriptors,
     ) -> None:
-        self._strain = strain
+        self._note = note
         self._limit = limit
         self._count_open = open_descriptors
-        self._conns: dict[int, tuple[int, int]] = {}  # fd -> (uid, inode)
+        self._total = 0
         self._per_user: Counter[int] = Counter()
         self._opened = 0  # connections accepted minus closed since the last count
         self._open_at = -1.0  # when the open descriptors were last counted
         self._open = 0
+        self._refusal_log = RefusalLog(log)
         self.refusals: Counter[str] = Counter()
 
     @property
     def connections(self) -> int:
         """Connections open now (those shut down count until ZeroMQ has closed them)."""
-        return len(self._conns)
+        return self._total
 
     def use(self) -> dict[int, int]:
         """Each user's open connections (:data:`TCP_PEERS`: a ``tcp://`` endpoint's)."""
@@ -134,7 +141,8 @@ class ConnectionGuard:
     ) -> Callable[[], None]:
         """Read ``sock``'s monitor from the running loop: count its connections, refuse
         those past the bounds, and call ``on_disconnect`` after each read that saw a
-        connection close. Returns the function that stops watching (idempotent).
+        connection close. Returns the function that stops watching (idempotent; the
+        socket's connections then no longer count).
 
         A monitor read slowly lets its queue fill, and then libzmq blocks the socket's I/O
         thread (libzmq#3575): every pending event is read without waiting,
@@ -144,6 +152,12 @@ class ConnectionGuard:
         mon = sock.get_monitor_socket(_EVENTS)
         fd = cast(int, mon.getsockopt(zmq.FD))
         address = _bound_address(sock)
+        if address is None:
+            log.warning(
+                "connections to %r cannot be told from other sockets: counted, never refused",
+                sock.getsockopt(zmq.LAST_ENDPOINT),
+            )
+        conns: dict[int, int] = {}  # this socket's connections: descriptor -> uid
 
         def read_events() -> None:
             seen, closed = 0, False
@@ -158,9 +172,9 @@ class ConnectionGuard:
                     continue
                 event, value = struct.unpack_from("=Hi", frames[0])
                 if event == _ACCEPTED:
-                    self._accepted(value, address)
+                    self._accepted(conns, value, address)
                 elif event == _DISCONNECTED:
-                    self._closed(value)
+                    self._closed(conns, value)
                     closed = True
             if seen == MONITOR_BURST:
                 loop.call_soon(read_events)
@@ -180,67 +194,82 @@ class ConnectionGuard:
             if not sock.closed:
                 sock.disable_monitor()
             mon.close(linger=0)
+            for fd_ in list(conns):
+                self._closed(conns, fd_)
 
         return stop
 
     # ------------------------------------------------------------------ the bounds
-    def _accepted(self, fd: int, address: object) -> None:
-        try:
-            sock = socket.socket(fileno=fd)  # no new descriptor: detached below
-        except OSError:  # closed already (its DISCONNECTED follows)
-            return
-        try:
-            if sock.family == socket.AF_UNIX:
-                uid = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
-            else:
-                uid = TCP_PEERS
-            self._conns[fd] = (uid, os.fstat(fd).st_ino)
+    def _accepted(self, conns: dict[int, int], fd: int, address: object) -> None:
+        if fd in conns:  # its close was not seen: the number names a new connection now
+            self._closed(conns, fd)
+        try:  # a duplicate: the checks and the shutdown act on one socket, whatever
+            dup = os.dup(fd)  # ZeroMQ does with the number meanwhile
+        except OSError as err:
+            if err.errno == errno.EMFILE:
+                self._note("no descriptor free to check a new connection")
+            return  # closed already (its DISCONNECTED follows)
+        with socket.socket(fileno=dup) as sock:
+            try:
+                if sock.family == socket.AF_UNIX:
+                    cred = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size)
+                    uid = _CRED.unpack(cred)[1]
+                else:
+                    uid = TCP_PEERS
+                ours = _same_listener(sock, address)
+            except OSError as err:  # not a socket any more: its DISCONNECTED follows
+                log.debug("connection %d: %s", fd, err)
+                return
+            conns[fd] = uid
             self._per_user[uid] += 1
+            self._total += 1
             self._opened += 1
             why = self._refusal(uid)
-            if why is not None and _same_listener(sock, address):
-                self.refusals[why[0]] += 1
-                self._strain.note(why[1])
+            if why is None or not ours:
+                return
+            self.refusals[why] += 1
+            if why == "descriptors":
+                self._note(
+                    f"{self._open + self._opened} of {self._limit()} descriptors open "
+                    "(RLIMIT_NOFILE): new connections are shut down"
+                )
+            else:
+                total, per_user = self.bounds()
+                who = "tcp peers" if uid == TCP_PEERS else f"uid {uid}"
+                self._refusal_log.log(
+                    logging.WARNING,
+                    (why, uid),
+                    "connection of %s shut down: %s (1/%d of the descriptor limit, "
+                    "RLIMIT_NOFILE) reached",
+                    who,
+                    f"{per_user} per user" if why == "connections_per_user" else f"{total} in all",
+                    TOTAL_SHARE * (USER_SHARE if why == "connections_per_user" else 1),
+                )
+            with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
-        except OSError as err:  # not a socket any more: its DISCONNECTED follows
-            log.debug("connection %d: %s", fd, err)
-        finally:
-            sock.detach()
 
-    def _closed(self, fd: int) -> None:
-        got = self._conns.pop(fd, None)
-        if got is None:
+    def _closed(self, conns: dict[int, int], fd: int) -> None:
+        uid = conns.pop(fd, None)
+        if uid is None:
             return
-        self._per_user[got[0]] -= 1
-        if not self._per_user[got[0]]:
-            del self._per_user[got[0]]
+        self._per_user[uid] -= 1
+        if not self._per_user[uid]:
+            del self._per_user[uid]
+        self._total -= 1
         self._opened -= 1
 
-    def _refusal(self, uid: int) -> tuple[str, str] | None:
-        """``(bound, what to note)`` when the connection just counted is past a bound."""
-        limit = self._limit()
+    def _refusal(self, uid: int) -> str | None:
+        """The bound the connection just counted is past (None: within them)."""
         total, per_user = self.bounds()
-        who = "tcp peers" if uid == TCP_PEERS else f"uid {uid}"
         if self._per_user[uid] > per_user:
-            return "connections_per_user", (
-                f"{who} holds {self._per_user[uid]} connections, past {per_user} (1/"
-                f"{TOTAL_SHARE * USER_SHARE} of the descriptor limit, RLIMIT_NOFILE): its "
-                "next ones are shut down"
-            )
-        if len(self._conns) > total:
-            return "connections", (
-                f"{len(self._conns)} connections open, past {total} (1/{TOTAL_SHARE} of the "
-                "descriptor limit, RLIMIT_NOFILE): new ones are shut down"
-            )
+            return "connections_per_user"
+        if self._total > total:
+            return "connections"
         now = time.monotonic()
         if now - self._open_at >= RECOUNT_S:
             self._open, self._opened, self._open_at = self._count_open(), 0, now
-        free = limit - (self._open + self._opened)
-        if free < RESERVE:
-            return "descriptors", (
-                f"{limit - free} of {limit} descriptors open (RLIMIT_NOFILE): new "
-                "connections are shut down"
-            )
+        if self._limit() - (self._open + self._opened) < RESERVE:
+            return "descriptors"
         return None
 
 
@@ -270,7 +299,7 @@ def _same_listener(sock: socket.socket, address: object) -> bool:
         return bool(
             isinstance(name, tuple)
             and name[1] == port
-            and (host in ("0.0.0.0", "::", "*") or name[0] == host)
+            and (host in ("0.0.0.0", "::") or name[0] == host)
         )
     if isinstance(name, bytes):
         name = name.decode(errors="surrogateescape")

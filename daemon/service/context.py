@@ -82,7 +82,8 @@ class ServiceContext:
         self.epoch = epoch
         self.sessions = SessionTable()
         self.strain = Strain()
-        self.connections = ConnectionGuard(self.strain)
+        self.connections = ConnectionGuard(self.strain.note)
+        """The connection guard (the server's, from the bind of its socket on)."""
         self.quotas = Quotas(lambda: self.cfg, unmapping=lambda: self.unmaps.pending_bytes)
         self.prefaults = PrefaultQueue(cfg.prefault_threads)
         self.handovers = HandoverServer(handover_path(rdir), lambda: self.cfg, self.strain)

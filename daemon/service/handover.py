@@ -398,7 +398,7 @@ class HandoverServer:
                 )
                 return
             try:
-                if truncated and len(fds) < MAX_HANDOVER_FDS and len(data) <= REQUEST_BYTES:
+                if truncated and len(data) <= REQUEST_BYTES and _short_of_descriptors():
                     # the kernel could not install the descriptors sent: this process is
                     # at its limit (EMFILE), not the engine at fault
                     self._strain.note("handover socket: no descriptor for an engine's memory")
@@ -505,6 +505,8 @@ class HandoverServer:
         try:
             block = CompletionBlock.create_memfd(COMPLETION_SLOTS)
         except (OSError, MemoryError, SharedMemoryError) as err:
+            if isinstance(err, SharedMemoryError) and _root_errno(err) not in NO_ROOM:
+                raise  # not a shortage: refused, naming what failed
             self._strain.note(f"handover socket: no completion block: {err}")
             raise HandoverBusy(
                 "memory", f"the daemon is short of memory or descriptors: {err}"
@@ -516,6 +518,26 @@ class HandoverServer:
         self._held[peer.uid] = held
         self._held_total += len(fds) + COMPLETION_FDS
         return h
+
+
+def _root_errno(err: BaseException) -> int | None:
+    """The errno of the OSError that caused ``err`` (through its causes), if any."""
+    seen: BaseException | None = err
+    for _ in range(8):
+        if seen is None or isinstance(seen, OSError):
+            break
+        seen = seen.__cause__
+    return seen.errno if isinstance(seen, OSError) else None
+
+
+def _short_of_descriptors() -> bool:
+    """Whether this process has fewer descriptors free than one handover may carry (a
+    request whose descriptors the kernel could not install met that, not a bad client)."""
+    try:
+        used = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return False
+    return descriptor_limit() - used <= MAX_HANDOVER_FDS
 
 
 def _wake(ready: asyncio.Future[None]) -> None:

@@ -177,7 +177,8 @@ class NameLog:
     they come: each a 4-byte big-endian length, then a :class:`Named` (MessagePack). A
     crash may leave a torn last record: reading stops there, and cuts the file back to the
     records before it so that the next ones are read after them (a write that a full file
-    system takes in part is cut back at once). The file is untrusted input as
+    system takes in part is cut back at once). A record that does not decode is left in
+    place, with the ones after it (a newer version's, say). The file is untrusted input as
     the saved state is: bounded, each record decoded against the wire limits, the rest
     refused (logged) from the first bad record on.
 
@@ -209,12 +210,12 @@ class NameLog:
                 rec = decoder.decode(data[at + 4 : at + 4 + n])
             except (msgspec.DecodeError, msgspec.ValidationError) as err:
                 log.warning("KV events: %s: ignoring it from byte %d on: %s", self.path, at, err)
-                break
+                return out  # kept as it is: not a torn tail
             out.pop(rec.fingerprint, None)  # re-inserted: the newest
             out[rec.fingerprint] = (rec.block_size, rec.model)
             at += 4 + n
         if at < len(data):
-            self._cut(at)  # records appended from here on are read back
+            self._cut(at)  # a torn tail: records appended from here on are read back
         return out
 
     def _cut(self, size: int) -> None:
@@ -258,8 +259,10 @@ class NameLog:
                 if not stat.S_ISREG(st.st_mode):  # a FIFO would block the loop
                     raise OSError(errno.EINVAL, "not a regular file")
                 record = len(body).to_bytes(4, "big") + body
-                if os.write(fd, record) < len(record):  # a full file system: no torn record
-                    os.ftruncate(fd, st.st_size)  # is left for the next ones to follow
+                written = os.write(fd, record)
+                if written < len(record):  # a full file system: no torn record is left
+                    end = os.lseek(fd, 0, os.SEEK_CUR)  # for the next ones to follow
+                    os.ftruncate(fd, end - written)
                     raise OSError(errno.ENOSPC, "record written in part (cut back)")
             finally:
                 os.close(fd)

@@ -55,6 +55,7 @@ import zmq
 from kvtier.config import ConfigError, DaemonConfig, format_size, runtime_dir, socket_path
 from kvtier.config.loader import pool_path
 from kvtier.daemon.pauses import WATCH
+from kvtier.daemon.service.connections import ConnectionGuard
 from kvtier.daemon.service.receiver import Receiver
 from kvtier.daemon.service.runtime import SocketFile, claim_runtime_dir
 from kvtier.daemon.service.sdnotify import (
@@ -108,6 +109,8 @@ class Daemon:
         self.service: Service | None = None
         self.dispatcher: Dispatcher | StartGate = StartGate(self._epoch)
         self._stop = asyncio.Event()
+        self.connections = ConnectionGuard(self._note_shortage)
+        """Bounds the connections of the control socket and the KV-event sockets."""
         self._sock: zmq.Socket[Any] | None = None
         self._zctx: zmq.Context[Any] | None = None
         self._sock_file: SocketFile | None = None
@@ -192,6 +195,7 @@ class Daemon:
                     f"{self.endpoint}: {err}"
                 ) from err
             stack.callback(self._close_socket)
+            stack.callback(self.connections.watch(self._sock, self._disconnected))  # first
             self._sock_file = SocketFile.record(socket_path(self.rdir))
             self._share_with_group([socket_path(self.rdir)])
             self.receiver = Receiver(self._sock, lambda: self.dispatcher)
@@ -245,6 +249,7 @@ class Daemon:
         service.transfers.requests_waiting = self.receiver.waiting
         self._share_with_group([service.ctx.handovers.path])
         self.service = service
+        service.ctx.connections = self.connections
         if self.cfg.kv_events_endpoint is not None:
             from kvtier.daemon.service.kv_events import open_publisher
 
@@ -308,7 +313,6 @@ class Daemon:
                 tg.create_task(_follow(recv), name="kvtier-recv-follow"),
                 tg.create_task(self._lease_loop(), name="kvtier-lease"),
                 tg.create_task(WATCH.run(), name="kvtier-pauses"),
-                tg.create_task(self._monitor_loop(), name="kvtier-monitor"),
                 tg.create_task(self.svc.tier.run(), name="kvtier-l3"),
                 tg.create_task(self.svc.prefault(), name="kvtier-prefault"),
             ]
@@ -399,27 +403,26 @@ class Daemon:
             f"{format_size(ps.capacity_bytes)} used, {ps.pages_ready} pages"
         )
 
-    async def _monitor_loop(self) -> None:
+    def _disconnected(self) -> None:
         """React to a peer disconnecting at once instead of at the next lease check.
 
         ZeroMQ's monitor names the connection, not the routing identity, so a disconnect
         triggers a liveness check of every session's engine process, shortly after (the
-        process may still be exiting), at most one scheduled at a time
-        The same monitor counts the connections, and refuses those past the bounds
-        (:class:`~kvtier.daemon.service.connections.ConnectionGuard`).
+        process may still be exiting), at most one scheduled at a time, while serving. The
+        same monitor counts the connections from the bind to the close, and refuses those
+        past the bounds (:class:`~kvtier.daemon.service.connections.ConnectionGuard`).
         """
-        assert self._sock is not None
+        if self.service is None or self._stop.is_set() or self._reap_later is not None:
+            return
         loop = asyncio.get_running_loop()
+        self._reap_later = loop.call_later(REAP_DELAY_S, self._reap_after_disconnect)
 
-        def disconnected() -> None:
-            if self._reap_later is None:
-                self._reap_later = loop.call_later(REAP_DELAY_S, self._reap_after_disconnect)
-
-        stop = self.svc.ctx.connections.watch(self._sock, disconnected)
-        try:
-            await loop.create_future()  # until cancelled
-        finally:
-            stop()
+    def _note_shortage(self, what: str) -> None:
+        """A shortage the connection guard met: HEALTH's once the service is built."""
+        if self.service is not None:
+            self.service.ctx.strain.note(what)
+        else:
+            log.warning("short of resources: %s", what)
 
     def _reap_after_disconnect(self) -> None:
         self._reap_later = None

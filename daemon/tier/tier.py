@@ -463,9 +463,8 @@ class TierStore:
         """Delete from L3 every page of ``namespaces`` (None: of every namespace); with
         ``reclaim``, the store then gives the freed disk space back. The L2 pages of those
         namespaces are no longer in L3 (unless a fault left L3 untouched: down, its listing
-        failed): write-through writes them again at once
-        (:meth:`~kvtier.daemon.tier.writer.L3Writer.catch_up`), write-back before it
-        evicts them, and a SYNC writes them all.
+        failed): write-back writes each again before evicting it, write-through does not
+        (L3 stays as flushed), and a SYNC writes them all.
 
         Returns:
             ``(pages deleted, why not every page was or None)``
@@ -478,7 +477,6 @@ class TierStore:
             for fp in ids if namespaces is None else namespaces:
                 if fp in ids:
                     self.pool.clear_in_l3(ids[fp])
-            self.writer.catch_up()  # write-through: L2 backed up again, none in no tier
         return deleted, problem
 
     def _l3_recovered(self) -> None:

@@ -76,12 +76,10 @@ def test_sync_with_tenants_and_no_admin_token_is_refused_without_a_credential(da
 def test_a_tenants_l3_flush_after_a_restart_drops_its_l3_pages(daemon_factory):
     """A tenant's FLUSH of L3 (with its tenant token) deletes that tenant's L3 pages, also
     those written before the daemon restarted: the file store keeps them across the
-    restart and the admin's FLUSH finds them. Under ``write_back`` (a SYNC wrote them), so
-    that no write policy writes the adopted L2 pages to L3 again after the tenant's FLUSH."""
+    restart and the admin's FLUSH finds them."""
     d = daemon_factory(
-        "--tenants", TENANTS, "--admin-token", ADMIN, "--hicache-storage-backend", "file",
-        "--hicache-write-policy", "write_back",
-    )  # fmt: skip
+        "--tenants", TENANTS, "--admin-token", ADMIN, "--hicache-storage-backend", "file"
+    )
     pool, conn = engine(d.runtime_dir, model="m", tenant="a", token=TOKEN_A)
     try:
         store(conn, pool, 3, salt=50)
