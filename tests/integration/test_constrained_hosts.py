@@ -138,13 +138,19 @@ def test_a_store_failing_because_pool_dir_is_full_is_not_blamed_on_the_engine(
     stack, d, stored = _store_into_full_pool_dir(daemon_factory, short_tmp)
     with stack:
         assert stored is False
-        text = wait_log(d, "failed")
-        failures = [line for line in text.splitlines() if "failed" in line and "ERROR" in line]
-        assert failures, text[-2000:]
-        for line in failures:
-            assert "engine shrank" not in line and (
-                "pool_dir" in line or "space" in line.lower()
-            ), f"the failure names the wrong cause: {line}"
+        blames_pool_dir(d)
+
+
+def blames_pool_dir(d) -> None:
+    """Assert that ``d``'s log has failed copies, each naming pool_dir or a lack of space,
+    none blaming the engine's memory."""
+    text = wait_log(d, "failed")
+    failures = [line for line in text.splitlines() if "failed" in line and "ERROR" in line]
+    assert failures, text[-2000:]
+    for line in failures:
+        assert "engine shrank" not in line and ("pool_dir" in line or "space" in line.lower()), (
+            f"the failure names the wrong cause: {line}"
+        )
 
 
 # ------------------------------------------------------------- hicache_size and the limits
