@@ -64,8 +64,8 @@ USER_SHARE = 2
 """One user's connections: at most 1/this of the bound in all."""
 RESERVE = 16
 """Descriptors kept free: a connection accepted while fewer are free is shut down (the
-bounds of sessions, handovers and the ``file`` store's segments keep the rest of the limit
-free otherwise)."""
+shares of the limit that sessions, waiting handovers, the ``file`` store's segments and
+connections each have can together exceed it)."""
 MIN_BOUND = 64
 """The bound in all, however low the descriptor limit."""
 TCP_PEERS = -1
