@@ -74,8 +74,9 @@ MONITOR_BURST = 256
 """Monitor events read in a row before the event loop gets a turn (a client that connects
 and disconnects in a loop makes them as fast as it can)."""
 RECOUNT_S = 0.05
-"""The open descriptors are counted (``/proc/self/fd``) at most this often; in between,
-accepted and closed connections adjust the last count."""
+"""The open descriptors are counted (``/proc/self/fd``) at most this often while the last
+count, adjusted by the connections accepted and closed since, leaves enough free; a
+connection that would be refused for want of descriptors is refused on a count made then."""
 
 _EVENTS = int(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
 _ACCEPTED, _DISCONNECTED = int(zmq.EVENT_ACCEPTED), int(zmq.EVENT_DISCONNECTED)
@@ -265,12 +266,12 @@ class ConnectionGuard:
             return "connections_per_user"
         if self._total > total:
             return "connections"
-        now = time.monotonic()
-        if now - self._open_at >= RECOUNT_S:
+        limit, now = self._limit(), time.monotonic()
+        short = limit - (self._open + self._opened) < RESERVE
+        if short or now - self._open_at >= RECOUNT_S:  # a refusal only on a count of now
             self._open, self._opened, self._open_at = self._count_open(), 0, now
-        if self._limit() - (self._open + self._opened) < RESERVE:
-            return "descriptors"
-        return None
+            short = limit - self._open < RESERVE
+        return "descriptors" if short else None
 
 
 def _bound_address(sock: zmq.Socket[Any]) -> object:

@@ -328,7 +328,9 @@ def test_page_sizes_of_sessions_long_gone_do_not_lock_new_models_out(short_tmp, 
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out == {"uid": CHURNER, "registered": 256, "refused": None}, out
     st = stats(d.endpoint)
-    assert st["sessions"] == [] and st["limits"]["users"] == {}, st["limits"]
+    users = st["limits"]["users"]  # the churner holds nothing; only STATS's own connection
+    assert st["sessions"] == [] and str(CHURNER) not in users, st["limits"]
+    assert all(set(use) == {"connections"} for use in users.values()), users
     try:
         pool, conn = engine(d.runtime_dir, num_pages=8)
     except DaemonError as err:
