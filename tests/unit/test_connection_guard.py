@@ -4,25 +4,16 @@ closed, and a listener no longer watched counting nothing."""
 
 from __future__ import annotations
 
-import asyncio
 import os
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import zmq
 from kvtier.daemon.service.connections import ConnectionGuard
 
+from tests.unit.test_tier_store import until
+
 pytestmark = pytest.mark.timeout(30)
-
-
-async def until(pred: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 async def test_a_users_connections_past_its_share_are_shut_down_and_counted_out(
