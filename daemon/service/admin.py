@@ -212,6 +212,9 @@ class Admin:
         l3 = ctx.tier.l3.problem()
         if l3 is not None:
             problems.append(f"{l3}; L2 keeps serving")
+        state = ctx.tier.state_problem()
+        if state is not None:
+            problems.append(f"{state} (state_dir); new namespaces wait for L3, L2 keeps serving")
         status = (
             "stopping"
             if ctx.stopping

@@ -7,7 +7,12 @@ restarted, before its engines register again, the map is saved to
 ``<state_dir>/tenant-namespaces.msgpack``: before the first L3 write that follows a new
 namespace (so that no object of it is in L3 before the file names its tenant), a second
 after a namespace is first seen (one write for a burst of registrations) and when the
-daemon stops, and read back at start.
+daemon stops, and read back at start. While it cannot be saved (a full or read-only
+state_dir), no object of a namespace it does not name is written to L3: the writer gives
+those pages up as it does in an L3 outage (a SYNC, or the next L3 write after a save
+succeeds, queues them again), and HEALTH reports the failure. Nor is a page adopted after a
+restart written to L3 while its namespace's tenant is unknown (the file does not name it and
+no engine registered it since).
 
 The file is read as untrusted input: bounded in size, decoded against the limits below, and
 refused whole (logged, naming the file and what is wrong) on any error; the daemon then
@@ -19,6 +24,7 @@ out its own first, and another's only down to as many as the churner holds).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from collections import Counter
@@ -61,11 +67,13 @@ class TenantNamespaces:
         self._held = Counter(self._map.values())  # entries per tenant
         self._pending: asyncio.TimerHandle | None = None
         self._dirty = False  # a pair not saved yet
-        self._failing = False  # the last save failed (logged)
+        self._unsaved: set[bytes] = set()  # fingerprints whose tenant the file may not name
+        self.error: str | None = None
+        """Why the last save failed (None: it did, or none was tried)."""
 
     def note(self, fingerprint: bytes, tenant: str) -> None:
         """Remember that ``tenant`` registered ``fingerprint`` (the newest seen); a new
-        pair is saved soon, and before the next L3 write (:meth:`save_if_new`)."""
+        pair is saved soon, and before the next L3 write (:meth:`on_disk`)."""
         old = self._map.pop(fingerprint, None)
         self._map[fingerprint] = tenant  # seen again: the newest
         if old == tenant:
@@ -76,6 +84,8 @@ class TenantNamespaces:
         while len(self._map) > MAX_ENTRIES:
             self._drop_one()
         self._dirty = True
+        if self.path is not None:
+            self._unsaved.add(fingerprint)
         if self.path is not None and self._pending is None:
             try:
                 loop = asyncio.get_running_loop()
@@ -89,15 +99,23 @@ class TenantNamespaces:
         most = max(self._held, key=lambda t: self._held[t])
         fp = next(f for f, t in self._map.items() if t == most)
         del self._map[fp]
+        self._unsaved.discard(fp)
         self._held[most] -= 1
         if not self._held[most]:
             del self._held[most]
 
-    def save_if_new(self) -> None:
-        """Save now if a pair is not saved yet (before an L3 write: its objects must never
-        be in L3 while the file does not name their tenant)."""
+    def on_disk(self, fingerprint: bytes) -> bool:
+        """Whether the file names ``fingerprint``'s tenant, saving first if a pair is not
+        saved yet (before an L3 write: a namespace's objects must never be in L3 while the
+        file does not name its tenant). False while saving fails and ``fingerprint`` is one
+        of the pairs not saved, and for a namespace no tenant is known for (a page adopted
+        from before a restart, whose engine has not registered since, and that the file
+        does not name); always True without a file (no tenants configured)."""
+        if self.path is None:
+            return True
         if self._dirty:
             self.save()
+        return fingerprint in self._map and fingerprint not in self._unsaved
 
     def of(self, tenant: str | None) -> list[bytes]:
         """Fingerprints registered by ``tenant`` (None: by anyone)."""
@@ -121,14 +139,25 @@ class TenantNamespaces:
                 f.flush()
                 os.fsync(f.fileno())  # the rename below never names a file still empty
             os.replace(tmp, self.path)
-            self._dirty = False
         except OSError as err:
-            tmp.unlink(missing_ok=True)
-            if not self._failing:  # once a spell: it is tried again before each L3 write
-                log.warning("cannot save the tenants' namespaces to %s: %s", self.path, err)
-            self._failing = True
+            with contextlib.suppress(OSError):  # also when state_dir is not a directory
+                tmp.unlink(missing_ok=True)
+            if self.error is None:  # once a spell: it is tried again before each L3 write
+                log.warning(
+                    "cannot save the tenants' namespaces to %s: %s; L3 writes of the "
+                    "namespaces it does not name wait until it is saved",
+                    self.path,
+                    err,
+                )
+            self.error = (
+                f"cannot save the tenants' namespaces to {self.path}: {err.strerror or err}"
+            )
         else:
-            self._failing = False
+            self._dirty = False
+            self._unsaved.clear()
+            if self.error is not None:
+                log.info("the tenants' namespaces are saved to %s again", self.path)
+            self.error = None
 
 
 def _load(path: Path) -> dict[bytes, str]:

@@ -195,10 +195,22 @@ class TierStore:
                 self._ns[ns_id] = fp
         return fp
 
-    def before_l3_write(self) -> None:
-        """Before an L3 write: the tenants' namespaces saved if one is new (a tenant's
-        FLUSH of L3 after a crash must reach every object written)."""
-        self._tenant_ns.save_if_new()
+    def before_l3_write(self, ns: bytes) -> bool:
+        """Before an L3 write of namespace ``ns``: the tenants' namespaces saved if one is
+        new (a tenant's FLUSH of L3 after a crash must reach every object written). False:
+        the file cannot be saved and does not name ``ns``'s tenant, so ``ns`` must not be
+        written yet. A save that succeeds after failing queues again the pages given up
+        meanwhile."""
+        names = self._tenant_ns
+        failing = names.error is not None
+        ok = names.on_disk(ns)
+        if failing and names.error is None:
+            asyncio.get_running_loop().call_soon(self.writer.retry_given_up)
+        return ok
+
+    def state_problem(self) -> str | None:
+        """What keeps the daemon's state files from being saved (HEALTH), or None."""
+        return self._tenant_ns.error
 
     def page_bytes_of(self, class_id: int) -> int:
         """Page bytes of pool page class ``class_id``."""

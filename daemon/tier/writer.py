@@ -115,8 +115,9 @@ class PageNames(Protocol):
         """Page bytes of pool page class ``class_id``."""
         ...
 
-    def before_l3_write(self) -> None:
-        """Called before each batch is written (what must be on disk first is saved)."""
+    def before_l3_write(self, ns: bytes) -> bool:
+        """Called before each batch of namespace ``ns`` is written (what must be on disk
+        first is saved); False: ``ns`` must not be written to L3 yet."""
         ...
 
 
@@ -572,7 +573,13 @@ class L3Writer:
 
     async def _write_batch(self, batch: list[_Item]) -> None:
         pool, c = self.pool, self.counters
-        self.names.before_l3_write()
+        if not self.names.before_l3_write(batch[0].ns):
+            # the state file that names the namespace's tenant cannot be saved: given up as
+            # in an outage (SYNC, or the save that succeeds, queues them again)
+            for it in batch:
+                if self._queued.get((it.ns_id, it.key)) is it:
+                    self._give_up(it, it.slot)
+            return
         pins: list[int] = []
         try:
             asked = False
@@ -674,9 +681,14 @@ class L3Writer:
             self._retry.append(it)
             self.counters.l3_write_retries += 1
             return
+        self._give_up(it, slot, kept=not self.l3.healthy)
+
+    def _give_up(self, it: _Item, slot: int, kept: bool = True) -> None:
+        """Stop writing ``it`` (failed); ``kept``: remembered for :meth:`retry_given_up`
+        (an outage, or a namespace that must not reach L3 yet)."""
         self._settle([it], written=False)
         self.counters.l3_write_failed_pages += 1
-        if not self.l3.healthy:  # an outage: written once L3 is back (retry_given_up)
+        if kept:
             given_up = self._given_up
             given_up[(it.ns_id, it.key)] = it
             given_up.move_to_end((it.ns_id, it.key))

@@ -11,6 +11,7 @@ teardown; descriptor tests lower the running daemon's ``RLIMIT_NOFILE`` with ``p
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import resource
 import time
@@ -20,11 +21,20 @@ import zmq
 from kvtier.bench.local_servers import free_ports
 from kvtier.client.connection.admin import AdminClient
 from kvtier.ipc import kv_events as E
+from kvtier.ipc import protocol as P
 
 from tests.engines import SMALL, engine, fill_page, tokens
-from tests.integration.test_constrained_hosts import blames_pool_dir, fill, tmpfs
+from tests.integration.test_admin_plane_scope import store
+from tests.integration.test_constrained_hosts import blames_pool_dir, fill, health, tmpfs
 from tests.integration.test_kv_events import event_flags, events, hashes, subscriber
 from tests.integration.test_l3_tier import wait_for
+from tests.integration.test_state_files_across_restarts import (
+    ADMIN,
+    TOKEN_A,
+    call,
+    flush_l3,
+)
+from tests.integration.test_state_files_across_restarts import flags as state_flags
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 
@@ -154,6 +164,84 @@ def test_a_name_record_cut_short_by_a_full_state_dir_loses_no_later_namespace(
                     f"{model_d}'s pages announced on {seen}, not on {topic}"
                 )
                 assert len(hashes(events(got, E.BlockStored, "CPU"))) == 4
+        finally:
+            d.stop()
+            d.remove_pool()
+
+
+# ------------------------------------------------ state_dir: the tenants' namespaces
+
+
+@needs_root
+@pytest.mark.timeout(150)
+def test_a_namespace_its_tenant_file_cannot_name_reaches_l3_only_once_saved(
+    daemon_factory, short_tmp
+):
+    """Tenants are configured and state_dir fills up (the file L3 store is on another
+    volume). Tenant a's engine registers a new model: the file naming each namespace's
+    tenant cannot be saved. Its pages stay in L2 and are not written to L3 (SYNC counts
+    them failed; HEALTH says why), because after a crash now tenant a's FLUSH of L3 could
+    not find them. kvtierd is killed, space comes back, it starts again and adopts the
+    pages: a's FLUSH of L3 leaves nothing of a's in L3 (the adopted pages of a namespace
+    whose tenant is unknown are not backed up to L3 either). Once the file can be saved again, a SYNC writes the new
+    namespace's pages."""
+    st = short_tmp / "state"
+    with tmpfs(st, "1m"):
+        d = daemon_factory(
+            *state_flags(
+                st,
+                "--hicache-storage-backend-extra-config",
+                json.dumps({"path": str(short_tmp / "l3")}),
+            )
+        )
+        try:
+            pool, conn = engine(d.runtime_dir, model="m", tenant="a", token=TOKEN_A)
+            try:
+                store(conn, pool, 3, salt=11)
+            finally:
+                conn.close()
+                pool.close()
+            rep = call(d, P.Sync(req_id=0, admin_token=ADMIN, timeout_s=20.0), ADMIN)
+            assert (rep.failed, rep.left) == (0, 0), rep  # in L3 (write-through)
+            fill(st)
+            pool, conn = engine(d.runtime_dir, model="m2", tenant="a", token=TOKEN_A)
+            try:
+                store(conn, pool, 3, salt=12)
+            finally:
+                conn.close()
+                pool.close()
+            rep = call(d, P.Sync(req_id=0, admin_token=ADMIN, timeout_s=20.0), ADMIN)
+            assert (rep.written, rep.failed) == (0, 3), (
+                f"with the tenant file unsaved, SYNC found {3 - rep.failed} pages of a new "
+                f"namespace in L3 or wrote them ({rep}): a FLUSH after a crash would miss them"
+            )
+            status = health(d)
+            assert status.startswith("degraded") and "state_dir" in status, status
+            d.kill()  # a crash while state_dir is full
+            (st / "filler").unlink()
+            d.start()
+            mine = flush_l3(d, TOKEN_A)
+            left = flush_l3(d, ADMIN)
+            assert (mine.l3_pages, mine.l3_error, left.l3_pages) == (3, "", 0), (
+                f"after a crash, tenant a's FLUSH of L3 deleted {mine.l3_pages} pages "
+                f"({mine.l3_error!r}); {left.l3_pages} of its pages were still in L3"
+            )
+            # the recovery without a crash: full, a new namespace given up, space back
+            rep = call(d, P.Flush(req_id=0, tier="l2", admin_token=ADMIN), ADMIN)
+            assert isinstance(rep, P.FlushReply) and rep.l2_pages == 6, rep
+            fill(st)
+            pool, conn = engine(d.runtime_dir, model="m3", tenant="a", token=TOKEN_A)
+            try:
+                store(conn, pool, 2, salt=13)
+                rep = call(d, P.Sync(req_id=0, admin_token=ADMIN, timeout_s=20.0), ADMIN)
+                assert (rep.written, rep.failed) == (0, 2), rep
+                (st / "filler").unlink()
+                rep = call(d, P.Sync(req_id=0, admin_token=ADMIN, timeout_s=20.0), ADMIN)
+                assert (rep.written, rep.failed, rep.left) == (2, 0, 0), rep
+                assert health(d) == "ok"
+            finally:
+                conn.close()
+                pool.close()
         finally:
             d.stop()
             d.remove_pool()

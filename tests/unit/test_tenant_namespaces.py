@@ -57,20 +57,30 @@ def test_the_tenant_holding_the_most_gives_up_its_longest_unseen(
 
 
 def test_a_new_namespace_is_saved_before_the_next_l3_write(tmp_path: Path) -> None:
-    """On a running loop a new pair is saved a second later, or at once by
-    ``save_if_new`` (what the L3 writer calls before each batch)."""
-    path = tmp_path / tn.FILE_NAME
+    """On a running loop a new pair is saved a second later, or at once by ``on_disk``
+    (what the L3 writer asks before each batch); a namespace the file does not name is
+    not on disk, nor is one while the save fails."""
+    state = tmp_path / "state"
+    path = state / tn.FILE_NAME
 
     async def main() -> None:
         m = TenantNamespaces(path)
         m.note(fp(1), "a")  # the save is due a second later
         assert not path.exists()
-        m.save_if_new()
+        assert m.on_disk(fp(1))
         assert TenantNamespaces(path).of("a") == [fp(1)]
-        m.save_if_new()  # nothing new: nothing written
+        assert m.on_disk(fp(1))  # nothing new: nothing written
         path.unlink()
-        m.save_if_new()
-        assert not path.exists()
+        assert m.on_disk(fp(1)) and not path.exists()
+        assert not m.on_disk(fp(2))  # no tenant known (adopted, not registered since)
+        state.rename(tmp_path / "away")
+        state.write_bytes(b"")  # state_dir is not a directory now: every save fails
+        m.note(fp(2), "b")
+        assert not m.on_disk(fp(2)) and m.on_disk(fp(1))
+        assert m.error is not None and str(path) in m.error
+        state.unlink()
+        assert m.on_disk(fp(2)) and m.error is None
+        assert TenantNamespaces(path).of("b") == [fp(2)]
 
     asyncio.run(main())
 
