@@ -573,12 +573,9 @@ class L3Writer:
 
     async def _write_batch(self, batch: list[_Item]) -> None:
         pool, c = self.pool, self.counters
-        if not self.names.before_l3_write(batch[0].ns):
-            # the state file that names the namespace's tenant cannot be saved: given up as
-            # in an outage (SYNC, or the save that succeeds, queues them again)
-            for it in batch:
-                if self._queued.get((it.ns_id, it.key)) is it:
-                    self._give_up(it, it.slot)
+        if not self.names.before_l3_write(batch[0].ns):  # as in an outage (retry_given_up)
+            for it in [it for it in batch if self._queued.get((it.ns_id, it.key)) is it]:
+                self._give_up(it, it.slot)
             return
         pins: list[int] = []
         try:
@@ -684,8 +681,7 @@ class L3Writer:
         self._give_up(it, slot, kept=not self.l3.healthy)
 
     def _give_up(self, it: _Item, slot: int, kept: bool = True) -> None:
-        """Stop writing ``it`` (failed); ``kept``: remembered for :meth:`retry_given_up`
-        (an outage, or a namespace that must not reach L3 yet)."""
+        """Stop writing ``it`` (failed); ``kept``: for :meth:`retry_given_up` (an outage)."""
         self._settle([it], written=False)
         self.counters.l3_write_failed_pages += 1
         if kept:
