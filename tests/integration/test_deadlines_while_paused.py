@@ -194,19 +194,22 @@ def test_tp_round_is_not_timed_out_for_the_time_kvtierd_was_stopped(daemon_facto
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("storage_timeout_s", "redis_timeout_s"), [("1", 5.0), ("5", 1.0)], ids=["daemon", "redis"]
+)
 def test_l3_existence_check_in_flight_is_not_timed_out_by_a_stopped_kvtierd(
-    redis_server, daemon_factory
+    redis_server, daemon_factory, storage_timeout_s, redis_timeout_s
 ):
     """A LOOKUP's L3 existence check is in flight (Redis busy for 0.3 s, well within
-    ``storage_timeout_s`` = 1 s) when kvtierd is stopped for 3 s. Redis answers while
-    kvtierd is stopped; once kvtierd continues, the LOOKUP reports the pages L3 holds,
-    no backend error is counted (``l3_backend_errors``) and L3 stays healthy:
-    ``storage_timeout_s`` bounds how long the backend takes, not the time kvtierd itself
-    did not run."""
+    both the daemon's ``storage_timeout_s`` and the Redis client's own ``timeout_s``, the
+    shorter of them 1 s) when kvtierd is stopped for 3 s. Redis answers while kvtierd is
+    stopped; once kvtierd continues, the LOOKUP reports the pages L3 holds, no backend
+    error is counted (``l3_backend_errors``) and L3 stays healthy: neither timeout bounds
+    the time kvtierd itself did not run."""
     flags = _l3_flags(
         "redis",
-        {"url": redis_server.url, "timeout_s": 5.0},
-        storage_timeout_s="1",
+        {"url": redis_server.url, "timeout_s": redis_timeout_s},
+        storage_timeout_s=storage_timeout_s,
         prefetch_threshold="0",
         lease_s="60",
     )

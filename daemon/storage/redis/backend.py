@@ -12,6 +12,7 @@ from typing import Any
 
 import redis.asyncio as redis_asyncio
 from kvtier.config.errors import ConfigError, StorageError
+from kvtier.daemon.pauses import WATCH
 from kvtier.daemon.storage.base import BackendState as _State
 from kvtier.daemon.storage.base import HostArena, StorageBackend, check_pages, run_to_completion
 from kvtier.daemon.storage.breaker import Breaker
@@ -27,6 +28,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as _ConnectionError
 from redis.exceptions import NoScriptError, OutOfMemoryError, ReadOnlyError, RedisError
 from redis.exceptions import ResponseError as _ResponseError
+from redis.exceptions import TimeoutError as _RedisTimeout
 
 __all__ = ["RedisBackend"]
 
@@ -78,6 +80,16 @@ return n
 """Deletes each key that holds a page object (a string starting with the object header's
 magic), so that another application's key that merely has a page's name stays."""
 _ERRORS: tuple[type[BaseException], ...] = (RedisError, OSError, asyncio.TimeoutError)
+
+
+def _timed_out_in_pause(err: BaseException, mark: float) -> bool:
+    """Whether ``err`` is a timeout of a call that began when :data:`WATCH` had counted
+    ``mark`` seconds of pauses and kvtierd was paused since (stopped, starved): the reply
+    may have waited in the socket while redis-py's own timer counted the pause, so the call
+    is tried once more rather than counted as a fault."""
+    return isinstance(err, (_RedisTimeout, asyncio.TimeoutError)) and WATCH.catch_up() > mark
+
+
 _REFUSED_WRITES = (OutOfMemoryError, ReadOnlyError)
 """How a server that answers but stores nothing refuses a write (``maxmemory`` with
 ``noeviction``; a replica after a failover): L3 is unhealthy until it takes one again."""
@@ -353,7 +365,13 @@ class RedisBackend(StorageBackend):
             for pattern in patterns:
                 cursor = 0
                 while True:
-                    cursor, names = await client.scan(cursor, match=pattern, count=_SCAN_COUNT)
+                    mark = WATCH.catch_up()
+                    try:
+                        cursor, names = await client.scan(cursor, match=pattern, count=_SCAN_COUNT)
+                    except self._errors as err:
+                        if not _timed_out_in_pause(err, mark):
+                            raise
+                        cursor, names = await client.scan(cursor, match=pattern, count=_SCAN_COUNT)
                     for name in names:
                         ident = self._names.parse(name)
                         if ident is not None:
@@ -374,13 +392,13 @@ class RedisBackend(StorageBackend):
         if self._state is not _State.OPEN or client is None:
             return False
         try:
-            await asyncio.wait_for(client.ping(), self.options.timeout_s)
-            if self._write_fault is not None:  # cleared once the server takes a write again
-                await asyncio.wait_for(
-                    client.set(f"{self.options.prefix}:health-probe", b"1", px=1000),
-                    self.options.timeout_s,
-                )
-                self._write_fault = None
+            mark = WATCH.catch_up()
+            try:
+                await self._probe(client)
+            except self._errors as err:
+                if not _timed_out_in_pause(err, mark):
+                    raise
+                await self._probe(client)
         except self._errors as err:
             self._note_down(err)
             cause = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
@@ -403,6 +421,16 @@ class RedisBackend(StorageBackend):
                     await self._drops.ensure_notify()
             self._run_id = run_id
         return True
+
+    async def _probe(self, client: redis_asyncio.Redis) -> None:
+        """``PING``, and after a refused write a probe write (clearing the fault)."""
+        await asyncio.wait_for(client.ping(), self.options.timeout_s)
+        if self._write_fault is not None:  # cleared once the server takes a write again
+            await asyncio.wait_for(
+                client.set(f"{self.options.prefix}:health-probe", b"1", px=1000),
+                self.options.timeout_s,
+            )
+            self._write_fault = None
 
     def replaced(self) -> bool:
         """Whether a health check found another server process since the last call (its
@@ -520,9 +548,12 @@ class RedisBackend(StorageBackend):
         assert self._client is not None
         pool = self._client.connection_pool
         for attempt in (1, 2):
+            mark = WATCH.catch_up()
             try:
                 conn = await pool.get_connection()
             except self._errors as err:
+                if attempt == 1 and _timed_out_in_pause(err, mark):
+                    continue
                 self._failed(err)
                 return None
             try:
@@ -540,6 +571,8 @@ class RedisBackend(StorageBackend):
                     if self.on_suspect is not None:  # the server may have restarted: its
                         self.on_suspect()  # owner checks its health (and run_id) soon
                     continue
+                if attempt == 1 and _timed_out_in_pause(err, mark):
+                    continue  # the commands are idempotent: sent again on a new connection
                 if isinstance(err, self._errors):
                     self._failed(err)
                     return None
