@@ -246,6 +246,8 @@ def _cmd_flush(args: argparse.Namespace, endpoint: str, timeout_s: float) -> int
             wait_s=timeout_s + FLUSH_REPLY_S,
         )
     scope = f"namespace {args.namespace}" if args.namespace else "every namespace"
+    if rep.tenants:
+        scope += f" of tenant {', '.join(rep.tenants)}"
     print(
         f"flushed {rep.l2_pages} L2 pages and {rep.l3_pages} L3 pages (tier {args.tier}, {scope})"
     )

@@ -430,11 +430,13 @@ class HealthReply(_Rep, tag="health_reply", kw_only=True):
 class FlushReply(_Rep, tag="flush_reply", kw_only=True):
     """How many pages a FLUSH dropped per tier; ``l3_error``: why L3's pages of its scope
     were not all deleted (L3 not open or down, its listing or a delete failed), empty when
-    they were (or L3 was not asked)."""
+    they were (or L3 was not asked); ``tenants``: the tenants the FLUSH was limited to
+    (empty: not limited by tenant)."""
 
     l2_pages: int
     l3_pages: int = 0
     l3_error: str = ""
+    tenants: tuple[str, ...] = ()
 
 
 class SyncReply(_Rep, tag="sync_reply", kw_only=True):

@@ -372,7 +372,9 @@ class Admin:
             fps = [fp] if fps is None or fp in fps else []
         if ctx.tier.l3.name == "none":  # no read nor write of L3 to wait for; L3 is empty
             l2 = self._flush_l2(m, ns_id, owners, scope) if m.tier in ("l2", "all") else 0
-            return P.FlushReply(req_id=m.req_id, epoch=ctx.epoch, l2_pages=l2)
+            return P.FlushReply(
+                req_id=m.req_id, epoch=ctx.epoch, l2_pages=l2, tenants=_names(scope)
+            )
         one = fps[0] if ns_id is not None and fps else None
         return Deferred(self._flush_tiers(m, ns_id, one, owners, scope, fps))
 
@@ -397,7 +399,9 @@ class Admin:
                 ns_id = self.ctx.pool.namespaces().get(one, -1)
             l2 = self._flush_l2(m, ns_id, owners, scope) if m.tier in ("l2", "all") else 0
             if m.tier == "l2":
-                return P.FlushReply(req_id=m.req_id, epoch=self.ctx.epoch, l2_pages=l2)
+                return P.FlushReply(
+                    req_id=m.req_id, epoch=self.ctx.epoch, l2_pages=l2, tenants=_names(scope)
+                )
             l3, problem = await tier.flush(fps, reclaim=m.reclaim)
         events, pool = self.ctx.events, self.ctx.pool
         if events is not None and (problem is None or l3):
@@ -420,7 +424,12 @@ class Admin:
                 problem,
             )
         return P.FlushReply(
-            req_id=m.req_id, epoch=self.ctx.epoch, l2_pages=l2, l3_pages=l3, l3_error=problem or ""
+            req_id=m.req_id,
+            epoch=self.ctx.epoch,
+            l2_pages=l2,
+            l3_pages=l3,
+            l3_error=problem or "",
+            tenants=_names(scope),
         )
 
     def _flush_l2(
@@ -656,3 +665,8 @@ def _settle(
         loop.call_soon_threadsafe(give)
     except RuntimeError:  # the loop has closed: nobody waits any more
         pass
+
+
+def _names(scope: frozenset[str] | None) -> tuple[str, ...]:
+    """A FLUSH's tenants for its reply (empty: not limited by tenant)."""
+    return () if scope is None else tuple(sorted(scope))

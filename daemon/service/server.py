@@ -344,7 +344,12 @@ class Daemon:
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
-        if self._sock_file is not None:  # only the socket this daemon bound, never another's
+        self.remove_socket_file()
+
+    def remove_socket_file(self) -> None:
+        """Unlink the control socket's path, if it still names the socket this daemon bound
+        (never another's): clients then find no daemon rather than a socket nobody reads."""
+        if self._sock_file is not None:
             self._sock_file.remove()
             self._sock_file = None
 
@@ -449,6 +454,7 @@ def install_signal_handlers(daemon: Daemon) -> None:
         state["count"] += 1
         if state["count"] > 1:
             log.warning("second %s: exiting now", signal.Signals(signum).name)
+            daemon.remove_socket_file()
             os._exit(1)
         log.info("%s: stopping", signal.Signals(signum).name)
         daemon.request_stop()

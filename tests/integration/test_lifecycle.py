@@ -317,10 +317,14 @@ def test_a_second_sigterm_during_a_slow_shutdown_exits_at_once(daemon_factory, n
         if not still_copying(h):
             pytest.skip("the store finished during the stop: shutdown was not slow")
         # graceful stop in progress, waiting for the copy: the second signal cuts it short
+        sock = socket_path(d.runtime_dir)
+        assert sock.exists()
         d.proc.send_signal(signal.SIGTERM)
         assert d.proc.wait(timeout=30) == 1
         log = d.log_path.read_text()
         assert "second SIGTERM: exiting now" in log
+        # `kvtier health` then says no daemon runs, not that a socket does not answer
+        assert not sock.exists(), "the control socket was left behind"
         assert "transfers still running after" not in log  # it did not wait out the drain
         assert still_copying(h)  # it did not wait for the copy either: the store never ended
         assert not h.wait(timeout=5)

@@ -100,7 +100,7 @@ def test_a_tenants_flush_drops_its_own_pages_only(tenants_daemon):
     assert isinstance(rep, P.FlushReply) and rep.l2_pages == 0
     assert cb.lookup(kb).l2 == 5
     rep = call(d, P.Flush(req_id=0, tier="all"), TOKEN_A)
-    assert isinstance(rep, P.FlushReply) and rep.l2_pages == 3
+    assert isinstance(rep, P.FlushReply) and (rep.l2_pages, rep.tenants) == (3, ("a",))
     assert (ca.lookup(ka).l2, cb.lookup(kb).l2) == (0, 5)
     r = kvtier(
         "flush",
@@ -111,7 +111,7 @@ def test_a_tenants_flush_drops_its_own_pages_only(tenants_daemon):
         env={"KVTIER_ADMIN_TOKEN": TOKEN_B},
     )
     assert r.returncode == 0, r.stderr
-    assert "flushed 5 L2 pages" in r.stdout
+    assert "flushed 5 L2 pages" in r.stdout and "every namespace of tenant b)" in r.stdout
     assert cb.lookup(kb).l2 == 0
 
 
@@ -126,7 +126,7 @@ def test_the_admin_token_sees_and_flushes_every_tenant(tenants_daemon):
     assert "scope" not in snap and sorted(s["tenant"] for s in snap["sessions"]) == ["a", "b"]
     assert snap["pool"]["pages_ready"] == 8
     rep = call(d, P.Flush(req_id=0, tier="l2"), ADMIN)
-    assert isinstance(rep, P.FlushReply) and rep.l2_pages == 8
+    assert isinstance(rep, P.FlushReply) and (rep.l2_pages, rep.tenants) == (8, ())
     assert (ca.lookup(ka).l2, cb.lookup(kb).l2) == (0, 0)
 
 
