@@ -1,4 +1,4 @@
-"""``kvtier stats | sessions | flush | sync | health``: the operator's view of a running
+"""``kvtier stats | sessions | namespaces | flush | sync | health``: the operator's view of a running
 kvtierd.
 
 Each command opens an :class:`~kvtier.client.connection.admin.AdminClient` on the daemon's control
@@ -43,7 +43,7 @@ from kvtier.cli.admin_args import (
     default_timeout,
     resolve_endpoint,
 )
-from kvtier.cli.stats_view import render_sessions, render_stats
+from kvtier.cli.stats_view import render_namespaces, render_sessions, render_stats
 from kvtier.client.connection.admin import AdminClient, AdminError
 from kvtier.daemon.log_lines import escape_controls
 from kvtier.ipc import protocol as P
@@ -54,6 +54,7 @@ __all__ = [
     "build_parser",
     "fetch_stats",
     "main",
+    "render_namespaces",
     "render_sessions",
     "render_stats",
 ]
@@ -128,14 +129,17 @@ def _request(
     return rep
 
 
-def fetch_stats(endpoint: str, timeout_s: float, admin_token: str) -> dict[str, Any]:
-    """Return the daemon's STATS snapshot.
+def fetch_stats(
+    endpoint: str, timeout_s: float, admin_token: str, namespaces: bool = False
+) -> dict[str, Any]:
+    """Return the daemon's STATS snapshot (``namespaces``: with L2's namespaces listed).
 
     Raises:
         CliError: (code 1) unreachable, no answer, or refused (e.g. UNAUTHORIZED).
     """
     with _open(endpoint, timeout_s, admin_token) as client:
-        rep = _request(client, P.Stats(req_id=0, admin_token=admin_token), P.StatsReply)
+        ask = P.Stats(req_id=0, admin_token=admin_token, namespaces=namespaces)
+        rep = _request(client, ask, P.StatsReply)
     return dict(rep.stats)
 
 
@@ -230,6 +234,19 @@ def _cmd_sessions(args: argparse.Namespace, endpoint: str, timeout_s: float) -> 
     return 0
 
 
+def _cmd_namespaces(args: argparse.Namespace, endpoint: str, timeout_s: float) -> int:
+    """``kvtier namespaces``: L2's namespaces, most pages first."""
+    rows = fetch_stats(endpoint, timeout_s, args.admin_token, namespaces=True).get("namespaces")
+    rows = rows or []
+    if args.json:
+        print(json.dumps(rows, indent=2, sort_keys=True))
+    elif not rows:
+        print("no namespaces")
+    else:
+        _console().print(render_namespaces(rows))
+    return 0
+
+
 def _cmd_flush(args: argparse.Namespace, endpoint: str, timeout_s: float) -> int:
     """``kvtier flush``: drop pages of one tier (or all), optionally of one namespace; 1
     when L3's pages were not all deleted (the daemon says why)."""
@@ -301,6 +318,7 @@ def _cmd_health(args: argparse.Namespace, endpoint: str, timeout_s: float) -> in
 _HANDLERS: dict[str, Callable[[argparse.Namespace, str, float], int]] = {
     "stats": _cmd_stats,
     "sessions": _cmd_sessions,
+    "namespaces": _cmd_namespaces,
     "flush": _cmd_flush,
     "sync": _cmd_sync,
     "health": _cmd_health,

@@ -43,7 +43,7 @@ __all__ = [
     "resolve_endpoint",
 ]
 
-COMMANDS = ("stats", "sessions", "flush", "sync", "health")
+COMMANDS = ("stats", "sessions", "namespaces", "flush", "sync", "health")
 WATCH_MIN_S = 0.1  # refresh no faster than this: a STATS reply walks every session
 WATCH_MAX_S = 3600.0
 SYNC_MAX_S = 3600.0
@@ -109,6 +109,9 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     texts = {
         "stats": "Pool use, sessions, hit rates per tier, bytes moved and L3 health.",
         "sessions": "Engine sessions registered with the daemon.",
+        "namespaces": "The host pool's namespaces (one per model and KV layout): pages held "
+        "in L2, sessions, tenant, model; the 64-hex-digit namespace is what flush "
+        "--namespace takes, also after its engines are gone.",
         "flush": f"Drop cached pages: from L2 only unless --tier says otherwise (default "
         f"{FLUSH_DEFAULT_TIER}; L3 copies stay, so the pages can come back from L3). "
         "Needs the admin token when the daemon has one.",
@@ -150,13 +153,13 @@ def build_parser(command: str) -> argparse.ArgumentParser:
             metavar="TOKEN",
             type=_admin_token,  # argparse checks a str default with it too: the variable
             default=os.environ.get(ADMIN_TOKEN_ENV, ""),  # read once, as a default
-            help=f"the daemon's admin credential, needed by stats, sessions, flush "
+            help=f"the daemon's admin credential, needed by stats, sessions, namespaces, flush "
             f"and sync when kvtierd has an admin_token (its --admin-token flag, "
             f"KVTIER_ADMIN_TOKEN variable or admin_token TOML key); default: "
             f"${ADMIN_TOKEN_ENV}, the better place (command lines are visible "
             f"to other users)",
         )
-    if command in ("stats", "sessions"):
+    if command in ("stats", "sessions", "namespaces"):
         p.add_argument("--json", action="store_true", help="print the daemon's raw answer as JSON")
     if command == "stats":
         p.add_argument(

@@ -173,6 +173,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "bench": (_bench, "benchmarks: l2, l3, e2e, restart, scale, trace, sglang, vllm, events"),
     "stats": (_admin, "pool use, sessions, hit rates, bytes moved"),
     "sessions": (_admin, "registered engine sessions"),
+    "namespaces": (_admin, "the pool's namespaces: pages in L2, tenant, model"),
     "flush": (_admin, "drop cached pages, from L2 unless --tier l3|all (admin)"),
     "sync": (_admin, "write L2 pages to L3 and wait (admin)"),
     "health": (_admin, "exit 0 when the daemon is healthy"),

@@ -11,7 +11,7 @@ from typing import Any
 from kvtier.config import format_size
 from kvtier.daemon.log_lines import escape_controls
 
-__all__ = ["render_sessions", "render_stats"]
+__all__ = ["render_namespaces", "render_sessions", "render_stats"]
 
 
 def _num(section: Mapping[str, Any], key: str) -> float | None:
@@ -316,6 +316,32 @@ def render_sessions(sessions: Sequence[Mapping[str, Any]]) -> Any:
             format_size(int(page)) if isinstance(page, int) else "—",
             _plain(s.get("num_pages", "")),
             _plain(s.get("transfers", "")),
+        )
+    return t
+
+
+def render_namespaces(rows: Sequence[Mapping[str, Any]]) -> Any:
+    """Build the ``kvtier namespaces`` table (a rich renderable) from the snapshot's
+    namespaces (the namespace whole: what ``kvtier flush --namespace`` takes)."""
+    from rich.table import Table
+
+    t = Table(title=f"{len(rows)} namespace{'s' if len(rows) != 1 else ''}", title_justify="left")
+    for name, justify in (
+        ("namespace", "left"),
+        ("pages", "right"),
+        ("sessions", "right"),
+        ("tenant", "left"),
+        ("model", "left"),
+    ):
+        t.add_column(name, justify=justify, overflow="fold")  # type: ignore[arg-type]
+    for r in rows:
+        models = r.get("models")
+        t.add_row(
+            _plain(r.get("namespace", "")),
+            _plain(r.get("pages", "")),
+            _plain(r.get("sessions", "")),
+            _plain(r.get("tenant", "")) if r.get("tenant") else "—",
+            _plain(", ".join(map(str, models))) if isinstance(models, list) and models else "—",
         )
     return t
 

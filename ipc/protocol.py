@@ -262,9 +262,11 @@ class Unregister(_Req, tag="unregister", kw_only=True):
 
 
 class Stats(_Req, tag="stats", kw_only=True):
-    """Ask for the daemon's counters (pool, sessions, hits, bytes)."""
+    """Ask for the daemon's counters (pool, sessions, hits, bytes); ``namespaces``: also
+    list L2's namespaces (the snapshot's ``namespaces``)."""
 
     admin_token: Text = ""
+    namespaces: bool = False
 
 
 class Health(_Req, tag="health", kw_only=True):

@@ -736,6 +736,10 @@ class HostPool:
             for key, s in self._pages.ready.get(ns_id, {}).items()
         ]
 
+    def ready_counts(self) -> dict[int, int]:
+        """Return the READY pages of each namespace id that holds any. O(namespaces)."""
+        return {ns: len(pages) for ns, pages in self._pages.ready.items() if pages}
+
     def ready_slots(self) -> list[int]:
         """Return the slots of every READY page, of every namespace. O(pages): for the
         walks of a SYNC, a back-up of L2 and a shutdown's write-back."""

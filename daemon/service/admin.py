@@ -42,6 +42,7 @@ from kvtier.config import DaemonConfig, KvtierError
 from kvtier.daemon.service.answers import Answer, Deferred, Handler
 from kvtier.daemon.service.context import ServiceContext
 from kvtier.daemon.service.sdnotify import SystemdNotifier
+from kvtier.daemon.service.sessions import Session
 from kvtier.daemon.service.validation import RequestError
 from kvtier.daemon.service.refusal_log import RefusalLog
 from kvtier.daemon.storage.options import EXTRA_CONFIG_FIELD, parse_extra_config
@@ -99,6 +100,9 @@ LIVE_FIELDS = frozenset(
 """Fields SIGHUP may change without a restart; anything else is refused with a log line."""
 FLUSH_TIERS = ("l2", "l3", "all")
 """Tiers a FLUSH may name."""
+
+MAX_NAMESPACES_LISTED = 4096
+"""The most namespaces a STATS that asks for them lists (those holding the most pages)."""
 
 FLUSH_WAIT_S = 30.0
 """Longest a FLUSH waits for the prefetch reads and L3 writes in flight before it drops
@@ -235,7 +239,44 @@ class Admin:
         """STATS: the snapshot (scoped to the caller's tenants unless admin)."""
         scope = self.scope(identity, m.admin_token)
         snap = self.snapshot() if scope is None else self.tenant_snapshot(scope)
+        if m.namespaces:
+            snap["namespaces"] = self._namespaces(scope)
         return P.StatsReply(req_id=m.req_id, epoch=self.ctx.epoch, stats=snap)
+
+    def _namespaces(self, scope: frozenset[str] | None) -> list[dict[str, object]]:
+        """L2's namespaces that hold pages or have a session (of ``scope``'s tenants only,
+        when scoped), most pages first, at most :data:`MAX_NAMESPACES_LISTED`: each one's
+        ``namespace`` (64 hex digits, as FLUSH takes it), ``pages`` (READY in L2),
+        ``sessions``, ``tenant`` ("" when not known: adopted, and not registered since) and
+        ``models`` (its sessions' model ids, else the one it was last registered with,
+        since the start or, with KV events, before it)."""
+        ctx = self.ctx
+        counts = ctx.pool.ready_counts()
+        live: dict[bytes, list[Session]] = {}
+        for s in ctx.sessions:
+            live.setdefault(s.ns_fingerprint, []).append(s)
+        rows: list[tuple[int, str, dict[str, object]]] = []
+        for fp, ns_id in ctx.pool.namespaces().items():
+            pages, sessions = counts.get(ns_id, 0), live.get(fp, [])
+            if not pages and not sessions:
+                continue
+            tenant = ctx.tier.tenant_of(fp) or min((s.tenant for s in sessions), default="")
+            if scope is not None and tenant not in scope:
+                continue
+            models = {s.model_id for s in sessions} or {ctx.tier.model_of(ns_id, fp)}
+            if not models - {""} and ctx.events is not None:  # named before a restart
+                models = {ctx.events.model_of(fp)}
+            models.discard("")
+            row = {
+                "namespace": fp.hex(),
+                "pages": pages,
+                "sessions": len(sessions),
+                "tenant": tenant,
+                "models": sorted(models),
+            }
+            rows.append((-pages, fp.hex(), row))
+        rows.sort(key=lambda r: r[:2])
+        return [row for _, _, row in rows[:MAX_NAMESPACES_LISTED]]
 
     def tenant_snapshot(self, tenants: frozenset[str]) -> dict[str, object]:
         """The STATS reply of a caller scoped to ``tenants``.

@@ -201,6 +201,11 @@ class KvEventPublisher:
             self._recorded[fingerprint] = (page_size, model_id)
             self._names.append(fingerprint, page_size, model_id, self._kept_names)
 
+    def model_of(self, fingerprint: bytes) -> str:
+        """The model id the namespace ``fingerprint`` was last registered with ("" when
+        not known)."""
+        return self._fp_model.get(fingerprint, "")
+
     def _kept_names(self) -> dict[bytes, tuple[int, str]]:
         """Fingerprint -> (block size, model id) of every namespace kept now."""
         return {fp: (n, self._fp_model.get(fp, "")) for fp, n in self._fp_block_size.items()}

@@ -291,7 +291,7 @@ class Registration:
             cuda=cuda,
         )
         s.renew(time.monotonic())
-        ctx.tier.register(ns_id, fp, tenant, s.class_id, g.page_bytes)
+        ctx.tier.register(ns_id, fp, tenant, s.class_id, g.page_bytes, m.namespace.model_id)
         if ctx.events is not None:
             ctx.events.name(ns_id, m.namespace.model_id, fp, g.page_size)
         if control:  # no rank group: a scheduler asks for itself, one session per rank

@@ -117,6 +117,10 @@ class TenantNamespaces:
             self.save()
         return fingerprint in self._map and fingerprint not in self._unsaved
 
+    def tenant_of(self, fingerprint: bytes) -> str | None:
+        """The tenant that registered ``fingerprint`` last (None: not known)."""
+        return self._map.get(fingerprint)
+
     def of(self, tenant: str | None) -> list[bytes]:
         """Fingerprints registered by ``tenant`` (None: by anyone)."""
         return [fp for fp, t in self._map.items() if tenant is None or t == tenant]

@@ -73,6 +73,7 @@ class TierStore:
         self.l3.on_replaced = self._l3_replaced
         self.l3.on_recovered = self._l3_recovered
         self._ns: dict[int, bytes] = {}
+        self._models: dict[int, tuple[bytes, str]] = {}  # by namespace id: bounded
         # kept across restarts for a tenant's FLUSH of L3 (only with tenants configured)
         self._tenant_ns = TenantNamespaces(
             state_dir(cfg.state_dir) / tenant_namespaces.FILE_NAME if cfg.tenants else None
@@ -179,10 +180,18 @@ class TierStore:
 
     # ------------------------------------------------------------------ sessions
     def register(
-        self, ns_id: int, fingerprint: bytes, tenant: str, class_id: int, page_bytes: int
+        self,
+        ns_id: int,
+        fingerprint: bytes,
+        tenant: str,
+        class_id: int,
+        page_bytes: int,
+        model_id: str = "",
     ) -> None:
-        """Remember a namespace and page class a session registered with."""
+        """Remember a namespace (and the model id it was registered with) and page class a
+        session registered with."""
         self._ns[ns_id] = fingerprint
+        self._models[ns_id] = (fingerprint, model_id)
         self._tenant_ns.note(fingerprint, tenant)
         self._class_bytes[class_id] = page_bytes
 
@@ -218,6 +227,17 @@ class TierStore:
         if pb is None:  # a class an adopted pool registered before any session did
             pb = self._class_bytes[class_id] = self.pool.stats().classes[class_id].page_bytes
         return pb
+
+    def model_of(self, ns_id: int, fingerprint: bytes) -> str:
+        """The model id namespace ``fingerprint`` (pool namespace ``ns_id``) was last
+        registered with since the daemon started ("" when none registered it)."""
+        fp, model = self._models.get(ns_id, (b"", ""))
+        return model if fp == fingerprint else ""
+
+    def tenant_of(self, fingerprint: bytes) -> str | None:
+        """The tenant that registered namespace ``fingerprint`` (None: not known, or no
+        tenants configured)."""
+        return self._tenant_ns.tenant_of(fingerprint)
 
     def tenant_namespaces(self, tenant: str | None) -> list[bytes]:
         """Fingerprints registered by ``tenant`` (None: by anyone), also before a restart

@@ -170,6 +170,50 @@ def test_sessions_table_and_json(daemon):
             p.close()
 
 
+def test_namespaces_list_the_pools_namespaces_also_after_their_engines_left(daemon):
+    """An operator finds the namespace of a model whose engines are gone (to flush it):
+    `kvtier namespaces` lists each namespace L2 holds pages of, most pages first, with its
+    sessions, tenant and model, and the namespace whole, as `flush --namespace` takes it."""
+    rdir = str(daemon.runtime_dir)
+    r = kvtier("namespaces", "--runtime-dir", rdir)
+    assert r.returncode == 0 and one_line(r.stdout) == "no namespaces", r.stdout + r.stderr
+    pa, ca, _ = stored(daemon.runtime_dir, n=3, model="gone-model")
+    gone = ca.ns_fingerprint.hex()
+    ca.close()
+    pa.close()
+    pb, cb, kb = stored(daemon.runtime_dir, n=2, model="live-model", geometry=OTHER)
+    try:
+        r = kvtier("namespaces", "--json", "--runtime-dir", rdir)
+        assert r.returncode == 0, r.stderr
+        rows = json.loads(r.stdout)
+        assert rows == [
+            {
+                "namespace": gone,
+                "pages": 3,
+                "sessions": 0,
+                "tenant": "default",
+                "models": ["gone-model"],
+            },
+            {
+                "namespace": cb.ns_fingerprint.hex(),
+                "pages": 2,
+                "sessions": 1,
+                "tenant": "default",
+                "models": ["live-model"],
+            },
+        ], rows
+        r = kvtier("namespaces", "--runtime-dir", rdir)
+        assert r.returncode == 0 and "2 namespaces" in r.stdout and gone in r.stdout, r.stdout
+        r = kvtier("flush", "--namespace", gone, "--runtime-dir", rdir)
+        assert r.returncode == 0 and "flushed 3 L2 pages" in r.stdout, r.stdout + r.stderr
+        rows = json.loads(kvtier("namespaces", "--json", "--runtime-dir", rdir).stdout)
+        assert [row["namespace"] for row in rows] == [cb.ns_fingerprint.hex()]
+        assert cb.lookup(kb).l2 == 2
+    finally:
+        cb.close()
+        pb.close()
+
+
 # ---------------------------------------------------------------------------- flush and admin
 def test_flush_and_stats_need_the_admin_token_when_one_is_configured(daemon_factory):
     d = daemon_factory("--admin-token", "s3cret")

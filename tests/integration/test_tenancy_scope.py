@@ -80,6 +80,29 @@ def test_a_tenants_stats_show_its_own_sessions_and_pages_only(tenants_daemon):
     assert ([s["tenant"] for s in snap["sessions"]], snap["tenants"]["b"]["pages"]) == (["b"], 5)
 
 
+def test_a_tenant_lists_its_own_namespaces_only(tenants_daemon):
+    d, has_admin, (ca, _), (cb, _) = tenants_daemon
+    snap = call(d, P.Stats(req_id=0, namespaces=True), TOKEN_A).stats
+    assert [(r["namespace"], r["pages"], r["tenant"]) for r in snap["namespaces"]] == [
+        (ca.ns_fingerprint.hex(), 3, "a")
+    ]
+    assert "namespaces" not in call(d, P.Stats(req_id=0), TOKEN_A).stats  # only when asked
+    r = kvtier(
+        "namespaces",
+        "--json",
+        "--runtime-dir",
+        str(d.runtime_dir),
+        env={"KVTIER_ADMIN_TOKEN": TOKEN_B},
+    )
+    assert r.returncode == 0, r.stderr
+    assert [(row["namespace"], row["tenant"]) for row in json.loads(r.stdout)] == [
+        (cb.ns_fingerprint.hex(), "b")
+    ]
+    if has_admin:
+        rows = call(d, P.Stats(req_id=0, namespaces=True), ADMIN).stats["namespaces"]
+        assert [(r["tenant"], r["pages"]) for r in rows] == [("b", 5), ("a", 3)]
+
+
 def test_without_a_credential_stats_and_flush_are_refused(tenants_daemon):
     d, has_admin, (ca, ka), (cb, kb) = tenants_daemon
     for token in ("", "not-a-token"):
