@@ -22,7 +22,7 @@
 # default 180, and GPU_CHECK_BENCH_S, default 210). One JSON summary is
 # written, and beside it every step's whole output (GPU_CHECK_LOGS; empty: none).
 # GPU_CHECK_REQUIREMENTS names another list of pinned wheels than bench/gpu-requirements.txt.
-# KVTIER_GPU_CHECK_VENV names a venv prepared by hand, to use instead of making one.
+# GPU_CHECK_VENV names a venv prepared by hand, to use instead of making one.
 #
 #   bash bench/gpu_check.sh [SUMMARY_JSON]        (default: $OUT/gpu_check.json or ./gpu_check.json)
 #
@@ -33,7 +33,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 PY=${PYTHON:-python3}
-WHEELS=${KVTIER_WHEELS:-$ROOT/.whl}
+WHEELS=${GPU_CHECK_WHEELS:-$ROOT/.whl}
 SUMMARY=${1:-${OUT:-$ROOT}/gpu_check.json}
 LOGS=${GPU_CHECK_LOGS-${SUMMARY%.json}_logs.tar.gz}  # every step's output; empty: none
 [ -n "$LOGS" ] && LOGS=$(realpath -m "$LOGS")
@@ -214,11 +214,11 @@ EOF
 # kvtier is built from this tree with the pinned setuptools; where the machine cannot compile C
 # for Python (no Python.h), a kvtier wheel built for this Python on another machine and left in
 # .whl/ is used instead, and the log says so.
-VENV=${KVTIER_GPU_CHECK_VENV:-$WORK/venv}
+VENV=${GPU_CHECK_VENV:-$WORK/venv}
 install() {
     set -e
     local check="import kvtier.daemon.service.server, kvtier.kernels.cuda_copy, zmq, msgspec, pydantic, pytest, pytest_asyncio, torch"
-    if [ -n "${KVTIER_GPU_CHECK_VENV:-}" ]; then  # a venv prepared by hand: use it as it is
+    if [ -n "${GPU_CHECK_VENV:-}" ]; then  # a venv prepared by hand: use it as it is
         "$VENV/bin/python" -c "$check"
         return
     fi

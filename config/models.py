@@ -175,7 +175,7 @@ class DaemonConfig(_Frozen):
         "thread that wakes up to answer a request (the event loop, an engine) gets a core "
         "before them, so a long STORE's copies make other engines' LOOKUPs wait less. A "
         "higher value makes the copies yield more, also to every other busy process of the "
-        "node: at 19 the copies of eight engines crawled on a node whose cores were busy.",
+        "node, so on a node whose cores are busy a high value starves the copies themselves.",
     )
     copy_yield_kib: int = Field(
         default=256,
@@ -348,7 +348,7 @@ class DaemonConfig(_Frozen):
     admin_token: SecretStr | None = Field(
         default=None,
         description="Credential the admin requests must carry (kvtier stats, sessions, "
-        "flush and sync; health needs none); unset: anyone who can reach the socket.",
+        "namespaces, flush and sync; health needs none); unset: anyone who can reach the socket.",
     )
     tenants: dict[str, TenantConfig] = Field(
         default_factory=dict,

@@ -22,11 +22,11 @@ from kvtier.launch.daemon_process import DaemonProcess  # noqa: E402 (after the 
 # Every hypothesis test and state machine runs the same examples on every run: its seed
 # comes from the test itself (derandomize) and no example database carries failures from
 # one run into the next, so a verdict never depends on an earlier run. Budgets are set per
-# test, sized so that planted bugs are found within them. KVTIER_HYPOTHESIS=explore draws
+# test, sized so that planted bugs are found within them. HYPOTHESIS_PROFILE=explore draws
 # fresh random examples instead (a longer search, for hunting bugs by hand).
 settings.register_profile("kvtier", derandomize=True, database=None)
 settings.register_profile("explore", derandomize=False, database=None)
-settings.load_profile(os.environ.get("KVTIER_HYPOTHESIS", "kvtier"))
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "kvtier"))
 
 
 @pytest.fixture

@@ -83,7 +83,7 @@ def _run(
         python = str(wrapper)
     summary = tmp_path / "summary.json"
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
-    full_env.update({"PYTHON": python, "KVTIER_WHEELS": str(tmp_path / "no-wheels")})
+    full_env.update({"PYTHON": python, "GPU_CHECK_WHEELS": str(tmp_path / "no-wheels")})
     full_env.update(env or {})
     proc = subprocess.run(
         ["bash", str(SCRIPT), str(summary)],
@@ -156,7 +156,7 @@ def test_all_cuda_tests_skipped_is_a_failure_not_ok(tmp_path: Path) -> None:
     rc, summary, out = _run(
         tmp_path,
         {"torch": FAKE_TORCH, "cupy": FAKE_CUPY_WORKING},
-        {"GPU_CHECK_SHM_MIN_GIB": "0", "KVTIER_GPU_CHECK_VENV": str(venv)},
+        {"GPU_CHECK_SHM_MIN_GIB": "0", "GPU_CHECK_VENV": str(venv)},
     )
     _assert_not_ok(rc, summary, out)
     assert summary["status"] == "failed", summary
@@ -180,7 +180,7 @@ def test_the_install_step_makes_a_venv_that_sees_a_venv_pythons_packages(tmp_pat
         {"torch": FAKE_TORCH, "cupy": FAKE_CUPY_WORKING},
         {
             "GPU_CHECK_SHM_MIN_GIB": "0",
-            "KVTIER_WHEELS": str(wheels),
+            "GPU_CHECK_WHEELS": str(wheels),
             "GPU_CHECK_REQUIREMENTS": str(reqs),
         },
     )
