@@ -236,8 +236,10 @@ def _cmd_sessions(args: argparse.Namespace, endpoint: str, timeout_s: float) -> 
 
 def _cmd_namespaces(args: argparse.Namespace, endpoint: str, timeout_s: float) -> int:
     """``kvtier namespaces``: L2's namespaces, most pages first."""
-    rows = fetch_stats(endpoint, timeout_s, args.admin_token, namespaces=True).get("namespaces")
-    rows = rows or []
+    snap = fetch_stats(endpoint, timeout_s, args.admin_token, namespaces=True)
+    if "namespaces" not in snap:
+        raise CliError(1, "the daemon did not list its namespaces (a kvtierd older than this CLI)")
+    rows = snap["namespaces"] or []
     if args.json:
         print(json.dumps(rows, indent=2, sort_keys=True))
     elif not rows:

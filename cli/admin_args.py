@@ -109,7 +109,8 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     texts = {
         "stats": "Pool use, sessions, hit rates per tier, bytes moved and L3 health.",
         "sessions": "Engine sessions registered with the daemon.",
-        "namespaces": "The host pool's namespaces (one per model and KV layout): pages held "
+        "namespaces": "The host pool's namespaces (one per model, KV layout, tenant and, for "
+        "most models, tensor-parallel rank): pages held "
         "in L2, sessions, tenant, model; the 64-hex-digit namespace is what flush "
         "--namespace takes, also after its engines are gone.",
         "flush": f"Drop cached pages: from L2 only unless --tier says otherwise (default "

@@ -603,6 +603,29 @@ class HostPool:
         idle = [i for i in meta.ids(IdTable.NAMESPACES).values() if i not in held | in_use]
         return min(idle) if idle else None
 
+    def namespace_tenants(self, tenants: Iterable[str]) -> dict[bytes, str]:
+        """``fingerprint -> tenant`` of the namespaces whose resident pages are all charged
+        to one of ``tenants`` (the owner table keeps a digest of each tenant's name, so an
+        adopted pool tells whose each namespace's pages are). O(slots), in numpy."""
+        meta = self._pages.meta
+        by_digest = {tenant_digest(t): t for t in tenants}
+        names = {i: by_digest[d] for d, i in meta.ids(IdTable.OWNERS).items() if d in by_digest}
+        ns, owner, state = meta.array("ns"), meta.array("owner"), meta.array("state")
+        try:
+            held = state != PageState.FREE
+            pairs = np.unique(np.stack([ns[held], owner[held]]), axis=1).T.tolist()
+        finally:
+            del ns, owner, state
+        owners: dict[int, set[int]] = {}
+        for n, o in pairs:
+            owners.setdefault(n, set()).add(o)
+        out: dict[bytes, str] = {}
+        for fp, n in meta.ids(IdTable.NAMESPACES).items():
+            got = owners.get(n, set())
+            if len(got) == 1 and (o := next(iter(got))) in names:  # none or several: not told
+                out[fp] = names[o]
+        return out
+
     def namespaces(self) -> dict[bytes, int]:
         """Return a copy of the persistent ``fingerprint -> namespace id`` table."""
         return self._pages.meta.ids(IdTable.NAMESPACES)

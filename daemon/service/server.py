@@ -454,8 +454,10 @@ def install_signal_handlers(daemon: Daemon) -> None:
         state["count"] += 1
         if state["count"] > 1:
             log.warning("second %s: exiting now", signal.Signals(signum).name)
-            daemon.remove_socket_file()
-            os._exit(1)
+            try:
+                daemon.remove_socket_file()
+            finally:
+                os._exit(1)
         log.info("%s: stopping", signal.Signals(signum).name)
         daemon.request_stop()
 

@@ -7,12 +7,12 @@ restarted, before its engines register again, the map is saved to
 ``<state_dir>/tenant-namespaces.msgpack``: before the first L3 write that follows a new
 namespace (so that no object of it is in L3 before the file names its tenant), a second
 after a namespace is first seen (one write for a burst of registrations) and when the
-daemon stops, and read back at start. While it cannot be saved (a full or read-only
-state_dir), no object of a namespace it does not name is written to L3: the writer gives
-those pages up as it does in an L3 outage (a SYNC, or the next L3 write after a save
-succeeds, queues them again), and HEALTH reports the failure. Nor is a page adopted after a
-restart written to L3 while its namespace's tenant is unknown (the file does not name it and
-no engine registered it since).
+daemon stops, and read back at start; an adopted pool's namespaces the file does not name
+are added from the pool's owner table (:meth:`~kvtier.daemon.pool.host_pool.HostPool.namespace_tenants`).
+While it cannot be saved (a full or read-only state_dir), no object of a namespace it does
+not name yet is written to L3: the writer gives those pages up as it does in an L3 outage,
+HEALTH reports the failure, the save is tried again every :data:`SAVE_RETRY_S` seconds, and
+the first one that succeeds queues the given-up pages again (:attr:`TenantNamespaces.on_saved`).
 
 The file is read as untrusted input: bounded in size, decoded against the limits below, and
 refused whole (logged, naming the file and what is wrong) on any error; the daemon then
@@ -28,6 +28,7 @@ import contextlib
 import logging
 import os
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -43,6 +44,8 @@ MAX_ENTRIES = 65536
 """Namespaces the file remembers at most (the latest seen)."""
 SAVE_DELAY_S = 1.0
 """How long after a new namespace the map is written (the writes of a burst are one)."""
+SAVE_RETRY_S = 5.0
+"""How long after a failed save the next one is tried."""
 _VERSION = 1
 _FP = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
 _NAME = Annotated[str, msgspec.Meta(max_length=256)]
@@ -70,6 +73,8 @@ class TenantNamespaces:
         self._unsaved: set[bytes] = set()  # fingerprints whose tenant the file may not name
         self.error: str | None = None
         """Why the last save failed (None: it did, or none was tried)."""
+        self.on_saved: Callable[[], None] | None = None
+        """Called when a save succeeds after one failed."""
 
     def note(self, fingerprint: bytes, tenant: str) -> None:
         """Remember that ``tenant`` registered ``fingerprint`` (the newest seen); a new
@@ -104,18 +109,20 @@ class TenantNamespaces:
         if not self._held[most]:
             del self._held[most]
 
+    def learn(self, tenants: dict[bytes, str]) -> None:
+        """Add the pairs of ``tenants`` (an adopted pool's) whose fingerprint is not known."""
+        for fp, tenant in tenants.items():
+            if fp not in self._map:
+                self.note(fp, tenant)
+
     def on_disk(self, fingerprint: bytes) -> bool:
-        """Whether the file names ``fingerprint``'s tenant, saving first if a pair is not
-        saved yet (before an L3 write: a namespace's objects must never be in L3 while the
-        file does not name its tenant). False while saving fails and ``fingerprint`` is one
-        of the pairs not saved, and for a namespace no tenant is known for (a page adopted
-        from before a restart, whose engine has not registered since, and that the file
-        does not name); always True without a file (no tenants configured)."""
-        if self.path is None:
-            return True
+        """Whether an L3 write of namespace ``fingerprint`` may go ahead, saving first if a
+        pair is not saved yet (its objects must never be in L3 while the file does not name
+        its tenant): False only while saving fails and ``fingerprint`` is one of the pairs
+        not saved."""
         if self._dirty:
             self.save()
-        return fingerprint in self._map and fingerprint not in self._unsaved
+        return fingerprint not in self._unsaved
 
     def tenant_of(self, fingerprint: bytes) -> str | None:
         """The tenant that registered ``fingerprint`` last (None: not known)."""
@@ -125,9 +132,10 @@ class TenantNamespaces:
         """Fingerprints registered by ``tenant`` (None: by anyone)."""
         return [fp for fp, t in self._map.items() if tenant is None or t == tenant]
 
-    def save(self) -> None:
+    def save(self, retry: bool = True) -> None:
         """Write the map now (atomically: a temporary file renamed over it, mode 0600); a
-        failure is logged, the map stays in memory."""
+        failure is logged, the map stays in memory and (``retry``, on a running loop) the
+        save is tried again :data:`SAVE_RETRY_S` seconds later."""
         if self._pending is not None:
             self._pending.cancel()
             self._pending = None
@@ -156,12 +164,18 @@ class TenantNamespaces:
             self.error = (
                 f"cannot save the tenants' namespaces to {self.path}: {err.strerror or err}"
             )
+            if retry:
+                with contextlib.suppress(RuntimeError):  # no loop: the caller's next call
+                    loop = asyncio.get_running_loop()
+                    self._pending = loop.call_later(SAVE_RETRY_S, self.save)
         else:
             self._dirty = False
             self._unsaved.clear()
             if self.error is not None:
                 log.info("the tenants' namespaces are saved to %s again", self.path)
-            self.error = None
+                self.error = None
+                if self.on_saved is not None:
+                    self.on_saved()
 
 
 def _load(path: Path) -> dict[bytes, str]:

@@ -78,6 +78,7 @@ class TierStore:
         self._tenant_ns = TenantNamespaces(
             state_dir(cfg.state_dir) / tenant_namespaces.FILE_NAME if cfg.tenants else None
         )
+        self._tenant_ns.on_saved = self._names_saved
         self._class_bytes: dict[int, int] = {}
         self.prefetcher = Prefetcher(pool, counters, self.l3.get, cfg.prefetch_concurrency)
         self.prefetcher.on_allocated = self.allocated
@@ -124,6 +125,8 @@ class TierStore:
         Raises:
             ConfigError: the backend's name or extra config is invalid (fatal at start).
         """
+        if self.cfg.tenants:  # whose each adopted namespace is, before any back-up of it
+            self._tenant_ns.learn(self.pool.namespace_tenants(self.cfg.tenants))
         await self.l3.open(arena)
         self.apply_write_policy()
         if self.available:
@@ -150,7 +153,7 @@ class TierStore:
 
     async def close(self) -> None:
         """Close the backend and save the tenants' namespaces (idempotent)."""
-        self._tenant_ns.save()
+        self._tenant_ns.save(retry=False)
         await self.l3.close()
 
     def reconfigure(self, cfg: DaemonConfig) -> None:
@@ -207,15 +210,17 @@ class TierStore:
     def before_l3_write(self, ns: bytes) -> bool:
         """Before an L3 write of namespace ``ns``: the tenants' namespaces saved if one is
         new (a tenant's FLUSH of L3 after a crash must reach every object written). False:
-        the file cannot be saved and does not name ``ns``'s tenant, so ``ns`` must not be
-        written yet. A save that succeeds after failing queues again the pages given up
-        meanwhile."""
-        names = self._tenant_ns
-        failing = names.error is not None
-        ok = names.on_disk(ns)
-        if failing and names.error is None:
+        the file cannot be saved and does not name ``ns``'s tenant yet, so ``ns`` must not
+        be written now (its pages are given up until a save succeeds: :meth:`_names_saved`)."""
+        return self._tenant_ns.on_disk(ns)
+
+    def _names_saved(self) -> None:
+        """The tenants' namespaces were saved after a failure: queue again the pages given
+        up meanwhile (on the loop's next turn, never inside a write batch)."""
+        try:
             asyncio.get_running_loop().call_soon(self.writer.retry_given_up)
-        return ok
+        except RuntimeError:  # no loop (a test driving the tier directly)
+            self.writer.retry_given_up()
 
     def state_problem(self) -> str | None:
         """What keeps the daemon's state files from being saved (HEALTH), or None."""
@@ -235,8 +240,9 @@ class TierStore:
         return model if fp == fingerprint else ""
 
     def tenant_of(self, fingerprint: bytes) -> str | None:
-        """The tenant that registered namespace ``fingerprint`` (None: not known, or no
-        tenants configured)."""
+        """The tenant that registered namespace ``fingerprint`` (``default`` without
+        tenants configured; None: not known since the start, nor saved, nor told by an
+        adopted pool's owners)."""
         return self._tenant_ns.tenant_of(fingerprint)
 
     def tenant_namespaces(self, tenant: str | None) -> list[bytes]:

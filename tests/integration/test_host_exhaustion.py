@@ -174,43 +174,52 @@ def test_a_name_record_cut_short_by_a_full_state_dir_loses_no_later_namespace(
 
 @needs_root
 @pytest.mark.timeout(150)
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
 def test_a_namespace_its_tenant_file_cannot_name_reaches_l3_only_once_saved(
-    daemon_factory, short_tmp
+    daemon_factory, short_tmp, policy
 ):
     """Tenants are configured and state_dir fills up (the file L3 store is on another
     volume). Tenant a's engine registers a new model: the file naming each namespace's
-    tenant cannot be saved. Its pages stay in L2 and are not written to L3 (SYNC counts
-    them failed; HEALTH says why), because after a crash now tenant a's FLUSH of L3 could
-    not find them. kvtierd is killed, space comes back, it starts again and adopts the
-    pages: a's FLUSH of L3 leaves nothing of a's in L3 (the adopted pages of a namespace
-    whose tenant is unknown are not backed up to L3 either). Once the file can be saved again, a SYNC writes the new
-    namespace's pages."""
+    tenant cannot be saved, so its pages stay in L2 and are not written to L3 (SYNC counts
+    them failed; HEALTH says why): after a crash then, tenant a's FLUSH of L3 could not
+    find them. kvtierd is killed, space comes back, it starts again and adopts the pages:
+    the pool's owners tell whose the unnamed namespace is, so a SYNC writes its pages and
+    a's FLUSH of L3 deletes them with the others. Then, without a crash: full again, a new
+    namespace's pages given up, space back: the save tried again on its own succeeds and
+    the pages are written with no SYNC asked for."""
     st = short_tmp / "state"
     with tmpfs(st, "1m"):
+        extra = json.dumps({"path": str(short_tmp / "l3")})
         d = daemon_factory(
-            *state_flags(
-                st,
-                "--hicache-storage-backend-extra-config",
-                json.dumps({"path": str(short_tmp / "l3")}),
-            )
+            *state_flags(st, "--hicache-storage-backend-extra-config", extra),
+            "--hicache-write-policy",
+            policy,
         )
+
+        def sync() -> P.SyncReply:
+            rep = call(d, P.Sync(req_id=0, admin_token=ADMIN, timeout_s=20.0), ADMIN)
+            assert isinstance(rep, P.SyncReply), rep
+            return rep
+
+        def stored(model: str, n: int, salt: int) -> bytes:
+            pool, conn = engine(d.runtime_dir, model=model, tenant="a", token=TOKEN_A)
+            try:
+                store(conn, pool, n, salt=salt)
+                return conn.ns_fingerprint
+            finally:
+                conn.close()
+                pool.close()
+
+        def written() -> int:
+            snap = call(d, P.Stats(req_id=0, admin_token=ADMIN), ADMIN).stats
+            return int(snap["counters"]["l3_write_written_pages"])
+
         try:
-            pool, conn = engine(d.runtime_dir, model="m", tenant="a", token=TOKEN_A)
-            try:
-                store(conn, pool, 3, salt=11)
-            finally:
-                conn.close()
-                pool.close()
-            rep = call(d, P.Sync(req_id=0, admin_token=ADMIN, timeout_s=20.0), ADMIN)
-            assert (rep.failed, rep.left) == (0, 0), rep  # in L3 (write-through)
+            stored("m", 3, salt=11)
+            assert (sync().failed, sync().left) == (0, 0)
             fill(st)
-            pool, conn = engine(d.runtime_dir, model="m2", tenant="a", token=TOKEN_A)
-            try:
-                store(conn, pool, 3, salt=12)
-            finally:
-                conn.close()
-                pool.close()
-            rep = call(d, P.Sync(req_id=0, admin_token=ADMIN, timeout_s=20.0), ADMIN)
+            m2 = stored("m2", 3, salt=12)
+            rep = sync()
             assert (rep.written, rep.failed) == (0, 3), (
                 f"with the tenant file unsaved, SYNC found {3 - rep.failed} pages of a new "
                 f"namespace in L3 or wrote them ({rep}): a FLUSH after a crash would miss them"
@@ -220,28 +229,30 @@ def test_a_namespace_its_tenant_file_cannot_name_reaches_l3_only_once_saved(
             d.kill()  # a crash while state_dir is full
             (st / "filler").unlink()
             d.start()
+            rep = call(d, P.Stats(req_id=0, admin_token=ADMIN, namespaces=True), ADMIN)
+            assert isinstance(rep, P.StatsReply), rep
+            rows = rep.stats["namespaces"]
+            assert {r["namespace"]: r["tenant"] for r in rows}.get(m2.hex()) == "a", rows
+            rep = sync()  # waits for the back-up of the adopted pages (write-through)
+            assert (rep.failed, rep.left) == (0, 0), rep
             mine = flush_l3(d, TOKEN_A)
             left = flush_l3(d, ADMIN)
-            assert (mine.l3_pages, mine.l3_error, left.l3_pages) == (3, "", 0), (
-                f"after a crash, tenant a's FLUSH of L3 deleted {mine.l3_pages} pages "
-                f"({mine.l3_error!r}); {left.l3_pages} of its pages were still in L3"
+            assert (mine.l3_pages, mine.l3_error, left.l3_pages) == (6, "", 0), (
+                f"after a crash, tenant a's FLUSH of L3 deleted {mine.l3_pages} of its 6 "
+                f"pages ({mine.l3_error!r}); {left.l3_pages} were still in L3"
             )
             # the recovery without a crash: full, a new namespace given up, space back
             rep = call(d, P.Flush(req_id=0, tier="l2", admin_token=ADMIN), ADMIN)
             assert isinstance(rep, P.FlushReply) and rep.l2_pages == 6, rep
             fill(st)
-            pool, conn = engine(d.runtime_dir, model="m3", tenant="a", token=TOKEN_A)
-            try:
-                store(conn, pool, 2, salt=13)
-                rep = call(d, P.Sync(req_id=0, admin_token=ADMIN, timeout_s=20.0), ADMIN)
-                assert (rep.written, rep.failed) == (0, 2), rep
-                (st / "filler").unlink()
-                rep = call(d, P.Sync(req_id=0, admin_token=ADMIN, timeout_s=20.0), ADMIN)
-                assert (rep.written, rep.failed, rep.left) == (2, 0, 0), rep
-                assert health(d) == "ok"
-            finally:
-                conn.close()
-                pool.close()
+            stored("m3", 2, salt=13)
+            rep = sync()
+            assert (rep.written, rep.failed) == (0, 2), rep
+            before = written()
+            (st / "filler").unlink()
+            wait_for(lambda: health(d) == "ok" or None, what="HEALTH ok once saved", timeout=20)
+            wait_for(lambda: written() == before + 2 or None, what="the given-up pages written")
+            assert flush_l3(d, TOKEN_A).l3_pages == 2
         finally:
             d.stop()
             d.remove_pool()

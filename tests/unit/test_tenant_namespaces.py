@@ -72,7 +72,6 @@ def test_a_new_namespace_is_saved_before_the_next_l3_write(tmp_path: Path) -> No
         assert m.on_disk(fp(1))  # nothing new: nothing written
         path.unlink()
         assert m.on_disk(fp(1)) and not path.exists()
-        assert not m.on_disk(fp(2))  # no tenant known (adopted, not registered since)
         state.rename(tmp_path / "away")
         state.write_bytes(b"")  # state_dir is not a directory now: every save fails
         m.note(fp(2), "b")
@@ -81,6 +80,8 @@ def test_a_new_namespace_is_saved_before_the_next_l3_write(tmp_path: Path) -> No
         state.unlink()
         assert m.on_disk(fp(2)) and m.error is None
         assert TenantNamespaces(path).of("b") == [fp(2)]
+        m.learn({fp(2): "c", fp(3): "c"})  # an adopted pool's owners: only what is unknown
+        assert (m.tenant_of(fp(2)), m.tenant_of(fp(3))) == ("b", "c")
 
     asyncio.run(main())
 

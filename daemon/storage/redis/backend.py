@@ -86,7 +86,8 @@ def _timed_out_in_pause(err: BaseException, mark: float) -> bool:
     """Whether ``err`` is a timeout of a call that began when :data:`WATCH` had counted
     ``mark`` seconds of pauses and kvtierd was paused since (stopped, starved): the reply
     may have waited in the socket while redis-py's own timer counted the pause, so the call
-    is tried once more rather than counted as a fault."""
+    is tried once more rather than counted as a fault. Every call sent again is idempotent;
+    a delete sent again counts only the objects the first one left."""
     return isinstance(err, (_RedisTimeout, asyncio.TimeoutError)) and WATCH.catch_up() > mark
 
 
