@@ -240,12 +240,18 @@ def _cmd_namespaces(args: argparse.Namespace, endpoint: str, timeout_s: float) -
     if "namespaces" not in snap:
         raise CliError(1, "the daemon did not list its namespaces (a kvtierd older than this CLI)")
     rows = snap["namespaces"] or []
+    total = int(snap.get("namespaces_total", len(rows)))
     if args.json:
         print(json.dumps(rows, indent=2, sort_keys=True))
     elif not rows:
         print("no namespaces")
     else:
-        _console().print(render_namespaces(rows))
+        _console().print(render_namespaces(rows, total))
+    if total > len(rows):
+        print(
+            f"kvtier namespaces: {len(rows)} of {total} listed (those holding the most pages)",
+            file=sys.stderr,
+        )
     return 0
 
 

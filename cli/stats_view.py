@@ -320,12 +320,15 @@ def render_sessions(sessions: Sequence[Mapping[str, Any]]) -> Any:
     return t
 
 
-def render_namespaces(rows: Sequence[Mapping[str, Any]]) -> Any:
+def render_namespaces(rows: Sequence[Mapping[str, Any]], total: int | None = None) -> Any:
     """Build the ``kvtier namespaces`` table (a rich renderable) from the snapshot's
-    namespaces (the namespace whole: what ``kvtier flush --namespace`` takes)."""
+    namespaces (the namespace whole: what ``kvtier flush --namespace`` takes); ``total``:
+    how many there are when the daemon listed only some."""
     from rich.table import Table
 
-    t = Table(title=f"{len(rows)} namespace{'s' if len(rows) != 1 else ''}", title_justify="left")
+    n = len(rows) if total is None else total
+    shown = "" if n == len(rows) else f"{len(rows)} of "
+    t = Table(title=f"{shown}{n} namespace{'s' if n != 1 else ''}", title_justify="left")
     for name, justify in (
         ("namespace", "left"),
         ("pages", "right"),

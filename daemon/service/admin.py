@@ -240,16 +240,16 @@ class Admin:
         scope = self.scope(identity, m.admin_token)
         snap = self.snapshot() if scope is None else self.tenant_snapshot(scope)
         if m.namespaces:
-            snap["namespaces"] = self._namespaces(scope)
+            snap["namespaces"], snap["namespaces_total"] = self._namespaces(scope)
         return P.StatsReply(req_id=m.req_id, epoch=self.ctx.epoch, stats=snap)
 
-    def _namespaces(self, scope: frozenset[str] | None) -> list[dict[str, object]]:
+    def _namespaces(self, scope: frozenset[str] | None) -> tuple[list[dict[str, object]], int]:
         """L2's namespaces that hold pages or have a session (of ``scope``'s tenants only,
         when scoped), most pages first, at most :data:`MAX_NAMESPACES_LISTED`: each one's
         ``namespace`` (64 hex digits, as FLUSH takes it), ``pages`` (READY in L2),
         ``sessions``, ``tenant`` ("" when not known: adopted, and not registered since) and
         ``models`` (its sessions' model ids, else the one it was last registered with,
-        since the start or, with KV events, before it)."""
+        since the start or, with KV events, before it); and how many there are in all."""
         ctx = self.ctx
         counts = ctx.pool.ready_counts()
         live: dict[bytes, list[Session]] = {}
@@ -276,7 +276,7 @@ class Admin:
             }
             rows.append((-pages, fp.hex(), row))
         rows.sort(key=lambda r: r[:2])
-        return [row for _, _, row in rows[:MAX_NAMESPACES_LISTED]]
+        return [row for _, _, row in rows[:MAX_NAMESPACES_LISTED]], len(rows)
 
     def tenant_snapshot(self, tenants: frozenset[str]) -> dict[str, object]:
         """The STATS reply of a caller scoped to ``tenants``.

@@ -12,7 +12,7 @@ from kvtier.cli import admin
 from kvtier.cli import main as kvtier_main
 from kvtier.cli.demo import DEFAULT_PLOT
 from kvtier.cli.demo import build_parser as demo_parser
-from kvtier.cli.stats_view import render_stats
+from kvtier.cli.stats_view import render_namespaces, render_stats
 from kvtier.daemon import __main__ as kvtierd
 
 VERSION = importlib.metadata.version("kvtier")
@@ -136,3 +136,10 @@ def test_stats_table_shows_each_users_use_against_its_bounds():
     row = next(line for line in text.splitlines() if "4343" in line)
     assert "3 / 128" in row and "32.0 MiB / 64.0 MiB" in row, row
     assert "refused: max_mapped_bytes_per_user 2" in text
+
+
+def test_namespaces_table_says_when_the_daemon_listed_only_some():
+    row = {"namespace": "ab" * 32, "pages": 7, "sessions": 0, "tenant": "", "models": ["m"]}
+    text = _text(render_namespaces([row], total=5000))
+    assert text.startswith("1 of 5000 namespaces") and "ab" * 32 in text
+    assert _text(render_namespaces([row])).startswith("1 namespace ")
