@@ -604,9 +604,8 @@ class HostPool:
         return min(idle) if idle else None
 
     def namespace_tenants(self, tenants: Iterable[str]) -> dict[bytes, str]:
-        """``fingerprint -> tenant`` of the namespaces whose resident pages are all charged
-        to one of ``tenants`` (the owner table keeps a digest of each tenant's name, so an
-        adopted pool tells whose each namespace's pages are). O(slots), in numpy."""
+        """``fingerprint -> tenant`` of the namespaces whose pages are all charged to one of
+        ``tenants`` (the owner table keeps a digest of each name). O(slots), in numpy."""
         meta = self._pages.meta
         by_digest = {tenant_digest(t): t for t in tenants}
         names = {i: by_digest[d] for d, i in meta.ids(IdTable.OWNERS).items() if d in by_digest}
@@ -769,9 +768,14 @@ class HostPool:
         return [s for pages in self._pages.ready.values() for s in pages.values()]
 
     def iter_evictable(self, owner: int | None = None) -> Iterator[int]:
-        """The slots :meth:`evictable_slots` returns, one at a time, cold end first: what
-        a caller that needs the coldest few walks (the pool must not change meanwhile)."""
-        return self._pages.evictor.lru.cold_first(owner)
+        """The slots :meth:`evictable_slots` returns, one at a time, coldest first: what a
+        caller that needs the coldest few walks (write-back; the pool must not change
+        meanwhile). The two lists of ``arc`` and ``reuse`` are walked together by last
+        access, so the first slots are the cold pages eviction may take from either."""
+        lru = self._pages.evictor.lru
+        if owner is not None or lru.tier is None:
+            return lru.cold_first(owner)
+        return lru.by_last_access(self._pages.meta.stamp)
 
     def at_quota(self, owner: int) -> bool:
         """Whether ``owner`` holds its quota's pages (or more): it then evicts only its own."""

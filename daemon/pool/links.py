@@ -13,7 +13,7 @@ resident children. The free lists themselves are
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 from kvtier.daemon.pool.layout import NIL
@@ -90,6 +90,19 @@ class RecencyLists:
             while s != NIL:
                 yield s
                 s = nxt[s]
+
+    def by_last_access(self, stamp: Sequence[int]) -> Iterator[int]:
+        """The slots of both global lists, merged coldest first by ``stamp`` (each slot's
+        last access; the lists must not change while this is iterated)."""
+        a, nxt = self.start(None, False)
+        b, _ = self.start(None, True)
+        while a != NIL or b != NIL:
+            if b == NIL or (a != NIL and stamp[a] <= stamp[b]):
+                yield a
+                a = nxt[a]
+            else:
+                yield b
+                b = nxt[b]
 
     def walk(self, owner: int | None) -> list[int]:
         """Return the slots of the global lists, first then second (or ``owner``'s

@@ -394,3 +394,18 @@ def test_config_selects_the_policy() -> None:
     assert HostPool.from_config(default).stats().eviction_policy == "reuse"
     with pytest.raises(ConfigError, match=r"eviction_policy.*'mru'"):
         load_config(DaemonConfig, env={}, cli={"eviction_policy": "mru"})
+
+
+@pytest.mark.parametrize("policy", ["arc", "reuse"])
+def test_write_back_walks_both_lists_coldest_first(policy: str) -> None:
+    """Write-back writes the pages ``iter_evictable`` yields first: those eviction may take
+    next from either list, so a cold page of T2 comes before warmer pages of T1 (it is not
+    left to wait, unwritten, while T1's are written and evicted)."""
+    pool, cls = pool_of(2, policy)
+    store(pool, cls, [b"old"])
+    load(pool, [b"old"])  # T2, and the coldest page
+    store(pool, cls, [b"t1-a"])
+    store(pool, cls, [b"t1-b"])
+    order = [pool.describe(s).key for s in pool.iter_evictable()]
+    assert order == [b"old", b"t1-a", b"t1-b"]
+    assert [pool.describe(s).key for s in pool.evictable_slots()] == [b"t1-a", b"t1-b", b"old"]
