@@ -610,14 +610,14 @@ class HostPool:
         by_digest = {tenant_digest(t): t for t in tenants}
         names = {i: by_digest[d] for d, i in meta.ids(IdTable.OWNERS).items() if d in by_digest}
         ns, owner, state = meta.array("ns"), meta.array("owner"), meta.array("state")
-        try:
+        try:  # one int64 per (namespace, owner) pair: ids are far below 2**31
             held = state != PageState.FREE
-            pairs = np.unique(np.stack([ns[held], owner[held]]), axis=1).T.tolist()
+            pairs = np.unique((ns[held] << 32) | owner[held], return_counts=True)[0].tolist()
         finally:
             del ns, owner, state
         owners: dict[int, set[int]] = {}
-        for n, o in pairs:
-            owners.setdefault(n, set()).add(o)
+        for pair in pairs:
+            owners.setdefault(pair >> 32, set()).add(pair & 0xFFFFFFFF)
         out: dict[bytes, str] = {}
         for fp, n in meta.ids(IdTable.NAMESPACES).items():
             got = owners.get(n, set())
@@ -768,14 +768,14 @@ class HostPool:
         return [s for pages in self._pages.ready.values() for s in pages.values()]
 
     def iter_evictable(self, owner: int | None = None) -> Iterator[int]:
-        """The slots :meth:`evictable_slots` returns, one at a time, coldest first: what a
-        caller that needs the coldest few walks (write-back; the pool must not change
-        meanwhile). The two lists of ``arc`` and ``reuse`` are walked together by last
-        access, so the first slots are the cold pages eviction may take from either."""
+        """The slots :meth:`evictable_slots` returns, one at a time, cold ends first: what
+        a caller that needs the coldest few walks (write-back; the pool must not change
+        meanwhile). The two lists of ``arc`` and ``reuse`` are walked in turn, so the
+        policy's choice between their cold ends finds pages in L3 at both."""
         lru = self._pages.evictor.lru
         if owner is not None or lru.tier is None:
             return lru.cold_first(owner)
-        return lru.by_last_access(self._pages.meta.stamp)
+        return lru.alternating()
 
     def at_quota(self, owner: int) -> bool:
         """Whether ``owner`` holds its quota's pages (or more): it then evicts only its own."""

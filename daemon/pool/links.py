@@ -13,7 +13,7 @@ resident children. The free lists themselves are
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import numpy as np
 from kvtier.daemon.pool.layout import NIL
@@ -91,16 +91,17 @@ class RecencyLists:
                 yield s
                 s = nxt[s]
 
-    def by_last_access(self, stamp: Sequence[int]) -> Iterator[int]:
-        """The slots of both global lists, merged coldest first by ``stamp`` (each slot's
-        last access; the lists must not change while this is iterated)."""
+    def alternating(self) -> Iterator[int]:
+        """The slots of both global lists, one of each in turn from their cold ends (the
+        rest of one when the other has no more; the lists must not change while this is
+        iterated)."""
         a, nxt = self.start(None, False)
         b, _ = self.start(None, True)
         while a != NIL or b != NIL:
-            if b == NIL or (a != NIL and stamp[a] <= stamp[b]):
+            if a != NIL:
                 yield a
                 a = nxt[a]
-            else:
+            if b != NIL:
                 yield b
                 b = nxt[b]
 

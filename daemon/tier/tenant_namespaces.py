@@ -9,8 +9,9 @@ namespace (so that no object of it is in L3 before the file names its tenant), a
 after a namespace is first seen (one write for a burst of registrations) and when the
 daemon stops, and read back at start; an adopted pool's namespaces the file does not name
 are added from the pool's owner table (:meth:`~kvtier.daemon.pool.host_pool.HostPool.namespace_tenants`).
-While it cannot be saved (a full or read-only state_dir), no object of a namespace it does
-not name yet is written to L3: the writer gives those pages up as it does in an L3 outage,
+While it cannot be saved (a full or read-only state_dir), no object of a namespace
+registered since the last save is written to L3: the writer gives those pages up as it
+does in an L3 outage,
 HEALTH reports the failure, the save is tried again every :data:`SAVE_RETRY_S` seconds, and
 the first one that succeeds queues the given-up pages again (:attr:`TenantNamespaces.on_saved`).
 
@@ -120,7 +121,7 @@ class TenantNamespaces:
         pair is not saved yet (its objects must never be in L3 while the file does not name
         its tenant): False only while saving fails and ``fingerprint`` is one of the pairs
         not saved."""
-        if self._dirty:
+        if self._dirty and (self.error is None or self._pending is None):  # else: its timer
             self.save()
         return fingerprint not in self._unsaved
 

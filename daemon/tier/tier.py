@@ -153,6 +153,7 @@ class TierStore:
 
     async def close(self) -> None:
         """Close the backend and save the tenants' namespaces (idempotent)."""
+        self._tenant_ns.on_saved = None  # nothing is written from now on
         self._tenant_ns.save(retry=False)
         await self.l3.close()
 
@@ -217,6 +218,8 @@ class TierStore:
     def _names_saved(self) -> None:
         """The tenants' namespaces were saved after a failure: queue again the pages given
         up meanwhile (on the loop's next turn, never inside a write batch)."""
+        if not self.l3.healthy:  # L3 coming back queues them (_l3_recovered)
+            return
         try:
             asyncio.get_running_loop().call_soon(self.writer.retry_given_up)
         except RuntimeError:  # no loop (a test driving the tier directly)

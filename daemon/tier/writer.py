@@ -39,6 +39,7 @@ from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import Protocol
 
 from kvtier.config import DaemonConfig
@@ -61,19 +62,17 @@ cancelled (each only unwinds: its pages are unpinned)."""
 
 MAX_RETRIES = 3
 """Attempts after the first before a page is given up."""
-
 RETRY_BACKOFF_S = 0.05
 """First retry delay; doubled at every further attempt."""
 
 WRITE_BACK_HIGH = 0.9
 """Write-back starts once the pool's used bytes pass this share of its capacity."""
-
 WRITE_BACK_WINDOW = 512
-"""Coldest evictable pages kept in L3 under write-back (eviction scans at least 256)."""
+"""Coldest evictable pages kept in L3 under write-back (eviction scans at least 256); one
+scan walks at most 4 x as many chain tails (those in L3 already are passed over)."""
 
 MAX_SHORT_OWNERS = 1024
 """Owners whose shortfall one write-back scan serves at most (more wait for the next)."""
-
 WRITE_BACK_PERIOD_S = 0.25
 """How often write-back looks at the pool while it is nearly full."""
 
@@ -423,7 +422,8 @@ class L3Writer:
         seen: set[int] = set()
         link, queued = self.pool.chain_link, self._queued
         groups: dict[tuple[int, int], list[tuple[bytes, int]] | None] = {}  # by (ns_id, class)
-        leaves = self.pool.iter_evictable(owner) if window is not None else self._every_chain()
+        cold = self.pool.iter_evictable(owner)  # a generator: walked only with a window
+        leaves = self._every_chain() if window is None else islice(cold, 4 * window)
         for leaf in leaves:
             if budget <= 0:
                 break

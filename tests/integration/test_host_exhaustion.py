@@ -216,7 +216,8 @@ def test_a_namespace_its_tenant_file_cannot_name_reaches_l3_only_once_saved(
 
         try:
             stored("m", 3, salt=11)
-            assert (sync().failed, sync().left) == (0, 0)
+            rep = sync()
+            assert (rep.failed, rep.left) == (0, 0), rep
             fill(st)
             m2 = stored("m2", 3, salt=12)
             rep = sync()

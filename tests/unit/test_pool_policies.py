@@ -397,15 +397,15 @@ def test_config_selects_the_policy() -> None:
 
 
 @pytest.mark.parametrize("policy", ["arc", "reuse"])
-def test_write_back_walks_both_lists_coldest_first(policy: str) -> None:
-    """Write-back writes the pages ``iter_evictable`` yields first: those eviction may take
-    next from either list, so a cold page of T2 comes before warmer pages of T1 (it is not
-    left to wait, unwritten, while T1's are written and evicted)."""
+def test_write_back_walks_both_lists_from_their_cold_ends_in_turn(policy: str) -> None:
+    """Write-back writes the pages ``iter_evictable`` yields first: the cold ends of T1 and
+    T2 in turn, so the policy's choice between the two cold ends finds a page in L3 at
+    each (T2's cold page does not wait, unwritten, while T1's are written and evicted)."""
     pool, cls = pool_of(2, policy)
     store(pool, cls, [b"old"])
     load(pool, [b"old"])  # T2, and the coldest page
     store(pool, cls, [b"t1-a"])
     store(pool, cls, [b"t1-b"])
     order = [pool.describe(s).key for s in pool.iter_evictable()]
-    assert order == [b"old", b"t1-a", b"t1-b"]
+    assert order == [b"t1-a", b"old", b"t1-b"]
     assert [pool.describe(s).key for s in pool.evictable_slots()] == [b"t1-a", b"t1-b", b"old"]
