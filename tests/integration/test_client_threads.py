@@ -66,7 +66,9 @@ def test_release_of_an_abandoned_load_never_cancels_the_next_transfer_in_its_slo
                     abandoned[0] += 1
                     h.until_ended()
                     continue
-                if not h.wait_loaded():
+                # a wait past load_timeout_s (a loaded machine) would read as a failure:
+                # what is checked is that no RELEASE cancels this transfer
+                if not h.wait_loaded(timeout=120):
                     seq, _, status = h.block.read(h.slot)
                     errors.append(
                         f"worker {w} round {rnd}: LOAD seq {h.seq} in slot {h.slot} failed "
