@@ -285,24 +285,10 @@ def _tenant_table(tenants: Mapping[str, Any]) -> Any:
 
 def render_sessions(sessions: Sequence[Mapping[str, Any]]) -> Any:
     """Build the ``kvtier sessions`` table (a rich renderable) from the snapshot's sessions."""
-    from rich.table import Table
-
-    t = Table(
-        title=f"{len(sessions)} session{'s' if len(sessions) != 1 else ''}", title_justify="left"
+    t = _listing(
+        f"{len(sessions)} session{'s' if len(sessions) != 1 else ''}",
+        "id> tenant< model< namespace< pid> rank> state< page> pages> transfers>",
     )
-    for name, justify in (
-        ("id", "right"),
-        ("tenant", "left"),
-        ("model", "left"),
-        ("namespace", "left"),
-        ("pid", "right"),
-        ("rank", "right"),
-        ("state", "left"),
-        ("page", "right"),
-        ("pages", "right"),
-        ("transfers", "right"),
-    ):
-        t.add_column(name, justify=justify)  # type: ignore[arg-type]
     for s in sessions:
         page = s.get("page_bytes")
         t.add_row(
@@ -324,19 +310,13 @@ def render_namespaces(rows: Sequence[Mapping[str, Any]], total: int | None = Non
     """Build the ``kvtier namespaces`` table (a rich renderable) from the snapshot's
     namespaces (the namespace whole: what ``kvtier flush --namespace`` takes); ``total``:
     how many there are when the daemon listed only some."""
-    from rich.table import Table
-
     n = len(rows) if total is None else total
     shown = "" if n == len(rows) else f"{len(rows)} of "
-    t = Table(title=f"{shown}{n} namespace{'s' if n != 1 else ''}", title_justify="left")
-    for name, justify in (
-        ("namespace", "left"),
-        ("pages", "right"),
-        ("sessions", "right"),
-        ("tenant", "left"),
-        ("model", "left"),
-    ):
-        t.add_column(name, justify=justify, overflow="fold")  # type: ignore[arg-type]
+    t = _listing(
+        f"{shown}{n} namespace{'s' if n != 1 else ''}",
+        "namespace< pages> sessions> tenant< model<",
+        overflow="fold",  # the namespace whole: what flush --namespace takes
+    )
     for r in rows:
         models = r.get("models")
         t.add_row(
@@ -346,6 +326,18 @@ def render_namespaces(rows: Sequence[Mapping[str, Any]], total: int | None = Non
             _plain(r.get("tenant", "")) if r.get("tenant") else "—",
             _plain(", ".join(map(str, models))) if isinstance(models, list) and models else "—",
         )
+    return t
+
+
+def _listing(title: str, columns: str, **column: Any) -> Any:
+    """A rich table titled ``title`` with ``columns``: names, each followed by ``<`` (left
+    justified) or ``>`` (right), separated by spaces; ``column``: more ``add_column``
+    options for every column."""
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left")
+    for spec in columns.split():
+        t.add_column(spec[:-1], justify="left" if spec[-1] == "<" else "right", **column)
     return t
 
 
