@@ -7,9 +7,14 @@ kvtierd and compared with the same model run with kvtier off.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
+import sys
 import threading
+from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -100,6 +105,44 @@ def test_stalled_load_in_a_pool_sized_for_the_request_still_recomputes(daemon_fa
     pytest.fail("the load completed before the daemon stopped, three times")
 
 
+COPY_NICE = 19  # the daemon's copy threads are the threads at this nice value
+HOG = """
+import os, sys, time
+end = time.monotonic() + 60
+print("ready", flush=True)
+while time.monotonic() < end:
+    pass
+"""
+
+
+@contextlib.contextmanager
+def _copies_starved(pid: int) -> Iterator[None]:
+    """While inside, kvtierd ``pid``'s copy threads (started with ``--copy-nice 19``) get
+    almost no CPU: they share one CPU with a busy process and run only when it does not
+    want the CPU (SCHED_IDLE). A STORE the daemon accepted is then still copying when the
+    test stops the daemon, however fast this machine copies."""
+    if os.getpriority(os.PRIO_PROCESS, 0) >= COPY_NICE:
+        pytest.skip(f"the tests run at nice {COPY_NICE}: the copy threads cannot be told apart")
+    cpu = max(os.sched_getaffinity(0))
+    copiers = []
+    for t in Path(f"/proc/{pid}/task").iterdir():
+        stat = (t / "stat").read_text()
+        if int(stat.rsplit(")", 1)[1].split()[16]) == COPY_NICE:
+            copiers.append(int(t.name))
+    assert copiers, "kvtierd's copy threads (at nice 19)"
+    for tid in copiers:
+        os.sched_setaffinity(tid, {cpu})
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+    hog = subprocess.Popen([sys.executable, "-c", HOG], stdout=subprocess.PIPE, text=True)
+    try:
+        os.sched_setaffinity(hog.pid, {cpu})
+        assert hog.stdout is not None and hog.stdout.readline() == "ready\n"
+        yield
+    finally:
+        hog.kill()
+        hog.wait()
+
+
 class _StopDaemonAfterStore(CacheManager):
     """SIGSTOPs the daemon as soon as an insert has sent its write-through STORE: the STORE
     times out while the daemon, still alive, may read its pages (they are held back)."""
@@ -132,7 +175,15 @@ def test_eviction_evicts_enough_when_the_oldest_pages_are_held_by_a_stalled_stor
     with ReferenceEngine(mode="off", page_size=page, num_pages=total, model=model) as off:
         want = off.generate(b, 1)
     for attempt in range(3):
-        d = daemon_factory("--hicache-size", "160MiB", "--extent-size", "32MiB", name=f"w{attempt}")
+        d = daemon_factory(
+            "--hicache-size",
+            "160MiB",
+            "--extent-size",
+            "32MiB",
+            "--copy-nice",
+            str(COPY_NICE),
+            name=f"w{attempt}",
+        )
         cc = client_config(
             d.runtime_dir,
             request_timeout_s=0.3,
@@ -151,7 +202,8 @@ def test_eviction_evicts_enough_when_the_oldest_pages_are_held_by_a_stalled_stor
             cache = e.cache
             assert isinstance(cache, _StopDaemonAfterStore)
             cache.victim = d
-            e.generate(a, 1)  # its STORE stalls: its 32 pages are held back once evicted
+            with _copies_starved(d.pid):
+                e.generate(a, 1)  # its STORE stalls: its 32 pages are held back once evicted
             if cache.counters.store_failures == 0:
                 continue  # the STORE ended before the daemon stopped: try again
             e.generate(c, 1)  # the daemon does not answer: computed, 16 more L1 pages
