@@ -233,14 +233,15 @@ class CompletionBlock:
         polls = 0
         while True:
             ticket = int(words[i])
-            if int(row[SEQ]) == seq:
-                status = int(row[STATUS])
-                if status != TransferStatus.RUNNING:
-                    if status == TransferStatus.DONE and int(row[LAYERS_DONE]) < layers:
-                        return TransferStatus.FAILED
-                    return TransferStatus(status)
-                if not end and int(row[LAYERS_DONE]) >= layers:
-                    return TransferStatus.RUNNING
+            if int(row[SEQ]) != seq:  # begun before its reply came: the slot was reused
+                return TransferStatus.FAILED
+            status = int(row[STATUS])
+            if status != TransferStatus.RUNNING:
+                if status == TransferStatus.DONE and int(row[LAYERS_DONE]) < layers:
+                    return TransferStatus.FAILED
+                return TransferStatus(status)
+            if not end and int(row[LAYERS_DONE]) >= layers:
+                return TransferStatus.RUNNING
             now = time.monotonic()
             if now >= deadline:
                 raise CompletionTimeout(

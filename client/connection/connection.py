@@ -543,10 +543,10 @@ class Connection:
             except (DaemonUnavailable, DaemonError, replies.UnexpectedReply) as err:
                 log.debug("%s treated as a miss: %s", kind.__name__, err)
                 return TransferHandle(None, None, -1, 0, 0, 0, n_layers)
-        slot = self._slots.take(self._block)
+        seq = next(self._seqs)
+        slot = self._slots.take(self._block, seq)
         if slot is None:
             return TransferHandle(None, None, -1, 0, 0, 0, n_layers)
-        seq = next(self._seqs)
 
         def make(sid: int) -> P.Request:  # called once registered (again, maybe)
             if self._cuda is not None:  # the daemon's copies wait for the engine's work
@@ -576,19 +576,19 @@ class Connection:
         except (DaemonUnavailable, DaemonError, replies.UnexpectedReply) as err:
             log.debug("%s treated as a miss: %s", kind.__name__, err)
             if self._block is not block:  # registered again meanwhile: the request went to
-                self._slots.keep(slot)  # the new session, in this slot of its table
+                self._slots.keep(slot, seq)  # the new session, in this slot of its table
             self._slots.abandon(slot, seq)  # the daemon may still run it
             if isinstance(err, DaemonUnavailable):
                 raise _Unanswered(slot, seq) from err
             return TransferHandle(None, None, -1, 0, 0, 0, n_layers)
         if self._block is not block:  # re-registered: slots were reset
-            self._slots.keep(slot)
+            self._slots.keep(slot, seq)
         if isinstance(rep, P.LoadAccepted):
             count, writing = rep.count, rep.count
         else:
             count, writing = rep.count, rep.writing
         if writing == 0:
-            self._slots.give_back(slot)
+            self._slots.give_back(slot, seq)
             return TransferHandle(None, None, -1, 0, count, 0, n_layers)
         cuda = self._cuda if kind is P.Load else None
         return TransferHandle(self, self._block, slot, seq, count, writing, n_layers, cuda)

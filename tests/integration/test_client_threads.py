@@ -8,6 +8,7 @@ shared by threads"). Each test runs a real kvtierd (the ``daemon`` fixtures).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -31,7 +32,18 @@ def test_release_of_an_abandoned_load_never_cancels_the_next_transfer_in_its_slo
     go on, while a scheduler thread looks up. No LOAD waited for may end cancelled, and
     every one that succeeds has its bytes: the RELEASE that the heartbeat thread sends for
     an abandoned transfer must cancel that transfer only, never a newer transfer that took
-    its completion slot once the abandoned one had ended."""
+    its completion slot once the abandoned one had ended.
+
+    And the connection never hands out a slot in use: a thread that gives its LOAD up
+    records the end late, after the slot left limbo and another LOAD took it. Counting that
+    end again would free the slot under the running LOAD (the daemon answers the third LOAD
+    in it BUSY, and the second's waiter, finding another transfer's number in its slot,
+    never sees its own end)."""
+    misses = _Misses()
+    logger = logging.getLogger("kvtier.client")
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(misses)
     pool, conn = engine(daemon.runtime_dir, num_pages=(WORKERS + 1) * LONG + HELD)
     held = []
     try:
@@ -92,11 +104,29 @@ def test_release_of_an_abandoned_load_never_cancels_the_next_transfer_in_its_slo
         assert not any(t.is_alive() for t in [*workers, sched])
         assert abandoned[0] > 0
         assert errors == [], f"{len(errors)} LOADs failed: {errors[:4]}"
+        busy = [m for m in misses.lines if "BUSY: slot" in m]
+        if len(busy) == len(misses.lines):  # a request that went unanswered may be run late
+            assert busy == [], f"LOADs sent into a slot in use: {busy[:4]}"
     finally:
+        logger.removeHandler(misses)
+        logger.setLevel(level)
         for h in held:
             h.wait()
         conn.close()
         pool.close()
+
+
+class _Misses(logging.Handler):
+    """The connection's "treated as a miss" log lines (why a request was one)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if "treated as a miss" in text:
+            self.lines.append(text)
 
 
 @pytest.mark.timeout(120)
