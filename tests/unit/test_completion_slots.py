@@ -75,6 +75,8 @@ def test_reset_forgets_limbo_and_keep_takes_a_slot_out_of_the_new_table(
     other = slots.take(block, 2)
     assert other is not None and other != old
     assert slots.take(block, 3) is None
+    slots.give_back(old, 1)  # kept for seq 1: its end frees it
+    assert slots.take(block, 4) == old
 
 
 def test_a_late_end_of_an_abandoned_transfer_never_frees_the_slot_of_the_next(
@@ -112,5 +114,5 @@ def test_a_wait_on_a_slot_that_shows_a_newer_transfer_ends_at_once(
     block.begin(1, seq=4, num_layers=2)
     block.finish(1, TransferStatus.DONE, wake=False)
     block.begin(1, seq=5, num_layers=2)
-    assert block.wait(1, 4, 2, 30.0) is TransferStatus.FAILED
-    assert block.wait(1, 4, 2, 30.0, end=True) is TransferStatus.FAILED
+    assert block.wait(1, 4, 2, 1.0) is TransferStatus.FAILED
+    assert block.wait(1, 4, 2, 1.0, end=True) is TransferStatus.FAILED
