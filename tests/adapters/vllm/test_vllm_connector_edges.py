@@ -142,6 +142,7 @@ if __name__ == "__main__":
 import pytest  # noqa: E402
 from kvtier.client.connection.admin import AdminClient  # noqa: E402
 from vllm_harness import (  # noqa: E402
+    EngineError,
     BLOCK,
     TINY,
     EngineProcess,
@@ -346,7 +347,12 @@ def test_engines_of_different_fp8_kv_cache_dtypes_never_share_pages(
     extra = {"runtime_dir": str(daemon.runtime_dir)}
     p = prompt(62, 200)
     pages = (len(p) - 1) // BLOCK
-    e4m3 = start_engine(tiny_model, extra, llm={"kv_cache_dtype": "fp8_e4m3"})
+    try:
+        e4m3 = start_engine(tiny_model, extra, llm={"kv_cache_dtype": "fp8_e4m3"})
+    except EngineError as err:
+        if "FP8 KV cache on CPU requires" not in str(err):
+            raise
+        pytest.skip("vLLM's CPU backend keeps an FP8 KV cache only on x86 with AVX-512 or AMX")
     before = _stored_pages(daemon)
     out = e4m3.ask([{"tokens": p}])
     assert out[0]["cached"] == 0

@@ -64,12 +64,15 @@ def test_engine_copies_reuse_after_exit_sigkill_and_kvtierd_restart(
     wait_for_pages(d.runtime_dir, tiny_model, longer, (len(longer) - 1) // BLOCK)
 
     # kvtierd restarted under the running engine: it adopts its pool and serves the pages
+    # (compared with a reference run of the same batch shape: vLLM's CPU kernels may round
+    # a batch of one otherwise than a batch of three)
+    want_one = reference.generate([PROMPTS[1]])
     d.kill()
     d.start()
     deadline = time.monotonic() + 30
     while True:  # the connector re-registers (a new staging handover) at its next attempt
         out = second.generate([PROMPTS[1]])
-        assert same_output(out, want[1:2])
+        assert same_output(out, want_one)
         if out[0]["cached"] == PAGES[1] * BLOCK:
             break
         assert time.monotonic() < deadline, "no kvtier hit after kvtierd came back"
