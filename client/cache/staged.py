@@ -314,8 +314,13 @@ class StagedConnection:
     @property
     def load_room(self) -> tuple[int, int]:
         """``(loads, pages)`` a caller may keep in flight as LOADs: the connection's loads,
-        and the staging area's slots :attr:`store_room` leaves."""
-        return self.connection.load_room[0], max(1, self.area.capacity - self.area.capacity // 2)
+        and the staging area's slots :attr:`store_room` leaves, less those a failed
+        transfer's daemon may still copy (:attr:`StagingArea.held
+        <kvtier.client.staging.area.StagingArea.held>`): loads then take no slot STOREs
+        need (under ``write_back`` an eviction's STORE is the only copy of its pages). 0
+        pages while they cover the loads' share."""
+        share = max(1, self.area.capacity - self.area.capacity // 2)
+        return self.connection.load_room[0], max(0, share - self.area.held)
 
     def load(self, keys: Sequence[bytes], pages: Sequence[int]) -> StagedLoad:
         """Load the leading L2 run of ``keys`` (at most the area's capacity) through slots;

@@ -190,6 +190,14 @@ class StagingArea:
             self._reclaim()
             return int(self._free.sum())
 
+    @property
+    def held(self) -> int:
+        """Slots given back while the daemon may still copy them (a failed transfer's), not
+        free until it stops."""
+        with self._cv:
+            self._reclaim()
+            return sum(len(slots) for slots, _ in self._held)
+
     def acquire(self, n: int, timeout: float) -> list[int] | None:
         """Take ``n`` slots, waiting at most ``timeout`` seconds for them.
 

@@ -278,3 +278,43 @@ def test_a_stalled_daemon_keeps_its_slots_out_of_use_and_they_come_back_after(
             if caught:
                 break
     assert caught, "the daemon was never stopped in the middle of a load"
+
+
+@pytest.mark.timeout(120)
+def test_slots_a_stalled_daemon_may_still_write_come_off_the_room_for_loads(
+    daemon_factory,
+) -> None:
+    """A staged load given up while kvtierd is stalled keeps its slots out of use; the room
+    for loads (what the cache manager keeps its loads within under write_back, so that an
+    eviction's STORE finds slots) no longer counts them until kvtierd has stopped copying."""
+    d = daemon_factory("--hicache-size", "256MiB", "--extent-size", "16MiB")
+    n = 64
+    share = n - n // 2
+    src = kv_tensors(63, pages=2 * n, g=BIG)
+    cfg = client_config(d.runtime_dir, request_timeout_s=1.0, load_timeout_s=1.0)
+    keys = keys_for(63, n)
+    caught = False
+    with StagedConnection.over(src, BIG, "room", staging_pages=n, wait_s=0.2, config=cfg) as c:
+        assert c.load_room[1] == share and c.area.held == 0
+        assert c.store(keys, list(range(n))).wait()
+        for _ in range(5):
+            ld = c.load(keys, list(range(n, 2 * n)))
+            assert ld.count == n
+            os.kill(d.pid, signal.SIGSTOP)
+            try:
+                if not ld.wait():
+                    caught = True
+                    held = c.area.held
+                    assert held == n - c.area.free > 0
+                    assert c.load_room[1] == max(0, share - held)
+            finally:
+                os.kill(d.pid, signal.SIGCONT)
+            deadline = time.monotonic() + 20
+            while c.area.held:
+                assert time.monotonic() < deadline, c.area.held
+                time.sleep(0.05)
+            assert c.load_room[1] == share
+            if caught:
+                break
+            time.sleep(1.2)  # the client's back-off after an unanswered request
+    assert caught, "the daemon was never stopped in the middle of a load"
