@@ -147,7 +147,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         help="where the pool files are (default: pool_dir of the daemon's config: "
-        "$KVTIER_POOL_DIR, else /dev/shm)",
+        "$KVTIER_POOL_DIR, else the --config file's, else /dev/shm)",
+    )
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        default=os.environ.get("KVTIER_CONFIG"),
+        help="the kvtierd config file whose pool_dir to list (default: $KVTIER_CONFIG, "
+        "else none); a systemd service's is /etc/kvtier/kvtierd.toml",
     )
     what = p.add_mutually_exclusive_group()
     what.add_argument(
@@ -343,7 +350,7 @@ def main(argv: Sequence[str]) -> int:
         return stop.code if isinstance(stop.code, int) else 0
     try:
         cli = {"pool_dir": args.pool_dir} if args.pool_dir is not None else {}
-        pool_dir = load_config(DaemonConfig, cli=cli).pool_dir
+        pool_dir = load_config(DaemonConfig, file=args.config or None, cli=cli).pool_dir
     except ConfigError as err:
         _say(f"kvtier pools: {err}", file=sys.stderr)
         return 2

@@ -247,9 +247,11 @@ def _describe(err: ValidationError, values: Mapping[str, Any], sources: Mapping[
 # Help for fields whose description (in models.py) does not say how to write the value or
 # what it is for; shown by ``kvtierd --help`` in place of / after the description.
 _HELP_REPLACED = {
-    "admin_token": "Credential the admin requests must carry: kvtier stats, sessions, flush and "
-    "sync (health needs none). Unset: anyone who can reach the socket may use "
-    "them. The admin commands send it from --admin-token or $KVTIER_ADMIN_TOKEN.",
+    "admin_token": "Credential the admin requests must carry: kvtier stats, sessions, "
+    "namespaces, flush and sync (health needs none). Unset: anyone who can reach the socket "
+    "may use them, unless tenants are configured: then a tenant's token gives that "
+    "tenant's view and sync is refused. The admin commands send it from --admin-token or "
+    "$KVTIER_ADMIN_TOKEN.",
 }
 _HELP_NOTES = {
     "tenants": 'Format: a JSON object {"NAME": {"token": "SECRET", "quota_pages": N}, ...} '

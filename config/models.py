@@ -342,7 +342,10 @@ class DaemonConfig(_Frozen):
         "for the other ranks of its engine; a rank that never asks makes the answer 0.",
     )
     metrics_port: int | None = Field(
-        default=None, ge=1, le=65535, description="Prometheus port on 127.0.0.1 (off when unset)."
+        default=None,
+        ge=1,
+        le=65535,
+        description="Prometheus port on metrics_host (off when unset).",
     )
     metrics_host: str = Field(default="127.0.0.1", description="Metrics bind address.")
     admin_token: SecretStr | None = Field(

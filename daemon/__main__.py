@@ -33,7 +33,7 @@ _EPILOG = """\
 Where it listens: ipc://<runtime_dir>/kvtierd.sock. With the defaults it keeps a 1 GiB host
 pool in /dev/shm and an L3 disk store in <state_dir>/l3 (up to 16 GiB); use
 --hicache-storage-backend none to keep to L2. Engines, and the admin commands (kvtier stats,
-sessions, flush, sync, health), find it through the same runtime directory."""
+sessions, namespaces, flush, sync, health), find it through the same runtime directory."""
 
 
 def build_parser(prog: str = "kvtierd") -> argparse.ArgumentParser:

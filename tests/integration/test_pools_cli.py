@@ -20,14 +20,15 @@ from kvtier.config.loader import pool_path
 pytestmark = pytest.mark.timeout(120)
 
 
-def pools(*args: str) -> subprocess.CompletedProcess[str]:
-    """Run ``kvtier pools ARGS`` as a separate process."""
+def pools(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``kvtier pools ARGS`` as a separate process (``env``: its environment)."""
     return subprocess.run(
         [sys.executable, "-m", "kvtier.cli.main", "pools", *args],
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
+        env=env,
     )
 
 
@@ -141,3 +142,31 @@ def test_a_pool_file_whose_lock_is_held_is_held_and_never_removed(short_tmp: Pat
         holder.kill()
         holder.wait()
     assert listing(shm)[str(path)]["held"] != "yes"  # its lock went with its holder
+
+
+def test_pools_reads_pool_dir_from_the_daemons_config_file(short_tmp: Path) -> None:
+    """A service whose config file moves pool_dir (systemd: /etc/kvtier/kvtierd.toml) has
+    its pools listed with ``--config`` or ``$KVTIER_CONFIG``; ``--pool-dir`` and
+    ``$KVTIER_POOL_DIR`` beat the file, as they do for kvtierd; a bad file is named."""
+    shm = short_tmp / "shm"
+    shm.mkdir()
+    path = shm / "kvtier-pool-0123456789abcdef"
+    path.write_bytes(b"\0" * 4096)
+    cfg = short_tmp / "kvtierd.toml"
+    cfg.write_text(f'pool_dir = "{shm}"\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    for args, extra in ((("--config", str(cfg)), {}), ((), {"KVTIER_CONFIG": str(cfg)})):
+        done = pools(*args, "--json", env={**env, **extra})
+        assert done.returncode == 0, done.stderr
+        assert [row["path"] for row in json.loads(done.stdout)] == [str(path)]
+    other = short_tmp / "other"
+    other.mkdir()
+    for args, extra in (
+        (("--config", str(cfg), "--pool-dir", str(other)), {}),
+        (("--config", str(cfg)), {"KVTIER_POOL_DIR": str(other)}),
+    ):
+        done = pools(*args, "--json", env={**env, **extra})
+        assert done.returncode == 0 and json.loads(done.stdout) == [], done.stderr
+    cfg.write_text("pool_dirr = 1\n")
+    bad = pools("--config", str(cfg), env=env)
+    assert bad.returncode == 2 and "pool_dirr" in bad.stderr, bad.stderr
