@@ -25,6 +25,7 @@ from kvtier.daemon.service.sessions import Session
 from kvtier.daemon.service.validation import RequestError
 from kvtier.daemon.service.refusal_log import RefusalLog
 from kvtier.daemon.tier.rank_groups import GroupKey
+from kvtier.daemon.tier.tenant_namespaces import DEFAULT_TENANT
 from kvtier.daemon.transfer.engine_memory import (
     NAMES_REFUSED,
     EngineMemory,
@@ -41,8 +42,6 @@ if TYPE_CHECKING:
     from kvtier.daemon.transfer.cuda.memory import CudaEngineMemory
 
 log = logging.getLogger("kvtier.daemon")
-DEFAULT_TENANT = "default"
-"""The tenant of every session when no tenants are configured."""
 
 
 class Registration:

@@ -38,8 +38,10 @@ from kvtier.daemon.state_files import read_state_file
 
 log = logging.getLogger("kvtier.daemon")
 
-__all__ = ["FILE_NAME", "MAX_ENTRIES", "TenantNamespaces"]
+__all__ = ["DEFAULT_TENANT", "FILE_NAME", "MAX_ENTRIES", "TenantNamespaces"]
 
+DEFAULT_TENANT = "default"
+"""The tenant of every session when no tenants are configured."""
 FILE_NAME = "tenant-namespaces.msgpack"
 MAX_ENTRIES = 65536
 """Namespaces the file remembers at most (the latest seen)."""

@@ -37,7 +37,7 @@ from kvtier.daemon.tier.prefetch import Fill, Prefetcher, PrefetchJob
 from kvtier.daemon.tier.rank_groups import RankGroups
 from kvtier.daemon.tier import tenant_namespaces
 from kvtier.daemon.tier.session import TierSession
-from kvtier.daemon.tier.tenant_namespaces import TenantNamespaces
+from kvtier.daemon.tier.tenant_namespaces import DEFAULT_TENANT, TenantNamespaces
 from kvtier.daemon.tier.writer import L3Writer
 
 log = logging.getLogger("kvtier.daemon.l3")
@@ -246,6 +246,8 @@ class TierStore:
         """The tenant that registered namespace ``fingerprint`` (``default`` without
         tenants configured; None: not known since the start, nor saved, nor told by an
         adopted pool's owners)."""
+        if not self.cfg.tenants:  # every namespace is the default tenant's, adopted ones too
+            return DEFAULT_TENANT
         return self._tenant_ns.tenant_of(fingerprint)
 
     def tenant_namespaces(self, tenant: str | None) -> list[bytes]:

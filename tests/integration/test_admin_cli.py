@@ -214,6 +214,24 @@ def test_namespaces_list_the_pools_namespaces_also_after_their_engines_left(daem
         pb.close()
 
 
+def test_namespaces_adopted_by_a_restart_are_still_the_default_tenants(daemon):
+    """Without tenants configured every namespace is the default tenant's, also the ones a
+    restarted kvtierd adopted with the pool (no engine of theirs has registered since)."""
+    rdir = str(daemon.runtime_dir)
+    pool, conn, _ = stored(daemon.runtime_dir, n=2, model="m1")
+    fp = conn.ns_fingerprint.hex()
+    conn.close()
+    pool.close()
+    assert daemon.stop() == 0
+    daemon.start()
+    r = kvtier("namespaces", "--json", "--runtime-dir", rdir)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert [(row["namespace"], row["pages"], row["tenant"]) for row in rows] == [
+        (fp, 2, "default")
+    ], rows
+
+
 # ---------------------------------------------------------------------------- flush and admin
 def test_flush_and_stats_need_the_admin_token_when_one_is_configured(daemon_factory):
     d = daemon_factory("--admin-token", "s3cret")
