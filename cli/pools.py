@@ -350,7 +350,10 @@ def main(argv: Sequence[str]) -> int:
         return stop.code if isinstance(stop.code, int) else 0
     try:
         cli = {"pool_dir": args.pool_dir} if args.pool_dir is not None else {}
-        pool_dir = load_config(DaemonConfig, file=args.config or None, cli=cli).pool_dir
+        # the file only when it decides: an unreadable or unrelated one stops nothing else
+        decided = args.pool_dir is not None or os.environ.get("KVTIER_POOL_DIR")
+        file = None if decided or args.remove is not None else args.config or None
+        pool_dir = load_config(DaemonConfig, file=file, cli=cli).pool_dir
     except ConfigError as err:
         _say(f"kvtier pools: {err}", file=sys.stderr)
         return 2

@@ -191,6 +191,12 @@ class CompletionBlock:
         futex.wake(self._wbase + 4 * i)
 
     # -- client side ---------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (a wait that began before goes on over its own
+        reference to the mapping, so its ``alive`` callback asks this)."""
+        return self._a is None
+
     def read(self, slot: int) -> tuple[int, int, int]:
         """Return (seq, layers_done, status) of ``slot``."""
         row = self._a[slot]

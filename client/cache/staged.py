@@ -306,10 +306,14 @@ class StagedConnection:
     @property
     def store_room(self) -> tuple[int, int]:
         """``(stores, pages)`` a caller may keep in flight as STOREs: the connection's
-        stores, and half the staging area's slots (the other half is for loads). A STORE
-        holds its slots until it is waited for; one that finds none free within ``wait_s``
-        is dropped."""
-        return self.connection.store_room[0], max(1, self.area.capacity // 2)
+        stores, and half the staging area's slots (the other half is for loads), less the
+        slots failed transfers hold (:attr:`StagingArea.held
+        <kvtier.client.staging.area.StagingArea.held>`) beyond the loads' half (at least
+        1). A STORE holds its slots until it is waited for; one that finds none free within
+        ``wait_s`` is dropped."""
+        held = self.area.held  # past the loads' share, failed STOREs' slots take this half's
+        over = max(0, held - (self.area.capacity - self.area.capacity // 2))
+        return self.connection.store_room[0], max(1, self.area.capacity // 2 - over)
 
     @property
     def load_room(self) -> tuple[int, int]:

@@ -520,6 +520,11 @@ class Connection:
         keys = key_list(keys)
         if not keys:
             return TransferHandle(None, None, -1, 0, 0, 0, n_layers)
+        try:  # before the lock: a forked process's copy of it may be held for good
+            self._check_usable()
+        except DaemonUnavailable as err:
+            log.debug("%s treated as a miss: %s", kind.__name__, err)
+            return TransferHandle(None, None, -1, 0, 0, 0, n_layers)
         try:
             with self._lock:
                 return self._transfer_locked(kind, keys, pages, parent_key, engine)
@@ -581,6 +586,11 @@ class Connection:
             if isinstance(err, DaemonUnavailable):
                 raise _Unanswered(slot, seq) from err
             return TransferHandle(None, None, -1, 0, 0, 0, n_layers)
+        except BaseException:  # anything else (a bad page value, an interrupt): the slot
+            if self._block is not block:  # is not lost, whether the request went or not
+                self._slots.keep(slot, seq)
+            self._slots.abandon(slot, seq)
+            raise
         if self._block is not block:  # re-registered: slots were reset
             self._slots.keep(slot, seq)
         if isinstance(rep, P.LoadAccepted):
@@ -630,11 +640,11 @@ class Connection:
         self, block: CompletionBlock | None, slot: int, seq: int, status: TransferStatus
     ) -> None:
         """A handle's transfer ended: its slot may be reused. A handle of an earlier
-        registration (``block`` is not the current one) changes nothing: its slot number
-        belongs to the new registration's table now, maybe to a transfer running in it."""
-        with self._lock:
-            if block is self._block:
-                self._slots.done(slot, seq, status)
+        registration changes nothing: a re-registration reset the table, so ``seq`` owns no
+        slot of it (sequence numbers are never reused). Without the connection's lock, which
+        a request to a daemon that does not answer may hold: an engine's forward pass
+        records the end of its LOAD without waiting for that."""
+        self._slots.done(slot, seq, status)
 
     def _abandon(self, h: TransferHandle) -> None:
         """A transfer timed out: its slot waits in limbo at once, and the heartbeat thread
@@ -688,12 +698,23 @@ class Connection:
         if not any(not h.done and h.slot >= 0 for h in handles):
             return
 
+        def running(h: TransferHandle) -> bool:
+            """``h`` still runs in its slot: of this registration (an earlier one's has
+            nothing to cancel in it), and the block shows it (a transfer given up on may
+            have ended, and another one taken its slot, which a RELEASE would cancel; none
+            starts while the connection's lock, held here, is)."""
+            if h.done or h.slot < 0 or h.block is None or h.block is not self._block:
+                return False
+            try:
+                s, _, status = h.block.read(h.slot)
+            except (TypeError, ValueError, AttributeError):  # closed: re-registered
+                return False
+            return s == h.seq and status == TransferStatus.RUNNING
+
         def make(sid: int) -> P.Request:  # after a re-registration, if one happens first
-            # a handle of an earlier registration has nothing to cancel in this one
-            slots = [
-                h.slot for h in handles if not h.done and h.slot >= 0 and h.block is self._block
-            ]
-            return P.Release(req_id=0, session_id=sid, slots=slots)
+            return P.Release(
+                req_id=0, session_id=sid, slots=[h.slot for h in handles if running(h)]
+            )
 
         try:
             self._session_call(make, P.Ack)

@@ -114,7 +114,12 @@ def transfer_request(
     body: dict[str, Any] = (
         {"packed_keys": memoryview(packed), "packed_pages": memoryview(packed_pages)}
         if packed is not None and packed_pages is not None
-        else {"keys": list(keys), "pages": list(pages)}
+        # numpy integers as ints (msgspec encodes no numpy scalar); any other value goes as
+        # it is, for the daemon to refuse naming ``pages``
+        else {
+            "keys": list(keys),
+            "pages": [int(p) if isinstance(p, np.integer) else p for p in pages],
+        }
     )
     if kind is P.Store:
         return P.Store(

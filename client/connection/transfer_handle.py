@@ -57,7 +57,8 @@ class TransferOwner(Protocol):
         self, block: CompletionBlock | None, slot: int, seq: int, status: TransferStatus
     ) -> None:
         """The transfer ``seq`` in ``slot`` of ``block`` ended with ``status``: the slot may
-        be reused (unless ``block`` belongs to an earlier registration)."""
+        be reused (unless ``seq`` no longer owns it: a transfer of an earlier
+        registration). Called without waiting for the connection's lock."""
         ...
 
 
@@ -174,7 +175,7 @@ class TransferHandle:
                 self.seq,
                 layer + 1,
                 conn.config.load_timeout_s if timeout is None else timeout,
-                alive=conn.serving,
+                alive=self._alive,
             )
         except CompletionTimeout:
             st = TransferStatus.FAILED
@@ -188,6 +189,13 @@ class TransferHandle:
             return True
         self._end(st)  # DONE: the daemon saw every copy finish on the GPU, nothing to wait for
         return st is TransferStatus.DONE
+
+    def _alive(self) -> bool:
+        """Whether a wait on this transfer's slot may go on: its connection serves, and no
+        re-registration closed the block (its daemon gone, whose successor never writes
+        it: a daemon in another pid namespace is not watched by its pid)."""
+        block, conn = self._block, self._conn
+        return block is not None and not block.closed and conn is not None and conn.serving()
 
     def _layer_index(self, layer: object) -> int:
         """``layer`` as an index in ``[0, num_layers)``, else IndexError / TypeError naming
@@ -235,7 +243,7 @@ class TransferHandle:
                     self.seq,
                     self.num_layers,
                     conn.config.load_timeout_s,
-                    alive=conn.serving,
+                    alive=self._alive,
                     end=True,
                 )
             except CompletionTimeout:  # the daemon may still hold the slot: given up on

@@ -9,13 +9,16 @@ shared by threads"). Each test runs a real kvtierd (the ``daemon`` fixtures).
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 import time
 
+import numpy as np
 import pytest
 from kvtier.ipc.completion import TransferStatus
 
-from tests.engines import engine, fill_page, page_bytes, tokens
+from tests.engines import SMALL, engine, fill_page, page_bytes, tokens
 
 LONG = 200
 """Pages of a LOAD that runs on a copy thread for a while (3.2 MiB of SMALL pages)."""
@@ -222,5 +225,96 @@ def test_threads_through_a_daemon_restart_never_raise_and_never_load_wrong_bytes
         assert hits_after[0] > 0
     finally:
         stop.set()
+        conn.close()
+        pool.close()
+
+
+def test_a_transfer_that_raises_before_its_reply_leaves_its_slot_reusable(daemon):
+    """A LOAD or STORE that raises on the way (a value the request cannot carry, an
+    interrupt while it waits for the reply) gives its completion slot back: once every slot
+    has been through that, transfers still run instead of being silent misses."""
+    pool, conn = engine(daemon.runtime_dir)
+    try:
+        keys = conn.page_keys(tokens(4 * SMALL.page_size))
+        assert conn.store(keys, [0, 1, 2, 3]).wait()
+        for _ in range(conn._slots.count + 2):
+            with pytest.raises(TypeError):
+                conn.load(keys[:2], [object(), -1])  # not packable: sent as a list, unencodable
+        h = conn.load(keys, [4, 5, 6, 7])
+        assert h.count == 4 and h.wait()
+        assert conn.load(keys[:2], [np.int64(8), np.int64(9)]).wait()  # numpy pages encode
+    finally:
+        conn.close()
+        pool.close()
+
+
+def taken(lock) -> bool:
+    """Whether another thread holds ``lock`` (an RLock) now."""
+    if lock.acquire(blocking=False):
+        lock.release()
+        return False
+    return True
+
+
+def test_the_end_of_a_load_is_recorded_without_the_connections_lock(daemon):
+    """An engine's forward pass records the end of its LOAD while another thread's request
+    to a stalled kvtierd holds the connection's lock: it does not wait for that request."""
+    pool, conn = engine(daemon.runtime_dir, request_timeout_s=3.0)
+    keys = conn.page_keys(tokens(4 * SMALL.page_size))
+    try:
+        assert conn.store(keys, [0, 1, 2, 3]).wait()
+        h = conn.load(keys, [4, 5, 6, 7])
+        deadline = time.monotonic() + 10
+        while h.block.read(h.slot)[2] == TransferStatus.RUNNING:  # until the daemon ended it
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            held = threading.Event()
+            t = threading.Thread(target=lambda: (held.set(), conn.lookup(keys)))
+            t.start()
+            assert held.wait(5)
+            end = time.monotonic() + 5
+            while not taken(conn._lock):  # the lookup holds it, waiting for its reply
+                assert time.monotonic() < end
+                time.sleep(0.005)
+            assert h.wait_loaded(timeout=0)
+            assert taken(conn._lock)  # the lookup still waits: the end did not wait for it
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        t.join()
+    finally:
+        conn.close()
+        pool.close()
+
+
+def test_release_names_only_slots_that_still_run_the_handles_transfer(daemon):
+    """``release(handles)`` from one thread while another is between giving a LOAD up and
+    recording its end: the LOAD has ended meanwhile, and its slot may be another transfer's
+    by now, so the RELEASE must not name it (it would cancel that transfer). It names a
+    slot only while the block shows the handle's own transfer running there."""
+    pool, conn = engine(daemon.runtime_dir)
+    sent: list[list[int]] = []
+    real = conn._session_call
+
+    def spy(make, kind, timeout=None):
+        msg = make(conn.session_id)
+        sent.append(list(msg.slots))
+        return real(make, kind, timeout)
+
+    try:
+        keys = conn.page_keys(tokens(2 * SMALL.page_size))
+        assert conn.store(keys, [0, 1]).wait()
+        h = conn.load(keys, [2, 3])
+        deadline = time.monotonic() + 10
+        while h.block.read(h.slot)[2] == TransferStatus.RUNNING:  # ended in the daemon
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert not h.done  # its end not recorded yet
+        conn._session_call = spy
+        conn.release([h])
+        assert sent == [[]], sent
+        assert h.wait()
+    finally:
         conn.close()
         pool.close()

@@ -398,3 +398,36 @@ def test_threads_sharing_a_connection_get_their_own_pages(daemon) -> None:
     finally:
         conn.close()
         pool.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_childs_load_is_a_miss_while_a_parent_thread_held_the_lock(daemon) -> None:
+    """A worker forked while another thread of the parent held the connection's lock (a
+    heartbeat, a request to a slow daemon) inherits that lock held for good: its LOAD and
+    STORE are a miss at once instead of waiting on it forever."""
+    pool, conn = engine(daemon.runtime_dir, request_timeout_s=1.0)
+    held, let_go = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with conn._lock:
+            held.set()
+            let_go.wait(30)
+
+    holder = threading.Thread(target=hold)
+    try:
+        keys = conn.page_keys(tokens(64))
+        assert conn.store(keys[:2], [0, 1]).wait()
+        holder.start()
+        assert held.wait(10)
+        status, got = fork_and_run(
+            conn, lambda c: (c.load(keys[:2], [2, 3]).count, c.store(keys[:2], [2, 3]).count), 15
+        )
+        let_go.set()
+        assert status == 0 and got == "(0, 0)", (status, got)
+        assert conn.load(keys[:2], [2, 3]).wait()  # the parent's session is untouched
+    finally:
+        let_go.set()
+        if holder.is_alive():
+            holder.join()
+        conn.close()
+        pool.close()

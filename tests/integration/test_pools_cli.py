@@ -170,3 +170,13 @@ def test_pools_reads_pool_dir_from_the_daemons_config_file(short_tmp: Path) -> N
     cfg.write_text("pool_dirr = 1\n")
     bad = pools("--config", str(cfg), env=env)
     assert bad.returncode == 2 and "pool_dirr" in bad.stderr, bad.stderr
+    # a file that does not decide pool_dir is not read: it cannot stop the command
+    for args, extra in (
+        (("--pool-dir", str(shm), "--json"), {"KVTIER_CONFIG": str(cfg)}),
+        (("--json",), {"KVTIER_CONFIG": str(cfg), "KVTIER_POOL_DIR": str(shm)}),
+    ):
+        done = pools(*args, env={**env, **extra})
+        assert done.returncode == 0, done.stderr
+        assert [row["path"] for row in json.loads(done.stdout)] == [str(path)]
+    gone = pools("--remove", str(shm / "kvtier-pool-00"), env={**env, "KVTIER_CONFIG": str(cfg)})
+    assert gone.returncode == 1 and "no such pool file" in gone.stderr, gone.stderr

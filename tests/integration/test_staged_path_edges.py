@@ -295,7 +295,7 @@ def test_slots_a_stalled_daemon_may_still_write_come_off_the_room_for_loads(
     keys = keys_for(63, n)
     caught = False
     with StagedConnection.over(src, BIG, "room", staging_pages=n, wait_s=0.2, config=cfg) as c:
-        assert c.load_room[1] == share and c.area.held == 0
+        assert c.load_room[1] == share and c.store_room[1] == n // 2 and c.area.held == 0
         assert c.store(keys, list(range(n))).wait()
         for _ in range(5):
             ld = c.load(keys, list(range(n, 2 * n)))
@@ -307,13 +307,15 @@ def test_slots_a_stalled_daemon_may_still_write_come_off_the_room_for_loads(
                     held = c.area.held
                     assert held == n - c.area.free > 0
                     assert c.load_room[1] == max(0, share - held)
+                    # past the loads' share, held slots come off the STOREs' half too
+                    assert c.store_room[1] == max(1, n // 2 - max(0, held - share))
             finally:
                 os.kill(d.pid, signal.SIGCONT)
             deadline = time.monotonic() + 20
             while c.area.held:
                 assert time.monotonic() < deadline, c.area.held
                 time.sleep(0.05)
-            assert c.load_room[1] == share
+            assert c.load_room[1] == share and c.store_room[1] == n // 2
             if caught:
                 break
             time.sleep(1.2)  # the client's back-off after an unanswered request

@@ -383,3 +383,24 @@ def test_loads_ended_at_their_last_layer_move_the_bytes_and_give_their_slots_bac
     finally:
         conn.close()
         pool.close()
+
+
+def test_a_wait_on_a_block_a_re_registration_closed_ends_at_once(tmp_path: Path):
+    """Another thread re-registered (the daemon died; a successor answered): the old block
+    is closed and nobody writes it any more. A wait on it ends as a failure within a poll,
+    not after ``load_timeout_s``, even where the dead daemon's pid cannot be watched (the
+    connection still says it serves)."""
+    block = CompletionBlock.create(tmp_path / "block", 4)
+    owner = _Owner(load_timeout_s=600.0)
+    block.begin(1, seq=7, num_layers=3)
+    h = TransferHandle(owner, block, 1, 7, count=4, writing=4, num_layers=3)
+    got: list[bool] = []
+    waiter = threading.Thread(target=lambda: got.append(h.wait()))
+    waiter.start()
+    try:
+        time.sleep(0.05)  # the wait has begun (one that begins after the close fails too)
+    finally:
+        block.close()
+    waiter.join(DEADLINE_S)
+    assert not waiter.is_alive(), "a wait on a closed block went on"
+    assert got == [False] and h.done and not h.ok
