@@ -16,7 +16,8 @@ It is an upper bound of the class-TTL policies, relaxed twice more in the policy
   as long as the gap (per page: a page whose prefix was dropped still counts, where a prefix
   cache would miss it);
 - the cache holds ``capacity`` pages on average over the trace, not at every moment (its
-  occupancy is the sum of the time pages are held over the trace's length);
+  occupancy is the sum of the time pages are held within the trace over the trace's
+  length: a page's hold that runs past the last request costs nothing);
 - the hold times are any mix of the grid's (0 to 3,600 s, 15 s apart): the best mix for the
   capacity is found by a Lagrangian search and interpolated on its convex hull, which is at
   least the best single choice per class.
@@ -90,51 +91,68 @@ class TtlBound:
 
 
 def _class_gaps(
-    chains: Chains, seconds: Sequence[float], features: Sequence[str]
-) -> dict[tuple[int, ...], list[float]]:
-    """Each class's gaps to the next access of its pages (``inf``: none), one per access."""
+    chains: Chains, stamps_ms: Sequence[float], features: Sequence[str]
+) -> dict[tuple[int, ...], tuple[list[float], list[float]]]:
+    """Per class, for each access of its pages: the gap to the page's next access, in
+    seconds (the first list), or, for an access with none, the time left to the end of the
+    trace (the second: a page held past the end takes no room within it). Times are
+    subtracted in milliseconds, then divided: a reuse exactly on a grid value is one."""
     unknown = [f for f in features if f not in FEATURES]
     if unknown:
         raise ValueError(f"features: unknown {unknown!r}; choose from {list(FEATURES)}")
+    end = stamps_ms[-1] if stamps_ms else 0.0
     nxt: dict[int, float] = {}
-    after: list[list[float]] = [[] for _ in chains]
+    after: list[list[float | None]] = [[] for _ in chains]
     for t in range(len(chains) - 1, -1, -1):
-        after[t] = [nxt.get(b, math.inf) - seconds[t] for b in chains[t]]
+        after[t] = [
+            None if b not in nxt else (nxt[b] - stamps_ms[t]) / 1000.0 for b in chains[t]
+        ]
         for b in chains[t]:
-            nxt[b] = seconds[t]
+            nxt[b] = stamps_ms[t]
     uses: dict[int, int] = defaultdict(int)
     last: dict[int, float] = {}
-    out: dict[tuple[int, ...], list[float]] = defaultdict(list)
+    out: dict[tuple[int, ...], tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
     for t, chain in enumerate(chains):
         length = min(len(chain).bit_length(), 7)
         for b, gap_next in zip(chain, after[t], strict=True):
             uses[b] += 1
             prev = last.get(b)
-            last[b] = seconds[t]
+            last[b] = stamps_ms[t]
             key = []
             for f in features:
                 if f == "uses":
                     key.append(min(uses[b], 4))
                 elif f == "gap":
-                    g = 0.0 if prev is None else seconds[t] - prev
+                    g = 0.0 if prev is None else (stamps_ms[t] - prev) / 1000.0
                     key.append(min(int(math.log2(g + 1.0)) // 2, 5))
                 else:
                     key.append(length)
-            out[tuple(key)].append(gap_next)
+            reused, tails = out[tuple(key)]
+            if gap_next is None:
+                tails.append((end - stamps_ms[t]) / 1000.0)
+            else:
+                reused.append(gap_next)
     return out
 
 
-def _curves(gaps: list[float]) -> tuple[list[float], list[int]]:
-    """For each hold time of the grid: the page-seconds held and the hits of one class."""
-    g = sorted(gaps)
-    prefix = [0.0]
-    for x in g:
-        prefix.append(prefix[-1] + (x if math.isfinite(x) else 0.0))
+def _curves(reused: list[float], tails: list[float]) -> tuple[list[float], list[int]]:
+    """For each hold time of the grid: the page-seconds held within the trace and the hits
+    of one class (``reused``: gaps to a next access; ``tails``: what is left of the trace
+    after an access with none)."""
+    sums = []
+    for xs in (sorted(reused), sorted(tails)):
+        prefix = [0.0]
+        for x in xs:
+            prefix.append(prefix[-1] + x)
+        sums.append((xs, prefix))
     costs, hits = [], []
     for ttl in TTL_GRID_S:
-        k = bisect.bisect_right(g, ttl)  # reused within ttl: held until the reuse
-        hits.append(k)
-        costs.append(prefix[k] + ttl * (len(g) - k))
+        cost = 0.0
+        for xs, prefix in sums:  # each held until its next access, the end, or ttl
+            k = bisect.bisect_right(xs, ttl)
+            cost += prefix[k] + ttl * (len(xs) - k)
+        hits.append(bisect.bisect_right(sums[0][0], ttl))  # reused within ttl
+        costs.append(cost)
     return costs, hits
 
 
@@ -165,12 +183,14 @@ def ttl_bound(
     if any(b < a for a, b in itertools.pairwise(timestamps_ms)):
         raise ValueError("timestamps_ms: must not decrease (arrival order)")
     total = sum(len(c) for c in chains)
-    seconds = [t / 1000.0 for t in timestamps_ms]
-    span = seconds[-1] - seconds[0] if seconds else 0.0
-    classes = _class_gaps(chains, seconds, features)
-    curves = {k: _curves(v) for k, v in classes.items()}
-    if total == 0 or span <= 0.0:
+    span = (timestamps_ms[-1] - timestamps_ms[0]) / 1000.0 if timestamps_ms else 0.0
+    classes = _class_gaps(chains, timestamps_ms, features)
+    curves = {k: _curves(*v) for k, v in classes.items()}
+    if total == 0:
         return TtlBound(0.0, len(curves), {}, 0.0)
+    if span <= 0.0:  # one instant: no hold takes room in it, and only same-time reuses hit
+        same = sum(hs[0] for _, hs in curves.values())
+        return TtlBound(same / total, len(curves), {}, 0.0)
 
     def at(lam: float) -> tuple[float, int, dict[tuple[int, ...], int]]:
         cost = 0.0
@@ -185,6 +205,12 @@ def ttl_bound(
 
     lo, hi = 1e-9, float(total)  # prices of a page-second: lo holds too much, hi fits
     occ_hi, hits_hi, pick = at(hi)
+    while occ_hi > capacity and hi < 1e30:  # a short trace: a page-second is dearer
+        hi *= 1e3
+        occ_hi, hits_hi, pick = at(hi)
+    if occ_hi > capacity:  # holding nothing past a same-time reuse costs nothing: fits
+        occ_hi, hits_hi = 0.0, sum(hs[0] for _, hs in curves.values())
+        pick = dict.fromkeys(curves, 0)
     occ_lo, hits_lo, pick_lo = at(lo)
     if occ_lo <= capacity:  # everything the grid can keep fits
         occ_hi, hits_hi, pick = occ_lo, hits_lo, pick_lo

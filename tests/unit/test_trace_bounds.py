@@ -9,18 +9,34 @@ import pytest
 from kvtier.bench.trace.bounds import main, ttl_bound
 
 
-def test_a_class_per_use_count_keeps_the_reused_block_where_one_class_cannot() -> None:
-    # block 1 at 0 s and 10 s: the trace lasts 10 s, so a capacity of 1 block is 10
-    # page-seconds. One class holds both accesses (gaps 10 s and never): a hold time that
-    # catches the reuse (15 s) costs 10 + 15 page-seconds, so only 1/2.5 of it fits (hull).
-    # By use count, the first access (held 10 s, until its reuse) and the last (held 0 s)
-    # are apart and the reuse fits whole.
-    chains, stamps = [[1], [1]], [0, 10_000]
-    assert ttl_bound(chains, stamps, 1).hit_rate == pytest.approx(0.4 / 2)
-    got = ttl_bound(chains, stamps, 1, ("uses",))
-    assert got.hit_rate == pytest.approx(1 / 2)
+def test_a_class_by_request_length_keeps_the_reused_block_where_one_class_cannot() -> None:
+    # [1] at 0 s comes back at 10 s; [2, 3] at 0 s never does; [4] at 20 s ends the trace,
+    # so a capacity of 1 block is 20 page-seconds. One class: a hold time that catches the
+    # reuse (15 s) also holds 2 and 3, 10 + 15 + 15 + 10 (1 after its reuse, to the end)
+    # page-seconds, and only 20 / 50 of it fits (the hull). By request length, the chains
+    # of one block keep 15 s (20 page-seconds: it fits) and those of two keep nothing.
+    chains, stamps = [[1], [2, 3], [1], [4]], [0, 0, 10_000, 20_000]
+    assert ttl_bound(chains, stamps, 1).hit_rate == pytest.approx(0.4 / 5)
+    got = ttl_bound(chains, stamps, 1, ("length",))
+    assert got.hit_rate == pytest.approx(1 / 5)
     assert got.ttl_s == {"1": 15, "2": 0}
-    assert got.classes == 2
+    assert got.classes == 2 and got.occupancy == pytest.approx(1.0)
+
+
+def test_the_capacity_is_kept_on_a_short_trace_and_a_reuse_on_a_grid_value_hits() -> None:
+    # a trace of 0.1 s: a capacity of 1 block is 0.1 page-seconds. Blocks 1-3 come back
+    # after 0.1 s (15 s hold times: 0.3 page-seconds in all, too much); only one of them fits
+    # (the hull mixes it in), whatever price of a page-second the search starts from
+    got = ttl_bound([[1, 2, 3], [1, 2, 3, 4]], [0, 100], 1, ("length",))
+    assert got.hit_rate == pytest.approx(1 / 7)
+    assert ttl_bound([[1], [0, 1]], [0, 1], 0, ("length",)).hit_rate == 0.0
+    # 1.234 s and 16.234 s: 15 s apart exactly (in milliseconds), a hit with a 15 s hold
+    assert ttl_bound([[1], [1]], [1234, 16234], 10**6).hit_rate == pytest.approx(1 / 2)
+    # a hold past the last request takes no room: only the reuse's 15 s is paid
+    got = ttl_bound([[1], [1], [2]], [0, 15_000, 15_000], 1, ("uses",))
+    assert got.hit_rate == pytest.approx(1 / 3) and got.occupancy <= 1.0
+    # one instant: a same-time reuse is a hit that costs nothing
+    assert ttl_bound([[1], [1]], [5, 5], 0).hit_rate == pytest.approx(1 / 2)
 
 
 def test_room_for_everything_counts_every_reuse_within_the_grid() -> None:
