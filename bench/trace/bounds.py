@@ -104,9 +104,7 @@ def _class_gaps(
     nxt: dict[int, float] = {}
     after: list[list[float | None]] = [[] for _ in chains]
     for t in range(len(chains) - 1, -1, -1):
-        after[t] = [
-            None if b not in nxt else (nxt[b] - stamps_ms[t]) / 1000.0 for b in chains[t]
-        ]
+        after[t] = [None if b not in nxt else (nxt[b] - stamps_ms[t]) / 1000.0 for b in chains[t]]
         for b in chains[t]:
             nxt[b] = stamps_ms[t]
     uses: dict[int, int] = defaultdict(int)
