@@ -247,9 +247,9 @@ class Admin:
         """L2's namespaces that hold pages or have a session (of ``scope``'s tenants only,
         when scoped), most pages first, at most :data:`MAX_NAMESPACES_LISTED`: each one's
         ``namespace`` (64 hex digits, as FLUSH takes it), ``pages`` (READY in L2),
-        ``sessions``, ``tenant`` (``default`` without tenants; with tenants, "" when not known: adopted,
-        neither saved nor told by the pool's owners, and not registered since) and
-        ``models`` (its sessions' model ids, else the one it was last registered with,
+        ``sessions``, ``tenant`` (``default`` without tenants; with tenants, "" when not
+        known: adopted, neither saved nor told by the pool's owners, and not registered
+        since) and ``models`` (its sessions' model ids, else the one it was last registered with,
         since the start or, with KV events, before it); and how many there are in all."""
         ctx = self.ctx
         counts = ctx.pool.ready_counts()
