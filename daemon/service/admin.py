@@ -249,8 +249,9 @@ class Admin:
         ``namespace`` (64 hex digits, as FLUSH takes it), ``pages`` (READY in L2),
         ``sessions``, ``tenant`` (``default`` without tenants; with tenants, "" when not
         known: adopted, neither saved nor told by the pool's owners, and not registered
-        since) and ``models`` (its sessions' model ids, else the one it was last registered with,
-        since the start or, with KV events, before it); and how many there are in all."""
+        since) and ``models`` (its sessions' model ids, else the one it was last registered
+        with, since the start or, with KV events, before it); and how many there are in
+        all."""
         ctx = self.ctx
         counts = ctx.pool.ready_counts()
         live: dict[bytes, list[Session]] = {}
