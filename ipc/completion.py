@@ -197,6 +197,15 @@ class CompletionBlock:
         reference to the mapping, so its ``alive`` callback asks this)."""
         return self._a is None
 
+    def runs(self, slot: int, seq: int) -> bool:
+        """Whether ``slot`` shows transfer ``seq`` running (False once the block is closed:
+        a re-registration's, whose daemon writes it no more)."""
+        try:
+            s, _, status = self.read(slot)
+        except (TypeError, ValueError, AttributeError):  # closed
+            return False
+        return s == seq and status == TransferStatus.RUNNING
+
     def read(self, slot: int) -> tuple[int, int, int]:
         """Return (seq, layers_done, status) of ``slot``."""
         row = self._a[slot]

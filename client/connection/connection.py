@@ -617,12 +617,8 @@ class Connection:
         if block is None:
             return
 
-        def running() -> bool:
-            try:
-                s, _, status = block.read(slot)
-            except (TypeError, ValueError, AttributeError):  # closed: re-registered
-                return False
-            return s == seq and status == TransferStatus.RUNNING and self.daemon_alive()
+        def running() -> bool:  # a closed block (re-registered): not
+            return block.runs(slot, seq) and self.daemon_alive()
 
         end = time.monotonic() + self.config.load_timeout_s
         while running():
@@ -674,17 +670,7 @@ class Connection:
             return
 
         def running() -> list[int]:
-            out = []
-            for block, slot, seq in pending:
-                if block is not self._block:
-                    continue
-                try:
-                    s, _, status = block.read(slot)
-                except (TypeError, ValueError, AttributeError):  # closed: re-registered
-                    continue
-                if s == seq and status == TransferStatus.RUNNING:
-                    out.append(slot)
-            return out
+            return [s for b, s, seq in pending if b is self._block and b.runs(s, seq)]
 
         def make(sid: int) -> P.Request:  # after a re-registration, if one happens first
             return P.Release(req_id=0, session_id=sid, slots=running())
@@ -703,13 +689,8 @@ class Connection:
             nothing to cancel in it), and the block shows it (a transfer given up on may
             have ended, and another one taken its slot, which a RELEASE would cancel; none
             starts while the connection's lock, held here, is)."""
-            if h.done or h.slot < 0 or h.block is None or h.block is not self._block:
-                return False
-            try:
-                s, _, status = h.block.read(h.slot)
-            except (TypeError, ValueError, AttributeError):  # closed: re-registered
-                return False
-            return s == h.seq and status == TransferStatus.RUNNING
+            b = h.block
+            return not h.done and b is not None and b is self._block and b.runs(h.slot, h.seq)
 
         def make(sid: int) -> P.Request:  # after a re-registration, if one happens first
             return P.Release(

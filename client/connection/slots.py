@@ -54,8 +54,7 @@ class CompletionSlots:
         with self._lock:
             if not self._free and self._limbo and block is not None:
                 for slot, gone in list(self._limbo.items()):
-                    s, _, status = block.read(slot)
-                    if s != gone or status != TransferStatus.RUNNING:
+                    if not block.runs(slot, gone):
                         del self._limbo[slot]
                         self._free.append(slot)
             if not self._free:

@@ -34,7 +34,7 @@ def test_kvtierd_help_shows_defaults_choices_and_how_to_write_structured_values(
         "Default: false.",
         "Range: >= 1, <= 64. Default: 2.",  # copy_threads
         '{"NAME": {"token": "SECRET", "quota_pages": N}',  # the tenants format
-        "kvtier stats, sessions, flush and sync",  # the admin token's scope
+        "kvtier stats, sessions, namespaces, flush and sync",  # the admin token's scope
         "--max-mapped-bytes-per-user SIZE",  # an optional size is still a size
         "max_sessions and max_mapped_bytes optional",  # the tenants' own bounds
         "keys of each backend are in docs/configuration.md",
